@@ -1,0 +1,328 @@
+"""Typed run configuration: model geometry, optimization, data and the training schedule.
+
+Config files (TOML) only fill these dataclasses; code never reads raw dicts. A preset name
+(`tiny`, `small`, `pythia-14m`, `pluralis-8b`) is itself a valid config. Every error names
+the offending field in one readable line (`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "OptimConfig",
+    "DataConfig",
+    "TrainConfig",
+    "RunConfig",
+    "PRESETS",
+    "load_config",
+    "config_from_dict",
+    "config_to_dict",
+    "split_layers",
+]
+
+
+class ConfigError(ValueError):
+    """A user's config is wrong; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str = "llama"  # "llama" (RMSNorm, SwiGLU, GQA) or "neox" (Pythia: LayerNorm, GeLU, parallel residual)
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 6
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 352
+    max_seq_len: int = 256
+    # Subspace rank k; None (or k == d_model) is the dense control without the reparameterization.
+    rank: int | None = 16
+    rope_theta: float = 10000.0
+    rotary_pct: float = 1.0  # fraction of each head's dims that get RoPE (Pythia: 0.25)
+    norm_eps: float = 1e-5
+    qk_norm: bool = False
+    # Agora's weightless RMSNorm on each sublayer output before the residual add.
+    sublayer_norm: bool = False
+    tie_embeddings: bool = False
+    bias: bool = False  # linear biases (Pythia has them)
+    parallel_residual: bool = True  # neox only
+    init_std: float = 0.02
+    fixed_embedding_std: float = 0.02  # std of the fixed token embedding T
+    basis_seed: int = 0  # generates U and T identically on every node
+    layer_split: tuple[int, ...] | None = None  # blocks per stage: head, bodies..., tail
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def subspace(self) -> bool:
+        return self.rank is not None and self.rank < self.d_model
+
+    @property
+    def wire_dim(self) -> int:
+        """Channels per token crossing a stage boundary."""
+        return self.rank if self.subspace else self.d_model
+
+    def validate(self) -> None:
+        if self.arch not in ("llama", "neox"):
+            raise ConfigError(f"model.arch: expected 'llama' or 'neox', got {self.arch!r}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name}: must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.n_heads: {self.n_heads} does not divide d_model={self.d_model}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model.n_kv_heads: {self.n_kv_heads} does not divide n_heads={self.n_heads}")
+        if self.rank is not None and not 0 < self.rank <= self.d_model:
+            raise ConfigError(f"model.rank: must be in 1..d_model={self.d_model} or null, got {self.rank}")
+        if not 0.0 < self.rotary_pct <= 1.0:
+            raise ConfigError(f"model.rotary_pct: must be in (0, 1], got {self.rotary_pct}")
+        if int(self.head_dim * self.rotary_pct) % 2:
+            raise ConfigError("model.rotary_pct: rotary dims per head must be even")
+        if self.layer_split is not None:
+            if any(n <= 0 for n in self.layer_split) or sum(self.layer_split) != self.n_layers:
+                raise ConfigError(
+                    f"model.layer_split: {list(self.layer_split)} must be positive and sum to n_layers={self.n_layers}"
+                )
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    total_steps: int = 1000  # schedule length; the cosine decays to min_lr_ratio * lr here
+    min_lr_ratio: float = 0.1
+    # Global gradient-norm budget; each of S stages clips to clip_norm / sqrt(S), the tail to twice that.
+    clip_norm: float = 1.0
+    tail_clip_multiplier: float = 2.0
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr: must be positive, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas: expected two numbers in [0, 1), got {self.betas}")
+        if self.warmup_steps < 0 or self.total_steps <= 0:
+            raise ConfigError("optim.warmup_steps/total_steps: must be >= 0 and > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.clip_norm <= 0:
+            raise ConfigError(f"optim.clip_norm: must be positive, got {self.clip_norm}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # "stdlib", a path to .txt/.jsonl/.parquet files (or a folder), or "hf:<dataset>"
+    tokenizer: str = "bytes"  # "bytes" or a path to a `tokenizers` JSON file
+    text_field: str = "text"  # jsonl/parquet/hf column holding the text
+    heldout_fraction: float = 0.02
+    seed: int = 0  # order of sequences
+    cache_dir: str | None = None  # token cache; default ~/.cache/agora-node
+
+    def validate(self) -> None:
+        if not 0 < self.heldout_fraction < 1:
+            raise ConfigError(f"data.heldout_fraction: must be in (0, 1), got {self.heldout_fraction}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = 8  # sequences per global batch (= one data work unit)
+    microbatches: int = 2  # a global batch is cut into this many microbatches
+    seq_len: int = 256
+    eval_every: int = 50
+    eval_batches: int = 4
+    checkpoint_every: int = 100
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches
+
+    def validate(self) -> None:
+        if self.batch_size <= 0 or self.microbatches <= 0 or self.seq_len <= 0:
+            raise ConfigError("train.batch_size/microbatches/seq_len: must be positive")
+        if self.batch_size % self.microbatches:
+            raise ConfigError(
+                f"train.microbatches: {self.microbatches} does not divide batch_size={self.batch_size}"
+            )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "tiny"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> "RunConfig":
+        self.model.validate()
+        self.optim.validate()
+        self.data.validate()
+        self.train.validate()
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"train.seq_len: {self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
+            )
+        return self
+
+    def with_stages(self, n_stages: int) -> "RunConfig":
+        """The same run with the model's blocks split evenly over `n_stages` stages."""
+        return replace(self, model=replace(self.model, layer_split=split_layers(self.model.n_layers, n_stages)))
+
+    @property
+    def layer_split(self) -> tuple[int, ...]:
+        return self.model.layer_split or split_layers(self.model.n_layers, 1)
+
+
+def split_layers(n_layers: int, n_stages: int) -> tuple[int, ...]:
+    """Split blocks over stages as evenly as possible, earlier stages taking the remainder."""
+    if not 1 <= n_stages <= n_layers:
+        raise ConfigError(f"stages: need 1..{n_layers} stages for {n_layers} blocks, got {n_stages}")
+    base, extra = divmod(n_layers, n_stages)
+    return tuple(base + (1 if i < extra else 0) for i in range(n_stages))
+
+
+def _llama_ffn(d_model: int, multiplier: float, multiple_of: int) -> int:
+    hidden = int(2 * 4 * d_model / 3 * multiplier)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+PRESETS: dict[str, RunConfig] = {
+    "tiny": RunConfig(
+        name="tiny",
+        model=ModelConfig(d_model=128, n_layers=6, n_heads=4, n_kv_heads=2, d_ff=352, max_seq_len=256, rank=16),
+        optim=OptimConfig(lr=2e-3, warmup_steps=10, total_steps=400),
+        train=TrainConfig(batch_size=8, microbatches=2, seq_len=128, eval_every=50),
+    ),
+    "small": RunConfig(
+        name="small",
+        model=ModelConfig(d_model=256, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=704, max_seq_len=512, rank=32),
+        optim=OptimConfig(lr=1e-3, warmup_steps=20, total_steps=1000),
+        train=TrainConfig(batch_size=16, microbatches=4, seq_len=256, eval_every=100),
+    ),
+    "pythia-14m": RunConfig(
+        name="pythia-14m",
+        model=ModelConfig(
+            arch="neox", vocab_size=50304, d_model=128, n_layers=6, n_heads=4, n_kv_heads=4, d_ff=512,
+            max_seq_len=2048, rank=None, rotary_pct=0.25, bias=True, parallel_residual=True,
+        ),
+        optim=OptimConfig(lr=1e-3, warmup_steps=100, total_steps=10000),
+        train=TrainConfig(batch_size=8, microbatches=2, seq_len=512),
+    ),
+    "pluralis-8b": RunConfig(
+        name="pluralis-8b",
+        model=ModelConfig(
+            d_model=5120, n_layers=32, n_heads=40, n_kv_heads=8, d_ff=_llama_ffn(5120, 1.3, 1024),
+            vocab_size=128256, max_seq_len=4096, rank=int(5120 / 100), rope_theta=500000.0,
+            qk_norm=True, sublayer_norm=True, layer_split=(6, 4, 4, 4, 4, 4, 6),
+        ),
+        optim=OptimConfig(lr=3e-4, warmup_steps=4000, total_steps=154900, min_lr_ratio=0.01,
+                          clip_norm=1.0, tail_clip_multiplier=2.0),
+        train=TrainConfig(batch_size=2048, microbatches=2048, seq_len=4096),
+    ),
+}
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        item = args[0]
+        return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _fill(base: Any, values: dict, where: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: expected a table, got {values!r}")
+    hints = typing.get_type_hints(type(base))
+    known = {f.name for f in fields(base)}
+    changes = {}
+    for key, value in values.items():
+        path = f"{where}.{key}" if where else key
+        if key not in known:
+            raise ConfigError(f"{path}: unknown field (known: {', '.join(sorted(known))})")
+        current = getattr(base, key)
+        if is_dataclass(current):
+            changes[key] = _fill(current, value, path)
+        else:
+            changes[key] = _coerce(value, hints[key], path)
+    return replace(base, **changes)
+
+
+def config_from_dict(values: dict, base: RunConfig | None = None) -> RunConfig:
+    """Fill a RunConfig from plain values; a `preset` key picks the base."""
+    values = dict(values)
+    preset = values.pop("preset", None)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"preset: unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+        base = PRESETS[preset]
+    return _fill(base or RunConfig(), values, "").validate()
+
+
+def config_to_dict(config: RunConfig) -> dict:
+    """Plain, JSON/TOML-friendly values (tuples as lists, no None-valued keys dropped)."""
+    def plain(v):
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        return v
+    return {k: plain(v) if not isinstance(v, dict) else {kk: plain(vv) for kk, vv in v.items()}
+            for k, v in dataclasses.asdict(config).items()}
+
+
+def load_config(spec: str | Path) -> RunConfig:
+    """A preset name or a TOML file path."""
+    spec = str(spec)
+    if spec in PRESETS:
+        return PRESETS[spec].validate()
+    path = Path(spec)
+    if not path.exists():
+        raise ConfigError(f"config: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
+    try:
+        values = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config: {path}: invalid TOML: {error}") from None
+    return config_from_dict(values)
