@@ -1,0 +1,54 @@
+"""Run configuration: presets, TOML files, and readable errors naming the field."""
+
+import pytest
+
+from agora.pipeline.config import PRESETS, ConfigError, config_from_dict, config_to_dict, load_config, split_layers
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_are_valid_configs(name):
+    assert load_config(name) == PRESETS[name]
+
+
+def test_toml_fills_typed_fields_over_a_preset(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('preset = "tiny"\nseed = 3\n[model]\nrank = 8\nlayer_split = [3, 3]\n'
+                    '[optim]\nlr = 1\n[train]\nbatch_size = 4\n')
+    config = load_config(path)
+    assert config.seed == 3 and config.model.rank == 8 and config.model.layer_split == (3, 3)
+    assert config.optim.lr == 1.0 and isinstance(config.optim.lr, float)
+    assert config.model.d_model == PRESETS["tiny"].model.d_model
+
+
+@pytest.mark.parametrize("text, field", [
+    ("[model]\nwidth = 3\n", "model.width"),
+    ("[model]\nd_model = 'big'\n", "model.d_model"),
+    ("[model]\nlayer_split = [1, 1]\n", "model.layer_split"),
+    ("[train]\nmicrobatches = 3\n", "train.microbatches"),
+    ("[optim]\nbetas = [0.9]\n", "optim.betas"),
+    ("preset = 'huge'\n", "preset"),
+    ("[model\n", "invalid TOML"),
+    ("[train]\nseq_len = 100000\n", "train.seq_len"),
+])
+def test_bad_config_names_the_field(tmp_path, text, field):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(path)
+
+
+def test_missing_config_is_a_clear_error():
+    with pytest.raises(ConfigError, match="neither a preset"):
+        load_config("/no/such/file.toml")
+
+
+def test_round_trip_through_plain_values():
+    for config in PRESETS.values():
+        assert config_from_dict(config_to_dict(config)) == config
+
+
+def test_split_layers():
+    assert split_layers(6, 3) == (2, 2, 2)
+    assert split_layers(7, 3) == (3, 2, 2)
+    with pytest.raises(ConfigError):
+        split_layers(2, 3)
