@@ -1,0 +1,124 @@
+"""Which worker gets the next microbatch of a stage: pure decisions over observed state.
+
+A trainer keeps a `Roster` per run: what the DHT says about every worker (throughput EMA,
+queue depth, phase) merged with what this trainer saw itself (its own in-flight calls, the
+durations it measured, errors). `choose` picks the worker with the earliest expected finish
+time; failing peers are banned with exponential backoff. Nothing here touches a socket or the
+wall clock: the caller passes `now`, so scheduling is unit-tested without a network.
+
+Expected finish time of one more microbatch on worker w:
+    (queued_ahead(w) + 1) * seconds_per_microbatch(w)
+where queued_ahead is the larger of the worker's announced queue depth and this trainer's own
+in-flight calls to it, and seconds_per_microbatch prefers this trainer's measured EMA, then the
+worker's announced throughput, then (for a newcomer with neither) the slowest known worker's
+rate plus a warm-up penalty, so new workers get traffic without being flooded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["WorkerView", "Roster", "expected_finish_time", "pick_worker"]
+
+_NEWCOMER_PENALTY = 1.5
+_DEFAULT_SECONDS = 1.0
+_ROUTABLE_PHASES = ("member", "optimizer_sync")
+
+
+@dataclass
+class WorkerView:
+    peer_id: str
+    endpoint: str
+    stage: int
+    phase: str = "member"
+    announced_samples_per_s: float = 0.0
+    announced_queue: int = 0
+    measured_seconds: float | None = None  # this trainer's EMA of one microbatch's round trip
+    in_flight: int = 0
+    failures: int = 0
+    banned_until: float = 0.0
+    successes: int = 0
+
+    def seconds_per_microbatch(self, microbatch_size: int) -> float | None:
+        if self.measured_seconds is not None:
+            return self.measured_seconds
+        if self.announced_samples_per_s > 0:
+            return microbatch_size / self.announced_samples_per_s
+        return None
+
+
+def expected_finish_time(view: WorkerView, microbatch_size: int, fallback_seconds: float) -> float:
+    seconds = view.seconds_per_microbatch(microbatch_size)
+    if seconds is None:
+        seconds = fallback_seconds * _NEWCOMER_PENALTY
+    return (max(view.announced_queue, view.in_flight) + 1) * seconds
+
+
+def pick_worker(candidates: list[WorkerView], now: float, microbatch_size: int,
+                exclude: frozenset[str] = frozenset()) -> WorkerView | None:
+    """The routable, unbanned candidate with the earliest expected finish; ties by peer id."""
+    usable = [v for v in candidates
+              if v.phase in _ROUTABLE_PHASES and v.banned_until <= now and v.peer_id not in exclude]
+    if not usable:
+        return None
+    known = [s for v in usable if (s := v.seconds_per_microbatch(microbatch_size)) is not None]
+    fallback = max(known) if known else _DEFAULT_SECONDS
+    return min(usable, key=lambda v: (expected_finish_time(v, microbatch_size, fallback), v.peer_id))
+
+
+@dataclass
+class Roster:
+    """A trainer's view of the swarm, refreshed from DHT records and its own observations."""
+
+    microbatch_size: int
+    ema_decay: float = 0.8
+    ban_base_s: float = 2.0
+    ban_max_s: float = 120.0
+    workers: dict[str, WorkerView] = field(default_factory=dict)
+
+    def refresh(self, announced: list[WorkerView]) -> None:
+        """Replace the DHT-derived fields; keep local observations of workers still present."""
+        fresh = {}
+        for view in announced:
+            known = self.workers.get(view.peer_id)
+            if known is not None and known.endpoint == view.endpoint:
+                known.phase, known.stage = view.phase, view.stage
+                known.announced_samples_per_s = view.announced_samples_per_s
+                known.announced_queue = view.announced_queue
+                view = known
+            fresh[view.peer_id] = view
+        self.workers = fresh
+
+    def of_stage(self, stage: int) -> list[WorkerView]:
+        return [v for v in self.workers.values() if v.stage == stage]
+
+    def choose(self, stage: int, now: float, exclude: frozenset[str] = frozenset()) -> WorkerView | None:
+        return pick_worker(self.of_stage(stage), now, self.microbatch_size, exclude)
+
+    def started(self, peer_id: str) -> None:
+        if peer_id in self.workers:
+            self.workers[peer_id].in_flight += 1
+
+    def succeeded(self, peer_id: str, seconds: float) -> None:
+        view = self.workers.get(peer_id)
+        if view is None:
+            return
+        view.in_flight = max(0, view.in_flight - 1)
+        view.successes += 1
+        view.failures = 0
+        view.measured_seconds = seconds if view.measured_seconds is None else \
+            self.ema_decay * view.measured_seconds + (1 - self.ema_decay) * seconds
+
+    def failed(self, peer_id: str, now: float, *, busy: bool = False) -> float:
+        """Record a failed call; returns the ban length. A busy worker gets a short pause only."""
+        view = self.workers.get(peer_id)
+        if view is None:
+            return 0.0
+        view.in_flight = max(0, view.in_flight - 1)
+        if busy:
+            ban = min(self.ban_base_s / 4, self.ban_max_s)
+        else:
+            view.failures += 1
+            ban = min(self.ban_base_s * 2 ** (view.failures - 1), self.ban_max_s)
+        view.banned_until = max(view.banned_until, now + ban)
+        return ban

@@ -1,0 +1,61 @@
+"""Worker selection: earliest expected finish, newcomer handling, bans with backoff."""
+
+from agora.node.routing import Roster, WorkerView, pick_worker
+
+
+def _view(peer, stage=0, **fields):
+    return WorkerView(peer_id=peer, endpoint=f"127.0.0.1:{1000 + len(peer)}", stage=stage, **fields)
+
+
+def test_faster_worker_wins_until_its_queue_grows():
+    fast = _view("fast", announced_samples_per_s=40.0)
+    slow = _view("slow", announced_samples_per_s=10.0)
+    assert pick_worker([fast, slow], now=0, microbatch_size=4).peer_id == "fast"
+    fast.announced_queue = 5  # 6 * 0.1 s > 1 * 0.4 s
+    assert pick_worker([fast, slow], now=0, microbatch_size=4).peer_id == "slow"
+
+
+def test_measured_time_beats_announced_throughput():
+    a = _view("a", announced_samples_per_s=100.0, measured_seconds=2.0)
+    b = _view("b", announced_samples_per_s=1.0, measured_seconds=0.5)
+    assert pick_worker([a, b], now=0, microbatch_size=4).peer_id == "b"
+
+
+def test_newcomer_gets_traffic_behind_a_penalty():
+    known = _view("known", measured_seconds=1.0)
+    newcomer = _view("new")
+    assert pick_worker([known, newcomer], 0, 4).peer_id == "known"
+    known.in_flight = 1  # 2 * 1.0 > 1.5
+    assert pick_worker([known, newcomer], 0, 4).peer_id == "new"
+
+
+def test_only_routable_phases_and_unbanned_peers():
+    syncing = _view("sync", phase="weight_sync", measured_seconds=0.1)
+    banned = _view("banned", measured_seconds=0.1, banned_until=10.0)
+    member = _view("member", measured_seconds=5.0)
+    assert pick_worker([syncing, banned, member], now=5.0, microbatch_size=1).peer_id == "member"
+    assert pick_worker([syncing, banned, member], now=11.0, microbatch_size=1).peer_id == "banned"
+    assert pick_worker([syncing, banned], now=5.0, microbatch_size=1) is None
+    assert pick_worker([member], 0, 1, exclude=frozenset({"member"})) is None
+
+
+def test_failures_ban_with_exponential_backoff_and_success_resets():
+    roster = Roster(microbatch_size=2, ban_base_s=1.0, ban_max_s=5.0)
+    roster.refresh([_view("a"), _view("b")])
+    assert [roster.failed("a", now=0) for _ in range(4)] == [1.0, 2.0, 4.0, 5.0]
+    assert roster.choose(0, now=1.0).peer_id == "b"
+    roster.started("a")
+    roster.succeeded("a", 0.3)
+    assert roster.workers["a"].failures == 0 and roster.workers["a"].measured_seconds == 0.3
+    assert roster.failed("b", now=0, busy=True) == 0.25 and roster.workers["b"].failures == 0
+
+
+def test_refresh_keeps_local_observations_and_drops_departed_workers():
+    roster = Roster(microbatch_size=2)
+    roster.refresh([_view("a", stage=1), _view("b", stage=1)])
+    roster.started("a")
+    roster.succeeded("a", 0.7)
+    roster.refresh([_view("a", stage=1, announced_queue=3)])
+    assert list(roster.workers) == ["a"]
+    assert roster.workers["a"].measured_seconds == 0.7 and roster.workers["a"].announced_queue == 3
+    assert roster.choose(1, now=0).peer_id == "a" and roster.choose(0, now=0) is None
