@@ -119,7 +119,7 @@ class CentralizedTrainer:
             outputs[i].backward(grad)
             if inputs[i] is not None:
                 grad = _roundtrip(self.codec, inputs[i].grad)
-        return float(loss)
+        return float(loss.detach())
 
     def train_step(self) -> StepRecord:
         started = time.perf_counter()
