@@ -1,0 +1,160 @@
+"""The server interceptor chain every gRPC service of a node sits behind.
+
+Cross-cutting concerns (logging now; metrics and the authorizer's credential checks later) live
+here, never in handlers. Design choices:
+
+- `CallHook` is the one extension point: a `grpc.aio.ServerInterceptor` that wraps each method
+  handler's behaviour. `before(call, context)` runs ahead of the handler and may abort the call
+  (a credential check: `await context.abort(UNAUTHENTICATED, ...)`); `after(record)` observes
+  the outcome. Wrapping the behaviour rather than the lookup is what gives access to the peer,
+  the metadata and the final status code, which `HandlerCallDetails` alone does not carry.
+- The status is read from what the handler did: a normal return is OK, `context.abort` leaves
+  its code on the context, a cancelled call is CANCELLED, an escaping exception is UNKNOWN
+  (what grpc itself answers).
+- Time comes from an injected clock, so tests can pin durations.
+- Streaming calls are wrapped like unary ones; the duration covers the whole stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import grpc
+
+__all__ = ["CallInfo", "CallRecord", "CallHook", "LoggingInterceptor", "interceptor_chain"]
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    method: str  # full method name, "/agora.v1.Stage/Forward"
+    peer: str  # "ipv4:127.0.0.1:53122"
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    method: str
+    peer: str
+    code: grpc.StatusCode
+    details: str
+    duration_s: float
+
+
+def _outcome(context: Any, error: BaseException | None) -> tuple[grpc.StatusCode, str]:
+    if isinstance(error, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED, "cancelled"
+    code = context.code()
+    details = context.details() or ""
+    if isinstance(code, int):  # grpc.aio reports some codes as raw integers
+        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    if code is not None:
+        return code, details
+    if error is None:
+        return grpc.StatusCode.OK, details
+    return grpc.StatusCode.UNKNOWN, f"{type(error).__name__}: {error}"
+
+
+class CallHook(grpc.aio.ServerInterceptor):
+    """Base interceptor: override `before` (may abort) and/or `after` (observe)."""
+
+    def __init__(self, *, clock: Clock = time.monotonic):
+        self._clock = clock
+
+    async def before(self, call: CallInfo, context: Any) -> None:
+        """Runs ahead of the handler; abort the call here to refuse it."""
+
+    def after(self, record: CallRecord) -> None:
+        """Runs when the call ends, whatever its outcome. Must not raise."""
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None  # unknown method: grpc answers UNIMPLEMENTED
+        return self._wrap(handler, handler_call_details.method)
+
+    def _wrap(self, handler: Any, method: str) -> Any:
+        if handler.response_streaming:
+            behaviour = handler.stream_stream if handler.request_streaming else handler.unary_stream
+
+            async def streaming(request: Any, context: Any):
+                call, start, error = CallInfo(method, context.peer()), self._clock(), None
+                try:
+                    await self.before(call, context)
+                    result = behaviour(request, context)
+                    if hasattr(result, "__aiter__"):
+                        async for reply in result:
+                            yield reply
+                    else:  # a coroutine handler that writes with context.write
+                        await result
+                except BaseException as caught:
+                    error = caught
+                    raise
+                finally:
+                    self._finish(call, context, start, error)
+
+            wrapped = streaming
+        else:
+            behaviour = handler.stream_unary if handler.request_streaming else handler.unary_unary
+
+            async def unary(request: Any, context: Any):
+                call, start, error = CallInfo(method, context.peer()), self._clock(), None
+                try:
+                    await self.before(call, context)
+                    return await behaviour(request, context)
+                except BaseException as caught:
+                    error = caught
+                    raise
+                finally:
+                    self._finish(call, context, start, error)
+
+            wrapped = unary
+        factory = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(handler.request_streaming, handler.response_streaming)]
+        return factory(wrapped, request_deserializer=handler.request_deserializer,
+                       response_serializer=handler.response_serializer)
+
+    def _finish(self, call: CallInfo, context: Any, start: float, error: BaseException | None) -> None:
+        code, details = _outcome(context, error)
+        try:
+            self.after(CallRecord(call.method, call.peer, code, details, self._clock() - start))
+        except Exception:  # an observer's bug must not turn a served call into a failed one
+            logging.getLogger(__name__).exception("interceptor %s failed in after()", type(self).__name__)
+
+
+class LoggingInterceptor(CallHook):
+    """One line per call: method, peer, status, duration. OK and CANCELLED at DEBUG (per microbatch), else WARNING."""
+
+    def __init__(self, logger: logging.Logger | None = None, *, clock: Clock = time.monotonic,
+                 ok_level: int = logging.DEBUG, error_level: int = logging.WARNING):
+        super().__init__(clock=clock)
+        self._logger = logger or logging.getLogger("agora.node.rpc")
+        self._ok_level = ok_level
+        self._error_level = error_level
+
+    def after(self, record: CallRecord) -> None:
+        ok = record.code is grpc.StatusCode.OK
+        # A caller hanging up (or a Watch ended by shutdown) is routine, not a fault to surface.
+        quiet = ok or record.code is grpc.StatusCode.CANCELLED
+        self._logger.log(
+            self._ok_level if quiet else self._error_level,
+            "rpc %s from %s: %s in %.1f ms%s", record.method, record.peer, record.code.name,
+            record.duration_s * 1e3, "" if ok else f" ({record.details})",
+        )
+
+
+def interceptor_chain(*extra: grpc.aio.ServerInterceptor, logger: logging.Logger | None = None,
+                      clock: Clock = time.monotonic) -> list[grpc.aio.ServerInterceptor]:
+    """Logging outermost (so it sees refusals by later hooks), then `extra` in order."""
+    chain: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(logger, clock=clock)]
+    chain.extend(extra)
+    return chain

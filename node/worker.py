@@ -1,0 +1,299 @@
+"""`StageWorker`: one replica of one pipeline stage, served over gRPC (agora.v1.Stage).
+
+Design choices:
+- One grpc.aio server on the process's event loop (uvloop where available, node/server.py);
+  every handler sits behind one interceptor chain (logging first, then whatever the caller adds:
+  metrics, credential checks), plus standard health checking and reflection.
+- Compute runs on ONE dedicated thread (`stage-compute`), the only place that touches the stage,
+  its optimizer and its stash (`StageCompute`). Work for it is FIFO, so a Step barrier runs after
+  every request admitted before it. Others (checkpoints, averaging) get the same thread through
+  `on_compute`.
+- Admission is bounded: `load` counts Forward/Backward requests admitted but not finished (queued
+  or running); at `max_queue` the worker answers RESOURCE_EXHAUSTED at once instead of queueing
+  without bound, and the trainer routes elsewhere. A request leaves the count when its compute
+  job finishes (or is cancelled before it starts), not when its caller gives up: a job already
+  on the thread still occupies it. Step bypasses the bound (a barrier must not be refused); Info
+  never reaches the compute thread.
+- A peer's mistake maps to a status with a clear message: InvalidRequest -> INVALID_ARGUMENT,
+  PreconditionFailed (including an unknown/evicted microbatch) -> FAILED_PRECONDITION, a stage
+  producing unusable output -> INTERNAL; gRPC itself answers RESOURCE_EXHAUSTED for a message over
+  `max_message_bytes`, the stream reassembler for a stream over `max_stream_bytes`; an unexpected
+  exception in compute is logged with its traceback and answered INTERNAL.
+- Graceful stop: health goes NOT_SERVING, new calls are refused, in-flight calls get `grace_s`
+  to finish, then the compute thread drains and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, TypeVar
+
+import grpc
+
+from agora.node.interceptors import interceptor_chain
+from agora.node.server import add_health_and_reflection, bind, create_server, set_serving
+from agora.node.worker_compute import (
+    ComputeError,
+    InvalidRequest,
+    PreconditionFailed,
+    RequestRejected,
+    StageCompute,
+)
+from agora.node.worker_stash import ForwardStash
+from agora.pipeline.codec import FLOAT_DTYPES, WireCodec
+from agora.pipeline.config import ConfigError, RunConfig
+from agora.protos.stage_adapter import (
+    SERVICE_NAME,
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    InfoReply,
+    InfoRequest,
+    StepReply,
+    StepRequest,
+    add_stage_service,
+)
+
+__all__ = ["WorkerOptions", "StageWorker", "PHASES"]
+
+# Life of a worker (DESIGN.md); only "member" takes routed traffic, but every phase serves calls.
+PHASES = ("weight_sync", "optimizer_sync", "member", "leaving")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port; `StageWorker.port` reports the real one
+    synchronous: bool = False  # step only on the Step barrier
+    local_batch: int | None = None  # samples per local step (asynchronous mode); None: train.batch_size
+    max_queue: int = 8  # Forward/Backward requests admitted but not finished
+    stash_capacity: int = 64  # forward inputs kept for Backward
+    stash_ttl_s: float = 600.0
+    max_message_bytes: int = 16 * 2**20  # one gRPC message, each way
+    max_stream_bytes: int = 512 * 2**20  # a reassembled streamed payload; also the codec's frame bound
+    stream_chunk_bytes: int = 2**20
+    wire_dtype: str = "fp32"  # what this worker sends; it decodes any dtype
+    grace_s: float = 10.0
+
+    def validate(self) -> "WorkerOptions":
+        for name in ("max_queue", "stash_capacity", "max_message_bytes", "max_stream_bytes", "stream_chunk_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"worker.{name}: must be positive, got {getattr(self, name)}")
+        if self.stash_ttl_s <= 0 or self.grace_s < 0:
+            raise ConfigError("worker.stash_ttl_s/grace_s: must be positive / non-negative")
+        if self.local_batch is not None and self.local_batch <= 0:
+            raise ConfigError(f"worker.local_batch: must be positive, got {self.local_batch}")
+        if self.stream_chunk_bytes >= self.max_message_bytes:
+            raise ConfigError("worker.stream_chunk_bytes: must be below max_message_bytes")
+        if self.wire_dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"worker.wire_dtype: expected one of {', '.join(FLOAT_DTYPES)}, got {self.wire_dtype!r}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"worker.port: must be in 0..65535, got {self.port}")
+        return self
+
+
+class StageWorker:
+    """Serves one replica of stage `stage_index` of `config` for run `run_id`.
+
+    Use as `async with StageWorker(...) as worker:` or `await worker.serve()`; construct it inside
+    the event loop that will serve it.
+    """
+
+    def __init__(self, config: RunConfig, stage_index: int, *, run_id: str,
+                 options: WorkerOptions = WorkerOptions(),
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 clock: Callable[[], float] = time.monotonic, logger: logging.Logger | None = None):
+        self.config = config.validate()
+        self.stage_index = stage_index
+        self.run_id = run_id
+        self.options = options.validate()
+        self._phase = "member"
+        self._clock = clock
+        self._logger = logger or logging.getLogger("agora.node.worker")
+        self._interceptors = interceptor_chain(*interceptors, clock=clock)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        self._load = 0
+        self._load_lock = threading.Lock()  # released from the compute thread, taken on the loop
+        self._compute: StageCompute | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = None
+        self._port: int | None = None
+        self._stopping: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("the worker is not started")
+        return self._port
+
+    @property
+    def address(self) -> str:
+        return f"{self.options.host}:{self.port}"
+
+    @property
+    def load(self) -> int:
+        return self._load
+
+    @property
+    def is_serving(self) -> bool:
+        """Started and not stopping: the readiness handshake for whoever launched it."""
+        return self._server is not None and self._stopping is None
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: str) -> None:
+        # The sync phases (later issues) move the worker through these; Info and the DHT report it.
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+        self._phase = phase
+
+    def _build_compute(self) -> StageCompute:
+        options = self.options
+        local_batch = options.local_batch or self.config.train.batch_size
+        return StageCompute(
+            self.config, self.stage_index, run_id=self.run_id,
+            codec=WireCodec(options.wire_dtype, max_bytes=options.max_stream_bytes),
+            stash=ForwardStash(options.stash_capacity, options.stash_ttl_s, clock=self._clock),
+            synchronous=options.synchronous, local_batch=local_batch,
+        )
+
+    async def start(self) -> int:
+        """Build the stage (on the compute thread), listen, and return the real port."""
+        if self._server is not None:
+            return self.port
+        # Built on the compute thread so that it is the only thread that ever touches the stage.
+        self._compute = await asyncio.wrap_future(self._executor.submit(self._build_compute))
+        server = create_server(interceptors=self._interceptors, max_message_bytes=self.options.max_message_bytes)
+        add_stage_service(server, _StageService(self), max_stream_bytes=self.options.max_stream_bytes,
+                          chunk_bytes=self.options.stream_chunk_bytes)
+        self._health = add_health_and_reflection(server, [SERVICE_NAME])
+        self._port = bind(server, self.options.host, self.options.port)
+        await server.start()
+        await set_serving(self._health, [SERVICE_NAME], True)
+        self._server = server
+        self._logger.info("stage %d/%d worker of run %r serving on %s (%s mode)", self.stage_index,
+                          self._compute.n_stages, self.run_id, self.address,
+                          "synchronous" if self.options.synchronous else "asynchronous")
+        return self._port
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Refuse new calls, let in-flight ones finish (up to `grace_s`), then stop the compute thread."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop(self.options.grace_s if grace_s is None else grace_s))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace_s: float) -> None:
+        self.phase = "leaving"
+        if self._server is not None:
+            await self._health.enter_graceful_shutdown()
+            await self._server.stop(grace_s)
+        # Jobs of calls that gave up may still be queued or running; wait for them off the loop.
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        self._logger.info("stage %d worker on port %s stopped", self.stage_index, self._port)
+
+    async def serve(self) -> None:
+        """Start (if needed) and serve until stopped; cancelling this stops gracefully."""
+        await self.start()
+        try:
+            await self._server.wait_for_termination()
+        finally:
+            await self.stop()
+
+    async def __aenter__(self) -> "StageWorker":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ compute thread
+
+    async def on_compute(self, fn: Callable[[StageCompute], T]) -> T:
+        """Run `fn(compute)` on the compute thread, in FIFO order with requests (not counted in load)."""
+        if self._compute is None:
+            raise RuntimeError("the worker is not started")
+        return await asyncio.wrap_future(self._executor.submit(fn, self._compute))
+
+    def _release(self, _: Future) -> None:
+        with self._load_lock:
+            self._load -= 1
+
+    async def _admitted(self, context: Any, fn: Callable[[Any], T], request: Any) -> T:
+        with self._load_lock:
+            full = self._load >= self.options.max_queue
+            if not full:
+                self._load += 1
+        if full:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"stage {self.stage_index} worker is full: {self.options.max_queue} requests in "
+                                "flight; route to another replica or retry later")
+        future = self._executor.submit(fn, request)
+        future.add_done_callback(self._release)
+        return await self._answer(context, future)
+
+    async def _answer(self, context: Any, future: Future) -> Any:
+        try:
+            return await asyncio.wrap_future(future)
+        except InvalidRequest as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except PreconditionFailed as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except ComputeError as error:
+            self._logger.warning("stage %d compute error: %s", self.stage_index, error)
+            await context.abort(grpc.StatusCode.INTERNAL, str(error))
+        except Exception as error:  # our bug, not the peer's: keep the traceback here, keep serving
+            self._logger.exception("stage %d: unexpected failure in compute", self.stage_index)
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"stage {self.stage_index} failed: {type(error).__name__}: {error}")
+
+    async def _checked(self, context: Any, run_id: str, stage: int) -> None:
+        """Refuse misaddressed calls on the loop, before they take a queue slot."""
+        try:
+            self._compute.check_addressing(run_id, stage)
+        except RequestRejected as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+    def info(self) -> InfoReply:
+        compute = self._compute
+        return InfoReply(
+            run_id=self.run_id, stage=self.stage_index, n_stages=compute.n_stages,
+            # Plain int reads of compute-thread state: a momentarily stale value is fine for routing.
+            step=compute.optimizer.steps, phase=self.phase, load=self._load, capacity=self.options.max_queue,
+            stashed=len(compute.stash), synchronous=self.options.synchronous, throughput=compute.throughput,
+        )
+
+
+class _StageService:
+    """The agora.v1.Stage handlers (see protos/stage_adapter.StageHandler): admission and status mapping only."""
+
+    def __init__(self, worker: StageWorker):
+        self._worker = worker
+
+    async def forward(self, request: ForwardRequest, context: Any) -> ForwardReply:
+        await self._worker._checked(context, request.run_id, request.stage)
+        return await self._worker._admitted(context, self._worker._compute.forward, request)
+
+    async def backward(self, request: BackwardRequest, context: Any) -> BackwardReply:
+        await self._worker._checked(context, request.run_id, request.stage)
+        return await self._worker._admitted(context, self._worker._compute.backward, request)
+
+    async def step(self, request: StepRequest, context: Any) -> StepReply:
+        await self._worker._checked(context, request.run_id, request.stage)
+        future = self._worker._executor.submit(self._worker._compute.step, request)
+        return await self._worker._answer(context, future)
+
+    async def info(self, request: InfoRequest, context: Any) -> InfoReply:
+        return self._worker.info()

@@ -1,0 +1,259 @@
+"""`StageClient`: what a trainer uses to call one stage worker.
+
+Design choices:
+- Speaks tensors on one side and the Stage service's dataclasses on the other (through
+  protos/stage_adapter, never generated classes). Inputs may also be already-encoded frames
+  (`bytes`), so a trainer can pass a stage's output to the next stage without re-encoding.
+- Every reply is decoded and validated here (shape, finiteness) before the trainer sees it, so a
+  worker sending garbage is caught at the hop it happened (`BadReply`), not two stages later.
+- Errors are typed by what the trainer should do, and each carries the gRPC status code:
+  `WorkerBusy` (RESOURCE_EXHAUSTED: route elsewhere, no penalty), `RequestRefused` (the worker
+  judged the request or its state wrong: rerun the microbatch), `WorkerUnreachable` (transport,
+  deadline: reroute and back off), `BadReply` (ban-worthy). `StageCallError` is their base.
+- Every call has a deadline (`timeout_s`, per call or the client default).
+- Payloads that may not fit one message (either way: a head's reply is ~4*wire_dim times its
+  token input) go through the streaming variants, cut into `stream_chunk_bytes` parts.
+- The channel is created lazily, on the event loop of the first call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from agora.node.server import message_options
+from agora.pipeline.codec import WireCodec, WireFormatError, encode_tokens, float_frame_bytes
+from agora.pipeline.config import ModelConfig
+from agora.protos.stage_adapter import (
+    BackwardRequest,
+    ForwardRequest,
+    InfoReply,
+    PayloadTooLarge,
+    StageStub,
+    StepReply,
+    StepRequest,
+    payload_bytes,
+)
+
+__all__ = [
+    "StageCallError",
+    "WorkerBusy",
+    "RequestRefused",
+    "WorkerUnreachable",
+    "BadReply",
+    "error_for",
+    "ForwardResult",
+    "BackwardResult",
+    "StageClient",
+]
+
+# Headroom for the protobuf framing and scalar fields around the bytes payload.
+_ENVELOPE_BYTES = 64 * 2**10
+
+
+class StageCallError(Exception):
+    """A failed call to a stage worker; `code` is the gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, *, address: str, method: str):
+        super().__init__(f"{method} on {address}: {code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.address = address
+        self.method = method
+
+
+class WorkerBusy(StageCallError):
+    """RESOURCE_EXHAUSTED: the worker is full (or the payload over its limit); try another replica."""
+
+
+class RequestRefused(StageCallError):
+    """The worker judged the request (or its state for it) wrong: rerun the microbatch."""
+
+
+class WorkerUnreachable(StageCallError):
+    """Transport failure, deadline or shutdown: reroute, and back off from this worker."""
+
+
+class BadReply(StageCallError):
+    """The call succeeded but the reply does not decode or has the wrong shape (DATA_LOSS)."""
+
+
+_ERROR_BY_CODE = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: WorkerBusy,
+    grpc.StatusCode.INVALID_ARGUMENT: RequestRefused,
+    grpc.StatusCode.FAILED_PRECONDITION: RequestRefused,
+    grpc.StatusCode.NOT_FOUND: RequestRefused,
+    grpc.StatusCode.OUT_OF_RANGE: RequestRefused,
+    grpc.StatusCode.PERMISSION_DENIED: RequestRefused,
+    grpc.StatusCode.UNAUTHENTICATED: RequestRefused,
+    grpc.StatusCode.UNAVAILABLE: WorkerUnreachable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: WorkerUnreachable,
+    grpc.StatusCode.CANCELLED: WorkerUnreachable,
+    grpc.StatusCode.DATA_LOSS: BadReply,
+}
+
+
+def error_for(code: grpc.StatusCode, details: str, *, address: str, method: str) -> StageCallError:
+    """The typed error for a status code (INTERNAL, UNKNOWN, ... stay the base class)."""
+    return _ERROR_BY_CODE.get(code, StageCallError)(code, details, address=address, method=method)
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    wire: torch.Tensor | None  # head/body output, float32 (batch, seq, wire_dim)
+    loss: float | None  # tail only
+    input_grad: torch.Tensor | None  # tail: dL/d(input wire); None on the head / a single stage
+    step: int  # the worker's optimizer step when it ran
+    wire_frame: bytes = b""  # the encoded output, to pass on without re-encoding
+    grad_frame: bytes = b""
+
+
+@dataclass(frozen=True)
+class BackwardResult:
+    input_grad: torch.Tensor | None  # None on the head
+    step: int
+    grad_frame: bytes = b""
+
+
+class StageClient:
+    """Calls one worker of stage `stage`. Construct anywhere; use inside one event loop."""
+
+    def __init__(self, address: str, *, run_id: str, stage: int, model: ModelConfig,
+                 codec: WireCodec | None = None, timeout_s: float = 30.0,
+                 max_message_bytes: int = 16 * 2**20, max_stream_bytes: int = 512 * 2**20,
+                 stream_chunk_bytes: int = 2**20):
+        if stream_chunk_bytes + _ENVELOPE_BYTES > max_message_bytes:
+            raise ValueError("stream_chunk_bytes plus framing must fit in max_message_bytes")
+        self.address = address
+        self.run_id = run_id
+        self.stage = stage
+        self.model = model
+        self.codec = codec or WireCodec("fp32", max_bytes=max_stream_bytes)
+        self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes
+        self.max_stream_bytes = max_stream_bytes
+        self.stream_chunk_bytes = stream_chunk_bytes
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: StageStub | None = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _calls(self) -> StageStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=message_options(self.max_message_bytes))
+            self._stub = StageStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def __aenter__(self) -> "StageClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Until the channel connects; WorkerUnreachable after the deadline."""
+        self._calls()
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s or self.timeout_s)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            raise WorkerUnreachable(grpc.StatusCode.UNAVAILABLE, "channel not ready before the deadline",
+                                    address=self.address, method="connect") from None
+
+    async def _invoke(self, method: str, call, timeout_s: float | None) -> Any:
+        try:
+            return await call(timeout=timeout_s if timeout_s is not None else self.timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise error_for(error.code(), error.details() or "", address=self.address, method=method) from None
+        except PayloadTooLarge as error:
+            raise BadReply(grpc.StatusCode.DATA_LOSS, str(error), address=self.address, method=method) from None
+
+    def _streamed(self, payload: int) -> bool:
+        return payload + _ENVELOPE_BYTES > self.max_message_bytes
+
+    def _decode(self, frame: bytes, shape: tuple[int | None, ...], method: str) -> torch.Tensor:
+        try:
+            return self.codec.decode(frame, expected_shape=shape)
+        except WireFormatError as error:
+            raise BadReply(grpc.StatusCode.DATA_LOSS, f"reply does not decode: {error}",
+                           address=self.address, method=method) from None
+
+    def _frame(self, value: torch.Tensor | bytes | None) -> bytes:
+        if value is None:
+            return b""
+        return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else self.codec.encode(value)
+
+    def _token_frame(self, value: torch.Tensor | bytes | None) -> bytes:
+        if value is None:
+            return b""
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return bytes(value)
+        return encode_tokens(value, self.model.vocab_size)
+
+    # ------------------------------------------------------------------ calls
+
+    async def forward(self, microbatch_id: str, tokens: torch.Tensor | bytes,
+                      wire: torch.Tensor | bytes | None = None, targets: torch.Tensor | bytes | None = None,
+                      *, timeout_s: float | None = None) -> ForwardResult:
+        """Forward on this stage. Tail: `targets` required; the result has the loss and input gradient."""
+        request = ForwardRequest(run_id=self.run_id, microbatch_id=microbatch_id, stage=self.stage,
+                                 tokens=self._token_frame(tokens), wire=self._frame(wire),
+                                 targets=self._token_frame(targets))
+        shape = (None, None, self.model.wire_dim)
+        if isinstance(tokens, torch.Tensor):
+            shape = (*tokens.shape, self.model.wire_dim)
+            # The reply (output or input gradient) is at most one fp32 (batch, seq, wire_dim) frame.
+            reply_bytes = float_frame_bytes(shape, "fp32")
+        else:  # a token frame holds at least one byte per token: a cheap upper bound
+            reply_bytes = len(request.tokens) * 4 * self.model.wire_dim
+        stub = self._calls()
+        if self._streamed(max(payload_bytes(request), reply_bytes)):
+            call = lambda timeout: stub.forward_stream(  # noqa: E731
+                request, chunk_bytes=self.stream_chunk_bytes, max_reply_bytes=self.max_stream_bytes, timeout=timeout)
+        else:
+            call = lambda timeout: stub.forward(request, timeout=timeout)  # noqa: E731
+        reply = await self._invoke("Forward", call, timeout_s)
+        if not reply.wire and reply.loss is None:
+            raise BadReply(grpc.StatusCode.DATA_LOSS, "reply carries neither an output wire nor a loss",
+                           address=self.address, method="Forward")
+        wire_out = self._decode(reply.wire, shape, "Forward") if reply.wire else None
+        grad = self._decode(reply.input_grad, shape, "Forward") if reply.input_grad else None
+        return ForwardResult(wire=wire_out, loss=reply.loss, input_grad=grad, step=reply.step,
+                             wire_frame=reply.wire, grad_frame=reply.input_grad)
+
+    async def backward(self, microbatch_id: str, output_grad: torch.Tensor | bytes,
+                       *, timeout_s: float | None = None) -> BackwardResult:
+        """Backward on this stage (head or body), pinned to the worker that ran the forward."""
+        request = BackwardRequest(run_id=self.run_id, microbatch_id=microbatch_id, stage=self.stage,
+                                  output_grad=self._frame(output_grad))
+        shape = (None, None, self.model.wire_dim)
+        if isinstance(output_grad, torch.Tensor):
+            shape = tuple(output_grad.shape)
+        stub = self._calls()
+        if self._streamed(payload_bytes(request)):
+            call = lambda timeout: stub.backward_stream(  # noqa: E731
+                request, chunk_bytes=self.stream_chunk_bytes, max_reply_bytes=self.max_stream_bytes, timeout=timeout)
+        else:
+            call = lambda timeout: stub.backward(request, timeout=timeout)  # noqa: E731
+        reply = await self._invoke("Backward", call, timeout_s)
+        grad = self._decode(reply.input_grad, shape, "Backward") if reply.input_grad else None
+        return BackwardResult(input_grad=grad, step=reply.step, grad_frame=reply.input_grad)
+
+    async def step(self, microbatches: int, *, step: int | None = None,
+                   timeout_s: float | None = None) -> StepReply:
+        """Synchronous-mode barrier; `step` (the step being completed) makes a retry idempotent."""
+        request = StepRequest(run_id=self.run_id, stage=self.stage, microbatches=microbatches, step=step)
+        stub = self._calls()
+        return await self._invoke("Step", lambda timeout: stub.step(request, timeout=timeout), timeout_s)
+
+    async def info(self, *, timeout_s: float | None = None) -> InfoReply:
+        stub = self._calls()
+        return await self._invoke("Info", lambda timeout: stub.info(timeout=timeout), timeout_s)

@@ -1,0 +1,284 @@
+"""A worker's compute: one stage replica, its optimizer, and the forward-input stash.
+
+Everything here runs on the worker's single compute thread (node/worker.py submits to it); this
+module knows nothing of gRPC, so it is tested and reused (checkpoints, averaging) without sockets.
+It speaks the Stage service's dataclasses and codec frames. Design choices:
+
+- Every input is untrusted: run id, stage index, shapes, token range and finiteness are checked
+  before any compute, and a failure is an `InvalidRequest` whose message says what was expected
+  and what was found (the worker answers INVALID_ARGUMENT and keeps serving).
+- Forward runs under `torch.no_grad` and stashes its *input*; Backward recomputes the forward
+  with grad on that input (so backward is correct even if the optimizer stepped in between).
+- Nothing is half-applied: gradients are computed with `torch.autograd.grad` into temporaries
+  and added to `.grad` only once the reply is known to be encodable; a NaN loss or an unencodable
+  gradient fails the call (`ComputeError`) without touching the accumulated gradients. The stash
+  entry is popped only after the output gradient has been validated.
+- The tail's Forward is forward + backward in one call: it accumulates its gradients at once and
+  returns the loss and dL/d(input wire), the seed of the backward pass.
+- Stepping: asynchronous mode steps once the accumulated samples reach `local_batch`;
+  synchronous mode steps only on the Step barrier, which is idempotent per step number (a retried
+  barrier gets the recorded reply instead of a second step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from agora.pipeline.codec import WireCodec, WireFormatError, decode_tokens
+from agora.pipeline.config import RunConfig
+from agora.pipeline.optim import StageOptimizer
+from agora.pipeline.stages import Stage, build_stage
+from agora.protos.stage_adapter import (
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    StepReply,
+    StepRequest,
+)
+
+from agora.node.worker_stash import ForwardStash
+
+__all__ = [
+    "RequestRejected",
+    "InvalidRequest",
+    "PreconditionFailed",
+    "UnknownMicrobatch",
+    "ComputeError",
+    "StashedInput",
+    "StageCompute",
+    "MAX_MICROBATCH_ID_CHARS",
+    "THROUGHPUT_SMOOTHING",
+]
+
+MAX_MICROBATCH_ID_CHARS = 256
+# Weight of the newest job in the throughput average: ~10 jobs of memory, steady under jitter.
+THROUGHPUT_SMOOTHING = 0.1
+
+
+class RequestRejected(Exception):
+    """The request cannot be served; the message is meant for the calling peer."""
+
+
+class InvalidRequest(RequestRejected):
+    """Malformed or mismatched input (INVALID_ARGUMENT)."""
+
+
+class PreconditionFailed(RequestRejected):
+    """Well-formed, but the worker's state does not allow it (FAILED_PRECONDITION)."""
+
+
+class UnknownMicrobatch(PreconditionFailed):
+    """A Backward for a microbatch whose forward input is not (or no longer) stashed."""
+
+
+class ComputeError(RuntimeError):
+    """The stage itself produced something unusable (a NaN loss, an unencodable gradient)."""
+
+
+@dataclass(frozen=True)
+class StashedInput:
+    tokens: torch.Tensor
+    wire: torch.Tensor | None  # None on the head
+    output_shape: tuple[int, ...]
+
+
+class StageCompute:
+    """One stage replica. Not thread-safe: call it from one thread only."""
+
+    def __init__(self, config: RunConfig, index: int, *, run_id: str, codec: WireCodec, stash: ForwardStash,
+                 synchronous: bool, local_batch: int, stage: Stage | None = None,
+                 optimizer: StageOptimizer | None = None):
+        if local_batch <= 0:
+            raise ValueError(f"local_batch must be positive, got {local_batch}")
+        self.config = config
+        self.run_id = run_id
+        self.codec = codec
+        self.stash = stash
+        self.synchronous = synchronous
+        self.local_batch = local_batch
+        self.stage = stage if stage is not None else build_stage(config.model, index)
+        self.index = self.stage.index
+        self.n_stages = self.stage.n_stages
+        self.optimizer = optimizer or StageOptimizer(self.stage, config.optim, self.index, self.n_stages)
+        self.accumulated_microbatches = 0
+        self.accumulated_samples = 0
+        self.last_step: StepReply | None = None
+        self.throughput = 0.0  # tokens/s of compute, moving average; 0 until the first job
+
+    def _observe(self, tokens: int, started: float) -> None:
+        # Wall time of the job on this thread (measurement only, so not the injected clock).
+        rate = tokens / max(time.perf_counter() - started, 1e-9)
+        self.throughput = rate if self.throughput == 0 else (
+            (1 - THROUGHPUT_SMOOTHING) * self.throughput + THROUGHPUT_SMOOTHING * rate)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_addressing(self, run_id: str, stage: int) -> None:
+        """Cheap checks of a request's run and stage (safe from any thread: reads constants only)."""
+        if run_id != self.run_id:
+            raise InvalidRequest(f"run id {run_id!r} does not match this worker's run {self.run_id!r}")
+        if stage != self.index:
+            raise InvalidRequest(
+                f"request for stage {stage} reached a worker of stage {self.index} "
+                f"({self.stage.kind} of {self.n_stages})")
+
+    def _check_microbatch_id(self, microbatch_id: str) -> None:
+        if not microbatch_id or len(microbatch_id) > MAX_MICROBATCH_ID_CHARS:
+            raise InvalidRequest(
+                f"microbatch_id must be 1..{MAX_MICROBATCH_ID_CHARS} characters, got {len(microbatch_id)}")
+
+    def _decode_tokens(self, frame: bytes, what: str, shape: tuple[int | None, ...]) -> torch.Tensor:
+        if not frame:
+            raise InvalidRequest(f"{what}: missing (empty frame)")
+        try:
+            ids = decode_tokens(frame, self.config.model.vocab_size, max_bytes=self.codec.max_bytes,
+                                expected_shape=shape)
+        except WireFormatError as error:
+            raise InvalidRequest(f"{what}: {error}") from None
+        if ids.shape[1] > self.config.model.max_seq_len:
+            raise InvalidRequest(f"{what}: sequence length {ids.shape[1]} exceeds the model's "
+                                 f"max_seq_len={self.config.model.max_seq_len}")
+        return ids
+
+    def _decode_floats(self, frame: bytes, what: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if not frame:
+            raise InvalidRequest(f"{what}: missing (empty frame), expected shape {list(shape)}")
+        try:
+            # The codec refuses NaN/Inf payloads as well as any size or shape mismatch.
+            return self.codec.decode(frame, expected_shape=shape)
+        except WireFormatError as error:
+            raise InvalidRequest(f"{what}: {error}") from None
+
+    def _encode(self, tensor: torch.Tensor, what: str) -> bytes:
+        try:
+            return self.codec.encode(tensor)
+        except WireFormatError as error:
+            raise ComputeError(f"stage {self.index} could not encode its {what}: {error}") from None
+
+    def _decode_forward(self, request: ForwardRequest) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        self.check_addressing(request.run_id, request.stage)
+        self._check_microbatch_id(request.microbatch_id)
+        tokens = self._decode_tokens(request.tokens, "tokens", (None, None))
+        batch, seq = tokens.shape
+        if self.stage.is_head:
+            if request.wire:
+                raise InvalidRequest("wire: the head stage takes token ids only, but a wire frame was sent")
+            wire = None
+        else:
+            wire = self._decode_floats(request.wire, "wire", (batch, seq, self.config.model.wire_dim))
+        if self.stage.is_tail:
+            targets = self._decode_tokens(request.targets, "targets", (batch, seq))
+        else:
+            if request.targets:
+                raise InvalidRequest(f"targets: only the tail takes targets; this is stage {self.index}")
+            targets = None
+        return tokens, wire, targets
+
+    # ------------------------------------------------------------------ compute
+
+    def _gradients(self, output: torch.Tensor, wire: torch.Tensor | None,
+                   output_grad: torch.Tensor | None) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """dL/d(wire) and dL/d(parameters), without touching `.grad`."""
+        params = self.optimizer.parameters
+        inputs = ([wire] if wire is not None else []) + params
+        grads = torch.autograd.grad(output, inputs, grad_outputs=output_grad, allow_unused=True)
+        if wire is not None:
+            return grads[0], list(grads[1:])
+        return None, list(grads)
+
+    def _accumulate(self, param_grads: list[torch.Tensor | None], samples: int) -> None:
+        for param, grad in zip(self.optimizer.parameters, param_grads):
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+        self.accumulated_microbatches += 1
+        self.accumulated_samples += samples
+        if not self.synchronous and self.accumulated_samples >= self.local_batch:
+            self._step(self.accumulated_microbatches)
+
+    def forward(self, request: ForwardRequest) -> ForwardReply:
+        started = time.perf_counter()
+        tokens, wire, targets = self._decode_forward(request)
+        step = self.optimizer.steps
+        if self.stage.is_tail:
+            reply = self._forward_tail(tokens, wire, targets, step)
+        else:
+            with torch.no_grad():
+                output = self.stage(tokens, wire)
+            reply = ForwardReply(wire=self._encode(output, "output"), step=step)
+            self.stash.put(request.microbatch_id, StashedInput(tokens, wire, tuple(output.shape)))
+        self._observe(tokens.numel(), started)
+        return reply
+
+    def _forward_tail(self, tokens: torch.Tensor, wire: torch.Tensor | None, targets: torch.Tensor,
+                      step: int) -> ForwardReply:
+        if wire is not None:
+            wire.requires_grad_(True)
+        with torch.enable_grad():
+            loss = self.stage(tokens, wire, targets)
+            loss_value = float(loss.detach())
+            if not torch.isfinite(loss.detach()):
+                raise ComputeError(f"tail produced a non-finite loss ({loss_value}); no gradient accumulated")
+            wire_grad, param_grads = self._gradients(loss, wire, None)
+        input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
+        self._accumulate(param_grads, tokens.shape[0])
+        return ForwardReply(loss=loss_value, input_grad=input_grad, step=step)
+
+    def backward(self, request: BackwardRequest) -> BackwardReply:
+        started = time.perf_counter()
+        self.check_addressing(request.run_id, request.stage)
+        self._check_microbatch_id(request.microbatch_id)
+        if self.stage.is_tail:
+            raise PreconditionFailed("the tail runs its backward inside Forward; Backward is for head and bodies")
+        try:
+            stashed = self.stash.get(request.microbatch_id)
+        except KeyError:
+            raise UnknownMicrobatch(
+                f"no forward input stashed for microbatch {request.microbatch_id!r} on stage {self.index}: "
+                f"never forwarded here, older than {self.stash.ttl_s:g} s, or evicted "
+                f"(capacity {self.stash.capacity}); rerun the microbatch") from None
+        output_grad = self._decode_floats(request.output_grad, "output_grad", stashed.output_shape)
+        self.stash.pop(request.microbatch_id)  # validated: this backward is now committed to run
+        wire = stashed.wire.detach().requires_grad_(True) if stashed.wire is not None else None
+        with torch.enable_grad():
+            output = self.stage(stashed.tokens, wire)
+            wire_grad, param_grads = self._gradients(output, wire, output_grad)
+        input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
+        step = self.optimizer.steps
+        self._accumulate(param_grads, stashed.tokens.shape[0])
+        self._observe(stashed.tokens.numel(), started)
+        return BackwardReply(input_grad=input_grad, step=step)
+
+    # ------------------------------------------------------------------ stepping
+
+    def _step(self, microbatches: int) -> StepReply:
+        accumulated = self.accumulated_microbatches
+        result = self.optimizer.step(microbatches)
+        self.accumulated_microbatches = 0
+        self.accumulated_samples = 0
+        self.last_step = StepReply(step=self.optimizer.steps, grad_norm=result["grad_norm"], lr=result["lr"],
+                                   skipped=bool(result["skipped"]), accumulated=accumulated)
+        return self.last_step
+
+    def step(self, request: StepRequest) -> StepReply:
+        """The synchronous-mode barrier."""
+        self.check_addressing(request.run_id, request.stage)
+        if not self.synchronous:
+            raise PreconditionFailed("this worker is in asynchronous mode: it steps on its own when its "
+                                     "local batch fills, not on a Step barrier")
+        if request.microbatches <= 0:
+            raise InvalidRequest(f"microbatches must be positive, got {request.microbatches}")
+        current = self.optimizer.steps
+        if request.step is not None:
+            if self.last_step is not None and request.step == current - 1:
+                return self.last_step  # a retried barrier: already stepped
+            if request.step != current:
+                raise PreconditionFailed(f"Step barrier for step {request.step}, but this worker is at step {current}")
+        return self._step(request.microbatches)

@@ -1,0 +1,329 @@
+"""The one place that touches the generated `agora.v1.Stage` classes.
+
+Everything else in the codebase speaks the frozen dataclasses below; this module converts them
+to and from protobuf messages, registers a handler object as the gRPC service, and wraps the
+generated stub for clients. Design choices:
+
+- The dataclasses mirror the messages field for field (same names), so conversion is one generic
+  function driven by `dataclasses.fields`; a field whose dataclass default is None is a proto3
+  `optional` and maps to "unset".
+- Tensors stay opaque codec frames (`bytes`); decoding them is the worker's and client's job.
+- Streaming variants carry the same message cut into parts: the first part holds every scalar
+  field, each part appends a piece to the bytes fields (`split_parts` / `PartAssembler`). The
+  receiver bounds the reassembled total (`PayloadTooLarge`), so a peer cannot make it buffer
+  without limit; it drains (without keeping) a bounded remainder before answering
+  RESOURCE_EXHAUSTED, because grpc.aio clients misreport an abort that lands while they are
+  still writing. Handlers never see whether a call was streamed.
+
+Imports nothing of ours except the generated modules beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Mapping, Protocol
+
+import grpc
+
+from agora.protos import stage_pb2, stage_pb2_grpc
+
+__all__ = [
+    "SERVICE_NAME",
+    "ForwardRequest",
+    "ForwardReply",
+    "BackwardRequest",
+    "BackwardReply",
+    "StepRequest",
+    "StepReply",
+    "InfoRequest",
+    "InfoReply",
+    "PayloadTooLarge",
+    "IncompleteStream",
+    "PartAssembler",
+    "StageHandler",
+    "StageStub",
+    "to_message",
+    "from_message",
+    "split_parts",
+    "payload_bytes",
+    "add_stage_service",
+]
+
+SERVICE_NAME: str = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name  # "agora.v1.Stage"
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    run_id: str
+    microbatch_id: str
+    stage: int
+    tokens: bytes
+    wire: bytes = b""  # empty for the head
+    targets: bytes = b""  # the tail only
+
+
+@dataclass(frozen=True)
+class ForwardReply:
+    wire: bytes = b""  # head/body output
+    loss: float | None = None  # tail only
+    input_grad: bytes = b""  # tail: dL/d(input wire); empty on a single-stage pipeline
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class BackwardRequest:
+    run_id: str
+    microbatch_id: str
+    stage: int
+    output_grad: bytes
+
+
+@dataclass(frozen=True)
+class BackwardReply:
+    input_grad: bytes = b""  # empty on the head
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    run_id: str
+    stage: int
+    microbatches: int
+    step: int | None = None  # the step this barrier completes; None steps unconditionally
+
+
+@dataclass(frozen=True)
+class StepReply:
+    step: int
+    grad_norm: float
+    lr: float
+    skipped: bool
+    accumulated: int
+
+
+@dataclass(frozen=True)
+class InfoRequest:
+    pass
+
+
+@dataclass(frozen=True)
+class InfoReply:
+    run_id: str
+    stage: int
+    n_stages: int
+    step: int
+    phase: str
+    load: int
+    capacity: int
+    stashed: int
+    synchronous: bool
+    throughput: float = 0.0  # tokens/s of compute, moving average
+
+
+# Read-only pairing of each dataclass with its generated message class.
+_MESSAGE_OF: Mapping[type, type] = MappingProxyType({
+    ForwardRequest: stage_pb2.ForwardRequest,
+    ForwardReply: stage_pb2.ForwardReply,
+    BackwardRequest: stage_pb2.BackwardRequest,
+    BackwardReply: stage_pb2.BackwardReply,
+    StepRequest: stage_pb2.StepRequest,
+    StepReply: stage_pb2.StepReply,
+    InfoRequest: stage_pb2.InfoRequest,
+    InfoReply: stage_pb2.InfoReply,
+})
+_DATACLASS_OF: Mapping[type, type] = MappingProxyType({message: data for data, message in _MESSAGE_OF.items()})
+
+
+class PayloadTooLarge(ValueError):
+    """A streamed payload exceeded the receiver's bound."""
+
+
+class IncompleteStream(ValueError):
+    """A stream ended before carrying a single part."""
+
+
+def _bytes_fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.type in (bytes, "bytes")]
+
+
+def to_message(value: Any) -> Any:
+    """The generated message for one of this module's dataclasses (None fields left unset)."""
+    message_cls = _MESSAGE_OF[type(value)]
+    return message_cls(**{f.name: getattr(value, f.name) for f in dataclasses.fields(value)
+                          if getattr(value, f.name) is not None})
+
+
+def from_message(message: Any) -> Any:
+    """The dataclass for a generated message; unset optional fields become None."""
+    cls = _DATACLASS_OF[type(message)]
+    descriptor = message.DESCRIPTOR.fields_by_name
+    values = {}
+    for f in dataclasses.fields(cls):
+        if descriptor[f.name].has_presence and not message.HasField(f.name):
+            values[f.name] = None
+        else:
+            values[f.name] = getattr(message, f.name)
+    return cls(**values)
+
+
+def payload_bytes(value: Any) -> int:
+    """Bytes carried by a dataclass's bytes fields: what decides unary vs streaming."""
+    return sum(len(getattr(value, name)) for name in _bytes_fields(type(value)))
+
+
+def split_parts(value: Any, chunk_bytes: int) -> list[Any]:
+    """Cut a dataclass into messages carrying at most `chunk_bytes` of payload each.
+
+    The first part carries every scalar field; bytes fields are packed greedily in field order.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    message_cls = _MESSAGE_OF[type(value)]
+    blob_names = _bytes_fields(type(value))
+    scalars = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)
+               if f.name not in blob_names and getattr(value, f.name) is not None}
+    parts: list[dict[str, Any]] = [dict(scalars)]
+    room = chunk_bytes
+    for name in blob_names:
+        data = memoryview(getattr(value, name))
+        while len(data):
+            if room == 0:
+                parts.append({})
+                room = chunk_bytes
+            piece, data = data[:room], data[room:]
+            parts[-1][name] = bytes(piece)
+            room -= len(piece)
+    return [message_cls(**fields) for fields in parts]
+
+
+class PartAssembler:
+    """Rebuilds a dataclass from streamed parts, refusing more than `max_bytes` of payload."""
+
+    def __init__(self, message_cls: type, max_bytes: int):
+        self._cls = _DATACLASS_OF[message_cls]
+        self._max_bytes = max_bytes
+        self._first: Any = None
+        self._pieces: dict[str, list[bytes]] = {name: [] for name in _bytes_fields(self._cls)}
+        self._total = 0
+
+    def add(self, message: Any) -> None:
+        if self._first is None:
+            self._first = message
+        for name, pieces in self._pieces.items():
+            piece = getattr(message, name)
+            if piece:
+                self._total += len(piece)
+                if self._total > self._max_bytes:
+                    raise PayloadTooLarge(
+                        f"streamed {self._cls.__name__} exceeds the {self._max_bytes}-byte limit")
+                pieces.append(piece)
+
+    def result(self) -> Any:
+        if self._first is None:
+            raise IncompleteStream(f"stream carried no {self._cls.__name__} part")
+        head = from_message(self._first)
+        return dataclasses.replace(head, **{name: b"".join(p) for name, p in self._pieces.items()})
+
+
+async def _assemble(parts: AsyncIterable[Any], message_cls: type, max_bytes: int) -> Any:
+    assembler = PartAssembler(message_cls, max_bytes)
+    async for part in parts:
+        assembler.add(part)
+    return assembler.result()
+
+
+async def _drain(parts: AsyncIterable[Any], max_bytes: int) -> None:
+    """Read and drop the rest of an oversized stream, up to `max_bytes` more.
+
+    Aborting while the client is still writing makes grpc.aio clients report INTERNAL instead
+    of our status (grpc/grpc#36066), so the status is sent once the client has half-closed;
+    the bound keeps a client that never stops from holding the handler.
+    """
+    seen = 0
+    async for part in parts:
+        seen += part.ByteSize()
+        if seen > max_bytes:
+            return
+
+
+class StageHandler(Protocol):
+    """What a worker implements; `context` is the grpc.aio.ServicerContext (to abort with a status)."""
+
+    def forward(self, request: ForwardRequest, context: Any) -> Awaitable[ForwardReply]: ...
+    def backward(self, request: BackwardRequest, context: Any) -> Awaitable[BackwardReply]: ...
+    def step(self, request: StepRequest, context: Any) -> Awaitable[StepReply]: ...
+    def info(self, request: InfoRequest, context: Any) -> Awaitable[InfoReply]: ...
+
+
+class _Servicer(stage_pb2_grpc.StageServicer):
+    def __init__(self, handler: StageHandler, max_stream_bytes: int, chunk_bytes: int):
+        self._handler = handler
+        self._max_stream_bytes = max_stream_bytes
+        self._chunk_bytes = chunk_bytes
+
+    async def Forward(self, request, context):
+        return to_message(await self._handler.forward(from_message(request), context))
+
+    async def Backward(self, request, context):
+        return to_message(await self._handler.backward(from_message(request), context))
+
+    async def Step(self, request, context):
+        return to_message(await self._handler.step(from_message(request), context))
+
+    async def Info(self, request, context):
+        return to_message(await self._handler.info(from_message(request), context))
+
+    async def _streamed(self, parts, context, message_cls, call) -> AsyncIterator[Any]:
+        try:
+            request = await _assemble(parts, message_cls, self._max_stream_bytes)
+        except PayloadTooLarge as error:
+            await _drain(parts, self._max_stream_bytes)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except IncompleteStream as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        reply = await call(request, context)
+        for part in split_parts(reply, self._chunk_bytes):
+            yield part
+
+    def ForwardStream(self, request_iterator, context):
+        return self._streamed(request_iterator, context, stage_pb2.ForwardRequest, self._handler.forward)
+
+    def BackwardStream(self, request_iterator, context):
+        return self._streamed(request_iterator, context, stage_pb2.BackwardRequest, self._handler.backward)
+
+
+def add_stage_service(server: grpc.aio.Server, handler: StageHandler, *,
+                      max_stream_bytes: int, chunk_bytes: int) -> None:
+    """Serve `handler` as agora.v1.Stage on `server` (unary and streaming variants alike)."""
+    stage_pb2_grpc.add_StageServicer_to_server(_Servicer(handler, max_stream_bytes, chunk_bytes), server)
+
+
+class StageStub:
+    """The generated client stub, speaking dataclasses. Raises grpc.aio.AioRpcError on failure."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self._stub = stage_pb2_grpc.StageStub(channel)
+
+    async def forward(self, request: ForwardRequest, **call: Any) -> ForwardReply:
+        return from_message(await self._stub.Forward(to_message(request), **call))
+
+    async def backward(self, request: BackwardRequest, **call: Any) -> BackwardReply:
+        return from_message(await self._stub.Backward(to_message(request), **call))
+
+    async def step(self, request: StepRequest, **call: Any) -> StepReply:
+        return from_message(await self._stub.Step(to_message(request), **call))
+
+    async def info(self, request: InfoRequest = InfoRequest(), **call: Any) -> InfoReply:
+        return from_message(await self._stub.Info(to_message(request), **call))
+
+    async def forward_stream(self, request: ForwardRequest, *, chunk_bytes: int, max_reply_bytes: int,
+                             **call: Any) -> ForwardReply:
+        stream = self._stub.ForwardStream(iter(split_parts(request, chunk_bytes)), **call)
+        return await _assemble(stream, stage_pb2.ForwardReply, max_reply_bytes)
+
+    async def backward_stream(self, request: BackwardRequest, *, chunk_bytes: int, max_reply_bytes: int,
+                              **call: Any) -> BackwardReply:
+        stream = self._stub.BackwardStream(iter(split_parts(request, chunk_bytes)), **call)
+        return await _assemble(stream, stage_pb2.BackwardReply, max_reply_bytes)

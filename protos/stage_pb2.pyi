@@ -1,0 +1,107 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("run_id", "microbatch_id", "stage", "wire", "tokens", "targets")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    microbatch_id: str
+    stage: int
+    wire: bytes
+    tokens: bytes
+    targets: bytes
+    def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., wire: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., targets: _Optional[bytes] = ...) -> None: ...
+
+class ForwardReply(_message.Message):
+    __slots__ = ("wire", "loss", "input_grad", "step")
+    WIRE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    wire: bytes
+    loss: float
+    input_grad: bytes
+    step: int
+    def __init__(self, wire: _Optional[bytes] = ..., loss: _Optional[float] = ..., input_grad: _Optional[bytes] = ..., step: _Optional[int] = ...) -> None: ...
+
+class BackwardRequest(_message.Message):
+    __slots__ = ("run_id", "microbatch_id", "stage", "output_grad")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    microbatch_id: str
+    stage: int
+    output_grad: bytes
+    def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., output_grad: _Optional[bytes] = ...) -> None: ...
+
+class BackwardReply(_message.Message):
+    __slots__ = ("input_grad", "step")
+    INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    input_grad: bytes
+    step: int
+    def __init__(self, input_grad: _Optional[bytes] = ..., step: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("run_id", "stage", "microbatches", "step")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    microbatches: int
+    step: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatches: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("step", "grad_norm", "lr", "skipped", "accumulated")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    ACCUMULATED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    grad_norm: float
+    lr: float
+    skipped: bool
+    accumulated: int
+    def __init__(self, step: _Optional[int] = ..., grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., skipped: _Optional[bool] = ..., accumulated: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("run_id", "stage", "n_stages", "step", "phase", "load", "capacity", "stashed", "synchronous", "throughput")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    N_STAGES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    STASHED_FIELD_NUMBER: _ClassVar[int]
+    SYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    n_stages: int
+    step: int
+    phase: str
+    load: int
+    capacity: int
+    stashed: int
+    synchronous: bool
+    throughput: float
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[str] = ..., load: _Optional[int] = ..., capacity: _Optional[int] = ..., stashed: _Optional[int] = ..., synchronous: _Optional[bool] = ..., throughput: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,147 @@
+"""A worker's compute and stash without sockets: stepping rules, stale inputs, nothing half-applied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agora.node.worker_compute import (
+    ComputeError,
+    InvalidRequest,
+    PreconditionFailed,
+    StageCompute,
+    UnknownMicrobatch,
+)
+from agora.node.worker_stash import ForwardStash
+from agora.pipeline.codec import WireCodec, encode_tokens
+from agora.pipeline.config import PRESETS
+from agora.protos.stage_adapter import BackwardRequest, ForwardRequest, StepRequest
+
+pytestmark = pytest.mark.timeout(60)
+
+CONFIG = PRESETS["tiny"].with_stages(3)
+CODEC = WireCodec("fp32", max_bytes=2**24)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_compute(index: int, *, synchronous: bool = True, local_batch: int = 4, clock=None,
+                 capacity: int = 8, ttl_s: float = 60.0) -> StageCompute:
+    stash = ForwardStash(capacity, ttl_s, clock=clock or FakeClock())
+    return StageCompute(CONFIG, index, run_id="run", codec=CODEC, stash=stash, synchronous=synchronous,
+                        local_batch=local_batch)
+
+
+def batch(seed: int, size: int = 2, seq: int = 16):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, CONFIG.model.vocab_size, (size, seq + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def forward_request(index: int, tokens, wire=None, targets=None, microbatch_id="m0") -> ForwardRequest:
+    vocab = CONFIG.model.vocab_size
+    return ForwardRequest(run_id="run", microbatch_id=microbatch_id, stage=index, tokens=encode_tokens(tokens, vocab),
+                          wire=CODEC.encode(wire) if wire is not None else b"",
+                          targets=encode_tokens(targets, vocab) if targets is not None else b"")
+
+
+def grad_request(index: int, grad, microbatch_id="m0") -> BackwardRequest:
+    return BackwardRequest(run_id="run", microbatch_id=microbatch_id, stage=index, output_grad=CODEC.encode(grad))
+
+
+def test_stash_evicts_oldest_beyond_capacity_and_expires_by_ttl():
+    clock = FakeClock()
+    stash = ForwardStash(2, ttl_s=10.0, clock=clock)
+    assert stash.put("a", 1) == [] and stash.put("b", 2) == []
+    assert stash.put("c", 3) == ["a"]
+    assert "a" not in stash and stash.get("b") == 2
+    clock.now = 5.0
+    stash.put("b", 20)  # a replaced entry is fresh again and moves to the back
+    clock.now = 12.0
+    assert "c" not in stash and stash.pop("b") == 20
+    with pytest.raises(KeyError):
+        stash.pop("b")
+
+
+def test_asynchronous_worker_steps_when_its_local_batch_fills():
+    head = make_compute(0, synchronous=False, local_batch=4)
+    tokens, _ = batch(0)
+    for i in range(2):
+        reply = head.forward(forward_request(0, tokens, microbatch_id=f"m{i}"))
+        out = CODEC.decode(reply.wire)
+        head.backward(grad_request(0, torch.ones_like(out), microbatch_id=f"m{i}"))
+        assert head.optimizer.steps == i  # 2 samples, then 4: the step comes with the second
+    assert head.accumulated_samples == 0 and head.last_step.accumulated == 2
+    with pytest.raises(PreconditionFailed, match="asynchronous"):
+        head.step(StepRequest(run_id="run", stage=0, microbatches=2))
+
+
+def test_step_barrier_is_idempotent_per_step_number():
+    tail = make_compute(2)
+    tokens, targets = batch(1)
+    wire = torch.randn(2, 16, CONFIG.model.wire_dim)
+    tail.forward(forward_request(2, tokens, wire, targets))
+    first = tail.step(StepRequest(run_id="run", stage=2, microbatches=1, step=0))
+    assert first.step == 1 and first.accumulated == 1
+    assert tail.step(StepRequest(run_id="run", stage=2, microbatches=1, step=0)) == first  # a retry
+    assert tail.optimizer.steps == 1
+    with pytest.raises(PreconditionFailed, match="step 5"):
+        tail.step(StepRequest(run_id="run", stage=2, microbatches=1, step=5))
+    with pytest.raises(InvalidRequest, match="microbatches"):
+        tail.step(StepRequest(run_id="run", stage=2, microbatches=0))
+
+
+def test_backward_after_ttl_is_unknown_and_bad_grad_keeps_the_stash():
+    clock = FakeClock()
+    body = make_compute(1, clock=clock, ttl_s=30.0)
+    tokens, _ = batch(2)
+    wire = torch.randn(2, 16, CONFIG.model.wire_dim)
+    body.forward(forward_request(1, tokens, wire, microbatch_id="a"))
+    body.forward(forward_request(1, tokens, wire, microbatch_id="b"))
+    with pytest.raises(InvalidRequest, match="shape mismatch"):
+        body.backward(grad_request(1, torch.ones(2, 15, CONFIG.model.wire_dim), microbatch_id="a"))
+    body.backward(grad_request(1, torch.ones(2, 16, CONFIG.model.wire_dim), microbatch_id="a"))  # still stashed
+    clock.now = 31.0
+    with pytest.raises(UnknownMicrobatch, match="'b'.*rerun"):
+        body.backward(grad_request(1, torch.ones(2, 16, CONFIG.model.wire_dim), microbatch_id="b"))
+
+
+def test_non_finite_loss_fails_without_accumulating_anything():
+    tail = make_compute(2)
+    with torch.no_grad():
+        tail.stage.lm_head.weight.fill_(float("inf"))
+    tokens, targets = batch(3)
+    with pytest.raises(ComputeError, match="non-finite loss"):
+        tail.forward(forward_request(2, tokens, torch.randn(2, 16, CONFIG.model.wire_dim), targets))
+    assert tail.accumulated_microbatches == 0
+    assert all(p.grad is None for p in tail.optimizer.parameters)
+
+
+def test_misaddressed_and_malformed_inputs_are_invalid():
+    head = make_compute(0)
+    tokens, targets = batch(4)
+    with pytest.raises(InvalidRequest, match="takes token ids only"):
+        head.forward(forward_request(0, tokens, wire=torch.zeros(2, 16, CONFIG.model.wire_dim)))
+    with pytest.raises(InvalidRequest, match="only the tail takes targets"):
+        head.forward(forward_request(0, tokens, targets=targets))
+    with pytest.raises(InvalidRequest, match="stage 1 reached a worker of stage 0"):
+        head.forward(forward_request(1, tokens))
+    long_tokens = torch.zeros(1, CONFIG.model.max_seq_len + 1, dtype=torch.long)
+    with pytest.raises(InvalidRequest, match="max_seq_len"):
+        head.forward(forward_request(0, long_tokens))
+
+
+def test_single_stage_pipeline_is_head_and_tail_at_once():
+    config = PRESETS["tiny"]
+    stash = ForwardStash(4, 60.0, clock=FakeClock())
+    full = StageCompute(config, 0, run_id="run", codec=CODEC, stash=stash, synchronous=True, local_batch=2)
+    tokens, targets = batch(5)
+    reply = full.forward(forward_request(0, tokens, targets=targets))
+    assert reply.loss > 0 and reply.input_grad == b"" and reply.wire == b""
+    assert full.accumulated_microbatches == 1 and len(stash) == 0
