@@ -202,11 +202,12 @@ class StageClient:
 
     async def forward(self, microbatch_id: str, tokens: torch.Tensor | bytes,
                       wire: torch.Tensor | bytes | None = None, targets: torch.Tensor | bytes | None = None,
-                      *, timeout_s: float | None = None) -> ForwardResult:
-        """Forward on this stage. Tail: `targets` required; the result has the loss and input gradient."""
+                      *, evaluate: bool = False, timeout_s: float | None = None) -> ForwardResult:
+        """Forward on this stage. Tail: `targets` required; the result has the loss and input gradient
+        (`evaluate`: the held-out loss only, nothing stashed or accumulated anywhere)."""
         request = ForwardRequest(run_id=self.run_id, microbatch_id=microbatch_id, stage=self.stage,
                                  tokens=self._token_frame(tokens), wire=self._frame(wire),
-                                 targets=self._token_frame(targets))
+                                 targets=self._token_frame(targets), evaluate=evaluate)
         shape = (None, None, self.model.wire_dim)
         if isinstance(tokens, torch.Tensor):
             shape = (*tokens.shape, self.model.wire_dim)

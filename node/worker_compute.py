@@ -13,6 +13,7 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   and added to `.grad` only once the reply is known to be encodable; a NaN loss or an unencodable
   gradient fails the call (`ComputeError`) without touching the accumulated gradients. The stash
   entry is popped only after the output gradient has been validated.
+- A Forward marked `evaluate` (held-out loss) stashes nothing and computes no gradient.
 - The tail's Forward is forward + backward in one call: it accumulates its gradients at once and
   returns the loss and dL/d(input wire), the seed of the backward pass.
 - Stepping: asynchronous mode steps once the accumulated samples reach `local_batch`;
@@ -207,6 +208,14 @@ class StageCompute:
         started = time.perf_counter()
         tokens, wire, targets = self._decode_forward(request)
         step = self.optimizer.steps
+        if request.evaluate:
+            with torch.no_grad():
+                output = self.stage(tokens, wire, targets)
+            if self.stage.is_tail:
+                if not torch.isfinite(output):
+                    raise ComputeError(f"tail produced a non-finite held-out loss ({float(output)})")
+                return ForwardReply(loss=float(output), step=step)
+            return ForwardReply(wire=self._encode(output, "output"), step=step)
         if self.stage.is_tail:
             reply = self._forward_tail(tokens, wire, targets, step)
         else:

@@ -62,6 +62,7 @@ class ForwardRequest:
     tokens: bytes
     wire: bytes = b""  # empty for the head
     targets: bytes = b""  # the tail only
+    evaluate: bool = False  # held-out loss: no stash, no gradients
 
 
 @dataclass(frozen=True)
