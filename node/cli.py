@@ -74,9 +74,83 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bootstrap(args: argparse.Namespace) -> int:
+    from agora.dht.bootstrap import run_bootstrap
+
+    try:
+        return run_bootstrap(args.host, args.port, tuple(args.initial_peers), args.identity_path, args.ready_file)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _cmd_join(args: argparse.Namespace) -> int:
+    from agora.node.join import JoinOptions, run_worker
+    from agora.node.worker import WorkerOptions
+
+    config = _run_config(args)
+    options = JoinOptions(stage=args.stage, run_id=args.run_id, initial_peers=tuple(args.initial_peers),
+                          dht_host=args.dht_host, dht_port=args.dht_port, heartbeat_s=args.heartbeat,
+                          ready_file=args.ready_file, checkpoint_dir=args.checkpoint_dir)
+    worker_options = WorkerOptions(host=args.host, port=args.port, synchronous=args.sync,
+                                   local_batch=args.local_batch, max_queue=args.max_queue,
+                                   wire_dtype=args.wire_dtype).validate()
+    return run_worker(config, options, worker_options)
+
+
+def _cmd_trainer(args: argparse.Namespace) -> int:
+    import json
+
+    from agora.node.trainer import TrainerOptions, run_swarm_trainer
+
+    config = _run_config(args)
+    if not 0 <= args.trainer_index < args.trainers:
+        raise ConfigError(f"--trainer-index: {args.trainer_index} out of range for --trainers {args.trainers}")
+    options = TrainerOptions(run_id=args.run_id, trainer_index=args.trainer_index, trainers=args.trainers,
+                             synchronous=args.sync, max_in_flight=args.max_in_flight, wire_dtype=args.wire_dtype)
+    log_json = open(args.log_json, "w") if args.log_json else None
+    try:
+        summary = run_swarm_trainer(config, options, initial_peers=tuple(args.initial_peers), steps=args.steps,
+                                    log_json=log_json, evaluate=not args.no_eval)
+    finally:
+        if log_json is not None:
+            log_json.close()
+    text = json.dumps(summary)
+    if args.summary_json:
+        Path(args.summary_json).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from agora.node.demo import DemoOptions, run_demo
+
+    _run_config(args)  # refuse a bad config before starting any process
+    return run_demo(DemoOptions.from_args(args))
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str) -> None:
+    """Flags that must be identical on every process of one run."""
+    parser.add_argument("--config", default="tiny", help="preset name (tiny, small, pythia-14m, pluralis-8b) or TOML file")
+    parser.add_argument("--seed", type=int, default=None, help="run seed (basis, init and data order)")
+    parser.add_argument("--stages", type=int, default=None, help="split the blocks evenly over this many stages")
+    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per global batch")
+    parser.add_argument("--steps", type=int, default=100, help=steps_help)
+
+
+def _add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
+    parser.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
+                        help="DHT multiaddrs to join through (printed by `agora-node bootstrap`)")
+    parser.add_argument("--sync", action="store_true",
+                        help="synchronous mode: one replica per stage, step barrier after every global batch")
+    parser.add_argument("--wire-dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
+                        help="encoding of the boundary tensors this process sends (default fp32)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agora-node", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="agora-node", description="Agora node: peer-to-peer pipeline-parallel training of subspace-compressed transformers.")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = commands.add_parser("train-local", help="centralized reference run, stage by stage in one process",
@@ -100,6 +174,61 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint", required=True, help="checkpoint folder (or a folder with 'latest')")
     export.add_argument("--out", required=True, help="output folder")
     export.set_defaults(handler=_cmd_export_hf)
+
+    from agora.dht.bootstrap import add_bootstrap_arguments
+
+    bootstrap = commands.add_parser("bootstrap", help="start a DHT peer that others join first",
+                                    description="Start a hivemind DHT peer and print the multiaddrs that other "
+                                                "peers pass as --initial-peers; serves until SIGINT/SIGTERM.")
+    add_bootstrap_arguments(bootstrap)
+    bootstrap.set_defaults(handler=_cmd_bootstrap)
+
+    join = commands.add_parser("join", help="host one replica of one pipeline stage (contributor)",
+                               description="Serve one pipeline stage over gRPC, announce it in the DHT, train it; "
+                                           "SIGTERM leaves cleanly (withdraw, finish in-flight, checkpoint).")
+    _add_run_arguments(join, steps_help="planned run length in global batches (sets the lr schedule)")
+    _add_swarm_arguments(join)
+    join.add_argument("--stage", type=int, required=True, help="pipeline stage index to host")
+    join.add_argument("--host", default="127.0.0.1", help="address the gRPC server listens on")
+    join.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
+    join.add_argument("--dht-host", default="127.0.0.1", help="address the DHT peer listens on")
+    join.add_argument("--dht-port", type=int, default=0, help="DHT port (0: pick a free one)")
+    join.add_argument("--heartbeat", type=float, default=5.0, help="seconds between DHT announces")
+    join.add_argument("--local-batch", type=int, default=None,
+                      help="samples per local optimizer step in asynchronous mode (default: train.batch_size)")
+    join.add_argument("--max-queue", type=int, default=8, help="requests in flight before RESOURCE_EXHAUSTED")
+    join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
+    join.add_argument("--checkpoint-dir", default=None, help="resume from and checkpoint into this folder")
+    join.set_defaults(handler=_cmd_join)
+
+    trainer = commands.add_parser("trainer", help="push microbatches through the swarm",
+                                  description="Take data units, route microbatches through one worker per stage, "
+                                              "reroute on failure; logs the train-local JSON schema.")
+    _add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)")
+    _add_swarm_arguments(trainer)
+    trainer.add_argument("--trainer-index", type=int, default=0, help="this trainer's index among --trainers")
+    trainer.add_argument("--trainers", type=int, default=1, help="trainers sharing the run's global batches")
+    trainer.add_argument("--max-in-flight", type=int, default=4, help="microbatches in the pipeline at once")
+    trainer.add_argument("--log-json", default=None, help="write one JSON object per global batch here")
+    trainer.add_argument("--summary-json", default=None, help="write the final summary here")
+    trainer.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
+    trainer.set_defaults(handler=_cmd_trainer)
+
+    demo = commands.add_parser("demo", help="a whole swarm on this machine, one process per role",
+                               description="Start bootstrap, workers and trainers on loopback, each as the "
+                                           "`agora-node <role>` command a user would run, train, and summarize.")
+    _add_run_arguments(demo, steps_help="global batches in total (over all trainers)")
+    demo.add_argument("--replicas", type=int, default=1, help="workers per stage")
+    demo.add_argument("--trainers", type=int, default=1, help="trainer processes")
+    demo.add_argument("--sync", action="store_true",
+                      help="synchronous mode (needs --replicas 1 --trainers 1): must equal train-local")
+    demo.add_argument("--max-in-flight", type=int, default=4, help="microbatches in flight per trainer")
+    demo.add_argument("--log-json", default=None, help="one JSON line per global batch, run-wide step")
+    demo.add_argument("--summary-json", default=None, help="write the run summary here")
+    demo.add_argument("--workdir", default=None, help="keep logs and ready files here (default: a temp folder)")
+    demo.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
+                      help="fault drill: kill -9 one worker of the last stage after STEP global batches")
+    demo.set_defaults(handler=_cmd_demo, stages=3, steps=60)
     return parser
 
 
@@ -108,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
     try:
         return int(args.handler(args) or 0)
     except (ConfigError, CheckpointError) as error:

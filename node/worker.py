@@ -141,6 +141,13 @@ class StageWorker:
         return f"{self.options.host}:{self.port}"
 
     @property
+    def compute(self) -> StageCompute:
+        """The stage replica. Touch it only through `on_compute`, or after `stop()` returned."""
+        if self._compute is None:
+            raise RuntimeError("the worker is not started")
+        return self._compute
+
+    @property
     def load(self) -> int:
         return self._load
 

@@ -1,0 +1,7 @@
+"""`python -m agora.node ...` is `agora-node ...`."""
+
+import sys
+
+from agora.node.cli import main
+
+sys.exit(main())

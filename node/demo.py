@@ -1,0 +1,227 @@
+"""`agora-node demo`: a whole swarm on loopback, each role its own `agora-node <role>` process.
+
+Order: bootstrap (its ready file carries the DHT multiaddrs) -> one `join` per stage replica
+(ready file: gRPC endpoint + peer id, written once announced in the DHT) -> trainers. While
+the trainers run, a progress line shows global batches, loss, tokens/s and live workers per
+stage. When they finish, workers and the bootstrap get SIGTERM (clean leave), every process
+is reaped, the trainers' logs are merged into one JSON line per global batch (run-wide `step`,
+the train-local schema) and a summary is printed and optionally written as JSON. Ctrl-C stops
+everything the same way and still prints what was done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from agora.node.processes import ChildFailed, ChildProcess, ProcessGroup, agora_node_command
+from agora.pipeline.config import ConfigError
+
+__all__ = ["DemoOptions", "run_demo", "merge_logs"]
+
+logger = logging.getLogger("agora.node.demo")
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    config: str = "tiny"
+    seed: int | None = None
+    stages: int | None = 3
+    microbatches: int | None = None
+    steps: int = 60
+    replicas: int = 1
+    trainers: int = 1
+    sync: bool = False
+    max_in_flight: int = 4
+    log_json: str | None = None
+    summary_json: str | None = None
+    workdir: str | None = None
+    kill_worker_at: int | None = None
+    run_id: str = "demo"
+    threads: int = 1
+    ready_timeout_s: float = 120.0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
+        return cls(config=args.config, seed=args.seed, stages=args.stages, microbatches=args.microbatches,
+                   steps=args.steps, replicas=args.replicas, trainers=args.trainers, sync=args.sync,
+                   max_in_flight=args.max_in_flight, log_json=args.log_json, summary_json=args.summary_json,
+                   workdir=args.workdir, kill_worker_at=args.kill_worker_at)
+
+    def validate(self) -> "DemoOptions":
+        if self.replicas < 1 or self.trainers < 1 or self.steps < 1:
+            raise ConfigError("--replicas, --trainers and --steps must be at least 1")
+        if self.sync and (self.replicas != 1 or self.trainers != 1):
+            raise ConfigError("--sync needs --replicas 1 and --trainers 1 (one route, one barrier)")
+        if self.kill_worker_at is not None and self.replicas < 2:
+            raise ConfigError("--kill-worker-at needs --replicas 2 or more, so the stage survives")
+        return self
+
+    def run_flags(self) -> list[str]:
+        flags = ["--config", self.config, "--steps", str(self.steps)]
+        for name, value in (("--seed", self.seed), ("--stages", self.stages), ("--microbatches", self.microbatches)):
+            if value is not None:
+                flags += [name, str(value)]
+        return flags
+
+
+def merge_logs(paths: list[Path]) -> list[dict]:
+    """Every trainer's lines, one per global batch, ordered by the run-wide step."""
+    lines = []
+    for path in paths:
+        if path.exists():
+            lines += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(lines, key=lambda line: line["step"])
+
+
+class _Progress:
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total, self.stream = total, stream
+        self.tty = stream.isatty()
+        self.last_print = 0.0
+
+    def show(self, lines: list[dict], workers: dict[int, int], force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_print < (0.5 if self.tty else 10.0):
+            return
+        self.last_print = now
+        step = lines[-1]["step"] if lines else 0
+        loss = f"{lines[-1]['loss']:.4f}" if lines else "-"
+        rate = sum(line["tokens_per_s"] for line in _latest_per_trainer(lines))
+        per_stage = " ".join(f"s{s}:{n}" for s, n in sorted(workers.items()))
+        text = f"demo: batch {len(lines)}/{self.total} (step {step}) loss {loss} {rate:,.0f} tok/s workers {per_stage}"
+        self.stream.write(("\r" + text + " ") if self.tty else text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+def _latest_per_trainer(lines: list[dict]) -> list[dict]:
+    latest: dict[int, dict] = {}
+    for line in lines:
+        latest[line.get("trainer", 0)] = line
+    return list(latest.values())
+
+
+def run_demo(options: DemoOptions) -> int:
+    options.validate()
+    workdir = Path(options.workdir) if options.workdir else Path(tempfile.mkdtemp(prefix="agora-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    group = ProcessGroup(workdir)
+    started = time.monotonic()
+    trainer_logs = [workdir / f"trainer-{t}.jsonl" for t in range(options.trainers)]
+    workers: list[tuple[int, ChildProcess]] = []
+    killed: list[str] = []
+    progress = _Progress(options.steps)
+    outcome = "completed"
+    code = 0
+    try:
+        common = ["--log-level", "WARNING", "--threads", str(options.threads)]
+        boot_ready = workdir / "bootstrap.ready"
+        boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", "--ready-file", str(boot_ready)),
+                           boot_ready)
+        maddrs = group.wait_ready([boot], options.ready_timeout_s)["bootstrap"]
+        swarm = ["--run-id", options.run_id, "--initial-peers", *maddrs] + (["--sync"] if options.sync else [])
+        for stage in range(options.stages or 1):
+            for replica in range(options.replicas):
+                name = f"worker-s{stage}-r{replica}"
+                ready = workdir / f"{name}.ready"
+                command = agora_node_command(*common, "join", "--stage", str(stage), *options.run_flags(), *swarm,
+                                             "--heartbeat", "1", "--ready-file", str(ready))
+                workers.append((stage, group.spawn(name, command, ready)))
+        group.wait_ready([w for _, w in workers], options.ready_timeout_s)
+        trainers = []
+        for index in range(options.trainers):
+            command = agora_node_command(
+                *common, "trainer", *options.run_flags(), *swarm, "--trainer-index", str(index),
+                "--trainers", str(options.trainers), "--max-in-flight", str(options.max_in_flight),
+                "--log-json", str(trainer_logs[index]),
+                "--summary-json", str(workdir / f"trainer-{index}.summary.json"),
+                *([] if index == 0 else ["--no-eval"]))
+            trainers.append(group.spawn(f"trainer-{index}", command))
+        logger.info("swarm up in %.1f s: %d workers, %d trainers", time.monotonic() - started, len(workers),
+                    len(trainers))
+
+        while any(t.alive() for t in trainers):
+            lines = merge_logs(trainer_logs)
+            if options.kill_worker_at is not None and not killed and len(lines) >= options.kill_worker_at:
+                victim = next(w for s, w in workers if s == (options.stages or 1) - 1)
+                group.kill(victim)
+                killed.append(victim.name)
+                logger.warning("fault drill: killed %s with SIGKILL after %d global batches", victim.name, len(lines))
+            progress.show(lines, _alive_per_stage(workers))
+            time.sleep(0.2)  # the progress view's refresh; trainers are waited on via their exit
+        failed = [t for t in trainers if t.process.returncode != 0]
+        if failed:
+            outcome = "failed"
+            code = 1
+            for t in failed:
+                print(f"demo: {t.name} exited with {t.process.returncode}:\n{t.log_tail()}", file=sys.stderr)
+    except ChildFailed as error:
+        outcome, code = "failed", 1
+        print(f"demo: {error}", file=sys.stderr)
+    except KeyboardInterrupt:
+        outcome, code = "interrupted", 130
+    finally:
+        lines = merge_logs(trainer_logs)
+        progress.show(lines, _alive_per_stage(workers), force=True)
+        progress.close()
+        exit_codes = group.shutdown()
+    summary = _summary(options, lines, workdir, workers, killed, exit_codes, outcome, time.monotonic() - started)
+    if options.log_json:
+        Path(options.log_json).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    if options.summary_json:
+        Path(options.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
+    _print_summary(summary)
+    if not options.workdir and code == 0:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return code
+
+
+def _alive_per_stage(workers: list[tuple[int, ChildProcess]]) -> dict[int, int]:
+    alive: dict[int, int] = {}
+    for stage, worker in workers:
+        alive[stage] = alive.get(stage, 0) + (1 if worker.alive() else 0)
+    return alive
+
+
+def _summary(options: DemoOptions, lines: list[dict], workdir: Path, workers, killed, exit_codes,
+             outcome: str, wall_s: float) -> dict:
+    trainer_summaries = []
+    for index in range(options.trainers):
+        path = workdir / f"trainer-{index}.summary.json"
+        if path.exists():
+            trainer_summaries.append(json.loads(path.read_text()))
+    heldout = [s["heldout_loss"] for s in trainer_summaries if s.get("heldout_loss") is not None]
+    tail = lines[-5:]
+    per_stage: dict[int, int] = {}
+    for stage, _ in workers:
+        per_stage[stage] = per_stage.get(stage, 0) + 1
+    return {
+        "outcome": outcome,
+        "steps": len(lines),
+        "final_loss": sum(line["loss"] for line in tail) / len(tail) if tail else None,
+        "heldout_loss": heldout[0] if heldout else None,
+        "tokens": lines[-1]["tokens"] if lines else 0,
+        "tokens_per_s": sum(line["tokens_per_s"] for line in _latest_per_trainer(lines)),
+        "wall_s": round(wall_s, 2),
+        "workers_per_stage": {str(k): v for k, v in sorted(per_stage.items())},
+        "reroutes": sum(s.get("reroutes", 0) for s in trainer_summaries),
+        "busy_retries": sum(s.get("busy", 0) for s in trainer_summaries),
+        "killed": killed,
+        "exit_codes": exit_codes,
+        "mode": "sync" if options.sync else "async",
+    }
+
+
+def _print_summary(summary: dict) -> None:
+    print(json.dumps(summary))

@@ -1,0 +1,46 @@
+"""Where a trainer learns which workers exist: the DHT in production, a fixed list in tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from agora.dht.swarm import SwarmDHT
+from agora.node.routing import WorkerView
+
+__all__ = ["Discovery", "StaticDiscovery", "DHTDiscovery"]
+
+
+class Discovery(Protocol):
+    async def workers(self) -> list[WorkerView]: ...
+
+
+@dataclass
+class StaticDiscovery:
+    """A fixed list of workers: for tests that run without a DHT."""
+
+    views: list[WorkerView]
+
+    async def workers(self) -> list[WorkerView]:
+        return [WorkerView(v.peer_id, v.endpoint, v.stage, v.phase) for v in self.views]
+
+
+@dataclass
+class DHTDiscovery:
+    """Live worker records of every stage of a run, as routing views.
+
+    Workers announce throughput in tokens/s; routing compares samples/s, hence `seq_len`.
+    """
+
+    swarm: SwarmDHT
+    run_id: str
+    n_stages: int
+    seq_len: int
+
+    async def workers(self) -> list[WorkerView]:
+        by_stage = await self.swarm.all_workers_async(self.run_id, self.n_stages)
+        return [
+            WorkerView(peer_id=r.peer_id, endpoint=r.endpoint, stage=r.stage, phase=r.phase,
+                       announced_samples_per_s=r.throughput / self.seq_len, announced_queue=r.queue_depth)
+            for records in by_stage.values() for r in records
+        ]

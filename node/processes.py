@@ -1,0 +1,134 @@
+"""Child processes of a local swarm: started as real `agora-node <role>` commands, always reaped.
+
+Each child runs in its own session (so a terminal's Ctrl-C reaches only the parent, which then
+stops the children in order), writes its output to `<workdir>/<name>.log`, and signals readiness
+by atomically writing a ready file (never by a sleep). `shutdown` sends SIGTERM, waits, then
+SIGKILLs whatever is left, so no process outlives the group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["ChildProcess", "ProcessGroup", "ChildFailed", "agora_node_command"]
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+def agora_node_command(*args: str) -> list[str]:
+    """The `agora-node ...` command line, run by this interpreter (no PATH lookup needed)."""
+    return [sys.executable, "-m", "agora.node", *args]
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass
+class ChildProcess:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    ready_path: Path | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class ProcessGroup:
+    workdir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    children: list[ChildProcess] = field(default_factory=list)
+
+    def spawn(self, name: str, command: list[str], ready_path: Path | None = None) -> ChildProcess:
+        if ready_path is not None and ready_path.exists():
+            ready_path.unlink()
+        log_path = self.workdir / f"{name}.log"
+        env = {**os.environ, **self.env}
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=env, start_new_session=True, cwd=self.workdir)
+        child = ChildProcess(name, process, log_path, ready_path)
+        self.children.append(child)
+        return child
+
+    def wait_ready(self, children: list[ChildProcess], timeout_s: float,
+                   on_wait: Callable[[], None] | None = None) -> dict[str, list[str]]:
+        """Until every child has written its ready file; its lines by child name."""
+        deadline = time.monotonic() + timeout_s
+        pending = {c.name: c for c in children}
+        ready: dict[str, list[str]] = {}
+        pause = 0.02
+        while pending:
+            for name, child in list(pending.items()):
+                if child.ready_path is not None and child.ready_path.exists():
+                    ready[name] = child.ready_path.read_text().split()
+                    del pending[name]
+                elif not child.alive():
+                    raise ChildFailed(f"{name} exited with code {child.process.returncode} before it was ready:\n"
+                                      f"{child.log_tail()}")
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"{', '.join(pending)} not ready within {timeout_s:.0f} s")
+            if on_wait is not None:
+                on_wait()
+            time.sleep(pause)  # polling a file the child writes atomically; backs off to 0.25 s
+            pause = min(pause * 2, 0.25)
+        return ready
+
+    def kill(self, child: ChildProcess) -> None:
+        """kill -9 the child and everything it started: a machine that vanished."""
+        _kill_group(child.pid)
+        child.process.wait()
+
+    def stop(self, children: list[ChildProcess], grace_s: float = 20.0) -> dict[str, int]:
+        """SIGTERM, wait up to `grace_s`, then SIGKILL; exit codes by name.
+
+        SIGTERM goes to the child alone, so it can leave cleanly (its own helper processes, such
+        as hivemind's DHT, must outlive its goodbye); afterwards its whole process group is
+        SIGKILLed, which reaps anything it left behind.
+        """
+        for child in children:
+            if child.alive():
+                try:
+                    os.kill(child.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        codes = {}
+        for child in children:
+            try:
+                codes[child.name] = child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_group(child.pid)
+                codes[child.name] = child.process.wait()
+            _kill_group(child.pid)
+        return codes
+
+    def shutdown(self, grace_s: float = 20.0) -> dict[str, int]:
+        """Stop every child, newest first (trainers, then workers, then the bootstrap)."""
+        return self.stop(list(reversed(self.children)), grace_s)

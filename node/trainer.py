@@ -1,0 +1,319 @@
+"""`SwarmTrainer`: pushes microbatches through one worker per stage, over gRPC.
+
+A trainer owns data units and the microbatch schedule, never weights. For each global batch
+(one data unit) it cuts microbatches and runs up to `max_in_flight` of them at once; each
+microbatch goes forward through a route of one worker per stage, chosen by the `Roster`
+(earliest expected finish, bans with backoff), and backward in reverse pinned to the same
+workers. Any failure abandons the microbatch's route and re-runs it on another (bounded
+attempts; a new microbatch id per attempt, so a late reply of the abandoned route can never be
+confused with the new one).
+
+Synchronous mode (one replica per stage) adds a Step barrier on every stage after each global
+batch: this is the centralized run, and its loss trace must equal `train-local`'s.
+Asynchronous mode leaves stepping to the workers (their local batch).
+
+The trainer writes the same JSON-lines schema as `train-local` (`StepRecord`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import IO, Awaitable, Callable
+
+import torch
+
+from agora.node.discovery import Discovery
+from agora.node.routing import Roster, WorkerView
+from agora.node.worker_client import StageCallError, StageClient, WorkerBusy
+from agora.pipeline.centralized import StepRecord
+from agora.pipeline.codec import WireCodec
+from agora.pipeline.config import RunConfig
+from agora.pipeline.optim import lr_at
+
+__all__ = ["TrainerOptions", "SwarmTrainer", "MicrobatchFailed", "assigned_units"]
+
+logger = logging.getLogger("agora.node.trainer")
+
+
+class MicrobatchFailed(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    run_id: str
+    trainer_index: int = 0
+    trainers: int = 1
+    synchronous: bool = False
+    max_in_flight: int = 4  # microbatches in the pipeline at once
+    max_attempts: int = 6  # routes tried per microbatch before the run fails
+    call_timeout_s: float = 60.0
+    wait_for_workers_s: float = 60.0  # how long a stage may have no routable worker
+    roster_refresh_s: float = 2.0
+    wire_dtype: str = "fp32"
+
+
+def assigned_units(total_steps: int, trainer_index: int, trainers: int) -> list[int]:
+    """Static striping of the run's global batches over trainers (until leases replace it)."""
+    return list(range(trainer_index, total_steps, trainers))
+
+
+@dataclass
+class TrainerStats:
+    microbatches: int = 0
+    reroutes: int = 0
+    busy: int = 0
+    failures_by_peer: dict[str, int] = field(default_factory=dict)
+    seconds_by_stage: dict[int, float] = field(default_factory=dict)
+
+
+class SwarmTrainer:
+    def __init__(self, config: RunConfig, data, discovery: Discovery, options: TrainerOptions, *,
+                 log_json: IO[str] | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_record: Callable[[StepRecord], None] | None = None):
+        self.config = config
+        self.data = data
+        self.discovery = discovery
+        self.options = options
+        self.n_stages = len(config.layer_split)
+        self.codec = WireCodec(options.wire_dtype)
+        self.roster = Roster(microbatch_size=config.train.microbatch_size)
+        self.log_json = log_json
+        self.clock = clock
+        self.on_record = on_record
+        self.stats = TrainerStats()
+        self._clients: dict[str, StageClient] = {}
+        self._last_refresh = float("-inf")
+        self._refresh_lock = asyncio.Lock()
+        self._run_started = clock()
+        self._units_done = 0
+        self._in_flight = asyncio.Semaphore(options.max_in_flight)
+
+    # ------------------------------------------------------------------ workers
+
+    def _client(self, view: WorkerView) -> StageClient:
+        client = self._clients.get(view.endpoint)
+        if client is None or client.stage != view.stage:
+            client = StageClient(view.endpoint, run_id=self.options.run_id, stage=view.stage,
+                                 model=self.config.model, codec=self.codec, timeout_s=self.options.call_timeout_s)
+            self._clients[view.endpoint] = client
+        return client
+
+    async def refresh(self, force: bool = False) -> None:
+        async with self._refresh_lock:
+            if not force and self.clock() - self._last_refresh < self.options.roster_refresh_s:
+                return
+            self.roster.refresh(await self.discovery.workers())
+            self._last_refresh = self.clock()
+
+    async def _pick(self, stage: int, exclude: frozenset[str]) -> WorkerView:
+        deadline = self.clock() + self.options.wait_for_workers_s
+        pause = 0.05
+        while True:
+            await self.refresh()
+            view = self.roster.choose(stage, self.clock(), exclude)
+            if view is None and exclude:
+                view = self.roster.choose(stage, self.clock())  # retry a peer rather than stall
+            if view is not None:
+                return view
+            if self.clock() > deadline:
+                raise MicrobatchFailed(f"no routable worker for stage {stage} within "
+                                       f"{self.options.wait_for_workers_s:.0f} s")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
+            await self.refresh(force=True)
+
+    async def _timed(self, view: WorkerView, call: Awaitable):
+        self.roster.started(view.peer_id)
+        started = self.clock()
+        try:
+            result = await call
+        except StageCallError as error:
+            busy = isinstance(error, WorkerBusy)
+            self.roster.failed(view.peer_id, self.clock(), busy=busy)
+            raise
+        seconds = self.clock() - started
+        self.roster.succeeded(view.peer_id, seconds)
+        self.stats.seconds_by_stage[view.stage] = self.stats.seconds_by_stage.get(view.stage, 0.0) + seconds
+        return result
+
+    # ------------------------------------------------------------------ one microbatch
+
+    async def _route_once(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
+                          exclude: frozenset[str], evaluate: bool) -> float:
+        route: list[WorkerView] = []
+        wire: bytes | None = None
+        result = None
+        for stage in range(self.n_stages):
+            view = await self._pick(stage, exclude)
+            route.append(view)
+            tail = stage == self.n_stages - 1
+            result = await self._timed(view, self._client(view).forward(
+                microbatch_id, tokens, wire, targets if tail else None, evaluate=evaluate))
+            wire = result.wire_frame
+        if evaluate:
+            return float(result.loss)
+        grad = result.grad_frame
+        for stage in reversed(range(self.n_stages - 1)):
+            view = route[stage]
+            back = await self._timed(view, self._client(view).backward(microbatch_id, grad))
+            grad = back.grad_frame
+        return float(result.loss)
+
+    async def run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
+                             evaluate: bool = False) -> float:
+        """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts."""
+        exclude: set[str] = set()
+        last_error: Exception | None = None
+        for attempt in range(self.options.max_attempts):
+            microbatch_id = f"{self.options.run_id}/t{self.options.trainer_index}/{key}/a{attempt}"
+            try:
+                loss = await self._route_once(microbatch_id, tokens, targets, frozenset(exclude), evaluate)
+                self.stats.microbatches += 0 if evaluate else 1
+                return loss
+            except StageCallError as error:
+                last_error = error
+                if isinstance(error, WorkerBusy):
+                    self.stats.busy += 1
+                else:
+                    self.stats.reroutes += 1
+                    peer = next((v.peer_id for v in self.roster.workers.values()
+                                 if v.endpoint == error.address), error.address)
+                    exclude.add(peer)
+                    self.stats.failures_by_peer[peer] = self.stats.failures_by_peer.get(peer, 0) + 1
+                    logger.warning("reroute microbatch %s (attempt %d): %s", key, attempt + 1, error)
+                await self.refresh(force=True)
+        raise MicrobatchFailed(f"microbatch {key} failed {self.options.max_attempts} times; last: {last_error}")
+
+    # ------------------------------------------------------------------ global batches
+
+    async def _step_barrier(self, step: int) -> list:
+        replies = []
+        for stage in range(self.n_stages):
+            workers = self.roster.of_stage(stage)
+            if len(workers) != 1:
+                raise MicrobatchFailed(f"synchronous mode needs exactly one worker on stage {stage}, "
+                                       f"found {len(workers)}")
+            replies.append(await self._client(workers[0]).step(self.config.train.microbatches, step=step))
+        return replies
+
+    async def train_unit(self, unit_id: int) -> StepRecord:
+        unit = self.data.train.unit(unit_id)
+        microbatches = unit.chunk(self.config.train.microbatches)
+
+        async def one(index: int, batch: torch.Tensor) -> float:
+            async with self._in_flight:
+                return await self.run_microbatch(f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:])
+
+        losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))
+        grad_norms: list[float] = []
+        if self.options.synchronous:
+            replies = await self._step_barrier(unit_id)
+            grad_norms = [round(r.grad_norm, 6) for r in replies]
+            lr = replies[0].lr
+        else:
+            lr = lr_at(unit_id, self.config.optim)
+        elapsed = self.clock() - self._run_started
+        tokens_per_unit = unit.shape[0] * (unit.shape[1] - 1)
+        self._units_done += 1
+        return StepRecord(
+            step=unit_id + 1, loss=sum(losses) / len(losses), tokens=(unit_id + 1) * tokens_per_unit, lr=lr,
+            grad_norm=grad_norms, elapsed_s=elapsed,
+            tokens_per_s=self._units_done * tokens_per_unit / max(elapsed, 1e-9),
+            extra={"trainer": self.options.trainer_index, "reroutes": self.stats.reroutes},
+        )
+
+    async def run(self, total_steps: int) -> list[StepRecord]:
+        """Train this trainer's share of `total_steps` global batches.
+
+        Synchronous mode runs one global batch at a time (the barrier closes each). Otherwise
+        a window of global batches overlaps so the pipeline stays full across batch boundaries;
+        `max_in_flight` still bounds the microbatches in flight.
+        """
+        await self.refresh(force=True)
+        self._run_started = self.clock()
+        records: list[StepRecord] = []
+        window = 1 if self.options.synchronous else \
+            1 + -(-self.options.max_in_flight // self.config.train.microbatches)
+        pending: set[asyncio.Task] = set()
+
+        def finish(done: set[asyncio.Task]) -> None:
+            for record in sorted((task.result() for task in done), key=lambda r: r.step):
+                records.append(record)
+                if self.log_json is not None:
+                    self.log_json.write(record.to_json() + "\n")
+                    self.log_json.flush()
+                if self.on_record is not None:
+                    self.on_record(record)
+
+        try:
+            for unit_id in assigned_units(total_steps, self.options.trainer_index, self.options.trainers):
+                while len(pending) >= window:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    finish(done)
+                pending.add(asyncio.create_task(self.train_unit(unit_id)))
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                finish(done)
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        return records
+
+    async def evaluate(self, batches: list[torch.Tensor]) -> float:
+        """Mean held-out loss through the swarm (forward only: nothing stashed or accumulated)."""
+        losses = []
+        for index, batch in enumerate(batches):
+            for part, micro in enumerate(batch.chunk(self.config.train.microbatches)):
+                losses.append(await self.run_microbatch(f"eval{index}.{part}", micro[:, :-1], micro[:, 1:],
+                                                        evaluate=True))
+        return sum(losses) / max(1, len(losses))
+
+    async def __aenter__(self) -> "SwarmTrainer":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
+def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_peers: tuple[str, ...],
+                      steps: int, log_json: IO[str] | None = None, evaluate: bool = True) -> dict:
+    """`agora-node trainer`: join the DHT, train this trainer's share of `steps`, evaluate; a summary."""
+    from agora.dht.swarm import SwarmDHT
+    from agora.node.discovery import DHTDiscovery
+    from agora.node.server import run as run_loop
+    from agora.pipeline.data import build_data
+
+    data = build_data(config)
+    # hivemind forks its DHT process: start it before the event loop and gRPC channels exist.
+    swarm = SwarmDHT.start(initial_peers=initial_peers, client_mode=True)
+    discovery = DHTDiscovery(swarm, options.run_id, len(config.layer_split), config.train.seq_len)
+
+    async def main() -> dict:
+        async with SwarmTrainer(config, data, discovery, options, log_json=log_json) as trainer:
+            records = await trainer.run(steps)
+            held_out = None
+            if evaluate:
+                batches = data.heldout_batches(config.train.eval_batches, config.train.batch_size)
+                held_out = await trainer.evaluate(batches)
+            return {
+                "trainer": options.trainer_index, "steps": len(records),
+                "final_loss": records[-1].loss if records else None, "heldout_loss": held_out,
+                "tokens_per_s": records[-1].tokens_per_s if records else 0.0,
+                "microbatches": trainer.stats.microbatches, "reroutes": trainer.stats.reroutes,
+                "busy": trainer.stats.busy, "failures_by_peer": trainer.stats.failures_by_peer,
+                "seconds_by_stage": trainer.stats.seconds_by_stage,
+            }
+
+    try:
+        return run_loop(main())
+    finally:
+        swarm.shutdown()
