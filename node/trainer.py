@@ -62,12 +62,39 @@ def assigned_units(total_steps: int, trainer_index: int, trainers: int) -> list[
 
 
 @dataclass
+class StageTimes:
+    """Where one stage's calls spent their time, summed: on the worker's compute thread, waiting
+    for it, and the rest of the round trip (serialization, gRPC, the wire, decoding)."""
+
+    calls: int = 0
+    round_trip_s: float = 0.0
+    compute_s: float = 0.0
+    queued_s: float = 0.0
+
+    def add(self, round_trip_s: float, compute_s: float, queued_s: float) -> None:
+        self.calls += 1
+        self.round_trip_s += round_trip_s
+        self.compute_s += compute_s
+        self.queued_s += queued_s
+
+    def summary(self) -> dict[str, float]:
+        calls = max(1, self.calls)
+        wire = max(0.0, self.round_trip_s - self.compute_s - self.queued_s)
+        return {"calls": self.calls, "round_trip_ms": 1e3 * self.round_trip_s / calls,
+                "compute_ms": 1e3 * self.compute_s / calls, "queued_ms": 1e3 * self.queued_s / calls,
+                "wire_ms": 1e3 * wire / calls}
+
+
+@dataclass
 class TrainerStats:
     microbatches: int = 0
     reroutes: int = 0
     busy: int = 0
     failures_by_peer: dict[str, int] = field(default_factory=dict)
-    seconds_by_stage: dict[int, float] = field(default_factory=dict)
+    times_by_stage: dict[int, StageTimes] = field(default_factory=dict)
+
+    def time_split(self) -> dict[str, dict[str, float]]:
+        return {str(stage): times.summary() for stage, times in sorted(self.times_by_stage.items())}
 
 
 class SwarmTrainer:
@@ -137,7 +164,8 @@ class SwarmTrainer:
             raise
         seconds = self.clock() - started
         self.roster.succeeded(view.peer_id, seconds)
-        self.stats.seconds_by_stage[view.stage] = self.stats.seconds_by_stage.get(view.stage, 0.0) + seconds
+        times = self.stats.times_by_stage.setdefault(view.stage, StageTimes())
+        times.add(seconds, result.compute_s, result.queued_s)
         return result
 
     # ------------------------------------------------------------------ one microbatch
@@ -310,7 +338,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "tokens_per_s": records[-1].tokens_per_s if records else 0.0,
                 "microbatches": trainer.stats.microbatches, "reroutes": trainer.stats.reroutes,
                 "busy": trainer.stats.busy, "failures_by_peer": trainer.stats.failures_by_peer,
-                "seconds_by_stage": trainer.stats.seconds_by_stage,
+                "time_split_by_stage": trainer.stats.time_split(),
             }
 
     try:

@@ -26,6 +26,7 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -247,7 +248,17 @@ class StageWorker:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"stage {self.stage_index} worker is full: {self.options.max_queue} requests in "
                                 "flight; route to another replica or retry later")
-        future = self._executor.submit(fn, request)
+        admitted = time.perf_counter()
+
+        def timed(request: Any) -> T:
+            started = time.perf_counter()
+            reply = fn(request)
+            if hasattr(reply, "compute_s"):  # Forward/Backward replies report where the time went
+                reply = dataclasses.replace(reply, queued_s=started - admitted,
+                                            compute_s=time.perf_counter() - started)
+            return reply
+
+        future = self._executor.submit(timed, request)
         future.add_done_callback(self._release)
         return await self._answer(context, future)
 

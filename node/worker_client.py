@@ -110,6 +110,8 @@ class ForwardResult:
     step: int  # the worker's optimizer step when it ran
     wire_frame: bytes = b""  # the encoded output, to pass on without re-encoding
     grad_frame: bytes = b""
+    queued_s: float = 0.0  # the worker's own account: waiting for, and on, its compute thread
+    compute_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,8 @@ class BackwardResult:
     input_grad: torch.Tensor | None  # None on the head
     step: int
     grad_frame: bytes = b""
+    queued_s: float = 0.0
+    compute_s: float = 0.0
 
 
 class StageClient:
@@ -228,7 +232,8 @@ class StageClient:
         wire_out = self._decode(reply.wire, shape, "Forward") if reply.wire else None
         grad = self._decode(reply.input_grad, shape, "Forward") if reply.input_grad else None
         return ForwardResult(wire=wire_out, loss=reply.loss, input_grad=grad, step=reply.step,
-                             wire_frame=reply.wire, grad_frame=reply.input_grad)
+                             wire_frame=reply.wire, grad_frame=reply.input_grad,
+                             queued_s=reply.queued_s, compute_s=reply.compute_s)
 
     async def backward(self, microbatch_id: str, output_grad: torch.Tensor | bytes,
                        *, timeout_s: float | None = None) -> BackwardResult:
@@ -246,7 +251,8 @@ class StageClient:
             call = lambda timeout: stub.backward(request, timeout=timeout)  # noqa: E731
         reply = await self._invoke("Backward", call, timeout_s)
         grad = self._decode(reply.input_grad, shape, "Backward") if reply.input_grad else None
-        return BackwardResult(input_grad=grad, step=reply.step, grad_frame=reply.input_grad)
+        return BackwardResult(input_grad=grad, step=reply.step, grad_frame=reply.input_grad,
+                              queued_s=reply.queued_s, compute_s=reply.compute_s)
 
     async def step(self, microbatches: int, *, step: int | None = None,
                    timeout_s: float | None = None) -> StepReply:

@@ -71,6 +71,8 @@ class ForwardReply:
     loss: float | None = None  # tail only
     input_grad: bytes = b""  # tail: dL/d(input wire); empty on a single-stage pipeline
     step: int = 0
+    queued_s: float = 0.0  # waiting for the compute thread
+    compute_s: float = 0.0  # on the compute thread
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ class BackwardRequest:
 class BackwardReply:
     input_grad: bytes = b""  # empty on the head
     step: int = 0
+    queued_s: float = 0.0
+    compute_s: float = 0.0
 
 
 @dataclass(frozen=True)

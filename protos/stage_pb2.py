@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61gora/protos/stage.proto\x12\x08\x61gora.v1\"\x87\x01\n\x0e\x46orwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0c\n\x04wire\x18\x04 \x01(\x0c\x12\x0e\n\x06tokens\x18\x05 \x01(\x0c\x12\x0f\n\x07targets\x18\x06 \x01(\x0c\x12\x10\n\x08\x65valuate\x18\x07 \x01(\x08\"Z\n\x0c\x46orwardReply\x12\x0c\n\x04wire\x18\x01 \x01(\x0c\x12\x11\n\x04loss\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\ninput_grad\x18\x03 \x01(\x0c\x12\x0c\n\x04step\x18\x04 \x01(\x04\x42\x07\n\x05_loss\"\\\n\x0f\x42\x61\x63kwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x13\n\x0boutput_grad\x18\x04 \x01(\x0c\"1\n\rBackwardReply\x12\x12\n\ninput_grad\x18\x01 \x01(\x0c\x12\x0c\n\x04step\x18\x02 \x01(\x04\"^\n\x0bStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x14\n\x0cmicrobatches\x18\x03 \x01(\r\x12\x11\n\x04step\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_step\"^\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\tgrad_norm\x18\x02 \x01(\x01\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x0f\n\x07skipped\x18\x04 \x01(\x08\x12\x13\n\x0b\x61\x63\x63umulated\x18\x05 \x01(\r\"\r\n\x0bInfoRequest\"\xb3\x01\n\tInfoReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x10\n\x08n_stages\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x0c\n\x04load\x18\x06 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\r\x12\x0f\n\x07stashed\x18\x08 \x01(\r\x12\x13\n\x0bsynchronous\x18\t \x01(\x08\x12\x12\n\nthroughput\x18\n \x01(\x01\x32\xfd\x02\n\x05Stage\x12;\n\x07\x46orward\x12\x18.agora.v1.ForwardRequest\x1a\x16.agora.v1.ForwardReply\x12>\n\x08\x42\x61\x63kward\x12\x19.agora.v1.BackwardRequest\x1a\x17.agora.v1.BackwardReply\x12\x32\n\x04Step\x12\x15.agora.v1.StepRequest\x1a\x13.agora.v1.StepReply\x12\x32\n\x04Info\x12\x15.agora.v1.InfoRequest\x1a\x13.agora.v1.InfoReply\x12\x45\n\rForwardStream\x12\x18.agora.v1.ForwardRequest\x1a\x16.agora.v1.ForwardReply(\x01\x30\x01\x12H\n\x0e\x42\x61\x63kwardStream\x12\x19.agora.v1.BackwardRequest\x1a\x17.agora.v1.BackwardReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61gora/protos/stage.proto\x12\x08\x61gora.v1\"\x87\x01\n\x0e\x46orwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0c\n\x04wire\x18\x04 \x01(\x0c\x12\x0e\n\x06tokens\x18\x05 \x01(\x0c\x12\x0f\n\x07targets\x18\x06 \x01(\x0c\x12\x10\n\x08\x65valuate\x18\x07 \x01(\x08\"\x7f\n\x0c\x46orwardReply\x12\x0c\n\x04wire\x18\x01 \x01(\x0c\x12\x11\n\x04loss\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\ninput_grad\x18\x03 \x01(\x0c\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x10\n\x08queued_s\x18\x05 \x01(\x01\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\x42\x07\n\x05_loss\"\\\n\x0f\x42\x61\x63kwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x13\n\x0boutput_grad\x18\x04 \x01(\x0c\"V\n\rBackwardReply\x12\x12\n\ninput_grad\x18\x01 \x01(\x0c\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x10\n\x08queued_s\x18\x03 \x01(\x01\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\"^\n\x0bStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x14\n\x0cmicrobatches\x18\x03 \x01(\r\x12\x11\n\x04step\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_step\"^\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\tgrad_norm\x18\x02 \x01(\x01\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x0f\n\x07skipped\x18\x04 \x01(\x08\x12\x13\n\x0b\x61\x63\x63umulated\x18\x05 \x01(\r\"\r\n\x0bInfoRequest\"\xb3\x01\n\tInfoReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x10\n\x08n_stages\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x0c\n\x04load\x18\x06 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\r\x12\x0f\n\x07stashed\x18\x08 \x01(\r\x12\x13\n\x0bsynchronous\x18\t \x01(\x08\x12\x12\n\nthroughput\x18\n \x01(\x01\x32\xfd\x02\n\x05Stage\x12;\n\x07\x46orward\x12\x18.agora.v1.ForwardRequest\x1a\x16.agora.v1.ForwardReply\x12>\n\x08\x42\x61\x63kward\x12\x19.agora.v1.BackwardRequest\x1a\x17.agora.v1.BackwardReply\x12\x32\n\x04Step\x12\x15.agora.v1.StepRequest\x1a\x13.agora.v1.StepReply\x12\x32\n\x04Info\x12\x15.agora.v1.InfoRequest\x1a\x13.agora.v1.InfoReply\x12\x45\n\rForwardStream\x12\x18.agora.v1.ForwardRequest\x1a\x16.agora.v1.ForwardReply(\x01\x30\x01\x12H\n\x0e\x42\x61\x63kwardStream\x12\x19.agora.v1.BackwardRequest\x1a\x17.agora.v1.BackwardReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FORWARDREQUEST']._serialized_start=39
   _globals['_FORWARDREQUEST']._serialized_end=174
   _globals['_FORWARDREPLY']._serialized_start=176
-  _globals['_FORWARDREPLY']._serialized_end=266
-  _globals['_BACKWARDREQUEST']._serialized_start=268
-  _globals['_BACKWARDREQUEST']._serialized_end=360
-  _globals['_BACKWARDREPLY']._serialized_start=362
-  _globals['_BACKWARDREPLY']._serialized_end=411
-  _globals['_STEPREQUEST']._serialized_start=413
-  _globals['_STEPREQUEST']._serialized_end=507
-  _globals['_STEPREPLY']._serialized_start=509
-  _globals['_STEPREPLY']._serialized_end=603
-  _globals['_INFOREQUEST']._serialized_start=605
-  _globals['_INFOREQUEST']._serialized_end=618
-  _globals['_INFOREPLY']._serialized_start=621
-  _globals['_INFOREPLY']._serialized_end=800
-  _globals['_STAGE']._serialized_start=803
-  _globals['_STAGE']._serialized_end=1184
+  _globals['_FORWARDREPLY']._serialized_end=303
+  _globals['_BACKWARDREQUEST']._serialized_start=305
+  _globals['_BACKWARDREQUEST']._serialized_end=397
+  _globals['_BACKWARDREPLY']._serialized_start=399
+  _globals['_BACKWARDREPLY']._serialized_end=485
+  _globals['_STEPREQUEST']._serialized_start=487
+  _globals['_STEPREQUEST']._serialized_end=581
+  _globals['_STEPREPLY']._serialized_start=583
+  _globals['_STEPREPLY']._serialized_end=677
+  _globals['_INFOREQUEST']._serialized_start=679
+  _globals['_INFOREQUEST']._serialized_end=692
+  _globals['_INFOREPLY']._serialized_start=695
+  _globals['_INFOREPLY']._serialized_end=874
+  _globals['_STAGE']._serialized_start=877
+  _globals['_STAGE']._serialized_end=1258
 # @@protoc_insertion_point(module_scope)

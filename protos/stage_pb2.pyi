@@ -23,16 +23,20 @@ class ForwardRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., wire: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., evaluate: _Optional[bool] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("wire", "loss", "input_grad", "step")
+    __slots__ = ("wire", "loss", "input_grad", "step", "queued_s", "compute_s")
     WIRE_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     wire: bytes
     loss: float
     input_grad: bytes
     step: int
-    def __init__(self, wire: _Optional[bytes] = ..., loss: _Optional[float] = ..., input_grad: _Optional[bytes] = ..., step: _Optional[int] = ...) -> None: ...
+    queued_s: float
+    compute_s: float
+    def __init__(self, wire: _Optional[bytes] = ..., loss: _Optional[float] = ..., input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("run_id", "microbatch_id", "stage", "output_grad")
@@ -47,12 +51,16 @@ class BackwardRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., output_grad: _Optional[bytes] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
-    __slots__ = ("input_grad", "step")
+    __slots__ = ("input_grad", "step", "queued_s", "compute_s")
     INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     input_grad: bytes
     step: int
-    def __init__(self, input_grad: _Optional[bytes] = ..., step: _Optional[int] = ...) -> None: ...
+    queued_s: float
+    compute_s: float
+    def __init__(self, input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("run_id", "stage", "microbatches", "step")

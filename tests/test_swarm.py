@@ -1,0 +1,58 @@
+"""Multi-process swarms on loopback: every role is a real `agora-node <role>` process.
+
+These are the end-to-end tests of the product: the demo is the exact command set a user runs.
+Children run one torch thread each (`--threads 1`), readiness is signalled by ready files, and
+the demo reaps every process it started (checked below via the exit codes it reports).
+"""
+
+import json
+
+import pytest
+
+from agora.node.cli import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _demo(tmp_path, *flags):
+    summary_path, log_path = tmp_path / "summary.json", tmp_path / "log.jsonl"
+    code = main(["demo", "--workdir", str(tmp_path / "work"), "--summary-json", str(summary_path),
+                 "--log-json", str(log_path), *flags])
+    summary = json.loads(summary_path.read_text())
+    lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+    return code, summary, lines
+
+
+def test_demo_sync_reproduces_train_local(tmp_path):
+    flags = ["--config", "tiny", "--stages", "3", "--steps", "12", "--seed", "5"]
+    assert main(["train-local", *flags, "--log-json", str(tmp_path / "local.jsonl")]) == 0
+    local = [json.loads(line) for line in (tmp_path / "local.jsonl").read_text().splitlines()]
+    code, summary, swarm = _demo(tmp_path, *flags, "--sync")
+    assert code == 0 and summary["outcome"] == "completed"
+    assert [line["step"] for line in swarm] == [line["step"] for line in local] == list(range(1, 13))
+    for ours, reference in zip(swarm, local):
+        assert ours["loss"] == pytest.approx(reference["loss"], abs=1e-3)
+        assert ours["tokens"] == reference["tokens"]
+        assert ours["lr"] == pytest.approx(reference["lr"], rel=1e-9)
+    assert set(summary["exit_codes"].values()) == {0}  # every role left cleanly on SIGTERM
+
+
+def test_async_demo_two_replicas_two_trainers_lowers_the_loss(tmp_path):
+    code, summary, lines = _demo(tmp_path, "--stages", "2", "--replicas", "2", "--trainers", "2",
+                                 "--steps", "30", "--seed", "2")
+    assert code == 0 and summary["steps"] == 30
+    assert sorted(line["step"] for line in lines) == list(range(1, 31))
+    assert {line["trainer"] for line in lines} == {0, 1}
+    first = sum(line["loss"] for line in lines[:4]) / 4
+    assert summary["final_loss"] < first - 0.5
+    assert summary["heldout_loss"] < first
+    assert summary["workers_per_stage"] == {"0": 2, "1": 2}
+
+
+def test_killed_worker_is_routed_around_and_the_run_finishes(tmp_path):
+    code, summary, lines = _demo(tmp_path, "--stages", "2", "--replicas", "2", "--steps", "16",
+                                 "--seed", "4", "--kill-worker-at", "4")
+    assert code == 0 and summary["outcome"] == "completed"
+    assert summary["killed"] == ["worker-s1-r0"]
+    assert [line["step"] for line in lines] == list(range(1, 17))
+    assert summary["exit_codes"]["worker-s1-r0"] != 0  # it was killed, not asked to leave
