@@ -76,10 +76,11 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
 def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from agora.dht.bootstrap import run_bootstrap
+    from agora.dht.swarm import DHTRequestError
 
     try:
         return run_bootstrap(args.host, args.port, tuple(args.initial_peers), args.identity_path, args.ready_file)
-    except ValueError as error:
+    except (ValueError, DHTRequestError) as error:
         raise ConfigError(str(error)) from None
 
 

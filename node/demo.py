@@ -216,11 +216,31 @@ def _summary(options: DemoOptions, lines: list[dict], workdir: Path, workers, ki
         "wall_s": round(wall_s, 2),
         "workers_per_stage": {str(k): v for k, v in sorted(per_stage.items())},
         "reroutes": sum(s.get("reroutes", 0) for s in trainer_summaries),
+        "time_split_by_stage": _merge_time_splits([s.get("time_split_by_stage", {}) for s in trainer_summaries]),
         "busy_retries": sum(s.get("busy", 0) for s in trainer_summaries),
         "killed": killed,
         "exit_codes": exit_codes,
         "mode": "sync" if options.sync else "async",
     }
+
+
+def _merge_time_splits(splits: list[dict]) -> dict:
+    """Per-stage mean milliseconds per call over all trainers, weighted by their call counts."""
+    merged: dict[str, dict[str, float]] = {}
+    for split in splits:
+        for stage, times in split.items():
+            into = merged.setdefault(stage, {"calls": 0})
+            calls = times["calls"]
+            for key, value in times.items():
+                if key != "calls":
+                    into[key] = into.get(key, 0.0) + value * calls
+            into["calls"] += calls
+    for times in merged.values():
+        calls = max(1, times["calls"])
+        for key in times:
+            if key != "calls":
+                times[key] = round(times[key] / calls, 3)
+    return merged
 
 
 def _print_summary(summary: dict) -> None:

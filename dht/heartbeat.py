@@ -1,0 +1,140 @@
+"""Heartbeat: keep a worker's DHT record alive while the worker is, and no longer.
+
+Design choices:
+
+- The record is rebuilt from a callable on every beat, so step, queue depth and
+  throughput are current; the heartbeat stamps ``updated_at`` with the DHT clock.
+- Each announce expires after ``3 * interval``: a worker that dies (kill -9) vanishes from
+  readers after about three missed beats, with no one having to notice the death.
+- Beats run at a fixed rate from the start time; a beat that ran late does not cause a
+  burst of catch-up beats, the schedule just restarts from now.
+- One failed beat (DHT timeout, an invalid record from the callable) is logged and
+  counted, never fatal: the next beat may succeed, and expiration covers the worst case.
+- ``stop()`` cancels the loop, then withdraws the record (tombstone) so trainers stop
+  routing to a worker that is leaving before its record would have expired. A store
+  still in flight when the loop is cancelled cannot resurrect the record: the tombstone
+  is written with a later expiration, and the later expiration wins in hivemind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+from agora.dht.records import WorkerRecord
+from agora.dht.swarm import DHTRequestError, SwarmDHT
+
+__all__ = ["DEFAULT_INTERVAL", "MISSED_BEATS_TO_EXPIRE", "Heartbeat"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL = 5.0
+MISSED_BEATS_TO_EXPIRE = 3
+
+
+class Heartbeat:
+    """Re-announce ``current_record()`` every ``interval`` seconds until stopped."""
+
+    def __init__(
+        self,
+        swarm: SwarmDHT,
+        current_record: Callable[[], WorkerRecord],
+        *,
+        interval: float = DEFAULT_INTERVAL,
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"heartbeat interval must be > 0 seconds, got {interval}")
+        self._swarm = swarm
+        self._current_record = current_record
+        self.interval = interval
+        self.ttl = MISSED_BEATS_TO_EXPIRE * interval
+        self.beats = 0  # announces accepted by the DHT
+        self.failures = 0  # beats that raised or were refused
+        self._task: Optional[asyncio.Task[None]] = None
+        self._last_announced: Optional[WorkerRecord] = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def last_announced(self) -> Optional[WorkerRecord]:
+        """The last record the DHT accepted (None before the first one and after a withdraw)."""
+        return self._last_announced
+
+    async def start(self) -> bool:
+        """Announce once now, then keep beating in a background task.
+
+        Returns whether the first announce was accepted, so a caller can tell whether it
+        is discoverable yet; the loop runs either way.
+        """
+        if self._task is not None:
+            raise RuntimeError("heartbeat already started")
+        accepted = await self.beat()
+        self._task = asyncio.create_task(self._run(), name="agora-dht-heartbeat")
+        return accepted
+
+    async def beat(self) -> bool:
+        """Announce the current record now (for example right after a phase change)."""
+        try:
+            record = dataclasses.replace(self._current_record(), updated_at=self._swarm.clock())
+            previous = self._last_announced
+            accepted = await self._swarm.announce_worker_async(record, self.ttl)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a missed beat must not kill the worker
+            self.failures += 1
+            logger.warning("heartbeat failed: %s: %s", type(error).__name__, error)
+            return False
+        if not accepted:
+            self.failures += 1
+            logger.warning("heartbeat refused by the DHT for %s", record.peer_id)
+            return False
+        self.beats += 1
+        self._last_announced = record
+        if previous is not None and (previous.run_id, previous.stage, previous.peer_id) != (
+            record.run_id,
+            record.stage,
+            record.peer_id,
+        ):
+            # The worker moved (another stage or identity): its old entry must not linger.
+            await self._withdraw(previous)
+        return True
+
+    async def stop(self, *, withdraw: bool = True) -> None:
+        """Stop beating; with ``withdraw`` (the default) remove the record right away."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            # wait(), not await: the task's CancelledError stays in the task, while a
+            # cancellation of stop() itself still propagates.
+            await asyncio.wait([task])
+        if withdraw and self._last_announced is not None:
+            record, self._last_announced = self._last_announced, None
+            await self._withdraw(record)
+
+    async def __aenter__(self) -> Heartbeat:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_beat = loop.time() + self.interval
+        while True:
+            await asyncio.sleep(max(0.0, next_beat - loop.time()))
+            await self.beat()
+            next_beat += self.interval
+            if next_beat < loop.time():
+                next_beat = loop.time()
+
+    async def _withdraw(self, record: WorkerRecord) -> None:
+        try:
+            await self._swarm.withdraw_async(record.run_id, record.stage, record.peer_id)
+        except DHTRequestError as error:
+            # The record still expires on its own within one ttl.
+            logger.warning("could not withdraw %s from the DHT: %s", record.peer_id, error)

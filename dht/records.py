@@ -1,0 +1,208 @@
+"""Typed records that peers publish in the DHT, and their wire form.
+
+Design choices:
+
+- A record is a frozen dataclass whose fields are plain scalars (str, int, float, bool).
+  Its wire form is a flat dict of those scalars plus ``schema`` and ``kind``: exactly what
+  msgpack (hivemind's serializer) carries without extension types, so a peer written in
+  another language, or a later version of this one, can read it.
+- Validation runs on construction, so a record that exists is a valid record. Reading
+  goes through ``from_wire``, which turns *anything* (another peer's mistake, an attack,
+  an older schema) into either a record or a ``RecordError`` whose message is one readable
+  line naming the field. Readers skip and count such values; they never crash on them.
+- ``schema`` must match exactly: a breaking change bumps ``SCHEMA_VERSION`` and old
+  readers reject new records cleanly. Unknown extra fields are ignored, so adding a field
+  with a default does not need a bump.
+- Key naming lives here, next to the schemas, so every reader and writer builds the same
+  keys. ``run_id`` is restricted to ``[A-Za-z0-9_-]`` so that the dots in keys separate
+  components unambiguously.
+- ``Record`` is the base for later record types (leases, rounds): subclass it, declare
+  scalar fields, set ``KIND``, and put range checks in ``check()``.
+"""
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, TypeVar
+
+__all__ = [
+    "MAX_STAGES",
+    "PHASES",
+    "SCHEMA_VERSION",
+    "Record",
+    "RecordError",
+    "WorkerRecord",
+    "check_run_id",
+    "parse_endpoint",
+    "worker_key",
+]
+
+SCHEMA_VERSION = 1
+PHASES = frozenset({"weight_sync", "optimizer_sync", "member", "leaving"})
+# Generous bounds: they exist to reject garbage cheaply, not to constrain real runs.
+MAX_STAGES = 4096
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_SCALAR_TYPES = (str, int, float, bool)
+
+R = TypeVar("R", bound="Record")
+
+
+class RecordError(ValueError):
+    """A value that is not a valid record; the message is one line naming the field."""
+
+
+def check_run_id(run_id: object) -> str:
+    """Return ``run_id`` if it can be part of a key, else raise ``RecordError``."""
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+        raise RecordError(f"run_id: expected 1-64 characters of [A-Za-z0-9_-], got {run_id!r:.80}")
+    return run_id
+
+
+def worker_key(run_id: str, stage: int) -> str:
+    """The DHT key under which the workers of one stage announce (one subkey per peer)."""
+    check_run_id(run_id)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < MAX_STAGES:
+        raise RecordError(f"stage: expected an int in [0, {MAX_STAGES}), got {stage!r}")
+    return f"{run_id}.stage{stage}.workers"
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 as ``[addr]:port``) into (host, port); raise ``RecordError``."""
+    host, sep, port_text = endpoint.rpartition(":")
+    if not sep or not host or not (port_text.isascii() and port_text.isdigit()):
+        raise RecordError(f"endpoint: expected 'host:port', got {endpoint!r:.80}")
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            raise RecordError(f"endpoint: malformed IPv6 host in {endpoint!r:.80}")
+        host = host[1:-1]
+    elif ":" in host:
+        raise RecordError(f"endpoint: IPv6 hosts must be bracketed ('[::1]:port'), got {endpoint!r:.80}")
+    if any(ch.isspace() for ch in host):
+        raise RecordError(f"endpoint: host contains whitespace: {endpoint!r:.80}")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise RecordError(f"endpoint: port {port} out of range [1, 65535]")
+    return host, port
+
+
+@dataclass(frozen=True)
+class Record:
+    """Base of DHT records: a frozen dataclass of scalar fields, validated on construction.
+
+    Subclasses set ``KIND`` and override ``check()`` for range checks. Field annotations
+    must be real types (no ``from __future__ import annotations`` in subclass modules),
+    because the type check reads them at runtime.
+    """
+
+    KIND: ClassVar[str] = ""
+    MAX_STRING_LENGTH: ClassVar[int] = 256
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            expected = _field_type(type(self), field)
+            if not _is_instance(value, expected):
+                raise RecordError(
+                    f"{self.KIND}.{field.name}: expected {expected.__name__}, got {type(value).__name__}"
+                )
+            if isinstance(value, str) and len(value) > self.MAX_STRING_LENGTH:
+                raise RecordError(
+                    f"{self.KIND}.{field.name}: {len(value)} characters, at most {self.MAX_STRING_LENGTH}"
+                )
+            if expected is float:
+                # Normalize whole numbers so equal records compare and serialize equal.
+                try:
+                    number = float(value)
+                except OverflowError:  # an int beyond float range
+                    number = math.inf
+                if not math.isfinite(number):
+                    raise RecordError(f"{self.KIND}.{field.name}: must be finite, got {number}")
+                object.__setattr__(self, field.name, number)
+        self.check()
+
+    def check(self) -> None:
+        """Range and consistency checks; raise ``RecordError`` naming the field."""
+
+    def to_wire(self) -> dict[str, Any]:
+        """A plain dict that msgpack serializes as is."""
+        wire: dict[str, Any] = {"schema": SCHEMA_VERSION, "kind": self.KIND}
+        wire.update(dataclasses.asdict(self))
+        return wire
+
+    @classmethod
+    def from_wire(cls: type[R], value: object) -> R:
+        """Parse a value read from the DHT, or raise ``RecordError`` saying why not."""
+        if not isinstance(value, Mapping):
+            raise RecordError(f"{cls.KIND}: expected a dict, got {type(value).__name__}")
+        schema = value.get("schema")
+        if schema != SCHEMA_VERSION:
+            raise RecordError(f"{cls.KIND}.schema: expected {SCHEMA_VERSION}, got {schema!r:.40}")
+        kind = value.get("kind")
+        if kind != cls.KIND:
+            raise RecordError(f"{cls.KIND}.kind: expected {cls.KIND!r}, got {kind!r:.40}")
+        kwargs = {}
+        for field in dataclasses.fields(cls):
+            if field.name in value:
+                kwargs[field.name] = value[field.name]
+            elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                raise RecordError(f"{cls.KIND}.{field.name}: missing")
+        return cls(**kwargs)
+
+
+def _field_type(cls: type, field: dataclasses.Field) -> type:
+    if field.type not in _SCALAR_TYPES:
+        raise TypeError(f"{cls.__name__}.{field.name}: record fields must be str, int, float or bool")
+    return field.type
+
+
+def _is_instance(value: object, expected: type) -> bool:
+    # bool is a subclass of int in Python, but a bool where a count belongs is a bug.
+    if expected is not bool and isinstance(value, bool):
+        return False
+    if expected is float:
+        # A writer in another language may encode a whole float as a msgpack int.
+        return isinstance(value, (float, int))
+    return isinstance(value, expected)
+
+
+@dataclass(frozen=True)
+class WorkerRecord(Record):
+    """What a stage worker announces about itself every heartbeat.
+
+    ``throughput`` is an exponential moving average in samples/s or tokens/s (the run
+    decides; trainers only compare workers of one run). ``version`` is the announcing
+    software's version string, so trainers can skip peers that speak another protocol.
+    ``updated_at`` is DHT time (seconds, hivemind's ``get_dht_time`` clock) of the announce.
+    """
+
+    KIND: ClassVar[str] = "worker"
+
+    peer_id: str
+    run_id: str
+    endpoint: str
+    stage: int
+    n_stages: int
+    throughput: float
+    queue_depth: int
+    step: int
+    phase: str
+    version: str
+    updated_at: float
+
+    def check(self) -> None:
+        if not self.peer_id:
+            raise RecordError("worker.peer_id: empty")
+        check_run_id(self.run_id)
+        parse_endpoint(self.endpoint)
+        if not 1 <= self.n_stages <= MAX_STAGES:
+            raise RecordError(f"worker.n_stages: {self.n_stages} out of range [1, {MAX_STAGES}]")
+        if not 0 <= self.stage < self.n_stages:
+            raise RecordError(f"worker.stage: {self.stage} out of range [0, n_stages={self.n_stages})")
+        for name in ("throughput", "queue_depth", "step", "updated_at"):
+            if getattr(self, name) < 0:
+                raise RecordError(f"worker.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.phase not in PHASES:
+            raise RecordError(f"worker.phase: expected one of {sorted(PHASES)}, got {self.phase!r:.40}")
+        if not self.version:
+            raise RecordError("worker.version: empty")

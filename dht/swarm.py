@@ -1,0 +1,486 @@
+"""SwarmDHT: the one owner of the hivemind DHT process, with typed reads and writes.
+
+Design choices:
+
+- hivemind runs its DHT node in a forked process and answers through ``MPFuture``s.
+  Every such future is created and resolved in this module, with a timeout; callers get
+  plain values or one exception type, ``DHTRequestError``. Blocking methods suit
+  threads and scripts; each has an ``*_async`` twin that runs it in a thread
+  (``asyncio.to_thread``) so an event loop never blocks on the DHT.
+- Requests go down one pipe to the DHT process; ``multiprocessing.Connection.send``
+  is not safe from several threads at once, so sends are serialized by a lock (waiting
+  for the answer happens outside it).
+- A stage's workers share one key, ``{run_id}.stage{i}.workers``, each under its own
+  subkey (its peer id), so a worker's announce never overwrites another's.
+- hivemind cannot delete. A store wins only if its expiration is *later* than the one
+  held, and a store whose expiration is already past is refused. So withdrawing writes a
+  tombstone (``None``) whose expiration is just after the withdrawn entry's; readers skip
+  tombstones. To make this (and re-announcing after a withdraw) always win, every
+  expiration this peer writes to an entry is strictly later than the last one it wrote.
+- Reads use ``latest=True`` by default: without it hivemind returns the first unexpired
+  copy it meets, usually this node's own cache, which can miss subkeys other peers added
+  since. With it, the search visits the nearest peers and merges their subkeys.
+- Values from other peers are untrusted: anything that is not a valid record (wrong
+  shape, bad field, subkey that does not match the record) is skipped, counted per key
+  in ``rejections()`` and logged (warning once per entry and reason, then debug).
+- A kill -9 of the owning process must not leave hivemind's DHT process (and its p2pd)
+  serving forever: the DHT process started here exits once it is orphaned.
+- The clock is injectable (default ``hivemind.utils.get_dht_time``) and is used for the
+  expirations this peer writes and to drop entries that expired by its reading. It must
+  stay within a few seconds of DHT time: hivemind's own storage prunes and refuses by
+  the real clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Iterable, Optional, Sequence, TypeVar
+
+import hivemind
+from hivemind.utils import get_dht_time
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from agora.dht.records import Record, RecordError, WorkerRecord, check_run_id, worker_key
+
+__all__ = [
+    "DEFAULT_HOST_MADDRS",
+    "Clock",
+    "DHTRequestError",
+    "Stored",
+    "SwarmDHT",
+]
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+R = TypeVar("R", bound=Record)
+
+DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+# Each write to an entry expires at least this much later than the previous one (see above).
+_EXPIRATION_STEP = 1e-3
+# How often the DHT process checks that its owner is still alive.
+_OWNER_CHECK_PERIOD = 1.0
+# Bounds on per-instance bookkeeping, so a long-lived peer's memory stays flat.
+_MAX_TRACKED_ENTRIES = 4096
+_MAX_WARNED_REJECTIONS = 1024
+
+
+class DHTRequestError(RuntimeError):
+    """A DHT request failed: timed out, the DHT process is gone, or hivemind raised."""
+
+
+@dataclass(frozen=True)
+class Stored(Generic[R]):
+    """A record as read from the DHT, with the DHT time at which it expires."""
+
+    record: R
+    expiration_time: float
+
+
+class SwarmDHT:
+    """Typed access to one hivemind DHT peer. Create with ``SwarmDHT.start(...)``.
+
+    Wrapping an already started ``hivemind.DHT`` through the constructor hands it over:
+    ``shutdown()`` shuts it down.
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        *,
+        clock: Clock = get_dht_time,
+        request_timeout: float = 10.0,
+    ) -> None:
+        self._dht = dht
+        self._clock = clock
+        self.request_timeout = request_timeout
+        self._send_lock = threading.Lock()
+        self._closed = False
+        # (key, subkey) -> latest expiration this peer wrote there; see the module docstring.
+        self._written: dict[tuple[str, Optional[str]], float] = {}
+        self._rejections: Counter[str] = Counter()
+        self._warned: set[tuple[str, str, str]] = set()
+        self._peer_id: str = self._run_coroutine(_node_peer_id, "peer id")
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
+        announce_maddrs: Optional[Sequence[str]] = None,
+        identity_path: Optional[str] = None,
+        client_mode: bool = False,
+        record_validators: Iterable[Any] = (),
+        clock: Clock = get_dht_time,
+        request_timeout: float = 10.0,
+        startup_timeout: float = 30.0,
+        **dht_kwargs: Any,
+    ) -> SwarmDHT:
+        """Start a DHT peer: a new swarm if ``initial_peers`` is empty, else join through them.
+
+        Start it before creating gRPC servers or torch threads: hivemind forks its process.
+        ``record_validators`` (hivemind ``RecordValidatorBase``) and ``dht_kwargs`` pass
+        through to ``hivemind.DHT``. Failing to join raises ``DHTRequestError``.
+        """
+        options = dict(dht_kwargs)
+        if announce_maddrs:
+            options["announce_maddrs"] = list(announce_maddrs)
+        if identity_path is not None:
+            options["identity_path"] = identity_path
+        dht = _OwnedDHT(
+            initial_peers=list(initial_peers) or None,
+            start=False,
+            host_maddrs=list(host_maddrs),
+            client_mode=client_mode,
+            record_validators=record_validators,
+            **options,
+        )
+        try:
+            dht.run_in_background(await_ready=True, timeout=startup_timeout)
+            return cls(dht, clock=clock, request_timeout=request_timeout)
+        except BaseException as error:
+            _stop_process(dht)
+            if isinstance(error, Exception):
+                raise DHTRequestError(f"DHT peer failed to start: {error}") from error
+            raise
+
+    # ---- identity and lifecycle -------------------------------------------------------
+
+    @property
+    def peer_id(self) -> str:
+        """This peer's libp2p id (base58), the natural subkey for its own entries."""
+        return self._peer_id
+
+    @property
+    def hivemind_dht(self) -> hivemind.DHT:
+        """The wrapped ``hivemind.DHT``, only for hivemind classes that take one (the averager)."""
+        return self._dht
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def alive(self) -> bool:
+        """Whether the DHT process is running and not shut down."""
+        return not self._closed and self._dht.is_alive()
+
+    def visible_maddrs(self) -> list[str]:
+        """Multiaddrs (with ``/p2p/<peer id>``) that other peers pass as initial peers."""
+        return self._run_coroutine(_node_visible_maddrs, "visible multiaddrs")
+
+    def shutdown(self) -> None:
+        """Stop the DHT process and its p2pd. Idempotent; later requests raise."""
+        with self._send_lock:
+            if self._closed:
+                return
+            self._closed = True
+        _stop_process(self._dht)
+
+    def __enter__(self) -> SwarmDHT:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "running"
+        return f"SwarmDHT(peer_id={self._peer_id!r}, {state})"
+
+    # ---- workers ------------------------------------------------------------------------
+
+    def announce_worker(self, record: WorkerRecord, ttl: float) -> bool:
+        """Store ``record`` under its stage's key, subkey = its peer id, for ``ttl`` seconds.
+
+        Returns False if no DHT peer accepted it (it held a later expiration).
+        """
+        key = worker_key(record.run_id, record.stage)
+        return self.store(key, record, ttl, subkey=record.peer_id)
+
+    def live_workers(self, run_id: str, stage: int, *, latest: bool = True) -> list[WorkerRecord]:
+        """Valid, unexpired, not withdrawn workers of one stage, sorted by peer id."""
+        key = worker_key(run_id, stage)
+        entries = self.get_entries(key, WorkerRecord, latest=latest)
+        # get_entries sorts by subkey, which _matches_key requires to be the peer id.
+        return [
+            stored.record
+            for subkey, stored in entries.items()
+            if self._matches_key(key, subkey, stored.record, run_id, stage)
+        ]
+
+    def all_workers(self, run_id: str, n_stages: int, *, latest: bool = True) -> dict[int, list[WorkerRecord]]:
+        """``live_workers`` of every stage in ``range(n_stages)`` (empty stages included).
+
+        The stages are looked up concurrently inside the DHT process.
+        """
+        check_run_id(run_id)
+        keys = [worker_key(run_id, stage) for stage in range(n_stages)]
+        deadline = time.monotonic() + self.request_timeout
+        futures = [
+            self._submit(lambda key=key: self._dht.get(key, latest=latest, return_future=True)) for key in keys
+        ]
+        found = [self._wait(future, f"get {key!r}", deadline) for key, future in zip(keys, futures)]
+        result: dict[int, list[WorkerRecord]] = {}
+        for stage, (key, value) in enumerate(zip(keys, found)):
+            entries = self._parse_entries(key, value, WorkerRecord)
+            result[stage] = [
+                stored.record
+                for subkey, stored in entries.items()
+                if self._matches_key(key, subkey, stored.record, run_id, stage)
+            ]
+        return result
+
+    def withdraw(self, run_id: str, stage: int, peer_id: str) -> bool:
+        """Make a worker's entry disappear for every reader now (tombstone, see module doc)."""
+        return self.delete(worker_key(run_id, stage), subkey=peer_id)
+
+    # ---- generic typed access -----------------------------------------------------------
+
+    def store(self, key: str, record: Record, ttl: float, *, subkey: Optional[str] = None) -> bool:
+        """Store a record for ``ttl`` seconds of DHT time; returns whether any peer accepted it."""
+        if not ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
+        expiration = self._claim_expiration(key, subkey, self._clock() + ttl)
+        wire = record.to_wire()
+        accepted = self._request(
+            lambda: self._dht.store(key, wire, expiration, subkey=subkey, return_future=True), f"store {key!r}"
+        )
+        return bool(accepted)
+
+    def delete(self, key: str, *, subkey: Optional[str] = None) -> bool:
+        """Hide an entry from readers by outliving it with a tombstone; True if none remains.
+
+        The expiration to outlive is the last one this peer wrote there or, if it wrote
+        none, the one found in the DHT.
+        """
+        target = self._written.get((key, subkey))
+        if target is None:
+            found = self._get_raw(key, latest=True)
+            target = _entry_expiration(found, subkey)
+        if target is None or target < self._clock():
+            return True  # nothing unexpired to hide
+        expiration = self._claim_expiration(key, subkey, target + _EXPIRATION_STEP)
+        accepted = self._request(
+            lambda: self._dht.store(key, None, expiration, subkey=subkey, return_future=True), f"delete {key!r}"
+        )
+        return bool(accepted)
+
+    def get_record(self, key: str, record_type: type[R], *, latest: bool = True) -> Optional[Stored[R]]:
+        """The record stored under a plain key (no subkeys), or None if absent or invalid."""
+        found = self._get_raw(key, latest)
+        if found is None or found.expiration_time < self._clock() or found.value is None:
+            return None
+        if _is_subkey_dict(found.value):
+            self._reject(key, None, "expected one record, found subkeys")
+            return None
+        try:
+            return Stored(record_type.from_wire(found.value), found.expiration_time)
+        except RecordError as error:
+            self._reject(key, None, str(error))
+            return None
+
+    def get_entries(self, key: str, record_type: type[R], *, latest: bool = True) -> dict[str, Stored[R]]:
+        """Valid, unexpired, not deleted records under a key's subkeys, sorted by subkey."""
+        found = self._get_raw(key, latest)
+        return self._parse_entries(key, found, record_type)
+
+    def rejections(self) -> dict[str, int]:
+        """How many invalid values each key has yielded to this peer's reads so far."""
+        with self._send_lock:
+            return dict(self._rejections)
+
+    # ---- async twins ----------------------------------------------------------------------
+
+    async def visible_maddrs_async(self) -> list[str]:
+        return await asyncio.to_thread(self.visible_maddrs)
+
+    async def announce_worker_async(self, record: WorkerRecord, ttl: float) -> bool:
+        return await asyncio.to_thread(self.announce_worker, record, ttl)
+
+    async def live_workers_async(self, run_id: str, stage: int, *, latest: bool = True) -> list[WorkerRecord]:
+        return await asyncio.to_thread(self.live_workers, run_id, stage, latest=latest)
+
+    async def all_workers_async(
+        self, run_id: str, n_stages: int, *, latest: bool = True
+    ) -> dict[int, list[WorkerRecord]]:
+        return await asyncio.to_thread(self.all_workers, run_id, n_stages, latest=latest)
+
+    async def withdraw_async(self, run_id: str, stage: int, peer_id: str) -> bool:
+        return await asyncio.to_thread(self.withdraw, run_id, stage, peer_id)
+
+    async def store_async(self, key: str, record: Record, ttl: float, *, subkey: Optional[str] = None) -> bool:
+        return await asyncio.to_thread(self.store, key, record, ttl, subkey=subkey)
+
+    async def delete_async(self, key: str, *, subkey: Optional[str] = None) -> bool:
+        return await asyncio.to_thread(self.delete, key, subkey=subkey)
+
+    async def get_record_async(
+        self, key: str, record_type: type[R], *, latest: bool = True
+    ) -> Optional[Stored[R]]:
+        return await asyncio.to_thread(self.get_record, key, record_type, latest=latest)
+
+    async def get_entries_async(
+        self, key: str, record_type: type[R], *, latest: bool = True
+    ) -> dict[str, Stored[R]]:
+        return await asyncio.to_thread(self.get_entries, key, record_type, latest=latest)
+
+    async def shutdown_async(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _submit(self, send: Callable[[], concurrent.futures.Future]) -> concurrent.futures.Future:
+        with self._send_lock:
+            if self._closed:
+                raise DHTRequestError("the DHT peer is shut down")
+            if not self._dht.is_alive():
+                raise DHTRequestError("the DHT process is not running")
+            return send()
+
+    def _wait(self, future: concurrent.futures.Future, what: str, deadline: float) -> Any:
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise DHTRequestError(f"{what}: no answer within {self.request_timeout:g} s") from None
+        except Exception as error:
+            raise DHTRequestError(f"{what}: {type(error).__name__}: {error}") from error
+
+    def _request(self, send: Callable[[], concurrent.futures.Future], what: str) -> Any:
+        future = self._submit(send)
+        return self._wait(future, what, time.monotonic() + self.request_timeout)
+
+    def _get_raw(self, key: str, latest: bool) -> Optional[ValueWithExpiration[Any]]:
+        return self._request(lambda: self._dht.get(key, latest=latest, return_future=True), f"get {key!r}")
+
+    def _run_coroutine(self, coroutine: Callable[..., Any], what: str) -> Any:
+        return self._request(lambda: self._dht.run_coroutine(coroutine, return_future=True), what)
+
+    def _claim_expiration(self, key: str, subkey: Optional[str], wanted: float) -> float:
+        with self._send_lock:
+            previous = self._written.get((key, subkey))
+            expiration = wanted if previous is None else max(wanted, previous + _EXPIRATION_STEP)
+            if len(self._written) >= _MAX_TRACKED_ENTRIES:
+                now = self._clock()
+                self._written = {entry: when for entry, when in self._written.items() if when >= now}
+            self._written[(key, subkey)] = expiration
+            return expiration
+
+    def _parse_entries(self, key: str, found: Any, record_type: type[R]) -> dict[str, Stored[R]]:
+        if found is None:
+            return {}
+        if not _is_subkey_dict(found.value):
+            if found.value is not None and found.expiration_time >= self._clock():
+                self._reject(key, None, "expected subkeys, found a plain value")
+            return {}
+        now = self._clock()
+        entries: dict[str, Stored[R]] = {}
+        for subkey, item in found.value.items():
+            if item.expiration_time < now or item.value is None:
+                continue  # expired by our clock, or a tombstone
+            if not isinstance(subkey, str):
+                self._reject(key, repr(subkey), "subkey is not a string")
+                continue
+            try:
+                entries[subkey] = Stored(record_type.from_wire(item.value), item.expiration_time)
+            except RecordError as error:
+                self._reject(key, subkey, str(error))
+        return dict(sorted(entries.items()))
+
+    def _matches_key(self, key: str, subkey: str, record: WorkerRecord, run_id: str, stage: int) -> bool:
+        if record.peer_id != subkey:
+            self._reject(key, subkey, f"subkey is not the record's peer_id {record.peer_id!r:.60}")
+            return False
+        if record.run_id != run_id or record.stage != stage:
+            self._reject(key, subkey, f"record is for {record.run_id}.stage{record.stage}")
+            return False
+        return True
+
+    def _reject(self, key: str, subkey: Optional[str], reason: str) -> None:
+        entry = (key, str(subkey), reason)
+        with self._send_lock:
+            self._rejections[key] += 1
+            first_time = entry not in self._warned
+            if first_time:
+                if len(self._warned) >= _MAX_WARNED_REJECTIONS:
+                    self._warned.clear()
+                self._warned.add(entry)
+        where = key if subkey is None else f"{key}[{str(subkey)[:60]}]"
+        # A bad entry lingers until it expires and is re-read on every poll: warn once.
+        level = logging.WARNING if first_time else logging.DEBUG
+        logger.log(level, "skipping invalid DHT value at %s: %s", where, reason)
+
+
+class _OwnedDHT(hivemind.DHT):
+    """A ``hivemind.DHT`` whose process exits when the process that started it is gone.
+
+    hivemind's DHT process survives an owner killed with SIGKILL and keeps serving; a
+    watcher thread in it notices the reparenting and exits (p2pd follows its parent).
+    It is a thread, not a task on the DHT's event loop, so it also works while that loop
+    is busy or broken.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._owner_pid = os.getpid()
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        threading.Thread(
+            target=_exit_when_orphaned, args=(self._owner_pid,), name="agora-owner-watch", daemon=True
+        ).start()
+        super().run()
+
+
+def _exit_when_orphaned(owner_pid: int) -> None:
+    while os.getppid() == owner_pid:
+        time.sleep(_OWNER_CHECK_PERIOD)
+    logger.warning("the process that started this DHT peer is gone; exiting")
+    os._exit(0)
+
+
+def _is_subkey_dict(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(item, ValueWithExpiration) for item in value.values())
+
+
+def _entry_expiration(found: Any, subkey: Optional[str]) -> Optional[float]:
+    if found is None:
+        return None
+    if subkey is None:
+        return found.expiration_time
+    if _is_subkey_dict(found.value) and subkey in found.value:
+        return found.value[subkey].expiration_time
+    return None
+
+
+def _stop_process(dht: hivemind.DHT) -> None:
+    # hivemind's shutdown asks the node to stop (it also stops p2pd), then terminates it
+    # after its grace period; join so no zombie is left behind.
+    try:
+        dht.shutdown()
+    finally:
+        if dht.pid is not None:  # it was started
+            if dht.is_alive():
+                dht.terminate()
+            dht.join(timeout=5)
+
+
+# Run inside the DHT process through run_coroutine; module-level so they pickle by name.
+async def _node_peer_id(_dht: hivemind.DHT, node: Any) -> str:
+    return str(node.peer_id)
+
+
+async def _node_visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[str]:
+    return [str(maddr) for maddr in await node.get_visible_maddrs()]
+

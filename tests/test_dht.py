@@ -1,0 +1,475 @@
+"""agora.dht: record schemas (pure), then real hivemind DHT peers on loopback.
+
+The DHT tests share one module-scoped pair of peers (each start spawns a p2pd and takes
+~0.5 s) and isolate themselves with a fresh run id each. Waiting for state is done by
+polling with a deadline, never by a fixed sleep.
+"""
+
+import asyncio
+import dataclasses
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import ClassVar
+
+import pytest
+
+from agora.dht import DHTRequestError, Heartbeat, Record, RecordError, SwarmDHT, WorkerRecord, worker_key
+from agora.dht.bootstrap import host_maddrs, write_ready_file
+from agora.dht.records import SCHEMA_VERSION, check_run_id, parse_endpoint
+
+
+def make_record(**overrides) -> WorkerRecord:
+    fields = dict(
+        peer_id="peer-a",
+        run_id="run",
+        endpoint="127.0.0.1:50051",
+        stage=1,
+        n_stages=3,
+        throughput=123.5,
+        queue_depth=2,
+        step=10,
+        phase="member",
+        version="0.1.0",
+        updated_at=1000.0,
+    )
+    fields.update(overrides)
+    return WorkerRecord(**fields)
+
+
+def eventually(predicate, *, timeout: float, what: str):
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+# ---- records (pure) -------------------------------------------------------------------
+
+
+def test_record_round_trips_through_its_wire_form():
+    record = make_record()
+    wire = record.to_wire()
+    assert wire["schema"] == SCHEMA_VERSION and wire["kind"] == "worker"
+    assert all(isinstance(value, (str, int, float)) for value in wire.values())
+    assert WorkerRecord.from_wire(wire) == record
+
+
+def test_whole_floats_and_unknown_fields_are_accepted():
+    wire = make_record().to_wire()
+    wire["throughput"] = 7  # another implementation may encode 7.0 as an int
+    wire["added_in_a_later_version"] = [1, 2]
+    record = WorkerRecord.from_wire(wire)
+    assert record.throughput == 7.0 and isinstance(record.throughput, float)
+
+
+BAD_FIELDS = [
+    ("stage", "1", "worker.stage: expected int, got str"),
+    ("stage", True, "worker.stage: expected int, got bool"),
+    ("throughput", "fast", "worker.throughput: expected float"),
+    ("throughput", -1.0, "worker.throughput: must be >= 0"),
+    ("throughput", math.nan, "worker.throughput: must be finite"),
+    ("throughput", math.inf, "worker.throughput: must be finite"),
+    ("queue_depth", -3, "worker.queue_depth: must be >= 0"),
+    ("step", 1.5, "worker.step: expected int, got float"),
+    ("stage", 3, "worker.stage: 3 out of range"),
+    ("stage", -1, "worker.stage: -1 out of range"),
+    ("n_stages", 0, "worker.n_stages: 0 out of range"),
+    ("phase", "sleeping", "worker.phase: expected one of"),
+    ("endpoint", "localhost", "endpoint: expected 'host:port'"),
+    ("endpoint", "127.0.0.1:70000", "endpoint: port 70000 out of range"),
+    ("endpoint", "::1:80", "endpoint: IPv6 hosts must be bracketed"),
+    ("endpoint", "host:\u00b2", "endpoint: expected 'host:port'"),  # a digit to isdigit(), not to int()
+    ("throughput", 10**400, "worker.throughput: must be finite"),
+    ("endpoint", "h" * 10_000 + ":80", "worker.endpoint: 10003 characters, at most 256"),
+    ("peer_id", "", "worker.peer_id: empty"),
+    ("run_id", "a.b", "run_id: expected 1-64 characters"),
+    ("version", None, "worker.version: expected str, got NoneType"),
+]
+
+
+@pytest.mark.parametrize("field, value, reason", BAD_FIELDS, ids=[f"{f}={v!r:.20}" for f, v, _ in BAD_FIELDS])
+def test_each_bad_field_is_rejected_with_a_reason_naming_it(field, value, reason):
+    wire = make_record().to_wire()
+    wire[field] = value
+    with pytest.raises(RecordError) as caught:
+        WorkerRecord.from_wire(wire)
+    assert reason in str(caught.value)
+    with pytest.raises(RecordError):  # nor can such a record be built locally
+        make_record(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda wire: wire.pop("step"), "worker.step: missing"),
+        (lambda wire: wire.update(schema=99), "worker.schema: expected 1, got 99"),
+        (lambda wire: wire.pop("schema"), "worker.schema: expected 1, got None"),
+        (lambda wire: wire.update(kind="lease"), "worker.kind: expected 'worker'"),
+    ],
+    ids=["missing field", "future schema", "no schema", "other kind"],
+)
+def test_wrong_shape_is_rejected(mutate, reason):
+    wire = make_record().to_wire()
+    mutate(wire)
+    with pytest.raises(RecordError) as caught:
+        WorkerRecord.from_wire(wire)
+    assert reason in str(caught.value)
+
+
+@pytest.mark.parametrize("value", [None, b"\x00\xff", [1, 2], 42, "worker"])
+def test_non_dict_values_are_rejected(value):
+    with pytest.raises(RecordError, match="expected a dict"):
+        WorkerRecord.from_wire(value)
+
+
+def test_keys_and_endpoints():
+    assert worker_key("run-1", 2) == "run-1.stage2.workers"
+    assert parse_endpoint("[::1]:8080") == ("::1", 8080)
+    assert parse_endpoint("node.example:443") == ("node.example", 443)
+    assert check_run_id("A_b-9") == "A_b-9"
+    with pytest.raises(RecordError):
+        worker_key("run", -1)
+    assert host_maddrs("127.0.0.1", 0) == ["/ip4/127.0.0.1/tcp/0"]
+    assert host_maddrs("::1", 5) == ["/ip6/::1/tcp/5"]
+    with pytest.raises(ValueError, match="host: expected an IPv4 or IPv6 address"):
+        host_maddrs("localhost", 0)
+    with pytest.raises(ValueError, match="port:"):
+        host_maddrs("127.0.0.1", 70000)
+
+
+# ---- real DHT peers on loopback ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair():
+    first = SwarmDHT.start()
+    try:
+        second = SwarmDHT.start(initial_peers=first.visible_maddrs())
+        try:
+            yield first, second
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()
+
+
+@pytest.fixture
+def run_id():
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+def test_a_worker_announced_on_one_peer_is_seen_on_the_other(pair, run_id):
+    first, second = pair
+    record = make_record(peer_id=first.peer_id, run_id=run_id, updated_at=first.clock())
+    assert first.announce_worker(record, ttl=30)
+    assert eventually(lambda: second.live_workers(run_id, 1), timeout=10, what="the announce") == [record]
+    everything = second.all_workers(run_id, 3)
+    assert everything == {0: [], 1: [record], 2: []}
+
+
+def test_two_workers_of_one_stage_are_both_listed_in_peer_id_order(pair, run_id):
+    first, second = pair
+    records = [make_record(peer_id=peer.peer_id, run_id=run_id, endpoint=f"127.0.0.1:{port}")
+               for peer, port in ((first, 7001), (second, 7002))]
+    for peer, record in zip(pair, records):
+        assert peer.announce_worker(record, ttl=30)
+    expected = sorted(records, key=lambda record: record.peer_id)
+    for reader in pair:
+        assert eventually(lambda: reader.live_workers(run_id, 1) == expected, timeout=10, what="both workers")
+
+
+def test_garbage_under_a_workers_key_is_skipped_and_counted(pair, run_id):
+    first, second = pair
+    good = make_record(peer_id="peer-good", run_id=run_id)
+    assert first.announce_worker(good, ttl=30)
+    key = worker_key(run_id, 1)
+    raw = first.hivemind_dht  # bypass the typed layer, as a buggy or hostile peer would
+    expiration = first.clock() + 30
+    bad_wire = dict(make_record(peer_id="peer-nan", run_id=run_id).to_wire(), throughput=math.nan)
+    assert raw.store(key, b"\x00\xffjunk", expiration, subkey="peer-bytes")
+    assert raw.store(key, bad_wire, expiration, subkey="peer-nan")
+    impostor = make_record(peer_id="someone-else", run_id=run_id)  # subkey is not its peer id
+    assert raw.store(key, impostor.to_wire(), expiration, subkey="peer-x")
+    misfiled = make_record(peer_id="peer-s", run_id=run_id, stage=2)  # a stage 2 record under stage 1
+    assert raw.store(key, misfiled.to_wire(), expiration, subkey="peer-s")
+    # (a distinct expiration: on a tie hivemind's storage heap compares subkeys, int < str fails)
+    assert raw.store(key, good.to_wire(), expiration + 1, subkey=17)
+    before = second.rejections().get(key, 0)
+    assert second.live_workers(run_id, 1) == [good]
+    assert second.rejections()[key] - before == 5
+    # A plain (non-subkey) value that outlives the dictionary replaces it: still no crash.
+    plain_key = worker_key(run_id, 2)
+    assert raw.store(plain_key, {"not": "a record"}, expiration)
+    assert second.live_workers(run_id, 2) == []
+    assert second.rejections()[plain_key] == 1
+
+
+def test_withdraw_removes_a_worker_and_it_can_announce_again(pair, run_id):
+    first, second = pair
+    record = make_record(peer_id=first.peer_id, run_id=run_id)
+    assert first.announce_worker(record, ttl=60)
+    eventually(lambda: second.live_workers(run_id, 1), timeout=10, what="the announce")
+    assert first.withdraw(run_id, 1, first.peer_id)
+    assert second.live_workers(run_id, 1) == []
+    assert first.live_workers(run_id, 1) == []
+    assert first.announce_worker(record, ttl=60)  # a later expiration beats the tombstone
+    assert second.live_workers(run_id, 1) == [record]
+    # A peer that never wrote the entry can withdraw it too: it reads the expiration to beat.
+    assert second.withdraw(run_id, 1, first.peer_id)
+    assert first.live_workers(run_id, 1) == []
+
+
+def test_heartbeat_keeps_a_record_alive_and_it_expires_when_beats_stop(pair, run_id):
+    first, second = pair
+    state = {"step": 0}
+
+    def current():
+        state["step"] += 1
+        return make_record(peer_id=first.peer_id, run_id=run_id, step=state["step"])
+
+    async def scenario():
+        heartbeat = Heartbeat(first, current, interval=0.5)
+        assert heartbeat.ttl == 1.5
+        assert await heartbeat.start()
+        try:
+            # Outlive one ttl while beating: the record must still be there, and fresh.
+            started = time.monotonic()
+            while heartbeat.beats < 5:
+                assert time.monotonic() - started < 10, "heartbeat stalled"
+                await asyncio.sleep(0.05)
+            seen = await second.live_workers_async(run_id, 1)
+            assert len(seen) == 1 and seen[0].step >= 4
+        finally:
+            await heartbeat.stop(withdraw=False)  # as if the worker died: no goodbye
+        assert not heartbeat.running and heartbeat.failures == 0
+
+    asyncio.run(scenario())
+    # ttl is 1.5 s after the last beat; the deadline leaves room for a slow machine.
+    eventually(lambda: second.live_workers(run_id, 1) == [], timeout=5, what="the record to expire")
+
+
+def test_heartbeat_stop_withdraws_right_away(pair, run_id):
+    first, second = pair
+
+    async def scenario():
+        heartbeat = Heartbeat(first, lambda: make_record(peer_id=first.peer_id, run_id=run_id), interval=5)
+        async with heartbeat:
+            assert [w.peer_id for w in await second.live_workers_async(run_id, 1)] == [first.peer_id]
+            assert heartbeat.last_announced.updated_at > 1000.0  # stamped by the heartbeat
+        assert await second.live_workers_async(run_id, 1) == []
+
+    asyncio.run(scenario())
+
+
+def test_heartbeat_survives_a_broken_record_source(pair, run_id):
+    first, _ = pair
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("model not loaded yet")
+        return make_record(peer_id=first.peer_id, run_id=run_id)
+
+    async def scenario():
+        heartbeat = Heartbeat(first, flaky, interval=0.2)
+        assert not await heartbeat.start()  # first beat failed, loop keeps going
+        try:
+            started = time.monotonic()
+            while heartbeat.beats < 1:
+                assert time.monotonic() - started < 10, "heartbeat never recovered"
+                await asyncio.sleep(0.05)
+        finally:
+            await heartbeat.stop()
+        assert heartbeat.failures == 1
+
+    asyncio.run(scenario())
+
+
+def test_entries_expire_by_the_injected_clock(pair, run_id):
+    first, _ = pair
+    assert first.announce_worker(make_record(peer_id="peer-now", run_id=run_id), ttl=30)
+    # A reader whose clock runs 60 s ahead sees that 30 s entry as expired already.
+    with SwarmDHT.start(initial_peers=first.visible_maddrs(), clock=lambda: first.clock() + 60) as ahead:
+        assert first.live_workers(run_id, 1) != []
+        assert ahead.live_workers(run_id, 1) == []
+        # ... while its own writes expire by its clock: 60 s ahead + 30 s ttl.
+        assert ahead.announce_worker(make_record(peer_id="peer-ahead", run_id=run_id), ttl=30)
+        assert [w.peer_id for w in ahead.live_workers(run_id, 1)] == ["peer-ahead"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseRecord(Record):
+    """A later record type, declared the way leases and rounds will be."""
+
+    KIND: ClassVar[str] = "test-lease"
+    holder: str
+    unit: int
+    note: str = ""
+
+    def check(self) -> None:
+        if self.unit < 0:
+            raise RecordError("test-lease.unit: must be >= 0")
+
+
+def test_generic_records_under_plain_keys_and_subkeys(pair, run_id):
+    first, second = pair
+    key = f"{run_id}.lease.7"
+    lease = LeaseRecord(holder=first.peer_id, unit=7)
+    assert first.store(key, lease, ttl=30)
+    stored = second.get_record(key, LeaseRecord)
+    assert stored.record == lease and stored.expiration_time > second.clock()
+    assert LeaseRecord.from_wire({"schema": 1, "kind": "test-lease", "holder": "h", "unit": 1}).note == ""
+    assert second.get_record(key, WorkerRecord) is None  # wrong kind: skipped and counted
+    assert second.rejections()[key] == 1
+    assert second.delete(key)  # a peer that did not write it reads the expiration to outlive
+    assert first.get_record(key, LeaseRecord) is None
+    assert second.get_record(f"{run_id}.absent", LeaseRecord) is None
+
+    rounds = f"{run_id}.rounds"
+    assert first.store(rounds, LeaseRecord(holder="b", unit=2), ttl=30, subkey="b")
+    assert second.store(rounds, LeaseRecord(holder="a", unit=1), ttl=30, subkey="a")
+    entries = first.get_entries(rounds, LeaseRecord)
+    assert list(entries) == ["a", "b"] and entries["a"].record.unit == 1
+
+
+def test_concurrent_async_requests_share_the_pipe_safely(pair, run_id):
+    first, second = pair
+    records = [make_record(peer_id=f"peer-{index:02d}", run_id=run_id, step=index) for index in range(12)]
+
+    async def scenario():
+        accepted = await asyncio.gather(*(first.announce_worker_async(record, ttl=30) for record in records))
+        assert all(accepted)
+        views = await asyncio.gather(*(second.live_workers_async(run_id, 1) for _ in range(12)))
+        assert all(view == records for view in views)
+        assert (await second.all_workers_async(run_id, 2))[1] == records
+
+    asyncio.run(scenario())
+
+
+def test_heartbeat_of_a_worker_that_moves_stage_withdraws_the_old_entry(pair, run_id):
+    first, second = pair
+    state = {"stage": 0}
+
+    async def scenario():
+        heartbeat = Heartbeat(
+            first, lambda: make_record(peer_id=first.peer_id, run_id=run_id, stage=state["stage"]), interval=30
+        )
+        async with heartbeat:
+            assert [w.stage for w in await second.live_workers_async(run_id, 0)] == [0]
+            state["stage"] = 2
+            assert await heartbeat.beat()
+            assert await second.live_workers_async(run_id, 0) == []
+            assert [w.stage for w in await second.live_workers_async(run_id, 2)] == [2]
+        assert await second.live_workers_async(run_id, 2) == []
+
+    asyncio.run(scenario())
+
+
+def test_requests_after_shutdown_raise_a_clear_error():
+    peer = SwarmDHT.start()
+    peer.shutdown()
+    peer.shutdown()  # idempotent
+    assert not peer.alive
+    with pytest.raises(DHTRequestError, match="shut down"):
+        peer.live_workers("run", 0)
+
+
+def test_joining_through_an_unreachable_peer_fails_cleanly():
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWFQVM3cAtUAh1juLseAF3MQfFVUMEh4PUGqkCB5yW43tM"
+    with pytest.raises(DHTRequestError, match="failed to start"):
+        SwarmDHT.start(initial_peers=[dead], startup_timeout=20)
+
+
+# ---- bootstrap ----------------------------------------------------------------------------
+
+
+def session_processes(session_id: int) -> list[int]:
+    """Pids still alive in a session (the bootstrap, its DHT process, their p2pd)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as file:
+                    fields = file.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session_id and fields[0] != "Z":  # field 6 of stat: session
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture
+def spawn():
+    """Start Python children in their own sessions; kill whatever is left of them afterwards."""
+    children = []
+
+    def start(*args: str) -> subprocess.Popen:
+        child = subprocess.Popen(
+            [sys.executable, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # so its DHT process and p2pd can be found by session id
+        )
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        if child.poll() is None or session_processes(child.pid):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+        for stream in (child.stdin, child.stdout, child.stderr):
+            stream.close()
+
+
+@pytest.mark.timeout(60)
+def test_bootstrap_serves_writes_its_addresses_and_exits_cleanly(tmp_path, spawn):
+    ready = tmp_path / "peers.txt"
+    process = spawn("-m", "agora.dht.bootstrap", "--ready-file", str(ready))
+    eventually(lambda: ready.exists() or process.poll() is not None, timeout=30, what="the ready file")
+    assert process.poll() is None, process.stderr.read()
+    maddrs = ready.read_text().split()
+    assert maddrs and all(m.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in m for m in maddrs)
+    with SwarmDHT.start(initial_peers=maddrs) as joiner:
+        run_id = f"boot-{uuid.uuid4().hex[:8]}"
+        record = make_record(peer_id=joiner.peer_id, run_id=run_id)
+        assert joiner.announce_worker(record, ttl=30)
+        assert joiner.live_workers(run_id, 1) == [record]
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=20)
+    assert process.returncode == 0, stderr
+    assert stdout.split() == maddrs  # stdout carries the multiaddrs and nothing else
+    assert not ready.exists()
+    eventually(lambda: not session_processes(process.pid), timeout=10, what="its children to exit")
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_owner_leaves_no_dht_process_behind(spawn):
+    owner = spawn("-c", "import sys; from agora.dht import SwarmDHT; "
+                  "s = SwarmDHT.start(); print(s.peer_id, flush=True); sys.stdin.read()")
+    assert owner.stdout.readline().strip()  # serving
+    assert len(session_processes(owner.pid)) == 3  # the owner, hivemind's DHT process, p2pd
+    owner.kill()
+    owner.wait(timeout=10)
+    eventually(lambda: not session_processes(owner.pid), timeout=20, what="the orphaned DHT process to exit")
+
+
+def test_ready_file_is_replaced_whole(tmp_path):
+    path = tmp_path / "ready"
+    path.write_text("stale\n")
+    write_ready_file(str(path), ["/ip4/1.2.3.4/tcp/5/p2p/x", "/ip6/::1/tcp/5/p2p/x"])
+    assert path.read_text() == "/ip4/1.2.3.4/tcp/5/p2p/x\n/ip6/::1/tcp/5/p2p/x\n"
+    assert sorted(os.listdir(tmp_path)) == ["ready"]  # no temp file left behind
