@@ -107,6 +107,7 @@ class StageCompute:
         self.optimizer = optimizer or StageOptimizer(self.stage, config.optim, self.index, self.n_stages)
         self.accumulated_microbatches = 0
         self.accumulated_samples = 0
+        self.samples_total = 0  # every sample whose gradient this replica applied (averaging weights)
         self.last_step: StepReply | None = None
         self.throughput = 0.0  # tokens/s of compute, moving average; 0 until the first job
 
@@ -201,6 +202,7 @@ class StageCompute:
                 param.grad.add_(grad)
         self.accumulated_microbatches += 1
         self.accumulated_samples += samples
+        self.samples_total += samples
         if not self.synchronous and self.accumulated_samples >= self.local_batch:
             self._step(self.accumulated_microbatches)
 
