@@ -91,6 +91,7 @@ class TrainerStats:
     reroutes: int = 0
     busy: int = 0
     failures_by_peer: dict[str, int] = field(default_factory=dict)
+    aborts: dict[str, int] = field(default_factory=dict)  # by the worker's outcome
     times_by_stage: dict[int, StageTimes] = field(default_factory=dict)
 
     def time_split(self) -> dict[str, dict[str, float]]:
@@ -173,6 +174,25 @@ class SwarmTrainer:
     async def _route_once(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
                           exclude: frozenset[str], evaluate: bool) -> float:
         route: list[WorkerView] = []
+        try:
+            return await self._forward_backward(microbatch_id, tokens, targets, exclude, evaluate, route)
+        except StageCallError:
+            if not evaluate:
+                await self._abort(microbatch_id, route)
+            raise
+
+    async def _abort(self, microbatch_id: str, route: list[WorkerView]) -> None:
+        """Best effort: every worker the abandoned route touched takes its part back."""
+        async def one(view: WorkerView) -> None:
+            try:
+                reply = await self._client(view).abort(microbatch_id, timeout_s=min(5.0, self.options.call_timeout_s))
+                self.stats.aborts[reply.outcome] = self.stats.aborts.get(reply.outcome, 0) + 1
+            except StageCallError:
+                self.stats.aborts["unreachable"] = self.stats.aborts.get("unreachable", 0) + 1
+        await asyncio.gather(*(one(view) for view in route))
+
+    async def _forward_backward(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
+                                exclude: frozenset[str], evaluate: bool, route: list[WorkerView]) -> float:
         wire: bytes | None = None
         result = None
         for stage in range(self.n_stages):
@@ -338,6 +358,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "tokens_per_s": records[-1].tokens_per_s if records else 0.0,
                 "microbatches": trainer.stats.microbatches, "reroutes": trainer.stats.reroutes,
                 "busy": trainer.stats.busy, "failures_by_peer": trainer.stats.failures_by_peer,
+                "aborts": trainer.stats.aborts,
                 "time_split_by_stage": trainer.stats.time_split(),
             }
 

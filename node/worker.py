@@ -49,6 +49,8 @@ from agora.node.worker_stash import ForwardStash
 from agora.pipeline.codec import FLOAT_DTYPES, WireCodec
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.protos.stage_adapter import (
+    AbortReply,
+    AbortRequest,
     SERVICE_NAME,
     BackwardReply,
     BackwardRequest,
@@ -311,6 +313,12 @@ class _StageService:
     async def step(self, request: StepRequest, context: Any) -> StepReply:
         await self._worker._checked(context, request.run_id, request.stage)
         future = self._worker._executor.submit(self._worker._compute.step, request)
+        return await self._worker._answer(context, future)
+
+    async def abort(self, request: AbortRequest, context: Any) -> AbortReply:
+        # Not admitted through the queue: an abort must get through to a full worker too.
+        await self._worker._checked(context, request.run_id, request.stage)
+        future = self._worker._executor.submit(self._worker._compute.abort, request)
         return await self._worker._answer(context, future)
 
     async def info(self, request: InfoRequest, context: Any) -> InfoReply:

@@ -29,6 +29,8 @@ from agora.node.server import message_options
 from agora.pipeline.codec import WireCodec, WireFormatError, encode_tokens, float_frame_bytes
 from agora.pipeline.config import ModelConfig
 from agora.protos.stage_adapter import (
+    AbortReply,
+    AbortRequest,
     BackwardRequest,
     ForwardRequest,
     InfoReply,
@@ -260,6 +262,12 @@ class StageClient:
         request = StepRequest(run_id=self.run_id, stage=self.stage, microbatches=microbatches, step=step)
         stub = self._calls()
         return await self._invoke("Step", lambda timeout: stub.step(request, timeout=timeout), timeout_s)
+
+    async def abort(self, microbatch_id: str, *, timeout_s: float | None = None) -> AbortReply:
+        """Tell the worker this microbatch was abandoned (drop its input, take back its gradient)."""
+        request = AbortRequest(run_id=self.run_id, microbatch_id=microbatch_id, stage=self.stage)
+        stub = self._calls()
+        return await self._invoke("Abort", lambda timeout: stub.abort(request, timeout=timeout), timeout_s)
 
     async def info(self, *, timeout_s: float | None = None) -> InfoReply:
         stub = self._calls()

@@ -16,6 +16,10 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
 - A Forward marked `evaluate` (held-out loss) stashes nothing and computes no gradient.
 - The tail's Forward is forward + backward in one call: it accumulates its gradients at once and
   returns the loss and dL/d(input wire), the seed of the backward pass.
+- Abort (the trainer abandoned a microbatch's route): its stashed input is dropped and, if its
+  gradient was accumulated since the last step, the same gradient is recomputed and subtracted,
+  so an abandoned route leaves nothing half-applied. Once a step has consumed it, it stays
+  (reported as "stepped"): that gradient came from a correct forward, it is only a duplicate sample.
 - Stepping: asynchronous mode steps once the accumulated samples reach `local_batch`;
   synchronous mode steps only on the Step barrier, which is idempotent per step number (a retried
   barrier gets the recorded reply instead of a second step).
@@ -33,6 +37,8 @@ from agora.pipeline.config import RunConfig
 from agora.pipeline.optim import StageOptimizer
 from agora.pipeline.stages import Stage, build_stage
 from agora.protos.stage_adapter import (
+    AbortReply,
+    AbortRequest,
     BackwardReply,
     BackwardRequest,
     ForwardReply,
@@ -87,6 +93,16 @@ class StashedInput:
     output_shape: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class AppliedMicrobatch:
+    """What it takes to recompute a microbatch's gradient contribution until the next step."""
+
+    tokens: torch.Tensor
+    wire: torch.Tensor | None
+    output_grad: torch.Tensor | None  # head/body: dL/d(output); None on the tail
+    targets: torch.Tensor | None  # tail only
+
+
 class StageCompute:
     """One stage replica. Not thread-safe: call it from one thread only."""
 
@@ -108,6 +124,9 @@ class StageCompute:
         self.accumulated_microbatches = 0
         self.accumulated_samples = 0
         self.samples_total = 0  # every sample whose gradient this replica applied (averaging weights)
+        # Microbatches whose gradients are in `.grad` now, for Abort; cleared by every step.
+        self.applied: dict[str, AppliedMicrobatch] = {}
+        self.stepped_ids: set[str] = set()  # applied, then consumed by the last step (for Abort's answer)
         self.last_step: StepReply | None = None
         self.throughput = 0.0  # tokens/s of compute, moving average; 0 until the first job
 
@@ -192,7 +211,8 @@ class StageCompute:
             return grads[0], list(grads[1:])
         return None, list(grads)
 
-    def _accumulate(self, param_grads: list[torch.Tensor | None], samples: int) -> None:
+    def _accumulate(self, param_grads: list[torch.Tensor | None], samples: int, microbatch_id: str,
+                    applied: AppliedMicrobatch) -> None:
         for param, grad in zip(self.optimizer.parameters, param_grads):
             if grad is None:
                 continue
@@ -200,6 +220,7 @@ class StageCompute:
                 param.grad = grad
             else:
                 param.grad.add_(grad)
+        self.applied[microbatch_id] = applied
         self.accumulated_microbatches += 1
         self.accumulated_samples += samples
         self.samples_total += samples
@@ -219,7 +240,7 @@ class StageCompute:
                 return ForwardReply(loss=float(output), step=step)
             return ForwardReply(wire=self._encode(output, "output"), step=step)
         if self.stage.is_tail:
-            reply = self._forward_tail(tokens, wire, targets, step)
+            reply = self._forward_tail(tokens, wire, targets, step, request.microbatch_id)
         else:
             with torch.no_grad():
                 output = self.stage(tokens, wire)
@@ -229,7 +250,7 @@ class StageCompute:
         return reply
 
     def _forward_tail(self, tokens: torch.Tensor, wire: torch.Tensor | None, targets: torch.Tensor,
-                      step: int) -> ForwardReply:
+                      step: int, microbatch_id: str) -> ForwardReply:
         if wire is not None:
             wire.requires_grad_(True)
         with torch.enable_grad():
@@ -239,7 +260,8 @@ class StageCompute:
                 raise ComputeError(f"tail produced a non-finite loss ({loss_value}); no gradient accumulated")
             wire_grad, param_grads = self._gradients(loss, wire, None)
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
-        self._accumulate(param_grads, tokens.shape[0])
+        self._accumulate(param_grads, tokens.shape[0], microbatch_id,
+                         AppliedMicrobatch(tokens, None if wire is None else wire.detach(), None, targets))
         return ForwardReply(loss=loss_value, input_grad=input_grad, step=step)
 
     def backward(self, request: BackwardRequest) -> BackwardReply:
@@ -263,15 +285,46 @@ class StageCompute:
             wire_grad, param_grads = self._gradients(output, wire, output_grad)
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
         step = self.optimizer.steps
-        self._accumulate(param_grads, stashed.tokens.shape[0])
+        self._accumulate(param_grads, stashed.tokens.shape[0], request.microbatch_id,
+                         AppliedMicrobatch(stashed.tokens, stashed.wire, output_grad, None))
         self._observe(stashed.tokens.numel(), started)
         return BackwardReply(input_grad=input_grad, step=step)
 
     # ------------------------------------------------------------------ stepping
 
+    def abort(self, request: AbortRequest) -> AbortReply:
+        """Take an abandoned microbatch back out (see the module docstring)."""
+        self.check_addressing(request.run_id, request.stage)
+        self._check_microbatch_id(request.microbatch_id)
+        applied = self.applied.pop(request.microbatch_id, None)
+        if applied is None:
+            try:
+                self.stash.pop(request.microbatch_id)
+                return AbortReply(reverted=False, outcome="dropped")
+            except KeyError:
+                stepped = request.microbatch_id in self.stepped_ids
+                return AbortReply(reverted=False, outcome="stepped" if stepped else "unknown")
+        wire = applied.wire.detach().requires_grad_(True) if applied.wire is not None else None
+        with torch.enable_grad():
+            if self.stage.is_tail:
+                output = self.stage(applied.tokens, wire, applied.targets)
+                _, param_grads = self._gradients(output, wire, None)
+            else:
+                output = self.stage(applied.tokens, wire)
+                _, param_grads = self._gradients(output, wire, applied.output_grad)
+        for param, grad in zip(self.optimizer.parameters, param_grads):
+            if grad is not None and param.grad is not None:
+                param.grad.sub_(grad)
+        self.accumulated_microbatches -= 1
+        self.accumulated_samples -= applied.tokens.shape[0]
+        self.samples_total -= applied.tokens.shape[0]
+        return AbortReply(reverted=True, outcome="reverted")
+
     def _step(self, microbatches: int) -> StepReply:
         accumulated = self.accumulated_microbatches
         result = self.optimizer.step(microbatches)
+        self.stepped_ids = set(self.applied)
+        self.applied.clear()
         self.accumulated_microbatches = 0
         self.accumulated_samples = 0
         self.last_step = StepReply(step=self.optimizer.steps, grad_norm=result["grad_norm"], lr=result["lr"],

@@ -37,6 +37,8 @@ __all__ = [
     "BackwardReply",
     "StepRequest",
     "StepReply",
+    "AbortRequest",
+    "AbortReply",
     "InfoRequest",
     "InfoReply",
     "PayloadTooLarge",
@@ -109,6 +111,19 @@ class StepReply:
 
 
 @dataclass(frozen=True)
+class AbortRequest:
+    run_id: str
+    microbatch_id: str
+    stage: int
+
+
+@dataclass(frozen=True)
+class AbortReply:
+    reverted: bool
+    outcome: str  # "reverted" | "dropped" | "unknown" | "stepped"
+
+
+@dataclass(frozen=True)
 class InfoRequest:
     pass
 
@@ -135,6 +150,8 @@ _MESSAGE_OF: Mapping[type, type] = MappingProxyType({
     BackwardReply: stage_pb2.BackwardReply,
     StepRequest: stage_pb2.StepRequest,
     StepReply: stage_pb2.StepReply,
+    AbortRequest: stage_pb2.AbortRequest,
+    AbortReply: stage_pb2.AbortReply,
     InfoRequest: stage_pb2.InfoRequest,
     InfoReply: stage_pb2.InfoReply,
 })
@@ -259,6 +276,7 @@ class StageHandler(Protocol):
     def forward(self, request: ForwardRequest, context: Any) -> Awaitable[ForwardReply]: ...
     def backward(self, request: BackwardRequest, context: Any) -> Awaitable[BackwardReply]: ...
     def step(self, request: StepRequest, context: Any) -> Awaitable[StepReply]: ...
+    def abort(self, request: AbortRequest, context: Any) -> Awaitable[AbortReply]: ...
     def info(self, request: InfoRequest, context: Any) -> Awaitable[InfoReply]: ...
 
 
@@ -276,6 +294,9 @@ class _Servicer(stage_pb2_grpc.StageServicer):
 
     async def Step(self, request, context):
         return to_message(await self._handler.step(from_message(request), context))
+
+    async def Abort(self, request, context):
+        return to_message(await self._handler.abort(from_message(request), context))
 
     async def Info(self, request, context):
         return to_message(await self._handler.info(from_message(request), context))
@@ -319,6 +340,9 @@ class StageStub:
 
     async def step(self, request: StepRequest, **call: Any) -> StepReply:
         return from_message(await self._stub.Step(to_message(request), **call))
+
+    async def abort(self, request: AbortRequest, **call: Any) -> AbortReply:
+        return from_message(await self._stub.Abort(to_message(request), **call))
 
     async def info(self, request: InfoRequest = InfoRequest(), **call: Any) -> InfoReply:
         return from_message(await self._stub.Info(to_message(request), **call))

@@ -88,6 +88,24 @@ class StepReply(_message.Message):
     accumulated: int
     def __init__(self, step: _Optional[int] = ..., grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., skipped: _Optional[bool] = ..., accumulated: _Optional[int] = ...) -> None: ...
 
+class AbortRequest(_message.Message):
+    __slots__ = ("run_id", "microbatch_id", "stage")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    microbatch_id: str
+    stage: int
+    def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
+
+class AbortReply(_message.Message):
+    __slots__ = ("reverted", "outcome")
+    REVERTED_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    reverted: bool
+    outcome: str
+    def __init__(self, reverted: _Optional[bool] = ..., outcome: _Optional[str] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -49,6 +49,11 @@ class StageStub:
                 request_serializer=agora_dot_protos_dot_stage__pb2.StepRequest.SerializeToString,
                 response_deserializer=agora_dot_protos_dot_stage__pb2.StepReply.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/agora.v1.Stage/Abort',
+                request_serializer=agora_dot_protos_dot_stage__pb2.AbortRequest.SerializeToString,
+                response_deserializer=agora_dot_protos_dot_stage__pb2.AbortReply.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/agora.v1.Stage/Info',
                 request_serializer=agora_dot_protos_dot_stage__pb2.InfoRequest.SerializeToString,
@@ -91,6 +96,14 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """The trainer abandoned this microbatch: drop its stashed input and take back any gradient
+        it contributed since the last step, so nothing of an abandoned route stays half-applied.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Stage, step, phase and load, for routing and monitoring.
         """
@@ -128,6 +141,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=agora_dot_protos_dot_stage__pb2.StepRequest.FromString,
                     response_serializer=agora_dot_protos_dot_stage__pb2.StepReply.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=agora_dot_protos_dot_stage__pb2.AbortRequest.FromString,
+                    response_serializer=agora_dot_protos_dot_stage__pb2.AbortReply.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -226,6 +244,33 @@ class Stage:
             '/agora.v1.Stage/Step',
             agora_dot_protos_dot_stage__pb2.StepRequest.SerializeToString,
             agora_dot_protos_dot_stage__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agora.v1.Stage/Abort',
+            agora_dot_protos_dot_stage__pb2.AbortRequest.SerializeToString,
+            agora_dot_protos_dot_stage__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,

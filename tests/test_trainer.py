@@ -3,9 +3,11 @@
 import asyncio
 from dataclasses import replace
 
+import grpc
 import pytest
 
 from agora.node.discovery import StaticDiscovery
+from agora.node.interceptors import CallHook
 from agora.node.routing import WorkerView
 from agora.node.trainer import SwarmTrainer, TrainerOptions, assigned_units
 from agora.node.worker import StageWorker, WorkerOptions
@@ -90,3 +92,48 @@ def test_units_are_striped_over_trainers():
     assert assigned_units(7, 0, 2) == [0, 2, 4, 6]
     assert assigned_units(7, 1, 2) == [1, 3, 5]
     assert assigned_units(3, 0, 1) == [0, 1, 2]
+
+
+class FailFirstCall(CallHook):
+    """A fault injected at one method: the worker answers UNAVAILABLE to its first call."""
+
+    def __init__(self, method_suffix):
+        super().__init__()
+        self.method_suffix = method_suffix
+        self.fired = False
+
+    async def before(self, call, context):
+        if call.method.endswith(self.method_suffix) and not self.fired:
+            self.fired = True
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault")
+
+
+def test_abandoned_route_is_taken_back_and_sync_mode_still_matches(data):
+    """The body fails one Backward after the tail already accumulated: the trainer aborts the
+    route (the tail reverts its gradient), reruns the microbatch, and the trace stays exact."""
+    config = _config()
+    steps = 3
+    expected = [r.loss for r in CentralizedTrainer(config, data).run(steps)]
+
+    async def main():
+        workers = []
+        for stage in range(3):
+            hooks = [FailFirstCall("/Backward")] if stage == 1 else []
+            worker = StageWorker(config, stage, run_id="test", options=WorkerOptions(synchronous=True),
+                                 interceptors=hooks)
+            await worker.start()
+            workers.append(worker)
+        discovery = StaticDiscovery([WorkerView(f"s{i}", w.address, i) for i, w in enumerate(workers)])
+        try:
+            async with SwarmTrainer(config, data, discovery,
+                                    TrainerOptions(run_id="test", synchronous=True, max_in_flight=1)) as trainer:
+                trainer.roster.ban_base_s = 0.0  # one replica per stage: retry the same worker at once
+                records = await trainer.run(steps)
+                return records, trainer.stats
+        finally:
+            await asyncio.gather(*(w.stop(0) for w in workers))
+
+    records, stats = asyncio.run(main())
+    assert stats.reroutes == 1
+    assert stats.aborts.get("reverted", 0) == 1  # the tail took its gradient back
+    assert [r.loss for r in records] == pytest.approx(expected, abs=1e-4)

@@ -145,3 +145,38 @@ def test_single_stage_pipeline_is_head_and_tail_at_once():
     reply = full.forward(forward_request(0, tokens, targets=targets))
     assert reply.loss > 0 and reply.input_grad == b"" and reply.wire == b""
     assert full.accumulated_microbatches == 1 and len(stash) == 0
+
+
+def test_abort_takes_back_exactly_what_an_abandoned_microbatch_added():
+    """An abandoned route leaves nothing half-applied: gradients return to what they were."""
+    import torch
+
+    from agora.node.worker_compute import StageCompute
+    from agora.node.worker_stash import ForwardStash
+    from agora.pipeline.codec import WireCodec, encode_tokens
+    from agora.pipeline.config import PRESETS
+    from agora.protos.stage_adapter import AbortRequest, ForwardRequest
+
+    config = PRESETS["tiny"].with_stages(2)
+    tail = StageCompute(config, 1, run_id="r", codec=WireCodec(), stash=ForwardStash(8, 60.0),
+                        synchronous=True, local_batch=100)
+    codec = WireCodec()
+    generator = torch.Generator().manual_seed(0)
+
+    def request(name):
+        tokens = torch.randint(0, 256, (2, 16), generator=generator)
+        wire = torch.randn(2, 16, config.model.wire_dim, generator=generator) * 0.1
+        return ForwardRequest(run_id="r", microbatch_id=name, stage=1, tokens=encode_tokens(tokens, 256),
+                              wire=codec.encode(wire), targets=encode_tokens(tokens, 256))
+
+    tail.forward(request("kept"))
+    before = [p.grad.clone() for p in tail.optimizer.parameters]
+    tail.forward(request("abandoned"))
+    reply = tail.abort(AbortRequest(run_id="r", microbatch_id="abandoned", stage=1))
+    assert reply.reverted and reply.outcome == "reverted"
+    for grad, expected in zip((p.grad for p in tail.optimizer.parameters), before):
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7)
+    assert tail.accumulated_microbatches == 1
+    assert tail.abort(AbortRequest(run_id="r", microbatch_id="abandoned", stage=1)).outcome == "unknown"
+    tail._step(1)
+    assert tail.abort(AbortRequest(run_id="r", microbatch_id="kept", stage=1)).outcome == "stepped"
