@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None, help="keep logs and ready files here (default: a temp folder)")
     demo.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
                       help="fault drill: kill -9 one worker of the last stage after STEP global batches")
-    demo.set_defaults(handler=_cmd_demo, stages=3, steps=60)
+    demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
     return parser
 
 
