@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -124,6 +125,8 @@ def run_demo(options: DemoOptions) -> int:
     progress = _Progress(options.steps)
     outcome = "completed"
     code = 0
+    # Ctrl-C and a supervisor's SIGTERM both stop the swarm in order and still print a summary.
+    previous = _interrupt_on(signal.SIGINT, signal.SIGTERM)
     try:
         common = ["--log-level", "WARNING", "--threads", str(options.threads)]
         boot_ready = workdir / "bootstrap.ready"
@@ -170,12 +173,17 @@ def run_demo(options: DemoOptions) -> int:
         outcome, code = "failed", 1
         print(f"demo: {error}", file=sys.stderr)
     except KeyboardInterrupt:
-        outcome, code = "interrupted", 130
+        # Ending a demo early is a normal way to use it: clean stop, summary, exit 0.
+        outcome = "interrupted"
     finally:
+        for signum in previous:  # a second Ctrl-C must not cut the shutdown short
+            signal.signal(signum, signal.SIG_IGN)
         lines = merge_logs(trainer_logs)
         progress.show(lines, _alive_per_stage(workers), force=True)
         progress.close()
         exit_codes = group.shutdown()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     summary = _summary(options, lines, workdir, workers, killed, exit_codes, outcome, time.monotonic() - started)
     if options.log_json:
         Path(options.log_json).write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -185,6 +193,19 @@ def run_demo(options: DemoOptions) -> int:
     if not options.workdir and code == 0:
         shutil.rmtree(workdir, ignore_errors=True)
     return code
+
+
+def _interrupt_on(*signals: int) -> dict[int, object]:
+    """Raise KeyboardInterrupt on these signals (main thread only); the previous handlers."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    return {signum: signal.signal(signum, interrupt) for signum in signals}
 
 
 def _alive_per_stage(workers: list[tuple[int, ChildProcess]]) -> dict[int, int]:

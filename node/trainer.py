@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import IO, Awaitable, Callable
@@ -118,6 +119,7 @@ class SwarmTrainer:
         self._refresh_lock = asyncio.Lock()
         self._run_started = clock()
         self._units_done = 0
+        self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
         self._in_flight = asyncio.Semaphore(options.max_in_flight)
 
     # ------------------------------------------------------------------ workers
@@ -283,7 +285,7 @@ class SwarmTrainer:
         """
         await self.refresh(force=True)
         self._run_started = self.clock()
-        records: list[StepRecord] = []
+        records = self.records
         window = 1 if self.options.synchronous else \
             1 + -(-self.options.max_in_flight // self.config.train.microbatches)
         pending: set[asyncio.Task] = set()
@@ -346,14 +348,24 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
     discovery = DHTDiscovery(swarm, options.run_id, len(config.layer_split), config.train.seq_len)
 
     async def main() -> dict:
+        # SIGTERM/SIGINT end the run between calls: channels closed, the log flushed, a summary.
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, task.cancel)
         async with SwarmTrainer(config, data, discovery, options, log_json=log_json) as trainer:
-            records = await trainer.run(steps)
+            interrupted = False
+            try:
+                await trainer.run(steps)
+            except asyncio.CancelledError:
+                interrupted = True
+            records = trainer.records
             held_out = None
-            if evaluate:
+            if evaluate and not interrupted:
                 batches = data.heldout_batches(config.train.eval_batches, config.train.batch_size)
                 held_out = await trainer.evaluate(batches)
             return {
-                "trainer": options.trainer_index, "steps": len(records),
+                "trainer": options.trainer_index, "steps": len(records), "interrupted": interrupted,
                 "final_loss": records[-1].loss if records else None, "heldout_loss": held_out,
                 "tokens_per_s": records[-1].tokens_per_s if records else 0.0,
                 "microbatches": trainer.stats.microbatches, "reroutes": trainer.stats.reroutes,

@@ -56,3 +56,38 @@ def test_killed_worker_is_routed_around_and_the_run_finishes(tmp_path):
     assert summary["killed"] == ["worker-s1-r0"]
     assert [line["step"] for line in lines] == list(range(1, 17))
     assert summary["exit_codes"]["worker-s1-r0"] != 0  # it was killed, not asked to leave
+
+
+def test_ctrl_c_stops_the_demo_cleanly_with_a_summary(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    workdir = tmp_path / "work"
+    demo = subprocess.Popen([sys.executable, "-m", "agora.node", "demo", "--stages", "2", "--steps", "500",
+                             "--workdir", str(workdir), "--summary-json", str(tmp_path / "summary.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        log = workdir / "trainer-0.jsonl"
+        # Readiness: the first global batch is logged (the swarm is up and training).
+        for line in demo.stdout:
+            if log.exists() and log.stat().st_size:
+                break
+        demo.send_signal(signal.SIGINT)
+        demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert demo.returncode == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["outcome"] == "interrupted" and 0 < summary["steps"] < 500
+    leftovers = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if str(workdir).encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                leftovers.append(pid)
+        except OSError:
+            pass
+    assert leftovers == []
