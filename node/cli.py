@@ -30,7 +30,27 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     if getattr(args, "steps", None) is not None and args.steps > config.optim.total_steps:
         # A run longer than the schedule would sit at the floor lr; stretch the schedule instead.
         config = replace(config, optim=replace(config.optim, total_steps=args.steps))
+    sync = {name: getattr(args, flag) for name, flag in _SYNC_FLAGS.items() if getattr(args, flag, None) is not None}
+    if sync:
+        config = replace(config, sync=replace(config.sync, **sync))
     return config.validate()
+
+
+# config.sync fields set by `join`/`demo` flags (argparse destination of each flag).
+_SYNC_FLAGS = {"method": "averaging", "every_steps": "averaging_every", "fraction": "averaging_fraction",
+               "average_optimizer_state": "average_optimizer_state"}
+
+
+def _add_averaging_arguments(parser: argparse.ArgumentParser) -> None:
+    """How replicas of a stage stay together; must be identical on every worker of the run."""
+    parser.add_argument("--averaging", default=None, choices=["sparta", "diloco", "none"],
+                        help="sync method between replicas of a stage (default: the config's sync.method)")
+    parser.add_argument("--averaging-every", type=int, default=None, metavar="STEPS",
+                        help="local steps between averaging rounds (default: the config's sync.every_steps)")
+    parser.add_argument("--averaging-fraction", type=float, default=None, metavar="P",
+                        help="sparta: share of the stage averaged per round (default: sync.fraction)")
+    parser.add_argument("--average-optimizer-state", action="store_true", default=None,
+                        help="sparta: also average the Adam moments of the slice")
 
 
 def _cmd_train_local(args: argparse.Namespace) -> int:
@@ -91,7 +111,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
     config = _run_config(args)
     options = JoinOptions(stage=args.stage, run_id=args.run_id, initial_peers=tuple(args.initial_peers),
                           dht_host=args.dht_host, dht_port=args.dht_port, heartbeat_s=args.heartbeat,
-                          ready_file=args.ready_file, checkpoint_dir=args.checkpoint_dir)
+                          ready_file=args.ready_file, checkpoint_dir=args.checkpoint_dir,
+                          stats_file=args.stats_file)
     worker_options = WorkerOptions(host=args.host, port=args.port, synchronous=args.sync,
                                    local_batch=args.local_batch, max_queue=args.max_queue,
                                    wire_dtype=args.wire_dtype).validate()
@@ -200,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--max-queue", type=int, default=8, help="requests in flight before RESOURCE_EXHAUSTED")
     join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
     join.add_argument("--checkpoint-dir", default=None, help="resume from and checkpoint into this folder")
+    join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
+    _add_averaging_arguments(join)
     join.set_defaults(handler=_cmd_join)
 
     trainer = commands.add_parser("trainer", help="push microbatches through the swarm",
@@ -229,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None, help="keep logs and ready files here (default: a temp folder)")
     demo.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
                       help="fault drill: kill -9 one worker of the last stage after STEP global batches")
+    _add_averaging_arguments(demo)
     demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
     return parser
 

@@ -6,7 +6,9 @@ the trainers run, a progress line shows global batches, loss, tokens/s and live 
 stage. When they finish, workers and the bootstrap get SIGTERM (clean leave), every process
 is reaped, the trainers' logs are merged into one JSON line per global batch (run-wide `step`,
 the train-local schema) and a summary is printed and optionally written as JSON. Ctrl-C stops
-everything the same way and still prints what was done.
+everything the same way and still prints what was done. Workers average with the other replicas
+of their stage (the config's `sync` method unless `--averaging` says otherwise); each writes its
+averaging counters to a stats file when it leaves, and the summary adds them up per stage.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class DemoOptions:
     summary_json: str | None = None
     workdir: str | None = None
     kill_worker_at: int | None = None
+    averaging: str | None = None  # None: the config's sync.method (and the settings below)
+    averaging_every: int | None = None
+    averaging_fraction: float | None = None
+    average_optimizer_state: bool | None = None
     run_id: str = "demo"
     threads: int = 1
     ready_timeout_s: float = 120.0
@@ -54,7 +60,10 @@ class DemoOptions:
         return cls(config=args.config, seed=args.seed, stages=args.stages, microbatches=args.microbatches,
                    steps=args.steps, replicas=args.replicas, trainers=args.trainers, sync=args.sync,
                    max_in_flight=args.max_in_flight, log_json=args.log_json, summary_json=args.summary_json,
-                   workdir=args.workdir, kill_worker_at=args.kill_worker_at)
+                   workdir=args.workdir, kill_worker_at=args.kill_worker_at,
+                   averaging=getattr(args, "averaging", None), averaging_every=getattr(args, "averaging_every", None),
+                   averaging_fraction=getattr(args, "averaging_fraction", None),
+                   average_optimizer_state=getattr(args, "average_optimizer_state", None))
 
     def validate(self) -> "DemoOptions":
         if self.replicas < 1 or self.trainers < 1 or self.steps < 1:
@@ -64,6 +73,15 @@ class DemoOptions:
         if self.kill_worker_at is not None and self.replicas < 2:
             raise ConfigError("--kill-worker-at needs --replicas 2 or more, so the stage survives")
         return self
+
+    def averaging_flags(self) -> list[str]:
+        """The workers' averaging flags (workers alone average; trainers do not take these)."""
+        flags = []
+        for name, value in (("--averaging", self.averaging), ("--averaging-every", self.averaging_every),
+                            ("--averaging-fraction", self.averaging_fraction)):
+            if value is not None:
+                flags += [name, str(value)]
+        return flags + (["--average-optimizer-state"] if self.average_optimizer_state else [])
 
     def run_flags(self) -> list[str]:
         flags = ["--config", self.config, "--steps", str(self.steps)]
@@ -139,6 +157,8 @@ def run_demo(options: DemoOptions) -> int:
                 name = f"worker-s{stage}-r{replica}"
                 ready = workdir / f"{name}.ready"
                 command = agora_node_command(*common, "join", "--stage", str(stage), *options.run_flags(), *swarm,
+                                             *options.averaging_flags(), "--stats-file",
+                                             str(workdir / f"{name}.stats.json"),
                                              "--heartbeat", "1", "--ready-file", str(ready))
                 workers.append((stage, group.spawn(name, command, ready)))
         group.wait_ready([w for _, w in workers], options.ready_timeout_s)
@@ -239,10 +259,37 @@ def _summary(options: DemoOptions, lines: list[dict], workdir: Path, workers, ki
         "reroutes": sum(s.get("reroutes", 0) for s in trainer_summaries),
         "time_split_by_stage": _merge_time_splits([s.get("time_split_by_stage", {}) for s in trainer_summaries]),
         "busy_retries": sum(s.get("busy", 0) for s in trainer_summaries),
+        "averaging_by_stage": _averaging_by_stage(workdir, workers),
         "killed": killed,
         "exit_codes": exit_codes,
         "mode": "sync" if options.sync else "async",
     }
+
+
+def _averaging_by_stage(workdir: Path, workers) -> dict:
+    """Each stage's averaging rounds by outcome, summed over its replicas (from their stats files).
+
+    A worker writes its file when it leaves; a killed one leaves none and is not counted.
+    """
+    merged: dict[str, dict] = {}
+    for stage, worker in workers:
+        path = workdir / f"{worker.name}.stats.json"
+        try:
+            stats = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        into = merged.setdefault(str(stage), {"method": stats.get("method"), "replicas_reporting": 0,
+                                              "rounds_by_outcome": {}, "applied": 0, "skipped": 0, "bytes_sent": 0,
+                                              "local_steps": 0, "compute_blocked_s": 0.0, "wall_s": 0.0})
+        into["replicas_reporting"] += 1
+        for outcome, n in stats.get("rounds_by_outcome", {}).items():
+            into["rounds_by_outcome"][outcome] = into["rounds_by_outcome"].get(outcome, 0) + n
+        for key in ("applied", "skipped", "bytes_sent", "local_steps", "compute_blocked_s", "wall_s"):
+            into[key] += stats.get(key, 0)
+        into["parameters"] = stats.get("parameters", 0)
+    for into in merged.values():
+        into["compute_blocked_fraction"] = into["compute_blocked_s"] / into["wall_s"] if into["wall_s"] else None
+    return dict(sorted(merged.items()))
 
 
 def _merge_time_splits(splits: list[dict]) -> dict:

@@ -6,21 +6,28 @@ and on SIGTERM/SIGINT leave cleanly: mark itself leaving, withdraw the DHT recor
 routing to it, finish in-flight calls, write an atomic checkpoint of its stage, exit 0.
 A kill -9 needs nobody's cooperation: the record expires after ~3 missed heartbeats and trainers
 reroute. With `--checkpoint-dir` holding a checkpoint of the same stage, the worker resumes it.
+Unless the run's `sync.method` is "none" (or the worker is in synchronous mode, one replica per
+stage), it averages with the other replicas of its stage in the background (node/averaging_loop.py)
+and, with `--stats-file`, writes the averaging counters there as JSON when it leaves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from agora.dht.averaging import RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.records import WorkerRecord
 from agora.dht.swarm import SwarmDHT
+from agora.node.averaging_loop import AveragingLoop
+from agora.node.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels
 from agora.node.worker import StageWorker, WorkerOptions
 from agora.node.worker_compute import StageCompute
 from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -48,6 +55,7 @@ class JoinOptions:
     heartbeat_s: float = 5.0
     ready_file: str | None = None
     checkpoint_dir: str | None = None
+    stats_file: str | None = None  # averaging counters, written as JSON on exit
 
 
 def _save_stage(compute: StageCompute, directory: str, config: RunConfig) -> Path:
@@ -64,7 +72,19 @@ def _restore_stage(compute: StageCompute, directory: str, config: RunConfig) -> 
     return step
 
 
-async def _serve(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions, swarm: SwarmDHT) -> int:
+def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT) -> SliceAverager:
+    """The stage's averager process, sized for one round of `config.sync.method` (forks: call early)."""
+    sync = config.sync
+    numels = stage_parameter_numels(config.model, options.stage)
+    size = averaged_vector_size(sync, SlicePartition(numels, sync.n_slices, config.seed).buffer_size)
+    return SliceAverager.start(
+        swarm.hivemind_dht, prefix=f"{options.run_id}_stage{options.stage}_{sync.method}", size=size,
+        matchmaking_s=sync.matchmaking_s, request_s=sync.request_s, sender_s=sync.sender_s,
+        reducer_s=sync.reducer_s, round_s=sync.round_s, part_size_bytes=sync.part_size_bytes)
+
+
+async def _serve(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions, swarm: SwarmDHT,
+                 averager: SliceAverager | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -86,6 +106,13 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
 
     heartbeat = Heartbeat(swarm, record, interval=options.heartbeat_s)
     await heartbeat.start()
+    averaging = None
+    if averager is not None:
+        sync = config.sync
+        board = RoundBoard(swarm, run_id=options.run_id, stage=options.stage, method=sync.method,
+                           ttl=sync.matchmaking_s + sync.request_s)
+        averaging = AveragingLoop(worker, averager, sync, seed=config.seed, board=board)
+        await averaging.start()
     if options.ready_file:
         write_ready_file(options.ready_file, [worker.address, swarm.peer_id])
     logger.info("joined run %r as stage %d at %s (peer %s, %d tokens/sequence)", options.run_id, options.stage,
@@ -95,11 +122,18 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     logger.info("leaving: withdrawing the record, finishing in-flight work")
     worker.phase = "leaving"
     await heartbeat.stop(withdraw=True)
+    if averaging is not None:
+        await averaging.stop()
     await worker.stop()
     if options.checkpoint_dir:
         # The compute thread is shut down now; nothing else touches the stage, so save here.
         path = _save_stage(worker.compute, options.checkpoint_dir, config)
         logger.info("checkpoint written: %s", path)
+    if averaging is not None:
+        stats = averaging.stats.snapshot()
+        logger.info("averaging: %s", stats)
+        if options.stats_file:
+            write_ready_file(options.stats_file, [json.dumps(stats)])  # atomic: never half a file
     return 0
 
 
@@ -113,7 +147,13 @@ def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOp
     # hivemind forks its DHT process: start it before any gRPC server or torch thread exists.
     swarm = SwarmDHT.start(initial_peers=options.initial_peers,
                            host_maddrs=host_maddrs(options.dht_host, options.dht_port))
+    averager = None
     try:
-        return run_loop(_serve(config, options, worker_options, swarm))
+        # Synchronous mode has one replica per stage by definition: nothing to average with.
+        if config.sync.method != "none" and not worker_options.synchronous:
+            averager = _start_averager(config, options, swarm)  # forks too: before the gRPC server
+        return run_loop(_serve(config, options, worker_options, swarm, averager))
     finally:
+        if averager is not None:
+            averager.shutdown()
         swarm.shutdown()

@@ -27,6 +27,8 @@ __all__ = [
     "OptimConfig",
     "DataConfig",
     "TrainConfig",
+    "SyncConfig",
+    "SYNC_METHODS",
     "RunConfig",
     "PRESETS",
     "load_config",
@@ -164,6 +166,65 @@ class TrainConfig:
             )
 
 
+SYNC_METHODS = ("sparta", "diloco", "none")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """How the replicas of a stage stay together (DESIGN.md, AsyncSPARTA); defaults are the report's."""
+
+    method: str = "sparta"  # "sparta" (rotating sparse slice), "diloco" (streaming fragments) or "none"
+    every_steps: int = 20  # local optimizer steps between two rounds
+    fraction: float = 0.05  # sparta: share of every tensor averaged per round -> ceil(1/fraction) slices
+    fragments: int = 4  # diloco: fragments published in turn, one per round
+    average_optimizer_state: bool = False  # sparta: also average Adam exp_avg/exp_avg_sq of the slice
+    matchmaking_s: float = 40.0  # how long a round looks for its group
+    request_s: float = 3.0  # one matchmaking request to a would-be leader
+    sender_s: float = 30.0  # a sender silent this long is dropped from the round
+    reducer_s: float = 60.0  # a reducer silent this long: its part keeps local values
+    round_s: float = 150.0  # the all-reduce once the group is formed
+    part_size_bytes: int = 2 * 2**20  # all-reduce parts streamed to reducers
+    outer_lr: float = 0.7  # diloco outer Nesterov
+    outer_momentum: float = 0.9
+    quorum: int = 1  # participants (self included) a round needs to be applied
+
+    @property
+    def n_slices(self) -> int:
+        """Slices (sparta) or fragments (diloco) in one rotation."""
+        if self.method == "diloco":
+            return self.fragments
+        # round() first so that 1/0.05 = 20.000000000000004 is not taken for 21 slices
+        return math.ceil(round(1.0 / self.fraction, 9))
+
+    def validate(self) -> None:
+        if self.method not in SYNC_METHODS:
+            raise ConfigError(f"sync.method: expected one of {', '.join(SYNC_METHODS)}, got {self.method!r}")
+        if self.every_steps <= 0:
+            raise ConfigError(f"sync.every_steps: must be positive, got {self.every_steps}")
+        if not 0 < self.fraction <= 1:
+            raise ConfigError(f"sync.fraction: must be in (0, 1], got {self.fraction}")
+        if self.fragments <= 0:
+            raise ConfigError(f"sync.fragments: must be positive, got {self.fragments}")
+        for name in ("matchmaking_s", "request_s", "sender_s", "reducer_s", "round_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"sync.{name}: must be positive, got {getattr(self, name)}")
+        if self.request_s >= self.matchmaking_s:
+            # hivemind's matchmaking breaks request deadlocks with request_s; it must fit in the window.
+            raise ConfigError(f"sync.request_s: {self.request_s} must be below matchmaking_s={self.matchmaking_s}")
+        if self.reducer_s <= self.sender_s:
+            # Otherwise a reducer still waiting for a slow sender is itself dropped as silent.
+            raise ConfigError(f"sync.reducer_s: {self.reducer_s} must exceed sender_s={self.sender_s}")
+        if self.part_size_bytes < 1024:
+            raise ConfigError(f"sync.part_size_bytes: must be at least 1024, got {self.part_size_bytes}")
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError("sync.outer_lr/outer_momentum: need outer_lr > 0 and 0 <= outer_momentum < 1")
+        if self.quorum < 1:
+            raise ConfigError(f"sync.quorum: must be at least 1, got {self.quorum}")
+        if self.average_optimizer_state and self.method == "diloco":
+            raise ConfigError("sync.average_optimizer_state: only for method 'sparta' (diloco keeps its own "
+                              "outer state)")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "tiny"
@@ -172,12 +233,14 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def validate(self) -> "RunConfig":
         self.model.validate()
         self.optim.validate()
         self.data.validate()
         self.train.validate()
+        self.sync.validate()
         if self.train.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"train.seq_len: {self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
@@ -212,12 +275,18 @@ PRESETS: dict[str, RunConfig] = {
         model=ModelConfig(d_model=128, n_layers=6, n_heads=4, n_kv_heads=2, d_ff=352, max_seq_len=256, rank=16),
         optim=OptimConfig(lr=2e-3, warmup_steps=10, total_steps=400),
         train=TrainConfig(batch_size=8, microbatches=2, seq_len=128, eval_every=50),
+        # CPU tests and the demo: a few local steps per round, a rotation of 4 slices, timeouts in
+        # seconds, parts small enough that a slice is split over the group's reducers.
+        sync=SyncConfig(every_steps=8, fraction=0.25, matchmaking_s=3.0, request_s=1.0, sender_s=3.0,
+                        reducer_s=6.0, round_s=15.0, part_size_bytes=64 * 1024),
     ),
     "small": RunConfig(
         name="small",
         model=ModelConfig(d_model=256, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=704, max_seq_len=512, rank=32),
         optim=OptimConfig(lr=1e-3, warmup_steps=20, total_steps=1000),
         train=TrainConfig(batch_size=16, microbatches=4, seq_len=256, eval_every=100),
+        sync=SyncConfig(every_steps=10, fraction=0.1, matchmaking_s=5.0, request_s=1.0, sender_s=5.0,
+                        reducer_s=10.0, round_s=30.0),
     ),
     "pythia-14m": RunConfig(
         name="pythia-14m",

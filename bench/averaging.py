@@ -1,0 +1,162 @@
+"""Replicas kept together by averaging, against the centralized run on the same tokens.
+
+For each seed, on one preset, stage split and number of global batches (so the same tokens):
+  - `train-local` (the centralized reference), its dense control (rank = d: what the subspace
+    constraint costs at equal tokens) and an ideal data-parallel control (R times the batch,
+    1/R of the steps: what R replicas cost at equal tokens even if they were always identical),
+  - `agora-node demo --replicas 1` (the asynchronous pipeline alone: no averaging possible),
+  - `agora-node demo --replicas R` with sync method sparta, diloco and none (never averaged),
+and reports each run's held-out loss and its ratio to train-local (the issue's goal for the
+swarm: <= 1.02), mean over seeds; the averaging rounds by outcome; averaging bytes per global
+step and per parameter per local step; and the share of training time the compute thread spent
+on averaging snapshots and applies (goal < 2%; training time = tokens / the trainer's tokens/s).
+Writes bench/results/averaging_<preset>.md.
+
+    python bench/averaging.py --config tiny --stages 3 --replicas 2 --steps 200 --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from agora.pipeline.centralized import CentralizedTrainer
+from agora.pipeline.config import load_config
+from agora.pipeline.data import build_data
+
+
+def train_local(config, steps: int) -> float:
+    torch.manual_seed(config.seed)
+    trainer = CentralizedTrainer(config, build_data(config))
+    trainer.run(steps)
+    return trainer.evaluate()
+
+
+def demo(args, seed: int, replicas: int, method: str, work: Path) -> dict:
+    name = f"seed{seed}-r{replicas}-{method}"
+    summary_path = work / f"{name}.json"
+    subprocess.run([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "demo", "--config", args.config,
+                    "--stages", str(args.stages), "--replicas", str(replicas), "--steps", str(args.steps),
+                    "--seed", str(seed), "--averaging", method, "--summary-json", str(summary_path),
+                    "--workdir", str(work / name)], check=True, stdout=subprocess.DEVNULL)
+    return json.loads(summary_path.read_text())
+
+
+def averaging_figures(summary: dict) -> dict:
+    stages = summary.get("averaging_by_stage", {})
+    train_s = summary["tokens"] / summary["tokens_per_s"] if summary.get("tokens_per_s") else None
+    outcomes: dict[str, int] = {}
+    bytes_sent = blocked = 0.0
+    per_param_step = []
+    for stage in stages.values():
+        for outcome, n in stage["rounds_by_outcome"].items():
+            outcomes[outcome] = outcomes.get(outcome, 0) + n
+        bytes_sent += stage["bytes_sent"]
+        if stage["local_steps"] and stage["parameters"]:
+            per_param_step.append(stage["bytes_sent"] / (stage["parameters"] * stage["local_steps"]))
+        if train_s:
+            # Per replica: its compute thread's averaging time over the training time; the worst stage.
+            blocked = max(blocked, stage["compute_blocked_s"] / stage["replicas_reporting"] / train_s)
+    return {"outcomes": outcomes, "bytes_per_global_step": bytes_sent / max(1, summary["steps"]),
+            "bytes_per_param_per_local_step": statistics.mean(per_param_step) if per_param_step else 0.0,
+            "blocked_fraction": blocked}
+
+
+def run_config(args, seed: int):
+    base = load_config(args.config)
+    config = replace(base, seed=seed, model=replace(base.model, basis_seed=seed),
+                     data=replace(base.data, seed=seed)).with_stages(args.stages)
+    if args.steps > config.optim.total_steps:
+        config = replace(config, optim=replace(config.optim, total_steps=args.steps))
+    return config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="tiny")
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--methods", nargs="+", default=["sparta", "diloco", "none"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    work = Path(tempfile.mkdtemp(prefix="agora-bench-averaging-"))
+    r = args.replicas
+    names = ["train-local (subspace)", "train-local dense control",
+             f"train-local, {r}x batch, 1/{r} steps (ideal {r}-replica data parallel)", "demo --replicas 1 (async)"]
+    names += [f"demo --replicas {r} --averaging {m}" for m in args.methods]
+    heldout: dict[str, list[float]] = {name: [] for name in names}
+    figures: dict[str, list[dict]] = {name: [] for name in names}
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    tokens = 0
+    for seed in args.seeds:
+        config = run_config(args, seed)
+        tokens = args.steps * config.train.batch_size * config.train.seq_len
+        heldout[names[0]].append(train_local(config, args.steps))
+        heldout[names[1]].append(train_local(replace(config, model=replace(config.model, rank=None)), args.steps))
+        wide = replace(config, train=replace(config.train, batch_size=r * config.train.batch_size,
+                                             microbatches=r * config.train.microbatches))
+        heldout[names[2]].append(train_local(wide, args.steps // r))
+        runs = [(names[3], 1, "none")] + [(f"demo --replicas {r} --averaging {m}", r, m) for m in args.methods]
+        for name, replicas, method in runs:
+            summary = demo(args, seed, replicas, method, work)
+            heldout[name].append(summary["heldout_loss"])
+            rates[name].append(summary["tokens_per_s"])
+            if method != "none":
+                figures[name].append(averaging_figures(summary))
+
+    sync = run_config(args, args.seeds[0]).sync
+    reference = heldout[names[0]]
+    table = [f"# averaging: {args.config}, {args.stages} stages, {r} replicas, {args.steps} global batches "
+             f"({tokens:,} tokens), seeds {' '.join(map(str, args.seeds))}", "",
+             f"sync: every {sync.every_steps} local steps, sparta fraction {sync.fraction} ({sync.n_slices} slices), "
+             f"diloco {sync.fragments} fragments (outer lr {sync.outer_lr}, momentum {sync.outer_momentum}), "
+             f"matchmaking {sync.matchmaking_s:g} s, parts {sync.part_size_bytes} B", "",
+             "| run | held-out loss (mean) | / train-local (mean) | per seed | tokens/s | rounds committed/alone/other "
+             "| bytes / global step | bytes / param / local step | compute blocked (max) |",
+             "|---|---:|---:|---|---:|---|---:|---:|---:|"]
+    for name in names:
+        losses = heldout[name]
+        ratios = [loss / ref for loss, ref in zip(losses, reference)]
+        rate = f"{statistics.mean(rates[name]):,.0f}" if rates[name] else "-"
+        if figures[name]:
+            outcomes: dict[str, int] = {}
+            for f in figures[name]:
+                for k, n in f["outcomes"].items():
+                    outcomes[k] = outcomes.get(k, 0) + n
+            other = sum(n for k, n in outcomes.items() if k not in ("committed", "alone"))
+            cells = (f"{outcomes.get('committed', 0)}/{outcomes.get('alone', 0)}/{other}",
+                     f"{statistics.mean(f['bytes_per_global_step'] for f in figures[name]):,.0f}",
+                     f"{statistics.mean(f['bytes_per_param_per_local_step'] for f in figures[name]):.3f}",
+                     f"{100 * max(f['blocked_fraction'] for f in figures[name]):.3f}%")
+        else:
+            cells = ("-", "-", "-", "-")
+        table.append(f"| {name} | {statistics.mean(losses):.4f} | {statistics.mean(ratios):.4f} | "
+                     f"{' '.join(f'{x:.3f}' for x in ratios)} | {rate} | " + " | ".join(cells) + " |")
+    dense = statistics.mean(d / s for d, s in zip(heldout[names[1]], reference))
+    table += ["", f"Subspace vs dense control at equal tokens: dense / subspace held-out = {dense:.4f} "
+              "(below 1: the subspace constraint costs that much loss).", "",
+              "Bytes: the averagers' estimate of what each peer sends (2 (g-1)/g of the averaged vector per "
+              "round), summed over all workers per global step; per parameter per local step, one replica's "
+              "(sparta: about 2 (g-1)/g x 4 bytes x fraction / every_steps; diloco also sends its fragment's "
+              "anchor). Compute blocked: the largest per-replica share of training time its compute thread "
+              "spent on averaging snapshots and applies."]
+    text = "\n".join(table) + "\n"
+    print(text)
+    out = Path(args.out or Path(__file__).parent / "results" / f"averaging_{args.config}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""AsyncSPARTA and streaming DiLoCo, the pure parts: which elements, which round, what to add.
+
+Everything here is deterministic arithmetic on tensors and integers, tested without a network;
+the averaging loop (node/averaging_loop.py) and the all-reduce (dht/averaging.py) use it.
+
+Design choices:
+- Partition: every tensor's elements are shuffled by a permutation drawn from the run seed and
+  the tensor's position, then cut into `n_slices` contiguous runs of that permutation. So each
+  slice holds the same share (within one element) of *every* tensor, every element is in
+  exactly one slice, and every replica computes the same slices with no communication. Each
+  slice's indices are kept sorted, so gathering and scattering walk memory in order.
+- The averaged buffer has one fixed length (the largest slice, zero padded): hivemind refuses
+  to group peers whose tensor schema differs, so a stable schema keeps every round joinable.
+- Rounds are counted on the local optimizer step: round r is due at step r * every_steps (or
+  when another replica of the stage announced it: the fastest one sets the pace) and averages
+  slice r mod n_slices. A round that came due while another was running is skipped (counted),
+  not queued: a late round would look for peers that have already moved on.
+- Groups: the averager (dht/averaging.py) writes the round number into hivemind's group bits,
+  so only replicas averaging the same slice of the same round meet.
+- Delta rule: the slice is snapshotted when the round starts; when the average arrives the
+  replica adds `average - snapshot`, keeping the local steps it took meanwhile.
+- Weight: samples processed since the previous round; exactly 0 while the worker syncs.
+  Members get a tiny floor so that a group of idle members averages evenly instead of
+  dividing zero by zero; it is negligible next to any real sample count.
+- DiLoCo fragments are slices of the same partition (the outer optimizer is elementwise, so
+  which elements form a fragment does not change its math, and the buffer stays fixed-size).
+  Each replica keeps an anchor (the last agreed value) and an outer momentum per element; a
+  round averages (anchor, local) with token weights, so the outer gradient is the weighted mean
+  of the deltas `anchor - local`, and a replica whose anchor drifted (a missed round) heals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from agora.pipeline.config import ModelConfig, SyncConfig
+
+__all__ = [
+    "SlicePartition",
+    "RoundDecision",
+    "next_round",
+    "round_slice",
+    "peer_weight",
+    "MEMBER_WEIGHT_FLOOR",
+    "outer_nesterov_step",
+    "stage_parameter_numels",
+    "averaged_vector_size",
+]
+
+# See the module docstring: only matters when every member of a group is idle.
+MEMBER_WEIGHT_FLOOR = 1e-3
+# Mixes the tensor position into the run seed (a large odd constant keeps streams apart).
+_SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+class SlicePartition:
+    """Seeded partition of the elements of `numels` tensors into `n_slices` slices."""
+
+    def __init__(self, numels: Sequence[int], n_slices: int, seed: int):
+        if n_slices <= 0:
+            raise ValueError(f"n_slices must be positive, got {n_slices}")
+        if any(n < 0 for n in numels):
+            raise ValueError("tensor sizes must be non-negative")
+        self.numels = tuple(int(n) for n in numels)
+        self.n_slices = n_slices
+        self.seed = seed
+        # bounds[t][s]: where slice s of tensor t starts in its permutation
+        self._bounds = [[(s * n) // n_slices for s in range(n_slices + 1)] for n in self.numels]
+        self._orders: list[torch.Tensor | None] = [None] * len(self.numels)
+        self.slice_sizes = tuple(sum(b[s + 1] - b[s] for b in self._bounds) for s in range(n_slices))
+        self.buffer_size = max(self.slice_sizes) if self.slice_sizes else 0
+
+    def _order(self, t: int) -> torch.Tensor:
+        # Built lazily (a worker only needs it once averaging starts) and cached: 4-8 bytes/element.
+        order = self._orders[t]
+        if order is None:
+            n = self.numels[t]
+            generator = torch.Generator().manual_seed((self.seed * _SEED_STRIDE + t) % 2**63)
+            perm = torch.randperm(n, generator=generator)
+            bounds = self._bounds[t]
+            order = torch.cat([perm[bounds[s]:bounds[s + 1]].sort().values for s in range(self.n_slices)])
+            order = order.to(torch.int32) if n < 2**31 else order
+            self._orders[t] = order
+        return order
+
+    def prepare(self) -> "SlicePartition":
+        """Build every tensor's order now (seconds for a large stage): call it off the compute thread."""
+        for t in range(len(self.numels)):
+            self._order(t)
+        return self
+
+    def indices(self, slice_index: int) -> list[torch.Tensor]:
+        """Flat indices of slice `slice_index` in each tensor (sorted; views of a cached order)."""
+        self._check(slice_index)
+        return [self._order(t)[b[slice_index]:b[slice_index + 1]] for t, b in enumerate(self._bounds)]
+
+    def gather(self, tensors: Sequence[torch.Tensor], slice_index: int) -> torch.Tensor:
+        """The slice's values as one flat float32 vector of `buffer_size` (zero padded)."""
+        self._check_tensors(tensors)
+        out = torch.zeros(self.buffer_size, dtype=torch.float32)
+        offset = 0
+        with torch.no_grad():
+            for tensor, index in zip(tensors, self.indices(slice_index)):
+                n = index.numel()
+                torch.index_select(tensor.detach().reshape(-1), 0, index, out=out[offset:offset + n])
+                offset += n
+        return out
+
+    def scatter_add(self, tensors: Sequence[torch.Tensor], slice_index: int, flat: torch.Tensor) -> None:
+        """`tensor[slice] += flat` for every tensor, in place (the delta rule's write)."""
+        self._check_tensors(tensors)
+        self._check_flat(flat)
+        offset = 0
+        with torch.no_grad():
+            for tensor, index in zip(tensors, self.indices(slice_index)):
+                n = index.numel()
+                view = tensor.detach().view(-1)  # parameters are contiguous; view() refuses a copy
+                view.index_add_(0, index, flat[offset:offset + n].to(view.dtype))
+                offset += n
+
+    def scatter(self, tensors: Sequence[torch.Tensor], slice_index: int, flat: torch.Tensor) -> None:
+        """`tensor[slice] = flat` for every tensor, in place."""
+        self._check_tensors(tensors)
+        self._check_flat(flat)
+        offset = 0
+        with torch.no_grad():
+            for tensor, index in zip(tensors, self.indices(slice_index)):
+                n = index.numel()
+                view = tensor.detach().view(-1)
+                view.index_copy_(0, index.long(), flat[offset:offset + n].to(view.dtype))
+                offset += n
+
+    def _check(self, slice_index: int) -> None:
+        if not 0 <= slice_index < self.n_slices:
+            raise IndexError(f"slice {slice_index} out of range for {self.n_slices} slices")
+
+    def _check_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        if tuple(t.numel() for t in tensors) != self.numels:
+            raise ValueError("tensors do not match the partition's sizes")
+
+    def _check_flat(self, flat: torch.Tensor) -> None:
+        if flat.dim() != 1 or flat.numel() != self.buffer_size:
+            raise ValueError(f"expected a flat vector of {self.buffer_size} values, got shape {tuple(flat.shape)}")
+
+
+@dataclass(frozen=True)
+class RoundDecision:
+    round: int | None  # the round to run now, or None
+    skipped: int  # rounds that came due and will never run
+
+
+def next_round(steps: int, every_steps: int, last_round: int, announced: int | None = None) -> RoundDecision:
+    """The round to start now: due at local step `steps`, or announced by another replica.
+
+    `last_round` is the last round started (or due at start-up); rounds in between are skipped.
+    """
+    due = steps // every_steps
+    if announced is not None:
+        due = max(due, announced)
+    if due <= last_round:
+        return RoundDecision(None, 0)
+    return RoundDecision(due, due - last_round - 1)
+
+
+def round_slice(round_number: int, n_slices: int) -> int:
+    return round_number % n_slices
+
+
+def peer_weight(samples_since_last_round: int, member: bool) -> float:
+    """Averaging weight: samples since the previous round; 0 while syncing (see the module docstring)."""
+    if not member:
+        return 0.0
+    return max(float(samples_since_last_round), MEMBER_WEIGHT_FLOOR)
+
+
+def outer_nesterov_step(averaged_anchor: torch.Tensor, averaged_local: torch.Tensor, momentum: torch.Tensor,
+                        lr: float, mu: float) -> torch.Tensor:
+    """DiLoCo's outer SGD with Nesterov momentum on the pseudo-gradient `anchor - local`.
+
+    Updates `momentum` in place and returns the new anchor; equals `torch.optim.SGD(nesterov=True)`
+    on a parameter at `averaged_anchor` whose gradient is the averaged delta.
+    """
+    gradient = averaged_anchor - averaged_local
+    momentum.mul_(mu).add_(gradient)
+    return averaged_anchor - lr * (gradient + mu * momentum)
+
+
+def averaged_vector_size(sync: SyncConfig, buffer_size: int) -> int:
+    """Length of the vector a round averages: the slice, plus what the method carries with it.
+
+    sparta: the slice (and its two Adam moments if `average_optimizer_state`); diloco: the
+    fragment's anchor and its local values.
+    """
+    if sync.method == "diloco":
+        return 2 * buffer_size
+    return (3 if sync.average_optimizer_state else 1) * buffer_size
+
+
+def stage_parameter_numels(model: ModelConfig, index: int) -> list[int]:
+    """Sizes of a stage's trainable tensors, in the optimizer's order, without allocating them."""
+    from agora.pipeline.stages import build_stage
+
+    with torch.device("meta"):  # shapes only: the averager is sized before the stage is built
+        stage = build_stage(model, index)
+    return [p.numel() for p in stage.parameters() if p.requires_grad]
+

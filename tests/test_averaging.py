@@ -1,0 +1,282 @@
+"""Real hivemind averaging on loopback: grouping by round, convergence, a replica killed mid-round.
+
+Each replica is a `SwarmDHT` + `SliceAverager` (hivemind's DHT and averager processes with their
+p2pd) and, where parameters matter, a stage on its compute thread (`LocalReplica`: a StageWorker
+without the gRPC server, which would make later forks unreliable) with its `AveragingLoop`. Timeouts are scaled to seconds
+(`TIMEOUTS`); parts are 16 KiB so a stage slice is split over every reducer of the group.
+Everything started is shut down in `finally` blocks; the killed replica is a child in its own
+session, SIGKILLed as a whole (tests/averaging_victim.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agora.dht.averaging import RoundBoard, SliceAverager
+from agora.dht.swarm import SwarmDHT
+from agora.node.averaging_loop import AveragingLoop
+from agora.node.server import run
+from agora.node.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels
+from agora.pipeline.config import PRESETS
+from local_replica import LocalReplica
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+CONFIG = PRESETS["tiny"].with_stages(3)
+STAGE = 1
+TIMEOUTS = dict(matchmaking_s=2.0, request_s=0.5, sender_s=2.0, reducer_s=4.0, round_s=20.0)
+SYNC = dataclasses.replace(CONFIG.sync, every_steps=4, fraction=0.25, **TIMEOUTS)  # 4 slices
+NUMELS = stage_parameter_numels(CONFIG.model, STAGE)
+
+
+def vector_size(sync=SYNC) -> int:
+    return averaged_vector_size(sync, SlicePartition(NUMELS, sync.n_slices, CONFIG.seed).buffer_size)
+
+
+@contextlib.contextmanager
+def swarm_of(n: int, prefix: str, size: int):
+    """n DHT peers joined into one swarm, each with an averager; all shut down on exit."""
+    dhts, averagers = [], []
+    try:
+        for _ in range(n):
+            dhts.append(SwarmDHT.start(initial_peers=dhts[0].visible_maddrs() if dhts else ()))
+            averagers.append(SliceAverager.start(dhts[-1].hivemind_dht, prefix=prefix, size=size,
+                                                 part_size_bytes=16 * 1024, **TIMEOUTS))
+        yield dhts, averagers
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+class FixedBoard:
+    """A round board that knows the group size; announcements are not needed when rounds are driven."""
+
+    def __init__(self, replicas: int):
+        self.replicas_now = replicas
+
+    async def announce(self, round_number):
+        pass
+
+    async def announced_round(self):
+        return None
+
+    async def replicas(self):
+        return self.replicas_now
+
+
+async def replicas_on(averagers, sync=SYNC, boards=None):
+    """A stage replica and an AveragingLoop per averager; parameters pulled apart per replica."""
+    workers, loops = [], []
+    for i, averager in enumerate(averagers):
+        worker = LocalReplica(CONFIG, STAGE)
+        generator = torch.Generator().manual_seed(100 + i)
+        await worker.on_compute(lambda c: [p.data.add_(torch.randn(p.shape, generator=generator))
+                                           for p in c.optimizer.parameters])
+        board = boards[i] if boards else FixedBoard(len(averagers))
+        loop = AveragingLoop(worker, averager, sync, seed=CONFIG.seed, board=board, probe_s=0.05)
+        await loop.start()
+        workers.append(worker)
+        loops.append(loop)
+    return workers, loops
+
+
+async def stop_all(workers, loops):
+    for loop in loops:
+        await loop.stop()
+    for worker in workers:
+        await worker.stop()
+
+
+def params(compute):
+    return [p.detach().clone() for p in compute.optimizer.parameters]
+
+
+def local_step(seed: int, samples: int = 8):
+    """A small synthetic optimizer-free update, counted as `samples` trained samples."""
+    def step(compute):
+        generator = torch.Generator().manual_seed(seed)
+        for p in compute.optimizer.parameters:
+            p.data.add_(1e-3 * torch.randn(p.shape, generator=generator))
+        compute.samples_total += samples
+    return step
+
+
+def slice_distances(a, b, partition):
+    """Per slice: the largest |a - b| over the slice's elements."""
+    return [float((partition.gather(a, s) - partition.gather(b, s)).abs().max()) for s in range(partition.n_slices)]
+
+
+def test_groups_form_only_within_one_round_and_average_by_weight():
+    with swarm_of(2, "grouping", 1000) as (_, (a, b)):
+        def both(round_a, round_b, weight_a=1.0, weight_b=3.0):
+            out = {}
+            thread = threading.Thread(target=lambda: out.setdefault("b", b.average(
+                torch.full((1000,), 4.0), round_number=round_b, weight=weight_b, group_size=2)))
+            thread.start()
+            out["a"] = a.average(torch.zeros(1000), round_number=round_a, weight=weight_a, group_size=2)
+            thread.join()
+            return out["a"], out["b"]
+
+        apart = both(5, 6)  # a replica ahead and one behind never meet
+        assert [r.outcome for r in apart] == ["alone", "alone"]
+        first, second = both(7, 7)
+        assert first.outcome == second.outcome == "committed"
+        assert torch.allclose(first.averaged, torch.full((1000,), 3.0)) and torch.equal(first.averaged,
+                                                                                       second.averaged)
+        assert first.group_size == 2 and sorted(first.weights) == [1.0, 3.0] and first.received_fraction == 1.0
+        assert first.bytes_sent == 4000  # 2 * (g - 1) / g of 4000 bytes
+        nobody = both(8, 8, 0.0, 0.0)  # everyone syncing: no weight, no average
+        assert [r.outcome for r in nobody] == ["rejected", "rejected"] and nobody[0].averaged is None
+
+
+def test_replicas_that_start_apart_converge_over_one_rotation():
+    async def main(averagers):
+        workers, loops = await replicas_on(averagers)
+        try:
+            before = [await w.on_compute(params) for w in workers]
+            for round_number in range(1, SYNC.n_slices + 1):  # one full rotation, training in between
+                for i, worker in enumerate(workers):
+                    await worker.on_compute(local_step(round_number * 10 + i))
+                results = await asyncio.gather(*(loop.run_round(round_number) for loop in loops))
+                assert [r.outcome for r in results] == ["committed"] * 3, [r.error for r in results]
+                assert all(r.group_size == 3 and r.received_fraction == 1.0 for r in results)
+            after = [await w.on_compute(params) for w in workers]
+        finally:
+            await stop_all(workers, loops)
+        partition = SlicePartition(NUMELS, SYNC.n_slices, CONFIG.seed)
+        for i in range(3):
+            for j in range(i + 1, 3):
+                start = slice_distances(before[i], before[j], partition)
+                end = slice_distances(after[i], after[j], partition)
+                # Pulled apart by N(0, 1) noise; after the rotation only the local steps since
+                # each slice's round (a few 1e-3 updates) separate them.
+                assert all(e < 0.05 * s for s, e in zip(start, end)), (start, end)
+        assert all(loop.stats.snapshot()["rounds_by_outcome"]["committed"] == SYNC.n_slices for loop in loops)
+
+    with swarm_of(3, "converge", vector_size()) as (_, averagers):
+        run(main(averagers))
+
+
+def test_diloco_rounds_make_the_fragment_agree():
+    sync = dataclasses.replace(SYNC, method="diloco", fragments=2)
+
+    async def main(averagers):
+        workers, loops = await replicas_on(averagers, sync)
+        try:
+            for round_number in (1, 2):
+                for i, worker in enumerate(workers):
+                    await worker.on_compute(local_step(round_number * 10 + i))
+                results = await asyncio.gather(*(loop.run_round(round_number) for loop in loops))
+                assert [r.outcome for r in results] == ["committed"] * 2
+            after = [await w.on_compute(params) for w in workers]
+        finally:
+            await stop_all(workers, loops)
+        partition = SlicePartition(NUMELS, 2, CONFIG.seed)
+        # Fragment 0 (round 2, the last): same averaged anchor and delta, same outer step, equal
+        # values. Fragment 1 (round 1): apart by the local steps taken since, not by the N(0, 1) pull.
+        assert torch.allclose(partition.gather(after[0], 0), partition.gather(after[1], 0), atol=1e-5)
+        assert torch.allclose(partition.gather(after[0], 1), partition.gather(after[1], 1), atol=0.05)
+        assert all(bool(torch.isfinite(p).all()) for p in after[0])
+
+    with swarm_of(2, "diloco", vector_size(sync)) as (_, averagers):
+        run(main(averagers))
+
+
+def test_a_slower_replica_joins_the_rounds_a_faster_one_announces():
+    class TwoReplicaBoard(RoundBoard):
+        async def replicas(self):
+            return 2
+
+    async def main(dhts, averagers):
+        boards = [TwoReplicaBoard(dht, run_id="avg-test", stage=STAGE, method="sparta",
+                                  ttl=SYNC.matchmaking_s + SYNC.request_s) for dht in dhts]
+        workers, loops = await replicas_on(averagers, boards=boards)
+        stop = asyncio.Event()
+
+        async def train(worker, steps_per_tick):
+            while not stop.is_set():  # the fast replica steps three times as often as the slow one
+                await worker.on_compute(lambda c: setattr(c.optimizer, "steps", c.optimizer.steps + steps_per_tick))
+                await asyncio.sleep(0.05)  # paces the synthetic training; the test waits on its outcome
+
+        trainers = [asyncio.create_task(train(w, n)) for w, n in zip(workers, (3, 1))]
+        try:
+            for _ in range(1200):
+                if all(loop.stats.rounds["committed"] >= 3 for loop in loops):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            await asyncio.gather(*trainers)
+            await stop_all(workers, loops)
+        fast, slow = (loop.stats.snapshot() for loop in loops)
+        assert fast["rounds_by_outcome"]["committed"] >= 3 and slow["rounds_by_outcome"]["committed"] >= 3
+        assert slow["skipped"] > 0  # it jumped ahead to the fast replica's rounds
+
+    with swarm_of(2, "announce", vector_size()) as (dhts, averagers):
+        run(main(dhts, averagers))
+
+
+def test_a_replica_killed_mid_round_is_dropped_and_the_survivors_go_on(tmp_path):
+    size = vector_size()
+    round_number = 6
+    marker = str(tmp_path / "victim.in-allreduce")
+
+    async def wait_for(path: str, victim: subprocess.Popen, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):  # a file the victim writes atomically: its handshake
+            assert victim.poll() is None, f"the victim exited before {what}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.02)
+
+    async def main(dhts, averagers):
+        victim = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("averaging_victim.py")), marker, "killed", str(size),
+             str(round_number), "3", *dhts[0].visible_maddrs()], start_new_session=True)
+        workers, loops = await replicas_on(averagers, boards=[FixedBoard(3), FixedBoard(3)])
+        try:
+            await wait_for(marker + ".ready", victim, "the victim's averager")
+            before = [await w.on_compute(params) for w in workers]
+            rounds = asyncio.gather(*(loop.run_round(round_number) for loop in loops))
+            await wait_for(marker, victim, "the victim to enter the all-reduce")
+            os.killpg(victim.pid, signal.SIGKILL)  # the whole machine vanishes: averager, DHT, p2pd
+            await asyncio.to_thread(victim.wait)
+            results = await rounds
+            middle = [await w.on_compute(params) for w in workers]
+            for board in loops:
+                board._board.replicas_now = 2
+            following = await asyncio.gather(*(loop.run_round(round_number + 1) for loop in loops))
+        finally:
+            await stop_all(workers, loops)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait()
+        for result in results:  # the survivors completed without the dead peer's share
+            assert result.outcome == "committed", result.error
+            assert result.group_size == 3 and 0.0 < result.received_fraction < 1.0
+        assert all(bool(torch.isfinite(p).all()) for replica in middle for p in replica)
+        partition = SlicePartition(NUMELS, SYNC.n_slices, CONFIG.seed)
+        s = round_number % SYNC.n_slices
+        start = (partition.gather(before[0], s) - partition.gather(before[1], s)).abs()
+        end = (partition.gather(middle[0], s) - partition.gather(middle[1], s)).abs()
+        averaged = end < 1e-5 * (1 + start)  # the survivors' parts: now equal
+        assert 0.3 < float(averaged.float().mean()) < 1.0  # the dead reducer's part kept local values
+        assert not bool(averaged[start > 0].all())
+        assert [r.outcome for r in following] == ["committed", "committed"]
+        assert all(r.group_size == 2 and r.received_fraction == 1.0 for r in following)
+
+    with swarm_of(2, "killed", size) as (dhts, averagers):
+        run(main(dhts, averagers))

@@ -1,0 +1,255 @@
+"""The worker-side averaging loop against a scripted averager: what a round writes, and when.
+
+No hivemind here: `ScriptedAverager` stands in for `SliceAverager` (same `average` signature,
+runs in the loop's thread) so each test decides what the group "agreed on". The replica is a
+stage on its compute thread (`LocalReplica`, tiny preset, stage 1 of 3; no gRPC server, so
+later tests can still fork hivemind processes); the loop touches its parameters only through
+`on_compute`, and so do the tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from agora.dht.averaging import RoundResult
+from agora.node.averaging_loop import AveragingLoop
+from agora.node.server import run
+from agora.node.sparta import SlicePartition, averaged_vector_size, outer_nesterov_step
+from agora.pipeline.config import PRESETS
+from local_replica import LocalReplica
+
+pytestmark = pytest.mark.timeout(60)
+
+CONFIG = PRESETS["tiny"].with_stages(3)
+SYNC = dataclasses.replace(CONFIG.sync, every_steps=4, fraction=0.25)  # 4 slices
+
+
+class ScriptedAverager:
+    """`SliceAverager`'s interface; `reply(values, round)` says what the round returns."""
+
+    def __init__(self, size: int, reply):
+        self.size = size
+        self.reply = reply
+        self.calls: list[tuple[int, float, int | None]] = []
+        self.cancelled = threading.Event()
+
+    def average(self, values, *, round_number, weight, group_size=None, metadata=None) -> RoundResult:
+        self.calls.append((round_number, weight, group_size))
+        return self.reply(values.clone(), round_number)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class Board:
+    def __init__(self, replicas: int = 2, announced: int | None = None):
+        self.replicas_now, self.announced_now, self.announced_by_us = replicas, announced, []
+
+    async def announce(self, round_number):
+        self.announced_by_us.append(round_number)
+
+    async def announced_round(self):
+        return self.announced_now
+
+    async def replicas(self):
+        return self.replicas_now
+
+
+def committed(averaged, round_number, group=2):
+    return RoundResult("committed", round_number, averaged, participants=tuple(f"p{i}" for i in range(group)),
+                       weights=(1.0,) * group, received_fraction=1.0)
+
+
+def vector_size(sync=SYNC) -> int:
+    numels = [p.numel() for p in _params_of_stage()]
+    return averaged_vector_size(sync, SlicePartition(numels, sync.n_slices, CONFIG.seed).buffer_size)
+
+
+def _params_of_stage():
+    from agora.pipeline.stages import build_stage
+
+    return [p for p in build_stage(CONFIG.model, 1).parameters() if p.requires_grad]
+
+
+def params(compute):
+    return [p.detach().clone() for p in compute.optimizer.parameters]
+
+
+async def started(sync, reply, board=None, size=None):
+    worker = LocalReplica(CONFIG, 1)
+    averager = ScriptedAverager(size or vector_size(sync), reply)
+    loop = AveragingLoop(worker, averager, sync, seed=CONFIG.seed, board=board or Board(), probe_s=0.01)
+    await loop.start()
+    return worker, averager, loop
+
+
+async def until(predicate, what: str, limit: int = 2000) -> None:
+    for _ in range(limit):
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_round_adds_average_minus_snapshot_and_keeps_steps_taken_meanwhile():
+    entered, release = threading.Event(), threading.Event()
+
+    def reply(values, round_number):
+        entered.set()
+        release.wait(10)
+        return committed(values + 1.0, round_number)  # the group's average: snapshot + 1
+
+    async def main():
+        worker, averager, loop = await started(SYNC, reply)
+        try:
+            before = await worker.on_compute(params)
+            task = asyncio.create_task(loop.run_round(1))
+            await asyncio.to_thread(entered.wait, 10)
+            # Training goes on during the round: a local update to every parameter.
+            await worker.on_compute(lambda c: [p.data.add_(0.5) for p in c.optimizer.parameters])
+            release.set()
+            result = await task
+            after = await worker.on_compute(params)
+        finally:
+            await loop.stop()
+            await worker.stop()
+        assert result.outcome == "committed" and loop.stats.applied == 1
+        partition = SlicePartition([p.numel() for p in before], SYNC.n_slices, CONFIG.seed)
+        for s in range(SYNC.n_slices):
+            moved = partition.gather(after, s) - partition.gather(before, s)
+            expected = 1.5 if s == 1 else 0.5  # average - snapshot, plus the local step
+            assert torch.allclose(moved[:partition.slice_sizes[s]], torch.full((partition.slice_sizes[s],), expected))
+        assert loop.stats.compute_blocked_s > 0
+
+    run(main())
+
+
+def test_alone_failed_and_rejected_rounds_write_nothing():
+    outcomes = iter(["failed", "rejected"])
+
+    def reply(values, round_number):
+        return RoundResult(next(outcomes), round_number, None)
+
+    async def main():
+        board = Board(replicas=1)
+        worker, averager, loop = await started(SYNC, reply, board)
+        try:
+            before = await worker.on_compute(params)
+            assert (await loop.run_round(1)).outcome == "alone"  # no other replica: no matchmaking
+            assert averager.calls == []
+            board.replicas_now = 3
+            assert (await loop.run_round(2)).outcome == "failed"
+            assert (await loop.run_round(3)).outcome == "rejected"
+            after = await worker.on_compute(params)
+        finally:
+            await loop.stop()
+            await worker.stop()
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
+        assert [call[0] for call in averager.calls] == [2, 3] and averager.calls[0][2] == 3  # target group size
+        assert board.announced_by_us == [1, 2, 3]
+        snap = loop.stats.snapshot()
+        assert snap["rounds_by_outcome"]["alone"] == 1 and snap["rounds_by_outcome"]["failed"] == 1
+        assert snap["rounds_by_outcome"]["rejected"] == 1 and snap["applied"] == 0 and snap["rounds"] == 3
+
+    run(main())
+
+
+def test_optimizer_state_option_averages_the_moments_and_keeps_exp_avg_sq_non_negative():
+    sync = dataclasses.replace(SYNC, average_optimizer_state=True)
+
+    def reply(values, round_number):
+        third = values.numel() // 3
+        averaged = values.clone()
+        averaged[:third] += 1.0  # parameters
+        averaged[third:2 * third] += 2.0  # exp_avg
+        averaged[2 * third:] = -5.0  # exp_avg_sq: a delta that would make it negative
+        return committed(averaged, round_number)
+
+    def train_one_step(compute):
+        for p in compute.optimizer.parameters:
+            p.grad = torch.randn_like(p)
+        compute.optimizer.step(1)
+
+    def moments(compute, name):
+        state = compute.optimizer.optimizer.state
+        return [state[p][name].clone() for p in compute.optimizer.parameters]
+
+    async def main():
+        worker, averager, loop = await started(sync, reply, size=vector_size(sync))
+        try:
+            await worker.on_compute(train_one_step)
+            before = await worker.on_compute(lambda c: moments(c, "exp_avg"))
+            await loop.run_round(2)
+            after = await worker.on_compute(lambda c: moments(c, "exp_avg"))
+            second = await worker.on_compute(lambda c: moments(c, "exp_avg_sq"))
+        finally:
+            await loop.stop()
+            await worker.stop()
+        partition = SlicePartition([m.numel() for m in before], sync.n_slices, CONFIG.seed)
+        n = partition.slice_sizes[2]
+        assert torch.allclose((partition.gather(after, 2) - partition.gather(before, 2))[:n], torch.full((n,), 2.0))
+        assert torch.equal(partition.gather(after, 0), partition.gather(before, 0))
+        assert all(bool((m >= 0).all()) for m in second)
+        assert bool((partition.gather(second, 2)[:n] == 0).all())
+
+    run(main())
+
+
+def test_diloco_round_is_an_outer_nesterov_step_on_the_fragment():
+    sync = dataclasses.replace(SYNC, method="diloco", fragments=2)
+
+    async def main():
+        worker, averager, loop = await started(sync, lambda v, r: None, Board(replicas=1), size=vector_size(sync))
+        try:
+            anchor = await worker.on_compute(params)
+            # Inner steps: every parameter moves by 0.01.
+            await worker.on_compute(lambda c: [p.data.add_(0.01) for p in c.optimizer.parameters])
+            result = await loop.run_round(3)  # fragment 1, alone; a quorum of one applies it
+            after = await worker.on_compute(params)
+        finally:
+            await loop.stop()
+            await worker.stop()
+        assert result.outcome == "alone" and loop.stats.applied == 1
+        partition = SlicePartition([p.numel() for p in anchor], 2, CONFIG.seed)
+        a = partition.gather(anchor, 1)
+        expected = outer_nesterov_step(a, a + 0.01, torch.zeros_like(a), sync.outer_lr, sync.outer_momentum)
+        n = partition.slice_sizes[1]
+        assert torch.allclose(partition.gather(after, 1)[:n], expected[:n], atol=1e-6)  # a + 0.7 * 1.9 * 0.01
+        assert torch.allclose(partition.gather(after, 0), partition.gather(anchor, 0) + 0.01)  # fragment 0 untouched
+
+    run(main())
+
+
+def test_loop_starts_due_and_announced_rounds_and_stop_cancels_the_round_in_flight():
+    def reply(values, round_number):
+        if round_number < 9:
+            return committed(values, round_number)
+        averager.cancelled.wait(10)  # a round that never ends on its own
+        return RoundResult("cancelled", round_number, None)
+
+    async def main():
+        nonlocal averager
+        board = Board(replicas=2, announced=3)  # a faster replica is waiting in round 3
+        worker, averager, loop = await started(SYNC, reply, board)
+        try:
+            await until(lambda: [c[0] for c in averager.calls] == [3], "the announced round")
+            board.announced_now = None
+            await worker.on_compute(lambda c: setattr(c.optimizer, "steps", 4 * 5))  # own step count: round 5
+            await until(lambda: len(averager.calls) == 2, "the round due at step 20")
+            await worker.on_compute(lambda c: setattr(c.optimizer, "steps", 4 * 9 + 1))  # rounds 6-8 skipped
+            await until(lambda: len(averager.calls) == 3, "round 9")
+        finally:
+            await loop.stop()
+            await worker.stop()
+        assert [c[0] for c in averager.calls] == [3, 5, 9]
+        snap = loop.stats.snapshot()
+        assert snap["skipped"] == 2 + 1 + 3 and snap["rounds_by_outcome"]["cancelled"] == 1
+        assert snap["last_round"] == 9
+
+    averager = None
+    run(main())
