@@ -29,29 +29,33 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-in-flight", type=int, default=4)
+    parser.add_argument("--max-in-flight", type=int, nargs="*", default=[],
+                        help="extra async runs at these depths, beside the default")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     run = ["--config", args.config, "--stages", str(args.stages), "--steps", str(args.steps), "--seed", str(args.seed)]
     work = Path(tempfile.mkdtemp(prefix="agora-bench-"))
 
-    agora("--threads", "2", "train-local", *run, "--log-json", str(work / "local.jsonl"))
+    printed = subprocess.run([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "--threads", "2",
+                              "train-local", *run, "--log-json", str(work / "local.jsonl")],
+                             check=True, capture_output=True, text=True).stdout
     local = [json.loads(line) for line in (work / "local.jsonl").read_text().splitlines()]
     local_rate = local[-1]["tokens_per_s"]
-    rows = [("train-local (2 threads)", local_rate, local[-1]["loss"], None)]
-    for mode in ("sync", "async"):
-        summary_path = work / f"{mode}.json"
-        agora("demo", *run, *(["--sync"] if mode == "sync" else []), "--max-in-flight", str(args.max_in_flight),
-              "--summary-json", str(summary_path), "--log-json", str(work / f"{mode}.jsonl"))
+    local_heldout = float(printed.split("heldout=")[1].split()[0])  # the held-out batches the trainer uses
+    rows = [("train-local (2 threads)", local_rate, local_heldout, None)]
+    modes = [("sync", ["--sync"]), ("async", [])] + [(f"async, {n} in flight", ["--max-in-flight", str(n)])
+                                                    for n in args.max_in_flight]
+    for index, (mode, flags) in enumerate(modes):
+        summary_path = work / f"run{index}.json"
+        agora("demo", *run, *flags, "--summary-json", str(summary_path), "--log-json", str(work / f"run{index}.jsonl"))
         summary = json.loads(summary_path.read_text())
-        lines = [json.loads(line) for line in (work / f"{mode}.jsonl").read_text().splitlines()]
-        rows.append((f"demo --{mode} ({args.stages} workers x 1 thread)", summary["tokens_per_s"], lines[-1]["loss"],
-                     summary["time_split_by_stage"]))
+        rows.append((f"demo --{mode} ({args.stages} workers x 1 thread)", summary["tokens_per_s"],
+                     summary["heldout_loss"], summary["time_split_by_stage"]))
 
     table = [f"# swarm vs train-local: {args.config}, {args.stages} stages, {args.steps} steps, seed {args.seed}", "",
-             "| run | tokens/s | / train-local | last loss |", "|---|---:|---:|---:|"]
+             "| run | tokens/s | / train-local | held-out loss | / train-local |", "|---|---:|---:|---:|---:|"]
     for name, rate, loss, _ in rows:
-        table.append(f"| {name} | {rate:,.0f} | {rate / local_rate:.3f} | {loss:.4f} |")
+        table.append(f"| {name} | {rate:,.0f} | {rate / local_rate:.3f} | {loss:.4f} | {loss / local_heldout:.4f} |")
     table += ["", "Per-call time split by stage (ms per call; wire = round trip - compute - queued):", "",
               "| run | stage | calls | round trip | compute | queued | wire |", "|---|---:|---:|---:|---:|---:|---:|"]
     for name, _, _, split in rows[1:]:

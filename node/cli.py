@@ -232,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_swarm_arguments(trainer)
     trainer.add_argument("--trainer-index", type=int, default=0, help="this trainer's index among --trainers")
     trainer.add_argument("--trainers", type=int, default=1, help="trainers sharing the run's global batches")
-    trainer.add_argument("--max-in-flight", type=int, default=4, help="microbatches in the pipeline at once")
+    trainer.add_argument("--max-in-flight", type=int, default=None,
+                         help="microbatches in the pipeline at once (default: half a global batch, which keeps "
+                              "asynchronous staleness under half a step; more is faster and converges worse)")
     trainer.add_argument("--log-json", default=None, help="write one JSON object per global batch here")
     trainer.add_argument("--summary-json", default=None, help="write the final summary here")
     trainer.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
@@ -246,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trainers", type=int, default=1, help="trainer processes")
     demo.add_argument("--sync", action="store_true",
                       help="synchronous mode (needs --replicas 1 --trainers 1): must equal train-local")
-    demo.add_argument("--max-in-flight", type=int, default=4, help="microbatches in flight per trainer")
+    demo.add_argument("--max-in-flight", type=int, default=None,
+                      help="microbatches in flight per trainer (default: half a global batch)")
     demo.add_argument("--log-json", default=None, help="one JSON line per global batch, run-wide step")
     demo.add_argument("--summary-json", default=None, help="write the run summary here")
     demo.add_argument("--workdir", default=None, help="keep logs and ready files here (default: a temp folder)")

@@ -42,7 +42,7 @@ class DemoOptions:
     replicas: int = 1
     trainers: int = 1
     sync: bool = False
-    max_in_flight: int = 4
+    max_in_flight: int | None = None  # None: the trainer's default (half a global batch)
     log_json: str | None = None
     summary_json: str | None = None
     workdir: str | None = None
@@ -166,7 +166,8 @@ def run_demo(options: DemoOptions) -> int:
         for index in range(options.trainers):
             command = agora_node_command(
                 *common, "trainer", *options.run_flags(), *swarm, "--trainer-index", str(index),
-                "--trainers", str(options.trainers), "--max-in-flight", str(options.max_in_flight),
+                "--trainers", str(options.trainers),
+                *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
                 "--log-json", str(trainer_logs[index]),
                 "--summary-json", str(workdir / f"trainer-{index}.summary.json"),
                 *([] if index == 0 else ["--no-eval"]))

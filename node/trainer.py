@@ -8,6 +8,13 @@ workers. Any failure abandons the microbatch's route and re-runs it on another (
 attempts; a new microbatch id per attempt, so a late reply of the abandoned route can never be
 confused with the new one).
 
+How much is in flight is the asynchronous pipeline's one real trade-off. A microbatch started
+before a worker steps is finished with newer weights: the staleness is about (microbatches in
+flight) / (microbatches per global batch) optimizer steps. Measured on `tiny` (200 batches, 3
+stages, held-out loss / train-local): half a batch in flight 0.998, one batch 1.06, two batches
+1.12, while tokens/s rises with the depth. The default is therefore half a global batch
+(`in_flight_limit`); `--max-in-flight` trades convergence for throughput explicitly.
+
 Synchronous mode (one replica per stage) adds a Step barrier on every stage after each global
 batch: this is the centralized run, and its loss trace must equal `train-local`'s.
 Asynchronous mode leaves stepping to the workers (their local batch).
@@ -49,12 +56,18 @@ class TrainerOptions:
     trainer_index: int = 0
     trainers: int = 1
     synchronous: bool = False
-    max_in_flight: int = 4  # microbatches in the pipeline at once
+    # Microbatches in the pipeline at once; None: half a global batch's microbatches (see below).
+    max_in_flight: int | None = None
     max_attempts: int = 6  # routes tried per microbatch before the run fails
     call_timeout_s: float = 60.0
     wait_for_workers_s: float = 60.0  # how long a stage may have no routable worker
     roster_refresh_s: float = 2.0
     wire_dtype: str = "fp32"
+
+
+def in_flight_limit(options: TrainerOptions, microbatches: int) -> int:
+    """Microbatches allowed in flight: the option, or half a global batch (staleness <= 1/2 step)."""
+    return options.max_in_flight if options.max_in_flight is not None else max(1, microbatches // 2)
 
 
 def assigned_units(total_steps: int, trainer_index: int, trainers: int) -> list[int]:
@@ -120,7 +133,8 @@ class SwarmTrainer:
         self._run_started = clock()
         self._units_done = 0
         self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
-        self._in_flight = asyncio.Semaphore(options.max_in_flight)
+        self.max_in_flight = in_flight_limit(options, config.train.microbatches)
+        self._in_flight = asyncio.Semaphore(self.max_in_flight)
 
     # ------------------------------------------------------------------ workers
 
@@ -287,7 +301,7 @@ class SwarmTrainer:
         self._run_started = self.clock()
         records = self.records
         window = 1 if self.options.synchronous else \
-            1 + -(-self.options.max_in_flight // self.config.train.microbatches)
+            1 + -(-self.max_in_flight // self.config.train.microbatches)
         pending: set[asyncio.Task] = set()
 
         def finish(done: set[asyncio.Task]) -> None:

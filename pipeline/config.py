@@ -274,7 +274,7 @@ PRESETS: dict[str, RunConfig] = {
         name="tiny",
         model=ModelConfig(d_model=128, n_layers=6, n_heads=4, n_kv_heads=2, d_ff=352, max_seq_len=256, rank=16),
         optim=OptimConfig(lr=2e-3, warmup_steps=10, total_steps=400),
-        train=TrainConfig(batch_size=8, microbatches=2, seq_len=128, eval_every=50),
+        train=TrainConfig(batch_size=8, microbatches=4, seq_len=128, eval_every=50),
         # CPU tests and the demo: a few local steps per round, a rotation of 4 slices, timeouts in
         # seconds, parts small enough that a slice is split over the group's reducers.
         sync=SyncConfig(every_steps=8, fraction=0.25, matchmaking_s=3.0, request_s=1.0, sender_s=3.0,
