@@ -23,7 +23,7 @@ from typing import IO, Callable
 import torch
 
 from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkpoint, save_checkpoint
-from agora.pipeline.codec import WireCodec, decode_tokens, encode_tokens
+from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.model import basis_checksum
 from agora.pipeline.optim import StageOptimizer
@@ -97,9 +97,8 @@ class CentralizedTrainer:
 
     # --- one global batch -------------------------------------------------------------------
     def _microbatch(self, batch: torch.Tensor) -> float:
-        vocab = self.config.model.vocab_size
-        tokens = decode_tokens(encode_tokens(batch[:, :-1], vocab), vocab)
-        targets = batch[:, 1:]
+        # Token ids cross the wire losslessly, so they need no round trip through the codec.
+        tokens, targets = batch[:, :-1], batch[:, 1:]
         inputs: list[torch.Tensor | None] = []
         outputs: list[torch.Tensor] = []
         wire = None
