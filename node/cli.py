@@ -217,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--dht-port", type=int, default=0, help="DHT port (0: pick a free one)")
     join.add_argument("--heartbeat", type=float, default=5.0, help="seconds between DHT announces")
     join.add_argument("--local-batch", type=int, default=None,
-                      help="samples per local optimizer step in asynchronous mode (default: train.batch_size)")
+                      help="asynchronous mode: step on this replica's own samples, every this many, instead of "
+                           "on the trainers' completed-batch reports (the default: one step per global batch, "
+                           "shared by the stage's replicas)")
     join.add_argument("--max-queue", type=int, default=8, help="requests in flight before RESOURCE_EXHAUSTED")
     join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
     join.add_argument("--checkpoint-dir", default=None, help="resume from and checkpoint into this folder")

@@ -15,9 +15,12 @@ stages, held-out loss / train-local): half a batch in flight 0.998, one batch 1.
 1.12, while tokens/s rises with the depth. The default is therefore half a global batch
 (`in_flight_limit`); `--max-in-flight` trades convergence for throughput explicitly.
 
-Synchronous mode (one replica per stage) adds a Step barrier on every stage after each global
-batch: this is the centralized run, and its loss trace must equal `train-local`'s.
-Asynchronous mode leaves stepping to the workers (their local batch).
+Every replica of every stage steps once per global batch. Synchronous mode (one replica per
+stage) closes each global batch with a Step barrier on every stage: this is the centralized run,
+and its loss trace must equal `train-local`'s. Asynchronous mode reports each finished global
+batch to every worker it knows (`Step` with `completed_batch`, concurrently, best effort) and
+goes on with the next one meanwhile; each replica then steps on its own share of the batch, so
+the replicas of a stage keep one epoch counter and the centralized run's learning-rate schedule.
 
 The trainer writes the same JSON-lines schema as `train-local` (`StepRecord`).
 """
@@ -106,6 +109,7 @@ class TrainerStats:
     busy: int = 0
     failures_by_peer: dict[str, int] = field(default_factory=dict)
     aborts: dict[str, int] = field(default_factory=dict)  # by the worker's outcome
+    batch_reports_failed: int = 0  # completed-batch reports a worker did not answer (it lags one step)
     times_by_stage: dict[int, StageTimes] = field(default_factory=dict)
 
     def time_split(self) -> dict[str, dict[str, float]]:
@@ -264,6 +268,28 @@ class SwarmTrainer:
             replies.append(await self._client(workers[0]).step(self.config.train.microbatches, step=step))
         return replies
 
+    async def _report_batch_done(self, unit_id: int) -> list[float | None]:
+        """Tell every known worker that global batch `unit_id` is done; per stage, the mean pre-clip
+        gradient norm of the replicas that stepped on it (None where none did)."""
+        timeout = min(5.0, self.options.call_timeout_s)
+
+        async def one(view: WorkerView):
+            try:
+                return view.stage, await self._client(view).batch_done(unit_id, timeout_s=timeout)
+            except StageCallError as error:
+                # That worker lags one step behind its stage (or is gone); training goes on.
+                self.stats.batch_reports_failed += 1
+                logger.debug("completed-batch report %d to %s failed: %s", unit_id, view.endpoint, error)
+                return view.stage, None
+
+        results = await asyncio.gather(*(one(view) for view in list(self.roster.workers.values())))
+        norms: dict[int, list[float]] = {}
+        for stage, reply in results:
+            if reply is not None and reply.accumulated:
+                norms.setdefault(stage, []).append(reply.grad_norm)
+        return [round(sum(norms[s]) / len(norms[s]), 6) if s in norms else None
+                for s in range(self.n_stages)]
+
     async def train_unit(self, unit_id: int) -> StepRecord:
         unit = self.data.train.unit(unit_id)
         microbatches = unit.chunk(self.config.train.microbatches)
@@ -279,6 +305,7 @@ class SwarmTrainer:
             grad_norms = [round(r.grad_norm, 6) for r in replies]
             lr = replies[0].lr
         else:
+            grad_norms = await self._report_batch_done(unit_id)
             lr = lr_at(unit_id, self.config.optim)
         elapsed = self.clock() - self._run_started
         tokens_per_unit = unit.shape[0] * (unit.shape[1] - 1)
@@ -384,7 +411,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "tokens_per_s": records[-1].tokens_per_s if records else 0.0,
                 "microbatches": trainer.stats.microbatches, "reroutes": trainer.stats.reroutes,
                 "busy": trainer.stats.busy, "failures_by_peer": trainer.stats.failures_by_peer,
-                "aborts": trainer.stats.aborts,
+                "aborts": trainer.stats.aborts, "batch_reports_failed": trainer.stats.batch_reports_failed,
                 "time_split_by_stage": trainer.stats.time_split(),
             }
 

@@ -76,7 +76,9 @@ class WorkerOptions:
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port; `StageWorker.port` reports the real one
     synchronous: bool = False  # step only on the Step barrier
-    local_batch: int | None = None  # samples per local step (asynchronous mode); None: train.batch_size
+    # Asynchronous mode: None steps on the trainers' completed-batch reports (the stage's shared
+    # epoch); a number steps on this replica's own samples instead, every that many.
+    local_batch: int | None = None
     max_queue: int = 8  # Forward/Backward requests admitted but not finished
     stash_capacity: int = 64  # forward inputs kept for Backward
     stash_ttl_s: float = 600.0
@@ -172,12 +174,11 @@ class StageWorker:
 
     def _build_compute(self) -> StageCompute:
         options = self.options
-        local_batch = options.local_batch or self.config.train.batch_size
         return StageCompute(
             self.config, self.stage_index, run_id=self.run_id,
             codec=WireCodec(options.wire_dtype, max_bytes=options.max_stream_bytes),
             stash=ForwardStash(options.stash_capacity, options.stash_ttl_s, clock=self._clock),
-            synchronous=options.synchronous, local_batch=local_batch,
+            synchronous=options.synchronous, local_batch=options.local_batch,
         )
 
     async def start(self) -> int:

@@ -263,6 +263,12 @@ class StageClient:
         stub = self._calls()
         return await self._invoke("Step", lambda timeout: stub.step(request, timeout=timeout), timeout_s)
 
+    async def batch_done(self, batch: int, *, timeout_s: float | None = None) -> StepReply:
+        """Asynchronous mode: global batch `batch` is done; the worker steps once on what it accumulated."""
+        request = StepRequest(run_id=self.run_id, stage=self.stage, microbatches=0, completed_batch=batch)
+        stub = self._calls()
+        return await self._invoke("Step", lambda timeout: stub.step(request, timeout=timeout), timeout_s)
+
     async def abort(self, microbatch_id: str, *, timeout_s: float | None = None) -> AbortReply:
         """Tell the worker this microbatch was abandoned (drop its input, take back its gradient)."""
         request = AbortRequest(run_id=self.run_id, microbatch_id=microbatch_id, stage=self.stage)

@@ -20,21 +20,30 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   gradient was accumulated since the last step, the same gradient is recomputed and subtracted,
   so an abandoned route leaves nothing half-applied. Once a step has consumed it, it stays
   (reported as "stepped"): that gradient came from a correct forward, it is only a duplicate sample.
-- Stepping: asynchronous mode steps once the accumulated samples reach `local_batch`;
-  synchronous mode steps only on the Step barrier, which is idempotent per step number (a retried
-  barrier gets the recorded reply instead of a second step).
+- Stepping, once per global batch in both modes. Synchronous mode steps only on the Step
+  barrier, which is idempotent per step number (a retried barrier gets the recorded reply
+  instead of a second step). Asynchronous mode steps when a trainer reports a global batch done
+  (`StepRequest.completed_batch`): every replica of a stage hears every report, so the replicas
+  share one epoch counter, each stepping on its own share of the batch (mean over its own
+  microbatches) with the learning rate of the swarm's batch count. This is the Agora run's
+  collective batch; stepping on a full batch of one's own samples instead would give R replicas
+  1/R of the steps each and leave their schedules behind the swarm's. A report is counted once
+  (by batch id); a replica that accumulated nothing since its last step advances its count
+  without an update. `local_batch` (when set) makes a replica step on its own every that many
+  samples instead, for runs whose trainers do not report.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from agora.pipeline.codec import WireCodec, WireFormatError, decode_tokens
 from agora.pipeline.config import RunConfig
-from agora.pipeline.optim import StageOptimizer
+from agora.pipeline.optim import StageOptimizer, lr_at
 from agora.pipeline.stages import Stage, build_stage
 from agora.protos.stage_adapter import (
     AbortReply,
@@ -64,6 +73,8 @@ __all__ = [
 MAX_MICROBATCH_ID_CHARS = 256
 # Weight of the newest job in the throughput average: ~10 jobs of memory, steady under jitter.
 THROUGHPUT_SMOOTHING = 0.1
+# Completed-batch reports remembered for deduplication: far more than trainers ever keep in flight.
+REMEMBERED_BATCHES = 4096
 
 
 class RequestRejected(Exception):
@@ -107,9 +118,9 @@ class StageCompute:
     """One stage replica. Not thread-safe: call it from one thread only."""
 
     def __init__(self, config: RunConfig, index: int, *, run_id: str, codec: WireCodec, stash: ForwardStash,
-                 synchronous: bool, local_batch: int, stage: Stage | None = None,
+                 synchronous: bool, local_batch: int | None = None, stage: Stage | None = None,
                  optimizer: StageOptimizer | None = None):
-        if local_batch <= 0:
+        if local_batch is not None and local_batch <= 0:
             raise ValueError(f"local_batch must be positive, got {local_batch}")
         self.config = config
         self.run_id = run_id
@@ -128,6 +139,7 @@ class StageCompute:
         self.applied: dict[str, AppliedMicrobatch] = {}
         self.stepped_ids: set[str] = set()  # applied, then consumed by the last step (for Abort's answer)
         self.last_step: StepReply | None = None
+        self._counted_batches: OrderedDict[int, StepReply] = OrderedDict()  # asynchronous reports
         self.throughput = 0.0  # tokens/s of compute, moving average; 0 until the first job
 
     def _observe(self, tokens: int, started: float) -> None:
@@ -224,7 +236,7 @@ class StageCompute:
         self.accumulated_microbatches += 1
         self.accumulated_samples += samples
         self.samples_total += samples
-        if not self.synchronous and self.accumulated_samples >= self.local_batch:
+        if not self.synchronous and self.local_batch is not None and self.accumulated_samples >= self.local_batch:
             self._step(self.accumulated_microbatches)
 
     def forward(self, request: ForwardRequest) -> ForwardReply:
@@ -332,11 +344,13 @@ class StageCompute:
         return self.last_step
 
     def step(self, request: StepRequest) -> StepReply:
-        """The synchronous-mode barrier."""
+        """The synchronous-mode barrier, or an asynchronous report of a completed global batch."""
         self.check_addressing(request.run_id, request.stage)
+        if request.completed_batch is not None:
+            return self._batch_done(request.completed_batch)
         if not self.synchronous:
-            raise PreconditionFailed("this worker is in asynchronous mode: it steps on its own when its "
-                                     "local batch fills, not on a Step barrier")
+            raise PreconditionFailed("this worker is in asynchronous mode: it steps when trainers report "
+                                     "completed global batches (completed_batch), not on a Step barrier")
         if request.microbatches <= 0:
             raise InvalidRequest(f"microbatches must be positive, got {request.microbatches}")
         current = self.optimizer.steps
@@ -346,3 +360,27 @@ class StageCompute:
             if request.step != current:
                 raise PreconditionFailed(f"Step barrier for step {request.step}, but this worker is at step {current}")
         return self._step(request.microbatches)
+
+    def _batch_done(self, batch: int) -> StepReply:
+        """A trainer reports global batch `batch` done: one local step (see the module docstring)."""
+        if self.synchronous:
+            raise PreconditionFailed("this worker is in synchronous mode: it steps on the Step barrier only, "
+                                     "not on completed-batch reports")
+        if self.local_batch is not None:
+            raise PreconditionFailed(f"this worker steps on its own every {self.local_batch} samples "
+                                     "(--local-batch), not on completed-batch reports")
+        counted = self._counted_batches.get(batch)
+        if counted is not None:
+            return counted  # a retried report, or one already counted
+        if self.accumulated_microbatches:
+            reply = self._step(self.accumulated_microbatches)
+        else:
+            # Nothing routed here since the last step: keep the swarm's count, change no weights.
+            lr = lr_at(self.optimizer.steps, self.config.optim)
+            self.optimizer.steps += 1
+            self.stepped_ids = set()
+            reply = StepReply(step=self.optimizer.steps, grad_norm=0.0, lr=lr, skipped=False, accumulated=0)
+        self._counted_batches[batch] = reply
+        while len(self._counted_batches) > REMEMBERED_BATCHES:
+            self._counted_batches.popitem(last=False)
+        return reply

@@ -99,6 +99,7 @@ class StepRequest:
     stage: int
     microbatches: int
     step: int | None = None  # the step this barrier completes; None steps unconditionally
+    completed_batch: int | None = None  # asynchronous mode: this global batch is done swarm-wide
 
 
 @dataclass(frozen=True)

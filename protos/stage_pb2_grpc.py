@@ -90,7 +90,8 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """Synchronous-mode step barrier: step now over the given number of microbatches.
+        """Synchronous mode: the step barrier, step now over the given number of microbatches.
+        Asynchronous mode: a global batch is done; step once on what this replica accumulated.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -79,13 +79,17 @@ def test_asynchronous_swarm_with_two_replicas_and_two_trainers_runs(data):
             for t in trainers:
                 await t.close()
             served = [w.info().step for w in workers]
-            return results, served
+            return results, served, [t.stats for t in trainers]
         finally:
             await asyncio.gather(*(w.stop(0) for w in workers))
 
-    results, steps_taken = asyncio.run(main())
-    assert sorted(r.step for records in results for r in records) == [1, 2, 3, 4, 5, 6]
-    assert sum(steps_taken) > 0  # replicas stepped on their own local batches
+    results, steps_taken, stats = asyncio.run(main())
+    records = [r for records in results for r in records]
+    assert sorted(r.step for r in records) == [1, 2, 3, 4, 5, 6]
+    # The stage's shared epoch: every replica stepped once per global batch, whichever trainer ran it.
+    assert steps_taken == [6] * 4
+    assert all(s.batch_reports_failed == 0 for s in stats)
+    assert all(len(r.grad_norm) == 2 for r in records)
 
 
 def test_units_are_striped_over_trainers():

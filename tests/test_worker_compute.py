@@ -31,7 +31,7 @@ class FakeClock:
         return self.now
 
 
-def make_compute(index: int, *, synchronous: bool = True, local_batch: int = 4, clock=None,
+def make_compute(index: int, *, synchronous: bool = True, local_batch: int | None = 4, clock=None,
                  capacity: int = 8, ttl_s: float = 60.0) -> StageCompute:
     stash = ForwardStash(capacity, ttl_s, clock=clock or FakeClock())
     return StageCompute(CONFIG, index, run_id="run", codec=CODEC, stash=stash, synchronous=synchronous,
@@ -180,3 +180,70 @@ def test_abort_takes_back_exactly_what_an_abandoned_microbatch_added():
     assert tail.abort(AbortRequest(run_id="r", microbatch_id="abandoned", stage=1)).outcome == "unknown"
     tail._step(1)
     assert tail.abort(AbortRequest(run_id="r", microbatch_id="kept", stage=1)).outcome == "stepped"
+
+
+def _report(compute: StageCompute, batch_id: int):
+    return compute.step(StepRequest(run_id="run", stage=compute.index, microbatches=0, completed_batch=batch_id))
+
+
+def test_asynchronous_worker_steps_once_per_reported_global_batch():
+    head = make_compute(0, synchronous=False, local_batch=None)
+    tokens, _ = batch(7)
+    for i in range(2):
+        out = CODEC.decode(head.forward(forward_request(0, tokens, microbatch_id=f"m{i}")).wire)
+        head.backward(grad_request(0, torch.ones_like(out), microbatch_id=f"m{i}"))
+    assert head.optimizer.steps == 0  # no report yet: it waits for the stage's shared epoch
+    first = _report(head, 0)
+    assert first.step == 1 and first.accumulated == 2 and first.grad_norm > 0
+    assert _report(head, 0) == first and head.optimizer.steps == 1  # a second report of batch 0 is not counted
+    weights = [p.detach().clone() for p in head.optimizer.parameters]
+    empty = _report(head, 1)  # nothing routed here during batch 1: the count moves, the weights do not
+    assert (empty.step, empty.accumulated) == (2, 0)
+    assert all(torch.equal(p, w) for p, w in zip(head.optimizer.parameters, weights))
+    with pytest.raises(PreconditionFailed, match="asynchronous"):
+        head.step(StepRequest(run_id="run", stage=0, microbatches=2))
+    with pytest.raises(PreconditionFailed, match="synchronous mode"):
+        _report(make_compute(0, synchronous=True), 0)
+    with pytest.raises(PreconditionFailed, match="--local-batch"):
+        _report(make_compute(0, synchronous=False, local_batch=4), 0)
+
+
+def _pipeline_microbatch(computes: list[StageCompute], microbatch_id: str, sample: torch.Tensor) -> float:
+    """One microbatch through one replica per stage, as the trainer drives it (without sockets)."""
+    tokens, targets = sample[:, :-1], sample[:, 1:]
+    wire = None
+    for compute in computes[:-1]:
+        wire = CODEC.decode(compute.forward(forward_request(compute.index, tokens, wire,
+                                                            microbatch_id=microbatch_id)).wire)
+    reply = computes[-1].forward(forward_request(computes[-1].index, tokens, wire, targets, microbatch_id))
+    grad = CODEC.decode(reply.input_grad)
+    for compute in reversed(computes[:-1]):
+        back = compute.backward(grad_request(compute.index, grad, microbatch_id))
+        grad = CODEC.decode(back.input_grad) if back.input_grad else None
+    return reply.loss
+
+
+def test_shared_epoch_gives_every_replica_the_centralized_step_count_and_schedule():
+    """One replica per stage, batches one after another: exactly the centralized run. Two replicas
+    per stage, each taking half of every batch: both step once per batch, at the run's lr."""
+    from agora.pipeline.centralized import CentralizedTrainer
+    from agora.pipeline.data import build_data
+    from agora.pipeline.optim import lr_at
+
+    data = build_data(CONFIG)
+    steps = 3
+    expected = [r.loss for r in CentralizedTrainer(CONFIG, data).run(steps)]
+    n_micro = CONFIG.train.microbatches
+    for replicas in (1, 2):
+        routes = [[make_compute(i, synchronous=False, local_batch=None) for i in range(3)] for _ in range(replicas)]
+        losses = []
+        for unit in range(steps):
+            chunks = data.train.unit(unit).chunk(n_micro)
+            losses.append(sum(_pipeline_microbatch(routes[m % replicas], f"u{unit}m{m}", chunk)
+                              for m, chunk in enumerate(chunks)) / n_micro)
+            for compute in (c for route in routes for c in route):
+                reply = _report(compute, unit)
+                assert reply.accumulated == n_micro // replicas and reply.lr == pytest.approx(lr_at(unit, CONFIG.optim))
+        assert all(c.optimizer.steps == steps for route in routes for c in route)
+        if replicas == 1:
+            assert losses == pytest.approx(expected, abs=1e-5)
