@@ -27,6 +27,12 @@ Design choices:
   `AveragingStats`, whose `snapshot()` is a plain dict (the join daemon writes it on exit).
 - The time the compute thread spends on snapshots and applies is measured on that thread and
   reported as `compute_blocked_s` / `compute_blocked_fraction` of the loop's wall time.
+- `state_dict()` is what a checkpoint needs to resume the loop where it was: the last round,
+  the samples since each key's last round (relative, since the worker's sample count restarts)
+  and, for diloco, the anchor and the outer momentum. Without them a restarted replica would
+  take its current weights as the agreed anchor (dropping its pending progress from the next
+  outer step) and restart its momentum from zero. `load_state_dict` before `start()`; a state
+  of another method or stage shape is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -161,6 +167,7 @@ class AveragingLoop:
         # touched only by this loop, so they need no lock.
         self._anchor: list[torch.Tensor] = []
         self._momentum: list[torch.Tensor] = []
+        self._restored: Optional[dict] = None  # a checkpointed state, applied by start()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -174,13 +181,51 @@ class AveragingLoop:
             raise ValueError(f"the averager holds {self.averager.size} values but a round of this stage needs {size}")
         self._partition = await asyncio.to_thread(partition.prepare)
         self.stats.vector_elements, self.stats.parameters = size, sum(numels)
+        restored = self._restored
+        if restored is not None and self.sync.method == "diloco" and not (
+                _matches(restored["anchor"], numels) and _matches(restored["momentum"], numels)):
+            self._logger.warning("the checkpoint's diloco anchor and momentum do not fit this stage; starting afresh")
+            restored = None
         if self.sync.method == "diloco":
-            self._anchor = await self._on_compute(lambda c: [p.detach().clone() for p in c.optimizer.parameters])
-            self._momentum = [torch.zeros_like(a) for a in self._anchor]
+            if restored is not None:
+                self._anchor = [t.detach().clone().float() for t in restored["anchor"]]
+                self._momentum = [t.detach().clone().float() for t in restored["momentum"]]
+            else:
+                self._anchor = await self._on_compute(lambda c: [p.detach().clone() for p in c.optimizer.parameters])
+                self._momentum = [torch.zeros_like(a) for a in self._anchor]
         self._last_round = steps // self.sync.every_steps  # rounds due before we started are not run
         self._samples_at_round = {key: samples for key in range(-1, self.sync.n_slices)}
+        if restored is not None:
+            self._last_round = max(self._last_round, restored["last_round"])
+            for key, since in restored["samples_since_round"].items():
+                if key in self._samples_at_round:
+                    self._samples_at_round[key] = samples - since
         self.stats.started = time.monotonic()
         self._task = asyncio.create_task(self._run(), name="averaging-loop")
+
+    def state_dict(self, samples_total: int) -> dict:
+        """What a checkpoint keeps (see the module docstring); `samples_total` is the worker's now."""
+        return {
+            "method": self.sync.method, "n_slices": self.sync.n_slices, "last_round": self._last_round,
+            "samples_since_round": {str(k): max(0, samples_total - v) for k, v in self._samples_at_round.items()},
+            "anchor": [t.clone() for t in self._anchor], "momentum": [t.clone() for t in self._momentum],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()`'s output; call before `start()`."""
+        if self._task is not None:
+            raise RuntimeError("load the averaging state before start()")
+        try:
+            method, n_slices, last_round = state["method"], int(state["n_slices"]), int(state["last_round"])
+            since = {int(k): int(v) for k, v in state["samples_since_round"].items()}
+            anchor, momentum = list(state["anchor"]), list(state["momentum"])
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"averaging state in the checkpoint is malformed: {error!r}") from None
+        if (method, n_slices) != (self.sync.method, self.sync.n_slices):
+            raise ValueError(f"the checkpoint's averaging state is for {method} with {n_slices} slices, but this "
+                             f"run uses {self.sync.method} with {self.sync.n_slices}")
+        self._restored = {"last_round": last_round, "samples_since_round": since, "anchor": anchor,
+                          "momentum": momentum}
 
     async def stop(self) -> None:
         """Abandon the round in flight (if any) and end the loop."""
@@ -228,6 +273,7 @@ class AveragingLoop:
         if self._partition is None:
             raise RuntimeError("start() the loop first")
         index = round_slice(round_number, self.sync.n_slices)
+        self._last_round = max(self._last_round, round_number)
         expected = None
         if self._board is not None:
             _, expected = await asyncio.gather(self._ask(lambda: self._board.announce(round_number), None),
@@ -344,6 +390,10 @@ class AveragingLoop:
         level = logging.WARNING if result.outcome in ("failed", "rejected") else logging.INFO
         self._logger.log(level, "averaging %s", " ".join(f"{k}={v}" for k, v in fields.items()),
                          extra={"milestone": "averaging_round", "fields": fields})
+
+
+def _matches(tensors: list, numels: list[int]) -> bool:
+    return all(isinstance(t, torch.Tensor) for t in tensors) and [t.numel() for t in tensors] == numels
 
 
 def _moments(compute: StageCompute, name: str) -> Optional[list[torch.Tensor]]:

@@ -58,18 +58,21 @@ class JoinOptions:
     stats_file: str | None = None  # averaging counters, written as JSON on exit
 
 
-def _save_stage(compute: StageCompute, directory: str, config: RunConfig) -> Path:
-    state = StageState(compute.index, compute.stage.state_dict(), compute.optimizer.state_dict())
+def _save_stage(compute: StageCompute, directory: str, config: RunConfig,
+                averaging: AveragingLoop | None = None) -> Path:
+    state = StageState(compute.index, compute.stage.state_dict(), compute.optimizer.state_dict(),
+                       averaging.state_dict(compute.samples_total) if averaging is not None else None)
     return save_checkpoint(directory, compute.optimizer.steps, config, [state])
 
 
-def _restore_stage(compute: StageCompute, directory: str, config: RunConfig) -> int:
+def _restore_stage(compute: StageCompute, directory: str, config: RunConfig) -> tuple[int, dict | None]:
+    """Load the stage and its optimizer; (step, the averaging loop's saved state or None)."""
     step, saved_config, states, _ = load_checkpoint(directory)
     if saved_config.model != config.model or [s.index for s in states] != [compute.index]:
         raise ConfigError(f"--checkpoint-dir: {directory} holds another model or stage than stage {compute.index}")
     compute.stage.load_state_dict(states[0].model)
     compute.optimizer.load_state_dict(states[0].optimizer)
-    return step
+    return step, states[0].averaging
 
 
 def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT) -> SliceAverager:
@@ -91,8 +94,9 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         loop.add_signal_handler(signum, stop.set)
     worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options)
     await worker.start()
+    averaging_state = None
     if options.checkpoint_dir and latest_checkpoint(options.checkpoint_dir) is not None:
-        step = await worker.on_compute(lambda c: _restore_stage(c, options.checkpoint_dir, config))
+        step, averaging_state = await worker.on_compute(lambda c: _restore_stage(c, options.checkpoint_dir, config))
         logger.info("resumed stage %d at step %d from %s", options.stage, step, options.checkpoint_dir)
     version = package_version()
     seq_len = config.train.seq_len
@@ -112,6 +116,11 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         board = RoundBoard(swarm, run_id=options.run_id, stage=options.stage, method=sync.method,
                            ttl=sync.matchmaking_s + sync.request_s)
         averaging = AveragingLoop(worker, averager, sync, seed=config.seed, board=board)
+        if averaging_state is not None:
+            try:
+                averaging.load_state_dict(averaging_state)
+            except ValueError as error:  # another method or slicing than this run's: start afresh
+                logger.warning("not resuming the averaging state: %s", error)
         await averaging.start()
     if options.ready_file:
         write_ready_file(options.ready_file, [worker.address, swarm.peer_id])
@@ -127,7 +136,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     await worker.stop()
     if options.checkpoint_dir:
         # The compute thread is shut down now; nothing else touches the stage, so save here.
-        path = _save_stage(worker.compute, options.checkpoint_dir, config)
+        path = _save_stage(worker.compute, options.checkpoint_dir, config, averaging)
         logger.info("checkpoint written: %s", path)
     if averaging is not None:
         stats = averaging.stats.snapshot()

@@ -35,6 +35,7 @@ class StageState:
     index: int
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any] | None = None
+    averaging: dict[str, Any] | None = None  # a worker's averaging loop (round, diloco anchor/momentum)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -58,7 +59,7 @@ def save_checkpoint(directory: str | Path, step: int, config: RunConfig, stages:
                 "extra": extra or {}}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
         for state in stages:
-            torch.save({"model": state.model, "optimizer": state.optimizer,
+            torch.save({"model": state.model, "optimizer": state.optimizer, "averaging": state.averaging,
                         "rng": torch.get_rng_state()}, staging / f"stage-{state.index}.pt")
         if final.exists():
             shutil.rmtree(final)
@@ -98,7 +99,8 @@ def load_checkpoint(path: str | Path) -> tuple[int, RunConfig, list[StageState],
         stages = []
         for index in meta["stages"]:
             blob = torch.load(path / f"stage-{index}.pt", map_location="cpu", weights_only=False)
-            stages.append(StageState(index=index, model=blob["model"], optimizer=blob["optimizer"]))
+            stages.append(StageState(index=index, model=blob["model"], optimizer=blob["optimizer"],
+                                     averaging=blob.get("averaging")))
     except (OSError, KeyError, ValueError, RuntimeError) as error:
         raise CheckpointError(f"{path}: unreadable checkpoint: {error}") from error
     return int(meta["step"]), config, stages, meta.get("extra", {})

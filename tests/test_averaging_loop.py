@@ -253,3 +253,56 @@ def test_loop_starts_due_and_announced_rounds_and_stop_cancels_the_round_in_flig
 
     averager = None
     run(main())
+
+
+def test_diloco_anchor_momentum_and_round_survive_a_checkpoint(tmp_path):
+    """A restarted replica resumes its outer optimizer: the same anchor, momentum and round, and
+    samples since the last round counted across the restart (the worker's own count restarts)."""
+    from agora.node.join import _restore_stage, _save_stage
+
+    sync = dataclasses.replace(SYNC, method="diloco", fragments=2)
+
+    async def main():
+        worker, _, loop = await started(sync, lambda v, r: None, Board(replicas=1), size=vector_size(sync))
+        try:
+            await worker.on_compute(lambda c: [p.data.add_(0.01) for p in c.optimizer.parameters])
+            await loop.run_round(3)  # fragment 1: anchor and momentum move
+            await worker.on_compute(lambda c: setattr(c, "samples_total", c.samples_total + 24))
+            await worker.on_compute(lambda c: _save_stage(c, str(tmp_path), CONFIG, loop))
+            saved = loop.state_dict(worker.compute.samples_total)
+        finally:
+            await loop.stop()
+            await worker.stop()
+
+        fresh = LocalReplica(CONFIG, 1)
+        resumed = AveragingLoop(fresh, ScriptedAverager(vector_size(sync), lambda v, r: None), sync,
+                                seed=CONFIG.seed, board=Board(replicas=1), probe_s=0.01)
+        try:
+            _, state = await fresh.on_compute(lambda c: _restore_stage(c, str(tmp_path), CONFIG))
+            resumed.load_state_dict(state)
+            await resumed.start()
+            got = resumed.state_dict(fresh.compute.samples_total)
+        finally:
+            await resumed.stop()
+            await fresh.stop()
+        return saved, got
+
+    saved, got = run(main())
+    assert got["last_round"] == saved["last_round"] == 3
+    assert got["samples_since_round"]["1"] == saved["samples_since_round"]["1"] == 24
+    assert any(m.abs().sum() > 0 for m in saved["momentum"])
+    for key in ("anchor", "momentum"):
+        assert all(torch.equal(a, b) for a, b in zip(got[key], saved[key]))
+
+
+def test_averaging_state_of_another_method_or_shape_is_refused_or_ignored():
+    loop = AveragingLoop(LocalReplica(CONFIG, 1), ScriptedAverager(vector_size(), lambda v, r: None), SYNC,
+                         seed=CONFIG.seed)
+    try:
+        with pytest.raises(ValueError, match="malformed"):
+            loop.load_state_dict({"method": "sparta"})
+        with pytest.raises(ValueError, match="diloco with 4 slices, but this run uses sparta"):
+            loop.load_state_dict({"method": "diloco", "n_slices": 4, "last_round": 0, "samples_since_round": {},
+                                  "anchor": [], "momentum": []})
+    finally:
+        run(loop.worker.stop())
