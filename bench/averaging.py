@@ -1,9 +1,10 @@
 """Replicas kept together by averaging, against the centralized run on the same tokens.
 
-For each seed, on one preset, stage split and number of global batches (so the same tokens):
+For each seed, on one preset, stage split and number of global batches (so the same tokens),
+with the learning-rate schedule completed over those batches (warmup, cosine to the floor):
   - `train-local` (the centralized reference), its dense control (rank = d: what the subspace
-    constraint costs at equal tokens) and an ideal data-parallel control (R times the batch,
-    1/R of the steps: what R replicas cost at equal tokens even if they were always identical),
+    constraint costs at equal tokens) and `train-local` on 1/R of every batch (the same steps on
+    what one replica sees of each batch: a replica that is never averaged, without asynchrony),
   - `agora-node demo --replicas 1` (the asynchronous pipeline alone: no averaging possible),
   - `agora-node demo --replicas R` with sync method sparta, diloco and none (never averaged),
 and reports each run's held-out loss and its ratio to train-local (the issue's goal for the
@@ -13,6 +14,7 @@ on averaging snapshots and applies (goal < 2%; training time = tokens / the trai
 Writes bench/results/averaging_<preset>.md.
 
     python bench/averaging.py --config tiny --stages 3 --replicas 2 --steps 200 --seeds 0 1 2
+    python bench/averaging.py --methods sparta --every 2 --fraction 0.5 --tag dense   # another cadence
 """
 
 from __future__ import annotations
@@ -28,25 +30,36 @@ from pathlib import Path
 
 import torch
 
-from agora.pipeline.centralized import CentralizedTrainer
+from agora.pipeline.centralized import CentralizedTrainer, evaluate_stages
 from agora.pipeline.config import load_config
 from agora.pipeline.data import build_data
 
 
-def train_local(config, steps: int) -> float:
+def train_local(config, steps: int, heldout_batch_size: int | None = None) -> float:
+    """Held-out loss after `steps`; on the held-out batches of `heldout_batch_size` sequences (default:
+    the config's batch), so runs with a smaller batch are measured on the same held-out set."""
     torch.manual_seed(config.seed)
-    trainer = CentralizedTrainer(config, build_data(config))
+    data = build_data(config)
+    trainer = CentralizedTrainer(config, data)
     trainer.run(steps)
-    return trainer.evaluate()
+    train = config.train
+    batches = data.heldout_batches(train.eval_batches, heldout_batch_size or train.batch_size)
+    return evaluate_stages(trainer.stages, trainer.codec, batches)
 
 
 def demo(args, seed: int, replicas: int, method: str, work: Path) -> dict:
     name = f"seed{seed}-r{replicas}-{method}"
     summary_path = work / f"{name}.json"
+    cadence = []
+    if args.every is not None:
+        cadence += ["--averaging-every", str(args.every)]
+    if args.fraction is not None:
+        cadence += ["--averaging-fraction", str(args.fraction)]
     subprocess.run([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "demo", "--config", args.config,
                     "--stages", str(args.stages), "--replicas", str(replicas), "--steps", str(args.steps),
-                    "--seed", str(seed), "--averaging", method, "--summary-json", str(summary_path),
-                    "--workdir", str(work / name)], check=True, stdout=subprocess.DEVNULL)
+                    "--schedule-steps", str(args.steps), "--seed", str(seed), "--averaging", method, *cadence,
+                    "--summary-json", str(summary_path), "--workdir", str(work / name)],
+                   check=True, stdout=subprocess.DEVNULL)
     return json.loads(summary_path.read_text())
 
 
@@ -73,10 +86,10 @@ def averaging_figures(summary: dict) -> dict:
 def run_config(args, seed: int):
     base = load_config(args.config)
     config = replace(base, seed=seed, model=replace(base.model, basis_seed=seed),
-                     data=replace(base.data, seed=seed)).with_stages(args.stages)
-    if args.steps > config.optim.total_steps:
-        config = replace(config, optim=replace(config.optim, total_steps=args.steps))
-    return config
+                     data=replace(base.data, seed=seed), optim=replace(base.optim, total_steps=args.steps))
+    sync = {name: value for name, value in (("every_steps", args.every), ("fraction", args.fraction))
+            if value is not None}
+    return replace(config, sync=replace(config.sync, **sync)).with_stages(args.stages)
 
 
 def main() -> None:
@@ -87,13 +100,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--methods", nargs="+", default=["sparta", "diloco", "none"])
+    parser.add_argument("--every", type=int, default=None, help="local steps between rounds (default: the preset's)")
+    parser.add_argument("--fraction", type=float, default=None, help="sparta share per round (default: the preset's)")
+    parser.add_argument("--tag", default=None, help="suffix of the results file")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="agora-bench-averaging-"))
     r = args.replicas
     names = ["train-local (subspace)", "train-local dense control",
-             f"train-local, {r}x batch, 1/{r} steps (ideal {r}-replica data parallel)", "demo --replicas 1 (async)"]
+             f"train-local on 1/{r} of every batch (a replica never averaged)", "demo --replicas 1 (async)"]
     names += [f"demo --replicas {r} --averaging {m}" for m in args.methods]
     heldout: dict[str, list[float]] = {name: [] for name in names}
     figures: dict[str, list[dict]] = {name: [] for name in names}
@@ -104,9 +120,9 @@ def main() -> None:
         tokens = args.steps * config.train.batch_size * config.train.seq_len
         heldout[names[0]].append(train_local(config, args.steps))
         heldout[names[1]].append(train_local(replace(config, model=replace(config.model, rank=None)), args.steps))
-        wide = replace(config, train=replace(config.train, batch_size=r * config.train.batch_size,
-                                             microbatches=r * config.train.microbatches))
-        heldout[names[2]].append(train_local(wide, args.steps // r))
+        share = replace(config, train=replace(config.train, batch_size=config.train.batch_size // r,
+                                              microbatches=max(1, config.train.microbatches // r)))
+        heldout[names[2]].append(train_local(share, args.steps, heldout_batch_size=config.train.batch_size))
         runs = [(names[3], 1, "none")] + [(f"demo --replicas {r} --averaging {m}", r, m) for m in args.methods]
         for name, replicas, method in runs:
             summary = demo(args, seed, replicas, method, work)
@@ -153,7 +169,8 @@ def main() -> None:
               "spent on averaging snapshots and applies."]
     text = "\n".join(table) + "\n"
     print(text)
-    out = Path(args.out or Path(__file__).parent / "results" / f"averaging_{args.config}.md")
+    suffix = f"_{args.tag}" if args.tag else ""
+    out = Path(args.out or Path(__file__).parent / "results" / f"averaging_{args.config}{suffix}.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
 

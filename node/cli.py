@@ -27,7 +27,9 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
         config = config.with_stages(args.stages)
     if getattr(args, "microbatches", None) is not None:
         config = replace(config, train=replace(config.train, microbatches=args.microbatches))
-    if getattr(args, "steps", None) is not None and args.steps > config.optim.total_steps:
+    if getattr(args, "schedule_steps", None) is not None:
+        config = replace(config, optim=replace(config.optim, total_steps=args.schedule_steps))
+    elif getattr(args, "steps", None) is not None and args.steps > config.optim.total_steps:
         # A run longer than the schedule would sit at the floor lr; stretch the schedule instead.
         config = replace(config, optim=replace(config.optim, total_steps=args.steps))
     sync = {name: getattr(args, flag) for name, flag in _SYNC_FLAGS.items() if getattr(args, flag, None) is not None}
@@ -157,6 +159,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str) -> N
     parser.add_argument("--stages", type=int, default=None, help="split the blocks evenly over this many stages")
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches per global batch")
     parser.add_argument("--steps", type=int, default=100, help=steps_help)
+    parser.add_argument("--schedule-steps", type=int, default=None, metavar="STEPS",
+                        help="length of the learning-rate schedule in global batches (default: the config's "
+                             "optim.total_steps, stretched to --steps when shorter)")
 
 
 def _add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -178,11 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train-local", help="centralized reference run, stage by stage in one process",
                                 description="Train the model centrally through the same stages and wire codec "
                                             "the swarm uses; the reference the swarm is compared with.")
-    train.add_argument("--config", default="tiny", help="preset name (tiny, small, pythia-14m, pluralis-8b) or TOML file")
-    train.add_argument("--steps", type=int, default=100, help="optimizer steps (global batches) in total")
-    train.add_argument("--seed", type=int, default=None, help="run seed (basis, init and data order)")
-    train.add_argument("--stages", type=int, default=None, help="split the blocks evenly over this many stages")
-    train.add_argument("--microbatches", type=int, default=None, help="microbatches per global batch")
+    _add_run_arguments(train, steps_help="optimizer steps (global batches) in total")
     train.add_argument("--wire-dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
                        help="encoding of boundary tensors (default fp32, lossless)")
     train.add_argument("--log-json", default=None, help="write one JSON object per step to this file")

@@ -39,6 +39,7 @@ class DemoOptions:
     stages: int | None = 3
     microbatches: int | None = None
     steps: int = 60
+    schedule_steps: int | None = None  # None: the config's schedule (stretched to `steps`)
     replicas: int = 1
     trainers: int = 1
     sync: bool = False
@@ -58,7 +59,7 @@ class DemoOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
         return cls(config=args.config, seed=args.seed, stages=args.stages, microbatches=args.microbatches,
-                   steps=args.steps, replicas=args.replicas, trainers=args.trainers, sync=args.sync,
+                   steps=args.steps, schedule_steps=args.schedule_steps, replicas=args.replicas, trainers=args.trainers, sync=args.sync,
                    max_in_flight=args.max_in_flight, log_json=args.log_json, summary_json=args.summary_json,
                    workdir=args.workdir, kill_worker_at=args.kill_worker_at,
                    averaging=getattr(args, "averaging", None), averaging_every=getattr(args, "averaging_every", None),
@@ -85,7 +86,8 @@ class DemoOptions:
 
     def run_flags(self) -> list[str]:
         flags = ["--config", self.config, "--steps", str(self.steps)]
-        for name, value in (("--seed", self.seed), ("--stages", self.stages), ("--microbatches", self.microbatches)):
+        for name, value in (("--seed", self.seed), ("--stages", self.stages), ("--microbatches", self.microbatches),
+                            ("--schedule-steps", self.schedule_steps)):
             if value is not None:
                 flags += [name, str(value)]
         return flags

@@ -52,3 +52,19 @@ def test_split_layers():
     assert split_layers(7, 3) == (3, 2, 2)
     with pytest.raises(ConfigError):
         split_layers(2, 3)
+
+
+def test_run_flags_set_the_schedule_and_the_averaging_cadence():
+    from agora.node.cli import _run_config, build_parser
+
+    def config_of(*argv):
+        return _run_config(build_parser().parse_args(["join", "--stage", "0", *argv]))
+
+    tiny = PRESETS["tiny"]
+    assert config_of("--steps", "50").optim.total_steps == tiny.optim.total_steps  # a shorter run keeps the schedule
+    assert config_of("--steps", "5000").optim.total_steps == 5000  # a longer one stretches it
+    assert config_of("--steps", "50", "--schedule-steps", "50").optim.total_steps == 50
+    sync = config_of("--averaging", "sparta", "--averaging-every", "2", "--averaging-fraction", "0.5").sync
+    assert (sync.method, sync.every_steps, sync.n_slices) == ("sparta", 2, 2)
+    with pytest.raises(ConfigError, match="total_steps"):
+        config_of("--schedule-steps", "0")
