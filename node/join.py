@@ -139,6 +139,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         path = _save_stage(worker.compute, options.checkpoint_dir, config, averaging)
         logger.info("checkpoint written: %s", path)
     if averaging is not None:
+        averaging.stats.local_steps = worker.compute.optimizer.steps  # the loop polls it; take the final count
         stats = averaging.stats.snapshot()
         logger.info("averaging: %s", stats)
         if options.stats_file:

@@ -18,8 +18,8 @@ stages, held-out loss / train-local): half a batch in flight 0.998, one batch 1.
 Every replica of every stage steps once per global batch. Synchronous mode (one replica per
 stage) closes each global batch with a Step barrier on every stage: this is the centralized run,
 and its loss trace must equal `train-local`'s. Asynchronous mode reports each finished global
-batch to every worker it knows (`Step` with `completed_batch`, concurrently, best effort) and
-goes on with the next one meanwhile; each replica then steps on its own share of the batch, so
+batch to every worker it knows (`Step` with `completed_batch`, in the background, best effort:
+a worker that misses one lags a step) and goes on with the next one meanwhile; each replica then steps on its own share of the batch, so
 the replicas of a stage keep one epoch counter and the centralized run's learning-rate schedule.
 
 The trainer writes the same JSON-lines schema as `train-local` (`StepRecord`).
@@ -136,6 +136,7 @@ class SwarmTrainer:
         self._refresh_lock = asyncio.Lock()
         self._run_started = clock()
         self._units_done = 0
+        self._reports: set[asyncio.Task] = set()  # completed-batch reports still in flight
         self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
         self.max_in_flight = in_flight_limit(options, config.train.microbatches)
         self._in_flight = asyncio.Semaphore(self.max_in_flight)
@@ -268,27 +269,26 @@ class SwarmTrainer:
             replies.append(await self._client(workers[0]).step(self.config.train.microbatches, step=step))
         return replies
 
-    async def _report_batch_done(self, unit_id: int) -> list[float | None]:
-        """Tell every known worker that global batch `unit_id` is done; per stage, the mean pre-clip
-        gradient norm of the replicas that stepped on it (None where none did)."""
+    def _report_batch_done(self, unit_id: int) -> None:
+        """Tell every known worker, in the background, that global batch `unit_id` is done.
+
+        Not awaited by the unit: a worker that hangs must not hold the pipeline up (each report
+        has a short timeout, and `run` waits for the last ones before it returns).
+        """
         timeout = min(5.0, self.options.call_timeout_s)
 
-        async def one(view: WorkerView):
+        async def one(view: WorkerView) -> None:
             try:
-                return view.stage, await self._client(view).batch_done(unit_id, timeout_s=timeout)
+                await self._client(view).batch_done(unit_id, timeout_s=timeout)
             except StageCallError as error:
                 # That worker lags one step behind its stage (or is gone); training goes on.
                 self.stats.batch_reports_failed += 1
                 logger.debug("completed-batch report %d to %s failed: %s", unit_id, view.endpoint, error)
-                return view.stage, None
 
-        results = await asyncio.gather(*(one(view) for view in list(self.roster.workers.values())))
-        norms: dict[int, list[float]] = {}
-        for stage, reply in results:
-            if reply is not None and reply.accumulated:
-                norms.setdefault(stage, []).append(reply.grad_norm)
-        return [round(sum(norms[s]) / len(norms[s]), 6) if s in norms else None
-                for s in range(self.n_stages)]
+        for view in list(self.roster.workers.values()):
+            task = asyncio.create_task(one(view))
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
 
     async def train_unit(self, unit_id: int) -> StepRecord:
         unit = self.data.train.unit(unit_id)
@@ -305,7 +305,7 @@ class SwarmTrainer:
             grad_norms = [round(r.grad_norm, 6) for r in replies]
             lr = replies[0].lr
         else:
-            grad_norms = await self._report_batch_done(unit_id)
+            self._report_batch_done(unit_id)  # each replica steps on its own share; no norms here
             lr = lr_at(unit_id, self.config.optim)
         elapsed = self.clock() - self._run_started
         tokens_per_unit = unit.shape[0] * (unit.shape[1] - 1)
@@ -353,6 +353,7 @@ class SwarmTrainer:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+            await asyncio.gather(*self._reports, return_exceptions=True)  # short timeouts each
         return records
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:

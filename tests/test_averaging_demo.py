@@ -28,3 +28,4 @@ def test_demo_with_two_replicas_reports_committed_rounds_per_stage(tmp_path):
         assert stage["rounds_by_outcome"]["committed"] >= 2  # each replica took part in at least one
         assert stage["rounds_by_outcome"]["failed"] == stage["rounds_by_outcome"]["rejected"] == 0
         assert stage["applied"] >= 2 and stage["bytes_sent"] > 0
+        assert stage["local_steps"] == 2 * 40  # the shared epoch: each replica stepped once per global batch

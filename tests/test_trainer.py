@@ -89,7 +89,6 @@ def test_asynchronous_swarm_with_two_replicas_and_two_trainers_runs(data):
     # The stage's shared epoch: every replica stepped once per global batch, whichever trainer ran it.
     assert steps_taken == [6] * 4
     assert all(s.batch_reports_failed == 0 for s in stats)
-    assert all(len(r.grad_norm) == 2 for r in records)
 
 
 def test_units_are_striped_over_trainers():
