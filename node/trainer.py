@@ -18,8 +18,9 @@ stages, held-out loss / train-local): half a batch in flight 0.998, one batch 1.
 Every replica of every stage steps once per global batch. Synchronous mode (one replica per
 stage) closes each global batch with a Step barrier on every stage: this is the centralized run,
 and its loss trace must equal `train-local`'s. Asynchronous mode reports each finished global
-batch to every worker it knows (`Step` with `completed_batch`, in the background, best effort:
-a worker that misses one lags a step) and goes on with the next one meanwhile; each replica then steps on its own share of the batch, so
+batch to every worker it knows (`Step` with `completed_batch`, stage by stage as soon as the
+batch's last microbatch has passed that stage, in the background, best effort: a worker that
+misses one lags a step) and goes on with the next one meanwhile; each replica then steps on its own share of the batch, so
 the replicas of a stage keep one epoch counter and the centralized run's learning-rate schedule.
 
 The trainer writes the same JSON-lines schema as `train-local` (`StepRecord`).
@@ -51,6 +52,10 @@ logger = logging.getLogger("agora.node.trainer")
 
 class MicrobatchFailed(RuntimeError):
     pass
+
+
+# Called with a stage index once a microbatch's gradient has been accumulated on that stage.
+StageDone = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -193,10 +198,11 @@ class SwarmTrainer:
     # ------------------------------------------------------------------ one microbatch
 
     async def _route_once(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
-                          exclude: frozenset[str], evaluate: bool) -> float:
+                          exclude: frozenset[str], evaluate: bool, on_stage_done: StageDone | None) -> float:
         route: list[WorkerView] = []
         try:
-            return await self._forward_backward(microbatch_id, tokens, targets, exclude, evaluate, route)
+            return await self._forward_backward(microbatch_id, tokens, targets, exclude, evaluate, route,
+                                                on_stage_done)
         except StageCallError:
             if not evaluate:
                 await self._abort(microbatch_id, route)
@@ -213,7 +219,8 @@ class SwarmTrainer:
         await asyncio.gather(*(one(view) for view in route))
 
     async def _forward_backward(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
-                                exclude: frozenset[str], evaluate: bool, route: list[WorkerView]) -> float:
+                                exclude: frozenset[str], evaluate: bool, route: list[WorkerView],
+                                on_stage_done: StageDone | None = None) -> float:
         wire: bytes | None = None
         result = None
         for stage in range(self.n_stages):
@@ -225,22 +232,27 @@ class SwarmTrainer:
             wire = result.wire_frame
         if evaluate:
             return float(result.loss)
+        if on_stage_done is not None:
+            on_stage_done(self.n_stages - 1)  # the tail accumulated its gradient inside Forward
         grad = result.grad_frame
         for stage in reversed(range(self.n_stages - 1)):
             view = route[stage]
             back = await self._timed(view, self._client(view).backward(microbatch_id, grad))
             grad = back.grad_frame
+            if on_stage_done is not None:
+                on_stage_done(stage)
         return float(result.loss)
 
     async def run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
-                             evaluate: bool = False) -> float:
+                             evaluate: bool = False, on_stage_done: StageDone | None = None) -> float:
         """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts."""
         exclude: set[str] = set()
         last_error: Exception | None = None
         for attempt in range(self.options.max_attempts):
             microbatch_id = f"{self.options.run_id}/t{self.options.trainer_index}/{key}/a{attempt}"
             try:
-                loss = await self._route_once(microbatch_id, tokens, targets, frozenset(exclude), evaluate)
+                loss = await self._route_once(microbatch_id, tokens, targets, frozenset(exclude), evaluate,
+                                              on_stage_done)
                 self.stats.microbatches += 0 if evaluate else 1
                 return loss
             except StageCallError as error:
@@ -269,11 +281,11 @@ class SwarmTrainer:
             replies.append(await self._client(workers[0]).step(self.config.train.microbatches, step=step))
         return replies
 
-    def _report_batch_done(self, unit_id: int) -> None:
-        """Tell every known worker, in the background, that global batch `unit_id` is done.
+    def _report_batch_done(self, unit_id: int, stage: int) -> list[asyncio.Task]:
+        """Tell every known worker of `stage`, in the background, that global batch `unit_id` is done there.
 
-        Not awaited by the unit: a worker that hangs must not hold the pipeline up (each report
-        has a short timeout, and `run` waits for the last ones before it returns).
+        The reports are tasks with a short timeout each (`run` waits for the last ones before it
+        returns); a worker that misses one lags its stage by a step.
         """
         timeout = min(5.0, self.options.call_timeout_s)
 
@@ -285,18 +297,42 @@ class SwarmTrainer:
                 self.stats.batch_reports_failed += 1
                 logger.debug("completed-batch report %d to %s failed: %s", unit_id, view.endpoint, error)
 
-        for view in list(self.roster.workers.values()):
-            task = asyncio.create_task(one(view))
+        tasks = [asyncio.create_task(one(view)) for view in self.roster.of_stage(stage)]
+        for task in tasks:
             self._reports.add(task)
             task.add_done_callback(self._reports.discard)
+        return tasks
 
     async def train_unit(self, unit_id: int) -> StepRecord:
         unit = self.data.train.unit(unit_id)
-        microbatches = unit.chunk(self.config.train.microbatches)
+        n_micro = self.config.train.microbatches
+        microbatches = unit.chunk(n_micro)
+        # Asynchronous mode: which microbatches each stage has accumulated. A stage's replicas are
+        # told the batch is done the moment its last microbatch has passed that stage (the tail
+        # first, the head last), not when the whole pipeline is done: waiting for the head would
+        # have the tail and bodies run the next batch's first microbatches on weights a step old.
+        # The head finishes last; its reports are awaited before the microbatch frees its slot in
+        # the pipeline, so the head steps before the next microbatch's forward reaches it.
+        finished: list[set[int]] = [set() for _ in range(self.n_stages)]
+        head_reports: list[asyncio.Task] = []
+
+        def stage_done(index: int) -> StageDone:
+            def done(stage: int) -> None:
+                if len(finished[stage]) < n_micro:
+                    finished[stage].add(index)  # a rerun's second pass adds nothing
+                    if len(finished[stage]) == n_micro:
+                        tasks = self._report_batch_done(unit_id, stage)
+                        if stage == 0:
+                            head_reports.extend(tasks)
+            return done
 
         async def one(index: int, batch: torch.Tensor) -> float:
             async with self._in_flight:
-                return await self.run_microbatch(f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:])
+                loss = await self.run_microbatch(f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
+                                                 on_stage_done=None if self.options.synchronous else stage_done(index))
+                if head_reports:
+                    await asyncio.gather(*head_reports)  # errors are counted inside, never raised
+                return loss
 
         losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))
         grad_norms: list[float] = []
@@ -305,8 +341,7 @@ class SwarmTrainer:
             grad_norms = [round(r.grad_norm, 6) for r in replies]
             lr = replies[0].lr
         else:
-            self._report_batch_done(unit_id)  # each replica steps on its own share; no norms here
-            lr = lr_at(unit_id, self.config.optim)
+            lr = lr_at(unit_id, self.config.optim)  # each replica stepped on its own share; no norms here
         elapsed = self.clock() - self._run_started
         tokens_per_unit = unit.shape[0] * (unit.shape[1] - 1)
         self._units_done += 1
