@@ -5,6 +5,8 @@ with the learning-rate schedule completed over those batches (warmup, cosine to 
   - `train-local` (the centralized reference), its dense control (rank = d: what the subspace
     constraint costs at equal tokens) and `train-local` on 1/R of every batch (the same steps on
     what one replica sees of each batch: a replica that is never averaged, without asynchrony),
+  - R replicas in one process averaged exactly at the run's sparta cadence (no asynchrony, no
+    mixed routes: what the cadence alone costs),
   - `agora-node demo --replicas 1` (the asynchronous pipeline alone: no averaging possible),
   - `agora-node demo --replicas R` with sync method sparta, diloco and none (never averaged),
 and reports each run's held-out loss and its ratio to train-local (the issue's goal for the
@@ -45,6 +47,37 @@ def train_local(config, steps: int, heldout_batch_size: int | None = None) -> fl
     train = config.train
     batches = data.heldout_batches(train.eval_batches, heldout_batch_size or train.batch_size)
     return evaluate_stages(trainer.stages, trainer.codec, batches)
+
+
+def ideal_sparta(config, steps: int, replicas: int) -> float:
+    """R replicas in one process, no pipeline asynchrony and no mixed routes: each steps on its
+    share of every batch (the shared epoch) and, every `sync.every_steps` steps, the replicas
+    average slice r of every stage exactly (`sync.fraction`): what the averaging cadence alone
+    costs. Held-out loss of replica 0."""
+    from agora.node.sparta import SlicePartition
+
+    torch.manual_seed(config.seed)
+    data = build_data(config)
+    models = [CentralizedTrainer(config, data) for _ in range(replicas)]
+    partitions = [SlicePartition([p.numel() for p in optimizer.parameters], config.sync.n_slices, config.seed)
+                  for optimizer in models[0].optimizers]
+    n_micro = config.train.microbatches
+    for step in range(steps):
+        chunks = data.train.unit(step).chunk(n_micro)
+        for r, model in enumerate(models):
+            mine = chunks[r::replicas]
+            for chunk in mine:
+                model._microbatch(chunk)
+            for optimizer in model.optimizers:
+                optimizer.step(len(mine))
+        if (step + 1) % config.sync.every_steps == 0:
+            index = ((step + 1) // config.sync.every_steps) % config.sync.n_slices
+            for k, partition in enumerate(partitions):
+                values = [partition.gather(model.optimizers[k].parameters, index) for model in models]
+                mean = sum(values) / replicas
+                for model, value in zip(models, values):
+                    partition.scatter_add(model.optimizers[k].parameters, index, mean - value)
+    return models[0].evaluate()
 
 
 def demo(args, seed: int, replicas: int, method: str, work: Path) -> dict:
@@ -109,7 +142,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="agora-bench-averaging-"))
     r = args.replicas
     names = ["train-local (subspace)", "train-local dense control",
-             f"train-local on 1/{r} of every batch (a replica never averaged)", "demo --replicas 1 (async)"]
+             f"train-local on 1/{r} of every batch (a replica never averaged)",
+             f"{r} in-process replicas, exact sparta at this cadence, no asynchrony", "demo --replicas 1 (async)"]
     names += [f"demo --replicas {r} --averaging {m}" for m in args.methods]
     heldout: dict[str, list[float]] = {name: [] for name in names}
     figures: dict[str, list[dict]] = {name: [] for name in names}
@@ -123,7 +157,8 @@ def main() -> None:
         share = replace(config, train=replace(config.train, batch_size=config.train.batch_size // r,
                                               microbatches=max(1, config.train.microbatches // r)))
         heldout[names[2]].append(train_local(share, args.steps, heldout_batch_size=config.train.batch_size))
-        runs = [(names[3], 1, "none")] + [(f"demo --replicas {r} --averaging {m}", r, m) for m in args.methods]
+        heldout[names[3]].append(ideal_sparta(config, args.steps, r))
+        runs = [(names[4], 1, "none")] + [(f"demo --replicas {r} --averaging {m}", r, m) for m in args.methods]
         for name, replicas, method in runs:
             summary = demo(args, seed, replicas, method, work)
             heldout[name].append(summary["heldout_loss"])
