@@ -311,27 +311,25 @@ class SwarmTrainer:
         # told the batch is done the moment its last microbatch has passed that stage (the tail
         # first, the head last), not when the whole pipeline is done: waiting for the head would
         # have the tail and bodies run the next batch's first microbatches on weights a step old.
-        # The head finishes last; its reports are awaited before the microbatch frees its slot in
-        # the pipeline, so the head steps before the next microbatch's forward reaches it.
+        # The microbatch that completed a stage waits for those reports before it frees its slot
+        # in the pipeline, so the next microbatch it lets in meets stepped weights (one in flight:
+        # exactly the centralized run). The tail's reports are long done by then; the head's cost
+        # one round trip per global batch.
         finished: list[set[int]] = [set() for _ in range(self.n_stages)]
-        head_reports: list[asyncio.Task] = []
 
-        def stage_done(index: int) -> StageDone:
+        async def one(index: int, batch: torch.Tensor) -> float:
+            reports: list[asyncio.Task] = []
+
             def done(stage: int) -> None:
                 if len(finished[stage]) < n_micro:
                     finished[stage].add(index)  # a rerun's second pass adds nothing
                     if len(finished[stage]) == n_micro:
-                        tasks = self._report_batch_done(unit_id, stage)
-                        if stage == 0:
-                            head_reports.extend(tasks)
-            return done
+                        reports.extend(self._report_batch_done(unit_id, stage))
 
-        async def one(index: int, batch: torch.Tensor) -> float:
             async with self._in_flight:
                 loss = await self.run_microbatch(f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
-                                                 on_stage_done=None if self.options.synchronous else stage_done(index))
-                if head_reports:
-                    await asyncio.gather(*head_reports)  # errors are counted inside, never raised
+                                                 on_stage_done=None if self.options.synchronous else done)
+                await asyncio.gather(*reports)  # failures are counted inside, never raised
                 return loss
 
         losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))

@@ -66,6 +66,26 @@ def test_synchronous_swarm_reproduces_the_centralized_run(data):
         assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-3)
 
 
+def test_asynchronous_swarm_with_one_microbatch_in_flight_is_the_centralized_run(data):
+    """Each stage steps when told its share of a global batch is done, before the next microbatch
+    reaches it: with nothing overlapping, asynchronous mode is train-local step for step."""
+    config = _config()
+    steps = 4
+    expected = [r.loss for r in CentralizedTrainer(config, data).run(steps)]
+
+    async def main():
+        workers, discovery = await _swarm(config, 1, synchronous=False)
+        try:
+            async with SwarmTrainer(config, data, discovery, TrainerOptions(run_id="test", max_in_flight=1)) as t:
+                return await t.run(steps), [w.info().step for w in workers]
+        finally:
+            await asyncio.gather(*(w.stop(0) for w in workers))
+
+    records, steps_taken = asyncio.run(main())
+    assert [r.loss for r in records] == pytest.approx(expected, abs=1e-4)
+    assert steps_taken == [steps] * 3
+
+
 def test_asynchronous_swarm_with_two_replicas_and_two_trainers_runs(data):
     config = _config(stages=2)
 
