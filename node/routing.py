@@ -92,6 +92,10 @@ class Roster:
     def of_stage(self, stage: int) -> list[WorkerView]:
         return [v for v in self.workers.values() if v.stage == stage]
 
+    def replicas(self, stage: int) -> int:
+        """Replicas of `stage` sharing its work now: routable, and their last call did not fail (at least 1)."""
+        return max(1, sum(1 for v in self.of_stage(stage) if v.phase in _ROUTABLE_PHASES and v.failures == 0))
+
     def choose(self, stage: int, now: float, exclude: frozenset[str] = frozenset()) -> WorkerView | None:
         return pick_worker(self.of_stage(stage), now, self.microbatch_size, exclude)
 

@@ -289,15 +289,18 @@ class SwarmTrainer:
         """
         timeout = min(5.0, self.options.call_timeout_s)
 
+        views = self.roster.of_stage(stage)
+        n_micro, replicas = self.config.train.microbatches, self.roster.replicas(stage)
+
         async def one(view: WorkerView) -> None:
             try:
-                await self._client(view).batch_done(unit_id, timeout_s=timeout)
+                await self._client(view).batch_done(unit_id, n_micro, replicas, timeout_s=timeout)
             except StageCallError as error:
                 # That worker lags one step behind its stage (or is gone); training goes on.
                 self.stats.batch_reports_failed += 1
                 logger.debug("completed-batch report %d to %s failed: %s", unit_id, view.endpoint, error)
 
-        tasks = [asyncio.create_task(one(view)) for view in self.roster.of_stage(stage)]
+        tasks = [asyncio.create_task(one(view)) for view in views]
         for task in tasks:
             self._reports.add(task)
             task.add_done_callback(self._reports.discard)

@@ -263,9 +263,12 @@ class StageClient:
         stub = self._calls()
         return await self._invoke("Step", lambda timeout: stub.step(request, timeout=timeout), timeout_s)
 
-    async def batch_done(self, batch: int, *, timeout_s: float | None = None) -> StepReply:
-        """Asynchronous mode: global batch `batch` is done; the worker steps once on what it accumulated."""
-        request = StepRequest(run_id=self.run_id, stage=self.stage, microbatches=0, completed_batch=batch)
+    async def batch_done(self, batch: int, microbatches: int, replicas: int, *,
+                         timeout_s: float | None = None) -> StepReply:
+        """Asynchronous mode: global batch `batch` (of `microbatches`, over `replicas` replicas of this
+        stage) is done here; the worker steps once on what it accumulated."""
+        request = StepRequest(run_id=self.run_id, stage=self.stage, microbatches=microbatches,
+                              completed_batch=batch, replicas=replicas)
         stub = self._calls()
         return await self._invoke("Step", lambda timeout: stub.step(request, timeout=timeout), timeout_s)
 

@@ -27,9 +27,13 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   share one epoch counter, each stepping on its own share of the batch (mean over its own
   microbatches) with the learning rate of the swarm's batch count. This is the Agora run's
   collective batch; stepping on a full batch of one's own samples instead would give R replicas
-  1/R of the steps each and leave their schedules behind the swarm's. A report is counted once
-  (by batch id); a replica that accumulated nothing since its last step advances its count
-  without an update. `local_batch` (when set) makes a replica step on its own every that many
+  1/R of the steps each and leave their schedules behind the swarm's. The gradient sum is divided
+  by the replica's expected share of the batch (microbatches / replicas, from the report), not by
+  what it happened to receive: routing gives replicas uneven shares batch to batch, and a replica
+  that got one microbatch of eight must not step as far as one that got seven (in-process, 2
+  replicas with random shares: 1.059 of train-local's held-out loss dividing by the own count,
+  1.048 by the expected share, 1.040 with equal shares). A report is counted once (by batch id);
+  a replica that accumulated nothing since its last step advances its count without an update. `local_batch` (when set) makes a replica step on its own every that many
   samples instead, for runs whose trainers do not report.
 """
 
@@ -332,7 +336,8 @@ class StageCompute:
         self.samples_total -= applied.tokens.shape[0]
         return AbortReply(reverted=True, outcome="reverted")
 
-    def _step(self, microbatches: int) -> StepReply:
+    def _step(self, microbatches: float) -> StepReply:
+        """Step on the accumulated gradient sum divided by `microbatches`."""
         accumulated = self.accumulated_microbatches
         result = self.optimizer.step(microbatches)
         self.stepped_ids = set(self.applied)
@@ -347,7 +352,7 @@ class StageCompute:
         """The synchronous-mode barrier, or an asynchronous report of a completed global batch."""
         self.check_addressing(request.run_id, request.stage)
         if request.completed_batch is not None:
-            return self._batch_done(request.completed_batch)
+            return self._batch_done(request.completed_batch, request.microbatches, request.replicas)
         if not self.synchronous:
             raise PreconditionFailed("this worker is in asynchronous mode: it steps when trainers report "
                                      "completed global batches (completed_batch), not on a Step barrier")
@@ -361,7 +366,7 @@ class StageCompute:
                 raise PreconditionFailed(f"Step barrier for step {request.step}, but this worker is at step {current}")
         return self._step(request.microbatches)
 
-    def _batch_done(self, batch: int) -> StepReply:
+    def _batch_done(self, batch: int, microbatches: int, replicas: int) -> StepReply:
         """A trainer reports global batch `batch` done: one local step (see the module docstring)."""
         if self.synchronous:
             raise PreconditionFailed("this worker is in synchronous mode: it steps on the Step barrier only, "
@@ -372,8 +377,11 @@ class StageCompute:
         counted = self._counted_batches.get(batch)
         if counted is not None:
             return counted  # a retried report, or one already counted
+        if microbatches <= 0 or replicas <= 0:
+            raise InvalidRequest(f"a completed-batch report needs the batch's microbatches and the stage's "
+                                 f"replicas, got {microbatches} and {replicas}")
         if self.accumulated_microbatches:
-            reply = self._step(self.accumulated_microbatches)
+            reply = self._step(microbatches / replicas)
         else:
             # Nothing routed here since the last step: keep the swarm's count, change no weights.
             lr = lr_at(self.optimizer.steps, self.config.optim)

@@ -56,11 +56,13 @@ class StageOptimizer:
         for p in self.parameters:
             p.grad = None
 
-    def step(self, n_microbatches: int) -> dict[str, float]:
-        """Average the accumulated gradients, clip, step; returns the pre-clip norm and the lr used."""
-        if n_microbatches <= 0:
+    def step(self, n_microbatches: float) -> dict[str, float]:
+        """Divide the accumulated gradients by `n_microbatches`, clip, step; returns the pre-clip norm
+        and the lr used. A replica of a stage passes its expected share of the batch, which need not
+        be a whole number."""
+        if not n_microbatches > 0:
             raise ValueError("step needs at least one accumulated microbatch")
-        if n_microbatches > 1:
+        if n_microbatches != 1:
             for p in self.parameters:
                 if p.grad is not None:
                     p.grad.div_(n_microbatches)

@@ -99,7 +99,8 @@ class StepRequest:
     stage: int
     microbatches: int
     step: int | None = None  # the step this barrier completes; None steps unconditionally
-    completed_batch: int | None = None  # asynchronous mode: this global batch is done swarm-wide
+    completed_batch: int | None = None  # asynchronous mode: this global batch is done on this stage
+    replicas: int = 0  # with completed_batch: the stage's replicas the trainer routes to
 
 
 @dataclass(frozen=True)

@@ -63,18 +63,20 @@ class BackwardReply(_message.Message):
     def __init__(self, input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "microbatches", "step", "completed_batch")
+    __slots__ = ("run_id", "stage", "microbatches", "step", "completed_batch", "replicas")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_BATCH_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     microbatches: int
     step: int
     completed_batch: int
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatches: _Optional[int] = ..., step: _Optional[int] = ..., completed_batch: _Optional[int] = ...) -> None: ...
+    replicas: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatches: _Optional[int] = ..., step: _Optional[int] = ..., completed_batch: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("step", "grad_norm", "lr", "skipped", "accumulated")

@@ -182,8 +182,9 @@ def test_abort_takes_back_exactly_what_an_abandoned_microbatch_added():
     assert tail.abort(AbortRequest(run_id="r", microbatch_id="kept", stage=1)).outcome == "stepped"
 
 
-def _report(compute: StageCompute, batch_id: int):
-    return compute.step(StepRequest(run_id="run", stage=compute.index, microbatches=0, completed_batch=batch_id))
+def _report(compute: StageCompute, batch_id: int, microbatches: int = 2, replicas: int = 1):
+    return compute.step(StepRequest(run_id="run", stage=compute.index, microbatches=microbatches,
+                                    completed_batch=batch_id, replicas=replicas))
 
 
 def test_asynchronous_worker_steps_once_per_reported_global_batch():
@@ -202,6 +203,8 @@ def test_asynchronous_worker_steps_once_per_reported_global_batch():
     assert all(torch.equal(p, w) for p, w in zip(head.optimizer.parameters, weights))
     with pytest.raises(PreconditionFailed, match="asynchronous"):
         head.step(StepRequest(run_id="run", stage=0, microbatches=2))
+    with pytest.raises(InvalidRequest, match="replicas"):
+        _report(head, 2, replicas=0)
     with pytest.raises(PreconditionFailed, match="synchronous mode"):
         _report(make_compute(0, synchronous=True), 0)
     with pytest.raises(PreconditionFailed, match="--local-batch"):
@@ -242,8 +245,33 @@ def test_shared_epoch_gives_every_replica_the_centralized_step_count_and_schedul
             losses.append(sum(_pipeline_microbatch(routes[m % replicas], f"u{unit}m{m}", chunk)
                               for m, chunk in enumerate(chunks)) / n_micro)
             for compute in (c for route in routes for c in route):
-                reply = _report(compute, unit)
+                reply = _report(compute, unit, n_micro, replicas)
                 assert reply.accumulated == n_micro // replicas and reply.lr == pytest.approx(lr_at(unit, CONFIG.optim))
         assert all(c.optimizer.steps == steps for route in routes for c in route)
         if replicas == 1:
             assert losses == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_replica_divides_its_gradient_by_its_expected_share_of_the_batch():
+    """Two replicas of a tail, one global batch of 4 microbatches routed 3 + 1: the mean of their
+    gradients is the batch's mean gradient (the one train-local steps on), so the replica that got
+    one microbatch steps on half of that microbatch's gradient, not on a whole mean of its own."""
+    tokens, targets = batch(11)
+    wire = torch.randn(2, 16, CONFIG.model.wire_dim, generator=torch.Generator().manual_seed(1)) * 0.1
+    requests = [forward_request(2, tokens, wire * (1 + i), targets, f"m{i}") for i in range(4)]
+    whole = make_compute(2, synchronous=True)
+    for request in requests:
+        whole.forward(request)
+    expected = [p.grad / 4 for p in whole.optimizer.parameters]
+    a, b = make_compute(2, synchronous=False, local_batch=None), make_compute(2, synchronous=False, local_batch=None)
+    for request in requests[:3]:
+        a.forward(request)
+    b.forward(requests[3])
+    divided = []
+    for replica in (a, b):
+        original = replica.optimizer.step
+        replica.optimizer.step = lambda n, r=replica, o=original: (  # capture the divided gradient
+            divided.append([p.grad / n for p in r.optimizer.parameters]), o(n))[1]
+        _report(replica, 0, microbatches=4, replicas=2)
+    for got_a, got_b, want in zip(*divided, expected):
+        torch.testing.assert_close(got_a + got_b, 2 * want, rtol=1e-5, atol=1e-7)
