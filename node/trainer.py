@@ -39,7 +39,7 @@ import torch
 
 from agora.node.discovery import Discovery
 from agora.node.routing import Roster, WorkerView
-from agora.node.worker_client import StageCallError, StageClient, WorkerBusy
+from agora.node.worker_client import RequestRefused, StageCallError, StageClient, WorkerBusy
 from agora.pipeline.centralized import StepRecord
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import RunConfig
@@ -142,6 +142,7 @@ class SwarmTrainer:
         self._run_started = clock()
         self._units_done = 0
         self._reports: set[asyncio.Task] = set()  # completed-batch reports still in flight
+        self._unreported: set[str] = set()  # peers that refused a report (they step on their own)
         self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
         self.max_in_flight = in_flight_limit(options, config.train.microbatches)
         self._in_flight = asyncio.Semaphore(self.max_in_flight)
@@ -289,12 +290,17 @@ class SwarmTrainer:
         """
         timeout = min(5.0, self.options.call_timeout_s)
 
-        views = self.roster.of_stage(stage)
+        views = [v for v in self.roster.of_stage(stage) if v.peer_id not in self._unreported]
         n_micro, replicas = self.config.train.microbatches, self.roster.replicas(stage)
 
         async def one(view: WorkerView) -> None:
             try:
                 await self._client(view).batch_done(unit_id, n_micro, replicas, timeout_s=timeout)
+            except RequestRefused as error:
+                # It steps on its own count (join --local-batch) or is synchronous: stop telling it.
+                self._unreported.add(view.peer_id)
+                logger.warning("worker %s refuses completed-batch reports; not sending it more: %s",
+                               view.endpoint, error)
             except StageCallError as error:
                 # That worker lags one step behind its stage (or is gone); training goes on.
                 self.stats.batch_reports_failed += 1

@@ -160,3 +160,26 @@ def test_abandoned_route_is_taken_back_and_sync_mode_still_matches(data):
     assert stats.reroutes == 1
     assert stats.aborts.get("reverted", 0) == 1  # the tail took its gradient back
     assert [r.loss for r in records] == pytest.approx(expected, abs=1e-4)
+
+
+def test_workers_stepping_on_their_own_count_are_told_once_and_then_left_alone(data):
+    config = _config(stages=2)
+
+    async def main():
+        workers = []
+        for stage in range(2):
+            worker = StageWorker(config, stage, run_id="test",
+                                 options=WorkerOptions(local_batch=config.train.batch_size))
+            await worker.start()
+            workers.append(worker)
+        discovery = StaticDiscovery([WorkerView(f"s{i}", w.address, i) for i, w in enumerate(workers)])
+        try:
+            async with SwarmTrainer(config, data, discovery, TrainerOptions(run_id="test", max_in_flight=1)) as t:
+                records = await t.run(3)
+                return records, t, [w.info().step for w in workers]
+        finally:
+            await asyncio.gather(*(w.stop(0) for w in workers))
+
+    records, trainer, steps_taken = asyncio.run(main())
+    assert len(records) == 3 and steps_taken == [3, 3]  # a full local batch per global batch
+    assert trainer._unreported == {"s0", "s1"} and trainer.stats.batch_reports_failed == 0
