@@ -143,6 +143,8 @@ class SwarmTrainer:
         self._units_done = 0
         self._reports: set[asyncio.Task] = set()  # completed-batch reports still in flight
         self._unreported: set[str] = set()  # peers that refused a report (they step on their own)
+        # Per stage, the completed-batch reports sent last; calls to that stage wait for them (below).
+        self._stage_reports: dict[int, list[asyncio.Task]] = {}
         self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
         self.max_in_flight = in_flight_limit(options, config.train.microbatches)
         self._in_flight = asyncio.Semaphore(self.max_in_flight)
@@ -227,6 +229,8 @@ class SwarmTrainer:
         for stage in range(self.n_stages):
             view = await self._pick(stage, exclude)
             route.append(view)
+            if not evaluate:
+                await self._reported(stage)
             tail = stage == self.n_stages - 1
             result = await self._timed(view, self._client(view).forward(
                 microbatch_id, tokens, wire, targets if tail else None, evaluate=evaluate))
@@ -238,11 +242,24 @@ class SwarmTrainer:
         grad = result.grad_frame
         for stage in reversed(range(self.n_stages - 1)):
             view = route[stage]
+            await self._reported(stage)
             back = await self._timed(view, self._client(view).backward(microbatch_id, grad))
             grad = back.grad_frame
             if on_stage_done is not None:
                 on_stage_done(stage)
         return float(result.loss)
+
+    async def _reported(self, stage: int) -> None:
+        """Wait until the stage's replicas have taken the completed-batch reports sent to them last.
+
+        A stage is told a global batch is done the moment its last microbatch has passed it, but a
+        microbatch of the next batch can be on its way there already; without this wait it could
+        reach a replica before the report and run on weights a step old (1 in 10 tail forwards on
+        tiny). The wait is at most one report's round trip, and only in that race.
+        """
+        pending = [task for task in self._stage_reports.get(stage, ()) if not task.done()]
+        if pending:
+            await asyncio.gather(*pending)  # failures are counted inside, never raised
 
     async def run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
                              evaluate: bool = False, on_stage_done: StageDone | None = None) -> float:
@@ -307,6 +324,7 @@ class SwarmTrainer:
                 logger.debug("completed-batch report %d to %s failed: %s", unit_id, view.endpoint, error)
 
         tasks = [asyncio.create_task(one(view)) for view in views]
+        self._stage_reports[stage] = tasks
         for task in tasks:
             self._reports.add(task)
             task.add_done_callback(self._reports.discard)
@@ -320,26 +338,22 @@ class SwarmTrainer:
         # told the batch is done the moment its last microbatch has passed that stage (the tail
         # first, the head last), not when the whole pipeline is done: waiting for the head would
         # have the tail and bodies run the next batch's first microbatches on weights a step old.
-        # The microbatch that completed a stage waits for those reports before it frees its slot
-        # in the pipeline, so the next microbatch it lets in meets stepped weights (one in flight:
-        # exactly the centralized run). The tail's reports are long done by then; the head's cost
-        # one round trip per global batch.
+        # Every call to a stage first waits for the reports in flight to it (`_reported`), so the
+        # next batch's microbatches meet stepped weights (one in flight: exactly the centralized run).
         finished: list[set[int]] = [set() for _ in range(self.n_stages)]
 
-        async def one(index: int, batch: torch.Tensor) -> float:
-            reports: list[asyncio.Task] = []
-
+        def stage_done(index: int) -> StageDone:
             def done(stage: int) -> None:
                 if len(finished[stage]) < n_micro:
                     finished[stage].add(index)  # a rerun's second pass adds nothing
                     if len(finished[stage]) == n_micro:
-                        reports.extend(self._report_batch_done(unit_id, stage))
+                        self._report_batch_done(unit_id, stage)
+            return done
 
+        async def one(index: int, batch: torch.Tensor) -> float:
             async with self._in_flight:
-                loss = await self.run_microbatch(f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
-                                                 on_stage_done=None if self.options.synchronous else done)
-                await asyncio.gather(*reports)  # failures are counted inside, never raised
-                return loss
+                return await self.run_microbatch(f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
+                                                 on_stage_done=None if self.options.synchronous else stage_done(index))
 
         losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))
         grad_norms: list[float] = []
