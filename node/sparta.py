@@ -111,6 +111,13 @@ class SlicePartition:
 
     def scatter_add(self, tensors: Sequence[torch.Tensor], slice_index: int, flat: torch.Tensor) -> None:
         """`tensor[slice] += flat` for every tensor, in place (the delta rule's write)."""
+        self._write(tensors, slice_index, flat, add=True)
+
+    def scatter(self, tensors: Sequence[torch.Tensor], slice_index: int, flat: torch.Tensor) -> None:
+        """`tensor[slice] = flat` for every tensor, in place."""
+        self._write(tensors, slice_index, flat, add=False)
+
+    def _write(self, tensors: Sequence[torch.Tensor], slice_index: int, flat: torch.Tensor, add: bool) -> None:
         self._check_tensors(tensors)
         self._check_flat(flat)
         offset = 0
@@ -118,19 +125,11 @@ class SlicePartition:
             for tensor, index in zip(tensors, self.indices(slice_index)):
                 n = index.numel()
                 view = tensor.detach().view(-1)  # parameters are contiguous; view() refuses a copy
-                view.index_add_(0, index, flat[offset:offset + n].to(view.dtype))
-                offset += n
-
-    def scatter(self, tensors: Sequence[torch.Tensor], slice_index: int, flat: torch.Tensor) -> None:
-        """`tensor[slice] = flat` for every tensor, in place."""
-        self._check_tensors(tensors)
-        self._check_flat(flat)
-        offset = 0
-        with torch.no_grad():
-            for tensor, index in zip(tensors, self.indices(slice_index)):
-                n = index.numel()
-                view = tensor.detach().view(-1)
-                view.index_copy_(0, index.long(), flat[offset:offset + n].to(view.dtype))
+                values = flat[offset:offset + n].to(view.dtype)
+                if add:
+                    view.index_add_(0, index, values)
+                else:
+                    view.index_copy_(0, index.long(), values)
                 offset += n
 
     def _check(self, slice_index: int) -> None:
