@@ -20,8 +20,9 @@ stage) closes each global batch with a Step barrier on every stage: this is the 
 and its loss trace must equal `train-local`'s. Asynchronous mode reports each finished global
 batch to every worker it knows (`Step` with `completed_batch`, stage by stage as soon as the
 batch's last microbatch has passed that stage, in the background, best effort: a worker that
-misses one lags a step) and goes on with the next one meanwhile; each replica then steps on its own share of the batch, so
-the replicas of a stage keep one epoch counter and the centralized run's learning-rate schedule.
+misses one lags a step) and goes on with the next one meanwhile; each replica then steps on its
+own share of the batch, so the replicas of a stage keep one epoch counter and the centralized
+run's learning-rate schedule.
 
 The trainer writes the same JSON-lines schema as `train-local` (`StepRecord`).
 """
@@ -299,7 +300,7 @@ class SwarmTrainer:
             replies.append(await self._client(workers[0]).step(self.config.train.microbatches, step=step))
         return replies
 
-    def _report_batch_done(self, unit_id: int, stage: int) -> list[asyncio.Task]:
+    def _report_batch_done(self, unit_id: int, stage: int) -> None:
         """Tell every known worker of `stage`, in the background, that global batch `unit_id` is done there.
 
         The reports are tasks with a short timeout each (`run` waits for the last ones before it
@@ -328,7 +329,6 @@ class SwarmTrainer:
         for task in tasks:
             self._reports.add(task)
             task.add_done_callback(self._reports.discard)
-        return tasks
 
     async def train_unit(self, unit_id: int) -> StepRecord:
         unit = self.data.train.unit(unit_id)

@@ -24,8 +24,8 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   barrier, which is idempotent per step number (a retried barrier gets the recorded reply
   instead of a second step). Asynchronous mode steps when a trainer reports a global batch done
   (`StepRequest.completed_batch`): every replica of a stage hears every report, so the replicas
-  share one epoch counter, each stepping on its own share of the batch (mean over its own
-  microbatches) with the learning rate of the swarm's batch count. This is the Agora run's
+  share one epoch counter, each stepping on its own share of the batch with the learning rate
+  of the swarm's batch count. This is the Agora run's
   collective batch; stepping on a full batch of one's own samples instead would give R replicas
   1/R of the steps each and leave their schedules behind the swarm's. The gradient sum is divided
   by the replica's expected share of the batch (microbatches / replicas, from the report), not by
@@ -33,8 +33,9 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   that got one microbatch of eight must not step as far as one that got seven (in-process, 2
   replicas with random shares: 1.059 of train-local's held-out loss dividing by the own count,
   1.048 by the expected share, 1.040 with equal shares). A report is counted once (by batch id);
-  a replica that accumulated nothing since its last step advances its count without an update. `local_batch` (when set) makes a replica step on its own every that many
-  samples instead, for runs whose trainers do not report.
+  a replica that accumulated nothing since its last step advances its count without an update.
+  `local_batch` (when set) makes a replica step on its own every that many samples instead, for
+  runs whose trainers do not report.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch
 
 from agora.pipeline.codec import WireCodec, WireFormatError, decode_tokens
 from agora.pipeline.config import RunConfig
-from agora.pipeline.optim import StageOptimizer, lr_at
+from agora.pipeline.optim import StageOptimizer
 from agora.pipeline.stages import Stage, build_stage
 from agora.protos.stage_adapter import (
     AbortReply,
@@ -136,8 +137,6 @@ class StageCompute:
         self.index = self.stage.index
         self.n_stages = self.stage.n_stages
         self.optimizer = optimizer or StageOptimizer(self.stage, config.optim, self.index, self.n_stages)
-        self.accumulated_microbatches = 0
-        self.accumulated_samples = 0
         self.samples_total = 0  # every sample whose gradient this replica applied (averaging weights)
         # Microbatches whose gradients are in `.grad` now, for Abort; cleared by every step.
         self.applied: dict[str, AppliedMicrobatch] = {}
@@ -145,6 +144,15 @@ class StageCompute:
         self.last_step: StepReply | None = None
         self._counted_batches: OrderedDict[int, StepReply] = OrderedDict()  # asynchronous reports
         self.throughput = 0.0  # tokens/s of compute, moving average; 0 until the first job
+
+    @property
+    def accumulated_microbatches(self) -> int:
+        """Microbatches whose gradients are in `.grad` now (since the last step)."""
+        return len(self.applied)
+
+    @property
+    def accumulated_samples(self) -> int:
+        return sum(applied.tokens.shape[0] for applied in self.applied.values())
 
     def _observe(self, tokens: int, started: float) -> None:
         # Wall time of the job on this thread (measurement only, so not the injected clock).
@@ -227,7 +235,7 @@ class StageCompute:
             return grads[0], list(grads[1:])
         return None, list(grads)
 
-    def _accumulate(self, param_grads: list[torch.Tensor | None], samples: int, microbatch_id: str,
+    def _accumulate(self, param_grads: list[torch.Tensor | None], microbatch_id: str,
                     applied: AppliedMicrobatch) -> None:
         for param, grad in zip(self.optimizer.parameters, param_grads):
             if grad is None:
@@ -237,9 +245,7 @@ class StageCompute:
             else:
                 param.grad.add_(grad)
         self.applied[microbatch_id] = applied
-        self.accumulated_microbatches += 1
-        self.accumulated_samples += samples
-        self.samples_total += samples
+        self.samples_total += applied.tokens.shape[0]
         if not self.synchronous and self.local_batch is not None and self.accumulated_samples >= self.local_batch:
             self._step(self.accumulated_microbatches)
 
@@ -276,7 +282,7 @@ class StageCompute:
                 raise ComputeError(f"tail produced a non-finite loss ({loss_value}); no gradient accumulated")
             wire_grad, param_grads = self._gradients(loss, wire, None)
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
-        self._accumulate(param_grads, tokens.shape[0], microbatch_id,
+        self._accumulate(param_grads, microbatch_id,
                          AppliedMicrobatch(tokens, None if wire is None else wire.detach(), None, targets))
         return ForwardReply(loss=loss_value, input_grad=input_grad, step=step)
 
@@ -301,7 +307,7 @@ class StageCompute:
             wire_grad, param_grads = self._gradients(output, wire, output_grad)
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
         step = self.optimizer.steps
-        self._accumulate(param_grads, stashed.tokens.shape[0], request.microbatch_id,
+        self._accumulate(param_grads, request.microbatch_id,
                          AppliedMicrobatch(stashed.tokens, stashed.wire, output_grad, None))
         self._observe(stashed.tokens.numel(), started)
         return BackwardReply(input_grad=input_grad, step=step)
@@ -331,8 +337,6 @@ class StageCompute:
         for param, grad in zip(self.optimizer.parameters, param_grads):
             if grad is not None and param.grad is not None:
                 param.grad.sub_(grad)
-        self.accumulated_microbatches -= 1
-        self.accumulated_samples -= applied.tokens.shape[0]
         self.samples_total -= applied.tokens.shape[0]
         return AbortReply(reverted=True, outcome="reverted")
 
@@ -342,8 +346,6 @@ class StageCompute:
         result = self.optimizer.step(microbatches)
         self.stepped_ids = set(self.applied)
         self.applied.clear()
-        self.accumulated_microbatches = 0
-        self.accumulated_samples = 0
         self.last_step = StepReply(step=self.optimizer.steps, grad_norm=result["grad_norm"], lr=result["lr"],
                                    skipped=bool(result["skipped"]), accumulated=accumulated)
         return self.last_step
@@ -384,8 +386,7 @@ class StageCompute:
             reply = self._step(microbatches / replicas)
         else:
             # Nothing routed here since the last step: keep the swarm's count, change no weights.
-            lr = lr_at(self.optimizer.steps, self.config.optim)
-            self.optimizer.steps += 1
+            lr = self.optimizer.advance()
             self.stepped_ids = set()
             reply = StepReply(step=self.optimizer.steps, grad_norm=0.0, lr=lr, skipped=False, accumulated=0)
         self._counted_batches[batch] = reply

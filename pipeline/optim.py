@@ -76,6 +76,12 @@ class StageOptimizer:
         self.steps += 1
         return {"grad_norm": norm, "lr": lr, "skipped": not math.isfinite(norm)}
 
+    def advance(self) -> float:
+        """Count a step without an update (a replica that got none of a global batch); its lr."""
+        lr = lr_at(self.steps, self.config)
+        self.steps += 1
+        return lr
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "steps": self.steps}
 
