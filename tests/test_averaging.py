@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -212,12 +211,20 @@ def test_a_slower_replica_joins_the_rounds_a_faster_one_announces():
                 await worker.on_compute(lambda c: setattr(c.optimizer, "steps", c.optimizer.steps + steps_per_tick))
                 await asyncio.sleep(0.05)  # paces the synthetic training; the test waits on its outcome
 
+        # Woken by every round either loop records, instead of polling the counters.
+        recorded = asyncio.Event()
+        for loop in loops:
+            def record(result, applied, original=loop.stats.record):
+                original(result, applied)
+                recorded.set()
+            loop.stats.record = record
         trainers = [asyncio.create_task(train(w, n)) for w, n in zip(workers, (3, 1))]
         try:
-            for _ in range(1200):
-                if all(loop.stats.rounds["committed"] >= 3 for loop in loops):
-                    break
-                await asyncio.sleep(0.05)
+            async def three_rounds_each():
+                while not all(loop.stats.rounds["committed"] >= 3 for loop in loops):
+                    await recorded.wait()
+                    recorded.clear()
+            await asyncio.wait_for(three_rounds_each(), 60)
         finally:
             stop.set()
             await asyncio.gather(*trainers)
@@ -232,28 +239,29 @@ def test_a_slower_replica_joins_the_rounds_a_faster_one_announces():
         run(main(dhts, averagers))
 
 
-def test_a_replica_killed_mid_round_is_dropped_and_the_survivors_go_on(tmp_path):
+def test_a_replica_killed_mid_round_is_dropped_and_the_survivors_go_on():
     size = vector_size()
     round_number = 6
-    marker = str(tmp_path / "victim.in-allreduce")
 
-    async def wait_for(path: str, victim: subprocess.Popen, what: str) -> None:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(path):  # a file the victim writes atomically: its handshake
-            assert victim.poll() is None, f"the victim exited before {what}"
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            await asyncio.sleep(0.02)
+    async def wait_for(handshake, line: str) -> None:
+        # The victim's handshake pipe: a line when it gets there, end of file if it died first.
+        got = await asyncio.wait_for(asyncio.to_thread(handshake.readline), 60)
+        assert got == line + "\n", f"expected the victim to say {line!r}, it said {got!r}"
 
     async def main(dhts, averagers):
+        read_end, write_end = os.pipe()
         victim = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("averaging_victim.py")), marker, "killed", str(size),
-             str(round_number), "3", *dhts[0].visible_maddrs()], start_new_session=True)
+            [sys.executable, str(Path(__file__).with_name("averaging_victim.py")), str(write_end), "killed",
+             str(size), str(round_number), "3", *dhts[0].visible_maddrs()],
+            start_new_session=True, pass_fds=(write_end,))
+        os.close(write_end)
+        handshake = os.fdopen(read_end)
         workers, loops = await replicas_on(averagers, boards=[FixedBoard(3), FixedBoard(3)])
         try:
-            await wait_for(marker + ".ready", victim, "the victim's averager")
+            await wait_for(handshake, "ready")
             before = [await w.on_compute(params) for w in workers]
             rounds = asyncio.gather(*(loop.run_round(round_number) for loop in loops))
-            await wait_for(marker, victim, "the victim to enter the all-reduce")
+            await wait_for(handshake, "in all-reduce")
             os.killpg(victim.pid, signal.SIGKILL)  # the whole machine vanishes: averager, DHT, p2pd
             await asyncio.to_thread(victim.wait)
             results = await rounds
@@ -266,6 +274,7 @@ def test_a_replica_killed_mid_round_is_dropped_and_the_survivors_go_on(tmp_path)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
+            handshake.close()
         for result in results:  # the survivors completed without the dead peer's share
             assert result.outcome == "committed", result.error
             assert result.group_size == 3 and 0.0 < result.received_fraction < 1.0

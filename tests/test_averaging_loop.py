@@ -37,10 +37,20 @@ class ScriptedAverager:
         self.reply = reply
         self.calls: list[tuple[int, float, int | None]] = []
         self.cancelled = threading.Event()
+        self._called = threading.Condition()
 
     def average(self, values, *, round_number, weight, group_size=None, metadata=None) -> RoundResult:
-        self.calls.append((round_number, weight, group_size))
+        with self._called:
+            self.calls.append((round_number, weight, group_size))
+            self._called.notify_all()
         return self.reply(values.clone(), round_number)
+
+    async def called(self, times: int, what: str) -> None:
+        """Wait (woken by each call, bounded) until the loop has started `times` rounds."""
+        def wait() -> bool:
+            with self._called:
+                return self._called.wait_for(lambda: len(self.calls) >= times, timeout=10)
+        assert await asyncio.to_thread(wait), f"timed out waiting for {what}"
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -86,14 +96,6 @@ async def started(sync, reply, board=None, size=None):
     loop = AveragingLoop(worker, averager, sync, seed=CONFIG.seed, board=board or Board(), probe_s=0.01)
     await loop.start()
     return worker, averager, loop
-
-
-async def until(predicate, what: str, limit: int = 2000) -> None:
-    for _ in range(limit):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_round_adds_average_minus_snapshot_and_keeps_steps_taken_meanwhile():
@@ -237,12 +239,13 @@ def test_loop_starts_due_and_announced_rounds_and_stop_cancels_the_round_in_flig
         board = Board(replicas=2, announced=3)  # a faster replica is waiting in round 3
         worker, averager, loop = await started(SYNC, reply, board)
         try:
-            await until(lambda: [c[0] for c in averager.calls] == [3], "the announced round")
+            await averager.called(1, "the announced round")
+            assert [c[0] for c in averager.calls] == [3]
             board.announced_now = None
             await worker.on_compute(lambda c: setattr(c.optimizer, "steps", 4 * 5))  # own step count: round 5
-            await until(lambda: len(averager.calls) == 2, "the round due at step 20")
+            await averager.called(2, "the round due at step 20")
             await worker.on_compute(lambda c: setattr(c.optimizer, "steps", 4 * 9 + 1))  # rounds 6-8 skipped
-            await until(lambda: len(averager.calls) == 3, "round 9")
+            await averager.called(3, "round 9")
         finally:
             await loop.stop()
             await worker.stop()
