@@ -59,7 +59,8 @@ class DemoOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
         return cls(config=args.config, seed=args.seed, stages=args.stages, microbatches=args.microbatches,
-                   steps=args.steps, schedule_steps=args.schedule_steps, replicas=args.replicas, trainers=args.trainers, sync=args.sync,
+                   steps=args.steps, schedule_steps=args.schedule_steps, replicas=args.replicas,
+                   trainers=args.trainers, sync=args.sync,
                    max_in_flight=args.max_in_flight, log_json=args.log_json, summary_json=args.summary_json,
                    workdir=args.workdir, kill_worker_at=args.kill_worker_at,
                    averaging=getattr(args, "averaging", None), averaging_every=getattr(args, "averaging_every", None),
