@@ -25,6 +25,8 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
                          data=replace(config.data, seed=args.seed))
     if getattr(args, "stages", None) is not None:
         config = config.with_stages(args.stages)
+    if getattr(args, "batch_size", None) is not None:
+        config = replace(config, train=replace(config.train, batch_size=args.batch_size))
     if getattr(args, "microbatches", None) is not None:
         config = replace(config, train=replace(config.train, microbatches=args.microbatches))
     if getattr(args, "schedule_steps", None) is not None:
@@ -157,6 +159,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str) -> N
     parser.add_argument("--config", default="tiny", help="preset name (tiny, small, pythia-14m, pluralis-8b) or TOML file")
     parser.add_argument("--seed", type=int, default=None, help="run seed (basis, init and data order)")
     parser.add_argument("--stages", type=int, default=None, help="split the blocks evenly over this many stages")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per global batch")
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches per global batch")
     parser.add_argument("--steps", type=int, default=100, help=steps_help)
     parser.add_argument("--schedule-steps", type=int, default=None, metavar="STEPS",

@@ -37,6 +37,7 @@ class DemoOptions:
     config: str = "tiny"
     seed: int | None = None
     stages: int | None = 3
+    batch_size: int | None = None
     microbatches: int | None = None
     steps: int = 60
     schedule_steps: int | None = None  # None: the config's schedule (stretched to `steps`)
@@ -58,8 +59,8 @@ class DemoOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
-        return cls(config=args.config, seed=args.seed, stages=args.stages, microbatches=args.microbatches,
-                   steps=args.steps, schedule_steps=args.schedule_steps, replicas=args.replicas,
+        return cls(config=args.config, seed=args.seed, stages=args.stages, batch_size=args.batch_size,
+                   microbatches=args.microbatches, steps=args.steps, schedule_steps=args.schedule_steps, replicas=args.replicas,
                    trainers=args.trainers, sync=args.sync,
                    max_in_flight=args.max_in_flight, log_json=args.log_json, summary_json=args.summary_json,
                    workdir=args.workdir, kill_worker_at=args.kill_worker_at,
@@ -87,8 +88,8 @@ class DemoOptions:
 
     def run_flags(self) -> list[str]:
         flags = ["--config", self.config, "--steps", str(self.steps)]
-        for name, value in (("--seed", self.seed), ("--stages", self.stages), ("--microbatches", self.microbatches),
-                            ("--schedule-steps", self.schedule_steps)):
+        for name, value in (("--seed", self.seed), ("--stages", self.stages), ("--batch-size", self.batch_size),
+                            ("--microbatches", self.microbatches), ("--schedule-steps", self.schedule_steps)):
             if value is not None:
                 flags += [name, str(value)]
         return flags

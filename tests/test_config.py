@@ -68,3 +68,20 @@ def test_run_flags_set_the_schedule_and_the_averaging_cadence():
     assert (sync.method, sync.every_steps, sync.n_slices) == ("sparta", 2, 2)
     with pytest.raises(ConfigError, match="total_steps"):
         config_of("--schedule-steps", "0")
+
+
+def test_batch_flags_set_the_global_batch_and_refuse_a_split_that_does_not_divide():
+    from agora.node.cli import _run_config, build_parser
+    from agora.node.demo import DemoOptions
+
+    def config_of(*argv):
+        return _run_config(build_parser().parse_args(["join", "--stage", "0", *argv]))
+
+    train = config_of("--batch-size", "32", "--microbatches", "8").train
+    assert (train.batch_size, train.microbatches, train.microbatch_size) == (32, 8, 4)
+    with pytest.raises(ConfigError, match="does not divide batch_size=30"):
+        config_of("--batch-size", "30", "--microbatches", "8")
+    # The demo hands the same flags to every process it starts.
+    demo = DemoOptions.from_args(build_parser().parse_args(["demo", "--batch-size", "32", "--microbatches", "8"]))
+    flags = demo.run_flags()
+    assert flags[flags.index("--batch-size") + 1] == "32" and flags[flags.index("--microbatches") + 1] == "8"
