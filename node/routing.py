@@ -12,17 +12,29 @@ where queued_ahead is the larger of the worker's announced queue depth and this 
 in-flight calls to it, and seconds_per_microbatch prefers this trainer's measured EMA, then the
 worker's announced throughput, then (for a newcomer with neither) the slowest known worker's
 rate plus a warm-up penalty, so new workers get traffic without being flooded.
+
+Balanced shares. The replicas of a stage each step on their own share of every global batch,
+dividing by the expected share (microbatches / replicas), so an uneven split makes one replica
+step too far and another too short. Given the microbatches of the current batch each worker of
+the stage already has, `pick_worker` takes the worker with the smallest share among those whose
+time per microbatch is within `BALANCE_SLACK` of the fastest's (then the earliest finish): equally
+fast replicas get equal shares, and a replica over twice as slow is left to the earliest-finish
+rule, which gives it what it can finish in time (in-process, tiny, 2 replicas: equal shares 1.040
+of train-local's held-out loss, random shares 1.048).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
-__all__ = ["WorkerView", "Roster", "expected_finish_time", "pick_worker"]
+__all__ = ["BALANCE_SLACK", "WorkerView", "Roster", "expected_finish_time", "pick_worker"]
 
 _NEWCOMER_PENALTY = 1.5
 _DEFAULT_SECONDS = 1.0
 _ROUTABLE_PHASES = ("member", "optimizer_sync")
+# Replicas whose time per microbatch is within this factor of the fastest's share batches equally.
+BALANCE_SLACK = 2.0
 
 
 @dataclass
@@ -47,23 +59,37 @@ class WorkerView:
         return None
 
 
-def expected_finish_time(view: WorkerView, microbatch_size: int, fallback_seconds: float) -> float:
+def _microbatch_seconds(view: WorkerView, microbatch_size: int, fallback_seconds: float) -> float:
     seconds = view.seconds_per_microbatch(microbatch_size)
-    if seconds is None:
-        seconds = fallback_seconds * _NEWCOMER_PENALTY
-    return (max(view.announced_queue, view.in_flight) + 1) * seconds
+    return fallback_seconds * _NEWCOMER_PENALTY if seconds is None else seconds
+
+
+def expected_finish_time(view: WorkerView, microbatch_size: int, fallback_seconds: float) -> float:
+    return (max(view.announced_queue, view.in_flight) + 1) * _microbatch_seconds(view, microbatch_size,
+                                                                                fallback_seconds)
 
 
 def pick_worker(candidates: list[WorkerView], now: float, microbatch_size: int,
-                exclude: frozenset[str] = frozenset()) -> WorkerView | None:
-    """The routable, unbanned candidate with the earliest expected finish; ties by peer id."""
+                exclude: frozenset[str] = frozenset(), shares: Mapping[str, int] | None = None) -> WorkerView | None:
+    """The routable, unbanned candidate with the earliest expected finish; ties by peer id.
+
+    With `shares` (microbatches of the current global batch per peer id), the smallest share among
+    the candidates within `BALANCE_SLACK` of the fastest (see the module docstring).
+    """
     usable = [v for v in candidates
               if v.phase in _ROUTABLE_PHASES and v.banned_until <= now and v.peer_id not in exclude]
     if not usable:
         return None
     known = [s for v in usable if (s := v.seconds_per_microbatch(microbatch_size)) is not None]
     fallback = max(known) if known else _DEFAULT_SECONDS
-    return min(usable, key=lambda v: (expected_finish_time(v, microbatch_size, fallback), v.peer_id))
+    finish = {v.peer_id: expected_finish_time(v, microbatch_size, fallback) for v in usable}
+    if shares is None:
+        return min(usable, key=lambda v: (finish[v.peer_id], v.peer_id))
+    # Comparable speed, not the queue of the moment: equal shares even out the queues themselves.
+    seconds = {v.peer_id: _microbatch_seconds(v, microbatch_size, fallback) for v in usable}
+    fastest = min(seconds.values())
+    comparable = [v for v in usable if seconds[v.peer_id] <= BALANCE_SLACK * fastest]
+    return min(comparable, key=lambda v: (shares.get(v.peer_id, 0), finish[v.peer_id], v.peer_id))
 
 
 @dataclass
@@ -96,8 +122,9 @@ class Roster:
         """Replicas of `stage` sharing its work now: routable, and their last call did not fail (at least 1)."""
         return max(1, sum(1 for v in self.of_stage(stage) if v.phase in _ROUTABLE_PHASES and v.failures == 0))
 
-    def choose(self, stage: int, now: float, exclude: frozenset[str] = frozenset()) -> WorkerView | None:
-        return pick_worker(self.of_stage(stage), now, self.microbatch_size, exclude)
+    def choose(self, stage: int, now: float, exclude: frozenset[str] = frozenset(),
+               shares: Mapping[str, int] | None = None) -> WorkerView | None:
+        return pick_worker(self.of_stage(stage), now, self.microbatch_size, exclude, shares)
 
     def started(self, peer_id: str) -> None:
         if peer_id in self.workers:

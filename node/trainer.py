@@ -3,7 +3,8 @@
 A trainer owns data units and the microbatch schedule, never weights. For each global batch
 (one data unit) it cuts microbatches and runs up to `max_in_flight` of them at once; each
 microbatch goes forward through a route of one worker per stage, chosen by the `Roster`
-(earliest expected finish, bans with backoff), and backward in reverse pinned to the same
+(earliest expected finish, equal shares of each batch among equally fast replicas, bans with
+backoff), and backward in reverse pinned to the same
 workers. Any failure abandons the microbatch's route and re-runs it on another (bounded
 attempts; a new microbatch id per attempt, so a late reply of the abandoned route can never be
 confused with the new one).
@@ -33,6 +34,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import IO, Awaitable, Callable
 
@@ -167,15 +169,19 @@ class SwarmTrainer:
             self.roster.refresh(await self.discovery.workers())
             self._last_refresh = self.clock()
 
-    async def _pick(self, stage: int, exclude: frozenset[str]) -> WorkerView:
+    async def _pick(self, stage: int, exclude: frozenset[str], shares: Counter | None = None) -> WorkerView:
+        """A worker for `stage`; with `shares` (this batch's microbatches per peer on the stage),
+        balanced across replicas (see node/routing.py) and counted there."""
         deadline = self.clock() + self.options.wait_for_workers_s
         pause = 0.05
         while True:
             await self.refresh()
-            view = self.roster.choose(stage, self.clock(), exclude)
+            view = self.roster.choose(stage, self.clock(), exclude, shares)
             if view is None and exclude:
-                view = self.roster.choose(stage, self.clock())  # retry a peer rather than stall
+                view = self.roster.choose(stage, self.clock(), shares=shares)  # retry a peer rather than stall
             if view is not None:
+                if shares is not None:
+                    shares[view.peer_id] += 1
                 return view
             if self.clock() > deadline:
                 raise MicrobatchFailed(f"no routable worker for stage {stage} within "
@@ -202,14 +208,18 @@ class SwarmTrainer:
     # ------------------------------------------------------------------ one microbatch
 
     async def _route_once(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
-                          exclude: frozenset[str], evaluate: bool, on_stage_done: StageDone | None) -> float:
+                          exclude: frozenset[str], evaluate: bool, on_stage_done: StageDone | None,
+                          shares: list[Counter] | None) -> float:
         route: list[WorkerView] = []
         try:
             return await self._forward_backward(microbatch_id, tokens, targets, exclude, evaluate, route,
-                                                on_stage_done)
+                                                on_stage_done, shares)
         except StageCallError:
             if not evaluate:
                 await self._abort(microbatch_id, route)
+                if shares is not None:  # the route's gradients were taken back: no longer a share
+                    for stage, view in enumerate(route):
+                        shares[stage][view.peer_id] -= 1
             raise
 
     async def _abort(self, microbatch_id: str, route: list[WorkerView]) -> None:
@@ -224,11 +234,11 @@ class SwarmTrainer:
 
     async def _forward_backward(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
                                 exclude: frozenset[str], evaluate: bool, route: list[WorkerView],
-                                on_stage_done: StageDone | None = None) -> float:
+                                on_stage_done: StageDone | None = None, shares: list[Counter] | None = None) -> float:
         wire: bytes | None = None
         result = None
         for stage in range(self.n_stages):
-            view = await self._pick(stage, exclude)
+            view = await self._pick(stage, exclude, None if shares is None else shares[stage])
             route.append(view)
             if not evaluate:
                 await self._reported(stage)
@@ -263,15 +273,17 @@ class SwarmTrainer:
             await asyncio.gather(*pending)  # failures are counted inside, never raised
 
     async def run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
-                             evaluate: bool = False, on_stage_done: StageDone | None = None) -> float:
-        """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts."""
+                             evaluate: bool = False, on_stage_done: StageDone | None = None,
+                             shares: list[Counter] | None = None) -> float:
+        """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts.
+        `shares`: the global batch's microbatches per peer, one counter per stage (balanced routing)."""
         exclude: set[str] = set()
         last_error: Exception | None = None
         for attempt in range(self.options.max_attempts):
             microbatch_id = f"{self.options.run_id}/t{self.options.trainer_index}/{key}/a{attempt}"
             try:
                 loss = await self._route_once(microbatch_id, tokens, targets, frozenset(exclude), evaluate,
-                                              on_stage_done)
+                                              on_stage_done, shares)
                 self.stats.microbatches += 0 if evaluate else 1
                 return loss
             except StageCallError as error:
@@ -341,6 +353,8 @@ class SwarmTrainer:
         # Every call to a stage first waits for the reports in flight to it (`_reported`), so the
         # next batch's microbatches meet stepped weights (one in flight: exactly the centralized run).
         finished: list[set[int]] = [set() for _ in range(self.n_stages)]
+        # Microbatches of this batch per replica, per stage: equally fast replicas get equal shares.
+        shares: list[Counter] = [Counter() for _ in range(self.n_stages)]
 
         def stage_done(index: int) -> StageDone:
             def done(stage: int) -> None:
@@ -353,7 +367,8 @@ class SwarmTrainer:
         async def one(index: int, batch: torch.Tensor) -> float:
             async with self._in_flight:
                 return await self.run_microbatch(f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
-                                                 on_stage_done=None if self.options.synchronous else stage_done(index))
+                                                 on_stage_done=None if self.options.synchronous else stage_done(index),
+                                                 shares=shares)
 
         losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))
         grad_norms: list[float] = []

@@ -29,7 +29,8 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   collective batch; stepping on a full batch of one's own samples instead would give R replicas
   1/R of the steps each and leave their schedules behind the swarm's. The gradient sum is divided
   by the replica's expected share of the batch (microbatches / replicas, from the report), not by
-  what it happened to receive: routing gives replicas uneven shares batch to batch, and a replica
+  what it happened to receive: trainers balance shares among equally fast replicas, but a slower
+  replica, a reroute or a replica joining mid-batch still makes them uneven, and a replica
   that got one microbatch of eight must not step as far as one that got seven (in-process, 2
   replicas with random shares: 1.059 of train-local's held-out loss dividing by the own count,
   1.048 by the expected share, 1.040 with equal shares). A report is counted once (by batch id);

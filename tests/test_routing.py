@@ -59,3 +59,33 @@ def test_refresh_keeps_local_observations_and_drops_departed_workers():
     assert list(roster.workers) == ["a"]
     assert roster.workers["a"].measured_seconds == 0.7 and roster.workers["a"].announced_queue == 3
     assert roster.choose(1, now=0).peer_id == "a" and roster.choose(0, now=0) is None
+
+
+def test_shares_balance_equally_fast_replicas_but_not_at_any_price():
+    a = _view("a", measured_seconds=1.0)
+    b = _view("b", measured_seconds=1.1)
+    shares = {"a": 2, "b": 1}
+    # Without shares the earliest finish wins; with them the replica behind on this batch does,
+    # although it is a little slower (1.1 s against 1.0 s).
+    assert pick_worker([a, b], 0, 4).peer_id == "a"
+    assert pick_worker([a, b], 0, 4, shares=shares).peer_id == "b"
+    assert pick_worker([a, b], 0, 4, shares={"a": 1, "b": 1}).peer_id == "a"  # equal shares: earliest finish
+    b.in_flight = 1  # a queue of the moment does not undo the balance: equal shares even queues out
+    assert pick_worker([a, b], 0, 4, shares=shares).peer_id == "b"
+    # A replica over BALANCE_SLACK times slower per microbatch is left to the earliest-finish rule.
+    b.measured_seconds, b.in_flight = 2.5, 0
+    assert pick_worker([a, b], 0, 4, shares=shares).peer_id == "a"
+
+
+def test_a_batch_split_by_balanced_picks_is_even_across_replicas():
+    from collections import Counter
+
+    roster = Roster(microbatch_size=2)
+    roster.refresh([_view("a", measured_seconds=1.0), _view("b", measured_seconds=1.0),
+                    _view("c", measured_seconds=1.2)])
+    shares = Counter()
+    for _ in range(9):  # each pick is in flight until the batch is cut
+        view = roster.choose(0, now=0, shares=shares)
+        roster.started(view.peer_id)
+        shares[view.peer_id] += 1
+    assert shares == Counter({"a": 3, "b": 3, "c": 3})

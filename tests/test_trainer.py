@@ -1,6 +1,7 @@
 """SwarmTrainer against real StageWorkers on loopback gRPC (in one process, no DHT)."""
 
 import asyncio
+from collections import Counter
 from dataclasses import replace
 
 import grpc
@@ -109,6 +110,37 @@ def test_asynchronous_swarm_with_two_replicas_and_two_trainers_runs(data):
     # The stage's shared epoch: every replica stepped once per global batch, whichever trainer ran it.
     assert steps_taken == [6] * 4
     assert all(s.batch_reports_failed == 0 for s in stats)
+
+
+def test_equally_fast_replicas_get_equal_shares_of_every_batch(data):
+    """Each replica steps on its share divided by the expected share (microbatches / replicas):
+    balanced routing makes the share it gets the one it divides by, batch after batch."""
+    config = _config(stages=2)
+    config = replace(config, train=replace(config.train, batch_size=8, microbatches=4)).validate()
+    data8 = build_data(config)
+    forwarded: list[Counter] = []  # per worker: forwards per global batch
+
+    def recording(compute, seen: Counter):
+        forward = compute.forward
+
+        def wrapped(request):
+            seen[request.microbatch_id.split("/")[2].split("m")[0]] += 1  # ".../u{unit}m{i}/a{attempt}"
+            return forward(request)
+        return wrapped
+
+    async def main():
+        workers, discovery = await _swarm(config, 2, synchronous=False)
+        for worker in workers:
+            forwarded.append(Counter())
+            worker.compute.forward = recording(worker.compute, forwarded[-1])
+        try:
+            async with SwarmTrainer(config, data8, discovery, TrainerOptions(run_id="test", max_in_flight=4)) as t:
+                await t.run(5)
+        finally:
+            await asyncio.gather(*(w.stop(0) for w in workers))
+
+    asyncio.run(main())
+    assert forwarded == [Counter({f"u{unit}": 2 for unit in range(5)})] * 4
 
 
 def test_units_are_striped_over_trainers():
