@@ -41,9 +41,11 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -75,6 +77,8 @@ __all__ = [
     "MAX_MICROBATCH_ID_CHARS",
     "THROUGHPUT_SMOOTHING",
 ]
+
+logger = logging.getLogger("agora.node.worker")
 
 MAX_MICROBATCH_ID_CHARS = 256
 # Weight of the newest job in the throughput average: ~10 jobs of memory, steady under jitter.
@@ -145,6 +149,9 @@ class StageCompute:
         self.last_step: StepReply | None = None
         self._counted_batches: OrderedDict[int, StepReply] = OrderedDict()  # asynchronous reports
         self.throughput = 0.0  # tokens/s of compute, moving average; 0 until the first job
+        # Called on this thread right after every step (or advance), with this object: the averaging
+        # loop snapshots a round's slice at the exact step it is due. A hook must not raise.
+        self.step_hooks: list[Callable[["StageCompute"], None]] = []
 
     @property
     def accumulated_microbatches(self) -> int:
@@ -349,7 +356,15 @@ class StageCompute:
         self.applied.clear()
         self.last_step = StepReply(step=self.optimizer.steps, grad_norm=result["grad_norm"], lr=result["lr"],
                                    skipped=bool(result["skipped"]), accumulated=accumulated)
+        self._after_step()
         return self.last_step
+
+    def _after_step(self) -> None:
+        for hook in self.step_hooks:
+            try:
+                hook(self)
+            except Exception:  # a bug in a hook must not fail the step the trainer asked for
+                logger.exception("stage %d: step hook %r failed", self.index, hook)
 
     def step(self, request: StepRequest) -> StepReply:
         """The synchronous-mode barrier, or an asynchronous report of a completed global batch."""
@@ -389,6 +404,7 @@ class StageCompute:
             # Nothing routed here since the last step: keep the swarm's count, change no weights.
             lr = self.optimizer.advance()
             self.stepped_ids = set()
+            self._after_step()
             reply = StepReply(step=self.optimizer.steps, grad_norm=0.0, lr=lr, skipped=False, accumulated=0)
         self._counted_batches[batch] = reply
         while len(self._counted_batches) > REMEMBERED_BATCHES:

@@ -211,6 +211,24 @@ def test_asynchronous_worker_steps_once_per_reported_global_batch():
         _report(make_compute(0, synchronous=False, local_batch=4), 0)
 
 
+def test_step_hooks_run_after_every_step_and_a_failing_hook_fails_no_step(caplog):
+    head = make_compute(0, synchronous=False, local_batch=None)
+    seen = []
+
+    def broken(compute):
+        raise RuntimeError("a bug in a hook")
+
+    head.step_hooks += [lambda compute: seen.append(compute.optimizer.steps), broken]
+    tokens, _ = batch(7)
+    out = CODEC.decode(head.forward(forward_request(0, tokens)).wire)
+    head.backward(grad_request(0, torch.ones_like(out)))
+    assert _report(head, 0).step == 1  # a step with an update
+    assert _report(head, 1).step == 2  # and one without (nothing accumulated)
+    assert _report(head, 1).step == 2  # a repeated report is no step: no hook
+    assert seen == [1, 2]
+    assert sum("step hook" in r.getMessage() for r in caplog.records) == 2
+
+
 def _pipeline_microbatch(computes: list[StageCompute], microbatch_id: str, sample: torch.Tensor) -> float:
     """One microbatch through one replica per stage, as the trainer drives it (without sockets)."""
     tokens, targets = sample[:, :-1], sample[:, 1:]
