@@ -261,7 +261,8 @@ def rounds_key(run_id: str, stage: int, method: str) -> str:
 
 @dataclass(frozen=True)
 class RoundRecord(Record):
-    """A replica is starting averaging round ``round`` of its stage (``started_at``: DHT time)."""
+    """A replica is starting averaging round ``round`` of its stage (``started_at``: DHT time), or,
+    with ``closed``, has left it (its result is in, or it gave up): nobody should join it now."""
 
     KIND: ClassVar[str] = "round"
 
@@ -270,6 +271,7 @@ class RoundRecord(Record):
     stage: int
     round: int
     started_at: float
+    closed: bool = False
 
     def check(self) -> None:
         if not self.peer_id:
@@ -294,11 +296,20 @@ class RoundBoard:
                              round=round_number, started_at=self._swarm.clock())
         await self._swarm.store_async(self.key, record, self.ttl, subkey=record.peer_id)
 
+    async def close(self, round_number: int) -> None:
+        """Tell the stage this replica has left ``round_number`` (best effort). The record replaces
+        the announcement (same subkey, later expiry), so a replica that skipped the round does not
+        join it after the others are gone and wait out the matchmaking window alone."""
+        record = RoundRecord(peer_id=self._swarm.peer_id, run_id=self.run_id, stage=self.stage,
+                             round=round_number, started_at=self._swarm.clock(), closed=True)
+        await self._swarm.store_async(self.key, record, self.ttl, subkey=record.peer_id)
+
     async def announced_round(self) -> Optional[int]:
-        """The latest round another replica announced and whose window is still open, if any."""
+        """The latest round another replica announced and has not left, if any."""
         entries = await self._swarm.get_entries_async(self.key, RoundRecord)
         rounds = [stored.record.round for subkey, stored in entries.items()
-                  if subkey == stored.record.peer_id != self._swarm.peer_id and stored.record.stage == self.stage]
+                  if subkey == stored.record.peer_id != self._swarm.peer_id and stored.record.stage == self.stage
+                  and not stored.record.closed]
         return max(rounds, default=None)
 
     async def replicas(self) -> int:

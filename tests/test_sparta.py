@@ -111,6 +111,8 @@ def test_same_round_same_group_key_and_nothing_else():
 def test_round_records_and_keys_validate():
     record = RoundRecord(peer_id="peer", run_id="demo", stage=1, round=7, started_at=12.5)
     assert RoundRecord.from_wire(record.to_wire()) == record
+    closed = RoundRecord(peer_id="peer", run_id="demo", stage=1, round=7, started_at=13.0, closed=True)
+    assert RoundRecord.from_wire(closed.to_wire()).closed
     assert rounds_key("demo", 1, "sparta") == "demo.stage1.sparta.rounds"
     with pytest.raises(RecordError):
         RoundRecord(peer_id="peer", run_id="demo", stage=1, round=-1, started_at=0.0)
