@@ -1,24 +1,44 @@
 """The worker's background averaging: AsyncSPARTA rounds (or streaming DiLoCo) while it trains.
 
-One asyncio task per worker. It watches the local step count; when a round is due it takes a
-snapshot of the round's slice on the compute thread, runs the all-reduce off it (a thread
-blocked in `SliceAverager.average`), and applies the result on the compute thread again. The
-compute thread is the only one that touches the stage, so both touches go through
-`worker.on_compute` and are quick copies; forward, backward and optimizer steps go on meanwhile.
+One asyncio task per worker. When a round is due it has a snapshot of the round's slice taken
+on the compute thread, runs the all-reduce off it (a thread blocked in `SliceAverager.average`),
+and applies the result on the compute thread again. The compute thread is the only one that
+touches the stage, so both touches are quick copies there; forward, backward and optimizer
+steps go on meanwhile.
 
 Design choices:
-- The step count is polled (a plain int read, as `StageWorker.info` does) instead of hooking
-  the worker's step path: rounds are tens of steps apart, so a 50 ms poll costs nothing.
-- Replicas step on their own local batches, so their step counts drift apart over a run and
-  rounds keyed on each one's own count alone would stop meeting. So a replica announces each
+- The snapshot is taken by a step hook (`StageCompute.step_hooks`) inside the very step at which
+  the round falls due, which also wakes the loop. Every replica of a stage steps on the same
+  completed-batch reports (the shared epoch), so their snapshots are of the same step, and none
+  waits behind queued forwards or a poll: on `tiny`, where a global batch takes a quarter of a
+  second, the few hundred milliseconds those cost had rounds land 1-4 steps after their snapshot.
+  A round that came due while the previous one still ran is skipped, not started late: the
+  replicas finish a round together, so starting the newest round due by then would have them
+  pick different rounds whenever a step fell between their two finishes, and wait out the
+  matchmaking window alone (on `tiny` with a round every step, most rounds ended that way). They
+  meet again at the next round's step. The loop also polls the step count (a plain int read),
+  and snapshots through `worker.on_compute` a round the hook did not see: one another replica
+  announced, or one due by a count that moved without a step (a test, a restore).
+- Results land late by the round's duration; `AveragingStats` reports that lag in local steps
+  (snapshot to apply), the quantity that costs convergence.
+- Replicas share one step count when trainers report batches, but one that missed reports,
+  restarted, or steps on its own samples (`--local-batch`) drifts, and rounds keyed on each
+  one's own count alone would stop meeting. Replicas that picked different rounds (a step fell
+  between their finishes) would each wait out the matchmaking window alone, finish at different
+  times again, and keep missing each other. So a replica announces each
   round it starts (`RoundBoard`, dht/averaging.py) and, every `probe_s`, reads what the others
-  announced: a round is due when its own step count reaches it *or* another replica announced
-  it. The fastest replica thus sets the pace and the others join it within a probe, well
-  inside the matchmaking window it waits for them. Rounds a replica jumps over are counted as
-  skipped; announcements expire with the matchmaking window, so nobody joins a closed round.
-- At the start of each round the board also gives the live replica count: one (only this
-  worker) is an `alone` outcome at once, with no matchmaking wait; more becomes the
-  matchmaking target, so a complete group starts without waiting out the window.
+  announced: a round another replica announced and this one has not run comes first (read
+  again from the DHT just before joining), then a round due by its own count. The fastest
+  replica thus sets the pace and the others join it within a probe, well inside the matchmaking
+  window it waits for them, and after a round without partners a replica looks at once, so
+  two replicas that missed each other meet in the next round (on `tiny` with a round every step,
+  such a miss had stages run alone for the rest of the run). Rounds a replica jumps over are
+  counted as skipped; an announcement is closed when its round ends (and expires with the
+  matchmaking window), so nobody joins a round the others have left.
+- The board also gives the live replica count (read with the probe, and again at a round when
+  the last read is older than a probe): one (only this worker) is an `alone` outcome at once,
+  with no matchmaking wait; more becomes the matchmaking target, so a complete group starts
+  without waiting out the window. The round's announcement is stored while the round runs.
 - sparta: delta rule `w[slice] += average - snapshot` (node/sparta.py), optionally on the Adam
   moments of the slice too (exp_avg_sq is clamped at 0: a delta could push it negative).
   diloco: fragment round, outer Nesterov on the token-weighted mean delta; a round with fewer
@@ -39,14 +59,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 import torch
 
 from agora.dht.averaging import OUTCOMES, RoundResult, SliceAverager
 from agora.node.sparta import (
+    RoundDecision,
     SlicePartition,
     averaged_vector_size,
     next_round,
@@ -65,6 +89,8 @@ class RoundDirectory(Protocol):
     """What the loop needs to know about its stage's other replicas (`RoundBoard` over the DHT)."""
 
     async def announce(self, round_number: int) -> None: ...
+
+    async def close(self, round_number: int) -> None: ...
 
     async def announced_round(self) -> Optional[int]: ...
 
@@ -91,15 +117,20 @@ class AveragingStats:
         self.duration_max = 0.0
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.compute_blocked_s = 0.0
+        self.compute_blocked_s = 0.0  # written on the compute thread only
+        self.lag_steps_sum = 0  # applied rounds: local steps from snapshot to apply
+        self.lag_steps_max = 0
         self.last_round: Optional[int] = None
         self.local_steps = 0  # the worker's optimizer steps, as last seen by the loop
         self.vector_elements = 0
         self.parameters = 0
 
-    def record(self, result: RoundResult, applied: bool) -> None:
+    def record(self, result: RoundResult, applied: bool, lag_steps: int = 0) -> None:
         self.rounds[result.outcome] += 1
         self.applied += int(applied)
+        if applied:
+            self.lag_steps_sum += lag_steps
+            self.lag_steps_max = max(self.lag_steps_max, lag_steps)
         self.group_sizes[max(1, result.group_size)] += 1
         if result.outcome == "committed":
             self.received_sum += result.received_fraction
@@ -123,6 +154,8 @@ class AveragingStats:
                                        if self.rounds["committed"] else None),
             "mean_duration_s": self.duration_sum / total if total else None,
             "max_duration_s": self.duration_max,
+            "mean_lag_steps": self.lag_steps_sum / self.applied if self.applied else None,
+            "max_lag_steps": self.lag_steps_max,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "local_steps": self.local_steps,
@@ -168,6 +201,14 @@ class AveragingLoop:
         self._anchor: list[torch.Tensor] = []
         self._momentum: list[torch.Tensor] = []
         self._restored: Optional[dict] = None  # a checkpointed state, applied by start()
+        self._hooked = _HookedSnapshots()
+        self._announcing: Optional[asyncio.Task] = None  # this round's announcement, then its close
+        self._closing_round: Optional[int] = None
+        self._hook_round = 0  # the last round the hook snapshotted (compute thread only)
+        self._wake = asyncio.Event()  # set by the hook and by stop()
+        self._event_loop: Optional[asyncio.AbstractEventLoop] = None
+        self._replicas: Optional[int] = None  # the board's live replica count, and when it was read
+        self._replicas_read_at = -math.inf
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -200,6 +241,14 @@ class AveragingLoop:
             for key, since in restored["samples_since_round"].items():
                 if key in self._samples_at_round:
                     self._samples_at_round[key] = samples - since
+        self._event_loop = asyncio.get_running_loop()
+        last_round = self._last_round
+
+        def install(compute: StageCompute) -> None:
+            self._hook_round = last_round
+            compute.step_hooks.append(self._on_step)
+
+        await self.worker.on_compute(install)
         self.stats.started = time.monotonic()
         self._task = asyncio.create_task(self._run(), name="averaging-loop")
 
@@ -230,8 +279,13 @@ class AveragingLoop:
     async def stop(self) -> None:
         """Abandon the round in flight (if any) and end the loop."""
         self._stopping.set()
+        self._wake.set()
         if self._task is None:
             return
+        try:
+            await self.worker.on_compute(lambda c: c.step_hooks.remove(self._on_step))
+        except (RuntimeError, ValueError):
+            pass  # the worker's compute thread is already gone (or the hook was never installed)
         deadline = time.monotonic() + _STOP_GRACE_S
         while not self._task.done() and time.monotonic() < deadline:
             # Again each time: a round may have been starting just as the first cancel went out.
@@ -244,27 +298,58 @@ class AveragingLoop:
     async def _run(self) -> None:
         while not self._stopping.is_set():
             if self._board is not None and time.monotonic() >= self._next_probe:
-                self._announced = await self._ask(self._board.announced_round, None)
+                announced, replicas = await asyncio.gather(self._ask(self._board.announced_round, None),
+                                                           self._ask(self._board.replicas, None))
+                self._announced = announced
+                if replicas is not None:
+                    self._replicas, self._replicas_read_at = replicas, time.monotonic()
                 self._next_probe = time.monotonic() + self.probe_s
             self.stats.local_steps = self.worker.compute.optimizer.steps
-            decision = next_round(self.stats.local_steps, self.sync.every_steps, self._last_round,
-                                  announced=self._announced)
+            decision = RoundDecision(None, 0)
+            if self._announced is not None and self._announced > self._last_round:
+                decision = await self._join_announced()  # before a round of its own: see the docstring
+            if decision.round is None:
+                decision = self._due_round(self.stats.local_steps)
             if decision.round is None:
                 try:
-                    await asyncio.wait_for(self._stopping.wait(), _POLL_S)
+                    await asyncio.wait_for(self._wake.wait(), _POLL_S)
                 except asyncio.TimeoutError:
                     pass
+                self._wake.clear()
                 continue
             self.stats.skipped += decision.skipped
             self._last_round = decision.round
             try:
-                await self.run_round(decision.round)
+                result = await self.run_round(decision.round)
+                if result.outcome in ("alone", "failed") and (self._replicas or 0) > 1:
+                    self._next_probe = 0.0  # the others may be waiting in another round: look now
             except RuntimeError as error:
                 if not self.worker.is_serving:  # the worker is stopping: its compute thread is gone
                     return
                 self._logger.exception("averaging round %d failed: %s", decision.round, error)
             except Exception:
                 self._logger.exception("averaging round %d failed", decision.round)
+
+    def _due_round(self, steps: int) -> RoundDecision:
+        """The round to start now on this replica's own count: the one the step hook snapshotted, if
+        no step has happened since, else one due by a count the hook never saw."""
+        hooked = self._hooked.next_after(self._last_round, steps)
+        if hooked is not None:
+            return RoundDecision(hooked, hooked - self._last_round - 1)
+        # Rounds the hook saw come due while another round ran are not started late: the stage's
+        # replicas skip them alike and meet at the next one (see the module docstring).
+        decision = next_round(steps, self.sync.every_steps, max(self._last_round, self._hook_round))
+        if decision.round is None:
+            return decision
+        return RoundDecision(decision.round, decision.round - self._last_round - 1)
+
+    async def _join_announced(self) -> RoundDecision:
+        """Another replica waits in a round this one has not run (it is behind, or let the round
+        pass while busy): join it if the announcement is still open when read again now."""
+        self._announced = await self._ask(self._board.announced_round, None)
+        if self._announced is None or self._announced <= self._last_round:
+            return RoundDecision(None, 0)
+        return RoundDecision(self._announced, self._announced - self._last_round - 1)
 
     # ------------------------------------------------------------------ one round
 
@@ -275,11 +360,40 @@ class AveragingLoop:
         index = round_slice(round_number, self.sync.n_slices)
         self._last_round = max(self._last_round, round_number)
         expected = None
-        if self._board is not None:
-            _, expected = await asyncio.gather(self._ask(lambda: self._board.announce(round_number), None),
-                                               self._ask(self._board.replicas, None))
+        if self._board is not None:  # stored while the round runs; closed as soon as it ends
+            self._announcing = asyncio.create_task(self._ask(lambda: self._board.announce(round_number), None))
+            expected = await self._replica_count()
+        try:
+            return await self._averaged(round_number, index, expected)
+        finally:
+            self._close_announcement(round_number)
+            if self._announcing is not None:
+                await self._announcing
+                self._announcing = None
+
+    def _close_announcement(self, round_number: int) -> None:
+        """Once the round's result is in: store that this replica left it, after its announcement."""
+        announcing = self._announcing
+        if self._board is None or announcing is None or self._closing_round == round_number:
+            return
+        self._closing_round = round_number
+
+        async def close() -> None:
+            await announcing
+            await self._ask(lambda: self._board.close(round_number), None)
+
+        self._announcing = asyncio.create_task(close())
+
+    async def _averaged(self, round_number: int, index: int, expected: Optional[int]) -> RoundResult:
         key = index if self.sync.method == "diloco" else -1
-        snapshot, samples = await self._on_compute(lambda c: self._snapshot(c, index))
+        taken = self._hooked.take(round_number)
+        if taken is None:
+            local, samples, step = await self._on_compute(
+                lambda c: (self._local_part(c, index), c.samples_total, c.optimizer.steps))
+        else:
+            local, samples, step = taken.local, taken.samples, taken.step
+        snapshot = torch.cat([self._partition.gather(self._anchor, index), local]) \
+            if self.sync.method == "diloco" else local
         weight = peer_weight(samples - self._samples_at_round[key], self.worker.phase == "member")
         self._samples_at_round[key] = samples
         if expected == 1:
@@ -288,41 +402,73 @@ class AveragingLoop:
             result = await asyncio.to_thread(
                 self.averager.average, snapshot, round_number=round_number, weight=weight, group_size=expected,
                 metadata={"slice": index, "method": self.sync.method})
+        # The stage's replicas get a round's result at the same moment, but apply it after their
+        # own queued compute: which round comes next is settled now, not after the apply.
+        self._hooked.reserve(round_number, self.worker.compute.optimizer.steps)
+        self._close_announcement(round_number)
         if self.sync.method == "diloco":
-            applied = await self._diloco_outer_step(result, index, snapshot)
+            applied_at = await self._diloco_outer_step(result, index, snapshot)
         else:
-            applied = await self._sparta_apply(result, index, snapshot)
-        self.stats.record(result, applied)
-        self._log(result, index, weight, applied)
+            applied_at = await self._sparta_apply(result, index, snapshot)
+        lag = 0 if applied_at is None else applied_at - step
+        self.stats.record(result, applied_at is not None, lag)
+        self._log(result, index, weight, applied_at is not None, lag)
         return result
 
-    def _snapshot(self, compute: StageCompute, index: int) -> tuple[torch.Tensor, int]:
+    def _on_step(self, compute: StageCompute) -> None:
+        """Step hook (compute thread): snapshot the round due at exactly this step; wake the loop."""
+        steps, every = compute.optimizer.steps, self.sync.every_steps
+        if steps % every or steps // every <= self._hook_round or self._stopping.is_set():
+            return
+        round_number = self._hook_round = steps // every
+        started = time.perf_counter()
+        local = self._local_part(compute, round_slice(round_number, self.sync.n_slices))
+        self.stats.compute_blocked_s += time.perf_counter() - started
+        self._hooked.put(_Hooked(round_number, local, compute.samples_total, steps))
+        self._event_loop.call_soon_threadsafe(self._wake.set)
+
+    def _carry_into_hooked(self, index: int, delta: torch.Tensor) -> None:
+        """(compute thread, in an apply) A snapshot of the same slice that the hook took before this
+        apply gets the same delta. It is what the next round averages; without the delta the next
+        round would undo this one's corrections, leaving each replica its own offset from the mean
+        with the sign swapped (possible when rounds are at most `n_slices` rounds apart)."""
+        moments_from = 2 * self._partition.buffer_size \
+            if self.sync.method == "sparta" and self.sync.average_optimizer_state else None
+        self._hooked.carry(lambda r: round_slice(r, self.sync.n_slices) == index, delta, moments_from)
+
+    async def _replica_count(self) -> Optional[int]:
+        """The live replicas of the stage as last read, read again if older than a probe."""
+        if time.monotonic() - self._replicas_read_at > self.probe_s:
+            fresh = await self._ask(self._board.replicas, None)
+            if fresh is not None:
+                self._replicas, self._replicas_read_at = fresh, time.monotonic()
+        return self._replicas
+
+    def _local_part(self, compute: StageCompute, index: int) -> torch.Tensor:
+        """The replica's own values of slice `index` (and, if averaged, its Adam moments there)."""
         partition = self._partition
-        params = compute.optimizer.parameters
-        if self.sync.method == "diloco":
-            parts = [partition.gather(self._anchor, index), partition.gather(params, index)]
-        else:
-            parts = [partition.gather(params, index)]
-            if self.sync.average_optimizer_state:
-                for name in ("exp_avg", "exp_avg_sq"):
-                    moments = _moments(compute, name)
-                    parts.append(partition.gather(moments, index) if moments is not None
-                                 else torch.zeros(partition.buffer_size))
-        return torch.cat(parts) if len(parts) > 1 else parts[0], compute.samples_total
+        parts = [partition.gather(compute.optimizer.parameters, index)]
+        if self.sync.method == "sparta" and self.sync.average_optimizer_state:
+            for name in ("exp_avg", "exp_avg_sq"):
+                moments = _moments(compute, name)
+                parts.append(partition.gather(moments, index) if moments is not None
+                             else torch.zeros(partition.buffer_size))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _quorate(self, result: RoundResult) -> bool:
         return result.outcome == "committed" and result.group_size >= self.sync.quorum
 
-    async def _sparta_apply(self, result: RoundResult, index: int, snapshot: torch.Tensor) -> bool:
+    async def _sparta_apply(self, result: RoundResult, index: int, snapshot: torch.Tensor) -> Optional[int]:
+        """Write the round's delta; the local step count it was written at, or None if nothing was."""
         if not self._quorate(result):
-            return False
+            return None
         delta = result.averaged - snapshot
         if not bool(delta.any()):
-            return False  # identical replicas, or every reducer failed: nothing to write
+            return None  # identical replicas, or every reducer failed: nothing to write
         size = self._partition.buffer_size
         with_moments = self.sync.average_optimizer_state
 
-        def apply(compute: StageCompute) -> None:
+        def apply(compute: StageCompute) -> int:
             partition = self._partition
             partition.scatter_add(compute.optimizer.parameters, index, delta[:size])
             if with_moments:
@@ -331,18 +477,19 @@ class AveragingLoop:
                     partition.scatter_add(exp_avg, index, delta[size:2 * size])
                     second = partition.gather(exp_avg_sq, index).add_(delta[2 * size:]).clamp_min_(0.0)
                     partition.scatter(exp_avg_sq, index, second)
+            self._carry_into_hooked(index, delta)
+            return compute.optimizer.steps
 
-        await self._on_compute(apply)
-        return True
+        return await self._on_compute(apply)
 
-    async def _diloco_outer_step(self, result: RoundResult, index: int, snapshot: torch.Tensor) -> bool:
+    async def _diloco_outer_step(self, result: RoundResult, index: int, snapshot: torch.Tensor) -> Optional[int]:
         size = self._partition.buffer_size
         if self._quorate(result):
             averaged = result.averaged
         elif result.outcome == "alone" and self.sync.quorum <= 1:
             averaged = snapshot  # a quorum of one: the outer step on this replica's own delta
         else:
-            return False
+            return None
         partition = self._partition
 
         def outer_step() -> torch.Tensor:  # off the event loop: a fragment can be large
@@ -354,8 +501,13 @@ class AveragingLoop:
             return new_anchor - snapshot[size:]  # delta rule: keep the local steps taken during the round
 
         delta = await asyncio.to_thread(outer_step)
-        await self._on_compute(lambda c: partition.scatter_add(c.optimizer.parameters, index, delta))
-        return True
+
+        def apply(compute: StageCompute) -> int:
+            partition.scatter_add(compute.optimizer.parameters, index, delta)
+            self._carry_into_hooked(index, delta)
+            return compute.optimizer.steps
+
+        return await self._on_compute(apply)
 
     # ------------------------------------------------------------------ helpers
 
@@ -377,10 +529,10 @@ class AveragingLoop:
             self._logger.debug("round board request failed: %s", error)
             return default
 
-    def _log(self, result: RoundResult, index: int, weight: float, applied: bool) -> None:
+    def _log(self, result: RoundResult, index: int, weight: float, applied: bool, lag_steps: int) -> None:
         fields = {
             "round": result.round, "slice": index, "method": self.sync.method, "outcome": result.outcome,
-            "applied": applied, "participants": result.group_size,
+            "applied": applied, "lag_steps": lag_steps, "participants": result.group_size,
             "weights": ",".join(f"{w:g}" for w in result.weights) or f"{weight:g}",
             "received": f"{result.received_fraction:.3f}", "bytes": result.bytes_sent + result.bytes_received,
             "duration_s": f"{result.duration_s:.3f}",
@@ -390,6 +542,73 @@ class AveragingLoop:
         level = logging.WARNING if result.outcome in ("failed", "rejected") else logging.INFO
         self._logger.log(level, "averaging %s", " ".join(f"{k}={v}" for k, v in fields.items()),
                          extra={"milestone": "averaging_round", "fields": fields})
+
+
+@dataclass
+class _Hooked:
+    round: int
+    local: torch.Tensor  # `_local_part` at `step`
+    samples: int
+    step: int
+
+
+class _HookedSnapshots:
+    """The step hook's snapshots, handed from the compute thread to the loop (thread-safe).
+
+    `newest`: the latest round the hook snapshotted (one slot: the loop never runs an older one,
+    and a slice of a large stage is not small). `reserved`: the round the loop settled on as its
+    next when the previous round's result arrived, kept here because the hook may overwrite
+    `newest` while that result is being applied.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._newest: Optional[_Hooked] = None
+        self._reserved: Optional[_Hooked] = None
+
+    def put(self, hooked: _Hooked) -> None:
+        with self._lock:
+            self._newest = hooked
+
+    def reserve(self, after_round: int, steps: int) -> None:
+        """Settle the next round: the newest snapshot, if it is later than `after_round` and no
+        step has happened since it was taken (a round that came due while another ran is skipped)."""
+        with self._lock:
+            newest = self._newest
+            if newest is not None and newest.round > after_round and newest.step >= steps:
+                self._reserved, self._newest = newest, None
+
+    def next_after(self, last_round: int, steps: int) -> Optional[int]:
+        """The round to run now from the hook's snapshots: the reserved one, else the newest if
+        it is later than `last_round` and still current at `steps`."""
+        with self._lock:
+            if self._reserved is not None and self._reserved.round > last_round:
+                return self._reserved.round
+            newest = self._newest
+            if newest is not None and newest.round > last_round and newest.step >= steps:
+                return newest.round
+            return None
+
+    def take(self, round_number: int) -> Optional[_Hooked]:
+        """The snapshot of this round, if the hook took one; those of earlier rounds are dropped."""
+        with self._lock:
+            found = None
+            for name in ("_reserved", "_newest"):
+                hooked = getattr(self, name)
+                if hooked is not None and hooked.round <= round_number:
+                    setattr(self, name, None)
+                    if hooked.round == round_number:
+                        found = hooked
+            return found
+
+    def carry(self, same_slice: Callable[[int], bool], delta: torch.Tensor, moments_from: Optional[int]) -> None:
+        """Add an applied delta to the snapshots of the same slice (see `_carry_into_hooked`)."""
+        with self._lock:
+            for hooked in (self._reserved, self._newest):
+                if hooked is not None and same_slice(hooked.round):
+                    hooked.local.add_(delta)
+                    if moments_from is not None:
+                        hooked.local[moments_from:].clamp_min_(0.0)  # exp_avg_sq, as applied
 
 
 def _matches(tensors: list, numels: list[int]) -> bool:

@@ -285,15 +285,20 @@ def _averaging_by_stage(workdir: Path, workers) -> dict:
             continue
         into = merged.setdefault(str(stage), {"method": stats.get("method"), "replicas_reporting": 0,
                                               "rounds_by_outcome": {}, "applied": 0, "skipped": 0, "bytes_sent": 0,
-                                              "local_steps": 0, "compute_blocked_s": 0.0, "wall_s": 0.0})
+                                              "local_steps": 0, "compute_blocked_s": 0.0, "wall_s": 0.0,
+                                              "lag_steps_sum": 0.0, "max_lag_steps": 0})
         into["replicas_reporting"] += 1
         for outcome, n in stats.get("rounds_by_outcome", {}).items():
             into["rounds_by_outcome"][outcome] = into["rounds_by_outcome"].get(outcome, 0) + n
         for key in ("applied", "skipped", "bytes_sent", "local_steps", "compute_blocked_s", "wall_s"):
             into[key] += stats.get(key, 0)
         into["parameters"] = stats.get("parameters", 0)
+        into["lag_steps_sum"] += (stats.get("mean_lag_steps") or 0.0) * stats.get("applied", 0)
+        into["max_lag_steps"] = max(into["max_lag_steps"], stats.get("max_lag_steps", 0))
     for into in merged.values():
         into["compute_blocked_fraction"] = into["compute_blocked_s"] / into["wall_s"] if into["wall_s"] else None
+        # Local steps from a round's snapshot to its apply, over every applied round of the stage.
+        into["mean_lag_steps"] = into.pop("lag_steps_sum") / into["applied"] if into["applied"] else None
     return dict(sorted(merged.items()))
 
 

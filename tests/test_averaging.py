@@ -70,6 +70,9 @@ class FixedBoard:
     async def announce(self, round_number):
         pass
 
+    async def close(self, round_number):
+        pass
+
     async def announced_round(self):
         return None
 
@@ -195,6 +198,28 @@ def test_diloco_rounds_make_the_fragment_agree():
         run(main(averagers))
 
 
+def test_a_closed_round_is_no_longer_announced():
+    dhts = []
+    try:
+        for _ in range(2):
+            dhts.append(SwarmDHT.start(initial_peers=dhts[0].visible_maddrs() if dhts else ()))
+        a, b = (RoundBoard(dht, run_id="avg-test", stage=STAGE, method="sparta", ttl=30.0) for dht in dhts)
+
+        async def main():
+            assert await b.announced_round() is None
+            await a.announce(5)
+            assert await b.announced_round() == 5 and await a.announced_round() is None  # others' rounds only
+            await a.close(5)
+            assert await b.announced_round() is None
+            await a.announce(6)
+            assert await b.announced_round() == 6
+
+        run(main())
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
 def test_a_slower_replica_joins_the_rounds_a_faster_one_announces():
     class TwoReplicaBoard(RoundBoard):
         async def replicas(self):
@@ -214,8 +239,8 @@ def test_a_slower_replica_joins_the_rounds_a_faster_one_announces():
         # Woken by every round either loop records, instead of polling the counters.
         recorded = asyncio.Event()
         for loop in loops:
-            def record(result, applied, original=loop.stats.record):
-                original(result, applied)
+            def record(result, applied, lag_steps=0, original=loop.stats.record):
+                original(result, applied, lag_steps)
                 recorded.set()
             loop.stats.record = record
         trainers = [asyncio.create_task(train(w, n)) for w, n in zip(workers, (3, 1))]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 
 import pytest
@@ -58,10 +59,13 @@ class ScriptedAverager:
 
 class Board:
     def __init__(self, replicas: int = 2, announced: int | None = None):
-        self.replicas_now, self.announced_now, self.announced_by_us = replicas, announced, []
+        self.replicas_now, self.announced_now, self.announced_by_us, self.closed_by_us = replicas, announced, [], []
 
     async def announce(self, round_number):
         self.announced_by_us.append(round_number)
+
+    async def close(self, round_number):
+        self.closed_by_us.append(round_number)
 
     async def announced_round(self):
         return self.announced_now
@@ -131,6 +135,136 @@ def test_round_adds_average_minus_snapshot_and_keeps_steps_taken_meanwhile():
     run(main())
 
 
+def test_a_round_is_snapshotted_by_the_step_that_makes_it_due_and_its_lag_is_counted():
+    """The step hook takes the slice inside the step job at which the round falls due, so the
+    snapshot is of exactly that step however busy the compute thread is; the milestone line and
+    the stats give how many local steps later the result was applied."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def reply(values, round_number):
+        seen[round_number] = values
+        return committed(values + 1.0, round_number)
+
+    def six_steps(compute):
+        """One compute job: the loop cannot look at the stage between these steps."""
+        at = []
+        for _ in range(6):
+            for p in compute.optimizer.parameters:
+                p.grad = torch.full_like(p, 0.1)
+            compute._step(1)
+            at.append(params(compute))
+        return at[SYNC.every_steps - 1], at[-1]
+
+    logged = MilestoneLog()
+
+    async def main():
+        worker = LocalReplica(CONFIG, 1)
+        averager = ScriptedAverager(vector_size(), reply)
+        loop = AveragingLoop(worker, averager, SYNC, seed=CONFIG.seed, board=Board(), probe_s=0.01,
+                             logger=logged.logger)
+        await loop.start()
+        try:
+            at_due, before_apply = await worker.on_compute(six_steps)
+            fields = await asyncio.to_thread(logged.wait, 10)
+            after = await worker.on_compute(params)
+            partition = loop._partition
+        finally:
+            await loop.stop()
+            await worker.stop()
+        assert torch.equal(seen[1], partition.gather(at_due, 1))  # step 4's values, not step 6's
+        assert torch.allclose(partition.gather(after, 1), partition.gather(before_apply, 1) + 1.0)
+        assert fields["round"] == 1 and fields["applied"] and fields["lag_steps"] == 6 - SYNC.every_steps
+        snap = loop.stats.snapshot()
+        assert (snap["mean_lag_steps"], snap["max_lag_steps"]) == (2, 2)
+
+    run(main())
+
+
+def _steps(n):
+    def job(compute):
+        for _ in range(n):
+            for p in compute.optimizer.parameters:
+                p.grad = torch.full_like(p, 0.1)
+            compute._step(1)
+        return params(compute)
+    return job
+
+
+async def _round_one_blocks_while(steps_during: int, steps_after: int = 0):
+    """Round 1 (due at step 2 of 2 per round, one slice) is held open while `steps_during` more
+    steps run; then it returns the snapshot + 1 and `steps_after` more steps run. Returns what
+    each round was handed, the parameters after the steps during round 1, and the loop."""
+    sync = dataclasses.replace(SYNC, every_steps=2, fraction=1.0)
+    entered, release = threading.Event(), threading.Event()
+    seen: dict[int, torch.Tensor] = {}
+
+    def reply(values, round_number):
+        seen[round_number] = values
+        if round_number == 1:
+            entered.set()
+            release.wait(10)
+            return committed(values + 1.0, round_number)
+        return committed(values, round_number)  # the group agrees with us: nothing to apply
+
+    worker, averager, loop = await started(sync, reply, size=vector_size(sync))
+    try:
+        await worker.on_compute(_steps(2))
+        await asyncio.to_thread(entered.wait, 10)
+        during = await worker.on_compute(_steps(steps_during))
+        release.set()
+        await worker.on_compute(_steps(steps_after))
+        await averager.called(2, "the round after round 1")
+    finally:
+        await loop.stop()
+        await worker.stop()
+    return seen, during, loop
+
+
+def test_a_round_snapshotted_during_the_previous_one_gets_its_delta():
+    """Round 2 came due (step 4) while round 1 ran and no step followed: it runs next, on a
+    snapshot that carries round 1's delta, so round 2 does not undo round 1's correction."""
+    async def main():
+        seen, at_step_4, loop = await _round_one_blocks_while(2)
+        assert sorted(seen) == [1, 2]
+        assert torch.allclose(seen[2], loop._partition.gather(at_step_4, 0) + 1.0)
+        assert loop.stats.skipped == 0
+
+    run(main())
+
+
+def test_a_round_that_came_due_while_another_ran_is_skipped_once_a_step_passed():
+    """Round 2 came due at step 4 but step 5 followed before round 1 ended: the replicas skip it
+    alike (starting it late is where they would pick different rounds) and meet at round 3."""
+    async def main():
+        seen, _, loop = await _round_one_blocks_while(3, steps_after=1)  # step 6: round 3
+        assert sorted(seen) == [1, 3] and loop.stats.skipped == 1
+
+    run(main())
+
+
+class MilestoneLog(logging.Handler):
+    """Collects the loop's `averaging_round` milestone lines; `wait` blocks for the next one."""
+
+    def __init__(self):
+        super().__init__()
+        self.logger = logging.getLogger(f"test.averaging.{id(self)}")
+        self.logger.addHandler(self)
+        self.logger.setLevel(logging.INFO)
+        self._lines: list[dict] = []
+        self._arrived = threading.Condition()
+
+    def emit(self, record):
+        if getattr(record, "milestone", None) == "averaging_round":
+            with self._arrived:
+                self._lines.append(record.fields)
+                self._arrived.notify_all()
+
+    def wait(self, timeout):
+        with self._arrived:
+            assert self._arrived.wait_for(lambda: self._lines, timeout), "no averaging milestone line"
+            return self._lines.pop(0)
+
+
 def test_alone_failed_and_rejected_rounds_write_nothing():
     outcomes = iter(["failed", "rejected"])
 
@@ -145,6 +279,7 @@ def test_alone_failed_and_rejected_rounds_write_nothing():
             assert (await loop.run_round(1)).outcome == "alone"  # no other replica: no matchmaking
             assert averager.calls == []
             board.replicas_now = 3
+            await asyncio.sleep(2 * loop.probe_s)  # the count is read again once older than a probe
             assert (await loop.run_round(2)).outcome == "failed"
             assert (await loop.run_round(3)).outcome == "rejected"
             after = await worker.on_compute(params)
@@ -153,7 +288,7 @@ def test_alone_failed_and_rejected_rounds_write_nothing():
             await worker.stop()
         assert all(torch.equal(a, b) for a, b in zip(before, after))
         assert [call[0] for call in averager.calls] == [2, 3] and averager.calls[0][2] == 3  # target group size
-        assert board.announced_by_us == [1, 2, 3]
+        assert board.announced_by_us == [1, 2, 3] and board.closed_by_us == [1, 2, 3]
         snap = loop.stats.snapshot()
         assert snap["rounds_by_outcome"]["alone"] == 1 and snap["rounds_by_outcome"]["failed"] == 1
         assert snap["rounds_by_outcome"]["rejected"] == 1 and snap["applied"] == 0 and snap["rounds"] == 3
