@@ -101,8 +101,10 @@ def averaging_figures(summary: dict) -> dict:
     train_s = summary["tokens"] / summary["tokens_per_s"] if summary.get("tokens_per_s") else None
     outcomes: dict[str, int] = {}
     bytes_sent = blocked = 0.0
-    per_param_step = []
+    per_param_step, lags = [], []
     for stage in stages.values():
+        if stage.get("mean_lag_steps") is not None:
+            lags.append(stage["mean_lag_steps"])
         for outcome, n in stage["rounds_by_outcome"].items():
             outcomes[outcome] = outcomes.get(outcome, 0) + n
         bytes_sent += stage["bytes_sent"]
@@ -113,7 +115,7 @@ def averaging_figures(summary: dict) -> dict:
             blocked = max(blocked, stage["compute_blocked_s"] / stage["replicas_reporting"] / train_s)
     return {"outcomes": outcomes, "bytes_per_global_step": bytes_sent / max(1, summary["steps"]),
             "bytes_per_param_per_local_step": statistics.mean(per_param_step) if per_param_step else 0.0,
-            "blocked_fraction": blocked}
+            "blocked_fraction": blocked, "lag_steps": statistics.mean(lags) if lags else None}
 
 
 def run_config(args, seed: int):
@@ -174,8 +176,8 @@ def main() -> None:
              f"diloco {sync.fragments} fragments (outer lr {sync.outer_lr}, momentum {sync.outer_momentum}), "
              f"matchmaking {sync.matchmaking_s:g} s, parts {sync.part_size_bytes} B", "",
              "| run | held-out loss (mean) | / train-local (mean) | per seed | tokens/s | rounds committed/alone/other "
-             "| bytes / global step | bytes / param / local step | compute blocked (max) |",
-             "|---|---:|---:|---|---:|---|---:|---:|---:|"]
+             "| apply lag (steps) | bytes / global step | bytes / param / local step | compute blocked (max) |",
+             "|---|---:|---:|---|---:|---|---:|---:|---:|---:|"]
     for name in names:
         losses = heldout[name]
         ratios = [loss / ref for loss, ref in zip(losses, reference)]
@@ -186,12 +188,14 @@ def main() -> None:
                 for k, n in f["outcomes"].items():
                     outcomes[k] = outcomes.get(k, 0) + n
             other = sum(n for k, n in outcomes.items() if k not in ("committed", "alone"))
+            lags = [f["lag_steps"] for f in figures[name] if f["lag_steps"] is not None]
             cells = (f"{outcomes.get('committed', 0)}/{outcomes.get('alone', 0)}/{other}",
+                     f"{statistics.mean(lags):.2f}" if lags else "-",
                      f"{statistics.mean(f['bytes_per_global_step'] for f in figures[name]):,.0f}",
                      f"{statistics.mean(f['bytes_per_param_per_local_step'] for f in figures[name]):.3f}",
                      f"{100 * max(f['blocked_fraction'] for f in figures[name]):.3f}%")
         else:
-            cells = ("-", "-", "-", "-")
+            cells = ("-", "-", "-", "-", "-")
         table.append(f"| {name} | {statistics.mean(losses):.4f} | {statistics.mean(ratios):.4f} | "
                      f"{' '.join(f'{x:.3f}' for x in ratios)} | {rate} | " + " | ".join(cells) + " |")
     dense = statistics.mean(d / s for d, s in zip(heldout[names[1]], reference))
@@ -201,7 +205,8 @@ def main() -> None:
               "round), summed over all workers per global step; per parameter per local step, one replica's "
               "(sparta: about 2 (g-1)/g x 4 bytes x fraction / every_steps; diloco also sends its fragment's "
               "anchor). Compute blocked: the largest per-replica share of training time its compute thread "
-              "spent on averaging snapshots and applies."]
+              "spent on averaging snapshots and applies. Apply lag: local steps from a round's snapshot to "
+              "the step its result was applied at, mean over applied rounds (and stages)."]
     text = "\n".join(table) + "\n"
     print(text)
     suffix = f"_{args.tag}" if args.tag else ""
