@@ -10,31 +10,25 @@ Design choices:
 - The snapshot is taken by a step hook (`StageCompute.step_hooks`) inside the very step at which
   the round falls due, which also wakes the loop. Every replica of a stage steps on the same
   completed-batch reports (the shared epoch), so their snapshots are of the same step, and none
-  waits behind queued forwards or a poll: on `tiny`, where a global batch takes a quarter of a
-  second, the few hundred milliseconds those cost had rounds land 1-4 steps after their snapshot.
-  A round that came due while the previous one still ran is skipped, not started late: the
-  replicas finish a round together, so starting the newest round due by then would have them
-  pick different rounds whenever a step fell between their two finishes, and wait out the
-  matchmaking window alone (on `tiny` with a round every step, most rounds ended that way). They
-  meet again at the next round's step. The loop also polls the step count (a plain int read),
-  and snapshots through `worker.on_compute` a round the hook did not see: one another replica
-  announced, or one due by a count that moved without a step (a test, a restore).
-- Results land late by the round's duration; `AveragingStats` reports that lag in local steps
-  (snapshot to apply), the quantity that costs convergence.
-- Replicas share one step count when trainers report batches, but one that missed reports,
-  restarted, or steps on its own samples (`--local-batch`) drifts, and rounds keyed on each
-  one's own count alone would stop meeting. Replicas that picked different rounds (a step fell
-  between their finishes) would each wait out the matchmaking window alone, finish at different
-  times again, and keep missing each other. So a replica announces each
-  round it starts (`RoundBoard`, dht/averaging.py) and, every `probe_s`, reads what the others
-  announced: a round another replica announced and this one has not run comes first (read
-  again from the DHT just before joining), then a round due by its own count. The fastest
-  replica thus sets the pace and the others join it within a probe, well inside the matchmaking
-  window it waits for them, and after a round without partners a replica looks at once, so
-  two replicas that missed each other meet in the next round (on `tiny` with a round every step,
-  such a miss had stages run alone for the rest of the run). Rounds a replica jumps over are
-  counted as skipped; an announcement is closed when its round ends (and expires with the
-  matchmaking window), so nobody joins a round the others have left.
+  waits behind queued forwards, a poll or a DHT call (on `tiny`, where a global batch takes a
+  quarter of a second, those had rounds land 1-4 steps after they came due). The lag that is
+  left, local steps from snapshot to apply, is in `AveragingStats`: it is what costs convergence.
+- Which round next, in order: a round another replica announced and this one has not run (read
+  again from the DHT just before joining); the round the hook snapshotted, if no step has
+  happened since (settled the moment the previous round's result arrives: the replicas get it
+  together but apply it after their own queued compute); a round due by a count that moved
+  without a step (a test, a restore), snapshotted through `worker.on_compute`. A round that came
+  due while another ran is skipped, not started late: starting the newest round due by the end
+  of the previous one had replicas pick different rounds whenever a step fell between their
+  finishes, wait out the matchmaking window alone, finish apart again and keep missing each
+  other (on `tiny` with a round every step, two of three stages spent most of a run so). The
+  announcements (`RoundBoard`, dht/averaging.py) are read every `probe_s` and at once after a
+  round without partners, so replicas that missed each other meet in the next round; they are
+  also how a replica whose count lags (missed reports, a restart, `--local-batch`) joins the
+  rounds of the others, well inside the matchmaking window they wait for it. An announcement
+  is closed when its round ends, so nobody joins a round the others have left.
+- A snapshot the hook takes while a round of the same slice is still running gets that round's
+  delta when it is applied (`_carry_into_hooked`); otherwise the next round would undo it.
 - The board also gives the live replica count (read with the probe, and again at a round when
   the last read is older than a probe): one (only this worker) is an `alone` outcome at once,
   with no matchmaking wait; more becomes the matchmaking target, so a complete group starts
