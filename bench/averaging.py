@@ -17,6 +17,7 @@ Writes bench/results/averaging_<preset>.md.
 
     python bench/averaging.py --config tiny --stages 3 --replicas 2 --steps 200 --seeds 0 1 2
     python bench/averaging.py --methods sparta --every 2 --fraction 0.5 --tag dense   # another cadence
+    python bench/averaging.py --batch-size 32 --microbatches 8 --tag b32   # steps that outlast a round
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def demo(args, seed: int, replicas: int, method: str, work: Path) -> dict:
     name = f"seed{seed}-r{replicas}-{method}"
     summary_path = work / f"{name}.json"
     cadence = []
+    for flag, value in (("--batch-size", args.batch_size), ("--microbatches", args.microbatches)):
+        if value is not None:
+            cadence += [flag, str(value)]
     if args.every is not None:
         cadence += ["--averaging-every", str(args.every)]
     if args.fraction is not None:
@@ -122,9 +126,13 @@ def run_config(args, seed: int):
     base = load_config(args.config)
     config = replace(base, seed=seed, model=replace(base.model, basis_seed=seed),
                      data=replace(base.data, seed=seed), optim=replace(base.optim, total_steps=args.steps))
+    batch = {name: value for name, value in (("batch_size", args.batch_size), ("microbatches", args.microbatches))
+             if value is not None}
+    if batch:
+        config = replace(config, train=replace(config.train, **batch))
     sync = {name: value for name, value in (("every_steps", args.every), ("fraction", args.fraction))
             if value is not None}
-    return replace(config, sync=replace(config.sync, **sync)).with_stages(args.stages)
+    return replace(config, sync=replace(config.sync, **sync)).with_stages(args.stages).validate()
 
 
 def main() -> None:
@@ -135,6 +143,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--methods", nargs="+", default=["sparta", "diloco", "none"])
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per global batch (default: the preset's)")
+    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per batch (default: the preset's)")
     parser.add_argument("--every", type=int, default=None, help="local steps between rounds (default: the preset's)")
     parser.add_argument("--fraction", type=float, default=None, help="sparta share per round (default: the preset's)")
     parser.add_argument("--tag", default=None, help="suffix of the results file")
@@ -170,8 +180,10 @@ def main() -> None:
 
     sync = run_config(args, args.seeds[0]).sync
     reference = heldout[names[0]]
-    table = [f"# averaging: {args.config}, {args.stages} stages, {r} replicas, {args.steps} global batches "
-             f"({tokens:,} tokens), seeds {' '.join(map(str, args.seeds))}", "",
+    train = run_config(args, args.seeds[0]).train
+    table = [f"# averaging: {args.config}, {args.stages} stages, {r} replicas, {args.steps} global batches of "
+             f"{train.batch_size} x {train.seq_len} in {train.microbatches} microbatches ({tokens:,} tokens), "
+             f"seeds {' '.join(map(str, args.seeds))}", "",
              f"sync: every {sync.every_steps} local steps, sparta fraction {sync.fraction} ({sync.n_slices} slices), "
              f"diloco {sync.fragments} fragments (outer lr {sync.outer_lr}, momentum {sync.outer_momentum}), "
              f"matchmaking {sync.matchmaking_s:g} s, parts {sync.part_size_bytes} B", "",
