@@ -35,6 +35,9 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   replicas with random shares: 1.059 of train-local's held-out loss dividing by the own count,
   1.048 by the expected share, 1.040 with equal shares). A report is counted once (by batch id);
   a replica that accumulated nothing since its last step advances its count without an update.
+  A replica that joins (or restarts) mid-run adopts the epoch from the batch ids it hears: a
+  report more than `EPOCH_CATCH_UP_BATCHES` beyond its count sets the count to that batch, so
+  its learning rate is the swarm's, not a second warmup.
   `local_batch` (when set) makes a replica step on its own every that many samples instead, for
   runs whose trainers do not report.
 """
@@ -85,6 +88,10 @@ MAX_MICROBATCH_ID_CHARS = 256
 THROUGHPUT_SMOOTHING = 0.1
 # Completed-batch reports remembered for deduplication: far more than trainers ever keep in flight.
 REMEMBERED_BATCHES = 4096
+# A report of a global batch this far beyond the replica's step count means the replica joined
+# (or restarted) mid-run or missed reports: it adopts the stage's epoch. Reports of several
+# trainers arrive a little out of order, never by this much.
+EPOCH_CATCH_UP_BATCHES = 32
 
 
 class RequestRejected(Exception):
@@ -398,6 +405,11 @@ class StageCompute:
         if microbatches <= 0 or replicas <= 0:
             raise InvalidRequest(f"a completed-batch report needs the batch's microbatches and the stage's "
                                  f"replicas, got {microbatches} and {replicas}")
+        if batch - self.optimizer.steps > EPOCH_CATCH_UP_BATCHES:
+            logger.info("stage %d: global batch %d reported at local step %d; adopting the stage's epoch "
+                        "(learning rate and averaging rounds follow the swarm's batch count)",
+                        self.index, batch, self.optimizer.steps)
+            self.optimizer.steps = batch
         if self.accumulated_microbatches:
             reply = self._step(microbatches / replicas)
         else:

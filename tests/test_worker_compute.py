@@ -211,6 +211,18 @@ def test_asynchronous_worker_steps_once_per_reported_global_batch():
         _report(make_compute(0, synchronous=False, local_batch=4), 0)
 
 
+def test_a_replica_joining_mid_run_adopts_the_stage_epoch_from_the_reported_batch():
+    from agora.node.worker_compute import EPOCH_CATCH_UP_BATCHES
+    from agora.pipeline.optim import lr_at
+
+    joiner = make_compute(0, synchronous=False, local_batch=None)
+    late = EPOCH_CATCH_UP_BATCHES + 500  # the swarm is 500 batches further than any reordering
+    reply = _report(joiner, late)
+    assert reply.step == late + 1 and reply.lr == pytest.approx(lr_at(late, joiner.optimizer.config))
+    assert _report(joiner, late - 3).step == late + 2  # a batch reported out of order still counts once
+    assert _report(joiner, late + 1).step == late + 3  # and small gaps are not jumps
+
+
 def test_step_hooks_run_after_every_step_and_a_failing_hook_fails_no_step(caplog):
     head = make_compute(0, synchronous=False, local_batch=None)
     seen = []
