@@ -4,10 +4,9 @@ A trainer owns data units and the microbatch schedule, never weights. For each g
 (one data unit) it cuts microbatches and runs up to `max_in_flight` of them at once; each
 microbatch goes forward through a route of one worker per stage, chosen by the `Roster`
 (earliest expected finish, equal shares of each batch among equally fast replicas, bans with
-backoff), and backward in reverse pinned to the same
-workers. Any failure abandons the microbatch's route and re-runs it on another (bounded
-attempts; a new microbatch id per attempt, so a late reply of the abandoned route can never be
-confused with the new one).
+backoff), and backward in reverse pinned to the same workers. Any failure abandons the
+microbatch's route and re-runs it on another (bounded attempts; a new microbatch id per
+attempt, so a late reply of the abandoned route can never be confused with the new one).
 
 How much is in flight is the asynchronous pipeline's one real trade-off. A microbatch started
 before a worker steps is finished with newer weights: the staleness is about (microbatches in
