@@ -85,7 +85,8 @@ def demo(args, seed: int, replicas: int, method: str, work: Path) -> dict:
     name = f"seed{seed}-r{replicas}-{method}"
     summary_path = work / f"{name}.json"
     cadence = []
-    for flag, value in (("--batch-size", args.batch_size), ("--microbatches", args.microbatches)):
+    for flag, value in (("--batch-size", args.batch_size), ("--microbatches", args.microbatches),
+                        ("--max-in-flight", args.max_in_flight)):
         if value is not None:
             cadence += [flag, str(value)]
     if args.every is not None:
@@ -145,6 +146,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["sparta", "diloco", "none"])
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per global batch (default: the preset's)")
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches per batch (default: the preset's)")
+    parser.add_argument("--max-in-flight", type=int, default=None,
+                        help="demo runs: microbatches in flight (default: the trainer's, half a global batch)")
     parser.add_argument("--every", type=int, default=None, help="local steps between rounds (default: the preset's)")
     parser.add_argument("--fraction", type=float, default=None, help="sparta share per round (default: the preset's)")
     parser.add_argument("--tag", default=None, help="suffix of the results file")
@@ -183,7 +186,8 @@ def main() -> None:
     train = run_config(args, args.seeds[0]).train
     table = [f"# averaging: {args.config}, {args.stages} stages, {r} replicas, {args.steps} global batches of "
              f"{train.batch_size} x {train.seq_len} in {train.microbatches} microbatches ({tokens:,} tokens), "
-             f"seeds {' '.join(map(str, args.seeds))}", "",
+             f"seeds {' '.join(map(str, args.seeds))}"
+             + (f", {args.max_in_flight} microbatches in flight" if args.max_in_flight else ""), "",
              f"sync: every {sync.every_steps} local steps, sparta fraction {sync.fraction} ({sync.n_slices} slices), "
              f"diloco {sync.fragments} fragments (outer lr {sync.outer_lr}, momentum {sync.outer_momentum}), "
              f"matchmaking {sync.matchmaking_s:g} s, parts {sync.part_size_bytes} B", "",
