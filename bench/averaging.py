@@ -84,18 +84,15 @@ def ideal_sparta(config, steps: int, replicas: int) -> float:
 def demo(args, seed: int, replicas: int, method: str, work: Path) -> dict:
     name = f"seed{seed}-r{replicas}-{method}"
     summary_path = work / f"{name}.json"
-    cadence = []
+    flags = []
     for flag, value in (("--batch-size", args.batch_size), ("--microbatches", args.microbatches),
-                        ("--max-in-flight", args.max_in_flight)):
+                        ("--max-in-flight", args.max_in_flight), ("--averaging-every", args.every),
+                        ("--averaging-fraction", args.fraction)):
         if value is not None:
-            cadence += [flag, str(value)]
-    if args.every is not None:
-        cadence += ["--averaging-every", str(args.every)]
-    if args.fraction is not None:
-        cadence += ["--averaging-fraction", str(args.fraction)]
+            flags += [flag, str(value)]
     subprocess.run([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "demo", "--config", args.config,
                     "--stages", str(args.stages), "--replicas", str(replicas), "--steps", str(args.steps),
-                    "--schedule-steps", str(args.steps), "--seed", str(seed), "--averaging", method, *cadence,
+                    "--schedule-steps", str(args.steps), "--seed", str(seed), "--averaging", method, *flags,
                     "--summary-json", str(summary_path), "--workdir", str(work / name)],
                    check=True, stdout=subprocess.DEVNULL)
     return json.loads(summary_path.read_text())
