@@ -197,7 +197,7 @@ class AveragingLoop:
         self._restored: Optional[dict] = None  # a checkpointed state, applied by start()
         self._hooked = _HookedSnapshots()
         self._announcing: Optional[asyncio.Task] = None  # this round's announcement, then its close
-        self._closing_round: Optional[int] = None
+        self._open_round: Optional[int] = None  # announced and not yet closed
         self._hook_round = 0  # the last round the hook snapshotted (compute thread only)
         self._wake = asyncio.Event()  # set by the hook and by stop()
         self._event_loop: Optional[asyncio.AbstractEventLoop] = None
@@ -356,21 +356,22 @@ class AveragingLoop:
         expected = None
         if self._board is not None:  # stored while the round runs; closed as soon as it ends
             self._announcing = asyncio.create_task(self._ask(lambda: self._board.announce(round_number), None))
+            self._open_round = round_number
             expected = await self._replica_count()
         try:
             return await self._averaged(round_number, index, expected)
         finally:
-            self._close_announcement(round_number)
+            self._close_announcement()
             if self._announcing is not None:
                 await self._announcing
                 self._announcing = None
 
-    def _close_announcement(self, round_number: int) -> None:
+    def _close_announcement(self) -> None:
         """Once the round's result is in: store that this replica left it, after its announcement."""
-        announcing = self._announcing
-        if self._board is None or announcing is None or self._closing_round == round_number:
+        round_number, announcing = self._open_round, self._announcing
+        if round_number is None or announcing is None:
             return
-        self._closing_round = round_number
+        self._open_round = None
 
         async def close() -> None:
             await announcing
@@ -399,7 +400,7 @@ class AveragingLoop:
         # The stage's replicas get a round's result at the same moment, but apply it after their
         # own queued compute: which round comes next is settled now, not after the apply.
         self._hooked.reserve(round_number, self.worker.compute.optimizer.steps)
-        self._close_announcement(round_number)
+        self._close_announcement()
         if self.sync.method == "diloco":
             applied_at = await self._diloco_outer_step(result, index, snapshot)
         else:
