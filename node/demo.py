@@ -150,7 +150,8 @@ def run_demo(options: DemoOptions) -> int:
     # Ctrl-C and a supervisor's SIGTERM both stop the swarm in order and still print a summary.
     previous = _interrupt_on(signal.SIGINT, signal.SIGTERM)
     try:
-        common = ["--log-level", "WARNING", "--threads", str(options.threads)]
+        threads = ["--threads", str(options.threads)]
+        common = ["--log-level", "WARNING", *threads]
         boot_ready = workdir / "bootstrap.ready"
         boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", "--ready-file", str(boot_ready)),
                            boot_ready)
@@ -160,8 +161,9 @@ def run_demo(options: DemoOptions) -> int:
             for replica in range(options.replicas):
                 name = f"worker-s{stage}-r{replica}"
                 ready = workdir / f"{name}.ready"
-                command = agora_node_command(*common, "join", "--stage", str(stage), *options.run_flags(), *swarm,
-                                             *options.averaging_flags(), "--stats-file",
+                # INFO: each averaging round's milestone line lands in the worker's log file.
+                command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
+                                             *options.run_flags(), *swarm, *options.averaging_flags(), "--stats-file",
                                              str(workdir / f"{name}.stats.json"),
                                              "--heartbeat", "1", "--ready-file", str(ready))
                 workers.append((stage, group.spawn(name, command, ready)))

@@ -29,3 +29,10 @@ def test_demo_with_two_replicas_reports_committed_rounds_per_stage(tmp_path):
         assert stage["rounds_by_outcome"]["failed"] == stage["rounds_by_outcome"]["rejected"] == 0
         assert stage["applied"] >= 2 and stage["bytes_sent"] > 0
         assert stage["local_steps"] == 2 * 40  # the shared epoch: each replica stepped once per global batch
+        assert 0 <= stage["mean_lag_steps"] <= stage["max_lag_steps"]
+    # Every round left its milestone line in the worker's log.
+    logs = sorted((tmp_path / "work").glob("worker-s*-r*.log"))
+    assert len(logs) == 4
+    for log in logs:
+        rounds = [line for line in log.read_text().splitlines() if "averaging round=" in line]
+        assert any("outcome=committed" in line and "lag_steps=" in line for line in rounds), log.name
