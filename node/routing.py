@@ -17,11 +17,13 @@ Balanced shares. The replicas of a stage each step on their own share of every g
 dividing by the expected share (microbatches / replicas), so an uneven split makes one replica
 step too far and another too short. Given the microbatches of the current batch each worker of
 the stage already has, `pick_worker` takes the worker with the smallest share among those whose
-time per microbatch is within `BALANCE_SLACK` of the fastest's (then the earliest finish): equally
-fast replicas get equal shares, and a replica over twice as slow is left to the earliest-finish
-rule, which gives it what it can finish in time. Measured on tiny, 2 replicas, held-out loss /
-train-local: in-process, equal shares 1.040 and random shares 1.048; in the swarm without any
-averaging, 1.108 before balancing and 1.063 after (seeds 0 and 1, bench/averaging.py).
+time per microbatch is within `BALANCE_SLACK` of the fastest's (then the earliest finish). Speed
+is the announced compute throughput when every candidate has one: a round trip includes
+queueing, and a replica that gets no calls keeps its last, perhaps congested, measurement. A
+replica over twice as slow is left to the earliest-finish rule, which gives it what it can
+finish in time. Measured on tiny, 2 replicas, held-out loss / train-local: in-process, equal
+shares 1.040 and random shares 1.048; in the swarm without any averaging, 1.108 before
+balancing and 1.063 after (seeds 0 and 1, bench/averaging.py).
 """
 
 from __future__ import annotations
@@ -84,11 +86,21 @@ def pick_worker(candidates: list[WorkerView], now: float, microbatch_size: int,
     known = [s for v in usable if (s := v.seconds_per_microbatch(microbatch_size)) is not None]
     fallback = max(known) if known else _DEFAULT_SECONDS
     finish = {v.peer_id: expected_finish_time(v, microbatch_size, fallback) for v in usable}
+    earliest = min(usable, key=lambda v: (finish[v.peer_id], v.peer_id))
     if shares is None:
-        return min(usable, key=lambda v: (finish[v.peer_id], v.peer_id))
+        return earliest
     # Comparable speed, not the queue of the moment: equal shares even out the queues themselves.
-    seconds = {v.peer_id: _microbatch_seconds(v, microbatch_size, fallback) for v in usable}
+    # The workers' announced compute throughput when every one has announced it (round trips
+    # include queueing, and a replica that gets no calls keeps its last, maybe congested, one).
+    if all(v.announced_samples_per_s > 0 for v in usable):
+        seconds = {v.peer_id: microbatch_size / v.announced_samples_per_s for v in usable}
+    else:
+        seconds = {v.peer_id: _microbatch_seconds(v, microbatch_size, fallback) for v in usable}
     fastest = min(seconds.values())
+    if seconds[earliest.peer_id] > BALANCE_SLACK * fastest:
+        # The fast replicas are queued: a slower one finishes first, as without balancing. It also
+        # keeps its measured time current, so a replica that was slow for a while is not starved.
+        return earliest
     comparable = [v for v in usable if seconds[v.peer_id] <= BALANCE_SLACK * fastest]
     return min(comparable, key=lambda v: (shares.get(v.peer_id, 0), finish[v.peer_id], v.peer_id))
 

@@ -72,9 +72,17 @@ def test_shares_balance_equally_fast_replicas_but_not_at_any_price():
     assert pick_worker([a, b], 0, 4, shares={"a": 1, "b": 1}).peer_id == "a"  # equal shares: earliest finish
     b.in_flight = 1  # a queue of the moment does not undo the balance: equal shares even queues out
     assert pick_worker([a, b], 0, 4, shares=shares).peer_id == "b"
-    # A replica over BALANCE_SLACK times slower per microbatch is left to the earliest-finish rule.
+    # A replica over BALANCE_SLACK times slower per microbatch is left to the earliest-finish rule:
+    # no traffic while the fast one is free, its turn once the fast one's queue is longer.
     b.measured_seconds, b.in_flight = 2.5, 0
     assert pick_worker([a, b], 0, 4, shares=shares).peer_id == "a"
+    a.in_flight = 3  # 4 * 1.0 s > 2.5 s
+    assert pick_worker([a, b], 0, 4, shares={"a": 0, "b": 5}).peer_id == "b"
+    # Speed is compared on the announced compute throughput when every replica announces one: a
+    # round trip slowed by queueing (or never refreshed) does not make a replica "slow".
+    a.in_flight = 0
+    a.announced_samples_per_s = b.announced_samples_per_s = 8.0
+    assert pick_worker([a, b], 0, 4, shares=shares).peer_id == "b"
 
 
 def test_a_batch_split_by_balanced_picks_is_even_across_replicas():
