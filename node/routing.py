@@ -23,7 +23,7 @@ queueing, and a replica that gets no calls keeps its last, perhaps congested, me
 replica over twice as slow is left to the earliest-finish rule, which gives it what it can
 finish in time. Measured on tiny, 2 replicas, held-out loss / train-local: in-process, equal
 shares 1.040 and random shares 1.048; in the swarm without any averaging, 1.108 before
-balancing and 1.063 after (seeds 0 and 1, bench/averaging.py).
+balancing, 1.063 and 1.079 in two runs after (seeds 0 and 1, bench/averaging.py).
 """
 
 from __future__ import annotations
