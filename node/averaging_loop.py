@@ -14,9 +14,9 @@ Design choices:
   quarter of a second, those had rounds land 1-4 steps after they came due). The lag that is
   left, local steps from snapshot to apply, is in `AveragingStats`: it is what costs convergence.
 - Which round next, in order: a round another replica announced and this one has not run (read
-  again from the DHT just before joining); the round the hook snapshotted, if no step has
-  happened since (settled the moment the previous round's result arrives: the replicas get it
-  together but apply it after their own queued compute); a round due by a count that moved
+  again from the DHT just before joining); the round the hook snapshotted (one that came due
+  during the previous round only if no step followed it before that round's result arrived: the
+  replicas get the result together but apply it after their own queued compute); a round due by a count that moved
   without a step (a test, a restore), snapshotted through `worker.on_compute`. A round that came
   due while another ran is skipped, not started late: starting the newest round due by the end
   of the previous one had replicas pick different rounds whenever a step fell between their
@@ -259,9 +259,10 @@ class AveragingLoop:
                 self._logger.exception("averaging round %d failed", decision.round)
 
     def _due_round(self, steps: int) -> RoundDecision:
-        """The round to start now on this replica's own count: the one the step hook snapshotted, if
-        no step has happened since, else one due by a count the hook never saw."""
-        hooked = self._hooked.next_after(self._last_round, steps)
+        """The round to start now on this replica's own count: the one the step hook snapshotted
+        (see `_HookedSnapshots.reserve` for one that came due during a round), else one due by a
+        count the hook never saw."""
+        hooked = self._hooked.next_after(self._last_round)
         if hooked is not None:
             return RoundDecision(hooked, hooked - self._last_round - 1)
         # Rounds the hook saw come due while another round ran are not started late: the stage's
@@ -500,22 +501,23 @@ class _HookedSnapshots:
             self._newest = hooked
 
     def reserve(self, after_round: int, steps: int) -> None:
-        """Settle the next round: the newest snapshot, if it is later than `after_round` and no
-        step has happened since it was taken (a round that came due while another ran is skipped)."""
+        """Settle the next round when `after_round`'s result arrives, at local step `steps`: the
+        newest snapshot if no step has happened since it was taken; one that came due while the
+        round ran and is no longer current is dropped (skipped, not started late)."""
         with self._lock:
             newest = self._newest
-            if newest is not None and newest.round > after_round and newest.step >= steps:
-                self._reserved, self._newest = newest, None
+            if newest is not None and newest.round > after_round:
+                self._newest = None
+                if newest.step >= steps:
+                    self._reserved = newest
 
-    def next_after(self, last_round: int, steps: int) -> Optional[int]:
-        """The round to run now from the hook's snapshots: the reserved one, else the newest if
-        it is later than `last_round` and still current at `steps`."""
+    def next_after(self, last_round: int) -> Optional[int]:
+        """The round to run now from the hook's snapshots: the reserved one, else the newest (taken
+        while no round ran, or since the last result), if later than `last_round`."""
         with self._lock:
-            if self._reserved is not None and self._reserved.round > last_round:
-                return self._reserved.round
-            newest = self._newest
-            if newest is not None and newest.round > last_round and newest.step >= steps:
-                return newest.round
+            for hooked in (self._reserved, self._newest):
+                if hooked is not None and hooked.round > last_round:
+                    return hooked.round
             return None
 
     def take(self, round_number: int) -> Optional[_Hooked]:
