@@ -400,6 +400,7 @@ class AveragingLoop:
 
         def apply(compute: StageCompute) -> int:
             partition = self._partition
+            compute.weights_changing()
             partition.scatter_add(compute.optimizer.parameters, index, delta[:size])
             if with_moments:
                 exp_avg, exp_avg_sq = _moments(compute, "exp_avg"), _moments(compute, "exp_avg_sq")
@@ -433,6 +434,7 @@ class AveragingLoop:
         delta = await asyncio.to_thread(outer_step)
 
         def apply(compute: StageCompute) -> int:
+            compute.weights_changing()
             partition.scatter_add(compute.optimizer.parameters, index, delta)
             self._carry_into_hooked(index, delta)
             return compute.optimizer.steps

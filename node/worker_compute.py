@@ -8,7 +8,14 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   before any compute, and a failure is an `InvalidRequest` whose message says what was expected
   and what was found (the worker answers INVALID_ARGUMENT and keeps serving).
 - Forward runs under `torch.no_grad` and stashes its *input*; Backward recomputes the forward
-  with grad on that input (so backward is correct even if the optimizer stepped in between).
+  with grad on that input. Weights may change between the two (a step for the previous global
+  batch, an averaging round's delta), and a backward through the new weights would pair the
+  downstream gradient with an output the next stage never saw. So the recompute runs on the
+  weights the forward used (PipeDream's weight stashing): every write to the weights bumps
+  `weights_version`, and the version a stashed forward still needs is copied first
+  (`weights_changing`). At most `pinned_versions` copies are kept (one copy of the stage's
+  trainable parameters each); a microbatch whose version was dropped, or every microbatch
+  with `pinned_versions=0`, recomputes on the current weights as before.
 - Nothing is half-applied: gradients are computed with `torch.autograd.grad` into temporaries
   and added to `.grad` only once the reply is known to be encodable; a NaN loss or an unencodable
   gradient fails the call (`ComputeError`) without touching the accumulated gradients. The stash
@@ -79,6 +86,7 @@ __all__ = [
     "StageCompute",
     "MAX_MICROBATCH_ID_CHARS",
     "THROUGHPUT_SMOOTHING",
+    "DEFAULT_PINNED_VERSIONS",
 ]
 
 logger = logging.getLogger("agora.node.worker")
@@ -86,6 +94,9 @@ logger = logging.getLogger("agora.node.worker")
 MAX_MICROBATCH_ID_CHARS = 256
 # Weight of the newest job in the throughput average: ~10 jobs of memory, steady under jitter.
 THROUGHPUT_SMOOTHING = 0.1
+# Earlier weight versions kept for backwards whose forward ran on them: the trainer keeps about
+# half a global batch in flight, so a backward spans at most a step and an averaging write or two.
+DEFAULT_PINNED_VERSIONS = 2
 # Completed-batch reports remembered for deduplication: far more than trainers ever keep in flight.
 REMEMBERED_BATCHES = 4096
 # A report of a global batch this far beyond the replica's step count means the replica joined
@@ -119,6 +130,7 @@ class StashedInput:
     tokens: torch.Tensor
     wire: torch.Tensor | None  # None on the head
     output_shape: tuple[int, ...]
+    weights_version: int = 0  # StageCompute.weights_version when the forward ran
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,7 @@ class AppliedMicrobatch:
     wire: torch.Tensor | None
     output_grad: torch.Tensor | None  # head/body: dL/d(output); None on the tail
     targets: torch.Tensor | None  # tail only
+    weights_version: int = 0  # the weights its gradient was computed on
 
 
 class StageCompute:
@@ -136,9 +149,11 @@ class StageCompute:
 
     def __init__(self, config: RunConfig, index: int, *, run_id: str, codec: WireCodec, stash: ForwardStash,
                  synchronous: bool, local_batch: int | None = None, stage: Stage | None = None,
-                 optimizer: StageOptimizer | None = None):
+                 optimizer: StageOptimizer | None = None, pinned_versions: int = DEFAULT_PINNED_VERSIONS):
         if local_batch is not None and local_batch <= 0:
             raise ValueError(f"local_batch must be positive, got {local_batch}")
+        if pinned_versions < 0:
+            raise ValueError(f"pinned_versions must be >= 0, got {pinned_versions}")
         self.config = config
         self.run_id = run_id
         self.codec = codec
@@ -159,6 +174,13 @@ class StageCompute:
         # Called on this thread right after every step (or advance), with this object: the averaging
         # loop snapshots a round's slice at the exact step it is due. A hook must not raise.
         self.step_hooks: list[Callable[["StageCompute"], None]] = []
+        # Weight versions (see the module docstring): bumped by every write to the weights.
+        self.weights_version = 0
+        self.pinned_versions = pinned_versions
+        self._pinned: OrderedDict[int, list[torch.Tensor]] = OrderedDict()
+        self._parameter_names = [name for name, p in self.stage.named_parameters() if p.requires_grad]
+        if len(self._parameter_names) != len(self.optimizer.parameters):
+            raise ValueError("the optimizer's parameters are not the stage's trainable parameters")
 
     @property
     def accumulated_microbatches(self) -> int:
@@ -240,10 +262,10 @@ class StageCompute:
 
     # ------------------------------------------------------------------ compute
 
-    def _gradients(self, output: torch.Tensor, wire: torch.Tensor | None,
-                   output_grad: torch.Tensor | None) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-        """dL/d(wire) and dL/d(parameters), without touching `.grad`."""
-        params = self.optimizer.parameters
+    def _gradients(self, output: torch.Tensor, wire: torch.Tensor | None, output_grad: torch.Tensor | None,
+                   params: list[torch.Tensor] | None = None) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """dL/d(wire) and dL/d(parameters) (or of `params`, pinned copies), without touching `.grad`."""
+        params = self.optimizer.parameters if params is None else params
         inputs = ([wire] if wire is not None else []) + params
         grads = torch.autograd.grad(output, inputs, grad_outputs=output_grad, allow_unused=True)
         if wire is not None:
@@ -282,7 +304,8 @@ class StageCompute:
             with torch.no_grad():
                 output = self.stage(tokens, wire)
             reply = ForwardReply(wire=self._encode(output, "output"), step=step)
-            self.stash.put(request.microbatch_id, StashedInput(tokens, wire, tuple(output.shape)))
+            self.stash.put(request.microbatch_id,
+                           StashedInput(tokens, wire, tuple(output.shape), self.weights_version))
         self._observe(tokens.numel(), started)
         return reply
 
@@ -298,7 +321,8 @@ class StageCompute:
             wire_grad, param_grads = self._gradients(loss, wire, None)
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
         self._accumulate(param_grads, microbatch_id,
-                         AppliedMicrobatch(tokens, None if wire is None else wire.detach(), None, targets))
+                         AppliedMicrobatch(tokens, None if wire is None else wire.detach(), None, targets,
+                                           self.weights_version))
         return ForwardReply(loss=loss_value, input_grad=input_grad, step=step)
 
     def backward(self, request: BackwardRequest) -> BackwardReply:
@@ -316,16 +340,60 @@ class StageCompute:
                 f"(capacity {self.stash.capacity}); rerun the microbatch") from None
         output_grad = self._decode_floats(request.output_grad, "output_grad", stashed.output_shape)
         self.stash.pop(request.microbatch_id)  # validated: this backward is now committed to run
-        wire = stashed.wire.detach().requires_grad_(True) if stashed.wire is not None else None
-        with torch.enable_grad():
-            output = self.stage(stashed.tokens, wire)
-            wire_grad, param_grads = self._gradients(output, wire, output_grad)
+        version = self._available_version(stashed.weights_version)
+        wire_grad, param_grads = self._recompute(version, stashed.tokens, stashed.wire, None, output_grad)
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
         step = self.optimizer.steps
         self._accumulate(param_grads, request.microbatch_id,
-                         AppliedMicrobatch(stashed.tokens, stashed.wire, output_grad, None))
+                         AppliedMicrobatch(stashed.tokens, stashed.wire, output_grad, None, version))
+        self._unpin_unused()
         self._observe(stashed.tokens.numel(), started)
         return BackwardReply(input_grad=input_grad, step=step)
+
+    # ------------------------------------------------------------------ weight versions
+
+    def weights_changing(self) -> None:
+        """Call on this thread right before anything writes the stage's trainable weights."""
+        current = self.weights_version
+        if self.pinned_versions and current not in self._pinned and current in self._needed_versions():
+            self._pinned[current] = [p.detach().clone() for p in self.optimizer.parameters]
+            while len(self._pinned) > self.pinned_versions:
+                self._pinned.popitem(last=False)  # the oldest: its microbatches recompute on current weights
+        self.weights_version = current + 1
+        self._unpin_unused()
+
+    def _needed_versions(self) -> set[int]:
+        """Versions a pending backward (stash) or a possible abort (applied) would recompute on."""
+        return ({entry.weights_version for entry in self.stash.values()}
+                | {applied.weights_version for applied in self.applied.values()})
+
+    def _unpin_unused(self) -> None:
+        if self._pinned:
+            needed = self._needed_versions()
+            for version in [v for v in self._pinned if v not in needed]:
+                del self._pinned[version]
+
+    def _available_version(self, version: int) -> int:
+        """`version` if its weights are the current ones or pinned, else the current version."""
+        return version if version == self.weights_version or version in self._pinned else self.weights_version
+
+    def _recompute(self, version: int, tokens: torch.Tensor, wire: torch.Tensor | None,
+                   targets: torch.Tensor | None, output_grad: torch.Tensor | None):
+        """The forward on the weights of `version` (current or pinned) and its gradients:
+        (dL/d(wire), dL/d(parameters)), touching no `.grad`."""
+        wire = wire.detach().requires_grad_(True) if wire is not None else None
+        inputs = (tokens, wire, targets) if self.stage.is_tail else (tokens, wire)
+        with torch.enable_grad():
+            if version == self.weights_version:
+                return self._gradients(self.stage(*inputs), wire, output_grad)
+            weights = [w.detach().requires_grad_(True) for w in self._pinned[version]]
+            output = torch.func.functional_call(self.stage, dict(zip(self._parameter_names, weights)), inputs)
+            return self._gradients(output, wire, output_grad, weights)
+
+    @property
+    def pinned_weight_copies(self) -> int:
+        """Copies of earlier weights held for pending backwards (memory: one stage's parameters each)."""
+        return len(self._pinned)
 
     # ------------------------------------------------------------------ stepping
 
@@ -341,14 +409,9 @@ class StageCompute:
             except KeyError:
                 stepped = request.microbatch_id in self.stepped_ids
                 return AbortReply(reverted=False, outcome="stepped" if stepped else "unknown")
-        wire = applied.wire.detach().requires_grad_(True) if applied.wire is not None else None
-        with torch.enable_grad():
-            if self.stage.is_tail:
-                output = self.stage(applied.tokens, wire, applied.targets)
-                _, param_grads = self._gradients(output, wire, None)
-            else:
-                output = self.stage(applied.tokens, wire)
-                _, param_grads = self._gradients(output, wire, applied.output_grad)
+        version = self._available_version(applied.weights_version)
+        _, param_grads = self._recompute(version, applied.tokens, applied.wire, applied.targets, applied.output_grad)
+        self._unpin_unused()
         for param, grad in zip(self.optimizer.parameters, param_grads):
             if grad is not None and param.grad is not None:
                 param.grad.sub_(grad)
@@ -358,9 +421,12 @@ class StageCompute:
     def _step(self, microbatches: float) -> StepReply:
         """Step on the accumulated gradient sum divided by `microbatches`."""
         accumulated = self.accumulated_microbatches
-        result = self.optimizer.step(microbatches)
+        # The step consumes the applied gradients (no abort can take them back now), so only
+        # stashed forwards can still need the weights it is about to change.
         self.stepped_ids = set(self.applied)
         self.applied.clear()
+        self.weights_changing()
+        result = self.optimizer.step(microbatches)
         self.last_step = StepReply(step=self.optimizer.steps, grad_norm=result["grad_norm"], lr=result["lr"],
                                    skipped=bool(result["skipped"]), accumulated=accumulated)
         self._after_step()

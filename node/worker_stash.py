@@ -54,6 +54,11 @@ class ForwardStash(Generic[V]):
             dropped += 1
         return dropped
 
+    def values(self) -> list[V]:
+        """The live entries, oldest first."""
+        self.expire()
+        return [value for _, value in self._entries.values()]
+
     def put(self, key: str, value: V) -> list[str]:
         """Store (replacing an entry with the same key); returns the keys evicted for room."""
         self.expire()

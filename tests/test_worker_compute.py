@@ -15,7 +15,7 @@ from agora.node.worker_compute import (
 from agora.node.worker_stash import ForwardStash
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
-from agora.protos.stage_adapter import BackwardRequest, ForwardRequest, StepRequest
+from agora.protos.stage_adapter import AbortRequest, BackwardRequest, ForwardRequest, StepRequest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -305,3 +305,91 @@ def test_a_replica_divides_its_gradient_by_its_expected_share_of_the_batch():
         _report(replica, 0, microbatches=4, replicas=2)
     for got_a, got_b, want in zip(*divided, expected):
         torch.testing.assert_close(got_a + got_b, 2 * want, rtol=1e-5, atol=1e-7)
+
+
+def _reference_gradients(stage, tokens, wire, output_grad):
+    wire = wire.clone().requires_grad_(True)
+    params = [p for p in stage.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(stage(tokens, wire), [wire] + params, grad_outputs=output_grad)
+    return grads[0], grads[1:]
+
+
+def _body_microbatch(compute, microbatch_id, seed):
+    tokens, _ = batch(seed)
+    wire = torch.randn(*tokens.shape, CONFIG.model.wire_dim, generator=torch.Generator().manual_seed(seed))
+    reply = compute.forward(forward_request(1, tokens, wire=wire, microbatch_id=microbatch_id))
+    return tokens, wire, torch.randn_like(CODEC.decode(reply.wire))
+
+
+def _perturb(compute):
+    """A write to the weights (an optimizer step or an averaging delta would do the same)."""
+    compute.weights_changing()
+    with torch.no_grad():
+        for p in compute.optimizer.parameters:
+            p.add_(0.05 * torch.randn_like(p))
+
+
+@pytest.mark.parametrize("pinned", [2, 0])
+def test_backward_uses_the_weights_its_forward_ran_on(pinned):
+    import copy
+
+    torch.manual_seed(0)
+    body = make_compute(1, synchronous=False, local_batch=None)
+    body.pinned_versions = pinned
+    tokens, wire, output_grad = _body_microbatch(body, "m0", seed=1)
+    at_forward = copy.deepcopy(body.stage)
+    _perturb(body)
+    assert body.pinned_weight_copies == (1 if pinned else 0)
+    reply = body.backward(grad_request(1, output_grad, microbatch_id="m0"))
+
+    reference = at_forward if pinned else body.stage
+    wire_grad, param_grads = _reference_gradients(reference, tokens, wire, output_grad)
+    torch.testing.assert_close(CODEC.decode(reply.input_grad), wire_grad)
+    for param, expected in zip(body.optimizer.parameters, param_grads):
+        torch.testing.assert_close(param.grad, expected)
+    if pinned:  # and the current weights would have given another gradient: the pin mattered
+        _, current = _reference_gradients(body.stage, tokens, wire, output_grad)
+        assert any(not torch.allclose(a, b) for a, b in zip(current, param_grads))
+    # Kept while an Abort could still take that gradient back; the step consumes it.
+    assert body.pinned_weight_copies == (1 if pinned else 0)
+    _report(body, 0, microbatches=1)
+    assert body.pinned_weight_copies == 0 and body.weights_version == 2
+
+
+def test_pinned_weights_are_bounded_and_the_oldest_falls_back_to_current_weights():
+    import copy
+
+    torch.manual_seed(0)
+    body = make_compute(1, synchronous=False, local_batch=None)
+    body.pinned_versions = 1
+    first = _body_microbatch(body, "m0", seed=1)
+    _perturb(body)
+    second = _body_microbatch(body, "m1", seed=2)
+    at_second = copy.deepcopy(body.stage)
+    _perturb(body)
+    assert body.pinned_weight_copies == 1  # version 0 was dropped for version 1
+    body.backward(grad_request(1, first[2], microbatch_id="m0"))
+    _, on_current = _reference_gradients(body.stage, *first)
+    for param, expected in zip(body.optimizer.parameters, on_current):
+        torch.testing.assert_close(param.grad, expected)
+    body.optimizer.zero_grad()
+    body.backward(grad_request(1, second[2], microbatch_id="m1"))
+    _, on_pinned = _reference_gradients(at_second, *second)
+    for param, expected in zip(body.optimizer.parameters, on_pinned):
+        torch.testing.assert_close(param.grad, expected)
+    _report(body, 0, microbatches=2)
+    assert body.pinned_weight_copies == 0
+
+
+def test_abort_after_a_weights_change_takes_back_exactly_the_gradient_it_added():
+    torch.manual_seed(0)
+    body = make_compute(1, synchronous=False, local_batch=None)
+    _, _, output_grad = _body_microbatch(body, "m0", seed=1)
+    body.backward(grad_request(1, output_grad, microbatch_id="m0"))
+    added = [p.grad.clone() for p in body.optimizer.parameters]
+    _perturb(body)  # an averaging delta lands before the trainer abandons the route
+    assert body.pinned_weight_copies == 1  # the abort may still need the weights the gradient came from
+    reply = body.abort(AbortRequest(run_id="run", microbatch_id="m0", stage=1))
+    assert reply.reverted and body.pinned_weight_copies == 0
+    for param, grad in zip(body.optimizer.parameters, added):
+        assert param.grad.abs().max() <= 1e-6 * max(1.0, grad.abs().max())
