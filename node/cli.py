@@ -45,6 +45,13 @@ _SYNC_FLAGS = {"method": "averaging", "every_steps": "averaging_every", "fractio
                "average_optimizer_state": "average_optimizer_state"}
 
 
+def _add_pinned_weights_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pinned-weights", type=int, default=None, metavar="N",
+                        help="earlier weight versions a worker keeps so that each backward runs on the weights "
+                             "its forward used (one copy of the stage's parameters each; 0: recompute on the "
+                             "current weights; default 2)")
+
+
 def _add_averaging_arguments(parser: argparse.ArgumentParser) -> None:
     """How replicas of a stage stay together; must be identical on every worker of the run."""
     parser.add_argument("--averaging", default=None, choices=["sparta", "diloco", "none"],
@@ -110,17 +117,21 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
 
 def _cmd_join(args: argparse.Namespace) -> int:
     from agora.node.join import JoinOptions, run_worker
-    from agora.node.worker import WorkerOptions
 
     config = _run_config(args)
     options = JoinOptions(stage=args.stage, run_id=args.run_id, initial_peers=tuple(args.initial_peers),
                           dht_host=args.dht_host, dht_port=args.dht_port, heartbeat_s=args.heartbeat,
                           ready_file=args.ready_file, checkpoint_dir=args.checkpoint_dir,
                           stats_file=args.stats_file)
-    worker_options = WorkerOptions(host=args.host, port=args.port, synchronous=args.sync,
-                                   local_batch=args.local_batch, max_queue=args.max_queue,
-                                   wire_dtype=args.wire_dtype).validate()
-    return run_worker(config, options, worker_options)
+    return run_worker(config, options, _worker_options(args))
+
+
+def _worker_options(args: argparse.Namespace):
+    from agora.node.worker import WorkerOptions
+
+    pinned = {} if args.pinned_weights is None else {"pinned_weights": args.pinned_weights}
+    return WorkerOptions(host=args.host, port=args.port, synchronous=args.sync, local_batch=args.local_batch,
+                         max_queue=args.max_queue, wire_dtype=args.wire_dtype, **pinned).validate()
 
 
 def _cmd_trainer(args: argparse.Namespace) -> int:
@@ -225,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "on the trainers' completed-batch reports (the default: one step per global batch, "
                            "shared by the stage's replicas)")
     join.add_argument("--max-queue", type=int, default=8, help="requests in flight before RESOURCE_EXHAUSTED")
+    _add_pinned_weights_argument(join)
     join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
     join.add_argument("--checkpoint-dir", default=None, help="resume from and checkpoint into this folder")
     join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
@@ -256,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="synchronous mode (needs --replicas 1 --trainers 1): must equal train-local")
     demo.add_argument("--max-in-flight", type=int, default=None,
                       help="microbatches in flight per trainer (default: half a global batch)")
+    _add_pinned_weights_argument(demo)
     demo.add_argument("--log-json", default=None, help="one JSON line per global batch, run-wide step")
     demo.add_argument("--summary-json", default=None, help="write the run summary here")
     demo.add_argument("--workdir", default=None, help="keep logs and ready files here (default: a temp folder)")

@@ -45,6 +45,7 @@ class DemoOptions:
     trainers: int = 1
     sync: bool = False
     max_in_flight: int | None = None  # None: the trainer's default (half a global batch)
+    pinned_weights: int | None = None  # None: the workers' default
     log_json: str | None = None
     summary_json: str | None = None
     workdir: str | None = None
@@ -62,7 +63,8 @@ class DemoOptions:
         return cls(config=args.config, seed=args.seed, stages=args.stages, batch_size=args.batch_size,
                    microbatches=args.microbatches, steps=args.steps, schedule_steps=args.schedule_steps, replicas=args.replicas,
                    trainers=args.trainers, sync=args.sync,
-                   max_in_flight=args.max_in_flight, log_json=args.log_json, summary_json=args.summary_json,
+                   max_in_flight=args.max_in_flight, pinned_weights=getattr(args, "pinned_weights", None),
+                   log_json=args.log_json, summary_json=args.summary_json,
                    workdir=args.workdir, kill_worker_at=args.kill_worker_at,
                    averaging=getattr(args, "averaging", None), averaging_every=getattr(args, "averaging_every", None),
                    averaging_fraction=getattr(args, "averaging_fraction", None),
@@ -163,7 +165,10 @@ def run_demo(options: DemoOptions) -> int:
                 ready = workdir / f"{name}.ready"
                 # INFO: each averaging round's milestone line lands in the worker's log file.
                 command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
-                                             *options.run_flags(), *swarm, *options.averaging_flags(), "--stats-file",
+                                             *options.run_flags(), *swarm, *options.averaging_flags(),
+                                             *([] if options.pinned_weights is None
+                                               else ["--pinned-weights", str(options.pinned_weights)]),
+                                             "--stats-file",
                                              str(workdir / f"{name}.stats.json"),
                                              "--heartbeat", "1", "--ready-file", str(ready))
                 workers.append((stage, group.spawn(name, command, ready)))

@@ -39,6 +39,7 @@ import grpc
 from agora.node.interceptors import interceptor_chain
 from agora.node.server import add_health_and_reflection, bind, create_server, set_serving
 from agora.node.worker_compute import (
+    DEFAULT_PINNED_VERSIONS,
     ComputeError,
     InvalidRequest,
     PreconditionFailed,
@@ -87,11 +88,16 @@ class WorkerOptions:
     stream_chunk_bytes: int = 2**20
     wire_dtype: str = "fp32"  # what this worker sends; it decodes any dtype
     grace_s: float = 10.0
+    # Earlier weight versions kept so a backward runs on its forward's weights (worker_compute.py);
+    # each costs one copy of the stage's trainable parameters. 0: recompute on the current weights.
+    pinned_weights: int = DEFAULT_PINNED_VERSIONS
 
     def validate(self) -> "WorkerOptions":
         for name in ("max_queue", "stash_capacity", "max_message_bytes", "max_stream_bytes", "stream_chunk_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"worker.{name}: must be positive, got {getattr(self, name)}")
+        if self.pinned_weights < 0:
+            raise ConfigError(f"worker.pinned_weights: must be >= 0, got {self.pinned_weights}")
         if self.stash_ttl_s <= 0 or self.grace_s < 0:
             raise ConfigError("worker.stash_ttl_s/grace_s: must be positive / non-negative")
         if self.local_batch is not None and self.local_batch <= 0:
@@ -179,6 +185,7 @@ class StageWorker:
             codec=WireCodec(options.wire_dtype, max_bytes=options.max_stream_bytes),
             stash=ForwardStash(options.stash_capacity, options.stash_ttl_s, clock=self._clock),
             synchronous=options.synchronous, local_batch=options.local_batch,
+            pinned_versions=options.pinned_weights,
         )
 
     async def start(self) -> int:

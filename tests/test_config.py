@@ -85,3 +85,19 @@ def test_batch_flags_set_the_global_batch_and_refuse_a_split_that_does_not_divid
     demo = DemoOptions.from_args(build_parser().parse_args(["demo", "--batch-size", "32", "--microbatches", "8"]))
     flags = demo.run_flags()
     assert flags[flags.index("--batch-size") + 1] == "32" and flags[flags.index("--microbatches") + 1] == "8"
+
+
+def test_pinned_weights_reach_the_worker_and_the_demo_hands_them_on():
+    from agora.node.cli import _worker_options, build_parser
+    from agora.node.demo import DemoOptions
+    from agora.node.worker import WorkerOptions
+
+    def options_of(*argv):
+        return _worker_options(build_parser().parse_args(["join", "--stage", "0", *argv]))
+
+    assert options_of().pinned_weights == WorkerOptions().pinned_weights == 2
+    assert options_of("--pinned-weights", "0").pinned_weights == 0
+    with pytest.raises(ConfigError, match="worker.pinned_weights: must be >= 0, got -1"):
+        options_of("--pinned-weights", "-1")
+    demo = DemoOptions.from_args(build_parser().parse_args(["demo", "--pinned-weights", "0"]))
+    assert demo.pinned_weights == 0
