@@ -7,7 +7,9 @@ with the learning-rate schedule completed over those batches (warmup, cosine to 
     what one replica sees of each batch: a replica that is never averaged, without asynchrony),
   - R replicas in one process averaged exactly at the run's sparta cadence (no asynchrony, no
     mixed routes: what the cadence alone costs),
-  - `agora-node demo --replicas 1` (the asynchronous pipeline alone: no averaging possible),
+  - `agora-node demo --replicas 1` (the asynchronous pipeline alone: no averaging possible), and
+    again with `--pinned-weights 0` (each backward recomputed on the current weights instead of
+    the weights its forward used: what weight pinning buys),
   - `agora-node demo --replicas R` with sync method sparta, diloco and none (never averaged),
 and reports each run's held-out loss and its ratio to train-local (the issue's goal for the
 swarm: <= 1.02), mean over seeds; the averaging rounds by outcome; averaging bytes per global
@@ -81,10 +83,10 @@ def ideal_sparta(config, steps: int, replicas: int) -> float:
     return models[0].evaluate()
 
 
-def demo(args, seed: int, replicas: int, method: str, work: Path) -> dict:
-    name = f"seed{seed}-r{replicas}-{method}"
+def demo(args, seed: int, replicas: int, method: str, work: Path, pinned: int | None = None) -> dict:
+    name = f"seed{seed}-r{replicas}-{method}" + ("" if pinned is None else f"-pinned{pinned}")
     summary_path = work / f"{name}.json"
-    flags = []
+    flags = [] if pinned is None else ["--pinned-weights", str(pinned)]
     for flag, value in (("--batch-size", args.batch_size), ("--microbatches", args.microbatches),
                         ("--max-in-flight", args.max_in_flight), ("--averaging-every", args.every),
                         ("--averaging-fraction", args.fraction)):
@@ -155,7 +157,8 @@ def main() -> None:
     r = args.replicas
     names = ["train-local (subspace)", "train-local dense control",
              f"train-local on 1/{r} of every batch (a replica never averaged)",
-             f"{r} in-process replicas, exact sparta at this cadence, no asynchrony", "demo --replicas 1 (async)"]
+             f"{r} in-process replicas, exact sparta at this cadence, no asynchrony", "demo --replicas 1 (async)",
+             "demo --replicas 1 (async), backward on current weights (--pinned-weights 0)"]
     names += [f"demo --replicas {r} --averaging {m}" for m in args.methods]
     heldout: dict[str, list[float]] = {name: [] for name in names}
     figures: dict[str, list[dict]] = {name: [] for name in names}
@@ -170,9 +173,10 @@ def main() -> None:
                                               microbatches=max(1, config.train.microbatches // r)))
         heldout[names[2]].append(train_local(share, args.steps, heldout_batch_size=config.train.batch_size))
         heldout[names[3]].append(ideal_sparta(config, args.steps, r))
-        runs = [(names[4], 1, "none")] + [(f"demo --replicas {r} --averaging {m}", r, m) for m in args.methods]
-        for name, replicas, method in runs:
-            summary = demo(args, seed, replicas, method, work)
+        runs = [(names[4], 1, "none", None), (names[5], 1, "none", 0)]
+        runs += [(f"demo --replicas {r} --averaging {m}", r, m, None) for m in args.methods]
+        for name, replicas, method, pinned in runs:
+            summary = demo(args, seed, replicas, method, work, pinned)
             heldout[name].append(summary["heldout_loss"])
             rates[name].append(summary["tokens_per_s"])
             if method != "none":
