@@ -350,10 +350,9 @@ def test_backward_uses_the_weights_its_forward_ran_on(pinned):
     if pinned:  # and the current weights would have given another gradient: the pin mattered
         _, current = _reference_gradients(body.stage, tokens, wire, output_grad)
         assert any(not torch.allclose(a, b) for a, b in zip(current, param_grads))
-    # Kept while an Abort could still take that gradient back; the step consumes it.
-    assert body.pinned_weight_copies == (1 if pinned else 0)
+    assert body.pinned_weight_copies == 0  # no pending backward needs the old weights any more
     _report(body, 0, microbatches=1)
-    assert body.pinned_weight_copies == 0 and body.weights_version == 2
+    assert body.weights_version == 2
 
 
 def test_pinned_weights_are_bounded_and_the_oldest_falls_back_to_current_weights():
@@ -385,11 +384,12 @@ def test_abort_after_a_weights_change_takes_back_exactly_the_gradient_it_added()
     torch.manual_seed(0)
     body = make_compute(1, synchronous=False, local_batch=None)
     _, _, output_grad = _body_microbatch(body, "m0", seed=1)
+    _body_microbatch(body, "m1", seed=2)  # still in flight: its backward needs these weights
     body.backward(grad_request(1, output_grad, microbatch_id="m0"))
     added = [p.grad.clone() for p in body.optimizer.parameters]
-    _perturb(body)  # an averaging delta lands before the trainer abandons the route
-    assert body.pinned_weight_copies == 1  # the abort may still need the weights the gradient came from
+    _perturb(body)  # an averaging delta lands before the trainer abandons m0's route
+    assert body.pinned_weight_copies == 1
     reply = body.abort(AbortRequest(run_id="run", microbatch_id="m0", stage=1))
-    assert reply.reverted and body.pinned_weight_copies == 0
+    assert reply.reverted
     for param, grad in zip(body.optimizer.parameters, added):
         assert param.grad.abs().max() <= 1e-6 * max(1.0, grad.abs().max())
