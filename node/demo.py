@@ -75,6 +75,8 @@ class DemoOptions:
             raise ConfigError("--replicas, --trainers and --steps must be at least 1")
         if self.sync and (self.replicas != 1 or self.trainers != 1):
             raise ConfigError("--sync needs --replicas 1 and --trainers 1 (one route, one barrier)")
+        if self.pinned_weights is not None and self.pinned_weights < 0:
+            raise ConfigError(f"--pinned-weights: must be >= 0, got {self.pinned_weights}")
         if self.kill_worker_at is not None and self.replicas < 2:
             raise ConfigError("--kill-worker-at needs --replicas 2 or more, so the stage survives")
         return self

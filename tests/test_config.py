@@ -100,4 +100,6 @@ def test_pinned_weights_reach_the_worker_and_the_demo_hands_them_on():
     with pytest.raises(ConfigError, match="worker.pinned_weights: must be >= 0, got -1"):
         options_of("--pinned-weights", "-1")
     demo = DemoOptions.from_args(build_parser().parse_args(["demo", "--pinned-weights", "0"]))
-    assert demo.pinned_weights == 0
+    assert demo.validate().pinned_weights == 0
+    with pytest.raises(ConfigError, match="--pinned-weights: must be >= 0, got -1"):
+        DemoOptions(pinned_weights=-1).validate()
