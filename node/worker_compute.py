@@ -409,13 +409,13 @@ class StageCompute:
         if applied is None:
             try:
                 self.stash.pop(request.microbatch_id)
+                self._unpin_unused()  # its forward's weights may have been pinned for it alone
                 return AbortReply(reverted=False, outcome="dropped")
             except KeyError:
                 stepped = request.microbatch_id in self.stepped_ids
                 return AbortReply(reverted=False, outcome="stepped" if stepped else "unknown")
         version = self._available_version(applied.weights_version)
         _, param_grads = self._recompute(version, applied.tokens, applied.wire, applied.targets, applied.output_grad)
-        self._unpin_unused()
         for param, grad in zip(self.optimizer.parameters, param_grads):
             if grad is not None and param.grad is not None:
                 param.grad.sub_(grad)

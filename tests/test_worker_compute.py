@@ -393,3 +393,12 @@ def test_abort_after_a_weights_change_takes_back_exactly_the_gradient_it_added()
     assert reply.reverted
     for param, grad in zip(body.optimizer.parameters, added):
         assert param.grad.abs().max() <= 1e-6 * max(1.0, grad.abs().max())
+
+
+def test_aborting_a_forward_releases_the_weights_pinned_for_it():
+    body = make_compute(1, synchronous=False, local_batch=None)
+    _body_microbatch(body, "m0", seed=1)
+    _perturb(body)
+    assert body.pinned_weight_copies == 1
+    assert body.abort(AbortRequest(run_id="run", microbatch_id="m0", stage=1)).outcome == "dropped"
+    assert body.pinned_weight_copies == 0
