@@ -81,9 +81,9 @@ class DemoOptions:
             raise ConfigError("--kill-worker-at needs --replicas 2 or more, so the stage survives")
         return self
 
-    def averaging_flags(self) -> list[str]:
-        """The workers' averaging flags (workers alone average; trainers do not take these)."""
-        flags = []
+    def worker_flags(self) -> list[str]:
+        """Flags for the workers alone (trainers do not take these): averaging and weight pinning."""
+        flags = [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
         for name, value in (("--averaging", self.averaging), ("--averaging-every", self.averaging_every),
                             ("--averaging-fraction", self.averaging_fraction)):
             if value is not None:
@@ -167,11 +167,8 @@ def run_demo(options: DemoOptions) -> int:
                 ready = workdir / f"{name}.ready"
                 # INFO: each averaging round's milestone line lands in the worker's log file.
                 command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
-                                             *options.run_flags(), *swarm, *options.averaging_flags(),
-                                             *([] if options.pinned_weights is None
-                                               else ["--pinned-weights", str(options.pinned_weights)]),
-                                             "--stats-file",
-                                             str(workdir / f"{name}.stats.json"),
+                                             *options.run_flags(), *swarm, *options.worker_flags(),
+                                             "--stats-file", str(workdir / f"{name}.stats.json"),
                                              "--heartbeat", "1", "--ready-file", str(ready))
                 workers.append((stage, group.spawn(name, command, ready)))
         group.wait_ready([w for _, w in workers], options.ready_timeout_s)
