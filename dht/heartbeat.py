@@ -54,6 +54,7 @@ class Heartbeat:
         self.failures = 0  # beats that raised or were refused
         self._task: Optional[asyncio.Task[None]] = None
         self._last_announced: Optional[WorkerRecord] = None
+        self._accepted = asyncio.Event()  # set by every accepted beat, for wait_beats()
 
     @property
     def running(self) -> bool:
@@ -94,6 +95,7 @@ class Heartbeat:
             return False
         self.beats += 1
         self._last_announced = record
+        self._accepted.set()
         if previous is not None and (previous.run_id, previous.stage, previous.peer_id) != (
             record.run_id,
             record.stage,
@@ -102,6 +104,13 @@ class Heartbeat:
             # The worker moved (another stage or identity): its old entry must not linger.
             await self._withdraw(previous)
         return True
+
+    async def wait_beats(self, count: int) -> None:
+        """Return once `count` beats in all have been accepted (wrap in a timeout: a DHT that
+        refuses every beat never gets there)."""
+        while self.beats < count:
+            self._accepted.clear()
+            await self._accepted.wait()
 
     async def stop(self, *, withdraw: bool = True) -> None:
         """Stop beating; with ``withdraw`` (the default) remove the record right away."""
