@@ -57,7 +57,7 @@ def ideal_sparta(config, steps: int, replicas: int) -> float:
     share of every batch (the shared epoch) and, every `sync.every_steps` steps, the replicas
     average slice r of every stage exactly (`sync.fraction`): what the averaging cadence alone
     costs. Held-out loss of replica 0."""
-    from agora.node.sparta import SlicePartition
+    from agora.node.averaging.sparta import SlicePartition
 
     torch.manual_seed(config.seed)
     data = build_data(config)

@@ -116,7 +116,7 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
-    from agora.node.join import JoinOptions, run_worker
+    from agora.node.worker.join import JoinOptions, run_worker
 
     config = _run_config(args)
     options = JoinOptions(stage=args.stage, run_id=args.run_id, initial_peers=tuple(args.initial_peers),
@@ -127,7 +127,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
 
 def _worker_options(args: argparse.Namespace):
-    from agora.node.worker import WorkerOptions
+    from agora.node.worker.worker import WorkerOptions
 
     pinned = {} if args.pinned_weights is None else {"pinned_weights": args.pinned_weights}
     return WorkerOptions(host=args.host, port=args.port, synchronous=args.sync, local_batch=args.local_batch,
@@ -137,7 +137,7 @@ def _worker_options(args: argparse.Namespace):
 def _cmd_trainer(args: argparse.Namespace) -> int:
     import json
 
-    from agora.node.trainer import TrainerOptions, run_swarm_trainer
+    from agora.node.trainer.trainer import TrainerOptions, run_swarm_trainer
 
     config = _run_config(args)
     if not 0 <= args.trainer_index < args.trainers:
@@ -159,7 +159,7 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from agora.node.demo import DemoOptions, run_demo
+    from agora.node.demo.demo import DemoOptions, run_demo
 
     _run_config(args)  # refuse a bad config before starting any process
     return run_demo(DemoOptions.from_args(args))

@@ -25,9 +25,9 @@ import torch
 
 from agora.dht.averaging import RoundBoard, SliceAverager
 from agora.dht.swarm import SwarmDHT
-from agora.node.averaging_loop import AveragingLoop
-from agora.node.server import run
-from agora.node.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels
+from agora.node.averaging.loop import AveragingLoop
+from agora.node.averaging.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels
+from agora.node.rpc.server import run
 from agora.pipeline.config import PRESETS
 from local_replica import LocalReplica
 

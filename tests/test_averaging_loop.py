@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from agora.dht.averaging import RoundResult
-from agora.node.averaging_loop import AveragingLoop
-from agora.node.server import run
-from agora.node.sparta import SlicePartition, averaged_vector_size, outer_nesterov_step
+from agora.node.averaging.loop import AveragingLoop
+from agora.node.averaging.sparta import SlicePartition, averaged_vector_size, outer_nesterov_step
+from agora.node.rpc.server import run
 from agora.pipeline.config import PRESETS
 from local_replica import LocalReplica
 
@@ -396,7 +396,7 @@ def test_loop_starts_due_and_announced_rounds_and_stop_cancels_the_round_in_flig
 def test_diloco_anchor_momentum_and_round_survive_a_checkpoint(tmp_path):
     """A restarted replica resumes its outer optimizer: the same anchor, momentum and round, and
     samples since the last round counted across the restart (the worker's own count restarts)."""
-    from agora.node.join import _restore_stage, _save_stage
+    from agora.node.worker.join import _restore_stage, _save_stage
 
     sync = dataclasses.replace(SYNC, method="diloco", fragments=2)
 

@@ -72,7 +72,7 @@ def test_run_flags_set_the_schedule_and_the_averaging_cadence():
 
 def test_batch_flags_set_the_global_batch_and_refuse_a_split_that_does_not_divide():
     from agora.node.cli import _run_config, build_parser
-    from agora.node.demo import DemoOptions
+    from agora.node.demo.demo import DemoOptions
 
     def config_of(*argv):
         return _run_config(build_parser().parse_args(["join", "--stage", "0", *argv]))
@@ -89,8 +89,8 @@ def test_batch_flags_set_the_global_batch_and_refuse_a_split_that_does_not_divid
 
 def test_pinned_weights_reach_the_worker_and_the_demo_hands_them_on():
     from agora.node.cli import _worker_options, build_parser
-    from agora.node.demo import DemoOptions
-    from agora.node.worker import WorkerOptions
+    from agora.node.demo.demo import DemoOptions
+    from agora.node.worker.worker import WorkerOptions
 
     def options_of(*argv):
         return _worker_options(build_parser().parse_args(["join", "--stage", "0", *argv]))

@@ -1,6 +1,6 @@
 """Worker selection: earliest expected finish, newcomer handling, bans with backoff."""
 
-from agora.node.routing import Roster, WorkerView, pick_worker
+from agora.node.trainer.routing import Roster, WorkerView, pick_worker
 
 
 def _view(peer, stage=0, **fields):

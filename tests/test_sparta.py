@@ -8,7 +8,7 @@ from hivemind.averaging.key_manager import is_valid_group
 
 from agora.dht.averaging import GROUP_BITS, RoundRecord, estimated_bytes, round_group_bits, rounds_key
 from agora.dht.records import RecordError
-from agora.node.sparta import (
+from agora.node.averaging.sparta import (
     MEMBER_WEIGHT_FLOOR,
     SlicePartition,
     averaged_vector_size,

@@ -7,11 +7,11 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from agora.node.discovery import StaticDiscovery
-from agora.node.interceptors import CallHook
-from agora.node.routing import WorkerView
-from agora.node.trainer import SwarmTrainer, TrainerOptions, assigned_units
-from agora.node.worker import StageWorker, WorkerOptions
+from agora.node.rpc.interceptors import CallHook
+from agora.node.trainer.discovery import StaticDiscovery
+from agora.node.trainer.routing import WorkerView
+from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions, assigned_units
+from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.centralized import CentralizedTrainer
 from agora.pipeline.config import PRESETS
 from agora.pipeline.data import build_data

@@ -12,10 +12,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from agora.node.interceptors import CallHook
-from agora.node.server import run
-from agora.node.worker import StageWorker, WorkerOptions
-from agora.node.worker_client import RequestRefused, StageClient, WorkerBusy, WorkerUnreachable
+from agora.node.rpc.interceptors import CallHook
+from agora.node.rpc.server import run
+from agora.node.trainer.stage_client import RequestRefused, StageClient, WorkerBusy, WorkerUnreachable
+from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
 from agora.pipeline.optim import StageOptimizer

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agora.node.worker_compute import (
+from agora.node.worker.compute import (
     ComputeError,
     InvalidRequest,
     PreconditionFailed,
     StageCompute,
     UnknownMicrobatch,
 )
-from agora.node.worker_stash import ForwardStash
+from agora.node.worker.stash import ForwardStash
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
 from agora.protos.stage_adapter import AbortRequest, BackwardRequest, ForwardRequest, StepRequest
@@ -151,8 +151,8 @@ def test_abort_takes_back_exactly_what_an_abandoned_microbatch_added():
     """An abandoned route leaves nothing half-applied: gradients return to what they were."""
     import torch
 
-    from agora.node.worker_compute import StageCompute
-    from agora.node.worker_stash import ForwardStash
+    from agora.node.worker.compute import StageCompute
+    from agora.node.worker.stash import ForwardStash
     from agora.pipeline.codec import WireCodec, encode_tokens
     from agora.pipeline.config import PRESETS
     from agora.protos.stage_adapter import AbortRequest, ForwardRequest
@@ -212,7 +212,7 @@ def test_asynchronous_worker_steps_once_per_reported_global_batch():
 
 
 def test_a_replica_joining_mid_run_adopts_the_stage_epoch_from_the_reported_batch():
-    from agora.node.worker_compute import EPOCH_CATCH_UP_BATCHES
+    from agora.node.worker.compute import EPOCH_CATCH_UP_BATCHES
     from agora.pipeline.optim import lr_at
 
     joiner = make_compute(0, synchronous=False, local_batch=None)

@@ -39,9 +39,9 @@ from typing import IO, Awaitable, Callable
 
 import torch
 
-from agora.node.discovery import Discovery
-from agora.node.routing import Roster, WorkerView
-from agora.node.worker_client import RequestRefused, StageCallError, StageClient, WorkerBusy
+from agora.node.trainer.discovery import Discovery
+from agora.node.trainer.routing import Roster, WorkerView
+from agora.node.trainer.stage_client import RequestRefused, StageCallError, StageClient, WorkerBusy
 from agora.pipeline.centralized import StepRecord
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import RunConfig
@@ -170,7 +170,7 @@ class SwarmTrainer:
 
     async def _pick(self, stage: int, exclude: frozenset[str], shares: Counter | None = None) -> WorkerView:
         """A worker for `stage`; with `shares` (this batch's microbatches per peer on the stage),
-        balanced across replicas (see node/routing.py) and counted there."""
+        balanced across replicas (see node/trainer/routing.py) and counted there."""
         deadline = self.clock() + self.options.wait_for_workers_s
         pause = 0.05
         while True:
@@ -450,8 +450,8 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                       steps: int, log_json: IO[str] | None = None, evaluate: bool = True) -> dict:
     """`agora-node trainer`: join the DHT, train this trainer's share of `steps`, evaluate; a summary."""
     from agora.dht.swarm import SwarmDHT
-    from agora.node.discovery import DHTDiscovery
-    from agora.node.server import run as run_loop
+    from agora.node.rpc.server import run as run_loop
+    from agora.node.trainer.discovery import DHTDiscovery
     from agora.pipeline.data import build_data
 
     data = build_data(config)

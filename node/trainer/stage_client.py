@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import torch
 
-from agora.node.server import message_options
+from agora.node.rpc.server import message_options
 from agora.pipeline.codec import WireCodec, WireFormatError, encode_tokens, float_frame_bytes
 from agora.pipeline.config import ModelConfig
 from agora.protos.stage_adapter import (

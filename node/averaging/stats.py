@@ -1,4 +1,4 @@
-"""`AveragingStats`: the counters of one worker's averaging rounds (node/averaging_loop.py).
+"""`AveragingStats`: the counters of one worker's averaging rounds (node/averaging/loop.py).
 
 Plain numbers, updated by the loop after each round (and, for `compute_blocked_s`, on the
 compute thread); `snapshot()` is the dict the join daemon writes on exit and the demo merges.

@@ -1,6 +1,6 @@
 """A worker's compute: one stage replica, its optimizer, and the forward-input stash.
 
-Everything here runs on the worker's single compute thread (node/worker.py submits to it); this
+Everything here runs on the worker's single compute thread (node/worker/worker.py submits to it); this
 module knows nothing of gRPC, so it is tested and reused (checkpoints, averaging) without sockets.
 It speaks the Stage service's dataclasses and codec frames. Design choices:
 
@@ -77,7 +77,7 @@ from agora.protos.stage_adapter import (
     StepRequest,
 )
 
-from agora.node.worker_stash import ForwardStash
+from agora.node.worker.stash import ForwardStash
 
 __all__ = [
     "RequestRejected",

@@ -7,7 +7,7 @@ routing to it, finish in-flight calls, write an atomic checkpoint of its stage, 
 A kill -9 needs nobody's cooperation: the record expires after ~3 missed heartbeats and trainers
 reroute. With `--checkpoint-dir` holding a checkpoint of the same stage, the worker resumes it.
 Unless the run's `sync.method` is "none" (or the worker is in synchronous mode, one replica per
-stage), it averages with the other replicas of its stage in the background (node/averaging_loop.py)
+stage), it averages with the other replicas of its stage in the background (node/averaging/loop.py)
 and, with `--stats-file`, writes the averaging counters there as JSON when it leaves.
 """
 
@@ -26,10 +26,10 @@ from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.records import WorkerRecord
 from agora.dht.swarm import SwarmDHT
-from agora.node.averaging_loop import AveragingLoop
-from agora.node.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels
-from agora.node.worker import StageWorker, WorkerOptions
-from agora.node.worker_compute import StageCompute
+from agora.node.averaging.loop import AveragingLoop
+from agora.node.averaging.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels
+from agora.node.worker.compute import StageCompute
+from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkpoint, save_checkpoint
 from agora.pipeline.config import ConfigError, RunConfig
 
@@ -149,7 +149,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
 
 def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions) -> int:
     """Blocking: serve until a signal, return the exit code."""
-    from agora.node.server import run as run_loop
+    from agora.node.rpc.server import run as run_loop
 
     n_stages = len(config.layer_split)
     if not 0 <= options.stage < n_stages:

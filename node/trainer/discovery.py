@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from agora.dht.swarm import SwarmDHT
-from agora.node.routing import WorkerView
+from agora.node.trainer.routing import WorkerView
 
 __all__ = ["Discovery", "StaticDiscovery", "DHTDiscovery"]
 

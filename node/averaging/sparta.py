@@ -1,7 +1,7 @@
 """AsyncSPARTA and streaming DiLoCo, the pure parts: which elements, which round, what to add.
 
 Everything here is deterministic arithmetic on tensors and integers, tested without a network;
-the averaging loop (node/averaging_loop.py) and the all-reduce (dht/averaging.py) use it.
+the averaging loop (node/averaging/loop.py) and the all-reduce (dht/averaging.py) use it.
 
 Design choices:
 - Partition: every tensor's elements are shuffled by a permutation drawn from the run seed and

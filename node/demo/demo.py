@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agora.node.processes import ChildFailed, ChildProcess, ProcessGroup, agora_node_command
+from agora.node.demo.processes import ChildFailed, ChildProcess, ProcessGroup, agora_node_command
 from agora.pipeline.config import ConfigError
 
 __all__ = ["DemoOptions", "run_demo", "merge_logs"]

@@ -4,7 +4,7 @@ Design choices:
 - One asyncio loop per process, uvloop where it is installed (`run`, `new_event_loop`);
   grpc.aio runs on it (checked on this machine with concurrent 1 MiB unary calls).
 - `create_server` is the only place a `grpc.aio.Server` is built, so every service gets the
-  same message-size limits and sits behind the same interceptor chain (node/interceptors.py).
+  same message-size limits and sits behind the same interceptor chain (node/rpc/interceptors.py).
 - Every server also runs the standard health-checking service and server reflection, so
   grpc_health_probe and grpcurl work against any node without our .proto files.
 - `bind` listens on the given host and port (0 picks a free one) and returns the real port,

@@ -33,12 +33,12 @@ Design choices:
   the last read is older than a probe): one (only this worker) is an `alone` outcome at once,
   with no matchmaking wait; more becomes the matchmaking target, so a complete group starts
   without waiting out the window. The round's announcement is stored while the round runs.
-- sparta: delta rule `w[slice] += average - snapshot` (node/sparta.py), optionally on the Adam
+- sparta: delta rule `w[slice] += average - snapshot` (node/averaging/sparta.py), optionally on the Adam
   moments of the slice too (exp_avg_sq is clamped at 0: a delta could push it negative).
   diloco: fragment round, outer Nesterov on the token-weighted mean delta; a round with fewer
   participants than `quorum` changes nothing (its progress is in the next delta of that fragment).
 - Everything a round did ends in one milestone log line (`averaging round=...`) and in
-  `AveragingStats` (node/averaging_stats.py), whose `snapshot()` is a plain dict (the join daemon
+  `AveragingStats` (node/averaging/stats.py), whose `snapshot()` is a plain dict (the join daemon
   writes it on exit).
 - The time the compute thread spends on snapshots and applies is measured on that thread and
   reported as `compute_blocked_s` / `compute_blocked_fraction` of the loop's wall time.
@@ -63,8 +63,7 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from agora.dht.averaging import RoundResult, SliceAverager
-from agora.node.averaging_stats import AveragingStats
-from agora.node.sparta import (
+from agora.node.averaging.sparta import (
     RoundDecision,
     SlicePartition,
     averaged_vector_size,
@@ -73,8 +72,9 @@ from agora.node.sparta import (
     peer_weight,
     round_slice,
 )
-from agora.node.worker import StageWorker
-from agora.node.worker_compute import StageCompute
+from agora.node.averaging.stats import AveragingStats
+from agora.node.worker.compute import StageCompute
+from agora.node.worker.worker import StageWorker
 from agora.pipeline.config import SyncConfig
 
 __all__ = ["AveragingStats", "AveragingLoop", "RoundDirectory"]

@@ -1,7 +1,7 @@
 """`StageWorker`: one replica of one pipeline stage, served over gRPC (agora.v1.Stage).
 
 Design choices:
-- One grpc.aio server on the process's event loop (uvloop where available, node/server.py);
+- One grpc.aio server on the process's event loop (uvloop where available, node/rpc/server.py);
   every handler sits behind one interceptor chain (logging first, then whatever the caller adds:
   metrics, credential checks), plus standard health checking and reflection.
 - Compute runs on ONE dedicated thread (`stage-compute`), the only place that touches the stage,
@@ -36,9 +36,9 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import grpc
 
-from agora.node.interceptors import interceptor_chain
-from agora.node.server import add_health_and_reflection, bind, create_server, set_serving
-from agora.node.worker_compute import (
+from agora.node.rpc.interceptors import interceptor_chain
+from agora.node.rpc.server import add_health_and_reflection, bind, create_server, set_serving
+from agora.node.worker.compute import (
     DEFAULT_PINNED_VERSIONS,
     ComputeError,
     InvalidRequest,
@@ -46,7 +46,7 @@ from agora.node.worker_compute import (
     RequestRejected,
     StageCompute,
 )
-from agora.node.worker_stash import ForwardStash
+from agora.node.worker.stash import ForwardStash
 from agora.pipeline.codec import FLOAT_DTYPES, WireCodec
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.protos.stage_adapter import (
@@ -88,7 +88,7 @@ class WorkerOptions:
     stream_chunk_bytes: int = 2**20
     wire_dtype: str = "fp32"  # what this worker sends; it decodes any dtype
     grace_s: float = 10.0
-    # Earlier weight versions kept so a backward runs on its forward's weights (worker_compute.py);
+    # Earlier weight versions kept so a backward runs on its forward's weights (node/worker/compute.py);
     # each costs one copy of the stage's trainable parameters. 0: recompute on the current weights.
     pinned_weights: int = DEFAULT_PINNED_VERSIONS
 

@@ -1,0 +1,1 @@
+"""Background averaging between replicas of a stage: the averaging loop, its stats, and the SparTA rules."""

@@ -1,0 +1,1 @@
+"""gRPC plumbing shared by the node: server setup and the interceptor chain."""

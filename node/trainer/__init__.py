@@ -1,0 +1,1 @@
+"""The trainer side: the swarm trainer, worker routing and discovery, and the client for stage workers."""
