@@ -2,6 +2,9 @@
 
 - ``records``: record schemas (``WorkerRecord``, the ``Record`` base) and key names; pure.
 - ``swarm``: ``SwarmDHT``, the one owner of the hivemind DHT process and its futures.
+- ``ownership``: which per-peer entries a reader believes (owner key, peer id, fingerprint).
+- ``averaging``: ``SliceAverager`` (hivemind's averager, with credential checks) and the
+  rounds board.
 - ``heartbeat``: ``Heartbeat``, keeps a worker's record alive while the worker is.
 - ``bootstrap``: ``run_bootstrap``, the ``agora-node bootstrap`` role (import it from
   ``agora.dht.bootstrap``; not re-exported here so ``python -m agora.dht.bootstrap`` runs

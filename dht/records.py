@@ -18,13 +18,21 @@ Design choices:
   components unambiguously.
 - ``Record`` is the base for later record types (leases, rounds): subclass it, declare
   scalar fields, set ``KIND``, and put range checks in ``check()``.
+- Per-peer entries live under subkeys. With admission on (auth/hivemind_auth.py) a subkey is
+  ``<peer id>[owner:<ssh-rsa ...>]``: hivemind's ``RSASignatureValidator`` then lets only the
+  holder of that key write or tombstone the entry, and readers check that the key is the one
+  the peer id is derived from. ``owned_subkey`` / ``split_subkey`` build and parse that form
+  (pure string work; the key check needs the key parser and lives with the readers).
+- ``WorkerRecord.fingerprint`` is the run fingerprint text (pipeline/fingerprint.py): a record
+  of a run with another seed, basis, data or config is skipped by readers that know theirs.
+  It is a required field, so schema 2 (records of schema 1 lack it and are refused cleanly).
 """
 
 import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, TypeVar
+from typing import Any, ClassVar, Mapping, Optional, TypeVar
 
 __all__ = [
     "MAX_STAGES",
@@ -33,12 +41,17 @@ __all__ = [
     "Record",
     "RecordError",
     "WorkerRecord",
+    "OWNER_MARKER",
     "check_run_id",
+    "owned_subkey",
     "parse_endpoint",
+    "split_subkey",
     "worker_key",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# hivemind's RSASignatureValidator.PUBLIC_KEY_FORMAT, as text: b"[owner:_key_]".
+OWNER_MARKER = "[owner:"
 PHASES = frozenset({"weight_sync", "optimizer_sync", "member", "leaving"})
 # Generous bounds: they exist to reject garbage cheaply, not to constrain real runs.
 MAX_STAGES = 4096
@@ -65,6 +78,30 @@ def worker_key(run_id: str, stage: int) -> str:
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < MAX_STAGES:
         raise RecordError(f"stage: expected an int in [0, {MAX_STAGES}), got {stage!r}")
     return f"{run_id}.stage{stage}.workers"
+
+
+def owned_subkey(peer_id: str, owner_public_key: str) -> str:
+    """A peer's subkey that only the holder of ``owner_public_key`` (OpenSSH text) can write."""
+    return f"{peer_id}{OWNER_MARKER}{owner_public_key}]"
+
+
+def split_subkey(subkey: object) -> tuple[str, Optional[str]]:
+    """(peer id, owner public key or None) of a subkey; ``RecordError`` if it is malformed.
+
+    A subkey without a marker is a plain peer id (unsigned: accepted only by ``--insecure``
+    readers). The owner part is returned as written; whether it is a key, and the key of that
+    peer id, is the reader's check.
+    """
+    if not isinstance(subkey, str):
+        raise RecordError(f"subkey: expected a string, got {type(subkey).__name__}")
+    peer_id, marker, owner = subkey.partition(OWNER_MARKER)
+    if not peer_id or len(peer_id) > Record.MAX_STRING_LENGTH:
+        raise RecordError(f"subkey: expected a peer id first, got {subkey!r:.80}")
+    if not marker:
+        return peer_id, None
+    if not owner.endswith("]") or "]" in owner[:-1] or "[" in owner or len(owner) < 2:
+        raise RecordError(f"subkey: malformed owner marker in {subkey!r:.80}")
+    return peer_id, owner[:-1]
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -174,6 +211,7 @@ class WorkerRecord(Record):
     decides; trainers only compare workers of one run). ``version`` is the announcing
     software's version string, so trainers can skip peers that speak another protocol.
     ``updated_at`` is DHT time (seconds, hivemind's ``get_dht_time`` clock) of the announce.
+    ``fingerprint`` is the run fingerprint text (``RunFingerprint.text()``), compared by readers.
     """
 
     KIND: ClassVar[str] = "worker"
@@ -189,6 +227,7 @@ class WorkerRecord(Record):
     phase: str
     version: str
     updated_at: float
+    fingerprint: str
 
     def check(self) -> None:
         if not self.peer_id:
@@ -206,3 +245,5 @@ class WorkerRecord(Record):
             raise RecordError(f"worker.phase: expected one of {sorted(PHASES)}, got {self.phase!r:.40}")
         if not self.version:
             raise RecordError("worker.version: empty")
+        if not self.fingerprint:
+            raise RecordError("worker.fingerprint: empty")

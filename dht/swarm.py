@@ -11,7 +11,16 @@ Design choices:
   is not safe from several threads at once, so sends are serialized by a lock (waiting
   for the answer happens outside it).
 - A stage's workers share one key, ``{run_id}.stage{i}.workers``, each under its own
-  subkey (its peer id), so a worker's announce never overwrites another's.
+  subkey, so a worker's announce never overwrites another's. With admission on
+  (``start(security=...)``, auth/hivemind_auth.py) the DHT process runs hivemind's token
+  authorizer and record validators, and a subkey is ``<peer id>[owner:<node key>]``: only
+  this node can write or tombstone its entries, and the peer id is its credential's (the
+  libp2p identity is the node key). Without it (``--insecure``) subkeys are bare peer ids,
+  exactly as before admission existed.
+- Readers check what the validators check (``dht/ownership.py``), and count what they skip:
+  the subkey's peer id is the record's, the owner key is that peer id's key, and with
+  admission on an entry without an owner (unsigned) is skipped. A reader that passes its
+  run fingerprint also skips workers of another run configuration, naming the field.
 - hivemind cannot delete. A store wins only if its expiration is *later* than the one
   held, and a store whose expiration is already past is refused. So withdrawing writes a
   tombstone (``None``) whose expiration is just after the withdrawn entry's; readers skip
@@ -41,13 +50,18 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Iterable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Optional, Sequence, TypeVar
 
 import hivemind
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from agora.dht.records import Record, RecordError, WorkerRecord, check_run_id, worker_key
+from agora.dht.ownership import EntryOwnership, fingerprint_mismatch
+from agora.dht.records import Record, RecordError, WorkerRecord, check_run_id, owned_subkey, worker_key
+
+if TYPE_CHECKING:
+    from agora.auth.hivemind_auth import DHTSecurity
+    from agora.pipeline.fingerprint import RunFingerprint
 
 __all__ = [
     "DEFAULT_HOST_MADDRS",
@@ -88,7 +102,9 @@ class SwarmDHT:
     """Typed access to one hivemind DHT peer. Create with ``SwarmDHT.start(...)``.
 
     Wrapping an already started ``hivemind.DHT`` through the constructor hands it over:
-    ``shutdown()`` shuts it down.
+    ``shutdown()`` shuts it down. ``owner_public_key`` (OpenSSH text of the node key, which
+    the DHT's ``RSASignatureValidator`` signs with) turns on owned subkeys and makes readers
+    skip unsigned entries; ``start(security=...)`` sets it.
     """
 
     def __init__(
@@ -97,8 +113,11 @@ class SwarmDHT:
         *,
         clock: Clock = get_dht_time,
         request_timeout: float = 10.0,
+        owner_public_key: Optional[str] = None,
     ) -> None:
         self._dht = dht
+        self._owner_public_key = owner_public_key
+        self._ownership = EntryOwnership(require_owner=owner_public_key is not None)
         self._clock = clock
         self.request_timeout = request_timeout
         self._send_lock = threading.Lock()
@@ -108,6 +127,9 @@ class SwarmDHT:
         self._rejections: Counter[str] = Counter()
         self._warned: set[tuple[str, str, str]] = set()
         self._peer_id: str = self._run_coroutine(_node_peer_id, "peer id")
+        # A client-mode peer serves nothing, so its own storage counts for no reader: its
+        # writes go to serving peers only, and "accepted" means one of them took it.
+        self._client_mode: bool = self._run_coroutine(_node_client_mode, "client mode")
 
     @classmethod
     def start(
@@ -119,6 +141,7 @@ class SwarmDHT:
         identity_path: Optional[str] = None,
         client_mode: bool = False,
         record_validators: Iterable[Any] = (),
+        security: Optional[DHTSecurity] = None,
         clock: Clock = get_dht_time,
         request_timeout: float = 10.0,
         startup_timeout: float = 30.0,
@@ -128,24 +151,40 @@ class SwarmDHT:
 
         Start it before creating gRPC servers or torch threads: hivemind forks its process.
         ``record_validators`` (hivemind ``RecordValidatorBase``) and ``dht_kwargs`` pass
-        through to ``hivemind.DHT``. Failing to join raises ``DHTRequestError``.
+        through to ``hivemind.DHT``. ``security`` (``auth.hivemind_auth.DHTSecurity``) is the
+        node's admission: identity, token authorizer, signed and checked records; None is
+        ``--insecure``. Failing to join raises ``DHTRequestError`` (so does joining an admitted
+        swarm without a credential it accepts: nobody answers).
         """
         options = dict(dht_kwargs)
+        validators = list(record_validators)
         if announce_maddrs:
             options["announce_maddrs"] = list(announce_maddrs)
-        if identity_path is not None:
+        if security is not None:
+            # A read-only credential (monitor) serves nothing: its stores are refused anyway.
+            client_mode = client_mode or not security.may_store
+            if identity_path is not None:
+                raise ValueError("identity_path: the node's state directory holds its identity; give one or the other")
+            secured = security.hivemind_options()
+            validators += secured.pop("record_validators")
+            options.update(secured)
+        elif identity_path is not None:
             options["identity_path"] = identity_path
         dht = _OwnedDHT(
             initial_peers=list(initial_peers) or None,
             start=False,
             host_maddrs=list(host_maddrs),
             client_mode=client_mode,
-            record_validators=record_validators,
+            record_validators=validators,
             **options,
         )
         try:
             dht.run_in_background(await_ready=True, timeout=startup_timeout)
-            return cls(dht, clock=clock, request_timeout=request_timeout)
+            swarm = cls(dht, clock=clock, request_timeout=request_timeout,
+                        owner_public_key=None if security is None else security.owner_public_key)
+            if security is not None and swarm.peer_id != security.peer_id:
+                raise DHTRequestError(f"the DHT peer id {swarm.peer_id} is not the credential's {security.peer_id}")
+            return swarm
         except BaseException as error:
             _stop_process(dht)
             if isinstance(error, Exception):
@@ -158,6 +197,18 @@ class SwarmDHT:
     def peer_id(self) -> str:
         """This peer's libp2p id (base58), the natural subkey for its own entries."""
         return self._peer_id
+
+    @property
+    def secured(self) -> bool:
+        """Whether entries are owned and signed (admission on), i.e. not ``--insecure``."""
+        return self._owner_public_key is not None
+
+    def subkey_of(self, peer_id: str) -> str:
+        """The subkey this peer writes an entry of ``peer_id`` under (only its own is accepted
+        when secured: the owner key must be the key of that peer id)."""
+        if self._owner_public_key is None:
+            return peer_id
+        return owned_subkey(peer_id, self._owner_public_key)
 
     @property
     def hivemind_dht(self) -> hivemind.DHT:
@@ -202,25 +253,30 @@ class SwarmDHT:
     # ---- workers ------------------------------------------------------------------------
 
     def announce_worker(self, record: WorkerRecord, ttl: float) -> bool:
-        """Store ``record`` under its stage's key, subkey = its peer id, for ``ttl`` seconds.
+        """Store ``record`` under its stage's key, subkey = ``subkey_of(record.peer_id)``, for
+        ``ttl`` seconds.
 
-        Returns False if no DHT peer accepted it (it held a later expiration).
+        Returns False if no DHT peer accepted it (it held a later expiration, or, secured, the
+        record is not this node's).
         """
         key = worker_key(record.run_id, record.stage)
-        return self.store(key, record, ttl, subkey=record.peer_id)
+        return self.store(key, record, ttl, subkey=self.subkey_of(record.peer_id))
 
-    def live_workers(self, run_id: str, stage: int, *, latest: bool = True) -> list[WorkerRecord]:
-        """Valid, unexpired, not withdrawn workers of one stage, sorted by peer id."""
+    def live_workers(
+        self, run_id: str, stage: int, *, latest: bool = True, fingerprint: Optional[RunFingerprint] = None
+    ) -> list[WorkerRecord]:
+        """Valid, unexpired, not withdrawn workers of one stage, sorted by peer id.
+
+        With ``fingerprint`` (this reader's run fingerprint), workers announcing another one
+        are skipped and counted; the first skip of each is logged naming the differing field.
+        """
         key = worker_key(run_id, stage)
-        entries = self.get_entries(key, WorkerRecord, latest=latest)
-        # get_entries sorts by subkey, which _matches_key requires to be the peer id.
-        return [
-            stored.record
-            for subkey, stored in entries.items()
-            if self._matches_key(key, subkey, stored.record, run_id, stage)
-        ]
+        entries = self.owned_entries(key, WorkerRecord, latest=latest)
+        return self._workers_of(key, entries, run_id, stage, fingerprint)
 
-    def all_workers(self, run_id: str, n_stages: int, *, latest: bool = True) -> dict[int, list[WorkerRecord]]:
+    def all_workers(
+        self, run_id: str, n_stages: int, *, latest: bool = True, fingerprint: Optional[RunFingerprint] = None
+    ) -> dict[int, list[WorkerRecord]]:
         """``live_workers`` of every stage in ``range(n_stages)`` (empty stages included).
 
         The stages are looked up concurrently inside the DHT process.
@@ -234,17 +290,14 @@ class SwarmDHT:
         found = [self._wait(future, f"get {key!r}", deadline) for key, future in zip(keys, futures)]
         result: dict[int, list[WorkerRecord]] = {}
         for stage, (key, value) in enumerate(zip(keys, found)):
-            entries = self._parse_entries(key, value, WorkerRecord)
-            result[stage] = [
-                stored.record
-                for subkey, stored in entries.items()
-                if self._matches_key(key, subkey, stored.record, run_id, stage)
-            ]
+            entries = self._owned(key, self._parse_entries(key, value, WorkerRecord))
+            result[stage] = self._workers_of(key, entries, run_id, stage, fingerprint)
         return result
 
     def withdraw(self, run_id: str, stage: int, peer_id: str) -> bool:
-        """Make a worker's entry disappear for every reader now (tombstone, see module doc)."""
-        return self.delete(worker_key(run_id, stage), subkey=peer_id)
+        """Make a worker's entry disappear for every reader now (tombstone, see module doc).
+        Secured, only this node's own entry can be withdrawn."""
+        return self.delete(worker_key(run_id, stage), subkey=self.subkey_of(peer_id))
 
     # ---- generic typed access -----------------------------------------------------------
 
@@ -255,7 +308,10 @@ class SwarmDHT:
         expiration = self._claim_expiration(key, subkey, self._clock() + ttl)
         wire = record.to_wire()
         accepted = self._request(
-            lambda: self._dht.store(key, wire, expiration, subkey=subkey, return_future=True), f"store {key!r}"
+            lambda: self._dht.store(
+                key, wire, expiration, subkey=subkey, exclude_self=self._client_mode, return_future=True
+            ),
+            f"store {key!r}",
         )
         return bool(accepted)
 
@@ -273,7 +329,10 @@ class SwarmDHT:
             return True  # nothing unexpired to hide
         expiration = self._claim_expiration(key, subkey, target + _EXPIRATION_STEP)
         accepted = self._request(
-            lambda: self._dht.store(key, None, expiration, subkey=subkey, return_future=True), f"delete {key!r}"
+            lambda: self._dht.store(
+                key, None, expiration, subkey=subkey, exclude_self=self._client_mode, return_future=True
+            ),
+            f"delete {key!r}",
         )
         return bool(accepted)
 
@@ -296,6 +355,11 @@ class SwarmDHT:
         found = self._get_raw(key, latest)
         return self._parse_entries(key, found, record_type)
 
+    def owned_entries(self, key: str, record_type: type[R], *, latest: bool = True) -> dict[str, Stored[R]]:
+        """``get_entries`` keyed by peer id, keeping only entries whose subkey is their record's
+        ``peer_id`` (and, owned, whose owner key is that peer's; secured, owned at all)."""
+        return self._owned(key, self.get_entries(key, record_type, latest=latest))
+
     def rejections(self) -> dict[str, int]:
         """How many invalid values each key has yielded to this peer's reads so far."""
         with self._send_lock:
@@ -309,13 +373,15 @@ class SwarmDHT:
     async def announce_worker_async(self, record: WorkerRecord, ttl: float) -> bool:
         return await asyncio.to_thread(self.announce_worker, record, ttl)
 
-    async def live_workers_async(self, run_id: str, stage: int, *, latest: bool = True) -> list[WorkerRecord]:
-        return await asyncio.to_thread(self.live_workers, run_id, stage, latest=latest)
+    async def live_workers_async(
+        self, run_id: str, stage: int, *, latest: bool = True, fingerprint: Optional[RunFingerprint] = None
+    ) -> list[WorkerRecord]:
+        return await asyncio.to_thread(self.live_workers, run_id, stage, latest=latest, fingerprint=fingerprint)
 
     async def all_workers_async(
-        self, run_id: str, n_stages: int, *, latest: bool = True
+        self, run_id: str, n_stages: int, *, latest: bool = True, fingerprint: Optional[RunFingerprint] = None
     ) -> dict[int, list[WorkerRecord]]:
-        return await asyncio.to_thread(self.all_workers, run_id, n_stages, latest=latest)
+        return await asyncio.to_thread(self.all_workers, run_id, n_stages, latest=latest, fingerprint=fingerprint)
 
     async def withdraw_async(self, run_id: str, stage: int, peer_id: str) -> bool:
         return await asyncio.to_thread(self.withdraw, run_id, stage, peer_id)
@@ -335,6 +401,11 @@ class SwarmDHT:
         self, key: str, record_type: type[R], *, latest: bool = True
     ) -> dict[str, Stored[R]]:
         return await asyncio.to_thread(self.get_entries, key, record_type, latest=latest)
+
+    async def owned_entries_async(
+        self, key: str, record_type: type[R], *, latest: bool = True
+    ) -> dict[str, Stored[R]]:
+        return await asyncio.to_thread(self.owned_entries, key, record_type, latest=latest)
 
     async def shutdown_async(self) -> None:
         await asyncio.to_thread(self.shutdown)
@@ -399,14 +470,36 @@ class SwarmDHT:
                 self._reject(key, subkey, str(error))
         return dict(sorted(entries.items()))
 
-    def _matches_key(self, key: str, subkey: str, record: WorkerRecord, run_id: str, stage: int) -> bool:
-        if record.peer_id != subkey:
-            self._reject(key, subkey, f"subkey is not the record's peer_id {record.peer_id!r:.60}")
-            return False
-        if record.run_id != run_id or record.stage != stage:
-            self._reject(key, subkey, f"record is for {record.run_id}.stage{record.stage}")
-            return False
-        return True
+    def _owned(self, key: str, entries: dict[str, Stored[R]]) -> dict[str, Stored[R]]:
+        """Entries by peer id, each checked against its subkey (see ``owned_entries``)."""
+        owned: dict[str, Stored[R]] = {}
+        for subkey, stored in entries.items():
+            peer_id = getattr(stored.record, "peer_id", "")  # records without one are refused
+            reason = self._ownership.problem(subkey, peer_id)
+            if reason is not None:
+                self._reject(key, subkey, reason)
+                continue
+            owned[peer_id] = stored
+        return dict(sorted(owned.items()))
+
+    def _workers_of(
+        self,
+        key: str,
+        entries: dict[str, Stored[WorkerRecord]],
+        run_id: str,
+        stage: int,
+        fingerprint: Optional[RunFingerprint],
+    ) -> list[WorkerRecord]:
+        workers = []
+        for peer_id, stored in entries.items():
+            record = stored.record
+            if record.run_id != run_id or record.stage != stage:
+                self._reject(key, peer_id, f"record is for {record.run_id}.stage{record.stage}")
+            elif fingerprint is not None and (mismatch := fingerprint_mismatch(fingerprint, record.fingerprint)):
+                self._reject(key, peer_id, mismatch)
+            else:
+                workers.append(record)
+        return workers
 
     def _reject(self, key: str, subkey: Optional[str], reason: str) -> None:
         entry = (key, str(subkey), reason)
@@ -479,6 +572,10 @@ def _stop_process(dht: hivemind.DHT) -> None:
 # Run inside the DHT process through run_coroutine; module-level so they pickle by name.
 async def _node_peer_id(_dht: hivemind.DHT, node: Any) -> str:
     return str(node.peer_id)
+
+
+async def _node_client_mode(_dht: hivemind.DHT, node: Any) -> bool:
+    return bool(node.protocol.client_mode)
 
 
 async def _node_visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[str]:

@@ -36,6 +36,7 @@ def make_record(**overrides) -> WorkerRecord:
         phase="member",
         version="0.1.0",
         updated_at=1000.0,
+        fingerprint="seed=0;stages=3;basis=b;data=d;config=c",
     )
     fields.update(overrides)
     return WorkerRecord(**fields)
@@ -94,6 +95,7 @@ BAD_FIELDS = [
     ("peer_id", "", "worker.peer_id: empty"),
     ("run_id", "a.b", "run_id: expected 1-64 characters"),
     ("version", None, "worker.version: expected str, got NoneType"),
+    ("fingerprint", "", "worker.fingerprint: empty"),
 ]
 
 
@@ -112,8 +114,8 @@ def test_each_bad_field_is_rejected_with_a_reason_naming_it(field, value, reason
     "mutate, reason",
     [
         (lambda wire: wire.pop("step"), "worker.step: missing"),
-        (lambda wire: wire.update(schema=99), "worker.schema: expected 1, got 99"),
-        (lambda wire: wire.pop("schema"), "worker.schema: expected 1, got None"),
+        (lambda wire: wire.update(schema=99), f"worker.schema: expected {SCHEMA_VERSION}, got 99"),
+        (lambda wire: wire.pop("schema"), f"worker.schema: expected {SCHEMA_VERSION}, got None"),
         (lambda wire: wire.update(kind="lease"), "worker.kind: expected 'worker'"),
     ],
     ids=["missing field", "future schema", "no schema", "other kind"],
@@ -323,7 +325,7 @@ def test_generic_records_under_plain_keys_and_subkeys(pair, run_id):
     assert first.store(key, lease, ttl=30)
     stored = second.get_record(key, LeaseRecord)
     assert stored.record == lease and stored.expiration_time > second.clock()
-    assert LeaseRecord.from_wire({"schema": 1, "kind": "test-lease", "holder": "h", "unit": 1}).note == ""
+    assert LeaseRecord.from_wire({"schema": SCHEMA_VERSION, "kind": "test-lease", "holder": "h", "unit": 1}).note == ""
     assert second.get_record(key, WorkerRecord) is None  # wrong kind: skipped and counted
     assert second.rejections()[key] == 1
     assert second.delete(key)  # a peer that did not write it reads the expiration to outlive
@@ -432,7 +434,7 @@ def spawn():
 @pytest.mark.timeout(60)
 def test_bootstrap_serves_writes_its_addresses_and_exits_cleanly(tmp_path, spawn):
     ready = tmp_path / "peers.txt"
-    process = spawn("-m", "agora.dht.bootstrap", "--ready-file", str(ready))
+    process = spawn("-m", "agora.dht.bootstrap", "--insecure", "--ready-file", str(ready))
     eventually(lambda: ready.exists() or process.poll() is not None, timeout=30, what="the ready file")
     assert process.poll() is None, process.stderr.read()
     maddrs = ready.read_text().split()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 from agora.dht.swarm import SwarmDHT
+from agora.pipeline.fingerprint import RunFingerprint
 from agora.node.trainer.routing import WorkerView
 
 __all__ = ["Discovery", "StaticDiscovery", "DHTDiscovery"]
@@ -30,15 +31,18 @@ class DHTDiscovery:
     """Live worker records of every stage of a run, as routing views.
 
     Workers announce throughput in tokens/s; routing compares samples/s, hence `seq_len`.
+    With `fingerprint` (this trainer's run), workers of another run configuration are skipped
+    (the DHT layer logs the first skip of each, naming the differing field).
     """
 
     swarm: SwarmDHT
     run_id: str
     n_stages: int
     seq_len: int
+    fingerprint: Optional[RunFingerprint] = None
 
     async def workers(self) -> list[WorkerView]:
-        by_stage = await self.swarm.all_workers_async(self.run_id, self.n_stages)
+        by_stage = await self.swarm.all_workers_async(self.run_id, self.n_stages, fingerprint=self.fingerprint)
         return [
             WorkerView(peer_id=r.peer_id, endpoint=r.endpoint, stage=r.stage, phase=r.phase,
                        announced_samples_per_s=r.throughput / self.seq_len, announced_queue=r.queue_depth)

@@ -453,11 +453,13 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
     from agora.node.rpc.server import run as run_loop
     from agora.node.trainer.discovery import DHTDiscovery
     from agora.pipeline.data import build_data
+    from agora.pipeline.fingerprint import run_fingerprint
 
     data = build_data(config)
     # hivemind forks its DHT process: start it before the event loop and gRPC channels exist.
     swarm = SwarmDHT.start(initial_peers=initial_peers, client_mode=True)
-    discovery = DHTDiscovery(swarm, options.run_id, len(config.layer_split), config.train.seq_len)
+    discovery = DHTDiscovery(swarm, options.run_id, len(config.layer_split), config.train.seq_len,
+                             fingerprint=run_fingerprint(config))
 
     async def main() -> dict:
         # SIGTERM/SIGINT end the run between calls: channels closed, the log flushed, a summary.

@@ -32,6 +32,7 @@ from agora.node.worker.compute import StageCompute
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkpoint, save_checkpoint
 from agora.pipeline.config import ConfigError, RunConfig
+from agora.pipeline.fingerprint import run_fingerprint
 
 __all__ = ["JoinOptions", "run_worker", "package_version"]
 
@@ -100,13 +101,14 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         logger.info("resumed stage %d at step %d from %s", options.stage, step, options.checkpoint_dir)
     version = package_version()
     seq_len = config.train.seq_len
+    fingerprint = run_fingerprint(config).text()  # in every record: trainers skip a mismatched run
 
     def record() -> WorkerRecord:
         info = worker.info()
         return WorkerRecord(peer_id=swarm.peer_id, run_id=options.run_id, endpoint=worker.address,
                             stage=options.stage, n_stages=info.n_stages, throughput=float(info.throughput),
                             queue_depth=info.load, step=info.step, phase=info.phase, version=version,
-                            updated_at=0.0)
+                            updated_at=0.0, fingerprint=fingerprint)
 
     heartbeat = Heartbeat(swarm, record, interval=options.heartbeat_s)
     await heartbeat.start()
