@@ -34,6 +34,26 @@ Design choices:
   ``RoundRecord`` per peer under ``{run}.stage{i}.{method}.rounds``, expiring with the
   matchmaking window), so a replica whose own step count is behind can join the round a
   faster one is waiting in, and how many live replicas there are (the workers' records).
+
+Admission (``start(admission=AveragingAdmission(...))``; off under ``--insecure``). hivemind's
+DHT authorizer does not cover the averager's own RPCs (matchmaking and all-reduce parts go
+straight over libp2p), so the credential travels in the round's gather metadata and is bound
+to the libp2p peer id, which libp2p authenticates (it is the hash of the key that secured the
+connection) and the credential certifies:
+
+- Each round's gather carries the node's current credential chain, re-read from its state
+  directory every round (renewal is a file replace).
+- A leader refuses a join request (``PROTOCOL_VIOLATION``, before any of hivemind's own
+  checks) unless its gather holds a chain that verifies against the pinned root for a
+  *worker* of *this run and stage* whose peer id is the requester's ``context.remote_id``.
+- Before the all-reduce, every member checks every gathered member's credential against that
+  member's peer id (a leader that does not check, or lies, is caught here) and refuses to run
+  the round if any fails: the outcome is ``rejected``, naming the peer; the buffer is untouched.
+  All honest members hold the same gathered data, so they all refuse together.
+- Parts: hivemind's ``AllReduceRunner.rpc_aggregate_part`` already answers a sender that is
+  not in the group's ordered peer ids with ``PROTOCOL_VIOLATION``, and group membership is
+  what the two checks above admit; so no part of an unadmitted peer is ever averaged.
+- Refusals are counted in the averager process; ``SliceAverager.refusals()`` reads them.
 """
 
 import concurrent.futures
@@ -43,19 +63,28 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Optional
+from pathlib import Path
+from typing import Any, AsyncIterator, ClassVar, Mapping, Optional
 
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
+from hivemind.utils.serializer import MSGPackSerializer
 
+from agora.auth.credentials import CredentialError, CredentialVerifier
+from agora.auth.node_state import CREDENTIAL_FILE
 from agora.dht.records import Record, RecordError, check_run_id, worker_key
 from agora.dht.swarm import SwarmDHT, _exit_when_orphaned
 
 __all__ = [
     "GROUP_BITS",
+    "AdmissionGate",
+    "AveragingAdmission",
     "OUTCOMES",
     "RoundBoard",
     "RoundRecord",
@@ -77,6 +106,8 @@ GROUP_BITS = 16
 _HOST_GRACE_S = 5.0
 # A control request to the averager process (group bits, target size) answers in milliseconds.
 _CONTROL_TIMEOUT_S = 10.0
+# The gather metadata field that carries the sender's credential chain (PEM bytes).
+_CREDENTIAL = "credential"
 
 
 def round_group_bits(round_number: int, bits: int = GROUP_BITS) -> str:
@@ -91,6 +122,26 @@ def estimated_bytes(vector_bytes: int, group_size: int) -> int:
     if group_size <= 1:
         return 0
     return int(2 * vector_bytes * (group_size - 1) / group_size)
+
+
+@dataclass(frozen=True)
+class AveragingAdmission:
+    """Who may average with this node: workers of ``run_id`` at ``stage`` under the pinned root.
+
+    ``state_dir`` is the node's own credential directory, read every round for the chain it
+    sends (None: the caller passes ``credential=`` to ``average``). Picklable: the averager
+    process builds its verifier from it.
+    """
+
+    root_pem: bytes
+    run_id: str
+    stage: int
+    state_dir: Optional[str] = None
+
+    def current_credential(self) -> Optional[bytes]:
+        if self.state_dir is None:
+            return None
+        return (Path(self.state_dir) / CREDENTIAL_FILE).read_bytes()
 
 
 @dataclass(frozen=True)
@@ -115,8 +166,9 @@ class SliceAverager:
     """Averages one flat float32 vector of ``size`` elements per round. Create with ``start``."""
 
     def __init__(self, process: "_AveragerProcess", *, size: int, matchmaking_s: float, request_s: float,
-                 round_s: float):
+                 round_s: float, admission: Optional[AveragingAdmission] = None):
         self._process = process
+        self.admission = admission
         self.size = size
         self.matchmaking_s = matchmaking_s
         self.request_s = request_s
@@ -128,11 +180,12 @@ class SliceAverager:
     @classmethod
     def start(cls, dht: hivemind.DHT, *, prefix: str, size: int, matchmaking_s: float, request_s: float,
               sender_s: float, reducer_s: float, round_s: float, part_size_bytes: int,
-              startup_timeout: float = 30.0) -> "SliceAverager":
+              admission: Optional[AveragingAdmission] = None, startup_timeout: float = 30.0) -> "SliceAverager":
         """Start the averager process on an already running DHT.
 
         Call from the main thread before starting gRPC servers or torch thread pools: hivemind
         forks. ``prefix`` names the group keys and must differ between stages and methods.
+        ``admission`` turns on the credential checks of the module docstring (None: ``--insecure``).
         """
         if size <= 0:
             raise ValueError(f"the averaged vector needs at least one element, got {size}")
@@ -143,6 +196,7 @@ class SliceAverager:
             min_group_size=2, min_matchmaking_time=matchmaking_s, request_timeout=request_s,
             allreduce_timeout=round_s, sender_timeout=sender_s, reducer_timeout=reducer_s,
             part_size_bytes=part_size_bytes, allow_state_sharing=False, initial_group_bits=round_group_bits(0),
+            admission=admission,
         )
         # hivemind ignores SIGINT in the *calling* process before forking (so the child ignores
         # Ctrl-C and is shut down by its owner); give the owner its handler back afterwards.
@@ -154,7 +208,8 @@ class SliceAverager:
             raise
         finally:
             signal.signal(signal.SIGINT, previous)
-        return cls(process, size=size, matchmaking_s=matchmaking_s, request_s=request_s, round_s=round_s)
+        return cls(process, size=size, matchmaking_s=matchmaking_s, request_s=request_s, round_s=round_s,
+                   admission=admission)
 
     @property
     def peer_id(self) -> str:
@@ -165,15 +220,25 @@ class SliceAverager:
         return not self._closed and self._process.is_alive()
 
     def average(self, values: torch.Tensor, *, round_number: int, weight: float, group_size: Optional[int] = None,
-                metadata: Optional[Mapping[str, Any]] = None) -> RoundResult:
+                metadata: Optional[Mapping[str, Any]] = None, credential: Optional[bytes] = None) -> RoundResult:
         """One round: average ``values`` with the peers of the same round. Blocking; never raises
-        for a round that went wrong (see the outcomes in the module docstring)."""
+        for a round that went wrong (see the outcomes in the module docstring).
+
+        ``credential`` is the chain sent to the group; by default, with admission, the one in the
+        node's state directory now."""
         if values.shape != (self.size,):
             raise ValueError(f"expected a flat vector of {self.size} values, got shape {tuple(values.shape)}")
         if not (weight >= 0 and math.isfinite(weight)):
             raise ValueError(f"weight must be finite and >= 0, got {weight}")
         started = time.monotonic()
         gather = {"round": int(round_number), "weight": float(weight), **(metadata or {})}
+        if credential is None and self.admission is not None:
+            try:
+                credential = self.admission.current_credential()
+            except OSError as error:
+                return RoundResult("failed", round_number, None, error=f"no credential to send: {error}")
+        if credential is not None:
+            gather[_CREDENTIAL] = bytes(credential)
         with self._round_lock:
             if not self.alive:
                 return RoundResult("failed", round_number, None, error="the averager process is not running")
@@ -211,6 +276,9 @@ class SliceAverager:
                                error=None if outcome == "alone" else f"{type(error).__name__}: {error}")
         if not (isinstance(reply, dict) and "gathered" in reply):  # the hook did not run (another hivemind)
             reply = {"gathered": reply if isinstance(reply, dict) else {}}
+        if reply.get("refused"):  # a member without a valid credential: the all-reduce never ran
+            return RoundResult("rejected", round_number, None, participants=tuple(reply.get("peers", ())),
+                               duration_s=time.monotonic() - started, error=reply["refused"])
         gathered = reply["gathered"] or {}
         peers = tuple(str(peer) for peer in gathered)
         rounds = {data.get("round") if isinstance(data, dict) else None for data in gathered.values()}
@@ -229,6 +297,13 @@ class SliceAverager:
             return RoundResult("rejected", round_number, None, **common, bytes_sent=sent, bytes_received=sent,
                                error="the average is not finite (all weights zero, or a peer sent NaN/Inf)")
         return RoundResult("committed", round_number, averaged, **common, bytes_sent=sent, bytes_received=sent)
+
+    def refusals(self) -> dict[str, int]:
+        """Credential refusals so far: ``join`` (requests this node refused as a leader) and
+        ``group`` (assembled groups it refused to average with)."""
+        if not self.alive:
+            return {}
+        return self._process.refusals()
 
     def cancel(self) -> None:
         """Abandon the round in flight, if any (safe from any thread); ``average`` returns ``cancelled``."""
@@ -294,7 +369,7 @@ class RoundBoard:
         """Tell the stage this replica is starting ``round_number`` (best effort)."""
         record = RoundRecord(peer_id=self._swarm.peer_id, run_id=self.run_id, stage=self.stage,
                              round=round_number, started_at=self._swarm.clock())
-        await self._swarm.store_async(self.key, record, self.ttl, subkey=record.peer_id)
+        await self._swarm.store_async(self.key, record, self.ttl, subkey=self._swarm.subkey_of(record.peer_id))
 
     async def close(self, round_number: int) -> None:
         """Tell the stage this replica has left ``round_number`` (best effort). The record replaces
@@ -302,13 +377,13 @@ class RoundBoard:
         join it after the others are gone and wait out the matchmaking window alone."""
         record = RoundRecord(peer_id=self._swarm.peer_id, run_id=self.run_id, stage=self.stage,
                              round=round_number, started_at=self._swarm.clock(), closed=True)
-        await self._swarm.store_async(self.key, record, self.ttl, subkey=record.peer_id)
+        await self._swarm.store_async(self.key, record, self.ttl, subkey=self._swarm.subkey_of(record.peer_id))
 
     async def announced_round(self) -> Optional[int]:
         """The latest round another replica announced and has not left, if any."""
-        entries = await self._swarm.get_entries_async(self.key, RoundRecord)
-        rounds = [stored.record.round for subkey, stored in entries.items()
-                  if subkey == stored.record.peer_id != self._swarm.peer_id and stored.record.stage == self.stage
+        entries = await self._swarm.owned_entries_async(self.key, RoundRecord)  # by peer id, ownership checked
+        rounds = [stored.record.round for peer_id, stored in entries.items()
+                  if peer_id != self._swarm.peer_id and stored.record.stage == self.stage
                   and not stored.record.closed]
         return max(rounds, default=None)
 
@@ -319,11 +394,13 @@ class RoundBoard:
 
 
 class _AveragerProcess(DecentralizedAverager):
-    """hivemind's averager with three additions, each a thin hook around hivemind's own code:
-    an orphan watch, the received fraction in the step's result, and a settable group target."""
+    """hivemind's averager with four additions, each a thin hook around hivemind's own code:
+    an orphan watch, the received fraction in the step's result, a settable group target, and
+    the credential checks of the module docstring."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, admission: Optional[AveragingAdmission] = None, **kwargs: Any) -> None:
         self._owner_pid = os.getpid()
+        self._admission = admission
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
@@ -331,7 +408,29 @@ class _AveragerProcess(DecentralizedAverager):
                          daemon=True).start()
         logging.getLogger("hivemind.averaging.averager").addFilter(_demote_no_group)
         self._received_fractions: dict[bytes, float] = {}
+        self._gate = None if self._admission is None else AdmissionGate(self._admission)
+        self._refusals: Counter[str] = Counter()
         super().run()
+
+    def refusals(self) -> dict[str, int]:
+        future = MPFuture()
+        self._outer_pipe.send(("_get_refusals", [], dict(future=future)))
+        return future.result(_CONTROL_TIMEOUT_S)
+
+    async def _get_refusals(self, future: MPFuture) -> None:
+        future.set_result(dict(self._refusals))
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self._gate is not None:
+            problem = self._gate.problem(request.gather, str(context.remote_id))
+            if problem is not None:
+                self._refusals["join"] += 1
+                self._gate.warn(f"refused a join request from {context.remote_id}: {problem}")
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+        async for response in super().rpc_join_group(request, context):
+            yield response
 
     def set_target_group_size(self, size: Optional[int]) -> None:
         """Assemble a group as soon as it has ``size`` members (None: when the window closes)."""
@@ -359,12 +458,56 @@ class _AveragerProcess(DecentralizedAverager):
                 self._received_fractions[key] = 1.0 - container.failed_size / max(1, container.total_size)
 
     async def _aggregate_with_group(self, group_info: Any, **kwargs: Any) -> dict:
+        if self._gate is not None:
+            for peer_id, data in zip(group_info.peer_ids, group_info.gathered):
+                problem = self._gate.problem(data, str(peer_id))
+                if problem is not None:
+                    self._refusals["group"] += 1
+                    refused = f"group member {peer_id} refused: {problem}"
+                    self._gate.warn(refused)
+                    registered = self._running_groups.get(group_info.group_id)
+                    if registered is not None and not registered.done():
+                        registered.cancel()  # parts already waiting for this group end now
+                    return {"gathered": {}, "refused": refused, "peers": [str(p) for p in group_info.peer_ids]}
         try:
             gathered = await super()._aggregate_with_group(group_info, **kwargs)
             received = self._received_fractions.get(group_info.group_id, 1.0)
         finally:
             self._received_fractions.pop(group_info.group_id, None)
         return {"gathered": gathered, "received_fraction": received}
+
+
+class AdmissionGate:
+    """The averager process's credential check (built there, from a picklable admission); pure:
+    ``problem`` takes a peer's gather bytes as hivemind sends them and the peer id libp2p names."""
+
+    def __init__(self, admission: AveragingAdmission):
+        self.admission = admission
+        self.verifier = CredentialVerifier(admission.root_pem, admission.run_id, clock=time.time)
+        self._warned: set[str] = set()
+
+    def problem(self, data_for_gather: bytes, peer_id: str) -> Optional[str]:
+        """Why a peer's gather does not admit it to this stage's rounds, or None if it does."""
+        try:  # hivemind's envelope: [bandwidth, mode, msgpack(user gather)]
+            _, _, user = MSGPackSerializer.loads(data_for_gather)
+            chain = MSGPackSerializer.loads(user).get(_CREDENTIAL)
+        except Exception:  # noqa: BLE001 - anything a peer sends must become a refusal, not a crash
+            return "malformed gather metadata"
+        if not isinstance(chain, bytes):
+            return "no credential in its gather metadata"
+        try:
+            identity = self.verifier.verify(chain, roles=("worker",), stage=self.admission.stage)
+        except CredentialError as error:
+            return f"{error.reason}: {error}"
+        if identity.peer_id != peer_id:
+            return f"wrong_key: it presents the credential of {identity.peer_id}"
+        return None
+
+    def warn(self, message: str) -> None:
+        level = logging.DEBUG if message in self._warned else logging.WARNING
+        if len(self._warned) < 1024:
+            self._warned.add(message)
+        logger.log(level, "%s", message)
 
 
 def _demote_no_group(record: logging.LogRecord) -> bool:

@@ -15,6 +15,12 @@ Design choices:
   that run the bootstrap off the main thread (tests) pass their own ``stop`` event.
 - The parameters live in ``BootstrapOptions`` with ``add_bootstrap_arguments`` /
   ``BootstrapOptions.from_args`` so the CLI can mount them on its own subparser.
+- Admission: ``--state-dir D`` holds the bootstrap's credential (an operator credential from
+  ``agora-node authorizer issue --role operator --out D``; any role that may store works): the
+  peer then runs the token authorizer and record validators of auth/hivemind_auth.py, its peer
+  id is the credential's, and uncredentialed peers cannot join through it. ``--insecure`` runs
+  an open peer and says so in a warning. Neither is refused: an open bootstrap is never started
+  by accident, since every peer that joins through it would be open too.
 """
 
 from __future__ import annotations
@@ -28,9 +34,12 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence, TextIO
+from typing import TYPE_CHECKING, Optional, Sequence, TextIO
 
 from agora.dht.swarm import DHTRequestError, SwarmDHT
+
+if TYPE_CHECKING:
+    from agora.auth.hivemind_auth import DHTSecurity
 
 __all__ = [
     "BootstrapOptions",
@@ -38,6 +47,7 @@ __all__ = [
     "host_maddrs",
     "main",
     "run_bootstrap",
+    "security_from_options",
     "write_ready_file",
 ]
 
@@ -54,6 +64,8 @@ class BootstrapOptions:
     initial_peers: tuple[str, ...] = ()
     identity_path: Optional[str] = None
     ready_file: Optional[str] = None
+    state_dir: Optional[str] = None
+    insecure: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BootstrapOptions:
@@ -63,6 +75,8 @@ class BootstrapOptions:
             initial_peers=tuple(args.initial_peers or ()),
             identity_path=args.identity_path,
             ready_file=args.ready_file,
+            state_dir=args.state_dir,
+            insecure=args.insecure,
         )
 
 
@@ -79,8 +93,15 @@ def add_bootstrap_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MADDR",
         help="multiaddrs of running peers to join (default: start a new swarm)",
     )
-    parser.add_argument("--identity-path", default=None, help="private key file; makes the peer id stable")
+    parser.add_argument("--identity-path", default=None,
+                        help="private key file; makes the peer id stable (--insecure only: a --state-dir holds one)")
     parser.add_argument("--ready-file", default=None, help="write the multiaddrs here once serving")
+    admission = parser.add_mutually_exclusive_group()
+    admission.add_argument("--state-dir", default=None, metavar="DIR",
+                           help="the bootstrap's credential directory (`agora-node authorizer issue --role operator "
+                                "--out DIR`): only admitted peers can join and write")
+    admission.add_argument("--insecure", action="store_true",
+                           help="run an open DHT peer: no credentials, unsigned records (local experiments only)")
 
 
 def host_maddrs(host: str, port: int) -> list[str]:
@@ -107,6 +128,30 @@ def write_ready_file(path: str, maddrs: Sequence[str]) -> None:
         raise
 
 
+def security_from_options(state_dir: Optional[str], insecure: bool) -> Optional[DHTSecurity]:
+    """The admission of a DHT peer from ``--state-dir`` / ``--insecure`` (exactly one of them);
+    ``ValueError`` names what is missing or wrong in one line."""
+    if insecure:
+        if state_dir is not None:
+            raise ValueError("--insecure and --state-dir exclude each other")
+        logger.warning("--insecure: this DHT peer admits anyone and accepts unsigned records")
+        return None
+    if state_dir is None:
+        raise ValueError("--state-dir: give the credential directory of an admitted node "
+                         "(`agora-node authorizer issue --role operator --out DIR`), or --insecure for an open swarm")
+    from agora.auth.credentials import CredentialError
+    from agora.auth.hivemind_auth import DHTSecurity
+
+    try:
+        security = DHTSecurity.from_state_dir(state_dir)
+    except (CredentialError, OSError) as error:
+        raise ValueError(f"--state-dir {state_dir}: {error}") from None
+    if not security.may_store:
+        raise ValueError(f"--state-dir {state_dir}: a {security.role} credential is read-only; a bootstrap stores "
+                         "records (use an operator credential)")
+    return security
+
+
 def run_bootstrap(
     host: str = "127.0.0.1",
     port: int = 0,
@@ -114,20 +159,28 @@ def run_bootstrap(
     identity_path: Optional[str] = None,
     ready_file: Optional[str] = None,
     *,
+    state_dir: Optional[str] = None,
+    insecure: bool = False,
     stop: Optional[threading.Event] = None,
     out: Optional[TextIO] = None,
 ) -> int:
     """Serve a DHT peer until SIGINT/SIGTERM (or ``stop`` is set); return an exit code.
 
+    Exactly one of ``state_dir`` (the credential directory: admission on) and ``insecure``.
     Prints the peer's multiaddrs to ``out`` (default stdout) and writes them to
     ``ready_file`` once serving. Without ``stop`` it must run on the main thread.
-    Raises ``ValueError`` for a bad host/port and ``DHTRequestError`` if it cannot start.
+    Raises ``ValueError`` for a bad host/port or admission and ``DHTRequestError`` if it
+    cannot start.
     """
     out = sys.stdout if out is None else out
     listen = host_maddrs(host, port)
+    security = security_from_options(state_dir, insecure)
+    if security is not None and identity_path is not None:
+        raise ValueError("--identity-path: the --state-dir holds the peer's identity; give one or the other")
     if stop is None and threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run_bootstrap needs a stop event when not on the main thread")
-    swarm = SwarmDHT.start(initial_peers=initial_peers, host_maddrs=listen, identity_path=identity_path)
+    swarm = SwarmDHT.start(initial_peers=initial_peers, host_maddrs=listen, identity_path=identity_path,
+                           security=security)
     restore: dict[int, object] = {}
     try:
         if stop is None:
@@ -166,7 +219,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return run_bootstrap(
-            options.host, options.port, options.initial_peers, options.identity_path, options.ready_file
+            options.host, options.port, options.initial_peers, options.identity_path, options.ready_file,
+            state_dir=options.state_dir, insecure=options.insecure,
         )
     except (ValueError, DHTRequestError) as error:
         print(f"agora-node bootstrap: {error}", file=sys.stderr)

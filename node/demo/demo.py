@@ -157,8 +157,8 @@ def run_demo(options: DemoOptions) -> int:
         threads = ["--threads", str(options.threads)]
         common = ["--log-level", "WARNING", *threads]
         boot_ready = workdir / "bootstrap.ready"
-        boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", "--ready-file", str(boot_ready)),
-                           boot_ready)
+        boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", "--insecure",
+                                                           "--ready-file", str(boot_ready)), boot_ready)
         maddrs = group.wait_ready([boot], options.ready_timeout_s)["bootstrap"]
         swarm = ["--run-id", options.run_id, "--initial-peers", *maddrs] + (["--sync"] if options.sync else [])
         for stage in range(options.stages or 1):

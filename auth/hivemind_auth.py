@@ -1,0 +1,335 @@
+"""The hivemind side of admission: who may talk to the DHT, and who may write which entry.
+
+Three hivemind mechanisms, each given our credentials:
+
+- ``CredentialTokenAuthorizer`` (hivemind's ``TokenAuthorizerBase``, as Pluralis node0 uses
+  it): every DHT request and response carries an access token and is signed with the
+  sender's node key. Our token *is* the node's credential: ``username`` holds its PEM chain
+  (leaf + issuing CA), ``public_key`` the node key in OpenSSH form, ``expiration_time`` the
+  leaf's not-after (seconds, informational: the chain decides). A receiver verifies the chain
+  against the pinned root for this run (``CredentialVerifier``, cached by chain bytes, times
+  checked on every call), that the token's key is the certified key (the peer id is derived
+  from it, so a stolen chain is useless without the private key: hivemind checks the
+  request's signature against the token's key), and that it has not expired. Nothing is
+  asked of the authorizer service on this path. A ``monitor`` credential is read-only: its
+  ``StoreRequest`` is refused (ping and find are served).
+  Replay protection is hivemind's, kept as is: a request carries its DHT time and an 8-byte
+  nonce inside the signature; a receiver refuses times more than 60 s from its own clock and
+  nonces seen in the last 3 minutes. So peers' clocks must agree within a minute (hivemind's
+  DHT needs that anyway), and a captured request is dead after 60 s.
+  Renewal: ``get_token`` re-reads ``credential.pem`` through ``NodeCredentials`` (the main
+  process replaces the file atomically); ``does_token_need_refreshing`` is true once the file
+  changed or half the token's life is gone, so this process needs no message to follow a
+  renewal. An uncredentialed or foreign peer gets no answer from an admitted one (its requests
+  are dropped, its responses ignored), so it can neither join nor store nor read.
+- ``RSASignatureValidator`` (hivemind's) with the node key: every entry of ours lives under a
+  subkey ``<peer id>[owner:<ssh-rsa ...>]`` and its value carries a signature by that key, so
+  only the owner can change or tombstone it. ``OwnerSignatureValidator`` is that class with one
+  fix: an owner marker that is not a key is a refusal (hivemind's raises ``ValueError`` inside
+  the store handler, a stack trace per hostile request).
+- ``OwnedRecordValidator`` (ours) for the record types, in place of hivemind's
+  ``SchemaValidator``. That class matches keys by the hash of a *static* field name and
+  validates with a pydantic v1 model (``pydantic.v1`` under pydantic 2): our keys are
+  ``{run}.stage{i}.workers`` and ``{run}.stage{i}.{method}.rounds``, and a second schema in
+  pydantic would drift from the ``Record`` dataclasses that readers parse with. So this
+  validator does the same job with the same mechanism (a table from key hash to record type,
+  built for this run's keys, every stage up to ``MAX_STAGES``) and the one parser
+  (``Record.from_wire``). For those keys it refuses: a plain value (it would replace every
+  peer's entry), a subkey without an owner marker (unsigned), an owner key that is not the
+  key of the subkey's peer id (announcing under another's id), and a value that is not a valid
+  record of that type for that peer, run and stage. Tombstones (None) pass. Other keys
+  (hivemind's own averaging keys) are left to the signature rule alone. It runs on every
+  store a peer accepts and on every value a find returns, so an honest peer neither keeps nor
+  believes such an entry; readers in ``SwarmDHT`` check the same again and count what they skip.
+
+``DHTSecurity`` bundles all of it for one node (its state directory, the pinned root, the run):
+``SwarmDHT.start(security=DHTSecurity.from_state_dir(d))`` starts an admitted peer, whose
+hivemind ``identity_path`` is the node key, so its DHT peer id is its credential's.
+
+What this does not decide: whether a worker of stage 1 may announce itself under stage 2.
+Records are checked against the *writer's key*, not its role: the gRPC channel to the
+announced endpoint checks the worker's credential for that stage (TLS target name), and a
+false claim fails there.
+
+Everything here is picklable (paths, bytes, hivemind's picklable key): hivemind forks its DHT
+process with the authorizer and validators, which build their verifier and caches lazily there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.proto import dht_pb2
+from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.auth import TokenAuthorizerBase
+
+from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, Identity
+from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_public_key
+from agora.auth.node_state import NodeCredentials
+from agora.dht.ownership import EntryOwnership
+from agora.dht.records import MAX_STAGES, Record, RecordError, WorkerRecord, worker_key
+
+if TYPE_CHECKING:
+    from agora.dht.averaging import AveragingAdmission
+
+__all__ = [
+    "DHT_WRITER_ROLES",
+    "CredentialTokenAuthorizer",
+    "DHTSecurity",
+    "OwnedRecordValidator",
+    "OwnerSignatureValidator",
+    "ROUND_METHODS",
+]
+
+logger = logging.getLogger(__name__)
+
+# Roles whose DHT stores are served; a monitor reads only.
+DHT_WRITER_ROLES = ("worker", "trainer", "operator")
+# Averaging methods that keep a rounds board (pipeline/config.py SYNC_METHODS, less "none").
+ROUND_METHODS = ("sparta", "diloco")
+# hivemind's subkey tags for a plain value and for a whole dictionary (DHTProtocol.RESERVED_SUBKEYS).
+_PLAIN_TAGS = (MSGPackSerializer.dumps(None), b"")
+_MAX_WARNED = 256
+
+
+class CredentialTokenAuthorizer(TokenAuthorizerBase):
+    """Access tokens that are the node's credential chain (see the module docstring).
+
+    ``state_dir`` is the node's ``NodeCredentials`` directory (key and current credential);
+    ``root_pem`` and ``run_id`` are what peers' tokens are checked against.
+    """
+
+    def __init__(self, state_dir: str | Path, root_pem: bytes, run_id: str, *, clock: Clock = time.time):
+        super().__init__(hivemind_private_key(load_or_create_key(state_dir)))
+        self.state_dir = Path(state_dir)
+        self.root_pem = root_pem
+        self.run_id = run_id
+        self._clock = clock
+        self._runtime: Optional[_Runtime] = None
+        self._refresh_at = 0.0  # clock time at which the current token is past half its life
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_runtime"] = None  # rebuilt lazily in the process it lands in
+        del state["_local_public_key"]  # hivemind's public key wrapper does not pickle; derived again
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local_public_key = self._local_private_key.get_public_key()
+
+    def _state(self) -> _Runtime:
+        if self._runtime is None:
+            self._runtime = _Runtime(NodeCredentials(self.state_dir, clock=self._clock),
+                                     CredentialVerifier(self.root_pem, self.run_id, clock=self._clock))
+        return self._runtime
+
+    # ---- TokenAuthorizerBase
+
+    async def get_token(self) -> AccessToken:
+        chain, identity = self._state().credentials.current()  # CredentialError if ours is not valid
+        self._refresh_at = identity.not_before + (identity.not_after - identity.not_before) / 2
+        self._state().token_generation = self._state().credentials.generation
+        return AccessToken(username=chain.decode("ascii"), public_key=self.local_public_key.to_bytes(),
+                           expiration_time=repr(identity.not_after))
+
+    def is_token_valid(self, access_token: AccessToken) -> bool:
+        try:
+            self.identity_of(access_token)
+        except CredentialError as error:
+            self._warn_once(error.reason, access_token, str(error))
+            return False
+        return True
+
+    def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
+        runtime = self._state()
+        try:
+            runtime.credentials.current()  # a stat; re-reads the file only when it changed
+        except CredentialError:
+            return True  # get_token raises the readable reason
+        return runtime.credentials.generation != runtime.token_generation or self._clock() >= self._refresh_at
+
+    async def validate_request(self, request: Any) -> bool:
+        if not await super().validate_request(request):
+            return False
+        if isinstance(request, dht_pb2.StoreRequest):
+            identity = self.identity_of(request.auth.client_access_token)  # valid: checked just above
+            if identity.role not in DHT_WRITER_ROLES:
+                self._warn_once("read_only", request.auth.client_access_token,
+                                f"store refused: a {identity.role} credential is read-only")
+                return False
+        return True
+
+    # ---- checks
+
+    def identity_of(self, access_token: AccessToken) -> Identity:
+        """The identity a token proves, or ``CredentialError`` saying why it proves none."""
+        try:
+            public_key = serialization.load_ssh_public_key(access_token.public_key)
+        except (ValueError, TypeError, UnsupportedAlgorithm):
+            raise CredentialError("malformed", "access token: its public key is not an OpenSSH key") from None
+        if not isinstance(public_key, rsa.RSAPublicKey):
+            raise CredentialError("malformed", "access token: its public key is not an RSA key")
+        try:
+            chain = access_token.username.encode("ascii")
+        except UnicodeEncodeError:
+            raise CredentialError("malformed", "access token: the credential is not PEM text") from None
+        return self._state().verifier.verify(chain, public_key=public_key)
+
+    def _warn_once(self, reason: str, token: AccessToken, message: str) -> None:
+        # hivemind logs refusals at DEBUG; an operator wants to see the first of each kind.
+        runtime = self._state()
+        entry = (reason, bytes(token.public_key[-32:]))
+        level = logging.DEBUG
+        if entry not in runtime.warned:
+            if len(runtime.warned) >= _MAX_WARNED:
+                runtime.warned.clear()
+            runtime.warned.add(entry)
+            level = logging.WARNING
+        logger.log(level, "DHT request refused: %s", message)
+
+
+class _Runtime:
+    """What an authorizer builds in the process it runs in (not pickled)."""
+
+    def __init__(self, credentials: NodeCredentials, verifier: CredentialVerifier):
+        self.credentials = credentials
+        self.verifier = verifier
+        self.token_generation = -1
+        self.warned: set[tuple[str, bytes]] = set()
+
+
+class OwnerSignatureValidator(RSASignatureValidator):
+    """hivemind's ``RSASignatureValidator``; a malformed owner key refuses instead of raising."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            return super().validate(record)
+        except (ValueError, TypeError, UnsupportedAlgorithm):
+            logger.debug("refusing an entry whose owner marker is not an RSA key")
+            return False
+
+
+class OwnedRecordValidator(RecordValidatorBase):
+    """Schema and ownership of this run's per-peer entries (see the module docstring)."""
+
+    def __init__(self, run_id: str, *, methods: tuple[str, ...] = ROUND_METHODS, max_stages: int = MAX_STAGES):
+        worker_key(run_id, 0)  # validates the run id
+        self.run_id = run_id
+        self.methods = tuple(methods)
+        self.max_stages = max_stages
+        self._keys: Optional[dict[bytes, tuple[type[Record], int]]] = None
+        self._ownership = EntryOwnership(require_owner=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_keys"] = None  # ~12k hashes: built again in the process that validates
+        return state
+
+    def _key_table(self) -> dict[bytes, tuple[type[Record], int]]:
+        if self._keys is None:
+            from agora.dht.averaging import RoundRecord, rounds_key  # torch: only where it is needed
+
+            table: dict[bytes, tuple[type[Record], int]] = {}
+            for stage in range(self.max_stages):
+                table[DHTID.generate(source=worker_key(self.run_id, stage)).to_bytes()] = (WorkerRecord, stage)
+                for method in self.methods:
+                    key = rounds_key(self.run_id, stage, method)
+                    table[DHTID.generate(source=key).to_bytes()] = (RoundRecord, stage)
+            self._keys = table
+        return self._keys
+
+    def validate(self, record: DHTRecord) -> bool:
+        expected = self._key_table().get(record.key)
+        if expected is None:
+            return True  # not one of our typed keys
+        record_type, stage = expected
+        try:
+            self.check(record, record_type, stage)
+        except (RecordError, ValueError, TypeError) as error:
+            logger.debug("refusing a %s entry of stage %d: %s", record_type.KIND, stage, error)
+            return False
+        return True
+
+    def check(self, record: DHTRecord, record_type: type[Record], stage: int) -> None:
+        """Raise ``RecordError`` saying why ``record`` may not be stored under a key of this type."""
+        if record.subkey in _PLAIN_TAGS:
+            raise RecordError("a plain value under a per-peer key")
+        subkey = MSGPackSerializer.loads(record.subkey)
+        value = MSGPackSerializer.loads(record.value)
+        parsed = None if value is None else record_type.from_wire(value)  # None: the owner's tombstone
+        problem = self._ownership.problem(subkey, None if parsed is None else getattr(parsed, "peer_id"))
+        if problem is not None:
+            raise RecordError(problem)
+        if parsed is not None and (getattr(parsed, "run_id") != self.run_id or getattr(parsed, "stage") != stage):
+            raise RecordError(f"{record_type.KIND}: record of {getattr(parsed, 'run_id')}.stage"
+                              f"{getattr(parsed, 'stage')} under {self.run_id}.stage{stage}")
+
+    @property
+    def priority(self) -> int:
+        # Below RSASignatureValidator (10): validated after the signature is checked and stripped.
+        return 0
+
+
+@dataclass(frozen=True)
+class DHTSecurity:
+    """Everything a DHT peer of an admitted node needs, in one picklable value.
+
+    Build it with ``from_state_dir`` (a ``NodeCredentials`` directory holding a valid credential)
+    and pass it to ``SwarmDHT.start(security=...)``; ``None`` there is ``--insecure``.
+    """
+
+    state_dir: Path
+    root_pem: bytes
+    run_id: str
+    role: str
+    peer_id: str
+    owner_public_key: str  # the node key, OpenSSH text: the owner of this node's entries
+
+    @classmethod
+    def from_state_dir(cls, state_dir: str | Path, *, clock: Clock = time.time) -> DHTSecurity:
+        """Read (and check) a node's state directory; ``CredentialError`` if it holds no valid credential."""
+        node = NodeCredentials(state_dir, clock=clock)
+        if not node.has_credential():
+            raise CredentialError("missing", f"no credential in {state_dir}: join through an authorizer first "
+                                             "(or mint one with `agora-node authorizer issue`)")
+        _, identity = node.current()
+        return cls(state_dir=Path(state_dir), root_pem=node.root_pem(), run_id=identity.run_id, role=identity.role,
+                   peer_id=node.peer_id, owner_public_key=openssh_public_key(node.key).decode("ascii"))
+
+    @property
+    def may_store(self) -> bool:
+        """Whether admitted peers accept this node's DHT stores (a monitor is read-only)."""
+        return self.role in DHT_WRITER_ROLES
+
+    @property
+    def identity_path(self) -> str:
+        """hivemind's ``identity_path``: the node key, so the DHT peer id is the credential's."""
+        return str(NodeCredentials(self.state_dir, clock=time.time).identity_path)
+
+    def hivemind_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``hivemind.DHT``: identity, authorizer and record validators."""
+        key = hivemind_private_key(load_or_create_key(self.state_dir))
+        return dict(
+            identity_path=self.identity_path,
+            authorizer=CredentialTokenAuthorizer(self.state_dir, self.root_pem, self.run_id),
+            record_validators=[OwnerSignatureValidator(key), OwnedRecordValidator(self.run_id)],
+        )
+
+    def averaging_admission(self, stage: int) -> AveragingAdmission:
+        """What ``SliceAverager.start(admission=...)`` takes for this node's averaging at ``stage``."""
+        from agora.dht.averaging import AveragingAdmission
+
+        return AveragingAdmission(root_pem=self.root_pem, run_id=self.run_id, stage=stage,
+                                  state_dir=str(self.state_dir))
