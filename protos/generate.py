@@ -1,6 +1,7 @@
 """Regenerate the committed gRPC code from the .proto files in this folder.
 
-    python protos/generate.py          # rewrite protos/*_pb2*.py(i)
+    python protos/generate.py          # rewrite protos/*_pb2*.py(i) for every .proto here
+                                       # (stage.proto, authorizer.proto)
     python protos/generate.py --check  # exit 1 if regeneration would change them
 
 Why a temporary tree: protoc derives the generated imports from the path of the .proto under

@@ -30,6 +30,15 @@ def test_generated_code_imports_through_the_installed_package():
     assert adapter.SERVICE_NAME == "agora.v1.Stage"
 
 
+def test_every_proto_is_generated_and_served_under_agora_v1():
+    from agora.protos import authorizer_adapter, authorizer_pb2
+
+    assert sorted(p.stem for p in PROTOS.glob("*.proto")) == ["authorizer", "stage"]
+    assert "from agora.protos import authorizer_pb2" in (PROTOS / "authorizer_pb2_grpc.py").read_text()
+    assert authorizer_pb2.DESCRIPTOR.package == "agora.v1"
+    assert authorizer_adapter.SERVICE_NAME == "agora.v1.Authorizer"
+
+
 def _requirement_floor(requirements: str, name: str) -> tuple[int, ...]:
     match = re.search(rf"^\s*{re.escape(name)}\s*>=\s*([0-9.]+)", requirements, re.MULTILINE)
     assert match, f"setup.cfg install_requires has no `{name}>=` floor"
@@ -38,15 +47,18 @@ def _requirement_floor(requirements: str, name: str) -> tuple[int, ...]:
 
 def test_setup_cfg_floors_cover_what_the_generated_code_demands():
     """The gencode refuses older protobuf/grpcio runtimes; the package must not allow them."""
-    pb_code = (PROTOS / "stage_pb2.py").read_text()
-    grpc_code = (PROTOS / "stage_pb2_grpc.py").read_text()
-    protobuf_version = tuple(int(v) for v in re.search(r"Protobuf Python Version: ([0-9.]+)", pb_code).group(1).split("."))
-    grpc_version = tuple(int(v) for v in re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", grpc_code).group(1).split("."))
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
     requirements = config["options"]["install_requires"]
-    assert _requirement_floor(requirements, "protobuf") >= protobuf_version
-    assert _requirement_floor(requirements, "grpcio") >= grpc_version
+    for name in ("stage", "authorizer"):
+        pb_code = (PROTOS / f"{name}_pb2.py").read_text()
+        grpc_code = (PROTOS / f"{name}_pb2_grpc.py").read_text()
+        protobuf = re.search(r"Protobuf Python Version: ([0-9.]+)", pb_code).group(1)
+        grpc_generated = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", grpc_code).group(1)
+        protobuf_version = tuple(int(v) for v in protobuf.split("."))
+        grpc_version = tuple(int(v) for v in grpc_generated.split("."))
+        assert _requirement_floor(requirements, "protobuf") >= protobuf_version, name
+        assert _requirement_floor(requirements, "grpcio") >= grpc_version, name
 
 
 SAMPLES = [
