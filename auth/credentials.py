@@ -39,6 +39,7 @@ from agora.auth.keys import peer_id_of
 __all__ = [
     "ROLES",
     "STAGE_ROLES",
+    "CLOCK_SKEW_S",
     "Clock",
     "CredentialError",
     "Identity",
@@ -60,6 +61,10 @@ STAGE_ROLES = frozenset({"worker"})  # roles whose credential names one pipeline
 _URI = re.compile(r"agora://(?P<run>[A-Za-z0-9_-]{1,64})/(?P<role>[a-z]+)/(?P<stage>-|\d{1,4})/(?P<peer>[1-9A-HJ-NP-Za-km-z]{10,128})")
 
 Clock = Callable[[], float]
+
+# Certificates are valid from this long before they are issued, for peers whose clocks run
+# behind; a credential's useful lifetime is therefore not_after - not_before - CLOCK_SKEW_S.
+CLOCK_SKEW_S = 60.0
 
 
 class CredentialError(ValueError):
@@ -180,7 +185,7 @@ class Issuer:
 def make_root_ca(run_id: str, key: rsa.RSAPrivateKey, *, now: float, lifetime_s: float) -> Issuer:
     """The run's trust anchor (self-signed); its fingerprint is what every node pins."""
     name = _name(f"agora root CA of run {run_id}")
-    cert = _ca_certificate(name, key.public_key(), name, key, key.public_key(), now - 60, now + lifetime_s,
+    cert = _ca_certificate(name, key.public_key(), name, key, key.public_key(), now - CLOCK_SKEW_S, now + lifetime_s,
                            path_length=1)
     return Issuer(key, cert)
 
@@ -190,7 +195,7 @@ def make_issuing_ca(root: Issuer, key: rsa.RSAPrivateKey, *, now: float, lifetim
     not_after = min(now + lifetime_s, root.not_after)
     name = _name(f"agora issuing CA {int(now)}")
     cert = _ca_certificate(name, key.public_key(), root.certificate.subject, root.key,
-                           root.key.public_key(), now - 60, not_after, path_length=0)
+                           root.key.public_key(), now - CLOCK_SKEW_S, not_after, path_length=0)
     return Issuer(key, cert)
 
 
@@ -210,7 +215,7 @@ def issue_credential(issuer: Issuer, public_key: rsa.RSAPublicKey, *, run_id: st
         x509.CertificateBuilder().subject_name(_name(f"{role} {peer_id}"))
         .issuer_name(issuer.certificate.subject).public_key(public_key)
         .serial_number(x509.random_serial_number())
-        .not_valid_before(_utc(now - 60)).not_valid_after(_utc(not_after))
+        .not_valid_before(_utc(now - CLOCK_SKEW_S)).not_valid_after(_utc(not_after))
         .add_extension(x509.SubjectAlternativeName([
             x509.UniformResourceIdentifier(identity_uri(run_id, role, stage, peer_id)),
             x509.DNSName(server_name(role, stage, peer_id)),

@@ -1,0 +1,413 @@
+"""The authorizer's decisions, as pure functions and small clock-free classes (time is passed in).
+
+What is decided here, tested without sockets (tests/test_authorizer_policy.py):
+
+- Floors (``Floors``, ``check_floors``): link rate and RTT measured by the authorizer, hardware
+  reported by the node; the defaults are the Agora report's (200 Mbit/s each way, 80 ms RTT,
+  24 GB accelerator memory, 80 GB RAM; decimal GB, because a "24 GB" card reports 23.99 GiB).
+  A refusal names the floor, its flag and the measured value.
+- The preflight arithmetic: an RTT is the median of the probes (robust to one slow probe); the
+  download clock runs from the authorizer's first byte to the node's acknowledgement of the
+  last, so one round trip (the fastest probe) is taken off, never more than half the elapsed
+  time: a node that delays its echoes to inflate the RTT can at most double its apparent rate.
+- The announced address a worker will be dialled on: never 0.0.0.0 or ``::`` ("every
+  interface" on the node is no address for anyone else).
+- Stage assignment: the requested stage when given, else the stage with the least announced
+  throughput (ties to the lowest index).
+- ``ContributorSlots``: the cap on admitted workers and its FIFO queue. A slot frees when its
+  credential expires unrenewed or the peer is banned; a queued node that stops polling drops
+  out after ``stale_s``, so a dead node never holds up the queue.
+- ``JoinRateLimiter``: a token bucket per caller address.
+- ``ChallengeBook``: single-use, short-lived challenges bound to the caller's address, with the
+  preflight measurements recorded against them.
+- Proof of possession: RSA-PSS/SHA-256 signatures over the adapter's canonical payload, and the
+  signed run description an admitted node checks against the issuing CA of its credential.
+- When to renew: SPIRE's rule, once less than half the credential's lifetime remains, earlier by
+  a random jitter of up to 10% of the lifetime so a swarm admitted together does not renew
+  together; retries back off exponentially with jitter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import math
+import random
+import re
+import statistics
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields
+from typing import Callable, Mapping, Optional, Sequence
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+
+from agora.auth.credentials import CLOCK_SKEW_S
+
+__all__ = [
+    "DEFAULT_FLOORS",
+    "Floors",
+    "HardwareReport",
+    "LinkMeasurement",
+    "Refusal",
+    "check_floors",
+    "check_announce",
+    "assign_stage",
+    "median_rtt_ms",
+    "download_mbit",
+    "upload_mbit",
+    "ContributorSlots",
+    "JoinRateLimiter",
+    "ChallengeError",
+    "ChallengeState",
+    "ChallengeBook",
+    "DIALBACK_PREFIX",
+    "dialback_answer",
+    "sign_proof",
+    "proof_is_valid",
+    "run_payload",
+    "credential_lifetime_s",
+    "renewal_delay_s",
+    "retry_delay_s",
+]
+
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class Floors:
+    """The least a worker must bring; 0 (or inf for RTT) disables a floor."""
+
+    min_upload_mbit: float = 200.0
+    min_download_mbit: float = 200.0
+    max_rtt_ms: float = 80.0
+    min_accelerator_gb: float = 24.0
+    min_ram_gb: float = 80.0
+
+    def validate(self) -> "Floors":
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+                raise ValueError(f"--{f.name.replace('_', '-')}: expected a number >= 0, got {value!r}")
+        return self
+
+
+DEFAULT_FLOORS = Floors()
+
+
+@dataclass(frozen=True)
+class HardwareReport:
+    """What the node says it has (self-reported)."""
+
+    device: str
+    accelerator_memory_bytes: int
+    ram_bytes: int
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """What the authorizer measured on its own clock."""
+
+    rtt_ms: float
+    download_mbit: float
+    upload_mbit: float
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a node is not admitted: ``field`` names the floor or field, ``reason`` is one line."""
+
+    field: str
+    reason: str
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_floors(floors: Floors, hardware: HardwareReport, link: LinkMeasurement) -> Optional[Refusal]:
+    """The first floor this worker is below, or None."""
+    checks = (
+        ("max_rtt_ms", "round-trip time to the authorizer", link.rtt_ms, floors.max_rtt_ms, "ms", False),
+        ("min_upload_mbit", "upload rate", link.upload_mbit, floors.min_upload_mbit, "Mbit/s", True),
+        ("min_download_mbit", "download rate", link.download_mbit, floors.min_download_mbit, "Mbit/s", True),
+        ("min_accelerator_gb", f"accelerator memory ({hardware.device or 'no device'})",
+         hardware.accelerator_memory_bytes / _GB, floors.min_accelerator_gb, "GB", True),
+        ("min_ram_gb", "RAM", hardware.ram_bytes / _GB, floors.min_ram_gb, "GB", True),
+    )
+    for name, what, measured, floor, unit, at_least in checks:
+        if (measured < floor) if at_least else (measured > floor):
+            relation = "below the floor" if at_least else "above the limit"
+            how = "reported" if name in ("min_accelerator_gb", "min_ram_gb") else "measured"
+            return Refusal(name, f"{what} {how} {measured:.1f} {unit}, {relation} {name}={floor:g} {unit} "
+                                 f"of this run (the operator sets it with {_flag(name)})")
+    return None
+
+
+# ---- preflight arithmetic
+
+def median_rtt_ms(samples_s: Sequence[float]) -> float:
+    if not samples_s:
+        raise ValueError("no latency samples")
+    return statistics.median(samples_s) * 1e3
+
+
+def _mbit(n_bytes: int, seconds: float) -> float:
+    return n_bytes * 8 / 1e6 / max(seconds, 1e-9)
+
+
+def download_mbit(n_bytes: int, elapsed_s: float, min_rtt_s: float) -> float:
+    """Rate of a download timed from first byte sent to acknowledgement received."""
+    return _mbit(n_bytes, max(elapsed_s - min_rtt_s, elapsed_s / 2))
+
+
+def upload_mbit(n_bytes: int, elapsed_s: float) -> float:
+    """Rate of an upload timed from its opening message to its last byte."""
+    return _mbit(n_bytes, elapsed_s)
+
+
+# ---- addresses and stages
+
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?")
+
+
+def check_announce(host: str, port: int) -> Optional[Refusal]:
+    """Whether ``host:port`` is an address other peers could dial; None when it is."""
+    if not host:
+        return Refusal("announce_host", "announce: a worker must announce the host:port its gRPC server is "
+                                        "reached on (--announce-host)")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+        if not _HOSTNAME.fullmatch(host):
+            return Refusal("announce_host", f"announce: {host[:80]!r} is neither an IP address nor a host name")
+    if address is not None and (address.is_unspecified or address.is_multicast):
+        return Refusal("announce_host", f"announce: {host} means 'every interface' on the node, which is no address "
+                                        "others can dial: pass --announce-host with the node's public address")
+    if not 1 <= port <= 65535:
+        return Refusal("announce_port", f"announce: port {port} is not a TCP port (1-65535)")
+    return None
+
+
+def assign_stage(n_stages: int, throughput: Mapping[int, float], requested: Optional[int]) -> int | Refusal:
+    """The stage a worker hosts: the requested one, else the least covered by throughput."""
+    if requested is not None:
+        if not 0 <= requested < n_stages:
+            return Refusal("stage", f"stage: {requested} is out of range for this {n_stages}-stage run "
+                                    f"(0-{n_stages - 1})")
+        return requested
+    return min(range(n_stages), key=lambda s: (throughput.get(s, 0.0), s))
+
+
+# ---- the cap and its queue
+
+class ContributorSlots:
+    """At most ``capacity`` admitted workers (None: no cap); the rest wait in FIFO order."""
+
+    def __init__(self, capacity: Optional[int], *, stale_s: float):
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"--max-workers: expected at least 1, got {capacity}")
+        self.capacity = capacity
+        self.stale_s = stale_s
+        self.admitted: dict[str, float] = {}  # peer id -> credential expiry
+        self._queue: OrderedDict[str, float] = OrderedDict()  # peer id -> last poll
+
+    def expire(self, now: float) -> list[str]:
+        """Free the slots whose credential expired unrenewed; drop queued nodes that stopped polling."""
+        freed = [peer for peer, expiry in self.admitted.items() if expiry <= now]
+        for peer in freed:
+            del self.admitted[peer]
+        for peer in [p for p, seen in self._queue.items() if now - seen > self.stale_s]:
+            del self._queue[peer]
+        return freed
+
+    def free(self) -> float:
+        return math.inf if self.capacity is None else max(0, self.capacity - len(self.admitted))
+
+    def queue(self) -> list[str]:
+        return list(self._queue)
+
+    def request(self, peer_id: str, now: float) -> int:
+        """0: admit now (then ``hold``); else the node's queue position, 1 being next."""
+        self.expire(now)
+        if peer_id in self.admitted:
+            return 0
+        self._queue[peer_id] = now  # keeps its place when already queued (dict order is insertion order)
+        position = list(self._queue).index(peer_id) + 1
+        return 0 if position <= self.free() else position
+
+    def hold(self, peer_id: str, expires_at: float) -> None:
+        """Admit (or extend) ``peer_id`` until ``expires_at``."""
+        self._queue.pop(peer_id, None)
+        self.admitted[peer_id] = expires_at
+
+    def release(self, peer_id: str) -> bool:
+        self._queue.pop(peer_id, None)
+        return self.admitted.pop(peer_id, None) is not None
+
+
+class JoinRateLimiter:
+    """A token bucket per caller address: ``burst`` attempts at once, ``rate_per_s`` sustained."""
+
+    def __init__(self, rate_per_s: float, burst: int, *, max_addresses: int = 65536):
+        if rate_per_s <= 0 or burst < 1:
+            raise ValueError(f"--join-rate/--join-burst: expected a positive rate and burst, got {rate_per_s}, {burst}")
+        self.rate_per_s, self.burst, self.max_addresses = rate_per_s, burst, max_addresses
+        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, at)
+
+    def acquire(self, address: str, now: float) -> float:
+        """0.0 when an attempt is allowed now (and spends a token), else the seconds to wait."""
+        tokens, at = self._buckets.get(address, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - at) * self.rate_per_s)
+        if tokens < 1.0:
+            self._buckets[address] = (tokens, now)
+            return (1.0 - tokens) / self.rate_per_s
+        if len(self._buckets) >= self.max_addresses and address not in self._buckets:
+            self._forget_full(now)
+        self._buckets[address] = (tokens - 1.0, now)
+        return 0.0
+
+    def _forget_full(self, now: float) -> None:
+        """Bound memory: drop buckets that have refilled (they hold no information)."""
+        for address, (tokens, at) in list(self._buckets.items()):
+            if tokens + (now - at) * self.rate_per_s >= self.burst:
+                del self._buckets[address]
+        while len(self._buckets) >= self.max_addresses:
+            self._buckets.pop(next(iter(self._buckets)))
+
+
+# ---- challenges and their preflight
+
+class ChallengeError(ValueError):
+    """``kind``: ``unknown`` (expired, used or never issued), ``wrong_caller``, ``measured`` (twice),
+    ``full`` (too many outstanding)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class ChallengeState:
+    """One challenge and what the authorizer measured against it (mutable, owned by the book)."""
+
+    nonce: bytes
+    dial_token: bytes
+    caller: str
+    role: str
+    renewal: bool
+    expires_at: float
+    latency_probes: int
+    download_bytes: int
+    upload_bytes: int
+    rtts_s: list[float] = field(default_factory=list)
+    download: Optional[tuple[int, float]] = None  # (bytes acknowledged, seconds)
+    upload: Optional[tuple[int, float]] = None
+
+    def link(self) -> Optional[LinkMeasurement]:
+        """The measurements, once the challenge's whole preflight ran."""
+        if len(self.rtts_s) < self.latency_probes or self.download is None or self.upload is None:
+            return None
+        rtt = median_rtt_ms(self.rtts_s)
+        return LinkMeasurement(rtt_ms=rtt, download_mbit=download_mbit(*self.download, min(self.rtts_s)),
+                               upload_mbit=upload_mbit(*self.upload))
+
+
+class ChallengeBook:
+    """Outstanding challenges: single use, ``ttl_s`` long, bound to the caller that asked."""
+
+    def __init__(self, ttl_s: float, *, random_bytes: Callable[[int], bytes], capacity: int = 4096):
+        self.ttl_s, self.capacity = ttl_s, capacity
+        self._random_bytes = random_bytes
+        self._open: dict[bytes, ChallengeState] = {}
+
+    def _prune(self, now: float) -> None:
+        for nonce in [n for n, c in self._open.items() if c.expires_at <= now]:
+            del self._open[nonce]
+
+    def issue(self, caller: str, role: str, renewal: bool, now: float, *, latency_probes: int = 0,
+              download_bytes: int = 0, upload_bytes: int = 0) -> ChallengeState:
+        self._prune(now)
+        if len(self._open) >= self.capacity:
+            raise ChallengeError("full", f"the authorizer has {len(self._open)} challenges outstanding; retry "
+                                         f"in {self.ttl_s:.0f} s")
+        state = ChallengeState(nonce=self._random_bytes(32), dial_token=self._random_bytes(16), caller=caller,
+                               role=role, renewal=renewal, expires_at=now + self.ttl_s,
+                               latency_probes=latency_probes, download_bytes=download_bytes,
+                               upload_bytes=upload_bytes)
+        self._open[state.nonce] = state
+        return state
+
+    def peek(self, nonce: bytes, caller: str, now: float) -> ChallengeState:
+        """An open challenge, for its preflight (not consumed)."""
+        state = self._open.get(nonce)
+        if state is None or state.expires_at <= now:
+            raise ChallengeError("unknown", "challenge: unknown, expired or already used; request a new one")
+        if state.caller != caller:
+            raise ChallengeError("wrong_caller", f"challenge: issued to {state.caller}, presented by {caller}")
+        return state
+
+    def consume(self, nonce: bytes, caller: str, now: float) -> ChallengeState:
+        """Take a challenge for the Join or Renew it was issued for: it cannot be used again."""
+        state = self.peek(nonce, caller, now)
+        del self._open[nonce]
+        return state
+
+
+# ---- reachability
+
+DIALBACK_PREFIX = b"AGORA-DIALBACK/1 "
+
+
+def dialback_answer(token: bytes) -> bytes:
+    """The line a worker's reachability listener writes to whoever connects (then it hangs up)."""
+    return DIALBACK_PREFIX + token.hex().encode() + b"\n"
+
+
+# ---- proof of possession and the signed run description
+
+_PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.DIGEST_LENGTH)
+
+
+def sign_proof(key: rsa.RSAPrivateKey, payload: bytes) -> bytes:
+    return key.sign(payload, _PSS, hashes.SHA256())
+
+
+def proof_is_valid(public_key: rsa.RSAPublicKey, payload: bytes, signature: bytes) -> bool:
+    try:
+        public_key.verify(signature, payload, _PSS, hashes.SHA256())
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def run_payload(run_id: str, config_json: str, initial_peers: Sequence[str], credential_pem: bytes) -> bytes:
+    """What the issuing CA signs for an admitted node: the run it is told about, tied to its credential."""
+    body = {"run_id": run_id, "config": hashlib.sha256(config_json.encode()).hexdigest(),
+            "initial_peers": list(initial_peers), "credential": hashlib.sha256(credential_pem).hexdigest()}
+    return b"agora-run-v1\0" + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+# ---- renewal timing
+
+def credential_lifetime_s(not_before: float, not_after: float) -> float:
+    """The lifetime a credential was issued with (its not_before is back-dated for clock skew)."""
+    return max(1e-3, not_after - not_before - CLOCK_SKEW_S)
+
+
+def renewal_delay_s(not_before: float, not_after: float, now: float, rng: random.Random,
+                    jitter_fraction: float = 0.1) -> float:
+    """Seconds from ``now`` until renewal: at half life, earlier by up to ``jitter_fraction`` of the lifetime."""
+    lifetime = credential_lifetime_s(not_before, not_after)
+    renew_at = not_after - lifetime / 2 - rng.uniform(0.0, jitter_fraction * lifetime)
+    return max(0.0, renew_at - now)
+
+
+def retry_delay_s(attempt: int, rng: random.Random, *, initial_s: float, maximum_s: float) -> float:
+    """Exponential backoff with full jitter in [half, whole] of the step (attempt 0 is the first retry)."""
+    step = min(maximum_s, initial_s * 2.0 ** min(attempt, 30))
+    return rng.uniform(step / 2, step)

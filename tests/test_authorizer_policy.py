@@ -1,0 +1,288 @@
+"""The authorizer's decisions without sockets: floors, addresses, stages, the cap's queue, the rate
+limit, challenges, proofs and renewal timing (auth/policy.py), and the adapter's conversions."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from itertools import count
+
+import pytest
+
+from agora.auth.keys import generate_key
+from agora.auth.policy import (ChallengeBook, ChallengeError, ContributorSlots, Floors, HardwareReport,
+                               JoinRateLimiter, LinkMeasurement, assign_stage, check_announce, check_floors,
+                               credential_lifetime_s, dialback_answer, download_mbit, median_rtt_ms, proof_is_valid,
+                               renewal_delay_s, retry_delay_s, run_payload, sign_proof, upload_mbit)
+from agora.protos import authorizer_adapter as adapter
+
+pytestmark = pytest.mark.timeout(30)
+
+FAST = LinkMeasurement(rtt_ms=10.0, download_mbit=1000.0, upload_mbit=1000.0)
+BIG = HardwareReport("NVIDIA H100", 80 * 10**9, 512 * 10**9)
+
+
+@pytest.fixture(scope="module")
+def key():
+    return generate_key()
+
+
+# ---- floors
+
+def test_the_default_floors_are_the_agora_reports():
+    assert Floors() == Floors(min_upload_mbit=200, min_download_mbit=200, max_rtt_ms=80, min_accelerator_gb=24,
+                              min_ram_gb=80)
+    assert check_floors(Floors(), BIG, FAST) is None
+
+
+@pytest.mark.parametrize("field, link, hardware, shown", [
+    ("max_rtt_ms", dataclasses.replace(FAST, rtt_ms=95.25), BIG, "95.2 ms"),
+    ("min_upload_mbit", dataclasses.replace(FAST, upload_mbit=150.0), BIG, "150.0 Mbit/s"),
+    ("min_download_mbit", dataclasses.replace(FAST, download_mbit=12.3), BIG, "12.3 Mbit/s"),
+    ("min_accelerator_gb", FAST, dataclasses.replace(BIG, accelerator_memory_bytes=16 * 10**9), "16.0 GB"),
+    ("min_accelerator_gb", FAST, HardwareReport("cpu", 0, 512 * 10**9), "(cpu) reported 0.0 GB"),
+    ("min_ram_gb", FAST, dataclasses.replace(BIG, ram_bytes=64 * 10**9), "64.0 GB"),
+])
+def test_a_refusal_names_the_floor_its_flag_and_the_measured_value(field, link, hardware, shown):
+    refusal = check_floors(Floors(), hardware, link)
+    assert refusal is not None and refusal.field == field
+    assert shown in refusal.reason and field in refusal.reason
+    assert "--" + field.replace("_", "-") in refusal.reason
+
+
+def test_a_24_gb_card_passes_the_24_gb_floor():
+    """Decimal GB: an RTX 4090 reports 23.99 GiB."""
+    card = HardwareReport("NVIDIA GeForce RTX 4090", 25_757_220_864, 128 * 10**9)
+    assert check_floors(Floors(), card, FAST) is None
+
+
+def test_floors_can_be_disabled_and_reject_nonsense():
+    off = Floors(0, 0, math.inf, 0, 0)
+    assert check_floors(off, HardwareReport("cpu", 0, 0), LinkMeasurement(1e6, 0.0, 0.0)) is None
+    with pytest.raises(ValueError, match="--min-ram-gb"):
+        Floors(min_ram_gb=-1).validate()
+    with pytest.raises(ValueError, match="--max-rtt-ms"):
+        Floors(max_rtt_ms=math.nan).validate()
+
+
+def test_preflight_arithmetic():
+    assert median_rtt_ms([0.010, 0.500, 0.012]) == pytest.approx(12.0)
+    assert upload_mbit(1_000_000, 0.08) == pytest.approx(100.0)
+    # 1 MB acknowledged after 0.1 s with a 20 ms round trip: 80 ms of transfer.
+    assert download_mbit(1_000_000, 0.1, 0.02) == pytest.approx(100.0)
+    # An RTT inflated by delayed echoes cannot take off more than half the elapsed time.
+    assert download_mbit(1_000_000, 0.1, 0.099) == pytest.approx(160.0)
+
+
+# ---- addresses and stages
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "224.0.0.1"])
+def test_unspecified_announce_hosts_are_refused(host):
+    refusal = check_announce(host, 5000)
+    assert refusal is not None and refusal.field == "announce_host"
+    assert host in refusal.reason
+
+
+@pytest.mark.parametrize("host, port, field", [("", 5000, "announce_host"), ("not a host!", 5000, "announce_host"),
+                                               ("10.0.0.7", 0, "announce_port"), ("10.0.0.7", 70000, "announce_port")])
+def test_malformed_announce_addresses_are_refused(host, port, field):
+    refusal = check_announce(host, port)
+    assert refusal is not None and refusal.field == field
+
+
+@pytest.mark.parametrize("host", ["203.0.113.5", "2001:db8::1", "127.0.0.1", "node-7.example.org"])
+def test_dialable_announce_addresses_pass(host):
+    assert check_announce(host, 443) is None
+
+
+def test_stage_assignment_prefers_the_least_covered_and_honours_a_request():
+    assert assign_stage(3, {}, None) == 0
+    assert assign_stage(3, {0: 500.0, 1: 100.0, 2: 300.0}, None) == 1
+    assert assign_stage(3, {0: 1.0, 1: 1.0}, None) == 2  # a stage nobody announced is the least covered
+    assert assign_stage(3, {0: 1.0, 1: 1.0, 2: 1.0}, None) == 0  # ties to the lowest index
+    assert assign_stage(3, {1: 0.0}, 2) == 2
+    refusal = assign_stage(3, {}, 3)
+    assert not isinstance(refusal, int) and refusal.field == "stage" and "3-stage" in refusal.reason
+
+
+# ---- the cap and its queue
+
+def test_the_cap_queues_in_fifo_order_and_admits_when_a_slot_frees():
+    slots = ContributorSlots(1, stale_s=30)
+    assert slots.request("a", now=0) == 0
+    slots.hold("a", expires_at=100)
+    assert slots.request("b", now=1) == 1
+    assert slots.request("c", now=2) == 2
+    assert slots.request("b", now=3) == 1  # polling keeps the place
+    assert slots.request("a", now=4) == 0  # an admitted peer keeps its slot
+    slots.release("a")  # banned
+    assert slots.request("c", now=5) == 2, "c may not overtake b"
+    assert slots.request("b", now=6) == 0
+    slots.hold("b", expires_at=50)
+    assert slots.request("c", now=7) == 1
+    assert slots.expire(now=50) == ["b"]  # expired unrenewed
+    assert slots.request("c", now=51) == 0
+
+
+def test_a_queued_node_that_stops_polling_drops_out():
+    slots = ContributorSlots(1, stale_s=10)
+    slots.hold("a", expires_at=1000)
+    assert slots.request("b", now=0) == 1
+    assert slots.request("c", now=5) == 2
+    assert slots.request("c", now=11) == 1, "b stopped polling at 0"
+    assert slots.queue() == ["c"]
+
+
+def test_no_cap_admits_everyone():
+    slots = ContributorSlots(None, stale_s=10)
+    for i in range(100):
+        assert slots.request(str(i), now=0) == 0
+        slots.hold(str(i), expires_at=10)
+
+
+# ---- rate limit
+
+def test_the_rate_limit_is_a_token_bucket_per_address():
+    limiter = JoinRateLimiter(rate_per_s=0.5, burst=3)
+    assert [limiter.acquire("1.2.3.4", now=0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert limiter.acquire("1.2.3.4", now=0) == pytest.approx(2.0)
+    assert limiter.acquire("5.6.7.8", now=0) == 0.0, "another address has its own bucket"
+    assert limiter.acquire("1.2.3.4", now=2.0) == 0.0
+    assert limiter.acquire("1.2.3.4", now=2.0) == pytest.approx(2.0)
+
+
+def test_the_rate_limiter_bounds_its_memory():
+    limiter = JoinRateLimiter(rate_per_s=1.0, burst=1, max_addresses=4)
+    for i in range(100):
+        assert limiter.acquire(f"10.0.0.{i}", now=float(i)) == 0.0
+    assert len(limiter._buckets) <= 4
+
+
+# ---- challenges
+
+def _book(ttl: float = 10.0, capacity: int = 4096) -> ChallengeBook:
+    counter = count()
+    return ChallengeBook(ttl, random_bytes=lambda n: next(counter).to_bytes(n, "big"), capacity=capacity)
+
+
+def test_a_challenge_is_single_use_short_lived_and_bound_to_its_caller():
+    book = _book()
+    first = book.issue("1.2.3.4", "worker", False, now=0, latency_probes=3, download_bytes=10, upload_bytes=10)
+    assert book.peek(first.nonce, "1.2.3.4", now=1) is first
+    with pytest.raises(ChallengeError) as wrong:
+        book.peek(first.nonce, "5.6.7.8", now=1)
+    assert wrong.value.kind == "wrong_caller"
+    assert book.consume(first.nonce, "1.2.3.4", now=2) is first
+    with pytest.raises(ChallengeError) as used:
+        book.consume(first.nonce, "1.2.3.4", now=2)
+    assert used.value.kind == "unknown"
+    late = book.issue("1.2.3.4", "worker", False, now=0)
+    with pytest.raises(ChallengeError, match="expired"):
+        book.consume(late.nonce, "1.2.3.4", now=10)
+
+
+def test_outstanding_challenges_are_bounded():
+    book = _book(capacity=2)
+    book.issue("a", "trainer", False, now=0)
+    book.issue("a", "trainer", False, now=0)
+    with pytest.raises(ChallengeError) as full:
+        book.issue("a", "trainer", False, now=1)
+    assert full.value.kind == "full"
+    book.issue("a", "trainer", False, now=11)  # the expired ones were pruned
+
+
+def test_a_challenge_has_its_link_only_after_the_whole_preflight():
+    state = _book().issue("a", "worker", False, now=0, latency_probes=2, download_bytes=1000, upload_bytes=1000)
+    state.rtts_s = [0.010, 0.020]
+    state.download = (1_000_000, 0.09)
+    assert state.link() is None
+    state.upload = (1_000_000, 0.08)
+    link = state.link()
+    assert link == LinkMeasurement(rtt_ms=pytest.approx(15.0), download_mbit=pytest.approx(100.0),
+                                   upload_mbit=pytest.approx(100.0))
+
+
+def test_the_dialback_answer_carries_the_token():
+    assert dialback_answer(bytes.fromhex("00ff")) == b"AGORA-DIALBACK/1 00ff\n"
+
+
+# ---- proofs
+
+def test_proof_of_possession_verifies_only_with_the_signing_key(key):
+    payload = adapter.signed_payload(adapter.JoinRequest(nonce=b"n" * 32, public_key_pem=b"k", role="worker",
+                                                         fingerprint="f"))
+    signature = sign_proof(key, payload)
+    assert proof_is_valid(key.public_key(), payload, signature)
+    assert not proof_is_valid(key.public_key(), payload + b"x", signature)
+    assert not proof_is_valid(generate_key().public_key(), payload, signature)
+    assert not proof_is_valid(key.public_key(), payload, b"garbage")
+
+
+def test_the_signed_payload_covers_every_field_but_the_signature():
+    request = adapter.JoinRequest(nonce=b"n", public_key_pem=b"k", role="worker", fingerprint="f",
+                                  hardware=adapter.Hardware("cpu", 0, 1), stage=None, announce_host="h",
+                                  announce_port=1)
+    base = adapter.signed_payload(request)
+    assert adapter.signed_payload(dataclasses.replace(request, signature=b"sig")) == base
+    for change in ({"nonce": b"m"}, {"role": "trainer"}, {"stage": 0}, {"announce_port": 2},
+                   {"hardware": adapter.Hardware("cpu", 0, 2)}, {"fingerprint": "g"}):
+        assert adapter.signed_payload(dataclasses.replace(request, **change)) != base, change
+    renew = adapter.RenewRequest(nonce=b"n", credential_pem=b"k")
+    assert adapter.signed_payload(renew) != base, "join and renewal payloads are domain-separated"
+
+
+def test_the_run_payload_binds_config_peers_and_credential():
+    base = run_payload("r", "{}", ("/ip4/1.2.3.4/tcp/1",), b"cred")
+    assert run_payload("r", '{"a": 1}', ("/ip4/1.2.3.4/tcp/1",), b"cred") != base
+    assert run_payload("r", "{}", (), b"cred") != base
+    assert run_payload("r", "{}", ("/ip4/1.2.3.4/tcp/1",), b"other") != base
+
+
+# ---- renewal timing
+
+def test_renewal_is_at_half_life_jittered_earlier_by_at_most_a_tenth():
+    rng = random.Random(0)
+    not_before, not_after = 1000.0 - 60.0, 1000.0 + 3600.0  # issued at 1000 for 1 h (back-dated 60 s)
+    assert credential_lifetime_s(not_before, not_after) == pytest.approx(3600.0)
+    delays = [renewal_delay_s(not_before, not_after, 1000.0, rng) for _ in range(500)]
+    assert all(1440.0 <= d <= 1800.0 for d in delays)
+    assert max(delays) - min(delays) > 300.0, "the jitter spreads renewals"
+    assert renewal_delay_s(not_before, not_after, now=4000.0, rng=rng) == 0.0, "past half life: renew now"
+
+
+def test_retries_back_off_exponentially_with_jitter_up_to_a_ceiling():
+    rng = random.Random(1)
+    for attempt, step in enumerate([1, 2, 4, 8, 16, 30, 30]):
+        delay = retry_delay_s(attempt, rng, initial_s=1.0, maximum_s=30.0)
+        assert step / 2 <= delay <= step
+
+
+# ---- the adapter
+
+SAMPLES = [
+    adapter.RunDescription(run_id="r", config_json="{}", fingerprint="seed=0"),
+    adapter.ChallengeRequest(peer_id="Qm", role="worker", renewal=True),
+    adapter.Challenge(nonce=b"n", dial_token=b"t", expires_in_s=60.0, latency_probes=5, download_bytes=7,
+                      upload_bytes=9),
+    adapter.JoinRequest(nonce=b"n", public_key_pem=b"k", role="worker", fingerprint="f",
+                        hardware=adapter.Hardware("cpu", 0, 2**40), stage=0, announce_host="h", announce_port=9,
+                        signature=b"s"),
+    adapter.JoinRequest(nonce=b"n", public_key_pem=b"k", role="trainer", fingerprint="f"),
+    adapter.JoinReply(admitted=adapter.Admitted(credential_pem=b"c", root_pem=b"r", run_id="r", role="worker",
+                                                lifetime_s=3600.0, config_json="{}", initial_peers=("a", "b"),
+                                                stage=0, run_signature=b"s")),
+    adapter.JoinReply(admitted=adapter.Admitted(credential_pem=b"c", root_pem=b"r", run_id="r", role="trainer",
+                                                lifetime_s=1.0, config_json="{}")),
+    adapter.JoinReply(queued=adapter.Queued(position=3, retry_after_s=5.0)),
+    adapter.JoinReply(refused=adapter.Refused(reason="why", field="min_ram_gb")),
+    adapter.RenewRequest(nonce=b"n", credential_pem=b"c", signature=b"s"),
+    adapter.RenewReply(credential_pem=b"c", lifetime_s=10.0),
+    adapter.UploadReceipt(received_bytes=10, mbit_per_s=1.5),
+]
+
+
+@pytest.mark.parametrize("value", SAMPLES, ids=lambda v: type(v).__name__)
+def test_dataclass_message_round_trip(value):
+    message = adapter.to_message(value)
+    assert adapter.from_message(type(message).FromString(message.SerializeToString())) == value
