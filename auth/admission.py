@@ -1,0 +1,404 @@
+"""A node's side of the authorizer: joining a run (``admit``) and keeping its credential fresh
+(``CredentialRenewer``).
+
+Design choices:
+
+- Trust nothing the authorizer says until it checks out against the pinned root fingerprint
+  (the channel is plaintext, see auth/service.py): the root PEM must hash to the pinned
+  fingerprint, the credential chain must verify against it and certify this node's own key for
+  the role (and stage) asked for, and the run description must carry the issuing CA's signature.
+  Only then is anything written (``NodeCredentials.save`` re-checks the first two).
+- The preflight is run, not reported: the node echoes the authorizer's latency probes and moves
+  the bytes the challenge asks for; the authorizer times them. A worker also keeps a plain TCP
+  listener on its announced port for the length of the admission (``reachability_listener``)
+  that answers the authorizer's dial-back with the challenge's token; its real gRPC server takes
+  the same port once it holds a credential.
+- A queued node polls with a fresh challenge each time (the authorizer keeps its measurements,
+  so polls carry no transfers) and reports its position through ``on_queued``.
+- Renewal follows SPIRE: at half the lifetime, jittered earlier by up to 10%; an unreachable
+  authorizer is retried with exponential backoff, never past expiry. A definitive refusal
+  (banned, or a credential the authorizer no longer accepts) calls ``on_revoked(reason)`` once
+  and the renewer ends: the node then stops, so a banned node leaves within one lifetime.
+- asyncio only, no threads; the renewer is one task with explicit cancellation
+  (``async with CredentialRenewer(...)`` or ``start``/``stop``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Optional
+
+import grpc
+from cryptography.hazmat.primitives import serialization
+
+from agora.auth.credentials import (Clock, CredentialError, CredentialVerifier, Identity, certificate_fingerprint,
+                                    load_chain)
+from agora.auth.node_state import NodeCredentials, RunInfo
+from agora.auth.policy import (dialback_answer, proof_is_valid, renewal_delay_s, retry_delay_s, run_payload,
+                               sign_proof)
+from agora.protos.authorizer_adapter import (Admitted, AuthorizerStub, ChallengeRequest, Hardware, JoinRequest,
+                                             RenewRequest, signed_payload)
+
+__all__ = [
+    "AdmissionError",
+    "AdmissionRefused",
+    "AuthorizerUntrusted",
+    "RenewalRefused",
+    "JoinFile",
+    "ReachabilityListener",
+    "reachability_listener",
+    "hardware_report",
+    "admit",
+    "CredentialRenewer",
+]
+
+logger = logging.getLogger(__name__)
+
+_RATE_LIMITED_TRIES = 8  # consecutive RESOURCE_EXHAUSTED answers before giving up
+
+
+class AdmissionError(RuntimeError):
+    """Admission did not complete (authorizer unreachable, or a protocol error); one readable line."""
+
+
+class AdmissionRefused(AdmissionError):
+    """The authorizer refused this node; ``reason`` names the floor or field and the measured value."""
+
+    def __init__(self, reason: str, field: str = ""):
+        super().__init__(f"admission refused: {reason}")
+        self.reason, self.field = reason, field
+
+
+class AuthorizerUntrusted(AdmissionError):
+    """The reply does not verify against the pinned root: this node refuses the authorizer."""
+
+
+class RenewalRefused(AdmissionError):
+    """The authorizer will not renew this credential (banned, expired, not this run's)."""
+
+    def __init__(self, reason: str, code: grpc.StatusCode):
+        super().__init__(reason)
+        self.reason, self.code = reason, code
+
+
+@dataclass(frozen=True)
+class JoinFile:
+    """What a node needs to join (``--join-file``): written by ``agora-node authorizer serve``."""
+
+    authorizer: str  # host:port
+    root_fingerprint: str
+    run_id: str
+
+    def write(self, path: str | Path) -> None:
+        from agora.auth.keys import write_private_file
+
+        write_private_file(Path(path), json.dumps(self.__dict__, indent=1).encode() + b"\n", mode=0o644)
+
+    @classmethod
+    def read(cls, path: str | Path) -> "JoinFile":
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(authorizer=str(data["authorizer"]), root_fingerprint=str(data["root_fingerprint"]),
+                       run_id=str(data["run_id"]))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"--join-file {path}: not a join file ({error})") from None
+
+
+def hardware_report() -> Hardware:
+    """This machine: the first accelerator torch sees ("cpu" and 0 without one) and its RAM."""
+    device, memory = "cpu", 0
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            properties = torch.cuda.get_device_properties(0)
+            device, memory = properties.name, int(properties.total_memory)
+    except ImportError:
+        pass
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system
+        ram = 0
+    return Hardware(device=device, accelerator_memory_bytes=memory, ram_bytes=int(ram))
+
+
+class ReachabilityListener:
+    """Answers every connection with the current challenge's dial token, then hangs up."""
+
+    def __init__(self, host: str):
+        self.host = host
+        self.port = 0
+        self._answer = dialback_answer(b"")
+
+    def answer(self, token: bytes) -> None:
+        self._answer = dialback_answer(token)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.write(self._answer)
+            await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def reachability_listener(host: str, port: int) -> AsyncIterator[ReachabilityListener]:
+    """A plain TCP listener on ``host:port`` (0 picks a port: read ``.port``) while admission runs."""
+    listener = ReachabilityListener(host)
+    try:
+        server = await asyncio.start_server(listener._handle, host, port)
+    except OSError as error:
+        raise AdmissionError(f"cannot listen on {host}:{port} for the authorizer's dial-back: {error}") from None
+    listener.port = server.sockets[0].getsockname()[1]
+    try:
+        yield listener
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def _retry_after(error: grpc.aio.AioRpcError, default: float) -> float:
+    for key, value in error.trailing_metadata() or ():
+        if key == "retry-after":
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                break
+    return default
+
+
+def _rpc_error(address: str, error: grpc.aio.AioRpcError) -> AdmissionError:
+    if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return AdmissionError(f"the authorizer at {address} is unreachable ({error.code().name}: {error.details()})")
+    return AdmissionError(f"the authorizer at {address} answered {error.code().name}: {error.details()}")
+
+
+async def admit(address: str, root_fingerprint: str, node: NodeCredentials, *, role: str,
+                fingerprint: str | Callable[[dict], str], hardware: Optional[Hardware] = None,
+                stage: Optional[int] = None, announce: Optional[tuple[str, int]] = None,
+                listen_host: Optional[str] = None, listener: Optional[ReachabilityListener] = None,
+                on_queued: Optional[Callable[[int], Any]] = None, clock: Clock = time.time,
+                rpc_timeout_s: float = 60.0) -> RunInfo:
+    """Join the run served at ``address`` and store the credential in ``node``; returns the run.
+
+    ``fingerprint``: this node's run fingerprint text, or a function from the run config the
+    authorizer serves (``config_to_dict`` form) to it. Workers pass ``announce=(host, port)``: the
+    address peers will dial; the dial-back listener binds ``listen_host`` (default: the announced
+    host) on that port, or the caller passes its own open ``listener`` (then a port of 0 in
+    ``announce`` means the listener's). Raises ``AdmissionRefused`` when refused,
+    ``AuthorizerUntrusted`` when the reply does not verify against ``root_fingerprint``, and
+    ``AdmissionError`` when the authorizer cannot be reached.
+    """
+    if role == "worker":
+        if announce is None:
+            raise ValueError("announce: a worker must give the host:port peers will reach it on")
+        if listener is None and announce[1] == 0:
+            raise ValueError("announce: pick the port before admission (the dial-back listener and the gRPC "
+                             "server share it), or pass an open listener")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = AuthorizerStub(channel)
+        try:
+            if callable(fingerprint):
+                run = await stub.get_run(timeout=rpc_timeout_s)
+                fingerprint = fingerprint(json.loads(run.config_json))
+            if role != "worker":
+                return await _join_loop(stub, address, root_fingerprint, node, role=role, fingerprint=fingerprint,
+                                        hardware=hardware or hardware_report(), stage=stage, announce=None,
+                                        listener=None, on_queued=on_queued, clock=clock, timeout=rpc_timeout_s)
+            assert announce is not None
+            if listener is not None:
+                announce = (announce[0], announce[1] or listener.port)
+                opened = contextlib.nullcontext(listener)
+            else:
+                opened = reachability_listener(listen_host or announce[0], announce[1])
+            async with opened as open_listener:
+                return await _join_loop(stub, address, root_fingerprint, node, role=role, fingerprint=fingerprint,
+                                        hardware=hardware or hardware_report(), stage=stage, announce=announce,
+                                        listener=open_listener, on_queued=on_queued, clock=clock,
+                                        timeout=rpc_timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise _rpc_error(address, error) from None
+
+
+async def _join_loop(stub: AuthorizerStub, address: str, root_fingerprint: str, node: NodeCredentials, *, role: str,
+                     fingerprint: str, hardware: Hardware, stage: Optional[int],
+                     announce: Optional[tuple[str, int]], listener: Optional[ReachabilityListener],
+                     on_queued: Optional[Callable[[int], Any]], clock: Clock, timeout: float) -> RunInfo:
+    public_pem = node.key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                    serialization.PublicFormat.SubjectPublicKeyInfo)
+    limited = 0
+    while True:
+        try:
+            challenge = await stub.get_challenge(ChallengeRequest(peer_id=node.peer_id, role=role), timeout=timeout)
+        except grpc.aio.AioRpcError as error:
+            if error.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED or limited >= _RATE_LIMITED_TRIES:
+                raise
+            limited += 1
+            await asyncio.sleep(_retry_after(error, 1.0))
+            continue
+        limited = 0
+        if listener is not None:
+            listener.answer(challenge.dial_token)
+        if challenge.latency_probes:
+            await stub.echo_latency(challenge.nonce, timeout=timeout)
+        if challenge.download_bytes:
+            await stub.download(challenge.nonce, max_bytes=challenge.download_bytes, timeout=timeout)
+        if challenge.upload_bytes:
+            await stub.upload(challenge.nonce, size=challenge.upload_bytes, timeout=timeout)
+        request = JoinRequest(nonce=challenge.nonce, public_key_pem=public_pem, role=role, fingerprint=fingerprint,
+                              hardware=hardware, stage=stage, announce_host=announce[0] if announce else "",
+                              announce_port=announce[1] if announce else 0)
+        request = replace(request, signature=sign_proof(node.key, signed_payload(request)))
+        reply = await stub.join(request, timeout=timeout)
+        if reply.admitted is not None:
+            return _accept(reply.admitted, address, root_fingerprint, node, role=role, stage=stage, clock=clock)
+        if reply.refused is not None:
+            raise AdmissionRefused(reply.refused.reason, reply.refused.field)
+        if reply.queued is None:
+            raise AdmissionError(f"the authorizer at {address} answered an empty Join reply")
+        if on_queued is not None:
+            outcome = on_queued(reply.queued.position)
+            if inspect.isawaitable(outcome):
+                await outcome
+        logger.info("admission: queued at position %d; asking again in %.1f s", reply.queued.position,
+                    reply.queued.retry_after_s)
+        await asyncio.sleep(min(max(reply.queued.retry_after_s, 0.05), 300.0))
+
+
+def _accept(admitted: Admitted, address: str, root_fingerprint: str, node: NodeCredentials, *, role: str,
+            stage: Optional[int], clock: Clock) -> RunInfo:
+    """Check an admission against the pinned root, then store it."""
+    try:
+        if certificate_fingerprint(admitted.root_pem) != root_fingerprint:
+            raise AuthorizerUntrusted(f"the authorizer at {address} presented root CA "
+                                      f"{certificate_fingerprint(admitted.root_pem)[:16]}..., not the pinned "
+                                      f"{root_fingerprint[:16]}...: refusing it")
+        verifier = CredentialVerifier(admitted.root_pem, admitted.run_id, clock=clock)
+        identity = verifier.verify(admitted.credential_pem, roles=(role,), stage=stage,
+                                   public_key=node.key.public_key())
+        chain = load_chain(admitted.credential_pem)
+        payload = run_payload(admitted.run_id, admitted.config_json, admitted.initial_peers, admitted.credential_pem)
+        if len(chain) < 2 or not proof_is_valid(chain[1].public_key(), payload, admitted.run_signature):
+            raise AuthorizerUntrusted(f"the run description from {address} is not signed by the issuing CA of "
+                                      "its credential: refusing it")
+        run = RunInfo(run_id=admitted.run_id, role=identity.role, stage=identity.stage,
+                      root_fingerprint=root_fingerprint, authorizer=address,
+                      config=json.loads(admitted.config_json), initial_peers=tuple(admitted.initial_peers))
+        node.save(admitted.credential_pem, admitted.root_pem, run)
+    except (CredentialError, ValueError) as error:
+        if isinstance(error, AdmissionError):
+            raise
+        raise AuthorizerUntrusted(f"the admission from {address} does not verify against the pinned root: "
+                                  f"{error}") from None
+    logger.info("admission: admitted as %s, credential valid for %.0f s", identity.describe(), admitted.lifetime_s)
+    return run
+
+
+class CredentialRenewer:
+    """Renews ``node``'s credential at the authorizer ``address`` at half life, until revoked or stopped."""
+
+    def __init__(self, address: str, node: NodeCredentials, *, on_revoked: Callable[[str], Any],
+                 clock: Clock = time.time, rng: Optional[random.Random] = None, jitter_fraction: float = 0.1,
+                 retry_initial_s: float = 1.0, retry_max_s: float = 60.0, rpc_timeout_s: float = 30.0):
+        self.address, self.node = address, node
+        self._on_revoked = on_revoked
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._jitter_fraction = jitter_fraction
+        self._retry_initial_s, self._retry_max_s = retry_initial_s, retry_max_s
+        self._rpc_timeout_s = rpc_timeout_s
+        self._task: Optional[asyncio.Task] = None
+        self.renewals = 0
+        self.revoked: Optional[str] = None  # the reason, once revoked
+
+    async def renew_once(self) -> Identity:
+        """One renewal now; raises RenewalRefused (definitive) or AdmissionError (try again later)."""
+        chain, before = self.node.current()
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = AuthorizerStub(channel)
+            try:
+                challenge = await stub.get_challenge(ChallengeRequest(peer_id=self.node.peer_id, role=before.role,
+                                                                      renewal=True), timeout=self._rpc_timeout_s)
+                request = RenewRequest(nonce=challenge.nonce, credential_pem=chain)
+                request = replace(request, signature=sign_proof(self.node.key, signed_payload(request)))
+                reply = await stub.renew(request, timeout=self._rpc_timeout_s)
+            except grpc.aio.AioRpcError as error:
+                if error.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+                                    grpc.StatusCode.INVALID_ARGUMENT):
+                    raise RenewalRefused(error.details() or error.code().name, error.code()) from None
+                raise _rpc_error(self.address, error) from None
+        run = self.node.run_info()
+        try:
+            identity = CredentialVerifier(self.node.root_pem(), run.run_id, clock=self._clock).verify(
+                reply.credential_pem, roles=(before.role,), stage=before.stage, public_key=self.node.key.public_key())
+        except CredentialError as error:
+            raise AuthorizerUntrusted(f"the renewal from {self.address} does not verify: {error}") from None
+        self.node.save(reply.credential_pem, self.node.root_pem(), run)
+        self.renewals += 1
+        logger.info("renewed the credential of %s: valid for %.0f s", identity.describe(),
+                    identity.remaining_s(self._clock()))
+        return identity
+
+    async def run(self) -> None:
+        """Renew at half life until revoked (then ``on_revoked`` has been called) or cancelled."""
+        failures = 0
+        while True:
+            try:
+                _, identity = self.node.current()
+            except CredentialError as error:
+                return await self._revoke(f"no valid credential to renew: {error}")
+            now = self._clock()
+            if failures == 0:
+                delay = renewal_delay_s(identity.not_before, identity.not_after, now, self._rng, self._jitter_fraction)
+            else:
+                delay = retry_delay_s(failures - 1, self._rng, initial_s=self._retry_initial_s,
+                                      maximum_s=self._retry_max_s)
+            await asyncio.sleep(min(delay, max(0.0, identity.not_after - now)))
+            if self._clock() >= identity.not_after:
+                return await self._revoke(f"credential expired: the authorizer at {self.address} could not renew it "
+                                          f"in time")
+            try:
+                await self.renew_once()
+                failures = 0
+            except RenewalRefused as refused:
+                return await self._revoke(refused.reason)
+            except AdmissionError as error:
+                failures += 1
+                logger.warning("credential renewal failed (%s); retrying", error)
+
+    async def _revoke(self, reason: str) -> None:
+        self.revoked = reason
+        logger.error("credential revoked: %s", reason)
+        outcome = self._on_revoked(reason)
+        if inspect.isawaitable(outcome):
+            await outcome
+
+    def start(self) -> asyncio.Task:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self.run(), name="credential-renewer")
+        return self._task
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def __aenter__(self) -> "CredentialRenewer":
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.stop()

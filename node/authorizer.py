@@ -1,0 +1,317 @@
+"""`agora-node authorizer`: the operator's role. Serve admission, ban and unban, list, mint credentials.
+
+    agora-node authorizer serve --state-dir D --run-id R [--host H --port P] [--ready-file F] ...
+    agora-node authorizer ban PEER_ID [--reason R] --state-dir D
+    agora-node authorizer unban PEER_ID --state-dir D
+    agora-node authorizer list [--json] --state-dir D
+    agora-node authorizer issue --role R [--stage I] --out DIR [--lifetime S] --state-dir D
+
+Design choices:
+
+- The state directory is the authorizer: the CA (auth/authority.py), the ban list, the admitted
+  nodes (auth/service.py) and ``serving.json`` (the run config and bootstrap peers ``serve`` was
+  given, so ``issue`` mints credentials that carry them). ``ban``/``unban`` write the ban list
+  under its file lock; the serving process re-reads it on its next admission or renewal, so a
+  ban needs no restart and no RPC.
+- ``serve`` runs the service behind the shared server plumbing (node/rpc: interceptor chain,
+  health, reflection) on one uvloop loop; it prints the address and the root fingerprint and
+  writes ``join.json`` (both, plus the run id: what a node is given as ``--join-file``), then the
+  ready file (address and fingerprint, one per line) once serving. SIGTERM/SIGINT stop it.
+- A user's mistake ends in one line and exit 2 (``ConfigError``, handled by node/cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import ipaddress
+import json
+import logging
+import re
+import signal
+import socket
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import grpc
+
+from agora.auth.admission import JoinFile
+from agora.auth.authority import DEFAULT_CREDENTIAL_LIFETIME_S, RunAuthority
+from agora.auth.credentials import ROLES
+from agora.auth.keys import write_private_file
+from agora.auth.policy import DEFAULT_FLOORS, Floors
+from agora.auth.service import AuthorizerService, AuthorizerSettings, read_admitted
+from agora.node.rpc.interceptors import interceptor_chain
+from agora.node.rpc.server import add_health_and_reflection, bind, create_server, run, set_serving
+from agora.pipeline.config import ConfigError
+from agora.protos.authorizer_adapter import SERVICE_NAME, add_authorizer_service
+
+__all__ = ["add_authorizer_commands", "start_authorizer_server", "serve_authorizer", "SERVING_FILE", "JOIN_FILE"]
+
+logger = logging.getLogger(__name__)
+
+SERVING_FILE = "serving.json"
+JOIN_FILE = "join.json"
+_MAX_MESSAGE_BYTES = 1 << 20  # preflight chunks are 64 KiB; credentials a few KiB
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{10,128}")
+
+
+async def start_authorizer_server(service: AuthorizerService, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """The service on a started grpc.aio server (interceptors, health, reflection); returns it and its port."""
+    server = create_server(interceptors=interceptor_chain(), max_message_bytes=_MAX_MESSAGE_BYTES)
+    add_authorizer_service(server, service)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    bound = bind(server, host, port)
+    await server.start()
+    await set_serving(health, [SERVICE_NAME], True)
+    return server, bound
+
+
+async def serve_authorizer(service: AuthorizerService, host: str, port: int, *, public_host: str,
+                           ready: Callable[[str], None], stop: asyncio.Event) -> None:
+    """Serve until ``stop`` is set; ``ready(address)`` runs once the service answers."""
+    server, bound = await start_authorizer_server(service, host, port)
+    try:
+        ready(_join_address(public_host, bound))
+        await stop.wait()
+        logger.info("authorizer shutting down")
+    finally:
+        await server.stop(grace=2.0)
+
+
+def _join_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _open_authority(state_dir: str, run_id: Optional[str] = None, *, create: bool = False) -> RunAuthority:
+    directory = Path(state_dir)
+    if not create and not (directory / "authority.json").exists():
+        raise ConfigError(f"--state-dir {state_dir} holds no authorizer: start `agora-node authorizer serve "
+                          f"--state-dir {state_dir} --run-id RUN` first")
+    if run_id is not None and not _RUN_ID.fullmatch(run_id):
+        raise ConfigError(f"--run-id: letters, digits, '_' and '-' only (1-64 characters), got {run_id!r}")
+    try:
+        return RunAuthority(directory, run_id=run_id)
+    except ValueError as error:
+        raise ConfigError(str(error).replace("give the run id", "give --run-id")) from None
+
+
+def _settings(args: argparse.Namespace) -> AuthorizerSettings:
+    floors = Floors(min_upload_mbit=args.min_upload_mbit, min_download_mbit=args.min_download_mbit,
+                    max_rtt_ms=args.max_rtt_ms, min_accelerator_gb=args.min_accelerator_gb, min_ram_gb=args.min_ram_gb)
+    try:
+        return AuthorizerSettings(floors=floors, max_workers=args.max_workers,
+                                  credential_lifetime_s=args.credential_lifetime, latency_probes=args.latency_probes,
+                                  download_bytes=args.preflight_bytes, upload_bytes=args.preflight_bytes,
+                                  join_rate_per_s=args.join_rate, join_burst=args.join_burst,
+                                  queue_retry_after_s=args.queue_retry_after).validate()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _public_host(args: argparse.Namespace) -> str:
+    if args.public_host:
+        return args.public_host
+    try:
+        unspecified = ipaddress.ip_address(args.host).is_unspecified
+    except ValueError:
+        unspecified = False
+    return socket.getfqdn() if unspecified else args.host
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from agora.node.cli import _run_config
+    from agora.pipeline.config import config_to_dict
+    from agora.pipeline.fingerprint import run_fingerprint
+
+    config = _run_config(args)
+    settings = _settings(args)
+    authority = _open_authority(args.state_dir, args.run_id, create=True)
+    fingerprint = run_fingerprint(config)
+    plain = config_to_dict(config)
+    service = AuthorizerService(authority, settings, run_config=plain, fingerprint=fingerprint,
+                                initial_peers=tuple(args.initial_peers))
+    state = Path(args.state_dir)
+    join_path = Path(args.join_file) if args.join_file else state / JOIN_FILE
+
+    def ready(address: str) -> None:
+        write_private_file(state / SERVING_FILE, json.dumps({
+            "authorizer": address, "config": plain, "initial_peers": list(args.initial_peers),
+            "stages": fingerprint.stages, "fingerprint": fingerprint.text()}, indent=1).encode(), mode=0o644)
+        ticket = JoinFile(authorizer=address, root_fingerprint=authority.root_fingerprint, run_id=authority.run_id)
+        ticket.write(join_path)
+        print(f"authorizer of run {authority.run_id!r} serving at {address}")
+        print(f"root fingerprint (nodes pin it): {authority.root_fingerprint}")
+        print(f"join file: {join_path}", flush=True)
+        if args.ready_file:
+            from agora.dht.bootstrap import write_ready_file
+
+            write_ready_file(args.ready_file, [address, authority.root_fingerprint])
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await serve_authorizer(service, args.host, args.port, public_host=_public_host(args), ready=ready, stop=stop)
+
+    try:
+        run(main())
+    except OSError as error:
+        raise ConfigError(f"--host/--port: {error}") from None
+    finally:
+        if args.ready_file:
+            Path(args.ready_file).unlink(missing_ok=True)
+    return 0
+
+
+def _peer_id(text: str) -> str:
+    if not _PEER_ID.fullmatch(text):
+        raise ConfigError(f"PEER_ID: expected a base58 libp2p peer id, got {text[:80]!r}")
+    return text
+
+
+def _cmd_ban(args: argparse.Namespace) -> int:
+    entry = _open_authority(args.state_dir).ban(_peer_id(args.peer_id), args.reason)
+    print(f"banned {entry.peer_id}: {entry.reason or '(no reason given)'}; its renewal will be refused, so it "
+          f"leaves within one credential lifetime")
+    return 0
+
+
+def _cmd_unban(args: argparse.Namespace) -> int:
+    found = _open_authority(args.state_dir).unban(_peer_id(args.peer_id))
+    print(f"unbanned {args.peer_id}" if found else f"{args.peer_id} was not banned")
+    return 0
+
+
+def _when(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, tz=datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    authority = _open_authority(args.state_dir)
+    bans = sorted(authority.bans().values(), key=lambda entry: entry.banned_at)
+    now = time.time()
+    admitted = [node for node in read_admitted(args.state_dir) if node.expires_at > now]  # still holding a credential
+    if args.json:
+        print(json.dumps({"run_id": authority.run_id, "root_fingerprint": authority.root_fingerprint,
+                          "bans": [asdict(entry) for entry in bans],
+                          "admitted": [asdict(node) for node in admitted]}, indent=1))
+        return 0
+    print(f"run {authority.run_id!r}, root fingerprint {authority.root_fingerprint}")
+    print(f"admitted ({len(admitted)}):")
+    for node in admitted:
+        stage = "-" if node.stage is None else node.stage
+        print(f"  {node.peer_id}  {node.role:<7} stage {stage}  {node.address}  {node.device}  "
+              f"expires {_when(node.expires_at)}")
+    print(f"banned ({len(bans)}):")
+    for entry in bans:
+        print(f"  {entry.peer_id}  since {_when(entry.banned_at)}  {entry.reason}")
+    return 0
+
+
+def _cmd_issue(args: argparse.Namespace) -> int:
+    authority = _open_authority(args.state_dir)
+    serving_path = Path(args.state_dir) / SERVING_FILE
+    serving: dict[str, Any] = json.loads(serving_path.read_text()) if serving_path.exists() else {}
+    stages = serving.get("stages")
+    if args.stage is not None and stages is not None and not 0 <= args.stage < stages:
+        raise ConfigError(f"--stage: {args.stage} is out of range for this {stages}-stage run")
+    try:
+        node = authority.mint(args.out, role=args.role, stage=args.stage, lifetime_s=args.lifetime,
+                              config=serving.get("config"), initial_peers=tuple(serving.get("initial_peers", ())),
+                              authorizer=serving.get("authorizer", ""))
+    except ValueError as error:
+        raise ConfigError(f"--{str(error)}" if str(error).startswith(("role", "stage")) else str(error)) from None
+    identity = node.identity()
+    print(f"issued a {identity.describe()} credential in {args.out}, valid until {_when(identity.not_after)}")
+    return 0
+
+
+def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
+    """Mount `authorizer serve|ban|unban|list|issue` on the top-level subcommands of agora-node."""
+    from agora.node.cli import _add_run_arguments
+
+    parser = commands.add_parser("authorizer", help="the run's authorizer: admission, credentials, bans (operator)",
+                                 description="Admit nodes to a run and issue their short-lived credentials; ban, "
+                                             "list and mint credentials for the operator's own machines.")
+    actions = parser.add_subparsers(dest="authorizer_command", required=True, metavar="ACTION")
+
+    def state_dir(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--state-dir", required=True, help="the authorizer's folder: CA keys, bans, admitted nodes")
+
+    serve = actions.add_parser("serve", help="serve admission and renewal (creates the run's CA on first start)",
+                               description="Serve agora.v1.Authorizer (plaintext gRPC, health, reflection). Prints "
+                                           "the address and the root fingerprint nodes pin; writes "
+                                           "STATE_DIR/join.json.")
+    state_dir(serve)
+    serve.add_argument("--run-id", default=None, help="run identifier (needed on first start)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    serve.add_argument("--port", type=int, default=0, help="port (0: pick a free one)")
+    serve.add_argument("--public-host", default=None,
+                       help="host nodes dial, written to the join file (default: --host, or this machine's name when "
+                            "--host is 0.0.0.0/::)")
+    serve.add_argument("--ready-file", default=None, help="write the address and root fingerprint here once serving")
+    serve.add_argument("--join-file", default=None, help="where to write the join file (default STATE_DIR/join.json)")
+    serve.add_argument("--credential-lifetime", type=float, default=DEFAULT_CREDENTIAL_LIFETIME_S, metavar="S",
+                       help="seconds a credential is valid; nodes renew at half life (default %(default)g)")
+    serve.add_argument("--max-workers", type=int, default=None, metavar="N",
+                       help="cap on admitted workers; more wait in a FIFO queue (default: no cap)")
+    for name, help_text in (("min_upload_mbit", "least upload rate, measured by the authorizer"),
+                            ("min_download_mbit", "least download rate, measured by the authorizer"),
+                            ("max_rtt_ms", "largest round-trip time to the authorizer"),
+                            ("min_accelerator_gb", "least accelerator memory (decimal GB, reported)"),
+                            ("min_ram_gb", "least RAM (decimal GB, reported)")):
+        serve.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(DEFAULT_FLOORS, name),
+                           help=f"worker floor: {help_text} (default %(default)g; the Agora report's)")
+    serve.add_argument("--preflight-bytes", type=int, default=8 << 20, metavar="BYTES",
+                       help="bytes moved each way to measure a worker's link (default 8 MiB)")
+    serve.add_argument("--latency-probes", type=int, default=5, help="round trips timed (median; default 5)")
+    serve.add_argument("--join-rate", type=float, default=0.5, help="sustained join attempts per second per address")
+    serve.add_argument("--join-burst", type=int, default=10, help="join attempts at once per address")
+    serve.add_argument("--queue-retry-after", type=float, default=5.0, metavar="S",
+                       help="seconds a queued node waits between polls (default %(default)g)")
+    serve.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
+                       help="DHT multiaddrs handed to admitted nodes")
+    _add_run_arguments(serve, steps_help="planned run length in global batches (sets the lr schedule)")
+    serve.set_defaults(handler=_cmd_serve)
+
+    ban = actions.add_parser("ban", help="ban a peer: its joins and renewals are refused",
+                             description="Ban a peer id. The serving authorizer refuses its next renewal, so it "
+                                         "leaves within one credential lifetime.")
+    ban.add_argument("peer_id", metavar="PEER_ID")
+    ban.add_argument("--reason", default="", help="told to the peer when it is refused")
+    state_dir(ban)
+    ban.set_defaults(handler=_cmd_ban)
+
+    unban = actions.add_parser("unban", help="lift a ban")
+    unban.add_argument("peer_id", metavar="PEER_ID")
+    state_dir(unban)
+    unban.set_defaults(handler=_cmd_unban)
+
+    listing = actions.add_parser("list", help="banned peers and admitted nodes")
+    listing.add_argument("--json", action="store_true", help="one JSON object")
+    state_dir(listing)
+    listing.set_defaults(handler=_cmd_list)
+
+    issue = actions.add_parser("issue", help="mint a credential for a machine of the operator's (offline)",
+                               description="Create (or reuse) a node key in --out and write a credential for it, "
+                                           "with the run config and bootstrap peers the serving authorizer was given.")
+    issue.add_argument("--role", required=True, choices=ROLES, help="the credential's role")
+    issue.add_argument("--stage", type=int, default=None, help="pipeline stage (workers only)")
+    issue.add_argument("--out", required=True, help="the node's state folder")
+    issue.add_argument("--lifetime", type=float, default=DEFAULT_CREDENTIAL_LIFETIME_S, metavar="S",
+                       help="seconds the credential is valid (default %(default)g)")
+    state_dir(issue)
+    issue.set_defaults(handler=_cmd_issue)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from agora.node.cli import main
+
+    sys.exit(main(["authorizer", *sys.argv[1:]]))

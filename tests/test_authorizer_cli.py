@@ -1,0 +1,135 @@
+"""`agora-node authorizer`: the operator's commands in-process, and one real `serve` process that
+admits a node."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agora.auth.admission import JoinFile, admit
+from agora.auth.authority import RunAuthority
+from agora.auth.credentials import CredentialVerifier
+from agora.auth.node_state import NodeCredentials
+from agora.node.cli import main
+from agora.node.rpc.server import run
+from agora.pipeline.config import PRESETS, config_from_dict
+from agora.pipeline.fingerprint import run_fingerprint
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("authorizer-state")
+    RunAuthority(directory, run_id="cli-run")
+    return directory
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_issue_writes_a_node_state_dir_whose_credential_verifies(state_dir, tmp_path, capsys):
+    out = tmp_path / "ops-worker"
+    assert main(["authorizer", "issue", "--role", "worker", "--stage", "1", "--out", str(out), "--lifetime", "600",
+                 "--state-dir", str(state_dir)]) == 0
+    assert "issued a worker stage 1" in capsys.readouterr().out
+    node = NodeCredentials(out, clock=time.time)
+    chain, identity = node.current()
+    root = (state_dir / "root.pem").read_bytes()
+    verified = CredentialVerifier(root, "cli-run", clock=time.time).verify(chain, roles=("worker",), stage=1,
+                                                                           public_key=node.key.public_key())
+    assert verified.peer_id == node.peer_id
+    assert 500 < identity.remaining_s(time.time()) <= 600
+    assert node.run_info().root_fingerprint == RunAuthority(state_dir).root_fingerprint
+    assert oct((out / "node.key").stat().st_mode & 0o777) == "0o600"
+
+
+def test_ban_unban_and_list(state_dir, capsys):
+    peer = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    assert main(["authorizer", "ban", peer, "--reason", "poisoned gradients", "--state-dir", str(state_dir)]) == 0
+    assert main(["authorizer", "list", "--json", "--state-dir", str(state_dir)]) == 0
+    listing = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    assert listing["run_id"] == "cli-run"
+    assert [(b["peer_id"], b["reason"]) for b in listing["bans"]] == [(peer, "poisoned gradients")]
+    assert RunAuthority(state_dir).is_banned(peer) is not None
+    assert main(["authorizer", "list", "--state-dir", str(state_dir)]) == 0
+    assert "poisoned gradients" in capsys.readouterr().out
+    assert main(["authorizer", "unban", peer, "--state-dir", str(state_dir)]) == 0
+    assert main(["authorizer", "list", "--json", "--state-dir", str(state_dir)]) == 0
+    assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["bans"] == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ban", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "--state-dir", "{missing}"], "holds no authorizer"),
+    (["ban", "not-a-peer-id!", "--state-dir", "{state}"], "PEER_ID: expected a base58"),
+    (["issue", "--role", "worker", "--out", "{tmp}/w", "--state-dir", "{state}"], "--stage: a worker credential needs"),
+    (["issue", "--role", "trainer", "--stage", "0", "--out", "{tmp}/t", "--state-dir", "{state}"],
+     "--stage: a trainer credential takes no"),
+    (["serve", "--state-dir", "{tmp}/new", "--run-id", "bad id!"], "--run-id: letters, digits"),
+    (["serve", "--state-dir", "{tmp}/new2"], "give --run-id"),
+    (["serve", "--state-dir", "{state}", "--min-ram-gb", "-1"], "--min-ram-gb: expected a number >= 0"),
+])
+def test_mistakes_are_one_line_and_exit_2(state_dir, tmp_path, capsys, argv, message):
+    values = {"state": str(state_dir), "tmp": str(tmp_path), "missing": str(tmp_path / "nothing")}
+    assert main(["authorizer", *[a.format(**values) for a in argv]]) == 2
+    line = _error_line(capsys)
+    assert line.startswith("agora-node authorizer: error:") and message in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_served_authorizer_admits_a_node_and_stops_cleanly(tmp_path, capsys):
+    state, ready = tmp_path / "state", tmp_path / "ready.txt"
+    peers = "/ip4/203.0.113.5/tcp/31337/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    command = [sys.executable, "-m", "agora.node.cli", "--threads", "1", "authorizer", "serve",
+               "--state-dir", str(state), "--run-id", "mp-run", "--ready-file", str(ready), "--stages", "3",
+               "--steps", "50", "--min-upload-mbit", "0", "--min-download-mbit", "0", "--max-rtt-ms", "inf",
+               "--min-accelerator-gb", "0", "--min-ram-gb", "0", "--preflight-bytes", str(256 << 10),
+               "--credential-lifetime", "120", "--initial-peers", peers]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists():  # the readiness handshake: written atomically once serving
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the authorizer did not become ready"
+            time.sleep(0.05)
+        address, fingerprint = ready.read_text().split()
+        ticket = JoinFile.read(state / "join.json")
+        assert (ticket.authorizer, ticket.root_fingerprint, ticket.run_id) == (address, fingerprint, "mp-run")
+
+        node = NodeCredentials(tmp_path / "node", clock=time.time)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        joined = run(admit(ticket.authorizer, ticket.root_fingerprint, node, role="worker",
+                           fingerprint=lambda config: run_fingerprint(config_from_dict(config)).text(),
+                           announce=("127.0.0.1", port)))
+        assert joined.stage == 0 and joined.initial_peers == (peers,)
+        assert run_fingerprint(config_from_dict(joined.config)) == run_fingerprint(PRESETS["tiny"].with_stages(3))
+        assert node.identity().role == "worker"
+
+        assert main(["authorizer", "list", "--json", "--state-dir", str(state)]) == 0
+        listing = json.loads(capsys.readouterr().out)
+        assert [entry["peer_id"] for entry in listing["admitted"]] == [node.peer_id]
+        assert main(["authorizer", "issue", "--role", "trainer", "--out", str(tmp_path / "ops"),
+                     "--state-dir", str(state)]) == 0
+        minted = NodeCredentials(tmp_path / "ops", clock=time.time).run_info()
+        assert minted.config == joined.config and minted.initial_peers == (peers,) and minted.authorizer == address
+    finally:
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert f"serving at {address}" in out and fingerprint in out
+    assert not ready.exists(), "the ready file is removed on a clean stop"
