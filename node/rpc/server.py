@@ -8,13 +8,22 @@ Design choices:
 - Every server also runs the standard health-checking service and server reflection, so
   grpc_health_probe and grpcurl work against any node without our .proto files.
 - `bind` listens on the given host and port (0 picks a free one) and returns the real port,
-  which is what a worker announces and what tests connect to.
+  which is what a worker announces and what tests connect to. With server credentials it opens a
+  TLS port (node/rpc/tls.py); without, a plaintext one: the `--insecure` path, which the caller
+  chose (and the authorizer's door, which serves nodes that hold no credential yet).
+- `announced_host` is what a node tells others to dial, which is not always what it binds:
+  `--announce-host` for a node behind a proxy or NAT, and never a wildcard (0.0.0.0 or ::
+  means "every interface" to the node itself and nothing to anyone else); a wildcard bind
+  announces the address of the interface that routes outwards (found by a UDP connect(),
+  which sends nothing) or loopback on a machine without a route.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Coroutine, Sequence, TypeVar
+import ipaddress
+import socket
+from typing import Any, Callable, Coroutine, Optional, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +35,10 @@ __all__ = [
     "message_options",
     "create_server",
     "bind",
+    "announced_host",
+    "outbound_address",
+    "is_wildcard_host",
+    "host_port",
     "add_health_and_reflection",
     "set_serving",
     "HEALTH_SERVICE_NAME",
@@ -72,12 +85,70 @@ def create_server(*, interceptors: Sequence[grpc.aio.ServerInterceptor], max_mes
                            options=[*message_options(max_message_bytes), *options])
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Listen (insecure for now; the authorizer issue adds credentials) and return the real port."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int, credentials: Optional[grpc.ServerCredentials] = None) -> int:
+    """Listen on TLS with `credentials`, plaintext without them; return the real port."""
+    address = host_port(host, port)
+    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if bound == 0:
-        raise OSError(f"could not listen on {host}:{port}")
+        raise OSError(f"could not listen on {address}")
     return bound
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, with an IPv6 literal in brackets (what grpc and every peer parse)."""
+    try:
+        if ipaddress.ip_address(host.strip("[]")).version == 6:
+            return f"[{host.strip('[]')}]:{port}"
+    except ValueError:
+        pass  # a host name
+    return f"{host}:{port}"
+
+
+def is_wildcard_host(host: str) -> bool:
+    """0.0.0.0, ::, or an empty host: "every interface", which no peer can dial."""
+    host = host.strip().strip("[]")
+    if not host:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+# Documentation addresses (RFC 5737, RFC 3849): never routed, and a UDP connect() sends nothing.
+_PROBE_TARGETS = {socket.AF_INET: ("192.0.2.1", 9), socket.AF_INET6: ("2001:db8::1", 9)}
+
+
+def outbound_address(family: int = socket.AF_INET) -> Optional[str]:
+    """The local address of the interface that routes outwards, or None without a route."""
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(_PROBE_TARGETS[family])
+            address = probe.getsockname()[0]
+    except OSError:
+        return None
+    return None if is_wildcard_host(address) else address
+
+
+def announced_host(bind_host: str, announce_host: Optional[str] = None, *,
+                   outbound: Callable[[int], Optional[str]] = outbound_address) -> str:
+    """The host a node announces for a server bound on `bind_host` (see the module docstring).
+
+    `outbound` is injected so the decision is tested without the machine's interfaces."""
+    if announce_host is not None:
+        if is_wildcard_host(announce_host):
+            raise ValueError(f"--announce-host: {announce_host!r} means 'every interface', which no peer can "
+                             "dial; give the address peers reach this node on")
+        return announce_host.strip().strip("[]")
+    if not is_wildcard_host(bind_host):
+        return bind_host.strip().strip("[]")
+    wants_v6 = ":" in bind_host
+    families = (socket.AF_INET6, socket.AF_INET) if wants_v6 else (socket.AF_INET,)
+    for family in families:
+        address = outbound(family)
+        if address is not None:
+            return address
+    return "127.0.0.1"  # no route out: only this machine can reach it anyway (:: is dual-stack)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> health.aio.HealthServicer:
