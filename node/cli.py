@@ -276,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fault drill: kill -9 one worker of the last stage after STEP global batches")
     _add_averaging_arguments(demo)
     demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
+
+    from agora.node.authorizer import add_authorizer_commands
+
+    add_authorizer_commands(commands)
     return parser
 
 
