@@ -123,9 +123,9 @@ def test_equally_fast_replicas_get_equal_shares_of_every_batch(data):
     def recording(compute, seen: Counter):
         forward = compute.forward
 
-        def wrapped(request):
-            seen[request.microbatch_id.split("/")[2].split("m")[0]] += 1  # ".../u{unit}m{i}/a{attempt}"
-            return forward(request)
+        def wrapped(request, **caller):
+            seen[request.microbatch_id.split("m")[0]] += 1  # "u{unit}m{i}.a{attempt}.{128 random bits}"
+            return forward(request, **caller)
         return wrapped
 
     async def main():

@@ -18,6 +18,7 @@ from agora.node.trainer.stage_client import RequestRefused, StageClient, WorkerB
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
+from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.optim import StageOptimizer
 from agora.pipeline.stages import build_stage
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.timeout(60)
 CONFIG = PRESETS["tiny"].with_stages(3)
 K = CONFIG.model.wire_dim
 RUN = "test-run"
+FINGERPRINT = run_fingerprint(CONFIG)
 
 
 def batch(seed: int, size: int = 2, seq: int = 32):
@@ -36,6 +38,7 @@ def batch(seed: int, size: int = 2, seq: int = 32):
 
 def client_for(worker: StageWorker, stage: int | None = None, **kwargs) -> StageClient:
     kwargs.setdefault("run_id", RUN)
+    kwargs.setdefault("fingerprint", FINGERPRINT)
     return StageClient(worker.address, stage=worker.stage_index if stage is None else stage,
                        model=CONFIG.model, **kwargs)
 

@@ -12,7 +12,7 @@ from agora.node.worker.compute import (
     StageCompute,
     UnknownMicrobatch,
 )
-from agora.node.worker.stash import ForwardStash
+from agora.node.worker.stash import AlreadyStashed, ForwardStash
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
 from agora.protos.stage_adapter import AbortRequest, BackwardRequest, ForwardRequest, StepRequest
@@ -62,9 +62,12 @@ def test_stash_evicts_oldest_beyond_capacity_and_expires_by_ttl():
     assert stash.put("c", 3) == ["a"]
     assert "a" not in stash and stash.get("b") == 2
     clock.now = 5.0
-    stash.put("b", 20)  # a replaced entry is fresh again and moves to the back
-    clock.now = 12.0
-    assert "c" not in stash and stash.pop("b") == 20
+    with pytest.raises(AlreadyStashed):
+        stash.put("b", 20)  # a live key is never replaced
+    assert stash.get("b") == 2
+    clock.now = 10.0  # "b" and "c" are past their TTL: a key may be stored again once gone
+    assert len(stash.values()) == 0 and stash.put("b", 20) == []
+    assert stash.pop("b") == 20
     with pytest.raises(KeyError):
         stash.pop("b")
 

@@ -13,21 +13,30 @@ Design choices:
 - Every call has a deadline (`timeout_s`, per call or the client default).
 - Payloads that may not fit one message (either way: a head's reply is ~4*wire_dim times its
   token input) go through the streaming variants, cut into `stream_chunk_bytes` parts.
-- The channel is created lazily, on the event loop of the first call.
+- The channel is created lazily, on the event loop of the first call, by a channel factory
+  (node/rpc/tls.py): mutual TLS with this node's credential and the target name the worker's
+  credential must carry (from `peer_id` and `stage`, i.e. the worker's DHT record), or plaintext
+  under --insecure. When the factory's credential generation changes (a renewal), new calls go
+  on a new channel and the old one is closed after `timeout_s`, so no call in flight is dropped.
+- Every call carries this run's fingerprint (`agora-run-fingerprint` metadata); a worker of
+  another run configuration refuses it, naming the differing field.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import grpc
 import torch
 
+from agora.auth.grpc_policy import FINGERPRINT_METADATA
 from agora.node.rpc.server import message_options
+from agora.node.rpc.tls import ChannelFactory, InsecureChannels, worker_server_name
 from agora.pipeline.codec import WireCodec, WireFormatError, encode_tokens, float_frame_bytes
 from agora.pipeline.config import ModelConfig
+from agora.pipeline.fingerprint import RunFingerprint
 from agora.protos.stage_adapter import (
     AbortReply,
     AbortRequest,
@@ -92,6 +101,7 @@ _ERROR_BY_CODE = {
     grpc.StatusCode.OUT_OF_RANGE: RequestRefused,
     grpc.StatusCode.PERMISSION_DENIED: RequestRefused,
     grpc.StatusCode.UNAUTHENTICATED: RequestRefused,
+    grpc.StatusCode.ALREADY_EXISTS: RequestRefused,
     grpc.StatusCode.UNAVAILABLE: WorkerUnreachable,
     grpc.StatusCode.DEADLINE_EXCEEDED: WorkerUnreachable,
     grpc.StatusCode.CANCELLED: WorkerUnreachable,
@@ -126,18 +136,29 @@ class BackwardResult:
 
 
 class StageClient:
-    """Calls one worker of stage `stage`. Construct anywhere; use inside one event loop."""
+    """Calls one worker of stage `stage`. Construct anywhere; use inside one event loop.
+
+    `fingerprint`: this run's (sent with every call). `channels`: how to connect (default
+    plaintext); a TLS factory needs `peer_id`, the worker's peer id from its DHT record."""
 
     def __init__(self, address: str, *, run_id: str, stage: int, model: ModelConfig,
+                 fingerprint: RunFingerprint, peer_id: Optional[str] = None,
+                 channels: Optional[ChannelFactory] = None,
                  codec: WireCodec | None = None, timeout_s: float = 30.0,
                  max_message_bytes: int = 16 * 2**20, max_stream_bytes: int = 512 * 2**20,
                  stream_chunk_bytes: int = 2**20):
         if stream_chunk_bytes + _ENVELOPE_BYTES > max_message_bytes:
             raise ValueError("stream_chunk_bytes plus framing must fit in max_message_bytes")
+        self.channels = channels if channels is not None else InsecureChannels()
+        if getattr(self.channels, "secure", False) and not peer_id:
+            raise ValueError("a TLS StageClient needs the worker's peer id (its DHT record) for the target name")
         self.address = address
         self.run_id = run_id
         self.stage = stage
+        self.peer_id = peer_id
         self.model = model
+        self.fingerprint = fingerprint
+        self._metadata = ((FINGERPRINT_METADATA, fingerprint.text()),)
         self.codec = codec or WireCodec("fp32", max_bytes=max_stream_bytes)
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
@@ -145,16 +166,36 @@ class StageClient:
         self.stream_chunk_bytes = stream_chunk_bytes
         self._channel: grpc.aio.Channel | None = None
         self._stub: StageStub | None = None
+        self._generation: int | None = None
+        self._retiring: set[asyncio.Task] = set()  # old channels closing after their grace period
+        self.channels_opened = 0
 
     # ------------------------------------------------------------------ plumbing
 
     def _calls(self) -> StageStub:
-        if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=message_options(self.max_message_bytes))
+        generation = self.channels.generation()
+        if self._stub is None or generation != self._generation:
+            if self._channel is not None:
+                self._retire(self._channel)
+            target = worker_server_name(self.stage, self.peer_id) if self.peer_id else None
+            self._channel = self.channels.open(self.address, target_name=target,
+                                               options=message_options(self.max_message_bytes))
             self._stub = StageStub(self._channel)
+            self._generation = generation
+            self.channels_opened += 1
         return self._stub
 
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        """Close a channel of an earlier credential once its calls are done (at most `timeout_s`:
+        every call has that deadline), without holding up new calls."""
+        task = asyncio.ensure_future(channel.close(grace=self.timeout_s))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
     async def close(self) -> None:
+        retiring, self._retiring = list(self._retiring), set()
+        if retiring:
+            await asyncio.gather(*retiring, return_exceptions=True)
         if self._channel is not None:
             await self._channel.close()
             self._channel = self._stub = None
@@ -176,7 +217,7 @@ class StageClient:
 
     async def _invoke(self, method: str, call, timeout_s: float | None) -> Any:
         try:
-            return await call(timeout=timeout_s if timeout_s is not None else self.timeout_s)
+            return await call(timeout=timeout_s if timeout_s is not None else self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as error:
             raise error_for(error.code(), error.details() or "", address=self.address, method=method) from None
         except PayloadTooLarge as error:
@@ -223,10 +264,10 @@ class StageClient:
             reply_bytes = len(request.tokens) * 4 * self.model.wire_dim
         stub = self._calls()
         if self._streamed(max(payload_bytes(request), reply_bytes)):
-            call = lambda timeout: stub.forward_stream(  # noqa: E731
-                request, chunk_bytes=self.stream_chunk_bytes, max_reply_bytes=self.max_stream_bytes, timeout=timeout)
+            call = lambda **options: stub.forward_stream(  # noqa: E731
+                request, chunk_bytes=self.stream_chunk_bytes, max_reply_bytes=self.max_stream_bytes, **options)
         else:
-            call = lambda timeout: stub.forward(request, timeout=timeout)  # noqa: E731
+            call = lambda **options: stub.forward(request, **options)  # noqa: E731
         reply = await self._invoke("Forward", call, timeout_s)
         if not reply.wire and reply.loss is None:
             raise BadReply(grpc.StatusCode.DATA_LOSS, "reply carries neither an output wire nor a loss",
@@ -247,10 +288,10 @@ class StageClient:
             shape = tuple(output_grad.shape)
         stub = self._calls()
         if self._streamed(payload_bytes(request)):
-            call = lambda timeout: stub.backward_stream(  # noqa: E731
-                request, chunk_bytes=self.stream_chunk_bytes, max_reply_bytes=self.max_stream_bytes, timeout=timeout)
+            call = lambda **options: stub.backward_stream(  # noqa: E731
+                request, chunk_bytes=self.stream_chunk_bytes, max_reply_bytes=self.max_stream_bytes, **options)
         else:
-            call = lambda timeout: stub.backward(request, timeout=timeout)  # noqa: E731
+            call = lambda **options: stub.backward(request, **options)  # noqa: E731
         reply = await self._invoke("Backward", call, timeout_s)
         grad = self._decode(reply.input_grad, shape, "Backward") if reply.input_grad else None
         return BackwardResult(input_grad=grad, step=reply.step, grad_frame=reply.input_grad,
@@ -261,7 +302,7 @@ class StageClient:
         """Synchronous-mode barrier; `step` (the step being completed) makes a retry idempotent."""
         request = StepRequest(run_id=self.run_id, stage=self.stage, microbatches=microbatches, step=step)
         stub = self._calls()
-        return await self._invoke("Step", lambda timeout: stub.step(request, timeout=timeout), timeout_s)
+        return await self._invoke("Step", lambda **options: stub.step(request, **options), timeout_s)
 
     async def batch_done(self, batch: int, microbatches: int, replicas: int, *,
                          timeout_s: float | None = None) -> StepReply:
@@ -270,14 +311,14 @@ class StageClient:
         request = StepRequest(run_id=self.run_id, stage=self.stage, microbatches=microbatches,
                               completed_batch=batch, replicas=replicas)
         stub = self._calls()
-        return await self._invoke("Step", lambda timeout: stub.step(request, timeout=timeout), timeout_s)
+        return await self._invoke("Step", lambda **options: stub.step(request, **options), timeout_s)
 
     async def abort(self, microbatch_id: str, *, timeout_s: float | None = None) -> AbortReply:
         """Tell the worker this microbatch was abandoned (drop its input, take back its gradient)."""
         request = AbortRequest(run_id=self.run_id, microbatch_id=microbatch_id, stage=self.stage)
         stub = self._calls()
-        return await self._invoke("Abort", lambda timeout: stub.abort(request, timeout=timeout), timeout_s)
+        return await self._invoke("Abort", lambda **options: stub.abort(request, **options), timeout_s)
 
     async def info(self, *, timeout_s: float | None = None) -> InfoReply:
         stub = self._calls()
-        return await self._invoke("Info", lambda timeout: stub.info(timeout=timeout), timeout_s)
+        return await self._invoke("Info", lambda **options: stub.info(**options), timeout_s)

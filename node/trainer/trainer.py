@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import signal
 import time
 from collections import Counter
@@ -39,12 +40,15 @@ from typing import IO, Awaitable, Callable
 
 import torch
 
+from agora.auth.node_state import NodeCredentials
+from agora.node.rpc.tls import ChannelFactory, TlsChannels
 from agora.node.trainer.discovery import Discovery
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.stage_client import RequestRefused, StageCallError, StageClient, WorkerBusy
 from agora.pipeline.centralized import StepRecord
 from agora.pipeline.codec import WireCodec
-from agora.pipeline.config import RunConfig
+from agora.pipeline.config import ConfigError, RunConfig
+from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.optim import lr_at
 
 __all__ = ["TrainerOptions", "SwarmTrainer", "MicrobatchFailed", "assigned_units"]
@@ -126,8 +130,12 @@ class TrainerStats:
 class SwarmTrainer:
     def __init__(self, config: RunConfig, data, discovery: Discovery, options: TrainerOptions, *,
                  log_json: IO[str] | None = None, clock: Callable[[], float] = time.monotonic,
-                 on_record: Callable[[StepRecord], None] | None = None):
+                 on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None):
+        # `channels`: mutual TLS with this trainer's credential (node/rpc/tls.TlsChannels), or
+        # None for plaintext (--insecure). Every call carries the run fingerprint either way.
         self.config = config
+        self.channels = channels
+        self.fingerprint = run_fingerprint(config)
         self.data = data
         self.discovery = discovery
         self.options = options
@@ -155,9 +163,12 @@ class SwarmTrainer:
 
     def _client(self, view: WorkerView) -> StageClient:
         client = self._clients.get(view.endpoint)
-        if client is None or client.stage != view.stage:
+        if client is None or client.stage != view.stage or client.peer_id != view.peer_id:
+            # The TLS target name is the record's peer id and stage: a new peer at an old address
+            # (or a forged record) gets a new client, whose handshake proves who answers.
             client = StageClient(view.endpoint, run_id=self.options.run_id, stage=view.stage,
-                                 model=self.config.model, codec=self.codec, timeout_s=self.options.call_timeout_s)
+                                 model=self.config.model, fingerprint=self.fingerprint, peer_id=view.peer_id,
+                                 channels=self.channels, codec=self.codec, timeout_s=self.options.call_timeout_s)
             self._clients[view.endpoint] = client
         return client
 
@@ -279,7 +290,10 @@ class SwarmTrainer:
         exclude: set[str] = set()
         last_error: Exception | None = None
         for attempt in range(self.options.max_attempts):
-            microbatch_id = f"{self.options.run_id}/t{self.options.trainer_index}/{key}/a{attempt}"
+            # 128 random bits per attempt: unguessable, and never the id of another attempt (a late
+            # reply of an abandoned route cannot be confused with the new one). The worker binds
+            # it to this trainer's identity; the readable prefix is for logs.
+            microbatch_id = f"{key}.a{attempt}.{secrets.token_hex(16)}"
             try:
                 loss = await self._route_once(microbatch_id, tokens, targets, frozenset(exclude), evaluate,
                                               on_stage_done, shares)
@@ -447,8 +461,11 @@ class SwarmTrainer:
 
 
 def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_peers: tuple[str, ...],
-                      steps: int, log_json: IO[str] | None = None, evaluate: bool = True) -> dict:
-    """`agora-node trainer`: join the DHT, train this trainer's share of `steps`, evaluate; a summary."""
+                      steps: int, log_json: IO[str] | None = None, evaluate: bool = True,
+                      credentials: NodeCredentials | None = None) -> dict:
+    """`agora-node trainer`: join the DHT, train this trainer's share of `steps`, evaluate; a summary.
+
+    `credentials`: the trainer's `NodeCredentials` (mutual TLS to every worker); None: --insecure."""
     from agora.dht.swarm import SwarmDHT
     from agora.node.rpc.server import run as run_loop
     from agora.node.trainer.discovery import DHTDiscovery
@@ -467,7 +484,13 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, task.cancel)
-        async with SwarmTrainer(config, data, discovery, options, log_json=log_json) as trainer:
+        channels = None
+        if credentials is not None:
+            channels = TlsChannels(credentials)  # re-reads the credential directory per call (renewals)
+            if credentials.identity().role != "trainer":
+                raise ConfigError(f"credential in {credentials.directory}: a trainer needs a trainer credential, "
+                                  f"this one is a {credentials.identity().role} credential")
+        async with SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels) as trainer:
             interrupted = False
             try:
                 await trainer.run(steps)

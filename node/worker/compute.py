@@ -22,6 +22,12 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   gradient fails the call (`ComputeError`) without touching the accumulated gradients. The stash
   entry is popped only after the output gradient has been validated.
 - A Forward marked `evaluate` (held-out loss) stashes nothing and computes no gradient.
+- Microbatches are bound to their owner, the identity of the caller that ran the forward (the
+  credential's peer id; node/rpc/auth_check.py): the stashed input and the accumulated gradient
+  record it, and a Backward or Abort from anyone else is refused (`NotOwner`) before anything
+  changes. A Forward under an id that is still stashed or accumulated is refused
+  (`DuplicateMicrobatch`) instead of replacing that work; an id may be used again once a step
+  has consumed it. In-process callers (tests, tools) act as `LOCAL_OWNER`.
 - The tail's Forward is forward + backward in one call: it accumulates its gradients at once and
   returns the loss and dL/d(input wire), the seed of the backward pass.
 - Abort (the trainer abandoned a microbatch's route): its stashed input is dropped and, if its
@@ -84,6 +90,9 @@ __all__ = [
     "InvalidRequest",
     "PreconditionFailed",
     "UnknownMicrobatch",
+    "NotOwner",
+    "DuplicateMicrobatch",
+    "LOCAL_OWNER",
     "ComputeError",
     "StashedInput",
     "StageCompute",
@@ -95,6 +104,8 @@ __all__ = [
 logger = logging.getLogger("agora.node.worker")
 
 MAX_MICROBATCH_ID_CHARS = 256
+# The owner of work submitted in-process, without a gRPC caller.
+LOCAL_OWNER = "local"
 # Weight of the newest job in the throughput average: ~10 jobs of memory, steady under jitter.
 THROUGHPUT_SMOOTHING = 0.1
 # Earlier weight versions kept for backwards whose forward ran on them: the trainer keeps about
@@ -124,6 +135,14 @@ class UnknownMicrobatch(PreconditionFailed):
     """A Backward for a microbatch whose forward input is not (or no longer) stashed."""
 
 
+class NotOwner(RequestRejected):
+    """A Backward or Abort of a microbatch another caller's Forward started (PERMISSION_DENIED)."""
+
+
+class DuplicateMicrobatch(RequestRejected):
+    """A Forward under an id whose earlier work is still pending (ALREADY_EXISTS)."""
+
+
 class ComputeError(RuntimeError):
     """The stage itself produced something unusable (a NaN loss, an unencodable gradient)."""
 
@@ -134,6 +153,7 @@ class StashedInput:
     wire: torch.Tensor | None  # None on the head
     output_shape: tuple[int, ...]
     weights_version: int = 0  # StageCompute.weights_version when the forward ran
+    owner: str = LOCAL_OWNER  # who ran the forward: only they may send its backward or abort it
 
 
 @dataclass(frozen=True)
@@ -145,6 +165,7 @@ class AppliedMicrobatch:
     output_grad: torch.Tensor | None  # head/body: dL/d(output); None on the tail
     targets: torch.Tensor | None  # tail only
     weights_version: int = 0  # the weights its gradient was computed on
+    owner: str = LOCAL_OWNER
 
 
 class StageCompute:
@@ -215,6 +236,18 @@ class StageCompute:
         if not microbatch_id or len(microbatch_id) > MAX_MICROBATCH_ID_CHARS:
             raise InvalidRequest(
                 f"microbatch_id must be 1..{MAX_MICROBATCH_ID_CHARS} characters, got {len(microbatch_id)}")
+
+    def _check_new_microbatch(self, microbatch_id: str) -> None:
+        if microbatch_id in self.stash or microbatch_id in self.applied:
+            raise DuplicateMicrobatch(
+                f"microbatch {microbatch_id!r} is already pending on stage {self.index}; a Forward never replaces "
+                "earlier work: use a fresh random id for every attempt")
+
+    @staticmethod
+    def _check_owner(microbatch_id: str, owner: str, caller: str) -> None:
+        if owner != caller:
+            raise NotOwner(f"microbatch {microbatch_id!r} belongs to another trainer; only the trainer that ran "
+                           "its forward may send its backward or abort it")
 
     def _decode_tokens(self, frame: bytes, what: str, shape: tuple[int | None, ...]) -> torch.Tensor:
         if not frame:
@@ -289,9 +322,11 @@ class StageCompute:
         if not self.synchronous and self.local_batch is not None and self.accumulated_samples >= self.local_batch:
             self._step(self.accumulated_microbatches)
 
-    def forward(self, request: ForwardRequest) -> ForwardReply:
+    def forward(self, request: ForwardRequest, owner: str = LOCAL_OWNER) -> ForwardReply:
         started = time.perf_counter()
         tokens, wire, targets = self._decode_forward(request)
+        if not request.evaluate:  # a held-out forward stores nothing, so it replaces nothing
+            self._check_new_microbatch(request.microbatch_id)
         step = self.optimizer.steps
         if request.evaluate:
             with torch.no_grad():
@@ -302,18 +337,18 @@ class StageCompute:
                 return ForwardReply(loss=float(output), step=step)
             return ForwardReply(wire=self._encode(output, "output"), step=step)
         if self.stage.is_tail:
-            reply = self._forward_tail(tokens, wire, targets, step, request.microbatch_id)
+            reply = self._forward_tail(tokens, wire, targets, step, request.microbatch_id, owner)
         else:
             with torch.no_grad():
                 output = self.stage(tokens, wire)
             reply = ForwardReply(wire=self._encode(output, "output"), step=step)
             self.stash.put(request.microbatch_id,
-                           StashedInput(tokens, wire, tuple(output.shape), self.weights_version))
+                           StashedInput(tokens, wire, tuple(output.shape), self.weights_version, owner))
         self._observe(tokens.numel(), started)
         return reply
 
     def _forward_tail(self, tokens: torch.Tensor, wire: torch.Tensor | None, targets: torch.Tensor,
-                      step: int, microbatch_id: str) -> ForwardReply:
+                      step: int, microbatch_id: str, owner: str) -> ForwardReply:
         if wire is not None:
             wire.requires_grad_(True)
         with torch.enable_grad():
@@ -325,10 +360,10 @@ class StageCompute:
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
         self._accumulate(param_grads, microbatch_id,
                          AppliedMicrobatch(tokens, None if wire is None else wire.detach(), None, targets,
-                                           self.weights_version))
+                                           self.weights_version, owner))
         return ForwardReply(loss=loss_value, input_grad=input_grad, step=step)
 
-    def backward(self, request: BackwardRequest) -> BackwardReply:
+    def backward(self, request: BackwardRequest, owner: str = LOCAL_OWNER) -> BackwardReply:
         started = time.perf_counter()
         self.check_addressing(request.run_id, request.stage)
         self._check_microbatch_id(request.microbatch_id)
@@ -341,6 +376,7 @@ class StageCompute:
                 f"no forward input stashed for microbatch {request.microbatch_id!r} on stage {self.index}: "
                 f"never forwarded here, older than {self.stash.ttl_s:g} s, or evicted "
                 f"(capacity {self.stash.capacity}); rerun the microbatch") from None
+        self._check_owner(request.microbatch_id, stashed.owner, owner)
         output_grad = self._decode_floats(request.output_grad, "output_grad", stashed.output_shape)
         self.stash.pop(request.microbatch_id)  # validated: this backward is now committed to run
         version = self._available_version(stashed.weights_version)
@@ -348,7 +384,7 @@ class StageCompute:
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
         step = self.optimizer.steps
         self._accumulate(param_grads, request.microbatch_id,
-                         AppliedMicrobatch(stashed.tokens, stashed.wire, output_grad, None, version))
+                         AppliedMicrobatch(stashed.tokens, stashed.wire, output_grad, None, version, owner))
         self._unpin_unused()
         self._observe(stashed.tokens.numel(), started)
         return BackwardReply(input_grad=input_grad, step=step)
@@ -401,19 +437,23 @@ class StageCompute:
 
     # ------------------------------------------------------------------ stepping
 
-    def abort(self, request: AbortRequest) -> AbortReply:
-        """Take an abandoned microbatch back out (see the module docstring)."""
+    def abort(self, request: AbortRequest, owner: str = LOCAL_OWNER) -> AbortReply:
+        """Take an abandoned microbatch back out (see the module docstring); only its owner may."""
         self.check_addressing(request.run_id, request.stage)
         self._check_microbatch_id(request.microbatch_id)
-        applied = self.applied.pop(request.microbatch_id, None)
+        applied = self.applied.get(request.microbatch_id)
         if applied is None:
             try:
-                self.stash.pop(request.microbatch_id)
-                self._unpin_unused()  # its forward's weights may have been pinned for it alone
-                return AbortReply(reverted=False, outcome="dropped")
+                stashed = self.stash.get(request.microbatch_id)
             except KeyError:
                 stepped = request.microbatch_id in self.stepped_ids
                 return AbortReply(reverted=False, outcome="stepped" if stepped else "unknown")
+            self._check_owner(request.microbatch_id, stashed.owner, owner)
+            self.stash.pop(request.microbatch_id)
+            self._unpin_unused()  # its forward's weights may have been pinned for it alone
+            return AbortReply(reverted=False, outcome="dropped")
+        self._check_owner(request.microbatch_id, applied.owner, owner)
+        del self.applied[request.microbatch_id]
         version = self._available_version(applied.weights_version)
         _, param_grads = self._recompute(version, applied.tokens, applied.wire, applied.targets, applied.output_grad)
         for param, grad in zip(self.optimizer.parameters, param_grads):

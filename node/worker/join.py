@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from agora.auth.node_state import NodeCredentials
 from agora.dht.averaging import RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
@@ -88,12 +89,14 @@ def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT) ->
 
 
 async def _serve(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions, swarm: SwarmDHT,
-                 averager: SliceAverager | None = None) -> int:
+                 averager: SliceAverager | None = None, credentials: NodeCredentials | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options)
+    # With credentials: mutual TLS and per-call checks (node/rpc/auth_check.py); None: --insecure.
+    worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
+                         credentials=credentials)
     await worker.start()
     averaging_state = None
     if options.checkpoint_dir and latest_checkpoint(options.checkpoint_dir) is not None:
@@ -149,8 +152,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     return 0
 
 
-def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions) -> int:
-    """Blocking: serve until a signal, return the exit code."""
+def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions,
+               credentials: NodeCredentials | None = None) -> int:
+    """Blocking: serve until a signal, return the exit code. `credentials`: the node's
+    `NodeCredentials` (a worker credential for this run and stage); None serves --insecure."""
     from agora.node.rpc.server import run as run_loop
 
     n_stages = len(config.layer_split)
@@ -164,7 +169,7 @@ def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOp
         # Synchronous mode has one replica per stage by definition: nothing to average with.
         if config.sync.method != "none" and not worker_options.synchronous:
             averager = _start_averager(config, options, swarm)  # forks too: before the gRPC server
-        return run_loop(_serve(config, options, worker_options, swarm, averager))
+        return run_loop(_serve(config, options, worker_options, swarm, averager, credentials))
     finally:
         if averager is not None:
             averager.shutdown()

@@ -8,6 +8,10 @@ pile up, hence two bounds:
 - capacity: beyond it the oldest entry is evicted (a worker under load forgets the stalest work);
 - TTL: an entry older than `ttl_s` is gone, checked lazily on every access (no timer thread).
 
+A key is stored once: `put` refuses a key that is still live instead of replacing its entry.
+Keys are microbatch ids bound to the trainer that ran the forward (node/worker/compute.py), and
+a second Forward under the same id would otherwise overwrite someone's pending work.
+
 The clock is injected so tests expire entries without sleeping. Not thread-safe by design: only
 the worker's compute thread touches it.
 """
@@ -18,9 +22,13 @@ import time
 from collections import OrderedDict
 from typing import Callable, Generic, TypeVar
 
-__all__ = ["ForwardStash"]
+__all__ = ["ForwardStash", "AlreadyStashed"]
 
 V = TypeVar("V")
+
+
+class AlreadyStashed(KeyError):
+    """`put` of a key whose entry is still live."""
 
 
 class ForwardStash(Generic[V]):
@@ -60,9 +68,10 @@ class ForwardStash(Generic[V]):
         return [value for _, value in self._entries.values()]
 
     def put(self, key: str, value: V) -> list[str]:
-        """Store (replacing an entry with the same key); returns the keys evicted for room."""
+        """Store a new entry; returns the keys evicted for room. AlreadyStashed if `key` is live."""
         self.expire()
-        self._entries.pop(key, None)
+        if key in self._entries:
+            raise AlreadyStashed(key)
         self._entries[key] = (self._clock() + self.ttl_s, value)
         evicted = []
         while len(self._entries) > self.capacity:

@@ -21,6 +21,16 @@ Design choices:
   exception in compute is logged with its traceback and answered INTERNAL.
 - Graceful stop: health goes NOT_SERVING, new calls are refused, in-flight calls get `grace_s`
   to finish, then the compute thread drains and exits.
+- Trust (DESIGN.md "Admission and trust"): with a `NodeCredentials` the port is mutual TLS with
+  the node's credential (node/rpc/tls.py; a renewed credential is served on new connections
+  without a restart), and every call passes `CallerCheck` (node/rpc/auth_check.py): the caller's
+  credential, its role for the method, and the run fingerprint the request carries. Without
+  credentials (`--insecure`) the port is plaintext, callers are anonymous, and the fingerprint is
+  still checked. Forward, Backward and Abort run as the caller (`Caller.owner`): a microbatch
+  belongs to whoever ran its forward (PERMISSION_DENIED for anyone else, ALREADY_EXISTS for a
+  Forward reusing a pending id). Refusals are counted by reason (`refusals`).
+- The announced address (`address`, what join puts in the DHT record) is `announce_host` when
+  given, else the bound host, and never a wildcard (node/rpc/server.announced_host).
 """
 
 from __future__ import annotations
@@ -32,16 +42,30 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from functools import partial
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import grpc
 
+from agora.auth.node_state import NodeCredentials
+from agora.node.rpc.auth_check import Caller, CallerCheck, RefusalCounts, current_caller
 from agora.node.rpc.interceptors import interceptor_chain
-from agora.node.rpc.server import add_health_and_reflection, bind, create_server, set_serving
+from agora.node.rpc.server import (
+    add_health_and_reflection,
+    announced_host,
+    bind,
+    create_server,
+    host_port,
+    is_wildcard_host,
+    set_serving,
+)
+from agora.node.rpc.tls import server_credentials
 from agora.node.worker.compute import (
     DEFAULT_PINNED_VERSIONS,
     ComputeError,
+    DuplicateMicrobatch,
     InvalidRequest,
+    NotOwner,
     PreconditionFailed,
     RequestRejected,
     StageCompute,
@@ -49,6 +73,7 @@ from agora.node.worker.compute import (
 from agora.node.worker.stash import ForwardStash
 from agora.pipeline.codec import FLOAT_DTYPES, WireCodec
 from agora.pipeline.config import ConfigError, RunConfig
+from agora.pipeline.fingerprint import RunFingerprint, run_fingerprint
 from agora.protos.stage_adapter import (
     AbortReply,
     AbortRequest,
@@ -76,6 +101,8 @@ T = TypeVar("T")
 class WorkerOptions:
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port; `StageWorker.port` reports the real one
+    # What peers dial, when it differs from `host` (a proxy, NAT, a wildcard bind); see `address`.
+    announce_host: str | None = None
     synchronous: bool = False  # step only on the Step barrier
     # Asynchronous mode: None steps on the trainers' completed-batch reports (the stage's shared
     # epoch); a number steps on this replica's own samples instead, every that many.
@@ -108,6 +135,9 @@ class WorkerOptions:
             raise ConfigError(f"worker.wire_dtype: expected one of {', '.join(FLOAT_DTYPES)}, got {self.wire_dtype!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"worker.port: must be in 0..65535, got {self.port}")
+        if self.announce_host is not None and is_wildcard_host(self.announce_host):
+            raise ConfigError(f"worker.announce_host: {self.announce_host!r} means 'every interface', which no peer "
+                              "can dial; give the address peers reach this worker on")
         return self
 
 
@@ -120,8 +150,13 @@ class StageWorker:
 
     def __init__(self, config: RunConfig, stage_index: int, *, run_id: str,
                  options: WorkerOptions = WorkerOptions(),
+                 credentials: Optional[NodeCredentials] = None,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 clock: Callable[[], float] = time.monotonic, logger: logging.Logger | None = None):
+                 clock: Callable[[], float] = time.monotonic, logger: logging.Logger | None = None,
+                 fingerprint: Optional[RunFingerprint] = None):
+        """`credentials`: the node's state directory (mutual TLS and per-call checks); None serves
+        plaintext to anonymous callers (--insecure). `fingerprint`: this run's, by default
+        `run_fingerprint(config)`; callers must send the same with every Stage request."""
         self.config = config.validate()
         self.stage_index = stage_index
         self.run_id = run_id
@@ -129,7 +164,14 @@ class StageWorker:
         self._phase = "member"
         self._clock = clock
         self._logger = logger or logging.getLogger("agora.node.worker")
-        self._interceptors = interceptor_chain(*interceptors, clock=clock)
+        self.credentials = credentials
+        if credentials is not None:
+            _check_own_credential(credentials, run_id, stage_index)
+        self.fingerprint = fingerprint if fingerprint is not None else run_fingerprint(self.config)
+        self.refusals = RefusalCounts()  # refused calls by reason (auth, fingerprint, ownership)
+        check = CallerCheck(fingerprint=self.fingerprint, credentials=credentials, refusals=self.refusals, clock=clock)
+        self._interceptors = interceptor_chain(check, *interceptors, clock=clock)
+        self._announced_host: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._load = 0
         self._load_lock = threading.Lock()  # released from the compute thread, taken on the loop
@@ -149,7 +191,14 @@ class StageWorker:
 
     @property
     def address(self) -> str:
-        return f"{self.options.host}:{self.port}"
+        """The host:port peers dial (announced host, real port); see `WorkerOptions.announce_host`."""
+        if self._announced_host is None:
+            raise RuntimeError("the worker is not started")
+        return host_port(self._announced_host, self.port)
+
+    @property
+    def secure(self) -> bool:
+        return self.credentials is not None
 
     @property
     def compute(self) -> StageCompute:
@@ -198,13 +247,20 @@ class StageWorker:
         add_stage_service(server, _StageService(self), max_stream_bytes=self.options.max_stream_bytes,
                           chunk_bytes=self.options.stream_chunk_bytes)
         self._health = add_health_and_reflection(server, [SERVICE_NAME])
-        self._port = bind(server, self.options.host, self.options.port)
+        tls = server_credentials(self.credentials) if self.credentials is not None else None
+        self._announced_host = announced_host(self.options.host, self.options.announce_host)
+        self._port = bind(server, self.options.host, self.options.port, tls)
         await server.start()
         await set_serving(self._health, [SERVICE_NAME], True)
         self._server = server
-        self._logger.info("stage %d/%d worker of run %r serving on %s (%s mode)", self.stage_index,
+        if tls is None:
+            self._logger.warning("stage %d worker serves WITHOUT TLS or credentials (--insecure): any process that "
+                                 "reaches %s can call it", self.stage_index, self.address)
+        self._logger.info("stage %d/%d worker of run %r serving on %s (bound %s, %s mode, %s)", self.stage_index,
                           self._compute.n_stages, self.run_id, self.address,
-                          "synchronous" if self.options.synchronous else "asynchronous")
+                          host_port(self.options.host, self._port),
+                          "synchronous" if self.options.synchronous else "asynchronous",
+                          "mutual TLS" if tls is not None else "insecure")
         return self._port
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -279,6 +335,12 @@ class StageWorker:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except PreconditionFailed as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except NotOwner as error:
+            self.refusals.add("not_owner")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(error))
+        except DuplicateMicrobatch as error:
+            self.refusals.add("duplicate_microbatch")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
         except ComputeError as error:
             self._logger.warning("stage %d compute error: %s", self.stage_index, error)
             await context.abort(grpc.StatusCode.INTERNAL, str(error))
@@ -293,6 +355,12 @@ class StageWorker:
             self._compute.check_addressing(run_id, stage)
         except RequestRejected as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+    async def _caller(self, context: Any) -> Caller:
+        caller = current_caller()
+        if caller is None:  # CallerCheck runs ahead of every handler; fail closed if it did not
+            await context.abort(grpc.StatusCode.INTERNAL, "no caller identity for this call")
+        return caller
 
     def info(self) -> InfoReply:
         compute = self._compute
@@ -311,12 +379,16 @@ class _StageService:
         self._worker = worker
 
     async def forward(self, request: ForwardRequest, context: Any) -> ForwardReply:
+        caller = await self._worker._caller(context)
         await self._worker._checked(context, request.run_id, request.stage)
-        return await self._worker._admitted(context, self._worker._compute.forward, request)
+        return await self._worker._admitted(context, partial(self._worker._compute.forward, owner=caller.owner),
+                                            request)
 
     async def backward(self, request: BackwardRequest, context: Any) -> BackwardReply:
+        caller = await self._worker._caller(context)
         await self._worker._checked(context, request.run_id, request.stage)
-        return await self._worker._admitted(context, self._worker._compute.backward, request)
+        return await self._worker._admitted(context, partial(self._worker._compute.backward, owner=caller.owner),
+                                            request)
 
     async def step(self, request: StepRequest, context: Any) -> StepReply:
         await self._worker._checked(context, request.run_id, request.stage)
@@ -325,9 +397,24 @@ class _StageService:
 
     async def abort(self, request: AbortRequest, context: Any) -> AbortReply:
         # Not admitted through the queue: an abort must get through to a full worker too.
+        caller = await self._worker._caller(context)
         await self._worker._checked(context, request.run_id, request.stage)
-        future = self._worker._executor.submit(self._worker._compute.abort, request)
+        future = self._worker._executor.submit(self._worker._compute.abort, request, caller.owner)
         return await self._worker._answer(context, future)
 
     async def info(self, request: InfoRequest, context: Any) -> InfoReply:
         return self._worker.info()
+
+
+def _check_own_credential(credentials: NodeCredentials, run_id: str, stage: int) -> None:
+    """A worker serves only under a worker credential of its own run and stage."""
+    identity = credentials.identity()
+    if identity.role != "worker":
+        raise ConfigError(f"credential in {credentials.directory}: a worker needs a worker credential, "
+                          f"this one is a {identity.role} credential")
+    if identity.run_id != run_id:
+        raise ConfigError(f"credential in {credentials.directory}: it is for run {identity.run_id!r}, "
+                          f"this worker serves run {run_id!r}")
+    if identity.stage != stage:
+        raise ConfigError(f"credential in {credentials.directory}: it is for stage {identity.stage}, "
+                          f"this worker serves stage {stage}")
