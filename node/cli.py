@@ -130,8 +130,9 @@ def _worker_options(args: argparse.Namespace):
     from agora.node.worker.worker import WorkerOptions
 
     pinned = {} if args.pinned_weights is None else {"pinned_weights": args.pinned_weights}
-    return WorkerOptions(host=args.host, port=args.port, synchronous=args.sync, local_batch=args.local_batch,
-                         max_queue=args.max_queue, wire_dtype=args.wire_dtype, **pinned).validate()
+    return WorkerOptions(host=args.host, port=args.port, announce_host=args.announce_host, synchronous=args.sync,
+                         local_batch=args.local_batch, max_queue=args.max_queue, wire_dtype=args.wire_dtype,
+                         **pinned).validate()
 
 
 def _cmd_trainer(args: argparse.Namespace) -> int:
@@ -228,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--stage", type=int, required=True, help="pipeline stage index to host")
     join.add_argument("--host", default="127.0.0.1", help="address the gRPC server listens on")
     join.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
+    join.add_argument("--announce-host", default=None, metavar="H",
+                      help="address peers dial for the gRPC server, when it differs from --host (a proxy, NAT, a "
+                           "public address); default: --host, or for 0.0.0.0/:: the outbound interface's address")
     join.add_argument("--dht-host", default="127.0.0.1", help="address the DHT peer listens on")
     join.add_argument("--dht-port", type=int, default=0, help="DHT port (0: pick a free one)")
     join.add_argument("--heartbeat", type=float, default=5.0, help="seconds between DHT announces")
