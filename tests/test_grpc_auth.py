@@ -14,6 +14,7 @@ import datetime
 import shutil
 import socket
 import ssl
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -190,8 +191,9 @@ async def state(worker: StageWorker) -> tuple:
 
 
 def same_state(a: tuple, b: tuple) -> bool:
-    return a[:2] == b[:2] and a[3] == b[3] and all(
-        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a[2], b[2]))
+    def same(x, y) -> bool:
+        return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+    return a[:2] == b[:2] and a[3] == b[3] and all(same(x, y) for x, y in zip(a[2], b[2]))
 
 
 async def refused(call, code: grpc.StatusCode, *needles: str, error=RequestRefused):
@@ -533,7 +535,8 @@ def test_a_request_of_another_run_configuration_is_refused_naming_the_field(pki,
             method, caller = log.calls[-1]
             assert method == "Forward"
             if secure:
-                assert caller.role == "trainer" and caller.owner == NodeCredentials(pki.trainer, clock=time.time).peer_id
+                trainer_peer = NodeCredentials(pki.trainer, clock=time.time).peer_id
+                assert caller.role == "trainer" and caller.owner == trainer_peer
             else:
                 assert caller.anonymous and caller.owner == "anonymous@127.0.0.1"
         finally:
@@ -563,8 +566,8 @@ async def served_certificate(address: str, trainer_dir, target: str) -> x509.Cer
 
 def test_renewed_credentials_are_used_on_new_connections_without_a_failed_call(pki):
     """Worker and trainer renew mid-stream (a new credential.pem in their directories, as the
-    renewal loop writes it): every call succeeds, the trainer moves to a new channel, and both
-    sides present their new certificates on it."""
+    renewal loop writes it): every call succeeds, the trainer moves to a new channel, both sides
+    present their new certificates on it, and a call in flight on a retired channel completes."""
     worker_dir, trainer_dir = pki.workers[0], pki.trainer
 
     def serial(directory) -> int:
@@ -599,6 +602,23 @@ def test_renewed_credentials_are_used_on_new_connections_without_a_failed_call(p
             assert serials[0] == old_trainer and serials[-1] == new_trainer
             assert set(serials) == {old_trainer, new_trainer}
             assert (await served_certificate(worker.address, trainer_dir, target)).serial_number == new_worker
+
+            # A call still running on the old channel when the next renewal retires it finishes.
+            release = threading.Event()
+            blocker = asyncio.ensure_future(worker.on_compute(lambda _: release.wait(30)))
+            held = asyncio.ensure_future(trainer.forward("held", batch(200)[0]))
+            for _ in range(2000):  # readiness: until the worker has admitted it (bounded, no fixed sleep)
+                if worker.load == 1:
+                    break
+                await asyncio.sleep(0.005)
+            await asyncio.to_thread(pki.authority.mint, trainer_dir, role="trainer")
+            await trainer.info()  # a new call: a third channel; the second retires with "held" in flight
+            assert trainer.channels_opened == 3 and held.done() is False
+            release.set()
+            await blocker
+            assert (await held).wire.shape == (2, 16, K)
+            await trainer.backward("held", torch.ones(2, 16, K))  # the same peer id owns it after renewal
+            assert log.calls[-1][1].identity.serial == serial(trainer_dir)
             assert worker.refusals.total() == 0 and (await state(worker))[0] == 0
         finally:
             await trainer.close()

@@ -1,7 +1,7 @@
 """The server interceptor chain every gRPC service of a node sits behind.
 
-Cross-cutting concerns (logging now; metrics and the authorizer's credential checks later) live
-here, never in handlers. Design choices:
+Cross-cutting concerns (logging; the per-call credential, role and run-fingerprint check,
+node/rpc/auth_check.py; metrics later) live here, never in handlers. Design choices:
 
 - `CallHook` is the one extension point: a `grpc.aio.ServerInterceptor` that wraps each method
   handler's behaviour. `before(call, context)` runs ahead of the handler and may abort the call
