@@ -96,6 +96,8 @@ def server_credentials(node: NodeCredentials) -> grpc.ServerCredentials:
 class ChannelFactory(Protocol):
     """How a client opens channels to peers; `generation` changes when new channels are due."""
 
+    secure: bool  # TLS: `open` needs the target name the peer's credential must carry
+
     def generation(self) -> int: ...
 
     def open(self, address: str, *, target_name: Optional[str],

@@ -150,7 +150,7 @@ class StageClient:
         if stream_chunk_bytes + _ENVELOPE_BYTES > max_message_bytes:
             raise ValueError("stream_chunk_bytes plus framing must fit in max_message_bytes")
         self.channels = channels if channels is not None else InsecureChannels()
-        if getattr(self.channels, "secure", False) and not peer_id:
+        if self.channels.secure and not peer_id:
             raise ValueError("a TLS StageClient needs the worker's peer id (its DHT record) for the target name")
         self.address = address
         self.run_id = run_id
