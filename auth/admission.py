@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional
 
 import grpc
-from cryptography.hazmat.primitives import serialization
 
 from agora.auth.credentials import (Clock, CredentialError, CredentialVerifier, Identity, certificate_fingerprint,
                                     load_chain)
-from agora.auth.node_state import NodeCredentials, RunInfo
+from agora.auth.keys import write_private_file
+from agora.auth.node_state import NodeCredentials, RunInfo, public_key_pem
 from agora.auth.policy import (dialback_answer, proof_is_valid, renewal_delay_s, retry_delay_s, run_payload,
                                sign_proof)
 from agora.protos.authorizer_adapter import (Admitted, AuthorizerStub, ChallengeRequest, Hardware, JoinRequest,
@@ -99,8 +99,6 @@ class JoinFile:
     run_id: str
 
     def write(self, path: str | Path) -> None:
-        from agora.auth.keys import write_private_file
-
         write_private_file(Path(path), json.dumps(self.__dict__, indent=1).encode() + b"\n", mode=0o644)
 
     @classmethod
@@ -206,27 +204,23 @@ async def admit(address: str, root_fingerprint: str, node: NodeCredentials, *, r
         if listener is None and announce[1] == 0:
             raise ValueError("announce: pick the port before admission (the dial-back listener and the gRPC "
                              "server share it), or pass an open listener")
+    if role != "worker":
+        announce, opened = None, contextlib.nullcontext(None)
+    elif listener is not None:
+        announce, opened = (announce[0], announce[1] or listener.port), contextlib.nullcontext(listener)
+    else:
+        opened = reachability_listener(listen_host or announce[0], announce[1])
+    hardware = hardware or hardware_report()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = AuthorizerStub(channel)
         try:
             if callable(fingerprint):
                 run = await stub.get_run(timeout=rpc_timeout_s)
                 fingerprint = fingerprint(json.loads(run.config_json))
-            if role != "worker":
-                return await _join_loop(stub, address, root_fingerprint, node, role=role, fingerprint=fingerprint,
-                                        hardware=hardware or hardware_report(), stage=stage, announce=None,
-                                        listener=None, on_queued=on_queued, clock=clock, timeout=rpc_timeout_s)
-            assert announce is not None
-            if listener is not None:
-                announce = (announce[0], announce[1] or listener.port)
-                opened = contextlib.nullcontext(listener)
-            else:
-                opened = reachability_listener(listen_host or announce[0], announce[1])
             async with opened as open_listener:
                 return await _join_loop(stub, address, root_fingerprint, node, role=role, fingerprint=fingerprint,
-                                        hardware=hardware or hardware_report(), stage=stage, announce=announce,
-                                        listener=open_listener, on_queued=on_queued, clock=clock,
-                                        timeout=rpc_timeout_s)
+                                        hardware=hardware, stage=stage, announce=announce, listener=open_listener,
+                                        on_queued=on_queued, clock=clock, timeout=rpc_timeout_s)
         except grpc.aio.AioRpcError as error:
             raise _rpc_error(address, error) from None
 
@@ -235,8 +229,7 @@ async def _join_loop(stub: AuthorizerStub, address: str, root_fingerprint: str, 
                      fingerprint: str, hardware: Hardware, stage: Optional[int],
                      announce: Optional[tuple[str, int]], listener: Optional[ReachabilityListener],
                      on_queued: Optional[Callable[[int], Any]], clock: Clock, timeout: float) -> RunInfo:
-    public_pem = node.key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                    serialization.PublicFormat.SubjectPublicKeyInfo)
+    public_pem = public_key_pem(node.key)
     limited = 0
     while True:
         try:
@@ -253,7 +246,10 @@ async def _join_loop(stub: AuthorizerStub, address: str, root_fingerprint: str, 
         if challenge.latency_probes:
             await stub.echo_latency(challenge.nonce, timeout=timeout)
         if challenge.download_bytes:
-            await stub.download(challenge.nonce, max_bytes=challenge.download_bytes, timeout=timeout)
+            try:
+                await stub.download(challenge.nonce, max_bytes=challenge.download_bytes, timeout=timeout)
+            except ValueError as error:  # more bytes than announced
+                raise AdmissionError(f"the authorizer at {address}: {error}") from None
         if challenge.upload_bytes:
             await stub.upload(challenge.nonce, size=challenge.upload_bytes, timeout=timeout)
         request = JoinRequest(nonce=challenge.nonce, public_key_pem=public_pem, role=role, fingerprint=fingerprint,

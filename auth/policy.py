@@ -283,8 +283,8 @@ class JoinRateLimiter:
 # ---- challenges and their preflight
 
 class ChallengeError(ValueError):
-    """``kind``: ``unknown`` (expired, used or never issued), ``wrong_caller``, ``measured`` (twice),
-    ``full`` (too many outstanding)."""
+    """``kind``: ``unknown`` (expired, used or never issued), ``wrong_caller``, ``full`` (too many
+    outstanding)."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)

@@ -16,7 +16,9 @@ Design choices:
   address that asked for it; the preflight and the Join must come from there.
 - Reachability: before admitting a worker we connect to the host:port it announced and expect the
   challenge's dial token back (its listener, see auth/admission.py). Refusals say which address
-  failed and what to open.
+  failed and what to open. The dial-back runs only after a valid proof of possession, within the
+  caller's rate limit, and only reads one line (it sends nothing), so it is a poor tool for
+  probing third parties.
 - Outcomes the node can act on are replies (admitted / queued / refused with the floor or field
   and the measured value); protocol faults are statuses: INVALID_ARGUMENT (malformed),
   UNAUTHENTICATED (bad proof, expired credential), PERMISSION_DENIED (wrong caller, operator
@@ -92,6 +94,11 @@ class AuthorizerSettings:
             raise ValueError("--preflight-bytes / latency probes: expected positive values")
         if self.max_workers is not None and self.max_workers < 1:
             raise ValueError(f"--max-workers: expected at least 1, got {self.max_workers}")
+        if not (self.join_rate_per_s > 0 and self.join_burst >= 1):
+            raise ValueError(f"--join-rate/--join-burst: expected a positive rate and a burst of at least 1, got "
+                             f"{self.join_rate_per_s}, {self.join_burst}")
+        if not (self.queue_retry_after_s > 0 and self.challenge_ttl_s > 0 and self.dialback_timeout_s > 0):
+            raise ValueError("--queue-retry-after: expected a positive number of seconds")
         return self
 
 
@@ -124,8 +131,8 @@ class _Status(Exception):
         self.code, self.message, self.retry_after_s = code, message, retry_after_s
 
 
-_CHALLENGE_STATUS = {"unknown": grpc.StatusCode.FAILED_PRECONDITION, "measured": grpc.StatusCode.FAILED_PRECONDITION,
-                     "wrong_caller": grpc.StatusCode.PERMISSION_DENIED, "full": grpc.StatusCode.RESOURCE_EXHAUSTED}
+_CHALLENGE_STATUS = {"unknown": grpc.StatusCode.FAILED_PRECONDITION, "wrong_caller": grpc.StatusCode.PERMISSION_DENIED,
+                     "full": grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 def _answers(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -221,12 +228,17 @@ class AuthorizerService:
         write_private_file(self.authority.directory / ADMITTED_FILE, json.dumps(entries, indent=1).encode(),
                            mode=0o644)
 
+    def _forget(self, peer_id: str) -> None:
+        """A banned peer: its slot frees now, and `list` stops showing it."""
+        self._slots.release(peer_id)
+        if self._admitted.pop(peer_id, None) is not None:
+            self._persist()
+
     def _refresh_slots(self, now: float) -> None:
         """Free the slots of expired and banned workers."""
         self._slots.expire(now)
         for peer in [p for p in self._slots.admitted if self.authority.is_banned(p)]:
-            self._slots.release(peer)
-            self._admitted.pop(peer, None)
+            self._forget(peer)
 
     # ---- run and challenges
 
@@ -361,7 +373,7 @@ class AuthorizerService:
 
         ban = self.authority.is_banned(peer_id)
         if ban is not None:
-            self._slots.release(peer_id)
+            self._forget(peer_id)
             return refused(Refusal("banned", f"banned: {ban.reason or 'by the operator'}"))
         try:
             self.fingerprint.check(request.fingerprint)
@@ -396,6 +408,7 @@ class AuthorizerService:
                 f"to this machine, or pass --announce-host with your public address")))
         throughput = await self._throughput()
         # No await from here to the admission: the slot taken is the slot counted.
+        now = self._clock()
         self._refresh_slots(now)
         position = self._slots.request(peer_id, now)
         if position > 0:
@@ -475,9 +488,7 @@ class AuthorizerService:
                           "proof of possession failed: the signature does not verify with the credential's key")
         ban = self.authority.is_banned(identity.peer_id)
         if ban is not None:
-            self._slots.release(identity.peer_id)
-            self._admitted.pop(identity.peer_id, None)
-            self._persist()
+            self._forget(identity.peer_id)
             raise _Status(grpc.StatusCode.PERMISSION_DENIED, f"banned: {ban.reason or 'by the operator'}")
         if identity.role not in JOIN_ROLES:
             raise _Status(grpc.StatusCode.PERMISSION_DENIED, "an operator credential is not renewed: mint a new one "

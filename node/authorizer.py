@@ -33,7 +33,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -50,7 +50,8 @@ from agora.node.rpc.server import add_health_and_reflection, bind, create_server
 from agora.pipeline.config import ConfigError
 from agora.protos.authorizer_adapter import SERVICE_NAME, add_authorizer_service
 
-__all__ = ["add_authorizer_commands", "start_authorizer_server", "serve_authorizer", "SERVING_FILE", "JOIN_FILE"]
+__all__ = ["add_authorizer_commands", "AuthorizerServer", "start_authorizer_server", "serve_authorizer",
+           "SERVING_FILE", "JOIN_FILE"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,27 +62,45 @@ _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{10,128}")
 
 
-async def start_authorizer_server(service: AuthorizerService, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """The service on a started grpc.aio server (interceptors, health, reflection); returns it and its port."""
-    server = create_server(interceptors=interceptor_chain(), max_message_bytes=_MAX_MESSAGE_BYTES)
+@dataclass(frozen=True)
+class AuthorizerServer:
+    """A started authorizer: its grpc.aio server, the port it listens on, its health servicer."""
+
+    server: grpc.aio.Server
+    port: int
+    health: Any
+
+    async def stop(self, grace: Optional[float]) -> None:
+        await set_serving(self.health, [SERVICE_NAME], False)
+        await self.server.stop(grace)
+
+
+async def start_authorizer_server(service: AuthorizerService, host: str, port: int) -> AuthorizerServer:
+    """The service on a started grpc.aio server behind the shared interceptor chain, with health and
+    reflection. The port is exclusive (no SO_REUSEPORT): a second authorizer on it fails to start."""
+    server = create_server(interceptors=interceptor_chain(), max_message_bytes=_MAX_MESSAGE_BYTES,
+                           options=[("grpc.so_reuseport", 0)])
     add_authorizer_service(server, service)
     health = add_health_and_reflection(server, [SERVICE_NAME])
-    bound = bind(server, host, port)
+    try:
+        bound = bind(server, host, port)
+    except RuntimeError as error:  # grpc reports a failed bind as RuntimeError
+        raise OSError(str(error).split(";")[0]) from None
     await server.start()
     await set_serving(health, [SERVICE_NAME], True)
-    return server, bound
+    return AuthorizerServer(server, bound, health)
 
 
 async def serve_authorizer(service: AuthorizerService, host: str, port: int, *, public_host: str,
                            ready: Callable[[str], None], stop: asyncio.Event) -> None:
     """Serve until ``stop`` is set; ``ready(address)`` runs once the service answers."""
-    server, bound = await start_authorizer_server(service, host, port)
+    started = await start_authorizer_server(service, host, port)
     try:
-        ready(_join_address(public_host, bound))
+        ready(_join_address(public_host, started.port))
         await stop.wait()
         logger.info("authorizer shutting down")
     finally:
-        await server.stop(grace=2.0)
+        await started.stop(grace=2.0)
 
 
 def _join_address(host: str, port: int) -> str:
@@ -160,10 +179,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(signum, stop.set)
         await serve_authorizer(service, args.host, args.port, public_host=_public_host(args), ready=ready, stop=stop)
 
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port: expected 0-65535, got {args.port}")
     try:
         run(main())
     except OSError as error:
-        raise ConfigError(f"--host/--port: {error}") from None
+        raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error})") from None
     finally:
         if args.ready_file:
             Path(args.ready_file).unlink(missing_ok=True)

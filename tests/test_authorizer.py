@@ -87,11 +87,11 @@ async def serving(authority: RunAuthority, *, floors: Floors = OPEN, handler=Non
     service = AuthorizerService(authority, AuthorizerSettings(floors=floors, **{**SMALL, **settings}),
                                 run_config=config_to_dict(CONFIG), fingerprint=FINGERPRINT, initial_peers=PEERS,
                                 clock=clock)
-    server, port = await start_authorizer_server(handler(service) if handler else service, "127.0.0.1", 0)
+    started = await start_authorizer_server(handler(service) if handler else service, "127.0.0.1", 0)
     try:
-        yield service, f"127.0.0.1:{port}"
+        yield service, f"127.0.0.1:{started.port}"
     finally:
-        await server.stop(None)
+        await started.stop(None)
 
 
 async def join(address: str, node: NodeCredentials, authority: RunAuthority, *, role: str = "worker", **kwargs):

@@ -47,7 +47,8 @@ def world(tmp_path_factory):
                                       dialback_timeout_s=0.2),
         run_config=config_to_dict(CONFIG), fingerprint=FINGERPRINT)
     loop = new_event_loop()
-    server, port = loop.run_until_complete(start_authorizer_server(service, "127.0.0.1", 0))
+    started = loop.run_until_complete(start_authorizer_server(service, "127.0.0.1", 0))
+    port = started.port
     async def open_channel():  # grpc.aio binds a channel to the loop it is created on
         return grpc.aio.insecure_channel(f"127.0.0.1:{port}")
 
@@ -58,7 +59,7 @@ def world(tmp_path_factory):
     chain = authority.mint(trainer_dir, role="trainer").current()[0]
     yield loop, channel, authority, key, chain, f"127.0.0.1:{port}"
     loop.run_until_complete(channel.close())
-    loop.run_until_complete(server.stop(None))
+    loop.run_until_complete(started.stop(None))
     loop.close()
 
 
