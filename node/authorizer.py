@@ -13,6 +13,8 @@ Design choices:
   given, so ``issue`` mints credentials that carry them). ``ban``/``unban`` write the ban list
   under its file lock; the serving process re-reads it on its next admission or renewal, so a
   ban needs no restart and no RPC.
+- ``issue --run-id R`` may create the CA, like ``serve`` does on first start: a DHT bootstrap peer
+  needs a credential before it starts, and ``serve`` needs its address (``--initial-peers``).
 - ``serve`` runs the service behind the shared server plumbing (node/rpc: interceptor chain,
   health, reflection) on one uvloop loop; it prints the address and the root fingerprint and
   writes ``join.json`` (both, plus the run id: what a node is given as ``--join-file``), then the
@@ -237,7 +239,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_issue(args: argparse.Namespace) -> int:
-    authority = _open_authority(args.state_dir)
+    authority = _open_authority(args.state_dir, args.run_id, create=args.run_id is not None)
     serving_path = Path(args.state_dir) / SERVING_FILE
     serving: dict[str, Any] = json.loads(serving_path.read_text()) if serving_path.exists() else {}
     stages = serving.get("stages")
@@ -328,6 +330,9 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
     issue.add_argument("--out", required=True, help="the node's state folder")
     issue.add_argument("--lifetime", type=float, default=DEFAULT_CREDENTIAL_LIFETIME_S, metavar="S",
                        help="seconds the credential is valid (default %(default)g)")
+    issue.add_argument("--run-id", default=None,
+                       help="create the run's CA in --state-dir if it has none yet (e.g. to credential a DHT "
+                            "bootstrap peer before `serve` is started with its address)")
     state_dir(issue)
     issue.set_defaults(handler=_cmd_issue)
 

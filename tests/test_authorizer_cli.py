@@ -55,6 +55,17 @@ def test_issue_writes_a_node_state_dir_whose_credential_verifies(state_dir, tmp_
     assert oct((out / "node.key").stat().st_mode & 0o777) == "0o600"
 
 
+def test_issue_can_create_the_run_authority_before_serve(tmp_path, capsys):
+    """A DHT bootstrap peer needs a credential before `serve` can be told its address."""
+    fresh = tmp_path / "fresh-state"
+    assert main(["authorizer", "issue", "--role", "monitor", "--out", str(tmp_path / "boot"), "--run-id", "early",
+                 "--state-dir", str(fresh)]) == 0
+    authority = RunAuthority(fresh)
+    minted = NodeCredentials(tmp_path / "boot", clock=time.time)
+    assert authority.run_id == "early" and minted.identity().role == "monitor"
+    assert minted.run_info().root_fingerprint == authority.root_fingerprint
+
+
 def test_ban_unban_and_list(state_dir, capsys):
     peer = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
     assert main(["authorizer", "ban", peer, "--reason", "poisoned gradients", "--state-dir", str(state_dir)]) == 0
