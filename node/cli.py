@@ -110,7 +110,8 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from agora.dht.swarm import DHTRequestError
 
     try:
-        return run_bootstrap(args.host, args.port, tuple(args.initial_peers), args.identity_path, args.ready_file)
+        return run_bootstrap(args.host, args.port, tuple(args.initial_peers), args.identity_path, args.ready_file,
+                             state_dir=args.state_dir, insecure=args.insecure)
     except (ValueError, DHTRequestError) as error:
         raise ConfigError(str(error)) from None
 
