@@ -12,14 +12,16 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from agora.node.admission import add_admission_arguments
 from agora.pipeline.checkpoint import CheckpointError
 from agora.pipeline.config import ConfigError, RunConfig, load_config
 
 __all__ = ["main", "build_parser"]
 
 
-def _run_config(args: argparse.Namespace) -> RunConfig:
-    config = load_config(args.config)
+def _run_config(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
+    """The run flags applied to `--config` (default tiny), or to `base` (the config an authorizer serves)."""
+    config = base if base is not None and args.config is None else load_config(args.config or "tiny")
     if getattr(args, "seed", None) is not None:
         config = replace(config, seed=args.seed, model=replace(config.model, basis_seed=args.seed),
                          data=replace(config.data, seed=args.seed))
@@ -119,12 +121,21 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
 def _cmd_join(args: argparse.Namespace) -> int:
     from agora.node.worker.join import JoinOptions, run_worker
 
-    config = _run_config(args)
-    options = JoinOptions(stage=args.stage, run_id=args.run_id, initial_peers=tuple(args.initial_peers),
+    from agora.node.admission import AdmissionOptions, admit_node, config_chooser, free_port
+    from agora.node.rpc.server import announced_host
+
+    worker_options = _worker_options(args)
+    if worker_options.port == 0:  # the authorizer's dial-back and then the gRPC server take this port
+        worker_options = replace(worker_options, port=free_port(worker_options.host))
+    announce = (announced_host(worker_options.host, worker_options.announce_host), worker_options.port)
+    admission = admit_node(AdmissionOptions.from_args(args), role="worker", run_id=args.run_id, stage=args.stage,
+                           config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers),
+                           announce=announce, listen_host=worker_options.host)
+    options = JoinOptions(stage=args.stage, run_id=admission.run_id, initial_peers=admission.initial_peers,
                           dht_host=args.dht_host, dht_port=args.dht_port, heartbeat_s=args.heartbeat,
                           ready_file=args.ready_file, checkpoint_dir=args.checkpoint_dir,
-                          stats_file=args.stats_file)
-    return run_worker(config, options, _worker_options(args))
+                          stats_file=args.stats_file, authorizer=admission.authorizer)
+    return run_worker(admission.config, options, worker_options, credentials=admission.credentials)
 
 
 def _worker_options(args: argparse.Namespace):
@@ -141,15 +152,19 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
 
     from agora.node.trainer.trainer import TrainerOptions, run_swarm_trainer
 
-    config = _run_config(args)
+    from agora.node.admission import AdmissionOptions, admit_node, config_chooser
+
     if not 0 <= args.trainer_index < args.trainers:
         raise ConfigError(f"--trainer-index: {args.trainer_index} out of range for --trainers {args.trainers}")
-    options = TrainerOptions(run_id=args.run_id, trainer_index=args.trainer_index, trainers=args.trainers,
+    admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=args.run_id, stage=None,
+                           config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers))
+    options = TrainerOptions(run_id=admission.run_id, trainer_index=args.trainer_index, trainers=args.trainers,
                              synchronous=args.sync, max_in_flight=args.max_in_flight, wire_dtype=args.wire_dtype)
     log_json = open(args.log_json, "w") if args.log_json else None
     try:
-        summary = run_swarm_trainer(config, options, initial_peers=tuple(args.initial_peers), steps=args.steps,
-                                    log_json=log_json, evaluate=not args.no_eval)
+        summary = run_swarm_trainer(admission.config, options, initial_peers=admission.initial_peers,
+                                    steps=args.steps, log_json=log_json, evaluate=not args.no_eval,
+                                    credentials=admission.credentials, authorizer=admission.authorizer)
     finally:
         if log_json is not None:
             log_json.close()
@@ -169,7 +184,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str) -> None:
     """Flags that must be identical on every process of one run."""
-    parser.add_argument("--config", default="tiny", help="preset name (tiny, small, pythia-14m, pluralis-8b) or TOML file")
+    parser.add_argument("--config", default=None,
+                        help="preset name (tiny, small, pythia-14m, pluralis-8b) or TOML file (default: the run "
+                             "config the authorizer serves, else tiny)")
     parser.add_argument("--seed", type=int, default=None, help="run seed (basis, init and data order)")
     parser.add_argument("--stages", type=int, default=None, help="split the blocks evenly over this many stages")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per global batch")
@@ -246,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--checkpoint-dir", default=None, help="resume from and checkpoint into this folder")
     join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
     _add_averaging_arguments(join)
+    add_admission_arguments(join)
     join.set_defaults(handler=_cmd_join)
 
     trainer = commands.add_parser("trainer", help="push microbatches through the swarm",
@@ -261,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--log-json", default=None, help="write one JSON object per global batch here")
     trainer.add_argument("--summary-json", default=None, help="write the final summary here")
     trainer.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
+    add_admission_arguments(trainer)
     trainer.set_defaults(handler=_cmd_trainer)
 
     demo = commands.add_parser("demo", help="a whole swarm on this machine, one process per role",
@@ -280,6 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
                       help="fault drill: kill -9 one worker of the last stage after STEP global batches")
     _add_averaging_arguments(demo)
+    demo.add_argument("--insecure", action="store_true",
+                      help="run without the authorizer: no admission, no TLS, no signed DHT records")
+    demo.add_argument("--credential-lifetime", type=float, default=None, metavar="S",
+                      help="seconds each credential is valid (nodes renew at half life; default: the authorizer's, "
+                           "1 hour)")
     demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
 
     from agora.node.authorizer import add_authorizer_commands

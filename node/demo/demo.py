@@ -18,6 +18,7 @@ import json
 import logging
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,12 +56,14 @@ class DemoOptions:
     averaging_fraction: float | None = None
     average_optimizer_state: bool | None = None
     run_id: str = "demo"
+    insecure: bool = False  # no authorizer, no TLS, no signed records
+    credential_lifetime: float | None = None  # None: the authorizer's default (1 hour)
     threads: int = 1
     ready_timeout_s: float = 120.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
-        return cls(config=args.config, seed=args.seed, stages=args.stages, batch_size=args.batch_size,
+        return cls(config=args.config or "tiny", seed=args.seed, stages=args.stages, batch_size=args.batch_size,
                    microbatches=args.microbatches, steps=args.steps, schedule_steps=args.schedule_steps, replicas=args.replicas,
                    trainers=args.trainers, sync=args.sync,
                    max_in_flight=args.max_in_flight, pinned_weights=getattr(args, "pinned_weights", None),
@@ -68,7 +71,9 @@ class DemoOptions:
                    workdir=args.workdir, kill_worker_at=args.kill_worker_at,
                    averaging=getattr(args, "averaging", None), averaging_every=getattr(args, "averaging_every", None),
                    averaging_fraction=getattr(args, "averaging_fraction", None),
-                   average_optimizer_state=getattr(args, "average_optimizer_state", None))
+                   average_optimizer_state=getattr(args, "average_optimizer_state", None),
+                   insecure=getattr(args, "insecure", False),
+                   credential_lifetime=getattr(args, "credential_lifetime", None))
 
     def validate(self) -> "DemoOptions":
         if self.replicas < 1 or self.trainers < 1 or self.steps < 1:
@@ -77,6 +82,10 @@ class DemoOptions:
             raise ConfigError("--sync needs --replicas 1 and --trainers 1 (one route, one barrier)")
         if self.pinned_weights is not None and self.pinned_weights < 0:
             raise ConfigError(f"--pinned-weights: must be >= 0, got {self.pinned_weights}")
+        if self.insecure and self.credential_lifetime is not None:
+            raise ConfigError("--credential-lifetime: --insecure runs without credentials")
+        if self.credential_lifetime is not None and self.credential_lifetime < 10:
+            raise ConfigError(f"--credential-lifetime: at least 10 s, got {self.credential_lifetime:g}")
         if self.kill_worker_at is not None and self.replicas < 2:
             raise ConfigError("--kill-worker-at needs --replicas 2 or more, so the stage survives")
         return self
@@ -141,7 +150,7 @@ def _latest_per_trainer(lines: list[dict]) -> list[dict]:
 
 def run_demo(options: DemoOptions) -> int:
     options.validate()
-    workdir = Path(options.workdir) if options.workdir else Path(tempfile.mkdtemp(prefix="agora-demo-"))
+    workdir = (Path(options.workdir) if options.workdir else Path(tempfile.mkdtemp(prefix="agora-demo-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(workdir)
     started = time.monotonic()
@@ -157,17 +166,34 @@ def run_demo(options: DemoOptions) -> int:
         threads = ["--threads", str(options.threads)]
         common = ["--log-level", "WARNING", *threads]
         boot_ready = workdir / "bootstrap.ready"
-        boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", "--insecure",
-                                                           "--ready-file", str(boot_ready)), boot_ready)
+        if options.insecure:
+            boot_flags = ["--insecure"]
+        else:
+            # The operator credentials its own bootstrap peer offline (the CA is created here), then
+            # serves admission with the bootstrap's address to hand out.
+            boot_flags = ["--state-dir", str(workdir / "bootstrap.state")]
+            _run_to_end(group, "authorizer-issue", agora_node_command(
+                *common, "authorizer", "issue", "--state-dir", str(workdir / "authorizer"), "--run-id",
+                options.run_id, "--role", "operator", "--out", str(workdir / "bootstrap.state"),
+                "--lifetime", str(24 * 3600)), options.ready_timeout_s)
+        boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", *boot_flags, "--ready-file",
+                                                           str(boot_ready)), boot_ready)
         maddrs = group.wait_ready([boot], options.ready_timeout_s)["bootstrap"]
         swarm = ["--run-id", options.run_id, "--initial-peers", *maddrs] + (["--sync"] if options.sync else [])
+        admission = ["--insecure"]
+        if not options.insecure:
+            authorizer = _start_authorizer(group, options, workdir, maddrs, common)
+            print(f"demo: authorizer {authorizer} (run {options.run_id!r}); nodes join with "
+                  f"--join-file {workdir / 'authorizer' / 'join.json'}", file=sys.stderr, flush=True)
+            admission = ["--join-file", str(workdir / "authorizer" / "join.json")]
         for stage in range(options.stages or 1):
             for replica in range(options.replicas):
                 name = f"worker-s{stage}-r{replica}"
                 ready = workdir / f"{name}.ready"
                 # INFO: each averaging round's milestone line lands in the worker's log file.
                 command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
-                                             *options.run_flags(), *swarm, *options.worker_flags(),
+                                             *options.run_flags(), *swarm, *options.worker_flags(), *admission,
+                                             *_state_dir(options, workdir, name),
                                              "--stats-file", str(workdir / f"{name}.stats.json"),
                                              "--heartbeat", "1", "--ready-file", str(ready))
                 workers.append((stage, group.spawn(name, command, ready)))
@@ -175,7 +201,8 @@ def run_demo(options: DemoOptions) -> int:
         trainers = []
         for index in range(options.trainers):
             command = agora_node_command(
-                *common, "trainer", *options.run_flags(), *swarm, "--trainer-index", str(index),
+                *common, "trainer", *options.run_flags(), *swarm, *admission,
+                *_state_dir(options, workdir, f"trainer-{index}"), "--trainer-index", str(index),
                 "--trainers", str(options.trainers),
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
                 "--log-json", str(trainer_logs[index]),
@@ -226,6 +253,34 @@ def run_demo(options: DemoOptions) -> int:
     return code
 
 
+def _state_dir(options: DemoOptions, workdir: Path, name: str) -> list[str]:
+    return [] if options.insecure else ["--state-dir", str(workdir / f"{name}.state")]
+
+
+def _run_to_end(group: ProcessGroup, name: str, command: list[str], timeout_s: float) -> None:
+    child = group.spawn(name, command)
+    try:
+        code = child.process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ChildFailed(f"{name} did not finish within {timeout_s:g} s:\n{child.log_tail()}") from None
+    if code != 0:
+        raise ChildFailed(f"{name} exited with {code}:\n{child.log_tail()}")
+
+
+def _start_authorizer(group: ProcessGroup, options: DemoOptions, workdir: Path, maddrs: list[str],
+                      common: list[str]) -> str:
+    """The run's authorizer, with floors low enough for one machine's loopback; its address."""
+    ready = workdir / "authorizer.ready"
+    lifetime = [] if options.credential_lifetime is None else ["--credential-lifetime", str(options.credential_lifetime)]
+    command = agora_node_command(
+        *common, "authorizer", "serve", "--state-dir", str(workdir / "authorizer"), "--run-id", options.run_id,
+        "--ready-file", str(ready), *lifetime, "--min-upload-mbit", "0", "--min-download-mbit", "0",
+        "--max-rtt-ms", "inf", "--min-accelerator-gb", "0", "--min-ram-gb", "0", "--preflight-bytes", str(256 << 10),
+        "--join-rate", "20", "--join-burst", "64", *options.run_flags(), "--initial-peers", *maddrs)
+    child = group.spawn("authorizer", command, ready)
+    return group.wait_ready([child], options.ready_timeout_s)["authorizer"][0]
+
+
 def _interrupt_on(*signals: int) -> dict[int, object]:
     """Raise KeyboardInterrupt on these signals (main thread only); the previous handlers."""
     import threading
@@ -274,7 +329,21 @@ def _summary(options: DemoOptions, lines: list[dict], workdir: Path, workers, ki
         "killed": killed,
         "exit_codes": exit_codes,
         "mode": "sync" if options.sync else "async",
+        "security": "insecure" if options.insecure else "admitted",
+        "credential_renewals": {"trainers": sum(s.get("credential_renewals", 0) for s in trainer_summaries),
+                                "workers": _count_in_logs([w for _, w in workers], "renewed the credential")},
+        "revoked": [w.name for _, w in workers if exit_codes.get(w.name) == 3],
     }
+
+
+def _count_in_logs(children, text: str) -> int:
+    total = 0
+    for child in children:
+        try:
+            total += child.log_path.read_text(errors="replace").count(text)
+        except OSError:
+            pass
+    return total
 
 
 def _averaging_by_stage(workdir: Path, workers) -> dict:

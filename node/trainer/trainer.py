@@ -30,6 +30,7 @@ The trainer writes the same JSON-lines schema as `train-local` (`StepRecord`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import signal
@@ -462,10 +463,14 @@ class SwarmTrainer:
 
 def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_peers: tuple[str, ...],
                       steps: int, log_json: IO[str] | None = None, evaluate: bool = True,
-                      credentials: NodeCredentials | None = None) -> dict:
+                      credentials: NodeCredentials | None = None, authorizer: str | None = None) -> dict:
     """`agora-node trainer`: join the DHT, train this trainer's share of `steps`, evaluate; a summary.
 
-    `credentials`: the trainer's `NodeCredentials` (mutual TLS to every worker); None: --insecure."""
+    `credentials`: the trainer's `NodeCredentials` (mutual TLS to every worker, an admitted DHT
+    peer); None: --insecure. `authorizer`: where to renew the credential at half life (None: no
+    renewal); a revoked credential ends the run as an interruption."""
+    from agora.auth.admission import CredentialRenewer
+    from agora.auth.hivemind_auth import DHTSecurity
     from agora.dht.swarm import SwarmDHT
     from agora.node.rpc.server import run as run_loop
     from agora.node.trainer.discovery import DHTDiscovery
@@ -474,7 +479,8 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
 
     data = build_data(config)
     # hivemind forks its DHT process: start it before the event loop and gRPC channels exist.
-    swarm = SwarmDHT.start(initial_peers=initial_peers, client_mode=True)
+    security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
+    swarm = SwarmDHT.start(initial_peers=initial_peers, client_mode=True, security=security)
     discovery = DHTDiscovery(swarm, options.run_id, len(config.layer_split), config.train.seq_len,
                              fingerprint=run_fingerprint(config))
 
@@ -485,12 +491,24 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, task.cancel)
         channels = None
+        renewer = None
+        revoked: list[str] = []
         if credentials is not None:
             channels = TlsChannels(credentials)  # re-reads the credential directory per call (renewals)
             if credentials.identity().role != "trainer":
                 raise ConfigError(f"credential in {credentials.directory}: a trainer needs a trainer credential, "
                                   f"this one is a {credentials.identity().role} credential")
-        async with SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels) as trainer:
+            if authorizer:
+                def on_revoked(reason: str) -> None:
+                    revoked.append(reason)
+                    task.cancel()
+
+                renewer = CredentialRenewer(authorizer, credentials, on_revoked=on_revoked)
+        async with contextlib.AsyncExitStack() as stack:
+            if renewer is not None:
+                await stack.enter_async_context(renewer)
+            trainer = await stack.enter_async_context(
+                SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels))
             interrupted = False
             try:
                 await trainer.run(steps)
@@ -503,6 +521,8 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 held_out = await trainer.evaluate(batches)
             return {
                 "trainer": options.trainer_index, "steps": len(records), "interrupted": interrupted,
+                "revoked": revoked[0] if revoked else None,
+                "credential_renewals": renewer.renewals if renewer is not None else 0,
                 "final_loss": records[-1].loss if records else None, "heldout_loss": held_out,
                 "tokens_per_s": records[-1].tokens_per_s if records else 0.0,
                 "microbatches": trainer.stats.microbatches, "reroutes": trainer.stats.reroutes,

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from agora.auth.admission import CredentialRenewer
+from agora.auth.hivemind_auth import DHTSecurity
 from agora.auth.node_state import NodeCredentials
 from agora.dht.averaging import RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
@@ -35,7 +37,10 @@ from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkp
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import run_fingerprint
 
-__all__ = ["JoinOptions", "run_worker", "package_version"]
+__all__ = ["EXIT_REVOKED", "JoinOptions", "run_worker", "package_version"]
+
+# Exit status of a worker that left because its credential was revoked (banned) or ran out.
+EXIT_REVOKED = 3
 
 logger = logging.getLogger("agora.node.join")
 
@@ -58,6 +63,7 @@ class JoinOptions:
     ready_file: str | None = None
     checkpoint_dir: str | None = None
     stats_file: str | None = None  # averaging counters, written as JSON on exit
+    authorizer: str | None = None  # host:port to renew the credential with (None: no renewal)
 
 
 def _save_stage(compute: StageCompute, directory: str, config: RunConfig,
@@ -77,7 +83,8 @@ def _restore_stage(compute: StageCompute, directory: str, config: RunConfig) -> 
     return step, states[0].averaging
 
 
-def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT) -> SliceAverager:
+def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT,
+                    security: DHTSecurity | None) -> SliceAverager:
     """The stage's averager process, sized for one round of `config.sync.method` (forks: call early)."""
     sync = config.sync
     numels = stage_parameter_numels(config.model, options.stage)
@@ -85,7 +92,8 @@ def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT) ->
     return SliceAverager.start(
         swarm.hivemind_dht, prefix=f"{options.run_id}_stage{options.stage}_{sync.method}", size=size,
         matchmaking_s=sync.matchmaking_s, request_s=sync.request_s, sender_s=sync.sender_s,
-        reducer_s=sync.reducer_s, round_s=sync.round_s, part_size_bytes=sync.part_size_bytes)
+        reducer_s=sync.reducer_s, round_s=sync.round_s, part_size_bytes=sync.part_size_bytes,
+        admission=security.averaging_admission(options.stage) if security is not None else None)
 
 
 async def _serve(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions, swarm: SwarmDHT,
@@ -98,6 +106,15 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
                          credentials=credentials)
     await worker.start()
+    revoked: list[str] = []
+    renewer = None
+    if credentials is not None and options.authorizer:
+        def on_revoked(reason: str) -> None:  # banned, or the credential ran out: leave the run
+            revoked.append(reason)
+            stop.set()
+
+        renewer = CredentialRenewer(options.authorizer, credentials, on_revoked=on_revoked)
+        renewer.start()
     averaging_state = None
     if options.checkpoint_dir and latest_checkpoint(options.checkpoint_dir) is not None:
         step, averaging_state = await worker.on_compute(lambda c: _restore_stage(c, options.checkpoint_dir, config))
@@ -133,8 +150,12 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
                 worker.address, swarm.peer_id, seq_len)
     await stop.wait()
 
+    if revoked:
+        logger.error("leaving the run: the credential was revoked (%s)", revoked[0])
     logger.info("leaving: withdrawing the record, finishing in-flight work")
     worker.phase = "leaving"
+    if renewer is not None:
+        await renewer.stop()
     await heartbeat.stop(withdraw=True)
     if averaging is not None:
         await averaging.stop()
@@ -149,7 +170,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         logger.info("averaging: %s", stats)
         if options.stats_file:
             write_ready_file(options.stats_file, [json.dumps(stats)])  # atomic: never half a file
-    return 0
+    return EXIT_REVOKED if revoked else 0
 
 
 def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions,
@@ -162,13 +183,17 @@ def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOp
     if not 0 <= options.stage < n_stages:
         raise ConfigError(f"--stage: {options.stage} out of range for {n_stages} stages")
     # hivemind forks its DHT process: start it before any gRPC server or torch thread exists.
-    swarm = SwarmDHT.start(initial_peers=options.initial_peers,
-                           host_maddrs=host_maddrs(options.dht_host, options.dht_port))
+    security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
+    announce = None
+    if worker_options.announce_host and options.dht_port:
+        announce = host_maddrs(worker_options.announce_host, options.dht_port)
+    swarm = SwarmDHT.start(initial_peers=options.initial_peers, announce_maddrs=announce,
+                           host_maddrs=host_maddrs(options.dht_host, options.dht_port), security=security)
     averager = None
     try:
         # Synchronous mode has one replica per stage by definition: nothing to average with.
         if config.sync.method != "none" and not worker_options.synchronous:
-            averager = _start_averager(config, options, swarm)  # forks too: before the gRPC server
+            averager = _start_averager(config, options, swarm, security)  # forks too: before the gRPC server
         return run_loop(_serve(config, options, worker_options, swarm, averager, credentials))
     finally:
         if averager is not None:

@@ -1,0 +1,182 @@
+"""How a node's command line gets it into a run: admitted through an authorizer, with a credential
+minted for it offline, or explicitly `--insecure`.
+
+Every role (`join`, `trainer`, and the operator's `bootstrap`) takes the same flags:
+
+    --join-file F                       the authorizer's address and root fingerprint, as written by
+                                        `agora-node authorizer serve` (or the two flags below)
+    --authorizer HOST:PORT --ca-fingerprint SHA256
+    --state-dir D                       the node's key and credential (default: a folder per run and
+                                        role under ~/.local/state/agora-node)
+    --insecure                          no admission, no TLS, no signed records (a warning says so)
+
+Design choices:
+
+- Admission runs before anything else starts (the DHT needs the credential to join, the gRPC
+  server needs it to serve), in a short event loop of its own; everything it learned is in the
+  state directory afterwards, which is what the DHT process, the gRPC server and the renewer read.
+- The run config comes from the authorizer unless the user gives `--config`: a contributor
+  needs only the join file. Either way the node's fingerprint is computed here, from the config
+  it will actually run, and the authorizer refuses a mismatch naming the field.
+- A state directory that already holds a valid credential for the same role (and stage) is used
+  as is: a restarted node, or a credential minted with `agora-node authorizer issue` for an
+  operator's own machine. With an authorizer known, a credential past half its life is renewed
+  by the running node's `CredentialRenewer`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from agora.pipeline.config import ConfigError, RunConfig
+
+__all__ = ["AdmissionOptions", "Admission", "add_admission_arguments", "admit_node", "free_port"]
+
+logger = logging.getLogger("agora.node.admission")
+
+
+@dataclass(frozen=True)
+class AdmissionOptions:
+    insecure: bool = False
+    state_dir: Optional[str] = None
+    authorizer: Optional[str] = None
+    root_fingerprint: Optional[str] = None
+    join_file: Optional[str] = None
+    run_id: Optional[str] = None  # from the join file: names the default state directory
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "AdmissionOptions":
+        return cls(insecure=args.insecure, state_dir=args.state_dir, authorizer=args.authorizer,
+                   root_fingerprint=args.ca_fingerprint, join_file=args.join_file)
+
+    def resolved(self) -> "AdmissionOptions":
+        """The authorizer and fingerprint from the join file when given; checks the combination."""
+        if self.insecure:
+            if self.authorizer or self.join_file or self.root_fingerprint:
+                raise ConfigError("--insecure: runs without an authorizer; drop --authorizer/--join-file")
+            return self
+        authorizer, fingerprint, run_id = self.authorizer, self.root_fingerprint, None
+        if self.join_file:
+            from agora.auth.admission import JoinFile
+
+            try:
+                join = JoinFile.read(self.join_file)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+            authorizer, fingerprint = authorizer or join.authorizer, fingerprint or join.root_fingerprint
+            run_id = join.run_id
+        if bool(authorizer) != bool(fingerprint):
+            raise ConfigError("--authorizer and --ca-fingerprint go together (or give --join-file)")
+        return AdmissionOptions(False, self.state_dir, authorizer, fingerprint, self.join_file, run_id)
+
+
+def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("admission (an authorizer admits this node; see `agora-node authorizer`)")
+    group.add_argument("--join-file", default=None, metavar="F",
+                       help="the run's join file (authorizer address and CA fingerprint), from `authorizer serve`")
+    group.add_argument("--authorizer", default=None, metavar="HOST:PORT", help="the run's authorizer")
+    group.add_argument("--ca-fingerprint", default=None, metavar="SHA256",
+                       help="SHA-256 of the run's root CA certificate, as the operator published it")
+    group.add_argument("--state-dir", default=None, metavar="D",
+                       help="this node's key and credential (default: ~/.local/state/agora-node/<run>/<role>)")
+    group.add_argument("--insecure", action="store_true",
+                       help="run without admission: no TLS, no credential checks, no signed DHT records")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The outcome: the node's credentials (None under --insecure), the config to run, the authorizer
+    to renew with (None for an offline credential), and the DHT peers to join through."""
+
+    credentials: object  # NodeCredentials | None (imported lazily: the CLI stays light)
+    config: RunConfig
+    authorizer: Optional[str]
+    initial_peers: tuple[str, ...]
+    run_id: str
+
+
+def _default_state_dir(run_id: str, role: str, stage: Optional[int]) -> Path:
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "agora-node"
+    return base / run_id / (role if stage is None else f"{role}-s{stage}")
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now: the dial-back listener and then the gRPC server take it in turn."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def admit_node(options: AdmissionOptions, *, role: str, run_id: str, stage: Optional[int],
+               config_for: Callable[[Optional[dict]], RunConfig], initial_peers: tuple[str, ...],
+               announce: Optional[tuple[str, int]] = None, listen_host: Optional[str] = None) -> Admission:
+    """Admit this node (blocking); ``config_for(run_config_dict_or_None)`` builds the config to run
+    from the authorizer's (None when there is none). Raises ConfigError with one readable line."""
+    options = options.resolved()
+    if options.insecure:
+        print(f"agora-node {role}: WARNING: --insecure: no admission, no TLS, no credential checks; anyone who "
+              "reaches this node's ports can use or poison it", file=sys.stderr)
+        return Admission(None, config_for(None), None, initial_peers, run_id)
+    from agora.auth.admission import AdmissionError, admit
+    from agora.auth.credentials import CredentialError
+    from agora.auth.node_state import NodeCredentials
+    from agora.pipeline.fingerprint import run_fingerprint
+
+    state_dir = (Path(options.state_dir) if options.state_dir
+                 else _default_state_dir(options.run_id or run_id, role, stage))
+    node = NodeCredentials(state_dir, clock=time.time)
+    if options.authorizer is None:
+        if not node.has_credential():
+            raise ConfigError(f"--state-dir {state_dir}: no credential; give --join-file (or --authorizer and "
+                              "--ca-fingerprint), or run --insecure")
+        try:
+            identity = node.identity()
+        except CredentialError as error:
+            raise ConfigError(f"--state-dir {state_dir}: {error}") from None
+        run = node.run_info()
+        if identity.role != role or (stage is not None and identity.stage != stage):
+            raise ConfigError(f"--state-dir {state_dir}: holds a {identity.describe()} credential, not a {role}"
+                              + ("" if stage is None else f" of stage {stage}"))
+        config = config_for(run.config)
+        return Admission(node, config, run.authorizer or None, initial_peers or run.initial_peers, run.run_id)
+
+    def fingerprint(run_config: dict) -> str:
+        return run_fingerprint(config_for(run_config)).text()
+
+    def queued(position: int) -> None:
+        print(f"agora-node {role}: the run is full; waiting in the authorizer's queue at position {position}",
+              file=sys.stderr, flush=True)
+
+    async def run_admission():
+        return await admit(options.authorizer, options.root_fingerprint, node, role=role, fingerprint=fingerprint,
+                           stage=stage, announce=announce, listen_host=listen_host, on_queued=queued)
+
+    try:
+        run = asyncio.run(run_admission())
+    except AdmissionError as error:
+        raise ConfigError(str(error)) from None
+    config = config_for(run.config)
+    logger.info("admitted to run %r as %s", run.run_id, node.identity().describe())
+    return Admission(node, config, options.authorizer, initial_peers or run.initial_peers, run.run_id)
+
+
+def config_chooser(args: argparse.Namespace, run_config: Callable[..., RunConfig]) -> Callable[[Optional[dict]], RunConfig]:
+    """The config a node runs: the user's `--config` (with the run flags) when given, else the
+    authorizer's with the user's run flags on top, else the default preset."""
+    def choose(served: Optional[dict]) -> RunConfig:
+        if args.config is not None or served is None:
+            return run_config(args)
+        from agora.pipeline.config import config_from_dict
+
+        return run_config(args, base=config_from_dict(served))
+    return choose
