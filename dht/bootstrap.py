@@ -17,7 +17,7 @@ Design choices:
   ``BootstrapOptions.from_args`` so the CLI can mount them on its own subparser.
 - Admission: ``--state-dir D`` holds the bootstrap's credential (an operator credential from
   ``agora-node authorizer issue --role operator --out D``; any role that may store works): the
-  peer then runs the token authorizer and record validators of auth/hivemind_auth.py, its peer
+  peer then runs the token authorizer and record validators of dht/security.py, its peer
   id is the credential's, and uncredentialed peers cannot join through it. ``--insecure`` runs
   an open peer and says so in a warning. Neither is refused: an open bootstrap is never started
   by accident, since every peer that joins through it would be open too.
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, TextIO
 from agora.dht.swarm import DHTRequestError, SwarmDHT
 
 if TYPE_CHECKING:
-    from agora.auth.hivemind_auth import DHTSecurity
+    from agora.dht.security import DHTSecurity
 
 __all__ = [
     "BootstrapOptions",
@@ -140,7 +140,7 @@ def security_from_options(state_dir: Optional[str], insecure: bool) -> Optional[
         raise ValueError("--state-dir: give the credential directory of an admitted node "
                          "(`agora-node authorizer issue --role operator --out DIR`), or --insecure for an open swarm")
     from agora.auth.credentials import CredentialError
-    from agora.auth.hivemind_auth import DHTSecurity
+    from agora.dht.security import DHTSecurity
 
     try:
         security = DHTSecurity.from_state_dir(state_dir)

@@ -1,7 +1,7 @@
 """Which per-peer entries a peer believes: the owner of a subkey, and the run a worker is of.
 
 One rule, applied in two places: by the record validator in hivemind's DHT process
-(auth/hivemind_auth.py, on every store a peer accepts and every value a find returns) and by
+(dht/security.py, on every store a peer accepts and every value a find returns) and by
 ``SwarmDHT``'s readers (which skip and count). An entry under ``<peer id>[owner:<key>]`` is
 believed only if
 

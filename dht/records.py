@@ -18,7 +18,7 @@ Design choices:
   components unambiguously.
 - ``Record`` is the base for later record types (leases, rounds): subclass it, declare
   scalar fields, set ``KIND``, and put range checks in ``check()``.
-- Per-peer entries live under subkeys. With admission on (auth/hivemind_auth.py) a subkey is
+- Per-peer entries live under subkeys. With admission on (dht/security.py) a subkey is
   ``<peer id>[owner:<ssh-rsa ...>]``: hivemind's ``RSASignatureValidator`` then lets only the
   holder of that key write or tombstone the entry, and readers check that the key is the one
   the peer id is derived from. ``owned_subkey`` / ``split_subkey`` build and parse that form

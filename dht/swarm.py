@@ -12,7 +12,7 @@ Design choices:
   for the answer happens outside it).
 - A stage's workers share one key, ``{run_id}.stage{i}.workers``, each under its own
   subkey, so a worker's announce never overwrites another's. With admission on
-  (``start(security=...)``, auth/hivemind_auth.py) the DHT process runs hivemind's token
+  (``start(security=...)``, dht/security.py) the DHT process runs hivemind's token
   authorizer and record validators, and a subkey is ``<peer id>[owner:<node key>]``: only
   this node can write or tombstone its entries, and the peer id is its credential's (the
   libp2p identity is the node key). Without it (``--insecure``) subkeys are bare peer ids,
@@ -60,7 +60,7 @@ from agora.dht.ownership import EntryOwnership, fingerprint_mismatch
 from agora.dht.records import Record, RecordError, WorkerRecord, check_run_id, owned_subkey, worker_key
 
 if TYPE_CHECKING:
-    from agora.auth.hivemind_auth import DHTSecurity
+    from agora.dht.security import DHTSecurity
     from agora.pipeline.fingerprint import RunFingerprint
 
 __all__ = [
@@ -151,7 +151,7 @@ class SwarmDHT:
 
         Start it before creating gRPC servers or torch threads: hivemind forks its process.
         ``record_validators`` (hivemind ``RecordValidatorBase``) and ``dht_kwargs`` pass
-        through to ``hivemind.DHT``. ``security`` (``auth.hivemind_auth.DHTSecurity``) is the
+        through to ``hivemind.DHT``. ``security`` (``agora.dht.security.DHTSecurity``) is the
         node's admission: identity, token authorizer, signed and checked records; None is
         ``--insecure``. Failing to join raises ``DHTRequestError`` (so does joining an admitted
         swarm without a credential it accepts: nobody answers).

@@ -33,7 +33,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from agora.auth.authority import RunAuthority
 from agora.auth.credentials import issue_credential
-from agora.auth.hivemind_auth import (
+from agora.dht.security import (
     CredentialTokenAuthorizer,
     DHTSecurity,
     OwnedRecordValidator,

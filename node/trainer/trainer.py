@@ -470,7 +470,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
     peer); None: --insecure. `authorizer`: where to renew the credential at half life (None: no
     renewal); a revoked credential ends the run as an interruption."""
     from agora.auth.admission import CredentialRenewer
-    from agora.auth.hivemind_auth import DHTSecurity
+    from agora.dht.security import DHTSecurity
     from agora.dht.swarm import SwarmDHT
     from agora.node.rpc.server import run as run_loop
     from agora.node.trainer.discovery import DHTDiscovery

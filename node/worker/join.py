@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 
 from agora.auth.admission import CredentialRenewer
-from agora.auth.hivemind_auth import DHTSecurity
+from agora.dht.security import DHTSecurity
 from agora.auth.node_state import NodeCredentials
 from agora.dht.averaging import RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
