@@ -102,6 +102,7 @@ class Admission:
     authorizer: Optional[str]
     initial_peers: tuple[str, ...]
     run_id: str
+    stage: Optional[int] = None  # a worker's stage: asked for, or assigned by the authorizer
 
 
 def _default_state_dir(run_id: str, role: str, stage: Optional[int]) -> Path:
@@ -126,7 +127,9 @@ def admit_node(options: AdmissionOptions, *, role: str, run_id: str, stage: Opti
     if options.insecure:
         print(f"agora-node {role}: WARNING: --insecure: no admission, no TLS, no credential checks; anyone who "
               "reaches this node's ports can use or poison it", file=sys.stderr)
-        return Admission(None, config_for(None), None, initial_peers, run_id)
+        if role == "worker" and stage is None:
+            raise ConfigError("--stage: a worker run --insecure must say which stage it hosts")
+        return Admission(None, config_for(None), None, initial_peers, run_id, stage)
     from agora.auth.admission import AdmissionError, admit
     from agora.auth.credentials import CredentialError
     from agora.auth.node_state import NodeCredentials
@@ -148,7 +151,8 @@ def admit_node(options: AdmissionOptions, *, role: str, run_id: str, stage: Opti
             raise ConfigError(f"--state-dir {state_dir}: holds a {identity.describe()} credential, not a {role}"
                               + ("" if stage is None else f" of stage {stage}"))
         config = config_for(run.config)
-        return Admission(node, config, run.authorizer or None, initial_peers or run.initial_peers, run.run_id)
+        return Admission(node, config, run.authorizer or None, initial_peers or run.initial_peers, run.run_id,
+                         identity.stage)
 
     def fingerprint(run_config: dict) -> str:
         return run_fingerprint(config_for(run_config)).text()
@@ -167,7 +171,7 @@ def admit_node(options: AdmissionOptions, *, role: str, run_id: str, stage: Opti
         raise ConfigError(str(error)) from None
     config = config_for(run.config)
     logger.info("admitted to run %r as %s", run.run_id, node.identity().describe())
-    return Admission(node, config, options.authorizer, initial_peers or run.initial_peers, run.run_id)
+    return Admission(node, config, options.authorizer, initial_peers or run.initial_peers, run.run_id, run.stage)
 
 
 def config_chooser(args: argparse.Namespace, run_config: Callable[..., RunConfig]) -> Callable[[Optional[dict]], RunConfig]:

@@ -45,6 +45,7 @@ from agora.auth.admission import JoinFile
 from agora.auth.authority import DEFAULT_CREDENTIAL_LIFETIME_S, RunAuthority
 from agora.auth.credentials import ROLES
 from agora.auth.keys import write_private_file
+from agora.auth.node_state import NodeCredentials
 from agora.auth.policy import DEFAULT_FLOORS, Floors
 from agora.auth.service import AuthorizerService, AuthorizerSettings, read_admitted
 from agora.node.rpc.interceptors import interceptor_chain
@@ -155,8 +156,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     authority = _open_authority(args.state_dir, args.run_id, create=True)
     fingerprint = run_fingerprint(config)
     plain = config_to_dict(config)
+    # With the swarm's address, the authorizer reads the workers' announced throughput from the DHT
+    # (as an operator peer it credentials itself) and assigns a joining worker the least covered stage.
+    own_dir = Path(args.state_dir) / "self"
+    swarm = _coverage_peer(authority, own_dir, initial_peers=tuple(args.initial_peers))
+    coverage = None
+    if swarm is not None:
+        async def coverage() -> dict[int, float]:
+            own = NodeCredentials(own_dir, clock=time.time)
+            if own.remaining_s() < authority.issuing_lifetime_s / 4:  # the DHT process re-reads the file
+                authority.mint(own_dir, role="operator", lifetime_s=authority.issuing_lifetime_s)
+            return await _read_coverage(swarm, authority.run_id, fingerprint, service.admitted())
     service = AuthorizerService(authority, settings, run_config=plain, fingerprint=fingerprint,
-                                initial_peers=tuple(args.initial_peers))
+                                initial_peers=tuple(args.initial_peers), stage_throughput=coverage)
     state = Path(args.state_dir)
     join_path = Path(args.join_file) if args.join_file else state / JOIN_FILE
 
@@ -190,7 +202,54 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     finally:
         if args.ready_file:
             Path(args.ready_file).unlink(missing_ok=True)
+        if swarm is not None:
+            swarm.shutdown()
     return 0
+
+
+def _coverage_peer(authority: RunAuthority, own_dir: Path, *, initial_peers: tuple[str, ...]):
+    """A client-mode DHT peer with an operator credential the authorizer mints for itself (it holds
+    the CA; the credential lives as long as the issuing CA), or None without initial peers."""
+    if not initial_peers:
+        return None
+    from agora.dht.security import DHTSecurity
+    from agora.dht.swarm import DHTRequestError, SwarmDHT
+
+    own = authority.mint(own_dir, role="operator", lifetime_s=authority.issuing_lifetime_s)
+    try:
+        return SwarmDHT.start(initial_peers=initial_peers, client_mode=True,
+                              security=DHTSecurity.from_state_dir(own.directory))
+    except DHTRequestError as error:
+        logger.warning("cannot read the swarm (%s): assigning stages by admitted workers only", error)
+        return None
+
+
+def stage_coverage(n_stages: int, workers: dict, admitted) -> dict[int, float]:
+    """Per stage: the announced throughput of its live workers (``workers``: stage -> WorkerRecords,
+    from the DHT), plus a millionth per admitted worker so that among stages nobody has measured yet
+    (all 0) the one with fewer workers comes first."""
+    coverage = {stage: 0.0 for stage in range(n_stages)}
+    for node in admitted:
+        if node.role == "worker" and node.stage in coverage:
+            coverage[node.stage] += 1e-6
+    for stage, records in workers.items():
+        if stage in coverage:
+            coverage[stage] += sum(record.throughput for record in records if record.phase != "leaving")
+    return coverage
+
+
+async def _read_coverage(swarm, run_id: str, fingerprint, admitted) -> dict[int, float]:
+    from agora.dht.swarm import DHTRequestError
+
+    try:
+        workers = await swarm.all_workers_async(run_id, fingerprint.stages, fingerprint=fingerprint)
+    except DHTRequestError as error:
+        logger.warning("reading worker records failed (%s): assigning by admitted workers", error)
+        workers = {}
+    return stage_coverage(fingerprint.stages, workers, admitted)
+    for stage, records in workers.items():
+        coverage[stage] += sum(record.throughput for record in records if record.phase != "leaving")
+    return coverage
 
 
 def _peer_id(text: str) -> str:

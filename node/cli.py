@@ -131,7 +131,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
     admission = admit_node(AdmissionOptions.from_args(args), role="worker", run_id=args.run_id, stage=args.stage,
                            config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers),
                            announce=announce, listen_host=worker_options.host)
-    options = JoinOptions(stage=args.stage, run_id=admission.run_id, initial_peers=admission.initial_peers,
+    options = JoinOptions(stage=admission.stage, run_id=admission.run_id, initial_peers=admission.initial_peers,
                           dht_host=args.dht_host, dht_port=args.dht_port, heartbeat_s=args.heartbeat,
                           ready_file=args.ready_file, checkpoint_dir=args.checkpoint_dir,
                           stats_file=args.stats_file, authorizer=admission.authorizer)
@@ -244,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
                                            "SIGTERM leaves cleanly (withdraw, finish in-flight, checkpoint).")
     _add_run_arguments(join, steps_help="planned run length in global batches (sets the lr schedule)")
     _add_swarm_arguments(join)
-    join.add_argument("--stage", type=int, required=True, help="pipeline stage index to host")
+    join.add_argument("--stage", type=int, default=None,
+                      help="pipeline stage index to host (default: the authorizer assigns the stage least covered "
+                           "by announced throughput; required with --insecure)")
     join.add_argument("--host", default="127.0.0.1", help="address the gRPC server listens on")
     join.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
     join.add_argument("--announce-host", default=None, metavar="H",

@@ -144,3 +144,30 @@ def test_a_served_authorizer_admits_a_node_and_stops_cleanly(tmp_path, capsys):
     assert process.returncode == 0, err
     assert f"serving at {address}" in out and fingerprint in out
     assert not ready.exists(), "the ready file is removed on a clean stop"
+
+
+def test_stage_coverage_prefers_the_stage_with_least_announced_throughput():
+    from agora.auth.policy import assign_stage
+    from agora.auth.service import AdmittedNode
+    from agora.dht.records import WorkerRecord
+    from agora.node.authorizer import stage_coverage
+
+    def record(stage: int, throughput: float, phase: str = "member") -> WorkerRecord:
+        return WorkerRecord(peer_id=f"peer{stage}{throughput}", run_id="r", endpoint="127.0.0.1:1", stage=stage,
+                            n_stages=3, throughput=throughput, queue_depth=0, step=0, phase=phase, version="1",
+                            updated_at=0.0, fingerprint="f")
+
+    def admitted(stage: int) -> AdmittedNode:
+        return AdmittedNode(peer_id=f"p{stage}", role="worker", stage=stage, address="127.0.0.1:1", device="cpu",
+                            admitted_at=0.0, expires_at=1.0)
+
+    # Stage 1 has two workers but they are slow; stage 2's only worker is leaving.
+    workers = {0: [record(0, 900.0)], 1: [record(1, 200.0), record(1, 250.0)], 2: [record(2, 800.0, "leaving")]}
+    coverage = stage_coverage(3, workers, [admitted(0), admitted(1), admitted(1), admitted(2)])
+    assert assign_stage(3, coverage, None) == 2
+    workers[2] = [record(2, 800.0)]
+    assert assign_stage(3, stage_coverage(3, workers, []), None) == 1
+    # Nobody has measured yet: the stage with fewer admitted workers comes first, not always stage 0.
+    fresh = stage_coverage(3, {}, [admitted(0), admitted(1)])
+    assert assign_stage(3, fresh, None) == 2
+    assert assign_stage(3, stage_coverage(3, {}, [admitted(0), admitted(2)]), None) == 1
