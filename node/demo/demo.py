@@ -168,6 +168,8 @@ def run_demo(options: DemoOptions) -> int:
         boot_ready = workdir / "bootstrap.ready"
         if options.insecure:
             boot_flags = ["--insecure"]
+            print("demo: WARNING: --insecure: no authorizer, no TLS, no credential checks, no signed DHT records",
+                  file=sys.stderr, flush=True)
         else:
             # The operator credentials its own bootstrap peer offline (the CA is created here), then
             # serves admission with the bootstrap's address to hand out.
