@@ -14,6 +14,10 @@ generated stub for clients. Design choices:
   without limit; it drains (without keeping) a bounded remainder before answering
   RESOURCE_EXHAUSTED, because grpc.aio clients misreport an abort that lands while they are
   still writing. Handlers never see whether a call was streamed.
+- Requests are parsed by a tolerant deserializer: grpc's own answers a message that does not
+  parse (bad wire format, invalid UTF-8 in a string) with UNKNOWN and logs it as the servicer's
+  exception, so here it reaches the servicer as a `_Malformed` marker and is answered
+  INVALID_ARGUMENT naming the message type (a streamed one after draining, as above).
 
 Imports nothing of ours except the generated modules beside it.
 """
@@ -23,9 +27,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Mapping, Protocol
+from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from agora.protos import stage_pb2, stage_pb2_grpc
 
@@ -43,6 +48,7 @@ __all__ = [
     "InfoReply",
     "PayloadTooLarge",
     "IncompleteStream",
+    "MalformedMessage",
     "PartAssembler",
     "StageHandler",
     "StageStub",
@@ -168,6 +174,38 @@ class IncompleteStream(ValueError):
     """A stream ended before carrying a single part."""
 
 
+class MalformedMessage(ValueError):
+    """A request (or a streamed part of one) that does not parse as its message type."""
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    """What the tolerant deserializer hands the servicer for bytes that do not parse."""
+
+    message_type: str
+    error: str
+    size: int
+
+    def ByteSize(self) -> int:  # noqa: N802 - counted like a message while draining
+        return self.size
+
+
+def _tolerant_parser(message_cls: type) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except (DecodeError, ValueError) as error:
+            return _Malformed(message_cls.DESCRIPTOR.full_name, str(error), len(data))
+    return parse
+
+
+def _parsed(message: Any) -> Any:
+    """The request's message; MalformedMessage when the tolerant deserializer could not parse it."""
+    if isinstance(message, _Malformed):
+        raise MalformedMessage(f"request: not a valid {message.message_type} message ({message.error})")
+    return message
+
+
 def _bytes_fields(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.type in (bytes, "bytes")]
 
@@ -233,6 +271,7 @@ class PartAssembler:
         self._total = 0
 
     def add(self, message: Any) -> None:
+        message = _parsed(message)
         if self._first is None:
             self._first = message
         for name, pieces in self._pieces.items():
@@ -288,20 +327,27 @@ class _Servicer(stage_pb2_grpc.StageServicer):
         self._max_stream_bytes = max_stream_bytes
         self._chunk_bytes = chunk_bytes
 
+    async def _unary(self, call: Callable[[Any, Any], Awaitable[Any]], request: Any, context: Any) -> Any:
+        try:
+            value = from_message(_parsed(request))
+        except MalformedMessage as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return to_message(await call(value, context))
+
     async def Forward(self, request, context):
-        return to_message(await self._handler.forward(from_message(request), context))
+        return await self._unary(self._handler.forward, request, context)
 
     async def Backward(self, request, context):
-        return to_message(await self._handler.backward(from_message(request), context))
+        return await self._unary(self._handler.backward, request, context)
 
     async def Step(self, request, context):
-        return to_message(await self._handler.step(from_message(request), context))
+        return await self._unary(self._handler.step, request, context)
 
     async def Abort(self, request, context):
-        return to_message(await self._handler.abort(from_message(request), context))
+        return await self._unary(self._handler.abort, request, context)
 
     async def Info(self, request, context):
-        return to_message(await self._handler.info(from_message(request), context))
+        return await self._unary(self._handler.info, request, context)
 
     async def _streamed(self, parts, context, message_cls, call) -> AsyncIterator[Any]:
         try:
@@ -309,6 +355,9 @@ class _Servicer(stage_pb2_grpc.StageServicer):
         except PayloadTooLarge as error:
             await _drain(parts, self._max_stream_bytes)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except MalformedMessage as error:
+            await _drain(parts, self._max_stream_bytes)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except IncompleteStream as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         reply = await call(request, context)
@@ -324,8 +373,22 @@ class _Servicer(stage_pb2_grpc.StageServicer):
 
 def add_stage_service(server: grpc.aio.Server, handler: StageHandler, *,
                       max_stream_bytes: int, chunk_bytes: int) -> None:
-    """Serve `handler` as agora.v1.Stage on `server` (unary and streaming variants alike)."""
-    stage_pb2_grpc.add_StageServicer_to_server(_Servicer(handler, max_stream_bytes, chunk_bytes), server)
+    """Serve `handler` as agora.v1.Stage on `server` (unary and streaming variants alike), with
+    tolerant request parsing."""
+    servicer = _Servicer(handler, max_stream_bytes, chunk_bytes)
+    handlers = {}
+    for method in stage_pb2.DESCRIPTOR.services_by_name["Stage"].methods:
+        if method.client_streaming != method.server_streaming:  # the .proto grew a kind this loop does not serve
+            raise RuntimeError(f"stage adapter out of date: {method.name} streams one way only")
+        factory = (grpc.stream_stream_rpc_method_handler if method.client_streaming
+                   else grpc.unary_unary_rpc_method_handler)
+        request_cls = getattr(stage_pb2, method.input_type.name)
+        reply_cls = getattr(stage_pb2, method.output_type.name)
+        handlers[method.name] = factory(getattr(servicer, method.name),
+                                        request_deserializer=_tolerant_parser(request_cls),
+                                        response_serializer=reply_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class StageStub:
