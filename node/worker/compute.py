@@ -99,6 +99,7 @@ __all__ = [
     "MAX_MICROBATCH_ID_CHARS",
     "THROUGHPUT_SMOOTHING",
     "DEFAULT_PINNED_VERSIONS",
+    "MAX_COMPLETED_BATCH",
 ]
 
 logger = logging.getLogger("agora.node.worker")
@@ -117,6 +118,12 @@ REMEMBERED_BATCHES = 4096
 # (or restarted) mid-run or missed reports: it adopts the stage's epoch. Reports of several
 # trainers arrive a little out of order, never by this much.
 EPOCH_CATCH_UP_BATCHES = 32
+# Global batch ids a completed-batch report may carry. The epoch catch-up adopts the id as the step
+# count, and every reply carries that count as a uint64: a report of 2**64 - 1 made every later
+# reply of the worker unencodable (UNKNOWN, for good). Below 2**53 the count also stays exact as a
+# float64 (the learning-rate schedule computes with it); no run gets near it (285,000 years at a
+# thousand batches a second). How far ahead of the replica a report may run is not bounded here.
+MAX_COMPLETED_BATCH = 2**53
 
 
 class RequestRejected(Exception):
@@ -507,6 +514,8 @@ class StageCompute:
         if self.local_batch is not None:
             raise PreconditionFailed(f"this worker steps on its own every {self.local_batch} samples "
                                      "(--local-batch), not on completed-batch reports")
+        if batch >= MAX_COMPLETED_BATCH:
+            raise InvalidRequest(f"completed_batch must be below 2**53, got {batch}")
         counted = self._counted_batches.get(batch)
         if counted is not None:
             return counted  # a retried report, or one already counted
