@@ -19,7 +19,9 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   microbatch with `pinned_versions=0`, recomputes on the current weights.
 - Nothing is half-applied: gradients are computed with `torch.autograd.grad` into temporaries
   and added to `.grad` only once the reply is known to be encodable; a NaN loss or an unencodable
-  gradient fails the call (`ComputeError`) without touching the accumulated gradients. The stash
+  output or gradient fails the call without touching the accumulated gradients: an `InvalidRequest`
+  while the stage's weights are finite (the request's extreme but finite values overflowed it: a
+  peer must not be able to make a worker look broken), a `ComputeError` otherwise. The stash
   entry is popped only after the output gradient has been validated.
 - A Forward marked `evaluate` (held-out loss) stashes nothing and computes no gradient.
 - Microbatches are bound to their owner, the identity of the caller that ran the forward (the
@@ -151,7 +153,8 @@ class DuplicateMicrobatch(RequestRejected):
 
 
 class ComputeError(RuntimeError):
-    """The stage itself produced something unusable (a NaN loss, an unencodable gradient)."""
+    """The stage itself produced something unusable (a NaN loss, an unencodable gradient) and its
+    weights are not finite: this replica's failure, not the request's."""
 
 
 @dataclass(frozen=True)
@@ -278,11 +281,21 @@ class StageCompute:
         except WireFormatError as error:
             raise InvalidRequest(f"{what}: {error}") from None
 
+    def _unusable(self, message: str) -> Exception:
+        """The error for a result that is NaN/Inf or does not encode. Finite weights map inputs of
+        sane magnitude to finite values, so with finite weights it is the request's values (finite,
+        but the codec takes anything up to float32's max) that overflowed the stage: the caller's
+        mistake, INVALID_ARGUMENT. A non-finite weight makes it this replica's own failure."""
+        if all(bool(torch.isfinite(p).all()) for p in self.stage.parameters()):
+            return InvalidRequest(f"{message}; this stage's weights are finite, so the request's values "
+                                  "overflowed it")
+        return ComputeError(message)
+
     def _encode(self, tensor: torch.Tensor, what: str) -> bytes:
         try:
             return self.codec.encode(tensor)
         except WireFormatError as error:
-            raise ComputeError(f"stage {self.index} could not encode its {what}: {error}") from None
+            raise self._unusable(f"stage {self.index} could not encode its {what}: {error}") from None
 
     def _decode_forward(self, request: ForwardRequest) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         self.check_addressing(request.run_id, request.stage)
@@ -340,7 +353,7 @@ class StageCompute:
                 output = self.stage(tokens, wire, targets)
             if self.stage.is_tail:
                 if not torch.isfinite(output):
-                    raise ComputeError(f"tail produced a non-finite held-out loss ({float(output)})")
+                    raise self._unusable(f"tail produced a non-finite held-out loss ({float(output)})")
                 return ForwardReply(loss=float(output), step=step)
             return ForwardReply(wire=self._encode(output, "output"), step=step)
         if self.stage.is_tail:
@@ -362,7 +375,7 @@ class StageCompute:
             loss = self.stage(tokens, wire, targets)
             loss_value = float(loss.detach())
             if not torch.isfinite(loss.detach()):
-                raise ComputeError(f"tail produced a non-finite loss ({loss_value}); no gradient accumulated")
+                raise self._unusable(f"tail produced a non-finite loss ({loss_value}); no gradient accumulated")
             wire_grad, param_grads = self._gradients(loss, wire, None)
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
         self._accumulate(param_grads, microbatch_id,
