@@ -625,3 +625,32 @@ def test_renewed_credentials_are_used_on_new_connections_without_a_failed_call(p
             await worker.stop(0)
 
     run(main())
+
+
+def test_a_streamed_call_refused_at_the_door_gets_its_status_not_internal(pki):
+    """grpc.aio clients that are still writing when the server aborts see INTERNAL (grpc/grpc#36066):
+    the check reads a refused stream to its end first, so the trainer gets the readable reason."""
+    from agora.protos import stage_pb2
+
+    stranger = run_fingerprint(replace(CONFIG, seed=CONFIG.seed + 1, model=replace(CONFIG.model, basis_seed=CONFIG.seed + 1)))
+    part = stage_pb2.BackwardRequest(run_id=RUN, microbatch_id="m", stage=0, output_grad=b"\0" * 30_000)
+
+    async def main():
+        worker = await start_worker(pki, 0)
+        channels = trainer_channels(pki.trainer)
+        try:
+            before = await state(worker)
+            async with channels.open(worker.address, target_name=server_name("worker", 0, worker.credentials.peer_id)) as channel:
+                call = channel.stream_stream("/agora.v1.Stage/BackwardStream", request_serializer=lambda m: m,
+                                             response_deserializer=lambda b: b)
+                for _ in range(20):
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await call(iter([part.SerializeToString()] * 10),
+                                   metadata=((FINGERPRINT_METADATA, stranger.text()),), timeout=20).read()
+                    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION, caught.value.details()
+                    assert "run fingerprint mismatch in seed" in caught.value.details()
+            assert same_state(before, await state(worker))
+        finally:
+            await worker.stop()
+
+    run(main())

@@ -34,6 +34,8 @@ grpc, not counted here.
 
 from __future__ import annotations
 
+import asyncio
+
 import contextvars
 import threading
 import time
@@ -107,6 +109,25 @@ class RefusalCounts:
             return sum(self._counts.values())
 
 
+# A refused stream is read to its end before the status goes out (see CallInfo.request_stream),
+# but no further than this many parts or seconds: a client that never stops cannot hold the call.
+_DRAIN_PARTS = 4096
+_DRAIN_S = 5.0
+
+
+async def _drain_refused(parts: Any) -> None:
+    async def drain() -> None:
+        count = 0
+        async for _ in parts:
+            count += 1
+            if count >= _DRAIN_PARTS:
+                return
+    try:
+        await asyncio.wait_for(drain(), _DRAIN_S)
+    except (asyncio.TimeoutError, grpc.RpcError, ValueError):
+        pass  # the status goes out regardless; the client may see it as INTERNAL then
+
+
 class _Refused(Exception):
     def __init__(self, code: grpc.StatusCode, reason: str, message: str):
         super().__init__(message)
@@ -138,6 +159,8 @@ class CallerCheck(CallHook):
                 self._check_fingerprint(call, context)
         except _Refused as refused:
             self.refusals.add(refused.reason)
+            if call.request_stream is not None:
+                await _drain_refused(call.request_stream)
             await context.abort(refused.code, refused.message)  # raises: the handler never runs
             return
         _CALLER.set(caller)

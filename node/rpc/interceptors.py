@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -34,6 +34,10 @@ Clock = Callable[[], float]
 class CallInfo:
     method: str  # full method name, "/agora.v1.Stage/Forward"
     peer: str  # "ipv4:127.0.0.1:53122"
+    # A request-streaming call's parts (an async iterator), so a hook that refuses the call can read
+    # what the client is still sending first: aborting mid-stream makes grpc.aio clients see
+    # INTERNAL instead of the status (grpc/grpc#36066). None for unary requests.
+    request_stream: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,8 @@ class CallHook(grpc.aio.ServerInterceptor):
             behaviour = handler.stream_stream if handler.request_streaming else handler.unary_stream
 
             async def streaming(request: Any, context: Any):
-                call, start, error = CallInfo(method, context.peer()), self._clock(), None
+                stream = request if handler.request_streaming else None
+                call, start, error = CallInfo(method, context.peer(), stream), self._clock(), None
                 try:
                     await self.before(call, context)
                     result = behaviour(request, context)
@@ -103,7 +108,8 @@ class CallHook(grpc.aio.ServerInterceptor):
             behaviour = handler.stream_unary if handler.request_streaming else handler.unary_unary
 
             async def unary(request: Any, context: Any):
-                call, start, error = CallInfo(method, context.peer()), self._clock(), None
+                stream = request if handler.request_streaming else None
+                call, start, error = CallInfo(method, context.peer(), stream), self._clock(), None
                 try:
                     await self.before(call, context)
                     return await behaviour(request, context)
