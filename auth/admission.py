@@ -214,8 +214,10 @@ async def admit(address: str, root_fingerprint: str, node: NodeCredentials, *, r
     async with grpc.aio.insecure_channel(address) as channel:
         stub = AuthorizerStub(channel)
         try:
+            # The root first: a node never joins (nor takes a slot at) an authorizer it does not trust.
+            run = await stub.get_run(timeout=rpc_timeout_s)
+            _check_root(run.root_pem, address, root_fingerprint)
             if callable(fingerprint):
-                run = await stub.get_run(timeout=rpc_timeout_s)
                 fingerprint = fingerprint(json.loads(run.config_json))
             async with opened as open_listener:
                 return await _join_loop(stub, address, root_fingerprint, node, role=role, fingerprint=fingerprint,
@@ -272,14 +274,21 @@ async def _join_loop(stub: AuthorizerStub, address: str, root_fingerprint: str, 
         await asyncio.sleep(min(max(reply.queued.retry_after_s, 0.05), 300.0))
 
 
+def _check_root(root_pem: bytes, address: str, root_fingerprint: str) -> None:
+    try:
+        presented = certificate_fingerprint(root_pem)
+    except ValueError:
+        raise AuthorizerUntrusted(f"the authorizer at {address} presented no valid root CA: refusing it") from None
+    if presented != root_fingerprint:
+        raise AuthorizerUntrusted(f"the authorizer at {address} presented root CA {presented[:16]}..., not the "
+                                  f"pinned {root_fingerprint[:16]}...: refusing it")
+
+
 def _accept(admitted: Admitted, address: str, root_fingerprint: str, node: NodeCredentials, *, role: str,
             stage: Optional[int], clock: Clock) -> RunInfo:
     """Check an admission against the pinned root, then store it."""
     try:
-        if certificate_fingerprint(admitted.root_pem) != root_fingerprint:
-            raise AuthorizerUntrusted(f"the authorizer at {address} presented root CA "
-                                      f"{certificate_fingerprint(admitted.root_pem)[:16]}..., not the pinned "
-                                      f"{root_fingerprint[:16]}...: refusing it")
+        _check_root(admitted.root_pem, address, root_fingerprint)
         verifier = CredentialVerifier(admitted.root_pem, admitted.run_id, clock=clock)
         identity = verifier.verify(admitted.credential_pem, roles=(role,), stage=stage,
                                    public_key=node.key.public_key())

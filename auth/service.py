@@ -245,7 +245,7 @@ class AuthorizerService:
     @_answers
     async def get_run(self, request: RunRequest, context: Any) -> RunDescription:
         return RunDescription(run_id=self.authority.run_id, config_json=self.config_json,
-                              fingerprint=self.fingerprint.text())
+                              fingerprint=self.fingerprint.text(), root_pem=self.authority.root_pem)
 
     @_answers
     async def get_challenge(self, request: ChallengeRequest, context: Any) -> Challenge:

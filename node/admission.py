@@ -18,10 +18,11 @@ Design choices:
 - The run config comes from the authorizer unless the user gives `--config`: a contributor
   needs only the join file. Either way the node's fingerprint is computed here, from the config
   it will actually run, and the authorizer refuses a mismatch naming the field.
-- A state directory that already holds a valid credential for the same role (and stage) is used
-  as is: a restarted node, or a credential minted with `agora-node authorizer issue` for an
-  operator's own machine. With an authorizer known, a credential past half its life is renewed
-  by the running node's `CredentialRenewer`.
+- With an authorizer, a node is admitted on every start (a restarted node keeps its key, so its
+  peer id, and passes the same checks again; a banned one is refused). Without one, a state
+  directory holding a valid credential for the role (and stage) is used as is: a credential
+  minted with `agora-node authorizer issue` for an operator's own machine. A running node renews
+  at half life through its `CredentialRenewer` when it knows its authorizer.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -76,6 +78,9 @@ class AdmissionOptions:
             run_id = join.run_id
         if bool(authorizer) != bool(fingerprint):
             raise ConfigError("--authorizer and --ca-fingerprint go together (or give --join-file)")
+        if fingerprint is not None and not re.fullmatch(r"[0-9a-f]{64}", fingerprint.lower()):
+            raise ConfigError(f"--ca-fingerprint: expected the 64 hex digits of a SHA-256, got {fingerprint[:80]!r}")
+        fingerprint = None if fingerprint is None else fingerprint.lower()
         return AdmissionOptions(False, self.state_dir, authorizer, fingerprint, self.join_file, run_id)
 
 

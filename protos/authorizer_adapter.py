@@ -75,6 +75,7 @@ class RunDescription:
     run_id: str
     config_json: str
     fingerprint: str
+    root_pem: bytes = b""
 
 
 @dataclass(frozen=True)

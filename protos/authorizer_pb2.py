@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61gora/protos/authorizer.proto\x12\x08\x61gora.v1\"\x0c\n\nRunRequest\"J\n\x0eRunDescription\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\"B\n\x10\x43hallengeRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07renewal\x18\x03 \x01(\x08\"\x8a\x01\n\tChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x12\n\ndial_token\x18\x02 \x01(\x0c\x12\x14\n\x0c\x65xpires_in_s\x18\x03 \x01(\x01\x12\x16\n\x0elatency_probes\x18\x04 \x01(\r\x12\x16\n\x0e\x64ownload_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cupload_bytes\x18\x06 \x01(\x04\"/\n\x0cLatencyProbe\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x10\n\x08sequence\x18\x02 \x01(\r\"8\n\x0fTransferControl\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\"4\n\x07Payload\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\";\n\rUploadReceipt\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x12\x12\n\nmbit_per_s\x18\x02 \x01(\x01\"O\n\x08Hardware\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12 \n\x18\x61\x63\x63\x65lerator_memory_bytes\x18\x02 \x01(\x04\x12\x11\n\tram_bytes\x18\x03 \x01(\x04\"\xdc\x01\n\x0bJoinRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x16\n\x0epublic_key_pem\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x12\n\x05stage\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12$\n\x08hardware\x18\x07 \x01(\x0b\x32\x12.agora.v1.Hardware\x12\x15\n\rannounce_host\x18\x08 \x01(\t\x12\x15\n\rannounce_port\x18\t \x01(\rB\x08\n\x06_stage\"\xc7\x01\n\x08\x41\x64mitted\x12\x16\n\x0e\x63redential_pem\x18\x01 \x01(\x0c\x12\x10\n\x08root_pem\x18\x02 \x01(\x0c\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x12\n\x05stage\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nlifetime_s\x18\x06 \x01(\x01\x12\x13\n\x0b\x63onfig_json\x18\x07 \x01(\t\x12\x15\n\rinitial_peers\x18\x08 \x03(\t\x12\x15\n\rrun_signature\x18\t \x01(\x0c\x42\x08\n\x06_stage\"1\n\x06Queued\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x15\n\rretry_after_s\x18\x02 \x01(\x01\"(\n\x07Refused\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\r\n\x05\x66ield\x18\x02 \x01(\t\"\x88\x01\n\tJoinReply\x12&\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x12.agora.v1.AdmittedH\x00\x12\"\n\x06queued\x18\x02 \x01(\x0b\x32\x10.agora.v1.QueuedH\x00\x12$\n\x07refused\x18\x03 \x01(\x0b\x32\x11.agora.v1.RefusedH\x00\x42\t\n\x07outcome\"H\n\x0cRenewRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x16\n\x0e\x63redential_pem\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"8\n\nRenewReply\x12\x16\n\x0e\x63redential_pem\x18\x01 \x01(\x0c\x12\x12\n\nlifetime_s\x18\x02 \x01(\x01\x32\xbc\x03\n\nAuthorizer\x12\x38\n\x06GetRun\x12\x14.agora.v1.RunRequest\x1a\x18.agora.v1.RunDescription\x12?\n\x0cGetChallenge\x12\x1a.agora.v1.ChallengeRequest\x1a\x13.agora.v1.Challenge\x12\x44\n\x0eMeasureLatency\x12\x16.agora.v1.LatencyProbe\x1a\x16.agora.v1.LatencyProbe(\x01\x30\x01\x12\x43\n\x0fMeasureDownload\x12\x19.agora.v1.TransferControl\x1a\x11.agora.v1.Payload(\x01\x30\x01\x12=\n\rMeasureUpload\x12\x11.agora.v1.Payload\x1a\x17.agora.v1.UploadReceipt(\x01\x12\x32\n\x04Join\x12\x15.agora.v1.JoinRequest\x1a\x13.agora.v1.JoinReply\x12\x35\n\x05Renew\x12\x16.agora.v1.RenewRequest\x1a\x14.agora.v1.RenewReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61gora/protos/authorizer.proto\x12\x08\x61gora.v1\"\x0c\n\nRunRequest\"\\\n\x0eRunDescription\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x10\n\x08root_pem\x18\x04 \x01(\x0c\"B\n\x10\x43hallengeRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07renewal\x18\x03 \x01(\x08\"\x8a\x01\n\tChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x12\n\ndial_token\x18\x02 \x01(\x0c\x12\x14\n\x0c\x65xpires_in_s\x18\x03 \x01(\x01\x12\x16\n\x0elatency_probes\x18\x04 \x01(\r\x12\x16\n\x0e\x64ownload_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cupload_bytes\x18\x06 \x01(\x04\"/\n\x0cLatencyProbe\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x10\n\x08sequence\x18\x02 \x01(\r\"8\n\x0fTransferControl\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\"4\n\x07Payload\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\";\n\rUploadReceipt\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x12\x12\n\nmbit_per_s\x18\x02 \x01(\x01\"O\n\x08Hardware\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12 \n\x18\x61\x63\x63\x65lerator_memory_bytes\x18\x02 \x01(\x04\x12\x11\n\tram_bytes\x18\x03 \x01(\x04\"\xdc\x01\n\x0bJoinRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x16\n\x0epublic_key_pem\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x12\n\x05stage\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12$\n\x08hardware\x18\x07 \x01(\x0b\x32\x12.agora.v1.Hardware\x12\x15\n\rannounce_host\x18\x08 \x01(\t\x12\x15\n\rannounce_port\x18\t \x01(\rB\x08\n\x06_stage\"\xc7\x01\n\x08\x41\x64mitted\x12\x16\n\x0e\x63redential_pem\x18\x01 \x01(\x0c\x12\x10\n\x08root_pem\x18\x02 \x01(\x0c\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x12\n\x05stage\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nlifetime_s\x18\x06 \x01(\x01\x12\x13\n\x0b\x63onfig_json\x18\x07 \x01(\t\x12\x15\n\rinitial_peers\x18\x08 \x03(\t\x12\x15\n\rrun_signature\x18\t \x01(\x0c\x42\x08\n\x06_stage\"1\n\x06Queued\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x15\n\rretry_after_s\x18\x02 \x01(\x01\"(\n\x07Refused\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\r\n\x05\x66ield\x18\x02 \x01(\t\"\x88\x01\n\tJoinReply\x12&\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x12.agora.v1.AdmittedH\x00\x12\"\n\x06queued\x18\x02 \x01(\x0b\x32\x10.agora.v1.QueuedH\x00\x12$\n\x07refused\x18\x03 \x01(\x0b\x32\x11.agora.v1.RefusedH\x00\x42\t\n\x07outcome\"H\n\x0cRenewRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x16\n\x0e\x63redential_pem\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"8\n\nRenewReply\x12\x16\n\x0e\x63redential_pem\x18\x01 \x01(\x0c\x12\x12\n\nlifetime_s\x18\x02 \x01(\x01\x32\xbc\x03\n\nAuthorizer\x12\x38\n\x06GetRun\x12\x14.agora.v1.RunRequest\x1a\x18.agora.v1.RunDescription\x12?\n\x0cGetChallenge\x12\x1a.agora.v1.ChallengeRequest\x1a\x13.agora.v1.Challenge\x12\x44\n\x0eMeasureLatency\x12\x16.agora.v1.LatencyProbe\x1a\x16.agora.v1.LatencyProbe(\x01\x30\x01\x12\x43\n\x0fMeasureDownload\x12\x19.agora.v1.TransferControl\x1a\x11.agora.v1.Payload(\x01\x30\x01\x12=\n\rMeasureUpload\x12\x11.agora.v1.Payload\x1a\x17.agora.v1.UploadReceipt(\x01\x12\x32\n\x04Join\x12\x15.agora.v1.JoinRequest\x1a\x13.agora.v1.JoinReply\x12\x35\n\x05Renew\x12\x16.agora.v1.RenewRequest\x1a\x14.agora.v1.RenewReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNREQUEST']._serialized_start=43
   _globals['_RUNREQUEST']._serialized_end=55
   _globals['_RUNDESCRIPTION']._serialized_start=57
-  _globals['_RUNDESCRIPTION']._serialized_end=131
-  _globals['_CHALLENGEREQUEST']._serialized_start=133
-  _globals['_CHALLENGEREQUEST']._serialized_end=199
-  _globals['_CHALLENGE']._serialized_start=202
-  _globals['_CHALLENGE']._serialized_end=340
-  _globals['_LATENCYPROBE']._serialized_start=342
-  _globals['_LATENCYPROBE']._serialized_end=389
-  _globals['_TRANSFERCONTROL']._serialized_start=391
-  _globals['_TRANSFERCONTROL']._serialized_end=447
-  _globals['_PAYLOAD']._serialized_start=449
-  _globals['_PAYLOAD']._serialized_end=501
-  _globals['_UPLOADRECEIPT']._serialized_start=503
-  _globals['_UPLOADRECEIPT']._serialized_end=562
-  _globals['_HARDWARE']._serialized_start=564
-  _globals['_HARDWARE']._serialized_end=643
-  _globals['_JOINREQUEST']._serialized_start=646
-  _globals['_JOINREQUEST']._serialized_end=866
-  _globals['_ADMITTED']._serialized_start=869
-  _globals['_ADMITTED']._serialized_end=1068
-  _globals['_QUEUED']._serialized_start=1070
-  _globals['_QUEUED']._serialized_end=1119
-  _globals['_REFUSED']._serialized_start=1121
-  _globals['_REFUSED']._serialized_end=1161
-  _globals['_JOINREPLY']._serialized_start=1164
-  _globals['_JOINREPLY']._serialized_end=1300
-  _globals['_RENEWREQUEST']._serialized_start=1302
-  _globals['_RENEWREQUEST']._serialized_end=1374
-  _globals['_RENEWREPLY']._serialized_start=1376
-  _globals['_RENEWREPLY']._serialized_end=1432
-  _globals['_AUTHORIZER']._serialized_start=1435
-  _globals['_AUTHORIZER']._serialized_end=1879
+  _globals['_RUNDESCRIPTION']._serialized_end=149
+  _globals['_CHALLENGEREQUEST']._serialized_start=151
+  _globals['_CHALLENGEREQUEST']._serialized_end=217
+  _globals['_CHALLENGE']._serialized_start=220
+  _globals['_CHALLENGE']._serialized_end=358
+  _globals['_LATENCYPROBE']._serialized_start=360
+  _globals['_LATENCYPROBE']._serialized_end=407
+  _globals['_TRANSFERCONTROL']._serialized_start=409
+  _globals['_TRANSFERCONTROL']._serialized_end=465
+  _globals['_PAYLOAD']._serialized_start=467
+  _globals['_PAYLOAD']._serialized_end=519
+  _globals['_UPLOADRECEIPT']._serialized_start=521
+  _globals['_UPLOADRECEIPT']._serialized_end=580
+  _globals['_HARDWARE']._serialized_start=582
+  _globals['_HARDWARE']._serialized_end=661
+  _globals['_JOINREQUEST']._serialized_start=664
+  _globals['_JOINREQUEST']._serialized_end=884
+  _globals['_ADMITTED']._serialized_start=887
+  _globals['_ADMITTED']._serialized_end=1086
+  _globals['_QUEUED']._serialized_start=1088
+  _globals['_QUEUED']._serialized_end=1137
+  _globals['_REFUSED']._serialized_start=1139
+  _globals['_REFUSED']._serialized_end=1179
+  _globals['_JOINREPLY']._serialized_start=1182
+  _globals['_JOINREPLY']._serialized_end=1318
+  _globals['_RENEWREQUEST']._serialized_start=1320
+  _globals['_RENEWREQUEST']._serialized_end=1392
+  _globals['_RENEWREPLY']._serialized_start=1394
+  _globals['_RENEWREPLY']._serialized_end=1450
+  _globals['_AUTHORIZER']._serialized_start=1453
+  _globals['_AUTHORIZER']._serialized_end=1897
 # @@protoc_insertion_point(module_scope)

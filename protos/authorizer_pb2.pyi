@@ -11,14 +11,16 @@ class RunRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunDescription(_message.Message):
-    __slots__ = ("run_id", "config_json", "fingerprint")
+    __slots__ = ("run_id", "config_json", "fingerprint", "root_pem")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ROOT_PEM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     config_json: str
     fingerprint: str
-    def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    root_pem: bytes
+    def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., root_pem: _Optional[bytes] = ...) -> None: ...
 
 class ChallengeRequest(_message.Message):
     __slots__ = ("peer_id", "role", "renewal")

@@ -440,6 +440,8 @@ def test_a_node_pinning_another_root_refuses_the_authorizer(authority, nodes):
         async with serving(authority) as (service, address):
             with pytest.raises(AuthorizerUntrusted, match="not the pinned"):
                 await admit(address, "00" * 32, nodes(0), role="trainer", fingerprint=FINGERPRINT.text())
+            # It checked the root before joining: the authorizer never admitted it (no slot held).
+            assert not any(node.peer_id == nodes(0).peer_id for node in service.admitted())
 
     run(main())
     assert not nodes(0).has_credential()
