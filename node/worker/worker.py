@@ -15,13 +15,14 @@ Design choices:
   on the thread still occupies it. Step bypasses the bound (a barrier must not be refused); Info
   never reaches the compute thread.
 - A peer's mistake maps to a status with a clear message: InvalidRequest -> INVALID_ARGUMENT,
-  PreconditionFailed (including an unknown/evicted microbatch) -> FAILED_PRECONDITION, a stage
-  producing unusable output -> INTERNAL; gRPC itself answers RESOURCE_EXHAUSTED for a message over
+  PreconditionFailed (including an unknown/evicted microbatch) -> FAILED_PRECONDITION, a
+  non-finite result from finite weights (the input's fault: extreme values) -> INVALID_ARGUMENT,
+  from weights that are no longer finite (this worker's fault) -> INTERNAL; gRPC itself answers RESOURCE_EXHAUSTED for a message over
   `max_message_bytes`, the stream reassembler for a stream over `max_stream_bytes`; an unexpected
   exception in compute is logged with its traceback and answered INTERNAL.
 - Graceful stop: health goes NOT_SERVING, new calls are refused, in-flight calls get `grace_s`
   to finish, then the compute thread drains and exits.
-- Trust (DESIGN.md "Admission and trust"): with a `NodeCredentials` the port is mutual TLS with
+- Trust (docs/design.md "Admission and trust"): with a `NodeCredentials` the port is mutual TLS with
   the node's credential (node/rpc/tls.py; a renewed credential is served on new connections
   without a restart), and every call passes `CallerCheck` (node/rpc/auth_check.py): the caller's
   credential, its role for the method, and the run fingerprint the request carries. Without
