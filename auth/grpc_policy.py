@@ -6,7 +6,7 @@ Design choices:
   method to the roles allowed to call it and whether the request must carry the caller's run
   fingerprint. A method that is not in the table is refused (fail closed): adding an RPC to a
   service without deciding who may call it cannot open it to everyone.
-- Roles follow DESIGN.md "Admission and trust": only a trainer drives the pipeline (Forward,
+- Roles follow docs/design.md "Admission and trust": only a trainer drives the pipeline (Forward,
   Backward, Abort, Step: a Step with a huge ``completed_batch`` or an Abort of someone else's
   gradient would wreck a stage); Info is read-only, so every role may call it (a monitor's
   whole job, and workers reading each other's state); health checks and reflection are open to

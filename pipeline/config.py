@@ -171,7 +171,7 @@ SYNC_METHODS = ("sparta", "diloco", "none")
 
 @dataclass(frozen=True)
 class SyncConfig:
-    """How the replicas of a stage stay together (DESIGN.md, AsyncSPARTA); defaults are the report's."""
+    """How the replicas of a stage stay together (docs/design.md, AsyncSPARTA); defaults are the report's."""
 
     method: str = "sparta"  # "sparta" (rotating sparse slice), "diloco" (streaming fragments) or "none"
     every_steps: int = 20  # local optimizer steps between two rounds

@@ -1,7 +1,7 @@
 """The forward-input store a worker keeps for Backward: bounded in count and in age.
 
 A worker runs Forward without autograd and keeps only the forward's *input* (wire + token ids);
-Backward recomputes the forward with grad on it (DESIGN.md, "A microbatch's path", step 4).
+Backward recomputes the forward with grad on it (docs/design.md, "A microbatch's path", step 4).
 Microbatches whose backward never comes (the trainer died, the route was abandoned) must not
 pile up, hence two bounds:
 

@@ -92,7 +92,7 @@ from agora.protos.stage_adapter import (
 
 __all__ = ["WorkerOptions", "StageWorker", "PHASES"]
 
-# Life of a worker (DESIGN.md); only "member" takes routed traffic, but every phase serves calls.
+# Life of a worker (docs/design.md); only "member" takes routed traffic, but every phase serves calls.
 PHASES = ("weight_sync", "optimizer_sync", "member", "leaving")
 
 T = TypeVar("T")
