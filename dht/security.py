@@ -101,6 +101,7 @@ ROUND_METHODS = ("sparta", "diloco")
 # hivemind's subkey tags for a plain value and for a whole dictionary (DHTProtocol.RESERVED_SUBKEYS).
 _PLAIN_TAGS = (MSGPackSerializer.dumps(None), b"")
 _MAX_WARNED = 256
+_MAX_MATCHED = 4096  # token (credential, key) pairs remembered as matching
 
 
 class CredentialTokenAuthorizer(TokenAuthorizerBase):
@@ -174,7 +175,15 @@ class CredentialTokenAuthorizer(TokenAuthorizerBase):
     # ---- checks
 
     def identity_of(self, access_token: AccessToken) -> Identity:
-        """The identity a token proves, or ``CredentialError`` saying why it proves none."""
+        """The identity a token proves, or ``CredentialError`` saying why it proves none.
+
+        Every DHT request and reply carries a token, so a token whose key was once matched to its
+        credential skips parsing the key again; the chain's validity (time, run) is checked each call.
+        """
+        runtime = self._state()
+        seen = (access_token.username, bytes(access_token.public_key))
+        if seen in runtime.matched_keys:
+            return runtime.verifier.verify(seen[0].encode("ascii"))
         try:
             public_key = serialization.load_ssh_public_key(access_token.public_key)
         except (ValueError, TypeError, UnsupportedAlgorithm):
@@ -185,7 +194,11 @@ class CredentialTokenAuthorizer(TokenAuthorizerBase):
             chain = access_token.username.encode("ascii")
         except UnicodeEncodeError:
             raise CredentialError("malformed", "access token: the credential is not PEM text") from None
-        return self._state().verifier.verify(chain, public_key=public_key)
+        identity = runtime.verifier.verify(chain, public_key=public_key)
+        if len(runtime.matched_keys) >= _MAX_MATCHED:
+            runtime.matched_keys.clear()
+        runtime.matched_keys.add(seen)
+        return identity
 
     def _warn_once(self, reason: str, token: AccessToken, message: str) -> None:
         # hivemind logs refusals at DEBUG; an operator wants to see the first of each kind.
@@ -208,6 +221,7 @@ class _Runtime:
         self.verifier = verifier
         self.token_generation = -1
         self.warned: set[tuple[str, bytes]] = set()
+        self.matched_keys: set[tuple[str, bytes]] = set()  # (credential, public key) pairs that matched
 
 
 class OwnerSignatureValidator(RSASignatureValidator):
