@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
                       help="fault drill: kill -9 one worker of the last stage after STEP global batches")
     _add_averaging_arguments(demo)
+    demo.add_argument("--heartbeat", type=float, default=1.0, metavar="S",
+                      help="seconds between the workers' DHT announces (default 1: quick failure detection; "
+                           "`join` defaults to 5)")
     demo.add_argument("--insecure", action="store_true",
                       help="run without the authorizer: no admission, no TLS, no signed DHT records")
     demo.add_argument("--credential-lifetime", type=float, default=None, metavar="S",

@@ -57,6 +57,7 @@ class DemoOptions:
     average_optimizer_state: bool | None = None
     run_id: str = "demo"
     insecure: bool = False  # no authorizer, no TLS, no signed records
+    heartbeat_s: float = 1.0  # workers' DHT announces: fast failure detection on one machine
     credential_lifetime: float | None = None  # None: the authorizer's default (1 hour)
     threads: int = 1
     ready_timeout_s: float = 120.0
@@ -72,7 +73,7 @@ class DemoOptions:
                    averaging=getattr(args, "averaging", None), averaging_every=getattr(args, "averaging_every", None),
                    averaging_fraction=getattr(args, "averaging_fraction", None),
                    average_optimizer_state=getattr(args, "average_optimizer_state", None),
-                   insecure=getattr(args, "insecure", False),
+                   insecure=getattr(args, "insecure", False), heartbeat_s=getattr(args, "heartbeat", 1.0),
                    credential_lifetime=getattr(args, "credential_lifetime", None))
 
     def validate(self) -> "DemoOptions":
@@ -82,6 +83,8 @@ class DemoOptions:
             raise ConfigError("--sync needs --replicas 1 and --trainers 1 (one route, one barrier)")
         if self.pinned_weights is not None and self.pinned_weights < 0:
             raise ConfigError(f"--pinned-weights: must be >= 0, got {self.pinned_weights}")
+        if not self.heartbeat_s > 0:
+            raise ConfigError(f"--heartbeat: must be positive, got {self.heartbeat_s}")
         if self.insecure and self.credential_lifetime is not None:
             raise ConfigError("--credential-lifetime: --insecure runs without credentials")
         if self.credential_lifetime is not None and self.credential_lifetime < 10:
@@ -197,7 +200,7 @@ def run_demo(options: DemoOptions) -> int:
                                              *options.run_flags(), *swarm, *options.worker_flags(), *admission,
                                              *_state_dir(options, workdir, name),
                                              "--stats-file", str(workdir / f"{name}.stats.json"),
-                                             "--heartbeat", "1", "--ready-file", str(ready))
+                                             "--heartbeat", str(options.heartbeat_s), "--ready-file", str(ready))
                 workers.append((stage, group.spawn(name, command, ready)))
         group.wait_ready([w for _, w in workers], options.ready_timeout_s)
         trainers = []
