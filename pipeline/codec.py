@@ -40,12 +40,15 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 __all__ = [
     "WireFormatError",
+    "FrameHeader",
+    "peek_header",
     "WireCodec",
     "encode_tokens",
     "decode_tokens",
@@ -159,19 +162,48 @@ def _as_buffer(data: object) -> memoryview:
     return view
 
 
-def _read_header(view: memoryview, kind: int, max_bytes: int,
-                 expected_shape: tuple[int | None, ...] | None) -> tuple[str, tuple[int, ...], int]:
-    """Validate a frame's header against everything it implies; return (dtype, shape, payload offset).
+@dataclass(frozen=True)
+class FrameHeader:
+    """What a frame's header declares, read without touching its payload (`peek_header`)."""
 
-    Nothing is allocated here beyond a few Python ints: the payload size is computed from the
-    header and checked against `max_bytes` and the actual length before anyone reads it.
-    """
+    kind: str  # "float" or "token"
+    dtype: str
+    shape: tuple[int, ...]
+    frame_bytes: int  # header plus the payload the header implies
+
+
+def peek_header(data: object, kind: str) -> FrameHeader | None:
+    """The header of a `kind` ("float" or "token") frame, checked field by field as `decode` checks
+    it, without reading the payload or comparing its length: what a server needs to refuse a
+    declared shape before it builds (or even receives) the tensor. None when `data` stops before
+    the header does (a stream's first part may carry only the beginning of a frame); a field that
+    is present and wrong raises WireFormatError all the same."""
+    codes = {name: code for code, name in _KIND_NAMES.items()}
+    if kind not in codes:
+        raise ValueError(f"kind must be one of {', '.join(codes)}, got {kind!r}")
+    view = _as_buffer(data)
+    if len(view) < _PREFIX.size:
+        return None
+    parsed = _check_prefix(view, codes[kind], partial=True)
+    if parsed is None:
+        return None
+    dtype, shape = parsed
+    return FrameHeader(kind, dtype, shape, _header_bytes(len(shape)) + _payload_bytes(codes[kind], shape, dtype))
+
+
+def _payload_bytes(kind: int, shape: tuple[int, ...], dtype: str) -> int:
+    if kind == _KIND_FLOAT:
+        return _float_payload_bytes(shape, dtype)
+    return _ITEM_BYTES[dtype] * math.prod(shape)
+
+
+def _check_prefix(view: memoryview, kind: int, *, partial: bool = False) -> tuple[str, tuple[int, ...]] | None:
+    """Magic, version, kind, dtype, ndim and dims of a frame expected to be of `kind`; (dtype, shape).
+
+    Raises WireFormatError on the first bad field; the caller has checked the fixed prefix is there.
+    `partial`: a view cut inside the dims is None instead of an error."""
     size = len(view)
     want = _KIND_NAMES[kind]
-    if size > max_bytes:
-        raise WireFormatError(f"{want} frame is {size} bytes, over the limit of {max_bytes}")
-    if size < _PREFIX.size:
-        raise WireFormatError(f"{want} frame is {size} bytes, shorter than the {_PREFIX.size}-byte header")
     magic, version, found_kind, code, ndim = _PREFIX.unpack_from(view, 0)
     if magic != MAGIC:
         raise WireFormatError(f"bad magic: expected {MAGIC!r}, found {bytes(magic)!r} (not an Agora wire frame)")
@@ -191,19 +223,37 @@ def _read_header(view: memoryview, kind: int, max_bytes: int,
         raise WireFormatError(f"ndim must be in 1..{MAX_NDIM}, found {ndim}")
     header = _header_bytes(ndim)
     if size < header:
+        if partial:
+            return None
         raise WireFormatError(f"frame is {size} bytes, shorter than its {header}-byte header (ndim {ndim})")
     shape = struct.unpack_from(f"<{ndim}I", view, _PREFIX.size)
     if 0 in shape:
         raise WireFormatError(f"every dim must be positive, found shape {list(shape)}")
+    return dtype, shape
+
+
+def _read_header(view: memoryview, kind: int, max_bytes: int,
+                 expected_shape: tuple[int | None, ...] | None) -> tuple[str, tuple[int, ...], int]:
+    """Validate a frame's header against everything it implies; return (dtype, shape, payload offset).
+
+    Nothing is allocated here beyond a few Python ints: the payload size is computed from the
+    header and checked against `max_bytes` and the actual length before anyone reads it.
+    """
+    size = len(view)
+    want = _KIND_NAMES[kind]
+    if size > max_bytes:
+        raise WireFormatError(f"{want} frame is {size} bytes, over the limit of {max_bytes}")
+    if size < _PREFIX.size:
+        raise WireFormatError(f"{want} frame is {size} bytes, shorter than the {_PREFIX.size}-byte header")
+    dtype, shape = _check_prefix(view, kind)
+    ndim = len(shape)
+    header = _header_bytes(ndim)
     if expected_shape is not None:
         expected = tuple(expected_shape)
         if len(expected) != ndim or any(e is not None and e != s for e, s in zip(expected, shape)):
             shown = ", ".join("*" if e is None else str(e) for e in expected)
             raise WireFormatError(f"shape mismatch: expected [{shown}], found {list(shape)}")
-    if kind == _KIND_FLOAT:
-        payload = _float_payload_bytes(shape, dtype)
-    else:
-        payload = _ITEM_BYTES[dtype] * math.prod(shape)
+    payload = _payload_bytes(kind, shape, dtype)
     if header + payload > max_bytes:
         raise WireFormatError(
             f"header claims shape {list(shape)} {dtype} = {header + payload} bytes, over the limit of {max_bytes}"

@@ -80,9 +80,22 @@ def message_options(max_message_bytes: int) -> list[tuple[str, Any]]:
 
 
 def create_server(*, interceptors: Sequence[grpc.aio.ServerInterceptor], max_message_bytes: int,
-                  options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=list(interceptors),
-                           options=[*message_options(max_message_bytes), *options])
+                  options: Sequence[tuple[str, Any]] = (), max_receive_bytes: Optional[int] = None,
+                  maximum_concurrent_rpcs: Optional[int] = None) -> grpc.aio.Server:
+    """`max_receive_bytes`: a tighter bound on one received message than `max_message_bytes` (a
+    worker derives it from the run's geometry, node/worker/bounds.py); grpc refuses a message over
+    it with RESOURCE_EXHAUSTED before any handler runs. `maximum_concurrent_rpcs`: calls served at
+    once; grpc answers RESOURCE_EXHAUSTED beyond it, so what every call may hold is bounded in sum."""
+    limits = message_options(max_message_bytes)
+    if max_receive_bytes is not None:
+        if max_receive_bytes <= 0:
+            raise ValueError(f"max_receive_bytes must be positive, got {max_receive_bytes}")
+        limits = [("grpc.max_receive_message_length", min(max_receive_bytes, max_message_bytes)),
+                  ("grpc.max_send_message_length", max_message_bytes)]
+    if maximum_concurrent_rpcs is not None and maximum_concurrent_rpcs <= 0:
+        raise ValueError(f"maximum_concurrent_rpcs must be positive, got {maximum_concurrent_rpcs}")
+    return grpc.aio.server(interceptors=list(interceptors), options=[*limits, *options],
+                           maximum_concurrent_rpcs=maximum_concurrent_rpcs)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: Optional[grpc.ServerCredentials] = None) -> int:
