@@ -53,11 +53,15 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   replicas with random shares: 1.059 of train-local's held-out loss dividing by the own count,
   1.048 by the expected share, 1.040 with equal shares). A report is counted once (by batch id);
   a replica that accumulated nothing since its last step advances its count without an update.
-  A replica that joins (or restarts) mid-run adopts the epoch from the batch ids it hears: a
-  report more than `EPOCH_CATCH_UP_BATCHES` beyond its count sets the count to that batch, so
-  its learning rate is the swarm's, not a second warmup.
+  A replica that joins (or restarts) mid-run adopts the epoch from the first report it counts, so
+  its learning rate is the swarm's, not a second warmup; after that a report must lie within a
+  window of its own count or it is refused, not applied (node/worker/epoch.py has the rules and the
+  bounds on Step's `microbatches` and `replicas`). A synchronous barrier must name its step.
   `local_batch` (when set) makes a replica step on its own every that many samples instead, for
   runs whose trainers do not report.
+- A gradient that is not finite (a finite but huge output gradient overflows the head's parameter
+  gradients) is refused before it touches `.grad`, on every stage: one bad Backward would
+  otherwise make the next step skip or, worse, poison the weights.
 """
 
 from __future__ import annotations
@@ -85,12 +89,21 @@ from agora.protos.stage_adapter import (
     StepRequest,
 )
 
+from agora.node.worker.epoch import (
+    EPOCH_CATCH_UP_BATCHES,
+    MAX_COMPLETED_BATCH,
+    ReportWindow,
+    check_step_fields,
+    judge_report,
+    prune_counted,
+)
 from agora.node.worker.stash import ForwardStash
 
 __all__ = [
     "RequestRejected",
     "InvalidRequest",
     "PreconditionFailed",
+    "ReportOutsideWindow",
     "UnknownMicrobatch",
     "NotOwner",
     "DuplicateMicrobatch",
@@ -102,6 +115,7 @@ __all__ = [
     "THROUGHPUT_SMOOTHING",
     "DEFAULT_PINNED_VERSIONS",
     "MAX_COMPLETED_BATCH",
+    "EPOCH_CATCH_UP_BATCHES",
 ]
 
 logger = logging.getLogger("agora.node.worker")
@@ -114,18 +128,7 @@ THROUGHPUT_SMOOTHING = 0.1
 # Earlier weight versions kept for backwards whose forward ran on them: the trainer keeps about
 # half a global batch in flight, so a backward spans at most a step and an averaging write or two.
 DEFAULT_PINNED_VERSIONS = 2
-# Completed-batch reports remembered for deduplication: far more than trainers ever keep in flight.
-REMEMBERED_BATCHES = 4096
-# A report of a global batch this far beyond the replica's step count means the replica joined
-# (or restarted) mid-run or missed reports: it adopts the stage's epoch. Reports of several
-# trainers arrive a little out of order, never by this much.
-EPOCH_CATCH_UP_BATCHES = 32
-# Global batch ids a completed-batch report may carry. The epoch catch-up adopts the id as the step
-# count, and every reply carries that count as a uint64: a report of 2**64 - 1 made every later
-# reply of the worker unencodable (UNKNOWN, for good). Below 2**53 the count also stays exact as a
-# float64 (the learning-rate schedule computes with it); no run gets near it (285,000 years at a
-# thousand batches a second). How far ahead of the replica a report may run is not bounded here.
-MAX_COMPLETED_BATCH = 2**53
+# How far completed-batch reports may stray from a replica's count: node/worker/epoch.py.
 
 
 class RequestRejected(Exception):
@@ -138,6 +141,11 @@ class InvalidRequest(RequestRejected):
 
 class PreconditionFailed(RequestRejected):
     """Well-formed, but the worker's state does not allow it (FAILED_PRECONDITION)."""
+
+
+class ReportOutsideWindow(PreconditionFailed):
+    """A completed-batch report too far ahead of, or behind, the replica's count (node/worker/epoch.py).
+    FAILED_PRECONDITION for now; its own class so the worker can give it a code a trainer may retry."""
 
 
 class UnknownMicrobatch(PreconditionFailed):
@@ -183,7 +191,8 @@ class StageCompute:
 
     def __init__(self, config: RunConfig, index: int, *, run_id: str, codec: WireCodec, stash: ForwardStash,
                  synchronous: bool, local_batch: int | None = None, stage: Stage | None = None,
-                 optimizer: StageOptimizer | None = None, pinned_versions: int = DEFAULT_PINNED_VERSIONS):
+                 optimizer: StageOptimizer | None = None, pinned_versions: int = DEFAULT_PINNED_VERSIONS,
+                 report_window: ReportWindow = ReportWindow()):
         if local_batch is not None and local_batch <= 0:
             raise ValueError(f"local_batch must be positive, got {local_batch}")
         if pinned_versions < 0:
@@ -201,9 +210,13 @@ class StageCompute:
         self.samples_total = 0  # every sample whose gradient this replica applied (averaging weights)
         # Microbatches whose gradients are in `.grad` now, for Abort; cleared by every step.
         self.applied: dict[str, AppliedMicrobatch] = {}
-        self.stepped_ids: set[str] = set()  # applied, then consumed by the last step (for Abort's answer)
+        # Applied, then consumed by the last step: id -> owner (for Abort's answer).
+        self.stepped_ids: dict[str, str] = {}
         self.last_step: StepReply | None = None
-        self._counted_batches: OrderedDict[int, StepReply] = OrderedDict()  # asynchronous reports
+        self.report_window = report_window
+        # Asynchronous reports counted and still inside the window (node/worker/epoch.py).
+        self._counted_batches: OrderedDict[int, StepReply] = OrderedDict()
+        self._joined_epoch = False  # a report has been counted since this replica started
         self.throughput = 0.0  # tokens/s of compute, moving average; 0 until the first job
         # Called on this thread right after every step (or advance), with this object: the averaging
         # loop snapshots a round's slice at the exact step it is due. A hook must not raise.
@@ -220,6 +233,11 @@ class StageCompute:
     def accumulated_microbatches(self) -> int:
         """Microbatches whose gradients are in `.grad` now (since the last step)."""
         return len(self.applied)
+
+    @property
+    def epoch_joined(self) -> bool:
+        """Whether this replica has counted a completed-batch report (and so follows the stage's epoch)."""
+        return self._joined_epoch
 
     @property
     def accumulated_samples(self) -> int:
@@ -297,6 +315,14 @@ class StageCompute:
         except WireFormatError as error:
             raise self._unusable(f"stage {self.index} could not encode its {what}: {error}") from None
 
+    def _check_finite(self, param_grads: list[torch.Tensor | None], source: str) -> None:
+        """Refuse parameter gradients that are not finite before they reach `.grad`. The codec takes
+        any finite value up to float32's max, and on the head (no input gradient to encode, which
+        would catch it elsewhere) an output gradient of 3e38 overflowed the embedding's gradient."""
+        if not all(grad is None or bool(torch.isfinite(grad).all()) for grad in param_grads):
+            raise self._unusable(f"{source}: stage {self.index}'s parameter gradient is not finite; "
+                                 "nothing accumulated")
+
     def _decode_forward(self, request: ForwardRequest) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         self.check_addressing(request.run_id, request.stage)
         self._check_microbatch_id(request.microbatch_id)
@@ -363,7 +389,7 @@ class StageCompute:
                 output = self.stage(tokens, wire)
             reply = ForwardReply(wire=self._encode(output, "output"), step=step)
             self.stash.put(request.microbatch_id,
-                           StashedInput(tokens, wire, tuple(output.shape), self.weights_version, owner))
+                           StashedInput(tokens, wire, tuple(output.shape), self.weights_version, owner), owner=owner)
         self._observe(tokens.numel(), started)
         return reply
 
@@ -377,6 +403,7 @@ class StageCompute:
             if not torch.isfinite(loss.detach()):
                 raise self._unusable(f"tail produced a non-finite loss ({loss_value}); no gradient accumulated")
             wire_grad, param_grads = self._gradients(loss, wire, None)
+        self._check_finite(param_grads, "the request's wire")
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
         self._accumulate(param_grads, microbatch_id,
                          AppliedMicrobatch(tokens, None if wire is None else wire.detach(), None, targets,
@@ -398,10 +425,11 @@ class StageCompute:
                 f"(capacity {self.stash.capacity}); rerun the microbatch") from None
         self._check_owner(request.microbatch_id, stashed.owner, owner)
         output_grad = self._decode_floats(request.output_grad, "output_grad", stashed.output_shape)
-        self.stash.pop(request.microbatch_id)  # validated: this backward is now committed to run
         version = self._available_version(stashed.weights_version)
         wire_grad, param_grads = self._recompute(version, stashed.tokens, stashed.wire, None, output_grad)
+        self._check_finite(param_grads, "output_grad")
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
+        self.stash.pop(request.microbatch_id)  # validated: this backward is now committed
         step = self.optimizer.steps
         self._accumulate(param_grads, request.microbatch_id,
                          AppliedMicrobatch(stashed.tokens, stashed.wire, output_grad, None, version, owner))
@@ -466,8 +494,11 @@ class StageCompute:
             try:
                 stashed = self.stash.get(request.microbatch_id)
             except KeyError:
-                stepped = request.microbatch_id in self.stepped_ids
-                return AbortReply(reverted=False, outcome="stepped" if stepped else "unknown")
+                stepped_owner = self.stepped_ids.get(request.microbatch_id)
+                if stepped_owner is None:
+                    return AbortReply(reverted=False, outcome="unknown")
+                self._check_owner(request.microbatch_id, stepped_owner, owner)
+                return AbortReply(reverted=False, outcome="stepped")
             self._check_owner(request.microbatch_id, stashed.owner, owner)
             self.stash.pop(request.microbatch_id)
             self._unpin_unused()  # its forward's weights may have been pinned for it alone
@@ -487,7 +518,7 @@ class StageCompute:
         accumulated = self.accumulated_microbatches
         self.weights_changing()
         result = self.optimizer.step(microbatches)
-        self.stepped_ids = set(self.applied)
+        self.stepped_ids = {microbatch_id: applied.owner for microbatch_id, applied in self.applied.items()}
         self.applied.clear()
         self.last_step = StepReply(step=self.optimizer.steps, grad_norm=result["grad_norm"], lr=result["lr"],
                                    skipped=bool(result["skipped"]), accumulated=accumulated)
@@ -509,15 +540,22 @@ class StageCompute:
         if not self.synchronous:
             raise PreconditionFailed("this worker is in asynchronous mode: it steps when trainers report "
                                      "completed global batches (completed_batch), not on a Step barrier")
-        if request.microbatches <= 0:
-            raise InvalidRequest(f"microbatches must be positive, got {request.microbatches}")
+        self._check_step_fields(request.microbatches, None)
         current = self.optimizer.steps
-        if request.step is not None:
-            if self.last_step is not None and request.step == current - 1:
-                return self.last_step  # a retried barrier: already stepped
-            if request.step != current:
-                raise PreconditionFailed(f"Step barrier for step {request.step}, but this worker is at step {current}")
+        if request.step is None:  # the trainer always names it: without, any stray Step would step
+            raise InvalidRequest(f"step: a synchronous Step barrier must name the step it closes "
+                                 f"(this worker is at step {current}), got none")
+        if self.last_step is not None and request.step == current - 1:
+            return self.last_step  # a retried barrier: already stepped
+        if request.step != current:
+            raise PreconditionFailed(f"Step barrier for step {request.step}, but this worker is at step {current}")
         return self._step(request.microbatches)
+
+    def _check_step_fields(self, microbatches: int, replicas: int | None) -> None:
+        refusal = check_step_fields(microbatches=microbatches, replicas=replicas,
+                                    configured_microbatches=self.config.train.microbatches, window=self.report_window)
+        if refusal is not None:
+            raise InvalidRequest(refusal)
 
     def _batch_done(self, batch: int, microbatches: int, replicas: int) -> StepReply:
         """A trainer reports global batch `batch` done: one local step (see the module docstring)."""
@@ -532,23 +570,24 @@ class StageCompute:
         counted = self._counted_batches.get(batch)
         if counted is not None:
             return counted  # a retried report, or one already counted
-        if microbatches <= 0 or replicas <= 0:
-            raise InvalidRequest(f"a completed-batch report needs the batch's microbatches and the stage's "
-                                 f"replicas, got {microbatches} and {replicas}")
-        if batch - self.optimizer.steps > EPOCH_CATCH_UP_BATCHES:
+        self._check_step_fields(microbatches, replicas)
+        decision = judge_report(batch, self.optimizer.steps, joined=self._joined_epoch, window=self.report_window)
+        if decision.refusal is not None:
+            raise ReportOutsideWindow(decision.refusal)
+        if decision.adopt is not None:
             logger.info("stage %d: global batch %d reported at local step %d; adopting the stage's epoch "
                         "(learning rate and averaging rounds follow the swarm's batch count)",
                         self.index, batch, self.optimizer.steps)
-            self.optimizer.steps = batch
+            self.optimizer.steps = decision.adopt
         if self.accumulated_microbatches:
             reply = self._step(microbatches / replicas)
         else:
             # Nothing routed here since the last step: keep the swarm's count, change no weights.
             lr = self.optimizer.advance()
-            self.stepped_ids = set()
+            self.stepped_ids = {}
             self._after_step()
             reply = StepReply(step=self.optimizer.steps, grad_norm=0.0, lr=lr, skipped=False, accumulated=0)
         self._counted_batches[batch] = reply
-        while len(self._counted_batches) > REMEMBERED_BATCHES:
-            self._counted_batches.popitem(last=False)
+        self._joined_epoch = True
+        prune_counted(self._counted_batches, self.optimizer.steps, self.report_window)
         return reply

@@ -1,0 +1,129 @@
+"""Which control messages a replica accepts: the completed-batch window and the Step bounds. Pure.
+
+Asynchronous mode steps a replica once per global batch a trainer reports done (`Step` with
+`completed_batch`; node/worker/compute.py), so a report moves the optimizer's step count and with it
+the learning-rate schedule and the averaging rounds, for good. Any admitted trainer can send one, so
+a report is judged against the replica's own count `s` before it is applied:
+
+- Replay: a batch already counted gets its recorded reply (retries, and every trainer reporting the
+  same batch). Nothing changes.
+- Joining: the first report a replica counts (it started, restarted or joined mid-run) is taken as
+  the stage's epoch: a batch more than `catch_up` beyond `s` sets the count to it, so the newcomer's
+  learning rate is the swarm's and not a second warmup. This is the one report that may jump the
+  count arbitrarily far (below 2**53); whoever reports first to a fresh replica sets its epoch.
+- Too far ahead: after that, a batch more than `ahead` beyond `s` is refused, not applied. Reports of
+  several trainers arrive out of order, and a replica that missed some lags a few; `ahead` covers
+  that with room to spare (trainers keep about two global batches each in flight, see
+  node/trainer/trainer.py). Within the window a batch more than `catch_up` ahead still moves the
+  count to it (a replica that missed reports catches up), so one report moves the count by at most
+  `ahead`; a trainer can still advance it one report at a time (reports are not bound to work done).
+- Stale: a batch below `s - behind` is refused instead of forcing a step. Counted batches are
+  remembered while they are inside the window (pruned below `s - behind`, never more than
+  `behind + ahead + 1` of them), so every batch either replays, is refused as stale, or counts once:
+  no batch forces a second step however late it comes (before, a report was only compared with the
+  last 4096 counted, and an older number forced a step each time).
+
+Step's other fields scale the gradient (the accumulated sum is divided by `microbatches / replicas`),
+so they are bounded too: `microbatches` by the run's `train.microbatches` (what every trainer sends;
+the fingerprint makes trainers and workers agree on it) and `replicas` by `max_replicas`, a sane
+bound on a stage's replicas rather than the live count, which a worker does not know (its averaging
+group is a subset). The gradient is then clipped by the optimizer, so what a bad `replicas` can still
+do is bounded by the clip. A synchronous barrier must name the step it closes (the trainer always
+does), so a stray Step cannot step a worker mid-batch by leaving it out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, TypeVar
+
+__all__ = [
+    "ReportWindow",
+    "ReportDecision",
+    "judge_report",
+    "prune_counted",
+    "check_step_fields",
+    "MAX_COMPLETED_BATCH",
+    "EPOCH_CATCH_UP_BATCHES",
+    "DEFAULT_REPORT_AHEAD",
+    "DEFAULT_REPORT_BEHIND",
+    "DEFAULT_MAX_REPLICAS",
+]
+
+# Global batch ids a completed-batch report may carry. The catch-up adopts the id as the step
+# count, and every reply carries that count as a uint64: a report of 2**64 - 1 made every later reply
+# unencodable (UNKNOWN, for good). Below 2**53 the count also stays exact as a float64 (the
+# learning-rate schedule computes with it); no run gets near it.
+MAX_COMPLETED_BATCH = 2**53
+# A report this far beyond the replica's count means it missed reports (or is joining): it adopts the
+# batch as its count. Reports of several trainers arrive a little out of order, never by this much.
+EPOCH_CATCH_UP_BATCHES = 32
+# After the first counted report: how far beyond its count a report may be (8 trainers with two
+# global batches in flight each are 16 apart at most; the rest is room for a replica that missed some).
+DEFAULT_REPORT_AHEAD = 256
+# How far behind its count a report is still counted (a slow trainer's batch finishing late).
+DEFAULT_REPORT_BEHIND = 1024
+# Replicas a report may claim for one stage.
+DEFAULT_MAX_REPLICAS = 1024
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class ReportWindow:
+    ahead: int = DEFAULT_REPORT_AHEAD
+    behind: int = DEFAULT_REPORT_BEHIND
+    catch_up: int = EPOCH_CATCH_UP_BATCHES
+    max_replicas: int = DEFAULT_MAX_REPLICAS
+
+    def __post_init__(self):
+        if self.ahead < self.catch_up or self.catch_up < 1 or self.behind < 1 or self.max_replicas < 1:
+            raise ValueError(f"report window: need ahead >= catch_up >= 1, behind >= 1 and max_replicas >= 1, got "
+                             f"ahead={self.ahead}, catch_up={self.catch_up}, behind={self.behind}, "
+                             f"max_replicas={self.max_replicas}")
+
+
+@dataclass(frozen=True)
+class ReportDecision:
+    """`refusal`: why the report is refused (None: count it); `adopt`: the step count to take first."""
+
+    refusal: Optional[str] = None
+    adopt: Optional[int] = None
+
+
+def judge_report(batch: int, steps: int, *, joined: bool, window: ReportWindow) -> ReportDecision:
+    """Whether a replica at step count `steps` counts a report of global batch `batch` (not already
+    counted, below MAX_COMPLETED_BATCH); `joined`: it has counted a report before (see the module)."""
+    ahead = batch - steps
+    if not joined:
+        return ReportDecision(adopt=batch if ahead > window.catch_up else None)
+    if ahead > window.ahead:
+        return ReportDecision(refusal=(
+            f"completed_batch {batch} is {ahead} batches ahead of this replica's step count {steps}; reports are "
+            f"counted within [{max(0, steps - window.behind)}, {steps + window.ahead}] (the last {window.behind} "
+            f"to the next {window.ahead} batches)"))
+    if batch < steps - window.behind:
+        return ReportDecision(refusal=(
+            f"completed_batch {batch} is stale: {steps - batch} batches behind this replica's step count {steps}; "
+            f"reports are counted within [{steps - window.behind}, {steps + window.ahead}], and an older one "
+            "would step the stage a second time for a batch it has long stepped for"))
+    return ReportDecision(adopt=batch if ahead > window.catch_up else None)
+
+
+def prune_counted(counted: "OrderedDict[int, R]", steps: int, window: ReportWindow) -> None:
+    """Forget counted batches that `judge_report` now refuses as stale (they can never count again)."""
+    floor = steps - window.behind
+    for batch in [b for b in counted if b < floor]:
+        del counted[batch]
+
+
+def check_step_fields(*, microbatches: int, replicas: Optional[int], configured_microbatches: int,
+                      window: ReportWindow) -> Optional[str]:
+    """Why a Step's `microbatches` / `replicas` (None: a barrier, which has none) are refused, or None."""
+    if not 1 <= microbatches <= configured_microbatches:
+        return (f"microbatches must be 1..{configured_microbatches} (this run's train.microbatches), "
+                f"got {microbatches}")
+    if replicas is not None and not 1 <= replicas <= window.max_replicas:
+        return f"replicas must be 1..{window.max_replicas} (the stage's replicas a trainer routes to), got {replicas}"
+    return None
