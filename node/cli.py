@@ -144,7 +144,7 @@ def _worker_options(args: argparse.Namespace):
     pinned = {} if args.pinned_weights is None else {"pinned_weights": args.pinned_weights}
     return WorkerOptions(host=args.host, port=args.port, announce_host=args.announce_host, synchronous=args.sync,
                          local_batch=args.local_batch, max_queue=args.max_queue, wire_dtype=args.wire_dtype,
-                         **pinned).validate()
+                         max_rows=args.max_rows, **pinned).validate()
 
 
 def _cmd_trainer(args: argparse.Namespace) -> int:
@@ -260,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "on the trainers' completed-batch reports (the default: one step per global batch, "
                            "shared by the stage's replicas)")
     join.add_argument("--max-queue", type=int, default=8, help="requests in flight before RESOURCE_EXHAUSTED")
+    join.add_argument("--max-rows", type=int, default=None, metavar="N",
+                      help="rows a request may carry (default: the run's train.microbatch_size; only raises it)")
     _add_pinned_weights_argument(join)
     join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
     join.add_argument("--checkpoint-dir", default=None, help="resume from and checkpoint into this folder")

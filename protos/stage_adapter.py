@@ -14,6 +14,12 @@ generated stub for clients. Design choices:
   without limit; it drains (without keeping) a bounded remainder before answering
   RESOURCE_EXHAUSTED, because grpc.aio clients misreport an abort that lands while they are
   still writing. Handlers never see whether a call was streamed.
+- Admission happens on a stream's FIRST part: the handler's `admit_stream` sees the scalar fields
+  and whatever payload came with them, and answers with a `StreamAdmission` (the byte budget for
+  this request, the queue slot it holds) or refuses with a `StageRefusal`; only then are the other
+  parts read, under that budget rather than the registration-wide `max_stream_bytes`, which only
+  bounds what is drained. A handler raising `StageRefusal` anywhere gets its status sent (after
+  draining, for a stream still being written). Draining is bounded in bytes and in time.
 - Requests are parsed by a tolerant deserializer: grpc's own answers a message that does not
   parse (bad wire format, invalid UTF-8 in a string) with UNKNOWN and logs it as the servicer's
   exception, so here it reaches the servicer as a `_Malformed` marker and is answered
@@ -24,6 +30,7 @@ Imports nothing of ours except the generated modules beside it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -48,6 +55,8 @@ __all__ = [
     "InfoReply",
     "PayloadTooLarge",
     "IncompleteStream",
+    "StageRefusal",
+    "StreamAdmission",
     "MalformedMessage",
     "PartAssembler",
     "StageHandler",
@@ -174,6 +183,25 @@ class IncompleteStream(ValueError):
     """A stream ended before carrying a single part."""
 
 
+class StageRefusal(Exception):
+    """Raised by a handler to refuse a call with `code` and `message` (the adapter drains a stream
+    the client is still writing before the status goes out, see `_drain`)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class StreamAdmission(Protocol):
+    """What a handler grants a stream on its first part; the adapter closes it when the call ends."""
+
+    max_bytes: int  # payload bytes the reassembled request may carry
+    budget: str  # how max_bytes was derived, for the refusal of a stream over it
+
+    def close(self) -> None: ...  # idempotent: the adapter may call it more than once
+
+
 class MalformedMessage(ValueError):
     """A request (or a streamed part of one) that does not parse as its message type."""
 
@@ -261,11 +289,13 @@ def split_parts(value: Any, chunk_bytes: int) -> list[Any]:
 
 
 class PartAssembler:
-    """Rebuilds a dataclass from streamed parts, refusing more than `max_bytes` of payload."""
+    """Rebuilds a dataclass from streamed parts, refusing more than `max_bytes` of payload
+    (`budget`: how that bound was derived, for the message)."""
 
-    def __init__(self, message_cls: type, max_bytes: int):
+    def __init__(self, message_cls: type, max_bytes: int, budget: str = ""):
         self._cls = _DATACLASS_OF[message_cls]
         self._max_bytes = max_bytes
+        self._budget = budget
         self._first: Any = None
         self._pieces: dict[str, list[bytes]] = {name: [] for name in _bytes_fields(self._cls)}
         self._total = 0
@@ -280,7 +310,8 @@ class PartAssembler:
                 self._total += len(piece)
                 if self._total > self._max_bytes:
                     raise PayloadTooLarge(
-                        f"streamed {self._cls.__name__} exceeds the {self._max_bytes}-byte limit")
+                        f"streamed {self._cls.__name__} exceeds the {self._max_bytes}-byte limit"
+                        + (f" ({self._budget})" if self._budget else ""))
                 pieces.append(piece)
 
     def result(self) -> Any:
@@ -297,25 +328,41 @@ async def _assemble(parts: AsyncIterable[Any], message_cls: type, max_bytes: int
     return assembler.result()
 
 
-async def _drain(parts: AsyncIterable[Any], max_bytes: int) -> None:
-    """Read and drop the rest of an oversized stream, up to `max_bytes` more.
+# A refused stream is drained for at most this long: a client that trickles cannot hold the call.
+DRAIN_S = 5.0
+
+
+async def _drain(parts: AsyncIterable[Any], max_bytes: int, timeout_s: float = DRAIN_S) -> None:
+    """Read and drop the rest of a refused stream, up to `max_bytes` more and `timeout_s`.
 
     Aborting while the client is still writing makes grpc.aio clients report INTERNAL instead
     of our status (grpc/grpc#36066), so the status is sent once the client has half-closed;
-    the bound keeps a client that never stops from holding the handler.
+    the bounds keep a client that never stops from holding the handler.
     """
-    seen = 0
-    async for part in parts:
-        seen += part.ByteSize()
-        if seen > max_bytes:
-            return
+    async def drain() -> None:
+        seen = 0
+        async for part in parts:
+            seen += part.ByteSize()
+            if seen > max_bytes:
+                return
+    try:
+        await asyncio.wait_for(drain(), timeout_s)
+    except (asyncio.TimeoutError, grpc.RpcError):
+        pass  # the status goes out regardless; the client may see it as INTERNAL then
 
 
 class StageHandler(Protocol):
-    """What a worker implements; `context` is the grpc.aio.ServicerContext (to abort with a status)."""
+    """What a worker implements; `context` is the grpc.aio.ServicerContext (to abort with a status).
 
-    def forward(self, request: ForwardRequest, context: Any) -> Awaitable[ForwardReply]: ...
-    def backward(self, request: BackwardRequest, context: Any) -> Awaitable[BackwardReply]: ...
+    A unary Forward/Backward comes with `admission=None` (the handler admits it); a streamed one
+    was admitted by `admit_stream` on its first part, and comes with what that returned. Any
+    method may raise `StageRefusal`."""
+
+    def admit_stream(self, head: ForwardRequest | BackwardRequest, context: Any) -> Awaitable[StreamAdmission]: ...
+    def forward(self, request: ForwardRequest, context: Any,
+                admission: StreamAdmission | None = None) -> Awaitable[ForwardReply]: ...
+    def backward(self, request: BackwardRequest, context: Any,
+                 admission: StreamAdmission | None = None) -> Awaitable[BackwardReply]: ...
     def step(self, request: StepRequest, context: Any) -> Awaitable[StepReply]: ...
     def abort(self, request: AbortRequest, context: Any) -> Awaitable[AbortReply]: ...
     def info(self, request: InfoRequest, context: Any) -> Awaitable[InfoReply]: ...
@@ -332,7 +379,11 @@ class _Servicer(stage_pb2_grpc.StageServicer):
             value = from_message(_parsed(request))
         except MalformedMessage as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        return to_message(await call(value, context))
+        try:
+            reply = await call(value, context)
+        except StageRefusal as refusal:
+            await context.abort(refusal.code, refusal.message)
+        return to_message(reply)
 
     async def Forward(self, request, context):
         return await self._unary(self._handler.forward, request, context)
@@ -350,19 +401,42 @@ class _Servicer(stage_pb2_grpc.StageServicer):
         return await self._unary(self._handler.info, request, context)
 
     async def _streamed(self, parts, context, message_cls, call) -> AsyncIterator[Any]:
+        admission: StreamAdmission | None = None
         try:
-            request = await _assemble(parts, message_cls, self._max_stream_bytes)
-        except PayloadTooLarge as error:
-            await _drain(parts, self._max_stream_bytes)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except MalformedMessage as error:
-            await _drain(parts, self._max_stream_bytes)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except IncompleteStream as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        reply = await call(request, context)
+            try:
+                async for part in parts:
+                    if admission is None:  # the first part: admit (or refuse) before reading the rest
+                        head = from_message(_parsed(part))
+                        admission = await self._handler.admit_stream(head, context)
+                        assembler = PartAssembler(message_cls, admission.max_bytes, admission.budget)
+                    assembler.add(part)
+                if admission is None:
+                    raise IncompleteStream(f"stream carried no {_DATACLASS_OF[message_cls].__name__} part")
+                request = assembler.result()
+            except PayloadTooLarge as error:
+                await self._refuse_stream(parts, context, admission, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            except MalformedMessage as error:
+                await self._refuse_stream(parts, context, admission, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            except StageRefusal as refusal:
+                await self._refuse_stream(parts, context, admission, refusal.code, refusal.message)
+            except IncompleteStream as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            try:
+                reply = await call(request, context, admission)
+            except StageRefusal as refusal:
+                await context.abort(refusal.code, refusal.message)
+        finally:
+            if admission is not None:
+                admission.close()
         for part in split_parts(reply, self._chunk_bytes):
             yield part
+
+    async def _refuse_stream(self, parts, context, admission: StreamAdmission | None, code: grpc.StatusCode,
+                             message: str) -> None:
+        if admission is not None:
+            admission.close()  # its queue slot is free while the rest of the stream is drained
+        await _drain(parts, self._max_stream_bytes)
+        await context.abort(code, message)
 
     def ForwardStream(self, request_iterator, context):
         return self._streamed(request_iterator, context, stage_pb2.ForwardRequest, self._handler.forward)

@@ -69,7 +69,9 @@ BODY, TAIL = 1, 2
 MESSAGE_LIMIT = 2**20
 STREAM_LIMIT = 2 * 2**20
 CHUNK = 64 * 2**10
-OPTIONS = WorkerOptions(max_message_bytes=MESSAGE_LIMIT, max_stream_bytes=STREAM_LIMIT, stream_chunk_bytes=CHUNK)
+# max_rows: the valid Forwards the Backward fuzz pairs with carry up to 3 rows, tiny's microbatch is 2.
+OPTIONS = WorkerOptions(max_message_bytes=MESSAGE_LIMIT, max_stream_bytes=STREAM_LIMIT, stream_chunk_bytes=CHUNK,
+                        max_rows=3)
 
 CLEAN = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
          grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND,

@@ -128,7 +128,8 @@ def test_malformed_requests_are_refused_and_the_worker_keeps_serving():
             bad_tokens[0, 0] = 300  # framed as uint16, beyond the run's vocabulary of 256
             cases = {
                 "bad magic": lambda: body.forward("m", tokens, b"not a wire frame at all"),
-                "shape mismatch": lambda: body.forward("m", tokens, torch.randn(2, 32, K + 1)),
+                "wire: last dim 17, this stage's wire width is 16":
+                    lambda: body.forward("m", tokens, torch.randn(2, 32, K + 1)),
                 "NaN": lambda: body.forward("m", tokens, nan_frame((2, 32, K))),
                 "token id 300 is out of range": lambda: body.forward("m", encode_tokens(bad_tokens, 2**16), good_wire),
                 "stage 2 reached a worker of stage 1":
@@ -156,11 +157,12 @@ def test_malformed_requests_are_refused_and_the_worker_keeps_serving():
 
 
 def test_payload_limits_and_streaming():
-    """Over one message: RESOURCE_EXHAUSTED unless streamed; streams are bounded too."""
+    """Over one message: RESOURCE_EXHAUSTED unless streamed; a stream's declared rows are checked on
+    its first part (every bound: tests/test_worker_bounds.py)."""
     options = WorkerOptions(max_message_bytes=128 * 2**10, stream_chunk_bytes=32 * 2**10,
-                            max_stream_bytes=400 * 2**10)
-    tokens, _ = batch(2, size=16, seq=200)  # wire frame: 16 * 200 * 16 * 4 = 200 KiB
-    wire = torch.randn(16, 200, K)
+                            max_stream_bytes=400 * 2**10, max_rows=25)
+    tokens, _ = batch(2, size=25, seq=128)  # wire frame: 25 * 128 * 16 * 4 = 200 KiB
+    wire = torch.randn(25, 128, K)
 
     async def main():
         async with StageWorker(CONFIG, 1, run_id=RUN, options=options) as worker:
@@ -169,13 +171,13 @@ def test_payload_limits_and_streaming():
                 await unary.forward("big", tokens, wire)
             assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             streaming = client_for(worker, max_message_bytes=128 * 2**10, stream_chunk_bytes=32 * 2**10)
-            huge_tokens, _ = batch(3, size=32, seq=256)  # 512 KiB of wire: over the stream bound
-            with pytest.raises(WorkerBusy, match="limit"):
-                await streaming.forward("huge", huge_tokens, torch.randn(32, 256, K))
+            huge_tokens, _ = batch(3, size=40, seq=128)  # more rows than the worker takes
+            with pytest.raises(RequestRefused, match="tokens: 40 rows, at most 25"):
+                await streaming.forward("huge", huge_tokens, torch.randn(40, 128, K))
             out = await streaming.forward("big", tokens, wire)  # streamed both ways
-            assert out.wire.shape == (16, 200, K)
-            back = await streaming.backward("big", torch.ones(16, 200, K))
-            assert back.input_grad.shape == (16, 200, K)
+            assert out.wire.shape == (25, 128, K)
+            back = await streaming.backward("big", torch.ones(25, 128, K))
+            assert back.input_grad.shape == (25, 128, K)
             small_tokens, _ = batch(4)
             assert (await unary.forward("small", small_tokens, torch.randn(2, 32, K))).wire.shape == (2, 32, K)
             await unary.close()

@@ -8,18 +8,27 @@ Design choices:
   its optimizer and its stash (`StageCompute`). Work for it is FIFO, so a Step barrier runs after
   every request admitted before it. Others (checkpoints, averaging) get the same thread through
   `on_compute`.
-- Admission is bounded: `load` counts Forward/Backward requests admitted but not finished (queued
-  or running); at `max_queue` the worker answers RESOURCE_EXHAUSTED at once instead of queueing
-  without bound, and the trainer routes elsewhere. A request leaves the count when its compute
-  job finishes (or is cancelled before it starts), not when its caller gives up: a job already
-  on the thread still occupies it. Step bypasses the bound (a barrier must not be refused); Info
-  never reaches the compute thread.
+- Admission is bounded, and happens before anything is allocated for a request (node/worker/bounds.py):
+  caller, run/stage addressing, the shapes its frames declare (rows <= train.microbatch_size or
+  `max_rows`, sequence <= train.seq_len, wire width = model.wire_dim; INVALID_ARGUMENT naming the
+  field and both values), then a queue slot. `load` counts Forward/Backward requests admitted but
+  not finished (queued or running); at `max_queue`, or at `max_queue_per_caller` for one caller
+  identity, the worker answers RESOURCE_EXHAUSTED at once instead of queueing without bound, and
+  the trainer routes elsewhere. A request leaves the count when its compute job finishes (or is
+  cancelled before it starts), not when its caller gives up: a job already on the thread still
+  occupies it. A stream is admitted on its first part and read under the byte budget of the
+  geometry; one gRPC message is capped by the same budget, and `max_concurrent_rpcs` caps the
+  calls served at once, so what a worker holds for its callers is bounded in sum. Step and Abort
+  are admitted the same way into a pool of their own (`max_control_queue`): a barrier or the
+  Abort of a failed route must get through a worker full of that same trainer's work. Info never
+  reaches the compute thread.
 - A peer's mistake maps to a status with a clear message: InvalidRequest -> INVALID_ARGUMENT,
   PreconditionFailed (including an unknown/evicted microbatch) -> FAILED_PRECONDITION, a
   non-finite result from finite weights (the input's fault: extreme values) -> INVALID_ARGUMENT,
-  from weights that are no longer finite (this worker's fault) -> INTERNAL; gRPC itself answers RESOURCE_EXHAUSTED for a message over
-  `max_message_bytes`, the stream reassembler for a stream over `max_stream_bytes`; an unexpected
-  exception in compute is logged with its traceback and answered INTERNAL.
+  from weights that are no longer finite (this worker's fault) -> INTERNAL; gRPC itself answers
+  RESOURCE_EXHAUSTED for a message over the geometry's budget (or `max_message_bytes`), the stream
+  reassembler for a stream over it, naming it; an unexpected exception in compute is logged with
+  its traceback and answered INTERNAL.
 - Graceful stop: health goes NOT_SERVING, new calls are refused, in-flight calls get `grace_s`
   to finish, then the compute thread drains and exits.
 - Trust (docs/design.md "Admission and trust"): with a `NodeCredentials` the port is mutual TLS with
@@ -39,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,6 +69,14 @@ from agora.node.rpc.server import (
     set_serving,
 )
 from agora.node.rpc.tls import server_credentials
+from agora.node.worker.bounds import (
+    OutOfBounds,
+    RequestGeometry,
+    Slot,
+    SlotPool,
+    SlotRefused,
+    default_per_caller,
+)
 from agora.node.worker.compute import (
     DEFAULT_PINNED_VERSIONS,
     ComputeError,
@@ -85,6 +101,7 @@ from agora.protos.stage_adapter import (
     ForwardRequest,
     InfoReply,
     InfoRequest,
+    StageRefusal,
     StepReply,
     StepRequest,
     add_stage_service,
@@ -109,10 +126,22 @@ class WorkerOptions:
     # epoch); a number steps on this replica's own samples instead, every that many.
     local_batch: int | None = None
     max_queue: int = 8  # Forward/Backward requests admitted but not finished
+    # Of those, what one caller identity may hold; None: three quarters (node/worker/bounds.py).
+    max_queue_per_caller: int | None = None
+    # Step and Abort calls admitted but not finished (their own pool, per-caller limited the same
+    # way); None: as many as max_queue.
+    max_control_queue: int | None = None
+    # Rows a request may carry; None: the run's train.microbatch_size (a larger value raises it).
+    max_rows: int | None = None
+    # Calls served at once (grpc answers RESOURCE_EXHAUSTED beyond); None: twice the queues plus 32,
+    # room for Info, health checks and refused calls being drained.
+    max_concurrent_rpcs: int | None = None
     stash_capacity: int = 64  # forward inputs kept for Backward
     stash_ttl_s: float = 600.0
     max_message_bytes: int = 16 * 2**20  # one gRPC message, each way
-    max_stream_bytes: int = 512 * 2**20  # a reassembled streamed payload; also the codec's frame bound
+    # The codec's frame bound, and how much of a refused stream is read (and dropped) so that its client
+    # sees the status; an admitted stream is held to its request's budget from the geometry (bounds.py).
+    max_stream_bytes: int = 512 * 2**20
     stream_chunk_bytes: int = 2**20
     wire_dtype: str = "fp32"  # what this worker sends; it decodes any dtype
     grace_s: float = 10.0
@@ -120,10 +149,34 @@ class WorkerOptions:
     # each costs one copy of the stage's trainable parameters. 0: recompute on the current weights.
     pinned_weights: int = DEFAULT_PINNED_VERSIONS
 
+    @property
+    def queue_per_caller(self) -> int:
+        return default_per_caller(self.max_queue) if self.max_queue_per_caller is None else self.max_queue_per_caller
+
+    @property
+    def control_queue(self) -> int:
+        return self.max_queue if self.max_control_queue is None else self.max_control_queue
+
+    @property
+    def concurrent_rpcs(self) -> int:
+        if self.max_concurrent_rpcs is not None:
+            return self.max_concurrent_rpcs
+        return 2 * (self.max_queue + self.control_queue) + 32
+
     def validate(self) -> "WorkerOptions":
         for name in ("max_queue", "stash_capacity", "max_message_bytes", "max_stream_bytes", "stream_chunk_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"worker.{name}: must be positive, got {getattr(self, name)}")
+        for name in ("max_queue_per_caller", "max_control_queue", "max_rows", "max_concurrent_rpcs"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"worker.{name}: must be positive, got {getattr(self, name)}")
+        if self.queue_per_caller > self.max_queue:
+            raise ConfigError(f"worker.max_queue_per_caller: {self.queue_per_caller} is above "
+                              f"max_queue={self.max_queue}")
+        if self.concurrent_rpcs <= self.max_queue + self.control_queue:
+            raise ConfigError(f"worker.max_concurrent_rpcs: {self.concurrent_rpcs} leaves no room beside "
+                              f"max_queue={self.max_queue} and max_control_queue={self.control_queue} "
+                              "(Info, health checks and refusals need calls too)")
         if self.pinned_weights < 0:
             raise ConfigError(f"worker.pinned_weights: must be >= 0, got {self.pinned_weights}")
         if self.stash_ttl_s <= 0 or self.grace_s < 0:
@@ -169,13 +222,18 @@ class StageWorker:
         if credentials is not None:
             _check_own_credential(credentials, run_id, stage_index)
         self.fingerprint = fingerprint if fingerprint is not None else run_fingerprint(self.config)
+        # What a request may declare and carry (node/worker/bounds.py); a bad max_rows fails here.
+        self.geometry = RequestGeometry.from_config(self.config, stage_index, self.options.max_rows)
         self.refusals = RefusalCounts()  # refused calls by reason (auth, fingerprint, ownership)
         check = CallerCheck(fingerprint=self.fingerprint, credentials=credentials, refusals=self.refusals, clock=clock)
         self._interceptors = interceptor_chain(check, *interceptors, clock=clock)
         self._announced_host: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
-        self._load = 0
-        self._load_lock = threading.Lock()  # released from the compute thread, taken on the loop
+        self._slots = SlotPool(f"stage {stage_index} worker", self.options.max_queue, self.options.queue_per_caller,
+                               option="worker.max_queue_per_caller")
+        control = self.options.control_queue
+        self._control_slots = SlotPool(f"stage {stage_index} worker's Step/Abort queue", control,
+                                       default_per_caller(control), option="three quarters of max_control_queue")
         self._compute: StageCompute | None = None
         self._server: grpc.aio.Server | None = None
         self._health = None
@@ -210,7 +268,7 @@ class StageWorker:
 
     @property
     def load(self) -> int:
-        return self._load
+        return self._slots.in_use
 
     @property
     def is_serving(self) -> bool:
@@ -244,7 +302,12 @@ class StageWorker:
             return self.port
         # Built on the compute thread so that it is the only thread that ever touches the stage.
         self._compute = await asyncio.wrap_future(self._executor.submit(self._build_compute))
-        server = create_server(interceptors=self._interceptors, max_message_bytes=self.options.max_message_bytes)
+        server = create_server(interceptors=self._interceptors, max_message_bytes=self.options.max_message_bytes,
+                               max_receive_bytes=self.geometry.message_budget(),
+                               maximum_concurrent_rpcs=self.options.concurrent_rpcs)
+        # The registration-wide bound only limits how much of a refused stream is read (and dropped)
+        # so that its client sees the status (grpc/grpc#36066); an admitted stream is read under its
+        # own method's budget from the geometry (`_admit`).
         add_stage_service(server, _StageService(self), max_stream_bytes=self.options.max_stream_bytes,
                           chunk_bytes=self.options.stream_chunk_bytes)
         self._health = add_health_and_reflection(server, [SERVICE_NAME])
@@ -302,19 +365,69 @@ class StageWorker:
             raise RuntimeError("the worker is not started")
         return await asyncio.wrap_future(self._executor.submit(fn, self._compute))
 
-    def _release(self, _: Future) -> None:
-        with self._load_lock:
-            self._load -= 1
+    # ------------------------------------------------------------------ admission (node/worker/bounds.py)
 
-    async def _admitted(self, context: Any, fn: Callable[[Any], T], request: Any) -> T:
-        with self._load_lock:
-            full = self._load >= self.options.max_queue
-            if not full:
-                self._load += 1
-        if full:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"stage {self.stage_index} worker is full: {self.options.max_queue} requests in "
-                                "flight; route to another replica or retry later")
+    def _refused(self, code: grpc.StatusCode, message: str, reason: str | None = None) -> StageRefusal:
+        if reason is not None:
+            self.refusals.add(reason)
+        return StageRefusal(code, message)
+
+    def _caller(self) -> Caller:
+        caller = current_caller()
+        if caller is None:  # CallerCheck runs ahead of every handler; fail closed if it did not
+            raise self._refused(grpc.StatusCode.INTERNAL, "no caller identity for this call")
+        return caller
+
+    def _check_addressing(self, run_id: str, stage: int) -> None:
+        """Refuse misaddressed calls on the loop, before they take a queue slot."""
+        try:
+            self._compute.check_addressing(run_id, stage)
+        except RequestRejected as error:
+            raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+
+    def _check_shapes(self, request: Any, *, partial: bool) -> None:
+        try:
+            if isinstance(request, ForwardRequest):
+                self.geometry.check_forward(request, partial=partial)
+            else:
+                self.geometry.check_backward(request, partial=partial)
+        except OutOfBounds as error:
+            raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, str(error), "out_of_bounds") from None
+
+    def _slot(self, pool: SlotPool, caller: Caller) -> Slot:
+        try:
+            return pool.acquire(caller.owner)
+        except SlotRefused as error:
+            # A full worker is routine load; one caller at its share is worth counting.
+            raise self._refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
+                                "caller_limit" if error.reason == "caller_limit" else None) from None
+
+    def _admit(self, request: ForwardRequest | BackwardRequest, *, partial: bool) -> "_Admission":
+        """Caller, addressing, declared shapes, then a queue slot: cheapest first, the slot last so
+        that a refused request never holds one. `partial`: a stream's first part."""
+        caller = self._caller()
+        self._check_addressing(request.run_id, request.stage)
+        self._check_shapes(request, partial=partial)
+        forward = isinstance(request, ForwardRequest)
+        budget = self.geometry.forward_budget() if forward else self.geometry.backward_budget()
+        slot = self._slot(self._slots, caller)
+        return _Admission(caller, slot, min(budget, self.options.max_stream_bytes),
+                          self.geometry.describe_budget("Forward" if forward else "Backward"))
+
+    async def _serve_admitted(self, context: Any, request: ForwardRequest | BackwardRequest,
+                              admission: "_Admission | None", compute: Callable[..., T]) -> T:
+        """Run an admitted Forward/Backward (a unary one is admitted here) in its slot."""
+        if admission is None:
+            admission = self._admit(request, partial=False)
+            try:
+                return await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner),
+                                       request)
+            finally:
+                admission.close()
+        self._check_shapes(request, partial=False)  # a stream admitted on its first part is whole now
+        return await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner), request)
+
+    async def _run(self, context: Any, slot: Slot, fn: Callable[[Any], T], request: Any) -> T:
         admitted = time.perf_counter()
 
         def timed(request: Any) -> T:
@@ -326,7 +439,7 @@ class StageWorker:
             return reply
 
         future = self._executor.submit(timed, request)
-        future.add_done_callback(self._release)
+        slot.hand_off(future)  # the slot is freed when the job ends, not when the caller gives up
         return await self._answer(context, future)
 
     async def _answer(self, context: Any, future: Future) -> Any:
@@ -350,27 +463,27 @@ class StageWorker:
             await context.abort(grpc.StatusCode.INTERNAL,
                                 f"stage {self.stage_index} failed: {type(error).__name__}: {error}")
 
-    async def _checked(self, context: Any, run_id: str, stage: int) -> None:
-        """Refuse misaddressed calls on the loop, before they take a queue slot."""
-        try:
-            self._compute.check_addressing(run_id, stage)
-        except RequestRejected as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-
-    async def _caller(self, context: Any) -> Caller:
-        caller = current_caller()
-        if caller is None:  # CallerCheck runs ahead of every handler; fail closed if it did not
-            await context.abort(grpc.StatusCode.INTERNAL, "no caller identity for this call")
-        return caller
-
     def info(self) -> InfoReply:
         compute = self._compute
         return InfoReply(
             run_id=self.run_id, stage=self.stage_index, n_stages=compute.n_stages,
             # Plain int reads of compute-thread state: a momentarily stale value is fine for routing.
-            step=compute.optimizer.steps, phase=self.phase, load=self._load, capacity=self.options.max_queue,
+            step=compute.optimizer.steps, phase=self.phase, load=self.load, capacity=self.options.max_queue,
             stashed=len(compute.stash), synchronous=self.options.synchronous, throughput=compute.throughput,
         )
+
+
+@dataclass
+class _Admission:
+    """A Forward/Backward admitted into a queue slot (a `StreamAdmission` for the stage adapter)."""
+
+    caller: Caller
+    slot: Slot
+    max_bytes: int  # payload bytes a streamed request may carry
+    budget: str  # how max_bytes follows from the geometry, for the refusal
+
+    def close(self) -> None:
+        self.slot.close()
 
 
 class _StageService:
@@ -379,29 +492,34 @@ class _StageService:
     def __init__(self, worker: StageWorker):
         self._worker = worker
 
-    async def forward(self, request: ForwardRequest, context: Any) -> ForwardReply:
-        caller = await self._worker._caller(context)
-        await self._worker._checked(context, request.run_id, request.stage)
-        return await self._worker._admitted(context, partial(self._worker._compute.forward, owner=caller.owner),
-                                            request)
+    async def admit_stream(self, head: ForwardRequest | BackwardRequest, context: Any) -> _Admission:
+        return self._worker._admit(head, partial=True)
 
-    async def backward(self, request: BackwardRequest, context: Any) -> BackwardReply:
-        caller = await self._worker._caller(context)
-        await self._worker._checked(context, request.run_id, request.stage)
-        return await self._worker._admitted(context, partial(self._worker._compute.backward, owner=caller.owner),
-                                            request)
+    async def forward(self, request: ForwardRequest, context: Any, admission: _Admission | None = None) -> ForwardReply:
+        return await self._worker._serve_admitted(context, request, admission, self._worker._compute.forward)
+
+    async def backward(self, request: BackwardRequest, context: Any,
+                       admission: _Admission | None = None) -> BackwardReply:
+        return await self._worker._serve_admitted(context, request, admission, self._worker._compute.backward)
+
+    async def _control(self, context: Any, run_id: str, stage: int, fn: Callable[[Caller], Any]) -> Any:
+        """Step and Abort: admitted like the rest, into their own bounded pool (module docstring)."""
+        worker = self._worker
+        caller = worker._caller()
+        worker._check_addressing(run_id, stage)
+        slot = worker._slot(worker._control_slots, caller)
+        try:
+            return await worker._run(context, slot, lambda _: fn(caller), None)
+        finally:
+            slot.close()
 
     async def step(self, request: StepRequest, context: Any) -> StepReply:
-        await self._worker._checked(context, request.run_id, request.stage)
-        future = self._worker._executor.submit(self._worker._compute.step, request)
-        return await self._worker._answer(context, future)
+        return await self._control(context, request.run_id, request.stage,
+                                   lambda caller: self._worker._compute.step(request))
 
     async def abort(self, request: AbortRequest, context: Any) -> AbortReply:
-        # Not admitted through the queue: an abort must get through to a full worker too.
-        caller = await self._worker._caller(context)
-        await self._worker._checked(context, request.run_id, request.stage)
-        future = self._worker._executor.submit(self._worker._compute.abort, request, caller.owner)
-        return await self._worker._answer(context, future)
+        return await self._control(context, request.run_id, request.stage,
+                                   lambda caller: self._worker._compute.abort(request, caller.owner))
 
     async def info(self, request: InfoRequest, context: Any) -> InfoReply:
         return self._worker.info()
