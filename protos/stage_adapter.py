@@ -18,8 +18,10 @@ generated stub for clients. Design choices:
   and whatever payload came with them, and answers with a `StreamAdmission` (the byte budget for
   this request, the queue slot it holds) or refuses with a `StageRefusal`; only then are the other
   parts read, under that budget rather than the registration-wide `max_stream_bytes`, which only
-  bounds what is drained. A handler raising `StageRefusal` anywhere gets its status sent (after
-  draining, for a stream still being written). Draining is bounded in bytes and in time.
+  bounds what is drained; the rest must arrive within `stream_timeout_s` of the first part, so a
+  trickling client cannot hold an admitted stream's slot. A handler raising `StageRefusal`
+  anywhere gets its status sent (after draining, for a stream still being written). Draining is
+  bounded in bytes and in time.
 - Requests are parsed by a tolerant deserializer: grpc's own answers a message that does not
   parse (bad wire format, invalid UTF-8 in a string) with UNKNOWN and logs it as the servicer's
   exception, so here it reaches the servicer as a `_Malformed` marker and is answered
@@ -369,10 +371,11 @@ class StageHandler(Protocol):
 
 
 class _Servicer(stage_pb2_grpc.StageServicer):
-    def __init__(self, handler: StageHandler, max_stream_bytes: int, chunk_bytes: int):
+    def __init__(self, handler: StageHandler, max_stream_bytes: int, chunk_bytes: int, stream_timeout_s: float):
         self._handler = handler
         self._max_stream_bytes = max_stream_bytes
         self._chunk_bytes = chunk_bytes
+        self._stream_timeout_s = stream_timeout_s
 
     async def _unary(self, call: Callable[[Any, Any], Awaitable[Any]], request: Any, context: Any) -> Any:
         try:
@@ -404,14 +407,27 @@ class _Servicer(stage_pb2_grpc.StageServicer):
         admission: StreamAdmission | None = None
         try:
             try:
-                async for part in parts:
-                    if admission is None:  # the first part: admit (or refuse) before reading the rest
-                        head = from_message(_parsed(part))
-                        admission = await self._handler.admit_stream(head, context)
-                        assembler = PartAssembler(message_cls, admission.max_bytes, admission.budget)
-                    assembler.add(part)
-                if admission is None:
-                    raise IncompleteStream(f"stream carried no {_DATACLASS_OF[message_cls].__name__} part")
+                try:
+                    first = await parts.__anext__()
+                except StopAsyncIteration:
+                    raise IncompleteStream(f"stream carried no {_DATACLASS_OF[message_cls].__name__} part") from None
+                # The first part: admit (or refuse) before reading the rest.
+                admission = await self._handler.admit_stream(from_message(_parsed(first)), context)
+                assembler = PartAssembler(message_cls, admission.max_bytes, admission.budget)
+                assembler.add(first)
+
+                async def rest() -> None:
+                    async for part in parts:
+                        assembler.add(part)
+                try:
+                    await asyncio.wait_for(rest(), self._stream_timeout_s)
+                except asyncio.TimeoutError:
+                    # A trickling client must not hold its queue slot: no draining either (the read
+                    # was cancelled; the client may see INTERNAL, grpc/grpc#36066).
+                    admission.close()
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"streamed {_DATACLASS_OF[message_cls].__name__} did not complete within "
+                                        f"{self._stream_timeout_s:g} s of its first part")
                 request = assembler.result()
             except PayloadTooLarge as error:
                 await self._refuse_stream(parts, context, admission, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
@@ -446,10 +462,11 @@ class _Servicer(stage_pb2_grpc.StageServicer):
 
 
 def add_stage_service(server: grpc.aio.Server, handler: StageHandler, *,
-                      max_stream_bytes: int, chunk_bytes: int) -> None:
+                      max_stream_bytes: int, chunk_bytes: int, stream_timeout_s: float = 30.0) -> None:
     """Serve `handler` as agora.v1.Stage on `server` (unary and streaming variants alike), with
-    tolerant request parsing."""
-    servicer = _Servicer(handler, max_stream_bytes, chunk_bytes)
+    tolerant request parsing; `max_stream_bytes` bounds what a refused stream is drained of,
+    `stream_timeout_s` how long an admitted one may take after its first part."""
+    servicer = _Servicer(handler, max_stream_bytes, chunk_bytes, stream_timeout_s)
     handlers = {}
     for method in stage_pb2.DESCRIPTOR.services_by_name["Stage"].methods:
         if method.client_streaming != method.server_streaming:  # the .proto grew a kind this loop does not serve

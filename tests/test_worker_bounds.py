@@ -428,6 +428,47 @@ def test_slots_per_caller_streams_admitted_on_their_first_part_and_step_gets_thr
         started.stop()
 
 
+def test_a_trickling_stream_loses_its_slot_after_stream_timeout_s():
+    """Admitted on its first part, then nothing: the slot is given back after stream_timeout_s and
+    the worker serves the next request, while the stalled client's call is still open."""
+    started = Workers(WorkerOptions(max_queue=1, stream_timeout_s=0.3), stages=(BODY,)).start()
+    try:
+        body, channel = started.workers[BODY], started.channels[BODY]
+        path = f"/{adapter.SERVICE_NAME}/"
+
+        async def scenario():
+            hold = asyncio.Event()
+            parts = streamed(forward(BODY, microbatch_id="stalled"), 64)
+
+            async def stalled():
+                yield parts[0]
+                await hold.wait()
+                for part in parts[1:]:
+                    yield part
+            call = channel.stream_stream(path + "ForwardStream")(stalled(), metadata=METADATA, timeout=20)
+            reading = asyncio.ensure_future(call.read())
+            admitted_at = None
+            for _ in range(2000):  # readiness: admitted, then released by the timeout
+                if admitted_at is None and body.load == 1:
+                    admitted_at = time.monotonic()
+                if admitted_at is not None and body.load == 0:
+                    break
+                await asyncio.sleep(0.005)
+            held_s = time.monotonic() - admitted_at
+            reply = stage_pb2.ForwardReply.FromString(await channel.unary_unary(path + "Forward")(
+                serialized(forward(BODY, microbatch_id="next"))[0], metadata=METADATA, timeout=20))
+            hold.set()
+            outcome = (await asyncio.gather(reading, return_exceptions=True))[0]
+            return held_s, reply, outcome
+
+        held_s, reply, outcome = started.loop.run_until_complete(scenario())
+        assert 0.2 < held_s < 5 and peek_header(reply.wire, "float").shape == (2, 8, K)
+        assert isinstance(outcome, grpc.aio.AioRpcError)  # DEADLINE_EXCEEDED, or INTERNAL (grpc/grpc#36066)
+        assert started.state(BODY)[:2] == (1, 0)  # only "next" is stashed
+    finally:
+        started.stop()
+
+
 def test_calls_beyond_max_concurrent_rpcs_are_refused_by_grpc():
     """max_concurrent_rpcs bounds what every call may hold in sum: with 3, a Forward waiting on the
     compute thread, a Step behind it and a stream still being written leave no room for a fourth."""
@@ -551,7 +592,7 @@ def worker_process(credentialed):
 
 # Peak RSS the flood may add to the warmed-up worker. What the bounds let it hold at once:
 # max_concurrent_rpcs (64) calls, each at most one message of the geometry's budget
-# (`message_budget`, 98 KiB for tiny's body) as received, parsed and reassembled (x3): 18 MiB; the
+# (`message_budget`, 81 KiB for tiny's body) as received, parsed and reassembled (x3): 15 MiB; the
 # stash (64 entries of 2 x 128 tokens: 1.2 MiB); one microbatch's activations at a time on the
 # compute thread; grpc's transport, which reads ahead into a message it then refuses for its size
 # (HTTP/2 windows, grown by BDP probing to a few MiB per connection; the flood sends 12 such

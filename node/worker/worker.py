@@ -17,7 +17,7 @@ Design choices:
   the trainer routes elsewhere. A request leaves the count when its compute job finishes (or is
   cancelled before it starts), not when its caller gives up: a job already on the thread still
   occupies it. A stream is admitted on its first part and read under the byte budget of the
-  geometry; one gRPC message is capped by the same budget, and `max_concurrent_rpcs` caps the
+  geometry, within `stream_timeout_s`; one gRPC message is capped by the same budget, and `max_concurrent_rpcs` caps the
   calls served at once, so what a worker holds for its callers is bounded in sum. Step and Abort
   are admitted the same way into a pool of their own (`max_control_queue`): a barrier or the
   Abort of a failed route must get through a worker full of that same trainer's work. Info never
@@ -143,6 +143,8 @@ class WorkerOptions:
     # sees the status; an admitted stream is held to its request's budget from the geometry (bounds.py).
     max_stream_bytes: int = 512 * 2**20
     stream_chunk_bytes: int = 2**20
+    # An admitted stream must be complete this long after its first part (it holds a queue slot).
+    stream_timeout_s: float = 30.0
     wire_dtype: str = "fp32"  # what this worker sends; it decodes any dtype
     grace_s: float = 10.0
     # Earlier weight versions kept so a backward runs on its forward's weights (node/worker/compute.py);
@@ -179,6 +181,8 @@ class WorkerOptions:
                               "(Info, health checks and refusals need calls too)")
         if self.pinned_weights < 0:
             raise ConfigError(f"worker.pinned_weights: must be >= 0, got {self.pinned_weights}")
+        if self.stream_timeout_s <= 0:
+            raise ConfigError(f"worker.stream_timeout_s: must be positive, got {self.stream_timeout_s}")
         if self.stash_ttl_s <= 0 or self.grace_s < 0:
             raise ConfigError("worker.stash_ttl_s/grace_s: must be positive / non-negative")
         if self.local_batch is not None and self.local_batch <= 0:
@@ -309,7 +313,7 @@ class StageWorker:
         # so that its client sees the status (grpc/grpc#36066); an admitted stream is read under its
         # own method's budget from the geometry (`_admit`).
         add_stage_service(server, _StageService(self), max_stream_bytes=self.options.max_stream_bytes,
-                          chunk_bytes=self.options.stream_chunk_bytes)
+                          chunk_bytes=self.options.stream_chunk_bytes, stream_timeout_s=self.options.stream_timeout_s)
         self._health = add_health_and_reflection(server, [SERVICE_NAME])
         tls = server_credentials(self.credentials) if self.credentials is not None else None
         self._announced_host = announced_host(self.options.host, self.options.announce_host)
