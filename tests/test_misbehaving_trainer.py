@@ -38,6 +38,8 @@ import torch
 
 from agora.auth.authority import RunAuthority
 from agora.auth.node_state import NodeCredentials
+from agora.node.rpc.auth_check import current_caller
+from agora.node.rpc.interceptors import CallHook, CallRecord
 from agora.node.rpc.server import run
 from agora.node.rpc.tls import TlsChannels
 from agora.node.trainer.discovery import StaticDiscovery
@@ -80,12 +82,30 @@ def data():
     return build_data(CONFIG)
 
 
+class HonestForwards(CallHook):
+    """Wakes the hostile trainer when a worker has served one of the honest trainer's Forwards (its
+    input is then stashed there until the Backward), instead of polling the worker for it."""
+
+    def __init__(self, honest_owner: str):
+        super().__init__()
+        self.honest_owner = honest_owner
+        self.served = asyncio.Event()
+
+    def after(self, record: CallRecord) -> None:
+        caller = current_caller()
+        if (record.method.endswith("/Forward") and record.code is grpc.StatusCode.OK and caller is not None
+                and caller.owner == self.honest_owner):
+            self.served.set()
+
+
 class Hostile:
     """The second trainer: one call at a time (it must not simply fill the worker's queue, which
     is the door's business), each expected to be refused; `refusals` counts them by case."""
 
-    def __init__(self, workers: list[StageWorker], channels: TlsChannels, honest_owner: str, synchronous: bool):
+    def __init__(self, workers: list[StageWorker], forwards: list[HonestForwards], channels: TlsChannels,
+                 honest_owner: str, synchronous: bool):
         self.workers = workers
+        self.forwards = forwards
         self.synchronous = synchronous
         self.honest_owner = honest_owner
         self.clients = [StageClient(w.address, run_id=RUN, stage=w.stage_index, model=CONFIG.model,
@@ -106,18 +126,23 @@ class Hostile:
 
     async def honest_ids(self, stage: int, *, pending: bool) -> list[str]:
         """The leak: honest ids pending (stashed or accumulated) or also just stepped on a worker, read
-        on its compute thread; polled briefly, as the honest trainer's calls come and go."""
+        on its compute thread; when there are none, read again once the worker has served the honest
+        trainer's next Forward (the honest trainer's calls come and go)."""
         def read(compute):
             stashed = compute.stash.keys_of(self.honest_owner)
             applied = [i for i, a in compute.applied.items() if a.owner == self.honest_owner]
             stepped = [i for i, owner in compute.stepped_ids.items() if owner == self.honest_owner]
             return stashed + applied + ([] if pending else stepped)
-        for _ in range(20):
+        ids = await self.workers[stage].on_compute(read)
+        if not ids:
+            served = self.forwards[stage].served
+            served.clear()
+            try:
+                await asyncio.wait_for(served.wait(), 5)
+            except asyncio.TimeoutError:
+                return []  # the honest run is over
             ids = await self.workers[stage].on_compute(read)
-            if ids:
-                return ids[:1]
-            await asyncio.sleep(0.005)
-        return []
+        return ids[:1]
 
     async def one_round(self) -> None:
         head, body, tail = self.clients
@@ -165,31 +190,46 @@ class Hostile:
             await client.close()
 
 
+async def _epochs_joined(workers: list[StageWorker]):
+    """A coroutine that returns once every worker has counted its first completed-batch report: a step
+    hook on each compute thread wakes it, so nothing polls."""
+    loop = asyncio.get_running_loop()
+    events = [asyncio.Event() for _ in workers]
+    for worker, event in zip(workers, events):
+        def on_step(compute, event=event) -> None:
+            if compute.epoch_joined:
+                loop.call_soon_threadsafe(event.set)
+        await worker.on_compute(lambda c, hook=on_step: c.step_hooks.append(hook))
+    return asyncio.gather(*(event.wait() for event in events))
+
+
 async def _train(pki, data, *, hostile: bool, synchronous: bool):
     worker_dirs, honest_dir, hostile_dir = pki
     workers = []
+    honest_credentials = NodeCredentials(honest_dir, clock=time.time)
+    forwards = [HonestForwards(honest_credentials.peer_id) for _ in range(3)]
     try:
         for stage in range(3):
             credentials = NodeCredentials(worker_dirs[stage], clock=time.time)
             worker = StageWorker(CONFIG, stage, run_id=RUN, credentials=credentials,
-                                 options=WorkerOptions(synchronous=synchronous))
+                                 options=WorkerOptions(synchronous=synchronous), interceptors=[forwards[stage]])
             await worker.start()
             workers.append(worker)
         discovery = StaticDiscovery([WorkerView(w.credentials.peer_id, w.address, w.stage_index) for w in workers])
-        honest_credentials = NodeCredentials(honest_dir, clock=time.time)
         options = TrainerOptions(run_id=RUN, synchronous=synchronous, max_in_flight=1)
         async with SwarmTrainer(CONFIG, data, discovery, options, channels=TlsChannels(honest_credentials)) as trainer:
             if not hostile:
                 records = await trainer.run(STEPS)
                 return [r.loss for r in records], [r.grad_norm for r in records], None, None
-            attacker = Hostile(workers, TlsChannels(NodeCredentials(hostile_dir, clock=time.time)),
+            attacker = Hostile(workers, forwards, TlsChannels(NodeCredentials(hostile_dir, clock=time.time)),
                                honest_credentials.peer_id, synchronous)
+            joined = await _epochs_joined(workers) if not synchronous else None
             training = asyncio.ensure_future(trainer.run(STEPS))
-            # Asynchronous: the first report a replica counts sets its epoch (whoever sends it: see
-            # node/worker/epoch.py), so the hostile trainer starts once the honest one has sent them.
-            while not synchronous and not training.done() and not all(await asyncio.gather(
-                    *(w.on_compute(lambda c: c.epoch_joined) for w in workers))):
-                await asyncio.sleep(0.01)
+            if joined is not None:
+                # Asynchronous: the first report a replica counts sets its epoch (whoever sends it: see
+                # node/worker/epoch.py), so the hostile trainer starts once the honest one has sent them.
+                await asyncio.wait([joined, training], return_when=asyncio.FIRST_COMPLETED)
+                joined.cancel()  # if the run ended first
             rounds = 0
             try:
                 while not training.done():
