@@ -293,11 +293,13 @@ def test_the_cap_queues_the_next_worker_and_admits_it_when_a_slot_frees(authorit
                            credential_lifetime_s=30.0, clock=clock) as (service, address):
             await join(address, first, authority)
             positions: list[int] = []
-            queued = asyncio.Event()
+            queued, polled_again = asyncio.Event(), asyncio.Event()
 
             def on_queued(position: int) -> None:
                 positions.append(position)
                 queued.set()
+                if len(positions) >= 3:
+                    polled_again.set()
 
             waiting = asyncio.ensure_future(join(address, second, authority, on_queued=on_queued))
             await asyncio.wait_for(queued.wait(), 20)
@@ -305,7 +307,8 @@ def test_the_cap_queues_the_next_worker_and_admits_it_when_a_slot_frees(authorit
                 stub = adapter.AuthorizerStub(channel)
                 poll = await stub.get_challenge(adapter.ChallengeRequest(peer_id=second.peer_id, role="worker"))
                 fresh = await stub.get_challenge(adapter.ChallengeRequest(peer_id=third.peer_id, role="worker"))
-            await asyncio.sleep(0.2)
+            # The queued node has polled again and been told to wait again: the cap holds.
+            await asyncio.wait_for(polled_again.wait(), 20)
             assert not waiting.done(), "the cap holds while the first worker's slot is taken"
             if frees_by == "ban":
                 authority.ban(first.peer_id, "test")

@@ -146,9 +146,11 @@ class CallerLog(CallHook):
     def __init__(self):
         super().__init__()
         self.calls: list[tuple[str, Caller]] = []
+        self.arrived = asyncio.Event()  # set by every call that gets through; clear it to wait for the next
 
     async def before(self, call, context):
         self.calls.append((call.method.rsplit("/", 1)[-1], current_caller()))
+        self.arrived.set()
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -606,11 +608,9 @@ def test_renewed_credentials_are_used_on_new_connections_without_a_failed_call(p
             # A call still running on the old channel when the next renewal retires it finishes.
             release = threading.Event()
             blocker = asyncio.ensure_future(worker.on_compute(lambda _: release.wait(30)))
+            log.arrived.clear()
             held = asyncio.ensure_future(trainer.forward("held", batch(200)[0]))
-            for _ in range(2000):  # readiness: until the worker has admitted it (bounded, no fixed sleep)
-                if worker.load == 1:
-                    break
-                await asyncio.sleep(0.005)
+            await asyncio.wait_for(log.arrived.wait(), 20)  # the worker has it: it is on the old channel
             await asyncio.to_thread(pki.authority.mint, trainer_dir, role="trainer")
             await trainer.info()  # a new call: a third channel; the second retires with "held" in flight
             assert trainer.channels_opened == 3 and held.done() is False
