@@ -43,13 +43,16 @@ def client_for(worker: StageWorker, stage: int | None = None, **kwargs) -> Stage
                        model=CONFIG.model, **kwargs)
 
 
-async def until(predicate, what: str, limit: int = 2000) -> None:
-    """Readiness polling: yields to the loop until `predicate()` holds (bounded, no fixed sleeps)."""
-    for _ in range(limit):
-        if await predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
+class Arrivals(CallHook):
+    """The readiness handshake for "the worker has admitted my request": its handler admits a call
+    before it first yields, so once `before` has run for it, it holds a queue slot."""
+
+    def __init__(self):
+        super().__init__()
+        self.arrived = asyncio.Event()
+
+    async def before(self, call, context):
+        self.arrived.set()
 
 
 def snapshot(kind: str):
@@ -191,11 +194,14 @@ def test_full_queue_answers_resource_exhausted():
     release = threading.Event()
 
     async def main():
-        async with StageWorker(CONFIG, 0, run_id=RUN, options=WorkerOptions(max_queue=1)) as worker:
+        arrivals = Arrivals()
+        async with StageWorker(CONFIG, 0, run_id=RUN, options=WorkerOptions(max_queue=1),
+                               interceptors=[arrivals]) as worker:
             client = client_for(worker)
             blocker = asyncio.ensure_future(worker.on_compute(lambda _: release.wait(30)))
             first = asyncio.ensure_future(client.forward("first", tokens))
-            await until(lambda: _load(client, 1), "the first request to be admitted")
+            await asyncio.wait_for(arrivals.arrived.wait(), 20)
+            assert worker.load == 1
             with pytest.raises(WorkerBusy) as caught:
                 await client.forward("second", tokens)
             assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "full" in caught.value.details
@@ -206,10 +212,6 @@ def test_full_queue_answers_resource_exhausted():
             await client.close()
 
     run(main())
-
-
-async def _load(client: StageClient, load: int) -> bool:
-    return (await client.info()).load == load
 
 
 class FakeClock:
@@ -297,14 +299,17 @@ def test_graceful_stop_finishes_in_flight_work_then_refuses():
     release = threading.Event()
 
     async def main():
-        worker = StageWorker(CONFIG, 0, run_id=RUN)
+        arrivals = Arrivals()
+        worker = StageWorker(CONFIG, 0, run_id=RUN, interceptors=[arrivals])
         await worker.start()
         client = client_for(worker, timeout_s=10)
         blocker = asyncio.ensure_future(worker.on_compute(lambda _: release.wait(30)))
         in_flight = asyncio.ensure_future(client.forward("m", tokens))
-        await until(lambda: _load(client, 1), "the request to be admitted")
+        await asyncio.wait_for(arrivals.arrived.wait(), 20)
+        assert worker.load == 1
         stopping = asyncio.ensure_future(worker.stop(grace_s=20))
-        await until(lambda: _true(worker.phase == "leaving"), "the stop to begin")
+        while worker.phase != "leaving":  # yield to the loop until the stop task has begun (no timed wait)
+            await asyncio.sleep(0)
         release.set()
         await blocker
         assert (await in_flight).wire.shape == (2, 32, K)
@@ -316,15 +321,11 @@ def test_graceful_stop_finishes_in_flight_work_then_refuses():
     run(main())
 
 
-async def _true(value: bool) -> bool:
-    return value
-
-
 def test_serve_runs_until_cancelled_then_stops_gracefully():
     async def main():
         worker = StageWorker(CONFIG, 1, run_id=RUN)
+        await worker.start()  # serve() starts a worker that is not started yet, and serves a started one
         serving = asyncio.ensure_future(worker.serve())
-        await until(lambda: _true(worker.is_serving), "the worker to listen")
         client = client_for(worker)
         assert (await client.info()).phase == "member"
         serving.cancel()
