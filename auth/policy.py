@@ -45,11 +45,11 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from agora.auth.credentials import CLOCK_SKEW_S
+from agora.protos.authorizer_adapter import Hardware
 
 __all__ = [
     "DEFAULT_FLOORS",
     "Floors",
-    "HardwareReport",
     "LinkMeasurement",
     "Refusal",
     "check_floors",
@@ -98,15 +98,6 @@ DEFAULT_FLOORS = Floors()
 
 
 @dataclass(frozen=True)
-class HardwareReport:
-    """What the node says it has (self-reported)."""
-
-    device: str
-    accelerator_memory_bytes: int
-    ram_bytes: int
-
-
-@dataclass(frozen=True)
 class LinkMeasurement:
     """What the authorizer measured on its own clock."""
 
@@ -127,8 +118,8 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_floors(floors: Floors, hardware: HardwareReport, link: LinkMeasurement) -> Optional[Refusal]:
-    """The first floor this worker is below, or None."""
+def check_floors(floors: Floors, hardware: Hardware, link: LinkMeasurement) -> Optional[Refusal]:
+    """The first floor this worker is below, or None (``hardware`` is what the node reported)."""
     checks = (
         ("max_rtt_ms", "round-trip time to the authorizer", link.rtt_ms, floors.max_rtt_ms, "ms", False),
         ("min_upload_mbit", "upload rate", link.upload_mbit, floors.min_upload_mbit, "Mbit/s", True),

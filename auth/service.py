@@ -51,7 +51,7 @@ from agora.auth.authority import DEFAULT_CREDENTIAL_LIFETIME_S, RunAuthority
 from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, issue_credential, load_chain
 from agora.auth.keys import peer_id_of, write_private_file
 from agora.auth.policy import (DIALBACK_PREFIX, ChallengeBook, ChallengeError, ChallengeState, ContributorSlots,
-                               Floors, HardwareReport, JoinRateLimiter, LinkMeasurement, Refusal, assign_stage,
+                               Floors, JoinRateLimiter, LinkMeasurement, Refusal, assign_stage,
                                check_announce, check_floors, dialback_answer, proof_is_valid, run_payload,
                                sign_proof, upload_mbit)
 from agora.pipeline.fingerprint import FingerprintMismatch, RunFingerprint
@@ -393,9 +393,7 @@ class AuthorizerService:
         if request.hardware is None:
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT, "hardware: a worker must report its hardware")
         link = self._link(state, peer_id, caller, now)
-        hardware = HardwareReport(request.hardware.device, request.hardware.accelerator_memory_bytes,
-                                  request.hardware.ram_bytes)
-        below = check_floors(self.settings.floors, hardware, link)
+        below = check_floors(self.settings.floors, request.hardware, link)
         if below is not None:
             return refused(below)
         address = _host_port(request.announce_host, request.announce_port)

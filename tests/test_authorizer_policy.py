@@ -11,16 +11,17 @@ from itertools import count
 import pytest
 
 from agora.auth.keys import generate_key
-from agora.auth.policy import (ChallengeBook, ChallengeError, ContributorSlots, Floors, HardwareReport,
+from agora.auth.policy import (ChallengeBook, ChallengeError, ContributorSlots, Floors,
                                JoinRateLimiter, LinkMeasurement, assign_stage, check_announce, check_floors,
                                credential_lifetime_s, dialback_answer, download_mbit, median_rtt_ms, proof_is_valid,
                                renewal_delay_s, retry_delay_s, run_payload, sign_proof, upload_mbit)
 from agora.protos import authorizer_adapter as adapter
+from agora.protos.authorizer_adapter import Hardware
 
 pytestmark = pytest.mark.timeout(30)
 
 FAST = LinkMeasurement(rtt_ms=10.0, download_mbit=1000.0, upload_mbit=1000.0)
-BIG = HardwareReport("NVIDIA H100", 80 * 10**9, 512 * 10**9)
+BIG = Hardware("NVIDIA H100", 80 * 10**9, 512 * 10**9)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_the_default_floors_are_the_agora_reports():
     ("min_upload_mbit", dataclasses.replace(FAST, upload_mbit=150.0), BIG, "150.0 Mbit/s"),
     ("min_download_mbit", dataclasses.replace(FAST, download_mbit=12.3), BIG, "12.3 Mbit/s"),
     ("min_accelerator_gb", FAST, dataclasses.replace(BIG, accelerator_memory_bytes=16 * 10**9), "16.0 GB"),
-    ("min_accelerator_gb", FAST, HardwareReport("cpu", 0, 512 * 10**9), "(cpu) reported 0.0 GB"),
+    ("min_accelerator_gb", FAST, Hardware("cpu", 0, 512 * 10**9), "(cpu) reported 0.0 GB"),
     ("min_ram_gb", FAST, dataclasses.replace(BIG, ram_bytes=64 * 10**9), "64.0 GB"),
 ])
 def test_a_refusal_names_the_floor_its_flag_and_the_measured_value(field, link, hardware, shown):
@@ -53,13 +54,13 @@ def test_a_refusal_names_the_floor_its_flag_and_the_measured_value(field, link, 
 
 def test_a_24_gb_card_passes_the_24_gb_floor():
     """Decimal GB: an RTX 4090 reports 23.99 GiB."""
-    card = HardwareReport("NVIDIA GeForce RTX 4090", 25_757_220_864, 128 * 10**9)
+    card = Hardware("NVIDIA GeForce RTX 4090", 25_757_220_864, 128 * 10**9)
     assert check_floors(Floors(), card, FAST) is None
 
 
 def test_floors_can_be_disabled_and_reject_nonsense():
     off = Floors(0, 0, math.inf, 0, 0)
-    assert check_floors(off, HardwareReport("cpu", 0, 0), LinkMeasurement(1e6, 0.0, 0.0)) is None
+    assert check_floors(off, Hardware("cpu", 0, 0), LinkMeasurement(1e6, 0.0, 0.0)) is None
     with pytest.raises(ValueError, match="--min-ram-gb"):
         Floors(min_ram_gb=-1).validate()
     with pytest.raises(ValueError, match="--max-rtt-ms"):
