@@ -83,12 +83,14 @@ class CallHook(grpc.aio.ServerInterceptor):
         return self._wrap(handler, handler_call_details.method)
 
     def _wrap(self, handler: Any, method: str) -> Any:
+        def call_info(request: Any, context: Any) -> CallInfo:
+            return CallInfo(method, context.peer(), request if handler.request_streaming else None)
+
         if handler.response_streaming:
             behaviour = handler.stream_stream if handler.request_streaming else handler.unary_stream
 
             async def streaming(request: Any, context: Any):
-                stream = request if handler.request_streaming else None
-                call, start, error = CallInfo(method, context.peer(), stream), self._clock(), None
+                call, start, error = call_info(request, context), self._clock(), None
                 try:
                     await self.before(call, context)
                     result = behaviour(request, context)
@@ -108,8 +110,7 @@ class CallHook(grpc.aio.ServerInterceptor):
             behaviour = handler.stream_unary if handler.request_streaming else handler.unary_unary
 
             async def unary(request: Any, context: Any):
-                stream = request if handler.request_streaming else None
-                call, start, error = CallInfo(method, context.peer(), stream), self._clock(), None
+                call, start, error = call_info(request, context), self._clock(), None
                 try:
                     await self.before(call, context)
                     return await behaviour(request, context)
