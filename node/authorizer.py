@@ -158,14 +158,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     plain = config_to_dict(config)
     # With the swarm's address, the authorizer reads the workers' announced throughput from the DHT
     # (as an operator peer it credentials itself) and assigns a joining worker the least covered stage.
-    own_dir = Path(args.state_dir) / "self"
-    swarm = _coverage_peer(authority, own_dir, initial_peers=tuple(args.initial_peers))
+    own = authority.mint(Path(args.state_dir) / "self", role="operator",
+                         lifetime_s=authority.issuing_lifetime_s) if args.initial_peers else None
+    swarm = _coverage_peer(own, initial_peers=tuple(args.initial_peers)) if own is not None else None
     coverage = None
     if swarm is not None:
         async def coverage() -> dict[int, float]:
-            own = NodeCredentials(own_dir, clock=time.time)
             if own.remaining_s() < authority.issuing_lifetime_s / 4:  # the DHT process re-reads the file
-                authority.mint(own_dir, role="operator", lifetime_s=authority.issuing_lifetime_s)
+                authority.mint(own.directory, role="operator", lifetime_s=authority.issuing_lifetime_s)
             return await _read_coverage(swarm, authority.run_id, fingerprint, service.admitted())
     service = AuthorizerService(authority, settings, run_config=plain, fingerprint=fingerprint,
                                 initial_peers=tuple(args.initial_peers), stage_throughput=coverage)
@@ -207,15 +207,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _coverage_peer(authority: RunAuthority, own_dir: Path, *, initial_peers: tuple[str, ...]):
-    """A client-mode DHT peer with an operator credential the authorizer mints for itself (it holds
-    the CA; the credential lives as long as the issuing CA), or None without initial peers."""
-    if not initial_peers:
-        return None
+def _coverage_peer(own: NodeCredentials, *, initial_peers: tuple[str, ...]):
+    """A client-mode DHT peer under the operator credential the authorizer minted for itself (it
+    holds the CA; the credential lives as long as the issuing CA), or None if it cannot join."""
     from agora.dht.security import DHTSecurity
     from agora.dht.swarm import DHTRequestError, SwarmDHT
 
-    own = authority.mint(own_dir, role="operator", lifetime_s=authority.issuing_lifetime_s)
     try:
         return SwarmDHT.start(initial_peers=initial_peers, client_mode=True,
                               security=DHTSecurity.from_state_dir(own.directory))
