@@ -42,6 +42,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from agora.protos import stage_pb2, stage_pb2_grpc
+from agora.protos.streams import drain
 
 __all__ = [
     "SERVICE_NAME",
@@ -187,7 +188,7 @@ class IncompleteStream(ValueError):
 
 class StageRefusal(Exception):
     """Raised by a handler to refuse a call with `code` and `message` (the adapter drains a stream
-    the client is still writing before the status goes out, see `_drain`)."""
+    the client is still writing before the status goes out, see protos/streams.py)."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
@@ -330,29 +331,6 @@ async def _assemble(parts: AsyncIterable[Any], message_cls: type, max_bytes: int
     return assembler.result()
 
 
-# A refused stream is drained for at most this long: a client that trickles cannot hold the call.
-DRAIN_S = 5.0
-
-
-async def _drain(parts: AsyncIterable[Any], max_bytes: int, timeout_s: float = DRAIN_S) -> None:
-    """Read and drop the rest of a refused stream, up to `max_bytes` more and `timeout_s`.
-
-    Aborting while the client is still writing makes grpc.aio clients report INTERNAL instead
-    of our status (grpc/grpc#36066), so the status is sent once the client has half-closed;
-    the bounds keep a client that never stops from holding the handler.
-    """
-    async def drain() -> None:
-        seen = 0
-        async for part in parts:
-            seen += part.ByteSize()
-            if seen > max_bytes:
-                return
-    try:
-        await asyncio.wait_for(drain(), timeout_s)
-    except (asyncio.TimeoutError, grpc.RpcError):
-        pass  # the status goes out regardless; the client may see it as INTERNAL then
-
-
 class StageHandler(Protocol):
     """What a worker implements; `context` is the grpc.aio.ServicerContext (to abort with a status).
 
@@ -451,7 +429,7 @@ class _Servicer(stage_pb2_grpc.StageServicer):
                              message: str) -> None:
         if admission is not None:
             admission.close()  # its queue slot is free while the rest of the stream is drained
-        await _drain(parts, self._max_stream_bytes)
+        await drain(parts, max_bytes=self._max_stream_bytes)
         await context.abort(code, message)
 
     def ForwardStream(self, request_iterator, context):

@@ -34,8 +34,6 @@ grpc, not counted here.
 
 from __future__ import annotations
 
-import asyncio
-
 import contextvars
 import threading
 import time
@@ -50,6 +48,7 @@ from agora.auth.grpc_policy import FINGERPRINT_METADATA, NODE_POLICY, MethodRule
 from agora.auth.node_state import NodeCredentials
 from agora.node.rpc.interceptors import CallHook, CallInfo, Clock
 from agora.pipeline.fingerprint import FingerprintMismatch, RunFingerprint
+from agora.protos.streams import drain
 
 __all__ = ["Caller", "CallerCheck", "RefusalCounts", "current_caller", "ANONYMOUS_ROLE"]
 
@@ -109,23 +108,9 @@ class RefusalCounts:
             return sum(self._counts.values())
 
 
-# A refused stream is read to its end before the status goes out (see CallInfo.request_stream),
-# but no further than this many parts or seconds: a client that never stops cannot hold the call.
+# A stream refused at the door is read to its end before the status goes out (protos/streams.py),
+# but no further than this many parts.
 _DRAIN_PARTS = 4096
-_DRAIN_S = 5.0
-
-
-async def _drain_refused(parts: Any) -> None:
-    async def drain() -> None:
-        count = 0
-        async for _ in parts:
-            count += 1
-            if count >= _DRAIN_PARTS:
-                return
-    try:
-        await asyncio.wait_for(drain(), _DRAIN_S)
-    except (asyncio.TimeoutError, grpc.RpcError, ValueError):
-        pass  # the status goes out regardless; the client may see it as INTERNAL then
 
 
 class _Refused(Exception):
@@ -160,7 +145,7 @@ class CallerCheck(CallHook):
         except _Refused as refused:
             self.refusals.add(refused.reason)
             if call.request_stream is not None:
-                await _drain_refused(call.request_stream)
+                await drain(call.request_stream, max_parts=_DRAIN_PARTS)
             await context.abort(refused.code, refused.message)  # raises: the handler never runs
             return
         _CALLER.set(caller)
