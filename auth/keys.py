@@ -15,13 +15,13 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from filelock import FileLock
+
+from agora.pipeline.files import atomic_write
 
 __all__ = [
     "KEY_FILE",
@@ -53,17 +53,7 @@ def write_private_file(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write ``data`` to ``path`` atomically (temp file + rename), readable by the owner only."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, data, mode=mode)
 
 
 def load_or_create_key(directory: str | Path) -> rsa.RSAPrivateKey:

@@ -31,12 +31,12 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, TextIO
 
 from agora.dht.swarm import DHTRequestError, SwarmDHT
+from agora.pipeline.files import atomic_write
 
 if TYPE_CHECKING:
     from agora.dht.security import DHTSecurity
@@ -117,15 +117,7 @@ def host_maddrs(host: str, port: int) -> list[str]:
 
 def write_ready_file(path: str, maddrs: Sequence[str]) -> None:
     """Write one multiaddr per line so that readers never see a partial file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    descriptor, temporary = tempfile.mkstemp(prefix=".ready-", dir=directory)
-    try:
-        with os.fdopen(descriptor, "w") as file:
-            file.write("".join(f"{maddr}\n" for maddr in maddrs))
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    atomic_write(path, "".join(f"{maddr}\n" for maddr in maddrs).encode())
 
 
 def security_from_options(state_dir: Optional[str], insecure: bool) -> Optional[DHTSecurity]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from agora.pipeline.config import RunConfig, config_from_dict, config_to_dict
+from agora.pipeline.files import atomic_write
 
 __all__ = ["CheckpointError", "StageState", "save_checkpoint", "load_checkpoint", "latest_checkpoint"]
 
@@ -36,15 +37,6 @@ class StageState:
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any] | None = None
     averaging: dict[str, Any] | None = None  # a worker's averaging loop (round, diloco anchor/momentum)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def save_checkpoint(directory: str | Path, step: int, config: RunConfig, stages: list[StageState],
@@ -67,7 +59,7 @@ def save_checkpoint(directory: str | Path, step: int, config: RunConfig, stages:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _atomic_write_text(directory / "latest", final.name + "\n")
+    atomic_write(directory / "latest", (final.name + "\n").encode())
     checkpoints = sorted(p for p in directory.glob(f"{_STEP_PREFIX}*") if p.is_dir())
     for old in checkpoints[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
