@@ -29,9 +29,9 @@ from types import MappingProxyType
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, Protocol
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from agora.protos import authorizer_pb2, authorizer_pb2_grpc
+from agora.protos.serving import MalformedMessage, checked, tolerant_parser
 
 __all__ = [
     "SERVICE_NAME",
@@ -262,34 +262,9 @@ def signed_payload(request: JoinRequest | RenewRequest) -> bytes:
 
 # ---- server side
 
-class MalformedMessage(ValueError):
-    """A request that does not parse as its message type."""
-
-
-@dataclass(frozen=True)
-class _Malformed:
-    message_type: str
-    error: str
-
-
-def _tolerant_parser(message_cls: type) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        try:
-            return message_cls.FromString(data)
-        except (DecodeError, ValueError) as error:
-            return _Malformed(message_cls.DESCRIPTOR.full_name, str(error))
-    return parse
-
-
-def _parsed(message: Any) -> Any:
-    if isinstance(message, _Malformed):
-        raise MalformedMessage(f"request: not a valid {message.message_type} message ({message.error})")
-    return from_message(message)
-
-
 async def _dataclasses(messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
     async for message in messages:
-        yield _parsed(message)
+        yield from_message(checked(message))
 
 
 class AuthorizerHandler(Protocol):
@@ -312,7 +287,7 @@ class _Servicer:
 
     async def _unary(self, call: Callable[[Any, Any], Awaitable[Any]], request: Any, context: Any) -> Any:
         try:
-            value = _parsed(request)
+            value = from_message(checked(request))
         except MalformedMessage as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return to_message(await call(value, context))
@@ -371,7 +346,7 @@ def add_authorizer_service(server: grpc.aio.Server, handler: AuthorizerHandler) 
     handlers = {}
     for name, (factory, request_cls) in _KINDS.items():
         reply_cls = getattr(authorizer_pb2, methods[name].output_type.name)
-        handlers[name] = factory(getattr(servicer, name), request_deserializer=_tolerant_parser(request_cls),
+        handlers[name] = factory(getattr(servicer, name), request_deserializer=tolerant_parser(request_cls),
                                  response_serializer=reply_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 

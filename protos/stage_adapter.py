@@ -24,7 +24,7 @@ generated stub for clients. Design choices:
   bounded in bytes and in time.
 - Requests are parsed by a tolerant deserializer: grpc's own answers a message that does not
   parse (bad wire format, invalid UTF-8 in a string) with UNKNOWN and logs it as the servicer's
-  exception, so here it reaches the servicer as a `_Malformed` marker and is answered
+  exception, so here it reaches the servicer as a `Malformed` marker (protos/serving.py) and is answered
   INVALID_ARGUMENT naming the message type (a streamed one after draining, as above).
 
 Imports nothing of ours except the generated modules beside it.
@@ -39,10 +39,9 @@ from types import MappingProxyType
 from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Protocol
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from agora.protos import stage_pb2, stage_pb2_grpc
-from agora.protos.streams import drain
+from agora.protos.serving import MalformedMessage, checked, drain, tolerant_parser
 
 __all__ = [
     "SERVICE_NAME",
@@ -188,7 +187,7 @@ class IncompleteStream(ValueError):
 
 class StageRefusal(Exception):
     """Raised by a handler to refuse a call with `code` and `message` (the adapter drains a stream
-    the client is still writing before the status goes out, see protos/streams.py)."""
+    the client is still writing before the status goes out, see protos/serving.py)."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
@@ -203,38 +202,6 @@ class StreamAdmission(Protocol):
     budget: str  # how max_bytes was derived, for the refusal of a stream over it
 
     def close(self) -> None: ...  # idempotent: the adapter may call it more than once
-
-
-class MalformedMessage(ValueError):
-    """A request (or a streamed part of one) that does not parse as its message type."""
-
-
-@dataclass(frozen=True)
-class _Malformed:
-    """What the tolerant deserializer hands the servicer for bytes that do not parse."""
-
-    message_type: str
-    error: str
-    size: int
-
-    def ByteSize(self) -> int:  # noqa: N802 - counted like a message while draining
-        return self.size
-
-
-def _tolerant_parser(message_cls: type) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        try:
-            return message_cls.FromString(data)
-        except (DecodeError, ValueError) as error:
-            return _Malformed(message_cls.DESCRIPTOR.full_name, str(error), len(data))
-    return parse
-
-
-def _parsed(message: Any) -> Any:
-    """The request's message; MalformedMessage when the tolerant deserializer could not parse it."""
-    if isinstance(message, _Malformed):
-        raise MalformedMessage(f"request: not a valid {message.message_type} message ({message.error})")
-    return message
 
 
 def _bytes_fields(cls: type) -> list[str]:
@@ -304,7 +271,7 @@ class PartAssembler:
         self._total = 0
 
     def add(self, message: Any) -> None:
-        message = _parsed(message)
+        message = checked(message)
         if self._first is None:
             self._first = message
         for name, pieces in self._pieces.items():
@@ -357,7 +324,7 @@ class _Servicer(stage_pb2_grpc.StageServicer):
 
     async def _unary(self, call: Callable[[Any, Any], Awaitable[Any]], request: Any, context: Any) -> Any:
         try:
-            value = from_message(_parsed(request))
+            value = from_message(checked(request))
         except MalformedMessage as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         try:
@@ -390,7 +357,7 @@ class _Servicer(stage_pb2_grpc.StageServicer):
                 except StopAsyncIteration:
                     raise IncompleteStream(f"stream carried no {_DATACLASS_OF[message_cls].__name__} part") from None
                 # The first part: admit (or refuse) before reading the rest.
-                admission = await self._handler.admit_stream(from_message(_parsed(first)), context)
+                admission = await self._handler.admit_stream(from_message(checked(first)), context)
                 assembler = PartAssembler(message_cls, admission.max_bytes, admission.budget)
                 assembler.add(first)
 
@@ -454,7 +421,7 @@ def add_stage_service(server: grpc.aio.Server, handler: StageHandler, *,
         request_cls = getattr(stage_pb2, method.input_type.name)
         reply_cls = getattr(stage_pb2, method.output_type.name)
         handlers[method.name] = factory(getattr(servicer, method.name),
-                                        request_deserializer=_tolerant_parser(request_cls),
+                                        request_deserializer=tolerant_parser(request_cls),
                                         response_serializer=reply_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -48,7 +48,7 @@ from agora.auth.grpc_policy import FINGERPRINT_METADATA, NODE_POLICY, MethodRule
 from agora.auth.node_state import NodeCredentials
 from agora.node.rpc.interceptors import CallHook, CallInfo, Clock
 from agora.pipeline.fingerprint import FingerprintMismatch, RunFingerprint
-from agora.protos.streams import drain
+from agora.protos.serving import drain
 
 __all__ = ["Caller", "CallerCheck", "RefusalCounts", "current_caller", "ANONYMOUS_ROLE"]
 
@@ -108,7 +108,7 @@ class RefusalCounts:
             return sum(self._counts.values())
 
 
-# A stream refused at the door is read to its end before the status goes out (protos/streams.py),
+# A stream refused at the door is read to its end before the status goes out (protos/serving.py),
 # but no further than this many parts.
 _DRAIN_PARTS = 4096
 
