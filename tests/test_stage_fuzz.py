@@ -8,8 +8,9 @@ a RunAuthority: the body (stage 1, synchronous, so its Step is the barrier) and 
 asynchronous, so its Step takes completed-batch reports). The fuzzing client holds a trainer
 credential and sends the run fingerprint, so the calls pass the door and reach the parsing behind
 it. Requests go out as bytes through identity-serialized calls, so nothing on the client side
-(a generated stub, the adapter) sanitises them first. The workers' limits are lowered (1 MiB per
-message, 2 MiB per reassembled stream) so that the size bounds are reached cheaply.
+(a generated stub, the adapter) sanitises them first. The workers' own limits are lowered (1 MiB
+per message, 2 MiB per reassembled stream); the run's geometry (node/worker/bounds.py) caps both
+lower still, so the size bounds are reached cheaply.
 
 Structured requests draw every field of protos/stage.proto: run and stage mostly right (so the
 example gets past the addressing checks), microbatch ids fresh, reused, empty, too long or
