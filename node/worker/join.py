@@ -128,7 +128,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         return WorkerRecord(peer_id=swarm.peer_id, run_id=options.run_id, endpoint=worker.address,
                             stage=options.stage, n_stages=info.n_stages, throughput=float(info.throughput),
                             queue_depth=info.load, step=info.step, phase=info.phase, version=version,
-                            updated_at=0.0, fingerprint=fingerprint)
+                            updated_at=0.0, fingerprint=fingerprint, sessions=info.sessions)
 
     heartbeat = Heartbeat(swarm, record, interval=options.heartbeat_s)
     await heartbeat.start()
