@@ -183,6 +183,10 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from agora.node.demo.demo import DemoOptions, run_demo
 
+    if args.checkpoint is not None:
+        args.checkpoint = str(Path(args.checkpoint).resolve())  # the children run in the demo's workdir
+    if args.serve and args.config is None and args.checkpoint is not None:
+        args.config = args.checkpoint  # a serving swarm runs the checkpoint's config
     _run_config(args)  # refuse a bad config before starting any process
     return run_demo(DemoOptions.from_args(args))
 
@@ -319,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--credential-lifetime", type=float, default=None, metavar="S",
                       help="seconds each credential is valid (nodes renew at half life; default: the authorizer's, "
                            "1 hour)")
+    demo.add_argument("--serve", action="store_true",
+                      help="serve --checkpoint instead of training: serve-only workers and the OpenAI-compatible "
+                           "API, up until Ctrl-C")
+    demo.add_argument("--checkpoint", default=None, metavar="C", help="with --serve: the checkpoint to serve")
+    demo.add_argument("--http-port", type=int, default=8000, metavar="P", help="with --serve: the API's port")
     demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
 
     from agora.node.authorizer import add_authorizer_commands

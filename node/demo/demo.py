@@ -61,6 +61,10 @@ class DemoOptions:
     credential_lifetime: float | None = None  # None: the authorizer's default (1 hour)
     threads: int = 1
     ready_timeout_s: float = 120.0
+    # --serve: serve-only workers on a checkpoint's weights and the HTTP API (node/demo/serving.py).
+    serve: bool = False
+    checkpoint: str | None = None
+    http_port: int = 8000
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
@@ -74,7 +78,9 @@ class DemoOptions:
                    averaging_fraction=getattr(args, "averaging_fraction", None),
                    average_optimizer_state=getattr(args, "average_optimizer_state", None),
                    insecure=getattr(args, "insecure", False), heartbeat_s=getattr(args, "heartbeat", 1.0),
-                   credential_lifetime=getattr(args, "credential_lifetime", None))
+                   credential_lifetime=getattr(args, "credential_lifetime", None),
+                   serve=getattr(args, "serve", False), checkpoint=getattr(args, "checkpoint", None),
+                   http_port=getattr(args, "http_port", 8000))
 
     def validate(self) -> "DemoOptions":
         if self.replicas < 1 or self.trainers < 1 or self.steps < 1:
@@ -89,6 +95,11 @@ class DemoOptions:
             raise ConfigError("--credential-lifetime: --insecure runs without credentials")
         if self.credential_lifetime is not None and self.credential_lifetime < 10:
             raise ConfigError(f"--credential-lifetime: at least 10 s, got {self.credential_lifetime:g}")
+        if self.serve and (self.checkpoint is None or self.sync or self.trainers != 1 or self.kill_worker_at):
+            raise ConfigError("--serve: needs --checkpoint C, and trains nothing (no --sync, --trainers, "
+                              "--kill-worker-at)")
+        if self.checkpoint is not None and not self.serve:
+            raise ConfigError("--checkpoint: only with --serve")
         if self.kill_worker_at is not None and self.replicas < 2:
             raise ConfigError("--kill-worker-at needs --replicas 2 or more, so the stage survives")
         return self
@@ -153,6 +164,10 @@ def _latest_per_trainer(lines: list[dict]) -> list[dict]:
 
 def run_demo(options: DemoOptions) -> int:
     options.validate()
+    if options.serve:
+        from agora.node.demo.serving import run_serving_demo
+
+        return run_serving_demo(options)
     workdir = (Path(options.workdir) if options.workdir else Path(tempfile.mkdtemp(prefix="agora-demo-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(workdir)

@@ -139,12 +139,26 @@ def run_client(admission, call_timeout_s: float, main: Callable[..., Awaitable[T
 
     async def body() -> T:
         channels = TlsChannels(credentials) if credentials is not None else None
-        async with contextlib.AsyncExitStack() as stack:
-            if credentials is not None and admission.authorizer:
-                await stack.enter_async_context(CredentialRenewer(admission.authorizer, credentials))
-            options = GeneratorOptions(run_id=admission.run_id, call_timeout_s=call_timeout_s)
-            generator = await stack.enter_async_context(SwarmGenerator(config, discovery, options, channels=channels))
-            return await main(generator)
+        task = asyncio.current_task()
+        revoked: list[str] = []
+
+        def on_revoked(reason: str) -> None:  # banned, or the credential ran out: stop serving
+            revoked.append(reason)
+            task.cancel()
+
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if credentials is not None and admission.authorizer:
+                    await stack.enter_async_context(CredentialRenewer(admission.authorizer, credentials,
+                                                                      on_revoked=on_revoked))
+                options = GeneratorOptions(run_id=admission.run_id, call_timeout_s=call_timeout_s)
+                generator = await stack.enter_async_context(SwarmGenerator(config, discovery, options,
+                                                                           channels=channels))
+                return await main(generator)
+        except asyncio.CancelledError:
+            if revoked:
+                raise ConfigError(f"the credential was revoked: {revoked[0]}") from None
+            raise
 
     try:
         return run_loop(body())
@@ -168,8 +182,9 @@ def cmd_generate(args: argparse.Namespace, run_config: Callable[..., RunConfig])
         text = TextStream(tokenizer)
         try:
             async for token in generator.stream(prompt, args.max_new_tokens, sampling, (tokenizer.eos_id,), outcome):
+                delta = text.add(token)
                 if not args.json:
-                    sys.stdout.write(text.add(token))
+                    sys.stdout.write(delta)
                     sys.stdout.flush()
         except GenerationFailed as error:
             raise ConfigError(f"generation failed: {error}") from None
