@@ -200,3 +200,23 @@ def _request(client: InferenceClient, session_id: str, tokens: torch.Tensor):
     from agora.protos.stage_adapter import InferRequest
 
     return InferRequest(run_id=RUN, stage=client.stage, session_id=session_id, tokens=client._token_frame(tokens))
+
+
+def test_the_pythia_geometry_through_the_workers_equals_one_process():
+    """GPT-NeoX (partial rotary, parallel residual, dense wire of width 128, a 50k vocabulary)."""
+    config = PRESETS["pythia-14m"].with_stages(3)
+    prompt = torch.randint(0, config.model.vocab_size, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    async def main():
+        workers = [StageWorker(config, i, run_id=RUN) for i in range(3)]
+        for worker in workers:
+            await worker.start()
+        views = [ReplicaView(f"p{i}", w.address, i, w.phase) for i, w in enumerate(workers)]
+        try:
+            async with SwarmGenerator(config, StaticReplicas(views), GeneratorOptions(run_id=RUN)) as generator:
+                return (await generator.generate(prompt, 12)).tokens
+        finally:
+            await stop_all(workers)
+
+    local = LocalGenerator([build_stage(config.model, i) for i in range(3)]).generate(prompt, 12)
+    assert run(main()) == local and len(local) == 12
