@@ -86,12 +86,7 @@ def cached_forward(stage: Stage, tokens: torch.Tensor, wire: torch.Tensor | None
                              f"({stage.config.max_seq_len}, model.max_seq_len)")
     cache.truncate(past)
     with torch.no_grad():
-        if stage.is_head:
-            h = stage.embed(tokens, stage.basis)
-        else:
-            if wire is None:
-                raise ValueError(f"stage {stage.index} ({stage.kind}) needs wire input")
-            h = stage.decode(wire, tokens)
+        h = stage.residual_input(tokens, wire)
         cos, sin = rotary_tables(stage.config, past + new, tokens.device)
         rotary = (cos[past:], sin[past:])
         for name, block in stage.layers.items():

@@ -183,22 +183,10 @@ def run_demo(options: DemoOptions) -> int:
     try:
         threads = ["--threads", str(options.threads)]
         common = ["--log-level", "WARNING", *threads]
-        boot_ready = workdir / "bootstrap.ready"
         if options.insecure:
-            boot_flags = ["--insecure"]
             print("demo: WARNING: --insecure: no authorizer, no TLS, no credential checks, no signed DHT records",
                   file=sys.stderr, flush=True)
-        else:
-            # The operator credentials its own bootstrap peer offline (the CA is created here), then
-            # serves admission with the bootstrap's address to hand out.
-            boot_flags = ["--state-dir", str(workdir / "bootstrap.state")]
-            _run_to_end(group, "authorizer-issue", agora_node_command(
-                *common, "authorizer", "issue", "--state-dir", str(workdir / "authorizer"), "--run-id",
-                options.run_id, "--role", "operator", "--out", str(workdir / "bootstrap.state"),
-                "--lifetime", str(24 * 3600)), options.ready_timeout_s)
-        boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", *boot_flags, "--ready-file",
-                                                           str(boot_ready)), boot_ready)
-        maddrs = group.wait_ready([boot], options.ready_timeout_s)["bootstrap"]
+        maddrs = _start_bootstrap(group, options, workdir, common)
         swarm = ["--run-id", options.run_id, "--initial-peers", *maddrs] + (["--sync"] if options.sync else [])
         admission = ["--insecure"]
         if not options.insecure:
@@ -285,6 +273,22 @@ def _run_to_end(group: ProcessGroup, name: str, command: list[str], timeout_s: f
         raise ChildFailed(f"{name} did not finish within {timeout_s:g} s:\n{child.log_tail()}") from None
     if code != 0:
         raise ChildFailed(f"{name} exited with {code}:\n{child.log_tail()}")
+
+
+def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, common: list[str]) -> list[str]:
+    """The run's DHT bootstrap peer; its multiaddrs. With admission, the operator credentials it offline
+    first (which creates the run's CA), and the authorizer then hands its address out."""
+    boot_ready = workdir / "bootstrap.ready"
+    boot_flags = ["--insecure"]
+    if not options.insecure:
+        boot_flags = ["--state-dir", str(workdir / "bootstrap.state")]
+        _run_to_end(group, "authorizer-issue", agora_node_command(
+            *common, "authorizer", "issue", "--state-dir", str(workdir / "authorizer"), "--run-id",
+            options.run_id, "--role", "operator", "--out", str(workdir / "bootstrap.state"),
+            "--lifetime", str(24 * 3600)), options.ready_timeout_s)
+    boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", *boot_flags, "--ready-file",
+                                                       str(boot_ready)), boot_ready)
+    return group.wait_ready([boot], options.ready_timeout_s)["bootstrap"]
 
 
 def _start_authorizer(group: ProcessGroup, options: DemoOptions, workdir: Path, maddrs: list[str],

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agora.node.demo.demo import DemoOptions, _interrupt_on, _run_to_end, _start_authorizer, _state_dir
+from agora.node.demo.demo import DemoOptions, _interrupt_on, _start_authorizer, _start_bootstrap, _state_dir
 from agora.node.demo.processes import ChildFailed, ProcessGroup, agora_node_command
 from agora.pipeline.config import load_config
 
@@ -33,17 +33,7 @@ def run_serving_demo(options: DemoOptions, *, out=sys.stdout) -> int:
     code = 0
     try:
         common = ["--log-level", "WARNING", "--threads", str(options.threads)]
-        boot_ready = workdir / "bootstrap.ready"
-        boot_flags = ["--insecure"]
-        if not options.insecure:
-            boot_flags = ["--state-dir", str(workdir / "bootstrap.state")]
-            _run_to_end(group, "authorizer-issue", agora_node_command(
-                *common, "authorizer", "issue", "--state-dir", str(workdir / "authorizer"), "--run-id",
-                options.run_id, "--role", "operator", "--out", str(workdir / "bootstrap.state"),
-                "--lifetime", str(24 * 3600)), options.ready_timeout_s)
-        boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", *boot_flags, "--ready-file",
-                                                           str(boot_ready)), boot_ready)
-        maddrs = group.wait_ready([boot], options.ready_timeout_s)["bootstrap"]
+        maddrs = _start_bootstrap(group, options, workdir, common)
         swarm = ["--run-id", options.run_id, "--initial-peers", *maddrs]
         admission = ["--insecure"]
         if not options.insecure:
