@@ -364,12 +364,15 @@ def _averaging_by_stage(workdir: Path, workers) -> dict:
         except (OSError, ValueError):
             continue
         into = merged.setdefault(str(stage), {"method": stats.get("method"), "replicas_reporting": 0,
-                                              "rounds_by_outcome": {}, "applied": 0, "skipped": 0, "bytes_sent": 0,
+                                              "rounds_by_outcome": {}, "rejections": {}, "applied": 0, "skipped": 0,
+                                              "bytes_sent": 0,
                                               "local_steps": 0, "compute_blocked_s": 0.0, "wall_s": 0.0,
                                               "lag_steps_sum": 0.0, "max_lag_steps": 0})
         into["replicas_reporting"] += 1
         for outcome, n in stats.get("rounds_by_outcome", {}).items():
             into["rounds_by_outcome"][outcome] = into["rounds_by_outcome"].get(outcome, 0) + n
+        for reason, n in stats.get("rejections", {}).items():  # what robust aggregation stopped (dht/robust.py)
+            into["rejections"][reason] = into["rejections"].get(reason, 0) + n
         for key in ("applied", "skipped", "bytes_sent", "local_steps", "compute_blocked_s", "wall_s"):
             into[key] += stats.get(key, 0)
         into["parameters"] = stats.get("parameters", 0)
