@@ -27,7 +27,7 @@ from agora.auth.node_state import NodeCredentials
 from agora.dht.averaging import RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
-from agora.dht.records import WorkerRecord
+from agora.dht.records import TRAINING_PHASES, WorkerRecord
 from agora.dht.robust import RobustAggregation
 from agora.dht.swarm import SwarmDHT
 from agora.node.averaging.loop import AveragingLoop
@@ -38,6 +38,7 @@ from agora.node.averaging.sparta import (
     stage_parameter_numels,
 )
 from agora.node.worker.compute import StageCompute
+from agora.node.worker.epoch import stage_step
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkpoint, save_checkpoint
 from agora.pipeline.config import ConfigError, RunConfig
@@ -104,6 +105,22 @@ def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, se
         admission=security.averaging_admission(options.stage) if security is not None else None, robust=robust)
 
 
+async def _follow_stage_epoch(swarm: SwarmDHT, worker: StageWorker, options: JoinOptions) -> None:
+    """Every heartbeat: give the compute the step count the stage's other replicas announce (their
+    median; node/worker/epoch.py), against which it judges a first or far-off completed-batch report."""
+    while True:
+        try:
+            records = await swarm.live_workers_async(options.run_id, options.stage)
+            steps = [r.step for r in records if r.peer_id != swarm.peer_id and r.phase in TRAINING_PHASES]
+            value = stage_step(steps)
+            await worker.on_compute(lambda compute: setattr(compute, "stage_step", value))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # a DHT hiccup keeps the last value; the worker goes on
+            logger.debug("could not read the stage's replicas: %s", error)
+        await asyncio.sleep(options.heartbeat_s)
+
+
 async def _serve(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions, swarm: SwarmDHT,
                  averager: SliceAverager | None = None, credentials: NodeCredentials | None = None) -> int:
     stop = asyncio.Event()
@@ -140,6 +157,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
 
     heartbeat = Heartbeat(swarm, record, interval=options.heartbeat_s)
     await heartbeat.start()
+    follow = asyncio.create_task(_follow_stage_epoch(swarm, worker, options), name="stage-epoch")
     averaging = None
     if averager is not None:
         sync = config.sync
@@ -164,6 +182,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     worker.phase = "leaving"
     if renewer is not None:
         await renewer.stop()
+    follow.cancel()
     await heartbeat.stop(withdraw=True)
     if averaging is not None:
         await averaging.stop()
