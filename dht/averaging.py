@@ -80,6 +80,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from agora.auth.credentials import CredentialError, CredentialVerifier
 from agora.auth.node_state import CREDENTIAL_FILE
 from agora.dht.robust import DeviationHistory, RobustAggregation
+from agora.pipeline.codec import all_finite
 from agora.dht.robust_allreduce import AgreedGroup, RobustAllReduceRunner, agreed_group
 from agora.dht.records import Record, RecordError, check_run_id, worker_key
 from agora.dht.swarm import SwarmDHT, _exit_when_orphaned
@@ -308,7 +309,7 @@ class SliceAverager:
         if rounds != {round_number}:
             return RoundResult("rejected", round_number, None, **common, bytes_sent=sent, bytes_received=sent,
                                error=f"group members disagree on the round: {sorted(map(str, rounds))}")
-        if not torch.isfinite(averaged).all():
+        if not all_finite(averaged):
             return RoundResult("rejected", round_number, None, **common, bytes_sent=sent, bytes_received=sent,
                                error="the average is not finite (all weights zero, or a peer sent NaN/Inf)")
         return RoundResult("committed", round_number, averaged, **common, bytes_sent=sent, bytes_received=sent)

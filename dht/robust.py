@@ -51,6 +51,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from agora.pipeline.codec import all_finite
+
 __all__ = [
     "AGGREGATION_METHODS",
     "REASONS",
@@ -152,7 +154,7 @@ def aggregate_part(parts: Sequence[torch.Tensor], weights: Sequence[float], poli
     verdicts = ["used" if w > 0 else "unweighted" for w in weights]
     counts: Counter = Counter()
     for i, part in enumerate(parts):
-        if verdicts[i] == "used" and not bool(torch.isfinite(part).all()):
+        if verdicts[i] == "used" and not all_finite(part):
             verdicts[i] = "nonfinite"
             counts["nonfinite"] += 1
     live = [i for i, v in enumerate(verdicts) if v == "used"]
@@ -170,7 +172,7 @@ def aggregate_part(parts: Sequence[torch.Tensor], weights: Sequence[float], poli
 
 def relative_move(delta: torch.Tensor, local: torch.Tensor) -> float:
     """How far an average moves a part, relative to the part's own norm (inf for a zero part)."""
-    if not bool(torch.isfinite(delta).all()):
+    if not all_finite(delta):
         return math.inf
     moved, norm = float(torch.linalg.vector_norm(delta)), float(torch.linalg.vector_norm(local))
     if moved == 0.0:
@@ -216,7 +218,7 @@ class DeviationHistory:
 
 def _robust_many(parts, weights, live, verdicts, policy: RobustAggregation) -> torch.Tensor:
     stacked = torch.stack([parts[i] for i in live])
-    centre = stacked.median(dim=0).values
+    centre = _coordinate_median(stacked)
     distances = torch.linalg.vector_norm(stacked - centre, dim=1)
     spread = float(distances.median())
     noise = _NOISE * float(torch.linalg.vector_norm(centre))
@@ -229,12 +231,25 @@ def _robust_many(parts, weights, live, verdicts, policy: RobustAggregation) -> t
     kept = stacked[keep]
     kept_weights = torch.tensor([weights[live[row]] for row in keep], dtype=stacked.dtype)
     radius = policy.clip_factor * spread + noise
+    # Every kept contribution within the radius of the weighted mean: that mean is CenteredClip's
+    # fixed point (nothing is clipped there), exactly, and it is what an honest group gets.
+    mean = (kept_weights / kept_weights.sum()).unsqueeze(1).mul(kept).sum(dim=0)
+    if float(torch.linalg.vector_norm(kept - mean, dim=1).max()) <= radius:
+        return mean
     value = _centered_clip(kept, kept_weights, centre, radius, policy.clip_iterations)
     final = torch.linalg.vector_norm(kept - value, dim=1)
     for row, distance in zip(keep, final.tolist()):
         if distance > radius:
             verdicts[live[row]] = "clipped"
     return value
+
+
+def _coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
+    """The lower coordinate-wise median of the rows (for 3 rows by min/max: ~10x faster than a sort)."""
+    if stacked.shape[0] == 3:
+        a, b, c = stacked
+        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+    return stacked.kthvalue((stacked.shape[0] + 1) // 2, dim=0).values
 
 
 def _centered_clip(values: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, radius: float,
