@@ -26,7 +26,7 @@ from agora.node.inference.generator import GeneratorOptions, SwarmGenerator
 from agora.node.inference.routing import ReplicaView
 from agora.node.inference.service import InferenceOptions
 from agora.node.rpc.server import run
-from agora.node.trainer.stage_client import RequestRefused, StageClient
+from agora.node.trainer.stage_client import StageCallError, StageClient
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
@@ -135,7 +135,7 @@ def _code(coroutine) -> tuple[grpc.StatusCode, str]:
     async def main():
         try:
             await coroutine
-        except RequestRefused as error:
+        except StageCallError as error:
             return error.code, error.details
         return grpc.StatusCode.OK, ""
     return main()

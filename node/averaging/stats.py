@@ -26,6 +26,7 @@ class AveragingStats:
         self.applied = 0  # rounds whose result changed the parameters
         self.skipped = 0  # rounds that came due while another one ran
         self.group_sizes: Counter[int] = Counter()
+        self.rejections: Counter[str] = Counter()  # by reason (dht/robust.py), over every round
         self.received_sum = 0.0
         self.duration_sum = 0.0
         self.duration_max = 0.0
@@ -46,6 +47,7 @@ class AveragingStats:
             self.lag_steps_sum += lag_steps
             self.lag_steps_max = max(self.lag_steps_max, lag_steps)
         self.group_sizes[max(1, result.group_size)] += 1
+        self.rejections.update(result.rejections)
         if result.outcome == "committed":
             self.received_sum += result.received_fraction
         self.duration_sum += result.duration_s
@@ -64,6 +66,7 @@ class AveragingStats:
             "applied": self.applied,
             "skipped": self.skipped,
             "group_sizes": {str(size): n for size, n in sorted(self.group_sizes.items())},
+            "rejections": dict(sorted(self.rejections.items())),
             "mean_received_fraction": (self.received_sum / self.rounds["committed"]
                                        if self.rounds["committed"] else None),
             "mean_duration_s": self.duration_sum / total if total else None,

@@ -45,7 +45,13 @@ from agora.auth.node_state import NodeCredentials
 from agora.node.rpc.tls import ChannelFactory, TlsChannels
 from agora.node.trainer.discovery import Discovery
 from agora.node.trainer.routing import Roster, WorkerView
-from agora.node.trainer.stage_client import RequestRefused, StageCallError, StageClient, WorkerBusy
+from agora.node.trainer.stage_client import (
+    OutsideWindow,
+    RequestRefused,
+    StageCallError,
+    StageClient,
+    WorkerBusy,
+)
 from agora.pipeline.centralized import StepRecord
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import ConfigError, RunConfig
@@ -122,6 +128,7 @@ class TrainerStats:
     failures_by_peer: dict[str, int] = field(default_factory=dict)
     aborts: dict[str, int] = field(default_factory=dict)  # by the worker's outcome
     batch_reports_failed: int = 0  # completed-batch reports a worker did not answer (it lags one step)
+    batch_reports_refused: int = 0  # reports outside a replica's window (it lags or runs ahead of its stage)
     times_by_stage: dict[int, StageTimes] = field(default_factory=dict)
 
     def time_split(self) -> dict[str, dict[str, float]]:
@@ -340,6 +347,10 @@ class SwarmTrainer:
         async def one(view: WorkerView) -> None:
             try:
                 await self._client(view).batch_done(unit_id, n_micro, replicas, timeout_s=timeout)
+            except OutsideWindow as error:
+                # It lags or runs ahead of its stage: keep telling it, it re-anchors to the stage's count.
+                self.stats.batch_reports_refused += 1
+                logger.debug("completed-batch report %d refused by %s: %s", unit_id, view.endpoint, error)
             except RequestRefused as error:
                 # It steps on its own count (join --local-batch) or is synchronous: stop telling it.
                 self._unreported.add(view.peer_id)
@@ -528,6 +539,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "microbatches": trainer.stats.microbatches, "reroutes": trainer.stats.reroutes,
                 "busy": trainer.stats.busy, "failures_by_peer": trainer.stats.failures_by_peer,
                 "aborts": trainer.stats.aborts, "batch_reports_failed": trainer.stats.batch_reports_failed,
+                "batch_reports_refused": trainer.stats.batch_reports_refused,
                 "time_split_by_stage": trainer.stats.time_split(),
             }
 
