@@ -5,7 +5,9 @@ over hivemind's DHT and gRPC on loopback, driven by the official `openai` client
   for token; so does a streamed one during which the body replica serving it is killed with
   SIGKILL (two replicas of that stage): the session moves to the other replica, is replayed there,
   and the text is unchanged; the server's counters show the failover.
-- `demo --serve` comes up, answers a chat completion, and stops cleanly on Ctrl-C (exit 0).
+- `demo --serve` comes up with admission on (an authorizer; workers and the API admitted, the API
+  as a `client`, every call over mutual TLS), answers a chat completion equal to one process's,
+  and stops cleanly on Ctrl-C (exit 0).
 
 Readiness is every process's ready file (never a sleep); children run one torch thread and are
 reaped by the ProcessGroup whatever happens.
@@ -123,7 +125,7 @@ def test_demo_serve_answers_and_stops_on_ctrl_c(checkpoint, tmp_path):
     path, stages = checkpoint
     workdir = tmp_path / "demo"
     demo = subprocess.Popen([sys.executable, "-m", "agora.node", "demo", "--serve", "--checkpoint", str(path),
-                             "--insecure", "--stages", "2", "--http-port", "0", "--heartbeat", "0.5",
+                             "--stages", "2", "--http-port", "0", "--heartbeat", "0.5",
                              "--workdir", str(workdir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
