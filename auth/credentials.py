@@ -56,7 +56,9 @@ __all__ = [
     "split_pem",
 ]
 
-ROLES = ("worker", "trainer", "monitor", "operator")
+# A client runs inference through the swarm (`agora-node generate` / `serve`): it reads the DHT
+# and calls the workers' inference methods, nothing else (auth/grpc_policy.py).
+ROLES = ("worker", "trainer", "monitor", "operator", "client")
 STAGE_ROLES = frozenset({"worker"})  # roles whose credential names one pipeline stage
 _URI = re.compile(r"agora://(?P<run>[A-Za-z0-9_-]{1,64})/(?P<role>[a-z]+)/(?P<stage>-|\d{1,4})/(?P<peer>[1-9A-HJ-NP-Za-km-z]{10,128})")
 

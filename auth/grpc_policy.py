@@ -11,6 +11,11 @@ Design choices:
   gradient would wreck a stage); Info is read-only, so every role may call it (a monitor's
   whole job, and workers reading each other's state); health checks and reflection are open to
   any credentialed caller (the TLS handshake has already demanded a credential of this run).
+- Inference (Prefill, Decode, CloseSession) is open to a client (the role of `agora-node
+  generate` and `serve`), a trainer (generating from the model it trains) and an operator (its
+  own tools). Not to a worker (a stage has no reason to drive another's sessions) nor a monitor
+  (read-only). Inference changes no weights, only the caller's own sessions (bound to it like a
+  microbatch, node/inference/sessions.py), and each worker bounds what sessions may hold.
 - The run fingerprint (pipeline/fingerprint.py) travels in the ``agora-run-fingerprint``
   metadata of every Stage request, also under ``--insecure``: a peer started with another seed or
   config is refused at the call, naming the field, instead of computing garbage. Health and
@@ -56,6 +61,7 @@ class MethodRule:
 
 
 _TRAINER = MethodRule(frozenset({"trainer"}), fingerprint=True)
+_INFERENCE = MethodRule(frozenset({"client", "trainer", "operator"}), fingerprint=True)
 _READ_ONLY = MethodRule(frozenset(ROLES), fingerprint=True)
 _PROBE = MethodRule(frozenset(ROLES), fingerprint=False)
 
@@ -69,6 +75,9 @@ NODE_POLICY: Mapping[str, Mapping[str, MethodRule]] = MappingProxyType({
         "Abort": _TRAINER,
         "Step": _TRAINER,
         "Info": _READ_ONLY,
+        "Prefill": _INFERENCE,
+        "Decode": _INFERENCE,
+        "CloseSession": _INFERENCE,
     }),
     HEALTH_SERVICE: MappingProxyType({_ANY_SERVICE_METHOD: _PROBE}),
     **{name: MappingProxyType({_ANY_SERVICE_METHOD: _PROBE}) for name in REFLECTION_SERVICES},

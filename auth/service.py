@@ -67,7 +67,7 @@ __all__ = ["AuthorizerSettings", "AuthorizerService", "AdmittedNode", "ADMITTED_
 logger = logging.getLogger(__name__)
 
 ADMITTED_FILE = "admitted.json"
-JOIN_ROLES = ("worker", "trainer", "monitor")  # operator credentials are minted offline only
+JOIN_ROLES = ("worker", "trainer", "monitor", "client")  # operator credentials are minted offline only
 _MAX_KEY_PEM, _MAX_CHAIN_PEM = 4096, 16384
 
 

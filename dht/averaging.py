@@ -406,7 +406,8 @@ class RoundBoard:
     async def replicas(self) -> int:
         """Live replicas of the stage, this one included (even before its first announce lands)."""
         records = await self._swarm.live_workers_async(self.run_id, self.stage)
-        return 1 + sum(1 for w in records if w.peer_id != self._swarm.peer_id and w.phase != "leaving")
+        # Serve-only workers (phase "serving") share the stage's record key but never average.
+        return 1 + sum(1 for w in records if w.peer_id != self._swarm.peer_id and w.phase not in ("leaving", "serving"))
 
 
 class _AveragerProcess(DecentralizedAverager):

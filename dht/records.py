@@ -53,7 +53,8 @@ __all__ = [
 SCHEMA_VERSION = 2
 # hivemind's RSASignatureValidator.PUBLIC_KEY_FORMAT, as text: b"[owner:_key_]".
 OWNER_MARKER = "[owner:"
-PHASES = frozenset({"weight_sync", "optimizer_sync", "member", "leaving"})
+# "serving": a worker that answers inference only (join --serve-only); trainers never route to it.
+PHASES = frozenset({"weight_sync", "optimizer_sync", "member", "leaving", "serving"})
 # Phases in which a worker trains on live traffic: trainers route to them, and their step counts
 # are the stage's (a worker in weight sync has not got the stage's state yet).
 TRAINING_PHASES = ("member", "optimizer_sync")
@@ -216,6 +217,8 @@ class WorkerRecord(Record):
     software's version string, so trainers can skip peers that speak another protocol.
     ``updated_at`` is DHT time (seconds, hivemind's ``get_dht_time`` clock) of the announce.
     ``fingerprint`` is the run fingerprint text (``RunFingerprint.text()``), compared by readers.
+    ``sessions``: inference sessions the worker holds (load for clients' routing; absent in older
+    records, hence its default).
     """
 
     KIND: ClassVar[str] = "worker"
@@ -232,6 +235,7 @@ class WorkerRecord(Record):
     version: str
     updated_at: float
     fingerprint: str
+    sessions: int = 0
 
     def check(self) -> None:
         if not self.peer_id:
@@ -242,7 +246,7 @@ class WorkerRecord(Record):
             raise RecordError(f"worker.n_stages: {self.n_stages} out of range [1, {MAX_STAGES}]")
         if not 0 <= self.stage < self.n_stages:
             raise RecordError(f"worker.stage: {self.stage} out of range [0, n_stages={self.n_stages})")
-        for name in ("throughput", "queue_depth", "step", "updated_at"):
+        for name in ("throughput", "queue_depth", "step", "updated_at", "sessions"):
             if getattr(self, name) < 0:
                 raise RecordError(f"worker.{name}: must be >= 0, got {getattr(self, name)}")
         if self.phase not in PHASES:

@@ -355,8 +355,9 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--latency-probes", type=int, default=5, help="round trips timed (median; default 5)")
     serve.add_argument("--join-rate", type=float, default=0.5, help="sustained join attempts per second per address")
     serve.add_argument("--join-burst", type=int, default=10, help="join attempts at once per address")
-    serve.add_argument("--join-roles", default="worker,trainer,monitor", metavar="ROLES",
-                       help="roles a node may join as by itself, comma-separated (default worker,trainer,monitor); "
+    serve.add_argument("--join-roles", default="worker,trainer,monitor,client", metavar="ROLES",
+                       help="roles a node may join as by itself, comma-separated (default worker,trainer,monitor,"
+                            "client: a client runs inference only, agora-node generate/serve); "
                             "leave trainer out to keep trainers, which choose the data and targets of every gradient, "
                             "to machines the operator credentials with `authorizer issue --role trainer`")
     serve.add_argument("--queue-retry-after", type=float, default=5.0, metavar="S",

@@ -126,8 +126,10 @@ def _cmd_join(args: argparse.Namespace) -> int:
     from agora.node.worker.join import JoinOptions, run_worker
 
     from agora.node.admission import AdmissionOptions, admit_node, config_chooser, free_port
+    from agora.node.inference.commands import serve_only_config_flags
     from agora.node.rpc.server import announced_host
 
+    serve_only_config_flags(args)  # --serve-only: the checkpoint is the run config unless --config
     worker_options = _worker_options(args)
     if worker_options.port == 0:  # the authorizer's dial-back and then the gRPC server take this port
         worker_options = replace(worker_options, port=free_port(worker_options.host))
@@ -138,17 +140,20 @@ def _cmd_join(args: argparse.Namespace) -> int:
     options = JoinOptions(stage=admission.stage, run_id=admission.run_id, initial_peers=admission.initial_peers,
                           dht_host=args.dht_host, dht_port=args.dht_port, heartbeat_s=args.heartbeat,
                           ready_file=args.ready_file, checkpoint_dir=args.checkpoint_dir,
-                          stats_file=args.stats_file, authorizer=admission.authorizer)
+                          stats_file=args.stats_file, authorizer=admission.authorizer,
+                          serve_checkpoint=args.checkpoint if args.serve_only else None)
     return run_worker(admission.config, options, worker_options, credentials=admission.credentials)
 
 
 def _worker_options(args: argparse.Namespace):
+    from agora.node.inference.commands import inference_options
     from agora.node.worker.worker import WorkerOptions
 
     pinned = {} if args.pinned_weights is None else {"pinned_weights": args.pinned_weights}
     return WorkerOptions(host=args.host, port=args.port, announce_host=args.announce_host, synchronous=args.sync,
                          local_batch=args.local_batch, max_queue=args.max_queue, wire_dtype=args.wire_dtype,
-                         max_rows=args.max_rows, **pinned).validate()
+                         max_rows=args.max_rows, serve_only=args.serve_only, inference=inference_options(args),
+                         **pinned).validate()
 
 
 def _cmd_trainer(args: argparse.Namespace) -> int:
@@ -182,17 +187,22 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from agora.node.demo.demo import DemoOptions, run_demo
 
+    if args.checkpoint is not None:
+        args.checkpoint = str(Path(args.checkpoint).resolve())  # the children run in the demo's workdir
+    if args.serve and args.config is None and args.checkpoint is not None:
+        args.config = args.checkpoint  # a serving swarm runs the checkpoint's config
     _run_config(args)  # refuse a bad config before starting any process
     return run_demo(DemoOptions.from_args(args))
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str, averaging: bool = True) -> None:
+def _add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str, averaging: bool = True,
+                       seed_flag: str = "--seed") -> None:
     """Flags that must be identical on every process of one run (they are all in its fingerprint,
     the averaging ones included: a trainer or an authorizer with other sync settings is another run)."""
     parser.add_argument("--config", default=None,
-                        help="preset name (tiny, small, pythia-14m, pluralis-8b) or TOML file (default: the run "
-                             "config the authorizer serves, else tiny)")
-    parser.add_argument("--seed", type=int, default=None, help="run seed (basis, init and data order)")
+                        help="preset name (tiny, small, pythia-14m, pluralis-8b), TOML file or checkpoint folder "
+                             "(default: the run config the authorizer serves, else tiny)")
+    parser.add_argument(seed_flag, dest="seed", type=int, default=None, help="run seed (basis, init and data order)")
     parser.add_argument("--stages", type=int, default=None, help="split the blocks evenly over this many stages")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per global batch")
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches per global batch")
@@ -273,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
     join.add_argument("--checkpoint-dir", default=None, help="resume from and checkpoint into this folder")
     join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
+    from agora.node.inference.commands import add_client_commands, add_serving_arguments
+
+    add_serving_arguments(join)
     add_admission_arguments(join)
     join.set_defaults(handler=_cmd_join)
 
@@ -316,11 +329,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--credential-lifetime", type=float, default=None, metavar="S",
                       help="seconds each credential is valid (nodes renew at half life; default: the authorizer's, "
                            "1 hour)")
+    demo.add_argument("--serve", action="store_true",
+                      help="serve --checkpoint instead of training: serve-only workers and the OpenAI-compatible "
+                           "API, up until Ctrl-C")
+    demo.add_argument("--checkpoint", default=None, metavar="C", help="with --serve: the checkpoint to serve")
+    demo.add_argument("--http-port", type=int, default=8000, metavar="P", help="with --serve: the API's port")
     demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
 
     from agora.node.authorizer import add_authorizer_commands
 
     add_authorizer_commands(commands)
+    add_client_commands(commands, add_run_arguments=_add_run_arguments, run_config=_run_config)
     return parser
 
 

@@ -22,7 +22,7 @@ import torch
 from agora.pipeline.config import RunConfig, config_from_dict, config_to_dict
 from agora.pipeline.files import atomic_write
 
-__all__ = ["CheckpointError", "StageState", "save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+__all__ = ["CheckpointError", "StageState", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "read_meta"]
 
 _STEP_PREFIX = "step-"
 
@@ -77,14 +77,28 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return path
 
 
+def _resolve(path: Path) -> Path:
+    """A checkpoint folder itself, or the one a folder's `latest` names."""
+    if (path / "meta.json").exists():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"{path}: no checkpoint here (no meta.json and no 'latest')")
+    return latest
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's meta.json (step, config, stages, extra) without loading any tensor."""
+    path = _resolve(Path(path))
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable meta.json: {error}") from error
+
+
 def load_checkpoint(path: str | Path) -> tuple[int, RunConfig, list[StageState], dict[str, Any]]:
     """(step, config, stage states, extra) from a checkpoint folder or a folder holding `latest`."""
-    path = Path(path)
-    if not (path / "meta.json").exists():
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(f"{path}: no checkpoint here (no meta.json and no 'latest')")
-        path = latest
+    path = _resolve(Path(path))
     try:
         meta = json.loads((path / "meta.json").read_text())
         config = config_from_dict(meta["config"])

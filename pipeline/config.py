@@ -390,13 +390,20 @@ def config_to_dict(config: RunConfig) -> dict:
 
 
 def load_config(spec: str | Path) -> RunConfig:
-    """A preset name or a TOML file path."""
+    """A preset name, a TOML file path, or a checkpoint folder (the config its run was trained with)."""
     spec = str(spec)
     if spec in PRESETS:
         return PRESETS[spec].validate()
     path = Path(spec)
     if not path.exists():
         raise ConfigError(f"config: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
+    if path.is_dir():
+        from agora.pipeline.checkpoint import CheckpointError, read_meta  # checkpoint.py imports this module
+
+        try:
+            return config_from_dict(read_meta(path)["config"])
+        except CheckpointError as error:
+            raise ConfigError(f"config: {error}") from None
     try:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as error:

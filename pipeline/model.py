@@ -31,6 +31,7 @@ from agora.pipeline.config import ModelConfig
 __all__ = [
     "SubspaceBasis",
     "Block",
+    "KVCache",
     "TokenEmbedding",
     "SubspaceTransformer",
     "make_basis",
@@ -156,6 +157,50 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
 
 
+class KVCache:
+    """One attention layer's keys and values for one inference session: (batch, kv_heads, length,
+    head_dim), RoPE already applied, kept before the GQA repeat (n_heads / n_kv_heads times smaller).
+
+    Grown by concatenation: a session's cache is small next to the weights, and a fixed
+    preallocation would charge every short session the longest one's memory.
+    """
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions; every position's keys and values so far."""
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat((self.keys, keys), dim=2)
+            self.values = torch.cat((self.values, values), dim=2)
+        return self.keys, self.values
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (a retried or rewound call recomputes them)."""
+        if self.keys is not None and length < self.length:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+
+def _cached_attention_mask(queries: int, past: int, device: torch.device) -> torch.Tensor | None:
+    """Query i (position past + i) sees keys 0..past + i; None where SDPA's own masks do."""
+    if queries == 1:
+        return None  # the newest position sees every key
+    return torch.ones(queries, past + queries, dtype=torch.bool, device=device).tril(diagonal=past)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -169,7 +214,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                basis: SubspaceBasis | None) -> torch.Tensor:
+                basis: SubspaceBasis | None, cache: KVCache | None = None) -> torch.Tensor:
+        """`cache` (inference): `x` holds the positions after the cached ones, `rotary` their
+        tables; their keys and values are appended to it."""
         batch, seq, _ = x.shape
         q = self.q(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -177,10 +224,17 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.extend(k, v)
         if self.n_kv_heads != self.n_heads:
             repeat = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if past == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=_cached_attention_mask(seq, past, x.device))
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1), basis)
 
 
@@ -213,11 +267,12 @@ class Block(nn.Module):
     def _post(self, x: torch.Tensor) -> torch.Tensor:
         return self.out_norm(x) if self.out_norm is not None else x
 
-    def forward(self, h: torch.Tensor, rotary, basis: SubspaceBasis | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rotary, basis: SubspaceBasis | None,
+                cache: KVCache | None = None) -> torch.Tensor:
         if self.parallel:
-            return h + self._post(self.attn(self.attn_norm(h), rotary, basis)) \
+            return h + self._post(self.attn(self.attn_norm(h), rotary, basis, cache)) \
                 + self._post(self.mlp(self.mlp_norm(h), basis))
-        h = h + self._post(self.attn(self.attn_norm(h), rotary, basis))
+        h = h + self._post(self.attn(self.attn_norm(h), rotary, basis, cache))
         return h + self._post(self.mlp(self.mlp_norm(h), basis))
 
 

@@ -97,14 +97,17 @@ class Stage(nn.Module):
     def decode(self, wire: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return self.basis.decode(wire, tokens) if self.basis is not None else wire
 
+    def residual_input(self, tokens: torch.Tensor, wire: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream entering this stage's blocks: the embedding (head) or the decoded wire."""
+        if self.is_head:
+            return self.embed(tokens, self.basis)
+        if wire is None:
+            raise ValueError(f"stage {self.index} ({self.kind}) needs wire input")
+        return self.decode(wire, tokens)
+
     def hidden(self, tokens: torch.Tensor, wire: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream after this stage's blocks."""
-        if self.is_head:
-            h = self.embed(tokens, self.basis)
-        else:
-            if wire is None:
-                raise ValueError(f"stage {self.index} ({self.kind}) needs wire input")
-            h = self.decode(wire, tokens)
+        h = self.residual_input(tokens, wire)
         rotary = rotary_tables(self.config, tokens.shape[1], tokens.device)
         for block in self.layers.values():
             h = block(h, rotary, self.basis)

@@ -22,6 +22,10 @@ generated stub for clients. Design choices:
   trickling client cannot hold an admitted stream's slot. A handler raising `StageRefusal`
   anywhere gets its status sent (after draining, for a stream still being written). Draining is
   bounded in bytes and in time.
+- Inference (Prefill, Decode, CloseSession) is served by a handler of its own (`InferenceHandler`,
+  the worker's inference service), passed to `add_stage_service` beside the training handler, so
+  the two concerns stay in separate modules on one server; without one, those methods answer
+  UNIMPLEMENTED.
 - Requests are parsed by a tolerant deserializer: grpc's own answers a message that does not
   parse (bad wire format, invalid UTF-8 in a string) with UNKNOWN and logs it as the servicer's
   exception, so here it reaches the servicer as a `Malformed` marker (protos/serving.py) and is answered
@@ -55,6 +59,10 @@ __all__ = [
     "AbortReply",
     "InfoRequest",
     "InfoReply",
+    "InferRequest",
+    "InferReply",
+    "CloseSessionRequest",
+    "CloseSessionReply",
     "PayloadTooLarge",
     "IncompleteStream",
     "StageRefusal",
@@ -62,6 +70,7 @@ __all__ = [
     "MalformedMessage",
     "PartAssembler",
     "StageHandler",
+    "InferenceHandler",
     "StageStub",
     "to_message",
     "from_message",
@@ -159,6 +168,42 @@ class InfoReply:
     stashed: int
     synchronous: bool
     throughput: float = 0.0  # tokens/s of compute, moving average
+    sessions: int = 0  # inference sessions open
+    session_capacity: int = 0
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    run_id: str
+    stage: int
+    session_id: str
+    tokens: bytes
+    position: int = 0  # positions this call follows (0 for Prefill)
+    wire: bytes = b""  # empty for the head
+    max_tokens: int = 0  # Prefill: positions the session will hold at most; 0: the worker's limit
+
+
+@dataclass(frozen=True)
+class InferReply:
+    wire: bytes = b""  # head/body output for the new positions
+    logits: bytes = b""  # tail: the last position's logits
+    length: int = 0  # positions the session holds on this worker now
+    step: int = 0  # the worker's optimizer step now, and when the session opened
+    session_step: int = 0
+    queued_s: float = 0.0
+    compute_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class CloseSessionRequest:
+    run_id: str
+    stage: int
+    session_id: str
+
+
+@dataclass(frozen=True)
+class CloseSessionReply:
+    closed: bool
 
 
 # Read-only pairing of each dataclass with its generated message class.
@@ -173,6 +218,10 @@ _MESSAGE_OF: Mapping[type, type] = MappingProxyType({
     AbortReply: stage_pb2.AbortReply,
     InfoRequest: stage_pb2.InfoRequest,
     InfoReply: stage_pb2.InfoReply,
+    InferRequest: stage_pb2.InferRequest,
+    InferReply: stage_pb2.InferReply,
+    CloseSessionRequest: stage_pb2.CloseSessionRequest,
+    CloseSessionReply: stage_pb2.CloseSessionReply,
 })
 _DATACLASS_OF: Mapping[type, type] = MappingProxyType({message: data for data, message in _MESSAGE_OF.items()})
 
@@ -315,9 +364,19 @@ class StageHandler(Protocol):
     def info(self, request: InfoRequest, context: Any) -> Awaitable[InfoReply]: ...
 
 
+class InferenceHandler(Protocol):
+    """What a worker's inference service implements (same conventions as `StageHandler`)."""
+
+    def prefill(self, request: InferRequest, context: Any) -> Awaitable[InferReply]: ...
+    def decode(self, request: InferRequest, context: Any) -> Awaitable[InferReply]: ...
+    def close_session(self, request: CloseSessionRequest, context: Any) -> Awaitable[CloseSessionReply]: ...
+
+
 class _Servicer(stage_pb2_grpc.StageServicer):
-    def __init__(self, handler: StageHandler, max_stream_bytes: int, chunk_bytes: int, stream_timeout_s: float):
+    def __init__(self, handler: StageHandler, max_stream_bytes: int, chunk_bytes: int, stream_timeout_s: float,
+                 inference: InferenceHandler | None = None):
         self._handler = handler
+        self._inference = inference
         self._max_stream_bytes = max_stream_bytes
         self._chunk_bytes = chunk_bytes
         self._stream_timeout_s = stream_timeout_s
@@ -347,6 +406,20 @@ class _Servicer(stage_pb2_grpc.StageServicer):
 
     async def Info(self, request, context):
         return await self._unary(self._handler.info, request, context)
+
+    async def _inferring(self, name: str, request, context):
+        if self._inference is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker does not serve inference")
+        return await self._unary(getattr(self._inference, name), request, context)
+
+    async def Prefill(self, request, context):
+        return await self._inferring("prefill", request, context)
+
+    async def Decode(self, request, context):
+        return await self._inferring("decode", request, context)
+
+    async def CloseSession(self, request, context):
+        return await self._inferring("close_session", request, context)
 
     async def _streamed(self, parts, context, message_cls, call) -> AsyncIterator[Any]:
         admission: StreamAdmission | None = None
@@ -407,11 +480,13 @@ class _Servicer(stage_pb2_grpc.StageServicer):
 
 
 def add_stage_service(server: grpc.aio.Server, handler: StageHandler, *,
-                      max_stream_bytes: int, chunk_bytes: int, stream_timeout_s: float = 30.0) -> None:
+                      max_stream_bytes: int, chunk_bytes: int, stream_timeout_s: float = 30.0,
+                      inference: InferenceHandler | None = None) -> None:
     """Serve `handler` as agora.v1.Stage on `server` (unary and streaming variants alike), with
     tolerant request parsing; `max_stream_bytes` bounds what a refused stream is drained of,
-    `stream_timeout_s` how long an admitted one may take after its first part."""
-    servicer = _Servicer(handler, max_stream_bytes, chunk_bytes, stream_timeout_s)
+    `stream_timeout_s` how long an admitted one may take after its first part. `inference`
+    serves Prefill, Decode and CloseSession (None: UNIMPLEMENTED)."""
+    servicer = _Servicer(handler, max_stream_bytes, chunk_bytes, stream_timeout_s, inference)
     handlers = {}
     for method in stage_pb2.DESCRIPTOR.services_by_name["Stage"].methods:
         if method.client_streaming != method.server_streaming:  # the .proto grew a kind this loop does not serve
@@ -447,6 +522,15 @@ class StageStub:
 
     async def info(self, request: InfoRequest = InfoRequest(), **call: Any) -> InfoReply:
         return from_message(await self._stub.Info(to_message(request), **call))
+
+    async def prefill(self, request: InferRequest, **call: Any) -> InferReply:
+        return from_message(await self._stub.Prefill(to_message(request), **call))
+
+    async def decode(self, request: InferRequest, **call: Any) -> InferReply:
+        return from_message(await self._stub.Decode(to_message(request), **call))
+
+    async def close_session(self, request: CloseSessionRequest, **call: Any) -> CloseSessionReply:
+        return from_message(await self._stub.CloseSession(to_message(request), **call))
 
     async def forward_stream(self, request: ForwardRequest, *, chunk_bytes: int, max_reply_bytes: int,
                              **call: Any) -> ForwardReply:

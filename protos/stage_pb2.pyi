@@ -110,12 +110,64 @@ class AbortReply(_message.Message):
     outcome: str
     def __init__(self, reverted: _Optional[bool] = ..., outcome: _Optional[str] = ...) -> None: ...
 
+class InferRequest(_message.Message):
+    __slots__ = ("run_id", "stage", "session_id", "position", "tokens", "wire", "max_tokens")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    session_id: str
+    position: int
+    tokens: bytes
+    wire: bytes
+    max_tokens: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., session_id: _Optional[str] = ..., position: _Optional[int] = ..., tokens: _Optional[bytes] = ..., wire: _Optional[bytes] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class InferReply(_message.Message):
+    __slots__ = ("wire", "logits", "length", "step", "session_step", "queued_s", "compute_s")
+    WIRE_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SESSION_STEP_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    wire: bytes
+    logits: bytes
+    length: int
+    step: int
+    session_step: int
+    queued_s: float
+    compute_s: float
+    def __init__(self, wire: _Optional[bytes] = ..., logits: _Optional[bytes] = ..., length: _Optional[int] = ..., step: _Optional[int] = ..., session_step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("run_id", "stage", "session_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    session_id: str
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionReply(_message.Message):
+    __slots__ = ("closed",)
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    closed: bool
+    def __init__(self, closed: _Optional[bool] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("run_id", "stage", "n_stages", "step", "phase", "load", "capacity", "stashed", "synchronous", "throughput")
+    __slots__ = ("run_id", "stage", "n_stages", "step", "phase", "load", "capacity", "stashed", "synchronous", "throughput", "sessions", "session_capacity")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     N_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +178,8 @@ class InfoReply(_message.Message):
     STASHED_FIELD_NUMBER: _ClassVar[int]
     SYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
     THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     n_stages: int
@@ -136,4 +190,6 @@ class InfoReply(_message.Message):
     stashed: int
     synchronous: bool
     throughput: float
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[str] = ..., load: _Optional[int] = ..., capacity: _Optional[int] = ..., stashed: _Optional[int] = ..., synchronous: _Optional[bool] = ..., throughput: _Optional[float] = ...) -> None: ...
+    sessions: int
+    session_capacity: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[str] = ..., load: _Optional[int] = ..., capacity: _Optional[int] = ..., stashed: _Optional[int] = ..., synchronous: _Optional[bool] = ..., throughput: _Optional[float] = ..., sessions: _Optional[int] = ..., session_capacity: _Optional[int] = ...) -> None: ...

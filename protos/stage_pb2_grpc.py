@@ -69,6 +69,21 @@ class StageStub:
                 request_serializer=agora_dot_protos_dot_stage__pb2.BackwardRequest.SerializeToString,
                 response_deserializer=agora_dot_protos_dot_stage__pb2.BackwardReply.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_unary(
+                '/agora.v1.Stage/Prefill',
+                request_serializer=agora_dot_protos_dot_stage__pb2.InferRequest.SerializeToString,
+                response_deserializer=agora_dot_protos_dot_stage__pb2.InferReply.FromString,
+                _registered_method=True)
+        self.Decode = channel.unary_unary(
+                '/agora.v1.Stage/Decode',
+                request_serializer=agora_dot_protos_dot_stage__pb2.InferRequest.SerializeToString,
+                response_deserializer=agora_dot_protos_dot_stage__pb2.InferReply.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/agora.v1.Stage/CloseSession',
+                request_serializer=agora_dot_protos_dot_stage__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=agora_dot_protos_dot_stage__pb2.CloseSessionReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -125,6 +140,28 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefill(self, request, context):
+        """Open a session (or replace the caller's session of that id) with its first positions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decode(self, request, context):
+        """Run the positions after `position` of an open session (a retry at an earlier position
+        recomputes from there).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Drop a session's cache; closing a session this worker does not hold is not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +199,21 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.BackwardStream,
                     request_deserializer=agora_dot_protos_dot_stage__pb2.BackwardRequest.FromString,
                     response_serializer=agora_dot_protos_dot_stage__pb2.BackwardReply.SerializeToString,
+            ),
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=agora_dot_protos_dot_stage__pb2.InferRequest.FromString,
+                    response_serializer=agora_dot_protos_dot_stage__pb2.InferReply.SerializeToString,
+            ),
+            'Decode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=agora_dot_protos_dot_stage__pb2.InferRequest.FromString,
+                    response_serializer=agora_dot_protos_dot_stage__pb2.InferReply.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=agora_dot_protos_dot_stage__pb2.CloseSessionRequest.FromString,
+                    response_serializer=agora_dot_protos_dot_stage__pb2.CloseSessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +405,87 @@ class Stage:
             '/agora.v1.Stage/BackwardStream',
             agora_dot_protos_dot_stage__pb2.BackwardRequest.SerializeToString,
             agora_dot_protos_dot_stage__pb2.BackwardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agora.v1.Stage/Prefill',
+            agora_dot_protos_dot_stage__pb2.InferRequest.SerializeToString,
+            agora_dot_protos_dot_stage__pb2.InferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agora.v1.Stage/Decode',
+            agora_dot_protos_dot_stage__pb2.InferRequest.SerializeToString,
+            agora_dot_protos_dot_stage__pb2.InferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agora.v1.Stage/CloseSession',
+            agora_dot_protos_dot_stage__pb2.CloseSessionRequest.SerializeToString,
+            agora_dot_protos_dot_stage__pb2.CloseSessionReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -215,7 +215,10 @@ def test_the_policy_lets_only_trainers_drive_the_pipeline_and_refuses_unknown_me
         rule = rule_for(f"/agora.v1.Stage/{method}")
         assert rule.roles == {"trainer"} and rule.fingerprint, method
     info = rule_for("/agora.v1.Stage/Info")
-    assert info.roles == {"worker", "trainer", "monitor", "operator"} and info.fingerprint
+    assert info.roles == {"worker", "trainer", "monitor", "operator", "client"} and info.fingerprint
+    for method in ("Prefill", "Decode", "CloseSession"):
+        rule = rule_for(f"/agora.v1.Stage/{method}")
+        assert rule.roles == {"client", "trainer", "operator"} and rule.fingerprint, method
     for probe in ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
                   "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"):
         assert rule_for(probe).roles == info.roles and not rule_for(probe).fingerprint

@@ -19,8 +19,12 @@ shape or ndim, another dtype, a token frame where floats belong, NaN/Inf or extr
 int8 frames with -128 or a bad row scale, token ids out of range, headers declaring sizes far over
 the limit, truncated frames, trailing bytes, a corrupted header byte, random bytes, nothing.
 
+Inference calls (Prefill, Decode, CloseSession) draw sessions fresh, open (their positions held
+or not) or arbitrary, positions from 0 to 2**64 - 1, declared lengths over the worker's bound, and
+the same frames; the fuzzing trainer credential may run inference (auth/grpc_policy.py).
+
 The budget is fixed and derandomized (hypothesis' `derandomize=True`, no example database):
-1,600 examples over the four fuzz tests, about 10 s on two cores. The inputs the fuzz found
+1,900 examples over the five fuzz tests, about 12 s on two cores. The inputs the fuzz found
 breaking the workers are pinned in `test_the_inputs_that_broke_the_workers_are_refused_by_name`.
 
 Some accepted inputs change the workers' state (a Step moves the optimizer, a Forward stashes its
@@ -46,6 +50,7 @@ from hypothesis import strategies as st
 from agora.auth.authority import RunAuthority
 from agora.auth.grpc_policy import FINGERPRINT_METADATA
 from agora.auth.node_state import NodeCredentials
+from agora.node.inference.client import InferenceClient
 from agora.node.rpc.server import new_event_loop
 from agora.node.rpc.tls import TlsChannels, worker_server_name
 from agora.node.trainer.stage_client import StageClient
@@ -77,11 +82,13 @@ OPTIONS = WorkerOptions(max_message_bytes=MESSAGE_LIMIT, max_stream_bytes=STREAM
 CLEAN = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
          grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND,
          grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNAUTHENTICATED}
-UNARY = ("Forward", "Backward", "Step", "Abort", "Info")
+UNARY = ("Forward", "Backward", "Step", "Abort", "Info", "Prefill", "Decode", "CloseSession")
 STREAMING = ("ForwardStream", "BackwardStream")
 REQUEST_OF = {"Forward": stage_pb2.ForwardRequest, "Backward": stage_pb2.BackwardRequest,
               "Step": stage_pb2.StepRequest, "Abort": stage_pb2.AbortRequest, "Info": stage_pb2.InfoRequest,
-              "ForwardStream": stage_pb2.ForwardRequest, "BackwardStream": stage_pb2.BackwardRequest}
+              "ForwardStream": stage_pb2.ForwardRequest, "BackwardStream": stage_pb2.BackwardRequest,
+              "Prefill": stage_pb2.InferRequest, "Decode": stage_pb2.InferRequest,
+              "CloseSession": stage_pb2.CloseSessionRequest}
 
 
 def budget(examples: int):
@@ -121,6 +128,7 @@ class World:
     uncaught: Uncaught
     ids: itertools.count = field(default_factory=itertools.count)
     used_ids: dict = field(default_factory=lambda: {BODY: [], TAIL: []})  # ids a Forward was accepted under
+    sessions: dict = field(default_factory=lambda: {BODY: [], TAIL: []})  # sessions a Prefill opened
 
     def fresh_id(self) -> str:
         return f"fuzz-{next(self.ids)}"
@@ -393,7 +401,10 @@ def raw_payloads(draw):
                                       output_grad=WireCodec().encode(torch.zeros(1, 4, K))),
               "StepRequest": dict(run_id=RUN, stage=BODY, microbatches=1, step=0),
               "AbortRequest": dict(run_id=RUN, microbatch_id="raw", stage=BODY),
-              "InfoRequest": {}}
+              "InfoRequest": {},
+              "InferRequest": dict(run_id=RUN, stage=BODY, session_id="raw", position=0, tokens=encode_tokens(
+                  _ids((1, 4), 0), VOCAB), wire=WireCodec().encode(torch.zeros(1, 4, K)), max_tokens=8),
+              "CloseSessionRequest": dict(run_id=RUN, stage=BODY, session_id="raw")}
     message = REQUEST_OF[method]
     valid = message(**fields[message.DESCRIPTOR.name]).SerializeToString()
     how = draw(st.sampled_from(["cut", "extend", "byte", "prefix"]))
@@ -551,6 +562,52 @@ def test_arbitrary_step_and_abort_fields_get_clean_statuses(world):
     _healthy(world)
 
 
+def session_ids(world: World, stage: int):
+    """A session open on `stage` (one this module's Prefills opened), fresh, empty, too long, or arbitrary."""
+    return st.sampled_from(["open", "open", "fresh", "empty", "long", "text"]).flatmap(lambda how: {
+        "open": st.integers(0, 2**16).map(lambda i: world.sessions[stage][i % len(world.sessions[stage])]
+                                          if world.sessions[stage] else "never-opened"),
+        "fresh": st.just(None),
+        "empty": st.just(""),
+        "long": st.just("s" * 129),
+        "text": st.text(max_size=140),
+    }[how])
+
+
+def test_arbitrary_inference_fields_get_clean_statuses(world):
+    """Prefill, Decode and CloseSession with every field arbitrary or broken in one way; sessions the
+    fuzz opened are decoded at their length, before it, after it, or far past it."""
+    positions = st.one_of(st.integers(0, 20), st.sampled_from([MAX_SEQ - 1, MAX_SEQ, 2**32, 2**63, 2**64 - 1]))
+
+    @budget(300)
+    @given(stage=st.sampled_from([BODY, TAIL]), method=st.sampled_from(["Prefill", "Prefill", "Decode", "Decode",
+                                                                        "CloseSession"]),
+           broken=broken_fields(("run_id", "stage", "session_id", "tokens", "wire", "position", "max_tokens")),
+           shape=st.tuples(st.integers(1, 3), st.integers(1, 12)), data=st.data())
+    def check(stage, method, broken, shape, data):
+        session_id = data.draw(session_ids(world, stage)) if "session_id" in broken else (
+            world.fresh_id() if method == "Prefill" else data.draw(session_ids(world, stage)))
+        session_id = world.fresh_id() if session_id is None else session_id
+        run_id = data.draw(run_ids()) if "run_id" in broken else RUN
+        target = data.draw(U32) if "stage" in broken else stage
+        if method == "CloseSession":
+            request = adapter.CloseSessionRequest(run_id=run_id, stage=target, session_id=session_id)
+            _call(world, stage, method, [adapter.to_message(request).SerializeToString()])
+            return
+        position = data.draw(positions) if "position" in broken or method == "Decode" else 0
+        request = adapter.InferRequest(
+            run_id=run_id, stage=target, session_id=session_id, position=position,
+            tokens=data.draw(token_frames(shape, valid="tokens" not in broken)),
+            wire=data.draw(float_frames((*shape, K), valid="wire" not in broken)),
+            max_tokens=data.draw(st.one_of(U32, st.just(MAX_SEQ + 1))) if "max_tokens" in broken else 0)
+        code = _call(world, stage, method, [adapter.to_message(request).SerializeToString()])
+        if code == grpc.StatusCode.OK and method == "Prefill":
+            world.sessions[stage].append(session_id)
+
+    check()
+    _healthy(world)
+
+
 def test_the_inputs_that_broke_the_workers_are_refused_by_name(world):
     """What the fuzz found, pinned: bytes that do not parse (grpc's own deserializer answered
     UNKNOWN), a completed-batch report of 2**64 - 1 (the step count it set made every later reply
@@ -614,6 +671,18 @@ def test_the_workers_still_serve_a_trainer_after_the_fuzzing(world):
             body = await clients[BODY].forward("after-fuzz", tokens, wire)
             tail = await clients[TAIL].forward("after-fuzz", tokens, body.wire_frame, targets)
             back = await clients[BODY].backward("after-fuzz", tail.grad_frame)
+            inference = {stage: InferenceClient(w.address, run_id=RUN, stage=stage, model=CONFIG.model,
+                                                fingerprint=FINGERPRINT, peer_id=w.credentials.peer_id,
+                                                channels=TlsChannels(world.trainer), timeout_s=20)
+                         for stage, w in world.workers.items()}
+            opened = await inference[BODY].prefill("after-fuzz", tokens[:1, :8], wire[:1, :8])
+            logits = await inference[TAIL].prefill("after-fuzz", tokens[:1, :8], opened.output, max_tokens=9)
+            step = await inference[BODY].decode("after-fuzz", 8, tokens[:1, 8:9], wire[:1, 8:9])
+            closed = await inference[BODY].close_session("after-fuzz")
+            for client in inference.values():
+                await client.close()
+            assert step.length == 9 and closed and logits.output.shape == (1, 1, VOCAB)
+            assert torch.isfinite(logits.output).all()
             body_step = (await clients[BODY].info()).step
             stepped = await clients[BODY].step(1, step=body_step)
             tail_step = (await clients[TAIL].info()).step

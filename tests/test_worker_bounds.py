@@ -121,7 +121,9 @@ def test_budgets_follow_from_the_geometry():
     assert body.forward_budget() == token_frame + wire_frame + HEADROOM_BYTES
     assert tail.forward_budget() == 2 * token_frame + wire_frame + HEADROOM_BYTES
     assert body.backward_budget() == wire_frame + HEADROOM_BYTES and tail.backward_budget() == HEADROOM_BYTES
-    assert body.message_budget() == body.forward_budget() < 128 * 2**10  # not the worker-wide 16 MiB
+    # One message carries the largest Forward or the largest Prefill (a session of model.max_seq_len).
+    prefill = body.for_inference(CONFIG.model.max_seq_len).inference_budget()
+    assert body.message_budget() == max(body.forward_budget(), prefill) < 128 * 2**10  # not the worker-wide 16 MiB
     # The largest valid request in any dtype fits its budget, with room for the scalar fields.
     for dtype in ("fp32", "bf16", "fp16", "int8"):
         widest_ids = encode_tokens(torch.full((ROWS, SEQ), VOCAB - 1), 2**32)

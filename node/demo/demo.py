@@ -62,6 +62,10 @@ class DemoOptions:
     credential_lifetime: float | None = None  # None: the authorizer's default (1 hour)
     threads: int = 1
     ready_timeout_s: float = 120.0
+    # --serve: serve-only workers on a checkpoint's weights and the HTTP API (node/demo/serving.py).
+    serve: bool = False
+    checkpoint: str | None = None
+    http_port: int = 8000
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
@@ -76,7 +80,9 @@ class DemoOptions:
                    average_optimizer_state=getattr(args, "average_optimizer_state", None),
                    aggregation=getattr(args, "aggregation", None),
                    insecure=getattr(args, "insecure", False), heartbeat_s=getattr(args, "heartbeat", 1.0),
-                   credential_lifetime=getattr(args, "credential_lifetime", None))
+                   credential_lifetime=getattr(args, "credential_lifetime", None),
+                   serve=getattr(args, "serve", False), checkpoint=getattr(args, "checkpoint", None),
+                   http_port=getattr(args, "http_port", 8000))
 
     def validate(self) -> "DemoOptions":
         if self.replicas < 1 or self.trainers < 1 or self.steps < 1:
@@ -91,6 +97,11 @@ class DemoOptions:
             raise ConfigError("--credential-lifetime: --insecure runs without credentials")
         if self.credential_lifetime is not None and self.credential_lifetime < 10:
             raise ConfigError(f"--credential-lifetime: at least 10 s, got {self.credential_lifetime:g}")
+        if self.serve and (self.checkpoint is None or self.sync or self.trainers != 1 or self.kill_worker_at):
+            raise ConfigError("--serve: needs --checkpoint C, and trains nothing (no --sync, --trainers, "
+                              "--kill-worker-at)")
+        if self.checkpoint is not None and not self.serve:
+            raise ConfigError("--checkpoint: only with --serve")
         if self.kill_worker_at is not None and self.replicas < 2:
             raise ConfigError("--kill-worker-at needs --replicas 2 or more, so the stage survives")
         return self
@@ -154,6 +165,10 @@ def _latest_per_trainer(lines: list[dict]) -> list[dict]:
 
 def run_demo(options: DemoOptions) -> int:
     options.validate()
+    if options.serve:
+        from agora.node.demo.serving import run_serving_demo
+
+        return run_serving_demo(options)
     workdir = (Path(options.workdir) if options.workdir else Path(tempfile.mkdtemp(prefix="agora-demo-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(workdir)
@@ -169,22 +184,10 @@ def run_demo(options: DemoOptions) -> int:
     try:
         threads = ["--threads", str(options.threads)]
         common = ["--log-level", "WARNING", *threads]
-        boot_ready = workdir / "bootstrap.ready"
         if options.insecure:
-            boot_flags = ["--insecure"]
             print("demo: WARNING: --insecure: no authorizer, no TLS, no credential checks, no signed DHT records",
                   file=sys.stderr, flush=True)
-        else:
-            # The operator credentials its own bootstrap peer offline (the CA is created here), then
-            # serves admission with the bootstrap's address to hand out.
-            boot_flags = ["--state-dir", str(workdir / "bootstrap.state")]
-            _run_to_end(group, "authorizer-issue", agora_node_command(
-                *common, "authorizer", "issue", "--state-dir", str(workdir / "authorizer"), "--run-id",
-                options.run_id, "--role", "operator", "--out", str(workdir / "bootstrap.state"),
-                "--lifetime", str(24 * 3600)), options.ready_timeout_s)
-        boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", *boot_flags, "--ready-file",
-                                                           str(boot_ready)), boot_ready)
-        maddrs = group.wait_ready([boot], options.ready_timeout_s)["bootstrap"]
+        maddrs = _start_bootstrap(group, options, workdir, common)
         swarm = ["--run-id", options.run_id, "--initial-peers", *maddrs] + (["--sync"] if options.sync else [])
         admission = ["--insecure"]
         if not options.insecure:
@@ -271,6 +274,22 @@ def _run_to_end(group: ProcessGroup, name: str, command: list[str], timeout_s: f
         raise ChildFailed(f"{name} did not finish within {timeout_s:g} s:\n{child.log_tail()}") from None
     if code != 0:
         raise ChildFailed(f"{name} exited with {code}:\n{child.log_tail()}")
+
+
+def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, common: list[str]) -> list[str]:
+    """The run's DHT bootstrap peer; its multiaddrs. With admission, the operator credentials it offline
+    first (which creates the run's CA), and the authorizer then hands its address out."""
+    boot_ready = workdir / "bootstrap.ready"
+    boot_flags = ["--insecure"]
+    if not options.insecure:
+        boot_flags = ["--state-dir", str(workdir / "bootstrap.state")]
+        _run_to_end(group, "authorizer-issue", agora_node_command(
+            *common, "authorizer", "issue", "--state-dir", str(workdir / "authorizer"), "--run-id",
+            options.run_id, "--role", "operator", "--out", str(workdir / "bootstrap.state"),
+            "--lifetime", str(24 * 3600)), options.ready_timeout_s)
+    boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", *boot_flags, "--ready-file",
+                                                       str(boot_ready)), boot_ready)
+    return group.wait_ready([boot], options.ready_timeout_s)["bootstrap"]
 
 
 def _start_authorizer(group: ProcessGroup, options: DemoOptions, workdir: Path, maddrs: list[str],

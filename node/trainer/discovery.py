@@ -32,7 +32,8 @@ class DHTDiscovery:
 
     Workers announce throughput in tokens/s; routing compares samples/s, hence `seq_len`.
     With `fingerprint` (this trainer's run), workers of another run configuration are skipped
-    (the DHT layer logs the first skip of each, naming the differing field).
+    (the DHT layer logs the first skip of each, naming the differing field). Serve-only workers
+    (phase "serving", join --serve-only) are not a trainer's: they take no training call.
     """
 
     swarm: SwarmDHT
@@ -46,5 +47,5 @@ class DHTDiscovery:
         return [
             WorkerView(peer_id=r.peer_id, endpoint=r.endpoint, stage=r.stage, phase=r.phase,
                        announced_samples_per_s=r.throughput / self.seq_len, announced_queue=r.queue_depth)
-            for records in by_stage.values() for r in records
+            for records in by_stage.values() for r in records if r.phase != "serving"
         ]

@@ -24,6 +24,11 @@ Design choices:
   `per_caller` of them held by one caller identity, so one trainer cannot starve the others. A
   slot is taken when a request is admitted (a stream: on its first part), and given back when its
   compute job ends, or at once if it never reached the compute thread (`Slot.hand_off`/`close`).
+- Inference calls (Prefill, Decode) are judged by the same rules with the session's bounds in
+  place of training's: at most `max_rows` rows, a call's positions at most the worker's tokens per
+  session (`for_inference`), the wire's width exactly `model.wire_dim`; their byte budget
+  follows (`inference_budget`), and their queue slots are a pool of the inference service's own
+  (node/inference/service.py), so serving and training never take each other's slots.
 - Step and Abort have a pool of their own, bounded and per-caller limited like Forward/Backward.
   Not the data pool: a trainer's Step barrier, or the Abort that takes back a failed route, must
   get through a worker whose data slots are full of that same trainer's work (else a trainer at its
@@ -35,12 +40,12 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from agora.pipeline.codec import FLOAT_DTYPES, WireFormatError, float_frame_bytes, peek_header
 from agora.pipeline.config import ConfigError, RunConfig
-from agora.protos.stage_adapter import BackwardRequest, ForwardRequest
+from agora.protos.stage_adapter import BackwardRequest, ForwardRequest, InferRequest
 
 __all__ = [
     "OutOfBounds",
@@ -89,6 +94,8 @@ class RequestGeometry:
     rows_source: str  # where max_rows comes from, for messages
     max_seq: int
     wire_dim: int
+    seq_source: str = "train.seq_len"  # where max_seq comes from, for messages
+    max_session_tokens: int = 0  # an inference session's positions at most (model.max_seq_len)
 
     @classmethod
     def from_config(cls, config: RunConfig, stage: int, max_rows: Optional[int] = None) -> "RequestGeometry":
@@ -101,7 +108,8 @@ class RequestGeometry:
         return cls(stage=stage, n_stages=len(config.layer_split),
                    max_rows=max_rows if raised else microbatch,
                    rows_source="--max-rows" if raised else "train.microbatch_size; raise with --max-rows",
-                   max_seq=config.train.seq_len, wire_dim=config.model.wire_dim)
+                   max_seq=config.train.seq_len, wire_dim=config.model.wire_dim,
+                   max_session_tokens=config.model.max_seq_len)
 
     @property
     def is_head(self) -> bool:
@@ -133,9 +141,35 @@ class RequestGeometry:
         """Payload bytes of the largest Backward (an output gradient; the tail takes none), plus headroom."""
         return (0 if self.is_tail else self._wire_bytes()) + HEADROOM_BYTES
 
+    def for_inference(self, max_session_tokens: int) -> "RequestGeometry":
+        """The bounds of a Prefill or Decode: the positions of one call at most a session's."""
+        return replace(self, max_seq=max_session_tokens, seq_source="the worker's tokens per session, "
+                                                                    "--max-session-tokens")
+
+    def inference_budget(self) -> int:
+        """Payload bytes of the largest Prefill/Decode (of a geometry from `for_inference`), plus headroom."""
+        return self._token_bytes() + (0 if self.is_head else self._wire_bytes()) + HEADROOM_BYTES
+
+    def check_inference(self, request: InferRequest) -> None:
+        """Refuse a Prefill/Decode whose frames declare shapes outside this (inference) geometry."""
+        tokens = self._tokens("tokens", request.tokens, False)
+        if tokens is None:  # a unary call is whole: a frame cut inside its header is no frame
+            raise OutOfBounds("tokens: the frame ends inside its header")
+        if self.is_head:
+            if request.wire:
+                raise OutOfBounds("wire: the head stage takes token ids only, but a wire frame was sent")
+            return
+        wire = self._floats("wire", request.wire, False)
+        if wire is None:
+            raise OutOfBounds("wire: the frame ends inside its header")
+        if wire[:2] != tokens:
+            raise OutOfBounds(f"wire: shape {list(wire)} does not match tokens' {list(tokens)} (rows, positions)")
+
     def message_budget(self) -> int:
-        """The largest request message of any kind: what one gRPC message may carry to this worker."""
-        return max(self.forward_budget(), self.backward_budget())
+        """The largest request message of any kind: what one gRPC message may carry to this worker
+        (a Prefill of the longest session the model takes included)."""
+        return max(self.forward_budget(), self.backward_budget(),
+                   self.for_inference(self.max_session_tokens).inference_budget())
 
     def describe_budget(self, method: str) -> str:
         """How a budget was derived, for the message that refuses a stream over it."""
@@ -151,7 +185,7 @@ class RequestGeometry:
         if shape[0] > self.max_rows:
             raise OutOfBounds(f"{field}: {shape[0]} rows, at most {self.max_rows} ({self.rows_source})")
         if len(shape) > 1 and shape[1] > self.max_seq:
-            raise OutOfBounds(f"{field}: sequence length {shape[1]}, at most {self.max_seq} (train.seq_len)")
+            raise OutOfBounds(f"{field}: sequence length {shape[1]}, at most {self.max_seq} ({self.seq_source})")
 
     def _tokens(self, field: str, frame: bytes, partial: bool) -> Optional[tuple[int, ...]]:
         header = _peek(field, frame, "token")

@@ -4,6 +4,8 @@ Life: start a DHT peer (joining through `--initial-peers`), build the stage and 
 gRPC, announce it in the DHT every few seconds (endpoint, stage, throughput, queue, step, phase),
 and on SIGTERM/SIGINT leave cleanly: mark itself leaving, withdraw the DHT record so trainers stop
 routing to it, finish in-flight calls, write an atomic checkpoint of its stage, exit 0.
+With `serve_checkpoint` (join --serve-only) it serves inference only, on that checkpoint's
+weights (node/inference/serving.py): no training call, no averaging, nothing written when it leaves.
 A kill -9 needs nobody's cooperation: the record expires after ~3 missed heartbeats and trainers
 reroute. With `--checkpoint-dir` holding a checkpoint of the same stage, the worker resumes it.
 Unless the run's `sync.method` is "none" (or the worker is in synchronous mode, one replica per
@@ -71,6 +73,7 @@ class JoinOptions:
     checkpoint_dir: str | None = None
     stats_file: str | None = None  # averaging counters, written as JSON on exit
     authorizer: str | None = None  # host:port to renew the credential with (None: no renewal)
+    serve_checkpoint: str | None = None  # serve-only: the checkpoint whose weights this stage serves
 
 
 def _save_stage(compute: StageCompute, directory: str, config: RunConfig,
@@ -141,7 +144,12 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         renewer = CredentialRenewer(options.authorizer, credentials, on_revoked=on_revoked)
         renewer.start()
     averaging_state = None
-    if options.checkpoint_dir and latest_checkpoint(options.checkpoint_dir) is not None:
+    if options.serve_checkpoint:
+        from agora.node.inference.serving import load_serving_weights
+
+        step = await worker.on_compute(lambda c: load_serving_weights(c, options.serve_checkpoint))
+        logger.info("serving stage %d of %s (step %d), inference only", options.stage, options.serve_checkpoint, step)
+    elif options.checkpoint_dir and latest_checkpoint(options.checkpoint_dir) is not None:
         step, averaging_state = await worker.on_compute(lambda c: _restore_stage(c, options.checkpoint_dir, config))
         logger.info("resumed stage %d at step %d from %s", options.stage, step, options.checkpoint_dir)
     version = package_version()
@@ -153,7 +161,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         return WorkerRecord(peer_id=swarm.peer_id, run_id=options.run_id, endpoint=worker.address,
                             stage=options.stage, n_stages=info.n_stages, throughput=float(info.throughput),
                             queue_depth=info.load, step=info.step, phase=info.phase, version=version,
-                            updated_at=0.0, fingerprint=fingerprint)
+                            updated_at=0.0, fingerprint=fingerprint, sessions=info.sessions)
 
     heartbeat = Heartbeat(swarm, record, interval=options.heartbeat_s)
     await heartbeat.start()
@@ -219,7 +227,7 @@ def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOp
     averager = None
     try:
         # Synchronous mode has one replica per stage by definition: nothing to average with.
-        if config.sync.method != "none" and not worker_options.synchronous:
+        if config.sync.method != "none" and not worker_options.synchronous and not worker_options.serve_only:
             # forks too: before the gRPC server
             averager = _start_averager(config, options, swarm, security, worker_options.local_batch)
         return run_loop(_serve(config, options, worker_options, swarm, averager, credentials))

@@ -40,6 +40,10 @@ Design choices:
   still checked. Forward, Backward and Abort run as the caller (`Caller.owner`): a microbatch
   belongs to whoever ran its forward (PERMISSION_DENIED for anyone else, ALREADY_EXISTS for a
   Forward reusing a pending id). Refusals are counted by reason (`refusals`).
+- Inference (Prefill, Decode, CloseSession) is served by node/inference/service.py on the same
+  server and compute thread, with queue slots of its own; `serve_only` (join --serve-only) makes a
+  worker that answers inference alone: phase "serving" (trainers never route to it), and every
+  training call is FAILED_PRECONDITION.
 - The announced address (`address`, what join puts in the DHT record) is `announce_host` when
   given, else the bound host, and never a wildcard (node/rpc/server.announced_host).
 """
@@ -58,6 +62,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import grpc
 
 from agora.auth.node_state import NodeCredentials
+from agora.node.inference.service import InferenceOptions, InferenceService
 from agora.node.rpc.auth_check import Caller, CallerCheck, RefusalCounts, current_caller
 from agora.node.rpc.interceptors import interceptor_chain
 from agora.node.rpc.server import (
@@ -112,7 +117,8 @@ from agora.protos.stage_adapter import (
 __all__ = ["WorkerOptions", "StageWorker", "PHASES"]
 
 # Life of a worker (docs/design.md); only "member" takes routed traffic, but every phase serves calls.
-PHASES = ("weight_sync", "optimizer_sync", "member", "leaving")
+# "serving": an inference-only worker (serve_only), which trainers never route to.
+PHASES = ("weight_sync", "optimizer_sync", "member", "leaving", "serving")
 
 T = TypeVar("T")
 
@@ -152,6 +158,9 @@ class WorkerOptions:
     # Earlier weight versions kept so a backward runs on its forward's weights (node/worker/compute.py);
     # each costs one copy of the stage's trainable parameters. 0: recompute on the current weights.
     pinned_weights: int = DEFAULT_PINNED_VERSIONS
+    # Inference only (join --serve-only): no training call is served; and the sessions' bounds.
+    serve_only: bool = False
+    inference: InferenceOptions = InferenceOptions()
 
     @property
     def queue_per_caller(self) -> int:
@@ -221,7 +230,8 @@ class StageWorker:
         self.stage_index = stage_index
         self.run_id = run_id
         self.options = options.validate()
-        self._phase = "member"
+        self.options.inference.validate(self.config)
+        self._phase = "serving" if options.serve_only else "member"
         self._clock = clock
         self._logger = logger or logging.getLogger("agora.node.worker")
         self.credentials = credentials
@@ -241,6 +251,7 @@ class StageWorker:
         self._control_slots = SlotPool(f"stage {stage_index} worker's Step/Abort queue", control,
                                        default_per_caller(control), option="three quarters of max_control_queue")
         self._compute: StageCompute | None = None
+        self._inference: InferenceService | None = None
         self._server: grpc.aio.Server | None = None
         self._health = None
         self._port: int | None = None
@@ -308,6 +319,9 @@ class StageWorker:
             return self.port
         # Built on the compute thread so that it is the only thread that ever touches the stage.
         self._compute = await asyncio.wrap_future(self._executor.submit(self._build_compute))
+        self._inference = InferenceService(
+            self.config, self.stage_index, run_id=self.run_id, options=self.options.inference, geometry=self.geometry,
+            codec=self._compute.codec, submit=self.submit_compute, refusals=self.refusals, clock=self._clock)
         server = create_server(interceptors=self._interceptors, max_message_bytes=self.options.max_message_bytes,
                                max_receive_bytes=self.geometry.message_budget(),
                                maximum_concurrent_rpcs=self.options.concurrent_rpcs)
@@ -315,7 +329,8 @@ class StageWorker:
         # so that its client sees the status (grpc/grpc#36066); an admitted stream is read under its
         # own method's budget from the geometry (`_admit`).
         add_stage_service(server, _StageService(self), max_stream_bytes=self.options.max_stream_bytes,
-                          chunk_bytes=self.options.stream_chunk_bytes, stream_timeout_s=self.options.stream_timeout_s)
+                          chunk_bytes=self.options.stream_chunk_bytes, stream_timeout_s=self.options.stream_timeout_s,
+                          inference=self._inference)
         self._health = add_health_and_reflection(server, [SERVICE_NAME])
         tls = server_credentials(self.credentials) if self.credentials is not None else None
         self._announced_host = announced_host(self.options.host, self.options.announce_host)
@@ -371,6 +386,14 @@ class StageWorker:
             raise RuntimeError("the worker is not started")
         return await asyncio.wrap_future(self._executor.submit(fn, self._compute))
 
+    def submit_compute(self, fn: Callable[[StageCompute], T], slot: Slot | None = None) -> Future:
+        """`fn(compute)` on the compute thread, FIFO with every request; `slot` is given back when the job
+        ends (the inference service's calls run this way)."""
+        future = self._executor.submit(fn, self._compute)
+        if slot is not None:
+            slot.hand_off(future)
+        return future
+
     # ------------------------------------------------------------------ admission (node/worker/bounds.py)
 
     def _refused(self, code: grpc.StatusCode, message: str, reason: str | None = None) -> StageRefusal:
@@ -385,7 +408,12 @@ class StageWorker:
         return caller
 
     def _check_addressing(self, run_id: str, stage: int) -> None:
-        """Refuse misaddressed calls on the loop, before they take a queue slot."""
+        """Refuse misaddressed calls on the loop, before they take a queue slot; every training call
+        comes through here, so a serve-only worker refuses them here too."""
+        if self.options.serve_only:
+            raise self._refused(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this stage {self.stage_index} worker serves inference only (join --serve-only): it takes "
+                                "no Forward, Backward, Step or Abort", "serve_only")
         try:
             self._compute.check_addressing(run_id, stage)
         except RequestRejected as error:
@@ -479,6 +507,7 @@ class StageWorker:
             # Plain int reads of compute-thread state: a momentarily stale value is fine for routing.
             step=compute.optimizer.steps, phase=self.phase, load=self.load, capacity=self.options.max_queue,
             stashed=len(compute.stash), synchronous=self.options.synchronous, throughput=compute.throughput,
+            sessions=len(self._inference.sessions), session_capacity=self._inference.sessions.max_sessions,
         )
 
 

@@ -1,0 +1,233 @@
+"""The inference commands: `join --serve-only` flags, `agora-node generate` and `agora-node serve`.
+
+`generate` and `serve` are clients of the swarm (role `client`): admitted like every node
+(node/admission.py; or --insecure), a read-only DHT peer in client mode to find the serving
+replicas, and a `SwarmGenerator` over them. Their run config is the one the workers serve: name
+the same checkpoint (`--checkpoint C`, or `--config C`), or the same run flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from typing import Awaitable, Callable, TypeVar
+
+from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
+from agora.node.inference.service import InferenceOptions
+from agora.pipeline.config import ConfigError, RunConfig
+
+__all__ = ["add_serving_arguments", "inference_options", "add_client_commands", "run_client"]
+
+logger = logging.getLogger("agora.node.inference")
+
+T = TypeVar("T")
+
+
+def add_serving_arguments(join: argparse.ArgumentParser) -> None:
+    """`join`'s inference flags (every worker answers inference; --serve-only does nothing else)."""
+    group = join.add_argument_group("inference")
+    group.add_argument("--serve-only", action="store_true",
+                       help="answer inference only, on the weights of --checkpoint: no training, no averaging")
+    group.add_argument("--checkpoint", default=None, metavar="C",
+                       help="with --serve-only: the checkpoint to serve (also the run config unless --config)")
+    group.add_argument("--max-sessions", type=int, default=None, metavar="N",
+                       help="inference sessions held at once; the least recently used is evicted beyond (default 32)")
+    group.add_argument("--max-session-tokens", type=int, default=None, metavar="N",
+                       help="positions one session may hold (default: model.max_seq_len)")
+    group.add_argument("--session-ttl", type=float, default=None, metavar="S",
+                       help="seconds an idle session is kept (default 300)")
+    group.add_argument("--max-inference-queue", type=int, default=None, metavar="N",
+                       help="inference calls in flight before RESOURCE_EXHAUSTED (default 8)")
+
+
+def inference_options(args: argparse.Namespace) -> InferenceOptions:
+    given = {"max_sessions": args.max_sessions, "max_session_tokens": args.max_session_tokens,
+             "session_ttl_s": args.session_ttl, "max_queue": args.max_inference_queue}
+    return InferenceOptions(**{name: value for name, value in given.items() if value is not None})
+
+
+def serve_only_config_flags(args: argparse.Namespace) -> None:
+    """Check `join --serve-only`'s flags; the checkpoint is the run config unless --config names one."""
+    if not args.serve_only:
+        if args.checkpoint is not None:
+            raise ConfigError("--checkpoint: only with --serve-only (a training worker resumes from --checkpoint-dir)")
+        return
+    if args.checkpoint is None:
+        raise ConfigError("--serve-only: needs --checkpoint C, the weights to serve")
+    if args.checkpoint_dir is not None or args.sync:
+        raise ConfigError("--serve-only: a serving worker never trains: drop --checkpoint-dir and --sync")
+    if args.config is None:
+        args.config = args.checkpoint
+
+
+# ---------------------------------------------------------------------------------------------- clients
+
+
+def _add_client_arguments(parser: argparse.ArgumentParser, add_run_arguments: Callable[..., None]) -> None:
+    # --seed is the sampling seed here (as in OpenAI's API); the run's seed is --run-seed.
+    add_run_arguments(parser, steps_help="the run's --steps (part of its config, hence of its fingerprint)",
+                      seed_flag="--run-seed")
+    parser.add_argument("--checkpoint", default=None, metavar="C",
+                        help="the checkpoint the workers serve: its run config (same as --config C)")
+    parser.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
+    parser.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
+                        help="DHT multiaddrs to join through (printed by `agora-node bootstrap`)")
+    parser.add_argument("--call-timeout", type=float, default=30.0, metavar="S", help="deadline of one call")
+    add_admission_arguments(parser)
+
+
+def add_client_commands(commands, *, add_run_arguments: Callable[..., None],
+                        run_config: Callable[..., RunConfig]) -> None:
+    generate = commands.add_parser("generate", help="generate text through the swarm's serving workers",
+                                   description="Route a generation through one worker per stage (prefill, then "
+                                               "one decode per token); a failed worker's session moves to "
+                                               "another replica and the output is unchanged.")
+    _add_client_arguments(generate, add_run_arguments)
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    generate.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)")
+    generate.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass")
+    generate.add_argument("--seed", dest="sampling_seed", type=int, default=0, metavar="S",
+                          help="sampling seed (default 0; the run's seed is --run-seed)")
+    generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    generate.set_defaults(handler=lambda args: cmd_generate(args, run_config))
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP API in front of the swarm",
+                                description="Serve /v1/completions, /v1/chat/completions (server-sent events "
+                                            "with stream=true) and /v1/models over the swarm's serving workers.")
+    _add_client_arguments(serve, add_run_arguments)
+    serve.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port (0: pick a free one)")
+    serve.add_argument("--model-name", default=None, help="the model id clients name (default: agora-<config name>)")
+    serve.add_argument("--ready-file", default=None, help="write the API's base URL here once serving")
+    serve.set_defaults(handler=lambda args: cmd_serve(args, run_config))
+
+
+def _client_config(args: argparse.Namespace, run_config: Callable[..., RunConfig]):
+    if args.checkpoint is not None:
+        if args.config is not None:
+            raise ConfigError("--checkpoint and --config both name the run config: give one")
+        args.config = args.checkpoint
+    return admit_node(AdmissionOptions.from_args(args), role="client", run_id=args.run_id, stage=None,
+                      config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers))
+
+
+def run_client(admission, call_timeout_s: float, main: Callable[..., Awaitable[T]]) -> T:
+    """Blocking: a client-mode DHT peer, the swarm generator, `main(generator)`; then everything closed."""
+    from agora.auth.admission import CredentialRenewer
+    from agora.dht.security import DHTSecurity
+    from agora.dht.swarm import SwarmDHT
+    from agora.node.inference.discovery import DHTReplicas
+    from agora.node.inference.generator import GeneratorOptions, SwarmGenerator
+    from agora.node.rpc.server import run as run_loop
+    from agora.node.rpc.tls import TlsChannels
+    from agora.pipeline.fingerprint import run_fingerprint
+
+    config, credentials = admission.config, admission.credentials
+    if credentials is not None and credentials.identity().role not in ("client", "trainer", "operator"):
+        raise ConfigError(f"credential in {credentials.directory}: inference needs a client, trainer or operator "
+                          f"credential, this one is a {credentials.identity().role} credential")
+    # hivemind forks its DHT process: start it before the event loop and gRPC channels exist.
+    security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
+    swarm = SwarmDHT.start(initial_peers=admission.initial_peers, client_mode=True, security=security)
+    discovery = DHTReplicas(swarm, admission.run_id, len(config.layer_split), fingerprint=run_fingerprint(config))
+
+    async def body() -> T:
+        channels = TlsChannels(credentials) if credentials is not None else None
+        task = asyncio.current_task()
+        revoked: list[str] = []
+
+        def on_revoked(reason: str) -> None:  # banned, or the credential ran out: stop serving
+            revoked.append(reason)
+            task.cancel()
+
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if credentials is not None and admission.authorizer:
+                    await stack.enter_async_context(CredentialRenewer(admission.authorizer, credentials,
+                                                                      on_revoked=on_revoked))
+                options = GeneratorOptions(run_id=admission.run_id, call_timeout_s=call_timeout_s)
+                generator = await stack.enter_async_context(SwarmGenerator(config, discovery, options,
+                                                                           channels=channels))
+                return await main(generator)
+        except asyncio.CancelledError:
+            if revoked:
+                raise ConfigError(f"the credential was revoked: {revoked[0]}") from None
+            raise
+
+    try:
+        return run_loop(body())
+    finally:
+        swarm.shutdown()
+
+
+def cmd_generate(args: argparse.Namespace, run_config: Callable[..., RunConfig]) -> int:
+    from agora.node.inference.generator import Generation, GenerationFailed
+    from agora.node.inference.text import TextStream
+    from agora.pipeline.inference import Sampling
+    from agora.pipeline.tokenizer import load_tokenizer
+
+    admission = _client_config(args, run_config)
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.sampling_seed).validate()
+    tokenizer = load_tokenizer(admission.config.data.tokenizer)
+    prompt = [int(t) for t in tokenizer.encode(args.prompt)]
+
+    async def main(generator) -> int:
+        outcome = Generation()
+        text = TextStream(tokenizer)
+        try:
+            async for token in generator.stream(prompt, args.max_new_tokens, sampling, (tokenizer.eos_id,), outcome):
+                delta = text.add(token)
+                if not args.json:
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+        except GenerationFailed as error:
+            raise ConfigError(f"generation failed: {error}") from None
+        tail = text.finish()
+        if args.json:
+            print(json.dumps({"text": text.text, "tokens": outcome.tokens, "finish_reason": outcome.finish_reason,
+                              "retries": outcome.retries, "route": outcome.route}))
+        else:
+            print(tail)
+            stats = generator.stats
+            print(f"generate: {len(outcome.tokens)} tokens, finish {outcome.finish_reason}, retries {stats.retries}, "
+                  f"replays {stats.replays}", file=sys.stderr)
+        return 0
+
+    return run_client(admission, args.call_timeout, main)
+
+
+def cmd_serve(args: argparse.Namespace, run_config: Callable[..., RunConfig]) -> int:
+    from agora.dht.bootstrap import write_ready_file
+    from agora.node.inference.openai_api import OpenAIServer
+
+    admission = _client_config(args, run_config)
+    from agora.pipeline.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(admission.config.data.tokenizer)
+    model_name = args.model_name or f"agora-{admission.config.name}"
+
+    async def main(generator) -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        server = OpenAIServer(generator, tokenizer, model_name=model_name)
+        url = await server.start(args.host, args.port)
+        if args.ready_file:
+            write_ready_file(args.ready_file, [url])
+        print(f"serve: OpenAI-compatible API at {url} (model {model_name!r}); Ctrl-C stops", file=sys.stderr,
+              flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await server.stop()
+        return 0
+
+    return run_client(admission, args.call_timeout, main)
+

@@ -1,0 +1,131 @@
+"""`InferenceEngine`: Prefill, Decode and CloseSession on one stage, on the worker's compute thread.
+
+Why the compute thread and not an executor of its own: it is the only thread that touches the
+stage (node/worker/compute.py), and a worker that trains writes its weights in place there (an
+optimizer step, an averaging apply). An inference job in FIFO order with those jobs always reads
+one consistent version of the weights, without a lock and without a second copy of the stage;
+it costs a serving call the wait behind training jobs already queued (a serve-only worker has
+none). The sessions' caches live on that thread too.
+
+Weights that move: a session records the optimizer step it opened on (`session_step` in every
+reply, beside the step of the call). Its cache keeps what earlier calls computed on their
+weights; positions computed after a step see the new weights. A client that needs one version
+throughout replays the session (Prefill) when the steps differ; serve-only workers never step.
+
+Every input is untrusted and checked before compute: run and stage, the session id, frames
+decoded against the model (vocabulary, wire width, the rows the session has, finite values).
+Nothing is half-applied: a call that fails after touching the cache cuts it back to where the
+call started, and a Prefill that fails leaves no session. Inference never touches gradients,
+optimizer state or the training stash.
+"""
+
+from __future__ import annotations
+
+from agora.node.inference.sessions import SessionError, SessionTable
+from agora.node.worker.compute import InvalidRequest, StageCompute
+from agora.pipeline.codec import WireCodec, WireFormatError, decode_tokens
+from agora.pipeline.inference import SessionTooLong, StageCache, cached_forward
+from agora.protos.stage_adapter import CloseSessionReply, CloseSessionRequest, InferReply, InferRequest
+
+__all__ = ["InferenceEngine", "SessionBehind", "MAX_SESSION_ID_CHARS"]
+
+MAX_SESSION_ID_CHARS = 128
+
+
+class SessionBehind(SessionError):
+    """A Decode after positions this worker does not hold (FAILED_PRECONDITION: replay the session)."""
+
+
+class InferenceEngine:
+    """Not thread-safe: call it from the compute thread only (node/inference/service.py does)."""
+
+    def __init__(self, sessions: SessionTable, codec: WireCodec):
+        self.sessions = sessions
+        self.codec = codec  # what this worker sends on the wire; it decodes any dtype
+        self._logits_codec = WireCodec("fp32", max_bytes=codec.max_bytes)  # sampling needs full precision
+
+    # ------------------------------------------------------------------ checks
+
+    def _check(self, compute: StageCompute, run_id: str, stage: int, session_id: str) -> None:
+        compute.check_addressing(run_id, stage)
+        if not session_id or len(session_id) > MAX_SESSION_ID_CHARS:
+            raise InvalidRequest(f"session_id must be 1..{MAX_SESSION_ID_CHARS} characters, got {len(session_id)}")
+
+    def _inputs(self, compute: StageCompute, request: InferRequest, rows: int | None):
+        if not request.tokens:
+            raise InvalidRequest("tokens: missing (empty frame)")
+        try:
+            tokens = decode_tokens(request.tokens, compute.config.model.vocab_size, max_bytes=self.codec.max_bytes,
+                                   expected_shape=(rows, None))
+        except WireFormatError as error:
+            raise InvalidRequest(f"tokens: {error}") from None
+        if compute.stage.is_head:
+            if request.wire:
+                raise InvalidRequest("wire: the head stage takes token ids only, but a wire frame was sent")
+            return tokens, None
+        if not request.wire:
+            raise InvalidRequest(f"wire: missing; stage {compute.index} ({compute.stage.kind}) needs the previous "
+                                 "stage's output")
+        try:
+            wire = self.codec.decode(request.wire, expected_shape=(*tokens.shape, compute.config.model.wire_dim))
+        except WireFormatError as error:
+            raise InvalidRequest(f"wire: {error}") from None
+        return tokens, wire
+
+    # ------------------------------------------------------------------ calls
+
+    def _run(self, compute: StageCompute, session, tokens, wire, position: int) -> InferReply:
+        self.sessions.check_room(session, position, tokens.shape[1])
+        try:
+            output = cached_forward(compute.stage, tokens, wire, session.cache, position=position)
+        except SessionTooLong as error:
+            session.cache.truncate(position)
+            raise SessionTooLong(str(error)) from None
+        try:
+            if compute.stage.is_tail:
+                reply = InferReply(logits=self._logits_codec.encode(output))
+            else:
+                reply = InferReply(wire=self.codec.encode(output))
+        except WireFormatError:
+            session.cache.truncate(position)  # nothing of a failed call stays in the cache
+            raise InvalidRequest(f"stage {compute.index} produced non-finite values from this request's input: "
+                                 "the request's values overflowed it") from None
+        return InferReply(wire=reply.wire, logits=reply.logits, length=session.cache.length,
+                          step=compute.optimizer.steps, session_step=session.started_step)
+
+    def prefill(self, compute: StageCompute, request: InferRequest, owner: str) -> InferReply:
+        """Open (or start again) the caller's session with its first positions."""
+        self._check(compute, request.run_id, request.stage, request.session_id)
+        if request.position != 0:
+            raise InvalidRequest(f"position: Prefill opens a session at position 0, got {request.position}; "
+                                 "extend an open session with Decode")
+        tokens, wire = self._inputs(compute, request, None)
+        session = self.sessions.open(request.session_id, owner, request.max_tokens, StageCache(compute.stage),
+                                     compute.optimizer.steps)
+        try:
+            return self._run(compute, session, tokens, wire, 0)
+        except BaseException:
+            self.sessions.drop(request.session_id)  # a failed Prefill leaves no session behind
+            raise
+
+    def decode(self, compute: StageCompute, request: InferRequest, owner: str) -> InferReply:
+        """The positions after `request.position` of the caller's open session."""
+        self._check(compute, request.run_id, request.stage, request.session_id)
+        session = self.sessions.get(request.session_id, owner)
+        held = session.cache.length
+        if request.position > held:
+            raise SessionBehind(f"position: session {request.session_id!r} holds {held} positions on stage "
+                                f"{compute.index}, the call follows {request.position}; replay it with Prefill")
+        tokens, wire = self._inputs(compute, request, session.cache.rows)
+        return self._run(compute, session, tokens, wire, request.position)
+
+    def close(self, compute: StageCompute, request: CloseSessionRequest, owner: str) -> CloseSessionReply:
+        self._check(compute, request.run_id, request.stage, request.session_id)
+        return CloseSessionReply(closed=self.sessions.close(request.session_id, owner))
+
+    @staticmethod
+    def bytes_per_position(compute: StageCompute) -> int:
+        """Cache bytes one position of one row costs on this stage (keys and values, every block)."""
+        config = compute.config.model
+        element = next(compute.stage.parameters()).element_size()
+        return 2 * len(compute.stage.layers) * config.n_kv_heads * config.head_dim * element

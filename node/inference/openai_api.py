@@ -1,0 +1,300 @@
+"""`OpenAIServer`: an OpenAI-compatible HTTP API in front of a `SwarmGenerator` (`agora-node serve`).
+
+Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both with
+`stream: true` as server-sent events ending in `data: [DONE]`), and `GET /v1/agora/stats` (this
+server's generator counters: sessions, tokens, retries, replays, failovers; not OpenAI's).
+
+Design choices:
+- aiohttp's server runs on the process's one event loop, beside the gRPC channels of the
+  generator; each request is its own task, so concurrent requests are concurrent generations
+  (each its own session and route through the swarm).
+- Fields: `model` (must be the served one), `prompt` (a string, or a list of one string) or
+  `messages` (rendered by node/inference/text.render_chat), `max_tokens` (`max_completion_tokens`
+  for chat; default 16 as OpenAI's completions), `temperature` (default 1.0 as OpenAI's; 0 is
+  greedy), `top_p`, `seed` (default: a random one per request), `stop` (a string or up to 4),
+  `n` (only 1), `stream`. Unknown fields are ignored as OpenAI's API does with optional ones.
+- Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400
+  invalid_request_error naming the field, 404 for another model, 503 when the swarm cannot serve
+  (no replica of a stage, every attempt failed). A stream that fails after it started ends with
+  one `data: {"error": ...}` event.
+- Token ids come from the run's tokenizer; the end-of-text id always stops a generation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from aiohttp import web
+
+from agora.node.inference.generator import Generation, GenerationFailed, SwarmGenerator
+from agora.node.inference.text import CHAT_ROLES, ChatMessage, TextStream, chat_stop_strings, render_chat
+from agora.pipeline.config import ConfigError
+from agora.pipeline.inference import Sampling
+from agora.pipeline.tokenizer import Tokenizer
+
+__all__ = ["OpenAIServer", "ApiError", "CompletionRequest", "parse_completion", "parse_chat"]
+
+logger = logging.getLogger("agora.node.inference")
+
+_MAX_STOP_STRINGS = 4
+_MAX_BODY_BYTES = 1 << 20
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None,
+                 kind: str = "invalid_request_error", code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str
+    max_tokens: int
+    sampling: Sampling
+    stop: tuple[str, ...]
+    stream: bool
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise ApiError(400, f"{name}: expected a number in [{low:g}, {high:g}], got {value!r:.40}", param=name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: Optional[int], low: int, high: int) -> Optional[int]:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ApiError(400, f"{name}: expected an integer in [{low}, {high}], got {value!r:.40}", param=name)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and len(stop) <= _MAX_STOP_STRINGS and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise ApiError(400, f"stop: expected a string or a list of at most {_MAX_STOP_STRINGS} strings", param="stop")
+
+
+def _common(body: dict, prompt: str, max_tokens_field: str, max_tokens: int) -> CompletionRequest:
+    if _integer(body, "n", 1, 1, 1_000_000) != 1:
+        raise ApiError(400, "n: only 1 choice per request is supported", param="n")
+    seed = _integer(body, "seed", None, -(2**63), 2**63 - 1)
+    sampling = Sampling(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                        top_p=max(_number(body, "top_p", 1.0, 0.0, 1.0), 1e-9),  # 0: only the likeliest token
+                        seed=secrets.randbits(62) if seed is None else seed % 2**63)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"stream: expected true or false, got {stream!r:.40}", param="stream")
+    tokens = _integer(body, max_tokens_field, max_tokens, 0, 1 << 20)
+    return CompletionRequest(prompt=prompt, max_tokens=tokens, sampling=sampling, stop=_stop(body), stream=stream)
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    """/v1/completions' fields (see the module docstring); ApiError naming the first bad one."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "prompt: expected a non-empty string (or a list of one)", param="prompt")
+    return _common(body, prompt, "max_tokens", 16)
+
+
+def parse_chat(body: Any) -> tuple[CompletionRequest, int]:
+    """/v1/chat/completions' fields: the rendered prompt, and how many messages it holds."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages: expected a non-empty list of {role, content}", param="messages")
+    parsed = []
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):  # content parts: the text ones, joined
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict)
+                              and part.get("type") == "text")
+        if role not in CHAT_ROLES or not isinstance(content, str):
+            raise ApiError(400, f"messages[{index}]: expected a role in {', '.join(CHAT_ROLES)} and text content",
+                           param=f"messages[{index}]")
+        parsed.append(ChatMessage(role, content))
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    request = _common(body, render_chat(parsed), field, 256)
+    return CompletionRequest(request.prompt, request.max_tokens, request.sampling,
+                             request.stop + chat_stop_strings(), request.stream), len(parsed)
+
+
+class OpenAIServer:
+    def __init__(self, generator: SwarmGenerator, tokenizer: Tokenizer, *, model_name: str,
+                 clock=time.time):
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self._clock = clock
+        self._created = int(clock())
+        self.requests = 0
+        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[self._errors])
+        app.add_routes([web.get("/v1/models", self._models), web.post("/v1/completions", self._completions),
+                        web.post("/v1/chat/completions", self._chat), web.get("/v1/agora/stats", self._stats)])
+        self._runner = web.AppRunner(app, access_log=None)
+        self.url: Optional[str] = None
+
+    async def start(self, host: str, port: int) -> str:
+        """Listen; the API's base URL (`http://host:port/v1`, the real port for port 0)."""
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()  # aiohttp exposes the bound port only this way
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{bound[1]}/v1"
+        return self.url
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    # ------------------------------------------------------------------ plumbing
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return web.json_response(error.body(), status=error.status)
+        except web.HTTPException as error:  # aiohttp's own: unknown route, wrong method, body too large
+            body = ApiError(error.status, error.reason or "request refused", code=str(error.status)).body()
+            return web.json_response(body, status=error.status)
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            return json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+
+    def _check_model(self, body: Any) -> None:
+        model = body.get("model") if isinstance(body, dict) else None
+        if model != self.model_name:
+            raise ApiError(404, f"model: {model!r:.80} is not served here; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _prompt_ids(self, text: str) -> list[int]:
+        ids = [int(t) for t in self.tokenizer.encode(text)]
+        limit = self.generator.config.model.max_seq_len
+        if len(ids) >= limit:
+            raise ApiError(400, f"prompt: {len(ids)} tokens, this model takes fewer than {limit} (model.max_seq_len)",
+                           param="prompt", code="context_length_exceeded")
+        return ids
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "agora"}]})
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"requests": self.requests, **vars(self.generator.stats)})
+
+    # ------------------------------------------------------------------ completions
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        self._check_model(body)
+        completion = parse_completion(body)
+        return await self._respond(request, completion, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        self._check_model(body)
+        completion, _ = parse_chat(body)
+        return await self._respond(request, completion, chat=True)
+
+    async def _respond(self, request: web.Request, completion: CompletionRequest, chat: bool) -> web.StreamResponse:
+        self.requests += 1
+        prompt = self._prompt_ids(completion.prompt)
+        ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        created = int(self._clock())
+        text = TextStream(self.tokenizer, completion.stop)
+        outcome = Generation()
+        tokens = self.generator.stream(prompt, completion.max_tokens, completion.sampling,
+                                       (self.tokenizer.eos_id,), outcome)
+        if not completion.stream:
+            try:
+                async for token in tokens:
+                    text.add(token)
+                    if text.stopped:
+                        break
+            except ConfigError as error:
+                raise ApiError(400, str(error), param="prompt") from None
+            except GenerationFailed as error:
+                raise ApiError(503, f"the swarm could not complete this request: {error}", kind="server_error") from None
+            finally:
+                await tokens.aclose()
+            text.finish()
+            reason = "stop" if text.stopped else outcome.finish_reason
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text.text}, "finish_reason": reason}
+                      if chat else {"index": 0, "text": text.text, "logprobs": None, "finish_reason": reason})
+            return web.json_response({
+                "id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": self.model_name, "choices": [choice], "usage": self._usage(outcome)})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(delta: Optional[str], reason: Optional[str]) -> None:
+            if chat:
+                content = {} if delta is None else {"content": delta}
+                event = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                         "choices": [{"index": 0, "delta": content, "finish_reason": reason}]}
+            else:
+                event = {"id": ident, "object": "text_completion", "created": created, "model": self.model_name,
+                         "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}]}
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+        try:
+            if chat:
+                event = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "finish_reason": None}]}
+                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            async for token in tokens:
+                delta = text.add(token)
+                if delta:
+                    await send(delta, None)
+                if text.stopped:
+                    break
+            tail = text.finish()
+            if tail:
+                await send(tail, None)
+            await send(None, "stop" if text.stopped else outcome.finish_reason)
+        except (GenerationFailed, ConfigError) as error:
+            failure = ApiError(503, f"the swarm could not complete this request: {error}", kind="server_error")
+            await response.write(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
+        finally:
+            await tokens.aclose()
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    @staticmethod
+    def _usage(outcome: Generation) -> dict:
+        return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": len(outcome.tokens),
+                "total_tokens": outcome.prompt_tokens + len(outcome.tokens)}
