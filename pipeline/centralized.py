@@ -22,7 +22,7 @@ from typing import IO, Callable
 
 import torch
 
-from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkpoint, save_checkpoint
+from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.model import basis_checksum
@@ -180,6 +180,7 @@ class CentralizedTrainer:
         for stage, optimizer, state in zip(self.stages, self.optimizers, states):
             stage.load_state_dict(state.model)
             optimizer.load_state_dict(state.optimizer)
+        restore_rng(states[0].rng)
         self.step, self.tokens, self.elapsed_s = step, int(extra["tokens"]), float(extra["elapsed_s"])
         return True
 
