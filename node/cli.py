@@ -137,9 +137,14 @@ def _cmd_join(args: argparse.Namespace) -> int:
     admission = admit_node(AdmissionOptions.from_args(args), role="worker", run_id=args.run_id, stage=args.stage,
                            config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers),
                            announce=announce, listen_host=worker_options.host)
+    checkpoint_dir = args.checkpoint_dir
+    if checkpoint_dir is None and admission.credentials is not None:  # on by default beside the credential
+        checkpoint_dir = str(Path(admission.credentials.directory) / "checkpoints")
+    every = admission.config.train.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every
     options = JoinOptions(stage=admission.stage, run_id=admission.run_id, initial_peers=admission.initial_peers,
                           dht_host=args.dht_host, dht_port=args.dht_port, heartbeat_s=args.heartbeat,
-                          ready_file=args.ready_file, checkpoint_dir=args.checkpoint_dir,
+                          ready_file=args.ready_file, checkpoint_dir=checkpoint_dir, checkpoint_every=every,
+                          resume_step=args.resume_step,
                           stats_file=args.stats_file, authorizer=admission.authorizer,
                           serve_checkpoint=args.checkpoint if args.serve_only else None)
     return run_worker(admission.config, options, worker_options, credentials=admission.credentials)
@@ -193,6 +198,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         args.config = args.checkpoint  # a serving swarm runs the checkpoint's config
     _run_config(args)  # refuse a bad config before starting any process
     return run_demo(DemoOptions.from_args(args))
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str, averaging: bool = True,
@@ -281,7 +296,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rows a request may carry (default: the run's train.microbatch_size; only raises it)")
     _add_pinned_weights_argument(join)
     join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
-    join.add_argument("--checkpoint-dir", default=None, help="resume from and checkpoint into this folder")
+    join.add_argument("--checkpoint-dir", default=None,
+                      help="resume from and checkpoint into this folder (default: checkpoints/ in --state-dir; "
+                           "none under --insecure)")
+    join.add_argument("--checkpoint-every", type=_non_negative_int, default=None, metavar="STEPS",
+                      help="optimizer steps between checkpoints (default: the config's train.checkpoint_every; "
+                           "0: only when leaving)")
+    join.add_argument("--resume-step", type=_non_negative_int, default=None, metavar="STEP",
+                      help="resume from this step's checkpoint in --checkpoint-dir (default: the newest complete one)")
     join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
     from agora.node.inference.commands import add_client_commands, add_serving_arguments
 

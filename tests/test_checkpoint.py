@@ -18,7 +18,7 @@ from agora.pipeline.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from agora.pipeline.config import PRESETS
+from agora.pipeline.config import PRESETS, ConfigError
 from agora.pipeline.optim import StageOptimizer
 from agora.pipeline.stages import build_stage
 
@@ -77,7 +77,7 @@ def test_a_checkpoint_that_would_run_code_on_load_is_refused(tmp_path):
             return (print, ("this ran on load",))
 
     target = tmp_path / "step-00000001" / "stage-1.pt"
-    target.write_bytes(pickle.dumps({"model": Payload()}))
+    target.write_bytes(pickle.dumps({"model": Payload()}, protocol=2))
     with pytest.raises(CheckpointError, match="unreadable"):
         load_checkpoint(tmp_path / "step-00000001")
 
@@ -104,3 +104,52 @@ def test_rng_state_round_trips_and_a_legacy_bare_state_is_accepted():
     assert torch.equal(torch.rand(3), first)
     restore_rng(state["cpu"])
     assert torch.equal(torch.rand(3), first)
+
+
+def test_a_worker_checkpoints_every_n_steps_off_its_compute_thread_and_resumes_exactly(tmp_path):
+    from agora.node.rpc.server import run
+    from agora.node.worker.checkpoints import StageCheckpointer, restore_stage
+    from agora.pipeline.codec import encode_tokens
+    from agora.protos.stage_adapter import ForwardRequest
+    from local_replica import LocalReplica
+
+    config = PRESETS["tiny"].with_stages(1)
+    vocab = config.model.vocab_size
+
+    def forward(replica, i):
+        batch = torch.randint(0, vocab, (config.train.batch_size, 17), generator=torch.Generator().manual_seed(i))
+        request = ForwardRequest(run_id="test", microbatch_id=f"m{i}", stage=0, tokens=encode_tokens(batch[:, :-1], vocab),
+                                 wire=b"", targets=encode_tokens(batch[:, 1:], vocab))
+        return replica.on_compute(lambda c: c.forward(request))  # a whole local batch: one step each
+
+    async def main():
+        replica = LocalReplica(config, 0)
+        checkpoints = StageCheckpointer(replica, tmp_path, config, every=2)
+        await checkpoints.start()
+        for i in range(5):
+            await forward(replica, i)
+        await checkpoints.stop()
+        at_four = checkpoints.written[-1]
+        final = await checkpoints.final(replica.compute, phase="member")
+        state = await replica.on_compute(lambda c: ([p.detach().clone() for p in c.stage.parameters()],
+                                                    c.optimizer.steps, c.samples_total))
+        await replica.stop()
+        return at_four, final, state
+
+    at_four, final, (weights, steps, samples) = run(main())
+    assert at_four.name == "step-00000004" and final.name == "step-00000005" and steps == 5
+    fresh = LocalReplica(config, 0)
+
+    def restore(**kwargs):
+        return fresh._executor.submit(restore_stage, fresh.compute, tmp_path, config, **kwargs).result()
+
+    try:
+        step, _, extra = restore()
+        assert (step, extra["phase"], fresh.compute.optimizer.steps) == (5, "member", 5)
+        assert fresh.compute.samples_total == samples
+        assert all(torch.equal(a, b) for a, b in zip(fresh.compute.stage.parameters(), weights))
+        assert restore(step=4)[0] == 4 and fresh.compute.optimizer.steps == 4
+        with pytest.raises(ConfigError, match="--checkpoint-dir"):
+            restore(step=3)
+    finally:
+        fresh._executor.shutdown()

@@ -42,7 +42,8 @@ from agora.node.averaging.sparta import (
 from agora.node.worker.compute import StageCompute
 from agora.node.worker.epoch import stage_step
 from agora.node.worker.worker import StageWorker, WorkerOptions
-from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkpoint, save_checkpoint
+from agora.node.worker.checkpoints import StageCheckpointer, restore_stage
+from agora.pipeline.checkpoint import checkpoint_steps
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import run_fingerprint
 
@@ -71,26 +72,11 @@ class JoinOptions:
     heartbeat_s: float = 5.0
     ready_file: str | None = None
     checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # optimizer steps between periodic checkpoints (0: only when leaving)
+    resume_step: int | None = None  # resume from this step's checkpoint (None: the newest complete one)
     stats_file: str | None = None  # averaging counters, written as JSON on exit
     authorizer: str | None = None  # host:port to renew the credential with (None: no renewal)
     serve_checkpoint: str | None = None  # serve-only: the checkpoint whose weights this stage serves
-
-
-def _save_stage(compute: StageCompute, directory: str, config: RunConfig,
-                averaging: AveragingLoop | None = None) -> Path:
-    state = StageState(compute.index, compute.stage.state_dict(), compute.optimizer.state_dict(),
-                       averaging.state_dict(compute.samples_total) if averaging is not None else None)
-    return save_checkpoint(directory, compute.optimizer.steps, config, [state])
-
-
-def _restore_stage(compute: StageCompute, directory: str, config: RunConfig) -> tuple[int, dict | None]:
-    """Load the stage and its optimizer; (step, the averaging loop's saved state or None)."""
-    step, saved_config, states, _ = load_checkpoint(directory)
-    if saved_config.model != config.model or [s.index for s in states] != [compute.index]:
-        raise ConfigError(f"--checkpoint-dir: {directory} holds another model or stage than stage {compute.index}")
-    compute.stage.load_state_dict(states[0].model)
-    compute.optimizer.load_state_dict(states[0].optimizer)
-    return step, states[0].averaging
 
 
 def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, security: DHTSecurity | None,
@@ -149,9 +135,11 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
 
         step = await worker.on_compute(lambda c: load_serving_weights(c, options.serve_checkpoint))
         logger.info("serving stage %d of %s (step %d), inference only", options.stage, options.serve_checkpoint, step)
-    elif options.checkpoint_dir and latest_checkpoint(options.checkpoint_dir) is not None:
-        step, averaging_state = await worker.on_compute(lambda c: _restore_stage(c, options.checkpoint_dir, config))
-        logger.info("resumed stage %d at step %d from %s", options.stage, step, options.checkpoint_dir)
+    elif options.checkpoint_dir and (checkpoint_steps(options.checkpoint_dir) or options.resume_step is not None):
+        step, averaging_state, saved = await worker.on_compute(
+            lambda c: restore_stage(c, options.checkpoint_dir, config, step=options.resume_step))
+        logger.info("resumed stage %d at step %d from %s (it was %s)", options.stage, step, options.checkpoint_dir,
+                    saved.get("phase", "a member"))
     version = package_version()
     seq_len = config.train.seq_len
     fingerprint = run_fingerprint(config).text()  # in every record: trainers skip a mismatched run
@@ -178,6 +166,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
             except ValueError as error:  # another method or slicing than this run's: start afresh
                 logger.warning("not resuming the averaging state: %s", error)
         await averaging.start()
+    checkpoints = None
+    if options.checkpoint_dir and not options.serve_checkpoint:
+        checkpoints = StageCheckpointer(worker, options.checkpoint_dir, config, options.checkpoint_every, averaging)
+        await checkpoints.start()
     if options.ready_file:
         write_ready_file(options.ready_file, [worker.address, swarm.peer_id])
     logger.info("joined run %r as stage %d at %s (peer %s, %d tokens/sequence)", options.run_id, options.stage,
@@ -187,6 +179,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     if revoked:
         logger.error("leaving the run: the credential was revoked (%s)", revoked[0])
     logger.info("leaving: withdrawing the record, finishing in-flight work")
+    phase = worker.phase
     worker.phase = "leaving"
     if renewer is not None:
         await renewer.stop()
@@ -194,11 +187,12 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     await heartbeat.stop(withdraw=True)
     if averaging is not None:
         await averaging.stop()
+    if checkpoints is not None:
+        await checkpoints.stop()
     await worker.stop()
-    if options.checkpoint_dir:
+    if checkpoints is not None:
         # The compute thread is shut down now; nothing else touches the stage, so save here.
-        path = _save_stage(worker.compute, options.checkpoint_dir, config, averaging)
-        logger.info("checkpoint written: %s", path)
+        await checkpoints.final(worker.compute, phase=phase)
     if averaging is not None:
         averaging.stats.local_steps = worker.compute.optimizer.steps  # the loop polls it; take the final count
         stats = averaging.stats.snapshot()
