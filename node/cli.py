@@ -13,6 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from agora.node.admission import add_admission_arguments
+from agora.node.logs import LOG_FORMATS, configure_logging
+from agora.node.observability import MetricsOptions, add_metrics_arguments
 from agora.pipeline.checkpoint import CheckpointError
 from agora.pipeline.config import ConfigError, RunConfig, load_config
 
@@ -111,11 +113,32 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from agora.dht.bootstrap import run_bootstrap
     from agora.dht.swarm import DHTRequestError
 
+    from agora.node.observability import NodeMetrics, package_version
+
+    metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="bootstrap", run_id=_bootstrap_run(args),
+                                   version=package_version())
     try:
         return run_bootstrap(args.host, args.port, tuple(args.initial_peers), args.identity_path, args.ready_file,
-                             state_dir=args.state_dir, insecure=args.insecure)
+                             state_dir=args.state_dir, insecure=args.insecure, on_started=lambda _: metrics.serve())
     except (ValueError, DHTRequestError) as error:
         raise ConfigError(str(error)) from None
+    finally:
+        metrics.close()
+
+
+def _bootstrap_run(args: argparse.Namespace) -> str:
+    """The run a bootstrap's credential is for ("" for an open --insecure peer, which serves any run)."""
+    if args.insecure or not args.state_dir:
+        return ""
+    import time
+
+    from agora.auth.credentials import CredentialError
+    from agora.auth.node_state import NodeCredentials
+
+    try:
+        return NodeCredentials(args.state_dir, clock=time.time).identity().run_id
+    except (CredentialError, OSError, ValueError):
+        return ""  # run_bootstrap reports the unusable state directory in one line
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
@@ -134,7 +157,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
     options = JoinOptions(stage=admission.stage, run_id=admission.run_id, initial_peers=admission.initial_peers,
                           dht_host=args.dht_host, dht_port=args.dht_port, heartbeat_s=args.heartbeat,
                           ready_file=args.ready_file, checkpoint_dir=args.checkpoint_dir,
-                          stats_file=args.stats_file, authorizer=admission.authorizer)
+                          stats_file=args.stats_file, authorizer=admission.authorizer,
+                          metrics=MetricsOptions.from_args(args))
     return run_worker(admission.config, options, worker_options, credentials=admission.credentials)
 
 
@@ -154,17 +178,22 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
 
     from agora.node.admission import AdmissionOptions, admit_node, config_chooser
 
+    metrics = MetricsOptions.from_args(args)
+    if not args.heartbeat > 0:
+        raise ConfigError(f"--heartbeat: must be positive, got {args.heartbeat}")
     if not 0 <= args.trainer_index < args.trainers:
         raise ConfigError(f"--trainer-index: {args.trainer_index} out of range for --trainers {args.trainers}")
     admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=args.run_id, stage=None,
                            config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers))
     options = TrainerOptions(run_id=admission.run_id, trainer_index=args.trainer_index, trainers=args.trainers,
-                             synchronous=args.sync, max_in_flight=args.max_in_flight, wire_dtype=args.wire_dtype)
+                             synchronous=args.sync, max_in_flight=args.max_in_flight, wire_dtype=args.wire_dtype,
+                             heartbeat_s=args.heartbeat)
     log_json = open(args.log_json, "w") if args.log_json else None
     try:
         summary = run_swarm_trainer(admission.config, options, initial_peers=admission.initial_peers,
                                     steps=args.steps, log_json=log_json, evaluate=not args.no_eval,
-                                    credentials=admission.credentials, authorizer=admission.authorizer)
+                                    credentials=admission.credentials, authorizer=admission.authorizer,
+                                    metrics=metrics)
     finally:
         if log_json is not None:
             log_json.close()
@@ -210,6 +239,10 @@ def _add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agora-node", description="Agora node: peer-to-peer pipeline-parallel training of subspace-compressed transformers.")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                        help="text lines for people (default), or one JSON object per line with milestone events "
+                             "(joined, phase_changed, averaging_round, reroute, ban, checkpoint_written, "
+                             "credential_renewed)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -237,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     description="Start a hivemind DHT peer and print the multiaddrs that other "
                                                 "peers pass as --initial-peers; serves until SIGINT/SIGTERM.")
     add_bootstrap_arguments(bootstrap)
+    add_metrics_arguments(bootstrap)
     bootstrap.set_defaults(handler=_cmd_bootstrap)
 
     join = commands.add_parser("join", help="host one replica of one pipeline stage (contributor)",
@@ -268,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
     _add_averaging_arguments(join)
     add_admission_arguments(join)
+    add_metrics_arguments(join)
     join.set_defaults(handler=_cmd_join)
 
     trainer = commands.add_parser("trainer", help="push microbatches through the swarm",
@@ -283,7 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--log-json", default=None, help="write one JSON object per global batch here")
     trainer.add_argument("--summary-json", default=None, help="write the final summary here")
     trainer.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
+    trainer.add_argument("--heartbeat", type=float, default=5.0, metavar="S",
+                         help="seconds between announces of this trainer's progress in the DHT (default 5)")
     add_admission_arguments(trainer)
+    add_metrics_arguments(trainer)
     trainer.set_defaults(handler=_cmd_trainer)
 
     demo = commands.add_parser("demo", help="a whole swarm on this machine, one process per role",
@@ -322,8 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_logging(args.log_level, args.log_format)
     if args.threads is not None:
         import torch
 

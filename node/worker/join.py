@@ -9,6 +9,8 @@ reroute. With `--checkpoint-dir` holding a checkpoint of the same stage, the wor
 Unless the run's `sync.method` is "none" (or the worker is in synchronous mode, one replica per
 stage), it averages with the other replicas of its stage in the background (node/averaging/loop.py)
 and, with `--stats-file`, writes the averaging counters there as JSON when it leaves.
+With `--metrics-port` it serves Prometheus metrics (worker, gRPC, averaging, credential; see
+monitor/) and names the endpoint in its DHT record, with its averaging counts.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import json
 import logging
 import signal
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from agora.auth.admission import CredentialRenewer
@@ -29,8 +30,13 @@ from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.records import WorkerRecord
 from agora.dht.swarm import SwarmDHT
+from agora.monitor.metrics import CredentialMetrics
+from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
 from agora.node.averaging.loop import AveragingLoop
 from agora.node.averaging.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels
+from agora.node.averaging.stats import AveragingStats
+from agora.node.observability import MetricsOptions, NodeMetrics, package_version
+from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.worker.compute import StageCompute
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -45,13 +51,6 @@ EXIT_REVOKED = 3
 logger = logging.getLogger("agora.node.join")
 
 
-def package_version() -> str:
-    try:
-        return metadata.version("agora-node")
-    except metadata.PackageNotFoundError:  # running from a source tree without an install
-        return "0+unknown"
-
-
 @dataclass(frozen=True)
 class JoinOptions:
     stage: int
@@ -64,6 +63,7 @@ class JoinOptions:
     checkpoint_dir: str | None = None
     stats_file: str | None = None  # averaging counters, written as JSON on exit
     authorizer: str | None = None  # host:port to renew the credential with (None: no renewal)
+    metrics: MetricsOptions = MetricsOptions()  # port 0: no metrics server
 
 
 def _save_stage(compute: StageCompute, directory: str, config: RunConfig,
@@ -102,9 +102,13 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    metrics = NodeMetrics.for_role(options.metrics, role="worker", run_id=options.run_id, version=package_version(),
+                                   stage=options.stage)
+    registry = metrics.registry
     # With credentials: mutual TLS and per-call checks (node/rpc/auth_check.py); None: --insecure.
     worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
-                         credentials=credentials)
+                         credentials=credentials, interceptors=[MetricsHook(RpcServerMetrics(registry))],
+                         metrics=WorkerMetrics(registry))
     await worker.start()
     revoked: list[str] = []
     renewer = None
@@ -115,6 +119,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
 
         renewer = CredentialRenewer(options.authorizer, credentials, on_revoked=on_revoked)
         renewer.start()
+    if credentials is not None:
+        CredentialMetrics(registry, credentials.remaining_s, lambda: renewer.renewals if renewer is not None else 0)
+    stats = AveragingStats(config.sync.method, registry=registry) if averager is not None else None
+    metrics_endpoint = metrics.serve(worker_options.announce_host)
     averaging_state = None
     if options.checkpoint_dir and latest_checkpoint(options.checkpoint_dir) is not None:
         step, averaging_state = await worker.on_compute(lambda c: _restore_stage(c, options.checkpoint_dir, config))
@@ -128,7 +136,9 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         return WorkerRecord(peer_id=swarm.peer_id, run_id=options.run_id, endpoint=worker.address,
                             stage=options.stage, n_stages=info.n_stages, throughput=float(info.throughput),
                             queue_depth=info.load, step=info.step, phase=info.phase, version=version,
-                            updated_at=0.0, fingerprint=fingerprint)
+                            updated_at=0.0, fingerprint=fingerprint, metrics_endpoint=metrics_endpoint,
+                            averaging_rounds=sum(stats.rounds.values()) if stats is not None else 0,
+                            averaging_committed=stats.rounds["committed"] if stats is not None else 0)
 
     heartbeat = Heartbeat(swarm, record, interval=options.heartbeat_s)
     await heartbeat.start()
@@ -137,7 +147,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         sync = config.sync
         board = RoundBoard(swarm, run_id=options.run_id, stage=options.stage, method=sync.method,
                            ttl=sync.matchmaking_s + sync.request_s)
-        averaging = AveragingLoop(worker, averager, sync, seed=config.seed, board=board)
+        averaging = AveragingLoop(worker, averager, sync, seed=config.seed, board=board, stats=stats)
         if averaging_state is not None:
             try:
                 averaging.load_state_dict(averaging_state)
@@ -147,7 +157,19 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     if options.ready_file:
         write_ready_file(options.ready_file, [worker.address, swarm.peer_id])
     logger.info("joined run %r as stage %d at %s (peer %s, %d tokens/sequence)", options.run_id, options.stage,
-                worker.address, swarm.peer_id, seq_len)
+                worker.address, swarm.peer_id, seq_len,
+                extra={"milestone": "joined", "fields": {"role": "worker", "stage": options.stage, "run": options.run_id,
+                                                         "endpoint": worker.address, "peer": swarm.peer_id,
+                                                         "metrics": metrics_endpoint}})
+    try:
+        return await _until_stopped(stop, revoked, config, options, worker, heartbeat, renewer, averaging)
+    finally:
+        metrics.close()
+
+
+async def _until_stopped(stop: asyncio.Event, revoked: list[str], config: RunConfig, options: JoinOptions,
+                         worker: StageWorker, heartbeat: Heartbeat, renewer: CredentialRenewer | None,
+                         averaging: AveragingLoop | None) -> int:
     await stop.wait()
 
     if revoked:
@@ -163,7 +185,8 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     if options.checkpoint_dir:
         # The compute thread is shut down now; nothing else touches the stage, so save here.
         path = _save_stage(worker.compute, options.checkpoint_dir, config, averaging)
-        logger.info("checkpoint written: %s", path)
+        logger.info("checkpoint written: %s", path, extra={"milestone": "checkpoint_written",
+                                                           "fields": {"stage": options.stage, "path": str(path)}})
     if averaging is not None:
         averaging.stats.local_steps = worker.compute.optimizer.steps  # the loop polls it; take the final count
         stats = averaging.stats.snapshot()
