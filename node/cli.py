@@ -69,15 +69,23 @@ def _add_averaging_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_train_local(args: argparse.Namespace) -> int:
-    from agora.pipeline.centralized import CentralizedTrainer, terminal_progress
+    from agora.node.progress import Progress
+    from agora.pipeline.centralized import CentralizedTrainer
     from agora.pipeline.data import build_data
 
     config = _run_config(args)
     data = build_data(config)
     log_json = open(args.log_json, "a" if args.resume else "w") if args.log_json else None
+    bar = Progress(args.steps, "train-local")
+
+    def progress(record, total: int) -> None:
+        evaluation = f" eval {record.eval_loss:.3f}" if record.eval_loss is not None else ""
+        bar.update(record.step, f"loss {record.loss:.4f}{evaluation} lr {record.lr:.2e} "
+                                f"{record.tokens_per_s:,.0f} tok/s", force=record.step >= total)
+
     try:
         trainer = CentralizedTrainer(config, data, wire_dtype=args.wire_dtype, checkpoint_dir=args.checkpoint_dir,
-                                     log_json=log_json, progress=terminal_progress())
+                                     log_json=log_json, progress=progress)
         if args.resume:
             if not args.checkpoint_dir:
                 raise ConfigError("--resume needs --checkpoint-dir")
@@ -86,6 +94,7 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
         records = trainer.run(args.steps)
         final = trainer.evaluate()
     finally:
+        bar.close()
         if log_json is not None:
             log_json.close()
     last = records[-1].loss if records else float("nan")
@@ -202,6 +211,56 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
         Path(args.summary_json).write_text(text + "\n")
     print(text)
     return 0
+
+
+def _cmd_monitor(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from agora.auth.admission import CredentialRenewer
+    from agora.dht.security import DHTSecurity
+    from agora.dht.swarm import DHTRequestError, SwarmDHT
+    from agora.monitor.metrics import CredentialMetrics
+    from agora.monitor.service import MonitorOptions, parse_target, run_monitor
+    from agora.node.admission import AdmissionOptions, admit_node, config_chooser
+    from agora.node.observability import NodeMetrics, package_version
+
+    try:
+        targets = tuple(parse_target(text) for text in args.target)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if not args.poll > 0:
+        raise ConfigError(f"--poll: must be positive, got {args.poll}")
+    admission = admit_node(AdmissionOptions.from_args(args), role="monitor", run_id=args.run_id, stage=None,
+                           config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers))
+    credentials = admission.credentials
+    options = MonitorOptions(run_id=admission.run_id, n_stages=len(admission.config.layer_split), host=args.host,
+                             port=args.port, poll_s=args.poll, static_targets=targets, ready_file=args.ready_file)
+    security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
+    try:  # read-only: a client peer (a monitor credential's stores are refused anyway)
+        swarm = SwarmDHT.start(initial_peers=admission.initial_peers, client_mode=True, security=security)
+    except DHTRequestError as error:
+        raise ConfigError(f"--initial-peers: {error}") from None
+    metrics = NodeMetrics.for_role(MetricsOptions(), role="monitor", run_id=admission.run_id,
+                                   version=package_version())
+    companions = []
+    if credentials is not None and admission.authorizer:
+        renewer = CredentialRenewer(admission.authorizer, credentials,
+                                    on_revoked=lambda reason: logging.error("monitor credential revoked: %s", reason))
+        CredentialMetrics(metrics.registry, credentials.remaining_s, lambda: renewer.renewals)
+        companions.append(renewer)
+
+    def serving(url: str) -> None:
+        print(f"monitor of run {admission.run_id!r}: status page {url}  Prometheus: {url}metrics, "
+              f"service discovery {url}sd", flush=True)
+
+    try:
+        return run_monitor(swarm, options, metrics.registry, on_serving=serving, companions=companions)
+    except OSError as error:
+        raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror or error})") \
+            from None
+    finally:
+        with contextlib.suppress(Exception):
+            swarm.shutdown()
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -324,6 +383,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_arguments(trainer)
     trainer.set_defaults(handler=_cmd_trainer)
 
+    monitor = commands.add_parser("monitor", help="the swarm's status page, Prometheus service discovery and metrics",
+                                  description="Join the DHT read-only and serve, on one HTTP port: / (a live "
+                                              "status page), /api/swarm (the same as JSON), /sd (Prometheus HTTP "
+                                              "service discovery of every node's metrics endpoint) and /metrics "
+                                              "(swarm-level gauges).")
+    _add_run_arguments(monitor, steps_help="planned run length (only for the run fingerprint at admission)")
+    monitor.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
+    monitor.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
+                         help="DHT multiaddrs to join through (printed by `agora-node bootstrap`)")
+    monitor.add_argument("--host", default="127.0.0.1", help="address the HTTP port listens on")
+    monitor.add_argument("--port", type=int, default=9400, help="HTTP port (default 9400; 0: pick a free one)")
+    monitor.add_argument("--poll", type=float, default=2.0, metavar="S", help="seconds between reads of the DHT")
+    monitor.add_argument("--target", action="append", default=[], metavar="ROLE=HOST:PORT",
+                         help="a metrics endpoint the DHT does not announce (the authorizer's, the bootstrap's), "
+                              "listed in /sd with role=ROLE; repeatable")
+    monitor.add_argument("--ready-file", default=None, help="write the status page's URL here once serving")
+    add_admission_arguments(monitor)
+    monitor.set_defaults(handler=_cmd_monitor)
+
     demo = commands.add_parser("demo", help="a whole swarm on this machine, one process per role",
                                description="Start bootstrap, workers and trainers on loopback, each as the "
                                            "`agora-node <role>` command a user would run, train, and summarize.")
@@ -336,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="microbatches in flight per trainer (default: half a global batch)")
     _add_pinned_weights_argument(demo)
     demo.add_argument("--log-json", default=None, help="one JSON line per global batch, run-wide step")
-    demo.add_argument("--summary-json", default=None, help="write the run summary here")
+    demo.add_argument("--summary-json", default=None,
+                      help="write the full run summary here as JSON (the terminal gets a short one)")
     demo.add_argument("--workdir", default=None, help="keep logs and ready files here (default: a temp folder)")
     demo.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
                       help="fault drill: kill -9 one worker of the last stage after STEP global batches")
@@ -346,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "`join` defaults to 5)")
     demo.add_argument("--insecure", action="store_true",
                       help="run without the authorizer: no admission, no TLS, no signed DHT records")
+    demo.add_argument("--monitor-port", type=int, default=0, metavar="P",
+                      help="the monitor's HTTP port: status page, /sd, /metrics (default 0: a free one)")
+    demo.add_argument("--no-monitor", action="store_true", help="do not start the monitor")
     demo.add_argument("--credential-lifetime", type=float, default=None, metavar="S",
                       help="seconds each credential is valid (nodes renew at half life; default: the authorizer's, "
                            "1 hour)")
