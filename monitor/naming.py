@@ -47,6 +47,8 @@ def lint(families: Iterable[Metric]) -> list[str]:
 
 def _family_problems(family: Metric) -> list[str]:
     name, kind = family.name, family.type
+    if kind == "gauge" and name.endswith("_created"):
+        return []  # prometheus_client's creation timestamp of a counter or histogram, as the text format shows it
     problems = []
     if not name.startswith("agora_"):
         problems.append(f"{name}: not under the agora_ prefix")

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from agora.dht.averaging import RoundResult
-from agora.monitor.metrics import CredentialMetrics, new_registry, node_info, sample_value, start_metrics_server
+from agora.monitor.metrics import new_registry, node_info, sample_value, start_metrics_server
 from agora.monitor.naming import lint
 from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
@@ -24,41 +24,15 @@ from agora.node.averaging.stats import AveragingStats
 from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.rpc.server import run
 from agora.node.trainer.stage_client import RequestRefused, StageClient
-from agora.node.trainer.stats import TrainerStats
-from agora.node.worker.worker import PHASES, StageWorker, WorkerOptions
+from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
+from metric_sets import every_role
 
 pytestmark = pytest.mark.timeout(60)
 
 CONFIG = PRESETS["tiny"].with_stages(2)
 RUN = "metrics-run"
-
-
-def every_role(registry: CollectorRegistry) -> None:
-    """Each role's metrics, every labelled series touched once (what a live process ends up with)."""
-    node_info(registry, role="worker", run_id=RUN, version="1.0", stage=0)
-    worker = WorkerMetrics(registry)
-    worker.watch(load=lambda: 3, capacity=8, step=lambda: 5, throughput=lambda: 1e4, phase=lambda: "member",
-                 phases=PHASES, refusals=lambda: {"expired": 2})
-    worker.observe_job("Forward", 128, 0.001, 0.02)
-    worker.stepped(5, 3e-4, 1.5)
-    RpcServerMetrics(registry).finished("/agora.v1.Stage/Forward", "OK", 0.03)
-    CredentialMetrics(registry, lambda: 1800.0, lambda: 2)
-    stats = AveragingStats("sparta", registry=registry)
-    stats.record(RoundResult("committed", 3, None, participants=("a", "b"), received_fraction=1.0, duration_s=0.4,
-                             bytes_sent=100, bytes_received=100), applied=True, lag_steps=1)
-    stats.count_skipped(1)
-    stats.add_compute_blocked(0.01)
-    trainer = TrainerStats(registry)
-    trainer.call(0, "Forward", 0.05, 0.02, 0.01)
-    for record in (trainer.microbatch_done, trainer.busy_retry, trainer.banned, trainer.report_failed):
-        record()
-    trainer.rerouted("peer")
-    trainer.aborted("reverted")
-    trainer.batch_done(256, 5.2, 3e-4)
-    trainer.heldout(5.0)
-    RpcClientMetrics(registry).exchanged("Forward", 10, 20)
 
 
 def test_every_metric_of_every_role_follows_the_naming_rules():
