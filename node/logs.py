@@ -21,13 +21,16 @@ __all__ = ["LOG_FORMATS", "JsonLogFormatter", "configure_logging"]
 
 LOG_FORMATS = ("text", "json")
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# By number: hivemind renames the standard levels' names ("WARN") in every process that imports it.
+_LEVELS = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warning", logging.ERROR: "error",
+           logging.CRITICAL: "critical"}
 
 
 class JsonLogFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = {
             "ts": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(timespec="milliseconds"),
-            "level": record.levelname.lower(),
+            "level": _LEVELS.get(record.levelno, record.levelname.lower()),
             "logger": record.name,
             "message": record.getMessage(),
         }
