@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -92,7 +93,7 @@ class SwarmMonitor:
                          [s.record for s in trainers.values() if s.record.run_id == self.options.run_id],
                          n_stages=self.options.n_stages, now=self._clock() - self._started,
                          static_targets=self.options.static_targets)
-        view = SwarmView(**{**view.__dict__, "history": self._history.add(view)})
+        view = dataclasses.replace(view, history=self._history.add(view))
         self._view = view
         self._metrics.poll_duration.observe(self._clock() - started)
         return view

@@ -47,6 +47,8 @@ class TrainerMetrics:
                                    registry=registry)
         self.heldout_loss = Gauge("agora_trainer_heldout_loss", "Held-out loss of the last evaluation",
                                   registry=registry)
+        for unknown in (self.loss, self.heldout_loss):  # NaN (no value) until measured, never a loss of 0
+            unknown.set(float("nan"))
         self.calls = Histogram("agora_trainer_call_seconds", "Round trip of a call to a stage worker",
                                ["stage", "method"], buckets=DURATION_BUCKETS, registry=registry)
         self.call_compute = Counter("agora_trainer_call_compute_seconds",

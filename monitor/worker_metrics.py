@@ -71,6 +71,7 @@ class WorkerMetrics:
         self.learning_rate = Gauge("agora_worker_learning_rate", "Learning rate of the last step", registry=registry)
         self.grad_norm = Gauge("agora_worker_grad_norm", "Gradient norm before clipping at the last step",
                                registry=registry)
+        self.grad_norm.set(float("nan"))  # no step yet: no value, rather than a norm of 0
         self.throughput = Gauge("agora_worker_throughput_tokens_per_second",
                                 "Compute throughput the worker announces (moving average)", registry=registry)
         self.phase = Gauge("agora_worker_phase", "1 for the phase the worker is in, 0 for the others", ["phase"],
@@ -83,7 +84,7 @@ class WorkerMetrics:
         self.queue_wait.labels(method=method).observe(queued_s)
         self.compute.labels(method=method).observe(compute_s)
 
-    def stepped(self, step: int, learning_rate: float, grad_norm: float | None) -> None:
+    def stepped(self, learning_rate: float, grad_norm: float | None) -> None:
         """From the compute thread's step hook (prometheus_client's values are thread-safe)."""
         self.steps.inc()
         self.learning_rate.set(learning_rate)

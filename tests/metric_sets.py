@@ -23,7 +23,7 @@ def every_role(registry: CollectorRegistry) -> None:
     worker.watch(load=lambda: 3, capacity=8, step=lambda: 5, throughput=lambda: 1e4, phase=lambda: "member",
                  phases=PHASES, refusals=lambda: {"expired": 2})
     worker.observe_job("Forward", 128, 0.001, 0.02)
-    worker.stepped(5, 3e-4, 1.5)
+    worker.stepped(3e-4, 1.5)
     server = RpcServerMetrics(registry)
     server.finished("/agora.v1.Stage/Forward", "OK", 0.03)
     server.received.labels(method="Forward").inc(100)

@@ -30,8 +30,8 @@ def format_summary(summary: dict) -> str:
         stats = averaging.get(stage)
         if stats:
             rounds = stats["rounds_by_outcome"]
-            total = sum(rounds.values())
-            text += f"; averaging {stats['method']}: {rounds.get('committed', 0)}/{total} rounds committed"
+            outcomes = ", ".join(f"{n} {outcome}" for outcome, n in rounds.items() if n) or "none yet"
+            text += f"; averaging {stats['method']}: {sum(rounds.values())} rounds ({outcomes})"
             if stats.get("mean_lag_steps") is not None:
                 text += f", applied {stats['mean_lag_steps']:.2f} steps after the snapshot"
         lines.append(text)

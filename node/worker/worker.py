@@ -352,7 +352,7 @@ class StageWorker:
 
         def stepped(compute: StageCompute) -> None:  # compute thread, right after each step
             steps, last = compute.optimizer.steps, compute.last_step
-            metrics.stepped(steps, lr_at(max(0, steps - 1), compute.config.optim),
+            metrics.stepped(lr_at(max(0, steps - 1), compute.config.optim),
                             last.grad_norm if last is not None and last.step == steps else None)
 
         compute.step_hooks.append(stepped)
