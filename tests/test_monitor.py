@@ -8,6 +8,7 @@ Prometheus and Chromium.
 
 from __future__ import annotations
 
+import asyncio
 import configparser
 import fnmatch
 import json
@@ -19,13 +20,18 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agora.dht.heartbeat import Heartbeat
 from agora.dht.records import RecordError, TrainerRecord, WorkerRecord
+from agora.dht.swarm import SwarmDHT
 from agora.monitor.http import start_monitor_server
 from agora.monitor.metrics import new_registry
 from agora.monitor.naming import lint
-from agora.monitor.service import parse_target
-from agora.monitor.swarm_metrics import SwarmCollector
+from agora.monitor.service import MonitorOptions, SwarmMonitor, parse_target
+from agora.monitor.swarm_metrics import MonitorMetrics, SwarmCollector
 from agora.monitor.swarm_view import LossHistory, StaticTarget, scrape_targets, summarize
+from agora.node.trainer.announce import trainer_heartbeat
+from agora.pipeline.centralized import StepRecord
+from metric_sets import every_role
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -140,9 +146,6 @@ def test_the_package_ships_every_monitor_asset():
 
 def test_the_dashboard_queries_only_metrics_that_exist():
     """Every metric name a panel asks for is one some role defines (the live test runs them all)."""
-    from metric_sets import every_role
-
-    from agora.monitor.swarm_metrics import MonitorMetrics
 
     registry = new_registry()
     every_role(registry)
@@ -154,3 +157,40 @@ def test_the_dashboard_queries_only_metrics_that_exist():
     asked = {name for panel in dashboard["panels"] for target in panel.get("targets", [])
              for name in re.findall(r"\b(agora_[a-z_]+|up)\b", target["expr"])}
     assert asked and asked <= known, asked - known
+
+
+def test_the_monitor_reads_announced_workers_and_trainers_from_a_real_dht():
+    """Two hivemind peers: a worker's and a trainer's heartbeats on one, the monitor's poll on the
+    other (client mode); a withdrawn trainer leaves the view and `/sd` on the next poll."""
+    node = SwarmDHT.start()
+    try:
+        reader = SwarmDHT.start(initial_peers=node.visible_maddrs(), client_mode=True)
+        try:
+            async def main():
+                records = [StepRecord(step=4, loss=3.5, tokens=100, lr=1e-3, grad_norm=[], elapsed_s=1.0,
+                                      tokens_per_s=250.0)]
+                beat = Heartbeat(node, lambda: worker(node.peer_id, 1, metrics="127.0.0.1:9001", rounds=2,
+                                                      committed=1), interval=5)
+                trainer_beat = trainer_heartbeat(node, run_id=RUN, trainer_index=0, records=lambda: records,
+                                                 metrics_endpoint="127.0.0.1:9100", version="1", interval_s=5)
+                monitor = SwarmMonitor(reader, MonitorOptions(run_id=RUN, n_stages=3), new_registry())
+                async with beat, trainer_beat:
+                    deadline = asyncio.get_running_loop().time() + 20
+                    while True:  # readiness: the monitor's own reads see both records
+                        view = await monitor.poll()
+                        if view.trainers and view.stages[1].workers:
+                            break
+                        assert asyncio.get_running_loop().time() < deadline, view
+                        await asyncio.sleep(0.2)
+                    assert (view.trainers[0].step, view.trainers[0].loss, view.tokens_per_s) == (4, 3.5, 250.0)
+                    assert view.stages[1].averaging_success == 0.5 and view.bottleneck_stage == 1
+                    assert {g["labels"]["role"] for g in scrape_targets(view)} == {"worker", "trainer"}
+                # Both withdrawn (tombstones) on leaving: the next poll has no target left.
+                view = await monitor.poll()
+                assert scrape_targets(view) == [] and view.history[-1].step == 4
+
+            asyncio.run(main())
+        finally:
+            reader.shutdown()
+    finally:
+        node.shutdown()
