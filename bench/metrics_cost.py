@@ -37,7 +37,7 @@ RUN = "bench"
 async def serve(with_metrics: bool):
     registry = new_registry() if with_metrics else None
     worker = StageWorker(CONFIG, 1, run_id=RUN, options=WorkerOptions(synchronous=True),
-                         interceptors=[MetricsHook(RpcServerMetrics(registry))] if with_metrics else (),
+                         outer_interceptors=[MetricsHook(RpcServerMetrics(registry))] if with_metrics else (),
                          metrics=WorkerMetrics(registry) if with_metrics else None)
     await worker.start()
     client = StageClient(worker.address, run_id=RUN, stage=1, model=CONFIG.model, fingerprint=run_fingerprint(CONFIG),

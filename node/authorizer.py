@@ -86,7 +86,7 @@ async def start_authorizer_server(service: AuthorizerService, host: str, port: i
     """The service on a started grpc.aio server behind the shared interceptor chain (plus
     `interceptors`: metrics), with health and reflection. The port is exclusive (no SO_REUSEPORT):
     a second authorizer on it fails to start."""
-    server = create_server(interceptors=interceptor_chain(*interceptors), max_message_bytes=_MAX_MESSAGE_BYTES,
+    server = create_server(interceptors=interceptor_chain(outer=interceptors), max_message_bytes=_MAX_MESSAGE_BYTES,
                            options=[("grpc.so_reuseport", 0)])
     add_authorizer_service(server, service)
     health = add_health_and_reflection(server, [SERVICE_NAME])

@@ -97,7 +97,8 @@ def test_a_worker_counts_its_jobs_calls_bytes_and_steps():
 
     async def main():
         worker = StageWorker(CONFIG, 1, run_id=RUN, options=WorkerOptions(synchronous=True),
-                             interceptors=[MetricsHook(RpcServerMetrics(registry))], metrics=WorkerMetrics(registry))
+                             outer_interceptors=[MetricsHook(RpcServerMetrics(registry))],
+                             metrics=WorkerMetrics(registry))
         await worker.start()
         client = StageClient(worker.address, run_id=RUN, stage=1, model=CONFIG.model,
                              fingerprint=run_fingerprint(CONFIG), metrics=RpcClientMetrics(registry))
@@ -110,6 +111,11 @@ def test_a_worker_counts_its_jobs_calls_bytes_and_steps():
             with pytest.raises(RequestRefused):  # misaddressed: INVALID_ARGUMENT, counted by code
                 await stranger.forward("m1", tokens[:, :-1], wire, tokens[:, 1:])
             await stranger.close()
+            other_run = StageClient(worker.address, run_id=RUN, stage=1, model=CONFIG.model,
+                                    fingerprint=run_fingerprint(PRESETS["tiny"].with_stages(3)))
+            with pytest.raises(RequestRefused):  # refused by the per-call check, ahead of the handler
+                await other_run.forward("m2", tokens[:, :-1], wire, tokens[:, 1:])
+            await other_run.close()
             await client.step(1, step=0)
         finally:
             await client.close()
@@ -122,6 +128,8 @@ def test_a_worker_counts_its_jobs_calls_bytes_and_steps():
     assert value("agora_worker_compute_seconds_count", method="Forward") == 1
     assert value("agora_rpc_server_handled_total", method="Forward", code="OK") == 1
     assert value("agora_rpc_server_handled_total", method="Forward", code=grpc.StatusCode.INVALID_ARGUMENT.name) == 1
+    assert value("agora_rpc_server_handled_total", method="Forward", code="FAILED_PRECONDITION") == 1
+    assert value("agora_worker_refusals_total", reason="fingerprint_mismatch") == 1
     assert value("agora_rpc_server_received_bytes_total", method="Forward") > 2 * 16 * CONFIG.model.wire_dim * 4
     assert value("agora_rpc_client_sent_bytes_total", method="Forward") > 0
     assert value("agora_worker_optimizer_steps_total") == 1 and value("agora_worker_optimizer_step") == 1

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -165,9 +165,12 @@ class LoggingInterceptor(CallHook):
         )
 
 
-def interceptor_chain(*extra: grpc.aio.ServerInterceptor, logger: logging.Logger | None = None,
+def interceptor_chain(*extra: grpc.aio.ServerInterceptor, outer: Sequence[grpc.aio.ServerInterceptor] = (),
+                      logger: logging.Logger | None = None,
                       clock: Clock = time.monotonic) -> list[grpc.aio.ServerInterceptor]:
-    """Logging outermost (so it sees refusals by later hooks), then `extra` in order."""
+    """Logging outermost (so it sees refusals by later hooks), then `outer` (hooks that must see every
+    call's outcome too, such as metrics), then `extra` in order (the credential check, ...)."""
     chain: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(logger, clock=clock)]
+    chain.extend(outer)
     chain.extend(extra)
     return chain

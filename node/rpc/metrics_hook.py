@@ -1,7 +1,8 @@
 """`MetricsHook`: every gRPC call of a server counted in the process's registry.
 
-A `CallHook` (node/rpc/interceptors.py) placed in the chain after the credential check, so a
-call it refuses is counted with its status code as any other. It counts calls by method and
+A `CallHook` (node/rpc/interceptors.py) placed in the chain ahead of the credential check
+(`interceptor_chain(outer=...)`), so a call that check refuses is counted with its status code
+like any other. It counts calls by method and
 code, times them, and wraps each method's (de)serializers to count the bytes of every message
 each way (unary and streamed alike). The definitions are monitor/worker_metrics.RpcServerMetrics.
 """

@@ -499,9 +499,15 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 await stack.enter_async_context(renewer)
             trainer = await stack.enter_async_context(
                 SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels, stats=stats))
+            endpoint = node.serve()
             await stack.enter_async_context(trainer_heartbeat(
                 swarm, run_id=options.run_id, trainer_index=options.trainer_index, records=lambda: trainer.records,
-                metrics_endpoint=node.serve(), version=package_version(), interval_s=options.heartbeat_s))
+                metrics_endpoint=endpoint, version=package_version(), interval_s=options.heartbeat_s))
+            logger.info("joined run %r as trainer %d of %d (peer %s)", options.run_id, options.trainer_index,
+                        options.trainers, swarm.peer_id,
+                        extra={"milestone": "joined", "fields": {"role": "trainer", "run": options.run_id,
+                                                                 "trainer": options.trainer_index, "peer": swarm.peer_id,
+                                                                 "metrics": endpoint}})
             interrupted = False
             try:
                 await trainer.run(steps)

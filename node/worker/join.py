@@ -107,7 +107,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     registry = metrics.registry
     # With credentials: mutual TLS and per-call checks (node/rpc/auth_check.py); None: --insecure.
     worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
-                         credentials=credentials, interceptors=[MetricsHook(RpcServerMetrics(registry))],
+                         credentials=credentials, outer_interceptors=[MetricsHook(RpcServerMetrics(registry))],
                          metrics=WorkerMetrics(registry))
     await worker.start()
     revoked: list[str] = []

@@ -41,8 +41,9 @@ Design choices:
   Forward reusing a pending id). Refusals are counted by reason (`refusals`).
 - Metrics (`metrics`, monitor/worker_metrics.py): each Forward/Backward job's tokens, queue wait
   and compute time, every step's learning rate and gradient norm (a step hook), and at scrape
-  time the load, phase, step, throughput and refusals; the gRPC layer counts calls and bytes
-  (node/rpc/metrics_hook.py, passed in `interceptors`). A phase change is a milestone log line.
+  time the load, phase, step, throughput and refusals; the gRPC layer counts calls, codes and bytes
+  (node/rpc/metrics_hook.py, passed in `outer_interceptors`, so refusals by the credential check
+  are counted too). A phase change is a milestone log line.
 - The announced address (`address`, what join puts in the DHT record) is `announce_host` when
   given, else the bound host, and never a wildcard (node/rpc/server.announced_host).
 """
@@ -218,10 +219,13 @@ class StageWorker:
                  credentials: Optional[NodeCredentials] = None,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  clock: Callable[[], float] = time.monotonic, logger: logging.Logger | None = None,
-                 fingerprint: Optional[RunFingerprint] = None, metrics: Optional[WorkerMetrics] = None):
+                 fingerprint: Optional[RunFingerprint] = None, metrics: Optional[WorkerMetrics] = None,
+                 outer_interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
         """`credentials`: the node's state directory (mutual TLS and per-call checks); None serves
         plaintext to anonymous callers (--insecure). `fingerprint`: this run's, by default
-        `run_fingerprint(config)`; callers must send the same with every Stage request."""
+        `run_fingerprint(config)`; callers must send the same with every Stage request.
+        `interceptors` run after the per-call credential check, `outer_interceptors` before it
+        (they see every call, refused ones included: the gRPC metrics hook)."""
         self.config = config.validate()
         self.stage_index = stage_index
         self.run_id = run_id
@@ -237,7 +241,7 @@ class StageWorker:
         self.geometry = RequestGeometry.from_config(self.config, stage_index, self.options.max_rows)
         self.refusals = RefusalCounts()  # refused calls by reason (auth, fingerprint, ownership)
         check = CallerCheck(fingerprint=self.fingerprint, credentials=credentials, refusals=self.refusals, clock=clock)
-        self._interceptors = interceptor_chain(check, *interceptors, clock=clock)
+        self._interceptors = interceptor_chain(check, *interceptors, outer=outer_interceptors, clock=clock)
         self._announced_host: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._slots = SlotPool(f"stage {stage_index} worker", self.options.max_queue, self.options.queue_per_caller,
