@@ -85,6 +85,10 @@ class AuthorizerSettings:
     dialback_timeout_s: float = 3.0
     queue_retry_after_s: float = 5.0
     measurement_ttl_s: float = 600.0  # a queued node's preflight stays valid this long
+    # Roles a node may join as by itself; the others only with a credential the operator mints
+    # (`authorizer issue`), which renews as usual. A trainer chooses the data and the targets of
+    # the gradients it sends, so an open run may keep trainers to its operator's machines.
+    join_roles: tuple[str, ...] = JOIN_ROLES
 
     def validate(self) -> "AuthorizerSettings":
         self.floors.validate()
@@ -99,6 +103,9 @@ class AuthorizerSettings:
                              f"{self.join_rate_per_s}, {self.join_burst}")
         if not (self.queue_retry_after_s > 0 and self.challenge_ttl_s > 0 and self.dialback_timeout_s > 0):
             raise ValueError("--queue-retry-after: expected a positive number of seconds")
+        unknown = [role for role in self.join_roles if role not in JOIN_ROLES]
+        if unknown or not self.join_roles:
+            raise ValueError(f"--join-roles: expected some of {', '.join(JOIN_ROLES)}, got {', '.join(self.join_roles)}")
         return self
 
 
@@ -254,7 +261,7 @@ class AuthorizerService:
         if wait > 0:
             raise _Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rate limit: too many join attempts from {caller}; "
                                                                f"retry after {wait:.1f} s", retry_after_s=wait)
-        _check_role(request.role)
+        _check_role(request.role, self.settings.join_roles, request.renewal)
         preflight = request.role == "worker" and not request.renewal and self._fresh_link(request.peer_id, caller,
                                                                                            now) is None
         s = self.settings
@@ -349,7 +356,7 @@ class AuthorizerService:
         state = self._challenges.consume(request.nonce, caller, now)
         if state.renewal:
             raise _Status(grpc.StatusCode.FAILED_PRECONDITION, "challenge: issued for a renewal, not a join")
-        _check_role(request.role)
+        _check_role(request.role, self.settings.join_roles, state.renewal)
         if request.role != state.role:
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT,
                           f"role: the challenge was requested for a {state.role or 'node without role'}")
@@ -510,7 +517,11 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _check_role(role: str) -> None:
+def _check_role(role: str, join_roles: tuple[str, ...], renewal: bool) -> None:
+    if role in JOIN_ROLES and role not in join_roles and not renewal:
+        raise _Status(grpc.StatusCode.PERMISSION_DENIED,
+                      f"role: this run admits {role}s with a credential from its operator only (`agora-node authorizer "
+                      f"issue --role {role}`); it admits {', '.join(join_roles)} nodes that join by themselves")
     if role == "operator":
         raise _Status(grpc.StatusCode.PERMISSION_DENIED, "role: operator credentials are minted offline with "
                                                          "`agora-node authorizer issue`, never through Join")

@@ -64,7 +64,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, ClassVar, Mapping, Optional
 
@@ -74,10 +74,14 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.serializer import MSGPackSerializer
 
 from agora.auth.credentials import CredentialError, CredentialVerifier
 from agora.auth.node_state import CREDENTIAL_FILE
+from agora.dht.robust import DeviationHistory, RobustAggregation
+from agora.pipeline.codec import all_finite
+from agora.dht.robust_allreduce import AgreedGroup, RobustAllReduceRunner, agreed_group
 from agora.dht.records import Record, RecordError, check_run_id, worker_key
 from agora.dht.swarm import SwarmDHT, _exit_when_orphaned
 
@@ -156,6 +160,14 @@ class RoundResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     error: Optional[str] = None
+    # Contributions this peer's reducer rejected or pulled in, and averages it dropped, by reason
+    # (dht/robust.py REASONS); only reasons that occurred.
+    rejections: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def rejected(self) -> int:
+        """Contributions rejected or clipped, and averages dropped (weight 0 for syncing is not one)."""
+        return sum(n for reason, n in self.rejections.items() if reason != "syncing")
 
     @property
     def group_size(self) -> int:
@@ -180,12 +192,15 @@ class SliceAverager:
     @classmethod
     def start(cls, dht: hivemind.DHT, *, prefix: str, size: int, matchmaking_s: float, request_s: float,
               sender_s: float, reducer_s: float, round_s: float, part_size_bytes: int,
-              admission: Optional[AveragingAdmission] = None, startup_timeout: float = 30.0) -> "SliceAverager":
+              admission: Optional[AveragingAdmission] = None, robust: RobustAggregation = RobustAggregation(),
+              startup_timeout: float = 30.0) -> "SliceAverager":
         """Start the averager process on an already running DHT.
 
         Call from the main thread before starting gRPC servers or torch thread pools: hivemind
         forks. ``prefix`` names the group keys and must differ between stages and methods.
-        ``admission`` turns on the credential checks of the module docstring (None: ``--insecure``).
+        ``admission`` turns on the credential checks of the module docstring (None: ``--insecure``);
+        ``robust`` is how this peer reduces its parts and judges the averages it gets back
+        (dht/robust.py).
         """
         if size <= 0:
             raise ValueError(f"the averaged vector needs at least one element, got {size}")
@@ -196,7 +211,7 @@ class SliceAverager:
             min_group_size=2, min_matchmaking_time=matchmaking_s, request_timeout=request_s,
             allreduce_timeout=round_s, sender_timeout=sender_s, reducer_timeout=reducer_s,
             part_size_bytes=part_size_bytes, allow_state_sharing=False, initial_group_bits=round_group_bits(0),
-            admission=admission,
+            admission=admission, robust=robust,
         )
         # hivemind ignores SIGINT in the *calling* process before forking (so the child ignores
         # Ctrl-C and is shut down by its owner); give the owner its handler back afterwards.
@@ -276,24 +291,25 @@ class SliceAverager:
                                error=None if outcome == "alone" else f"{type(error).__name__}: {error}")
         if not (isinstance(reply, dict) and "gathered" in reply):  # the hook did not run (another hivemind)
             reply = {"gathered": reply if isinstance(reply, dict) else {}}
-        if reply.get("refused"):  # a member without a valid credential: the all-reduce never ran
+        if reply.get("refused"):  # a member without a valid credential, or nobody with weight: no all-reduce ran
             return RoundResult("rejected", round_number, None, participants=tuple(reply.get("peers", ())),
                                duration_s=time.monotonic() - started, error=reply["refused"])
         gathered = reply["gathered"] or {}
         peers = tuple(str(peer) for peer in gathered)
         rounds = {data.get("round") if isinstance(data, dict) else None for data in gathered.values()}
-        weights = tuple(float(data.get("weight", 0.0)) if isinstance(data, dict) else 0.0
-                        for data in gathered.values())
+        weights = tuple(float(w) for w in reply["weights"]) if "weights" in reply else tuple(
+            float(data.get("weight", 0.0)) if isinstance(data, dict) else 0.0 for data in gathered.values())
         received = float(reply.get("received_fraction", 1.0))
+        rejections = {str(reason): int(n) for reason, n in (reply.get("rejections") or {}).items() if n}
         with self._process.get_tensors() as (buffer,):
             averaged = buffer.clone()
         common = dict(participants=peers, weights=weights, received_fraction=received,
-                      duration_s=time.monotonic() - started)
+                      duration_s=time.monotonic() - started, rejections=rejections)
         sent = estimated_bytes(averaged.numel() * averaged.element_size(), len(peers))
         if rounds != {round_number}:
             return RoundResult("rejected", round_number, None, **common, bytes_sent=sent, bytes_received=sent,
                                error=f"group members disagree on the round: {sorted(map(str, rounds))}")
-        if not torch.isfinite(averaged).all():
+        if not all_finite(averaged):
             return RoundResult("rejected", round_number, None, **common, bytes_sent=sent, bytes_received=sent,
                                error="the average is not finite (all weights zero, or a peer sent NaN/Inf)")
         return RoundResult("committed", round_number, averaged, **common, bytes_sent=sent, bytes_received=sent)
@@ -398,16 +414,21 @@ class _AveragerProcess(DecentralizedAverager):
     an orphan watch, the received fraction in the step's result, a settable group target, and
     the credential checks of the module docstring."""
 
-    def __init__(self, *args: Any, admission: Optional[AveragingAdmission] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, admission: Optional[AveragingAdmission] = None,
+                 robust: RobustAggregation = RobustAggregation(), **kwargs: Any) -> None:
         self._owner_pid = os.getpid()
         self._admission = admission
+        self._robust = robust
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         threading.Thread(target=_exit_when_orphaned, args=(self._owner_pid,), name="agora-owner-watch",
                          daemon=True).start()
         logging.getLogger("hivemind.averaging.averager").addFilter(_demote_no_group)
-        self._received_fractions: dict[bytes, float] = {}
+        logging.getLogger("hivemind.averaging.partition").addFilter(_demote_partial)
+        self._agreed: dict[bytes, AgreedGroup] = {}  # by group id, while its all-reduce runs
+        self._round_reports: dict[bytes, dict] = {}
+        self._history = DeviationHistory(self._robust)
         self._gate = None if self._admission is None else AdmissionGate(self._admission)
         self._refusals: Counter[str] = Counter()
         super().run()
@@ -448,14 +469,26 @@ class _AveragerProcess(DecentralizedAverager):
 
     async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any, group_id: Optional[bytes] = None,
                                       **kwargs: Any) -> None:
+        """hivemind's in-place all-reduce, run by ``RobustAllReduceRunner`` (dht/robust_allreduce.py)."""
+        key = group_info.group_id if group_id is None else group_id
+        registered = self._running_groups[key]
         try:
-            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+            runner = RobustAllReduceRunner(
+                agreed=self._agreed[group_info.group_id], policy=self._robust, history=self._history, p2p=self._p2p,
+                servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=key,
+                ordered_peer_ids=group_info.peer_ids, **kwargs)
+        except BaseException:
+            registered.cancel()  # parts already waiting for this group end now
+            raise
+        registered.set_result(runner)
+        try:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update)
         finally:
-            key = group_info.group_id if group_id is None else group_id
-            registered = self._running_groups.get(key)
-            if registered is not None and registered.done() and not registered.cancelled():
-                container = registered.result().tensor_part_container
-                self._received_fractions[key] = 1.0 - container.failed_size / max(1, container.total_size)
+            container = runner.tensor_part_container
+            self._round_reports[group_info.group_id] = {
+                "received_fraction": 1.0 - container.failed_size / max(1, container.total_size),
+                "rejections": dict(runner.counts)}
 
     async def _aggregate_with_group(self, group_info: Any, **kwargs: Any) -> dict:
         if self._gate is not None:
@@ -465,16 +498,27 @@ class _AveragerProcess(DecentralizedAverager):
                     self._refusals["group"] += 1
                     refused = f"group member {peer_id} refused: {problem}"
                     self._gate.warn(refused)
-                    registered = self._running_groups.get(group_info.group_id)
-                    if registered is not None and not registered.done():
-                        registered.cancel()  # parts already waiting for this group end now
-                    return {"gathered": {}, "refused": refused, "peers": [str(p) for p in group_info.peer_ids]}
+                    return self._refuse(group_info, refused)
+        agreed = agreed_group(group_info, self._robust)
+        if not any(weight > 0 for weight in agreed.weights.values()):
+            return self._refuse(group_info, "every member has weight 0 (all are syncing or idle)")
+        self._agreed[group_info.group_id] = agreed
         try:
-            gathered = await super()._aggregate_with_group(group_info, **kwargs)
-            received = self._received_fractions.get(group_info.group_id, 1.0)
+            gathered = await super()._aggregate_with_group(agreed.group_info, **kwargs)
+            report = self._round_reports.get(group_info.group_id, {})
         finally:
-            self._received_fractions.pop(group_info.group_id, None)
-        return {"gathered": gathered, "received_fraction": received}
+            self._agreed.pop(group_info.group_id, None)
+            self._round_reports.pop(group_info.group_id, None)
+        return {"gathered": gathered, "received_fraction": report.get("received_fraction", 1.0),
+                "rejections": report.get("rejections", {}),
+                "weights": [agreed.weights[peer] for peer in group_info.peer_ids]}
+
+    def _refuse(self, group_info: Any, reason: str) -> dict:
+        """End a group without running its all-reduce: every honest member refuses alike."""
+        registered = self._running_groups.get(group_info.group_id)
+        if registered is not None and not registered.done():
+            registered.cancel()  # parts already waiting for this group end now
+        return {"gathered": {}, "refused": reason, "peers": [str(p) for p in group_info.peer_ids]}
 
 
 class AdmissionGate:
@@ -515,6 +559,15 @@ def _demote_no_group(record: logging.LogRecord) -> bool:
     if record.levelno >= logging.ERROR and "could not find a group" in record.getMessage():
         record.levelno, record.levelname = logging.DEBUG, "DEBUG"
         record.exc_info = record.exc_text = None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+    return True
+
+
+def _demote_partial(record: logging.LogRecord) -> bool:
+    # Runs in the averager process. A part dropped by a guard, or a reducer that failed, is in the
+    # round's received fraction and its milestone line; hivemind's own line would say it again.
+    if record.levelno == logging.WARNING and "received" in record.getMessage():
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
     return True
 

@@ -43,6 +43,7 @@ from typing import Any, ClassVar, Mapping, Optional, TypeVar
 __all__ = [
     "MAX_STAGES",
     "PHASES",
+    "TRAINING_PHASES",
     "SCHEMA_VERSION",
     "Record",
     "RecordError",
@@ -61,6 +62,9 @@ SCHEMA_VERSION = 2
 # hivemind's RSASignatureValidator.PUBLIC_KEY_FORMAT, as text: b"[owner:_key_]".
 OWNER_MARKER = "[owner:"
 PHASES = frozenset({"weight_sync", "optimizer_sync", "member", "leaving"})
+# Phases in which a worker trains on live traffic: trainers route to them, and their step counts
+# are the stage's (a worker in weight sync has not got the stage's state yet).
+TRAINING_PHASES = ("member", "optimizer_sync")
 # Generous bounds: they exist to reject garbage cheaply, not to constrain real runs.
 MAX_STAGES = 4096
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -5,7 +5,8 @@ What `AveragingStats` (node/averaging/stats.py) records after each round lands h
 the summary and a Prometheus scrape can never disagree.
 
 - Rounds by outcome (committed, alone, failed, rejected, cancelled), rounds whose result was
-  applied, and rounds skipped because they came due while another ran.
+  applied, and rounds skipped because they came due while another ran; what the robust
+  aggregation rejected, by reason (dht/robust.py).
 - Per round: the group size and, for committed rounds, the share of the vector whose average
   arrived (`_ratio`, 0..1), the duration, and the bytes each way (estimated, see dht/averaging.py).
 - Local steps from a round's snapshot to its apply (the lag that costs convergence) and the
@@ -36,6 +37,8 @@ class AveragingMetrics:
         self.skipped = Counter("agora_averaging_rounds_skipped",
                                "Rounds not run because they came due while another round ran", ["method"],
                                registry=registry)
+        self.rejections = Counter("agora_averaging_rejections", "Contributions the robust aggregation rejected, by "
+                                  "reason", ["method", "reason"], registry=registry)
         self.group_size = Histogram("agora_averaging_group_size", "Replicas in a round's group, this one included",
                                     ["method"], buckets=GROUP_SIZE_BUCKETS, registry=registry)
         self.received = Histogram("agora_averaging_received_ratio",

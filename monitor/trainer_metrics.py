@@ -7,7 +7,7 @@
   stage (compute / queued / the rest: wire, serialization, gRPC) is a PromQL division.
 - Routing: reroutes (a failed route rerun elsewhere), busy retries (a full worker, no penalty),
   bans (a peer benched with backoff), aborts by the worker's answer, completed-batch reports a
-  worker did not answer.
+  worker did not answer or refused (outside its window).
 - `RpcClientMetrics`: payload bytes (tensor frames) sent and received, by method.
 """
 
@@ -67,3 +67,6 @@ class TrainerMetrics:
                               ["outcome"], registry=registry)
         self.reports_failed = Counter("agora_trainer_batch_reports_failed",
                                       "Completed-batch reports a worker did not answer", registry=registry)
+        self.reports_refused = Counter("agora_trainer_batch_reports_refused",
+                                       "Completed-batch reports outside a replica's window (it lags or runs ahead)",
+                                       registry=registry)

@@ -136,7 +136,9 @@ def _settings(args: argparse.Namespace) -> AuthorizerSettings:
                                   credential_lifetime_s=args.credential_lifetime, latency_probes=args.latency_probes,
                                   download_bytes=args.preflight_bytes, upload_bytes=args.preflight_bytes,
                                   join_rate_per_s=args.join_rate, join_burst=args.join_burst,
-                                  queue_retry_after_s=args.queue_retry_after).validate()
+                                  queue_retry_after_s=args.queue_retry_after,
+                                  join_roles=tuple(r.strip() for r in args.join_roles.split(",") if r.strip())
+                                  ).validate()
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
@@ -367,6 +369,10 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--latency-probes", type=int, default=5, help="round trips timed (median; default 5)")
     serve.add_argument("--join-rate", type=float, default=0.5, help="sustained join attempts per second per address")
     serve.add_argument("--join-burst", type=int, default=10, help="join attempts at once per address")
+    serve.add_argument("--join-roles", default="worker,trainer,monitor", metavar="ROLES",
+                       help="roles a node may join as by itself, comma-separated (default worker,trainer,monitor); "
+                            "leave trainer out to keep trainers, which choose the data and targets of every gradient, "
+                            "to machines the operator credentials with `authorizer issue --role trainer`")
     serve.add_argument("--queue-retry-after", type=float, default=5.0, metavar="S",
                        help="seconds a queued node waits between polls (default %(default)g)")
     serve.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",

@@ -46,7 +46,7 @@ def _run_config(args: argparse.Namespace, base: RunConfig | None = None) -> RunC
 
 # config.sync fields set by `join`/`demo` flags (argparse destination of each flag).
 _SYNC_FLAGS = {"method": "averaging", "every_steps": "averaging_every", "fraction": "averaging_fraction",
-               "average_optimizer_state": "average_optimizer_state"}
+               "average_optimizer_state": "average_optimizer_state", "aggregation": "aggregation"}
 
 
 def _add_pinned_weights_argument(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +66,10 @@ def _add_averaging_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sparta: share of the stage averaged per round (default: sync.fraction)")
     parser.add_argument("--average-optimizer-state", action="store_true", default=None,
                         help="sparta: also average the Adam moments of the slice")
+    parser.add_argument("--aggregation", default=None, choices=["centered_clip", "mean"],
+                        help="how a reducer combines its group: centered_clip (weight caps, outliers rejected, "
+                             "CenteredClip, bounded moves; the default) or mean (hivemind's plain weighted mean, "
+                             "for trusted machines only)")
 
 
 def _cmd_train_local(args: argparse.Namespace) -> int:
@@ -270,8 +274,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(DemoOptions.from_args(args))
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str) -> None:
-    """Flags that must be identical on every process of one run."""
+def _add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str, averaging: bool = True) -> None:
+    """Flags that must be identical on every process of one run (they are all in its fingerprint,
+    the averaging ones included: a trainer or an authorizer with other sync settings is another run)."""
     parser.add_argument("--config", default=None,
                         help="preset name (tiny, small, pythia-14m, pluralis-8b) or TOML file (default: the run "
                              "config the authorizer serves, else tiny)")
@@ -283,6 +288,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str) -> N
     parser.add_argument("--schedule-steps", type=int, default=None, metavar="STEPS",
                         help="length of the learning-rate schedule in global batches (default: the config's "
                              "optim.total_steps, stretched to --steps when shorter)")
+    if averaging:
+        _add_averaging_arguments(parser)
 
 
 def _add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -308,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train-local", help="centralized reference run, stage by stage in one process",
                                 description="Train the model centrally through the same stages and wire codec "
                                             "the swarm uses; the reference the swarm is compared with.")
-    _add_run_arguments(train, steps_help="optimizer steps (global batches) in total")
+    _add_run_arguments(train, steps_help="optimizer steps (global batches) in total", averaging=False)
     train.add_argument("--wire-dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
                        help="encoding of boundary tensors (default fp32, lossless)")
     train.add_argument("--log-json", default=None, help="write one JSON object per step to this file")
@@ -359,7 +366,6 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
     join.add_argument("--checkpoint-dir", default=None, help="resume from and checkpoint into this folder")
     join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
-    _add_averaging_arguments(join)
     add_admission_arguments(join)
     add_metrics_arguments(join)
     join.set_defaults(handler=_cmd_join)
@@ -419,7 +425,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None, help="keep logs and ready files here (default: a temp folder)")
     demo.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
                       help="fault drill: kill -9 one worker of the last stage after STEP global batches")
-    _add_averaging_arguments(demo)
     demo.add_argument("--heartbeat", type=float, default=1.0, metavar="S",
                       help="seconds between the workers' DHT announces (default 1: quick failure detection; "
                            "`join` defaults to 5)")

@@ -55,6 +55,7 @@ __all__ = [
     "token_width",
     "float_frame_bytes",
     "token_frame_bytes",
+    "all_finite",
     "wire_bytes_per_token",
     "FLOAT_DTYPES",
     "MAGIC",
@@ -282,6 +283,16 @@ def _float32_cpu(tensor: torch.Tensor) -> tuple[torch.Tensor, float]:
             f"refusing to encode a tensor with NaN or Inf values (or beyond float32 range), shape {list(values.shape)}"
         )
     return values, max(-low, high)
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN and no Inf in ``tensor`` (a floating-point one), by aminmax: one pass without an
+    allocation, ~10x faster than ``isfinite().all()`` on this torch's CPU build (measured on a tiny
+    stage's gradients: 150 us against 2 ms for all of them; an empty tensor is finite)."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor.detach())
+    return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
 # ----------------------------------------------------------------------------- floats

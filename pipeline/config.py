@@ -167,6 +167,8 @@ class TrainConfig:
 
 
 SYNC_METHODS = ("sparta", "diloco", "none")
+# How a reducer combines its group's contributions (the averager's rules: dht/robust.py).
+AGGREGATIONS = ("centered_clip", "mean")
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,9 @@ class SyncConfig:
     outer_lr: float = 0.7  # diloco outer Nesterov
     outer_momentum: float = 0.9
     quorum: int = 1  # participants (self included) a round needs to be applied
+    # "centered_clip": agreed weight caps, outliers rejected, CenteredClip for 3+, a bounded pull
+    # for pairs, averages beyond the recent bound dropped; "mean": hivemind's plain weighted mean.
+    aggregation: str = "centered_clip"
 
     @property
     def n_slices(self) -> int:
@@ -220,6 +225,8 @@ class SyncConfig:
             raise ConfigError("sync.outer_lr/outer_momentum: need outer_lr > 0 and 0 <= outer_momentum < 1")
         if self.quorum < 1:
             raise ConfigError(f"sync.quorum: must be at least 1, got {self.quorum}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"sync.aggregation: expected one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
         if self.average_optimizer_state and self.method == "diloco":
             raise ConfigError("sync.average_optimizer_state: only for method 'sparta' (diloco keeps its own "
                               "outer state)")

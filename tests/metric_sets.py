@@ -31,12 +31,14 @@ def every_role(registry: CollectorRegistry) -> None:
     CredentialMetrics(registry, lambda: 1800.0, lambda: 2)
     stats = AveragingStats("sparta", registry=registry)
     stats.record(RoundResult("committed", 3, None, participants=("a", "b"), received_fraction=1.0, duration_s=0.4,
-                             bytes_sent=100, bytes_received=100), applied=True, lag_steps=1)
+                             bytes_sent=100, bytes_received=100, rejections={"outlier": 1}), applied=True,
+                 lag_steps=1)
     stats.count_skipped(1)
     stats.add_compute_blocked(0.01)
     trainer = TrainerStats(registry)
     trainer.call(0, "Forward", 0.05, 0.02, 0.01)
-    for record in (trainer.microbatch_done, trainer.busy_retry, trainer.banned, trainer.report_failed):
+    for record in (trainer.microbatch_done, trainer.busy_retry, trainer.banned, trainer.report_failed,
+                   trainer.report_refused):
         record()
     trainer.rerouted("peer")
     trainer.aborted("reverted")

@@ -149,6 +149,28 @@ def test_trainers_skip_floors_and_the_cap_and_operators_cannot_join(authority, n
     assert {entry.role for entry in admitted} == {"trainer", "monitor"}
 
 
+def test_a_run_can_keep_trainers_to_credentials_its_operator_mints(authority, nodes, tmp_path):
+    """--join-roles worker,monitor: a trainer cannot join by itself; one the operator minted renews."""
+    clock = Clock()
+    minted = authority.mint(tmp_path / "ci-trainer", role="trainer", lifetime_s=600.0)
+
+    async def main():
+        async with serving(authority, join_roles=("worker", "monitor"), credential_lifetime_s=600.0,
+                           clock=clock) as (service, address):
+            with pytest.raises(AdmissionError, match=r"admits trainers with a credential from its operator only "
+                                                     r"\(`agora-node authorizer issue --role trainer`\)"):
+                await join(address, nodes(0), authority, role="trainer")
+            worker = await join(address, nodes(1), authority)
+            clock.offset = 30.0
+            renewed = await CredentialRenewer(address, minted, on_revoked=pytest.fail).renew_once()
+            return worker, renewed
+
+    worker, renewed = run(main())
+    assert worker.role == "worker" and renewed.role == "trainer"
+    with pytest.raises(ValueError, match="--join-roles"):
+        AuthorizerSettings(join_roles=("worker", "operator")).validate()
+
+
 def _signed(request: adapter.JoinRequest, key) -> adapter.JoinRequest:
     return dataclasses.replace(request, signature=sign_proof(key, adapter.signed_payload(request)))
 

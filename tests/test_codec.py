@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 import warnings
 
@@ -338,3 +339,15 @@ def test_random_garbage_never_escapes_as_another_exception():
             decode_tokens(bytes(mutated), 256)
         except WireFormatError:
             pass
+
+
+def test_all_finite_sees_every_nan_and_inf_and_takes_an_empty_tensor():
+    from agora.pipeline.codec import all_finite
+
+    values = torch.randn(1000)
+    assert all_finite(values) and all_finite(torch.empty(0)) and all_finite(torch.full((3,), 3e38))
+    for bad in (math.nan, math.inf, -math.inf):
+        for where in (0, 517, 999):
+            poisoned = values.clone()
+            poisoned[where] = bad
+            assert not all_finite(poisoned) and not all_finite(poisoned.to(torch.bfloat16))

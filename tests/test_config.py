@@ -87,6 +87,23 @@ def test_batch_flags_set_the_global_batch_and_refuse_a_split_that_does_not_divid
     assert flags[flags.index("--batch-size") + 1] == "32" and flags[flags.index("--microbatches") + 1] == "8"
 
 
+def test_the_sync_settings_are_run_flags_every_process_shares():
+    """They are in the run's fingerprint: the demo hands them to the authorizer and trainers too (before,
+    only workers got them, and `demo --averaging diloco` refused every worker at the door)."""
+    from agora.node.cli import _run_config, build_parser
+    from agora.node.demo.demo import DemoOptions
+    from agora.pipeline.fingerprint import run_fingerprint
+
+    argv = ["--averaging", "diloco", "--averaging-every", "4", "--aggregation", "mean"]
+    demo = DemoOptions.from_args(build_parser().parse_args(["demo", *argv]))
+    flags = demo.run_flags()
+    assert all(flag in flags for flag in argv) and not set(argv) & set(demo.worker_flags())
+    configs = [_run_config(build_parser().parse_args(role + flags)) for role in (
+        ["join", "--stage", "0"], ["trainer"], ["authorizer", "serve", "--state-dir", "s", "--run-id", "r"])]
+    assert {run_fingerprint(c).text() for c in configs} == {run_fingerprint(configs[0]).text()}
+    assert (configs[0].sync.method, configs[0].sync.every_steps, configs[0].sync.aggregation) == ("diloco", 4, "mean")
+
+
 def test_pinned_weights_reach_the_worker_and_the_demo_hands_them_on():
     from agora.node.cli import _worker_options, build_parser
     from agora.node.demo.demo import DemoOptions

@@ -21,7 +21,7 @@ from agora.node.worker.compute import (
     ReportOutsideWindow,
     StageCompute,
 )
-from agora.node.worker.epoch import ReportWindow, check_step_fields, judge_report, prune_counted
+from agora.node.worker.epoch import ReportWindow, check_step_fields, judge_report, prune_counted, stage_step
 from agora.node.worker.stash import ForwardStash
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
@@ -114,6 +114,35 @@ def test_the_report_window_rules():
         ReportWindow(ahead=2, catch_up=3)
 
 
+def test_the_stage_s_announced_count_bounds_a_first_report_and_re_anchors_a_replica_far_from_it():
+    window = ReportWindow(ahead=10, behind=5, catch_up=3)
+    # A fresh replica whose stage announces step 1000 takes a first report near it, not a far one.
+    assert judge_report(1004, 0, joined=False, window=window, stage_step=1000).adopt == 1004
+    far = judge_report(10**9, 0, joined=False, window=window, stage_step=1000).refusal
+    assert "far from the step count 1000 this stage's other replicas announce" in far and "[995, 1010]" in far
+    # A replica cut off for a while (far behind its stage) or set far ahead by a bad first report
+    # counts a report near its stage's count and takes it, in either direction.
+    assert judge_report(1002, 50, joined=True, window=window, stage_step=1000).adopt == 1002
+    assert judge_report(1002, 10**9, joined=True, window=window, stage_step=1000).adopt == 1002
+    # Near its stage, the replica's own window rules alone; a report far from both is refused.
+    assert judge_report(1020, 1000, joined=True, window=window, stage_step=1000).refusal is not None
+    assert judge_report(5000, 50, joined=True, window=window, stage_step=1000).refusal is not None
+    assert stage_step([]) is None and stage_step([7]) == 7 and stage_step([9, 3, 5, 100]) == 5
+
+
+def test_a_replica_set_far_ahead_by_a_bad_first_report_comes_back_to_its_stage():
+    compute = make(0)
+    report(compute, 10**6)  # a hostile trainer got there first, before any replica was announced
+    assert compute.optimizer.steps == 10**6 + 1
+    with pytest.raises(ReportOutsideWindow):
+        report(compute, 40)  # the honest trainers' batches are "stale" to it now
+    compute.stage_step = 38  # the join daemon read the stage's other replicas
+    report(compute, 40)
+    assert compute.optimizer.steps == 41
+    report(compute, 41)
+    assert compute.optimizer.steps == 42
+
+
 def test_no_batch_ever_forces_a_second_step_in_any_order():
     """Reports of batches 0..199, each sent three times in a shuffled order with late stragglers:
     a replica steps once per batch it counts, and a batch it refused as stale or counted before
@@ -177,7 +206,8 @@ def test_a_synchronous_barrier_must_name_its_step_and_the_run_s_microbatches():
     tail.forward(ForwardRequest(run_id="run", microbatch_id="m", stage=2,
                                 tokens=encode_tokens(tokens_of(1), CONFIG.model.vocab_size), wire=CODEC.encode(wire),
                                 targets=encode_tokens(tokens_of(2), CONFIG.model.vocab_size)), "honest")
-    barrier = lambda **fields: tail.step(StepRequest(run_id="run", stage=2, **fields))  # noqa: E731
+    barrier = lambda owner="honest", **fields: tail.step(StepRequest(run_id="run", stage=2, **fields),  # noqa: E731
+                                                          owner)
     refused(tail, InvalidRequest, ("step: a synchronous Step barrier must name the step it closes",
                                    "this worker is at step 0"), lambda: barrier(microbatches=MICRO))
     refused(tail, InvalidRequest, ("microbatches must be 1..4", "got 4294967295"),
@@ -185,7 +215,13 @@ def test_a_synchronous_barrier_must_name_its_step_and_the_run_s_microbatches():
     refused(tail, PreconditionFailed, ("Step barrier for step 1000", "at step 0"),
             lambda: barrier(microbatches=MICRO, step=1000))
     refused(tail, PreconditionFailed, ("synchronous mode",), lambda: report(tail, 0))
+    # Another trainer cannot close the honest trainer's batch, not even at the right step.
+    refused(tail, NotOwner, ("belong to another trainer", "only a trainer with work in it may close"),
+            lambda: barrier("hostile", microbatches=MICRO, step=0))
     assert barrier(microbatches=MICRO, step=0).accumulated == 1
+    assert barrier("hostile", microbatches=MICRO, step=0).step == 1  # a retried barrier: its reply, to anyone
+    refused(tail, PreconditionFailed, ("no microbatch has passed this stage since the last step",),
+            lambda: barrier(microbatches=MICRO, step=1))
 
 
 def test_a_huge_output_gradient_on_the_head_is_refused_before_it_touches_grad():

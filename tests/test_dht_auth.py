@@ -476,7 +476,7 @@ def test_an_intruder_is_refused_at_the_door_and_the_honest_pair_averages_without
     first = swarm[0]
     before = [a.refusals().get("join", 0), b.refusals().get("join", 0)]
     common = dict(round_number=1, weight=1.0, group_size=3)  # a full group would take 3: the window stays open
-    threads, results = round_threads([(a, torch.zeros(SIZE), common), (b, torch.full((SIZE,), 4.0), common),
+    threads, results = round_threads([(a, torch.ones(SIZE), common), (b, torch.full((SIZE,), 2.0), common),
                                   (intruder, torch.full((SIZE,), 1000.0), dict(common, credential=intruder_chain))])
     for thread in threads[:2]:
         thread.start()
@@ -486,7 +486,7 @@ def test_an_intruder_is_refused_at_the_door_and_the_honest_pair_averages_without
         thread.join(timeout=60)
     honest_a, honest_b, refused = results
     assert honest_a.outcome == honest_b.outcome == "committed", (honest_a.error, honest_b.error)
-    assert torch.equal(honest_a.averaged, torch.full((SIZE,), 2.0))  # the honest mean: nothing of the 1000s
+    assert torch.equal(honest_a.averaged, torch.full((SIZE,), 1.5))  # the honest mean: nothing of the 1000s
     assert torch.equal(honest_b.averaged, honest_a.averaged)
     assert sorted(honest_a.participants) == sorted([a.peer_id, b.peer_id])
     assert refused.outcome == "alone"
@@ -501,7 +501,7 @@ def test_a_group_with_an_unadmitted_member_is_refused_by_every_honest_member(swa
     # The intruder leads (it declares first) and accepts everyone: the members' own check must catch it.
     threads, results = round_threads([
         (intruder, torch.full((SIZE,), 1000.0), dict(common, credential=intruder_chain)),
-        (a, torch.zeros(SIZE), common), (b, torch.full((SIZE,), 4.0), common)])
+        (a, torch.ones(SIZE), common), (b, torch.full((SIZE,), 2.0), common)])
     threads[0].start()
     eventually(lambda: declared(swarm[0], "authavg", 2) >= 1, timeout=10, what="the intruder to declare")
     threads[1].start()

@@ -44,7 +44,7 @@ from agora.node.rpc.server import run
 from agora.node.rpc.tls import TlsChannels
 from agora.node.trainer.discovery import StaticDiscovery
 from agora.node.trainer.routing import WorkerView
-from agora.node.trainer.stage_client import RequestRefused, StageClient
+from agora.node.trainer.stage_client import StageCallError, StageClient
 from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS
@@ -115,11 +115,13 @@ class Hostile:
         self.served: dict[str, int] = {}  # a call the race let through (the honest id had moved on)
         self.own = 0
 
-    async def expect(self, case: str, call, code: grpc.StatusCode, needle: str) -> None:
+    async def expect(self, case: str, call, code: grpc.StatusCode, needle: str, *also: tuple) -> None:
+        """`also`: other (code, needle) answers the race with the honest trainer may give instead."""
         try:
             await call
-        except RequestRefused as error:
-            assert error.code == code and needle in error.details, (case, error.code, error.details)
+        except StageCallError as error:
+            assert any(error.code == c and n in error.details for c, n in ((code, needle), *also)), (
+                case, error.code, error.details)
             self.refusals.setdefault(case, []).append(f"{error.code.name}: {error.details}")
             return
         self.served[case] = self.served.get(case, 0) + 1
@@ -173,11 +175,17 @@ class Hostile:
                                   grpc.StatusCode.FAILED_PRECONDITION, f"Step barrier for step {at + 1000}")
                 await self.expect("step without its number", client.step(micro),
                                   grpc.StatusCode.INVALID_ARGUMENT, "must name the step it closes")
+                # The right step number: still not its batch to close (between batches: nothing to close;
+                # just after the honest barrier: a retry of a step taken, answered with its reply).
+                await self.expect("barrier closing the honest batch", client.step(micro, step=at),
+                                  grpc.StatusCode.PERMISSION_DENIED, "only a trainer with work in it",
+                                  (grpc.StatusCode.FAILED_PRECONDITION, "no microbatch has passed this stage"),
+                                  (grpc.StatusCode.FAILED_PRECONDITION, "Step barrier for step"))
                 await self.expect("completed batch far ahead", client.batch_done(at + 10**6, micro, 1),
                                   grpc.StatusCode.FAILED_PRECONDITION, "synchronous mode")
                 continue
             await self.expect("completed batch far ahead", client.batch_done(at + 10**6, micro, 1),
-                              grpc.StatusCode.FAILED_PRECONDITION, f"completed_batch {at + 10**6} is ")
+                              grpc.StatusCode.OUT_OF_RANGE, f"completed_batch {at + 10**6} is ")
             await self.expect("completed batch claiming 2**32-1 replicas", client.batch_done(at + 1, micro, 2**32 - 1),
                               grpc.StatusCode.INVALID_ARGUMENT, "replicas must be 1..1024")
             await self.expect("completed batch of more microbatches than the run's", client.batch_done(at + 1, 1000, 1),
@@ -252,7 +260,7 @@ def test_a_hostile_trainer_leaves_the_honest_loss_trace_exactly_unchanged(pki, d
     assert losses == alone_losses and norms == alone_norms  # exactly: one microbatch in flight is deterministic
     expected = {"backward of an unknown id", "duplicate forward of its own id", "duplicate forward of an honest id",
                 "abort of an honest id", "completed batch far ahead"}
-    expected |= {"step far ahead", "step without its number"} if synchronous else {
+    expected |= {"step far ahead", "step without its number", "barrier closing the honest batch"} if synchronous else {
         "completed batch claiming 2**32-1 replicas", "completed batch of more microbatches than the run's",
         "barrier to an asynchronous worker"}
     assert expected <= set(attacker.refusals), (attacker.refusals, attacker.served)
@@ -260,7 +268,7 @@ def test_a_hostile_trainer_leaves_the_honest_loss_trace_exactly_unchanged(pki, d
     # Forward or Abort of an honest id that had moved on between the leak and the call (a Forward then
     # stashes the hostile's own input, an Abort answers "unknown"), and the hostile's abort of its own work.
     assert set(attacker.served) <= {"duplicate forward of an honest id", "abort of an honest id",
-                                    "abort of its own id"}, attacker.served
+                                    "abort of its own id", "barrier closing the honest batch"}, attacker.served
     assert sum(r.get("not_owner", 0) for r in refusals.values()) >= 1, refusals
     assert sum(r.get("duplicate_microbatch", 0) for r in refusals.values()) >= 2, refusals
     for case in sorted(expected):

@@ -331,7 +331,7 @@ class AveragingLoop:
         else:
             result = await asyncio.to_thread(
                 self.averager.average, snapshot, round_number=round_number, weight=weight, group_size=expected,
-                metadata={"slice": index, "method": self.sync.method})
+                metadata={"slice": index, "method": self.sync.method, "phase": self.worker.phase})
         # The stage's replicas get a round's result at the same moment, but apply it after their
         # own queued compute: which round comes next is settled now, not after the apply.
         self._hooked.reserve(round_number, self.worker.compute.optimizer.steps)
@@ -469,9 +469,11 @@ class AveragingLoop:
             "received": f"{result.received_fraction:.3f}", "bytes": result.bytes_sent + result.bytes_received,
             "duration_s": f"{result.duration_s:.3f}",
         }
+        if result.rejections:  # by reason (dht/robust.py): what this replica's reducer and guard stopped
+            fields["rejected"] = ",".join(f"{reason}:{n}" for reason, n in sorted(result.rejections.items()))
         if result.error:
             fields["error"] = repr(result.error)
-        level = logging.WARNING if result.outcome in ("failed", "rejected") else logging.INFO
+        level = logging.WARNING if result.outcome in ("failed", "rejected") or result.rejected else logging.INFO
         self._logger.log(level, "averaging %s", " ".join(f"{k}={v}" for k, v in fields.items()),
                          extra={"milestone": "averaging_round", "fields": fields})
 

@@ -48,6 +48,7 @@ __all__ = [
     "outer_nesterov_step",
     "stage_parameter_numels",
     "averaged_vector_size",
+    "max_round_weight",
 ]
 
 # See the module docstring: only matters when every member of a group is idle.
@@ -173,6 +174,15 @@ def peer_weight(samples_since_last_round: int, member: bool) -> float:
     if not member:
         return 0.0
     return max(float(samples_since_last_round), MEMBER_WEIGHT_FLOOR)
+
+
+def max_round_weight(sync: SyncConfig, batch_size: int, local_batch: int | None = None) -> float:
+    """The most samples one replica can honestly have trained since its previous round of a key: every
+    sample of every global batch (or local batch) in the steps between, twice over for one round it
+    missed. The agreed weight cap of dht/robust.py; a round's weight above it is taken as this."""
+    per_step = max(batch_size, local_batch or 0)
+    rounds_per_key = sync.n_slices if sync.method == "diloco" else 1  # diloco weighs per fragment
+    return float(2 * rounds_per_key * sync.every_steps * per_step)
 
 
 def outer_nesterov_step(averaged_anchor: torch.Tensor, averaged_local: torch.Tensor, momentum: torch.Tensor,

@@ -35,6 +35,7 @@ class AveragingStats:
         for outcome in OUTCOMES:  # every outcome present from the start, at 0
             self.metrics.rounds.labels(method=method, outcome=outcome)
         self._lock = threading.Lock()  # the maxima are read-modify-write
+        self._rejection_reasons: set[str] = set()  # the label values seen, to read the counts back
         self.last_round: Optional[int] = None
         self.local_steps = 0  # the worker's optimizer steps, as last seen by the loop
         self.vector_elements = 0
@@ -74,6 +75,9 @@ class AveragingStats:
             metrics.applied.labels(method=method).inc()
             metrics.lag.labels(method=method).observe(lag_steps)
         metrics.group_size.labels(method=method).observe(max(1, result.group_size))
+        for reason, count in result.rejections.items():  # by reason (dht/robust.py), over every round
+            metrics.rejections.labels(method=method, reason=reason).inc(count)
+            self._rejection_reasons.add(reason)
         if result.outcome == "committed":
             metrics.received.labels(method=method).observe(result.received_fraction)
         metrics.duration.labels(method=method).observe(result.duration_s)
@@ -86,6 +90,11 @@ class AveragingStats:
                 metrics.max_duration.labels(method=method).set(result.duration_s)
         metrics.last_round.labels(method=method).set(result.round)
         self.last_round = result.round
+
+    @property
+    def rejections(self) -> dict[str, int]:
+        return {reason: int(self._value("agora_averaging_rejections_total", reason=reason))
+                for reason in sorted(self._rejection_reasons)}
 
     def _group_sizes(self) -> dict[str, int]:
         """Rounds per group size, from the histogram's whole-number buckets (exact up to 8)."""
@@ -113,6 +122,7 @@ class AveragingStats:
             "applied": applied,
             "skipped": self.skipped,
             "group_sizes": self._group_sizes(),
+            "rejections": self.rejections,
             "mean_received_fraction": received / rounds["committed"] if rounds["committed"] else None,
             "mean_duration_s": duration / total if total else None,
             "max_duration_s": self._value("agora_averaging_round_duration_max_seconds"),

@@ -63,6 +63,7 @@ class DemoOptions:
     averaging_every: int | None = None
     averaging_fraction: float | None = None
     average_optimizer_state: bool | None = None
+    aggregation: str | None = None
     run_id: str = "demo"
     insecure: bool = False  # no authorizer, no TLS, no signed records
     heartbeat_s: float = 1.0  # workers' DHT announces: fast failure detection on one machine
@@ -83,6 +84,7 @@ class DemoOptions:
                    averaging=getattr(args, "averaging", None), averaging_every=getattr(args, "averaging_every", None),
                    averaging_fraction=getattr(args, "averaging_fraction", None),
                    average_optimizer_state=getattr(args, "average_optimizer_state", None),
+                   aggregation=getattr(args, "aggregation", None),
                    insecure=getattr(args, "insecure", False), heartbeat_s=getattr(args, "heartbeat", 1.0),
                    credential_lifetime=getattr(args, "credential_lifetime", None),
                    monitor=not getattr(args, "no_monitor", False), monitor_port=getattr(args, "monitor_port", 0))
@@ -107,21 +109,20 @@ class DemoOptions:
         return self
 
     def worker_flags(self) -> list[str]:
-        """Flags for the workers alone (trainers do not take these): averaging and weight pinning."""
-        flags = [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
-        for name, value in (("--averaging", self.averaging), ("--averaging-every", self.averaging_every),
-                            ("--averaging-fraction", self.averaging_fraction)):
+        """Flags for the workers alone (trainers do not take these): weight pinning."""
+        return [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
+
+    def run_flags(self) -> list[str]:
+        """Flags every process of the run takes, the authorizer's served config included (the sync
+        settings are in the run's fingerprint)."""
+        flags = ["--config", self.config, "--steps", str(self.steps)]
+        for name, value in (("--seed", self.seed), ("--stages", self.stages), ("--batch-size", self.batch_size),
+                            ("--microbatches", self.microbatches), ("--schedule-steps", self.schedule_steps),
+                            ("--averaging", self.averaging), ("--averaging-every", self.averaging_every),
+                            ("--averaging-fraction", self.averaging_fraction), ("--aggregation", self.aggregation)):
             if value is not None:
                 flags += [name, str(value)]
         return flags + (["--average-optimizer-state"] if self.average_optimizer_state else [])
-
-    def run_flags(self) -> list[str]:
-        flags = ["--config", self.config, "--steps", str(self.steps)]
-        for name, value in (("--seed", self.seed), ("--stages", self.stages), ("--batch-size", self.batch_size),
-                            ("--microbatches", self.microbatches), ("--schedule-steps", self.schedule_steps)):
-            if value is not None:
-                flags += [name, str(value)]
-        return flags
 
 
 def merge_logs(paths: list[Path]) -> list[dict]:
@@ -389,12 +390,15 @@ def _averaging_by_stage(workdir: Path, workers) -> dict:
         except (OSError, ValueError):
             continue
         into = merged.setdefault(str(stage), {"method": stats.get("method"), "replicas_reporting": 0,
-                                              "rounds_by_outcome": {}, "applied": 0, "skipped": 0, "bytes_sent": 0,
+                                              "rounds_by_outcome": {}, "rejections": {}, "applied": 0, "skipped": 0,
+                                              "bytes_sent": 0,
                                               "local_steps": 0, "compute_blocked_s": 0.0, "wall_s": 0.0,
                                               "lag_steps_sum": 0.0, "max_lag_steps": 0})
         into["replicas_reporting"] += 1
         for outcome, n in stats.get("rounds_by_outcome", {}).items():
             into["rounds_by_outcome"][outcome] = into["rounds_by_outcome"].get(outcome, 0) + n
+        for reason, n in stats.get("rejections", {}).items():  # what robust aggregation stopped (dht/robust.py)
+            into["rejections"][reason] = into["rejections"].get(reason, 0) + n
         for key in ("applied", "skipped", "bytes_sent", "local_steps", "compute_blocked_s", "wall_s"):
             into[key] += stats.get(key, 0)
         into["parameters"] = stats.get("parameters", 0)

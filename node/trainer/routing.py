@@ -31,11 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from agora.dht.records import TRAINING_PHASES
+
 __all__ = ["BALANCE_SLACK", "WorkerView", "Roster", "expected_finish_time", "pick_worker"]
 
 _NEWCOMER_PENALTY = 1.5
 _DEFAULT_SECONDS = 1.0
-_ROUTABLE_PHASES = ("member", "optimizer_sync")
+_ROUTABLE_PHASES = TRAINING_PHASES
 # Replicas whose time per microbatch is within this factor of the fastest's share batches equally.
 BALANCE_SLACK = 2.0
 

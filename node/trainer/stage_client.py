@@ -57,6 +57,7 @@ __all__ = [
     "StageCallError",
     "WorkerBusy",
     "RequestRefused",
+    "OutsideWindow",
     "WorkerUnreachable",
     "BadReply",
     "error_for",
@@ -88,6 +89,12 @@ class RequestRefused(StageCallError):
     """The worker judged the request (or its state for it) wrong: rerun the microbatch."""
 
 
+class OutsideWindow(StageCallError):
+    """OUT_OF_RANGE: a completed-batch report outside the replica's window (node/worker/epoch.py). The
+    replica lags or runs ahead of its stage; it is told of later batches still (it re-anchors to its
+    stage's count when the stage's other replicas announce one)."""
+
+
 class WorkerUnreachable(StageCallError):
     """Transport failure, deadline or shutdown: reroute, and back off from this worker."""
 
@@ -101,7 +108,7 @@ _ERROR_BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: RequestRefused,
     grpc.StatusCode.FAILED_PRECONDITION: RequestRefused,
     grpc.StatusCode.NOT_FOUND: RequestRefused,
-    grpc.StatusCode.OUT_OF_RANGE: RequestRefused,
+    grpc.StatusCode.OUT_OF_RANGE: OutsideWindow,
     grpc.StatusCode.PERMISSION_DENIED: RequestRefused,
     grpc.StatusCode.UNAUTHENTICATED: RequestRefused,
     grpc.StatusCode.ALREADY_EXISTS: RequestRefused,

@@ -62,6 +62,9 @@ class TrainerStats:
     def report_failed(self) -> None:
         self.metrics.reports_failed.inc()
 
+    def report_refused(self) -> None:
+        self.metrics.reports_refused.inc()
+
     def batch_done(self, tokens: int, loss: float, learning_rate: float) -> None:
         self.metrics.global_batches.inc()
         self.metrics.tokens.inc(tokens)
@@ -92,6 +95,10 @@ class TrainerStats:
     @property
     def batch_reports_failed(self) -> int:
         return int(self._value("agora_trainer_batch_reports_failed_total"))
+
+    @property
+    def batch_reports_refused(self) -> int:
+        return int(self._value("agora_trainer_batch_reports_refused_total"))
 
     @property
     def aborts(self) -> dict[str, int]:

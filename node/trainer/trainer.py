@@ -46,7 +46,13 @@ from agora.node.observability import MetricsOptions
 from agora.node.rpc.tls import ChannelFactory, TlsChannels
 from agora.node.trainer.discovery import Discovery
 from agora.node.trainer.routing import Roster, WorkerView
-from agora.node.trainer.stage_client import RequestRefused, StageCallError, StageClient, WorkerBusy
+from agora.node.trainer.stage_client import (
+    OutsideWindow,
+    RequestRefused,
+    StageCallError,
+    StageClient,
+    WorkerBusy,
+)
 from agora.node.trainer.stats import TrainerStats
 from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.pipeline.centralized import StepRecord
@@ -318,6 +324,10 @@ class SwarmTrainer:
         async def one(view: WorkerView) -> None:
             try:
                 await self._client(view).batch_done(unit_id, n_micro, replicas, timeout_s=timeout)
+            except OutsideWindow as error:
+                # It lags or runs ahead of its stage: keep telling it, it re-anchors to the stage's count.
+                self.stats.report_refused()
+                logger.debug("completed-batch report %d refused by %s: %s", unit_id, view.endpoint, error)
             except RequestRefused as error:
                 # It steps on its own count (join --local-batch) or is synchronous: stop telling it.
                 self._unreported.add(view.peer_id)
@@ -528,6 +538,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "microbatches": trainer.stats.microbatches, "reroutes": trainer.stats.reroutes,
                 "busy": trainer.stats.busy, "failures_by_peer": trainer.stats.failures_by_peer,
                 "aborts": trainer.stats.aborts, "batch_reports_failed": trainer.stats.batch_reports_failed,
+                "batch_reports_refused": trainer.stats.batch_reports_refused,
                 "time_split_by_stage": trainer.stats.time_split(),
             }
 

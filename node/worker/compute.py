@@ -74,7 +74,7 @@ from typing import Callable
 
 import torch
 
-from agora.pipeline.codec import WireCodec, WireFormatError, decode_tokens
+from agora.pipeline.codec import WireCodec, WireFormatError, all_finite, decode_tokens
 from agora.pipeline.config import RunConfig
 from agora.pipeline.optim import StageOptimizer
 from agora.pipeline.stages import Stage, build_stage
@@ -217,6 +217,9 @@ class StageCompute:
         # Asynchronous reports counted and still inside the window (node/worker/epoch.py).
         self._counted_batches: OrderedDict[int, StepReply] = OrderedDict()
         self._joined_epoch = False  # a report has been counted since this replica started
+        # The median step count the stage's other replicas announce (set by the join daemon from
+        # their DHT records; None when it knows of none): node/worker/epoch.py.
+        self.stage_step: int | None = None
         self.throughput = 0.0  # tokens/s of compute, moving average; 0 until the first job
         # Called on this thread right after every step (or advance), with this object: the averaging
         # loop snapshots a round's slice at the exact step it is due. A hook must not raise.
@@ -304,7 +307,7 @@ class StageCompute:
         sane magnitude to finite values, so with finite weights it is the request's values (finite,
         but the codec takes anything up to float32's max) that overflowed the stage: the caller's
         mistake, INVALID_ARGUMENT. A non-finite weight makes it this replica's own failure."""
-        if all(bool(torch.isfinite(p).all()) for p in self.stage.parameters()):
+        if all(all_finite(p) for p in self.stage.parameters()):
             return InvalidRequest(f"{message}; this stage's weights are finite, so the request's values "
                                   "overflowed it")
         return ComputeError(message)
@@ -319,10 +322,10 @@ class StageCompute:
         """Refuse parameter gradients that are not finite before they reach `.grad`. The codec takes
         any finite value up to float32's max, and on the head (no input gradient to encode, which
         would catch it elsewhere) an output gradient of 3e38 overflowed the embedding's gradient.
-        A fused norm over all gradients was tried and measured cheaper per call, but its first call
-        on a fresh worker costs milliseconds, which routing read as that replica being slow
-        (tests/test_trainer.py's equal shares failed 2 in 10 runs; this check, 0 in 10)."""
-        if not all(grad is None or bool(torch.isfinite(grad).all()) for grad in param_grads):
+        One aminmax per gradient (codec.all_finite): isfinite().all() per gradient cost ~5% of a
+        tiny stage's compute; a fused norm over all of them was cheaper per call, but its first
+        call on a fresh worker costs milliseconds, which routing read as that replica being slow."""
+        if not all(grad is None or all_finite(grad) for grad in param_grads):
             raise self._unusable(f"{source}: stage {self.index}'s parameter gradient is not finite; "
                                  "nothing accumulated")
 
@@ -535,8 +538,12 @@ class StageCompute:
             except Exception:  # a bug in a hook must not fail the step the trainer asked for
                 logger.exception("stage %d: step hook %r failed", self.index, hook)
 
-    def step(self, request: StepRequest) -> StepReply:
-        """The synchronous-mode barrier, or an asynchronous report of a completed global batch."""
+    def step(self, request: StepRequest, owner: str = LOCAL_OWNER) -> StepReply:
+        """The synchronous-mode barrier, or an asynchronous report of a completed global batch.
+
+        A barrier closes a batch whose microbatches passed this stage: only a trainer that owns one
+        of the microbatches accumulated since the last step may close it (a retried barrier of a
+        step already taken gets its recorded reply from anyone)."""
         self.check_addressing(request.run_id, request.stage)
         if request.completed_batch is not None:
             return self._batch_done(request.completed_batch, request.microbatches, request.replicas)
@@ -552,6 +559,12 @@ class StageCompute:
             return self.last_step  # a retried barrier: already stepped
         if request.step != current:
             raise PreconditionFailed(f"Step barrier for step {request.step}, but this worker is at step {current}")
+        if not self.applied:
+            raise PreconditionFailed(f"Step barrier for step {current}, but no microbatch has passed this stage "
+                                     "since the last step")
+        if all(applied.owner != owner for applied in self.applied.values()):
+            raise NotOwner(f"the microbatches of step {current} on stage {self.index} belong to another trainer; "
+                           "only a trainer with work in it may close a Step barrier")
         return self._step(request.microbatches)
 
     def _check_step_fields(self, microbatches: int, replicas: int | None) -> None:
@@ -574,13 +587,14 @@ class StageCompute:
         if counted is not None:
             return counted  # a retried report, or one already counted
         self._check_step_fields(microbatches, replicas)
-        decision = judge_report(batch, self.optimizer.steps, joined=self._joined_epoch, window=self.report_window)
+        decision = judge_report(batch, self.optimizer.steps, joined=self._joined_epoch, window=self.report_window,
+                                stage_step=self.stage_step)
         if decision.refusal is not None:
             raise ReportOutsideWindow(decision.refusal)
         if decision.adopt is not None:
-            logger.info("stage %d: global batch %d reported at local step %d; adopting the stage's epoch "
-                        "(learning rate and averaging rounds follow the swarm's batch count)",
-                        self.index, batch, self.optimizer.steps)
+            logger.info("stage %d: global batch %d reported at local step %d (the stage's other replicas "
+                        "announce %s); adopting the stage's epoch (learning rate and averaging rounds follow the "
+                        "swarm's batch count)", self.index, batch, self.optimizer.steps, self.stage_step)
             self.optimizer.steps = decision.adopt
         if self.accumulated_microbatches:
             reply = self._step(microbatches / replicas)

@@ -9,8 +9,14 @@ a report is judged against the replica's own count `s` before it is applied:
   same batch). Nothing changes.
 - Joining: the first report a replica counts (it started, restarted or joined mid-run) is taken as
   the stage's epoch: a batch more than `catch_up` beyond `s` sets the count to it, so the newcomer's
-  learning rate is the swarm's and not a second warmup. This is the one report that may jump the
-  count arbitrarily far (below 2**53); whoever reports first to a fresh replica sets its epoch.
+  learning rate is the swarm's and not a second warmup. When the stage's other replicas announce
+  their step counts (their DHT records, signed by each; the join daemon passes their median as
+  `stage_step`), that first report must lie within the window around it; only a replica alone in
+  its stage takes whatever its first reporter says (below 2**53).
+- Re-anchoring: a replica whose own count is more than `ahead` away from `stage_step` (it was cut
+  off for a while, or a bad first report set it) counts a report near `stage_step` and takes it as
+  its count, in either direction. A trainer alone cannot move a replica away from what its stage's
+  other replicas announce; a stage whose other replicas lie is out of reach of any of this.
 - Too far ahead: after that, a batch more than `ahead` beyond `s` is refused, not applied. Reports of
   several trainers arrive out of order, and a replica that missed some lags a few; `ahead` covers
   that with room to spare (trainers keep about two global batches each in flight, see
@@ -36,12 +42,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, TypeVar
+from typing import Iterable, Optional, TypeVar
 
 __all__ = [
     "ReportWindow",
     "ReportDecision",
     "judge_report",
+    "stage_step",
     "prune_counted",
     "check_step_fields",
     "MAX_COMPLETED_BATCH",
@@ -92,23 +99,42 @@ class ReportDecision:
     adopt: Optional[int] = None
 
 
-def judge_report(batch: int, steps: int, *, joined: bool, window: ReportWindow) -> ReportDecision:
+def judge_report(batch: int, steps: int, *, joined: bool, window: ReportWindow,
+                 stage_step: Optional[int] = None) -> ReportDecision:
     """Whether a replica at step count `steps` counts a report of global batch `batch` (not already
-    counted, below MAX_COMPLETED_BATCH); `joined`: it has counted a report before (see the module)."""
+    counted, below MAX_COMPLETED_BATCH); `joined`: it has counted a report before; `stage_step`: the
+    step count the stage's other replicas announce (their median), if any (see the module)."""
     ahead = batch - steps
+    near_stage = stage_step is not None and stage_step - window.behind <= batch <= stage_step + window.ahead
     if not joined:
+        if stage_step is not None and not near_stage:
+            return ReportDecision(refusal=(
+                f"completed_batch {batch} is far from the step count {stage_step} this stage's other replicas "
+                f"announce; a first report is counted within [{max(0, stage_step - window.behind)}, "
+                f"{stage_step + window.ahead}]"))
         return ReportDecision(adopt=batch if ahead > window.catch_up else None)
     if ahead > window.ahead:
+        if near_stage and stage_step - steps > window.ahead:  # this replica lags its whole stage
+            return ReportDecision(adopt=batch)
         return ReportDecision(refusal=(
             f"completed_batch {batch} is {ahead} batches ahead of this replica's step count {steps}; reports are "
             f"counted within [{max(0, steps - window.behind)}, {steps + window.ahead}] (the last {window.behind} "
             f"to the next {window.ahead} batches)"))
     if batch < steps - window.behind:
+        if near_stage and steps - stage_step > window.ahead:  # this replica runs ahead of its whole stage
+            return ReportDecision(adopt=batch)
         return ReportDecision(refusal=(
             f"completed_batch {batch} is stale: {steps - batch} batches behind this replica's step count {steps}; "
             f"reports are counted within [{steps - window.behind}, {steps + window.ahead}], and an older one "
             "would step the stage a second time for a batch it has long stepped for"))
     return ReportDecision(adopt=batch if ahead > window.catch_up else None)
+
+
+def stage_step(steps: Iterable[int]) -> Optional[int]:
+    """What `judge_report` takes as the stage's count: the median step the stage's other replicas
+    announce (the lower one of an even count), or None when none does."""
+    ordered = sorted(steps)
+    return ordered[(len(ordered) - 1) // 2] if ordered else None
 
 
 def prune_counted(counted: "OrderedDict[int, R]", steps: int, window: ReportWindow) -> None:

@@ -28,16 +28,23 @@ from agora.auth.node_state import NodeCredentials
 from agora.dht.averaging import RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
-from agora.dht.records import WorkerRecord
+from agora.dht.records import TRAINING_PHASES, WorkerRecord
+from agora.dht.robust import RobustAggregation
 from agora.dht.swarm import SwarmDHT
 from agora.monitor.metrics import CredentialMetrics
 from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
 from agora.node.averaging.loop import AveragingLoop
-from agora.node.averaging.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels
+from agora.node.averaging.sparta import (
+    SlicePartition,
+    averaged_vector_size,
+    max_round_weight,
+    stage_parameter_numels,
+)
 from agora.node.averaging.stats import AveragingStats
 from agora.node.observability import MetricsOptions, NodeMetrics, package_version
 from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.worker.compute import StageCompute
+from agora.node.worker.epoch import stage_step
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkpoint, save_checkpoint
 from agora.pipeline.config import ConfigError, RunConfig
@@ -83,27 +90,45 @@ def _restore_stage(compute: StageCompute, directory: str, config: RunConfig) -> 
     return step, states[0].averaging
 
 
-def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT,
-                    security: DHTSecurity | None) -> SliceAverager:
+def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, security: DHTSecurity | None,
+                    local_batch: int | None) -> SliceAverager:
     """The stage's averager process, sized for one round of `config.sync.method` (forks: call early)."""
     sync = config.sync
+    robust = RobustAggregation(sync.aggregation, max_weight=max_round_weight(sync, config.train.batch_size,
+                                                                             local_batch))
     numels = stage_parameter_numels(config.model, options.stage)
     size = averaged_vector_size(sync, SlicePartition(numels, sync.n_slices, config.seed).buffer_size)
     return SliceAverager.start(
         swarm.hivemind_dht, prefix=f"{options.run_id}_stage{options.stage}_{sync.method}", size=size,
         matchmaking_s=sync.matchmaking_s, request_s=sync.request_s, sender_s=sync.sender_s,
         reducer_s=sync.reducer_s, round_s=sync.round_s, part_size_bytes=sync.part_size_bytes,
-        admission=security.averaging_admission(options.stage) if security is not None else None)
+        admission=security.averaging_admission(options.stage) if security is not None else None, robust=robust)
+
+
+async def _follow_stage_epoch(swarm: SwarmDHT, worker: StageWorker, options: JoinOptions) -> None:
+    """Every heartbeat: give the compute the step count the stage's other replicas announce (their
+    median; node/worker/epoch.py), against which it judges a first or far-off completed-batch report."""
+    while True:
+        try:
+            records = await swarm.live_workers_async(options.run_id, options.stage)
+            steps = [r.step for r in records if r.peer_id != swarm.peer_id and r.phase in TRAINING_PHASES]
+            value = stage_step(steps)
+            await worker.on_compute(lambda compute: setattr(compute, "stage_step", value))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # a DHT hiccup keeps the last value; the worker goes on
+            logger.debug("could not read the stage's replicas: %s", error)
+        await asyncio.sleep(options.heartbeat_s)
 
 
 async def _serve(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions, swarm: SwarmDHT,
-                 averager: SliceAverager | None = None, credentials: NodeCredentials | None = None) -> int:
+                 averager: SliceAverager | None = None, credentials: NodeCredentials | None = None,
+                 metrics: NodeMetrics | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    metrics = NodeMetrics.for_role(options.metrics, role="worker", run_id=options.run_id, version=package_version(),
-                                   stage=options.stage)
+    metrics = metrics if metrics is not None else NodeMetrics(options.metrics)
     registry = metrics.registry
     # With credentials: mutual TLS and per-call checks (node/rpc/auth_check.py); None: --insecure.
     worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
@@ -142,6 +167,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
 
     heartbeat = Heartbeat(swarm, record, interval=options.heartbeat_s)
     await heartbeat.start()
+    follow = asyncio.create_task(_follow_stage_epoch(swarm, worker, options), name="stage-epoch")
     averaging = None
     if averager is not None:
         sync = config.sync
@@ -161,15 +187,6 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
                 extra={"milestone": "joined", "fields": {"role": "worker", "stage": options.stage, "run": options.run_id,
                                                          "endpoint": worker.address, "peer": swarm.peer_id,
                                                          "metrics": metrics_endpoint}})
-    try:
-        return await _until_stopped(stop, revoked, config, options, worker, heartbeat, renewer, averaging)
-    finally:
-        metrics.close()
-
-
-async def _until_stopped(stop: asyncio.Event, revoked: list[str], config: RunConfig, options: JoinOptions,
-                         worker: StageWorker, heartbeat: Heartbeat, renewer: CredentialRenewer | None,
-                         averaging: AveragingLoop | None) -> int:
     await stop.wait()
 
     if revoked:
@@ -178,6 +195,7 @@ async def _until_stopped(stop: asyncio.Event, revoked: list[str], config: RunCon
     worker.phase = "leaving"
     if renewer is not None:
         await renewer.stop()
+    follow.cancel()
     await heartbeat.stop(withdraw=True)
     if averaging is not None:
         await averaging.stop()
@@ -213,12 +231,17 @@ def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOp
     swarm = SwarmDHT.start(initial_peers=options.initial_peers, announce_maddrs=announce,
                            host_maddrs=host_maddrs(options.dht_host, options.dht_port), security=security)
     averager = None
+    # Its server thread starts inside _serve, after both forks.
+    metrics = NodeMetrics.for_role(options.metrics, role="worker", run_id=options.run_id, version=package_version(),
+                                   stage=options.stage)
     try:
         # Synchronous mode has one replica per stage by definition: nothing to average with.
         if config.sync.method != "none" and not worker_options.synchronous:
-            averager = _start_averager(config, options, swarm, security)  # forks too: before the gRPC server
-        return run_loop(_serve(config, options, worker_options, swarm, averager, credentials))
+            # forks too: before the gRPC server
+            averager = _start_averager(config, options, swarm, security, worker_options.local_batch)
+        return run_loop(_serve(config, options, worker_options, swarm, averager, credentials, metrics))
     finally:
+        metrics.close()
         if averager is not None:
             averager.shutdown()
         swarm.shutdown()

@@ -24,6 +24,7 @@ Design choices:
   reaches the compute thread.
 - A peer's mistake maps to a status with a clear message: InvalidRequest -> INVALID_ARGUMENT,
   PreconditionFailed (including an unknown/evicted microbatch) -> FAILED_PRECONDITION, a
+  completed-batch report outside the replica's window -> OUT_OF_RANGE (the trainer keeps reporting), a
   non-finite result from finite weights (the input's fault: extreme values) -> INVALID_ARGUMENT,
   from weights that are no longer finite (this worker's fault) -> INTERNAL; gRPC itself answers
   RESOURCE_EXHAUSTED for a message over the geometry's budget (or `max_message_bytes`), the stream
@@ -90,6 +91,7 @@ from agora.node.worker.compute import (
     InvalidRequest,
     NotOwner,
     PreconditionFailed,
+    ReportOutsideWindow,
     RequestRejected,
     StageCompute,
 )
@@ -484,6 +486,9 @@ class StageWorker:
             return await asyncio.wrap_future(future)
         except InvalidRequest as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except ReportOutsideWindow as error:  # the trainer keeps reporting: the replica may re-anchor
+            self.refusals.add("report_outside_window")
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(error))
         except PreconditionFailed as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except NotOwner as error:
@@ -552,7 +557,7 @@ class _StageService:
 
     async def step(self, request: StepRequest, context: Any) -> StepReply:
         return await self._control(context, request.run_id, request.stage,
-                                   lambda caller: self._worker._compute.step(request))
+                                   lambda caller: self._worker._compute.step(request, caller.owner))
 
     async def abort(self, request: AbortRequest, context: Any) -> AbortReply:
         return await self._control(context, request.run_id, request.stage,
