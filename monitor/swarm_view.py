@@ -28,7 +28,8 @@ from typing import Iterable, Mapping, Optional
 
 from agora.dht.records import PHASES, TrainerRecord, WorkerRecord
 
-__all__ = ["HistoryPoint", "LossHistory", "StageView", "StaticTarget", "SwarmView", "scrape_targets", "summarize"]
+__all__ = ["HistoryPoint", "LossHistory", "StageView", "StaticTarget", "SwarmView", "TrainerStatus", "WorkerStatus",
+           "scrape_targets", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class StaticTarget:
 
 
 @dataclass(frozen=True)
-class WorkerView:
+class WorkerStatus:
     peer: str  # the peer id, shortened for people (the record holds the whole one)
     endpoint: str
     phase: str
@@ -55,7 +56,7 @@ class WorkerView:
 @dataclass(frozen=True)
 class StageView:
     stage: int
-    workers: tuple[WorkerView, ...]
+    workers: tuple[WorkerStatus, ...]
     throughput: float  # sum of its workers' announced tokens/s
     step: int  # its most advanced worker's step (0 without workers)
     phases: dict[str, int]
@@ -68,7 +69,7 @@ class StageView:
 
 
 @dataclass(frozen=True)
-class TrainerView:
+class TrainerStatus:
     index: int
     batches: int
     step: int
@@ -90,7 +91,7 @@ class SwarmView:
     run_id: str
     updated_at: float  # seconds since the monitor started, at the poll that built this view
     stages: tuple[StageView, ...]
-    trainers: tuple[TrainerView, ...]
+    trainers: tuple[TrainerStatus, ...]
     static_targets: tuple[StaticTarget, ...] = ()
     history: tuple[HistoryPoint, ...] = ()
     worker_targets: tuple[tuple[str, int, str], ...] = field(default=())  # (endpoint, stage, peer)
@@ -141,14 +142,14 @@ def summarize(run_id: str, workers_by_stage: Mapping[int, Iterable[WorkerRecord]
     stages, targets = [], []
     for stage in range(announced):
         records = sorted(workers_by_stage.get(stage, ()), key=lambda r: r.peer_id)
-        workers = tuple(WorkerView(_short(r.peer_id), r.endpoint, r.phase, r.step, r.throughput, r.queue_depth,
+        workers = tuple(WorkerStatus(_short(r.peer_id), r.endpoint, r.phase, r.step, r.throughput, r.queue_depth,
                                    r.averaging_rounds, r.averaging_committed, r.metrics_endpoint) for r in records)
         phases = {phase: sum(1 for r in records if r.phase == phase) for phase in sorted(PHASES)}
         stages.append(StageView(stage, workers, sum(r.throughput for r in records),
                                 max((r.step for r in records), default=0), phases,
                                 sum(r.averaging_rounds for r in records), sum(r.averaging_committed for r in records)))
         targets += [(r.metrics_endpoint, stage, r.peer_id) for r in records if r.metrics_endpoint]
-    trainer_views = tuple(TrainerView(t.trainer_index, t.batches, t.step, t.loss, t.tokens_per_s, t.metrics_endpoint)
+    trainer_views = tuple(TrainerStatus(t.trainer_index, t.batches, t.step, t.loss, t.tokens_per_s, t.metrics_endpoint)
                           for t in sorted(trainers, key=lambda t: (t.trainer_index, t.peer_id)))
     return SwarmView(run_id, now, tuple(stages), trainer_views, static_targets, history, tuple(targets))
 

@@ -237,6 +237,9 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
     admission = admit_node(AdmissionOptions.from_args(args), role="monitor", run_id=args.run_id, stage=None,
                            config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers))
     credentials = admission.credentials
+    if not admission.initial_peers:
+        print("agora-node monitor: WARNING: no --initial-peers (and none from an authorizer): this starts a new, "
+              "empty swarm to watch", file=sys.stderr)
     options = MonitorOptions(run_id=admission.run_id, n_stages=len(admission.config.layer_split), host=args.host,
                              port=args.port, poll_s=args.poll, static_targets=targets, ready_file=args.ready_file)
     security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
