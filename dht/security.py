@@ -30,7 +30,7 @@ Three hivemind mechanisms, each given our credentials:
 - ``OwnedRecordValidator`` (ours) for the record types, in place of hivemind's
   ``SchemaValidator``. That class matches keys by the hash of a *static* field name and
   validates with a pydantic v1 model (``pydantic.v1`` under pydantic 2): our keys are
-  ``{run}.stage{i}.workers`` and ``{run}.stage{i}.{method}.rounds``, and a second schema in
+  ``{run}.stage{i}.workers``, ``{run}.stage{i}.{method}.rounds`` and ``{run}.trainers``, and a second schema in
   pydantic would drift from the ``Record`` dataclasses that readers parse with. So this
   validator does the same job with the same mechanism (a table from key hash to record type,
   built for this run's keys, every stage up to ``MAX_STAGES``) and the one parser
@@ -78,7 +78,7 @@ from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, I
 from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
 from agora.dht.ownership import EntryOwnership
-from agora.dht.records import MAX_STAGES, Record, RecordError, WorkerRecord, worker_key
+from agora.dht.records import MAX_STAGES, Record, RecordError, TrainerRecord, WorkerRecord, trainer_key, worker_key
 
 if TYPE_CHECKING:
     from agora.dht.averaging import AveragingAdmission
@@ -255,7 +255,8 @@ class OwnedRecordValidator(RecordValidatorBase):
         if self._keys is None:
             from agora.dht.averaging import RoundRecord, rounds_key  # torch: only where it is needed
 
-            table: dict[bytes, tuple[type[Record], int]] = {}
+            table: dict[bytes, tuple[type[Record], int]] = {
+                DHTID.generate(source=trainer_key(self.run_id)).to_bytes(): (TrainerRecord, -1)}
             for stage in range(self.max_stages):
                 table[DHTID.generate(source=worker_key(self.run_id, stage)).to_bytes()] = (WorkerRecord, stage)
                 for method in self.methods:
@@ -286,9 +287,9 @@ class OwnedRecordValidator(RecordValidatorBase):
         problem = self._ownership.problem(subkey, None if parsed is None else getattr(parsed, "peer_id"))
         if problem is not None:
             raise RecordError(problem)
-        if parsed is not None and (getattr(parsed, "run_id") != self.run_id or getattr(parsed, "stage") != stage):
+        if parsed is not None and (getattr(parsed, "run_id") != self.run_id or getattr(parsed, "stage", -1) != stage):
             raise RecordError(f"{record_type.KIND}: record of {getattr(parsed, 'run_id')}.stage"
-                              f"{getattr(parsed, 'stage')} under {self.run_id}.stage{stage}")
+                              f"{getattr(parsed, 'stage', -1)} under {self.run_id}.stage{stage}")
 
     @property
     def priority(self) -> int:

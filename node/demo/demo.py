@@ -1,12 +1,17 @@
 """`agora-node demo`: a whole swarm on loopback, each role its own `agora-node <role>` process.
 
 Order: bootstrap (its ready file carries the DHT multiaddrs) -> one `join` per stage replica
-(ready file: gRPC endpoint + peer id, written once announced in the DHT) -> trainers. While
-the trainers run, a progress line shows global batches, loss, tokens/s and live workers per
-stage. When they finish, workers and the bootstrap get SIGTERM (clean leave), every process
-is reaped, the trainers' logs are merged into one JSON line per global batch (run-wide `step`,
-the train-local schema) and a summary is printed and optionally written as JSON. Ctrl-C stops
-everything the same way and still prints what was done. Workers average with the other replicas
+(ready file: gRPC endpoint + peer id, written once announced in the DHT) -> trainers. Unless
+`--no-monitor`, an `agora-node monitor` starts right after the bootstrap (and the authorizer,
+whose monitor credential it joins with) and the demo prints its status page's URL; every
+process serves Prometheus metrics on a free port (workers and trainers announce theirs in the
+DHT; the authorizer's and the bootstrap's are given to the monitor as static targets), so the
+monitor's `/sd` lists them all. While the trainers run, a progress bar (plain lines when not a
+terminal) shows global batches, loss, tokens/s and live workers per stage. When they finish,
+workers and the bootstrap get SIGTERM (clean leave), every process is reaped, the trainers'
+logs are merged into one JSON line per global batch (run-wide `step`, the train-local schema)
+and a short human-readable summary is printed; `--summary-json` writes the full one. Ctrl-C
+stops everything the same way and still prints what was done. Workers average with the other replicas
 of their stage (the config's `sync` method unless `--averaging` says otherwise); each writes its
 averaging counters to a stats file when it leaves, and the summary adds them up per stage.
 """
@@ -25,7 +30,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from agora.node.admission import free_port
 from agora.node.demo.processes import ChildFailed, ChildProcess, ProcessGroup, agora_node_command
+from agora.node.demo.summary import format_summary
+from agora.node.progress import Progress
 from agora.pipeline.config import ConfigError
 
 __all__ = ["DemoOptions", "run_demo", "merge_logs"]
@@ -66,6 +74,8 @@ class DemoOptions:
     serve: bool = False
     checkpoint: str | None = None
     http_port: int = 8000
+    monitor: bool = True  # start `agora-node monitor` (status page, /sd, /metrics)
+    monitor_port: int = 0  # 0: a free port
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
@@ -82,7 +92,8 @@ class DemoOptions:
                    insecure=getattr(args, "insecure", False), heartbeat_s=getattr(args, "heartbeat", 1.0),
                    credential_lifetime=getattr(args, "credential_lifetime", None),
                    serve=getattr(args, "serve", False), checkpoint=getattr(args, "checkpoint", None),
-                   http_port=getattr(args, "http_port", 8000))
+                   http_port=getattr(args, "http_port", 8000),
+                   monitor=not getattr(args, "no_monitor", False), monitor_port=getattr(args, "monitor_port", 0))
 
     def validate(self) -> "DemoOptions":
         if self.replicas < 1 or self.trainers < 1 or self.steps < 1:
@@ -102,6 +113,8 @@ class DemoOptions:
                               "--kill-worker-at)")
         if self.checkpoint is not None and not self.serve:
             raise ConfigError("--checkpoint: only with --serve")
+        if not 0 <= self.monitor_port < 65536:
+            raise ConfigError(f"--monitor-port: must be in 0..65535 (0: a free one), got {self.monitor_port}")
         if self.kill_worker_at is not None and self.replicas < 2:
             raise ConfigError("--kill-worker-at needs --replicas 2 or more, so the stage survives")
         return self
@@ -132,30 +145,6 @@ def merge_logs(paths: list[Path]) -> list[dict]:
     return sorted(lines, key=lambda line: line["step"])
 
 
-class _Progress:
-    def __init__(self, total: int, stream=sys.stderr):
-        self.total, self.stream = total, stream
-        self.tty = stream.isatty()
-        self.last_print = 0.0
-
-    def show(self, lines: list[dict], workers: dict[int, int], force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.last_print < (0.5 if self.tty else 10.0):
-            return
-        self.last_print = now
-        step = lines[-1]["step"] if lines else 0
-        loss = f"{lines[-1]['loss']:.4f}" if lines else "-"
-        rate = sum(line["tokens_per_s"] for line in _latest_per_trainer(lines))
-        per_stage = " ".join(f"s{s}:{n}" for s, n in sorted(workers.items()))
-        text = f"demo: batch {len(lines)}/{self.total} (step {step}) loss {loss} {rate:,.0f} tok/s workers {per_stage}"
-        self.stream.write(("\r" + text + " ") if self.tty else text + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-
-
 def _latest_per_trainer(lines: list[dict]) -> list[dict]:
     latest: dict[int, dict] = {}
     for line in lines:
@@ -176,7 +165,7 @@ def run_demo(options: DemoOptions) -> int:
     trainer_logs = [workdir / f"trainer-{t}.jsonl" for t in range(options.trainers)]
     workers: list[tuple[int, ChildProcess]] = []
     killed: list[str] = []
-    progress = _Progress(options.steps)
+    progress = Progress(options.steps, "demo")
     outcome = "completed"
     code = 0
     # Ctrl-C and a supervisor's SIGTERM both stop the swarm in order and still print a summary.
@@ -184,17 +173,31 @@ def run_demo(options: DemoOptions) -> int:
     try:
         threads = ["--threads", str(options.threads)]
         common = ["--log-level", "WARNING", *threads]
+        # Every process serves its metrics on a port of its own; those outside the DHT's records
+        # (the authorizer, the bootstrap) are handed to the monitor as static targets.
+        static_targets: list[str] = []
+
+        def metrics_flags(role: str | None = None) -> list[str]:
+            port = free_port("127.0.0.1")
+            if role is not None:
+                static_targets.append(f"{role}=127.0.0.1:{port}")
+            return ["--metrics-port", str(port)]
+
         if options.insecure:
             print("demo: WARNING: --insecure: no authorizer, no TLS, no credential checks, no signed DHT records",
                   file=sys.stderr, flush=True)
-        maddrs = _start_bootstrap(group, options, workdir, common)
+        maddrs = _start_bootstrap(group, options, workdir, common, metrics_flags("bootstrap"))
         swarm = ["--run-id", options.run_id, "--initial-peers", *maddrs] + (["--sync"] if options.sync else [])
         admission = ["--insecure"]
         if not options.insecure:
-            authorizer = _start_authorizer(group, options, workdir, maddrs, common)
+            authorizer = _start_authorizer(group, options, workdir, maddrs, common, metrics_flags("authorizer"))
             print(f"demo: authorizer {authorizer} (run {options.run_id!r}); nodes join with "
                   f"--join-file {workdir / 'authorizer' / 'join.json'}", file=sys.stderr, flush=True)
             admission = ["--join-file", str(workdir / "authorizer" / "join.json")]
+        if options.monitor:
+            url = _start_monitor(group, options, workdir, swarm, admission, static_targets, common)
+            print(f"demo: status page {url} (Prometheus: service discovery {url}sd, swarm metrics {url}metrics)",
+                  file=sys.stderr, flush=True)
         for stage in range(options.stages or 1):
             for replica in range(options.replicas):
                 name = f"worker-s{stage}-r{replica}"
@@ -204,7 +207,8 @@ def run_demo(options: DemoOptions) -> int:
                                              *options.run_flags(), *swarm, *options.worker_flags(), *admission,
                                              *_state_dir(options, workdir, name),
                                              "--stats-file", str(workdir / f"{name}.stats.json"),
-                                             "--heartbeat", str(options.heartbeat_s), "--ready-file", str(ready))
+                                             "--heartbeat", str(options.heartbeat_s), "--ready-file", str(ready),
+                                             *metrics_flags())
                 workers.append((stage, group.spawn(name, command, ready)))
         group.wait_ready([w for _, w in workers], options.ready_timeout_s)
         trainers = []
@@ -216,6 +220,7 @@ def run_demo(options: DemoOptions) -> int:
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
                 "--log-json", str(trainer_logs[index]),
                 "--summary-json", str(workdir / f"trainer-{index}.summary.json"),
+                "--heartbeat", str(options.heartbeat_s), *metrics_flags(),
                 *([] if index == 0 else ["--no-eval"]))
             trainers.append(group.spawn(f"trainer-{index}", command))
         logger.info("swarm up in %.1f s: %d workers, %d trainers", time.monotonic() - started, len(workers),
@@ -228,7 +233,7 @@ def run_demo(options: DemoOptions) -> int:
                 group.kill(victim)
                 killed.append(victim.name)
                 logger.warning("fault drill: killed %s with SIGKILL after %d global batches", victim.name, len(lines))
-            progress.show(lines, _alive_per_stage(workers))
+            _show(progress, lines, _alive_per_stage(workers))
             time.sleep(0.2)  # the progress view's refresh; trainers are waited on via their exit
         failed = [t for t in trainers if t.process.returncode != 0]
         if failed:
@@ -246,7 +251,7 @@ def run_demo(options: DemoOptions) -> int:
         for signum in previous:  # a second Ctrl-C must not cut the shutdown short
             signal.signal(signum, signal.SIG_IGN)
         lines = merge_logs(trainer_logs)
-        progress.show(lines, _alive_per_stage(workers), force=True)
+        _show(progress, lines, _alive_per_stage(workers), force=True)
         progress.close()
         exit_codes = group.shutdown()
         for signum, handler in previous.items():
@@ -260,6 +265,26 @@ def run_demo(options: DemoOptions) -> int:
     if not options.workdir and code == 0:
         shutil.rmtree(workdir, ignore_errors=True)
     return code
+
+
+def _show(progress: Progress, lines: list[dict], workers: dict[int, int], force: bool = False) -> None:
+    loss = f"{lines[-1]['loss']:.4f}" if lines else "-"
+    rate = sum(line["tokens_per_s"] for line in _latest_per_trainer(lines))
+    per_stage = " ".join(f"s{s}:{n}" for s, n in sorted(workers.items()))
+    progress.update(len(lines), f"loss {loss} {rate:,.0f} tok/s workers {per_stage}", force=force)
+
+
+def _start_monitor(group: ProcessGroup, options: DemoOptions, workdir: Path, swarm: list[str], admission: list[str],
+                   static_targets: list[str], common: list[str]) -> str:
+    """`agora-node monitor` (read-only, a monitor credential when admitted); its status page's URL."""
+    ready = workdir / "monitor.ready"
+    targets = [flag for target in static_targets for flag in ("--target", target)]
+    swarm = [flag for flag in swarm if flag != "--sync"]
+    command = agora_node_command(*common, "monitor", *options.run_flags(), *swarm, *admission,
+                                 *_state_dir(options, workdir, "monitor"), "--port", str(options.monitor_port),
+                                 "--poll", str(options.heartbeat_s), *targets, "--ready-file", str(ready))
+    child = group.spawn("monitor", command, ready)
+    return group.wait_ready([child], options.ready_timeout_s)["monitor"][0]
 
 
 def _state_dir(options: DemoOptions, workdir: Path, name: str) -> list[str]:
@@ -276,9 +301,11 @@ def _run_to_end(group: ProcessGroup, name: str, command: list[str], timeout_s: f
         raise ChildFailed(f"{name} exited with {code}:\n{child.log_tail()}")
 
 
-def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, common: list[str]) -> list[str]:
+def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, common: list[str],
+                     extra: list[str] = ()) -> list[str]:
     """The run's DHT bootstrap peer; its multiaddrs. With admission, the operator credentials it offline
-    first (which creates the run's CA), and the authorizer then hands its address out."""
+    first (which creates the run's CA), and the authorizer then hands its address out. `extra`: more
+    flags for it (its metrics port)."""
     boot_ready = workdir / "bootstrap.ready"
     boot_flags = ["--insecure"]
     if not options.insecure:
@@ -288,12 +315,12 @@ def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, c
             options.run_id, "--role", "operator", "--out", str(workdir / "bootstrap.state"),
             "--lifetime", str(24 * 3600)), options.ready_timeout_s)
     boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", *boot_flags, "--ready-file",
-                                                       str(boot_ready)), boot_ready)
+                                                       str(boot_ready), *extra), boot_ready)
     return group.wait_ready([boot], options.ready_timeout_s)["bootstrap"]
 
 
 def _start_authorizer(group: ProcessGroup, options: DemoOptions, workdir: Path, maddrs: list[str],
-                      common: list[str]) -> str:
+                      common: list[str], extra: list[str]) -> str:
     """The run's authorizer, with floors low enough for one machine's loopback; its address."""
     ready = workdir / "authorizer.ready"
     lifetime = [] if options.credential_lifetime is None else ["--credential-lifetime", str(options.credential_lifetime)]
@@ -301,7 +328,7 @@ def _start_authorizer(group: ProcessGroup, options: DemoOptions, workdir: Path, 
         *common, "authorizer", "serve", "--state-dir", str(workdir / "authorizer"), "--run-id", options.run_id,
         "--ready-file", str(ready), *lifetime, "--min-upload-mbit", "0", "--min-download-mbit", "0",
         "--max-rtt-ms", "inf", "--min-accelerator-gb", "0", "--min-ram-gb", "0", "--preflight-bytes", str(256 << 10),
-        "--join-rate", "20", "--join-burst", "64", *options.run_flags(), "--initial-peers", *maddrs)
+        "--join-rate", "20", "--join-burst", "64", *options.run_flags(), *extra, "--initial-peers", *maddrs)
     child = group.spawn("authorizer", command, ready)
     return group.wait_ready([child], options.ready_timeout_s)["authorizer"][0]
 
@@ -425,4 +452,4 @@ def _merge_time_splits(splits: list[dict]) -> dict:
 
 
 def _print_summary(summary: dict) -> None:
-    print(json.dumps(summary))
+    print(format_summary(summary))

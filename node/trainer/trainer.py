@@ -36,12 +36,13 @@ import secrets
 import signal
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO, Awaitable, Callable
 
 import torch
 
 from agora.auth.node_state import NodeCredentials
+from agora.node.observability import MetricsOptions
 from agora.node.rpc.tls import ChannelFactory, TlsChannels
 from agora.node.trainer.discovery import Discovery
 from agora.node.trainer.routing import Roster, WorkerView
@@ -52,6 +53,8 @@ from agora.node.trainer.stage_client import (
     StageClient,
     WorkerBusy,
 )
+from agora.node.trainer.stats import TrainerStats
+from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.pipeline.centralized import StepRecord
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import ConfigError, RunConfig
@@ -84,6 +87,7 @@ class TrainerOptions:
     wait_for_workers_s: float = 60.0  # how long a stage may have no routable worker
     roster_refresh_s: float = 2.0
     wire_dtype: str = "fp32"
+    heartbeat_s: float = 5.0  # between announces of the trainer's record (node/trainer/announce.py)
 
 
 def in_flight_limit(options: TrainerOptions, microbatches: int) -> int:
@@ -96,49 +100,11 @@ def assigned_units(total_steps: int, trainer_index: int, trainers: int) -> list[
     return list(range(trainer_index, total_steps, trainers))
 
 
-@dataclass
-class StageTimes:
-    """Where one stage's calls spent their time, summed: on the worker's compute thread, waiting
-    for it, and the rest of the round trip (serialization, gRPC, the wire, decoding)."""
-
-    calls: int = 0
-    round_trip_s: float = 0.0
-    compute_s: float = 0.0
-    queued_s: float = 0.0
-
-    def add(self, round_trip_s: float, compute_s: float, queued_s: float) -> None:
-        self.calls += 1
-        self.round_trip_s += round_trip_s
-        self.compute_s += compute_s
-        self.queued_s += queued_s
-
-    def summary(self) -> dict[str, float]:
-        calls = max(1, self.calls)
-        wire = max(0.0, self.round_trip_s - self.compute_s - self.queued_s)
-        return {"calls": self.calls, "round_trip_ms": 1e3 * self.round_trip_s / calls,
-                "compute_ms": 1e3 * self.compute_s / calls, "queued_ms": 1e3 * self.queued_s / calls,
-                "wire_ms": 1e3 * wire / calls}
-
-
-@dataclass
-class TrainerStats:
-    microbatches: int = 0
-    reroutes: int = 0
-    busy: int = 0
-    failures_by_peer: dict[str, int] = field(default_factory=dict)
-    aborts: dict[str, int] = field(default_factory=dict)  # by the worker's outcome
-    batch_reports_failed: int = 0  # completed-batch reports a worker did not answer (it lags one step)
-    batch_reports_refused: int = 0  # reports outside a replica's window (it lags or runs ahead of its stage)
-    times_by_stage: dict[int, StageTimes] = field(default_factory=dict)
-
-    def time_split(self) -> dict[str, dict[str, float]]:
-        return {str(stage): times.summary() for stage, times in sorted(self.times_by_stage.items())}
-
-
 class SwarmTrainer:
     def __init__(self, config: RunConfig, data, discovery: Discovery, options: TrainerOptions, *,
                  log_json: IO[str] | None = None, clock: Callable[[], float] = time.monotonic,
-                 on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None):
+                 on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None,
+                 stats: TrainerStats | None = None):
         # `channels`: mutual TLS with this trainer's credential (node/rpc/tls.TlsChannels), or
         # None for plaintext (--insecure). Every call carries the run fingerprint either way.
         self.config = config
@@ -153,7 +119,9 @@ class SwarmTrainer:
         self.log_json = log_json
         self.clock = clock
         self.on_record = on_record
-        self.stats = TrainerStats()
+        # Counters in the process's metrics registry (node/trainer/stats.py), or a private one.
+        self.stats = stats if stats is not None else TrainerStats()
+        self._wire_metrics = RpcClientMetrics(self.stats.registry)
         self._clients: dict[str, StageClient] = {}
         self._last_refresh = float("-inf")
         self._refresh_lock = asyncio.Lock()
@@ -176,7 +144,8 @@ class SwarmTrainer:
             # (or a forged record) gets a new client, whose handshake proves who answers.
             client = StageClient(view.endpoint, run_id=self.options.run_id, stage=view.stage,
                                  model=self.config.model, fingerprint=self.fingerprint, peer_id=view.peer_id,
-                                 channels=self.channels, codec=self.codec, timeout_s=self.options.call_timeout_s)
+                                 channels=self.channels, codec=self.codec, timeout_s=self.options.call_timeout_s,
+                                 metrics=self._wire_metrics)
             self._clients[view.endpoint] = client
         return client
 
@@ -215,12 +184,17 @@ class SwarmTrainer:
             result = await call
         except StageCallError as error:
             busy = isinstance(error, WorkerBusy)
-            self.roster.failed(view.peer_id, self.clock(), busy=busy)
+            ban_s = self.roster.failed(view.peer_id, self.clock(), busy=busy)
+            if not busy and ban_s > 0:
+                self.stats.banned()
+                logger.info("ban %s (stage %d) for %.1f s: %s", view.endpoint, view.stage, ban_s, error.code.name,
+                            extra={"milestone": "ban", "fields": {"stage": view.stage, "endpoint": view.endpoint,
+                                                                  "seconds": ban_s, "code": error.code.name}})
             raise
         seconds = self.clock() - started
         self.roster.succeeded(view.peer_id, seconds)
-        times = self.stats.times_by_stage.setdefault(view.stage, StageTimes())
-        times.add(seconds, result.compute_s, result.queued_s)
+        self.stats.call(view.stage, type(result).__name__.removesuffix("Result"), seconds, result.compute_s,
+                        result.queued_s)
         return result
 
     # ------------------------------------------------------------------ one microbatch
@@ -245,9 +219,9 @@ class SwarmTrainer:
         async def one(view: WorkerView) -> None:
             try:
                 reply = await self._client(view).abort(microbatch_id, timeout_s=min(5.0, self.options.call_timeout_s))
-                self.stats.aborts[reply.outcome] = self.stats.aborts.get(reply.outcome, 0) + 1
+                self.stats.aborted(reply.outcome)
             except StageCallError:
-                self.stats.aborts["unreachable"] = self.stats.aborts.get("unreachable", 0) + 1
+                self.stats.aborted("unreachable")
         await asyncio.gather(*(one(view) for view in route))
 
     async def _forward_backward(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
@@ -305,19 +279,22 @@ class SwarmTrainer:
             try:
                 loss = await self._route_once(microbatch_id, tokens, targets, frozenset(exclude), evaluate,
                                               on_stage_done, shares)
-                self.stats.microbatches += 0 if evaluate else 1
+                if not evaluate:
+                    self.stats.microbatch_done()
                 return loss
             except StageCallError as error:
                 last_error = error
                 if isinstance(error, WorkerBusy):
-                    self.stats.busy += 1
+                    self.stats.busy_retry()
                 else:
-                    self.stats.reroutes += 1
                     peer = next((v.peer_id for v in self.roster.workers.values()
                                  if v.endpoint == error.address), error.address)
                     exclude.add(peer)
-                    self.stats.failures_by_peer[peer] = self.stats.failures_by_peer.get(peer, 0) + 1
-                    logger.warning("reroute microbatch %s (attempt %d): %s", key, attempt + 1, error)
+                    self.stats.rerouted(peer)
+                    logger.warning("reroute microbatch %s (attempt %d): %s", key, attempt + 1, error,
+                                   extra={"milestone": "reroute",
+                                          "fields": {"microbatch": key, "attempt": attempt + 1,
+                                                     "endpoint": error.address, "code": error.code.name}})
                 await self.refresh(force=True)
         raise MicrobatchFailed(f"microbatch {key} failed {self.options.max_attempts} times; last: {last_error}")
 
@@ -349,7 +326,7 @@ class SwarmTrainer:
                 await self._client(view).batch_done(unit_id, n_micro, replicas, timeout_s=timeout)
             except OutsideWindow as error:
                 # It lags or runs ahead of its stage: keep telling it, it re-anchors to the stage's count.
-                self.stats.batch_reports_refused += 1
+                self.stats.report_refused()
                 logger.debug("completed-batch report %d refused by %s: %s", unit_id, view.endpoint, error)
             except RequestRefused as error:
                 # It steps on its own count (join --local-batch) or is synchronous: stop telling it.
@@ -358,7 +335,7 @@ class SwarmTrainer:
                                view.endpoint, error)
             except StageCallError as error:
                 # That worker lags one step behind its stage (or is gone); training goes on.
-                self.stats.batch_reports_failed += 1
+                self.stats.report_failed()
                 logger.debug("completed-batch report %d to %s failed: %s", unit_id, view.endpoint, error)
 
         tasks = [asyncio.create_task(one(view)) for view in views]
@@ -406,6 +383,7 @@ class SwarmTrainer:
         elapsed = self.clock() - self._run_started
         tokens_per_unit = unit.shape[0] * (unit.shape[1] - 1)
         self._units_done += 1
+        self.stats.batch_done(tokens_per_unit, sum(losses) / len(losses), lr)
         return StepRecord(
             step=unit_id + 1, loss=sum(losses) / len(losses), tokens=(unit_id + 1) * tokens_per_unit, lr=lr,
             grad_norm=grad_norms, elapsed_s=elapsed,
@@ -474,16 +452,21 @@ class SwarmTrainer:
 
 def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_peers: tuple[str, ...],
                       steps: int, log_json: IO[str] | None = None, evaluate: bool = True,
-                      credentials: NodeCredentials | None = None, authorizer: str | None = None) -> dict:
+                      credentials: NodeCredentials | None = None, authorizer: str | None = None,
+                      metrics: MetricsOptions = MetricsOptions()) -> dict:
     """`agora-node trainer`: join the DHT, train this trainer's share of `steps`, evaluate; a summary.
 
     `credentials`: the trainer's `NodeCredentials` (mutual TLS to every worker, an admitted DHT
     peer); None: --insecure. `authorizer`: where to renew the credential at half life (None: no
-    renewal); a revoked credential ends the run as an interruption."""
+    renewal); a revoked credential ends the run as an interruption. `metrics`: where to serve its
+    Prometheus metrics (port 0: nowhere); the trainer's DHT record names the endpoint."""
     from agora.auth.admission import CredentialRenewer
     from agora.dht.security import DHTSecurity
     from agora.dht.swarm import SwarmDHT
+    from agora.monitor.metrics import CredentialMetrics
+    from agora.node.observability import NodeMetrics, package_version
     from agora.node.rpc.server import run as run_loop
+    from agora.node.trainer.announce import trainer_heartbeat
     from agora.node.trainer.discovery import DHTDiscovery
     from agora.pipeline.data import build_data
     from agora.pipeline.fingerprint import run_fingerprint
@@ -515,11 +498,26 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                     task.cancel()
 
                 renewer = CredentialRenewer(authorizer, credentials, on_revoked=on_revoked)
+        node = NodeMetrics.for_role(metrics, role="trainer", run_id=options.run_id, version=package_version())
+        if credentials is not None:
+            CredentialMetrics(node.registry, credentials.remaining_s,
+                              lambda: renewer.renewals if renewer is not None else 0)
+        stats = TrainerStats(node.registry)
         async with contextlib.AsyncExitStack() as stack:
+            stack.callback(node.close)
             if renewer is not None:
                 await stack.enter_async_context(renewer)
             trainer = await stack.enter_async_context(
-                SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels))
+                SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels, stats=stats))
+            endpoint = node.serve()
+            await stack.enter_async_context(trainer_heartbeat(
+                swarm, run_id=options.run_id, trainer_index=options.trainer_index, records=lambda: trainer.records,
+                metrics_endpoint=endpoint, version=package_version(), interval_s=options.heartbeat_s))
+            logger.info("joined run %r as trainer %d of %d (peer %s)", options.run_id, options.trainer_index,
+                        options.trainers, swarm.peer_id,
+                        extra={"milestone": "joined", "fields": {"role": "trainer", "run": options.run_id,
+                                                                 "trainer": options.trainer_index, "peer": swarm.peer_id,
+                                                                 "metrics": endpoint}})
             interrupted = False
             try:
                 await trainer.run(steps)
@@ -530,6 +528,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
             if evaluate and not interrupted:
                 batches = data.heldout_batches(config.train.eval_batches, config.train.batch_size)
                 held_out = await trainer.evaluate(batches)
+                stats.heldout(held_out)
             return {
                 "trainer": options.trainer_index, "steps": len(records), "interrupted": interrupted,
                 "revoked": revoked[0] if revoked else None,

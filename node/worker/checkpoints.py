@@ -106,7 +106,7 @@ class StageCheckpointer:
         path = await asyncio.to_thread(save_checkpoint, self.directory, step, self.config, [state], extra)
         self.written.append(path)
         logger.info("checkpoint written: %s", path, extra={"milestone": "checkpoint_written",
-                                                          "fields": {"step": step, "path": str(path)}})
+                                                          "fields": {"stage": state.index, "step": step, "path": str(path)}})
         return path
 
     @staticmethod

@@ -11,6 +11,8 @@ reroute. With `--checkpoint-dir` holding a checkpoint of the same stage, the wor
 Unless the run's `sync.method` is "none" (or the worker is in synchronous mode, one replica per
 stage), it averages with the other replicas of its stage in the background (node/averaging/loop.py)
 and, with `--stats-file`, writes the averaging counters there as JSON when it leaves.
+With `--metrics-port` it serves Prometheus metrics (worker, gRPC, averaging, credential; see
+monitor/) and names the endpoint in its DHT record, with its averaging counts.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import json
 import logging
 import signal
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from agora.auth.admission import CredentialRenewer
@@ -32,6 +33,8 @@ from agora.dht.heartbeat import Heartbeat
 from agora.dht.records import TRAINING_PHASES, WorkerRecord
 from agora.dht.robust import RobustAggregation
 from agora.dht.swarm import SwarmDHT
+from agora.monitor.metrics import CredentialMetrics
+from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
 from agora.node.averaging.loop import AveragingLoop
 from agora.node.averaging.sparta import (
     SlicePartition,
@@ -39,6 +42,9 @@ from agora.node.averaging.sparta import (
     max_round_weight,
     stage_parameter_numels,
 )
+from agora.node.averaging.stats import AveragingStats
+from agora.node.observability import MetricsOptions, NodeMetrics, package_version
+from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.worker.compute import StageCompute
 from agora.node.worker.epoch import stage_step
 from agora.node.worker.worker import StageWorker, WorkerOptions
@@ -53,13 +59,6 @@ __all__ = ["EXIT_REVOKED", "JoinOptions", "run_worker", "package_version"]
 EXIT_REVOKED = 3
 
 logger = logging.getLogger("agora.node.join")
-
-
-def package_version() -> str:
-    try:
-        return metadata.version("agora-node")
-    except metadata.PackageNotFoundError:  # running from a source tree without an install
-        return "0+unknown"
 
 
 @dataclass(frozen=True)
@@ -77,6 +76,7 @@ class JoinOptions:
     stats_file: str | None = None  # averaging counters, written as JSON on exit
     authorizer: str | None = None  # host:port to renew the credential with (None: no renewal)
     serve_checkpoint: str | None = None  # serve-only: the checkpoint whose weights this stage serves
+    metrics: MetricsOptions = MetricsOptions()  # port 0: no metrics server
 
 
 def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, security: DHTSecurity | None,
@@ -111,14 +111,18 @@ async def _follow_stage_epoch(swarm: SwarmDHT, worker: StageWorker, options: Joi
 
 
 async def _serve(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions, swarm: SwarmDHT,
-                 averager: SliceAverager | None = None, credentials: NodeCredentials | None = None) -> int:
+                 averager: SliceAverager | None = None, credentials: NodeCredentials | None = None,
+                 metrics: NodeMetrics | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    metrics = metrics if metrics is not None else NodeMetrics(options.metrics)
+    registry = metrics.registry
     # With credentials: mutual TLS and per-call checks (node/rpc/auth_check.py); None: --insecure.
     worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
-                         credentials=credentials)
+                         credentials=credentials, outer_interceptors=[MetricsHook(RpcServerMetrics(registry))],
+                         metrics=WorkerMetrics(registry))
     await worker.start()
     revoked: list[str] = []
     renewer = None
@@ -129,6 +133,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
 
         renewer = CredentialRenewer(options.authorizer, credentials, on_revoked=on_revoked)
         renewer.start()
+    if credentials is not None:
+        CredentialMetrics(registry, credentials.remaining_s, lambda: renewer.renewals if renewer is not None else 0)
+    stats = AveragingStats(config.sync.method, registry=registry) if averager is not None else None
+    metrics_endpoint = metrics.serve(worker_options.announce_host)
     averaging_state = None
     if options.serve_checkpoint:
         from agora.node.inference.serving import load_serving_weights
@@ -149,7 +157,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         return WorkerRecord(peer_id=swarm.peer_id, run_id=options.run_id, endpoint=worker.address,
                             stage=options.stage, n_stages=info.n_stages, throughput=float(info.throughput),
                             queue_depth=info.load, step=info.step, phase=info.phase, version=version,
-                            updated_at=0.0, fingerprint=fingerprint, sessions=info.sessions)
+                            updated_at=0.0, fingerprint=fingerprint, sessions=info.sessions,
+                            metrics_endpoint=metrics_endpoint,
+                            averaging_rounds=sum(stats.rounds.values()) if stats is not None else 0,
+                            averaging_committed=stats.rounds["committed"] if stats is not None else 0)
 
     heartbeat = Heartbeat(swarm, record, interval=options.heartbeat_s)
     await heartbeat.start()
@@ -159,7 +170,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         sync = config.sync
         board = RoundBoard(swarm, run_id=options.run_id, stage=options.stage, method=sync.method,
                            ttl=sync.matchmaking_s + sync.request_s)
-        averaging = AveragingLoop(worker, averager, sync, seed=config.seed, board=board)
+        averaging = AveragingLoop(worker, averager, sync, seed=config.seed, board=board, stats=stats)
         if averaging_state is not None:
             try:
                 averaging.load_state_dict(averaging_state)
@@ -173,7 +184,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     if options.ready_file:
         write_ready_file(options.ready_file, [worker.address, swarm.peer_id])
     logger.info("joined run %r as stage %d at %s (peer %s, %d tokens/sequence)", options.run_id, options.stage,
-                worker.address, swarm.peer_id, seq_len)
+                worker.address, swarm.peer_id, seq_len,
+                extra={"milestone": "joined", "fields": {"role": "worker", "stage": options.stage, "run": options.run_id,
+                                                         "endpoint": worker.address, "peer": swarm.peer_id,
+                                                         "metrics": metrics_endpoint}})
     await stop.wait()
 
     if revoked:
@@ -219,13 +233,17 @@ def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOp
     swarm = SwarmDHT.start(initial_peers=options.initial_peers, announce_maddrs=announce,
                            host_maddrs=host_maddrs(options.dht_host, options.dht_port), security=security)
     averager = None
+    # Its server thread starts inside _serve, after both forks.
+    metrics = NodeMetrics.for_role(options.metrics, role="worker", run_id=options.run_id, version=package_version(),
+                                   stage=options.stage)
     try:
         # Synchronous mode has one replica per stage by definition: nothing to average with.
         if config.sync.method != "none" and not worker_options.synchronous and not worker_options.serve_only:
             # forks too: before the gRPC server
             averager = _start_averager(config, options, swarm, security, worker_options.local_batch)
-        return run_loop(_serve(config, options, worker_options, swarm, averager, credentials))
+        return run_loop(_serve(config, options, worker_options, swarm, averager, credentials, metrics))
     finally:
+        metrics.close()
         if averager is not None:
             averager.shutdown()
         swarm.shutdown()
