@@ -27,7 +27,8 @@ stage is out of scope, as it is for every robust aggregator):
   trusts its own part (it is honest from its own point of view) and bounds how far the other
   may be from it: ``|x_other - x_own| / |x_own|`` is clipped to the bound every receiver applies
   to the averages it gets back (``DeviationHistory``), so the applied delta is bounded by the
-  other's share of it: a norm bound on the applied delta.
+  other's share of it: a norm bound on the applied delta. A pull below ``history_floor`` is never
+  clipped (an idle partner's weight makes even a far one harmless).
 - What is bounded is a part's *deviation*: how far the rest of the group is from this replica,
   relative to its own values, estimated from what an average moves it by, ``|average - own| /
   |own|``, divided by the weight share of the others (``deviation``). A move alone would not do:
@@ -174,7 +175,8 @@ def aggregate_part(parts: Sequence[torch.Tensor], weights: Sequence[float], poli
     if len(live) >= 3:
         value = _robust_many(parts, weights, live, verdicts, policy)
     elif len(live) == 2 and own in live and bound is not None:
-        value = _bounded_pair(parts, weights, own, next(i for i in live if i != own), bound, verdicts)
+        value = _bounded_pair(parts, weights, own, next(i for i in live if i != own), bound, policy.history_floor,
+                              verdicts)
     else:
         value = _weighted_mean([parts[i] for i in live], [weights[i] for i in live])
     counts.update(v for v in verdicts if v in ("outlier", "clipped"))
@@ -216,12 +218,14 @@ class DeviationHistory:
         recent = self.policy.history_factor * _lower_median(sorted(moves))
         return min(ceiling, max(self.policy.history_floor, recent))
 
-    def accept(self, position: int, move: float) -> bool:
+    def accept(self, position: int, move: float, *, trusted_history: bool = True) -> bool:
         """Judge a move at ``position`` against the bound and record it. A refused finite move is
         recorded at the bound, so moves that stay beyond it widen it by ``history_factor`` about
         every half window (up to the ceiling): an honest change of scale (a restart, the schedule)
-        is followed within some rounds, while one bad round never moves it."""
-        limit = self.bound(position)
+        is followed within some rounds, while one bad round never moves it. `trusted_history`
+        False: only the ceiling judges (a replica with next to no weight in the round: it lags its
+        group, and the group's average is what it should take)."""
+        limit = self.bound(position) if trusted_history else self.policy.max_relative_delta
         if move <= limit:
             self.record(position, move)
             return True
@@ -315,12 +319,13 @@ def _centered_clip(values: torch.Tensor, weights: torch.Tensor, start: torch.Ten
     return centre
 
 
-def _bounded_pair(parts, weights, own: int, other: int, bound: float, verdicts) -> torch.Tensor:
+def _bounded_pair(parts, weights, own: int, other: int, bound: float, floor: float, verdicts) -> torch.Tensor:
     mine, theirs = parts[own], parts[other]
     share = weights[other] / (weights[own] + weights[other])
     offset = theirs - mine
     distance = float(torch.linalg.vector_norm(offset))
-    limit = bound * float(torch.linalg.vector_norm(mine))
+    # A pull under the floor is let be whatever the distance (an idle partner's weight is tiny).
+    limit = max(bound, floor / max(share, 1e-12)) * float(torch.linalg.vector_norm(mine))
     if distance > limit:
         verdicts[other] = "clipped"
         offset.mul_(limit / distance)

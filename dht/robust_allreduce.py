@@ -50,6 +50,10 @@ __all__ = ["AgreedGroup", "agreed_group", "RobustAllReduceRunner", "RobustPartRe
 
 logger = logging.getLogger(__name__)
 
+# A receiver with less of the round's weight than this lags its group (it trained on next to
+# nothing, or syncs): the group's average is judged by the ceiling alone, not by its own history.
+_LOW_SHARE = 0.01
+
 
 class AgreedGroup:
     """What every member derives alike from a group's gathered metadata."""
@@ -219,7 +223,7 @@ class GuardedPartContainer:
         distance = deviation(relative_move(part, local), self._own_share)
         if peer_index == self._own_index or not self._robust:
             self._history.record(position, distance)  # this peer's own reducer is honest to it
-        elif not self._history.accept(position, distance):
+        elif not self._history.accept(position, distance, trusted_history=self._own_share >= _LOW_SHARE):
             self._counts["reducer_outlier"] += 1
             logger.info("averaging part %d: the average from %s puts the group %.3g of its norm away (bound %.3g): "
                         "kept local values", position, self._peer_ids[peer_index], distance,

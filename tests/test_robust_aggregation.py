@@ -196,3 +196,20 @@ def test_the_coordinate_median_is_torchs_lower_median_for_every_group_size():
     for size in range(2, 19):  # the sorting network up to 16 rows, kthvalue beyond
         rows = [torch.randn(257, generator=generator) for _ in range(size)]
         assert torch.equal(_coordinate_median(rows), torch.stack(rows).median(dim=0).values), size
+
+
+def test_an_idle_partner_far_away_pulls_too_little_to_be_clipped():
+    a = honest(1)[0]
+    stale = a + torch.randn(a.shape, generator=torch.Generator().manual_seed(1)) * 0.05  # far off, weight ~0
+    result = aggregate_part([a, stale], [64.0, 1e-3], POLICY, own=0, bound=0.1)
+    assert result.verdicts == ["used", "used"] and result.counts == {}
+    torch.testing.assert_close(result.value, mean_of([a, stale], [64.0, 1e-3]))
+
+
+def test_a_receiver_with_next_to_no_weight_is_judged_by_the_ceiling_alone():
+    history = DeviationHistory(RobustAggregation(max_relative_delta=1.0))
+    for _ in range(HISTORY_MIN):
+        history.accept(0, 0.01)
+    assert not history.accept(0, 0.5)  # beyond 8x its recent deviations
+    assert history.accept(0, 0.5, trusted_history=False)  # a lagging replica takes its group's average
+    assert not history.accept(0, 2.0, trusted_history=False)  # never more than its own norm

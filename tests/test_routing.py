@@ -97,3 +97,28 @@ def test_a_batch_split_by_balanced_picks_is_even_across_replicas():
         roster.started(view.peer_id)
         shares[view.peer_id] += 1
     assert shares == Counter({"a": 3, "b": 3, "c": 3})
+
+
+def test_a_replica_left_without_traffic_is_probed_after_a_few_batches():
+    from collections import Counter
+
+    from agora.node.trainer.routing import PROBE_AFTER
+
+    roster = Roster(microbatch_size=2)
+    fast = WorkerView("fast", "f:1", 0, announced_samples_per_s=100.0)
+    slow = WorkerView("slow", "s:1", 0, announced_samples_per_s=10.0)  # measured in a bad moment, long ago
+    roster.refresh([fast, slow])
+    for _ in range(PROBE_AFTER):
+        shares = Counter()
+        for _ in range(4):
+            shares[roster.choose(0, 0.0, shares=shares).peer_id] += 1
+        assert shares == {"fast": 4}
+        roster.batch_done(0, shares)
+    shares = Counter()
+    picks = []
+    for _ in range(4):
+        picks.append(roster.choose(0, 0.0, shares=shares).peer_id)
+        shares[picks[-1]] += 1
+    assert picks[0] == "slow" and picks[1:] == ["fast"] * 3  # one microbatch measures it afresh
+    roster.batch_done(0, shares)
+    assert roster.workers["slow"].idle_batches == 0

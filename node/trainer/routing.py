@@ -24,6 +24,12 @@ replica over twice as slow is left to the earliest-finish rule, which gives it w
 finish in time. Measured on tiny, 2 replicas, held-out loss / train-local: in-process, equal
 shares 1.040 and random shares 1.048; in the swarm without any averaging, 1.108 before
 balancing, 1.063 and 1.079 in two runs after (seeds 0 and 1, bench/averaging.py).
+
+A replica left without traffic keeps the speed it had when it was last measured, so one that
+was slow for a moment (a load spike, an averaging round) could stay "slow" for good: starved,
+stepping on nothing, drifting from its stage until its averages no longer reach it. So a
+routable replica that got no microbatch of `PROBE_AFTER` global batches in a row gets the next
+one of the stage (`WorkerView.idle_batches`, kept by the trainer), which measures it afresh.
 """
 
 from __future__ import annotations
@@ -33,13 +39,15 @@ from typing import Mapping
 
 from agora.dht.records import TRAINING_PHASES
 
-__all__ = ["BALANCE_SLACK", "WorkerView", "Roster", "expected_finish_time", "pick_worker"]
+__all__ = ["BALANCE_SLACK", "PROBE_AFTER", "WorkerView", "Roster", "expected_finish_time", "pick_worker"]
 
 _NEWCOMER_PENALTY = 1.5
 _DEFAULT_SECONDS = 1.0
 _ROUTABLE_PHASES = TRAINING_PHASES
 # Replicas whose time per microbatch is within this factor of the fastest's share batches equally.
 BALANCE_SLACK = 2.0
+# Global batches in a row without a microbatch before a routable replica is probed (module docstring).
+PROBE_AFTER = 3
 
 
 @dataclass
@@ -55,6 +63,7 @@ class WorkerView:
     failures: int = 0
     banned_until: float = 0.0
     successes: int = 0
+    idle_batches: int = 0  # global batches in a row in which this trainer sent it no microbatch
 
     def seconds_per_microbatch(self, microbatch_size: int) -> float | None:
         if self.measured_seconds is not None:
@@ -91,6 +100,9 @@ def pick_worker(candidates: list[WorkerView], now: float, microbatch_size: int,
     earliest = min(usable, key=lambda v: (finish[v.peer_id], v.peer_id))
     if shares is None:
         return earliest
+    starved = [v for v in usable if v.idle_batches >= PROBE_AFTER and shares.get(v.peer_id, 0) == 0]
+    if starved:  # measure it again (module docstring); one microbatch of this batch
+        return min(starved, key=lambda v: (-v.idle_batches, v.peer_id))
     # Comparable speed, not the queue of the moment: equal shares even out the queues themselves.
     # The workers' announced compute throughput when every one has announced it (round trips
     # include queueing, and a replica that gets no calls keeps its last, maybe congested, one).
@@ -136,6 +148,11 @@ class Roster:
     def replicas(self, stage: int) -> int:
         """Replicas of `stage` sharing its work now: routable, and their last call did not fail (at least 1)."""
         return max(1, sum(1 for v in self.of_stage(stage) if v.phase in _ROUTABLE_PHASES and v.failures == 0))
+
+    def batch_done(self, stage: int, shares: Mapping[str, int]) -> None:
+        """A global batch passed `stage` with these microbatches per replica: count who got none."""
+        for view in self.of_stage(stage):
+            view.idle_batches = 0 if shares.get(view.peer_id, 0) else view.idle_batches + 1
 
     def choose(self, stage: int, now: float, exclude: frozenset[str] = frozenset(),
                shares: Mapping[str, int] | None = None) -> WorkerView | None:

@@ -391,6 +391,8 @@ class SwarmTrainer:
                                                  shares=shares)
 
         losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))
+        for stage, stage_shares in enumerate(shares):
+            self.roster.batch_done(stage, stage_shares)  # who got none of it (routing's probe)
         grad_norms: list[float] = []
         if self.options.synchronous:
             replies = await self._step_barrier(unit_id)
