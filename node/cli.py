@@ -179,7 +179,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
                           resume_step=args.resume_step,
                           stats_file=args.stats_file, authorizer=admission.authorizer,
                           serve_checkpoint=args.checkpoint if args.serve_only else None,
-                          metrics=MetricsOptions.from_args(args))
+                          metrics=MetricsOptions.from_args(args), sync_phases=not args.no_sync_phases,
+                          optimizer_sync_steps=args.optimizer_sync_steps)
     return run_worker(admission.config, options, worker_options, credentials=admission.credentials)
 
 
@@ -335,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                         help="text lines for people (default), or one JSON object per line with milestone events "
-                             "(joined, phase_changed, averaging_round, reroute, ban, checkpoint_written, "
-                             "credential_renewed)")
+                             "(joined, sync_phase, phase_changed, state_downloaded, averaging_round, reroute, ban, "
+                             "checkpoint_written, credential_renewed)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -401,6 +402,12 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--resume-step", type=_non_negative_int, default=None, metavar="STEP",
                       help="resume from this step's checkpoint in --checkpoint-dir (default: the newest complete one)")
     join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
+    join.add_argument("--optimizer-sync-steps", type=_non_negative_int, default=None, metavar="N",
+                      help="a replica joining mid-run: optimizer steps with averaging weight 0 after its weight sync, "
+                           "to warm its Adam moments, before it is a member (default: sync.optimizer_sync_steps, 100)")
+    join.add_argument("--no-sync-phases", action="store_true",
+                      help="join as a member at once, without downloading the stage's state (only when this "
+                           "replica's state is known to be the stage's)")
     from agora.node.inference.commands import add_client_commands, add_serving_arguments
 
     add_serving_arguments(join)

@@ -192,6 +192,9 @@ class SyncConfig:
     # "centered_clip": agreed weight caps, outliers rejected, CenteredClip for 3+, a bounded pull
     # for pairs, averages beyond the recent bound dropped; "mean": hivemind's plain weighted mean.
     aggregation: str = "centered_clip"
+    # A replica joining mid-run trains this many optimizer steps with weight 0 in averaging after its
+    # weight sync, to warm its Adam moments, before it counts as a member (node/worker/phases.py).
+    optimizer_sync_steps: int = 100
 
     @property
     def n_slices(self) -> int:
@@ -227,6 +230,8 @@ class SyncConfig:
             raise ConfigError(f"sync.quorum: must be at least 1, got {self.quorum}")
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(f"sync.aggregation: expected one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.optimizer_sync_steps < 0:
+            raise ConfigError(f"sync.optimizer_sync_steps: must be >= 0, got {self.optimizer_sync_steps}")
         if self.average_optimizer_state and self.method == "diloco":
             raise ConfigError("sync.average_optimizer_state: only for method 'sparta' (diloco keeps its own "
                               "outer state)")

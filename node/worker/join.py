@@ -13,6 +13,10 @@ stage), it averages with the other replicas of its stage in the background (node
 and, with `--stats-file`, writes the averaging counters there as JSON when it leaves.
 With `--metrics-port` it serves Prometheus metrics (worker, gRPC, averaging, credential; see
 monitor/) and names the endpoint in its DHT record, with its averaging counts.
+A replica that joins a stage whose members are ahead of it goes through the sync phases first
+(node/worker/phases.py): weight sync (the stage's state downloaded from a member,
+node/worker/state_download.py; averaging with weight 0 for a rotation), optimizer sync, member.
+Every training worker serves its own state to the next joiner (node/worker/state_transfer.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +54,10 @@ from agora.node.worker.compute import StageCompute
 from agora.node.worker.epoch import stage_step
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.node.worker.checkpoints import StageCheckpointer, restore_stage
+from agora.node.worker.phases import SyncPhases, SyncPolicy
+from agora.node.worker.state_download import StateDownloader, donor_order
+from agora.node.worker.state_transfer import apply_state, expected_state_bytes
+from agora.node.rpc.tls import InsecureChannels, TlsChannels
 from agora.pipeline.checkpoint import checkpoint_steps
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import run_fingerprint
@@ -77,6 +86,10 @@ class JoinOptions:
     authorizer: str | None = None  # host:port to renew the credential with (None: no renewal)
     serve_checkpoint: str | None = None  # serve-only: the checkpoint whose weights this stage serves
     metrics: MetricsOptions = MetricsOptions()  # port 0: no metrics server
+    # The sync phases of a replica joining mid-run (node/worker/phases.py); False joins as a member at once.
+    sync_phases: bool = True
+    optimizer_sync_steps: int | None = None  # None: the run's sync.optimizer_sync_steps
+    state_download_s: float = 480.0  # the whole weight-sync download, over every donor tried
 
 
 def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, security: DHTSecurity | None,
@@ -148,9 +161,20 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
             lambda c: restore_stage(c, options.checkpoint_dir, config, step=options.resume_step))
         logger.info("resumed stage %d at step %d from %s (it was %s)", options.stage, step, options.checkpoint_dir,
                     saved.get("phase", "a member"))
+    else:
+        step, saved = 0, None
     version = package_version()
     seq_len = config.train.seq_len
     fingerprint = run_fingerprint(config).text()  # in every record: trainers skip a mismatched run
+    phases = None
+    if not options.serve_checkpoint:  # before the first announce: a joiner is never routed by mistake
+        phases = SyncPhases(worker, _sync_policy(config, options), config.sync if averager is not None else None)
+        members = _stage_members(swarm, options, config)
+        if options.sync_phases:
+            await phases.begin(own_step=step, resumed_phase=None if saved is None else saved.get("phase", "member"),
+                               members=members)
+        else:
+            phases.enter("member", "join --no-sync-phases")
 
     def record() -> WorkerRecord:
         info = worker.info()
@@ -165,6 +189,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     heartbeat = Heartbeat(swarm, record, interval=options.heartbeat_s)
     await heartbeat.start()
     follow = asyncio.create_task(_follow_stage_epoch(swarm, worker, options), name="stage-epoch")
+    if phases is not None and phases.phase == "weight_sync":
+        downloaded = await _weight_sync(phases, worker, config, options, members, credentials, stop)
+        if downloaded is not None:
+            averaging_state = downloaded.tree.get("averaging")
     averaging = None
     if averager is not None:
         sync = config.sync
@@ -177,6 +205,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
             except ValueError as error:  # another method or slicing than this run's: start afresh
                 logger.warning("not resuming the averaging state: %s", error)
         await averaging.start()
+    if worker.state_donor is not None:
+        worker.state_donor.averaging = averaging  # a snapshot for a joiner carries the loop's state
+    if phases is not None and phases.phase != "member":
+        await phases.start(averaging)
     checkpoints = None
     if options.checkpoint_dir and not options.serve_checkpoint:
         checkpoints = StageCheckpointer(worker, options.checkpoint_dir, config, options.checkpoint_every, averaging)
@@ -198,6 +230,8 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     if renewer is not None:
         await renewer.stop()
     follow.cancel()
+    if phases is not None:
+        await phases.stop()
     await heartbeat.stop(withdraw=True)
     if averaging is not None:
         await averaging.stop()
@@ -211,9 +245,51 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         averaging.stats.local_steps = worker.compute.optimizer.steps  # the loop polls it; take the final count
         stats = averaging.stats.snapshot()
         logger.info("averaging: %s", stats)
+        if phases is not None:  # the demo's summary: each replica's phases, seconds after it started
+            stats["phases"] = phases.history
+        if worker.state_donor is not None:
+            stats["state_served"] = {"downloads": worker.state_donor.stats.downloads,
+                                     "completed": worker.state_donor.stats.completed,
+                                     "bytes": worker.state_donor.stats.bytes_sent}
         if options.stats_file:
             write_ready_file(options.stats_file, [json.dumps(stats)])  # atomic: never half a file
     return EXIT_REVOKED if revoked else 0
+
+
+def _sync_policy(config: RunConfig, options: JoinOptions) -> SyncPolicy:
+    steps = config.sync.optimizer_sync_steps if options.optimizer_sync_steps is None else options.optimizer_sync_steps
+    return SyncPolicy(optimizer_sync_steps=steps)
+
+
+def _stage_members(swarm: SwarmDHT, options: JoinOptions, config: RunConfig):
+    """The stage's members other than this node, best donor first (node/worker/state_download.py)."""
+    fingerprint = run_fingerprint(config)
+    rng = random.Random()
+
+    async def members():
+        records = await swarm.live_workers_async(options.run_id, options.stage, fingerprint=fingerprint)
+        return donor_order(records, swarm.peer_id, rng)
+
+    return members
+
+
+async def _weight_sync(phases: SyncPhases, worker: StageWorker, config: RunConfig, options: JoinOptions, members,
+                       credentials: NodeCredentials | None, stop: asyncio.Event):
+    """Download the stage's state (unless the daemon is told to stop first); the download or None."""
+    downloader = StateDownloader(run_id=options.run_id, stage=options.stage, fingerprint=run_fingerprint(config),
+                                 channels=TlsChannels(credentials) if credentials is not None else InsecureChannels(),
+                                 max_bytes=await worker.on_compute(expected_state_bytes),
+                                 timeout_s=options.state_download_s, max_message_bytes=worker.options.max_message_bytes)
+    download = asyncio.create_task(phases.download(downloader, members,
+                                                   lambda tree: worker.on_compute(lambda c: apply_state(c, tree))))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({download, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not download.done():
+        download.cancel()
+        await asyncio.gather(download, return_exceptions=True)
+        return None
+    return download.result()
 
 
 def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions,
