@@ -2,7 +2,8 @@
 
 Design choices:
 
-- A record is a frozen dataclass whose fields are plain scalars (str, int, float, bool).
+- A record is a frozen dataclass whose fields are plain scalars (str, int, float, bool, and
+  bytes of at most ``MAX_BYTES_LENGTH`` for a packed field such as a bitmap).
   Its wire form is a flat dict of those scalars plus ``schema`` and ``kind``: exactly what
   msgpack (hivemind's serializer) carries without extension types, so a peer written in
   another language, or a later version of this one, can read it.
@@ -69,7 +70,7 @@ TRAINING_PHASES = ("member", "optimizer_sync")
 # Generous bounds: they exist to reject garbage cheaply, not to constrain real runs.
 MAX_STAGES = 4096
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_SCALAR_TYPES = (str, int, float, bool)
+_SCALAR_TYPES = (str, int, float, bool, bytes)
 
 R = TypeVar("R", bound="Record")
 
@@ -161,6 +162,7 @@ class Record:
 
     KIND: ClassVar[str] = ""
     MAX_STRING_LENGTH: ClassVar[int] = 256
+    MAX_BYTES_LENGTH: ClassVar[int] = 4096  # a packed field (a bitmap, fixed-size entries)
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -174,6 +176,8 @@ class Record:
                 raise RecordError(
                     f"{self.KIND}.{field.name}: {len(value)} characters, at most {self.MAX_STRING_LENGTH}"
                 )
+            if isinstance(value, bytes) and len(value) > self.MAX_BYTES_LENGTH:
+                raise RecordError(f"{self.KIND}.{field.name}: {len(value)} bytes, at most {self.MAX_BYTES_LENGTH}")
             if expected is float:
                 # Normalize whole numbers so equal records compare and serialize equal.
                 try:
@@ -220,7 +224,7 @@ class Record:
 
 def _field_type(cls: type, field: dataclasses.Field) -> type:
     if field.type not in _SCALAR_TYPES:
-        raise TypeError(f"{cls.__name__}.{field.name}: record fields must be str, int, float or bool")
+        raise TypeError(f"{cls.__name__}.{field.name}: record fields must be str, int, float, bool or bytes")
     return field.type
 
 

@@ -70,3 +70,7 @@ class TrainerMetrics:
         self.reports_refused = Counter("agora_trainer_batch_reports_refused",
                                        "Completed-batch reports outside a replica's window (it lags or runs ahead)",
                                        registry=registry)
+        self.units = Counter("agora_trainer_units", "Work units (global batches) by what happened to them here: "
+                             "claimed, committed, reclaimed (another trainer's lease had run out), duplicate "
+                             "(also committed by another), conflict (a claim another trainer won), released",
+                             ["outcome"], registry=registry)

@@ -211,8 +211,10 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
                            config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers))
     options = TrainerOptions(run_id=admission.run_id, trainer_index=args.trainer_index, trainers=args.trainers,
                              synchronous=args.sync, max_in_flight=args.max_in_flight, wire_dtype=args.wire_dtype,
-                             heartbeat_s=args.heartbeat)
-    log_json = open(args.log_json, "w") if args.log_json else None
+                             heartbeat_s=args.heartbeat, lease_s=args.lease, start_step=args.start_step)
+    if not args.lease > 0:
+        raise ConfigError(f"--lease: must be positive, got {args.lease}")
+    log_json = open(args.log_json, "a" if args.start_step else "w") if args.log_json else None
     try:
         summary = run_swarm_trainer(admission.config, options, initial_peers=admission.initial_peers,
                                     steps=args.steps, log_json=log_json, evaluate=not args.no_eval,
@@ -420,8 +422,16 @@ def build_parser() -> argparse.ArgumentParser:
                                               "reroute on failure; logs the train-local JSON schema.")
     _add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)")
     _add_swarm_arguments(trainer)
-    trainer.add_argument("--trainer-index", type=int, default=0, help="this trainer's index among --trainers")
-    trainer.add_argument("--trainers", type=int, default=1, help="trainers sharing the run's global batches")
+    trainer.add_argument("--trainer-index", type=int, default=0,
+                         help="this trainer's index among --trainers: its stripe of units, preferred when it claims")
+    trainer.add_argument("--trainers", type=int, default=1,
+                         help="trainers expected to share the run (a hint for claiming; any number may join)")
+    trainer.add_argument("--lease", type=float, default=30.0, metavar="S",
+                         help="seconds a claimed global batch stays this trainer's without a renewal; a trainer "
+                              "that dies gives its batches back after this (default 30)")
+    trainer.add_argument("--start-step", type=_non_negative_int, default=0, metavar="STEP",
+                         help="take the run's global batches below STEP as done (a run resumed from checkpoints of "
+                              "that step); the log is appended to")
     trainer.add_argument("--max-in-flight", type=int, default=None,
                          help="microbatches in the pipeline at once (default: half a global batch, which keeps "
                               "asynchronous staleness under half a step; more is faster and converges worse)")

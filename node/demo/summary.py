@@ -1,13 +1,16 @@
-"""The demo's closing words: a few lines a person reads, from the full summary dict.
+"""The demo's record of a run: the trainers' logs merged, the full summary dict, and its closing words.
 
-The dict (what `--summary-json` writes: every count, the per-stage time split, the averaging
-stats per stage, exit codes) is for tools and tests; this is for the terminal: what happened,
-how well it trained, how each stage did, and anything that went wrong.
+The dict (`build_summary`, what `--summary-json` writes: every count, the per-stage time split,
+the averaging stats per stage, exit codes) is for tools and tests; `format_summary` is for the
+terminal: what happened, how well it trained, how each stage did, and anything that went wrong.
 """
 
 from __future__ import annotations
 
-__all__ = ["format_summary"]
+import json
+from pathlib import Path
+
+__all__ = ["format_summary", "build_summary", "merge_logs", "latest_per_trainer"]
 
 
 def _number(value, digits: int = 4) -> str:
@@ -48,3 +51,117 @@ def format_summary(summary: dict) -> str:
                    "exit codes: " + ", ".join(f"{name} {code}" for name, code in sorted(failed.items())))
     lines.append("  " + "; ".join(trouble))
     return "\n".join(lines)
+
+
+def merge_logs(paths: list[Path]) -> list[dict]:
+    """Every trainer's lines, one per global batch, ordered by the run-wide step."""
+    lines = []
+    for path in paths:
+        if path.exists():
+            lines += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(lines, key=lambda line: line["step"])
+
+
+def latest_per_trainer(lines: list[dict]) -> list[dict]:
+    latest: dict[int, dict] = {}
+    for line in lines:
+        latest[line.get("trainer", 0)] = line
+    return list(latest.values())
+
+
+def build_summary(options, lines: list[dict], workdir: Path, workers, killed, exit_codes,
+             outcome: str, wall_s: float) -> dict:
+    trainer_summaries = []
+    for index in range(options.trainers):
+        path = workdir / f"trainer-{index}.summary.json"
+        if path.exists():
+            trainer_summaries.append(json.loads(path.read_text()))
+    heldout = [s["heldout_loss"] for s in trainer_summaries if s.get("heldout_loss") is not None]
+    tail = lines[-5:]
+    per_stage: dict[int, int] = {}
+    for stage, _ in workers:
+        per_stage[stage] = per_stage.get(stage, 0) + 1
+    return {
+        "outcome": outcome,
+        "steps": len(lines),
+        "final_loss": sum(line["loss"] for line in tail) / len(tail) if tail else None,
+        "heldout_loss": heldout[0] if heldout else None,
+        "tokens": lines[-1]["tokens"] if lines else 0,
+        "tokens_per_s": sum(line["tokens_per_s"] for line in latest_per_trainer(lines)),
+        "wall_s": round(wall_s, 2),
+        "workers_per_stage": {str(k): v for k, v in sorted(per_stage.items())},
+        "reroutes": sum(s.get("reroutes", 0) for s in trainer_summaries),
+        "time_split_by_stage": _merge_time_splits([s.get("time_split_by_stage", {}) for s in trainer_summaries]),
+        "busy_retries": sum(s.get("busy", 0) for s in trainer_summaries),
+        "averaging_by_stage": _averaging_by_stage(workdir, workers),
+        "killed": killed,
+        "exit_codes": exit_codes,
+        "mode": "sync" if options.sync else "async",
+        "security": "insecure" if options.insecure else "admitted",
+        "credential_renewals": {"trainers": sum(s.get("credential_renewals", 0) for s in trainer_summaries),
+                                "workers": _count_in_logs([w for _, w in workers], "renewed the credential")},
+        "revoked": [w.name for _, w in workers if exit_codes.get(w.name) == 3],
+    }
+
+
+def _count_in_logs(children, text: str) -> int:
+    total = 0
+    for child in children:
+        try:
+            total += child.log_path.read_text(errors="replace").count(text)
+        except OSError:
+            pass
+    return total
+
+
+def _averaging_by_stage(workdir: Path, workers) -> dict:
+    """Each stage's averaging rounds by outcome, summed over its replicas (from their stats files).
+
+    A worker writes its file when it leaves; a killed one leaves none and is not counted.
+    """
+    merged: dict[str, dict] = {}
+    for stage, worker in workers:
+        path = workdir / f"{worker.name}.stats.json"
+        try:
+            stats = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        into = merged.setdefault(str(stage), {"method": stats.get("method"), "replicas_reporting": 0,
+                                              "rounds_by_outcome": {}, "rejections": {}, "applied": 0, "skipped": 0,
+                                              "bytes_sent": 0,
+                                              "local_steps": 0, "compute_blocked_s": 0.0, "wall_s": 0.0,
+                                              "lag_steps_sum": 0.0, "max_lag_steps": 0})
+        into["replicas_reporting"] += 1
+        for outcome, n in stats.get("rounds_by_outcome", {}).items():
+            into["rounds_by_outcome"][outcome] = into["rounds_by_outcome"].get(outcome, 0) + n
+        for reason, n in stats.get("rejections", {}).items():  # what robust aggregation stopped (dht/robust.py)
+            into["rejections"][reason] = into["rejections"].get(reason, 0) + n
+        for key in ("applied", "skipped", "bytes_sent", "local_steps", "compute_blocked_s", "wall_s"):
+            into[key] += stats.get(key, 0)
+        into["parameters"] = stats.get("parameters", 0)
+        into["lag_steps_sum"] += (stats.get("mean_lag_steps") or 0.0) * stats.get("applied", 0)
+        into["max_lag_steps"] = max(into["max_lag_steps"], stats.get("max_lag_steps", 0))
+    for into in merged.values():
+        into["compute_blocked_fraction"] = into["compute_blocked_s"] / into["wall_s"] if into["wall_s"] else None
+        # Local steps from a round's snapshot to its apply, over every applied round of the stage.
+        into["mean_lag_steps"] = into.pop("lag_steps_sum") / into["applied"] if into["applied"] else None
+    return dict(sorted(merged.items()))
+
+
+def _merge_time_splits(splits: list[dict]) -> dict:
+    """Per-stage mean milliseconds per call over all trainers, weighted by their call counts."""
+    merged: dict[str, dict[str, float]] = {}
+    for split in splits:
+        for stage, times in split.items():
+            into = merged.setdefault(stage, {"calls": 0})
+            calls = times["calls"]
+            for key, value in times.items():
+                if key != "calls":
+                    into[key] = into.get(key, 0.0) + value * calls
+            into["calls"] += calls
+    for times in merged.values():
+        calls = max(1, times["calls"])
+        for key in times:
+            if key != "calls":
+                times[key] = round(times[key] / calls, 3)
+    return merged

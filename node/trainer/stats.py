@@ -17,7 +17,9 @@ from prometheus_client import CollectorRegistry
 from agora.monitor.metrics import sample_value
 from agora.monitor.trainer_metrics import TrainerMetrics
 
-__all__ = ["TrainerStats"]
+__all__ = ["TrainerStats", "UNIT_OUTCOMES"]
+
+UNIT_OUTCOMES = ("claimed", "committed", "reclaimed", "duplicate", "conflict", "released")
 
 
 class TrainerStats:
@@ -65,6 +67,10 @@ class TrainerStats:
     def report_refused(self) -> None:
         self.metrics.reports_refused.inc()
 
+    def unit(self, outcome: str) -> None:
+        """A work unit's fate here (node/trainer/units.py): claimed, committed, reclaimed, ..."""
+        self.metrics.units.labels(outcome=outcome).inc()
+
     def batch_done(self, tokens: int, loss: float, learning_rate: float) -> None:
         self.metrics.global_batches.inc()
         self.metrics.tokens.inc(tokens)
@@ -99,6 +105,10 @@ class TrainerStats:
     @property
     def batch_reports_refused(self) -> int:
         return int(self._value("agora_trainer_batch_reports_refused_total"))
+
+    def units(self) -> dict[str, int]:
+        return {outcome: int(self._value("agora_trainer_units_total", outcome=outcome))
+                for outcome in UNIT_OUTCOMES}
 
     @property
     def aborts(self) -> dict[str, int]:

@@ -54,6 +54,7 @@ from agora.node.trainer.stage_client import (
     WorkerBusy,
 )
 from agora.node.trainer.stats import TrainerStats
+from agora.node.trainer.units import FixedUnits, UnitSource
 from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.pipeline.centralized import StepRecord
 from agora.pipeline.codec import WireCodec
@@ -64,6 +65,9 @@ from agora.pipeline.optim import lr_at
 __all__ = ["TrainerOptions", "SwarmTrainer", "MicrobatchFailed", "assigned_units"]
 
 logger = logging.getLogger("agora.node.trainer")
+
+# How often a trainer with nothing to run looks again for a free unit (others hold the rest).
+_IDLE_POLL_S = 0.5
 
 
 class MicrobatchFailed(RuntimeError):
@@ -82,12 +86,17 @@ class TrainerOptions:
     synchronous: bool = False
     # Microbatches in the pipeline at once; None: half a global batch's microbatches (see below).
     max_in_flight: int | None = None
-    max_attempts: int = 6  # routes tried per microbatch before the run fails
+    max_attempts: int = 6  # routes tried per microbatch before its global batch is given back
     call_timeout_s: float = 60.0
-    wait_for_workers_s: float = 60.0  # how long a stage may have no routable worker
+    # A stage without a routable worker is waited for (with backoff) as long as it takes, with a
+    # line every this many seconds saying what the trainer waits for.
+    wait_notice_s: float = 10.0
+    unit_failures: int = 5  # global batches failing in a row (all routes exhausted) before the run stops
     roster_refresh_s: float = 2.0
     wire_dtype: str = "fp32"
     heartbeat_s: float = 5.0  # between announces of the trainer's record (node/trainer/announce.py)
+    lease_s: float = 30.0  # a claimed unit's lease (dht/leases.py), renewed every third of it while it runs
+    start_step: int = 0  # units below are taken as done (a run resumed from checkpoints of this step)
 
 
 def in_flight_limit(options: TrainerOptions, microbatches: int) -> int:
@@ -95,16 +104,17 @@ def in_flight_limit(options: TrainerOptions, microbatches: int) -> int:
     return options.max_in_flight if options.max_in_flight is not None else max(1, microbatches // 2)
 
 
-def assigned_units(total_steps: int, trainer_index: int, trainers: int) -> list[int]:
-    """Static striping of the run's global batches over trainers (until leases replace it)."""
-    return list(range(trainer_index, total_steps, trainers))
+def assigned_units(total_steps: int, trainer_index: int, trainers: int, start: int = 0) -> list[int]:
+    """Static striping of the run's global batches over trainers, from `start` (without a DHT: tests,
+    and the exact restore of a synchronous run)."""
+    return [unit for unit in range(trainer_index, total_steps, trainers) if unit >= start]
 
 
 class SwarmTrainer:
     def __init__(self, config: RunConfig, data, discovery: Discovery, options: TrainerOptions, *,
                  log_json: IO[str] | None = None, clock: Callable[[], float] = time.monotonic,
                  on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None,
-                 stats: TrainerStats | None = None):
+                 stats: TrainerStats | None = None, units: UnitSource | None = None):
         # `channels`: mutual TLS with this trainer's credential (node/rpc/tls.TlsChannels), or
         # None for plaintext (--insecure). Every call carries the run fingerprint either way.
         self.config = config
@@ -129,8 +139,10 @@ class SwarmTrainer:
         self._units_done = 0
         self._reports: set[asyncio.Task] = set()  # completed-batch reports still in flight
         self._unreported: set[str] = set()  # peers that refused a report (they step on their own)
-        # Per stage, the completed-batch reports sent last; calls to that stage wait for them (below).
-        self._stage_reports: dict[int, list[asyncio.Task]] = {}
+        # Per stage and replica, the completed-batch report sent last; a call waits for its replica's.
+        self._stage_reports: dict[int, dict[str, asyncio.Task]] = {}
+        self._unit_reports: dict[int, list[asyncio.Task]] = {}  # a unit commits once its reports are in
+        self.units = units
         self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
         self.max_in_flight = in_flight_limit(options, config.train.microbatches)
         self._in_flight = asyncio.Semaphore(self.max_in_flight)
@@ -159,7 +171,8 @@ class SwarmTrainer:
     async def _pick(self, stage: int, exclude: frozenset[str], shares: Counter | None = None) -> WorkerView:
         """A worker for `stage`; with `shares` (this batch's microbatches per peer on the stage),
         balanced across replicas (see node/trainer/routing.py) and counted there."""
-        deadline = self.clock() + self.options.wait_for_workers_s
+        waiting_since = self.clock()
+        notice = waiting_since + self.options.wait_notice_s
         pause = 0.05
         while True:
             await self.refresh()
@@ -170,11 +183,14 @@ class SwarmTrainer:
                 if shares is not None:
                     shares[view.peer_id] += 1
                 return view
-            if self.clock() > deadline:
-                raise MicrobatchFailed(f"no routable worker for stage {stage} within "
-                                       f"{self.options.wait_for_workers_s:.0f} s")
+            if self.clock() >= notice:  # a stage emptied by churn: wait for a worker to (re)join
+                notice = self.clock() + self.options.wait_notice_s
+                logger.warning("waiting for a worker of stage %d: none routable for %.0f s (%d known)", stage,
+                               self.clock() - waiting_since, len(self.roster.of_stage(stage)),
+                               extra={"milestone": "waiting_for_workers",
+                                      "fields": {"stage": stage, "seconds": round(self.clock() - waiting_since, 1)}})
             await asyncio.sleep(pause)
-            pause = min(pause * 2, 1.0)
+            pause = min(pause * 2, 2.0)
             await self.refresh(force=True)
 
     async def _timed(self, view: WorkerView, call: Awaitable):
@@ -233,7 +249,7 @@ class SwarmTrainer:
             view = await self._pick(stage, exclude, None if shares is None else shares[stage])
             route.append(view)
             if not evaluate:
-                await self._reported(stage)
+                await self._reported(stage, view.peer_id)
             tail = stage == self.n_stages - 1
             result = await self._timed(view, self._client(view).forward(
                 microbatch_id, tokens, wire, targets if tail else None, evaluate=evaluate))
@@ -245,24 +261,25 @@ class SwarmTrainer:
         grad = result.grad_frame
         for stage in reversed(range(self.n_stages - 1)):
             view = route[stage]
-            await self._reported(stage)
+            await self._reported(stage, view.peer_id)
             back = await self._timed(view, self._client(view).backward(microbatch_id, grad))
             grad = back.grad_frame
             if on_stage_done is not None:
                 on_stage_done(stage)
         return float(result.loss)
 
-    async def _reported(self, stage: int) -> None:
-        """Wait until the stage's replicas have taken the completed-batch reports sent to them last.
+    async def _reported(self, stage: int, peer_id: str) -> None:
+        """Wait until the replica about to be called has taken the completed-batch report sent to it last.
 
         A stage is told a global batch is done the moment its last microbatch has passed it, but a
         microbatch of the next batch can be on its way there already; without this wait it could
         reach a replica before the report and run on weights a step old (1 in 10 tail forwards on
-        tiny). The wait is at most one report's round trip, and only in that race.
+        tiny). The wait is at most one report's round trip, and only in that race; only for the
+        replica called, so a hung replica costs its own traffic and never its stage's.
         """
-        pending = [task for task in self._stage_reports.get(stage, ()) if not task.done()]
-        if pending:
-            await asyncio.gather(*pending)  # failures are counted inside, never raised
+        pending = self._stage_reports.get(stage, {}).get(peer_id)
+        if pending is not None and not pending.done():
+            await pending  # failures are counted inside, never raised
 
     async def run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
                              evaluate: bool = False, on_stage_done: StageDone | None = None,
@@ -338,9 +355,10 @@ class SwarmTrainer:
                 self.stats.report_failed()
                 logger.debug("completed-batch report %d to %s failed: %s", unit_id, view.endpoint, error)
 
-        tasks = [asyncio.create_task(one(view)) for view in views]
+        tasks = {view.peer_id: asyncio.create_task(one(view)) for view in views}
         self._stage_reports[stage] = tasks
-        for task in tasks:
+        self._unit_reports.setdefault(unit_id, []).extend(tasks.values())
+        for task in tasks.values():
             self._reports.add(task)
             task.add_done_callback(self._reports.discard)
 
@@ -392,21 +410,46 @@ class SwarmTrainer:
         )
 
     async def run(self, total_steps: int) -> list[StepRecord]:
-        """Train this trainer's share of `total_steps` global batches.
+        """Train global batches of a `total_steps` run until every one is committed.
 
-        Synchronous mode runs one global batch at a time (the barrier closes each). Otherwise
-        a window of global batches overlaps so the pipeline stays full across batch boundaries;
-        `max_in_flight` still bounds the microbatches in flight.
+        The units come from `units` (node/trainer/units.py: leases on the DHT) or, without one, this
+        trainer's static stripe of the run. Synchronous mode runs one global batch at a time (the
+        barrier closes each). Otherwise a window of global batches overlaps so the pipeline stays
+        full across batch boundaries; `max_in_flight` still bounds the microbatches in flight. A
+        global batch whose microbatches ran out of routes is given back (another trainer, or this
+        one later, runs it) and the run stops only after `unit_failures` such batches in a row.
         """
+        source = self.units if self.units is not None else FixedUnits(
+            assigned_units(total_steps, self.options.trainer_index, self.options.trainers), total_steps)
         await self.refresh(force=True)
         self._run_started = self.clock()
         records = self.records
         window = 1 if self.options.synchronous else \
             1 + -(-self.max_in_flight // self.config.train.microbatches)
-        pending: set[asyncio.Task] = set()
+        pending: dict[asyncio.Task, int] = {}
+        failures_in_a_row = 0
 
-        def finish(done: set[asyncio.Task]) -> None:
-            for record in sorted((task.result() for task in done), key=lambda r: r.step):
+        async def one_unit(unit_id: int) -> StepRecord:
+            record = await self.train_unit(unit_id)
+            reports = self._unit_reports.pop(unit_id, [])
+            await asyncio.gather(*reports)  # every stage has taken its report (short timeouts each)
+            await source.committed(unit_id)
+            return record
+
+        async def finish(done: set[asyncio.Task]) -> None:
+            nonlocal failures_in_a_row
+            for task in sorted(done, key=lambda t: pending[t]):
+                unit_id = pending.pop(task)
+                try:
+                    record = task.result()
+                except MicrobatchFailed as error:
+                    failures_in_a_row += 1
+                    logger.warning("global batch %d given back: %s", unit_id, error)
+                    await source.failed(unit_id)
+                    if failures_in_a_row >= self.options.unit_failures:
+                        raise
+                    continue
+                failures_in_a_row = 0
                 records.append(record)
                 if self.log_json is not None:
                     self.log_json.write(record.to_json() + "\n")
@@ -415,19 +458,27 @@ class SwarmTrainer:
                     self.on_record(record)
 
         try:
-            for unit_id in assigned_units(total_steps, self.options.trainer_index, self.options.trainers):
-                while len(pending) >= window:
-                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    finish(done)
-                pending.add(asyncio.create_task(self.train_unit(unit_id)))
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                finish(done)
+            while True:
+                while len(pending) < window:
+                    unit_id = await source.next_unit()
+                    if unit_id is None:
+                        break
+                    pending[asyncio.create_task(one_unit(unit_id))] = unit_id
+                if not pending:
+                    if source.finished():
+                        break
+                    await asyncio.sleep(_IDLE_POLL_S)  # the units left are held by other trainers
+                    continue
+                done, _ = await asyncio.wait(set(pending), return_when=asyncio.FIRST_COMPLETED,
+                                             timeout=None if len(pending) >= window else _IDLE_POLL_S)
+                await finish(done)
         finally:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             await asyncio.gather(*self._reports, return_exceptions=True)  # short timeouts each
+            await source.close()
+        records.sort(key=lambda r: r.step)
         return records
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
@@ -461,8 +512,10 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
     renewal); a revoked credential ends the run as an interruption. `metrics`: where to serve its
     Prometheus metrics (port 0: nowhere); the trainer's DHT record names the endpoint."""
     from agora.auth.admission import CredentialRenewer
+    from agora.dht.leases import LeaseBoard, UnitWriters
     from agora.dht.security import DHTSecurity
     from agora.dht.swarm import SwarmDHT
+    from agora.node.trainer.units import LeasedUnits
     from agora.monitor.metrics import CredentialMetrics
     from agora.node.observability import NodeMetrics, package_version
     from agora.node.rpc.server import run as run_loop
@@ -507,8 +560,14 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
             stack.callback(node.close)
             if renewer is not None:
                 await stack.enter_async_context(renewer)
+            board = LeaseBoard(swarm, run_id=options.run_id, lease_s=options.lease_s,
+                               writers=None if security is None else UnitWriters(
+                                   security.root_pem, options.run_id, security.state_dir))
+            units = LeasedUnits(board, total=steps, start=options.start_step, stats=stats, clock=swarm.clock,
+                                stripe=(options.trainer_index, options.trainers))
             trainer = await stack.enter_async_context(
-                SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels, stats=stats))
+                SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels, stats=stats,
+                             units=units))
             endpoint = node.serve()
             await stack.enter_async_context(trainer_heartbeat(
                 swarm, run_id=options.run_id, trainer_index=options.trainer_index, records=lambda: trainer.records,
@@ -539,6 +598,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "busy": trainer.stats.busy, "failures_by_peer": trainer.stats.failures_by_peer,
                 "aborts": trainer.stats.aborts, "batch_reports_failed": trainer.stats.batch_reports_failed,
                 "batch_reports_refused": trainer.stats.batch_reports_refused,
+                "units": trainer.stats.units(),
                 "time_split_by_stage": trainer.stats.time_split(),
             }
 

@@ -27,7 +27,6 @@ import logging
 import random
 import signal
 from dataclasses import dataclass
-from pathlib import Path
 
 from agora.auth.admission import CredentialRenewer
 from agora.dht.security import DHTSecurity
@@ -50,7 +49,6 @@ from agora.node.averaging.sparta import (
 from agora.node.averaging.stats import AveragingStats
 from agora.node.observability import MetricsOptions, NodeMetrics, package_version
 from agora.node.rpc.metrics_hook import MetricsHook
-from agora.node.worker.compute import StageCompute
 from agora.node.worker.epoch import stage_step
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.node.worker.checkpoints import StageCheckpointer, restore_stage
