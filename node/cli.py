@@ -480,6 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None, help="keep logs and ready files here (default: a temp folder)")
     demo.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
                       help="fault drill: kill -9 one worker of the last stage after STEP global batches")
+    demo.add_argument("--join-at", type=_non_negative_int, default=None, metavar="STEP",
+                      help="a new replica of stage 0 joins (a new contributor, empty state) after STEP global batches: "
+                           "it syncs (weight sync, optimizer sync) before it is a member")
+    demo.add_argument("--optimizer-sync-steps", type=_non_negative_int, default=None, metavar="N",
+                      help="a joining replica's optimizer sync, in optimizer steps (default: sync.optimizer_sync_steps)")
+    demo.add_argument("--no-sync-phases", action="store_true",
+                      help="a joining replica is a member at once, with its fresh weights (to measure what the sync "
+                           "phases buy)")
     demo.add_argument("--heartbeat", type=float, default=1.0, metavar="S",
                       help="seconds between the workers' DHT announces (default 1: quick failure detection; "
                            "`join` defaults to 5)")

@@ -59,6 +59,9 @@ class DemoOptions:
     summary_json: str | None = None
     workdir: str | None = None
     kill_worker_at: int | None = None
+    join_at: int | None = None  # a new replica of stage 0 joins (a new contributor) after this many global batches
+    optimizer_sync_steps: int | None = None  # a joiner's optimizer sync (None: the run's sync.optimizer_sync_steps)
+    sync_phases: bool = True  # False: a joiner is a member at once (what joining was before the sync phases)
     averaging: str | None = None  # None: the config's sync.method (and the settings below)
     averaging_every: int | None = None
     averaging_fraction: float | None = None
@@ -84,7 +87,9 @@ class DemoOptions:
                    trainers=args.trainers, sync=args.sync,
                    max_in_flight=args.max_in_flight, pinned_weights=getattr(args, "pinned_weights", None),
                    log_json=args.log_json, summary_json=args.summary_json,
-                   workdir=args.workdir, kill_worker_at=args.kill_worker_at,
+                   workdir=args.workdir, kill_worker_at=args.kill_worker_at, join_at=getattr(args, "join_at", None),
+                   optimizer_sync_steps=getattr(args, "optimizer_sync_steps", None),
+                   sync_phases=not getattr(args, "no_sync_phases", False),
                    averaging=getattr(args, "averaging", None), averaging_every=getattr(args, "averaging_every", None),
                    averaging_fraction=getattr(args, "averaging_fraction", None),
                    average_optimizer_state=getattr(args, "average_optimizer_state", None),
@@ -120,8 +125,11 @@ class DemoOptions:
         return self
 
     def worker_flags(self) -> list[str]:
-        """Flags for the workers alone (trainers do not take these): weight pinning."""
-        return [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
+        """Flags for the workers alone (trainers do not take these): weight pinning, the sync phases."""
+        flags = [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
+        if self.optimizer_sync_steps is not None:
+            flags += ["--optimizer-sync-steps", str(self.optimizer_sync_steps)]
+        return flags + ([] if self.sync_phases else ["--no-sync-phases"])
 
     def run_flags(self) -> list[str]:
         """Flags every process of the run takes, the authorizer's served config included (the sync
@@ -182,19 +190,25 @@ def run_demo(options: DemoOptions) -> int:
             url = _start_monitor(group, options, workdir, swarm, admission, static_targets, common)
             print(f"demo: status page {url} (Prometheus: service discovery {url}sd, swarm metrics {url}metrics)",
                   file=sys.stderr, flush=True)
+        def spawn_worker(stage: int, replica: int) -> ChildProcess:
+            name = f"worker-s{stage}-r{replica}"
+            ready = workdir / f"{name}.ready"
+            # INFO: each averaging round's milestone line lands in the worker's log file.
+            command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
+                                         *options.run_flags(), *swarm, *options.worker_flags(), *admission,
+                                         *_state_dir(options, workdir, name),
+                                         "--stats-file", str(workdir / f"{name}.stats.json"),
+                                         "--heartbeat", str(options.heartbeat_s), "--ready-file", str(ready),
+                                         *metrics_flags())
+            child = group.spawn(name, command, ready)
+            workers.append((stage, child))
+            return child
+
         for stage in range(options.stages or 1):
             for replica in range(options.replicas):
-                name = f"worker-s{stage}-r{replica}"
-                ready = workdir / f"{name}.ready"
-                # INFO: each averaging round's milestone line lands in the worker's log file.
-                command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
-                                             *options.run_flags(), *swarm, *options.worker_flags(), *admission,
-                                             *_state_dir(options, workdir, name),
-                                             "--stats-file", str(workdir / f"{name}.stats.json"),
-                                             "--heartbeat", str(options.heartbeat_s), "--ready-file", str(ready),
-                                             *metrics_flags())
-                workers.append((stage, group.spawn(name, command, ready)))
+                spawn_worker(stage, replica)
         group.wait_ready([w for _, w in workers], options.ready_timeout_s)
+        joined: list[str] = []
         trainers = []
         for index in range(options.trainers):
             command = agora_node_command(
@@ -217,6 +231,10 @@ def run_demo(options: DemoOptions) -> int:
                 group.kill(victim)
                 killed.append(victim.name)
                 logger.warning("fault drill: killed %s with SIGKILL after %d global batches", victim.name, len(lines))
+            if options.join_at is not None and not joined and len(lines) >= options.join_at:
+                # A new contributor (own identity, empty state): it syncs before it counts (node/worker/phases.py).
+                joined.append(spawn_worker(0, options.replicas).name)
+                logger.warning("a new replica of stage 0 joins after %d global batches", len(lines))
             _show(progress, lines, _alive_per_stage(workers))
             time.sleep(0.2)  # the progress view's refresh; trainers are waited on via their exit
         failed = [t for t in trainers if t.process.returncode != 0]

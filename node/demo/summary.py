@@ -38,6 +38,9 @@ def format_summary(summary: dict) -> str:
             if stats.get("mean_lag_steps") is not None:
                 text += f", applied {stats['mean_lag_steps']:.2f} steps after the snapshot"
         lines.append(text)
+    for name, history in sorted(summary.get("phases_by_worker", {}).items()):
+        if len(history) > 1:  # it synced before it counted
+            lines.append(f"  {name} joined through " + " -> ".join(f"{phase} at {at:.1f} s" for phase, at in history))
     trouble = []
     if summary.get("reroutes") or summary.get("busy_retries"):
         trouble.append(f"reroutes {summary.get('reroutes', 0)}, busy retries {summary.get('busy_retries', 0)}")
@@ -94,6 +97,9 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         "time_split_by_stage": _merge_time_splits([s.get("time_split_by_stage", {}) for s in trainer_summaries]),
         "busy_retries": sum(s.get("busy", 0) for s in trainer_summaries),
         "averaging_by_stage": _averaging_by_stage(workdir, workers),
+        # Each worker's phases and when it entered them (seconds after it started): a replica that
+        # joined mid-run shows weight_sync, optimizer_sync, member (node/worker/phases.py).
+        "phases_by_worker": _phases_by_worker(workdir, workers),
         "killed": killed,
         "exit_codes": exit_codes,
         "mode": "sync" if options.sync else "async",
@@ -112,6 +118,18 @@ def _count_in_logs(children, text: str) -> int:
         except OSError:
             pass
     return total
+
+
+def _phases_by_worker(workdir: Path, workers) -> dict:
+    phases = {}
+    for _, worker in workers:
+        try:
+            history = json.loads((workdir / f"{worker.name}.stats.json").read_text()).get("phases")
+        except (OSError, ValueError):
+            continue
+        if history:
+            phases[worker.name] = history
+    return phases
 
 
 def _averaging_by_stage(workdir: Path, workers) -> dict:
