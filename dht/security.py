@@ -344,6 +344,10 @@ class DHTSecurity:
         key = hivemind_private_key(load_or_create_key(self.state_dir))
         return dict(
             identity_path=self.identity_path,
+            # hivemind would dial the swarm for this peer id before starting (seconds, tens of them
+            # once dead peers linger in routing tables); one daemon per state directory is held by
+            # its lock instead (pipeline/files.hold_folder, node/admission.py).
+            check_if_identity_free=False,
             authorizer=CredentialTokenAuthorizer(self.state_dir, self.root_pem, self.run_id),
             record_validators=[OwnerSignatureValidator(key), OwnedRecordValidator(self.run_id)],
         )

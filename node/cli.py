@@ -7,6 +7,7 @@ calls. A user's mistake (bad config, missing file) ends in one readable line and
 from __future__ import annotations
 
 import argparse
+import os
 import logging
 import sys
 from dataclasses import replace
@@ -16,6 +17,7 @@ from agora.node.admission import add_admission_arguments
 from agora.node.logs import LOG_FORMATS, configure_logging
 from agora.node.observability import MetricsOptions, add_metrics_arguments
 from agora.pipeline.checkpoint import CheckpointError
+from agora.pipeline.files import FolderInUse, hold_folder
 from agora.pipeline.config import ConfigError, RunConfig, load_config
 
 __all__ = ["main", "build_parser"]
@@ -170,7 +172,13 @@ def _cmd_join(args: argparse.Namespace) -> int:
                            config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers),
                            announce=announce, listen_host=worker_options.host)
     checkpoint_dir = args.checkpoint_dir
-    if checkpoint_dir is None and admission.credentials is not None:  # on by default beside the credential
+    held = None
+    if checkpoint_dir is not None:  # (the default one lies in the --state-dir, held by the admission)
+        try:
+            held = hold_folder(checkpoint_dir, "--checkpoint-dir")
+        except FolderInUse as error:
+            raise ConfigError(str(error)) from None
+    elif admission.credentials is not None:  # on by default beside the credential
         checkpoint_dir = str(Path(admission.credentials.directory) / "checkpoints")
     every = admission.config.train.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every
     options = JoinOptions(stage=admission.stage, run_id=admission.run_id, initial_peers=admission.initial_peers,
@@ -181,7 +189,10 @@ def _cmd_join(args: argparse.Namespace) -> int:
                           serve_checkpoint=args.checkpoint if args.serve_only else None,
                           metrics=MetricsOptions.from_args(args), sync_phases=not args.no_sync_phases,
                           optimizer_sync_steps=args.optimizer_sync_steps)
-    return run_worker(admission.config, options, worker_options, credentials=admission.credentials)
+    try:
+        return run_worker(admission.config, options, worker_options, credentials=admission.credentials)
+    finally:
+        del held  # the folders stay held until here (and the kernel frees them if this process dies)
 
 
 def _worker_options(args: argparse.Namespace):
@@ -488,6 +499,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-sync-phases", action="store_true",
                       help="a joining replica is a member at once, with its fresh weights (to measure what the sync "
                            "phases buy)")
+    demo.add_argument("--chaos", type=float, default=None, metavar="SECONDS",
+                      help="kill -9 a random worker (one whose stage keeps another replica) or trainer every SECONDS "
+                           "and start a newcomer in its place (new identity, empty state); the summary counts kills, "
+                           "joins, their seconds to member, and units committed, lost and run twice")
+    demo.add_argument("--chaos-seed", type=int, default=0, help="seed of --chaos's choice of victims (default 0)")
+    demo.add_argument("--lease", type=float, default=None, metavar="S",
+                      help="the trainers' unit leases (default: the trainer's 30 s; 5 s under --chaos)")
+    demo.add_argument("--checkpoint-every", type=_non_negative_int, default=None, metavar="STEPS",
+                      help="the workers' checkpoint interval (default: the config's train.checkpoint_every)")
+    demo.add_argument("--resume", action="store_true",
+                      help="restart every role of --workdir from its checkpoints: workers from the newest step all "
+                           "of them have, trainers from that step on")
     demo.add_argument("--heartbeat", type=float, default=1.0, metavar="S",
                       help="seconds between the workers' DHT announces (default 1: quick failure detection; "
                            "`join` defaults to 5)")
@@ -513,7 +536,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Set by a supervising agora-node (the demo) to its pid: a child dies with it (node/demo/processes.py).
+PARENT_PID_ENV = "AGORA_NODE_PARENT_PID"
+
+
+def _die_with_parent() -> None:
+    """A supervised child is killed when its supervisor dies, even by kill -9 (Linux's parent-death
+    signal), so a killed demo leaves no workers behind holding ports and state directories. Its own
+    helper processes (hivemind's) follow it: they exit when their owner is gone."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # it died before the signal was set up
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format)

@@ -28,13 +28,17 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from agora.node.admission import free_port
 from agora.node.demo.processes import ChildFailed, ChildProcess, ProcessGroup, agora_node_command
-from agora.node.demo.summary import build_summary, format_summary, latest_per_trainer, merge_logs
+from agora.node.demo.chaos import Chaos, ChaosEvent
+from agora.node.demo.summary import build_summary, churn_summary, format_summary, latest_per_trainer, merge_logs
 from agora.node.progress import Progress
+from agora.pipeline.checkpoint import checkpoint_steps
 from agora.pipeline.config import ConfigError
+from agora.pipeline.files import atomic_write
 
 __all__ = ["DemoOptions", "run_demo", "merge_logs"]
 
@@ -79,6 +83,11 @@ class DemoOptions:
     http_port: int = 8000
     monitor: bool = True  # start `agora-node monitor` (status page, /sd, /metrics)
     monitor_port: int = 0  # 0: a free port
+    checkpoint_every: int | None = None  # workers' checkpoint interval; None: the config's
+    resume: bool = False  # restart every role of `workdir` from its checkpoints
+    chaos_s: float | None = None  # kill a random worker or trainer every this many seconds
+    chaos_seed: int = 0
+    lease_s: float | None = None  # trainers' unit leases; None: theirs (5 s under --chaos)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
@@ -98,7 +107,10 @@ class DemoOptions:
                    credential_lifetime=getattr(args, "credential_lifetime", None),
                    serve=getattr(args, "serve", False), checkpoint=getattr(args, "checkpoint", None),
                    http_port=getattr(args, "http_port", 8000),
-                   monitor=not getattr(args, "no_monitor", False), monitor_port=getattr(args, "monitor_port", 0))
+                   monitor=not getattr(args, "no_monitor", False), monitor_port=getattr(args, "monitor_port", 0),
+                   checkpoint_every=getattr(args, "checkpoint_every", None), resume=getattr(args, "resume", False),
+                   chaos_s=getattr(args, "chaos", None), chaos_seed=getattr(args, "chaos_seed", 0),
+                   lease_s=getattr(args, "lease", None) or (5.0 if getattr(args, "chaos", None) else None))
 
     def validate(self) -> "DemoOptions":
         if self.replicas < 1 or self.trainers < 1 or self.steps < 1:
@@ -122,6 +134,14 @@ class DemoOptions:
             raise ConfigError(f"--monitor-port: must be in 0..65535 (0: a free one), got {self.monitor_port}")
         if self.kill_worker_at is not None and self.replicas < 2:
             raise ConfigError("--kill-worker-at needs --replicas 2 or more, so the stage survives")
+        if self.resume and not self.workdir:
+            raise ConfigError("--resume: give the --workdir of the run to resume")
+        if self.chaos_s is not None and not self.chaos_s > 0:
+            raise ConfigError(f"--chaos: seconds between kills must be positive, got {self.chaos_s}")
+        if self.chaos_s is not None and self.sync:
+            raise ConfigError("--chaos: not with --sync (one trainer, one replica per stage: nothing survives a kill)")
+        if self.lease_s is not None and not self.lease_s > 0:
+            raise ConfigError(f"--lease: must be positive, got {self.lease_s}")
         return self
 
     def worker_flags(self) -> list[str]:
@@ -154,12 +174,18 @@ def run_demo(options: DemoOptions) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(workdir)
     started = time.monotonic()
-    trainer_logs = [workdir / f"trainer-{t}.jsonl" for t in range(options.trainers)]
+    resume_step = _resume_step(workdir, options) if options.resume else None
     workers: list[tuple[int, ChildProcess]] = []
+    trainers: list[ChildProcess] = []
+    trainer_logs: list[Path] = []
     killed: list[str] = []
+    chaos = Chaos(options.chaos_s, options.chaos_seed) if options.chaos_s else None
+    joins: list[tuple[str, datetime]] = []
+    live_log = _LiveLog(Path(options.log_json)) if options.log_json else None
     progress = Progress(options.steps, "demo")
     outcome = "completed"
     code = 0
+    lines: list[dict] = []
     # Ctrl-C and a supervisor's SIGTERM both stop the swarm in order and still print a summary.
     previous = _interrupt_on(signal.SIGINT, signal.SIGTERM)
     try:
@@ -178,6 +204,9 @@ def run_demo(options: DemoOptions) -> int:
         if options.insecure:
             print("demo: WARNING: --insecure: no authorizer, no TLS, no credential checks, no signed DHT records",
                   file=sys.stderr, flush=True)
+        if resume_step is not None:
+            print(f"demo: resuming every role from its checkpoint of step {resume_step} in {workdir}",
+                  file=sys.stderr, flush=True)
         maddrs = _start_bootstrap(group, options, workdir, common, metrics_flags("bootstrap"))
         swarm = ["--run-id", options.run_id, "--initial-peers", *maddrs] + (["--sync"] if options.sync else [])
         admission = ["--insecure"]
@@ -190,54 +219,67 @@ def run_demo(options: DemoOptions) -> int:
             url = _start_monitor(group, options, workdir, swarm, admission, static_targets, common)
             print(f"demo: status page {url} (Prometheus: service discovery {url}sd, swarm metrics {url}metrics)",
                   file=sys.stderr, flush=True)
-        def spawn_worker(stage: int, replica: int) -> ChildProcess:
-            name = f"worker-s{stage}-r{replica}"
+
+        def start_worker(stage: int, name: str, resume: bool) -> ChildProcess:
             ready = workdir / f"{name}.ready"
+            checkpoints = [] if options.checkpoint_every is None else ["--checkpoint-every", str(options.checkpoint_every)]
+            if resume:
+                checkpoints += ["--resume-step", str(resume_step)]
             # INFO: each averaging round's milestone line lands in the worker's log file.
             command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
                                          *options.run_flags(), *swarm, *options.worker_flags(), *admission,
-                                         *_state_dir(options, workdir, name),
+                                         *_state_dir(options, workdir, name), *checkpoints,
                                          "--stats-file", str(workdir / f"{name}.stats.json"),
                                          "--heartbeat", str(options.heartbeat_s), "--ready-file", str(ready),
                                          *metrics_flags())
-            child = group.spawn(name, command, ready)
-            workers.append((stage, child))
-            return child
+            return group.spawn(name, command, ready)
+
+        def start_trainer(index: int, name: str) -> ChildProcess:
+            log = workdir / f"{name}.jsonl"
+            trainer_logs.append(log)
+            start = []
+            if resume_step:
+                _truncate_log(log, resume_step)
+                start = ["--start-step", str(resume_step)]
+            command = agora_node_command(
+                *common, "trainer", *options.run_flags(), *swarm, *admission, *_state_dir(options, workdir, name),
+                "--trainer-index", str(index), "--trainers", str(options.trainers), *start,
+                *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
+                *([] if options.lease_s is None else ["--lease", str(options.lease_s)]),
+                "--log-json", str(log), "--summary-json", str(workdir / f"{name}.summary.json"),
+                "--heartbeat", str(options.heartbeat_s), *metrics_flags(), *([] if index == 0 else ["--no-eval"]))
+            return group.spawn(name, command)
 
         for stage in range(options.stages or 1):
             for replica in range(options.replicas):
-                spawn_worker(stage, replica)
+                workers.append((stage, start_worker(stage, f"worker-s{stage}-r{replica}", resume_step is not None)))
         group.wait_ready([w for _, w in workers], options.ready_timeout_s)
+        trainers += [start_trainer(index, f"trainer-{index}") for index in range(options.trainers)]
         joined: list[str] = []
-        trainers = []
-        for index in range(options.trainers):
-            command = agora_node_command(
-                *common, "trainer", *options.run_flags(), *swarm, *admission,
-                *_state_dir(options, workdir, f"trainer-{index}"), "--trainer-index", str(index),
-                "--trainers", str(options.trainers),
-                *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
-                "--log-json", str(trainer_logs[index]),
-                "--summary-json", str(workdir / f"trainer-{index}.summary.json"),
-                "--heartbeat", str(options.heartbeat_s), *metrics_flags(),
-                *([] if index == 0 else ["--no-eval"]))
-            trainers.append(group.spawn(f"trainer-{index}", command))
         logger.info("swarm up in %.1f s: %d workers, %d trainers", time.monotonic() - started, len(workers),
                     len(trainers))
 
         while any(t.alive() for t in trainers):
             lines = merge_logs(trainer_logs)
+            if live_log is not None:
+                live_log.write(trainer_logs)
             if options.kill_worker_at is not None and not killed and len(lines) >= options.kill_worker_at:
-                victim = next(w for s, w in workers if s == (options.stages or 1) - 1)
+                victim = next(w for s, w in workers if s == (options.stages or 1) - 1 and w.alive())
                 group.kill(victim)
                 killed.append(victim.name)
                 logger.warning("fault drill: killed %s with SIGKILL after %d global batches", victim.name, len(lines))
             if options.join_at is not None and not joined and len(lines) >= options.join_at:
                 # A new contributor (own identity, empty state): it syncs before it counts (node/worker/phases.py).
-                joined.append(spawn_worker(0, options.replicas).name)
+                name = f"worker-s0-r{options.replicas}"
+                workers.append((0, start_worker(0, name, False)))
+                joined.append(name)
                 logger.warning("a new replica of stage 0 joins after %d global batches", len(lines))
+            if chaos is not None and chaos.due(time.monotonic() - started):
+                _chaos_kill(chaos, group, workers, trainers, killed, joins, start_worker, start_trainer,
+                            time.monotonic() - started)
             _show(progress, lines, _alive_per_stage(workers))
             time.sleep(0.2)  # the progress view's refresh; trainers are waited on via their exit
-        failed = [t for t in trainers if t.process.returncode != 0]
+        failed = [t for t in trainers if t.process.returncode != 0 and t.name not in killed]
         if failed:
             outcome = "failed"
             code = 1
@@ -258,15 +300,105 @@ def run_demo(options: DemoOptions) -> int:
         exit_codes = group.shutdown()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    summary = build_summary(options, lines, workdir, workers, killed, exit_codes, outcome, time.monotonic() - started)
-    if options.log_json:
-        Path(options.log_json).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = build_summary(options, lines, workdir, workers, killed, exit_codes, outcome, time.monotonic() - started,
+                            trainers=[t.name for t in trainers])
+    if chaos is not None or resume_step is not None:
+        summary["churn"] = churn_summary(options, lines, chaos.events if chaos else [], joins, workdir, resume_step)
+    if live_log is not None:  # the run is over: its log in step order
+        atomic_write(Path(options.log_json), "".join(json.dumps(line) + "\n" for line in lines).encode(), mode=0o644)
     if options.summary_json:
         Path(options.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
     _print_summary(summary)
     if not options.workdir and code == 0:
         shutil.rmtree(workdir, ignore_errors=True)
     return code
+
+
+def _chaos_kill(chaos: Chaos, group: ProcessGroup, workers: list[tuple[int, ChildProcess]],
+                trainers: list[ChildProcess], killed: list[str], joins: list[tuple[str, datetime]],
+                start_worker, start_trainer, elapsed_s: float) -> None:
+    """Kill the victim chaos picks and start a newcomer in its place (node/demo/chaos.py)."""
+    # Only processes at work count: a worker serving (its ready file), a trainer that has run a unit
+    # (its log). A newcomer still joining is no replica yet; while one is, nobody else is killed, so
+    # the churn is one machine at a time.
+    alive_workers = {w.name: stage for stage, w in workers if w.alive() and _ready(w)}
+    alive_trainers = [t.name for t in trainers if t.alive() and _ready(t)]
+    if any(event.replacement not in alive_workers and event.replacement not in alive_trainers
+           and event.replacement not in killed for event in chaos.events[-1:]):
+        chaos.choose(elapsed_s, {}, [])  # the last newcomer is still joining: this kill is skipped
+        return
+    victim = chaos.choose(elapsed_s, alive_workers, alive_trainers)
+    if victim is None:
+        return
+    generation = sum(1 for event in chaos.events if event.killed.split(".")[0] == victim.split(".")[0]) + 1
+    replacement = f"{victim.split('.')[0]}.j{generation}"
+    if victim in alive_workers:
+        stage = alive_workers[victim]
+        group.kill(next(w for _, w in workers if w.name == victim))
+        joins.append((replacement, datetime.now()))
+        workers.append((stage, start_worker(stage, replacement, False)))
+        chaos.events.append(ChaosEvent(round(elapsed_s, 2), victim, replacement, "worker", stage))
+    else:
+        group.kill(next(t for t in trainers if t.name == victim))
+        index = int(victim.split(".")[0].rsplit("-", 1)[1])
+        joins.append((replacement, datetime.now()))
+        trainers.append(start_trainer(index, replacement))
+        chaos.events.append(ChaosEvent(round(elapsed_s, 2), victim, replacement, "trainer"))
+    killed.append(victim)
+    logger.warning("chaos: killed %s with SIGKILL; %s joins in its place", victim, replacement)
+
+
+def _ready(child: ChildProcess) -> bool:
+    if child.ready_path is not None:
+        return child.ready_path.exists()
+    log = child.log_path.with_suffix(".jsonl")  # a trainer: it has completed a global batch
+    return log.exists() and log.stat().st_size > 0
+
+
+class _LiveLog:
+    """The demo's --log-json while the run goes: each trainer line appended as it appears, so a
+    user can follow it with `tail -f` and a killed run leaves what it did."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._seen: dict[Path, int] = {}
+        path.write_text("")
+
+    def write(self, sources: list[Path]) -> None:
+        new = []
+        for source in sources:
+            try:
+                text = source.read_text()
+            except OSError:
+                continue
+            complete = text[:text.rfind("\n") + 1]  # a line still being written waits for the next look
+            rows = complete.splitlines()
+            new += rows[self._seen.get(source, 0):]
+            self._seen[source] = len(rows)
+        if new:
+            with open(self.path, "a") as handle:
+                handle.write("".join(row + "\n" for row in new if row.strip()))
+
+
+def _resume_step(workdir: Path, options: DemoOptions) -> int:
+    """The newest step every stage's first replicas have a checkpoint of (their state directories)."""
+    steps = None
+    for stage in range(options.stages or 1):
+        for replica in range(options.replicas):
+            found = set(checkpoint_steps(workdir / f"worker-s{stage}-r{replica}.state" / "checkpoints"))
+            steps = found if steps is None else steps & found
+    if not steps:
+        raise ConfigError(f"--resume: no step that every worker in {workdir} has a checkpoint of")
+    return max(steps)
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep a trainer's log lines up to `step`: what a run resumed from that step has done."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and line.endswith("}") and json.loads(line)["step"] <= step]
+    atomic_write(path, "".join(line + "\n" for line in kept).encode(), mode=0o644)
 
 
 def _show(progress: Progress, lines: list[dict], workers: dict[int, int], force: bool = False) -> None:

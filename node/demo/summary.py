@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["format_summary", "build_summary", "merge_logs", "latest_per_trainer"]
+__all__ = ["format_summary", "build_summary", "churn_summary", "merge_logs", "latest_per_trainer"]
 
 
 def _number(value, digits: int = 4) -> str:
@@ -41,11 +41,22 @@ def format_summary(summary: dict) -> str:
     for name, history in sorted(summary.get("phases_by_worker", {}).items()):
         if len(history) > 1:  # it synced before it counted
             lines.append(f"  {name} joined through " + " -> ".join(f"{phase} at {at:.1f} s" for phase, at in history))
+    churn = summary.get("churn")
+    if churn:
+        units = churn["units"]
+        joined = [j["seconds_to_member"] for j in churn["joins"] if j["seconds_to_member"] is not None]
+        text = (f"  churn: {churn['kills']} killed, {len(churn['joins'])} joined"
+                + (f" (member after {min(joined):.1f}-{max(joined):.1f} s)" if joined else "")
+                + f"; units {units['committed']}/{units['total']} committed, {units['lost']} lost, "
+                f"{units['duplicated']} run twice")
+        if churn.get("resumed_from_step") is not None:
+            text += f"; resumed from step {churn['resumed_from_step']}"
+        lines.append(text)
     trouble = []
     if summary.get("reroutes") or summary.get("busy_retries"):
         trouble.append(f"reroutes {summary.get('reroutes', 0)}, busy retries {summary.get('busy_retries', 0)}")
     if summary.get("killed"):
-        trouble.append(f"killed (fault drill): {', '.join(summary['killed'])}")
+        trouble.append(f"killed (fault drill or chaos): {', '.join(summary['killed'])}")
     if summary.get("revoked"):
         trouble.append(f"left with a revoked credential: {', '.join(summary['revoked'])}")
     failed = {name: code for name, code in summary.get("exit_codes", {}).items()
@@ -73,17 +84,19 @@ def latest_per_trainer(lines: list[dict]) -> list[dict]:
 
 
 def build_summary(options, lines: list[dict], workdir: Path, workers, killed, exit_codes,
-             outcome: str, wall_s: float) -> dict:
+                  outcome: str, wall_s: float, trainers: list[str] | None = None) -> dict:
+    """The full summary; `trainers`: the names of every trainer started (replacements included)."""
     trainer_summaries = []
-    for index in range(options.trainers):
-        path = workdir / f"trainer-{index}.summary.json"
+    for name in trainers if trainers is not None else [f"trainer-{i}" for i in range(options.trainers)]:
+        path = workdir / f"{name}.summary.json"
         if path.exists():
             trainer_summaries.append(json.loads(path.read_text()))
     heldout = [s["heldout_loss"] for s in trainer_summaries if s.get("heldout_loss") is not None]
     tail = lines[-5:]
     per_stage: dict[int, int] = {}
-    for stage, _ in workers:
-        per_stage[stage] = per_stage.get(stage, 0) + 1
+    for stage, worker in workers:
+        if worker.name not in killed:  # the stage's workers at the end
+            per_stage[stage] = per_stage.get(stage, 0) + 1
     return {
         "outcome": outcome,
         "steps": len(lines),
@@ -183,3 +196,25 @@ def _merge_time_splits(splits: list[dict]) -> dict:
             if key != "calls":
                 times[key] = round(times[key] / calls, 3)
     return merged
+
+
+def churn_summary(options, lines: list[dict], events, joins, workdir: Path, resume_step) -> dict:
+    """What churn did to the run: kills, joins (seconds to member), and the units: every global batch
+    of the run committed once (its line in a trainer's log is written once it is), none lost."""
+    from agora.node.demo.chaos import joined_seconds
+
+    steps = [line["step"] for line in lines]
+    distinct = set(steps)
+    start = resume_step or 0
+    return {
+        "resumed_from_step": resume_step,
+        "kills": len(events),
+        "events": [vars(event) for event in events],
+        # A worker's seconds from its start to member (a trainer has no phases: it claims units at once).
+        "joins": [{"name": name, "seconds_to_member": joined_seconds(workdir / f"{name}.log", at)
+                   if name.startswith("worker") else None} for name, at in joins],
+        "units": {"total": options.steps - start,
+                  "committed": len([s for s in distinct if s > start]),
+                  "duplicated": len(steps) - len(distinct),
+                  "lost": len([s for s in range(start + 1, options.steps + 1) if s not in distinct])},
+    }

@@ -433,6 +433,14 @@ class SwarmTrainer:
             record = await self.train_unit(unit_id)
             reports = self._unit_reports.pop(unit_id, [])
             await asyncio.gather(*reports)  # every stage has taken its report (short timeouts each)
+            # Logged before it is committed: a trainer killed in between leaves the line and the
+            # unit is run again by another, which is what happened to the weights (run twice).
+            records.append(record)
+            if self.log_json is not None:
+                self.log_json.write(record.to_json() + "\n")
+                self.log_json.flush()
+            if self.on_record is not None:
+                self.on_record(record)
             await source.committed(unit_id)
             return record
 
@@ -441,7 +449,7 @@ class SwarmTrainer:
             for task in sorted(done, key=lambda t: pending[t]):
                 unit_id = pending.pop(task)
                 try:
-                    record = task.result()
+                    task.result()
                 except MicrobatchFailed as error:
                     failures_in_a_row += 1
                     logger.warning("global batch %d given back: %s", unit_id, error)
@@ -450,12 +458,6 @@ class SwarmTrainer:
                         raise
                     continue
                 failures_in_a_row = 0
-                records.append(record)
-                if self.log_json is not None:
-                    self.log_json.write(record.to_json() + "\n")
-                    self.log_json.flush()
-                if self.on_record is not None:
-                    self.on_record(record)
 
         try:
             while True:
