@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agora.node.worker.phases import SyncPolicy, SyncProgress, entry_phase, next_phase, rotation_steps
+from agora.node.worker.phases import SyncPolicy, SyncProgress, entry_phase, next_phase, rotation_slices
 from agora.pipeline.config import PRESETS, SyncConfig
 
 POLICY = SyncPolicy(optimizer_sync_steps=10, lag_tolerance=3, fallback_rotations=2)
@@ -28,27 +28,28 @@ def test_a_replica_behind_its_stage_or_resumed_mid_sync_syncs_first():
 
 
 def _progress(**kwargs) -> SyncProgress:
-    values = dict(phase="weight_sync", downloaded=True, steps=0, updates=0, slices_averaged=frozenset(), n_slices=4,
-                  rotation_steps=32)
+    values = dict(phase="weight_sync", downloaded=True, steps=0, updates=0, rounds=0, slices_averaged=frozenset(),
+                  n_slices=4)
     values.update(kwargs)
     return SyncProgress(**values)
 
 
 def test_weight_sync_waits_for_the_download_then_for_every_slice_of_a_rotation():
     assert next_phase(_progress(downloaded=False, steps=1000), POLICY) is None
-    assert next_phase(_progress(slices_averaged=frozenset({0, 1, 3}), steps=40), POLICY) is None
+    assert next_phase(_progress(slices_averaged=frozenset({0, 1, 3}), steps=40, rounds=5), POLICY) is None
     phase, why = next_phase(_progress(slices_averaged=frozenset({0, 1, 2, 3}), steps=32), POLICY)
     assert phase == "optimizer_sync" and "4 slices" in why
 
 
-def test_weight_sync_ends_after_two_rotations_even_when_rounds_kept_failing():
-    assert next_phase(_progress(slices_averaged=frozenset({2}), steps=63), POLICY) is None
-    phase, why = next_phase(_progress(slices_averaged=frozenset({2}), steps=64), POLICY)
-    assert phase == "optimizer_sync" and "1 of 4 slices" in why
+def test_weight_sync_ends_after_two_rotations_of_rounds_even_when_rounds_kept_failing():
+    # Counted in rounds, not steps: steps can outpace rounds by far on a small model.
+    assert next_phase(_progress(slices_averaged=frozenset({2}), steps=10**4, rounds=7), POLICY) is None
+    phase, why = next_phase(_progress(slices_averaged=frozenset({2}), rounds=8), POLICY)
+    assert phase == "optimizer_sync" and "8 rounds" in why and "1 of 4 slices" in why
 
 
 def test_without_averaging_the_download_is_the_whole_weight_sync():
-    assert next_phase(_progress(n_slices=0, rotation_steps=0), POLICY)[0] == "optimizer_sync"
+    assert next_phase(_progress(n_slices=0), POLICY)[0] == "optimizer_sync"
 
 
 def test_optimizer_sync_counts_steps_that_updated_its_weights():
@@ -66,9 +67,10 @@ def test_members_and_others_stay_where_they_are():
         assert next_phase(_progress(phase=phase, steps=10**6, updates=10**6), POLICY) is None
 
 
-def test_a_rotation_is_every_steps_times_the_slices():
-    assert rotation_steps(PRESETS["tiny"].sync) == 8 * 4
-    assert rotation_steps(SyncConfig()) == 20 * 20  # the report's 5% every 20 steps: 400
-    assert rotation_steps(SyncConfig(method="none")) == 0 and rotation_steps(None) == 0
+def test_a_rotation_is_every_slice_once():
+    assert rotation_slices(PRESETS["tiny"].sync) == 4
+    assert rotation_slices(SyncConfig()) == 20  # the report's 5% per round
+    assert rotation_slices(SyncConfig(method="diloco", fragments=3)) == 3
+    assert rotation_slices(SyncConfig(method="none")) == 0 and rotation_slices(None) == 0
     with pytest.raises(ValueError):
         SyncPolicy(fallback_rotations=0)

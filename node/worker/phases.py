@@ -24,7 +24,8 @@ Design choices:
   what averaging evens out, and a download would cost them the rotation for nothing. A replica
   resumed from a checkpoint that was not a member's syncs again.
 - Fallbacks, so a replica never stays out for good: weight sync ends after `fallback_rotations`
-  rotations of stage steps even if some slice's rounds kept failing, and optimizer sync after
+  rotations' worth of rounds (`n_slices` each) even if some slice's rounds kept failing (counted in
+  rounds, not steps: on a small model steps outpace rounds), and optimizer sync after
   `fallback_rotations` times its steps counted in stage steps when the trainers sent it too little
   traffic to update as often. Either is logged.
 - Every phase entered is a `sync_phase` milestone (with why), and every change the worker's
@@ -48,7 +49,7 @@ from agora.node.worker.worker import StageWorker
 from agora.pipeline.config import SyncConfig
 from agora.pipeline.state_wire import StateWireError
 
-__all__ = ["SyncPolicy", "SyncProgress", "entry_phase", "next_phase", "rotation_steps", "SyncPhases"]
+__all__ = ["SyncPolicy", "SyncProgress", "entry_phase", "next_phase", "rotation_slices", "SyncPhases"]
 
 logger = logging.getLogger("agora.node.join")
 
@@ -64,11 +65,10 @@ class SyncPolicy:
             raise ValueError("optimizer_sync_steps and lag_tolerance must be >= 0, fallback_rotations >= 1")
 
 
-def rotation_steps(sync: Optional[SyncConfig]) -> int:
-    """Stage steps in one full rotation of the averaged slices (0 without averaging)."""
-    if sync is None or sync.method == "none":
-        return 0
-    return sync.every_steps * sync.n_slices
+def rotation_slices(sync: Optional[SyncConfig]) -> int:
+    """Slices (sparta) or fragments (diloco) in one full rotation of the averaging; 0 without averaging
+    (one rotation takes `every_steps` times as many stage steps: 400 with the report's 5% every 20)."""
+    return 0 if sync is None or sync.method == "none" else sync.n_slices
 
 
 def entry_phase(*, own_step: int, resumed_phase: Optional[str], donor_steps: Sequence[int],
@@ -93,9 +93,9 @@ class SyncProgress:
     downloaded: bool  # weight sync: the state is in
     steps: int  # stage steps counted (completed-batch reports) since the phase began
     updates: int  # of those, steps that changed its weights (it had microbatches)
+    rounds: int  # averaging rounds it took part in (any outcome) since the download
     slices_averaged: frozenset[int]  # slices whose round committed since the download
     n_slices: int  # in one rotation; 0 without averaging
-    rotation_steps: int  # stage steps in one rotation; 0 without averaging
 
 
 def next_phase(progress: SyncProgress, policy: SyncPolicy) -> Optional[tuple[str, str]]:
@@ -107,9 +107,9 @@ def next_phase(progress: SyncProgress, policy: SyncPolicy) -> Optional[tuple[str
             return "optimizer_sync", "state downloaded (no averaging in this run)"
         if len(progress.slices_averaged) >= progress.n_slices:
             return "optimizer_sync", f"every one of the {progress.n_slices} slices averaged since the download"
-        if progress.steps >= policy.fallback_rotations * progress.rotation_steps:
-            return "optimizer_sync", (f"{progress.steps} stage steps ({policy.fallback_rotations} rotations) passed "
-                                      f"with {len(progress.slices_averaged)} of {progress.n_slices} slices averaged")
+        if progress.rounds >= policy.fallback_rotations * progress.n_slices:
+            return "optimizer_sync", (f"{progress.rounds} rounds ({policy.fallback_rotations} rotations) ran with "
+                                      f"{len(progress.slices_averaged)} of {progress.n_slices} slices averaged")
         return None
     if progress.phase == "optimizer_sync":
         if progress.updates >= policy.optimizer_sync_steps:
@@ -126,8 +126,7 @@ class SyncPhases:
     def __init__(self, worker: StageWorker, policy: SyncPolicy, sync: Optional[SyncConfig],
                  clock: Callable[[], float] = time.monotonic):
         self.worker, self.policy = worker, policy
-        self.n_slices = 0 if rotation_steps(sync) == 0 else sync.n_slices
-        self.rotation_steps = rotation_steps(sync)
+        self.n_slices = rotation_slices(sync)
         self._clock = clock
         self._started = clock()
         self.history: list[tuple[str, float]] = []
@@ -135,6 +134,7 @@ class SyncPhases:
         self._slices: set[int] = set()
         self._steps = 0
         self._updates = 0
+        self._rounds = 0
         self._wake = asyncio.Event()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
@@ -158,7 +158,7 @@ class SyncPhases:
 
     def state_downloaded(self) -> None:
         self.downloaded = True
-        self._steps = self._updates = 0
+        self._steps = self._updates = self._rounds = 0
         self._slices.clear()
 
     async def begin(self, *, own_step: int, resumed_phase: Optional[str],
@@ -239,8 +239,8 @@ class SyncPhases:
             pass  # the compute thread is gone already, or the hook was never installed
 
     def progress(self) -> SyncProgress:
-        return SyncProgress(self.phase, self.downloaded, self._steps, self._updates, frozenset(self._slices),
-                            self.n_slices, self.rotation_steps)
+        return SyncProgress(self.phase, self.downloaded, self._steps, self._updates, self._rounds,
+                            frozenset(self._slices), self.n_slices)
 
     def _on_step(self, compute: StageCompute) -> None:  # compute thread, after every step or advance
         updated = compute.last_step is not None and compute.last_step.step == compute.optimizer.steps
@@ -252,9 +252,12 @@ class SyncPhases:
         self._wake.set()
 
     def _on_round(self, result: RoundResult, index: int, applied: bool) -> None:
-        if self.downloaded and result.outcome == "committed":
+        if not self.downloaded:
+            return
+        self._rounds += 1
+        if result.outcome == "committed":
             self._slices.add(index)
-            self._wake.set()
+        self._wake.set()
 
     async def _run(self) -> None:
         while self.phase in ("weight_sync", "optimizer_sync"):
