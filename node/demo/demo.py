@@ -63,7 +63,8 @@ class DemoOptions:
     summary_json: str | None = None
     workdir: str | None = None
     kill_worker_at: int | None = None
-    join_at: int | None = None  # a new replica of stage 0 joins (a new contributor) after this many global batches
+    # After each of these many global batches a new replica of stage 0 joins (a new contributor).
+    join_at: tuple[int, ...] = ()
     optimizer_sync_steps: int | None = None  # a joiner's optimizer sync (None: the run's sync.optimizer_sync_steps)
     sync_phases: bool = True  # False: a joiner is a member at once (what joining was before the sync phases)
     averaging: str | None = None  # None: the config's sync.method (and the settings below)
@@ -96,7 +97,7 @@ class DemoOptions:
                    trainers=args.trainers, sync=args.sync,
                    max_in_flight=args.max_in_flight, pinned_weights=getattr(args, "pinned_weights", None),
                    log_json=args.log_json, summary_json=args.summary_json,
-                   workdir=args.workdir, kill_worker_at=args.kill_worker_at, join_at=getattr(args, "join_at", None),
+                   workdir=args.workdir, kill_worker_at=args.kill_worker_at, join_at=tuple(getattr(args, "join_at", None) or ()),
                    optimizer_sync_steps=getattr(args, "optimizer_sync_steps", None),
                    sync_phases=not getattr(args, "no_sync_phases", False),
                    averaging=getattr(args, "averaging", None), averaging_every=getattr(args, "averaging_every", None),
@@ -268,9 +269,9 @@ def run_demo(options: DemoOptions) -> int:
                 group.kill(victim)
                 killed.append(victim.name)
                 logger.warning("fault drill: killed %s with SIGKILL after %d global batches", victim.name, len(lines))
-            if options.join_at is not None and not joined and len(lines) >= options.join_at:
+            while len(joined) < len(options.join_at) and len(lines) >= sorted(options.join_at)[len(joined)]:
                 # A new contributor (own identity, empty state): it syncs before it counts (node/worker/phases.py).
-                name = f"worker-s0-r{options.replicas}"
+                name = f"worker-s0-r{options.replicas + len(joined)}"
                 workers.append((0, start_worker(0, name, False)))
                 joined.append(name)
                 logger.warning("a new replica of stage 0 joins after %d global batches", len(lines))
