@@ -7,15 +7,18 @@ import itertools
 import pytest
 
 from agora.dht.records import WorkerRecord
-from agora.node.worker.rebalance import Move, RebalancePolicy, moved_argv, plan_move, stage_coverage
+from agora.node.worker.rebalance import (Move, RebalancePolicy, jobs_per_microbatch, moved_argv, plan_move,
+                                         stage_coverage)
 
 POLICY = RebalancePolicy()
 
 
-def _record(peer: str, stage: int, throughput: float = 1000.0, phase: str = "member") -> WorkerRecord:
+def _record(peer: str, stage: int, rate: float = 1000.0, phase: str = "member", n_stages: int = 2) -> WorkerRecord:
+    """A replica whose compute covers `rate` tokens/s of its stage's pipeline work: it announces that
+    times the jobs a token costs its stage (a head or body runs Forward and Backward)."""
     return WorkerRecord(peer_id=peer, run_id="r", endpoint="127.0.0.1:1", stage=stage, n_stages=3,
-                        throughput=throughput, queue_depth=0, step=10, phase=phase, version="x", updated_at=0.0,
-                        fingerprint="f")
+                        throughput=rate * jobs_per_microbatch(stage, n_stages), queue_depth=0, step=10, phase=phase,
+                        version="x", updated_at=0.0, fingerprint="f")
 
 
 def _by_stage(records):
@@ -53,13 +56,13 @@ def test_after_any_move_nobody_moves_back():
     speeds = (600.0, 1000.0, 1500.0)
     for n in range(2, 6):
         for stages in itertools.product(range(3), repeat=n):
-            records = [_record(f"w{i}", s, speeds[i % 3]) for i, s in enumerate(stages)]
+            records = [_record(f"w{i}", s, speeds[i % 3], n_stages=3) for i, s in enumerate(stages)]
             moves = _moves(records, n_stages=3)
             assert len(moves) <= len({r.stage for r in records})  # at most one mover per stage
             for peer, move in moves.items():
                 source = next(r.stage for r in records if r.peer_id == peer)
-                after = [_record(r.peer_id, move.target if r.peer_id == peer else r.stage, r.throughput)
-                         for r in records]
+                after = [_record(r.peer_id, move.target if r.peer_id == peer else r.stage,
+                                 r.throughput / jobs_per_microbatch(r.stage, 3), n_stages=3) for r in records]
                 back = [m for p, m in _moves(after, n_stages=3).items()
                         if next(r.stage for r in after if r.peer_id == p) == move.target and m.target == source]
                 assert back == [], (stages, peer, move)
@@ -77,12 +80,16 @@ def test_syncing_replicas_count_and_an_unmeasured_one_counts_as_the_median():
     assert stage_coverage(_by_stage(records), 2) == {0: 2000.0, 1: 0.0}
 
 
-def test_the_heavier_stage_is_covered_by_throughput_not_by_count():
-    # Two tails at half a head's speed cover the same as one head: 2 heads + 2 tails is lopsided.
-    records = [_record("h1", 0, 2000), _record("h2", 0, 2000), _record("h3", 0, 2000),
-               _record("t1", 1, 1000), _record("t2", 1, 1000)]
-    moves = _moves(records)
-    assert list(moves) == ["h1"] and moves["h1"] == Move(1, moves["h1"].why)
+def test_stages_are_compared_per_job_a_token_costs_them():
+    # A head announces its rate per job, and a token costs it two (Forward, Backward); the tail's
+    # Forward does both. Two heads at 2000 and a tail at 1000 cover the same: nobody moves...
+    records = [_record("h1", 0, 1000), _record("h2", 0, 1000), _record("t1", 1, 1000)]
+    assert [r.throughput for r in records] == [2000.0, 2000.0, 1000.0]
+    assert stage_coverage(_by_stage(records), 2) == {0: 2000.0, 1: 1000.0}
+    assert _moves(records) == {}
+    # ...and a tail that is slower per token than a head gets a replica from three heads.
+    records = [_record("h1", 0, 1000), _record("h2", 0, 1000), _record("h3", 0, 1000), _record("t1", 1, 700)]
+    assert list(_moves(records)) == ["h1"] and _moves(records)["h1"] == Move(1, _moves(records)["h1"].why)
 
 
 def test_the_policy_refuses_settings_that_could_oscillate():

@@ -6,7 +6,11 @@ the DHT records it already reads, and at most one moves at a time.
 
 Design choices:
 - Coverage is announced throughput, tokens/s of compute summed over a stage's replicas (so a
-  heavier stage, the tail, needs more replicas for the same coverage). Replicas still syncing count
+  heavier stage needs more replicas for the same coverage), per job that a token costs the stage:
+  a worker's throughput is measured per compute job, and a head or body runs two jobs per
+  microbatch (Forward, then Backward) where the tail runs one (its Forward does the backward too),
+  so a head's or body's announced rate is halved before stages are compared (measured on tiny:
+  bodies announce 3.6x the tail's rate, 1.8x once halved). Replicas still syncing count
   (they are coming); one that has not measured its throughput yet (0) counts as the median of its
   stage's that have, else of the run's, else 1. What the mover adds to the other stage is that
   stage's median replica, not its own rate: a replica's speed depends on the stage it computes.
@@ -44,7 +48,7 @@ from typing import Awaitable, Callable, Mapping, Optional, Sequence
 
 from agora.dht.records import MoveRecord, WorkerRecord
 
-__all__ = ["RebalancePolicy", "Move", "stage_coverage", "plan_move", "Rebalancer", "moved_argv"]
+__all__ = ["RebalancePolicy", "Move", "jobs_per_microbatch", "stage_coverage", "plan_move", "Rebalancer", "moved_argv"]
 
 logger = logging.getLogger("agora.node.join")
 
@@ -82,12 +86,22 @@ def _covering(by_stage: Mapping[int, Sequence[WorkerRecord]], n_stages: int) -> 
             for stage in range(n_stages)}
 
 
+def jobs_per_microbatch(stage: int, n_stages: int) -> int:
+    """Compute jobs one microbatch costs a stage: Forward and Backward, or on the tail one Forward
+    that runs its backward too."""
+    return 1 if stage == n_stages - 1 else 2
+
+
 def _capacities(covering: Mapping[int, Sequence[WorkerRecord]]) -> tuple[dict[str, float], dict[int, float]]:
-    """Each covering replica's capacity, and each stage's typical replica (module docstring)."""
-    everyone = _median([r.throughput for records in covering.values() for r in records if r.throughput > 0], 1.0)
-    typical = {stage: _median([r.throughput for r in records if r.throughput > 0], everyone)
+    """Each covering replica's capacity (announced tokens/s over the stage's jobs per microbatch), and
+    each stage's typical replica (module docstring)."""
+    n_stages = len(covering)
+    rate = {r.peer_id: r.throughput / jobs_per_microbatch(stage, n_stages)
+            for stage, records in covering.items() for r in records}
+    everyone = _median([v for v in rate.values() if v > 0], 1.0)
+    typical = {stage: _median([rate[r.peer_id] for r in records if rate[r.peer_id] > 0], everyone)
                for stage, records in covering.items()}
-    capacity = {r.peer_id: r.throughput if r.throughput > 0 else typical[stage]
+    capacity = {r.peer_id: rate[r.peer_id] if rate[r.peer_id] > 0 else typical[stage]
                 for stage, records in covering.items() for r in records}
     return capacity, typical
 
