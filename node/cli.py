@@ -543,8 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
 
     from agora.node.authorizer import add_authorizer_commands
+    from agora.node.export import add_export_command
 
     add_authorizer_commands(commands)
+    add_export_command(commands, add_run_arguments=_add_run_arguments, run_config=_run_config)
     add_client_commands(commands, add_run_arguments=_add_run_arguments, run_config=_run_config)
     return parser
 

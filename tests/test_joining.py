@@ -60,26 +60,96 @@ def _done(work: Path) -> bool:
     return max(_loss_lines(work), default=0) >= min(arrivals) + 40
 
 
-def test_joiners_sync_before_they_count_and_a_lopsided_swarm_moves_one_replica(tmp_path):
-    work, summary_path = tmp_path / "work", tmp_path / "summary.json"
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "agora.node", "demo", "--stages", "2", "--replicas", "1", "--steps", "5000",
-         "--seed", "1", "--join-at", "5", "--join-at", "5", "--averaging-every", "2", "--averaging-fraction", "0.5",
-         "--optimizer-sync-steps", "8", "--no-monitor", "--workdir", str(work), "--summary-json", str(summary_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 720
-        while not _done(work) and demo.poll() is None and time.monotonic() < deadline:
+class LiveRun:
+    """One demo, started once for this module and followed by its logs; `stop()` ends it with Ctrl-C
+    (every role leaves cleanly, the summary is written) and returns the summary."""
+
+    def __init__(self, work: Path):
+        self.work, self.summary_path = work, work.parent / "summary.json"
+        self.output = open(work.parent / "demo.out", "w")  # a file, not a pipe: nobody reads it while it runs
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "agora.node", "demo", "--stages", "2", "--replicas", "1", "--steps", "5000",
+             "--seed", "1", "--join-at", "5", "--join-at", "5", "--averaging-every", "2",
+             "--averaging-fraction", "0.5", "--optimizer-sync-steps", "8", "--no-monitor", "--workdir", str(work),
+             "--summary-json", str(self.summary_path)],
+            stdout=self.output, stderr=subprocess.STDOUT)
+        self.summary: dict | None = None
+
+    def tail(self) -> str:
+        return _text(self.work.parent / "demo.out")[-4000:]
+
+    def wait_until_done(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not _done(self.work) and self.process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert demo.poll() is None, demo.stderr.read()
-        assert _done(work), "the run did not get there in 12 minutes"
-        demo.send_signal(signal.SIGINT)  # Ctrl-C: every role stops cleanly, and the summary is written
-        assert demo.wait(180) == 0, demo.stderr.read()
+        assert self.process.poll() is None, self.tail()
+        assert _done(self.work), f"the run did not get there in {timeout_s:g} s"
+
+    def stop(self) -> dict:
+        if self.summary is None:
+            self.process.send_signal(signal.SIGINT)  # Ctrl-C
+            assert self.process.wait(180) == 0, self.tail()
+            self.summary = json.loads(self.summary_path.read_text())
+        return self.summary
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.output.close()
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    run = LiveRun(tmp_path_factory.mktemp("lopsided") / "work")
+    try:
+        run.wait_until_done(720)
+        yield run
     finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
-    summary = json.loads(summary_path.read_text())
+        run.kill()
+
+
+def test_an_operator_exports_the_live_swarm_and_nobody_else_may(live_run, tmp_path):
+    """`agora-node export`: every stage's state from a member, with an operator credential minted by
+    the run's authorizer, written as a checkpoint and a transformers model computing the same logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agora.node.cli import main
+    from agora.pipeline.checkpoint import load_checkpoint
+    from agora.pipeline.stages import assemble_model
+
+    work = live_run.work
+    operator = tmp_path / "operator"
+    assert main(["authorizer", "issue", "--state-dir", str(work / "authorizer"), "--role", "operator",
+                 "--out", str(operator)]) == 0
+    export = subprocess.run([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "export",
+                             "--state-dir", str(operator), "--out", str(tmp_path / "export")],
+                            capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr
+    assert re.search(r"export: 2 stages \(stage 0 step \d+, stage 1 step \d+\)", export.stdout), export.stdout
+    step, config, states, extra = load_checkpoint(tmp_path / "export" / "checkpoint")
+    assert [state.index for state in states] == [0, 1] and step > 0
+    assert all(state.optimizer["optimizer"]["state"] and state.optimizer["steps"] >= step for state in states)
+    assert set(extra["exported_from"]) == {"0", "1"}
+    ours = assemble_model(config.model, [state.model for state in states]).eval()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "hf").eval()
+    tokens = torch.randint(0, config.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens).logits, ours(tokens), atol=1e-4, rtol=0)
+    # A trainer's credential exports nothing: only the operator holds the whole model.
+    trainer = tmp_path / "trainer"
+    assert main(["authorizer", "issue", "--state-dir", str(work / "authorizer"), "--role", "trainer",
+                 "--out", str(trainer)]) == 0
+    refused = subprocess.run([sys.executable, "-m", "agora.node", "export", "--state-dir", str(trainer),
+                              "--out", str(tmp_path / "refused")], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "not a operator" in refused.stderr, refused.stderr
+    assert not (tmp_path / "refused").exists()
+
+
+def test_joiners_sync_before_they_count_and_a_lopsided_swarm_moves_one_replica(live_run):
+    work = live_run.work
+    summary = live_run.stop()
     assert summary["outcome"] == "interrupted" and set(summary["exit_codes"].values()) == {0}, summary["exit_codes"]
 
     # Joining: the original replicas were members from the start; each joiner synced first.

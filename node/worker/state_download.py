@@ -83,13 +83,13 @@ class StateDownloader:
 
     def __init__(self, *, run_id: str, stage: int, fingerprint: RunFingerprint, channels: ChannelFactory,
                  max_bytes: int, timeout_s: float = 480.0, next_chunk_s: float = 30.0, resumes_per_donor: int = 3,
-                 max_message_bytes: int = 16 * 2**20, show_progress: bool = True,
+                 max_message_bytes: int = 16 * 2**20, show_progress: bool = True, label: str = "weight sync",
                  clock: Callable[[], float] = time.monotonic):
         self.run_id, self.stage, self.channels = run_id, stage, channels
         self._metadata = ((FINGERPRINT_METADATA, fingerprint.text()),)
         self.max_bytes, self.timeout_s, self.next_chunk_s = max_bytes, timeout_s, next_chunk_s
         self.resumes_per_donor, self.max_message_bytes = resumes_per_donor, max_message_bytes
-        self.show_progress = show_progress
+        self.show_progress, self.label = show_progress, label  # the progress bar's: "weight sync", "export"
         self._clock = clock
 
     async def download(self, donors: Sequence[Donor]) -> DownloadedState:
@@ -122,7 +122,7 @@ class StateDownloader:
         channel = self.channels.open(donor.endpoint, target_name=target,
                                      options=message_options(self.max_message_bytes))
         transfer = _Transfer(StateStub(channel), StateRequest(run_id=self.run_id, stage=self.stage), self.max_bytes,
-                             self._metadata)
+                             self._metadata, self.label)
         resumes = 0
         try:
             while True:
@@ -162,8 +162,8 @@ class StateDownloader:
 class _Transfer:
     """One donor's snapshot as received so far, across the calls that resume it."""
 
-    def __init__(self, stub: StateStub, request: StateRequest, max_bytes: int, metadata):
-        self.stub, self.request, self.max_bytes, self.metadata = stub, request, max_bytes, metadata
+    def __init__(self, stub: StateStub, request: StateRequest, max_bytes: int, metadata, label: str):
+        self.stub, self.request, self.max_bytes, self.metadata, self.label = stub, request, max_bytes, metadata, label
         self.receiver: Optional[StateReceiver] = None
         self.snapshot: Optional[tuple[str, str, int]] = None  # id, sha256, step
         self._bar: Optional[Progress] = None
@@ -208,7 +208,7 @@ class _Transfer:
         self.receiver.add(chunk.data)
         if show_progress:
             if self._bar is None:
-                self._bar = Progress(self.receiver.total_bytes, f"weight sync (stage {self.request.stage})", unit="B",
+                self._bar = Progress(self.receiver.total_bytes, f"{self.label} (stage {self.request.stage})", unit="B",
                                      line_every_s=5.0)
             self._bar.update(self.receiver.received, f"step {chunk.step}", force=self.receiver.complete)
 

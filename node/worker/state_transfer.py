@@ -35,7 +35,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional, Protocol
+from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence
 
 import grpc
 
@@ -46,7 +46,8 @@ from agora.pipeline.state_wire import StateStream, StateWireError
 from agora.protos.stage_adapter import StageRefusal
 from agora.protos.state_adapter import StateChunk, StateRequest
 
-__all__ = ["StateDonor", "DonorStats", "snapshot_stage", "state_tree", "download_refusal", "apply_state", "expected_state_bytes"]
+__all__ = ["StateDonor", "DonorStats", "snapshot_stage", "state_tree", "download_refusal", "apply_state",
+           "expected_state_bytes", "state_bytes_bound"]
 
 logger = logging.getLogger("agora.node.worker.state")
 
@@ -96,13 +97,18 @@ def download_refusal(caller: Optional[Caller], stage: int) -> Optional[str]:
             "(joining it) or an operator (export)")
 
 
+def state_bytes_bound(numels: Sequence[int], element_bytes: int = 4) -> int:
+    """A bound on the stream of a stage's state whose trainable tensors have `numels` elements: the
+    parameters, two Adam moments each, a DiLoCo anchor and momentum (two more copies), and room for
+    the manifest and counters."""
+    return 5 * element_bytes * sum(numels) + 4 * 2**20 + 4096 * len(numels)
+
+
 def expected_state_bytes(compute: StageCompute) -> int:
-    """(compute thread) A bound on the stream of this stage's state: parameters and buffers, two Adam
-    moments per trainable parameter, and room for the manifest, counters and a DiLoCo anchor and
-    momentum (two more copies of the trainable parameters)."""
-    model = sum(t.numel() * t.element_size() for t in compute.stage.state_dict().values())
-    trainable = sum(p.numel() * p.element_size() for p in compute.optimizer.parameters)
-    return model + 4 * trainable + 4 * 2**20 + 4096 * len(compute.optimizer.parameters)
+    """(compute thread) `state_bytes_bound` of this replica's stage, its buffers included."""
+    buffers = sum(t.numel() * t.element_size() for t in compute.stage.state_dict().values()) - sum(
+        p.numel() * p.element_size() for p in compute.optimizer.parameters)
+    return state_bytes_bound([p.numel() for p in compute.optimizer.parameters]) + max(0, buffers)
 
 
 def apply_state(compute: StageCompute, tree: Any) -> int:
