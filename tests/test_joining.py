@@ -13,7 +13,6 @@ The test follows the run by its logs (the readiness handshakes: each milestone l
 demo with Ctrl-C once everything it checks has happened, so a slow machine only makes it wait.
 """
 
-import datetime
 import json
 import re
 import signal

@@ -11,6 +11,7 @@ operator) under mutual TLS; and the byte stream's own checks (pipeline/state_wir
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 
@@ -88,15 +89,27 @@ def _worker(**options) -> StageWorker:
     return StageWorker(CONFIG, TAIL, run_id=RUN, options=WorkerOptions(stream_chunk_bytes=CHUNK, **options))
 
 
+@contextlib.asynccontextmanager
+async def _donor_and_joiner(**relay):
+    """A donor, a joiner, a trainer's client of the donor, and a relay in front of the donor."""
+    donor, joiner = _worker(), _worker()
+    await donor.start()
+    await joiner.start()
+    client = StageClient(donor.address, run_id=RUN, stage=TAIL, model=CONFIG.model, fingerprint=FINGERPRINT)
+    relay = TcpRelay(donor.address, **relay)
+    try:
+        yield donor, joiner, client, relay
+    finally:
+        await relay.close()
+        await client.close()
+        await donor.stop()
+        await joiner.stop()
+
+
 def test_a_joiner_gets_the_donors_snapshot_exactly_while_the_donor_keeps_training():
     async def main():
-        donor, joiner = _worker(), _worker()
-        await donor.start()
-        await joiner.start()
-        joiner.phase = "weight_sync"
-        client = StageClient(donor.address, run_id=RUN, stage=TAIL, model=CONFIG.model, fingerprint=FINGERPRINT)
-        relay = TcpRelay(donor.address, hold_after=4 * CHUNK)
-        try:
+        async with _donor_and_joiner(hold_after=4 * CHUNK) as (donor, joiner, client, relay):
+            joiner.phase = "weight_sync"
             await _train(client, 0, 3)
             donor.state_donor.averaging = _FixedAveragingState({"method": "sparta", "last_round": 7})
             address = await relay.start()
@@ -121,11 +134,6 @@ def test_a_joiner_gets_the_donors_snapshot_exactly_while_the_donor_keeps_trainin
             with pytest.raises(Exception, match="weight sync"):
                 await joiner_client.forward("x", tokens, wire, targets)
             await joiner_client.close()
-        finally:
-            await relay.close()
-            await client.close()
-            await donor.stop()
-            await joiner.stop()
 
     run(main())
 
@@ -140,12 +148,7 @@ class _FixedAveragingState:
 
 def test_a_dropped_transfer_resumes_on_the_same_snapshot_from_the_bytes_held():
     async def main():
-        donor, joiner = _worker(), _worker()
-        await donor.start()
-        await joiner.start()
-        client = StageClient(donor.address, run_id=RUN, stage=TAIL, model=CONFIG.model, fingerprint=FINGERPRINT)
-        relay = TcpRelay(donor.address, drop_after=10 * CHUNK)
-        try:
+        async with _donor_and_joiner(drop_after=10 * CHUNK) as (donor, joiner, client, relay):
             await _train(client, 0, 2)
             address = await relay.start()
             result = await _downloader().download([Donor("donor", address, 2)])
@@ -158,11 +161,6 @@ def test_a_dropped_transfer_resumes_on_the_same_snapshot_from_the_bytes_held():
             assert stats.bytes_sent < result.total_bytes + 12 * CHUNK
             await joiner.on_compute(lambda c: apply_state(c, result.tree))
             _assert_state_equals(await joiner.on_compute(_state_of), donor.state_donor.snapshots[0])
-        finally:
-            await relay.close()
-            await client.close()
-            await donor.stop()
-            await joiner.stop()
 
     run(main())
 
