@@ -233,10 +233,7 @@ class SyncPhases:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        try:
-            await self.worker.on_compute(lambda compute: compute.step_hooks.remove(self._on_step))
-        except (RuntimeError, ValueError):
-            pass  # the compute thread is gone already, or the hook was never installed
+            await self._remove_hook()
 
     def progress(self) -> SyncProgress:
         return SyncProgress(self.phase, self.downloaded, self._steps, self._updates, self._rounds,
@@ -267,3 +264,10 @@ class SyncPhases:
                 continue
             await self._wake.wait()
             self._wake.clear()
+        await self._remove_hook()  # a member's steps need no counting
+
+    async def _remove_hook(self) -> None:
+        try:
+            await self.worker.on_compute(lambda compute: compute.step_hooks.remove(self._on_step))
+        except (RuntimeError, ValueError):
+            pass  # the compute thread is gone already, or the hook was removed

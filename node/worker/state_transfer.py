@@ -34,6 +34,7 @@ import copy
 import logging
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence
 
@@ -186,7 +187,7 @@ class DonorStats:
     resumed: int = 0  # started at an offset > 0
     refused_busy: int = 0
     bytes_sent: int = 0
-    offsets: list[int] = field(default_factory=list)  # where each download started
+    offsets: deque = field(default_factory=lambda: deque(maxlen=64))  # where the latest downloads started
 
 
 class StateDonor:
