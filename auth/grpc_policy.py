@@ -16,6 +16,10 @@ Design choices:
   own tools). Not to a worker (a stage has no reason to drive another's sessions) nor a monitor
   (read-only). Inference changes no weights, only the caller's own sessions (bound to it like a
   microbatch, node/inference/sessions.py), and each worker bounds what sessions may hold.
+- DownloadState (weight sync: a stage's whole state, node/worker/state_transfer.py) is open to a
+  worker, which the handler further holds to its own stage (a contributor never gets more than
+  the stage it hosts), and to an operator, whose `agora-node export` gathers every stage. Not to a
+  trainer, client or monitor: none of them holds weights, and the state is the run's model.
 - The run fingerprint (pipeline/fingerprint.py) travels in the ``agora-run-fingerprint``
   metadata of every Stage request, also under ``--insecure``: a peer started with another seed or
   config is refused at the call, naming the field, instead of computing garbage. Health and
@@ -63,6 +67,7 @@ class MethodRule:
 _TRAINER = MethodRule(frozenset({"trainer"}), fingerprint=True)
 _INFERENCE = MethodRule(frozenset({"client", "trainer", "operator"}), fingerprint=True)
 _READ_ONLY = MethodRule(frozenset(ROLES), fingerprint=True)
+_STATE = MethodRule(frozenset({"worker", "operator"}), fingerprint=True)
 _PROBE = MethodRule(frozenset(ROLES), fingerprint=False)
 
 # service -> method (or "*") -> rule. Read-only views: the table is a constant.
@@ -78,6 +83,7 @@ NODE_POLICY: Mapping[str, Mapping[str, MethodRule]] = MappingProxyType({
         "Prefill": _INFERENCE,
         "Decode": _INFERENCE,
         "CloseSession": _INFERENCE,
+        "DownloadState": _STATE,
     }),
     HEALTH_SERVICE: MappingProxyType({_ANY_SERVICE_METHOD: _PROBE}),
     **{name: MappingProxyType({_ANY_SERVICE_METHOD: _PROBE}) for name in REFLECTION_SERVICES},

@@ -32,6 +32,8 @@ Design choices:
   discovery lists exactly what the DHT holds. A worker also carries its averaging counts, so
   the monitor shows each stage's averaging health without scraping anyone. A trainer announces
   a ``TrainerRecord`` under ``{run}.trainers`` (its progress, last loss and tokens/s).
+- A worker that leaves its stage for another (rebalancing) announces a ``MoveRecord`` under
+  ``{run}.moves`` while it is in transit, so no other worker judges the swarm without it.
 - A record knows its own key (``dht_key()``), so one heartbeat serves every record type.
 """
 
@@ -43,6 +45,7 @@ from typing import Any, ClassVar, Mapping, Optional, TypeVar
 
 __all__ = [
     "MAX_STAGES",
+    "MoveRecord",
     "PHASES",
     "TRAINING_PHASES",
     "SCHEMA_VERSION",
@@ -52,6 +55,7 @@ __all__ = [
     "WorkerRecord",
     "OWNER_MARKER",
     "check_run_id",
+    "move_key",
     "owned_subkey",
     "parse_endpoint",
     "split_subkey",
@@ -97,6 +101,11 @@ def worker_key(run_id: str, stage: int) -> str:
 def trainer_key(run_id: str) -> str:
     """The DHT key under which the trainers of a run announce (one subkey per peer)."""
     return f"{check_run_id(run_id)}.trainers"
+
+
+def move_key(run_id: str) -> str:
+    """The DHT key under which workers moving between stages announce it (one subkey per peer)."""
+    return f"{check_run_id(run_id)}.moves"
 
 
 def check_metrics_endpoint(kind: str, endpoint: str) -> None:
@@ -335,3 +344,30 @@ class TrainerRecord(Record):
         if not self.version:
             raise RecordError("trainer.version: empty")
         check_metrics_endpoint("trainer", self.metrics_endpoint)
+
+
+@dataclass(frozen=True)
+class MoveRecord(Record):
+    """A worker in transit from one stage to another (node/worker/rebalance.py), announced for as long
+    as it may take to come back on ``to_stage``; ``started_at`` is DHT time."""
+
+    KIND: ClassVar[str] = "move"
+
+    peer_id: str
+    run_id: str
+    from_stage: int
+    to_stage: int
+    started_at: float
+
+    def dht_key(self) -> str:
+        return move_key(self.run_id)
+
+    def check(self) -> None:
+        if not self.peer_id:
+            raise RecordError("move.peer_id: empty")
+        check_run_id(self.run_id)
+        for name in ("from_stage", "to_stage"):
+            if not 0 <= getattr(self, name) < MAX_STAGES:
+                raise RecordError(f"move.{name}: {getattr(self, name)} out of range [0, {MAX_STAGES})")
+        if self.from_stage == self.to_stage:
+            raise RecordError(f"move: from_stage and to_stage are both {self.from_stage}")

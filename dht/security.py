@@ -30,8 +30,8 @@ Three hivemind mechanisms, each given our credentials:
 - ``OwnedRecordValidator`` (ours) for the record types, in place of hivemind's
   ``SchemaValidator``. That class matches keys by the hash of a *static* field name and
   validates with a pydantic v1 model (``pydantic.v1`` under pydantic 2): our keys are
-  ``{run}.stage{i}.workers``, ``{run}.stage{i}.{method}.rounds``, ``{run}.trainers`` and the unit blocks
-  ``{run}.units.b{block}`` (dht/leases.py), and a second schema in
+  ``{run}.stage{i}.workers``, ``{run}.stage{i}.{method}.rounds``, ``{run}.trainers``, ``{run}.moves``
+  and the unit blocks ``{run}.units.b{block}`` (dht/leases.py), and a second schema in
   pydantic would drift from the ``Record`` dataclasses that readers parse with. So this
   validator does the same job with the same mechanism (a table from key hash to record type,
   built for this run's keys, every stage up to ``MAX_STAGES``) and the one parser
@@ -79,7 +79,8 @@ from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, I
 from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
 from agora.dht.ownership import EntryOwnership
-from agora.dht.records import MAX_STAGES, Record, RecordError, TrainerRecord, WorkerRecord, trainer_key, worker_key
+from agora.dht.records import (MAX_STAGES, MoveRecord, Record, RecordError, TrainerRecord, WorkerRecord, move_key,
+                               trainer_key, worker_key)
 
 if TYPE_CHECKING:
     from agora.dht.averaging import AveragingAdmission
@@ -259,7 +260,8 @@ class OwnedRecordValidator(RecordValidatorBase):
             from agora.dht.leases import MAX_UNIT_BLOCKS, UnitBlockRecord, units_key
 
             table: dict[bytes, tuple[type[Record], int]] = {
-                DHTID.generate(source=trainer_key(self.run_id)).to_bytes(): (TrainerRecord, -1)}
+                DHTID.generate(source=trainer_key(self.run_id)).to_bytes(): (TrainerRecord, -1),
+                DHTID.generate(source=move_key(self.run_id)).to_bytes(): (MoveRecord, -1)}
             for block in range(MAX_UNIT_BLOCKS):
                 table[DHTID.generate(source=units_key(self.run_id, block)).to_bytes()] = (UnitBlockRecord, block)
             for stage in range(self.max_stages):

@@ -187,11 +187,21 @@ def _cmd_join(args: argparse.Namespace) -> int:
                           resume_step=args.resume_step,
                           stats_file=args.stats_file, authorizer=admission.authorizer,
                           serve_checkpoint=args.checkpoint if args.serve_only else None,
-                          metrics=MetricsOptions.from_args(args))
+                          metrics=MetricsOptions.from_args(args), sync_phases=not args.no_sync_phases,
+                          optimizer_sync_steps=args.optimizer_sync_steps, rebalance=not args.no_rebalance)
     try:
-        return run_worker(admission.config, options, worker_options, credentials=admission.credentials)
+        ended = run_worker(admission.config, options, worker_options, credentials=admission.credentials)
     finally:
         del held  # the folders stay held until here (and the kernel frees them if this process dies)
+    if ended.move_to is not None:  # rebalancing: the same worker (key, flags) joins the other stage
+        from agora.node.worker.rebalance import moved_argv
+
+        state_dir = str(admission.credentials.directory) if admission.credentials is not None else None
+        argv = [sys.executable, "-m", "agora.node", *moved_argv(args.argv, ended.move_to, state_dir)]
+        logging.getLogger("agora.node.join").info("starting again as stage %d: %s", ended.move_to, " ".join(argv[3:]))
+        logging.shutdown()
+        os.execv(sys.executable, argv)
+    return ended.code
 
 
 def _worker_options(args: argparse.Namespace):
@@ -348,8 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                         help="text lines for people (default), or one JSON object per line with milestone events "
-                             "(joined, phase_changed, averaging_round, reroute, ban, checkpoint_written, "
-                             "credential_renewed)")
+                             "(joined, sync_phase, phase_changed, state_downloaded, averaging_round, reroute, ban, "
+                             "checkpoint_written, credential_renewed)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -414,6 +424,15 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--resume-step", type=_non_negative_int, default=None, metavar="STEP",
                       help="resume from this step's checkpoint in --checkpoint-dir (default: the newest complete one)")
     join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
+    join.add_argument("--optimizer-sync-steps", type=_non_negative_int, default=None, metavar="N",
+                      help="a replica joining mid-run: optimizer steps with averaging weight 0 after its weight sync, "
+                           "to warm its Adam moments, before it is a member (default: sync.optimizer_sync_steps, 100)")
+    join.add_argument("--no-rebalance", action="store_true",
+                      help="stay on this stage even when it is over-covered (by announced throughput) and another is "
+                           "short of replicas (default: move there, through weight sync)")
+    join.add_argument("--no-sync-phases", action="store_true",
+                      help="join as a member at once, without downloading the stage's state (only when this "
+                           "replica's state is known to be the stage's)")
     from agora.node.inference.commands import add_client_commands, add_serving_arguments
 
     add_serving_arguments(join)
@@ -484,6 +503,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None, help="keep logs and ready files here (default: a temp folder)")
     demo.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
                       help="fault drill: kill -9 one worker of the last stage after STEP global batches")
+    demo.add_argument("--join-at", type=_non_negative_int, action="append", default=None, metavar="STEP",
+                      help="a new replica of stage 0 joins (a new contributor, empty state) after STEP global batches: "
+                           "it syncs (weight sync, optimizer sync) before it is a member; repeat for more (a stage "
+                           "that ends up over-covered gives a replica to another: rebalancing)")
+    demo.add_argument("--optimizer-sync-steps", type=_non_negative_int, default=None, metavar="N",
+                      help="a joining replica's optimizer sync, in optimizer steps (default: sync.optimizer_sync_steps)")
+    demo.add_argument("--no-sync-phases", action="store_true",
+                      help="a joining replica is a member at once, with its fresh weights (to measure what the sync "
+                           "phases buy)")
     demo.add_argument("--chaos", type=float, default=None, metavar="SECONDS",
                       help="kill -9 a random worker (one whose stage keeps another replica) or trainer every SECONDS "
                            "and start a newcomer in its place (new identity, empty state); the summary counts kills, "
@@ -515,8 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
 
     from agora.node.authorizer import add_authorizer_commands
+    from agora.node.export import add_export_command
 
     add_authorizer_commands(commands)
+    add_export_command(commands, add_run_arguments=_add_run_arguments, run_config=_run_config)
     add_client_commands(commands, add_run_arguments=_add_run_arguments, run_config=_run_config)
     return parser
 
@@ -547,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # a worker that moves stage starts again with them
     configure_logging(args.log_level, args.log_format)
     if args.threads is not None:
         import torch

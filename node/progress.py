@@ -3,7 +3,8 @@
 On a terminal the bar redraws in place (tqdm: rate, elapsed, remaining, and a postfix with the
 loss and tokens/s); into a file or a pipe (CI logs, `demo > log`) a bar's carriage returns are
 noise, so the same numbers go out as one plain line at most every `line_every_s` seconds, and
-once more at the end.
+once more at the end. `unit="B"` counts bytes (a download): the bar scales them (KB, MB), and a
+plain line shows MiB.
 """
 
 from __future__ import annotations
@@ -19,16 +20,16 @@ __all__ = ["Progress"]
 
 class Progress:
     def __init__(self, total: int, description: str, *, stream: IO[str] = sys.stderr, line_every_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self.total, self.description, self.stream = total, description, stream
+                 clock: Callable[[], float] = time.monotonic, unit: str = "batch"):
+        self.total, self.description, self.stream, self.unit = total, description, stream, unit
         self._clock, self._line_every_s = clock, line_every_s
         self._bar: Optional[tqdm] = None
         self._last_line = -float("inf")
         self._done = 0
         self._postfix = ""
         if stream.isatty():
-            self._bar = tqdm(total=total, desc=description, file=stream, unit="batch", dynamic_ncols=True,
-                             leave=True)
+            self._bar = tqdm(total=total, desc=description, file=stream, unit=unit, unit_scale=unit == "B",
+                             unit_divisor=1024 if unit == "B" else 1000, dynamic_ncols=True, leave=True)
 
     def update(self, done: int, postfix: str, force: bool = False) -> None:
         """`done` out of `total` so far, and what to show beside it."""
@@ -39,7 +40,11 @@ class Progress:
             if postfix != self._postfix:
                 self._bar.set_postfix_str(postfix, refresh=True)
         elif force or self._clock() - self._last_line >= self._line_every_s:
-            self.stream.write(f"{self.description}: {done}/{self.total} {postfix}\n")
+            if self.unit == "B":
+                shown = f"{done / 2**20:.1f}/{self.total / 2**20:.1f} MiB"
+            else:
+                shown = f"{done}/{self.total}"
+            self.stream.write(f"{self.description}: {shown} {postfix}\n")
             self.stream.flush()
             self._last_line = self._clock()
         self._done, self._postfix = done, postfix

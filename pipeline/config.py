@@ -192,6 +192,9 @@ class SyncConfig:
     # "centered_clip": agreed weight caps, outliers rejected, CenteredClip for 3+, a bounded pull
     # for pairs, averages beyond the recent bound dropped; "mean": hivemind's plain weighted mean.
     aggregation: str = "centered_clip"
+    # A replica joining mid-run trains this many optimizer steps with weight 0 in averaging after its
+    # weight sync, to warm its Adam moments, before it counts as a member (node/worker/phases.py).
+    optimizer_sync_steps: int = 100
 
     @property
     def n_slices(self) -> int:
@@ -227,6 +230,8 @@ class SyncConfig:
             raise ConfigError(f"sync.quorum: must be at least 1, got {self.quorum}")
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(f"sync.aggregation: expected one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.optimizer_sync_steps < 0:
+            raise ConfigError(f"sync.optimizer_sync_steps: must be >= 0, got {self.optimizer_sync_steps}")
         if self.average_optimizer_state and self.method == "diloco":
             raise ConfigError("sync.average_optimizer_state: only for method 'sparta' (diloco keeps its own "
                               "outer state)")
@@ -283,9 +288,11 @@ PRESETS: dict[str, RunConfig] = {
         optim=OptimConfig(lr=2e-3, warmup_steps=10, total_steps=400),
         train=TrainConfig(batch_size=8, microbatches=4, seq_len=128, eval_every=50),
         # CPU tests and the demo: a few local steps per round, a rotation of 4 slices, timeouts in
-        # seconds, parts small enough that a slice is split over the group's reducers.
+        # seconds, parts small enough that a slice is split over the group's reducers; a joiner's
+        # optimizer sync half a rotation (the report's is a quarter of 400 steps, but Adam's second
+        # moment, beta2 0.95, needs some 20 steps to warm).
         sync=SyncConfig(every_steps=8, fraction=0.25, matchmaking_s=3.0, request_s=1.0, sender_s=3.0,
-                        reducer_s=6.0, round_s=15.0, part_size_bytes=64 * 1024),
+                        reducer_s=6.0, round_s=15.0, part_size_bytes=64 * 1024, optimizer_sync_steps=16),
     ),
     "small": RunConfig(
         name="small",
@@ -293,7 +300,7 @@ PRESETS: dict[str, RunConfig] = {
         optim=OptimConfig(lr=1e-3, warmup_steps=20, total_steps=1000),
         train=TrainConfig(batch_size=16, microbatches=4, seq_len=256, eval_every=100),
         sync=SyncConfig(every_steps=10, fraction=0.1, matchmaking_s=5.0, request_s=1.0, sender_s=5.0,
-                        reducer_s=10.0, round_s=30.0),
+                        reducer_s=10.0, round_s=30.0, optimizer_sync_steps=25),
     ),
     "pythia-14m": RunConfig(
         name="pythia-14m",

@@ -1,11 +1,20 @@
-"""Exact conversion between our `SubspaceTransformer` and transformers' Llama / GPT-NeoX models.
+"""Exact conversion between our `SubspaceTransformer` and transformers' Llama / GPT-NeoX models,
+and export of the Agora architecture (QK-norm, weightless sublayer output norms) to Qwen3 / Gemma 3.
 
 Design choices:
 - Exact or refused. Every import and export either reproduces the source's logits (up to float
   rounding) or raises `InteropError` naming the one field that cannot be represented: scaled or
-  per-layer RoPE, sliding windows, a head_dim other than hidden/heads, another activation, our
-  Agora-only features (sublayer_norm, qk_norm) on export, GQA or partial rotary where the target
-  family has none. Nothing is approximated silently.
+  per-layer RoPE, sliding windows, a head_dim other than hidden/heads, another activation, GQA or
+  partial rotary where the target family has none. Nothing is approximated silently.
+- The export family follows the architecture: Llama; with `qk_norm` (per-head RMSNorm on queries
+  and keys, before RoPE) Qwen3, which has exactly that; with `sublayer_norm` too (the pluralis-8b
+  geometry: `h = x + norm(sublayer(norm(x)))`, the output norm weightless) Gemma 3's text model,
+  the transformers architecture with both a norm before and after each sublayer and per-head
+  q/k norms. Gemma 3 computes its RMSNorm as `x * (1 + w)`, so every norm weight is exported as
+  `w - 1` (a weightless output norm as 0), and it scales the input embedding by sqrt(hidden), so the
+  embedding is exported divided by it; its activation, attention scale, layer types (all full
+  attention), RoPE base and soft-capping (none) are set to ours. These two are export-only: a
+  model in either family imports as what it is not (Llama), so import refuses them.
 - One dense name map per family. Both directions go through our *dense* parameter names
   (`layers.3.attn.q.weight`); a subspace model is first materialised exactly through
   `TokenEmbedding.dense_weight` (E = T + Z_E U^T) and `OutputProjection.dense_weight`
@@ -26,12 +35,16 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from agora.pipeline.config import ConfigError, ModelConfig
@@ -39,6 +52,7 @@ from agora.pipeline.model import SubspaceTransformer
 
 __all__ = [
     "InteropError",
+    "export_family",
     "from_transformers",
     "to_transformers",
     "save_pretrained",
@@ -75,10 +89,42 @@ _LLAMA_TOP = {"embed": "model.embed_tokens", "final_norm": "model.norm", "lm_hea
 _NEOX_TOP = {"embed": "gpt_neox.embed_in", "final_norm": "gpt_neox.final_layer_norm", "lm_head": "lm_head",
              "layers": "gpt_neox.layers"}
 _NEOX_QKV = "attention.query_key_value"
+_QWEN3_LAYER = {**_LLAMA_LAYER, "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
+_GEMMA3_LAYER = {**_QWEN3_LAYER, "mlp_norm": "pre_feedforward_layernorm"}
+# Gemma 3's norms after each sublayer; ours (sublayer_norm) carry no weight: exported as w - 1 = -1 + 1 = 0.
+_GEMMA3_OUTPUT_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+_FAMILIES = {"llama": (LlamaForCausalLM, _LLAMA_TOP, _LLAMA_LAYER), "neox": (GPTNeoXForCausalLM, _NEOX_TOP, _NEOX_LAYER),
+             "qwen3": (Qwen3ForCausalLM, _LLAMA_TOP, _QWEN3_LAYER), "gemma3": (Gemma3ForCausalLM, _LLAMA_TOP, _GEMMA3_LAYER)}
 
 
-def _tables(arch: str) -> tuple[dict[str, str], dict[str, str]]:
-    return (_LLAMA_TOP, _LLAMA_LAYER) if arch == "llama" else (_NEOX_TOP, _NEOX_LAYER)
+def _tables(family: str) -> tuple[dict[str, str], dict[str, str]]:
+    _, top, layer = _FAMILIES[family]
+    return top, layer
+
+
+def export_family(config: ModelConfig) -> str:
+    """The transformers family `config` exports to ("llama", "neox", "qwen3", "gemma3"; see the module
+    docstring), or InteropError naming the field none of them can represent."""
+    if config.arch == "neox":
+        for field in ("qk_norm", "sublayer_norm"):
+            if getattr(config, field):
+                raise InteropError(f"model.{field}: transformers' gpt_neox has no query/key or sublayer output norm")
+        return "neox"
+    if config.sublayer_norm:
+        if not config.qk_norm:
+            raise InteropError("model.sublayer_norm: without qk_norm no transformers architecture has it (Gemma 3, "
+                               "the one with norms after each sublayer, always normalises queries and keys)")
+        if config.tie_embeddings:
+            raise InteropError("model.tie_embeddings: Gemma 3 scales its input embedding by sqrt(hidden_size), so "
+                               "a head tied to it would be scaled too")
+        family = "gemma3"
+    else:
+        family = "qwen3" if config.qk_norm else "llama"
+    if config.bias and family != "llama":
+        raise InteropError(f"model.bias: transformers' {family} has no MLP biases")
+    if config.rotary_pct != 1.0:
+        raise InteropError(f"model.rotary_pct: {config.rotary_pct} (transformers' {family} rotates whole heads)")
+    return family
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,12 +185,9 @@ def model_config_from(hf_config: PretrainedConfig) -> ModelConfig:
 
 
 def hf_config_from(config: ModelConfig) -> PretrainedConfig:
-    """The transformers config (LlamaConfig or GPTNeoXConfig) of `config`'s dense equivalent."""
+    """The transformers config of `config`'s dense equivalent, in its `export_family`."""
     config.validate()
-    if config.sublayer_norm:
-        raise InteropError("model.sublayer_norm: transformers' llama/gpt_neox have no sublayer output norm")
-    if config.qk_norm:
-        raise InteropError(f"model.qk_norm: transformers' {config.arch} has no query/key norm")
+    family = export_family(config)
     common = dict(
         vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.d_ff,
         num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
@@ -153,12 +196,22 @@ def hf_config_from(config: ModelConfig) -> PretrainedConfig:
         bos_token_id=None, eos_token_id=None, pad_token_id=None,  # the tokenizer, not the model, knows these
     )
     rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
-    if config.arch == "llama":
-        if config.rotary_pct != 1.0:
-            raise InteropError(f"model.rotary_pct: {config.rotary_pct} (transformers' llama rotates whole heads)")
+    if family == "llama":
         return LlamaConfig(
             num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim, hidden_act="silu",
             rms_norm_eps=config.norm_eps, mlp_bias=config.bias, rope_parameters=rope, **common,
+        )
+    if family == "qwen3":
+        return Qwen3Config(num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim, hidden_act="silu",
+                           rms_norm_eps=config.norm_eps, rope_parameters=rope, use_sliding_window=False, **common)
+    if family == "gemma3":
+        return Gemma3TextConfig(
+            num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim, hidden_activation="silu",
+            rms_norm_eps=config.norm_eps, query_pre_attn_scalar=config.head_dim,
+            sliding_window=config.max_seq_len,  # built by Gemma 3 whatever its layers use; none does
+            layer_types=["full_attention"] * config.n_layers,
+            rope_parameters={"full_attention": dict(rope), "sliding_attention": dict(rope)},
+            final_logit_softcapping=None, attn_logit_softcapping=None, **common,
         )
     if config.n_kv_heads != config.n_heads:
         raise InteropError(f"model.n_kv_heads: {config.n_kv_heads} != n_heads (transformers' gpt_neox has no GQA)")
@@ -201,7 +254,8 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int) -
 
 
 def _to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    top, layer = _tables(config.arch)
+    family = export_family(config)
+    top, layer = _tables(family)
     out = {}
     for name, tensor in state.items():
         module, param = name.rsplit(".", 1)
@@ -221,9 +275,22 @@ def _to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
             if not config.bias:  # HF's NeoX MLP always has biases: zero is exact
                 for inner, width in (("mlp.up", config.d_ff), ("mlp.down", config.d_model)):
                     out[f"{top['layers']}.{index}.{layer[inner]}.bias"] = torch.zeros(width)
+    if family == "gemma3":
+        _as_gemma3(out, config)
     if config.tie_embeddings:
         out[f"{top['lm_head']}.weight"] = out[f"{top['embed']}.weight"]
     return out
+
+
+def _as_gemma3(out: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Gemma 3's conventions (module docstring): norms `x * (1 + w)`, the output norms, the embedding scale."""
+    for name in list(out):
+        if name.endswith(("layernorm.weight", "_norm.weight")) or name == "model.norm.weight":
+            out[name] = out[name] - 1.0
+    for index in range(config.n_layers):
+        for norm in _GEMMA3_OUTPUT_NORMS:
+            out[f"model.layers.{index}.{norm}.weight"] = torch.zeros(config.d_model)
+    out["model.embed_tokens.weight"] = out["model.embed_tokens.weight"] / config.d_model ** 0.5
 
 
 def _from_hf_state(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -272,10 +339,10 @@ def from_transformers(hf_model: PreTrainedModel) -> SubspaceTransformer:
 
 @torch.no_grad()
 def to_transformers(model: SubspaceTransformer, attn_implementation: str | None = None) -> PreTrainedModel:
-    """A transformers model of the same family computing the same logits (subspace materialised)."""
+    """A transformers model computing the same logits (subspace materialised), of its `export_family`."""
     config = model.config
     hf_config = hf_config_from(config)
-    family = LlamaForCausalLM if config.arch == "llama" else GPTNeoXForCausalLM
+    family = _FAMILIES[export_family(config)][0]
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     hf_model = family._from_config(hf_config, dtype=torch.float32, **kwargs)
     state = _to_hf_state(dense_state(model), config)

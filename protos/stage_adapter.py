@@ -479,16 +479,26 @@ class _Servicer(stage_pb2_grpc.StageServicer):
         return self._streamed(request_iterator, context, stage_pb2.BackwardRequest, self._handler.backward)
 
 
+# Methods another adapter serves (name -> (client streaming, server streaming)): this loop skips them.
+_SERVED_ELSEWHERE: Mapping[str, tuple[bool, bool]] = MappingProxyType({"DownloadState": (False, True)})
+
+
 def add_stage_service(server: grpc.aio.Server, handler: StageHandler, *,
                       max_stream_bytes: int, chunk_bytes: int, stream_timeout_s: float = 30.0,
-                      inference: InferenceHandler | None = None) -> None:
+                      inference: InferenceHandler | None = None,
+                      extra: Mapping[str, grpc.RpcMethodHandler] = MappingProxyType({})) -> None:
     """Serve `handler` as agora.v1.Stage on `server` (unary and streaming variants alike), with
     tolerant request parsing; `max_stream_bytes` bounds what a refused stream is drained of,
     `stream_timeout_s` how long an admitted one may take after its first part. `inference`
-    serves Prefill, Decode and CloseSession (None: UNIMPLEMENTED)."""
+    serves Prefill, Decode and CloseSession (None: UNIMPLEMENTED). `extra`: methods whose adapter
+    lives in a module of its own (DownloadState: protos/state_adapter.py); a server-streaming
+    method without one answers UNIMPLEMENTED."""
     servicer = _Servicer(handler, max_stream_bytes, chunk_bytes, stream_timeout_s, inference)
-    handlers = {}
+    handlers = dict(extra)
     for method in stage_pb2.DESCRIPTOR.services_by_name["Stage"].methods:
+        if method.name in handlers or _SERVED_ELSEWHERE.get(method.name) == (method.client_streaming,
+                                                                              method.server_streaming):
+            continue
         if method.client_streaming != method.server_streaming:  # the .proto grew a kind this loop does not serve
             raise RuntimeError(f"stage adapter out of date: {method.name} streams one way only")
         factory = (grpc.stream_stream_rpc_method_handler if method.client_streaming

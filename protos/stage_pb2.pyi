@@ -162,6 +162,34 @@ class CloseSessionReply(_message.Message):
     closed: bool
     def __init__(self, closed: _Optional[bool] = ...) -> None: ...
 
+class StateRequest(_message.Message):
+    __slots__ = ("run_id", "stage", "snapshot_id", "offset")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    snapshot_id: str
+    offset: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("snapshot_id", "offset", "data", "total_bytes", "sha256", "step")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    offset: int
+    data: bytes
+    total_bytes: int
+    sha256: str
+    step: int
+    def __init__(self, snapshot_id: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -84,6 +84,11 @@ class StageStub:
                 request_serializer=agora_dot_protos_dot_stage__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=agora_dot_protos_dot_stage__pb2.CloseSessionReply.FromString,
                 _registered_method=True)
+        self.DownloadState = channel.unary_stream(
+                '/agora.v1.Stage/DownloadState',
+                request_serializer=agora_dot_protos_dot_stage__pb2.StateRequest.SerializeToString,
+                response_deserializer=agora_dot_protos_dot_stage__pb2.StateChunk.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -162,6 +167,18 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DownloadState(self, request, context):
+        """Weight sync: a joining replica of this stage (or an operator's export) downloads the stage's
+        whole state, parameters, optimizer moments, step and averaging state, from a snapshot this
+        worker took between two of its compute jobs; it keeps training meanwhile. The state is one
+        byte stream (see StateChunk) sent in chunks from `offset`, so a dropped transfer resumes
+        where it stopped as long as the donor still holds the snapshot. A donor serves a few
+        downloads at once and answers RESOURCE_EXHAUSTED beyond (try another replica).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +231,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=agora_dot_protos_dot_stage__pb2.CloseSessionRequest.FromString,
                     response_serializer=agora_dot_protos_dot_stage__pb2.CloseSessionReply.SerializeToString,
+            ),
+            'DownloadState': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadState,
+                    request_deserializer=agora_dot_protos_dot_stage__pb2.StateRequest.FromString,
+                    response_serializer=agora_dot_protos_dot_stage__pb2.StateChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +508,33 @@ class Stage:
             '/agora.v1.Stage/CloseSession',
             agora_dot_protos_dot_stage__pb2.CloseSessionRequest.SerializeToString,
             agora_dot_protos_dot_stage__pb2.CloseSessionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/agora.v1.Stage/DownloadState',
+            agora_dot_protos_dot_stage__pb2.StateRequest.SerializeToString,
+            agora_dot_protos_dot_stage__pb2.StateChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,12 +6,17 @@ import pytest
 import torch
 from torch import nn
 from torch.testing import assert_close
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+import dataclasses
+import json
 
-from agora.pipeline.config import ModelConfig
+from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, Qwen3ForCausalLM)
+
+from agora.pipeline.config import PRESETS, ModelConfig
 from agora.pipeline.interop import (
     InteropError,
     dense_state,
+    export_family,
     from_transformers,
     hf_config_from,
     model_config_from,
@@ -226,8 +231,10 @@ def test_import_refuses_sliding_window_and_other_models():
 
 
 @pytest.mark.parametrize("changes,field", [
-    (dict(sublayer_norm=True), "sublayer_norm"),
-    (dict(qk_norm=True), "qk_norm"),
+    (dict(sublayer_norm=True), "sublayer_norm"),  # without qk_norm: no architecture has it
+    (dict(qk_norm=True, sublayer_norm=True, tie_embeddings=True), "tie_embeddings"),  # Gemma 3 scales its embedding
+    (dict(qk_norm=True, bias=True), "bias"),  # Qwen3's MLP has no biases
+    (dict(arch="neox", qk_norm=True, n_kv_heads=4, d_ff=256), "qk_norm"),
     (dict(rotary_pct=0.5), "rotary_pct"),
     (dict(arch="neox", n_kv_heads=2, d_ff=256), "n_kv_heads"),
 ])
@@ -237,3 +244,59 @@ def test_export_refuses_what_transformers_cannot_represent(changes, field):
         hf_config_from(config)
     with pytest.raises(InteropError, match=field):
         to_transformers(SubspaceTransformer(config))
+
+
+# --- the Agora architecture (pluralis-8b's QK-norm and weightless sublayer output norms) --------------
+
+# pluralis-8b's architecture on a scaled-down geometry: subspace, GQA, RoPE base 500000, untied head.
+PLURALIS_SHAPED = dataclasses.replace(PRESETS["pluralis-8b"].model, vocab_size=VOCAB, d_model=64, n_layers=3,
+                                      n_heads=4, n_kv_heads=2, d_ff=160, max_seq_len=64, rank=8, layer_split=(1, 1, 1))
+AGORA_CONFIGS = {"gemma3": PLURALIS_SHAPED,  # qk_norm and sublayer_norm
+                 "qwen3": dataclasses.replace(PLURALIS_SHAPED, sublayer_norm=False)}  # qk_norm only
+AGORA_FAMILIES = {"gemma3": Gemma3ForCausalLM, "qwen3": Qwen3ForCausalLM}
+
+
+@pytest.mark.parametrize("family", list(AGORA_CONFIGS))
+def test_the_agora_architecture_exports_exactly_to_its_closest_transformers_family(tmp_path, tokens, family):
+    config = AGORA_CONFIGS[family]
+    assert config.qk_norm and export_family(config) == family
+    model = _randomize(SubspaceTransformer(config), seed=3)  # norm gains away from 1: the w - 1 mapping shows
+    expected = _our_logits(model, tokens)
+    for attn_implementation in ("eager", "sdpa"):
+        hf_model = to_transformers(model, attn_implementation=attn_implementation)
+        assert type(hf_model) is AGORA_FAMILIES[family]
+        assert_close(_hf_logits(hf_model, tokens), expected, **TOLERANCE)
+    save_pretrained(model, tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is AGORA_FAMILIES[family]
+    assert_close(_hf_logits(loaded, tokens), expected, **TOLERANCE)
+
+
+def test_every_preset_has_an_export_family():
+    families = {name: export_family(preset.model) for name, preset in PRESETS.items()}
+    assert families == {"tiny": "llama", "small": "llama", "pythia-14m": "neox", "pluralis-8b": "gemma3"}
+    hf = hf_config_from(PRESETS["pluralis-8b"].model)  # the real geometry's config, without its 8.6B weights
+    assert (hf.model_type, hf.hidden_size, hf.num_hidden_layers, hf.head_dim, hf.num_key_value_heads) == \
+        ("gemma3_text", 5120, 32, 128, 8)
+    assert hf.layer_types == ["full_attention"] * 32 and hf.hidden_activation == "silu"
+    assert hf.rope_parameters["full_attention"]["rope_theta"] == 500000.0
+
+
+def test_export_hf_of_a_pluralis_shaped_checkpoint_from_the_command_line(tmp_path, tokens):
+    from agora.node.cli import main
+    from agora.pipeline.checkpoint import load_checkpoint
+    from agora.pipeline.stages import assemble_model
+
+    toml = tmp_path / "pluralis-shaped.toml"
+    toml.write_text('preset = "pluralis-8b"\n[model]\nvocab_size = 256\nd_model = 64\nn_layers = 3\nn_heads = 4\n'
+                    'n_kv_heads = 2\nd_ff = 160\nmax_seq_len = 64\nrank = 8\nlayer_split = [1, 1, 1]\n'
+                    '[train]\nbatch_size = 2\nmicrobatches = 1\nseq_len = 32\n')
+    checkpoint = tmp_path / "ckpt"
+    assert main(["train-local", "--config", str(toml), "--steps", "2", "--checkpoint-dir", str(checkpoint)]) == 0
+    assert main(["export-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "gemma3_text"
+    _, config, states, _ = load_checkpoint(checkpoint)
+    ours = assemble_model(config.model, [s.model for s in states]).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    inputs = tokens % 256
+    assert_close(_hf_logits(loaded, inputs), _our_logits(ours, inputs), **TOLERANCE)

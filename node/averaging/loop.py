@@ -137,6 +137,9 @@ class AveragingLoop:
         self._event_loop: Optional[asyncio.AbstractEventLoop] = None
         self._replicas: Optional[int] = None  # the board's live replica count, and when it was read
         self._replicas_read_at = -math.inf
+        # Called on the event loop after every round with (result, slice, applied): a joining replica's
+        # phases (node/worker/phases.py) count the slices it has received. An observer must not raise.
+        self.round_observers: list[Callable[[RoundResult, int, bool], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -343,6 +346,8 @@ class AveragingLoop:
         lag = 0 if applied_at is None else applied_at - step
         self.stats.record(result, applied_at is not None, lag)
         self._log(result, index, weight, applied_at is not None, lag)
+        for observer in self.round_observers:
+            observer(result, index, applied_at is not None)
         return result
 
     def _on_step(self, compute: StageCompute) -> None:

@@ -63,6 +63,10 @@ class DemoOptions:
     summary_json: str | None = None
     workdir: str | None = None
     kill_worker_at: int | None = None
+    # After each of these many global batches a new replica of stage 0 joins (a new contributor).
+    join_at: tuple[int, ...] = ()
+    optimizer_sync_steps: int | None = None  # a joiner's optimizer sync (None: the run's sync.optimizer_sync_steps)
+    sync_phases: bool = True  # False: a joiner is a member at once (what joining was before the sync phases)
     averaging: str | None = None  # None: the config's sync.method (and the settings below)
     averaging_every: int | None = None
     averaging_fraction: float | None = None
@@ -93,7 +97,9 @@ class DemoOptions:
                    trainers=args.trainers, sync=args.sync,
                    max_in_flight=args.max_in_flight, pinned_weights=getattr(args, "pinned_weights", None),
                    log_json=args.log_json, summary_json=args.summary_json,
-                   workdir=args.workdir, kill_worker_at=args.kill_worker_at,
+                   workdir=args.workdir, kill_worker_at=args.kill_worker_at, join_at=tuple(getattr(args, "join_at", None) or ()),
+                   optimizer_sync_steps=getattr(args, "optimizer_sync_steps", None),
+                   sync_phases=not getattr(args, "no_sync_phases", False),
                    averaging=getattr(args, "averaging", None), averaging_every=getattr(args, "averaging_every", None),
                    averaging_fraction=getattr(args, "averaging_fraction", None),
                    average_optimizer_state=getattr(args, "average_optimizer_state", None),
@@ -140,8 +146,11 @@ class DemoOptions:
         return self
 
     def worker_flags(self) -> list[str]:
-        """Flags for the workers alone (trainers do not take these): weight pinning."""
-        return [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
+        """Flags for the workers alone (trainers do not take these): weight pinning, the sync phases."""
+        flags = [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
+        if self.optimizer_sync_steps is not None:
+            flags += ["--optimizer-sync-steps", str(self.optimizer_sync_steps)]
+        return flags + ([] if self.sync_phases else ["--no-sync-phases"])
 
     def run_flags(self) -> list[str]:
         """Flags every process of the run takes, the authorizer's served config included (the sync
@@ -247,6 +256,7 @@ def run_demo(options: DemoOptions) -> int:
                 workers.append((stage, start_worker(stage, f"worker-s{stage}-r{replica}", resume_step is not None)))
         group.wait_ready([w for _, w in workers], options.ready_timeout_s)
         trainers += [start_trainer(index, f"trainer-{index}") for index in range(options.trainers)]
+        joined: list[str] = []
         logger.info("swarm up in %.1f s: %d workers, %d trainers", time.monotonic() - started, len(workers),
                     len(trainers))
 
@@ -259,6 +269,12 @@ def run_demo(options: DemoOptions) -> int:
                 group.kill(victim)
                 killed.append(victim.name)
                 logger.warning("fault drill: killed %s with SIGKILL after %d global batches", victim.name, len(lines))
+            while len(joined) < len(options.join_at) and len(lines) >= sorted(options.join_at)[len(joined)]:
+                # A new contributor (own identity, empty state): it syncs before it counts (node/worker/phases.py).
+                name = f"worker-s0-r{options.replicas + len(joined)}"
+                workers.append((0, start_worker(0, name, False)))
+                joined.append(name)
+                logger.warning("a new replica of stage 0 joins after %d global batches", len(lines))
             if chaos is not None and chaos.due(time.monotonic() - started):
                 _chaos_kill(chaos, group, workers, trainers, killed, joins, start_worker, start_trainer,
                             time.monotonic() - started)

@@ -8,9 +8,13 @@ terminal: what happened, how well it trained, how each stage did, and anything t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 __all__ = ["format_summary", "build_summary", "churn_summary", "merge_logs", "latest_per_trainer"]
+
+# node/worker/rebalance.py's milestone line
+_MOVED = re.compile(r"rebalancing: moving to stage (\d+)")
 
 
 def _number(value, digits: int = 4) -> str:
@@ -38,6 +42,9 @@ def format_summary(summary: dict) -> str:
             if stats.get("mean_lag_steps") is not None:
                 text += f", applied {stats['mean_lag_steps']:.2f} steps after the snapshot"
         lines.append(text)
+    for name, history in sorted(summary.get("phases_by_worker", {}).items()):
+        if len(history) > 1:  # it synced before it counted
+            lines.append(f"  {name} joined through " + " -> ".join(f"{phase} at {at:.1f} s" for phase, at in history))
     churn = summary.get("churn")
     if churn:
         units = churn["units"]
@@ -49,6 +56,8 @@ def format_summary(summary: dict) -> str:
         if churn.get("resumed_from_step") is not None:
             text += f"; resumed from step {churn['resumed_from_step']}"
         lines.append(text)
+    for move in summary.get("rebalanced", []):
+        lines.append(f"  {move['name']} moved to stage {move['to']} (its stage was over-covered)")
     trouble = []
     if summary.get("reroutes") or summary.get("busy_retries"):
         trouble.append(f"reroutes {summary.get('reroutes', 0)}, busy retries {summary.get('busy_retries', 0)}")
@@ -92,7 +101,8 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
     tail = lines[-5:]
     per_stage: dict[int, int] = {}
     for stage, worker in workers:
-        if worker.name not in killed:  # the stage's workers at the end
+        if worker.name not in killed:  # the stage's workers at the end (where a rebalanced one ended up)
+            stage = _final_stage(workdir, worker, stage)
             per_stage[stage] = per_stage.get(stage, 0) + 1
     return {
         "outcome": outcome,
@@ -107,6 +117,10 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         "time_split_by_stage": _merge_time_splits([s.get("time_split_by_stage", {}) for s in trainer_summaries]),
         "busy_retries": sum(s.get("busy", 0) for s in trainer_summaries),
         "averaging_by_stage": _averaging_by_stage(workdir, workers),
+        # Each worker's phases and when it entered them (seconds after it started): a replica that
+        # joined mid-run shows weight_sync, optimizer_sync, member (node/worker/phases.py).
+        "phases_by_worker": _phases_by_worker(workdir, workers),
+        "rebalanced": _moves(workers),  # workers that left an over-covered stage for another (their logs)
         "killed": killed,
         "exit_codes": exit_codes,
         "mode": "sync" if options.sync else "async",
@@ -127,6 +141,37 @@ def _count_in_logs(children, text: str) -> int:
     return total
 
 
+def _final_stage(workdir: Path, worker, started_on: int) -> int:
+    """The stage a worker left the run from (its stats file says; a rebalanced one moved)."""
+    try:
+        return int(json.loads((workdir / f"{worker.name}.stats.json").read_text()).get("stage", started_on))
+    except (OSError, ValueError, TypeError):
+        return started_on
+
+
+def _moves(workers) -> list[dict]:
+    moves = []
+    for _, worker in workers:
+        try:
+            text = worker.log_path.read_text(errors="replace")
+        except OSError:
+            continue
+        moves += [{"name": worker.name, "to": int(stage)} for stage in _MOVED.findall(text)]
+    return moves
+
+
+def _phases_by_worker(workdir: Path, workers) -> dict:
+    phases = {}
+    for _, worker in workers:
+        try:
+            history = json.loads((workdir / f"{worker.name}.stats.json").read_text()).get("phases")
+        except (OSError, ValueError):
+            continue
+        if history:
+            phases[worker.name] = history
+    return phases
+
+
 def _averaging_by_stage(workdir: Path, workers) -> dict:
     """Each stage's averaging rounds by outcome, summed over its replicas (from their stats files).
 
@@ -139,7 +184,7 @@ def _averaging_by_stage(workdir: Path, workers) -> dict:
             stats = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        into = merged.setdefault(str(stage), {"method": stats.get("method"), "replicas_reporting": 0,
+        into = merged.setdefault(str(stats.get("stage", stage)), {"method": stats.get("method"), "replicas_reporting": 0,
                                               "rounds_by_outcome": {}, "rejections": {}, "applied": 0, "skipped": 0,
                                               "bytes_sent": 0,
                                               "local_steps": 0, "compute_blocked_s": 0.0, "wall_s": 0.0,

@@ -19,15 +19,15 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 from pathlib import Path
 from typing import Any, Optional
 
 from agora.node.averaging.loop import AveragingLoop
 from agora.node.worker.compute import StageCompute
+from agora.node.worker.state_transfer import snapshot_stage
 from agora.node.worker.worker import StageWorker
-from agora.pipeline.checkpoint import CheckpointError, StageState, load_checkpoint, restore_rng, rng_state, save_checkpoint
+from agora.pipeline.checkpoint import CheckpointError, StageState, load_checkpoint, restore_rng, save_checkpoint
 from agora.pipeline.config import ConfigError, RunConfig
 
 __all__ = ["StageCheckpointer", "restore_stage"]
@@ -73,12 +73,12 @@ class StageCheckpointer:
     async def final(self, compute: StageCompute, *, phase: str) -> Path:
         """The checkpoint written when the worker leaves (its compute thread is shut down by then,
         so nothing else touches the stage); `phase`: the one it had before it began to leave."""
-        return await self._write(compute.optimizer.steps, _snapshot(compute), phase=phase)
+        return await self._write(compute.optimizer.steps, snapshot_stage(compute), phase=phase)
 
     def _on_step(self, compute: StageCompute) -> None:  # compute thread, right after a step
         if compute.optimizer.steps % self.every:
             return
-        snapshot = (compute.optimizer.steps, _snapshot(compute))
+        snapshot = (compute.optimizer.steps, snapshot_stage(compute))
         self._loop.call_soon_threadsafe(self._hand_over, snapshot)
 
     def _hand_over(self, snapshot: tuple[int, StageState]) -> None:
@@ -112,13 +112,6 @@ class StageCheckpointer:
     @staticmethod
     def _samples(state: StageState) -> int:
         return int(state.optimizer.get("samples_total", 0)) if state.optimizer else 0
-
-
-def _snapshot(compute: StageCompute) -> StageState:
-    optimizer = copy.deepcopy(compute.optimizer.state_dict())  # clones the moments: training goes on
-    optimizer["samples_total"] = compute.samples_total
-    model = {name: tensor.detach().clone() for name, tensor in compute.stage.state_dict().items()}
-    return StageState(compute.index, model, optimizer, rng=rng_state())
 
 
 def restore_stage(compute: StageCompute, directory: str | Path, config: RunConfig, *, step: Optional[int] = None

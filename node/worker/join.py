@@ -13,6 +13,10 @@ stage), it averages with the other replicas of its stage in the background (node
 and, with `--stats-file`, writes the averaging counters there as JSON when it leaves.
 With `--metrics-port` it serves Prometheus metrics (worker, gRPC, averaging, credential; see
 monitor/) and names the endpoint in its DHT record, with its averaging counts.
+A replica that joins a stage whose members are ahead of it goes through the sync phases first
+(node/worker/phases.py): weight sync (the stage's state downloaded from a member,
+node/worker/state_download.py; averaging with weight 0 for a rotation), optimizer sync, member.
+Every training worker serves its own state to the next joiner (node/worker/state_transfer.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import signal
 from dataclasses import dataclass
 
@@ -29,7 +34,7 @@ from agora.auth.node_state import NodeCredentials
 from agora.dht.averaging import RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
-from agora.dht.records import TRAINING_PHASES, WorkerRecord
+from agora.dht.records import TRAINING_PHASES, MoveRecord, WorkerRecord, move_key
 from agora.dht.robust import RobustAggregation
 from agora.dht.swarm import SwarmDHT
 from agora.monitor.metrics import CredentialMetrics
@@ -47,14 +52,28 @@ from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.worker.epoch import stage_step
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.node.worker.checkpoints import StageCheckpointer, restore_stage
-from agora.pipeline.checkpoint import checkpoint_steps
+from agora.node.worker.phases import SyncPhases, SyncPolicy
+from agora.node.worker.rebalance import Move, RebalancePolicy, Rebalancer
+from agora.node.worker.state_download import StateDownloader, donor_order
+from agora.node.worker.state_transfer import apply_state, expected_state_bytes
+from agora.node.rpc.tls import InsecureChannels, TlsChannels
+from agora.pipeline.checkpoint import CheckpointError, checkpoint_steps, read_meta
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import run_fingerprint
 
-__all__ = ["EXIT_REVOKED", "JoinOptions", "run_worker", "package_version"]
+__all__ = ["EXIT_REVOKED", "JoinOptions", "WorkerExit", "run_worker", "package_version"]
 
 # Exit status of a worker that left because its credential was revoked (banned) or ran out.
 EXIT_REVOKED = 3
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How the daemon ended: its exit code, and the stage it left to host instead (rebalancing,
+    node/worker/rebalance.py), which the command line starts it again on."""
+
+    code: int
+    move_to: int | None = None
 
 logger = logging.getLogger("agora.node.join")
 
@@ -75,6 +94,12 @@ class JoinOptions:
     authorizer: str | None = None  # host:port to renew the credential with (None: no renewal)
     serve_checkpoint: str | None = None  # serve-only: the checkpoint whose weights this stage serves
     metrics: MetricsOptions = MetricsOptions()  # port 0: no metrics server
+    # The sync phases of a replica joining mid-run (node/worker/phases.py); False joins as a member at once.
+    sync_phases: bool = True
+    optimizer_sync_steps: int | None = None  # None: the run's sync.optimizer_sync_steps
+    state_download_s: float = 480.0  # the whole weight-sync download, over every donor tried
+    rebalance: bool = True  # move to a stage that is short of replicas (node/worker/rebalance.py)
+    rebalance_s: float | None = None  # between two readings of the stages; None: 6 heartbeats
 
 
 def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, security: DHTSecurity | None,
@@ -141,14 +166,26 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
 
         step = await worker.on_compute(lambda c: load_serving_weights(c, options.serve_checkpoint))
         logger.info("serving stage %d of %s (step %d), inference only", options.stage, options.serve_checkpoint, step)
-    elif options.checkpoint_dir and (checkpoint_steps(options.checkpoint_dir) or options.resume_step is not None):
+    elif options.checkpoint_dir and (options.resume_step is not None or (
+            checkpoint_steps(options.checkpoint_dir) and _checkpoints_of_this_stage(options.checkpoint_dir, options.stage))):
         step, averaging_state, saved = await worker.on_compute(
             lambda c: restore_stage(c, options.checkpoint_dir, config, step=options.resume_step))
         logger.info("resumed stage %d at step %d from %s (it was %s)", options.stage, step, options.checkpoint_dir,
                     saved.get("phase", "a member"))
+    else:
+        step, saved = 0, None
     version = package_version()
     seq_len = config.train.seq_len
     fingerprint = run_fingerprint(config).text()  # in every record: trainers skip a mismatched run
+    phases = None
+    if not options.serve_checkpoint:  # before the first announce: a joiner is never routed by mistake
+        phases = SyncPhases(worker, _sync_policy(config, options), config.sync if averager is not None else None)
+        members = _stage_members(swarm, options, config)
+        if options.sync_phases:
+            await phases.begin(own_step=step, resumed_phase=None if saved is None else saved.get("phase", "member"),
+                               members=members)
+        else:
+            phases.enter("member", "join --no-sync-phases")
 
     def record() -> WorkerRecord:
         info = worker.info()
@@ -163,6 +200,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     heartbeat = Heartbeat(swarm, record, interval=options.heartbeat_s)
     await heartbeat.start()
     follow = asyncio.create_task(_follow_stage_epoch(swarm, worker, options), name="stage-epoch")
+    if phases is not None and phases.phase == "weight_sync":
+        downloaded = await _weight_sync(phases, worker, config, options, members, credentials, stop)
+        if downloaded is not None:
+            averaging_state = downloaded.tree.get("averaging")
     averaging = None
     if averager is not None:
         sync = config.sync
@@ -175,6 +216,17 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
             except ValueError as error:  # another method or slicing than this run's: start afresh
                 logger.warning("not resuming the averaging state: %s", error)
         await averaging.start()
+    if worker.state_donor is not None:
+        worker.state_donor.averaging = averaging  # a snapshot for a joiner carries the loop's state
+    if phases is not None and phases.phase != "member":
+        await phases.start(averaging)
+    moves: list[Move] = []
+    rebalancer = None
+    # A move needs a credential for the other stage: from the authorizer, or none at all (--insecure).
+    if options.rebalance and not options.serve_checkpoint and not worker_options.synchronous and (
+            credentials is None or options.authorizer):
+        rebalancer = _rebalancer(swarm, worker, config, options, lambda move: (moves.append(move), stop.set()))
+        rebalancer.start()
     checkpoints = None
     if options.checkpoint_dir and not options.serve_checkpoint:
         checkpoints = StageCheckpointer(worker, options.checkpoint_dir, config, options.checkpoint_every, averaging)
@@ -196,26 +248,114 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     if renewer is not None:
         await renewer.stop()
     follow.cancel()
+    if phases is not None:
+        await phases.stop()
+    if rebalancer is not None:
+        await rebalancer.stop()
+    if moves:
+        await _announce_move(swarm, options, moves[0])
     await heartbeat.stop(withdraw=True)
     if averaging is not None:
         await averaging.stop()
     if checkpoints is not None:
         await checkpoints.stop()
     await worker.stop()
-    if checkpoints is not None:
+    if checkpoints is not None and not moves:  # a mover's state stays with its old stage's members
         # The compute thread is shut down now; nothing else touches the stage, so save here.
         await checkpoints.final(worker.compute, phase=phase)
     if averaging is not None:
         averaging.stats.local_steps = worker.compute.optimizer.steps  # the loop polls it; take the final count
         stats = averaging.stats.snapshot()
         logger.info("averaging: %s", stats)
+        stats["stage"] = options.stage  # the one it ended on (rebalancing moves a worker)
+        if phases is not None:  # the demo's summary: each replica's phases, seconds after it started
+            stats["phases"] = phases.history
+        if worker.state_donor is not None:
+            stats["state_served"] = {"downloads": worker.state_donor.stats.downloads,
+                                     "completed": worker.state_donor.stats.completed,
+                                     "bytes": worker.state_donor.stats.bytes_sent}
         if options.stats_file:
             write_ready_file(options.stats_file, [json.dumps(stats)])  # atomic: never half a file
-    return EXIT_REVOKED if revoked else 0
+    return WorkerExit(EXIT_REVOKED if revoked else 0, moves[0].target if moves and not revoked else None)
+
+
+def _checkpoints_of_this_stage(directory: str, stage: int) -> bool:
+    """False (said in one line) when the newest checkpoint there is another stage's: a worker that moved
+    (rebalancing) starts its new stage afresh, through weight sync, and its next checkpoints replace those."""
+    try:
+        held = read_meta(directory).get("stages")
+    except CheckpointError:
+        return True  # restore_stage falls back to an older one, or says what is wrong
+    if held == [stage]:
+        return True
+    logger.warning("not resuming from %s: it holds stage %s, this worker hosts stage %d", directory, held, stage)
+    return False
+
+
+def _rebalancer(swarm: SwarmDHT, worker: StageWorker, config: RunConfig, options: JoinOptions, on_move) -> Rebalancer:
+    n_stages = len(config.layer_split)
+    fingerprint = run_fingerprint(config)
+    interval = options.rebalance_s if options.rebalance_s is not None else 6 * options.heartbeat_s
+
+    async def read():
+        by_stage = await swarm.all_workers_async(options.run_id, n_stages, fingerprint=fingerprint)
+        moves = await swarm.owned_entries_async(move_key(options.run_id), MoveRecord)
+        return by_stage, [stored.record for stored in moves.values()]
+
+    return Rebalancer(read, n_stages=n_stages, own_peer_id=swarm.peer_id, own_phase=lambda: worker.phase,
+                      policy=RebalancePolicy(interval_s=interval), on_move=on_move)
+
+
+async def _announce_move(swarm: SwarmDHT, options: JoinOptions, move: Move) -> None:
+    """While this worker is in transit to `move.target`, nobody else moves (node/worker/rebalance.py):
+    for long enough to leave, be admitted again and announce itself there."""
+    record = MoveRecord(peer_id=swarm.peer_id, run_id=options.run_id, from_stage=options.stage, to_stage=move.target,
+                        started_at=swarm.clock())
+    try:
+        await swarm.store_async(record.dht_key(), record, max(60.0, 12 * options.heartbeat_s),
+                                subkey=swarm.subkey_of(record.peer_id))
+    except Exception as error:  # the move goes on; a second mover is then possible, not harmful
+        logger.warning("could not announce the move to stage %d: %s", move.target, error)
+
+
+def _sync_policy(config: RunConfig, options: JoinOptions) -> SyncPolicy:
+    steps = config.sync.optimizer_sync_steps if options.optimizer_sync_steps is None else options.optimizer_sync_steps
+    return SyncPolicy(optimizer_sync_steps=steps)
+
+
+def _stage_members(swarm: SwarmDHT, options: JoinOptions, config: RunConfig):
+    """The stage's members other than this node, best donor first (node/worker/state_download.py)."""
+    fingerprint = run_fingerprint(config)
+    rng = random.Random()
+
+    async def members():
+        records = await swarm.live_workers_async(options.run_id, options.stage, fingerprint=fingerprint)
+        return donor_order(records, swarm.peer_id, rng)
+
+    return members
+
+
+async def _weight_sync(phases: SyncPhases, worker: StageWorker, config: RunConfig, options: JoinOptions, members,
+                       credentials: NodeCredentials | None, stop: asyncio.Event):
+    """Download the stage's state (unless the daemon is told to stop first); the download or None."""
+    downloader = StateDownloader(run_id=options.run_id, stage=options.stage, fingerprint=run_fingerprint(config),
+                                 channels=TlsChannels(credentials) if credentials is not None else InsecureChannels(),
+                                 max_bytes=await worker.on_compute(expected_state_bytes),
+                                 timeout_s=options.state_download_s, max_message_bytes=worker.options.max_message_bytes)
+    download = asyncio.create_task(phases.download(downloader, members,
+                                                   lambda tree: worker.on_compute(lambda c: apply_state(c, tree))))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({download, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not download.done():
+        download.cancel()
+        await asyncio.gather(download, return_exceptions=True)
+        return None
+    return download.result()
 
 
 def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions,
-               credentials: NodeCredentials | None = None) -> int:
+               credentials: NodeCredentials | None = None) -> WorkerExit:
     """Blocking: serve until a signal, return the exit code. `credentials`: the node's
     `NodeCredentials` (a worker credential for this run and stage); None serves --insecure."""
     from agora.node.rpc.server import run as run_loop

@@ -40,6 +40,10 @@ Design choices:
   still checked. Forward, Backward and Abort run as the caller (`Caller.owner`): a microbatch
   belongs to whoever ran its forward (PERMISSION_DENIED for anyone else, ALREADY_EXISTS for a
   Forward reusing a pending id). Refusals are counted by reason (`refusals`).
+- Weight sync: every training worker also serves its state to joining replicas of its stage
+  (`DownloadState`, node/worker/state_transfer.py, `max_state_downloads` at once). A worker in
+  phase weight_sync refuses Forward and Backward (FAILED_PRECONDITION): its weights are not the
+  stage's yet. It still counts completed-batch reports, so it keeps the stage's epoch.
 - Inference (Prefill, Decode, CloseSession) is served by node/inference/service.py on the same
   server and compute thread, with queue slots of its own; `serve_only` (join --serve-only) makes a
   worker that answers inference alone: phase "serving" (trainers never route to it), and every
@@ -101,6 +105,7 @@ from agora.node.worker.compute import (
     StageCompute,
 )
 from agora.node.worker.stash import ForwardStash
+from agora.node.worker.state_transfer import StateDonor
 from agora.monitor.worker_metrics import WorkerMetrics
 from agora.pipeline.codec import FLOAT_DTYPES, WireCodec, peek_header
 from agora.pipeline.optim import lr_at
@@ -121,6 +126,7 @@ from agora.protos.stage_adapter import (
     StepRequest,
     add_stage_service,
 )
+from agora.protos.state_adapter import state_method_handlers
 
 __all__ = ["WorkerOptions", "StageWorker", "PHASES"]
 
@@ -166,6 +172,9 @@ class WorkerOptions:
     # Earlier weight versions kept so a backward runs on its forward's weights (node/worker/compute.py);
     # each costs one copy of the stage's trainable parameters. 0: recompute on the current weights.
     pinned_weights: int = DEFAULT_PINNED_VERSIONS
+    # State downloads (weight sync of a joining replica, node/worker/state_transfer.py) served at once;
+    # 0: this worker gives its state to nobody.
+    max_state_downloads: int = 2
     # Inference only (join --serve-only): no training call is served; and the sessions' bounds.
     serve_only: bool = False
     inference: InferenceOptions = InferenceOptions()
@@ -200,6 +209,8 @@ class WorkerOptions:
                               "(Info, health checks and refusals need calls too)")
         if self.pinned_weights < 0:
             raise ConfigError(f"worker.pinned_weights: must be >= 0, got {self.pinned_weights}")
+        if self.max_state_downloads < 0:
+            raise ConfigError(f"worker.max_state_downloads: must be >= 0, got {self.max_state_downloads}")
         if self.stream_timeout_s <= 0:
             raise ConfigError(f"worker.stream_timeout_s: must be positive, got {self.stream_timeout_s}")
         if self.stash_ttl_s <= 0 or self.grace_s < 0:
@@ -268,6 +279,8 @@ class StageWorker:
         self._port: int | None = None
         self._stopping: asyncio.Task | None = None
         self._metrics = metrics
+        # Serves this replica's state to joining ones (DownloadState); None for a serve-only worker.
+        self.state_donor: StateDonor | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -310,13 +323,20 @@ class StageWorker:
 
     @phase.setter
     def phase(self, phase: str) -> None:
-        # The sync phases (later issues) move the worker through these; Info and the DHT report it.
+        # The sync phases (node/worker/phases.py) move the worker through these; Info and the DHT report it.
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
         if phase != self._phase:
             self._logger.info("stage %d worker: phase %s -> %s", self.stage_index, self._phase, phase,
                               extra={"milestone": "phase_changed",
                                      "fields": {"stage": self.stage_index, "from": self._phase, "to": phase}})
+        self._phase = phase
+
+    def start_in_phase(self, phase: str) -> None:
+        """The phase the worker starts in, set before anything has seen another (its first DHT
+        announce): no phase_changed milestone, since it never was in the default one."""
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
         self._phase = phase
 
     def _build_compute(self) -> StageCompute:
@@ -346,9 +366,13 @@ class StageWorker:
         # The registration-wide bound only limits how much of a refused stream is read (and dropped)
         # so that its client sees the status (grpc/grpc#36066); an admitted stream is read under its
         # own method's budget from the geometry (`_admit`).
+        if not self.options.serve_only and self.options.max_state_downloads:
+            self.state_donor = StateDonor(self, max_downloads=self.options.max_state_downloads,
+                                          chunk_bytes=self.options.stream_chunk_bytes, clock=self._clock)
         add_stage_service(server, _StageService(self), max_stream_bytes=self.options.max_stream_bytes,
                           chunk_bytes=self.options.stream_chunk_bytes, stream_timeout_s=self.options.stream_timeout_s,
-                          inference=self._inference)
+                          inference=self._inference,
+                          extra=state_method_handlers(self.state_donor) if self.state_donor is not None else {})
         self._health = add_health_and_reflection(server, [SERVICE_NAME])
         tls = server_credentials(self.credentials) if self.credentials is not None else None
         self._announced_host = announced_host(self.options.host, self.options.announce_host)
@@ -471,6 +495,10 @@ class StageWorker:
         that a refused request never holds one. `partial`: a stream's first part."""
         caller = self._caller()
         self._check_addressing(request.run_id, request.stage)
+        if self._phase == "weight_sync":  # trainers do not route here; one with a stale view is told why
+            raise self._refused(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this stage {self.stage_index} replica is in weight sync: it has not got the stage's "
+                                "state yet and takes no Forward or Backward; route to a member", "weight_sync")
         self._check_shapes(request, partial=partial)
         forward = isinstance(request, ForwardRequest)
         budget = self.geometry.forward_budget() if forward else self.geometry.backward_budget()

@@ -1,0 +1,148 @@
+"""`agora-node export --out DIR`: the whole model, gathered from the swarm, as a checkpoint and a
+transformers export. Only an operator may run it: no contributor ever holds more than its stage.
+
+Design choices:
+- One member replica per stage, through the same state transfer a joiner uses (DownloadState,
+  node/worker/state_download.py): the best announced donor first, the others if it is busy or
+  fails, chunked and resumable, the SHA-256 checked. A worker gives its state to an operator
+  credential of its run (auth/grpc_policy.py, node/worker/state_transfer.py); under --insecure
+  to anyone of the run.
+- A stage with no member announcing itself fails the export in one line naming it (a replica
+  still syncing has not got the stage's state).
+- `DIR/checkpoint` is a complete checkpoint of every stage (parameters, optimizer state, averaging
+  state: pipeline/checkpoint.py), loadable by `train-local --resume`, `export-hf` and
+  `join --serve-only --checkpoint`; its step is the lowest of the stages' (replicas of different
+  stages are a few steps apart in an asynchronous run: each stage's own step and donor are in the
+  checkpoint's `extra`). `DIR/hf` is the transformers export of the assembled model
+  (pipeline/interop.py), which also checks that the stages fit together (a strict load).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from agora.auth.node_state import NodeCredentials
+from agora.dht.security import DHTSecurity
+from agora.dht.swarm import SwarmDHT
+from agora.node.averaging.sparta import stage_parameter_numels
+from agora.node.rpc.tls import InsecureChannels, TlsChannels
+from agora.node.worker.state_download import StateDownloader, StateDownloadError, donor_order
+from agora.node.worker.state_transfer import state_bytes_bound
+from agora.pipeline.checkpoint import StageState, save_checkpoint
+from agora.pipeline.config import ConfigError, RunConfig
+from agora.pipeline.fingerprint import run_fingerprint
+
+__all__ = ["ExportOptions", "run_export", "add_export_command", "cmd_export"]
+
+logger = logging.getLogger("agora.node.export")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    out: str
+    run_id: str
+    initial_peers: tuple[str, ...] = ()
+    timeout_s: float = 480.0  # each stage's download, over every donor tried
+
+
+def run_export(config: RunConfig, options: ExportOptions, credentials: Optional[NodeCredentials]) -> int:
+    """Blocking: gather every stage and write DIR/checkpoint and DIR/hf; 0, or ConfigError in one line."""
+    from agora.node.rpc.server import run as run_loop
+
+    # hivemind forks its DHT process: before the event loop and any gRPC channel exist.
+    security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
+    swarm = SwarmDHT.start(initial_peers=options.initial_peers, client_mode=True, security=security)
+    try:
+        return run_loop(_export(config, options, swarm, credentials))
+    finally:
+        swarm.shutdown()
+
+
+async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
+                  credentials: Optional[NodeCredentials]) -> int:
+    started = time.monotonic()
+    n_stages = len(config.layer_split)
+    fingerprint = run_fingerprint(config)
+    by_stage = await swarm.all_workers_async(options.run_id, n_stages, fingerprint=fingerprint)
+    rng = random.Random()
+    donors = {stage: donor_order(records, swarm.peer_id, rng) for stage, records in by_stage.items()}
+    missing = [stage for stage in range(n_stages) if not donors.get(stage)]
+    if missing:
+        raise ConfigError(f"stage {', '.join(map(str, missing))} of run {options.run_id!r}: no member replica "
+                          "announces itself in the DHT (is the swarm up, and are --initial-peers and --run-id its own?)")
+    channels = TlsChannels(credentials) if credentials is not None else InsecureChannels()
+    states, sources = [], {}
+    for stage in range(n_stages):
+        downloader = StateDownloader(run_id=options.run_id, stage=stage, fingerprint=fingerprint, channels=channels,
+                                     max_bytes=state_bytes_bound(stage_parameter_numels(config.model, stage)),
+                                     timeout_s=options.timeout_s, label="export")
+        try:
+            result = await downloader.download(donors[stage])
+        except StateDownloadError as error:
+            raise ConfigError(f"export: {error}") from None
+        tree = result.tree
+        if not isinstance(tree, dict) or tree.get("stage") != stage or not isinstance(tree.get("model"), dict):
+            raise ConfigError(f"export: the donor of stage {stage} ({result.donor.endpoint}) sent another stage's state")
+        states.append(StageState(stage, tree["model"], tree.get("optimizer"), tree.get("averaging")))
+        sources[str(stage)] = {"peer": result.donor.peer_id, "endpoint": result.donor.endpoint, "step": result.step,
+                               "bytes": result.total_bytes}
+        logger.info("export: stage %d at step %d from %s (%d bytes)", stage, result.step, result.donor.endpoint,
+                    result.total_bytes)
+    return _write(config, options, states, sources, time.monotonic() - started)
+
+
+def _write(config: RunConfig, options: ExportOptions, states: list[StageState], sources: dict, seconds: float) -> int:
+    from agora.pipeline.interop import save_pretrained
+    from agora.pipeline.stages import assemble_model
+
+    try:
+        model = assemble_model(config.model, [state.model for state in states])  # a strict load: they fit together
+    except (RuntimeError, ValueError) as error:
+        raise ConfigError(f"export: the stages' states do not make one model of this run's config: {error}") from None
+    out = Path(options.out)
+    step = min(source["step"] for source in sources.values())
+    checkpoint = save_checkpoint(out / "checkpoint", step, config, states,
+                                 extra={"exported_from": sources, "run_id": options.run_id})
+    hf = save_pretrained(model, out / "hf")
+    steps = ", ".join(f"stage {stage} step {source['step']}" for stage, source in sources.items())
+    print(f"export: {len(states)} stages ({steps}) in {seconds:.1f} s -> {checkpoint} and {hf}")
+    return 0
+
+
+def add_export_command(commands, *, add_run_arguments, run_config) -> None:
+    """Mount `agora-node export` (the run flags and config chooser are the CLI's, passed in)."""
+    from agora.node.admission import add_admission_arguments
+
+    export = commands.add_parser(
+        "export", help="the whole model from the swarm, as a checkpoint and a transformers export (operator)",
+        description="Download one member replica of every stage (an operator credential: `agora-node authorizer "
+                    "issue --role operator`) and write DIR/checkpoint (every stage, optimizer and averaging state "
+                    "included) and DIR/hf (`AutoModelForCausalLM.from_pretrained(DIR/hf)` loads it).")
+    add_run_arguments(export, steps_help="planned run length (only for the run fingerprint)")
+    export.add_argument("--out", required=True, metavar="DIR", help="where DIR/checkpoint and DIR/hf are written")
+    export.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
+    export.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
+                        help="DHT multiaddrs to join through (default: those the operator credential names)")
+    export.add_argument("--timeout", type=float, default=480.0, metavar="S",
+                        help="each stage's download, over every donor tried (default 480)")
+    add_admission_arguments(export)
+    export.set_defaults(handler=lambda args: cmd_export(args, run_config))
+
+
+def cmd_export(args, run_config) -> int:
+    from agora.node.admission import AdmissionOptions, admit_node, config_chooser
+
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout: must be positive, got {args.timeout}")
+    admission = admit_node(AdmissionOptions.from_args(args), role="operator", run_id=args.run_id, stage=None,
+                           config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers))
+    if not admission.initial_peers:
+        raise ConfigError("--initial-peers: the swarm's DHT peers are needed (the operator credential names none)")
+    options = ExportOptions(out=args.out, run_id=admission.run_id, initial_peers=admission.initial_peers,
+                            timeout_s=args.timeout)
+    return run_export(admission.config, options, admission.credentials)

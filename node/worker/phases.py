@@ -1,0 +1,273 @@
+"""A replica's life before it counts: weight sync, optimizer sync, then member (docs/design.md).
+
+A replica that joins a stage mid-run (or comes back without a recent checkpoint) must neither
+average its fresh weights into the trained ones nor take traffic before it holds the stage's state:
+
+- weight_sync: it downloads the stage's whole state from a live member (node/worker/state_download.py),
+  refuses Forward and Backward, and is not routed (trainers route to member and optimizer_sync
+  only); it still counts the trainers' completed-batch reports, so it keeps the stage's epoch. Then
+  it averages with weight 0 (node/averaging/loop.py: weight 0 unless member) until every slice of
+  one SPARTA rotation has come back to it from a round: the download is minutes old by the time it
+  lands on a real run, and each round replaces one slice of it with the members' current mean.
+- optimizer_sync: trainers route to it; it trains on live microbatches, still with weight 0 in
+  averaging, until `optimizer_sync_steps` optimizer steps with updates have warmed its Adam moments
+  (the optimizer state it downloaded is as old as the parameters).
+- member: full weight, and a donor for the next joiner.
+
+Design choices:
+- The decisions are pure functions over what the replica observes (`entry_phase`, `next_phase`),
+  unit-tested without sockets; `SyncPhases` only feeds them and applies what they say.
+- Nothing to download from (no member of the stage announces itself) means the replica is the
+  first of its stage, or the last: it is the stage's state, so it is a member at once. So is one
+  at most `lag_tolerance` steps behind the stage's most advanced member: replicas that start
+  together are identical by construction (name-seeded initialisation), a few steps apart are
+  what averaging evens out, and a download would cost them the rotation for nothing. A replica
+  resumed from a checkpoint that was not a member's syncs again.
+- Fallbacks, so a replica never stays out for good: weight sync ends after `fallback_rotations`
+  rotations' worth of rounds (`n_slices` each) even if some slice's rounds kept failing (counted in
+  rounds, not steps: on a small model steps outpace rounds), and optimizer sync after
+  `fallback_rotations` times its steps counted in stage steps when the trainers sent it too little
+  traffic to update as often. Either is logged.
+- Every phase entered is a `sync_phase` milestone (with why), and every change the worker's
+  `phase_changed` milestone, its DHT record's phase and the `agora_worker_phase` gauge; `history`
+  keeps each phase with its seconds since the daemon started, which the join daemon writes into
+  its stats file for the demo's summary. The download is a `state_downloaded` milestone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Optional, Sequence
+
+from agora.dht.averaging import RoundResult
+from agora.node.worker.compute import StageCompute
+from agora.node.worker.state_download import Donor, DownloadedState, StateDownloader, StateDownloadError
+from agora.node.worker.worker import StageWorker
+from agora.pipeline.config import SyncConfig
+from agora.pipeline.state_wire import StateWireError
+
+__all__ = ["SyncPolicy", "SyncProgress", "entry_phase", "next_phase", "rotation_slices", "SyncPhases"]
+
+logger = logging.getLogger("agora.node.join")
+
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    optimizer_sync_steps: int = 100  # steps with updates in optimizer sync (the Agora run's 100)
+    lag_tolerance: int = 3  # steps behind the stage's members that still join as a member (the Agora run's 3)
+    fallback_rotations: int = 2  # see the module docstring
+
+    def __post_init__(self):
+        if self.optimizer_sync_steps < 0 or self.lag_tolerance < 0 or self.fallback_rotations < 1:
+            raise ValueError("optimizer_sync_steps and lag_tolerance must be >= 0, fallback_rotations >= 1")
+
+
+def rotation_slices(sync: Optional[SyncConfig]) -> int:
+    """Slices (sparta) or fragments (diloco) in one full rotation of the averaging; 0 without averaging
+    (one rotation takes `every_steps` times as many stage steps: 400 with the report's 5% every 20)."""
+    return 0 if sync is None or sync.method == "none" else sync.n_slices
+
+
+def entry_phase(*, own_step: int, resumed_phase: Optional[str], donor_steps: Sequence[int],
+                policy: SyncPolicy) -> str:
+    """Where a starting replica begins: "member" or "weight_sync" (see the module docstring).
+
+    `own_step`: its optimizer step (0 when fresh, a checkpoint's when resumed); `resumed_phase`: the
+    phase its checkpoint was written in (None: fresh); `donor_steps`: the steps the stage's
+    members announce."""
+    if not donor_steps:
+        return "member"
+    if resumed_phase not in (None, "member"):
+        return "weight_sync"
+    return "member" if max(donor_steps) - own_step <= policy.lag_tolerance else "weight_sync"
+
+
+@dataclass(frozen=True)
+class SyncProgress:
+    """What a syncing replica has observed since its phase began."""
+
+    phase: str
+    downloaded: bool  # weight sync: the state is in
+    steps: int  # stage steps counted (completed-batch reports) since the phase began
+    updates: int  # of those, steps that changed its weights (it had microbatches)
+    rounds: int  # averaging rounds it took part in (any outcome) since the download
+    slices_averaged: frozenset[int]  # slices whose round committed since the download
+    n_slices: int  # in one rotation; 0 without averaging
+
+
+def next_phase(progress: SyncProgress, policy: SyncPolicy) -> Optional[tuple[str, str]]:
+    """(the phase to move to, why), or None to stay (pure)."""
+    if progress.phase == "weight_sync":
+        if not progress.downloaded:
+            return None
+        if progress.n_slices == 0:
+            return "optimizer_sync", "state downloaded (no averaging in this run)"
+        if len(progress.slices_averaged) >= progress.n_slices:
+            return "optimizer_sync", f"every one of the {progress.n_slices} slices averaged since the download"
+        if progress.rounds >= policy.fallback_rotations * progress.n_slices:
+            return "optimizer_sync", (f"{progress.rounds} rounds ({policy.fallback_rotations} rotations) ran with "
+                                      f"{len(progress.slices_averaged)} of {progress.n_slices} slices averaged")
+        return None
+    if progress.phase == "optimizer_sync":
+        if progress.updates >= policy.optimizer_sync_steps:
+            return "member", f"{progress.updates} optimizer steps warmed its Adam moments"
+        if progress.steps >= policy.fallback_rotations * max(1, policy.optimizer_sync_steps):
+            return "member", (f"{progress.steps} stage steps passed with only {progress.updates} updates of its own "
+                              "(little traffic routed to it)")
+    return None
+
+
+class SyncPhases:
+    """Moves one started worker through its phases (see the module docstring)."""
+
+    def __init__(self, worker: StageWorker, policy: SyncPolicy, sync: Optional[SyncConfig],
+                 clock: Callable[[], float] = time.monotonic):
+        self.worker, self.policy = worker, policy
+        self.n_slices = rotation_slices(sync)
+        self._clock = clock
+        self._started = clock()
+        self.history: list[tuple[str, float]] = []
+        self.downloaded = False
+        self._slices: set[int] = set()
+        self._steps = 0
+        self._updates = 0
+        self._rounds = 0
+        self._wake = asyncio.Event()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._task: Optional[asyncio.Task] = None
+
+    @property
+    def phase(self) -> str:
+        return self.worker.phase
+
+    def enter(self, phase: str, why: str) -> None:
+        """Set the worker's phase (the record, metrics and milestone follow it) and remember when."""
+        at = round(self._clock() - self._started, 3)
+        logger.info("stage %d: phase %s (%s)", self.worker.stage_index, phase, why,
+                    extra={"milestone": "sync_phase", "fields": {"stage": self.worker.stage_index, "phase": phase,
+                                                                 "why": why, "seconds": at}})
+        if self.history:
+            self.worker.phase = phase  # the worker's phase_changed milestone
+        else:
+            self.worker.start_in_phase(phase)  # before its first announce: it never was in another
+        self.history.append((phase, at))
+        self._steps = self._updates = 0
+
+    def state_downloaded(self) -> None:
+        self.downloaded = True
+        self._steps = self._updates = self._rounds = 0
+        self._slices.clear()
+
+    async def begin(self, *, own_step: int, resumed_phase: Optional[str],
+                    members: Callable[[], Awaitable[Sequence[Donor]]]) -> None:
+        """Decide where this replica starts (`entry_phase`) from the members its stage announces now. If
+        the DHT cannot say, it starts in weight sync, whose download asks again (a replica is never a
+        member by default: that is the mistake the phases exist to prevent)."""
+        donors = await self._members(members, attempts=3)
+        if donors is None:
+            self.enter("weight_sync", "the stage's members could not be read from the DHT")
+            return
+        phase = entry_phase(own_step=own_step, resumed_phase=resumed_phase, donor_steps=[d.step for d in donors],
+                            policy=self.policy)
+        if phase == "member":
+            why = ("no other member of the stage announces itself: this replica is its state" if not donors else
+                   f"at step {own_step}, within {self.policy.lag_tolerance} of the stage's members "
+                   f"(at most step {max(d.step for d in donors)})")
+        else:
+            why = (f"the stage's members are at step {max(d.step for d in donors)}, this replica at {own_step}"
+                   + ("" if resumed_phase in (None, "member") else f" (resumed in phase {resumed_phase})"))
+        self.enter(phase, why)
+
+    async def download(self, downloader: StateDownloader, members: Callable[[], Awaitable[Sequence[Donor]]],
+                       apply: Callable[[object], Awaitable[int]], retry_s: float = 5.0) -> Optional[DownloadedState]:
+        """Weight sync's download: from the members announced now, again after `retry_s` when none gave
+        its state; None when no member is left (this replica then is the stage's state: a member)."""
+        while True:
+            donors = await self._members(members, attempts=1)
+            if donors is None:
+                await asyncio.sleep(retry_s)
+                continue
+            if not donors:
+                self.enter("member", "no member of the stage is left to download from: this replica is its state")
+                return None
+            try:
+                result = await downloader.download(donors)
+                step = await apply(result.tree)
+            except (StateDownloadError, StateWireError) as error:
+                logger.warning("stage %d: weight sync: %s; trying again in %g s", self.worker.stage_index, error,
+                               retry_s)
+                await asyncio.sleep(retry_s)
+                continue
+            self.state_downloaded()
+            fields = {"stage": self.worker.stage_index, "donor": result.donor.peer_id, "step": step,
+                      "bytes": result.total_bytes, "seconds": round(result.seconds, 3), "resumes": result.resumes}
+            logger.info("stage %d: state downloaded from %s at step %d (%d bytes in %.2f s, %d resumes)",
+                        self.worker.stage_index, result.donor.endpoint, result.step, result.total_bytes,
+                        result.seconds, result.resumes, extra={"milestone": "state_downloaded", "fields": fields})
+            return result
+
+    async def _members(self, members: Callable[[], Awaitable[Sequence[Donor]]], attempts: int,
+                       pause_s: float = 1.0) -> Optional[Sequence[Donor]]:
+        for attempt in range(attempts):
+            try:
+                return await members()
+            except Exception as error:  # a DHT hiccup: asked again, never a crash
+                logger.warning("stage %d: could not read the stage's members: %s", self.worker.stage_index, error)
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(pause_s)
+        return None
+
+    async def start(self, averaging=None) -> None:
+        """Watch the stage's steps (a step hook) and the averaging rounds until the replica is a member."""
+        self._loop = asyncio.get_running_loop()
+        if averaging is not None:
+            averaging.round_observers.append(self._on_round)
+        await self.worker.on_compute(lambda compute: compute.step_hooks.append(self._on_step))
+        self._task = asyncio.create_task(self._run(), name="sync-phases")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+            await self._remove_hook()
+
+    def progress(self) -> SyncProgress:
+        return SyncProgress(self.phase, self.downloaded, self._steps, self._updates, self._rounds,
+                            frozenset(self._slices), self.n_slices)
+
+    def _on_step(self, compute: StageCompute) -> None:  # compute thread, after every step or advance
+        updated = compute.last_step is not None and compute.last_step.step == compute.optimizer.steps
+        self._loop.call_soon_threadsafe(self._count_step, updated)
+
+    def _count_step(self, updated: bool) -> None:
+        self._steps += 1
+        self._updates += int(updated)
+        self._wake.set()
+
+    def _on_round(self, result: RoundResult, index: int, applied: bool) -> None:
+        if not self.downloaded:
+            return
+        self._rounds += 1
+        if result.outcome == "committed":
+            self._slices.add(index)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while self.phase in ("weight_sync", "optimizer_sync"):
+            move = next_phase(self.progress(), self.policy)
+            if move is not None:
+                self.enter(*move)
+                continue
+            await self._wake.wait()
+            self._wake.clear()
+        await self._remove_hook()  # a member's steps need no counting
+
+    async def _remove_hook(self) -> None:
+        try:
+            await self.worker.on_compute(lambda compute: compute.step_hooks.remove(self._on_step))
+        except (RuntimeError, ValueError):
+            pass  # the compute thread is gone already, or the hook was removed

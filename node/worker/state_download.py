@@ -1,0 +1,218 @@
+"""Weight sync, the joiner's side: download the stage's state from one of its live members.
+
+Design choices:
+- Donors are the stage's replicas announced in the DHT in phase `member` (not this node), most
+  advanced step first, then least loaded (`donor_order`, pure); ties are broken at random so that
+  joiners arriving together spread over the donors instead of all picking the first.
+- A donor that is full (RESOURCE_EXHAUSTED), refuses (not a member any more, a permission or
+  fingerprint problem) or sends something unusable is left for the next; a transfer that drops
+  (the connection, a deadline, the donor's own timeout) is resumed from the bytes already held,
+  on the same donor and snapshot, up to `resumes_per_donor` times; a snapshot the donor no longer
+  holds (NOT_FOUND) starts over there. The whole download has a deadline (`timeout_s`, the Agora
+  run's 480 s by default) and each chunk one of its own (`next_chunk_s`), so a donor that stalls
+  costs seconds, not the join.
+- Bounded and checked as it arrives (pipeline/state_wire.py): the announced size must fit this
+  stage's own state (`max_bytes`), every chunk must continue the same snapshot at the offset
+  held, and the SHA-256 of the whole stream must equal the donor's before anything is used.
+- Progress: a tqdm bar in bytes on a terminal, a plain line every few seconds otherwise
+  (node/progress.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Sequence
+
+import grpc
+
+from agora.auth.grpc_policy import FINGERPRINT_METADATA
+from agora.dht.records import WorkerRecord
+from agora.node.progress import Progress
+from agora.node.rpc.server import message_options
+from agora.node.rpc.tls import ChannelFactory, worker_server_name
+from agora.pipeline.fingerprint import RunFingerprint
+from agora.pipeline.state_wire import StateReceiver, StateWireError
+from agora.protos.state_adapter import StateChunk, StateRequest, StateStub
+
+__all__ = ["Donor", "donor_order", "StateDownloadError", "DownloadedState", "StateDownloader"]
+
+logger = logging.getLogger("agora.node.worker.state")
+
+# Codes after which a transfer is resumed where it stopped (the link or the donor hiccuped).
+_RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                        grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED})
+
+
+@dataclass(frozen=True)
+class Donor:
+    peer_id: str
+    endpoint: str
+    step: int
+    queue_depth: int = 0
+
+
+def donor_order(records: Sequence[WorkerRecord], own_peer_id: str, rng: random.Random) -> list[Donor]:
+    """The stage's members other than this node, best first: highest step, then least queued (pure)."""
+    donors = [Donor(r.peer_id, r.endpoint, r.step, r.queue_depth) for r in records
+              if r.phase == "member" and r.peer_id != own_peer_id]
+    keyed = [(-d.step, d.queue_depth, rng.random(), d) for d in donors]
+    return [entry[-1] for entry in sorted(keyed, key=lambda entry: entry[:3])]
+
+
+class StateDownloadError(RuntimeError):
+    """No donor gave a usable state before the deadline; the message says what each did."""
+
+
+@dataclass(frozen=True)
+class DownloadedState:
+    tree: Any  # pipeline/state_wire's tree: stage, step, model, optimizer, averaging
+    step: int
+    donor: Donor
+    total_bytes: int
+    seconds: float
+    resumes: int  # transfers resumed after a drop
+    attempts: list[str]  # what each try did, for the log
+
+
+class StateDownloader:
+    """Downloads stage `stage`'s state for a joiner (see the module docstring)."""
+
+    def __init__(self, *, run_id: str, stage: int, fingerprint: RunFingerprint, channels: ChannelFactory,
+                 max_bytes: int, timeout_s: float = 480.0, next_chunk_s: float = 30.0, resumes_per_donor: int = 3,
+                 max_message_bytes: int = 16 * 2**20, show_progress: bool = True, label: str = "weight sync",
+                 clock: Callable[[], float] = time.monotonic):
+        self.run_id, self.stage, self.channels = run_id, stage, channels
+        self._metadata = ((FINGERPRINT_METADATA, fingerprint.text()),)
+        self.max_bytes, self.timeout_s, self.next_chunk_s = max_bytes, timeout_s, next_chunk_s
+        self.resumes_per_donor, self.max_message_bytes = resumes_per_donor, max_message_bytes
+        self.show_progress, self.label = show_progress, label  # the progress bar's: "weight sync", "export"
+        self._clock = clock
+
+    async def download(self, donors: Sequence[Donor]) -> DownloadedState:
+        """The state from the first donor that gives a complete, intact one; StateDownloadError if none
+        does before the deadline (donors are tried in turn, again from the first while time is left)."""
+        if not donors:
+            raise StateDownloadError(f"no member of stage {self.stage} to download its state from")
+        started = self._clock()
+        deadline = started + self.timeout_s
+        attempts: list[str] = []
+        resumes = 0
+        while self._clock() < deadline:
+            for donor in donors:
+                if self._clock() >= deadline:
+                    break
+                result, note, resumed = await self._from(donor, deadline)
+                resumes += resumed
+                attempts.append(f"{donor.endpoint}: {note}")
+                if result is not None:
+                    receiver, step = result
+                    return DownloadedState(receiver.result(), step, donor, receiver.total_bytes,
+                                           self._clock() - started, resumes, attempts)
+            await asyncio.sleep(min(1.0, max(0.0, deadline - self._clock())))  # every donor busy: a pause
+        raise StateDownloadError(f"stage {self.stage}: no donor gave its state within {self.timeout_s:g} s ("
+                                 + "; ".join(attempts[-6:]) + ")")
+
+    async def _from(self, donor: Donor, deadline: float) -> tuple[Optional[tuple[StateReceiver, int]], str, int]:
+        """(receiver and step, or None; what happened; resumes) for one donor."""
+        target = worker_server_name(self.stage, donor.peer_id) if self.channels.secure else None
+        channel = self.channels.open(donor.endpoint, target_name=target,
+                                     options=message_options(self.max_message_bytes))
+        transfer = _Transfer(StateStub(channel), StateRequest(run_id=self.run_id, stage=self.stage), self.max_bytes,
+                             self._metadata, self.label)
+        resumes = 0
+        try:
+            while True:
+                try:
+                    await transfer.run(min(self.next_chunk_s, max(0.0, deadline - self._clock())),
+                                       max(1.0, deadline - self._clock()), self.show_progress)
+                    note = None if transfer.complete else "the stream ended before the state was complete"
+                except grpc.aio.AioRpcError as error:
+                    code = error.code()
+                    note = f"{code.name}: {error.details()}"
+                    if code == grpc.StatusCode.NOT_FOUND and transfer.snapshot is not None:
+                        transfer.restart()  # the donor dropped the snapshot: start over there
+                    elif code not in _RESUMABLE:
+                        level = logging.INFO if code == grpc.StatusCode.RESOURCE_EXHAUSTED else logging.WARNING
+                        logger.log(level, "state download from %s: %s; trying another donor", donor.endpoint, note)
+                        return None, note, resumes
+                except StateWireError as error:
+                    logger.warning("donor %s sent an unusable state: %s", donor.endpoint, error)
+                    return None, f"unusable state: {error}", resumes
+                except asyncio.TimeoutError:
+                    note = f"no chunk for {self.next_chunk_s:g} s"
+                if note is None:
+                    if transfer.receiver.sha256() != transfer.snapshot[1]:
+                        logger.warning("donor %s: the state's SHA-256 differs from what it announced", donor.endpoint)
+                        return None, "SHA-256 mismatch", resumes
+                    return (transfer.receiver, transfer.snapshot[2]), f"{transfer.total_bytes} bytes", resumes
+                if resumes >= self.resumes_per_donor or self._clock() >= deadline:
+                    return None, note, resumes
+                resumes += 1
+                logger.warning("state download from %s interrupted (%s) at %d of %d bytes; resuming", donor.endpoint,
+                               note, transfer.received, transfer.total_bytes)
+        finally:
+            transfer.close()
+            await channel.close()
+
+
+class _Transfer:
+    """One donor's snapshot as received so far, across the calls that resume it."""
+
+    def __init__(self, stub: StateStub, request: StateRequest, max_bytes: int, metadata, label: str):
+        self.stub, self.request, self.max_bytes, self.metadata, self.label = stub, request, max_bytes, metadata, label
+        self.receiver: Optional[StateReceiver] = None
+        self.snapshot: Optional[tuple[str, str, int]] = None  # id, sha256, step
+        self._bar: Optional[Progress] = None
+
+    @property
+    def received(self) -> int:
+        return self.receiver.received if self.receiver is not None else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.receiver.total_bytes if self.receiver is not None else 0
+
+    @property
+    def complete(self) -> bool:
+        return self.receiver is not None and self.receiver.complete
+
+    def restart(self) -> None:
+        self.receiver, self.snapshot = None, None
+
+    async def run(self, next_chunk_s: float, timeout_s: float, show_progress: bool) -> None:
+        """One DownloadState call from where the transfer stands, until the donor ends the stream."""
+        request = replace(self.request, snapshot_id=self.snapshot[0] if self.snapshot else "", offset=self.received)
+        call = self.stub.download(request, metadata=self.metadata, timeout=timeout_s)
+        try:
+            while True:
+                chunk = await asyncio.wait_for(call.next(), next_chunk_s)
+                if chunk is None:
+                    return
+                self._take(chunk, show_progress)
+        finally:
+            call.cancel()  # a no-op once the call ended; drops it when this read failed
+
+    def _take(self, chunk: StateChunk, show_progress: bool) -> None:
+        if self.receiver is None:
+            self.receiver = StateReceiver(chunk.total_bytes, max_bytes=self.max_bytes)
+            self.snapshot = (chunk.snapshot_id, chunk.sha256, chunk.step)
+        elif (chunk.snapshot_id, chunk.sha256, chunk.step) != self.snapshot \
+                or chunk.total_bytes != self.receiver.total_bytes:
+            raise StateWireError("a chunk of another snapshot arrived in the middle of a transfer")
+        if chunk.offset != self.receiver.received:
+            raise StateWireError(f"a chunk at offset {chunk.offset}, but {self.receiver.received} bytes are held")
+        self.receiver.add(chunk.data)
+        if show_progress:
+            if self._bar is None:
+                self._bar = Progress(self.receiver.total_bytes, f"{self.label} (stage {self.request.stage})", unit="B",
+                                     line_every_s=5.0)
+            self._bar.update(self.receiver.received, f"step {chunk.step}", force=self.receiver.complete)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,188 @@
+"""A replica joining mid-run, and a lopsided swarm rebalancing, as real processes.
+
+`agora-node demo --join-at` starts new contributors (own identity, empty state directory, admitted
+by the run's authorizer) for stage 0 while the run trains. Each must go weight_sync ->
+optimizer_sync -> member, downloading the stage's state from a live member over mutual TLS, and
+the run's loss must not jump when they take traffic (a fresh replica routed at once would put its
+initial weights on the route). Two joiners make the swarm lopsided on purpose: three replicas on
+stage 0, one on the tail, which covers about what one head does per token. Exactly one replica of
+stage 0 must move: leave, be admitted again with a credential for stage 1, sync there; then both
+stages cover about the same and nobody moves again.
+
+The test follows the run by its logs (the readiness handshakes: each milestone line) and stops the
+demo with Ctrl-C once everything it checks has happened, so a slow machine only makes it wait.
+"""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+JOINERS = ("worker-s0-r1", "worker-s0-r2")
+MOVED = "rebalancing: moving to stage 1"
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _loss_lines(work: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in _text(work / "trainer-0.jsonl").splitlines() if line.strip()]
+    return {line["step"]: line["loss"] for line in lines}
+
+
+def _arrival(log: str) -> int | None:
+    found = re.search(r"stage 0: phase weight_sync \(the stage's members are at step (\d+)", log)
+    return int(found.group(1)) if found else None
+
+
+def _done(work: Path) -> bool:
+    """Everything the test checks has happened: the joiners are members, one replica moved and is a
+    member of stage 1 again, and 40 global batches passed since the first joiner arrived."""
+    logs = [_text(work / f"{joiner}.log") for joiner in JOINERS]
+    arrivals = [_arrival(log) for log in logs]
+    if None in arrivals or any("stage 0 worker: phase optimizer_sync -> member" not in log for log in logs):
+        return False
+    movers = [_text(path) for path in work.glob("worker-*.log") if MOVED in _text(path)]
+    if len(movers) != 1 or "stage 1 worker: phase optimizer_sync -> member" not in movers[0].split(MOVED)[1]:
+        return False
+    return max(_loss_lines(work), default=0) >= min(arrivals) + 40
+
+
+class LiveRun:
+    """One demo, started once for this module and followed by its logs; `stop()` ends it with Ctrl-C
+    (every role leaves cleanly, the summary is written) and returns the summary."""
+
+    def __init__(self, work: Path):
+        self.work, self.summary_path = work, work.parent / "summary.json"
+        self.output = open(work.parent / "demo.out", "w")  # a file, not a pipe: nobody reads it while it runs
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "agora.node", "demo", "--stages", "2", "--replicas", "1", "--steps", "5000",
+             "--seed", "1", "--join-at", "5", "--join-at", "5", "--averaging-every", "2",
+             "--averaging-fraction", "0.5", "--optimizer-sync-steps", "8", "--no-monitor", "--workdir", str(work),
+             "--summary-json", str(self.summary_path)],
+            stdout=self.output, stderr=subprocess.STDOUT)
+        self.summary: dict | None = None
+
+    def tail(self) -> str:
+        return _text(self.work.parent / "demo.out")[-4000:]
+
+    def wait_until_done(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not _done(self.work) and self.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert self.process.poll() is None, self.tail()
+        assert _done(self.work), f"the run did not get there in {timeout_s:g} s"
+
+    def stop(self) -> dict:
+        if self.summary is None:
+            self.process.send_signal(signal.SIGINT)  # Ctrl-C
+            assert self.process.wait(180) == 0, self.tail()
+            self.summary = json.loads(self.summary_path.read_text())
+        return self.summary
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.output.close()
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    run = LiveRun(tmp_path_factory.mktemp("lopsided") / "work")
+    try:
+        run.wait_until_done(720)
+        yield run
+    finally:
+        run.kill()
+
+
+def test_an_operator_exports_the_live_swarm_and_nobody_else_may(live_run, tmp_path):
+    """`agora-node export`: every stage's state from a member, with an operator credential minted by
+    the run's authorizer, written as a checkpoint and a transformers model computing the same logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agora.node.cli import main
+    from agora.pipeline.checkpoint import load_checkpoint
+    from agora.pipeline.stages import assemble_model
+
+    work = live_run.work
+    operator = tmp_path / "operator"
+    assert main(["authorizer", "issue", "--state-dir", str(work / "authorizer"), "--role", "operator",
+                 "--out", str(operator)]) == 0
+    export = subprocess.run([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "export",
+                             "--state-dir", str(operator), "--out", str(tmp_path / "export")],
+                            capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr
+    assert re.search(r"export: 2 stages \(stage 0 step \d+, stage 1 step \d+\)", export.stdout), export.stdout
+    step, config, states, extra = load_checkpoint(tmp_path / "export" / "checkpoint")
+    assert [state.index for state in states] == [0, 1] and step > 0
+    assert all(state.optimizer["optimizer"]["state"] and state.optimizer["steps"] >= step for state in states)
+    assert set(extra["exported_from"]) == {"0", "1"}
+    ours = assemble_model(config.model, [state.model for state in states]).eval()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "hf").eval()
+    tokens = torch.randint(0, config.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens).logits, ours(tokens), atol=1e-4, rtol=0)
+    # A trainer's credential exports nothing: only the operator holds the whole model.
+    trainer = tmp_path / "trainer"
+    assert main(["authorizer", "issue", "--state-dir", str(work / "authorizer"), "--role", "trainer",
+                 "--out", str(trainer)]) == 0
+    refused = subprocess.run([sys.executable, "-m", "agora.node", "export", "--state-dir", str(trainer),
+                              "--out", str(tmp_path / "refused")], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "not a operator" in refused.stderr, refused.stderr
+    assert not (tmp_path / "refused").exists()
+
+
+def test_joiners_sync_before_they_count_and_a_lopsided_swarm_moves_one_replica(live_run):
+    work = live_run.work
+    summary = live_run.stop()
+    assert summary["outcome"] == "interrupted" and set(summary["exit_codes"].values()) == {0}, summary["exit_codes"]
+
+    # Joining: the original replicas were members from the start; each joiner synced first.
+    phases = summary["phases_by_worker"]
+    assert [phase for phase, _ in phases["worker-s1-r0"]] == ["member"]
+    arrivals = []
+    for joiner in JOINERS:
+        log = (work / f"{joiner}.log").read_text()
+        arrived = _arrival(log)
+        downloaded = re.search(r"stage 0: state downloaded from \S+ at step (\d+) \((\d+) bytes", log)
+        assert downloaded and int(downloaded.group(1)) >= arrived > 0 and int(downloaded.group(2)) > 0
+        joined = log.split(MOVED)[0]  # (a joiner may be the one that moved on)
+        assert "stage 0 worker: phase weight_sync -> optimizer_sync" in joined
+        assert "stage 0 worker: phase optimizer_sync -> member" in joined
+        # It averaged with weight 0 meanwhile: the member's reducer counted it as syncing.
+        assert any("rejected=syncing:1" in line for line in joined.splitlines() if "averaging round=" in line)
+        arrivals.append(arrived)
+    # Their donors said they served the downloads.
+    assert sum(_text(path).count("state download of stage 0 ") for path in work.glob("worker-s0-*.log")) >= 2
+
+    # The run's loss did not jump when the joiners started taking traffic.
+    losses = _loss_lines(work)
+    first = min(arrivals)
+    before = [losses[s] for s in range(first - 10, first)]
+    after = [losses[s] for s in range(first, first + 40)]
+    assert sum(after) / 40 < sum(before) / 10 * 1.05, (before, after)
+
+    # Rebalancing: exactly one replica left stage 0 for stage 1, synced there, and nobody moved again.
+    assert [move["to"] for move in summary["rebalanced"]] == [1], summary["rebalanced"]
+    mover = summary["rebalanced"][0]["name"]
+    after_move = (work / f"{mover}.log").read_text().split(MOVED)[1]
+    for line in ("starting again as stage 1", "admitted as worker stage 1", "stage 1: phase weight_sync",
+                 "stage 1: state downloaded from", "stage 1 worker: phase optimizer_sync -> member"):
+        assert line in after_move, (mover, line)
+    assert [phase for phase, _ in phases[mover]] == ["weight_sync", "optimizer_sync", "member"]
+    assert summary["workers_per_stage"] == {"0": 2, "1": 2}
+    assert "state download of stage 1 " in _text(work / "worker-s1-r0.log")

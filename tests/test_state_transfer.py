@@ -1,0 +1,339 @@
+"""Weight sync's state transfer over real gRPC on 127.0.0.1:0: a donor StageWorker that trains while
+a joiner downloads, through a TCP relay that holds or cuts the real connection mid-transfer.
+
+What is pinned: the joiner's state equals the donor's snapshot exactly (every parameter, every Adam
+moment, the step and sample counts, the averaging state), while the donor's own state has moved on;
+a dropped transfer resumes from the bytes held on the same snapshot; a full donor answers
+RESOURCE_EXHAUSTED and the joiner takes the next; who may download (a worker of the stage, an
+operator) under mutual TLS; and the byte stream's own checks (pipeline/state_wire.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+
+import grpc
+import pytest
+import torch
+
+from agora.auth.authority import RunAuthority
+from agora.auth.grpc_policy import FINGERPRINT_METADATA
+from agora.node.rpc.server import run
+from agora.node.rpc.tls import InsecureChannels, TlsChannels, worker_server_name
+from agora.node.trainer.stage_client import StageClient
+from agora.node.worker.state_download import Donor, StateDownloader, donor_order
+from agora.node.worker.state_transfer import apply_state, download_refusal, expected_state_bytes
+from agora.node.worker.worker import StageWorker, WorkerOptions
+from agora.dht.records import WorkerRecord
+from agora.node.rpc.auth_check import Caller
+from agora.pipeline.config import PRESETS
+from agora.pipeline.fingerprint import run_fingerprint
+from agora.pipeline.state_wire import StateReceiver, StateStream, StateWireError
+from agora.protos.state_adapter import StateRequest, StateStub
+from tests.tcp_relay import TcpRelay
+
+pytestmark = pytest.mark.timeout(120)
+
+CONFIG = PRESETS["tiny"].with_stages(2)
+RUN = "state-run"
+FINGERPRINT = run_fingerprint(CONFIG)
+TAIL = 1
+CHUNK = 64 * 2**10
+
+
+def _tail_batch(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, CONFIG.model.vocab_size, (2, 33), generator=generator)
+    wire = torch.randn(2, 32, CONFIG.model.wire_dim, generator=generator)
+    return tokens[:, :-1], wire, tokens[:, 1:]
+
+
+async def _train(client: StageClient, first_batch: int, batches: int) -> None:
+    """`batches` global batches of one microbatch each through a tail worker, each reported done."""
+    for batch in range(first_batch, first_batch + batches):
+        tokens, wire, targets = _tail_batch(batch)
+        await client.forward(f"b{batch}", tokens, wire, targets)
+        await client.batch_done(batch, 1, 1)
+
+
+def _state_of(compute) -> dict:
+    optimizer = compute.optimizer.state_dict()
+    return {"model": {k: v.clone() for k, v in compute.stage.state_dict().items()},
+            "moments": {i: {k: v.clone() for k, v in entry.items()} for i, entry in optimizer["optimizer"]["state"].items()},
+            "steps": compute.optimizer.steps, "samples": compute.samples_total}
+
+
+def _assert_state_equals(state: dict, tree: dict) -> None:
+    assert state["model"].keys() == tree["model"].keys()
+    for name, tensor in tree["model"].items():
+        assert torch.equal(state["model"][name], tensor), name
+    moments = tree["optimizer"]["optimizer"]["state"]
+    assert state["moments"].keys() == moments.keys() and moments
+    for index, entry in moments.items():
+        for key, value in entry.items():
+            assert torch.equal(state["moments"][index][key], value), (index, key)
+    assert state["steps"] == tree["step"] == tree["optimizer"]["steps"]
+    assert state["samples"] == tree["optimizer"]["samples_total"]
+
+
+def _downloader(channels=None, **kwargs) -> StateDownloader:
+    kwargs.setdefault("max_bytes", 64 * 2**20)
+    return StateDownloader(run_id=RUN, stage=TAIL, fingerprint=FINGERPRINT, channels=channels or InsecureChannels(),
+                           show_progress=False, **kwargs)
+
+
+def _worker(**options) -> StageWorker:
+    return StageWorker(CONFIG, TAIL, run_id=RUN, options=WorkerOptions(stream_chunk_bytes=CHUNK, **options))
+
+
+@contextlib.asynccontextmanager
+async def _donor_and_joiner(**relay):
+    """A donor, a joiner, a trainer's client of the donor, and a relay in front of the donor."""
+    donor, joiner = _worker(), _worker()
+    await donor.start()
+    await joiner.start()
+    client = StageClient(donor.address, run_id=RUN, stage=TAIL, model=CONFIG.model, fingerprint=FINGERPRINT)
+    relay = TcpRelay(donor.address, **relay)
+    try:
+        yield donor, joiner, client, relay
+    finally:
+        await relay.close()
+        await client.close()
+        await donor.stop()
+        await joiner.stop()
+
+
+def test_a_joiner_gets_the_donors_snapshot_exactly_while_the_donor_keeps_training():
+    async def main():
+        async with _donor_and_joiner(hold_after=4 * CHUNK) as (donor, joiner, client, relay):
+            joiner.phase = "weight_sync"
+            await _train(client, 0, 3)
+            donor.state_donor.averaging = _FixedAveragingState({"method": "sparta", "last_round": 7})
+            address = await relay.start()
+            download = asyncio.create_task(_downloader().download([Donor("donor", address, 3)]))
+            await asyncio.wait_for(relay.held.wait(), 30)  # mid-transfer: the donor trains on meanwhile
+            await _train(client, 3, 4)
+            relay.release()
+            result = await download
+            (snapshot,) = donor.state_donor.snapshots
+            assert snapshot["step"] == 3 and result.step == 3 and result.resumes == 0
+            assert result.tree["averaging"] == {"method": "sparta", "last_round": 7}
+            donor_now = await donor.on_compute(_state_of)
+            assert donor_now["steps"] == 7  # trained through the transfer, its state moved on
+            assert any(not torch.equal(donor_now["model"][k], v) for k, v in snapshot["model"].items())
+            step = await joiner.on_compute(lambda c: apply_state(c, result.tree))
+            assert step == 3
+            _assert_state_equals(await joiner.on_compute(_state_of), snapshot)
+            # The joiner refuses training calls while in weight sync (trainers never route there).
+            joiner_client = StageClient(joiner.address, run_id=RUN, stage=TAIL, model=CONFIG.model,
+                                        fingerprint=FINGERPRINT)
+            tokens, wire, targets = _tail_batch(99)
+            with pytest.raises(Exception, match="weight sync"):
+                await joiner_client.forward("x", tokens, wire, targets)
+            await joiner_client.close()
+
+    run(main())
+
+
+class _FixedAveragingState:
+    def __init__(self, state):
+        self.state = state
+
+    def state_dict(self, samples_total: int) -> dict:
+        return dict(self.state)
+
+
+def test_a_dropped_transfer_resumes_on_the_same_snapshot_from_the_bytes_held():
+    async def main():
+        async with _donor_and_joiner(drop_after=10 * CHUNK) as (donor, joiner, client, relay):
+            await _train(client, 0, 2)
+            address = await relay.start()
+            result = await _downloader().download([Donor("donor", address, 2)])
+            assert relay.dropped.is_set() and relay.connections == 2
+            assert result.resumes == 1
+            stats = donor.state_donor.stats
+            assert stats.snapshots == 1 and stats.downloads == 2 and stats.completed == 1 and stats.resumed == 1
+            assert stats.offsets[0] == 0 and 0 < stats.offsets[1] < result.total_bytes
+            # What was sent in all is about one stream: the resume did not start over.
+            assert stats.bytes_sent < result.total_bytes + 12 * CHUNK
+            await joiner.on_compute(lambda c: apply_state(c, result.tree))
+            _assert_state_equals(await joiner.on_compute(_state_of), donor.state_donor.snapshots[0])
+
+    run(main())
+
+
+def test_a_full_donor_answers_resource_exhausted_and_the_joiner_takes_the_next():
+    async def main():
+        busy, spare = _worker(max_state_downloads=1), _worker()
+        await busy.start()
+        await spare.start()
+        relay = TcpRelay(busy.address, hold_after=2 * CHUNK)
+        try:
+            address = await relay.start()
+            holding = asyncio.create_task(_downloader().download([Donor("busy", address, 0)]))
+            await asyncio.wait_for(relay.held.wait(), 30)  # the busy donor's one slot is taken
+            result = await _downloader().download([Donor("busy", busy.address, 0), Donor("spare", spare.address, 0)])
+            assert result.donor.peer_id == "spare"
+            assert busy.state_donor.stats.refused_busy == 1 and any("RESOURCE_EXHAUSTED" in a for a in result.attempts)
+            relay.release()
+            assert (await holding).donor.peer_id == "busy"
+        finally:
+            await relay.close()
+            await busy.stop()
+            await spare.stop()
+
+    run(main())
+
+
+def test_only_a_worker_of_the_stage_or_an_operator_may_download_it_under_mutual_tls(tmp_path):
+    authority = RunAuthority(tmp_path / "ca", run_id=RUN)
+    donor_dir = authority.mint(tmp_path / "donor", role="worker", stage=TAIL)
+    callers = {name: authority.mint(tmp_path / name, role=role, stage=stage)
+               for name, role, stage in (("same", "worker", TAIL), ("other", "worker", 0),
+                                         ("operator", "operator", None), ("trainer", "trainer", None))}
+
+    async def attempt(donor: StageWorker, node) -> str:
+        channels = TlsChannels(node)
+        channel = channels.open(donor.address, target_name=worker_server_name(TAIL, donor.credentials.identity().peer_id))
+        call = StateStub(channel).download(StateRequest(run_id=RUN, stage=TAIL),
+                                           metadata=((FINGERPRINT_METADATA, FINGERPRINT.text()),), timeout=20)
+        try:
+            while await call.next() is not None:
+                pass
+            return "OK"
+        except grpc.aio.AioRpcError as error:
+            return error.code().name
+        finally:
+            await channel.close()
+
+    async def main():
+        donor = StageWorker(CONFIG, TAIL, run_id=RUN, credentials=donor_dir,
+                            options=WorkerOptions(stream_chunk_bytes=CHUNK))
+        await donor.start()
+        try:
+            outcomes = {name: await attempt(donor, node) for name, node in callers.items()}
+        finally:
+            await donor.stop()
+        assert outcomes == {"same": "OK", "other": "PERMISSION_DENIED", "operator": "OK",
+                            "trainer": "PERMISSION_DENIED"}
+
+    run(main())
+
+
+def test_a_replica_that_is_not_a_member_gives_no_state():
+    async def main():
+        syncing = _worker()
+        await syncing.start()
+        syncing.phase = "optimizer_sync"
+        try:
+            with pytest.raises(Exception) as raised:
+                await _downloader(timeout_s=0.5).download([Donor("syncing", syncing.address, 0)])
+            assert "FAILED_PRECONDITION" in str(raised.value) and "not a member" in str(raised.value)
+        finally:
+            await syncing.stop()
+
+    run(main())
+
+
+# ---------------------------------------------------------------------------------------------- pure
+
+
+def _tree():
+    return {"stage": 1, "step": 4, "model": {"w": torch.randn(3, 5), "empty": torch.zeros(0)},
+            "optimizer": {"optimizer": {"state": {0: {"step": torch.tensor(4.0), "exp_avg": torch.randn(3, 5)}},
+                                        "param_groups": [{"betas": (0.9, 0.95), "lr": 3e-4, "params": [0]}]},
+                          "steps": 4, "samples_total": 32},
+            "averaging": None, "flags": torch.tensor([True, False]), "half": torch.randn(4).to(torch.bfloat16),
+            "edge": [math.inf, -0.0, 1e-310]}
+
+
+def _receive(stream: StateStream, pieces: int = 7, max_bytes: int = 10**7):
+    receiver = StateReceiver(stream.total_bytes, max_bytes=max_bytes)
+    offset = 0
+    while offset < stream.total_bytes:
+        data = stream.read(offset, pieces)
+        receiver.add(data)
+        offset += len(data)
+    return receiver
+
+
+def test_the_byte_stream_round_trips_a_state_exactly_in_any_chunking():
+    tree = _tree()
+    stream = StateStream(tree)
+    receiver = _receive(stream)
+    assert receiver.sha256() == stream.sha256()
+    out = receiver.result()
+    assert out["optimizer"]["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)  # a tuple stays a tuple
+    assert list(out["optimizer"]["optimizer"]["state"]) == [0]  # an int key stays an int
+    assert out["edge"][0] == math.inf and math.copysign(1, out["edge"][1]) == -1 and out["edge"][2] == 1e-310
+    for path in (("model", "w"), ("flags",), ("half",)):
+        a, b = tree, out
+        for key in path:
+            a, b = a[key], b[key]
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_the_receiver_refuses_what_does_not_add_up_before_allocating():
+    stream = StateStream(_tree())
+    with pytest.raises(StateWireError, match="at most"):
+        StateReceiver(stream.total_bytes, max_bytes=stream.total_bytes - 1)  # larger than this stage's state
+    head = stream.read(0, stream.total_bytes)
+    manifest_end = 8 + int.from_bytes(head[:8], "big")
+    text = head[8:manifest_end].replace(b'"shape":[3,5]', b'"shape":[9,5]', 1)
+    forged = len(text).to_bytes(8, "big") + text + head[manifest_end:]
+    receiver = StateReceiver(len(forged), max_bytes=10**7)
+    with pytest.raises(StateWireError, match="add up"):
+        receiver.add(forged)
+    pickled = (b"\x80\x04" * 8)
+    with pytest.raises(StateWireError):
+        StateReceiver(len(pickled) + 100, max_bytes=10**7).add(pickled + b"\0" * 100)
+
+
+def test_apply_state_refuses_another_stage_or_shape_and_changes_nothing():
+    from agora.node.worker.compute import StageCompute
+    from agora.node.worker.stash import ForwardStash
+    from agora.pipeline.codec import WireCodec
+
+    compute = StageCompute(CONFIG, TAIL, run_id=RUN, codec=WireCodec("fp32"), stash=ForwardStash(4, 60.0),
+                           synchronous=False)
+    before = _state_of(compute)
+    other = StageCompute(CONFIG, 0, run_id=RUN, codec=WireCodec("fp32"), stash=ForwardStash(4, 60.0),
+                         synchronous=False)
+    from agora.node.worker.state_transfer import snapshot_stage, state_tree
+
+    with pytest.raises(StateWireError, match="not stage 1"):
+        apply_state(compute, state_tree(snapshot_stage(other), 0))
+    good = state_tree(snapshot_stage(compute), 0)
+    name = next(iter(good["model"]))
+    bad = dict(good, model=dict(good["model"], **{name: torch.zeros(1)}))
+    with pytest.raises(StateWireError, match="parameters are not"):
+        apply_state(compute, bad)
+    after = _state_of(compute)
+    assert all(torch.equal(before["model"][k], after["model"][k]) for k in before["model"])
+    assert expected_state_bytes(compute) > StateStream(good).total_bytes
+
+
+def test_donors_are_members_best_first_and_who_may_download():
+    import random
+
+    def record(peer, step, phase="member", queue=0):
+        return WorkerRecord(peer_id=peer, run_id=RUN, endpoint=f"127.0.0.1:{1000 + step}", stage=1, n_stages=2,
+                            throughput=1.0, queue_depth=queue, step=step, phase=phase, version="x", updated_at=0.0,
+                            fingerprint="f")
+
+    records = [record("me", 50), record("a", 40), record("b", 41, queue=3), record("c", 41), record("d", 60, "weight_sync")]
+    assert [d.peer_id for d in donor_order(records, "me", random.Random(0))] == ["c", "b", "a"]
+    from agora.auth.credentials import Identity
+
+    def caller(role, stage):
+        identity = Identity(run_id=RUN, role=role, stage=stage, peer_id="p", serial=1, not_before=0, not_after=time.time())
+        return Caller.of_identity(identity)
+
+    assert download_refusal(caller("worker", 1), 1) is None
+    assert download_refusal(caller("operator", None), 1) is None
+    assert download_refusal(Caller.anonymous_from_peer("ipv4:127.0.0.1:5"), 1) is None  # --insecure
+    assert "stage 0" in download_refusal(caller("worker", 0), 1)
+    assert download_refusal(caller("trainer", None), 1) is not None
