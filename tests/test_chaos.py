@@ -32,5 +32,7 @@ def test_a_chaos_run_finishes_with_every_unit_committed_and_the_loss_of_a_quiet_
     # Every process still running at the end left cleanly; the killed ones are the only non-zeros.
     left = {name: code for name, code in chaos["exit_codes"].items() if name not in chaos["killed"]}
     assert set(left.values()) == {0}, left
-    assert abs(chaos["heldout_loss"] - quiet["heldout_loss"]) / quiet["heldout_loss"] < 0.03, (
-        chaos["heldout_loss"], quiet["heldout_loss"])
+    # Churn must not cost loss. Two asynchronous runs of 60 batches differ by several percent either
+    # way (their staleness follows the machine's timing: 2.82 and 2.90 for the same quiet run), so
+    # the bound is one-sided: no worse than 3% above the quiet run.
+    assert chaos["heldout_loss"] < quiet["heldout_loss"] * 1.03, (chaos["heldout_loss"], quiet["heldout_loss"])
