@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agora.node.demo.processes import ChildFailed, ChildProcess, ProcessGroup, agora_node_command
+from agora.node.demo.processes import ChildFailed, ChildProcess, Placement, ProcessGroup, agora_node_command
 from agora.pipeline.config import ConfigError
 
 __all__ = ["DemoOptions", "run_demo", "merge_logs"]
@@ -163,7 +163,9 @@ def _latest_per_trainer(lines: list[dict]) -> list[dict]:
     return list(latest.values())
 
 
-def run_demo(options: DemoOptions) -> int:
+def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
+    """`placement`: where each process runs (default: this machine's loopback; bench/wan/ puts each
+    in a network namespace of its own behind emulated links)."""
     options.validate()
     if options.serve:
         from agora.node.demo.serving import run_serving_demo
@@ -171,7 +173,7 @@ def run_demo(options: DemoOptions) -> int:
         return run_serving_demo(options)
     workdir = (Path(options.workdir) if options.workdir else Path(tempfile.mkdtemp(prefix="agora-demo-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    group = ProcessGroup(workdir)
+    group = ProcessGroup(workdir) if placement is None else ProcessGroup(workdir, placement=placement)
     started = time.monotonic()
     trainer_logs = [workdir / f"trainer-{t}.jsonl" for t in range(options.trainers)]
     workers: list[tuple[int, ChildProcess]] = []
@@ -200,7 +202,9 @@ def run_demo(options: DemoOptions) -> int:
                 name = f"worker-s{stage}-r{replica}"
                 ready = workdir / f"{name}.ready"
                 # INFO: each averaging round's milestone line lands in the worker's log file.
+                host = group.host(name)
                 command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
+                                             "--host", host, "--dht-host", host,
                                              *options.run_flags(), *swarm, *options.worker_flags(), *admission,
                                              *_state_dir(options, workdir, name),
                                              "--stats-file", str(workdir / f"{name}.stats.json"),
@@ -287,8 +291,9 @@ def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, c
             *common, "authorizer", "issue", "--state-dir", str(workdir / "authorizer"), "--run-id",
             options.run_id, "--role", "operator", "--out", str(workdir / "bootstrap.state"),
             "--lifetime", str(24 * 3600)), options.ready_timeout_s)
-    boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", *boot_flags, "--ready-file",
-                                                       str(boot_ready)), boot_ready)
+    boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", *boot_flags, "--host",
+                                                       group.host("bootstrap"), "--ready-file", str(boot_ready)),
+                       boot_ready)
     return group.wait_ready([boot], options.ready_timeout_s)["bootstrap"]
 
 
@@ -299,7 +304,7 @@ def _start_authorizer(group: ProcessGroup, options: DemoOptions, workdir: Path, 
     lifetime = [] if options.credential_lifetime is None else ["--credential-lifetime", str(options.credential_lifetime)]
     command = agora_node_command(
         *common, "authorizer", "serve", "--state-dir", str(workdir / "authorizer"), "--run-id", options.run_id,
-        "--ready-file", str(ready), *lifetime, "--min-upload-mbit", "0", "--min-download-mbit", "0",
+        "--host", group.host("authorizer"), "--ready-file", str(ready), *lifetime, "--min-upload-mbit", "0", "--min-download-mbit", "0",
         "--max-rtt-ms", "inf", "--min-accelerator-gb", "0", "--min-ram-gb", "0", "--preflight-bytes", str(256 << 10),
         "--join-rate", "20", "--join-burst", "64", *options.run_flags(), "--initial-peers", *maddrs)
     child = group.spawn("authorizer", command, ready)

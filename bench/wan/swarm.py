@@ -1,0 +1,88 @@
+"""`run_wan_demo`: `agora-node demo` with every process in its own namespace behind a profile's links.
+
+The swarm is the demo's (node/demo/demo.py: the same commands, supervision, logs and summary);
+what changes is its `Placement`: each process (bootstrap, authorizer, every worker, every trainer)
+runs as `ip netns exec <its namespace> agora-node <role> --host <its address> ...`, so every byte
+between two of them, the authorizer's preflight and dial-back included, crosses two emulated
+access links and the relay. The offline `authorizer issue` (it only writes files) runs outside.
+
+Before the swarm starts, the links are measured and a profile more than 10% off is refused
+(bench/wan/links.py). Namespaces left by an earlier run that crashed are removed first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from agora.bench.wan.links import PROBE_NODE, measure_faithful
+from agora.bench.wan.profiles import LinkMeasurement, LinkSpec, Profile
+from agora.bench.wan.topology import WanTopology, cleanup_leftovers
+from agora.node.demo.demo import DemoOptions, run_demo
+from agora.node.demo.processes import Placement
+
+__all__ = ["WanRun", "demo_process_names", "straggler_name", "node_links", "run_wan_demo"]
+
+
+@dataclass
+class WanRun:
+    profile: str
+    links: list[LinkMeasurement]
+    summary: dict
+    code: int
+    load_before: tuple[float, float, float]
+    relay: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def demo_process_names(options: DemoOptions) -> list[str]:
+    """The demo's networked processes, by the names it gives them."""
+    names = ["bootstrap"] + ([] if options.insecure else ["authorizer"])
+    names += [f"worker-s{stage}-r{replica}" for stage in range(options.stages or 1)
+              for replica in range(options.replicas)]
+    return names + [f"trainer-{index}" for index in range(options.trainers)]
+
+
+def straggler_name(options: DemoOptions) -> str:
+    """The replica a straggler profile slows: the last replica of the middle stage."""
+    return f"worker-s{(options.stages or 1) // 2}-r{options.replicas - 1}"
+
+
+def node_links(profile: Profile, options: DemoOptions) -> dict[str, LinkSpec]:
+    """Every node's link (the probe's included: unshaped, the profile's round trip)."""
+    links = {name: profile.link for name in demo_process_names(options)}
+    if profile.straggler is not None:
+        links[straggler_name(options)] = profile.straggler
+    links[PROBE_NODE] = LinkSpec(None, None, profile.link.rtt_ms)
+    return links
+
+
+def run_wan_demo(profile: Profile, options: DemoOptions, workdir: Path, *, rate_seconds: float = 4.0,
+                 quiet: bool = True) -> WanRun:
+    """Build the profile's topology, measure and check its links, run the demo on it, tear it down."""
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    cleanup_leftovers()
+    links = node_links(profile, options)
+    load = os.getloadavg()
+    with WanTopology(links, workdir / "net") as topology:
+        representatives = ["bootstrap"] + ([straggler_name(options)] if profile.straggler is not None else [])
+        measured, attempts = measure_faithful(topology, profile.name, representatives, rate_seconds=rate_seconds)
+        placement = Placement(prefix=lambda name: topology.node(name).prefix() if name in topology.nodes else [],
+                              host=lambda name: topology.node(name).address if name in topology.nodes else "127.0.0.1")
+        summary_path = workdir / "summary.json"
+        demo_options = replace(options, workdir=str(workdir / "demo"), summary_json=str(summary_path))
+        started = time.monotonic()
+        with open(workdir / "demo.out", "w") as out, (contextlib.redirect_stdout(out) if quiet
+                                                      else contextlib.nullcontext()):
+            code = run_demo(demo_options, placement)
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        summary.setdefault("wall_s", time.monotonic() - started)
+    if summary.get("outcome") == "interrupted":
+        raise KeyboardInterrupt
+    return WanRun(profile.name, measured, summary, code, load, relay=topology.relay_stats(),
+                  extra={"link_check_attempts": attempts})
