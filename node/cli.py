@@ -52,6 +52,19 @@ def _add_pinned_weights_argument(parser: argparse.ArgumentParser) -> None:
                         help="earlier weight versions a worker keeps so that each backward runs on the weights "
                              "its forward used (one copy of the stage's parameters each; 0: recompute on the "
                              "current weights; default 2)")
+    parser.add_argument("--keep-graphs", type=int, default=None, metavar="N",
+                        help="head and body workers keep up to N forward autograd graphs, so a Backward skips "
+                             "recomputing its forward while the weights are unchanged (memory: the forward's "
+                             "activations each; default 0: recompute every Backward)")
+
+
+def _add_in_flight_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-in-flight", type=int, default=None, metavar="N",
+                        help="a fixed number of microbatches in the pipeline at once (default: adaptive, enough to "
+                             "hide the measured round trips behind the busiest stage's compute)")
+    parser.add_argument("--max-staleness", type=float, default=None, metavar="BATCHES",
+                        help="adaptive depth: at most this many global batches' microbatches in flight (default 1; "
+                             "more in flight is faster over long round trips and converges worse)")
 
 
 def _add_averaging_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,6 +163,8 @@ def _worker_options(args: argparse.Namespace):
     from agora.node.worker.worker import WorkerOptions
 
     pinned = {} if args.pinned_weights is None else {"pinned_weights": args.pinned_weights}
+    if args.keep_graphs is not None:
+        pinned["keep_graphs"] = args.keep_graphs
     return WorkerOptions(host=args.host, port=args.port, announce_host=args.announce_host, synchronous=args.sync,
                          local_batch=args.local_batch, max_queue=args.max_queue, wire_dtype=args.wire_dtype,
                          max_rows=args.max_rows, serve_only=args.serve_only, inference=inference_options(args),
@@ -168,7 +183,10 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
     admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=args.run_id, stage=None,
                            config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers))
     options = TrainerOptions(run_id=admission.run_id, trainer_index=args.trainer_index, trainers=args.trainers,
-                             synchronous=args.sync, max_in_flight=args.max_in_flight, wire_dtype=args.wire_dtype)
+                             synchronous=args.sync, max_in_flight=args.max_in_flight, wire_dtype=args.wire_dtype,
+                             **({} if args.max_staleness is None else {"max_staleness": args.max_staleness}))
+    if options.max_staleness <= 0:
+        raise ConfigError(f"--max-staleness: must be positive, got {options.max_staleness:g}")
     log_json = open(args.log_json, "w") if args.log_json else None
     try:
         summary = run_swarm_trainer(admission.config, options, initial_peers=admission.initial_peers,
@@ -296,9 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_swarm_arguments(trainer)
     trainer.add_argument("--trainer-index", type=int, default=0, help="this trainer's index among --trainers")
     trainer.add_argument("--trainers", type=int, default=1, help="trainers sharing the run's global batches")
-    trainer.add_argument("--max-in-flight", type=int, default=None,
-                         help="microbatches in the pipeline at once (default: half a global batch, which keeps "
-                              "asynchronous staleness under half a step; more is faster and converges worse)")
+    _add_in_flight_arguments(trainer)
     trainer.add_argument("--log-json", default=None, help="write one JSON object per global batch here")
     trainer.add_argument("--summary-json", default=None, help="write the final summary here")
     trainer.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
@@ -313,8 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trainers", type=int, default=1, help="trainer processes")
     demo.add_argument("--sync", action="store_true",
                       help="synchronous mode (needs --replicas 1 --trainers 1): must equal train-local")
-    demo.add_argument("--max-in-flight", type=int, default=None,
-                      help="microbatches in flight per trainer (default: half a global batch)")
+    _add_in_flight_arguments(demo)
     _add_pinned_weights_argument(demo)
     demo.add_argument("--log-json", default=None, help="one JSON line per global batch, run-wide step")
     demo.add_argument("--summary-json", default=None, help="write the run summary here")

@@ -22,6 +22,9 @@ Design choices:
 - One thread, one epoll: receive everything readable, send everything due, sleep until the next
   due frame or the next arrival. A full send queue (the download shaper's) drops the frame, as a
   router would; drops are counted and reported on exit.
+- Real-time scheduling (SCHED_FIFO, low priority) where permitted: a relay that waits for a core
+  holds every frame longer than its delay, so the links would depend on the machine's load. It
+  sleeps in epoll between frames; the kernel's real-time throttling bounds it in any case.
 - Ready handshake: the relay writes its ready file once every socket is bound. SIGTERM ends it.
 """
 
@@ -31,6 +34,7 @@ import argparse
 import errno
 import heapq
 import json
+import os
 import select
 import signal
 import socket
@@ -50,6 +54,7 @@ SO_RCVBUFFORCE = 33
 VNET_HEADER_BYTES = 10  # struct virtio_net_hdr
 MAX_FRAME_BYTES = 65536 + VNET_HEADER_BYTES + 64
 SOCKET_BUFFER_BYTES = 64 * 2**20
+REALTIME_PRIORITY = 10  # of 1..99: above every ordinary process, below the kernel's own threads
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
+    except OSError as error:
+        print(f"relay: running without real-time priority ({error}): delays grow with the machine's load",
+              file=sys.stderr)
     relay.open()
     ready = Path(args.ready_file)
     ready.with_suffix(".tmp").write_text("ready\n")

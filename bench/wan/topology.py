@@ -10,8 +10,14 @@ blocks the next, and `cleanup_leftovers` can tell its remains from a live run's)
 
 Nothing else is connected: the hub has no address and no route, so traffic stays inside these
 namespaces. Every node gets large TCP buffers (a 1 Gbit/s, 150 ms link holds 19 MB in flight;
-Linux's default 4 MB send buffer would cap one flow at ~200 Mbit/s there) and no IPv6 (its
-neighbour discovery would only add frames to relay).
+Linux's default 4 MB send buffer would cap one flow at ~200 Mbit/s there), no IPv6 (its
+neighbour discovery would only add frames to relay), and Reno congestion control. This machine
+defaults to BBR, which paces even a small burst at the bandwidth it has estimated, and an RPC's
+bursts are all it sees: a 16 KiB request and reply took 1.75 round trips at 80 ms instead of one.
+CUBIC, most hosts' default, cannot be a namespace's default unless the host's
+`tcp_allowed_congestion_control` lists it; Reno behaves like it on these flows (the same slow
+start, no pacing) and, with the shapers' two-BDP queues, keeps a link full after a loss.
+`slow_start_after_idle` stays Linux's default (on), as on a contributor's machine.
 
 `down` (also on any exception, Ctrl-C included, through the context manager) stops the relay
 and every process left in the namespaces, then deletes them; it is idempotent. Everything that
@@ -41,6 +47,8 @@ logger = logging.getLogger("agora.bench.wan")
 NAME_PREFIX = "agw-"
 # TCP buffer ceilings in every node namespace (min, default, max bytes).
 TCP_BUFFERS = "4096 131072 67108864"
+# Every node's congestion control (see the module docstring).
+CONGESTION_CONTROL = "reno"
 
 
 class TopologyError(RuntimeError):
@@ -172,7 +180,8 @@ class WanTopology:
         self._namespace(node.namespace)
         inside = node.prefix()
         _run(*inside, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1",
-             f"net.ipv4.tcp_rmem={TCP_BUFFERS}", f"net.ipv4.tcp_wmem={TCP_BUFFERS}")
+             f"net.ipv4.tcp_rmem={TCP_BUFFERS}", f"net.ipv4.tcp_wmem={TCP_BUFFERS}",
+             f"net.ipv4.tcp_congestion_control={CONGESTION_CONTROL}")
         _run("ip", "-n", self.hub, "link", "add", node.hub_interface, "type", "veth", "peer", "name", "eth0",
              "netns", node.namespace)
         _run("ip", "-n", node.namespace, "link", "set", "eth0", "address", node.mac)

@@ -45,8 +45,10 @@ class DemoOptions:
     replicas: int = 1
     trainers: int = 1
     sync: bool = False
-    max_in_flight: int | None = None  # None: the trainer's default (half a global batch)
+    max_in_flight: int | None = None  # None: the trainer's default (adaptive)
+    max_staleness: float | None = None  # None: the trainer's default
     pinned_weights: int | None = None  # None: the workers' default
+    keep_graphs: int | None = None  # None: the workers' default
     log_json: str | None = None
     summary_json: str | None = None
     workdir: str | None = None
@@ -72,7 +74,9 @@ class DemoOptions:
         return cls(config=args.config or "tiny", seed=args.seed, stages=args.stages, batch_size=args.batch_size,
                    microbatches=args.microbatches, steps=args.steps, schedule_steps=args.schedule_steps, replicas=args.replicas,
                    trainers=args.trainers, sync=args.sync,
-                   max_in_flight=args.max_in_flight, pinned_weights=getattr(args, "pinned_weights", None),
+                   max_in_flight=args.max_in_flight, max_staleness=getattr(args, "max_staleness", None),
+                   pinned_weights=getattr(args, "pinned_weights", None),
+                   keep_graphs=getattr(args, "keep_graphs", None),
                    log_json=args.log_json, summary_json=args.summary_json,
                    workdir=args.workdir, kill_worker_at=args.kill_worker_at,
                    averaging=getattr(args, "averaging", None), averaging_every=getattr(args, "averaging_every", None),
@@ -91,6 +95,8 @@ class DemoOptions:
             raise ConfigError("--sync needs --replicas 1 and --trainers 1 (one route, one barrier)")
         if self.pinned_weights is not None and self.pinned_weights < 0:
             raise ConfigError(f"--pinned-weights: must be >= 0, got {self.pinned_weights}")
+        if self.keep_graphs is not None and self.keep_graphs < 0:
+            raise ConfigError(f"--keep-graphs: must be >= 0, got {self.keep_graphs}")
         if not self.heartbeat_s > 0:
             raise ConfigError(f"--heartbeat: must be positive, got {self.heartbeat_s}")
         if self.insecure and self.credential_lifetime is not None:
@@ -107,8 +113,9 @@ class DemoOptions:
         return self
 
     def worker_flags(self) -> list[str]:
-        """Flags for the workers alone (trainers do not take these): weight pinning."""
-        return [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
+        """Flags for the workers alone (trainers do not take these): weight pinning, kept graphs."""
+        flags = [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
+        return flags + ([] if self.keep_graphs is None else ["--keep-graphs", str(self.keep_graphs)])
 
     def run_flags(self) -> list[str]:
         """Flags every process of the run takes, the authorizer's served config included (the sync
@@ -218,6 +225,7 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
                 *_state_dir(options, workdir, f"trainer-{index}"), "--trainer-index", str(index),
                 "--trainers", str(options.trainers),
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
+                *([] if options.max_staleness is None else ["--max-staleness", str(options.max_staleness)]),
                 "--log-json", str(trainer_logs[index]),
                 "--summary-json", str(workdir / f"trainer-{index}.summary.json"),
                 *([] if index == 0 else ["--no-eval"]))
@@ -354,6 +362,8 @@ def _summary(options: DemoOptions, lines: list[dict], workdir: Path, workers, ki
         "workers_per_stage": {str(k): v for k, v in sorted(per_stage.items())},
         "reroutes": sum(s.get("reroutes", 0) for s in trainer_summaries),
         "time_split_by_stage": _merge_time_splits([s.get("time_split_by_stage", {}) for s in trainer_summaries]),
+        "trainer_split": _mean_trainer_split([s.get("trainer_split", {}) for s in trainer_summaries]),
+        "in_flight": [s.get("in_flight") for s in trainer_summaries],
         "busy_retries": sum(s.get("busy", 0) for s in trainer_summaries),
         "averaging_by_stage": _averaging_by_stage(workdir, workers),
         "killed": killed,
@@ -427,6 +437,12 @@ def _merge_time_splits(splits: list[dict]) -> dict:
             if key != "calls":
                 times[key] = round(times[key] / calls, 3)
     return merged
+
+
+def _mean_trainer_split(splits: list[dict]) -> dict:
+    """Each trainer's own split (CPU and time outside calls per microbatch), averaged over trainers."""
+    keys = sorted({key for split in splits for key in split})
+    return {key: round(sum(split.get(key, 0.0) for split in splits) / len(splits), 3) for key in keys} if splits else {}
 
 
 def _print_summary(summary: dict) -> None:

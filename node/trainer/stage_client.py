@@ -32,7 +32,7 @@ import grpc
 import torch
 
 from agora.auth.grpc_policy import FINGERPRINT_METADATA
-from agora.node.rpc.server import message_options
+from agora.node.rpc.server import channel_options
 from agora.node.rpc.tls import ChannelFactory, InsecureChannels, worker_server_name
 from agora.pipeline.codec import WireCodec, WireFormatError, encode_tokens, float_frame_bytes
 from agora.pipeline.config import ModelConfig
@@ -186,7 +186,7 @@ class StageClient:
                 self._retire(self._channel)
             target = worker_server_name(self.stage, self.peer_id) if self.peer_id else None
             self._channel = self.channels.open(self.address, target_name=target,
-                                               options=message_options(self.max_message_bytes))
+                                               options=channel_options(self.max_message_bytes))
             self._stub = StageStub(self._channel)
             self._generation = generation
             self.channels_opened += 1

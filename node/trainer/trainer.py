@@ -10,10 +10,12 @@ attempt, so a late reply of the abandoned route can never be confused with the n
 
 How much is in flight is the asynchronous pipeline's one real trade-off. A microbatch started
 before a worker steps is finished with newer weights: the staleness is about (microbatches in
-flight) / (microbatches per global batch) optimizer steps. Measured on `tiny` (200 batches, 3
-stages, held-out loss / train-local): half a batch in flight 0.998, one batch 1.06, two batches
-1.12, while tokens/s rises with the depth. The default is therefore half a global batch
-(`in_flight_limit`); `--max-in-flight` trades convergence for throughput explicitly.
+flight) / (microbatches per global batch) optimizer steps, and tokens/s rises with the depth until
+the busiest stage is busy all the time. In asynchronous mode the depth adapts to what the trainer
+measures (node/trainer/inflight.py): enough microbatches to hide one microbatch's unqueued
+latency (compute, round trips, the trainer's own work) behind the busiest stage's compute, capped
+by `max_staleness` global batches; `--max-in-flight N` fixes it instead. Synchronous mode keeps
+half a global batch (its barrier closes every batch anyway).
 
 Every replica of every stage steps once per global batch. Synchronous mode (one replica per
 stage) closes each global batch with a Step barrier on every stage: this is the centralized run,
@@ -44,6 +46,7 @@ import torch
 from agora.auth.node_state import NodeCredentials
 from agora.node.rpc.tls import ChannelFactory, TlsChannels
 from agora.node.trainer.discovery import Discovery
+from agora.node.trainer.inflight import DepthEstimate, InFlightLimit
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.stage_client import (
     OutsideWindow,
@@ -77,8 +80,10 @@ class TrainerOptions:
     trainer_index: int = 0
     trainers: int = 1
     synchronous: bool = False
-    # Microbatches in the pipeline at once; None: half a global batch's microbatches (see below).
+    # Microbatches in the pipeline at once; None: adaptive (node/trainer/inflight.py), at most
+    # `max_staleness` global batches' worth (synchronous mode: half a global batch).
     max_in_flight: int | None = None
+    max_staleness: float = 1.0
     max_attempts: int = 6  # routes tried per microbatch before the run fails
     call_timeout_s: float = 60.0
     wait_for_workers_s: float = 60.0  # how long a stage may have no routable worker
@@ -87,8 +92,18 @@ class TrainerOptions:
 
 
 def in_flight_limit(options: TrainerOptions, microbatches: int) -> int:
-    """Microbatches allowed in flight: the option, or half a global batch (staleness <= 1/2 step)."""
-    return options.max_in_flight if options.max_in_flight is not None else max(1, microbatches // 2)
+    """The most microbatches in flight: the fixed depth, half a global batch in synchronous mode, else
+    the staleness cap (`max_staleness` global batches)."""
+    if options.max_in_flight is not None:
+        return options.max_in_flight
+    if options.synchronous:
+        return max(1, microbatches // 2)
+    return max(1, round(options.max_staleness * microbatches))
+
+
+def adaptive_depth(options: TrainerOptions) -> bool:
+    """Whether the depth follows the measured pipeline (node/trainer/inflight.py)."""
+    return options.max_in_flight is None and not options.synchronous
 
 
 def assigned_units(total_steps: int, trainer_index: int, trainers: int) -> list[int]:
@@ -130,9 +145,23 @@ class TrainerStats:
     batch_reports_failed: int = 0  # completed-batch reports a worker did not answer (it lags one step)
     batch_reports_refused: int = 0  # reports outside a replica's window (it lags or runs ahead of its stage)
     times_by_stage: dict[int, StageTimes] = field(default_factory=dict)
+    # Where a training microbatch's time goes on the trainer's side (evaluation not counted): this
+    # process's CPU time during `run`, each microbatch's wall time from its first pick to its loss,
+    # and the part of that spent in calls (round trips); the rest is picking a route, waiting for
+    # completed-batch reports, reruns' pauses and the trainer's own work between calls.
+    cpu_s: float = 0.0
+    microbatch_s: float = 0.0
+    calls_s: float = 0.0
+    depth_max: int = 0  # the most microbatches the (adaptive) limit allowed in flight
 
     def time_split(self) -> dict[str, dict[str, float]]:
         return {str(stage): times.summary() for stage, times in sorted(self.times_by_stage.items())}
+
+    def trainer_split(self) -> dict[str, float]:
+        """Per training microbatch, in ms: this process's CPU time, and its wall time outside calls."""
+        n = max(1, self.microbatches)
+        return {"cpu_ms": round(1e3 * self.cpu_s / n, 3),
+                "outside_calls_ms": round(1e3 * max(0.0, self.microbatch_s - self.calls_s) / n, 3)}
 
 
 class SwarmTrainer:
@@ -165,7 +194,11 @@ class SwarmTrainer:
         self._stage_reports: dict[int, list[asyncio.Task]] = {}
         self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
         self.max_in_flight = in_flight_limit(options, config.train.microbatches)
-        self._in_flight = asyncio.Semaphore(self.max_in_flight)
+        self.adaptive = adaptive_depth(options)
+        # Until the first microbatch is measured: half a global batch (at most the cap).
+        initial = min(self.max_in_flight, max(1, config.train.microbatches // 2)) if self.adaptive else self.max_in_flight
+        self._in_flight = InFlightLimit(initial)
+        self.depth = DepthEstimate(self.n_stages)
 
     # ------------------------------------------------------------------ workers
 
@@ -208,7 +241,7 @@ class SwarmTrainer:
             pause = min(pause * 2, 1.0)
             await self.refresh(force=True)
 
-    async def _timed(self, view: WorkerView, call: Awaitable):
+    async def _timed(self, view: WorkerView, call: Awaitable, training: bool = True):
         self.roster.started(view.peer_id)
         started = self.clock()
         try:
@@ -218,6 +251,8 @@ class SwarmTrainer:
             self.roster.failed(view.peer_id, self.clock(), busy=busy)
             raise
         seconds = self.clock() - started
+        if training:
+            self.stats.calls_s += seconds
         self.roster.succeeded(view.peer_id, seconds)
         times = self.stats.times_by_stage.setdefault(view.stage, StageTimes())
         times.add(seconds, result.compute_s, result.queued_s)
@@ -255,6 +290,9 @@ class SwarmTrainer:
                                 on_stage_done: StageDone | None = None, shares: list[Counter] | None = None) -> float:
         wire: bytes | None = None
         result = None
+        started = self.clock()
+        compute = [0.0] * self.n_stages  # each stage's compute on this microbatch, and all its queueing
+        queued = 0.0
         for stage in range(self.n_stages):
             view = await self._pick(stage, exclude, None if shares is None else shares[stage])
             route.append(view)
@@ -262,8 +300,10 @@ class SwarmTrainer:
                 await self._reported(stage)
             tail = stage == self.n_stages - 1
             result = await self._timed(view, self._client(view).forward(
-                microbatch_id, tokens, wire, targets if tail else None, evaluate=evaluate))
+                microbatch_id, tokens, wire, targets if tail else None, evaluate=evaluate), training=not evaluate)
             wire = result.wire_frame
+            compute[stage] += result.compute_s
+            queued += result.queued_s
         if evaluate:
             return float(result.loss)
         if on_stage_done is not None:
@@ -274,9 +314,22 @@ class SwarmTrainer:
             await self._reported(stage)
             back = await self._timed(view, self._client(view).backward(microbatch_id, grad))
             grad = back.grad_frame
+            compute[stage] += back.compute_s
+            queued += back.queued_s
             if on_stage_done is not None:
                 on_stage_done(stage)
+        await self._observe_depth(self.clock() - started, compute, queued)
         return float(result.loss)
+
+    async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:
+        """Feed one training microbatch to the depth estimate and resize the in-flight limit."""
+        self.depth.observe(wall_s, compute, queued_s)
+        if not self.adaptive:
+            return
+        depth = self.depth.depth(cap=self.max_in_flight)
+        if depth is not None and depth != self._in_flight.limit:
+            await self._in_flight.set(depth)
+        self.stats.depth_max = max(self.stats.depth_max, self._in_flight.limit)
 
     async def _reported(self, stage: int) -> None:
         """Wait until the stage's replicas have taken the completed-batch reports sent to them last.
@@ -391,9 +444,13 @@ class SwarmTrainer:
 
         async def one(index: int, batch: torch.Tensor) -> float:
             async with self._in_flight:
-                return await self.run_microbatch(f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
-                                                 on_stage_done=None if self.options.synchronous else stage_done(index),
-                                                 shares=shares)
+                started = self.clock()
+                try:
+                    return await self.run_microbatch(
+                        f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
+                        on_stage_done=None if self.options.synchronous else stage_done(index), shares=shares)
+                finally:
+                    self.stats.microbatch_s += self.clock() - started
 
         losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))
         grad_norms: list[float] = []
@@ -422,6 +479,7 @@ class SwarmTrainer:
         """
         await self.refresh(force=True)
         self._run_started = self.clock()
+        cpu_started = time.process_time()
         records = self.records
         window = 1 if self.options.synchronous else \
             1 + -(-self.max_in_flight // self.config.train.microbatches)
@@ -450,6 +508,7 @@ class SwarmTrainer:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             await asyncio.gather(*self._reports, return_exceptions=True)  # short timeouts each
+            self.stats.cpu_s += time.process_time() - cpu_started
         return records
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
@@ -460,6 +519,14 @@ class SwarmTrainer:
                 losses.append(await self.run_microbatch(f"eval{index}.{part}", micro[:, :-1], micro[:, 1:],
                                                         evaluate=True))
         return sum(losses) / max(1, len(losses))
+
+    def in_flight_summary(self) -> dict:
+        """The depth: how it was set, its cap, the last and the largest limit, and what it was derived from."""
+        estimate = self.depth
+        return {"mode": "adaptive" if self.adaptive else "fixed", "cap": self.max_in_flight,
+                "last": self._in_flight.limit, "max": max(self.stats.depth_max, self._in_flight.limit),
+                "latency_ms": round(1e3 * estimate.latency_s, 2),
+                "stage_compute_ms": [round(1e3 * c, 2) for c in estimate.stage_compute_s]}
 
     async def __aenter__(self) -> "SwarmTrainer":
         return self
@@ -541,6 +608,8 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "aborts": trainer.stats.aborts, "batch_reports_failed": trainer.stats.batch_reports_failed,
                 "batch_reports_refused": trainer.stats.batch_reports_refused,
                 "time_split_by_stage": trainer.stats.time_split(),
+                "trainer_split": trainer.stats.trainer_split(),
+                "in_flight": trainer.in_flight_summary(),
             }
 
     try:

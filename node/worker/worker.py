@@ -158,6 +158,9 @@ class WorkerOptions:
     # Earlier weight versions kept so a backward runs on its forward's weights (node/worker/compute.py);
     # each costs one copy of the stage's trainable parameters. 0: recompute on the current weights.
     pinned_weights: int = DEFAULT_PINNED_VERSIONS
+    # Head/body forward graphs kept so that Backward skips the recompute (node/worker/kept_graphs.py);
+    # each costs the forward's activations. 0: recompute every Backward.
+    keep_graphs: int = 0
     # Inference only (join --serve-only): no training call is served; and the sessions' bounds.
     serve_only: bool = False
     inference: InferenceOptions = InferenceOptions()
@@ -192,6 +195,8 @@ class WorkerOptions:
                               "(Info, health checks and refusals need calls too)")
         if self.pinned_weights < 0:
             raise ConfigError(f"worker.pinned_weights: must be >= 0, got {self.pinned_weights}")
+        if self.keep_graphs < 0:
+            raise ConfigError(f"worker.keep_graphs: must be >= 0, got {self.keep_graphs}")
         if self.stream_timeout_s <= 0:
             raise ConfigError(f"worker.stream_timeout_s: must be positive, got {self.stream_timeout_s}")
         if self.stash_ttl_s <= 0 or self.grace_s < 0:
@@ -310,7 +315,7 @@ class StageWorker:
             codec=WireCodec(options.wire_dtype, max_bytes=options.max_stream_bytes),
             stash=ForwardStash(options.stash_capacity, options.stash_ttl_s, clock=self._clock),
             synchronous=options.synchronous, local_batch=options.local_batch,
-            pinned_versions=options.pinned_weights,
+            pinned_versions=options.pinned_weights, keep_graphs=options.keep_graphs,
         )
 
     async def start(self) -> int:
