@@ -67,6 +67,12 @@ def _add_in_flight_arguments(parser: argparse.ArgumentParser) -> None:
                              "more in flight is faster over long round trips and converges worse)")
 
 
+def _add_time_budget_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--time-budget", type=float, default=None, metavar="S",
+                        help="trainers start no global batch after S seconds of training (those in flight "
+                             "finish, then the held-out evaluation); --steps still sets the schedule")
+
+
 def _add_averaging_arguments(parser: argparse.ArgumentParser) -> None:
     """How replicas of a stage stay together; must be identical on every worker of the run."""
     parser.add_argument("--averaging", default=None, choices=["sparta", "diloco", "none"],
@@ -184,7 +190,10 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
                            config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers))
     options = TrainerOptions(run_id=admission.run_id, trainer_index=args.trainer_index, trainers=args.trainers,
                              synchronous=args.sync, max_in_flight=args.max_in_flight, wire_dtype=args.wire_dtype,
+                             time_budget_s=args.time_budget,
                              **({} if args.max_staleness is None else {"max_staleness": args.max_staleness}))
+    if args.time_budget is not None and not args.time_budget > 0:
+        raise ConfigError(f"--time-budget: must be positive, got {args.time_budget:g}")
     if options.max_staleness <= 0:
         raise ConfigError(f"--max-staleness: must be positive, got {options.max_staleness:g}")
     log_json = open(args.log_json, "w") if args.log_json else None
@@ -200,6 +209,15 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
         Path(args.summary_json).write_text(text + "\n")
     print(text)
     return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from agora.bench.suite import main as bench_main
+
+    try:
+        return bench_main(args)
+    except ValueError as error:  # an unknown profile or preset, in one line
+        raise ConfigError(str(error)) from None
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -315,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--trainer-index", type=int, default=0, help="this trainer's index among --trainers")
     trainer.add_argument("--trainers", type=int, default=1, help="trainers sharing the run's global batches")
     _add_in_flight_arguments(trainer)
+    _add_time_budget_argument(trainer)
     trainer.add_argument("--log-json", default=None, help="write one JSON object per global batch here")
     trainer.add_argument("--summary-json", default=None, help="write the final summary here")
     trainer.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
@@ -331,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="synchronous mode (needs --replicas 1 --trainers 1): must equal train-local")
     _add_in_flight_arguments(demo)
     _add_pinned_weights_argument(demo)
+    _add_time_budget_argument(demo)
     demo.add_argument("--log-json", default=None, help="one JSON line per global batch, run-wide step")
     demo.add_argument("--summary-json", default=None, help="write the run summary here")
     demo.add_argument("--workdir", default=None, help="keep logs and ready files here (default: a temp folder)")
@@ -350,6 +370,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--checkpoint", default=None, metavar="C", help="with --serve: the checkpoint to serve")
     demo.add_argument("--http-port", type=int, default=8000, metavar="P", help="with --serve: the API's port")
     demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
+
+    bench = commands.add_parser("bench", help="the benchmark suite: one run, one results table (bench/RESULTS.md)",
+                                description="Run the benchmark suite (wire bytes, swarm vs train-local, the WAN "
+                                            "profiles, averaging at equal time and equal tokens) and write its "
+                                            "table; the WAN rows need root.")
+    bench.add_argument("--quick", action="store_true",
+                       help="every row with a few steps each (minutes): checks the suite runs, not its figures; "
+                            "writes to a temporary folder unless --out")
+    bench.add_argument("--profile", action="append", default=None, metavar="P",
+                       help="WAN profile for row 3 (repeatable; default: every profile, --quick: lan and "
+                            "agora-floor)")
+    bench.add_argument("--config", action="append", default=None, metavar="PRESET",
+                       help="preset for rows 2 and 3 (repeatable; default tiny and small, --quick: tiny)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", default=None, help="the results file (default bench/RESULTS.md)")
+    bench.add_argument("--json", default=None, metavar="F", help="also write every raw figure here")
+    bench.add_argument("--workdir", default=None, help="keep every run's logs here (default: a temp folder)")
+    bench.set_defaults(handler=_cmd_bench)
 
     from agora.node.authorizer import add_authorizer_commands
 

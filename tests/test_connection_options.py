@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from agora.node.rpc.server import channel_options, run, server_options
+from agora.node.rpc.server import SLOW_START_SYSCTL, channel_options, run, server_options, slow_start_hint
 from agora.node.trainer.stage_client import StageClient
 from agora.node.worker.worker import StageWorker
 from agora.pipeline.config import PRESETS
@@ -26,6 +26,20 @@ def test_servers_accept_the_pings_clients_send():
     assert server["grpc.http2.min_ping_interval_without_data_ms"] <= client["grpc.keepalive_time_ms"]
     assert client["grpc.keepalive_timeout_ms"] < client["grpc.keepalive_time_ms"]
     assert client["grpc.default_compression_algorithm"] == server["grpc.default_compression_algorithm"] == 0
+
+
+def test_a_host_that_restarts_slow_start_after_idle_is_told_what_to_set():
+    def reading(value):
+        def read(path):
+            assert path == SLOW_START_SYSCTL
+            if value is None:
+                raise FileNotFoundError(path)
+            return value
+        return read
+
+    assert "sysctl -w net.ipv4.tcp_slow_start_after_idle=0" in slow_start_hint(reading("1\n"))
+    assert slow_start_hint(reading("0\n")) is None
+    assert slow_start_hint(reading(None)) is None  # not Linux: nothing to say
 
 
 class CountingProxy:

@@ -219,3 +219,32 @@ def test_workers_stepping_on_their_own_count_are_told_once_and_then_left_alone(d
     records, trainer, steps_taken = asyncio.run(main())
     assert len(records) == 3 and steps_taken == [3, 3]  # a full local batch per global batch
     assert trainer._unreported == {"s0", "s1"} and trainer.stats.batch_reports_failed == 0
+
+
+def test_a_time_budget_stops_starting_global_batches(data):
+    """The clock jumps past the budget once the first global batch is recorded: no batch starts
+    after it, the run ends, and the held-out evaluation still runs."""
+    import time
+
+    config = _config()
+    offset = [0.0]
+
+    def clock() -> float:
+        return time.monotonic() + offset[0]
+
+    def on_record(record) -> None:
+        offset[0] += 100.0
+
+    async def main():
+        workers, discovery = await _swarm(config, 1, synchronous=True)
+        try:
+            options = TrainerOptions(run_id="test", synchronous=True, time_budget_s=50.0)
+            async with SwarmTrainer(config, data, discovery, options, clock=clock, on_record=on_record) as t:
+                records = await t.run(6)
+                held_out = await t.evaluate(data.heldout_batches(1, config.train.batch_size))
+            return records, held_out
+        finally:
+            await asyncio.gather(*(w.stop(0) for w in workers))
+
+    records, held_out = asyncio.run(main())
+    assert [r.step for r in records] == [1] and held_out > 0

@@ -18,6 +18,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Iterator
 
 from agora.bench.wan.links import PROBE_NODE, measure_faithful
 from agora.bench.wan.profiles import LinkMeasurement, LinkSpec, Profile
@@ -25,7 +26,8 @@ from agora.bench.wan.topology import WanTopology, cleanup_leftovers
 from agora.node.demo.demo import DemoOptions, run_demo
 from agora.node.demo.processes import Placement
 
-__all__ = ["WanRun", "demo_process_names", "straggler_name", "node_links", "run_wan_demo"]
+__all__ = ["WanRun", "WanSession", "wan_session", "demo_process_names", "straggler_name", "node_links",
+           "run_wan_demo"]
 
 
 @dataclass
@@ -61,28 +63,61 @@ def node_links(profile: Profile, options: DemoOptions) -> dict[str, LinkSpec]:
     return links
 
 
-def run_wan_demo(profile: Profile, options: DemoOptions, workdir: Path, *, rate_seconds: float = 4.0,
-                 quiet: bool = True) -> WanRun:
-    """Build the profile's topology, measure and check its links, run the demo on it, tear it down."""
-    workdir = Path(workdir).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
-    cleanup_leftovers()
-    links = node_links(profile, options)
-    load = os.getloadavg()
-    with WanTopology(links, workdir / "net") as topology:
-        representatives = ["bootstrap"] + ([straggler_name(options)] if profile.straggler is not None else [])
-        measured, attempts = measure_faithful(topology, profile.name, representatives, rate_seconds=rate_seconds)
-        placement = Placement(prefix=lambda name: topology.node(name).prefix() if name in topology.nodes else [],
-                              host=lambda name: topology.node(name).address if name in topology.nodes else "127.0.0.1")
+class WanSession:
+    """One profile's topology, measured and checked, for several demo runs in turn."""
+
+    def __init__(self, profile: Profile, topology: WanTopology, links: list[LinkMeasurement], attempts: int):
+        self.profile = profile
+        self.topology = topology
+        self.links = links
+        self.link_check_attempts = attempts
+
+    def placement(self) -> Placement:
+        nodes = self.topology.nodes
+        return Placement(prefix=lambda name: nodes[name].prefix() if name in nodes else [],
+                         host=lambda name: nodes[name].address if name in nodes else "127.0.0.1")
+
+    def run(self, options: DemoOptions, workdir: Path, *, quiet: bool = True) -> WanRun:
+        """`run_demo(options)` on this topology: every process the demo starts must have a node here."""
+        missing = [name for name in demo_process_names(options) if name not in self.topology.nodes]
+        if missing:
+            raise ValueError(f"the topology has no node for {', '.join(missing)}: build it for these options")
+        workdir = Path(workdir).resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
         summary_path = workdir / "summary.json"
         demo_options = replace(options, workdir=str(workdir / "demo"), summary_json=str(summary_path))
+        load = os.getloadavg()
         started = time.monotonic()
         with open(workdir / "demo.out", "w") as out, (contextlib.redirect_stdout(out) if quiet
                                                       else contextlib.nullcontext()):
-            code = run_demo(demo_options, placement)
+            code = run_demo(demo_options, self.placement())
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         summary.setdefault("wall_s", time.monotonic() - started)
-    if summary.get("outcome") == "interrupted":
-        raise KeyboardInterrupt
-    return WanRun(profile.name, measured, summary, code, load, relay=topology.relay_stats(),
-                  extra={"link_check_attempts": attempts})
+        if summary.get("outcome") == "interrupted":
+            raise KeyboardInterrupt
+        return WanRun(self.profile.name, self.links, summary, code, load,
+                      extra={"link_check_attempts": self.link_check_attempts, "load_after": os.getloadavg()})
+
+
+@contextlib.contextmanager
+def wan_session(profile: Profile, options: DemoOptions, workdir: Path, *, rate_seconds: float = 4.0,
+                tuned_hosts: bool = False) -> Iterator[WanSession]:
+    """The profile's topology with a node for every process `options` starts (runs with fewer
+    replicas or trainers fit too), its links measured and checked; torn down on exit. `tuned_hosts`:
+    nodes do not restart TCP slow start after idle (bench/wan/topology.py)."""
+    workdir = Path(workdir).resolve()
+    cleanup_leftovers()
+    with WanTopology(node_links(profile, options), workdir / "net",
+                     slow_start_after_idle=not tuned_hosts) as topology:
+        representatives = ["bootstrap"] + ([straggler_name(options)] if profile.straggler is not None else [])
+        measured, attempts = measure_faithful(topology, profile.name, representatives, rate_seconds=rate_seconds)
+        yield WanSession(profile, topology, measured, attempts)
+
+
+def run_wan_demo(profile: Profile, options: DemoOptions, workdir: Path, *, rate_seconds: float = 4.0,
+                 quiet: bool = True) -> WanRun:
+    """Build the profile's topology, measure and check its links, run the demo on it, tear it down."""
+    with wan_session(profile, options, workdir, rate_seconds=rate_seconds) as session:
+        run = session.run(options, Path(workdir), quiet=quiet)
+    run.relay = session.topology.relay_stats()
+    return run

@@ -17,7 +17,9 @@ bursts are all it sees: a 16 KiB request and reply took 1.75 round trips at 80 m
 CUBIC, most hosts' default, cannot be a namespace's default unless the host's
 `tcp_allowed_congestion_control` lists it; Reno behaves like it on these flows (the same slow
 start, no pacing) and, with the shapers' two-BDP queues, keeps a link full after a loss.
-`slow_start_after_idle` stays Linux's default (on), as on a contributor's machine.
+`slow_start_after_idle` stays Linux's default (on), as on a contributor's machine, unless the
+topology is built with `slow_start_after_idle=False` ("tuned hosts": what node/rpc/server.py's
+hint recommends), so the suite can show what the setting is worth.
 
 `down` (also on any exception, Ctrl-C included, through the context manager) stops the relay
 and every process left in the namespaces, then deletes them; it is idempotent. Everything that
@@ -135,12 +137,13 @@ def cleanup_leftovers() -> list[str]:
 class WanTopology:
     """Namespaces for `nodes` (name -> link), built by `up` and removed by `down`."""
 
-    def __init__(self, nodes: dict[str, LinkSpec], workdir: Path):
+    def __init__(self, nodes: dict[str, LinkSpec], workdir: Path, *, slow_start_after_idle: bool = True):
         if not nodes:
             raise ValueError("a topology needs at least one node")
         if len(nodes) > 250 * 250:
             raise ValueError("too many nodes for 10.77.0.0/16")
         self.workdir = Path(workdir)
+        self.slow_start_after_idle = slow_start_after_idle
         self.tag = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
         self.hub = f"{self.tag}-hub"
         self.nodes: dict[str, WanNode] = {}
@@ -181,7 +184,8 @@ class WanTopology:
         inside = node.prefix()
         _run(*inside, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1",
              f"net.ipv4.tcp_rmem={TCP_BUFFERS}", f"net.ipv4.tcp_wmem={TCP_BUFFERS}",
-             f"net.ipv4.tcp_congestion_control={CONGESTION_CONTROL}")
+             f"net.ipv4.tcp_congestion_control={CONGESTION_CONTROL}",
+             f"net.ipv4.tcp_slow_start_after_idle={int(self.slow_start_after_idle)}")
         _run("ip", "-n", self.hub, "link", "add", node.hub_interface, "type", "veth", "peer", "name", "eth0",
              "netns", node.namespace)
         _run("ip", "-n", node.namespace, "link", "set", "eth0", "address", node.mac)

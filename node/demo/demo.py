@@ -47,6 +47,7 @@ class DemoOptions:
     sync: bool = False
     max_in_flight: int | None = None  # None: the trainer's default (adaptive)
     max_staleness: float | None = None  # None: the trainer's default
+    time_budget_s: float | None = None  # trainers stop starting global batches after this long
     pinned_weights: int | None = None  # None: the workers' default
     keep_graphs: int | None = None  # None: the workers' default
     log_json: str | None = None
@@ -75,6 +76,7 @@ class DemoOptions:
                    microbatches=args.microbatches, steps=args.steps, schedule_steps=args.schedule_steps, replicas=args.replicas,
                    trainers=args.trainers, sync=args.sync,
                    max_in_flight=args.max_in_flight, max_staleness=getattr(args, "max_staleness", None),
+                   time_budget_s=getattr(args, "time_budget", None),
                    pinned_weights=getattr(args, "pinned_weights", None),
                    keep_graphs=getattr(args, "keep_graphs", None),
                    log_json=args.log_json, summary_json=args.summary_json,
@@ -226,6 +228,7 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
                 "--trainers", str(options.trainers),
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
                 *([] if options.max_staleness is None else ["--max-staleness", str(options.max_staleness)]),
+                *([] if options.time_budget_s is None else ["--time-budget", str(options.time_budget_s)]),
                 "--log-json", str(trainer_logs[index]),
                 "--summary-json", str(workdir / f"trainer-{index}.summary.json"),
                 *([] if index == 0 else ["--no-eval"]))

@@ -16,6 +16,11 @@ Design choices:
   and ping their clients alike. Compression is off both ways: activations and gradients are
   dense floats that do not compress, and compressing them would cost CPU on every hop.
   Flow-control windows are left to grpc's bandwidth-delay probing, which grows them to the link.
+- One host setting matters more than any of these and is not the application's to change: with
+  Linux's default `net.ipv4.tcp_slow_start_after_idle=1`, a connection that sent nothing for one
+  retransmission timeout (~RTT + 200 ms) restarts from the initial window, so a 16 KiB call after a
+  pause takes two or three round trips instead of one (measured over the WAN harness's 80 ms links:
+  bench/RESULTS.md). `slow_start_hint` says so once, in the log of a worker or trainer that has it on.
 - `bind` listens on the given host and port (0 picks a free one) and returns the real port,
   which is what a worker announces and what tests connect to. With server credentials it opens a
   TLS port (node/rpc/tls.py); without, a plaintext one: the `--insecure` path, which the caller
@@ -44,6 +49,7 @@ __all__ = [
     "message_options",
     "channel_options",
     "server_options",
+    "slow_start_hint",
     "KEEPALIVE_TIME_MS",
     "KEEPALIVE_TIMEOUT_MS",
     "create_server",
@@ -103,6 +109,23 @@ def server_options() -> list[tuple[str, Any]]:
             ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
             ("grpc.default_compression_algorithm", grpc.Compression.NoCompression.value)]
+
+
+SLOW_START_SYSCTL = "/proc/sys/net/ipv4/tcp_slow_start_after_idle"
+
+
+def slow_start_hint(read: Callable[[str], str] = lambda path: open(path).read()) -> Optional[str]:
+    """The log line for a host that restarts TCP slow start after idle (None when it does not, or
+    when the setting cannot be read); `read` is injected for tests."""
+    try:
+        value = read(SLOW_START_SYSCTL).strip()
+    except OSError:
+        return None
+    if value == "0":
+        return None
+    return ("this host restarts TCP slow start after an idle connection (net.ipv4.tcp_slow_start_after_idle="
+            f"{value}): over long round trips a call after a pause costs one or two extra round trips; "
+            "`sysctl -w net.ipv4.tcp_slow_start_after_idle=0` avoids it (bench/RESULTS.md, row 3)")
 
 
 def message_options(max_message_bytes: int) -> list[tuple[str, Any]]:

@@ -89,6 +89,9 @@ class TrainerOptions:
     wait_for_workers_s: float = 60.0  # how long a stage may have no routable worker
     roster_refresh_s: float = 2.0
     wire_dtype: str = "fp32"
+    # Stop starting global batches this long after the run started (those in flight finish); None:
+    # run every assigned batch. For "what does an hour buy" comparisons at equal wall-clock time.
+    time_budget_s: float | None = None
 
 
 def in_flight_limit(options: TrainerOptions, microbatches: int) -> int:
@@ -496,9 +499,13 @@ class SwarmTrainer:
 
         try:
             for unit_id in assigned_units(total_steps, self.options.trainer_index, self.options.trainers):
+                if self._out_of_time():
+                    break
                 while len(pending) >= window:
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     finish(done)
+                if self._out_of_time():
+                    break
                 pending.add(asyncio.create_task(self.train_unit(unit_id)))
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -510,6 +517,10 @@ class SwarmTrainer:
             await asyncio.gather(*self._reports, return_exceptions=True)  # short timeouts each
             self.stats.cpu_s += time.process_time() - cpu_started
         return records
+
+    def _out_of_time(self) -> bool:
+        budget = self.options.time_budget_s
+        return budget is not None and self.clock() - self._run_started >= budget
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
         """Mean held-out loss through the swarm (forward only: nothing stashed or accumulated)."""
@@ -551,11 +562,15 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
     from agora.dht.security import DHTSecurity
     from agora.dht.swarm import SwarmDHT
     from agora.node.rpc.server import run as run_loop
+    from agora.node.rpc.server import slow_start_hint
     from agora.node.trainer.discovery import DHTDiscovery
     from agora.pipeline.data import build_data
     from agora.pipeline.fingerprint import run_fingerprint
 
     data = build_data(config)
+    hint = slow_start_hint()
+    if hint is not None:
+        logger.info("%s", hint)
     # hivemind forks its DHT process: start it before the event loop and gRPC channels exist.
     security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
     swarm = SwarmDHT.start(initial_peers=initial_peers, client_mode=True, security=security)

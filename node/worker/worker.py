@@ -73,6 +73,7 @@ from agora.node.rpc.server import (
     host_port,
     is_wildcard_host,
     set_serving,
+    slow_start_hint,
 )
 from agora.node.rpc.tls import server_credentials
 from agora.node.worker.bounds import (
@@ -346,6 +347,9 @@ class StageWorker:
         if tls is None:
             self._logger.warning("stage %d worker serves WITHOUT TLS or credentials (--insecure): any process that "
                                  "reaches %s can call it", self.stage_index, self.address)
+        hint = slow_start_hint()
+        if hint is not None:
+            self._logger.info("%s", hint)
         self._logger.info("stage %d/%d worker of run %r serving on %s (bound %s, %s mode, %s)", self.stage_index,
                           self._compute.n_stages, self.run_id, self.address,
                           host_port(self.options.host, self._port),
