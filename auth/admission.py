@@ -352,7 +352,9 @@ class CredentialRenewer:
         self.node.save(reply.credential_pem, self.node.root_pem(), run)
         self.renewals += 1
         logger.info("renewed the credential of %s: valid for %.0f s", identity.describe(),
-                    identity.remaining_s(self._clock()))
+                    identity.remaining_s(self._clock()),
+                    extra={"milestone": "credential_renewed",
+                           "fields": {"role": identity.role, "remaining_s": round(identity.remaining_s(self._clock()))}})
         return identity
 
     async def run(self) -> None:

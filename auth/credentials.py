@@ -312,6 +312,31 @@ class CredentialVerifier:
         chain_not_after = min(c.not_valid_after_utc.timestamp() for c in certs)
         return identity, chain_not_after
 
+    def verify_issued(self, chain_pem: bytes, *, roles: Sequence[str] = ROLES) -> Identity:
+        """The identity of a chain this run's CA issued for one of ``roles``, judged at the time
+        the leaf was valid rather than now: for something its holder wrote while it was (a DHT
+        entry needed a live credential to be stored at all; its author's role still matters to
+        readers after the credential has run out). CredentialError otherwise."""
+        certs = load_chain(chain_pem)
+        leaf, intermediates = certs[0], certs[1:]
+        identity = parse_identity(leaf)
+        if peer_id_of(leaf.public_key()) != identity.peer_id:
+            raise CredentialError("malformed", "credential: its peer id is not its key's")
+        then = max(c.not_valid_before_utc.timestamp() for c in certs) + 1.0
+        verifier = PolicyBuilder().store(self._store).time(_utc(then)).build_client_verifier()
+        try:
+            verifier.verify(leaf, intermediates)
+        except VerificationError as error:
+            raise CredentialError("untrusted", f"credential of {identity.describe()} is not signed by this run's "
+                                               f"CA (root {self.root_fingerprint[:16]}): {error}") from None
+        if identity.run_id != self.run_id:
+            raise CredentialError("wrong_run", f"credential is for run {identity.run_id!r}, this is run "
+                                               f"{self.run_id!r}")
+        if identity.role not in roles:
+            raise CredentialError("wrong_role", f"a {identity.role} credential may not do this "
+                                                f"(needs {' or '.join(roles)})")
+        return identity
+
     def identity_of_leaf(self, leaf_pem: bytes) -> Identity:
         """Parse (cached) a leaf whose chain the TLS handshake verified: the per-call path."""
         identity = self._parsed.get(leaf_pem)

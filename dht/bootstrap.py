@@ -33,7 +33,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence, TextIO
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TextIO
 
 from agora.dht.swarm import DHTRequestError, SwarmDHT
 from agora.pipeline.files import atomic_write
@@ -155,12 +155,14 @@ def run_bootstrap(
     insecure: bool = False,
     stop: Optional[threading.Event] = None,
     out: Optional[TextIO] = None,
+    on_started: Optional[Callable[[SwarmDHT], None]] = None,
 ) -> int:
     """Serve a DHT peer until SIGINT/SIGTERM (or ``stop`` is set); return an exit code.
 
     Exactly one of ``state_dir`` (the credential directory: admission on) and ``insecure``.
     Prints the peer's multiaddrs to ``out`` (default stdout) and writes them to
-    ``ready_file`` once serving. Without ``stop`` it must run on the main thread.
+    ``ready_file`` once serving. Without ``stop`` it must run on the main thread. ``on_started(swarm)``
+    runs once the DHT process has forked (where a caller may start threads: a metrics server).
     Raises ``ValueError`` for a bad host/port or admission and ``DHTRequestError`` if it
     cannot start.
     """
@@ -179,6 +181,8 @@ def run_bootstrap(
             stop = threading.Event()
             for signum in (signal.SIGINT, signal.SIGTERM):
                 restore[signum] = signal.signal(signum, lambda *_: stop.set())
+        if on_started is not None:
+            on_started(swarm)
         maddrs = swarm.visible_maddrs()
         for maddr in maddrs:
             print(maddr, file=out)

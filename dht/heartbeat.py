@@ -1,9 +1,11 @@
-"""Heartbeat: keep a worker's DHT record alive while the worker is, and no longer.
+"""Heartbeat: keep a node's DHT record alive while the node is, and no longer.
 
 Design choices:
 
 - The record is rebuilt from a callable on every beat, so step, queue depth and
-  throughput are current; the heartbeat stamps ``updated_at`` with the DHT clock.
+  throughput are current; the heartbeat stamps ``updated_at`` with the DHT clock. Any record
+  type works (a worker's, a trainer's): it is stored under its own ``dht_key()``, in this
+  peer's subkey.
 - Each announce expires after ``3 * interval``: a worker that dies (kill -9) vanishes from
   readers after about three missed beats, with no one having to notice the death.
 - Beats run at a fixed rate from the start time; a beat that ran late does not cause a
@@ -23,7 +25,7 @@ import dataclasses
 import logging
 from typing import Callable, Optional
 
-from agora.dht.records import WorkerRecord
+from agora.dht.records import Record
 from agora.dht.swarm import DHTRequestError, SwarmDHT
 
 __all__ = ["DEFAULT_INTERVAL", "MISSED_BEATS_TO_EXPIRE", "Heartbeat"]
@@ -35,12 +37,12 @@ MISSED_BEATS_TO_EXPIRE = 3
 
 
 class Heartbeat:
-    """Re-announce ``current_record()`` every ``interval`` seconds until stopped."""
+    """Re-announce ``current_record()`` (a ``Record`` with a ``peer_id``) every ``interval`` seconds until stopped."""
 
     def __init__(
         self,
         swarm: SwarmDHT,
-        current_record: Callable[[], WorkerRecord],
+        current_record: Callable[[], Record],
         *,
         interval: float = DEFAULT_INTERVAL,
     ) -> None:
@@ -53,7 +55,7 @@ class Heartbeat:
         self.beats = 0  # announces accepted by the DHT
         self.failures = 0  # beats that raised or were refused
         self._task: Optional[asyncio.Task[None]] = None
-        self._last_announced: Optional[WorkerRecord] = None
+        self._last_announced: Optional[Record] = None
         self._accepted = asyncio.Event()  # set by every accepted beat, for wait_beats()
 
     @property
@@ -61,7 +63,7 @@ class Heartbeat:
         return self._task is not None and not self._task.done()
 
     @property
-    def last_announced(self) -> Optional[WorkerRecord]:
+    def last_announced(self) -> Optional[Record]:
         """The last record the DHT accepted (None before the first one and after a withdraw)."""
         return self._last_announced
 
@@ -82,7 +84,8 @@ class Heartbeat:
         try:
             record = dataclasses.replace(self._current_record(), updated_at=self._swarm.clock())
             previous = self._last_announced
-            accepted = await self._swarm.announce_worker_async(record, self.ttl)
+            accepted = await self._swarm.store_async(record.dht_key(), record, self.ttl,
+                                                     subkey=self._swarm.subkey_of(record.peer_id))
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - a missed beat must not kill the worker
@@ -96,12 +99,8 @@ class Heartbeat:
         self.beats += 1
         self._last_announced = record
         self._accepted.set()
-        if previous is not None and (previous.run_id, previous.stage, previous.peer_id) != (
-            record.run_id,
-            record.stage,
-            record.peer_id,
-        ):
-            # The worker moved (another stage or identity): its old entry must not linger.
+        if previous is not None and (previous.dht_key(), previous.peer_id) != (record.dht_key(), record.peer_id):
+            # The node moved (another stage or identity): its old entry must not linger.
             await self._withdraw(previous)
         return True
 
@@ -141,9 +140,9 @@ class Heartbeat:
             if next_beat < loop.time():
                 next_beat = loop.time()
 
-    async def _withdraw(self, record: WorkerRecord) -> None:
+    async def _withdraw(self, record: Record) -> None:
         try:
-            await self._swarm.withdraw_async(record.run_id, record.stage, record.peer_id)
+            await self._swarm.delete_async(record.dht_key(), subkey=self._swarm.subkey_of(record.peer_id))
         except DHTRequestError as error:
             # The record still expires on its own within one ttl.
             logger.warning("could not withdraw %s from the DHT: %s", record.peer_id, error)

@@ -2,7 +2,8 @@
 
 Design choices:
 
-- A record is a frozen dataclass whose fields are plain scalars (str, int, float, bool).
+- A record is a frozen dataclass whose fields are plain scalars (str, int, float, bool, and
+  bytes of at most ``MAX_BYTES_LENGTH`` for a packed field such as a bitmap).
   Its wire form is a flat dict of those scalars plus ``schema`` and ``kind``: exactly what
   msgpack (hivemind's serializer) carries without extension types, so a peer written in
   another language, or a later version of this one, can read it.
@@ -26,6 +27,12 @@ Design choices:
 - ``WorkerRecord.fingerprint`` is the run fingerprint text (pipeline/fingerprint.py): a record
   of a run with another seed, basis, data or config is skipped by readers that know theirs.
   It is a required field, so schema 2 (records of schema 1 lack it and are refused cleanly).
+- Every node that serves Prometheus metrics names its endpoint in its record
+  (``metrics_endpoint``, ``host:port``, empty when it serves none): the monitor's service
+  discovery lists exactly what the DHT holds. A worker also carries its averaging counts, so
+  the monitor shows each stage's averaging health without scraping anyone. A trainer announces
+  a ``TrainerRecord`` under ``{run}.trainers`` (its progress, last loss and tokens/s).
+- A record knows its own key (``dht_key()``), so one heartbeat serves every record type.
 """
 
 import dataclasses
@@ -41,12 +48,14 @@ __all__ = [
     "SCHEMA_VERSION",
     "Record",
     "RecordError",
+    "TrainerRecord",
     "WorkerRecord",
     "OWNER_MARKER",
     "check_run_id",
     "owned_subkey",
     "parse_endpoint",
     "split_subkey",
+    "trainer_key",
     "worker_key",
 ]
 
@@ -61,7 +70,7 @@ TRAINING_PHASES = ("member", "optimizer_sync")
 # Generous bounds: they exist to reject garbage cheaply, not to constrain real runs.
 MAX_STAGES = 4096
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_SCALAR_TYPES = (str, int, float, bool)
+_SCALAR_TYPES = (str, int, float, bool, bytes)
 
 R = TypeVar("R", bound="Record")
 
@@ -83,6 +92,20 @@ def worker_key(run_id: str, stage: int) -> str:
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < MAX_STAGES:
         raise RecordError(f"stage: expected an int in [0, {MAX_STAGES}), got {stage!r}")
     return f"{run_id}.stage{stage}.workers"
+
+
+def trainer_key(run_id: str) -> str:
+    """The DHT key under which the trainers of a run announce (one subkey per peer)."""
+    return f"{check_run_id(run_id)}.trainers"
+
+
+def check_metrics_endpoint(kind: str, endpoint: str) -> None:
+    """Empty (no metrics served) or a valid ``host:port``."""
+    if endpoint:
+        try:
+            parse_endpoint(endpoint)
+        except RecordError as error:
+            raise RecordError(f"{kind}.metrics_{error}") from None
 
 
 def owned_subkey(peer_id: str, owner_public_key: str) -> str:
@@ -139,6 +162,7 @@ class Record:
 
     KIND: ClassVar[str] = ""
     MAX_STRING_LENGTH: ClassVar[int] = 256
+    MAX_BYTES_LENGTH: ClassVar[int] = 4096  # a packed field (a bitmap, fixed-size entries)
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -152,6 +176,8 @@ class Record:
                 raise RecordError(
                     f"{self.KIND}.{field.name}: {len(value)} characters, at most {self.MAX_STRING_LENGTH}"
                 )
+            if isinstance(value, bytes) and len(value) > self.MAX_BYTES_LENGTH:
+                raise RecordError(f"{self.KIND}.{field.name}: {len(value)} bytes, at most {self.MAX_BYTES_LENGTH}")
             if expected is float:
                 # Normalize whole numbers so equal records compare and serialize equal.
                 try:
@@ -165,6 +191,10 @@ class Record:
 
     def check(self) -> None:
         """Range and consistency checks; raise ``RecordError`` naming the field."""
+
+    def dht_key(self) -> str:
+        """The DHT key this record is stored under (each peer under its own subkey)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say where it is stored")
 
     def to_wire(self) -> dict[str, Any]:
         """A plain dict that msgpack serializes as is."""
@@ -194,7 +224,7 @@ class Record:
 
 def _field_type(cls: type, field: dataclasses.Field) -> type:
     if field.type not in _SCALAR_TYPES:
-        raise TypeError(f"{cls.__name__}.{field.name}: record fields must be str, int, float or bool")
+        raise TypeError(f"{cls.__name__}.{field.name}: record fields must be str, int, float, bool or bytes")
     return field.type
 
 
@@ -219,6 +249,8 @@ class WorkerRecord(Record):
     ``fingerprint`` is the run fingerprint text (``RunFingerprint.text()``), compared by readers.
     ``sessions``: inference sessions the worker holds (load for clients' routing; absent in older
     records, hence its default).
+    ``metrics_endpoint`` is where its Prometheus metrics are served (empty: none);
+    ``averaging_rounds`` / ``averaging_committed`` count its averaging rounds in all / committed.
     """
 
     KIND: ClassVar[str] = "worker"
@@ -236,6 +268,12 @@ class WorkerRecord(Record):
     updated_at: float
     fingerprint: str
     sessions: int = 0
+    metrics_endpoint: str = ""
+    averaging_rounds: int = 0
+    averaging_committed: int = 0
+
+    def dht_key(self) -> str:
+        return worker_key(self.run_id, self.stage)
 
     def check(self) -> None:
         if not self.peer_id:
@@ -246,12 +284,54 @@ class WorkerRecord(Record):
             raise RecordError(f"worker.n_stages: {self.n_stages} out of range [1, {MAX_STAGES}]")
         if not 0 <= self.stage < self.n_stages:
             raise RecordError(f"worker.stage: {self.stage} out of range [0, n_stages={self.n_stages})")
-        for name in ("throughput", "queue_depth", "step", "updated_at", "sessions"):
+        for name in ("throughput", "queue_depth", "step", "updated_at", "sessions", "averaging_rounds",
+                     "averaging_committed"):
             if getattr(self, name) < 0:
                 raise RecordError(f"worker.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.averaging_committed > self.averaging_rounds:
+            raise RecordError(f"worker.averaging_committed: {self.averaging_committed} is above averaging_rounds="
+                              f"{self.averaging_rounds}")
+        check_metrics_endpoint("worker", self.metrics_endpoint)
         if self.phase not in PHASES:
             raise RecordError(f"worker.phase: expected one of {sorted(PHASES)}, got {self.phase!r:.40}")
         if not self.version:
             raise RecordError("worker.version: empty")
         if not self.fingerprint:
             raise RecordError("worker.fingerprint: empty")
+
+
+@dataclass(frozen=True)
+class TrainerRecord(Record):
+    """What a trainer announces about itself every heartbeat (under ``trainer_key(run_id)``).
+
+    ``batches`` is the global batches it completed, ``step`` the run-wide step of the last one,
+    ``loss`` that batch's mean loss (0 before the first), ``tokens_per_s`` its rate since it
+    started, ``metrics_endpoint`` where its Prometheus metrics are served (empty: none).
+    """
+
+    KIND: ClassVar[str] = "trainer"
+
+    peer_id: str
+    run_id: str
+    trainer_index: int
+    batches: int
+    step: int
+    loss: float
+    tokens_per_s: float
+    version: str
+    updated_at: float
+    metrics_endpoint: str = ""
+
+    def dht_key(self) -> str:
+        return trainer_key(self.run_id)
+
+    def check(self) -> None:
+        if not self.peer_id:
+            raise RecordError("trainer.peer_id: empty")
+        check_run_id(self.run_id)
+        for name in ("trainer_index", "batches", "step", "loss", "tokens_per_s", "updated_at"):
+            if getattr(self, name) < 0:
+                raise RecordError(f"trainer.{name}: must be >= 0, got {getattr(self, name)}")
+        if not self.version:
+            raise RecordError("trainer.version: empty")
+        check_metrics_endpoint("trainer", self.metrics_endpoint)

@@ -37,7 +37,14 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.utils.serializer import MSGPackSerializer
 
-from agora.dht.robust import DeviationHistory, RobustAggregation, agreed_weights, aggregate_part, relative_move
+from agora.dht.robust import (
+    DeviationHistory,
+    RobustAggregation,
+    aggregate_part,
+    agreed_weights,
+    deviation,
+    relative_move,
+)
 
 __all__ = ["AgreedGroup", "agreed_group", "RobustAllReduceRunner", "RobustPartReducer", "GuardedPartContainer"]
 
@@ -97,9 +104,11 @@ class RobustAllReduceRunner(AllReduceRunner):
         for parts in container.num_parts_by_peer:
             offsets.append(offsets[-1] + parts)
         own_index = self.ordered_peer_ids.index(self.peer_id)
+        total = sum(agreed.weights.values())
         self.tensor_part_container = GuardedPartContainer(
             container, local=flat, part_numel=part_numel, offsets=offsets, own_index=own_index,
-            peer_ids=self.ordered_peer_ids, history=history, counts=self.counts, policy=policy)
+            peer_ids=self.ordered_peer_ids, history=history, counts=self.counts, policy=policy,
+            own_share=self.weight / total if total > 0 else 0.0)
         hivemind_reducer = self.tensor_part_reducer
         hivemind_reducer.finished.set()  # retired unused: its finalize would report 0% received
         self.tensor_part_reducer = RobustPartReducer(
@@ -194,8 +203,9 @@ class GuardedPartContainer:
     """hivemind's ``TensorPartContainer`` with every average another reducer returns judged first."""
 
     def __init__(self, inner: Any, *, local: torch.Tensor, part_numel: int, offsets: Sequence[int], own_index: int,
-                 peer_ids: Sequence[Any], history: DeviationHistory, counts: Counter, policy: RobustAggregation):
-        self._inner, self._local, self._part_numel = inner, local, part_numel
+                 peer_ids: Sequence[Any], history: DeviationHistory, counts: Counter, policy: RobustAggregation,
+                 own_share: float):
+        self._inner, self._local, self._part_numel, self._own_share = inner, local, part_numel, own_share
         self._offsets, self._own_index, self._peer_ids = list(offsets), own_index, list(peer_ids)
         self._history, self._counts, self._robust = history, counts, policy.robust
 
@@ -206,13 +216,13 @@ class GuardedPartContainer:
         position = self._offsets[peer_index] + part_index
         start = position * self._part_numel
         local = self._local[start:start + part.numel()]
-        move = relative_move(part, local)
+        distance = deviation(relative_move(part, local), self._own_share)
         if peer_index == self._own_index or not self._robust:
-            self._history.record(position, move)  # this peer's own reducer is honest to it
-        elif not self._history.accept(position, move):
+            self._history.record(position, distance)  # this peer's own reducer is honest to it
+        elif not self._history.accept(position, distance):
             self._counts["reducer_outlier"] += 1
-            logger.info("averaging part %d: the average from %s moves it by %.3g of its norm (bound %.3g): "
-                        "kept local values", position, self._peer_ids[peer_index], move,
+            logger.info("averaging part %d: the average from %s puts the group %.3g of its norm away (bound %.3g): "
+                        "kept local values", position, self._peer_ids[peer_index], distance,
                         self._history.bound(position))
             part = torch.zeros_like(part)
             self._inner.failed_size += part.numel()

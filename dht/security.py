@@ -30,7 +30,8 @@ Three hivemind mechanisms, each given our credentials:
 - ``OwnedRecordValidator`` (ours) for the record types, in place of hivemind's
   ``SchemaValidator``. That class matches keys by the hash of a *static* field name and
   validates with a pydantic v1 model (``pydantic.v1`` under pydantic 2): our keys are
-  ``{run}.stage{i}.workers`` and ``{run}.stage{i}.{method}.rounds``, and a second schema in
+  ``{run}.stage{i}.workers``, ``{run}.stage{i}.{method}.rounds``, ``{run}.trainers`` and the unit blocks
+  ``{run}.units.b{block}`` (dht/leases.py), and a second schema in
   pydantic would drift from the ``Record`` dataclasses that readers parse with. So this
   validator does the same job with the same mechanism (a table from key hash to record type,
   built for this run's keys, every stage up to ``MAX_STAGES``) and the one parser
@@ -78,7 +79,7 @@ from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, I
 from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
 from agora.dht.ownership import EntryOwnership
-from agora.dht.records import MAX_STAGES, Record, RecordError, WorkerRecord, worker_key
+from agora.dht.records import MAX_STAGES, Record, RecordError, TrainerRecord, WorkerRecord, trainer_key, worker_key
 
 if TYPE_CHECKING:
     from agora.dht.averaging import AveragingAdmission
@@ -255,7 +256,12 @@ class OwnedRecordValidator(RecordValidatorBase):
         if self._keys is None:
             from agora.dht.averaging import RoundRecord, rounds_key  # torch: only where it is needed
 
-            table: dict[bytes, tuple[type[Record], int]] = {}
+            from agora.dht.leases import MAX_UNIT_BLOCKS, UnitBlockRecord, units_key
+
+            table: dict[bytes, tuple[type[Record], int]] = {
+                DHTID.generate(source=trainer_key(self.run_id)).to_bytes(): (TrainerRecord, -1)}
+            for block in range(MAX_UNIT_BLOCKS):
+                table[DHTID.generate(source=units_key(self.run_id, block)).to_bytes()] = (UnitBlockRecord, block)
             for stage in range(self.max_stages):
                 table[DHTID.generate(source=worker_key(self.run_id, stage)).to_bytes()] = (WorkerRecord, stage)
                 for method in self.methods:
@@ -286,9 +292,10 @@ class OwnedRecordValidator(RecordValidatorBase):
         problem = self._ownership.problem(subkey, None if parsed is None else getattr(parsed, "peer_id"))
         if problem is not None:
             raise RecordError(problem)
-        if parsed is not None and (getattr(parsed, "run_id") != self.run_id or getattr(parsed, "stage") != stage):
-            raise RecordError(f"{record_type.KIND}: record of {getattr(parsed, 'run_id')}.stage"
-                              f"{getattr(parsed, 'stage')} under {self.run_id}.stage{stage}")
+        slot = getattr(parsed, "stage", getattr(parsed, "block", -1))  # a unit block's slot is its block
+        if parsed is not None and (getattr(parsed, "run_id") != self.run_id or slot != stage):
+            raise RecordError(f"{record_type.KIND}: record of {getattr(parsed, 'run_id')} slot {slot} under "
+                              f"{self.run_id} slot {stage}")
 
     @property
     def priority(self) -> int:
@@ -337,6 +344,10 @@ class DHTSecurity:
         key = hivemind_private_key(load_or_create_key(self.state_dir))
         return dict(
             identity_path=self.identity_path,
+            # hivemind would dial the swarm for this peer id before starting (seconds, tens of them
+            # once dead peers linger in routing tables); one daemon per state directory is held by
+            # its lock instead (pipeline/files.hold_folder, node/admission.py).
+            check_if_identity_free=False,
             authorizer=CredentialTokenAuthorizer(self.state_dir, self.root_pem, self.run_id),
             record_validators=[OwnerSignatureValidator(key), OwnedRecordValidator(self.run_id)],
         )

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from agora.pipeline.config import ConfigError, RunConfig
+from agora.pipeline.files import FolderInUse, hold_folder
 
 __all__ = ["AdmissionOptions", "Admission", "add_admission_arguments", "admit_node", "free_port"]
 
@@ -108,6 +109,7 @@ class Admission:
     initial_peers: tuple[str, ...]
     run_id: str
     stage: Optional[int] = None  # a worker's stage: asked for, or assigned by the authorizer
+    state_lock: object = None  # the --state-dir held for this process (pipeline/files.hold_folder)
 
 
 def _default_state_dir(run_id: str, role: str, stage: Optional[int]) -> Path:
@@ -142,6 +144,10 @@ def admit_node(options: AdmissionOptions, *, role: str, run_id: str, stage: Opti
 
     state_dir = (Path(options.state_dir) if options.state_dir
                  else _default_state_dir(options.run_id or run_id, role, stage))
+    try:
+        held = hold_folder(state_dir, "--state-dir")  # one daemon per identity: held until this process ends
+    except FolderInUse as error:
+        raise ConfigError(str(error)) from None
     node = NodeCredentials(state_dir, clock=time.time)
     if options.authorizer is None:
         if not node.has_credential():
@@ -157,7 +163,7 @@ def admit_node(options: AdmissionOptions, *, role: str, run_id: str, stage: Opti
                               + ("" if stage is None else f" of stage {stage}"))
         config = config_for(run.config)
         return Admission(node, config, run.authorizer or None, initial_peers or run.initial_peers, run.run_id,
-                         identity.stage)
+                         identity.stage, held)
 
     def fingerprint(run_config: dict) -> str:
         return run_fingerprint(config_for(run_config)).text()
@@ -176,7 +182,8 @@ def admit_node(options: AdmissionOptions, *, role: str, run_id: str, stage: Opti
         raise ConfigError(str(error)) from None
     config = config_for(run.config)
     logger.info("admitted to run %r as %s", run.run_id, node.identity().describe())
-    return Admission(node, config, options.authorizer, initial_peers or run.initial_peers, run.run_id, run.stage)
+    return Admission(node, config, options.authorizer, initial_peers or run.initial_peers, run.run_id, run.stage,
+                     held)
 
 
 def config_chooser(args: argparse.Namespace, run_config: Callable[..., RunConfig]) -> Callable[[Optional[dict]], RunConfig]:

@@ -48,7 +48,10 @@ from agora.auth.keys import write_private_file
 from agora.auth.node_state import NodeCredentials
 from agora.auth.policy import DEFAULT_FLOORS, Floors
 from agora.auth.service import AuthorizerService, AuthorizerSettings, read_admitted
+from agora.monitor.worker_metrics import RpcServerMetrics
+from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments, package_version
 from agora.node.rpc.interceptors import interceptor_chain
+from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.rpc.server import add_health_and_reflection, bind, create_server, run, set_serving
 from agora.pipeline.config import ConfigError
 from agora.protos.authorizer_adapter import SERVICE_NAME, add_authorizer_service
@@ -78,10 +81,12 @@ class AuthorizerServer:
         await self.server.stop(grace)
 
 
-async def start_authorizer_server(service: AuthorizerService, host: str, port: int) -> AuthorizerServer:
-    """The service on a started grpc.aio server behind the shared interceptor chain, with health and
-    reflection. The port is exclusive (no SO_REUSEPORT): a second authorizer on it fails to start."""
-    server = create_server(interceptors=interceptor_chain(), max_message_bytes=_MAX_MESSAGE_BYTES,
+async def start_authorizer_server(service: AuthorizerService, host: str, port: int,
+                                  interceptors: tuple = ()) -> AuthorizerServer:
+    """The service on a started grpc.aio server behind the shared interceptor chain (plus
+    `interceptors`: metrics), with health and reflection. The port is exclusive (no SO_REUSEPORT):
+    a second authorizer on it fails to start."""
+    server = create_server(interceptors=interceptor_chain(outer=interceptors), max_message_bytes=_MAX_MESSAGE_BYTES,
                            options=[("grpc.so_reuseport", 0)])
     add_authorizer_service(server, service)
     health = add_health_and_reflection(server, [SERVICE_NAME])
@@ -95,9 +100,9 @@ async def start_authorizer_server(service: AuthorizerService, host: str, port: i
 
 
 async def serve_authorizer(service: AuthorizerService, host: str, port: int, *, public_host: str,
-                           ready: Callable[[str], None], stop: asyncio.Event) -> None:
+                           ready: Callable[[str], None], stop: asyncio.Event, interceptors: tuple = ()) -> None:
     """Serve until ``stop`` is set; ``ready(address)`` runs once the service answers."""
-    started = await start_authorizer_server(service, host, port)
+    started = await start_authorizer_server(service, host, port, interceptors)
     try:
         ready(_join_address(public_host, started.port))
         await stop.wait()
@@ -188,15 +193,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
             write_ready_file(args.ready_file, [address, authority.root_fingerprint])
 
+    # Admissions and renewals by status code (and the bytes they cost) are its gRPC metrics.
+    metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="authorizer", run_id=authority.run_id,
+                                   version=package_version())
+    hooks = (MetricsHook(RpcServerMetrics(metrics.registry)),)
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
-        await serve_authorizer(service, args.host, args.port, public_host=_public_host(args), ready=ready, stop=stop)
+        await serve_authorizer(service, args.host, args.port, public_host=_public_host(args), ready=ready, stop=stop,
+                               interceptors=hooks)
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: expected 0-65535, got {args.port}")
+    metrics.serve()  # after the coverage peer forked its DHT process
     try:
         run(main())
     except OSError as error:
@@ -206,6 +218,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             Path(args.ready_file).unlink(missing_ok=True)
         if swarm is not None:
             swarm.shutdown()
+        metrics.close()
     return 0
 
 
@@ -338,6 +351,7 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
                        help="host nodes dial, written to the join file (default: --host, or this machine's name when "
                             "--host is 0.0.0.0/::)")
     serve.add_argument("--ready-file", default=None, help="write the address and root fingerprint here once serving")
+    add_metrics_arguments(serve)
     serve.add_argument("--join-file", default=None, help="where to write the join file (default STATE_DIR/join.json)")
     serve.add_argument("--credential-lifetime", type=float, default=DEFAULT_CREDENTIAL_LIFETIME_S, metavar="S",
                        help="seconds a credential is valid; nodes renew at half life (default %(default)g)")

@@ -7,13 +7,17 @@ calls. A user's mistake (bad config, missing file) ends in one readable line and
 from __future__ import annotations
 
 import argparse
+import os
 import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from agora.node.admission import add_admission_arguments
+from agora.node.logs import LOG_FORMATS, configure_logging
+from agora.node.observability import MetricsOptions, add_metrics_arguments
 from agora.pipeline.checkpoint import CheckpointError
+from agora.pipeline.files import FolderInUse, hold_folder
 from agora.pipeline.config import ConfigError, RunConfig, load_config
 
 __all__ = ["main", "build_parser"]
@@ -90,15 +94,23 @@ def _add_averaging_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_train_local(args: argparse.Namespace) -> int:
-    from agora.pipeline.centralized import CentralizedTrainer, terminal_progress
+    from agora.node.progress import Progress
+    from agora.pipeline.centralized import CentralizedTrainer
     from agora.pipeline.data import build_data
 
     config = _run_config(args)
     data = build_data(config)
     log_json = open(args.log_json, "a" if args.resume else "w") if args.log_json else None
+    bar = Progress(args.steps, "train-local")
+
+    def progress(record, total: int) -> None:
+        evaluation = f" eval {record.eval_loss:.3f}" if record.eval_loss is not None else ""
+        bar.update(record.step, f"loss {record.loss:.4f}{evaluation} lr {record.lr:.2e} "
+                                f"{record.tokens_per_s:,.0f} tok/s", force=record.step >= total)
+
     try:
         trainer = CentralizedTrainer(config, data, wire_dtype=args.wire_dtype, checkpoint_dir=args.checkpoint_dir,
-                                     log_json=log_json, progress=terminal_progress())
+                                     log_json=log_json, progress=progress)
         if args.resume:
             if not args.checkpoint_dir:
                 raise ConfigError("--resume needs --checkpoint-dir")
@@ -107,6 +119,7 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
         records = trainer.run(args.steps)
         final = trainer.evaluate()
     finally:
+        bar.close()
         if log_json is not None:
             log_json.close()
     last = records[-1].loss if records else float("nan")
@@ -134,11 +147,32 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from agora.dht.bootstrap import run_bootstrap
     from agora.dht.swarm import DHTRequestError
 
+    from agora.node.observability import NodeMetrics, package_version
+
+    metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="bootstrap", run_id=_bootstrap_run(args),
+                                   version=package_version())
     try:
         return run_bootstrap(args.host, args.port, tuple(args.initial_peers), args.identity_path, args.ready_file,
-                             state_dir=args.state_dir, insecure=args.insecure)
+                             state_dir=args.state_dir, insecure=args.insecure, on_started=lambda _: metrics.serve())
     except (ValueError, DHTRequestError) as error:
         raise ConfigError(str(error)) from None
+    finally:
+        metrics.close()
+
+
+def _bootstrap_run(args: argparse.Namespace) -> str:
+    """The run a bootstrap's credential is for ("" for an open --insecure peer, which serves any run)."""
+    if args.insecure or not args.state_dir:
+        return ""
+    import time
+
+    from agora.auth.credentials import CredentialError
+    from agora.auth.node_state import NodeCredentials
+
+    try:
+        return NodeCredentials(args.state_dir, clock=time.time).identity().run_id
+    except (CredentialError, OSError, ValueError):
+        return ""  # run_bootstrap reports the unusable state directory in one line
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
@@ -156,12 +190,27 @@ def _cmd_join(args: argparse.Namespace) -> int:
     admission = admit_node(AdmissionOptions.from_args(args), role="worker", run_id=args.run_id, stage=args.stage,
                            config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers),
                            announce=announce, listen_host=worker_options.host)
+    checkpoint_dir = args.checkpoint_dir
+    held = None
+    if checkpoint_dir is not None:  # (the default one lies in the --state-dir, held by the admission)
+        try:
+            held = hold_folder(checkpoint_dir, "--checkpoint-dir")
+        except FolderInUse as error:
+            raise ConfigError(str(error)) from None
+    elif admission.credentials is not None:  # on by default beside the credential
+        checkpoint_dir = str(Path(admission.credentials.directory) / "checkpoints")
+    every = admission.config.train.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every
     options = JoinOptions(stage=admission.stage, run_id=admission.run_id, initial_peers=admission.initial_peers,
                           dht_host=args.dht_host, dht_port=args.dht_port, heartbeat_s=args.heartbeat,
-                          ready_file=args.ready_file, checkpoint_dir=args.checkpoint_dir,
+                          ready_file=args.ready_file, checkpoint_dir=checkpoint_dir, checkpoint_every=every,
+                          resume_step=args.resume_step,
                           stats_file=args.stats_file, authorizer=admission.authorizer,
-                          serve_checkpoint=args.checkpoint if args.serve_only else None)
-    return run_worker(admission.config, options, worker_options, credentials=admission.credentials)
+                          serve_checkpoint=args.checkpoint if args.serve_only else None,
+                          metrics=MetricsOptions.from_args(args))
+    try:
+        return run_worker(admission.config, options, worker_options, credentials=admission.credentials)
+    finally:
+        del held  # the folders stay held until here (and the kernel frees them if this process dies)
 
 
 def _worker_options(args: argparse.Namespace):
@@ -184,23 +233,30 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
 
     from agora.node.admission import AdmissionOptions, admit_node, config_chooser
 
+    metrics = MetricsOptions.from_args(args)
+    if not args.heartbeat > 0:
+        raise ConfigError(f"--heartbeat: must be positive, got {args.heartbeat}")
     if not 0 <= args.trainer_index < args.trainers:
         raise ConfigError(f"--trainer-index: {args.trainer_index} out of range for --trainers {args.trainers}")
     admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=args.run_id, stage=None,
                            config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers))
     options = TrainerOptions(run_id=admission.run_id, trainer_index=args.trainer_index, trainers=args.trainers,
                              synchronous=args.sync, max_in_flight=args.max_in_flight, wire_dtype=args.wire_dtype,
+                             heartbeat_s=args.heartbeat, lease_s=args.lease, start_step=args.start_step,
                              time_budget_s=args.time_budget,
                              **({} if args.max_staleness is None else {"max_staleness": args.max_staleness}))
+    if not args.lease > 0:
+        raise ConfigError(f"--lease: must be positive, got {args.lease}")
     if args.time_budget is not None and not args.time_budget > 0:
         raise ConfigError(f"--time-budget: must be positive, got {args.time_budget:g}")
     if options.max_staleness <= 0:
         raise ConfigError(f"--max-staleness: must be positive, got {options.max_staleness:g}")
-    log_json = open(args.log_json, "w") if args.log_json else None
+    log_json = open(args.log_json, "a" if args.start_step else "w") if args.log_json else None
     try:
         summary = run_swarm_trainer(admission.config, options, initial_peers=admission.initial_peers,
                                     steps=args.steps, log_json=log_json, evaluate=not args.no_eval,
-                                    credentials=admission.credentials, authorizer=admission.authorizer)
+                                    credentials=admission.credentials, authorizer=admission.authorizer,
+                                    metrics=metrics)
     finally:
         if log_json is not None:
             log_json.close()
@@ -209,6 +265,59 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
         Path(args.summary_json).write_text(text + "\n")
     print(text)
     return 0
+
+
+def _cmd_monitor(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from agora.auth.admission import CredentialRenewer
+    from agora.dht.security import DHTSecurity
+    from agora.dht.swarm import DHTRequestError, SwarmDHT
+    from agora.monitor.metrics import CredentialMetrics
+    from agora.monitor.service import MonitorOptions, parse_target, run_monitor
+    from agora.node.admission import AdmissionOptions, admit_node, config_chooser
+    from agora.node.observability import NodeMetrics, package_version
+
+    try:
+        targets = tuple(parse_target(text) for text in args.target)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if not args.poll > 0:
+        raise ConfigError(f"--poll: must be positive, got {args.poll}")
+    admission = admit_node(AdmissionOptions.from_args(args), role="monitor", run_id=args.run_id, stage=None,
+                           config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers))
+    credentials = admission.credentials
+    if not admission.initial_peers:
+        print("agora-node monitor: WARNING: no --initial-peers (and none from an authorizer): this starts a new, "
+              "empty swarm to watch", file=sys.stderr)
+    options = MonitorOptions(run_id=admission.run_id, n_stages=len(admission.config.layer_split), host=args.host,
+                             port=args.port, poll_s=args.poll, static_targets=targets, ready_file=args.ready_file)
+    security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
+    try:  # read-only: a client peer (a monitor credential's stores are refused anyway)
+        swarm = SwarmDHT.start(initial_peers=admission.initial_peers, client_mode=True, security=security)
+    except DHTRequestError as error:
+        raise ConfigError(f"--initial-peers: {error}") from None
+    metrics = NodeMetrics.for_role(MetricsOptions(), role="monitor", run_id=admission.run_id,
+                                   version=package_version())
+    companions = []
+    if credentials is not None and admission.authorizer:
+        renewer = CredentialRenewer(admission.authorizer, credentials,
+                                    on_revoked=lambda reason: logging.error("monitor credential revoked: %s", reason))
+        CredentialMetrics(metrics.registry, credentials.remaining_s, lambda: renewer.renewals)
+        companions.append(renewer)
+
+    def serving(url: str) -> None:
+        print(f"monitor of run {admission.run_id!r}: status page {url}  Prometheus: {url}metrics, "
+              f"service discovery {url}sd", flush=True)
+
+    try:
+        return run_monitor(swarm, options, metrics.registry, on_serving=serving, companions=companions)
+    except OSError as error:
+        raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror or error})") \
+            from None
+    finally:
+        with contextlib.suppress(Exception):
+            swarm.shutdown()
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -229,6 +338,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         args.config = args.checkpoint  # a serving swarm runs the checkpoint's config
     _run_config(args)  # refuse a bad config before starting any process
     return run_demo(DemoOptions.from_args(args))
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str, averaging: bool = True,
@@ -263,6 +382,10 @@ def _add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agora-node", description="Agora node: peer-to-peer pipeline-parallel training of subspace-compressed transformers.")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                        help="text lines for people (default), or one JSON object per line with milestone events "
+                             "(joined, phase_changed, averaging_round, reroute, ban, checkpoint_written, "
+                             "credential_renewed)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -290,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     description="Start a hivemind DHT peer and print the multiaddrs that other "
                                                 "peers pass as --initial-peers; serves until SIGINT/SIGTERM.")
     add_bootstrap_arguments(bootstrap)
+    add_metrics_arguments(bootstrap)
     bootstrap.set_defaults(handler=_cmd_bootstrap)
 
     join = commands.add_parser("join", help="host one replica of one pipeline stage (contributor)",
@@ -317,12 +441,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rows a request may carry (default: the run's train.microbatch_size; only raises it)")
     _add_pinned_weights_argument(join)
     join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
-    join.add_argument("--checkpoint-dir", default=None, help="resume from and checkpoint into this folder")
+    join.add_argument("--checkpoint-dir", default=None,
+                      help="resume from and checkpoint into this folder (default: checkpoints/ in --state-dir; "
+                           "none under --insecure)")
+    join.add_argument("--checkpoint-every", type=_non_negative_int, default=None, metavar="STEPS",
+                      help="optimizer steps between checkpoints (default: the config's train.checkpoint_every; "
+                           "0: only when leaving)")
+    join.add_argument("--resume-step", type=_non_negative_int, default=None, metavar="STEP",
+                      help="resume from this step's checkpoint in --checkpoint-dir (default: the newest complete one)")
     join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
     from agora.node.inference.commands import add_client_commands, add_serving_arguments
 
     add_serving_arguments(join)
     add_admission_arguments(join)
+    add_metrics_arguments(join)
     join.set_defaults(handler=_cmd_join)
 
     trainer = commands.add_parser("trainer", help="push microbatches through the swarm",
@@ -330,15 +462,45 @@ def build_parser() -> argparse.ArgumentParser:
                                               "reroute on failure; logs the train-local JSON schema.")
     _add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)")
     _add_swarm_arguments(trainer)
-    trainer.add_argument("--trainer-index", type=int, default=0, help="this trainer's index among --trainers")
-    trainer.add_argument("--trainers", type=int, default=1, help="trainers sharing the run's global batches")
+    trainer.add_argument("--trainer-index", type=int, default=0,
+                         help="this trainer's index among --trainers: its stripe of units, preferred when it claims")
+    trainer.add_argument("--trainers", type=int, default=1,
+                         help="trainers expected to share the run (a hint for claiming; any number may join)")
+    trainer.add_argument("--lease", type=float, default=30.0, metavar="S",
+                         help="seconds a claimed global batch stays this trainer's without a renewal; a trainer "
+                              "that dies gives its batches back after this (default 30)")
+    trainer.add_argument("--start-step", type=_non_negative_int, default=0, metavar="STEP",
+                         help="take the run's global batches below STEP as done (a run resumed from checkpoints of "
+                              "that step); the log is appended to")
     _add_in_flight_arguments(trainer)
     _add_time_budget_argument(trainer)
     trainer.add_argument("--log-json", default=None, help="write one JSON object per global batch here")
     trainer.add_argument("--summary-json", default=None, help="write the final summary here")
     trainer.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
+    trainer.add_argument("--heartbeat", type=float, default=5.0, metavar="S",
+                         help="seconds between announces of this trainer's progress in the DHT (default 5)")
     add_admission_arguments(trainer)
+    add_metrics_arguments(trainer)
     trainer.set_defaults(handler=_cmd_trainer)
+
+    monitor = commands.add_parser("monitor", help="the swarm's status page, Prometheus service discovery and metrics",
+                                  description="Join the DHT read-only and serve, on one HTTP port: / (a live "
+                                              "status page), /api/swarm (the same as JSON), /sd (Prometheus HTTP "
+                                              "service discovery of every node's metrics endpoint) and /metrics "
+                                              "(swarm-level gauges).")
+    _add_run_arguments(monitor, steps_help="planned run length (only for the run fingerprint at admission)")
+    monitor.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
+    monitor.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
+                         help="DHT multiaddrs to join through (printed by `agora-node bootstrap`)")
+    monitor.add_argument("--host", default="127.0.0.1", help="address the HTTP port listens on")
+    monitor.add_argument("--port", type=int, default=9400, help="HTTP port (default 9400; 0: pick a free one)")
+    monitor.add_argument("--poll", type=float, default=2.0, metavar="S", help="seconds between reads of the DHT")
+    monitor.add_argument("--target", action="append", default=[], metavar="ROLE=HOST:PORT",
+                         help="a metrics endpoint the DHT does not announce (the authorizer's, the bootstrap's), "
+                              "listed in /sd with role=ROLE; repeatable")
+    monitor.add_argument("--ready-file", default=None, help="write the status page's URL here once serving")
+    add_admission_arguments(monitor)
+    monitor.set_defaults(handler=_cmd_monitor)
 
     demo = commands.add_parser("demo", help="a whole swarm on this machine, one process per role",
                                description="Start bootstrap, workers and trainers on loopback, each as the "
@@ -352,15 +514,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pinned_weights_argument(demo)
     _add_time_budget_argument(demo)
     demo.add_argument("--log-json", default=None, help="one JSON line per global batch, run-wide step")
-    demo.add_argument("--summary-json", default=None, help="write the run summary here")
+    demo.add_argument("--summary-json", default=None,
+                      help="write the full run summary here as JSON (the terminal gets a short one)")
     demo.add_argument("--workdir", default=None, help="keep logs and ready files here (default: a temp folder)")
     demo.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
                       help="fault drill: kill -9 one worker of the last stage after STEP global batches")
+    demo.add_argument("--chaos", type=float, default=None, metavar="SECONDS",
+                      help="kill -9 a random worker (one whose stage keeps another replica) or trainer every SECONDS "
+                           "and start a newcomer in its place (new identity, empty state); the summary counts kills, "
+                           "joins, their seconds to member, and units committed, lost and run twice")
+    demo.add_argument("--chaos-seed", type=int, default=0, help="seed of --chaos's choice of victims (default 0)")
+    demo.add_argument("--lease", type=float, default=None, metavar="S",
+                      help="the trainers' unit leases (default: the trainer's 30 s; 5 s under --chaos)")
+    demo.add_argument("--checkpoint-every", type=_non_negative_int, default=None, metavar="STEPS",
+                      help="the workers' checkpoint interval (default: the config's train.checkpoint_every)")
+    demo.add_argument("--resume", action="store_true",
+                      help="restart every role of --workdir from its checkpoints: workers from the newest step all "
+                           "of them have, trainers from that step on")
     demo.add_argument("--heartbeat", type=float, default=1.0, metavar="S",
                       help="seconds between the workers' DHT announces (default 1: quick failure detection; "
                            "`join` defaults to 5)")
     demo.add_argument("--insecure", action="store_true",
                       help="run without the authorizer: no admission, no TLS, no signed DHT records")
+    demo.add_argument("--monitor-port", type=int, default=0, metavar="P",
+                      help="the monitor's HTTP port: status page, /sd, /metrics (default 0: a free one)")
+    demo.add_argument("--no-monitor", action="store_true", help="do not start the monitor")
     demo.add_argument("--credential-lifetime", type=float, default=None, metavar="S",
                       help="seconds each credential is valid (nodes renew at half life; default: the authorizer's, "
                            "1 hour)")
@@ -396,11 +574,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Set by a supervising agora-node (the demo) to its pid: a child dies with it (node/demo/processes.py).
+PARENT_PID_ENV = "AGORA_NODE_PARENT_PID"
+
+
+def _die_with_parent() -> None:
+    """A supervised child is killed when its supervisor dies, even by kill -9 (Linux's parent-death
+    signal), so a killed demo leaves no workers behind holding ports and state directories. Its own
+    helper processes (hivemind's) follow it: they exit when their owner is gone."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # it died before the signal was set up
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_logging(args.log_level, args.log_format)
     if args.threads is not None:
         import torch
 

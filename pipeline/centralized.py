@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import IO, Callable
 
 import torch
 
-from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkpoint, save_checkpoint
+from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.model import basis_checksum
@@ -180,23 +179,6 @@ class CentralizedTrainer:
         for stage, optimizer, state in zip(self.stages, self.optimizers, states):
             stage.load_state_dict(state.model)
             optimizer.load_state_dict(state.optimizer)
+        restore_rng(states[0].rng)
         self.step, self.tokens, self.elapsed_s = step, int(extra["tokens"]), float(extra["elapsed_s"])
         return True
-
-
-def terminal_progress(stream: IO[str] = sys.stderr) -> Callable[[StepRecord, int], None] | None:
-    """A one-line progress bar when `stream` is a terminal; None otherwise."""
-    if not stream.isatty():
-        return None
-
-    def show(record: StepRecord, total: int) -> None:
-        width = 30
-        done = int(width * record.step / max(1, total))
-        evaluation = f" eval {record.eval_loss:.3f}" if record.eval_loss is not None else ""
-        stream.write(f"\r[{'#' * done}{'.' * (width - done)}] {record.step}/{total} loss {record.loss:.4f}"
-                     f"{evaluation} lr {record.lr:.2e} {record.tokens_per_s:,.0f} tok/s ")
-        if record.step >= total:
-            stream.write("\n")
-        stream.flush()
-
-    return show

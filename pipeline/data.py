@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import sysconfig
 import tempfile
 import zlib
@@ -51,6 +52,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from agora.pipeline.config import ConfigError, DataConfig, RunConfig
 from agora.pipeline.tokenizer import Tokenizer, load_tokenizer
@@ -371,15 +373,20 @@ class TokenStore:
         try:  # everything below writes only inside `temporary` until the rename
             separator = np.asarray([tokenizer.eos_id], dtype=tokenizer.dtype)
             writers = {split: _SplitWriter(temporary / f"{split}.bin", separator) for split in TokenStore.SPLITS}
+            # A one-off that takes a while on a large corpus: a bar on a terminal (the line above otherwise).
+            bar = tqdm(desc=f"tokenizing {data_config.source}", unit=" documents", file=sys.stderr,
+                       disable=not sys.stderr.isatty(), leave=False)
             try:
                 documents = iter_documents(data_config)
                 while batch := list(itertools.islice(documents, ENCODE_BATCH_DOCUMENTS)):
                     encoded = tokenizer.encode_batch([text for _, text in batch])
+                    bar.update(len(batch))
                     for (doc_id, _), ids in zip(batch, encoded):
                         if len(ids):  # an empty document would add only a separator
                             split = "heldout" if is_heldout(doc_id, data_config.heldout_fraction) else "train"
                             writers[split].write(ids)
             finally:
+                bar.close()
                 splits = {split: writer.close() for split, writer in writers.items()}
             fingerprint = hashlib.sha256("".join(s["sha256"] for s in splits.values()).encode()).hexdigest()
             meta = {

@@ -396,7 +396,7 @@ def test_loop_starts_due_and_announced_rounds_and_stop_cancels_the_round_in_flig
 def test_diloco_anchor_momentum_and_round_survive_a_checkpoint(tmp_path):
     """A restarted replica resumes its outer optimizer: the same anchor, momentum and round, and
     samples since the last round counted across the restart (the worker's own count restarts)."""
-    from agora.node.worker.join import _restore_stage, _save_stage
+    from agora.node.worker.checkpoints import StageCheckpointer, restore_stage
 
     sync = dataclasses.replace(SYNC, method="diloco", fragments=2)
 
@@ -406,7 +406,8 @@ def test_diloco_anchor_momentum_and_round_survive_a_checkpoint(tmp_path):
             await worker.on_compute(lambda c: [p.data.add_(0.01) for p in c.optimizer.parameters])
             await loop.run_round(3)  # fragment 1: anchor and momentum move
             await worker.on_compute(lambda c: setattr(c, "samples_total", c.samples_total + 24))
-            await worker.on_compute(lambda c: _save_stage(c, str(tmp_path), CONFIG, loop))
+            await StageCheckpointer(worker, tmp_path, CONFIG, every=0, averaging=loop).final(worker.compute,
+                                                                                             phase="member")
             saved = loop.state_dict(worker.compute.samples_total)
         finally:
             await loop.stop()
@@ -416,7 +417,7 @@ def test_diloco_anchor_momentum_and_round_survive_a_checkpoint(tmp_path):
         resumed = AveragingLoop(fresh, ScriptedAverager(vector_size(sync), lambda v, r: None), sync,
                                 seed=CONFIG.seed, board=Board(replicas=1), probe_s=0.01)
         try:
-            _, state = await fresh.on_compute(lambda c: _restore_stage(c, str(tmp_path), CONFIG))
+            _, state, _ = await fresh.on_compute(lambda c: restore_stage(c, tmp_path, CONFIG))
             resumed.load_state_dict(state)
             await resumed.start()
             got = resumed.state_dict(fresh.compute.samples_total)

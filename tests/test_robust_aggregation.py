@@ -13,6 +13,7 @@ from agora.dht.robust import (
     RobustAggregation,
     aggregate_part,
     agreed_weights,
+    deviation,
     relative_move,
 )
 from agora.node.averaging.sparta import max_round_weight
@@ -133,11 +134,14 @@ def test_a_pair_keeps_the_exact_weighted_mean_within_the_bound():
     torch.testing.assert_close(result.value, mean_of([a, b], [1.0, 3.0]))
 
 
-def test_a_pair_bounds_the_others_pull_on_the_reducers_own_part():
+def test_a_pair_bounds_how_far_the_other_may_be_from_the_reducers_own_part():
     a = honest(1)[0]
-    result = aggregate_part([a, 10 * a], [1.0, 1.0], POLICY, own=0, bound=0.2)
-    assert result.verdicts == ["used", "clipped"]
-    assert relative_move(result.value - a, a) == pytest.approx(0.2, rel=1e-5)
+    for weights, share in (([1.0, 1.0], 0.5), ([1.0, 3.0], 0.75)):
+        result = aggregate_part([a, 10 * a], weights, POLICY, own=0, bound=0.2)
+        assert result.verdicts == ["used", "clipped"]
+        # The other counts as if it were 0.2 of the part's norm away: it moves the part by its share of that.
+        assert relative_move(result.value - a, a) == pytest.approx(share * 0.2, rel=1e-5)
+        assert deviation(relative_move(result.value - a, a), 1 - share) == pytest.approx(0.2, rel=1e-5)
 
 
 def test_a_pair_without_the_reducers_own_part_is_a_weighted_mean():
@@ -165,6 +169,9 @@ def test_the_bound_is_the_ceiling_until_a_position_has_history_then_follows_it()
     assert history.bound(3) == 1.0  # not yet enough rounds there
     assert history.accept(3, 0.02)
     assert history.bound(3) == pytest.approx(0.16) and history.bound(4) == 1.0  # per position
+    for _ in range(HISTORY_MIN):
+        history.accept(5, 0.0)  # replicas identical for a while may still come apart a little
+    assert history.bound(5) == RobustAggregation().history_floor
     assert not history.accept(3, 0.5) and not history.accept(3, math.inf) and not history.accept(3, math.nan)
     assert history.bound(3) == pytest.approx(0.16)  # one refused round does not widen it
     refused = 0
@@ -180,3 +187,12 @@ def test_policies_refuse_nonsense():
         RobustAggregation(max_weight=0)
     with pytest.raises(ValueError):
         RobustAggregation(history_length=1)
+
+
+def test_the_coordinate_median_is_torchs_lower_median_for_every_group_size():
+    from agora.dht.robust import _coordinate_median
+
+    generator = torch.Generator().manual_seed(7)
+    for size in range(2, 19):  # the sorting network up to 16 rows, kthvalue beyond
+        rows = [torch.randn(257, generator=generator) for _ in range(size)]
+        assert torch.equal(_coordinate_median(rows), torch.stack(rows).median(dim=0).values), size

@@ -30,7 +30,9 @@ def data():
     return build_data(_config())
 
 
-async def _swarm(config, replicas, synchronous, keep_graphs=0):
+async def _swarm(config, replicas, synchronous, announced: float = 0.0, keep_graphs: int = 0):
+    """Workers on loopback and a fixed discovery of them; `announced`: the compute throughput their
+    records would carry (0: none, so routing goes by the trainer's own round trips)."""
     workers = []
     for stage in range(len(config.layer_split)):
         for replica in range(replicas):
@@ -38,7 +40,7 @@ async def _swarm(config, replicas, synchronous, keep_graphs=0):
                                  options=WorkerOptions(synchronous=synchronous, keep_graphs=keep_graphs))
             await worker.start()
             workers.append((f"s{stage}r{replica}", stage, worker))
-    views = [WorkerView(peer, w.address, stage) for peer, stage, w in workers]
+    views = [WorkerView(peer, w.address, stage, announced_samples_per_s=announced) for peer, stage, w in workers]
     return [w for _, _, w in workers], StaticDiscovery(views)
 
 
@@ -133,7 +135,9 @@ def test_equally_fast_replicas_get_equal_shares_of_every_batch(data):
         return wrapped
 
     async def main():
-        workers, discovery = await _swarm(config, 2, synchronous=False)
+        # Equally fast as the replicas' records say (what balancing compares: node/trainer/routing.py);
+        # the trainer's own round trips would vary with the machine's load.
+        workers, discovery = await _swarm(config, 2, synchronous=False, announced=100.0)
         for worker in workers:
             forwarded.append(Counter())
             worker.compute.forward = recording(worker.compute, forwarded[-1])

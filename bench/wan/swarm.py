@@ -78,7 +78,12 @@ class WanSession:
                          host=lambda name: nodes[name].address if name in nodes else "127.0.0.1")
 
     def run(self, options: DemoOptions, workdir: Path, *, quiet: bool = True) -> WanRun:
-        """`run_demo(options)` on this topology: every process the demo starts must have a node here."""
+        """`run_demo(options)` on this topology: every process the demo starts must have a node here.
+        The demo's monitor is not started (every process's metrics listen on its own namespace's
+        loopback), and `--chaos` is refused (its newcomers would have no namespace)."""
+        if options.chaos_s is not None:
+            raise ValueError("--chaos: not on the WAN harness (a newcomer would have no namespace of its own)")
+        options = replace(options, monitor=False)
         missing = [name for name in demo_process_names(options) if name not in self.topology.nodes]
         if missing:
             raise ValueError(f"the topology has no node for {', '.join(missing)}: build it for these options")

@@ -105,14 +105,14 @@ class AveragingLoop:
 
     def __init__(self, worker: StageWorker, averager: SliceAverager, sync: SyncConfig, *, seed: int,
                  board: Optional[RoundDirectory] = None, probe_s: Optional[float] = None,
-                 logger: Optional[logging.Logger] = None):
+                 logger: Optional[logging.Logger] = None, stats: Optional[AveragingStats] = None):
         if sync.method not in ("sparta", "diloco"):
             raise ValueError(f"no averaging loop for sync.method {sync.method!r}")
         self.worker = worker
         self.averager = averager
         self.sync = sync
         self.seed = seed
-        self.stats = AveragingStats(sync.method)
+        self.stats = stats if stats is not None else AveragingStats(sync.method)  # the process's registry, or its own
         self._board = board
         # Well inside the matchmaking window, so a slower replica joins the fastest one's round.
         self.probe_s = probe_s if probe_s is not None else min(10.0, max(0.25, sync.matchmaking_s / 4))
@@ -245,7 +245,7 @@ class AveragingLoop:
                     pass
                 self._wake.clear()
                 continue
-            self.stats.skipped += decision.skipped
+            self.stats.count_skipped(decision.skipped)
             self._last_round = decision.round
             try:
                 result = await self.run_round(decision.round)
@@ -353,7 +353,7 @@ class AveragingLoop:
         round_number = self._hook_round = steps // every
         started = time.perf_counter()
         local = self._local_part(compute, round_slice(round_number, self.sync.n_slices))
-        self.stats.compute_blocked_s += time.perf_counter() - started
+        self.stats.add_compute_blocked(time.perf_counter() - started)
         self._hooked.put(_Hooked(round_number, local, compute.samples_total, steps))
         self._event_loop.call_soon_threadsafe(self._wake.set)
 
@@ -449,7 +449,7 @@ class AveragingLoop:
             try:
                 return fn(compute)
             finally:
-                self.stats.compute_blocked_s += time.perf_counter() - started
+                self.stats.add_compute_blocked(time.perf_counter() - started)
 
         return await self.worker.on_compute(timed)
 

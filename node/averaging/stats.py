@@ -1,85 +1,140 @@
-"""`AveragingStats`: the counters of one worker's averaging rounds (node/averaging/loop.py).
+"""`AveragingStats`: one worker's averaging rounds, kept in the process's metrics registry.
 
-Plain numbers, updated by the loop after each round (and, for `compute_blocked_s`, on the
-compute thread); `snapshot()` is the dict the join daemon writes on exit and the demo merges.
+The loop (node/averaging/loop.py) records each round here, and counts skipped rounds and the
+compute thread's time; every number lives in the Prometheus series of
+monitor/averaging_metrics.py (one bookkeeping), and `snapshot()` reads them back as the plain
+dict the join daemon writes on exit and the demo sums per stage. Without a registry (tests, a
+tool) the stats keep a private one.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections import Counter
 from typing import Callable, Optional
 
+from prometheus_client import CollectorRegistry
+
 from agora.dht.averaging import OUTCOMES, RoundResult
+from agora.monitor.averaging_metrics import GROUP_SIZE_BUCKETS, AveragingMetrics
+from agora.monitor.metrics import sample_value
 
 __all__ = ["AveragingStats"]
 
 
 class AveragingStats:
-    """Counters of one worker's rounds; `snapshot()` is what metrics and the demo read."""
+    """Counters of one worker's rounds; `snapshot()` is what the demo reads."""
 
-    def __init__(self, method: str, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, method: str, clock: Callable[[], float] = time.monotonic,
+                 registry: Optional[CollectorRegistry] = None):
         self.method = method
         self._clock = clock
         self.started = clock()
-        self.rounds: Counter[str] = Counter({outcome: 0 for outcome in OUTCOMES})
-        self.applied = 0  # rounds whose result changed the parameters
-        self.skipped = 0  # rounds that came due while another one ran
-        self.group_sizes: Counter[int] = Counter()
-        self.rejections: Counter[str] = Counter()  # by reason (dht/robust.py), over every round
-        self.received_sum = 0.0
-        self.duration_sum = 0.0
-        self.duration_max = 0.0
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.compute_blocked_s = 0.0  # written on the compute thread only
-        self.lag_steps_sum = 0  # applied rounds: local steps from snapshot to apply
-        self.lag_steps_max = 0
+        self._registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.metrics = AveragingMetrics(self._registry, method)
+        for outcome in OUTCOMES:  # every outcome present from the start, at 0
+            self.metrics.rounds.labels(method=method, outcome=outcome)
+        self._lock = threading.Lock()  # the maxima are read-modify-write
+        self._rejection_reasons: set[str] = set()  # the label values seen, to read the counts back
         self.last_round: Optional[int] = None
         self.local_steps = 0  # the worker's optimizer steps, as last seen by the loop
         self.vector_elements = 0
         self.parameters = 0
 
+    def _value(self, name: str, **labels: str) -> float:
+        return sample_value(self._registry, name, {"method": self.method, **labels})
+
+    @property
+    def rounds(self) -> dict[str, int]:
+        return {outcome: int(self._value("agora_averaging_rounds_total", outcome=outcome)) for outcome in OUTCOMES}
+
+    @property
+    def applied(self) -> int:
+        return int(self._value("agora_averaging_rounds_applied_total"))
+
+    @property
+    def skipped(self) -> int:
+        return int(self._value("agora_averaging_rounds_skipped_total"))
+
+    @property
+    def compute_blocked_s(self) -> float:
+        return self._value("agora_averaging_compute_blocked_seconds_total")
+
+    def count_skipped(self, rounds: int) -> None:
+        if rounds:
+            self.metrics.skipped.labels(method=self.method).inc(rounds)
+
+    def add_compute_blocked(self, seconds: float) -> None:
+        """From the compute thread (prometheus_client's values are thread-safe)."""
+        self.metrics.compute_blocked.labels(method=self.method).inc(seconds)
+
     def record(self, result: RoundResult, applied: bool, lag_steps: int = 0) -> None:
-        self.rounds[result.outcome] += 1
-        self.applied += int(applied)
+        metrics, method = self.metrics, self.method
+        metrics.rounds.labels(method=method, outcome=result.outcome).inc()
         if applied:
-            self.lag_steps_sum += lag_steps
-            self.lag_steps_max = max(self.lag_steps_max, lag_steps)
-        self.group_sizes[max(1, result.group_size)] += 1
-        self.rejections.update(result.rejections)
+            metrics.applied.labels(method=method).inc()
+            metrics.lag.labels(method=method).observe(lag_steps)
+        metrics.group_size.labels(method=method).observe(max(1, result.group_size))
+        for reason, count in result.rejections.items():  # by reason (dht/robust.py), over every round
+            metrics.rejections.labels(method=method, reason=reason).inc(count)
+            self._rejection_reasons.add(reason)
         if result.outcome == "committed":
-            self.received_sum += result.received_fraction
-        self.duration_sum += result.duration_s
-        self.duration_max = max(self.duration_max, result.duration_s)
-        self.bytes_sent += result.bytes_sent
-        self.bytes_received += result.bytes_received
+            metrics.received.labels(method=method).observe(result.received_fraction)
+        metrics.duration.labels(method=method).observe(result.duration_s)
+        metrics.sent.labels(method=method).inc(result.bytes_sent)
+        metrics.received_bytes.labels(method=method).inc(result.bytes_received)
+        with self._lock:
+            if applied and lag_steps > self._value("agora_averaging_apply_lag_max_steps"):
+                metrics.max_lag.labels(method=method).set(lag_steps)
+            if result.duration_s > self._value("agora_averaging_round_duration_max_seconds"):
+                metrics.max_duration.labels(method=method).set(result.duration_s)
+        metrics.last_round.labels(method=method).set(result.round)
         self.last_round = result.round
 
+    @property
+    def rejections(self) -> dict[str, int]:
+        return {reason: int(self._value("agora_averaging_rejections_total", reason=reason))
+                for reason in sorted(self._rejection_reasons)}
+
+    def _group_sizes(self) -> dict[str, int]:
+        """Rounds per group size, from the histogram's whole-number buckets (exact up to 8)."""
+        sizes, below = {}, 0.0
+        for bound in GROUP_SIZE_BUCKETS:
+            cumulative = self._value("agora_averaging_group_size_bucket", le=str(float(bound)))
+            if cumulative > below:
+                sizes[str(bound)] = int(cumulative - below)
+            below = cumulative
+        return sizes
+
     def snapshot(self) -> dict:
-        total = sum(self.rounds.values())
+        rounds = self.rounds
+        total = sum(rounds.values())
         wall = max(1e-9, self._clock() - self.started)
+        applied = self.applied
+        received = self._value("agora_averaging_received_ratio_sum")
+        duration = self._value("agora_averaging_round_duration_seconds_sum")
+        lag = self._value("agora_averaging_apply_lag_steps_sum")
+        blocked = self.compute_blocked_s
         return {
             "method": self.method,
             "rounds": total,
-            "rounds_by_outcome": dict(self.rounds),
-            "applied": self.applied,
+            "rounds_by_outcome": rounds,
+            "applied": applied,
             "skipped": self.skipped,
-            "group_sizes": {str(size): n for size, n in sorted(self.group_sizes.items())},
-            "rejections": dict(sorted(self.rejections.items())),
-            "mean_received_fraction": (self.received_sum / self.rounds["committed"]
-                                       if self.rounds["committed"] else None),
-            "mean_duration_s": self.duration_sum / total if total else None,
-            "max_duration_s": self.duration_max,
-            "mean_lag_steps": self.lag_steps_sum / self.applied if self.applied else None,
-            "max_lag_steps": self.lag_steps_max,
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
+            "group_sizes": self._group_sizes(),
+            "rejections": self.rejections,
+            "mean_received_fraction": received / rounds["committed"] if rounds["committed"] else None,
+            "mean_duration_s": duration / total if total else None,
+            "max_duration_s": self._value("agora_averaging_round_duration_max_seconds"),
+            "mean_lag_steps": lag / applied if applied else None,
+            "max_lag_steps": int(self._value("agora_averaging_apply_lag_max_steps")),
+            "bytes_sent": int(self._value("agora_averaging_sent_bytes_total")),
+            "bytes_received": int(self._value("agora_averaging_received_bytes_total")),
             "local_steps": self.local_steps,
             "vector_elements": self.vector_elements,
             "parameters": self.parameters,
-            "compute_blocked_s": round(self.compute_blocked_s, 6),
+            "compute_blocked_s": round(blocked, 6),
             "wall_s": round(wall, 3),
-            "compute_blocked_fraction": self.compute_blocked_s / wall,
+            "compute_blocked_fraction": blocked / wall,
             "last_round": self.last_round,
         }

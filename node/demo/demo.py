@@ -1,12 +1,17 @@
 """`agora-node demo`: a whole swarm on loopback, each role its own `agora-node <role>` process.
 
 Order: bootstrap (its ready file carries the DHT multiaddrs) -> one `join` per stage replica
-(ready file: gRPC endpoint + peer id, written once announced in the DHT) -> trainers. While
-the trainers run, a progress line shows global batches, loss, tokens/s and live workers per
-stage. When they finish, workers and the bootstrap get SIGTERM (clean leave), every process
-is reaped, the trainers' logs are merged into one JSON line per global batch (run-wide `step`,
-the train-local schema) and a summary is printed and optionally written as JSON. Ctrl-C stops
-everything the same way and still prints what was done. Workers average with the other replicas
+(ready file: gRPC endpoint + peer id, written once announced in the DHT) -> trainers. Unless
+`--no-monitor`, an `agora-node monitor` starts right after the bootstrap (and the authorizer,
+whose monitor credential it joins with) and the demo prints its status page's URL; every
+process serves Prometheus metrics on a free port (workers and trainers announce theirs in the
+DHT; the authorizer's and the bootstrap's are given to the monitor as static targets), so the
+monitor's `/sd` lists them all. While the trainers run, a progress bar (plain lines when not a
+terminal) shows global batches, loss, tokens/s and live workers per stage. When they finish,
+workers and the bootstrap get SIGTERM (clean leave), every process is reaped, the trainers'
+logs are merged into one JSON line per global batch (run-wide `step`, the train-local schema)
+and a short human-readable summary is printed; `--summary-json` writes the full one. Ctrl-C
+stops everything the same way and still prints what was done. Workers average with the other replicas
 of their stage (the config's `sync` method unless `--averaging` says otherwise); each writes its
 averaging counters to a stats file when it leaves, and the summary adds them up per stage.
 """
@@ -23,10 +28,17 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
+from agora.node.admission import free_port
 from agora.node.demo.processes import ChildFailed, ChildProcess, Placement, ProcessGroup, agora_node_command
+from agora.node.demo.chaos import Chaos, ChaosEvent
+from agora.node.demo.summary import build_summary, churn_summary, format_summary, latest_per_trainer, merge_logs
+from agora.node.progress import Progress
+from agora.pipeline.checkpoint import checkpoint_steps
 from agora.pipeline.config import ConfigError
+from agora.pipeline.files import atomic_write
 
 __all__ = ["DemoOptions", "run_demo", "merge_logs"]
 
@@ -69,6 +81,13 @@ class DemoOptions:
     serve: bool = False
     checkpoint: str | None = None
     http_port: int = 8000
+    monitor: bool = True  # start `agora-node monitor` (status page, /sd, /metrics)
+    monitor_port: int = 0  # 0: a free port
+    checkpoint_every: int | None = None  # workers' checkpoint interval; None: the config's
+    resume: bool = False  # restart every role of `workdir` from its checkpoints
+    chaos_s: float | None = None  # kill a random worker or trainer every this many seconds
+    chaos_seed: int = 0
+    lease_s: float | None = None  # trainers' unit leases; None: theirs (5 s under --chaos)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
@@ -88,7 +107,11 @@ class DemoOptions:
                    insecure=getattr(args, "insecure", False), heartbeat_s=getattr(args, "heartbeat", 1.0),
                    credential_lifetime=getattr(args, "credential_lifetime", None),
                    serve=getattr(args, "serve", False), checkpoint=getattr(args, "checkpoint", None),
-                   http_port=getattr(args, "http_port", 8000))
+                   http_port=getattr(args, "http_port", 8000),
+                   monitor=not getattr(args, "no_monitor", False), monitor_port=getattr(args, "monitor_port", 0),
+                   checkpoint_every=getattr(args, "checkpoint_every", None), resume=getattr(args, "resume", False),
+                   chaos_s=getattr(args, "chaos", None), chaos_seed=getattr(args, "chaos_seed", 0),
+                   lease_s=getattr(args, "lease", None) or (5.0 if getattr(args, "chaos", None) else None))
 
     def validate(self) -> "DemoOptions":
         if self.replicas < 1 or self.trainers < 1 or self.steps < 1:
@@ -110,8 +133,18 @@ class DemoOptions:
                               "--kill-worker-at)")
         if self.checkpoint is not None and not self.serve:
             raise ConfigError("--checkpoint: only with --serve")
+        if not 0 <= self.monitor_port < 65536:
+            raise ConfigError(f"--monitor-port: must be in 0..65535 (0: a free one), got {self.monitor_port}")
         if self.kill_worker_at is not None and self.replicas < 2:
             raise ConfigError("--kill-worker-at needs --replicas 2 or more, so the stage survives")
+        if self.resume and not self.workdir:
+            raise ConfigError("--resume: give the --workdir of the run to resume")
+        if self.chaos_s is not None and not self.chaos_s > 0:
+            raise ConfigError(f"--chaos: seconds between kills must be positive, got {self.chaos_s}")
+        if self.chaos_s is not None and self.sync:
+            raise ConfigError("--chaos: not with --sync (one trainer, one replica per stage: nothing survives a kill)")
+        if self.lease_s is not None and not self.lease_s > 0:
+            raise ConfigError(f"--lease: must be positive, got {self.lease_s}")
         return self
 
     def worker_flags(self) -> list[str]:
@@ -132,46 +165,6 @@ class DemoOptions:
         return flags + (["--average-optimizer-state"] if self.average_optimizer_state else [])
 
 
-def merge_logs(paths: list[Path]) -> list[dict]:
-    """Every trainer's lines, one per global batch, ordered by the run-wide step."""
-    lines = []
-    for path in paths:
-        if path.exists():
-            lines += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return sorted(lines, key=lambda line: line["step"])
-
-
-class _Progress:
-    def __init__(self, total: int, stream=sys.stderr):
-        self.total, self.stream = total, stream
-        self.tty = stream.isatty()
-        self.last_print = 0.0
-
-    def show(self, lines: list[dict], workers: dict[int, int], force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.last_print < (0.5 if self.tty else 10.0):
-            return
-        self.last_print = now
-        step = lines[-1]["step"] if lines else 0
-        loss = f"{lines[-1]['loss']:.4f}" if lines else "-"
-        rate = sum(line["tokens_per_s"] for line in _latest_per_trainer(lines))
-        per_stage = " ".join(f"s{s}:{n}" for s, n in sorted(workers.items()))
-        text = f"demo: batch {len(lines)}/{self.total} (step {step}) loss {loss} {rate:,.0f} tok/s workers {per_stage}"
-        self.stream.write(("\r" + text + " ") if self.tty else text + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-
-
-def _latest_per_trainer(lines: list[dict]) -> list[dict]:
-    latest: dict[int, dict] = {}
-    for line in lines:
-        latest[line.get("trainer", 0)] = line
-    return list(latest.values())
-
-
 def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
     """`placement`: where each process runs (default: this machine's loopback; bench/wan/ puts each
     in a network namespace of its own behind emulated links)."""
@@ -184,68 +177,109 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(workdir) if placement is None else ProcessGroup(workdir, placement=placement)
     started = time.monotonic()
-    trainer_logs = [workdir / f"trainer-{t}.jsonl" for t in range(options.trainers)]
+    resume_step = _resume_step(workdir, options) if options.resume else None
     workers: list[tuple[int, ChildProcess]] = []
+    trainers: list[ChildProcess] = []
+    trainer_logs: list[Path] = []
     killed: list[str] = []
-    progress = _Progress(options.steps)
+    chaos = Chaos(options.chaos_s, options.chaos_seed) if options.chaos_s else None
+    joins: list[tuple[str, datetime]] = []
+    live_log = _LiveLog(Path(options.log_json)) if options.log_json else None
+    progress = Progress(options.steps, "demo")
     outcome = "completed"
     code = 0
+    lines: list[dict] = []
     # Ctrl-C and a supervisor's SIGTERM both stop the swarm in order and still print a summary.
     previous = _interrupt_on(signal.SIGINT, signal.SIGTERM)
     try:
         threads = ["--threads", str(options.threads)]
         common = ["--log-level", "WARNING", *threads]
+        # Every process serves its metrics on a port of its own; those outside the DHT's records
+        # (the authorizer, the bootstrap) are handed to the monitor as static targets.
+        static_targets: list[str] = []
+
+        def metrics_flags(role: str | None = None) -> list[str]:
+            port = free_port("127.0.0.1")
+            if role is not None:
+                static_targets.append(f"{role}=127.0.0.1:{port}")
+            return ["--metrics-port", str(port)]
+
         if options.insecure:
             print("demo: WARNING: --insecure: no authorizer, no TLS, no credential checks, no signed DHT records",
                   file=sys.stderr, flush=True)
-        maddrs = _start_bootstrap(group, options, workdir, common)
+        if resume_step is not None:
+            print(f"demo: resuming every role from its checkpoint of step {resume_step} in {workdir}",
+                  file=sys.stderr, flush=True)
+        maddrs = _start_bootstrap(group, options, workdir, common, metrics_flags("bootstrap"))
         swarm = ["--run-id", options.run_id, "--initial-peers", *maddrs] + (["--sync"] if options.sync else [])
         admission = ["--insecure"]
         if not options.insecure:
-            authorizer = _start_authorizer(group, options, workdir, maddrs, common)
+            authorizer = _start_authorizer(group, options, workdir, maddrs, common, metrics_flags("authorizer"))
             print(f"demo: authorizer {authorizer} (run {options.run_id!r}); nodes join with "
                   f"--join-file {workdir / 'authorizer' / 'join.json'}", file=sys.stderr, flush=True)
             admission = ["--join-file", str(workdir / "authorizer" / "join.json")]
-        for stage in range(options.stages or 1):
-            for replica in range(options.replicas):
-                name = f"worker-s{stage}-r{replica}"
-                ready = workdir / f"{name}.ready"
-                # INFO: each averaging round's milestone line lands in the worker's log file.
-                host = group.host(name)
-                command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
-                                             "--host", host, "--dht-host", host,
-                                             *options.run_flags(), *swarm, *options.worker_flags(), *admission,
-                                             *_state_dir(options, workdir, name),
-                                             "--stats-file", str(workdir / f"{name}.stats.json"),
-                                             "--heartbeat", str(options.heartbeat_s), "--ready-file", str(ready))
-                workers.append((stage, group.spawn(name, command, ready)))
-        group.wait_ready([w for _, w in workers], options.ready_timeout_s)
-        trainers = []
-        for index in range(options.trainers):
+        if options.monitor:
+            url = _start_monitor(group, options, workdir, swarm, admission, static_targets, common)
+            print(f"demo: status page {url} (Prometheus: service discovery {url}sd, swarm metrics {url}metrics)",
+                  file=sys.stderr, flush=True)
+
+        def start_worker(stage: int, name: str, resume: bool) -> ChildProcess:
+            ready = workdir / f"{name}.ready"
+            checkpoints = [] if options.checkpoint_every is None else ["--checkpoint-every", str(options.checkpoint_every)]
+            if resume:
+                checkpoints += ["--resume-step", str(resume_step)]
+            # INFO: each averaging round's milestone line lands in the worker's log file.
+            host = group.host(name)
+            command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
+                                         "--host", host, "--dht-host", host,
+                                         *options.run_flags(), *swarm, *options.worker_flags(), *admission,
+                                         *_state_dir(options, workdir, name), *checkpoints,
+                                         "--stats-file", str(workdir / f"{name}.stats.json"),
+                                         "--heartbeat", str(options.heartbeat_s), "--ready-file", str(ready),
+                                         *metrics_flags())
+            return group.spawn(name, command, ready)
+
+        def start_trainer(index: int, name: str) -> ChildProcess:
+            log = workdir / f"{name}.jsonl"
+            trainer_logs.append(log)
+            start = []
+            if resume_step:
+                _truncate_log(log, resume_step)
+                start = ["--start-step", str(resume_step)]
             command = agora_node_command(
-                *common, "trainer", *options.run_flags(), *swarm, *admission,
-                *_state_dir(options, workdir, f"trainer-{index}"), "--trainer-index", str(index),
-                "--trainers", str(options.trainers),
+                *common, "trainer", *options.run_flags(), *swarm, *admission, *_state_dir(options, workdir, name),
+                "--trainer-index", str(index), "--trainers", str(options.trainers), *start,
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
                 *([] if options.max_staleness is None else ["--max-staleness", str(options.max_staleness)]),
                 *([] if options.time_budget_s is None else ["--time-budget", str(options.time_budget_s)]),
-                "--log-json", str(trainer_logs[index]),
-                "--summary-json", str(workdir / f"trainer-{index}.summary.json"),
-                *([] if index == 0 else ["--no-eval"]))
-            trainers.append(group.spawn(f"trainer-{index}", command))
+                *([] if options.lease_s is None else ["--lease", str(options.lease_s)]),
+                "--log-json", str(log), "--summary-json", str(workdir / f"{name}.summary.json"),
+                "--heartbeat", str(options.heartbeat_s), *metrics_flags(), *([] if index == 0 else ["--no-eval"]))
+            return group.spawn(name, command)
+
+        for stage in range(options.stages or 1):
+            for replica in range(options.replicas):
+                workers.append((stage, start_worker(stage, f"worker-s{stage}-r{replica}", resume_step is not None)))
+        group.wait_ready([w for _, w in workers], options.ready_timeout_s)
+        trainers += [start_trainer(index, f"trainer-{index}") for index in range(options.trainers)]
         logger.info("swarm up in %.1f s: %d workers, %d trainers", time.monotonic() - started, len(workers),
                     len(trainers))
 
         while any(t.alive() for t in trainers):
             lines = merge_logs(trainer_logs)
+            if live_log is not None:
+                live_log.write(trainer_logs)
             if options.kill_worker_at is not None and not killed and len(lines) >= options.kill_worker_at:
-                victim = next(w for s, w in workers if s == (options.stages or 1) - 1)
+                victim = next(w for s, w in workers if s == (options.stages or 1) - 1 and w.alive())
                 group.kill(victim)
                 killed.append(victim.name)
                 logger.warning("fault drill: killed %s with SIGKILL after %d global batches", victim.name, len(lines))
-            progress.show(lines, _alive_per_stage(workers))
+            if chaos is not None and chaos.due(time.monotonic() - started):
+                _chaos_kill(chaos, group, workers, trainers, killed, joins, start_worker, start_trainer,
+                            time.monotonic() - started)
+            _show(progress, lines, _alive_per_stage(workers))
             time.sleep(0.2)  # the progress view's refresh; trainers are waited on via their exit
-        failed = [t for t in trainers if t.process.returncode != 0]
+        failed = [t for t in trainers if t.process.returncode != 0 and t.name not in killed]
         if failed:
             outcome = "failed"
             code = 1
@@ -261,20 +295,130 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
         for signum in previous:  # a second Ctrl-C must not cut the shutdown short
             signal.signal(signum, signal.SIG_IGN)
         lines = merge_logs(trainer_logs)
-        progress.show(lines, _alive_per_stage(workers), force=True)
+        _show(progress, lines, _alive_per_stage(workers), force=True)
         progress.close()
         exit_codes = group.shutdown()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    summary = _summary(options, lines, workdir, workers, killed, exit_codes, outcome, time.monotonic() - started)
-    if options.log_json:
-        Path(options.log_json).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = build_summary(options, lines, workdir, workers, killed, exit_codes, outcome, time.monotonic() - started,
+                            trainers=[t.name for t in trainers])
+    if chaos is not None or resume_step is not None:
+        summary["churn"] = churn_summary(options, lines, chaos.events if chaos else [], joins, workdir, resume_step)
+    if live_log is not None:  # the run is over: its log in step order
+        atomic_write(Path(options.log_json), "".join(json.dumps(line) + "\n" for line in lines).encode(), mode=0o644)
     if options.summary_json:
         Path(options.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
     _print_summary(summary)
     if not options.workdir and code == 0:
         shutil.rmtree(workdir, ignore_errors=True)
     return code
+
+
+def _chaos_kill(chaos: Chaos, group: ProcessGroup, workers: list[tuple[int, ChildProcess]],
+                trainers: list[ChildProcess], killed: list[str], joins: list[tuple[str, datetime]],
+                start_worker, start_trainer, elapsed_s: float) -> None:
+    """Kill the victim chaos picks and start a newcomer in its place (node/demo/chaos.py)."""
+    # Only processes at work count: a worker serving (its ready file), a trainer that has run a unit
+    # (its log). A newcomer still joining is no replica yet; while one is, nobody else is killed, so
+    # the churn is one machine at a time.
+    alive_workers = {w.name: stage for stage, w in workers if w.alive() and _ready(w)}
+    alive_trainers = [t.name for t in trainers if t.alive() and _ready(t)]
+    if any(event.replacement not in alive_workers and event.replacement not in alive_trainers
+           and event.replacement not in killed for event in chaos.events[-1:]):
+        chaos.choose(elapsed_s, {}, [])  # the last newcomer is still joining: this kill is skipped
+        return
+    victim = chaos.choose(elapsed_s, alive_workers, alive_trainers)
+    if victim is None:
+        return
+    generation = sum(1 for event in chaos.events if event.killed.split(".")[0] == victim.split(".")[0]) + 1
+    replacement = f"{victim.split('.')[0]}.j{generation}"
+    if victim in alive_workers:
+        stage = alive_workers[victim]
+        group.kill(next(w for _, w in workers if w.name == victim))
+        joins.append((replacement, datetime.now()))
+        workers.append((stage, start_worker(stage, replacement, False)))
+        chaos.events.append(ChaosEvent(round(elapsed_s, 2), victim, replacement, "worker", stage))
+    else:
+        group.kill(next(t for t in trainers if t.name == victim))
+        index = int(victim.split(".")[0].rsplit("-", 1)[1])
+        joins.append((replacement, datetime.now()))
+        trainers.append(start_trainer(index, replacement))
+        chaos.events.append(ChaosEvent(round(elapsed_s, 2), victim, replacement, "trainer"))
+    killed.append(victim)
+    logger.warning("chaos: killed %s with SIGKILL; %s joins in its place", victim, replacement)
+
+
+def _ready(child: ChildProcess) -> bool:
+    if child.ready_path is not None:
+        return child.ready_path.exists()
+    log = child.log_path.with_suffix(".jsonl")  # a trainer: it has completed a global batch
+    return log.exists() and log.stat().st_size > 0
+
+
+class _LiveLog:
+    """The demo's --log-json while the run goes: each trainer line appended as it appears, so a
+    user can follow it with `tail -f` and a killed run leaves what it did."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._seen: dict[Path, int] = {}
+        path.write_text("")
+
+    def write(self, sources: list[Path]) -> None:
+        new = []
+        for source in sources:
+            try:
+                text = source.read_text()
+            except OSError:
+                continue
+            complete = text[:text.rfind("\n") + 1]  # a line still being written waits for the next look
+            rows = complete.splitlines()
+            new += rows[self._seen.get(source, 0):]
+            self._seen[source] = len(rows)
+        if new:
+            with open(self.path, "a") as handle:
+                handle.write("".join(row + "\n" for row in new if row.strip()))
+
+
+def _resume_step(workdir: Path, options: DemoOptions) -> int:
+    """The newest step every stage's first replicas have a checkpoint of (their state directories)."""
+    steps = None
+    for stage in range(options.stages or 1):
+        for replica in range(options.replicas):
+            found = set(checkpoint_steps(workdir / f"worker-s{stage}-r{replica}.state" / "checkpoints"))
+            steps = found if steps is None else steps & found
+    if not steps:
+        raise ConfigError(f"--resume: no step that every worker in {workdir} has a checkpoint of")
+    return max(steps)
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep a trainer's log lines up to `step`: what a run resumed from that step has done."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and line.endswith("}") and json.loads(line)["step"] <= step]
+    atomic_write(path, "".join(line + "\n" for line in kept).encode(), mode=0o644)
+
+
+def _show(progress: Progress, lines: list[dict], workers: dict[int, int], force: bool = False) -> None:
+    loss = f"{lines[-1]['loss']:.4f}" if lines else "-"
+    rate = sum(line["tokens_per_s"] for line in latest_per_trainer(lines))
+    per_stage = " ".join(f"s{s}:{n}" for s, n in sorted(workers.items()))
+    progress.update(len(lines), f"loss {loss} {rate:,.0f} tok/s workers {per_stage}", force=force)
+
+
+def _start_monitor(group: ProcessGroup, options: DemoOptions, workdir: Path, swarm: list[str], admission: list[str],
+                   static_targets: list[str], common: list[str]) -> str:
+    """`agora-node monitor` (read-only, a monitor credential when admitted); its status page's URL."""
+    ready = workdir / "monitor.ready"
+    targets = [flag for target in static_targets for flag in ("--target", target)]
+    swarm = [flag for flag in swarm if flag != "--sync"]
+    command = agora_node_command(*common, "monitor", *options.run_flags(), *swarm, *admission,
+                                 *_state_dir(options, workdir, "monitor"), "--port", str(options.monitor_port),
+                                 "--poll", str(options.heartbeat_s), *targets, "--ready-file", str(ready))
+    child = group.spawn("monitor", command, ready)
+    return group.wait_ready([child], options.ready_timeout_s)["monitor"][0]
 
 
 def _state_dir(options: DemoOptions, workdir: Path, name: str) -> list[str]:
@@ -291,9 +435,11 @@ def _run_to_end(group: ProcessGroup, name: str, command: list[str], timeout_s: f
         raise ChildFailed(f"{name} exited with {code}:\n{child.log_tail()}")
 
 
-def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, common: list[str]) -> list[str]:
+def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, common: list[str],
+                     extra: list[str] = ()) -> list[str]:
     """The run's DHT bootstrap peer; its multiaddrs. With admission, the operator credentials it offline
-    first (which creates the run's CA), and the authorizer then hands its address out."""
+    first (which creates the run's CA), and the authorizer then hands its address out. `extra`: more
+    flags for it (its metrics port)."""
     boot_ready = workdir / "bootstrap.ready"
     boot_flags = ["--insecure"]
     if not options.insecure:
@@ -303,13 +449,13 @@ def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, c
             options.run_id, "--role", "operator", "--out", str(workdir / "bootstrap.state"),
             "--lifetime", str(24 * 3600)), options.ready_timeout_s)
     boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", *boot_flags, "--host",
-                                                       group.host("bootstrap"), "--ready-file", str(boot_ready)),
-                       boot_ready)
+                                                       group.host("bootstrap"), "--ready-file", str(boot_ready),
+                                                       *extra), boot_ready)
     return group.wait_ready([boot], options.ready_timeout_s)["bootstrap"]
 
 
 def _start_authorizer(group: ProcessGroup, options: DemoOptions, workdir: Path, maddrs: list[str],
-                      common: list[str]) -> str:
+                      common: list[str], extra: list[str]) -> str:
     """The run's authorizer, with floors low enough for one machine's loopback; its address."""
     ready = workdir / "authorizer.ready"
     lifetime = [] if options.credential_lifetime is None else ["--credential-lifetime", str(options.credential_lifetime)]
@@ -317,7 +463,7 @@ def _start_authorizer(group: ProcessGroup, options: DemoOptions, workdir: Path, 
         *common, "authorizer", "serve", "--state-dir", str(workdir / "authorizer"), "--run-id", options.run_id,
         "--host", group.host("authorizer"), "--ready-file", str(ready), *lifetime, "--min-upload-mbit", "0", "--min-download-mbit", "0",
         "--max-rtt-ms", "inf", "--min-accelerator-gb", "0", "--min-ram-gb", "0", "--preflight-bytes", str(256 << 10),
-        "--join-rate", "20", "--join-burst", "64", *options.run_flags(), "--initial-peers", *maddrs)
+        "--join-rate", "20", "--join-burst", "64", *options.run_flags(), *extra, "--initial-peers", *maddrs)
     child = group.spawn("authorizer", command, ready)
     return group.wait_ready([child], options.ready_timeout_s)["authorizer"][0]
 
@@ -342,111 +488,5 @@ def _alive_per_stage(workers: list[tuple[int, ChildProcess]]) -> dict[int, int]:
     return alive
 
 
-def _summary(options: DemoOptions, lines: list[dict], workdir: Path, workers, killed, exit_codes,
-             outcome: str, wall_s: float) -> dict:
-    trainer_summaries = []
-    for index in range(options.trainers):
-        path = workdir / f"trainer-{index}.summary.json"
-        if path.exists():
-            trainer_summaries.append(json.loads(path.read_text()))
-    heldout = [s["heldout_loss"] for s in trainer_summaries if s.get("heldout_loss") is not None]
-    tail = lines[-5:]
-    per_stage: dict[int, int] = {}
-    for stage, _ in workers:
-        per_stage[stage] = per_stage.get(stage, 0) + 1
-    return {
-        "outcome": outcome,
-        "steps": len(lines),
-        "final_loss": sum(line["loss"] for line in tail) / len(tail) if tail else None,
-        "heldout_loss": heldout[0] if heldout else None,
-        "tokens": lines[-1]["tokens"] if lines else 0,
-        "tokens_per_s": sum(line["tokens_per_s"] for line in _latest_per_trainer(lines)),
-        "wall_s": round(wall_s, 2),
-        "workers_per_stage": {str(k): v for k, v in sorted(per_stage.items())},
-        "reroutes": sum(s.get("reroutes", 0) for s in trainer_summaries),
-        "time_split_by_stage": _merge_time_splits([s.get("time_split_by_stage", {}) for s in trainer_summaries]),
-        "trainer_split": _mean_trainer_split([s.get("trainer_split", {}) for s in trainer_summaries]),
-        "in_flight": [s.get("in_flight") for s in trainer_summaries],
-        "busy_retries": sum(s.get("busy", 0) for s in trainer_summaries),
-        "averaging_by_stage": _averaging_by_stage(workdir, workers),
-        "killed": killed,
-        "exit_codes": exit_codes,
-        "mode": "sync" if options.sync else "async",
-        "security": "insecure" if options.insecure else "admitted",
-        "credential_renewals": {"trainers": sum(s.get("credential_renewals", 0) for s in trainer_summaries),
-                                "workers": _count_in_logs([w for _, w in workers], "renewed the credential")},
-        "revoked": [w.name for _, w in workers if exit_codes.get(w.name) == 3],
-    }
-
-
-def _count_in_logs(children, text: str) -> int:
-    total = 0
-    for child in children:
-        try:
-            total += child.log_path.read_text(errors="replace").count(text)
-        except OSError:
-            pass
-    return total
-
-
-def _averaging_by_stage(workdir: Path, workers) -> dict:
-    """Each stage's averaging rounds by outcome, summed over its replicas (from their stats files).
-
-    A worker writes its file when it leaves; a killed one leaves none and is not counted.
-    """
-    merged: dict[str, dict] = {}
-    for stage, worker in workers:
-        path = workdir / f"{worker.name}.stats.json"
-        try:
-            stats = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        into = merged.setdefault(str(stage), {"method": stats.get("method"), "replicas_reporting": 0,
-                                              "rounds_by_outcome": {}, "rejections": {}, "applied": 0, "skipped": 0,
-                                              "bytes_sent": 0,
-                                              "local_steps": 0, "compute_blocked_s": 0.0, "wall_s": 0.0,
-                                              "lag_steps_sum": 0.0, "max_lag_steps": 0})
-        into["replicas_reporting"] += 1
-        for outcome, n in stats.get("rounds_by_outcome", {}).items():
-            into["rounds_by_outcome"][outcome] = into["rounds_by_outcome"].get(outcome, 0) + n
-        for reason, n in stats.get("rejections", {}).items():  # what robust aggregation stopped (dht/robust.py)
-            into["rejections"][reason] = into["rejections"].get(reason, 0) + n
-        for key in ("applied", "skipped", "bytes_sent", "local_steps", "compute_blocked_s", "wall_s"):
-            into[key] += stats.get(key, 0)
-        into["parameters"] = stats.get("parameters", 0)
-        into["lag_steps_sum"] += (stats.get("mean_lag_steps") or 0.0) * stats.get("applied", 0)
-        into["max_lag_steps"] = max(into["max_lag_steps"], stats.get("max_lag_steps", 0))
-    for into in merged.values():
-        into["compute_blocked_fraction"] = into["compute_blocked_s"] / into["wall_s"] if into["wall_s"] else None
-        # Local steps from a round's snapshot to its apply, over every applied round of the stage.
-        into["mean_lag_steps"] = into.pop("lag_steps_sum") / into["applied"] if into["applied"] else None
-    return dict(sorted(merged.items()))
-
-
-def _merge_time_splits(splits: list[dict]) -> dict:
-    """Per-stage mean milliseconds per call over all trainers, weighted by their call counts."""
-    merged: dict[str, dict[str, float]] = {}
-    for split in splits:
-        for stage, times in split.items():
-            into = merged.setdefault(stage, {"calls": 0})
-            calls = times["calls"]
-            for key, value in times.items():
-                if key != "calls":
-                    into[key] = into.get(key, 0.0) + value * calls
-            into["calls"] += calls
-    for times in merged.values():
-        calls = max(1, times["calls"])
-        for key in times:
-            if key != "calls":
-                times[key] = round(times[key] / calls, 3)
-    return merged
-
-
-def _mean_trainer_split(splits: list[dict]) -> dict:
-    """Each trainer's own split (CPU and time outside calls per microbatch), averaged over trainers."""
-    keys = sorted({key for split in splits for key in split})
-    return {key: round(sum(split.get(key, 0.0) for split in splits) / len(splits), 3) for key in keys} if splits else {}
-
-
 def _print_summary(summary: dict) -> None:
-    print(json.dumps(summary))
+    print(format_summary(summary))

@@ -96,7 +96,8 @@ class ProcessGroup:
         if ready_path is not None and ready_path.exists():
             ready_path.unlink()
         log_path = self.workdir / f"{name}.log"
-        env = {**os.environ, **self.env}
+        # The child dies with this process, even by kill -9 (node/cli.py's parent-death signal).
+        env = {**os.environ, **self.env, "AGORA_NODE_PARENT_PID": str(os.getpid())}
         command = [*self.placement.prefix(name), *command]
         with open(log_path, "wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

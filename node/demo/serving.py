@@ -37,7 +37,7 @@ def run_serving_demo(options: DemoOptions, *, out=sys.stdout) -> int:
         swarm = ["--run-id", options.run_id, "--initial-peers", *maddrs]
         admission = ["--insecure"]
         if not options.insecure:
-            _start_authorizer(group, options, workdir, maddrs, common)
+            _start_authorizer(group, options, workdir, maddrs, common, [])
             admission = ["--join-file", str(workdir / "authorizer" / "join.json")]
         workers = []
         for stage in range(options.stages or 1):

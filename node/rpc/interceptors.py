@@ -1,7 +1,7 @@
 """The server interceptor chain every gRPC service of a node sits behind.
 
 Cross-cutting concerns (logging; the per-call credential, role and run-fingerprint check,
-node/rpc/auth_check.py; metrics later) live here, never in handlers. Design choices:
+node/rpc/auth_check.py; metrics, node/rpc/metrics_hook.py) live here, never in handlers. Design choices:
 
 - `CallHook` is the one extension point: a `grpc.aio.ServerInterceptor` that wraps each method
   handler's behaviour. `before(call, context)` runs ahead of the handler and may abort the call
@@ -13,6 +13,8 @@ node/rpc/auth_check.py; metrics later) live here, never in handlers. Design choi
   (what grpc itself answers).
 - Time comes from an injected clock, so tests can pin durations.
 - Streaming calls are wrapped like unary ones; the duration covers the whole stream.
+- A hook may also wrap the method's (de)serializers (`codecs`), which see every message's bytes:
+  that is where wire bytes are counted, streams included.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -75,6 +77,10 @@ class CallHook(grpc.aio.ServerInterceptor):
     def after(self, record: CallRecord) -> None:
         """Runs when the call ends, whatever its outcome. Must not raise."""
 
+    def codecs(self, method: str, deserialize: Any, serialize: Any) -> tuple[Any, Any]:
+        """The request deserializer and reply serializer to use for `method` (default: unchanged)."""
+        return deserialize, serialize
+
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(handler_call_details)
@@ -127,8 +133,8 @@ class CallHook(grpc.aio.ServerInterceptor):
             (True, False): grpc.stream_unary_rpc_method_handler,
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[(handler.request_streaming, handler.response_streaming)]
-        return factory(wrapped, request_deserializer=handler.request_deserializer,
-                       response_serializer=handler.response_serializer)
+        deserialize, serialize = self.codecs(method, handler.request_deserializer, handler.response_serializer)
+        return factory(wrapped, request_deserializer=deserialize, response_serializer=serialize)
 
     def _finish(self, call: CallInfo, context: Any, start: float, error: BaseException | None) -> None:
         code, details = _outcome(context, error)
@@ -159,9 +165,12 @@ class LoggingInterceptor(CallHook):
         )
 
 
-def interceptor_chain(*extra: grpc.aio.ServerInterceptor, logger: logging.Logger | None = None,
+def interceptor_chain(*extra: grpc.aio.ServerInterceptor, outer: Sequence[grpc.aio.ServerInterceptor] = (),
+                      logger: logging.Logger | None = None,
                       clock: Clock = time.monotonic) -> list[grpc.aio.ServerInterceptor]:
-    """Logging outermost (so it sees refusals by later hooks), then `extra` in order."""
+    """Logging outermost (so it sees refusals by later hooks), then `outer` (hooks that must see every
+    call's outcome too, such as metrics), then `extra` in order (the credential check, ...)."""
     chain: list[grpc.aio.ServerInterceptor] = [LoggingInterceptor(logger, clock=clock)]
+    chain.extend(outer)
     chain.extend(extra)
     return chain

@@ -21,6 +21,8 @@ Design choices:
   credential must carry (from `peer_id` and `stage`, i.e. the worker's DHT record), or plaintext
   under --insecure. When the factory's credential generation changes (a renewal), new calls go
   on a new channel and the old one is closed after `timeout_s`, so no call in flight is dropped.
+- With `metrics` (monitor/trainer_metrics.RpcClientMetrics) the payload bytes of every call are
+  counted each way.
 - Every call carries this run's fingerprint (`agora-run-fingerprint` metadata); a worker of
   another run configuration refuses it, naming the differing field.
 """
@@ -35,6 +37,7 @@ import grpc
 import torch
 
 from agora.auth.grpc_policy import FINGERPRINT_METADATA
+from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.node.rpc.server import channel_options
 from agora.node.rpc.tls import ChannelFactory, InsecureChannels, worker_server_name
 from agora.pipeline.codec import WireCodec, WireFormatError, encode_tokens, float_frame_bytes
@@ -174,7 +177,7 @@ class StageClient:
                  channels: Optional[ChannelFactory] = None,
                  codec: WireCodec | None = None, timeout_s: float = 30.0,
                  max_message_bytes: int = 16 * 2**20, max_stream_bytes: int = 512 * 2**20,
-                 stream_chunk_bytes: int = 2**20, relay: bool = True):
+                 stream_chunk_bytes: int = 2**20, metrics: Optional[RpcClientMetrics] = None, relay: bool = True):
         """`relay=False`: the generated classes and a decoded tensor of every reply, as this client did
         before relaying frames (kept as the reference bench/trainer_relay.py measures against)."""
         if stream_chunk_bytes + _ENVELOPE_BYTES > max_message_bytes:
@@ -200,6 +203,7 @@ class StageClient:
         self._generation: int | None = None
         self._retiring: set[asyncio.Task] = set()  # old channels closing after their grace period
         self.channels_opened = 0
+        self._metrics = metrics
 
     # ------------------------------------------------------------------ plumbing
 
@@ -246,9 +250,12 @@ class StageClient:
             raise WorkerUnreachable(grpc.StatusCode.UNAVAILABLE, "channel not ready before the deadline",
                                     address=self.address, method="connect") from None
 
-    async def _invoke(self, method: str, call, timeout_s: float | None) -> Any:
+    async def _invoke(self, method: str, call, timeout_s: float | None, request: Any = None) -> Any:
         try:
-            return await call(timeout=timeout_s if timeout_s is not None else self.timeout_s, metadata=self._metadata)
+            reply = await call(timeout=timeout_s if timeout_s is not None else self.timeout_s, metadata=self._metadata)
+            if self._metrics is not None and request is not None:
+                self._metrics.exchanged(method, payload_bytes(request), payload_bytes(reply))
+            return reply
         except grpc.aio.AioRpcError as error:
             raise error_for(error.code(), error.details() or "", address=self.address, method=method) from None
         except PayloadTooLarge as error:
@@ -316,7 +323,7 @@ class StageClient:
                 request, chunk_bytes=self.stream_chunk_bytes, max_reply_bytes=self.max_stream_bytes, **options)
         else:
             call = lambda **options: stub.forward(request, **options)  # noqa: E731
-        reply = await self._invoke("Forward", call, timeout_s)
+        reply = await self._invoke("Forward", call, timeout_s, request)
         if not reply.wire and reply.loss is None:
             raise BadReply(grpc.StatusCode.DATA_LOSS, "reply carries neither an output wire nor a loss",
                            address=self.address, method="Forward")
@@ -339,7 +346,7 @@ class StageClient:
                 request, chunk_bytes=self.stream_chunk_bytes, max_reply_bytes=self.max_stream_bytes, **options)
         else:
             call = lambda **options: stub.backward(request, **options)  # noqa: E731
-        reply = await self._invoke("Backward", call, timeout_s)
+        reply = await self._invoke("Backward", call, timeout_s, request)
         grad = self._check(reply.input_grad, shape, "Backward") if reply.input_grad else b""
         return BackwardResult(step=reply.step, grad_frame=grad, queued_s=reply.queued_s, compute_s=reply.compute_s,
                               codec=self.codec)

@@ -38,12 +38,13 @@ import secrets
 import signal
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO, Awaitable, Callable
 
 import torch
 
 from agora.auth.node_state import NodeCredentials
+from agora.node.observability import MetricsOptions
 from agora.node.rpc.tls import ChannelFactory, TlsChannels
 from agora.node.trainer.discovery import Discovery
 from agora.node.trainer.inflight import DepthEstimate, InFlightLimit
@@ -55,6 +56,9 @@ from agora.node.trainer.stage_client import (
     StageClient,
     WorkerBusy,
 )
+from agora.node.trainer.stats import TrainerStats
+from agora.node.trainer.units import FixedUnits, UnitSource
+from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.pipeline.centralized import StepRecord
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import ConfigError, RunConfig
@@ -64,6 +68,9 @@ from agora.pipeline.optim import lr_at
 __all__ = ["TrainerOptions", "SwarmTrainer", "MicrobatchFailed", "assigned_units"]
 
 logger = logging.getLogger("agora.node.trainer")
+
+# How often a trainer with nothing to run looks again for a free unit (others hold the rest).
+_IDLE_POLL_S = 0.5
 
 
 class MicrobatchFailed(RuntimeError):
@@ -84,13 +91,19 @@ class TrainerOptions:
     # `max_staleness` global batches' worth (synchronous mode: half a global batch).
     max_in_flight: int | None = None
     max_staleness: float = 1.0
-    max_attempts: int = 6  # routes tried per microbatch before the run fails
+    max_attempts: int = 6  # routes tried per microbatch before its global batch is given back
     call_timeout_s: float = 60.0
-    wait_for_workers_s: float = 60.0  # how long a stage may have no routable worker
+    # A stage without a routable worker is waited for (with backoff) as long as it takes, with a
+    # line every this many seconds saying what the trainer waits for.
+    wait_notice_s: float = 10.0
+    unit_failures: int = 5  # global batches failing in a row (all routes exhausted) before the run stops
     roster_refresh_s: float = 2.0
     wire_dtype: str = "fp32"
+    heartbeat_s: float = 5.0  # between announces of the trainer's record (node/trainer/announce.py)
+    lease_s: float = 30.0  # a claimed unit's lease (dht/leases.py), renewed every third of it while it runs
+    start_step: int = 0  # units below are taken as done (a run resumed from checkpoints of this step)
     # Stop starting global batches this long after the run started (those in flight finish); None:
-    # run every assigned batch. For "what does an hour buy" comparisons at equal wall-clock time.
+    # run every unit. For "what does an hour buy" comparisons at equal wall-clock time.
     time_budget_s: float | None = None
 
 
@@ -109,68 +122,17 @@ def adaptive_depth(options: TrainerOptions) -> bool:
     return options.max_in_flight is None and not options.synchronous
 
 
-def assigned_units(total_steps: int, trainer_index: int, trainers: int) -> list[int]:
-    """Static striping of the run's global batches over trainers (until leases replace it)."""
-    return list(range(trainer_index, total_steps, trainers))
-
-
-@dataclass
-class StageTimes:
-    """Where one stage's calls spent their time, summed: on the worker's compute thread, waiting
-    for it, and the rest of the round trip (serialization, gRPC, the wire, decoding)."""
-
-    calls: int = 0
-    round_trip_s: float = 0.0
-    compute_s: float = 0.0
-    queued_s: float = 0.0
-
-    def add(self, round_trip_s: float, compute_s: float, queued_s: float) -> None:
-        self.calls += 1
-        self.round_trip_s += round_trip_s
-        self.compute_s += compute_s
-        self.queued_s += queued_s
-
-    def summary(self) -> dict[str, float]:
-        calls = max(1, self.calls)
-        wire = max(0.0, self.round_trip_s - self.compute_s - self.queued_s)
-        return {"calls": self.calls, "round_trip_ms": 1e3 * self.round_trip_s / calls,
-                "compute_ms": 1e3 * self.compute_s / calls, "queued_ms": 1e3 * self.queued_s / calls,
-                "wire_ms": 1e3 * wire / calls}
-
-
-@dataclass
-class TrainerStats:
-    microbatches: int = 0
-    reroutes: int = 0
-    busy: int = 0
-    failures_by_peer: dict[str, int] = field(default_factory=dict)
-    aborts: dict[str, int] = field(default_factory=dict)  # by the worker's outcome
-    batch_reports_failed: int = 0  # completed-batch reports a worker did not answer (it lags one step)
-    batch_reports_refused: int = 0  # reports outside a replica's window (it lags or runs ahead of its stage)
-    times_by_stage: dict[int, StageTimes] = field(default_factory=dict)
-    # Where a training microbatch's time goes on the trainer's side (evaluation not counted): this
-    # process's CPU time during `run`, each microbatch's wall time from its first pick to its loss,
-    # and the part of that spent in calls (round trips); the rest is picking a route, waiting for
-    # completed-batch reports, reruns' pauses and the trainer's own work between calls.
-    cpu_s: float = 0.0
-    microbatch_s: float = 0.0
-    calls_s: float = 0.0
-    depth_max: int = 0  # the most microbatches the (adaptive) limit allowed in flight
-
-    def time_split(self) -> dict[str, dict[str, float]]:
-        return {str(stage): times.summary() for stage, times in sorted(self.times_by_stage.items())}
-
-    def trainer_split(self) -> dict[str, float]:
-        """Per training microbatch, in ms: this process's CPU time, and its wall time outside calls."""
-        n = max(1, self.microbatches)
-        return {"cpu_ms": round(1e3 * self.cpu_s / n, 3),
-                "outside_calls_ms": round(1e3 * max(0.0, self.microbatch_s - self.calls_s) / n, 3)}
+def assigned_units(total_steps: int, trainer_index: int, trainers: int, start: int = 0) -> list[int]:
+    """Static striping of the run's global batches over trainers, from `start` (without a DHT: tests,
+    and the exact restore of a synchronous run)."""
+    return [unit for unit in range(trainer_index, total_steps, trainers) if unit >= start]
 
 
 class SwarmTrainer:
     def __init__(self, config: RunConfig, data, discovery: Discovery, options: TrainerOptions, *,
                  log_json: IO[str] | None = None, clock: Callable[[], float] = time.monotonic,
-                 on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None):
+                 on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None,
+                 stats: TrainerStats | None = None, units: UnitSource | None = None):
         # `channels`: mutual TLS with this trainer's credential (node/rpc/tls.TlsChannels), or
         # None for plaintext (--insecure). Every call carries the run fingerprint either way.
         self.config = config
@@ -185,7 +147,9 @@ class SwarmTrainer:
         self.log_json = log_json
         self.clock = clock
         self.on_record = on_record
-        self.stats = TrainerStats()
+        # Counters in the process's metrics registry (node/trainer/stats.py), or a private one.
+        self.stats = stats if stats is not None else TrainerStats()
+        self._wire_metrics = RpcClientMetrics(self.stats.registry)
         self._clients: dict[str, StageClient] = {}
         self._last_refresh = float("-inf")
         self._refresh_lock = asyncio.Lock()
@@ -193,8 +157,10 @@ class SwarmTrainer:
         self._units_done = 0
         self._reports: set[asyncio.Task] = set()  # completed-batch reports still in flight
         self._unreported: set[str] = set()  # peers that refused a report (they step on their own)
-        # Per stage, the completed-batch reports sent last; calls to that stage wait for them (below).
-        self._stage_reports: dict[int, list[asyncio.Task]] = {}
+        # Per stage and replica, the completed-batch report sent last; a call waits for its replica's.
+        self._stage_reports: dict[int, dict[str, asyncio.Task]] = {}
+        self._unit_reports: dict[int, list[asyncio.Task]] = {}  # a unit commits once its reports are in
+        self.units = units
         self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
         self.max_in_flight = in_flight_limit(options, config.train.microbatches)
         self.adaptive = adaptive_depth(options)
@@ -212,7 +178,8 @@ class SwarmTrainer:
             # (or a forged record) gets a new client, whose handshake proves who answers.
             client = StageClient(view.endpoint, run_id=self.options.run_id, stage=view.stage,
                                  model=self.config.model, fingerprint=self.fingerprint, peer_id=view.peer_id,
-                                 channels=self.channels, codec=self.codec, timeout_s=self.options.call_timeout_s)
+                                 channels=self.channels, codec=self.codec, timeout_s=self.options.call_timeout_s,
+                                 metrics=self._wire_metrics)
             self._clients[view.endpoint] = client
         return client
 
@@ -226,7 +193,8 @@ class SwarmTrainer:
     async def _pick(self, stage: int, exclude: frozenset[str], shares: Counter | None = None) -> WorkerView:
         """A worker for `stage`; with `shares` (this batch's microbatches per peer on the stage),
         balanced across replicas (see node/trainer/routing.py) and counted there."""
-        deadline = self.clock() + self.options.wait_for_workers_s
+        waiting_since = self.clock()
+        notice = waiting_since + self.options.wait_notice_s
         pause = 0.05
         while True:
             await self.refresh()
@@ -237,11 +205,14 @@ class SwarmTrainer:
                 if shares is not None:
                     shares[view.peer_id] += 1
                 return view
-            if self.clock() > deadline:
-                raise MicrobatchFailed(f"no routable worker for stage {stage} within "
-                                       f"{self.options.wait_for_workers_s:.0f} s")
+            if self.clock() >= notice:  # a stage emptied by churn: wait for a worker to (re)join
+                notice = self.clock() + self.options.wait_notice_s
+                logger.warning("waiting for a worker of stage %d: none routable for %.0f s (%d known)", stage,
+                               self.clock() - waiting_since, len(self.roster.of_stage(stage)),
+                               extra={"milestone": "waiting_for_workers",
+                                      "fields": {"stage": stage, "seconds": round(self.clock() - waiting_since, 1)}})
             await asyncio.sleep(pause)
-            pause = min(pause * 2, 1.0)
+            pause = min(pause * 2, 2.0)
             await self.refresh(force=True)
 
     async def _timed(self, view: WorkerView, call: Awaitable, training: bool = True):
@@ -251,14 +222,19 @@ class SwarmTrainer:
             result = await call
         except StageCallError as error:
             busy = isinstance(error, WorkerBusy)
-            self.roster.failed(view.peer_id, self.clock(), busy=busy)
+            ban_s = self.roster.failed(view.peer_id, self.clock(), busy=busy)
+            if not busy and ban_s > 0:
+                self.stats.banned()
+                logger.info("ban %s (stage %d) for %.1f s: %s", view.endpoint, view.stage, ban_s, error.code.name,
+                            extra={"milestone": "ban", "fields": {"stage": view.stage, "endpoint": view.endpoint,
+                                                                  "seconds": ban_s, "code": error.code.name}})
             raise
         seconds = self.clock() - started
         if training:
             self.stats.calls_s += seconds
         self.roster.succeeded(view.peer_id, seconds)
-        times = self.stats.times_by_stage.setdefault(view.stage, StageTimes())
-        times.add(seconds, result.compute_s, result.queued_s)
+        self.stats.call(view.stage, type(result).__name__.removesuffix("Result"), seconds, result.compute_s,
+                        result.queued_s)
         return result
 
     # ------------------------------------------------------------------ one microbatch
@@ -283,9 +259,9 @@ class SwarmTrainer:
         async def one(view: WorkerView) -> None:
             try:
                 reply = await self._client(view).abort(microbatch_id, timeout_s=min(5.0, self.options.call_timeout_s))
-                self.stats.aborts[reply.outcome] = self.stats.aborts.get(reply.outcome, 0) + 1
+                self.stats.aborted(reply.outcome)
             except StageCallError:
-                self.stats.aborts["unreachable"] = self.stats.aborts.get("unreachable", 0) + 1
+                self.stats.aborted("unreachable")
         await asyncio.gather(*(one(view) for view in route))
 
     async def _forward_backward(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
@@ -300,7 +276,7 @@ class SwarmTrainer:
             view = await self._pick(stage, exclude, None if shares is None else shares[stage])
             route.append(view)
             if not evaluate:
-                await self._reported(stage)
+                await self._reported(stage, view.peer_id)
             tail = stage == self.n_stages - 1
             result = await self._timed(view, self._client(view).forward(
                 microbatch_id, tokens, wire, targets if tail else None, evaluate=evaluate), training=not evaluate)
@@ -314,7 +290,7 @@ class SwarmTrainer:
         grad = result.grad_frame
         for stage in reversed(range(self.n_stages - 1)):
             view = route[stage]
-            await self._reported(stage)
+            await self._reported(stage, view.peer_id)
             back = await self._timed(view, self._client(view).backward(microbatch_id, grad))
             grad = back.grad_frame
             compute[stage] += back.compute_s
@@ -334,17 +310,18 @@ class SwarmTrainer:
             await self._in_flight.set(depth)
         self.stats.depth_max = max(self.stats.depth_max, self._in_flight.limit)
 
-    async def _reported(self, stage: int) -> None:
-        """Wait until the stage's replicas have taken the completed-batch reports sent to them last.
+    async def _reported(self, stage: int, peer_id: str) -> None:
+        """Wait until the replica about to be called has taken the completed-batch report sent to it last.
 
         A stage is told a global batch is done the moment its last microbatch has passed it, but a
         microbatch of the next batch can be on its way there already; without this wait it could
         reach a replica before the report and run on weights a step old (1 in 10 tail forwards on
-        tiny). The wait is at most one report's round trip, and only in that race.
+        tiny). The wait is at most one report's round trip, and only in that race; only for the
+        replica called, so a hung replica costs its own traffic and never its stage's.
         """
-        pending = [task for task in self._stage_reports.get(stage, ()) if not task.done()]
-        if pending:
-            await asyncio.gather(*pending)  # failures are counted inside, never raised
+        pending = self._stage_reports.get(stage, {}).get(peer_id)
+        if pending is not None and not pending.done():
+            await pending  # failures are counted inside, never raised
 
     async def run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
                              evaluate: bool = False, on_stage_done: StageDone | None = None,
@@ -361,19 +338,22 @@ class SwarmTrainer:
             try:
                 loss = await self._route_once(microbatch_id, tokens, targets, frozenset(exclude), evaluate,
                                               on_stage_done, shares)
-                self.stats.microbatches += 0 if evaluate else 1
+                if not evaluate:
+                    self.stats.microbatch_done()
                 return loss
             except StageCallError as error:
                 last_error = error
                 if isinstance(error, WorkerBusy):
-                    self.stats.busy += 1
+                    self.stats.busy_retry()
                 else:
-                    self.stats.reroutes += 1
                     peer = next((v.peer_id for v in self.roster.workers.values()
                                  if v.endpoint == error.address), error.address)
                     exclude.add(peer)
-                    self.stats.failures_by_peer[peer] = self.stats.failures_by_peer.get(peer, 0) + 1
-                    logger.warning("reroute microbatch %s (attempt %d): %s", key, attempt + 1, error)
+                    self.stats.rerouted(peer)
+                    logger.warning("reroute microbatch %s (attempt %d): %s", key, attempt + 1, error,
+                                   extra={"milestone": "reroute",
+                                          "fields": {"microbatch": key, "attempt": attempt + 1,
+                                                     "endpoint": error.address, "code": error.code.name}})
                 await self.refresh(force=True)
         raise MicrobatchFailed(f"microbatch {key} failed {self.options.max_attempts} times; last: {last_error}")
 
@@ -405,7 +385,7 @@ class SwarmTrainer:
                 await self._client(view).batch_done(unit_id, n_micro, replicas, timeout_s=timeout)
             except OutsideWindow as error:
                 # It lags or runs ahead of its stage: keep telling it, it re-anchors to the stage's count.
-                self.stats.batch_reports_refused += 1
+                self.stats.report_refused()
                 logger.debug("completed-batch report %d refused by %s: %s", unit_id, view.endpoint, error)
             except RequestRefused as error:
                 # It steps on its own count (join --local-batch) or is synchronous: stop telling it.
@@ -414,12 +394,13 @@ class SwarmTrainer:
                                view.endpoint, error)
             except StageCallError as error:
                 # That worker lags one step behind its stage (or is gone); training goes on.
-                self.stats.batch_reports_failed += 1
+                self.stats.report_failed()
                 logger.debug("completed-batch report %d to %s failed: %s", unit_id, view.endpoint, error)
 
-        tasks = [asyncio.create_task(one(view)) for view in views]
+        tasks = {view.peer_id: asyncio.create_task(one(view)) for view in views}
         self._stage_reports[stage] = tasks
-        for task in tasks:
+        self._unit_reports.setdefault(unit_id, []).extend(tasks.values())
+        for task in tasks.values():
             self._reports.add(task)
             task.add_done_callback(self._reports.discard)
 
@@ -466,6 +447,7 @@ class SwarmTrainer:
         elapsed = self.clock() - self._run_started
         tokens_per_unit = unit.shape[0] * (unit.shape[1] - 1)
         self._units_done += 1
+        self.stats.batch_done(tokens_per_unit, sum(losses) / len(losses), lr)
         return StepRecord(
             step=unit_id + 1, loss=sum(losses) / len(losses), tokens=(unit_id + 1) * tokens_per_unit, lr=lr,
             grad_norm=grad_norms, elapsed_s=elapsed,
@@ -474,53 +456,92 @@ class SwarmTrainer:
         )
 
     async def run(self, total_steps: int) -> list[StepRecord]:
-        """Train this trainer's share of `total_steps` global batches.
+        """Train global batches of a `total_steps` run until every one is committed.
 
-        Synchronous mode runs one global batch at a time (the barrier closes each). Otherwise
-        a window of global batches overlaps so the pipeline stays full across batch boundaries;
-        `max_in_flight` still bounds the microbatches in flight.
+        The units come from `units` (node/trainer/units.py: leases on the DHT) or, without one, this
+        trainer's static stripe of the run. Synchronous mode runs one global batch at a time (the
+        barrier closes each). Otherwise a window of global batches overlaps so the pipeline stays
+        full across batch boundaries; `max_in_flight` still bounds the microbatches in flight. A
+        global batch whose microbatches ran out of routes is given back (another trainer, or this
+        one later, runs it) and the run stops only after `unit_failures` such batches in a row.
         """
+        source = self.units if self.units is not None else FixedUnits(
+            assigned_units(total_steps, self.options.trainer_index, self.options.trainers), total_steps)
         await self.refresh(force=True)
         self._run_started = self.clock()
         cpu_started = time.process_time()
         records = self.records
         window = 1 if self.options.synchronous else \
             1 + -(-self.max_in_flight // self.config.train.microbatches)
-        pending: set[asyncio.Task] = set()
+        pending: dict[asyncio.Task, int] = {}
+        failures_in_a_row = 0
 
-        def finish(done: set[asyncio.Task]) -> None:
-            for record in sorted((task.result() for task in done), key=lambda r: r.step):
-                records.append(record)
-                if self.log_json is not None:
-                    self.log_json.write(record.to_json() + "\n")
-                    self.log_json.flush()
-                if self.on_record is not None:
-                    self.on_record(record)
+        async def one_unit(unit_id: int) -> StepRecord:
+            record = await self.train_unit(unit_id)
+            reports = self._unit_reports.pop(unit_id, [])
+            await asyncio.gather(*reports)  # every stage has taken its report (short timeouts each)
+            # Logged before it is committed: a trainer killed in between leaves the line and the
+            # unit is run again by another, which is what happened to the weights (run twice).
+            records.append(record)
+            if self.log_json is not None:
+                self.log_json.write(record.to_json() + "\n")
+                self.log_json.flush()
+            if self.on_record is not None:
+                self.on_record(record)
+            await source.committed(unit_id)
+            return record
+
+        async def finish(done: set[asyncio.Task]) -> None:
+            nonlocal failures_in_a_row
+            for task in sorted(done, key=lambda t: pending[t]):
+                unit_id = pending.pop(task)
+                try:
+                    task.result()
+                except MicrobatchFailed as error:
+                    failures_in_a_row += 1
+                    logger.warning("global batch %d given back: %s", unit_id, error)
+                    await source.failed(unit_id)
+                    if failures_in_a_row >= self.options.unit_failures:
+                        raise
+                    continue
+                failures_in_a_row = 0
 
         try:
-            for unit_id in assigned_units(total_steps, self.options.trainer_index, self.options.trainers):
-                if self._out_of_time():
-                    break
-                while len(pending) >= window:
-                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    finish(done)
-                if self._out_of_time():
-                    break
-                pending.add(asyncio.create_task(self.train_unit(unit_id)))
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                finish(done)
+            while True:
+                while len(pending) < window and not self._out_of_time():
+                    unit_id = await source.next_unit()
+                    if unit_id is None:
+                        break
+                    pending[asyncio.create_task(one_unit(unit_id))] = unit_id
+                if not pending:
+                    if source.finished() or self._out_of_time():
+                        break
+                    await asyncio.sleep(_IDLE_POLL_S)  # the units left are held by other trainers
+                    continue
+                done, _ = await asyncio.wait(set(pending), return_when=asyncio.FIRST_COMPLETED,
+                                             timeout=None if len(pending) >= window else _IDLE_POLL_S)
+                await finish(done)
         finally:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             await asyncio.gather(*self._reports, return_exceptions=True)  # short timeouts each
+            await source.close()
             self.stats.cpu_s += time.process_time() - cpu_started
+        records.sort(key=lambda r: r.step)
         return records
 
     def _out_of_time(self) -> bool:
         budget = self.options.time_budget_s
         return budget is not None and self.clock() - self._run_started >= budget
+
+    def in_flight_summary(self) -> dict:
+        """The depth: how it was set, its cap, the last and the largest limit, and what it was derived from."""
+        estimate = self.depth
+        return {"mode": "adaptive" if self.adaptive else "fixed", "cap": self.max_in_flight,
+                "last": self._in_flight.limit, "max": max(self.stats.depth_max, self._in_flight.limit),
+                "latency_ms": round(1e3 * estimate.latency_s, 2),
+                "stage_compute_ms": [round(1e3 * c, 2) for c in estimate.stage_compute_s]}
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
         """Mean held-out loss through the swarm (forward only: nothing stashed or accumulated)."""
@@ -530,14 +551,6 @@ class SwarmTrainer:
                 losses.append(await self.run_microbatch(f"eval{index}.{part}", micro[:, :-1], micro[:, 1:],
                                                         evaluate=True))
         return sum(losses) / max(1, len(losses))
-
-    def in_flight_summary(self) -> dict:
-        """The depth: how it was set, its cap, the last and the largest limit, and what it was derived from."""
-        estimate = self.depth
-        return {"mode": "adaptive" if self.adaptive else "fixed", "cap": self.max_in_flight,
-                "last": self._in_flight.limit, "max": max(self.stats.depth_max, self._in_flight.limit),
-                "latency_ms": round(1e3 * estimate.latency_s, 2),
-                "stage_compute_ms": [round(1e3 * c, 2) for c in estimate.stage_compute_s]}
 
     async def __aenter__(self) -> "SwarmTrainer":
         return self
@@ -552,17 +565,24 @@ class SwarmTrainer:
 
 def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_peers: tuple[str, ...],
                       steps: int, log_json: IO[str] | None = None, evaluate: bool = True,
-                      credentials: NodeCredentials | None = None, authorizer: str | None = None) -> dict:
+                      credentials: NodeCredentials | None = None, authorizer: str | None = None,
+                      metrics: MetricsOptions = MetricsOptions()) -> dict:
     """`agora-node trainer`: join the DHT, train this trainer's share of `steps`, evaluate; a summary.
 
     `credentials`: the trainer's `NodeCredentials` (mutual TLS to every worker, an admitted DHT
     peer); None: --insecure. `authorizer`: where to renew the credential at half life (None: no
-    renewal); a revoked credential ends the run as an interruption."""
+    renewal); a revoked credential ends the run as an interruption. `metrics`: where to serve its
+    Prometheus metrics (port 0: nowhere); the trainer's DHT record names the endpoint."""
     from agora.auth.admission import CredentialRenewer
+    from agora.dht.leases import LeaseBoard, UnitWriters
     from agora.dht.security import DHTSecurity
     from agora.dht.swarm import SwarmDHT
+    from agora.node.trainer.units import LeasedUnits
+    from agora.monitor.metrics import CredentialMetrics
+    from agora.node.observability import NodeMetrics, package_version
     from agora.node.rpc.server import run as run_loop
     from agora.node.rpc.server import slow_start_hint
+    from agora.node.trainer.announce import trainer_heartbeat
     from agora.node.trainer.discovery import DHTDiscovery
     from agora.pipeline.data import build_data
     from agora.pipeline.fingerprint import run_fingerprint
@@ -597,11 +617,32 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                     task.cancel()
 
                 renewer = CredentialRenewer(authorizer, credentials, on_revoked=on_revoked)
+        node = NodeMetrics.for_role(metrics, role="trainer", run_id=options.run_id, version=package_version())
+        if credentials is not None:
+            CredentialMetrics(node.registry, credentials.remaining_s,
+                              lambda: renewer.renewals if renewer is not None else 0)
+        stats = TrainerStats(node.registry)
         async with contextlib.AsyncExitStack() as stack:
+            stack.callback(node.close)
             if renewer is not None:
                 await stack.enter_async_context(renewer)
+            board = LeaseBoard(swarm, run_id=options.run_id, lease_s=options.lease_s,
+                               writers=None if security is None else UnitWriters(
+                                   security.root_pem, options.run_id, security.state_dir))
+            units = LeasedUnits(board, total=steps, start=options.start_step, stats=stats, clock=swarm.clock,
+                                stripe=(options.trainer_index, options.trainers))
             trainer = await stack.enter_async_context(
-                SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels))
+                SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels, stats=stats,
+                             units=units))
+            endpoint = node.serve()
+            await stack.enter_async_context(trainer_heartbeat(
+                swarm, run_id=options.run_id, trainer_index=options.trainer_index, records=lambda: trainer.records,
+                metrics_endpoint=endpoint, version=package_version(), interval_s=options.heartbeat_s))
+            logger.info("joined run %r as trainer %d of %d (peer %s)", options.run_id, options.trainer_index,
+                        options.trainers, swarm.peer_id,
+                        extra={"milestone": "joined", "fields": {"role": "trainer", "run": options.run_id,
+                                                                 "trainer": options.trainer_index, "peer": swarm.peer_id,
+                                                                 "metrics": endpoint}})
             interrupted = False
             try:
                 await trainer.run(steps)
@@ -612,6 +653,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
             if evaluate and not interrupted:
                 batches = data.heldout_batches(config.train.eval_batches, config.train.batch_size)
                 held_out = await trainer.evaluate(batches)
+                stats.heldout(held_out)
             return {
                 "trainer": options.trainer_index, "steps": len(records), "interrupted": interrupted,
                 "revoked": revoked[0] if revoked else None,
@@ -622,6 +664,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "busy": trainer.stats.busy, "failures_by_peer": trainer.stats.failures_by_peer,
                 "aborts": trainer.stats.aborts, "batch_reports_failed": trainer.stats.batch_reports_failed,
                 "batch_reports_refused": trainer.stats.batch_reports_refused,
+                "units": trainer.stats.units(),
                 "time_split_by_stage": trainer.stats.time_split(),
                 "trainer_split": trainer.stats.trainer_split(),
                 "in_flight": trainer.in_flight_summary(),

@@ -11,6 +11,8 @@ reroute. With `--checkpoint-dir` holding a checkpoint of the same stage, the wor
 Unless the run's `sync.method` is "none" (or the worker is in synchronous mode, one replica per
 stage), it averages with the other replicas of its stage in the background (node/averaging/loop.py)
 and, with `--stats-file`, writes the averaging counters there as JSON when it leaves.
+With `--metrics-port` it serves Prometheus metrics (worker, gRPC, averaging, credential; see
+monitor/) and names the endpoint in its DHT record, with its averaging counts.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import json
 import logging
 import signal
 from dataclasses import dataclass
-from importlib import metadata
-from pathlib import Path
 
 from agora.auth.admission import CredentialRenewer
 from agora.dht.security import DHTSecurity
@@ -32,6 +32,8 @@ from agora.dht.heartbeat import Heartbeat
 from agora.dht.records import TRAINING_PHASES, WorkerRecord
 from agora.dht.robust import RobustAggregation
 from agora.dht.swarm import SwarmDHT
+from agora.monitor.metrics import CredentialMetrics
+from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
 from agora.node.averaging.loop import AveragingLoop
 from agora.node.averaging.sparta import (
     SlicePartition,
@@ -39,10 +41,13 @@ from agora.node.averaging.sparta import (
     max_round_weight,
     stage_parameter_numels,
 )
-from agora.node.worker.compute import StageCompute
+from agora.node.averaging.stats import AveragingStats
+from agora.node.observability import MetricsOptions, NodeMetrics, package_version
+from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.worker.epoch import stage_step
 from agora.node.worker.worker import StageWorker, WorkerOptions
-from agora.pipeline.checkpoint import StageState, latest_checkpoint, load_checkpoint, save_checkpoint
+from agora.node.worker.checkpoints import StageCheckpointer, restore_stage
+from agora.pipeline.checkpoint import checkpoint_steps
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import run_fingerprint
 
@@ -52,13 +57,6 @@ __all__ = ["EXIT_REVOKED", "JoinOptions", "run_worker", "package_version"]
 EXIT_REVOKED = 3
 
 logger = logging.getLogger("agora.node.join")
-
-
-def package_version() -> str:
-    try:
-        return metadata.version("agora-node")
-    except metadata.PackageNotFoundError:  # running from a source tree without an install
-        return "0+unknown"
 
 
 @dataclass(frozen=True)
@@ -71,26 +69,12 @@ class JoinOptions:
     heartbeat_s: float = 5.0
     ready_file: str | None = None
     checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # optimizer steps between periodic checkpoints (0: only when leaving)
+    resume_step: int | None = None  # resume from this step's checkpoint (None: the newest complete one)
     stats_file: str | None = None  # averaging counters, written as JSON on exit
     authorizer: str | None = None  # host:port to renew the credential with (None: no renewal)
     serve_checkpoint: str | None = None  # serve-only: the checkpoint whose weights this stage serves
-
-
-def _save_stage(compute: StageCompute, directory: str, config: RunConfig,
-                averaging: AveragingLoop | None = None) -> Path:
-    state = StageState(compute.index, compute.stage.state_dict(), compute.optimizer.state_dict(),
-                       averaging.state_dict(compute.samples_total) if averaging is not None else None)
-    return save_checkpoint(directory, compute.optimizer.steps, config, [state])
-
-
-def _restore_stage(compute: StageCompute, directory: str, config: RunConfig) -> tuple[int, dict | None]:
-    """Load the stage and its optimizer; (step, the averaging loop's saved state or None)."""
-    step, saved_config, states, _ = load_checkpoint(directory)
-    if saved_config.model != config.model or [s.index for s in states] != [compute.index]:
-        raise ConfigError(f"--checkpoint-dir: {directory} holds another model or stage than stage {compute.index}")
-    compute.stage.load_state_dict(states[0].model)
-    compute.optimizer.load_state_dict(states[0].optimizer)
-    return step, states[0].averaging
+    metrics: MetricsOptions = MetricsOptions()  # port 0: no metrics server
 
 
 def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, security: DHTSecurity | None,
@@ -125,14 +109,18 @@ async def _follow_stage_epoch(swarm: SwarmDHT, worker: StageWorker, options: Joi
 
 
 async def _serve(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions, swarm: SwarmDHT,
-                 averager: SliceAverager | None = None, credentials: NodeCredentials | None = None) -> int:
+                 averager: SliceAverager | None = None, credentials: NodeCredentials | None = None,
+                 metrics: NodeMetrics | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    metrics = metrics if metrics is not None else NodeMetrics(options.metrics)
+    registry = metrics.registry
     # With credentials: mutual TLS and per-call checks (node/rpc/auth_check.py); None: --insecure.
     worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
-                         credentials=credentials)
+                         credentials=credentials, outer_interceptors=[MetricsHook(RpcServerMetrics(registry))],
+                         metrics=WorkerMetrics(registry))
     await worker.start()
     revoked: list[str] = []
     renewer = None
@@ -143,15 +131,21 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
 
         renewer = CredentialRenewer(options.authorizer, credentials, on_revoked=on_revoked)
         renewer.start()
+    if credentials is not None:
+        CredentialMetrics(registry, credentials.remaining_s, lambda: renewer.renewals if renewer is not None else 0)
+    stats = AveragingStats(config.sync.method, registry=registry) if averager is not None else None
+    metrics_endpoint = metrics.serve(worker_options.announce_host)
     averaging_state = None
     if options.serve_checkpoint:
         from agora.node.inference.serving import load_serving_weights
 
         step = await worker.on_compute(lambda c: load_serving_weights(c, options.serve_checkpoint))
         logger.info("serving stage %d of %s (step %d), inference only", options.stage, options.serve_checkpoint, step)
-    elif options.checkpoint_dir and latest_checkpoint(options.checkpoint_dir) is not None:
-        step, averaging_state = await worker.on_compute(lambda c: _restore_stage(c, options.checkpoint_dir, config))
-        logger.info("resumed stage %d at step %d from %s", options.stage, step, options.checkpoint_dir)
+    elif options.checkpoint_dir and (checkpoint_steps(options.checkpoint_dir) or options.resume_step is not None):
+        step, averaging_state, saved = await worker.on_compute(
+            lambda c: restore_stage(c, options.checkpoint_dir, config, step=options.resume_step))
+        logger.info("resumed stage %d at step %d from %s (it was %s)", options.stage, step, options.checkpoint_dir,
+                    saved.get("phase", "a member"))
     version = package_version()
     seq_len = config.train.seq_len
     fingerprint = run_fingerprint(config).text()  # in every record: trainers skip a mismatched run
@@ -161,7 +155,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         return WorkerRecord(peer_id=swarm.peer_id, run_id=options.run_id, endpoint=worker.address,
                             stage=options.stage, n_stages=info.n_stages, throughput=float(info.throughput),
                             queue_depth=info.load, step=info.step, phase=info.phase, version=version,
-                            updated_at=0.0, fingerprint=fingerprint, sessions=info.sessions)
+                            updated_at=0.0, fingerprint=fingerprint, sessions=info.sessions,
+                            metrics_endpoint=metrics_endpoint,
+                            averaging_rounds=sum(stats.rounds.values()) if stats is not None else 0,
+                            averaging_committed=stats.rounds["committed"] if stats is not None else 0)
 
     heartbeat = Heartbeat(swarm, record, interval=options.heartbeat_s)
     await heartbeat.start()
@@ -171,22 +168,30 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         sync = config.sync
         board = RoundBoard(swarm, run_id=options.run_id, stage=options.stage, method=sync.method,
                            ttl=sync.matchmaking_s + sync.request_s)
-        averaging = AveragingLoop(worker, averager, sync, seed=config.seed, board=board)
+        averaging = AveragingLoop(worker, averager, sync, seed=config.seed, board=board, stats=stats)
         if averaging_state is not None:
             try:
                 averaging.load_state_dict(averaging_state)
             except ValueError as error:  # another method or slicing than this run's: start afresh
                 logger.warning("not resuming the averaging state: %s", error)
         await averaging.start()
+    checkpoints = None
+    if options.checkpoint_dir and not options.serve_checkpoint:
+        checkpoints = StageCheckpointer(worker, options.checkpoint_dir, config, options.checkpoint_every, averaging)
+        await checkpoints.start()
     if options.ready_file:
         write_ready_file(options.ready_file, [worker.address, swarm.peer_id])
     logger.info("joined run %r as stage %d at %s (peer %s, %d tokens/sequence)", options.run_id, options.stage,
-                worker.address, swarm.peer_id, seq_len)
+                worker.address, swarm.peer_id, seq_len,
+                extra={"milestone": "joined", "fields": {"role": "worker", "stage": options.stage, "run": options.run_id,
+                                                         "endpoint": worker.address, "peer": swarm.peer_id,
+                                                         "metrics": metrics_endpoint}})
     await stop.wait()
 
     if revoked:
         logger.error("leaving the run: the credential was revoked (%s)", revoked[0])
     logger.info("leaving: withdrawing the record, finishing in-flight work")
+    phase = worker.phase
     worker.phase = "leaving"
     if renewer is not None:
         await renewer.stop()
@@ -194,11 +199,12 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     await heartbeat.stop(withdraw=True)
     if averaging is not None:
         await averaging.stop()
+    if checkpoints is not None:
+        await checkpoints.stop()
     await worker.stop()
-    if options.checkpoint_dir:
+    if checkpoints is not None:
         # The compute thread is shut down now; nothing else touches the stage, so save here.
-        path = _save_stage(worker.compute, options.checkpoint_dir, config, averaging)
-        logger.info("checkpoint written: %s", path)
+        await checkpoints.final(worker.compute, phase=phase)
     if averaging is not None:
         averaging.stats.local_steps = worker.compute.optimizer.steps  # the loop polls it; take the final count
         stats = averaging.stats.snapshot()
@@ -225,13 +231,17 @@ def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOp
     swarm = SwarmDHT.start(initial_peers=options.initial_peers, announce_maddrs=announce,
                            host_maddrs=host_maddrs(options.dht_host, options.dht_port), security=security)
     averager = None
+    # Its server thread starts inside _serve, after both forks.
+    metrics = NodeMetrics.for_role(options.metrics, role="worker", run_id=options.run_id, version=package_version(),
+                                   stage=options.stage)
     try:
         # Synchronous mode has one replica per stage by definition: nothing to average with.
         if config.sync.method != "none" and not worker_options.synchronous and not worker_options.serve_only:
             # forks too: before the gRPC server
             averager = _start_averager(config, options, swarm, security, worker_options.local_batch)
-        return run_loop(_serve(config, options, worker_options, swarm, averager, credentials))
+        return run_loop(_serve(config, options, worker_options, swarm, averager, credentials, metrics))
     finally:
+        metrics.close()
         if averager is not None:
             averager.shutdown()
         swarm.shutdown()

@@ -44,6 +44,11 @@ Design choices:
   server and compute thread, with queue slots of its own; `serve_only` (join --serve-only) makes a
   worker that answers inference alone: phase "serving" (trainers never route to it), and every
   training call is FAILED_PRECONDITION.
+- Metrics (`metrics`, monitor/worker_metrics.py): each Forward/Backward job's tokens, queue wait
+  and compute time, every step's learning rate and gradient norm (a step hook), and at scrape
+  time the load, phase, step, throughput and refusals; the gRPC layer counts calls, codes and bytes
+  (node/rpc/metrics_hook.py, passed in `outer_interceptors`, so refusals by the credential check
+  are counted too). A phase change is a milestone log line.
 - The announced address (`address`, what join puts in the DHT record) is `announce_host` when
   given, else the bound host, and never a wildcard (node/rpc/server.announced_host).
 """
@@ -53,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -96,7 +102,9 @@ from agora.node.worker.compute import (
     StageCompute,
 )
 from agora.node.worker.stash import ForwardStash
-from agora.pipeline.codec import FLOAT_DTYPES, WireCodec
+from agora.monitor.worker_metrics import WorkerMetrics
+from agora.pipeline.codec import FLOAT_DTYPES, WireCodec, peek_header
+from agora.pipeline.optim import lr_at
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import RunFingerprint, run_fingerprint
 from agora.protos.stage_adapter import (
@@ -228,10 +236,13 @@ class StageWorker:
                  credentials: Optional[NodeCredentials] = None,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  clock: Callable[[], float] = time.monotonic, logger: logging.Logger | None = None,
-                 fingerprint: Optional[RunFingerprint] = None):
+                 fingerprint: Optional[RunFingerprint] = None, metrics: Optional[WorkerMetrics] = None,
+                 outer_interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
         """`credentials`: the node's state directory (mutual TLS and per-call checks); None serves
         plaintext to anonymous callers (--insecure). `fingerprint`: this run's, by default
-        `run_fingerprint(config)`; callers must send the same with every Stage request."""
+        `run_fingerprint(config)`; callers must send the same with every Stage request.
+        `interceptors` run after the per-call credential check, `outer_interceptors` before it
+        (they see every call, refused ones included: the gRPC metrics hook)."""
         self.config = config.validate()
         self.stage_index = stage_index
         self.run_id = run_id
@@ -248,7 +259,7 @@ class StageWorker:
         self.geometry = RequestGeometry.from_config(self.config, stage_index, self.options.max_rows)
         self.refusals = RefusalCounts()  # refused calls by reason (auth, fingerprint, ownership)
         check = CallerCheck(fingerprint=self.fingerprint, credentials=credentials, refusals=self.refusals, clock=clock)
-        self._interceptors = interceptor_chain(check, *interceptors, clock=clock)
+        self._interceptors = interceptor_chain(check, *interceptors, outer=outer_interceptors, clock=clock)
         self._announced_host: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._slots = SlotPool(f"stage {stage_index} worker", self.options.max_queue, self.options.queue_per_caller,
@@ -262,6 +273,7 @@ class StageWorker:
         self._health = None
         self._port: int | None = None
         self._stopping: asyncio.Task | None = None
+        self._metrics = metrics
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -307,6 +319,10 @@ class StageWorker:
         # The sync phases (later issues) move the worker through these; Info and the DHT report it.
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+        if phase != self._phase:
+            self._logger.info("stage %d worker: phase %s -> %s", self.stage_index, self._phase, phase,
+                              extra={"milestone": "phase_changed",
+                                     "fields": {"stage": self.stage_index, "from": self._phase, "to": phase}})
         self._phase = phase
 
     def _build_compute(self) -> StageCompute:
@@ -328,6 +344,8 @@ class StageWorker:
         self._inference = InferenceService(
             self.config, self.stage_index, run_id=self.run_id, options=self.options.inference, geometry=self.geometry,
             codec=self._compute.codec, submit=self.submit_compute, refusals=self.refusals, clock=self._clock)
+        if self._metrics is not None:
+            self._watch(self._metrics, self._compute)
         server = create_server(interceptors=self._interceptors, max_message_bytes=self.options.max_message_bytes,
                                max_receive_bytes=self.geometry.message_budget(),
                                maximum_concurrent_rpcs=self.options.concurrent_rpcs)
@@ -356,6 +374,18 @@ class StageWorker:
                           "synchronous" if self.options.synchronous else "asynchronous",
                           "mutual TLS" if tls is not None else "insecure")
         return self._port
+
+    def _watch(self, metrics: WorkerMetrics, compute: StageCompute) -> None:
+        metrics.watch(load=lambda: self.load, capacity=self.options.max_queue, step=lambda: compute.optimizer.steps,
+                      throughput=lambda: compute.throughput, phase=lambda: self.phase, phases=PHASES,
+                      refusals=self.refusals.snapshot)
+
+        def stepped(compute: StageCompute) -> None:  # compute thread, right after each step
+            steps, last = compute.optimizer.steps, compute.last_step
+            metrics.stepped(lr_at(max(0, steps - 1), compute.config.optim),
+                            last.grad_norm if last is not None and last.step == steps else None)
+
+        compute.step_hooks.append(stepped)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Refuse new calls, let in-flight ones finish (up to `grace_s`), then stop the compute thread."""
@@ -479,6 +509,9 @@ class StageWorker:
             if hasattr(reply, "compute_s"):  # Forward/Backward replies report where the time went
                 reply = dataclasses.replace(reply, queued_s=started - admitted,
                                             compute_s=time.perf_counter() - started)
+                if self._metrics is not None:
+                    self._metrics.observe_job(type(request).__name__.removesuffix("Request"), _job_tokens(request),
+                                              reply.queued_s, reply.compute_s)
             return reply
 
         future = self._executor.submit(timed, request)
@@ -570,6 +603,13 @@ class _StageService:
 
     async def info(self, request: InfoRequest, context: Any) -> InfoReply:
         return self._worker.info()
+
+
+def _job_tokens(request: ForwardRequest | BackwardRequest) -> int:
+    """Tokens a job computed, from the shape its frame declares (checked at admission)."""
+    frame, kind = (request.tokens, "token") if isinstance(request, ForwardRequest) else (request.output_grad, "float")
+    header = peek_header(frame, kind)
+    return 0 if header is None else math.prod(header.shape[:2])
 
 
 def _check_own_credential(credentials: NodeCredentials, run_id: str, stage: int) -> None:

@@ -1,0 +1,278 @@
+"""Leased work units on the DHT: which trainer runs which global batch, so that none is lost.
+
+The run's schedule is units 0..N-1 (a unit is one global batch: pipeline/data.py). A trainer
+claims a unit with a lease, renews it while the unit runs, and commits it once every stage has
+taken the unit's completed-batch report; a lease that expires (its trainer died, hung, or lost
+its link) makes the unit free again for any trainer. This is seed 000's shared work queue, held
+in the DHT instead of a bucket.
+
+Design choices:
+
+- Units are grouped in blocks of ``BLOCK_UNITS``; each trainer owns one entry per block it has
+  touched, under its own subkey of ``{run}.units.b{block}`` (owned and signed like every per-peer
+  entry: dht/security.py). The entry holds the block's units it committed (a bitmap) and its
+  live claims (unit, claimed at, expires at; packed). One read of a block gives every trainer's
+  view of 256 units, so scanning for work costs one DHT get per 256 units, and a trainer's whole
+  history in a block is one value it rewrites.
+- Who holds a unit is a pure function of those entries (``resolve``): a commit beats any claim
+  (the earliest commit if there are several: the others are duplicates); among live claims the
+  earliest ``claimed_at`` wins, ties by peer id. Every reader resolves alike.
+- Claiming is store, then read: a trainer stores its claim and reads the block back; it holds the
+  unit only if it resolves as the holder, else it withdraws the claim. Two claims racing within
+  one DHT round trip can both believe they won when the earlier one's store lands last; that is
+  rare (trainers prefer different units: ``next_candidates``) and shows as a duplicate commit,
+  which is counted. A worker counts a unit's completed-batch report once (node/worker/epoch.py),
+  so a duplicate never steps a replica twice.
+- Commits outlive their trainer: an entry lives ``COMMIT_TTL_S`` (rewritten with a later
+  expiry on every change), so a trainer restarted with the same identity, or another one, sees
+  which units are done and resumes from the queue.
+- Only trainers' entries count. Any admitted peer may store under its own subkey, so a worker
+  could write commits and end the run untrained; each entry therefore carries its writer's
+  credential chain, and readers (``UnitWriters``) keep only entries whose chain this run's CA
+  issued to a trainer (or the operator) of that peer id. The chain is judged as issued, not as
+  valid now: the DHT refused the store unless the writer's credential was live then, and a
+  trainer's commits must outlive its one-hour credentials. Under ``--insecure`` every entry counts.
+- Clocks: ``claimed_at`` and expiries are DHT time (hivemind's ``get_dht_time``, injected as the
+  swarm's clock), so leases compare across peers as far as their clocks agree; the lease is
+  seconds long, far beyond NTP's skew.
+"""
+
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Mapping, Optional
+
+from agora.auth.credentials import CredentialError, CredentialVerifier
+from agora.auth.node_state import CREDENTIAL_FILE
+from agora.dht.records import Record, RecordError, check_run_id
+from agora.dht.swarm import SwarmDHT
+
+__all__ = ["BLOCK_UNITS", "MAX_UNIT_BLOCKS", "COMMIT_TTL_S", "UnitBlockRecord", "UnitState", "units_key",
+           "resolve", "LeaseBoard", "UnitWriters"]
+
+BLOCK_UNITS = 256
+# Blocks the record validator knows (dht/security.py): 2**20 units, six times the Agora run's.
+MAX_UNIT_BLOCKS = 4096
+# How long a trainer's block entry (its commits) lives after its last change.
+COMMIT_TTL_S = 7 * 24 * 3600.0
+_CLAIM = struct.Struct("<Hdd")  # unit offset in the block, claimed_at, expires_at
+_BITMAP_BYTES = BLOCK_UNITS // 8
+
+
+def units_key(run_id: str, block: int) -> str:
+    """The DHT key of one block of units (one subkey per trainer)."""
+    check_run_id(run_id)
+    if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < MAX_UNIT_BLOCKS:
+        raise RecordError(f"units.block: expected an int in [0, {MAX_UNIT_BLOCKS}), got {block!r}")
+    return f"{run_id}.units.b{block}"
+
+
+@dataclass(frozen=True)
+class UnitBlockRecord(Record):
+    """One trainer's commits and live claims in one block of units."""
+
+    KIND: ClassVar[str] = "units"
+
+    peer_id: str
+    run_id: str
+    block: int
+    committed: bytes  # bitmap of the block's units this trainer committed (bit i: unit block*256 + i)
+    claims: bytes  # packed (offset, claimed_at, expires_at) per live claim
+    updated_at: float
+    credential: bytes = b""  # the writer's credential chain (PEM); empty under --insecure
+
+    def check(self) -> None:
+        if not self.peer_id:
+            raise RecordError("units.peer_id: empty")
+        units_key(self.run_id, self.block)
+        if len(self.committed) != _BITMAP_BYTES:
+            raise RecordError(f"units.committed: expected a {_BITMAP_BYTES}-byte bitmap, got {len(self.committed)}")
+        if len(self.claims) % _CLAIM.size:
+            raise RecordError(f"units.claims: {len(self.claims)} bytes is not a whole number of claims")
+        for offset, claimed_at, expires_at in _CLAIM.iter_unpack(self.claims):
+            if offset >= BLOCK_UNITS or not (math.isfinite(claimed_at) and math.isfinite(expires_at)):
+                raise RecordError(f"units.claims: offset {offset} or times out of range")
+        if self.updated_at < 0:
+            raise RecordError("units.updated_at: must be >= 0")
+
+    def dht_key(self) -> str:
+        return units_key(self.run_id, self.block)
+
+    def committed_units(self) -> set[int]:
+        first = self.block * BLOCK_UNITS
+        return {first + i for i in range(BLOCK_UNITS) if self.committed[i // 8] >> (i % 8) & 1}
+
+    def claimed_units(self) -> dict[int, tuple[float, float]]:
+        """unit -> (claimed_at, expires_at)."""
+        first = self.block * BLOCK_UNITS
+        return {first + offset: (claimed_at, expires_at)
+                for offset, claimed_at, expires_at in _CLAIM.iter_unpack(self.claims)}
+
+    @classmethod
+    def build(cls, peer_id: str, run_id: str, block: int, committed: set[int],
+              claims: Mapping[int, tuple[float, float]], now: float, credential: bytes = b"") -> "UnitBlockRecord":
+        first = block * BLOCK_UNITS
+        bitmap = bytearray(_BITMAP_BYTES)
+        for unit in committed:
+            offset = unit - first
+            bitmap[offset // 8] |= 1 << (offset % 8)
+        packed = b"".join(_CLAIM.pack(unit - first, claimed_at, expires_at)
+                          for unit, (claimed_at, expires_at) in sorted(claims.items()))
+        return cls(peer_id=peer_id, run_id=run_id, block=block, committed=bytes(bitmap), claims=packed,
+                   updated_at=now, credential=credential)
+
+
+@dataclass(frozen=True)
+class UnitState:
+    unit: int
+    holder: Optional[str]  # the committer, or the live claim's owner; None: free
+    committed: bool
+    expires_at: float = math.inf  # the live claim's expiry (inf when committed or free)
+    committers: int = 0  # how many trainers committed it (more than one: duplicates)
+    expired_claims: int = 0  # claims whose lease ran out (a trainer that went away)
+
+
+def resolve(unit: int, entries: Mapping[str, UnitBlockRecord], now: float) -> UnitState:
+    """Who holds `unit` according to every trainer's entry for its block (see the module docstring)."""
+    committers = sorted(peer for peer, entry in entries.items() if unit in entry.committed_units())
+    if committers:
+        return UnitState(unit, committers[0], True, committers=len(committers))
+    live, expired = [], 0
+    for peer, entry in entries.items():
+        claim = entry.claimed_units().get(unit)
+        if claim is None:
+            continue
+        claimed_at, expires_at = claim
+        if expires_at > now:
+            live.append((claimed_at, peer, expires_at))
+        else:
+            expired += 1
+    if not live:
+        return UnitState(unit, None, False, expired_claims=expired)
+    claimed_at, peer, expires_at = min(live)
+    return UnitState(unit, peer, False, expires_at, expired_claims=expired)
+
+
+class UnitWriters:
+    """Whose block entries a reader trusts, and the chain this node puts in its own (module docstring)."""
+
+    ROLES = ("trainer", "operator")
+
+    def __init__(self, root_pem: bytes, run_id: str, state_dir: str | Path):
+        self._verifier = CredentialVerifier(root_pem, run_id, clock=lambda: 0.0)  # chains judged as issued
+        self._credential_file = Path(state_dir) / CREDENTIAL_FILE
+        self._trusted: dict[tuple[str, bytes], bool] = {}
+
+    def own(self) -> bytes:
+        """This node's current chain (re-read each time: a renewal is a file replace)."""
+        return self._credential_file.read_bytes()
+
+    def trusted(self, peer_id: str, chain: bytes) -> bool:
+        key = (peer_id, chain)
+        verdict = self._trusted.get(key)
+        if verdict is None:
+            try:
+                verdict = self._verifier.verify_issued(chain, roles=self.ROLES).peer_id == peer_id
+            except (CredentialError, ValueError):
+                verdict = False
+            if len(self._trusted) > 4096:
+                self._trusted.clear()
+            self._trusted[key] = verdict
+        return verdict
+
+
+class LeaseBoard:
+    """This trainer's side of the unit queue over a `SwarmDHT` (async). It keeps its own entries
+    (commits and claims per block) and rewrites the one a change touches."""
+
+    def __init__(self, swarm: SwarmDHT, *, run_id: str, lease_s: float, writers: Optional[UnitWriters] = None):
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        self._swarm = swarm
+        self._writers = writers  # None: --insecure, every entry counts
+        self.run_id = run_id
+        self.lease_s = lease_s
+        self.peer_id = swarm.peer_id
+        self._committed: dict[int, set[int]] = {}  # block -> units this trainer committed
+        self._claims: dict[int, dict[int, tuple[float, float]]] = {}  # block -> unit -> (claimed_at, expires)
+        self._loaded: set[int] = set()  # blocks whose own entry was read back from the DHT
+
+    @staticmethod
+    def block_of(unit: int) -> int:
+        return unit // BLOCK_UNITS
+
+    async def read(self, block: int) -> dict[int, UnitState]:
+        """Every unit of `block` that some trainer claimed or committed, resolved now."""
+        entries = await self._entries(block)
+        now = self._swarm.clock()
+        units: set[int] = set()
+        for entry in entries.values():
+            units |= entry.committed_units() | set(entry.claimed_units())
+        return {unit: resolve(unit, entries, now) for unit in units}
+
+    async def claim(self, unit: int) -> bool:
+        """Claim `unit`; True if this trainer now holds it (see the module docstring)."""
+        block = self.block_of(unit)
+        await self._load_own(block)
+        now = self._swarm.clock()
+        self._claims.setdefault(block, {})[unit] = (now, now + self.lease_s)
+        await self._store(block)
+        state = resolve(unit, await self._entries(block), self._swarm.clock())
+        if state.holder == self.peer_id and not state.committed:
+            return True
+        self._claims[block].pop(unit, None)
+        await self._store(block)
+        return False
+
+    async def renew(self, units: list[int]) -> None:
+        """Push the leases of units this trainer is still running `lease_s` into the future."""
+        now = self._swarm.clock()
+        touched = set()
+        for unit in units:
+            block = self.block_of(unit)
+            claims = self._claims.get(block, {})
+            if unit in claims:
+                claims[unit] = (claims[unit][0], now + self.lease_s)
+                touched.add(block)
+        for block in touched:
+            await self._store(block)
+
+    async def commit(self, unit: int) -> UnitState:
+        """Record `unit` done by this trainer; returns its state as read back (committers > 1: a duplicate)."""
+        block = self.block_of(unit)
+        await self._load_own(block)
+        self._claims.get(block, {}).pop(unit, None)
+        self._committed.setdefault(block, set()).add(unit)
+        await self._store(block)
+        return resolve(unit, await self._entries(block), self._swarm.clock())
+
+    async def release(self, unit: int) -> None:
+        """Give up a claim (the unit failed here): another trainer may take it at once."""
+        block = self.block_of(unit)
+        if self._claims.get(block, {}).pop(unit, None) is not None:
+            await self._store(block)
+
+    async def _entries(self, block: int) -> dict[str, UnitBlockRecord]:
+        stored = await self._swarm.owned_entries_async(units_key(self.run_id, block), UnitBlockRecord)
+        writers = self._writers
+        return {peer: item.record for peer, item in stored.items()
+                if item.record.run_id == self.run_id and item.record.block == block
+                and (writers is None or writers.trusted(peer, item.record.credential))}
+
+    async def _load_own(self, block: int) -> None:
+        """Take back this trainer's earlier commits in `block` (a restart with the same identity)."""
+        if block in self._loaded:
+            return
+        own = (await self._entries(block)).get(self.peer_id)
+        if own is not None:
+            self._committed.setdefault(block, set()).update(own.committed_units())
+        self._loaded.add(block)
+
+    async def _store(self, block: int) -> None:
+        now = self._swarm.clock()
+        credential = self._writers.own() if self._writers is not None else b""
+        record = UnitBlockRecord.build(self.peer_id, self.run_id, block, self._committed.get(block, set()),
+                                       self._claims.get(block, {}), now, credential)
+        await self._swarm.store_async(units_key(self.run_id, block), record, COMMIT_TTL_S,
+                                      subkey=self._swarm.subkey_of(self.peer_id))

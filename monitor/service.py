@@ -1,0 +1,158 @@
+"""`agora-node monitor`: the swarm seen from the DHT, read-only, served over HTTP.
+
+Life: join the DHT as a client peer (with a `monitor` credential when the run has admission:
+admitted peers answer its reads and refuse its stores, dht/security.py), then every
+`poll_s` read every stage's worker records and the run's trainer records, turn them into a
+`SwarmView` (monitor/swarm_view.py) and swap it in; the HTTP port (monitor/http.py) serves
+whatever view is current. A poll that fails (a DHT timeout) is counted and logged and the
+previous view stays, so a scrape never fails because the DHT hiccupped. SIGTERM/SIGINT stop it.
+
+The DHT process is forked before the HTTP server's thread exists (hivemind forks; a process
+with threads does not fork reliably).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from prometheus_client import CollectorRegistry
+
+from agora.dht.records import TrainerRecord, trainer_key
+from agora.dht.swarm import DHTRequestError, SwarmDHT
+from agora.monitor.http import MonitorServer, start_monitor_server
+from agora.monitor.swarm_metrics import MonitorMetrics, SwarmCollector
+from agora.monitor.swarm_view import LossHistory, StaticTarget, SwarmView, summarize
+
+__all__ = ["MonitorOptions", "SwarmMonitor", "parse_target"]
+
+logger = logging.getLogger("agora.monitor")
+
+
+def parse_target(text: str) -> StaticTarget:
+    """`ROLE=HOST:PORT` (a scrape target the DHT does not announce); ValueError names what is wrong."""
+    from agora.dht.records import RecordError, parse_endpoint
+
+    role, sep, endpoint = text.partition("=")
+    if not sep or not role.isidentifier():
+        raise ValueError(f"--target: expected ROLE=HOST:PORT (e.g. authorizer=10.0.0.2:9100), got {text!r}")
+    try:
+        parse_endpoint(endpoint)
+    except RecordError as error:
+        raise ValueError(f"--target {role}: {error}") from None
+    return StaticTarget(role, endpoint)
+
+
+@dataclass(frozen=True)
+class MonitorOptions:
+    run_id: str
+    n_stages: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    poll_s: float = 2.0
+    static_targets: tuple[StaticTarget, ...] = ()
+    ready_file: Optional[str] = None
+
+
+class SwarmMonitor:
+    """Polls `swarm` for `options.run_id` and serves the view; `run()` until stopped."""
+
+    def __init__(self, swarm: SwarmDHT, options: MonitorOptions, registry: CollectorRegistry, *,
+                 clock=time.monotonic):
+        self.swarm = swarm
+        self.options = options
+        self.registry = registry
+        self._clock = clock
+        self._started = clock()
+        self._history = LossHistory()
+        self._view: Optional[SwarmView] = None
+        self._metrics = MonitorMetrics(registry)
+        SwarmCollector(lambda: self._view, registry)
+        self.server: Optional[MonitorServer] = None
+
+    @property
+    def view(self) -> Optional[SwarmView]:
+        return self._view
+
+    async def poll(self) -> SwarmView:
+        """Read the swarm once and make it the current view."""
+        started = self._clock()
+        workers, trainers = await asyncio.gather(
+            self.swarm.all_workers_async(self.options.run_id, self.options.n_stages),
+            self.swarm.owned_entries_async(trainer_key(self.options.run_id), TrainerRecord))
+        announced = max([self.options.n_stages] + [r.n_stages for rs in workers.values() for r in rs])
+        if announced > self.options.n_stages:  # workers of a longer pipeline than configured: read them all
+            workers = await self.swarm.all_workers_async(self.options.run_id, announced)
+        view = summarize(self.options.run_id, workers,
+                         [s.record for s in trainers.values() if s.record.run_id == self.options.run_id],
+                         n_stages=self.options.n_stages, now=self._clock() - self._started,
+                         static_targets=self.options.static_targets)
+        view = dataclasses.replace(view, history=self._history.add(view))
+        self._view = view
+        self._metrics.poll_duration.observe(self._clock() - started)
+        return view
+
+    def serve(self) -> str:
+        """Start the HTTP port; the status page's URL."""
+        self.server = start_monitor_server(self.registry, lambda: self._view, self.options.host, self.options.port)
+        return f"http://{self.server.host}:{self.server.port}/"
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.poll()
+                self._metrics.polls.labels(outcome="ok").inc()
+            except DHTRequestError as error:
+                self._metrics.polls.labels(outcome="failed").inc()
+                logger.warning("reading the swarm failed (keeping the last view): %s", error)
+            try:
+                await asyncio.wait_for(stop.wait(), self.options.poll_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def run_monitor(swarm: SwarmDHT, options: MonitorOptions, registry: CollectorRegistry,
+                on_serving=lambda url: None, companions=()) -> int:
+    """Blocking: serve until SIGINT/SIGTERM; `on_serving(url)` once the port answers. `companions`:
+    async context managers that live as long as the monitor (the credential's renewer)."""
+    from agora.pipeline.files import atomic_write
+
+    monitor = SwarmMonitor(swarm, options, registry)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        async with contextlib.AsyncExitStack() as stack:
+            for companion in companions:
+                await stack.enter_async_context(companion)
+            await serve(stop)
+
+    async def serve(stop: asyncio.Event) -> None:
+        url = monitor.serve()
+        try:
+            await monitor.poll()
+        except DHTRequestError as error:
+            logger.warning("first read of the swarm failed: %s", error)
+        on_serving(url)
+        if options.ready_file:
+            atomic_write(options.ready_file, (url + "\n").encode())
+        await monitor.run(stop)
+
+    try:
+        asyncio.run(main())
+    finally:
+        monitor.close()
+    return 0

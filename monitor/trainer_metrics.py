@@ -1,0 +1,76 @@
+"""Metrics of a trainer: what it pushed through the swarm, what it cost, what it learned.
+
+- Global batches, microbatches and tokens done (`rate(agora_trainer_tokens_total[...])` is the
+  trainer's tokens/s), the last global batch's loss and learning rate, the held-out loss.
+- Each call to a stage, by stage and method: its round trip (histogram), and the worker's own
+  account of it summed (time waiting for and on its compute thread), so the time split per
+  stage (compute / queued / the rest: wire, serialization, gRPC) is a PromQL division.
+- Routing: reroutes (a failed route rerun elsewhere), busy retries (a full worker, no penalty),
+  bans (a peer benched with backoff), aborts by the worker's answer, completed-batch reports a
+  worker did not answer or refused (outside its window).
+- `RpcClientMetrics`: payload bytes (tensor frames) sent and received, by method.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from agora.monitor.worker_metrics import DURATION_BUCKETS
+
+__all__ = ["RpcClientMetrics", "TrainerMetrics"]
+
+
+class RpcClientMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.sent = Counter("agora_rpc_client_sent_bytes", "Payload bytes (tensor frames) sent to workers, by method",
+                            ["method"], registry=registry)
+        self.received = Counter("agora_rpc_client_received_bytes",
+                                "Payload bytes (tensor frames) received from workers, by method", ["method"],
+                                registry=registry)
+
+    def exchanged(self, method: str, sent: int, received: int) -> None:
+        self.sent.labels(method=method).inc(sent)
+        self.received.labels(method=method).inc(received)
+
+
+class TrainerMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.global_batches = Counter("agora_trainer_global_batches", "Global batches this trainer completed",
+                                      registry=registry)
+        self.microbatches = Counter("agora_trainer_microbatches", "Training microbatches completed (forward and "
+                                    "backward through every stage)", registry=registry)
+        self.tokens = Counter("agora_trainer_tokens", "Training tokens of the completed global batches",
+                              registry=registry)
+        self.loss = Gauge("agora_trainer_loss", "Mean training loss of the last completed global batch",
+                          registry=registry)
+        self.learning_rate = Gauge("agora_trainer_learning_rate", "Learning rate of the last completed global batch",
+                                   registry=registry)
+        self.heldout_loss = Gauge("agora_trainer_heldout_loss", "Held-out loss of the last evaluation",
+                                  registry=registry)
+        for unknown in (self.loss, self.heldout_loss):  # NaN (no value) until measured, never a loss of 0
+            unknown.set(float("nan"))
+        self.calls = Histogram("agora_trainer_call_seconds", "Round trip of a call to a stage worker",
+                               ["stage", "method"], buckets=DURATION_BUCKETS, registry=registry)
+        self.call_compute = Counter("agora_trainer_call_compute_seconds",
+                                    "Workers' compute-thread time of this trainer's calls", ["stage"],
+                                    registry=registry)
+        self.call_queued = Counter("agora_trainer_call_queued_seconds",
+                                   "Time this trainer's calls waited for workers' compute threads", ["stage"],
+                                   registry=registry)
+        self.reroutes = Counter("agora_trainer_reroutes", "Microbatch routes abandoned and rerun on another route",
+                                registry=registry)
+        self.busy_retries = Counter("agora_trainer_busy_retries", "Calls a full worker refused (RESOURCE_EXHAUSTED)",
+                                    registry=registry)
+        self.bans = Counter("agora_trainer_bans", "Workers benched by this trainer after a failed call",
+                            registry=registry)
+        self.aborts = Counter("agora_trainer_aborts", "Aborts sent for abandoned routes, by the worker's answer",
+                              ["outcome"], registry=registry)
+        self.reports_failed = Counter("agora_trainer_batch_reports_failed",
+                                      "Completed-batch reports a worker did not answer", registry=registry)
+        self.reports_refused = Counter("agora_trainer_batch_reports_refused",
+                                       "Completed-batch reports outside a replica's window (it lags or runs ahead)",
+                                       registry=registry)
+        self.units = Counter("agora_trainer_units", "Work units (global batches) by what happened to them here: "
+                             "claimed, committed, reclaimed (another trainer's lease had run out), duplicate "
+                             "(also committed by another), conflict (a claim another trainer won), released",
+                             ["outcome"], registry=registry)

@@ -1,0 +1,122 @@
+"""Metrics of a stage worker and of any gRPC server: what the worker's hooks update.
+
+Design choices:
+
+- `RpcServerMetrics` is what a server interceptor (node/rpc/metrics_hook.py) feeds: calls by
+  method and status code (refusals are the non-OK codes: RESOURCE_EXHAUSTED is a full worker,
+  INVALID_ARGUMENT a bad request, ...), handling time per method, and the serialized message
+  bytes each way (the wire bytes of every method, streams included).
+- `WorkerMetrics` is the stage replica's own account: microbatches and tokens through each
+  method (from the frames' declared shapes), time waiting for and on the compute thread, the
+  optimizer's step, learning rate and gradient norm (from the step hook, on the compute thread),
+  and at scrape time the queue depth, the phase and the announced throughput (read from the
+  worker, not copied) and the refusals it counts by reason.
+- Durations are histograms; buckets cover a CPU microbatch (milliseconds) to a slow 8B stage
+  (tens of seconds).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["DURATION_BUCKETS", "RpcServerMetrics", "WorkerMetrics"]
+
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def short_method(full_method: str) -> str:
+    """'/agora.v1.Stage/Forward' -> 'Forward' (the label value; a handful per service)."""
+    return full_method.rsplit("/", 1)[-1] or full_method
+
+
+class RpcServerMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.handled = Counter("agora_rpc_server_handled", "gRPC calls this server finished, by method and status code",
+                               ["method", "code"], registry=registry)
+        self.handling = Histogram("agora_rpc_server_handling_seconds", "Time from a call's arrival to its status",
+                                  ["method"], buckets=DURATION_BUCKETS, registry=registry)
+        self.received = Counter("agora_rpc_server_received_bytes", "Serialized request bytes received, by method",
+                                ["method"], registry=registry)
+        self.sent = Counter("agora_rpc_server_sent_bytes", "Serialized reply bytes sent, by method",
+                            ["method"], registry=registry)
+
+    def finished(self, full_method: str, code: str, seconds: float) -> None:
+        method = short_method(full_method)
+        self.handled.labels(method=method, code=code).inc()
+        self.handling.labels(method=method).observe(seconds)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.microbatches = Counter("agora_worker_microbatches", "Microbatches computed, by method",
+                                    ["method"], registry=registry)
+        self.tokens = Counter("agora_worker_tokens", "Tokens computed, by method", ["method"], registry=registry)
+        self.compute = Histogram("agora_worker_compute_seconds", "Time a job spent on the stage's compute thread",
+                                 ["method"], buckets=DURATION_BUCKETS, registry=registry)
+        self.queue_wait = Histogram("agora_worker_queue_wait_seconds",
+                                    "Time an admitted job waited for the compute thread", ["method"],
+                                    buckets=DURATION_BUCKETS, registry=registry)
+        self.queue_depth = Gauge("agora_worker_queue_depth", "Forward/Backward jobs admitted and not finished",
+                                 registry=registry)
+        self.queue_capacity = Gauge("agora_worker_queue_capacity", "Jobs admitted at most (max_queue)",
+                                    registry=registry)
+        self.step = Gauge("agora_worker_optimizer_step", "The replica's optimizer step (the stage's shared epoch)",
+                          registry=registry)
+        self.steps = Counter("agora_worker_optimizer_steps", "Optimizer steps this process took (or advanced)",
+                             registry=registry)
+        self.learning_rate = Gauge("agora_worker_learning_rate", "Learning rate of the last step", registry=registry)
+        self.grad_norm = Gauge("agora_worker_grad_norm", "Gradient norm before clipping at the last step",
+                               registry=registry)
+        self.grad_norm.set(float("nan"))  # no step yet: no value, rather than a norm of 0
+        self.throughput = Gauge("agora_worker_throughput_tokens_per_second",
+                                "Compute throughput the worker announces (moving average)", registry=registry)
+        self.phase = Gauge("agora_worker_phase", "1 for the phase the worker is in, 0 for the others", ["phase"],
+                           registry=registry)
+        self._registry = registry
+
+    def observe_job(self, method: str, tokens: int, queued_s: float, compute_s: float) -> None:
+        self.microbatches.labels(method=method).inc()
+        self.tokens.labels(method=method).inc(tokens)
+        self.queue_wait.labels(method=method).observe(queued_s)
+        self.compute.labels(method=method).observe(compute_s)
+
+    def stepped(self, learning_rate: float, grad_norm: float | None) -> None:
+        """From the compute thread's step hook (prometheus_client's values are thread-safe)."""
+        self.steps.inc()
+        self.learning_rate.set(learning_rate)
+        if grad_norm is not None:
+            self.grad_norm.set(grad_norm)
+
+    def watch(self, *, load: Callable[[], int], capacity: int, step: Callable[[], int],
+              throughput: Callable[[], float], phase: Callable[[], str], phases: Iterable[str],
+              refusals: Callable[[], Mapping[str, int]]) -> None:
+        """Read the worker's own state at scrape time (nothing is copied)."""
+        self.queue_depth.set_function(load)
+        self.queue_capacity.set(capacity)
+        self.step.set_function(step)
+        self.throughput.set_function(throughput)
+        for name in phases:
+            self.phase.labels(phase=name).set_function(lambda name=name: float(phase() == name))
+        self._registry.register(_Refusals(refusals))
+
+
+class _Refusals(Collector):
+    """`agora_worker_refusals_total{reason}`: the worker's RefusalCounts, read at scrape time."""
+
+    def __init__(self, read: Callable[[], Mapping[str, int]]):
+        self._read = read
+
+    def collect(self):
+        family = CounterMetricFamily("agora_worker_refusals", "Calls refused by the worker's checks, by reason",
+                                     labels=["reason"])
+        for reason, count in sorted(self._read().items()):
+            family.add_metric([reason], count)
+        yield family
+
+    def describe(self):
+        yield CounterMetricFamily("agora_worker_refusals", "Calls refused by the worker's checks, by reason",
+                                  labels=["reason"])

@@ -1,0 +1,211 @@
+"""The demo's record of a run: the trainers' logs merged, the full summary dict, and its closing words.
+
+The dict (`build_summary`, what `--summary-json` writes: every count, the per-stage time split,
+the averaging stats per stage, exit codes) is for tools and tests; `format_summary` is for the
+terminal: what happened, how well it trained, how each stage did, and anything that went wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["format_summary", "build_summary", "churn_summary", "merge_logs", "latest_per_trainer"]
+
+
+def _number(value, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"demo {summary['outcome']}: {summary['steps']} global batches in {summary['wall_s']:.1f} s "
+             f"({summary['mode']}, {summary['security']})",
+             f"  loss {_number(summary['final_loss'])} (mean of the last 5 batches), held-out "
+             f"{_number(summary['heldout_loss'])}, {summary['tokens_per_s']:,.0f} tokens/s"]
+    averaging = summary.get("averaging_by_stage", {})
+    splits = summary.get("time_split_by_stage", {})
+    for stage, workers in summary.get("workers_per_stage", {}).items():
+        text = f"  stage {stage}: {workers} worker{'s' if workers != 1 else ''}"
+        split = splits.get(stage)
+        if split and split.get("calls"):
+            text += (f", {split['round_trip_ms']:.1f} ms per call ({split['compute_ms']:.1f} compute, "
+                     f"{split['queued_ms']:.1f} queued, {split['wire_ms']:.1f} wire)")
+        stats = averaging.get(stage)
+        if stats:
+            rounds = stats["rounds_by_outcome"]
+            outcomes = ", ".join(f"{n} {outcome}" for outcome, n in rounds.items() if n) or "none yet"
+            text += f"; averaging {stats['method']}: {sum(rounds.values())} rounds ({outcomes})"
+            if stats.get("mean_lag_steps") is not None:
+                text += f", applied {stats['mean_lag_steps']:.2f} steps after the snapshot"
+        lines.append(text)
+    churn = summary.get("churn")
+    if churn:
+        units = churn["units"]
+        joined = [j["seconds_to_member"] for j in churn["joins"] if j["seconds_to_member"] is not None]
+        text = (f"  churn: {churn['kills']} killed, {len(churn['joins'])} joined"
+                + (f" (member after {min(joined):.1f}-{max(joined):.1f} s)" if joined else "")
+                + f"; units {units['committed']}/{units['total']} committed, {units['lost']} lost, "
+                f"{units['duplicated']} run twice")
+        if churn.get("resumed_from_step") is not None:
+            text += f"; resumed from step {churn['resumed_from_step']}"
+        lines.append(text)
+    trouble = []
+    if summary.get("reroutes") or summary.get("busy_retries"):
+        trouble.append(f"reroutes {summary.get('reroutes', 0)}, busy retries {summary.get('busy_retries', 0)}")
+    if summary.get("killed"):
+        trouble.append(f"killed (fault drill or chaos): {', '.join(summary['killed'])}")
+    if summary.get("revoked"):
+        trouble.append(f"left with a revoked credential: {', '.join(summary['revoked'])}")
+    failed = {name: code for name, code in summary.get("exit_codes", {}).items()
+              if code != 0 and name not in summary.get("killed", [])}
+    trouble.append("every process exited cleanly" if not failed else
+                   "exit codes: " + ", ".join(f"{name} {code}" for name, code in sorted(failed.items())))
+    lines.append("  " + "; ".join(trouble))
+    return "\n".join(lines)
+
+
+def merge_logs(paths: list[Path]) -> list[dict]:
+    """Every trainer's lines, one per global batch, ordered by the run-wide step."""
+    lines = []
+    for path in paths:
+        if path.exists():
+            lines += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(lines, key=lambda line: line["step"])
+
+
+def latest_per_trainer(lines: list[dict]) -> list[dict]:
+    latest: dict[int, dict] = {}
+    for line in lines:
+        latest[line.get("trainer", 0)] = line
+    return list(latest.values())
+
+
+def build_summary(options, lines: list[dict], workdir: Path, workers, killed, exit_codes,
+                  outcome: str, wall_s: float, trainers: list[str] | None = None) -> dict:
+    """The full summary; `trainers`: the names of every trainer started (replacements included)."""
+    trainer_summaries = []
+    for name in trainers if trainers is not None else [f"trainer-{i}" for i in range(options.trainers)]:
+        path = workdir / f"{name}.summary.json"
+        if path.exists():
+            trainer_summaries.append(json.loads(path.read_text()))
+    heldout = [s["heldout_loss"] for s in trainer_summaries if s.get("heldout_loss") is not None]
+    tail = lines[-5:]
+    per_stage: dict[int, int] = {}
+    for stage, worker in workers:
+        if worker.name not in killed:  # the stage's workers at the end
+            per_stage[stage] = per_stage.get(stage, 0) + 1
+    return {
+        "outcome": outcome,
+        "steps": len(lines),
+        "final_loss": sum(line["loss"] for line in tail) / len(tail) if tail else None,
+        "heldout_loss": heldout[0] if heldout else None,
+        "tokens": lines[-1]["tokens"] if lines else 0,
+        "tokens_per_s": sum(line["tokens_per_s"] for line in latest_per_trainer(lines)),
+        "wall_s": round(wall_s, 2),
+        "workers_per_stage": {str(k): v for k, v in sorted(per_stage.items())},
+        "reroutes": sum(s.get("reroutes", 0) for s in trainer_summaries),
+        "time_split_by_stage": _merge_time_splits([s.get("time_split_by_stage", {}) for s in trainer_summaries]),
+        "trainer_split": _mean_trainer_split([s.get("trainer_split", {}) for s in trainer_summaries]),
+        "in_flight": [s.get("in_flight") for s in trainer_summaries],
+        "busy_retries": sum(s.get("busy", 0) for s in trainer_summaries),
+        "averaging_by_stage": _averaging_by_stage(workdir, workers),
+        "killed": killed,
+        "exit_codes": exit_codes,
+        "mode": "sync" if options.sync else "async",
+        "security": "insecure" if options.insecure else "admitted",
+        "credential_renewals": {"trainers": sum(s.get("credential_renewals", 0) for s in trainer_summaries),
+                                "workers": _count_in_logs([w for _, w in workers], "renewed the credential")},
+        "revoked": [w.name for _, w in workers if exit_codes.get(w.name) == 3],
+    }
+
+
+def _count_in_logs(children, text: str) -> int:
+    total = 0
+    for child in children:
+        try:
+            total += child.log_path.read_text(errors="replace").count(text)
+        except OSError:
+            pass
+    return total
+
+
+def _averaging_by_stage(workdir: Path, workers) -> dict:
+    """Each stage's averaging rounds by outcome, summed over its replicas (from their stats files).
+
+    A worker writes its file when it leaves; a killed one leaves none and is not counted.
+    """
+    merged: dict[str, dict] = {}
+    for stage, worker in workers:
+        path = workdir / f"{worker.name}.stats.json"
+        try:
+            stats = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        into = merged.setdefault(str(stage), {"method": stats.get("method"), "replicas_reporting": 0,
+                                              "rounds_by_outcome": {}, "rejections": {}, "applied": 0, "skipped": 0,
+                                              "bytes_sent": 0,
+                                              "local_steps": 0, "compute_blocked_s": 0.0, "wall_s": 0.0,
+                                              "lag_steps_sum": 0.0, "max_lag_steps": 0})
+        into["replicas_reporting"] += 1
+        for outcome, n in stats.get("rounds_by_outcome", {}).items():
+            into["rounds_by_outcome"][outcome] = into["rounds_by_outcome"].get(outcome, 0) + n
+        for reason, n in stats.get("rejections", {}).items():  # what robust aggregation stopped (dht/robust.py)
+            into["rejections"][reason] = into["rejections"].get(reason, 0) + n
+        for key in ("applied", "skipped", "bytes_sent", "local_steps", "compute_blocked_s", "wall_s"):
+            into[key] += stats.get(key, 0)
+        into["parameters"] = stats.get("parameters", 0)
+        into["lag_steps_sum"] += (stats.get("mean_lag_steps") or 0.0) * stats.get("applied", 0)
+        into["max_lag_steps"] = max(into["max_lag_steps"], stats.get("max_lag_steps", 0))
+    for into in merged.values():
+        into["compute_blocked_fraction"] = into["compute_blocked_s"] / into["wall_s"] if into["wall_s"] else None
+        # Local steps from a round's snapshot to its apply, over every applied round of the stage.
+        into["mean_lag_steps"] = into.pop("lag_steps_sum") / into["applied"] if into["applied"] else None
+    return dict(sorted(merged.items()))
+
+
+def _merge_time_splits(splits: list[dict]) -> dict:
+    """Per-stage mean milliseconds per call over all trainers, weighted by their call counts."""
+    merged: dict[str, dict[str, float]] = {}
+    for split in splits:
+        for stage, times in split.items():
+            into = merged.setdefault(stage, {"calls": 0})
+            calls = times["calls"]
+            for key, value in times.items():
+                if key != "calls":
+                    into[key] = into.get(key, 0.0) + value * calls
+            into["calls"] += calls
+    for times in merged.values():
+        calls = max(1, times["calls"])
+        for key in times:
+            if key != "calls":
+                times[key] = round(times[key] / calls, 3)
+    return merged
+
+
+def churn_summary(options, lines: list[dict], events, joins, workdir: Path, resume_step) -> dict:
+    """What churn did to the run: kills, joins (seconds to member), and the units: every global batch
+    of the run committed once (its line in a trainer's log is written once it is), none lost."""
+    from agora.node.demo.chaos import joined_seconds
+
+    steps = [line["step"] for line in lines]
+    distinct = set(steps)
+    start = resume_step or 0
+    return {
+        "resumed_from_step": resume_step,
+        "kills": len(events),
+        "events": [vars(event) for event in events],
+        # A worker's seconds from its start to member (a trainer has no phases: it claims units at once).
+        "joins": [{"name": name, "seconds_to_member": joined_seconds(workdir / f"{name}.log", at)
+                   if name.startswith("worker") else None} for name, at in joins],
+        "units": {"total": options.steps - start,
+                  "committed": len([s for s in distinct if s > start]),
+                  "duplicated": len(steps) - len(distinct),
+                  "lost": len([s for s in range(start + 1, options.steps + 1) if s not in distinct])},
+    }
+
+
+def _mean_trainer_split(splits: list[dict]) -> dict:
+    """Each trainer's own split (CPU and time outside calls per microbatch), averaged over trainers."""
+    splits = [split for split in splits if split]
+    keys = sorted({key for split in splits for key in split})
+    return {key: round(sum(split.get(key, 0.0) for split in splits) / len(splits), 3) for key in keys} if splits else {}

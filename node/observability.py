@@ -1,0 +1,101 @@
+"""The metrics every role serves: the flags, the registry, the port, the endpoint it announces.
+
+    --metrics-port P     serve Prometheus metrics at http://HOST:P/metrics (0, the default: none)
+    --metrics-host H     the address it listens on (default 127.0.0.1)
+
+Design choices:
+
+- One registry per process (monitor/metrics.py `new_registry`), made here by the role's
+  command and passed to everything that updates a metric; `agora_node_info` names the role.
+- The server starts only after a role's forks (hivemind's DHT and averager processes): a
+  process with a running thread does not fork reliably. `NodeMetrics.serve()` is that moment.
+- What a node announces (its DHT record's `metrics_endpoint`) is the address scrapers dial: the
+  bound host, or for a wildcard bind the node's announced host (a worker's `--announce-host`),
+  else the outbound interface's (node/rpc/server.announced_host). Empty when not serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Optional
+
+from prometheus_client import CollectorRegistry
+
+from agora.monitor.metrics import MetricsServer, new_registry, node_info, start_metrics_server
+from agora.node.rpc.server import announced_host, host_port, is_wildcard_host
+from agora.pipeline.config import ConfigError
+
+__all__ = ["MetricsOptions", "NodeMetrics", "add_metrics_arguments", "package_version"]
+
+logger = logging.getLogger("agora.node.metrics")
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("agora-node")
+    except metadata.PackageNotFoundError:  # running from a source tree without an install
+        return "0+unknown"
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("metrics (Prometheus)")
+    group.add_argument("--metrics-port", type=int, default=0, metavar="P",
+                       help="serve Prometheus metrics on this port at /metrics (default 0: do not serve them)")
+    group.add_argument("--metrics-host", default="127.0.0.1", metavar="H",
+                       help="address the metrics server listens on (default 127.0.0.1; 0.0.0.0 for a remote "
+                            "Prometheus)")
+
+
+@dataclass(frozen=True)
+class MetricsOptions:
+    port: int = 0  # 0: no metrics server
+    host: str = "127.0.0.1"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "MetricsOptions":
+        return cls(port=getattr(args, "metrics_port", 0), host=getattr(args, "metrics_host", "127.0.0.1")).validate()
+
+    def validate(self) -> "MetricsOptions":
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--metrics-port: must be in 0..65535 (0: no metrics), got {self.port}")
+        return self
+
+
+@dataclass
+class NodeMetrics:
+    """One process's registry and (once `serve()`d) its metrics server."""
+
+    options: MetricsOptions
+    registry: CollectorRegistry = field(default_factory=new_registry)
+    server: Optional[MetricsServer] = None
+    endpoint: str = ""  # what the node announces; "" while not serving
+
+    @classmethod
+    def for_role(cls, options: MetricsOptions, *, role: str, run_id: str, version: str,
+                 stage: Optional[int] = None) -> "NodeMetrics":
+        metrics = cls(options)
+        node_info(metrics.registry, role=role, run_id=run_id, version=version, stage=stage)
+        return metrics
+
+    def serve(self, announce_host: Optional[str] = None) -> str:
+        """Start the server (when a port is set); the endpoint to announce, or ""."""
+        if self.options.port == 0 or self.server is not None:
+            return self.endpoint
+        try:
+            self.server = start_metrics_server(self.registry, self.options.host, self.options.port)
+        except OSError as error:
+            raise ConfigError(f"--metrics-port: cannot listen on {self.options.host}:{self.options.port}: "
+                              f"{error.strerror or error}") from None
+        host = self.options.host
+        self.endpoint = host_port(announced_host(host, announce_host if is_wildcard_host(host) else None),
+                                  self.server.port)
+        logger.info("metrics at http://%s/metrics", self.endpoint)
+        return self.endpoint
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None

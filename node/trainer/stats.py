@@ -1,0 +1,148 @@
+"""`TrainerStats`: a trainer's counters, kept in the process's metrics registry.
+
+The trainer (node/trainer/trainer.py) records what happens here; the numbers live in the
+Prometheus series of monitor/trainer_metrics.py (one bookkeeping), and the trainer's summary
+(`time_split()`, the counts) reads them back. What is per peer (failures by peer id) is not a
+metric (peer ids are unbounded label values) and stays a dict for the summary. Without a
+registry (tests) the stats keep a private one.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from prometheus_client import CollectorRegistry
+
+from agora.monitor.metrics import sample_value
+from agora.monitor.trainer_metrics import TrainerMetrics
+
+__all__ = ["TrainerStats", "UNIT_OUTCOMES"]
+
+UNIT_OUTCOMES = ("claimed", "committed", "reclaimed", "duplicate", "conflict", "released")
+
+
+class TrainerStats:
+    def __init__(self, registry: Optional[CollectorRegistry] = None):
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.metrics = TrainerMetrics(self.registry)
+        self.failures_by_peer: dict[str, int] = {}
+        # Where a training microbatch's time goes on the trainer's side (evaluation not counted): this
+        # process's CPU time during `run`, each microbatch's wall time from its first pick to its loss,
+        # and the part of that spent in calls (round trips); the rest is picking a route, waiting for
+        # completed-batch reports, reruns' pauses and the trainer's own work between calls.
+        self.cpu_s = 0.0
+        self.microbatch_s = 0.0
+        self.calls_s = 0.0
+        self.depth_max = 0  # the most microbatches the (adaptive) limit allowed in flight
+        self._stages: set[int] = set()
+        self._abort_outcomes: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _value(self, name: str, **labels: str) -> float:
+        return sample_value(self.registry, name, labels)
+
+    # ------------------------------------------------------------------ recording
+
+    def call(self, stage: int, method: str, seconds: float, compute_s: float, queued_s: float) -> None:
+        metrics, label = self.metrics, str(stage)
+        metrics.calls.labels(stage=label, method=method).observe(seconds)
+        metrics.call_compute.labels(stage=label).inc(compute_s)
+        metrics.call_queued.labels(stage=label).inc(queued_s)
+        self._stages.add(stage)
+
+    def microbatch_done(self) -> None:
+        self.metrics.microbatches.inc()
+
+    def busy_retry(self) -> None:
+        self.metrics.busy_retries.inc()
+
+    def rerouted(self, peer: str) -> None:
+        self.metrics.reroutes.inc()
+        with self._lock:
+            self.failures_by_peer[peer] = self.failures_by_peer.get(peer, 0) + 1
+
+    def banned(self) -> None:
+        self.metrics.bans.inc()
+
+    def aborted(self, outcome: str) -> None:
+        self.metrics.aborts.labels(outcome=outcome).inc()
+        self._abort_outcomes.add(outcome)
+
+    def report_failed(self) -> None:
+        self.metrics.reports_failed.inc()
+
+    def report_refused(self) -> None:
+        self.metrics.reports_refused.inc()
+
+    def unit(self, outcome: str) -> None:
+        """A work unit's fate here (node/trainer/units.py): claimed, committed, reclaimed, ..."""
+        self.metrics.units.labels(outcome=outcome).inc()
+
+    def batch_done(self, tokens: int, loss: float, learning_rate: float) -> None:
+        self.metrics.global_batches.inc()
+        self.metrics.tokens.inc(tokens)
+        self.metrics.loss.set(loss)
+        self.metrics.learning_rate.set(learning_rate)
+
+    def heldout(self, loss: float) -> None:
+        self.metrics.heldout_loss.set(loss)
+
+    # ------------------------------------------------------------------ reading back
+
+    @property
+    def microbatches(self) -> int:
+        return int(self._value("agora_trainer_microbatches_total"))
+
+    @property
+    def reroutes(self) -> int:
+        return int(self._value("agora_trainer_reroutes_total"))
+
+    @property
+    def busy(self) -> int:
+        return int(self._value("agora_trainer_busy_retries_total"))
+
+    @property
+    def bans(self) -> int:
+        return int(self._value("agora_trainer_bans_total"))
+
+    @property
+    def batch_reports_failed(self) -> int:
+        return int(self._value("agora_trainer_batch_reports_failed_total"))
+
+    @property
+    def batch_reports_refused(self) -> int:
+        return int(self._value("agora_trainer_batch_reports_refused_total"))
+
+    def units(self) -> dict[str, int]:
+        return {outcome: int(self._value("agora_trainer_units_total", outcome=outcome))
+                for outcome in UNIT_OUTCOMES}
+
+    @property
+    def aborts(self) -> dict[str, int]:
+        return {outcome: int(self._value("agora_trainer_aborts_total", outcome=outcome))
+                for outcome in sorted(self._abort_outcomes)}
+
+    def time_split(self) -> dict[str, dict[str, float]]:
+        """Per stage: calls, and mean milliseconds per call of the round trip, the worker's compute,
+        its queue, and the rest (serialization, gRPC, the wire, decoding)."""
+        split = {}
+        for stage in sorted(self._stages):
+            label = str(stage)
+            calls = sum(self._value("agora_trainer_call_seconds_count", stage=label, method=m)
+                        for m in ("Forward", "Backward"))
+            round_trip = sum(self._value("agora_trainer_call_seconds_sum", stage=label, method=m)
+                             for m in ("Forward", "Backward"))
+            compute = self._value("agora_trainer_call_compute_seconds_total", stage=label)
+            queued = self._value("agora_trainer_call_queued_seconds_total", stage=label)
+            per_call = 1e3 / max(1.0, calls)
+            split[label] = {"calls": int(calls), "round_trip_ms": round_trip * per_call,
+                            "compute_ms": compute * per_call, "queued_ms": queued * per_call,
+                            "wire_ms": max(0.0, round_trip - compute - queued) * per_call}
+        return split
+
+    def trainer_split(self) -> dict[str, float]:
+        """Per training microbatch, in ms: this process's CPU time, and its wall time outside calls."""
+        n = max(1, self.microbatches)
+        return {"cpu_ms": round(1e3 * self.cpu_s / n, 3),
+                "outside_calls_ms": round(1e3 * max(0.0, self.microbatch_s - self.calls_s) / n, 3)}

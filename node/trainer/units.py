@@ -1,0 +1,215 @@
+"""Which global batches (work units) a trainer runs: a fixed list, or leases on the DHT.
+
+`SwarmTrainer.run` asks its unit source for the next unit whenever its window of global batches
+has room, tells it when a unit is committed (every stage took its completed-batch report) or has
+failed here, and ends when the source says every unit of the run is committed.
+
+- `FixedUnits`: a list decided up front (tests without a DHT; a lone trainer that must run
+  exactly units start..N-1 in order, as the synchronous mode's exact restore does).
+- `LeasedUnits` (dht/leases.py underneath): a trainer claims the lowest free unit, preferring
+  its own stripe (`unit % trainers == index`) among the next `16 x trainers` so that trainers
+  rarely race for the same unit, renews its leases every third of their length while it runs them, and
+  commits them when done. A unit whose lease ran out (its trainer died) is free again and is
+  taken by whoever gets there: "reclaimed". Faster trainers take more units, a restarted trainer
+  resumes from the queue, and the run ends when every unit is committed, not when a trainer has
+  done its share. What a trainer saw happen to units (claimed, committed, reclaimed, duplicate,
+  conflict, released) is counted in its metrics.
+- `next_candidates` is the pure decision: which units to try, in order, given what the trainer
+  knows of each unit now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Callable, Mapping, Optional, Protocol
+
+from agora.dht.leases import BLOCK_UNITS, LeaseBoard, UnitState
+from agora.node.trainer.stats import TrainerStats
+
+__all__ = ["UnitSource", "FixedUnits", "LeasedUnits", "next_candidates"]
+
+logger = logging.getLogger("agora.node.trainer")
+
+# Units beyond the lowest unfinished one a trainer considers, per trainer of the run: its own
+# stripe first among them, so it takes another's units (work stealing, a dead trainer's stripe)
+# only once its own are done this far ahead.
+_HORIZON_PER_TRAINER = 16
+# How stale a trainer's view of a block may be when it looks for work (a read is one DHT get).
+_REFRESH_S = 1.0
+
+
+class UnitSource(Protocol):
+    total: int
+
+    async def next_unit(self) -> Optional[int]:
+        """A unit this trainer now holds, or None when none is free right now."""
+
+    def finished(self) -> bool:
+        """Every unit of the run is committed (as far as this trainer has seen)."""
+
+    async def committed(self, unit: int) -> None: ...
+
+    async def failed(self, unit: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class FixedUnits:
+    """The units of a list, in its order; each handed out once."""
+
+    def __init__(self, units: list[int], total: int):
+        self.total = total
+        self._todo = list(units)
+        self._open: set[int] = set()
+
+    async def next_unit(self) -> Optional[int]:
+        if not self._todo:
+            return None
+        unit = self._todo.pop(0)
+        self._open.add(unit)
+        return unit
+
+    def finished(self) -> bool:
+        return not self._todo and not self._open
+
+    async def committed(self, unit: int) -> None:
+        self._open.discard(unit)
+
+    async def failed(self, unit: int) -> None:
+        self._open.discard(unit)
+        self._todo.insert(0, unit)  # it runs again here: nobody else would
+
+    async def close(self) -> None:
+        pass
+
+
+def next_candidates(states: Mapping[int, UnitState], *, low: int, total: int, now: float,
+                    stripe: Optional[tuple[int, int]] = None, limit: int = 8) -> list[int]:
+    """Units to try claiming, in order: free ones (unknown, no live claim, not committed) from `low`
+    on; with `stripe` (index, trainers), this trainer's own among the next few first."""
+    trainers = stripe[1] if stripe else 1
+    horizon = max(limit, _HORIZON_PER_TRAINER * trainers)
+    free = []
+    unit = low
+    while unit < total and len(free) < horizon:
+        state = states.get(unit)
+        if state is None or (not state.committed and (state.holder is None or state.expires_at <= now)):
+            free.append(unit)
+        unit += 1
+    if stripe is not None:
+        index, trainers = stripe
+        free.sort(key=lambda u: (u % trainers != index, u))
+    return free[:limit]
+
+
+class LeasedUnits:
+    """Units claimed through a `LeaseBoard` (see the module docstring)."""
+
+    def __init__(self, board: LeaseBoard, *, total: int, start: int = 0, stripe: Optional[tuple[int, int]] = None,
+                 stats: Optional[TrainerStats] = None, clock: Callable[[], float], refresh_s: Optional[float] = None):
+        self.board = board
+        self.total = total
+        self.stripe = stripe if stripe is not None and stripe[1] > 1 else None
+        self.stats = stats
+        self._clock = clock
+        self._refresh_s = refresh_s if refresh_s is not None else min(board.lease_s / 4, _REFRESH_S)
+        self._states: dict[int, UnitState] = {}
+        self._read_at: dict[int, float] = {}  # block -> when this trainer last read it
+        self._low = start  # every unit below is committed (or before this run's start)
+        self._held: set[int] = set()
+        self._renewing: Optional[asyncio.Task] = None
+
+    def finished(self) -> bool:
+        self._advance()
+        return self._low >= self.total
+
+    async def next_unit(self) -> Optional[int]:
+        if self._renewing is None:
+            self._renewing = asyncio.create_task(self._renew_forever(), name="lease-renewal")
+        await self._refresh()
+        me = self.board.peer_id
+        for unit in next_candidates(self._states, low=self._low, total=self.total, now=self._clock(),
+                                    stripe=self.stripe):
+            before = self._states.get(unit)
+            if await self.board.claim(unit):
+                self._held.add(unit)
+                self._states[unit] = UnitState(unit, me, False, self._clock() + self.board.lease_s)
+                self._count("claimed")
+                if before is not None and before.expired_claims:
+                    self._count("reclaimed")
+                    logger.info("lease reclaimed: unit %d (another trainer's lease ran out)", unit,
+                                extra={"milestone": "lease_reclaimed", "fields": {"unit": unit}})
+                return unit
+            self._count("conflict")  # another trainer holds it: look again at its block
+            self._read_at.pop(LeaseBoard.block_of(unit), None)
+            await self._refresh()
+        return None
+
+    async def committed(self, unit: int) -> None:
+        state = await self.board.commit(unit)
+        self._held.discard(unit)
+        self._states[unit] = UnitState(unit, self.board.peer_id, True, committers=state.committers)
+        self._count("committed")
+        if state.committers > 1:
+            self._count("duplicate")
+            logger.warning("unit %d was committed by %d trainers (a duplicate)", unit, state.committers)
+        self._advance()
+
+    async def failed(self, unit: int) -> None:
+        self._held.discard(unit)
+        await self.board.release(unit)
+        self._states.pop(unit, None)
+        self._count("released")
+
+    async def close(self) -> None:
+        if self._renewing is not None:
+            self._renewing.cancel()
+            await asyncio.gather(self._renewing, return_exceptions=True)
+            self._renewing = None
+        for unit in sorted(self._held):  # not done here: free for another trainer at once
+            try:
+                await self.board.release(unit)
+            except Exception as error:  # the DHT is going away too: the lease just runs out
+                logger.debug("could not release unit %d: %s", unit, error)
+        self._held.clear()
+
+    async def _refresh(self) -> None:
+        """Read the blocks between the lowest unfinished unit and the horizon if not read lately."""
+        now = self._clock()
+        trainers = self.stripe[1] if self.stripe else 1
+        last = min(self.total, self._low + max(8, _HORIZON_PER_TRAINER * trainers)) - 1
+        if last < self._low:
+            return
+        for block in range(LeaseBoard.block_of(self._low), LeaseBoard.block_of(last) + 1):
+            if now - self._read_at.get(block, -math.inf) < self._refresh_s:
+                continue
+            fresh = await self.board.read(block)
+            first = block * BLOCK_UNITS
+            for unit in range(first, first + BLOCK_UNITS):
+                if unit in self._held:
+                    continue  # this trainer's own view of what it holds is the truth
+                if unit in fresh:
+                    self._states[unit] = fresh[unit]
+                elif unit in self._states and not self._states[unit].committed:
+                    del self._states[unit]  # a claim that was withdrawn
+            self._read_at[block] = now
+        self._advance()
+
+    def _advance(self) -> None:
+        while self._low < self.total and (state := self._states.get(self._low)) is not None and state.committed:
+            self._low += 1
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.board.lease_s / 3)
+            if self._held:
+                try:
+                    await self.board.renew(sorted(self._held))
+                except Exception as error:  # a DHT hiccup: the next renewal is a third of a lease away
+                    logger.warning("could not renew unit leases: %s", error)
+
+    def _count(self, outcome: str) -> None:
+        if self.stats is not None:
+            self.stats.unit(outcome)

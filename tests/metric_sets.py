@@ -1,0 +1,47 @@
+"""Every role's metrics in one registry, each labelled series touched once: what a live process
+ends up with (tests/test_metrics.py lints it; tests/test_monitor.py checks the dashboard against it)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from agora.dht.averaging import RoundResult
+from agora.monitor.metrics import CredentialMetrics, node_info
+from agora.monitor.trainer_metrics import RpcClientMetrics
+from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
+from agora.node.averaging.stats import AveragingStats
+from agora.node.trainer.stats import TrainerStats
+from agora.node.worker.worker import PHASES
+
+RUN = "metrics-run"
+
+
+def every_role(registry: CollectorRegistry) -> None:
+    """Each role's metrics, every labelled series touched once (what a live process ends up with)."""
+    node_info(registry, role="worker", run_id=RUN, version="1.0", stage=0)
+    worker = WorkerMetrics(registry)
+    worker.watch(load=lambda: 3, capacity=8, step=lambda: 5, throughput=lambda: 1e4, phase=lambda: "member",
+                 phases=PHASES, refusals=lambda: {"expired": 2})
+    worker.observe_job("Forward", 128, 0.001, 0.02)
+    worker.stepped(3e-4, 1.5)
+    server = RpcServerMetrics(registry)
+    server.finished("/agora.v1.Stage/Forward", "OK", 0.03)
+    server.received.labels(method="Forward").inc(100)
+    server.sent.labels(method="Forward").inc(100)
+    CredentialMetrics(registry, lambda: 1800.0, lambda: 2)
+    stats = AveragingStats("sparta", registry=registry)
+    stats.record(RoundResult("committed", 3, None, participants=("a", "b"), received_fraction=1.0, duration_s=0.4,
+                             bytes_sent=100, bytes_received=100, rejections={"outlier": 1}), applied=True,
+                 lag_steps=1)
+    stats.count_skipped(1)
+    stats.add_compute_blocked(0.01)
+    trainer = TrainerStats(registry)
+    trainer.call(0, "Forward", 0.05, 0.02, 0.01)
+    for record in (trainer.microbatch_done, trainer.busy_retry, trainer.banned, trainer.report_failed,
+                   trainer.report_refused):
+        record()
+    trainer.rerouted("peer")
+    trainer.aborted("reverted")
+    trainer.batch_done(256, 5.2, 3e-4)
+    trainer.heldout(5.0)
+    RpcClientMetrics(registry).exchanged("Forward", 10, 20)

@@ -1,0 +1,182 @@
+"""Leased work units (dht/leases.py, node/trainer/units.py): the rules, pure, then over a real DHT."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+
+import pytest
+
+from agora.auth.authority import RunAuthority
+from agora.dht.leases import BLOCK_UNITS, LeaseBoard, UnitBlockRecord, UnitState, UnitWriters, resolve, units_key
+from agora.dht.records import RecordError
+from agora.dht.swarm import SwarmDHT
+from agora.node.rpc.server import run
+from agora.node.trainer.units import FixedUnits, LeasedUnits, next_candidates
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def block_record(peer: str, block: int = 0, committed=(), claims=None, credential=b"") -> UnitBlockRecord:
+    return UnitBlockRecord.build(peer, "run", block, set(committed), claims or {}, 10.0, credential)
+
+
+# ---------------------------------------------------------------- records and rules (pure)
+
+
+def test_a_block_record_round_trips_and_refuses_malformed_packing():
+    record = block_record("A", 1, committed={256, 300, 511}, claims={257: (5.0, 35.0), 400: (6.0, 36.0)})
+    again = UnitBlockRecord.from_wire(record.to_wire())
+    assert again == record and again.dht_key() == "run.units.b1"
+    assert again.committed_units() == {256, 300, 511} and again.claimed_units() == {257: (5.0, 35.0),
+                                                                                     400: (6.0, 36.0)}
+    wire = record.to_wire()
+    with pytest.raises(RecordError, match="32-byte bitmap"):
+        UnitBlockRecord.from_wire({**wire, "committed": b"\x00"})
+    with pytest.raises(RecordError, match="whole number of claims"):
+        UnitBlockRecord.from_wire({**wire, "claims": b"\x00" * 5})
+    with pytest.raises(RecordError, match="units.block"):
+        units_key("run", 4096)
+
+
+def test_a_commit_beats_any_claim_and_the_earliest_live_claim_wins():
+    now = 100.0
+    entries = {"A": block_record("A", claims={3: (50.0, 130.0)}), "B": block_record("B", claims={3: (40.0, 90.0)}),
+               "C": block_record("C", claims={3: (60.0, 140.0)})}
+    state = resolve(3, entries, now)
+    assert (state.holder, state.committed, state.expires_at, state.expired_claims) == ("A", False, 130.0, 1)
+    entries["D"] = block_record("D", committed={3})
+    entries["E"] = block_record("E", committed={3})
+    state = resolve(3, entries, now)
+    assert (state.holder, state.committed, state.committers) == ("D", True, 2)  # E's commit: a duplicate
+    assert resolve(4, entries, now) == UnitState(4, None, False)
+
+
+def test_candidates_are_free_units_from_the_lowest_unfinished_own_stripe_first():
+    now = 10.0
+    states = {0: UnitState(0, "X", True), 1: UnitState(1, "X", False, expires_at=20.0),
+              2: UnitState(2, "X", False, expires_at=5.0)}  # unit 2's lease ran out
+    assert next_candidates(states, low=0, total=10, now=now, limit=4) == [2, 3, 4, 5]
+    assert next_candidates(states, low=0, total=10, now=now, stripe=(1, 2), limit=4) == [3, 5, 7, 9]
+    assert next_candidates(states, low=0, total=4, now=now, stripe=(1, 2)) == [3, 2]  # then others' units
+    assert next_candidates(states, low=10, total=10, now=now) == []
+
+
+def test_fixed_units_hand_out_a_list_and_take_back_a_failed_one():
+    async def main():
+        units = FixedUnits([4, 6], total=8)
+        first = await units.next_unit()
+        await units.failed(first)
+        order = [await units.next_unit(), await units.next_unit(), await units.next_unit()]
+        finished_early = units.finished()
+        for unit in order[:2]:
+            await units.committed(unit)
+        return order, finished_early, units.finished()
+
+    assert run(main()) == ([4, 6, None], False, True)
+
+
+def test_readers_count_only_entries_written_under_a_trainer_credential_of_that_peer(tmp_path):
+    # The run's CA was made two hours ago, when a trainer got a one-hour credential: expired now.
+    past = RunAuthority(tmp_path / "auth", run_id="lease-run", clock=lambda: time.time() - 7200)
+    old = past.mint(tmp_path / "old", role="trainer", lifetime_s=3600)
+    authority = RunAuthority(tmp_path / "auth")
+    trainer = authority.mint(tmp_path / "trainer", role="trainer", lifetime_s=60)
+    worker = authority.mint(tmp_path / "worker", role="worker", stage=0, lifetime_s=60)
+    writers = UnitWriters(authority.root_pem, "lease-run", tmp_path / "trainer")
+    assert writers.own() == (tmp_path / "trainer" / "credential.pem").read_bytes()
+    assert writers.trusted(trainer.peer_id, writers.own())
+    worker_chain = (tmp_path / "worker" / "credential.pem").read_bytes()
+    assert not writers.trusted(worker.peer_id, worker_chain)  # a worker cannot commit units
+    assert not writers.trusted(worker.peer_id, writers.own())  # nor under a trainer's chain
+    assert not writers.trusted(trainer.peer_id, b"garbage")
+    other = RunAuthority(tmp_path / "other", run_id="lease-run").mint(tmp_path / "x", role="trainer")
+    assert not writers.trusted(other.peer_id, (tmp_path / "x" / "credential.pem").read_bytes())
+    chain = (tmp_path / "old" / "credential.pem").read_bytes()
+    assert old.identity().not_after < time.time()
+    assert writers.trusted(old.peer_id, chain)  # its commits still count
+
+
+# ---------------------------------------------------------------- over a real DHT
+
+
+@pytest.fixture(scope="module")
+def swarms():
+    first = SwarmDHT.start()
+    try:
+        second = SwarmDHT.start(initial_peers=first.visible_maddrs())
+        try:
+            yield first, second
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()
+
+
+def test_two_trainers_claim_apart_a_dead_ones_lease_runs_out_and_is_reclaimed(swarms):
+    run_id = f"lease-{uuid.uuid4().hex[:8]}"
+
+    async def main():
+        a = LeaseBoard(swarms[0], run_id=run_id, lease_s=1.5)
+        b = LeaseBoard(swarms[1], run_id=run_id, lease_s=1.5)
+        assert await a.claim(5)
+        assert not await b.claim(5)  # A holds it
+        assert await b.claim(6)
+        state = await a.commit(5)
+        assert state.committed and state.committers == 1
+        seen = await b.read(0)
+        assert seen[5].committed and seen[6].holder == swarms[1].peer_id
+        # B dies holding 6 (no renewal, no release): A takes it once the lease has run out.
+        assert not await a.claim(6)
+        await asyncio.sleep(1.7)
+        assert (await a.read(0))[6].expired_claims == 1
+        assert await a.claim(6)
+        await a.commit(6)
+        # A restarted with the same identity knows its commits (it rewrites its entry with them).
+        again = LeaseBoard(swarms[0], run_id=run_id, lease_s=1.5)
+        assert await again.claim(7)
+        await again.commit(7)
+        return await b.read(0)
+
+    final = run(main())
+    assert {u for u, s in final.items() if s.committed} == {5, 6, 7}
+    assert all(s.holder == swarms[0].peer_id for s in final.values())
+
+
+def test_every_unit_is_committed_once_and_none_is_lost_when_a_trainer_dies(swarms):
+    """Two trainers drain 40 units; one dies (stops, leases unreleased) a third of the way in."""
+    run_id = f"lease-{uuid.uuid4().hex[:8]}"
+    total = 40
+
+    async def drain(units: LeasedUnits, done: list[int], die_after: int | None = None) -> None:
+        while not units.finished():
+            unit = await units.next_unit()
+            if unit is None:
+                await asyncio.sleep(0.1)
+                continue
+            if die_after is not None and len(done) >= die_after:
+                units._renewing.cancel()  # gone: holds `unit`, never renews nor releases it
+                return
+            await asyncio.sleep(0.02)  # the global batch itself
+            await units.committed(unit)
+            done.append(unit)
+
+    async def main():
+        boards = [LeaseBoard(s, run_id=run_id, lease_s=1.5) for s in swarms]
+        units = [LeasedUnits(board, total=total, stripe=(i, 2), clock=board._swarm.clock)
+                 for i, board in enumerate(boards)]
+        done: list[list[int]] = [[], []]
+        await asyncio.gather(drain(units[0], done[0]), drain(units[1], done[1], die_after=total // 6))
+        await units[0].close()
+        final = {}
+        for block in range(math.ceil(total / BLOCK_UNITS)):
+            final.update(await boards[0].read(block))
+        return done, final
+
+    done, final = run(main())
+    everything = done[0] + done[1]
+    assert sorted(everything) == list(range(total))  # every unit once, none lost
+    assert all(final[u].committed and final[u].committers == 1 for u in range(total))
+    assert len(done[1]) == total // 6 and len(done[0]) == total - total // 6  # the survivor took the rest
