@@ -14,7 +14,8 @@ from agora.bench.wan.profiles import (
     tbf_arguments,
 )
 from agora.bench.wan.relay import VNET_HEADER_BYTES, Relay, RelayPort, frame_delay_s
-from agora.bench.wan.swarm import demo_process_names, node_links, straggler_name
+from agora.bench.wan.swarm import SpareNodes, chaos_predecessor, demo_process_names, node_links, straggler_name
+from agora.node.demo.processes import ChildFailed
 from agora.node.demo.demo import DemoOptions
 
 
@@ -99,3 +100,26 @@ def test_every_demo_process_gets_a_node_and_the_straggler_is_one_replica():
     assert links["worker-s1-r1"] == PROFILES["straggler"].straggler
     assert links["worker-s1-r0"] == links["trainer-0"] == PROFILES["straggler"].link
     assert links[PROBE_NODE] == LinkSpec(None, None, 80.0)
+
+
+def test_chaos_newcomers_take_spare_nodes_and_free_their_predecessors():
+    assert chaos_predecessor("worker-s1-r0.j1") == "worker-s1-r0"
+    assert chaos_predecessor("worker-s1-r0.j3") == "worker-s1-r0.j2"
+    assert chaos_predecessor("trainer-0.j1") == "trainer-0"
+    assert chaos_predecessor("worker-s0-r2") is None and chaos_predecessor("trainer-0.jx") is None
+    assert list(node_links(PROFILES["lan"], DemoOptions(), spares=2))[-3:] == ["spare-0", "spare-1", PROBE_NODE]
+    spares = SpareNodes(["spare-0", "spare-1"])
+    assert spares.node_for("worker-s1-r0.j1") == "spare-0"
+    assert spares.node_for("worker-s1-r0.j1") == "spare-0"  # prefix and host ask for the same name
+    assert spares.node_for("trainer-0.j1") == "spare-1"
+    # .j1 was killed before .j2 starts: its node is free again, and the only one.
+    assert spares.node_for("worker-s1-r0.j2") == "spare-0"
+    with pytest.raises(ChildFailed, match="worker-s2-r1.j1: no spare node left"):
+        spares.node_for("worker-s2-r1.j1")
+    spares.reset()
+    assert spares.node_for("worker-s2-r1.j1") == "spare-0"
+    # With a node free elsewhere, a newcomer does not take the one its predecessor just left.
+    spares = SpareNodes(["spare-0", "spare-1", "spare-2"])
+    assert [spares.node_for(n) for n in ("worker-s0-r0.j1", "worker-s0-r0.j2", "worker-s0-r0.j3")] == [
+        "spare-0", "spare-1", "spare-2"]
+    assert spares.node_for("worker-s0-r0.j4") == "spare-0"

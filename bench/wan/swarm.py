@@ -8,11 +8,20 @@ access links and the relay. The offline `authorizer issue` (it only writes files
 
 Before the swarm starts, the links are measured and a profile more than 10% off is refused
 (bench/wan/links.py). Namespaces left by an earlier run that crashed are removed first.
+
+`demo --chaos` starts newcomers under names nobody knew in advance ("worker-s1-r0.j1" replaces
+worker-s1-r0, ".j2" replaces ".j1"): a session built with `spares` has that many more nodes on the
+profile's link, and a newcomer (any worker or trainer without a node of its own) takes a free one
+the first time its name is placed: a fresh machine joining, with an address of its own. The node of
+the newcomer it replaced (killed before its successor starts) is free again, at the back of the
+line, so the spare nodes a run needs are bounded by the processes chaos may kill (one live newcomer
+per original name), not by how many kills a run lasts for.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 import json
 import os
 import time
@@ -24,10 +33,50 @@ from agora.bench.wan.links import PROBE_NODE, measure_faithful
 from agora.bench.wan.profiles import LinkMeasurement, LinkSpec, Profile
 from agora.bench.wan.topology import WanTopology, cleanup_leftovers
 from agora.node.demo.demo import DemoOptions, run_demo
-from agora.node.demo.processes import Placement
+from agora.node.demo.processes import ChildFailed, Placement
 
 __all__ = ["WanRun", "WanSession", "wan_session", "demo_process_names", "straggler_name", "node_links",
-           "run_wan_demo"]
+           "run_wan_demo", "SPARE_PREFIX", "SpareNodes", "chaos_predecessor"]
+
+SPARE_PREFIX = "spare-"
+
+
+def chaos_predecessor(name: str) -> str | None:
+    """The process a chaos newcomer replaced (node/demo/demo.py's names): worker-s1-r0.j2 replaced
+    worker-s1-r0.j1, which replaced worker-s1-r0; None for a name chaos did not give."""
+    base, marker, generation = name.rpartition(".j")
+    if not marker or not generation.isdigit() or int(generation) < 1:
+        return None
+    return base if generation == "1" else f"{base}.j{int(generation) - 1}"
+
+
+class SpareNodes:
+    """Which spare node each newcomer runs on: the one free longest. A chaos newcomer's predecessor
+    was killed before it starts, so the predecessor's spare goes back to the end of the line (taken
+    again only when no other is free)."""
+
+    def __init__(self, spares: list[str]):
+        self._spares = list(spares)
+        self._free: deque[str] = deque(spares)
+        self._taken: dict[str, str] = {}  # a newcomer's name -> its spare
+
+    def __bool__(self) -> bool:
+        return bool(self._spares)
+
+    def reset(self) -> None:
+        """A new run on the same topology: every spare free again."""
+        self._free = deque(self._spares)
+        self._taken.clear()
+
+    def node_for(self, newcomer: str) -> str:
+        if newcomer not in self._taken:
+            predecessor = chaos_predecessor(newcomer)
+            if predecessor in self._taken:
+                self._free.append(self._taken.pop(predecessor))
+            if not self._free:
+                raise ChildFailed(f"{newcomer}: no spare node left for a newcomer (build the session with more spares)")
+            self._taken[newcomer] = self._free.popleft()
+        return self._taken[newcomer]
 
 
 @dataclass
@@ -54,9 +103,11 @@ def straggler_name(options: DemoOptions) -> str:
     return f"worker-s{(options.stages or 1) // 2}-r{options.replicas - 1}"
 
 
-def node_links(profile: Profile, options: DemoOptions) -> dict[str, LinkSpec]:
-    """Every node's link (the probe's included: unshaped, the profile's round trip)."""
+def node_links(profile: Profile, options: DemoOptions, spares: int = 0) -> dict[str, LinkSpec]:
+    """Every node's link (the probe's included: unshaped, the profile's round trip; `spares` more
+    nodes on the profile's link for chaos newcomers)."""
     links = {name: profile.link for name in demo_process_names(options)}
+    links.update({f"{SPARE_PREFIX}{index}": profile.link for index in range(spares)})
     if profile.straggler is not None:
         links[straggler_name(options)] = profile.straggler
     links[PROBE_NODE] = LinkSpec(None, None, profile.link.rtt_ms)
@@ -71,19 +122,35 @@ class WanSession:
         self.topology = topology
         self.links = links
         self.link_check_attempts = attempts
+        self._spares = SpareNodes([name for name in topology.nodes if name.startswith(SPARE_PREFIX)])
+
+    def _node(self, name: str):
+        nodes = self.topology.nodes
+        if name in nodes:
+            return nodes[name]
+        if not name.startswith(("worker-", "trainer-")):
+            return None  # not a networked process (the offline `authorizer issue`): this machine
+        return nodes[self._spares.node_for(name)]
 
     def placement(self) -> Placement:
-        nodes = self.topology.nodes
-        return Placement(prefix=lambda name: nodes[name].prefix() if name in nodes else [],
-                         host=lambda name: nodes[name].address if name in nodes else "127.0.0.1")
+        def prefix(name: str) -> list[str]:
+            node = self._node(name)
+            return [] if node is None else node.prefix()
+
+        def host(name: str) -> str:
+            node = self._node(name)
+            return "127.0.0.1" if node is None else node.address
+
+        return Placement(prefix=prefix, host=host)
 
     def run(self, options: DemoOptions, workdir: Path, *, quiet: bool = True) -> WanRun:
         """`run_demo(options)` on this topology: every process the demo starts must have a node here.
         The demo's monitor is not started (every process's metrics listen on its own namespace's
-        loopback), and `--chaos` is refused (its newcomers would have no namespace)."""
-        if options.chaos_s is not None:
-            raise ValueError("--chaos: not on the WAN harness (a newcomer would have no namespace of its own)")
+        loopback); `--chaos` needs spare nodes (see the module docstring)."""
+        if options.chaos_s is not None and not self._spares:
+            raise ValueError("--chaos: the session has no spare nodes for newcomers (wan_session(spares=N))")
         options = replace(options, monitor=False)
+        self._spares.reset()
         missing = [name for name in demo_process_names(options) if name not in self.topology.nodes]
         if missing:
             raise ValueError(f"the topology has no node for {', '.join(missing)}: build it for these options")
@@ -106,13 +173,13 @@ class WanSession:
 
 @contextlib.contextmanager
 def wan_session(profile: Profile, options: DemoOptions, workdir: Path, *, rate_seconds: float = 4.0,
-                tuned_hosts: bool = False) -> Iterator[WanSession]:
+                tuned_hosts: bool = False, spares: int = 0) -> Iterator[WanSession]:
     """The profile's topology with a node for every process `options` starts (runs with fewer
     replicas or trainers fit too), its links measured and checked; torn down on exit. `tuned_hosts`:
     nodes do not restart TCP slow start after idle (bench/wan/topology.py)."""
     workdir = Path(workdir).resolve()
     cleanup_leftovers()
-    with WanTopology(node_links(profile, options), workdir / "net",
+    with WanTopology(node_links(profile, options, spares), workdir / "net",
                      slow_start_after_idle=not tuned_hosts) as topology:
         representatives = ["bootstrap"] + ([straggler_name(options)] if profile.straggler is not None else [])
         measured, attempts = measure_faithful(topology, profile.name, representatives, rate_seconds=rate_seconds)
