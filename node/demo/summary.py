@@ -190,6 +190,9 @@ def churn_summary(options, lines: list[dict], events, joins, workdir: Path, resu
     steps = [line["step"] for line in lines]
     distinct = set(steps)
     start = resume_step or 0
+    # Under a time budget the trainers stop starting units: the run's units end at the last committed
+    # (a unit before it that no log has is lost; those after it were never started).
+    last = options.steps if options.time_budget_s is None else max(distinct, default=start)
     return {
         "resumed_from_step": resume_step,
         "kills": len(events),
@@ -197,10 +200,10 @@ def churn_summary(options, lines: list[dict], events, joins, workdir: Path, resu
         # A worker's seconds from its start to member (a trainer has no phases: it claims units at once).
         "joins": [{"name": name, "seconds_to_member": joined_seconds(workdir / f"{name}.log", at)
                    if name.startswith("worker") else None} for name, at in joins],
-        "units": {"total": options.steps - start,
+        "units": {"total": last - start,
                   "committed": len([s for s in distinct if s > start]),
                   "duplicated": len(steps) - len(distinct),
-                  "lost": len([s for s in range(start + 1, options.steps + 1) if s not in distinct])},
+                  "lost": len([s for s in range(start + 1, last + 1) if s not in distinct])},
     }
 
 
