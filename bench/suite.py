@@ -40,6 +40,7 @@ from agora.bench.suite_items import (
     SuitePlan,
     convergence_row,
     equal_time_row,
+    join_row,
     local_row,
     profiles_row,
     relay_row,
@@ -65,15 +66,18 @@ def plan_for(quick: bool, profiles: list[str] | None = None, configs: list[str] 
         return SuitePlan(quick=True, configs=tuple(configs or ("tiny",)),
                          profiles=tuple(profiles or ("lan", "agora-floor")), stages={"tiny": 3, "small": 4},
                          steps={"tiny": 6, "small": 3}, repeats=1, equal_time_s=8.0, crossover_mbit=(),
+                         local_steps={"tiny": 6, "small": 3}, equal_time_repeats=1,
                          convergence_steps=6, keep_graphs=8, local_variants=("async", "async, kept graphs"),
                          depth_variants=("adaptive",),
                          equal_time_variants=("sparta, the report's cadence", "everything every step"),
-                         insecure=True, relay_geometries=("tiny",), relay_microbatches=20, seed=seed,
+                         insecure=True, relay_geometries=("tiny",), relay_microbatches=20,
+                         join_profiles=("agora-floor",), join_budget_s=40.0, join_chaos_s=15.0, seed=seed,
                          rate_seconds=1.5)
     return SuitePlan(quick=False, configs=tuple(configs or ("tiny", "small")), profiles=tuple(profiles or PROFILES),
-                     stages={"tiny": 3, "small": 4}, steps={"tiny": 40, "small": 12}, repeats=2, equal_time_s=150.0,
+                     stages={"tiny": 3, "small": 4}, steps={"tiny": 40, "small": 8}, repeats=2, equal_time_s=120.0,
                      crossover_mbit=(1000.0, 20.0), convergence_steps=200, keep_graphs=8,
-                     tuned_profiles=("agora-floor",), relay_geometries=("tiny", "small", "pluralis-8b"), seed=seed)
+                     tuned_profiles=("agora-floor",), relay_geometries=("tiny", "small", "pluralis-8b"), seed=seed,
+                     local_steps={"tiny": 120, "small": 16}, equal_time_repeats=1)
 
 
 def machine(load_start) -> dict:
@@ -116,11 +120,12 @@ def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, work
             ("3", "WAN profiles", lambda: profiles_row(plan, work)),
             ("4", "equal wall-clock", lambda: equal_time_row(plan, work)),
             ("5", "equal tokens", lambda: convergence_row(plan, work)),
+            ("7", "join time", lambda: join_row(plan, work)),
             ("relay", "the trainer's relay, before and after", lambda: relay_row(plan))]
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for number, name, row in rows:
-            if number in ("3", "4") and no_harness:
+            if number in ("3", "4", "7") and no_harness:
                 results["items"][number] = {"error": f"not measured: {no_harness}"}
                 continue
             print(f"bench: row {number} ({name}), load {os.getloadavg()[0]:.2f}", file=log, flush=True)

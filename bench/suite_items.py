@@ -20,11 +20,12 @@ import torch
 from agora.bench import averaging as averaging_bench
 from agora.bench import swarm_vs_local, trainer_relay, wire_bytes
 from agora.bench.wan.profiles import LinkSpec, Profile, profile_named
-from agora.bench.wan.swarm import wan_session
+from agora.bench.wan.swarm import chaos_spares, wan_session
 from agora.node.demo.demo import DemoOptions
 from agora.pipeline.config import load_config
 
-__all__ = ["SuitePlan", "wire_row", "local_row", "profiles_row", "equal_time_row", "convergence_row", "relay_row"]
+__all__ = ["SuitePlan", "wire_row", "local_row", "profiles_row", "equal_time_row", "convergence_row", "relay_row",
+           "join_row"]
 
 # The Agora report's AsyncSPARTA cadence: 5% of a stage every 20 local steps.
 REPORT_FRACTION, REPORT_EVERY = 0.05, 20
@@ -36,19 +37,27 @@ class SuitePlan:
     configs: tuple[str, ...]  # rows 2 and 3
     profiles: tuple[str, ...]  # row 3 (lan is always measured first: the reference)
     stages: dict[str, int]
-    steps: dict[str, int]  # rows 2 and 3, per config
+    steps: dict[str, int]  # row 3, per config
     repeats: int  # A, B, A, B
     equal_time_s: float  # row 4: each run's training time
     crossover_mbit: tuple[float, ...]  # row 4: link rates at the report's 80 ms
     convergence_steps: int  # row 5
     keep_graphs: int  # row 2's kept-graph variant
+    local_steps: dict[str, int]  # row 2, per config
+    equal_time_repeats: int = 1  # row 4
     local_variants: tuple[str, ...] = ("sync", "async", "async, kept graphs", "async, half a batch in flight")
-    depth_variants: tuple[str, ...] = ("adaptive", "half a batch")  # row 3
+    # Row 3: every variant on these profiles (and the tuned ones), the adaptive depth alone on the rest.
+    depth_variants: tuple[str, ...] = ("adaptive", "half a batch", "adaptive, staleness 4")
+    depth_profiles: tuple[str, ...] = ("lan", "agora-floor")
+    profile_repeats: int = 1  # row 3 (every variant of a profile in turn on the same topology)
     equal_time_variants: tuple[str, ...] = ("sparta, the report's cadence", "everything every step", "no averaging")
     insecure: bool = False  # rows 2, 4 and 5 without admission (row 3 is always admitted)
     tuned_profiles: tuple[str, ...] = ()  # row 3 again with hosts that keep the window after idle
     relay_geometries: tuple[str, ...] = ("tiny", "pluralis-8b")  # the relay fix's before and after
     relay_microbatches: int = 200
+    join_profiles: tuple[str, ...] = ("lan", "agora-floor", "residential")  # row 7: chaos newcomers
+    join_budget_s: float = 150.0  # row 7: each run's training time
+    join_chaos_s: float = 30.0  # row 7: seconds between kills
     seed: int = 0
     rate_seconds: float = 4.0  # each bulk transfer of a link check
 
@@ -85,7 +94,7 @@ def local_row(plan: SuitePlan, work: Path) -> dict:
     async with kept forward graphs, and async at half a global batch (the former fixed default)."""
     result = {}
     for config in plan.configs:
-        run = swarm_vs_local.run_flags(config, plan.stages[config], plan.steps[config], plan.seed)
+        run = swarm_vs_local.run_flags(config, plan.stages[config], plan.local_steps[config], plan.seed)
         half = max(1, load_config(config).train.microbatches // 2)
         variants = {"sync": ["--sync"], "async": [], "async, kept graphs": ["--keep-graphs", str(plan.keep_graphs)],
                     "async, half a batch in flight": ["--max-in-flight", str(half)]}
@@ -102,7 +111,7 @@ def local_row(plan: SuitePlan, work: Path) -> dict:
                 before = _load()
                 summary = swarm_vs_local.demo(run, flags, folder, f"{name.replace(' ', '_')}-{repeat}")
                 runs[name].append({**_figures(summary), "load": [before, _load()]})
-        result[config] = {"stages": plan.stages[config], "steps": plan.steps[config], "runs": runs}
+        result[config] = {"stages": plan.stages[config], "steps": plan.local_steps[config], "runs": runs}
     return result
 
 
@@ -118,6 +127,7 @@ def profiles_row(plan: SuitePlan, work: Path) -> dict:
     for name, tuned in profiles:
         profile = profile_named(name)
         replicas = [2] if profile.straggler is not None else [1]
+        names = plan.depth_variants if (name in plan.depth_profiles or tuned) else plan.depth_variants[:1]
         if name == "lan" and "straggler" in profiles:
             replicas = [1, 2]
         widest = DemoOptions(stages=max(plan.stages.values()), replicas=max(replicas), trainers=1)
@@ -130,10 +140,11 @@ def profiles_row(plan: SuitePlan, work: Path) -> dict:
             for config in plan.configs:
                 half = max(1, load_config(config).train.microbatches // 2)
                 for count in replicas:
-                    variants = {name: overrides for name, overrides in
-                                (("adaptive", {}), ("half a batch", {"max_in_flight": half}))
-                                if name in plan.depth_variants}
-                    for repeat in range(plan.repeats):
+                    variants = {variant: overrides for variant, overrides in
+                                (("adaptive", {}), ("half a batch", {"max_in_flight": half}),
+                                 ("adaptive, staleness 4", {"max_staleness": 4.0}))
+                                if variant in names and (count == 1 or variant == "adaptive")}
+                    for repeat in range(plan.profile_repeats):
                         for variant, overrides in variants.items():
                             options = DemoOptions(config=config, stages=plan.stages[config], steps=plan.steps[config],
                                                   seed=plan.seed, replicas=count, **overrides)
@@ -184,7 +195,7 @@ def equal_time_row(plan: SuitePlan, work: Path) -> dict:
         point: dict = {"runs": {}}
         with wan_session(profile, widest, folder, rate_seconds=plan.rate_seconds) as session:
             point["links"] = [m.as_dict() for m in session.links]
-            for repeat in range(plan.repeats):
+            for repeat in range(plan.equal_time_repeats):
                 for name, overrides in variants.items():
                     options = DemoOptions(config="tiny", stages=3, replicas=2, steps=steps, seed=plan.seed,
                                           time_budget_s=plan.equal_time_s, insecure=plan.insecure, **overrides)
@@ -228,6 +239,36 @@ def convergence_row(plan: SuitePlan, work: Path) -> dict:
     sync = config.sync
     return {"steps": steps, "sync": {"fraction": sync.fraction, "every_steps": sync.every_steps},
             "train_local": local, "dense": dense, "exact_in_process": exact, "swarm": swarms}
+
+
+# ----------------------------------------------------------------------------- row 7
+
+
+def join_row(plan: SuitePlan, work: Path) -> dict:
+    """Seconds from a newcomer's start to member, per profile: `demo --chaos` (a worker or the trainer
+    killed -9 every `join_chaos_s`, a newcomer with a new identity and empty state started in its
+    place, on a spare node of the profile's link) on tiny, 3 stages x 2 replicas. Member: the first
+    line of the newcomer's log that says so (node/demo/chaos.py); a worker that never got there by
+    the end is kept as None, so the table can say so."""
+    result: dict = {"chaos_s": plan.join_chaos_s, "time_budget_s": plan.join_budget_s, "profiles": {}}
+    widest = DemoOptions(stages=3, replicas=2, trainers=1, insecure=plan.insecure)
+    for name in plan.join_profiles:
+        folder = work / f"join-{name}"
+        with wan_session(profile_named(name), widest, folder, rate_seconds=plan.rate_seconds,
+                         spares=chaos_spares(widest)) as session:
+            # More steps than the budget allows: the trainers' time budget ends the run (a newcomer
+            # trainer's starts at its own start), not the step count.
+            options = DemoOptions(config="tiny", stages=3, replicas=2, steps=4000, seed=plan.seed,
+                                  insecure=plan.insecure, time_budget_s=plan.join_budget_s,
+                                  chaos_s=plan.join_chaos_s, chaos_seed=plan.seed, lease_s=5.0)
+            run = session.run(options, folder / "chaos")
+        churn = run.summary.get("churn") or {}
+        joins = [j.get("seconds_to_member") for j in churn.get("joins", []) if j.get("name", "").startswith("worker")]
+        result["profiles"][name] = {"links": [m.as_dict() for m in session.links], "kills": churn.get("kills"),
+                                    "worker_joins_s": joins, "units": churn.get("units"),
+                                    "load": [list(run.load_before), _load()], "outcome": run.summary.get("outcome"),
+                                    "code": run.code}
+    return result
 
 
 # ----------------------------------------------------------------------------- the relay fix

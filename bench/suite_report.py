@@ -10,8 +10,6 @@ import statistics
 __all__ = ["render"]
 
 NOT_MEASURED = {
-    7: "not measured: the churn issue (weight sync from a live replica) has not landed, so a joining "
-       "worker has no path from start to member yet",
     8: "not measured: the accelerator issue (`--device cuda`) has not landed and this machine has no GPU",
 }
 
@@ -181,6 +179,31 @@ def _convergence(row: dict) -> tuple[list[str], dict]:
     return lines, figures
 
 
+def _joins(row: dict) -> tuple[list[str], str]:
+    """Row 7; a profile's run that ended early or a newcomer that never became a member is shown as such."""
+    lines = [f"## 7. Joining: seconds from a newcomer's start to member", "",
+             f"`demo --chaos {row['chaos_s']:g}` on each profile (tiny, 3 stages x 2 replicas, one trainer, "
+             f"{row['time_budget_s']:g} s of training): a worker or the trainer is killed -9 and a newcomer with a "
+             "new identity and empty state starts on a spare node of the profile's link. A worker newcomer counts "
+             "from its process's start to the first line of its log that says it is a member (node/demo/chaos.py); "
+             "what it does in between (admission, the DHT join, any state sync) crosses the emulated links. "
+             "Units: the run's global batches up to the last one committed.", "",
+             "| profile | kills | worker newcomers' s to member | mean | units committed / lost / twice | outcome | load |",
+             "|---|---:|---|---:|---|---|---|"]
+    shown = []
+    for name, entry in row["profiles"].items():
+        joins = entry.get("worker_joins_s") or []
+        units = entry.get("units") or {}
+        listed = ", ".join("never" if j is None else f"{j:.1f}" for j in joins) or "-"
+        kills = entry.get("kills")
+        lines.append(f"| {name} | {'-' if kills is None else kills} | {listed} | {_f(_mean(joins), 1)} | "
+                     f"{units.get('committed', '-')} / {units.get('lost', '-')} / {units.get('duplicated', '-')} | "
+                     f"{entry.get('outcome') or '-'} | {_loads([entry])} |")
+        never = sum(1 for j in joins if j is None)
+        shown.append(f"{name}: {_f(_mean(joins), 1, ' s')}" + (f" ({never} never a member)" if never else ""))
+    return lines, "; ".join(shown)
+
+
 def _fixes(items: dict) -> tuple[list[str], list[str]]:
     """Each fix the measurements pointed to, before and after, from the rows that measured it."""
     lines = ["## Fixes, before and after", ""]
@@ -206,6 +229,18 @@ def _fixes(items: dict) -> tuple[list[str], list[str]]:
     if depth:
         lines += ["Adaptive depth against the former fixed half batch (tokens/s, row 3): " + "; ".join(depth) + ".", ""]
         summary.append(f"| F2 | tokens/s, adaptive depth / half a batch in flight | {'; '.join(depth)} | - | - |")
+    staleness = []
+    for profile, entry in profiles.items():
+        runs = entry.get("runs", {})
+        for key in runs:
+            if key.endswith("adaptive, staleness 4") and key.replace(", staleness 4", "") in runs:
+                base = runs[key.replace(", staleness 4", "")]
+                staleness.append(f"{profile} {key.split(' adaptive')[0]}: {_f(_ratio(_rate(runs[key]), _rate(base)))} "
+                                 f"tokens/s, {_f(_ratio(_heldout(runs[key]), _heldout(base)), 4)} held-out")
+    if staleness:
+        lines += ["A staleness cap of 4 global batches against the default 1 (row 3): " + "; ".join(staleness) + ".", ""]
+        summary.append(f"| F2 | `--max-staleness 4` / default 1 (tokens/s; held-out loss) | {'; '.join(staleness)} "
+                       "| - | - |")
     tuned = [(name, entry) for name, entry in profiles.items() if name.endswith("(tuned hosts)")]
     for name, entry in tuned:
         plain = profiles.get(name.replace(" (tuned hosts)", ""), {}).get("runs", {})
@@ -297,9 +332,13 @@ def render(results: dict) -> str:
         blocked = figures.get("blocked")
         summary.append(f"| 6 | averaging: bytes / parameter / local step; share of compute time blocked | "
                        f"{_f(figures.get('bytes_per_param'), 3)}; {_f(blocked and 100 * blocked, 3, '%')} | - | - |")
+    if "7" in items and not failed(7, "join: seconds from start to member"):
+        text, shown = _joins(items["7"]["data"])
+        sections += text + [""]
+        summary.append(f"| 7 | join: seconds from a newcomer's start to member (mean of worker newcomers) | "
+                       f"{shown} | - | - |")
     for number, text in NOT_MEASURED.items():
-        summary.append(f"| {number} | {'join: seconds from start to member' if number == 7 else 'one stage on a GPU: tokens/s, MFU'} "
-                       f"| {text} | | |")
+        summary.append(f"| {number} | one stage on a GPU: tokens/s, MFU | {text} | | |")
     fix_lines, fix_summary = _fixes(items)
     sections += fix_lines
     summary += fix_summary

@@ -25,10 +25,27 @@ def test_quick_suite_runs_every_row_and_writes_the_table(tmp_path):
     if harness_available() is None:
         assert errors == {}
     else:  # no root here: the WAN rows say why they were not measured, the others ran
-        assert set(errors) == {"3", "4"} and all(e.startswith("not measured") for e in errors.values())
+        assert set(errors) == {"3", "4", "7"} and all(e.startswith("not measured") for e in errors.values())
     assert code == 0
     table = out.read_text()
-    for row in ("| 1 |", "| 2 |", "| 5 |", "| 6 |", "| 7 | join", "| 8 | one stage on a GPU", "| F1 |", "| F5 |"):
+    if harness_available() is None:
+        assert "| 3 |" in table and "| 4 |" in table and "## 7. Joining" in table
+        assert results["items"]["7"]["data"]["profiles"]["agora-floor"]["kills"] >= 1
+    assert "| 7 | join" in table
+    for row in ("| 1 |", "| 2 |", "| 5 |", "| 6 |", "| 8 | one stage on a GPU", "| F1 |", "| F5 |"):
         assert row in table
     assert "## Closing note" in table
     assert not [name for name in _namespaces() if name.startswith(f"{NAME_PREFIX}{os.getpid()}-")]
+
+
+def test_the_join_row_shows_a_newcomer_that_never_became_a_member_and_missing_figures():
+    from agora.bench.suite_report import _joins
+
+    row = {"chaos_s": 15.0, "time_budget_s": 40.0, "profiles": {
+        "lan": {"kills": 2, "worker_joins_s": [3.25, None], "units": {"committed": 9, "lost": 0, "duplicated": 1},
+                "load": [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]], "outcome": "completed"},
+        "agora-floor": {"kills": None, "worker_joins_s": [], "units": None, "outcome": "failed"}}}
+    lines, shown = _joins(row)
+    assert "| lan | 2 | 3.2, never | 3.2 | 9 / 0 / 1 | completed | 1.0->2.0 |" in lines
+    assert "| agora-floor | - | - | - | - / - / - | failed |  |" in lines
+    assert shown == "lan: 3.2 s (1 never a member); agora-floor: -"

@@ -14,7 +14,7 @@ from agora.bench.wan.profiles import (
     tbf_arguments,
 )
 from agora.bench.wan.relay import VNET_HEADER_BYTES, Relay, RelayPort, frame_delay_s
-from agora.bench.wan.swarm import SpareNodes, chaos_predecessor, demo_process_names, node_links, straggler_name
+from agora.bench.wan.swarm import SpareNodes, chaos_predecessor, chaos_spares, demo_process_names, node_links, straggler_name
 from agora.node.demo.processes import ChildFailed
 from agora.node.demo.demo import DemoOptions
 
@@ -108,6 +108,7 @@ def test_chaos_newcomers_take_spare_nodes_and_free_their_predecessors():
     assert chaos_predecessor("trainer-0.j1") == "trainer-0"
     assert chaos_predecessor("worker-s0-r2") is None and chaos_predecessor("trainer-0.jx") is None
     assert list(node_links(PROFILES["lan"], DemoOptions(), spares=2))[-3:] == ["spare-0", "spare-1", PROBE_NODE]
+    assert chaos_spares(DemoOptions(stages=3, replicas=2, trainers=2)) == 8
     spares = SpareNodes(["spare-0", "spare-1"])
     assert spares.node_for("worker-s1-r0.j1") == "spare-0"
     assert spares.node_for("worker-s1-r0.j1") == "spare-0"  # prefix and host ask for the same name

@@ -36,7 +36,8 @@ from agora.node.demo.demo import DemoOptions, run_demo
 from agora.node.demo.processes import ChildFailed, Placement
 
 __all__ = ["WanRun", "WanSession", "wan_session", "demo_process_names", "straggler_name", "node_links",
-           "run_wan_demo", "SPARE_PREFIX", "SpareNodes", "chaos_predecessor"]
+           "run_wan_demo", "SPARE_PREFIX", "SpareNodes", "chaos_predecessor",
+           "chaos_spares"]
 
 SPARE_PREFIX = "spare-"
 
@@ -48,6 +49,12 @@ def chaos_predecessor(name: str) -> str | None:
     if not marker or not generation.isdigit() or int(generation) < 1:
         return None
     return base if generation == "1" else f"{base}.j{int(generation) - 1}"
+
+
+def chaos_spares(options: DemoOptions) -> int:
+    """Spare nodes enough for any `demo --chaos` run of `options`: one per process chaos may kill
+    (every worker and trainer), since each holds at most one at a time (SpareNodes)."""
+    return (options.stages or 1) * options.replicas + options.trainers
 
 
 class SpareNodes:
@@ -188,8 +195,10 @@ def wan_session(profile: Profile, options: DemoOptions, workdir: Path, *, rate_s
 
 def run_wan_demo(profile: Profile, options: DemoOptions, workdir: Path, *, rate_seconds: float = 4.0,
                  quiet: bool = True) -> WanRun:
-    """Build the profile's topology, measure and check its links, run the demo on it, tear it down."""
-    with wan_session(profile, options, workdir, rate_seconds=rate_seconds) as session:
+    """Build the profile's topology (with spare nodes under `--chaos`), measure and check its links,
+    run the demo on it, tear it down."""
+    spares = chaos_spares(options) if options.chaos_s is not None else 0
+    with wan_session(profile, options, workdir, rate_seconds=rate_seconds, spares=spares) as session:
         run = session.run(options, Path(workdir), quiet=quiet)
     run.relay = session.topology.relay_stats()
     return run
