@@ -56,6 +56,25 @@ def _add_pinned_weights_argument(parser: argparse.ArgumentParser) -> None:
                         help="earlier weight versions a worker keeps so that each backward runs on the weights "
                              "its forward used (one copy of the stage's parameters each; 0: recompute on the "
                              "current weights; default 2)")
+    parser.add_argument("--keep-graphs", type=int, default=None, metavar="N",
+                        help="head and body workers keep up to N forward autograd graphs, so a Backward skips "
+                             "recomputing its forward while the weights are unchanged (memory: the forward's "
+                             "activations each; default 0: recompute every Backward)")
+
+
+def _add_in_flight_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-in-flight", type=int, default=None, metavar="N",
+                        help="a fixed number of microbatches in the pipeline at once (default: adaptive, enough to "
+                             "hide the measured round trips behind the busiest stage's compute)")
+    parser.add_argument("--max-staleness", type=float, default=None, metavar="BATCHES",
+                        help="adaptive depth: at most this many global batches' microbatches in flight (default 1; "
+                             "more in flight is faster over long round trips and converges worse)")
+
+
+def _add_time_budget_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--time-budget", type=float, default=None, metavar="S",
+                        help="trainers start no global batch after S seconds of training (those in flight "
+                             "finish, then the held-out evaluation); --steps still sets the schedule")
 
 
 def _add_averaging_arguments(parser: argparse.ArgumentParser) -> None:
@@ -209,6 +228,8 @@ def _worker_options(args: argparse.Namespace):
     from agora.node.worker.worker import WorkerOptions
 
     pinned = {} if args.pinned_weights is None else {"pinned_weights": args.pinned_weights}
+    if args.keep_graphs is not None:
+        pinned["keep_graphs"] = args.keep_graphs
     return WorkerOptions(host=args.host, port=args.port, announce_host=args.announce_host, synchronous=args.sync,
                          local_batch=args.local_batch, max_queue=args.max_queue, wire_dtype=args.wire_dtype,
                          max_rows=args.max_rows, serve_only=args.serve_only, inference=inference_options(args),
@@ -231,9 +252,15 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
                            config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers))
     options = TrainerOptions(run_id=admission.run_id, trainer_index=args.trainer_index, trainers=args.trainers,
                              synchronous=args.sync, max_in_flight=args.max_in_flight, wire_dtype=args.wire_dtype,
-                             heartbeat_s=args.heartbeat, lease_s=args.lease, start_step=args.start_step)
+                             heartbeat_s=args.heartbeat, lease_s=args.lease, start_step=args.start_step,
+                             time_budget_s=args.time_budget,
+                             **({} if args.max_staleness is None else {"max_staleness": args.max_staleness}))
     if not args.lease > 0:
         raise ConfigError(f"--lease: must be positive, got {args.lease}")
+    if args.time_budget is not None and not args.time_budget > 0:
+        raise ConfigError(f"--time-budget: must be positive, got {args.time_budget:g}")
+    if options.max_staleness <= 0:
+        raise ConfigError(f"--max-staleness: must be positive, got {options.max_staleness:g}")
     log_json = open(args.log_json, "a" if args.start_step else "w") if args.log_json else None
     try:
         summary = run_swarm_trainer(admission.config, options, initial_peers=admission.initial_peers,
@@ -301,6 +328,15 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
     finally:
         with contextlib.suppress(Exception):
             swarm.shutdown()
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from agora.bench.suite import main as bench_main
+
+    try:
+        return bench_main(args)
+    except ValueError as error:  # an unknown profile or preset, in one line
+        raise ConfigError(str(error)) from None
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -455,9 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--start-step", type=_non_negative_int, default=0, metavar="STEP",
                          help="take the run's global batches below STEP as done (a run resumed from checkpoints of "
                               "that step); the log is appended to")
-    trainer.add_argument("--max-in-flight", type=int, default=None,
-                         help="microbatches in the pipeline at once (default: half a global batch, which keeps "
-                              "asynchronous staleness under half a step; more is faster and converges worse)")
+    _add_in_flight_arguments(trainer)
+    _add_time_budget_argument(trainer)
     trainer.add_argument("--log-json", default=None, help="write one JSON object per global batch here")
     trainer.add_argument("--summary-json", default=None, help="write the final summary here")
     trainer.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
@@ -494,9 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trainers", type=int, default=1, help="trainer processes")
     demo.add_argument("--sync", action="store_true",
                       help="synchronous mode (needs --replicas 1 --trainers 1): must equal train-local")
-    demo.add_argument("--max-in-flight", type=int, default=None,
-                      help="microbatches in flight per trainer (default: half a global batch)")
+    _add_in_flight_arguments(demo)
     _add_pinned_weights_argument(demo)
+    _add_time_budget_argument(demo)
     demo.add_argument("--log-json", default=None, help="one JSON line per global batch, run-wide step")
     demo.add_argument("--summary-json", default=None,
                       help="write the full run summary here as JSON (the terminal gets a short one)")
@@ -541,6 +576,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--checkpoint", default=None, metavar="C", help="with --serve: the checkpoint to serve")
     demo.add_argument("--http-port", type=int, default=8000, metavar="P", help="with --serve: the API's port")
     demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
+
+    bench = commands.add_parser("bench", help="the benchmark suite: one run, one results table (bench/RESULTS.md)",
+                                description="Run the benchmark suite (wire bytes, swarm vs train-local, the WAN "
+                                            "profiles, averaging at equal time and equal tokens) and write its "
+                                            "table; the WAN rows need root.")
+    bench.add_argument("--quick", action="store_true",
+                       help="every row with a few steps each (minutes): checks the suite runs, not its figures; "
+                            "writes to a temporary folder unless --out")
+    bench.add_argument("--profile", action="append", default=None, metavar="P",
+                       help="WAN profile for row 3 (repeatable; default: every profile, --quick: lan and "
+                            "agora-floor)")
+    bench.add_argument("--config", action="append", default=None, metavar="PRESET",
+                       help="preset for rows 2 and 3 (repeatable; default tiny and small, --quick: tiny)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", default=None, help="the results file (default bench/RESULTS.md)")
+    bench.add_argument("--json", default=None, metavar="F", help="also write every raw figure here")
+    bench.add_argument("--workdir", default=None, help="keep every run's logs here (default: a temp folder)")
+    bench.set_defaults(handler=_cmd_bench)
 
     from agora.node.authorizer import add_authorizer_commands
     from agora.node.export import add_export_command

@@ -338,6 +338,27 @@ class WireCodec:
         narrow = values.to(narrow_dtype)
         return header + narrow.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
 
+    def check(self, data: bytes, *, expected_shape: tuple[int | None, ...] | None = None) -> tuple[int, ...]:
+        """Everything `decode` checks (header, size, shape, no NaN or Inf), without building the tensor:
+        the frame's shape. What a relay needs, which passes a frame on unchanged: fp32 and fp16 payloads
+        are checked in place (min and max of a zero-copy view: NaN propagates into both, an infinity is
+        one of them), bf16 by its exponent bits; int8 is decoded (its scales and range need it)."""
+        view = _as_buffer(data)
+        dtype, shape, offset = _read_header(view, _KIND_FLOAT, self.max_bytes, expected_shape)
+        count = math.prod(shape)
+        if dtype in ("fp32", "fp16"):
+            values = np.frombuffer(view, dtype="<f4" if dtype == "fp32" else "<f2", count=count, offset=offset)
+            finite = bool(np.isfinite(values.min()) and np.isfinite(values.max()))
+        elif dtype == "bf16":
+            bits = np.frombuffer(view, dtype="<u2", count=count, offset=offset)
+            finite = not bool(((bits & 0x7F80) == 0x7F80).any())  # all exponent bits set: Inf or NaN
+        else:
+            self.decode(data, expected_shape=expected_shape)
+            return shape
+        if not finite:
+            raise WireFormatError(f"{dtype} payload of shape {list(shape)} contains NaN or Inf")
+        return shape
+
     def decode(self, data: bytes, *, expected_shape: tuple[int | None, ...] | None = None) -> torch.Tensor:
         """A fresh float32 tensor from a frame of any float dtype; WireFormatError if anything is off."""
         view = _as_buffer(data)

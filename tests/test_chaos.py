@@ -10,6 +10,8 @@ import json
 import pytest
 
 from agora.node.cli import main
+from agora.node.demo.demo import DemoOptions
+from agora.node.demo.summary import churn_summary
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -36,3 +38,11 @@ def test_a_chaos_run_finishes_with_every_unit_committed_and_the_loss_of_a_quiet_
     # way (their staleness follows the machine's timing: 2.82 and 2.90 for the same quiet run), so
     # the bound is one-sided: no worse than 3% above the quiet run.
     assert chaos["heldout_loss"] < quiet["heldout_loss"] * 1.03, (chaos["heldout_loss"], quiet["heldout_loss"])
+
+
+def test_under_a_time_budget_the_units_end_at_the_last_committed(tmp_path):
+    lines = [{"step": step} for step in (1, 2, 4, 4, 5)]
+    budgeted = churn_summary(DemoOptions(steps=4000, time_budget_s=30.0), lines, [], [], tmp_path, None)
+    assert budgeted["units"] == {"total": 5, "committed": 4, "duplicated": 1, "lost": 1}
+    by_steps = churn_summary(DemoOptions(steps=6), lines, [], [], tmp_path, None)
+    assert by_steps["units"] == {"total": 6, "committed": 4, "duplicated": 1, "lost": 2}

@@ -351,3 +351,27 @@ def test_all_finite_sees_every_nan_and_inf_and_takes_an_empty_tensor():
             poisoned = values.clone()
             poisoned[where] = bad
             assert not all_finite(poisoned) and not all_finite(poisoned.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "int8"])
+def test_check_refuses_exactly_what_decode_refuses_without_building_a_tensor(dtype):
+    """`check` (what a relay runs on a frame it passes on unchanged) agrees with `decode` on good
+    frames, non-finite payloads, a wrong shape and a truncated frame."""
+    codec = WireCodec(dtype)
+    tensor = torch.randn(2, 8, 4)
+    frame = codec.encode(tensor)
+    assert codec.check(frame, expected_shape=(2, 8, 4)) == (2, 8, 4)
+    width = {"fp32": 4, "bf16": 2, "fp16": 2}.get(dtype)
+    bad_frames = [frame[:-1], frame + b"\0"]
+    if width is not None:
+        for bits in ({"fp32": b"\x00\x00\xc0\x7f", "bf16": b"\xc0\x7f", "fp16": b"\x00\x7e"}[dtype],  # NaN
+                     {"fp32": b"\x00\x00\x80\xff", "bf16": b"\x80\xff", "fp16": b"\x00\xfc"}[dtype]):  # -Inf
+            at = len(frame) - 3 * width
+            bad_frames.append(frame[:at] + bits + frame[at + width:])
+    for bad in bad_frames:
+        with pytest.raises(WireFormatError):
+            codec.decode(bad)
+        with pytest.raises(WireFormatError):
+            codec.check(bad)
+    with pytest.raises(WireFormatError, match="shape mismatch"):
+        codec.check(frame, expected_shape=(2, 8, 5))

@@ -30,20 +30,22 @@ def data():
     return build_data(_config())
 
 
-async def _swarm(config, replicas, synchronous, announced: float = 0.0):
+async def _swarm(config, replicas, synchronous, announced: float = 0.0, keep_graphs: int = 0):
     """Workers on loopback and a fixed discovery of them; `announced`: the compute throughput their
     records would carry (0: none, so routing goes by the trainer's own round trips)."""
     workers = []
     for stage in range(len(config.layer_split)):
         for replica in range(replicas):
-            worker = StageWorker(config, stage, run_id="test", options=WorkerOptions(synchronous=synchronous))
+            worker = StageWorker(config, stage, run_id="test",
+                                 options=WorkerOptions(synchronous=synchronous, keep_graphs=keep_graphs))
             await worker.start()
             workers.append((f"s{stage}r{replica}", stage, worker))
     views = [WorkerView(peer, w.address, stage, announced_samples_per_s=announced) for peer, stage, w in workers]
     return [w for _, _, w in workers], StaticDiscovery(views)
 
 
-def test_synchronous_swarm_reproduces_the_centralized_run(data):
+@pytest.mark.parametrize("keep_graphs", [0, 4], ids=["recompute", "kept-graphs"])
+def test_synchronous_swarm_reproduces_the_centralized_run(data, keep_graphs):
     config = _config()
     steps = 4
     reference = CentralizedTrainer(config, data)
@@ -52,18 +54,20 @@ def test_synchronous_swarm_reproduces_the_centralized_run(data):
     expected_eval = reference.evaluate()
 
     async def main():
-        workers, discovery = await _swarm(config, 1, synchronous=True)
+        workers, discovery = await _swarm(config, 1, synchronous=True, keep_graphs=keep_graphs)
         try:
             async with SwarmTrainer(config, data, discovery, TrainerOptions(run_id="test", synchronous=True)) as t:
                 records = await t.run(steps)
                 held_out = await t.evaluate(data.heldout_batches(config.train.eval_batches, config.train.batch_size))
-            return records, held_out
+            used = [await w.on_compute(lambda compute: compute.kept.used) for w in workers]
+            return records, held_out, used
         finally:
             await asyncio.gather(*(w.stop(0) for w in workers))
 
-    records, held_out = asyncio.run(main())
+    records, held_out, used = asyncio.run(main())
     assert [r.step for r in records] == [1, 2, 3, 4]
-    assert [r.loss for r in records] == pytest.approx(expected, abs=1e-4)
+    assert [r.loss for r in records] == expected  # bit for bit (one microbatch in flight: a fixed order)
+    assert used == ([0, 0, 0] if keep_graphs == 0 else [8, 8, 0])  # every head/body backward used its graph
     assert held_out == pytest.approx(expected_eval, abs=1e-4)
     for got, want in zip(records, reference_records):
         assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-3)
@@ -219,3 +223,32 @@ def test_workers_stepping_on_their_own_count_are_told_once_and_then_left_alone(d
     records, trainer, steps_taken = asyncio.run(main())
     assert len(records) == 3 and steps_taken == [3, 3]  # a full local batch per global batch
     assert trainer._unreported == {"s0", "s1"} and trainer.stats.batch_reports_failed == 0
+
+
+def test_a_time_budget_stops_starting_global_batches(data):
+    """The clock jumps past the budget once the first global batch is recorded: no batch starts
+    after it, the run ends, and the held-out evaluation still runs."""
+    import time
+
+    config = _config()
+    offset = [0.0]
+
+    def clock() -> float:
+        return time.monotonic() + offset[0]
+
+    def on_record(record) -> None:
+        offset[0] += 100.0
+
+    async def main():
+        workers, discovery = await _swarm(config, 1, synchronous=True)
+        try:
+            options = TrainerOptions(run_id="test", synchronous=True, time_budget_s=50.0)
+            async with SwarmTrainer(config, data, discovery, options, clock=clock, on_record=on_record) as t:
+                records = await t.run(6)
+                held_out = await t.evaluate(data.heldout_batches(1, config.train.batch_size))
+            return records, held_out
+        finally:
+            await asyncio.gather(*(w.stop(0) for w in workers))
+
+    records, held_out = asyncio.run(main())
+    assert [r.step for r in records] == [1] and held_out > 0

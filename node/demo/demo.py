@@ -32,7 +32,7 @@ from datetime import datetime
 from pathlib import Path
 
 from agora.node.admission import free_port
-from agora.node.demo.processes import ChildFailed, ChildProcess, ProcessGroup, agora_node_command
+from agora.node.demo.processes import ChildFailed, ChildProcess, Placement, ProcessGroup, agora_node_command
 from agora.node.demo.chaos import Chaos, ChaosEvent
 from agora.node.demo.summary import build_summary, churn_summary, format_summary, latest_per_trainer, merge_logs
 from agora.node.progress import Progress
@@ -57,8 +57,11 @@ class DemoOptions:
     replicas: int = 1
     trainers: int = 1
     sync: bool = False
-    max_in_flight: int | None = None  # None: the trainer's default (half a global batch)
+    max_in_flight: int | None = None  # None: the trainer's default (adaptive)
+    max_staleness: float | None = None  # None: the trainer's default
+    time_budget_s: float | None = None  # trainers stop starting global batches after this long
     pinned_weights: int | None = None  # None: the workers' default
+    keep_graphs: int | None = None  # None: the workers' default
     log_json: str | None = None
     summary_json: str | None = None
     workdir: str | None = None
@@ -95,7 +98,10 @@ class DemoOptions:
         return cls(config=args.config or "tiny", seed=args.seed, stages=args.stages, batch_size=args.batch_size,
                    microbatches=args.microbatches, steps=args.steps, schedule_steps=args.schedule_steps, replicas=args.replicas,
                    trainers=args.trainers, sync=args.sync,
-                   max_in_flight=args.max_in_flight, pinned_weights=getattr(args, "pinned_weights", None),
+                   max_in_flight=args.max_in_flight, max_staleness=getattr(args, "max_staleness", None),
+                   time_budget_s=getattr(args, "time_budget", None),
+                   pinned_weights=getattr(args, "pinned_weights", None),
+                   keep_graphs=getattr(args, "keep_graphs", None),
                    log_json=args.log_json, summary_json=args.summary_json,
                    workdir=args.workdir, kill_worker_at=args.kill_worker_at, join_at=tuple(getattr(args, "join_at", None) or ()),
                    optimizer_sync_steps=getattr(args, "optimizer_sync_steps", None),
@@ -120,6 +126,8 @@ class DemoOptions:
             raise ConfigError("--sync needs --replicas 1 and --trainers 1 (one route, one barrier)")
         if self.pinned_weights is not None and self.pinned_weights < 0:
             raise ConfigError(f"--pinned-weights: must be >= 0, got {self.pinned_weights}")
+        if self.keep_graphs is not None and self.keep_graphs < 0:
+            raise ConfigError(f"--keep-graphs: must be >= 0, got {self.keep_graphs}")
         if not self.heartbeat_s > 0:
             raise ConfigError(f"--heartbeat: must be positive, got {self.heartbeat_s}")
         if self.insecure and self.credential_lifetime is not None:
@@ -146,8 +154,10 @@ class DemoOptions:
         return self
 
     def worker_flags(self) -> list[str]:
-        """Flags for the workers alone (trainers do not take these): weight pinning, the sync phases."""
+        """Flags for the workers alone (trainers do not take these): weight pinning, kept graphs, the sync phases."""
         flags = [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
+        if self.keep_graphs is not None:
+            flags += ["--keep-graphs", str(self.keep_graphs)]
         if self.optimizer_sync_steps is not None:
             flags += ["--optimizer-sync-steps", str(self.optimizer_sync_steps)]
         return flags + ([] if self.sync_phases else ["--no-sync-phases"])
@@ -165,7 +175,9 @@ class DemoOptions:
         return flags + (["--average-optimizer-state"] if self.average_optimizer_state else [])
 
 
-def run_demo(options: DemoOptions) -> int:
+def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
+    """`placement`: where each process runs (default: this machine's loopback; bench/wan/ puts each
+    in a network namespace of its own behind emulated links)."""
     options.validate()
     if options.serve:
         from agora.node.demo.serving import run_serving_demo
@@ -173,7 +185,7 @@ def run_demo(options: DemoOptions) -> int:
         return run_serving_demo(options)
     workdir = (Path(options.workdir) if options.workdir else Path(tempfile.mkdtemp(prefix="agora-demo-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    group = ProcessGroup(workdir)
+    group = ProcessGroup(workdir) if placement is None else ProcessGroup(workdir, placement=placement)
     started = time.monotonic()
     resume_step = _resume_step(workdir, options) if options.resume else None
     workers: list[tuple[int, ChildProcess]] = []
@@ -227,7 +239,9 @@ def run_demo(options: DemoOptions) -> int:
             if resume:
                 checkpoints += ["--resume-step", str(resume_step)]
             # INFO: each averaging round's milestone line lands in the worker's log file.
+            host = group.host(name)
             command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
+                                         "--host", host, "--dht-host", host,
                                          *options.run_flags(), *swarm, *options.worker_flags(), *admission,
                                          *_state_dir(options, workdir, name), *checkpoints,
                                          "--stats-file", str(workdir / f"{name}.stats.json"),
@@ -246,6 +260,8 @@ def run_demo(options: DemoOptions) -> int:
                 *common, "trainer", *options.run_flags(), *swarm, *admission, *_state_dir(options, workdir, name),
                 "--trainer-index", str(index), "--trainers", str(options.trainers), *start,
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
+                *([] if options.max_staleness is None else ["--max-staleness", str(options.max_staleness)]),
+                *([] if options.time_budget_s is None else ["--time-budget", str(options.time_budget_s)]),
                 *([] if options.lease_s is None else ["--lease", str(options.lease_s)]),
                 "--log-json", str(log), "--summary-json", str(workdir / f"{name}.summary.json"),
                 "--heartbeat", str(options.heartbeat_s), *metrics_flags(), *([] if index == 0 else ["--no-eval"]))
@@ -449,8 +465,9 @@ def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, c
             *common, "authorizer", "issue", "--state-dir", str(workdir / "authorizer"), "--run-id",
             options.run_id, "--role", "operator", "--out", str(workdir / "bootstrap.state"),
             "--lifetime", str(24 * 3600)), options.ready_timeout_s)
-    boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", *boot_flags, "--ready-file",
-                                                       str(boot_ready), *extra), boot_ready)
+    boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", *boot_flags, "--host",
+                                                       group.host("bootstrap"), "--ready-file", str(boot_ready),
+                                                       *extra), boot_ready)
     return group.wait_ready([boot], options.ready_timeout_s)["bootstrap"]
 
 
@@ -461,7 +478,7 @@ def _start_authorizer(group: ProcessGroup, options: DemoOptions, workdir: Path, 
     lifetime = [] if options.credential_lifetime is None else ["--credential-lifetime", str(options.credential_lifetime)]
     command = agora_node_command(
         *common, "authorizer", "serve", "--state-dir", str(workdir / "authorizer"), "--run-id", options.run_id,
-        "--ready-file", str(ready), *lifetime, "--min-upload-mbit", "0", "--min-download-mbit", "0",
+        "--host", group.host("authorizer"), "--ready-file", str(ready), *lifetime, "--min-upload-mbit", "0", "--min-download-mbit", "0",
         "--max-rtt-ms", "inf", "--min-accelerator-gb", "0", "--min-ram-gb", "0", "--preflight-bytes", str(256 << 10),
         "--join-rate", "20", "--join-burst", "64", *options.run_flags(), *extra, "--initial-peers", *maddrs)
     child = group.spawn("authorizer", command, ready)

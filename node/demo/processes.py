@@ -4,6 +4,10 @@ Each child runs in its own session (so a terminal's Ctrl-C reaches only the pare
 stops the children in order), writes its output to `<workdir>/<name>.log`, and signals readiness
 by atomically writing a ready file (never by a sleep). `shutdown` sends SIGTERM, waits, then
 SIGKILLs whatever is left, so no process outlives the group.
+
+A `Placement` says where each child runs: on this machine's loopback by default; the WAN harness
+(bench/wan/) gives each its own network namespace, i.e. a command prefix (`ip netns exec NS`,
+which execs, so the child's pid is the command's) and the address it listens on and announces.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["ChildProcess", "ProcessGroup", "ChildFailed", "agora_node_command"]
+__all__ = ["ChildProcess", "ProcessGroup", "ChildFailed", "Placement", "LOOPBACK", "agora_node_command"]
 
 
 class ChildFailed(RuntimeError):
@@ -34,6 +38,26 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _no_prefix(name: str) -> list[str]:
+    return []
+
+
+def _loopback(name: str) -> str:
+    return "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the child called `name` runs: `prefix(name)` goes before its command line, and
+    `host(name)` is the address it listens on and announces."""
+
+    prefix: Callable[[str], list[str]] = _no_prefix
+    host: Callable[[str], str] = _loopback
+
+
+LOOPBACK = Placement()
 
 
 @dataclass
@@ -62,6 +86,11 @@ class ProcessGroup:
     workdir: Path
     env: dict[str, str] = field(default_factory=dict)
     children: list[ChildProcess] = field(default_factory=list)
+    placement: Placement = LOOPBACK
+
+    def host(self, name: str) -> str:
+        """The address the child `name` listens on and announces."""
+        return self.placement.host(name)
 
     def spawn(self, name: str, command: list[str], ready_path: Path | None = None) -> ChildProcess:
         if ready_path is not None and ready_path.exists():
@@ -69,6 +98,7 @@ class ProcessGroup:
         log_path = self.workdir / f"{name}.log"
         # The child dies with this process, even by kill -9 (node/cli.py's parent-death signal).
         env = {**os.environ, **self.env, "AGORA_NODE_PARENT_PID": str(os.getpid())}
+        command = [*self.placement.prefix(name), *command]
         with open(log_path, "wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        env=env, start_new_session=True, cwd=self.workdir)

@@ -115,6 +115,8 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         "workers_per_stage": {str(k): v for k, v in sorted(per_stage.items())},
         "reroutes": sum(s.get("reroutes", 0) for s in trainer_summaries),
         "time_split_by_stage": _merge_time_splits([s.get("time_split_by_stage", {}) for s in trainer_summaries]),
+        "trainer_split": _mean_trainer_split([s.get("trainer_split", {}) for s in trainer_summaries]),
+        "in_flight": [s.get("in_flight") for s in trainer_summaries],
         "busy_retries": sum(s.get("busy", 0) for s in trainer_summaries),
         "averaging_by_stage": _averaging_by_stage(workdir, workers),
         # Each worker's phases and when it entered them (seconds after it started): a replica that
@@ -233,6 +235,9 @@ def churn_summary(options, lines: list[dict], events, joins, workdir: Path, resu
     steps = [line["step"] for line in lines]
     distinct = set(steps)
     start = resume_step or 0
+    # Under a time budget the trainers stop starting units: the run's units end at the last committed
+    # (a unit before it that no log has is lost; those after it were never started).
+    last = options.steps if options.time_budget_s is None else max(distinct, default=start)
     return {
         "resumed_from_step": resume_step,
         "kills": len(events),
@@ -240,8 +245,15 @@ def churn_summary(options, lines: list[dict], events, joins, workdir: Path, resu
         # A worker's seconds from its start to member (a trainer has no phases: it claims units at once).
         "joins": [{"name": name, "seconds_to_member": joined_seconds(workdir / f"{name}.log", at)
                    if name.startswith("worker") else None} for name, at in joins],
-        "units": {"total": options.steps - start,
+        "units": {"total": last - start,
                   "committed": len([s for s in distinct if s > start]),
                   "duplicated": len(steps) - len(distinct),
-                  "lost": len([s for s in range(start + 1, options.steps + 1) if s not in distinct])},
+                  "lost": len([s for s in range(start + 1, last + 1) if s not in distinct])},
     }
+
+
+def _mean_trainer_split(splits: list[dict]) -> dict:
+    """Each trainer's own split (CPU and time outside calls per microbatch), averaged over trainers."""
+    splits = [split for split in splits if split]
+    keys = sorted({key for split in splits for key in split})
+    return {key: round(sum(split.get(key, 0.0) for split in splits) / len(splits), 3) for key in keys} if splits else {}

@@ -7,6 +7,20 @@ Design choices:
   same message-size limits and sits behind the same interceptor chain (node/rpc/interceptors.py).
 - Every server also runs the standard health-checking service and server reflection, so
   grpc_health_probe and grpcurl work against any node without our .proto files.
+- Connections are long-lived and cross long round trips and NATs (`channel_options`,
+  `server_options`): HTTP/2 keepalive pings every 20 s, also on an idle channel, because a NAT or a
+  stateful firewall forgets an idle TCP flow after as little as 30 s and a trainer may not call a
+  replica for a while; 10 s without the ping's ack (some 60 round trips at 150 ms) declares the
+  peer gone, so a dead worker's channel fails fast instead of at the next call's deadline. Servers
+  accept pings that often (grpc's default is one per 5 minutes, and it answers more with GOAWAY)
+  and ping their clients alike. Compression is off both ways: activations and gradients are
+  dense floats that do not compress, and compressing them would cost CPU on every hop.
+  Flow-control windows are left to grpc's bandwidth-delay probing, which grows them to the link.
+- One host setting matters more than any of these and is not the application's to change: with
+  Linux's default `net.ipv4.tcp_slow_start_after_idle=1`, a connection that sent nothing for one
+  retransmission timeout (~RTT + 200 ms) restarts from the initial window, so a 16 KiB call after a
+  pause takes two or three round trips instead of one (measured over the WAN harness's 80 ms links:
+  bench/RESULTS.md). `slow_start_hint` says so once, in the log of a worker or trainer that has it on.
 - `bind` listens on the given host and port (0 picks a free one) and returns the real port,
   which is what a worker announces and what tests connect to. With server credentials it opens a
   TLS port (node/rpc/tls.py); without, a plaintext one: the `--insecure` path, which the caller
@@ -33,6 +47,11 @@ __all__ = [
     "new_event_loop",
     "run",
     "message_options",
+    "channel_options",
+    "server_options",
+    "slow_start_hint",
+    "KEEPALIVE_TIME_MS",
+    "KEEPALIVE_TIMEOUT_MS",
     "create_server",
     "bind",
     "announced_host",
@@ -69,6 +88,46 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """A client channel's options to a peer: message limits, keepalive, no compression (module docstring)."""
+    return [*message_options(max_message_bytes),
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.default_compression_algorithm", grpc.Compression.NoCompression.value)]
+
+
+def server_options() -> list[tuple[str, Any]]:
+    """What every server adds to its limits: clients' keepalive pings accepted, its own pings, no compression."""
+    return [("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.default_compression_algorithm", grpc.Compression.NoCompression.value)]
+
+
+SLOW_START_SYSCTL = "/proc/sys/net/ipv4/tcp_slow_start_after_idle"
+
+
+def slow_start_hint(read: Callable[[str], str] = lambda path: open(path).read()) -> Optional[str]:
+    """The log line for a host that restarts TCP slow start after idle (None when it does not, or
+    when the setting cannot be read); `read` is injected for tests."""
+    try:
+        value = read(SLOW_START_SYSCTL).strip()
+    except OSError:
+        return None
+    if value == "0":
+        return None
+    return ("this host restarts TCP slow start after an idle connection (net.ipv4.tcp_slow_start_after_idle="
+            f"{value}): over long round trips a call after a pause costs one or two extra round trips; "
+            "`sysctl -w net.ipv4.tcp_slow_start_after_idle=0` avoids it (bench/RESULTS.md, row 3)")
+
+
 def message_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     """Channel/server options bounding one message each way (grpc's default receive limit is 4 MiB)."""
     if max_message_bytes <= 0:
@@ -94,8 +153,8 @@ def create_server(*, interceptors: Sequence[grpc.aio.ServerInterceptor], max_mes
                   ("grpc.max_send_message_length", max_message_bytes)]
     if maximum_concurrent_rpcs is not None and maximum_concurrent_rpcs <= 0:
         raise ValueError(f"maximum_concurrent_rpcs must be positive, got {maximum_concurrent_rpcs}")
-    return grpc.aio.server(interceptors=list(interceptors), options=[*limits, *options],
-                           maximum_concurrent_rpcs=maximum_concurrent_rpcs)
+    return grpc.aio.server(interceptors=list(interceptors), options=[*limits, *server_options(), *options],
+                           maximum_concurrent_rpcs=maximum_concurrent_rpcs, compression=grpc.Compression.NoCompression)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: Optional[grpc.ServerCredentials] = None) -> int:

@@ -4,8 +4,11 @@ Design choices:
 - Speaks tensors on one side and the Stage service's dataclasses on the other (through
   protos/stage_adapter, never generated classes). Inputs may also be already-encoded frames
   (`bytes`), so a trainer can pass a stage's output to the next stage without re-encoding.
-- Every reply is decoded and validated here (shape, finiteness) before the trainer sees it, so a
-  worker sending garbage is caught at the hop it happened (`BadReply`), not two stages later.
+- Every reply is validated here (shape, size, finiteness) before the trainer sees it, so a worker
+  sending garbage is caught at the hop it happened (`BadReply`), not two stages later. Validated in
+  place (`WireCodec.check`): the trainer relays a stage's output frame to the next stage unchanged,
+  so building a tensor of every reply (a copy and a pass over it, per hop) was work for nothing;
+  `ForwardResult.wire` and `.input_grad` decode on demand for callers that want tensors.
 - Errors are typed by what the trainer should do, and each carries the gRPC status code:
   `WorkerBusy` (RESOURCE_EXHAUSTED: route elsewhere, no penalty), `RequestRefused` (the worker
   judged the request or its state wrong: rerun the microbatch), `WorkerUnreachable` (transport,
@@ -35,7 +38,7 @@ import torch
 
 from agora.auth.grpc_policy import FINGERPRINT_METADATA
 from agora.monitor.trainer_metrics import RpcClientMetrics
-from agora.node.rpc.server import message_options
+from agora.node.rpc.server import channel_options
 from agora.node.rpc.tls import ChannelFactory, InsecureChannels, worker_server_name
 from agora.pipeline.codec import WireCodec, WireFormatError, encode_tokens, float_frame_bytes
 from agora.pipeline.config import ModelConfig
@@ -124,25 +127,43 @@ def error_for(code: grpc.StatusCode, details: str, *, address: str, method: str)
     return _ERROR_BY_CODE.get(code, StageCallError)(code, details, address=address, method=method)
 
 
+def _tensor(codec: WireCodec, frame: bytes) -> torch.Tensor | None:
+    return codec.decode(frame) if frame else None  # checked when the reply arrived
+
+
 @dataclass(frozen=True)
 class ForwardResult:
-    wire: torch.Tensor | None  # head/body output, float32 (batch, seq, wire_dim)
     loss: float | None  # tail only
-    input_grad: torch.Tensor | None  # tail: dL/d(input wire); None on the head / a single stage
     step: int  # the worker's optimizer step when it ran
-    wire_frame: bytes = b""  # the encoded output, to pass on without re-encoding
-    grad_frame: bytes = b""
+    # The encoded output (checked), to pass on unchanged: a view of the reply as grpc received it.
+    wire_frame: bytes | memoryview = b""
+    grad_frame: bytes | memoryview = b""  # tail: the encoded dL/d(input wire)
     queued_s: float = 0.0  # the worker's own account: waiting for, and on, its compute thread
     compute_s: float = 0.0
+    codec: WireCodec = WireCodec()
+
+    @property
+    def wire(self) -> torch.Tensor | None:
+        """Head/body output, float32 (batch, seq, wire_dim), decoded now."""
+        return _tensor(self.codec, self.wire_frame)
+
+    @property
+    def input_grad(self) -> torch.Tensor | None:
+        """Tail: dL/d(input wire), decoded now; None on the head / a single stage."""
+        return _tensor(self.codec, self.grad_frame)
 
 
 @dataclass(frozen=True)
 class BackwardResult:
-    input_grad: torch.Tensor | None  # None on the head
     step: int
-    grad_frame: bytes = b""
+    grad_frame: bytes | memoryview = b""  # empty on the head
     queued_s: float = 0.0
     compute_s: float = 0.0
+    codec: WireCodec = WireCodec()
+
+    @property
+    def input_grad(self) -> torch.Tensor | None:
+        return _tensor(self.codec, self.grad_frame)
 
 
 class StageClient:
@@ -156,7 +177,9 @@ class StageClient:
                  channels: Optional[ChannelFactory] = None,
                  codec: WireCodec | None = None, timeout_s: float = 30.0,
                  max_message_bytes: int = 16 * 2**20, max_stream_bytes: int = 512 * 2**20,
-                 stream_chunk_bytes: int = 2**20, metrics: Optional[RpcClientMetrics] = None):
+                 stream_chunk_bytes: int = 2**20, metrics: Optional[RpcClientMetrics] = None, relay: bool = True):
+        """`relay=False`: the generated classes and a decoded tensor of every reply, as this client did
+        before relaying frames (kept as the reference bench/trainer_relay.py measures against)."""
         if stream_chunk_bytes + _ENVELOPE_BYTES > max_message_bytes:
             raise ValueError("stream_chunk_bytes plus framing must fit in max_message_bytes")
         self.channels = channels if channels is not None else InsecureChannels()
@@ -174,6 +197,7 @@ class StageClient:
         self.max_message_bytes = max_message_bytes
         self.max_stream_bytes = max_stream_bytes
         self.stream_chunk_bytes = stream_chunk_bytes
+        self.relay = relay
         self._channel: grpc.aio.Channel | None = None
         self._stub: StageStub | None = None
         self._generation: int | None = None
@@ -190,8 +214,8 @@ class StageClient:
                 self._retire(self._channel)
             target = worker_server_name(self.stage, self.peer_id) if self.peer_id else None
             self._channel = self.channels.open(self.address, target_name=target,
-                                               options=message_options(self.max_message_bytes))
-            self._stub = StageStub(self._channel)
+                                               options=channel_options(self.max_message_bytes))
+            self._stub = StageStub(self._channel, relay=self.relay)
             self._generation = generation
             self.channels_opened += 1
         return self._stub
@@ -247,16 +271,33 @@ class StageClient:
             raise BadReply(grpc.StatusCode.DATA_LOSS, f"reply does not decode: {error}",
                            address=self.address, method=method) from None
 
-    def _frame(self, value: torch.Tensor | bytes | None) -> bytes:
+    def _check(self, frame: bytes | memoryview, shape: tuple[int | None, ...], method: str) -> bytes | memoryview:
+        """`frame`, checked as `_decode` checks it, left as it is."""
+        if not self.relay:
+            self._decode(frame, shape, method)
+            return frame
+        try:
+            self.codec.check(frame, expected_shape=shape)
+        except WireFormatError as error:
+            raise BadReply(grpc.StatusCode.DATA_LOSS, f"reply does not decode: {error}",
+                           address=self.address, method=method) from None
+        return frame
+
+    @staticmethod
+    def _as_frame(value: bytes | bytearray | memoryview) -> bytes | memoryview:
+        # A frame relayed from another stage's reply is a view of that reply: passed on as it is.
+        return bytes(value) if isinstance(value, bytearray) else value
+
+    def _frame(self, value: torch.Tensor | bytes | memoryview | None) -> bytes | memoryview:
         if value is None:
             return b""
-        return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else self.codec.encode(value)
+        return self._as_frame(value) if isinstance(value, (bytes, bytearray, memoryview)) else self.codec.encode(value)
 
-    def _token_frame(self, value: torch.Tensor | bytes | None) -> bytes:
+    def _token_frame(self, value: torch.Tensor | bytes | memoryview | None) -> bytes | memoryview:
         if value is None:
             return b""
         if isinstance(value, (bytes, bytearray, memoryview)):
-            return bytes(value)
+            return self._as_frame(value)
         return encode_tokens(value, self.model.vocab_size)
 
     # ------------------------------------------------------------------ calls
@@ -286,11 +327,10 @@ class StageClient:
         if not reply.wire and reply.loss is None:
             raise BadReply(grpc.StatusCode.DATA_LOSS, "reply carries neither an output wire nor a loss",
                            address=self.address, method="Forward")
-        wire_out = self._decode(reply.wire, shape, "Forward") if reply.wire else None
-        grad = self._decode(reply.input_grad, shape, "Forward") if reply.input_grad else None
-        return ForwardResult(wire=wire_out, loss=reply.loss, input_grad=grad, step=reply.step,
-                             wire_frame=reply.wire, grad_frame=reply.input_grad,
-                             queued_s=reply.queued_s, compute_s=reply.compute_s)
+        wire_out = self._check(reply.wire, shape, "Forward") if reply.wire else b""
+        grad = self._check(reply.input_grad, shape, "Forward") if reply.input_grad else b""
+        return ForwardResult(loss=reply.loss, step=reply.step, wire_frame=wire_out, grad_frame=grad,
+                             queued_s=reply.queued_s, compute_s=reply.compute_s, codec=self.codec)
 
     async def backward(self, microbatch_id: str, output_grad: torch.Tensor | bytes,
                        *, timeout_s: float | None = None) -> BackwardResult:
@@ -307,9 +347,9 @@ class StageClient:
         else:
             call = lambda **options: stub.backward(request, **options)  # noqa: E731
         reply = await self._invoke("Backward", call, timeout_s, request)
-        grad = self._decode(reply.input_grad, shape, "Backward") if reply.input_grad else None
-        return BackwardResult(input_grad=grad, step=reply.step, grad_frame=reply.input_grad,
-                              queued_s=reply.queued_s, compute_s=reply.compute_s)
+        grad = self._check(reply.input_grad, shape, "Backward") if reply.input_grad else b""
+        return BackwardResult(step=reply.step, grad_frame=grad, queued_s=reply.queued_s, compute_s=reply.compute_s,
+                              codec=self.codec)
 
     async def step(self, microbatches: int, *, step: int | None = None,
                    timeout_s: float | None = None) -> StepReply:

@@ -27,6 +27,14 @@ class TrainerStats:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.metrics = TrainerMetrics(self.registry)
         self.failures_by_peer: dict[str, int] = {}
+        # Where a training microbatch's time goes on the trainer's side (evaluation not counted): this
+        # process's CPU time during `run`, each microbatch's wall time from its first pick to its loss,
+        # and the part of that spent in calls (round trips); the rest is picking a route, waiting for
+        # completed-batch reports, reruns' pauses and the trainer's own work between calls.
+        self.cpu_s = 0.0
+        self.microbatch_s = 0.0
+        self.calls_s = 0.0
+        self.depth_max = 0  # the most microbatches the (adaptive) limit allowed in flight
         self._stages: set[int] = set()
         self._abort_outcomes: set[str] = set()
         self._lock = threading.Lock()
@@ -132,3 +140,9 @@ class TrainerStats:
                             "compute_ms": compute * per_call, "queued_ms": queued * per_call,
                             "wire_ms": max(0.0, round_trip - compute - queued) * per_call}
         return split
+
+    def trainer_split(self) -> dict[str, float]:
+        """Per training microbatch, in ms: this process's CPU time, and its wall time outside calls."""
+        n = max(1, self.microbatches)
+        return {"cpu_ms": round(1e3 * self.cpu_s / n, 3),
+                "outside_calls_ms": round(1e3 * max(0.0, self.microbatch_s - self.calls_s) / n, 3)}

@@ -10,10 +10,12 @@ attempt, so a late reply of the abandoned route can never be confused with the n
 
 How much is in flight is the asynchronous pipeline's one real trade-off. A microbatch started
 before a worker steps is finished with newer weights: the staleness is about (microbatches in
-flight) / (microbatches per global batch) optimizer steps. Measured on `tiny` (200 batches, 3
-stages, held-out loss / train-local): half a batch in flight 0.998, one batch 1.06, two batches
-1.12, while tokens/s rises with the depth. The default is therefore half a global batch
-(`in_flight_limit`); `--max-in-flight` trades convergence for throughput explicitly.
+flight) / (microbatches per global batch) optimizer steps, and tokens/s rises with the depth until
+the busiest stage is busy all the time. In asynchronous mode the depth adapts to what the trainer
+measures (node/trainer/inflight.py): enough microbatches to hide one microbatch's unqueued
+latency (compute, round trips, the trainer's own work) behind the busiest stage's compute, capped
+by `max_staleness` global batches; `--max-in-flight N` fixes it instead. Synchronous mode keeps
+half a global batch (its barrier closes every batch anyway).
 
 Every replica of every stage steps once per global batch. Synchronous mode (one replica per
 stage) closes each global batch with a Step barrier on every stage: this is the centralized run,
@@ -45,6 +47,7 @@ from agora.auth.node_state import NodeCredentials
 from agora.node.observability import MetricsOptions
 from agora.node.rpc.tls import ChannelFactory, TlsChannels
 from agora.node.trainer.discovery import Discovery
+from agora.node.trainer.inflight import DepthEstimate, InFlightLimit
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.stage_client import (
     OutsideWindow,
@@ -84,8 +87,10 @@ class TrainerOptions:
     trainer_index: int = 0
     trainers: int = 1
     synchronous: bool = False
-    # Microbatches in the pipeline at once; None: half a global batch's microbatches (see below).
+    # Microbatches in the pipeline at once; None: adaptive (node/trainer/inflight.py), at most
+    # `max_staleness` global batches' worth (synchronous mode: half a global batch).
     max_in_flight: int | None = None
+    max_staleness: float = 1.0
     max_attempts: int = 6  # routes tried per microbatch before its global batch is given back
     call_timeout_s: float = 60.0
     # A stage without a routable worker is waited for (with backoff) as long as it takes, with a
@@ -97,11 +102,24 @@ class TrainerOptions:
     heartbeat_s: float = 5.0  # between announces of the trainer's record (node/trainer/announce.py)
     lease_s: float = 30.0  # a claimed unit's lease (dht/leases.py), renewed every third of it while it runs
     start_step: int = 0  # units below are taken as done (a run resumed from checkpoints of this step)
+    # Stop starting global batches this long after the run started (those in flight finish); None:
+    # run every unit. For "what does an hour buy" comparisons at equal wall-clock time.
+    time_budget_s: float | None = None
 
 
 def in_flight_limit(options: TrainerOptions, microbatches: int) -> int:
-    """Microbatches allowed in flight: the option, or half a global batch (staleness <= 1/2 step)."""
-    return options.max_in_flight if options.max_in_flight is not None else max(1, microbatches // 2)
+    """The most microbatches in flight: the fixed depth, half a global batch in synchronous mode, else
+    the staleness cap (`max_staleness` global batches)."""
+    if options.max_in_flight is not None:
+        return options.max_in_flight
+    if options.synchronous:
+        return max(1, microbatches // 2)
+    return max(1, round(options.max_staleness * microbatches))
+
+
+def adaptive_depth(options: TrainerOptions) -> bool:
+    """Whether the depth follows the measured pipeline (node/trainer/inflight.py)."""
+    return options.max_in_flight is None and not options.synchronous
 
 
 def assigned_units(total_steps: int, trainer_index: int, trainers: int, start: int = 0) -> list[int]:
@@ -145,7 +163,11 @@ class SwarmTrainer:
         self.units = units
         self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
         self.max_in_flight = in_flight_limit(options, config.train.microbatches)
-        self._in_flight = asyncio.Semaphore(self.max_in_flight)
+        self.adaptive = adaptive_depth(options)
+        # Until the first microbatch is measured: half a global batch (at most the cap).
+        initial = min(self.max_in_flight, max(1, config.train.microbatches // 2)) if self.adaptive else self.max_in_flight
+        self._in_flight = InFlightLimit(initial)
+        self.depth = DepthEstimate(self.n_stages)
 
     # ------------------------------------------------------------------ workers
 
@@ -193,7 +215,7 @@ class SwarmTrainer:
             pause = min(pause * 2, 2.0)
             await self.refresh(force=True)
 
-    async def _timed(self, view: WorkerView, call: Awaitable):
+    async def _timed(self, view: WorkerView, call: Awaitable, training: bool = True):
         self.roster.started(view.peer_id)
         started = self.clock()
         try:
@@ -208,6 +230,8 @@ class SwarmTrainer:
                                                                   "seconds": ban_s, "code": error.code.name}})
             raise
         seconds = self.clock() - started
+        if training:
+            self.stats.calls_s += seconds
         self.roster.succeeded(view.peer_id, seconds)
         self.stats.call(view.stage, type(result).__name__.removesuffix("Result"), seconds, result.compute_s,
                         result.queued_s)
@@ -245,6 +269,9 @@ class SwarmTrainer:
                                 on_stage_done: StageDone | None = None, shares: list[Counter] | None = None) -> float:
         wire: bytes | None = None
         result = None
+        started = self.clock()
+        compute = [0.0] * self.n_stages  # each stage's compute on this microbatch, and all its queueing
+        queued = 0.0
         for stage in range(self.n_stages):
             view = await self._pick(stage, exclude, None if shares is None else shares[stage])
             route.append(view)
@@ -252,8 +279,10 @@ class SwarmTrainer:
                 await self._reported(stage, view.peer_id)
             tail = stage == self.n_stages - 1
             result = await self._timed(view, self._client(view).forward(
-                microbatch_id, tokens, wire, targets if tail else None, evaluate=evaluate))
+                microbatch_id, tokens, wire, targets if tail else None, evaluate=evaluate), training=not evaluate)
             wire = result.wire_frame
+            compute[stage] += result.compute_s
+            queued += result.queued_s
         if evaluate:
             return float(result.loss)
         if on_stage_done is not None:
@@ -264,9 +293,22 @@ class SwarmTrainer:
             await self._reported(stage, view.peer_id)
             back = await self._timed(view, self._client(view).backward(microbatch_id, grad))
             grad = back.grad_frame
+            compute[stage] += back.compute_s
+            queued += back.queued_s
             if on_stage_done is not None:
                 on_stage_done(stage)
+        await self._observe_depth(self.clock() - started, compute, queued)
         return float(result.loss)
+
+    async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:
+        """Feed one training microbatch to the depth estimate and resize the in-flight limit."""
+        self.depth.observe(wall_s, compute, queued_s)
+        if not self.adaptive:
+            return
+        depth = self.depth.depth(cap=self.max_in_flight)
+        if depth is not None and depth != self._in_flight.limit:
+            await self._in_flight.set(depth)
+        self.stats.depth_max = max(self.stats.depth_max, self._in_flight.limit)
 
     async def _reported(self, stage: int, peer_id: str) -> None:
         """Wait until the replica about to be called has taken the completed-batch report sent to it last.
@@ -386,9 +428,13 @@ class SwarmTrainer:
 
         async def one(index: int, batch: torch.Tensor) -> float:
             async with self._in_flight:
-                return await self.run_microbatch(f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
-                                                 on_stage_done=None if self.options.synchronous else stage_done(index),
-                                                 shares=shares)
+                started = self.clock()
+                try:
+                    return await self.run_microbatch(
+                        f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
+                        on_stage_done=None if self.options.synchronous else stage_done(index), shares=shares)
+                finally:
+                    self.stats.microbatch_s += self.clock() - started
 
         losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))
         for stage, stage_shares in enumerate(shares):
@@ -425,6 +471,7 @@ class SwarmTrainer:
             assigned_units(total_steps, self.options.trainer_index, self.options.trainers), total_steps)
         await self.refresh(force=True)
         self._run_started = self.clock()
+        cpu_started = time.process_time()
         records = self.records
         window = 1 if self.options.synchronous else \
             1 + -(-self.max_in_flight // self.config.train.microbatches)
@@ -463,13 +510,13 @@ class SwarmTrainer:
 
         try:
             while True:
-                while len(pending) < window:
+                while len(pending) < window and not self._out_of_time():
                     unit_id = await source.next_unit()
                     if unit_id is None:
                         break
                     pending[asyncio.create_task(one_unit(unit_id))] = unit_id
                 if not pending:
-                    if source.finished():
+                    if source.finished() or self._out_of_time():
                         break
                     await asyncio.sleep(_IDLE_POLL_S)  # the units left are held by other trainers
                     continue
@@ -482,8 +529,21 @@ class SwarmTrainer:
             await asyncio.gather(*pending, return_exceptions=True)
             await asyncio.gather(*self._reports, return_exceptions=True)  # short timeouts each
             await source.close()
+            self.stats.cpu_s += time.process_time() - cpu_started
         records.sort(key=lambda r: r.step)
         return records
+
+    def _out_of_time(self) -> bool:
+        budget = self.options.time_budget_s
+        return budget is not None and self.clock() - self._run_started >= budget
+
+    def in_flight_summary(self) -> dict:
+        """The depth: how it was set, its cap, the last and the largest limit, and what it was derived from."""
+        estimate = self.depth
+        return {"mode": "adaptive" if self.adaptive else "fixed", "cap": self.max_in_flight,
+                "last": self._in_flight.limit, "max": max(self.stats.depth_max, self._in_flight.limit),
+                "latency_ms": round(1e3 * estimate.latency_s, 2),
+                "stage_compute_ms": [round(1e3 * c, 2) for c in estimate.stage_compute_s]}
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
         """Mean held-out loss through the swarm (forward only: nothing stashed or accumulated)."""
@@ -523,12 +583,16 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
     from agora.monitor.metrics import CredentialMetrics
     from agora.node.observability import NodeMetrics, package_version
     from agora.node.rpc.server import run as run_loop
+    from agora.node.rpc.server import slow_start_hint
     from agora.node.trainer.announce import trainer_heartbeat
     from agora.node.trainer.discovery import DHTDiscovery
     from agora.pipeline.data import build_data
     from agora.pipeline.fingerprint import run_fingerprint
 
     data = build_data(config)
+    hint = slow_start_hint()
+    if hint is not None:
+        logger.info("%s", hint)
     # hivemind forks its DHT process: start it before the event loop and gRPC channels exist.
     security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
     swarm = SwarmDHT.start(initial_peers=initial_peers, client_mode=True, security=security)
@@ -604,6 +668,8 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "batch_reports_refused": trainer.stats.batch_reports_refused,
                 "units": trainer.stats.units(),
                 "time_split_by_stage": trainer.stats.time_split(),
+                "trainer_split": trainer.stats.trainer_split(),
+                "in_flight": trainer.in_flight_summary(),
             }
 
     try:

@@ -8,7 +8,9 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   before any compute, and a failure is an `InvalidRequest` whose message says what was expected
   and what was found (the worker answers INVALID_ARGUMENT and keeps serving).
 - Forward runs under `torch.no_grad` and stashes its *input*; Backward recomputes the forward
-  with grad on that input. Weights may change between the two (a step for the previous global
+  with grad on that input (with `keep_graphs > 0`, up to that many forwards run with grad and keep
+  their graph, and their Backward skips the recompute while the weights are unchanged:
+  node/worker/kept_graphs.py). Weights may change between the two (a step for the previous global
   batch, an averaging round's delta), and a backward through the new weights would pair the
   downstream gradient with an output the next stage never saw. So the recompute runs on the
   weights the forward used (PipeDream's weight stashing): every write to the weights bumps
@@ -97,6 +99,7 @@ from agora.node.worker.epoch import (
     judge_report,
     prune_counted,
 )
+from agora.node.worker.kept_graphs import KeptGraph, KeptGraphs
 from agora.node.worker.stash import ForwardStash
 
 __all__ = [
@@ -192,7 +195,7 @@ class StageCompute:
     def __init__(self, config: RunConfig, index: int, *, run_id: str, codec: WireCodec, stash: ForwardStash,
                  synchronous: bool, local_batch: int | None = None, stage: Stage | None = None,
                  optimizer: StageOptimizer | None = None, pinned_versions: int = DEFAULT_PINNED_VERSIONS,
-                 report_window: ReportWindow = ReportWindow()):
+                 report_window: ReportWindow = ReportWindow(), keep_graphs: int = 0):
         if local_batch is not None and local_batch <= 0:
             raise ValueError(f"local_batch must be positive, got {local_batch}")
         if pinned_versions < 0:
@@ -228,6 +231,7 @@ class StageCompute:
         self.weights_version = 0
         self.pinned_versions = pinned_versions
         self._pinned: OrderedDict[int, list[torch.Tensor]] = OrderedDict()
+        self.kept = KeptGraphs(keep_graphs)  # forward graphs kept for Backward (none by default)
         self._parameter_names = [name for name, p in self.stage.named_parameters() if p.requires_grad]
         if len(self._parameter_names) != len(self.optimizer.parameters):
             raise ValueError("the optimizer's parameters are not the stage's trainable parameters")
@@ -391,11 +395,23 @@ class StageCompute:
         if self.stage.is_tail:
             reply = self._forward_tail(tokens, wire, targets, step, request.microbatch_id, owner)
         else:
-            with torch.no_grad():
-                output = self.stage(tokens, wire)
-            reply = ForwardReply(wire=self._encode(output, "output"), step=step)
-            self.stash.put(request.microbatch_id,
-                           StashedInput(tokens, wire, tuple(output.shape), self.weights_version, owner), owner=owner)
+            self.kept.retain_only(self.stash)
+            leaf = None
+            if self.kept.has_room():  # keep this forward's graph: its Backward skips the recompute
+                leaf = wire.detach().requires_grad_(True) if wire is not None else None
+                with torch.enable_grad():
+                    output = self.stage(tokens, leaf)
+            else:
+                with torch.no_grad():
+                    output = self.stage(tokens, wire)
+            reply = ForwardReply(wire=self._encode(output.detach(), "output"), step=step)
+            evicted = self.stash.put(request.microbatch_id,
+                                     StashedInput(tokens, wire, tuple(output.shape), self.weights_version, owner),
+                                     owner=owner)
+            for microbatch_id in evicted:
+                self.kept.drop(microbatch_id)
+            if output.requires_grad:
+                self.kept.keep(request.microbatch_id, KeptGraph(output, leaf, self.weights_version))
         self._observe(tokens.numel(), started)
         return reply
 
@@ -432,7 +448,12 @@ class StageCompute:
         self._check_owner(request.microbatch_id, stashed.owner, owner)
         output_grad = self._decode_floats(request.output_grad, "output_grad", stashed.output_shape)
         version = self._available_version(stashed.weights_version)
-        wire_grad, param_grads = self._recompute(version, stashed.tokens, stashed.wire, None, output_grad)
+        kept = self.kept.take(request.microbatch_id, self.weights_version)
+        if kept is not None:  # built on these very weights: back-propagate through it
+            with torch.enable_grad():
+                wire_grad, param_grads = self._gradients(kept.output, kept.wire, output_grad)
+        else:
+            wire_grad, param_grads = self._recompute(version, stashed.tokens, stashed.wire, None, output_grad)
         self._check_finite(param_grads, "output_grad")
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
         self.stash.pop(request.microbatch_id)  # validated: this backward is now committed
@@ -448,6 +469,7 @@ class StageCompute:
     def weights_changing(self) -> None:
         """Call on this thread right before anything writes the stage's trainable weights."""
         current = self.weights_version
+        self.kept.clear()  # built on the weights about to change (their backwards recompute)
         if self.pinned_versions and current not in self._pinned and current in self._needed_versions():
             self._pinned[current] = [p.detach().clone() for p in self.optimizer.parameters]
             while len(self._pinned) > self.pinned_versions:
@@ -507,6 +529,7 @@ class StageCompute:
                 return AbortReply(reverted=False, outcome="stepped")
             self._check_owner(request.microbatch_id, stashed.owner, owner)
             self.stash.pop(request.microbatch_id)
+            self.kept.drop(request.microbatch_id)
             self._unpin_unused()  # its forward's weights may have been pinned for it alone
             return AbortReply(reverted=False, outcome="dropped")
         self._check_owner(request.microbatch_id, applied.owner, owner)

@@ -83,6 +83,7 @@ from agora.node.rpc.server import (
     host_port,
     is_wildcard_host,
     set_serving,
+    slow_start_hint,
 )
 from agora.node.rpc.tls import server_credentials
 from agora.node.worker.bounds import (
@@ -175,6 +176,9 @@ class WorkerOptions:
     # State downloads (weight sync of a joining replica, node/worker/state_transfer.py) served at once;
     # 0: this worker gives its state to nobody.
     max_state_downloads: int = 2
+    # Head/body forward graphs kept so that Backward skips the recompute (node/worker/kept_graphs.py);
+    # each costs the forward's activations. 0: recompute every Backward.
+    keep_graphs: int = 0
     # Inference only (join --serve-only): no training call is served; and the sessions' bounds.
     serve_only: bool = False
     inference: InferenceOptions = InferenceOptions()
@@ -211,6 +215,8 @@ class WorkerOptions:
             raise ConfigError(f"worker.pinned_weights: must be >= 0, got {self.pinned_weights}")
         if self.max_state_downloads < 0:
             raise ConfigError(f"worker.max_state_downloads: must be >= 0, got {self.max_state_downloads}")
+        if self.keep_graphs < 0:
+            raise ConfigError(f"worker.keep_graphs: must be >= 0, got {self.keep_graphs}")
         if self.stream_timeout_s <= 0:
             raise ConfigError(f"worker.stream_timeout_s: must be positive, got {self.stream_timeout_s}")
         if self.stash_ttl_s <= 0 or self.grace_s < 0:
@@ -346,7 +352,7 @@ class StageWorker:
             codec=WireCodec(options.wire_dtype, max_bytes=options.max_stream_bytes),
             stash=ForwardStash(options.stash_capacity, options.stash_ttl_s, clock=self._clock),
             synchronous=options.synchronous, local_batch=options.local_batch,
-            pinned_versions=options.pinned_weights,
+            pinned_versions=options.pinned_weights, keep_graphs=options.keep_graphs,
         )
 
     async def start(self) -> int:
@@ -383,6 +389,9 @@ class StageWorker:
         if tls is None:
             self._logger.warning("stage %d worker serves WITHOUT TLS or credentials (--insecure): any process that "
                                  "reaches %s can call it", self.stage_index, self.address)
+        hint = slow_start_hint()
+        if hint is not None:
+            self._logger.info("%s", hint)
         self._logger.info("stage %d/%d worker of run %r serving on %s (bound %s, %s mode, %s)", self.stage_index,
                           self._compute.n_stages, self.run_id, self.address,
                           host_port(self.options.host, self._port),

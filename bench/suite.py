@@ -1,0 +1,161 @@
+"""`agora-node bench`: the benchmark suite, one run, one results table (bench/RESULTS.md).
+
+    agora-node bench                                   # every row, every profile: about an hour+ here
+    agora-node bench --quick --out /tmp/quick.md       # every row, a few steps each: minutes (CI runs it)
+    agora-node bench --profile agora-floor --profile residential --json raw.json
+
+Rows (bench/suite_items.py): 1 wire bytes per token, dense vs SSN; 2 swarm tokens/s over
+train-local's on loopback (sync, async at the adaptive depth, with kept forward graphs, at half a
+batch in flight); 3 tokens/s under each WAN profile over lan (bench/wan/, root); 4 held-out loss
+after equal training time over agora-floor for the report's sparse cadence, full averaging every
+step and none, and again at other link rates; 5 held-out loss after equal tokens against the same
+recipe averaged exactly in one process, against train-local, SSN against dense; 6 averaging bytes
+and blocked compute; 7 and 8 are reported as not measured until the churn and accelerator issues
+land. A row that fails is reported as failed with its error, and the others still run.
+
+`--quick` keeps every row but runs few steps, one repeat, fewer variants and without admission on
+loopback rows: it proves the suite still runs end to end; its figures are not results. A full run
+alternates variants (A, B, A, B) and records the load average around every run, because this
+machine is shared. Rows 3 and 4 need root (network namespaces); without it they are reported as
+not measured, naming why.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from agora.bench.suite_items import (
+    SuitePlan,
+    convergence_row,
+    equal_time_row,
+    join_row,
+    local_row,
+    profiles_row,
+    relay_row,
+    wire_row,
+)
+from agora.bench.suite_report import render
+from agora.bench.wan.profiles import PROFILES, profile_named
+from agora.bench.wan.topology import harness_available
+from agora.pipeline.config import load_config
+
+__all__ = ["plan_for", "run_suite", "machine", "RESULTS_PATH"]
+
+RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def plan_for(quick: bool, profiles: list[str] | None = None, configs: list[str] | None = None,
+             seed: int = 0) -> SuitePlan:
+    for name in profiles or ():
+        profile_named(name)  # a one-line error naming the unknown profile
+    for name in configs or ():
+        load_config(name)  # ConfigError, in one line
+    if quick:
+        return SuitePlan(quick=True, configs=tuple(configs or ("tiny",)),
+                         profiles=tuple(profiles or ("lan", "agora-floor")), stages={"tiny": 3, "small": 4},
+                         steps={"tiny": 6, "small": 3}, repeats=1, equal_time_s=8.0, crossover_mbit=(),
+                         local_steps={"tiny": 6, "small": 3}, equal_time_repeats=1,
+                         convergence_steps=6, keep_graphs=8, local_variants=("async", "async, kept graphs"),
+                         depth_variants=("adaptive",),
+                         equal_time_variants=("sparta, the report's cadence", "everything every step"),
+                         insecure=True, relay_geometries=("tiny",), relay_microbatches=20,
+                         join_profiles=("agora-floor",), join_budget_s=40.0, join_chaos_s=15.0, seed=seed,
+                         rate_seconds=1.5)
+    return SuitePlan(quick=False, configs=tuple(configs or ("tiny", "small")), profiles=tuple(profiles or PROFILES),
+                     stages={"tiny": 3, "small": 4}, steps={"tiny": 40, "small": 8}, repeats=2, equal_time_s=120.0,
+                     crossover_mbit=(1000.0, 20.0), convergence_steps=200, keep_graphs=8,
+                     tuned_profiles=("agora-floor",), relay_geometries=("tiny", "small", "pluralis-8b"), seed=seed,
+                     local_steps={"tiny": 120, "small": 16}, equal_time_repeats=1)
+
+
+def machine(load_start) -> dict:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(ram, 1), "kernel": platform.release(),
+            "python": platform.python_version(), "torch": torch.__version__, "load_start": list(load_start)}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, workdir: Path | None = None,
+              command: str = "agora-node bench", log=sys.stderr) -> dict:
+    """Run every row of `plan`, write the report to `out` (and the raw figures to `json_path`)."""
+    work = Path(workdir or tempfile.mkdtemp(prefix="agora-bench-suite-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    results = {"command": command, "quick": plan.quick, "plan": asdict(plan), "commit": _commit(),
+               "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": machine(os.getloadavg()),
+               "items": {}}
+    no_harness = harness_available()
+    rows = [("1", "wire bytes", lambda: wire_row()),
+            ("2", "swarm vs train-local", lambda: local_row(plan, work)),
+            ("3", "WAN profiles", lambda: profiles_row(plan, work)),
+            ("4", "equal wall-clock", lambda: equal_time_row(plan, work)),
+            ("5", "equal tokens", lambda: convergence_row(plan, work)),
+            ("7", "join time", lambda: join_row(plan, work)),
+            ("relay", "the trainer's relay, before and after", lambda: relay_row(plan))]
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for number, name, row in rows:
+            if number in ("3", "4", "7") and no_harness:
+                results["items"][number] = {"error": f"not measured: {no_harness}"}
+                continue
+            print(f"bench: row {number} ({name}), load {os.getloadavg()[0]:.2f}", file=log, flush=True)
+            try:
+                results["items"][number] = {"data": row()}
+            except KeyboardInterrupt:
+                raise
+            except Exception as error:  # noqa: BLE001 - a failed row is reported, the others still run
+                traceback.print_exc(file=log)
+                results["items"][number] = {"error": f"{type(error).__name__}: {error}"[:400]}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    results["machine"]["load_end"] = list(os.getloadavg())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(results))
+    if json_path is not None:
+        json_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"bench: wrote {out}" + (f" and {json_path}" if json_path else ""), file=log, flush=True)
+    return results
+
+
+def main(args) -> int:
+    """`agora-node bench` (node/cli.py parses the flags)."""
+    plan = plan_for(args.quick, args.profile, args.config, args.seed)
+    out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="agora-bench-")) / "RESULTS.md"
+                                           if plan.quick else RESULTS_PATH)
+    results = run_suite(plan, out=out, json_path=Path(args.json) if args.json else None,
+                        workdir=Path(args.workdir) if args.workdir else None,
+                        command="agora-node bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"]
+                        else "agora-node bench")
+    failed = [number for number, item in results["items"].items()
+              if item.get("error") and not item["error"].startswith("not measured")]
+    return 1 if failed else 0

@@ -1,0 +1,284 @@
+"""The rows of the suite (bench/suite.py): each function runs one item's variants side by side and
+returns plain data (the report, bench/suite_report.py, turns it into RESULTS.md).
+
+What each folds in rather than copies: row 1 is bench/wire_bytes.py's measurement, row 2
+bench/swarm_vs_local.py's runs, row 5 bench/averaging.py's references (train-local, its dense
+control, and the same recipe averaged exactly in one process). Rows 3 and 4 run the demo on the
+WAN harness (bench/wan/). Variants of one row alternate (A, B, A, B) so that load from elsewhere on
+the machine weighs on each alike, and every run records the load average before and after it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from agora.bench import averaging as averaging_bench
+from agora.bench import swarm_vs_local, trainer_relay, wire_bytes
+from agora.bench.wan.profiles import LinkSpec, Profile, profile_named
+from agora.bench.wan.swarm import chaos_spares, wan_session
+from agora.node.demo.demo import DemoOptions
+from agora.pipeline.config import load_config
+
+__all__ = ["SuitePlan", "wire_row", "local_row", "profiles_row", "equal_time_row", "convergence_row", "relay_row",
+           "join_row"]
+
+# The Agora report's AsyncSPARTA cadence: 5% of a stage every 20 local steps.
+REPORT_FRACTION, REPORT_EVERY = 0.05, 20
+
+
+@dataclass(frozen=True)
+class SuitePlan:
+    quick: bool
+    configs: tuple[str, ...]  # rows 2 and 3
+    profiles: tuple[str, ...]  # row 3 (lan is always measured first: the reference)
+    stages: dict[str, int]
+    steps: dict[str, int]  # row 3, per config
+    repeats: int  # A, B, A, B
+    equal_time_s: float  # row 4: each run's training time
+    crossover_mbit: tuple[float, ...]  # row 4: link rates at the report's 80 ms
+    convergence_steps: int  # row 5
+    keep_graphs: int  # row 2's kept-graph variant
+    local_steps: dict[str, int]  # row 2, per config
+    equal_time_repeats: int = 1  # row 4
+    local_variants: tuple[str, ...] = ("sync", "async", "async, kept graphs", "async, half a batch in flight")
+    # Row 3: every variant on these profiles (and the tuned ones), the adaptive depth alone on the rest.
+    depth_variants: tuple[str, ...] = ("adaptive", "half a batch", "adaptive, staleness 4")
+    depth_profiles: tuple[str, ...] = ("lan", "agora-floor")
+    profile_repeats: int = 1  # row 3 (every variant of a profile in turn on the same topology)
+    equal_time_variants: tuple[str, ...] = ("sparta, the report's cadence", "everything every step", "no averaging")
+    insecure: bool = False  # rows 2, 4 and 5 without admission (row 3 is always admitted)
+    tuned_profiles: tuple[str, ...] = ()  # row 3 again with hosts that keep the window after idle
+    relay_geometries: tuple[str, ...] = ("tiny", "pluralis-8b")  # the relay fix's before and after
+    relay_microbatches: int = 200
+    join_profiles: tuple[str, ...] = ("lan", "agora-floor", "residential")  # row 7: chaos newcomers
+    join_budget_s: float = 150.0  # row 7: each run's training time
+    join_chaos_s: float = 30.0  # row 7: seconds between kills
+    seed: int = 0
+    rate_seconds: float = 4.0  # each bulk transfer of a link check
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _figures(summary: dict) -> dict:
+    """What the report reads from a demo summary."""
+    return {key: summary.get(key) for key in ("tokens_per_s", "heldout_loss", "steps", "tokens", "wall_s",
+                                              "time_split_by_stage", "trainer_split", "in_flight", "outcome")}
+
+
+# ----------------------------------------------------------------------------- row 1
+
+
+def wire_row() -> dict:
+    rows = {}
+    for geometry in wire_bytes.geometries():
+        measured = {f"{mode}-{dtype}": wire_bytes.measure(geometry, mode, dtype) for mode, dtype in wire_bytes.VARIANTS}
+        rows[geometry.name] = {name: {"forward_per_token": r.per_token(r.forward_bytes),
+                                      "backward_per_token": r.per_token(r.backward_bytes)}
+                               for name, r in measured.items()}
+        rows[geometry.name]["d_over_k"] = geometry.d_model / geometry.rank
+    return rows
+
+
+# ----------------------------------------------------------------------------- row 2
+
+
+def local_row(plan: SuitePlan, work: Path) -> dict:
+    """Swarm tokens/s over train-local's on loopback, per config: sync, async (adaptive depth),
+    async with kept forward graphs, and async at half a global batch (the former fixed default)."""
+    result = {}
+    for config in plan.configs:
+        run = swarm_vs_local.run_flags(config, plan.stages[config], plan.local_steps[config], plan.seed)
+        half = max(1, load_config(config).train.microbatches // 2)
+        variants = {"sync": ["--sync"], "async": [], "async, kept graphs": ["--keep-graphs", str(plan.keep_graphs)],
+                    "async, half a batch in flight": ["--max-in-flight", str(half)]}
+        security = ["--insecure"] if plan.insecure else []
+        variants = {name: flags + security for name, flags in variants.items() if name in plan.local_variants}
+        runs: dict[str, list[dict]] = {name: [] for name in ["train-local", *variants]}
+        folder = work / f"local-{config}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for repeat in range(plan.repeats):
+            before = _load()
+            rate, heldout = swarm_vs_local.train_local(run, folder)
+            runs["train-local"].append({"tokens_per_s": rate, "heldout_loss": heldout, "load": [before, _load()]})
+            for name, flags in variants.items():
+                before = _load()
+                summary = swarm_vs_local.demo(run, flags, folder, f"{name.replace(' ', '_')}-{repeat}")
+                runs[name].append({**_figures(summary), "load": [before, _load()]})
+        result[config] = {"stages": plan.stages[config], "steps": plan.local_steps[config], "runs": runs}
+    return result
+
+
+# ----------------------------------------------------------------------------- row 3
+
+
+def profiles_row(plan: SuitePlan, work: Path) -> dict:
+    """Tokens/s under each profile over tokens/s on lan, per config, at the adaptive depth and at
+    half a global batch in flight; the straggler profile with 2 replicas per stage (against lan with 2)."""
+    profiles = [(name, False) for name in ["lan"] + [p for p in plan.profiles if p != "lan"]]
+    profiles += [(name, True) for name in plan.tuned_profiles]
+    result: dict = {"profiles": {}}
+    for name, tuned in profiles:
+        profile = profile_named(name)
+        replicas = [2] if profile.straggler is not None else [1]
+        names = plan.depth_variants if (name in plan.depth_profiles or tuned) else plan.depth_variants[:1]
+        if name == "lan" and "straggler" in profiles:
+            replicas = [1, 2]
+        widest = DemoOptions(stages=max(plan.stages.values()), replicas=max(replicas), trainers=1)
+        entry: dict = {"runs": {}}
+        label = f"{name} (tuned hosts)" if tuned else name
+        folder = work / f"wan-{label.replace(' ', '_').replace('(', '').replace(')', '')}"
+        with wan_session(profile, widest, folder, rate_seconds=plan.rate_seconds, tuned_hosts=tuned) as session:
+            entry["links"] = [m.as_dict() for m in session.links]
+            entry["link_check_attempts"] = session.link_check_attempts
+            for config in plan.configs:
+                half = max(1, load_config(config).train.microbatches // 2)
+                for count in replicas:
+                    variants = {variant: overrides for variant, overrides in
+                                (("adaptive", {}), ("half a batch", {"max_in_flight": half}),
+                                 ("adaptive, staleness 4", {"max_staleness": 4.0}))
+                                if variant in names and (count == 1 or variant == "adaptive")}
+                    for repeat in range(plan.profile_repeats):
+                        for variant, overrides in variants.items():
+                            options = DemoOptions(config=config, stages=plan.stages[config], steps=plan.steps[config],
+                                                  seed=plan.seed, replicas=count, **overrides)
+                            key = f"{config} x{count} {variant}"
+                            run = session.run(options, folder / f"{key.replace(' ', '_')}-{repeat}")
+                            entry["runs"].setdefault(key, []).append(
+                                {**_figures(run.summary), "load": [list(run.load_before), _load()], "code": run.code})
+            entry["relay"] = session.topology.relay_stats()
+        result["profiles"][label] = entry
+    return result
+
+
+# ----------------------------------------------------------------------------- row 4
+
+
+def _averaging(summary: dict) -> dict:
+    figures = averaging_bench.averaging_figures(summary) if summary.get("tokens_per_s") else {}
+    return {"outcomes": figures.get("outcomes"), "bytes_per_param_per_local_step": figures.get(
+        "bytes_per_param_per_local_step"), "blocked_fraction": figures.get("blocked_fraction"),
+        "bytes_per_global_step": figures.get("bytes_per_global_step"), "lag_steps": figures.get("lag_steps")}
+
+
+EQUAL_TIME_VARIANTS = {
+    "sparta, the report's cadence": {"averaging": "sparta", "averaging_fraction": REPORT_FRACTION,
+                                     "averaging_every": REPORT_EVERY},
+    "everything every step": {"averaging": "sparta", "averaging_fraction": 1.0, "averaging_every": 1},
+    "no averaging": {"averaging": "none"},
+}
+
+
+def equal_time_row(plan: SuitePlan, work: Path) -> dict:
+    """Held-out loss after the same training time over agora-floor, 2 replicas per stage, for the
+    report's sparse cadence, full averaging every step and none; then the first two again at other
+    link rates (same 80 ms round trip) to find where full averaging stops paying."""
+    base = profile_named("agora-floor")
+    points = [(base.link.upload_mbit, base)]
+    for mbit in plan.crossover_mbit:
+        if mbit != base.link.upload_mbit:
+            points.append((mbit, Profile(f"{mbit:g} Mbit/s, 80 ms", LinkSpec(mbit, mbit, base.link.rtt_ms),
+                                         f"{mbit:g} Mbit/s each way, 80 ms RTT")))
+    steps = 4000  # the schedule's length: no run reaches it within the time budget
+    result: dict = {"time_budget_s": plan.equal_time_s, "schedule_steps": steps, "points": {}}
+    for mbit, profile in points:
+        variants = {k: v for k, v in EQUAL_TIME_VARIANTS.items() if k in plan.equal_time_variants
+                    and (profile is base or k != "no averaging")}
+        widest = DemoOptions(stages=3, replicas=2, trainers=1, insecure=plan.insecure)
+        folder = work / f"equal-time-{mbit:g}"
+        point: dict = {"runs": {}}
+        with wan_session(profile, widest, folder, rate_seconds=plan.rate_seconds) as session:
+            point["links"] = [m.as_dict() for m in session.links]
+            for repeat in range(plan.equal_time_repeats):
+                for name, overrides in variants.items():
+                    options = DemoOptions(config="tiny", stages=3, replicas=2, steps=steps, seed=plan.seed,
+                                          time_budget_s=plan.equal_time_s, insecure=plan.insecure, **overrides)
+                    run = session.run(options, folder / f"{name.replace(' ', '_').replace(',', '')}-{repeat}")
+                    point["runs"].setdefault(name, []).append(
+                        {**_figures(run.summary), **_averaging(run.summary), "load": [list(run.load_before), _load()]})
+        result["points"][f"{mbit:g}"] = point
+    return result
+
+
+# ----------------------------------------------------------------------------- row 5
+
+
+def convergence_row(plan: SuitePlan, work: Path) -> dict:
+    """Held-out loss after equal tokens on loopback (tiny, 3 stages, 2 replicas, tiny's sparta
+    cadence): the swarm against the same recipe run exactly in one process, against train-local, and
+    the subspace model against its dense control."""
+    steps = plan.convergence_steps
+    base = load_config("tiny")
+    config = replace(base, seed=plan.seed, model=replace(base.model, basis_seed=plan.seed),
+                     data=replace(base.data, seed=plan.seed),
+                     optim=replace(base.optim, total_steps=steps)).with_stages(3).validate()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        local = averaging_bench.train_local(config, steps)
+        dense = averaging_bench.train_local(replace(config, model=replace(config.model, rank=None)), steps)
+        exact = averaging_bench.ideal_sparta(config, steps, 2)
+    finally:
+        torch.set_num_threads(threads)
+    run = ["--config", "tiny", "--stages", "3", "--steps", str(steps), "--schedule-steps", str(steps),
+           "--seed", str(plan.seed)] + (["--insecure"] if plan.insecure else [])
+    folder = work / "convergence"
+    folder.mkdir(parents=True, exist_ok=True)
+    swarms = {}
+    for name, flags in (("demo --replicas 2 (sparta)", ["--replicas", "2", "--averaging", "sparta"]),
+                        ("demo --replicas 1", ["--replicas", "1"])):
+        before = _load()
+        summary = swarm_vs_local.demo(run, flags, folder, name.split()[-1].strip("()"))
+        swarms[name] = {**_figures(summary), **_averaging(summary), "load": [before, _load()]}
+    sync = config.sync
+    return {"steps": steps, "sync": {"fraction": sync.fraction, "every_steps": sync.every_steps},
+            "train_local": local, "dense": dense, "exact_in_process": exact, "swarm": swarms}
+
+
+# ----------------------------------------------------------------------------- row 7
+
+
+def join_row(plan: SuitePlan, work: Path) -> dict:
+    """Seconds from a newcomer's start to member, per profile: `demo --chaos` (a worker or the trainer
+    killed -9 every `join_chaos_s`, a newcomer with a new identity and empty state started in its
+    place, on a spare node of the profile's link) on tiny, 3 stages x 2 replicas. Member: the first
+    line of the newcomer's log that says so (node/demo/chaos.py); a worker that never got there by
+    the end is kept as None, so the table can say so."""
+    result: dict = {"chaos_s": plan.join_chaos_s, "time_budget_s": plan.join_budget_s, "profiles": {}}
+    widest = DemoOptions(stages=3, replicas=2, trainers=1, insecure=plan.insecure)
+    for name in plan.join_profiles:
+        folder = work / f"join-{name}"
+        with wan_session(profile_named(name), widest, folder, rate_seconds=plan.rate_seconds,
+                         spares=chaos_spares(widest)) as session:
+            # More steps than the budget allows: the trainers' time budget ends the run (a newcomer
+            # trainer's starts at its own start), not the step count.
+            options = DemoOptions(config="tiny", stages=3, replicas=2, steps=4000, seed=plan.seed,
+                                  insecure=plan.insecure, time_budget_s=plan.join_budget_s,
+                                  chaos_s=plan.join_chaos_s, chaos_seed=plan.seed, lease_s=5.0)
+            run = session.run(options, folder / "chaos")
+        churn = run.summary.get("churn") or {}
+        joins = [j.get("seconds_to_member") for j in churn.get("joins", []) if j.get("name", "").startswith("worker")]
+        result["profiles"][name] = {"links": [m.as_dict() for m in session.links], "kills": churn.get("kills"),
+                                    "worker_joins_s": joins, "units": churn.get("units"),
+                                    "load": [list(run.load_before), _load()], "outcome": run.summary.get("outcome"),
+                                    "code": run.code}
+    return result
+
+
+# ----------------------------------------------------------------------------- the relay fix
+
+
+def relay_row(plan: SuitePlan) -> dict:
+    """The trainer's CPU per microbatch relaying frames, before and after (bench/trainer_relay.py)."""
+    return trainer_relay.measure(list(plan.relay_geometries), plan.relay_microbatches, repeats=plan.repeats + 1)
+
+
+def mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None

@@ -1,0 +1,371 @@
+"""bench/RESULTS.md from the suite's measurements (bench/suite_items.py): one summary table with the
+goals, a section per row, and a closing note derived from the figures (which goals were met, and
+for those that were not, what the measured split says limits them)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+__all__ = ["render"]
+
+NOT_MEASURED = {
+    8: "not measured: the accelerator issue (`--device cuda`) has not landed and this machine has no GPU",
+}
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None
+
+
+def _f(value, digits: int = 3, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:,.{digits}f}{suffix}"
+
+
+def _ratio(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _rate(runs: list[dict]) -> float | None:
+    return _mean(r.get("tokens_per_s") for r in runs)
+
+
+def _heldout(runs: list[dict]) -> float | None:
+    return _mean(r.get("heldout_loss") for r in runs)
+
+
+def _loads(runs: list[dict]) -> str:
+    return ", ".join(f"{r['load'][0][0]:.1f}->{r['load'][1][0]:.1f}" for r in runs if r.get("load"))
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def _wire(rows: dict) -> tuple[list[str], str]:
+    lines = ["## 1. Wire bytes per token per stage boundary (bench/wire_bytes.py)", "",
+             "Real tensors through the codec, framing included; forward SSN messages carry the coordinates "
+             "and the token ids, dense ones h alone.", "",
+             "| geometry | d/k | dense fp32 | dense bf16 | SSN fp32 | SSN bf16 | SSN int8 | dense-bf16 / SSN-bf16 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    headline = ""
+    for name, row in rows.items():
+        fwd = {k: v["forward_per_token"] for k, v in row.items() if isinstance(v, dict)}
+        ratio = fwd["dense-bf16"] / fwd["SSN-bf16"]
+        lines.append(f"| {name} | {row['d_over_k']:.1f} | {fwd['dense-fp32']:,.1f} | {fwd['dense-bf16']:,.1f} | "
+                     f"{fwd['SSN-fp32']:,.1f} | {fwd['SSN-bf16']:,.1f} | {fwd['SSN-int8']:,.1f} | {ratio:.1f}x |")
+        headline = f"{name}: {ratio:.1f}x fewer forward bytes (d/k = {row['d_over_k']:.0f})"
+    return lines + ["", "Bytes per token, forward message; backward carries the gradient frame only."], headline
+
+
+def _local(rows: dict) -> tuple[list[str], dict]:
+    lines = ["## 2. Swarm vs train-local on loopback (bench/swarm_vs_local.py)", "",
+             "Same model, tokens and cores: train-local in one process with 2 threads, the demo's workers "
+             "with 1 thread each on the same 2 cores.", "",
+             "| config | run | tokens/s | / train-local | held-out / train-local | trainer CPU ms / microbatch "
+             "| in flight (last, max) | load (1-min avg, before->after) |", "|---|---|---:|---:|---:|---:|---|---|"]
+    headline = {}
+    for config, row in rows.items():
+        local = row["runs"]["train-local"]
+        local_rate, local_loss = _rate(local), _heldout(local)
+        for name, runs in row["runs"].items():
+            rate, loss = _rate(runs), _heldout(runs)
+            cpu = _mean((r.get("trainer_split") or {}).get("cpu_ms") for r in runs)
+            flight = [f"{f['last']}/{f['max']}" for r in runs for f in (r.get("in_flight") or []) if f]
+            lines.append(f"| {config} ({row['stages']} stages, {row['steps']} steps) | {name} | {_f(rate, 0)} | "
+                         f"{_f(_ratio(rate, local_rate))} | {_f(_ratio(loss, local_loss), 4)} | {_f(cpu, 2)} | "
+                         f"{' '.join(flight) or '-'} | {_loads(runs)} |")
+            headline[(config, name)] = _ratio(rate, local_rate)
+    return lines, headline
+
+
+def _split_rows(label: str, runs: list[dict]) -> list[str]:
+    lines = []
+    split = runs[-1].get("time_split_by_stage") or {}
+    trainer = runs[-1].get("trainer_split") or {}
+    for stage, t in split.items():
+        lines.append(f"| {label} | {stage} | {t['round_trip_ms']:.1f} | {t['compute_ms']:.1f} | {t['queued_ms']:.1f} | "
+                     f"{t['wire_ms']:.1f} | {_f(trainer.get('cpu_ms'), 2)} | {_f(trainer.get('outside_calls_ms'), 1)} |")
+    return lines
+
+
+def _profiles(row: dict) -> tuple[list[str], dict]:
+    lines = ["## 3. Emulated internet links (bench/wan/)", "",
+             "Every process in its own network namespace; rates by `tc tbf` on each access link, delay by the "
+             "relay; admitted (the authorizer's preflight and dial-back cross the links too). What the harness "
+             "measured before the runs (TCP round trip median, receiver goodput each way):", "",
+             "| profile | link | measured RTT ms | up Mbit/s | down Mbit/s | checks needed |", "|---|---|---:|---:|---:|---:|"]
+    for name, entry in row["profiles"].items():
+        for link in entry["links"]:
+            lines.append(f"| {name} | {link['setting']} | {link['rtt_ms']} | {_f(link['upload_mbit'], 1)} | "
+                         f"{_f(link['download_mbit'], 1)} | {entry['link_check_attempts']} |")
+    lines += ["", "| profile | run | tokens/s | / lan | held-out / lan | in flight (last/max, cap) | "
+                  "unqueued latency ms | load |", "|---|---|---:|---:|---:|---|---:|---|"]
+    lan = row["profiles"].get("lan", {}).get("runs", {})
+    headline = {}
+    splits = ["", "Per call, by stage, the last run of each (ms; wire = round trip - compute - queued; trainer: "
+                  "CPU and wall time outside calls per microbatch):", "",
+              "| profile, run | stage | round trip | compute | queued | wire | trainer CPU | trainer outside calls |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, entry in row["profiles"].items():
+        for key, runs in entry["runs"].items():
+            rate, loss = _rate(runs), _heldout(runs)
+            reference = lan.get(key, [])
+            flights = [f for r in runs for f in (r.get("in_flight") or []) if f]
+            flight = " ".join(f"{f['last']}/{f['max']}, {f['cap']}" for f in flights) or "-"
+            latency = _mean(f.get("latency_ms") for f in flights)
+            ratio = _ratio(rate, _rate(reference))
+            lines.append(f"| {name} | {key} | {_f(rate, 0)} | {_f(ratio)} | {_f(_ratio(loss, _heldout(reference)), 4)} | "
+                         f"{flight} | {_f(latency, 0)} | {_loads(runs)} |")
+            headline[(name, key)] = ratio
+            splits += _split_rows(f"{name}, {key}", runs)
+    return lines + splits, headline
+
+
+def _equal_time(row: dict) -> tuple[list[str], dict]:
+    lines = [f"## 4. Held-out loss after {row['time_budget_s']:g} s of training, 2 replicas per stage", "",
+             "tiny, 3 stages, 2 replicas per stage, one trainer (adaptive depth), the same schedule "
+             f"({row['schedule_steps']} steps) for every run; each trainer starts no global batch after the "
+             "budget and then evaluates. Link: 80 ms RTT at the rate shown.", "",
+             "| link | averaging | global batches | tokens/s | held-out loss | rounds committed/other | "
+             "bytes / param / local step | compute blocked | load |", "|---|---|---:|---:|---:|---|---:|---:|---|"]
+    losses: dict = {}
+    for mbit, point in row["points"].items():
+        for name, runs in point["runs"].items():
+            loss = _heldout(runs)
+            losses[(mbit, name)] = loss
+            outcomes: dict = {}
+            for r in runs:
+                for k, n in (r.get("outcomes") or {}).items():
+                    outcomes[k] = outcomes.get(k, 0) + n
+            other = sum(n for k, n in outcomes.items() if k != "committed")
+            lines.append(f"| {mbit} Mbit/s | {name} | {_f(_mean(r.get('steps') for r in runs), 0)} | "
+                         f"{_f(_rate(runs), 0)} | {_f(loss, 4)} | {outcomes.get('committed', 0)}/{other} | "
+                         f"{_f(_mean(r.get('bytes_per_param_per_local_step') for r in runs), 3)} | "
+                         f"{_f(_mean(r.get('blocked_fraction') for r in runs) and 100 * _mean(r.get('blocked_fraction') for r in runs), 3, '%')} | "
+                         f"{_loads(runs)} |")
+    sparse, full = "sparta, the report's cadence", "everything every step"
+    verdicts = []
+    for mbit in row["points"]:
+        a, b = losses.get((mbit, sparse)), losses.get((mbit, full))
+        if a is not None and b is not None:
+            verdicts.append((float(mbit), a < b))
+    lines += ["", "Where full averaging stops paying: " + (", ".join(
+        f"at {mbit:g} Mbit/s {'sparse' if wins else 'full'} reaches the lower loss" for mbit, wins in sorted(verdicts))
+        or "not measured") + "."]
+    return lines, {"losses": losses, "verdicts": verdicts}
+
+
+def _convergence(row: dict) -> tuple[list[str], dict]:
+    local, exact = row["train_local"], row["exact_in_process"]
+    lines = [f"## 5. Held-out loss after equal tokens ({row['steps']} global batches, loopback)", "",
+             f"tiny, 3 stages, the schedule completed over the run; sparta at tiny's cadence "
+             f"({row['sync']['fraction']:g} every {row['sync']['every_steps']} steps).", "",
+             "| run | held-out loss | / exact in-process | / train-local | load |", "|---|---:|---:|---:|---|"]
+    for name, value in (("train-local", local), ("train-local, dense control", row["dense"]),
+                        ("2 replicas averaged exactly in one process (the report's reference)", exact)):
+        lines.append(f"| {name} | {_f(value, 4)} | {_f(_ratio(value, exact), 4)} | {_f(_ratio(value, local), 4)} | - |")
+    figures = {"ssn_over_dense": _ratio(local, row["dense"])}
+    for name, run in row["swarm"].items():
+        loss = run.get("heldout_loss")
+        lines.append(f"| {name} | {_f(loss, 4)} | {_f(_ratio(loss, exact), 4)} | {_f(_ratio(loss, local), 4)} | "
+                     f"{_loads([run])} |")
+        if "sparta" in name:
+            figures.update(swarm_over_exact=_ratio(loss, exact), swarm_over_local=_ratio(loss, local),
+                           bytes_per_param=run.get("bytes_per_param_per_local_step"),
+                           blocked=run.get("blocked_fraction"))
+    return lines, figures
+
+
+def _joins(row: dict) -> tuple[list[str], str]:
+    """Row 7; a profile's run that ended early or a newcomer that never became a member is shown as such."""
+    lines = [f"## 7. Joining: seconds from a newcomer's start to member", "",
+             f"`demo --chaos {row['chaos_s']:g}` on each profile (tiny, 3 stages x 2 replicas, one trainer, "
+             f"{row['time_budget_s']:g} s of training): a worker or the trainer is killed -9 and a newcomer with a "
+             "new identity and empty state starts on a spare node of the profile's link. A worker newcomer counts "
+             "from its process's start to the first line of its log that says it is a member (node/demo/chaos.py); "
+             "what it does in between (admission, the DHT join, any state sync) crosses the emulated links. "
+             "Units: the run's global batches up to the last one committed.", "",
+             "| profile | kills | worker newcomers' s to member | mean | units committed / lost / twice | outcome | load |",
+             "|---|---:|---|---:|---|---|---|"]
+    shown = []
+    for name, entry in row["profiles"].items():
+        joins = entry.get("worker_joins_s") or []
+        units = entry.get("units") or {}
+        listed = ", ".join("never" if j is None else f"{j:.1f}" for j in joins) or "-"
+        kills = entry.get("kills")
+        lines.append(f"| {name} | {'-' if kills is None else kills} | {listed} | {_f(_mean(joins), 1)} | "
+                     f"{units.get('committed', '-')} / {units.get('lost', '-')} / {units.get('duplicated', '-')} | "
+                     f"{entry.get('outcome') or '-'} | {_loads([entry])} |")
+        never = sum(1 for j in joins if j is None)
+        shown.append(f"{name}: {_f(_mean(joins), 1, ' s')}" + (f" ({never} never a member)" if never else ""))
+    return lines, "; ".join(shown)
+
+
+def _fixes(items: dict) -> tuple[list[str], list[str]]:
+    """Each fix the measurements pointed to, before and after, from the rows that measured it."""
+    lines = ["## Fixes, before and after", ""]
+    summary = []
+    relay = items.get("relay", {}).get("data")
+    if relay:
+        from agora.bench.trainer_relay import table
+
+        lines += ["The trainer as a relay (bench/trainer_relay.py: canned workers in another process, this "
+                  "process's CPU time per microbatch, one at a time through every stage and back):", "",
+                  *table(relay), ""]
+        shown = "; ".join(f"{name} {r['relay frames'] / r['generated classes, decoded replies']:.3f}"
+                          for name, r in relay.items())
+        summary.append(f"| F1 | trainer CPU per microbatch relaying frames, after / before | {shown} | - | - |")
+    profiles = (items.get("3", {}).get("data") or {}).get("profiles", {})
+    depth = []
+    for profile, entry in profiles.items():
+        runs = entry.get("runs", {})
+        for key in runs:
+            if key.endswith("adaptive") and key.replace("adaptive", "half a batch") in runs:
+                ratio = _ratio(_rate(runs[key]), _rate(runs[key.replace("adaptive", "half a batch")]))
+                depth.append(f"{profile} {key.replace(' adaptive', '')}: {_f(ratio)}")
+    if depth:
+        lines += ["Adaptive depth against the former fixed half batch (tokens/s, row 3): " + "; ".join(depth) + ".", ""]
+        summary.append(f"| F2 | tokens/s, adaptive depth / half a batch in flight | {'; '.join(depth)} | - | - |")
+    staleness = []
+    for profile, entry in profiles.items():
+        runs = entry.get("runs", {})
+        for key in runs:
+            if key.endswith("adaptive, staleness 4") and key.replace(", staleness 4", "") in runs:
+                base = runs[key.replace(", staleness 4", "")]
+                staleness.append(f"{profile} {key.split(' adaptive')[0]}: {_f(_ratio(_rate(runs[key]), _rate(base)))} "
+                                 f"tokens/s, {_f(_ratio(_heldout(runs[key]), _heldout(base)), 4)} held-out")
+    if staleness:
+        lines += ["A staleness cap of 4 global batches against the default 1 (row 3): " + "; ".join(staleness) + ".", ""]
+        summary.append(f"| F2 | `--max-staleness 4` / default 1 (tokens/s; held-out loss) | {'; '.join(staleness)} "
+                       "| - | - |")
+    tuned = [(name, entry) for name, entry in profiles.items() if name.endswith("(tuned hosts)")]
+    for name, entry in tuned:
+        plain = profiles.get(name.replace(" (tuned hosts)", ""), {}).get("runs", {})
+        shown = "; ".join(f"{key}: {_f(_ratio(_rate(runs), _rate(plain.get(key, []))))}"
+                          for key, runs in entry["runs"].items())
+        lines += [f"Hosts with `net.ipv4.tcp_slow_start_after_idle=0` against Linux's default, {name}: {shown} "
+                  "(tokens/s).", ""]
+        summary.append(f"| F3 | tokens/s, tuned hosts / default hosts ({name.split(' (')[0]}) | {shown} | - | - |")
+    local = (items.get("2", {}).get("data") or {})
+    kept = []
+    for config, row in local.items():
+        runs = row["runs"]
+        if "async, kept graphs" in runs and "async" in runs:
+            kept.append(f"{config}: {_f(_ratio(_rate(runs['async, kept graphs']), _rate(runs['async'])))} tokens/s, "
+                        f"{_f(_ratio(_heldout(runs['async, kept graphs']), _heldout(runs['async'])), 4)} held-out")
+    if kept:
+        lines += ["Kept forward graphs (`--keep-graphs`) against the recompute (row 2): " + "; ".join(kept) + ".", ""]
+        summary.append(f"| F4 | kept forward graphs / recompute at Backward | {'; '.join(kept)} | - | - |")
+    summary.append("| F5 | gRPC compression off for activations, keepalive both sides accept | checked on the wire: "
+                   "tests/test_connection_options.py | - | yes |")
+    return lines, summary
+
+
+# ----------------------------------------------------------------------------- the whole file
+
+
+def _met(value, goal, lower_is_better=False) -> str:
+    if value is None:
+        return "-"
+    return "yes" if (value <= goal if lower_is_better else value >= goal) else "no"
+
+
+def render(results: dict) -> str:
+    machine = results["machine"]
+    lines = ["# Agora node: benchmark results", "",
+             f"Written by `{results['command']}` ({'quick: a smoke run, not figures' if results['quick'] else 'full run'}) "
+             f"on {results['date']}, commit {results['commit']}. Machine: {machine['cpu']} ({machine['cores']} cores), "
+             f"{machine['ram_gib']} GiB RAM, Linux {machine['kernel']}, Python {machine['python']}, torch "
+             f"{machine['torch']}; shared with other work: 1-minute load average {machine['load_start'][0]:.1f} at the "
+             f"start and {machine['load_end'][0]:.1f} at the end (each run's load is in its row). Raw figures: "
+             "`agora-node bench --json F`.", ""]
+    sections: list[str] = []
+    summary = ["## Summary", "", "| # | what | measured | goal | met |", "|---|---|---|---|---|"]
+    notes: list[str] = []
+    items = results["items"]
+
+    def failed(number: int, what: str) -> bool:
+        error = items.get(str(number), {}).get("error")
+        if error:
+            summary.append(f"| {number} | {what} | failed: {error} | | |")
+        return bool(error)
+
+    if not failed(1, "wire bytes"):
+        text, headline = _wire(items["1"]["data"])
+        sections += text + [""]
+        summary.append(f"| 1 | wire bytes per token per boundary, dense-bf16 / SSN-bf16 | {headline} | - | - |")
+    if "2" in items and not failed(2, "swarm / train-local"):
+        text, ratios = _local(items["2"]["data"])
+        sections += text + [""]
+        shown = "; ".join(f"{config} {name}: {_f(ratio)}" for (config, name), ratio in ratios.items()
+                          if name in ("async", "async, kept graphs"))
+        summary.append(f"| 2 | swarm tokens/s / train-local tokens/s (loopback) | {shown} | - | - |")
+    if "3" in items and not failed(3, "tokens/s per profile / lan"):
+        text, ratios = _profiles(items["3"]["data"])
+        sections += text + [""]
+        floor = {key: ratio for (profile, key), ratio in ratios.items() if profile == "agora-floor"}
+        shown = "; ".join(f"{key}: {_f(ratio)}" for key, ratio in floor.items())
+        best = max((r for r in floor.values() if r is not None), default=None)
+        summary.append(f"| 3 | tokens/s at agora-floor / lan | {shown or '-'} | >= 0.9 | {_met(best, 0.9)} |")
+        others = "; ".join(f"{p} {key}: {_f(r)}" for (p, key), r in ratios.items() if p not in ("lan", "agora-floor"))
+        if others:
+            summary.append(f"| 3 | tokens/s at the other profiles / lan | {others} | - | - |")
+        notes += _depth_note(items["3"]["data"], best)
+    if "4" in items and not failed(4, "loss at equal wall-clock"):
+        text, figures = _equal_time(items["4"]["data"])
+        sections += text + [""]
+        floor = [(name, loss) for (mbit, name), loss in figures["losses"].items() if mbit == "200"]
+        shown = "; ".join(f"{name}: {_f(loss, 4)}" for name, loss in floor)
+        wins = dict(figures["verdicts"]).get(200.0)
+        summary.append(f"| 4 | held-out loss after equal training time over agora-floor | {shown} | sparse below "
+                       f"full | {'-' if wins is None else ('yes' if wins else 'no')} |")
+    if "5" in items and not failed(5, "loss after equal tokens"):
+        text, figures = _convergence(items["5"]["data"])
+        sections += text + [""]
+        summary.append(f"| 5 | held-out loss after equal tokens: swarm / exact in-process; swarm / train-local; "
+                       f"SSN / dense | {_f(figures.get('swarm_over_exact'), 4)}; {_f(figures.get('swarm_over_local'), 4)}; "
+                       f"{_f(figures.get('ssn_over_dense'), 4)} | <= 1.01 | "
+                       f"{_met(figures.get('swarm_over_exact'), 1.01, lower_is_better=True)} |")
+        blocked = figures.get("blocked")
+        summary.append(f"| 6 | averaging: bytes / parameter / local step; share of compute time blocked | "
+                       f"{_f(figures.get('bytes_per_param'), 3)}; {_f(blocked and 100 * blocked, 3, '%')} | - | - |")
+    if "7" in items and not failed(7, "join: seconds from start to member"):
+        text, shown = _joins(items["7"]["data"])
+        sections += text + [""]
+        summary.append(f"| 7 | join: seconds from a newcomer's start to member (mean of worker newcomers) | "
+                       f"{shown} | - | - |")
+    for number, text in NOT_MEASURED.items():
+        summary.append(f"| {number} | one stage on a GPU: tokens/s, MFU | {text} | | |")
+    fix_lines, fix_summary = _fixes(items)
+    sections += fix_lines
+    summary += fix_summary
+    closing = ["## Closing note", ""] + (notes or ["Nothing to add beyond the table."])
+    return "\n".join(lines + summary + [""] + sections + closing) + "\n"
+
+
+def _depth_note(row: dict, best: float | None) -> list[str]:
+    """What limits tokens/s at agora-floor, from its adaptive run's own figures."""
+    runs = row["profiles"].get("agora-floor", {}).get("runs", {})
+    key = next((k for k in runs if k.endswith("adaptive")), None)
+    if key is None:
+        return []
+    last = runs[key][-1]
+    flight = (last.get("in_flight") or [{}])[0] or {}
+    split = last.get("time_split_by_stage") or {}
+    compute = flight.get("stage_compute_ms") or []
+    wanted = math.ceil(flight["latency_ms"] / max(compute)) if compute and max(compute) > 0 else None
+    round_trips = sum(t["round_trip_ms"] * (1 if stage == str(len(split) - 1) else 2) for stage, t in split.items())
+    verdict = "met" if best is not None and best >= 0.9 else "not met"
+    text = (f"Row 3's goal (>= 0.9 of lan's tokens/s at agora-floor) is {verdict} ({key}: {_f(best)}). "
+            f"A microbatch's unqueued latency there was {_f(flight.get('latency_ms'), 0)} ms (its calls' round trips "
+            f"add up to ~{round_trips:.0f} ms) against {_f(max(compute) if compute else None, 0)} ms of compute on the "
+            f"busiest stage, so filling the pipe takes ~{wanted} microbatches in flight; the trainer held "
+            f"{flight.get('last')} (cap {flight.get('cap')} = `--max-staleness` global batches).")
+    if wanted is not None and flight.get("cap") is not None and wanted > flight["cap"]:
+        text += (" The cap, not the links, is what limits it: more in flight would hide the round trips and cost "
+                 "convergence (staleness is depth / microbatches per batch steps; see row 2's and row 3's held-out "
+                 "columns).")
+    return [text]

@@ -1,0 +1,103 @@
+"""How many microbatches a trainer keeps in flight: enough to fill the pipe, no more.
+
+A microbatch alone takes `latency` to go through the pipeline: every stage's compute plus every
+call's round trip and the trainer's own work between calls (queueing excluded: that is what too
+many in flight causes, and counting it would make the depth feed on itself). The busiest stage
+is kept busy when a new microbatch reaches it as soon as it finishes the last, i.e. with
+
+    depth = ceil(latency / bottleneck)
+
+microbatches in flight, `bottleneck` being that stage's compute per microbatch (forward and
+backward). On loopback the round trips are a few milliseconds and the depth is about the number
+of stages; over 80 ms links it grows with the round trips, and a fixed depth there leaves every
+worker idle most of the time.
+
+More in flight than that buys nothing (the bottleneck is already busy) and costs convergence: a
+microbatch started before a worker steps finishes on newer weights, and the staleness is about
+depth / microbatches-per-batch optimizer steps. So the depth is also capped (`cap`), which the
+trainer derives from `--max-staleness` (global batches).
+
+`fill_depth` is the pure rule (unit-tested); `DepthEstimate` keeps the moving averages the
+trainer feeds it from every training microbatch; `InFlightLimit` is the resizable semaphore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+__all__ = ["fill_depth", "DepthEstimate", "InFlightLimit", "SMOOTHING"]
+
+# Weight of the newest microbatch in the moving averages: ~10 microbatches of memory.
+SMOOTHING = 0.1
+
+
+def fill_depth(latency_s: float, stage_compute_s: Sequence[float], *, cap: int, floor: int = 1) -> int:
+    """Microbatches in flight that keep the busiest stage busy (see the module docstring), in
+    [floor, cap]. `latency_s`: one microbatch's time through the pipeline, queueing excluded;
+    `stage_compute_s`: each stage's compute per microbatch."""
+    if cap < 1 or floor < 1:
+        raise ValueError(f"cap and floor must be at least 1, got cap={cap} floor={floor}")
+    floor = min(floor, cap)
+    bottleneck = max(stage_compute_s, default=0.0)
+    if not bottleneck > 0 or not latency_s > 0:
+        return floor
+    return max(floor, min(cap, math.ceil(latency_s / bottleneck - 1e-9)))
+
+
+@dataclass
+class DepthEstimate:
+    """Moving averages of a microbatch's unqueued latency and of each stage's compute."""
+
+    stages: int
+    latency_s: float = 0.0
+    stage_compute_s: list[float] = field(default_factory=list)
+    samples: int = 0
+
+    def observe(self, wall_s: float, compute_by_stage: Sequence[float], queued_s: float) -> None:
+        """One training microbatch: its wall time, each stage's compute on it, its total queueing."""
+        latency = max(0.0, wall_s - queued_s)
+        if self.samples == 0:
+            self.latency_s, self.stage_compute_s = latency, list(compute_by_stage)
+        else:
+            self.latency_s += SMOOTHING * (latency - self.latency_s)
+            self.stage_compute_s = [old + SMOOTHING * (new - old)
+                                    for old, new in zip(self.stage_compute_s, compute_by_stage)]
+        self.samples += 1
+
+    def depth(self, *, cap: int, floor: int = 1) -> int | None:
+        """The fill depth from what was observed; None before the first microbatch."""
+        if self.samples == 0:
+            return None
+        return fill_depth(self.latency_s, self.stage_compute_s, cap=cap, floor=floor)
+
+
+class InFlightLimit:
+    """A semaphore whose limit can change while it is held (lowering it lets holders finish)."""
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        self.limit = limit
+        self.active = 0
+        self._changed = asyncio.Condition()
+
+    async def set(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        async with self._changed:
+            self.limit = limit
+            self._changed.notify_all()
+
+    async def __aenter__(self) -> "InFlightLimit":
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.active < self.limit)
+            self.active += 1
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        async with self._changed:
+            self.active -= 1
+            self._changed.notify_all()

@@ -1,0 +1,72 @@
+"""The adaptive depth (node/trainer/inflight.py): the fill rule, its moving averages, the resizable limit."""
+
+import asyncio
+
+import pytest
+
+from agora.node.trainer.inflight import DepthEstimate, InFlightLimit, fill_depth
+
+
+def test_depth_hides_the_latency_behind_the_busiest_stage():
+    # Loopback: 3 stages of ~20 ms and ~15 ms of round trips: about one microbatch per stage.
+    assert fill_depth(0.075, [0.020, 0.020, 0.016], cap=16) == 4
+    # 80 ms links: five calls of ~80 ms on top of the same compute.
+    assert fill_depth(0.075 + 5 * 0.080, [0.020, 0.020, 0.016], cap=64) == 24
+    # A slow stage is the one to keep busy: fewer in flight suffice.
+    assert fill_depth(0.5, [0.1, 0.25, 0.05], cap=64) == 2
+
+
+def test_depth_is_capped_floored_and_sane_without_measurements():
+    assert fill_depth(10.0, [0.01], cap=8) == 8
+    assert fill_depth(0.001, [0.5], cap=8) == 1
+    assert fill_depth(0.001, [0.5], cap=8, floor=3) == 3
+    assert fill_depth(1.0, [], cap=8, floor=2) == 2 and fill_depth(0.0, [0.1], cap=8) == 1
+    assert fill_depth(0.4, [0.1], cap=8) == 4  # an exact multiple is not rounded up by float noise
+    with pytest.raises(ValueError):
+        fill_depth(1.0, [0.1], cap=0)
+
+
+def test_estimate_excludes_queueing_and_follows_changes():
+    estimate = DepthEstimate(stages=2)
+    assert estimate.depth(cap=8) is None
+    estimate.observe(wall_s=0.5, compute_by_stage=[0.1, 0.1], queued_s=0.3)  # 0.2 s unqueued
+    assert estimate.depth(cap=8) == 2
+    for _ in range(100):  # the links got slower
+        estimate.observe(wall_s=1.0, compute_by_stage=[0.1, 0.1], queued_s=0.0)
+    assert estimate.latency_s == pytest.approx(1.0, rel=1e-3) and estimate.depth(cap=8) == 8
+
+
+async def _settle() -> None:
+    """Let every ready task run (no timers involved: the limit is woken only by its own calls)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+def test_limit_can_shrink_and_grow_while_held():
+    async def scenario():
+        limit = InFlightLimit(2)
+        entered = []
+
+        async def hold(name, release):
+            async with limit:
+                entered.append(name)
+                await release.wait()
+
+        first, second, third = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        tasks = [asyncio.create_task(hold("a", first)), asyncio.create_task(hold("b", second))]
+        await _settle()
+        await limit.set(1)  # lowered while two are in: both finish, nobody new enters until one is left
+        tasks.append(asyncio.create_task(hold("c", third)))
+        await _settle()
+        first.set()
+        await _settle()
+        assert entered == ["a", "b"] and limit.active == 1
+        second.set()
+        await _settle()
+        assert entered == ["a", "b", "c"]
+        await limit.set(3)
+        third.set()
+        await asyncio.gather(*tasks)
+        assert limit.active == 0 and limit.limit == 3
+
+    asyncio.run(scenario())
