@@ -59,6 +59,8 @@ class TrainerMetrics:
                                    registry=registry)
         self.reroutes = Counter("agora_trainer_reroutes", "Microbatch routes abandoned and rerun on another route",
                                 registry=registry)
+        self.repeats = Counter("agora_trainer_repeats", "Stage calls whose worker had applied that work already (a "
+                               "reclaimed unit's microbatch: computed, not applied again)", ["stage"], registry=registry)
         self.busy_retries = Counter("agora_trainer_busy_retries", "Calls a full worker refused (RESOURCE_EXHAUSTED)",
                                     registry=registry)
         self.bans = Counter("agora_trainer_bans", "Workers benched by this trainer after a failed call",

@@ -92,6 +92,7 @@ class ForwardRequest:
     wire: bytes = b""  # empty for the head
     targets: bytes = b""  # the tail only
     evaluate: bool = False  # held-out loss: no stash, no gradients
+    work_key: str = ""  # the unit and index this microbatch trains on; applied once per worker
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class ForwardReply:
     step: int = 0
     queued_s: float = 0.0  # waiting for the compute thread
     compute_s: float = 0.0  # on the compute thread
+    repeat: bool = False  # tail: its work key was applied here already, the gradient not added again
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ class BackwardReply:
     step: int = 0
     queued_s: float = 0.0
     compute_s: float = 0.0
+    repeat: bool = False  # its work key was applied here already, the gradient not added again
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61gora/protos/stage.proto\x12\x08\x61gora.v1\"\x87\x01\n\x0e\x46orwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0c\n\x04wire\x18\x04 \x01(\x0c\x12\x0e\n\x06tokens\x18\x05 \x01(\x0c\x12\x0f\n\x07targets\x18\x06 \x01(\x0c\x12\x10\n\x08\x65valuate\x18\x07 \x01(\x08\"\x7f\n\x0c\x46orwardReply\x12\x0c\n\x04wire\x18\x01 \x01(\x0c\x12\x11\n\x04loss\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\ninput_grad\x18\x03 \x01(\x0c\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x10\n\x08queued_s\x18\x05 \x01(\x01\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\x42\x07\n\x05_loss\"\\\n\x0f\x42\x61\x63kwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x13\n\x0boutput_grad\x18\x04 \x01(\x0c\"V\n\rBackwardReply\x12\x12\n\ninput_grad\x18\x01 \x01(\x0c\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x10\n\x08queued_s\x18\x03 \x01(\x01\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\"\xa2\x01\n\x0bStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x14\n\x0cmicrobatches\x18\x03 \x01(\r\x12\x11\n\x04step\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1c\n\x0f\x63ompleted_batch\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x10\n\x08replicas\x18\x06 \x01(\rB\x07\n\x05_stepB\x12\n\x10_completed_batch\"^\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\tgrad_norm\x18\x02 \x01(\x01\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x0f\n\x07skipped\x18\x04 \x01(\x08\x12\x13\n\x0b\x61\x63\x63umulated\x18\x05 \x01(\r\"D\n\x0c\x41\x62ortRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\"/\n\nAbortReply\x12\x10\n\x08reverted\x18\x01 \x01(\x08\x12\x0f\n\x07outcome\x18\x02 \x01(\t\"\x85\x01\n\x0cInferRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x10\n\x08position\x18\x04 \x01(\x04\x12\x0e\n\x06tokens\x18\x05 \x01(\x0c\x12\x0c\n\x04wire\x18\x06 \x01(\x0c\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\"\x83\x01\n\nInferReply\x12\x0c\n\x04wire\x18\x01 \x01(\x0c\x12\x0e\n\x06logits\x18\x02 \x01(\x0c\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x14\n\x0csession_step\x18\x05 \x01(\x04\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\"H\n\x13\x43loseSessionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nsession_id\x18\x03 \x01(\t\"#\n\x11\x43loseSessionReply\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"R\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\"r\n\nStateChunk\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x04\"\r\n\x0bInfoRequest\"\xdf\x01\n\tInfoReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x10\n\x08n_stages\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x0c\n\x04load\x18\x06 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\r\x12\x0f\n\x07stashed\x18\x08 \x01(\r\x12\x13\n\x0bsynchronous\x18\t \x01(\x08\x12\x12\n\nthroughput\x18\n \x01(\x01\x12\x10\n\x08sessions\x18\x0b \x01(\r\x12\x18\n\x10session_capacity\x18\x0c \x01(\r2\xb2\x05\n\x05Stage\x12;\n\x07\x46orward\x12\x18.agora.v1.ForwardRequest\x1a\x16.agora.v1.ForwardReply\x12>\n\x08\x42\x61\x63kward\x12\x19.agora.v1.BackwardRequest\x1a\x17.agora.v1.BackwardReply\x12\x32\n\x04Step\x12\x15.agora.v1.StepRequest\x1a\x13.agora.v1.StepReply\x12\x35\n\x05\x41\x62ort\x12\x16.agora.v1.AbortRequest\x1a\x14.agora.v1.AbortReply\x12\x32\n\x04Info\x12\x15.agora.v1.InfoRequest\x1a\x13.agora.v1.InfoReply\x12\x45\n\rForwardStream\x12\x18.agora.v1.ForwardRequest\x1a\x16.agora.v1.ForwardReply(\x01\x30\x01\x12H\n\x0e\x42\x61\x63kwardStream\x12\x19.agora.v1.BackwardRequest\x1a\x17.agora.v1.BackwardReply(\x01\x30\x01\x12\x37\n\x07Prefill\x12\x16.agora.v1.InferRequest\x1a\x14.agora.v1.InferReply\x12\x36\n\x06\x44\x65\x63ode\x12\x16.agora.v1.InferRequest\x1a\x14.agora.v1.InferReply\x12J\n\x0c\x43loseSession\x12\x1d.agora.v1.CloseSessionRequest\x1a\x1b.agora.v1.CloseSessionReply\x12?\n\rDownloadState\x12\x16.agora.v1.StateRequest\x1a\x14.agora.v1.StateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61gora/protos/stage.proto\x12\x08\x61gora.v1\"\x99\x01\n\x0e\x46orwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0c\n\x04wire\x18\x04 \x01(\x0c\x12\x0e\n\x06tokens\x18\x05 \x01(\x0c\x12\x0f\n\x07targets\x18\x06 \x01(\x0c\x12\x10\n\x08\x65valuate\x18\x07 \x01(\x08\x12\x10\n\x08work_key\x18\x08 \x01(\t\"\x8f\x01\n\x0c\x46orwardReply\x12\x0c\n\x04wire\x18\x01 \x01(\x0c\x12\x11\n\x04loss\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\ninput_grad\x18\x03 \x01(\x0c\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x10\n\x08queued_s\x18\x05 \x01(\x01\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\x12\x0e\n\x06repeat\x18\x07 \x01(\x08\x42\x07\n\x05_loss\"\\\n\x0f\x42\x61\x63kwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x13\n\x0boutput_grad\x18\x04 \x01(\x0c\"f\n\rBackwardReply\x12\x12\n\ninput_grad\x18\x01 \x01(\x0c\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x10\n\x08queued_s\x18\x03 \x01(\x01\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x0e\n\x06repeat\x18\x05 \x01(\x08\"\xa2\x01\n\x0bStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x14\n\x0cmicrobatches\x18\x03 \x01(\r\x12\x11\n\x04step\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1c\n\x0f\x63ompleted_batch\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x10\n\x08replicas\x18\x06 \x01(\rB\x07\n\x05_stepB\x12\n\x10_completed_batch\"^\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\tgrad_norm\x18\x02 \x01(\x01\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x0f\n\x07skipped\x18\x04 \x01(\x08\x12\x13\n\x0b\x61\x63\x63umulated\x18\x05 \x01(\r\"D\n\x0c\x41\x62ortRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\"/\n\nAbortReply\x12\x10\n\x08reverted\x18\x01 \x01(\x08\x12\x0f\n\x07outcome\x18\x02 \x01(\t\"\x85\x01\n\x0cInferRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x10\n\x08position\x18\x04 \x01(\x04\x12\x0e\n\x06tokens\x18\x05 \x01(\x0c\x12\x0c\n\x04wire\x18\x06 \x01(\x0c\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\"\x83\x01\n\nInferReply\x12\x0c\n\x04wire\x18\x01 \x01(\x0c\x12\x0e\n\x06logits\x18\x02 \x01(\x0c\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x14\n\x0csession_step\x18\x05 \x01(\x04\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\"H\n\x13\x43loseSessionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nsession_id\x18\x03 \x01(\t\"#\n\x11\x43loseSessionReply\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"R\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\"r\n\nStateChunk\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x04\"\r\n\x0bInfoRequest\"\xdf\x01\n\tInfoReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x10\n\x08n_stages\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x0c\n\x04load\x18\x06 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\r\x12\x0f\n\x07stashed\x18\x08 \x01(\r\x12\x13\n\x0bsynchronous\x18\t \x01(\x08\x12\x12\n\nthroughput\x18\n \x01(\x01\x12\x10\n\x08sessions\x18\x0b \x01(\r\x12\x18\n\x10session_capacity\x18\x0c \x01(\r2\xb2\x05\n\x05Stage\x12;\n\x07\x46orward\x12\x18.agora.v1.ForwardRequest\x1a\x16.agora.v1.ForwardReply\x12>\n\x08\x42\x61\x63kward\x12\x19.agora.v1.BackwardRequest\x1a\x17.agora.v1.BackwardReply\x12\x32\n\x04Step\x12\x15.agora.v1.StepRequest\x1a\x13.agora.v1.StepReply\x12\x35\n\x05\x41\x62ort\x12\x16.agora.v1.AbortRequest\x1a\x14.agora.v1.AbortReply\x12\x32\n\x04Info\x12\x15.agora.v1.InfoRequest\x1a\x13.agora.v1.InfoReply\x12\x45\n\rForwardStream\x12\x18.agora.v1.ForwardRequest\x1a\x16.agora.v1.ForwardReply(\x01\x30\x01\x12H\n\x0e\x42\x61\x63kwardStream\x12\x19.agora.v1.BackwardRequest\x1a\x17.agora.v1.BackwardReply(\x01\x30\x01\x12\x37\n\x07Prefill\x12\x16.agora.v1.InferRequest\x1a\x14.agora.v1.InferReply\x12\x36\n\x06\x44\x65\x63ode\x12\x16.agora.v1.InferRequest\x1a\x14.agora.v1.InferReply\x12J\n\x0c\x43loseSession\x12\x1d.agora.v1.CloseSessionRequest\x1a\x1b.agora.v1.CloseSessionReply\x12?\n\rDownloadState\x12\x16.agora.v1.StateRequest\x1a\x14.agora.v1.StateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,37 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'agora.protos.stage_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FORWARDREQUEST']._serialized_start=39
-  _globals['_FORWARDREQUEST']._serialized_end=174
-  _globals['_FORWARDREPLY']._serialized_start=176
-  _globals['_FORWARDREPLY']._serialized_end=303
-  _globals['_BACKWARDREQUEST']._serialized_start=305
-  _globals['_BACKWARDREQUEST']._serialized_end=397
-  _globals['_BACKWARDREPLY']._serialized_start=399
-  _globals['_BACKWARDREPLY']._serialized_end=485
-  _globals['_STEPREQUEST']._serialized_start=488
-  _globals['_STEPREQUEST']._serialized_end=650
-  _globals['_STEPREPLY']._serialized_start=652
-  _globals['_STEPREPLY']._serialized_end=746
-  _globals['_ABORTREQUEST']._serialized_start=748
-  _globals['_ABORTREQUEST']._serialized_end=816
-  _globals['_ABORTREPLY']._serialized_start=818
-  _globals['_ABORTREPLY']._serialized_end=865
-  _globals['_INFERREQUEST']._serialized_start=868
-  _globals['_INFERREQUEST']._serialized_end=1001
-  _globals['_INFERREPLY']._serialized_start=1004
-  _globals['_INFERREPLY']._serialized_end=1135
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1137
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1209
-  _globals['_CLOSESESSIONREPLY']._serialized_start=1211
-  _globals['_CLOSESESSIONREPLY']._serialized_end=1246
-  _globals['_STATEREQUEST']._serialized_start=1248
-  _globals['_STATEREQUEST']._serialized_end=1330
-  _globals['_STATECHUNK']._serialized_start=1332
-  _globals['_STATECHUNK']._serialized_end=1446
-  _globals['_INFOREQUEST']._serialized_start=1448
-  _globals['_INFOREQUEST']._serialized_end=1461
-  _globals['_INFOREPLY']._serialized_start=1464
-  _globals['_INFOREPLY']._serialized_end=1687
-  _globals['_STAGE']._serialized_start=1690
-  _globals['_STAGE']._serialized_end=2380
+  _globals['_FORWARDREQUEST']._serialized_end=192
+  _globals['_FORWARDREPLY']._serialized_start=195
+  _globals['_FORWARDREPLY']._serialized_end=338
+  _globals['_BACKWARDREQUEST']._serialized_start=340
+  _globals['_BACKWARDREQUEST']._serialized_end=432
+  _globals['_BACKWARDREPLY']._serialized_start=434
+  _globals['_BACKWARDREPLY']._serialized_end=536
+  _globals['_STEPREQUEST']._serialized_start=539
+  _globals['_STEPREQUEST']._serialized_end=701
+  _globals['_STEPREPLY']._serialized_start=703
+  _globals['_STEPREPLY']._serialized_end=797
+  _globals['_ABORTREQUEST']._serialized_start=799
+  _globals['_ABORTREQUEST']._serialized_end=867
+  _globals['_ABORTREPLY']._serialized_start=869
+  _globals['_ABORTREPLY']._serialized_end=916
+  _globals['_INFERREQUEST']._serialized_start=919
+  _globals['_INFERREQUEST']._serialized_end=1052
+  _globals['_INFERREPLY']._serialized_start=1055
+  _globals['_INFERREPLY']._serialized_end=1186
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1188
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1260
+  _globals['_CLOSESESSIONREPLY']._serialized_start=1262
+  _globals['_CLOSESESSIONREPLY']._serialized_end=1297
+  _globals['_STATEREQUEST']._serialized_start=1299
+  _globals['_STATEREQUEST']._serialized_end=1381
+  _globals['_STATECHUNK']._serialized_start=1383
+  _globals['_STATECHUNK']._serialized_end=1497
+  _globals['_INFOREQUEST']._serialized_start=1499
+  _globals['_INFOREQUEST']._serialized_end=1512
+  _globals['_INFOREPLY']._serialized_start=1515
+  _globals['_INFOREPLY']._serialized_end=1738
+  _globals['_STAGE']._serialized_start=1741
+  _globals['_STAGE']._serialized_end=2431
 # @@protoc_insertion_point(module_scope)

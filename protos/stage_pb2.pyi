@@ -5,7 +5,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("run_id", "microbatch_id", "stage", "wire", "tokens", "targets", "evaluate")
+    __slots__ = ("run_id", "microbatch_id", "stage", "wire", "tokens", "targets", "evaluate", "work_key")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -13,6 +13,7 @@ class ForwardRequest(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
+    WORK_KEY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     microbatch_id: str
     stage: int
@@ -20,23 +21,26 @@ class ForwardRequest(_message.Message):
     tokens: bytes
     targets: bytes
     evaluate: bool
-    def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., wire: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., evaluate: _Optional[bool] = ...) -> None: ...
+    work_key: str
+    def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., wire: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., evaluate: _Optional[bool] = ..., work_key: _Optional[str] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("wire", "loss", "input_grad", "step", "queued_s", "compute_s")
+    __slots__ = ("wire", "loss", "input_grad", "step", "queued_s", "compute_s", "repeat")
     WIRE_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_FIELD_NUMBER: _ClassVar[int]
     wire: bytes
     loss: float
     input_grad: bytes
     step: int
     queued_s: float
     compute_s: float
-    def __init__(self, wire: _Optional[bytes] = ..., loss: _Optional[float] = ..., input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    repeat: bool
+    def __init__(self, wire: _Optional[bytes] = ..., loss: _Optional[float] = ..., input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("run_id", "microbatch_id", "stage", "output_grad")
@@ -51,16 +55,18 @@ class BackwardRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., output_grad: _Optional[bytes] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
-    __slots__ = ("input_grad", "step", "queued_s", "compute_s")
+    __slots__ = ("input_grad", "step", "queued_s", "compute_s", "repeat")
     INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_FIELD_NUMBER: _ClassVar[int]
     input_grad: bytes
     step: int
     queued_s: float
     compute_s: float
-    def __init__(self, input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    repeat: bool
+    def __init__(self, input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("run_id", "stage", "microbatches", "step", "completed_batch", "replicas")

@@ -252,3 +252,29 @@ def test_a_time_budget_stops_starting_global_batches(data):
 
     records, held_out = asyncio.run(main())
     assert [r.step for r in records] == [1] and held_out > 0
+
+
+def test_a_unit_run_again_by_another_trainer_is_computed_but_applied_once(data):
+    """Over gRPC: the second trainer runs a microbatch of a unit the first had run (a reclaimed
+    lease): every stage computes it (the loss comes back), none adds its gradient again, and the
+    trainer counts one repeat per stage."""
+    config = _config()
+    micro = data.train.unit(5)[:2]
+
+    async def main():
+        workers, discovery = await _swarm(config, 1, synchronous=True)
+        try:
+            losses, repeats = [], []
+            for _ in range(2):  # the trainer that died after its forwards, then the one that reclaimed
+                async with SwarmTrainer(config, data, discovery,
+                                        TrainerOptions(run_id="test", synchronous=True, max_in_flight=1)) as trainer:
+                    losses.append(await trainer.run_microbatch("u5m0", micro[:, :-1], micro[:, 1:]))
+                    repeats.append(trainer.stats.repeats)
+            accumulated = [await w.on_compute(lambda c: c.accumulated_microbatches) for w in workers]
+            return losses, repeats, accumulated
+        finally:
+            await asyncio.gather(*(w.stop(0) for w in workers))
+
+    losses, repeats, accumulated = asyncio.run(main())
+    assert losses[0] == pytest.approx(losses[1])
+    assert repeats == [0, 3] and accumulated == [1, 1, 1]

@@ -405,3 +405,44 @@ def test_aborting_a_forward_releases_the_weights_pinned_for_it():
     assert body.pinned_weight_copies == 1
     assert body.abort(AbortRequest(run_id="run", microbatch_id="m0", stage=1)).outcome == "dropped"
     assert body.pinned_weight_copies == 0
+
+
+def test_a_worker_applies_a_units_microbatch_once_whoever_runs_it_again():
+    """A reclaimed unit's microbatch (same work key, a new attempt's id) is computed, so the stages
+    around it can go on, but its gradient is not added a second time, not even after a step; an
+    attempt whose gradient was taken back (Abort) leaves the key free for the next one."""
+    from dataclasses import replace
+
+    from agora.node.worker.work_ledger import MAX_WORK_KEY_CHARS
+
+    head, tail = make_compute(0), make_compute(2)
+    tokens, targets = batch(1)
+    wire = torch.randn(2, 16, CONFIG.model.wire_dim, generator=torch.Generator().manual_seed(2)) * 0.1
+
+    def tail_forward(microbatch_id, key="u7m0"):
+        return tail.forward(replace(forward_request(2, tokens, wire, targets, microbatch_id), work_key=key))
+
+    first = tail_forward("u7m0.a0.x")
+    applied = [p.grad.clone() for p in tail.optimizer.parameters]
+    again = tail_forward("u7m0.a0.y")  # the unit reclaimed by another trainer
+    assert not first.repeat and again.repeat and again.loss == pytest.approx(first.loss)
+    assert again.input_grad == first.input_grad  # the stage before it still gets its gradient
+    assert tail.accumulated_microbatches == 1 and tail.work.repeats == 1
+    for grad, expected in zip((p.grad for p in tail.optimizer.parameters), applied):
+        assert torch.equal(grad, expected)
+    tail._step(1)
+    assert tail_forward("u7m0.a1.z").repeat and tail.accumulated_microbatches == 0  # across steps too
+    assert not tail_forward("u7m1.a0.w", key="u7m1").repeat  # another microbatch of the unit is new work
+    assert not tail_forward("noise", key="").repeat and not tail_forward("noise2", key="").repeat  # no key
+
+    head.forward(replace(forward_request(0, tokens, microbatch_id="u3m0.a0.p"), work_key="u3m0"))
+    grad = torch.ones(2, 16, CONFIG.model.wire_dim)
+    assert not head.backward(grad_request(0, grad, "u3m0.a0.p")).repeat
+    assert head.abort(AbortRequest(run_id="run", microbatch_id="u3m0.a0.p", stage=0)).reverted
+    head.forward(replace(forward_request(0, tokens, microbatch_id="u3m0.a1.q"), work_key="u3m0"))
+    assert not head.backward(grad_request(0, grad, "u3m0.a1.q")).repeat  # the aborted attempt left no trace
+    head.forward(replace(forward_request(0, tokens, microbatch_id="u3m0.a2.r"), work_key="u3m0"))
+    assert head.backward(grad_request(0, grad, "u3m0.a2.r")).repeat and head.accumulated_microbatches == 1
+
+    with pytest.raises(InvalidRequest, match="work_key"):
+        tail_forward("long", key="k" * (MAX_WORK_KEY_CHARS + 1))

@@ -53,6 +53,8 @@ def format_summary(summary: dict) -> str:
                 + (f" (member after {min(joined):.1f}-{max(joined):.1f} s)" if joined else "")
                 + f"; units {units['committed']}/{units['total']} committed, {units['lost']} lost, "
                 f"{units['duplicated']} run twice")
+        if summary.get("repeats"):
+            text += f" ({summary['repeats']} stage calls found their work applied already: not applied again)"
         if churn.get("resumed_from_step") is not None:
             text += f"; resumed from step {churn['resumed_from_step']}"
         lines.append(text)
@@ -114,6 +116,8 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         "wall_s": round(wall_s, 2),
         "workers_per_stage": {str(k): v for k, v in sorted(per_stage.items())},
         "reroutes": sum(s.get("reroutes", 0) for s in trainer_summaries),
+        # Stage calls a worker computed without applying: it had applied that unit's microbatch before.
+        "repeats": sum(s.get("repeats", 0) for s in trainer_summaries),
         "time_split_by_stage": _merge_time_splits([s.get("time_split_by_stage", {}) for s in trainer_summaries]),
         "trainer_split": _mean_trainer_split([s.get("trainer_split", {}) for s in trainer_summaries]),
         "in_flight": [s.get("in_flight") for s in trainer_summaries],

@@ -141,6 +141,7 @@ class ForwardResult:
     queued_s: float = 0.0  # the worker's own account: waiting for, and on, its compute thread
     compute_s: float = 0.0
     codec: WireCodec = WireCodec()
+    repeat: bool = False  # tail: the worker had applied this work already (not accumulated again)
 
     @property
     def wire(self) -> torch.Tensor | None:
@@ -160,6 +161,7 @@ class BackwardResult:
     queued_s: float = 0.0
     compute_s: float = 0.0
     codec: WireCodec = WireCodec()
+    repeat: bool = False  # the worker had applied this work already (not accumulated again)
 
     @property
     def input_grad(self) -> torch.Tensor | None:
@@ -304,12 +306,13 @@ class StageClient:
 
     async def forward(self, microbatch_id: str, tokens: torch.Tensor | bytes,
                       wire: torch.Tensor | bytes | None = None, targets: torch.Tensor | bytes | None = None,
-                      *, evaluate: bool = False, timeout_s: float | None = None) -> ForwardResult:
+                      *, evaluate: bool = False, work_key: str = "", timeout_s: float | None = None) -> ForwardResult:
         """Forward on this stage. Tail: `targets` required; the result has the loss and input gradient
-        (`evaluate`: the held-out loss only, nothing stashed or accumulated anywhere)."""
+        (`evaluate`: the held-out loss only, nothing stashed or accumulated anywhere). `work_key`:
+        the unit and index trained on, the same for every attempt (applied once per worker)."""
         request = ForwardRequest(run_id=self.run_id, microbatch_id=microbatch_id, stage=self.stage,
                                  tokens=self._token_frame(tokens), wire=self._frame(wire),
-                                 targets=self._token_frame(targets), evaluate=evaluate)
+                                 targets=self._token_frame(targets), evaluate=evaluate, work_key=work_key)
         shape = (None, None, self.model.wire_dim)
         if isinstance(tokens, torch.Tensor):
             shape = (*tokens.shape, self.model.wire_dim)
@@ -330,7 +333,7 @@ class StageClient:
         wire_out = self._check(reply.wire, shape, "Forward") if reply.wire else b""
         grad = self._check(reply.input_grad, shape, "Forward") if reply.input_grad else b""
         return ForwardResult(loss=reply.loss, step=reply.step, wire_frame=wire_out, grad_frame=grad,
-                             queued_s=reply.queued_s, compute_s=reply.compute_s, codec=self.codec)
+                             queued_s=reply.queued_s, compute_s=reply.compute_s, codec=self.codec, repeat=reply.repeat)
 
     async def backward(self, microbatch_id: str, output_grad: torch.Tensor | bytes,
                        *, timeout_s: float | None = None) -> BackwardResult:
@@ -349,7 +352,7 @@ class StageClient:
         reply = await self._invoke("Backward", call, timeout_s, request)
         grad = self._check(reply.input_grad, shape, "Backward") if reply.input_grad else b""
         return BackwardResult(step=reply.step, grad_frame=grad, queued_s=reply.queued_s, compute_s=reply.compute_s,
-                              codec=self.codec)
+                              codec=self.codec, repeat=reply.repeat)
 
     async def step(self, microbatches: int, *, step: int | None = None,
                    timeout_s: float | None = None) -> StepReply:

@@ -54,6 +54,9 @@ class TrainerStats:
     def microbatch_done(self) -> None:
         self.metrics.microbatches.inc()
 
+    def repeated(self, stage: int) -> None:
+        self.metrics.repeats.labels(stage=str(stage)).inc()
+
     def busy_retry(self) -> None:
         self.metrics.busy_retries.inc()
 
@@ -97,6 +100,11 @@ class TrainerStats:
     @property
     def reroutes(self) -> int:
         return int(self._value("agora_trainer_reroutes_total"))
+
+    @property
+    def repeats(self) -> int:
+        """Stage calls a worker computed without applying (it had applied that work already)."""
+        return int(sum(self._value("agora_trainer_repeats_total", stage=str(stage)) for stage in self._stages))
 
     @property
     def busy(self) -> int:

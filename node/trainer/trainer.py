@@ -241,11 +241,11 @@ class SwarmTrainer:
 
     async def _route_once(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
                           exclude: frozenset[str], evaluate: bool, on_stage_done: StageDone | None,
-                          shares: list[Counter] | None) -> float:
+                          shares: list[Counter] | None, work_key: str = "") -> float:
         route: list[WorkerView] = []
         try:
             return await self._forward_backward(microbatch_id, tokens, targets, exclude, evaluate, route,
-                                                on_stage_done, shares)
+                                                on_stage_done, shares, work_key)
         except StageCallError:
             if not evaluate:
                 await self._abort(microbatch_id, route)
@@ -266,7 +266,8 @@ class SwarmTrainer:
 
     async def _forward_backward(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
                                 exclude: frozenset[str], evaluate: bool, route: list[WorkerView],
-                                on_stage_done: StageDone | None = None, shares: list[Counter] | None = None) -> float:
+                                on_stage_done: StageDone | None = None, shares: list[Counter] | None = None,
+                                work_key: str = "") -> float:
         wire: bytes | None = None
         result = None
         started = self.clock()
@@ -279,7 +280,10 @@ class SwarmTrainer:
                 await self._reported(stage, view.peer_id)
             tail = stage == self.n_stages - 1
             result = await self._timed(view, self._client(view).forward(
-                microbatch_id, tokens, wire, targets if tail else None, evaluate=evaluate), training=not evaluate)
+                microbatch_id, tokens, wire, targets if tail else None, evaluate=evaluate, work_key=work_key),
+                training=not evaluate)
+            if result.repeat:
+                self.stats.repeated(stage)
             wire = result.wire_frame
             compute[stage] += result.compute_s
             queued += result.queued_s
@@ -292,6 +296,8 @@ class SwarmTrainer:
             view = route[stage]
             await self._reported(stage, view.peer_id)
             back = await self._timed(view, self._client(view).backward(microbatch_id, grad))
+            if back.repeat:
+                self.stats.repeated(stage)
             grad = back.grad_frame
             compute[stage] += back.compute_s
             queued += back.queued_s
@@ -327,7 +333,9 @@ class SwarmTrainer:
                              evaluate: bool = False, on_stage_done: StageDone | None = None,
                              shares: list[Counter] | None = None) -> float:
         """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts.
-        `shares`: the global batch's microbatches per peer, one counter per stage (balanced routing)."""
+        `shares`: the global batch's microbatches per peer, one counter per stage (balanced routing).
+        `key` names the work ("u12m3"): the same for every attempt and every trainer that runs this unit,
+        so a worker that applied it once does not apply it again (node/worker/work_ledger.py)."""
         exclude: set[str] = set()
         last_error: Exception | None = None
         for attempt in range(self.options.max_attempts):
@@ -337,7 +345,7 @@ class SwarmTrainer:
             microbatch_id = f"{key}.a{attempt}.{secrets.token_hex(16)}"
             try:
                 loss = await self._route_once(microbatch_id, tokens, targets, frozenset(exclude), evaluate,
-                                              on_stage_done, shares)
+                                              on_stage_done, shares, work_key="" if evaluate else key)
                 if not evaluate:
                     self.stats.microbatch_done()
                 return loss
@@ -663,6 +671,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "final_loss": records[-1].loss if records else None, "heldout_loss": held_out,
                 "tokens_per_s": records[-1].tokens_per_s if records else 0.0,
                 "microbatches": trainer.stats.microbatches, "reroutes": trainer.stats.reroutes,
+                "repeats": trainer.stats.repeats,
                 "busy": trainer.stats.busy, "failures_by_peer": trainer.stats.failures_by_peer,
                 "aborts": trainer.stats.aborts, "batch_reports_failed": trainer.stats.batch_reports_failed,
                 "batch_reports_refused": trainer.stats.batch_reports_refused,

@@ -32,6 +32,9 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   changes. A Forward under an id that is still stashed or accumulated is refused
   (`DuplicateMicrobatch`) instead of replacing that work; an id may be used again once a step
   has consumed it. In-process callers (tests, tools) act as `LOCAL_OWNER`.
+- A worker never applies a unit's gradient twice: every attempt of a unit's microbatch carries the
+  same `work_key`, and a repeat (a reclaimed unit a dead trainer had started) is computed for the
+  stages around it but not accumulated (node/worker/work_ledger.py); its reply says `repeat`.
 - The tail's Forward is forward + backward in one call: it accumulates its gradients at once and
   returns the loss and dL/d(input wire), the seed of the backward pass.
 - Abort (the trainer abandoned a microbatch's route): its stashed input is dropped and, if its
@@ -101,6 +104,7 @@ from agora.node.worker.epoch import (
 )
 from agora.node.worker.kept_graphs import KeptGraph, KeptGraphs
 from agora.node.worker.stash import ForwardStash
+from agora.node.worker.work_ledger import MAX_WORK_KEY_CHARS, WorkLedger
 
 __all__ = [
     "RequestRejected",
@@ -175,6 +179,7 @@ class StashedInput:
     output_shape: tuple[int, ...]
     weights_version: int = 0  # StageCompute.weights_version when the forward ran
     owner: str = LOCAL_OWNER  # who ran the forward: only they may send its backward or abort it
+    work_key: str = ""  # the work it trains on (node/worker/work_ledger.py)
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,7 @@ class AppliedMicrobatch:
     targets: torch.Tensor | None  # tail only
     weights_version: int = 0  # the weights its gradient was computed on
     owner: str = LOCAL_OWNER
+    work_key: str = ""
 
 
 class StageCompute:
@@ -213,6 +219,7 @@ class StageCompute:
         self.samples_total = 0  # every sample whose gradient this replica applied (averaging weights)
         # Microbatches whose gradients are in `.grad` now, for Abort; cleared by every step.
         self.applied: dict[str, AppliedMicrobatch] = {}
+        self.work = WorkLedger()  # which units' microbatches this replica applied, across steps
         # Applied, then consumed by the last step: id -> owner (for Abort's answer).
         self.stepped_ids: dict[str, str] = {}
         self.last_step: StepReply | None = None
@@ -336,6 +343,8 @@ class StageCompute:
     def _decode_forward(self, request: ForwardRequest) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         self.check_addressing(request.run_id, request.stage)
         self._check_microbatch_id(request.microbatch_id)
+        if len(request.work_key) > MAX_WORK_KEY_CHARS:
+            raise InvalidRequest(f"work_key must be at most {MAX_WORK_KEY_CHARS} characters, got {len(request.work_key)}")
         tokens = self._decode_tokens(request.tokens, "tokens", (None, None))
         batch, seq = tokens.shape
         if self.stage.is_head:
@@ -365,7 +374,12 @@ class StageCompute:
         return None, list(grads)
 
     def _accumulate(self, param_grads: list[torch.Tensor | None], microbatch_id: str,
-                    applied: AppliedMicrobatch) -> None:
+                    applied: AppliedMicrobatch) -> bool:
+        """Add a microbatch's gradient; False (nothing added) for a repeat of work applied before."""
+        if not self.work.apply(applied.work_key):
+            logger.info("stage %d: %s repeats work %s applied here before; computed, not applied again",
+                        self.index, microbatch_id, applied.work_key)
+            return False
         for param, grad in zip(self.optimizer.parameters, param_grads):
             if grad is None:
                 continue
@@ -377,6 +391,7 @@ class StageCompute:
         self.samples_total += applied.tokens.shape[0]
         if not self.synchronous and self.local_batch is not None and self.accumulated_samples >= self.local_batch:
             self._step(self.accumulated_microbatches)
+        return True
 
     def forward(self, request: ForwardRequest, owner: str = LOCAL_OWNER) -> ForwardReply:
         started = time.perf_counter()
@@ -393,7 +408,7 @@ class StageCompute:
                 return ForwardReply(loss=float(output), step=step)
             return ForwardReply(wire=self._encode(output, "output"), step=step)
         if self.stage.is_tail:
-            reply = self._forward_tail(tokens, wire, targets, step, request.microbatch_id, owner)
+            reply = self._forward_tail(tokens, wire, targets, step, request.microbatch_id, owner, request.work_key)
         else:
             self.kept.retain_only(self.stash)
             leaf = None
@@ -406,7 +421,8 @@ class StageCompute:
                     output = self.stage(tokens, wire)
             reply = ForwardReply(wire=self._encode(output.detach(), "output"), step=step)
             evicted = self.stash.put(request.microbatch_id,
-                                     StashedInput(tokens, wire, tuple(output.shape), self.weights_version, owner),
+                                     StashedInput(tokens, wire, tuple(output.shape), self.weights_version, owner,
+                                                  request.work_key),
                                      owner=owner)
             for microbatch_id in evicted:
                 self.kept.drop(microbatch_id)
@@ -416,7 +432,7 @@ class StageCompute:
         return reply
 
     def _forward_tail(self, tokens: torch.Tensor, wire: torch.Tensor | None, targets: torch.Tensor,
-                      step: int, microbatch_id: str, owner: str) -> ForwardReply:
+                      step: int, microbatch_id: str, owner: str, work_key: str) -> ForwardReply:
         if wire is not None:
             wire.requires_grad_(True)
         with torch.enable_grad():
@@ -427,10 +443,10 @@ class StageCompute:
             wire_grad, param_grads = self._gradients(loss, wire, None)
         self._check_finite(param_grads, "the request's wire")
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
-        self._accumulate(param_grads, microbatch_id,
-                         AppliedMicrobatch(tokens, None if wire is None else wire.detach(), None, targets,
-                                           self.weights_version, owner))
-        return ForwardReply(loss=loss_value, input_grad=input_grad, step=step)
+        applied = self._accumulate(param_grads, microbatch_id,
+                                   AppliedMicrobatch(tokens, None if wire is None else wire.detach(), None, targets,
+                                                     self.weights_version, owner, work_key))
+        return ForwardReply(loss=loss_value, input_grad=input_grad, step=step, repeat=not applied)
 
     def backward(self, request: BackwardRequest, owner: str = LOCAL_OWNER) -> BackwardReply:
         started = time.perf_counter()
@@ -458,11 +474,12 @@ class StageCompute:
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
         self.stash.pop(request.microbatch_id)  # validated: this backward is now committed
         step = self.optimizer.steps
-        self._accumulate(param_grads, request.microbatch_id,
-                         AppliedMicrobatch(stashed.tokens, stashed.wire, output_grad, None, version, owner))
+        applied = self._accumulate(param_grads, request.microbatch_id,
+                                   AppliedMicrobatch(stashed.tokens, stashed.wire, output_grad, None, version, owner,
+                                                     stashed.work_key))
         self._unpin_unused()
         self._observe(stashed.tokens.numel(), started)
-        return BackwardReply(input_grad=input_grad, step=step)
+        return BackwardReply(input_grad=input_grad, step=step, repeat=not applied)
 
     # ------------------------------------------------------------------ weight versions
 
@@ -534,6 +551,7 @@ class StageCompute:
             return AbortReply(reverted=False, outcome="dropped")
         self._check_owner(request.microbatch_id, applied.owner, owner)
         del self.applied[request.microbatch_id]
+        self.work.forget(applied.work_key)
         version = self._available_version(applied.weights_version)
         _, param_grads = self._recompute(version, applied.tokens, applied.wire, applied.targets, applied.output_grad)
         for param, grad in zip(self.optimizer.parameters, param_grads):
