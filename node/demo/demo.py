@@ -59,6 +59,8 @@ class DemoOptions:
     sync: bool = False
     max_in_flight: int | None = None  # None: the trainer's default (half a global batch)
     pinned_weights: int | None = None  # None: the workers' default
+    device: str | None = None  # --device/--dtype for every worker and trainer; None: the config's
+    dtype: str | None = None
     log_json: str | None = None
     summary_json: str | None = None
     workdir: str | None = None
@@ -92,6 +94,7 @@ class DemoOptions:
                    microbatches=args.microbatches, steps=args.steps, schedule_steps=args.schedule_steps, replicas=args.replicas,
                    trainers=args.trainers, sync=args.sync,
                    max_in_flight=args.max_in_flight, pinned_weights=getattr(args, "pinned_weights", None),
+                   device=getattr(args, "device", None), dtype=getattr(args, "dtype", None),
                    log_json=args.log_json, summary_json=args.summary_json,
                    workdir=args.workdir, kill_worker_at=args.kill_worker_at,
                    averaging=getattr(args, "averaging", None), averaging_every=getattr(args, "averaging_every", None),
@@ -142,6 +145,12 @@ class DemoOptions:
     def worker_flags(self) -> list[str]:
         """Flags for the workers alone (trainers do not take these): weight pinning."""
         return [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
+
+    def runtime_flags(self) -> list[str]:
+        """--device/--dtype, for the processes that take them (workers and trainers): on one GPU
+        every worker of the demo shares it."""
+        return [flag for name, value in (("--device", self.device), ("--dtype", self.dtype)) if value is not None
+                for flag in (name, value)]
 
     def run_flags(self) -> list[str]:
         """Flags every process of the run takes, the authorizer's served config included (the sync
@@ -219,7 +228,8 @@ def run_demo(options: DemoOptions) -> int:
                 checkpoints += ["--resume-step", str(resume_step)]
             # INFO: each averaging round's milestone line lands in the worker's log file.
             command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
-                                         *options.run_flags(), *swarm, *options.worker_flags(), *admission,
+                                         *options.run_flags(), *swarm, *options.worker_flags(),
+                                         *options.runtime_flags(), *admission,
                                          *_state_dir(options, workdir, name), *checkpoints,
                                          "--stats-file", str(workdir / f"{name}.stats.json"),
                                          "--heartbeat", str(options.heartbeat_s), "--ready-file", str(ready),
@@ -234,7 +244,8 @@ def run_demo(options: DemoOptions) -> int:
                 _truncate_log(log, resume_step)
                 start = ["--start-step", str(resume_step)]
             command = agora_node_command(
-                *common, "trainer", *options.run_flags(), *swarm, *admission, *_state_dir(options, workdir, name),
+                *common, "trainer", *options.run_flags(), *swarm, *options.runtime_flags(), *admission,
+                *_state_dir(options, workdir, name),
                 "--trainer-index", str(index), "--trainers", str(options.trainers), *start,
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
                 *([] if options.lease_s is None else ["--lease", str(options.lease_s)]),

@@ -24,6 +24,8 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from agora.node.averaging.loop import AveragingLoop
 from agora.node.worker.compute import StageCompute
 from agora.node.worker.worker import StageWorker
@@ -114,10 +116,22 @@ class StageCheckpointer:
         return int(state.optimizer.get("samples_total", 0)) if state.optimizer else 0
 
 
+def _host_copy(value: Any) -> Any:
+    """`value` with every tensor copied to host memory (on a GPU worker the snapshot must not take a
+    second copy of the stage's state in device memory), containers and plain values deep-copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _host_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host_copy(item) for item in value)
+    return copy.deepcopy(value)
+
+
 def _snapshot(compute: StageCompute) -> StageState:
-    optimizer = copy.deepcopy(compute.optimizer.state_dict())  # clones the moments: training goes on
+    optimizer = _host_copy(compute.optimizer.state_dict())  # copies the moments: training goes on
     optimizer["samples_total"] = compute.samples_total
-    model = {name: tensor.detach().clone() for name, tensor in compute.stage.state_dict().items()}
+    model = _host_copy(compute.stage.state_dict())
     return StageState(compute.index, model, optimizer, rng=rng_state())
 
 
