@@ -172,7 +172,15 @@ def _cmd_join(args: argparse.Namespace) -> int:
     announce = (announced_host(worker_options.host, worker_options.announce_host), worker_options.port)
     admission = admit_node(AdmissionOptions.from_args(args), role="worker", run_id=args.run_id, stage=args.stage,
                            config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers),
-                           announce=announce, listen_host=worker_options.host)
+                           announce=announce, listen_host=worker_options.host, device=args.device)
+    if not (args.serve_only or args.no_memory_check):  # before the DHT peer and the stage exist
+        from agora.node.plan import check_stage_fits, worker_memory_options
+        from agora.pipeline.runtime import Runtime
+
+        check_stage_fits(admission.config, admission.stage, Runtime.from_config(admission.config.runtime),
+                         worker_memory_options(admission.config, rows=worker_options.max_rows,
+                                               pinned_versions=worker_options.pinned_weights,
+                                               in_flight=worker_options.stash_capacity))
     checkpoint_dir = args.checkpoint_dir
     held = None
     if checkpoint_dir is not None:  # (the default one lies in the --state-dir, held by the admission)
@@ -410,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rows a request may carry (default: the run's train.microbatch_size; only raises it)")
     _add_pinned_weights_argument(join)
     add_runtime_arguments(join)
+    join.add_argument("--no-memory-check", action="store_true",
+                      help="start even when the memory plan (agora-node plan) says the stage does not fit")
     join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
     join.add_argument("--checkpoint-dir", default=None,
                       help="resume from and checkpoint into this folder (default: checkpoints/ in --state-dir; "
@@ -525,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     from agora.node.authorizer import add_authorizer_commands
 
     add_authorizer_commands(commands)
+    from agora.node.plan import add_plan_command
+
+    add_plan_command(commands, add_run_arguments=_add_run_arguments)
     add_client_commands(commands, add_run_arguments=_add_run_arguments, run_config=_run_config)
     return parser
 

@@ -182,6 +182,9 @@ class Runtime:
             if self.weights != "fp32":
                 for parameter in stage.parameters():
                     parameter.data = parameter.data.to(self.weights_dtype)
+        tensors = [*stage.parameters(), *stage.buffers()]
+        if all(t.device == self.device for t in tensors):
+            return stage  # (also what lets the memory plan place a stage of fake tensors)
         return stage.to(self.device)
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
