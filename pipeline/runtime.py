@@ -208,6 +208,15 @@ class Runtime:
         done.synchronize()  # the one wait: the encoder reads these bytes next
         return host
 
+    def keep_on_host(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """A copy of `tensor` in pinned host memory, not waited for (CPU: itself): for what a worker
+        keeps but rarely reads. Reading it back through `to_device` is ordered after the copy."""
+        if tensor is None or tensor.device.type == "cpu":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host
+
     def timer(self) -> JobTimer:
         return JobTimer(self.device)
 

@@ -176,3 +176,56 @@ def test_the_hardware_report_names_the_memory_the_plan_checks_against():
     report = hardware_report(torch.device("cpu"))
     assert report.device == "cpu" and report.accelerator_memory_bytes == 0
     assert report.ram_bytes == device_memory(torch.device("cpu")).total_bytes > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_sparta_slices_keep_nothing_per_parameter_and_stay_inside_the_plan(preset):
+    """The partition stores no index per parameter (the cached order it replaced held 4 bytes per
+    parameter from the first round on); a round's gather only briefly holds its slice's indices,
+    well inside the working set the plan already reserves for a job."""
+    from agora.node.averaging.sparta import SlicePartition
+
+    config = PRESETS[preset].with_stages(3)
+    compute = StageCompute(config, 1, run_id="run", codec=CODEC, stash=ForwardStash(IN_FLIGHT, 600.0),
+                           synchronous=False, runtime=Runtime())
+    parameters = compute.optimizer.parameters
+    counter = LiveBytes()
+    with counter:
+        partition = SlicePartition([p.numel() for p in parameters], config.sync.n_slices, config.seed)
+        assert counter.held() == 0
+        flats = [partition.gather(parameters, s) for s in range(config.sync.n_slices)]
+        for s, flat in enumerate(flats):
+            partition.scatter_add(parameters, s, torch.zeros_like(flat))
+        del flats, flat
+        assert counter.held() == 0  # nothing kept between rounds
+    options = MemoryOptions(microbatch=config.train.microbatch_size, seq_len=config.train.seq_len,
+                            in_flight=IN_FLIGHT, pinned_versions=PINNED, applied=config.train.microbatches)
+    plan = plan_stage(config, 1, options, device_type="cpu", dtype="fp32")
+    assert 0 < counter.peak < plan.working / 2, (counter.peak, plan.working)
+
+
+def test_pinning_at_a_step_reuses_the_buffers_of_released_versions():
+    """The asynchronous step's copy of the weights: after the first copies, a step that pins writes
+    into the buffers of a released version instead of allocating a new copy, and what is held stays
+    the plan's `pinned`."""
+    config = PRESETS["tiny"].with_stages(3)
+    compute = StageCompute(config, 1, run_id="run", codec=CODEC, stash=ForwardStash(IN_FLIGHT, 600.0),
+                           synchronous=False, pinned_versions=PINNED, runtime=Runtime())
+    drive = Driver(compute, config)
+    allocated = []
+    for step in range(2 * PINNED + 2):  # every step keeps the version a pending forward ran on
+        drive.forward(f"pending{step}")
+        drive.forward(f"done{step}")
+        drive.backward(f"done{step}")
+        if step >= PINNED:  # an old pending backward completes: its version is released
+            drive.backward(f"pending{step - PINNED}")
+        counter = LiveBytes()
+        with counter:
+            compute.weights_changing()
+        allocated.append(counter.held())
+        drive.report()
+    options = MemoryOptions(microbatch=2, seq_len=128, in_flight=IN_FLIGHT, pinned_versions=PINNED, applied=4)
+    plan = plan_stage(config, 1, options, device_type="cpu", dtype="fp32")
+    assert allocated[0] == plan.pinned // PINNED  # the first copy is allocated once ...
+    assert allocated[PINNED + 1:] == [0] * (len(allocated) - PINNED - 1)  # ... later steps write into old buffers
+    assert compute._pinned.nbytes == plan.pinned

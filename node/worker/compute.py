@@ -376,6 +376,13 @@ class StageCompute:
             return grads[0], list(grads[1:])
         return None, list(grads)
 
+    def _abort_record(self, tokens: torch.Tensor, wire: torch.Tensor | None, output_grad: torch.Tensor | None,
+                      targets: torch.Tensor | None, version: int, owner: str) -> AppliedMicrobatch:
+        """What an Abort of this microbatch would recompute, kept until the next step: in host memory on
+        a GPU (a global batch's worth of them would otherwise sit on the device for a rare Abort)."""
+        keep = self.runtime.keep_on_host
+        return AppliedMicrobatch(keep(tokens), keep(wire), keep(output_grad), keep(targets), version, owner)
+
     def _accumulate(self, param_grads: list[torch.Tensor | None], microbatch_id: str,
                     applied: AppliedMicrobatch) -> None:
         for param, grad in zip(self.optimizer.parameters, param_grads):
@@ -430,7 +437,7 @@ class StageCompute:
         self._check_finite(param_grads, "the request's wire")
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
         self._accumulate(param_grads, microbatch_id,
-                         AppliedMicrobatch(tokens, None if wire is None else wire.detach(), None, targets,
+                         self._abort_record(tokens, None if wire is None else wire.detach(), None, targets,
                                            self.weights_version, owner))
         return ForwardReply(loss=loss_value, input_grad=input_grad, step=step)
 
@@ -457,7 +464,7 @@ class StageCompute:
         self.stash.pop(request.microbatch_id)  # validated: this backward is now committed
         step = self.optimizer.steps
         self._accumulate(param_grads, request.microbatch_id,
-                         AppliedMicrobatch(stashed.tokens, stashed.wire, output_grad, None, version, owner))
+                         self._abort_record(stashed.tokens, stashed.wire, output_grad, None, version, owner))
         self._unpin_unused()
         self._observe(stashed.tokens.numel(), timer)
         return BackwardReply(input_grad=input_grad, step=step)
@@ -542,7 +549,9 @@ class StageCompute:
         self._check_owner(request.microbatch_id, applied.owner, owner)
         del self.applied[request.microbatch_id]
         version = self._available_version(applied.weights_version)
-        _, param_grads = self._recompute(version, applied.tokens, applied.wire, applied.targets, applied.output_grad)
+        on_device = self.runtime.to_device
+        _, param_grads = self._recompute(version, *(None if t is None else on_device(t) for t in (
+            applied.tokens, applied.wire, applied.targets, applied.output_grad)))
         for param, grad in zip(self.optimizer.parameters, param_grads):
             if grad is not None and param.grad is not None:
                 param.grad.sub_(grad)
