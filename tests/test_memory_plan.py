@@ -16,84 +16,30 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memory_scenario import CODEC, IN_FLIGHT, PINNED, Driver, steady_state
+
 from agora.node.cli import main
 from agora.node.worker.compute import StageCompute
 from agora.node.worker.stash import ForwardStash
-from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS, RuntimeConfig
 from agora.pipeline.memory import LiveBytes, MemoryOptions, plan_stage
 from agora.pipeline.runtime import Runtime
-from agora.protos.stage_adapter import BackwardRequest, ForwardRequest, StepRequest
 
 pytestmark = pytest.mark.timeout(240)
 
-CODEC = WireCodec("fp32", max_bytes=2**26)
-IN_FLIGHT = 6
-PINNED = 2
-
-
-class Driver:
-    """Feeds one stage replica microbatches the way trainers do (asynchronous mode)."""
-
-    def __init__(self, compute: StageCompute, config):
-        self.compute, self.config = compute, config
-        self.rows, self.seq = config.train.microbatch_size, config.train.seq_len
-        self.generator = torch.Generator().manual_seed(compute.index)
-        self.batches = 0
-
-    def _ints(self):
-        return torch.randint(0, self.config.model.vocab_size, (self.rows, self.seq), generator=self.generator)
-
-    def forward(self, microbatch_id: str) -> None:
-        vocab = self.config.model.vocab_size
-        wire = b"" if self.compute.stage.is_head else CODEC.encode(
-            torch.randn(self.rows, self.seq, self.config.model.wire_dim, generator=self.generator))
-        targets = encode_tokens(self._ints(), vocab) if self.compute.stage.is_tail else b""
-        self.compute.forward(ForwardRequest(run_id="run", stage=self.compute.index, microbatch_id=microbatch_id,
-                                            tokens=encode_tokens(self._ints(), vocab), wire=wire, targets=targets))
-
-    def backward(self, microbatch_id: str) -> None:
-        if self.compute.stage.is_tail:
-            return  # its backward ran inside the forward
-        grad = torch.randn(self.rows, self.seq, self.config.model.wire_dim, generator=self.generator)
-        self.compute.backward(BackwardRequest(run_id="run", stage=self.compute.index, microbatch_id=microbatch_id,
-                                              output_grad=CODEC.encode(grad)))
-
-    def report(self) -> None:
-        self.compute.step(StepRequest(run_id="run", stage=self.compute.index, microbatches=1,
-                                      completed_batch=self.batches, replicas=1))
-        self.batches += 1
-
 
 def _steady_state(config, index: int, runtime: Runtime, applied: int) -> tuple[int, int]:
-    """(bytes held, peak bytes) of a real worker of stage `index` in the state the plan describes:
-    PINNED weight versions kept for pending forwards, IN_FLIGHT forwards stashed, `applied`
-    microbatches accumulated, Adam state built; the last job is a backward on the oldest version."""
+    """(bytes held, peak bytes of the last job) of a real worker in the plan's steady state."""
     counter = LiveBytes()
+
+    def last_job_starts():
+        counter.peak = counter.held()
+
     with counter:
-        compute = StageCompute(config, index, run_id="run", codec=CODEC, stash=ForwardStash(IN_FLIGHT, 600.0),
-                               synchronous=False, pinned_versions=PINNED, runtime=runtime)
-        drive = Driver(compute, config)
-        tail = compute.stage.is_tail
-        for version in range(PINNED):  # a step while a forward is pending keeps its weights
-            if not tail:
-                drive.forward(f"pending{version}")
-            drive.forward(f"done{version}")
-            drive.backward(f"done{version}")
-            drive.report()
-        assert compute.pinned_weight_copies == (0 if tail else PINNED)
-        for i in range(applied - 1):
-            drive.forward(f"applied{i}")
-            drive.backward(f"applied{i}")
-        while not tail and len(compute.stash) < IN_FLIGHT:
-            drive.forward(f"stashed{len(compute.stash)}")
-        counter.peak = counter.held()  # the steady state's worst moment: the last job
-        if tail:
-            drive.forward("last")
-        else:
-            drive.backward("pending0")  # recomputed on the oldest pinned version
-        assert compute.accumulated_microbatches == applied
-    return counter.held(), counter.peak
+        compute = steady_state(config, index, runtime, applied, last_job_starts)
+        held = counter.held()
+    del compute
+    return held, counter.peak
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
