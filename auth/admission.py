@@ -30,7 +30,6 @@ import contextlib
 import inspect
 import json
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass, replace
@@ -111,22 +110,20 @@ class JoinFile:
             raise ValueError(f"--join-file {path}: not a join file ({error})") from None
 
 
-def hardware_report() -> Hardware:
-    """This machine: the first accelerator torch sees ("cpu" and 0 without one) and its RAM."""
-    device, memory = "cpu", 0
-    try:
-        import torch
+def hardware_report(device: Optional["torch.device"] = None) -> Hardware:
+    """This machine: the accelerator the node computes on (`device`; default the one torch picks,
+    "cpu" and 0 without one) and its RAM, read as the memory plan reads them (pipeline/runtime.py)."""
+    import torch
 
-        if torch.cuda.is_available():
-            properties = torch.cuda.get_device_properties(0)
-            device, memory = properties.name, int(properties.total_memory)
-    except ImportError:
-        pass
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system
-        ram = 0
-    return Hardware(device=device, accelerator_memory_bytes=memory, ram_bytes=int(ram))
+    from agora.pipeline.runtime import device_memory
+
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    ram = device_memory(torch.device("cpu")).total_bytes
+    if device.type != "cuda":
+        return Hardware(device="cpu", accelerator_memory_bytes=0, ram_bytes=ram)
+    accelerator = device_memory(device)
+    return Hardware(device=accelerator.name, accelerator_memory_bytes=accelerator.total_bytes, ram_bytes=ram)
 
 
 class ReachabilityListener:

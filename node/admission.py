@@ -127,9 +127,11 @@ def free_port(host: str) -> int:
 
 def admit_node(options: AdmissionOptions, *, role: str, run_id: str, stage: Optional[int],
                config_for: Callable[[Optional[dict]], RunConfig], initial_peers: tuple[str, ...],
-               announce: Optional[tuple[str, int]] = None, listen_host: Optional[str] = None) -> Admission:
+               announce: Optional[tuple[str, int]] = None, listen_host: Optional[str] = None,
+               device: Optional[str] = None) -> Admission:
     """Admit this node (blocking); ``config_for(run_config_dict_or_None)`` builds the config to run
-    from the authorizer's (None when there is none). Raises ConfigError with one readable line."""
+    from the authorizer's (None when there is none). ``device`` (a --device value): the accelerator
+    whose memory the hardware report names. Raises ConfigError with one readable line."""
     options = options.resolved()
     if options.insecure:
         print(f"agora-node {role}: WARNING: --insecure: no admission, no TLS, no credential checks; anyone who "
@@ -172,9 +174,15 @@ def admit_node(options: AdmissionOptions, *, role: str, run_id: str, stage: Opti
         print(f"agora-node {role}: the run is full; waiting in the authorizer's queue at position {position}",
               file=sys.stderr, flush=True)
 
+    from agora.auth.admission import hardware_report
+    from agora.pipeline.runtime import resolve_device
+
+    hardware = hardware_report(resolve_device(device or "auto"))
+
     async def run_admission():
         return await admit(options.authorizer, options.root_fingerprint, node, role=role, fingerprint=fingerprint,
-                           stage=stage, announce=announce, listen_host=listen_host, on_queued=queued)
+                           hardware=hardware, stage=stage, announce=announce, listen_host=listen_host,
+                           on_queued=queued)
 
     try:
         run = asyncio.run(run_admission())

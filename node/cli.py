@@ -16,6 +16,7 @@ from pathlib import Path
 from agora.node.admission import add_admission_arguments
 from agora.node.logs import LOG_FORMATS, configure_logging
 from agora.node.observability import MetricsOptions, add_metrics_arguments
+from agora.node.runtime_flags import add_runtime_arguments, apply_runtime_flags, check_runtime_flags
 from agora.pipeline.checkpoint import CheckpointError
 from agora.pipeline.files import FolderInUse, hold_folder
 from agora.pipeline.config import ConfigError, RunConfig, load_config
@@ -43,7 +44,7 @@ def _run_config(args: argparse.Namespace, base: RunConfig | None = None) -> RunC
     sync = {name: getattr(args, flag) for name, flag in _SYNC_FLAGS.items() if getattr(args, flag, None) is not None}
     if sync:
         config = replace(config, sync=replace(config.sync, **sync))
-    return config.validate()
+    return apply_runtime_flags(args, config).validate()
 
 
 # config.sync fields set by `join`/`demo` flags (argparse destination of each flag).
@@ -125,7 +126,7 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
     last = records[-1].loss if records else float("nan")
     tokens_per_s = records[-1].tokens_per_s if records else 0.0
     print(f"train-local: {config.name} stages={len(config.layer_split)} steps={trainer.step} "
-          f"loss={last:.4f} heldout={final:.4f} tokens/s={tokens_per_s:,.0f}")
+          f"loss={last:.4f} heldout={final:.4f} tokens/s={tokens_per_s:,.0f} on {trainer.runtime.describe()}")
     return 0
 
 
@@ -182,6 +183,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
     from agora.node.inference.commands import serve_only_config_flags
     from agora.node.rpc.server import announced_host
 
+    check_runtime_flags(args)  # a device this machine lacks is refused before admission
     serve_only_config_flags(args)  # --serve-only: the checkpoint is the run config unless --config
     worker_options = _worker_options(args)
     if worker_options.port == 0:  # the authorizer's dial-back and then the gRPC server take this port
@@ -189,7 +191,15 @@ def _cmd_join(args: argparse.Namespace) -> int:
     announce = (announced_host(worker_options.host, worker_options.announce_host), worker_options.port)
     admission = admit_node(AdmissionOptions.from_args(args), role="worker", run_id=args.run_id, stage=args.stage,
                            config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers),
-                           announce=announce, listen_host=worker_options.host)
+                           announce=announce, listen_host=worker_options.host, device=args.device)
+    if not (args.serve_only or args.no_memory_check):  # before the DHT peer and the stage exist
+        from agora.node.plan import check_stage_fits, worker_memory_options
+        from agora.pipeline.runtime import Runtime
+
+        check_stage_fits(admission.config, admission.stage, Runtime.from_config(admission.config.runtime),
+                         worker_memory_options(admission.config, rows=worker_options.max_rows,
+                                               pinned_versions=worker_options.pinned_weights,
+                                               in_flight=worker_options.stash_capacity))
     checkpoint_dir = args.checkpoint_dir
     held = None
     if checkpoint_dir is not None:  # (the default one lies in the --state-dir, held by the admission)
@@ -244,6 +254,7 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
     from agora.node.admission import AdmissionOptions, admit_node, config_chooser
 
     metrics = MetricsOptions.from_args(args)
+    check_runtime_flags(args)
     if not args.heartbeat > 0:
         raise ConfigError(f"--heartbeat: must be positive, got {args.heartbeat}")
     if not 0 <= args.trainer_index < args.trainers:
@@ -346,6 +357,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         args.checkpoint = str(Path(args.checkpoint).resolve())  # the children run in the demo's workdir
     if args.serve and args.config is None and args.checkpoint is not None:
         args.config = args.checkpoint  # a serving swarm runs the checkpoint's config
+    check_runtime_flags(args)
     _run_config(args)  # refuse a bad config before starting any process
     return run_demo(DemoOptions.from_args(args))
 
@@ -405,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_arguments(train, steps_help="optimizer steps (global batches) in total", averaging=False)
     train.add_argument("--wire-dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
                        help="encoding of boundary tensors (default fp32, lossless)")
+    add_runtime_arguments(train)
     train.add_argument("--log-json", default=None, help="write one JSON object per step to this file")
     train.add_argument("--checkpoint-dir", default=None, help="write atomic checkpoints here")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
@@ -450,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--max-rows", type=int, default=None, metavar="N",
                       help="rows a request may carry (default: the run's train.microbatch_size; only raises it)")
     _add_pinned_weights_argument(join)
+    add_runtime_arguments(join)
+    join.add_argument("--no-memory-check", action="store_true",
+                      help="start even when the memory plan (agora-node plan) says the stage does not fit")
     join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
     join.add_argument("--checkpoint-dir", default=None,
                       help="resume from and checkpoint into this folder (default: checkpoints/ in --state-dir; "
@@ -498,6 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
     trainer.add_argument("--heartbeat", type=float, default=5.0, metavar="S",
                          help="seconds between announces of this trainer's progress in the DHT (default 5)")
+    add_runtime_arguments(trainer)  # checked only: a trainer holds no weights (node/runtime_flags.py)
     add_admission_arguments(trainer)
     add_metrics_arguments(trainer)
     trainer.set_defaults(handler=_cmd_trainer)
@@ -532,6 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_in_flight_arguments(demo)
     _add_pinned_weights_argument(demo)
     _add_time_budget_argument(demo)
+    add_runtime_arguments(demo)
     demo.add_argument("--log-json", default=None, help="one JSON line per global batch, run-wide step")
     demo.add_argument("--summary-json", default=None,
                       help="write the full run summary here as JSON (the terminal gets a short one)")
@@ -600,6 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_authorizer_commands(commands)
     add_export_command(commands, add_run_arguments=_add_run_arguments, run_config=_run_config)
+    from agora.node.plan import add_plan_command
+
+    add_plan_command(commands, add_run_arguments=_add_run_arguments)
     add_client_commands(commands, add_run_arguments=_add_run_arguments, run_config=_run_config)
     return parser
 

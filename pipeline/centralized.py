@@ -8,6 +8,10 @@ one line by line (`--log-json` writes the shared schema: step, loss, tokens, lr,
 
 Unlike a worker, it keeps the autograd graph of each stage between forward and backward instead
 of recomputing: identical values, less compute, so it is the fair baseline for throughput.
+
+It computes where `config.runtime` says (pipeline/runtime.py): every stage on that device, under
+bf16 autocast with `dtype = "bf16"`; boundary tensors go through the codec on the host, as on a
+worker, so the swarm on the same device and dtype sees the same values.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.model import basis_checksum
 from agora.pipeline.optim import StageOptimizer
+from agora.pipeline.runtime import CPU_FP32, Runtime
 from agora.pipeline.stages import Stage, build_stage
 
 __all__ = ["CentralizedTrainer", "StepRecord", "evaluate_stages"]
@@ -57,21 +62,27 @@ class StepRecord:
         return json.dumps(values)
 
 
-def _roundtrip(codec: WireCodec, tensor: torch.Tensor) -> torch.Tensor:
-    """What the next stage receives: the tensor after the wire."""
-    return codec.decode(codec.encode(tensor.detach()))
+def _roundtrip(codec: WireCodec, tensor: torch.Tensor, runtime: Runtime = CPU_FP32) -> torch.Tensor:
+    """What the next stage receives: the tensor after the wire (and back on the device)."""
+    frame = codec.encode(runtime.to_host(tensor.detach()))
+    return runtime.to_device(codec.decode(frame, out=runtime.host_buffer))
 
 
 @torch.no_grad()
-def evaluate_stages(stages: list[Stage], codec: WireCodec, batches: list[torch.Tensor]) -> float:
+def evaluate_stages(stages: list[Stage], codec: WireCodec, batches: list[torch.Tensor],
+                    runtime: Runtime = CPU_FP32) -> float:
     """Mean held-out loss through the same boundary path as training."""
     losses = []
     for batch in batches:
+        batch = batch.to(runtime.device)
         tokens, targets = batch[:, :-1], batch[:, 1:]
         wire = None
         for stage in stages[:-1]:
-            wire = _roundtrip(codec, stage(tokens, wire))
-        losses.append(float(stages[-1](tokens, wire, targets)))
+            with runtime.autocast():
+                output = stage(tokens, wire)
+            wire = _roundtrip(codec, output, runtime)
+        with runtime.autocast():
+            losses.append(float(stages[-1](tokens, wire, targets)))
     return sum(losses) / max(1, len(losses))
 
 
@@ -82,11 +93,13 @@ class CentralizedTrainer:
         self.config = config
         self.data = data
         self.codec = WireCodec(dtype=wire_dtype)
+        self.runtime = Runtime.from_config(config.runtime)
         split = config.layer_split
         self.stages = [build_stage(config.model, i) for i in range(len(split))]
-        self.optimizers = [StageOptimizer(s, config.optim, s.index, len(split)) for s in self.stages]
-        basis = self.stages[0].basis
+        basis = self.stages[0].basis  # digested as generated, before it takes the compute dtype
         self.basis_checksum = basis_checksum(basis.U, basis.T) if basis is not None else "dense"
+        self.stages = [self.runtime.place_stage(stage) for stage in self.stages]
+        self.optimizers = [StageOptimizer(s, config.optim, s.index, len(split)) for s in self.stages]
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.log_json = log_json
         self.progress = progress
@@ -97,6 +110,8 @@ class CentralizedTrainer:
     # --- one global batch -------------------------------------------------------------------
     def _microbatch(self, batch: torch.Tensor) -> float:
         # Token ids cross the wire losslessly, so they need no round trip through the codec.
+        runtime = self.runtime
+        batch = batch.to(runtime.device)
         tokens, targets = batch[:, :-1], batch[:, 1:]
         inputs: list[torch.Tensor | None] = []
         outputs: list[torch.Tensor] = []
@@ -105,18 +120,20 @@ class CentralizedTrainer:
             if wire is not None:
                 wire.requires_grad_(True)
             inputs.append(wire)
-            out = stage(tokens, wire)
+            with runtime.autocast():
+                out = stage(tokens, wire)
             outputs.append(out)
-            wire = _roundtrip(self.codec, out)
+            wire = _roundtrip(self.codec, out, runtime)
         if wire is not None:
             wire.requires_grad_(True)
-        loss = self.stages[-1](tokens, wire, targets)
+        with runtime.autocast():
+            loss = self.stages[-1](tokens, wire, targets)
         loss.backward()
-        grad = None if wire is None else _roundtrip(self.codec, wire.grad)
+        grad = None if wire is None else _roundtrip(self.codec, wire.grad, runtime)
         for i in reversed(range(len(self.stages) - 1)):
             outputs[i].backward(grad)
             if inputs[i] is not None:
-                grad = _roundtrip(self.codec, inputs[i].grad)
+                grad = _roundtrip(self.codec, inputs[i].grad, runtime)
         return float(loss.detach())
 
     def train_step(self) -> StepRecord:
@@ -142,7 +159,7 @@ class CentralizedTrainer:
     def evaluate(self) -> float:
         train = self.config.train
         return evaluate_stages(self.stages, self.codec, self.data.heldout_batches(train.eval_batches,
-                                                                                    train.batch_size))
+                                                                                    train.batch_size), self.runtime)
 
     # --- run, checkpoint, resume -------------------------------------------------------------
     def run(self, steps: int) -> list[StepRecord]:

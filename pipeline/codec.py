@@ -30,7 +30,9 @@ Design choices:
   no struct.error, IndexError or MemoryError escapes. Non-finite values are refused on both
   sides: a NaN crossing a boundary would silently poison every replica's average.
 - Decoded tensors are fresh, writable float32 (or int64 for tokens): the conversion out of
-  the wire dtype is itself the copy, so no tensor aliases the caller's read-only bytes.
+  the wire dtype is itself the copy, so no tensor aliases the caller's read-only bytes. A caller
+  may hand `decode` the tensor to write into (a pinned host buffer on a GPU worker), so the frame
+  is widened straight into memory a device copies from.
 - Everything is vectorized (numpy on the payload view, torch for quantization); bf16 is
   widened to float32 by a 16-bit shift, which is exact.
 """
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -359,25 +361,35 @@ class WireCodec:
             raise WireFormatError(f"{dtype} payload of shape {list(shape)} contains NaN or Inf")
         return shape
 
-    def decode(self, data: bytes, *, expected_shape: tuple[int | None, ...] | None = None) -> torch.Tensor:
-        """A fresh float32 tensor from a frame of any float dtype; WireFormatError if anything is off."""
+    def decode(self, data: bytes, *, expected_shape: tuple[int | None, ...] | None = None,
+               out: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> torch.Tensor:
+        """A fresh float32 tensor from a frame of any float dtype; WireFormatError if anything is off.
+
+        `out`, given the frame's shape once the header is checked, returns the contiguous CPU float32
+        tensor to decode into (a pinned staging buffer, pipeline/runtime.py): the widening out of the
+        wire dtype then writes straight into it, with no intermediate copy."""
         view = _as_buffer(data)
         dtype, shape, offset = _read_header(view, _KIND_FLOAT, self.max_bytes, expected_shape)
         count = math.prod(shape)
+        target = out(shape) if out is not None else torch.empty(shape, dtype=torch.float32)
+        if target.dtype != torch.float32 or target.device.type != "cpu" or tuple(target.shape) != shape \
+                or not target.is_contiguous():
+            raise ValueError(f"decode: out must give a contiguous CPU float32 tensor of shape {list(shape)}")
+        values = target.numpy().reshape(-1)
         if dtype == "fp32":
-            values = np.frombuffer(view, dtype="<f4", count=count, offset=offset).astype(np.float32)
+            np.copyto(values, np.frombuffer(view, dtype="<f4", count=count, offset=offset))
         elif dtype == "bf16":
-            # bf16 is the top half of an fp32: widening by a shift is exact and one allocation.
-            bits = np.frombuffer(view, dtype="<u2", count=count, offset=offset).astype(np.uint32)
+            # bf16 is the top half of an fp32: widening by a shift is exact.
+            bits = values.view(np.uint32)
+            np.copyto(bits, np.frombuffer(view, dtype="<u2", count=count, offset=offset))
             bits <<= 16
-            values = bits.view(np.float32)
         elif dtype == "fp16":
-            values = np.frombuffer(view, dtype="<f2", count=count, offset=offset).astype(np.float32)
+            np.copyto(values, np.frombuffer(view, dtype="<f2", count=count, offset=offset))
         else:
-            values = _dequantize_int8(view, offset, shape)
+            np.copyto(values, _dequantize_int8(view, offset, shape).reshape(-1))
         if not np.isfinite(values).all():
             raise WireFormatError(f"{dtype} payload of shape {list(shape)} contains NaN or Inf")
-        return torch.from_numpy(values.reshape(shape))
+        return target
 
 
 def _quantize_int8(values: torch.Tensor) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 import types
 import typing
@@ -29,6 +30,8 @@ __all__ = [
     "TrainConfig",
     "SyncConfig",
     "SYNC_METHODS",
+    "RuntimeConfig",
+    "COMPUTE_DTYPES",
     "RunConfig",
     "PRESETS",
     "load_config",
@@ -237,6 +240,35 @@ class SyncConfig:
                               "outer state)")
 
 
+# Compute precision (pipeline/runtime.py): fp32 throughout, or bf16 autocast over fp32 master weights.
+COMPUTE_DTYPES = ("fp32", "bf16")
+_DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and in what precision this process computes. Machine-local, like data.cache_dir: left
+    out of the run fingerprint, so a CPU worker and a GPU worker can serve the same run; a process's
+    own --device/--dtype override what a config (or the authorizer) says."""
+
+    device: str = "auto"  # "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N"
+    dtype: str = "fp32"  # "fp32", or "bf16": bf16 autocast for compute, fp32 master weights and optimizer state
+    # With dtype bf16: "fp32" master weights (the default), or "bf16" weights with fp32 optimizer
+    # state (half the weight memory; updates below bf16's resolution are lost: bench/precision.py).
+    weights: str = "fp32"
+
+    def validate(self) -> None:
+        if not isinstance(self.device, str) or not _DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(f"runtime.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"runtime.dtype: expected one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
+        if self.weights not in COMPUTE_DTYPES:
+            raise ConfigError(f"runtime.weights: expected one of {', '.join(COMPUTE_DTYPES)}, got {self.weights!r}")
+        if self.weights == "bf16" and self.dtype != "bf16":
+            raise ConfigError("runtime.weights: bf16 weights need runtime.dtype = bf16 (fp32 compute keeps fp32 "
+                              "weights)")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "tiny"
@@ -246,6 +278,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def validate(self) -> "RunConfig":
         self.model.validate()
@@ -253,6 +286,7 @@ class RunConfig:
         self.data.validate()
         self.train.validate()
         self.sync.validate()
+        self.runtime.validate()
         if self.train.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"train.seq_len: {self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"

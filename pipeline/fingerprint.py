@@ -13,7 +13,8 @@ Fields, compared in this order so the message names the most specific cause:
   generator instead;
 - ``data``: a digest of the data section (source, tokenizer, order seed, held-out split);
 - ``config``: a digest of the whole config, everything else (model shape, schedule, batch,
-  averaging). The token cache's location is machine-local and left out of both digests.
+  averaging). The token cache's location and the `[runtime]` section (device, compute dtype) are
+  machine-local and left out of both digests.
 
 Its text form ``seed=0;stages=3;basis=...;data=...;config=...`` travels in gRPC metadata and in
 DHT records; ``parse`` turns anything else into ``ValueError``.
@@ -98,6 +99,7 @@ def run_fingerprint(config: RunConfig) -> RunFingerprint:
     """This run's fingerprint; cheap (U is d x k; the data is not read)."""
     plain = config_to_dict(config)
     plain["data"].pop("cache_dir", None)  # where this machine keeps its token cache, not what it holds
+    plain.pop("runtime", None)  # where and in what precision this machine computes, not what the run is
     return RunFingerprint(
         seed=config.seed,
         stages=len(config.layer_split),

@@ -81,13 +81,18 @@ class SubspaceBasis(nn.Module):
         self.register_buffer("U", make_basis(config), persistent=False)
         self.register_buffer("T", make_fixed_embedding(config), persistent=False)
 
+    def fixed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """T[tokens] in fp32: T may be stored in the compute dtype (pipeline/runtime.py), the residual
+        stream stays fp32 (a no-op when T is fp32)."""
+        return F.embedding(tokens, self.T).float()
+
     def encode(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """c = U^T (h - T[tokens]): (..., d) -> (..., k)."""
-        return (hidden - F.embedding(tokens, self.T)) @ self.U
+        return (hidden - self.fixed_rows(tokens)) @ self.U
 
     def decode(self, coords: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """h = T[tokens] + U c: (..., k) -> (..., d)."""
-        return F.embedding(tokens, self.T) + coords @ self.U.T
+        return self.fixed_rows(tokens) + coords @ self.U.T
 
 
 class OutputProjection(nn.Module):
@@ -287,7 +292,7 @@ class TokenEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor, basis: SubspaceBasis | None) -> torch.Tensor:
         rows = F.embedding(tokens, self.weight)
-        return F.embedding(tokens, basis.T) + rows @ basis.U.T if self.subspace else rows
+        return basis.fixed_rows(tokens) + rows @ basis.U.T if self.subspace else rows
 
     def dense_weight(self, basis: SubspaceBasis | None) -> torch.Tensor:
         return basis.T + self.weight @ basis.U.T if self.subspace else self.weight

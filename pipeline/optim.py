@@ -10,6 +10,11 @@ the swarm's synchronous mode reproduce the centralized run exactly.
   twice that on the tail (the Agora report's 1/sqrt(7) and 2/sqrt(7) for S = 7).
 - Weight decay applies to matrices (including the subspace factors Z); norm gains and biases are
   not decayed; the fixed basis U and embedding T are buffers and never reach the optimizer.
+- Precision (pipeline/runtime.py): fp32 weights (fp32 and bf16-autocast runs alike: the master
+  weights) step with torch's AdamW. Weights stored in bf16 (`runtime.weights = "bf16"`) step with
+  `RoundedAdamW`: fp32 moments, the update computed in fp32 from the bf16 value and rounded back
+  into it, so no fp32 copy of the weights exists; the variant the master weights are measured
+  against (bench/precision.py).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from torch import nn
 
 from agora.pipeline.config import OptimConfig
 
-__all__ = ["lr_at", "stage_clip_norm", "StageOptimizer"]
+__all__ = ["lr_at", "stage_clip_norm", "StageOptimizer", "RoundedAdamW"]
 
 
 def lr_at(step: int, config: OptimConfig) -> float:
@@ -39,6 +44,49 @@ def stage_clip_norm(index: int, n_stages: int, config: OptimConfig) -> float:
     return budget * config.tail_clip_multiplier if index == n_stages - 1 and n_stages > 1 else budget
 
 
+class RoundedAdamW(torch.optim.Optimizer):
+    """AdamW for weights stored in bf16 with its moments in fp32 (see the module docstring). Its state
+    has torch AdamW's keys (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints and the averaging of
+    Adam moments read it alike."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        # torch casts loaded moments to the parameter's dtype (bf16 here): take them again in fp32.
+        saved = state_dict["state"]
+        for index, param in enumerate(p for group in self.param_groups for p in group["params"]):
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in saved.get(index, {}):
+                    self.state[param][key] = saved[index][key].to(device=param.device, dtype=torch.float32,
+                                                                   copy=True)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+                state["step"] += 1
+                step = float(state["step"])
+                grad = param.grad.float()
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                weight = param.float()
+                weight.mul_(1 - lr * decay)
+                denominator = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+                weight.addcdiv_(state["exp_avg"], denominator, value=-lr / (1 - beta1 ** step))
+                param.copy_(weight)
+        return None
+
+
 class StageOptimizer:
     def __init__(self, stage: nn.Module, config: OptimConfig, index: int, n_stages: int):
         self.config = config
@@ -46,10 +94,12 @@ class StageOptimizer:
         self.parameters = [p for p in stage.parameters() if p.requires_grad]
         decay = [p for p in self.parameters if p.dim() >= 2]
         no_decay = [p for p in self.parameters if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr_at(0, config), betas=config.betas, eps=config.eps, foreach=False,
-        )
+        groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if any(p.dtype == torch.bfloat16 for p in self.parameters):
+            self.optimizer = RoundedAdamW(groups, lr=lr_at(0, config), betas=config.betas, eps=config.eps)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=lr_at(0, config), betas=config.betas, eps=config.eps,
+                                               foreach=False)
         self.steps = 0
 
     def zero_grad(self) -> None:

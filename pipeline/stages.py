@@ -123,7 +123,9 @@ class Stage(nn.Module):
                 targets: torch.Tensor | None = None) -> torch.Tensor:
         h = self.hidden(tokens, wire)
         if not self.is_tail:
-            return self.encode(h, tokens)
+            # fp32 on the wire side whatever the compute dtype (a no-op in fp32): the codec and the
+            # next stage take float32, and the gradient that comes back is float32.
+            return self.encode(h, tokens).float()
         if targets is None:
             raise ValueError("the tail stage needs targets")
         logits = self.logits(h)

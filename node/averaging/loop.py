@@ -144,14 +144,14 @@ class AveragingLoop:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Build the partition (off the compute thread) and start the loop task."""
+        """Size the partition and start the loop task."""
         numels, steps, samples = await self._on_compute(
             lambda c: ([p.numel() for p in c.optimizer.parameters], c.optimizer.steps, c.samples_total))
         partition = SlicePartition(numels, self.sync.n_slices, self.seed)
         size = averaged_vector_size(self.sync, partition.buffer_size)
         if size != self.averager.size:
             raise ValueError(f"the averager holds {self.averager.size} values but a round of this stage needs {size}")
-        self._partition = await asyncio.to_thread(partition.prepare)
+        self._partition = partition  # (its slices' indices are generated per round: nothing to build)
         self.stats.vector_elements, self.stats.parameters = size, sum(numels)
         restored = self._restored
         if restored is not None and self.sync.method == "diloco" and not (
@@ -163,7 +163,9 @@ class AveragingLoop:
                 self._anchor = [t.detach().clone().float() for t in restored["anchor"]]
                 self._momentum = [t.detach().clone().float() for t in restored["momentum"]]
             else:
-                self._anchor = await self._on_compute(lambda c: [p.detach().clone() for p in c.optimizer.parameters])
+                # In host memory: on a GPU worker the anchor and momentum would double the stage's weights there.
+                self._anchor = await self._on_compute(
+                    lambda c: [p.detach().to("cpu", torch.float32, copy=True) for p in c.optimizer.parameters])
                 self._momentum = [torch.zeros_like(a) for a in self._anchor]
         self._last_round = steps // self.sync.every_steps  # rounds due before we started are not run
         self._samples_at_round = {key: samples for key in range(-1, self.sync.n_slices)}

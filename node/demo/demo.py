@@ -62,6 +62,8 @@ class DemoOptions:
     time_budget_s: float | None = None  # trainers stop starting global batches after this long
     pinned_weights: int | None = None  # None: the workers' default
     keep_graphs: int | None = None  # None: the workers' default
+    device: str | None = None  # --device/--dtype for every worker and trainer; None: the config's
+    dtype: str | None = None
     log_json: str | None = None
     summary_json: str | None = None
     workdir: str | None = None
@@ -102,6 +104,7 @@ class DemoOptions:
                    time_budget_s=getattr(args, "time_budget", None),
                    pinned_weights=getattr(args, "pinned_weights", None),
                    keep_graphs=getattr(args, "keep_graphs", None),
+                   device=getattr(args, "device", None), dtype=getattr(args, "dtype", None),
                    log_json=args.log_json, summary_json=args.summary_json,
                    workdir=args.workdir, kill_worker_at=args.kill_worker_at, join_at=tuple(getattr(args, "join_at", None) or ()),
                    optimizer_sync_steps=getattr(args, "optimizer_sync_steps", None),
@@ -161,6 +164,12 @@ class DemoOptions:
         if self.optimizer_sync_steps is not None:
             flags += ["--optimizer-sync-steps", str(self.optimizer_sync_steps)]
         return flags + ([] if self.sync_phases else ["--no-sync-phases"])
+
+    def runtime_flags(self) -> list[str]:
+        """--device/--dtype, for the processes that take them (workers and trainers): on one GPU
+        every worker of the demo shares it."""
+        return [flag for name, value in (("--device", self.device), ("--dtype", self.dtype)) if value is not None
+                for flag in (name, value)]
 
     def run_flags(self) -> list[str]:
         """Flags every process of the run takes, the authorizer's served config included (the sync
@@ -242,7 +251,8 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
             host = group.host(name)
             command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
                                          "--host", host, "--dht-host", host,
-                                         *options.run_flags(), *swarm, *options.worker_flags(), *admission,
+                                         *options.run_flags(), *swarm, *options.worker_flags(),
+                                         *options.runtime_flags(), *admission,
                                          *_state_dir(options, workdir, name), *checkpoints,
                                          "--stats-file", str(workdir / f"{name}.stats.json"),
                                          "--heartbeat", str(options.heartbeat_s), "--ready-file", str(ready),
@@ -257,7 +267,8 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
                 _truncate_log(log, resume_step)
                 start = ["--start-step", str(resume_step)]
             command = agora_node_command(
-                *common, "trainer", *options.run_flags(), *swarm, *admission, *_state_dir(options, workdir, name),
+                *common, "trainer", *options.run_flags(), *swarm, *options.runtime_flags(), *admission,
+                *_state_dir(options, workdir, name),
                 "--trainer-index", str(index), "--trainers", str(options.trainers), *start,
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
                 *([] if options.max_staleness is None else ["--max-staleness", str(options.max_staleness)]),

@@ -59,6 +59,7 @@ class InferenceEngine:
                                    expected_shape=(rows, None))
         except WireFormatError as error:
             raise InvalidRequest(f"tokens: {error}") from None
+        tokens = tokens.to(compute.runtime.device, non_blocking=True)  # where the stage is (pipeline/runtime.py)
         if compute.stage.is_head:
             if request.wire:
                 raise InvalidRequest("wire: the head stage takes token ids only, but a wire frame was sent")
@@ -67,21 +68,24 @@ class InferenceEngine:
             raise InvalidRequest(f"wire: missing; stage {compute.index} ({compute.stage.kind}) needs the previous "
                                  "stage's output")
         try:
-            wire = self.codec.decode(request.wire, expected_shape=(*tokens.shape, compute.config.model.wire_dim))
+            wire = self.codec.decode(request.wire, expected_shape=(*tokens.shape, compute.config.model.wire_dim),
+                                     out=compute.runtime.host_buffer)
         except WireFormatError as error:
             raise InvalidRequest(f"wire: {error}") from None
-        return tokens, wire
+        return tokens, compute.runtime.to_device(wire)
 
     # ------------------------------------------------------------------ calls
 
     def _run(self, compute: StageCompute, session, tokens, wire, position: int) -> InferReply:
         self.sessions.check_room(session, position, tokens.shape[1])
         try:
-            output = cached_forward(compute.stage, tokens, wire, session.cache, position=position)
+            with compute.runtime.autocast():
+                output = cached_forward(compute.stage, tokens, wire, session.cache, position=position)
         except SessionTooLong as error:
             session.cache.truncate(position)
             raise SessionTooLong(str(error)) from None
         try:
+            output = compute.runtime.to_host(output)
             if compute.stage.is_tail:
                 reply = InferReply(logits=self._logits_codec.encode(output))
             else:

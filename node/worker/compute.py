@@ -18,7 +18,14 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   (`weights_changing`). At most `pinned_versions` copies are kept (one copy of the stage's
   trainable parameters each: 3.4 GiB in fp32 for a pluralis-8b body stage, none on the tail,
   whose backward runs inside its forward); a microbatch whose version was dropped, or every
-  microbatch with `pinned_versions=0`, recomputes on the current weights.
+  microbatch with `pinned_versions=0`, recomputes on the current weights. Where the copies live
+  (host memory on a GPU) and how their buffers are reused: node/worker/weight_versions.py.
+- Device and precision (`runtime`, pipeline/runtime.py): the stage lives on the runtime's device;
+  frames are decoded into (pinned) host buffers and copied over without waiting, results are
+  read back where the reply needs their bytes, and every stage call runs under the runtime's
+  autocast (bf16, or nothing for fp32, which is then exactly what it always computed). A job's
+  compute time comes from the runtime's `JobTimer` (CUDA events on a GPU), which waits for the
+  job's last kernels, so the worker's wall-clock compute times are true on a GPU as well.
 - Nothing is half-applied: gradients are computed with `torch.autograd.grad` into temporaries
   and added to `.grad` only once the reply is known to be encodable; a NaN loss or an unencodable
   output or gradient fails the call without touching the accumulated gradients: an `InvalidRequest`
@@ -72,7 +79,6 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -82,6 +88,7 @@ import torch
 from agora.pipeline.codec import WireCodec, WireFormatError, all_finite, decode_tokens
 from agora.pipeline.config import RunConfig
 from agora.pipeline.optim import StageOptimizer
+from agora.pipeline.runtime import JobTimer, Runtime
 from agora.pipeline.stages import Stage, build_stage
 from agora.protos.stage_adapter import (
     AbortReply,
@@ -105,6 +112,7 @@ from agora.node.worker.epoch import (
 from agora.node.worker.kept_graphs import KeptGraph, KeptGraphs
 from agora.node.worker.stash import ForwardStash
 from agora.node.worker.work_ledger import MAX_WORK_KEY_CHARS, WorkLedger
+from agora.node.worker.weight_versions import WeightCopies
 
 __all__ = [
     "RequestRejected",
@@ -201,7 +209,8 @@ class StageCompute:
     def __init__(self, config: RunConfig, index: int, *, run_id: str, codec: WireCodec, stash: ForwardStash,
                  synchronous: bool, local_batch: int | None = None, stage: Stage | None = None,
                  optimizer: StageOptimizer | None = None, pinned_versions: int = DEFAULT_PINNED_VERSIONS,
-                 report_window: ReportWindow = ReportWindow(), keep_graphs: int = 0):
+                 report_window: ReportWindow = ReportWindow(), keep_graphs: int = 0, runtime: Runtime | None = None):
+        """`runtime`: where and in what precision to compute; default `config.runtime` resolved."""
         if local_batch is not None and local_batch <= 0:
             raise ValueError(f"local_batch must be positive, got {local_batch}")
         if pinned_versions < 0:
@@ -212,7 +221,8 @@ class StageCompute:
         self.stash = stash
         self.synchronous = synchronous
         self.local_batch = local_batch
-        self.stage = stage if stage is not None else build_stage(config.model, index)
+        self.runtime = runtime if runtime is not None else Runtime.from_config(config.runtime)
+        self.stage = self.runtime.place_stage(stage if stage is not None else build_stage(config.model, index))
         self.index = self.stage.index
         self.n_stages = self.stage.n_stages
         self.optimizer = optimizer or StageOptimizer(self.stage, config.optim, self.index, self.n_stages)
@@ -236,8 +246,7 @@ class StageCompute:
         self.step_hooks: list[Callable[["StageCompute"], None]] = []
         # Weight versions (see the module docstring): bumped by every write to the weights.
         self.weights_version = 0
-        self.pinned_versions = pinned_versions
-        self._pinned: OrderedDict[int, list[torch.Tensor]] = OrderedDict()
+        self._pinned = WeightCopies(self.runtime, pinned_versions)
         self.kept = KeptGraphs(keep_graphs)  # forward graphs kept for Backward (none by default)
         self._parameter_names = [name for name, p in self.stage.named_parameters() if p.requires_grad]
         if len(self._parameter_names) != len(self.optimizer.parameters):
@@ -257,9 +266,9 @@ class StageCompute:
     def accumulated_samples(self) -> int:
         return sum(applied.tokens.shape[0] for applied in self.applied.values())
 
-    def _observe(self, tokens: int, started: float) -> None:
-        # Wall time of the job on this thread (measurement only, so not the injected clock).
-        rate = tokens / max(time.perf_counter() - started, 1e-9)
+    def _observe(self, tokens: int, timer: JobTimer) -> None:
+        # The job's compute time (measurement only, so not the injected clock; see the docstring).
+        rate = tokens / max(timer.seconds(), 1e-9)
         self.throughput = rate if self.throughput == 0 else (
             (1 - THROUGHPUT_SMOOTHING) * self.throughput + THROUGHPUT_SMOOTHING * rate)
 
@@ -302,16 +311,17 @@ class StageCompute:
         if ids.shape[1] > self.config.model.max_seq_len:
             raise InvalidRequest(f"{what}: sequence length {ids.shape[1]} exceeds the model's "
                                  f"max_seq_len={self.config.model.max_seq_len}")
-        return ids
+        return ids.to(self.runtime.device, non_blocking=True)
 
     def _decode_floats(self, frame: bytes, what: str, shape: tuple[int, ...]) -> torch.Tensor:
         if not frame:
             raise InvalidRequest(f"{what}: missing (empty frame), expected shape {list(shape)}")
         try:
             # The codec refuses NaN/Inf payloads as well as any size or shape mismatch.
-            return self.codec.decode(frame, expected_shape=shape)
+            host = self.codec.decode(frame, expected_shape=shape, out=self.runtime.host_buffer)
         except WireFormatError as error:
             raise InvalidRequest(f"{what}: {error}") from None
+        return self.runtime.to_device(host)
 
     def _unusable(self, message: str) -> Exception:
         """The error for a result that is NaN/Inf or does not encode. Finite weights map inputs of
@@ -325,7 +335,7 @@ class StageCompute:
 
     def _encode(self, tensor: torch.Tensor, what: str) -> bytes:
         try:
-            return self.codec.encode(tensor)
+            return self.codec.encode(self.runtime.to_host(tensor))
         except WireFormatError as error:
             raise self._unusable(f"stage {self.index} could not encode its {what}: {error}") from None
 
@@ -336,7 +346,13 @@ class StageCompute:
         One aminmax per gradient (codec.all_finite): isfinite().all() per gradient cost ~5% of a
         tiny stage's compute; a fused norm over all of them was cheaper per call, but its first
         call on a fresh worker costs milliseconds, which routing read as that replica being slow."""
-        if not all(grad is None or all_finite(grad) for grad in param_grads):
+        if self.runtime.is_cuda:  # one wait for all of them instead of one per gradient
+            bounds = [torch.stack(torch.aminmax(grad.detach())) for grad in param_grads
+                      if grad is not None and grad.numel()]
+            finite = not bounds or bool(torch.isfinite(torch.stack(bounds)).all())
+        else:
+            finite = all(grad is None or all_finite(grad) for grad in param_grads)
+        if not finite:
             raise self._unusable(f"{source}: stage {self.index}'s parameter gradient is not finite; "
                                  "nothing accumulated")
 
@@ -373,6 +389,13 @@ class StageCompute:
             return grads[0], list(grads[1:])
         return None, list(grads)
 
+    def _abort_record(self, tokens: torch.Tensor, wire: torch.Tensor | None, output_grad: torch.Tensor | None,
+                      targets: torch.Tensor | None, version: int, owner: str, work_key: str = "") -> AppliedMicrobatch:
+        """What an Abort of this microbatch would recompute, kept until the next step: in host memory on
+        a GPU (a global batch's worth of them would otherwise sit on the device for a rare Abort)."""
+        keep = self.runtime.keep_on_host
+        return AppliedMicrobatch(keep(tokens), keep(wire), keep(output_grad), keep(targets), version, owner, work_key)
+
     def _accumulate(self, param_grads: list[torch.Tensor | None], microbatch_id: str,
                     applied: AppliedMicrobatch) -> bool:
         """Add a microbatch's gradient; False (nothing added) for a repeat of work applied before."""
@@ -394,13 +417,14 @@ class StageCompute:
         return True
 
     def forward(self, request: ForwardRequest, owner: str = LOCAL_OWNER) -> ForwardReply:
-        started = time.perf_counter()
+        timer = self.runtime.timer()
+        timer.start()
         tokens, wire, targets = self._decode_forward(request)
         if not request.evaluate:  # a held-out forward stores nothing, so it replaces nothing
             self._check_new_microbatch(request.microbatch_id)
         step = self.optimizer.steps
         if request.evaluate:
-            with torch.no_grad():
+            with torch.no_grad(), self.runtime.autocast():
                 output = self.stage(tokens, wire, targets)
             if self.stage.is_tail:
                 if not torch.isfinite(output):
@@ -414,10 +438,10 @@ class StageCompute:
             leaf = None
             if self.kept.has_room():  # keep this forward's graph: its Backward skips the recompute
                 leaf = wire.detach().requires_grad_(True) if wire is not None else None
-                with torch.enable_grad():
+                with torch.enable_grad(), self.runtime.autocast():
                     output = self.stage(tokens, leaf)
             else:
-                with torch.no_grad():
+                with torch.no_grad(), self.runtime.autocast():
                     output = self.stage(tokens, wire)
             reply = ForwardReply(wire=self._encode(output.detach(), "output"), step=step)
             evicted = self.stash.put(request.microbatch_id,
@@ -428,7 +452,7 @@ class StageCompute:
                 self.kept.drop(microbatch_id)
             if output.requires_grad:
                 self.kept.keep(request.microbatch_id, KeptGraph(output, leaf, self.weights_version))
-        self._observe(tokens.numel(), started)
+        self._observe(tokens.numel(), timer)
         return reply
 
     def _forward_tail(self, tokens: torch.Tensor, wire: torch.Tensor | None, targets: torch.Tensor,
@@ -436,7 +460,8 @@ class StageCompute:
         if wire is not None:
             wire.requires_grad_(True)
         with torch.enable_grad():
-            loss = self.stage(tokens, wire, targets)
+            with self.runtime.autocast():
+                loss = self.stage(tokens, wire, targets)
             loss_value = float(loss.detach())
             if not torch.isfinite(loss.detach()):
                 raise self._unusable(f"tail produced a non-finite loss ({loss_value}); no gradient accumulated")
@@ -444,12 +469,13 @@ class StageCompute:
         self._check_finite(param_grads, "the request's wire")
         input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
         applied = self._accumulate(param_grads, microbatch_id,
-                                   AppliedMicrobatch(tokens, None if wire is None else wire.detach(), None, targets,
-                                                     self.weights_version, owner, work_key))
+                                   self._abort_record(tokens, None if wire is None else wire.detach(), None, targets,
+                                                      self.weights_version, owner, work_key))
         return ForwardReply(loss=loss_value, input_grad=input_grad, step=step, repeat=not applied)
 
     def backward(self, request: BackwardRequest, owner: str = LOCAL_OWNER) -> BackwardReply:
-        started = time.perf_counter()
+        timer = self.runtime.timer()
+        timer.start()
         self.check_addressing(request.run_id, request.stage)
         self._check_microbatch_id(request.microbatch_id)
         if self.stage.is_tail:
@@ -475,10 +501,10 @@ class StageCompute:
         self.stash.pop(request.microbatch_id)  # validated: this backward is now committed
         step = self.optimizer.steps
         applied = self._accumulate(param_grads, request.microbatch_id,
-                                   AppliedMicrobatch(stashed.tokens, stashed.wire, output_grad, None, version, owner,
-                                                     stashed.work_key))
+                                   self._abort_record(stashed.tokens, stashed.wire, output_grad, None, version, owner,
+                                                      stashed.work_key))
         self._unpin_unused()
-        self._observe(stashed.tokens.numel(), started)
+        self._observe(stashed.tokens.numel(), timer)
         return BackwardReply(input_grad=input_grad, step=step, repeat=not applied)
 
     # ------------------------------------------------------------------ weight versions
@@ -488,9 +514,8 @@ class StageCompute:
         current = self.weights_version
         self.kept.clear()  # built on the weights about to change (their backwards recompute)
         if self.pinned_versions and current not in self._pinned and current in self._needed_versions():
-            self._pinned[current] = [p.detach().clone() for p in self.optimizer.parameters]
-            while len(self._pinned) > self.pinned_versions:
-                self._pinned.popitem(last=False)  # the oldest: its microbatches recompute on current weights
+            # Beyond pinned_versions the oldest goes: its microbatches recompute on current weights.
+            self._pinned.keep(current, self.optimizer.parameters)
         self.weights_version = current + 1
         self._unpin_unused()
 
@@ -503,8 +528,8 @@ class StageCompute:
     def _unpin_unused(self) -> None:
         if self._pinned:
             needed = self._needed_versions()
-            for version in [v for v in self._pinned if v not in needed]:
-                del self._pinned[version]
+            for version in [v for v in self._pinned.versions() if v not in needed]:
+                self._pinned.drop(version)
 
     def _available_version(self, version: int) -> int:
         """`version` if its weights are the current ones or pinned, else the current version."""
@@ -518,10 +543,22 @@ class StageCompute:
         inputs = (tokens, wire, targets) if self.stage.is_tail else (tokens, wire)
         with torch.enable_grad():
             if version == self.weights_version:
-                return self._gradients(self.stage(*inputs), wire, output_grad)
-            weights = [w.detach().requires_grad_(True) for w in self._pinned[version]]
-            output = torch.func.functional_call(self.stage, dict(zip(self._parameter_names, weights)), inputs)
+                with self.runtime.autocast():
+                    output = self.stage(*inputs)
+                return self._gradients(output, wire, output_grad)
+            weights = self._pinned.weights(version)
+            with self.runtime.autocast():
+                output = torch.func.functional_call(self.stage, dict(zip(self._parameter_names, weights)), inputs)
             return self._gradients(output, wire, output_grad, weights)
+
+    @property
+    def pinned_versions(self) -> int:
+        """How many earlier weight versions may be kept (settable)."""
+        return self._pinned.capacity
+
+    @pinned_versions.setter
+    def pinned_versions(self, count: int) -> None:
+        self._pinned.resize(count)
 
     @property
     def pinned_weight_copies(self) -> int:
@@ -553,7 +590,9 @@ class StageCompute:
         del self.applied[request.microbatch_id]
         self.work.forget(applied.work_key)
         version = self._available_version(applied.weights_version)
-        _, param_grads = self._recompute(version, applied.tokens, applied.wire, applied.targets, applied.output_grad)
+        on_device = self.runtime.to_device
+        _, param_grads = self._recompute(version, *(None if t is None else on_device(t) for t in (
+            applied.tokens, applied.wire, applied.targets, applied.output_grad)))
         for param, grad in zip(self.optimizer.parameters, param_grads):
             if grad is not None and param.grad is not None:
                 param.grad.sub_(grad)

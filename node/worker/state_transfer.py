@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence
 
 import grpc
+import torch
 
 from agora.node.rpc.auth_check import Caller, current_caller
 from agora.node.worker.compute import StageCompute
@@ -69,13 +70,25 @@ class _AveragingState(Protocol):
     def state_dict(self, samples_total: int) -> dict: ...
 
 
+def _host_copy(value: Any) -> Any:
+    """`value` with every tensor copied to host memory (on a GPU worker the snapshot must not take a
+    second copy of the stage's state in device memory), containers and plain values deep-copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _host_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host_copy(item) for item in value)
+    return copy.deepcopy(value)
+
+
 def snapshot_stage(compute: StageCompute) -> StageState:
-    """(compute thread) A clone of the stage's state at this step boundary, so training goes on while it
-    is written (a checkpoint) or sent (weight sync): parameters, optimizer state with the sample count,
-    and this process's RNG state."""
-    optimizer = copy.deepcopy(compute.optimizer.state_dict())  # clones the moments
+    """(compute thread) A copy of the stage's state at this step boundary in host memory, so training goes
+    on while it is written (a checkpoint) or sent (weight sync): parameters, optimizer state with the
+    sample count, and this process's RNG state."""
+    optimizer = _host_copy(compute.optimizer.state_dict())  # copies the moments
     optimizer["samples_total"] = compute.samples_total
-    model = {name: tensor.detach().clone() for name, tensor in compute.stage.state_dict().items()}
+    model = _host_copy(compute.stage.state_dict())
     return StageState(compute.index, model, optimizer, rng=rng_state())
 
 

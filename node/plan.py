@@ -1,0 +1,126 @@
+"""`agora-node plan`, and the memory check `join` runs before it loads anything (pipeline/memory.py).
+
+    agora-node plan --config C [--stages S] [--device D] [--dtype D] [--microbatch M]
+                    [--pinned-weights N] [--in-flight N] [--memory-gb G] [--json]
+
+prints, per stage, what one worker holds at its peak and whether it fits G GB (exit 1 when a
+stage does not). It plans for the device type it is told, not the one this machine has: an
+operator can size a run for GPUs from a laptop. `join` plans its own stage on its own device with
+its own options (the run's microbatch or `--max-rows`, `--pinned-weights`, the stash capacity)
+and, when the peak exceeds the memory free there, refuses in one line naming the shortfall and
+what would shrink it, before it starts a DHT peer or builds the stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import torch
+
+from agora.pipeline.config import COMPUTE_DTYPES, ConfigError, RunConfig
+from agora.pipeline.memory import GiB, MemoryOptions, StagePlan, format_plan, plan_run, plan_stage
+from agora.pipeline.runtime import Runtime, device_memory
+
+__all__ = ["add_plan_command", "check_stage_fits", "worker_memory_options"]
+
+logger = logging.getLogger("agora.node.plan")
+
+
+def worker_memory_options(config: RunConfig, *, rows: int | None = None, pinned_versions: int | None = None,
+                          in_flight: int | None = None) -> MemoryOptions:
+    """What a worker with these options keeps: by default `join`'s (the run's microbatch, 2 pinned
+    versions, the stash's 64 entries) and the Abort records of a whole global batch (one replica)."""
+    from agora.node.worker.compute import DEFAULT_PINNED_VERSIONS
+    from agora.node.worker.worker import WorkerOptions
+
+    return MemoryOptions(
+        microbatch=rows or config.train.microbatch_size, seq_len=config.train.seq_len,
+        in_flight=WorkerOptions().stash_capacity if in_flight is None else in_flight,
+        pinned_versions=DEFAULT_PINNED_VERSIONS if pinned_versions is None else pinned_versions,
+        applied=config.train.microbatches)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from agora.node.cli import _run_config
+
+    for flag, value in (("--microbatch", args.microbatch), ("--in-flight", args.in_flight)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag}: must be positive, got {value}")
+    if args.pinned_weights is not None and args.pinned_weights < 0:
+        raise ConfigError(f"--pinned-weights: must be >= 0, got {args.pinned_weights}")
+    if args.memory_gb is not None and not args.memory_gb > 0:
+        raise ConfigError(f"--memory-gb: must be positive, got {args.memory_gb}")
+    config = _run_config(args)  # (the plan's --device/--dtype are not this machine's: kept apart from it)
+    device = args.plan_device or config.runtime.device
+    device_type = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device.split(":")[0]
+    options = worker_memory_options(config, rows=args.microbatch, pinned_versions=args.pinned_weights,
+                                    in_flight=args.in_flight)
+    plans = plan_run(config, options, device_type=device_type, dtype=args.plan_dtype or config.runtime.dtype,
+                     weights=config.runtime.weights)
+    available = None if args.memory_gb is None else int(args.memory_gb * 1e9)
+    if args.json:
+        print(json.dumps({"config": config.name, "device": device_type, "microbatch": options.microbatch,
+                          "seq_len": options.seq_len, "in_flight": options.in_flight,
+                          "pinned_versions": options.pinned_versions, "applied": options.applied,
+                          "stages": [plan.as_dict() for plan in plans]}))
+    else:
+        print(f"memory plan: {config.name}, {len(plans)} stages, {device_type} {args.plan_dtype or config.runtime.dtype}, "
+              f"microbatch {options.microbatch} x {options.seq_len} tokens, {options.in_flight} forwards stashed, "
+              f"{options.pinned_versions} pinned versions, {options.applied} microbatches per step")
+        print(format_plan(plans, args.memory_gb))
+    return 1 if available is not None and any(plan.shortfall(available) for plan in plans) else 0
+
+
+def add_plan_command(commands, *, add_run_arguments) -> None:
+    plan = commands.add_parser("plan", help="what one worker of each stage needs in memory, and whether it fits",
+                               description="Per stage: parameters, gradients, optimizer state, pinned weight "
+                                           "versions, fixed buffers (U, T), the stash of forward inputs, Abort "
+                                           "records, the worst job's working set, and the peak, in GiB, computed "
+                                           "from the stage's modules without allocating them. Exit 1 when a stage "
+                                           "does not fit --memory-gb.")
+    add_run_arguments(plan, steps_help="planned run length (does not change the plan)", averaging=False)
+    plan.add_argument("--device", dest="plan_device", default=None, choices=["auto", "cpu", "cuda"],
+                      help="the device type to plan for (default: the config's, auto: this machine's)")
+    plan.add_argument("--dtype", dest="plan_dtype", default=None, choices=COMPUTE_DTYPES,
+                      help="compute precision (default: the config's)")
+    plan.add_argument("--microbatch", type=int, default=None, metavar="M",
+                      help="samples per microbatch (default: the run's train.microbatch_size)")
+    plan.add_argument("--pinned-weights", type=int, default=None, metavar="N",
+                      help="earlier weight versions each head or body worker keeps (default 2)")
+    plan.add_argument("--in-flight", type=int, default=None, metavar="N",
+                      help="forward inputs a worker stashes at most (default: the worker's stash capacity, 64)")
+    plan.add_argument("--memory-gb", type=float, default=None, metavar="G",
+                      help="say per stage whether it fits G GB (decimal, as cards are sold) of device memory")
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object (bytes)")
+    plan.set_defaults(handler=_cmd_plan)
+
+
+def _remedies(plan: StagePlan, runtime: Runtime, options: MemoryOptions) -> str:
+    ideas = []
+    if runtime.dtype == "fp32":
+        ideas.append("--dtype bf16")
+    if options.pinned_versions and plan.pinned and not plan.pinned_on_host:
+        ideas.append("--pinned-weights 0")
+    ideas.append("a run with smaller microbatches (train.microbatches)")
+    return ", ".join(ideas)
+
+
+def check_stage_fits(config: RunConfig, stage: int, runtime: Runtime, options: MemoryOptions) -> StagePlan:
+    """Plan `stage` for this worker; ConfigError naming the shortfall when its peak exceeds what is
+    free on the device (its RAM for the CPU): `join` calls this before loading anything."""
+    plan = plan_stage(config, stage, options, device_type=runtime.device.type, dtype=runtime.dtype,
+                      weights=runtime.weights)
+    memory = device_memory(runtime.device, free=True)
+    short = plan.shortfall(memory.free_bytes)
+    where = f"{runtime.device} ({memory.name})" if memory.accelerator else "this machine's RAM"
+    if short:
+        raise ConfigError(
+            f"memory plan: stage {plan.index} ({plan.kind}) needs {plan.peak / GiB:.2f} GiB on {where} at its peak "
+            f"({plan.working_job}, microbatch {options.microbatch} x {options.seq_len}, {runtime.dtype}), but "
+            f"{memory.free_bytes / GiB:.2f} GiB are free: short by {short / GiB:.2f} GiB; try "
+            f"{_remedies(plan, runtime, options)}, or see `agora-node plan` (--no-memory-check skips this)")
+    logger.info("memory plan: stage %d (%s) needs %.2f GiB at its peak on %s, %.2f GiB free", plan.index, plan.kind,
+                plan.peak / GiB, where, memory.free_bytes / GiB)
+    return plan

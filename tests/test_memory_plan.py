@@ -1,0 +1,177 @@
+"""The memory plan (pipeline/memory.py) against what a real worker allocates, and `agora-node plan`.
+
+How the real bytes are counted: `LiveBytes` is active while a real `StageCompute` is built and
+driven into its steady state on the CPU, so every tensor storage an ATen operator allocates in
+that time is added when it is created and taken off when its storage is freed (a weak reference to
+the storage). At the end its count is what the worker holds (weights, U and T, `.grad`, Adam
+state, pinned weight copies, stashed inputs, Abort records), and its peak is the worst moment of
+the last job. This is the sum of the tensor storages actually allocated, measured on real tensors
+and real kernels; the plan computes the same from the module definitions on fake tensors (meta
+storage, nothing allocated) and its own bookkeeping of what a worker keeps. (Token ids decoded by
+numpy are not ATen allocations and are not counted: a few KB here.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memory_scenario import CODEC, IN_FLIGHT, PINNED, Driver, steady_state
+
+from agora.node.cli import main
+from agora.node.worker.compute import StageCompute
+from agora.node.worker.stash import ForwardStash
+from agora.pipeline.config import PRESETS, RuntimeConfig
+from agora.pipeline.memory import LiveBytes, MemoryOptions, plan_stage
+from agora.pipeline.runtime import Runtime
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _steady_state(config, index: int, runtime: Runtime, applied: int) -> tuple[int, int]:
+    """(bytes held, peak bytes of the last job) of a real worker in the plan's steady state."""
+    counter = LiveBytes()
+
+    def last_job_starts():
+        counter.peak = counter.held()
+
+    with counter:
+        compute = steady_state(config, index, runtime, applied, last_job_starts)
+        held = counter.held()
+    del compute
+    return held, counter.peak
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_plan_matches_what_a_worker_allocates_on_the_cpu(preset, index):
+    config = PRESETS[preset].with_stages(3)
+    applied = config.train.microbatches
+    options = MemoryOptions(microbatch=config.train.microbatch_size, seq_len=config.train.seq_len,
+                            in_flight=IN_FLIGHT, pinned_versions=PINNED, applied=applied)
+    plan = plan_stage(config, index, options, device_type="cpu", dtype="fp32")
+    held, peak = _steady_state(config, index, Runtime(), applied)
+    assert plan.state == pytest.approx(held, rel=0.05), plan.as_dict()
+    assert plan.peak == pytest.approx(peak, rel=0.05), (plan.as_dict(), peak)
+    assert plan.reserve == 0 and plan.host == 0
+
+
+@pytest.mark.parametrize("index", [1, 2])
+def test_plan_matches_a_bf16_worker_too(index):
+    """Autocast's bf16 copies of the weights and bf16 activations, U and T stored in bf16."""
+    config = PRESETS["tiny"].with_stages(3)
+    options = MemoryOptions(microbatch=config.train.microbatch_size, seq_len=config.train.seq_len,
+                            in_flight=IN_FLIGHT, pinned_versions=PINNED, applied=config.train.microbatches)
+    plan = plan_stage(config, index, options, device_type="cpu", dtype="bf16")
+    fp32 = plan_stage(config, index, options, device_type="cpu", dtype="fp32")
+    held, peak = _steady_state(config, index, Runtime.from_config(RuntimeConfig(device="cpu", dtype="bf16")),
+                               config.train.microbatches)
+    assert plan.fixed == fp32.fixed // 2 and plan.parameters == fp32.parameters  # master weights stay fp32
+    assert plan.state == pytest.approx(held, rel=0.05), plan.as_dict()
+    assert plan.peak == pytest.approx(peak, rel=0.05), (plan.as_dict(), peak)
+
+
+def test_pluralis_body_stage_on_a_gpu_keeps_pinned_versions_on_the_host():
+    config = PRESETS["pluralis-8b"]
+    options = MemoryOptions(microbatch=1, seq_len=4096, in_flight=64, pinned_versions=2, applied=8)
+    plan = plan_stage(config, 1, options, device_type="cuda", dtype="bf16")
+    weights = plan.trainable * 4
+    assert plan.parameters == weights and plan.gradients == weights
+    assert plan.optimizer == pytest.approx(2 * weights, rel=1e-6)
+    assert plan.fixed == 2 * (config.model.vocab_size + config.model.rank) * config.model.d_model  # bf16 U, T
+    assert plan.pinned == 2 * weights and plan.host >= plan.pinned and plan.pinned_on_host
+    assert plan.working_job == "backward on a pinned version" and plan.reserve > 0
+    assert plan.peak < 40 * 2**30  # fits a 40 GB card with the pinned versions on the host
+
+
+def test_plan_command_prints_every_stage_and_whether_it_fits(capsys):
+    assert main(["plan", "--config", "pluralis-8b", "--dtype", "bf16", "--device", "cuda", "--microbatch", "1",
+                 "--memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("memory plan: pluralis-8b, 7 stages, cuda bf16, microbatch 1 x 4096")
+    assert "peak" in lines[1] and "fits 80 GB" in lines[1]
+    assert [line.split()[1] for line in lines[2:9]] == ["head", "body", "body", "body", "body", "body", "tail"]
+    assert all(line.split()[-1] in ("yes", "GiB") for line in lines[2:9])
+    assert main(["plan", "--config", "pluralis-8b", "--stages", "2", "--memory-gb", "24", "--device", "cuda"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("no, short") == 2
+
+
+def test_plan_command_refuses_bad_flags_in_one_line(capsys):
+    assert main(["plan", "--config", "tiny", "--microbatch", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("agora-node plan: error: --microbatch") and "\n" not in err
+
+
+def test_join_refuses_a_stage_that_does_not_fit_before_starting_anything(capsys):
+    """A pluralis-8b body stage at 64 rows per microbatch needs terabytes: refused in one line that
+    names the shortfall, before any DHT peer, port or stage exists (it returns within the plan's time)."""
+    code = main(["join", "--insecure", "--config", "pluralis-8b", "--stage", "1", "--max-rows", "64",
+                 "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("agora-node join: error: memory plan: stage 1 (body) needs ")
+    assert "this machine's RAM" in err[-1] and "short by" in err[-1] and "--dtype bf16" in err[-1]
+
+
+def test_the_hardware_report_names_the_memory_the_plan_checks_against():
+    from agora.auth.admission import hardware_report
+    from agora.pipeline.runtime import device_memory
+
+    report = hardware_report(torch.device("cpu"))
+    assert report.device == "cpu" and report.accelerator_memory_bytes == 0
+    assert report.ram_bytes == device_memory(torch.device("cpu")).total_bytes > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_sparta_slices_keep_nothing_per_parameter_and_stay_inside_the_plan(preset):
+    """The partition stores no index per parameter (the cached order it replaced held 4 bytes per
+    parameter from the first round on); a round's gather only briefly holds its slice's indices,
+    well inside the working set the plan already reserves for a job."""
+    from agora.node.averaging.sparta import SlicePartition
+
+    config = PRESETS[preset].with_stages(3)
+    compute = StageCompute(config, 1, run_id="run", codec=CODEC, stash=ForwardStash(IN_FLIGHT, 600.0),
+                           synchronous=False, runtime=Runtime())
+    parameters = compute.optimizer.parameters
+    counter = LiveBytes()
+    with counter:
+        partition = SlicePartition([p.numel() for p in parameters], config.sync.n_slices, config.seed)
+        assert counter.held() == 0
+        flats = [partition.gather(parameters, s) for s in range(config.sync.n_slices)]
+        for s, flat in enumerate(flats):
+            partition.scatter_add(parameters, s, torch.zeros_like(flat))
+        del flats, flat
+        assert counter.held() == 0  # nothing kept between rounds
+    options = MemoryOptions(microbatch=config.train.microbatch_size, seq_len=config.train.seq_len,
+                            in_flight=IN_FLIGHT, pinned_versions=PINNED, applied=config.train.microbatches)
+    plan = plan_stage(config, 1, options, device_type="cpu", dtype="fp32")
+    assert 0 < counter.peak < plan.working / 2, (counter.peak, plan.working)
+
+
+def test_pinning_at_a_step_reuses_the_buffers_of_released_versions():
+    """The asynchronous step's copy of the weights: after the first copies, a step that pins writes
+    into the buffers of a released version instead of allocating a new copy, and what is held stays
+    the plan's `pinned`."""
+    config = PRESETS["tiny"].with_stages(3)
+    compute = StageCompute(config, 1, run_id="run", codec=CODEC, stash=ForwardStash(IN_FLIGHT, 600.0),
+                           synchronous=False, pinned_versions=PINNED, runtime=Runtime())
+    drive = Driver(compute, config)
+    allocated = []
+    for step in range(2 * PINNED + 2):  # every step keeps the version a pending forward ran on
+        drive.forward(f"pending{step}")
+        drive.forward(f"done{step}")
+        drive.backward(f"done{step}")
+        if step >= PINNED:  # an old pending backward completes: its version is released
+            drive.backward(f"pending{step - PINNED}")
+        counter = LiveBytes()
+        with counter:
+            compute.weights_changing()
+        allocated.append(counter.held())
+        drive.report()
+    options = MemoryOptions(microbatch=2, seq_len=128, in_flight=IN_FLIGHT, pinned_versions=PINNED, applied=4)
+    plan = plan_stage(config, 1, options, device_type="cpu", dtype="fp32")
+    assert allocated[0] == plan.pinned // PINNED  # the first copy is allocated once ...
+    assert allocated[PINNED + 1:] == [0] * (len(allocated) - PINNED - 1)  # ... later steps write into old buffers
+    assert compute._pinned.nbytes == plan.pinned
