@@ -329,12 +329,7 @@ class CredentialVerifier:
         except VerificationError as error:
             raise CredentialError("untrusted", f"credential of {identity.describe()} is not signed by this run's "
                                                f"CA (root {self.root_fingerprint[:16]}): {error}") from None
-        if identity.run_id != self.run_id:
-            raise CredentialError("wrong_run", f"credential is for run {identity.run_id!r}, this is run "
-                                               f"{self.run_id!r}")
-        if identity.role not in roles:
-            raise CredentialError("wrong_role", f"a {identity.role} credential may not do this "
-                                                f"(needs {' or '.join(roles)})")
+        self._check_run_and_role(identity, roles)
         return identity
 
     def identity_of_leaf(self, leaf_pem: bytes) -> Identity:
@@ -361,14 +356,17 @@ class CredentialVerifier:
             raise CredentialError("not_yet_valid", f"credential of {identity.describe()} is valid only from "
                                                    f"{identity.not_before - now:.0f} s from now")
 
-    def check(self, identity: Identity, *, roles: Sequence[str] = ROLES, stage: Optional[int] = None) -> Identity:
-        self.check_time(identity)
+    def _check_run_and_role(self, identity: Identity, roles: Sequence[str]) -> None:
         if identity.run_id != self.run_id:
             raise CredentialError("wrong_run", f"credential is for run {identity.run_id!r}, this is run "
                                                f"{self.run_id!r}")
         if identity.role not in roles:
             raise CredentialError("wrong_role", f"a {identity.role} credential may not do this "
                                                 f"(needs {' or '.join(roles)})")
+
+    def check(self, identity: Identity, *, roles: Sequence[str] = ROLES, stage: Optional[int] = None) -> Identity:
+        self.check_time(identity)
+        self._check_run_and_role(identity, roles)
         if stage is not None and identity.stage != stage:
             raise CredentialError("wrong_stage", f"credential of {identity.describe()} is not for stage {stage}")
         return identity

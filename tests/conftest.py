@@ -13,3 +13,20 @@ def _token_cache(tmp_path_factory):
     # Tokenized corpora are cached per test session so tests never touch the user's cache.
     os.environ.setdefault("AGORA_CACHE_DIR", str(tmp_path_factory.mktemp("agora-cache")))
     yield
+
+
+@pytest.fixture(scope="module")
+def dht_pair():
+    """Two real DHT peers on loopback, the second bootstrapped from the first; shared by a module's
+    tests (each start spawns a p2pd and takes a second or two)."""
+    from agora.dht.swarm import SwarmDHT
+
+    first = SwarmDHT.start()
+    try:
+        second = SwarmDHT.start(initial_peers=first.visible_maddrs())
+        try:
+            yield first, second
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()

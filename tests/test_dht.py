@@ -1,6 +1,6 @@
 """agora.dht: record schemas (pure), then real hivemind DHT peers on loopback.
 
-The DHT tests share one module-scoped pair of peers (each start spawns a p2pd and takes
+The DHT tests share one module-scoped pair of peers (`dht_pair`, tests/conftest.py: each start spawns a p2pd and takes
 ~0.5 s) and isolate themselves with a fresh run id each. Waiting for state is done by
 polling with a deadline, never by a fixed sleep.
 """
@@ -152,26 +152,13 @@ def test_keys_and_endpoints():
 # ---- real DHT peers on loopback ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pair():
-    first = SwarmDHT.start()
-    try:
-        second = SwarmDHT.start(initial_peers=first.visible_maddrs())
-        try:
-            yield first, second
-        finally:
-            second.shutdown()
-    finally:
-        first.shutdown()
-
-
 @pytest.fixture
 def run_id():
     return f"test-{uuid.uuid4().hex[:12]}"
 
 
-def test_a_worker_announced_on_one_peer_is_seen_on_the_other(pair, run_id):
-    first, second = pair
+def test_a_worker_announced_on_one_peer_is_seen_on_the_other(dht_pair, run_id):
+    first, second = dht_pair
     record = make_record(peer_id=first.peer_id, run_id=run_id, updated_at=first.clock())
     assert first.announce_worker(record, ttl=30)
     assert eventually(lambda: second.live_workers(run_id, 1), timeout=10, what="the announce") == [record]
@@ -179,19 +166,19 @@ def test_a_worker_announced_on_one_peer_is_seen_on_the_other(pair, run_id):
     assert everything == {0: [], 1: [record], 2: []}
 
 
-def test_two_workers_of_one_stage_are_both_listed_in_peer_id_order(pair, run_id):
-    first, second = pair
+def test_two_workers_of_one_stage_are_both_listed_in_peer_id_order(dht_pair, run_id):
+    first, second = dht_pair
     records = [make_record(peer_id=peer.peer_id, run_id=run_id, endpoint=f"127.0.0.1:{port}")
                for peer, port in ((first, 7001), (second, 7002))]
-    for peer, record in zip(pair, records):
+    for peer, record in zip(dht_pair, records):
         assert peer.announce_worker(record, ttl=30)
     expected = sorted(records, key=lambda record: record.peer_id)
-    for reader in pair:
+    for reader in dht_pair:
         assert eventually(lambda: reader.live_workers(run_id, 1) == expected, timeout=10, what="both workers")
 
 
-def test_garbage_under_a_workers_key_is_skipped_and_counted(pair, run_id):
-    first, second = pair
+def test_garbage_under_a_workers_key_is_skipped_and_counted(dht_pair, run_id):
+    first, second = dht_pair
     good = make_record(peer_id="peer-good", run_id=run_id)
     assert first.announce_worker(good, ttl=30)
     key = worker_key(run_id, 1)
@@ -216,8 +203,8 @@ def test_garbage_under_a_workers_key_is_skipped_and_counted(pair, run_id):
     assert second.rejections()[plain_key] == 1
 
 
-def test_withdraw_removes_a_worker_and_it_can_announce_again(pair, run_id):
-    first, second = pair
+def test_withdraw_removes_a_worker_and_it_can_announce_again(dht_pair, run_id):
+    first, second = dht_pair
     record = make_record(peer_id=first.peer_id, run_id=run_id)
     assert first.announce_worker(record, ttl=60)
     eventually(lambda: second.live_workers(run_id, 1), timeout=10, what="the announce")
@@ -231,8 +218,8 @@ def test_withdraw_removes_a_worker_and_it_can_announce_again(pair, run_id):
     assert first.live_workers(run_id, 1) == []
 
 
-def test_heartbeat_keeps_a_record_alive_and_it_expires_when_beats_stop(pair, run_id):
-    first, second = pair
+def test_heartbeat_keeps_a_record_alive_and_it_expires_when_beats_stop(dht_pair, run_id):
+    first, second = dht_pair
     state = {"step": 0}
 
     def current():
@@ -257,8 +244,8 @@ def test_heartbeat_keeps_a_record_alive_and_it_expires_when_beats_stop(pair, run
     eventually(lambda: second.live_workers(run_id, 1) == [], timeout=5, what="the record to expire")
 
 
-def test_heartbeat_stop_withdraws_right_away(pair, run_id):
-    first, second = pair
+def test_heartbeat_stop_withdraws_right_away(dht_pair, run_id):
+    first, second = dht_pair
 
     async def scenario():
         heartbeat = Heartbeat(first, lambda: make_record(peer_id=first.peer_id, run_id=run_id), interval=5)
@@ -270,8 +257,8 @@ def test_heartbeat_stop_withdraws_right_away(pair, run_id):
     asyncio.run(scenario())
 
 
-def test_heartbeat_survives_a_broken_record_source(pair, run_id):
-    first, _ = pair
+def test_heartbeat_survives_a_broken_record_source(dht_pair, run_id):
+    first, _ = dht_pair
     calls = {"n": 0}
 
     def flaky():
@@ -292,8 +279,8 @@ def test_heartbeat_survives_a_broken_record_source(pair, run_id):
     asyncio.run(scenario())
 
 
-def test_entries_expire_by_the_injected_clock(pair, run_id):
-    first, _ = pair
+def test_entries_expire_by_the_injected_clock(dht_pair, run_id):
+    first, _ = dht_pair
     assert first.announce_worker(make_record(peer_id="peer-now", run_id=run_id), ttl=30)
     # A reader whose clock runs 60 s ahead sees that 30 s entry as expired already.
     with SwarmDHT.start(initial_peers=first.visible_maddrs(), clock=lambda: first.clock() + 60) as ahead:
@@ -318,8 +305,8 @@ class LeaseRecord(Record):
             raise RecordError("test-lease.unit: must be >= 0")
 
 
-def test_generic_records_under_plain_keys_and_subkeys(pair, run_id):
-    first, second = pair
+def test_generic_records_under_plain_keys_and_subkeys(dht_pair, run_id):
+    first, second = dht_pair
     key = f"{run_id}.lease.7"
     lease = LeaseRecord(holder=first.peer_id, unit=7)
     assert first.store(key, lease, ttl=30)
@@ -339,8 +326,8 @@ def test_generic_records_under_plain_keys_and_subkeys(pair, run_id):
     assert list(entries) == ["a", "b"] and entries["a"].record.unit == 1
 
 
-def test_concurrent_async_requests_share_the_pipe_safely(pair, run_id):
-    first, second = pair
+def test_concurrent_async_requests_share_the_pipe_safely(dht_pair, run_id):
+    first, second = dht_pair
     records = [make_record(peer_id=f"peer-{index:02d}", run_id=run_id, step=index) for index in range(12)]
 
     async def scenario():
@@ -353,8 +340,8 @@ def test_concurrent_async_requests_share_the_pipe_safely(pair, run_id):
     asyncio.run(scenario())
 
 
-def test_heartbeat_of_a_worker_that_moves_stage_withdraws_the_old_entry(pair, run_id):
-    first, second = pair
+def test_heartbeat_of_a_worker_that_moves_stage_withdraws_the_old_entry(dht_pair, run_id):
+    first, second = dht_pair
     state = {"stage": 0}
 
     async def scenario():

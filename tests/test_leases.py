@@ -12,7 +12,6 @@ import pytest
 from agora.auth.authority import RunAuthority
 from agora.dht.leases import BLOCK_UNITS, LeaseBoard, UnitBlockRecord, UnitState, UnitWriters, resolve, units_key
 from agora.dht.records import RecordError
-from agora.dht.swarm import SwarmDHT
 from agora.node.rpc.server import run
 from agora.node.trainer.units import FixedUnits, LeasedUnits, next_candidates
 
@@ -102,32 +101,19 @@ def test_readers_count_only_entries_written_under_a_trainer_credential_of_that_p
 # ---------------------------------------------------------------- over a real DHT
 
 
-@pytest.fixture(scope="module")
-def swarms():
-    first = SwarmDHT.start()
-    try:
-        second = SwarmDHT.start(initial_peers=first.visible_maddrs())
-        try:
-            yield first, second
-        finally:
-            second.shutdown()
-    finally:
-        first.shutdown()
-
-
-def test_two_trainers_claim_apart_a_dead_ones_lease_runs_out_and_is_reclaimed(swarms):
+def test_two_trainers_claim_apart_a_dead_ones_lease_runs_out_and_is_reclaimed(dht_pair):
     run_id = f"lease-{uuid.uuid4().hex[:8]}"
 
     async def main():
-        a = LeaseBoard(swarms[0], run_id=run_id, lease_s=1.5)
-        b = LeaseBoard(swarms[1], run_id=run_id, lease_s=1.5)
+        a = LeaseBoard(dht_pair[0], run_id=run_id, lease_s=1.5)
+        b = LeaseBoard(dht_pair[1], run_id=run_id, lease_s=1.5)
         assert await a.claim(5)
         assert not await b.claim(5)  # A holds it
         assert await b.claim(6)
         state = await a.commit(5)
         assert state.committed and state.committers == 1
         seen = await b.read(0)
-        assert seen[5].committed and seen[6].holder == swarms[1].peer_id
+        assert seen[5].committed and seen[6].holder == dht_pair[1].peer_id
         # B dies holding 6 (no renewal, no release): A takes it once the lease has run out.
         assert not await a.claim(6)
         await asyncio.sleep(1.7)
@@ -135,17 +121,17 @@ def test_two_trainers_claim_apart_a_dead_ones_lease_runs_out_and_is_reclaimed(sw
         assert await a.claim(6)
         await a.commit(6)
         # A restarted with the same identity knows its commits (it rewrites its entry with them).
-        again = LeaseBoard(swarms[0], run_id=run_id, lease_s=1.5)
+        again = LeaseBoard(dht_pair[0], run_id=run_id, lease_s=1.5)
         assert await again.claim(7)
         await again.commit(7)
         return await b.read(0)
 
     final = run(main())
     assert {u for u, s in final.items() if s.committed} == {5, 6, 7}
-    assert all(s.holder == swarms[0].peer_id for s in final.values())
+    assert all(s.holder == dht_pair[0].peer_id for s in final.values())
 
 
-def test_every_unit_is_committed_once_and_none_is_lost_when_a_trainer_dies(swarms):
+def test_every_unit_is_committed_once_and_none_is_lost_when_a_trainer_dies(dht_pair):
     """Two trainers drain 40 units; one dies (stops, leases unreleased) a third of the way in."""
     run_id = f"lease-{uuid.uuid4().hex[:8]}"
     total = 40
@@ -164,7 +150,7 @@ def test_every_unit_is_committed_once_and_none_is_lost_when_a_trainer_dies(swarm
             done.append(unit)
 
     async def main():
-        boards = [LeaseBoard(s, run_id=run_id, lease_s=1.5) for s in swarms]
+        boards = [LeaseBoard(s, run_id=run_id, lease_s=1.5) for s in dht_pair]
         units = [LeasedUnits(board, total=total, stripe=(i, 2), clock=board._swarm.clock)
                  for i, board in enumerate(boards)]
         done: list[list[int]] = [[], []]
