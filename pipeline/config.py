@@ -442,9 +442,12 @@ def load_config(spec: str | Path) -> RunConfig:
         from agora.pipeline.checkpoint import CheckpointError, read_meta  # checkpoint.py imports this module
 
         try:
-            return config_from_dict(read_meta(path)["config"])
+            config = config_from_dict(read_meta(path)["config"])
         except CheckpointError as error:
             raise ConfigError(f"config: {error}") from None
+        # The device is the training machine's, not this one's (a GPU run's checkpoint is served on
+        # a CPU too); the precision recipe (dtype, weights) travels with the weights.
+        return dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, device="auto"))
     try:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as error:

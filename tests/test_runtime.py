@@ -47,6 +47,18 @@ def test_runtime_is_not_part_of_the_run_fingerprint():
     assert run_fingerprint(replace(PRESETS["tiny"], runtime=RuntimeConfig(device="cuda:1", dtype="bf16"))) == base
 
 
+def test_a_checkpoint_trained_on_a_gpu_loads_its_config_for_this_machines_device(tmp_path):
+    """`--config CKPT` on another machine: the training machine's device stays behind, its precision
+    recipe travels with the weights."""
+    from agora.pipeline.checkpoint import save_checkpoint
+    from agora.pipeline.config import load_config
+
+    trained = replace(PRESETS["tiny"], runtime=RuntimeConfig(device="cuda:1", dtype="bf16"))
+    save_checkpoint(tmp_path, 3, trained, [])
+    loaded = load_config(tmp_path / "step-00000003")
+    assert loaded.runtime == RuntimeConfig(device="auto", dtype="bf16") and loaded.model == trained.model
+
+
 def test_auto_resolves_to_the_cpu_without_cuda():
     assert resolve_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
