@@ -31,7 +31,7 @@ def test_demo_sync_reproduces_train_local(tmp_path):
     assert code == 0 and summary["outcome"] == "completed"
     assert [line["step"] for line in swarm] == [line["step"] for line in local] == list(range(1, 13))
     for ours, reference in zip(swarm, local):
-        assert ours["loss"] == pytest.approx(reference["loss"], abs=1e-3)
+        assert ours["loss"] == reference["loss"]  # bit for bit: every stage accumulates in index order
         assert ours["tokens"] == reference["tokens"]
         assert ours["lr"] == pytest.approx(reference["lr"], rel=1e-9)
     assert set(summary["exit_codes"].values()) == {0}  # every role left cleanly on SIGTERM

@@ -278,3 +278,50 @@ def test_a_unit_run_again_by_another_trainer_is_computed_but_applied_once(data):
     losses, repeats, accumulated = asyncio.run(main())
     assert losses[0] == pytest.approx(losses[1])
     assert repeats == [0, 3] and accumulated == [1, 1, 1]
+
+
+class DelayNthCall(CallHook):
+    """Holds the worker's `n`-th call of one method for `seconds` (a slow moment on one microbatch)."""
+
+    def __init__(self, method_suffix, n, seconds):
+        super().__init__()
+        self.method_suffix, self.n, self.seconds, self.calls = method_suffix, n, seconds, 0
+
+    async def before(self, call, context):
+        if call.method.endswith(self.method_suffix):
+            self.calls += 1
+            if self.calls == self.n:
+                await asyncio.sleep(self.seconds)
+
+
+def test_synchronous_stages_accumulate_in_index_order_with_microbatches_overtaking(data):
+    """Four microbatches, two in flight; the second Backward to reach the head is held, so the
+    batch's later microbatches get there before it (without the turns the head accumulated them
+    as 1, 2, 3, 0). Float sums depend on their order: each stage still adds the batch's gradients
+    in index order, and the run equals train-local bit for bit."""
+    config = replace(_config(), train=replace(_config().train, batch_size=8, microbatches=4)).validate()
+    steps = 2
+    expected = [r.loss for r in CentralizedTrainer(config, data).run(steps)]
+
+    async def main():
+        workers = []
+        for stage in range(3):
+            hooks = [DelayNthCall("/Backward", 2, 0.5)] if stage == 0 else []
+            worker = StageWorker(config, stage, run_id="test", options=WorkerOptions(synchronous=True),
+                                 interceptors=hooks)
+            await worker.start()
+            workers.append(worker)
+        orders = []  # per step, the order in which the head accumulated the batch's microbatches
+        await workers[0].on_compute(lambda c: c.step_hooks.append(
+            lambda compute: orders.append([int(i.split(".")[0].split("m")[1]) for i in compute.stepped_ids])))
+        discovery = StaticDiscovery([WorkerView(f"s{i}", w.address, i) for i, w in enumerate(workers)])
+        try:
+            async with SwarmTrainer(config, data, discovery,
+                                    TrainerOptions(run_id="test", synchronous=True, max_in_flight=2)) as trainer:
+                return await trainer.run(steps), orders
+        finally:
+            await asyncio.gather(*(w.stop(0) for w in workers))
+
+    records, orders = asyncio.run(main())
+    assert orders == [[0, 1, 2, 3]] * steps
+    assert [r.loss for r in records] == expected

@@ -19,7 +19,8 @@ half a global batch (its barrier closes every batch anyway).
 
 Every replica of every stage steps once per global batch. Synchronous mode (one replica per
 stage) closes each global batch with a Step barrier on every stage: this is the centralized run,
-and its loss trace must equal `train-local`'s. Asynchronous mode reports each finished global
+and its loss trace must equal `train-local`'s, so each stage accumulates the batch's microbatches
+in index order (node/trainer/turns.py). Asynchronous mode reports each finished global
 batch to every worker it knows (`Step` with `completed_batch`, stage by stage as soon as the
 batch's last microbatch has passed that stage, in the background, best effort: a worker that
 misses one lags a step) and goes on with the next one meanwhile; each replica then steps on its
@@ -33,13 +34,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import IO, Awaitable, Callable
+from typing import IO, AsyncContextManager, Awaitable, Callable
 
 import torch
 
@@ -57,6 +59,7 @@ from agora.node.trainer.stage_client import (
     WorkerBusy,
 )
 from agora.node.trainer.stats import TrainerStats
+from agora.node.trainer.turns import AccumulationOrder
 from agora.node.trainer.units import FixedUnits, UnitSource
 from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.pipeline.centralized import StepRecord
@@ -79,6 +82,7 @@ class MicrobatchFailed(RuntimeError):
 
 # Called with a stage index once a microbatch's gradient has been accumulated on that stage.
 StageDone = Callable[[int], None]
+Turn = Callable[[int], AsyncContextManager[None]]  # synchronous mode: a stage's turn to accumulate
 
 
 @dataclass(frozen=True)
@@ -241,11 +245,11 @@ class SwarmTrainer:
 
     async def _route_once(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
                           exclude: frozenset[str], evaluate: bool, on_stage_done: StageDone | None,
-                          shares: list[Counter] | None, work_key: str = "") -> float:
+                          shares: list[Counter] | None, work_key: str = "", turn: Turn | None = None) -> float:
         route: list[WorkerView] = []
         try:
             return await self._forward_backward(microbatch_id, tokens, targets, exclude, evaluate, route,
-                                                on_stage_done, shares, work_key)
+                                                on_stage_done, shares, work_key, turn)
         except StageCallError:
             if not evaluate:
                 await self._abort(microbatch_id, route)
@@ -267,7 +271,7 @@ class SwarmTrainer:
     async def _forward_backward(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
                                 exclude: frozenset[str], evaluate: bool, route: list[WorkerView],
                                 on_stage_done: StageDone | None = None, shares: list[Counter] | None = None,
-                                work_key: str = "") -> float:
+                                work_key: str = "", turn: Turn | None = None) -> float:
         wire: bytes | None = None
         result = None
         started = self.clock()
@@ -279,9 +283,10 @@ class SwarmTrainer:
             if not evaluate:
                 await self._reported(stage, view.peer_id)
             tail = stage == self.n_stages - 1
-            result = await self._timed(view, self._client(view).forward(
-                microbatch_id, tokens, wire, targets if tail else None, evaluate=evaluate, work_key=work_key),
-                training=not evaluate)
+            call = self._client(view).forward(microbatch_id, tokens, wire, targets if tail else None,
+                                              evaluate=evaluate, work_key=work_key)
+            async with (turn(stage) if tail and turn is not None else contextlib.nullcontext()):
+                result = await self._timed(view, call, training=not evaluate)
             if result.repeat:
                 self.stats.repeated(stage)
             wire = result.wire_frame
@@ -295,7 +300,8 @@ class SwarmTrainer:
         for stage in reversed(range(self.n_stages - 1)):
             view = route[stage]
             await self._reported(stage, view.peer_id)
-            back = await self._timed(view, self._client(view).backward(microbatch_id, grad))
+            async with (turn(stage) if turn is not None else contextlib.nullcontext()):
+                back = await self._timed(view, self._client(view).backward(microbatch_id, grad))
             if back.repeat:
                 self.stats.repeated(stage)
             grad = back.grad_frame
@@ -331,11 +337,12 @@ class SwarmTrainer:
 
     async def run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
                              evaluate: bool = False, on_stage_done: StageDone | None = None,
-                             shares: list[Counter] | None = None) -> float:
+                             shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
         """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts.
         `shares`: the global batch's microbatches per peer, one counter per stage (balanced routing).
         `key` names the work ("u12m3"): the same for every attempt and every trainer that runs this unit,
-        so a worker that applied it once does not apply it again (node/worker/work_ledger.py)."""
+        so a worker that applied it once does not apply it again (node/worker/work_ledger.py).
+        `turn(stage)`: synchronous mode's order of accumulation (node/trainer/turns.py)."""
         exclude: set[str] = set()
         last_error: Exception | None = None
         for attempt in range(self.options.max_attempts):
@@ -345,7 +352,7 @@ class SwarmTrainer:
             microbatch_id = f"{key}.a{attempt}.{secrets.token_hex(16)}"
             try:
                 loss = await self._route_once(microbatch_id, tokens, targets, frozenset(exclude), evaluate,
-                                              on_stage_done, shares, work_key="" if evaluate else key)
+                                              on_stage_done, shares, work_key="" if evaluate else key, turn=turn)
                 if not evaluate:
                     self.stats.microbatch_done()
                 return loss
@@ -434,13 +441,20 @@ class SwarmTrainer:
                         self._report_batch_done(unit_id, stage)
             return done
 
+        order = AccumulationOrder(self.n_stages) if self.options.synchronous else None
+
         async def one(index: int, batch: torch.Tensor) -> float:
             async with self._in_flight:
                 started = self.clock()
                 try:
                     return await self.run_microbatch(
                         f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
-                        on_stage_done=None if self.options.synchronous else stage_done(index), shares=shares)
+                        on_stage_done=None if self.options.synchronous else stage_done(index), shares=shares,
+                        turn=None if order is None else functools.partial(order.turn, index=index))
+                except BaseException:
+                    if order is not None:
+                        await order.abandon()  # the calls waiting for this one's turn give up
+                    raise
                 finally:
                     self.stats.microbatch_s += self.clock() - started
 
