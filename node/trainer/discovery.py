@@ -23,7 +23,9 @@ class StaticDiscovery:
     views: list[WorkerView]
 
     async def workers(self) -> list[WorkerView]:
-        return [WorkerView(v.peer_id, v.endpoint, v.stage, v.phase) for v in self.views]
+        # Fresh views each time, as a DHT read gives: what a record announces, none of a trainer's own figures.
+        return [WorkerView(v.peer_id, v.endpoint, v.stage, v.phase, announced_samples_per_s=v.announced_samples_per_s,
+                           announced_queue=v.announced_queue) for v in self.views]
 
 
 @dataclass
