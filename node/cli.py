@@ -249,7 +249,8 @@ def _worker_options(args: argparse.Namespace):
 def _cmd_trainer(args: argparse.Namespace) -> int:
     import json
 
-    from agora.node.trainer.trainer import TrainerOptions, run_swarm_trainer
+    from agora.node.trainer.command import run_swarm_trainer
+    from agora.node.trainer.trainer import TrainerOptions
 
     from agora.node.admission import AdmissionOptions, admit_node, config_chooser
 

@@ -1,0 +1,142 @@
+"""`agora-node trainer`: the process around a SwarmTrainer (node/trainer/trainer.py).
+
+It joins the DHT as a client (hivemind forks its process before any event loop or gRPC channel
+exists), is admitted with its credential (mutual TLS to every worker, renewed at half life; a
+revoked credential ends the run as an interruption), claims the run's units from the lease queue
+(node/trainer/units.py), announces itself every beat (node/trainer/announce.py), serves its
+metrics, trains, evaluates on the held-out split and returns its summary. SIGTERM or SIGINT end
+the run between calls: channels closed, the log flushed, a summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import IO
+
+from agora.auth.node_state import NodeCredentials
+from agora.node.observability import MetricsOptions
+from agora.node.rpc.tls import TlsChannels
+from agora.node.trainer.stats import TrainerStats
+from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
+from agora.pipeline.config import ConfigError, RunConfig
+
+__all__ = ["run_swarm_trainer"]
+
+logger = logging.getLogger("agora.node.trainer")
+
+
+def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_peers: tuple[str, ...],
+                      steps: int, log_json: IO[str] | None = None, evaluate: bool = True,
+                      credentials: NodeCredentials | None = None, authorizer: str | None = None,
+                      metrics: MetricsOptions = MetricsOptions()) -> dict:
+    """`agora-node trainer`: join the DHT, train this trainer's share of `steps`, evaluate; a summary.
+
+    `credentials`: the trainer's `NodeCredentials` (mutual TLS to every worker, an admitted DHT
+    peer); None: --insecure. `authorizer`: where to renew the credential at half life (None: no
+    renewal); a revoked credential ends the run as an interruption. `metrics`: where to serve its
+    Prometheus metrics (port 0: nowhere); the trainer's DHT record names the endpoint."""
+    from agora.auth.admission import CredentialRenewer
+    from agora.dht.leases import LeaseBoard, UnitWriters
+    from agora.dht.security import DHTSecurity
+    from agora.dht.swarm import SwarmDHT
+    from agora.node.trainer.units import LeasedUnits
+    from agora.monitor.metrics import CredentialMetrics
+    from agora.node.observability import NodeMetrics, package_version
+    from agora.node.rpc.server import run as run_loop
+    from agora.node.rpc.server import slow_start_hint
+    from agora.node.trainer.announce import trainer_heartbeat
+    from agora.node.trainer.discovery import DHTDiscovery
+    from agora.pipeline.data import build_data
+    from agora.pipeline.fingerprint import run_fingerprint
+
+    data = build_data(config)
+    hint = slow_start_hint()
+    if hint is not None:
+        logger.info("%s", hint)
+    # hivemind forks its DHT process: start it before the event loop and gRPC channels exist.
+    security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
+    swarm = SwarmDHT.start(initial_peers=initial_peers, client_mode=True, security=security)
+    discovery = DHTDiscovery(swarm, options.run_id, len(config.layer_split), config.train.seq_len,
+                             fingerprint=run_fingerprint(config))
+
+    async def main() -> dict:
+        # SIGTERM/SIGINT end the run between calls: channels closed, the log flushed, a summary.
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, task.cancel)
+        channels = None
+        renewer = None
+        revoked: list[str] = []
+        if credentials is not None:
+            channels = TlsChannels(credentials)  # re-reads the credential directory per call (renewals)
+            if credentials.identity().role != "trainer":
+                raise ConfigError(f"credential in {credentials.directory}: a trainer needs a trainer credential, "
+                                  f"this one is a {credentials.identity().role} credential")
+            if authorizer:
+                def on_revoked(reason: str) -> None:
+                    revoked.append(reason)
+                    task.cancel()
+
+                renewer = CredentialRenewer(authorizer, credentials, on_revoked=on_revoked)
+        node = NodeMetrics.for_role(metrics, role="trainer", run_id=options.run_id, version=package_version())
+        if credentials is not None:
+            CredentialMetrics(node.registry, credentials.remaining_s,
+                              lambda: renewer.renewals if renewer is not None else 0)
+        stats = TrainerStats(node.registry)
+        async with contextlib.AsyncExitStack() as stack:
+            stack.callback(node.close)
+            if renewer is not None:
+                await stack.enter_async_context(renewer)
+            board = LeaseBoard(swarm, run_id=options.run_id, lease_s=options.lease_s,
+                               writers=None if security is None else UnitWriters(
+                                   security.root_pem, options.run_id, security.state_dir))
+            units = LeasedUnits(board, total=steps, start=options.start_step, stats=stats, clock=swarm.clock,
+                                stripe=(options.trainer_index, options.trainers))
+            trainer = await stack.enter_async_context(
+                SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels, stats=stats,
+                             units=units))
+            endpoint = node.serve()
+            await stack.enter_async_context(trainer_heartbeat(
+                swarm, run_id=options.run_id, trainer_index=options.trainer_index, records=lambda: trainer.records,
+                metrics_endpoint=endpoint, version=package_version(), interval_s=options.heartbeat_s))
+            logger.info("joined run %r as trainer %d of %d (peer %s)", options.run_id, options.trainer_index,
+                        options.trainers, swarm.peer_id,
+                        extra={"milestone": "joined", "fields": {"role": "trainer", "run": options.run_id,
+                                                                 "trainer": options.trainer_index, "peer": swarm.peer_id,
+                                                                 "metrics": endpoint}})
+            interrupted = False
+            try:
+                await trainer.run(steps)
+            except asyncio.CancelledError:
+                interrupted = True
+            records = trainer.records
+            held_out = None
+            if evaluate and not interrupted:
+                batches = data.heldout_batches(config.train.eval_batches, config.train.batch_size)
+                held_out = await trainer.evaluate(batches)
+                stats.heldout(held_out)
+            return {
+                "trainer": options.trainer_index, "steps": len(records), "interrupted": interrupted,
+                "revoked": revoked[0] if revoked else None,
+                "credential_renewals": renewer.renewals if renewer is not None else 0,
+                "final_loss": records[-1].loss if records else None, "heldout_loss": held_out,
+                "tokens_per_s": records[-1].tokens_per_s if records else 0.0,
+                "microbatches": trainer.stats.microbatches, "reroutes": trainer.stats.reroutes,
+                "repeats": trainer.stats.repeats,
+                "busy": trainer.stats.busy, "failures_by_peer": trainer.stats.failures_by_peer,
+                "aborts": trainer.stats.aborts, "batch_reports_failed": trainer.stats.batch_reports_failed,
+                "batch_reports_refused": trainer.stats.batch_reports_refused,
+                "units": trainer.stats.units(),
+                "time_split_by_stage": trainer.stats.time_split(),
+                "trainer_split": trainer.stats.trainer_split(),
+                "in_flight": trainer.in_flight_summary(),
+            }
+
+    try:
+        return run_loop(main())
+    finally:
+        swarm.shutdown()
