@@ -10,7 +10,8 @@ import statistics
 __all__ = ["render"]
 
 NOT_MEASURED = {
-    8: "not measured: the accelerator issue (`--device cuda`) has not landed and this machine has no GPU",
+    8: "not measured here: this machine has no GPU; `python bench/gpu.py` measures one stage's tokens/s and MFU on "
+       "one (bench/results/gpu.md)",
 }
 
 
