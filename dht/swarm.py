@@ -72,6 +72,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+# What hivemind says when no initial peer answered: its bootstrap ping, or p2pd's own dial.
+_NO_ANSWER = ("none of the initial_peers responded", "failed to connect to bootstrap peers")
 
 Clock = Callable[[], float]
 R = TypeVar("R", bound=Record)
@@ -145,6 +147,7 @@ class SwarmDHT:
         clock: Clock = get_dht_time,
         request_timeout: float = 10.0,
         startup_timeout: float = 30.0,
+        join_attempts: int = 3,
         **dht_kwargs: Any,
     ) -> SwarmDHT:
         """Start a DHT peer: a new swarm if ``initial_peers`` is empty, else join through them.
@@ -154,7 +157,11 @@ class SwarmDHT:
         through to ``hivemind.DHT``. ``security`` (``agora.dht.security.DHTSecurity``) is the
         node's admission: identity, token authorizer, signed and checked records; None is
         ``--insecure``. Failing to join raises ``DHTRequestError`` (so does joining an admitted
-        swarm without a credential it accepts: nobody answers).
+        swarm without a credential it accepts: nobody answers). hivemind pings the initial peers
+        once, with a 3 s deadline for the dial, the handshake and the token check together (and p2pd
+        dials them once before that); a busy peer (a loaded machine, a slow link) misses it, so a
+        join none of them answered is tried
+        ``join_attempts`` times in all, 2 s and then 4 s apart, saying so each time.
         """
         options = dict(dht_kwargs)
         validators = list(record_validators)
@@ -170,26 +177,36 @@ class SwarmDHT:
             options.update(secured)
         elif identity_path is not None:
             options["identity_path"] = identity_path
-        dht = _OwnedDHT(
-            initial_peers=list(initial_peers) or None,
-            start=False,
-            host_maddrs=list(host_maddrs),
-            client_mode=client_mode,
-            record_validators=validators,
-            **options,
-        )
-        try:
-            dht.run_in_background(await_ready=True, timeout=startup_timeout)
-            swarm = cls(dht, clock=clock, request_timeout=request_timeout,
-                        owner_public_key=None if security is None else security.owner_public_key)
-            if security is not None and swarm.peer_id != security.peer_id:
-                raise DHTRequestError(f"the DHT peer id {swarm.peer_id} is not the credential's {security.peer_id}")
-            return swarm
-        except BaseException as error:
-            _stop_process(dht)
-            if isinstance(error, Exception):
-                raise DHTRequestError(f"DHT peer failed to start: {error}") from error
-            raise
+        for attempt in range(1, max(1, join_attempts) + 1):
+            dht = _OwnedDHT(
+                initial_peers=list(initial_peers) or None,
+                start=False,
+                host_maddrs=list(host_maddrs),
+                client_mode=client_mode,
+                record_validators=validators,
+                **options,
+            )
+            try:
+                dht.run_in_background(await_ready=True, timeout=startup_timeout)
+                swarm = cls(dht, clock=clock, request_timeout=request_timeout,
+                            owner_public_key=None if security is None else security.owner_public_key)
+                if security is not None and swarm.peer_id != security.peer_id:
+                    raise DHTRequestError(f"the DHT peer id {swarm.peer_id} is not the credential's {security.peer_id}")
+                return swarm
+            except BaseException as error:
+                _stop_process(dht)
+                if not isinstance(error, Exception):
+                    raise
+                unanswered = bool(initial_peers) and any(words in str(error) for words in _NO_ANSWER)
+                if not unanswered or attempt >= join_attempts:
+                    hint = (" (nobody answered: the initial peers are down or unreachable from here, or they do "
+                            "not admit this node's credential)") if unanswered else ""
+                    raise DHTRequestError(f"DHT peer failed to start: {error}{hint}") from error
+                pause = 2.0 * attempt
+                logger.warning("none of the %d initial peers answered (attempt %d of %d); trying again in %.0f s",
+                               len(initial_peers), attempt, join_attempts, pause)
+                time.sleep(pause)
+        raise AssertionError("unreachable")
 
     # ---- identity and lifecycle -------------------------------------------------------
 

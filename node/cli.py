@@ -666,6 +666,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"agora-node {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        from agora.dht.swarm import DHTRequestError  # only on this path: it imports hivemind
+
+        if not isinstance(error, DHTRequestError):
+            raise
+        # Not the user's mistake (exit 2) but the swarm's: nobody answered, or the DHT process died.
+        print(f"agora-node {args.command}: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,6 +6,7 @@ polling with a deadline, never by a fixed sleep.
 """
 
 import asyncio
+import logging
 import dataclasses
 import math
 import os
@@ -371,7 +372,7 @@ def test_requests_after_shutdown_raise_a_clear_error():
 def test_joining_through_an_unreachable_peer_fails_cleanly():
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWFQVM3cAtUAh1juLseAF3MQfFVUMEh4PUGqkCB5yW43tM"
     with pytest.raises(DHTRequestError, match="failed to start"):
-        SwarmDHT.start(initial_peers=[dead], startup_timeout=20)
+        SwarmDHT.start(initial_peers=[dead], startup_timeout=20, join_attempts=1)
 
 
 # ---- bootstrap ----------------------------------------------------------------------------
@@ -456,3 +457,12 @@ def test_ready_file_is_replaced_whole(tmp_path):
     write_ready_file(str(path), ["/ip4/1.2.3.4/tcp/5/p2p/x", "/ip6/::1/tcp/5/p2p/x"])
     assert path.read_text() == "/ip4/1.2.3.4/tcp/5/p2p/x\n/ip6/::1/tcp/5/p2p/x\n"
     assert sorted(os.listdir(tmp_path)) == ["ready"]  # no temp file left behind
+
+
+def test_a_join_nobody_answers_is_tried_again_saying_so(caplog):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWFQVM3cAtUAh1juLseAF3MQfFVUMEh4PUGqkCB5yW43tM"
+    with caplog.at_level(logging.WARNING, logger="agora.dht.swarm"):
+        with pytest.raises(DHTRequestError, match="failed to start"):
+            SwarmDHT.start(initial_peers=[dead], startup_timeout=20, join_attempts=2)
+    assert [r.getMessage() for r in caplog.records if "initial peers answered" in r.getMessage()] == [
+        "none of the 1 initial peers answered (attempt 1 of 2); trying again in 2 s"]

@@ -283,7 +283,7 @@ def store_and_find(sender: SwarmDHT, target: SwarmDHT, key: str):
 def test_an_uncredentialed_peer_can_neither_join_nor_store_nor_read(swarm):
     first, second = swarm
     with pytest.raises(DHTRequestError, match="none of the initial_peers responded"):
-        SwarmDHT.start(initial_peers=first.visible_maddrs(), startup_timeout=20)
+        SwarmDHT.start(initial_peers=first.visible_maddrs(), startup_timeout=20, join_attempts=1)
     key = f"free-key-{time.monotonic_ns()}"  # outside the run's typed keys: only the authorizer decides
     assert store_and_find(second, first, key) == ([True], True)  # an admitted peer: stored, then found
     intruder = SwarmDHT.start(initial_peers=first.visible_maddrs(), ensure_bootstrap_success=False)
@@ -299,7 +299,7 @@ def test_a_credential_of_another_run_is_refused(swarm, dirs):
     foreign = RunAuthority(dirs / "foreign-authority", run_id=RUN)  # same run id, another root
     foreign.mint(dirs / "foreign-worker", role="worker", stage=0)
     with pytest.raises(DHTRequestError, match="none of the initial_peers responded"):
-        SwarmDHT.start(initial_peers=swarm[0].visible_maddrs(), startup_timeout=20,
+        SwarmDHT.start(initial_peers=swarm[0].visible_maddrs(), startup_timeout=20, join_attempts=1,
                        security=DHTSecurity.from_state_dir(dirs / "foreign-worker"))
 
 
@@ -420,7 +420,7 @@ def test_an_admitted_bootstrap_lets_admitted_peers_in_and_no_one_else(mint, tmp_
         with SwarmDHT.start(initial_peers=maddrs, security=joiner) as peer:
             assert peer.announce_worker(make_record(peer, stage), ttl=30)
         with pytest.raises(DHTRequestError):
-            SwarmDHT.start(initial_peers=maddrs, startup_timeout=20)
+            SwarmDHT.start(initial_peers=maddrs, startup_timeout=20, join_attempts=1)
     finally:
         stop.set()
         thread.join(timeout=30)
