@@ -15,12 +15,16 @@ def test_calls_accumulate_in_index_order_whatever_order_they_arrive_in():
     async def main():
         order, log = AccumulationOrder(2), []
 
-        async def call(stage: int, index: int, delay: float):
-            await asyncio.sleep(delay)  # microbatch 2 reaches the stage first, 0 last
+        async def call(stage: int, index: int):
             async with order.turn(stage, index):
                 log.append((stage, index))
 
-        await asyncio.gather(call(1, 0, 0.03), call(1, 2, 0.0), call(1, 1, 0.01), call(0, 1, 0.0), call(0, 0, 0.02))
+        # Started latest first: microbatch 2 reaches stage 1 before 1 and 0 do.
+        calls = [asyncio.ensure_future(call(1, 2)), asyncio.ensure_future(call(1, 1)),
+                 asyncio.ensure_future(call(0, 1))]
+        await asyncio.sleep(0)  # let them all reach their turn's wait
+        assert log == []  # nothing goes before microbatch 0
+        await asyncio.gather(call(1, 0), call(0, 0), *calls)
         return log
 
     log = asyncio.run(main())
@@ -34,13 +38,14 @@ def test_a_failed_call_keeps_its_turn_and_a_batch_given_up_releases_every_waiter
             async with order.turn(0, 0):
                 raise ConnectionError("the route failed")
         waiting = asyncio.ensure_future(_enter(order, 1))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
         assert not waiting.done()  # 0 failed: 1 still waits for it
         async with order.turn(0, 0):  # the rerun of 0 goes, then 1
             pass
         await waiting
         stuck = asyncio.ensure_future(_enter(order, 3))  # 2 never comes
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
+        assert not stuck.done()
         await order.abandon()
         with pytest.raises(BatchAbandoned):
             await stuck
