@@ -14,8 +14,20 @@ import sys
 SERVICES = {"bootstrap", "join", "trainer", "monitor", "authorizer"}
 
 
+def _command(argv: list[str]) -> str | None:
+    """The subcommand: the first argument that is not an option or an option's value. Global options
+    come first (`agora-node --log-level INFO join ...`, as the demo starts its children)."""
+    words = iter(argv)
+    for word in words:
+        if word in ("--log-level", "--log-format", "--threads"):
+            next(words, None)  # its value
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
 def _stop_while_starting(signum, frame) -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in SERVICES:
+    if _command(sys.argv[1:]) in SERVICES:
         os.write(2, b"agora-node: stopped (SIGTERM) before it was serving\n")
         raise SystemExit(0)
     raise KeyboardInterrupt

@@ -29,6 +29,10 @@ def test_a_swarm_role_stops_cleanly_and_a_job_stops_as_interrupted(monkeypatch):
     with pytest.raises(SystemExit) as stopped:
         _stop_while_starting(signal.SIGTERM, None)
     assert stopped.value.code == 0
+    monkeypatch.setattr(sys, "argv", ["agora-node", "--log-level", "INFO", "--threads", "1", "join"])
+    with pytest.raises(SystemExit) as stopped:  # global options first, as the demo starts its children
+        _stop_while_starting(signal.SIGTERM, None)
+    assert stopped.value.code == 0
     monkeypatch.setattr(sys, "argv", ["agora-node", "train-local"])
     with pytest.raises(KeyboardInterrupt):
         _stop_while_starting(signal.SIGTERM, None)
