@@ -25,7 +25,7 @@ from agora.node.demo.demo import DemoOptions
 from agora.pipeline.config import load_config
 
 __all__ = ["SuitePlan", "wire_row", "local_row", "profiles_row", "equal_time_row", "convergence_row", "relay_row",
-           "join_row"]
+           "join_row", "profile_runs"]
 
 # The Agora report's AsyncSPARTA cadence: 5% of a stage every 20 local steps.
 REPORT_FRACTION, REPORT_EVERY = 0.05, 20
@@ -118,18 +118,30 @@ def local_row(plan: SuitePlan, work: Path) -> dict:
 # ----------------------------------------------------------------------------- row 3
 
 
+def profile_runs(plan: SuitePlan) -> list[tuple[str, bool, list[int], tuple[str, ...]]]:
+    """Row 3's sessions in order: (profile, tuned hosts, replica counts, depth variants). lan comes
+    first and is the reference for every other; a profile with a straggler runs 2 replicas per stage,
+    so lan then runs 2 as well, or that ratio would have nothing to divide by."""
+    names = ["lan"] + [name for name in plan.profiles if name != "lan"]
+    sessions = [(name, False) for name in names] + [(name, True) for name in plan.tuned_profiles]
+    straggled = any(profile_named(name).straggler is not None for name, _ in sessions)
+    runs = []
+    for name, tuned in sessions:
+        if profile_named(name).straggler is not None:
+            replicas = [2]
+        else:
+            replicas = [1, 2] if name == "lan" and straggled else [1]
+        depth = plan.depth_variants if (name in plan.depth_profiles or tuned) else plan.depth_variants[:1]
+        runs.append((name, tuned, replicas, depth))
+    return runs
+
+
 def profiles_row(plan: SuitePlan, work: Path) -> dict:
     """Tokens/s under each profile over tokens/s on lan, per config, at the adaptive depth and at
     half a global batch in flight; the straggler profile with 2 replicas per stage (against lan with 2)."""
-    profiles = [(name, False) for name in ["lan"] + [p for p in plan.profiles if p != "lan"]]
-    profiles += [(name, True) for name in plan.tuned_profiles]
     result: dict = {"profiles": {}}
-    for name, tuned in profiles:
+    for name, tuned, replicas, names in profile_runs(plan):
         profile = profile_named(name)
-        replicas = [2] if profile.straggler is not None else [1]
-        names = plan.depth_variants if (name in plan.depth_profiles or tuned) else plan.depth_variants[:1]
-        if name == "lan" and "straggler" in profiles:
-            replicas = [1, 2]
         widest = DemoOptions(stages=max(plan.stages.values()), replicas=max(replicas), trainers=1)
         entry: dict = {"runs": {}}
         label = f"{name} (tuned hosts)" if tuned else name

@@ -49,3 +49,17 @@ def test_the_join_row_shows_a_newcomer_that_never_became_a_member_and_missing_fi
     assert "| lan | 2 | 3.2, never | 3.2 | 9 / 0 / 1 | completed | 1.0->2.0 |" in lines
     assert "| agora-floor | - | - | - | - / - / - | failed |  |" in lines
     assert shown == "lan: 3.2 s (1 never a member); agora-floor: -"
+
+
+def test_row_3_runs_lan_with_two_replicas_when_a_straggler_profile_needs_the_reference():
+    from agora.bench.suite import plan_for
+    from agora.bench.suite_items import profile_runs
+
+    full = {name: (tuned, replicas, depth) for name, tuned, replicas, depth in profile_runs(plan_for(False))
+            if not tuned}
+    assert full["lan"][1] == [1, 2] and full["straggler"][1] == [2] and full["agora-floor"][1] == [1]
+    assert full["lan"][2] == ("adaptive", "half a batch", "adaptive, staleness 4")
+    assert full["residential"][2] == ("adaptive",)
+    without = profile_runs(plan_for(False, profiles=["lan", "agora-floor"]))
+    assert [(name, replicas) for name, _, replicas, _ in without] == [("lan", [1]), ("agora-floor", [1]),
+                                                                     ("agora-floor", [1])]
