@@ -1,6 +1,7 @@
 """The metrics every role serves: the flags, the registry, the port, the endpoint it announces.
 
-    --metrics-port P     serve Prometheus metrics at http://HOST:P/metrics (0, the default: none)
+    --metrics-port P     serve Prometheus metrics at http://HOST:P/metrics (0, the default: none;
+                         auto: a port the system picks, announced in the node's DHT record)
     --metrics-host H     the address it listens on (default 127.0.0.1)
 
 Design choices:
@@ -12,6 +13,12 @@ Design choices:
 - What a node announces (its DHT record's `metrics_endpoint`) is the address scrapers dial: the
   bound host, or for a wildcard bind the node's announced host (a worker's `--announce-host`),
   else the outbound interface's (node/rpc/server.announced_host). Empty when not serving.
+- `--metrics-port auto` binds a port the kernel picks, in the same call that serves it. A
+  launcher (the demo) that picks a free port and hands it down races every other process on the
+  machine for it: under load another one took it in between ("Address already in use") and the
+  node exited before it was ready. Nodes with a DHT record announce the port they got; a launcher
+  still hands fixed ports to the processes without one (bootstrap, authorizer), whose scrape
+  targets it must know in advance.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from agora.monitor.metrics import MetricsServer, new_registry, node_info, start_
 from agora.node.rpc.server import announced_host, host_port, is_wildcard_host
 from agora.pipeline.config import ConfigError
 
-__all__ = ["MetricsOptions", "NodeMetrics", "add_metrics_arguments", "package_version"]
+__all__ = ["MetricsOptions", "NodeMetrics", "add_metrics_arguments", "package_version", "AUTO_PORT"]
 
 logger = logging.getLogger("agora.node.metrics")
 
@@ -40,10 +47,24 @@ def package_version() -> str:
         return "0+unknown"
 
 
+# `--metrics-port auto`: any free port, bound when the server starts.
+AUTO_PORT = -1
+
+
+def _metrics_port(text: str) -> int:
+    if text.strip().lower() == "auto":
+        return AUTO_PORT
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port number or 'auto', got {text!r}") from None
+
+
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("metrics (Prometheus)")
-    group.add_argument("--metrics-port", type=int, default=0, metavar="P",
-                       help="serve Prometheus metrics on this port at /metrics (default 0: do not serve them)")
+    group.add_argument("--metrics-port", type=_metrics_port, default=0, metavar="P",
+                       help="serve Prometheus metrics on this port at /metrics (default 0: do not serve them; "
+                            "auto: a free port the system picks, announced in the node's DHT record)")
     group.add_argument("--metrics-host", default="127.0.0.1", metavar="H",
                        help="address the metrics server listens on (default 127.0.0.1; 0.0.0.0 for a remote "
                             "Prometheus)")
@@ -51,7 +72,7 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class MetricsOptions:
-    port: int = 0  # 0: no metrics server
+    port: int = 0  # 0: no metrics server; AUTO_PORT: any free port
     host: str = "127.0.0.1"
 
     @classmethod
@@ -59,8 +80,8 @@ class MetricsOptions:
         return cls(port=getattr(args, "metrics_port", 0), host=getattr(args, "metrics_host", "127.0.0.1")).validate()
 
     def validate(self) -> "MetricsOptions":
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"--metrics-port: must be in 0..65535 (0: no metrics), got {self.port}")
+        if self.port != AUTO_PORT and not 0 <= self.port < 65536:
+            raise ConfigError(f"--metrics-port: must be in 0..65535 (0: no metrics) or 'auto', got {self.port}")
         return self
 
 
@@ -85,9 +106,11 @@ class NodeMetrics:
         if self.options.port == 0 or self.server is not None:
             return self.endpoint
         try:
-            self.server = start_metrics_server(self.registry, self.options.host, self.options.port)
+            self.server = start_metrics_server(self.registry, self.options.host,
+                                               0 if self.options.port == AUTO_PORT else self.options.port)
         except OSError as error:
-            raise ConfigError(f"--metrics-port: cannot listen on {self.options.host}:{self.options.port}: "
+            port = "a free port" if self.options.port == AUTO_PORT else self.options.port
+            raise ConfigError(f"--metrics-port: cannot listen on {self.options.host}:{port}: "
                               f"{error.strerror or error}") from None
         host = self.options.host
         self.endpoint = host_port(announced_host(host, announce_host if is_wildcard_host(host) else None),

@@ -92,6 +92,28 @@ def test_a_metrics_endpoint_serves_its_registry_over_http():
     assert lint(families.values()) == []
 
 
+def test_metrics_port_auto_serves_on_a_port_the_system_picks_and_announces_it():
+    import argparse
+
+    from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments
+
+    parser = argparse.ArgumentParser()
+    add_metrics_arguments(parser)
+    metrics = NodeMetrics.for_role(MetricsOptions.from_args(parser.parse_args(["--metrics-port", "auto"])),
+                                   role="worker", run_id=RUN, version="1.0", stage=0)
+    try:
+        endpoint = metrics.serve()
+        host, port = endpoint.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) == metrics.server.port > 0
+        page = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
+        assert "agora_node_info" in page
+    finally:
+        metrics.close()
+    assert MetricsOptions.from_args(parser.parse_args([])).port == 0  # the default serves nothing
+    with pytest.raises(SystemExit):  # argparse names the flag and the value
+        parser.parse_args(["--metrics-port", "fast"])
+
+
 def test_a_worker_counts_its_jobs_calls_bytes_and_steps():
     registry = new_registry()
 

@@ -213,14 +213,17 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
     try:
         threads = ["--threads", str(options.threads)]
         common = ["--log-level", "WARNING", *threads]
-        # Every process serves its metrics on a port of its own; those outside the DHT's records
-        # (the authorizer, the bootstrap) are handed to the monitor as static targets.
+        # Every process serves its metrics on a port of its own. Workers and trainers bind one the
+        # kernel picks and announce it in their DHT records (a port picked here could be taken by
+        # another process before the child binds it); those outside the DHT's records (the
+        # authorizer, the bootstrap) get a fixed one, handed to the monitor as a static target.
         static_targets: list[str] = []
 
         def metrics_flags(role: str | None = None) -> list[str]:
+            if role is None:
+                return ["--metrics-port", "auto"]
             port = free_port("127.0.0.1")
-            if role is not None:
-                static_targets.append(f"{role}=127.0.0.1:{port}")
+            static_targets.append(f"{role}=127.0.0.1:{port}")
             return ["--metrics-port", str(port)]
 
         if options.insecure:
