@@ -159,9 +159,11 @@ def test_joiners_sync_before_they_count_and_a_lopsided_swarm_moves_one_replica(l
         log = (work / f"{joiner}.log").read_text()
         arrived = _arrival(log)
         downloaded = re.search(r"stage 0: state downloaded from \S+ at step (\d+) \((\d+) bytes", log)
-        # A trained state, near the stage's step: the donor may be a member a few steps behind the
-        # others (asynchronous replicas drift by a few steps: 79 against 81 in one CI run).
-        assert downloaded and int(downloaded.group(1)) >= arrived - 5 and arrived > 5 and int(downloaded.group(2)) > 0
+        # A trained state, near the stage's step: the donor (the most advanced one announced when the
+        # download starts) may be a few steps behind the step the phase line names, because a replica
+        # on a loaded machine applies its reports late (79 against 81 in one CI run, 77 against 83 at
+        # load 17 here).
+        assert downloaded and int(downloaded.group(1)) >= arrived - 10 and arrived > 5 and int(downloaded.group(2)) > 0
         joined = log.split(MOVED)[0]  # (a joiner may be the one that moved on)
         assert "stage 0 worker: phase weight_sync -> optimizer_sync" in joined
         assert "stage 0 worker: phase optimizer_sync -> member" in joined
