@@ -13,8 +13,9 @@ recipe averaged exactly in one process, against train-local, SSN against dense; 
 and blocked compute; 7 and 8 are reported as not measured until the churn and accelerator issues
 land. A row that fails is reported as failed with its error, and the others still run.
 
-`--quick` keeps every row but runs few steps, one repeat, fewer variants and without admission on
-loopback rows: it proves the suite still runs end to end; its figures are not results. A full run
+`--quick` keeps every row but runs few steps, one repeat, one swarm variant per row (the
+comparisons within a row need the full run) and without admission on loopback rows: it proves
+the suite still runs end to end, in CI; its figures are not results. A full run
 alternates variants (A, B, A, B) and records the load average around every run, because this
 machine is shared. Rows 3 and 4 need root (network namespaces); without it they are reported as
 not measured, naming why.
@@ -67,9 +68,9 @@ def plan_for(quick: bool, profiles: list[str] | None = None, configs: list[str] 
                          profiles=tuple(profiles or ("lan", "agora-floor")), stages={"tiny": 3, "small": 4},
                          steps={"tiny": 6, "small": 3}, repeats=1, equal_time_s=8.0, crossover_mbit=(),
                          local_steps={"tiny": 6, "small": 3}, equal_time_repeats=1,
-                         convergence_steps=6, keep_graphs=8, local_variants=("async", "async, kept graphs"),
-                         depth_variants=("adaptive",),
-                         equal_time_variants=("sparta, the report's cadence", "everything every step"),
+                         convergence_steps=6, keep_graphs=8, local_variants=("async",),
+                         depth_variants=("adaptive",), equal_time_variants=("sparta, the report's cadence",),
+                         convergence_swarms=("demo --replicas 2 (sparta)",),
                          insecure=True, relay_geometries=("tiny",), relay_microbatches=20,
                          join_profiles=("agora-floor",), join_budget_s=24.0, join_chaos_s=8.0, seed=seed,
                          rate_seconds=1.5)

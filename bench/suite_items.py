@@ -51,6 +51,7 @@ class SuitePlan:
     depth_profiles: tuple[str, ...] = ("lan", "agora-floor")
     profile_repeats: int = 1  # row 3 (every variant of a profile in turn on the same topology)
     equal_time_variants: tuple[str, ...] = ("sparta, the report's cadence", "everything every step", "no averaging")
+    convergence_swarms: tuple[str, ...] = ("demo --replicas 2 (sparta)", "demo --replicas 1")  # row 5
     insecure: bool = False  # rows 2, 4 and 5 without admission (row 3 is always admitted)
     tuned_profiles: tuple[str, ...] = ()  # row 3 again with hosts that keep the window after idle
     relay_geometries: tuple[str, ...] = ("tiny", "pluralis-8b")  # the relay fix's before and after
@@ -245,6 +246,8 @@ def convergence_row(plan: SuitePlan, work: Path) -> dict:
     swarms = {}
     for name, flags in (("demo --replicas 2 (sparta)", ["--replicas", "2", "--averaging", "sparta"]),
                         ("demo --replicas 1", ["--replicas", "1"])):
+        if name not in plan.convergence_swarms:
+            continue
         before = _load()
         summary = swarm_vs_local.demo(run, flags, folder, name.split()[-1].strip("()"))
         swarms[name] = {**_figures(summary), **_averaging(summary), "load": [before, _load()]}

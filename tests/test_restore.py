@@ -1,5 +1,5 @@
-"""Exact restore, as seed 003 checked it: a synchronous demo killed with kill -9 after step 40 and
-resumed from its step-32 checkpoints (`demo --resume --workdir W`) has, at step 48, every tensor
+"""Exact restore, as seed 003 checked it: a synchronous demo killed with kill -9 after step 24 and
+resumed from its step-20 checkpoints (`demo --resume --workdir W`) has, at step 30, every tensor
 equal (torch.equal) to the uninterrupted run's, and the same loss trace.
 
 Real processes throughout: the `agora-node demo` a user runs, killed as a whole (its children die
@@ -23,7 +23,7 @@ from agora.pipeline.checkpoint import load_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS, EVERY, KILL_AFTER = 48, 16, 40
+STEPS, EVERY, KILL_AFTER = 30, 10, 24
 DEMO = ["--log-level", "WARNING", "demo", "--sync", "--steps", str(STEPS), "--schedule-steps", str(STEPS),
         "--checkpoint-every", str(EVERY), "--no-monitor"]
 
@@ -41,7 +41,7 @@ def steps_logged(path: Path) -> list[dict]:
 
 
 def stage_tensors(workdir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every stage's step-48 checkpoint: parameters, Adam moments, step counts."""
+    """Every tensor of every stage's last (step-30) checkpoint: parameters, Adam moments, step counts."""
     tensors = {}
     for stage in range(3):
         step, _, (state,), _ = load_checkpoint(workdir / f"worker-s{stage}-r0.state" / "checkpoints", step=STEPS)
@@ -53,7 +53,7 @@ def stage_tensors(workdir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_a_run_killed_after_step_40_resumes_from_step_32_to_the_same_tensors_at_48(tmp_path):
+def test_a_run_killed_after_step_24_resumes_from_step_20_to_the_same_tensors_at_30(tmp_path):
     uninterrupted = demo(tmp_path / "a")  # side by side: the same run, once left alone, once killed
     killed = demo(tmp_path / "b")
     try:
@@ -61,7 +61,7 @@ def test_a_run_killed_after_step_40_resumes_from_step_32_to_the_same_tensors_at_
         deadline = time.monotonic() + 300
         while not any(line["step"] >= KILL_AFTER for line in steps_logged(log)):
             assert killed.poll() is None, killed.stderr.read()
-            assert time.monotonic() < deadline, "the second run never reached step 40"
+            assert time.monotonic() < deadline, f"the second run never reached step {KILL_AFTER}"
             time.sleep(0.05)  # the trainer's own log is the handshake: a line per global batch
         os.killpg(killed.pid, signal.SIGKILL)  # the whole demo at once; its children die with it
         killed.wait()
@@ -72,7 +72,7 @@ def test_a_run_killed_after_step_40_resumes_from_step_32_to_the_same_tensors_at_
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
     left = steps_logged(log)
-    assert KILL_AFTER <= left[-1]["step"] < STEPS  # killed mid-run, before step 48's checkpoint
+    assert KILL_AFTER <= left[-1]["step"] < STEPS  # killed mid-run, before the last checkpoint
     resumed = demo(tmp_path / "b", "--resume", "--summary-json", str(tmp_path / "b.json"))
     try:
         assert resumed.wait(400) == 0, resumed.stderr.read()
@@ -80,10 +80,10 @@ def test_a_run_killed_after_step_40_resumes_from_step_32_to_the_same_tensors_at_
         if resumed.poll() is None:
             os.killpg(resumed.pid, signal.SIGKILL)
             resumed.wait()
-    assert json.loads((tmp_path / "b.json").read_text())["churn"]["resumed_from_step"] == 32
+    assert json.loads((tmp_path / "b.json").read_text())["churn"]["resumed_from_step"] == STEPS - EVERY
     reference = [(line["step"], line["loss"]) for line in steps_logged(tmp_path / "a" / "trainer-0.jsonl")]
     trace = [(line["step"], line["loss"]) for line in steps_logged(log)]
-    assert trace == reference and len(trace) == STEPS  # steps 1-32 from before the kill, 33-48 after
+    assert trace == reference and len(trace) == STEPS  # steps 1-20 from before the kill, 21-30 after
     a, b = stage_tensors(tmp_path / "a"), stage_tensors(tmp_path / "b")
     assert a.keys() == b.keys() and len(a) > 50
     unequal = [name for name in a if not torch.equal(a[name], b[name])]
