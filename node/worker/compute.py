@@ -6,7 +6,9 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
 
 - Every input is untrusted: run id, stage index, shapes, token range and finiteness are checked
   before any compute, and a failure is an `InvalidRequest` whose message says what was expected
-  and what was found (the worker answers INVALID_ARGUMENT and keeps serving).
+  and what was found (the worker answers INVALID_ARGUMENT and keeps serving). Those checks, the
+  decoding of frames and the encoding of replies, and the rejections themselves are
+  node/worker/request_frames.py's; this module owns the stage's state.
 - Forward runs under `torch.no_grad` and stashes its *input*; Backward recomputes the forward
   with grad on that input (with `keep_graphs > 0`, up to that many forwards run with grad and keep
   their graph, and their Backward skips the recompute while the weights are unchanged:
@@ -85,7 +87,7 @@ from typing import Callable
 
 import torch
 
-from agora.pipeline.codec import WireCodec, WireFormatError, all_finite, decode_tokens
+from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import RunConfig
 from agora.pipeline.optim import StageOptimizer
 from agora.pipeline.runtime import JobTimer, Runtime
@@ -111,7 +113,19 @@ from agora.node.worker.epoch import (
 )
 from agora.node.worker.kept_graphs import KeptGraph, KeptGraphs
 from agora.node.worker.stash import ForwardStash
-from agora.node.worker.work_ledger import MAX_WORK_KEY_CHARS, WorkLedger
+from agora.node.worker.request_frames import (
+    MAX_MICROBATCH_ID_CHARS,
+    ComputeError,
+    DuplicateMicrobatch,
+    InvalidRequest,
+    NotOwner,
+    PreconditionFailed,
+    ReportOutsideWindow,
+    RequestFrames,
+    RequestRejected,
+    UnknownMicrobatch,
+)
+from agora.node.worker.work_ledger import WorkLedger
 from agora.node.worker.weight_versions import WeightCopies
 
 __all__ = [
@@ -135,7 +149,6 @@ __all__ = [
 
 logger = logging.getLogger("agora.node.worker")
 
-MAX_MICROBATCH_ID_CHARS = 256
 # The owner of work submitted in-process, without a gRPC caller.
 LOCAL_OWNER = "local"
 # Weight of the newest job in the throughput average: ~10 jobs of memory, steady under jitter.
@@ -146,38 +159,6 @@ DEFAULT_PINNED_VERSIONS = 2
 # How far completed-batch reports may stray from a replica's count: node/worker/epoch.py.
 
 
-class RequestRejected(Exception):
-    """The request cannot be served; the message is meant for the calling peer."""
-
-
-class InvalidRequest(RequestRejected):
-    """Malformed or mismatched input (INVALID_ARGUMENT)."""
-
-
-class PreconditionFailed(RequestRejected):
-    """Well-formed, but the worker's state does not allow it (FAILED_PRECONDITION)."""
-
-
-class ReportOutsideWindow(PreconditionFailed):
-    """A completed-batch report too far ahead of, or behind, the replica's count (node/worker/epoch.py).
-    FAILED_PRECONDITION for now; its own class so the worker can give it a code a trainer may retry."""
-
-
-class UnknownMicrobatch(PreconditionFailed):
-    """A Backward for a microbatch whose forward input is not (or no longer) stashed."""
-
-
-class NotOwner(RequestRejected):
-    """A Backward or Abort of a microbatch another caller's Forward started (PERMISSION_DENIED)."""
-
-
-class DuplicateMicrobatch(RequestRejected):
-    """A Forward under an id whose earlier work is still pending (ALREADY_EXISTS)."""
-
-
-class ComputeError(RuntimeError):
-    """The stage itself produced something unusable (a NaN loss, an unencodable gradient) and its
-    weights are not finite: this replica's failure, not the request's."""
 
 
 @dataclass(frozen=True)
@@ -224,6 +205,7 @@ class StageCompute:
         self.runtime = runtime if runtime is not None else Runtime.from_config(config.runtime)
         self.stage = self.runtime.place_stage(stage if stage is not None else build_stage(config.model, index))
         self.index = self.stage.index
+        self.frames = RequestFrames(config, run_id, codec, self.runtime, self.stage)
         self.n_stages = self.stage.n_stages
         self.optimizer = optimizer or StageOptimizer(self.stage, config.optim, self.index, self.n_stages)
         self.samples_total = 0  # every sample whose gradient this replica applied (averaging weights)
@@ -276,17 +258,7 @@ class StageCompute:
 
     def check_addressing(self, run_id: str, stage: int) -> None:
         """Cheap checks of a request's run and stage (safe from any thread: reads constants only)."""
-        if run_id != self.run_id:
-            raise InvalidRequest(f"run id {run_id!r} does not match this worker's run {self.run_id!r}")
-        if stage != self.index:
-            raise InvalidRequest(
-                f"request for stage {stage} reached a worker of stage {self.index} "
-                f"({self.stage.kind} of {self.n_stages})")
-
-    def _check_microbatch_id(self, microbatch_id: str) -> None:
-        if not microbatch_id or len(microbatch_id) > MAX_MICROBATCH_ID_CHARS:
-            raise InvalidRequest(
-                f"microbatch_id must be 1..{MAX_MICROBATCH_ID_CHARS} characters, got {len(microbatch_id)}")
+        self.frames.check_addressing(run_id, stage)
 
     def _check_new_microbatch(self, microbatch_id: str) -> None:
         if microbatch_id in self.stash or microbatch_id in self.applied:
@@ -300,82 +272,6 @@ class StageCompute:
             raise NotOwner(f"microbatch {microbatch_id!r} belongs to another trainer; only the trainer that ran "
                            "its forward may send its backward or abort it")
 
-    def _decode_tokens(self, frame: bytes, what: str, shape: tuple[int | None, ...]) -> torch.Tensor:
-        if not frame:
-            raise InvalidRequest(f"{what}: missing (empty frame)")
-        try:
-            ids = decode_tokens(frame, self.config.model.vocab_size, max_bytes=self.codec.max_bytes,
-                                expected_shape=shape)
-        except WireFormatError as error:
-            raise InvalidRequest(f"{what}: {error}") from None
-        if ids.shape[1] > self.config.model.max_seq_len:
-            raise InvalidRequest(f"{what}: sequence length {ids.shape[1]} exceeds the model's "
-                                 f"max_seq_len={self.config.model.max_seq_len}")
-        return ids.to(self.runtime.device, non_blocking=True)
-
-    def _decode_floats(self, frame: bytes, what: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if not frame:
-            raise InvalidRequest(f"{what}: missing (empty frame), expected shape {list(shape)}")
-        try:
-            # The codec refuses NaN/Inf payloads as well as any size or shape mismatch.
-            host = self.codec.decode(frame, expected_shape=shape, out=self.runtime.host_buffer)
-        except WireFormatError as error:
-            raise InvalidRequest(f"{what}: {error}") from None
-        return self.runtime.to_device(host)
-
-    def _unusable(self, message: str) -> Exception:
-        """The error for a result that is NaN/Inf or does not encode. Finite weights map inputs of
-        sane magnitude to finite values, so with finite weights it is the request's values (finite,
-        but the codec takes anything up to float32's max) that overflowed the stage: the caller's
-        mistake, INVALID_ARGUMENT. A non-finite weight makes it this replica's own failure."""
-        if all(all_finite(p) for p in self.stage.parameters()):
-            return InvalidRequest(f"{message}; this stage's weights are finite, so the request's values "
-                                  "overflowed it")
-        return ComputeError(message)
-
-    def _encode(self, tensor: torch.Tensor, what: str) -> bytes:
-        try:
-            return self.codec.encode(self.runtime.to_host(tensor))
-        except WireFormatError as error:
-            raise self._unusable(f"stage {self.index} could not encode its {what}: {error}") from None
-
-    def _check_finite(self, param_grads: list[torch.Tensor | None], source: str) -> None:
-        """Refuse parameter gradients that are not finite before they reach `.grad`. The codec takes
-        any finite value up to float32's max, and on the head (no input gradient to encode, which
-        would catch it elsewhere) an output gradient of 3e38 overflowed the embedding's gradient.
-        One aminmax per gradient (codec.all_finite): isfinite().all() per gradient cost ~5% of a
-        tiny stage's compute; a fused norm over all of them was cheaper per call, but its first
-        call on a fresh worker costs milliseconds, which routing read as that replica being slow."""
-        if self.runtime.is_cuda:  # one wait for all of them instead of one per gradient
-            bounds = [torch.stack(torch.aminmax(grad.detach())) for grad in param_grads
-                      if grad is not None and grad.numel()]
-            finite = not bounds or bool(torch.isfinite(torch.stack(bounds)).all())
-        else:
-            finite = all(grad is None or all_finite(grad) for grad in param_grads)
-        if not finite:
-            raise self._unusable(f"{source}: stage {self.index}'s parameter gradient is not finite; "
-                                 "nothing accumulated")
-
-    def _decode_forward(self, request: ForwardRequest) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        self.check_addressing(request.run_id, request.stage)
-        self._check_microbatch_id(request.microbatch_id)
-        if len(request.work_key) > MAX_WORK_KEY_CHARS:
-            raise InvalidRequest(f"work_key must be at most {MAX_WORK_KEY_CHARS} characters, got {len(request.work_key)}")
-        tokens = self._decode_tokens(request.tokens, "tokens", (None, None))
-        batch, seq = tokens.shape
-        if self.stage.is_head:
-            if request.wire:
-                raise InvalidRequest("wire: the head stage takes token ids only, but a wire frame was sent")
-            wire = None
-        else:
-            wire = self._decode_floats(request.wire, "wire", (batch, seq, self.config.model.wire_dim))
-        if self.stage.is_tail:
-            targets = self._decode_tokens(request.targets, "targets", (batch, seq))
-        else:
-            if request.targets:
-                raise InvalidRequest(f"targets: only the tail takes targets; this is stage {self.index}")
-            targets = None
-        return tokens, wire, targets
 
     # ------------------------------------------------------------------ compute
 
@@ -419,7 +315,7 @@ class StageCompute:
     def forward(self, request: ForwardRequest, owner: str = LOCAL_OWNER) -> ForwardReply:
         timer = self.runtime.timer()
         timer.start()
-        tokens, wire, targets = self._decode_forward(request)
+        tokens, wire, targets = self.frames.decode_forward(request)
         if not request.evaluate:  # a held-out forward stores nothing, so it replaces nothing
             self._check_new_microbatch(request.microbatch_id)
         step = self.optimizer.steps
@@ -428,9 +324,9 @@ class StageCompute:
                 output = self.stage(tokens, wire, targets)
             if self.stage.is_tail:
                 if not torch.isfinite(output):
-                    raise self._unusable(f"tail produced a non-finite held-out loss ({float(output)})")
+                    raise self.frames.unusable(f"tail produced a non-finite held-out loss ({float(output)})")
                 return ForwardReply(loss=float(output), step=step)
-            return ForwardReply(wire=self._encode(output, "output"), step=step)
+            return ForwardReply(wire=self.frames.encode(output, "output"), step=step)
         if self.stage.is_tail:
             reply = self._forward_tail(tokens, wire, targets, step, request.microbatch_id, owner, request.work_key)
         else:
@@ -443,7 +339,7 @@ class StageCompute:
             else:
                 with torch.no_grad(), self.runtime.autocast():
                     output = self.stage(tokens, wire)
-            reply = ForwardReply(wire=self._encode(output.detach(), "output"), step=step)
+            reply = ForwardReply(wire=self.frames.encode(output.detach(), "output"), step=step)
             evicted = self.stash.put(request.microbatch_id,
                                      StashedInput(tokens, wire, tuple(output.shape), self.weights_version, owner,
                                                   request.work_key),
@@ -464,10 +360,10 @@ class StageCompute:
                 loss = self.stage(tokens, wire, targets)
             loss_value = float(loss.detach())
             if not torch.isfinite(loss.detach()):
-                raise self._unusable(f"tail produced a non-finite loss ({loss_value}); no gradient accumulated")
+                raise self.frames.unusable(f"tail produced a non-finite loss ({loss_value}); no gradient accumulated")
             wire_grad, param_grads = self._gradients(loss, wire, None)
-        self._check_finite(param_grads, "the request's wire")
-        input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
+        self.frames.check_finite(param_grads, "the request's wire")
+        input_grad = self.frames.encode(wire_grad, "input gradient") if wire_grad is not None else b""
         applied = self._accumulate(param_grads, microbatch_id,
                                    self._abort_record(tokens, None if wire is None else wire.detach(), None, targets,
                                                       self.weights_version, owner, work_key))
@@ -476,8 +372,8 @@ class StageCompute:
     def backward(self, request: BackwardRequest, owner: str = LOCAL_OWNER) -> BackwardReply:
         timer = self.runtime.timer()
         timer.start()
-        self.check_addressing(request.run_id, request.stage)
-        self._check_microbatch_id(request.microbatch_id)
+        self.frames.check_addressing(request.run_id, request.stage)
+        self.frames.check_microbatch_id(request.microbatch_id)
         if self.stage.is_tail:
             raise PreconditionFailed("the tail runs its backward inside Forward; Backward is for head and bodies")
         try:
@@ -488,7 +384,7 @@ class StageCompute:
                 f"never forwarded here, older than {self.stash.ttl_s:g} s, or evicted "
                 f"(capacity {self.stash.capacity}); rerun the microbatch") from None
         self._check_owner(request.microbatch_id, stashed.owner, owner)
-        output_grad = self._decode_floats(request.output_grad, "output_grad", stashed.output_shape)
+        output_grad = self.frames.decode_floats(request.output_grad, "output_grad", stashed.output_shape)
         version = self._available_version(stashed.weights_version)
         kept = self.kept.take(request.microbatch_id, self.weights_version)
         if kept is not None:  # built on these very weights: back-propagate through it
@@ -496,8 +392,8 @@ class StageCompute:
                 wire_grad, param_grads = self._gradients(kept.output, kept.wire, output_grad)
         else:
             wire_grad, param_grads = self._recompute(version, stashed.tokens, stashed.wire, None, output_grad)
-        self._check_finite(param_grads, "output_grad")
-        input_grad = self._encode(wire_grad, "input gradient") if wire_grad is not None else b""
+        self.frames.check_finite(param_grads, "output_grad")
+        input_grad = self.frames.encode(wire_grad, "input gradient") if wire_grad is not None else b""
         self.stash.pop(request.microbatch_id)  # validated: this backward is now committed
         step = self.optimizer.steps
         applied = self._accumulate(param_grads, request.microbatch_id,
@@ -569,8 +465,8 @@ class StageCompute:
 
     def abort(self, request: AbortRequest, owner: str = LOCAL_OWNER) -> AbortReply:
         """Take an abandoned microbatch back out (see the module docstring); only its owner may."""
-        self.check_addressing(request.run_id, request.stage)
-        self._check_microbatch_id(request.microbatch_id)
+        self.frames.check_addressing(request.run_id, request.stage)
+        self.frames.check_microbatch_id(request.microbatch_id)
         applied = self.applied.get(request.microbatch_id)
         if applied is None:
             try:
@@ -624,7 +520,7 @@ class StageCompute:
         A barrier closes a batch whose microbatches passed this stage: only a trainer that owns one
         of the microbatches accumulated since the last step may close it (a retried barrier of a
         step already taken gets its recorded reply from anyone)."""
-        self.check_addressing(request.run_id, request.stage)
+        self.frames.check_addressing(request.run_id, request.stage)
         if request.completed_batch is not None:
             return self._batch_done(request.completed_batch, request.microbatches, request.replicas)
         if not self.synchronous:
