@@ -10,7 +10,8 @@ from typing import Optional
 
 class TcpRelay:
     """`hold_after`: bytes toward the client before forwarding waits for `release()`; `drop_after`:
-    bytes toward the client after which the first connection is cut (later ones pass whole)."""
+    bytes toward the client after which the first connection is cut (later ones pass whole);
+    `cut()` cuts the first connection now (when the test knows what the client has taken)."""
 
     def __init__(self, upstream: str, *, hold_after: Optional[int] = None, drop_after: Optional[int] = None):
         host, port = upstream.rsplit(":", 1)
@@ -22,10 +23,17 @@ class TcpRelay:
         self._server: Optional[asyncio.base_events.Server] = None
         self._tasks: set[asyncio.Task] = set()
         self.connections = 0
+        self._first_pumps: tuple[asyncio.Task, ...] = ()
 
     async def start(self) -> str:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    def cut(self) -> None:
+        """Cut the first connection mid-stream (its pumps stop, both ends are closed)."""
+        self.dropped.set()
+        for task in self._first_pumps:
+            task.cancel()
 
     def release(self) -> None:
         self._release.set()
@@ -46,6 +54,8 @@ class TcpRelay:
         up = asyncio.create_task(self._pump(client_reader, upstream_writer, None))
         down = asyncio.create_task(self._pump(upstream_reader, client_writer, first))
         self._tasks.update((up, down))
+        if first:
+            self._first_pumps = (up, down)
         await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
         for task in (up, down):
             task.cancel()

@@ -84,12 +84,16 @@ class StateDownloader:
     def __init__(self, *, run_id: str, stage: int, fingerprint: RunFingerprint, channels: ChannelFactory,
                  max_bytes: int, timeout_s: float = 480.0, next_chunk_s: float = 30.0, resumes_per_donor: int = 3,
                  max_message_bytes: int = 16 * 2**20, show_progress: bool = True, label: str = "weight sync",
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 on_progress: Optional[Callable[[int, int], None]] = None):
+        """`on_progress(held, total)`: called with the bytes held after every chunk is taken (an
+        observer: it must not raise)."""
         self.run_id, self.stage, self.channels = run_id, stage, channels
         self._metadata = ((FINGERPRINT_METADATA, fingerprint.text()),)
         self.max_bytes, self.timeout_s, self.next_chunk_s = max_bytes, timeout_s, next_chunk_s
         self.resumes_per_donor, self.max_message_bytes = resumes_per_donor, max_message_bytes
         self.show_progress, self.label = show_progress, label  # the progress bar's: "weight sync", "export"
+        self.on_progress = on_progress
         self._clock = clock
 
     async def download(self, donors: Sequence[Donor]) -> DownloadedState:
@@ -122,7 +126,7 @@ class StateDownloader:
         channel = self.channels.open(donor.endpoint, target_name=target,
                                      options=message_options(self.max_message_bytes))
         transfer = _Transfer(StateStub(channel), StateRequest(run_id=self.run_id, stage=self.stage), self.max_bytes,
-                             self._metadata, self.label)
+                             self._metadata, self.label, self.on_progress)
         resumes = 0
         try:
             while True:
@@ -162,8 +166,10 @@ class StateDownloader:
 class _Transfer:
     """One donor's snapshot as received so far, across the calls that resume it."""
 
-    def __init__(self, stub: StateStub, request: StateRequest, max_bytes: int, metadata, label: str):
+    def __init__(self, stub: StateStub, request: StateRequest, max_bytes: int, metadata, label: str,
+                 on_progress: Optional[Callable[[int, int], None]] = None):
         self.stub, self.request, self.max_bytes, self.metadata, self.label = stub, request, max_bytes, metadata, label
+        self.on_progress = on_progress
         self.receiver: Optional[StateReceiver] = None
         self.snapshot: Optional[tuple[str, str, int]] = None  # id, sha256, step
         self._bar: Optional[Progress] = None
@@ -206,6 +212,8 @@ class _Transfer:
         if chunk.offset != self.receiver.received:
             raise StateWireError(f"a chunk at offset {chunk.offset}, but {self.receiver.received} bytes are held")
         self.receiver.add(chunk.data)
+        if self.on_progress is not None:
+            self.on_progress(self.receiver.received, self.receiver.total_bytes)
         if show_progress:
             if self._bar is None:
                 self._bar = Progress(self.receiver.total_bytes, f"{self.label} (stage {self.request.stage})", unit="B",
