@@ -14,13 +14,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from agora.node.worker.compute import (
-    InvalidRequest,
-    NotOwner,
-    PreconditionFailed,
-    ReportOutsideWindow,
-    StageCompute,
-)
+from agora.node.worker.compute import StageCompute
+from agora.node.worker.request_frames import InvalidRequest, NotOwner, PreconditionFailed, ReportOutsideWindow
 from agora.node.worker.epoch import ReportWindow, check_step_fields, judge_report, prune_counted, stage_step
 from agora.node.worker.stash import ForwardStash
 from agora.pipeline.codec import WireCodec, encode_tokens

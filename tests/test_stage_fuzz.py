@@ -54,7 +54,7 @@ from agora.node.inference.client import InferenceClient
 from agora.node.rpc.server import new_event_loop
 from agora.node.rpc.tls import TlsChannels, worker_server_name
 from agora.node.trainer.stage_client import StageClient
-from agora.node.worker.compute import MAX_MICROBATCH_ID_CHARS
+from agora.node.worker.request_frames import MAX_MICROBATCH_ID_CHARS
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.codec import FLOAT_DTYPES, WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agora.node.worker.compute import (
+from agora.node.worker.compute import StageCompute
+from agora.node.worker.request_frames import (
     ComputeError,
     InvalidRequest,
     PreconditionFailed,
-    StageCompute,
     UnknownMicrobatch,
 )
 from agora.node.worker.stash import AlreadyStashed, ForwardStash

@@ -22,7 +22,8 @@ optimizer state or the training stash.
 from __future__ import annotations
 
 from agora.node.inference.sessions import SessionError, SessionTable
-from agora.node.worker.compute import InvalidRequest, StageCompute
+from agora.node.worker.compute import StageCompute
+from agora.node.worker.request_frames import InvalidRequest
 from agora.pipeline.codec import WireCodec, WireFormatError, decode_tokens
 from agora.pipeline.inference import SessionTooLong, StageCache, cached_forward
 from agora.protos.stage_adapter import CloseSessionReply, CloseSessionRequest, InferReply, InferRequest

@@ -38,7 +38,8 @@ from agora.node.inference.engine import InferenceEngine, SessionBehind
 from agora.node.inference.sessions import NotSessionOwner, SessionRefused, SessionTable, UnknownSession
 from agora.node.rpc.auth_check import Caller, RefusalCounts, current_caller
 from agora.node.worker.bounds import OutOfBounds, RequestGeometry, Slot, SlotPool, SlotRefused, default_per_caller
-from agora.node.worker.compute import RequestRejected, StageCompute
+from agora.node.worker.compute import StageCompute
+from agora.node.worker.request_frames import RequestRejected
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.inference import SessionTooLong

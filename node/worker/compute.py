@@ -114,33 +114,21 @@ from agora.node.worker.epoch import (
 from agora.node.worker.kept_graphs import KeptGraph, KeptGraphs
 from agora.node.worker.stash import ForwardStash
 from agora.node.worker.request_frames import (
-    MAX_MICROBATCH_ID_CHARS,
-    ComputeError,
     DuplicateMicrobatch,
     InvalidRequest,
     NotOwner,
     PreconditionFailed,
     ReportOutsideWindow,
     RequestFrames,
-    RequestRejected,
     UnknownMicrobatch,
 )
 from agora.node.worker.work_ledger import WorkLedger
 from agora.node.worker.weight_versions import WeightCopies
 
 __all__ = [
-    "RequestRejected",
-    "InvalidRequest",
-    "PreconditionFailed",
-    "ReportOutsideWindow",
-    "UnknownMicrobatch",
-    "NotOwner",
-    "DuplicateMicrobatch",
     "LOCAL_OWNER",
-    "ComputeError",
     "StashedInput",
     "StageCompute",
-    "MAX_MICROBATCH_ID_CHARS",
     "THROUGHPUT_SMOOTHING",
     "DEFAULT_PINNED_VERSIONS",
     "MAX_COMPLETED_BATCH",

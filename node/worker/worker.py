@@ -93,7 +93,8 @@ from agora.node.worker.bounds import (
     SlotRefused,
     default_per_caller,
 )
-from agora.node.worker.compute import (
+from agora.node.worker.compute import StageCompute
+from agora.node.worker.request_frames import (
     ComputeError,
     DuplicateMicrobatch,
     InvalidRequest,
@@ -101,7 +102,6 @@ from agora.node.worker.compute import (
     PreconditionFailed,
     ReportOutsideWindow,
     RequestRejected,
-    StageCompute,
 )
 from agora.node.worker.options import WorkerOptions
 from agora.node.worker.stash import ForwardStash
