@@ -309,8 +309,14 @@ def render(results: dict) -> str:
         sections += text + [""]
         floor = {key: ratio for (profile, key), ratio in ratios.items() if profile == "agora-floor"}
         shown = "; ".join(f"{key}: {_f(ratio)}" for key, ratio in floor.items())
-        best = max((r for r in floor.values() if r is not None), default=None)
-        summary.append(f"| 3 | tokens/s at agora-floor / lan | {shown or '-'} | >= 0.9 | {_met(best, 0.9)} |")
+        goals = _floor_goal(items["3"]["data"])
+        goal_text = "; ".join(f"{config}: {_f(ratio)} ({floor_key} / lan's {lan_key})"
+                              for config, (ratio, floor_key, lan_key) in goals.items())
+        worst = min((ratio for ratio, _, _ in goals.values() if ratio is not None), default=None)
+        summary.append(f"| 3 | best tokens/s at agora-floor / best on lan, one replica per stage | {goal_text or '-'} | "
+                       f">= 0.9 | {_met(worst, 0.9)} |")
+        summary.append(f"| 3 | tokens/s at agora-floor / the same run on lan | {shown or '-'} | - | - |")
+        best = worst
         others = "; ".join(f"{p} {key}: {_f(r)}" for (p, key), r in ratios.items() if p not in ("lan", "agora-floor"))
         if others:
             summary.append(f"| 3 | tokens/s at the other profiles / lan | {others} | - | - |")
@@ -347,6 +353,23 @@ def render(results: dict) -> str:
     return "\n".join(lines + summary + [""] + sections + closing) + "\n"
 
 
+def _floor_goal(row: dict) -> dict[str, tuple[float | None, str, str]]:
+    """Row 3's goal per config: the fastest agora-floor run (one replica per stage) over the fastest
+    lan run. Each variant's ratio to the same variant on lan would flatter a variant that is slow on
+    lan too (16 in flight on 2 cores queues behind itself), and lan's best is what a user compares."""
+    profiles = row["profiles"]
+    goals = {}
+    for config in dict.fromkeys(key.split(" x")[0] for key in profiles.get("agora-floor", {}).get("runs", {})):
+        def fastest(profile: str) -> tuple[float | None, str]:
+            rates = [(_rate(runs), key) for key, runs in profiles.get(profile, {}).get("runs", {}).items()
+                     if key.startswith(f"{config} x1 ")]
+            rates = [(rate, key) for rate, key in rates if rate is not None]
+            return max(rates, default=(None, "-"))
+        (floor_rate, floor_key), (lan_rate, lan_key) = fastest("agora-floor"), fastest("lan")
+        goals[config] = (_ratio(floor_rate, lan_rate), floor_key, lan_key)
+    return goals
+
+
 def _depth_note(row: dict, best: float | None) -> list[str]:
     """What limits tokens/s at agora-floor, from its adaptive run's own figures."""
     runs = row["profiles"].get("agora-floor", {}).get("runs", {})
@@ -360,8 +383,9 @@ def _depth_note(row: dict, best: float | None) -> list[str]:
     wanted = math.ceil(flight["latency_ms"] / max(compute)) if compute and max(compute) > 0 else None
     round_trips = sum(t["round_trip_ms"] * (1 if stage == str(len(split) - 1) else 2) for stage, t in split.items())
     verdict = "met" if best is not None and best >= 0.9 else "not met"
-    text = (f"Row 3's goal (>= 0.9 of lan's tokens/s at agora-floor) is {verdict} ({key}: {_f(best)}). "
-            f"A microbatch's unqueued latency there was {_f(flight.get('latency_ms'), 0)} ms (its calls' round trips "
+    goals = "; ".join(f"{config} {_f(ratio)}" for config, (ratio, _, _) in _floor_goal(row).items())
+    text = (f"Row 3's goal (>= 0.9 of lan's best tokens/s at agora-floor) is {verdict} ({goals}). In {key}, "
+            f"a microbatch's unqueued latency there was {_f(flight.get('latency_ms'), 0)} ms (its calls' round trips "
             f"add up to ~{round_trips:.0f} ms) against {_f(max(compute) if compute else None, 0)} ms of compute on the "
             f"busiest stage, so filling the pipe takes ~{wanted} microbatches in flight; the trainer held "
             f"{flight.get('last')} (cap {flight.get('cap')} = `--max-staleness` global batches).")
