@@ -9,14 +9,13 @@ from typing import Optional
 
 
 class TcpRelay:
-    """`hold_after`: bytes toward the client before forwarding waits for `release()`; `drop_after`:
-    bytes toward the client after which the first connection is cut (later ones pass whole);
-    `cut()` cuts the first connection now (when the test knows what the client has taken)."""
+    """`hold_after`: bytes toward the client before forwarding waits for `release()`; `cut()` cuts
+    the first connection now (when the test knows what the client has taken; later ones pass whole)."""
 
-    def __init__(self, upstream: str, *, hold_after: Optional[int] = None, drop_after: Optional[int] = None):
+    def __init__(self, upstream: str, *, hold_after: Optional[int] = None):
         host, port = upstream.rsplit(":", 1)
         self.upstream = (host, int(port))
-        self.hold_after, self.drop_after = hold_after, drop_after
+        self.hold_after = hold_after
         self.held = asyncio.Event()  # set once forwarding is held
         self.dropped = asyncio.Event()  # set once the first connection was cut
         self._release = asyncio.Event()
@@ -51,8 +50,8 @@ class TcpRelay:
         self.connections += 1
         first = self.connections == 1
         upstream_reader, upstream_writer = await asyncio.open_connection(*self.upstream)
-        up = asyncio.create_task(self._pump(client_reader, upstream_writer, None))
-        down = asyncio.create_task(self._pump(upstream_reader, client_writer, first))
+        up = asyncio.create_task(self._pump(client_reader, upstream_writer, False))
+        down = asyncio.create_task(self._pump(upstream_reader, client_writer, True))
         self._tasks.update((up, down))
         if first:
             self._first_pumps = (up, down)
@@ -63,19 +62,16 @@ class TcpRelay:
             writer.close()
         self._tasks.difference_update((up, down))
 
-    async def _pump(self, reader, writer, first: Optional[bool]) -> None:
+    async def _pump(self, reader, writer, toward_client: bool) -> None:
         sent = 0
         while True:
             data = await reader.read(16384)
             if not data:
                 return
-            if first is not None:  # toward the client
-                if first and self.drop_after is not None and sent + len(data) >= self.drop_after:
-                    self.dropped.set()
-                    return  # the connection is cut mid-stream
-                if self.hold_after is not None and sent + len(data) >= self.hold_after and not self._release.is_set():
-                    self.held.set()
-                    await self._release.wait()
+            if toward_client and self.hold_after is not None and sent + len(data) >= self.hold_after \
+                    and not self._release.is_set():
+                self.held.set()
+                await self._release.wait()
             writer.write(data)
             await writer.drain()
             sent += len(data)
