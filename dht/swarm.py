@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import os
 import threading
@@ -177,7 +178,7 @@ class SwarmDHT:
             options.update(secured)
         elif identity_path is not None:
             options["identity_path"] = identity_path
-        for attempt in range(1, max(1, join_attempts) + 1):
+        for attempt in itertools.count(1):  # every pass returns, raises or waits for the next
             dht = _OwnedDHT(
                 initial_peers=list(initial_peers) or None,
                 start=False,
@@ -206,7 +207,6 @@ class SwarmDHT:
                 logger.warning("none of the %d initial peers answered (attempt %d of %d); trying again in %.0f s",
                                len(initial_peers), attempt, join_attempts, pause)
                 time.sleep(pause)
-        raise AssertionError("unreachable")
 
     # ---- identity and lifecycle -------------------------------------------------------
 
