@@ -12,6 +12,9 @@ import sys
 
 
 SERVICES = {"bootstrap", "join", "trainer", "monitor", "authorizer"}
+# agora-node's options before the subcommand that take a value (node/cli.py's build_parser; a test
+# holds the two equal: the parser itself cannot be imported this early).
+GLOBAL_OPTIONS_WITH_VALUES = ("--log-level", "--log-format", "--threads")
 
 
 def _command(argv: list[str]) -> str | None:
@@ -19,7 +22,7 @@ def _command(argv: list[str]) -> str | None:
     come first (`agora-node --log-level INFO join ...`, as the demo starts its children)."""
     words = iter(argv)
     for word in words:
-        if word in ("--log-level", "--log-format", "--threads"):
+        if word in GLOBAL_OPTIONS_WITH_VALUES:
             next(words, None)  # its value
         elif not word.startswith("-"):
             return word

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agora.node.__main__ import SERVICES, _stop_while_starting
+from agora.node.__main__ import GLOBAL_OPTIONS_WITH_VALUES, SERVICES, _stop_while_starting
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,3 +57,12 @@ def test_a_joiner_told_to_stop_before_it_serves_exits_0():
         child.wait()
     assert child.returncode == 0, err
     assert "stopped (SIGTERM) before it was serving" in err
+
+
+def test_the_early_handler_knows_every_global_option_that_takes_a_value():
+    from agora.node.cli import build_parser
+
+    parser = build_parser()
+    taking = {option for action in parser._actions if action.option_strings and action.nargs != 0
+              and action.dest not in ("help", "command") for option in action.option_strings}
+    assert taking == set(GLOBAL_OPTIONS_WITH_VALUES)
