@@ -14,7 +14,7 @@ lower still, so the size bounds are reached cheaply.
 
 Structured requests draw every field of protos/stage.proto: run and stage mostly right (so the
 example gets past the addressing checks), microbatch ids fresh, reused, empty, too long or
-arbitrary, and codec frames (agora.pipeline.codec) that are real or broken in one way each: wrong
+arbitrary, and codec frames (agora.pipeline.codec; the strategies are tests/codec_frames.py) that are real or broken in one way each: wrong
 shape or ndim, another dtype, a token frame where floats belong, NaN/Inf or extreme finite values,
 int8 frames with -128 or a bad row scale, token ids out of range, headers declaring sizes far over
 the limit, truncated frames, trailing bytes, a corrupted header byte, random bytes, nothing.
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import struct
 import time
 from dataclasses import dataclass, field, replace
 
@@ -56,11 +55,13 @@ from agora.node.rpc.tls import TlsChannels, worker_server_name
 from agora.node.trainer.stage_client import StageClient
 from agora.node.worker.request_frames import MAX_MICROBATCH_ID_CHARS
 from agora.node.worker.worker import StageWorker, WorkerOptions
-from agora.pipeline.codec import FLOAT_DTYPES, WireCodec, encode_tokens
+from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.protos import stage_adapter as adapter
 from agora.protos import stage_pb2
+from codec_frames import (MESSAGE_LIMIT, SEEDS, SHAPES, STREAM_LIMIT, float_frames, float_values, token_frames,
+                          token_ids)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -72,8 +73,6 @@ MAX_SEQ = CONFIG.model.max_seq_len
 FINGERPRINT = run_fingerprint(CONFIG)
 METADATA = ((FINGERPRINT_METADATA, FINGERPRINT.text()),)
 BODY, TAIL = 1, 2
-MESSAGE_LIMIT = 2**20
-STREAM_LIMIT = 2 * 2**20
 CHUNK = 64 * 2**10
 # max_rows: the valid Forwards the Backward fuzz pairs with carry up to 3 rows, tiny's microbatch is 2.
 OPTIONS = WorkerOptions(max_message_bytes=MESSAGE_LIMIT, max_stream_bytes=STREAM_LIMIT, stream_chunk_bytes=CHUNK,
@@ -98,7 +97,6 @@ def budget(examples: int):
 
 
 U32, U64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
-SEEDS = st.integers(0, 2**16)
 
 
 # ---------------------------------------------------------------------------------------------- the workers
@@ -207,147 +205,6 @@ def _healthy(world: World) -> None:
     assert all(worker.is_serving for worker in world.workers.values())
 
 
-# ---------------------------------------------------------------------------------------------- frames
-
-
-_PREFIX = struct.Struct("<3sBBBB")
-_FLOAT, _TOKENS = 1, 2
-_FLOAT_CODE = {"fp32": 1, "bf16": 2, "fp16": 3, "int8": 4}
-_TOKEN_CODE = {"uint8": 16, "uint16": 17, "uint32": 18}
-
-
-def _header(kind: int, code: int, shape, *, magic: bytes = b"AGW", version: int = 1, ndim: int | None = None) -> bytes:
-    """A frame header written by hand (the codec refuses to write a wrong one)."""
-    return (_PREFIX.pack(magic, version, kind, code, len(shape) if ndim is None else ndim)
-            + struct.pack(f"<{len(shape)}I", *shape))
-
-
-def _ids(shape, seed: int, high: int = VOCAB) -> torch.Tensor:
-    return torch.randint(0, high, tuple(shape), generator=torch.Generator().manual_seed(seed))
-
-
-def _values(shape, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(tuple(shape)).astype("<f4")
-
-
-def _mutations(draw, real: bytes) -> bytes:
-    """A real frame broken in one generic way."""
-    how = draw(st.sampled_from(["truncated", "trailing", "header_byte", "payload_byte"]))
-    if how == "truncated":
-        return real[:draw(st.integers(0, len(real) - 1))]
-    if how == "trailing":
-        return real + draw(st.binary(min_size=1, max_size=16))
-    at = draw(st.integers(0, min(len(real), 7 + 4 * 4) - 1) if how == "header_byte" else st.integers(0, len(real) - 1))
-    return real[:at] + bytes([draw(st.integers(0, 255))]) + real[at + 1:]
-
-
-def _huge_declared(draw, kind: int, code: int, ndim: int) -> bytes:
-    dims = draw(st.lists(st.sampled_from([1, 2**16, 2**31, 2**32 - 1]), min_size=ndim, max_size=ndim))
-    return _header(kind, code, dims) + draw(st.binary(max_size=64))
-
-
-def _garbage(draw, kind: int, shape) -> bytes:
-    how = draw(st.sampled_from(["random", "empty", "magic", "version", "kind", "dtype", "ndim"]))
-    codes = _FLOAT_CODE if kind == _FLOAT else _TOKEN_CODE
-    code = next(iter(codes.values()))
-    if how == "random":
-        return draw(st.binary(max_size=96))
-    if how == "empty":
-        return b""
-    if how == "magic":
-        return _header(kind, code, shape, magic=draw(st.binary(min_size=3, max_size=3))) + b"\0" * 64
-    if how == "version":
-        return _header(kind, code, shape, version=draw(st.integers(0, 255))) + b"\0" * 64
-    if how == "kind":
-        return _header(draw(st.integers(0, 255)), code, shape) + b"\0" * 64
-    if how == "dtype":
-        return _header(kind, draw(st.integers(0, 255)), shape) + b"\0" * 64
-    return _header(kind, code, shape, ndim=draw(st.sampled_from([0, 5, 255]))) + b"\0" * 64
-
-
-@st.composite
-def token_frames(draw, shape, valid: bool):
-    """Token ids of `shape` (batch, seq): `valid`, in the narrowest or a wider dtype; else broken in one way."""
-    how = draw(st.sampled_from(["real", "wide"] if valid else
-                               ["out_of_range", "ndim", "floats", "huge", "mutated", "garbage"]))
-    seed = draw(SEEDS)
-    if how == "real":
-        return encode_tokens(_ids(shape, seed), VOCAB)
-    if how == "wide":  # a wider dtype than needed is allowed
-        return _header(_TOKENS, _TOKEN_CODE["uint32"], shape) + _ids(shape, seed).numpy().astype("<u4").tobytes()
-    if how == "out_of_range":
-        ids = _ids(shape, seed).numpy().astype("<u4")
-        ids.flat[draw(st.integers(0, ids.size - 1))] = draw(st.sampled_from([VOCAB, VOCAB + 1, 2**16, 2**32 - 1]))
-        return _header(_TOKENS, _TOKEN_CODE["uint32"], shape) + ids.tobytes()
-    if how == "ndim":
-        other = draw(st.sampled_from([shape[:1], (*shape, 1), (1, *shape), (*shape, 1, 1)]))
-        return encode_tokens(_ids(other, seed), VOCAB)
-    if how == "floats":
-        return WireCodec("fp32").encode(torch.zeros(shape))
-    if how == "huge":
-        return _huge_declared(draw, _TOKENS, draw(st.sampled_from(list(_TOKEN_CODE.values()))),
-                              draw(st.integers(1, 4)))
-    if how == "mutated":
-        return _mutations(draw, encode_tokens(_ids(shape, seed), VOCAB))
-    return _garbage(draw, _TOKENS, shape)
-
-
-@st.composite
-def float_frames(draw, shape, valid: bool):
-    """A float frame of `shape`: `valid`, in any wire dtype or with extreme finite values; else broken in one way."""
-    how = draw(st.sampled_from(["real", "real", "extreme"] if valid else
-                               ["shape", "nonfinite", "int8_range", "int8_scale", "tokens", "huge", "mutated",
-                                "garbage", "oversized"]))
-    seed = draw(SEEDS)
-    if how == "real":
-        return WireCodec(draw(st.sampled_from(FLOAT_DTYPES))).encode(torch.from_numpy(_values(shape, seed)))
-    if how == "extreme":  # finite, so the codec accepts it; what the stage makes of it is its business
-        scale = draw(st.sampled_from([0.0, 1e-38, 1e4, 1e19, 1e30, 1e38, 3.4e38]))
-        finite = float(np.finfo(np.float32).max)
-        values = np.clip(_values(shape, seed).astype(np.float64) * scale, -finite, finite).astype("<f4")
-        return _header(_FLOAT, _FLOAT_CODE["fp32"], shape) + values.tobytes()
-    if how == "shape":
-        other = draw(st.sampled_from([shape[:-1], (*shape[:-1], shape[-1] + 1), (*shape[:-1], 1), (*shape, 1),
-                                      (shape[0] + 1, *shape[1:]), (shape[0], shape[1] + 1, shape[2])]))
-        return WireCodec("fp32").encode(torch.from_numpy(_values(other, seed)))
-    if how == "nonfinite":
-        dtype = draw(st.sampled_from(["fp32", "fp16", "bf16"]))
-        values = _values(shape, seed)
-        values.flat[draw(st.integers(0, values.size - 1))] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
-        if dtype == "fp32":
-            payload = values.tobytes()
-        elif dtype == "fp16":
-            payload = values.astype("<f2").tobytes()
-        else:
-            payload = (values.view("<u4") >> 16).astype("<u2").tobytes()
-        return _header(_FLOAT, _FLOAT_CODE[dtype], shape) + payload
-    if how in ("int8_range", "int8_scale"):
-        rows = int(np.prod(shape[:-1]))
-        scales = np.abs(_values((rows,), seed)).astype("<f4")
-        quantized = np.random.default_rng(seed).integers(-127, 128, size=tuple(shape)).astype(np.int8)
-        if how == "int8_range":
-            quantized.flat[draw(st.integers(0, quantized.size - 1))] = -128
-        else:
-            scales[draw(st.integers(0, rows - 1))] = draw(st.sampled_from([np.nan, np.inf, -1.0, 3.4e38]))
-        return _header(_FLOAT, _FLOAT_CODE["int8"], shape) + scales.tobytes() + quantized.tobytes()
-    if how == "tokens":
-        return encode_tokens(_ids(shape[:2], seed), VOCAB)
-    if how == "huge":
-        return _huge_declared(draw, _FLOAT, draw(st.sampled_from(list(_FLOAT_CODE.values()))), draw(st.integers(1, 4)))
-    if how == "mutated":
-        return _mutations(draw, WireCodec(draw(st.sampled_from(FLOAT_DTYPES))).encode(
-            torch.from_numpy(_values(shape, seed))))
-    if how == "oversized":  # over one message (the unary limit) or over the stream limit as well
-        return _header(_FLOAT, _FLOAT_CODE["fp32"], shape) + b"\0" * draw(st.sampled_from(
-            [MESSAGE_LIMIT + 1, STREAM_LIMIT + 1]))
-    return _garbage(draw, _FLOAT, shape)
-
-
-# (batch, seq); one in ten the longest sequence the model takes, or one token more.
-SHAPES = st.tuples(st.integers(1, 3), st.integers(0, 9).flatmap(
-    lambda i: st.sampled_from([MAX_SEQ, MAX_SEQ + 1]) if i == 0 else st.integers(1, 16)))
-
-
 def run_ids():
     """Any run id but this run's (most are arbitrary; a few are this one's, a character off)."""
     return st.one_of(st.text(max_size=40), st.sampled_from(["", RUN[:-1], RUN + " ", RUN.upper()]))
@@ -396,14 +253,14 @@ def raw_payloads(draw):
                                                                                3 if method in STREAMING else 1)))]
         return method, parts
     fields = {"ForwardRequest": dict(run_id=RUN, microbatch_id="raw", stage=BODY, tokens=encode_tokens(
-                  _ids((1, 4), 0), VOCAB), wire=WireCodec().encode(torch.zeros(1, 4, K))),
+                  token_ids((1, 4), 0), VOCAB), wire=WireCodec().encode(torch.zeros(1, 4, K))),
               "BackwardRequest": dict(run_id=RUN, microbatch_id="raw", stage=BODY,
                                       output_grad=WireCodec().encode(torch.zeros(1, 4, K))),
               "StepRequest": dict(run_id=RUN, stage=BODY, microbatches=1, step=0),
               "AbortRequest": dict(run_id=RUN, microbatch_id="raw", stage=BODY),
               "InfoRequest": {},
               "InferRequest": dict(run_id=RUN, stage=BODY, session_id="raw", position=0, tokens=encode_tokens(
-                  _ids((1, 4), 0), VOCAB), wire=WireCodec().encode(torch.zeros(1, 4, K)), max_tokens=8),
+                  token_ids((1, 4), 0), VOCAB), wire=WireCodec().encode(torch.zeros(1, 4, K)), max_tokens=8),
               "CloseSessionRequest": dict(run_id=RUN, stage=BODY, session_id="raw")}
     message = REQUEST_OF[method]
     valid = message(**fields[message.DESCRIPTOR.name]).SerializeToString()
@@ -503,9 +360,9 @@ def _forward(world: World, stage: int, shape, seed: int) -> str:
     """A valid Forward on `stage` (so a Backward or Abort has something to find); its microbatch id."""
     microbatch_id = world.fresh_id()
     request = adapter.ForwardRequest(
-        run_id=RUN, microbatch_id=microbatch_id, stage=stage, tokens=encode_tokens(_ids(shape, seed), VOCAB),
-        wire=WireCodec().encode(torch.from_numpy(_values((*shape, K), seed))),
-        targets=encode_tokens(_ids(shape, seed + 1), VOCAB) if stage == TAIL else b"")
+        run_id=RUN, microbatch_id=microbatch_id, stage=stage, tokens=encode_tokens(token_ids(shape, seed), VOCAB),
+        wire=WireCodec().encode(torch.from_numpy(float_values((*shape, K), seed))),
+        targets=encode_tokens(token_ids(shape, seed + 1), VOCAB) if stage == TAIL else b"")
     assert _send(world, stage, "Forward", request, streamed=False, chunk=CHUNK) == grpc.StatusCode.OK
     world.used_ids[stage].append(microbatch_id)
     return microbatch_id
@@ -638,7 +495,7 @@ def test_the_inputs_that_broke_the_workers_are_refused_by_name(world):
     refused(TAIL, "Step", [stage_pb2.StepRequest(run_id=RUN, stage=TAIL, microbatches=1, replicas=1,
                                                  completed_batch=2**64 - 1).SerializeToString()],
             "completed_batch must be below 2**53")
-    tokens, targets = encode_tokens(_ids((2, 8), 1), VOCAB), encode_tokens(_ids((2, 8), 2), VOCAB)
+    tokens, targets = encode_tokens(token_ids((2, 8), 1), VOCAB), encode_tokens(token_ids((2, 8), 2), VOCAB)
     limit = WireCodec().encode(torch.full((2, 8, K), float(np.finfo(np.float32).max)))
     refused(BODY, "Forward", [stage_pb2.ForwardRequest(run_id=RUN, microbatch_id="at-the-limit", stage=BODY,
                                                        tokens=tokens, wire=limit).SerializeToString()],
@@ -657,9 +514,9 @@ def test_the_inputs_that_broke_the_workers_are_refused_by_name(world):
 def test_the_workers_still_serve_a_trainer_after_the_fuzzing(world):
     """A genuine Forward through body and tail, the body's Backward, and a Step on each: right
     shapes, a finite loss, and nothing logged as uncaught over the whole module."""
-    tokens = _ids((2, 16), 7)
-    targets = _ids((2, 16), 8)
-    wire = torch.from_numpy(_values((2, 16, K), 9))
+    tokens = token_ids((2, 16), 7)
+    targets = token_ids((2, 16), 8)
+    wire = torch.from_numpy(float_values((2, 16, K), 9))
 
     async def train():
         clients = {stage: StageClient(w.address, run_id=RUN, stage=stage, model=CONFIG.model, fingerprint=FINGERPRINT,
