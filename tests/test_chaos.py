@@ -11,7 +11,7 @@ import pytest
 
 from agora.node.cli import main
 from agora.node.demo.demo import DemoOptions
-from agora.node.demo.summary import churn_summary
+from agora.node.demo.summary import churn_summary, merge_logs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -47,3 +47,12 @@ def test_under_a_time_budget_the_units_end_at_the_last_committed(tmp_path):
     assert budgeted["units"] == {"total": 5, "committed": 4, "duplicated": 1, "lost": 1}
     by_steps = churn_summary(DemoOptions(steps=6), lines, [], [], tmp_path, None)
     assert by_steps["units"] == {"total": 6, "committed": 4, "duplicated": 1, "lost": 2}
+
+
+def test_a_trainer_log_line_still_being_written_is_left_for_the_next_read(tmp_path):
+    log = tmp_path / "trainer-0.jsonl"
+    log.write_text('{"step": 2, "trainer": 0}\n{"step": 1, "trainer": 0}\n{"step": 3, "loss": 2.62925')
+    assert [line["step"] for line in merge_logs([log, tmp_path / "absent.jsonl"])] == [1, 2]
+    with log.open("a") as more:
+        more.write('38}\n')
+    assert [line["step"] for line in merge_logs([log])] == [1, 2, 3]
