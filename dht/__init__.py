@@ -9,11 +9,16 @@
 - ``bootstrap``: ``run_bootstrap``, the ``agora-node bootstrap`` role (import it from
   ``agora.dht.bootstrap``; not re-exported here so ``python -m agora.dht.bootstrap`` runs
   the module once, as ``__main__`` only).
+
+The names below are loaded when first used: ``swarm`` imports hivemind (and with it torch, seconds),
+which a command that only reads its flags or a record never needs.
 """
 
-from agora.dht.heartbeat import Heartbeat
-from agora.dht.records import PHASES, SCHEMA_VERSION, Record, RecordError, WorkerRecord, worker_key
-from agora.dht.swarm import DHTRequestError, Stored, SwarmDHT
+import importlib
+
+_HOMES = {"Heartbeat": "heartbeat", "PHASES": "records", "SCHEMA_VERSION": "records", "Record": "records",
+          "RecordError": "records", "WorkerRecord": "records", "worker_key": "records",
+          "DHTRequestError": "swarm", "Stored": "swarm", "SwarmDHT": "swarm"}
 
 __all__ = [
     "PHASES",
@@ -27,3 +32,11 @@ __all__ = [
     "WorkerRecord",
     "worker_key",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value

@@ -35,11 +35,11 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, TextIO
 
-from agora.dht.swarm import DHTRequestError, SwarmDHT
 from agora.pipeline.files import atomic_write
 
 if TYPE_CHECKING:
     from agora.dht.security import DHTSecurity
+    from agora.dht.swarm import SwarmDHT
 
 __all__ = [
     "BootstrapOptions",
@@ -166,6 +166,8 @@ def run_bootstrap(
     Raises ``ValueError`` for a bad host/port or admission and ``DHTRequestError`` if it
     cannot start.
     """
+    from agora.dht.swarm import SwarmDHT  # hivemind (and torch): not for parsing the flags
+
     out = sys.stdout if out is None else out
     listen = host_maddrs(host, port)
     security = security_from_options(state_dir, insecure)
@@ -209,6 +211,8 @@ def run_bootstrap(
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m agora.dht.bootstrap``: the same as ``agora-node bootstrap``."""
+    from agora.dht.swarm import DHTRequestError
+
     parser = argparse.ArgumentParser(prog="agora-node bootstrap", description=__doc__.splitlines()[0])
     add_bootstrap_arguments(parser)
     options = BootstrapOptions.from_args(parser.parse_args(argv))

@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import grpc
 
@@ -47,7 +47,6 @@ from agora.auth.credentials import ROLES
 from agora.auth.keys import write_private_file
 from agora.auth.node_state import NodeCredentials
 from agora.auth.policy import DEFAULT_FLOORS, Floors
-from agora.auth.service import AuthorizerService, AuthorizerSettings, read_admitted
 from agora.monitor.worker_metrics import RpcServerMetrics
 from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments, package_version
 from agora.node.rpc.interceptors import interceptor_chain
@@ -56,8 +55,11 @@ from agora.node.rpc.server import add_health_and_reflection, bind, create_server
 from agora.pipeline.config import ConfigError
 from agora.protos.authorizer_adapter import SERVICE_NAME, add_authorizer_service
 
-__all__ = ["add_authorizer_commands", "AuthorizerServer", "start_authorizer_server", "serve_authorizer",
-           "SERVING_FILE", "JOIN_FILE"]
+if TYPE_CHECKING:  # agora.auth.service imports torch (the run fingerprint): the serving commands import it
+    from agora.auth.service import AuthorizerService, AuthorizerSettings
+
+__all__ = ["add_authorizer_commands", "issue_credential", "AuthorizerServer", "start_authorizer_server",
+           "serve_authorizer", "SERVING_FILE", "JOIN_FILE"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,8 @@ def _open_authority(state_dir: str, run_id: Optional[str] = None, *, create: boo
 
 
 def _settings(args: argparse.Namespace) -> AuthorizerSettings:
+    from agora.auth.service import AuthorizerSettings
+
     floors = Floors(min_upload_mbit=args.min_upload_mbit, min_download_mbit=args.min_download_mbit,
                     max_rtt_ms=args.max_rtt_ms, min_accelerator_gb=args.min_accelerator_gb, min_ram_gb=args.min_ram_gb)
     try:
@@ -154,6 +158,7 @@ def _public_host(args: argparse.Namespace) -> str:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from agora.auth.service import AuthorizerService
     from agora.node.cli import _run_config
     from agora.pipeline.config import config_to_dict
     from agora.pipeline.fingerprint import run_fingerprint
@@ -259,9 +264,6 @@ async def _read_coverage(swarm, run_id: str, fingerprint, admitted) -> dict[int,
         logger.warning("reading worker records failed (%s): assigning by admitted workers", error)
         workers = {}
     return stage_coverage(fingerprint.stages, workers, admitted)
-    for stage, records in workers.items():
-        coverage[stage] += sum(record.throughput for record in records if record.phase != "leaving")
-    return coverage
 
 
 def _peer_id(text: str) -> str:
@@ -288,6 +290,8 @@ def _when(seconds: float) -> str:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
+    from agora.auth.service import read_admitted
+
     authority = _open_authority(args.state_dir)
     bans = sorted(authority.bans().values(), key=lambda entry: entry.banned_at)
     now = time.time()
@@ -309,20 +313,28 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_issue(args: argparse.Namespace) -> int:
-    authority = _open_authority(args.state_dir, args.run_id, create=args.run_id is not None)
-    serving_path = Path(args.state_dir) / SERVING_FILE
+def issue_credential(state_dir: str, out: str, *, role: str, run_id: Optional[str] = None, stage: Optional[int] = None,
+                     lifetime_s: float = DEFAULT_CREDENTIAL_LIFETIME_S) -> NodeCredentials:
+    """`agora-node authorizer issue`: a credential minted offline by the run's CA in `state_dir`
+    (created with `run_id` if given), written to `out`; it names the run's config, DHT peers and
+    authorizer once `serve` has recorded them. ConfigError in one line for a bad role or stage."""
+    authority = _open_authority(state_dir, run_id, create=run_id is not None)
+    serving_path = Path(state_dir) / SERVING_FILE
     serving: dict[str, Any] = json.loads(serving_path.read_text()) if serving_path.exists() else {}
     stages = serving.get("stages")
-    if args.stage is not None and stages is not None and not 0 <= args.stage < stages:
-        raise ConfigError(f"--stage: {args.stage} is out of range for this {stages}-stage run")
+    if stage is not None and stages is not None and not 0 <= stage < stages:
+        raise ConfigError(f"--stage: {stage} is out of range for this {stages}-stage run")
     try:
-        node = authority.mint(args.out, role=args.role, stage=args.stage, lifetime_s=args.lifetime,
-                              config=serving.get("config"), initial_peers=tuple(serving.get("initial_peers", ())),
+        return authority.mint(out, role=role, stage=stage, lifetime_s=lifetime_s, config=serving.get("config"),
+                              initial_peers=tuple(serving.get("initial_peers", ())),
                               authorizer=serving.get("authorizer", ""))
     except ValueError as error:
         raise ConfigError(f"--{str(error)}" if str(error).startswith(("role", "stage")) else str(error)) from None
-    identity = node.identity()
+
+
+def _cmd_issue(args: argparse.Namespace) -> int:
+    identity = issue_credential(args.state_dir, args.out, role=args.role, run_id=args.run_id, stage=args.stage,
+                                lifetime_s=args.lifetime).identity()
     print(f"issued a {identity.describe()} credential in {args.out}, valid until {_when(identity.not_after)}")
     return 0
 

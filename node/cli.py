@@ -17,7 +17,6 @@ from agora.node.admission import add_admission_arguments
 from agora.node.logs import LOG_FORMATS, configure_logging
 from agora.node.observability import MetricsOptions, add_metrics_arguments
 from agora.node.runtime_flags import add_runtime_arguments, apply_runtime_flags, check_runtime_flags
-from agora.pipeline.checkpoint import CheckpointError
 from agora.pipeline.files import FolderInUse, hold_folder
 from agora.pipeline.config import ConfigError, RunConfig, load_config
 
@@ -655,25 +654,40 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)  # a worker that moves stage starts again with them
     configure_logging(args.log_level, args.log_format)
     if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(max(1, args.threads))
+        _set_threads(max(1, args.threads))
     try:
         return int(args.handler(args) or 0)
-    except (ConfigError, CheckpointError) as error:
+    except ConfigError as error:
         print(f"agora-node {args.command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"agora-node {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:
-        from agora.dht.swarm import DHTRequestError  # only on this path: it imports hivemind
+        # Only on this path: these modules import torch and hivemind, which a command that raised
+        # one of their errors has imported already.
+        from agora.pipeline.checkpoint import CheckpointError
+
+        if isinstance(error, CheckpointError):  # a user's file, like a config: exit 2
+            print(f"agora-node {args.command}: error: {error}", file=sys.stderr)
+            return 2
+        from agora.dht.swarm import DHTRequestError
 
         if not isinstance(error, DHTRequestError):
             raise
         # Not the user's mistake (exit 2) but the swarm's: nobody answered, or the DHT process died.
         print(f"agora-node {args.command}: error: {error}", file=sys.stderr)
         return 1
+
+
+def _set_threads(threads: int) -> None:
+    """torch's intra-op threads. A command that never imports torch (`authorizer issue`, `--help`)
+    does not pay for importing it here: torch reads OMP_NUM_THREADS when it is first imported,
+    which gives the same pool as set_num_threads."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+    else:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -24,18 +24,14 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from agora.auth.node_state import NodeCredentials
-from agora.dht.security import DHTSecurity
-from agora.dht.swarm import SwarmDHT
-from agora.node.averaging.sparta import stage_parameter_numels
-from agora.node.rpc.tls import InsecureChannels, TlsChannels
-from agora.node.worker.state_download import StateDownloader, StateDownloadError, donor_order
-from agora.node.worker.state_transfer import state_bytes_bound
-from agora.pipeline.checkpoint import StageState, save_checkpoint
 from agora.pipeline.config import ConfigError, RunConfig
-from agora.pipeline.fingerprint import run_fingerprint
+
+if TYPE_CHECKING:  # hivemind and torch: imported by the export itself, not by `agora-node`'s parser
+    from agora.dht.swarm import SwarmDHT
+    from agora.pipeline.checkpoint import StageState
 
 __all__ = ["ExportOptions", "run_export", "add_export_command", "cmd_export"]
 
@@ -52,6 +48,8 @@ class ExportOptions:
 
 def run_export(config: RunConfig, options: ExportOptions, credentials: Optional[NodeCredentials]) -> int:
     """Blocking: gather every stage and write DIR/checkpoint and DIR/hf; 0, or ConfigError in one line."""
+    from agora.dht.security import DHTSecurity
+    from agora.dht.swarm import SwarmDHT
     from agora.node.rpc.server import run as run_loop
 
     # hivemind forks its DHT process: before the event loop and any gRPC channel exist.
@@ -65,6 +63,13 @@ def run_export(config: RunConfig, options: ExportOptions, credentials: Optional[
 
 async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
                   credentials: Optional[NodeCredentials]) -> int:
+    from agora.node.averaging.sparta import stage_parameter_numels
+    from agora.node.rpc.tls import InsecureChannels, TlsChannels
+    from agora.node.worker.state_download import StateDownloader, StateDownloadError, donor_order
+    from agora.node.worker.state_transfer import state_bytes_bound
+    from agora.pipeline.checkpoint import StageState
+    from agora.pipeline.fingerprint import run_fingerprint
+
     started = time.monotonic()
     n_stages = len(config.layer_split)
     fingerprint = run_fingerprint(config)
@@ -97,6 +102,7 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
 
 
 def _write(config: RunConfig, options: ExportOptions, states: list[StageState], sources: dict, seconds: float) -> int:
+    from agora.pipeline.checkpoint import save_checkpoint
     from agora.pipeline.interop import save_pretrained
     from agora.pipeline.stages import assemble_model
 

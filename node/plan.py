@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-
-import torch
+from typing import TYPE_CHECKING
 
 from agora.pipeline.config import COMPUTE_DTYPES, ConfigError, RunConfig
-from agora.pipeline.memory import GiB, MemoryOptions, StagePlan, format_plan, plan_run, plan_stage
-from agora.pipeline.runtime import Runtime, device_memory
+
+if TYPE_CHECKING:  # torch: imported by the commands that plan, not by parsing their flags
+    from agora.pipeline.memory import MemoryOptions, StagePlan
+    from agora.pipeline.runtime import Runtime
 
 __all__ = ["add_plan_command", "check_stage_fits", "worker_memory_options"]
 
@@ -34,6 +35,7 @@ def worker_memory_options(config: RunConfig, *, rows: int | None = None, pinned_
     versions, the stash's 64 entries) and the Abort records of a whole global batch (one replica)."""
     from agora.node.worker.compute import DEFAULT_PINNED_VERSIONS
     from agora.node.worker.worker import WorkerOptions
+    from agora.pipeline.memory import MemoryOptions
 
     return MemoryOptions(
         microbatch=rows or config.train.microbatch_size, seq_len=config.train.seq_len,
@@ -43,7 +45,10 @@ def worker_memory_options(config: RunConfig, *, rows: int | None = None, pinned_
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
     from agora.node.cli import _run_config
+    from agora.pipeline.memory import format_plan, plan_run
 
     for flag, value in (("--microbatch", args.microbatch), ("--in-flight", args.in_flight)):
         if value is not None and value <= 0:
@@ -110,6 +115,9 @@ def _remedies(plan: StagePlan, runtime: Runtime, options: MemoryOptions) -> str:
 def check_stage_fits(config: RunConfig, stage: int, runtime: Runtime, options: MemoryOptions) -> StagePlan:
     """Plan `stage` for this worker; ConfigError naming the shortfall when its peak exceeds what is
     free on the device (its RAM for the CPU): `join` calls this before loading anything."""
+    from agora.pipeline.memory import GiB, plan_stage
+    from agora.pipeline.runtime import device_memory
+
     plan = plan_stage(config, stage, options, device_type=runtime.device.type, dtype=runtime.dtype,
                       weights=runtime.weights)
     memory = device_memory(runtime.device, free=True)

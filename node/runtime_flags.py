@@ -13,7 +13,6 @@ import argparse
 from dataclasses import replace
 
 from agora.pipeline.config import COMPUTE_DTYPES, ConfigError, RunConfig, RuntimeConfig
-from agora.pipeline.runtime import Runtime
 
 __all__ = ["add_runtime_arguments", "apply_runtime_flags", "check_runtime_flags", "runtime_flag_values"]
 
@@ -48,6 +47,8 @@ def apply_runtime_flags(args: argparse.Namespace, config: RunConfig) -> RunConfi
     values = runtime_flag_values(args)
     config = replace(config, runtime=replace(config.runtime, **values)) if values else config
     if hasattr(args, "device"):
+        from agora.pipeline.runtime import Runtime  # (torch: not for a command that only parses)
+
         Runtime.from_config(config.runtime)
     return config
 
@@ -56,4 +57,6 @@ def check_runtime_flags(args: argparse.Namespace) -> None:
     """Refuse (ConfigError, one line) a --device/--dtype this machine cannot run, before anything starts."""
     values = runtime_flag_values(args)
     if values:
+        from agora.pipeline.runtime import Runtime
+
         Runtime.from_config(RuntimeConfig(**values))

@@ -81,6 +81,23 @@ def test_ban_unban_and_list(state_dir, capsys):
     assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["bans"] == []
 
 
+def test_help_and_the_ban_commands_start_without_torch_or_hivemind(state_dir):
+    """An operator's quick commands (and `--help`) do not pay seconds for torch and hivemind, which
+    only the commands that compute or join the DHT import."""
+    peer = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    script = (
+        "import contextlib, io, sys\n"
+        "from agora.node.cli import build_parser, main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    build_parser().parse_args(['--help'])\n"
+        f"assert main(['--threads', '1', 'authorizer', 'ban', {peer!r}, '--state-dir', {str(state_dir)!r}]) == 0\n"
+        f"assert main(['authorizer', 'unban', {peer!r}, '--state-dir', {str(state_dir)!r}]) == 0\n"
+        "print(sorted(name for name in ('torch', 'hivemind') if name in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout
+
+
 @pytest.mark.parametrize("argv, message", [
     (["ban", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "--state-dir", "{missing}"], "holds no authorizer"),
     (["ban", "not-a-peer-id!", "--state-dir", "{state}"], "PEER_ID: expected a base58"),

@@ -15,11 +15,13 @@ import json
 import logging
 import signal
 import sys
-from typing import Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
 
 from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
-from agora.node.inference.service import InferenceOptions
 from agora.pipeline.config import ConfigError, RunConfig
+
+if TYPE_CHECKING:
+    from agora.node.inference.service import InferenceOptions
 
 __all__ = ["add_serving_arguments", "inference_options", "add_client_commands", "run_client"]
 
@@ -48,6 +50,8 @@ def add_serving_arguments(join: argparse.ArgumentParser) -> None:
 def inference_options(args: argparse.Namespace) -> InferenceOptions:
     given = {"max_sessions": args.max_sessions, "max_session_tokens": args.max_session_tokens,
              "session_ttl_s": args.session_ttl, "max_queue": args.max_inference_queue}
+    from agora.node.inference.service import InferenceOptions  # (torch)
+
     return InferenceOptions(**{name: value for name, value in given.items() if value is not None})
 
 
