@@ -2,8 +2,8 @@
 
 Order: bootstrap (its ready file carries the DHT multiaddrs) -> one `join` per stage replica
 (ready file: gRPC endpoint + peer id, written once announced in the DHT) -> trainers. Unless
-`--no-monitor`, an `agora-node monitor` starts right after the bootstrap (and the authorizer,
-whose monitor credential it joins with) and the demo prints its status page's URL; every
+`--no-monitor`, an `agora-node monitor` starts beside the workers (after the authorizer, whose
+monitor credential it joins with) and the demo prints its status page's URL; every
 process serves Prometheus metrics on a free port (workers and trainers announce theirs in the
 DHT; the authorizer's and the bootstrap's are given to the monitor as static targets), so the
 monitor's `/sd` lists them all. While the trainers run, a progress bar (plain lines when not a
@@ -23,7 +23,6 @@ import json
 import logging
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -240,10 +239,9 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
             print(f"demo: authorizer {authorizer} (run {options.run_id!r}); nodes join with "
                   f"--join-file {workdir / 'authorizer' / 'join.json'}", file=sys.stderr, flush=True)
             admission = ["--join-file", str(workdir / "authorizer" / "join.json")]
-        if options.monitor:
-            url = _start_monitor(group, options, workdir, swarm, admission, static_targets, common)
-            print(f"demo: status page {url} (Prometheus: service discovery {url}sd, swarm metrics {url}metrics)",
-                  file=sys.stderr, flush=True)
+        # The monitor starts beside the workers (it only reads the DHT) and is waited for with them.
+        monitor = _start_monitor(group, options, workdir, swarm, admission, static_targets, common) \
+            if options.monitor else None
 
         def start_worker(stage: int, name: str, resume: bool) -> ChildProcess:
             ready = workdir / f"{name}.ready"
@@ -284,7 +282,11 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
         for stage in range(options.stages or 1):
             for replica in range(options.replicas):
                 workers.append((stage, start_worker(stage, f"worker-s{stage}-r{replica}", resume_step is not None)))
-        group.wait_ready([w for _, w in workers], options.ready_timeout_s)
+        ready = group.wait_ready([w for _, w in workers] + ([monitor] if monitor else []), options.ready_timeout_s)
+        if monitor is not None:
+            url = ready["monitor"][0]
+            print(f"demo: status page {url} (Prometheus: service discovery {url}sd, swarm metrics {url}metrics)",
+                  file=sys.stderr, flush=True)
         trainers += [start_trainer(index, f"trainer-{index}") for index in range(options.trainers)]
         joined: list[str] = []
         logger.info("swarm up in %.1f s: %d workers, %d trainers", time.monotonic() - started, len(workers),
@@ -440,45 +442,35 @@ def _show(progress: Progress, lines: list[dict], workers: dict[int, int], force:
 
 
 def _start_monitor(group: ProcessGroup, options: DemoOptions, workdir: Path, swarm: list[str], admission: list[str],
-                   static_targets: list[str], common: list[str]) -> str:
-    """`agora-node monitor` (read-only, a monitor credential when admitted); its status page's URL."""
+                   static_targets: list[str], common: list[str]) -> ChildProcess:
+    """`agora-node monitor` (read-only, a monitor credential when admitted), started; its ready file
+    holds its status page's URL."""
     ready = workdir / "monitor.ready"
     targets = [flag for target in static_targets for flag in ("--target", target)]
     swarm = [flag for flag in swarm if flag != "--sync"]
     command = agora_node_command(*common, "monitor", *options.run_flags(), *swarm, *admission,
                                  *_state_dir(options, workdir, "monitor"), "--port", str(options.monitor_port),
                                  "--poll", str(options.heartbeat_s), *targets, "--ready-file", str(ready))
-    child = group.spawn("monitor", command, ready)
-    return group.wait_ready([child], options.ready_timeout_s)["monitor"][0]
+    return group.spawn("monitor", command, ready)
 
 
 def _state_dir(options: DemoOptions, workdir: Path, name: str) -> list[str]:
     return [] if options.insecure else ["--state-dir", str(workdir / f"{name}.state")]
 
 
-def _run_to_end(group: ProcessGroup, name: str, command: list[str], timeout_s: float) -> None:
-    child = group.spawn(name, command)
-    try:
-        code = child.process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        raise ChildFailed(f"{name} did not finish within {timeout_s:g} s:\n{child.log_tail()}") from None
-    if code != 0:
-        raise ChildFailed(f"{name} exited with {code}:\n{child.log_tail()}")
-
-
 def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, common: list[str],
                      extra: list[str] = ()) -> list[str]:
     """The run's DHT bootstrap peer; its multiaddrs. With admission, the operator credentials it offline
-    first (which creates the run's CA), and the authorizer then hands its address out. `extra`: more
-    flags for it (its metrics port)."""
+    first (`agora-node authorizer issue`, here in this process: it creates the run's CA), and the
+    authorizer then hands its address out. `extra`: more flags for it (its metrics port)."""
     boot_ready = workdir / "bootstrap.ready"
     boot_flags = ["--insecure"]
     if not options.insecure:
+        from agora.node.authorizer import issue_credential
+
         boot_flags = ["--state-dir", str(workdir / "bootstrap.state")]
-        _run_to_end(group, "authorizer-issue", agora_node_command(
-            *common, "authorizer", "issue", "--state-dir", str(workdir / "authorizer"), "--run-id",
-            options.run_id, "--role", "operator", "--out", str(workdir / "bootstrap.state"),
-            "--lifetime", str(24 * 3600)), options.ready_timeout_s)
+        issue_credential(str(workdir / "authorizer"), str(workdir / "bootstrap.state"), role="operator",
+                         run_id=options.run_id, lifetime_s=24 * 3600)
     boot = group.spawn("bootstrap", agora_node_command(*common, "bootstrap", *boot_flags, "--host",
                                                        group.host("bootstrap"), "--ready-file", str(boot_ready),
                                                        *extra), boot_ready)
