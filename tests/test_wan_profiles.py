@@ -90,6 +90,25 @@ def test_steady_rate_skips_the_start_of_a_transfer():
     assert steady_rate_mbit(samples[:1]) is None
 
 
+def test_steady_rate_is_not_raised_by_bytes_released_at_once_after_a_retransmission():
+    # 200 Mbit/s, read every 5 ms for 1.5 s. A loss at 0.45 s holds what arrives after it in the
+    # out-of-order queue until its retransmission lands at 0.62 s, inside the steady part (from
+    # 0.6 s): then 4.25 MB are readable at once.
+    samples, total = [], 0
+    for ms in range(0, 1501, 5):
+        t = ms / 1000
+        samples.append((t, total))
+        total += 125_000
+    held = next(n for t, n in samples if t >= 0.45)
+    jumped = [(t, held if 0.45 <= t < 0.62 else n) for t, n in samples]
+    ends = (jumped[-1][1] - next(n for t, n in jumped if t >= 0.6)) * 8 / 1e6 / 0.9
+    assert ends == pytest.approx(233.3, abs=0.1)  # the steady part's ends alone count the held bytes in it
+    assert steady_rate_mbit(jumped) == pytest.approx(200.0, rel=0.01)  # (a window holds 19 or 20 reads)
+    # A slow link's reads are few and large: its windows span several of them.
+    slow = [(t / 20, 65_536 * t) for t in range(31)]  # 10.5 Mbit/s in 64 KiB reads
+    assert steady_rate_mbit(slow) == pytest.approx(10.49, abs=0.01)
+
+
 def test_every_demo_process_gets_a_node_and_the_straggler_is_one_replica():
     options = DemoOptions(stages=3, replicas=2, trainers=1)
     names = demo_process_names(options)
