@@ -159,11 +159,11 @@ def _public_host(args: argparse.Namespace) -> str:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from agora.auth.service import AuthorizerService
-    from agora.node.cli import _run_config
+    from agora.node.run_flags import run_config
     from agora.pipeline.config import config_to_dict
     from agora.pipeline.fingerprint import run_fingerprint
 
-    config = _run_config(args)
+    config = run_config(args)
     settings = _settings(args)
     authority = _open_authority(args.state_dir, args.run_id, create=True)
     fingerprint = run_fingerprint(config)
@@ -341,7 +341,7 @@ def _cmd_issue(args: argparse.Namespace) -> int:
 
 def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
     """Mount `authorizer serve|ban|unban|list|issue` on the top-level subcommands of agora-node."""
-    from agora.node.cli import _add_run_arguments
+    from agora.node.run_flags import add_run_arguments
 
     parser = commands.add_parser("authorizer", help="the run's authorizer: admission, credentials, bans (operator)",
                                  description="Admit nodes to a run and issue their short-lived credentials; ban, "
@@ -390,7 +390,7 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
                        help="seconds a queued node waits between polls (default %(default)g)")
     serve.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
                        help="DHT multiaddrs handed to admitted nodes")
-    _add_run_arguments(serve, steps_help="planned run length in global batches (sets the lr schedule)")
+    add_run_arguments(serve, steps_help="planned run length in global batches (sets the lr schedule)")
     serve.set_defaults(handler=_cmd_serve)
 
     ban = actions.add_parser("ban", help="ban a peer: its joins and renewals are refused",

@@ -16,39 +16,12 @@ from pathlib import Path
 from agora.node.admission import add_admission_arguments
 from agora.node.logs import LOG_FORMATS, configure_logging
 from agora.node.observability import MetricsOptions, add_metrics_arguments
-from agora.node.runtime_flags import add_runtime_arguments, apply_runtime_flags, check_runtime_flags
+from agora.node.run_flags import add_run_arguments, non_negative_int, run_config
+from agora.node.runtime_flags import add_runtime_arguments, check_runtime_flags
 from agora.pipeline.files import FolderInUse, hold_folder
-from agora.pipeline.config import ConfigError, RunConfig, load_config
+from agora.pipeline.config import ConfigError
 
 __all__ = ["main", "build_parser"]
-
-
-def _run_config(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
-    """The run flags applied to `--config` (default tiny), or to `base` (the config an authorizer serves)."""
-    config = base if base is not None and args.config is None else load_config(args.config or "tiny")
-    if getattr(args, "seed", None) is not None:
-        config = replace(config, seed=args.seed, model=replace(config.model, basis_seed=args.seed),
-                         data=replace(config.data, seed=args.seed))
-    if getattr(args, "stages", None) is not None:
-        config = config.with_stages(args.stages)
-    if getattr(args, "batch_size", None) is not None:
-        config = replace(config, train=replace(config.train, batch_size=args.batch_size))
-    if getattr(args, "microbatches", None) is not None:
-        config = replace(config, train=replace(config.train, microbatches=args.microbatches))
-    if getattr(args, "schedule_steps", None) is not None:
-        config = replace(config, optim=replace(config.optim, total_steps=args.schedule_steps))
-    elif getattr(args, "steps", None) is not None and args.steps > config.optim.total_steps:
-        # A run longer than the schedule would sit at the floor lr; stretch the schedule instead.
-        config = replace(config, optim=replace(config.optim, total_steps=args.steps))
-    sync = {name: getattr(args, flag) for name, flag in _SYNC_FLAGS.items() if getattr(args, flag, None) is not None}
-    if sync:
-        config = replace(config, sync=replace(config.sync, **sync))
-    return apply_runtime_flags(args, config).validate()
-
-
-# config.sync fields set by `join`/`demo` flags (argparse destination of each flag).
-_SYNC_FLAGS = {"method": "averaging", "every_steps": "averaging_every", "fraction": "averaging_fraction",
-               "average_optimizer_state": "average_optimizer_state", "aggregation": "aggregation"}
 
 
 def _add_pinned_weights_argument(parser: argparse.ArgumentParser) -> None:
@@ -77,28 +50,12 @@ def _add_time_budget_argument(parser: argparse.ArgumentParser) -> None:
                              "finish, then the held-out evaluation); --steps still sets the schedule")
 
 
-def _add_averaging_arguments(parser: argparse.ArgumentParser) -> None:
-    """How replicas of a stage stay together; must be identical on every worker of the run."""
-    parser.add_argument("--averaging", default=None, choices=["sparta", "diloco", "none"],
-                        help="sync method between replicas of a stage (default: the config's sync.method)")
-    parser.add_argument("--averaging-every", type=int, default=None, metavar="STEPS",
-                        help="local steps between averaging rounds (default: the config's sync.every_steps)")
-    parser.add_argument("--averaging-fraction", type=float, default=None, metavar="P",
-                        help="sparta: share of the stage averaged per round (default: sync.fraction)")
-    parser.add_argument("--average-optimizer-state", action="store_true", default=None,
-                        help="sparta: also average the Adam moments of the slice")
-    parser.add_argument("--aggregation", default=None, choices=["centered_clip", "mean"],
-                        help="how a reducer combines its group: centered_clip (weight caps, outliers rejected, "
-                             "CenteredClip, bounded moves; the default) or mean (hivemind's plain weighted mean, "
-                             "for trusted machines only)")
-
-
 def _cmd_train_local(args: argparse.Namespace) -> int:
     from agora.node.progress import Progress
     from agora.pipeline.centralized import CentralizedTrainer
     from agora.pipeline.data import build_data
 
-    config = _run_config(args)
+    config = run_config(args)
     data = build_data(config)
     log_json = open(args.log_json, "a" if args.resume else "w") if args.log_json else None
     bar = Progress(args.steps, "train-local")
@@ -189,7 +146,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         worker_options = replace(worker_options, port=free_port(worker_options.host))
     announce = (announced_host(worker_options.host, worker_options.announce_host), worker_options.port)
     admission = admit_node(AdmissionOptions.from_args(args), role="worker", run_id=args.run_id, stage=args.stage,
-                           config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers),
+                           config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers),
                            announce=announce, listen_host=worker_options.host, device=args.device)
     if not (args.serve_only or args.no_memory_check):  # before the DHT peer and the stage exist
         from agora.node.plan import check_stage_fits, worker_memory_options
@@ -260,7 +217,7 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
     if not 0 <= args.trainer_index < args.trainers:
         raise ConfigError(f"--trainer-index: {args.trainer_index} out of range for --trainers {args.trainers}")
     admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=args.run_id, stage=None,
-                           config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers))
+                           config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers))
     options = TrainerOptions(run_id=admission.run_id, trainer_index=args.trainer_index, trainers=args.trainers,
                              synchronous=args.sync, max_in_flight=args.max_in_flight, wire_dtype=args.wire_dtype,
                              heartbeat_s=args.heartbeat, lease_s=args.lease, start_step=args.start_step,
@@ -306,7 +263,7 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
     if not args.poll > 0:
         raise ConfigError(f"--poll: must be positive, got {args.poll}")
     admission = admit_node(AdmissionOptions.from_args(args), role="monitor", run_id=args.run_id, stage=None,
-                           config_for=config_chooser(args, _run_config), initial_peers=tuple(args.initial_peers))
+                           config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers))
     credentials = admission.credentials
     if not admission.initial_peers:
         print("agora-node monitor: WARNING: no --initial-peers (and none from an authorizer): this starts a new, "
@@ -358,37 +315,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.serve and args.config is None and args.checkpoint is not None:
         args.config = args.checkpoint  # a serving swarm runs the checkpoint's config
     check_runtime_flags(args)
-    _run_config(args)  # refuse a bad config before starting any process
+    run_config(args)  # refuse a bad config before starting any process
     return run_demo(DemoOptions.from_args(args))
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str, averaging: bool = True,
-                       seed_flag: str = "--seed") -> None:
-    """Flags that must be identical on every process of one run (they are all in its fingerprint,
-    the averaging ones included: a trainer or an authorizer with other sync settings is another run)."""
-    parser.add_argument("--config", default=None,
-                        help="preset name (tiny, small, pythia-14m, pluralis-8b), TOML file or checkpoint folder "
-                             "(default: the run config the authorizer serves, else tiny)")
-    parser.add_argument(seed_flag, dest="seed", type=int, default=None, help="run seed (basis, init and data order)")
-    parser.add_argument("--stages", type=int, default=None, help="split the blocks evenly over this many stages")
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per global batch")
-    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per global batch")
-    parser.add_argument("--steps", type=int, default=100, help=steps_help)
-    parser.add_argument("--schedule-steps", type=int, default=None, metavar="STEPS",
-                        help="length of the learning-rate schedule in global batches (default: the config's "
-                             "optim.total_steps, stretched to --steps when shorter)")
-    if averaging:
-        _add_averaging_arguments(parser)
 
 
 def _add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -414,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train-local", help="centralized reference run, stage by stage in one process",
                                 description="Train the model centrally through the same stages and wire codec "
                                             "the swarm uses; the reference the swarm is compared with.")
-    _add_run_arguments(train, steps_help="optimizer steps (global batches) in total", averaging=False)
+    add_run_arguments(train, steps_help="optimizer steps (global batches) in total", averaging=False)
     train.add_argument("--wire-dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
                        help="encoding of boundary tensors (default fp32, lossless)")
     add_runtime_arguments(train)
@@ -442,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     join = commands.add_parser("join", help="host one replica of one pipeline stage (contributor)",
                                description="Serve one pipeline stage over gRPC, announce it in the DHT, train it; "
                                            "SIGTERM leaves cleanly (withdraw, finish in-flight, checkpoint).")
-    _add_run_arguments(join, steps_help="planned run length in global batches (sets the lr schedule)")
+    add_run_arguments(join, steps_help="planned run length in global batches (sets the lr schedule)")
     _add_swarm_arguments(join)
     join.add_argument("--stage", type=int, default=None,
                       help="pipeline stage index to host (default: the authorizer assigns the stage least covered "
@@ -470,13 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--checkpoint-dir", default=None,
                       help="resume from and checkpoint into this folder (default: checkpoints/ in --state-dir; "
                            "none under --insecure)")
-    join.add_argument("--checkpoint-every", type=_non_negative_int, default=None, metavar="STEPS",
+    join.add_argument("--checkpoint-every", type=non_negative_int, default=None, metavar="STEPS",
                       help="optimizer steps between checkpoints (default: the config's train.checkpoint_every; "
                            "0: only when leaving)")
-    join.add_argument("--resume-step", type=_non_negative_int, default=None, metavar="STEP",
+    join.add_argument("--resume-step", type=non_negative_int, default=None, metavar="STEP",
                       help="resume from this step's checkpoint in --checkpoint-dir (default: the newest complete one)")
     join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
-    join.add_argument("--optimizer-sync-steps", type=_non_negative_int, default=None, metavar="N",
+    join.add_argument("--optimizer-sync-steps", type=non_negative_int, default=None, metavar="N",
                       help="a replica joining mid-run: optimizer steps with averaging weight 0 after its weight sync, "
                            "to warm its Adam moments, before it is a member (default: sync.optimizer_sync_steps, 100)")
     join.add_argument("--no-rebalance", action="store_true",
@@ -495,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     trainer = commands.add_parser("trainer", help="push microbatches through the swarm",
                                   description="Take data units, route microbatches through one worker per stage, "
                                               "reroute on failure; logs the train-local JSON schema.")
-    _add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)")
+    add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)")
     _add_swarm_arguments(trainer)
     trainer.add_argument("--trainer-index", type=int, default=0,
                          help="this trainer's index among --trainers: its stripe of units, preferred when it claims")
@@ -504,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--lease", type=float, default=30.0, metavar="S",
                          help="seconds a claimed global batch stays this trainer's without a renewal; a trainer "
                               "that dies gives its batches back after this (default 30)")
-    trainer.add_argument("--start-step", type=_non_negative_int, default=0, metavar="STEP",
+    trainer.add_argument("--start-step", type=non_negative_int, default=0, metavar="STEP",
                          help="take the run's global batches below STEP as done (a run resumed from checkpoints of "
                               "that step); the log is appended to")
     _add_in_flight_arguments(trainer)
@@ -524,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "status page), /api/swarm (the same as JSON), /sd (Prometheus HTTP "
                                               "service discovery of every node's metrics endpoint) and /metrics "
                                               "(swarm-level gauges).")
-    _add_run_arguments(monitor, steps_help="planned run length (only for the run fingerprint at admission)")
+    add_run_arguments(monitor, steps_help="planned run length (only for the run fingerprint at admission)")
     monitor.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
     monitor.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
                          help="DHT multiaddrs to join through (printed by `agora-node bootstrap`)")
@@ -541,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="a whole swarm on this machine, one process per role",
                                description="Start bootstrap, workers and trainers on loopback, each as the "
                                            "`agora-node <role>` command a user would run, train, and summarize.")
-    _add_run_arguments(demo, steps_help="global batches in total (over all trainers)")
+    add_run_arguments(demo, steps_help="global batches in total (over all trainers)")
     demo.add_argument("--replicas", type=int, default=1, help="workers per stage")
     demo.add_argument("--trainers", type=int, default=1, help="trainer processes")
     demo.add_argument("--sync", action="store_true",
@@ -556,11 +484,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None, help="keep logs and ready files here (default: a temp folder)")
     demo.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
                       help="fault drill: kill -9 one worker of the last stage after STEP global batches")
-    demo.add_argument("--join-at", type=_non_negative_int, action="append", default=None, metavar="STEP",
+    demo.add_argument("--join-at", type=non_negative_int, action="append", default=None, metavar="STEP",
                       help="a new replica of stage 0 joins (a new contributor, empty state) after STEP global batches: "
                            "it syncs (weight sync, optimizer sync) before it is a member; repeat for more (a stage "
                            "that ends up over-covered gives a replica to another: rebalancing)")
-    demo.add_argument("--optimizer-sync-steps", type=_non_negative_int, default=None, metavar="N",
+    demo.add_argument("--optimizer-sync-steps", type=non_negative_int, default=None, metavar="N",
                       help="a joining replica's optimizer sync, in optimizer steps (default: sync.optimizer_sync_steps)")
     demo.add_argument("--no-sync-phases", action="store_true",
                       help="a joining replica is a member at once, with its fresh weights (to measure what the sync "
@@ -572,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--chaos-seed", type=int, default=0, help="seed of --chaos's choice of victims (default 0)")
     demo.add_argument("--lease", type=float, default=None, metavar="S",
                       help="the trainers' unit leases (default: the trainer's 30 s; 5 s under --chaos)")
-    demo.add_argument("--checkpoint-every", type=_non_negative_int, default=None, metavar="STEPS",
+    demo.add_argument("--checkpoint-every", type=non_negative_int, default=None, metavar="STEPS",
                       help="the workers' checkpoint interval (default: the config's train.checkpoint_every)")
     demo.add_argument("--resume", action="store_true",
                       help="restart every role of --workdir from its checkpoints: workers from the newest step all "
@@ -617,11 +545,11 @@ def build_parser() -> argparse.ArgumentParser:
     from agora.node.export import add_export_command
 
     add_authorizer_commands(commands)
-    add_export_command(commands, add_run_arguments=_add_run_arguments, run_config=_run_config)
+    add_export_command(commands, add_run_arguments=add_run_arguments, run_config=run_config)
     from agora.node.plan import add_plan_command
 
-    add_plan_command(commands, add_run_arguments=_add_run_arguments)
-    add_client_commands(commands, add_run_arguments=_add_run_arguments, run_config=_run_config)
+    add_plan_command(commands, add_run_arguments=add_run_arguments)
+    add_client_commands(commands, add_run_arguments=add_run_arguments, run_config=run_config)
     return parser
 
 

@@ -47,7 +47,7 @@ def worker_memory_options(config: RunConfig, *, rows: int | None = None, pinned_
 def _cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
-    from agora.node.cli import _run_config
+    from agora.node.run_flags import run_config
     from agora.pipeline.memory import format_plan, plan_run
 
     for flag, value in (("--microbatch", args.microbatch), ("--in-flight", args.in_flight)):
@@ -57,7 +57,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--pinned-weights: must be >= 0, got {args.pinned_weights}")
     if args.memory_gb is not None and not args.memory_gb > 0:
         raise ConfigError(f"--memory-gb: must be positive, got {args.memory_gb}")
-    config = _run_config(args)  # (the plan's --device/--dtype are not this machine's: kept apart from it)
+    config = run_config(args)  # (the plan's --device/--dtype are not this machine's: kept apart from it)
     device = args.plan_device or config.runtime.device
     device_type = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device.split(":")[0]
     options = worker_memory_options(config, rows=args.microbatch, pinned_versions=args.pinned_weights,

@@ -55,10 +55,11 @@ def test_split_layers():
 
 
 def test_run_flags_set_the_schedule_and_the_averaging_cadence():
-    from agora.node.cli import _run_config, build_parser
+    from agora.node.cli import build_parser
+    from agora.node.run_flags import run_config
 
     def config_of(*argv):
-        return _run_config(build_parser().parse_args(["join", "--stage", "0", *argv]))
+        return run_config(build_parser().parse_args(["join", "--stage", "0", *argv]))
 
     tiny = PRESETS["tiny"]
     assert config_of("--steps", "50").optim.total_steps == tiny.optim.total_steps  # a shorter run keeps the schedule
@@ -71,11 +72,12 @@ def test_run_flags_set_the_schedule_and_the_averaging_cadence():
 
 
 def test_batch_flags_set_the_global_batch_and_refuse_a_split_that_does_not_divide():
-    from agora.node.cli import _run_config, build_parser
+    from agora.node.cli import build_parser
+    from agora.node.run_flags import run_config
     from agora.node.demo.demo import DemoOptions
 
     def config_of(*argv):
-        return _run_config(build_parser().parse_args(["join", "--stage", "0", *argv]))
+        return run_config(build_parser().parse_args(["join", "--stage", "0", *argv]))
 
     train = config_of("--batch-size", "32", "--microbatches", "8").train
     assert (train.batch_size, train.microbatches, train.microbatch_size) == (32, 8, 4)
@@ -90,7 +92,8 @@ def test_batch_flags_set_the_global_batch_and_refuse_a_split_that_does_not_divid
 def test_the_sync_settings_are_run_flags_every_process_shares():
     """They are in the run's fingerprint: the demo hands them to the authorizer and trainers too (before,
     only workers got them, and `demo --averaging diloco` refused every worker at the door)."""
-    from agora.node.cli import _run_config, build_parser
+    from agora.node.cli import build_parser
+    from agora.node.run_flags import run_config
     from agora.node.demo.demo import DemoOptions
     from agora.pipeline.fingerprint import run_fingerprint
 
@@ -98,7 +101,7 @@ def test_the_sync_settings_are_run_flags_every_process_shares():
     demo = DemoOptions.from_args(build_parser().parse_args(["demo", *argv]))
     flags = demo.run_flags()
     assert all(flag in flags for flag in argv) and not set(argv) & set(demo.worker_flags())
-    configs = [_run_config(build_parser().parse_args(role + flags)) for role in (
+    configs = [run_config(build_parser().parse_args(role + flags)) for role in (
         ["join", "--stage", "0"], ["trainer"], ["authorizer", "serve", "--state-dir", "s", "--run-id", "r"])]
     assert {run_fingerprint(c).text() for c in configs} == {run_fingerprint(configs[0]).text()}
     assert (configs[0].sync.method, configs[0].sync.every_steps, configs[0].sync.aggregation) == ("diloco", 4, "mean")
