@@ -545,11 +545,11 @@ def build_parser() -> argparse.ArgumentParser:
     from agora.node.export import add_export_command
 
     add_authorizer_commands(commands)
-    add_export_command(commands, add_run_arguments=add_run_arguments, run_config=run_config)
+    add_export_command(commands)
     from agora.node.plan import add_plan_command
 
-    add_plan_command(commands, add_run_arguments=add_run_arguments)
-    add_client_commands(commands, add_run_arguments=add_run_arguments, run_config=run_config)
+    add_plan_command(commands)
+    add_client_commands(commands)
     return parser
 
 

@@ -120,9 +120,10 @@ def _write(config: RunConfig, options: ExportOptions, states: list[StageState], 
     return 0
 
 
-def add_export_command(commands, *, add_run_arguments, run_config) -> None:
-    """Mount `agora-node export` (the run flags and config chooser are the CLI's, passed in)."""
+def add_export_command(commands) -> None:
+    """Mount `agora-node export`."""
     from agora.node.admission import add_admission_arguments
+    from agora.node.run_flags import add_run_arguments
 
     export = commands.add_parser(
         "export", help="the whole model from the swarm, as a checkpoint and a transformers export (operator)",
@@ -137,11 +138,12 @@ def add_export_command(commands, *, add_run_arguments, run_config) -> None:
     export.add_argument("--timeout", type=float, default=480.0, metavar="S",
                         help="each stage's download, over every donor tried (default 480)")
     add_admission_arguments(export)
-    export.set_defaults(handler=lambda args: cmd_export(args, run_config))
+    export.set_defaults(handler=cmd_export)
 
 
-def cmd_export(args, run_config) -> int:
+def cmd_export(args) -> int:
     from agora.node.admission import AdmissionOptions, admit_node, config_chooser
+    from agora.node.run_flags import run_config
 
     if not args.timeout > 0:
         raise ConfigError(f"--timeout: must be positive, got {args.timeout}")

@@ -78,7 +78,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 1 if available is not None and any(plan.shortfall(available) for plan in plans) else 0
 
 
-def add_plan_command(commands, *, add_run_arguments) -> None:
+def add_plan_command(commands) -> None:
+    from agora.node.run_flags import add_run_arguments
+
     plan = commands.add_parser("plan", help="what one worker of each stage needs in memory, and whether it fits",
                                description="Per stage: parameters, gradients, optimizer state, pinned weight "
                                            "versions, fixed buffers (U, T), the stash of forward inputs, Abort "

@@ -18,7 +18,8 @@ import sys
 from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
 
 from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
-from agora.pipeline.config import ConfigError, RunConfig
+from agora.node.run_flags import add_run_arguments, run_config
+from agora.pipeline.config import ConfigError
 
 if TYPE_CHECKING:
     from agora.node.inference.service import InferenceOptions
@@ -72,7 +73,7 @@ def serve_only_config_flags(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------- clients
 
 
-def _add_client_arguments(parser: argparse.ArgumentParser, add_run_arguments: Callable[..., None]) -> None:
+def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
     # --seed is the sampling seed here (as in OpenAI's API); the run's seed is --run-seed.
     add_run_arguments(parser, steps_help="the run's --steps (part of its config, hence of its fingerprint)",
                       seed_flag="--run-seed")
@@ -85,13 +86,12 @@ def _add_client_arguments(parser: argparse.ArgumentParser, add_run_arguments: Ca
     add_admission_arguments(parser)
 
 
-def add_client_commands(commands, *, add_run_arguments: Callable[..., None],
-                        run_config: Callable[..., RunConfig]) -> None:
+def add_client_commands(commands) -> None:
     generate = commands.add_parser("generate", help="generate text through the swarm's serving workers",
                                    description="Route a generation through one worker per stage (prefill, then "
                                                "one decode per token); a failed worker's session moves to "
                                                "another replica and the output is unchanged.")
-    _add_client_arguments(generate, add_run_arguments)
+    _add_client_arguments(generate)
     generate.add_argument("--prompt", required=True, help="the text to continue")
     generate.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     generate.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)")
@@ -99,20 +99,20 @@ def add_client_commands(commands, *, add_run_arguments: Callable[..., None],
     generate.add_argument("--seed", dest="sampling_seed", type=int, default=0, metavar="S",
                           help="sampling seed (default 0; the run's seed is --run-seed)")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
-    generate.set_defaults(handler=lambda args: cmd_generate(args, run_config))
+    generate.set_defaults(handler=cmd_generate)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP API in front of the swarm",
                                 description="Serve /v1/completions, /v1/chat/completions (server-sent events "
                                             "with stream=true) and /v1/models over the swarm's serving workers.")
-    _add_client_arguments(serve, add_run_arguments)
+    _add_client_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port (0: pick a free one)")
     serve.add_argument("--model-name", default=None, help="the model id clients name (default: agora-<config name>)")
     serve.add_argument("--ready-file", default=None, help="write the API's base URL here once serving")
-    serve.set_defaults(handler=lambda args: cmd_serve(args, run_config))
+    serve.set_defaults(handler=cmd_serve)
 
 
-def _client_config(args: argparse.Namespace, run_config: Callable[..., RunConfig]):
+def _client_config(args: argparse.Namespace):
     if args.checkpoint is not None:
         if args.config is not None:
             raise ConfigError("--checkpoint and --config both name the run config: give one")
@@ -170,13 +170,13 @@ def run_client(admission, call_timeout_s: float, main: Callable[..., Awaitable[T
         swarm.shutdown()
 
 
-def cmd_generate(args: argparse.Namespace, run_config: Callable[..., RunConfig]) -> int:
+def cmd_generate(args: argparse.Namespace) -> int:
     from agora.node.inference.generator import Generation, GenerationFailed
     from agora.node.inference.text import TextStream
     from agora.pipeline.inference import Sampling
     from agora.pipeline.tokenizer import load_tokenizer
 
-    admission = _client_config(args, run_config)
+    admission = _client_config(args)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.sampling_seed).validate()
     tokenizer = load_tokenizer(admission.config.data.tokenizer)
     prompt = [int(t) for t in tokenizer.encode(args.prompt)]
@@ -206,11 +206,11 @@ def cmd_generate(args: argparse.Namespace, run_config: Callable[..., RunConfig])
     return run_client(admission, args.call_timeout, main)
 
 
-def cmd_serve(args: argparse.Namespace, run_config: Callable[..., RunConfig]) -> int:
+def cmd_serve(args: argparse.Namespace) -> int:
     from agora.dht.bootstrap import write_ready_file
     from agora.node.inference.openai_api import OpenAIServer
 
-    admission = _client_config(args, run_config)
+    admission = _client_config(args)
     from agora.pipeline.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(admission.config.data.tokenizer)
