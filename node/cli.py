@@ -56,6 +56,12 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
     from agora.pipeline.data import build_data
 
     config = run_config(args)
+    held = None
+    if args.checkpoint_dir:  # one writer per checkpoint folder, as for a worker's
+        try:
+            held = hold_folder(args.checkpoint_dir, "--checkpoint-dir")
+        except FolderInUse as error:
+            raise ConfigError(str(error)) from None
     data = build_data(config)
     log_json = open(args.log_json, "a" if args.resume else "w") if args.log_json else None
     bar = Progress(args.steps, "train-local")
@@ -79,6 +85,7 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
         bar.close()
         if log_json is not None:
             log_json.close()
+        del held
     last = records[-1].loss if records else float("nan")
     tokens_per_s = records[-1].tokens_per_s if records else 0.0
     print(f"train-local: {config.name} stages={len(config.layer_split)} steps={trainer.step} "

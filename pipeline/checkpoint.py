@@ -8,7 +8,10 @@ Design choices:
 - Durable before visible: every file is written and fsynced in a temporary sibling folder, the
   folder is fsynced, renamed into place, and its parent fsynced; only then is `latest` replaced
   (atomically, fsynced too). A crash or a kill -9 at any point leaves the previous checkpoint
-  complete and `latest` naming one that is complete.
+  complete and `latest` naming one that is complete; the one exception is a step written twice,
+  whose old folder is renamed aside just before the new one is renamed in (a kill between the
+  two renames: `latest` names a missing folder, and loading falls back to the previous one). What
+  a killed write left behind is removed by the next write.
 - Complete: parameters, optimizer state (moments and the step count that drives the schedule),
   the averaging loop's state, the RNG states (torch's CPU generator and, where there is one, every
   CUDA device's), and `extra` (a worker's phase, a trainer's position). `restore_rng` puts the RNG
@@ -82,6 +85,7 @@ def save_checkpoint(directory: str | Path, step: int, config: RunConfig, stages:
     """Write a complete checkpoint for `step` (see the module docstring); keeps the newest `keep`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(directory)
     final = directory / f"{_STEP_PREFIX}{step:08d}"
     staging = Path(tempfile.mkdtemp(dir=directory, prefix=f".{final.name}."))
     rng = rng_state()
@@ -95,17 +99,31 @@ def save_checkpoint(directory: str | Path, step: int, config: RunConfig, stages:
                         "rng": state.rng if state.rng is not None else rng}, buffer)
             _write_synced(staging / f"stage-{state.index}.pt", buffer.getbuffer())
         fsync_directory(staging)
-        if final.exists():
-            shutil.rmtree(final)
+        replaced = None
+        if final.exists():  # the same step again (a worker's last checkpoint as it leaves): moved
+            # aside, not deleted first, so that only two renames separate it from the new one
+            replaced = Path(tempfile.mkdtemp(dir=directory, prefix=f".{final.name}.replaced."))
+            os.replace(final, replaced / final.name)
         os.replace(staging, final)
         fsync_directory(directory)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
     atomic_write(directory / "latest", (final.name + "\n").encode())
     for old in _step_folders(directory)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Staging folders a killed writer left (a whole stage's weights and optimizer state each):
+    one writer holds a checkpoint folder at a time, so any found before a write are dead."""
+    for leftover in directory.glob(f".{_STEP_PREFIX}*"):
+        if leftover.is_dir():
+            logger.warning("removing %s, what a checkpoint write that did not finish left", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def checkpoint_steps(directory: str | Path) -> list[int]:

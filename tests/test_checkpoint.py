@@ -97,6 +97,23 @@ def test_a_write_that_dies_midway_leaves_the_previous_checkpoint_latest(tmp_path
     assert load_checkpoint(tmp_path)[0] == 5
 
 
+def test_a_step_written_again_replaces_the_old_one_and_a_killed_writes_leftovers_go(tmp_path, caplog):
+    save_checkpoint(tmp_path, 4, CONFIG, [trained_state(steps=1)])
+    # What a writer killed with -9 leaves: a staging folder (a whole stage's state, on a real model).
+    leftover = tmp_path / ".step-00000005.k1ll3d"
+    leftover.mkdir()
+    (leftover / "stage-1.pt").write_bytes(b"x" * 1000)
+    with caplog.at_level(logging.WARNING, logger="agora.pipeline.checkpoint"):
+        save_checkpoint(tmp_path, 5, CONFIG, [trained_state(steps=1)])
+    assert not leftover.exists() and any("k1ll3d" in r.getMessage() for r in caplog.records)
+    # The same step again (a worker's last checkpoint as it leaves): the new one replaces it whole.
+    save_checkpoint(tmp_path, 5, CONFIG, [trained_state(steps=2)], extra={"phase": "leaving"})
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".step-")]
+    assert checkpoint_steps(tmp_path) == [4, 5] and latest_checkpoint(tmp_path).name == "step-00000005"
+    step, _, states, extra = load_checkpoint(tmp_path)
+    assert step == 5 and extra == {"phase": "leaving"} and states[0].optimizer["steps"] == 2
+
+
 def test_rng_state_round_trips_and_a_legacy_bare_state_is_accepted():
     state = rng_state()
     first = torch.rand(3)
