@@ -66,3 +66,77 @@ def test_the_early_handler_knows_every_global_option_that_takes_a_value():
     taking = {option for action in parser._actions if action.option_strings and action.nargs != 0
               and action.dest not in ("help", "command") for option in action.option_strings}
     assert taking == set(GLOBAL_OPTIONS_WITH_VALUES)
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_second_sigterm_while_a_worker_leaves_stops_it_at_once_and_its_helpers_follow(tmp_path):
+    # The DHT peer the worker joined through is frozen (SIGSTOP) before the first SIGTERM, so the
+    # leave's withdrawal from the DHT waits for its timeout: the second SIGTERM lands inside it.
+    ready = tmp_path / "boot.ready"
+    boot = subprocess.Popen([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "bootstrap", "--insecure",
+                             "--host", "127.0.0.1", "--ready-file", str(ready)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = None
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert boot.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        log = tmp_path / "worker.log"
+        worker_ready = tmp_path / "worker.ready"
+        with open(log, "w") as out:
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "agora.node", "--log-level", "INFO", "--threads", "1", "join", "--insecure",
+                 "--stage", "0", "--stages", "2", "--host", "127.0.0.1", "--dht-host", "127.0.0.1",
+                 "--initial-peers", *ready.read_text().split(), "--ready-file", str(worker_ready)],
+                stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 90
+        while not worker_ready.exists():
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.05)
+        helpers = _descendants(worker.pid)
+        assert helpers, "the worker's DHT process"
+        boot.send_signal(signal.SIGSTOP)
+        worker.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while "leaving: withdrawing the record" not in log.read_text():
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.01)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=10) == 130, log.read_text()[-2000:]
+        assert "a second signal while leaving: stopping now" in log.read_text()
+        deadline = time.monotonic() + 15  # the helpers' owner watchdogs look every second
+        while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in helpers):
+            assert time.monotonic() < deadline, [pid for pid in helpers if Path(f"/proc/{pid}").exists()]
+            time.sleep(0.1)
+    finally:
+        boot.send_signal(signal.SIGCONT)
+        boot.terminate()
+        boot.wait(timeout=30)
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def _state(pid: int) -> str:
+    try:
+        return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return "zombie"

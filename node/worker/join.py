@@ -3,7 +3,9 @@
 Life: start a DHT peer (joining through `--initial-peers`), build the stage and serve it over
 gRPC, announce it in the DHT every few seconds (endpoint, stage, throughput, queue, step, phase),
 and on SIGTERM/SIGINT leave cleanly: mark itself leaving, withdraw the DHT record so trainers stop
-routing to it, finish in-flight calls, write an atomic checkpoint of its stage, exit 0.
+routing to it, finish in-flight calls, write an atomic checkpoint of its stage, exit 0. A second
+SIGTERM/SIGINT during that leave stops it at once (exit 130): the record expires as after a crash,
+the DHT and averager processes follow their owner, the newest complete checkpoint stays.
 With `serve_checkpoint` (join --serve-only) it serves inference only, on that checkpoint's
 weights (node/inference/serving.py): no training call, no averaging, nothing written when it leaves.
 A kill -9 needs nobody's cooperation: the record expires after ~3 missed heartbeats and trainers
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import signal
 from dataclasses import dataclass
@@ -61,10 +64,12 @@ from agora.pipeline.checkpoint import CheckpointError, checkpoint_steps, read_me
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import run_fingerprint
 
-__all__ = ["EXIT_REVOKED", "JoinOptions", "WorkerExit", "run_worker", "package_version"]
+__all__ = ["EXIT_REVOKED", "EXIT_STOPPED_NOW", "JoinOptions", "WorkerExit", "run_worker", "package_version"]
 
 # Exit status of a worker that left because its credential was revoked (banned) or ran out.
 EXIT_REVOKED = 3
+# Exit status of a worker stopped by a second signal before its leave finished.
+EXIT_STOPPED_NOW = 130
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,8 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
                                                          "endpoint": worker.address, "peer": swarm.peer_id,
                                                          "metrics": metrics_endpoint}})
     await stop.wait()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # pressed again: the user wants it gone now
+        loop.add_signal_handler(signum, _stop_now)
 
     if revoked:
         logger.error("leaving the run: the credential was revoked (%s)", revoked[0])
@@ -277,6 +284,15 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         if options.stats_file:
             write_ready_file(options.stats_file, [json.dumps(stats)])  # atomic: never half a file
     return WorkerExit(EXIT_REVOKED if revoked else 0, moves[0].target if moves and not revoked else None)
+
+
+def _stop_now() -> None:
+    """A second signal while leaving: exit without the rest of the leave. The helper processes'
+    owner watchdogs (dht/swarm.py) take them down as after a kill -9; checkpoints are atomic, so
+    the newest complete one stays and the next write removes a half-written one."""
+    logger.warning("a second signal while leaving: stopping now, without the rest of the leave")
+    logging.shutdown()
+    os._exit(EXIT_STOPPED_NOW)
 
 
 def _checkpoints_of_this_stage(directory: str, stage: int) -> bool:
