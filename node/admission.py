@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from agora.pipeline.config import ConfigError, RunConfig
-from agora.pipeline.files import FolderInUse, hold_folder
+from agora.pipeline.files import hold_folder
 
 __all__ = ["AdmissionOptions", "Admission", "add_admission_arguments", "admit_node", "free_port"]
 
@@ -146,10 +146,7 @@ def admit_node(options: AdmissionOptions, *, role: str, run_id: str, stage: Opti
 
     state_dir = (Path(options.state_dir) if options.state_dir
                  else _default_state_dir(options.run_id or run_id, role, stage))
-    try:
-        held = hold_folder(state_dir, "--state-dir")  # one daemon per identity: held until this process ends
-    except FolderInUse as error:
-        raise ConfigError(str(error)) from None
+    held = hold_folder(state_dir, "--state-dir")  # one daemon per identity: held until this process ends
     node = NodeCredentials(state_dir, clock=time.time)
     if options.authorizer is None:
         if not node.has_credential():

@@ -18,7 +18,7 @@ from agora.node.logs import LOG_FORMATS, configure_logging
 from agora.node.observability import MetricsOptions, add_metrics_arguments
 from agora.node.run_flags import add_run_arguments, non_negative_int, run_config
 from agora.node.runtime_flags import add_runtime_arguments, check_runtime_flags
-from agora.pipeline.files import FolderInUse, hold_folder
+from agora.pipeline.files import hold_folder
 from agora.pipeline.config import ConfigError
 
 __all__ = ["main", "build_parser"]
@@ -58,10 +58,7 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
     config = run_config(args)
     held = None
     if args.checkpoint_dir:  # one writer per checkpoint folder, as for a worker's
-        try:
-            held = hold_folder(args.checkpoint_dir, "--checkpoint-dir")
-        except FolderInUse as error:
-            raise ConfigError(str(error)) from None
+        held = hold_folder(args.checkpoint_dir, "--checkpoint-dir")
     data = build_data(config)
     log_json = open(args.log_json, "a" if args.resume else "w") if args.log_json else None
     bar = Progress(args.steps, "train-local")
@@ -166,10 +163,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
     checkpoint_dir = args.checkpoint_dir
     held = None
     if checkpoint_dir is not None:  # (the default one lies in the --state-dir, held by the admission)
-        try:
-            held = hold_folder(checkpoint_dir, "--checkpoint-dir")
-        except FolderInUse as error:
-            raise ConfigError(str(error)) from None
+        held = hold_folder(checkpoint_dir, "--checkpoint-dir")
     elif admission.credentials is not None:  # on by default beside the credential
         checkpoint_dir = str(Path(admission.credentials.directory) / "checkpoints")
     every = admission.config.train.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every

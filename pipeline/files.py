@@ -17,6 +17,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from agora.pipeline.config import ConfigError
+
 __all__ = ["atomic_write", "fsync_directory", "FolderInUse", "hold_folder"]
 
 
@@ -45,8 +47,9 @@ def fsync_directory(path: str | Path) -> None:
         os.close(fd)
 
 
-class FolderInUse(RuntimeError):
-    """Another process holds the folder (its message names it and that process)."""
+class FolderInUse(ConfigError):
+    """Another process holds the folder (its message names it and that process): a user's setup
+    mistake like a bad flag, so every command reports it in one line and exits 2."""
 
 
 def hold_folder(path: str | Path, what: str) -> FileLock:

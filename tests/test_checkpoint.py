@@ -170,3 +170,28 @@ def test_a_worker_checkpoints_every_n_steps_off_its_compute_thread_and_resumes_e
             restore(step=3)
     finally:
         fresh._executor.shutdown()
+
+
+def test_a_folder_held_by_another_process_is_refused_in_one_line_naming_it(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from agora.node.cli import main
+    from agora.pipeline.files import FolderInUse, hold_folder
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from agora.pipeline.files import hold_folder; "
+                               "held = hold_folder(sys.argv[1], 'x'); print('held', flush=True); sys.stdin.read()",
+         str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # the holder's readiness
+        with pytest.raises(FolderInUse, match=f"in use by another agora-node process \\(pid {holder.pid}\\)"):
+            hold_folder(tmp_path, "--checkpoint-dir")
+        assert main(["train-local", "--steps", "1", "--checkpoint-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"agora-node train-local: error: --checkpoint-dir {tmp_path} is in use by another agora-node "
+                       f"process (pid {holder.pid}); stop it first, or give this one a folder of its own"], err
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    hold_folder(tmp_path, "--checkpoint-dir").release()  # free again once the holder is gone (raises if not)
