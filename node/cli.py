@@ -586,27 +586,31 @@ def main(argv: list[str] | None = None) -> int:
         _set_threads(max(1, args.threads))
     try:
         return int(args.handler(args) or 0)
-    except ConfigError as error:
-        print(f"agora-node {args.command}: error: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"agora-node {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:
-        # Only on this path: these modules import torch and hivemind, which a command that raised
-        # one of their errors has imported already.
-        from agora.pipeline.checkpoint import CheckpointError
-
-        if isinstance(error, CheckpointError):  # a user's file, like a config: exit 2
-            print(f"agora-node {args.command}: error: {error}", file=sys.stderr)
-            return 2
-        from agora.dht.swarm import DHTRequestError
-
-        if not isinstance(error, DHTRequestError):
+        code = _exit_code(error)
+        if code is None:
             raise
-        # Not the user's mistake (exit 2) but the swarm's: nobody answered, or the DHT process died.
         print(f"agora-node {args.command}: error: {error}", file=sys.stderr)
-        return 1
+        return code
+
+
+def _exit_code(error: Exception) -> int | None:
+    """2 for the user's mistake (a flag, a config, a checkpoint, a folder in use), 1 for the swarm's
+    (nobody answered, or the DHT process died), None for a bug (its traceback is shown)."""
+    if isinstance(error, ConfigError):
+        return 2
+    # Only on this path: these modules import torch and hivemind, which a command that raised
+    # one of their errors has imported already.
+    from agora.pipeline.checkpoint import CheckpointError
+
+    if isinstance(error, CheckpointError):
+        return 2
+    from agora.dht.swarm import DHTRequestError
+
+    return 1 if isinstance(error, DHTRequestError) else None
 
 
 def _set_threads(threads: int) -> None:
