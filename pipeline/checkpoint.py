@@ -101,9 +101,10 @@ def save_checkpoint(directory: str | Path, step: int, config: RunConfig, stages:
         fsync_directory(staging)
         replaced = None
         if final.exists():  # the same step again (a worker's last checkpoint as it leaves): moved
-            # aside, not deleted first, so that only two renames separate it from the new one
-            replaced = Path(tempfile.mkdtemp(dir=directory, prefix=f".{final.name}.replaced."))
-            os.replace(final, replaced / final.name)
+            # aside, not deleted first, so that only two renames separate it from the new one (the
+            # name is free: leftovers were removed above, and this process holds the folder)
+            replaced = directory / f".{final.name}.replaced"
+            os.replace(final, replaced)
         os.replace(staging, final)
         fsync_directory(directory)
     except BaseException:
