@@ -20,18 +20,7 @@ _HOMES = {"Heartbeat": "heartbeat", "PHASES": "records", "SCHEMA_VERSION": "reco
           "RecordError": "records", "WorkerRecord": "records", "worker_key": "records",
           "DHTRequestError": "swarm", "Stored": "swarm", "SwarmDHT": "swarm"}
 
-__all__ = [
-    "PHASES",
-    "SCHEMA_VERSION",
-    "DHTRequestError",
-    "Heartbeat",
-    "Record",
-    "RecordError",
-    "Stored",
-    "SwarmDHT",
-    "WorkerRecord",
-    "worker_key",
-]
+__all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str):
