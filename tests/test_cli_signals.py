@@ -3,9 +3,13 @@ supervisor that stops a newcomer mid-import must not read it as a crash)."""
 
 from __future__ import annotations
 
+import os
+import queue
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -85,47 +89,71 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_second_sigterm_while_a_worker_leaves_stops_it_at_once_and_its_helpers_follow(tmp_path):
+def _pidfds(pids: set[int]) -> dict[int, int]:
+    """A pidfd per process still running (a short-lived one may be gone already), and its pid."""
+    fds = {}
+    for pid in pids:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            pass
+    return fds
+
+
+class _Lines:
+    """A child's output, line by line, read as it comes (a thread blocks on the pipe)."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.seen: list[str] = []
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, args=(process.stdout,), daemon=True).start()
+
+    def _read(self, pipe) -> None:
+        for line in pipe:
+            self._lines.put(line)
+        self._lines.put(None)  # end of output: the child exited
+
+    def wait_for(self, text: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            assert line is not None, "".join(self.seen)[-2000:]
+            self.seen.append(line)
+            if text in line:
+                return line
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="waits on process exits with pidfds (Linux)")
+def test_a_second_sigterm_while_a_worker_leaves_stops_it_at_once_and_its_helpers_follow():
     # The DHT peer the worker joined through is frozen (SIGSTOP) before the first SIGTERM, so the
     # leave's withdrawal from the DHT waits for its timeout: the second SIGTERM lands inside it.
-    ready = tmp_path / "boot.ready"
     boot = subprocess.Popen([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "bootstrap", "--insecure",
-                             "--host", "127.0.0.1", "--ready-file", str(ready)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--host", "127.0.0.1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     worker = None
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert boot.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        log = tmp_path / "worker.log"
-        worker_ready = tmp_path / "worker.ready"
-        with open(log, "w") as out:
-            worker = subprocess.Popen(
-                [sys.executable, "-m", "agora.node", "--log-level", "INFO", "--threads", "1", "join", "--insecure",
-                 "--stage", "0", "--stages", "2", "--host", "127.0.0.1", "--dht-host", "127.0.0.1",
-                 "--initial-peers", *ready.read_text().split(), "--ready-file", str(worker_ready)],
-                stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 90
-        while not worker_ready.exists():
-            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.05)
-        helpers = _descendants(worker.pid)
+        maddr = _Lines(boot).wait_for("/p2p/", 60).strip()  # it prints its multiaddrs once it serves
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "agora.node", "--log-level", "INFO", "--threads", "1", "join", "--insecure",
+             "--stage", "0", "--stages", "2", "--host", "127.0.0.1", "--dht-host", "127.0.0.1",
+             "--initial-peers", maddr], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        log = _Lines(worker)
+        log.wait_for("joined run", 90)
+        helpers = _pidfds(_descendants(worker.pid))
         assert helpers, "the worker's DHT process"
         boot.send_signal(signal.SIGSTOP)
         worker.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while "leaving: withdrawing the record" not in log.read_text():
-            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.01)
+        log.wait_for("leaving: withdrawing the record", 30)
         worker.send_signal(signal.SIGTERM)
-        assert worker.wait(timeout=10) == 130, log.read_text()[-2000:]
-        assert "a second signal while leaving: stopping now" in log.read_text()
-        deadline = time.monotonic() + 15  # the helpers' owner watchdogs look every second
-        while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in helpers):
-            assert time.monotonic() < deadline, [pid for pid in helpers if Path(f"/proc/{pid}").exists()]
-            time.sleep(0.1)
+        log.wait_for("a second signal while leaving: stopping now", 10)
+        assert worker.wait(timeout=10) == 130, "".join(log.seen)[-2000:]
+        # Their owner watchdogs look every second: a pidfd turns readable when its process exits.
+        deadline = time.monotonic() + 15
+        while helpers and time.monotonic() < deadline:
+            exited, _, _ = select.select(list(helpers), [], [], max(0.0, deadline - time.monotonic()))
+            for fd in exited:
+                del helpers[fd]
+                os.close(fd)
+        assert not helpers, f"still running: {sorted(helpers.values())}"
     finally:
         boot.send_signal(signal.SIGCONT)
         boot.terminate()
@@ -133,10 +161,3 @@ def test_a_second_sigterm_while_a_worker_leaves_stops_it_at_once_and_its_helpers
         if worker is not None and worker.poll() is None:
             worker.kill()
             worker.wait()
-
-
-def _state(pid: int) -> str:
-    try:
-        return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
-    except (OSError, StopIteration):
-        return "zombie"
