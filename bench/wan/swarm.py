@@ -2,9 +2,10 @@
 
 The swarm is the demo's (node/demo/demo.py: the same commands, supervision, logs and summary);
 what changes is its `Placement`: each process (bootstrap, authorizer, every worker, every trainer)
-runs as `ip netns exec <its namespace> agora-node <role> --host <its address> ...`, so every byte
-between two of them, the authorizer's preflight and dial-back included, crosses two emulated
-access links and the relay. The offline `authorizer issue` (it only writes files) runs outside.
+runs in its own namespace (`agora-node <role> --host <its address> ...`, launched into it as `ip netns
+exec` would: node/demo/launcher.py), so every byte between two of them, the authorizer's preflight
+and dial-back included, crosses two emulated access links and the relay. The demo's operator
+credential (it only writes files) is issued outside.
 
 Before the swarm starts, the links are measured and a profile more than 10% off is refused
 (bench/wan/links.py). Namespaces left by an earlier run that crashed are removed first.
@@ -140,15 +141,15 @@ class WanSession:
         return nodes[self._spares.node_for(name)]
 
     def placement(self) -> Placement:
-        def prefix(name: str) -> list[str]:
+        def namespace(name: str) -> str | None:
             node = self._node(name)
-            return [] if node is None else node.prefix()
+            return None if node is None else node.namespace
 
         def host(name: str) -> str:
             node = self._node(name)
             return "127.0.0.1" if node is None else node.address
 
-        return Placement(prefix=prefix, host=host)
+        return Placement(namespace=namespace, host=host)
 
     def run(self, options: DemoOptions, workdir: Path, *, quiet: bool = True) -> WanRun:
         """`run_demo(options)` on this topology: every process the demo starts must have a node here.

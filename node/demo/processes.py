@@ -1,13 +1,17 @@
-"""Child processes of a local swarm: started as real `agora-node <role>` commands, always reaped.
+"""Child processes of a local swarm: real `agora-node <role>` processes, always reaped.
 
 Each child runs in its own session (so a terminal's Ctrl-C reaches only the parent, which then
 stops the children in order), writes its output to `<workdir>/<name>.log`, and signals readiness
 by atomically writing a ready file (never by a sleep). `shutdown` sends SIGTERM, waits, then
 SIGKILLs whatever is left, so no process outlives the group.
 
+A command that is `agora_node_command(...)` is not exec'd: it runs as a fork of a server that has
+imported agora-node once (node/demo/launcher.py), the same main with the same argv, environment,
+session and log, without the 3 s of imports per child. Any other command is exec'd.
+
 A `Placement` says where each child runs: on this machine's loopback by default; the WAN harness
-(bench/wan/) gives each its own network namespace, i.e. a command prefix (`ip netns exec NS`,
-which execs, so the child's pid is the command's) and the address it listens on and announces.
+(bench/wan/) gives each its own network namespace (entered by the launched child, or with `ip
+netns exec NS` for an exec'd command) and the address it listens on and announces.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from agora.node.demo.launcher import LaunchedProcess, launch
 
 __all__ = ["ChildProcess", "ProcessGroup", "ChildFailed", "Placement", "LOOPBACK", "agora_node_command"]
 
@@ -40,8 +46,18 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _no_prefix(name: str) -> list[str]:
-    return []
+def _kill_child(pid: int) -> None:
+    """SIGKILL the child and its group. The child itself too: a launched child that has not yet
+    made its own session (its first instructions) is in no group of its own."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    _kill_group(pid)
+
+
+def _no_namespace(name: str) -> str | None:
+    return None
 
 
 def _loopback(name: str) -> str:
@@ -50,10 +66,10 @@ def _loopback(name: str) -> str:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the child called `name` runs: `prefix(name)` goes before its command line, and
-    `host(name)` is the address it listens on and announces."""
+    """Where the child called `name` runs: in network namespace `namespace(name)` (None: this
+    machine's), listening on and announcing the address `host(name)`."""
 
-    prefix: Callable[[str], list[str]] = _no_prefix
+    namespace: Callable[[str], str | None] = _no_namespace
     host: Callable[[str], str] = _loopback
 
 
@@ -63,7 +79,7 @@ LOOPBACK = Placement()
 @dataclass
 class ChildProcess:
     name: str
-    process: subprocess.Popen
+    process: subprocess.Popen | LaunchedProcess
     log_path: Path
     ready_path: Path | None = None
 
@@ -98,10 +114,15 @@ class ProcessGroup:
         log_path = self.workdir / f"{name}.log"
         # The child dies with this process, even by kill -9 (node/cli.py's parent-death signal).
         env = {**os.environ, **self.env, "AGORA_NODE_PARENT_PID": str(os.getpid())}
-        command = [*self.placement.prefix(name), *command]
+        namespace = self.placement.namespace(name)
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=env, start_new_session=True, cwd=self.workdir)
+            if command[:3] == agora_node_command():
+                process = launch(command[3:], env=env, log_path=log_path, cwd=self.workdir, name=name,
+                                 namespace=namespace)
+            else:
+                inside = [] if namespace is None else ["ip", "netns", "exec", namespace]
+                process = subprocess.Popen([*inside, *command], stdout=log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, env=env, start_new_session=True, cwd=self.workdir)
         child = ChildProcess(name, process, log_path, ready_path)
         self.children.append(child)
         return child
@@ -133,7 +154,7 @@ class ProcessGroup:
 
     def kill(self, child: ChildProcess) -> None:
         """kill -9 the child and everything it started: a machine that vanished."""
-        _kill_group(child.pid)
+        _kill_child(child.pid)
         child.process.wait()
 
     def stop(self, children: list[ChildProcess], grace_s: float = 20.0) -> dict[str, int]:
@@ -155,7 +176,7 @@ class ProcessGroup:
             try:
                 codes[child.name] = child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _kill_group(child.pid)
+                _kill_child(child.pid)
                 codes[child.name] = child.process.wait()
             _kill_group(child.pid)
         return codes
