@@ -4,7 +4,7 @@ Exec'ing `python -m agora.node <role>` costs each child about 3 s of CPU for imp
 hivemind, grpc, and torch._dynamo, which torch.optim imports on first use). A 3-stage demo
 starts 6 to 10 children at once, so on a 2-core machine most of its start went to imports. Here
 the standard library's fork server (multiprocessing's "forkserver" start method) imports PRELOAD
-once, and each child is a fork of it that runs the same `main(argv)` the command line would.
+once, and each child is a fork of it that runs the console script's entry point on its argv.
 
 Why the fork server and not a plain fork of the supervisor: the supervisor (the demo, a test, the
 WAN bench) has threads and event loops of its own, and a fork of a threaded process can inherit
@@ -38,11 +38,12 @@ __all__ = ["launch", "LaunchedProcess", "PRELOAD"]
 
 # What every role imports (node/cli.py's handlers import their modules lazily); a module that
 # fails to import here is only imported later, in the child that needs it.
-PRELOAD = ["agora.node.cli", "agora.node.demo.launcher", "agora.node.worker.join", "agora.node.worker.worker",
-           "agora.node.worker.rebalance", "agora.node.trainer.command", "agora.node.trainer.trainer",
-           "agora.node.admission", "agora.node.plan", "agora.node.rpc.server", "agora.node.inference.commands",
-           "agora.node.authorizer", "agora.dht.bootstrap", "agora.dht.swarm", "agora.monitor.service",
-           "agora.auth.service", "agora.pipeline.runtime", "agora.pipeline.checkpoint", "torch._dynamo"]
+PRELOAD = ["agora.node.__main__", "agora.node.cli", "agora.node.demo.launcher", "agora.node.worker.join",
+           "agora.node.worker.worker", "agora.node.worker.rebalance", "agora.node.trainer.command",
+           "agora.node.trainer.trainer", "agora.node.admission", "agora.node.plan", "agora.node.rpc.server",
+           "agora.node.inference.commands", "agora.node.authorizer", "agora.dht.bootstrap", "agora.dht.swarm",
+           "agora.monitor.service", "agora.auth.service", "agora.pipeline.runtime", "agora.pipeline.checkpoint",
+           "torch._dynamo"]
 
 _CLONE_NEWNET = 0x40000000
 _PR_SET_NAME = 15
@@ -114,7 +115,8 @@ def _child(argv: list[str], env: dict[str, str], log_path: str, cwd: str, name: 
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    from agora.node.cli import PARENT_PID_ENV, main
+    from agora.node.__main__ import main
+    from agora.node.cli import PARENT_PID_ENV
 
     if PARENT_PID_ENV in env:
         os.environ[PARENT_PID_ENV] = str(os.getppid())
@@ -124,7 +126,7 @@ def _child(argv: list[str], env: dict[str, str], log_path: str, cwd: str, name: 
         sys.modules["torch"].set_num_threads(int(threads))
     sys.argv = ["agora-node", *argv]
     try:
-        code = main(argv)
+        code = main()  # the console script's entry point: SIGTERM while starting exits 0 there
     finally:
         # The fork server's children leave through os._exit: run what an interpreter runs at exit.
         atexit._run_exitfuncs()
