@@ -31,6 +31,7 @@ from datetime import datetime
 from pathlib import Path
 
 from agora.node.admission import free_port
+from agora.node.demo.launcher import warm_up
 from agora.node.demo.processes import ChildFailed, ChildProcess, Placement, ProcessGroup, agora_node_command
 from agora.node.demo.chaos import Chaos, ChaosEvent
 from agora.node.demo.summary import build_summary, churn_summary, format_summary, latest_per_trainer, merge_logs
@@ -194,6 +195,7 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
     workdir = (Path(options.workdir) if options.workdir else Path(tempfile.mkdtemp(prefix="agora-demo-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(workdir) if placement is None else ProcessGroup(workdir, placement=placement)
+    warm_up()  # the children's fork server imports while the operator's credential is minted
     started = time.monotonic()
     resume_step = _resume_step(workdir, options) if options.resume else None
     workers: list[tuple[int, ChildProcess]] = []

@@ -34,7 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["launch", "LaunchedProcess", "PRELOAD"]
+__all__ = ["launch", "warm_up", "LaunchedProcess", "PRELOAD"]
 
 # What every role imports (node/cli.py's handlers import their modules lazily); a module that
 # fails to import here is only imported later, in the child that needs it.
@@ -43,6 +43,7 @@ PRELOAD = ["agora.node.__main__", "agora.node.cli", "agora.node.demo.launcher", 
            "agora.node.trainer.trainer", "agora.node.admission", "agora.node.plan", "agora.node.rpc.server",
            "agora.node.inference.commands", "agora.node.authorizer", "agora.dht.bootstrap", "agora.dht.swarm",
            "agora.monitor.service", "agora.auth.service", "agora.pipeline.runtime", "agora.pipeline.checkpoint",
+           "agora.pipeline.data", "agora.pipeline.memory", "agora.node.trainer.announce", "agora.node.export",
            "torch._dynamo"]
 
 _CLONE_NEWNET = 0x40000000
@@ -75,14 +76,27 @@ class LaunchedProcess:
         return self._process.exitcode
 
 
+def _context() -> multiprocessing.context.BaseContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def warm_up() -> None:
+    """Start the fork server now, so that its imports overlap what the supervisor does before its
+    first child (the demo mints the operator's credential meanwhile). Idempotent."""
+    _context()
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
 def launch(argv: list[str], *, env: dict[str, str], log_path: Path, cwd: Path, name: str,
            namespace: str | None = None) -> LaunchedProcess:
     """Start `agora-node *argv` as a fork of the fork server; its output goes to `log_path`, which
     must exist (the supervisor creates it, so that a child that dies at once still has a log)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
     method = multiprocessing.get_start_method(allow_none=True)
-    process = context.Process(target=_child, name=name, daemon=False,
+    process = _context().Process(target=_child, name=name, daemon=False,
                               args=(list(argv), dict(env), str(log_path), str(cwd), name, namespace, method))
     process.start()
     # Reaped by its supervisor (ProcessGroup), never by multiprocessing's exit hook, which would
