@@ -34,7 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["launch", "warm_up", "LaunchedProcess", "PRELOAD"]
+__all__ = ["launch", "can_launch", "warm_up", "LaunchedProcess", "PRELOAD"]
 
 # What every role imports (node/cli.py's handlers import their modules lazily); a module that
 # fails to import here is only imported later, in the child that needs it.
@@ -82,9 +82,27 @@ def _context() -> multiprocessing.context.BaseContext:
     return context
 
 
+def can_launch() -> bool:
+    """Whether this process can fork its children from the fork server. multiprocessing runs the
+    supervisor's main module again in each child (as `__mp_main__`), which needs it to be a module or
+    a file that still exists, and it passes the working folder, which must exist too. A supervisor
+    read from stdin (`python -`) or started from a deleted folder execs its children instead."""
+    try:
+        os.getcwd()
+    except OSError:
+        return False
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return True
+    path = getattr(main, "__file__", None)
+    return path is None or os.path.isfile(path)
+
+
 def warm_up() -> None:
     """Start the fork server now, so that its imports overlap what the supervisor does before its
     first child (the demo mints the operator's credential meanwhile). Idempotent."""
+    if not can_launch():
+        return
     _context()
     from multiprocessing import forkserver
 
