@@ -121,7 +121,7 @@ def test_a_launched_role_and_its_helpers_die_with_a_supervisor_killed_with_sigki
 STDIN_SUPERVISOR = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from agora.node.demo.launcher import LaunchedProcess, can_launch
+    from agora.node.demo.launcher import LaunchedProcess
     from agora.node.demo.processes import ProcessGroup, agora_node_command
     work = Path(sys.argv[1])
     group = ProcessGroup(work)
@@ -130,15 +130,16 @@ STDIN_SUPERVISOR = textwrap.dedent("""
                                                        "127.0.0.1", "--ready-file", str(ready)), ready)
     try:
         group.wait_ready([boot], 120)
-        print(can_launch(), isinstance(boot.process, LaunchedProcess), group.stop([boot]), flush=True)
+        print(isinstance(boot.process, LaunchedProcess), group.stop([boot]), flush=True)
     finally:
         group.shutdown()
 """)
 
 
-def test_a_supervisor_read_from_stdin_execs_its_children_instead(tmp_path):
-    # multiprocessing would run its main module again in each launched child: `python -` has none to run.
+def test_a_supervisor_script_without_a_main_guard_read_from_stdin_launches_its_children(tmp_path):
+    # multiprocessing's fork server would run this script again in each child (no guard: a second
+    # group, a second bootstrap), and read from stdin it has no file to run.
     supervisor = subprocess.run([sys.executable, "-", str(tmp_path)], input=STDIN_SUPERVISOR, capture_output=True,
                                 text=True, timeout=150)
     assert supervisor.returncode == 0, supervisor.stderr
-    assert supervisor.stdout.split() == ["False", "False", "{'bootstrap':", "0}"]
+    assert supervisor.stdout.split() == ["True", "{'bootstrap':", "0}"]

@@ -7,8 +7,7 @@ SIGKILLs whatever is left, so no process outlives the group.
 
 A command that is `agora_node_command(...)` is not exec'd: it runs as a fork of a server that has
 imported agora-node once (node/demo/launcher.py), the same main with the same argv, environment,
-session and log, without the 3 s of imports per child. Any other command is exec'd, and so is
-every command of a supervisor that cannot fork from the server (`launcher.can_launch`).
+session and log, without the 3 s of imports per child. Any other command is exec'd.
 
 A `Placement` says where each child runs: on this machine's loopback by default; the WAN harness
 (bench/wan/) gives each its own network namespace (entered by the launched child, or with `ip
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from agora.node.demo.launcher import LaunchedProcess, can_launch, launch
+from agora.node.demo.launcher import LaunchedProcess, LauncherError, launch
 
 __all__ = ["ChildProcess", "ProcessGroup", "ChildFailed", "Placement", "LOOPBACK", "agora_node_command"]
 
@@ -117,9 +116,12 @@ class ProcessGroup:
         env = {**os.environ, **self.env, "AGORA_NODE_PARENT_PID": str(os.getpid())}
         namespace = self.placement.namespace(name)
         with open(log_path, "wb") as log:
-            if command[:3] == agora_node_command() and can_launch():
-                process = launch(command[3:], env=env, log_path=log_path, cwd=self.workdir, name=name,
-                                 namespace=namespace)
+            if command[:3] == agora_node_command():
+                try:
+                    process = launch(command[3:], env=env, log_path=log_path, cwd=self.workdir, name=name,
+                                     namespace=namespace)
+                except LauncherError as error:
+                    raise ChildFailed(f"{name} could not be started: {error}") from None
             else:
                 inside = [] if namespace is None else ["ip", "netns", "exec", namespace]
                 process = subprocess.Popen([*inside, *command], stdout=log, stderr=subprocess.STDOUT,
