@@ -64,18 +64,26 @@ def test_a_launched_role_reports_a_user_error_in_its_log_with_exit_2_and_a_kill_
         group.shutdown()
 
 
+# A supervisor without a main guard: `hold` prints the launched bootstrap's pid and waits to be
+# killed; `stop` prints whether it was launched and its exit code.
 SUPERVISOR = textwrap.dedent("""
     import sys
     from pathlib import Path
+    from agora.node.demo.launcher import LaunchedProcess
     from agora.node.demo.processes import ProcessGroup, agora_node_command
     work = Path(sys.argv[1])
     group = ProcessGroup(work)
     ready = work / "boot.ready"
     boot = group.spawn("bootstrap", agora_node_command("--threads", "1", "bootstrap", "--insecure", "--host",
                                                        "127.0.0.1", "--ready-file", str(ready)), ready)
-    group.wait_ready([boot], 120)
-    print(boot.pid, flush=True)
-    sys.stdin.read()  # until the test kills this process
+    try:
+        group.wait_ready([boot], 120)
+        if sys.argv[2] == "hold":
+            print(boot.pid, flush=True)
+            sys.stdin.read()  # until the test kills this process
+        print(isinstance(boot.process, LaunchedProcess), group.stop([boot]), flush=True)
+    finally:
+        group.shutdown()
 """)
 
 
@@ -91,7 +99,7 @@ def _in_folder(folder: Path) -> list[int]:
 
 
 def test_a_launched_role_and_its_helpers_die_with_a_supervisor_killed_with_sigkill(tmp_path):
-    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path)], stdin=subprocess.PIPE,
+    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path), "hold"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watched: list[int] = []
     try:
@@ -118,28 +126,10 @@ def test_a_launched_role_and_its_helpers_die_with_a_supervisor_killed_with_sigki
             os.kill(pid, signal.SIGKILL)
 
 
-STDIN_SUPERVISOR = textwrap.dedent("""
-    import sys
-    from pathlib import Path
-    from agora.node.demo.launcher import LaunchedProcess
-    from agora.node.demo.processes import ProcessGroup, agora_node_command
-    work = Path(sys.argv[1])
-    group = ProcessGroup(work)
-    ready = work / "boot.ready"
-    boot = group.spawn("bootstrap", agora_node_command("--threads", "1", "bootstrap", "--insecure", "--host",
-                                                       "127.0.0.1", "--ready-file", str(ready)), ready)
-    try:
-        group.wait_ready([boot], 120)
-        print(isinstance(boot.process, LaunchedProcess), group.stop([boot]), flush=True)
-    finally:
-        group.shutdown()
-""")
-
-
 def test_a_supervisor_script_without_a_main_guard_read_from_stdin_launches_its_children(tmp_path):
     # multiprocessing's fork server would run this script again in each child (no guard: a second
     # group, a second bootstrap), and read from stdin it has no file to run.
-    supervisor = subprocess.run([sys.executable, "-", str(tmp_path)], input=STDIN_SUPERVISOR, capture_output=True,
+    supervisor = subprocess.run([sys.executable, "-", str(tmp_path), "stop"], input=SUPERVISOR, capture_output=True,
                                 text=True, timeout=150)
     assert supervisor.returncode == 0, supervisor.stderr
     assert supervisor.stdout.split() == ["True", "{'bootstrap':", "0}"]
