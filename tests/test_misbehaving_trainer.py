@@ -114,6 +114,7 @@ class Hostile:
         self.refusals: dict[str, list[str]] = {}
         self.served: dict[str, int] = {}  # a call the race let through (the honest id had moved on)
         self.own = 0
+        self.training: asyncio.Future | None = None  # the honest run: once it is over, nothing more comes
 
     async def expect(self, case: str, call, code: grpc.StatusCode, needle: str, *also: tuple) -> None:
         """`also`: other (code, needle) answers the race with the honest trainer may give instead."""
@@ -139,9 +140,11 @@ class Hostile:
         if not ids:
             served = self.forwards[stage].served
             served.clear()
-            try:
-                await asyncio.wait_for(served.wait(), 5)
-            except asyncio.TimeoutError:
+            waiting = asyncio.ensure_future(served.wait())
+            await asyncio.wait([waiting, *([self.training] if self.training else [])], timeout=5,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not waiting.done():
+                waiting.cancel()
                 return []  # the honest run is over
             ids = await self.workers[stage].on_compute(read)
         return ids[:1]
@@ -233,6 +236,7 @@ async def _train(pki, data, *, hostile: bool, synchronous: bool):
                                honest_credentials.peer_id, synchronous)
             joined = await _epochs_joined(workers) if not synchronous else None
             training = asyncio.ensure_future(trainer.run(STEPS))
+            attacker.training = training
             if joined is not None:
                 # Asynchronous: the first report a replica counts sets its epoch (whoever sends it: see
                 # node/worker/epoch.py), so the hostile trainer starts once the honest one has sent them.
