@@ -155,6 +155,7 @@ class _Server:
             self._pending.clear()
             self._running.clear()
         os.close(self._replies)
+        self.process.wait()  # reaped here, not left a zombie for the rest of the supervisor's life
 
 
 _server: _Server | None = None
