@@ -44,10 +44,10 @@ def _add_in_flight_arguments(parser: argparse.ArgumentParser) -> None:
                              "more in flight is faster over long round trips and converges worse)")
 
 
-def _add_time_budget_argument(parser: argparse.ArgumentParser) -> None:
+def _add_time_budget_argument(parser: argparse.ArgumentParser, more: str = "") -> None:
     parser.add_argument("--time-budget", type=float, default=None, metavar="S",
                         help="trainers start no global batch after S seconds of training (those in flight "
-                             "finish, then the held-out evaluation); --steps still sets the schedule")
+                             "finish, then the held-out evaluation); --steps still sets the schedule" + more)
 
 
 def _cmd_train_local(args: argparse.Namespace) -> int:
@@ -477,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="synchronous mode (needs --replicas 1 --trainers 1): must equal train-local")
     _add_in_flight_arguments(demo)
     _add_pinned_weights_argument(demo)
-    _add_time_budget_argument(demo)
+    _add_time_budget_argument(demo, "; a trainer --chaos starts in a killed one's place trains for what is left "
+                                    "of S")
     add_runtime_arguments(demo)
     demo.add_argument("--log-json", default=None, help="one JSON line per global batch, run-wide step")
     demo.add_argument("--summary-json", default=None,

@@ -41,6 +41,22 @@ def test_a_chaos_run_finishes_with_every_unit_committed_and_the_loss_of_a_quiet_
     assert chaos["heldout_loss"] < quiet["heldout_loss"] * 1.03, (chaos["heldout_loss"], quiet["heldout_loss"])
 
 
+@pytest.mark.timeout(240)
+def test_a_newcomer_trainer_trains_for_what_is_left_of_the_runs_time_budget(tmp_path):
+    # One replica per stage: chaos may kill only the trainer, so every kill is one. Had each
+    # newcomer a whole budget of its own, a trainer killed every 3 s would never reach its end.
+    summary = tmp_path / "summary.json"
+    code = main(["demo", "--insecure", "--stages", "2", "--steps", "4000", "--time-budget", "8", "--chaos", "3",
+                 "--seed", "1", "--no-monitor", "--workdir", str(tmp_path / "run"), "--summary-json", str(summary)])
+    result = json.loads(summary.read_text())
+    assert code == 0 and result["outcome"] == "completed", result
+    events = result["churn"]["events"]
+    assert events and {event["role"] for event in events} == {"trainer"}, events
+    # The killed ones wrote nothing; the last newcomer ran to the end and says what it was given.
+    last = json.loads((tmp_path / "run" / f"{events[-1]['replacement']}.summary.json").read_text())
+    assert 0 < last["time_budget_s"] < 8.0, (last["time_budget_s"], events)
+
+
 def test_under_a_time_budget_the_units_end_at_the_last_committed(tmp_path):
     lines = [{"step": step} for step in (1, 2, 4, 4, 5)]
     budgeted = churn_summary(DemoOptions(steps=4000, time_budget_s=30.0), lines, [], [], tmp_path, None)

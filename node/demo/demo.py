@@ -262,8 +262,14 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
                                          *metrics_flags())
             return group.spawn(name, command, ready)
 
-        def start_trainer(index: int, name: str) -> ChildProcess:
+        def start_trainer(index: int, name: str, newcomer: bool = False) -> ChildProcess:
             log = workdir / f"{name}.jsonl"
+            # --time-budget is the run's training time: a newcomer trainer (chaos) gets what is left
+            # of it, not a budget of its own that each kill would restart (the run would end only
+            # once a trainer outlived a whole budget). Nothing left: a millisecond, one batch at most.
+            budget = options.time_budget_s
+            if budget is not None and newcomer:
+                budget = max(1e-3, budget - (time.monotonic() - trainers_started))
             trainer_logs.append(log)
             start = []
             if resume_step:
@@ -275,7 +281,7 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
                 "--trainer-index", str(index), "--trainers", str(options.trainers), *start,
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
                 *([] if options.max_staleness is None else ["--max-staleness", str(options.max_staleness)]),
-                *([] if options.time_budget_s is None else ["--time-budget", str(options.time_budget_s)]),
+                *([] if budget is None else ["--time-budget", f"{budget:.3f}"]),
                 *([] if options.lease_s is None else ["--lease", str(options.lease_s)]),
                 "--log-json", str(log), "--summary-json", str(workdir / f"{name}.summary.json"),
                 "--heartbeat", str(options.heartbeat_s), *metrics_flags(), *([] if index == 0 else ["--no-eval"]))
@@ -289,6 +295,7 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
             url = ready["monitor"][0]
             print(f"demo: status page {url} (Prometheus: service discovery {url}sd, swarm metrics {url}metrics)",
                   file=sys.stderr, flush=True)
+        trainers_started = time.monotonic()  # the run's --time-budget counts from here
         trainers += [start_trainer(index, f"trainer-{index}") for index in range(options.trainers)]
         joined: list[str] = []
         logger.info("swarm up in %.1f s: %d workers, %d trainers", time.monotonic() - started, len(workers),
@@ -377,7 +384,7 @@ def _chaos_kill(chaos: Chaos, group: ProcessGroup, workers: list[tuple[int, Chil
         group.kill(next(t for t in trainers if t.name == victim))
         index = int(victim.split(".")[0].rsplit("-", 1)[1])
         joins.append((replacement, datetime.now()))
-        trainers.append(start_trainer(index, replacement))
+        trainers.append(start_trainer(index, replacement, newcomer=True))
         chaos.events.append(ChaosEvent(round(elapsed_s, 2), victim, replacement, "trainer"))
     killed.append(victim)
     logger.warning("chaos: killed %s with SIGKILL; %s joins in its place", victim, replacement)

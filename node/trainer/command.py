@@ -121,6 +121,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 stats.heldout(held_out)
             return {
                 "trainer": options.trainer_index, "steps": len(records), "interrupted": interrupted,
+                "time_budget_s": options.time_budget_s,
                 "revoked": revoked[0] if revoked else None,
                 "credential_renewals": renewer.renewals if renewer is not None else 0,
                 "final_loss": records[-1].loss if records else None, "heldout_loss": held_out,
