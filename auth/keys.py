@@ -64,7 +64,11 @@ def load_or_create_key(directory: str | Path) -> rsa.RSAPrivateKey:
     with FileLock(str(directory / f".{KEY_FILE}.lock")):
         if not path.exists():
             write_private_file(path, private_key_pem(generate_key()))
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        # This node wrote the key itself (mode 0600, in its own state directory): OpenSSL's check
+        # of the RSA parameters would cost 40 to 100 ms per load, and a node loads it several
+        # times as it starts (admission, DHT security, TLS).
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None,
+                                                 unsafe_skip_rsa_key_validation=True)
     if not isinstance(key, rsa.RSAPrivateKey):
         raise ValueError(f"{path}: expected an RSA private key, found {type(key).__name__}")
     return key

@@ -66,13 +66,13 @@ def plan_for(quick: bool, profiles: list[str] | None = None, configs: list[str] 
     if quick:
         return SuitePlan(quick=True, configs=tuple(configs or ("tiny",)),
                          profiles=tuple(profiles or ("lan", "agora-floor")), stages={"tiny": 3, "small": 4},
-                         steps={"tiny": 6, "small": 3}, repeats=1, equal_time_s=8.0, crossover_mbit=(),
+                         steps={"tiny": 6, "small": 3}, repeats=1, equal_time_s=5.0, crossover_mbit=(),
                          local_steps={"tiny": 6, "small": 3}, equal_time_repeats=1,
                          convergence_steps=6, keep_graphs=8, local_variants=("async",),
                          depth_variants=("adaptive",), equal_time_variants=("sparta, the report's cadence",),
                          convergence_swarms=("demo --replicas 2 (sparta)",),
                          insecure=True, relay_geometries=("tiny",), relay_microbatches=20,
-                         join_profiles=("agora-floor",), join_budget_s=14.0, join_chaos_s=5.0, seed=seed,
+                         join_profiles=("agora-floor",), join_budget_s=10.0, join_chaos_s=4.0, seed=seed,
                          rate_seconds=1.5)
     return SuitePlan(quick=False, configs=tuple(configs or ("tiny", "small")), profiles=tuple(profiles or PROFILES),
                      stages={"tiny": 3, "small": 4}, steps={"tiny": 40, "small": 8}, repeats=2, equal_time_s=120.0,
