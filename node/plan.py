@@ -14,6 +14,9 @@ what would shrink it, before it starts a DHT peer or builds the stage.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import importlib
 import json
 import logging
 from typing import TYPE_CHECKING
@@ -24,7 +27,7 @@ if TYPE_CHECKING:  # torch: imported by the commands that plan, not by parsing t
     from agora.pipeline.memory import MemoryOptions, StagePlan
     from agora.pipeline.runtime import Runtime
 
-__all__ = ["add_plan_command", "check_stage_fits", "worker_memory_options"]
+__all__ = ["add_plan_command", "cached_plan_stage", "check_stage_fits", "worker_memory_options"]
 
 logger = logging.getLogger("agora.node.plan")
 
@@ -114,14 +117,59 @@ def _remedies(plan: StagePlan, runtime: Runtime, options: MemoryOptions) -> str:
     return ", ".join(ideas)
 
 
+# The modules a plan is computed from: any change to one of them is a new plan.
+_PLAN_SOURCES = ("agora.pipeline.memory", "agora.pipeline.model", "agora.pipeline.stages", "agora.pipeline.optim",
+                 "agora.pipeline.runtime", "agora.pipeline.config")
+
+
+def _plan_key(config: RunConfig, stage: int, runtime: Runtime, options: MemoryOptions) -> str:
+    """Everything a stage's plan depends on: the geometry (not the seeds: they fill tensors, not
+    size them), the optimizer, the worker's options, device type and dtypes, torch and our code."""
+    import torch
+
+    described = {"model": dataclasses.asdict(dataclasses.replace(config.model, basis_seed=0)),
+                 "optim": dataclasses.asdict(config.optim), "stage": stage, "options": dataclasses.asdict(options),
+                 "device": runtime.device.type, "dtype": runtime.dtype, "weights": runtime.weights,
+                 "torch": torch.__version__}
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode())
+    for name in _PLAN_SOURCES:
+        with open(importlib.import_module(name).__file__, "rb") as source:
+            digest.update(source.read())
+    return digest.hexdigest()[:32]
+
+
+def cached_plan_stage(config: RunConfig, stage: int, runtime: Runtime, options: MemoryOptions) -> StagePlan:
+    """`plan_stage`, kept in the cache folder (the token cache's: data.cache_dir, $AGORA_CACHE_DIR or
+    ~/.cache/agora-node) under a hash of everything it depends on. Planning runs the stage's jobs on
+    fake tensors: 0.3 to 0.7 CPU-s for `tiny`, each time a worker starts. An unreadable entry is
+    planned again and rewritten."""
+    from agora.pipeline.data import resolve_cache_dir
+    from agora.pipeline.files import atomic_write
+    from agora.pipeline.memory import StagePlan, plan_stage
+
+    path = resolve_cache_dir(config.data) / "plans" / f"{_plan_key(config, stage, runtime, options)}.json"
+    try:
+        return StagePlan(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    plan = plan_stage(config, stage, options, device_type=runtime.device.type, dtype=runtime.dtype,
+                      weights=runtime.weights)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fields = {field.name: getattr(plan, field.name) for field in dataclasses.fields(plan)}
+        atomic_write(path, json.dumps(fields).encode(), mode=0o644)
+    except OSError as error:  # a read-only cache only costs the next start the planning again
+        logger.debug("memory plan: not cached (%s)", error)
+    return plan
+
+
 def check_stage_fits(config: RunConfig, stage: int, runtime: Runtime, options: MemoryOptions) -> StagePlan:
     """Plan `stage` for this worker; ConfigError naming the shortfall when its peak exceeds what is
     free on the device (its RAM for the CPU): `join` calls this before loading anything."""
-    from agora.pipeline.memory import GiB, plan_stage
+    from agora.pipeline.memory import GiB
     from agora.pipeline.runtime import device_memory
 
-    plan = plan_stage(config, stage, options, device_type=runtime.device.type, dtype=runtime.dtype,
-                      weights=runtime.weights)
+    plan = cached_plan_stage(config, stage, runtime, options)
     memory = device_memory(runtime.device, free=True)
     short = plan.shortfall(memory.free_bytes)
     where = f"{runtime.device} ({memory.name})" if memory.accelerator else "this machine's RAM"

@@ -115,6 +115,42 @@ def test_join_refuses_a_stage_that_does_not_fit_before_starting_anything(capsys)
     assert "this machine's RAM" in err[-1] and "short by" in err[-1] and "--dtype bf16" in err[-1]
 
 
+def test_join_plans_a_geometry_once_per_cache_and_plans_again_what_differs(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    import agora.pipeline.memory as memory
+    from agora.node.plan import cached_plan_stage
+
+    monkeypatch.setenv("AGORA_CACHE_DIR", str(tmp_path))
+    config = PRESETS["tiny"].with_stages(3)  # stage 1: a body, which stashes
+    runtime, options = Runtime(), MemoryOptions(microbatch=2, seq_len=64, in_flight=3, pinned_versions=2, applied=4)
+    planned = []
+
+    def counting(*args, **kwargs):
+        planned.append(args[1])
+        return plan_stage(*args, **kwargs)
+
+    monkeypatch.setattr(memory, "plan_stage", counting)
+    first = cached_plan_stage(config, 1, runtime, options)
+    assert first == plan_stage(config, 1, options, device_type="cpu", dtype="fp32") and planned == [1]
+    # Another seed sizes nothing differently: the same entry.
+    reseeded = replace(config, seed=7, model=replace(config.model, basis_seed=7))
+    assert cached_plan_stage(reseeded, 1, runtime, options) == first and planned == [1]
+    # Another stage, other worker options or another geometry: planned anew.
+    cached_plan_stage(config, 0, runtime, options)
+    deeper = cached_plan_stage(config, 1, runtime, replace(options, in_flight=9))
+    assert deeper.stash > first.stash
+    cached_plan_stage(replace(config, model=replace(config.model, d_ff=config.model.d_ff * 2)), 1, runtime, options)
+    assert planned == [1, 0, 1, 1]
+    # An entry that no longer reads (a crash mid-write, an older layout) is planned and written again.
+    entries = sorted((tmp_path / "plans").iterdir())
+    assert len(entries) == 4
+    for entry in entries:
+        entry.write_text('{"index": 1')
+    assert cached_plan_stage(config, 1, runtime, options) == first and planned == [1, 0, 1, 1, 1]
+    assert cached_plan_stage(config, 1, runtime, options) == first and len(planned) == 5
+
+
 def test_the_hardware_report_names_the_memory_the_plan_checks_against():
     from agora.auth.admission import hardware_report
     from agora.pipeline.runtime import device_memory
