@@ -120,7 +120,13 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> M
 
 
 def sample_value(registry: CollectorRegistry, name: str, labels: Optional[dict[str, str]] = None) -> float:
-    """A sample's current value (0 when the series does not exist yet): how summaries read metrics."""
-    value = registry.get_sample_value(name, labels or {})
-    return 0.0 if value is None else value
+    """A sample's current value (0 when the series does not exist yet): how summaries read metrics.
+    Only the collector that owns `name` is collected (a worker's heartbeat reads several values each
+    beat; the whole registry, /proc reads of the process collector included, would be collected for each)."""
+    wanted = labels or {}
+    for family in registry.restricted_registry([name]).collect():
+        for sample in family.samples:
+            if sample.name == name and sample.labels == wanted:
+                return sample.value
+    return 0.0
 
