@@ -149,7 +149,9 @@ def cached_plan_stage(config: RunConfig, stage: int, runtime: Runtime, options: 
 
     path = resolve_cache_dir(config.data) / "plans" / f"{_plan_key(config, stage, runtime, options)}.json"
     try:
-        return StagePlan(**json.loads(path.read_text()))
+        cached = StagePlan(**json.loads(path.read_text()))
+        if all(type(getattr(cached, field.name)).__name__ == field.type for field in dataclasses.fields(cached)):
+            return cached
     except (OSError, ValueError, TypeError):
         pass
     plan = plan_stage(config, stage, options, device_type=runtime.device.type, dtype=runtime.dtype,

@@ -13,6 +13,8 @@ numpy are not ATen allocations and are not counted: a few KB here.)
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -119,7 +121,7 @@ def test_join_plans_a_geometry_once_per_cache_and_plans_again_what_differs(tmp_p
     from dataclasses import replace
 
     import agora.pipeline.memory as memory
-    from agora.node.plan import cached_plan_stage
+    from agora.node.plan import _plan_key, cached_plan_stage
 
     monkeypatch.setenv("AGORA_CACHE_DIR", str(tmp_path))
     config = PRESETS["tiny"].with_stages(3)  # stage 1: a body, which stashes
@@ -149,6 +151,10 @@ def test_join_plans_a_geometry_once_per_cache_and_plans_again_what_differs(tmp_p
         entry.write_text('{"index": 1')
     assert cached_plan_stage(config, 1, runtime, options) == first and planned == [1, 0, 1, 1, 1]
     assert cached_plan_stage(config, 1, runtime, options) == first and len(planned) == 5
+    # So is one whose fields have the wrong types.
+    entry = tmp_path / "plans" / f"{_plan_key(config, 1, runtime, options)}.json"
+    entry.write_text(json.dumps({**json.loads(entry.read_text()), "stash": str(first.stash)}))
+    assert cached_plan_stage(config, 1, runtime, options) == first and len(planned) == 6
 
 
 def test_the_hardware_report_names_the_memory_the_plan_checks_against():
