@@ -133,3 +133,42 @@ def test_a_supervisor_script_without_a_main_guard_read_from_stdin_launches_its_c
                                 text=True, timeout=150)
     assert supervisor.returncode == 0, supervisor.stderr
     assert supervisor.stdout.split() == ["True", "{'bootstrap':", "0}"]
+
+
+def test_a_launched_role_killed_holding_hiveminds_locks_blocks_no_sibling():
+    """hivemind's per-process multiprocessing locks are made when it is imported, i.e. in the
+    server, and a fork shares them: a role killed -9 inside one (a chaos kill while MPFuture made its
+    first shared byte) hung every role launched after it. Here a fork of this process takes the
+    role's side (`_own_process_locks`, as a launched child does), takes every one of those locks and
+    dies holding them; this process, a sibling's stand-in, must still get each at once."""
+    from hivemind.utils import asyncio as hivemind_asyncio
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    from agora.node.demo.launcher import _own_process_locks
+
+    def locks():
+        return [MPFuture._initialization_lock, MPFuture._update_lock, SharedBytes._lock,
+                hivemind_asyncio._AsyncContextWrapper.EXECUTOR_LOCK]
+
+    ours = locks()
+    taken_r, taken_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the launched role
+        try:
+            _own_process_locks()
+            mine = locks()
+            for lock in mine:
+                lock.acquire()
+            os.write(taken_w, b"1" if not any(a is b for a, b in zip(mine, ours)) else b"0")
+        finally:
+            os._exit(0)  # dies without releasing anything
+    os.close(taken_w)
+    try:
+        assert os.read(taken_r, 1) == b"1"
+    finally:
+        os.close(taken_r)
+        os.waitpid(pid, 0)
+    for lock in ours:
+        assert lock.acquire(timeout=5), lock
+        lock.release()
+

@@ -22,7 +22,9 @@ supervisor), stdin from /dev/null, stdout and stderr into its log, its working f
 environment it was given (replacing the server's whole), sys.argv, torch's intra-op threads from
 OMP_NUM_THREADS (libgomp read that variable when the server loaded torch), and optionally a
 network namespace (the WAN harness's, entered with setns(2) where `ip netns exec` would have done
-it). Its process name (`ps -o comm`) is its role's name. It leaves through the interpreter's normal
+it). It has its own copies of hivemind's per-process multiprocessing locks, which the server's
+import created and a fork would share with every sibling. Its process name (`ps -o comm`) is its
+role's name. It leaves through the interpreter's normal
 exit (atexit, thread joins). It dies with its supervisor: its parent-death signal (node/cli.py) is
 armed against the server, which exits when the supervisor does. A child that exec's itself (a
 worker moving stage) keeps all of it.
@@ -257,6 +259,7 @@ def _become(request: dict, own: tuple[int, ...]) -> None:
     if request["namespace"] is not None:
         _enter_network_namespace(libc, request["namespace"])
     os.chdir(request["cwd"])
+    _own_process_locks()
     env = request["env"]
     os.environ.clear()
     os.environ.update(env)
@@ -271,6 +274,27 @@ def _become(request: dict, own: tuple[int, ...]) -> None:
     from agora.node.__main__ import main
 
     sys.exit(main())  # the console script's entry point: SIGTERM while starting exits 0 there
+
+
+def _own_process_locks() -> None:
+    """Give this child its own copies of the multiprocessing locks hivemind keeps per process.
+
+    hivemind creates them as class attributes when it is imported, so here they were made by the
+    server. Each is a POSIX semaphore in memory that a fork shares, so every launched role would
+    share one lock with every sibling. Two things follow. Live roles contend with one another:
+    SharedBytes holds its lock while it starts torch's shared-memory manager, 0.1 to 0.4 s. And
+    a role killed -9 while holding a lock leaves it held, which blocked every role started after
+    it (a chaos newcomer hung in MPFuture's first shared byte). An exec'd role made its own, and
+    so does a launched one now. Its own DHT and averager processes then share its locks, as
+    hivemind intends."""
+    import multiprocessing
+
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()  # new _initialization_lock, _update_lock, SharedBytes._lock
+    wrapper = getattr(sys.modules.get("hivemind.utils.asyncio"), "_AsyncContextWrapper", None)
+    if wrapper is not None:
+        wrapper.EXECUTOR_LOCK = multiprocessing.Lock()
 
 
 def _enter_network_namespace(libc: ctypes.CDLL, namespace: str) -> None:
