@@ -158,8 +158,7 @@ def cached_plan_stage(config: RunConfig, stage: int, runtime: Runtime, options: 
                       weights=runtime.weights)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fields = {field.name: getattr(plan, field.name) for field in dataclasses.fields(plan)}
-        atomic_write(path, json.dumps(fields).encode(), mode=0o644)
+        atomic_write(path, json.dumps(dataclasses.asdict(plan)).encode(), mode=0o644)
     except OSError as error:  # a read-only cache only costs the next start the planning again
         logger.debug("memory plan: not cached (%s)", error)
     return plan

@@ -24,8 +24,7 @@ OMP_NUM_THREADS (libgomp read that variable when the server loaded torch), and o
 network namespace (the WAN harness's, entered with setns(2) where `ip netns exec` would have done
 it). It has its own copies of hivemind's per-process multiprocessing locks, which the server's
 import created and a fork would share with every sibling. Its process name (`ps -o comm`) is its
-role's name. It leaves through the interpreter's normal
-exit (atexit, thread joins). It dies with its supervisor: its parent-death signal (node/cli.py) is
+role's name. It leaves through the interpreter's normal exit (atexit, thread joins). It dies with its supervisor: its parent-death signal (node/cli.py) is
 armed against the server, which exits when the supervisor does. A child that exec's itself (a
 worker moving stage) keeps all of it.
 """
