@@ -3,6 +3,7 @@
     agora-node bench                                   # every row, every profile: about an hour+ here
     agora-node bench --quick --out /tmp/quick.md       # every row, a few steps each: minutes (CI runs it)
     agora-node bench --profile agora-floor --profile residential --json raw.json
+    agora-node bench --row 7 --update bench/results/suite.json   # one row again, the rest kept
 
 Rows (bench/suite_items.py): 1 wire bytes per token, dense vs SSN; 2 swarm tokens/s over
 train-local's on loopback (sync, async at the adaptive depth, with kept forward graphs, at half a
@@ -15,7 +16,10 @@ land. A row that fails is reported as failed with its error, and the others stil
 
 `--quick` keeps every row but runs few steps, one repeat, one swarm variant per row (the
 comparisons within a row need the full run) and without admission on loopback rows: it proves
-the suite still runs end to end, in CI; its figures are not results. A full run
+the suite still runs end to end, in CI; its figures are not results. `--row N` runs only those
+rows; with `--update F` (the raw figures of an earlier `--json F`) it measures them again with
+F's plan, keeps F's other rows, and writes F and the table back, each rerun row marked with its
+own commit and date: after a fix, one row, not another hour. A full run
 alternates variants (A, B, A, B) and records the load average around every run, because this
 machine is shared. Rows 3 and 4 need root (network namespaces); without it they are reported as
 not measured, naming why.
@@ -23,6 +27,8 @@ not measured, naming why.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -37,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from agora.bench import SUITE_ROWS
 from agora.bench.suite_items import (
     SuitePlan,
     convergence_row,
@@ -52,9 +59,10 @@ from agora.bench.wan.profiles import PROFILES, profile_named
 from agora.bench.wan.topology import harness_available
 from agora.pipeline.config import load_config
 
-__all__ = ["plan_for", "run_suite", "machine", "RESULTS_PATH"]
+__all__ = ["plan_for", "plan_from_record", "run_suite", "machine", "ROWS", "RESULTS_PATH"]
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
+ROWS = SUITE_ROWS
 
 
 def plan_for(quick: bool, profiles: list[str] | None = None, configs: list[str] | None = None,
@@ -79,6 +87,22 @@ def plan_for(quick: bool, profiles: list[str] | None = None, configs: list[str] 
                      crossover_mbit=(1000.0, 20.0), convergence_steps=200, keep_graphs=8,
                      tuned_profiles=("agora-floor",), relay_geometries=("tiny", "small", "pluralis-8b"), seed=seed,
                      local_steps={"tiny": 120, "small": 16}, equal_time_repeats=1)
+
+
+def plan_from_record(record: dict) -> SuitePlan:
+    """The plan an earlier run recorded (its raw figures' "plan"), so a row measured again is
+    measured the same way; ValueError, in one line, when the record does not hold one."""
+    fields = {f.name: f for f in dataclasses.fields(SuitePlan)}
+    recorded = record.get("plan") if isinstance(record, dict) else None
+    if not isinstance(recorded, dict) or "quick" not in recorded:
+        raise ValueError("holds no suite plan (expected the raw figures of `agora-node bench --json F`)")
+    # JSON has lists where the plan has tuples; fields added since the record take their defaults.
+    values = {name: tuple(value) if isinstance(value, list) else value
+              for name, value in recorded.items() if name in fields}
+    try:
+        return SuitePlan(**values)
+    except TypeError as error:
+        raise ValueError(f"its plan does not fit this version's: {error}") from None
 
 
 def machine(load_start) -> dict:
@@ -108,13 +132,19 @@ def _interrupt(signum, frame):
 
 
 def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, workdir: Path | None = None,
-              command: str = "agora-node bench", log=sys.stderr) -> dict:
-    """Run every row of `plan`, write the report to `out` (and the raw figures to `json_path`)."""
+              command: str = "agora-node bench", log=sys.stderr, only: tuple[str, ...] = (),
+              previous: dict | None = None) -> dict:
+    """Run every row of `plan` (or those in `only`), write the report to `out` (and the raw figures
+    to `json_path`). `previous`: an earlier run's raw figures; its rows not run now are kept, and
+    the header stays its own, while each row run now records its own commit, date and command."""
     work = Path(workdir or tempfile.mkdtemp(prefix="agora-bench-suite-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    results = {"command": command, "quick": plan.quick, "plan": asdict(plan), "commit": _commit(),
-               "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": machine(os.getloadavg()),
-               "items": {}}
+    now = {"command": command, "commit": _commit(), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+    if previous is not None:
+        results = copy.deepcopy(previous)
+    else:
+        results = {**now, "quick": plan.quick, "plan": asdict(plan), "machine": machine(os.getloadavg()),
+                   "items": {}}
     no_harness = harness_available()
     rows = [("1", "wire bytes", lambda: wire_row()),
             ("2", "swarm vs train-local", lambda: local_row(plan, work)),
@@ -123,23 +153,31 @@ def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, work
             ("5", "equal tokens", lambda: convergence_row(plan, work)),
             ("7", "join time", lambda: join_row(plan, work)),
             ("relay", "the trainer's relay, before and after", lambda: relay_row(plan))]
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    assert [number for number, _, _ in rows] == list(ROWS)
+    handler = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for number, name, row in rows:
+            if only and number not in only:
+                continue
+            # A row run again says when and where; one run with the suite shares the header's.
+            stamp = {"rerun": {**now, "load": [_load_now()]}} if previous is not None else {}
             if number in ("3", "4", "7") and no_harness:
-                results["items"][number] = {"error": f"not measured: {no_harness}"}
+                results["items"][number] = {"error": f"not measured: {no_harness}", **stamp}
                 continue
             print(f"bench: row {number} ({name}), load {os.getloadavg()[0]:.2f}", file=log, flush=True)
             try:
-                results["items"][number] = {"data": row()}
+                results["items"][number] = {"data": row(), **stamp}
             except KeyboardInterrupt:
                 raise
             except Exception as error:  # noqa: BLE001 - a failed row is reported, the others still run
                 traceback.print_exc(file=log)
-                results["items"][number] = {"error": f"{type(error).__name__}: {error}"[:400]}
+                results["items"][number] = {"error": f"{type(error).__name__}: {error}"[:400], **stamp}
+            if stamp:
+                stamp["rerun"]["load"].append(_load_now())
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    results["machine"]["load_end"] = list(os.getloadavg())
+        signal.signal(signal.SIGTERM, handler)
+    if previous is None:
+        results["machine"]["load_end"] = list(os.getloadavg())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(results))
     if json_path is not None:
@@ -148,15 +186,46 @@ def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, work
     return results
 
 
+def _load_now() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def _previous_run(path: str) -> tuple[dict, SuitePlan]:
+    """`--update F`: the earlier run's raw figures and its plan; ValueError names what is wrong."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise ValueError(f"--update {path}: cannot read it: {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--update {path}: not JSON ({error})") from None
+    try:
+        plan = plan_from_record(record)
+        if not isinstance(record.get("items"), dict) or not isinstance(record.get("machine"), dict):
+            raise ValueError("holds no rows (expected the raw figures of `agora-node bench --json F`)")
+    except ValueError as error:
+        raise ValueError(f"--update {path}: {error}") from None
+    return record, plan
+
+
 def main(args) -> int:
     """`agora-node bench` (node/cli.py parses the flags)."""
-    plan = plan_for(args.quick, args.profile, args.config, args.seed)
+    only = tuple(dict.fromkeys(args.row or ()))
+    previous = None
+    if args.update:
+        if not only:
+            raise ValueError("--update: name the rows to measure again with --row N")
+        if args.quick or args.profile or args.config or args.seed:
+            raise ValueError("--update: the rows are measured with the plan recorded in the file; "
+                             "--quick, --profile, --config and --seed do not apply")
+        previous, plan = _previous_run(args.update)
+    else:
+        plan = plan_for(args.quick, args.profile, args.config, args.seed)
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="agora-bench-")) / "RESULTS.md"
                                            if plan.quick else RESULTS_PATH)
-    results = run_suite(plan, out=out, json_path=Path(args.json) if args.json else None,
-                        workdir=Path(args.workdir) if args.workdir else None,
+    json_path = Path(args.json) if args.json else (Path(args.update) if args.update else None)
+    results = run_suite(plan, out=out, json_path=json_path, workdir=Path(args.workdir) if args.workdir else None,
                         command="agora-node bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"]
-                        else "agora-node bench")
-    failed = [number for number, item in results["items"].items()
-              if item.get("error") and not item["error"].startswith("not measured")]
+                        else "agora-node bench", only=only, previous=previous)
+    failed = [number for number, item in results["items"].items() if (not only or number in only)
+              and item.get("error") and not item["error"].startswith("not measured")]
     return 1 if failed else 0

@@ -283,6 +283,11 @@ def render(results: dict) -> str:
              f"{machine['torch']}; shared with other work: 1-minute load average {machine['load_start'][0]:.1f} at the "
              f"start and {machine['load_end'][0]:.1f} at the end (each run's load is in its row). Raw figures: "
              "`agora-node bench --json F`.", ""]
+    reruns = [f"row {number} on {item['rerun']['date']}, commit {item['rerun']['commit']} "
+              f"(`{item['rerun']['command']}`, load {_rerun_load(item['rerun'])})"
+              for number, item in results["items"].items() if item.get("rerun")]
+    if reruns:
+        lines += ["Measured again since, with the same plan and the other rows kept: " + "; ".join(reruns) + ".", ""]
     sections: list[str] = []
     summary = ["## Summary", "", "| # | what | measured | goal | met |", "|---|---|---|---|---|"]
     notes: list[str] = []
@@ -294,7 +299,7 @@ def render(results: dict) -> str:
             summary.append(f"| {number} | {what} | failed: {error} | | |")
         return bool(error)
 
-    if not failed(1, "wire bytes"):
+    if "1" in items and not failed(1, "wire bytes"):
         text, headline = _wire(items["1"]["data"])
         sections += text + [""]
         summary.append(f"| 1 | wire bytes per token per boundary, dense-bf16 / SSN-bf16 | {headline} | - | - |")
@@ -350,6 +355,10 @@ def render(results: dict) -> str:
     summary += fix_summary
     closing = ["## Closing note", ""] + (notes or ["Nothing to add beyond the table."])
     return "\n".join(lines + summary + [""] + sections + closing) + "\n"
+
+
+def _rerun_load(rerun: dict) -> str:
+    return "->".join(f"{load:.1f}" for load in rerun.get("load") or ()) or "-"
 
 
 def _floor_goal(row: dict) -> dict[str, tuple[float | None, str, str]]:

@@ -13,6 +13,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from agora.bench import SUITE_ROWS
 from agora.node.admission import add_admission_arguments
 from agora.node.logs import LOG_FORMATS, configure_logging
 from agora.node.observability import MetricsOptions, add_metrics_arguments
@@ -541,6 +542,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, help="the results file (default bench/RESULTS.md)")
     bench.add_argument("--json", default=None, metavar="F", help="also write every raw figure here")
     bench.add_argument("--workdir", default=None, help="keep every run's logs here (default: a temp folder)")
+    bench.add_argument("--row", action="append", default=None, choices=SUITE_ROWS, metavar="N",
+                       help=f"run only this row (repeatable; one of {', '.join(SUITE_ROWS)})")
+    bench.add_argument("--update", default=None, metavar="F",
+                       help="with --row: measure those rows again with the plan recorded in F (an earlier "
+                            "--json F), keep F's other rows, and write F and the table back")
     bench.set_defaults(handler=_cmd_bench)
 
     from agora.node.authorizer import add_authorizer_commands

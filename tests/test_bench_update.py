@@ -1,0 +1,80 @@
+"""`agora-node bench --row N --update F`: one row measured again, the others kept as they were.
+
+Run on the suite's committed raw figures (bench/results/suite.json) with row 1, the wire-bytes
+row, which measures in about a second: the rerun row carries its own commit and date, every
+other row and the header are byte for byte the recorded ones, and a file that is not a suite
+record is refused in one line.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from agora.bench.suite_report import render
+from agora.node.cli import main
+
+pytestmark = pytest.mark.timeout(300)
+
+RECORD = Path(__file__).resolve().parents[1] / "bench" / "results" / "suite.json"
+
+
+def test_a_row_measured_again_replaces_only_itself(tmp_path):
+    raw, out = tmp_path / "suite.json", tmp_path / "RESULTS.md"
+    shutil.copy(RECORD, raw)
+    before = json.loads(raw.read_text())
+    code = main(["--log-level", "WARNING", "bench", "--row", "1", "--update", str(raw), "--out", str(out),
+                 "--workdir", str(tmp_path / "work")])
+    assert code == 0
+    after = json.loads(raw.read_text())
+    rerun = after["items"]["1"].pop("rerun")
+    assert rerun["commit"] and rerun["date"] and rerun["command"].startswith("agora-node bench")
+    assert len(rerun["load"]) == 2
+    assert set(after["items"]["1"]["data"]) == set(before["items"]["1"]["data"])
+    for key in ("command", "commit", "date", "machine", "plan", "quick"):
+        assert after[key] == before[key]
+    assert {n: i for n, i in after["items"].items() if n != "1"} == {n: i for n, i in before["items"].items()
+                                                                       if n != "1"}
+    table = out.read_text()
+    assert f"Measured again since, with the same plan and the other rows kept: row 1 on {rerun['date']}, " \
+           f"commit {rerun['commit']}" in table
+    # Everything but the header's new sentence and row 1's own section is the recorded table.
+    old = render(before).split("\n## ")
+    new = table.split("\n## ")
+    assert [s for s in new if not s.startswith("1. ")][1:] == [s for s in old if not s.startswith("1. ")][1:]
+
+
+def test_only_the_named_rows_run_without_a_record(tmp_path):
+    raw, out = tmp_path / "raw.json", tmp_path / "RESULTS.md"
+    code = main(["--log-level", "WARNING", "bench", "--quick", "--row", "1", "--out", str(out), "--json", str(raw)])
+    assert code == 0
+    results = json.loads(raw.read_text())
+    assert list(results["items"]) == ["1"] and "rerun" not in results["items"]["1"]
+    table = out.read_text()
+    assert "| 1 | wire bytes" in table and "| 2 |" not in table and "Measured again" not in table
+
+
+@pytest.mark.parametrize("content, flags, message", [
+    (None, [], "name the rows to measure again with --row N"),
+    ("{not json", ["--row", "1"], "not JSON"),
+    ('{"items": {}}', ["--row", "1"], "holds no suite plan"),
+    ("copy", ["--row", "1", "--quick"], "--quick, --profile, --config and --seed do not apply"),
+])
+def test_a_bad_update_is_one_clear_line(tmp_path, capsys, content, flags, message):
+    raw = tmp_path / "suite.json"
+    if content == "copy" or content is None:
+        shutil.copy(RECORD, raw)
+    else:
+        raw.write_text(content)
+    before = raw.read_bytes()
+    code = main(["--log-level", "WARNING", "bench", *flags, "--update", str(raw), "--out", str(tmp_path / "R.md")])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert raw.read_bytes() == before and not (tmp_path / "R.md").exists()
+
+
+def test_a_missing_update_file_is_named(tmp_path, capsys):
+    missing = tmp_path / "nothing.json"
+    code = main(["bench", "--row", "7", "--update", str(missing)])
+    assert code == 2 and f"--update {missing}: cannot read it" in capsys.readouterr().err
