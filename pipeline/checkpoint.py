@@ -59,6 +59,7 @@ class StageState:
     optimizer: dict[str, Any] | None = None
     averaging: dict[str, Any] | None = None  # a worker's averaging loop (round, diloco anchor/momentum)
     rng: dict[str, Any] | None = None  # `rng_state()` when it was saved (filled in by save_checkpoint)
+    work: list[str] | None = None  # a worker's applied work keys whose gradient `model` holds (work_ledger.py)
 
 
 def rng_state() -> dict[str, Any]:
@@ -96,7 +97,7 @@ def save_checkpoint(directory: str | Path, step: int, config: RunConfig, stages:
         for state in stages:
             buffer = io.BytesIO()
             torch.save({"model": state.model, "optimizer": state.optimizer, "averaging": state.averaging,
-                        "rng": state.rng if state.rng is not None else rng}, buffer)
+                        "rng": state.rng if state.rng is not None else rng, "work": state.work}, buffer)
             _write_synced(staging / f"stage-{state.index}.pt", buffer.getbuffer())
         fsync_directory(staging)
         replaced = None
@@ -192,7 +193,7 @@ def _load_one(path: Path) -> tuple[int, RunConfig, list[StageState], dict[str, A
         for index in meta["stages"]:
             blob = torch.load(path / f"stage-{index}.pt", map_location="cpu", weights_only=True)
             stages.append(StageState(index=index, model=blob["model"], optimizer=blob["optimizer"],
-                                     averaging=blob.get("averaging"), rng=blob.get("rng")))
+                                     averaging=blob.get("averaging"), rng=blob.get("rng"), work=blob.get("work")))
     except Exception as error:  # noqa: BLE001 - torch.load of a torn or foreign file raises anything
         raise CheckpointError(f"{path}: unreadable checkpoint: {type(error).__name__}: {error}") from error
     return int(meta["step"]), config, stages, meta.get("extra", {})

@@ -446,3 +446,47 @@ def test_a_worker_applies_a_units_microbatch_once_whoever_runs_it_again():
 
     with pytest.raises(InvalidRequest, match="work_key"):
         tail_forward("long", key="k" * (MAX_WORK_KEY_CHARS + 1))
+
+
+def test_a_checkpoint_keeps_the_work_its_weights_hold_and_a_resumed_worker_does_not_add_it_twice(tmp_path):
+    """The ledger goes into the checkpoint with the weights: keys whose gradient was stepped in,
+    not those still accumulating, so after a restart a reclaimed unit that the saved weights hold is
+    a repeat and one whose gradient was lost with the process is applied again."""
+    from dataclasses import replace
+
+    from agora.node.worker.checkpoints import restore_stage
+    from agora.node.worker.state_transfer import snapshot_stage
+    from agora.pipeline.checkpoint import save_checkpoint
+    from agora.pipeline.config import ConfigError
+
+    tokens, targets = batch(1)
+    wire = torch.randn(2, 16, CONFIG.model.wire_dim, generator=torch.Generator().manual_seed(2)) * 0.1
+
+    def tail_forward(compute, microbatch_id, key):
+        return compute.forward(replace(forward_request(2, tokens, wire, targets, microbatch_id), work_key=key))
+
+    tail = make_compute(2)
+    tail_forward(tail, "u1m0.a0.x", "u1m0")
+    tail._step(1)
+    tail_forward(tail, "u2m0.a0.y", "u2m0")  # accumulating when the snapshot is taken
+    state = snapshot_stage(tail)
+    assert tail.work.keys() == ["u1m0", "u2m0"] and state.work == ["u1m0"]
+    save_checkpoint(tmp_path / "ok", tail.optimizer.steps, CONFIG, [state])
+
+    fresh = make_compute(2)
+    assert restore_stage(fresh, tmp_path / "ok", CONFIG)[0] == 1
+    assert fresh.work.keys() == ["u1m0"]
+    assert tail_forward(fresh, "u1m0.a1.z", "u1m0").repeat  # the saved weights hold it
+    assert not tail_forward(fresh, "u2m0.a1.w", "u2m0").repeat  # its gradient died with the process
+
+    save_checkpoint(tmp_path / "old", 1, CONFIG, [replace(state, work=None)])  # written before the ledger was saved
+    older = make_compute(2)
+    restore_stage(older, tmp_path / "old", CONFIG)
+    assert older.work.keys() == []
+    save_checkpoint(tmp_path / "bad", 1, CONFIG, [replace(state, work=["u1m0", 7])])
+    broken = make_compute(2)
+    before = [p.detach().clone() for p in broken.stage.parameters()]
+    with pytest.raises(ConfigError, match="work keys: expected a list of strings"):
+        restore_stage(broken, tmp_path / "bad", CONFIG)
+    assert broken.work.keys() == [] and broken.optimizer.steps == 0  # a refused checkpoint changes nothing
+    assert all(torch.equal(a, b) for a, b in zip(broken.stage.parameters(), before))

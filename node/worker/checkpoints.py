@@ -12,8 +12,10 @@ Design choices:
   is written.
 - The averaging loop's state and the worker's phase go with it (`extra`), read on the event loop
   when the snapshot is handed over.
-- Resume refuses a checkpoint of another model or stage, puts the RNG back, and returns what the
-  join daemon needs to go on: the step, the averaging state, and `extra`.
+- The work keys the saved weights hold go with them (node/worker/work_ledger.py), so a resumed
+  worker does not add a reclaimed unit's gradient a second time.
+- Resume refuses a checkpoint of another model or stage, puts the RNG and the work keys back,
+  and returns what the join daemon needs to go on: the step, the averaging state, and `extra`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from agora.node.averaging.loop import AveragingLoop
 from agora.node.worker.compute import StageCompute
 from agora.node.worker.state_transfer import snapshot_stage
+from agora.node.worker.work_ledger import WorkLedger
 from agora.node.worker.worker import StageWorker
 from agora.pipeline.checkpoint import CheckpointError, StageState, load_checkpoint, restore_rng, save_checkpoint
 from agora.pipeline.config import ConfigError, RunConfig
@@ -127,10 +130,16 @@ def restore_stage(compute: StageCompute, directory: str | Path, config: RunConfi
     if saved_config.model != config.model or [s.index for s in states] != [compute.index]:
         raise ConfigError(f"--checkpoint-dir: {directory} holds another model or stage than stage {compute.index}")
     state = states[0]
+    work = WorkLedger(compute.work.capacity)
+    try:
+        work.restore(state.work if state.work is not None else [])  # a checkpoint from before the ledger: none
+    except ValueError as error:
+        raise ConfigError(f"--checkpoint-dir: {directory}: {error}") from None
     compute.stage.load_state_dict(state.model)
     optimizer = dict(state.optimizer)
     samples = int(optimizer.pop("samples_total", 0))
     compute.optimizer.load_state_dict(optimizer)
     compute.samples_total = samples
+    compute.work = work
     restore_rng(state.rng)
     return saved_step, state.averaging, extra

@@ -483,6 +483,12 @@ class StageCompute:
         self.samples_total -= applied.tokens.shape[0]
         return AbortReply(reverted=True, outcome="reverted")
 
+    def work_in_weights(self) -> list[str]:
+        """The applied work keys whose gradient is in the parameters: the ledger's, less those of the
+        microbatches still accumulating (a checkpoint holds the weights, not the pending gradient)."""
+        pending = {applied.work_key for applied in self.applied.values() if applied.work_key}
+        return [key for key in self.work.keys() if key not in pending]
+
     def _step(self, microbatches: float) -> StepReply:
         """Step on the accumulated gradient sum divided by `microbatches`."""
         accumulated = self.accumulated_microbatches

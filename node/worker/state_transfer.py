@@ -85,11 +85,12 @@ def _host_copy(value: Any) -> Any:
 def snapshot_stage(compute: StageCompute) -> StageState:
     """(compute thread) A copy of the stage's state at this step boundary in host memory, so training goes
     on while it is written (a checkpoint) or sent (weight sync): parameters, optimizer state with the
-    sample count, and this process's RNG state."""
+    sample count, this process's RNG state, and the work keys the parameters hold (a checkpoint's;
+    a weight sync does not send them: node/worker/work_ledger.py)."""
     optimizer = _host_copy(compute.optimizer.state_dict())  # copies the moments
     optimizer["samples_total"] = compute.samples_total
     model = _host_copy(compute.stage.state_dict())
-    return StageState(compute.index, model, optimizer, rng=rng_state())
+    return StageState(compute.index, model, optimizer, rng=rng_state(), work=compute.work_in_weights())
 
 
 def state_tree(state: StageState, step: int) -> dict:

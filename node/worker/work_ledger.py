@@ -9,6 +9,11 @@ stages after it still need its output and gradient) without adding the gradient 
 What a key costs is its string: a replica remembers the last `capacity` keys it applied (65,536
 by default: hundreds of global batches of any preset), far more than a lease can lag. A key is
 forgotten when its gradient is taken back out (Abort), so a rerouted attempt applies it again.
+
+The keys go into the stage's checkpoint (`StageCompute.work_in_weights`: those whose gradient
+the saved weights hold, not those still accumulating), so a worker resumed from it still knows
+what it applied: a unit its dead trainer left uncommitted, reclaimed after the restart, is not
+added twice (node/worker/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -49,3 +54,15 @@ class WorkLedger:
     def forget(self, key: str) -> None:
         """Its gradient was taken back out: the next attempt applies it."""
         self._keys.pop(key, None)
+
+    def keys(self) -> list[str]:
+        """The keys it remembers, oldest first."""
+        return list(self._keys)
+
+    def restore(self, keys: object) -> None:
+        """Remember `keys` (a checkpoint's, oldest first) in place of what it had; ValueError names
+        what is wrong with them, and then nothing changes."""
+        if not isinstance(keys, (list, tuple)) or not all(
+                isinstance(key, str) and 0 < len(key) <= MAX_WORK_KEY_CHARS for key in keys):
+            raise ValueError(f"work keys: expected a list of strings of 1 to {MAX_WORK_KEY_CHARS} characters")
+        self._keys = OrderedDict.fromkeys(list(keys)[-self.capacity:])
