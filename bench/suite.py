@@ -135,8 +135,10 @@ def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, work
               command: str = "agora-node bench", log=sys.stderr, only: tuple[str, ...] = (),
               previous: dict | None = None) -> dict:
     """Run every row of `plan` (or those in `only`), write the report to `out` (and the raw figures
-    to `json_path`). `previous`: an earlier run's raw figures; its rows not run now are kept, and
-    the header stays its own, while each row run now records its own commit, date and command."""
+    to `json_path`); the results and the rows that failed (not those not measured for want of root).
+    `previous`: an earlier run's raw figures; its rows not run now are kept, and the header stays
+    its own, while each row run now records its own commit, date, command and load ("rerun"). A
+    row that fails to run again keeps its recorded figures, with the attempt ("rerun_failed")."""
     work = Path(workdir or tempfile.mkdtemp(prefix="agora-bench-suite-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     now = {"command": command, "commit": _commit(), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
@@ -154,26 +156,38 @@ def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, work
             ("7", "join time", lambda: join_row(plan, work)),
             ("relay", "the trainer's relay, before and after", lambda: relay_row(plan))]
     assert [number for number, _, _ in rows] == list(ROWS)
+    failed: list[str] = []
     handler = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for number, name, row in rows:
             if only and number not in only:
                 continue
             # A row run again says when and where; one run with the suite shares the header's.
-            stamp = {"rerun": {**now, "load": [_load_now()]}} if previous is not None else {}
+            stamp = {**now, "load": [_load_now()]}
             if number in ("3", "4", "7") and no_harness:
-                results["items"][number] = {"error": f"not measured: {no_harness}", **stamp}
-                continue
-            print(f"bench: row {number} ({name}), load {os.getloadavg()[0]:.2f}", file=log, flush=True)
-            try:
-                results["items"][number] = {"data": row(), **stamp}
-            except KeyboardInterrupt:
-                raise
-            except Exception as error:  # noqa: BLE001 - a failed row is reported, the others still run
-                traceback.print_exc(file=log)
-                results["items"][number] = {"error": f"{type(error).__name__}: {error}"[:400], **stamp}
-            if stamp:
-                stamp["rerun"]["load"].append(_load_now())
+                item = {"error": f"not measured: {no_harness}"}
+            else:
+                print(f"bench: row {number} ({name}), load {os.getloadavg()[0]:.2f}", file=log, flush=True)
+                try:
+                    item = {"data": row()}
+                except KeyboardInterrupt:
+                    raise
+                except Exception as error:  # noqa: BLE001 - a failed row is reported, the others still run
+                    traceback.print_exc(file=log)
+                    item = {"error": f"{type(error).__name__}: {error}"[:400]}
+            stamp["load"].append(_load_now())
+            if "error" in item and not item["error"].startswith("not measured"):
+                failed.append(number)
+            recorded = results["items"].get(number, {})
+            if previous is None:
+                results["items"][number] = item
+            elif "error" in item and "data" in recorded:
+                # A rerun that failed loses nothing: the recorded figures stay, marked with the attempt.
+                print(f"bench: row {number} not measured again ({item['error']}); its recorded figures are kept",
+                      file=log, flush=True)
+                recorded["rerun_failed"] = {**stamp, "error": item["error"]}
+            else:
+                results["items"][number] = {**item, "rerun": stamp}
     finally:
         signal.signal(signal.SIGTERM, handler)
     if previous is None:
@@ -183,7 +197,7 @@ def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, work
     if json_path is not None:
         json_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     print(f"bench: wrote {out}" + (f" and {json_path}" if json_path else ""), file=log, flush=True)
-    return results
+    return results, failed
 
 
 def _load_now() -> float:
@@ -223,9 +237,7 @@ def main(args) -> int:
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="agora-bench-")) / "RESULTS.md"
                                            if plan.quick else RESULTS_PATH)
     json_path = Path(args.json) if args.json else (Path(args.update) if args.update else None)
-    results = run_suite(plan, out=out, json_path=json_path, workdir=Path(args.workdir) if args.workdir else None,
+    _, failed = run_suite(plan, out=out, json_path=json_path, workdir=Path(args.workdir) if args.workdir else None,
                         command="agora-node bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"]
                         else "agora-node bench", only=only, previous=previous)
-    failed = [number for number, item in results["items"].items() if (not only or number in only)
-              and item.get("error") and not item["error"].startswith("not measured")]
     return 1 if failed else 0

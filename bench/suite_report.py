@@ -288,6 +288,12 @@ def render(results: dict) -> str:
               for number, item in results["items"].items() if item.get("rerun")]
     if reruns:
         lines += ["Measured again since, with the same plan and the other rows kept: " + "; ".join(reruns) + ".", ""]
+    attempts = [f"row {number} on {item['rerun_failed']['date']}, commit {item['rerun_failed']['commit']}: "
+                f"{item['rerun_failed']['error']}" for number, item in results["items"].items()
+                if item.get("rerun_failed")]
+    if attempts:
+        lines += ["Tried again and not measured, so the figures shown are the earlier ones: " + "; ".join(attempts)
+                  + ".", ""]
     sections: list[str] = []
     summary = ["## Summary", "", "| # | what | measured | goal | met |", "|---|---|---|---|---|"]
     notes: list[str] = []

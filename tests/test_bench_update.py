@@ -45,6 +45,26 @@ def test_a_row_measured_again_replaces_only_itself(tmp_path):
     assert [s for s in new if not s.startswith("1. ")][1:] == [s for s in old if not s.startswith("1. ")][1:]
 
 
+def test_a_row_that_fails_to_run_again_keeps_its_recorded_figures(tmp_path, monkeypatch):
+    import agora.bench.suite as suite
+
+    def broken():
+        raise RuntimeError("the wire-bytes probe broke")
+
+    monkeypatch.setattr(suite, "wire_row", broken)
+    raw, out = tmp_path / "suite.json", tmp_path / "RESULTS.md"
+    shutil.copy(RECORD, raw)
+    before = json.loads(raw.read_text())
+    code = main(["--log-level", "WARNING", "bench", "--row", "1", "--update", str(raw), "--out", str(out)])
+    assert code == 1
+    after = json.loads(raw.read_text())
+    attempt = after["items"]["1"].pop("rerun_failed")
+    assert attempt["error"] == "RuntimeError: the wire-bytes probe broke" and attempt["commit"]
+    assert after == before  # nothing recorded was lost
+    assert "Tried again and not measured, so the figures shown are the earlier ones: row 1 on " in out.read_text()
+    assert "| 1 | wire bytes per token per boundary" in out.read_text()
+
+
 def test_only_the_named_rows_run_without_a_record(tmp_path):
     raw, out = tmp_path / "raw.json", tmp_path / "RESULTS.md"
     code = main(["--log-level", "WARNING", "bench", "--quick", "--row", "1", "--out", str(out), "--json", str(raw)])
