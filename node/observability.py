@@ -3,6 +3,7 @@
     --metrics-port P     serve Prometheus metrics at http://HOST:P/metrics (0, the default: none;
                          auto: a port the system picks, announced in the node's DHT record)
     --metrics-host H     the address it listens on (default 127.0.0.1)
+    --metrics-file F     write the endpoint it serves at (host:port) here once serving
 
 Design choices:
 
@@ -16,9 +17,10 @@ Design choices:
 - `--metrics-port auto` binds a port the kernel picks, in the same call that serves it. A
   launcher (the demo) that picks a free port and hands it down races every other process on the
   machine for it: under load another one took it in between ("Address already in use") and the
-  node exited before it was ready. Nodes with a DHT record announce the port they got; a launcher
-  still hands fixed ports to the processes without one (bootstrap, authorizer), whose scrape
-  targets it must know in advance.
+  node exited before it was ready. Nodes with a DHT record announce the port they got; those
+  without one (bootstrap, authorizer) write it to `--metrics-file` once serving (one line,
+  host:port, written atomically, removed when the server closes), where the launcher reads its
+  scrape target.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import logging
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Optional
 
 from prometheus_client import CollectorRegistry
@@ -34,6 +37,7 @@ from prometheus_client import CollectorRegistry
 from agora.monitor.metrics import MetricsServer, new_registry, node_info, start_metrics_server
 from agora.node.rpc.server import announced_host, host_port, is_wildcard_host
 from agora.pipeline.config import ConfigError
+from agora.pipeline.files import atomic_write
 
 __all__ = ["MetricsOptions", "NodeMetrics", "add_metrics_arguments", "package_version", "AUTO_PORT"]
 
@@ -68,20 +72,27 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--metrics-host", default="127.0.0.1", metavar="H",
                        help="address the metrics server listens on (default 127.0.0.1; 0.0.0.0 for a remote "
                             "Prometheus)")
+    group.add_argument("--metrics-file", default=None, metavar="F",
+                       help="once serving, write the metrics endpoint (host:port, one line) to this file, for a "
+                            "launcher's scrape targets (with --metrics-port auto: the port the system picked)")
 
 
 @dataclass(frozen=True)
 class MetricsOptions:
     port: int = 0  # 0: no metrics server; AUTO_PORT: any free port
     host: str = "127.0.0.1"
+    file: Optional[str] = None  # where the endpoint is written once serving
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "MetricsOptions":
-        return cls(port=getattr(args, "metrics_port", 0), host=getattr(args, "metrics_host", "127.0.0.1")).validate()
+        return cls(port=getattr(args, "metrics_port", 0), host=getattr(args, "metrics_host", "127.0.0.1"),
+                   file=getattr(args, "metrics_file", None)).validate()
 
     def validate(self) -> "MetricsOptions":
         if self.port != AUTO_PORT and not 0 <= self.port < 65536:
             raise ConfigError(f"--metrics-port: must be in 0..65535 (0: no metrics) or 'auto', got {self.port}")
+        if self.file is not None and self.port == 0:
+            raise ConfigError("--metrics-file: needs a metrics server (--metrics-port P or auto)")
         return self
 
 
@@ -115,6 +126,13 @@ class NodeMetrics:
         host = self.options.host
         self.endpoint = host_port(announced_host(host, announce_host if is_wildcard_host(host) else None),
                                   self.server.port)
+        if self.options.file is not None:
+            try:
+                atomic_write(self.options.file, (self.endpoint + "\n").encode(), mode=0o644)
+            except OSError as error:
+                self.close()
+                raise ConfigError(f"--metrics-file {self.options.file}: cannot write it: "
+                                  f"{error.strerror or error}") from None
         logger.info("metrics at http://%s/metrics", self.endpoint)
         return self.endpoint
 
@@ -122,3 +140,5 @@ class NodeMetrics:
         if self.server is not None:
             self.server.close()
             self.server = None
+            if self.options.file is not None:
+                Path(self.options.file).unlink(missing_ok=True)

@@ -114,6 +114,38 @@ def test_metrics_port_auto_serves_on_a_port_the_system_picks_and_announces_it():
         parser.parse_args(["--metrics-port", "fast"])
 
 
+def test_metrics_file_names_the_endpoint_while_serving_for_a_launcher(tmp_path):
+    """A role without a DHT record (bootstrap, authorizer) tells its launcher where it serves: the
+    file holds the endpoint once serving and is gone once the server closes."""
+    import argparse
+
+    from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments
+    from agora.pipeline.config import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_metrics_arguments(parser)
+    path = tmp_path / "bootstrap.metrics"
+    options = MetricsOptions.from_args(parser.parse_args(["--metrics-port", "auto", "--metrics-file", str(path)]))
+    metrics = NodeMetrics.for_role(options, role="bootstrap", run_id=RUN, version="1.0")
+    assert not path.exists()
+    try:
+        endpoint = metrics.serve()
+        assert path.read_text() == endpoint + "\n" and endpoint.endswith(f":{metrics.server.port}")
+        page = urllib.request.urlopen(f"http://{path.read_text().strip()}/metrics", timeout=10).read().decode()
+        assert 'role="bootstrap"' in page
+    finally:
+        metrics.close()
+    assert not path.exists()
+    with pytest.raises(ConfigError, match="--metrics-file: needs a metrics server"):
+        MetricsOptions.from_args(parser.parse_args(["--metrics-file", str(path)]))
+    unwritable = MetricsOptions.from_args(parser.parse_args(
+        ["--metrics-port", "auto", "--metrics-file", str(tmp_path / "missing" / "x.metrics")]))
+    metrics = NodeMetrics.for_role(unwritable, role="bootstrap", run_id=RUN, version="1.0")
+    with pytest.raises(ConfigError, match="--metrics-file .*cannot write it"):
+        metrics.serve()
+    assert metrics.server is None  # the server it started is closed again
+
+
 def test_a_worker_counts_its_jobs_calls_bytes_and_steps():
     registry = new_registry()
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from agora.node.admission import free_port
 from agora.node.demo.launcher import warm_up
 from agora.node.demo.processes import ChildFailed, ChildProcess, Placement, ProcessGroup, agora_node_command
 from agora.node.demo.chaos import Chaos, ChaosEvent
@@ -214,18 +213,16 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
     try:
         threads = ["--threads", str(options.threads)]
         common = ["--log-level", "WARNING", *threads]
-        # Every process serves its metrics on a port of its own. Workers and trainers bind one the
-        # kernel picks and announce it in their DHT records (a port picked here could be taken by
-        # another process before the child binds it); those outside the DHT's records (the
-        # authorizer, the bootstrap) get a fixed one, handed to the monitor as a static target.
+        # Every process serves its metrics on a port the kernel picks (a port picked here could be
+        # taken by another process before the child binds it). Workers and trainers announce theirs
+        # in their DHT records; those outside the DHT's records (the bootstrap, the authorizer) write
+        # it to a file once serving, and the monitor gets it as a static target.
         static_targets: list[str] = []
 
         def metrics_flags(role: str | None = None) -> list[str]:
             if role is None:
                 return ["--metrics-port", "auto"]
-            port = free_port("127.0.0.1")
-            static_targets.append(f"{role}=127.0.0.1:{port}")
-            return ["--metrics-port", str(port)]
+            return ["--metrics-port", "auto", "--metrics-file", str(_metrics_file(workdir, role))]
 
         if options.insecure:
             print("demo: WARNING: --insecure: no authorizer, no TLS, no credential checks, no signed DHT records",
@@ -234,10 +231,12 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
             print(f"demo: resuming every role from its checkpoint of step {resume_step} in {workdir}",
                   file=sys.stderr, flush=True)
         maddrs = _start_bootstrap(group, options, workdir, common, metrics_flags("bootstrap"))
+        static_targets.append(_static_target(workdir, "bootstrap"))
         swarm = ["--run-id", options.run_id, "--initial-peers", *maddrs] + (["--sync"] if options.sync else [])
         admission = ["--insecure"]
         if not options.insecure:
             authorizer = _start_authorizer(group, options, workdir, maddrs, common, metrics_flags("authorizer"))
+            static_targets.append(_static_target(workdir, "authorizer"))
             print(f"demo: authorizer {authorizer} (run {options.run_id!r}); nodes join with "
                   f"--join-file {workdir / 'authorizer' / 'join.json'}", file=sys.stderr, flush=True)
             admission = ["--join-file", str(workdir / "authorizer" / "join.json")]
@@ -461,6 +460,16 @@ def _start_monitor(group: ProcessGroup, options: DemoOptions, workdir: Path, swa
                                  *_state_dir(options, workdir, "monitor"), "--port", str(options.monitor_port),
                                  "--poll", str(options.heartbeat_s), *targets, "--ready-file", str(ready))
     return group.spawn("monitor", command, ready)
+
+
+def _metrics_file(workdir: Path, role: str) -> Path:
+    return workdir / f"{role}.metrics"
+
+
+def _static_target(workdir: Path, role: str) -> str:
+    """The monitor's scrape target for a ready role outside the DHT's records: the endpoint it wrote
+    (`--metrics-file`) before its ready file."""
+    return f"{role}={_metrics_file(workdir, role).read_text().strip()}"
 
 
 def _state_dir(options: DemoOptions, workdir: Path, name: str) -> list[str]:
