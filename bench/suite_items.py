@@ -263,8 +263,9 @@ def join_row(plan: SuitePlan, work: Path) -> dict:
     """Seconds from a newcomer's start to member, per profile: `demo --chaos` (a worker or the trainer
     killed -9 every `join_chaos_s`, a newcomer with a new identity and empty state started in its
     place, on a spare node of the profile's link) on tiny, 3 stages x 2 replicas. Member: the first
-    line of the newcomer's log that says so (node/demo/chaos.py); a worker that never got there by
-    the end is kept as None, so the table can say so."""
+    line of the newcomer's log that says so; state: its download finished (node/demo/chaos.py); a
+    worker that never got there by the end (killed, or still syncing) is kept as None, so the table
+    can say so."""
     result: dict = {"chaos_s": plan.join_chaos_s, "time_budget_s": plan.join_budget_s, "profiles": {}}
     widest = DemoOptions(stages=3, replicas=2, trainers=1, insecure=plan.insecure)
     for name in plan.join_profiles:
@@ -278,9 +279,11 @@ def join_row(plan: SuitePlan, work: Path) -> dict:
                                   chaos_s=plan.join_chaos_s, chaos_seed=plan.seed, lease_s=5.0)
             run = session.run(options, folder / "chaos")
         churn = run.summary.get("churn") or {}
-        joins = [j.get("seconds_to_member") for j in churn.get("joins", []) if j.get("name", "").startswith("worker")]
+        workers = [j for j in churn.get("joins", []) if j.get("name", "").startswith("worker")]
         result["profiles"][name] = {"links": [m.as_dict() for m in session.links], "kills": churn.get("kills"),
-                                    "worker_joins_s": joins, "units": churn.get("units"),
+                                    "worker_joins_s": [j.get("seconds_to_member") for j in workers],
+                                    "worker_states_s": [j.get("seconds_to_state") for j in workers],
+                                    "units": churn.get("units"),
                                     "load": [list(run.load_before), _load()], "outcome": run.summary.get("outcome"),
                                     "code": run.code}
     return result

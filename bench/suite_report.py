@@ -186,22 +186,30 @@ def _joins(row: dict) -> tuple[list[str], str]:
              f"`demo --chaos {row['chaos_s']:g}` on each profile (tiny, 3 stages x 2 replicas, one trainer, "
              f"{row['time_budget_s']:g} s of training): a worker or the trainer is killed -9 and a newcomer with a "
              "new identity and empty state starts on a spare node of the profile's link. A worker newcomer counts "
-             "from its process's start to the first line of its log that says it is a member (node/demo/chaos.py); "
-             "what it does in between (admission, the DHT join, any state sync) crosses the emulated links. "
-             "Units: the run's global batches up to the last one committed.", "",
-             "| profile | kills | worker newcomers' s to member | mean | units committed / lost / twice | outcome | load |",
-             "|---|---:|---|---:|---|---|---|"]
+             "from its process's start to the line of its log that says its state download finished (state), and "
+             "to the one that makes it a member (node/demo/chaos.py); what it does in between (admission, the DHT "
+             "join, the download, the sync phases' averaging rounds) crosses the emulated links. \"never\": killed, "
+             "or still syncing, before it was a member. Units: the run's global batches up to the last one "
+             "committed.", "",
+             "| profile | kills | worker newcomers' s to state | mean | s to member | mean | "
+             "units committed / lost / twice | outcome | load |",
+             "|---|---:|---|---:|---|---:|---|---|---|"]
     shown = []
     for name, entry in row["profiles"].items():
         joins = entry.get("worker_joins_s") or []
+        states = entry.get("worker_states_s")  # None: recorded before states were
         units = entry.get("units") or {}
         listed = ", ".join("never" if j is None else f"{j:.1f}" for j in joins) or "-"
+        listed_states = "-" if states is None else (", ".join("-" if j is None else f"{j:.1f}" for j in states) or "-")
         kills = entry.get("kills")
-        lines.append(f"| {name} | {'-' if kills is None else kills} | {listed} | {_f(_mean(joins), 1)} | "
+        lines.append(f"| {name} | {'-' if kills is None else kills} | {listed_states} | {_f(_mean(states or []), 1)} | "
+                     f"{listed} | {_f(_mean(joins), 1)} | "
                      f"{units.get('committed', '-')} / {units.get('lost', '-')} / {units.get('duplicated', '-')} | "
                      f"{entry.get('outcome') or '-'} | {_loads([entry])} |")
         never = sum(1 for j in joins if j is None)
-        shown.append(f"{name}: {_f(_mean(joins), 1, ' s')}" + (f" ({never} never a member)" if never else ""))
+        state = "" if states is None else f"state {_f(_mean(states), 1, ' s')}, "
+        shown.append(f"{name}: {state}member {_f(_mean(joins), 1, ' s')}"
+                     + (f" ({never} of {len(joins)} never a member)" if never else ""))
     return lines, "; ".join(shown)
 
 
@@ -352,7 +360,8 @@ def render(results: dict) -> str:
     if "7" in items and not failed(7, "join: seconds from start to member"):
         text, shown = _joins(items["7"]["data"])
         sections += text + [""]
-        summary.append(f"| 7 | join: seconds from a newcomer's start to member (mean of worker newcomers) | "
+        summary.append(f"| 7 | join: seconds from a newcomer's start to the stage's state and to member (mean of "
+                       f"worker newcomers) | "
                        f"{shown} | - | - |")
     for number, text in NOT_MEASURED.items():
         summary.append(f"| {number} | one stage on a GPU: tokens/s, MFU | {text} | | |")

@@ -42,13 +42,17 @@ def test_the_join_row_shows_a_newcomer_that_never_became_a_member_and_missing_fi
     from agora.bench.suite_report import _joins
 
     row = {"chaos_s": 15.0, "time_budget_s": 40.0, "profiles": {
-        "lan": {"kills": 2, "worker_joins_s": [3.25, None], "units": {"committed": 9, "lost": 0, "duplicated": 1},
+        "lan": {"kills": 2, "worker_joins_s": [3.25, None], "worker_states_s": [1.5, 2.5],
+                "units": {"committed": 9, "lost": 0, "duplicated": 1},
                 "load": [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]], "outcome": "completed"},
-        "agora-floor": {"kills": None, "worker_joins_s": [], "units": None, "outcome": "failed"}}}
+        "agora-floor": {"kills": None, "worker_joins_s": [], "worker_states_s": [], "units": None, "outcome": "failed"},
+        "residential": {"kills": 1, "worker_joins_s": [4.0], "units": None, "outcome": "completed"}}}  # recorded before states
     lines, shown = _joins(row)
-    assert "| lan | 2 | 3.2, never | 3.2 | 9 / 0 / 1 | completed | 1.0->2.0 |" in lines
-    assert "| agora-floor | - | - | - | - / - / - | failed |  |" in lines
-    assert shown == "lan: 3.2 s (1 never a member); agora-floor: -"
+    assert "| lan | 2 | 1.5, 2.5 | 2.0 | 3.2, never | 3.2 | 9 / 0 / 1 | completed | 1.0->2.0 |" in lines
+    assert "| agora-floor | - | - | - | - | - | - / - / - | failed |  |" in lines
+    assert "| residential | 1 | - | - | 4.0 | 4.0 | - / - / - | completed |  |" in lines
+    assert shown == ("lan: state 2.0 s, member 3.2 s (1 of 2 never a member); agora-floor: state -, member -; "
+                     "residential: member 4.0 s")
 
 
 def test_row_3_runs_lan_with_two_replicas_when_a_straggler_profile_needs_the_reference():

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from agora.node.cli import main
+from agora.node.demo.chaos import join_seconds
 from agora.node.demo.demo import DemoOptions
 from agora.node.demo.summary import churn_summary, merge_logs
 
@@ -31,6 +32,8 @@ def test_a_chaos_run_finishes_with_every_unit_committed_and_the_loss_of_a_quiet_
     assert quiet_code == 0 and code == 0 and chaos["outcome"] == "completed"
     churn = chaos["churn"]
     assert churn["kills"] >= 2 and len(churn["joins"]) == churn["kills"]
+    for join in churn["joins"]:  # a member holds the stage's state, so it had it first
+        assert join["seconds_to_member"] is None or 0 < join["seconds_to_state"] <= join["seconds_to_member"], join
     assert churn["units"] == {"total": STEPS, "committed": STEPS, "lost": 0, "duplicated": churn["units"]["duplicated"]}
     # Every process still running at the end left cleanly; the killed ones are the only non-zeros.
     left = {name: code for name, code in chaos["exit_codes"].items() if name not in chaos["killed"]}
@@ -72,3 +75,38 @@ def test_a_trainer_log_line_still_being_written_is_left_for_the_next_read(tmp_pa
     with log.open("a") as more:
         more.write('38}\n')
     assert [line["step"] for line in merge_logs([log])] == [1, 2, 3]
+
+
+START = "2026-12-02 02:49:16,907"
+SYNCED = [  # a newcomer's log lines as node/worker/phases.py, join.py and worker.py write them
+    "2026-12-02 02:49:21,870 INFO agora.node.worker: stage 1/3 worker of run 'demo' serving on 10.77.0.13:38615",
+    "2026-12-02 02:49:22,084 INFO agora.node.join: stage 1: phase weight_sync (the stage's members are at step 60, "
+    "this replica at 0)",
+    "weight sync (stage 1): 3.0/3.0 MiB step 61",
+    "2026-12-02 02:49:23,573 INFO agora.node.join: stage 1: state downloaded from 10.77.0.5:33411 at step 61 "
+    "(3145212 bytes in 0.98 s, 0 resumes)",
+    "2026-12-02 02:49:23,585 INFO agora.node.join: joined run 'demo' as stage 1 at 10.77.0.13:38615 (peer Qm...)",
+    "2026-12-02 02:49:59,000 INFO agora.node.join: stage 1: phase optimizer_sync (every one of the 4 slices averaged "
+    "since the download)",
+    "2026-12-02 02:49:59,001 INFO agora.node.worker: stage 1 worker: phase weight_sync -> optimizer_sync",
+    "2026-12-02 02:50:10,500 INFO agora.node.worker: stage 1 worker: phase optimizer_sync -> member",
+]
+
+
+@pytest.mark.parametrize("lines, expected", [
+    (SYNCED, (6.666, 53.593)),
+    (SYNCED[:-1], (6.666, None)),  # still syncing at the end: serving ("joined run") is not membership
+    (SYNCED[:2], (None, None)),  # killed before its download finished
+    (["2026-12-02 02:49:20,000 INFO agora.node.join: stage 1: phase member (no other member of the stage announces "
+      "itself: this replica is its state)"], (3.093, 3.093)),  # alone in its stage: its own state, member at once
+    (["2026-12-02 02:49:20,000 INFO agora.node.join: stage 1: phase member (join --no-sync-phases)",
+      "2026-12-02 02:49:21,000 INFO agora.node.join: stage 1: state downloaded from 10.77.0.5:1 at step 2"], (3.093, 3.093)),
+])
+def test_a_newcomers_seconds_to_state_and_to_member_are_read_from_its_log(tmp_path, lines, expected):
+    from datetime import datetime
+
+    log = tmp_path / "worker-s1-r1.j2.log"
+    log.write_text("\n".join(lines) + "\n")
+    state, member = join_seconds(log, datetime.strptime(START, "%Y-%m-%d %H:%M:%S,%f"))
+    assert (state, member) == pytest.approx(expected)
+    assert join_seconds(tmp_path / "absent.log", datetime.now()) == (None, None)

@@ -12,8 +12,11 @@ Design choices:
   swarm rides out churn, not what happens when a stage's only copy of its weights is lost (a
   worker's checkpoints are on the machine that vanished). Trainers are always candidates: the
   units they held come back when their leases run out.
-- How long a newcomer took from its start to `member` is read from its log afterwards
-  (`joined_seconds`): the phase-change line, else the line saying it joined as one.
+- How long a worker newcomer took from its start to the stage's state and to `member` is read
+  from its log afterwards (`join_seconds`). Member: the line that moves it there, or the one that
+  starts it there (a replica alone in its stage). State: the line saying its download finished,
+  else its first as a member. A newcomer killed, or still syncing when the run ends, has no
+  member time: its "joined run" line (serving, in whatever phase) is not membership.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Mapping, Optional
 
-__all__ = ["ChaosEvent", "Chaos", "pick_victim", "joined_seconds"]
+__all__ = ["ChaosEvent", "Chaos", "pick_victim", "join_seconds"]
 
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
-_MEMBER = re.compile(r"phase \w+ -> member")
+# node/worker/worker.py's phase change, or node/worker/phases.py's first phase when it is member.
+_MEMBER = re.compile(r"phase \w+ -> member\b|: phase member \(")
+_STATE = re.compile(r": state downloaded from ")
 
 
 def pick_victim(rng: random.Random, workers: Mapping[str, int], trainers: list[str]) -> Optional[str]:
@@ -70,20 +75,21 @@ class Chaos:
         return pick_victim(self._rng, workers, trainers)
 
 
-def joined_seconds(log_path: Path, started_at: datetime) -> Optional[float]:
-    """Seconds from `started_at` (wall clock) to the newcomer's first line as a member, from its log."""
+def join_seconds(log_path: Path, started_at: datetime) -> tuple[Optional[float], Optional[float]]:
+    """Seconds from `started_at` (wall clock) to a worker newcomer's state and to member, from its
+    log (see the module docstring); None for one it never reached (or no log)."""
     try:
         text = log_path.read_text(errors="replace")
     except OSError:
-        return None
-    fallback = None
+        return None, None
+    state = None
     for line in text.splitlines():
         stamp = _LOG_TIME.match(line)
         if stamp is None:
             continue
-        when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
+        seconds = (datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f") - started_at).total_seconds()
         if _MEMBER.search(line):
-            return (when - started_at).total_seconds()
-        if fallback is None and "joined run" in line:
-            fallback = (when - started_at).total_seconds()
-    return fallback
+            return (seconds if state is None else state), seconds
+        if state is None and _STATE.search(line):
+            state = seconds
+    return state, None

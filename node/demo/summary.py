@@ -48,9 +48,14 @@ def format_summary(summary: dict) -> str:
     churn = summary.get("churn")
     if churn:
         units = churn["units"]
-        joined = [j["seconds_to_member"] for j in churn["joins"] if j["seconds_to_member"] is not None]
+        workers = [j for j in churn["joins"] if j["name"].startswith("worker")]
+        states = [j["seconds_to_state"] for j in workers if j.get("seconds_to_state") is not None]
+        joined = [j["seconds_to_member"] for j in workers if j["seconds_to_member"] is not None]
+        timing = ([f"the stage's state after {min(states):.1f}-{max(states):.1f} s"] if states else []) + (
+            [f"member after {min(joined):.1f}-{max(joined):.1f} s"] if joined else []) + (
+            [f"{len(workers) - len(joined)} not a member by the end"] if len(joined) < len(workers) else [])
         text = (f"  churn: {churn['kills']} killed, {len(churn['joins'])} joined"
-                + (f" (member after {min(joined):.1f}-{max(joined):.1f} s)" if joined else "")
+                + (f" ({'; '.join(timing)})" if timing else "")
                 + f"; units {units['committed']}/{units['total']} committed, {units['lost']} lost, "
                 f"{units['duplicated']} run twice")
         if summary.get("repeats"):
@@ -239,8 +244,6 @@ def _merge_time_splits(splits: list[dict]) -> dict:
 def churn_summary(options, lines: list[dict], events, joins, workdir: Path, resume_step) -> dict:
     """What churn did to the run: kills, joins (seconds to member), and the units: every global batch
     of the run committed once (its line in a trainer's log is written once it is), none lost."""
-    from agora.node.demo.chaos import joined_seconds
-
     steps = [line["step"] for line in lines]
     distinct = set(steps)
     start = resume_step or 0
@@ -251,14 +254,21 @@ def churn_summary(options, lines: list[dict], events, joins, workdir: Path, resu
         "resumed_from_step": resume_step,
         "kills": len(events),
         "events": [vars(event) for event in events],
-        # A worker's seconds from its start to member (a trainer has no phases: it claims units at once).
-        "joins": [{"name": name, "seconds_to_member": joined_seconds(workdir / f"{name}.log", at)
-                   if name.startswith("worker") else None} for name, at in joins],
+        # A worker's seconds from its start to the stage's state and to member (a trainer has no
+        # phases: it claims units at once).
+        "joins": [_join(name, workdir, at) for name, at in joins],
         "units": {"total": last - start,
                   "committed": len([s for s in distinct if s > start]),
                   "duplicated": len(steps) - len(distinct),
                   "lost": len([s for s in range(start + 1, last + 1) if s not in distinct])},
     }
+
+
+def _join(name: str, workdir: Path, started_at) -> dict:
+    from agora.node.demo.chaos import join_seconds
+
+    state, member = join_seconds(workdir / f"{name}.log", started_at) if name.startswith("worker") else (None, None)
+    return {"name": name, "seconds_to_state": state, "seconds_to_member": member}
 
 
 def _mean_trainer_split(splits: list[dict]) -> dict:
