@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agora.node.worker.phases import SyncPolicy, SyncProgress, entry_phase, next_phase, rotation_slices
+from agora.node.worker.phases import SyncPolicy, SyncProgress, behind_the_run, entry_phase, next_phase, rotation_slices
+from agora.node.worker.state_download import StateDownloadError
 from agora.pipeline.config import PRESETS, SyncConfig
 
 POLICY = SyncPolicy(optimizer_sync_steps=10, lag_tolerance=3, fallback_rotations=2)
@@ -74,3 +75,107 @@ def test_a_rotation_is_every_slice_once():
     assert rotation_slices(SyncConfig(method="none")) == 0 and rotation_slices(None) == 0
     with pytest.raises(ValueError):
         SyncPolicy(fallback_rotations=0)
+
+
+def test_an_empty_looking_stage_is_the_replicas_own_only_when_the_run_is_not_ahead_of_it():
+    # At a run's start (or a whole swarm resumed together) nobody is ahead: member at once.
+    assert entry_phase(own_step=0, resumed_phase=None, donor_steps=[], policy=POLICY, run_step=None) == "member"
+    assert entry_phase(own_step=0, resumed_phase=None, donor_steps=[], policy=POLICY, run_step=3) == "member"
+    assert entry_phase(own_step=40, resumed_phase="member", donor_steps=[], policy=POLICY, run_step=42) == "member"
+    # Mid-run, a stage that looks empty has (or had) a state: wait for a member, never take its place.
+    assert entry_phase(own_step=0, resumed_phase=None, donor_steps=[], policy=POLICY, run_step=115) == "weight_sync"
+    assert behind_the_run(0, 4, POLICY) and not behind_the_run(0, None, POLICY)
+    with pytest.raises(ValueError):
+        SyncPolicy(empty_stage_wait_s=-1.0)
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _RefusingDownloader:
+    """Every donor refuses (the in-memory stand-in for node/worker/state_download.py's failures)."""
+
+    def __init__(self):
+        self.asked: list[list[str]] = []
+
+    async def download(self, donors):
+        self.asked.append([d.peer_id for d in donors])
+        raise StateDownloadError("every donor refused")
+
+
+def _phases(clock: _Clock, policy: SyncPolicy):
+    from agora.node.worker.phases import SyncPhases
+    from agora.node.worker.worker import StageWorker
+
+    worker = StageWorker(PRESETS["tiny"].with_stages(3), 1, run_id="run")
+    return SyncPhases(worker, policy, PRESETS["tiny"].sync, clock=clock)
+
+
+@pytest.mark.timeout(60)
+def test_behind_the_run_a_replica_waits_for_a_member_before_it_takes_the_stage_as_lost(caplog):
+    """A newcomer's DHT read missed its stage's live member under churn, and it made its fresh
+    weights the stage's state: now it waits in weight sync, asking again, and a member that shows
+    up is downloaded from; only `empty_stage_wait_s` with none makes it the stage's state."""
+    import asyncio
+
+    from agora.node.worker.phases import StageView
+    from agora.node.worker.state_download import Donor
+
+    policy = SyncPolicy(lag_tolerance=3, empty_stage_wait_s=10.0)
+
+    async def lost_stage():
+        clock = _Clock()
+        phases = _phases(clock, policy)
+
+        async def members():
+            clock.now += 1.0  # each read a second later
+            return StageView(donors=[], run_step=115)
+
+        await phases.begin(own_step=0, resumed_phase=None, members=members)
+        assert phases.phase == "weight_sync"
+        result = await phases.download(_RefusingDownloader(), members, apply=None, retry_s=0.001)
+        return phases, clock.now, result
+
+    phases, waited, result = asyncio.run(lost_stage())
+    assert result is None and phases.phase == "member" and 10.0 <= waited <= 12.0
+    assert [phase for phase, _ in phases.history] == ["weight_sync", "member"]
+    assert "its state is lost" in caplog.text
+
+    async def member_shows_up():
+        clock = _Clock()
+        phases = _phases(clock, policy)
+        reads = iter([StageView([], 115), StageView([], 115), StageView([Donor("live", "127.0.0.1:1", 115)], 115)])
+        downloader = _RefusingDownloader()
+
+        async def members():
+            clock.now += 1.0
+            view = next(reads, None)
+            if view is None:
+                raise asyncio.CancelledError  # the test has seen enough: stop the loop here
+            return view
+
+        await phases.begin(own_step=0, resumed_phase=None, members=members)
+        try:
+            await phases.download(downloader, members, apply=None, retry_s=0.001)
+        except asyncio.CancelledError:
+            pass
+        return phases, downloader
+
+    phases, downloader = asyncio.run(member_shows_up())
+    assert phases.phase == "weight_sync" and downloader.asked == [["live"]]
+
+    async def not_behind():
+        phases = _phases(_Clock(), policy)
+
+        async def members():
+            return StageView([], run_step=2)  # the run is where this replica is: nothing was lost
+
+        await phases.begin(own_step=0, resumed_phase=None, members=members)
+        return phases
+
+    assert asyncio.run(not_behind()).phase == "member"

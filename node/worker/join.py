@@ -55,7 +55,7 @@ from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.worker.epoch import stage_step
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.node.worker.checkpoints import StageCheckpointer, restore_stage
-from agora.node.worker.phases import SyncPhases, SyncPolicy
+from agora.node.worker.phases import StageView, SyncPhases, SyncPolicy
 from agora.node.worker.rebalance import Move, RebalancePolicy, Rebalancer
 from agora.node.worker.state_download import StateDownloader, donor_order
 from agora.node.worker.state_transfer import apply_state, expected_state_bytes
@@ -340,13 +340,16 @@ def _sync_policy(config: RunConfig, options: JoinOptions) -> SyncPolicy:
 
 
 def _stage_members(swarm: SwarmDHT, options: JoinOptions, config: RunConfig):
-    """The stage's members other than this node, best donor first (node/worker/state_download.py)."""
+    """What the sync phases read: the stage's members other than this node, best donor first
+    (node/worker/state_download.py), and the highest step a member of any stage announces."""
     fingerprint = run_fingerprint(config)
     rng = random.Random()
 
-    async def members():
-        records = await swarm.live_workers_async(options.run_id, options.stage, fingerprint=fingerprint)
-        return donor_order(records, swarm.peer_id, rng)
+    async def members() -> StageView:
+        stages = await swarm.all_workers_async(options.run_id, len(config.layer_split), fingerprint=fingerprint)
+        steps = [r.step for records in stages.values() for r in records
+                 if r.phase == "member" and r.peer_id != swarm.peer_id]
+        return StageView(donor_order(stages.get(options.stage, []), swarm.peer_id, rng), max(steps, default=None))
 
     return members
 

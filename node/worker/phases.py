@@ -18,7 +18,13 @@ Design choices:
 - The decisions are pure functions over what the replica observes (`entry_phase`, `next_phase`),
   unit-tested without sockets; `SyncPhases` only feeds them and applies what they say.
 - Nothing to download from (no member of the stage announces itself) means the replica is the
-  first of its stage, or the last: it is the stage's state, so it is a member at once. So is one
+  first of its stage, or the last: it is the stage's state, so it is a member at once, unless
+  the run is ahead of it (a member of another stage announces a step more than `lag_tolerance`
+  past its own). Then the stage's state exists, or existed: a DHT read under churn can miss a
+  live member's record (a newcomer's first read did, with its stage's other replica training,
+  and its fresh weights were averaged into the trained ones), so it waits in weight sync for a
+  member to download from, and only after `empty_stage_wait_s` with none takes the stage as
+  lost and becomes its state, saying so in a warning. So is one
   at most `lag_tolerance` steps behind the stage's most advanced member: replicas that start
   together are identical by construction (name-seeded initialisation), a few steps apart are
   what averaging evens out, and a download would cost them the rotation for nothing. A replica
@@ -49,7 +55,8 @@ from agora.node.worker.worker import StageWorker
 from agora.pipeline.config import SyncConfig
 from agora.pipeline.state_wire import StateWireError
 
-__all__ = ["SyncPolicy", "SyncProgress", "entry_phase", "next_phase", "rotation_slices", "SyncPhases"]
+__all__ = ["SyncPolicy", "SyncProgress", "StageView", "behind_the_run", "entry_phase", "next_phase",
+           "rotation_slices", "SyncPhases"]
 
 logger = logging.getLogger("agora.node.join")
 
@@ -59,10 +66,27 @@ class SyncPolicy:
     optimizer_sync_steps: int = 100  # steps with updates in optimizer sync (the Agora run's 100)
     lag_tolerance: int = 3  # steps behind the stage's members that still join as a member (the Agora run's 3)
     fallback_rotations: int = 2  # see the module docstring
+    empty_stage_wait_s: float = 30.0  # behind the run, how long no member of its stage means the stage is lost
 
     def __post_init__(self):
         if self.optimizer_sync_steps < 0 or self.lag_tolerance < 0 or self.fallback_rotations < 1:
             raise ValueError("optimizer_sync_steps and lag_tolerance must be >= 0, fallback_rotations >= 1")
+        if not self.empty_stage_wait_s >= 0:
+            raise ValueError("empty_stage_wait_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class StageView:
+    """What the DHT says now: the stage's members other than this replica (best donor first), and
+    the highest step a member of any stage announces (None: no member anywhere)."""
+
+    donors: Sequence[Donor]
+    run_step: Optional[int] = None
+
+
+def behind_the_run(own_step: int, run_step: Optional[int], policy: SyncPolicy) -> bool:
+    """The run's members are more than `lag_tolerance` steps past `own_step` (pure)."""
+    return run_step is not None and run_step - own_step > policy.lag_tolerance
 
 
 def rotation_slices(sync: Optional[SyncConfig]) -> int:
@@ -72,14 +96,14 @@ def rotation_slices(sync: Optional[SyncConfig]) -> int:
 
 
 def entry_phase(*, own_step: int, resumed_phase: Optional[str], donor_steps: Sequence[int],
-                policy: SyncPolicy) -> str:
+                policy: SyncPolicy, run_step: Optional[int] = None) -> str:
     """Where a starting replica begins: "member" or "weight_sync" (see the module docstring).
 
     `own_step`: its optimizer step (0 when fresh, a checkpoint's when resumed); `resumed_phase`: the
     phase its checkpoint was written in (None: fresh); `donor_steps`: the steps the stage's
-    members announce."""
+    members announce; `run_step`: the highest step any member of the run announces."""
     if not donor_steps:
-        return "member"
+        return "weight_sync" if behind_the_run(own_step, run_step, policy) else "member"
     if resumed_phase not in (None, "member"):
         return "weight_sync"
     return "member" if max(donor_steps) - own_step <= policy.lag_tolerance else "weight_sync"
@@ -138,6 +162,7 @@ class SyncPhases:
         self._wake = asyncio.Event()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
+        self._own_step = 0
 
     @property
     def phase(self) -> str:
@@ -162,37 +187,63 @@ class SyncPhases:
         self._slices.clear()
 
     async def begin(self, *, own_step: int, resumed_phase: Optional[str],
-                    members: Callable[[], Awaitable[Sequence[Donor]]]) -> None:
+                    members: Callable[[], Awaitable[StageView]]) -> None:
         """Decide where this replica starts (`entry_phase`) from the members its stage announces now. If
         the DHT cannot say, it starts in weight sync, whose download asks again (a replica is never a
         member by default: that is the mistake the phases exist to prevent)."""
-        donors = await self._members(members, attempts=3)
-        if donors is None:
+        self._own_step = own_step
+        view = await self._members(members, attempts=3)
+        if view is None:
             self.enter("weight_sync", "the stage's members could not be read from the DHT")
             return
+        donors = view.donors
         phase = entry_phase(own_step=own_step, resumed_phase=resumed_phase, donor_steps=[d.step for d in donors],
-                            policy=self.policy)
+                            policy=self.policy, run_step=view.run_step)
         if phase == "member":
             why = ("no other member of the stage announces itself: this replica is its state" if not donors else
                    f"at step {own_step}, within {self.policy.lag_tolerance} of the stage's members "
                    f"(at most step {max(d.step for d in donors)})")
+        elif not donors:
+            why = (f"no member of the stage announces itself yet, but the run's members are at step "
+                   f"{view.run_step} and this replica at {own_step}: waiting for one to download from")
         else:
             why = (f"the stage's members are at step {max(d.step for d in donors)}, this replica at {own_step}"
                    + ("" if resumed_phase in (None, "member") else f" (resumed in phase {resumed_phase})"))
         self.enter(phase, why)
 
-    async def download(self, downloader: StateDownloader, members: Callable[[], Awaitable[Sequence[Donor]]],
+    async def download(self, downloader: StateDownloader, members: Callable[[], Awaitable[StageView]],
                        apply: Callable[[object], Awaitable[int]], retry_s: float = 5.0) -> Optional[DownloadedState]:
         """Weight sync's download: from the members announced now, again after `retry_s` when none gave
-        its state; None when no member is left (this replica then is the stage's state: a member)."""
+        its state; None when no member is left (this replica then is the stage's state: a member),
+        which, behind the run, only `empty_stage_wait_s` without one says (the module docstring)."""
+        empty_since = None
         while True:
-            donors = await self._members(members, attempts=1)
-            if donors is None:
+            view = await self._members(members, attempts=1)
+            if view is None:
                 await asyncio.sleep(retry_s)
                 continue
+            donors = view.donors
             if not donors:
-                self.enter("member", "no member of the stage is left to download from: this replica is its state")
+                now = self._clock()
+                empty_since = now if empty_since is None else empty_since
+                behind = behind_the_run(self._own_step, view.run_step, self.policy)
+                if behind and now - empty_since < self.policy.empty_stage_wait_s:
+                    logger.warning("stage %d: weight sync: no member of the stage announces itself while the "
+                                   "run's members are at step %d; asking again in %g s (after %g s without one the "
+                                   "stage's state is taken as lost)", self.worker.stage_index, view.run_step,
+                                   retry_s, self.policy.empty_stage_wait_s)
+                    await asyncio.sleep(retry_s)
+                    continue
+                if behind:
+                    logger.warning("stage %d: no member of the stage for %.0f s while the run's members are at "
+                                   "step %d: its state is lost, and this replica's (step %d) becomes it",
+                                   self.worker.stage_index, now - empty_since, view.run_step, self._own_step)
+                    self.enter("member", f"no member of the stage for {now - empty_since:.0f} s while the run is at "
+                                         f"step {view.run_step}: the stage's state was lost, this replica is it now")
+                else:
+                    self.enter("member", "no member of the stage is left to download from: this replica is its state")
                 return None
+            empty_since = None
             try:
                 result = await downloader.download(donors)
                 step = await apply(result.tree)
@@ -209,8 +260,8 @@ class SyncPhases:
                         result.seconds, result.resumes, extra={"milestone": "state_downloaded", "fields": fields})
             return result
 
-    async def _members(self, members: Callable[[], Awaitable[Sequence[Donor]]], attempts: int,
-                       pause_s: float = 1.0) -> Optional[Sequence[Donor]]:
+    async def _members(self, members: Callable[[], Awaitable[StageView]], attempts: int,
+                       pause_s: float = 1.0) -> Optional[StageView]:
         for attempt in range(attempts):
             try:
                 return await members()
