@@ -179,3 +179,47 @@ def test_behind_the_run_a_replica_waits_for_a_member_before_it_takes_the_stage_a
         return phases
 
     assert asyncio.run(not_behind()).phase == "member"
+
+
+@pytest.mark.timeout(60)
+def test_a_syncing_replica_with_the_stages_state_is_a_member_once_no_member_is_left(caplog):
+    """Chaos killed a stage's only member while its other replica was in weight sync (state
+    downloaded): that replica is the freshest copy, so it becomes a member (routed, a donor)
+    instead of waiting for rounds with nobody while the newcomer in its place found no donor. One
+    read without a member is not enough (a read can miss a record); two in a row are."""
+    import asyncio
+    import time
+
+    from agora.node.worker.phases import SyncPhases, StageView
+    from agora.node.worker.state_download import Donor
+    from agora.node.worker.worker import StageWorker
+
+    policy = SyncPolicy(lag_tolerance=3, member_check_s=0.01)
+    member = Donor("member", "127.0.0.1:1", 60)
+
+    async def main(downloaded: bool, reads: list):
+        worker = StageWorker(PRESETS["tiny"].with_stages(3), 1, run_id="run")
+        phases = SyncPhases(worker, policy, PRESETS["tiny"].sync, clock=time.monotonic)
+        views = iter(reads)
+        seen = []
+
+        async def members():
+            view = next(views, StageView([], 60))
+            seen.append(bool(view.donors))
+            return view
+
+        await phases.begin(own_step=0, resumed_phase=None, members=members)
+        assert phases.phase == "weight_sync"
+        phases.downloaded = downloaded
+        try:
+            await asyncio.wait_for(phases._run(), timeout=0.5)
+        except asyncio.TimeoutError:
+            pass
+        return phases, seen
+
+    phases, seen = asyncio.run(main(True, [StageView([member], 60), StageView([], 60), StageView([member], 60)]))
+    # begin's read; then an empty read, the member back (the miss forgotten), two empty reads: member.
+    assert phases.phase == "member" and seen[:5] == [True, False, True, False, False] and len(seen) == 5
+    assert phases.history[-1][0] == "member" and "freshest copy" in caplog.text
+    phases, seen = asyncio.run(main(False, [StageView([member], 60)]))
+    assert phases.phase == "weight_sync" and seen == [True]  # without the state it has nothing to offer

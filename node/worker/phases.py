@@ -29,6 +29,13 @@ Design choices:
   together are identical by construction (name-seeded initialisation), a few steps apart are
   what averaging evens out, and a download would cost them the rotation for nothing. A replica
   resumed from a checkpoint that was not a member's syncs again.
+- A syncing replica that holds the stage's state (weight sync after its download, optimizer
+  sync) while no member of the stage is left (the last one died mid-sync: chaos did it) holds
+  the freshest copy there is, and becomes a member: `SyncPhases` reads the stage every
+  `member_check_s` while it syncs, and two reads in a row without a member decide. It is then
+  routed (trainers do not route to weight sync: the whole pipeline would wait for its rounds
+  with nobody) and a donor for the next joiner, who would otherwise find nobody to download
+  from and, after `empty_stage_wait_s`, start the stage again from fresh weights.
 - Fallbacks, so a replica never stays out for good: weight sync ends after `fallback_rotations`
   rotations' worth of rounds (`n_slices` each) even if some slice's rounds kept failing (counted in
   rounds, not steps: on a small model steps outpace rounds), and optimizer sync after
@@ -67,12 +74,13 @@ class SyncPolicy:
     lag_tolerance: int = 3  # steps behind the stage's members that still join as a member (the Agora run's 3)
     fallback_rotations: int = 2  # see the module docstring
     empty_stage_wait_s: float = 30.0  # behind the run, how long no member of its stage means the stage is lost
+    member_check_s: float = 5.0  # while syncing with the stage's state, how often it checks a member is left
 
     def __post_init__(self):
         if self.optimizer_sync_steps < 0 or self.lag_tolerance < 0 or self.fallback_rotations < 1:
             raise ValueError("optimizer_sync_steps and lag_tolerance must be >= 0, fallback_rotations >= 1")
-        if not self.empty_stage_wait_s >= 0:
-            raise ValueError("empty_stage_wait_s must be >= 0")
+        if not (self.empty_stage_wait_s >= 0 and self.member_check_s > 0):
+            raise ValueError("empty_stage_wait_s must be >= 0, member_check_s > 0")
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,8 @@ class SyncPhases:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
         self._own_step = 0
+        self._members_source: Optional[Callable[[], Awaitable[StageView]]] = None
+        self._empty_reads = 0  # consecutive reads, while syncing, that showed no member of the stage
 
     @property
     def phase(self) -> str:
@@ -192,6 +202,7 @@ class SyncPhases:
         the DHT cannot say, it starts in weight sync, whose download asks again (a replica is never a
         member by default: that is the mistake the phases exist to prevent)."""
         self._own_step = own_step
+        self._members_source = members
         view = await self._members(members, attempts=3)
         if view is None:
             self.enter("weight_sync", "the stage's members could not be read from the DHT")
@@ -308,14 +319,40 @@ class SyncPhases:
         self._wake.set()
 
     async def _run(self) -> None:
+        checked = self._clock()
         while self.phase in ("weight_sync", "optimizer_sync"):
             move = next_phase(self.progress(), self.policy)
             if move is not None:
                 self.enter(*move)
                 continue
-            await self._wake.wait()
+            if self._clock() - checked >= self.policy.member_check_s:
+                checked = self._clock()
+                if await self._last_copy():
+                    continue
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.policy.member_check_s)
+            except asyncio.TimeoutError:
+                pass
             self._wake.clear()
         await self._remove_hook()  # a member's steps need no counting
+
+    async def _last_copy(self) -> bool:
+        """Make this replica a member if it holds the stage's state and no member is left (see the
+        module docstring); whether it did. A read that fails says nothing: it stays."""
+        if self._members_source is None or (self.phase == "weight_sync" and not self.downloaded):
+            return False
+        view = await self._members(self._members_source, attempts=1)
+        if view is None or view.donors:
+            self._empty_reads = 0
+            return False
+        self._empty_reads += 1
+        if self._empty_reads < 2:  # one read can miss a live member's record under churn: ask once more
+            return False
+        logger.warning("stage %d: no member of the stage is left while this replica syncs with its state: it is "
+                       "the stage's freshest copy, a member now", self.worker.stage_index)
+        self.enter("member", f"no member of the stage is left, and this replica holds its state ({self.phase}, "
+                             "downloaded): the stage's freshest copy")
+        return True
 
     async def _remove_hook(self) -> None:
         try:
