@@ -1,4 +1,5 @@
-"""The sync phases' decisions (node/worker/phases.py), pure: where a replica starts, when it moves on."""
+"""The sync phases (node/worker/phases.py): the decisions, pure (where a replica starts, when it moves
+on), and `SyncPhases`' answers to a stage that shows no member, over an in-memory view of the DHT."""
 
 from __future__ import annotations
 
