@@ -110,3 +110,18 @@ def test_a_newcomers_seconds_to_state_and_to_member_are_read_from_its_log(tmp_pa
     state, member = join_seconds(log, datetime.strptime(START, "%Y-%m-%d %H:%M:%S,%f"))
     assert (state, member) == pytest.approx(expected)
     assert join_seconds(tmp_path / "absent.log", datetime.now()) == (None, None)
+
+
+def test_the_summary_says_how_long_newcomers_took_and_how_many_never_became_members():
+    from agora.node.demo.summary import format_summary
+
+    summary = {"outcome": "completed", "steps": 10, "wall_s": 30.0, "mode": "async", "security": "admitted",
+               "final_loss": 2.5, "heldout_loss": 2.6, "tokens_per_s": 1000.0, "churn": {
+                   "kills": 3, "joins": [
+                       {"name": "worker-s1-r1.j1", "seconds_to_state": 8.04, "seconds_to_member": 51.0},
+                       {"name": "worker-s0-r0.j1", "seconds_to_state": 11.5, "seconds_to_member": None},
+                       {"name": "trainer-0.j1", "seconds_to_state": None, "seconds_to_member": None}],
+                   "units": {"total": 10, "committed": 10, "lost": 0, "duplicated": 0}}}
+    churn = [line for line in format_summary(summary).splitlines() if "churn" in line]
+    assert churn == ["  churn: 3 killed, 3 joined (the stage's state after 8.0-11.5 s; member after 51.0 s; 1 killed "
+                     "or still syncing before member); units 10/10 committed, 0 lost, 0 run twice"]

@@ -51,9 +51,9 @@ def format_summary(summary: dict) -> str:
         workers = [j for j in churn["joins"] if j["name"].startswith("worker")]
         states = [j["seconds_to_state"] for j in workers if j.get("seconds_to_state") is not None]
         joined = [j["seconds_to_member"] for j in workers if j["seconds_to_member"] is not None]
-        timing = ([f"the stage's state after {min(states):.1f}-{max(states):.1f} s"] if states else []) + (
-            [f"member after {min(joined):.1f}-{max(joined):.1f} s"] if joined else []) + (
-            [f"{len(workers) - len(joined)} not a member by the end"] if len(joined) < len(workers) else [])
+        timing = ([f"the stage's state after {_span(states)}"] if states else []) + (
+            [f"member after {_span(joined)}"] if joined else []) + (
+            [f"{len(workers) - len(joined)} killed or still syncing before member"] if len(joined) < len(workers) else [])
         text = (f"  churn: {churn['kills']} killed, {len(churn['joins'])} joined"
                 + (f" ({'; '.join(timing)})" if timing else "")
                 + f"; units {units['committed']}/{units['total']} committed, {units['lost']} lost, "
@@ -78,6 +78,11 @@ def format_summary(summary: dict) -> str:
                    "exit codes: " + ", ".join(f"{name} {code}" for name, code in sorted(failed.items())))
     lines.append("  " + "; ".join(trouble))
     return "\n".join(lines)
+
+
+def _span(seconds: list[float]) -> str:
+    low, high = min(seconds), max(seconds)
+    return f"{low:.1f} s" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}-{high:.1f} s"
 
 
 def merge_logs(paths: list[Path]) -> list[dict]:
