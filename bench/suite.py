@@ -59,10 +59,9 @@ from agora.bench.wan.profiles import PROFILES, profile_named
 from agora.bench.wan.topology import harness_available
 from agora.pipeline.config import load_config
 
-__all__ = ["plan_for", "plan_from_record", "run_suite", "machine", "ROWS", "RESULTS_PATH"]
+__all__ = ["plan_for", "plan_from_record", "run_suite", "machine", "RESULTS_PATH"]
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
-ROWS = SUITE_ROWS
 
 
 def plan_for(quick: bool, profiles: list[str] | None = None, configs: list[str] | None = None,
@@ -92,7 +91,7 @@ def plan_for(quick: bool, profiles: list[str] | None = None, configs: list[str] 
 def plan_from_record(record: dict) -> SuitePlan:
     """The plan an earlier run recorded (its raw figures' "plan"), so a row measured again is
     measured the same way; ValueError, in one line, when the record does not hold one."""
-    fields = {f.name: f for f in dataclasses.fields(SuitePlan)}
+    fields = {f.name for f in dataclasses.fields(SuitePlan)}
     recorded = record.get("plan") if isinstance(record, dict) else None
     if not isinstance(recorded, dict) or "quick" not in recorded:
         raise ValueError("holds no suite plan (expected the raw figures of `agora-node bench --json F`)")
@@ -133,7 +132,7 @@ def _interrupt(signum, frame):
 
 def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, workdir: Path | None = None,
               command: str = "agora-node bench", log=sys.stderr, only: tuple[str, ...] = (),
-              previous: dict | None = None) -> dict:
+              previous: dict | None = None) -> tuple[dict, list[str]]:
     """Run every row of `plan` (or those in `only`), write the report to `out` (and the raw figures
     to `json_path`); the results and the rows that failed (not those not measured for want of root).
     `previous`: an earlier run's raw figures; its rows not run now are kept, and the header stays
@@ -155,7 +154,7 @@ def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, work
             ("5", "equal tokens", lambda: convergence_row(plan, work)),
             ("7", "join time", lambda: join_row(plan, work)),
             ("relay", "the trainer's relay, before and after", lambda: relay_row(plan))]
-    assert [number for number, _, _ in rows] == list(ROWS)
+    assert [number for number, _, _ in rows] == list(SUITE_ROWS)  # the CLI's --row choices
     failed: list[str] = []
     handler = signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -454,8 +454,7 @@ def test_a_checkpoint_keeps_the_work_its_weights_hold_and_a_resumed_worker_does_
     a repeat and one whose gradient was lost with the process is applied again."""
     from dataclasses import replace
 
-    from agora.node.worker.checkpoints import restore_stage
-    from agora.node.worker.state_transfer import snapshot_stage
+    from agora.node.worker.checkpoints import checkpoint_snapshot, restore_stage
     from agora.pipeline.checkpoint import save_checkpoint
     from agora.pipeline.config import ConfigError
 
@@ -469,7 +468,7 @@ def test_a_checkpoint_keeps_the_work_its_weights_hold_and_a_resumed_worker_does_
     tail_forward(tail, "u1m0.a0.x", "u1m0")
     tail._step(1)
     tail_forward(tail, "u2m0.a0.y", "u2m0")  # accumulating when the snapshot is taken
-    state = snapshot_stage(tail)
+    state = checkpoint_snapshot(tail)
     assert tail.work.keys() == ["u1m0", "u2m0"] and state.work == ["u1m0"]
     save_checkpoint(tmp_path / "ok", tail.optimizer.steps, CONFIG, [state])
 

@@ -11,6 +11,8 @@ import json
 import re
 from pathlib import Path
 
+from agora.node.demo.chaos import join_seconds
+
 __all__ = ["format_summary", "build_summary", "churn_summary", "merge_logs", "latest_per_trainer"]
 
 # node/worker/rebalance.py's milestone line
@@ -270,8 +272,6 @@ def churn_summary(options, lines: list[dict], events, joins, workdir: Path, resu
 
 
 def _join(name: str, workdir: Path, started_at) -> dict:
-    from agora.node.demo.chaos import join_seconds
-
     state, member = join_seconds(workdir / f"{name}.log", started_at) if name.startswith("worker") else (None, None)
     return {"name": name, "seconds_to_state": state, "seconds_to_member": member}
 

@@ -35,9 +35,17 @@ from agora.node.worker.worker import StageWorker
 from agora.pipeline.checkpoint import CheckpointError, StageState, load_checkpoint, restore_rng, save_checkpoint
 from agora.pipeline.config import ConfigError, RunConfig
 
-__all__ = ["StageCheckpointer", "restore_stage"]
+__all__ = ["StageCheckpointer", "checkpoint_snapshot", "restore_stage"]
 
 logger = logging.getLogger("agora.node.join")
+
+
+def checkpoint_snapshot(compute: StageCompute) -> StageState:
+    """(compute thread) `snapshot_stage` plus the work keys the parameters hold (work_ledger.py),
+    which a checkpoint keeps and a weight sync does not send."""
+    state = snapshot_stage(compute)
+    state.work = compute.work_in_weights()
+    return state
 
 
 class StageCheckpointer:
@@ -78,12 +86,12 @@ class StageCheckpointer:
     async def final(self, compute: StageCompute, *, phase: str) -> Path:
         """The checkpoint written when the worker leaves (its compute thread is shut down by then,
         so nothing else touches the stage); `phase`: the one it had before it began to leave."""
-        return await self._write(compute.optimizer.steps, snapshot_stage(compute), phase=phase)
+        return await self._write(compute.optimizer.steps, checkpoint_snapshot(compute), phase=phase)
 
     def _on_step(self, compute: StageCompute) -> None:  # compute thread, right after a step
         if compute.optimizer.steps % self.every:
             return
-        snapshot = (compute.optimizer.steps, snapshot_stage(compute))
+        snapshot = (compute.optimizer.steps, checkpoint_snapshot(compute))
         self._loop.call_soon_threadsafe(self._hand_over, snapshot)
 
     def _hand_over(self, snapshot: tuple[int, StageState]) -> None:

@@ -4,7 +4,8 @@ What travels is what a checkpoint holds (node/worker/checkpoints.py's `snapshot_
 stage's parameters, the optimizer (Adam moments, its step count, the sample count), and the
 averaging loop's state, as one byte stream (pipeline/state_wire.py), through the Stage service's
 `DownloadState` (protos/state_adapter.py). The RNG state is not sent: a replica's random stream
-is its own, and a copy would correlate two replicas' draws.
+is its own, and a copy would correlate two replicas' draws. Nor are the work keys a checkpoint
+keeps (node/worker/work_ledger.py): they say what this replica applied, not what the joiner did.
 
 Design choices (hivemind issues #445 and #653: joiners time out on donors that are averaging,
 because hivemind serves the state from the averager process, under the lock its all-reduce
@@ -85,12 +86,12 @@ def _host_copy(value: Any) -> Any:
 def snapshot_stage(compute: StageCompute) -> StageState:
     """(compute thread) A copy of the stage's state at this step boundary in host memory, so training goes
     on while it is written (a checkpoint) or sent (weight sync): parameters, optimizer state with the
-    sample count, this process's RNG state, and the work keys the parameters hold (a checkpoint's;
-    a weight sync does not send them: node/worker/work_ledger.py)."""
+    sample count, and this process's RNG state (a checkpoint adds the work keys:
+    node/worker/checkpoints.py's `checkpoint_snapshot`)."""
     optimizer = _host_copy(compute.optimizer.state_dict())  # copies the moments
     optimizer["samples_total"] = compute.samples_total
     model = _host_copy(compute.stage.state_dict())
-    return StageState(compute.index, model, optimizer, rng=rng_state(), work=compute.work_in_weights())
+    return StageState(compute.index, model, optimizer, rng=rng_state())
 
 
 def state_tree(state: StageState, step: int) -> dict:
