@@ -73,6 +73,7 @@ PHASES = frozenset({"weight_sync", "optimizer_sync", "member", "leaving", "servi
 TRAINING_PHASES = ("member", "optimizer_sync")
 # Generous bounds: they exist to reject garbage cheaply, not to constrain real runs.
 MAX_STAGES = 4096
+MAX_CREDITS = 2**16  # a worker's queue, and the credits it announces
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SCALAR_TYPES = (str, int, float, bool, bytes)
 
@@ -260,6 +261,10 @@ class WorkerRecord(Record):
     records, hence its default).
     ``metrics_endpoint`` is where its Prometheus metrics are served (empty: none);
     ``averaging_rounds`` / ``averaging_committed`` count its averaging rounds in all / committed.
+    ``capacity`` is the Forward/Backward calls it holds at once; ``credits`` and
+    ``in_flight_credits`` what a trainer new to it may hold there (calls outstanding, microbatches
+    between Forward and Backward; node/worker/flow.py): a trainer starts within them before its
+    first reply carries its own. 0: not stated (older records).
     """
 
     KIND: ClassVar[str] = "worker"
@@ -280,6 +285,9 @@ class WorkerRecord(Record):
     metrics_endpoint: str = ""
     averaging_rounds: int = 0
     averaging_committed: int = 0
+    capacity: int = 0
+    credits: int = 0
+    in_flight_credits: int = 0
 
     def dht_key(self) -> str:
         return worker_key(self.run_id, self.stage)
@@ -297,6 +305,11 @@ class WorkerRecord(Record):
                      "averaging_committed"):
             if getattr(self, name) < 0:
                 raise RecordError(f"worker.{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("capacity", "credits", "in_flight_credits"):
+            if not 0 <= getattr(self, name) <= MAX_CREDITS:
+                raise RecordError(f"worker.{name}: {getattr(self, name)} out of range [0, {MAX_CREDITS}]")
+        if self.credits > self.capacity:
+            raise RecordError(f"worker.credits: {self.credits} is above capacity={self.capacity}")
         if self.averaging_committed > self.averaging_rounds:
             raise RecordError(f"worker.averaging_committed: {self.averaging_committed} is above averaging_rounds="
                               f"{self.averaging_rounds}")

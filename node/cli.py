@@ -389,7 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="asynchronous mode: step on this replica's own samples, every this many, instead of "
                            "on the trainers' completed-batch reports (the default: one step per global batch, "
                            "shared by the stage's replicas)")
-    join.add_argument("--max-queue", type=int, default=8, help="requests in flight before RESOURCE_EXHAUSTED")
+    join.add_argument("--max-queue", type=int, default=None,
+                      help="Forward/Backward requests held at once before RESOURCE_EXHAUSTED (default: the forward "
+                           "stash's capacity, the in-flight depth the memory plan sizes; callers get shares of it as "
+                           "credits, sized from their round trips)")
     join.add_argument("--max-rows", type=int, default=None, metavar="N",
                       help="rows a request may carry (default: the run's train.microbatch_size; only raises it)")
     _add_pinned_weights_argument(join)

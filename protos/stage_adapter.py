@@ -50,6 +50,7 @@ from agora.protos.stage_relay_adapter import decode_message, encode_message
 
 __all__ = [
     "SERVICE_NAME",
+    "PUSHBACK_METADATA",
     "ForwardRequest",
     "ForwardReply",
     "BackwardRequest",
@@ -81,6 +82,9 @@ __all__ = [
 ]
 
 SERVICE_NAME: str = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name  # "agora.v1.Stage"
+# gRPC's server pushback (gRFC A6): in a refusal's trailing metadata, milliseconds until the caller
+# should try again (a busy worker's estimate of when a slot frees).
+PUSHBACK_METADATA = "grpc-retry-pushback-ms"
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class ForwardRequest:
     targets: bytes = b""  # the tail only
     evaluate: bool = False  # held-out loss: no stash, no gradients
     work_key: str = ""  # the unit and index this microbatch trains on; applied once per worker
+    round_trip_s: float = 0.0  # the caller's round trip to this worker outside compute and queue; 0: unknown
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,8 @@ class ForwardReply:
     queued_s: float = 0.0  # waiting for the compute thread
     compute_s: float = 0.0  # on the compute thread
     repeat: bool = False  # tail: its work key was applied here already, the gradient not added again
+    credits: int = 0  # calls this caller may have outstanding here now (flow control; 0: not stated)
+    in_flight_credits: int = 0  # microbatches of this caller kept here for their Backward (0: no bound)
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,7 @@ class BackwardRequest:
     microbatch_id: str
     stage: int
     output_grad: bytes
+    round_trip_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,8 @@ class BackwardReply:
     queued_s: float = 0.0
     compute_s: float = 0.0
     repeat: bool = False  # its work key was applied here already, the gradient not added again
+    credits: int = 0
+    in_flight_credits: int = 0
 
 
 @dataclass(frozen=True)
@@ -174,6 +184,8 @@ class InfoReply:
     throughput: float = 0.0  # tokens/s of compute, moving average
     sessions: int = 0  # inference sessions open
     session_capacity: int = 0
+    credits: int = 0  # what the caller of Info would be given now (flow control)
+    in_flight_credits: int = 0
 
 
 @dataclass(frozen=True)
@@ -240,12 +252,14 @@ class IncompleteStream(ValueError):
 
 class StageRefusal(Exception):
     """Raised by a handler to refuse a call with `code` and `message` (the adapter drains a stream
-    the client is still writing before the status goes out, see protos/serving.py)."""
+    the client is still writing before the status goes out, see protos/serving.py);
+    `trailing_metadata` goes with the status (a busy refusal's `grpc-retry-pushback-ms`)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, trailing_metadata: tuple[tuple[str, str], ...] = ()):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailing_metadata = trailing_metadata
 
 
 class StreamAdmission(Protocol):
@@ -393,7 +407,7 @@ class _Servicer(stage_pb2_grpc.StageServicer):
         try:
             reply = await call(value, context)
         except StageRefusal as refusal:
-            await context.abort(refusal.code, refusal.message)
+            await context.abort(refusal.code, refusal.message, refusal.trailing_metadata)
         return to_message(reply)
 
     async def Forward(self, request, context):
@@ -456,13 +470,14 @@ class _Servicer(stage_pb2_grpc.StageServicer):
             except MalformedMessage as error:
                 await self._refuse_stream(parts, context, admission, grpc.StatusCode.INVALID_ARGUMENT, str(error))
             except StageRefusal as refusal:
-                await self._refuse_stream(parts, context, admission, refusal.code, refusal.message)
+                await self._refuse_stream(parts, context, admission, refusal.code, refusal.message,
+                                          refusal.trailing_metadata)
             except IncompleteStream as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             try:
                 reply = await call(request, context, admission)
             except StageRefusal as refusal:
-                await context.abort(refusal.code, refusal.message)
+                await context.abort(refusal.code, refusal.message, refusal.trailing_metadata)
         finally:
             if admission is not None:
                 admission.close()
@@ -470,11 +485,11 @@ class _Servicer(stage_pb2_grpc.StageServicer):
             yield part
 
     async def _refuse_stream(self, parts, context, admission: StreamAdmission | None, code: grpc.StatusCode,
-                             message: str) -> None:
+                             message: str, trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
         if admission is not None:
             admission.close()  # its queue slot is free while the rest of the stream is drained
         await drain(parts, max_bytes=self._max_stream_bytes)
-        await context.abort(code, message)
+        await context.abort(code, message, trailing_metadata)
 
     def ForwardStream(self, request_iterator, context):
         return self._streamed(request_iterator, context, stage_pb2.ForwardRequest, self._handler.forward)

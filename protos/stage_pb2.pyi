@@ -5,7 +5,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("run_id", "microbatch_id", "stage", "wire", "tokens", "targets", "evaluate", "work_key")
+    __slots__ = ("run_id", "microbatch_id", "stage", "wire", "tokens", "targets", "evaluate", "work_key", "round_trip_s")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -14,6 +14,7 @@ class ForwardRequest(_message.Message):
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
     WORK_KEY_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TRIP_S_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     microbatch_id: str
     stage: int
@@ -22,10 +23,11 @@ class ForwardRequest(_message.Message):
     targets: bytes
     evaluate: bool
     work_key: str
-    def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., wire: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., evaluate: _Optional[bool] = ..., work_key: _Optional[str] = ...) -> None: ...
+    round_trip_s: float
+    def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., wire: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., evaluate: _Optional[bool] = ..., work_key: _Optional[str] = ..., round_trip_s: _Optional[float] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("wire", "loss", "input_grad", "step", "queued_s", "compute_s", "repeat")
+    __slots__ = ("wire", "loss", "input_grad", "step", "queued_s", "compute_s", "repeat", "credits", "in_flight_credits")
     WIRE_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +35,8 @@ class ForwardReply(_message.Message):
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     REPEAT_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_CREDITS_FIELD_NUMBER: _ClassVar[int]
     wire: bytes
     loss: float
     input_grad: bytes
@@ -40,33 +44,41 @@ class ForwardReply(_message.Message):
     queued_s: float
     compute_s: float
     repeat: bool
-    def __init__(self, wire: _Optional[bytes] = ..., loss: _Optional[float] = ..., input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ...) -> None: ...
+    credits: int
+    in_flight_credits: int
+    def __init__(self, wire: _Optional[bytes] = ..., loss: _Optional[float] = ..., input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ..., credits: _Optional[int] = ..., in_flight_credits: _Optional[int] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("run_id", "microbatch_id", "stage", "output_grad")
+    __slots__ = ("run_id", "microbatch_id", "stage", "output_grad", "round_trip_s")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TRIP_S_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     microbatch_id: str
     stage: int
     output_grad: bytes
-    def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., output_grad: _Optional[bytes] = ...) -> None: ...
+    round_trip_s: float
+    def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., output_grad: _Optional[bytes] = ..., round_trip_s: _Optional[float] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
-    __slots__ = ("input_grad", "step", "queued_s", "compute_s", "repeat")
+    __slots__ = ("input_grad", "step", "queued_s", "compute_s", "repeat", "credits", "in_flight_credits")
     INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     REPEAT_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_CREDITS_FIELD_NUMBER: _ClassVar[int]
     input_grad: bytes
     step: int
     queued_s: float
     compute_s: float
     repeat: bool
-    def __init__(self, input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ...) -> None: ...
+    credits: int
+    in_flight_credits: int
+    def __init__(self, input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ..., credits: _Optional[int] = ..., in_flight_credits: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("run_id", "stage", "microbatches", "step", "completed_batch", "replicas")
@@ -201,7 +213,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("run_id", "stage", "n_stages", "step", "phase", "load", "capacity", "stashed", "synchronous", "throughput", "sessions", "session_capacity")
+    __slots__ = ("run_id", "stage", "n_stages", "step", "phase", "load", "capacity", "stashed", "synchronous", "throughput", "sessions", "session_capacity", "credits", "in_flight_credits")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     N_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +226,8 @@ class InfoReply(_message.Message):
     THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_CREDITS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     n_stages: int
@@ -226,4 +240,6 @@ class InfoReply(_message.Message):
     throughput: float
     sessions: int
     session_capacity: int
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[str] = ..., load: _Optional[int] = ..., capacity: _Optional[int] = ..., stashed: _Optional[int] = ..., synchronous: _Optional[bool] = ..., throughput: _Optional[float] = ..., sessions: _Optional[int] = ..., session_capacity: _Optional[int] = ...) -> None: ...
+    credits: int
+    in_flight_credits: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[str] = ..., load: _Optional[int] = ..., capacity: _Optional[int] = ..., stashed: _Optional[int] = ..., synchronous: _Optional[bool] = ..., throughput: _Optional[float] = ..., sessions: _Optional[int] = ..., session_capacity: _Optional[int] = ..., credits: _Optional[int] = ..., in_flight_credits: _Optional[int] = ...) -> None: ...

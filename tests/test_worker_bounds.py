@@ -183,9 +183,15 @@ def test_slot_pool_bounds_the_whole_and_each_caller():
 
 
 def test_worker_options_for_the_bounds_are_checked():
+    # The queue defaults to the stash's capacity (the in-flight depth the memory plan sizes).
     options = WorkerOptions()
+    assert (options.queue_capacity, options.queue_per_caller, options.control_queue,
+            options.concurrent_rpcs) == (64, 48, 64, 288)
+    assert replace(options, stash_capacity=16).queue_capacity == 16
+    options = WorkerOptions(max_queue=8)
     assert (options.queue_per_caller, options.control_queue, options.concurrent_rpcs) == (6, 8, 64)
     for bad, message in [(dict(max_queue_per_caller=9), "worker.max_queue_per_caller: 9 is above max_queue=8"),
+                         (dict(max_queue=0), "worker.max_queue: must be positive, got 0"),
                          (dict(max_rows=0), "worker.max_rows: must be positive, got 0"),
                          (dict(max_control_queue=-1), "worker.max_control_queue: must be positive"),
                          (dict(max_concurrent_rpcs=16), "worker.max_concurrent_rpcs: 16 leaves no room")]:

@@ -193,12 +193,13 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
             phases.enter("member", "join --no-sync-phases")
 
     def record() -> WorkerRecord:
-        info = worker.info()
+        info = worker.info()  # with the credits a trainer new to this worker would get
         return WorkerRecord(peer_id=swarm.peer_id, run_id=options.run_id, endpoint=worker.address,
                             stage=options.stage, n_stages=info.n_stages, throughput=float(info.throughput),
                             queue_depth=info.load, step=info.step, phase=info.phase, version=version,
                             updated_at=0.0, fingerprint=fingerprint, sessions=info.sessions,
-                            metrics_endpoint=metrics_endpoint,
+                            metrics_endpoint=metrics_endpoint, capacity=info.capacity, credits=info.credits,
+                            in_flight_credits=info.in_flight_credits,
                             averaging_rounds=sum(stats.rounds.values()) if stats is not None else 0,
                             averaging_committed=stats.rounds["committed"] if stats is not None else 0)
 

@@ -30,7 +30,9 @@ class WorkerOptions:
     # Asynchronous mode: None steps on the trainers' completed-batch reports (the stage's shared
     # epoch); a number steps on this replica's own samples instead, every that many.
     local_batch: int | None = None
-    max_queue: int = 8  # Forward/Backward requests admitted but not finished
+    # Forward/Backward requests admitted but not finished; None: the stash's capacity, the in-flight
+    # depth the memory plan sized this worker for (node/worker/flow.py shares it out as credits).
+    max_queue: int | None = None
     # Of those, what one caller identity may hold; None: three quarters (node/worker/bounds.py).
     max_queue_per_caller: int | None = None
     # Step and Abort calls admitted but not finished (their own pool, per-caller limited the same
@@ -66,32 +68,39 @@ class WorkerOptions:
     inference: InferenceOptions = InferenceOptions()
 
     @property
+    def queue_capacity(self) -> int:
+        """Forward/Backward requests held at once: `max_queue`, or the stash's capacity."""
+        return self.stash_capacity if self.max_queue is None else self.max_queue
+
+    @property
     def queue_per_caller(self) -> int:
-        return default_per_caller(self.max_queue) if self.max_queue_per_caller is None else self.max_queue_per_caller
+        if self.max_queue_per_caller is not None:
+            return self.max_queue_per_caller
+        return default_per_caller(self.queue_capacity)
 
     @property
     def control_queue(self) -> int:
-        return self.max_queue if self.max_control_queue is None else self.max_control_queue
+        return self.queue_capacity if self.max_control_queue is None else self.max_control_queue
 
     @property
     def concurrent_rpcs(self) -> int:
         if self.max_concurrent_rpcs is not None:
             return self.max_concurrent_rpcs
-        return 2 * (self.max_queue + self.control_queue) + 32
+        return 2 * (self.queue_capacity + self.control_queue) + 32
 
     def validate(self) -> "WorkerOptions":
-        for name in ("max_queue", "stash_capacity", "max_message_bytes", "max_stream_bytes", "stream_chunk_bytes"):
+        for name in ("stash_capacity", "max_message_bytes", "max_stream_bytes", "stream_chunk_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"worker.{name}: must be positive, got {getattr(self, name)}")
-        for name in ("max_queue_per_caller", "max_control_queue", "max_rows", "max_concurrent_rpcs"):
+        for name in ("max_queue", "max_queue_per_caller", "max_control_queue", "max_rows", "max_concurrent_rpcs"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"worker.{name}: must be positive, got {getattr(self, name)}")
-        if self.queue_per_caller > self.max_queue:
+        if self.queue_per_caller > self.queue_capacity:
             raise ConfigError(f"worker.max_queue_per_caller: {self.queue_per_caller} is above "
-                              f"max_queue={self.max_queue}")
-        if self.concurrent_rpcs <= self.max_queue + self.control_queue:
+                              f"max_queue={self.queue_capacity}")
+        if self.concurrent_rpcs <= self.queue_capacity + self.control_queue:
             raise ConfigError(f"worker.max_concurrent_rpcs: {self.concurrent_rpcs} leaves no room beside "
-                              f"max_queue={self.max_queue} and max_control_queue={self.control_queue} "
+                              f"max_queue={self.queue_capacity} and max_control_queue={self.control_queue} "
                               "(Info, health checks and refusals need calls too)")
         if self.pinned_weights < 0:
             raise ConfigError(f"worker.pinned_weights: must be >= 0, got {self.pinned_weights}")

@@ -12,9 +12,12 @@ Design choices:
   caller, run/stage addressing, the shapes its frames declare (rows <= train.microbatch_size or
   `max_rows`, sequence <= train.seq_len, wire width = model.wire_dim; INVALID_ARGUMENT naming the
   field and both values), then a queue slot. `load` counts Forward/Backward requests admitted but
-  not finished (queued or running); at `max_queue`, or at `max_queue_per_caller` for one caller
-  identity, the worker answers RESOURCE_EXHAUSTED at once instead of queueing without bound, and
-  the trainer routes elsewhere. A request leaves the count when its compute job finishes (or is
+  not finished (queued or running); at `max_queue` (by default the stash's capacity: the in-flight
+  depth the memory plan sized), or at `max_queue_per_caller` for one caller identity, the worker
+  answers RESOURCE_EXHAUSTED at once instead of queueing without bound, with the time a slot is
+  expected to free (`grpc-retry-pushback-ms`). Callers rarely get there: every Forward/Backward
+  reply carries the caller's credits (node/worker/flow.py), its share of a queue sized to keep the
+  compute thread busy across the callers' round trips, and a trainer keeps within them. A request leaves the count when its compute job finishes (or is
   cancelled before it starts), not when its caller gives up: a job already on the thread still
   occupies it. A stream is admitted on its first part and read under the byte budget of the
   geometry, within `stream_timeout_s`; one gRPC message is capped by the same budget, and `max_concurrent_rpcs` caps the
@@ -94,6 +97,7 @@ from agora.node.worker.bounds import (
     default_per_caller,
 )
 from agora.node.worker.compute import StageCompute
+from agora.node.worker.flow import Credits, FlowControl
 from agora.node.worker.request_frames import (
     ComputeError,
     DuplicateMicrobatch,
@@ -112,6 +116,7 @@ from agora.pipeline.optim import lr_at
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import RunFingerprint, run_fingerprint
 from agora.protos.stage_adapter import (
+    PUSHBACK_METADATA,
     AbortReply,
     AbortRequest,
     SERVICE_NAME,
@@ -175,8 +180,11 @@ class StageWorker:
         self._interceptors = interceptor_chain(check, *interceptors, outer=outer_interceptors, clock=clock)
         self._announced_host: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
-        self._slots = SlotPool(f"stage {stage_index} worker", self.options.max_queue, self.options.queue_per_caller,
-                               option="worker.max_queue_per_caller")
+        self._slots = SlotPool(f"stage {stage_index} worker", self.options.queue_capacity,
+                               self.options.queue_per_caller, option="worker.max_queue_per_caller")
+        # Credits for each caller (node/worker/flow.py); the tail keeps no forward stash.
+        self._flow = FlowControl(self.options.queue_capacity,
+                                 None if self.geometry.is_tail else self.options.stash_capacity, clock=clock)
         control = self.options.control_queue
         self._control_slots = SlotPool(f"stage {stage_index} worker's Step/Abort queue", control,
                                        default_per_caller(control), option="three quarters of max_control_queue")
@@ -219,6 +227,11 @@ class StageWorker:
     @property
     def load(self) -> int:
         return self._slots.in_use
+
+    @property
+    def flow(self) -> FlowControl:
+        """The callers' credits; what a caller new to this worker gets is `flow.grant(None)`."""
+        return self._flow
 
     @property
     def is_serving(self) -> bool:
@@ -302,9 +315,11 @@ class StageWorker:
         return self._port
 
     def _watch(self, metrics: WorkerMetrics, compute: StageCompute) -> None:
-        metrics.watch(load=lambda: self.load, capacity=self.options.max_queue, step=lambda: compute.optimizer.steps,
+        metrics.watch(load=lambda: self.load, capacity=self.options.queue_capacity,
+                      step=lambda: compute.optimizer.steps,
                       throughput=lambda: compute.throughput, phase=lambda: self.phase, phases=PHASES,
-                      refusals=self.refusals.snapshot)
+                      refusals=self.refusals.snapshot, callers=self._flow.active_callers,
+                      queue_target=self._flow.queue_target)
 
         def stepped(compute: StageCompute) -> None:  # compute thread, right after each step
             steps, last = compute.optimizer.steps, compute.last_step
@@ -397,9 +412,15 @@ class StageWorker:
         try:
             return pool.acquire(caller.owner)
         except SlotRefused as error:
-            # A full worker is routine load; one caller at its share is worth counting.
-            raise self._refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
-                                "caller_limit" if error.reason == "caller_limit" else None) from None
+            # A full worker is routine load; one caller at its share is worth counting. Either way the
+            # refusal says when a slot should free: the next job for a full pool, the caller's earliest
+            # own job (at most the others' jobs ahead of it) when it holds its share.
+            ahead = 1 if error.reason == "full" else pool.in_use - pool.held_by(caller.owner) + 1
+            pushback_ms = max(1, round(1e3 * self._flow.pushback_s(ahead)))
+            refusal = self._refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
+                                    "caller_limit" if error.reason == "caller_limit" else None)
+            refusal.trailing_metadata = ((PUSHBACK_METADATA, str(pushback_ms)),)
+            raise refusal from None
 
     def _admit(self, request: ForwardRequest | BackwardRequest, *, partial: bool) -> "_Admission":
         """Caller, addressing, declared shapes, then a queue slot: cheapest first, the slot last so
@@ -414,6 +435,7 @@ class StageWorker:
         forward = isinstance(request, ForwardRequest)
         budget = self.geometry.forward_budget() if forward else self.geometry.backward_budget()
         slot = self._slot(self._slots, caller)
+        self._flow.heard_from(caller.owner, request.round_trip_s)
         return _Admission(caller, slot, min(budget, self.options.max_stream_bytes),
                           self.geometry.describe_budget("Forward" if forward else "Backward"))
 
@@ -423,12 +445,20 @@ class StageWorker:
         if admission is None:
             admission = self._admit(request, partial=False)
             try:
-                return await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner),
-                                       request)
+                reply = await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner),
+                                        request)
             finally:
                 admission.close()
-        self._check_shapes(request, partial=False)  # a stream admitted on its first part is whole now
-        return await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner), request)
+        else:
+            self._check_shapes(request, partial=False)  # a stream admitted on its first part is whole now
+            reply = await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner), request)
+        return self._credited(admission.caller.owner, reply)
+
+    def _credited(self, owner: str, reply: T) -> T:
+        """The reply with the caller's credits now (node/worker/flow.py), its job's compute time counted."""
+        self._flow.observe_compute(reply.compute_s)
+        credits = self._flow.grant(owner)
+        return dataclasses.replace(reply, credits=credits.calls, in_flight_credits=credits.in_flight)
 
     async def _run(self, context: Any, slot: Slot, fn: Callable[[Any], T], request: Any) -> T:
         admitted = time.perf_counter()
@@ -472,14 +502,17 @@ class StageWorker:
             await context.abort(grpc.StatusCode.INTERNAL,
                                 f"stage {self.stage_index} failed: {type(error).__name__}: {error}")
 
-    def info(self) -> InfoReply:
+    def info(self, owner: str | None = None) -> InfoReply:
+        """Stage, step, phase and load; the credits are `owner`'s (None: a caller new to this worker)."""
         compute = self._compute
+        credits: Credits = self._flow.grant(owner)
         return InfoReply(
             run_id=self.run_id, stage=self.stage_index, n_stages=compute.n_stages,
             # Plain int reads of compute-thread state: a momentarily stale value is fine for routing.
-            step=compute.optimizer.steps, phase=self.phase, load=self.load, capacity=self.options.max_queue,
+            step=compute.optimizer.steps, phase=self.phase, load=self.load, capacity=self.options.queue_capacity,
             stashed=len(compute.stash), synchronous=self.options.synchronous, throughput=compute.throughput,
             sessions=len(self._inference.sessions), session_capacity=self._inference.sessions.max_sessions,
+            credits=credits.calls, in_flight_credits=credits.in_flight,
         )
 
 
@@ -532,7 +565,8 @@ class _StageService:
                                    lambda caller: self._worker._compute.abort(request, caller.owner))
 
     async def info(self, request: InfoRequest, context: Any) -> InfoReply:
-        return self._worker.info()
+        caller = current_caller()
+        return self._worker.info(None if caller is None else caller.owner)
 
 
 def _job_tokens(request: ForwardRequest | BackwardRequest) -> int:
