@@ -39,7 +39,8 @@ def _add_pinned_weights_argument(parser: argparse.ArgumentParser) -> None:
 def _add_in_flight_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-in-flight", type=int, default=None, metavar="N",
                         help="a fixed number of microbatches in the pipeline at once (default: adaptive, enough to "
-                             "hide the measured round trips behind the busiest stage's compute)")
+                             "hide the measured round trips behind the busiest stage's compute); either way within "
+                             "the workers' credits")
     parser.add_argument("--max-staleness", type=float, default=None, metavar="BATCHES",
                         help="adaptive depth: at most this many global batches' microbatches in flight (default 1; "
                              "more in flight is faster over long round trips and converges worse)")

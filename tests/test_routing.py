@@ -1,9 +1,10 @@
-"""Worker selection: earliest expected finish, newcomer handling, bans with backoff."""
+"""Worker selection: earliest expected finish, newcomer handling, bans with backoff, credits."""
 
-from agora.node.trainer.routing import Roster, WorkerView, pick_worker
+from agora.node.trainer.routing import MIN_CREDITS, Roster, WorkerView, pick_worker
 
 
 def _view(peer, stage=0, **fields):
+    fields.setdefault("granted_credits", 16)  # room enough that credits do not decide (their own tests below)
     return WorkerView(peer_id=peer, endpoint=f"127.0.0.1:{1000 + len(peer)}", stage=stage, **fields)
 
 
@@ -47,7 +48,60 @@ def test_failures_ban_with_exponential_backoff_and_success_resets():
     roster.started("a")
     roster.succeeded("a", 0.3)
     assert roster.workers["a"].failures == 0 and roster.workers["a"].measured_seconds == 0.3
-    assert roster.failed("b", now=0, busy=True) == 0.25 and roster.workers["b"].failures == 0
+
+
+def test_a_busy_answer_is_back_pressure_never_a_failure():
+    roster = Roster(microbatch_size=2)
+    roster.refresh([_view("a", granted_credits=4), _view("b", granted_credits=4)])
+    for _ in range(3):
+        roster.started("a")
+    roster.busy("a", now=0.0, pushback_s=0.2)  # 2 of its calls are still there: wait for them, no pause
+    a = roster.workers["a"]
+    assert (a.failures, a.banned_until, a.paused_until, a.in_flight, a.credits) == (0, 0.0, 0.0, 2, 2)
+    assert not a.has_credit(0.0) and roster.held_back(0, now=0.0)
+    assert roster.choose(0, now=0.0).peer_id == "b"  # the rest goes to the stage's other replica
+    roster.started("b")
+    roster.busy("b", now=0.0, pushback_s=0.2)  # none of ours there: paused for the worker's pushback
+    b = roster.workers["b"]
+    assert (b.failures, b.banned_until, b.paused_until, b.in_flight) == (0, 0.0, 0.2, 0)
+    assert roster.choose(0, now=0.1) is None and roster.held_back(0, now=0.1)
+    assert roster.next_pause_end(0, now=0.1) == 0.2 and roster.choose(0, now=0.2).peer_id == "b"
+    roster.busy("b", now=0.0, pushback_s=None)  # a busy answer without a pushback: a short pause
+    assert 0 < roster.workers["b"].paused_until - 0.0 <= 1.0
+    roster.busy("b", now=0.0, pushback_s=3600.0)  # a pushback is a hint, never a ban
+    assert roster.workers["b"].paused_until <= 1.0
+
+
+def test_credits_bound_the_calls_outstanding_and_replies_refresh_them():
+    roster = Roster(microbatch_size=2)
+    roster.refresh([WorkerView("a", "127.0.0.1:1", 0, announced_credits=3, announced_in_flight_credits=12),
+                    WorkerView("b", "127.0.0.1:2", 0)])
+    a, b = roster.workers["a"], roster.workers["b"]
+    assert (a.credits, a.in_flight_credits, b.credits, b.in_flight_credits) == (3, 12, MIN_CREDITS, 0)
+    for _ in range(3):
+        roster.started("a")
+    assert not a.has_credit(0.0) and a.in_flight == 3
+    roster.succeeded("a", 0.05, compute_s=0.01, queued_s=0.02, credits=5, in_flight_credits=7)
+    assert (a.credits, a.in_flight_credits, a.in_flight) == (5, 7, 2) and a.has_credit(0.0)
+    assert abs(a.round_trip_s - 0.02) < 1e-12  # the call's time outside the worker's compute and queue
+    roster.succeeded("a", 0.05, credits=0)  # a reply that states none keeps the last grant
+    assert a.credits == 5
+    # A later record keeps what the worker granted this trainer itself.
+    roster.refresh([WorkerView("a", "127.0.0.1:1", 0, announced_credits=1), WorkerView("b", "127.0.0.1:2", 0)])
+    assert roster.workers["a"].credits == 5
+
+
+def test_in_flight_cap_is_the_tightest_stage_over_its_replicas():
+    roster = Roster(microbatch_size=1)
+    roster.refresh([WorkerView("h1", "h:1", 0, announced_in_flight_credits=10),
+                    WorkerView("h2", "h:2", 0, announced_in_flight_credits=6),
+                    WorkerView("b", "b:1", 1, announced_in_flight_credits=12),
+                    WorkerView("syncing", "b:2", 1, phase="weight_sync", announced_in_flight_credits=50),
+                    WorkerView("t", "t:1", 2)])  # the tail keeps no stash: no bound from it
+    assert roster.in_flight_cap(3) == 12
+    assert roster.credits_of_stage(0) == 2 * MIN_CREDITS
+    roster.refresh([WorkerView("t", "t:1", 2)])
+    assert roster.in_flight_cap(3) is None
 
 
 def test_refresh_keeps_local_observations_and_drops_departed_workers():

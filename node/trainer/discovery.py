@@ -25,7 +25,8 @@ class StaticDiscovery:
     async def workers(self) -> list[WorkerView]:
         # Fresh views each time, as a DHT read gives: what a record announces, none of a trainer's own figures.
         return [WorkerView(v.peer_id, v.endpoint, v.stage, v.phase, announced_samples_per_s=v.announced_samples_per_s,
-                           announced_queue=v.announced_queue) for v in self.views]
+                           announced_queue=v.announced_queue, announced_credits=v.announced_credits,
+                           announced_in_flight_credits=v.announced_in_flight_credits) for v in self.views]
 
 
 @dataclass
@@ -48,6 +49,7 @@ class DHTDiscovery:
         by_stage = await self.swarm.all_workers_async(self.run_id, self.n_stages, fingerprint=self.fingerprint)
         return [
             WorkerView(peer_id=r.peer_id, endpoint=r.endpoint, stage=r.stage, phase=r.phase,
-                       announced_samples_per_s=r.throughput / self.seq_len, announced_queue=r.queue_depth)
+                       announced_samples_per_s=r.throughput / self.seq_len, announced_queue=r.queue_depth,
+                       announced_credits=r.credits, announced_in_flight_credits=r.in_flight_credits)
             for records in by_stage.values() for r in records if r.phase != "serving"
         ]

@@ -30,6 +30,17 @@ was slow for a moment (a load spike, an averaging round) could stay "slow" for g
 stepping on nothing, drifting from its stage until its averages no longer reach it. So a
 routable replica that got no microbatch of `PROBE_AFTER` global batches in a row gets the next
 one of the stage (`WorkerView.idle_batches`, kept by the trainer), which measures it afresh.
+
+Credits (flow control, node/worker/flow.py). Every reply of a worker says how many calls this
+trainer may have outstanding there (`credits`) and how many of its microbatches the worker keeps
+between Forward and Backward (`in_flight_credits`); before the first reply, what the worker's
+record announces for a newcomer, else `MIN_CREDITS`. A worker holding as many of this trainer's
+calls as its credits, or paused (it answered busy with a pushback), is not picked: the call
+waits at the trainer for a credit (`held_back`) instead of being refused at the worker. A busy
+answer is back-pressure, never a failure: no ban, no failure count; the credits shrink to the
+calls still outstanding there, or the worker is paused for its pushback when none is. The
+trainer's depth stays within `in_flight_cap`: the smallest sum over a stage's replicas of what
+each keeps for it.
 """
 
 from __future__ import annotations
@@ -39,7 +50,8 @@ from typing import Mapping
 
 from agora.dht.records import TRAINING_PHASES
 
-__all__ = ["BALANCE_SLACK", "PROBE_AFTER", "WorkerView", "Roster", "expected_finish_time", "pick_worker"]
+__all__ = ["BALANCE_SLACK", "PROBE_AFTER", "MIN_CREDITS", "WorkerView", "Roster", "expected_finish_time",
+           "pick_worker"]
 
 _NEWCOMER_PENALTY = 1.5
 _DEFAULT_SECONDS = 1.0
@@ -48,6 +60,13 @@ _ROUTABLE_PHASES = TRAINING_PHASES
 BALANCE_SLACK = 2.0
 # Global batches in a row without a microbatch before a routable replica is probed (module docstring).
 PROBE_AFTER = 3
+# Calls outstanding at a worker that has stated no credits (an older worker, a record without them).
+MIN_CREDITS = 2
+# A busy worker with none of this trainer's calls is paused for its pushback, this long if it sent
+# none, and never longer than the second figure (a pushback is a hint, not a ban).
+_DEFAULT_PAUSE_S, _MAX_PAUSE_S = 0.05, 1.0
+# Weight of the newest call in the moving average of a worker's round trip outside compute and queue.
+_ROUND_TRIP_SMOOTHING = 0.2
 
 
 @dataclass
@@ -64,6 +83,31 @@ class WorkerView:
     banned_until: float = 0.0
     successes: int = 0
     idle_batches: int = 0  # global batches in a row in which this trainer sent it no microbatch
+    # Flow control (module docstring): what the record announces for a newcomer, what the worker's
+    # last reply granted this trainer (None: no reply yet), and a pause after a busy answer.
+    announced_credits: int = 0
+    announced_in_flight_credits: int = 0
+    granted_credits: int | None = None
+    granted_in_flight_credits: int | None = None
+    paused_until: float = 0.0
+    round_trip_s: float | None = None  # moving average of a call's time outside the worker's compute and queue
+
+    @property
+    def credits(self) -> int:
+        """Calls this trainer may have outstanding at the worker now."""
+        if self.granted_credits is not None:
+            return max(1, self.granted_credits)
+        return self.announced_credits or MIN_CREDITS
+
+    @property
+    def in_flight_credits(self) -> int:
+        """Microbatches of this trainer the worker keeps between Forward and Backward (0: no bound)."""
+        if self.granted_in_flight_credits is not None:
+            return self.granted_in_flight_credits
+        return self.announced_in_flight_credits
+
+    def has_credit(self, now: float) -> bool:
+        return self.in_flight < self.credits and self.paused_until <= now
 
     def seconds_per_microbatch(self, microbatch_size: int) -> float | None:
         if self.measured_seconds is not None:
@@ -83,15 +127,18 @@ def expected_finish_time(view: WorkerView, microbatch_size: int, fallback_second
                                                                                 fallback_seconds)
 
 
+def _routable(view: WorkerView, now: float, exclude: frozenset[str] = frozenset()) -> bool:
+    return view.phase in _ROUTABLE_PHASES and view.banned_until <= now and view.peer_id not in exclude
+
+
 def pick_worker(candidates: list[WorkerView], now: float, microbatch_size: int,
                 exclude: frozenset[str] = frozenset(), shares: Mapping[str, int] | None = None) -> WorkerView | None:
-    """The routable, unbanned candidate with the earliest expected finish; ties by peer id.
+    """The routable, unbanned candidate with a credit free and the earliest expected finish; ties by peer id.
 
     With `shares` (microbatches of the current global batch per peer id), the smallest share among
     the candidates within `BALANCE_SLACK` of the fastest (see the module docstring).
     """
-    usable = [v for v in candidates
-              if v.phase in _ROUTABLE_PHASES and v.banned_until <= now and v.peer_id not in exclude]
+    usable = [v for v in candidates if _routable(v, now, exclude) and v.has_credit(now)]
     if not usable:
         return None
     known = [s for v in usable if (s := v.seconds_per_microbatch(microbatch_size)) is not None]
@@ -138,6 +185,8 @@ class Roster:
                 known.phase, known.stage = view.phase, view.stage
                 known.announced_samples_per_s = view.announced_samples_per_s
                 known.announced_queue = view.announced_queue
+                known.announced_credits = view.announced_credits
+                known.announced_in_flight_credits = view.announced_in_flight_credits
                 view = known
             fresh[view.peer_id] = view
         self.workers = fresh
@@ -158,11 +207,39 @@ class Roster:
                shares: Mapping[str, int] | None = None) -> WorkerView | None:
         return pick_worker(self.of_stage(stage), now, self.microbatch_size, exclude, shares)
 
+    def held_back(self, stage: int, now: float, exclude: frozenset[str] = frozenset()) -> bool:
+        """Whether `stage` has routable workers that only lack a credit (or are paused after a busy
+        answer): the call waits for one to free, rather than for the swarm to change."""
+        return any(_routable(v, now, exclude) and not v.has_credit(now) for v in self.of_stage(stage))
+
+    def next_pause_end(self, stage: int, now: float) -> float | None:
+        """When the first paused worker of `stage` may be called again (None: none is paused)."""
+        ends = [v.paused_until for v in self.of_stage(stage) if v.paused_until > now]
+        return min(ends, default=None)
+
+    def in_flight_cap(self, stages: int) -> int | None:
+        """The most microbatches this trainer may have between Forward and Backward: per stage the sum
+        of what its routable replicas keep for it, the smallest over the stages that keep any. None:
+        no stage states a bound."""
+        caps = []
+        for stage in range(stages):
+            keeps = [v.in_flight_credits for v in self.of_stage(stage) if v.phase in _ROUTABLE_PHASES]
+            if keeps and all(keeps):
+                caps.append(sum(keeps))
+        return min(caps, default=None)
+
+    def credits_of_stage(self, stage: int) -> int:
+        """Calls this trainer may have outstanding on `stage`, over its routable replicas."""
+        return sum(v.credits for v in self.of_stage(stage) if v.phase in _ROUTABLE_PHASES)
+
     def started(self, peer_id: str) -> None:
         if peer_id in self.workers:
             self.workers[peer_id].in_flight += 1
 
-    def succeeded(self, peer_id: str, seconds: float) -> None:
+    def succeeded(self, peer_id: str, seconds: float, *, compute_s: float = 0.0, queued_s: float = 0.0,
+                  credits: int = 0, in_flight_credits: int = 0) -> None:
+        """A call returned after `seconds`, of which the worker spent `compute_s` and `queued_s`; its
+        reply granted `credits` and `in_flight_credits` (0 credits: it states none)."""
         view = self.workers.get(peer_id)
         if view is None:
             return
@@ -171,17 +248,39 @@ class Roster:
         view.failures = 0
         view.measured_seconds = seconds if view.measured_seconds is None else \
             self.ema_decay * view.measured_seconds + (1 - self.ema_decay) * seconds
+        outside = max(0.0, seconds - compute_s - queued_s)
+        view.round_trip_s = outside if view.round_trip_s is None else \
+            view.round_trip_s + _ROUND_TRIP_SMOOTHING * (outside - view.round_trip_s)
+        if credits > 0:
+            view.granted_credits, view.granted_in_flight_credits = credits, in_flight_credits
 
-    def failed(self, peer_id: str, now: float, *, busy: bool = False) -> float:
-        """Record a failed call; returns the ban length. A busy worker gets a short pause only."""
+    def released(self, peer_id: str) -> None:
+        """A call picked for this worker was never sent (cancelled while it waited)."""
+        view = self.workers.get(peer_id)
+        if view is not None:
+            view.in_flight = max(0, view.in_flight - 1)
+
+    def busy(self, peer_id: str, now: float, pushback_s: float | None) -> None:
+        """The worker refused a call for being full (RESOURCE_EXHAUSTED): back-pressure, not a failure.
+        With calls of this trainer still there, wait for one of them (its reply brings fresh credits);
+        with none, pause it for the worker's pushback (or a short default)."""
+        view = self.workers.get(peer_id)
+        if view is None:
+            return
+        view.in_flight = max(0, view.in_flight - 1)
+        if view.in_flight > 0:
+            view.granted_credits = view.in_flight
+        else:
+            pause = pushback_s if pushback_s is not None and pushback_s > 0 else _DEFAULT_PAUSE_S
+            view.paused_until = max(view.paused_until, now + min(pause, _MAX_PAUSE_S))
+
+    def failed(self, peer_id: str, now: float) -> float:
+        """Record a failed call (the worker is dead, wrong, or refused the request); returns the ban length."""
         view = self.workers.get(peer_id)
         if view is None:
             return 0.0
         view.in_flight = max(0, view.in_flight - 1)
-        if busy:
-            ban = min(self.ban_base_s / 4, self.ban_max_s)
-        else:
-            view.failures += 1
-            ban = min(self.ban_base_s * 2 ** (view.failures - 1), self.ban_max_s)
+        view.failures += 1
+        ban = min(self.ban_base_s * 2 ** (view.failures - 1), self.ban_max_s)
         view.banned_until = max(view.banned_until, now + ban)
         return ban

@@ -10,7 +10,8 @@ Design choices:
   so building a tensor of every reply (a copy and a pass over it, per hop) was work for nothing;
   `ForwardResult.wire` and `.input_grad` decode on demand for callers that want tensors.
 - Errors are typed by what the trainer should do, and each carries the gRPC status code:
-  `WorkerBusy` (RESOURCE_EXHAUSTED: route elsewhere, no penalty), `RequestRefused` (the worker
+  `WorkerBusy` (RESOURCE_EXHAUSTED: back-pressure, wait and call again, no penalty; it carries the
+  worker's pushback, gRPC's `grpc-retry-pushback-ms`), `RequestRefused` (the worker
   judged the request or its state wrong: rerun the microbatch), `WorkerUnreachable` (transport,
   deadline: reroute and back off), `BadReply` (ban-worthy). `StageCallError` is their base.
 - Every call has a deadline (`timeout_s`, per call or the client default).
@@ -25,6 +26,8 @@ Design choices:
   counted each way.
 - Every call carries this run's fingerprint (`agora-run-fingerprint` metadata); a worker of
   another run configuration refuses it, naming the differing field.
+- Flow control (node/worker/flow.py): Forward and Backward send the caller's measured round trip to
+  the worker, and their results carry the credits the worker granted in reply.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from agora.pipeline.codec import WireCodec, WireFormatError, encode_tokens, floa
 from agora.pipeline.config import ModelConfig
 from agora.pipeline.fingerprint import RunFingerprint
 from agora.protos.stage_adapter import (
+    PUSHBACK_METADATA,
     AbortReply,
     AbortRequest,
     BackwardRequest,
@@ -85,7 +89,14 @@ class StageCallError(Exception):
 
 
 class WorkerBusy(StageCallError):
-    """RESOURCE_EXHAUSTED: the worker is full (or the payload over its limit); try another replica."""
+    """RESOURCE_EXHAUSTED: the worker is full, or this caller holds its share there (back-pressure:
+    call again once a slot frees, on this replica or another). `pushback_s`: when the worker expects
+    one to (None: it did not say)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, *, address: str, method: str,
+                 pushback_s: float | None = None):
+        super().__init__(code, details, address=address, method=method)
+        self.pushback_s = pushback_s
 
 
 class RequestRefused(StageCallError):
@@ -122,9 +133,23 @@ _ERROR_BY_CODE = {
 }
 
 
-def error_for(code: grpc.StatusCode, details: str, *, address: str, method: str) -> StageCallError:
-    """The typed error for a status code (INTERNAL, UNKNOWN, ... stay the base class)."""
-    return _ERROR_BY_CODE.get(code, StageCallError)(code, details, address=address, method=method)
+def error_for(code: grpc.StatusCode, details: str, *, address: str, method: str,
+              trailing_metadata: Any = ()) -> StageCallError:
+    """The typed error for a status code (INTERNAL, UNKNOWN, ... stay the base class); a busy one
+    with the pushback its trailing metadata carries."""
+    cls = _ERROR_BY_CODE.get(code, StageCallError)
+    if cls is WorkerBusy:
+        return WorkerBusy(code, details, address=address, method=method, pushback_s=pushback_s(trailing_metadata))
+    return cls(code, details, address=address, method=method)
+
+
+def pushback_s(trailing_metadata: Any) -> float | None:
+    """Seconds of a `grpc-retry-pushback-ms` entry (None: absent, or not a whole non-negative number)."""
+    for key, value in trailing_metadata or ():
+        if key == PUSHBACK_METADATA:
+            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+            return int(text) / 1e3 if text.isdigit() and len(text) <= 9 else None
+    return None
 
 
 def _tensor(codec: WireCodec, frame: bytes) -> torch.Tensor | None:
@@ -142,6 +167,8 @@ class ForwardResult:
     compute_s: float = 0.0
     codec: WireCodec = WireCodec()
     repeat: bool = False  # tail: the worker had applied this work already (not accumulated again)
+    credits: int = 0  # calls this trainer may have outstanding at the worker now (0: not stated)
+    in_flight_credits: int = 0  # microbatches of this trainer it keeps for their Backward (0: no bound)
 
     @property
     def wire(self) -> torch.Tensor | None:
@@ -162,6 +189,8 @@ class BackwardResult:
     compute_s: float = 0.0
     codec: WireCodec = WireCodec()
     repeat: bool = False  # the worker had applied this work already (not accumulated again)
+    credits: int = 0
+    in_flight_credits: int = 0
 
     @property
     def input_grad(self) -> torch.Tensor | None:
@@ -259,7 +288,8 @@ class StageClient:
                 self._metrics.exchanged(method, payload_bytes(request), payload_bytes(reply))
             return reply
         except grpc.aio.AioRpcError as error:
-            raise error_for(error.code(), error.details() or "", address=self.address, method=method) from None
+            raise error_for(error.code(), error.details() or "", address=self.address, method=method,
+                            trailing_metadata=error.trailing_metadata()) from None
         except PayloadTooLarge as error:
             raise BadReply(grpc.StatusCode.DATA_LOSS, str(error), address=self.address, method=method) from None
 
@@ -306,13 +336,16 @@ class StageClient:
 
     async def forward(self, microbatch_id: str, tokens: torch.Tensor | bytes,
                       wire: torch.Tensor | bytes | None = None, targets: torch.Tensor | bytes | None = None,
-                      *, evaluate: bool = False, work_key: str = "", timeout_s: float | None = None) -> ForwardResult:
+                      *, evaluate: bool = False, work_key: str = "", round_trip_s: float = 0.0,
+                      timeout_s: float | None = None) -> ForwardResult:
         """Forward on this stage. Tail: `targets` required; the result has the loss and input gradient
         (`evaluate`: the held-out loss only, nothing stashed or accumulated anywhere). `work_key`:
-        the unit and index trained on, the same for every attempt (applied once per worker)."""
+        the unit and index trained on, the same for every attempt (applied once per worker).
+        `round_trip_s`: this trainer's measured round trip to the worker outside its compute and queue."""
         request = ForwardRequest(run_id=self.run_id, microbatch_id=microbatch_id, stage=self.stage,
                                  tokens=self._token_frame(tokens), wire=self._frame(wire),
-                                 targets=self._token_frame(targets), evaluate=evaluate, work_key=work_key)
+                                 targets=self._token_frame(targets), evaluate=evaluate, work_key=work_key,
+                                 round_trip_s=round_trip_s)
         shape = (None, None, self.model.wire_dim)
         if isinstance(tokens, torch.Tensor):
             shape = (*tokens.shape, self.model.wire_dim)
@@ -333,13 +366,14 @@ class StageClient:
         wire_out = self._check(reply.wire, shape, "Forward") if reply.wire else b""
         grad = self._check(reply.input_grad, shape, "Forward") if reply.input_grad else b""
         return ForwardResult(loss=reply.loss, step=reply.step, wire_frame=wire_out, grad_frame=grad,
-                             queued_s=reply.queued_s, compute_s=reply.compute_s, codec=self.codec, repeat=reply.repeat)
+                             queued_s=reply.queued_s, compute_s=reply.compute_s, codec=self.codec, repeat=reply.repeat,
+                             credits=reply.credits, in_flight_credits=reply.in_flight_credits)
 
     async def backward(self, microbatch_id: str, output_grad: torch.Tensor | bytes,
-                       *, timeout_s: float | None = None) -> BackwardResult:
+                       *, round_trip_s: float = 0.0, timeout_s: float | None = None) -> BackwardResult:
         """Backward on this stage (head or body), pinned to the worker that ran the forward."""
         request = BackwardRequest(run_id=self.run_id, microbatch_id=microbatch_id, stage=self.stage,
-                                  output_grad=self._frame(output_grad))
+                                  output_grad=self._frame(output_grad), round_trip_s=round_trip_s)
         shape = (None, None, self.model.wire_dim)
         if isinstance(output_grad, torch.Tensor):
             shape = tuple(output_grad.shape)
@@ -352,7 +386,8 @@ class StageClient:
         reply = await self._invoke("Backward", call, timeout_s, request)
         grad = self._check(reply.input_grad, shape, "Backward") if reply.input_grad else b""
         return BackwardResult(step=reply.step, grad_frame=grad, queued_s=reply.queued_s, compute_s=reply.compute_s,
-                              codec=self.codec, repeat=reply.repeat)
+                              codec=self.codec, repeat=reply.repeat, credits=reply.credits,
+                              in_flight_credits=reply.in_flight_credits)
 
     async def step(self, microbatches: int, *, step: int | None = None,
                    timeout_s: float | None = None) -> StepReply:

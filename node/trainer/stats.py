@@ -68,6 +68,20 @@ class TrainerStats:
     def banned(self) -> None:
         self.metrics.bans.inc()
 
+    def depth(self, limit: int, credit_cap: int | None, stage_credits: list[int]) -> None:
+        """The in-flight limit now, the workers' in-flight credits bounding it (None: none states one)
+        and the calls each stage lets this trainer have outstanding."""
+        self.depth_max = max(self.depth_max, limit)
+        self.metrics.in_flight_limit.set(limit)
+        self.metrics.in_flight_credits.set(float("nan") if credit_cap is None else credit_cap)
+        for stage, credits in enumerate(stage_credits):
+            self.metrics.stage_credits.labels(stage=str(stage)).set(credits)
+            self.metrics.credit_wait.labels(stage=str(stage))  # a series from the start, 0 until a call waits
+
+    def credit_wait(self, stage: int, seconds: float) -> None:
+        if seconds > 0:
+            self.metrics.credit_wait.labels(stage=str(stage)).inc(seconds)
+
     def aborted(self, outcome: str) -> None:
         self.metrics.aborts.labels(outcome=outcome).inc()
         self._abort_outcomes.add(outcome)
@@ -111,6 +125,11 @@ class TrainerStats:
         return int(self._value("agora_trainer_busy_retries_total"))
 
     @property
+    def calls(self) -> int:
+        """Forward and Backward calls answered (busy refusals not included)."""
+        return sum(split["calls"] for split in self.time_split().values())
+
+    @property
     def bans(self) -> int:
         return int(self._value("agora_trainer_bans_total"))
 
@@ -133,7 +152,8 @@ class TrainerStats:
 
     def time_split(self) -> dict[str, dict[str, float]]:
         """Per stage: calls, and mean milliseconds per call of the round trip, the worker's compute,
-        its queue, and the rest (serialization, gRPC, the wire, decoding)."""
+        its queue, and the rest (serialization, gRPC, the wire, decoding); and the time a call waited
+        here for a worker's credit before it was sent (not part of the round trip)."""
         split = {}
         for stage in sorted(self._stages):
             label = str(stage)
@@ -143,10 +163,12 @@ class TrainerStats:
                              for m in ("Forward", "Backward"))
             compute = self._value("agora_trainer_call_compute_seconds_total", stage=label)
             queued = self._value("agora_trainer_call_queued_seconds_total", stage=label)
+            credit_wait = self._value("agora_trainer_credit_wait_seconds_total", stage=label)
             per_call = 1e3 / max(1.0, calls)
             split[label] = {"calls": int(calls), "round_trip_ms": round_trip * per_call,
                             "compute_ms": compute * per_call, "queued_ms": queued * per_call,
-                            "wire_ms": max(0.0, round_trip - compute - queued) * per_call}
+                            "wire_ms": max(0.0, round_trip - compute - queued) * per_call,
+                            "credit_wait_ms": credit_wait * per_call}
         return split
 
     def trainer_split(self) -> dict[str, float]:

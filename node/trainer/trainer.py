@@ -15,7 +15,17 @@ the busiest stage is busy all the time. In asynchronous mode the depth adapts to
 measures (node/trainer/inflight.py): enough microbatches to hide one microbatch's unqueued
 latency (compute, round trips, the trainer's own work) behind the busiest stage's compute, capped
 by `max_staleness` global batches; `--max-in-flight N` fixes it instead. Synchronous mode keeps
-half a global batch (its barrier closes every batch anyway).
+half a global batch (its barrier closes every batch anyway). Whatever sets it, the depth stays
+within the workers' credits (node/worker/flow.py): what they keep for this trainer between Forward
+and Backward, and the calls they let it have outstanding.
+
+Flow control. A worker's reply says how many calls this trainer may have outstanding there; a call
+to a worker at its credits waits here for one to free (or goes to another replica of the stage), so
+the worker is not asked for more than it holds. A busy answer (RESOURCE_EXHAUSTED, which a trainer
+keeping to its credits meets only when the worker is shared with callers it cannot tell apart) is
+back-pressure: the same call is made again once a credit frees or the worker's pushback has passed,
+on the route built so far, and it is no failed attempt, no ban, no batch given back. Only real
+failures (a dead or wrong worker, a refused request) abandon a route.
 
 Every replica of every stage steps once per global batch. Synchronous mode (one replica per
 stage) closes each global batch with a Step barrier on every stage: this is the centralized run,
@@ -40,7 +50,7 @@ import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import IO, AsyncContextManager, Awaitable, Callable
+from typing import IO, Any, AsyncContextManager, Awaitable, Callable
 
 import torch
 
@@ -71,6 +81,8 @@ logger = logging.getLogger("agora.node.trainer")
 
 # How often a trainer with nothing to run looks again for a free unit (others hold the rest).
 _IDLE_POLL_S = 0.5
+# The longest a call waits for a worker's credit before looking at the roster again.
+_CREDIT_POLL_S = 0.5
 
 
 class MicrobatchFailed(RuntimeError):
@@ -169,6 +181,7 @@ class SwarmTrainer:
         initial = min(self.max_in_flight, max(1, config.train.microbatches // 2)) if self.adaptive else self.max_in_flight
         self._in_flight = InFlightLimit(initial)
         self.depth = DepthEstimate(self.n_stages)
+        self._returned = asyncio.Event()  # set (and replaced) whenever a call returns: a credit freed
 
     # ------------------------------------------------------------------ workers
 
@@ -191,21 +204,29 @@ class SwarmTrainer:
             self.roster.refresh(await self.discovery.workers())
             self._last_refresh = self.clock()
 
-    async def _pick(self, stage: int, exclude: frozenset[str], shares: Counter | None = None) -> WorkerView:
-        """A worker for `stage`; with `shares` (this batch's microbatches per peer on the stage),
-        balanced across replicas (see node/trainer/routing.py) and counted there."""
+    async def _pick(self, stage: int, exclude: frozenset[str], shares: Counter | None = None) -> tuple[WorkerView, float]:
+        """A worker for `stage` with a credit free, reserved for the call about to be made; with
+        `shares` (this batch's microbatches per peer on the stage), balanced across replicas (see
+        node/trainer/routing.py) and counted there. Also returns the seconds it waited for a credit."""
         waiting_since = self.clock()
         notice = waiting_since + self.options.wait_notice_s
         pause = 0.05
+        credit_wait = 0.0
         while True:
             await self.refresh()
-            view = self.roster.choose(stage, self.clock(), exclude, shares)
-            if view is None and exclude:
-                view = self.roster.choose(stage, self.clock(), shares=shares)  # retry a peer rather than stall
+            now = self.clock()
+            view = self.roster.choose(stage, now, exclude, shares)
+            if view is None and exclude and not self.roster.held_back(stage, now, exclude):
+                view = self.roster.choose(stage, now, shares=shares)  # retry a peer rather than stall
             if view is not None:
+                self.roster.started(view.peer_id)  # no await between the choice and the reservation
                 if shares is not None:
                     shares[view.peer_id] += 1
-                return view
+                return view, credit_wait
+            if self.roster.held_back(stage, now):  # workers there, at their credits: wait for one to free
+                await self._credit_freed(self.roster.next_pause_end(stage, now))
+                credit_wait += self.clock() - now
+                continue
             if self.clock() >= notice:  # a stage emptied by churn: wait for a worker to (re)join
                 notice = self.clock() + self.options.wait_notice_s
                 logger.warning("waiting for a worker of stage %d: none routable for %.0f s (%d known)", stage,
@@ -216,24 +237,94 @@ class SwarmTrainer:
             pause = min(pause * 2, 2.0)
             await self.refresh(force=True)
 
+    async def _pinned(self, view: WorkerView) -> tuple[WorkerView, float]:
+        """`view` itself (a Backward goes to the worker that ran its forward) once it has a credit free,
+        reserved; and the seconds waited. A worker gone from the roster is called anyway: the call says."""
+        waited = 0.0
+        while True:
+            now = self.clock()
+            current = self.roster.workers.get(view.peer_id)
+            if current is None or current.has_credit(now):
+                self.roster.started(view.peer_id)
+                return view, waited
+            await self._credit_freed(current.paused_until if current.paused_until > now else None)
+            waited += self.clock() - now
+
+    async def _credit_freed(self, until: float | None) -> None:
+        """Until a call of this trainer returns (a credit frees and fresh ones arrive), a paused worker may
+        be called again (`until`, this trainer's clock), or `_CREDIT_POLL_S` at most."""
+        timeout = _CREDIT_POLL_S if until is None else min(_CREDIT_POLL_S, max(0.0, until - self.clock()))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._returned.wait(), timeout)
+
+    def _call_returned(self) -> None:
+        returned, self._returned = self._returned, asyncio.Event()
+        returned.set()
+
+    async def _call_stage(self, stage: int, pick: Callable[[], Awaitable[tuple[WorkerView, float]]],
+                          call: Callable[[WorkerView], Awaitable], *, training: bool,
+                          route: list[WorkerView] | None = None,
+                          unpick: Callable[[WorkerView], None] | None = None) -> tuple[WorkerView, Any, float]:
+        """One call to `stage` under flow control: `pick` a worker with a credit free (it waits for one),
+        wait for the completed-batch report it is owed, call. A busy answer is back-pressure: the call is
+        made again once a credit frees (on that replica or another: `pick` decides; `unpick` takes back
+        what picking counted), and counts as no failure. Only a worker busy for every call of this one
+        for `call_timeout_s` counts as failed (it is stuck, or refuses for good). `route`: the workers
+        this microbatch touched, for its Abort. Returns the worker, the result and the seconds waited
+        for credits."""
+        waited = 0.0
+        busy_since: float | None = None
+        while True:
+            view, credit_wait = await pick()
+            waited += credit_wait
+            self.stats.credit_wait(stage, credit_wait)
+            try:
+                if training:
+                    await self._reported(stage, view.peer_id)
+            except BaseException:
+                self.roster.released(view.peer_id)
+                raise
+            if route is not None:
+                route.append(view)
+            try:
+                return view, await self._timed(view, call(view), training=training), waited
+            except WorkerBusy:
+                if route is not None:
+                    route.pop()  # refused at the door: it holds nothing of this microbatch
+                if unpick is not None:
+                    unpick(view)
+                self.stats.busy_retry()
+                busy_since = self.clock() if busy_since is None else busy_since
+                if self.clock() - busy_since >= self.options.call_timeout_s:
+                    raise
+
     async def _timed(self, view: WorkerView, call: Awaitable, training: bool = True):
-        self.roster.started(view.peer_id)
+        """Await a call to `view`, reserved by `_pick`/`_pinned`: record its outcome in the roster (a busy
+        answer as back-pressure, a failure with a ban) and its time split."""
         started = self.clock()
         try:
             result = await call
+        except WorkerBusy as error:
+            self.roster.busy(view.peer_id, self.clock(), error.pushback_s)
+            raise
         except StageCallError as error:
-            busy = isinstance(error, WorkerBusy)
-            ban_s = self.roster.failed(view.peer_id, self.clock(), busy=busy)
-            if not busy and ban_s > 0:
+            ban_s = self.roster.failed(view.peer_id, self.clock())
+            if ban_s > 0:
                 self.stats.banned()
                 logger.info("ban %s (stage %d) for %.1f s: %s", view.endpoint, view.stage, ban_s, error.code.name,
                             extra={"milestone": "ban", "fields": {"stage": view.stage, "endpoint": view.endpoint,
                                                                   "seconds": ban_s, "code": error.code.name}})
             raise
+        except BaseException:
+            self.roster.released(view.peer_id)
+            raise
+        finally:
+            self._call_returned()
         seconds = self.clock() - started
         if training:
             self.stats.calls_s += seconds
-        self.roster.succeeded(view.peer_id, seconds)
+        self.roster.succeeded(view.peer_id, seconds, compute_s=result.compute_s, queued_s=result.queued_s,
+                              credits=result.credits, in_flight_credits=result.in_flight_credits)
         self.stats.call(view.stage, type(result).__name__.removesuffix("Result"), seconds, result.compute_s,
                         result.queued_s)
         return result
@@ -273,51 +364,74 @@ class SwarmTrainer:
         result = None
         started = self.clock()
         compute = [0.0] * self.n_stages  # each stage's compute on this microbatch, and all its queueing
-        queued = 0.0
+        queued = 0.0  # at the workers and here, waiting for their credits
         for stage in range(self.n_stages):
-            view = await self._pick(stage, exclude, None if shares is None else shares[stage])
-            route.append(view)
-            if not evaluate:
-                await self._reported(stage, view.peer_id)
+            stage_shares = None if shares is None else shares[stage]
             tail = stage == self.n_stages - 1
-            call = self._client(view).forward(microbatch_id, tokens, wire, targets if tail else None,
-                                              evaluate=evaluate, work_key=work_key)
+
+            def forward(view: WorkerView, wire=wire, tail=tail):
+                return self._client(view).forward(microbatch_id, tokens, wire, targets if tail else None,
+                                                  evaluate=evaluate, work_key=work_key,
+                                                  round_trip_s=view.round_trip_s or 0.0)
+
+            def unpick(view: WorkerView, stage_shares=stage_shares) -> None:
+                if stage_shares is not None:
+                    stage_shares[view.peer_id] -= 1
+
+            # Synchronous mode: the tail's turn is taken before its credit, so a microbatch waiting for
+            # its turn never holds a credit the one before it needs.
             async with (turn(stage) if tail and turn is not None else contextlib.nullcontext()):
-                result = await self._timed(view, call, training=not evaluate)
+                _, result, waited = await self._call_stage(
+                    stage, functools.partial(self._pick, stage, exclude, stage_shares), forward,
+                    training=not evaluate, route=route, unpick=unpick)
             if result.repeat:
                 self.stats.repeated(stage)
             wire = result.wire_frame
             compute[stage] += result.compute_s
-            queued += result.queued_s
+            queued += result.queued_s + waited
         if evaluate:
             return float(result.loss)
         if on_stage_done is not None:
             on_stage_done(self.n_stages - 1)  # the tail accumulated its gradient inside Forward
         grad = result.grad_frame
         for stage in reversed(range(self.n_stages - 1)):
-            view = route[stage]
-            await self._reported(stage, view.peer_id)
+            def backward(view: WorkerView, grad=grad):
+                return self._client(view).backward(microbatch_id, grad, round_trip_s=view.round_trip_s or 0.0)
+
             async with (turn(stage) if turn is not None else contextlib.nullcontext()):
-                back = await self._timed(view, self._client(view).backward(microbatch_id, grad))
+                _, back, waited = await self._call_stage(stage, functools.partial(self._pinned, route[stage]),
+                                                         backward, training=True)
             if back.repeat:
                 self.stats.repeated(stage)
             grad = back.grad_frame
             compute[stage] += back.compute_s
-            queued += back.queued_s
+            queued += back.queued_s + waited
             if on_stage_done is not None:
                 on_stage_done(stage)
         await self._observe_depth(self.clock() - started, compute, queued)
         return float(result.loss)
 
+    def depth_cap(self) -> int:
+        """The most microbatches in flight now: the configured cap (staleness, or a fixed depth), within what
+        the workers keep for this trainer between Forward and Backward (their in-flight credits), and within
+        the calls they let it have outstanding over all stages: a microbatch in flight holds one such call
+        or waits here for one, so a deeper pipeline would only wait here, growing staler."""
+        cap = self.max_in_flight
+        credit_cap = self.roster.in_flight_cap(self.n_stages)
+        if credit_cap is not None:
+            cap = min(cap, credit_cap)
+        calls = sum(self.roster.credits_of_stage(stage) for stage in range(self.n_stages))
+        return max(1, min(cap, calls)) if calls else max(1, cap)
+
     async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:
         """Feed one training microbatch to the depth estimate and resize the in-flight limit."""
         self.depth.observe(wall_s, compute, queued_s)
-        if not self.adaptive:
-            return
-        depth = self.depth.depth(cap=self.max_in_flight)
+        cap = self.depth_cap()
+        depth = self.depth.depth(cap=cap) if self.adaptive else cap
         if depth is not None and depth != self._in_flight.limit:
             await self._in_flight.set(depth)
-        self.stats.depth_max = max(self.stats.depth_max, self._in_flight.limit)
+        self.stats.depth(self._in_flight.limit, self.roster.in_flight_cap(self.n_stages),
+                         [self.roster.credits_of_stage(stage) for stage in range(self.n_stages)])
 
     async def _reported(self, stage: int, peer_id: str) -> None:
         """Wait until the replica about to be called has taken the completed-batch report sent to it last.
@@ -353,19 +467,16 @@ class SwarmTrainer:
                 if not evaluate:
                     self.stats.microbatch_done()
                 return loss
-            except StageCallError as error:
+            except StageCallError as error:  # a real failure: busy answers were waited out in `_call_stage`
                 last_error = error
-                if isinstance(error, WorkerBusy):
-                    self.stats.busy_retry()
-                else:
-                    peer = next((v.peer_id for v in self.roster.workers.values()
-                                 if v.endpoint == error.address), error.address)
-                    exclude.add(peer)
-                    self.stats.rerouted(peer)
-                    logger.warning("reroute microbatch %s (attempt %d): %s", key, attempt + 1, error,
-                                   extra={"milestone": "reroute",
-                                          "fields": {"microbatch": key, "attempt": attempt + 1,
-                                                     "endpoint": error.address, "code": error.code.name}})
+                peer = next((v.peer_id for v in self.roster.workers.values()
+                             if v.endpoint == error.address), error.address)
+                exclude.add(peer)
+                self.stats.rerouted(peer)
+                logger.warning("reroute microbatch %s (attempt %d): %s", key, attempt + 1, error,
+                               extra={"milestone": "reroute",
+                                      "fields": {"microbatch": key, "attempt": attempt + 1,
+                                                 "endpoint": error.address, "code": error.code.name}})
                 await self.refresh(force=True)
         raise MicrobatchFailed(f"microbatch {key} failed {self.options.max_attempts} times; last: {last_error}")
 
@@ -557,20 +668,29 @@ class SwarmTrainer:
         return budget is not None and self.clock() - self._run_started >= budget
 
     def in_flight_summary(self) -> dict:
-        """The depth: how it was set, its cap, the last and the largest limit, and what it was derived from."""
+        """The depth: how it was set, its cap, the last and the largest limit, what it was derived from, and
+        the workers' credits for this trainer at the end (in flight, calls per stage)."""
         estimate = self.depth
         return {"mode": "adaptive" if self.adaptive else "fixed", "cap": self.max_in_flight,
                 "last": self._in_flight.limit, "max": max(self.stats.depth_max, self._in_flight.limit),
                 "latency_ms": round(1e3 * estimate.latency_s, 2),
-                "stage_compute_ms": [round(1e3 * c, 2) for c in estimate.stage_compute_s]}
+                "stage_compute_ms": [round(1e3 * c, 2) for c in estimate.stage_compute_s],
+                "credit_cap": self.roster.in_flight_cap(self.n_stages),
+                "stage_credits": [self.roster.credits_of_stage(stage) for stage in range(self.n_stages)]}
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
-        """Mean held-out loss through the swarm (forward only: nothing stashed or accumulated)."""
-        losses = []
-        for index, batch in enumerate(batches):
-            for part, micro in enumerate(batch.chunk(self.config.train.microbatches)):
-                losses.append(await self.run_microbatch(f"eval{index}.{part}", micro[:, :-1], micro[:, 1:],
-                                                        evaluate=True))
+        """Mean held-out loss through the swarm (forward only: nothing stashed or accumulated). Its
+        microbatches are pipelined like training's, within the same in-flight limit and credits: one at
+        a time, a batch of hundreds of microbatches would take hundreds of round trips. The losses are
+        summed in microbatch order, so the figure does not depend on which finished first."""
+        parts = [(f"eval{index}.{part}", micro) for index, batch in enumerate(batches)
+                 for part, micro in enumerate(batch.chunk(self.config.train.microbatches))]
+
+        async def one(key: str, micro: torch.Tensor) -> float:
+            async with self._in_flight:
+                return await self.run_microbatch(key, micro[:, :-1], micro[:, 1:], evaluate=True)
+
+        losses = await asyncio.gather(*(one(key, micro) for key, micro in parts))
         return sum(losses) / max(1, len(losses))
 
     async def __aenter__(self) -> "SwarmTrainer":
