@@ -89,6 +89,20 @@ def test_batch_flags_set_the_global_batch_and_refuse_a_split_that_does_not_divid
     assert flags[flags.index("--batch-size") + 1] == "32" and flags[flags.index("--microbatches") + 1] == "8"
 
 
+def test_the_demo_hands_its_children_a_config_file_by_its_absolute_path(tmp_path, monkeypatch):
+    """Each child runs in a working folder of its own: `demo --config wide.toml` from the user's
+    folder must reach them as a path they can open (before, the authorizer exited 2 on it)."""
+    from agora.node.demo.demo import DemoOptions
+
+    (tmp_path / "wide.toml").write_text('preset = "tiny"\n[train]\nbatch_size = 32\nmicrobatches = 32\n')
+    monkeypatch.chdir(tmp_path)
+    flags = DemoOptions(config="wide.toml").run_flags()
+    assert flags[flags.index("--config") + 1] == str(tmp_path / "wide.toml")
+    for config in ("tiny", "no-such-file.toml"):  # a preset by name; a typo left for the one-line error
+        flags = DemoOptions(config=config).run_flags()
+        assert flags[flags.index("--config") + 1] == config
+
+
 def test_the_sync_settings_are_run_flags_every_process_shares():
     """They are in the run's fingerprint: the demo hands them to the authorizer and trainers too (before,
     only workers got them, and `demo --averaging diloco` refused every worker at the door)."""

@@ -50,6 +50,35 @@ def test_async_demo_two_replicas_two_trainers_lowers_the_loss(tmp_path):
     assert summary["workers_per_stage"] == {"0": 2, "1": 2}
 
 
+def test_a_global_batch_of_32_microbatches_trains_within_the_workers_credits(tmp_path):
+    """The report's batch shape scaled down (32 microbatches of one sequence per global batch),
+    which ended the trainer with six busy answers before flow control: every batch completes, and
+    a lone trainer keeping to its credits never meets a busy answer."""
+    code, summary, lines = _demo(tmp_path, "--stages", "3", "--batch-size", "32", "--microbatches", "32",
+                                 "--steps", "6", "--seed", "3", "--no-monitor")
+    assert code == 0 and summary["outcome"] == "completed"
+    assert [line["step"] for line in lines] == list(range(1, 7))
+    assert (summary["busy_retries"], summary["reroutes"], summary["bans"]) == (0, 0, 0)
+    # Training: a Forward on each stage and a Backward on the head and the body; then the evaluation.
+    assert summary["calls"] > 6 * 32 * 5
+    depth = summary["in_flight"][0]
+    assert depth["credit_cap"] == 64 and all(credits >= 2 for credits in depth["stage_credits"])
+
+
+def test_three_trainers_share_one_worker_per_stage_fairly(tmp_path):
+    """Three admitted trainers (three caller identities) through one worker per stage, 16
+    microbatches per global batch each: the workers share their queues out as credits, so every
+    batch completes with no trainer failure, ban or reroute, and busy answers stay under 1% of calls."""
+    code, summary, lines = _demo(tmp_path, "--stages", "2", "--trainers", "3", "--batch-size", "16",
+                                 "--microbatches", "16", "--steps", "9", "--seed", "6", "--no-monitor")
+    assert code == 0 and summary["outcome"] == "completed"
+    assert sorted(line["step"] for line in lines) == list(range(1, 10))
+    assert {line["trainer"] for line in lines} == {0, 1, 2}
+    assert set(summary["exit_codes"].values()) == {0}
+    assert (summary["reroutes"], summary["bans"]) == (0, 0)
+    assert summary["busy_share"] <= 0.01
+
+
 def test_killed_worker_is_routed_around_and_the_run_finishes(tmp_path):
     code, summary, lines = _demo(tmp_path, "--stages", "2", "--replicas", "2", "--steps", "16",
                                  "--seed", "4", "--kill-worker-at", "4")

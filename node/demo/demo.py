@@ -36,7 +36,7 @@ from agora.node.demo.chaos import Chaos, ChaosEvent
 from agora.node.demo.summary import build_summary, churn_summary, format_summary, latest_per_trainer, merge_logs
 from agora.node.progress import Progress
 from agora.pipeline.checkpoint import checkpoint_steps
-from agora.pipeline.config import ConfigError
+from agora.pipeline.config import PRESETS, ConfigError
 from agora.pipeline.files import atomic_write
 
 __all__ = ["DemoOptions", "run_demo", "merge_logs"]
@@ -173,7 +173,7 @@ class DemoOptions:
     def run_flags(self) -> list[str]:
         """Flags every process of the run takes, the authorizer's served config included (the sync
         settings are in the run's fingerprint)."""
-        flags = ["--config", self.config, "--steps", str(self.steps)]
+        flags = ["--config", _config_argument(self.config), "--steps", str(self.steps)]
         for name, value in (("--seed", self.seed), ("--stages", self.stages), ("--batch-size", self.batch_size),
                             ("--microbatches", self.microbatches), ("--schedule-steps", self.schedule_steps),
                             ("--averaging", self.averaging), ("--averaging-every", self.averaging_every),
@@ -181,6 +181,12 @@ class DemoOptions:
             if value is not None:
                 flags += [name, str(value)]
         return flags + (["--average-optimizer-state"] if self.average_optimizer_state else [])
+
+
+def _config_argument(config: str) -> str:
+    """A config as every child reads it: a preset by name, a TOML file or checkpoint folder by its
+    absolute path (each child runs in a working folder of its own, where a relative path means nothing)."""
+    return config if config in PRESETS or not Path(config).exists() else str(Path(config).resolve())
 
 
 def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:

@@ -69,7 +69,10 @@ def format_summary(summary: dict) -> str:
         lines.append(f"  {move['name']} moved to stage {move['to']} (its stage was over-covered)")
     trouble = []
     if summary.get("reroutes") or summary.get("busy_retries"):
-        trouble.append(f"reroutes {summary.get('reroutes', 0)}, busy retries {summary.get('busy_retries', 0)}")
+        share = summary.get("busy_share")
+        trouble.append(f"reroutes {summary.get('reroutes', 0)}, busy retries {summary.get('busy_retries', 0)}"
+                       + (f" ({100 * share:.2f}% of {summary['calls'] + summary['busy_retries']:,} calls)"
+                          if share is not None and summary.get("calls") is not None else ""))
     if summary.get("killed"):
         trouble.append(f"killed (fault drill or chaos): {', '.join(summary['killed'])}")
     if summary.get("revoked"):
@@ -139,6 +142,10 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         "trainer_split": _mean_trainer_split([s.get("trainer_split", {}) for s in trainer_summaries]),
         "in_flight": [s.get("in_flight") for s in trainer_summaries],
         "busy_retries": sum(s.get("busy", 0) for s in trainer_summaries),
+        # Forward/Backward calls the workers answered, and the share of all calls refused as busy.
+        "calls": sum(s.get("calls", 0) for s in trainer_summaries),
+        "busy_share": _busy_share(trainer_summaries),
+        "bans": sum(s.get("bans", 0) for s in trainer_summaries),
         "averaging_by_stage": _averaging_by_stage(workdir, workers),
         # Each worker's phases and when it entered them (seconds after it started): a replica that
         # joined mid-run shows weight_sync, optimizer_sync, member (node/worker/phases.py).
@@ -152,6 +159,13 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
                                 "workers": _count_in_logs([w for _, w in workers], "renewed the credential")},
         "revoked": [w.name for _, w in workers if exit_codes.get(w.name) == 3],
     }
+
+
+def _busy_share(trainer_summaries: list[dict]) -> float | None:
+    """Busy refusals over every Forward/Backward call made (answered or refused); None before any call."""
+    busy = sum(s.get("busy", 0) for s in trainer_summaries)
+    made = busy + sum(s.get("calls", 0) for s in trainer_summaries)
+    return round(busy / made, 6) if made else None
 
 
 def _count_in_logs(children, text: str) -> int:
