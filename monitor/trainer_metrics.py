@@ -8,6 +8,9 @@
 - Routing: reroutes (a failed route rerun elsewhere), busy retries (a full worker, no penalty),
   bans (a peer benched with backoff), aborts by the worker's answer, completed-batch reports a
   worker did not answer or refused (outside its window).
+- Flow control (node/worker/flow.py): the microbatches in flight the trainer allows itself now,
+  the workers' in-flight credits that bound it, the calls each stage's workers let it have
+  outstanding, and the time its calls waited here for a credit, by stage.
 - `RpcClientMetrics`: payload bytes (tensor frames) sent and received, by method.
 """
 
@@ -65,6 +68,16 @@ class TrainerMetrics:
                                     registry=registry)
         self.bans = Counter("agora_trainer_bans", "Workers benched by this trainer after a failed call",
                             registry=registry)
+        self.in_flight_limit = Gauge("agora_trainer_in_flight_limit", "Microbatches this trainer allows itself in "
+                                     "flight now (the adaptive depth, within its caps)", registry=registry)
+        self.in_flight_credits = Gauge("agora_trainer_in_flight_credits", "Microbatches the workers keep for this "
+                                       "trainer between Forward and Backward (the tightest stage; NaN: unbounded)",
+                                       registry=registry)
+        self.in_flight_credits.set(float("nan"))
+        self.stage_credits = Gauge("agora_trainer_stage_credits", "Calls this trainer may have outstanding on a "
+                                   "stage, over its replicas (their credits)", ["stage"], registry=registry)
+        self.credit_wait = Counter("agora_trainer_credit_wait_seconds", "Time this trainer's calls waited for a "
+                                   "worker's credit before being sent", ["stage"], registry=registry)
         self.aborts = Counter("agora_trainer_aborts", "Aborts sent for abandoned routes, by the worker's answer",
                               ["outcome"], registry=registry)
         self.reports_failed = Counter("agora_trainer_batch_reports_failed",

@@ -10,7 +10,8 @@ Design choices:
   method (from the frames' declared shapes), time waiting for and on the compute thread, the
   optimizer's step, learning rate and gradient norm (from the step hook, on the compute thread),
   and at scrape time the queue depth, the phase and the announced throughput (read from the
-  worker, not copied) and the refusals it counts by reason.
+  worker, not copied), the refusals it counts by reason, and its flow control: the callers it
+  shares its queue among and the calls it lets them have outstanding in all (node/worker/flow.py).
 - Durations are histograms; buckets cover a CPU microbatch (milliseconds) to a slow 8B stage
   (tens of seconds).
 """
@@ -64,6 +65,10 @@ class WorkerMetrics:
                                  registry=registry)
         self.queue_capacity = Gauge("agora_worker_queue_capacity", "Jobs admitted at most (max_queue)",
                                     registry=registry)
+        self.flow_callers = Gauge("agora_worker_flow_callers", "Callers the worker shares its queue among (heard from "
+                                  "in the last few seconds)", registry=registry)
+        self.flow_queue_target = Gauge("agora_worker_flow_queue_target", "Calls outstanding the worker grants its "
+                                       "callers in all: its queue sized to their round trips", registry=registry)
         self.step = Gauge("agora_worker_optimizer_step", "The replica's optimizer step (the stage's shared epoch)",
                           registry=registry)
         self.steps = Counter("agora_worker_optimizer_steps", "Optimizer steps this process took (or advanced)",
@@ -93,10 +98,13 @@ class WorkerMetrics:
 
     def watch(self, *, load: Callable[[], int], capacity: int, step: Callable[[], int],
               throughput: Callable[[], float], phase: Callable[[], str], phases: Iterable[str],
-              refusals: Callable[[], Mapping[str, int]]) -> None:
+              refusals: Callable[[], Mapping[str, int]], callers: Callable[[], int] = lambda: 0,
+              queue_target: Callable[[], int] = lambda: 0) -> None:
         """Read the worker's own state at scrape time (nothing is copied)."""
         self.queue_depth.set_function(load)
         self.queue_capacity.set(capacity)
+        self.flow_callers.set_function(callers)
+        self.flow_queue_target.set_function(queue_target)
         self.step.set_function(step)
         self.throughput.set_function(throughput)
         for name in phases:

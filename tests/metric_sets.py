@@ -21,7 +21,7 @@ def every_role(registry: CollectorRegistry) -> None:
     node_info(registry, role="worker", run_id=RUN, version="1.0", stage=0)
     worker = WorkerMetrics(registry)
     worker.watch(load=lambda: 3, capacity=8, step=lambda: 5, throughput=lambda: 1e4, phase=lambda: "member",
-                 phases=PHASES, refusals=lambda: {"expired": 2})
+                 phases=PHASES, refusals=lambda: {"expired": 2}, callers=lambda: 2, queue_target=lambda: 6)
     worker.observe_job("Forward", 128, 0.001, 0.02)
     worker.stepped(3e-4, 1.5)
     server = RpcServerMetrics(registry)
@@ -37,6 +37,8 @@ def every_role(registry: CollectorRegistry) -> None:
     stats.add_compute_blocked(0.01)
     trainer = TrainerStats(registry)
     trainer.call(0, "Forward", 0.05, 0.02, 0.01)
+    trainer.depth(8, 16, [4])
+    trainer.credit_wait(0, 0.01)
     for record in (trainer.microbatch_done, trainer.busy_retry, trainer.banned, trainer.report_failed,
                    trainer.report_refused):
         record()
