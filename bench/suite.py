@@ -7,7 +7,9 @@
 
 Rows (bench/suite_items.py): 1 wire bytes per token, dense vs SSN; 2 swarm tokens/s over
 train-local's on loopback (sync, async at the adaptive depth, with kept forward graphs, at half a
-batch in flight); 3 tokens/s under each WAN profile over lan (bench/wan/, root); 4 held-out loss
+batch in flight; async in the wide shape, 32 microbatches of one sequence per global batch, and in
+the report's, 256 on tiny); 3 tokens/s under each WAN profile over lan (bench/wan/, root; the wide
+shape with 1, 2 and 4 trainers, the report's shape on lan and agora-floor); 4 held-out loss
 after equal training time over agora-floor for the report's sparse cadence, full averaging every
 step and none, and again at other link rates; 5 held-out loss after equal tokens against the same
 recipe averaged exactly in one process, against train-local, SSN against dense; 6 averaging bytes
@@ -80,7 +82,8 @@ def plan_for(quick: bool, profiles: list[str] | None = None, configs: list[str] 
                          convergence_swarms=("demo --replicas 2 (sparta)",),
                          insecure=True, relay_geometries=("tiny",), relay_microbatches=20,
                          join_profiles=("agora-floor",), join_budget_s=10.0, join_chaos_s=4.0, seed=seed,
-                         rate_seconds=1.5)
+                         rate_seconds=1.5, wide={"tiny": (16, 16)}, wide_steps={"tiny": 2}, report_shape=None,
+                         wide_trainers=(1,), wide_profiles=(), report_profiles=())
     return SuitePlan(quick=False, configs=tuple(configs or ("tiny", "small")), profiles=tuple(profiles or PROFILES),
                      stages={"tiny": 3, "small": 4}, steps={"tiny": 40, "small": 8}, repeats=2, equal_time_s=120.0,
                      crossover_mbit=(1000.0, 20.0), convergence_steps=200, keep_graphs=8,

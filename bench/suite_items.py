@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,8 +24,8 @@ from agora.bench.wan.swarm import chaos_spares, wan_session
 from agora.node.demo.demo import DemoOptions
 from agora.pipeline.config import load_config
 
-__all__ = ["SuitePlan", "wire_row", "local_row", "profiles_row", "equal_time_row", "convergence_row", "relay_row",
-           "join_row", "profile_runs"]
+__all__ = ["SuitePlan", "Shape", "shapes", "wire_row", "local_row", "profiles_row", "equal_time_row",
+           "convergence_row", "relay_row", "join_row", "profile_runs"]
 
 # The Agora report's AsyncSPARTA cadence: 5% of a stage every 20 local steps.
 REPORT_FRACTION, REPORT_EVERY = 0.05, 20
@@ -61,6 +61,51 @@ class SuitePlan:
     join_chaos_s: float = 30.0  # row 7: seconds between kills
     seed: int = 0
     rate_seconds: float = 4.0  # each bulk transfer of a link check
+    # The report's batch shape, scaled down (rows 2 and 3): per config, (sequences, microbatches) per
+    # global batch and the global batches a run trains. And the report's own many microbatches per
+    # batch on tiny's dimensions (None: not run), measured on `report_profiles` in row 3.
+    wide: dict[str, tuple[int, int]] = field(default_factory=lambda: {"tiny": (32, 32), "small": (32, 32)})
+    wide_steps: dict[str, int] = field(default_factory=lambda: {"tiny": 24, "small": 6})
+    report_shape: tuple[int, int] | None = (256, 256)
+    report_steps: int = 3
+    report_profiles: tuple[str, ...] = ("lan", "agora-floor")
+    # Row 3: the wide shape of `wide_trainer_configs` with each of these trainer counts on `wide_profiles`
+    # (one trainer elsewhere, and for the other configs).
+    wide_trainers: tuple[int, ...] = (1, 2, 4)
+    wide_profiles: tuple[str, ...] = ("lan", "agora-floor", "residential")
+    wide_trainer_configs: tuple[str, ...] = ("tiny",)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One batch shape of a config, as rows 2 and 3 label it: "tiny" (the preset's), "tiny wide",
+    "tiny report shape"."""
+
+    label: str
+    config: str
+    batch_size: int | None  # None: the preset's
+    microbatches: int | None
+    local_steps: int  # row 2's runs
+    steps: int  # row 3's runs
+
+    @property
+    def narrow(self) -> bool:
+        return self.batch_size is None
+
+    def flags(self) -> list[str]:
+        if self.narrow:
+            return []
+        return ["--batch-size", str(self.batch_size), "--microbatches", str(self.microbatches)]
+
+
+def shapes(plan: SuitePlan) -> list[Shape]:
+    """Every config in its preset's shape, then wide, then tiny in the report's shape."""
+    narrow = [Shape(config, config, None, None, plan.local_steps[config], plan.steps[config]) for config in plan.configs]
+    wide = [Shape(f"{config} wide", config, *plan.wide[config], plan.wide_steps[config], plan.wide_steps[config])
+            for config in plan.configs if config in plan.wide]
+    report = [] if plan.report_shape is None or "tiny" not in plan.configs else [
+        Shape("tiny report shape", "tiny", *plan.report_shape, plan.report_steps, plan.report_steps)]
+    return narrow + wide + report
 
 
 def _load() -> list[float]:
@@ -70,7 +115,8 @@ def _load() -> list[float]:
 def _figures(summary: dict) -> dict:
     """What the report reads from a demo summary."""
     return {key: summary.get(key) for key in ("tokens_per_s", "heldout_loss", "steps", "tokens", "wall_s",
-                                              "time_split_by_stage", "trainer_split", "in_flight", "outcome")}
+                                              "time_split_by_stage", "trainer_split", "in_flight", "outcome",
+                                              "calls", "busy_retries", "busy_share", "bans", "reroutes")}
 
 
 # ----------------------------------------------------------------------------- row 1
@@ -91,18 +137,21 @@ def wire_row() -> dict:
 
 
 def local_row(plan: SuitePlan, work: Path) -> dict:
-    """Swarm tokens/s over train-local's on loopback, per config: sync, async (adaptive depth),
-    async with kept forward graphs, and async at half a global batch (the former fixed default)."""
+    """Swarm tokens/s over train-local's on loopback, per config in its preset's shape: sync, async
+    (adaptive depth), async with kept forward graphs, and async at half a global batch (the former
+    fixed default); in the wide and the report's shape, async against train-local of that shape."""
     result = {}
-    for config in plan.configs:
-        run = swarm_vs_local.run_flags(config, plan.stages[config], plan.local_steps[config], plan.seed)
+    for shape in shapes(plan):
+        config = shape.config
+        run = swarm_vs_local.run_flags(config, plan.stages[config], shape.local_steps, plan.seed) + shape.flags()
         half = max(1, load_config(config).train.microbatches // 2)
         variants = {"sync": ["--sync"], "async": [], "async, kept graphs": ["--keep-graphs", str(plan.keep_graphs)],
                     "async, half a batch in flight": ["--max-in-flight", str(half)]}
         security = ["--insecure"] if plan.insecure else []
-        variants = {name: flags + security for name, flags in variants.items() if name in plan.local_variants}
+        variants = {name: flags + security for name, flags in variants.items()
+                    if name in plan.local_variants and (shape.narrow or name == "async")}
         runs: dict[str, list[dict]] = {name: [] for name in ["train-local", *variants]}
-        folder = work / f"local-{config}"
+        folder = work / f"local-{shape.label.replace(' ', '-')}"
         folder.mkdir(parents=True, exist_ok=True)
         for repeat in range(plan.repeats):
             before = _load()
@@ -112,11 +161,39 @@ def local_row(plan: SuitePlan, work: Path) -> dict:
                 before = _load()
                 summary = swarm_vs_local.demo(run, flags, folder, f"{name.replace(' ', '_')}-{repeat}")
                 runs[name].append({**_figures(summary), "load": [before, _load()]})
-        result[config] = {"stages": plan.stages[config], "steps": plan.local_steps[config], "runs": runs}
+        result[shape.label] = {"stages": plan.stages[config], "steps": shape.local_steps, "runs": runs,
+                               "batch": _batch(shape)}
     return result
 
 
+def _batch(shape: Shape) -> dict:
+    """The global batch a shape's runs train on: sequences and microbatches."""
+    train = load_config(shape.config).train
+    return {"sequences": shape.batch_size or train.batch_size, "microbatches": shape.microbatches or train.microbatches}
+
+
 # ----------------------------------------------------------------------------- row 3
+
+
+def wide_runs(plan: SuitePlan, profile: str) -> list[tuple[Shape, int]]:
+    """Row 3's runs of the wide and the report's shape on `profile`: (shape, trainers), adaptive depth,
+    one replica per stage."""
+    runs = []
+    for shape in shapes(plan):
+        if shape.narrow:
+            continue
+        if shape.label.endswith("report shape"):
+            if profile in plan.report_profiles:
+                runs.append((shape, 1))
+            continue
+        several = profile in plan.wide_profiles and shape.config in plan.wide_trainer_configs
+        counts = plan.wide_trainers if several else plan.wide_trainers[:1]
+        runs += [(shape, count) for count in counts]
+    return runs
+
+
+def wide_key(shape: Shape, trainers: int) -> str:
+    return f"{shape.label} x1 adaptive" + (f", {trainers} trainers" if trainers > 1 else "")
 
 
 def profile_runs(plan: SuitePlan) -> list[tuple[str, bool, list[int], tuple[str, ...]]]:
@@ -139,11 +216,14 @@ def profile_runs(plan: SuitePlan) -> list[tuple[str, bool, list[int], tuple[str,
 
 def profiles_row(plan: SuitePlan, work: Path) -> dict:
     """Tokens/s under each profile over tokens/s on lan, per config, at the adaptive depth and at
-    half a global batch in flight; the straggler profile with 2 replicas per stage (against lan with 2)."""
+    half a global batch in flight; the straggler profile with 2 replicas per stage (against lan with 2);
+    the wide shape with 1, 2 and 4 trainers, and the report's shape (`wide_runs`)."""
     result: dict = {"profiles": {}}
     for name, tuned, replicas, names in profile_runs(plan):
         profile = profile_named(name)
-        widest = DemoOptions(stages=max(plan.stages.values()), replicas=max(replicas), trainers=1)
+        wide = [] if tuned else wide_runs(plan, name)
+        trainers = max([1] + [count for _, count in wide])
+        widest = DemoOptions(stages=max(plan.stages.values()), replicas=max(replicas), trainers=trainers)
         entry: dict = {"runs": {}}
         label = f"{name} (tuned hosts)" if tuned else name
         folder = work / f"wan-{label.replace(' ', '_').replace('(', '').replace(')', '')}"
@@ -165,6 +245,15 @@ def profiles_row(plan: SuitePlan, work: Path) -> dict:
                             run = session.run(options, folder / f"{key.replace(' ', '_')}-{repeat}")
                             entry["runs"].setdefault(key, []).append(
                                 {**_figures(run.summary), "load": [list(run.load_before), _load()], "code": run.code})
+            for repeat in range(plan.profile_repeats):
+                for shape, count in wide:
+                    options = DemoOptions(config=shape.config, stages=plan.stages[shape.config], steps=shape.steps,
+                                          seed=plan.seed, trainers=count, batch_size=shape.batch_size,
+                                          microbatches=shape.microbatches)
+                    key = wide_key(shape, count)
+                    run = session.run(options, folder / f"{key.replace(' ', '_').replace(',', '')}-{repeat}")
+                    entry["runs"].setdefault(key, []).append(
+                        {**_figures(run.summary), "load": [list(run.load_before), _load()], "code": run.code})
             entry["relay"] = session.topology.relay_stats()
         result["profiles"][label] = entry
     return result

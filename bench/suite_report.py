@@ -75,10 +75,12 @@ def _local(rows: dict) -> tuple[list[str], dict]:
             rate, loss = _rate(runs), _heldout(runs)
             cpu = _mean((r.get("trainer_split") or {}).get("cpu_ms") for r in runs)
             flight = [f"{f['last']}/{f['max']}" for r in runs for f in (r.get("in_flight") or []) if f]
-            lines.append(f"| {config} ({row['stages']} stages, {row['steps']} steps) | {name} | {_f(rate, 0)} | "
+            batch = row.get("batch")
+            shape = f", {batch['sequences']} sequences in {batch['microbatches']} microbatches" if batch else ""
+            lines.append(f"| {config} ({row['stages']} stages, {row['steps']} steps{shape}) | {name} | {_f(rate, 0)} | "
                          f"{_f(_ratio(rate, local_rate))} | {_f(_ratio(loss, local_loss), 4)} | {_f(cpu, 2)} | "
                          f"{' '.join(flight) or '-'} | {_loads(runs)} |")
-            headline[(config, name)] = _ratio(rate, local_rate)
+            headline[(config, name)] = (_ratio(rate, local_rate), _ratio(loss, local_loss))
     return lines, headline
 
 
@@ -88,8 +90,28 @@ def _split_rows(label: str, runs: list[dict]) -> list[str]:
     trainer = runs[-1].get("trainer_split") or {}
     for stage, t in split.items():
         lines.append(f"| {label} | {stage} | {t['round_trip_ms']:.1f} | {t['compute_ms']:.1f} | {t['queued_ms']:.1f} | "
-                     f"{t['wire_ms']:.1f} | {_f(trainer.get('cpu_ms'), 2)} | {_f(trainer.get('outside_calls_ms'), 1)} |")
+                     f"{t['wire_ms']:.1f} | {_f(t.get('credit_wait_ms'), 1)} | {_f(trainer.get('cpu_ms'), 2)} | "
+                     f"{_f(trainer.get('outside_calls_ms'), 1)} |")
     return lines
+
+
+def _flight(flights: list[dict]) -> str:
+    """In flight per trainer: last/max, the configured cap, and the workers' credits for it at the end
+    (in-flight credits of the tightest stage; calls per stage)."""
+    shown = []
+    for f in flights:
+        text = f"{f['last']}/{f['max']}, {f['cap']}"
+        if f.get("stage_credits"):
+            text += f" (credits {f.get('credit_cap') or '-'}; {'/'.join(str(c) for c in f['stage_credits'])})"
+        shown.append(text)
+    return " ".join(shown) or "-"
+
+
+def _busy(runs: list[dict]) -> str:
+    """Busy answers over calls made, over a variant's runs."""
+    busy = sum(r.get("busy_retries") or 0 for r in runs)
+    calls = sum(r.get("calls") or 0 for r in runs)
+    return "-" if not calls and not busy else f"{100 * busy / (busy + calls):.2f}%"
 
 
 def _profiles(row: dict) -> tuple[list[str], dict]:
@@ -102,24 +124,24 @@ def _profiles(row: dict) -> tuple[list[str], dict]:
         for link in entry["links"]:
             lines.append(f"| {name} | {link['setting']} | {link['rtt_ms']} | {_f(link['upload_mbit'], 1)} | "
                          f"{_f(link['download_mbit'], 1)} | {entry['link_check_attempts']} |")
-    lines += ["", "| profile | run | tokens/s | / lan | held-out / lan | in flight (last/max, cap) | "
-                  "unqueued latency ms | load |", "|---|---|---:|---:|---:|---|---:|---|"]
+    lines += ["", "| profile | run | tokens/s | / lan | held-out / lan | in flight (last/max, cap; credits) | "
+                  "unqueued latency ms | busy | load |", "|---|---|---:|---:|---:|---|---:|---:|---|"]
     lan = row["profiles"].get("lan", {}).get("runs", {})
     headline = {}
-    splits = ["", "Per call, by stage, the last run of each (ms; wire = round trip - compute - queued; trainer: "
-                  "CPU and wall time outside calls per microbatch):", "",
-              "| profile, run | stage | round trip | compute | queued | wire | trainer CPU | trainer outside calls |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    splits = ["", "Per call, by stage, the last run of each (ms; wire = round trip - compute - queued; credit wait: "
+                  "before the call, at the trainer, for a worker's credit; trainer: CPU and wall time outside calls per "
+                  "microbatch):", "",
+              "| profile, run | stage | round trip | compute | queued | wire | credit wait | trainer CPU | "
+              "trainer outside calls |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, entry in row["profiles"].items():
         for key, runs in entry["runs"].items():
             rate, loss = _rate(runs), _heldout(runs)
             reference = lan.get(key, [])
             flights = [f for r in runs for f in (r.get("in_flight") or []) if f]
-            flight = " ".join(f"{f['last']}/{f['max']}, {f['cap']}" for f in flights) or "-"
             latency = _mean(f.get("latency_ms") for f in flights)
             ratio = _ratio(rate, _rate(reference))
             lines.append(f"| {name} | {key} | {_f(rate, 0)} | {_f(ratio)} | {_f(_ratio(loss, _heldout(reference)), 4)} | "
-                         f"{flight} | {_f(latency, 0)} | {_loads(runs)} |")
+                         f"{_flight(flights)} | {_f(latency, 0)} | {_busy(runs)} | {_loads(runs)} |")
             headline[(name, key)] = ratio
             splits += _split_rows(f"{name}, {key}", runs)
     return lines + splits, headline
@@ -320,9 +342,16 @@ def render(results: dict) -> str:
     if "2" in items and not failed(2, "swarm / train-local"):
         text, ratios = _local(items["2"]["data"])
         sections += text + [""]
-        shown = "; ".join(f"{config} {name}: {_f(ratio)}" for (config, name), ratio in ratios.items()
-                          if name in ("async", "async, kept graphs"))
+        shown = "; ".join(f"{config} {name}: {_f(rate)}" for (config, name), (rate, _) in ratios.items()
+                          if name in ("async", "async, kept graphs") and not _many(config))
         summary.append(f"| 2 | swarm tokens/s / train-local tokens/s (loopback) | {shown} | - | - |")
+        many = {config: ratio for (config, name), ratio in ratios.items() if _many(config) and name == "async"}
+        if many:
+            shown = "; ".join(f"{config}: {_f(rate)} tokens/s, {_f(loss, 4)} held-out" for config, (rate, loss) in many.items())
+            worst = max((loss for _, loss in many.values() if loss is not None), default=None)
+            summary.append(f"| 2 | many microbatches per batch (wide; the report's shape): swarm / train-local of the "
+                           f"same config, tokens/s and held-out loss | {shown} | held-out <= 1.01 | "
+                           f"{_met(worst, 1.01, lower_is_better=True)} |")
     if "3" in items and not failed(3, "tokens/s per profile / lan"):
         text, ratios = _profiles(items["3"]["data"])
         sections += text + [""]
@@ -339,6 +368,9 @@ def render(results: dict) -> str:
         if others:
             summary.append(f"| 3 | tokens/s at the other profiles / lan | {others} | - | - |")
         notes += _depth_note(items["3"]["data"], goals, worst)
+        wide_rows, wide_notes = _wide_goals(items["3"]["data"], items.get("2", {}).get("data"))
+        summary += wide_rows
+        notes += wide_notes
     if "4" in items and not failed(4, "loss at equal wall-clock"):
         text, figures = _equal_time(items["4"]["data"])
         sections += text + [""]
@@ -376,13 +408,66 @@ def _rerun_load(rerun: dict) -> str:
     return "->".join(f"{load:.1f}" for load in rerun.get("load") or ()) or "-"
 
 
+def _many(label: str) -> bool:
+    """A shape of many microbatches per global batch (rows 2 and 3 label them so)."""
+    return " wide" in label or label.endswith("report shape") or " report shape " in label
+
+
+# The goals of the many-microbatch shapes: tokens/s over the same run on lan, per profile.
+WIDE_GOALS = {"agora-floor": 0.9, "residential": 0.8}
+
+
+def _wide_goals(row: dict, local: dict | None) -> tuple[list[str], list[str]]:
+    """Summary rows for the wide shape (tokens/s per profile over the same run on lan, with 1, 2 and 4
+    trainers; busy answers over calls) and, for a goal missed, what its runs' own figures say limits it."""
+    profiles = row["profiles"]
+    lan = profiles.get("lan", {}).get("runs", {})
+    rows, notes = [], []
+    for profile, goal in WIDE_GOALS.items():
+        runs = {key: value for key, value in profiles.get(profile, {}).get("runs", {}).items() if _many(key)}
+        ratios = {key: _ratio(_rate(value), _rate(lan.get(key, []))) for key, value in runs.items()}
+        if not ratios:
+            continue
+        worst = min((r for key, r in ratios.items() if r is not None and "report shape" not in key), default=None)
+        shown = "; ".join(f"{key}: {_f(ratio)}" for key, ratio in ratios.items())
+        rows.append(f"| 3 | many microbatches per batch: tokens/s at {profile} / the same run on lan | {shown} | "
+                    f">= {goal} (wide) | {_met(worst, goal)} |")
+        for key, ratio in ratios.items():
+            if ratio is not None and ratio < goal and "report shape" not in key:
+                notes.append(_limit_note(profile, key, runs[key][-1], lan.get(key, [{}])[-1], ratio, goal))
+    every = [r for entry in profiles.values() for key, value in entry.get("runs", {}).items() if _many(key)
+             for r in value] + [r for config, entry in (local or {}).items() if _many(config)
+                                for name, value in entry["runs"].items() if name != "train-local" for r in value]
+    busy = sum(r.get("busy_retries") or 0 for r in every)
+    calls = sum(r.get("calls") or 0 for r in every)
+    if calls:
+        share = busy / (busy + calls)
+        rows.append(f"| 3 | busy answers / calls made, every many-microbatch run of rows 2 and 3 | "
+                    f"{100 * share:.3f}% ({busy:,} of {busy + calls:,}) | <= 1% | {_met(share, 0.01, lower_is_better=True)} |")
+    return rows, notes
+
+
+def _limit_note(profile: str, key: str, run: dict, lan: dict, ratio: float, goal: float) -> str:
+    """What a missed goal's run measured: per stage the call split there and on lan, and the depth and
+    credits it ran with."""
+    def split(r: dict) -> str:
+        return "; ".join(f"stage {stage} {t['compute_ms']:.0f} compute + {t['queued_ms']:.0f} queued + "
+                         f"{t['wire_ms']:.0f} wire, {_f(t.get('credit_wait_ms'), 0)} waiting for credit"
+                         for stage, t in (r.get("time_split_by_stage") or {}).items())
+    flights = [f for f in (run.get("in_flight") or []) if f]
+    return (f"{key} at {profile}: {_f(ratio)} of lan, below {goal}. Per call (ms) there: {split(run) or '-'}; on lan: "
+            f"{split(lan) or '-'}. In flight per trainer: {_flight(flights)}; unqueued latency "
+            f"{_f(_mean(f.get('latency_ms') for f in flights), 0)} ms against "
+            f"{_f(_mean(max(f.get('stage_compute_ms') or [0]) for f in flights), 0)} ms on the busiest stage.")
+
+
 def _floor_goal(row: dict) -> dict[str, tuple[float | None, str, str]]:
     """Row 3's goal per config: the fastest agora-floor run (one replica per stage) over the fastest
     lan run. Each variant's ratio to the same variant on lan would flatter a variant that is slow on
     lan too (16 in flight on 2 cores queues behind itself), and lan's best is what a user compares."""
     floor_runs = row["profiles"].get("agora-floor", {}).get("runs", {})
     goals = {}
-    for config in dict.fromkeys(key.split(" x")[0] for key in floor_runs):
+    for config in dict.fromkeys(key.split(" x")[0] for key in floor_runs if not _many(key)):
         (floor_rate, floor_key), (lan_rate, lan_key) = (_fastest(row, "agora-floor", config),
                                                         _fastest(row, "lan", config))
         goals[config] = (_ratio(floor_rate, lan_rate), floor_key, lan_key)
@@ -399,7 +484,7 @@ def _fastest(row: dict, profile: str, config: str) -> tuple[float | None, str]:
 def _depth_note(row: dict, goals: dict, worst: float | None) -> list[str]:
     """What limits tokens/s at agora-floor, from its adaptive run's own figures."""
     runs = row["profiles"].get("agora-floor", {}).get("runs", {})
-    key = next((k for k in runs if k.endswith("adaptive")), None)
+    key = next((k for k in runs if k.endswith("adaptive") and not _many(k)), None)
     if key is None:
         return []
     last = runs[key][-1]

@@ -67,3 +67,49 @@ def test_row_3_runs_lan_with_two_replicas_when_a_straggler_profile_needs_the_ref
     without = profile_runs(plan_for(False, profiles=["lan", "agora-floor"]))
     assert [(name, replicas) for name, _, replicas, _ in without] == [("lan", [1]), ("agora-floor", [1]),
                                                                      ("agora-floor", [1])]
+
+
+def test_rows_2_and_3_carry_the_wide_and_the_report_shape():
+    from agora.bench.suite import plan_for
+    from agora.bench.suite_items import shapes, wide_key, wide_runs
+
+    plan = plan_for(False)
+    labels = [(s.label, s.flags(), s.local_steps) for s in shapes(plan)]
+    assert labels[:2] == [("tiny", [], 120), ("small", [], 16)]
+    assert labels[2:] == [("tiny wide", ["--batch-size", "32", "--microbatches", "32"], 24),
+                          ("small wide", ["--batch-size", "32", "--microbatches", "32"], 6),
+                          ("tiny report shape", ["--batch-size", "256", "--microbatches", "256"], 3)]
+    keys = {profile: [wide_key(shape, n) for shape, n in wide_runs(plan, profile)]
+            for profile in ("lan", "residential", "intercontinental")}
+    assert keys["lan"] == ["tiny wide x1 adaptive", "tiny wide x1 adaptive, 2 trainers",
+                           "tiny wide x1 adaptive, 4 trainers", "small wide x1 adaptive",
+                           "tiny report shape x1 adaptive"]
+    assert keys["residential"] == keys["lan"][:-1]
+    assert keys["intercontinental"] == ["tiny wide x1 adaptive", "small wide x1 adaptive"]
+
+
+def test_the_wide_goals_and_what_limits_a_missed_one_come_from_the_runs():
+    from agora.bench.suite_report import _wide_goals
+
+    def run(rate, busy=0, calls=1000, wire=5.0):
+        return {"tokens_per_s": rate, "heldout_loss": 3.0, "busy_retries": busy, "calls": calls,
+                "time_split_by_stage": {"0": {"calls": 10, "round_trip_ms": 30.0, "compute_ms": 10.0, "queued_ms": 5.0,
+                                              "wire_ms": wire, "credit_wait_ms": 2.0}},
+                "in_flight": [{"last": 9, "max": 12, "cap": 32, "credit_cap": 64, "stage_credits": [10],
+                               "latency_ms": 700.0, "stage_compute_ms": [40.0]}]}
+    row = {"profiles": {
+        "lan": {"runs": {"tiny x1 adaptive": [run(4000)], "tiny wide x1 adaptive": [run(2000)],
+                         "tiny wide x1 adaptive, 4 trainers": [run(1800)]}},
+        "agora-floor": {"runs": {"tiny x1 adaptive": [run(1000)], "tiny wide x1 adaptive": [run(1900, wire=90.0)],
+                                 "tiny wide x1 adaptive, 4 trainers": [run(1500, busy=5, wire=95.0)]}},
+        "residential": {"runs": {"tiny wide x1 adaptive": [run(1700)]}}}}
+    local = {"tiny wide": {"runs": {"train-local": [{"tokens_per_s": 3000}], "async": [run(1900, busy=2)]}}}
+    rows, notes = _wide_goals(row, local)
+    assert rows[0] == ("| 3 | many microbatches per batch: tokens/s at agora-floor / the same run on lan | tiny wide x1 "
+                       "adaptive: 0.950; tiny wide x1 adaptive, 4 trainers: 0.833 | >= 0.9 (wide) | no |")
+    assert rows[1].endswith("| tiny wide x1 adaptive: 0.850 | >= 0.8 (wide) | yes |")
+    # Busy answers over every call made in the many-microbatch runs of both rows: 7 of 6,007.
+    assert rows[2] == "| 3 | busy answers / calls made, every many-microbatch run of rows 2 and 3 | 0.117% (7 of 6,007) | <= 1% | yes |"
+    assert len(notes) == 1 and notes[0].startswith("tiny wide x1 adaptive, 4 trainers at agora-floor: 0.833 of lan")
+    assert "stage 0 10 compute + 5 queued + 95 wire, 2 waiting for credit" in notes[0]
+    assert "9/12, 32 (credits 64; 10)" in notes[0]
