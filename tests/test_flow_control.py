@@ -18,16 +18,9 @@ from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS
 from agora.pipeline.data import build_data
 from agora.pipeline.fingerprint import run_fingerprint
+from fake_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(240)
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # ---------------------------------------------------------------------------------------------- pure

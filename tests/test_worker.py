@@ -21,6 +21,7 @@ from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.optim import StageOptimizer
 from agora.pipeline.stages import build_stage
+from fake_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -212,14 +213,6 @@ def test_full_queue_answers_resource_exhausted():
             await client.close()
 
     run(main())
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_stale_backward_for_an_expired_or_evicted_microbatch_is_a_clean_error():

@@ -16,19 +16,12 @@ from agora.node.worker.stash import AlreadyStashed, ForwardStash
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
 from agora.protos.stage_adapter import AbortRequest, BackwardRequest, ForwardRequest, StepRequest
+from fake_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 
 CONFIG = PRESETS["tiny"].with_stages(3)
 CODEC = WireCodec("fp32", max_bytes=2**24)
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_compute(index: int, *, synchronous: bool = True, local_batch: int | None = 4, clock=None,
