@@ -12,7 +12,7 @@ from agora.node.rpc.interceptors import CallHook
 from agora.node.trainer.discovery import StaticDiscovery
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.stage_client import StageClient, WorkerBusy, pushback_s
-from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
+from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions, depth_cap
 from agora.node.worker.flow import HEADROOM, MIN_CREDITS, Credits, FlowControl, demand_for, water_fill
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS
@@ -95,6 +95,17 @@ def test_the_tail_states_no_in_flight_bound_and_bad_reports_are_ignored():
     assert flow.grant("a").in_flight == 0 and flow.grant("a").calls + flow.grant("b").calls == MIN_CREDITS + 1
     with pytest.raises(ValueError):
         FlowControl(capacity=0, stash_capacity=None)
+
+
+def test_the_depth_is_the_staleness_cap_within_the_workers_credits():
+    # Nothing stated yet: the configured cap.
+    assert depth_cap(32, None, [0, 0, 0]) == 32
+    # The tightest stage keeps 12 between Forward and Backward for this trainer.
+    assert depth_cap(32, 12, [8, 8, 8]) == 12
+    # Calls outstanding over all stages bound it too: 2 + 2 + 2 calls hold at most 6 microbatches.
+    assert depth_cap(32, 12, [2, 2, 2]) == 6
+    # Never below one microbatch.
+    assert depth_cap(32, 0, [1, 0, 0]) == 1
 
 
 def test_pushback_is_the_jobs_ahead_within_bounds():

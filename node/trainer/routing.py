@@ -232,6 +232,10 @@ class Roster:
         """Calls this trainer may have outstanding on `stage`, over its routable replicas."""
         return sum(v.credits for v in self.of_stage(stage) if v.phase in _ROUTABLE_PHASES)
 
+    def stage_credits(self, stages: int) -> list[int]:
+        """`credits_of_stage` for each of the first `stages` stages."""
+        return [self.credits_of_stage(stage) for stage in range(stages)]
+
     def started(self, peer_id: str) -> None:
         if peer_id in self.workers:
             self.workers[peer_id].in_flight += 1
@@ -264,10 +268,10 @@ class Roster:
         """The worker refused a call for being full (RESOURCE_EXHAUSTED): back-pressure, not a failure.
         With calls of this trainer still there, wait for one of them (its reply brings fresh credits);
         with none, pause it for the worker's pushback (or a short default)."""
+        self.released(peer_id)
         view = self.workers.get(peer_id)
         if view is None:
             return
-        view.in_flight = max(0, view.in_flight - 1)
         if view.in_flight > 0:
             view.granted_credits = view.in_flight
         else:
@@ -276,10 +280,10 @@ class Roster:
 
     def failed(self, peer_id: str, now: float) -> float:
         """Record a failed call (the worker is dead, wrong, or refused the request); returns the ban length."""
+        self.released(peer_id)
         view = self.workers.get(peer_id)
         if view is None:
             return 0.0
-        view.in_flight = max(0, view.in_flight - 1)
         view.failures += 1
         ban = min(self.ban_base_s * 2 ** (view.failures - 1), self.ban_max_s)
         view.banned_until = max(view.banned_until, now + ban)

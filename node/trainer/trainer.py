@@ -135,6 +135,16 @@ def adaptive_depth(options: TrainerOptions) -> bool:
     return options.max_in_flight is None and not options.synchronous
 
 
+def depth_cap(max_in_flight: int, credit_cap: int | None, stage_credits: list[int]) -> int:
+    """The most microbatches in flight now: the configured cap (staleness, or a fixed depth), within what
+    the workers keep for this trainer between Forward and Backward (their in-flight credits, `credit_cap`),
+    and within the calls they let it have outstanding over all stages: a microbatch in flight holds one
+    such call or waits here for one, so a deeper pipeline would only wait here, growing staler."""
+    cap = max_in_flight if credit_cap is None else min(max_in_flight, credit_cap)
+    calls = sum(stage_credits)
+    return max(1, min(cap, calls)) if calls else max(1, cap)
+
+
 def assigned_units(total_steps: int, trainer_index: int, trainers: int, start: int = 0) -> list[int]:
     """Static striping of the run's global batches over trainers, from `start` (without a DHT: tests,
     and the exact restore of a synchronous run)."""
@@ -411,27 +421,15 @@ class SwarmTrainer:
         await self._observe_depth(self.clock() - started, compute, queued)
         return float(result.loss)
 
-    def depth_cap(self) -> int:
-        """The most microbatches in flight now: the configured cap (staleness, or a fixed depth), within what
-        the workers keep for this trainer between Forward and Backward (their in-flight credits), and within
-        the calls they let it have outstanding over all stages: a microbatch in flight holds one such call
-        or waits here for one, so a deeper pipeline would only wait here, growing staler."""
-        cap = self.max_in_flight
-        credit_cap = self.roster.in_flight_cap(self.n_stages)
-        if credit_cap is not None:
-            cap = min(cap, credit_cap)
-        calls = sum(self.roster.credits_of_stage(stage) for stage in range(self.n_stages))
-        return max(1, min(cap, calls)) if calls else max(1, cap)
-
     async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:
         """Feed one training microbatch to the depth estimate and resize the in-flight limit."""
         self.depth.observe(wall_s, compute, queued_s)
-        cap = self.depth_cap()
+        credit_cap, stage_credits = self.roster.in_flight_cap(self.n_stages), self.roster.stage_credits(self.n_stages)
+        cap = depth_cap(self.max_in_flight, credit_cap, stage_credits)
         depth = self.depth.depth(cap=cap) if self.adaptive else cap
         if depth is not None and depth != self._in_flight.limit:
             await self._in_flight.set(depth)
-        self.stats.depth(self._in_flight.limit, self.roster.in_flight_cap(self.n_stages),
-                         [self.roster.credits_of_stage(stage) for stage in range(self.n_stages)])
+        self.stats.depth(self._in_flight.limit, credit_cap, stage_credits)
 
     async def _reported(self, stage: int, peer_id: str) -> None:
         """Wait until the replica about to be called has taken the completed-batch report sent to it last.
@@ -676,7 +674,7 @@ class SwarmTrainer:
                 "latency_ms": round(1e3 * estimate.latency_s, 2),
                 "stage_compute_ms": [round(1e3 * c, 2) for c in estimate.stage_compute_s],
                 "credit_cap": self.roster.in_flight_cap(self.n_stages),
-                "stage_credits": [self.roster.credits_of_stage(stage) for stage in range(self.n_stages)]}
+                "stage_credits": self.roster.stage_credits(self.n_stages)}
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
         """Mean held-out loss through the swarm (forward only: nothing stashed or accumulated). Its
