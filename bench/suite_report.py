@@ -314,7 +314,8 @@ def render(results: dict) -> str:
              f"start and {machine['load_end'][0]:.1f} at the end (each run's load is in its row). Raw figures: "
              "`agora-node bench --json F`.", ""]
     reruns = [f"row {number} on {item['rerun']['date']}, commit {item['rerun']['commit']} "
-              f"(`{item['rerun']['command']}`, load {_rerun_load(item['rerun'])})"
+              f"(`{item['rerun']['command']}`, load {_rerun_load(item['rerun'])}"
+              + (f"; {item['rerun']['note']}" if item["rerun"].get("note") else "") + ")"
               for number, item in results["items"].items() if item.get("rerun")]
     if reruns:
         lines += ["Measured again since, with the same plan and the other rows kept: " + "; ".join(reruns) + ".", ""]
