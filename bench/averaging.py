@@ -132,7 +132,7 @@ def run_config(args, seed: int):
         config = replace(config, train=replace(config.train, **batch))
     sync = {name: value for name, value in (("every_steps", args.every), ("fraction", args.fraction))
             if value is not None}
-    return replace(config, sync=replace(config.sync, **sync)).with_stages(args.stages).validate()
+    return replace(config, sync=replace(config.sync, **sync)).with_stages(args.stages)
 
 
 def main() -> None:

@@ -248,8 +248,9 @@ def profiles_row(plan: SuitePlan, work: Path) -> dict:
             for repeat in range(plan.profile_repeats):
                 for shape, count in wide:
                     options = DemoOptions(config=shape.config, stages=plan.stages[shape.config], steps=shape.steps,
-                                          seed=plan.seed, trainers=count, batch_size=shape.batch_size,
-                                          microbatches=shape.microbatches)
+                                          seed=plan.seed, trainers=count,
+                                          settings={"train.batch_size": shape.batch_size,
+                                                    "train.microbatches": shape.microbatches})
                     key = wide_key(shape, count)
                     run = session.run(options, folder / f"{key.replace(' ', '_').replace(',', '')}-{repeat}")
                     entry["runs"].setdefault(key, []).append(
@@ -270,10 +271,10 @@ def _averaging(summary: dict) -> dict:
 
 
 EQUAL_TIME_VARIANTS = {
-    "sparta, the report's cadence": {"averaging": "sparta", "averaging_fraction": REPORT_FRACTION,
-                                     "averaging_every": REPORT_EVERY},
-    "everything every step": {"averaging": "sparta", "averaging_fraction": 1.0, "averaging_every": 1},
-    "no averaging": {"averaging": "none"},
+    "sparta, the report's cadence": {"settings": {"sync.method": "sparta", "sync.fraction": REPORT_FRACTION,
+                                                  "sync.every_steps": REPORT_EVERY}},
+    "everything every step": {"settings": {"sync.method": "sparta", "sync.fraction": 1.0, "sync.every_steps": 1}},
+    "no averaging": {"settings": {"sync.method": "none"}},
 }
 
 
@@ -319,7 +320,7 @@ def convergence_row(plan: SuitePlan, work: Path) -> dict:
     base = load_config("tiny")
     config = replace(base, seed=plan.seed, model=replace(base.model, basis_seed=plan.seed),
                      data=replace(base.data, seed=plan.seed),
-                     optim=replace(base.optim, total_steps=steps)).with_stages(3).validate()
+                     optim=replace(base.optim, total_steps=steps)).with_stages(3)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

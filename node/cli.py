@@ -17,8 +17,8 @@ from agora.bench import SUITE_ROWS
 from agora.node.admission import add_admission_arguments
 from agora.node.logs import LOG_FORMATS, configure_logging
 from agora.node.observability import MetricsOptions, add_metrics_arguments
-from agora.node.run_flags import add_run_arguments, non_negative_int, run_config
-from agora.node.runtime_flags import add_runtime_arguments, check_runtime_flags
+from agora.node.run_flags import (add_config_command, add_run_arguments, check_runtime_flags, explicit_settings,
+                                  non_negative_int, run_config)
 from agora.pipeline.files import hold_folder
 from agora.pipeline.config import ConfigError
 
@@ -153,7 +153,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
     announce = (announced_host(worker_options.host, worker_options.announce_host), worker_options.port)
     admission = admit_node(AdmissionOptions.from_args(args), role="worker", run_id=args.run_id, stage=args.stage,
                            config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers),
-                           announce=announce, listen_host=worker_options.host, device=args.device)
+                           announce=announce, listen_host=worker_options.host,
+                           device=explicit_settings(args).get("runtime.device"))
     if not (args.serve_only or args.no_memory_check):  # before the DHT peer and the stage exist
         from agora.node.plan import check_stage_fits, worker_memory_options
         from agora.pipeline.runtime import Runtime
@@ -176,7 +177,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
                           stats_file=args.stats_file, authorizer=admission.authorizer,
                           serve_checkpoint=args.checkpoint if args.serve_only else None,
                           metrics=MetricsOptions.from_args(args), sync_phases=not args.no_sync_phases,
-                          optimizer_sync_steps=args.optimizer_sync_steps, rebalance=not args.no_rebalance)
+                          rebalance=not args.no_rebalance)
     try:
         ended = run_worker(admission.config, options, worker_options, credentials=admission.credentials)
     finally:
@@ -345,10 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train-local", help="centralized reference run, stage by stage in one process",
                                 description="Train the model centrally through the same stages and wire codec "
                                             "the swarm uses; the reference the swarm is compared with.")
-    add_run_arguments(train, steps_help="optimizer steps (global batches) in total", averaging=False)
+    add_run_arguments(train, steps_help="optimizer steps (global batches) in total", computes=True)
     train.add_argument("--wire-dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
                        help="encoding of boundary tensors (default fp32, lossless)")
-    add_runtime_arguments(train)
     train.add_argument("--log-json", default=None, help="write one JSON object per step to this file")
     train.add_argument("--checkpoint-dir", default=None, help="write atomic checkpoints here")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
@@ -373,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     join = commands.add_parser("join", help="host one replica of one pipeline stage (contributor)",
                                description="Serve one pipeline stage over gRPC, announce it in the DHT, train it; "
                                            "SIGTERM leaves cleanly (withdraw, finish in-flight, checkpoint).")
-    add_run_arguments(join, steps_help="planned run length in global batches (sets the lr schedule)")
+    add_run_arguments(join, steps_help="planned run length in global batches (sets the lr schedule)", computes=True)
     _add_swarm_arguments(join)
     join.add_argument("--stage", type=int, default=None,
                       help="pipeline stage index to host (default: the authorizer assigns the stage least covered "
@@ -397,7 +397,6 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--max-rows", type=int, default=None, metavar="N",
                       help="rows a request may carry (default: the run's train.microbatch_size; only raises it)")
     _add_pinned_weights_argument(join)
-    add_runtime_arguments(join)
     join.add_argument("--no-memory-check", action="store_true",
                       help="start even when the memory plan (agora-node plan) says the stage does not fit")
     join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
@@ -410,9 +409,6 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--resume-step", type=non_negative_int, default=None, metavar="STEP",
                       help="resume from this step's checkpoint in --checkpoint-dir (default: the newest complete one)")
     join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
-    join.add_argument("--optimizer-sync-steps", type=non_negative_int, default=None, metavar="N",
-                      help="a replica joining mid-run: optimizer steps with averaging weight 0 after its weight sync, "
-                           "to warm its Adam moments, before it is a member (default: sync.optimizer_sync_steps, 100)")
     join.add_argument("--no-rebalance", action="store_true",
                       help="stay on this stage even when it is over-covered (by announced throughput) and another is "
                            "short of replicas (default: move there, through weight sync)")
@@ -429,7 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     trainer = commands.add_parser("trainer", help="push microbatches through the swarm",
                                   description="Take data units, route microbatches through one worker per stage, "
                                               "reroute on failure; logs the train-local JSON schema.")
-    add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)")
+    # A trainer holds no weights: its --device/--dtype are checked, and its tensors stay on the host.
+    add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)", computes=True)
     _add_swarm_arguments(trainer)
     trainer.add_argument("--trainer-index", type=int, default=0,
                          help="this trainer's index among --trainers: its stripe of units, preferred when it claims")
@@ -448,7 +445,6 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
     trainer.add_argument("--heartbeat", type=float, default=5.0, metavar="S",
                          help="seconds between announces of this trainer's progress in the DHT (default 5)")
-    add_runtime_arguments(trainer)  # checked only: a trainer holds no weights (node/runtime_flags.py)
     add_admission_arguments(trainer)
     add_metrics_arguments(trainer)
     trainer.set_defaults(handler=_cmd_trainer)
@@ -475,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="a whole swarm on this machine, one process per role",
                                description="Start bootstrap, workers and trainers on loopback, each as the "
                                            "`agora-node <role>` command a user would run, train, and summarize.")
-    add_run_arguments(demo, steps_help="global batches in total (over all trainers)")
+    add_run_arguments(demo, steps_help="global batches in total (over all trainers)", computes=True)
     demo.add_argument("--replicas", type=int, default=1, help="workers per stage")
     demo.add_argument("--trainers", type=int, default=1, help="trainer processes")
     demo.add_argument("--sync", action="store_true",
@@ -484,7 +480,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pinned_weights_argument(demo)
     _add_time_budget_argument(demo, "; a trainer --chaos starts in a killed one's place trains for what is left "
                                     "of S")
-    add_runtime_arguments(demo)
     demo.add_argument("--log-json", default=None, help="one JSON line per global batch, run-wide step")
     demo.add_argument("--summary-json", default=None,
                       help="write the full run summary here as JSON (the terminal gets a short one)")
@@ -495,8 +490,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a new replica of stage 0 joins (a new contributor, empty state) after STEP global batches: "
                            "it syncs (weight sync, optimizer sync) before it is a member; repeat for more (a stage "
                            "that ends up over-covered gives a replica to another: rebalancing)")
-    demo.add_argument("--optimizer-sync-steps", type=non_negative_int, default=None, metavar="N",
-                      help="a joining replica's optimizer sync, in optimizer steps (default: sync.optimizer_sync_steps)")
     demo.add_argument("--no-sync-phases", action="store_true",
                       help="a joining replica is a member at once, with its fresh weights (to measure what the sync "
                            "phases buy)")
@@ -561,6 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     from agora.node.plan import add_plan_command
 
     add_plan_command(commands)
+    add_config_command(commands)
     add_client_commands(commands)
     return parser
 

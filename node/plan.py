@@ -90,7 +90,7 @@ def add_plan_command(commands) -> None:
                                            "records, the worst job's working set, and the peak, in GiB, computed "
                                            "from the stage's modules without allocating them. Exit 1 when a stage "
                                            "does not fit --memory-gb.")
-    add_run_arguments(plan, steps_help="planned run length (does not change the plan)", averaging=False)
+    add_run_arguments(plan, steps_help="planned run length (does not change the plan)", skip=("--device", "--dtype"))
     plan.add_argument("--device", dest="plan_device", default=None, choices=["auto", "cpu", "cuda"],
                       help="the device type to plan for (default: the config's, auto: this machine's)")
     plan.add_argument("--dtype", dest="plan_dtype", default=None, choices=COMPUTE_DTYPES,

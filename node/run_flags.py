@@ -1,83 +1,143 @@
-"""The run flags: what every process of one run must agree on (`--config`, `--seed`, `--stages`,
-the batch, the schedule, the averaging), and the run config they make.
+"""The run flags: every setting of the run config on the command line, generated from its schema.
 
-`agora-node`'s subcommands take them through `add_run_arguments` and read them with `run_config`;
-they are all in the run fingerprint, so a process with other values is another run. (Device and
-precision are this machine's: node/runtime_flags.py.)
+Each leaf of pipeline/config.py's schema is a flag `--section.field` (`--sync.every-steps 8`,
+`--model.rank none`), and the settings the schema gives a short name also answer to it
+(`--averaging-every 8`); the help text, type, choices and bounds are the schema's, so a setting is
+declared once. Three flags are not one setting: `--config` (the base: a preset, a TOML file or a
+checkpoint folder), `--seed` (the run seed, which also seeds the basis and the data order) and
+`--stages` (the blocks split evenly); `--steps` is the run's length, and stretches the schedule
+when it is longer. A flag given wins over the file, which wins over the preset.
+
+Settings marked machine-local in the schema (device, precision, token cache, a joiner's warm-up)
+are this process's own; every other one is in the run fingerprint, so a process with another
+value is another run.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from typing import Any
 
-from agora.node.runtime_flags import apply_runtime_flags
-from agora.pipeline.config import RunConfig, load_config
+from agora.pipeline.config import (ConfigError, RunConfig, RuntimeConfig, Setting, checked, config_with,
+                                   load_config_sources, run_settings, split_layers)
 
-__all__ = ["add_run_arguments", "add_averaging_arguments", "run_config", "non_negative_int", "SYNC_FLAGS"]
+__all__ = ["add_run_arguments", "run_config", "run_config_sources", "explicit_settings", "setting_flags",
+           "check_runtime_flags", "non_negative_int", "add_config_command"]
+
+_NONE = ("none", "null")
+# Leaves without a flag of their own: the name is the config's, the seed is --seed's.
+_NOT_FLAGS = ("name", "seed")
+
+
+def _parser_of(item: Setting):
+    scalar = item.scalar
+
+    def parse(text: str) -> Any:
+        if item.optional and text.lower() in _NONE:
+            return None
+        if scalar is bool:
+            if text.lower() in ("true", "yes", "1", "on"):
+                return True
+            if text.lower() in ("false", "no", "0", "off"):
+                return False
+            raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+        try:
+            return scalar(text)
+        except ValueError:
+            kind = {int: "a whole number", float: "a number"}.get(scalar, "a string")
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+    parse.__name__ = item.path  # argparse names the type in its error line
+    return parse
+
+
+def _help(item: Setting) -> str:
+    default = item.default
+    shown = "none" if default is None else (",".join(map(str, default)) if isinstance(default, tuple) else default)
+    return f"{item.help} (default: the config's; {shown} in the schema)".replace("%", "%%")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str, seed_flag: str = "--seed",
+                      computes: bool = False, skip: tuple[str, ...] = ()) -> None:
+    """The run flags. `computes`: this command computes, so the device it is given must exist
+    here; `skip`: short names the command uses for something else."""
+    parser.add_argument("--config", default=None,
+                        help="preset name (tiny, small, pythia-14m, pluralis-8b), TOML file or checkpoint folder "
+                             "(default: the run config the authorizer serves, else tiny)")
+    parser.add_argument(seed_flag, dest="seed", type=int, default=None,
+                        help="run seed: also seeds the basis (model.basis_seed) and the data order (data.seed)")
+    parser.add_argument("--stages", type=int, default=None, help="split the blocks evenly over this many stages")
+    parser.add_argument("--steps", type=int, default=100, help=steps_help)
+    parser.set_defaults(computes=computes)
+    # The run config's sixty-odd flags would fill a screen on every mistyped flag: --help lists them.
+    parser.usage = "%(prog)s [flags] (--help lists them)"
+    run = parser.add_argument_group("run config", "every process of a run must agree on these (a TOML file given "
+                                                  "to --config sets the same; `agora-node config show` prints them)")
+    machine = parser.add_argument_group("this machine", "settings each process chooses for itself")
+    for item in run_settings():
+        if item.path in _NOT_FLAGS:
+            continue
+        names = [item.flag] + ([item.short_flag] if item.short_flag and item.short_flag not in skip else [])
+        if item.scalar is bool and item.short_flag in names:  # `--average-optimizer-state` alone means true
+            group = machine if item.local else run
+            group.add_argument(item.short_flag, dest=item.path, action="store_const", const=True,
+                               default=argparse.SUPPRESS, help=_help(item))
+            names.remove(item.short_flag)
+        (machine if item.local else run).add_argument(
+            *names, dest=item.path, type=_parser_of(item), default=argparse.SUPPRESS, choices=item.choices,
+            nargs="+" if item.is_tuple else None, metavar=item.path.rpartition(".")[2].upper(), help=_help(item))
+
+
+def explicit_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The run settings this command line sets by their own flags, by dotted path."""
+    paths = {item.path for item in run_settings()} - set(_NOT_FLAGS)
+    return {path: (tuple(value) if isinstance(value, list) else value)
+            for path, value in vars(args).items() if path in paths}
 
 
 def run_config(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
     """The run flags applied to `--config` (default tiny), or to `base` (the config an authorizer serves)."""
-    config = base if base is not None and args.config is None else load_config(args.config or "tiny")
-    if getattr(args, "seed", None) is not None:
-        config = replace(config, seed=args.seed, model=replace(config.model, basis_seed=args.seed),
-                         data=replace(config.data, seed=args.seed))
+    return run_config_sources(args, base)[0]
+
+
+def run_config_sources(args: argparse.Namespace, base: RunConfig | None = None
+                       ) -> tuple[RunConfig, dict[str, str]]:
+    """`run_config`, and where each setting's value comes from (`agora-node config show`)."""
+    if base is not None and args.config is None:
+        config, sources = base, {path: "the authorizer" for path in (item.path for item in run_settings())}
+    else:
+        config, sources = load_config_sources(args.config or "tiny")
+    explicit = explicit_settings(args)
+    derived: dict[str, tuple[Any, str]] = {}
+    seed = getattr(args, "seed", None)
+    if seed is not None:
+        derived |= {path: (seed, "--seed") for path in ("seed", "model.basis_seed", "data.seed")}
     if getattr(args, "stages", None) is not None:
-        config = config.with_stages(args.stages)
-    if getattr(args, "batch_size", None) is not None:
-        config = replace(config, train=replace(config.train, batch_size=args.batch_size))
-    if getattr(args, "microbatches", None) is not None:
-        config = replace(config, train=replace(config.train, microbatches=args.microbatches))
-    if getattr(args, "schedule_steps", None) is not None:
-        config = replace(config, optim=replace(config.optim, total_steps=args.schedule_steps))
-    elif getattr(args, "steps", None) is not None and args.steps > config.optim.total_steps:
+        n_layers = explicit.get("model.n_layers", config.model.n_layers)
+        derived["model.layer_split"] = (split_layers(n_layers, args.stages), "--stages")
+    steps = getattr(args, "steps", None)
+    if steps is not None and "optim.total_steps" not in explicit and steps > config.optim.total_steps:
         # A run longer than the schedule would sit at the floor lr; stretch the schedule instead.
-        config = replace(config, optim=replace(config.optim, total_steps=args.steps))
-    sync = {name: getattr(args, flag) for name, flag in SYNC_FLAGS.items() if getattr(args, flag, None) is not None}
-    if sync:
-        config = replace(config, sync=replace(config.sync, **sync))
-    return apply_runtime_flags(args, config).validate()
+        derived["optim.total_steps"] = (steps, "--steps")
+    settings = {path: value for path, (value, _) in derived.items()} | explicit
+    sources |= {path: source for path, (_, source) in derived.items()}
+    sources |= {path: "--" + path.replace("_", "-") for path in explicit}
+    config = config_with(config, settings)
+    if getattr(args, "computes", False):
+        from agora.pipeline.runtime import Runtime  # (torch: not for a command that only parses)
+
+        Runtime.from_config(config.runtime)  # a device this machine lacks, from a flag, a file or an authorizer
+    return config, sources
 
 
-# config.sync fields set by `join`/`demo` flags (argparse destination of each flag).
-SYNC_FLAGS = {"method": "averaging", "every_steps": "averaging_every", "fraction": "averaging_fraction",
-               "average_optimizer_state": "average_optimizer_state", "aggregation": "aggregation"}
+def check_runtime_flags(args: argparse.Namespace) -> None:
+    """Refuse (ConfigError, one line) a --device/--dtype this machine cannot run, before anything
+    starts (admission included)."""
+    values = {path.rpartition(".")[2]: value for path, value in explicit_settings(args).items()
+              if path.startswith("runtime.")}
+    if values:
+        from agora.pipeline.runtime import Runtime
 
-
-def add_averaging_arguments(parser: argparse.ArgumentParser) -> None:
-    """How replicas of a stage stay together; must be identical on every worker of the run."""
-    parser.add_argument("--averaging", default=None, choices=["sparta", "diloco", "none"],
-                        help="sync method between replicas of a stage (default: the config's sync.method)")
-    parser.add_argument("--averaging-every", type=int, default=None, metavar="STEPS",
-                        help="local steps between averaging rounds (default: the config's sync.every_steps)")
-    parser.add_argument("--averaging-fraction", type=float, default=None, metavar="P",
-                        help="sparta: share of the stage averaged per round (default: sync.fraction)")
-    parser.add_argument("--average-optimizer-state", action="store_true", default=None,
-                        help="sparta: also average the Adam moments of the slice")
-    parser.add_argument("--aggregation", default=None, choices=["centered_clip", "mean"],
-                        help="how a reducer combines its group: centered_clip (weight caps, outliers rejected, "
-                             "CenteredClip, bounded moves; the default) or mean (hivemind's plain weighted mean, "
-                             "for trusted machines only)")
-
-
-def add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str, averaging: bool = True,
-                       seed_flag: str = "--seed") -> None:
-    """Flags that must be identical on every process of one run (they are all in its fingerprint,
-    the averaging ones included: a trainer or an authorizer with other sync settings is another run)."""
-    parser.add_argument("--config", default=None,
-                        help="preset name (tiny, small, pythia-14m, pluralis-8b), TOML file or checkpoint folder "
-                             "(default: the run config the authorizer serves, else tiny)")
-    parser.add_argument(seed_flag, dest="seed", type=int, default=None, help="run seed (basis, init and data order)")
-    parser.add_argument("--stages", type=int, default=None, help="split the blocks evenly over this many stages")
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per global batch")
-    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per global batch")
-    parser.add_argument("--steps", type=int, default=100, help=steps_help)
-    parser.add_argument("--schedule-steps", type=int, default=None, metavar="STEPS",
-                        help="length of the learning-rate schedule in global batches (default: the config's "
-                             "optim.total_steps, stretched to --steps when shorter)")
-    if averaging:
-        add_averaging_arguments(parser)
+        Runtime.from_config(checked(RuntimeConfig, "runtime", **values))
 
 
 def non_negative_int(text: str) -> int:
@@ -88,3 +148,45 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def setting_flags(settings: dict[str, Any]) -> list[str]:
+    """The argv that sets `settings` (dotted paths) in a child process: what `add_run_arguments` parses back."""
+    known = {item.path for item in run_settings()}
+    flags: list[str] = []
+    for path, value in settings.items():
+        if path not in known:
+            raise ConfigError(f"{path}: not a setting of the run config")
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        flags += ["--" + path.replace("_", "-"),
+                  *("none" if v is None else str(v).lower() if isinstance(v, bool) else str(v) for v in values)]
+    return flags
+
+
+def add_config_command(commands) -> None:
+    config = commands.add_parser("config", help="the effective run config, and where each value comes from",
+                                 description="Resolve the run flags as every role does and print the result.")
+    actions = config.add_subparsers(dest="config_action", required=True, metavar="ACTION")
+    show = actions.add_parser("show", help="print the effective run config as TOML (it loads back with --config), "
+                                           "each value commented with its source; or as JSON",
+                              description="The config a role given these flags would run, as a TOML file that "
+                                          "loads back to it, each value commented with its source (default, "
+                                          "preset, file, checkpoint or flag); and the run fingerprint it gives.")
+    add_run_arguments(show, steps_help="planned run length (stretches the schedule when longer)")
+    show.add_argument("--json", action="store_true", help="plain JSON values and sources instead")
+    show.set_defaults(handler=_cmd_config_show)
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    import json
+
+    from agora.pipeline.config import config_to_dict, config_to_toml
+    from agora.pipeline.fingerprint import run_fingerprint
+
+    config, sources = run_config_sources(args)
+    fingerprint = run_fingerprint(config).text()
+    if args.json:
+        print(json.dumps({"config": config_to_dict(config), "sources": sources, "fingerprint": fingerprint}))
+    else:
+        print(f"# agora-node run config; fingerprint {fingerprint}\n{config_to_toml(config, sources)}", end="")
+    return 0

@@ -1,21 +1,35 @@
-"""Typed run configuration: model geometry, optimization, data and the training schedule.
+"""The run config: one typed schema for model geometry, optimization, data, the schedule, the
+averaging and where a process computes.
 
-Config files (TOML) only fill these dataclasses; code never reads raw dicts. A preset name
-(`tiny`, `small`, `pythia-14m`, `pluralis-8b`) is itself a valid config. Every error names
-the offending field in one readable line (`ConfigError`).
+Every setting is declared once, here, with its type, default, bounds and help text (pydantic
+validates it). From that one declaration come TOML loading, errors that name the field and the
+offending value in one line (`ConfigError`), the command line's run flags
+(node/run_flags.py: `--section.field`, plus a short name where the schema gives one), the argv a
+demo hands its children, `agora-node config show`, and which settings the run fingerprint covers
+(all but the machine-local ones). A preset name (`tiny`, `small`, `pythia-14m`, `pluralis-8b`)
+is itself a valid config; code never reads raw dicts.
+
+A config that exists is valid: construction and `dataclasses.replace` validate. Code that builds
+one from a user's values goes through `config_from_dict` or `config_with`, which turn pydantic's
+report into a `ConfigError` naming the first bad field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import sys
 import types
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass as _plain_dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import (BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError,
+                      field_validator, model_validator)
+from pydantic.dataclasses import dataclass
+from pydantic.fields import FieldInfo
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,9 +48,17 @@ __all__ = [
     "COMPUTE_DTYPES",
     "RunConfig",
     "PRESETS",
+    "Setting",
     "load_config",
+    "load_config_sources",
     "config_from_dict",
     "config_to_dict",
+    "config_with",
+    "config_to_toml",
+    "checked",
+    "explain",
+    "flatten",
+    "run_settings",
     "split_layers",
 ]
 
@@ -45,31 +67,58 @@ class ConfigError(ValueError):
     """A user's config is wrong; the message names the field."""
 
 
-@dataclass(frozen=True)
+# Every section refuses unknown fields (a typo is an error, not a silent default) and takes
+# values of their own type only: TOML's 1 for a float is fine, "3" or true for an integer is not.
+_SECTION = ConfigDict(extra="forbid")
+
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None, local: bool = False,
+            default_factory: Any = None, **bounds: Any) -> Any:
+    """One setting's declaration. `flag`: a short command-line name beside `--section.field`;
+    `local`: this machine's choice (where it computes, caches, how long it warms up), left out of
+    the run fingerprint so that processes differing in it still serve one run."""
+    extra = {key: value for key, value in (("flag", flag), ("local", local)) if value}
+    if default_factory is not None:
+        return Field(default_factory=default_factory, description=help, json_schema_extra=extra or None, **bounds)
+    return Field(default, description=help, json_schema_extra=extra or None, **bounds)
+
+
+def _none(value: Any) -> Any:
+    """TOML has no null: an optional setting also takes the string "none"."""
+    return None if isinstance(value, str) and value.lower() == "none" else value
+
+
+Positive = Annotated[StrictInt, Field(gt=0)]
+Fraction = Annotated[StrictFloat, Field(ge=0, lt=1)]
+NoneOr = BeforeValidator(_none)
+
+
+@dataclass(frozen=True, config=_SECTION)
 class ModelConfig:
-    arch: str = "llama"  # "llama" (RMSNorm, SwiGLU, GQA) or "neox" (Pythia: LayerNorm, GeLU, parallel residual)
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 6
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    d_ff: int = 352
-    max_seq_len: int = 256
-    # Subspace rank k; None (or k == d_model) is the dense control without the reparameterization.
-    rank: int | None = 16
-    rope_theta: float = 10000.0
-    rotary_pct: float = 1.0  # fraction of each head's dims that get RoPE (Pythia: 0.25)
-    norm_eps: float = 1e-5
-    qk_norm: bool = False
-    # Agora's weightless RMSNorm on each sublayer output before the residual add.
-    sublayer_norm: bool = False
-    tie_embeddings: bool = False
-    bias: bool = False  # linear biases (Pythia has them)
-    parallel_residual: bool = True  # neox only
-    init_std: float = 0.02
-    fixed_embedding_std: float = 0.02  # std of the fixed token embedding T
-    basis_seed: int = 0  # generates U and T identically on every node
-    layer_split: tuple[int, ...] | None = None  # blocks per stage: head, bodies..., tail
+    arch: Literal["llama", "neox"] = setting(
+        "llama", "llama (RMSNorm, SwiGLU, GQA) or neox (Pythia: LayerNorm, GeLU, parallel residual)")
+    vocab_size: StrictInt = setting(256, "tokens in the vocabulary", gt=0)
+    d_model: StrictInt = setting(128, "width of the residual stream", gt=0)
+    n_layers: StrictInt = setting(6, "transformer blocks, over all stages", gt=0)
+    n_heads: StrictInt = setting(4, "attention heads (divides d_model)", gt=0)
+    n_kv_heads: StrictInt = setting(2, "key/value heads, grouped-query attention (divides n_heads)", gt=0)
+    d_ff: StrictInt = setting(352, "hidden width of the feed-forward block", gt=0)
+    max_seq_len: StrictInt = setting(256, "longest sequence the position encoding covers", gt=0)
+    rank: Annotated[StrictInt | None, NoneOr] = setting(
+        16, "subspace rank k of the stage boundaries; null (or d_model) is the dense control", gt=0)
+    rope_theta: StrictFloat = setting(10000.0, "RoPE base", gt=0)
+    rotary_pct: StrictFloat = setting(1.0, "share of each head's dims that get RoPE (Pythia: 0.25)", gt=0, le=1)
+    norm_eps: StrictFloat = setting(1e-5, "epsilon of the norms", gt=0)
+    qk_norm: StrictBool = setting(False, "RMSNorm on queries and keys")
+    sublayer_norm: StrictBool = setting(False, "weightless RMSNorm on each sublayer's output before the residual add")
+    tie_embeddings: StrictBool = setting(False, "tie the output projection to the embedding (dense only)")
+    bias: StrictBool = setting(False, "biases in the linear layers (Pythia has them)")
+    parallel_residual: StrictBool = setting(True, "neox: attention and MLP read the same input")
+    init_std: StrictFloat = setting(0.02, "std of the initial weights", gt=0)
+    fixed_embedding_std: StrictFloat = setting(0.02, "std of the fixed token embedding T", gt=0)
+    basis_seed: StrictInt = setting(0, "seed of U and T, generated identically on every node")
+    layer_split: Annotated[tuple[Positive, ...] | None, NoneOr] = setting(
+        None, "blocks per stage: head, bodies..., tail (default: one stage; --stages splits evenly)")
 
     @property
     def head_dim(self) -> int:
@@ -84,89 +133,69 @@ class ModelConfig:
         """Channels per token crossing a stage boundary."""
         return self.rank if self.subspace else self.d_model
 
-    def validate(self) -> None:
-        if self.arch not in ("llama", "neox"):
-            raise ConfigError(f"model.arch: expected 'llama' or 'neox', got {self.arch!r}")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name}: must be positive, got {getattr(self, name)}")
+    @model_validator(mode="after")
+    def _agree(self) -> "ModelConfig":
         if self.d_model % self.n_heads:
-            raise ConfigError(f"model.n_heads: {self.n_heads} does not divide d_model={self.d_model}")
+            raise ValueError(f"n_heads: {self.n_heads} does not divide d_model={self.d_model}")
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(f"model.n_kv_heads: {self.n_kv_heads} does not divide n_heads={self.n_heads}")
-        if self.rank is not None and not 0 < self.rank <= self.d_model:
-            raise ConfigError(f"model.rank: must be in 1..d_model={self.d_model} or null, got {self.rank}")
-        if not 0.0 < self.rotary_pct <= 1.0:
-            raise ConfigError(f"model.rotary_pct: must be in (0, 1], got {self.rotary_pct}")
+            raise ValueError(f"n_kv_heads: {self.n_kv_heads} does not divide n_heads={self.n_heads}")
+        if self.rank is not None and self.rank > self.d_model:
+            raise ValueError(f"rank: must be in 1..d_model={self.d_model} or null, got {self.rank}")
         if int(self.head_dim * self.rotary_pct) % 2:
-            raise ConfigError("model.rotary_pct: rotary dims per head must be even")
-        if self.layer_split is not None:
-            if any(n <= 0 for n in self.layer_split) or sum(self.layer_split) != self.n_layers:
-                raise ConfigError(
-                    f"model.layer_split: {list(self.layer_split)} must be positive and sum to n_layers={self.n_layers}"
-                )
+            raise ValueError(f"rotary_pct: {self.rotary_pct} of head_dim={self.head_dim} gives an odd number of "
+                             "rotary dims per head; it must be even")
+        if self.layer_split is not None and sum(self.layer_split) != self.n_layers:
+            raise ValueError(f"layer_split: {list(self.layer_split)} must sum to n_layers={self.n_layers}")
+        return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class OptimConfig:
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    warmup_steps: int = 20
-    total_steps: int = 1000  # schedule length; the cosine decays to min_lr_ratio * lr here
-    min_lr_ratio: float = 0.1
-    # Global gradient-norm budget; each of S stages clips to clip_norm / sqrt(S), the tail to twice that.
-    clip_norm: float = 1.0
-    tail_clip_multiplier: float = 2.0
-
-    def validate(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr: must be positive, got {self.lr}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"optim.betas: expected two numbers in [0, 1), got {self.betas}")
-        if self.warmup_steps < 0 or self.total_steps <= 0:
-            raise ConfigError("optim.warmup_steps/total_steps: must be >= 0 and > 0")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
-        if self.clip_norm <= 0:
-            raise ConfigError(f"optim.clip_norm: must be positive, got {self.clip_norm}")
+    lr: StrictFloat = setting(1e-3, "peak learning rate (AdamW)", gt=0)
+    betas: tuple[Fraction, Fraction] = setting((0.9, 0.95), "AdamW betas, two numbers in [0, 1)")
+    eps: StrictFloat = setting(1e-8, "AdamW epsilon", gt=0)
+    weight_decay: StrictFloat = setting(0.1, "AdamW weight decay", ge=0)
+    warmup_steps: StrictInt = setting(20, "linear warm-up, in global batches", ge=0)
+    total_steps: StrictInt = setting(
+        1000, "length of the schedule in global batches: the cosine reaches min_lr_ratio * lr here",
+        flag="--schedule-steps", gt=0)
+    min_lr_ratio: StrictFloat = setting(0.1, "floor of the cosine, as a share of lr", ge=0, le=1)
+    clip_norm: StrictFloat = setting(
+        1.0, "global gradient-norm budget: each of S stages clips to clip_norm / sqrt(S), the tail to "
+        "tail_clip_multiplier times that", gt=0)
+    tail_clip_multiplier: StrictFloat = setting(2.0, "the tail stage's share of the clip budget", gt=0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class DataConfig:
-    source: str = "stdlib"  # "stdlib", a path to .txt/.jsonl/.parquet files (or a folder), or "hf:<dataset>"
-    tokenizer: str = "bytes"  # "bytes" or a path to a `tokenizers` JSON file
-    text_field: str = "text"  # jsonl/parquet/hf column holding the text
-    heldout_fraction: float = 0.02
-    seed: int = 0  # order of sequences
-    cache_dir: str | None = None  # token cache; default ~/.cache/agora-node
-
-    def validate(self) -> None:
-        if not 0 < self.heldout_fraction < 1:
-            raise ConfigError(f"data.heldout_fraction: must be in (0, 1), got {self.heldout_fraction}")
+    source: StrictStr = setting(
+        "stdlib", "stdlib, a path to .txt/.jsonl/.parquet files (or a folder), or hf:<dataset>", min_length=1)
+    tokenizer: StrictStr = setting("bytes", "bytes, or a path to a tokenizers JSON file", min_length=1)
+    text_field: StrictStr = setting("text", "the jsonl/parquet/hf column holding the text", min_length=1)
+    heldout_fraction: StrictFloat = setting(0.02, "share of sequences held out for evaluation", gt=0, lt=1)
+    seed: StrictInt = setting(0, "order of the sequences")
+    cache_dir: Annotated[StrictStr | None, NoneOr] = setting(None, "token cache (default ~/.cache/agora-node)", local=True)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class TrainConfig:
-    batch_size: int = 8  # sequences per global batch (= one data work unit)
-    microbatches: int = 2  # a global batch is cut into this many microbatches
-    seq_len: int = 256
-    eval_every: int = 50
-    eval_batches: int = 4
-    checkpoint_every: int = 100
+    batch_size: StrictInt = setting(8, "sequences per global batch (one data work unit)", flag="--batch-size", gt=0)
+    microbatches: StrictInt = setting(2, "a global batch is cut into this many microbatches",
+                                      flag="--microbatches", gt=0)
+    seq_len: StrictInt = setting(256, "tokens per sequence", gt=0)
+    eval_every: StrictInt = setting(50, "global batches between held-out evaluations (0: none during the run)", ge=0)
+    eval_batches: StrictInt = setting(4, "held-out batches per evaluation", gt=0)
+    checkpoint_every: StrictInt = setting(100, "optimizer steps between checkpoints (0: only when leaving)", ge=0)
 
     @property
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
 
-    def validate(self) -> None:
-        if self.batch_size <= 0 or self.microbatches <= 0 or self.seq_len <= 0:
-            raise ConfigError("train.batch_size/microbatches/seq_len: must be positive")
+    @model_validator(mode="after")
+    def _agree(self) -> "TrainConfig":
         if self.batch_size % self.microbatches:
-            raise ConfigError(
-                f"train.microbatches: {self.microbatches} does not divide batch_size={self.batch_size}"
-            )
+            raise ValueError(f"microbatches: {self.microbatches} does not divide batch_size={self.batch_size}")
+        return self
 
 
 SYNC_METHODS = ("sparta", "diloco", "none")
@@ -174,30 +203,36 @@ SYNC_METHODS = ("sparta", "diloco", "none")
 AGGREGATIONS = ("centered_clip", "mean")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class SyncConfig:
     """How the replicas of a stage stay together (docs/design.md, AsyncSPARTA); defaults are the report's."""
 
-    method: str = "sparta"  # "sparta" (rotating sparse slice), "diloco" (streaming fragments) or "none"
-    every_steps: int = 20  # local optimizer steps between two rounds
-    fraction: float = 0.05  # sparta: share of every tensor averaged per round -> ceil(1/fraction) slices
-    fragments: int = 4  # diloco: fragments published in turn, one per round
-    average_optimizer_state: bool = False  # sparta: also average Adam exp_avg/exp_avg_sq of the slice
-    matchmaking_s: float = 40.0  # how long a round looks for its group
-    request_s: float = 3.0  # one matchmaking request to a would-be leader
-    sender_s: float = 30.0  # a sender silent this long is dropped from the round
-    reducer_s: float = 60.0  # a reducer silent this long: its part keeps local values
-    round_s: float = 150.0  # the all-reduce once the group is formed
-    part_size_bytes: int = 2 * 2**20  # all-reduce parts streamed to reducers
-    outer_lr: float = 0.7  # diloco outer Nesterov
-    outer_momentum: float = 0.9
-    quorum: int = 1  # participants (self included) a round needs to be applied
-    # "centered_clip": agreed weight caps, outliers rejected, CenteredClip for 3+, a bounded pull
-    # for pairs, averages beyond the recent bound dropped; "mean": hivemind's plain weighted mean.
-    aggregation: str = "centered_clip"
-    # A replica joining mid-run trains this many optimizer steps with weight 0 in averaging after its
-    # weight sync, to warm its Adam moments, before it counts as a member (node/worker/phases.py).
-    optimizer_sync_steps: int = 100
+    method: Literal["sparta", "diloco", "none"] = setting(
+        "sparta", "sparta (a rotating sparse slice), diloco (streaming fragments) or none", flag="--averaging")
+    every_steps: StrictInt = setting(20, "local optimizer steps between two averaging rounds",
+                                     flag="--averaging-every", gt=0)
+    fraction: StrictFloat = setting(
+        0.05, "sparta: share of every tensor averaged per round (ceil(1/fraction) slices)",
+        flag="--averaging-fraction", gt=0, le=1)
+    fragments: StrictInt = setting(4, "diloco: fragments published in turn, one per round", gt=0)
+    average_optimizer_state: StrictBool = setting(
+        False, "sparta: also average the Adam moments of the slice", flag="--average-optimizer-state")
+    matchmaking_s: StrictFloat = setting(40.0, "how long a round looks for its group", gt=0)
+    request_s: StrictFloat = setting(3.0, "one matchmaking request to a would-be leader", gt=0)
+    sender_s: StrictFloat = setting(30.0, "a sender silent this long is dropped from the round", gt=0)
+    reducer_s: StrictFloat = setting(60.0, "a reducer silent this long: its part keeps local values", gt=0)
+    round_s: StrictFloat = setting(150.0, "the all-reduce once the group is formed", gt=0)
+    part_size_bytes: StrictInt = setting(2 * 2**20, "all-reduce parts streamed to reducers", ge=1024)
+    outer_lr: StrictFloat = setting(0.7, "diloco: outer Nesterov learning rate", gt=0)
+    outer_momentum: StrictFloat = setting(0.9, "diloco: outer Nesterov momentum", ge=0, lt=1)
+    quorum: StrictInt = setting(1, "participants (self included) a round needs to be applied", ge=1)
+    aggregation: Literal["centered_clip", "mean"] = setting(
+        "centered_clip", "centered_clip (agreed weight caps, outliers rejected, CenteredClip for 3+, bounded moves) "
+        "or mean (hivemind's plain weighted mean, for trusted machines only)", flag="--aggregation")
+    optimizer_sync_steps: StrictInt = setting(
+        100, "a replica joining mid-run trains this many optimizer steps with weight 0 in averaging after its "
+        "weight sync, to warm its Adam moments, before it is a member", flag="--optimizer-sync-steps", local=True,
+        ge=0)
 
     @property
     def n_slices(self) -> int:
@@ -207,90 +242,68 @@ class SyncConfig:
         # round() first so that 1/0.05 = 20.000000000000004 is not taken for 21 slices
         return math.ceil(round(1.0 / self.fraction, 9))
 
-    def validate(self) -> None:
-        if self.method not in SYNC_METHODS:
-            raise ConfigError(f"sync.method: expected one of {', '.join(SYNC_METHODS)}, got {self.method!r}")
-        if self.every_steps <= 0:
-            raise ConfigError(f"sync.every_steps: must be positive, got {self.every_steps}")
-        if not 0 < self.fraction <= 1:
-            raise ConfigError(f"sync.fraction: must be in (0, 1], got {self.fraction}")
-        if self.fragments <= 0:
-            raise ConfigError(f"sync.fragments: must be positive, got {self.fragments}")
-        for name in ("matchmaking_s", "request_s", "sender_s", "reducer_s", "round_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"sync.{name}: must be positive, got {getattr(self, name)}")
+    @model_validator(mode="after")
+    def _agree(self) -> "SyncConfig":
         if self.request_s >= self.matchmaking_s:
             # hivemind's matchmaking breaks request deadlocks with request_s; it must fit in the window.
-            raise ConfigError(f"sync.request_s: {self.request_s} must be below matchmaking_s={self.matchmaking_s}")
+            raise ValueError(f"request_s: {self.request_s:g} must be below matchmaking_s={self.matchmaking_s:g}")
         if self.reducer_s <= self.sender_s:
             # Otherwise a reducer still waiting for a slow sender is itself dropped as silent.
-            raise ConfigError(f"sync.reducer_s: {self.reducer_s} must exceed sender_s={self.sender_s}")
-        if self.part_size_bytes < 1024:
-            raise ConfigError(f"sync.part_size_bytes: must be at least 1024, got {self.part_size_bytes}")
-        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
-            raise ConfigError("sync.outer_lr/outer_momentum: need outer_lr > 0 and 0 <= outer_momentum < 1")
-        if self.quorum < 1:
-            raise ConfigError(f"sync.quorum: must be at least 1, got {self.quorum}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ConfigError(f"sync.aggregation: expected one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
-        if self.optimizer_sync_steps < 0:
-            raise ConfigError(f"sync.optimizer_sync_steps: must be >= 0, got {self.optimizer_sync_steps}")
+            raise ValueError(f"reducer_s: {self.reducer_s:g} must exceed sender_s={self.sender_s:g}")
         if self.average_optimizer_state and self.method == "diloco":
-            raise ConfigError("sync.average_optimizer_state: only for method 'sparta' (diloco keeps its own "
-                              "outer state)")
+            raise ValueError("average_optimizer_state: only for method 'sparta' (diloco keeps its own outer state)")
+        return self
 
 
 # Compute precision (pipeline/runtime.py): fp32 throughout, or bf16 autocast over fp32 master weights.
 COMPUTE_DTYPES = ("fp32", "bf16")
-_DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class RuntimeConfig:
     """Where and in what precision this process computes. Machine-local, like data.cache_dir: left
     out of the run fingerprint, so a CPU worker and a GPU worker can serve the same run; a process's
     own --device/--dtype override what a config (or the authorizer) says."""
 
-    device: str = "auto"  # "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N"
-    dtype: str = "fp32"  # "fp32", or "bf16": bf16 autocast for compute, fp32 master weights and optimizer state
-    # With dtype bf16: "fp32" master weights (the default), or "bf16" weights with fp32 optimizer
-    # state (half the weight memory; updates below bf16's resolution are lost: bench/precision.py).
-    weights: str = "fp32"
+    device: StrictStr = setting("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N",
+                                flag="--device", local=True)
+    dtype: Literal["fp32", "bf16"] = setting(
+        "fp32", "compute precision: fp32, or bf16 (bf16 autocast over fp32 master weights and optimizer state)",
+        flag="--dtype", local=True)
+    weights: Literal["fp32", "bf16"] = setting(
+        "fp32", "with dtype bf16: fp32 master weights, or bf16 weights with fp32 optimizer state (half the weight "
+        "memory; updates below bf16's resolution are lost)", local=True)
 
-    def validate(self) -> None:
-        if not isinstance(self.device, str) or not _DEVICE_PATTERN.fullmatch(self.device):
-            raise ConfigError(f"runtime.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.dtype not in COMPUTE_DTYPES:
-            raise ConfigError(f"runtime.dtype: expected one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
-        if self.weights not in COMPUTE_DTYPES:
-            raise ConfigError(f"runtime.weights: expected one of {', '.join(COMPUTE_DTYPES)}, got {self.weights!r}")
+    @field_validator("device")
+    @classmethod
+    def _a_device(cls, device: str) -> str:
+        kind, _, index = device.partition(":")
+        if not (device in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit())):
+            raise ValueError("expected auto, cpu, cuda or cuda:N")
+        return device
+
+    @model_validator(mode="after")
+    def _agree(self) -> "RuntimeConfig":
         if self.weights == "bf16" and self.dtype != "bf16":
-            raise ConfigError("runtime.weights: bf16 weights need runtime.dtype = bf16 (fp32 compute keeps fp32 "
-                              "weights)")
+            raise ValueError("weights: bf16 weights need runtime.dtype = bf16 (fp32 compute keeps fp32 weights)")
+        return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class RunConfig:
-    name: str = "tiny"
-    seed: int = 0
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    sync: SyncConfig = field(default_factory=SyncConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    name: StrictStr = setting("tiny", "the run's name (a preset's, or the file's)", min_length=1)
+    seed: StrictInt = setting(0, "run seed")
+    model: ModelConfig = setting(default_factory=ModelConfig)
+    optim: OptimConfig = setting(default_factory=OptimConfig)
+    data: DataConfig = setting(default_factory=DataConfig)
+    train: TrainConfig = setting(default_factory=TrainConfig)
+    sync: SyncConfig = setting(default_factory=SyncConfig)
+    runtime: RuntimeConfig = setting(default_factory=RuntimeConfig)
 
-    def validate(self) -> "RunConfig":
-        self.model.validate()
-        self.optim.validate()
-        self.data.validate()
-        self.train.validate()
-        self.sync.validate()
-        self.runtime.validate()
+    @model_validator(mode="after")
+    def _agree(self) -> "RunConfig":
         if self.train.seq_len > self.model.max_seq_len:
-            raise ConfigError(
-                f"train.seq_len: {self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
-            )
+            raise ValueError(f"train.seq_len: {self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         return self
 
     def with_stages(self, n_stages: int) -> "RunConfig":
@@ -359,82 +372,250 @@ PRESETS: dict[str, RunConfig] = {
 }
 
 
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], where)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        item = args[0]
-        return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    return value
 
 
-def _fill(base: Any, values: dict, where: str) -> Any:
-    if not isinstance(values, dict):
-        raise ConfigError(f"{where}: expected a table, got {values!r}")
-    hints = typing.get_type_hints(type(base))
-    known = {f.name for f in fields(base)}
-    changes = {}
-    for key, value in values.items():
-        path = f"{where}.{key}" if where else key
-        if key not in known:
-            raise ConfigError(f"{path}: unknown field (known: {', '.join(sorted(known))})")
-        current = getattr(base, key)
-        if is_dataclass(current):
-            changes[key] = _fill(current, value, path)
+# ----------------------------------------------------------------------------- the schema as data
+
+
+@_plain_dataclass(frozen=True)
+class Setting:
+    """One leaf of the schema, for the command line and `config show`."""
+
+    path: str  # "sync.every_steps"
+    annotation: Any
+    info: FieldInfo
+
+    @property
+    def help(self) -> str:
+        return self.info.description or ""
+
+    @property
+    def extra(self) -> dict:
+        return self.info.json_schema_extra if isinstance(self.info.json_schema_extra, dict) else {}
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.path.replace("_", "-")
+
+    @property
+    def short_flag(self) -> str | None:
+        return self.extra.get("flag")
+
+    @property
+    def local(self) -> bool:
+        return bool(self.extra.get("local"))
+
+    @property
+    def default(self) -> Any:
+        return _get(RunConfig(), self.path)
+
+    @property
+    def choices(self) -> tuple | None:
+        literal = [a for a in _unwrap(self.annotation) if typing.get_origin(a) is Literal]
+        return typing.get_args(literal[0]) if literal else None
+
+    @property
+    def scalar(self) -> type:
+        """The Python type one command-line value parses to (a tuple's items for a tuple)."""
+        for candidate in _unwrap(self.annotation):
+            origin = typing.get_origin(candidate)
+            if origin is tuple:
+                return _scalar_of(typing.get_args(candidate)[0])
+            if origin is Literal:
+                return str
+            if candidate is not type(None):
+                return _scalar_of(candidate)
+        raise TypeError(f"{self.path}: no scalar type in {self.annotation!r}")
+
+    @property
+    def is_tuple(self) -> bool:
+        return any(typing.get_origin(a) is tuple for a in _unwrap(self.annotation))
+
+    @property
+    def optional(self) -> bool:
+        return type(None) in _unwrap(self.annotation)
+
+
+def _unwrap(annotation: Any) -> tuple:
+    """The alternatives of a union (one for anything else), Annotated stripped."""
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return tuple(_unwrap(a)[0] for a in typing.get_args(annotation))
+    return (annotation,)
+
+
+def _scalar_of(annotation: Any) -> type:
+    annotation = _unwrap(annotation)[0]
+    for base in (bool, int, float, str):  # StrictInt is Annotated[int, Strict()]: unwrapped above
+        if annotation is base:
+            return base
+    raise TypeError(f"not a scalar setting: {annotation!r}")
+
+
+def _sections(cls: type = None) -> dict[str, Any]:
+    """A section's fields by name: their annotation (resolved) and FieldInfo."""
+    cls = cls or RunConfig
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {name: (hints[name], info) for name, info in cls.__pydantic_fields__.items()}
+
+
+def run_settings() -> list[Setting]:
+    """Every leaf of the run config, in declaration order."""
+    out = []
+    for name, (annotation, info) in _sections().items():
+        if dataclasses.is_dataclass(annotation):
+            out += [Setting(f"{name}.{leaf}", hint, leaf_info) for leaf, (hint, leaf_info) in _sections(annotation).items()]
         else:
-            changes[key] = _coerce(value, hints[key], path)
-    return replace(base, **changes)
+            out.append(Setting(name, annotation, info))
+    return out
 
 
-def config_from_dict(values: dict, base: RunConfig | None = None) -> RunConfig:
-    """Fill a RunConfig from plain values; a `preset` key picks the base."""
+def _get(config: Any, path: str) -> Any:
+    for part in path.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def flatten(config: RunConfig) -> dict[str, Any]:
+    """Every leaf's value by its dotted path."""
+    return {item.path: _get(config, item.path) for item in run_settings()}
+
+
+# ----------------------------------------------------------------------------- errors in one line
+
+
+def _known(path: tuple) -> list[str]:
+    cls = RunConfig
+    for part in path:
+        annotation = _sections(cls).get(part, (None,))[0]
+        if not dataclasses.is_dataclass(annotation):
+            return []
+        cls = annotation
+    return list(_sections(cls))
+
+
+def _is_section(path: tuple) -> bool:
+    return not path or (len(path) == 1 and dataclasses.is_dataclass(_sections().get(path[0], (None,))[0]))
+
+
+def _where(loc: tuple) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def explain(error: ValidationError, section: str = "") -> ConfigError:
+    """pydantic's report as one line naming the first bad field, what it takes and what it got;
+    `section`: the run config's section the validated object is ("runtime" for a RuntimeConfig)."""
+    first = error.errors(include_url=False)[0]
+    loc, kind, value = (*((section,) if section else ()), *first["loc"]), first["type"], first.get("input")
+    ctx = first.get("ctx") or {}
+    where = _where(loc)
+    if kind == "unexpected_keyword_argument":
+        return ConfigError(f"{where}: unknown field (known: {', '.join(sorted(_known(loc[:-1])))})")
+    if kind in ("value_error", "assertion_error"):
+        message = str(ctx.get("error", first["msg"]))
+        if _is_section(loc):  # a rule across fields: its message starts with the field it names
+            return ConfigError(f"{where}.{message}" if where else message)
+        return ConfigError(f"{where}: {message}, got {value!r}")
+    if kind.startswith("dataclass") or kind in ("dict_type", "model_type"):
+        return ConfigError(f"{where}: expected a table, got {value!r}")
+    bound = {"greater_than": "> {gt}", "greater_than_equal": ">= {ge}", "less_than": "< {lt}",
+             "less_than_equal": "<= {le}"}.get(kind)
+    if bound is not None:
+        limits = {key: f"{limit:g}" if isinstance(limit, float) else limit for key, limit in ctx.items()}
+        return ConfigError(f"{where}: must be {bound.format(**limits)}, got {value!r}")
+    expected = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
+                "bool_type": "true or false", "string_type": "a string", "tuple_type": "a list",
+                "literal_error": "one of " + str(ctx.get("expected", "")).replace("'", "")}.get(kind)
+    if expected is not None:
+        return ConfigError(f"{where}: expected {expected}, got {value!r}")
+    message = first["msg"]
+    return ConfigError(f"{where}: {message[0].lower()}{message[1:]}, got {value!r}")
+
+
+# ----------------------------------------------------------------------------- building configs
+
+
+_RUN = TypeAdapter(RunConfig)
+
+
+def checked(cls: type, section: str, **values: Any) -> Any:
+    """`cls(**values)` for one section of the run config, a ConfigError naming `section.field` if
+    they are not valid (for values that come from outside: a flag, another library's config)."""
+    try:
+        return cls(**values)
+    except ValidationError as error:
+        raise explain(error, section) from None
+
+
+def config_to_dict(config: RunConfig, *, local: bool = True) -> dict:
+    """Plain, JSON-friendly values (tuples as lists); `local=False` leaves out the machine-local
+    settings (what the run fingerprint digests)."""
+    def plain(value):
+        return [plain(v) for v in value] if isinstance(value, tuple) else value
+
+    out: dict = {}
+    for item in run_settings():
+        if local or not item.local:
+            section, _, leaf = item.path.rpartition(".")
+            (out.setdefault(section, {}) if section else out)[leaf] = plain(_get(config, item.path))
+    return out
+
+
+def _merged(base: dict, values: Mapping, where: str = "") -> dict:
+    out = dict(base)
+    for key, value in values.items():
+        if isinstance(out.get(key), dict) and isinstance(value, Mapping):
+            out[key] = _merged(out[key], value, f"{where}{key}.")
+        else:
+            out[key] = value
+    return out
+
+
+def _validated(values: dict) -> RunConfig:
+    try:
+        return _RUN.validate_python(values)
+    except ValidationError as error:
+        raise explain(error) from None
+
+
+def config_from_dict(values: Mapping, base: RunConfig | None = None) -> RunConfig:
+    """Fill a RunConfig from plain values over `base` (default: the schema's defaults); a
+    `preset` key picks the base."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"config: expected a table, got {values!r}")
     values = dict(values)
     preset = values.pop("preset", None)
     if preset is not None:
         if preset not in PRESETS:
             raise ConfigError(f"preset: unknown preset {preset!r} (known: {', '.join(PRESETS)})")
         base = PRESETS[preset]
-    return _fill(base or RunConfig(), values, "").validate()
+    return _validated(_merged(config_to_dict(base or RunConfig()), values))
 
 
-def config_to_dict(config: RunConfig) -> dict:
-    """Plain, JSON/TOML-friendly values (tuples as lists, no None-valued keys dropped)."""
-    def plain(v):
-        if isinstance(v, tuple):
-            return [plain(x) for x in v]
-        return v
-    return {k: plain(v) if not isinstance(v, dict) else {kk: plain(vv) for kk, vv in v.items()}
-            for k, v in dataclasses.asdict(config).items()}
+def config_with(config: RunConfig, settings: Mapping[str, Any]) -> RunConfig:
+    """`config` with dotted settings applied ({"sync.every_steps": 8}), validated as one whole."""
+    nested: dict = {}
+    for path, value in settings.items():
+        section, _, leaf = path.rpartition(".")
+        (nested.setdefault(section, {}) if section else nested)[leaf] = list(value) if isinstance(value, tuple) else value
+    return config_from_dict(nested, base=config)
 
 
 def load_config(spec: str | Path) -> RunConfig:
     """A preset name, a TOML file path, or a checkpoint folder (the config its run was trained with)."""
+    return load_config_sources(spec)[0]
+
+
+def load_config_sources(spec: str | Path) -> tuple[RunConfig, dict[str, str]]:
+    """`load_config`, and where each setting's value comes from: "default", "preset NAME",
+    "file PATH" or "checkpoint PATH"."""
     spec = str(spec)
     if spec in PRESETS:
-        return PRESETS[spec].validate()
+        return PRESETS[spec], _sources(PRESETS[spec], f"preset {spec}")
     path = Path(spec)
     if not path.exists():
         raise ConfigError(f"config: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
@@ -447,9 +628,55 @@ def load_config(spec: str | Path) -> RunConfig:
             raise ConfigError(f"config: {error}") from None
         # The device is the training machine's, not this one's (a GPU run's checkpoint is served on
         # a CPU too); the precision recipe (dtype, weights) travels with the weights.
-        return dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, device="auto"))
+        config = replace(config, runtime=replace(config.runtime, device="auto"))
+        return config, {key: f"checkpoint {path}" for key in flatten(config)} | {"runtime.device": "default"}
     try:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config: {path}: invalid TOML: {error}") from None
-    return config_from_dict(values)
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"config: cannot read {path}: {error}") from None
+    config = config_from_dict(values)
+    preset = values.get("preset")
+    sources = _sources(config, f"preset {preset}" if preset in PRESETS else "default")
+    for key, value in values.items():
+        if isinstance(value, dict):
+            sources.update({f"{key}.{leaf}": f"file {path}" for leaf in value})
+        elif key != "preset":
+            sources[key] = f"file {path}"
+    return config, sources
+
+
+def _sources(config: RunConfig, preset: str) -> dict[str, str]:
+    defaults = flatten(RunConfig())
+    return {key: preset if value != defaults[key] else "default" for key, value in flatten(config).items()}
+
+
+def config_to_toml(config: RunConfig, sources: Mapping[str, str] | None = None) -> str:
+    """The config as a TOML file that loads back to it (`load_config`), each line commented with
+    where its value came from when `sources` says, and the machine-local settings marked."""
+    import json
+
+    def value(v: Any) -> str:
+        if v is None:
+            return '"none"'
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (tuple, list)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(v) if isinstance(v, str) else repr(v)
+
+    lines: list[str] = []
+    section = ""
+    rows = [(item, value(_get(config, item.path))) for item in run_settings()]
+    width = max(len(item.path.rpartition(".")[2]) + 3 + len(text) for item, text in rows)
+    for item, text in rows:
+        head, _, leaf = item.path.rpartition(".")
+        if head != section:
+            lines += ["", f"[{head}]"]
+            section = head
+        notes = [sources[item.path]] if sources and item.path in sources else []
+        notes += ["this machine's"] if item.local else []
+        line = f"{leaf} = {text}"
+        lines.append(f"{line:<{width}}  # {'; '.join(notes)}" if notes else line)
+    return "\n".join(lines) + "\n"

@@ -97,9 +97,8 @@ def _basis_digest(config: RunConfig) -> str:
 
 def run_fingerprint(config: RunConfig) -> RunFingerprint:
     """This run's fingerprint; cheap (U is d x k; the data is not read)."""
-    plain = config_to_dict(config)
-    plain["data"].pop("cache_dir", None)  # where this machine keeps its token cache, not what it holds
-    plain.pop("runtime", None)  # where and in what precision this machine computes, not what the run is
+    # Machine-local settings (where it computes, caches, how long a joiner warms up) are not what the run is.
+    plain = config_to_dict(config, local=False)
     return RunFingerprint(
         seed=config.seed,
         stages=len(config.layer_split),

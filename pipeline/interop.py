@@ -47,7 +47,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from agora.pipeline.config import ConfigError, ModelConfig
+from agora.pipeline.config import ConfigError, ModelConfig, checked
 from agora.pipeline.model import SubspaceTransformer
 
 __all__ = [
@@ -165,28 +165,22 @@ def model_config_from(hf_config: PretrainedConfig) -> ModelConfig:
     if model_type == "llama":
         if hf_config.hidden_act not in ("silu", "swish"):
             raise InteropError(f"hidden_act: {hf_config.hidden_act!r} is not supported for llama (silu only)")
-        config = ModelConfig(
-            arch="llama", n_kv_heads=hf_config.num_key_value_heads, norm_eps=float(hf_config.rms_norm_eps),
-            bias=bool(hf_config.attention_bias or hf_config.mlp_bias), **common,
-        )
+        fields = dict(arch="llama", n_kv_heads=hf_config.num_key_value_heads, norm_eps=float(hf_config.rms_norm_eps),
+                      bias=bool(hf_config.attention_bias or hf_config.mlp_bias), **common)
     else:
         if hf_config.hidden_act != "gelu":
             raise InteropError(f"hidden_act: {hf_config.hidden_act!r} is not supported for gpt_neox (exact gelu only)")
-        config = ModelConfig(
-            arch="neox", n_kv_heads=heads, norm_eps=float(hf_config.layer_norm_eps),
-            rotary_pct=float(rope.get("partial_rotary_factor", getattr(hf_config, "rotary_pct", 1.0))),
-            parallel_residual=bool(hf_config.use_parallel_residual), bias=True, **common,
-        )
+        fields = dict(arch="neox", n_kv_heads=heads, norm_eps=float(hf_config.layer_norm_eps),
+                      rotary_pct=float(rope.get("partial_rotary_factor", getattr(hf_config, "rotary_pct", 1.0))),
+                      parallel_residual=bool(hf_config.use_parallel_residual), bias=True, **common)
     try:
-        config.validate()
+        return checked(ModelConfig, "model", **fields)
     except ConfigError as error:
         raise InteropError(str(error)) from None
-    return config
 
 
 def hf_config_from(config: ModelConfig) -> PretrainedConfig:
     """The transformers config of `config`'s dense equivalent, in its `export_family`."""
-    config.validate()
     family = export_family(config)
     common = dict(
         vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.d_ff,

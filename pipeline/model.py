@@ -320,7 +320,6 @@ class SubspaceTransformer(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        config.validate()
         self.config = config
         self.basis = SubspaceBasis(config) if config.subspace else None
         self.embed = TokenEmbedding(config)

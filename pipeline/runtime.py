@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from agora.pipeline.config import ConfigError, RuntimeConfig
+from agora.pipeline.config import ConfigError, RuntimeConfig, checked
 
 __all__ = ["Runtime", "resolve_device", "DeviceMemory", "device_memory", "JobTimer", "CPU_FP32"]
 
@@ -47,7 +47,7 @@ _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def resolve_device(spec: str) -> torch.device:
     """The torch device `spec` names (auto, cpu, cuda, cuda:N), or a ConfigError saying why not."""
-    RuntimeConfig(device=spec).validate()
+    checked(RuntimeConfig, "runtime", device=spec)
     if spec == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if spec == "cpu":
@@ -137,7 +137,6 @@ class Runtime:
 
     @classmethod
     def from_config(cls, config: RuntimeConfig) -> "Runtime":
-        config.validate()
         device = resolve_device(config.device)
         if config.dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError(f"--dtype / runtime.dtype: bf16 requested, but {torch.cuda.get_device_name(device)} "

@@ -46,7 +46,6 @@ def stage_layer_ids(layer_split: tuple[int, ...], index: int) -> range:
 class Stage(nn.Module):
     def __init__(self, config: ModelConfig, index: int, *, owner: SubspaceTransformer | None = None):
         super().__init__()
-        config.validate()
         self.config = config
         self.layer_split = config.layer_split or (config.n_layers,)
         self.index = index

@@ -74,19 +74,15 @@ def test_run_flags_set_the_schedule_and_the_averaging_cadence():
 def test_batch_flags_set_the_global_batch_and_refuse_a_split_that_does_not_divide():
     from agora.node.cli import build_parser
     from agora.node.run_flags import run_config
-    from agora.node.demo.demo import DemoOptions
 
     def config_of(*argv):
         return run_config(build_parser().parse_args(["join", "--stage", "0", *argv]))
 
     train = config_of("--batch-size", "32", "--microbatches", "8").train
     assert (train.batch_size, train.microbatches, train.microbatch_size) == (32, 8, 4)
-    with pytest.raises(ConfigError, match="does not divide batch_size=30"):
+    assert config_of("--train.batch-size", "32", "--train.microbatches", "8").train == train
+    with pytest.raises(ConfigError, match="train.microbatches: 8 does not divide batch_size=30"):
         config_of("--batch-size", "30", "--microbatches", "8")
-    # The demo hands the same flags to every process it starts.
-    demo = DemoOptions.from_args(build_parser().parse_args(["demo", "--batch-size", "32", "--microbatches", "8"]))
-    flags = demo.run_flags()
-    assert flags[flags.index("--batch-size") + 1] == "32" and flags[flags.index("--microbatches") + 1] == "8"
 
 
 def test_the_demo_hands_its_children_a_config_file_by_its_absolute_path(tmp_path, monkeypatch):
@@ -103,22 +99,125 @@ def test_the_demo_hands_its_children_a_config_file_by_its_absolute_path(tmp_path
         assert flags[flags.index("--config") + 1] == config
 
 
-def test_the_sync_settings_are_run_flags_every_process_shares():
-    """They are in the run's fingerprint: the demo hands them to the authorizer and trainers too (before,
-    only workers got them, and `demo --averaging diloco` refused every worker at the door)."""
+def test_every_process_of_a_demo_runs_the_config_its_flags_make():
+    """The demo hands each setting it was given to every child, the authorizer's served config
+    included: the children's configs and fingerprints are the demo's own."""
     from agora.node.cli import build_parser
     from agora.node.run_flags import run_config
     from agora.node.demo.demo import DemoOptions
     from agora.pipeline.fingerprint import run_fingerprint
 
-    argv = ["--averaging", "diloco", "--averaging-every", "4", "--aggregation", "mean"]
-    demo = DemoOptions.from_args(build_parser().parse_args(["demo", *argv]))
-    flags = demo.run_flags()
-    assert all(flag in flags for flag in argv) and not set(argv) & set(demo.worker_flags())
+    argv = ["--averaging", "diloco", "--averaging-every", "4", "--aggregation", "mean", "--microbatches", "8",
+            "--model.rank", "none", "--optim.betas", "0.8", "0.9", "--model.qk-norm", "true", "--seed", "3",
+            "--optimizer-sync-steps", "5", "--device", "cpu"]
+    demo_args = build_parser().parse_args(["demo", *argv])
+    expected = run_config(demo_args)
+    assert (expected.sync.method, expected.sync.every_steps, expected.model.rank, expected.optim.betas,
+            expected.model.qk_norm, expected.seed, expected.sync.optimizer_sync_steps) == (
+        "diloco", 4, None, (0.8, 0.9), True, 3, 5)
+    flags = DemoOptions.from_args(demo_args).run_flags()
     configs = [run_config(build_parser().parse_args(role + flags)) for role in (
         ["join", "--stage", "0"], ["trainer"], ["authorizer", "serve", "--state-dir", "s", "--run-id", "r"])]
-    assert {run_fingerprint(c).text() for c in configs} == {run_fingerprint(configs[0]).text()}
-    assert (configs[0].sync.method, configs[0].sync.every_steps, configs[0].sync.aggregation) == ("diloco", 4, "mean")
+    assert configs == [expected] * 3
+    assert {run_fingerprint(c).text() for c in configs} == {run_fingerprint(expected).text()}
+
+
+def test_machine_local_settings_are_outside_the_fingerprint():
+    """A joiner's warm-up, the device and the token cache are each machine's own: processes that
+    differ only in them serve one run. Everything else is the run's."""
+    from dataclasses import replace
+
+    from agora.pipeline.config import config_with, run_settings
+    from agora.pipeline.fingerprint import run_fingerprint
+
+    tiny = PRESETS["tiny"]
+    local = config_with(tiny, {"sync.optimizer_sync_steps": 3, "runtime.device": "cpu", "data.cache_dir": "/x"})
+    assert run_fingerprint(local) == run_fingerprint(tiny)
+    assert {s.path for s in run_settings() if s.local} == {
+        "data.cache_dir", "sync.optimizer_sync_steps", "runtime.device", "runtime.dtype", "runtime.weights"}
+    assert run_fingerprint(config_with(tiny, {"sync.quorum": 2})) != run_fingerprint(tiny)
+    assert run_fingerprint(replace(tiny, model=replace(tiny.model, init_std=0.03))) != run_fingerprint(tiny)
+
+
+def test_every_setting_has_a_flag_with_the_schema_help():
+    from agora.node.cli import build_parser
+    from agora.node.run_flags import explicit_settings
+    from agora.pipeline.config import run_settings
+
+    parser = build_parser()
+    join = parser._subparsers._group_actions[0].choices["join"]
+    flags = {option: action for action in join._actions for option in action.option_strings}
+    for setting in run_settings():
+        if setting.path in ("name", "seed"):  # the config's name; --seed
+            continue
+        action = flags[setting.flag]
+        assert action.dest == setting.path and setting.help in action.help
+    args = parser.parse_args(["join", "--stage", "0", "--sync.every-steps", "7", "--model.layer-split", "4", "2"])
+    assert explicit_settings(args) == {"sync.every_steps": 7, "model.layer_split": (4, 2)}
+    assert explicit_settings(parser.parse_args(["join", "--stage", "0"])) == {}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sync.every-steps", "0"], "sync.every_steps: must be > 0, got 0"),
+    (["--sync.request-s", "5"], "sync.request_s: 5 must be below matchmaking_s=3"),
+    (["--optim.betas", "0.9", "1.5"], r"optim.betas\[1\]: must be < 1, got 1.5"),
+    (["--optim.betas", "0.9"], "optim.betas"),
+    (["--runtime.device", "tpu"], "runtime.device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (["--runtime.weights", "bf16"], "runtime.weights: bf16 weights need runtime.dtype = bf16"),
+    (["--model.layer-split", "3", "2"], r"model.layer_split: \[3, 2\] must sum to n_layers=6"),
+    (["--stages", "9"], "stages: need 1..6 stages for 6 blocks, got 9"),
+])
+def test_a_bad_flag_value_names_the_setting_and_the_value(argv, message):
+    from agora.node.cli import build_parser
+    from agora.node.run_flags import run_config
+
+    with pytest.raises(ConfigError, match=message):
+        run_config(build_parser().parse_args(["config", "show", *argv]))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[sync]\nevery_steps = true\n", "sync.every_steps: expected an integer, got True"),
+    ("[sync]\nmethod = 'gossip'\n", "sync.method: expected one of sparta, diloco or none, got 'gossip'"),
+    ("[optim]\nlr = '1e-3'\n", "optim.lr: expected a number, got '1e-3'"),
+    ("[sync]\nevry_steps = 3\n", r"sync.evry_steps: unknown field \(known: .*every_steps"),
+    ("sync = 3\n", "sync: expected a table, got 3"),
+])
+def test_a_bad_file_value_names_the_setting_and_the_value(tmp_path, text, message):
+    path = tmp_path / "run.toml"
+    path.write_text('preset = "tiny"\n' + text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_config_show_prints_a_file_that_loads_back_with_each_source(tmp_path, capsys):
+    """`agora-node config show` is the effective config as every role computes it: saved, it is a
+    config file for the same run (TOML has no null: an unset rank is written "none")."""
+    import json
+
+    from agora.node.cli import main
+    from agora.pipeline.fingerprint import run_fingerprint
+
+    base = tmp_path / "base.toml"
+    base.write_text('preset = "small"\n[train]\nmicrobatches = 8\n')
+    argv = ["config", "show", "--config", str(base), "--stages", "2", "--averaging-every", "3", "--model.rank", "none"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    lines = {line.split("=")[0].strip(): line for line in text.splitlines() if "=" in line and line[0] != "#"}
+    assert lines["every_steps"].endswith("# --sync.every-steps") and lines["rank"].startswith('rank = "none"')
+    assert lines["microbatches"].endswith(f"# file {base}") and lines["d_model"].endswith("# preset small")
+    assert lines["layer_split"].endswith("# --stages") and lines["arch"].endswith("# default")
+    assert lines["device"].endswith("# default; this machine's")
+    saved = tmp_path / "saved.toml"
+    saved.write_text(text)
+    assert main(["config", "show", "--json", "--config", str(saved)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    again = load_config(saved)
+    assert (again.train.microbatches, again.model.rank, again.layer_split, again.sync.every_steps) == (
+        8, None, (4, 4), 3)
+    assert config_from_dict(shown["config"]) == again and shown["sources"]["sync.every_steps"] == f"file {saved}"
+    assert text.startswith(f"# agora-node run config; fingerprint {run_fingerprint(again).text()}")
+    assert main(["config", "show", "--microbatches", "3"]) == 2  # one line, exit 2
+    assert "train.microbatches: 3 does not divide batch_size=8" in capsys.readouterr().err
 
 
 def test_pinned_weights_reach_the_worker_and_the_demo_hands_them_on():

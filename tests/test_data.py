@@ -346,7 +346,7 @@ def test_units_of_an_epoch_are_disjoint_and_cover_it():
 def _run_config(cache_dir, **data) -> RunConfig:
     return RunConfig(data=DataConfig(cache_dir=str(cache_dir), seed=11, **data),
                      train=TrainConfig(batch_size=8, microbatches=2, seq_len=128),
-                     model=ModelConfig(vocab_size=256, max_seq_len=256)).validate()
+                     model=ModelConfig(vocab_size=256, max_seq_len=256))
 
 
 def test_same_unit_across_separately_built_run_data(tmp_path):

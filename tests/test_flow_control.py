@@ -129,7 +129,7 @@ def test_pushback_is_the_jobs_ahead_within_bounds():
 def _config(stages=3, batch_size=16, microbatches=16):
     config = PRESETS["tiny"].with_stages(stages)
     return replace(config, train=replace(config.train, batch_size=batch_size, microbatches=microbatches, seq_len=32,
-                                         eval_every=0, eval_batches=1)).validate()
+                                         eval_every=0, eval_batches=1))
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ BASE = PRESETS["tiny"].with_stages(1)
 CONFIG = dataclasses.replace(
     BASE, train=dataclasses.replace(BASE.train, batch_size=2, microbatches=1, seq_len=64),
     sync=dataclasses.replace(BASE.sync, every_steps=2, fraction=0.5, part_size_bytes=16 * 1024, **TIMEOUTS),
-    optim=dataclasses.replace(BASE.optim, total_steps=60)).validate()
+    optim=dataclasses.replace(BASE.optim, total_steps=60))
 SYNC = CONFIG.sync
 STEPS = 48
 VECTOR = averaged_vector_size(SYNC, SlicePartition(stage_parameter_numels(CONFIG.model, 0), SYNC.n_slices,

@@ -60,7 +60,7 @@ STEPS = 4
 def _config():
     config = PRESETS["tiny"].with_stages(3)
     return replace(config, train=replace(config.train, batch_size=4, microbatches=2, seq_len=32,
-                                         eval_every=0, eval_batches=2)).validate()
+                                         eval_every=0, eval_batches=2))
 
 
 CONFIG = _config()

@@ -122,6 +122,5 @@ def test_tied_embeddings_refuse_multi_stage():
 
 def test_pluralis_geometry():
     config = PRESETS["pluralis-8b"].model
-    config.validate()
     assert (config.d_model, config.rank, config.d_ff, config.head_dim) == (5120, 51, 18432, 128)
     assert config.layer_split == (6, 4, 4, 4, 4, 4, 6)

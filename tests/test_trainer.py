@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(180)
 def _config(stages=3):
     config = PRESETS["tiny"].with_stages(stages)
     return replace(config, train=replace(config.train, batch_size=4, microbatches=2, seq_len=32,
-                                         eval_every=0, eval_batches=2)).validate()
+                                         eval_every=0, eval_batches=2))
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_equally_fast_replicas_get_equal_shares_of_every_batch(data):
     """Each replica steps on its share divided by the expected share (microbatches / replicas):
     balanced routing makes the share it gets the one it divides by, batch after batch."""
     config = _config(stages=2)
-    config = replace(config, train=replace(config.train, batch_size=8, microbatches=4)).validate()
+    config = replace(config, train=replace(config.train, batch_size=8, microbatches=4))
     data8 = build_data(config)
     forwarded: list[Counter] = []  # per worker: forwards per global batch
 
@@ -299,7 +299,7 @@ def test_synchronous_stages_accumulate_in_index_order_with_microbatches_overtaki
     batch's later microbatches get there before it (without the turns the head accumulated them
     as 1, 2, 3, 0). Float sums depend on their order: each stage still adds the batch's gradients
     in index order, and the run equals train-local bit for bit."""
-    config = replace(_config(), train=replace(_config().train, batch_size=8, microbatches=4)).validate()
+    config = replace(_config(), train=replace(_config().train, batch_size=8, microbatches=4))
     steps = 2
     expected = [r.loss for r in CentralizedTrainer(config, data).run(steps)]
 

@@ -26,15 +26,17 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from agora.node.demo.launcher import warm_up
 from agora.node.demo.processes import ChildFailed, ChildProcess, Placement, ProcessGroup, agora_node_command
 from agora.node.demo.chaos import Chaos, ChaosEvent
 from agora.node.demo.summary import build_summary, churn_summary, format_summary, latest_per_trainer, merge_logs
 from agora.node.progress import Progress
+from agora.node.run_flags import explicit_settings, setting_flags
 from agora.pipeline.checkpoint import checkpoint_steps
 from agora.pipeline.config import PRESETS, ConfigError
 from agora.pipeline.files import atomic_write
@@ -49,10 +51,9 @@ class DemoOptions:
     config: str = "tiny"
     seed: int | None = None
     stages: int | None = 3
-    batch_size: int | None = None
-    microbatches: int | None = None
     steps: int = 60
-    schedule_steps: int | None = None  # None: the config's schedule (stretched to `steps`)
+    # Run settings by dotted path ({"train.microbatches": 32}): every process gets them (node/run_flags.py).
+    settings: dict[str, Any] = field(default_factory=dict)
     replicas: int = 1
     trainers: int = 1
     sync: bool = False
@@ -61,21 +62,13 @@ class DemoOptions:
     time_budget_s: float | None = None  # trainers stop starting global batches after this long
     pinned_weights: int | None = None  # None: the workers' default
     keep_graphs: int | None = None  # None: the workers' default
-    device: str | None = None  # --device/--dtype for every worker and trainer; None: the config's
-    dtype: str | None = None
     log_json: str | None = None
     summary_json: str | None = None
     workdir: str | None = None
     kill_worker_at: int | None = None
     # After each of these many global batches a new replica of stage 0 joins (a new contributor).
     join_at: tuple[int, ...] = ()
-    optimizer_sync_steps: int | None = None  # a joiner's optimizer sync (None: the run's sync.optimizer_sync_steps)
     sync_phases: bool = True  # False: a joiner is a member at once (what joining was before the sync phases)
-    averaging: str | None = None  # None: the config's sync.method (and the settings below)
-    averaging_every: int | None = None
-    averaging_fraction: float | None = None
-    average_optimizer_state: bool | None = None
-    aggregation: str | None = None
     run_id: str = "demo"
     insecure: bool = False  # no authorizer, no TLS, no signed records
     heartbeat_s: float = 1.0  # workers' DHT announces: fast failure detection on one machine
@@ -96,22 +89,16 @@ class DemoOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
-        return cls(config=args.config or "tiny", seed=args.seed, stages=args.stages, batch_size=args.batch_size,
-                   microbatches=args.microbatches, steps=args.steps, schedule_steps=args.schedule_steps, replicas=args.replicas,
+        return cls(config=args.config or "tiny", seed=args.seed, stages=args.stages, steps=args.steps,
+                   settings=explicit_settings(args), replicas=args.replicas,
                    trainers=args.trainers, sync=args.sync,
                    max_in_flight=args.max_in_flight, max_staleness=getattr(args, "max_staleness", None),
                    time_budget_s=getattr(args, "time_budget", None),
                    pinned_weights=getattr(args, "pinned_weights", None),
                    keep_graphs=getattr(args, "keep_graphs", None),
-                   device=getattr(args, "device", None), dtype=getattr(args, "dtype", None),
                    log_json=args.log_json, summary_json=args.summary_json,
                    workdir=args.workdir, kill_worker_at=args.kill_worker_at, join_at=tuple(getattr(args, "join_at", None) or ()),
-                   optimizer_sync_steps=getattr(args, "optimizer_sync_steps", None),
                    sync_phases=not getattr(args, "no_sync_phases", False),
-                   averaging=getattr(args, "averaging", None), averaging_every=getattr(args, "averaging_every", None),
-                   averaging_fraction=getattr(args, "averaging_fraction", None),
-                   average_optimizer_state=getattr(args, "average_optimizer_state", None),
-                   aggregation=getattr(args, "aggregation", None),
                    insecure=getattr(args, "insecure", False), heartbeat_s=getattr(args, "heartbeat", 1.0),
                    credential_lifetime=getattr(args, "credential_lifetime", None),
                    serve=getattr(args, "serve", False), checkpoint=getattr(args, "checkpoint", None),
@@ -160,27 +147,16 @@ class DemoOptions:
         flags = [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
         if self.keep_graphs is not None:
             flags += ["--keep-graphs", str(self.keep_graphs)]
-        if self.optimizer_sync_steps is not None:
-            flags += ["--optimizer-sync-steps", str(self.optimizer_sync_steps)]
         return flags + ([] if self.sync_phases else ["--no-sync-phases"])
 
-    def runtime_flags(self) -> list[str]:
-        """--device/--dtype, for the processes that take them (workers and trainers): on one GPU
-        every worker of the demo shares it."""
-        return [flag for name, value in (("--device", self.device), ("--dtype", self.dtype)) if value is not None
-                for flag in (name, value)]
-
     def run_flags(self) -> list[str]:
-        """Flags every process of the run takes, the authorizer's served config included (the sync
-        settings are in the run's fingerprint)."""
+        """Flags every process of the run takes, the authorizer's served config included (all but
+        the machine-local settings are in the run's fingerprint)."""
         flags = ["--config", _config_argument(self.config), "--steps", str(self.steps)]
-        for name, value in (("--seed", self.seed), ("--stages", self.stages), ("--batch-size", self.batch_size),
-                            ("--microbatches", self.microbatches), ("--schedule-steps", self.schedule_steps),
-                            ("--averaging", self.averaging), ("--averaging-every", self.averaging_every),
-                            ("--averaging-fraction", self.averaging_fraction), ("--aggregation", self.aggregation)):
+        for name, value in (("--seed", self.seed), ("--stages", self.stages)):
             if value is not None:
                 flags += [name, str(value)]
-        return flags + (["--average-optimizer-state"] if self.average_optimizer_state else [])
+        return flags + setting_flags(self.settings)
 
 
 def _config_argument(config: str) -> str:
@@ -259,8 +235,7 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
             host = group.host(name)
             command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
                                          "--host", host, "--dht-host", host,
-                                         *options.run_flags(), *swarm, *options.worker_flags(),
-                                         *options.runtime_flags(), *admission,
+                                         *options.run_flags(), *swarm, *options.worker_flags(), *admission,
                                          *_state_dir(options, workdir, name), *checkpoints,
                                          "--stats-file", str(workdir / f"{name}.stats.json"),
                                          "--heartbeat", str(options.heartbeat_s), "--ready-file", str(ready),
@@ -281,7 +256,7 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
                 _truncate_log(log, resume_step)
                 start = ["--start-step", str(resume_step)]
             command = agora_node_command(
-                *common, "trainer", *options.run_flags(), *swarm, *options.runtime_flags(), *admission,
+                *common, "trainer", *options.run_flags(), *swarm, *admission,
                 *_state_dir(options, workdir, name),
                 "--trainer-index", str(index), "--trainers", str(options.trainers), *start,
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),

@@ -101,7 +101,6 @@ class JoinOptions:
     metrics: MetricsOptions = MetricsOptions()  # port 0: no metrics server
     # The sync phases of a replica joining mid-run (node/worker/phases.py); False joins as a member at once.
     sync_phases: bool = True
-    optimizer_sync_steps: int | None = None  # None: the run's sync.optimizer_sync_steps
     state_download_s: float = 480.0  # the whole weight-sync download, over every donor tried
     rebalance: bool = True  # move to a stage that is short of replicas (node/worker/rebalance.py)
     rebalance_s: float | None = None  # between two readings of the stages; None: 6 heartbeats
@@ -184,7 +183,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     fingerprint = run_fingerprint(config).text()  # in every record: trainers skip a mismatched run
     phases = None
     if not options.serve_checkpoint:  # before the first announce: a joiner is never routed by mistake
-        phases = SyncPhases(worker, _sync_policy(config, options), config.sync if averager is not None else None)
+        phases = SyncPhases(worker, SyncPolicy.from_config(config.sync), config.sync if averager is not None else None)
         members = _stage_members(swarm, options, config)
         if options.sync_phases:
             await phases.begin(own_step=step, resumed_phase=None if saved is None else saved.get("phase", "member"),
@@ -333,11 +332,6 @@ async def _announce_move(swarm: SwarmDHT, options: JoinOptions, move: Move) -> N
                                 subkey=swarm.subkey_of(record.peer_id))
     except Exception as error:  # the move goes on; a second mover is then possible, not harmful
         logger.warning("could not announce the move to stage %d: %s", move.target, error)
-
-
-def _sync_policy(config: RunConfig, options: JoinOptions) -> SyncPolicy:
-    steps = config.sync.optimizer_sync_steps if options.optimizer_sync_steps is None else options.optimizer_sync_steps
-    return SyncPolicy(optimizer_sync_steps=steps)
 
 
 def _stage_members(swarm: SwarmDHT, options: JoinOptions, config: RunConfig):

@@ -82,6 +82,11 @@ class SyncPolicy:
         if not (self.empty_stage_wait_s >= 0 and self.member_check_s > 0):
             raise ValueError("empty_stage_wait_s must be >= 0, member_check_s > 0")
 
+    @classmethod
+    def from_config(cls, sync: SyncConfig) -> "SyncPolicy":
+        """The run's policy, with this joiner's own warm-up (a machine-local setting)."""
+        return cls(optimizer_sync_steps=sync.optimizer_sync_steps)
+
 
 @dataclass(frozen=True)
 class StageView:

@@ -161,7 +161,7 @@ class StageWorker:
         `run_fingerprint(config)`; callers must send the same with every Stage request.
         `interceptors` run after the per-call credential check, `outer_interceptors` before it
         (they see every call, refused ones included: the gRPC metrics hook)."""
-        self.config = config.validate()
+        self.config = config
         self.stage_index = stage_index
         self.run_id = run_id
         self.options = options.validate()
