@@ -17,39 +17,12 @@ from agora.bench import SUITE_ROWS
 from agora.node.admission import add_admission_arguments
 from agora.node.logs import LOG_FORMATS, configure_logging
 from agora.node.observability import MetricsOptions, add_metrics_arguments
-from agora.node.run_flags import (add_config_command, add_run_arguments, check_runtime_flags, explicit_settings,
-                                  non_negative_int, run_config)
+from agora.node.run_flags import (add_config_command, add_option_flags, add_run_arguments, check_runtime_flags,
+                                  explicit_settings, non_negative_int, options_from_args, run_config)
 from agora.pipeline.files import hold_folder
 from agora.pipeline.config import ConfigError
 
 __all__ = ["main", "build_parser"]
-
-
-def _add_pinned_weights_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pinned-weights", type=int, default=None, metavar="N",
-                        help="earlier weight versions a worker keeps so that each backward runs on the weights "
-                             "its forward used (one copy of the stage's parameters each; 0: recompute on the "
-                             "current weights; default 2)")
-    parser.add_argument("--keep-graphs", type=int, default=None, metavar="N",
-                        help="head and body workers keep up to N forward autograd graphs, so a Backward skips "
-                             "recomputing its forward while the weights are unchanged (memory: the forward's "
-                             "activations each; default 0: recompute every Backward)")
-
-
-def _add_in_flight_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-in-flight", type=int, default=None, metavar="N",
-                        help="a fixed number of microbatches in the pipeline at once (default: adaptive, enough to "
-                             "hide the measured round trips behind the busiest stage's compute); either way within "
-                             "the workers' credits")
-    parser.add_argument("--max-staleness", type=float, default=None, metavar="BATCHES",
-                        help="adaptive depth: at most this many global batches' microbatches in flight (default 1; "
-                             "more in flight is faster over long round trips and converges worse)")
-
-
-def _add_time_budget_argument(parser: argparse.ArgumentParser, more: str = "") -> None:
-    parser.add_argument("--time-budget", type=float, default=None, metavar="S",
-                        help="trainers start no global batch after S seconds of training (those in flight "
-                             "finish, then the held-out evaluation); --steps still sets the schedule" + more)
 
 
 def _cmd_train_local(args: argparse.Namespace) -> int:
@@ -194,45 +167,25 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
 
 def _worker_options(args: argparse.Namespace):
-    from agora.node.inference.commands import inference_options
-    from agora.node.worker.worker import WorkerOptions
+    from agora.node.worker.options import WorkerOptions
 
-    pinned = {} if args.pinned_weights is None else {"pinned_weights": args.pinned_weights}
-    if args.keep_graphs is not None:
-        pinned["keep_graphs"] = args.keep_graphs
-    return WorkerOptions(host=args.host, port=args.port, announce_host=args.announce_host, synchronous=args.sync,
-                         local_batch=args.local_batch, max_queue=args.max_queue, wire_dtype=args.wire_dtype,
-                         max_rows=args.max_rows, serve_only=args.serve_only, inference=inference_options(args),
-                         **pinned).validate()
+    return options_from_args(WorkerOptions, args, "worker")
 
 
 def _cmd_trainer(args: argparse.Namespace) -> int:
     import json
 
     from agora.node.trainer.command import run_swarm_trainer
-    from agora.node.trainer.trainer import TrainerOptions
+    from agora.node.trainer.options import TrainerOptions
 
     from agora.node.admission import AdmissionOptions, admit_node, config_chooser
 
     metrics = MetricsOptions.from_args(args)
     check_runtime_flags(args)
-    if not args.heartbeat > 0:
-        raise ConfigError(f"--heartbeat: must be positive, got {args.heartbeat}")
-    if not 0 <= args.trainer_index < args.trainers:
-        raise ConfigError(f"--trainer-index: {args.trainer_index} out of range for --trainers {args.trainers}")
+    options = options_from_args(TrainerOptions, args, "trainer", run_id=args.run_id)  # refused before admission
     admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=args.run_id, stage=None,
                            config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers))
-    options = TrainerOptions(run_id=admission.run_id, trainer_index=args.trainer_index, trainers=args.trainers,
-                             synchronous=args.sync, max_in_flight=args.max_in_flight, wire_dtype=args.wire_dtype,
-                             heartbeat_s=args.heartbeat, lease_s=args.lease, start_step=args.start_step,
-                             time_budget_s=args.time_budget,
-                             **({} if args.max_staleness is None else {"max_staleness": args.max_staleness}))
-    if not args.lease > 0:
-        raise ConfigError(f"--lease: must be positive, got {args.lease}")
-    if args.time_budget is not None and not args.time_budget > 0:
-        raise ConfigError(f"--time-budget: must be positive, got {args.time_budget:g}")
-    if options.max_staleness <= 0:
-        raise ConfigError(f"--max-staleness: must be positive, got {options.max_staleness:g}")
+    options = replace(options, run_id=admission.run_id)
     log_json = open(args.log_json, "a" if args.start_step else "w") if args.log_json else None
     try:
         summary = run_swarm_trainer(admission.config, options, initial_peers=admission.initial_peers,
@@ -323,10 +276,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(DemoOptions.from_args(args))
 
 
-def _add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_swarm_arguments(parser: argparse.ArgumentParser, options: bool = True) -> None:
+    """`options`: also --sync and --wire-dtype (for a role whose options section does not declare them)."""
     parser.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
     parser.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
                         help="DHT multiaddrs to join through (printed by `agora-node bootstrap`)")
+    if not options:
+        return
     parser.add_argument("--sync", action="store_true",
                         help="synchronous mode: one replica per stage, step barrier after every global batch")
     parser.add_argument("--wire-dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
@@ -374,29 +330,17 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Serve one pipeline stage over gRPC, announce it in the DHT, train it; "
                                            "SIGTERM leaves cleanly (withdraw, finish in-flight, checkpoint).")
     add_run_arguments(join, steps_help="planned run length in global batches (sets the lr schedule)", computes=True)
-    _add_swarm_arguments(join)
+    _add_swarm_arguments(join, options=False)
+    from agora.node.worker.options import WorkerOptions
+
+    add_option_flags(join.add_argument_group("worker", "how this worker serves (its bounds, the weights it keeps, "
+                                                       "inference sessions)"), WorkerOptions)
     join.add_argument("--stage", type=int, default=None,
                       help="pipeline stage index to host (default: the authorizer assigns the stage least covered "
                            "by announced throughput; required with --insecure)")
-    join.add_argument("--host", default="127.0.0.1", help="address the gRPC server listens on")
-    join.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
-    join.add_argument("--announce-host", default=None, metavar="H",
-                      help="address peers dial for the gRPC server, when it differs from --host (a proxy, NAT, a "
-                           "public address); default: --host, or for 0.0.0.0/:: the outbound interface's address")
     join.add_argument("--dht-host", default="127.0.0.1", help="address the DHT peer listens on")
     join.add_argument("--dht-port", type=int, default=0, help="DHT port (0: pick a free one)")
     join.add_argument("--heartbeat", type=float, default=5.0, help="seconds between DHT announces")
-    join.add_argument("--local-batch", type=int, default=None,
-                      help="asynchronous mode: step on this replica's own samples, every this many, instead of "
-                           "on the trainers' completed-batch reports (the default: one step per global batch, "
-                           "shared by the stage's replicas)")
-    join.add_argument("--max-queue", type=int, default=None,
-                      help="Forward/Backward requests held at once before RESOURCE_EXHAUSTED (default: the forward "
-                           "stash's capacity, the in-flight depth the memory plan sizes; callers get shares of it as "
-                           "credits, sized from their round trips)")
-    join.add_argument("--max-rows", type=int, default=None, metavar="N",
-                      help="rows a request may carry (default: the run's train.microbatch_size; only raises it)")
-    _add_pinned_weights_argument(join)
     join.add_argument("--no-memory-check", action="store_true",
                       help="start even when the memory plan (agora-node plan) says the stage does not fit")
     join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
@@ -427,24 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
                                               "reroute on failure; logs the train-local JSON schema.")
     # A trainer holds no weights: its --device/--dtype are checked, and its tensors stay on the host.
     add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)", computes=True)
-    _add_swarm_arguments(trainer)
-    trainer.add_argument("--trainer-index", type=int, default=0,
-                         help="this trainer's index among --trainers: its stripe of units, preferred when it claims")
-    trainer.add_argument("--trainers", type=int, default=1,
-                         help="trainers expected to share the run (a hint for claiming; any number may join)")
-    trainer.add_argument("--lease", type=float, default=30.0, metavar="S",
-                         help="seconds a claimed global batch stays this trainer's without a renewal; a trainer "
-                              "that dies gives its batches back after this (default 30)")
-    trainer.add_argument("--start-step", type=non_negative_int, default=0, metavar="STEP",
-                         help="take the run's global batches below STEP as done (a run resumed from checkpoints of "
-                              "that step); the log is appended to")
-    _add_in_flight_arguments(trainer)
-    _add_time_budget_argument(trainer)
+    _add_swarm_arguments(trainer, options=False)
+    from agora.node.trainer.options import TrainerOptions
+
+    add_option_flags(trainer.add_argument_group("trainer", "how this trainer runs"), TrainerOptions)
     trainer.add_argument("--log-json", default=None, help="write one JSON object per global batch here")
     trainer.add_argument("--summary-json", default=None, help="write the final summary here")
     trainer.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
-    trainer.add_argument("--heartbeat", type=float, default=5.0, metavar="S",
-                         help="seconds between announces of this trainer's progress in the DHT (default 5)")
     add_admission_arguments(trainer)
     add_metrics_arguments(trainer)
     trainer.set_defaults(handler=_cmd_trainer)
@@ -472,55 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Start bootstrap, workers and trainers on loopback, each as the "
                                            "`agora-node <role>` command a user would run, train, and summarize.")
     add_run_arguments(demo, steps_help="global batches in total (over all trainers)", computes=True)
-    demo.add_argument("--replicas", type=int, default=1, help="workers per stage")
-    demo.add_argument("--trainers", type=int, default=1, help="trainer processes")
-    demo.add_argument("--sync", action="store_true",
-                      help="synchronous mode (needs --replicas 1 --trainers 1): must equal train-local")
-    _add_in_flight_arguments(demo)
-    _add_pinned_weights_argument(demo)
-    _add_time_budget_argument(demo, "; a trainer --chaos starts in a killed one's place trains for what is left "
-                                    "of S")
-    demo.add_argument("--log-json", default=None, help="one JSON line per global batch, run-wide step")
-    demo.add_argument("--summary-json", default=None,
-                      help="write the full run summary here as JSON (the terminal gets a short one)")
-    demo.add_argument("--workdir", default=None, help="keep logs and ready files here (default: a temp folder)")
-    demo.add_argument("--kill-worker-at", type=int, default=None, metavar="STEP",
-                      help="fault drill: kill -9 one worker of the last stage after STEP global batches")
-    demo.add_argument("--join-at", type=non_negative_int, action="append", default=None, metavar="STEP",
-                      help="a new replica of stage 0 joins (a new contributor, empty state) after STEP global batches: "
-                           "it syncs (weight sync, optimizer sync) before it is a member; repeat for more (a stage "
-                           "that ends up over-covered gives a replica to another: rebalancing)")
-    demo.add_argument("--no-sync-phases", action="store_true",
-                      help="a joining replica is a member at once, with its fresh weights (to measure what the sync "
-                           "phases buy)")
-    demo.add_argument("--chaos", type=float, default=None, metavar="SECONDS",
-                      help="kill -9 a random worker (one whose stage keeps another replica) or trainer every SECONDS "
-                           "and start a newcomer in its place (new identity, empty state); the summary counts kills, "
-                           "joins, their seconds to member, and units committed, lost and run twice")
-    demo.add_argument("--chaos-seed", type=int, default=0, help="seed of --chaos's choice of victims (default 0)")
-    demo.add_argument("--lease", type=float, default=None, metavar="S",
-                      help="the trainers' unit leases (default: the trainer's 30 s; 5 s under --chaos)")
-    demo.add_argument("--checkpoint-every", type=non_negative_int, default=None, metavar="STEPS",
-                      help="the workers' checkpoint interval (default: the config's train.checkpoint_every)")
-    demo.add_argument("--resume", action="store_true",
-                      help="restart every role of --workdir from its checkpoints: workers from the newest step all "
-                           "of them have, trainers from that step on")
-    demo.add_argument("--heartbeat", type=float, default=1.0, metavar="S",
-                      help="seconds between the workers' DHT announces (default 1: quick failure detection; "
-                           "`join` defaults to 5)")
-    demo.add_argument("--insecure", action="store_true",
-                      help="run without the authorizer: no admission, no TLS, no signed DHT records")
-    demo.add_argument("--monitor-port", type=int, default=0, metavar="P",
-                      help="the monitor's HTTP port: status page, /sd, /metrics (default 0: a free one)")
-    demo.add_argument("--no-monitor", action="store_true", help="do not start the monitor")
-    demo.add_argument("--credential-lifetime", type=float, default=None, metavar="S",
-                      help="seconds each credential is valid (nodes renew at half life; default: the authorizer's, "
-                           "1 hour)")
-    demo.add_argument("--serve", action="store_true",
-                      help="serve --checkpoint instead of training: serve-only workers and the OpenAI-compatible "
-                           "API, up until Ctrl-C")
-    demo.add_argument("--checkpoint", default=None, metavar="C", help="with --serve: the checkpoint to serve")
-    demo.add_argument("--http-port", type=int, default=8000, metavar="P", help="with --serve: the API's port")
+    from agora.node.demo.options import DemoOptions
+
+    add_option_flags(demo.add_argument_group("demo", "the swarm it starts"), DemoOptions)
     demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
 
     bench = commands.add_parser("bench", help="the benchmark suite: one run, one results table (bench/RESULTS.md)",

@@ -36,7 +36,7 @@ def worker_memory_options(config: RunConfig, *, rows: int | None = None, pinned_
                           in_flight: int | None = None) -> MemoryOptions:
     """What a worker with these options keeps: by default `join`'s (the run's microbatch, 2 pinned
     versions, the stash's 64 entries) and the Abort records of a whole global batch (one replica)."""
-    from agora.node.worker.compute import DEFAULT_PINNED_VERSIONS
+    from agora.node.worker.options import DEFAULT_PINNED_VERSIONS
     from agora.node.worker.worker import WorkerOptions
     from agora.pipeline.memory import MemoryOptions
 

@@ -1,4 +1,4 @@
-"""The run flags: every setting of the run config on the command line, generated from its schema.
+"""Flags generated from the settings' schema (pipeline/schema.py): the run flags, and a role's options.
 
 Each leaf of pipeline/config.py's schema is a flag `--section.field` (`--sync.every-steps 8`,
 `--model.rank none`), and the settings the schema gives a short name also answer to it
@@ -11,6 +11,9 @@ when it is longer. A flag given wins over the file, which wins over the preset.
 Settings marked machine-local in the schema (device, precision, token cache, a joiner's warm-up)
 are this process's own; every other one is in the run fingerprint, so a process with another
 value is another run.
+
+A role's options (a worker's queues, the demo's swarm) are sections of the same kind; the fields
+that declare a flag are that role's command-line options (`add_option_flags`, `options_from_args`).
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from agora.pipeline.config import (ConfigError, RunConfig, RuntimeConfig, Setting, checked, config_with,
-                                   load_config_sources, run_settings, split_layers)
+from pydantic import TypeAdapter, ValidationError
+
+from agora.pipeline.config import (ConfigError, RunConfig, RuntimeConfig, checked, config_with, load_config_sources,
+                                   run_settings, split_layers)
+from agora.pipeline.schema import Setting, explain, leaves
 
 __all__ = ["add_run_arguments", "run_config", "run_config_sources", "explicit_settings", "setting_flags",
-           "check_runtime_flags", "non_negative_int", "add_config_command"]
+           "check_runtime_flags", "non_negative_int", "add_config_command", "add_option_flags", "options_from_args"]
 
 _NONE = ("none", "null")
 # Leaves without a flag of their own: the name is the config's, the seed is --seed's.
@@ -50,10 +56,12 @@ def _parser_of(item: Setting):
     return parse
 
 
+def _shown(default: Any) -> str:
+    return "none" if default is None else (",".join(map(str, default)) if isinstance(default, tuple) else str(default))
+
+
 def _help(item: Setting) -> str:
-    default = item.default
-    shown = "none" if default is None else (",".join(map(str, default)) if isinstance(default, tuple) else default)
-    return f"{item.help} (default: the config's; {shown} in the schema)".replace("%", "%%")
+    return f"{item.help} (default: the config's; {_shown(item.default)} in the schema)".replace("%", "%%")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str, seed_flag: str = "--seed",
@@ -190,3 +198,57 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     else:
         print(f"# agora-node run config; fingerprint {fingerprint}\n{config_to_toml(config, sources)}", end="")
     return 0
+
+
+# ----------------------------------------------------------------------------- a role's options
+
+
+def _option_dest(item: Setting) -> str:
+    """The flag's own name as its destination (`--max-queue` -> max_queue), which code beside the
+    options reads too (`args.sync`)."""
+    return item.short_flag.removeprefix("--").removeprefix("no-").replace("-", "_")
+
+
+def _flagged(cls: type) -> list[Setting]:
+    return [item for item in leaves(cls) if item.short_flag]
+
+
+def add_option_flags(parser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
+    """A flag for each field of `cls` that declares one (`--no-X` for a field that is true unless
+    turned off), its default the schema's."""
+    for item in _flagged(cls):
+        if item.short_flag in skip:
+            continue
+        shown = item.extra.get("unset") if item.default is None and "unset" in item.extra else _shown(item.default)
+        help_text = item.help if "default" in item.help else f"{item.help} (default: {shown})"
+        help_text = help_text.replace("%", "%%")
+        if item.scalar is bool and not item.is_tuple:
+            parser.add_argument(item.short_flag, dest=_option_dest(item), default=item.default,
+                                action="store_false" if item.short_flag.startswith("--no-") else "store_true",
+                                help=item.help.replace("%", "%%"))
+            continue
+        parser.add_argument(item.short_flag, dest=_option_dest(item), type=_parser_of(item),
+                            default=None if item.is_tuple else item.default, choices=item.choices,
+                            **({"nargs": "+", "action": "extend"} if item.is_tuple else {}),  # repeatable
+                            metavar=item.path.rpartition(".")[2].upper(), help=help_text)
+
+
+def options_from_args(cls: type, args: argparse.Namespace, section: str, **given: Any) -> Any:
+    """`cls` from the flags `add_option_flags` gave the command (those of a parser that has them),
+    over `given`; a ConfigError names `section.field` and the value."""
+    values: dict[str, Any] = dict(given)
+    for item in _flagged(cls):
+        dest = _option_dest(item)
+        if hasattr(args, dest):
+            head, _, leaf = item.path.rpartition(".")
+            target = values
+            for part in head.split(".") if head else ():
+                target = target.setdefault(part, {})
+            value = getattr(args, dest)
+            if value is None and item.is_tuple:
+                continue  # not given: the schema's default
+            target[leaf] = tuple(value) if isinstance(value, list) else value
+    try:
+        return TypeAdapter(cls).validate_python(values)
+    except ValidationError as error:
+        raise explain(error, cls, section) from None

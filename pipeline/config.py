@@ -16,20 +16,19 @@ report into a `ConfigError` naming the first bad field.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
-import types
-import typing
 from collections.abc import Mapping
-from dataclasses import dataclass as _plain_dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError,
-                      field_validator, model_validator)
+from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError, field_validator, \
+    model_validator
 from pydantic.dataclasses import dataclass
-from pydantic.fields import FieldInfo
+
+from agora.pipeline.schema import (SECTION, ConfigError, Fraction, NoneOr, Positive, Setting, checked, explain, get,
+                                   leaves, setting)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,37 +62,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A user's config is wrong; the message names the field."""
-
-
-# Every section refuses unknown fields (a typo is an error, not a silent default) and takes
-# values of their own type only: TOML's 1 for a float is fine, "3" or true for an integer is not.
-_SECTION = ConfigDict(extra="forbid")
-
-
-def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None, local: bool = False,
-            default_factory: Any = None, **bounds: Any) -> Any:
-    """One setting's declaration. `flag`: a short command-line name beside `--section.field`;
-    `local`: this machine's choice (where it computes, caches, how long it warms up), left out of
-    the run fingerprint so that processes differing in it still serve one run."""
-    extra = {key: value for key, value in (("flag", flag), ("local", local)) if value}
-    if default_factory is not None:
-        return Field(default_factory=default_factory, description=help, json_schema_extra=extra or None, **bounds)
-    return Field(default, description=help, json_schema_extra=extra or None, **bounds)
-
-
-def _none(value: Any) -> Any:
-    """TOML has no null: an optional setting also takes the string "none"."""
-    return None if isinstance(value, str) and value.lower() == "none" else value
-
-
-Positive = Annotated[StrictInt, Field(gt=0)]
-Fraction = Annotated[StrictFloat, Field(ge=0, lt=1)]
-NoneOr = BeforeValidator(_none)
-
-
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class ModelConfig:
     arch: Literal["llama", "neox"] = setting(
         "llama", "llama (RMSNorm, SwiGLU, GQA) or neox (Pythia: LayerNorm, GeLU, parallel residual)")
@@ -149,7 +118,7 @@ class ModelConfig:
         return self
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class OptimConfig:
     lr: StrictFloat = setting(1e-3, "peak learning rate (AdamW)", gt=0)
     betas: tuple[Fraction, Fraction] = setting((0.9, 0.95), "AdamW betas, two numbers in [0, 1)")
@@ -166,7 +135,7 @@ class OptimConfig:
     tail_clip_multiplier: StrictFloat = setting(2.0, "the tail stage's share of the clip budget", gt=0)
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class DataConfig:
     source: StrictStr = setting(
         "stdlib", "stdlib, a path to .txt/.jsonl/.parquet files (or a folder), or hf:<dataset>", min_length=1)
@@ -177,7 +146,7 @@ class DataConfig:
     cache_dir: Annotated[StrictStr | None, NoneOr] = setting(None, "token cache (default ~/.cache/agora-node)", local=True)
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class TrainConfig:
     batch_size: StrictInt = setting(8, "sequences per global batch (one data work unit)", flag="--batch-size", gt=0)
     microbatches: StrictInt = setting(2, "a global batch is cut into this many microbatches",
@@ -203,7 +172,7 @@ SYNC_METHODS = ("sparta", "diloco", "none")
 AGGREGATIONS = ("centered_clip", "mean")
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class SyncConfig:
     """How the replicas of a stage stay together (docs/design.md, AsyncSPARTA); defaults are the report's."""
 
@@ -259,7 +228,7 @@ class SyncConfig:
 COMPUTE_DTYPES = ("fp32", "bf16")
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class RuntimeConfig:
     """Where and in what precision this process computes. Machine-local, like data.cache_dir: left
     out of the run fingerprint, so a CPU worker and a GPU worker can serve the same run; a process's
@@ -289,7 +258,7 @@ class RuntimeConfig:
         return self
 
 
-@dataclass(frozen=True, config=_SECTION)
+@dataclass(frozen=True, config=SECTION)
 class RunConfig:
     name: StrictStr = setting("tiny", "the run's name (a preset's, or the file's)", min_length=1)
     seed: StrictInt = setting(0, "run seed")
@@ -377,178 +346,20 @@ PRESETS: dict[str, RunConfig] = {
 # ----------------------------------------------------------------------------- the schema as data
 
 
-@_plain_dataclass(frozen=True)
-class Setting:
-    """One leaf of the schema, for the command line and `config show`."""
-
-    path: str  # "sync.every_steps"
-    annotation: Any
-    info: FieldInfo
-
-    @property
-    def help(self) -> str:
-        return self.info.description or ""
-
-    @property
-    def extra(self) -> dict:
-        return self.info.json_schema_extra if isinstance(self.info.json_schema_extra, dict) else {}
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.path.replace("_", "-")
-
-    @property
-    def short_flag(self) -> str | None:
-        return self.extra.get("flag")
-
-    @property
-    def local(self) -> bool:
-        return bool(self.extra.get("local"))
-
-    @property
-    def default(self) -> Any:
-        return _get(RunConfig(), self.path)
-
-    @property
-    def choices(self) -> tuple | None:
-        literal = [a for a in _unwrap(self.annotation) if typing.get_origin(a) is Literal]
-        return typing.get_args(literal[0]) if literal else None
-
-    @property
-    def scalar(self) -> type:
-        """The Python type one command-line value parses to (a tuple's items for a tuple)."""
-        for candidate in _unwrap(self.annotation):
-            origin = typing.get_origin(candidate)
-            if origin is tuple:
-                return _scalar_of(typing.get_args(candidate)[0])
-            if origin is Literal:
-                return str
-            if candidate is not type(None):
-                return _scalar_of(candidate)
-        raise TypeError(f"{self.path}: no scalar type in {self.annotation!r}")
-
-    @property
-    def is_tuple(self) -> bool:
-        return any(typing.get_origin(a) is tuple for a in _unwrap(self.annotation))
-
-    @property
-    def optional(self) -> bool:
-        return type(None) in _unwrap(self.annotation)
-
-
-def _unwrap(annotation: Any) -> tuple:
-    """The alternatives of a union (one for anything else), Annotated stripped."""
-    while typing.get_origin(annotation) is Annotated:
-        annotation = typing.get_args(annotation)[0]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return tuple(_unwrap(a)[0] for a in typing.get_args(annotation))
-    return (annotation,)
-
-
-def _scalar_of(annotation: Any) -> type:
-    annotation = _unwrap(annotation)[0]
-    for base in (bool, int, float, str):  # StrictInt is Annotated[int, Strict()]: unwrapped above
-        if annotation is base:
-            return base
-    raise TypeError(f"not a scalar setting: {annotation!r}")
-
-
-def _sections(cls: type = None) -> dict[str, Any]:
-    """A section's fields by name: their annotation (resolved) and FieldInfo."""
-    cls = cls or RunConfig
-    hints = typing.get_type_hints(cls, include_extras=True)
-    return {name: (hints[name], info) for name, info in cls.__pydantic_fields__.items()}
-
-
 def run_settings() -> list[Setting]:
     """Every leaf of the run config, in declaration order."""
-    out = []
-    for name, (annotation, info) in _sections().items():
-        if dataclasses.is_dataclass(annotation):
-            out += [Setting(f"{name}.{leaf}", hint, leaf_info) for leaf, (hint, leaf_info) in _sections(annotation).items()]
-        else:
-            out.append(Setting(name, annotation, info))
-    return out
-
-
-def _get(config: Any, path: str) -> Any:
-    for part in path.split("."):
-        config = getattr(config, part)
-    return config
+    return leaves(RunConfig)
 
 
 def flatten(config: RunConfig) -> dict[str, Any]:
     """Every leaf's value by its dotted path."""
-    return {item.path: _get(config, item.path) for item in run_settings()}
-
-
-# ----------------------------------------------------------------------------- errors in one line
-
-
-def _known(path: tuple) -> list[str]:
-    cls = RunConfig
-    for part in path:
-        annotation = _sections(cls).get(part, (None,))[0]
-        if not dataclasses.is_dataclass(annotation):
-            return []
-        cls = annotation
-    return list(_sections(cls))
-
-
-def _is_section(path: tuple) -> bool:
-    return not path or (len(path) == 1 and dataclasses.is_dataclass(_sections().get(path[0], (None,))[0]))
-
-
-def _where(loc: tuple) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
-
-
-def explain(error: ValidationError, section: str = "") -> ConfigError:
-    """pydantic's report as one line naming the first bad field, what it takes and what it got;
-    `section`: the run config's section the validated object is ("runtime" for a RuntimeConfig)."""
-    first = error.errors(include_url=False)[0]
-    loc, kind, value = (*((section,) if section else ()), *first["loc"]), first["type"], first.get("input")
-    ctx = first.get("ctx") or {}
-    where = _where(loc)
-    if kind == "unexpected_keyword_argument":
-        return ConfigError(f"{where}: unknown field (known: {', '.join(sorted(_known(loc[:-1])))})")
-    if kind in ("value_error", "assertion_error"):
-        message = str(ctx.get("error", first["msg"]))
-        if _is_section(loc):  # a rule across fields: its message starts with the field it names
-            return ConfigError(f"{where}.{message}" if where else message)
-        return ConfigError(f"{where}: {message}, got {value!r}")
-    if kind.startswith("dataclass") or kind in ("dict_type", "model_type"):
-        return ConfigError(f"{where}: expected a table, got {value!r}")
-    bound = {"greater_than": "> {gt}", "greater_than_equal": ">= {ge}", "less_than": "< {lt}",
-             "less_than_equal": "<= {le}"}.get(kind)
-    if bound is not None:
-        limits = {key: f"{limit:g}" if isinstance(limit, float) else limit for key, limit in ctx.items()}
-        return ConfigError(f"{where}: must be {bound.format(**limits)}, got {value!r}")
-    expected = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
-                "bool_type": "true or false", "string_type": "a string", "tuple_type": "a list",
-                "literal_error": "one of " + str(ctx.get("expected", "")).replace("'", "")}.get(kind)
-    if expected is not None:
-        return ConfigError(f"{where}: expected {expected}, got {value!r}")
-    message = first["msg"]
-    return ConfigError(f"{where}: {message[0].lower()}{message[1:]}, got {value!r}")
+    return {item.path: get(config, item.path) for item in run_settings()}
 
 
 # ----------------------------------------------------------------------------- building configs
 
 
 _RUN = TypeAdapter(RunConfig)
-
-
-def checked(cls: type, section: str, **values: Any) -> Any:
-    """`cls(**values)` for one section of the run config, a ConfigError naming `section.field` if
-    they are not valid (for values that come from outside: a flag, another library's config)."""
-    try:
-        return cls(**values)
-    except ValidationError as error:
-        raise explain(error, section) from None
 
 
 def config_to_dict(config: RunConfig, *, local: bool = True) -> dict:
@@ -561,7 +372,7 @@ def config_to_dict(config: RunConfig, *, local: bool = True) -> dict:
     for item in run_settings():
         if local or not item.local:
             section, _, leaf = item.path.rpartition(".")
-            (out.setdefault(section, {}) if section else out)[leaf] = plain(_get(config, item.path))
+            (out.setdefault(section, {}) if section else out)[leaf] = plain(get(config, item.path))
     return out
 
 
@@ -579,7 +390,7 @@ def _validated(values: dict) -> RunConfig:
     try:
         return _RUN.validate_python(values)
     except ValidationError as error:
-        raise explain(error) from None
+        raise explain(error, RunConfig) from None
 
 
 def config_from_dict(values: Mapping, base: RunConfig | None = None) -> RunConfig:
@@ -668,7 +479,7 @@ def config_to_toml(config: RunConfig, sources: Mapping[str, str] | None = None) 
 
     lines: list[str] = []
     section = ""
-    rows = [(item, value(_get(config, item.path))) for item in run_settings()]
+    rows = [(item, value(get(config, item.path))) for item in run_settings()]
     width = max(len(item.path.rpartition(".")[2]) + 3 + len(text) for item, text in rows)
     for item, text in rows:
         head, _, leaf = item.path.rpartition(".")

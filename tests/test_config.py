@@ -233,6 +233,36 @@ def test_pinned_weights_reach_the_worker_and_the_demo_hands_them_on():
     with pytest.raises(ConfigError, match="worker.pinned_weights: must be >= 0, got -1"):
         options_of("--pinned-weights", "-1")
     demo = DemoOptions.from_args(build_parser().parse_args(["demo", "--pinned-weights", "0"]))
-    assert demo.validate().pinned_weights == 0
-    with pytest.raises(ConfigError, match="--pinned-weights: must be >= 0, got -1"):
-        DemoOptions(pinned_weights=-1).validate()
+    assert demo.pinned_weights == 0 and "--pinned-weights" in demo.worker_flags()
+    assert DemoOptions.from_args(build_parser().parse_args(["demo"])).pinned_weights is None  # the workers' own
+    with pytest.raises(ConfigError, match="demo.pinned_weights: must be >= 0, got -1"):
+        DemoOptions.from_args(build_parser().parse_args(["demo", "--pinned-weights", "-1"]))
+
+
+def test_role_options_come_from_their_sections_and_are_checked_before_anything_starts():
+    """Each role's flags are its options section's fields: a bad value is one line naming it, and the
+    demo's rules across its options (one route for --sync) hold on the command line."""
+    from agora.node.cli import build_parser, main
+    from agora.node.demo.demo import DemoOptions
+    from agora.node.run_flags import options_from_args
+    from agora.node.trainer.trainer import TrainerOptions
+
+    def trainer(*argv):
+        return options_from_args(TrainerOptions, build_parser().parse_args(["trainer", *argv]), "trainer", run_id="r")
+
+    assert trainer("--max-staleness", "4", "--trainers", "3", "--trainer-index", "2", "--lease", "7").lease_s == 7.0
+    for argv, message in [(["--max-staleness", "0"], "trainer.max_staleness: must be > 0, got 0"),
+                          (["--trainers", "2", "--trainer-index", "2"], "trainer.trainer_index: 2 out of range"),
+                          (["--time-budget", "-1"], "trainer.time_budget_s: must be > 0, got -1")]:
+        with pytest.raises(ConfigError, match=message):
+            trainer(*argv)
+    demo = DemoOptions.from_args(build_parser().parse_args(
+        ["demo", "--join-at", "3", "--join-at", "5", "7", "--chaos", "20", "--no-monitor", "--no-sync-phases"]))
+    assert (demo.join_at, demo.chaos_s, demo.monitor, demo.sync_phases, demo.trainer_lease_s) == (
+        (3, 5, 7), 20.0, False, False, 5.0)
+    for argv, message in [(["--sync", "--replicas", "2"], "demo.sync: --sync needs --replicas 1"),
+                          (["--credential-lifetime", "5"], "demo.credential_lifetime: must be >= 10, got 5"),
+                          (["--resume"], "demo.resume: give the --workdir")]:
+        with pytest.raises(ConfigError, match=message):
+            DemoOptions.from_args(build_parser().parse_args(["demo", *argv]))
+    assert main(["trainer", "--insecure", "--max-in-flight", "0"]) == 2  # before any DHT or admission

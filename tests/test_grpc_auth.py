@@ -30,7 +30,7 @@ from agora.node.rpc.server import announced_host, is_wildcard_host, run
 from agora.node.rpc.tls import InsecureChannels, TlsChannels
 from agora.node.trainer.stage_client import RequestRefused, StageClient, WorkerUnreachable
 from agora.node.worker.worker import StageWorker, WorkerOptions
-from agora.pipeline.config import PRESETS, ConfigError
+from agora.pipeline.config import PRESETS, ConfigError, checked
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.protos.stage_adapter import StageStub
 from run_pki import HOUR, CallerLog, OffsetClock, Pki, RawTls, build_pki, raw, self_signed
@@ -140,7 +140,7 @@ def test_a_wildcard_bind_announces_a_concrete_address_and_never_the_wildcard():
         with pytest.raises(ValueError, match="every interface"):
             announced_host("127.0.0.1", wildcard, outbound=outbound)
     with pytest.raises(ConfigError, match="announce_host"):
-        WorkerOptions(announce_host="0.0.0.0").validate()
+        checked(WorkerOptions, "worker", announce_host="0.0.0.0")
     assert not is_wildcard_host(announced_host("0.0.0.0"))  # this machine, for real
 
 

@@ -70,8 +70,8 @@ def test_a_checkpoint_without_the_stage_or_of_another_model_is_refused(tmp_path,
      "a serving worker never trains"),
     (["generate", "--checkpoint", "x", "--config", "tiny", "--prompt", "a", "--insecure"], "give one"),
     (["generate", "--config", "/nonexistent", "--prompt", "a", "--insecure"], "config: '/nonexistent'"),
-    (["demo", "--serve", "--insecure"], "--serve: needs --checkpoint C"),
-    (["demo", "--checkpoint", "x", "--insecure"], "--checkpoint: only with --serve"),
+    (["demo", "--serve", "--insecure"], "demo.serve: --serve needs --checkpoint C"),
+    (["demo", "--checkpoint", "x", "--insecure"], "demo.checkpoint: --checkpoint only with --serve"),
 ])
 def test_bad_inference_flags_are_one_line_and_exit_2(argv, needle, capsys, tmp_path):
     assert main(argv) == 2

@@ -15,6 +15,7 @@ The requests and frames are built in tests/stage_requests.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future
@@ -35,7 +36,7 @@ from agora.node.worker.bounds import (
 )
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.codec import WireCodec, WireFormatError, encode_tokens, peek_header
-from agora.pipeline.config import ConfigError
+from agora.pipeline.config import ConfigError, checked
 from agora.protos import stage_adapter as adapter
 from agora.protos import stage_pb2
 
@@ -191,12 +192,14 @@ def test_worker_options_for_the_bounds_are_checked():
     options = WorkerOptions(max_queue=8)
     assert (options.queue_per_caller, options.control_queue, options.concurrent_rpcs) == (6, 8, 64)
     for bad, message in [(dict(max_queue_per_caller=9), "worker.max_queue_per_caller: 9 is above max_queue=8"),
-                         (dict(max_queue=0), "worker.max_queue: must be positive, got 0"),
-                         (dict(max_rows=0), "worker.max_rows: must be positive, got 0"),
-                         (dict(max_control_queue=-1), "worker.max_control_queue: must be positive"),
-                         (dict(max_concurrent_rpcs=16), "worker.max_concurrent_rpcs: 16 leaves no room")]:
+                         (dict(max_queue=0), "worker.max_queue: must be > 0, got 0"),
+                         (dict(max_rows=0), "worker.max_rows: must be > 0, got 0"),
+                         (dict(max_control_queue=-1), "worker.max_control_queue: must be > 0, got -1"),
+                         (dict(max_concurrent_rpcs=16), "worker.max_concurrent_rpcs: 16 leaves no room"),
+                         (dict(wire_dtype="fp8"), "worker.wire_dtype: expected one of fp32, bf16, fp16 or int8"),
+                         (dict(stream_chunk_bytes=2**30), "worker.stream_chunk_bytes: 1073741824 must be below")]:
         with pytest.raises(ConfigError, match=message):
-            replace(options, **bad).validate()
+            checked(WorkerOptions, "worker", **{**dataclasses.asdict(options), **bad, "inference": options.inference})
     with pytest.raises(ConfigError, match="worker.max_rows: 1 is below train.microbatch_size=2"):
         StageWorker(CONFIG, BODY, run_id=RUN, options=WorkerOptions(max_rows=1))
 

@@ -18,7 +18,6 @@ averaging counters to a stats file when it leaves, and the summary adds them up 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shutil
@@ -26,19 +25,17 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 from agora.node.demo.launcher import warm_up
 from agora.node.demo.processes import ChildFailed, ChildProcess, Placement, ProcessGroup, agora_node_command
 from agora.node.demo.chaos import Chaos, ChaosEvent
 from agora.node.demo.summary import build_summary, churn_summary, format_summary, latest_per_trainer, merge_logs
 from agora.node.progress import Progress
-from agora.node.run_flags import explicit_settings, setting_flags
+from agora.node.demo.options import DemoOptions
 from agora.pipeline.checkpoint import checkpoint_steps
-from agora.pipeline.config import PRESETS, ConfigError
+from agora.pipeline.config import ConfigError
 from agora.pipeline.files import atomic_write
 
 __all__ = ["DemoOptions", "run_demo", "merge_logs"]
@@ -46,129 +43,9 @@ __all__ = ["DemoOptions", "run_demo", "merge_logs"]
 logger = logging.getLogger("agora.node.demo")
 
 
-@dataclass(frozen=True)
-class DemoOptions:
-    config: str = "tiny"
-    seed: int | None = None
-    stages: int | None = 3
-    steps: int = 60
-    # Run settings by dotted path ({"train.microbatches": 32}): every process gets them (node/run_flags.py).
-    settings: dict[str, Any] = field(default_factory=dict)
-    replicas: int = 1
-    trainers: int = 1
-    sync: bool = False
-    max_in_flight: int | None = None  # None: the trainer's default (adaptive)
-    max_staleness: float | None = None  # None: the trainer's default
-    time_budget_s: float | None = None  # trainers stop starting global batches after this long
-    pinned_weights: int | None = None  # None: the workers' default
-    keep_graphs: int | None = None  # None: the workers' default
-    log_json: str | None = None
-    summary_json: str | None = None
-    workdir: str | None = None
-    kill_worker_at: int | None = None
-    # After each of these many global batches a new replica of stage 0 joins (a new contributor).
-    join_at: tuple[int, ...] = ()
-    sync_phases: bool = True  # False: a joiner is a member at once (what joining was before the sync phases)
-    run_id: str = "demo"
-    insecure: bool = False  # no authorizer, no TLS, no signed records
-    heartbeat_s: float = 1.0  # workers' DHT announces: fast failure detection on one machine
-    credential_lifetime: float | None = None  # None: the authorizer's default (1 hour)
-    threads: int = 1
-    ready_timeout_s: float = 120.0
-    # --serve: serve-only workers on a checkpoint's weights and the HTTP API (node/demo/serving.py).
-    serve: bool = False
-    checkpoint: str | None = None
-    http_port: int = 8000
-    monitor: bool = True  # start `agora-node monitor` (status page, /sd, /metrics)
-    monitor_port: int = 0  # 0: a free port
-    checkpoint_every: int | None = None  # workers' checkpoint interval; None: the config's
-    resume: bool = False  # restart every role of `workdir` from its checkpoints
-    chaos_s: float | None = None  # kill a random worker or trainer every this many seconds
-    chaos_seed: int = 0
-    lease_s: float | None = None  # trainers' unit leases; None: theirs (5 s under --chaos)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "DemoOptions":
-        return cls(config=args.config or "tiny", seed=args.seed, stages=args.stages, steps=args.steps,
-                   settings=explicit_settings(args), replicas=args.replicas,
-                   trainers=args.trainers, sync=args.sync,
-                   max_in_flight=args.max_in_flight, max_staleness=getattr(args, "max_staleness", None),
-                   time_budget_s=getattr(args, "time_budget", None),
-                   pinned_weights=getattr(args, "pinned_weights", None),
-                   keep_graphs=getattr(args, "keep_graphs", None),
-                   log_json=args.log_json, summary_json=args.summary_json,
-                   workdir=args.workdir, kill_worker_at=args.kill_worker_at, join_at=tuple(getattr(args, "join_at", None) or ()),
-                   sync_phases=not getattr(args, "no_sync_phases", False),
-                   insecure=getattr(args, "insecure", False), heartbeat_s=getattr(args, "heartbeat", 1.0),
-                   credential_lifetime=getattr(args, "credential_lifetime", None),
-                   serve=getattr(args, "serve", False), checkpoint=getattr(args, "checkpoint", None),
-                   http_port=getattr(args, "http_port", 8000),
-                   monitor=not getattr(args, "no_monitor", False), monitor_port=getattr(args, "monitor_port", 0),
-                   checkpoint_every=getattr(args, "checkpoint_every", None), resume=getattr(args, "resume", False),
-                   chaos_s=getattr(args, "chaos", None), chaos_seed=getattr(args, "chaos_seed", 0),
-                   lease_s=getattr(args, "lease", None) or (5.0 if getattr(args, "chaos", None) else None))
-
-    def validate(self) -> "DemoOptions":
-        if self.replicas < 1 or self.trainers < 1 or self.steps < 1:
-            raise ConfigError("--replicas, --trainers and --steps must be at least 1")
-        if self.sync and (self.replicas != 1 or self.trainers != 1):
-            raise ConfigError("--sync needs --replicas 1 and --trainers 1 (one route, one barrier)")
-        if self.pinned_weights is not None and self.pinned_weights < 0:
-            raise ConfigError(f"--pinned-weights: must be >= 0, got {self.pinned_weights}")
-        if self.keep_graphs is not None and self.keep_graphs < 0:
-            raise ConfigError(f"--keep-graphs: must be >= 0, got {self.keep_graphs}")
-        if not self.heartbeat_s > 0:
-            raise ConfigError(f"--heartbeat: must be positive, got {self.heartbeat_s}")
-        if self.insecure and self.credential_lifetime is not None:
-            raise ConfigError("--credential-lifetime: --insecure runs without credentials")
-        if self.credential_lifetime is not None and self.credential_lifetime < 10:
-            raise ConfigError(f"--credential-lifetime: at least 10 s, got {self.credential_lifetime:g}")
-        if self.serve and (self.checkpoint is None or self.sync or self.trainers != 1 or self.kill_worker_at):
-            raise ConfigError("--serve: needs --checkpoint C, and trains nothing (no --sync, --trainers, "
-                              "--kill-worker-at)")
-        if self.checkpoint is not None and not self.serve:
-            raise ConfigError("--checkpoint: only with --serve")
-        if not 0 <= self.monitor_port < 65536:
-            raise ConfigError(f"--monitor-port: must be in 0..65535 (0: a free one), got {self.monitor_port}")
-        if self.kill_worker_at is not None and self.replicas < 2:
-            raise ConfigError("--kill-worker-at needs --replicas 2 or more, so the stage survives")
-        if self.resume and not self.workdir:
-            raise ConfigError("--resume: give the --workdir of the run to resume")
-        if self.chaos_s is not None and not self.chaos_s > 0:
-            raise ConfigError(f"--chaos: seconds between kills must be positive, got {self.chaos_s}")
-        if self.chaos_s is not None and self.sync:
-            raise ConfigError("--chaos: not with --sync (one trainer, one replica per stage: nothing survives a kill)")
-        if self.lease_s is not None and not self.lease_s > 0:
-            raise ConfigError(f"--lease: must be positive, got {self.lease_s}")
-        return self
-
-    def worker_flags(self) -> list[str]:
-        """Flags for the workers alone (trainers do not take these): weight pinning, kept graphs, the sync phases."""
-        flags = [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
-        if self.keep_graphs is not None:
-            flags += ["--keep-graphs", str(self.keep_graphs)]
-        return flags + ([] if self.sync_phases else ["--no-sync-phases"])
-
-    def run_flags(self) -> list[str]:
-        """Flags every process of the run takes, the authorizer's served config included (all but
-        the machine-local settings are in the run's fingerprint)."""
-        flags = ["--config", _config_argument(self.config), "--steps", str(self.steps)]
-        for name, value in (("--seed", self.seed), ("--stages", self.stages)):
-            if value is not None:
-                flags += [name, str(value)]
-        return flags + setting_flags(self.settings)
-
-
-def _config_argument(config: str) -> str:
-    """A config as every child reads it: a preset by name, a TOML file or checkpoint folder by its
-    absolute path (each child runs in a working folder of its own, where a relative path means nothing)."""
-    return config if config in PRESETS or not Path(config).exists() else str(Path(config).resolve())
-
-
 def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
     """`placement`: where each process runs (default: this machine's loopback; bench/wan/ puts each
     in a network namespace of its own behind emulated links)."""
-    options.validate()
     if options.serve:
         from agora.node.demo.serving import run_serving_demo
 
@@ -262,7 +139,7 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
                 *([] if options.max_staleness is None else ["--max-staleness", str(options.max_staleness)]),
                 *([] if budget is None else ["--time-budget", f"{budget:.3f}"]),
-                *([] if options.lease_s is None else ["--lease", str(options.lease_s)]),
+                *([] if options.trainer_lease_s is None else ["--lease", str(options.trainer_lease_s)]),
                 "--log-json", str(log), "--summary-json", str(workdir / f"{name}.summary.json"),
                 "--heartbeat", str(options.heartbeat_s), *metrics_flags(), *([] if index == 0 else ["--no-eval"]))
             return group.spawn(name, command)

@@ -15,16 +15,13 @@ import json
 import logging
 import signal
 import sys
-from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
 from agora.node.run_flags import add_run_arguments, run_config
 from agora.pipeline.config import ConfigError
 
-if TYPE_CHECKING:
-    from agora.node.inference.service import InferenceOptions
-
-__all__ = ["add_serving_arguments", "inference_options", "add_client_commands", "run_client"]
+__all__ = ["add_serving_arguments", "add_client_commands", "run_client"]
 
 logger = logging.getLogger("agora.node.inference")
 
@@ -32,28 +29,10 @@ T = TypeVar("T")
 
 
 def add_serving_arguments(join: argparse.ArgumentParser) -> None:
-    """`join`'s inference flags (every worker answers inference; --serve-only does nothing else)."""
-    group = join.add_argument_group("inference")
-    group.add_argument("--serve-only", action="store_true",
-                       help="answer inference only, on the weights of --checkpoint: no training, no averaging")
-    group.add_argument("--checkpoint", default=None, metavar="C",
-                       help="with --serve-only: the checkpoint to serve (also the run config unless --config)")
-    group.add_argument("--max-sessions", type=int, default=None, metavar="N",
-                       help="inference sessions held at once; the least recently used is evicted beyond (default 32)")
-    group.add_argument("--max-session-tokens", type=int, default=None, metavar="N",
-                       help="positions one session may hold (default: model.max_seq_len)")
-    group.add_argument("--session-ttl", type=float, default=None, metavar="S",
-                       help="seconds an idle session is kept (default 300)")
-    group.add_argument("--max-inference-queue", type=int, default=None, metavar="N",
-                       help="inference calls in flight before RESOURCE_EXHAUSTED (default 8)")
-
-
-def inference_options(args: argparse.Namespace) -> InferenceOptions:
-    given = {"max_sessions": args.max_sessions, "max_session_tokens": args.max_session_tokens,
-             "session_ttl_s": args.session_ttl, "max_queue": args.max_inference_queue}
-    from agora.node.inference.service import InferenceOptions  # (torch)
-
-    return InferenceOptions(**{name: value for name, value in given.items() if value is not None})
+    """`join`'s inference flag beside the worker's options (node/worker/options.py: --serve-only and
+    the sessions' bounds)."""
+    join.add_argument("--checkpoint", default=None, metavar="C",
+                      help="with --serve-only: the checkpoint to serve (also the run config unless --config)")
 
 
 def serve_only_config_flags(args: argparse.Namespace) -> None:

@@ -29,19 +29,20 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import grpc
 
 from agora.node.inference.engine import InferenceEngine, SessionBehind
+from agora.node.inference.options import InferenceOptions
 from agora.node.inference.sessions import NotSessionOwner, SessionRefused, SessionTable, UnknownSession
 from agora.node.rpc.auth_check import Caller, RefusalCounts, current_caller
-from agora.node.worker.bounds import OutOfBounds, RequestGeometry, Slot, SlotPool, SlotRefused, default_per_caller
+from agora.node.worker.bounds import OutOfBounds, RequestGeometry, Slot, SlotPool, SlotRefused
+from agora.node.worker.options import default_per_caller
 from agora.node.worker.compute import StageCompute
 from agora.node.worker.request_frames import RequestRejected
 from agora.pipeline.codec import WireCodec
-from agora.pipeline.config import ConfigError, RunConfig
+from agora.pipeline.config import RunConfig
 from agora.pipeline.inference import SessionTooLong
 from agora.protos.stage_adapter import CloseSessionReply, CloseSessionRequest, InferReply, InferRequest, StageRefusal
 
@@ -51,28 +52,6 @@ logger = logging.getLogger("agora.node.inference")
 
 # Submits fn(compute) to the stage's compute thread; `slot` is freed when the job ends.
 SubmitCompute = Callable[[Callable[[StageCompute], Any], Optional[Slot]], Future]
-
-
-@dataclass(frozen=True)
-class InferenceOptions:
-    max_sessions: int = 32  # sessions a worker holds at once (least recently used evicted beyond)
-    max_session_tokens: Optional[int] = None  # positions per session; None: model.max_seq_len
-    session_ttl_s: float = 300.0  # an idle session is dropped after this long
-    max_queue: int = 8  # inference calls admitted and not finished
-
-    def session_tokens(self, config: RunConfig) -> int:
-        return self.max_session_tokens or config.model.max_seq_len
-
-    def validate(self, config: RunConfig) -> "InferenceOptions":
-        for name in ("max_sessions", "max_queue"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"inference.{name}: must be positive, got {getattr(self, name)}")
-        if self.max_session_tokens is not None and not 0 < self.max_session_tokens <= config.model.max_seq_len:
-            raise ConfigError(f"inference.max_session_tokens: must be in 1..{config.model.max_seq_len} "
-                              f"(model.max_seq_len), got {self.max_session_tokens}")
-        if not self.session_ttl_s > 0:
-            raise ConfigError(f"inference.session_ttl_s: must be positive, got {self.session_ttl_s}")
-        return self
 
 
 class InferenceService:

@@ -49,7 +49,6 @@ import logging
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import IO, Any, AsyncContextManager, Awaitable, Callable
 
 import torch
@@ -57,6 +56,7 @@ import torch
 from agora.node.rpc.tls import ChannelFactory
 from agora.node.trainer.discovery import Discovery
 from agora.node.trainer.inflight import DepthEstimate, InFlightLimit
+from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.stage_client import (
     OutsideWindow,
@@ -92,32 +92,6 @@ class MicrobatchFailed(RuntimeError):
 # Called with a stage index once a microbatch's gradient has been accumulated on that stage.
 StageDone = Callable[[int], None]
 Turn = Callable[[int], AsyncContextManager[None]]  # synchronous mode: a stage's turn to accumulate
-
-
-@dataclass(frozen=True)
-class TrainerOptions:
-    run_id: str
-    trainer_index: int = 0
-    trainers: int = 1
-    synchronous: bool = False
-    # Microbatches in the pipeline at once; None: adaptive (node/trainer/inflight.py), at most
-    # `max_staleness` global batches' worth (synchronous mode: half a global batch).
-    max_in_flight: int | None = None
-    max_staleness: float = 1.0
-    max_attempts: int = 6  # routes tried per microbatch before its global batch is given back
-    call_timeout_s: float = 60.0
-    # A stage without a routable worker is waited for (with backoff) as long as it takes, with a
-    # line every this many seconds saying what the trainer waits for.
-    wait_notice_s: float = 10.0
-    unit_failures: int = 5  # global batches failing in a row (all routes exhausted) before the run stops
-    roster_refresh_s: float = 2.0
-    wire_dtype: str = "fp32"
-    heartbeat_s: float = 5.0  # between announces of the trainer's record (node/trainer/announce.py)
-    lease_s: float = 30.0  # a claimed unit's lease (dht/leases.py), renewed every third of it while it runs
-    start_step: int = 0  # units below are taken as done (a run resumed from checkpoints of this step)
-    # Stop starting global batches this long after the run started (those in flight finish); None:
-    # run every unit. For "what does an hour buy" comparisons at equal wall-clock time.
-    time_budget_s: float | None = None
 
 
 def in_flight_limit(options: TrainerOptions, microbatches: int) -> int:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from agora.pipeline.codec import FLOAT_DTYPES, WireFormatError, float_frame_bytes, peek_header
+from agora.node.worker.options import default_per_caller
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.protos.stage_adapter import BackwardRequest, ForwardRequest, InferRequest
 
@@ -76,12 +77,6 @@ class SlotRefused(Exception):
     def __init__(self, message: str, reason: str):
         super().__init__(message)
         self.reason = reason
-
-
-def default_per_caller(capacity: int) -> int:
-    """Three quarters of a pool (at least 1): one caller can keep a worker busy, and a quarter
-    stays free for everyone else."""
-    return max(1, capacity - capacity // 4)
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,7 @@ from agora.node.worker.request_frames import (
 )
 from agora.node.worker.work_ledger import WorkLedger
 from agora.node.worker.weight_versions import WeightCopies
+from agora.node.worker.options import DEFAULT_PINNED_VERSIONS
 
 __all__ = [
     "LOCAL_OWNER",
@@ -141,9 +142,6 @@ logger = logging.getLogger("agora.node.worker")
 LOCAL_OWNER = "local"
 # Weight of the newest job in the throughput average: ~10 jobs of memory, steady under jitter.
 THROUGHPUT_SMOOTHING = 0.1
-# Earlier weight versions kept for backwards whose forward ran on them: the trainer keeps about
-# half a global batch in flight, so a backward spans at most a step and an averaging write or two.
-DEFAULT_PINNED_VERSIONS = 2
 # How far completed-batch reports may stray from a replica's count: node/worker/epoch.py.
 
 

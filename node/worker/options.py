@@ -2,70 +2,93 @@
 
 Bounds on what it admits (queues, per-caller shares, rows, concurrent calls, message and stream
 sizes), its stash, pinned weight versions and kept graphs, weight-sync downloads, the wire dtype it
-sends, where it listens and what it announces. `validate` names the field and the value of any
-option that cannot work, as a `ConfigError` (one line, exit 2 from the CLI).
+sends, where it listens and what it announces. Light (no torch): the CLI builds its flags from
+it. A section of the settings schema
+(pipeline/schema.py): each option is declared once with its bounds and help, the fields with a
+flag are `join`'s options, and a bad value is a `ConfigError` naming `worker.<field>` and the value
+(one line, exit 2 from the CLI).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from agora.node.inference.service import InferenceOptions
+from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic.dataclasses import dataclass
+
+from agora.node.inference.options import InferenceOptions
 from agora.node.rpc.server import is_wildcard_host
-from agora.node.worker.bounds import default_per_caller
-from agora.node.worker.compute import DEFAULT_PINNED_VERSIONS
-from agora.pipeline.codec import FLOAT_DTYPES
-from agora.pipeline.config import ConfigError
+from agora.pipeline.schema import SECTION, NoneOr, setting
 
-__all__ = ["WorkerOptions"]
+__all__ = ["WorkerOptions", "DEFAULT_PINNED_VERSIONS", "default_per_caller"]
+
+# Earlier weight versions kept by default for backwards whose forward ran on them
+# (node/worker/compute.py pins them): a backward spans at most a step and an averaging write or two.
+DEFAULT_PINNED_VERSIONS = 2
 
 
-@dataclass(frozen=True)
+def default_per_caller(capacity: int) -> int:
+    """Three quarters of a pool (at least 1): one caller can keep a worker busy, and a quarter
+    stays free for everyone else."""
+    return max(1, capacity - capacity // 4)
+
+WIRE_DTYPES = Literal["fp32", "bf16", "fp16", "int8"]
+
+
+@dataclass(frozen=True, config=SECTION)
 class WorkerOptions:
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: pick a free port; `StageWorker.port` reports the real one
-    # What peers dial, when it differs from `host` (a proxy, NAT, a wildcard bind); see `address`.
-    announce_host: str | None = None
-    synchronous: bool = False  # step only on the Step barrier
-    # Asynchronous mode: None steps on the trainers' completed-batch reports (the stage's shared
-    # epoch); a number steps on this replica's own samples instead, every that many.
-    local_batch: int | None = None
-    # Forward/Backward requests admitted but not finished; None: the stash's capacity, the in-flight
-    # depth the memory plan sized this worker for (node/worker/flow.py shares it out as credits).
-    max_queue: int | None = None
-    # Of those, what one caller identity may hold; None: three quarters (node/worker/bounds.py).
-    max_queue_per_caller: int | None = None
-    # Step and Abort calls admitted but not finished (their own pool, per-caller limited the same
-    # way); None: as many as max_queue.
-    max_control_queue: int | None = None
-    # Rows a request may carry; None: the run's train.microbatch_size (a larger value raises it).
-    max_rows: int | None = None
-    # Calls served at once (grpc answers RESOURCE_EXHAUSTED beyond); None: twice the queues plus 32,
-    # room for Info, health checks and refused calls being drained.
-    max_concurrent_rpcs: int | None = None
-    stash_capacity: int = 64  # forward inputs kept for Backward
-    stash_ttl_s: float = 600.0
-    max_message_bytes: int = 16 * 2**20  # one gRPC message, each way
-    # The codec's frame bound, and how much of a refused stream is read (and dropped) so that its client
-    # sees the status; an admitted stream is held to its request's budget from the geometry (bounds.py).
-    max_stream_bytes: int = 512 * 2**20
-    stream_chunk_bytes: int = 2**20
-    # An admitted stream must be complete this long after its first part (it holds a queue slot).
-    stream_timeout_s: float = 30.0
-    wire_dtype: str = "fp32"  # what this worker sends; it decodes any dtype
-    grace_s: float = 10.0
-    # Earlier weight versions kept so a backward runs on its forward's weights (node/worker/compute.py);
-    # each costs one copy of the stage's trainable parameters. 0: recompute on the current weights.
-    pinned_weights: int = DEFAULT_PINNED_VERSIONS
-    # State downloads (weight sync of a joining replica, node/worker/state_transfer.py) served at once;
-    # 0: this worker gives its state to nobody.
-    max_state_downloads: int = 2
-    # Head/body forward graphs kept so that Backward skips the recompute (node/worker/kept_graphs.py);
-    # each costs the forward's activations. 0: recompute every Backward.
-    keep_graphs: int = 0
-    # Inference only (join --serve-only): no training call is served; and the sessions' bounds.
-    serve_only: bool = False
-    inference: InferenceOptions = InferenceOptions()
+    host: StrictStr = setting("127.0.0.1", "address the gRPC server listens on", flag="--host", min_length=1)
+    port: StrictInt = setting(0, "gRPC port (0: pick a free one)", flag="--port", ge=0, lt=65536)
+    announce_host: Annotated[StrictStr | None, NoneOr] = setting(
+        None, "address peers dial for the gRPC server, when it differs from --host (a proxy, NAT, a public "
+        "address); default: --host, or for 0.0.0.0/:: the outbound interface's address", flag="--announce-host")
+    synchronous: StrictBool = setting(
+        False, "synchronous mode: one replica per stage, step barrier after every global batch", flag="--sync")
+    local_batch: StrictInt | None = setting(
+        None, "asynchronous mode: step on this replica's own samples, every this many, instead of on the trainers' "
+        "completed-batch reports (the default: one step per global batch, shared by the stage's replicas)",
+        flag="--local-batch", gt=0)
+    max_queue: StrictInt | None = setting(
+        None, "Forward/Backward requests held at once before RESOURCE_EXHAUSTED (default: the forward stash's "
+        "capacity, the in-flight depth the memory plan sizes; callers get shares of it as credits, sized from "
+        "their round trips)", flag="--max-queue", gt=0)
+    max_queue_per_caller: StrictInt | None = setting(
+        None, "of those, what one caller identity may hold (default: three quarters)", gt=0)
+    max_control_queue: StrictInt | None = setting(
+        None, "Step and Abort calls admitted and not finished, per-caller limited the same way (default: as many "
+        "as max_queue)", gt=0)
+    max_rows: StrictInt | None = setting(
+        None, "rows a request may carry (default: the run's train.microbatch_size; only raises it)",
+        flag="--max-rows", gt=0)
+    max_concurrent_rpcs: StrictInt | None = setting(
+        None, "calls served at once, grpc answering RESOURCE_EXHAUSTED beyond (default: twice the queues plus 32, "
+        "room for Info, health checks and refused calls being drained)", gt=0)
+    stash_capacity: StrictInt = setting(64, "forward inputs kept for Backward", gt=0)
+    stash_ttl_s: StrictFloat = setting(600.0, "a stashed input unclaimed this long is dropped", gt=0)
+    max_message_bytes: StrictInt = setting(16 * 2**20, "one gRPC message, each way", gt=0)
+    max_stream_bytes: StrictInt = setting(
+        512 * 2**20, "the codec's frame bound, and how much of a refused stream is read (and dropped) so that its "
+        "client sees the status; an admitted stream is held to its request's budget", gt=0)
+    stream_chunk_bytes: StrictInt = setting(2**20, "parts a stream is cut into", gt=0)
+    stream_timeout_s: StrictFloat = setting(
+        30.0, "an admitted stream must be complete this long after its first part (it holds a queue slot)", gt=0)
+    wire_dtype: WIRE_DTYPES = setting("fp32", "encoding of the boundary tensors this worker sends (it decodes any)",
+                                      flag="--wire-dtype")
+    grace_s: StrictFloat = setting(10.0, "seconds in-flight calls get to finish when leaving", ge=0)
+    pinned_weights: StrictInt = setting(
+        DEFAULT_PINNED_VERSIONS, "earlier weight versions kept so that each backward runs on the weights its "
+        "forward used (one copy of the stage's parameters each; 0: recompute on the current weights)",
+        flag="--pinned-weights", ge=0)
+    max_state_downloads: StrictInt = setting(
+        2, "state downloads (a joining replica's weight sync) served at once; 0: gives its state to nobody", ge=0)
+    keep_graphs: StrictInt = setting(
+        0, "head and body workers keep up to N forward autograd graphs, so a Backward skips recomputing its "
+        "forward while the weights are unchanged (memory: the forward's activations each; 0: recompute every "
+        "Backward)", flag="--keep-graphs", ge=0)
+    serve_only: StrictBool = setting(
+        False, "answer inference only, on the weights of --checkpoint: no training, no averaging",
+        flag="--serve-only")
+    inference: InferenceOptions = setting(default_factory=InferenceOptions)
 
     @property
     def queue_capacity(self) -> int:
@@ -88,39 +111,18 @@ class WorkerOptions:
             return self.max_concurrent_rpcs
         return 2 * (self.queue_capacity + self.control_queue) + 32
 
-    def validate(self) -> "WorkerOptions":
-        for name in ("stash_capacity", "max_message_bytes", "max_stream_bytes", "stream_chunk_bytes"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"worker.{name}: must be positive, got {getattr(self, name)}")
-        for name in ("max_queue", "max_queue_per_caller", "max_control_queue", "max_rows", "max_concurrent_rpcs"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ConfigError(f"worker.{name}: must be positive, got {getattr(self, name)}")
+    @model_validator(mode="after")
+    def _agree(self) -> "WorkerOptions":
         if self.queue_per_caller > self.queue_capacity:
-            raise ConfigError(f"worker.max_queue_per_caller: {self.queue_per_caller} is above "
-                              f"max_queue={self.queue_capacity}")
+            raise ValueError(f"max_queue_per_caller: {self.queue_per_caller} is above max_queue={self.queue_capacity}")
         if self.concurrent_rpcs <= self.queue_capacity + self.control_queue:
-            raise ConfigError(f"worker.max_concurrent_rpcs: {self.concurrent_rpcs} leaves no room beside "
-                              f"max_queue={self.queue_capacity} and max_control_queue={self.control_queue} "
-                              "(Info, health checks and refusals need calls too)")
-        if self.pinned_weights < 0:
-            raise ConfigError(f"worker.pinned_weights: must be >= 0, got {self.pinned_weights}")
-        if self.max_state_downloads < 0:
-            raise ConfigError(f"worker.max_state_downloads: must be >= 0, got {self.max_state_downloads}")
-        if self.keep_graphs < 0:
-            raise ConfigError(f"worker.keep_graphs: must be >= 0, got {self.keep_graphs}")
-        if self.stream_timeout_s <= 0:
-            raise ConfigError(f"worker.stream_timeout_s: must be positive, got {self.stream_timeout_s}")
-        if self.stash_ttl_s <= 0 or self.grace_s < 0:
-            raise ConfigError("worker.stash_ttl_s/grace_s: must be positive / non-negative")
-        if self.local_batch is not None and self.local_batch <= 0:
-            raise ConfigError(f"worker.local_batch: must be positive, got {self.local_batch}")
+            raise ValueError(f"max_concurrent_rpcs: {self.concurrent_rpcs} leaves no room beside "
+                             f"max_queue={self.queue_capacity} and max_control_queue={self.control_queue} "
+                             "(Info, health checks and refusals need calls too)")
         if self.stream_chunk_bytes >= self.max_message_bytes:
-            raise ConfigError("worker.stream_chunk_bytes: must be below max_message_bytes")
-        if self.wire_dtype not in FLOAT_DTYPES:
-            raise ConfigError(f"worker.wire_dtype: expected one of {', '.join(FLOAT_DTYPES)}, got {self.wire_dtype!r}")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"worker.port: must be in 0..65535, got {self.port}")
+            raise ValueError(f"stream_chunk_bytes: {self.stream_chunk_bytes} must be below "
+                             f"max_message_bytes={self.max_message_bytes}")
         if self.announce_host is not None and is_wildcard_host(self.announce_host):
-            raise ConfigError(f"worker.announce_host: {self.announce_host!r} means 'every interface', which no peer "
-                              "can dial; give the address peers reach this worker on")
+            raise ValueError(f"announce_host: {self.announce_host!r} means 'every interface', which no peer can "
+                             "dial; give the address peers reach this worker on")
         return self

@@ -164,7 +164,7 @@ class StageWorker:
         self.config = config
         self.stage_index = stage_index
         self.run_id = run_id
-        self.options = options.validate()
+        self.options = options
         self.options.inference.validate(self.config)
         self._phase = "serving" if options.serve_only else "member"
         self._clock = clock

@@ -1,0 +1,63 @@
+"""`TrainerOptions`: how one trainer runs, beside the run's config (a section of the settings
+schema, pipeline/schema.py; `trainer`'s flags come from here). Light: the CLI imports it to build
+its parser, before torch."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic.dataclasses import dataclass
+
+from agora.pipeline.schema import SECTION, setting
+
+__all__ = ["TrainerOptions"]
+
+
+@dataclass(frozen=True, config=SECTION)
+class TrainerOptions:
+    """How one trainer runs, beside the run's config; the fields with a flag are `trainer`'s options."""
+
+    run_id: StrictStr = setting(help="the run's identifier", min_length=1)
+    trainer_index: StrictInt = setting(
+        0, "this trainer's index among --trainers: its stripe of units, preferred when it claims",
+        flag="--trainer-index", ge=0)
+    trainers: StrictInt = setting(1, "trainers expected to share the run (a hint for claiming; any number may join)",
+                                  flag="--trainers", ge=1)
+    synchronous: StrictBool = setting(
+        False, "synchronous mode: one replica per stage, step barrier after every global batch", flag="--sync")
+    max_in_flight: StrictInt | None = setting(
+        None, "a fixed number of microbatches in the pipeline at once (default: adaptive, enough to hide the "
+        "measured round trips behind the busiest stage's compute, at most --max-staleness global batches; "
+        "synchronous mode: half a global batch); either way within the workers' credits",
+        flag="--max-in-flight", gt=0)
+    max_staleness: StrictFloat = setting(
+        1.0, "adaptive depth: at most this many global batches' microbatches in flight (more in flight is faster "
+        "over long round trips and converges worse)", flag="--max-staleness", gt=0)
+    max_attempts: StrictInt = setting(6, "routes tried per microbatch before its global batch is given back", ge=1)
+    call_timeout_s: StrictFloat = setting(60.0, "deadline of one call to a worker", gt=0)
+    wait_notice_s: StrictFloat = setting(
+        10.0, "a stage without a routable worker is waited for (with backoff) as long as it takes, with a line "
+        "every this many seconds saying what the trainer waits for", gt=0)
+    unit_failures: StrictInt = setting(
+        5, "global batches failing in a row (all routes exhausted) before the run stops", ge=1)
+    roster_refresh_s: StrictFloat = setting(2.0, "between two reads of the workers' records", gt=0)
+    wire_dtype: Literal["fp32", "bf16", "fp16", "int8"] = setting(
+        "fp32", "encoding of the boundary tensors this trainer sends (it decodes any)", flag="--wire-dtype")
+    heartbeat_s: StrictFloat = setting(5.0, "seconds between announces of this trainer's progress in the DHT",
+                                       flag="--heartbeat", gt=0)
+    lease_s: StrictFloat = setting(
+        30.0, "seconds a claimed global batch stays this trainer's without a renewal (renewed every third of it); "
+        "a trainer that dies gives its batches back after this", flag="--lease", gt=0)
+    start_step: StrictInt = setting(
+        0, "take the run's global batches below STEP as done (a run resumed from checkpoints of that step); the "
+        "log is appended to", flag="--start-step", ge=0)
+    time_budget_s: StrictFloat | None = setting(
+        None, "start no global batch after this many seconds of training (those in flight finish, then the "
+        "held-out evaluation); --steps still sets the schedule", flag="--time-budget", gt=0)
+
+    @model_validator(mode="after")
+    def _agree(self) -> "TrainerOptions":
+        if self.trainer_index >= self.trainers:
+            raise ValueError(f"trainer_index: {self.trainer_index} out of range for trainers={self.trainers}")
+        return self
