@@ -15,6 +15,7 @@ from pathlib import Path
 
 from agora.bench import SUITE_ROWS
 from agora.node.admission import add_admission_arguments
+from agora.node.demo.supervision import PARENT_PID_ENV
 from agora.node.logs import LOG_FORMATS, configure_logging
 from agora.node.observability import MetricsOptions, add_metrics_arguments
 from agora.node.run_flags import (add_config_command, add_option_flags, add_run_arguments, check_runtime_flags,
@@ -444,10 +445,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_command(commands)
     add_client_commands(commands)
     return parser
-
-
-# Set by a supervising agora-node (the demo) to its pid: a child dies with it (node/demo/processes.py).
-PARENT_PID_ENV = "AGORA_NODE_PARENT_PID"
 
 
 def _die_with_parent() -> None:

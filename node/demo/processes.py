@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from agora.node.demo.launcher import LaunchedProcess, LauncherError, launch
+from agora.node.demo.supervision import PARENT_PID_ENV
 
 __all__ = ["ChildProcess", "ProcessGroup", "ChildFailed", "Placement", "LOOPBACK", "agora_node_command"]
 
@@ -113,7 +114,7 @@ class ProcessGroup:
             ready_path.unlink()
         log_path = self.workdir / f"{name}.log"
         # The child dies with this process, even by kill -9 (node/cli.py's parent-death signal).
-        env = {**os.environ, **self.env, "AGORA_NODE_PARENT_PID": str(os.getpid())}
+        env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid())}
         namespace = self.placement.namespace(name)
         with open(log_path, "wb") as log:
             if command[:3] == agora_node_command():
