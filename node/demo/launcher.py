@@ -4,7 +4,8 @@ Exec'ing `python -m agora.node <role>` costs each child about 3 s of CPU for imp
 hivemind, grpc, and torch._dynamo, which torch.optim imports on first use). A 3-stage demo
 starts 6 to 10 children at once, so on a 2-core machine most of its start went to imports. Here
 one server process (`python -m agora.node.demo.launcher`, started by the supervisor) imports
-PRELOAD, and each child is a fork of it that runs the console script's entry point on its argv.
+PRELOAD, and each child is a fork of it that runs `python -m agora.node` on its argv (runpy, as
+the interpreter does for -m): the same main, and no import of it here.
 
 Why a server and not a fork of the supervisor: the supervisor (the demo, a test, the WAN bench)
 has threads and event loops of its own, and a fork of a threaded process can inherit a held lock.
@@ -36,6 +37,7 @@ import gc
 import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -43,17 +45,22 @@ import sys
 import threading
 from pathlib import Path
 
+from agora.node.demo.supervision import PARENT_PID_ENV
+
 __all__ = ["launch", "warm_up", "LaunchedProcess", "LauncherError", "PRELOAD"]
 
 # What every role imports (node/cli.py's handlers import their modules lazily); a module that
 # fails to import here is only imported later, in the child that needs it, which then says why.
-PRELOAD = ["agora.node.__main__", "agora.node.cli", "agora.node.worker.join", "agora.node.worker.worker",
+# Not agora.node.__main__: runpy runs it afresh in each child, and warns when it is imported already.
+PRELOAD = ["agora.node.cli", "agora.node.worker.join", "agora.node.worker.worker",
            "agora.node.worker.rebalance", "agora.node.trainer.command", "agora.node.trainer.trainer",
            "agora.node.trainer.announce", "agora.node.admission", "agora.node.plan", "agora.node.rpc.server",
            "agora.node.inference.commands", "agora.node.authorizer", "agora.node.export", "agora.dht.bootstrap",
            "agora.dht.swarm", "agora.monitor.service", "agora.auth.service", "agora.pipeline.runtime",
            "agora.pipeline.checkpoint", "agora.pipeline.data", "agora.pipeline.memory", "torch._dynamo"]
 
+# What a child runs, as `python -m` would: agora-node's console script (node/__main__.py).
+AGORA_NODE_MODULE = "agora.node"
 START_TIMEOUT_S = 300.0  # the server's imports, on a loaded machine
 _CLONE_NEWNET = 0x40000000
 _PR_SET_NAME = 15
@@ -181,7 +188,7 @@ def launch(argv: list[str], *, env: dict[str, str], log_path: Path, cwd: Path, n
            namespace: str | None = None) -> LaunchedProcess:
     """Start `agora-node *argv` as a fork of the server; its output goes to `log_path`, which must
     exist (the supervisor creates it, so that a child that dies at once still has a log)."""
-    handle = LaunchedProcess([sys.executable, "-m", "agora.node", *argv])
+    handle = LaunchedProcess([sys.executable, "-m", AGORA_NODE_MODULE, *argv])
     request = {"argv": list(argv), "env": dict(env), "log": str(log_path), "cwd": str(cwd), "name": name,
                "namespace": namespace}
     _current_server().launch(request, handle)
@@ -239,7 +246,7 @@ def _reap(replies: int) -> None:
 
 
 def _become(request: dict, own: tuple[int, ...]) -> None:
-    """The child's side: become what an exec'd `agora-node` would be, then run its main."""
+    """The child's side: become what an exec'd `python -m agora.node` would be, then run it."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -262,17 +269,16 @@ def _become(request: dict, own: tuple[int, ...]) -> None:
     env = request["env"]
     os.environ.clear()
     os.environ.update(env)
-    from agora.node.cli import PARENT_PID_ENV
-
     if PARENT_PID_ENV in env:
         os.environ[PARENT_PID_ENV] = str(os.getppid())  # the server, which dies with the supervisor
     threads = env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
-    sys.argv = ["agora-node", *request["argv"]]
-    from agora.node.__main__ import main
-
-    sys.exit(main())  # the console script's entry point: SIGTERM while starting exits 0 there
+    # What the interpreter does for `-m`: the package's __main__ runs as __main__, sys.argv[0] its
+    # path. It takes over SIGTERM first, so a role stopped while starting exits 0 there.
+    sys.argv = [AGORA_NODE_MODULE, *request["argv"]]
+    runpy.run_module(AGORA_NODE_MODULE, run_name="__main__", alter_sys=True)
+    sys.exit(0)  # it returned without exiting, as a script that ends does
 
 
 def _own_process_locks() -> None:
