@@ -33,7 +33,6 @@ import logging
 import re
 import signal
 import socket
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -424,9 +423,3 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
                             "bootstrap peer before `serve` is started with its address)")
     state_dir(issue)
     issue.set_defaults(handler=_cmd_issue)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from agora.node.cli import main
-
-    sys.exit(main(["authorizer", *sys.argv[1:]]))
