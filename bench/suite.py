@@ -1,9 +1,9 @@
-"""`agora-node bench`: the benchmark suite, one run, one results table (bench/RESULTS.md).
+"""`agora-bench`: the benchmark suite, one run, one results table (bench/RESULTS.md).
 
-    agora-node bench                                   # every row, every profile: about an hour+ here
-    agora-node bench --quick --out /tmp/quick.md       # every row, a few steps each: minutes (CI runs it)
-    agora-node bench --profile agora-floor --profile residential --json raw.json
-    agora-node bench --row 7 --update bench/results/suite.json   # one row again, the rest kept
+    agora-bench                                   # every row, every profile: about an hour+ here
+    agora-bench --quick --out /tmp/quick.md       # every row, a few steps each: minutes (CI runs it)
+    agora-bench --profile agora-floor --profile residential --json raw.json
+    agora-bench --row 7 --update bench/results/suite.json   # one row again, the rest kept
 
 Rows (bench/suite_items.py): 1 wire bytes per token, dense vs SSN; 2 swarm tokens/s over
 train-local's on loopback (sync, async at the adaptive depth, with kept forward graphs, at half a
@@ -97,7 +97,7 @@ def plan_from_record(record: dict) -> SuitePlan:
     fields = {f.name for f in dataclasses.fields(SuitePlan)}
     recorded = record.get("plan") if isinstance(record, dict) else None
     if not isinstance(recorded, dict) or "quick" not in recorded:
-        raise ValueError("holds no suite plan (expected the raw figures of `agora-node bench --json F`)")
+        raise ValueError("holds no suite plan (expected the raw figures of `agora-bench --json F`)")
     # JSON has lists where the plan has tuples; fields added since the record take their defaults.
     values = {name: tuple(value) if isinstance(value, list) else value
               for name, value in recorded.items() if name in fields}
@@ -134,7 +134,7 @@ def _interrupt(signum, frame):
 
 
 def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, workdir: Path | None = None,
-              command: str = "agora-node bench", log=sys.stderr, only: tuple[str, ...] = (),
+              command: str = "agora-bench", log=sys.stderr, only: tuple[str, ...] = (),
               previous: dict | None = None) -> tuple[dict, list[str]]:
     """Run every row of `plan` (or those in `only`), write the report to `out` (and the raw figures
     to `json_path`); the results and the rows that failed (not those not measured for want of root).
@@ -157,7 +157,7 @@ def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, work
             ("5", "equal tokens", lambda: convergence_row(plan, work)),
             ("7", "join time", lambda: join_row(plan, work)),
             ("relay", "the trainer's relay, before and after", lambda: relay_row(plan))]
-    assert [number for number, _, _ in rows] == list(SUITE_ROWS)  # the CLI's --row choices
+    assert [number for number, _, _ in rows] == list(SUITE_ROWS)  # bench/cli.py's --row choices
     failed: list[str] = []
     handler = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -217,14 +217,14 @@ def _previous_run(path: str) -> tuple[dict, SuitePlan]:
     try:
         plan = plan_from_record(record)
         if not isinstance(record.get("items"), dict) or not isinstance(record.get("machine"), dict):
-            raise ValueError("holds no rows (expected the raw figures of `agora-node bench --json F`)")
+            raise ValueError("holds no rows (expected the raw figures of `agora-bench --json F`)")
     except ValueError as error:
         raise ValueError(f"--update {path}: {error}") from None
     return record, plan
 
 
-def main(args) -> int:
-    """`agora-node bench` (node/cli.py parses the flags)."""
+def main(args, command: str = "agora-bench") -> int:
+    """`agora-bench` (bench/cli.py parses the flags); `command`: the command line, recorded with the figures."""
     only = tuple(dict.fromkeys(args.row or ()))
     previous = None
     if args.update:
@@ -240,6 +240,5 @@ def main(args) -> int:
                                            if plan.quick else RESULTS_PATH)
     json_path = Path(args.json) if args.json else (Path(args.update) if args.update else None)
     _, failed = run_suite(plan, out=out, json_path=json_path, workdir=Path(args.workdir) if args.workdir else None,
-                        command="agora-node bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"]
-                        else "agora-node bench", only=only, previous=previous)
+                        command=command, only=only, previous=previous)
     return 1 if failed else 0

@@ -312,7 +312,7 @@ def render(results: dict) -> str:
              f"{machine['ram_gib']} GiB RAM, Linux {machine['kernel']}, Python {machine['python']}, torch "
              f"{machine['torch']}; shared with other work: 1-minute load average {machine['load_start'][0]:.1f} at the "
              f"start and {machine['load_end'][0]:.1f} at the end (each run's load is in its row). Raw figures: "
-             "`agora-node bench --json F`.", ""]
+             "`agora-bench --json F`.", ""]
     reruns = [f"row {number} on {item['rerun']['date']}, commit {item['rerun']['commit']} "
               f"(`{item['rerun']['command']}`, load {_rerun_load(item['rerun'])}"
               + (f"; {item['rerun']['note']}" if item["rerun"].get("note") else "") + ")"

@@ -4,7 +4,7 @@ Runs `agora-node train-local` and `agora-node demo` (sync, then async) as subpro
 same preset, stages, seed and steps, and reports swarm tokens/s divided by train-local tokens/s,
 the per-stage split of each call (compute / queued / wire, from the workers' own timings) and
 the loss of each run. Writes bench/results/swarm_vs_local_<preset>.md. `train_local` and `demo`
-are what the suite (bench/suite.py, `agora-node bench`) runs for its row 2.
+are what the suite (bench/suite.py, `agora-bench`) runs for its row 2.
 
     python bench/swarm_vs_local.py --config small --stages 3 --steps 20
 """

@@ -13,7 +13,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from agora.bench import SUITE_ROWS
 from agora.node.admission import add_admission_arguments
 from agora.node.demo.supervision import PARENT_PID_ENV
 from agora.node.logs import LOG_FORMATS, configure_logging
@@ -256,15 +255,6 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
             swarm.shutdown()
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from agora.bench.suite import main as bench_main
-
-    try:
-        return bench_main(args)
-    except ValueError as error:  # an unknown profile or preset, in one line
-        raise ConfigError(str(error)) from None
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
     from agora.node.demo.demo import DemoOptions, run_demo
 
@@ -410,29 +400,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_option_flags(demo.add_argument_group("demo", "the swarm it starts"), DemoOptions)
     demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
-
-    bench = commands.add_parser("bench", help="the benchmark suite: one run, one results table (bench/RESULTS.md)",
-                                description="Run the benchmark suite (wire bytes, swarm vs train-local, the WAN "
-                                            "profiles, averaging at equal time and equal tokens) and write its "
-                                            "table; the WAN rows need root.")
-    bench.add_argument("--quick", action="store_true",
-                       help="every row with a few steps each (minutes): checks the suite runs, not its figures; "
-                            "writes to a temporary folder unless --out")
-    bench.add_argument("--profile", action="append", default=None, metavar="P",
-                       help="WAN profile for row 3 (repeatable; default: every profile, --quick: lan and "
-                            "agora-floor)")
-    bench.add_argument("--config", action="append", default=None, metavar="PRESET",
-                       help="preset for rows 2 and 3 (repeatable; default tiny and small, --quick: tiny)")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--out", default=None, help="the results file (default bench/RESULTS.md)")
-    bench.add_argument("--json", default=None, metavar="F", help="also write every raw figure here")
-    bench.add_argument("--workdir", default=None, help="keep every run's logs here (default: a temp folder)")
-    bench.add_argument("--row", action="append", default=None, choices=SUITE_ROWS, metavar="N",
-                       help=f"run only this row (repeatable; one of {', '.join(SUITE_ROWS)})")
-    bench.add_argument("--update", default=None, metavar="F",
-                       help="with --row: measure those rows again with the plan recorded in F (an earlier "
-                            "--json F), keep F's other rows, and write F and the table back")
-    bench.set_defaults(handler=_cmd_bench)
 
     from agora.node.authorizer import add_authorizer_commands
     from agora.node.export import add_export_command

@@ -1,4 +1,4 @@
-"""`agora-node bench --quick`: every row of the suite runs end to end and the table is written.
+"""`agora-bench --quick`: every row of the suite runs end to end and the table is written.
 
 Its figures are not results (a few steps each, on a shared machine); what is checked is that
 every row produced data (the WAN rows need root and iproute2: without them they must say so),
@@ -11,14 +11,14 @@ import os
 import pytest
 
 from agora.bench.wan.topology import NAME_PREFIX, _namespaces, harness_available
-from agora.node.cli import main
+from agora.bench.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def test_quick_suite_runs_every_row_and_writes_the_table(tmp_path):
     out, raw = tmp_path / "RESULTS.md", tmp_path / "raw.json"
-    code = main(["--log-level", "WARNING", "bench", "--quick", "--out", str(out), "--json", str(raw),
+    code = main(["--quick", "--out", str(out), "--json", str(raw),
                  "--workdir", str(tmp_path / "work")])
     results = json.loads(raw.read_text())
     errors = {number: item["error"] for number, item in results["items"].items() if item.get("error")}

@@ -1,4 +1,4 @@
-"""`agora-node bench --row N --update F`: one row measured again, the others kept as they were.
+"""`agora-bench --row N --update F`: one row measured again, the others kept as they were.
 
 Run on the suite's committed raw figures (bench/results/suite.json) with row 1, the wire-bytes
 row, which measures in about a second: the rerun row carries its own commit and date, every
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agora.bench.suite_report import render
-from agora.node.cli import main
+from agora.bench.cli import main
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,12 +24,12 @@ def test_a_row_measured_again_replaces_only_itself(tmp_path):
     raw, out = tmp_path / "suite.json", tmp_path / "RESULTS.md"
     shutil.copy(RECORD, raw)
     before = json.loads(raw.read_text())
-    code = main(["--log-level", "WARNING", "bench", "--row", "1", "--update", str(raw), "--out", str(out),
+    code = main(["--row", "1", "--update", str(raw), "--out", str(out),
                  "--workdir", str(tmp_path / "work")])
     assert code == 0
     after = json.loads(raw.read_text())
     rerun = after["items"]["1"].pop("rerun")
-    assert rerun["commit"] and rerun["date"] and rerun["command"].startswith("agora-node bench")
+    assert rerun["commit"] and rerun["date"] and rerun["command"].startswith("agora-bench --row 1 --update")
     assert len(rerun["load"]) == 2
     assert set(after["items"]["1"]["data"]) == set(before["items"]["1"]["data"])
     for key in ("command", "commit", "date", "machine", "plan", "quick"):
@@ -55,7 +55,7 @@ def test_a_row_that_fails_to_run_again_keeps_its_recorded_figures(tmp_path, monk
     raw, out = tmp_path / "suite.json", tmp_path / "RESULTS.md"
     shutil.copy(RECORD, raw)
     before = json.loads(raw.read_text())
-    code = main(["--log-level", "WARNING", "bench", "--row", "1", "--update", str(raw), "--out", str(out)])
+    code = main(["--row", "1", "--update", str(raw), "--out", str(out)])
     assert code == 1
     after = json.loads(raw.read_text())
     attempt = after["items"]["1"].pop("rerun_failed")
@@ -67,7 +67,7 @@ def test_a_row_that_fails_to_run_again_keeps_its_recorded_figures(tmp_path, monk
 
 def test_only_the_named_rows_run_without_a_record(tmp_path):
     raw, out = tmp_path / "raw.json", tmp_path / "RESULTS.md"
-    code = main(["--log-level", "WARNING", "bench", "--quick", "--row", "1", "--out", str(out), "--json", str(raw)])
+    code = main(["--quick", "--row", "1", "--out", str(out), "--json", str(raw)])
     assert code == 0
     results = json.loads(raw.read_text())
     assert list(results["items"]) == ["1"] and "rerun" not in results["items"]["1"]
@@ -88,7 +88,7 @@ def test_a_bad_update_is_one_clear_line(tmp_path, capsys, content, flags, messag
     else:
         raw.write_text(content)
     before = raw.read_bytes()
-    code = main(["--log-level", "WARNING", "bench", *flags, "--update", str(raw), "--out", str(tmp_path / "R.md")])
+    code = main([*flags, "--update", str(raw), "--out", str(tmp_path / "R.md")])
     assert code == 2
     assert message in capsys.readouterr().err
     assert raw.read_bytes() == before and not (tmp_path / "R.md").exists()
@@ -96,5 +96,5 @@ def test_a_bad_update_is_one_clear_line(tmp_path, capsys, content, flags, messag
 
 def test_a_missing_update_file_is_named(tmp_path, capsys):
     missing = tmp_path / "nothing.json"
-    code = main(["bench", "--row", "7", "--update", str(missing)])
+    code = main(["--row", "7", "--update", str(missing)])
     assert code == 2 and f"--update {missing}: cannot read it" in capsys.readouterr().err
