@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from agora.pipeline.checkpoint_meta import CheckpointError, latest_checkpoint, read_meta
 from agora.pipeline.config import RunConfig, config_from_dict, config_to_dict
 from agora.pipeline.files import atomic_write, fsync_directory
 
@@ -46,10 +47,6 @@ __all__ = ["CheckpointError", "StageState", "save_checkpoint", "load_checkpoint"
 logger = logging.getLogger(__name__)
 
 _STEP_PREFIX = "step-"
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -134,26 +131,6 @@ def checkpoint_steps(directory: str | Path) -> list[int]:
             if (path / "meta.json").exists()]
 
 
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    directory = Path(directory)
-    pointer = directory / "latest"
-    if not pointer.exists():
-        return None
-    path = directory / pointer.read_text().strip()
-    if not (path / "meta.json").exists():
-        raise CheckpointError(f"{pointer} names {path.name}, which is missing or incomplete")
-    return path
-
-
-def read_meta(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's meta.json (step, config, stages, extra) without loading any tensor."""
-    path = _resolve(Path(path))
-    try:
-        return json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: unreadable meta.json: {error}") from error
-
-
 def load_checkpoint(path: str | Path, *, step: int | None = None
                     ) -> tuple[int, RunConfig, list[StageState], dict[str, Any]]:
     """(step, config, stage states, extra) from a checkpoint folder, or from a folder of them: its
@@ -197,16 +174,6 @@ def _load_one(path: Path) -> tuple[int, RunConfig, list[StageState], dict[str, A
     except Exception as error:  # noqa: BLE001 - torch.load of a torn or foreign file raises anything
         raise CheckpointError(f"{path}: unreadable checkpoint: {type(error).__name__}: {error}") from error
     return int(meta["step"]), config, stages, meta.get("extra", {})
-
-
-def _resolve(path: Path) -> Path:
-    """A checkpoint folder itself, or the one a folder's `latest` names."""
-    if (path / "meta.json").exists():
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise CheckpointError(f"{path}: no checkpoint here (no meta.json and no 'latest')")
-    return latest
 
 
 def _step_folders(directory: Path) -> list[Path]:

@@ -35,6 +35,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from agora.pipeline.checkpoint_meta import CheckpointError, read_meta
+
 __all__ = [
     "ConfigError",
     "ModelConfig",
@@ -431,8 +433,6 @@ def load_config_sources(spec: str | Path) -> tuple[RunConfig, dict[str, str]]:
     if not path.exists():
         raise ConfigError(f"config: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
     if path.is_dir():
-        from agora.pipeline.checkpoint import CheckpointError, read_meta  # checkpoint.py imports this module
-
         try:
             config = config_from_dict(read_meta(path)["config"])
         except CheckpointError as error:
