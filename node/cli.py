@@ -264,6 +264,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         args.config = args.checkpoint  # a serving swarm runs the checkpoint's config
     check_runtime_flags(args)
     run_config(args)  # refuse a bad config before starting any process
+    if args.serve:
+        from agora.node.demo.serving import run_serving_demo
+
+        return run_serving_demo(DemoOptions.from_args(args))
     return run_demo(DemoOptions.from_args(args))
 
 

@@ -46,10 +46,6 @@ logger = logging.getLogger("agora.node.demo")
 def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
     """`placement`: where each process runs (default: this machine's loopback; bench/wan/ puts each
     in a network namespace of its own behind emulated links)."""
-    if options.serve:
-        from agora.node.demo.serving import run_serving_demo
-
-        return run_serving_demo(options)
     workdir = (Path(options.workdir) if options.workdir else Path(tempfile.mkdtemp(prefix="agora-demo-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(workdir) if placement is None else ProcessGroup(workdir, placement=placement)
