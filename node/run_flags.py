@@ -25,7 +25,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from agora.pipeline.config import (ConfigError, RunConfig, RuntimeConfig, checked, config_with, load_config_sources,
                                    run_settings, split_layers)
-from agora.pipeline.schema import Setting, explain, leaves
+from agora.pipeline.schema import Setting, explain, leaves, nested
 
 __all__ = ["add_run_arguments", "run_config", "run_config_sources", "explicit_settings", "setting_flags",
            "check_runtime_flags", "non_negative_int", "add_config_command", "add_option_flags", "options_from_args"]
@@ -128,7 +128,8 @@ def run_config_sources(args: argparse.Namespace, base: RunConfig | None = None
         derived["optim.total_steps"] = (steps, "--steps")
     settings = {path: value for path, (value, _) in derived.items()} | explicit
     sources |= {path: source for path, (_, source) in derived.items()}
-    sources |= {path: "--" + path.replace("_", "-") for path in explicit}
+    flags = {item.path: item.flag for item in run_settings()}
+    sources |= {path: flags[path] for path in explicit}
     config = config_with(config, settings)
     if getattr(args, "computes", False):
         from agora.pipeline.runtime import Runtime  # (torch: not for a command that only parses)
@@ -160,13 +161,13 @@ def non_negative_int(text: str) -> int:
 
 def setting_flags(settings: dict[str, Any]) -> list[str]:
     """The argv that sets `settings` (dotted paths) in a child process: what `add_run_arguments` parses back."""
-    known = {item.path for item in run_settings()}
+    known = {item.path: item for item in run_settings()}
     flags: list[str] = []
     for path, value in settings.items():
         if path not in known:
             raise ConfigError(f"{path}: not a setting of the run config")
         values = value if isinstance(value, (tuple, list)) else (value,)
-        flags += ["--" + path.replace("_", "-"),
+        flags += [known[path].flag,
                   *("none" if v is None else str(v).lower() if isinstance(v, bool) else str(v) for v in values)]
     return flags
 
@@ -236,18 +237,12 @@ def add_option_flags(parser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
 def options_from_args(cls: type, args: argparse.Namespace, section: str, **given: Any) -> Any:
     """`cls` from the flags `add_option_flags` gave the command (those of a parser that has them),
     over `given`; a ConfigError names `section.field` and the value."""
-    values: dict[str, Any] = dict(given)
+    flagged = {}
     for item in _flagged(cls):
-        dest = _option_dest(item)
-        if hasattr(args, dest):
-            head, _, leaf = item.path.rpartition(".")
-            target = values
-            for part in head.split(".") if head else ():
-                target = target.setdefault(part, {})
-            value = getattr(args, dest)
-            if value is None and item.is_tuple:
-                continue  # not given: the schema's default
-            target[leaf] = tuple(value) if isinstance(value, list) else value
+        value = getattr(args, _option_dest(item), None)
+        if hasattr(args, _option_dest(item)) and not (item.is_tuple and value is None):  # unset: the schema's
+            flagged[item.path] = value
+    values = {**given, **nested(flagged)}
     try:
         return TypeAdapter(cls).validate_python(values)
     except ValidationError as error:

@@ -16,6 +16,7 @@ report into a `ConfigError` naming the first bad field.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Mapping
@@ -28,7 +29,7 @@ from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter,
 from pydantic.dataclasses import dataclass
 
 from agora.pipeline.schema import (SECTION, ConfigError, Fraction, NoneOr, Positive, Setting, checked, explain, get,
-                                   leaves, setting)
+                                   leaves, nested, setting)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -348,7 +349,7 @@ PRESETS: dict[str, RunConfig] = {
 # ----------------------------------------------------------------------------- the schema as data
 
 
-def run_settings() -> list[Setting]:
+def run_settings() -> tuple[Setting, ...]:
     """Every leaf of the run config, in declaration order."""
     return leaves(RunConfig)
 
@@ -367,24 +368,13 @@ _RUN = TypeAdapter(RunConfig)
 def config_to_dict(config: RunConfig, *, local: bool = True) -> dict:
     """Plain, JSON-friendly values (tuples as lists); `local=False` leaves out the machine-local
     settings (what the run fingerprint digests)."""
-    def plain(value):
-        return [plain(v) for v in value] if isinstance(value, tuple) else value
-
-    out: dict = {}
-    for item in run_settings():
-        if local or not item.local:
-            section, _, leaf = item.path.rpartition(".")
-            (out.setdefault(section, {}) if section else out)[leaf] = plain(get(config, item.path))
-    return out
+    return nested({item.path: get(config, item.path) for item in run_settings() if local or not item.local})
 
 
-def _merged(base: dict, values: Mapping, where: str = "") -> dict:
+def _merged(base: dict, values: Mapping) -> dict:
     out = dict(base)
     for key, value in values.items():
-        if isinstance(out.get(key), dict) and isinstance(value, Mapping):
-            out[key] = _merged(out[key], value, f"{where}{key}.")
-        else:
-            out[key] = value
+        out[key] = _merged(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, Mapping) else value
     return out
 
 
@@ -411,11 +401,7 @@ def config_from_dict(values: Mapping, base: RunConfig | None = None) -> RunConfi
 
 def config_with(config: RunConfig, settings: Mapping[str, Any]) -> RunConfig:
     """`config` with dotted settings applied ({"sync.every_steps": 8}), validated as one whole."""
-    nested: dict = {}
-    for path, value in settings.items():
-        section, _, leaf = path.rpartition(".")
-        (nested.setdefault(section, {}) if section else nested)[leaf] = list(value) if isinstance(value, tuple) else value
-    return config_from_dict(nested, base=config)
+    return config_from_dict(nested(dict(settings)), base=config)
 
 
 def load_config(spec: str | Path) -> RunConfig:
@@ -466,8 +452,6 @@ def _sources(config: RunConfig, preset: str) -> dict[str, str]:
 def config_to_toml(config: RunConfig, sources: Mapping[str, str] | None = None) -> str:
     """The config as a TOML file that loads back to it (`load_config`), each line commented with
     where its value came from when `sources` says, and the machine-local settings marked."""
-    import json
-
     def value(v: Any) -> str:
         if v is None:
             return '"none"'

@@ -12,6 +12,7 @@ and the value (`explain`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass as _plain_dataclass
@@ -21,7 +22,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt,
 from pydantic.fields import FieldInfo
 
 __all__ = ["ConfigError", "SECTION", "NoneOr", "Positive", "Fraction", "setting", "like", "Setting", "leaves",
-           "get", "explain", "checked"]
+           "get", "nested", "explain", "checked"]
 
 
 class ConfigError(ValueError):
@@ -135,8 +136,10 @@ def _fields(cls: type) -> dict[str, tuple[Any, FieldInfo]]:
     return {name: (hints[name], info) for name, info in cls.__pydantic_fields__.items()}
 
 
-def leaves(cls: type, prefix: str = "") -> list[Setting]:
-    """Every leaf of a section, nested sections flattened into dotted paths, in declaration order."""
+@functools.cache
+def leaves(cls: type, prefix: str = "") -> tuple[Setting, ...]:
+    """Every leaf of a section, nested sections flattened into dotted paths, in declaration order
+    (read once per section: type hints are resolved here)."""
     out: list[Setting] = []
     for name, (annotation, info) in _fields(cls).items():
         path = f"{prefix}{name}"
@@ -144,13 +147,26 @@ def leaves(cls: type, prefix: str = "") -> list[Setting]:
             out += leaves(annotation, f"{path}.")
         else:
             out.append(Setting(path, annotation, info, info.get_default(call_default_factory=True)))
-    return out
+    return tuple(out)
 
 
 def get(value: Any, path: str) -> Any:
     for part in path.split("."):
         value = getattr(value, part)
     return value
+
+
+def nested(values: dict[str, Any]) -> dict:
+    """Dotted paths to nested tables ({"sync.every_steps": 8} -> {"sync": {"every_steps": 8}}),
+    tuples as lists (what a validator or a file reads)."""
+    out: dict = {}
+    for path, value in values.items():
+        *heads, leaf = path.split(".")
+        target = out
+        for head in heads:
+            target = target.setdefault(head, {})
+        target[leaf] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 def _section_at(root: type, path: tuple) -> type | None:
