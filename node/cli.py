@@ -271,17 +271,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(DemoOptions.from_args(args))
 
 
-def _add_swarm_arguments(parser: argparse.ArgumentParser, options: bool = True) -> None:
-    """`options`: also --sync and --wire-dtype (for a role whose options section does not declare them)."""
+def _add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
     parser.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
                         help="DHT multiaddrs to join through (printed by `agora-node bootstrap`)")
-    if not options:
-        return
-    parser.add_argument("--sync", action="store_true",
-                        help="synchronous mode: one replica per stage, step barrier after every global batch")
-    parser.add_argument("--wire-dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
-                        help="encoding of the boundary tensors this process sends (default fp32)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Serve one pipeline stage over gRPC, announce it in the DHT, train it; "
                                            "SIGTERM leaves cleanly (withdraw, finish in-flight, checkpoint).")
     add_run_arguments(join, steps_help="planned run length in global batches (sets the lr schedule)", computes=True)
-    _add_swarm_arguments(join, options=False)
+    _add_swarm_arguments(join)
     from agora.node.worker.options import WorkerOptions
 
     add_option_flags(join.add_argument_group("worker", "how this worker serves (its bounds, the weights it keeps, "
@@ -366,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "reroute on failure; logs the train-local JSON schema.")
     # A trainer holds no weights: its --device/--dtype are checked, and its tensors stay on the host.
     add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)", computes=True)
-    _add_swarm_arguments(trainer, options=False)
+    _add_swarm_arguments(trainer)
     from agora.node.trainer.options import TrainerOptions
 
     add_option_flags(trainer.add_argument_group("trainer", "how this trainer runs"), TrainerOptions)
