@@ -28,7 +28,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-__all__ = ["fill_depth", "DepthEstimate", "InFlightLimit", "SMOOTHING"]
+from agora.node.trainer.options import TrainerOptions
+
+__all__ = ["fill_depth", "in_flight_limit", "adaptive_depth", "depth_cap", "DepthEstimate", "InFlightLimit", "SMOOTHING"]
 
 # Weight of the newest microbatch in the moving averages: ~10 microbatches of memory.
 SMOOTHING = 0.1
@@ -101,3 +103,28 @@ class InFlightLimit:
         async with self._changed:
             self.active -= 1
             self._changed.notify_all()
+
+
+def in_flight_limit(options: TrainerOptions, microbatches: int) -> int:
+    """The most microbatches in flight: the fixed depth, half a global batch in synchronous mode, else
+    the staleness cap (`max_staleness` global batches)."""
+    if options.max_in_flight is not None:
+        return options.max_in_flight
+    if options.synchronous:
+        return max(1, microbatches // 2)
+    return max(1, round(options.max_staleness * microbatches))
+
+
+def adaptive_depth(options: TrainerOptions) -> bool:
+    """Whether the depth follows the measured pipeline (`fill_depth`)."""
+    return options.max_in_flight is None and not options.synchronous
+
+
+def depth_cap(max_in_flight: int, credit_cap: int | None, stage_credits: list[int]) -> int:
+    """The most microbatches in flight now: the configured cap (staleness, or a fixed depth), within what
+    the workers keep for this trainer between Forward and Backward (their in-flight credits, `credit_cap`),
+    and within the calls they let it have outstanding over all stages: a microbatch in flight holds one
+    such call or waits here for one, so a deeper pipeline would only wait here, growing staler."""
+    cap = max_in_flight if credit_cap is None else min(max_in_flight, credit_cap)
+    calls = sum(stage_credits)
+    return max(1, min(cap, calls)) if calls else max(1, cap)

@@ -55,7 +55,7 @@ import torch
 
 from agora.node.rpc.tls import ChannelFactory
 from agora.node.trainer.discovery import Discovery
-from agora.node.trainer.inflight import DepthEstimate, InFlightLimit
+from agora.node.trainer.inflight import DepthEstimate, InFlightLimit, adaptive_depth, depth_cap, in_flight_limit
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.stage_client import (
@@ -92,31 +92,6 @@ class MicrobatchFailed(RuntimeError):
 # Called with a stage index once a microbatch's gradient has been accumulated on that stage.
 StageDone = Callable[[int], None]
 Turn = Callable[[int], AsyncContextManager[None]]  # synchronous mode: a stage's turn to accumulate
-
-
-def in_flight_limit(options: TrainerOptions, microbatches: int) -> int:
-    """The most microbatches in flight: the fixed depth, half a global batch in synchronous mode, else
-    the staleness cap (`max_staleness` global batches)."""
-    if options.max_in_flight is not None:
-        return options.max_in_flight
-    if options.synchronous:
-        return max(1, microbatches // 2)
-    return max(1, round(options.max_staleness * microbatches))
-
-
-def adaptive_depth(options: TrainerOptions) -> bool:
-    """Whether the depth follows the measured pipeline (node/trainer/inflight.py)."""
-    return options.max_in_flight is None and not options.synchronous
-
-
-def depth_cap(max_in_flight: int, credit_cap: int | None, stage_credits: list[int]) -> int:
-    """The most microbatches in flight now: the configured cap (staleness, or a fixed depth), within what
-    the workers keep for this trainer between Forward and Backward (their in-flight credits, `credit_cap`),
-    and within the calls they let it have outstanding over all stages: a microbatch in flight holds one
-    such call or waits here for one, so a deeper pipeline would only wait here, growing staler."""
-    cap = max_in_flight if credit_cap is None else min(max_in_flight, credit_cap)
-    calls = sum(stage_credits)
-    return max(1, min(cap, calls)) if calls else max(1, cap)
 
 
 def assigned_units(total_steps: int, trainer_index: int, trainers: int, start: int = 0) -> list[int]:
