@@ -6,15 +6,19 @@ joining the DHT) stops there and exits 0: it has nothing to withdraw or save, an
 own handler (a clean leave) once it serves. Any other command stops as if interrupted (exit 130).
 """
 
+import atexit
 import os
 import signal
 import sys
+import threading
 
 
 SERVICES = {"bootstrap", "join", "trainer", "monitor", "authorizer"}
 # agora-node's options before the subcommand that take a value (node/cli.py's build_parser; a test
 # holds the two equal: the parser itself cannot be imported this early).
 GLOBAL_OPTIONS_WITH_VALUES = ("--log-level", "--log-format", "--threads")
+# How long a stop that did not end the start waits before it is delivered again.
+REDELIVER_S = 1.0
 
 
 def _command(argv: list[str]) -> str | None:
@@ -32,8 +36,22 @@ def _command(argv: list[str]) -> str | None:
 def _stop_while_starting(signum, frame) -> None:
     if _command(sys.argv[1:]) in SERVICES:
         os.write(2, b"agora-node: stopped (SIGTERM) before it was serving\n")
+        _deliver_again_unless_leaving(signum)
         raise SystemExit(0)
     raise KeyboardInterrupt
+
+
+def _deliver_again_unless_leaving(signum: int) -> None:
+    """Python drops an exception raised inside a finalizer or an at-fork hook ("Exception ignored
+    in ..."), and a role forks its helpers while it starts (hivemind's DHT and p2pd). Then the exit
+    above never happens, and the role, once serving, would wait for a stop that was already sent
+    until its supervisor kills it. So the signal comes again a moment later unless the process is
+    leaving by then: to this handler if it is still starting, to the role's own (a clean leave) if
+    it serves."""
+    again = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum))
+    again.daemon = True
+    atexit.register(again.cancel)
+    again.start()
 
 
 def main() -> int:
