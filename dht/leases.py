@@ -17,12 +17,16 @@ Design choices:
 - Who holds a unit is a pure function of those entries (``resolve``): a commit beats any claim
   (the earliest commit if there are several: the others are duplicates); among live claims the
   earliest ``claimed_at`` wins, ties by peer id. Every reader resolves alike.
-- Claiming is store, then read: a trainer stores its claim and reads the block back; it holds the
-  unit only if it resolves as the holder, else it withdraws the claim. Two claims racing within
-  one DHT round trip can both believe they won when the earlier one's store lands last; that is
-  rare (trainers prefer different units: ``next_candidates``) and shows as a duplicate commit,
-  which is counted. A worker counts a unit's completed-batch report once (node/worker/epoch.py),
-  so a duplicate never steps a replica twice.
+- Claiming is store, read, wait, read again: a trainer stores its claim and reads the block back;
+  it holds the unit only if it resolves as the holder both then and once more after waiting as
+  long again as that store and read took (at least ``CLAIM_SETTLE_S``), else it withdraws the
+  claim. The second read is there for the race of two claims within one round trip: the earlier
+  claim wins, but its store may land after the later claimant's first read, which then believes
+  it won. Waiting a round trip lets that store land. What is left (a store slower than the
+  other side's whole claim) shows as a duplicate commit, which is counted; trainers also prefer
+  different units (``next_candidates``), so claims rarely race at all. A worker counts a unit's
+  completed-batch report once (node/worker/epoch.py), so a duplicate never steps a replica twice,
+  but both trainers' gradients reach it: duplicates are worth the extra read.
 - Commits outlive their trainer: an entry lives ``COMMIT_TTL_S`` (rewritten with a later
   expiry on every change), so a trainer restarted with the same identity, or another one, sees
   which units are done and resumes from the queue.
@@ -37,8 +41,10 @@ Design choices:
   seconds long, far beyond NTP's skew.
 """
 
+import asyncio
 import math
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Mapping, Optional
@@ -48,12 +54,14 @@ from agora.auth.node_state import CREDENTIAL_FILE
 from agora.dht.records import Record, RecordError, check_run_id
 from agora.dht.swarm import SwarmDHT
 
-__all__ = ["BLOCK_UNITS", "MAX_UNIT_BLOCKS", "COMMIT_TTL_S", "UnitBlockRecord", "UnitState", "units_key",
-           "resolve", "LeaseBoard", "UnitWriters"]
+__all__ = ["BLOCK_UNITS", "MAX_UNIT_BLOCKS", "COMMIT_TTL_S", "CLAIM_SETTLE_S", "UnitBlockRecord", "UnitState",
+           "units_key", "resolve", "LeaseBoard", "UnitWriters"]
 
 BLOCK_UNITS = 256
 # Blocks the record validator knows (dht/security.py): 2**20 units, six times the Agora run's.
 MAX_UNIT_BLOCKS = 4096
+# The least a winning claimant waits before its confirming read (see "Claiming" above).
+CLAIM_SETTLE_S = 0.05
 # How long a trainer's block entry (its commits) lives after its last change.
 COMMIT_TTL_S = 7 * 24 * 3600.0
 _CLAIM = struct.Struct("<Hdd")  # unit offset in the block, claimed_at, expires_at
@@ -217,13 +225,19 @@ class LeaseBoard:
         await self._load_own(block)
         now = self._swarm.clock()
         self._claims.setdefault(block, {})[unit] = (now, now + self.lease_s)
+        started = time.monotonic()
         await self._store(block)
-        state = resolve(unit, await self._entries(block), self._swarm.clock())
-        if state.holder == self.peer_id and not state.committed:
-            return True
+        if await self._holds(unit, block):
+            await asyncio.sleep(max(CLAIM_SETTLE_S, time.monotonic() - started))
+            if await self._holds(unit, block):
+                return True
         self._claims[block].pop(unit, None)
         await self._store(block)
         return False
+
+    async def _holds(self, unit: int, block: int) -> bool:
+        state = resolve(unit, await self._entries(block), self._swarm.clock())
+        return state.holder == self.peer_id and not state.committed
 
     async def renew(self, units: list[int]) -> None:
         """Push the leases of units this trainer is still running `lease_s` into the future."""

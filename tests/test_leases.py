@@ -12,6 +12,7 @@ import pytest
 from agora.auth.authority import RunAuthority
 from agora.dht.leases import BLOCK_UNITS, LeaseBoard, UnitBlockRecord, UnitState, UnitWriters, resolve, units_key
 from agora.dht.records import RecordError
+from agora.dht.swarm import Stored
 from agora.node.rpc.server import run
 from agora.node.trainer.units import FixedUnits, LeasedUnits, next_candidates
 
@@ -52,6 +53,59 @@ def test_a_commit_beats_any_claim_and_the_earliest_live_claim_wins():
     assert (state.holder, state.committed, state.committers) == ("D", True, 2)  # E's commit: a duplicate
     assert resolve(4, entries, now) == UnitState(4, None, False)
 
+
+
+class _SlowStoreBoard:
+    """An in-memory stand-in for the DHT under one block key, where a peer's stores can land late
+    (the race the confirming read is for); the clock is set by the test."""
+
+    def __init__(self):
+        self.entries: dict[str, Stored] = {}
+        self.now = 0.0
+
+    def peer(self, peer_id: str, store_delay_s: float = 0.0):
+        board = self
+
+        class Peer:
+            def __init__(self):
+                self.peer_id = peer_id
+
+            def clock(self):
+                return board.now
+
+            def subkey_of(self, peer):
+                return peer
+
+            async def store_async(self, key, record, ttl, *, subkey=None):
+                await asyncio.sleep(store_delay_s)
+                board.entries[subkey] = Stored(record, board.now + ttl)
+                return True
+
+            async def owned_entries_async(self, key, record_type):
+                return dict(board.entries)
+
+        return Peer()
+
+
+def test_a_later_claim_read_before_the_earlier_one_landed_does_not_win_too():
+    """Trainer A claims first but its store lands late; B claims a moment later and its first read
+    sees only itself. The confirming read a round trip later sees A's earlier claim: B withdraws,
+    so exactly one trainer runs the unit."""
+    dht = _SlowStoreBoard()
+
+    async def main():
+        a = LeaseBoard(dht.peer("A", store_delay_s=0.02), run_id="run", lease_s=30.0)
+        b = LeaseBoard(dht.peer("B"), run_id="run", lease_s=30.0)
+        a_claims = asyncio.create_task(a.claim(3))
+        await asyncio.sleep(0)  # A has stamped its claim and is storing it
+        dht.now = 1.0
+        b_won = await b.claim(3)
+        return await a_claims, b_won
+
+    a_won, b_won = run(main())
+    assert (a_won, b_won) == (True, False)
+    assert resolve(3, {peer: item.record for peer, item in dht.entries.items()}, dht.now).holder == "A"
+    assert not dht.entries["B"].record.claimed_units()  # B's claim was withdrawn
 
 def test_candidates_are_free_units_from_the_lowest_unfinished_own_stripe_first():
     now = 10.0
