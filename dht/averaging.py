@@ -66,7 +66,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, ClassVar, Mapping, Optional
+from typing import Any, AsyncIterator, Mapping, Optional
 
 import hivemind
 import torch
@@ -82,7 +82,7 @@ from agora.auth.node_state import CREDENTIAL_FILE
 from agora.dht.robust import DeviationHistory, RobustAggregation
 from agora.pipeline.codec import all_finite
 from agora.dht.robust_allreduce import AgreedGroup, RobustAllReduceRunner, agreed_group
-from agora.dht.records import Record, RecordError, check_run_id, worker_key
+from agora.dht.records import RoundRecord, rounds_key
 from agora.dht.swarm import SwarmDHT, _exit_when_orphaned
 
 __all__ = [
@@ -91,12 +91,10 @@ __all__ = [
     "AveragingAdmission",
     "OUTCOMES",
     "RoundBoard",
-    "RoundRecord",
     "RoundResult",
     "SliceAverager",
     "estimated_bytes",
     "round_group_bits",
-    "rounds_key",
 ]
 
 logger = logging.getLogger(__name__)
@@ -340,36 +338,6 @@ class SliceAverager:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-
-def rounds_key(run_id: str, stage: int, method: str) -> str:
-    """Where the replicas of one stage announce the rounds they start (one subkey per peer)."""
-    base = worker_key(run_id, stage).rsplit(".", 1)[0]  # "{run}.stage{i}", validated there
-    if not method.isidentifier():
-        raise RecordError(f"method: expected an identifier, got {method!r:.40}")
-    return f"{base}.{method}.rounds"
-
-
-@dataclass(frozen=True)
-class RoundRecord(Record):
-    """A replica is starting averaging round ``round`` of its stage (``started_at``: DHT time), or,
-    with ``closed``, has left it (its result is in, or it gave up): nobody should join it now."""
-
-    KIND: ClassVar[str] = "round"
-
-    peer_id: str
-    run_id: str
-    stage: int
-    round: int
-    started_at: float
-    closed: bool = False
-
-    def check(self) -> None:
-        if not self.peer_id:
-            raise RecordError("round.peer_id: empty")
-        check_run_id(self.run_id)
-        if self.stage < 0 or self.round < 0 or self.started_at < 0:
-            raise RecordError("round.stage/round/started_at: must be >= 0")
 
 
 class RoundBoard:

@@ -43,92 +43,22 @@ Design choices:
 
 import asyncio
 import math
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Mapping, Optional
+from typing import Mapping, Optional
 
 from agora.auth.credentials import CredentialError, CredentialVerifier
 from agora.auth.node_state import CREDENTIAL_FILE
-from agora.dht.records import Record, RecordError, check_run_id
+from agora.dht.records import BLOCK_UNITS, UnitBlockRecord, units_key
 from agora.dht.swarm import SwarmDHT
 
-__all__ = ["BLOCK_UNITS", "MAX_UNIT_BLOCKS", "COMMIT_TTL_S", "CLAIM_SETTLE_S", "UnitBlockRecord", "UnitState",
-           "units_key", "resolve", "LeaseBoard", "UnitWriters"]
+__all__ = ["COMMIT_TTL_S", "CLAIM_SETTLE_S", "UnitState", "resolve", "LeaseBoard", "UnitWriters"]
 
-BLOCK_UNITS = 256
-# Blocks the record validator knows (dht/security.py): 2**20 units, six times the Agora run's.
-MAX_UNIT_BLOCKS = 4096
 # The least a winning claimant waits before its confirming read (see "Claiming" above).
 CLAIM_SETTLE_S = 0.05
 # How long a trainer's block entry (its commits) lives after its last change.
 COMMIT_TTL_S = 7 * 24 * 3600.0
-_CLAIM = struct.Struct("<Hdd")  # unit offset in the block, claimed_at, expires_at
-_BITMAP_BYTES = BLOCK_UNITS // 8
-
-
-def units_key(run_id: str, block: int) -> str:
-    """The DHT key of one block of units (one subkey per trainer)."""
-    check_run_id(run_id)
-    if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < MAX_UNIT_BLOCKS:
-        raise RecordError(f"units.block: expected an int in [0, {MAX_UNIT_BLOCKS}), got {block!r}")
-    return f"{run_id}.units.b{block}"
-
-
-@dataclass(frozen=True)
-class UnitBlockRecord(Record):
-    """One trainer's commits and live claims in one block of units."""
-
-    KIND: ClassVar[str] = "units"
-
-    peer_id: str
-    run_id: str
-    block: int
-    committed: bytes  # bitmap of the block's units this trainer committed (bit i: unit block*256 + i)
-    claims: bytes  # packed (offset, claimed_at, expires_at) per live claim
-    updated_at: float
-    credential: bytes = b""  # the writer's credential chain (PEM); empty under --insecure
-
-    def check(self) -> None:
-        if not self.peer_id:
-            raise RecordError("units.peer_id: empty")
-        units_key(self.run_id, self.block)
-        if len(self.committed) != _BITMAP_BYTES:
-            raise RecordError(f"units.committed: expected a {_BITMAP_BYTES}-byte bitmap, got {len(self.committed)}")
-        if len(self.claims) % _CLAIM.size:
-            raise RecordError(f"units.claims: {len(self.claims)} bytes is not a whole number of claims")
-        for offset, claimed_at, expires_at in _CLAIM.iter_unpack(self.claims):
-            if offset >= BLOCK_UNITS or not (math.isfinite(claimed_at) and math.isfinite(expires_at)):
-                raise RecordError(f"units.claims: offset {offset} or times out of range")
-        if self.updated_at < 0:
-            raise RecordError("units.updated_at: must be >= 0")
-
-    def dht_key(self) -> str:
-        return units_key(self.run_id, self.block)
-
-    def committed_units(self) -> set[int]:
-        first = self.block * BLOCK_UNITS
-        return {first + i for i in range(BLOCK_UNITS) if self.committed[i // 8] >> (i % 8) & 1}
-
-    def claimed_units(self) -> dict[int, tuple[float, float]]:
-        """unit -> (claimed_at, expires_at)."""
-        first = self.block * BLOCK_UNITS
-        return {first + offset: (claimed_at, expires_at)
-                for offset, claimed_at, expires_at in _CLAIM.iter_unpack(self.claims)}
-
-    @classmethod
-    def build(cls, peer_id: str, run_id: str, block: int, committed: set[int],
-              claims: Mapping[int, tuple[float, float]], now: float, credential: bytes = b"") -> "UnitBlockRecord":
-        first = block * BLOCK_UNITS
-        bitmap = bytearray(_BITMAP_BYTES)
-        for unit in committed:
-            offset = unit - first
-            bitmap[offset // 8] |= 1 << (offset % 8)
-        packed = b"".join(_CLAIM.pack(unit - first, claimed_at, expires_at)
-                          for unit, (claimed_at, expires_at) in sorted(claims.items()))
-        return cls(peer_id=peer_id, run_id=run_id, block=block, committed=bytes(bitmap), claims=packed,
-                   updated_at=now, credential=credential)
 
 
 @dataclass(frozen=True)

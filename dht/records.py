@@ -17,8 +17,10 @@ Design choices:
 - Key naming lives here, next to the schemas, so every reader and writer builds the same
   keys. ``run_id`` is restricted to ``[A-Za-z0-9_-]`` so that the dots in keys separate
   components unambiguously.
-- ``Record`` is the base for later record types (leases, rounds): subclass it, declare
-  scalar fields, set ``KIND``, and put range checks in ``check()``.
+- Every record type the DHT holds is declared here, with the builder of its key: workers,
+  trainers, moves, averaging rounds (``RoundRecord``, used by dht/averaging.py's ``RoundBoard``)
+  and leased unit blocks (``UnitBlockRecord``, used by dht/leases.py). A new type subclasses
+  ``Record``, declares scalar fields, sets ``KIND``, and puts range checks in ``check()``.
 - Per-peer entries live under subkeys. With admission on (dht/security.py) a subkey is
   ``<peer id>[owner:<ssh-rsa ...>]``: hivemind's ``RSASignatureValidator`` then lets only the
   holder of that key write or tombstone the entry, and readers check that the key is the one
@@ -40,26 +42,33 @@ Design choices:
 import dataclasses
 import math
 import re
+import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional, TypeVar
 
 __all__ = [
     "MAX_STAGES",
+    "BLOCK_UNITS",
+    "MAX_UNIT_BLOCKS",
     "MoveRecord",
     "PHASES",
     "TRAINING_PHASES",
     "SCHEMA_VERSION",
     "Record",
     "RecordError",
+    "RoundRecord",
     "TrainerRecord",
+    "UnitBlockRecord",
     "WorkerRecord",
     "OWNER_MARKER",
     "check_run_id",
     "move_key",
     "owned_subkey",
     "parse_endpoint",
+    "rounds_key",
     "split_subkey",
     "trainer_key",
+    "units_key",
     "worker_key",
 ]
 
@@ -74,6 +83,11 @@ TRAINING_PHASES = ("member", "optimizer_sync")
 # Generous bounds: they exist to reject garbage cheaply, not to constrain real runs.
 MAX_STAGES = 4096
 MAX_CREDITS = 2**16  # a worker's queue, and the credits it announces
+BLOCK_UNITS = 256
+# Blocks the record validator knows (dht/security.py): 2**20 units, six times the Agora run's.
+MAX_UNIT_BLOCKS = 4096
+_CLAIM = struct.Struct("<Hdd")  # unit offset in the block, claimed_at, expires_at
+_BITMAP_BYTES = BLOCK_UNITS // 8
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SCALAR_TYPES = (str, int, float, bool, bytes)
 
@@ -384,3 +398,96 @@ class MoveRecord(Record):
                 raise RecordError(f"move.{name}: {getattr(self, name)} out of range [0, {MAX_STAGES})")
         if self.from_stage == self.to_stage:
             raise RecordError(f"move: from_stage and to_stage are both {self.from_stage}")
+
+
+def rounds_key(run_id: str, stage: int, method: str) -> str:
+    """Where the replicas of one stage announce the rounds they start (one subkey per peer)."""
+    base = worker_key(run_id, stage).rsplit(".", 1)[0]  # "{run}.stage{i}", validated there
+    if not method.isidentifier():
+        raise RecordError(f"method: expected an identifier, got {method!r:.40}")
+    return f"{base}.{method}.rounds"
+
+
+@dataclass(frozen=True)
+class RoundRecord(Record):
+    """A replica is starting averaging round ``round`` of its stage (``started_at``: DHT time), or,
+    with ``closed``, has left it (its result is in, or it gave up): nobody should join it now."""
+
+    KIND: ClassVar[str] = "round"
+
+    peer_id: str
+    run_id: str
+    stage: int
+    round: int
+    started_at: float
+    closed: bool = False
+
+    def check(self) -> None:
+        if not self.peer_id:
+            raise RecordError("round.peer_id: empty")
+        check_run_id(self.run_id)
+        if self.stage < 0 or self.round < 0 or self.started_at < 0:
+            raise RecordError("round.stage/round/started_at: must be >= 0")
+
+
+def units_key(run_id: str, block: int) -> str:
+    """The DHT key of one block of units (one subkey per trainer)."""
+    check_run_id(run_id)
+    if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < MAX_UNIT_BLOCKS:
+        raise RecordError(f"units.block: expected an int in [0, {MAX_UNIT_BLOCKS}), got {block!r}")
+    return f"{run_id}.units.b{block}"
+
+
+@dataclass(frozen=True)
+class UnitBlockRecord(Record):
+    """One trainer's commits and live claims in one block of units."""
+
+    KIND: ClassVar[str] = "units"
+
+    peer_id: str
+    run_id: str
+    block: int
+    committed: bytes  # bitmap of the block's units this trainer committed (bit i: unit block*256 + i)
+    claims: bytes  # packed (offset, claimed_at, expires_at) per live claim
+    updated_at: float
+    credential: bytes = b""  # the writer's credential chain (PEM); empty under --insecure
+
+    def check(self) -> None:
+        if not self.peer_id:
+            raise RecordError("units.peer_id: empty")
+        units_key(self.run_id, self.block)
+        if len(self.committed) != _BITMAP_BYTES:
+            raise RecordError(f"units.committed: expected a {_BITMAP_BYTES}-byte bitmap, got {len(self.committed)}")
+        if len(self.claims) % _CLAIM.size:
+            raise RecordError(f"units.claims: {len(self.claims)} bytes is not a whole number of claims")
+        for offset, claimed_at, expires_at in _CLAIM.iter_unpack(self.claims):
+            if offset >= BLOCK_UNITS or not (math.isfinite(claimed_at) and math.isfinite(expires_at)):
+                raise RecordError(f"units.claims: offset {offset} or times out of range")
+        if self.updated_at < 0:
+            raise RecordError("units.updated_at: must be >= 0")
+
+    def dht_key(self) -> str:
+        return units_key(self.run_id, self.block)
+
+    def committed_units(self) -> set[int]:
+        first = self.block * BLOCK_UNITS
+        return {first + i for i in range(BLOCK_UNITS) if self.committed[i // 8] >> (i % 8) & 1}
+
+    def claimed_units(self) -> dict[int, tuple[float, float]]:
+        """unit -> (claimed_at, expires_at)."""
+        first = self.block * BLOCK_UNITS
+        return {first + offset: (claimed_at, expires_at)
+                for offset, claimed_at, expires_at in _CLAIM.iter_unpack(self.claims)}
+
+    @classmethod
+    def build(cls, peer_id: str, run_id: str, block: int, committed: set[int],
+              claims: Mapping[int, tuple[float, float]], now: float, credential: bytes = b"") -> "UnitBlockRecord":
+        first = block * BLOCK_UNITS
+        bitmap = bytearray(_BITMAP_BYTES)
+        for unit in committed:
+            offset = unit - first
+            bitmap[offset // 8] |= 1 << (offset % 8)
+        packed = b"".join(_CLAIM.pack(unit - first, claimed_at, expires_at)
+                          for unit, (claimed_at, expires_at) in sorted(claims.items()))
+        return cls(peer_id=peer_id, run_id=run_id, block=block, committed=bytes(bitmap), claims=packed,
+                   updated_at=now, credential=credential)

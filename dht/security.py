@@ -31,7 +31,7 @@ Three hivemind mechanisms, each given our credentials:
   ``SchemaValidator``. That class matches keys by the hash of a *static* field name and
   validates with a pydantic v1 model (``pydantic.v1`` under pydantic 2): our keys are
   ``{run}.stage{i}.workers``, ``{run}.stage{i}.{method}.rounds``, ``{run}.trainers``, ``{run}.moves``
-  and the unit blocks ``{run}.units.b{block}`` (dht/leases.py), and a second schema in
+  and the unit blocks ``{run}.units.b{block}``, and a second schema in
   pydantic would drift from the ``Record`` dataclasses that readers parse with. So this
   validator does the same job with the same mechanism (a table from key hash to record type,
   built for this run's keys, every stage up to ``MAX_STAGES``) and the one parser
@@ -79,8 +79,9 @@ from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, I
 from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
 from agora.dht.ownership import EntryOwnership
-from agora.dht.records import (MAX_STAGES, MoveRecord, Record, RecordError, TrainerRecord, WorkerRecord, move_key,
-                               trainer_key, worker_key)
+from agora.dht.records import (MAX_STAGES, MAX_UNIT_BLOCKS, MoveRecord, Record, RecordError, RoundRecord,
+                               TrainerRecord, UnitBlockRecord, WorkerRecord, move_key, rounds_key, trainer_key,
+                               units_key, worker_key)
 
 if TYPE_CHECKING:
     from agora.dht.averaging import AveragingAdmission
@@ -255,10 +256,6 @@ class OwnedRecordValidator(RecordValidatorBase):
 
     def _key_table(self) -> dict[bytes, tuple[type[Record], int]]:
         if self._keys is None:
-            from agora.dht.averaging import RoundRecord, rounds_key  # torch: only where it is needed
-
-            from agora.dht.leases import MAX_UNIT_BLOCKS, UnitBlockRecord, units_key
-
             table: dict[bytes, tuple[type[Record], int]] = {
                 DHTID.generate(source=trainer_key(self.run_id)).to_bytes(): (TrainerRecord, -1),
                 DHTID.generate(source=move_key(self.run_id)).to_bytes(): (MoveRecord, -1)}

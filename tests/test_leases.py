@@ -10,8 +10,8 @@ import uuid
 import pytest
 
 from agora.auth.authority import RunAuthority
-from agora.dht.leases import BLOCK_UNITS, LeaseBoard, UnitBlockRecord, UnitState, UnitWriters, resolve, units_key
-from agora.dht.records import RecordError
+from agora.dht.leases import LeaseBoard, UnitState, UnitWriters, resolve
+from agora.dht.records import BLOCK_UNITS, RecordError, UnitBlockRecord, units_key
 from agora.dht.swarm import Stored
 from agora.node.rpc.server import run
 from agora.node.trainer.units import FixedUnits, LeasedUnits, next_candidates

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hivemind.averaging.key_manager import is_valid_group
 
-from agora.dht.averaging import GROUP_BITS, RoundRecord, estimated_bytes, round_group_bits, rounds_key
-from agora.dht.records import RecordError
+from agora.dht.averaging import GROUP_BITS, estimated_bytes, round_group_bits
+from agora.dht.records import RecordError, RoundRecord, rounds_key
 from agora.node.averaging.sparta import (
     MEMBER_WEIGHT_FLOOR,
     SlicePartition,

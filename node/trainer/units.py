@@ -25,7 +25,8 @@ import logging
 import math
 from typing import Callable, Mapping, Optional, Protocol
 
-from agora.dht.leases import BLOCK_UNITS, LeaseBoard, UnitState
+from agora.dht.leases import LeaseBoard, UnitState
+from agora.dht.records import BLOCK_UNITS
 from agora.node.trainer.stats import TrainerStats
 
 __all__ = ["UnitSource", "FixedUnits", "LeasedUnits", "next_candidates"]
