@@ -21,7 +21,6 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from typing import Callable, Optional
 
@@ -82,7 +81,7 @@ class Heartbeat:
     async def beat(self) -> bool:
         """Announce the current record now (for example right after a phase change)."""
         try:
-            record = dataclasses.replace(self._current_record(), updated_at=self._swarm.clock())
+            record = self._current_record().replace(updated_at=self._swarm.clock())
             previous = self._last_announced
             accepted = await self._swarm.store_async(record.dht_key(), record, self.ttl,
                                                      subkey=self._swarm.subkey_of(record.peer_id))

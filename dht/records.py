@@ -1,26 +1,44 @@
-"""Typed records that peers publish in the DHT, and their wire form.
+"""Typed records that peers publish in the DHT, their keys, and their wire form.
 
 Design choices:
 
-- A record is a frozen dataclass whose fields are plain scalars (str, int, float, bool, and
-  bytes of at most ``MAX_BYTES_LENGTH`` for a packed field such as a bitmap).
-  Its wire form is a flat dict of those scalars plus ``schema`` and ``kind``: exactly what
-  msgpack (hivemind's serializer) carries without extension types, so a peer written in
-  another language, or a later version of this one, can read it.
-- Validation runs on construction, so a record that exists is a valid record. Reading
-  goes through ``from_wire``, which turns *anything* (another peer's mistake, an attack,
-  an older schema) into either a record or a ``RecordError`` whose message is one readable
-  line naming the field. Readers skip and count such values; they never crash on them.
-- ``schema`` must match exactly: a breaking change bumps ``SCHEMA_VERSION`` and old
-  readers reject new records cleanly. Unknown extra fields are ignored, so adding a field
-  with a default does not need a bump.
-- Key naming lives here, next to the schemas, so every reader and writer builds the same
-  keys. ``run_id`` is restricted to ``[A-Za-z0-9_-]`` so that the dots in keys separate
-  components unambiguously.
-- Every record type the DHT holds is declared here, with the builder of its key: workers,
-  trainers, moves, averaging rounds (``RoundRecord``, used by dht/averaging.py's ``RoundBoard``)
-  and leased unit blocks (``UnitBlockRecord``, used by dht/leases.py). A new type subclasses
-  ``Record``, declares scalar fields, sets ``KIND``, and puts range checks in ``check()``.
+- A record is a frozen pydantic model in strict mode whose fields are plain scalars (str, int,
+  float, bool, bytes). Each field's type and bounds are declared once, on the field, through the
+  field types below (``PeerId``, ``Stage``, ``Count``, ``Seconds``, ...); a rule between two fields
+  (a stage below ``n_stages``) is the model's one after-validator. Strict means no coercion: "1"
+  is no int, ``True`` no count, 1.5 no step. The one conversion is a whole number where a float
+  belongs (a writer in another language may encode 7.0 as the int 7): pydantic stores it as a
+  float, so equal records compare and serialize equal.
+- The wire form is a flat dict of those scalars plus ``schema`` and ``kind``: exactly what msgpack
+  (hivemind's serializer) carries without extension types, so a peer written in another language,
+  or a later version of this one, can read it. tests/test_records.py pins the bytes.
+- Validation runs on construction, so a record that exists is a valid record. Reading goes
+  through ``from_wire``, which turns *anything* (another peer's mistake, an attack, an older
+  schema) into either a record or a ``RecordError`` whose message is one line naming the field
+  and the bad value. Readers skip and count such values; they never crash on them.
+- ``schema`` must match exactly: a breaking change bumps ``SCHEMA_VERSION`` and old readers
+  reject new records cleanly. Unknown extra fields are ignored, so adding a field with a default
+  does not need a bump.
+- Key naming lives here, next to the schemas, so every reader and writer builds the same keys.
+  ``run_id`` is restricted to ``[A-Za-z0-9_-]`` so that the dots in keys separate components
+  unambiguously. Every record type the DHT holds is declared here with the builder of its key:
+  workers, trainers, moves, averaging rounds (``RoundRecord``, read by dht/averaging.py's
+  ``RoundBoard``) and leased unit blocks (``UnitBlockRecord``, dht/leases.py). A record knows its
+  own key (``dht_key()``), so one heartbeat serves every record type.
+- Why not hivemind's ``SchemaValidator`` (hivemind/dht/schema.py), which checks DHT values
+  against a pydantic model: (1) it finds a value's schema by the hash of a static name, a model
+  field's name or ``prefix + "_" + name``; our keys are run-scoped and numbered with dots
+  (``{run}.stage{i}.workers``, ``{run}.units.b{block}``), which that form cannot spell, so using it
+  would change every key and cut this version off from the peers already running; (2) it accepts
+  a value only if the model's ``dict()`` equals it, so a record without a field that has a default
+  (an older peer) or with an unknown field (a newer peer) is refused, against the compatibility
+  rule above; (3) it is written against pydantic's v1 API (``pydantic.v1``), so the schemas
+  would be v1 models; (4) it checks only the value: whether the subkey's owner key is the
+  record's peer id's, and whether the record's run and stage are those of its key, needs the
+  key, and its ``BytesWithPublicKey`` expects bytes subkeys where ours are text. So the records
+  are pydantic v2 models here, and ``OwnedRecordValidator`` (dht/security.py, a hivemind
+  ``RecordValidatorBase``) looks up a key's record type by key hash and parses with ``from_wire``,
+  the same parser readers use.
 - Per-peer entries live under subkeys. With admission on (dht/security.py) a subkey is
   ``<peer id>[owner:<ssh-rsa ...>]``: hivemind's ``RSASignatureValidator`` then lets only the
   holder of that key write or tombstone the entry, and readers check that the key is the one
@@ -36,31 +54,29 @@ Design choices:
   a ``TrainerRecord`` under ``{run}.trainers`` (its progress, last loss and tokens/s).
 - A worker that leaves its stage for another (rebalancing) announces a ``MoveRecord`` under
   ``{run}.moves`` while it is in transit, so no other worker judges the swarm without it.
-- A record knows its own key (``dht_key()``), so one heartbeat serves every record type.
 """
 
-import dataclasses
 import math
-import re
 import struct
-from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Optional, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, TypeVar, get_args
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 __all__ = [
-    "MAX_STAGES",
     "BLOCK_UNITS",
+    "MAX_STAGES",
     "MAX_UNIT_BLOCKS",
-    "MoveRecord",
+    "OWNER_MARKER",
     "PHASES",
-    "TRAINING_PHASES",
     "SCHEMA_VERSION",
+    "TRAINING_PHASES",
+    "MoveRecord",
     "Record",
     "RecordError",
     "RoundRecord",
     "TrainerRecord",
     "UnitBlockRecord",
     "WorkerRecord",
-    "OWNER_MARKER",
     "check_run_id",
     "move_key",
     "owned_subkey",
@@ -76,20 +92,21 @@ SCHEMA_VERSION = 2
 # hivemind's RSASignatureValidator.PUBLIC_KEY_FORMAT, as text: b"[owner:_key_]".
 OWNER_MARKER = "[owner:"
 # "serving": a worker that answers inference only (join --serve-only); trainers never route to it.
-PHASES = frozenset({"weight_sync", "optimizer_sync", "member", "leaving", "serving"})
+Phase = Literal["weight_sync", "optimizer_sync", "member", "leaving", "serving"]
+PHASES = frozenset(get_args(Phase))
 # Phases in which a worker trains on live traffic: trainers route to them, and their step counts
 # are the stage's (a worker in weight sync has not got the stage's state yet).
 TRAINING_PHASES = ("member", "optimizer_sync")
 # Generous bounds: they exist to reject garbage cheaply, not to constrain real runs.
 MAX_STAGES = 4096
 MAX_CREDITS = 2**16  # a worker's queue, and the credits it announces
+MAX_TEXT = 256  # characters of any text field
+MAX_PACKED = 4096  # bytes of a packed field (a bitmap, fixed-size entries, a credential chain)
 BLOCK_UNITS = 256
 # Blocks the record validator knows (dht/security.py): 2**20 units, six times the Agora run's.
 MAX_UNIT_BLOCKS = 4096
 _CLAIM = struct.Struct("<Hdd")  # unit offset in the block, claimed_at, expires_at
 _BITMAP_BYTES = BLOCK_UNITS // 8
-_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_SCALAR_TYPES = (str, int, float, bool, bytes)
 
 R = TypeVar("R", bound="Record")
 
@@ -98,19 +115,94 @@ class RecordError(ValueError):
     """A value that is not a valid record; the message is one line naming the field."""
 
 
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    """(host, port) of ``host:port`` (IPv6 as ``[addr]:port``); ``ValueError`` says what is wrong."""
+    host, sep, port_text = endpoint.rpartition(":")
+    if not sep or not host or not (port_text.isascii() and port_text.isdigit()):
+        raise ValueError("expected 'host:port'")
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            raise ValueError("malformed IPv6 host")
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError("IPv6 hosts must be bracketed ('[::1]:port')")
+    if any(ch.isspace() for ch in host):
+        raise ValueError("host contains whitespace")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} out of range [1, 65535]")
+    return host, port
+
+
+def _endpoint(text: str) -> str:
+    _split_endpoint(text)
+    return text
+
+
+def _optional_endpoint(text: str) -> str:
+    return _endpoint(text) if text else text
+
+
+def _claims(packed: bytes) -> bytes:
+    if len(packed) % _CLAIM.size:
+        raise ValueError(f"{len(packed)} bytes is not a whole number of claims")
+    for offset, claimed_at, expires_at in _CLAIM.iter_unpack(packed):
+        if offset >= BLOCK_UNITS or not (math.isfinite(claimed_at) and math.isfinite(expires_at)):
+            raise ValueError(f"offset {offset} or times out of range")
+    return packed
+
+
+# Field types: each states a field's type and bounds once, for every record that has such a field.
+PeerId = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
+Label = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]  # a version, a fingerprint
+RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+Endpoint = Annotated[str, Field(max_length=MAX_TEXT), AfterValidator(_endpoint)]
+OptionalEndpoint = Annotated[str, Field(max_length=MAX_TEXT), AfterValidator(_optional_endpoint)]  # "": none
+Stage = Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+StageCount = Annotated[int, Field(ge=1, le=MAX_STAGES)]
+Block = Annotated[int, Field(ge=0, lt=MAX_UNIT_BLOCKS)]
+Count = Annotated[int, Field(ge=0)]
+Credits = Annotated[int, Field(ge=0, le=MAX_CREDITS)]
+Rate = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # a throughput, a loss
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # DHT time (hivemind's get_dht_time)
+Bitmap = Annotated[bytes, Field(min_length=_BITMAP_BYTES, max_length=_BITMAP_BYTES)]  # one bit per unit of a block
+Claims = Annotated[bytes, Field(max_length=MAX_PACKED), AfterValidator(_claims)]
+Packed = Annotated[bytes, Field(max_length=MAX_PACKED)]
+
+# The key builders check their arguments with the same field types (a key part is a record field).
+_RUN_ID, _STAGE, _BLOCK = TypeAdapter(RunId), TypeAdapter(Stage), TypeAdapter(Block)
+
+
+def _one_line(where: str, error: ValidationError) -> RecordError:
+    """The first problem pydantic found, as one line naming the field and the bad value."""
+    first = error.errors(include_url=False)[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, RecordError):
+        return RecordError(str(cause))  # a rule between fields names them itself
+    field = ".".join(str(part) for part in first["loc"])
+    where = f"{where}.{field}" if field else where
+    if first["type"] == "missing":
+        return RecordError(f"{where}: missing")
+    value = first["input"]
+    reason = str(cause) if cause is not None else first["msg"][:1].lower() + first["msg"][1:]
+    return RecordError(f"{where}: {reason}, got {type(value).__name__} {value!r:.60}")
+
+
+def _key_part(adapter: TypeAdapter, name: str, value: object) -> Any:
+    try:
+        return adapter.validate_python(value, strict=True)
+    except ValidationError as error:
+        raise _one_line(name, error) from None
+
+
 def check_run_id(run_id: object) -> str:
     """Return ``run_id`` if it can be part of a key, else raise ``RecordError``."""
-    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
-        raise RecordError(f"run_id: expected 1-64 characters of [A-Za-z0-9_-], got {run_id!r:.80}")
-    return run_id
+    return _key_part(_RUN_ID, "run_id", run_id)
 
 
 def worker_key(run_id: str, stage: int) -> str:
     """The DHT key under which the workers of one stage announce (one subkey per peer)."""
-    check_run_id(run_id)
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < MAX_STAGES:
-        raise RecordError(f"stage: expected an int in [0, {MAX_STAGES}), got {stage!r}")
-    return f"{run_id}.stage{stage}.workers"
+    return f"{check_run_id(run_id)}.stage{_key_part(_STAGE, 'stage', stage)}.workers"
 
 
 def trainer_key(run_id: str) -> str:
@@ -123,13 +215,17 @@ def move_key(run_id: str) -> str:
     return f"{check_run_id(run_id)}.moves"
 
 
-def check_metrics_endpoint(kind: str, endpoint: str) -> None:
-    """Empty (no metrics served) or a valid ``host:port``."""
-    if endpoint:
-        try:
-            parse_endpoint(endpoint)
-        except RecordError as error:
-            raise RecordError(f"{kind}.metrics_{error}") from None
+def rounds_key(run_id: str, stage: int, method: str) -> str:
+    """Where the replicas of one stage announce the rounds they start (one subkey per peer)."""
+    base = worker_key(run_id, stage).rsplit(".", 1)[0]  # "{run}.stage{i}", validated there
+    if not method.isidentifier():
+        raise RecordError(f"method: expected an identifier, got {method!r:.40}")
+    return f"{base}.{method}.rounds"
+
+
+def units_key(run_id: str, block: int) -> str:
+    """The DHT key of one block of units (one subkey per trainer)."""
+    return f"{check_run_id(run_id)}.units.b{_key_part(_BLOCK, 'units.block', block)}"
 
 
 def owned_subkey(peer_id: str, owner_public_key: str) -> str:
@@ -147,7 +243,7 @@ def split_subkey(subkey: object) -> tuple[str, Optional[str]]:
     if not isinstance(subkey, str):
         raise RecordError(f"subkey: expected a string, got {type(subkey).__name__}")
     peer_id, marker, owner = subkey.partition(OWNER_MARKER)
-    if not peer_id or len(peer_id) > Record.MAX_STRING_LENGTH:
+    if not peer_id or len(peer_id) > MAX_TEXT:
         raise RecordError(f"subkey: expected a peer id first, got {subkey!r:.80}")
     if not marker:
         return peer_id, None
@@ -158,63 +254,32 @@ def split_subkey(subkey: object) -> tuple[str, Optional[str]]:
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """Split ``host:port`` (IPv6 as ``[addr]:port``) into (host, port); raise ``RecordError``."""
-    host, sep, port_text = endpoint.rpartition(":")
-    if not sep or not host or not (port_text.isascii() and port_text.isdigit()):
-        raise RecordError(f"endpoint: expected 'host:port', got {endpoint!r:.80}")
-    if host.startswith("["):
-        if not host.endswith("]") or len(host) < 3:
-            raise RecordError(f"endpoint: malformed IPv6 host in {endpoint!r:.80}")
-        host = host[1:-1]
-    elif ":" in host:
-        raise RecordError(f"endpoint: IPv6 hosts must be bracketed ('[::1]:port'), got {endpoint!r:.80}")
-    if any(ch.isspace() for ch in host):
-        raise RecordError(f"endpoint: host contains whitespace: {endpoint!r:.80}")
-    port = int(port_text)
-    if not 1 <= port <= 65535:
-        raise RecordError(f"endpoint: port {port} out of range [1, 65535]")
-    return host, port
+    try:
+        return _split_endpoint(endpoint)
+    except ValueError as error:
+        raise RecordError(f"endpoint: {error}, got {endpoint!r:.80}") from None
 
 
-@dataclass(frozen=True)
-class Record:
-    """Base of DHT records: a frozen dataclass of scalar fields, validated on construction.
+class Record(BaseModel):
+    """Base of DHT records: a frozen, strict pydantic model of scalar fields, valid once built.
 
-    Subclasses set ``KIND`` and override ``check()`` for range checks. Field annotations
-    must be real types (no ``from __future__ import annotations`` in subclass modules),
-    because the type check reads them at runtime.
+    Subclasses set ``KIND``, declare fields with the field types of this module, and state a rule
+    between fields in a ``model_validator(mode="after")`` that raises ``RecordError`` naming them.
     """
 
+    model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
+
     KIND: ClassVar[str] = ""
-    MAX_STRING_LENGTH: ClassVar[int] = 256
-    MAX_BYTES_LENGTH: ClassVar[int] = 4096  # a packed field (a bitmap, fixed-size entries)
 
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            expected = _field_type(type(self), field)
-            if not _is_instance(value, expected):
-                raise RecordError(
-                    f"{self.KIND}.{field.name}: expected {expected.__name__}, got {type(value).__name__}"
-                )
-            if isinstance(value, str) and len(value) > self.MAX_STRING_LENGTH:
-                raise RecordError(
-                    f"{self.KIND}.{field.name}: {len(value)} characters, at most {self.MAX_STRING_LENGTH}"
-                )
-            if isinstance(value, bytes) and len(value) > self.MAX_BYTES_LENGTH:
-                raise RecordError(f"{self.KIND}.{field.name}: {len(value)} bytes, at most {self.MAX_BYTES_LENGTH}")
-            if expected is float:
-                # Normalize whole numbers so equal records compare and serialize equal.
-                try:
-                    number = float(value)
-                except OverflowError:  # an int beyond float range
-                    number = math.inf
-                if not math.isfinite(number):
-                    raise RecordError(f"{self.KIND}.{field.name}: must be finite, got {number}")
-                object.__setattr__(self, field.name, number)
-        self.check()
+    def __init__(self, **fields: Any) -> None:
+        try:
+            super().__init__(**fields)
+        except ValidationError as error:
+            raise _one_line(self.KIND, error) from None
 
-    def check(self) -> None:
-        """Range and consistency checks; raise ``RecordError`` naming the field."""
+    def replace(self: R, **changes: Any) -> R:
+        """A copy with ``changes``, validated like any new record (``model_copy`` would not check)."""
+        return type(self)(**{**self.model_dump(), **changes})
 
     def dht_key(self) -> str:
         """The DHT key this record is stored under (each peer under its own subkey)."""
@@ -222,9 +287,7 @@ class Record:
 
     def to_wire(self) -> dict[str, Any]:
         """A plain dict that msgpack serializes as is."""
-        wire: dict[str, Any] = {"schema": SCHEMA_VERSION, "kind": self.KIND}
-        wire.update(dataclasses.asdict(self))
-        return wire
+        return {"schema": SCHEMA_VERSION, "kind": self.KIND, **self.model_dump()}
 
     @classmethod
     def from_wire(cls: type[R], value: object) -> R:
@@ -237,32 +300,10 @@ class Record:
         kind = value.get("kind")
         if kind != cls.KIND:
             raise RecordError(f"{cls.KIND}.kind: expected {cls.KIND!r}, got {kind!r:.40}")
-        kwargs = {}
-        for field in dataclasses.fields(cls):
-            if field.name in value:
-                kwargs[field.name] = value[field.name]
-            elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-                raise RecordError(f"{cls.KIND}.{field.name}: missing")
-        return cls(**kwargs)
+        # Only declared fields are passed on: unknown ones (a later version's) are ignored, whatever their keys.
+        return cls(**{name: value[name] for name in cls.model_fields if name in value})
 
 
-def _field_type(cls: type, field: dataclasses.Field) -> type:
-    if field.type not in _SCALAR_TYPES:
-        raise TypeError(f"{cls.__name__}.{field.name}: record fields must be str, int, float, bool or bytes")
-    return field.type
-
-
-def _is_instance(value: object, expected: type) -> bool:
-    # bool is a subclass of int in Python, but a bool where a count belongs is a bug.
-    if expected is not bool and isinstance(value, bool):
-        return False
-    if expected is float:
-        # A writer in another language may encode a whole float as a msgpack int.
-        return isinstance(value, (float, int))
-    return isinstance(value, expected)
-
-
-@dataclass(frozen=True)
 class WorkerRecord(Record):
     """What a stage worker announces about itself every heartbeat.
 
@@ -283,60 +324,41 @@ class WorkerRecord(Record):
 
     KIND: ClassVar[str] = "worker"
 
-    peer_id: str
-    run_id: str
-    endpoint: str
-    stage: int
-    n_stages: int
-    throughput: float
-    queue_depth: int
-    step: int
-    phase: str
-    version: str
-    updated_at: float
-    fingerprint: str
-    sessions: int = 0
-    metrics_endpoint: str = ""
-    averaging_rounds: int = 0
-    averaging_committed: int = 0
-    capacity: int = 0
-    credits: int = 0
-    in_flight_credits: int = 0
+    peer_id: PeerId
+    run_id: RunId
+    endpoint: Endpoint
+    stage: Stage
+    n_stages: StageCount
+    throughput: Rate
+    queue_depth: Count
+    step: Count
+    phase: Phase
+    version: Label
+    updated_at: Seconds
+    fingerprint: Label
+    sessions: Count = 0
+    metrics_endpoint: OptionalEndpoint = ""
+    averaging_rounds: Count = 0
+    averaging_committed: Count = 0
+    capacity: Credits = 0
+    credits: Credits = 0
+    in_flight_credits: Credits = 0
 
     def dht_key(self) -> str:
         return worker_key(self.run_id, self.stage)
 
-    def check(self) -> None:
-        if not self.peer_id:
-            raise RecordError("worker.peer_id: empty")
-        check_run_id(self.run_id)
-        parse_endpoint(self.endpoint)
-        if not 1 <= self.n_stages <= MAX_STAGES:
-            raise RecordError(f"worker.n_stages: {self.n_stages} out of range [1, {MAX_STAGES}]")
-        if not 0 <= self.stage < self.n_stages:
+    @model_validator(mode="after")
+    def _consistent(self) -> "WorkerRecord":
+        if self.stage >= self.n_stages:
             raise RecordError(f"worker.stage: {self.stage} out of range [0, n_stages={self.n_stages})")
-        for name in ("throughput", "queue_depth", "step", "updated_at", "sessions", "averaging_rounds",
-                     "averaging_committed"):
-            if getattr(self, name) < 0:
-                raise RecordError(f"worker.{name}: must be >= 0, got {getattr(self, name)}")
-        for name in ("capacity", "credits", "in_flight_credits"):
-            if not 0 <= getattr(self, name) <= MAX_CREDITS:
-                raise RecordError(f"worker.{name}: {getattr(self, name)} out of range [0, {MAX_CREDITS}]")
         if self.credits > self.capacity:
             raise RecordError(f"worker.credits: {self.credits} is above capacity={self.capacity}")
         if self.averaging_committed > self.averaging_rounds:
             raise RecordError(f"worker.averaging_committed: {self.averaging_committed} is above averaging_rounds="
                               f"{self.averaging_rounds}")
-        check_metrics_endpoint("worker", self.metrics_endpoint)
-        if self.phase not in PHASES:
-            raise RecordError(f"worker.phase: expected one of {sorted(PHASES)}, got {self.phase!r:.40}")
-        if not self.version:
-            raise RecordError("worker.version: empty")
-        if not self.fingerprint:
-            raise RecordError("worker.fingerprint: empty")
+        return self
 
 
-@dataclass(frozen=True)
 class TrainerRecord(Record):
     """What a trainer announces about itself every heartbeat (under ``trainer_key(run_id)``).
 
@@ -347,124 +369,70 @@ class TrainerRecord(Record):
 
     KIND: ClassVar[str] = "trainer"
 
-    peer_id: str
-    run_id: str
-    trainer_index: int
-    batches: int
-    step: int
-    loss: float
-    tokens_per_s: float
-    version: str
-    updated_at: float
-    metrics_endpoint: str = ""
+    peer_id: PeerId
+    run_id: RunId
+    trainer_index: Count
+    batches: Count
+    step: Count
+    loss: Rate
+    tokens_per_s: Rate
+    version: Label
+    updated_at: Seconds
+    metrics_endpoint: OptionalEndpoint = ""
 
     def dht_key(self) -> str:
         return trainer_key(self.run_id)
 
-    def check(self) -> None:
-        if not self.peer_id:
-            raise RecordError("trainer.peer_id: empty")
-        check_run_id(self.run_id)
-        for name in ("trainer_index", "batches", "step", "loss", "tokens_per_s", "updated_at"):
-            if getattr(self, name) < 0:
-                raise RecordError(f"trainer.{name}: must be >= 0, got {getattr(self, name)}")
-        if not self.version:
-            raise RecordError("trainer.version: empty")
-        check_metrics_endpoint("trainer", self.metrics_endpoint)
 
-
-@dataclass(frozen=True)
 class MoveRecord(Record):
     """A worker in transit from one stage to another (node/worker/rebalance.py), announced for as long
     as it may take to come back on ``to_stage``; ``started_at`` is DHT time."""
 
     KIND: ClassVar[str] = "move"
 
-    peer_id: str
-    run_id: str
-    from_stage: int
-    to_stage: int
-    started_at: float
+    peer_id: PeerId
+    run_id: RunId
+    from_stage: Stage
+    to_stage: Stage
+    started_at: Seconds
 
     def dht_key(self) -> str:
         return move_key(self.run_id)
 
-    def check(self) -> None:
-        if not self.peer_id:
-            raise RecordError("move.peer_id: empty")
-        check_run_id(self.run_id)
-        for name in ("from_stage", "to_stage"):
-            if not 0 <= getattr(self, name) < MAX_STAGES:
-                raise RecordError(f"move.{name}: {getattr(self, name)} out of range [0, {MAX_STAGES})")
+    @model_validator(mode="after")
+    def _somewhere_else(self) -> "MoveRecord":
         if self.from_stage == self.to_stage:
-            raise RecordError(f"move: from_stage and to_stage are both {self.from_stage}")
+            raise RecordError(f"move.to_stage: from_stage and to_stage are both {self.from_stage}")
+        return self
 
 
-def rounds_key(run_id: str, stage: int, method: str) -> str:
-    """Where the replicas of one stage announce the rounds they start (one subkey per peer)."""
-    base = worker_key(run_id, stage).rsplit(".", 1)[0]  # "{run}.stage{i}", validated there
-    if not method.isidentifier():
-        raise RecordError(f"method: expected an identifier, got {method!r:.40}")
-    return f"{base}.{method}.rounds"
-
-
-@dataclass(frozen=True)
 class RoundRecord(Record):
     """A replica is starting averaging round ``round`` of its stage (``started_at``: DHT time), or,
-    with ``closed``, has left it (its result is in, or it gave up): nobody should join it now."""
+    with ``closed``, has left it (its result is in, or it gave up): nobody should join it now.
+    Stored under ``rounds_key(run_id, stage, method)``; the method is the key's, not the record's."""
 
     KIND: ClassVar[str] = "round"
 
-    peer_id: str
-    run_id: str
-    stage: int
-    round: int
-    started_at: float
+    peer_id: PeerId
+    run_id: RunId
+    stage: Stage
+    round: Count
+    started_at: Seconds
     closed: bool = False
 
-    def check(self) -> None:
-        if not self.peer_id:
-            raise RecordError("round.peer_id: empty")
-        check_run_id(self.run_id)
-        if self.stage < 0 or self.round < 0 or self.started_at < 0:
-            raise RecordError("round.stage/round/started_at: must be >= 0")
 
-
-def units_key(run_id: str, block: int) -> str:
-    """The DHT key of one block of units (one subkey per trainer)."""
-    check_run_id(run_id)
-    if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < MAX_UNIT_BLOCKS:
-        raise RecordError(f"units.block: expected an int in [0, {MAX_UNIT_BLOCKS}), got {block!r}")
-    return f"{run_id}.units.b{block}"
-
-
-@dataclass(frozen=True)
 class UnitBlockRecord(Record):
-    """One trainer's commits and live claims in one block of units."""
+    """One trainer's commits and live claims in one block of units (dht/leases.py)."""
 
     KIND: ClassVar[str] = "units"
 
-    peer_id: str
-    run_id: str
-    block: int
-    committed: bytes  # bitmap of the block's units this trainer committed (bit i: unit block*256 + i)
-    claims: bytes  # packed (offset, claimed_at, expires_at) per live claim
-    updated_at: float
-    credential: bytes = b""  # the writer's credential chain (PEM); empty under --insecure
-
-    def check(self) -> None:
-        if not self.peer_id:
-            raise RecordError("units.peer_id: empty")
-        units_key(self.run_id, self.block)
-        if len(self.committed) != _BITMAP_BYTES:
-            raise RecordError(f"units.committed: expected a {_BITMAP_BYTES}-byte bitmap, got {len(self.committed)}")
-        if len(self.claims) % _CLAIM.size:
-            raise RecordError(f"units.claims: {len(self.claims)} bytes is not a whole number of claims")
-        for offset, claimed_at, expires_at in _CLAIM.iter_unpack(self.claims):
-            if offset >= BLOCK_UNITS or not (math.isfinite(claimed_at) and math.isfinite(expires_at)):
-                raise RecordError(f"units.claims: offset {offset} or times out of range")
-        if self.updated_at < 0:
-            raise RecordError("units.updated_at: must be >= 0")
+    peer_id: PeerId
+    run_id: RunId
+    block: Block
+    committed: Bitmap  # bit i: unit block*256 + i committed by this trainer
+    claims: Claims  # packed (offset, claimed_at, expires_at) per live claim
+    updated_at: Seconds
+    credential: Packed = b""  # the writer's credential chain (PEM); empty under --insecure
 
     def dht_key(self) -> str:
         return units_key(self.run_id, self.block)

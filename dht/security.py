@@ -28,14 +28,11 @@ Three hivemind mechanisms, each given our credentials:
   fix: an owner marker that is not a key is a refusal (hivemind's raises ``ValueError`` inside
   the store handler, a stack trace per hostile request).
 - ``OwnedRecordValidator`` (ours) for the record types, in place of hivemind's
-  ``SchemaValidator``. That class matches keys by the hash of a *static* field name and
-  validates with a pydantic v1 model (``pydantic.v1`` under pydantic 2): our keys are
+  ``SchemaValidator`` (dht/records.py says why that one does not fit our keys): our keys are
   ``{run}.stage{i}.workers``, ``{run}.stage{i}.{method}.rounds``, ``{run}.trainers``, ``{run}.moves``
-  and the unit blocks ``{run}.units.b{block}``, and a second schema in
-  pydantic would drift from the ``Record`` dataclasses that readers parse with. So this
-  validator does the same job with the same mechanism (a table from key hash to record type,
-  built for this run's keys, every stage up to ``MAX_STAGES``) and the one parser
-  (``Record.from_wire``). For those keys it refuses: a plain value (it would replace every
+  and the unit blocks ``{run}.units.b{block}``. This validator does the same job with the same
+  mechanism (a table from key hash to record type, built for this run's keys, every stage up to
+  ``MAX_STAGES``) and the one parser readers use (``Record.from_wire``). For those keys it refuses: a plain value (it would replace every
   peer's entry), a subkey without an owner marker (unsigned), an owner key that is not the
   key of the subkey's peer id (announcing under another's id), and a value that is not a valid
   record of that type for that peer, run and stage. Tombstones (None) pass. Other keys

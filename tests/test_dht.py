@@ -7,7 +7,6 @@ polling with a deadline, never by a fixed sleep.
 
 import asyncio
 import logging
-import dataclasses
 import math
 import os
 import signal
@@ -18,6 +17,7 @@ import uuid
 from typing import ClassVar
 
 import pytest
+from pydantic import Field
 
 from agora.dht import DHTRequestError, Heartbeat, Record, RecordError, SwarmDHT, WorkerRecord, worker_key
 from agora.dht.bootstrap import host_maddrs, write_ready_file
@@ -75,28 +75,28 @@ def test_whole_floats_and_unknown_fields_are_accepted():
 
 
 BAD_FIELDS = [
-    ("stage", "1", "worker.stage: expected int, got str"),
-    ("stage", True, "worker.stage: expected int, got bool"),
-    ("throughput", "fast", "worker.throughput: expected float"),
-    ("throughput", -1.0, "worker.throughput: must be >= 0"),
-    ("throughput", math.nan, "worker.throughput: must be finite"),
-    ("throughput", math.inf, "worker.throughput: must be finite"),
-    ("queue_depth", -3, "worker.queue_depth: must be >= 0"),
-    ("step", 1.5, "worker.step: expected int, got float"),
-    ("stage", 3, "worker.stage: 3 out of range"),
-    ("stage", -1, "worker.stage: -1 out of range"),
-    ("n_stages", 0, "worker.n_stages: 0 out of range"),
-    ("phase", "sleeping", "worker.phase: expected one of"),
-    ("endpoint", "localhost", "endpoint: expected 'host:port'"),
-    ("endpoint", "127.0.0.1:70000", "endpoint: port 70000 out of range"),
-    ("endpoint", "::1:80", "endpoint: IPv6 hosts must be bracketed"),
-    ("endpoint", "host:\u00b2", "endpoint: expected 'host:port'"),  # a digit to isdigit(), not to int()
-    ("throughput", 10**400, "worker.throughput: must be finite"),
-    ("endpoint", "h" * 10_000 + ":80", "worker.endpoint: 10003 characters, at most 256"),
-    ("peer_id", "", "worker.peer_id: empty"),
-    ("run_id", "a.b", "run_id: expected 1-64 characters"),
-    ("version", None, "worker.version: expected str, got NoneType"),
-    ("fingerprint", "", "worker.fingerprint: empty"),
+    ("stage", "1", "worker.stage: input should be a valid integer, got str '1'"),
+    ("stage", True, "worker.stage: input should be a valid integer, got bool True"),
+    ("throughput", "fast", "worker.throughput: input should be a valid number, got str 'fast'"),
+    ("throughput", -1.0, "worker.throughput: input should be greater than or equal to 0, got float -1.0"),
+    ("throughput", math.nan, "worker.throughput: input should be a finite number, got float nan"),
+    ("throughput", math.inf, "worker.throughput: input should be a finite number, got float inf"),
+    ("queue_depth", -3, "worker.queue_depth: input should be greater than or equal to 0, got int -3"),
+    ("step", 1.5, "worker.step: input should be a valid integer, got float 1.5"),
+    ("stage", 3, "worker.stage: 3 out of range [0, n_stages=3)"),
+    ("stage", -1, "worker.stage: input should be greater than or equal to 0, got int -1"),
+    ("n_stages", 0, "worker.n_stages: input should be greater than or equal to 1, got int 0"),
+    ("phase", "sleeping", "worker.phase: input should be 'weight_sync', 'optimizer_sync', 'member'"),
+    ("endpoint", "localhost", "worker.endpoint: expected 'host:port', got str 'localhost'"),
+    ("endpoint", "127.0.0.1:70000", "worker.endpoint: port 70000 out of range [1, 65535]"),
+    ("endpoint", "::1:80", "worker.endpoint: IPv6 hosts must be bracketed"),
+    ("endpoint", "host:\u00b2", "worker.endpoint: expected 'host:port'"),  # a digit to isdigit(), not to int()
+    ("throughput", 10**400, "worker.throughput: input should be a valid number, got int 1000"),
+    ("endpoint", "h" * 10_000 + ":80", "worker.endpoint: string should have at most 256 characters, got str 'hhh"),
+    ("peer_id", "", "worker.peer_id: string should have at least 1 character, got str ''"),
+    ("run_id", "a.b", "worker.run_id: string should match pattern '^[A-Za-z0-9_-]{1,64}$', got str 'a.b'"),
+    ("version", None, "worker.version: input should be a valid string, got NoneType None"),
+    ("fingerprint", "", "worker.fingerprint: string should have at least 1 character"),
 ]
 
 
@@ -292,18 +292,13 @@ def test_entries_expire_by_the_injected_clock(dht_pair, run_id):
         assert [w.peer_id for w in ahead.live_workers(run_id, 1)] == ["peer-ahead"]
 
 
-@dataclasses.dataclass(frozen=True)
 class LeaseRecord(Record):
-    """A later record type, declared the way leases and rounds will be."""
+    """A record type declared outside records.py, the way a test or an experiment may."""
 
     KIND: ClassVar[str] = "test-lease"
     holder: str
-    unit: int
+    unit: int = Field(ge=0)
     note: str = ""
-
-    def check(self) -> None:
-        if self.unit < 0:
-            raise RecordError("test-lease.unit: must be >= 0")
 
 
 def test_generic_records_under_plain_keys_and_subkeys(dht_pair, run_id):

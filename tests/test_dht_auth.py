@@ -327,11 +327,11 @@ def test_a_peer_cannot_overwrite_or_delete_anothers_record(swarm, stage):
     victims_subkey = first.subkey_of(first.peer_id)
     raw = second.hivemind_dht  # an admitted peer that misbehaves: straight to hivemind
     later = second.clock() + 120
-    inflated = dataclasses.replace(original, throughput=1e9).to_wire()
+    inflated = original.replace(throughput=1e9).to_wire()
     assert not raw.store(key, inflated, later, subkey=victims_subkey)  # not signed by the owner
     assert not raw.store(key, None, later, subkey=victims_subkey)  # a tombstone, likewise
     assert not raw.store(key, {"replaces": "every entry"}, later)  # a plain value over the whole key
-    assert not second.announce_worker(dataclasses.replace(original, throughput=1e9), ttl=120)  # under its own key
+    assert not second.announce_worker(original.replace(throughput=1e9), ttl=120)  # under its own key
     second.withdraw(RUN, stage, first.peer_id)  # can only name its own subkey: nothing of first's changes
     for reader in (first, second):
         assert reader.live_workers(RUN, stage) == [original]

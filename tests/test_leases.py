@@ -33,7 +33,7 @@ def test_a_block_record_round_trips_and_refuses_malformed_packing():
     assert again.committed_units() == {256, 300, 511} and again.claimed_units() == {257: (5.0, 35.0),
                                                                                      400: (6.0, 36.0)}
     wire = record.to_wire()
-    with pytest.raises(RecordError, match="32-byte bitmap"):
+    with pytest.raises(RecordError, match="units.committed: data should have at least 32 bytes"):
         UnitBlockRecord.from_wire({**wire, "committed": b"\x00"})
     with pytest.raises(RecordError, match="whole number of claims"):
         UnitBlockRecord.from_wire({**wire, "claims": b"\x00" * 5})

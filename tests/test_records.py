@@ -4,10 +4,16 @@ The wire bytes below were produced by the released record code; a peer of this v
 write exactly them and read them back, or peers of the two versions stop seeing each other.
 """
 
+import math
+import struct
+from typing import Literal, get_args, get_origin
+
 import msgpack
 import pytest
+from pydantic import ValidationError
 
-from agora.dht.records import MoveRecord, RoundRecord, TrainerRecord, UnitBlockRecord, WorkerRecord
+from agora.dht.records import (MoveRecord, RecordError, RoundRecord, TrainerRecord, UnitBlockRecord, WorkerRecord,
+                               move_key, rounds_key, trainer_key, units_key, worker_key)
 
 SAMPLES = {
     "worker": WorkerRecord(
@@ -68,3 +74,138 @@ def test_every_record_family_reads_the_released_wire_bytes(kind):
     record = SAMPLES[kind]
     wire = msgpack.unpackb(bytes.fromhex(WIRE_BYTES[kind]), raw=False)
     assert type(record).from_wire(wire) == record
+
+
+def test_a_record_of_an_older_peer_reads_with_the_defaults_and_a_newer_ones_extra_fields_are_ignored():
+    wire = SAMPLES["worker"].to_wire()
+    for name in ("sessions", "metrics_endpoint", "averaging_rounds", "averaging_committed", "capacity", "credits",
+                 "in_flight_credits"):
+        del wire[name]
+    older = WorkerRecord.from_wire(wire)
+    assert (older.sessions, older.metrics_endpoint, older.capacity, older.credits) == (0, "", 0, 0)
+    newer = {**SAMPLES["round"].to_wire(), "added_later": [1, 2], 7: "a key msgpack allows", b"k": None}
+    assert RoundRecord.from_wire(newer) == SAMPLES["round"]
+
+
+# A value of the wrong type for each scalar type a field may have (a bool is no int, text no bytes).
+WRONG_TYPE = {str: 7, int: "7", float: "7.0", bool: 1, bytes: "bytes as text"}
+FIELDS = [(kind, name) for kind, record in sorted(SAMPLES.items()) for name in type(record).model_fields]
+
+
+def scalar_type(record_type: type, name: str) -> type:
+    annotation = record_type.model_fields[name].annotation
+    if get_origin(annotation) is Literal:  # a phase: one of some strings
+        return type(get_args(annotation)[0])
+    return annotation
+
+
+@pytest.mark.parametrize("kind, name", FIELDS, ids=[f"{kind}.{name}" for kind, name in FIELDS])
+def test_a_value_of_the_wrong_type_in_any_field_is_one_line_naming_the_field_and_the_value(kind, name):
+    record_type = type(SAMPLES[kind])
+    bad = WRONG_TYPE[scalar_type(record_type, name)]
+    with pytest.raises(RecordError) as caught:
+        record_type.from_wire({**SAMPLES[kind].to_wire(), name: bad})
+    message = str(caught.value)
+    assert message.startswith(f"{kind}.{name}: ") and message.endswith(f"got {type(bad).__name__} {bad!r}")
+    assert "\n" not in message
+
+
+REQUIRED = [(kind, name) for kind, name in FIELDS if type(SAMPLES[kind]).model_fields[name].is_required()]
+
+
+@pytest.mark.parametrize("kind, name", REQUIRED, ids=[f"{kind}.{name}" for kind, name in REQUIRED])
+def test_a_missing_field_without_a_default_is_named(kind, name):
+    wire = SAMPLES[kind].to_wire()
+    del wire[name]
+    with pytest.raises(RecordError, match=f"^{kind}.{name}: missing$"):
+        type(SAMPLES[kind]).from_wire(wire)
+
+
+OUT_OF_BOUNDS = [
+    ("worker", "peer_id", "", "worker.peer_id: string should have at least 1 character, got str ''"),
+    ("worker", "version", "v" * 257, "worker.version: string should have at most 256 characters"),
+    ("worker", "run_id", "a.b", "worker.run_id: string should match pattern"),
+    ("worker", "endpoint", "[::1:80", "worker.endpoint: malformed IPv6 host, got str '[::1:80'"),
+    ("worker", "metrics_endpoint", "no-port", "worker.metrics_endpoint: expected 'host:port', got str 'no-port'"),
+    ("worker", "stage", 4096, "worker.stage: input should be less than 4096, got int 4096"),
+    ("worker", "n_stages", 4097, "worker.n_stages: input should be less than or equal to 4096, got int 4097"),
+    ("worker", "throughput", -0.5, "worker.throughput: input should be greater than or equal to 0, got float -0.5"),
+    ("worker", "updated_at", math.inf, "worker.updated_at: input should be a finite number, got float inf"),
+    ("worker", "phase", "asleep", "worker.phase: input should be 'weight_sync', 'optimizer_sync', 'member', "
+                                  "'leaving' or 'serving', got str 'asleep'"),
+    ("worker", "capacity", 2**16 + 1, "worker.capacity: input should be less than or equal to 65536, got int 65537"),
+    ("worker", "credits", 9, "worker.credits: 9 is above capacity=8"),
+    ("worker", "averaging_committed", 8, "worker.averaging_committed: 8 is above averaging_rounds=7"),
+    ("worker", "stage", 3, "worker.stage: 3 out of range [0, n_stages=3)"),
+    ("trainer", "loss", math.nan, "trainer.loss: input should be a finite number, got float nan"),
+    ("trainer", "trainer_index", -1, "trainer.trainer_index: input should be greater than or equal to 0, got int -1"),
+    ("move", "to_stage", 0, "move.to_stage: from_stage and to_stage are both 0"),
+    ("round", "round", -1, "round.round: input should be greater than or equal to 0, got int -1"),
+    ("units", "block", 4096, "units.block: input should be less than 4096, got int 4096"),
+    ("units", "committed", b"\x00" * 33, "units.committed: data should have at most 32 bytes"),
+    ("units", "claims", b"\x00" * 5, "units.claims: 5 bytes is not a whole number of claims, got bytes"),
+    ("units", "claims", struct.pack("<Hdd", 256, 1.0, 2.0), "units.claims: offset 256 or times out of range"),
+    ("units", "claims", struct.pack("<Hdd", 0, 1.0, math.nan), "units.claims: offset 0 or times out of range"),
+    ("units", "credential", b"c" * 4097, "units.credential: data should have at most 4096 bytes"),
+]
+
+
+@pytest.mark.parametrize("kind, name, value, reason", OUT_OF_BOUNDS,
+                         ids=[f"{kind}.{name}={value!r:.12}" for kind, name, value, _ in OUT_OF_BOUNDS])
+def test_a_value_out_of_its_fields_bounds_is_refused_naming_the_field(kind, name, value, reason):
+    record = SAMPLES[kind]
+    with pytest.raises(RecordError) as caught:
+        type(record).from_wire({**record.to_wire(), name: value})
+    assert str(caught.value).startswith(reason)
+    with pytest.raises(RecordError):  # nor can such a record be built locally
+        record.replace(**{name: value})
+
+
+ANYTHING = [None, "x", "", -1, 0, 1.5, True, b"x", [1], {"a": 1}, math.nan, -math.inf, 2**70, "h" * 300,
+            b"\x00" * 5000, "a\nb", ("t",)]
+
+
+@pytest.mark.parametrize("kind", sorted(SAMPLES))
+def test_anything_in_any_field_is_a_record_or_a_one_line_record_error(kind):
+    record = SAMPLES[kind]
+    for name in type(record).model_fields:
+        for value in ANYTHING:
+            try:
+                type(record).from_wire({**record.to_wire(), name: value})
+            except RecordError as error:
+                assert "\n" not in str(error) and str(error).startswith(f"{kind}.") and name in str(error)
+
+
+def test_a_whole_number_where_a_float_belongs_is_stored_as_a_float():
+    wire = {**SAMPLES["move"].to_wire(), "started_at": 999}  # a writer that encodes 999.0 as an int
+    record = MoveRecord.from_wire(wire)
+    assert record == SAMPLES["move"] and isinstance(record.started_at, float)
+    assert packed(record.to_wire()).hex() == WIRE_BYTES["move"]
+
+
+def test_replace_validates_and_records_are_frozen():
+    record = SAMPLES["round"]
+    assert record.replace(round=8).round == 8 and record.round == 7
+    with pytest.raises(RecordError, match="round.stage: input should be a valid integer, got bool True"):
+        record.replace(stage=True)
+    with pytest.raises(ValidationError):
+        record.round = 8
+
+
+def test_key_builders_check_their_parts_like_the_fields():
+    assert worker_key("run-1", 2) == "run-1.stage2.workers" == SAMPLES["worker"].replace(stage=2).dht_key()
+    assert trainer_key("run-1") == "run-1.trainers" == SAMPLES["trainer"].dht_key()
+    assert move_key("run-1") == "run-1.moves" == SAMPLES["move"].dht_key()
+    assert rounds_key("run-1", 1, "sparta") == "run-1.stage1.sparta.rounds"
+    assert units_key("run-1", 1) == "run-1.units.b1" == SAMPLES["units"].dht_key()
+    refusals = {
+        "run_id: string should match pattern": lambda: trainer_key("a.b"),
+        "stage: input should be a valid integer, got bool True": lambda: worker_key("run", True),
+        "stage: input should be less than 4096, got int 4096": lambda: worker_key("run", 4096),
+        "units.block: input should be greater than or equal to 0, got int -1": lambda: units_key("run", -1),
+        "method: expected an identifier, got 'a.b'": lambda: rounds_key("run", 0, "a.b"),
+    }
+    for reason, build in refusals.items():
+        with pytest.raises(RecordError) as caught:
+            build()
+        assert str(caught.value).startswith(reason)
