@@ -25,6 +25,10 @@ Design choices:
   workers, trainers, moves, averaging rounds (``RoundRecord``, read by dht/averaging.py's
   ``RoundBoard``) and leased unit blocks (``UnitBlockRecord``, dht/leases.py). A record knows its
   own key (``dht_key()``), so one heartbeat serves every record type.
+- ``KEY_FAMILIES`` is the one statement of which record type each key family holds, and
+  ``typed_keys`` lists a run's keys with their family, so a validator that sees only a key's hash
+  (hivemind's) can look the schema up. A rule about a family (who may write it) is one more
+  field of its ``KeyFamily``.
 - Why not hivemind's ``SchemaValidator`` (hivemind/dht/schema.py), which checks DHT values
   against a pydantic model: (1) it finds a value's schema by the hash of a static name, a model
   field's name or ``prefix + "_" + name``; our keys are run-scoped and numbered with dots
@@ -58,18 +62,21 @@ Design choices:
 
 import math
 import struct
-from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, TypeVar, get_args
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Iterator, Literal, Mapping, Optional, TypeVar, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 __all__ = [
     "BLOCK_UNITS",
+    "KEY_FAMILIES",
     "MAX_STAGES",
     "MAX_UNIT_BLOCKS",
     "OWNER_MARKER",
     "PHASES",
     "SCHEMA_VERSION",
     "TRAINING_PHASES",
+    "KeyFamily",
     "MoveRecord",
     "Record",
     "RecordError",
@@ -84,6 +91,7 @@ __all__ = [
     "rounds_key",
     "split_subkey",
     "trainer_key",
+    "typed_keys",
     "units_key",
     "worker_key",
 ]
@@ -459,3 +467,52 @@ class UnitBlockRecord(Record):
                           for unit, (claimed_at, expires_at) in sorted(claims.items()))
         return cls(peer_id=peer_id, run_id=run_id, block=block, committed=bytes(bitmap), claims=packed,
                    updated_at=now, credential=credential)
+
+
+@dataclass(frozen=True)
+class KeyFamily:
+    """A family of DHT keys and the one record type stored under them, each peer under its subkey.
+
+    ``slot`` names the record field that numbers the family's keys (the stage of
+    ``{run}.stage{i}.workers``, the block of ``{run}.units.b{block}``); None: one key per run.
+    """
+
+    name: str
+    record_type: type[Record]
+    slot: Optional[str] = None
+
+    def misfiled(self, record: Record, run_id: str, slot: Optional[int]) -> Optional[str]:
+        """Why ``record`` does not belong under this family's key of ``run_id`` and ``slot``, or None."""
+        if type(record) is not self.record_type:
+            return f"{self.name}: a {record.KIND} record where {self.record_type.KIND} records belong"
+        theirs = (getattr(record, "run_id"), None if self.slot is None else getattr(record, self.slot))
+        if theirs == (run_id, slot):
+            return None
+        return f"{record.KIND}: a record of {self._where(*theirs)} under the key of {self._where(run_id, slot)}"
+
+    def _where(self, run_id: str, slot: Optional[int]) -> str:
+        return f"run {run_id}" if self.slot is None else f"run {run_id} {self.slot} {slot}"
+
+
+WORKERS = KeyFamily("workers", WorkerRecord, slot="stage")
+TRAINERS = KeyFamily("trainers", TrainerRecord)
+MOVES = KeyFamily("moves", MoveRecord)
+ROUNDS = KeyFamily("rounds", RoundRecord, slot="stage")
+UNIT_BLOCKS = KeyFamily("units", UnitBlockRecord, slot="block")
+KEY_FAMILIES = (WORKERS, TRAINERS, MOVES, ROUNDS, UNIT_BLOCKS)
+
+
+def typed_keys(run_id: str, *, methods: tuple[str, ...], max_stages: int = MAX_STAGES
+               ) -> Iterator[tuple[str, KeyFamily, Optional[int]]]:
+    """Every key of ``run_id`` that holds records, as (key, its family, its slot or None).
+
+    ``methods`` are the averaging methods that keep a rounds board; stages go up to ``max_stages``.
+    """
+    yield trainer_key(run_id), TRAINERS, None
+    yield move_key(run_id), MOVES, None
+    for block in range(MAX_UNIT_BLOCKS):
+        yield units_key(run_id, block), UNIT_BLOCKS, block
+    for stage in range(max_stages):
+        yield worker_key(run_id, stage), WORKERS, stage
+        for method in methods:
+            yield rounds_key(run_id, stage, method), ROUNDS, stage

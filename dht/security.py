@@ -31,8 +31,9 @@ Three hivemind mechanisms, each given our credentials:
   ``SchemaValidator`` (dht/records.py says why that one does not fit our keys): our keys are
   ``{run}.stage{i}.workers``, ``{run}.stage{i}.{method}.rounds``, ``{run}.trainers``, ``{run}.moves``
   and the unit blocks ``{run}.units.b{block}``. This validator does the same job with the same
-  mechanism (a table from key hash to record type, built for this run's keys, every stage up to
-  ``MAX_STAGES``) and the one parser readers use (``Record.from_wire``). For those keys it refuses: a plain value (it would replace every
+  mechanism (a table from key hash to key family, built from records.py's ``typed_keys`` for this
+  run's keys, every stage up to ``MAX_STAGES``) and the one parser readers use
+  (``Record.from_wire``). For those keys it refuses: a plain value (it would replace every
   peer's entry), a subkey without an owner marker (unsigned), an owner key that is not the
   key of the subkey's peer id (announcing under another's id), and a value that is not a valid
   record of that type for that peer, run and stage. Tombstones (None) pass. Other keys
@@ -76,9 +77,7 @@ from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, I
 from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
 from agora.dht.ownership import EntryOwnership
-from agora.dht.records import (MAX_STAGES, MAX_UNIT_BLOCKS, MoveRecord, Record, RecordError, RoundRecord,
-                               TrainerRecord, UnitBlockRecord, WorkerRecord, move_key, rounds_key, trainer_key,
-                               units_key, worker_key)
+from agora.dht.records import MAX_STAGES, KeyFamily, RecordError, typed_keys, worker_key
 
 if TYPE_CHECKING:
     from agora.dht.averaging import AveragingAdmission
@@ -243,7 +242,7 @@ class OwnedRecordValidator(RecordValidatorBase):
         self.run_id = run_id
         self.methods = tuple(methods)
         self.max_stages = max_stages
-        self._keys: Optional[dict[bytes, tuple[type[Record], int]]] = None
+        self._keys: Optional[dict[bytes, tuple[KeyFamily, Optional[int]]]] = None
         self._ownership = EntryOwnership(require_owner=True)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -251,47 +250,39 @@ class OwnedRecordValidator(RecordValidatorBase):
         state["_keys"] = None  # ~12k hashes: built again in the process that validates
         return state
 
-    def _key_table(self) -> dict[bytes, tuple[type[Record], int]]:
+    def _key_table(self) -> dict[bytes, tuple[KeyFamily, Optional[int]]]:
+        """Key hash -> (the family that key belongs to, its slot): the schema of a key hivemind names by hash."""
         if self._keys is None:
-            table: dict[bytes, tuple[type[Record], int]] = {
-                DHTID.generate(source=trainer_key(self.run_id)).to_bytes(): (TrainerRecord, -1),
-                DHTID.generate(source=move_key(self.run_id)).to_bytes(): (MoveRecord, -1)}
-            for block in range(MAX_UNIT_BLOCKS):
-                table[DHTID.generate(source=units_key(self.run_id, block)).to_bytes()] = (UnitBlockRecord, block)
-            for stage in range(self.max_stages):
-                table[DHTID.generate(source=worker_key(self.run_id, stage)).to_bytes()] = (WorkerRecord, stage)
-                for method in self.methods:
-                    key = rounds_key(self.run_id, stage, method)
-                    table[DHTID.generate(source=key).to_bytes()] = (RoundRecord, stage)
-            self._keys = table
+            self._keys = {DHTID.generate(source=key).to_bytes(): (family, slot)
+                          for key, family, slot in typed_keys(self.run_id, methods=self.methods,
+                                                              max_stages=self.max_stages)}
         return self._keys
 
     def validate(self, record: DHTRecord) -> bool:
         expected = self._key_table().get(record.key)
         if expected is None:
             return True  # not one of our typed keys
-        record_type, stage = expected
+        family, slot = expected
         try:
-            self.check(record, record_type, stage)
+            self.check(record, family, slot)
         except (RecordError, ValueError, TypeError) as error:
-            logger.debug("refusing a %s entry of stage %d: %s", record_type.KIND, stage, error)
+            logger.debug("refusing a %s entry (slot %s): %s", family.name, slot, error)
             return False
         return True
 
-    def check(self, record: DHTRecord, record_type: type[Record], stage: int) -> None:
-        """Raise ``RecordError`` saying why ``record`` may not be stored under a key of this type."""
+    def check(self, record: DHTRecord, family: KeyFamily, slot: Optional[int]) -> None:
+        """Raise ``RecordError`` saying why ``record`` may not be stored under a key of ``family``."""
         if record.subkey in _PLAIN_TAGS:
             raise RecordError("a plain value under a per-peer key")
         subkey = MSGPackSerializer.loads(record.subkey)
         value = MSGPackSerializer.loads(record.value)
-        parsed = None if value is None else record_type.from_wire(value)  # None: the owner's tombstone
+        parsed = None if value is None else family.record_type.from_wire(value)  # None: the owner's tombstone
         problem = self._ownership.problem(subkey, None if parsed is None else getattr(parsed, "peer_id"))
         if problem is not None:
             raise RecordError(problem)
-        slot = getattr(parsed, "stage", getattr(parsed, "block", -1))  # a unit block's slot is its block
-        if parsed is not None and (getattr(parsed, "run_id") != self.run_id or slot != stage):
-            raise RecordError(f"{record_type.KIND}: record of {getattr(parsed, 'run_id')} slot {slot} under "
-                              f"{self.run_id} slot {stage}")
+        problem = None if parsed is None else family.misfiled(parsed, self.run_id, slot)
+        if problem is not None:
+            raise RecordError(problem)
 
     @property
     def priority(self) -> int:

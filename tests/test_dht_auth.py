@@ -45,8 +45,9 @@ from agora.dht import DHTRequestError, SwarmDHT, WorkerRecord, worker_key
 from agora.dht.averaging import AdmissionGate, AveragingAdmission, SliceAverager, round_group_bits
 from agora.dht.bootstrap import main as bootstrap_main
 from agora.dht.bootstrap import run_bootstrap
-from agora.dht.records import owned_subkey
+from agora.dht.records import move_key, owned_subkey, rounds_key, trainer_key, units_key
 from agora.pipeline.fingerprint import RunFingerprint
+from record_samples import SAMPLES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -189,9 +190,28 @@ def test_the_record_validator_admits_only_owned_well_formed_entries(worker_dirs)
         "record of another peer": entry(make_record(b_id, 3).to_wire()),
         "another stage": entry(make_record(a_id, 2).to_wire()),
         "garbage": entry({"schema": 2, "kind": "worker", "peer_id": a_id}),
+        "another record type": entry(SAMPLES["trainer"].replace(peer_id=a_id, run_id=RUN).to_wire()),
         "not a key": entry(good, subkey=owned_subkey(a_id, "ssh-rsa AAAAnotakey")),
     }
     assert {name: validator.validate(record) for name, record in refused.items()} == dict.fromkeys(refused, False)
+
+
+def test_the_record_validator_takes_each_keys_record_type_from_its_family_and_refuses_any_other(worker_dirs):
+    node = NodeCredentials(worker_dirs[0], clock=time.time)
+    validator = CompositeValidator([OwnerSignatureValidator(hivemind_private_key(node.key)), OwnedRecordValidator(RUN)])
+    subkey = MSGPackSerializer.dumps(owned_subkey(node.peer_id, openssh_public_key(node.key).decode()))
+    records = {kind: record.replace(peer_id=node.peer_id, run_id=RUN) for kind, record in SAMPLES.items()}
+    keys = {"worker": worker_key(RUN, 1), "trainer": trainer_key(RUN), "move": move_key(RUN),
+            "round": rounds_key(RUN, 1, "sparta"), "units": units_key(RUN, 1)}  # the samples' stage and block
+
+    def accepted(key: str, value: dict) -> bool:
+        record = DHTRecord(DHTID.generate(source=key).to_bytes(), subkey, MSGPackSerializer.dumps(value),
+                           time.time() + 30)
+        return validator.validate(dataclasses.replace(record, value=validator.sign_value(record)))
+
+    for kind, key in keys.items():
+        verdicts = {other: accepted(key, record.to_wire()) for other, record in records.items()}
+        assert verdicts == {other: other == kind for other in records}, key
 
 
 def gather_of(credential=None, **extra) -> bytes:

@@ -1,4 +1,4 @@
-"""agora.dht.records: every record family's wire form, pinned to the bytes peers exchange (pure).
+"""agora.dht.records (pure): each family's wire form, its fields' types and bounds, and its keys.
 
 The wire bytes below were produced by the released record code; a peer of this version must
 write exactly them and read them back, or peers of the two versions stop seeing each other.
@@ -12,22 +12,9 @@ import msgpack
 import pytest
 from pydantic import ValidationError
 
-from agora.dht.records import (MoveRecord, RecordError, RoundRecord, TrainerRecord, UnitBlockRecord, WorkerRecord,
-                               move_key, rounds_key, trainer_key, units_key, worker_key)
-
-SAMPLES = {
-    "worker": WorkerRecord(
-        peer_id="QmPeerA", run_id="run-1", endpoint="[::1]:50051", stage=1, n_stages=3, throughput=123.5,
-        queue_depth=2, step=10, phase="member", version="0.1.0", updated_at=1000.25, fingerprint="seed=0;stages=3",
-        sessions=4, metrics_endpoint="127.0.0.1:9100", averaging_rounds=7, averaging_committed=6, capacity=8,
-        credits=4, in_flight_credits=2),
-    "trainer": TrainerRecord(
-        peer_id="QmTrainer", run_id="run-1", trainer_index=1, batches=12, step=11, loss=3.25, tokens_per_s=1500.5,
-        version="0.1.0", updated_at=1000.5, metrics_endpoint="host.example:9101"),
-    "move": MoveRecord(peer_id="QmPeerA", run_id="run-1", from_stage=0, to_stage=2, started_at=999.0),
-    "round": RoundRecord(peer_id="QmPeerA", run_id="run-1", stage=1, round=7, started_at=12.5, closed=True),
-    "units": UnitBlockRecord.build("QmTrainer", "run-1", 1, {256, 300}, {257: (10.0, 40.0)}, 10.5, b"-----PEM-----"),
-}
+from agora.dht.records import (KEY_FAMILIES, MoveRecord, RecordError, RoundRecord, WorkerRecord, move_key,
+                               rounds_key, trainer_key, typed_keys, units_key, worker_key)
+from record_samples import SAMPLES
 
 WIRE_BYTES = {
     "worker": (
@@ -209,3 +196,28 @@ def test_key_builders_check_their_parts_like_the_fields():
         with pytest.raises(RecordError) as caught:
             build()
         assert str(caught.value).startswith(reason)
+
+
+FAMILIES = {family.name: family for family in KEY_FAMILIES}
+
+
+def test_every_record_type_has_one_key_family_and_each_sample_belongs_under_its_own_key():
+    assert sorted(family.record_type.KIND for family in KEY_FAMILIES) == sorted(SAMPLES)
+    listed = list(typed_keys("run-1", methods=("sparta", "diloco"), max_stages=4))
+    table = {key: (family, slot) for key, family, slot in listed}
+    assert len(table) == len(listed) == 2 + 4096 + 4 * 3  # trainers, moves, unit blocks; per stage 1 + 2 methods
+    for kind, record in SAMPLES.items():
+        key = rounds_key("run-1", record.stage, "diloco") if kind == "round" else record.dht_key()
+        family, slot = table[key]
+        assert family.record_type is type(record) and family.misfiled(record, "run-1", slot) is None
+
+
+def test_a_record_under_another_run_slot_or_familys_key_is_misfiled():
+    assert FAMILIES["workers"].misfiled(SAMPLES["worker"], "run-1", 2) == \
+        "worker: a record of run run-1 stage 1 under the key of run run-1 stage 2"
+    assert FAMILIES["units"].misfiled(SAMPLES["units"], "run-1", 0) == \
+        "units: a record of run run-1 block 1 under the key of run run-1 block 0"
+    assert FAMILIES["trainers"].misfiled(SAMPLES["trainer"], "run-2", None) == \
+        "trainer: a record of run run-1 under the key of run run-2"
+    assert FAMILIES["rounds"].misfiled(SAMPLES["worker"], "run-1", 1) == \
+        "rounds: a worker record where round records belong"
