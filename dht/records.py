@@ -29,20 +29,17 @@ Design choices:
   ``typed_keys`` lists a run's keys with their family, so a validator that sees only a key's hash
   (hivemind's) can look the schema up. A rule about a family (who may write it) is one more
   field of its ``KeyFamily``.
-- Why not hivemind's ``SchemaValidator`` (hivemind/dht/schema.py), which checks DHT values
-  against a pydantic model: (1) it finds a value's schema by the hash of a static name, a model
-  field's name or ``prefix + "_" + name``; our keys are run-scoped and numbered with dots
-  (``{run}.stage{i}.workers``, ``{run}.units.b{block}``), which that form cannot spell, so using it
-  would change every key and cut this version off from the peers already running; (2) it accepts
-  a value only if the model's ``dict()`` equals it, so a record without a field that has a default
-  (an older peer) or with an unknown field (a newer peer) is refused, against the compatibility
-  rule above; (3) it is written against pydantic's v1 API (``pydantic.v1``), so the schemas
-  would be v1 models; (4) it checks only the value: whether the subkey's owner key is the
-  record's peer id's, and whether the record's run and stage are those of its key, needs the
-  key, and its ``BytesWithPublicKey`` expects bytes subkeys where ours are text. So the records
-  are pydantic v2 models here, and ``OwnedRecordValidator`` (dht/security.py, a hivemind
-  ``RecordValidatorBase``) looks up a key's record type by key hash and parses with ``from_wire``,
-  the same parser readers use.
+- Why not hivemind's ``SchemaValidator`` (hivemind/dht/schema.py, DHT values checked against a
+  pydantic model): (1) it finds a value's schema by the hash of a static name (a model field's
+  name, or ``prefix + "_" + name``), which cannot spell our run-scoped, numbered keys
+  (``{run}.stage{i}.workers``), so using it would rename every key and cut this version off from
+  the peers already running; (2) it accepts a value only if the model's ``dict()`` equals it, so a
+  record lacking a defaulted field (an older peer) or carrying an unknown one (a newer peer) is
+  refused; (3) it is written against pydantic's v1 API (``pydantic.v1``); (4) it sees the value
+  alone, while our checks need the key (the record's run and stage are its key's, the subkey's
+  owner key is the record's peer id's), and its ``BytesWithPublicKey`` wants bytes subkeys where
+  ours are text. So records are pydantic v2 models, and ``OwnedRecordValidator`` (dht/security.py,
+  a hivemind ``RecordValidatorBase``) looks a key's family up by hash and parses with ``from_wire``.
 - Per-peer entries live under subkeys. With admission on (dht/security.py) a subkey is
   ``<peer id>[owner:<ssh-rsa ...>]``: hivemind's ``RSASignatureValidator`` then lets only the
   holder of that key write or tombstone the entry, and readers check that the key is the one
@@ -67,34 +64,11 @@ from typing import Annotated, Any, ClassVar, Iterator, Literal, Mapping, Optiona
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-__all__ = [
-    "BLOCK_UNITS",
-    "KEY_FAMILIES",
-    "MAX_STAGES",
-    "MAX_UNIT_BLOCKS",
-    "OWNER_MARKER",
-    "PHASES",
-    "SCHEMA_VERSION",
-    "TRAINING_PHASES",
-    "KeyFamily",
-    "MoveRecord",
-    "Record",
-    "RecordError",
-    "RoundRecord",
-    "TrainerRecord",
-    "UnitBlockRecord",
-    "WorkerRecord",
-    "check_run_id",
-    "move_key",
-    "owned_subkey",
-    "parse_endpoint",
-    "rounds_key",
-    "split_subkey",
-    "trainer_key",
-    "typed_keys",
-    "units_key",
-    "worker_key",
-]
+__all__ = ["BLOCK_UNITS", "KEY_FAMILIES", "MAX_STAGES", "MAX_UNIT_BLOCKS", "OWNER_MARKER", "PHASES",
+           "SCHEMA_VERSION", "TRAINING_PHASES", "KeyFamily", "MoveRecord", "Record", "RecordError",
+           "RoundRecord", "TrainerRecord", "UnitBlockRecord", "WorkerRecord", "check_run_id", "move_key",
+           "owned_subkey", "parse_endpoint", "rounds_key", "split_subkey", "trainer_key", "typed_keys",
+           "units_key", "worker_key"]
 
 SCHEMA_VERSION = 2
 # hivemind's RSASignatureValidator.PUBLIC_KEY_FORMAT, as text: b"[owner:_key_]".
@@ -171,7 +145,7 @@ StageCount = Annotated[int, Field(ge=1, le=MAX_STAGES)]
 Block = Annotated[int, Field(ge=0, lt=MAX_UNIT_BLOCKS)]
 Count = Annotated[int, Field(ge=0)]
 Credits = Annotated[int, Field(ge=0, le=MAX_CREDITS)]
-Rate = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # a throughput, a loss
+Measure = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # a throughput, a loss, a rate
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # DHT time (hivemind's get_dht_time)
 Bitmap = Annotated[bytes, Field(min_length=_BITMAP_BYTES, max_length=_BITMAP_BYTES)]  # one bit per unit of a block
 Claims = Annotated[bytes, Field(max_length=MAX_PACKED), AfterValidator(_claims)]
@@ -337,7 +311,7 @@ class WorkerRecord(Record):
     endpoint: Endpoint
     stage: Stage
     n_stages: StageCount
-    throughput: Rate
+    throughput: Measure
     queue_depth: Count
     step: Count
     phase: Phase
@@ -382,8 +356,8 @@ class TrainerRecord(Record):
     trainer_index: Count
     batches: Count
     step: Count
-    loss: Rate
-    tokens_per_s: Rate
+    loss: Measure
+    tokens_per_s: Measure
     version: Label
     updated_at: Seconds
     metrics_endpoint: OptionalEndpoint = ""
