@@ -25,8 +25,6 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 from agora.node.averaging.loop import AveragingLoop
 from agora.node.worker.compute import StageCompute
 from agora.node.worker.state_transfer import snapshot_stage
