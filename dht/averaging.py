@@ -83,6 +83,7 @@ from agora.dht.robust import DeviationHistory, RobustAggregation
 from agora.pipeline.codec import all_finite
 from agora.dht.robust_allreduce import AgreedGroup, RobustAllReduceRunner, agreed_group
 from agora.dht.records import RoundRecord, rounds_key
+from agora.dht.security import DHTSecurity
 from agora.dht.swarm import SwarmDHT, _exit_when_orphaned
 
 __all__ = [
@@ -139,6 +140,11 @@ class AveragingAdmission:
     run_id: str
     stage: int
     state_dir: Optional[str] = None
+
+    @classmethod
+    def for_node(cls, security: DHTSecurity, stage: int) -> "AveragingAdmission":
+        """An admitted node's averaging at ``stage``: its run's root and run, its own state directory."""
+        return cls(root_pem=security.root_pem, run_id=security.run_id, stage=stage, state_dir=str(security.state_dir))
 
     def current_credential(self) -> Optional[bytes]:
         if self.state_dir is None:

@@ -60,7 +60,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
@@ -78,9 +78,6 @@ from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_pu
 from agora.auth.node_state import NodeCredentials
 from agora.dht.ownership import EntryOwnership
 from agora.dht.records import MAX_STAGES, KeyFamily, RecordError, typed_keys, worker_key
-
-if TYPE_CHECKING:
-    from agora.dht.averaging import AveragingAdmission
 
 __all__ = [
     "DHT_WRITER_ROLES",
@@ -338,10 +335,3 @@ class DHTSecurity:
             authorizer=CredentialTokenAuthorizer(self.state_dir, self.root_pem, self.run_id),
             record_validators=[OwnerSignatureValidator(key), OwnedRecordValidator(self.run_id)],
         )
-
-    def averaging_admission(self, stage: int) -> AveragingAdmission:
-        """What ``SliceAverager.start(admission=...)`` takes for this node's averaging at ``stage``."""
-        from agora.dht.averaging import AveragingAdmission
-
-        return AveragingAdmission(root_pem=self.root_pem, run_id=self.run_id, stage=stage,
-                                  state_dir=str(self.state_dir))

@@ -470,7 +470,8 @@ def averaging(swarm, worker_dirs, mint):
     averagers = []
     try:
         for peer, state_dir in ((first, worker_dirs[0]), (second, worker_dirs[1]), (intruder, None)):
-            admission = None if state_dir is None else DHTSecurity.from_state_dir(state_dir).averaging_admission(0)
+            security = None if state_dir is None else DHTSecurity.from_state_dir(state_dir)
+            admission = None if security is None else AveragingAdmission.for_node(security, 0)
             averagers.append(SliceAverager.start(peer.hivemind_dht, prefix="authavg", size=SIZE,
                                                  part_size_bytes=16 * 1024, admission=admission, **TIMEOUTS))
         yield averagers, (intruder_dir / CREDENTIAL_FILE).read_bytes()

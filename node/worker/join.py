@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from agora.auth.admission import CredentialRenewer
 from agora.dht.security import DHTSecurity
 from agora.auth.node_state import NodeCredentials
-from agora.dht.averaging import RoundBoard, SliceAverager
+from agora.dht.averaging import AveragingAdmission, RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.records import TRAINING_PHASES, MoveRecord, WorkerRecord, move_key
@@ -118,7 +118,8 @@ def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, se
         swarm.hivemind_dht, prefix=f"{options.run_id}_stage{options.stage}_{sync.method}", size=size,
         matchmaking_s=sync.matchmaking_s, request_s=sync.request_s, sender_s=sync.sender_s,
         reducer_s=sync.reducer_s, round_s=sync.round_s, part_size_bytes=sync.part_size_bytes,
-        admission=security.averaging_admission(options.stage) if security is not None else None, robust=robust)
+        admission=AveragingAdmission.for_node(security, options.stage) if security is not None else None,
+        robust=robust)
 
 
 async def _follow_stage_epoch(swarm: SwarmDHT, worker: StageWorker, options: JoinOptions) -> None:
