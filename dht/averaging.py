@@ -82,7 +82,7 @@ from agora.auth.node_state import CREDENTIAL_FILE
 from agora.dht.robust import DeviationHistory, RobustAggregation
 from agora.pipeline.codec import all_finite
 from agora.dht.robust_allreduce import AgreedGroup, RobustAllReduceRunner, agreed_group
-from agora.dht.records import RoundRecord, rounds_key
+from agora.dht.records import Phase, RoundRecord, rounds_key
 from agora.dht.security import DHTSecurity
 from agora.dht.swarm import SwarmDHT, _exit_when_orphaned
 
@@ -381,7 +381,8 @@ class RoundBoard:
         """Live replicas of the stage, this one included (even before its first announce lands)."""
         records = await self._swarm.live_workers_async(self.run_id, self.stage)
         # Serve-only workers (phase "serving") share the stage's record key but never average.
-        return 1 + sum(1 for w in records if w.peer_id != self._swarm.peer_id and w.phase not in ("leaving", "serving"))
+        return 1 + sum(1 for w in records
+                       if w.peer_id != self._swarm.peer_id and w.phase not in (Phase.LEAVING, Phase.SERVING))
 
 
 class _AveragerProcess(DecentralizedAverager):

@@ -57,15 +57,17 @@ Design choices:
   ``{run}.moves`` while it is in transit, so no other worker judges the swarm without it.
 """
 
+import enum
 import math
 import struct
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Iterator, Literal, Mapping, Optional, TypeVar, get_args
+from typing import Annotated, Any, ClassVar, Iterator, Literal, Mapping, Optional, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-__all__ = ["BLOCK_UNITS", "KEY_FAMILIES", "MAX_STAGES", "MAX_UNIT_BLOCKS", "OWNER_MARKER", "PHASES",
-           "SCHEMA_VERSION", "TRAINING_PHASES", "KeyFamily", "MoveRecord", "Record", "RecordError",
+__all__ = ["BLOCK_UNITS", "COVERING_PHASES", "KEY_FAMILIES", "MAX_STAGES", "MAX_UNIT_BLOCKS", "OWNER_MARKER",
+           "PHASES", "PHASE_TRANSITIONS", "START_PHASES", "SERVING_PHASES", "Phase", "SCHEMA_VERSION",
+           "TRAINING_PHASES", "KeyFamily", "MoveRecord", "Record", "RecordError",
            "RoundRecord", "TrainerRecord", "UnitBlockRecord", "WorkerRecord", "check_run_id", "move_key",
            "owned_subkey", "parse_endpoint", "rounds_key", "split_subkey", "trainer_key", "typed_keys",
            "units_key", "worker_key"]
@@ -73,12 +75,45 @@ __all__ = ["BLOCK_UNITS", "KEY_FAMILIES", "MAX_STAGES", "MAX_UNIT_BLOCKS", "OWNE
 SCHEMA_VERSION = 2
 # hivemind's RSASignatureValidator.PUBLIC_KEY_FORMAT, as text: b"[owner:_key_]".
 OWNER_MARKER = "[owner:"
-# "serving": a worker that answers inference only (join --serve-only); trainers never route to it.
-Phase = Literal["weight_sync", "optimizer_sync", "member", "leaving", "serving"]
-PHASES = frozenset(get_args(Phase))
+
+
+class Phase(enum.StrEnum):
+    """Where a worker is in its life; announced in its record, so every peer reads the same names.
+
+    A replica joining a stage that is ahead of it starts in weight sync (it has no state worth
+    training on yet), then optimizer sync (its weights are the stage's, its Adam moments are still
+    warming), then member. Serving is an inference-only worker (join --serve-only). Any phase ends in
+    leaving. `PHASE_TRANSITIONS` is the whole life; the worker refuses any other move.
+    """
+
+    WEIGHT_SYNC = "weight_sync"
+    OPTIMIZER_SYNC = "optimizer_sync"
+    MEMBER = "member"
+    LEAVING = "leaving"
+    SERVING = "serving"
+
+
+# Where a worker may start: a member (nobody is ahead of it, or it is the stage's state), a
+# replica behind its stage, or an inference-only worker.
+START_PHASES = frozenset({Phase.MEMBER, Phase.WEIGHT_SYNC, Phase.SERVING})
+PHASE_TRANSITIONS: Mapping[Phase, frozenset[Phase]] = {
+    # to member directly: no member of the stage is left to download from, this replica is its state
+    Phase.WEIGHT_SYNC: frozenset({Phase.OPTIMIZER_SYNC, Phase.MEMBER, Phase.LEAVING}),
+    Phase.OPTIMIZER_SYNC: frozenset({Phase.MEMBER, Phase.LEAVING}),
+    Phase.MEMBER: frozenset({Phase.LEAVING}),
+    Phase.SERVING: frozenset({Phase.LEAVING}),
+    Phase.LEAVING: frozenset(),
+}
+PHASES = frozenset(Phase)
 # Phases in which a worker trains on live traffic: trainers route to them, and their step counts
 # are the stage's (a worker in weight sync has not got the stage's state yet).
-TRAINING_PHASES = ("member", "optimizer_sync")
+TRAINING_PHASES = frozenset({Phase.MEMBER, Phase.OPTIMIZER_SYNC})
+# Phases whose replica holds (or is getting) the stage's weights and counts toward its coverage.
+COVERING_PHASES = TRAINING_PHASES | {Phase.WEIGHT_SYNC}
+# Phases that answer inference: a training worker whose weights are the stage's, or a serving one.
+SERVING_PHASES = TRAINING_PHASES | {Phase.SERVING}
+# The record's field: the phase's name, checked against the enum's values (it arrives as text).
+PhaseName = Literal[tuple(phase.value for phase in Phase)]
 # Generous bounds: they exist to reject garbage cheaply, not to constrain real runs.
 MAX_STAGES = 4096
 MAX_CREDITS = 2**16  # a worker's queue, and the credits it announces
@@ -314,7 +349,7 @@ class WorkerRecord(Record):
     throughput: Measure
     queue_depth: Count
     step: Count
-    phase: Phase
+    phase: PhaseName
     version: Label
     updated_at: Seconds
     fingerprint: Label

@@ -37,6 +37,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.utils.serializer import MSGPackSerializer
 
+from agora.dht.records import Phase
 from agora.dht.robust import (
     DeviationHistory,
     RobustAggregation,
@@ -73,14 +74,14 @@ def agreed_group(group_info: GroupInfo, policy: RobustAggregation) -> AgreedGrou
             bandwidth, mode, user_bytes = MSGPackSerializer.loads(entry)
             user = MSGPackSerializer.loads(user_bytes)
             weight = user.get("weight", 0.0) if isinstance(user, dict) else 0.0
-            phase = user.get("phase", "member") if isinstance(user, dict) else None
+            phase = user.get("phase", Phase.MEMBER) if isinstance(user, dict) else None
         except Exception:  # noqa: BLE001 - a peer's bytes: anything unreadable counts 0
             declared.append(0.0)
             members.append(False)
             gathered.append(entry)
             continue
         declared.append(weight if isinstance(weight, (int, float)) else math.nan)
-        members.append(phase == "member")
+        members.append(phase == Phase.MEMBER)
         gathered.append(MSGPackSerializer.dumps([None, mode, user_bytes]) if policy.robust else entry)
     weights, counts = agreed_weights(declared, members, policy)
     equalised = GroupInfo(group_id=group_info.group_id, peer_ids=group_info.peer_ids, gathered=tuple(gathered))

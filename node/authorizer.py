@@ -46,6 +46,7 @@ from agora.auth.credentials import ROLES
 from agora.auth.keys import write_private_file
 from agora.auth.node_state import NodeCredentials
 from agora.auth.policy import DEFAULT_FLOORS, Floors
+from agora.dht.records import Phase
 from agora.monitor.worker_metrics import RpcServerMetrics
 from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments, package_version
 from agora.node.rpc.interceptors import interceptor_chain
@@ -250,7 +251,7 @@ def stage_coverage(n_stages: int, workers: dict, admitted) -> dict[int, float]:
             coverage[node.stage] += 1e-6
     for stage, records in workers.items():
         if stage in coverage:
-            coverage[stage] += sum(record.throughput for record in records if record.phase != "leaving")
+            coverage[stage] += sum(record.throughput for record in records if record.phase != Phase.LEAVING)
     return coverage
 
 

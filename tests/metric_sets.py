@@ -11,7 +11,7 @@ from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
 from agora.node.averaging.stats import AveragingStats
 from agora.node.trainer.stats import TrainerStats
-from agora.node.worker.worker import PHASES
+from agora.dht.records import PHASES
 
 RUN = "metrics-run"
 

@@ -116,7 +116,7 @@ async def _donor_and_joiner(**relay):
 def test_a_joiner_gets_the_donors_snapshot_exactly_while_the_donor_keeps_training():
     async def main():
         async with _donor_and_joiner(hold_after=4 * CHUNK) as (donor, joiner, client, relay):
-            joiner.phase = "weight_sync"
+            joiner.start_in_phase("weight_sync")  # a joiner behind its stage
             await _train(client, 0, 3)
             donor.state_donor.averaging = _FixedAveragingState({"method": "sparta", "last_round": 7})
             address = await relay.start()
@@ -250,7 +250,8 @@ def test_a_replica_that_is_not_a_member_gives_no_state():
     async def main():
         syncing = _worker()
         await syncing.start()
-        syncing.phase = "optimizer_sync"
+        syncing.start_in_phase("weight_sync")
+        syncing.phase = "optimizer_sync"  # its weights are the stage's, its moments are not yet
         try:
             with pytest.raises(Exception) as raised:
                 await _downloader(timeout_s=0.5).download([Donor("syncing", syncing.address, 0)])

@@ -5,12 +5,31 @@ from __future__ import annotations
 
 import pytest
 
+from agora.dht.records import PHASE_TRANSITIONS, START_PHASES, Phase
 from agora.node.worker.phases import SyncPolicy, SyncProgress, behind_the_run, entry_phase, next_phase, rotation_slices
 from agora.node.worker.state_download import StateDownloadError
 from agora.pipeline.config import PRESETS, SyncConfig
 
 POLICY = SyncPolicy(optimizer_sync_steps=10, lag_tolerance=3, fallback_rotations=2)
 
+
+
+def test_the_life_of_a_worker_goes_forward_only_and_every_phase_can_leave():
+    assert set(PHASE_TRANSITIONS) == set(Phase)
+    for phase in set(Phase) - {Phase.LEAVING}:
+        assert Phase.LEAVING in PHASE_TRANSITIONS[phase]
+    assert PHASE_TRANSITIONS[Phase.LEAVING] == frozenset()
+    # Every phase is reachable from where a worker starts, and none leads back (no cycle but the end).
+    reached, frontier = set(START_PHASES), list(START_PHASES)
+    while frontier:
+        for after in PHASE_TRANSITIONS[frontier.pop()]:
+            assert after not in START_PHASES or after == Phase.MEMBER
+            if after not in reached:
+                reached.add(after)
+                frontier.append(after)
+    assert reached == set(Phase)
+    assert Phase.WEIGHT_SYNC not in PHASE_TRANSITIONS[Phase.MEMBER]  # a member never goes back to syncing
+    assert Phase.MEMBER not in PHASE_TRANSITIONS[Phase.SERVING]  # an inference-only worker never trains
 
 def test_the_first_replica_of_a_stage_and_one_that_starts_with_it_are_members_at_once():
     assert entry_phase(own_step=0, resumed_phase=None, donor_steps=[], policy=POLICY) == "member"
@@ -224,3 +243,26 @@ def test_a_syncing_replica_with_the_stages_state_is_a_member_once_no_member_is_l
     assert phases.history[-1][0] == "member" and "freshest copy" in caplog.text
     phases, seen = asyncio.run(main(False, [StageView([member], 60)]))
     assert phases.phase == "weight_sync" and seen == [True]  # without the state it has nothing to offer
+
+
+def test_a_worker_refuses_a_move_its_life_does_not_have():
+    from agora.node.rpc.server import run
+    from agora.node.worker.worker import StageWorker
+
+    async def main():
+        worker = StageWorker(PRESETS["tiny"].with_stages(2), 0, run_id="phases")
+        assert worker.phase == Phase.MEMBER
+        with pytest.raises(ValueError, match="no move from phase member to weight_sync"):
+            worker.phase = "weight_sync"
+        with pytest.raises(ValueError, match="starts in one of"):
+            worker.start_in_phase("optimizer_sync")
+        worker.start_in_phase("weight_sync")
+        worker.phase = Phase.OPTIMIZER_SYNC
+        worker.phase = "member"
+        worker.phase = Phase.LEAVING
+        with pytest.raises(ValueError, match="no move from phase leaving to member"):
+            worker.phase = Phase.MEMBER
+        with pytest.raises(ValueError):
+            worker.phase = "asleep"
+
+    run(main())

@@ -63,6 +63,7 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from agora.dht.averaging import RoundResult, SliceAverager
+from agora.dht.records import Phase
 from agora.node.averaging.sparta import (
     RoundDecision,
     SlicePartition,
@@ -329,14 +330,15 @@ class AveragingLoop:
             local, samples, step = taken.local, taken.samples, taken.step
         snapshot = torch.cat([self._partition.gather(self._anchor, index), local]) \
             if self.sync.method == "diloco" else local
-        weight = peer_weight(samples - self._samples_at_round[key], self.worker.phase == "member")
+        weight = peer_weight(samples - self._samples_at_round[key], self.worker.phase == Phase.MEMBER)
         self._samples_at_round[key] = samples
         if expected == 1:
             result = RoundResult("alone", round_number, None)
         else:
+            # The metadata crosses to the other replicas as msgpack, which takes a plain str, not the enum.
             result = await asyncio.to_thread(
                 self.averager.average, snapshot, round_number=round_number, weight=weight, group_size=expected,
-                metadata={"slice": index, "method": self.sync.method, "phase": self.worker.phase})
+                metadata={"slice": index, "method": self.sync.method, "phase": str(self.worker.phase)})
         # The stage's replicas get a round's result at the same moment, but apply it after their
         # own queued compute: which round comes next is settled now, not after the apply.
         self._hooked.reserve(round_number, self.worker.compute.optimizer.steps)

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SERVING_PHASES", "ReplicaView", "ReplicaRoster", "pick_replica"]
+from agora.dht.records import SERVING_PHASES
 
-# Phases whose workers answer inference: training members and serve-only workers.
-SERVING_PHASES = ("member", "optimizer_sync", "serving")
+__all__ = ["ReplicaView", "ReplicaRoster", "pick_replica"]
+
 _DEFAULT_SECONDS = 1.0
 
 

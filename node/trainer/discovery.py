@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
+from agora.dht.records import Phase
 from agora.dht.swarm import SwarmDHT
 from agora.pipeline.fingerprint import RunFingerprint
 from agora.node.trainer.routing import WorkerView
@@ -51,5 +52,5 @@ class DHTDiscovery:
             WorkerView(peer_id=r.peer_id, endpoint=r.endpoint, stage=r.stage, phase=r.phase,
                        announced_samples_per_s=r.throughput / self.seq_len, announced_queue=r.queue_depth,
                        announced_credits=r.credits, announced_in_flight_credits=r.in_flight_credits)
-            for records in by_stage.values() for r in records if r.phase != "serving"
+            for records in by_stage.values() for r in records if r.phase != Phase.SERVING
         ]

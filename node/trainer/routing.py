@@ -55,7 +55,6 @@ __all__ = ["BALANCE_SLACK", "PROBE_AFTER", "MIN_CREDITS", "WorkerView", "Roster"
 
 _NEWCOMER_PENALTY = 1.5
 _DEFAULT_SECONDS = 1.0
-_ROUTABLE_PHASES = TRAINING_PHASES
 # Replicas whose time per microbatch is within this factor of the fastest's share batches equally.
 BALANCE_SLACK = 2.0
 # Global batches in a row without a microbatch before a routable replica is probed (module docstring).
@@ -128,7 +127,7 @@ def expected_finish_time(view: WorkerView, microbatch_size: int, fallback_second
 
 
 def _routable(view: WorkerView, now: float, exclude: frozenset[str] = frozenset()) -> bool:
-    return view.phase in _ROUTABLE_PHASES and view.banned_until <= now and view.peer_id not in exclude
+    return view.phase in TRAINING_PHASES and view.banned_until <= now and view.peer_id not in exclude
 
 
 def pick_worker(candidates: list[WorkerView], now: float, microbatch_size: int,
@@ -196,7 +195,7 @@ class Roster:
 
     def replicas(self, stage: int) -> int:
         """Replicas of `stage` sharing its work now: routable, and their last call did not fail (at least 1)."""
-        return max(1, sum(1 for v in self.of_stage(stage) if v.phase in _ROUTABLE_PHASES and v.failures == 0))
+        return max(1, sum(1 for v in self.of_stage(stage) if v.phase in TRAINING_PHASES and v.failures == 0))
 
     def batch_done(self, stage: int, shares: Mapping[str, int]) -> None:
         """A global batch passed `stage` with these microbatches per replica: count who got none."""
@@ -223,14 +222,14 @@ class Roster:
         no stage states a bound."""
         caps = []
         for stage in range(stages):
-            keeps = [v.in_flight_credits for v in self.of_stage(stage) if v.phase in _ROUTABLE_PHASES]
+            keeps = [v.in_flight_credits for v in self.of_stage(stage) if v.phase in TRAINING_PHASES]
             if keeps and all(keeps):
                 caps.append(sum(keeps))
         return min(caps, default=None)
 
     def credits_of_stage(self, stage: int) -> int:
         """Calls this trainer may have outstanding on `stage`, over its routable replicas."""
-        return sum(v.credits for v in self.of_stage(stage) if v.phase in _ROUTABLE_PHASES)
+        return sum(v.credits for v in self.of_stage(stage) if v.phase in TRAINING_PHASES)
 
     def stage_credits(self, stages: int) -> list[int]:
         """`credits_of_stage` for each of the first `stages` stages."""

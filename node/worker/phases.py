@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional, Sequence
 
 from agora.dht.averaging import RoundResult
+from agora.dht.records import Phase
 from agora.node.worker.compute import StageCompute
 from agora.node.worker.state_download import Donor, DownloadedState, StateDownloader, StateDownloadError
 from agora.node.worker.worker import StageWorker
@@ -109,24 +110,24 @@ def rotation_slices(sync: Optional[SyncConfig]) -> int:
 
 
 def entry_phase(*, own_step: int, resumed_phase: Optional[str], donor_steps: Sequence[int],
-                policy: SyncPolicy, run_step: Optional[int] = None) -> str:
-    """Where a starting replica begins: "member" or "weight_sync" (see the module docstring).
+                policy: SyncPolicy, run_step: Optional[int] = None) -> Phase:
+    """Where a starting replica begins: a member or in weight sync (see the module docstring).
 
     `own_step`: its optimizer step (0 when fresh, a checkpoint's when resumed); `resumed_phase`: the
     phase its checkpoint was written in (None: fresh); `donor_steps`: the steps the stage's
     members announce; `run_step`: the highest step any member of the run announces."""
     if not donor_steps:
-        return "weight_sync" if behind_the_run(own_step, run_step, policy) else "member"
-    if resumed_phase not in (None, "member"):
-        return "weight_sync"
-    return "member" if max(donor_steps) - own_step <= policy.lag_tolerance else "weight_sync"
+        return Phase.WEIGHT_SYNC if behind_the_run(own_step, run_step, policy) else Phase.MEMBER
+    if resumed_phase not in (None, Phase.MEMBER):
+        return Phase.WEIGHT_SYNC
+    return Phase.MEMBER if max(donor_steps) - own_step <= policy.lag_tolerance else Phase.WEIGHT_SYNC
 
 
 @dataclass(frozen=True)
 class SyncProgress:
     """What a syncing replica has observed since its phase began."""
 
-    phase: str
+    phase: Phase
     downloaded: bool  # weight sync: the state is in
     steps: int  # stage steps counted (completed-batch reports) since the phase began
     updates: int  # of those, steps that changed its weights (it had microbatches)
@@ -135,25 +136,25 @@ class SyncProgress:
     n_slices: int  # in one rotation; 0 without averaging
 
 
-def next_phase(progress: SyncProgress, policy: SyncPolicy) -> Optional[tuple[str, str]]:
+def next_phase(progress: SyncProgress, policy: SyncPolicy) -> Optional[tuple[Phase, str]]:
     """(the phase to move to, why), or None to stay (pure)."""
-    if progress.phase == "weight_sync":
+    if progress.phase == Phase.WEIGHT_SYNC:
         if not progress.downloaded:
             return None
         if progress.n_slices == 0:
-            return "optimizer_sync", "state downloaded (no averaging in this run)"
+            return Phase.OPTIMIZER_SYNC, "state downloaded (no averaging in this run)"
         if len(progress.slices_averaged) >= progress.n_slices:
-            return "optimizer_sync", f"every one of the {progress.n_slices} slices averaged since the download"
+            return Phase.OPTIMIZER_SYNC, f"every one of the {progress.n_slices} slices averaged since the download"
         if progress.rounds >= policy.fallback_rotations * progress.n_slices:
-            return "optimizer_sync", (f"{progress.rounds} rounds ({policy.fallback_rotations} rotations) ran with "
+            return Phase.OPTIMIZER_SYNC, (f"{progress.rounds} rounds ({policy.fallback_rotations} rotations) ran with "
                                       f"{len(progress.slices_averaged)} of {progress.n_slices} slices averaged")
         return None
-    if progress.phase == "optimizer_sync":
+    if progress.phase == Phase.OPTIMIZER_SYNC:
         if progress.updates >= policy.optimizer_sync_steps:
-            return "member", f"{progress.updates} optimizer steps warmed its Adam moments"
+            return Phase.MEMBER, f"{progress.updates} optimizer steps warmed its Adam moments"
         if progress.steps >= policy.fallback_rotations * max(1, policy.optimizer_sync_steps):
-            return "member", (f"{progress.steps} stage steps passed with only {progress.updates} updates of its own "
-                              "(little traffic routed to it)")
+            return Phase.MEMBER, (f"{progress.steps} stage steps passed with only {progress.updates} updates of "
+                                  "its own (little traffic routed to it)")
     return None
 
 
@@ -180,10 +181,10 @@ class SyncPhases:
         self._empty_reads = 0  # consecutive reads, while syncing, that showed no member of the stage
 
     @property
-    def phase(self) -> str:
+    def phase(self) -> Phase:
         return self.worker.phase
 
-    def enter(self, phase: str, why: str) -> None:
+    def enter(self, phase: Phase, why: str) -> None:
         """Set the worker's phase (the record, metrics and milestone follow it) and remember when."""
         at = round(self._clock() - self._started, 3)
         logger.info("stage %d: phase %s (%s)", self.worker.stage_index, phase, why,
@@ -210,12 +211,12 @@ class SyncPhases:
         self._members_source = members
         view = await self._members(members, attempts=3)
         if view is None:
-            self.enter("weight_sync", "the stage's members could not be read from the DHT")
+            self.enter(Phase.WEIGHT_SYNC, "the stage's members could not be read from the DHT")
             return
         donors = view.donors
         phase = entry_phase(own_step=own_step, resumed_phase=resumed_phase, donor_steps=[d.step for d in donors],
                             policy=self.policy, run_step=view.run_step)
-        if phase == "member":
+        if phase == Phase.MEMBER:
             why = ("no other member of the stage announces itself: this replica is its state" if not donors else
                    f"at step {own_step}, within {self.policy.lag_tolerance} of the stage's members "
                    f"(at most step {max(d.step for d in donors)})")
@@ -224,7 +225,7 @@ class SyncPhases:
                    f"{view.run_step} and this replica at {own_step}: waiting for one to download from")
         else:
             why = (f"the stage's members are at step {max(d.step for d in donors)}, this replica at {own_step}"
-                   + ("" if resumed_phase in (None, "member") else f" (resumed in phase {resumed_phase})"))
+                   + ("" if resumed_phase in (None, Phase.MEMBER) else f" (resumed in phase {resumed_phase})"))
         self.enter(phase, why)
 
     async def download(self, downloader: StateDownloader, members: Callable[[], Awaitable[StageView]],
@@ -254,10 +255,11 @@ class SyncPhases:
                     logger.warning("stage %d: no member of the stage for %.0f s while the run's members are at "
                                    "step %d: its state is lost, and this replica's (step %d) becomes it",
                                    self.worker.stage_index, now - empty_since, view.run_step, self._own_step)
-                    self.enter("member", f"no member of the stage for {now - empty_since:.0f} s while the run is at "
-                                         f"step {view.run_step}: the stage's state was lost, this replica is it now")
+                    self.enter(Phase.MEMBER, f"no member of the stage for {now - empty_since:.0f} s while the run is "
+                                             f"at step {view.run_step}: the stage's state was lost, this replica is it now")
                 else:
-                    self.enter("member", "no member of the stage is left to download from: this replica is its state")
+                    self.enter(Phase.MEMBER,
+                               "no member of the stage is left to download from: this replica is its state")
                 return None
             empty_since = None
             try:
@@ -325,7 +327,7 @@ class SyncPhases:
 
     async def _run(self) -> None:
         checked = self._clock()
-        while self.phase in ("weight_sync", "optimizer_sync"):
+        while self.phase in (Phase.WEIGHT_SYNC, Phase.OPTIMIZER_SYNC):
             move = next_phase(self.progress(), self.policy)
             if move is not None:
                 self.enter(*move)
@@ -344,7 +346,7 @@ class SyncPhases:
     async def _last_copy(self) -> bool:
         """Make this replica a member if it holds the stage's state and no member is left (see the
         module docstring); whether it did. A read that fails says nothing: it stays."""
-        if self._members_source is None or (self.phase == "weight_sync" and not self.downloaded):
+        if self._members_source is None or (self.phase == Phase.WEIGHT_SYNC and not self.downloaded):
             return False
         view = await self._members(self._members_source, attempts=1)
         if view is None or view.donors:
@@ -355,7 +357,7 @@ class SyncPhases:
             return False
         logger.warning("stage %d: no member of the stage is left while this replica syncs with its state: it is "
                        "the stage's freshest copy, a member now", self.worker.stage_index)
-        self.enter("member", f"no member of the stage is left, and this replica holds its state ({self.phase}, "
+        self.enter(Phase.MEMBER, f"no member of the stage is left, and this replica holds its state ({self.phase}, "
                              "downloaded): the stage's freshest copy")
         return True
 

@@ -46,14 +46,14 @@ import statistics
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping, Optional, Sequence
 
-from agora.dht.records import MoveRecord, WorkerRecord
+from agora.dht.records import COVERING_PHASES, MoveRecord, Phase, WorkerRecord
 
 __all__ = ["RebalancePolicy", "Move", "jobs_per_microbatch", "stage_coverage", "plan_move", "Rebalancer", "moved_argv"]
 
 logger = logging.getLogger("agora.node.join")
 
 # Phases whose replicas cover a stage: trained or training, or about to be.
-_COVERING = ("member", "optimizer_sync", "weight_sync")
+_COVERING = COVERING_PHASES
 
 
 @dataclass(frozen=True)
@@ -118,11 +118,11 @@ def plan_move(by_stage: Mapping[int, Sequence[WorkerRecord]], n_stages: int, own
     """Where this worker should move now, or None (pure; see the module docstring). `moving`: the
     moves other workers announce in transit."""
     own = next((r for records in by_stage.values() for r in records if r.peer_id == own_peer_id), None)
-    if own is None or own_phase != "member" or n_stages < 2 or any(m.peer_id != own_peer_id for m in moving):
+    if own is None or own_phase != Phase.MEMBER or n_stages < 2 or any(m.peer_id != own_peer_id for m in moving):
         return None
     covering = _covering(by_stage, n_stages)
     capacity, typical = _capacities(covering)
-    members = [r for r in covering.get(own.stage, ()) if r.phase == "member"]
+    members = [r for r in covering.get(own.stage, ()) if r.phase == Phase.MEMBER]
     if len(members) < 2 or own.peer_id not in {m.peer_id for m in members}:
         return None  # never empty a stage
     mover = min(members, key=lambda r: (capacity.get(r.peer_id, 0.0), r.peer_id))

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 import grpc
 
 from agora.auth.grpc_policy import FINGERPRINT_METADATA
-from agora.dht.records import WorkerRecord
+from agora.dht.records import Phase, WorkerRecord
 from agora.node.progress import Progress
 from agora.node.rpc.server import message_options
 from agora.node.rpc.tls import ChannelFactory, worker_server_name
@@ -58,7 +58,7 @@ class Donor:
 def donor_order(records: Sequence[WorkerRecord], own_peer_id: str, rng: random.Random) -> list[Donor]:
     """The stage's members other than this node, best first: highest step, then least queued (pure)."""
     donors = [Donor(r.peer_id, r.endpoint, r.step, r.queue_depth) for r in records
-              if r.phase == "member" and r.peer_id != own_peer_id]
+              if r.phase == Phase.MEMBER and r.peer_id != own_peer_id]
     keyed = [(-d.step, d.queue_depth, rng.random(), d) for d in donors]
     return [entry[-1] for entry in sorted(keyed, key=lambda entry: entry[:3])]
 

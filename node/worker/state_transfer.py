@@ -42,6 +42,7 @@ from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence
 import grpc
 import torch
 
+from agora.dht.records import Phase
 from agora.node.rpc.auth_check import Caller, current_caller
 from agora.node.worker.compute import StageCompute
 from agora.pipeline.checkpoint import StageState, rng_state
@@ -239,7 +240,7 @@ class StateDonor:
             raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT,
                                f"this worker hosts stage {worker.stage_index} of run {worker.run_id!r}, the request "
                                f"names stage {request.stage} of run {request.run_id!r}")
-        if worker.phase != "member":
+        if worker.phase != Phase.MEMBER:
             raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
                                f"this replica is in phase {worker.phase}, not a member: its state is not the "
                                "stage's; download from a member")

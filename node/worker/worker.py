@@ -75,6 +75,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import grpc
 
 from agora.auth.node_state import NodeCredentials
+from agora.dht.records import PHASE_TRANSITIONS, PHASES, START_PHASES, Phase
 from agora.node.inference.service import InferenceService
 from agora.node.rpc.auth_check import Caller, CallerCheck, RefusalCounts, current_caller
 from agora.node.rpc.interceptors import interceptor_chain
@@ -133,11 +134,7 @@ from agora.protos.stage_adapter import (
 )
 from agora.protos.state_adapter import state_method_handlers
 
-__all__ = ["WorkerOptions", "StageWorker", "PHASES"]
-
-# Life of a worker (docs/design.md); only "member" takes routed traffic, but every phase serves calls.
-# "serving": an inference-only worker (serve_only), which trainers never route to.
-PHASES = ("weight_sync", "optimizer_sync", "member", "leaving", "serving")
+__all__ = ["WorkerOptions", "StageWorker"]
 
 T = TypeVar("T")
 
@@ -166,7 +163,7 @@ class StageWorker:
         self.run_id = run_id
         self.options = options
         self.options.inference.validate(self.config)
-        self._phase = "serving" if options.serve_only else "member"
+        self._phase = Phase.SERVING if options.serve_only else Phase.MEMBER
         self._clock = clock
         self._logger = logger or logging.getLogger("agora.node.worker")
         self.credentials = credentials
@@ -239,25 +236,29 @@ class StageWorker:
         return self._server is not None and self._stopping is None
 
     @property
-    def phase(self) -> str:
+    def phase(self) -> Phase:
         return self._phase
 
     @phase.setter
-    def phase(self, phase: str) -> None:
-        # The sync phases (node/worker/phases.py) move the worker through these; Info and the DHT report it.
-        if phase not in PHASES:
-            raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
-        if phase != self._phase:
-            self._logger.info("stage %d worker: phase %s -> %s", self.stage_index, self._phase, phase,
-                              extra={"milestone": "phase_changed",
-                                     "fields": {"stage": self.stage_index, "from": self._phase, "to": phase}})
+    def phase(self, phase: Phase | str) -> None:
+        # The sync phases (node/worker/phases.py) move the worker through its life; Info and the DHT
+        # report it. A move the life does not have is a bug in the caller: refused, never announced.
+        phase = Phase(phase)
+        if phase == self._phase:
+            return
+        if phase not in PHASE_TRANSITIONS[self._phase]:
+            raise ValueError(f"stage {self.stage_index} worker: no move from phase {self._phase} to {phase}")
+        self._logger.info("stage %d worker: phase %s -> %s", self.stage_index, self._phase, phase,
+                          extra={"milestone": "phase_changed",
+                                 "fields": {"stage": self.stage_index, "from": self._phase, "to": phase}})
         self._phase = phase
 
-    def start_in_phase(self, phase: str) -> None:
+    def start_in_phase(self, phase: Phase | str) -> None:
         """The phase the worker starts in, set before anything has seen another (its first DHT
         announce): no phase_changed milestone, since it never was in the default one."""
-        if phase not in PHASES:
-            raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+        phase = Phase(phase)
+        if phase not in START_PHASES:
+            raise ValueError(f"a worker starts in one of {', '.join(sorted(START_PHASES))}, not {phase}")
         self._phase = phase
 
     def _build_compute(self) -> StageCompute:
@@ -335,7 +336,7 @@ class StageWorker:
         await asyncio.shield(self._stopping)
 
     async def _stop(self, grace_s: float) -> None:
-        self.phase = "leaving"
+        self.phase = Phase.LEAVING
         if self._server is not None:
             await self._health.enter_graceful_shutdown()
             await self._server.stop(grace_s)
@@ -427,7 +428,7 @@ class StageWorker:
         that a refused request never holds one. `partial`: a stream's first part."""
         caller = self._caller()
         self._check_addressing(request.run_id, request.stage)
-        if self._phase == "weight_sync":  # trainers do not route here; one with a stale view is told why
+        if self._phase == Phase.WEIGHT_SYNC:  # trainers do not route here; one with a stale view is told why
             raise self._refused(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this stage {self.stage_index} replica is in weight sync: it has not got the stage's "
                                 "state yet and takes no Forward or Backward; route to a member", "weight_sync")
