@@ -24,6 +24,7 @@ Every training worker serves its own state to the next joiner (node/worker/state
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ from agora.auth.node_state import NodeCredentials
 from agora.dht.averaging import AveragingAdmission, RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
-from agora.dht.records import TRAINING_PHASES, MoveRecord, WorkerRecord, move_key
+from agora.dht.records import TRAINING_PHASES, MoveRecord, Phase, WorkerRecord, move_key
 from agora.dht.robust import RobustAggregation
 from agora.dht.swarm import SwarmDHT
 from agora.monitor.metrics import CredentialMetrics
@@ -140,57 +141,160 @@ async def _follow_stage_epoch(swarm: SwarmDHT, worker: StageWorker, options: Joi
 
 async def _serve(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions, swarm: SwarmDHT,
                  averager: SliceAverager | None = None, credentials: NodeCredentials | None = None,
-                 metrics: NodeMetrics | None = None) -> int:
+                 metrics: NodeMetrics | None = None) -> WorkerExit:
+    """Start the node's parts, serve until a signal, a revocation or a move, then leave.
+
+    Each part's stop goes on one exit stack the moment the part has started, so whatever started is
+    stopped on every path, an exception halfway through the start included. The stack unwinds in
+    reverse: the periodic checkpoints, averaging, the renewer, the gRPC server, and last the final
+    checkpoint (only on a clean leave: a start that failed halfway has no state worth keeping). Two
+    steps must come before all of that and are pushed last so that they run first (`withdraw`):
+    nothing may decide a phase or a move any more, and the record is withdrawn while averaging
+    still winds down, so trainers stop routing here as early as possible.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     metrics = metrics if metrics is not None else NodeMetrics(options.metrics)
     registry = metrics.registry
-    # With credentials: mutual TLS and per-call checks (node/rpc/auth_check.py); None: --insecure.
-    worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
-                         credentials=credentials, outer_interceptors=[MetricsHook(RpcServerMetrics(registry))],
-                         metrics=WorkerMetrics(registry))
-    await worker.start()
     revoked: list[str] = []
-    renewer = None
-    if credentials is not None and options.authorizer:
-        def on_revoked(reason: str) -> None:  # banned, or the credential ran out: leave the run
-            revoked.append(reason)
-            stop.set()
+    moves: list[Move] = []
+    left_phase: list[str] = []  # the phase it left from, once it leaves cleanly
+    checkpoints = averaging = phases = None
+    async with contextlib.AsyncExitStack() as stack:
+        # With credentials: mutual TLS and per-call checks (node/rpc/auth_check.py); None: --insecure.
+        worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
+                             credentials=credentials, outer_interceptors=[MetricsHook(RpcServerMetrics(registry))],
+                             metrics=WorkerMetrics(registry))
 
-        renewer = CredentialRenewer(options.authorizer, credentials, on_revoked=on_revoked)
-        renewer.start()
-    if credentials is not None:
-        CredentialMetrics(registry, credentials.remaining_s, lambda: renewer.renewals if renewer is not None else 0)
-    stats = AveragingStats(config.sync.method, registry=registry) if averager is not None else None
-    metrics_endpoint = metrics.serve(worker_options.announce_host)
-    averaging_state = None
+        async def final_checkpoint() -> None:
+            if checkpoints is not None and left_phase and not moves:  # a mover's state stays with its old stage
+                # The compute thread is shut down now; nothing else touches the stage, so save here.
+                await checkpoints.final(worker.compute, phase=left_phase[0])
+
+        stack.push_async_callback(final_checkpoint)
+        await worker.start()
+        stack.push_async_callback(worker.stop)
+        renewer = None
+        if credentials is not None and options.authorizer:
+            def on_revoked(reason: str) -> None:  # banned, or the credential ran out: leave the run
+                revoked.append(reason)
+                stop.set()
+
+            renewer = CredentialRenewer(options.authorizer, credentials, on_revoked=on_revoked)
+            renewer.start()
+            stack.push_async_callback(renewer.stop)
+        if credentials is not None:
+            CredentialMetrics(registry, credentials.remaining_s,
+                              lambda: renewer.renewals if renewer is not None else 0)
+        stats = AveragingStats(config.sync.method, registry=registry) if averager is not None else None
+        metrics_endpoint = metrics.serve(worker_options.announce_host)
+        step, saved, averaging_state = await _restore(worker, config, options)
+        members = _stage_members(swarm, options, config)
+        if not options.serve_checkpoint:  # before the first announce: a joiner is never routed by mistake
+            phases = SyncPhases(worker, SyncPolicy.from_config(config.sync),
+                                config.sync if averager is not None else None)
+            stack.push_async_callback(phases.stop)
+            if options.sync_phases:
+                resumed = None if saved is None else saved.get("phase", Phase.MEMBER)
+                await phases.begin(own_step=step, resumed_phase=resumed, members=members)
+            else:
+                phases.enter(Phase.MEMBER, "join --no-sync-phases")
+        heartbeat = Heartbeat(swarm, _record_of(worker, swarm, config, options, stats, metrics_endpoint),
+                              interval=options.heartbeat_s)
+        await heartbeat.start()
+        stack.push_async_callback(heartbeat.stop)
+        follow = asyncio.create_task(_follow_stage_epoch(swarm, worker, options), name="stage-epoch")
+        stack.push_async_callback(_cancelled, follow)
+        if phases is not None and phases.phase == Phase.WEIGHT_SYNC:
+            downloaded = await _weight_sync(phases, worker, config, options, members, credentials, stop)
+            if downloaded is not None:
+                averaging_state = downloaded.tree.get("averaging")
+        if averager is not None:
+            averaging = _averaging_loop(worker, averager, swarm, config, options, stats, averaging_state)
+            await averaging.start()
+            stack.push_async_callback(averaging.stop)
+        if worker.state_donor is not None:
+            worker.state_donor.averaging = averaging  # a snapshot for a joiner carries the loop's state
+        if phases is not None and phases.phase != Phase.MEMBER:
+            await phases.start(averaging)
+        rebalancer = None
+        # A move needs a credential for the other stage: from the authorizer, or none at all (--insecure).
+        if options.rebalance and not options.serve_checkpoint and not worker_options.synchronous and (
+                credentials is None or options.authorizer):
+            def on_move(move: Move) -> None:
+                if not stop.is_set():  # a move decided while leaving would never be announced
+                    moves.append(move)
+                    stop.set()
+
+            rebalancer = _rebalancer(swarm, worker, config, options, on_move)
+            rebalancer.start()
+            stack.push_async_callback(rebalancer.stop)
+        if options.checkpoint_dir and not options.serve_checkpoint:
+            checkpoints = StageCheckpointer(worker, options.checkpoint_dir, config, options.checkpoint_every, averaging)
+            await checkpoints.start()
+            stack.push_async_callback(checkpoints.stop)
+
+        async def withdraw() -> None:
+            for part in (phases, rebalancer):
+                if part is not None:
+                    await part.stop()
+            if moves:
+                await _announce_move(swarm, options, moves[0])
+            await heartbeat.stop(withdraw=True)
+
+        stack.push_async_callback(withdraw)
+        if options.ready_file:
+            write_ready_file(options.ready_file, [worker.address, swarm.peer_id])
+        logger.info("joined run %r as stage %d at %s (peer %s, %d tokens/sequence)", options.run_id, options.stage,
+                    worker.address, swarm.peer_id, config.train.seq_len,
+                    extra={"milestone": "joined", "fields": {"role": "worker", "stage": options.stage,
+                                                             "run": options.run_id, "endpoint": worker.address,
+                                                             "peer": swarm.peer_id, "metrics": metrics_endpoint}})
+        await stop.wait()
+        for signum in (signal.SIGINT, signal.SIGTERM):  # pressed again: the user wants it gone now
+            loop.add_signal_handler(signum, _stop_now)
+        if revoked:
+            logger.error("leaving the run: the credential was revoked (%s)", revoked[0])
+        logger.info("leaving: withdrawing the record, finishing in-flight work")
+        left_phase.append(worker.phase)
+        worker.phase = Phase.LEAVING
+    if averaging is not None:
+        _write_stats(averaging, worker, phases, options)
+    return WorkerExit(EXIT_REVOKED if revoked else 0, moves[0].target if moves and not revoked else None)
+
+
+async def _cancelled(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def _restore(worker: StageWorker, config: RunConfig, options: JoinOptions):
+    """The stage's starting point: (step, the checkpoint's meta or None, its averaging state or None).
+    A serve-only node loads its checkpoint's weights; a training node resumes its newest checkpoint of
+    this stage, if any; else it starts at step 0."""
     if options.serve_checkpoint:
         from agora.node.inference.serving import load_serving_weights
 
         step = await worker.on_compute(lambda c: load_serving_weights(c, options.serve_checkpoint))
         logger.info("serving stage %d of %s (step %d), inference only", options.stage, options.serve_checkpoint, step)
-    elif options.checkpoint_dir and (options.resume_step is not None or (
+        return step, None, None
+    if options.checkpoint_dir and (options.resume_step is not None or (
             checkpoint_steps(options.checkpoint_dir) and _checkpoints_of_this_stage(options.checkpoint_dir, options.stage))):
         step, averaging_state, saved = await worker.on_compute(
             lambda c: restore_stage(c, options.checkpoint_dir, config, step=options.resume_step))
         logger.info("resumed stage %d at step %d from %s (it was %s)", options.stage, step, options.checkpoint_dir,
                     saved.get("phase", "a member"))
-    else:
-        step, saved = 0, None
+        return step, saved, averaging_state
+    return 0, None, None
+
+
+def _record_of(worker: StageWorker, swarm: SwarmDHT, config: RunConfig, options: JoinOptions,
+               stats: AveragingStats | None, metrics_endpoint: str):
+    """What the heartbeat announces, built afresh each beat from the worker's state."""
     version = package_version()
-    seq_len = config.train.seq_len
     fingerprint = run_fingerprint(config).text()  # in every record: trainers skip a mismatched run
-    phases = None
-    if not options.serve_checkpoint:  # before the first announce: a joiner is never routed by mistake
-        phases = SyncPhases(worker, SyncPolicy.from_config(config.sync), config.sync if averager is not None else None)
-        members = _stage_members(swarm, options, config)
-        if options.sync_phases:
-            await phases.begin(own_step=step, resumed_phase=None if saved is None else saved.get("phase", "member"),
-                               members=members)
-        else:
-            phases.enter("member", "join --no-sync-phases")
 
     def record() -> WorkerRecord:
         info = worker.info()  # with the credits a trainer new to this worker would get
@@ -203,88 +307,38 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
                             averaging_rounds=sum(stats.rounds.values()) if stats is not None else 0,
                             averaging_committed=stats.rounds["committed"] if stats is not None else 0)
 
-    heartbeat = Heartbeat(swarm, record, interval=options.heartbeat_s)
-    await heartbeat.start()
-    follow = asyncio.create_task(_follow_stage_epoch(swarm, worker, options), name="stage-epoch")
-    if phases is not None and phases.phase == "weight_sync":
-        downloaded = await _weight_sync(phases, worker, config, options, members, credentials, stop)
-        if downloaded is not None:
-            averaging_state = downloaded.tree.get("averaging")
-    averaging = None
-    if averager is not None:
-        sync = config.sync
-        board = RoundBoard(swarm, run_id=options.run_id, stage=options.stage, method=sync.method,
-                           ttl=sync.matchmaking_s + sync.request_s)
-        averaging = AveragingLoop(worker, averager, sync, seed=config.seed, board=board, stats=stats)
-        if averaging_state is not None:
-            try:
-                averaging.load_state_dict(averaging_state)
-            except ValueError as error:  # another method or slicing than this run's: start afresh
-                logger.warning("not resuming the averaging state: %s", error)
-        await averaging.start()
-    if worker.state_donor is not None:
-        worker.state_donor.averaging = averaging  # a snapshot for a joiner carries the loop's state
-    if phases is not None and phases.phase != "member":
-        await phases.start(averaging)
-    moves: list[Move] = []
-    rebalancer = None
-    # A move needs a credential for the other stage: from the authorizer, or none at all (--insecure).
-    if options.rebalance and not options.serve_checkpoint and not worker_options.synchronous and (
-            credentials is None or options.authorizer):
-        rebalancer = _rebalancer(swarm, worker, config, options, lambda move: (moves.append(move), stop.set()))
-        rebalancer.start()
-    checkpoints = None
-    if options.checkpoint_dir and not options.serve_checkpoint:
-        checkpoints = StageCheckpointer(worker, options.checkpoint_dir, config, options.checkpoint_every, averaging)
-        await checkpoints.start()
-    if options.ready_file:
-        write_ready_file(options.ready_file, [worker.address, swarm.peer_id])
-    logger.info("joined run %r as stage %d at %s (peer %s, %d tokens/sequence)", options.run_id, options.stage,
-                worker.address, swarm.peer_id, seq_len,
-                extra={"milestone": "joined", "fields": {"role": "worker", "stage": options.stage, "run": options.run_id,
-                                                         "endpoint": worker.address, "peer": swarm.peer_id,
-                                                         "metrics": metrics_endpoint}})
-    await stop.wait()
-    for signum in (signal.SIGINT, signal.SIGTERM):  # pressed again: the user wants it gone now
-        loop.add_signal_handler(signum, _stop_now)
+    return record
 
-    if revoked:
-        logger.error("leaving the run: the credential was revoked (%s)", revoked[0])
-    logger.info("leaving: withdrawing the record, finishing in-flight work")
-    phase = worker.phase
-    worker.phase = "leaving"
-    if renewer is not None:
-        await renewer.stop()
-    follow.cancel()
-    if phases is not None:
-        await phases.stop()
-    if rebalancer is not None:
-        await rebalancer.stop()
-    if moves:
-        await _announce_move(swarm, options, moves[0])
-    await heartbeat.stop(withdraw=True)
-    if averaging is not None:
-        await averaging.stop()
-    if checkpoints is not None:
-        await checkpoints.stop()
-    await worker.stop()
-    if checkpoints is not None and not moves:  # a mover's state stays with its old stage's members
-        # The compute thread is shut down now; nothing else touches the stage, so save here.
-        await checkpoints.final(worker.compute, phase=phase)
-    if averaging is not None:
-        averaging.stats.local_steps = worker.compute.optimizer.steps  # the loop polls it; take the final count
-        stats = averaging.stats.snapshot()
-        logger.info("averaging: %s", stats)
-        stats["stage"] = options.stage  # the one it ended on (rebalancing moves a worker)
-        if phases is not None:  # the demo's summary: each replica's phases, seconds after it started
-            stats["phases"] = phases.history
-        if worker.state_donor is not None:
-            stats["state_served"] = {"downloads": worker.state_donor.stats.downloads,
-                                     "completed": worker.state_donor.stats.completed,
-                                     "bytes": worker.state_donor.stats.bytes_sent}
-        if options.stats_file:
-            write_ready_file(options.stats_file, [json.dumps(stats)])  # atomic: never half a file
-    return WorkerExit(EXIT_REVOKED if revoked else 0, moves[0].target if moves and not revoked else None)
+
+def _averaging_loop(worker: StageWorker, averager: SliceAverager, swarm: SwarmDHT, config: RunConfig,
+                    options: JoinOptions, stats: AveragingStats | None, state: dict | None) -> AveragingLoop:
+    """The stage's background averaging, resuming the loop's state from a checkpoint or a donor."""
+    sync = config.sync
+    board = RoundBoard(swarm, run_id=options.run_id, stage=options.stage, method=sync.method,
+                       ttl=sync.matchmaking_s + sync.request_s)
+    averaging = AveragingLoop(worker, averager, sync, seed=config.seed, board=board, stats=stats)
+    if state is not None:
+        try:
+            averaging.load_state_dict(state)
+        except ValueError as error:  # another method or slicing than this run's: start afresh
+            logger.warning("not resuming the averaging state: %s", error)
+    return averaging
+
+
+def _write_stats(averaging: AveragingLoop, worker: StageWorker, phases: SyncPhases | None,
+                 options: JoinOptions) -> None:
+    averaging.stats.local_steps = worker.compute.optimizer.steps  # the loop polls it; take the final count
+    stats = averaging.stats.snapshot()
+    logger.info("averaging: %s", stats)
+    stats["stage"] = options.stage  # the one it ended on (rebalancing moves a worker)
+    if phases is not None:  # the demo's summary: each replica's phases, seconds after it started
+        stats["phases"] = phases.history
+    if worker.state_donor is not None:
+        stats["state_served"] = {"downloads": worker.state_donor.stats.downloads,
+                                 "completed": worker.state_donor.stats.completed,
+                                 "bytes": worker.state_donor.stats.bytes_sent}
+    if options.stats_file:
+        write_ready_file(options.stats_file, [json.dumps(stats)])  # atomic: never half a file
 
 
 def _stop_now() -> None:
@@ -344,7 +398,7 @@ def _stage_members(swarm: SwarmDHT, options: JoinOptions, config: RunConfig):
     async def members() -> StageView:
         stages = await swarm.all_workers_async(options.run_id, len(config.layer_split), fingerprint=fingerprint)
         steps = [r.step for records in stages.values() for r in records
-                 if r.phase == "member" and r.peer_id != swarm.peer_id]
+                 if r.phase == Phase.MEMBER and r.peer_id != swarm.peer_id]
         return StageView(donor_order(stages.get(options.stage, []), swarm.peer_id, rng), max(steps, default=None))
 
     return members
