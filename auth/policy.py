@@ -1,6 +1,6 @@
 """The authorizer's decisions, as pure functions and small clock-free classes (time is passed in).
 
-What is decided here, tested without sockets (tests/test_authorizer_policy.py):
+What is decided here, tested without sockets (tests/unit/test_authorizer_policy.py):
 
 - Floors (``Floors``, ``check_floors``): link rate and RTT measured by the authorizer, hardware
   reported by the node; the defaults are the Agora report's (200 Mbit/s each way, 80 ms RTT,

@@ -4,7 +4,7 @@
     python bench/gpu.py --cpu-smoke --out-dir DIR      # the same code paths on the CPU, tiny sizes
 
 Parts, each in a child process of its own with its own time box (bench/gpu_parts.py):
-  - cuda-tests: `pytest -m cuda tests/test_cuda.py` (passed / failed / skipped, from its JUnit XML);
+  - cuda-tests: `pytest -m cuda tests/integration/test_cuda.py` (passed / failed / skipped, from its JUnit XML);
   - train-local: `agora-node train-local` on `small` in bf16 on the device: tokens/s, held-out loss,
     peak device memory against the memory plan;
   - demo: a whole `agora-node demo` on one device (every process shares it): outcome, tokens/s;
@@ -21,7 +21,7 @@ Design choices:
   its figures as it measures them, so what it measured before failing is kept.
 - Without CUDA the command refuses in one line (exit 2) instead of measuring a CPU and calling it
   a GPU figure; `--cpu-smoke` runs every part on the CPU at tiny sizes (tiny config, a tiny body
-  stage, a few steps) so a test checks this script end to end where no GPU is (tests/test_gpu_script.py).
+  stage, a few steps) so a test checks this script end to end where no GPU is (tests/system/test_gpu_script.py).
 - MFU needs the device's peak dense bf16 rate: taken from a table by the device's name, or
   `--peak-tflops`; an unknown device gets its MFU rows left out with a line saying so, not a guess.
 """

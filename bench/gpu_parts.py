@@ -9,7 +9,7 @@ failing part measured before it failed.
 Design choices:
 - Peak memory is what the allocator saw: on CUDA torch's statistics (`max_memory_allocated`
   above what was allocated before the part began), compared with the plan's peak without its CUDA
-  reserve, as tests/test_cuda.py compares them; and the device's own use (the context, read from
+  reserve, as tests/integration/test_cuda.py compares them; and the device's own use (the context, read from
   `mem_get_info` once torch and cuBLAS are up, plus `max_memory_reserved`) against the plan's
   whole peak, which checks the reserve the plan adds for the context and the allocator's slack.
   On the CPU (`--cpu-smoke`) it is the tensor bytes the plan's own `LiveBytes` counts.
@@ -133,10 +133,10 @@ def _report_memory(results: Results, measured: tuple[int, int | None], planned_p
 # ---------------------------------------------------------------------------------------- parts
 
 def cuda_tests(settings: dict, results: Results, work: Path) -> None:
-    """`pytest -m cuda tests/test_cuda.py`; on a GPU every test must pass (a skip is a failure)."""
+    """`pytest -m cuda tests/integration/test_cuda.py`; on a GPU every test must pass (a skip is a failure)."""
     junit = work / "cuda-tests.xml"
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/test_cuda.py", "-p", "no:cacheprovider",
-               f"--junitxml={junit}"]
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/integration/test_cuda.py",
+               "-p", "no:cacheprovider", f"--junitxml={junit}"]
     printed = subprocess.run(command, capture_output=True, text=True)
     print(printed.stdout[-4000:], printed.stderr[-2000:], flush=True)
     if not junit.exists():

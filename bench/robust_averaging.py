@@ -4,7 +4,7 @@
    rules (dht/robust.py: outlier rejection, CenteredClip for 3+, the pair bound) against
    hivemind's weighted mean, honest values, for groups of 2, 3 and 5; median of repeated runs.
 2. Three replicas training on disjoint data through real hivemind averaging (the harness of
-   tests/test_hostile_averaging.py, so what is measured is what is tested): all honest; one
+   tests/integration/test_hostile_averaging.py, so what is measured is what is tested): all honest; one
    hostile replica (x10 / random values, weight 1e6, a poisoning reducer) with the robust rules;
    the same hostile replica against the plain mean. Held-out loss of the honest replicas.
 3. `agora-node demo --replicas 2`, honest, with `--aggregation centered_clip` and `mean`,
@@ -89,7 +89,7 @@ def main() -> None:
         lines.append(f"| {group} | {robust * 1e3:.2f} | {mean * 1e3:.2f} | {ratio:.1f} |")
         print(lines[-1], flush=True)
     lines += ["", "For scale: 2 MiB take 84 ms to send at the report's 200 Mbit/s admission floor.", "",
-              "## 2. Three replicas, one of them hostile (tests/test_hostile_averaging.py's harness)", "",
+              "## 2. Three replicas, one of them hostile (tests/integration/test_hostile_averaging.py's harness)", "",
               "Tiny as one stage, 48 local steps of 2 sequences each on disjoint data, a round every 2 steps "
               "(half of the stage per round); held-out loss of each replica (the hostile one last).", "",
               "| run | held-out loss per replica | honest mean / all-honest mean |", "|---|---|---:|"]

@@ -291,7 +291,7 @@ def _fixes(items: dict) -> tuple[list[str], list[str]]:
         lines += ["Kept forward graphs (`--keep-graphs`) against the recompute (row 2): " + "; ".join(kept) + ".", ""]
         summary.append(f"| F4 | kept forward graphs / recompute at Backward | {'; '.join(kept)} | - | - |")
     summary.append("| F5 | gRPC compression off for activations, keepalive both sides accept | checked on the wire: "
-                   "tests/test_connection_options.py | - | yes |")
+                   "tests/integration/test_connection_options.py | - | yes |")
     return lines, summary
 
 

@@ -11,7 +11,7 @@ Design choices:
   float, so equal records compare and serialize equal.
 - The wire form is a flat dict of those scalars plus ``schema`` and ``kind``: exactly what msgpack
   (hivemind's serializer) carries without extension types, so a peer written in another language,
-  or a later version of this one, can read it. tests/test_records.py pins the bytes.
+  or a later version of this one, can read it. tests/unit/test_records.py pins the bytes.
 - Validation runs on construction, so a record that exists is a valid record. Reading goes
   through ``from_wire``, which turns *anything* (another peer's mistake, an attack, an older
   schema) into either a record or a ``RecordError`` whose message is one line naming the field

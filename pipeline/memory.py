@@ -21,7 +21,7 @@ Design choices:
   which building any torch optimizer does too, so a worker pays it once either way.
 - The jobs mirror node/worker/compute.py (the plan's module may not import node/): forward under
   no_grad, backward as a recompute with autograd.grad into temporaries that are then added into
-  the existing `.grad`, the tail's forward with its backward. tests/test_memory_plan.py measures
+  the existing `.grad`, the tail's forward with its backward. tests/unit/test_memory_plan.py measures
   a real StageCompute on the CPU against this plan, and bench/gpu.py a pluralis-8b body stage on
   a GPU.
 - The optimizer step's temporaries follow the update rule (its norms are data-dependent, which

@@ -8,7 +8,7 @@ Why a temporary tree: protoc derives the generated imports from the path of the 
 its include root. Compiling `agora/protos/stage.proto` from a scratch root makes grpc_tools
 write `from agora.protos import stage_pb2`, the installed import path, instead of a bare
 `import stage_pb2` that only works with protos/ on sys.path. The committed files are therefore
-exactly what `generate()` returns, and tests/test_protos.py fails when they drift.
+exactly what `generate()` returns, and tests/integration/test_protos.py fails when they drift.
 
 Needs grpcio-tools (the `test` extra); the runtime only needs protobuf and grpcio.
 """

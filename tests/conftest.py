@@ -1,11 +1,15 @@
-"""Shared test setup: one torch thread (2-core machine), token cache in a per-session folder."""
+"""Shared test setup: one torch thread (2-core machine), token cache in a per-session folder, and
+the helpers (tests/helpers/) importable by name from every tier's tests."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,7 +19,7 @@ An evicted, expired or never-opened session is `UnknownSession`, whose message n
 session and says to replay it: the client then replays the session's inputs with a Prefill,
 here or on another replica, and generation goes on unchanged.
 
-Pure bookkeeping with an injected clock (tested without sockets, tests/test_inference_sessions.py);
+Pure bookkeeping with an injected clock (tested without sockets, tests/unit/test_inference_sessions.py);
 not thread-safe by design: only the worker's compute thread touches it.
 """
 

@@ -40,7 +40,7 @@ when a slot is expected to free (`pushback_s`, sent as gRPC's `grpc-retry-pushba
 acting on an older, larger grant is therefore served, not refused, and the grant it gets back
 shrinks it to its share.
 
-Pure and clock-injected: unit-tested without sockets (tests/test_flow_control.py). The worker
+Pure and clock-injected: unit-tested without sockets (tests/integration/test_flow_control.py). The worker
 updates it on its event loop, and a metrics scrape reads it from its own thread: one lock.
 """
 

@@ -1,6 +1,6 @@
 """A replica that joins one averaging round and then hangs inside its all-reduce, to be killed.
 
-Run by tests/test_averaging.py as a child process in its own session; the test kills the whole
+Run by tests/integration/test_averaging.py as a child process in its own session; the test kills the whole
 session with SIGKILL once this peer is in the all-reduce (a machine that vanished mid-round).
 Handshakes are lines on a pipe the test passes as file descriptor FD: `ready` once the averager
 is up, `in all-reduce` once it has entered the all-reduce of the round (written by the averager

@@ -1,4 +1,4 @@
-"""Codec frames for fuzzing the stage service (tests/test_stage_fuzz.py): hypothesis strategies
+"""Codec frames for fuzzing the stage service (tests/integration/test_stage_fuzz.py): hypothesis strategies
 that draw real frames (agora.pipeline.codec) or frames broken in one way each, and headers written
 by hand, since the codec refuses to write a wrong one. Sizes are `tiny`'s vocabulary and the
 fuzzed workers' lowered message and stream limits.

@@ -1,5 +1,5 @@
 """A stage replica driven into the steady state the memory plan describes, shared by
-tests/test_memory_plan.py (tensor bytes on the CPU) and tests/test_cuda.py (the CUDA allocator)."""
+tests/unit/test_memory_plan.py (tensor bytes on the CPU) and tests/integration/test_cuda.py (the CUDA allocator)."""
 
 from __future__ import annotations
 

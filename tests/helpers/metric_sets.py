@@ -1,5 +1,6 @@
 """Every role's metrics in one registry, each labelled series touched once: what a live process
-ends up with (tests/test_metrics.py lints it; tests/test_monitor.py checks the dashboard against it)."""
+ends up with (tests/integration/test_metrics.py lints it; tests/integration/test_monitor.py checks the
+dashboard against it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""One record of every family, every field set (none left at its default): tests/test_records.py
-pins their wire bytes, tests/test_dht_auth.py files them under every family's key."""
+"""One record of every family, every field set (none left at its default): tests/unit/test_records.py
+pins their wire bytes, tests/integration/test_dht_auth.py files them under every family's key."""
 
 from agora.dht.records import MoveRecord, RoundRecord, TrainerRecord, UnitBlockRecord, WorkerRecord
 

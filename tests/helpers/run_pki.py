@@ -1,4 +1,4 @@
-"""A run's PKI as tests/test_grpc_auth.py presents it: workers of every stage, two trainers and a
+"""A run's PKI as tests/integration/test_grpc_auth.py presents it: workers of every stage, two trainers and a
 monitor, and the credentials an attacker or a stale node holds (expired, not yet valid, of another
 root, self-signed, a chain without its key), plus the channel factory that presents any of them
 and a hook that records who got through.

@@ -1,6 +1,6 @@
 """Stage requests for the bounds tests: the run they address, and codec frames built by hand (a
-frame header declaring any shape, with or without its payload), shared by tests/test_worker_bounds.py
-and tests/test_worker_memory.py."""
+frame header declaring any shape, with or without its payload), shared by tests/integration/test_worker_bounds.py
+and tests/integration/test_worker_memory.py."""
 
 from __future__ import annotations
 

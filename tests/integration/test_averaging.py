@@ -5,7 +5,7 @@ p2pd) and, where parameters matter, a stage on its compute thread (`LocalReplica
 without the gRPC server, which would make later forks unreliable) with its `AveragingLoop`. Timeouts are scaled to seconds
 (`TIMEOUTS`); parts are 16 KiB so a stage slice is split over every reducer of the group.
 Everything started is shut down in `finally` blocks; the killed replica is a child in its own
-session, SIGKILLed as a whole (tests/averaging_victim.py).
+session, SIGKILLed as a whole (tests/helpers/averaging_victim.py).
 """
 
 from __future__ import annotations
@@ -278,8 +278,8 @@ def test_a_replica_killed_mid_round_is_dropped_and_the_survivors_go_on():
     async def main(dhts, averagers):
         read_end, write_end = os.pipe()
         victim = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("averaging_victim.py")), str(write_end), "killed",
-             str(size), str(round_number), "3", *dhts[0].visible_maddrs()],
+            [sys.executable, str(Path(__file__).parents[1] / "helpers" / "averaging_victim.py"), str(write_end),
+             "killed", str(size), str(round_number), "3", *dhts[0].visible_maddrs()],
             start_new_session=True, pass_fds=(write_end,))
         os.close(write_end)
         handshake = os.fdopen(read_end)

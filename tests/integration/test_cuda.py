@@ -125,7 +125,7 @@ def test_train_local_learns_in_bf16_on_the_gpu():
 
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_plan_matches_the_cuda_allocator(index):
-    """torch.cuda.max_memory_allocated over a worker's steady state (tests/memory_scenario.py, after
+    """torch.cuda.max_memory_allocated over a worker's steady state (tests/helpers/memory_scenario.py, after
     cuBLAS' workspace exists) against the plan's peak without its reserve (the context and the
     allocator's slack are not allocations); pinned copies and Abort records are in host memory."""
     config = _config()

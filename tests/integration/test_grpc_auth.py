@@ -43,7 +43,7 @@ K = CONFIG.model.wire_dim
 FINGERPRINT = run_fingerprint(CONFIG)
 
 
-# ---------------------------------------------------------------------------------------------- PKI (tests/run_pki.py)
+# ------------------------------------------------------------------------- PKI (tests/helpers/run_pki.py)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 The swarm view, service discovery and loss history are pure functions of records; the HTTP
 app is served for real on 127.0.0.1:0 and read with urllib; a real two-peer DHT feeds
-`SwarmMonitor.poll`. tests/test_monitor_live.py checks the whole against a running demo with
+`SwarmMonitor.poll`. tests/system/test_monitor_live.py checks the whole against a running demo with
 Prometheus and Chromium.
 """
 
@@ -35,7 +35,7 @@ from metric_sets import every_role
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN = "mon"
 
 

@@ -12,7 +12,7 @@ import pytest
 from agora.protos import stage_adapter as adapter
 from agora.protos import stage_pb2
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROTOS = ROOT / "protos"
 
 

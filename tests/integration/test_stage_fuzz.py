@@ -14,7 +14,7 @@ lower still, so the size bounds are reached cheaply.
 
 Structured requests draw every field of protos/stage.proto: run and stage mostly right (so the
 example gets past the addressing checks), microbatch ids fresh, reused, empty, too long or
-arbitrary, and codec frames (agora.pipeline.codec; the strategies are tests/codec_frames.py)
+arbitrary, and codec frames (agora.pipeline.codec; the strategies are tests/helpers/codec_frames.py)
 that are real or broken in one way each: wrong shape or ndim, another dtype, a token frame where floats belong, NaN/Inf or extreme finite values,
 int8 frames with -128 or a bad row scale, token ids out of range, headers declaring sizes far over
 the limit, truncated frames, trailing bytes, a corrupted header byte, random bytes, nothing.

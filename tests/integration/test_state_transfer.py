@@ -33,7 +33,7 @@ from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.state_wire import StateReceiver, StateStream, StateWireError
 from agora.protos.state_adapter import StateRequest, StateStub
-from tests.tcp_relay import TcpRelay
+from tcp_relay import TcpRelay
 
 pytestmark = pytest.mark.timeout(120)
 

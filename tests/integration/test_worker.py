@@ -162,7 +162,7 @@ def test_malformed_requests_are_refused_and_the_worker_keeps_serving():
 
 def test_payload_limits_and_streaming():
     """Over one message: RESOURCE_EXHAUSTED unless streamed; a stream's declared rows are checked on
-    its first part (every bound: tests/test_worker_bounds.py)."""
+    its first part (every bound: tests/integration/test_worker_bounds.py)."""
     options = WorkerOptions(max_message_bytes=128 * 2**10, stream_chunk_bytes=32 * 2**10,
                             max_stream_bytes=400 * 2**10, max_rows=25)
     tokens, _ = batch(2, size=25, seq=128)  # wire frame: 25 * 128 * 16 * 4 = 200 KiB

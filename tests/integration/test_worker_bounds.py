@@ -7,9 +7,9 @@ Three layers, cheapest first (the last in its own file):
   127.0.0.1:0) sent raw protobuf requests whose codec frames are often a header and nothing more:
   each bound answers its status with a message naming the field and both values, and nothing is
   stashed, accumulated or stepped;
-- one worker process under a flood: tests/test_worker_memory.py.
+- one worker process under a flood: tests/integration/test_worker_memory.py.
 
-The requests and frames are built in tests/stage_requests.py.
+The requests and frames are built in tests/helpers/stage_requests.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -34,7 +34,7 @@ from agora.node.admission import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-MONITOR = Path(__file__).resolve().parents[1] / "monitor"
+MONITOR = Path(__file__).resolve().parents[2] / "monitor"
 STAGES, REPLICAS = 2, 2
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]

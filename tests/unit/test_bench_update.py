@@ -17,7 +17,7 @@ from agora.bench.cli import main
 
 pytestmark = pytest.mark.timeout(300)
 
-RECORD = Path(__file__).resolve().parents[1] / "bench" / "results" / "suite.json"
+RECORD = Path(__file__).resolve().parents[2] / "bench" / "results" / "suite.json"
 
 
 def test_a_row_measured_again_replaces_only_itself(tmp_path):

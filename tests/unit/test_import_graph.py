@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Mapping
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def package_folders(root: Path) -> dict[str, Path]:

@@ -1,6 +1,6 @@
 """Device and precision ([runtime], --device, --dtype; pipeline/runtime.py) on a machine without CUDA.
 
-What a GPU adds is in tests/test_cuda.py (marked `cuda`, skipped here) and bench/gpu.py."""
+What a GPU adds is in tests/integration/test_cuda.py (marked `cuda`, skipped here) and bench/gpu.py."""
 
 import math
 from dataclasses import replace
