@@ -77,7 +77,7 @@ SCHEMA_VERSION = 2
 OWNER_MARKER = "[owner:"
 
 
-class Phase(enum.StrEnum):
+class Phase(str, enum.Enum):
     """Where a worker is in its life; announced in its record, so every peer reads the same names.
 
     A replica joining a stage that is ahead of it starts in weight sync (it has no state worth
@@ -91,6 +91,11 @@ class Phase(enum.StrEnum):
     MEMBER = "member"
     LEAVING = "leaving"
     SERVING = "serving"
+
+    # Reads, prints, hashes and compares as its name (enum.StrEnum, which does this, is 3.11+).
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __hash__ = str.__hash__
 
 
 # Where a worker may start: a member (nobody is ahead of it, or it is the stage's state), a
