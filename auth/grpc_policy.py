@@ -16,7 +16,7 @@ Design choices:
   own tools). Not to a worker (a stage has no reason to drive another's sessions) nor a monitor
   (read-only). Inference changes no weights, only the caller's own sessions (bound to it like a
   microbatch, node/inference/sessions.py), and each worker bounds what sessions may hold.
-- DownloadState (weight sync: a stage's whole state, node/worker/state_transfer.py) is open to a
+- DownloadState (weight sync: a stage's whole state, node/membership/state_transfer.py) is open to a
   worker, which the handler further holds to its own stage (a contributor never gets more than
   the stage it hosts), and to an operator, whose `agora-node export` gathers every stage. Not to a
   trainer, client or monitor: none of them holds weights, and the state is the run's model.

@@ -232,8 +232,8 @@ def model_flops_per_token(config, index: int, trainable: int, seq_len: int, *, r
 
 
 def body_stage(settings: dict, results: Results, work: Path) -> None:
-    from agora.node.worker.compute import StageCompute
-    from agora.node.worker.stash import ForwardStash
+    from agora.node.replica.compute import StageCompute
+    from agora.node.replica.stash import ForwardStash
     from agora.pipeline.codec import WireCodec, encode_tokens
     from agora.pipeline.config import RuntimeConfig, load_config
     from agora.pipeline.memory import MemoryOptions, plan_stage

@@ -25,7 +25,7 @@ Design choices:
   it won. Waiting a round trip lets that store land. What is left (a store slower than the
   other side's whole claim) shows as a duplicate commit, which is counted; trainers also prefer
   different units (``next_candidates``), so claims rarely race at all. A worker counts a unit's
-  completed-batch report once (node/worker/epoch.py), so a duplicate never steps a replica twice,
+  completed-batch report once (node/replica/epoch.py), so a duplicate never steps a replica twice,
   but both trainers' gradients reach it: duplicates are worth the extra read.
 - Commits outlive their trainer: an entry lives ``COMMIT_TTL_S`` (rewritten with a later
   expiry on every change), so a trainer restarted with the same identity, or another one, sees

@@ -407,7 +407,7 @@ class TrainerRecord(Record):
 
 
 class MoveRecord(Record):
-    """A worker in transit from one stage to another (node/worker/rebalance.py), announced for as long
+    """A worker in transit from one stage to another (node/membership/rebalance.py), announced for as long
     as it may take to come back on ``to_stage``; ``started_at`` is DHT time."""
 
     KIND: ClassVar[str] = "move"

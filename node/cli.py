@@ -156,7 +156,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
     finally:
         del held  # the folders stay held until here (and the kernel frees them if this process dies)
     if ended.move_to is not None:  # rebalancing: the same worker (key, flags) joins the other stage
-        from agora.node.worker.rebalance import moved_argv
+        from agora.node.membership.rebalance import moved_argv
 
         state_dir = str(admission.credentials.directory) if admission.credentials is not None else None
         argv = [sys.executable, "-m", "agora.node", *moved_argv(args.argv, ended.move_to, state_dir)]

@@ -3,9 +3,9 @@ transformers export. Only an operator may run it: no contributor ever holds more
 
 Design choices:
 - One member replica per stage, through the same state transfer a joiner uses (DownloadState,
-  node/worker/state_download.py): the best announced donor first, the others if it is busy or
+  node/membership/state_download.py): the best announced donor first, the others if it is busy or
   fails, chunked and resumable, the SHA-256 checked. A worker gives its state to an operator
-  credential of its run (auth/grpc_policy.py, node/worker/state_transfer.py); under --insecure
+  credential of its run (auth/grpc_policy.py, node/membership/state_transfer.py); under --insecure
   to anyone of the run.
 - A stage with no member announcing itself fails the export in one line naming it (a replica
   still syncing has not got the stage's state).
@@ -65,8 +65,8 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
                   credentials: Optional[NodeCredentials]) -> int:
     from agora.node.averaging.sparta import stage_parameter_numels
     from agora.node.rpc.tls import InsecureChannels, TlsChannels
-    from agora.node.worker.state_download import StateDownloader, StateDownloadError, donor_order
-    from agora.node.worker.state_transfer import state_bytes_bound
+    from agora.node.membership.state_download import StateDownloader, StateDownloadError, donor_order
+    from agora.node.membership.state_transfer import state_bytes_bound
     from agora.pipeline.checkpoint import StageState
     from agora.pipeline.fingerprint import run_fingerprint
 

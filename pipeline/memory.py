@@ -19,7 +19,7 @@ Design choices:
   for the CPU, which saves its output and log-sum-exp); a CUDA worker's flash or memory-efficient
   kernel saves tensors of the same shapes. Its first use imports torch's compiler stack (seconds),
   which building any torch optimizer does too, so a worker pays it once either way.
-- The jobs mirror node/worker/compute.py (the plan's module may not import node/): forward under
+- The jobs mirror node/replica/compute.py (the plan's module may not import node/): forward under
   no_grad, backward as a recompute with autograd.grad into temporaries that are then added into
   the existing `.grad`, the tail's forward with its backward. tests/unit/test_memory_plan.py measures
   a real StageCompute on the CPU against this plan, and bench/gpu.py a pluralis-8b body stage on
@@ -29,7 +29,7 @@ Design choices:
   the largest parameter (the square root of the second moment and its scaled copy), RoundedAdamW
   four in fp32 (the widened gradient and weight besides those two).
 - Where things live: on a CUDA worker pinned weight versions and the Abort records are in host
-  memory (node/worker/weight_versions.py, node/worker/compute.py), so they count in `host`, and a
+  memory (node/replica/weight_versions.py, node/replica/compute.py), so they count in `host`, and a
   backward on a pinned version stages one copy of the trainable weights on the device. CUDA adds
   its context and the caching allocator's slack (`cuda_reserve`), an estimate that bench/gpu.py
   checks against a real device.

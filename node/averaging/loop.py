@@ -74,7 +74,7 @@ from agora.node.averaging.sparta import (
     round_slice,
 )
 from agora.node.averaging.stats import AveragingStats
-from agora.node.worker.compute import StageCompute
+from agora.node.replica.compute import StageCompute
 from agora.node.worker.worker import StageWorker
 from agora.pipeline.config import SyncConfig
 
@@ -139,7 +139,7 @@ class AveragingLoop:
         self._replicas: Optional[int] = None  # the board's live replica count, and when it was read
         self._replicas_read_at = -math.inf
         # Called on the event loop after every round with (result, slice, applied): a joining replica's
-        # phases (node/worker/phases.py) count the slices it has received. An observer must not raise.
+        # phases (node/membership/phases.py) count the slices it has received. An observer must not raise.
         self.round_observers: list[Callable[[RoundResult, int, bool], None]] = []
 
     # ------------------------------------------------------------------ lifecycle

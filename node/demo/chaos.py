@@ -31,7 +31,7 @@ from typing import Mapping, Optional
 __all__ = ["ChaosEvent", "Chaos", "pick_victim", "join_seconds"]
 
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
-# node/worker/worker.py's phase change, or node/worker/phases.py's first phase when it is member.
+# node/worker/worker.py's phase change, or node/membership/phases.py's first phase when it is member.
 _MEMBER = re.compile(r"phase \w+ -> member\b|: phase member \(")
 _STATE = re.compile(r": state downloaded from ")
 

@@ -164,7 +164,7 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
                 killed.append(victim.name)
                 logger.warning("fault drill: killed %s with SIGKILL after %d global batches", victim.name, len(lines))
             while len(joined) < len(options.join_at) and len(lines) >= sorted(options.join_at)[len(joined)]:
-                # A new contributor (own identity, empty state): it syncs before it counts (node/worker/phases.py).
+                # A new contributor (own identity, empty state): it syncs before it counts (node/membership/phases.py).
                 name = f"worker-s0-r{options.replicas + len(joined)}"
                 workers.append((0, start_worker(0, name, False)))
                 joined.append(name)

@@ -53,7 +53,7 @@ __all__ = ["launch", "warm_up", "LaunchedProcess", "LauncherError", "PRELOAD"]
 # fails to import here is only imported later, in the child that needs it, which then says why.
 # Not agora.node.__main__: runpy runs it afresh in each child, and warns when it is imported already.
 PRELOAD = ["agora.node.cli", "agora.node.worker.join", "agora.node.worker.worker",
-           "agora.node.worker.rebalance", "agora.node.trainer.command", "agora.node.trainer.trainer",
+           "agora.node.membership.rebalance", "agora.node.trainer.command", "agora.node.trainer.trainer",
            "agora.node.trainer.announce", "agora.node.admission", "agora.node.plan", "agora.node.rpc.server",
            "agora.node.inference.commands", "agora.node.authorizer", "agora.node.export", "agora.dht.bootstrap",
            "agora.dht.swarm", "agora.monitor.service", "agora.auth.service", "agora.pipeline.runtime",

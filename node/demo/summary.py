@@ -15,7 +15,7 @@ from agora.node.demo.chaos import join_seconds
 
 __all__ = ["format_summary", "build_summary", "churn_summary", "merge_logs", "latest_per_trainer"]
 
-# node/worker/rebalance.py's milestone line
+# node/membership/rebalance.py's milestone line
 _MOVED = re.compile(r"rebalancing: moving to stage (\d+)")
 
 
@@ -148,7 +148,7 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         "bans": sum(s.get("bans", 0) for s in trainer_summaries),
         "averaging_by_stage": _averaging_by_stage(workdir, workers),
         # Each worker's phases and when it entered them (seconds after it started): a replica that
-        # joined mid-run shows weight_sync, optimizer_sync, member (node/worker/phases.py).
+        # joined mid-run shows weight_sync, optimizer_sync, member (node/membership/phases.py).
         "phases_by_worker": _phases_by_worker(workdir, workers),
         "rebalanced": _moves(workers),  # workers that left an over-covered stage for another (their logs)
         "killed": killed,

@@ -1,7 +1,7 @@
 """`InferenceEngine`: Prefill, Decode and CloseSession on one stage, on the worker's compute thread.
 
 Why the compute thread and not an executor of its own: it is the only thread that touches the
-stage (node/worker/compute.py), and a worker that trains writes its weights in place there (an
+stage (node/replica/compute.py), and a worker that trains writes its weights in place there (an
 optimizer step, an averaging apply). An inference job in FIFO order with those jobs always reads
 one consistent version of the weights, without a lock and without a second copy of the stage;
 it costs a serving call the wait behind training jobs already queued (a serve-only worker has
@@ -22,8 +22,8 @@ optimizer state or the training stash.
 from __future__ import annotations
 
 from agora.node.inference.sessions import SessionError, SessionTable
-from agora.node.worker.compute import StageCompute
-from agora.node.worker.request_frames import InvalidRequest
+from agora.node.replica.compute import StageCompute
+from agora.node.replica.request_frames import InvalidRequest
 from agora.pipeline.codec import WireCodec, WireFormatError, decode_tokens
 from agora.pipeline.inference import SessionTooLong, StageCache, cached_forward
 from agora.protos.stage_adapter import CloseSessionReply, CloseSessionRequest, InferReply, InferRequest

@@ -6,7 +6,7 @@ credential and role are checked per call (auth/grpc_policy.py: a client, trainer
 and so is the run fingerprint.
 
 Admission, on the event loop and before anything is allocated, cheapest first as for training
-(node/worker/bounds.py): the caller, run and stage addressing, the shapes the frames declare
+(node/replica/bounds.py): the caller, run and stage addressing, the shapes the frames declare
 (rows, positions per call at most the worker's tokens per session, the wire's width), then a
 queue slot from a pool of the service's own (`InferenceOptions.max_queue`, at most three
 quarters of it per caller): serving never takes training's slots, nor training serving's.
@@ -37,10 +37,10 @@ from agora.node.inference.engine import InferenceEngine, SessionBehind
 from agora.node.inference.options import InferenceOptions
 from agora.node.inference.sessions import NotSessionOwner, SessionRefused, SessionTable, UnknownSession
 from agora.node.rpc.auth_check import Caller, RefusalCounts, current_caller
-from agora.node.worker.bounds import OutOfBounds, RequestGeometry, Slot, SlotPool, SlotRefused
+from agora.node.replica.bounds import OutOfBounds, RequestGeometry, Slot, SlotPool, SlotRefused
 from agora.node.worker.options import default_per_caller
-from agora.node.worker.compute import StageCompute
-from agora.node.worker.request_frames import RequestRejected
+from agora.node.replica.compute import StageCompute
+from agora.node.replica.request_frames import RequestRejected
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import RunConfig
 from agora.pipeline.inference import SessionTooLong

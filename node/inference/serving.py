@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from agora.node.worker.compute import StageCompute
+from agora.node.replica.compute import StageCompute
 from agora.pipeline.checkpoint import CheckpointError, load_checkpoint
 
 __all__ = ["load_serving_weights"]

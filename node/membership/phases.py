@@ -3,7 +3,7 @@
 A replica that joins a stage mid-run (or comes back without a recent checkpoint) must neither
 average its fresh weights into the trained ones nor take traffic before it holds the stage's state:
 
-- weight_sync: it downloads the stage's whole state from a live member (node/worker/state_download.py),
+- weight_sync: it downloads the stage's whole state from a live member (node/membership/state_download.py),
   refuses Forward and Backward, and is not routed (trainers route to member and optimizer_sync
   only); it still counts the trainers' completed-batch reports, so it keeps the stage's epoch. Then
   it averages with weight 0 (node/averaging/loop.py: weight 0 unless member) until every slice of
@@ -57,8 +57,8 @@ from typing import Awaitable, Callable, Optional, Sequence
 
 from agora.dht.averaging import RoundResult
 from agora.dht.records import Phase
-from agora.node.worker.compute import StageCompute
-from agora.node.worker.state_download import Donor, DownloadedState, StateDownloader, StateDownloadError
+from agora.node.replica.compute import StageCompute
+from agora.node.membership.state_download import Donor, DownloadedState, StateDownloader, StateDownloadError
 from agora.node.worker.worker import StageWorker
 from agora.pipeline.config import SyncConfig
 from agora.pipeline.state_wire import StateWireError

@@ -1,11 +1,11 @@
 """Weight sync, the donor's side: a member replica serves its stage's whole state to a joiner.
 
-What travels is what a checkpoint holds (node/worker/checkpoints.py's `snapshot_stage`): the
+What travels is what a checkpoint holds (node/replica/checkpoints.py's `snapshot_stage`): the
 stage's parameters, the optimizer (Adam moments, its step count, the sample count), and the
 averaging loop's state, as one byte stream (pipeline/state_wire.py), through the Stage service's
 `DownloadState` (protos/state_adapter.py). The RNG state is not sent: a replica's random stream
 is its own, and a copy would correlate two replicas' draws. Nor are the work keys a checkpoint
-keeps (node/worker/work_ledger.py): they say what this replica applied, not what the joiner did.
+keeps (node/replica/work_ledger.py): they say what this replica applied, not what the joiner did.
 
 Design choices (hivemind issues #445 and #653: joiners time out on donors that are averaging,
 because hivemind serves the state from the averager process, under the lock its all-reduce
@@ -44,7 +44,7 @@ import torch
 
 from agora.dht.records import Phase
 from agora.node.rpc.auth_check import Caller, current_caller
-from agora.node.worker.compute import StageCompute
+from agora.node.replica.compute import StageCompute
 from agora.pipeline.checkpoint import StageState, rng_state
 from agora.pipeline.state_wire import StateStream, StateWireError
 from agora.protos.stage_adapter import StageRefusal
@@ -88,7 +88,7 @@ def snapshot_stage(compute: StageCompute) -> StageState:
     """(compute thread) A copy of the stage's state at this step boundary in host memory, so training goes
     on while it is written (a checkpoint) or sent (weight sync): parameters, optimizer state with the
     sample count, and this process's RNG state (a checkpoint adds the work keys:
-    node/worker/checkpoints.py's `checkpoint_snapshot`)."""
+    node/replica/checkpoints.py's `checkpoint_snapshot`)."""
     optimizer = _host_copy(compute.optimizer.state_dict())  # copies the moments
     optimizer["samples_total"] = compute.samples_total
     model = _host_copy(compute.stage.state_dict())

@@ -4,7 +4,7 @@ A credential says who a peer is, not that it behaves (README "Admission and trus
 a request could make a worker allocate is bounded here, before a tensor is built, as pure rules
 over the run's geometry and the worker's counters, tested without sockets
 (tests/integration/test_worker_bounds.py). The worker (node/worker/worker.py) applies them on the event loop
-ahead of the compute thread; `StageCompute` (node/worker/compute.py) still decodes and checks
+ahead of the compute thread; `StageCompute` (node/replica/compute.py) still decodes and checks
 every frame fully afterwards, against the stash for a Backward.
 
 Design choices:

@@ -12,7 +12,7 @@ Design choices:
   is written.
 - The averaging loop's state and the worker's phase go with it (`extra`), read on the event loop
   when the snapshot is handed over.
-- The work keys the saved weights hold go with them (node/worker/work_ledger.py), so a resumed
+- The work keys the saved weights hold go with them (node/replica/work_ledger.py), so a resumed
   worker does not add a reclaimed unit's gradient a second time.
 - Resume refuses a checkpoint of another model or stage, puts the RNG and the work keys back,
   and returns what the join daemon needs to go on: the step, the averaging state, and `extra`.
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from agora.node.averaging.loop import AveragingLoop
-from agora.node.worker.compute import StageCompute
-from agora.node.worker.state_transfer import snapshot_stage
-from agora.node.worker.work_ledger import WorkLedger
+from agora.node.replica.compute import StageCompute
+from agora.node.membership.state_transfer import snapshot_stage
+from agora.node.replica.work_ledger import WorkLedger
 from agora.node.worker.worker import StageWorker
 from agora.pipeline.checkpoint import CheckpointError, StageState, load_checkpoint, restore_rng, save_checkpoint
 from agora.pipeline.config import ConfigError, RunConfig

@@ -8,11 +8,11 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   before any compute, and a failure is an `InvalidRequest` whose message says what was expected
   and what was found (the worker answers INVALID_ARGUMENT and keeps serving). Those checks, the
   decoding of frames and the encoding of replies, and the rejections themselves are
-  node/worker/request_frames.py's; this module owns the stage's state.
+  node/replica/request_frames.py's; this module owns the stage's state.
 - Forward runs under `torch.no_grad` and stashes its *input*; Backward recomputes the forward
   with grad on that input (with `keep_graphs > 0`, up to that many forwards run with grad and keep
   their graph, and their Backward skips the recompute while the weights are unchanged:
-  node/worker/kept_graphs.py). Weights may change between the two (a step for the previous global
+  node/replica/kept_graphs.py). Weights may change between the two (a step for the previous global
   batch, an averaging round's delta), and a backward through the new weights would pair the
   downstream gradient with an output the next stage never saw. So the recompute runs on the
   weights the forward used (PipeDream's weight stashing): every write to the weights bumps
@@ -21,7 +21,7 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   trainable parameters each: 3.4 GiB in fp32 for a pluralis-8b body stage, none on the tail,
   whose backward runs inside its forward); a microbatch whose version was dropped, or every
   microbatch with `pinned_versions=0`, recomputes on the current weights. Where the copies live
-  (host memory on a GPU) and how their buffers are reused: node/worker/weight_versions.py.
+  (host memory on a GPU) and how their buffers are reused: node/replica/weight_versions.py.
 - Device and precision (`runtime`, pipeline/runtime.py): the stage lives on the runtime's device;
   frames are decoded into (pinned) host buffers and copied over without waiting, results are
   read back where the reply needs their bytes, and every stage call runs under the runtime's
@@ -43,7 +43,7 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   has consumed it. In-process callers (tests, tools) act as `LOCAL_OWNER`.
 - A worker never applies a unit's gradient twice: every attempt of a unit's microbatch carries the
   same `work_key`, and a repeat (a reclaimed unit a dead trainer had started) is computed for the
-  stages around it but not accumulated (node/worker/work_ledger.py); its reply says `repeat`.
+  stages around it but not accumulated (node/replica/work_ledger.py); its reply says `repeat`.
 - The tail's Forward is forward + backward in one call: it accumulates its gradients at once and
   returns the loss and dL/d(input wire), the seed of the backward pass.
 - Abort (the trainer abandoned a microbatch's route): its stashed input is dropped and, if its
@@ -69,7 +69,7 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   a replica that accumulated nothing since its last step advances its count without an update.
   A replica that joins (or restarts) mid-run adopts the epoch from the first report it counts, so
   its learning rate is the swarm's, not a second warmup; after that a report must lie within a
-  window of its own count or it is refused, not applied (node/worker/epoch.py has the rules and the
+  window of its own count or it is refused, not applied (node/replica/epoch.py has the rules and the
   bounds on Step's `microbatches` and `replicas`). A synchronous barrier must name its step.
   `local_batch` (when set) makes a replica step on its own every that many samples instead, for
   runs whose trainers do not report.
@@ -103,7 +103,7 @@ from agora.protos.stage_adapter import (
     StepRequest,
 )
 
-from agora.node.worker.epoch import (
+from agora.node.replica.epoch import (
     EPOCH_CATCH_UP_BATCHES,
     MAX_COMPLETED_BATCH,
     ReportWindow,
@@ -111,9 +111,9 @@ from agora.node.worker.epoch import (
     judge_report,
     prune_counted,
 )
-from agora.node.worker.kept_graphs import KeptGraph, KeptGraphs
-from agora.node.worker.stash import ForwardStash
-from agora.node.worker.request_frames import (
+from agora.node.replica.kept_graphs import KeptGraph, KeptGraphs
+from agora.node.replica.stash import ForwardStash
+from agora.node.replica.request_frames import (
     DuplicateMicrobatch,
     InvalidRequest,
     NotOwner,
@@ -122,8 +122,8 @@ from agora.node.worker.request_frames import (
     RequestFrames,
     UnknownMicrobatch,
 )
-from agora.node.worker.work_ledger import WorkLedger
-from agora.node.worker.weight_versions import WeightCopies
+from agora.node.replica.work_ledger import WorkLedger
+from agora.node.replica.weight_versions import WeightCopies
 from agora.node.worker.options import DEFAULT_PINNED_VERSIONS
 
 __all__ = [
@@ -142,7 +142,7 @@ logger = logging.getLogger("agora.node.worker")
 LOCAL_OWNER = "local"
 # Weight of the newest job in the throughput average: ~10 jobs of memory, steady under jitter.
 THROUGHPUT_SMOOTHING = 0.1
-# How far completed-batch reports may stray from a replica's count: node/worker/epoch.py.
+# How far completed-batch reports may stray from a replica's count: node/replica/epoch.py.
 
 
 
@@ -154,7 +154,7 @@ class StashedInput:
     output_shape: tuple[int, ...]
     weights_version: int = 0  # StageCompute.weights_version when the forward ran
     owner: str = LOCAL_OWNER  # who ran the forward: only they may send its backward or abort it
-    work_key: str = ""  # the work it trains on (node/worker/work_ledger.py)
+    work_key: str = ""  # the work it trains on (node/replica/work_ledger.py)
 
 
 @dataclass(frozen=True)
@@ -202,11 +202,11 @@ class StageCompute:
         self.stepped_ids: dict[str, str] = {}
         self.last_step: StepReply | None = None
         self.report_window = report_window
-        # Asynchronous reports counted and still inside the window (node/worker/epoch.py).
+        # Asynchronous reports counted and still inside the window (node/replica/epoch.py).
         self._counted_batches: OrderedDict[int, StepReply] = OrderedDict()
         self._joined_epoch = False  # a report has been counted since this replica started
         # The median step count the stage's other replicas announce (set by the join daemon from
-        # their DHT records; None when it knows of none): node/worker/epoch.py.
+        # their DHT records; None when it knows of none): node/replica/epoch.py.
         self.stage_step: int | None = None
         self.throughput = 0.0  # tokens/s of compute, moving average; 0 until the first job
         # Called on this thread right after every step (or advance), with this object: the averaging

@@ -1,7 +1,7 @@
 """Which control messages a replica accepts: the completed-batch window and the Step bounds. Pure.
 
 Asynchronous mode steps a replica once per global batch a trainer reports done (`Step` with
-`completed_batch`; node/worker/compute.py), so a report moves the optimizer's step count and with it
+`completed_batch`; node/replica/compute.py), so a report moves the optimizer's step count and with it
 the learning-rate schedule and the averaging rounds, for good. Any admitted trainer can send one, so
 a report is judged against the replica's own count `s` before it is applied:
 

@@ -1,7 +1,7 @@
 """`KeptGraphs`: forward autograd graphs a head or body stage keeps for its Backward (memory for compute).
 
 By default a head or body forward runs under `no_grad` and its Backward recomputes the forward
-with grad from the stashed input (node/worker/compute.py): the stage runs its forward twice per
+with grad from the stashed input (node/replica/compute.py): the stage runs its forward twice per
 microbatch, which on a CPU is about a third of its work. With `keep_graphs = N > 0` the forward
 runs with grad instead and up to N of its graphs (output and the input leaf) are kept; a Backward
 that finds its graph back-propagates through it and skips the recompute. What a kept graph costs

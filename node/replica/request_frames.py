@@ -1,6 +1,6 @@
 """The checks every Stage request passes before any compute, and the encoding of its reply.
 
-`RequestFrames` belongs to one stage replica (node/worker/compute.py builds it) and is as
+`RequestFrames` belongs to one stage replica (node/replica/compute.py builds it) and is as
 single-threaded as it, except `check_addressing`, which reads constants only and so may run on
 the serving thread before a job is queued. Design choices:
 
@@ -8,7 +8,7 @@ the serving thread before a job is queued. Design choices:
   before any tensor reaches the stage, and a failure is an `InvalidRequest` whose message says
   what was expected and what was found (the worker answers INVALID_ARGUMENT and keeps serving).
   The bounds a request's declared sizes must respect before it is even read are the worker's
-  (node/worker/bounds.py); these are the checks of what it carries.
+  (node/replica/bounds.py); these are the checks of what it carries.
 - Frames are decoded into the runtime's (pinned) host buffers and copied to the device without
   waiting; a reply is read back to the host only where its bytes are needed.
 - A result that is NaN/Inf or does not encode is the request's fault while the stage's weights
@@ -28,7 +28,7 @@ from agora.pipeline.runtime import Runtime
 from agora.pipeline.stages import Stage
 from agora.protos.stage_adapter import ForwardRequest
 
-from agora.node.worker.work_ledger import MAX_WORK_KEY_CHARS
+from agora.node.replica.work_ledger import MAX_WORK_KEY_CHARS
 
 __all__ = [
     "RequestRejected",
@@ -59,7 +59,7 @@ class PreconditionFailed(RequestRejected):
 
 
 class ReportOutsideWindow(PreconditionFailed):
-    """A completed-batch report too far ahead of, or behind, the replica's count (node/worker/epoch.py).
+    """A completed-batch report too far ahead of, or behind, the replica's count (node/replica/epoch.py).
     FAILED_PRECONDITION for now; its own class so the worker can give it a code a trainer may retry."""
 
 

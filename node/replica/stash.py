@@ -17,7 +17,7 @@ pile up, hence two bounds:
 - TTL: an entry older than `ttl_s` is gone, checked lazily on every access (no timer thread).
 
 A key is stored once: `put` refuses a key that is still live instead of replacing its entry.
-Keys are microbatch ids bound to the trainer that ran the forward (node/worker/compute.py), and
+Keys are microbatch ids bound to the trainer that ran the forward (node/replica/compute.py), and
 a second Forward under the same id would otherwise overwrite someone's pending work.
 
 The clock is injected so tests expire entries without sleeping. Not thread-safe by design: only

@@ -1,6 +1,6 @@
 """`WeightCopies`: the copies of earlier weight versions a worker keeps for pending backwards.
 
-Which versions to keep is StageCompute's rule (node/worker/compute.py: the versions its stashed
+Which versions to keep is StageCompute's rule (node/replica/compute.py: the versions its stashed
 forwards ran on, at most `capacity`); this module decides where the copies live and what they cost.
 
 Design choices:

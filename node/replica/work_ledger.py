@@ -13,7 +13,7 @@ forgotten when its gradient is taken back out (Abort), so a rerouted attempt app
 The keys go into the stage's checkpoint (`StageCompute.work_in_weights`: those whose gradient
 the saved weights hold, not those still accumulating), so a worker resumed from it still knows
 what it applied: a unit its dead trainer left uncommitted, reclaimed after the restart, is not
-added twice (node/worker/checkpoints.py).
+added twice (node/replica/checkpoints.py).
 """
 
 from __future__ import annotations

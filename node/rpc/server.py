@@ -142,7 +142,7 @@ def create_server(*, interceptors: Sequence[grpc.aio.ServerInterceptor], max_mes
                   options: Sequence[tuple[str, Any]] = (), max_receive_bytes: Optional[int] = None,
                   maximum_concurrent_rpcs: Optional[int] = None) -> grpc.aio.Server:
     """`max_receive_bytes`: a tighter bound on one received message than `max_message_bytes` (a
-    worker derives it from the run's geometry, node/worker/bounds.py); grpc refuses a message over
+    worker derives it from the run's geometry, node/replica/bounds.py); grpc refuses a message over
     it with RESOURCE_EXHAUSTED before any handler runs. `maximum_concurrent_rpcs`: calls served at
     once; grpc answers RESOURCE_EXHAUSTED beyond it, so what every call may hold is bounded in sum."""
     limits = message_options(max_message_bytes)

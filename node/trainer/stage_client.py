@@ -104,7 +104,7 @@ class RequestRefused(StageCallError):
 
 
 class OutsideWindow(StageCallError):
-    """OUT_OF_RANGE: a completed-batch report outside the replica's window (node/worker/epoch.py). The
+    """OUT_OF_RANGE: a completed-batch report outside the replica's window (node/replica/epoch.py). The
     replica lags or runs ahead of its stage; it is told of later batches still (it re-anchors to its
     stage's count when the stage's other replicas announce one)."""
 

@@ -399,7 +399,7 @@ class SwarmTrainer:
         """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts.
         `shares`: the global batch's microbatches per peer, one counter per stage (balanced routing).
         `key` names the work ("u12m3"): the same for every attempt and every trainer that runs this unit,
-        so a worker that applied it once does not apply it again (node/worker/work_ledger.py).
+        so a worker that applied it once does not apply it again (node/replica/work_ledger.py).
         `turn(stage)`: synchronous mode's order of accumulation (node/trainer/turns.py)."""
         exclude: set[str] = set()
         last_error: Exception | None = None

@@ -1,1 +1,2 @@
-"""The contributor side: the stage worker (gRPC runtime, compute thread, forward stash) and the `join` daemon."""
+"""The stage worker's gRPC service (worker.py, with per-caller flow control) and the `join` daemon
+that assembles a worker node (join.py)."""

@@ -34,7 +34,7 @@ caller, must cover the round trip: when four trainers feed one worker, each need
 the queue to keep it busy, and granting each a whole one would only lengthen the queue (every
 call waits behind the others' work, and the microbatches grow staler for nothing).
 
-Credits are advice the worker's hard limits back: the slot pool (node/worker/bounds.py) still
+Credits are advice the worker's hard limits back: the slot pool (node/replica/bounds.py) still
 refuses beyond `capacity` or beyond a caller's three quarters of it, and those refusals carry
 when a slot is expected to free (`pushback_s`, sent as gRPC's `grpc-retry-pushback-ms`). A caller
 acting on an older, larger grant is therefore served, not refused, and the grant it gets back

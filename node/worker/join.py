@@ -16,9 +16,9 @@ and, with `--stats-file`, writes the averaging counters there as JSON when it le
 With `--metrics-port` it serves Prometheus metrics (worker, gRPC, averaging, credential; see
 monitor/) and names the endpoint in its DHT record, with its averaging counts.
 A replica that joins a stage whose members are ahead of it goes through the sync phases first
-(node/worker/phases.py): weight sync (the stage's state downloaded from a member,
-node/worker/state_download.py; averaging with weight 0 for a rotation), optimizer sync, member.
-Every training worker serves its own state to the next joiner (node/worker/state_transfer.py).
+(node/membership/phases.py): weight sync (the stage's state downloaded from a member,
+node/membership/state_download.py; averaging with weight 0 for a rotation), optimizer sync, member.
+Every training worker serves its own state to the next joiner (node/membership/state_transfer.py).
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ from agora.node.averaging.sparta import (
 from agora.node.averaging.stats import AveragingStats
 from agora.node.observability import MetricsOptions, NodeMetrics, package_version
 from agora.node.rpc.metrics_hook import MetricsHook
-from agora.node.worker.epoch import stage_step
+from agora.node.replica.epoch import stage_step
 from agora.node.worker.worker import StageWorker, WorkerOptions
-from agora.node.worker.checkpoints import StageCheckpointer, restore_stage
-from agora.node.worker.phases import StageView, SyncPhases, SyncPolicy
-from agora.node.worker.rebalance import Move, RebalancePolicy, Rebalancer
-from agora.node.worker.state_download import StateDownloader, donor_order
-from agora.node.worker.state_transfer import apply_state, expected_state_bytes
+from agora.node.replica.checkpoints import StageCheckpointer, restore_stage
+from agora.node.membership.phases import StageView, SyncPhases, SyncPolicy
+from agora.node.membership.rebalance import Move, RebalancePolicy, Rebalancer
+from agora.node.membership.state_download import StateDownloader, donor_order
+from agora.node.membership.state_transfer import apply_state, expected_state_bytes
 from agora.node.rpc.tls import InsecureChannels, TlsChannels
 from agora.pipeline.checkpoint import CheckpointError, checkpoint_steps, read_meta
 from agora.pipeline.config import ConfigError, RunConfig
@@ -76,7 +76,7 @@ EXIT_STOPPED_NOW = 130
 @dataclass(frozen=True)
 class WorkerExit:
     """How the daemon ended: its exit code, and the stage it left to host instead (rebalancing,
-    node/worker/rebalance.py), which the command line starts it again on."""
+    node/membership/rebalance.py), which the command line starts it again on."""
 
     code: int
     move_to: int | None = None
@@ -100,10 +100,10 @@ class JoinOptions:
     authorizer: str | None = None  # host:port to renew the credential with (None: no renewal)
     serve_checkpoint: str | None = None  # serve-only: the checkpoint whose weights this stage serves
     metrics: MetricsOptions = MetricsOptions()  # port 0: no metrics server
-    # The sync phases of a replica joining mid-run (node/worker/phases.py); False joins as a member at once.
+    # The sync phases of a replica joining mid-run (node/membership/phases.py); False joins as a member at once.
     sync_phases: bool = True
     state_download_s: float = 480.0  # the whole weight-sync download, over every donor tried
-    rebalance: bool = True  # move to a stage that is short of replicas (node/worker/rebalance.py)
+    rebalance: bool = True  # move to a stage that is short of replicas (node/membership/rebalance.py)
     rebalance_s: float | None = None  # between two readings of the stages; None: 6 heartbeats
 
 
@@ -125,7 +125,7 @@ def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, se
 
 async def _follow_stage_epoch(swarm: SwarmDHT, worker: StageWorker, options: JoinOptions) -> None:
     """Every heartbeat: give the compute the step count the stage's other replicas announce (their
-    median; node/worker/epoch.py), against which it judges a first or far-off completed-batch report."""
+    median; node/replica/epoch.py), against which it judges a first or far-off completed-batch report."""
     while True:
         try:
             records = await swarm.live_workers_async(options.run_id, options.stage)
@@ -378,7 +378,7 @@ def _rebalancer(swarm: SwarmDHT, worker: StageWorker, config: RunConfig, options
 
 
 async def _announce_move(swarm: SwarmDHT, options: JoinOptions, move: Move) -> None:
-    """While this worker is in transit to `move.target`, nobody else moves (node/worker/rebalance.py):
+    """While this worker is in transit to `move.target`, nobody else moves (node/membership/rebalance.py):
     for long enough to leave, be admitted again and announce itself there."""
     record = MoveRecord(peer_id=swarm.peer_id, run_id=options.run_id, from_stage=options.stage, to_stage=move.target,
                         started_at=swarm.clock())
@@ -391,7 +391,7 @@ async def _announce_move(swarm: SwarmDHT, options: JoinOptions, move: Move) -> N
 
 def _stage_members(swarm: SwarmDHT, options: JoinOptions, config: RunConfig):
     """What the sync phases read: the stage's members other than this node, best donor first
-    (node/worker/state_download.py), and the highest step a member of any stage announces."""
+    (node/membership/state_download.py), and the highest step a member of any stage announces."""
     fingerprint = run_fingerprint(config)
     rng = random.Random()
 

@@ -23,7 +23,7 @@ from agora.pipeline.schema import SECTION, NoneOr, setting
 __all__ = ["WorkerOptions", "DEFAULT_PINNED_VERSIONS", "default_per_caller"]
 
 # Earlier weight versions kept by default for backwards whose forward ran on them
-# (node/worker/compute.py pins them): a backward spans at most a step and an averaging write or two.
+# (node/replica/compute.py pins them): a backward spans at most a step and an averaging write or two.
 DEFAULT_PINNED_VERSIONS = 2
 
 

@@ -8,7 +8,7 @@ Design choices:
   its optimizer and its stash (`StageCompute`). Work for it is FIFO, so a Step barrier runs after
   every request admitted before it. Others (checkpoints, averaging) get the same thread through
   `on_compute`.
-- Admission is bounded, and happens before anything is allocated for a request (node/worker/bounds.py):
+- Admission is bounded, and happens before anything is allocated for a request (node/replica/bounds.py):
   caller, run/stage addressing, the shapes its frames declare (rows <= train.microbatch_size or
   `max_rows`, sequence <= train.seq_len, wire width = model.wire_dim; INVALID_ARGUMENT naming the
   field and both values), then a queue slot. `load` counts Forward/Backward requests admitted but
@@ -44,7 +44,7 @@ Design choices:
   belongs to whoever ran its forward (PERMISSION_DENIED for anyone else, ALREADY_EXISTS for a
   Forward reusing a pending id). Refusals are counted by reason (`refusals`).
 - Weight sync: every training worker also serves its state to joining replicas of its stage
-  (`DownloadState`, node/worker/state_transfer.py, `max_state_downloads` at once). A worker in
+  (`DownloadState`, node/membership/state_transfer.py, `max_state_downloads` at once). A worker in
   phase weight_sync refuses Forward and Backward (FAILED_PRECONDITION): its weights are not the
   stage's yet. It still counts completed-batch reports, so it keeps the stage's epoch.
 - Inference (Prefill, Decode, CloseSession) is served by node/inference/service.py on the same
@@ -89,7 +89,7 @@ from agora.node.rpc.server import (
     slow_start_hint,
 )
 from agora.node.rpc.tls import server_credentials
-from agora.node.worker.bounds import (
+from agora.node.replica.bounds import (
     OutOfBounds,
     RequestGeometry,
     Slot,
@@ -97,9 +97,9 @@ from agora.node.worker.bounds import (
     SlotRefused,
     default_per_caller,
 )
-from agora.node.worker.compute import StageCompute
+from agora.node.replica.compute import StageCompute
 from agora.node.worker.flow import Credits, FlowControl
-from agora.node.worker.request_frames import (
+from agora.node.replica.request_frames import (
     ComputeError,
     DuplicateMicrobatch,
     InvalidRequest,
@@ -109,8 +109,8 @@ from agora.node.worker.request_frames import (
     RequestRejected,
 )
 from agora.node.worker.options import WorkerOptions
-from agora.node.worker.stash import ForwardStash
-from agora.node.worker.state_transfer import StateDonor
+from agora.node.replica.stash import ForwardStash
+from agora.node.membership.state_transfer import StateDonor
 from agora.monitor.worker_metrics import WorkerMetrics
 from agora.pipeline.codec import WireCodec, peek_header
 from agora.pipeline.optim import lr_at
@@ -170,7 +170,7 @@ class StageWorker:
         if credentials is not None:
             _check_own_credential(credentials, run_id, stage_index)
         self.fingerprint = fingerprint if fingerprint is not None else run_fingerprint(self.config)
-        # What a request may declare and carry (node/worker/bounds.py); a bad max_rows fails here.
+        # What a request may declare and carry (node/replica/bounds.py); a bad max_rows fails here.
         self.geometry = RequestGeometry.from_config(self.config, stage_index, self.options.max_rows)
         self.refusals = RefusalCounts()  # refused calls by reason (auth, fingerprint, ownership)
         check = CallerCheck(fingerprint=self.fingerprint, credentials=credentials, refusals=self.refusals, clock=clock)
@@ -241,7 +241,7 @@ class StageWorker:
 
     @phase.setter
     def phase(self, phase: Phase | str) -> None:
-        # The sync phases (node/worker/phases.py) move the worker through its life; Info and the DHT
+        # The sync phases (node/membership/phases.py) move the worker through its life; Info and the DHT
         # report it. A move the life does not have is a bug in the caller: refused, never announced.
         phase = Phase(phase)
         if phase == self._phase:
@@ -375,7 +375,7 @@ class StageWorker:
             slot.hand_off(future)
         return future
 
-    # ------------------------------------------------------------------ admission (node/worker/bounds.py)
+    # ------------------------------------------------------------------ admission (node/replica/bounds.py)
 
     def _refused(self, code: grpc.StatusCode, message: str, reason: str | None = None) -> StageRefusal:
         if reason is not None:

@@ -11,8 +11,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
-from agora.node.worker.compute import StageCompute
-from agora.node.worker.stash import ForwardStash
+from agora.node.replica.compute import StageCompute
+from agora.node.replica.stash import ForwardStash
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import RunConfig
 

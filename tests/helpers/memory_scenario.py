@@ -7,8 +7,8 @@ from typing import Callable
 
 import torch
 
-from agora.node.worker.compute import StageCompute
-from agora.node.worker.stash import ForwardStash
+from agora.node.replica.compute import StageCompute
+from agora.node.replica.stash import ForwardStash
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.runtime import Runtime
 from agora.protos.stage_adapter import BackwardRequest, ForwardRequest, StepRequest

@@ -396,7 +396,7 @@ def test_loop_starts_due_and_announced_rounds_and_stop_cancels_the_round_in_flig
 def test_diloco_anchor_momentum_and_round_survive_a_checkpoint(tmp_path):
     """A restarted replica resumes its outer optimizer: the same anchor, momentum and round, and
     samples since the last round counted across the restart (the worker's own count restarts)."""
-    from agora.node.worker.checkpoints import StageCheckpointer, restore_stage
+    from agora.node.replica.checkpoints import StageCheckpointer, restore_stage
 
     sync = dataclasses.replace(SYNC, method="diloco", fragments=2)
 

@@ -125,7 +125,7 @@ def test_rng_state_round_trips_and_a_legacy_bare_state_is_accepted():
 
 def test_a_worker_checkpoints_every_n_steps_off_its_compute_thread_and_resumes_exactly(tmp_path):
     from agora.node.rpc.server import run
-    from agora.node.worker.checkpoints import StageCheckpointer, restore_stage
+    from agora.node.replica.checkpoints import StageCheckpointer, restore_stage
     from agora.pipeline.codec import encode_tokens
     from agora.protos.stage_adapter import ForwardRequest
     from local_replica import LocalReplica

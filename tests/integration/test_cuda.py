@@ -14,9 +14,9 @@ import torch
 from memory_scenario import IN_FLIGHT, PINNED, steady_state
 
 from agora.node.averaging.sparta import SlicePartition
-from agora.node.worker.compute import StageCompute
-from agora.node.worker.stash import ForwardStash
-from agora.node.worker.weight_versions import WeightCopies
+from agora.node.replica.compute import StageCompute
+from agora.node.replica.stash import ForwardStash
+from agora.node.replica.weight_versions import WeightCopies
 from agora.pipeline.centralized import CentralizedTrainer
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS, RuntimeConfig

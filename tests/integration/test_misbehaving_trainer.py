@@ -239,7 +239,7 @@ async def _train(pki, data, *, hostile: bool, synchronous: bool):
             attacker.training = training
             if joined is not None:
                 # Asynchronous: the first report a replica counts sets its epoch (whoever sends it: see
-                # node/worker/epoch.py), so the hostile trainer starts once the honest one has sent them.
+                # node/replica/epoch.py), so the hostile trainer starts once the honest one has sent them.
                 await asyncio.wait([joined, training], return_when=asyncio.FIRST_COMPLETED)
                 joined.cancel()  # if the run ended first
             rounds = 0

@@ -9,7 +9,7 @@ asynchronous, so its Step takes completed-batch reports). The fuzzing client hol
 credential and sends the run fingerprint, so the calls pass the door and reach the parsing behind
 it. Requests go out as bytes through identity-serialized calls, so nothing on the client side
 (a generated stub, the adapter) sanitises them first. The workers' own limits are lowered (1 MiB
-per message, 2 MiB per reassembled stream); the run's geometry (node/worker/bounds.py) caps both
+per message, 2 MiB per reassembled stream); the run's geometry (node/replica/bounds.py) caps both
 lower still, so the size bounds are reached cheaply.
 
 Structured requests draw every field of protos/stage.proto: run and stage mostly right (so the
@@ -53,7 +53,7 @@ from agora.node.inference.client import InferenceClient
 from agora.node.rpc.server import new_event_loop
 from agora.node.rpc.tls import TlsChannels, worker_server_name
 from agora.node.trainer.stage_client import StageClient
-from agora.node.worker.request_frames import MAX_MICROBATCH_ID_CHARS
+from agora.node.replica.request_frames import MAX_MICROBATCH_ID_CHARS
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS

@@ -24,8 +24,8 @@ from agora.auth.grpc_policy import FINGERPRINT_METADATA
 from agora.node.rpc.server import run
 from agora.node.rpc.tls import InsecureChannels, TlsChannels, worker_server_name
 from agora.node.trainer.stage_client import StageClient
-from agora.node.worker.state_download import Donor, StateDownloader, donor_order
-from agora.node.worker.state_transfer import apply_state, download_refusal, expected_state_bytes
+from agora.node.membership.state_download import Donor, StateDownloader, donor_order
+from agora.node.membership.state_transfer import apply_state, download_refusal, expected_state_bytes
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.dht.records import WorkerRecord
 from agora.node.rpc.auth_check import Caller
@@ -317,8 +317,8 @@ def test_the_receiver_refuses_what_does_not_add_up_before_allocating():
 
 
 def test_apply_state_refuses_another_stage_or_shape_and_changes_nothing():
-    from agora.node.worker.compute import StageCompute
-    from agora.node.worker.stash import ForwardStash
+    from agora.node.replica.compute import StageCompute
+    from agora.node.replica.stash import ForwardStash
     from agora.pipeline.codec import WireCodec
 
     compute = StageCompute(CONFIG, TAIL, run_id=RUN, codec=WireCodec("fp32"), stash=ForwardStash(4, 60.0),
@@ -326,7 +326,7 @@ def test_apply_state_refuses_another_stage_or_shape_and_changes_nothing():
     before = _state_of(compute)
     other = StageCompute(CONFIG, 0, run_id=RUN, codec=WireCodec("fp32"), stash=ForwardStash(4, 60.0),
                          synchronous=False)
-    from agora.node.worker.state_transfer import snapshot_stage, state_tree
+    from agora.node.membership.state_transfer import snapshot_stage, state_tree
 
     with pytest.raises(StateWireError, match="not stage 1"):
         apply_state(compute, state_tree(snapshot_stage(other), 0))

@@ -1,7 +1,7 @@
 """Bounds at the door (issue 11): what a worker refuses before it allocates, and what that buys.
 
 Three layers, cheapest first (the last in its own file):
-- the pure rules of node/worker/bounds.py (shapes from the config, byte budgets, queue slots),
+- the pure rules of node/replica/bounds.py (shapes from the config, byte budgets, queue slots),
   without sockets;
 - real in-process workers (head, body and tail of a 3-stage `tiny` run, --insecure, grpc.aio on
   127.0.0.1:0) sent raw protobuf requests whose codec frames are often a header and nothing more:
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from agora.node.rpc.server import new_event_loop
-from agora.node.worker.bounds import (
+from agora.node.replica.bounds import (
     HEADROOM_BYTES,
     OutOfBounds,
     RequestGeometry,

@@ -78,7 +78,7 @@ def test_a_trainer_log_line_still_being_written_is_left_for_the_next_read(tmp_pa
 
 
 START = "2026-12-02 02:49:16,907"
-SYNCED = [  # a newcomer's log lines as node/worker/phases.py, join.py and worker.py write them
+SYNCED = [  # a newcomer's log lines as node/membership/phases.py, join.py and worker.py write them
     "2026-12-02 02:49:21,870 INFO agora.node.worker: stage 1/3 worker of run 'demo' serving on 10.77.0.13:38615",
     "2026-12-02 02:49:22,084 INFO agora.node.join: stage 1: phase weight_sync (the stage's members are at step 60, "
     "this replica at 0)",

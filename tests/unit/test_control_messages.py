@@ -14,10 +14,10 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from agora.node.worker.compute import StageCompute
-from agora.node.worker.request_frames import InvalidRequest, NotOwner, PreconditionFailed, ReportOutsideWindow
-from agora.node.worker.epoch import ReportWindow, check_step_fields, judge_report, prune_counted, stage_step
-from agora.node.worker.stash import ForwardStash
+from agora.node.replica.compute import StageCompute
+from agora.node.replica.request_frames import InvalidRequest, NotOwner, PreconditionFailed, ReportOutsideWindow
+from agora.node.replica.epoch import ReportWindow, check_step_fields, judge_report, prune_counted, stage_step
+from agora.node.replica.stash import ForwardStash
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
 from agora.protos.stage_adapter import AbortRequest, BackwardRequest, ForwardRequest, StepRequest

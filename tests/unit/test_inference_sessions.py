@@ -1,5 +1,5 @@
 """Pure rules of inference serving, without sockets: the session table's bounds (node/inference/sessions.py),
-replica choice (node/inference/routing.py), and the door's inference geometry (node/worker/bounds.py)."""
+replica choice (node/inference/routing.py), and the door's inference geometry (node/replica/bounds.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from agora.node.inference.routing import ReplicaRoster, ReplicaView, pick_replica
 from agora.node.inference.sessions import NotSessionOwner, SessionRefused, SessionTable, UnknownSession
-from agora.node.worker.bounds import HEADROOM_BYTES, OutOfBounds, RequestGeometry
+from agora.node.replica.bounds import HEADROOM_BYTES, OutOfBounds, RequestGeometry
 from agora.pipeline.codec import WireCodec, encode_tokens, float_frame_bytes
 from agora.pipeline.config import PRESETS
 from agora.protos.stage_adapter import InferRequest

@@ -1,4 +1,4 @@
-"""Kept forward graphs (node/worker/kept_graphs.py): the same bits as the recompute, only while valid,
+"""Kept forward graphs (node/replica/kept_graphs.py): the same bits as the recompute, only while valid,
 bounded in count, dropped with their microbatch."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agora.node.worker.compute import StageCompute
-from agora.node.worker.stash import ForwardStash
+from agora.node.replica.compute import StageCompute
+from agora.node.replica.stash import ForwardStash
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
 from agora.protos.stage_adapter import AbortRequest, BackwardRequest, ForwardRequest, StepRequest

@@ -21,8 +21,8 @@ import torch
 from memory_scenario import CODEC, IN_FLIGHT, PINNED, Driver, steady_state
 
 from agora.node.cli import main
-from agora.node.worker.compute import StageCompute
-from agora.node.worker.stash import ForwardStash
+from agora.node.replica.compute import StageCompute
+from agora.node.replica.stash import ForwardStash
 from agora.pipeline.config import PRESETS, RuntimeConfig
 from agora.pipeline.memory import LiveBytes, MemoryOptions, plan_stage
 from agora.pipeline.runtime import Runtime

@@ -1,4 +1,4 @@
-"""Rebalancing decisions (node/worker/rebalance.py), pure: who moves where, and that nothing moves back."""
+"""Rebalancing decisions (node/membership/rebalance.py), pure: who moves where, and that nothing moves back."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from agora.dht.records import WorkerRecord
-from agora.node.worker.rebalance import (Move, RebalancePolicy, jobs_per_microbatch, moved_argv, plan_move,
+from agora.node.membership.rebalance import (Move, RebalancePolicy, jobs_per_microbatch, moved_argv, plan_move,
                                          stage_coverage)
 
 POLICY = RebalancePolicy()

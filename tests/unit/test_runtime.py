@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from agora.node.cli import main
-from agora.node.worker.compute import StageCompute
-from agora.node.worker.stash import ForwardStash
+from agora.node.replica.compute import StageCompute
+from agora.node.replica.stash import ForwardStash
 from agora.pipeline.centralized import CentralizedTrainer
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS, ConfigError, RuntimeConfig, config_from_dict

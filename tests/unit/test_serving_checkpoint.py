@@ -16,8 +16,8 @@ import torch
 
 from agora.node.cli import main
 from agora.node.inference.serving import load_serving_weights
-from agora.node.worker.compute import StageCompute
-from agora.node.worker.stash import ForwardStash
+from agora.node.replica.compute import StageCompute
+from agora.node.replica.stash import ForwardStash
 from agora.pipeline.checkpoint import CheckpointError, StageState, save_checkpoint
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import PRESETS, load_config

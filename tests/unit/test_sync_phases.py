@@ -1,4 +1,4 @@
-"""The sync phases (node/worker/phases.py): the decisions, pure (where a replica starts, when it moves
+"""The sync phases (node/membership/phases.py): the decisions, pure (where a replica starts, when it moves
 on), and `SyncPhases`' answers to a stage that shows no member, over an in-memory view of the DHT."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from agora.dht.records import PHASE_TRANSITIONS, START_PHASES, Phase
-from agora.node.worker.phases import SyncPolicy, SyncProgress, behind_the_run, entry_phase, next_phase, rotation_slices
-from agora.node.worker.state_download import StateDownloadError
+from agora.node.membership.phases import SyncPolicy, SyncProgress, behind_the_run, entry_phase, next_phase, rotation_slices
+from agora.node.membership.state_download import StateDownloadError
 from agora.pipeline.config import PRESETS, SyncConfig
 
 POLICY = SyncPolicy(optimizer_sync_steps=10, lag_tolerance=3, fallback_rotations=2)
@@ -118,7 +118,7 @@ class _Clock:
 
 
 class _RefusingDownloader:
-    """Every donor refuses (the in-memory stand-in for node/worker/state_download.py's failures)."""
+    """Every donor refuses (the in-memory stand-in for node/membership/state_download.py's failures)."""
 
     def __init__(self):
         self.asked: list[list[str]] = []
@@ -129,7 +129,7 @@ class _RefusingDownloader:
 
 
 def _phases(clock: _Clock, policy: SyncPolicy):
-    from agora.node.worker.phases import SyncPhases
+    from agora.node.membership.phases import SyncPhases
     from agora.node.worker.worker import StageWorker
 
     worker = StageWorker(PRESETS["tiny"].with_stages(3), 1, run_id="run")
@@ -143,8 +143,8 @@ def test_behind_the_run_a_replica_waits_for_a_member_before_it_takes_the_stage_a
     up is downloaded from; only `empty_stage_wait_s` with none makes it the stage's state."""
     import asyncio
 
-    from agora.node.worker.phases import StageView
-    from agora.node.worker.state_download import Donor
+    from agora.node.membership.phases import StageView
+    from agora.node.membership.state_download import Donor
 
     policy = SyncPolicy(lag_tolerance=3, empty_stage_wait_s=10.0)
 
@@ -210,8 +210,8 @@ def test_a_syncing_replica_with_the_stages_state_is_a_member_once_no_member_is_l
     import asyncio
     import time
 
-    from agora.node.worker.phases import SyncPhases, StageView
-    from agora.node.worker.state_download import Donor
+    from agora.node.membership.phases import SyncPhases, StageView
+    from agora.node.membership.state_download import Donor
     from agora.node.worker.worker import StageWorker
 
     policy = SyncPolicy(lag_tolerance=3, member_check_s=0.01)

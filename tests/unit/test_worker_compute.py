@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agora.node.worker.compute import StageCompute
-from agora.node.worker.request_frames import (
+from agora.node.replica.compute import StageCompute
+from agora.node.replica.request_frames import (
     ComputeError,
     InvalidRequest,
     PreconditionFailed,
     UnknownMicrobatch,
 )
-from agora.node.worker.stash import AlreadyStashed, ForwardStash
+from agora.node.replica.stash import AlreadyStashed, ForwardStash
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
 from agora.protos.stage_adapter import AbortRequest, BackwardRequest, ForwardRequest, StepRequest
@@ -147,8 +147,8 @@ def test_abort_takes_back_exactly_what_an_abandoned_microbatch_added():
     """An abandoned route leaves nothing half-applied: gradients return to what they were."""
     import torch
 
-    from agora.node.worker.compute import StageCompute
-    from agora.node.worker.stash import ForwardStash
+    from agora.node.replica.compute import StageCompute
+    from agora.node.replica.stash import ForwardStash
     from agora.pipeline.codec import WireCodec, encode_tokens
     from agora.pipeline.config import PRESETS
     from agora.protos.stage_adapter import AbortRequest, ForwardRequest
@@ -208,7 +208,7 @@ def test_asynchronous_worker_steps_once_per_reported_global_batch():
 
 
 def test_a_replica_joining_mid_run_adopts_the_stage_epoch_from_the_reported_batch():
-    from agora.node.worker.compute import EPOCH_CATCH_UP_BATCHES
+    from agora.node.replica.compute import EPOCH_CATCH_UP_BATCHES
     from agora.pipeline.optim import lr_at
 
     joiner = make_compute(0, synchronous=False, local_batch=None)
@@ -406,7 +406,7 @@ def test_a_worker_applies_a_units_microbatch_once_whoever_runs_it_again():
     attempt whose gradient was taken back (Abort) leaves the key free for the next one."""
     from dataclasses import replace
 
-    from agora.node.worker.work_ledger import MAX_WORK_KEY_CHARS
+    from agora.node.replica.work_ledger import MAX_WORK_KEY_CHARS
 
     head, tail = make_compute(0), make_compute(2)
     tokens, targets = batch(1)
@@ -447,7 +447,7 @@ def test_a_checkpoint_keeps_the_work_its_weights_hold_and_a_resumed_worker_does_
     a repeat and one whose gradient was lost with the process is applied again."""
     from dataclasses import replace
 
-    from agora.node.worker.checkpoints import checkpoint_snapshot, restore_stage
+    from agora.node.replica.checkpoints import checkpoint_snapshot, restore_stage
     from agora.pipeline.checkpoint import save_checkpoint
     from agora.pipeline.config import ConfigError
 
