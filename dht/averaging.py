@@ -354,6 +354,8 @@ class RoundBoard:
         self.run_id, self.stage = run_id, stage
         self.key = rounds_key(run_id, stage, method)
         self.ttl = ttl
+        self.refused: Counter[str] = Counter()  # announcements refused, by reason (each writer's round once)
+        self._refused_seen: set[tuple[str, int]] = set()
 
     async def announce(self, round_number: int) -> None:
         """Tell the stage this replica is starting ``round_number`` (best effort)."""
@@ -369,13 +371,36 @@ class RoundBoard:
                              round=round_number, started_at=self._swarm.clock(), closed=True)
         await self._swarm.store_async(self.key, record, self.ttl, subkey=self._swarm.subkey_of(record.peer_id))
 
-    async def announced_round(self) -> Optional[int]:
-        """The latest round another replica announced and has not left, if any."""
+    async def announced_round(self, at_most: Optional[int] = None) -> Optional[int]:
+        """The latest round another replica announced and has not left, if any, and no later than
+        `at_most` (the stage's schedule as the caller knows it, with some slack).
+
+        A later one is refused, not joined: a replica that joined it would skip every round up to
+        it, so one announcement of round 10**9 would end the stage's averaging, and through the
+        checkpointed last round, across restarts too. Each refused (writer, round) is counted once
+        in `refused` and said once in a log line naming the writer."""
         entries = await self._swarm.owned_entries_async(self.key, RoundRecord)  # by peer id, ownership checked
-        rounds = [stored.record.round for peer_id, stored in entries.items()
-                  if peer_id != self._swarm.peer_id and stored.record.stage == self.stage
-                  and not stored.record.closed]
+        rounds = []
+        for peer_id, stored in entries.items():
+            record = stored.record
+            if peer_id == self._swarm.peer_id or record.stage != self.stage or record.closed:
+                continue
+            if at_most is not None and record.round > at_most:
+                self._refuse(peer_id, record.round, at_most)
+                continue
+            rounds.append(record.round)
         return max(rounds, default=None)
+
+    def _refuse(self, peer_id: str, round_number: int, at_most: int) -> None:
+        if (peer_id, round_number) in self._refused_seen:
+            return
+        self._refused_seen.add((peer_id, round_number))
+        self.refused["past_schedule"] += 1
+        logger.warning("stage %d: refused peer %s's announcement of round %d (the stage's schedule allows at "
+                       "most %d)", self.stage, peer_id, round_number, at_most,
+                       extra={"milestone": "record_refused",
+                              "fields": {"kind": "round", "peer": peer_id, "reason": "past_schedule",
+                                         "round": round_number, "at_most": at_most}})
 
     async def replicas(self) -> int:
         """Live replicas of the stage, this one included (even before its first announce lands)."""

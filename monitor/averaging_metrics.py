@@ -39,6 +39,9 @@ class AveragingMetrics:
                                registry=registry)
         self.rejections = Counter("agora_averaging_rejections", "Contributions the robust aggregation rejected, by "
                                   "reason", ["method", "reason"], registry=registry)
+        self.refused = Counter("agora_averaging_refused_announcements",
+                               "Other replicas' round announcements refused, by reason (a round past the stage's "
+                               "schedule)", ["method", "reason"], registry=registry)
         self.group_size = Histogram("agora_averaging_group_size", "Replicas in a round's group, this one included",
                                     ["method"], buckets=GROUP_SIZE_BUCKETS, registry=registry)
         self.received = Histogram("agora_averaging_received_ratio",

@@ -58,7 +58,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Mapping, Optional, Protocol
 
 import torch
 
@@ -88,10 +88,16 @@ class RoundDirectory(Protocol):
 
     async def close(self, round_number: int) -> None: ...
 
-    async def announced_round(self) -> Optional[int]: ...
+    refused: Mapping[str, int]  # announcements refused so far, by reason
+
+    async def announced_round(self, at_most: Optional[int] = None) -> Optional[int]: ...
 
     async def replicas(self) -> int: ...
 
+# Rounds past the stage's schedule (this replica's count, or the stage's announced one when ahead)
+# that an announcement may still name and be joined. Replicas step on the same completed-batch
+# reports, so a real announcement is a round or two ahead at most; a later one is refused.
+ROUND_LEAD = 4
 # How often the loop looks at its own step count, and how long stop() waits for a round to end.
 _POLL_S = 0.05
 _STOP_GRACE_S = 10.0
@@ -118,6 +124,7 @@ class AveragingLoop:
         # Well inside the matchmaking window, so a slower replica joins the fastest one's round.
         self.probe_s = probe_s if probe_s is not None else min(10.0, max(0.25, sync.matchmaking_s / 4))
         self._announced: Optional[int] = None
+        self._refused_counted: dict[str, int] = {}  # the board's refusals already in the stats
         self._next_probe = 0.0
         self._logger = logger or logging.getLogger("agora.node.averaging")
         self._partition: Optional[SlicePartition] = None
@@ -232,7 +239,7 @@ class AveragingLoop:
     async def _run(self) -> None:
         while not self._stopping.is_set():
             if self._board is not None and time.monotonic() >= self._next_probe:
-                announced, replicas = await asyncio.gather(self._ask(self._board.announced_round, None),
+                announced, replicas = await asyncio.gather(self._ask(self._read_announced, None),
                                                            self._ask(self._board.replicas, None))
                 self._announced = announced
                 if replicas is not None:
@@ -278,10 +285,29 @@ class AveragingLoop:
             return decision
         return RoundDecision(decision.round, decision.round - self._last_round - 1)
 
+    def round_bound(self) -> int:
+        """The latest round this replica would join on another's announcement: the stage's
+        schedule (this replica's count, or the stage's announced count when that is ahead: a
+        replica that lags joins the others' rounds) plus `ROUND_LEAD`."""
+        stage_step = getattr(self.worker.compute, "stage_step", None) or 0
+        return max(self.stats.local_steps, stage_step) // self.sync.every_steps + ROUND_LEAD
+
+    async def _read_announced(self) -> Optional[int]:
+        board = self._board
+        before = sum(board.refused.values())
+        announced = await board.announced_round(self.round_bound())
+        if sum(board.refused.values()) > before:
+            for reason, count in board.refused.items():
+                new = count - self._refused_counted.get(reason, 0)
+                if new > 0:
+                    self.stats.count_refused(reason, new)
+                    self._refused_counted[reason] = count
+        return announced
+
     async def _join_announced(self) -> RoundDecision:
         """Another replica waits in a round this one has not run (it is behind, or let the round
         pass while busy): join it if the announcement is still open when read again now."""
-        self._announced = await self._ask(self._board.announced_round, None)
+        self._announced = await self._ask(self._read_announced, None)
         if self._announced is None or self._announced <= self._last_round:
             return RoundDecision(None, 0)
         return RoundDecision(self._announced, self._announced - self._last_round - 1)

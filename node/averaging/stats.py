@@ -36,6 +36,7 @@ class AveragingStats:
             self.metrics.rounds.labels(method=method, outcome=outcome)
         self._lock = threading.Lock()  # the maxima are read-modify-write
         self._rejection_reasons: set[str] = set()  # the label values seen, to read the counts back
+        self._refusal_reasons: set[str] = set()
         self.last_round: Optional[int] = None
         self.local_steps = 0  # the worker's optimizer steps, as last seen by the loop
         self.vector_elements = 0
@@ -91,6 +92,16 @@ class AveragingStats:
         metrics.last_round.labels(method=method).set(result.round)
         self.last_round = result.round
 
+    def count_refused(self, reason: str, count: int = 1) -> None:
+        """Announcements of other replicas this one refused (dht/averaging.py's RoundBoard says why)."""
+        self.metrics.refused.labels(method=self.method, reason=reason).inc(count)
+        self._refusal_reasons.add(reason)
+
+    @property
+    def refused(self) -> dict[str, int]:
+        return {reason: int(self._value("agora_averaging_refused_announcements_total", reason=reason))
+                for reason in sorted(self._refusal_reasons)}
+
     @property
     def rejections(self) -> dict[str, int]:
         return {reason: int(self._value("agora_averaging_rejections_total", reason=reason))
@@ -123,6 +134,7 @@ class AveragingStats:
             "skipped": self.skipped,
             "group_sizes": self._group_sizes(),
             "rejections": self.rejections,
+            "refused_announcements": self.refused,
             "mean_received_fraction": received / rounds["committed"] if rounds["committed"] else None,
             "mean_duration_s": duration / total if total else None,
             "max_duration_s": self._value("agora_averaging_round_duration_max_seconds"),

@@ -35,6 +35,7 @@ def every_role(registry: CollectorRegistry) -> None:
                              bytes_sent=100, bytes_received=100, rejections={"outlier": 1}), applied=True,
                  lag_steps=1)
     stats.count_skipped(1)
+    stats.count_refused("past_schedule")
     stats.add_compute_blocked(0.01)
     trainer = TrainerStats(registry)
     trainer.call(0, "Forward", 0.05, 0.02, 0.01)

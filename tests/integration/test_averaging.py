@@ -74,7 +74,9 @@ class FixedBoard:
     async def close(self, round_number):
         pass
 
-    async def announced_round(self):
+    refused: dict = {}
+
+    async def announced_round(self, at_most=None):
         return None
 
     async def replicas(self):
@@ -236,6 +238,10 @@ def test_a_slower_replica_joins_the_rounds_a_faster_one_announces():
         async def train(worker, steps_per_tick):
             while not stop.is_set():  # the fast replica steps three times as often as the slow one
                 await worker.on_compute(lambda c: setattr(c.optimizer, "steps", c.optimizer.steps + steps_per_tick))
+                # What the join daemon gives a replica every heartbeat: the count the stage's others
+                # announce (node/replica/epoch.py). The slow one joins rounds that far ahead, no further.
+                ahead = workers[0].compute.optimizer.steps
+                await workers[1].on_compute(lambda c: setattr(c, "stage_step", ahead))
                 await asyncio.sleep(0.05)  # paces the synthetic training; the test waits on its outcome
 
         # Woken by every round either loop records, instead of polling the counters.

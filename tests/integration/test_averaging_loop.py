@@ -67,7 +67,9 @@ class Board:
     async def close(self, round_number):
         self.closed_by_us.append(round_number)
 
-    async def announced_round(self):
+    refused: dict = {}
+
+    async def announced_round(self, at_most=None):
         return self.announced_now
 
     async def replicas(self):
