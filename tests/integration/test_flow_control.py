@@ -3,6 +3,7 @@ trainers that keep within them (real workers on loopback gRPC, one event loop)."
 
 import asyncio
 import threading
+import time
 from dataclasses import replace
 
 import grpc
@@ -154,7 +155,9 @@ def test_replies_carry_credits_and_a_busy_refusal_its_pushback(data):
         try:
             held = asyncio.ensure_future(worker.on_compute(lambda compute: release.wait(10)))
             first = asyncio.ensure_future(client.forward("m0", micro[:, :-1], round_trip_s=0.05))
-            while worker.load < 1:
+            deadline = time.monotonic() + 20
+            while worker.load < 1:  # readiness: the first call holds the worker's one slot
+                assert time.monotonic() < deadline, "the first call never reached the worker"
                 await asyncio.sleep(0.01)
             with pytest.raises(WorkerBusy) as refused:
                 await client.forward("m1", micro[:, :-1])

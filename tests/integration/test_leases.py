@@ -170,7 +170,10 @@ def test_two_trainers_claim_apart_a_dead_ones_lease_runs_out_and_is_reclaimed(dh
         assert seen[5].committed and seen[6].holder == dht_pair[1].peer_id
         # B dies holding 6 (no renewal, no release): A takes it once the lease has run out.
         assert not await a.claim(6)
-        await asyncio.sleep(1.7)
+        deadline = time.monotonic() + 10
+        while (await a.read(0))[6].expired_claims != 1:  # B's lease runs out 1.5 s after its claim
+            assert time.monotonic() < deadline, "B's lease never ran out"
+            await asyncio.sleep(0.1)
         assert (await a.read(0))[6].expired_claims == 1
         assert await a.claim(6)
         await a.commit(6)
