@@ -293,15 +293,12 @@ class AveragingLoop:
         return max(self.stats.local_steps, stage_step) // self.sync.every_steps + ROUND_LEAD
 
     async def _read_announced(self) -> Optional[int]:
-        board = self._board
-        before = sum(board.refused.values())
-        announced = await board.announced_round(self.round_bound())
-        if sum(board.refused.values()) > before:
-            for reason, count in board.refused.items():
-                new = count - self._refused_counted.get(reason, 0)
-                if new > 0:
-                    self.stats.count_refused(reason, new)
-                    self._refused_counted[reason] = count
+        announced = await self._board.announced_round(self.round_bound())
+        for reason, count in self._board.refused.items():  # the board counts; the stats follow it
+            new = count - self._refused_counted.get(reason, 0)
+            if new > 0:
+                self.stats.count_refused(reason, new)
+                self._refused_counted[reason] = count
         return announced
 
     async def _join_announced(self) -> RoundDecision:
