@@ -109,7 +109,8 @@ PHASE_TRANSITIONS: Mapping[Phase, frozenset[Phase]] = {
     Phase.SERVING: frozenset({Phase.LEAVING}),
     Phase.LEAVING: frozenset(),
 }
-PHASES = frozenset(Phase)
+# Every phase's name, in the order of a worker's life (metrics and the status page list them so).
+PHASES = tuple(phase.value for phase in Phase)
 # Phases in which a worker trains on live traffic: trainers route to them, and their step counts
 # are the stage's (a worker in weight sync has not got the stage's state yet).
 TRAINING_PHASES = frozenset({Phase.MEMBER, Phase.OPTIMIZER_SYNC})
@@ -118,7 +119,7 @@ COVERING_PHASES = TRAINING_PHASES | {Phase.WEIGHT_SYNC}
 # Phases that answer inference: a training worker whose weights are the stage's, or a serving one.
 SERVING_PHASES = TRAINING_PHASES | {Phase.SERVING}
 # The record's field: the phase's name, checked against the enum's values (it arrives as text).
-PhaseName = Literal[tuple(phase.value for phase in Phase)]
+PhaseName = Literal[PHASES]
 # Generous bounds: they exist to reject garbage cheaply, not to constrain real runs.
 MAX_STAGES = 4096
 MAX_CREDITS = 2**16  # a worker's queue, and the credits it announces
