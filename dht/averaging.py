@@ -84,7 +84,7 @@ from agora.pipeline.codec import all_finite
 from agora.dht.robust_allreduce import AgreedGroup, RobustAllReduceRunner, agreed_group
 from agora.dht.records import Phase, RoundRecord, rounds_key
 from agora.dht.security import DHTSecurity
-from agora.dht.swarm import SwarmDHT, _exit_when_orphaned
+from agora.dht.swarm import SwarmDHT, begin_forked_process
 
 __all__ = [
     "GROUP_BITS",
@@ -423,8 +423,7 @@ class _AveragerProcess(DecentralizedAverager):
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
-        threading.Thread(target=_exit_when_orphaned, args=(self._owner_pid,), name="agora-owner-watch",
-                         daemon=True).start()
+        begin_forked_process(self._owner_pid)
         logging.getLogger("hivemind.averaging.averager").addFilter(_demote_no_group)
         logging.getLogger("hivemind.averaging.partition").addFilter(_demote_partial)
         self._agreed: dict[bytes, AgreedGroup] = {}  # by group id, while its all-reduce runs

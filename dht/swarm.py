@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import itertools
 import logging
 import os
@@ -70,6 +71,7 @@ __all__ = [
     "DHTRequestError",
     "Stored",
     "SwarmDHT",
+    "begin_forked_process",
 ]
 
 logger = logging.getLogger(__name__)
@@ -547,10 +549,25 @@ class _OwnedDHT(hivemind.DHT):
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
-        threading.Thread(
-            target=_exit_when_orphaned, args=(self._owner_pid,), name="agora-owner-watch", daemon=True
-        ).start()
+        begin_forked_process(self._owner_pid)
         super().run()
+
+
+def begin_forked_process(owner_pid: int) -> None:
+    """What a process hivemind forks from ours does first: leave what it inherited alone, and
+    exit once its owner is gone.
+
+    A fork copies every object of the owner, its garbage cycles too, but only the thread that
+    forked; a collection here would run the inherited garbage's finalizers in this process.
+    One that joins a thread waits forever (a DHT process hung so, collecting in the middle of
+    a store, after the test process that forked it had run worker threads); one that calls into
+    gRPC finds a core whose threads and locks did not come along (gRPC skips its fork handlers
+    while a thread is in a call). Freezing moves everything inherited to the permanent
+    generation, which is never collected (nor copied page by page by collections walking it);
+    only what this process makes is collected.
+    """
+    gc.freeze()
+    threading.Thread(target=_exit_when_orphaned, args=(owner_pid,), name="agora-owner-watch", daemon=True).start()
 
 
 def _exit_when_orphaned(owner_pid: int) -> None:

@@ -4,7 +4,9 @@ Run by tests/integration/test_averaging.py as a child process in its own session
 session with SIGKILL once this peer is in the all-reduce (a machine that vanished mid-round).
 Handshakes are lines on a pipe the test passes as file descriptor FD: `ready` once the averager
 is up, `in all-reduce` once it has entered the all-reduce of the round (written by the averager
-process, which inherits the descriptor).
+process, which inherits the descriptor). It starts matchmaking when the test writes `go` to its
+stdin, as the survivors start theirs: a peer that began alone, seconds earlier, would find its
+matchmaking window spent when the first survivor arrives and form a group of two without the other.
 
     python averaging_victim.py FD PREFIX SIZE ROUND GROUP_SIZE INITIAL_PEER...
 """
@@ -39,6 +41,8 @@ def main() -> None:
                                              request_s=1.0, sender_s=2.0, reducer_s=4.0, round_s=20.0,
                                              part_size_bytes=16 * 1024)
     os.write(fd, b"ready\n")
+    if sys.stdin.readline() != "go\n":
+        return  # the test is gone
     averager.average(torch.full((int(size),), 100.0), round_number=int(round_number), weight=1.0,
                      group_size=int(group_size))
     # Only reached if nobody killed us: leave nothing behind.

@@ -286,13 +286,15 @@ def test_a_replica_killed_mid_round_is_dropped_and_the_survivors_go_on():
         victim = subprocess.Popen(
             [sys.executable, str(Path(__file__).parents[1] / "helpers" / "averaging_victim.py"), str(write_end),
              "killed", str(size), str(round_number), "3", *dhts[0].visible_maddrs()],
-            start_new_session=True, pass_fds=(write_end,))
+            start_new_session=True, pass_fds=(write_end,), stdin=subprocess.PIPE, text=True)
         os.close(write_end)
         handshake = os.fdopen(read_end)
         workers, loops = await replicas_on(averagers, boards=[FixedBoard(3), FixedBoard(3)])
         try:
             await wait_for(handshake, "ready")
             before = [await w.on_compute(params) for w in workers]
+            victim.stdin.write("go\n")  # all three start matchmaking together: one group of three
+            victim.stdin.flush()
             rounds = asyncio.gather(*(loop.run_round(round_number) for loop in loops))
             await wait_for(handshake, "in all-reduce")
             os.killpg(victim.pid, signal.SIGKILL)  # the whole machine vanishes: averager, DHT, p2pd
@@ -307,6 +309,7 @@ def test_a_replica_killed_mid_round_is_dropped_and_the_survivors_go_on():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
+            victim.stdin.close()
             handshake.close()
         for result in results:  # the survivors completed without the dead peer's share
             assert result.outcome == "committed", result.error
