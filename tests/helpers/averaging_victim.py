@@ -8,7 +8,7 @@ process, which inherits the descriptor). It starts matchmaking when the test wri
 stdin, as the survivors start theirs: a peer that began alone, seconds earlier, would find its
 matchmaking window spent when the first survivor arrives and form a group of two without the other.
 
-    python averaging_victim.py FD PREFIX SIZE ROUND GROUP_SIZE INITIAL_PEER...
+    python averaging_victim.py FD PREFIX SIZE ROUND GROUP_SIZE MATCHMAKING_S INITIAL_PEER...
 """
 
 import asyncio
@@ -19,7 +19,7 @@ import torch
 
 
 def main() -> None:
-    fd, prefix, size, round_number, group_size, *peers = sys.argv[1:]
+    fd, prefix, size, round_number, group_size, matchmaking_s, *peers = sys.argv[1:]
     fd = int(fd)
     torch.set_num_threads(1)
 
@@ -37,7 +37,8 @@ def main() -> None:
 
     averaging._AveragerProcess._run_allreduce_inplace_ = stall  # before the fork: the child inherits it
     swarm = SwarmDHT.start(initial_peers=peers)
-    averager = averaging.SliceAverager.start(swarm.hivemind_dht, prefix=prefix, size=int(size), matchmaking_s=3.0,
+    averager = averaging.SliceAverager.start(swarm.hivemind_dht, prefix=prefix, size=int(size),
+                                             matchmaking_s=float(matchmaking_s),
                                              request_s=1.0, sender_s=2.0, reducer_s=4.0, round_s=20.0,
                                              part_size_bytes=16 * 1024)
     os.write(fd, b"ready\n")

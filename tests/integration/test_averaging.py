@@ -46,14 +46,14 @@ def vector_size(sync=SYNC) -> int:
 
 
 @contextlib.contextmanager
-def swarm_of(n: int, prefix: str, size: int):
+def swarm_of(n: int, prefix: str, size: int, timeouts=TIMEOUTS):
     """n DHT peers joined into one swarm, each with an averager; all shut down on exit."""
     dhts, averagers = [], []
     try:
         for _ in range(n):
             dhts.append(SwarmDHT.start(initial_peers=dhts[0].visible_maddrs() if dhts else ()))
             averagers.append(SliceAverager.start(dhts[-1].hivemind_dht, prefix=prefix, size=size,
-                                                 part_size_bytes=16 * 1024, **TIMEOUTS))
+                                                 part_size_bytes=16 * 1024, **timeouts))
         yield dhts, averagers
     finally:
         for averager in averagers:
@@ -257,7 +257,11 @@ def test_a_slower_replica_joins_the_rounds_a_faster_one_announces():
                 while not all(loop.stats.rounds["committed"] >= 3 for loop in loops):
                     await recorded.wait()
                     recorded.clear()
-            await asyncio.wait_for(three_rounds_each(), 60)
+            try:
+                await asyncio.wait_for(three_rounds_each(), 60)
+            except asyncio.TimeoutError:
+                raise AssertionError(f"not three committed rounds each in 60 s: "
+                                     f"{[loop.stats.snapshot() for loop in loops]}") from None
         finally:
             stop.set()
             await asyncio.gather(*trainers)
@@ -270,6 +274,9 @@ def test_a_slower_replica_joins_the_rounds_a_faster_one_announces():
 
     with swarm_of(2, "announce", vector_size()) as (dhts, averagers):
         run(main(dhts, averagers))
+
+
+KILLED_MATCHMAKING_S = 5.0
 
 
 def test_a_replica_killed_mid_round_is_dropped_and_the_survivors_go_on():
@@ -285,7 +292,8 @@ def test_a_replica_killed_mid_round_is_dropped_and_the_survivors_go_on():
         read_end, write_end = os.pipe()
         victim = subprocess.Popen(
             [sys.executable, str(Path(__file__).parents[1] / "helpers" / "averaging_victim.py"), str(write_end),
-             "killed", str(size), str(round_number), "3", *dhts[0].visible_maddrs()],
+             "killed", str(size), str(round_number), "3", str(KILLED_MATCHMAKING_S),
+             *dhts[0].visible_maddrs()],
             start_new_session=True, pass_fds=(write_end,), stdin=subprocess.PIPE, text=True)
         os.close(write_end)
         handshake = os.fdopen(read_end)
@@ -325,5 +333,8 @@ def test_a_replica_killed_mid_round_is_dropped_and_the_survivors_go_on():
         assert [r.outcome for r in following] == ["committed", "committed"]
         assert all(r.group_size == 2 and r.received_fraction == 1.0 for r in following)
 
-    with swarm_of(2, "killed", size) as (dhts, averagers):
+    # A matchmaking window the victim shares (its argv), long enough for all three to find one
+    # another on a loaded machine: a leader whose window ends with two starts with two.
+    timeouts = dict(TIMEOUTS, matchmaking_s=KILLED_MATCHMAKING_S)
+    with swarm_of(2, "killed", size, timeouts=timeouts) as (dhts, averagers):
         run(main(dhts, averagers))
