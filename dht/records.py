@@ -490,11 +490,33 @@ class KeyFamily:
 
     ``slot`` names the record field that numbers the family's keys (the stage of
     ``{run}.stage{i}.workers``, the block of ``{run}.units.b{block}``); None: one key per run.
+
+    Who may write it: ``writers`` are the credential roles whose entries count, and
+    ``writer_stage`` the record field that must be the stage the writer's credential names (a
+    worker of stage 1 announces nothing in stage 2). ``lasting`` entries outlive their writer's
+    short-lived credential (commits live a week, credentials an hour), so their writer's chain is
+    judged as issued, not as valid now; every other family's entries die within heartbeats, well
+    inside the credential their writer renews at half its life.
     """
 
     name: str
     record_type: type[Record]
     slot: Optional[str] = None
+    writers: tuple[str, ...] = ()
+    writer_stage: Optional[str] = None
+    lasting: bool = False
+
+    def unauthorized(self, record: Optional[Record], role: str, stage: Optional[int]) -> Optional[str]:
+        """Why a writer with a credential of ``role`` (for ``stage``) may not store ``record`` under
+        this family (None: its tombstone), or None if it may."""
+        if role not in self.writers:
+            return f"{self.name}: a {role} credential may not write here (only {', '.join(self.writers)})"
+        if record is None or self.writer_stage is None:
+            return None
+        theirs = getattr(record, self.writer_stage)
+        if theirs != stage:
+            return f"{self.name}: {self.writer_stage} {theirs} from a credential of stage {stage}"
+        return None
 
     def misfiled(self, record: Record, run_id: str, slot: Optional[int]) -> Optional[str]:
         """Why ``record`` does not belong under this family's key of ``run_id`` and ``slot``, or None."""
@@ -509,11 +531,12 @@ class KeyFamily:
         return f"run {run_id}" if self.slot is None else f"run {run_id} {self.slot} {slot}"
 
 
-WORKERS = KeyFamily("workers", WorkerRecord, slot="stage")
-TRAINERS = KeyFamily("trainers", TrainerRecord)
-MOVES = KeyFamily("moves", MoveRecord)
-ROUNDS = KeyFamily("rounds", RoundRecord, slot="stage")
-UNIT_BLOCKS = KeyFamily("units", UnitBlockRecord, slot="block")
+WORKERS = KeyFamily("workers", WorkerRecord, slot="stage", writers=("worker",), writer_stage="stage")
+TRAINERS = KeyFamily("trainers", TrainerRecord, writers=("trainer",))
+# A mover announces its move while it still holds the credential of the stage it leaves.
+MOVES = KeyFamily("moves", MoveRecord, writers=("worker",), writer_stage="from_stage")
+ROUNDS = KeyFamily("rounds", RoundRecord, slot="stage", writers=("worker",), writer_stage="stage")
+UNIT_BLOCKS = KeyFamily("units", UnitBlockRecord, slot="block", writers=("trainer", "operator"), lasting=True)
 KEY_FAMILIES = (WORKERS, TRAINERS, MOVES, ROUNDS, UNIT_BLOCKS)
 
 

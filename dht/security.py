@@ -40,15 +40,23 @@ Three hivemind mechanisms, each given our credentials:
   (hivemind's own averaging keys) are left to the signature rule alone. It runs on every
   store a peer accepts and on every value a find returns, so an honest peer neither keeps nor
   believes such an entry; readers in ``SwarmDHT`` check the same again and count what they skip.
+  It also decides who may write each family (``KeyFamily.writers`` and ``writer_stage``): a
+  worker record or round of stage *i* only from a worker credentialed for stage *i*, a move only
+  from a worker of the stage it leaves, trainer records and unit blocks only from trainers. A
+  record alone names no role, and a reader may get an entry from a peer that never met its
+  writer, so the writer attaches its credential chain to every typed entry it stores: the value
+  is ``<msgpack record>[credential:<base64 PEM chain>]``, signed as a whole by the signature
+  validator, and this validator checks the chain against the run's root (once per chain), that
+  it is the subkey's peer's, then role and stage, and strips it before anyone reads the record.
+  A chain must be valid now, except for unit blocks, which outlive their writer's credential:
+  theirs is judged as issued (the store itself needed a live token).
 
 ``DHTSecurity`` bundles all of it for one node (its state directory, the pinned root, the run):
 ``SwarmDHT.start(security=DHTSecurity.from_state_dir(d))`` starts an admitted peer, whose
 hivemind ``identity_path`` is the node key, so its DHT peer id is its credential's.
 
-What this does not decide: whether a worker of stage 1 may announce itself under stage 2.
-Records are checked against the *writer's key*, not its role: the gRPC channel to the
-announced endpoint checks the worker's credential for that stage (TLS target name), and a
-false claim fails there.
+Besides, the gRPC channel to an announced endpoint checks the worker's credential for that
+stage (TLS target name), so a record that got past all of this still leads nowhere false.
 
 Everything here is picklable (paths, bytes, hivemind's picklable key): hivemind forks its DHT
 process with the authorizer and validators, which build their verifier and caches lazily there.
@@ -56,6 +64,8 @@ process with the authorizer and validators, which build their verifier and cache
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import time
 from dataclasses import dataclass
@@ -77,7 +87,7 @@ from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, I
 from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
 from agora.dht.ownership import EntryOwnership
-from agora.dht.records import MAX_STAGES, KeyFamily, RecordError, typed_keys, worker_key
+from agora.dht.records import MAX_STAGES, KeyFamily, RecordError, split_subkey, typed_keys, worker_key
 
 __all__ = [
     "DHT_WRITER_ROLES",
@@ -86,6 +96,7 @@ __all__ = [
     "OwnedRecordValidator",
     "OwnerSignatureValidator",
     "ROUND_METHODS",
+    "split_credential",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,6 +107,8 @@ DHT_WRITER_ROLES = ("worker", "trainer", "operator")
 ROUND_METHODS = ("sparta", "diloco")
 # hivemind's subkey tags for a plain value and for a whole dictionary (DHTProtocol.RESERVED_SUBKEYS).
 _PLAIN_TAGS = (MSGPackSerializer.dumps(None), b"")
+# What follows a typed entry's value: the writer's credential chain, base64, then "]".
+_CREDENTIAL_OPEN = b"[credential:"
 _MAX_WARNED = 256
 _MAX_MATCHED = 4096  # token (credential, key) pairs remembered as matching
 
@@ -232,19 +245,30 @@ class OwnerSignatureValidator(RSASignatureValidator):
 
 
 class OwnedRecordValidator(RecordValidatorBase):
-    """Schema and ownership of this run's per-peer entries (see the module docstring)."""
+    """Schema, ownership and writer of this run's per-peer entries (see the module docstring).
 
-    def __init__(self, run_id: str, *, methods: tuple[str, ...] = ROUND_METHODS, max_stages: int = MAX_STAGES):
+    ``root_pem`` is the run's root the writers' credentials are checked against; ``state_dir``
+    (a ``NodeCredentials`` directory) is this node's, whose current chain it attaches to its own
+    stores. A validator without one only checks (it can store no typed entry anyone accepts).
+    """
+
+    def __init__(self, run_id: str, root_pem: bytes, *, state_dir: Optional[str | Path] = None,
+                 methods: tuple[str, ...] = ROUND_METHODS, max_stages: int = MAX_STAGES, clock: Clock = time.time):
         worker_key(run_id, 0)  # validates the run id
         self.run_id = run_id
+        self.root_pem = root_pem
+        self.state_dir = None if state_dir is None else Path(state_dir)
         self.methods = tuple(methods)
         self.max_stages = max_stages
+        self._clock = clock
         self._keys: Optional[dict[bytes, tuple[KeyFamily, Optional[int]]]] = None
+        self._writers: Optional[_WriterChains] = None
         self._ownership = EntryOwnership(require_owner=True)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_keys"] = None  # ~12k hashes: built again in the process that validates
+        state["_writers"] = None  # a verifier and caches: likewise
         return state
 
     def _key_table(self) -> dict[bytes, tuple[KeyFamily, Optional[int]]]:
@@ -254,6 +278,26 @@ class OwnedRecordValidator(RecordValidatorBase):
                           for key, family, slot in typed_keys(self.run_id, methods=self.methods,
                                                               max_stages=self.max_stages)}
         return self._keys
+
+    def _chains(self) -> _WriterChains:
+        if self._writers is None:
+            self._writers = _WriterChains(self.root_pem, self.run_id, self.state_dir, self._clock)
+        return self._writers
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        if record.key not in self._key_table() or self.state_dir is None:
+            return record.value
+        try:
+            chain = self._chains().own()
+        except CredentialError as error:
+            logger.warning("storing an entry without a credential (peers refuse it): %s", error)
+            return record.value
+        return record.value + _CREDENTIAL_OPEN + base64.b64encode(chain) + b"]"
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        if record.key not in self._key_table():
+            return record.value
+        return split_credential(record.value)[0]
 
     def validate(self, record: DHTRecord) -> bool:
         expected = self._key_table().get(record.key)
@@ -271,8 +315,9 @@ class OwnedRecordValidator(RecordValidatorBase):
         """Raise ``RecordError`` saying why ``record`` may not be stored under a key of ``family``."""
         if record.subkey in _PLAIN_TAGS:
             raise RecordError("a plain value under a per-peer key")
+        value_bytes, chain = split_credential(record.value)
         subkey = MSGPackSerializer.loads(record.subkey)
-        value = MSGPackSerializer.loads(record.value)
+        value = MSGPackSerializer.loads(value_bytes)
         parsed = None if value is None else family.record_type.from_wire(value)  # None: the owner's tombstone
         problem = self._ownership.problem(subkey, None if parsed is None else getattr(parsed, "peer_id"))
         if problem is not None:
@@ -280,11 +325,64 @@ class OwnedRecordValidator(RecordValidatorBase):
         problem = None if parsed is None else family.misfiled(parsed, self.run_id, slot)
         if problem is not None:
             raise RecordError(problem)
+        if chain is None:
+            raise RecordError(f"{family.name}: no writer credential attached")
+        try:
+            writer = self._chains().identity(chain, lasting=family.lasting)
+        except CredentialError as error:
+            raise RecordError(f"{family.name}: the writer's credential: {error}") from None
+        if writer.peer_id != split_subkey(subkey)[0]:
+            raise RecordError(f"{family.name}: the attached credential is another peer's ({writer.describe()})")
+        problem = family.unauthorized(parsed, writer.role, writer.stage)
+        if problem is not None:
+            raise RecordError(problem)
 
     @property
     def priority(self) -> int:
-        # Below RSASignatureValidator (10): validated after the signature is checked and stripped.
+        # Below RSASignatureValidator (10): it signs the value with the credential attached (so the
+        # signature covers the credential), and strips its signature before this validator runs.
         return 0
+
+
+def split_credential(value: bytes) -> tuple[bytes, Optional[bytes]]:
+    """(the value, the writer's credential chain attached to it, or None if none is)."""
+    at = value.rfind(_CREDENTIAL_OPEN)  # base64 has no '[' or ':': the last marker is the attachment
+    if at < 0 or not value.endswith(b"]"):
+        return value, None
+    try:
+        return value[:at], base64.b64decode(value[at + len(_CREDENTIAL_OPEN):-1], validate=True)
+    except binascii.Error:
+        return value, None
+
+
+class _WriterChains:
+    """The credential chains writers attach, verified once each; and this node's own current chain."""
+
+    def __init__(self, root_pem: bytes, run_id: str, state_dir: Optional[Path], clock: Clock):
+        self._verifier = CredentialVerifier(root_pem, run_id, clock=clock)  # caches chains, checks times each call
+        self._issued: dict[bytes, Identity | CredentialError] = {}
+        self._node = None if state_dir is None else NodeCredentials(state_dir, clock=clock)
+
+    def own(self) -> bytes:
+        if self._node is None:
+            raise CredentialError("missing", "this validator has no node state directory")
+        return self._node.current()[0]  # a stat; re-read only when renewed
+
+    def identity(self, chain: bytes, *, lasting: bool) -> Identity:
+        if not lasting:
+            return self._verifier.verify(chain)
+        verdict = self._issued.get(chain)
+        if verdict is None:
+            try:
+                verdict = self._verifier.verify_issued(chain)
+            except (CredentialError, ValueError) as error:
+                verdict = error if isinstance(error, CredentialError) else CredentialError("malformed", str(error))
+            if len(self._issued) >= _MAX_MATCHED:
+                self._issued.clear()
+            self._issued[chain] = verdict
+        if isinstance(verdict, CredentialError):
+            raise verdict
+        return verdict
 
 
 @dataclass(frozen=True)
@@ -333,5 +431,6 @@ class DHTSecurity:
             # its lock instead (pipeline/files.hold_folder, node/admission.py).
             check_if_identity_free=False,
             authorizer=CredentialTokenAuthorizer(self.state_dir, self.root_pem, self.run_id),
-            record_validators=[OwnerSignatureValidator(key), OwnedRecordValidator(self.run_id)],
+            record_validators=[OwnerSignatureValidator(key),
+                               OwnedRecordValidator(self.run_id, self.root_pem, state_dir=self.state_dir)],
         )

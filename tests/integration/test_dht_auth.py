@@ -11,6 +11,7 @@ authorizer and the record validator come first and start no process.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import dataclasses
 import functools
@@ -38,6 +39,7 @@ from agora.dht.security import (
     DHTSecurity,
     OwnedRecordValidator,
     OwnerSignatureValidator,
+    split_credential,
 )
 from agora.auth.keys import hivemind_private_key, openssh_public_key
 from agora.auth.node_state import CREDENTIAL_FILE, NodeCredentials
@@ -45,7 +47,7 @@ from agora.dht import DHTRequestError, SwarmDHT, WorkerRecord, worker_key
 from agora.dht.averaging import AdmissionGate, AveragingAdmission, SliceAverager, round_group_bits
 from agora.dht.bootstrap import main as bootstrap_main
 from agora.dht.bootstrap import run_bootstrap
-from agora.dht.records import move_key, owned_subkey, rounds_key, trainer_key, units_key
+from agora.dht.records import RoundRecord, move_key, owned_subkey, rounds_key, trainer_key, units_key
 from agora.pipeline.fingerprint import RunFingerprint
 from record_samples import SAMPLES
 
@@ -83,9 +85,16 @@ def stages():
 
 
 @pytest.fixture
-def stage(stages):
-    """A stage number (so a DHT key) no other test of the module writes under."""
-    return next(stages)
+def stage(stages, authority, worker_dirs):
+    """A stage number (so a DHT key) no other test of the module writes under. The module's two
+    workers hold credentials for it while the test runs (a renewal naming another stage, as a
+    moved worker gets; their DHT processes pick it up at their next store), stage 0 again after."""
+    number = next(stages)
+    for state_dir in worker_dirs:
+        authority.mint(state_dir, role="worker", stage=number)
+    yield number
+    for state_dir in worker_dirs:
+        authority.mint(state_dir, role="worker", stage=0)
 
 
 @pytest.fixture(scope="module")
@@ -165,11 +174,29 @@ def test_a_monitor_may_find_but_not_store_and_a_replayed_request_is_refused(auth
 # ---- the record validator, without a network -------------------------------------------------
 
 
-def test_the_record_validator_admits_only_owned_well_formed_entries(worker_dirs):
+def signing_validator(state_dir: Path, root_pem: bytes) -> CompositeValidator:
+    """What an admitted node's DHT process runs: it signs with that node's key and attaches its credential."""
+    key = NodeCredentials(state_dir, clock=time.time).key
+    return CompositeValidator([OwnerSignatureValidator(hivemind_private_key(key)),
+                               OwnedRecordValidator(RUN, root_pem, state_dir=state_dir)])
+
+
+def stored_entry(validator: CompositeValidator, key: str, subkey, value, expires_in: float = 30.0) -> DHTRecord:
+    record = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey),
+                       MSGPackSerializer.dumps(value), time.time() + expires_in)
+    return dataclasses.replace(record, value=validator.sign_value(record))
+
+
+def subkey_of(state_dir: Path) -> str:
+    node = NodeCredentials(state_dir, clock=time.time)
+    return owned_subkey(node.peer_id, openssh_public_key(node.key).decode())
+
+
+def test_the_record_validator_admits_only_owned_well_formed_entries(authority, worker_dirs):
     nodes = [NodeCredentials(d, clock=time.time) for d in worker_dirs]
     a_key, (a_id, b_id) = nodes[0].key, [n.peer_id for n in nodes]
-    validator = CompositeValidator([OwnerSignatureValidator(hivemind_private_key(a_key)), OwnedRecordValidator(RUN)])
-    key = DHTID.generate(source=worker_key(RUN, 3)).to_bytes()
+    validator = signing_validator(worker_dirs[0], authority.root_pem)  # a worker of stage 0
+    key = DHTID.generate(source=worker_key(RUN, 0)).to_bytes()
     owner = openssh_public_key(a_key).decode()
 
     def entry(value, subkey=owned_subkey(a_id, owner), key=key, sign=True):
@@ -178,7 +205,7 @@ def test_the_record_validator_admits_only_owned_well_formed_entries(worker_dirs)
             record = dataclasses.replace(record, value=validator.sign_value(record))
         return record
 
-    good = make_record(a_id, 3).to_wire()
+    good = make_record(a_id, 0).to_wire()
     assert validator.validate(entry(good))
     assert validator.validate(entry(None))  # the owner's tombstone
     assert validator.validate(entry(good, key=DHTID.generate(source="elsewhere").to_bytes()))  # not our key
@@ -186,8 +213,8 @@ def test_the_record_validator_admits_only_owned_well_formed_entries(worker_dirs)
         "unsigned subkey": entry(good, subkey=a_id),
         "no signature": entry(good, sign=False),
         "plain value": DHTRecord(key, MSGPackSerializer.dumps(None), MSGPackSerializer.dumps(good), 1e12),
-        "another peer's id": entry(make_record(b_id, 3).to_wire(), subkey=owned_subkey(b_id, owner)),
-        "record of another peer": entry(make_record(b_id, 3).to_wire()),
+        "another peer's id": entry(make_record(b_id, 0).to_wire(), subkey=owned_subkey(b_id, owner)),
+        "record of another peer": entry(make_record(b_id, 0).to_wire()),
         "another stage": entry(make_record(a_id, 2).to_wire()),
         "garbage": entry({"schema": 2, "kind": "worker", "peer_id": a_id}),
         "another record type": entry(SAMPLES["trainer"].replace(peer_id=a_id, run_id=RUN).to_wire()),
@@ -196,22 +223,83 @@ def test_the_record_validator_admits_only_owned_well_formed_entries(worker_dirs)
     assert {name: validator.validate(record) for name, record in refused.items()} == dict.fromkeys(refused, False)
 
 
-def test_the_record_validator_takes_each_keys_record_type_from_its_family_and_refuses_any_other(worker_dirs):
-    node = NodeCredentials(worker_dirs[0], clock=time.time)
-    validator = CompositeValidator([OwnerSignatureValidator(hivemind_private_key(node.key)), OwnedRecordValidator(RUN)])
-    subkey = MSGPackSerializer.dumps(owned_subkey(node.peer_id, openssh_public_key(node.key).decode()))
-    records = {kind: record.replace(peer_id=node.peer_id, run_id=RUN) for kind, record in SAMPLES.items()}
-    keys = {"worker": worker_key(RUN, 1), "trainer": trainer_key(RUN), "move": move_key(RUN),
-            "round": rounds_key(RUN, 1, "sparta"), "units": units_key(RUN, 1)}  # the samples' stage and block
+@pytest.fixture(scope="module")
+def writers(mint, worker_dirs):
+    """A state directory per credential a record's writer may hold."""
+    return {"worker of stage 0": worker_dirs[0], "worker of stage 1": mint("worker-s1", "worker", 1),
+            "trainer": mint("trainer-w", "trainer"), "operator": mint("operator-w", "operator"),
+            "monitor": mint("monitor-w", "monitor"), "client": mint("client-w", "client")}
 
-    def accepted(key: str, value: dict) -> bool:
-        record = DHTRecord(DHTID.generate(source=key).to_bytes(), subkey, MSGPackSerializer.dumps(value),
-                           time.time() + 30)
-        return validator.validate(dataclasses.replace(record, value=validator.sign_value(record)))
 
-    for kind, key in keys.items():
-        verdicts = {other: accepted(key, record.to_wire()) for other, record in records.items()}
-        assert verdicts == {other: other == kind for other in records}, key
+# Each sample's rightful writer: the samples' stage is 1, a move leaves stage 0.
+RIGHTFUL = {"worker": "worker of stage 1", "round": "worker of stage 1", "move": "worker of stage 0",
+            "trainer": "trainer", "units": "trainer"}
+SAMPLE_KEYS = {"worker": worker_key(RUN, 1), "trainer": trainer_key(RUN), "move": move_key(RUN),
+               "round": rounds_key(RUN, 1, "sparta"), "units": units_key(RUN, 1)}
+
+
+def test_the_record_validator_takes_each_keys_record_type_from_its_family_and_refuses_any_other(authority,
+                                                                                                  writers):
+    reader = CompositeValidator([OwnerSignatureValidator(), OwnedRecordValidator(RUN, authority.root_pem)])
+
+    def accepted(key: str, kind: str) -> bool:
+        state_dir = writers[RIGHTFUL[kind]]
+        record = SAMPLES[kind].replace(peer_id=NodeCredentials(state_dir, clock=time.time).peer_id, run_id=RUN)
+        return reader.validate(stored_entry(signing_validator(state_dir, authority.root_pem), key,
+                                            subkey_of(state_dir), record.to_wire()))
+
+    for kind, key in SAMPLE_KEYS.items():
+        verdicts = {other: accepted(key, other) for other in SAMPLES}
+        assert verdicts == {other: other == kind for other in SAMPLES}, key
+
+
+def test_each_family_is_written_only_by_its_role_and_stage_as_the_attached_credential_says(authority, writers,
+                                                                                           dirs):
+    reader = CompositeValidator([OwnerSignatureValidator(), OwnedRecordValidator(RUN, authority.root_pem)])
+    signers = {name: signing_validator(d, authority.root_pem) for name, d in writers.items()}
+
+    def written_by(name: str, kind: str, value="record") -> DHTRecord:
+        state_dir = writers[name]
+        record = SAMPLES[kind].replace(peer_id=NodeCredentials(state_dir, clock=time.time).peer_id, run_id=RUN)
+        return stored_entry(signers[name], SAMPLE_KEYS[kind], subkey_of(state_dir),
+                            record.to_wire() if value == "record" else value)
+
+    verdicts = {(kind, name): reader.validate(written_by(name, kind)) for kind in SAMPLES for name in writers}
+    assert verdicts == {(kind, name): name == RIGHTFUL[kind]
+                        or (kind == "units" and name == "operator") for kind, name in verdicts}
+    # A tombstone needs the role, not the stage: a mover withdraws its move from the stage it came to.
+    assert reader.validate(written_by("worker of stage 1", "move", value=None))
+    assert not reader.validate(written_by("trainer", "worker", value=None))
+
+    worker_dir = writers["worker of stage 1"]
+    good = written_by("worker of stage 1", "worker")
+    value, chain = split_credential(good.value[:good.value.rindex(b"[signature:")])
+    assert chain == (worker_dir / CREDENTIAL_FILE).read_bytes() and MSGPackSerializer.loads(value)["stage"] == 1
+    # What a writer cannot attach instead of its own live credential of the right role and stage:
+    worker_key_pair = NodeCredentials(worker_dir, clock=time.time).key
+    foreign = RunAuthority(dirs / "foreign-writer-authority", run_id=RUN)  # same run id, another root
+    chains = {"none": None, "another peer's": (writers["worker of stage 0"] / CREDENTIAL_FILE).read_bytes(),
+              "not PEM": b"not a chain",
+              "another root's": foreign.issue(worker_key_pair.public_key(), role="worker", stage=1),
+              "expired": authority.issue(worker_key_pair.public_key(), role="worker", stage=1, lifetime_s=1.0)}
+    record = SAMPLES["worker"].replace(peer_id=NodeCredentials(worker_dir, clock=time.time).peer_id, run_id=RUN)
+    key_validator = OwnerSignatureValidator(hivemind_private_key(worker_key_pair))
+    time.sleep(1.1)  # the one-second credential is over
+
+    def with_chain(chain) -> DHTRecord:
+        body = MSGPackSerializer.dumps(record.to_wire())
+        if chain is not None:
+            body += b"[credential:" + base64.b64encode(chain) + b"]"
+        unsigned = DHTRecord(DHTID.generate(source=SAMPLE_KEYS["worker"]).to_bytes(),
+                             MSGPackSerializer.dumps(subkey_of(worker_dir)), body, time.time() + 30)
+        return dataclasses.replace(unsigned, value=key_validator.sign_value(unsigned))  # signed by the owner
+
+    assert reader.validate(with_chain((worker_dir / CREDENTIAL_FILE).read_bytes()))
+    assert {name: reader.validate(with_chain(chain)) for name, chain in chains.items()} == dict.fromkeys(chains, False)
+    # The signature covers the attachment: another chain put in after signing breaks it.
+    swapped = good.value.replace(base64.b64encode((worker_dir / CREDENTIAL_FILE).read_bytes()),
+                                 base64.b64encode(chains["another peer's"]))
+    assert swapped != good.value and not reader.validate(dataclasses.replace(good, value=swapped))
 
 
 def gather_of(credential=None, **extra) -> bytes:
@@ -390,6 +478,28 @@ def test_unsigned_records_and_records_under_another_peer_id_are_refused_and_skip
 
 
 @pytest.mark.slow
+def test_a_stages_records_are_refused_from_a_trainer_and_from_a_worker_of_another_stage(swarm, mint, stage):
+    first, second = swarm
+    squatters = {"a trainer": mint("squatter-trainer", "trainer"),
+                 "a worker of another stage": mint("squatter-worker", "worker", stage + 100)}
+    for name, state_dir in squatters.items():
+        with SwarmDHT.start(initial_peers=first.visible_maddrs(),
+                            security=DHTSecurity.from_state_dir(state_dir)) as squatter:
+            # A member no trainer can reach (it would hold the stage's joiners in weight sync and
+            # move its real member away), and a round far past the schedule: both refused by
+            # every peer, the writer's own included.
+            assert not squatter.announce_worker(make_record(squatter, stage), ttl=60), name
+            far = RoundRecord(peer_id=squatter.peer_id, run_id=RUN, stage=stage, round=10**9,
+                              started_at=squatter.clock())
+            assert not squatter.store(rounds_key(RUN, stage, "sparta"), far, ttl=30,
+                                      subkey=squatter.subkey_of(squatter.peer_id)), name
+    assert first.live_workers(RUN, stage) == [] and second.live_workers(RUN, stage) == []
+    ours = make_record(second, stage)  # a worker credentialed for the stage: accepted
+    assert second.announce_worker(ours, ttl=60)
+    eventually(lambda: first.live_workers(RUN, stage) == [ours], timeout=10, what="the member's record")
+
+
+@pytest.mark.slow
 def test_a_monitor_reads_but_cannot_store(swarm, mint, stage):
     first, _ = swarm
     record = make_record(first, stage)
@@ -436,7 +546,7 @@ def test_an_admitted_bootstrap_lets_admitted_peers_in_and_no_one_else(mint, tmp_
     try:
         maddrs = eventually(lambda: ready.exists() and ready.read_text().split(), timeout=30, what="the bootstrap")
         assert all(NodeCredentials(boot_dir, clock=time.time).peer_id in maddr for maddr in maddrs)
-        joiner = DHTSecurity.from_state_dir(mint("boot-joiner", "worker", 0))
+        joiner = DHTSecurity.from_state_dir(mint("boot-joiner", "worker", stage))
         with SwarmDHT.start(initial_peers=maddrs, security=joiner) as peer:
             assert peer.announce_worker(make_record(peer, stage), ttl=30)
         with pytest.raises(DHTRequestError):

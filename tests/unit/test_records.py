@@ -221,3 +221,19 @@ def test_a_record_under_another_run_slot_or_familys_key_is_misfiled():
         "trainer: a record of run run-1 under the key of run run-2"
     assert FAMILIES["rounds"].misfiled(SAMPLES["worker"], "run-1", 1) == \
         "rounds: a worker record where round records belong"
+
+
+def test_each_family_names_who_may_write_it_and_a_stage_is_written_only_from_its_own():
+    roles, stages = ("worker", "trainer", "operator", "monitor", "client"), (None, 0, 1, 2)
+    allowed = {name: {(role, stage) for role in roles for stage in stages
+                      if family.unauthorized(SAMPLES[family.record_type.KIND], role, stage) is None}
+               for name, family in FAMILIES.items()}
+    assert allowed == {"workers": {("worker", 1)}, "rounds": {("worker", 1)}, "moves": {("worker", 0)},  # leaves 0
+                       "trainers": {("trainer", s) for s in (None, 0, 1, 2)},
+                       "units": {(role, s) for role in ("trainer", "operator") for s in (None, 0, 1, 2)}}
+    assert FAMILIES["workers"].unauthorized(SAMPLES["worker"], "worker", 2) == \
+        "workers: stage 1 from a credential of stage 2"
+    assert FAMILIES["units"].unauthorized(SAMPLES["units"], "worker", 0) == \
+        "units: a worker credential may not write here (only trainer, operator)"
+    assert FAMILIES["workers"].unauthorized(None, "worker", 2) is None  # a tombstone: the role alone
+    assert FAMILIES["moves"].unauthorized(None, "trainer", None) is not None
