@@ -65,7 +65,7 @@ from typing import Annotated, Any, ClassVar, Iterator, Literal, Mapping, Optiona
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-__all__ = ["BLOCK_UNITS", "COVERING_PHASES", "KEY_FAMILIES", "MAX_STAGES", "MAX_UNIT_BLOCKS", "OWNER_MARKER",
+__all__ = ["BLOCK_UNITS", "CLOCK_SKEW_S", "COVERING_PHASES", "KEY_FAMILIES", "MAX_STAGES", "MAX_UNIT_BLOCKS", "OWNER_MARKER",
            "PHASES", "PHASE_TRANSITIONS", "START_PHASES", "SERVING_PHASES", "Phase", "SCHEMA_VERSION",
            "TRAINING_PHASES", "KeyFamily", "MoveRecord", "Record", "RecordError",
            "RoundRecord", "TrainerRecord", "UnitBlockRecord", "WorkerRecord", "check_run_id", "move_key",
@@ -73,6 +73,9 @@ __all__ = ["BLOCK_UNITS", "COVERING_PHASES", "KEY_FAMILIES", "MAX_STAGES", "MAX_
            "units_key", "worker_key"]
 
 SCHEMA_VERSION = 2
+HOUR_S, DAY_S = 3600.0, 24 * 3600.0
+# How far apart peers' clocks may be: hivemind refuses requests whose time is further off than this.
+CLOCK_SKEW_S = 60.0
 # hivemind's RSASignatureValidator.PUBLIC_KEY_FORMAT, as text: b"[owner:_key_]".
 OWNER_MARKER = "[owner:"
 
@@ -497,6 +500,12 @@ class KeyFamily:
     short-lived credential (commits live a week, credentials an hour), so their writer's chain is
     judged as issued, not as valid now; every other family's entries die within heartbeats, well
     inside the credential their writer renews at half its life.
+
+    ``max_ttl_s``: how far ahead of now an entry may be stored to expire. A writer picks its
+    entry's expiry, and hivemind keeps an entry until then, so without a bound one store could
+    leave a lie in place for good. The bounds are far above what honest writers use (a heartbeat
+    entry lives three beats, a round seconds, a commit ``leases.COMMIT_TTL_S``), so no setting of
+    theirs comes near them.
     """
 
     name: str
@@ -505,6 +514,14 @@ class KeyFamily:
     writers: tuple[str, ...] = ()
     writer_stage: Optional[str] = None
     lasting: bool = False
+    max_ttl_s: float = HOUR_S
+
+    def too_lasting(self, expiration_time: float, now: float) -> Optional[str]:
+        """Why an entry stored at ``now`` may not expire at ``expiration_time``, or None.
+        ``CLOCK_SKEW_S`` is allowed on top: the writer's clock may be that far ahead of ours."""
+        if expiration_time <= now + self.max_ttl_s + CLOCK_SKEW_S:
+            return None
+        return f"{self.name}: expires {expiration_time - now:.0f} s from now, more than {self.max_ttl_s:.0f} s"
 
     def unauthorized(self, record: Optional[Record], role: str, stage: Optional[int]) -> Optional[str]:
         """Why a writer with a credential of ``role`` (for ``stage``) may not store ``record`` under
@@ -536,7 +553,8 @@ TRAINERS = KeyFamily("trainers", TrainerRecord, writers=("trainer",))
 # A mover announces its move while it still holds the credential of the stage it leaves.
 MOVES = KeyFamily("moves", MoveRecord, writers=("worker",), writer_stage="from_stage")
 ROUNDS = KeyFamily("rounds", RoundRecord, slot="stage", writers=("worker",), writer_stage="stage")
-UNIT_BLOCKS = KeyFamily("units", UnitBlockRecord, slot="block", writers=("trainer", "operator"), lasting=True)
+UNIT_BLOCKS = KeyFamily("units", UnitBlockRecord, slot="block", writers=("trainer", "operator"), lasting=True,
+                        max_ttl_s=8 * DAY_S)
 KEY_FAMILIES = (WORKERS, TRAINERS, MOVES, ROUNDS, UNIT_BLOCKS)
 
 

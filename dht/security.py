@@ -49,7 +49,9 @@ Three hivemind mechanisms, each given our credentials:
   validator, and this validator checks the chain against the run's root (once per chain), that
   it is the subkey's peer's, then role and stage, and strips it before anyone reads the record.
   A chain must be valid now, except for unit blocks, which outlive their writer's credential:
-  theirs is judged as issued (the store itself needed a live token).
+  theirs is judged as issued (the store itself needed a live token). An entry may not be stored
+  to expire further ahead than its family allows (``KeyFamily.max_ttl_s``: an hour, a commit eight
+  days), so no lie outlives that.
 
 ``DHTSecurity`` bundles all of it for one node (its state directory, the pinned root, the run):
 ``SwarmDHT.start(security=DHTSecurity.from_state_dir(d))`` starts an admitted peer, whose
@@ -315,6 +317,9 @@ class OwnedRecordValidator(RecordValidatorBase):
         """Raise ``RecordError`` saying why ``record`` may not be stored under a key of ``family``."""
         if record.subkey in _PLAIN_TAGS:
             raise RecordError("a plain value under a per-peer key")
+        problem = family.too_lasting(record.expiration_time, self._clock())
+        if problem is not None:
+            raise RecordError(problem)
         value_bytes, chain = split_credential(record.value)
         subkey = MSGPackSerializer.loads(record.subkey)
         value = MSGPackSerializer.loads(value_bytes)

@@ -199,8 +199,9 @@ def test_the_record_validator_admits_only_owned_well_formed_entries(authority, w
     key = DHTID.generate(source=worker_key(RUN, 0)).to_bytes()
     owner = openssh_public_key(a_key).decode()
 
-    def entry(value, subkey=owned_subkey(a_id, owner), key=key, sign=True):
-        record = DHTRecord(key, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), time.time() + 30)
+    def entry(value, subkey=owned_subkey(a_id, owner), key=key, sign=True, expires_in=30.0):
+        record = DHTRecord(key, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value),
+                           time.time() + expires_in)
         if sign:
             record = dataclasses.replace(record, value=validator.sign_value(record))
         return record
@@ -219,7 +220,10 @@ def test_the_record_validator_admits_only_owned_well_formed_entries(authority, w
         "garbage": entry({"schema": 2, "kind": "worker", "peer_id": a_id}),
         "another record type": entry(SAMPLES["trainer"].replace(peer_id=a_id, run_id=RUN).to_wire()),
         "not a key": entry(good, subkey=owned_subkey(a_id, "ssh-rsa AAAAnotakey")),
+        "expires in a year": entry(good, expires_in=365 * 24 * 3600.0),
+        "a tombstone for a year": entry(None, expires_in=365 * 24 * 3600.0),
     }
+    assert validator.validate(entry(good, expires_in=3600.0))  # an hour (and the clock skew) is the bound
     assert {name: validator.validate(record) for name, record in refused.items()} == dict.fromkeys(refused, False)
 
 
@@ -497,6 +501,11 @@ def test_a_stages_records_are_refused_from_a_trainer_and_from_a_worker_of_anothe
     ours = make_record(second, stage)  # a worker credentialed for the stage: accepted
     assert second.announce_worker(ours, ttl=60)
     eventually(lambda: first.live_workers(RUN, stage) == [ours], timeout=10, what="the member's record")
+    # Even the member may not make its entry outlive the family's bound (an hour): a year is refused.
+    a_year = second.clock() + 365 * 24 * 3600.0
+    assert not second.hivemind_dht.store(worker_key(RUN, stage), ours.replace(step=99).to_wire(), a_year,
+                                         subkey=second.subkey_of(second.peer_id))
+    assert first.live_workers(RUN, stage) == [ours]
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ import msgpack
 import pytest
 from pydantic import ValidationError
 
-from agora.dht.records import (KEY_FAMILIES, MoveRecord, RecordError, RoundRecord, WorkerRecord, move_key,
-                               rounds_key, trainer_key, typed_keys, units_key, worker_key)
+from agora.dht.records import (CLOCK_SKEW_S, KEY_FAMILIES, MoveRecord, RecordError, RoundRecord, WorkerRecord,
+                               move_key, rounds_key, trainer_key, typed_keys, units_key, worker_key)
 from record_samples import SAMPLES
 
 WIRE_BYTES = {
@@ -237,3 +237,14 @@ def test_each_family_names_who_may_write_it_and_a_stage_is_written_only_from_its
         "units: a worker credential may not write here (only trainer, operator)"
     assert FAMILIES["workers"].unauthorized(None, "worker", 2) is None  # a tombstone: the role alone
     assert FAMILIES["moves"].unauthorized(None, "trainer", None) is not None
+
+
+def test_an_entry_may_not_be_stored_to_expire_further_ahead_than_its_family_allows():
+    from agora.dht.leases import COMMIT_TTL_S
+
+    now = 1000.0
+    assert FAMILIES["workers"].too_lasting(now + 3600.0 + CLOCK_SKEW_S, now) is None
+    assert FAMILIES["workers"].too_lasting(now + 1e9, now) == "workers: expires 1000000000 s from now, more than 3600 s"
+    assert FAMILIES["rounds"].too_lasting(now + 2 * 3600.0, now) is not None
+    # Honest writers stay inside: a trainer's commits live COMMIT_TTL_S.
+    assert FAMILIES["units"].too_lasting(now + COMMIT_TTL_S, now) is None
