@@ -272,6 +272,7 @@ class CredentialVerifier:
         self._clock = clock
         self._store = Store([self.root])
         self._verified: dict[bytes, tuple[Identity, float]] = {}  # chain -> (identity, chain not_after)
+        self._issued: dict[bytes, Identity | tuple[str, str]] = {}  # chain -> identity, or why it was refused
         self._parsed: dict[bytes, Identity] = {}
 
     def verify(self, chain_pem: bytes, *, roles: Sequence[str] = ROLES, stage: Optional[int] = None,
@@ -316,7 +317,23 @@ class CredentialVerifier:
         """The identity of a chain this run's CA issued for one of ``roles``, judged at the time
         the leaf was valid rather than now: for something its holder wrote while it was (a DHT
         entry needed a live credential to be stored at all; its author's role still matters to
-        readers after the credential has run out). CredentialError otherwise."""
+        readers after the credential has run out). CredentialError otherwise. Each chain is
+        judged once (readers see the same entries on every poll); the role every call."""
+        verdict = self._issued.get(chain_pem)
+        if verdict is None:
+            try:
+                verdict = self._issued_identity(chain_pem)
+            except CredentialError as error:
+                verdict = (error.reason, str(error))
+            if len(self._issued) >= self._CACHE:
+                self._issued.clear()
+            self._issued[chain_pem] = verdict
+        if isinstance(verdict, tuple):
+            raise CredentialError(*verdict)
+        self._check_run_and_role(verdict, roles)
+        return verdict
+
+    def _issued_identity(self, chain_pem: bytes) -> Identity:
         certs = load_chain(chain_pem)
         leaf, intermediates = certs[0], certs[1:]
         identity = parse_identity(leaf)
@@ -329,7 +346,6 @@ class CredentialVerifier:
         except VerificationError as error:
             raise CredentialError("untrusted", f"credential of {identity.describe()} is not signed by this run's "
                                                f"CA (root {self.root_fingerprint[:16]}): {error}") from None
-        self._check_run_and_role(identity, roles)
         return identity
 
     def identity_of_leaf(self, leaf_pem: bytes) -> Identity:

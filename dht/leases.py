@@ -100,24 +100,16 @@ class UnitWriters:
     def __init__(self, root_pem: bytes, run_id: str, state_dir: str | Path):
         self._verifier = CredentialVerifier(root_pem, run_id, clock=lambda: 0.0)  # chains judged as issued
         self._credential_file = Path(state_dir) / CREDENTIAL_FILE
-        self._trusted: dict[tuple[str, bytes], bool] = {}
 
     def own(self) -> bytes:
         """This node's current chain (re-read each time: a renewal is a file replace)."""
         return self._credential_file.read_bytes()
 
     def trusted(self, peer_id: str, chain: bytes) -> bool:
-        key = (peer_id, chain)
-        verdict = self._trusted.get(key)
-        if verdict is None:
-            try:
-                verdict = self._verifier.verify_issued(chain, roles=self.ROLES).peer_id == peer_id
-            except (CredentialError, ValueError):
-                verdict = False
-            if len(self._trusted) > 4096:
-                self._trusted.clear()
-            self._trusted[key] = verdict
-        return verdict
+        try:  # the verifier judges each chain once
+            return self._verifier.verify_issued(chain, roles=self.ROLES).peer_id == peer_id
+        except (CredentialError, ValueError):
+            return False
 
 
 class LeaseBoard:

@@ -299,7 +299,8 @@ class OwnedRecordValidator(RecordValidatorBase):
     def strip_value(self, record: DHTRecord) -> bytes:
         if record.key not in self._key_table():
             return record.value
-        return split_credential(record.value)[0]
+        at = _credential_at(record.value)  # the position alone: validate has decoded the chain already
+        return record.value if at < 0 else record.value[:at]
 
     def validate(self, record: DHTRecord) -> bool:
         expected = self._key_table().get(record.key)
@@ -351,8 +352,8 @@ class OwnedRecordValidator(RecordValidatorBase):
 
 def split_credential(value: bytes) -> tuple[bytes, Optional[bytes]]:
     """(the value, the writer's credential chain attached to it, or None if none is)."""
-    at = value.rfind(_CREDENTIAL_OPEN)  # base64 has no '[' or ':': the last marker is the attachment
-    if at < 0 or not value.endswith(b"]"):
+    at = _credential_at(value)
+    if at < 0:
         return value, None
     try:
         return value[:at], base64.b64decode(value[at + len(_CREDENTIAL_OPEN):-1], validate=True)
@@ -360,12 +361,18 @@ def split_credential(value: bytes) -> tuple[bytes, Optional[bytes]]:
         return value, None
 
 
+def _credential_at(value: bytes) -> int:
+    """Where the attached credential begins in ``value``, -1 if none is attached."""
+    at = value.rfind(_CREDENTIAL_OPEN)  # base64 has no '[' or ':': the last marker is the attachment
+    return at if at >= 0 and value.endswith(b"]") else -1
+
+
 class _WriterChains:
-    """The credential chains writers attach, verified once each; and this node's own current chain."""
+    """The credential chains writers attach (each verified once, by the verifier's caches), and
+    this node's own current chain."""
 
     def __init__(self, root_pem: bytes, run_id: str, state_dir: Optional[Path], clock: Clock):
-        self._verifier = CredentialVerifier(root_pem, run_id, clock=clock)  # caches chains, checks times each call
-        self._issued: dict[bytes, Identity | CredentialError] = {}
+        self._verifier = CredentialVerifier(root_pem, run_id, clock=clock)
         self._node = None if state_dir is None else NodeCredentials(state_dir, clock=clock)
 
     def own(self) -> bytes:
@@ -374,20 +381,7 @@ class _WriterChains:
         return self._node.current()[0]  # a stat; re-read only when renewed
 
     def identity(self, chain: bytes, *, lasting: bool) -> Identity:
-        if not lasting:
-            return self._verifier.verify(chain)
-        verdict = self._issued.get(chain)
-        if verdict is None:
-            try:
-                verdict = self._verifier.verify_issued(chain)
-            except (CredentialError, ValueError) as error:
-                verdict = error if isinstance(error, CredentialError) else CredentialError("malformed", str(error))
-            if len(self._issued) >= _MAX_MATCHED:
-                self._issued.clear()
-            self._issued[chain] = verdict
-        if isinstance(verdict, CredentialError):
-            raise verdict
-        return verdict
+        return self._verifier.verify_issued(chain) if lasting else self._verifier.verify(chain)
 
 
 @dataclass(frozen=True)
