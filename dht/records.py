@@ -65,8 +65,8 @@ from typing import Annotated, Any, ClassVar, Iterator, Literal, Mapping, Optiona
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-__all__ = ["BLOCK_UNITS", "CLOCK_SKEW_S", "COVERING_PHASES", "KEY_FAMILIES", "MAX_STAGES", "MAX_UNIT_BLOCKS", "OWNER_MARKER",
-           "PHASES", "PHASE_TRANSITIONS", "START_PHASES", "SERVING_PHASES", "Phase", "SCHEMA_VERSION",
+__all__ = ["BLOCK_UNITS", "CLOCK_SKEW_S", "COVERING_PHASES", "KEY_FAMILIES", "MAX_STAGES", "MAX_UNIT_BLOCKS",
+           "OWNER_MARKER", "PHASES", "PHASE_TRANSITIONS", "START_PHASES", "SERVING_PHASES", "Phase", "SCHEMA_VERSION",
            "TRAINING_PHASES", "KeyFamily", "MoveRecord", "Record", "RecordError",
            "RoundRecord", "TrainerRecord", "UnitBlockRecord", "WorkerRecord", "check_run_id", "move_key",
            "owned_subkey", "parse_endpoint", "rounds_key", "split_subkey", "trainer_key", "typed_keys",
