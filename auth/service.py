@@ -40,20 +40,21 @@ import secrets
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional
 
 import grpc
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from agora.auth.admitted import ADMITTED_FILE, AdmittedNode, read_admitted
 from agora.auth.authority import DEFAULT_CREDENTIAL_LIFETIME_S, RunAuthority
+from agora.auth.challenges import ChallengeBook, ChallengeError, ChallengeState
 from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, issue_credential, load_chain
 from agora.auth.keys import peer_id_of, write_private_file
-from agora.auth.policy import (DIALBACK_PREFIX, ChallengeBook, ChallengeError, ChallengeState, ContributorSlots,
-                               Floors, JoinRateLimiter, LinkMeasurement, Refusal, assign_stage,
-                               check_announce, check_floors, dialback_answer, proof_is_valid, run_payload,
-                               sign_proof, upload_mbit)
+from agora.auth.dialback import dial_back
+from agora.auth.limits import JoinRateLimiter
+from agora.auth.policy import (ContributorSlots, Floors, LinkMeasurement, Refusal, assign_stage, check_announce,
+                               check_floors, proof_is_valid, run_payload, sign_proof, upload_mbit)
 from agora.pipeline.fingerprint import FingerprintMismatch, RunFingerprint
 from agora.protos.authorizer_adapter import (DOWNLOAD_CHUNK_BYTES, Admitted, Challenge, ChallengeRequest,
                                              JoinReply, JoinRequest, LatencyProbe, Payload, Queued, RenewReply,
@@ -61,12 +62,10 @@ from agora.protos.authorizer_adapter import (DOWNLOAD_CHUNK_BYTES, Admitted, Cha
                                              UploadReceipt, signed_payload)
 from agora.protos.authorizer_adapter import Refused as RefusedReply
 
-__all__ = ["AuthorizerSettings", "AuthorizerService", "AdmittedNode", "ADMITTED_FILE", "JOIN_ROLES",
-           "read_admitted", "dial_back", "caller_address"]
+__all__ = ["AuthorizerSettings", "AuthorizerService", "JOIN_ROLES", "caller_address"]
 
 logger = logging.getLogger(__name__)
 
-ADMITTED_FILE = "admitted.json"
 JOIN_ROLES = ("worker", "trainer", "monitor", "client")  # operator credentials are minted offline only
 _MAX_KEY_PEM, _MAX_CHAIN_PEM = 4096, 16384
 
@@ -109,26 +108,6 @@ class AuthorizerSettings:
         return self
 
 
-@dataclass(frozen=True)
-class AdmittedNode:
-    peer_id: str
-    role: str
-    stage: Optional[int]
-    address: str  # the announced host:port (workers), else the caller's address
-    device: str
-    admitted_at: float
-    expires_at: float
-    rtt_ms: Optional[float] = None
-    upload_mbit: Optional[float] = None
-    download_mbit: Optional[float] = None
-
-
-def read_admitted(state_dir: str | Path) -> list[AdmittedNode]:
-    path = Path(state_dir) / ADMITTED_FILE
-    if not path.exists():
-        return []
-    return [AdmittedNode(**entry) for entry in json.loads(path.read_text() or "[]")]
-
 
 class _Status(Exception):
     """A gRPC status to answer with (raised anywhere below a handler)."""
@@ -166,27 +145,6 @@ def caller_address(peer: str) -> str:
         return rest.rsplit(":", 1)[0].strip("[]")
     return peer
 
-
-async def dial_back(host: str, port: int, token: bytes, timeout_s: float) -> Optional[str]:
-    """Connect to a worker's announced address and check its listener's answer; None when it is
-    reachable, else what went wrong (one phrase)."""
-    expected = dialback_answer(token)
-    writer = None
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-        answer = await asyncio.wait_for(reader.readline(), timeout_s)
-    except asyncio.TimeoutError:
-        return f"no answer within {timeout_s:g} s" if writer is not None else f"no connection within {timeout_s:g} s"
-    except (OSError, ValueError) as error:  # refused, unreachable, unknown host; a line too long
-        return getattr(error, "strerror", None) or str(error) or type(error).__name__
-    finally:
-        if writer is not None:
-            writer.close()
-    if answer == expected:
-        return None
-    if answer.startswith(DIALBACK_PREFIX):
-        return "it answered with another challenge's token (a stale listener, or another node on that address)"
-    return "something else answers on that port (not this node's admission listener)"
 
 
 class AuthorizerService:

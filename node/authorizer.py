@@ -290,7 +290,7 @@ def _when(seconds: float) -> str:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from agora.auth.service import read_admitted
+    from agora.auth.admitted import read_admitted
 
     authority = _open_authority(args.state_dir)
     bans = sorted(authority.bans().values(), key=lambda entry: entry.banned_at)

@@ -165,7 +165,7 @@ def test_a_served_authorizer_admits_a_node_and_stops_cleanly(tmp_path, capsys):
 
 def test_stage_coverage_prefers_the_stage_with_least_announced_throughput():
     from agora.auth.policy import assign_stage
-    from agora.auth.service import AdmittedNode
+    from agora.auth.admitted import AdmittedNode
     from agora.dht.records import WorkerRecord
     from agora.node.authorizer import stage_coverage
 

@@ -10,9 +10,10 @@ from itertools import count
 
 import pytest
 
+from agora.auth.challenges import ChallengeBook, ChallengeError
 from agora.auth.keys import generate_key
-from agora.auth.policy import (ChallengeBook, ChallengeError, ContributorSlots, Floors,
-                               JoinRateLimiter, LinkMeasurement, assign_stage, check_announce, check_floors,
+from agora.auth.limits import JoinRateLimiter
+from agora.auth.policy import (ContributorSlots, Floors, LinkMeasurement, assign_stage, check_announce, check_floors,
                                credential_lifetime_s, dialback_answer, download_mbit, median_rtt_ms, proof_is_valid,
                                renewal_delay_s, retry_delay_s, run_payload, sign_proof, upload_mbit)
 from agora.protos import authorizer_adapter as adapter
