@@ -50,7 +50,7 @@ from agora.auth.admitted import ADMITTED_FILE, AdmittedNode, read_admitted
 from agora.auth.authority import DEFAULT_CREDENTIAL_LIFETIME_S, RunAuthority
 from agora.auth.challenges import ChallengeBook, ChallengeError, ChallengeState
 from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, issue_credential, load_chain
-from agora.auth.keys import peer_id_of, write_private_file
+from agora.auth.keys import node_key_problem, peer_id_of, write_private_file
 from agora.auth.dialback import dial_back
 from agora.auth.limits import JoinRateLimiter
 from agora.auth.policy import (ContributorSlots, Floors, LinkMeasurement, Refusal, assign_stage, check_announce,
@@ -446,6 +446,9 @@ class AuthorizerService:
             hint = ": join again" if error.reason == "expired" else ""
             raise _Status(code, f"{error}{hint}") from None
         public_key = load_chain(request.credential_pem)[0].public_key()
+        problem = node_key_problem(public_key)
+        if problem is not None:
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"credential_pem: its key: {problem}")
         if not proof_is_valid(public_key, signed_payload(request), request.signature):
             raise _Status(grpc.StatusCode.UNAUTHENTICATED,
                           "proof of possession failed: the signature does not verify with the credential's key")
@@ -495,6 +498,7 @@ def _public_key(pem: bytes) -> rsa.RSAPublicKey:
         key = serialization.load_pem_public_key(pem)
     except (ValueError, TypeError) as error:
         raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"public_key_pem: not a PEM public key ({error})") from None
-    if not isinstance(key, rsa.RSAPublicKey) or key.key_size < 2048:
-        raise _Status(grpc.StatusCode.INVALID_ARGUMENT, "public_key_pem: expected an RSA key of at least 2048 bits")
+    problem = node_key_problem(key)
+    if problem is not None:
+        raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"public_key_pem: {problem}")
     return key

@@ -21,7 +21,7 @@ from agora.auth.admission import (AdmissionError, AdmissionRefused, AuthorizerUn
 from agora.auth.authority import RunAuthority
 from agora.auth.credentials import CredentialVerifier
 from agora.auth.keys import KEY_FILE, generate_key, private_key_pem, write_private_file
-from agora.auth.node_state import NodeCredentials, public_key_pem
+from agora.auth.node_state import NodeCredentials, RunInfo, public_key_pem
 from agora.auth.policy import Floors, sign_proof
 from agora.auth.admitted import ADMITTED_FILE
 from agora.auth.service import AuthorizerService, AuthorizerSettings
@@ -30,6 +30,7 @@ from agora.node.rpc.server import run
 from agora.pipeline.config import PRESETS, config_to_dict
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.protos import authorizer_adapter as adapter
+from odd_keys import same_modulus_with_exponent
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -211,6 +212,32 @@ def test_a_join_signed_by_another_key_is_refused(authority, keys):
     assert refused.code() is grpc.StatusCode.UNAUTHENTICATED
     assert "proof of possession" in refused.details()
     assert admitted == []
+
+
+def test_a_key_with_another_exponent_is_refused_at_join_and_renewal(authority, keys, tmp_path):
+    odd = same_modulus_with_exponent(keys[0])
+    directory = tmp_path / "odd"
+    write_private_file(directory / KEY_FILE, private_key_pem(odd))
+    node = NodeCredentials(directory, clock=time.time)
+    # A credential for that key, as an authorizer without the rule would have issued it.
+    chain = authority.issue(odd.public_key(), role="trainer", stage=None, lifetime_s=600.0)
+    node.save(chain, authority.root_pem, RunInfo(run_id="test-run", role="trainer", stage=None,
+                                                 root_fingerprint=authority.root_fingerprint))
+
+    async def main():
+        async with serving(authority, credential_lifetime_s=600.0) as (service, address):
+            with pytest.raises(AdmissionError, match="INVALID_ARGUMENT: public_key_pem: expected an RSA key of 2048 "
+                                                     "bits with public exponent 65537") as joined:
+                await join(address, node, authority, role="trainer")
+            with pytest.raises(RenewalRefused) as renewed:
+                await CredentialRenewer(address, node, on_revoked=pytest.fail).renew_once()
+            return joined.value, renewed.value, service.admitted()
+
+    joined, renewed, admitted = run(main())
+    assert renewed.code is grpc.StatusCode.INVALID_ARGUMENT and "exponent 65539" in renewed.reason
+    assert admitted == []
+    with pytest.raises(ValueError, match="exponent 65539"):
+        authority.mint(directory, role="trainer")
 
 
 @pytest.mark.parametrize("floor, value, shown", [

@@ -11,13 +11,14 @@ from itertools import count
 import pytest
 
 from agora.auth.challenges import ChallengeBook, ChallengeError
-from agora.auth.keys import generate_key
+from agora.auth.keys import generate_key, node_key_problem, peer_id_of
 from agora.auth.limits import JoinRateLimiter
 from agora.auth.policy import (ContributorSlots, Floors, LinkMeasurement, assign_stage, check_announce, check_floors,
                                credential_lifetime_s, dialback_answer, download_mbit, median_rtt_ms, proof_is_valid,
                                renewal_delay_s, retry_delay_s, run_payload, sign_proof, upload_mbit)
 from agora.protos import authorizer_adapter as adapter
 from agora.protos.authorizer_adapter import Hardware
+from odd_keys import same_modulus_with_exponent
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,6 +29,20 @@ BIG = Hardware("NVIDIA H100", 80 * 10**9, 512 * 10**9)
 @pytest.fixture(scope="module")
 def key():
     return generate_key()
+
+
+# ---- node keys
+
+def test_only_a_2048_bit_key_with_exponent_65537_is_a_node_key(key):
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+    assert node_key_problem(key.public_key()) is None
+    reexponented = same_modulus_with_exponent(key, 65539)
+    assert peer_id_of(reexponented) != peer_id_of(key), "a new exponent of the same modulus is a new peer id"
+    assert "exponent 65539" in node_key_problem(reexponented.public_key())
+    small = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    assert "got 1024 bits" in node_key_problem(small.public_key())
+    assert "expected an RSA key" in node_key_problem(ec.generate_private_key(ec.SECP256R1()).public_key())
 
 
 # ---- floors
