@@ -46,6 +46,7 @@ from agora.auth.credentials import ROLES
 from agora.auth.keys import write_private_file
 from agora.auth.node_state import NodeCredentials
 from agora.auth.policy import DEFAULT_FLOORS, Floors
+from agora.auth.settings import AuthorizerSettings
 from agora.dht.records import Phase
 from agora.monitor.worker_metrics import RpcServerMetrics
 from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments, package_version
@@ -56,7 +57,7 @@ from agora.pipeline.config import ConfigError
 from agora.protos.authorizer_adapter import SERVICE_NAME, add_authorizer_service
 
 if TYPE_CHECKING:  # agora.auth.service imports torch (the run fingerprint): the serving commands import it
-    from agora.auth.service import AuthorizerService, AuthorizerSettings
+    from agora.auth.service import AuthorizerService
 
 __all__ = ["add_authorizer_commands", "issue_credential", "AuthorizerServer", "start_authorizer_server",
            "serve_authorizer", "SERVING_FILE", "JOIN_FILE"]
@@ -68,6 +69,7 @@ JOIN_FILE = "join.json"
 _MAX_MESSAGE_BYTES = 1 << 20  # preflight chunks are 64 KiB; credentials a few KiB
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{10,128}")
+_DEFAULTS = AuthorizerSettings()
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,6 @@ def _open_authority(state_dir: str, run_id: Optional[str] = None, *, create: boo
 
 
 def _settings(args: argparse.Namespace) -> AuthorizerSettings:
-    from agora.auth.service import AuthorizerSettings
-
     floors = Floors(min_upload_mbit=args.min_upload_mbit, min_download_mbit=args.min_download_mbit,
                     max_rtt_ms=args.max_rtt_ms, min_accelerator_gb=args.min_accelerator_gb, min_ram_gb=args.min_ram_gb)
     try:
@@ -140,6 +140,10 @@ def _settings(args: argparse.Namespace) -> AuthorizerSettings:
                                   credential_lifetime_s=args.credential_lifetime, latency_probes=args.latency_probes,
                                   download_bytes=args.preflight_bytes, upload_bytes=args.preflight_bytes,
                                   join_rate_per_s=args.join_rate, join_burst=args.join_burst,
+                                  network_join_rate_per_s=args.network_join_rate,
+                                  network_join_burst=args.network_join_burst,
+                                  challenges_per_network=args.challenges_per_network,
+                                  renew_rate_per_s=args.renew_rate, renew_burst=args.renew_burst,
                                   queue_retry_after_s=args.queue_retry_after,
                                   join_roles=tuple(r.strip() for r in args.join_roles.split(",") if r.strip())
                                   ).validate()
@@ -379,8 +383,24 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--preflight-bytes", type=int, default=8 << 20, metavar="BYTES",
                        help="bytes moved each way to measure a worker's link (default 8 MiB)")
     serve.add_argument("--latency-probes", type=int, default=5, help="round trips timed (median; default 5)")
-    serve.add_argument("--join-rate", type=float, default=0.5, help="sustained join attempts per second per address")
-    serve.add_argument("--join-burst", type=int, default=10, help="join attempts at once per address")
+    serve.add_argument("--join-rate", type=float, default=_DEFAULTS.join_rate_per_s,
+                       help="sustained join attempts per second per address (an IPv4 address or IPv6 /64; "
+                            "default %(default)g)")
+    serve.add_argument("--join-burst", type=int, default=_DEFAULTS.join_burst,
+                       help="join attempts at once per address (default %(default)d)")
+    serve.add_argument("--network-join-rate", type=float, default=_DEFAULTS.network_join_rate_per_s,
+                       help="sustained join attempts per second per network (an IPv4 /24 or IPv6 /56; "
+                            "default %(default)g)")
+    serve.add_argument("--network-join-burst", type=int, default=_DEFAULTS.network_join_burst,
+                       help="join attempts at once per network (default %(default)d)")
+    serve.add_argument("--challenges-per-network", type=int, default=_DEFAULTS.challenges_per_network,
+                       help=f"join challenges one network may hold outstanding (of {_DEFAULTS.max_challenges} in "
+                            "all; default %(default)d)")
+    serve.add_argument("--renew-rate", type=float, default=_DEFAULTS.renew_rate_per_s,
+                       help="sustained renewals per second per address and per peer, counted apart from joins so "
+                            "newcomers never spend them (default %(default)g)")
+    serve.add_argument("--renew-burst", type=int, default=_DEFAULTS.renew_burst,
+                       help="renewals at once per address and per peer (default %(default)d)")
     serve.add_argument("--join-roles", default="worker,trainer,monitor,client", metavar="ROLES",
                        help="roles a node may join as by itself, comma-separated (default worker,trainer,monitor,"
                             "client: a client runs inference only, agora-node generate/serve); "

@@ -24,7 +24,8 @@ from agora.auth.keys import KEY_FILE, generate_key, private_key_pem, write_priva
 from agora.auth.node_state import NodeCredentials, RunInfo, public_key_pem
 from agora.auth.policy import Floors, sign_proof
 from agora.auth.admitted import ADMITTED_FILE
-from agora.auth.service import AuthorizerService, AuthorizerSettings
+from agora.auth.service import AuthorizerService
+from agora.auth.settings import AuthorizerSettings
 from agora.node.authorizer import start_authorizer_server
 from agora.node.rpc.server import run
 from agora.pipeline.config import PRESETS, config_to_dict

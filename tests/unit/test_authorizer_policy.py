@@ -10,12 +10,13 @@ from itertools import count
 
 import pytest
 
-from agora.auth.challenges import ChallengeBook, ChallengeError
+from agora.auth.challenges import ChallengeBook, ChallengeError, RenewalChallenges
 from agora.auth.keys import generate_key, node_key_problem, peer_id_of
-from agora.auth.limits import JoinRateLimiter
+from agora.auth.limits import CallerLimits, TokenBuckets, address_key, network_prefix
 from agora.auth.policy import (ContributorSlots, Floors, LinkMeasurement, assign_stage, check_announce, check_floors,
                                credential_lifetime_s, dialback_answer, download_mbit, median_rtt_ms, proof_is_valid,
                                renewal_delay_s, retry_delay_s, run_payload, sign_proof, upload_mbit)
+from agora.auth.status import caller_address
 from agora.protos import authorizer_adapter as adapter
 from agora.protos.authorizer_adapter import Hardware
 from odd_keys import same_modulus_with_exponent
@@ -158,34 +159,89 @@ def test_no_cap_admits_everyone():
         slots.hold(str(i), expires_at=10)
 
 
-# ---- rate limit
+# ---- rate limits
 
-def test_the_rate_limit_is_a_token_bucket_per_address():
-    limiter = JoinRateLimiter(rate_per_s=0.5, burst=3)
+def test_the_rate_limit_is_a_token_bucket_per_key():
+    limiter = TokenBuckets(rate_per_s=0.5, burst=3)
     assert [limiter.acquire("1.2.3.4", now=0) for _ in range(3)] == [0.0, 0.0, 0.0]
     assert limiter.acquire("1.2.3.4", now=0) == pytest.approx(2.0)
-    assert limiter.acquire("5.6.7.8", now=0) == 0.0, "another address has its own bucket"
+    assert limiter.acquire("5.6.7.8", now=0) == 0.0, "another key has its own bucket"
     assert limiter.acquire("1.2.3.4", now=2.0) == 0.0
     assert limiter.acquire("1.2.3.4", now=2.0) == pytest.approx(2.0)
 
 
 def test_the_rate_limiter_bounds_its_memory():
-    limiter = JoinRateLimiter(rate_per_s=1.0, burst=1, max_addresses=4)
+    limiter = TokenBuckets(rate_per_s=1.0, burst=1, max_keys=4)
     for i in range(100):
         assert limiter.acquire(f"10.0.0.{i}", now=float(i)) == 0.0
     assert len(limiter._buckets) <= 4
 
 
+@pytest.mark.parametrize("peer, address", [
+    ("ipv4:203.0.113.7:5000", "203.0.113.7"),
+    ("ipv6:%5B2001:db8::1%5D:5000", "2001:db8::1"),  # grpc escapes the brackets
+    ("ipv6:[2001:db8::1]:5000", "2001:db8::1"),
+    ("unix:/tmp/socket", "unix:/tmp/socket"),
+])
+def test_the_caller_address_is_read_from_grpcs_peer_string(peer, address):
+    assert caller_address(peer) == address
+
+
+@pytest.mark.parametrize("address, key, network", [
+    ("203.0.113.7", "203.0.113.7", "203.0.113.0/24"),
+    ("::ffff:203.0.113.7", "203.0.113.7", "203.0.113.0/24"),
+    ("2001:db8:aa:bb01:1:2:3:4", "2001:db8:aa:bb01::/64", "2001:db8:aa:bb00::/56"),
+    ("unix:/tmp/socket", "unix:/tmp/socket", "unix:/tmp/socket"),
+])
+def test_callers_are_counted_by_ipv4_address_or_ipv6_64_and_by_network(address, key, network):
+    assert (address_key(address), network_prefix(address)) == (key, network)
+
+
+def _limits(**overrides) -> CallerLimits:
+    return CallerLimits(**{**dict(address_rate_per_s=0.01, address_burst=2, network_rate_per_s=0.01,
+                                  network_burst=5), **overrides})
+
+
+def test_new_addresses_in_one_ipv6_64_share_one_bucket():
+    limits = _limits()
+    assert limits.acquire("2001:db8::1", now=0) is None and limits.acquire("2001:db8::2", now=0) is None
+    limited = limits.acquire("2001:db8::ffff:3", now=0)
+    assert (limited.scope, limited.key) == ("address", "2001:db8::/64")
+    assert "too many join attempts from 2001:db8::/64" in limited.message("join attempts")
+
+
+@pytest.mark.parametrize("network, address", [("198.51.100.0/24", "198.51.100.{}"),
+                                              ("2001:db8:0:ff00::/56", "2001:db8:0:ff{:02x}::1")])
+def test_a_network_is_limited_whatever_addresses_it_uses(network, address):
+    limits = _limits()
+    assert [limits.acquire(address.format(i), now=0) for i in range(5)] == [None] * 5
+    limited = limits.acquire(address.format(99), now=0)
+    assert (limited.scope, limited.key) == ("network", network) and limited.retry_after_s == pytest.approx(100.0)
+    assert f"network {network}" in limited.message("join attempts")
+    assert limits.acquire("192.0.2.1", now=0) is None, "another network has its own buckets"
+
+
+def test_a_refused_attempt_spends_no_token():
+    limits = _limits(address_burst=1, network_burst=1)
+    assert limits.acquire("198.51.100.1", now=0) is None
+    assert limits.acquire("198.51.100.2", now=0).scope == "network"
+    assert limits.acquire("198.51.100.2", now=100.0) is None, "its address bucket was not spent by the refusal"
+
+
 # ---- challenges
 
-def _book(ttl: float = 10.0, capacity: int = 4096) -> ChallengeBook:
+def _counting_bytes():
     counter = count()
-    return ChallengeBook(ttl, random_bytes=lambda n: next(counter).to_bytes(n, "big"), capacity=capacity)
+    return lambda n: next(counter).to_bytes(n, "big")
+
+
+def _book(ttl: float = 10.0, capacity: int = 4096, per_network=None) -> ChallengeBook:
+    return ChallengeBook(ttl, random_bytes=_counting_bytes(), capacity=capacity, per_network=per_network)
 
 
 def test_a_challenge_is_single_use_short_lived_and_bound_to_its_caller():
     book = _book()
-    first = book.issue("1.2.3.4", "worker", False, now=0, latency_probes=3, download_bytes=10, upload_bytes=10)
+    first = book.issue("1.2.3.4", "worker", now=0, latency_probes=3, download_bytes=10, upload_bytes=10)
     assert book.peek(first.nonce, "1.2.3.4", now=1) is first
     with pytest.raises(ChallengeError) as wrong:
         book.peek(first.nonce, "5.6.7.8", now=1)
@@ -194,23 +250,69 @@ def test_a_challenge_is_single_use_short_lived_and_bound_to_its_caller():
     with pytest.raises(ChallengeError) as used:
         book.consume(first.nonce, "1.2.3.4", now=2)
     assert used.value.kind == "unknown"
-    late = book.issue("1.2.3.4", "worker", False, now=0)
+    late = book.issue("1.2.3.4", "worker", now=0)
     with pytest.raises(ChallengeError, match="expired"):
         book.consume(late.nonce, "1.2.3.4", now=10)
 
 
 def test_outstanding_challenges_are_bounded():
     book = _book(capacity=2)
-    book.issue("a", "trainer", False, now=0)
-    book.issue("a", "trainer", False, now=0)
+    book.issue("a", "trainer", now=0)
+    book.issue("a", "trainer", now=0)
     with pytest.raises(ChallengeError) as full:
-        book.issue("a", "trainer", False, now=1)
+        book.issue("a", "trainer", now=1)
     assert full.value.kind == "full"
-    book.issue("a", "trainer", False, now=11)  # the expired ones were pruned
+    book.issue("a", "trainer", now=11)  # the expired ones were pruned
+
+
+def test_one_network_cannot_take_the_whole_book():
+    book = _book(per_network=2)
+    book.issue("198.51.100.1", "worker", now=0)
+    book.issue("198.51.100.2", "worker", now=1)
+    with pytest.raises(ChallengeError) as full:
+        book.issue("198.51.100.3", "worker", now=2)
+    assert full.value.kind == "full" and "network 198.51.100.0/24" in str(full.value)
+    assert full.value.retry_after_s == pytest.approx(8.0), "until the network's oldest challenge expires"
+    book.issue("192.0.2.1", "worker", now=2)
+    book.consume(book.issue("2001:db8::1", "worker", now=2).nonce, "2001:db8::1", now=2)
+    book.issue("198.51.100.3", "worker", now=10.5)  # the first one expired
+    assert len(book) == 3
+
+
+def test_a_challenges_measurements_run_one_at_a_time_and_once_each():
+    state = _book().issue("a", "worker", now=0, latency_probes=2, download_bytes=10, upload_bytes=10)
+    state.begin("download")
+    with pytest.raises(ChallengeError) as busy:
+        state.begin("download")
+    assert busy.value.kind == "busy" and "one at a time" in str(busy.value)
+    with pytest.raises(ChallengeError, match="still running"):
+        state.begin("upload")
+    state.end()
+    with pytest.raises(ChallengeError) as again:
+        state.begin("download")
+    assert again.value.kind == "repeated"
+    state.begin("upload")
+
+
+def test_renewal_challenges_verify_without_a_record_and_are_used_once():
+    challenges = RenewalChallenges(10.0, random_bytes=_counting_bytes())
+    nonce = challenges.issue(now=0)
+    challenges.check(nonce, now=5)
+    challenges.check(nonce, now=5)  # unused until a proof spends it
+    challenges.spend(nonce, now=5)
+    for forged in (nonce, nonce[:-1] + bytes([nonce[-1] ^ 1]), b"", challenges.issue(now=0)):
+        with pytest.raises(ChallengeError, match="unknown, expired or already used"):
+            challenges.check(forged, now=10.5 if forged not in (nonce, b"") else 5)
+    another_authorizer = RenewalChallenges(10.0, random_bytes=lambda n: bytes([7]) * n)
+    with pytest.raises(ChallengeError):
+        challenges.check(another_authorizer.issue(now=0), now=1)
+    for _ in range(100_000):
+        challenges.issue(now=1)  # issuing holds nothing
+    assert challenges._used == {nonce: 10.0}
 
 
 def test_a_challenge_has_its_link_only_after_the_whole_preflight():
-    state = _book().issue("a", "worker", False, now=0, latency_probes=2, download_bytes=1000, upload_bytes=1000)
+    state = _book().issue("a", "worker", now=0, latency_probes=2, download_bytes=1000, upload_bytes=1000)
     state.rtts_s = [0.010, 0.020]
     state.download = (1_000_000, 0.09)
     assert state.link() is None
