@@ -1,6 +1,6 @@
 """The authorizer over real grpc.aio on 127.0.0.1:0, driven by the node's own admission client.
 
-One run authority and a pool of node keys per module (RSA keys cost 50-200 ms each); one event
+One run authority and a pool of node keys per module (tests/helpers/authorizer_world.py); one event
 loop and one freshly started authorizer per test.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import socket
 import time
 
 import grpc
@@ -18,96 +17,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agora.auth.admission import (AdmissionError, AdmissionRefused, AuthorizerUntrusted, CredentialRenewer,
                                   RenewalRefused, admit, reachability_listener)
-from agora.auth.authority import RunAuthority
 from agora.auth.credentials import CredentialVerifier
-from agora.auth.keys import KEY_FILE, generate_key, private_key_pem, write_private_file
+from agora.auth.keys import KEY_FILE, private_key_pem, write_private_file
 from agora.auth.node_state import NodeCredentials, RunInfo, public_key_pem
 from agora.auth.policy import Floors, sign_proof
-from agora.auth.admitted import ADMITTED_FILE
 from agora.auth.service import AuthorizerService
 from agora.auth.settings import AuthorizerSettings
-from agora.node.authorizer import start_authorizer_server
 from agora.node.rpc.server import run
-from agora.pipeline.config import PRESETS, config_to_dict
+from agora.pipeline.config import config_to_dict
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.protos import authorizer_adapter as adapter
+import authorizer_world as world
+from authorizer_world import (CONFIG, FINGERPRINT, OPEN, PEERS, Clock, fingerprint_from_config, free_port, join,
+                              serving)
 from odd_keys import same_modulus_with_exponent
 
 pytestmark = pytest.mark.timeout(60)
 
-CONFIG = PRESETS["tiny"].with_stages(3)
-FINGERPRINT = run_fingerprint(CONFIG)
-PEERS = ("/ip4/203.0.113.5/tcp/31337/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",)
-# Tests run on loopback: no floor but the one a test raises.
-OPEN = Floors(min_upload_mbit=0, min_download_mbit=0, max_rtt_ms=float("inf"), min_accelerator_gb=0, min_ram_gb=0)
-SMALL = dict(download_bytes=256 << 10, upload_bytes=256 << 10, latency_probes=3)
-
-
-@pytest.fixture(scope="module")
-def authority(tmp_path_factory) -> RunAuthority:
-    return RunAuthority(tmp_path_factory.mktemp("authority"), run_id="test-run")
-
-
-@pytest.fixture(scope="module")
-def keys() -> list:
-    return [generate_key() for _ in range(4)]
-
-
-@pytest.fixture
-def nodes(tmp_path, keys):
-    """Node state directories with keys from the pool (node i gets key i)."""
-    def node(i: int) -> NodeCredentials:
-        directory = tmp_path / f"node{i}"
-        write_private_file(directory / KEY_FILE, private_key_pem(keys[i]))
-        return NodeCredentials(directory, clock=time.time)
-    return node
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Clock:
-    """Wall time plus an offset a test can advance (the authorizer's clock)."""
-
-    def __init__(self):
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return time.time() + self.offset
-
-
-@contextlib.asynccontextmanager
-async def serving(authority: RunAuthority, *, floors: Floors = OPEN, handler=None, restart: bool = False,
-                  **settings):
-    """A fresh authorizer for `authority` on 127.0.0.1:0 (with no admitted nodes, unless `restart`);
-    yields (service, address)."""
-    if not restart:
-        (authority.directory / ADMITTED_FILE).unlink(missing_ok=True)
-    clock = settings.pop("clock", time.time)
-    service = AuthorizerService(authority, AuthorizerSettings(floors=floors, **{**SMALL, **settings}),
-                                run_config=config_to_dict(CONFIG), fingerprint=FINGERPRINT, initial_peers=PEERS,
-                                clock=clock)
-    started = await start_authorizer_server(handler(service) if handler else service, "127.0.0.1", 0)
-    try:
-        yield service, f"127.0.0.1:{started.port}"
-    finally:
-        await started.stop(None)
-
-
-async def join(address: str, node: NodeCredentials, authority: RunAuthority, *, role: str = "worker", **kwargs):
-    if role == "worker":
-        kwargs.setdefault("announce", ("127.0.0.1", free_port()))
-    kwargs.setdefault("fingerprint", FINGERPRINT.text())
-    return await admit(address, authority.root_fingerprint, node, role=role, **kwargs)
-
-
-def fingerprint_from_config(config: dict) -> str:
-    from agora.pipeline.config import config_from_dict
-
-    return run_fingerprint(config_from_dict(config)).text()
+authority, keys, nodes = world.authority, world.keys, world.nodes  # fixtures
 
 
 # ---- admission
