@@ -11,6 +11,7 @@ import contextlib
 import socket
 import time
 
+import grpc
 import pytest
 
 from agora.auth.admission import admit
@@ -24,6 +25,7 @@ from agora.auth.settings import AuthorizerSettings
 from agora.node.authorizer import start_authorizer_server
 from agora.pipeline.config import PRESETS, config_to_dict
 from agora.pipeline.fingerprint import run_fingerprint
+from tcp_relay import TcpRelay
 
 CONFIG = PRESETS["tiny"].with_stages(3)
 FINGERPRINT = run_fingerprint(CONFIG)
@@ -98,3 +100,20 @@ def fingerprint_from_config(config: dict) -> str:
     from agora.pipeline.config import config_from_dict
 
     return run_fingerprint(config_from_dict(config)).text()
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    """A channel to the authorizer at `address`, for tests that speak its protocol by hand."""
+    return grpc.aio.insecure_channel(address)
+
+
+@contextlib.asynccontextmanager
+async def from_sources(address: str, sources: list[str]):
+    """For each local address in `sources` (127.0.0.x), an address that reaches the authorizer at
+    `address` from it (a TCP relay dialling from that source): callers of several addresses."""
+    relays = [TcpRelay(address, source=source) for source in sources]
+    try:
+        yield [await relay.start() for relay in relays]
+    finally:
+        for relay in relays:
+            await relay.close()

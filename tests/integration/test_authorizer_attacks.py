@@ -1,0 +1,107 @@
+"""The authorizer under attack, over real grpc.aio on loopback: floods of newcomers from one network
+while admitted nodes renew, greedy preflights, odd keys, a forged authorizer, dial-backs aimed at
+the authorizer's own neighbourhood. Callers of several addresses of one network are real
+connections from 127.0.0.x (tests/helpers/tcp_relay.py dials from a chosen source address)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from agora.auth.admission import CredentialRenewer
+from agora.node.rpc.server import run
+from agora.protos import authorizer_adapter as adapter
+from agora.protos import authorizer_pb2, authorizer_pb2_grpc
+import authorizer_world as world
+from authorizer_world import Clock, from_sources, serving
+
+pytestmark = pytest.mark.timeout(60)
+
+authority, keys, nodes = world.authority, world.keys, world.nodes  # fixtures
+
+
+async def _challenges_until_refused(address: str, limit: int = 100) -> tuple[int, grpc.aio.AioRpcError | None]:
+    """Ask for join challenges until refused (`limit` at most): how many were granted, and the refusal."""
+    async with world.channel(address) as channel:
+        stub = adapter.AuthorizerStub(channel)
+        for granted in range(limit):
+            try:
+                await stub.get_challenge(adapter.ChallengeRequest(role="trainer"))
+            except grpc.aio.AioRpcError as error:
+                return granted, error
+    return limit, None
+
+
+def test_a_flood_from_one_network_is_refused_while_a_node_there_renews(authority, tmp_path):
+    """Six addresses of 127.0.0.0/24, the renewing node's own among them, ask for join challenges
+    until refused, ten each at most: the network's share of the challenge book (32 by default)
+    stops them, and the node still renews from its address."""
+    clock = Clock()
+    node = authority.mint(tmp_path / "trainer", role="trainer", lifetime_s=600.0)
+
+    async def main():
+        async with serving(authority, join_rate_per_s=0.01, join_burst=10, credential_lifetime_s=600.0,
+                           clock=clock) as (service, address):
+            refusals = [await _challenges_until_refused(address)]  # from 127.0.0.1, the node's own address
+            async with from_sources(address, [f"127.0.0.{i}" for i in range(2, 7)]) as relays:
+                refusals += [await _challenges_until_refused(relay) for relay in relays]
+            clock.offset = 30.0
+            renewed = await CredentialRenewer(address, node, on_revoked=pytest.fail).renew_once()
+            return refusals, renewed
+
+    refusals, renewed = run(main())
+    assert sum(granted for granted, _ in refusals) == 32
+    assert all(error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED for _, error in refusals)
+    assert "network 127.0.0.0/24" in refusals[-1][1].details()
+    assert float(dict(refusals[-1][1].trailing_metadata())["retry-after"]) > 0
+    assert renewed.role == "trainer" and renewed.not_after > clock() + 500
+
+
+def test_one_network_cannot_fill_the_challenge_book(authority, tmp_path):
+    """Two addresses of one network without rate limits of their own: 32 outstanding challenges
+    (the network's share) and the next is refused with when to retry; other networks and renewals
+    still get theirs."""
+    clock = Clock()
+    node = authority.mint(tmp_path / "trainer", role="trainer", lifetime_s=600.0)
+
+    async def main():
+        async with serving(authority, join_rate_per_s=100.0, join_burst=100, credential_lifetime_s=600.0,
+                           clock=clock) as (service, address):
+            async with from_sources(address, ["127.0.0.2", "127.0.0.3", "127.0.1.1"]) as (first, second, other):
+                granted, _ = await _challenges_until_refused(first, limit=20)
+                more, refused = await _challenges_until_refused(second)
+                elsewhere, _ = await _challenges_until_refused(other, limit=1)
+            clock.offset = 30.0
+            renewed = await CredentialRenewer(address, node, on_revoked=pytest.fail).renew_once()
+            return granted + more, refused, elsewhere, renewed
+
+    granted, refused, elsewhere, renewed = run(main())
+    assert granted == 32 and refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "32 challenges outstanding for network 127.0.0.0/24" in refused.details()
+    assert 0 < float(dict(refused.trailing_metadata())["retry-after"]) <= 60
+    assert elsewhere == 1, "127.0.1.0/24 is another network"
+    assert renewed.role == "trainer"
+
+
+def test_a_challenge_runs_one_measurement_at_a_time(authority):
+    async def main():
+        async with serving(authority, download_bytes=4 << 20) as (service, address):
+            async with world.channel(address) as channel:
+                stub = adapter.AuthorizerStub(channel)
+                challenge = await stub.get_challenge(adapter.ChallengeRequest(role="worker"))
+                first = authorizer_pb2_grpc.AuthorizerStub(channel).MeasureDownload()
+                await first.write(authorizer_pb2.TransferControl(nonce=challenge.nonce))
+                await first.read()  # the first download is under way (and held by flow control)
+                refusals = []
+                for transfer in (stub.download(challenge.nonce, max_bytes=challenge.download_bytes),
+                                 stub.upload(challenge.nonce, size=challenge.upload_bytes)):
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await transfer
+                    refusals.append(refused.value)
+                first.cancel()
+                return refusals
+
+    refusals = run(main())
+    assert [error.code() for error in refusals] == [grpc.StatusCode.FAILED_PRECONDITION] * 2
+    assert all("the download measurement of this challenge is still running" in error.details()
+               for error in refusals)
