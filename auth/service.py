@@ -28,33 +28,54 @@ Design choices:
   UNAUTHENTICATED (bad proof, expired credential), PERMISSION_DENIED (wrong caller, operator
   role, banned renewal), FAILED_PRECONDITION (unknown or used challenge, preflight not run),
   RESOURCE_EXHAUSTED (rate limit, with ``retry-after`` trailing metadata).
+- Cheap checks come before expensive work: nothing signs, transfers, dials or writes for a call
+  that has not passed every check that costs less. In order:
+    GetChallenge  role (format); rate (join: address and network buckets; renewal: its own
+                  buckets); join: the book's room, in all and for the caller's network.
+    preflight     the first message; the challenge (open, this caller's, this kind, none running);
+                  then the transfer (auth/preflight.py).
+    Join          role and key size (format); the challenge (consumed); the key rule (RSA-2048,
+                  exponent 65537); the proof of possession (one RSA verification); ban, run
+                  fingerprint, stage, announce, hardware, the preflight's figures and the floors
+                  (all in memory); then the dial-back (workers); the slot; then the two RSA
+                  signatures and the log write.
+    Renew         size (format); the nonce (a MAC); the chain (cached X.509 verification), the key
+                  rule, the role; the proof; ban; the peer's renewal bucket; then one RSA signature
+                  and the log write.
+- Blocking work runs on worker threads (``asyncio.to_thread``): the RSA signatures of an admission
+  or a renewal (a few hundred microseconds each, and a key generation when the issuing CA
+  rotates) and every write of the admission log. Verifications stay on the loop: they cost tens of
+  microseconds (a chain's is cached), less than the hop to a thread.
 - Decisions live in auth/policy.py; this module does I/O and bookkeeping. One asyncio loop, no
-  locks: every handler's state change happens between awaits.
-- Admitted workers are kept in ``admitted.json`` beside the CA, so a restarted authorizer keeps
-  its slots and ``agora-node authorizer list`` shows them.
+  locks: every handler's state change happens between awaits, and a worker's slot is held before
+  the first await of its admission.
+- Admitted nodes are kept in ``admitted.sqlite`` beside the CA (auth/admitted.py), so a restarted
+  authorizer keeps its slots and ``agora-node authorizer list`` shows them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
 import secrets
+import sqlite3
 import time
 from collections import Counter
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional
 
 import grpc
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from agora.auth.admitted import ADMITTED_FILE, AdmittedNode, read_admitted
+from agora.auth.admitted import AdmissionLog, AdmittedNode
 from agora.auth.authority import RunAuthority
 from agora.auth.challenges import ChallengeBook, ChallengeState, RenewalChallenges
 from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, issue_credential, load_chain
-from agora.auth.keys import node_key_problem, peer_id_of, write_private_file
 from agora.auth.dialback import dial_back
+from agora.auth.keys import node_key_problem, peer_id_of
 from agora.auth.limits import CallerLimits, TokenBuckets, address_key
 from agora.auth.policy import (ContributorSlots, LinkMeasurement, Refusal, assign_stage, check_announce, check_floors,
                                proof_is_valid, run_payload, sign_proof)
@@ -73,6 +94,7 @@ __all__ = ["AuthorizerService"]
 logger = logging.getLogger(__name__)
 
 _MAX_KEY_PEM, _MAX_CHAIN_PEM = 4096, 16384
+_SWEEP_EVERY = 256
 
 
 class AuthorizerService:
@@ -106,13 +128,19 @@ class AuthorizerService:
                                          download_block=random_bytes(DOWNLOAD_CHUNK_BYTES))
         self._slots = ContributorSlots(settings.max_workers, stale_s=3 * settings.queue_retry_after_s + 10)
         self._measured: dict[str, tuple[str, LinkMeasurement, float]] = {}  # peer -> (caller, link, at)
-        self._admitted: dict[str, AdmittedNode] = {}
+        self._records = 0
         now = clock()
-        for node in read_admitted(authority.directory):
-            if node.expires_at > now:
+        self._log = AdmissionLog(authority.directory, now=now)
+        self._admitted: dict[str, AdmittedNode] = {}
+        for node in self._log.live(now):
+            if not authority.is_banned(node.peer_id):
                 self._admitted[node.peer_id] = node
                 if node.role == "worker":
                     self._slots.hold(node.peer_id, node.expires_at)
+
+    def close(self) -> None:
+        """Close the admission log (the service answers no more calls after this)."""
+        self._log.close()
 
     # ---- bookkeeping
 
@@ -123,18 +151,22 @@ class AuthorizerService:
     def _workers_per_stage(self) -> Mapping[int, float]:
         return Counter(node.stage for node in self.admitted() if node.role == "worker")
 
-    def _persist(self) -> None:
-        now = self._clock()
-        self._admitted = {peer: node for peer, node in self._admitted.items() if node.expires_at > now}
-        entries = [asdict(node) for node in self._admitted.values()]
-        write_private_file(self.authority.directory / ADMITTED_FILE, json.dumps(entries, indent=1).encode(),
-                           mode=0o644)
+    async def _record(self, node: AdmittedNode) -> None:
+        """Keep ``node`` (an admission, or a renewal's new expiry) in memory and in the admission log."""
+        self._records += 1
+        if self._records % _SWEEP_EVERY == 0:  # drop the expired ones from memory now and then
+            now = self._clock()
+            self._admitted = {peer: kept for peer, kept in self._admitted.items() if kept.expires_at > now}
+        self._admitted[node.peer_id] = node
+        try:
+            await asyncio.to_thread(self._log.record, node)
+        except sqlite3.Error as error:  # the admission stands; only the record of it is lost
+            logger.warning("authorizer: could not write %s to %s (%s)", node.peer_id[:16], self._log.path, error)
 
     def _forget(self, peer_id: str) -> None:
-        """A banned peer: its slot frees now, and `list` stops showing it."""
+        """A banned peer: its slot frees now, and `list` stops showing it (it filters banned peers)."""
         self._slots.release(peer_id)
-        if self._admitted.pop(peer_id, None) is not None:
-            self._persist()
+        self._admitted.pop(peer_id, None)
 
     def _refresh_slots(self, now: float) -> None:
         """Free the slots of expired and banned workers."""
@@ -205,11 +237,13 @@ class AuthorizerService:
     @answers
     async def join(self, request: JoinRequest, context: Any) -> JoinReply:
         caller, now = caller_address(context.peer()), self._clock()
-        state = self._challenges.consume(request.nonce, caller, now)
         _check_role(request.role, self.settings.join_roles, False)
+        if len(request.public_key_pem) > _MAX_KEY_PEM:
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"public_key_pem: longer than {_MAX_KEY_PEM} bytes")
+        state = self._challenges.consume(request.nonce, caller, now)
         if request.role != state.role:
             raise Status(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"role: the challenge was requested for a {state.role or 'node without role'}")
+                         f"role: the challenge was requested for a {state.role or 'node without role'}")
         public_key = _public_key(request.public_key_pem)
         if not proof_is_valid(public_key, signed_payload(request), request.signature):
             raise Status(grpc.StatusCode.UNAUTHENTICATED,
@@ -219,7 +253,7 @@ class AuthorizerService:
         if isinstance(outcome, JoinReply):
             return outcome
         stage, link = outcome
-        return JoinReply(admitted=self._admit(request, public_key, peer_id, stage, caller, link, self._clock()))
+        return JoinReply(admitted=await self._admit(request, public_key, peer_id, stage, caller, link))
 
     async def _decide(self, request: JoinRequest, state: ChallengeState, peer_id: str, caller: str,
                       now: float) -> JoinReply | tuple[Optional[int], Optional[LinkMeasurement]]:
@@ -297,24 +331,40 @@ class AuthorizerService:
         value = self._stage_throughput()
         return await value if inspect.isawaitable(value) else value
 
-    def _admit(self, request: JoinRequest, public_key: rsa.RSAPublicKey, peer_id: str, stage: Optional[int],
-               caller: str, link: Optional[LinkMeasurement], now: float) -> Admitted:
+    def _credential(self, public_key: rsa.RSAPublicKey, role: str, stage: Optional[int], now: float,
+                    *, describe_run: bool) -> tuple[bytes, float, bytes]:
+        """A credential chain, its expiry and (``describe_run``) the issuing CA's signature over the run
+        description. Blocking (one or two RSA signatures; a new issuing CA key at rotation): it runs on
+        a worker thread, so the loop serves other calls meanwhile."""
         lifetime = self.settings.credential_lifetime_s
         issuer = self.authority.issuing()
-        chain = issue_credential(issuer, public_key, run_id=self.authority.run_id, role=request.role, stage=stage,
-                                 now=now, lifetime_s=lifetime)
-        expires_at = min(now + lifetime, issuer.not_after)
-        signature = sign_proof(issuer.key, run_payload(self.authority.run_id, self.config_json, self.initial_peers,
-                                                       chain))
-        address = _host_port(request.announce_host, request.announce_port) if request.role == "worker" else caller
-        self._admitted[peer_id] = AdmittedNode(
+        chain = issue_credential(issuer, public_key, run_id=self.authority.run_id, role=role, stage=stage, now=now,
+                                 lifetime_s=lifetime)
+        signature = b"" if not describe_run else sign_proof(
+            issuer.key, run_payload(self.authority.run_id, self.config_json, self.initial_peers, chain))
+        return chain, min(now + lifetime, issuer.not_after), signature
+
+    async def _admit(self, request: JoinRequest, public_key: rsa.RSAPublicKey, peer_id: str, stage: Optional[int],
+                     caller: str, link: Optional[LinkMeasurement]) -> Admitted:
+        now = self._clock()
+        worker = request.role == "worker"
+        if worker:  # taken before the first await below: the slot _decide counted is this one
+            self._slots.hold(peer_id, now + self.settings.credential_lifetime_s)
+        try:
+            chain, expires_at, signature = await asyncio.to_thread(self._credential, public_key, request.role, stage,
+                                                                   now, describe_run=True)
+        except BaseException:
+            if worker:
+                self._slots.release(peer_id)
+            raise
+        if worker:
+            self._slots.hold(peer_id, expires_at)
+        address = _host_port(request.announce_host, request.announce_port) if worker else caller
+        await self._record(AdmittedNode(
             peer_id=peer_id, role=request.role, stage=stage, address=address,
             device=request.hardware.device if request.hardware else "", admitted_at=now, expires_at=expires_at,
             **({} if link is None else {"rtt_ms": round(link.rtt_ms, 3), "upload_mbit": round(link.upload_mbit, 1),
-                                        "download_mbit": round(link.download_mbit, 1)}))
-        if request.role == "worker":
-            self._slots.hold(peer_id, expires_at)
-        self._persist()
+                                        "download_mbit": round(link.download_mbit, 1)})))
         logger.info("authorizer: admitted %s%s %s at %s", request.role, "" if stage is None else f" stage {stage}",
                     peer_id[:16], address)
         return Admitted(credential_pem=chain, root_pem=self.authority.root_pem, run_id=self.authority.run_id,
@@ -354,17 +404,13 @@ class AuthorizerService:
         if wait > 0:
             raise Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rate limit: {identity.peer_id[:16]}... renewed too "
                                                              f"often; retry after {wait:.1f} s", retry_after_s=wait)
-        issuer = self.authority.issuing()
-        lifetime = self.settings.credential_lifetime_s
-        chain = issue_credential(issuer, public_key, run_id=self.authority.run_id, role=identity.role,
-                                 stage=identity.stage, now=now, lifetime_s=lifetime)
-        expires_at = min(now + lifetime, issuer.not_after)
+        chain, expires_at, _ = await asyncio.to_thread(self._credential, public_key, identity.role, identity.stage,
+                                                       now, describe_run=False)
         if identity.peer_id in self._slots.admitted:
             self._slots.hold(identity.peer_id, expires_at)
         known = self._admitted.get(identity.peer_id)
         if known is not None:
-            self._admitted[identity.peer_id] = replace(known, expires_at=expires_at)
-            self._persist()
+            await self._record(replace(known, expires_at=expires_at))
         logger.debug("authorizer: renewed %s", identity.describe())
         return RenewReply(credential_pem=chain, lifetime_s=expires_at - now)
 
@@ -387,8 +433,6 @@ def _check_role(role: str, join_roles: tuple[str, ...], renewal: bool) -> None:
 
 
 def _public_key(pem: bytes) -> rsa.RSAPublicKey:
-    if len(pem) > _MAX_KEY_PEM:
-        raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"public_key_pem: longer than {_MAX_KEY_PEM} bytes")
     try:
         key = serialization.load_pem_public_key(pem)
     except (ValueError, TypeError) as error:

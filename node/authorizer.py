@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import grpc
 
 from agora.auth.admission import JoinFile
+from agora.auth.admitted import read_admitted
 from agora.auth.authority import DEFAULT_CREDENTIAL_LIFETIME_S, RunAuthority
 from agora.auth.credentials import ROLES
 from agora.auth.keys import write_private_file
@@ -227,6 +228,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             Path(args.ready_file).unlink(missing_ok=True)
         if swarm is not None:
             swarm.shutdown()
+        service.close()
         metrics.close()
     return 0
 
@@ -294,12 +296,11 @@ def _when(seconds: float) -> str:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from agora.auth.admitted import read_admitted
-
     authority = _open_authority(args.state_dir)
     bans = sorted(authority.bans().values(), key=lambda entry: entry.banned_at)
-    now = time.time()
-    admitted = [node for node in read_admitted(args.state_dir) if node.expires_at > now]  # still holding a credential
+    # Still holding a credential, and not banned since (a ban takes effect at the node's next renewal).
+    banned = {entry.peer_id for entry in bans}
+    admitted = [node for node in read_admitted(args.state_dir, time.time()) if node.peer_id not in banned]
     if args.json:
         print(json.dumps({"run_id": authority.run_id, "root_fingerprint": authority.root_fingerprint,
                           "bans": [asdict(entry) for entry in bans],

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from agora.auth.admission import admit
-from agora.auth.admitted import ADMITTED_FILE
+from agora.auth.admitted import ADMITTED_DB
 from agora.auth.authority import RunAuthority
 from agora.auth.keys import KEY_FILE, generate_key, private_key_pem, write_private_file
 from agora.auth.node_state import NodeCredentials
@@ -77,7 +77,8 @@ async def serving(authority: RunAuthority, *, floors: Floors = OPEN, handler=Non
     """A fresh authorizer for `authority` on 127.0.0.1:0 (with no admitted nodes, unless `restart`);
     yields (service, address)."""
     if not restart:
-        (authority.directory / ADMITTED_FILE).unlink(missing_ok=True)
+        for name in (ADMITTED_DB, f"{ADMITTED_DB}-wal", f"{ADMITTED_DB}-shm"):
+            (authority.directory / name).unlink(missing_ok=True)
     clock = settings.pop("clock", time.time)
     service = AuthorizerService(authority, AuthorizerSettings(floors=floors, **{**SMALL, **settings}),
                                 run_config=config_to_dict(CONFIG), fingerprint=FINGERPRINT, initial_peers=PEERS,
@@ -87,6 +88,7 @@ async def serving(authority: RunAuthority, *, floors: Floors = OPEN, handler=Non
         yield service, f"127.0.0.1:{started.port}"
     finally:
         await started.stop(None)
+        service.close()
 
 
 async def join(address: str, node: NodeCredentials, authority: RunAuthority, *, role: str = "worker", **kwargs):

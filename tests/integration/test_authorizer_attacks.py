@@ -5,6 +5,8 @@ connections from 127.0.0.x (tests/helpers/tcp_relay.py dials from a chosen sourc
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 
@@ -13,7 +15,7 @@ from agora.node.rpc.server import run
 from agora.protos import authorizer_adapter as adapter
 from agora.protos import authorizer_pb2, authorizer_pb2_grpc
 import authorizer_world as world
-from authorizer_world import Clock, from_sources, serving
+from authorizer_world import Clock, from_sources, join, serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,3 +107,31 @@ def test_a_challenge_runs_one_measurement_at_a_time(authority):
     assert [error.code() for error in refusals] == [grpc.StatusCode.FAILED_PRECONDITION] * 2
     assert all("the download measurement of this challenge is still running" in error.details()
                for error in refusals)
+
+
+def test_an_admission_and_a_renewal_sign_off_the_event_loop(authority, nodes, monkeypatch):
+    """The RSA signatures of an admission (credential, run description) and of a renewal run on a
+    worker thread: the loop keeps serving other nodes meanwhile."""
+    from agora.auth import service as service_module
+
+    signed: list[tuple[str, bool]] = []
+
+    def recorded(function):
+        def call(*args, **kwargs):
+            signed.append((function.__name__, threading.current_thread() is threading.main_thread()))
+            return function(*args, **kwargs)
+        return call
+
+    for name in ("issue_credential", "sign_proof"):
+        monkeypatch.setattr(service_module, name, recorded(getattr(service_module, name)))
+    clock = Clock()
+
+    async def main():
+        async with serving(authority, credential_lifetime_s=600.0, clock=clock) as (service, address):
+            node = nodes(0)
+            await join(address, node, authority, role="trainer")
+            clock.offset = 30.0
+            await CredentialRenewer(address, node, on_revoked=pytest.fail).renew_once()
+
+    run(main())
+    assert signed == [("issue_credential", False), ("sign_proof", False), ("issue_credential", False)]

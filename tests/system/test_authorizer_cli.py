@@ -81,6 +81,22 @@ def test_ban_unban_and_list(state_dir, capsys):
     assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["bans"] == []
 
 
+def test_list_reads_the_admissions_of_an_older_state_dir_once_imported(tmp_path, capsys):
+    """An authorizer state directory from before the admission log kept its nodes in admitted.json:
+    `list` (like `serve`) imports it into admitted.sqlite once and shows them."""
+    state = tmp_path / "older-state"
+    RunAuthority(state, run_id="older-run")
+    peer = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    entry = {"peer_id": peer, "role": "worker", "stage": 0, "address": "198.51.100.7:7000", "device": "cpu",
+             "admitted_at": time.time(), "expires_at": time.time() + 600}
+    (state / "admitted.json").write_text(json.dumps([entry]))
+    for _ in range(2):
+        assert main(["authorizer", "list", "--json", "--state-dir", str(state)]) == 0
+        assert [node["peer_id"] for node in json.loads(capsys.readouterr().out)["admitted"]] == [peer]
+    assert not (state / "admitted.json").exists() and (state / "admitted.json.imported").exists()
+    assert (state / "admitted.sqlite").exists()
+
+
 def test_help_and_the_ban_commands_start_without_torch_or_hivemind(state_dir):
     """An operator's quick commands (and `--help`) do not pay seconds for torch and hivemind, which
     only the commands that compute or join the DHT import."""
