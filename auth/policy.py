@@ -11,7 +11,9 @@ What is decided here, tested without sockets (tests/unit/test_authorizer_policy.
   last, so one round trip (the fastest probe) is taken off, never more than half the elapsed
   time: a node that delays its echoes to inflate the RTT can at most double its apparent rate.
 - The announced address a worker will be dialled on: never 0.0.0.0 or ``::`` ("every
-  interface" on the node is no address for anyone else).
+  interface" on the node is no address for anyone else). The dial-back connects only to globally
+  routable addresses unless the run is local (``dialback_allowed``): a stranger must not make the
+  authorizer connect into its own host or network.
 - Stage assignment: the requested stage when given, else the stage with the least announced
   throughput (ties to the lowest index).
 - ``ContributorSlots``: the cap on admitted workers and its FIFO queue. A slot frees when its
@@ -51,6 +53,7 @@ __all__ = [
     "Refusal",
     "check_floors",
     "check_announce",
+    "dialback_allowed",
     "assign_stage",
     "median_rtt_ms",
     "download_mbit",
@@ -175,6 +178,21 @@ def check_announce(host: str, port: int) -> Optional[Refusal]:
     if not 1 <= port <= 65535:
         return Refusal("announce_port", f"announce: port {port} is not a TCP port (1-65535)")
     return None
+
+
+def dialback_allowed(address: str, local_network: bool) -> bool:
+    """Whether the dial-back may connect to ``address`` (an IP literal, as resolved): a globally
+    routable unicast address, or with ``local_network`` (a run on one host or a private network)
+    any unicast one, loopback, private and link-local included."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone ("fe80::1%eth0") names a link
+    except ValueError:
+        return False
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_unspecified or ip.is_multicast:
+        return False
+    return local_network or ip.is_global
 
 
 def assign_stage(n_stages: int, throughput: Mapping[int, float], requested: Optional[int]) -> int | Refusal:

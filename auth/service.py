@@ -19,10 +19,9 @@ Design choices:
   their own; a renewal needs a live credential of this run, a proof with its key, and no ban.
   So no flood of newcomers, from however many addresses, can make an admitted node's renewal fail.
 - Reachability: before admitting a worker we connect to the host:port it announced and expect the
-  challenge's dial token back (its listener, see auth/admission.py). Refusals say which address
-  failed and what to open. The dial-back runs only after a valid proof of possession, within the
-  caller's rate limit, and only reads one line (it sends nothing), so it is a poor tool for
-  probing third parties.
+  challenge's dial token back (its listener, see auth/admission.py), on a public address unless the
+  run is local (auth/dialback.py). A refusal tells the node only that the address is unreachable
+  and what to open; the log says why (refused, timed out, not public, another service answers).
 - Outcomes the node can act on are replies (admitted / queued / refused with the floor or field
   and the measured value); protocol faults are statuses: INVALID_ARGUMENT (malformed),
   UNAUTHENTICATED (bad proof, expired credential), PERMISSION_DENIED (wrong caller, operator
@@ -56,6 +55,7 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
@@ -105,14 +105,17 @@ class AuthorizerService:
                  stage_throughput: Optional[Callable[[], Mapping[int, float] | Awaitable[Mapping[int, float]]]] = None,
                  clock: Clock = time.time, timer: Clock = time.perf_counter,
                  random_bytes: Callable[[int], bytes] = secrets.token_bytes,
-                 dial: Callable[[str, int, bytes, float], Awaitable[Optional[str]]] = dial_back):
+                 dial: Optional[Callable[[str, int, bytes, float], Awaitable[Optional[str]]]] = None,
+                 on_refused: Callable[[str], None] = lambda field: None):
         self.authority = authority
         self.settings = settings.validate()
         self.config_json = json.dumps(dict(run_config), sort_keys=True)
         self.fingerprint = fingerprint
         self.initial_peers = tuple(initial_peers)
         self._stage_throughput = stage_throughput or self._workers_per_stage
-        self._clock, self._timer, self._dial = clock, timer, dial
+        self._clock, self._timer = clock, timer
+        self._dial = dial or functools.partial(dial_back, local_network=self.settings.local_network)
+        self._on_refused = on_refused  # counts refusals by field (node/authorizer.py: a metric)
         self._verifier = CredentialVerifier(authority.root_pem, authority.run_id, clock=clock)
         s = self.settings
         self._challenges = ChallengeBook(s.challenge_ttl_s, random_bytes=random_bytes, capacity=s.max_challenges,
@@ -258,8 +261,12 @@ class AuthorizerService:
     async def _decide(self, request: JoinRequest, state: ChallengeState, peer_id: str, caller: str,
                       now: float) -> JoinReply | tuple[Optional[int], Optional[LinkMeasurement]]:
         """Refuse or queue (a reply), or the stage and link of an admission."""
-        def refused(refusal: Refusal) -> JoinReply:
-            logger.info("authorizer: refused %s %s from %s: %s", request.role, peer_id[:16], caller, refusal.reason)
+        def refused(refusal: Refusal, detail: str = "") -> JoinReply:
+            self._on_refused(refusal.field)
+            logger.info("authorizer: refused %s %s from %s: %s", request.role, peer_id[:16], caller,
+                        detail or refusal.reason, extra={"milestone": "admission_refused", "fields": {
+                            "role": request.role, "peer_id": peer_id, "caller": caller, "field": refusal.field,
+                            **({"detail": detail} if detail else {})}})
             return JoinReply(refused=RefusedReply(reason=refusal.reason, field=refusal.field))
 
         ban = self.authority.is_banned(peer_id)
@@ -290,11 +297,11 @@ class AuthorizerService:
         address = _host_port(request.announce_host, request.announce_port)
         problem = await self._dial(request.announce_host, request.announce_port, state.dial_token,
                                    self.settings.dialback_timeout_s)
-        if problem is not None:
+        if problem is not None:  # the node learns only that it is unreachable; the operator's log says why
             return refused(Refusal("reachability", (
-                f"reachability: the authorizer could not reach {address} ({problem}): open TCP port "
-                f"{request.announce_port} on {request.announce_host} to the internet / forward it from your router "
-                f"to this machine, or pass --announce-host with your public address")))
+                f"reachability: {address} is unreachable from the authorizer: open TCP port {request.announce_port} "
+                f"on {request.announce_host} to the internet / forward it from your router to this machine, or "
+                f"pass --announce-host with your public address")), detail=f"dial-back to {address}: {problem}")
         throughput = await self._throughput()
         # No await from here to the admission: the slot taken is the slot counted.
         now = self._clock()

@@ -41,6 +41,9 @@ class AuthorizerSettings:
     renew_rate_per_s: float = 0.2  # renewal challenges per address, and renewals per peer
     renew_burst: int = 10
     dialback_timeout_s: float = 3.0
+    # The run lives on one host or a private network (the demo): the dial-back may then reach
+    # loopback, private and link-local addresses, which it otherwise refuses.
+    local_network: bool = False
     queue_retry_after_s: float = 5.0
     measurement_ttl_s: float = 600.0  # a queued node's preflight stays valid this long
     # Roles a node may join as by itself; the others only with a credential the operator mints

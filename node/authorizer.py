@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import grpc
+from prometheus_client import Counter
 
 from agora.auth.admission import JoinFile
 from agora.auth.admitted import read_admitted
@@ -61,7 +62,7 @@ if TYPE_CHECKING:  # agora.auth.service imports torch (the run fingerprint): the
     from agora.auth.service import AuthorizerService
 
 __all__ = ["add_authorizer_commands", "issue_credential", "AuthorizerServer", "start_authorizer_server",
-           "serve_authorizer", "SERVING_FILE", "JOIN_FILE"]
+           "serve_authorizer", "SERVING_FILE", "JOIN_FILE", "LOCAL_RUN_FLAGS"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,11 @@ _MAX_MESSAGE_BYTES = 1 << 20  # preflight chunks are 64 KiB; credentials a few K
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{10,128}")
 _DEFAULTS = AuthorizerSettings()
+# `serve` flags for a run on one machine or a private network (the demo, tests): its nodes share one
+# address and network, so the limits per address and network are wide, and the dial-back may reach
+# loopback and private addresses.
+LOCAL_RUN_FLAGS = ("--local-network", "--join-rate", "20", "--join-burst", "64", "--network-join-rate", "20",
+                   "--network-join-burst", "64", "--renew-rate", "20", "--renew-burst", "64")
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,7 @@ def _settings(args: argparse.Namespace) -> AuthorizerSettings:
                                   network_join_burst=args.network_join_burst,
                                   challenges_per_network=args.challenges_per_network,
                                   renew_rate_per_s=args.renew_rate, renew_burst=args.renew_burst,
+                                  local_network=args.local_network,
                                   queue_retry_after_s=args.queue_retry_after,
                                   join_roles=tuple(r.strip() for r in args.join_roles.split(",") if r.strip())
                                   ).validate()
@@ -184,8 +191,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             if own.remaining_s() < authority.issuing_lifetime_s / 4:  # the DHT process re-reads the file
                 authority.mint(own.directory, role="operator", lifetime_s=authority.issuing_lifetime_s)
             return await _read_coverage(swarm, authority.run_id, fingerprint, service.admitted())
+    # Admissions and renewals by status code (and the bytes they cost) are its gRPC metrics; a refused
+    # join is a reply, not a status: counted by the floor or field it names.
+    metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="authorizer", run_id=authority.run_id,
+                                   version=package_version())
+    hooks = (MetricsHook(RpcServerMetrics(metrics.registry)),)
+    refusals = Counter("agora_authorizer_refusals", "Joins refused with a reason, by the floor or field it names",
+                       ["field"], registry=metrics.registry)
     service = AuthorizerService(authority, settings, run_config=plain, fingerprint=fingerprint,
-                                initial_peers=tuple(args.initial_peers), stage_throughput=coverage)
+                                initial_peers=tuple(args.initial_peers), stage_throughput=coverage,
+                                on_refused=lambda field: refusals.labels(field=field).inc())
     state = Path(args.state_dir)
     join_path = Path(args.join_file) if args.join_file else state / JOIN_FILE
 
@@ -202,11 +217,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             from agora.dht.bootstrap import write_ready_file
 
             write_ready_file(args.ready_file, [address, authority.root_fingerprint])
-
-    # Admissions and renewals by status code (and the bytes they cost) are its gRPC metrics.
-    metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="authorizer", run_id=authority.run_id,
-                                   version=package_version())
-    hooks = (MetricsHook(RpcServerMetrics(metrics.registry)),)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -407,6 +417,9 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
                             "client: a client runs inference only, agora-node generate/serve); "
                             "leave trainer out to keep trainers, which choose the data and targets of every gradient, "
                             "to machines the operator credentials with `authorizer issue --role trainer`")
+    serve.add_argument("--local-network", action="store_true",
+                       help="the run lives on one host or a private network: the dial-back may reach loopback, "
+                            "private and link-local addresses (the demo sets it); without it, only public ones")
     serve.add_argument("--queue-retry-after", type=float, default=5.0, metavar="S",
                        help="seconds a queued node waits between polls (default %(default)g)")
     serve.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",

@@ -7,6 +7,7 @@ loop and one freshly started authorizer per test.
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextlib
 import dataclasses
 import time
@@ -203,12 +204,13 @@ def test_an_unreachable_announced_address_is_refused_with_what_to_open(authority
 
     refused, admitted = run(main())
     assert refused.field == "reachability"
-    assert f"could not reach 127.0.0.1:{closed}" in refused.reason
+    assert f"127.0.0.1:{closed} is unreachable from the authorizer" in refused.reason
     assert f"open TCP port {closed} on 127.0.0.1" in refused.reason and "--announce-host" in refused.reason
     assert admitted == []
 
 
-def test_another_service_on_the_announced_port_is_not_mistaken_for_the_node(authority, nodes):
+def test_another_service_on_the_announced_port_is_not_mistaken_for_the_node(authority, nodes, caplog):
+    caplog.set_level(logging.INFO, logger="agora.auth.service")
     async def impostor(reader, writer):
         writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
         writer.close()
@@ -227,8 +229,9 @@ def test_another_service_on_the_announced_port_is_not_mistaken_for_the_node(auth
             await server.wait_closed()
 
     refused, port = run(main())
-    assert refused.field == "reachability" and f"127.0.0.1:{port}" in refused.reason
-    assert "something else answers" in refused.reason
+    assert refused.field == "reachability" and f"127.0.0.1:{port} is unreachable" in refused.reason
+    assert "something else answers" not in refused.reason, "the node is told only that it is unreachable"
+    assert any("something else answers" in record.getMessage() for record in caplog.records), "the log says why"
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])

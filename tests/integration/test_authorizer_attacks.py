@@ -5,12 +5,13 @@ connections from 127.0.0.x (tests/helpers/tcp_relay.py dials from a chosen sourc
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import grpc
 import pytest
 
-from agora.auth.admission import CredentialRenewer
+from agora.auth.admission import AdmissionRefused, CredentialRenewer, reachability_listener
 from agora.node.rpc.server import run
 from agora.protos import authorizer_adapter as adapter
 from agora.protos import authorizer_pb2, authorizer_pb2_grpc
@@ -135,3 +136,31 @@ def test_an_admission_and_a_renewal_sign_off_the_event_loop(authority, nodes, mo
 
     run(main())
     assert signed == [("issue_credential", False), ("sign_proof", False), ("issue_credential", False)]
+
+
+def test_the_dial_back_goes_only_to_public_addresses_and_says_only_unreachable(authority, nodes, caplog):
+    """A worker announcing loopback, though its listener answers there, is refused unless the run is
+    local; the refusal reads as a closed port's does, and only the operator's log says why."""
+    caplog.set_level(logging.INFO, logger="agora.auth.service")
+    closed = world.free_port()
+
+    async def main():
+        async with serving(authority, local_network=False) as (service, address):
+            async with reachability_listener("127.0.0.1", 0) as listener:
+                with pytest.raises(AdmissionRefused) as listening:
+                    await join(address, nodes(0), authority, announce=("127.0.0.1", listener.port), listener=listener)
+                with pytest.raises(AdmissionRefused) as closed_port:
+                    await join(address, nodes(1), authority, announce=("127.0.0.1", closed), listener=listener)
+                refused = (listening.value, listener.port), (closed_port.value, closed)
+            admitted = service.admitted()
+        async with serving(authority, local_network=True) as (service, address):
+            local = await join(address, nodes(0), authority)
+        return refused, admitted, local
+
+    refused, admitted, local = run(main())
+    reasons = [error.reason.replace(str(port), "PORT") for error, port in refused]
+    assert reasons[0] == reasons[1] and "127.0.0.1:PORT is unreachable from the authorizer" in reasons[0]
+    assert all(error.field == "reachability" for error, _ in refused) and admitted == []
+    logged = " ".join(record.getMessage() for record in caplog.records)
+    assert "resolves to 127.0.0.1: no public address" in logged and "--local-network" in logged
+    assert local.role == "worker", "a local run dials loopback"

@@ -140,7 +140,7 @@ def test_a_served_authorizer_admits_a_node_and_stops_cleanly(tmp_path, capsys):
                "--state-dir", str(state), "--run-id", "mp-run", "--ready-file", str(ready), "--stages", "3",
                "--steps", "50", "--min-upload-mbit", "0", "--min-download-mbit", "0", "--max-rtt-ms", "inf",
                "--min-accelerator-gb", "0", "--min-ram-gb", "0", "--preflight-bytes", str(256 << 10),
-               "--credential-lifetime", "120", "--initial-peers", peers]
+               "--credential-lifetime", "120", "--local-network", "--initial-peers", peers]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:

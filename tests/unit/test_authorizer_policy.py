@@ -14,8 +14,8 @@ from agora.auth.challenges import ChallengeBook, ChallengeError, RenewalChalleng
 from agora.auth.keys import generate_key, node_key_problem, peer_id_of
 from agora.auth.limits import CallerLimits, TokenBuckets, address_key, network_prefix
 from agora.auth.policy import (ContributorSlots, Floors, LinkMeasurement, assign_stage, check_announce, check_floors,
-                               credential_lifetime_s, dialback_answer, download_mbit, median_rtt_ms, proof_is_valid,
-                               renewal_delay_s, retry_delay_s, run_payload, sign_proof, upload_mbit)
+                               credential_lifetime_s, dialback_allowed, dialback_answer, download_mbit, median_rtt_ms,
+                               proof_is_valid, renewal_delay_s, retry_delay_s, run_payload, sign_proof, upload_mbit)
 from agora.auth.status import caller_address
 from agora.protos import authorizer_adapter as adapter
 from agora.protos.authorizer_adapter import Hardware
@@ -112,6 +112,19 @@ def test_malformed_announce_addresses_are_refused(host, port, field):
 @pytest.mark.parametrize("host", ["203.0.113.5", "2001:db8::1", "127.0.0.1", "node-7.example.org"])
 def test_dialable_announce_addresses_pass(host):
     assert check_announce(host, 443) is None
+
+
+@pytest.mark.parametrize("address, public", [
+    ("8.8.8.8", True), ("2606:4700::1111", True),
+    ("127.0.0.1", False), ("::1", False), ("10.1.2.3", False), ("192.168.1.1", False), ("172.16.0.9", False),
+    ("169.254.1.1", False), ("fe80::1%eth0", False), ("fd00::1", False), ("100.64.0.1", False),
+    ("::ffff:127.0.0.1", False), ("::ffff:8.8.8.8", True), ("0.0.0.0", False), ("224.0.0.1", False),
+    ("not an address", False),
+])
+def test_the_dial_back_goes_to_public_addresses_unless_the_run_is_local(address, public):
+    assert dialback_allowed(address, local_network=False) is public
+    unicast = address not in ("0.0.0.0", "224.0.0.1", "not an address")
+    assert dialback_allowed(address, local_network=True) is unicast
 
 
 def test_stage_assignment_prefers_the_least_covered_and_honours_a_request():
