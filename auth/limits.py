@@ -14,6 +14,9 @@ Design choices:
   starts full again, which only ever favours its caller.
 - The authorizer keeps separate buckets for joins and for renewals (auth/service.py), so that
   newcomers cannot spend the tokens the nodes already admitted renew with.
+- ``CallSlots`` bounds the newcomers' calls in flight (a preflight stream may take up to a
+  minute) per network and in all; the authorizer sets the total below its port's cap, so the
+  calls of admitted nodes always find room.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["ADDRESS_PREFIX_BITS", "NETWORK_PREFIX_BITS", "address_key", "network_prefix", "TokenBuckets",
-           "RateLimited", "CallerLimits"]
+           "RateLimited", "CallerLimits", "CallSlots"]
 
 ADDRESS_PREFIX_BITS = {4: 32, 6: 64}
 NETWORK_PREFIX_BITS = {4: 24, 6: 56}
@@ -128,3 +131,32 @@ class CallerLimits:
         self._addresses.spend(address, now)
         self._networks.spend(network, now)
         return None
+
+
+class CallSlots:
+    """Calls in flight: at most ``per_network`` from one network (``network_prefix``), ``total`` in all."""
+
+    def __init__(self, *, per_network: int, total: int):
+        if not 1 <= per_network <= total:
+            raise ValueError(f"call slots: expected 1 <= per network <= total, got {per_network}, {total}")
+        self.per_network, self.total = per_network, total
+        self._by_network: dict[str, int] = {}
+        self._held = 0
+
+    def enter(self, caller: str) -> Optional[str]:
+        """None when ``caller`` may start a call now (then ``leave`` when it ends), else which cap is full."""
+        network = network_prefix(caller)
+        if self._held >= self.total:
+            return f"{self._held} calls of newcomers in flight (at most {self.total})"
+        if self._by_network.get(network, 0) >= self.per_network:
+            return f"{self.per_network} calls in flight from network {network}"
+        self._by_network[network] = self._by_network.get(network, 0) + 1
+        self._held += 1
+        return None
+
+    def leave(self, caller: str) -> None:
+        network = network_prefix(caller)
+        self._held -= 1
+        self._by_network[network] -= 1
+        if not self._by_network[network]:
+            del self._by_network[network]

@@ -2,14 +2,17 @@
 
 Design choices:
 
-- Plaintext gRPC. A joining node has no credential to present, and nothing secret crosses the
-  wire: the node's private key never leaves it (it signs our single-use challenge to prove it
-  holds the key; the credential certifies only its public key). The node pinned the root's
-  fingerprint out of band, so it checks every reply: the root PEM must hash to the pinned
+- gRPC over TLS under the run's root (auth/authorizer_tls.py): a joining node has no credential
+  to present, and needs none, but every status it gets (a refusal, a ban) comes from us. Nothing
+  secret crosses the wire: the node's private key never leaves it (it signs our single-use
+  challenge to prove it holds the key; the credential certifies only its public key), and the
+  node checks every reply against the root it pinned: the root PEM must hash to the pinned
   fingerprint, the credential chain must verify against that root with the node's own public
   key, and the run description (config, bootstrap peers) must carry a valid signature by the
-  issuing CA that signed the credential (auth/admission.py does all three). A man in the middle
-  can refuse service, never admit anyone or change what an admitted node is told.
+  issuing CA that signed the credential (auth/admission.py does all three).
+- The port serves ``max_concurrent_rpcs`` calls at once; newcomers' calls that wait (preflight
+  streams, Joins) may hold three quarters of them, and as many per network as the settings say,
+  so a port full of slow newcomers still serves renewals.
 - The preflight is measured on our clock, never self-reported (auth/preflight.py), per
   challenge, one measurement at a time; Join reads the records. A join challenge is bound to the
   address that asked for it; the preflight and the Join must come from there.
@@ -55,6 +58,7 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import json
@@ -64,7 +68,7 @@ import sqlite3
 import time
 from collections import Counter
 from dataclasses import replace
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Optional
 
 import grpc
 from cryptography.hazmat.primitives import serialization
@@ -76,7 +80,7 @@ from agora.auth.challenges import ChallengeBook, ChallengeState, RenewalChalleng
 from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, issue_credential, load_chain
 from agora.auth.dialback import dial_back
 from agora.auth.keys import node_key_problem, peer_id_of
-from agora.auth.limits import CallerLimits, TokenBuckets, address_key
+from agora.auth.limits import CallerLimits, CallSlots, TokenBuckets, address_key
 from agora.auth.policy import (ContributorSlots, LinkMeasurement, Refusal, assign_stage, check_announce, check_floors,
                                proof_is_valid, run_payload, sign_proof)
 from agora.auth.preflight import PreflightMeter
@@ -127,6 +131,7 @@ class AuthorizerService:
         self._renewal_challenges = RenewalChallenges(s.challenge_ttl_s, random_bytes=random_bytes)
         self._renewal_limits = TokenBuckets(s.renew_rate_per_s, s.renew_burst)  # per caller address
         self._renewing_peers = TokenBuckets(s.renew_rate_per_s, s.renew_burst)  # per peer id, after its proof
+        self._newcomer_calls = CallSlots(per_network=s.max_calls_per_network, total=s.newcomer_calls)
         self._preflight = PreflightMeter(self._challenges, clock=clock, timer=timer,
                                          download_block=random_bytes(DOWNLOAD_CHUNK_BYTES))
         self._slots = ContributorSlots(settings.max_workers, stale_s=3 * settings.queue_retry_after_s + 10)
@@ -219,27 +224,49 @@ class AuthorizerService:
         entry = self._measured.get(peer_id)
         return entry[1] if entry is not None and entry[0] == caller else None
 
+    @contextlib.contextmanager
+    def _newcomer(self, caller: str) -> Iterator[None]:
+        """Hold one of the newcomers' call slots (preflight streams and Joins, the calls that wait)."""
+        full = self._newcomer_calls.enter(caller)
+        if full is not None:
+            raise Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {full}; retry after 1 s", retry_after_s=1.0)
+        try:
+            yield
+        finally:
+            self._newcomer_calls.leave(caller)
+
     # ---- preflight (auth/preflight.py)
 
     @answers
     async def measure_latency(self, probes: AsyncIterator[LatencyProbe],
                               send: Callable[[LatencyProbe], Awaitable[None]], context: Any) -> None:
-        await self._preflight.latency(probes, send, caller_address(context.peer()))
+        caller = caller_address(context.peer())
+        with self._newcomer(caller):
+            await self._preflight.latency(probes, send, caller)
 
     @answers
     async def measure_download(self, controls: AsyncIterator[TransferControl],
                                send: Callable[[Payload], Awaitable[None]], context: Any) -> None:
-        await self._preflight.download(controls, send, caller_address(context.peer()))
+        caller = caller_address(context.peer())
+        with self._newcomer(caller):
+            await self._preflight.download(controls, send, caller)
 
     @answers
     async def measure_upload(self, chunks: AsyncIterator[Payload], context: Any) -> UploadReceipt:
-        return await self._preflight.upload(chunks, caller_address(context.peer()))
+        caller = caller_address(context.peer())
+        with self._newcomer(caller):
+            return await self._preflight.upload(chunks, caller)
 
     # ---- join
 
     @answers
     async def join(self, request: JoinRequest, context: Any) -> JoinReply:
-        caller, now = caller_address(context.peer()), self._clock()
+        caller = caller_address(context.peer())
+        with self._newcomer(caller):
+            return await self._join(request, caller)
+
+    async def _join(self, request: JoinRequest, caller: str) -> JoinReply:
+        now = self._clock()
         _check_role(request.role, self.settings.join_roles, False)
         if len(request.public_key_pem) > _MAX_KEY_PEM:
             raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"public_key_pem: longer than {_MAX_KEY_PEM} bytes")

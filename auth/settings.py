@@ -2,7 +2,9 @@
 
 Rate limits count callers by address and by network (auth/limits.py): an address is an IPv4
 address or an IPv6 /64, a network an IPv4 /24 or an IPv6 /56. Renewals have buckets of their own,
-so newcomers never spend what admitted nodes renew with.
+so newcomers never spend what admitted nodes renew with; and newcomers' calls in flight (joins,
+preflight streams) may take three quarters of the port's ``max_concurrent_rpcs`` at most, so
+renewals find room on a port full of slow newcomers.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class AuthorizerSettings:
     challenges_per_network: int = 32  # join challenges outstanding per network
     renew_rate_per_s: float = 0.2  # renewal challenges per address, and renewals per peer
     renew_burst: int = 10
+    max_concurrent_rpcs: int = 512  # calls the port serves at once (grpc answers RESOURCE_EXHAUSTED beyond)
+    max_calls_per_network: int = 64  # newcomers' calls in flight from one network
     dialback_timeout_s: float = 3.0
     # The run lives on one host or a private network (the demo): the dial-back may then reach
     # loopback, private and link-local addresses, which it otherwise refuses.
@@ -50,6 +54,11 @@ class AuthorizerSettings:
     # (`authorizer issue`), which renews as usual. A trainer chooses the data and the targets of
     # the gradients it sends, so an open run may keep trainers to its operator's machines.
     join_roles: tuple[str, ...] = JOIN_ROLES
+
+    @property
+    def newcomer_calls(self) -> int:
+        """Calls in flight of nodes not yet admitted: three quarters of the port's, so renewals find room."""
+        return self.max_concurrent_rpcs * 3 // 4
 
     def validate(self) -> "AuthorizerSettings":
         self.floors.validate()
@@ -66,6 +75,11 @@ class AuthorizerSettings:
         if not 1 <= self.challenges_per_network <= self.max_challenges:
             raise ValueError(f"--challenges-per-network: expected 1 to {self.max_challenges}, got "
                              f"{self.challenges_per_network}")
+        if self.max_concurrent_rpcs < 4:
+            raise ValueError(f"--max-concurrent-rpcs: at least 4, got {self.max_concurrent_rpcs}")
+        if not 1 <= self.max_calls_per_network <= self.newcomer_calls:
+            raise ValueError(f"--max-calls-per-network: expected 1 to {self.newcomer_calls} (three quarters of "
+                             f"--max-concurrent-rpcs), got {self.max_calls_per_network}")
         if not (self.queue_retry_after_s > 0 and self.challenge_ttl_s > 0 and self.dialback_timeout_s > 0):
             raise ValueError("--queue-retry-after: expected a positive number of seconds")
         unknown = [role for role in self.join_roles if role not in JOIN_ROLES]

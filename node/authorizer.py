@@ -44,6 +44,7 @@ from prometheus_client import Counter
 from agora.auth.admission import JoinFile
 from agora.auth.admitted import read_admitted
 from agora.auth.authority import DEFAULT_CREDENTIAL_LIFETIME_S, RunAuthority
+from agora.auth.authorizer_tls import authorizer_server_credentials
 from agora.auth.credentials import ROLES
 from agora.auth.keys import write_private_file
 from agora.auth.node_state import NodeCredentials
@@ -95,14 +96,16 @@ class AuthorizerServer:
 async def start_authorizer_server(service: AuthorizerService, host: str, port: int,
                                   interceptors: tuple = ()) -> AuthorizerServer:
     """The service on a started grpc.aio server behind the shared interceptor chain (plus
-    `interceptors`: metrics), with health and reflection. The port is exclusive (no SO_REUSEPORT):
-    a second authorizer on it fails to start."""
+    `interceptors`: metrics), with health and reflection, over TLS under the run's root
+    (auth/authorizer_tls.py) and serving `max_concurrent_rpcs` calls at once. The port is exclusive
+    (no SO_REUSEPORT): a second authorizer on it fails to start."""
     server = create_server(interceptors=interceptor_chain(outer=interceptors), max_message_bytes=_MAX_MESSAGE_BYTES,
-                           options=[("grpc.so_reuseport", 0)])
+                           options=[("grpc.so_reuseport", 0)],
+                           maximum_concurrent_rpcs=service.settings.max_concurrent_rpcs)
     add_authorizer_service(server, service)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     try:
-        bound = bind(server, host, port)
+        bound = bind(server, host, port, authorizer_server_credentials(service.authority))
     except RuntimeError as error:  # grpc reports a failed bind as RuntimeError
         raise OSError(str(error).split(";")[0]) from None
     await server.start()
@@ -151,7 +154,8 @@ def _settings(args: argparse.Namespace) -> AuthorizerSettings:
                                   network_join_burst=args.network_join_burst,
                                   challenges_per_network=args.challenges_per_network,
                                   renew_rate_per_s=args.renew_rate, renew_burst=args.renew_burst,
-                                  local_network=args.local_network,
+                                  local_network=args.local_network, max_concurrent_rpcs=args.max_concurrent_rpcs,
+                                  max_calls_per_network=args.max_calls_per_network,
                                   queue_retry_after_s=args.queue_retry_after,
                                   join_roles=tuple(r.strip() for r in args.join_roles.split(",") if r.strip())
                                   ).validate()
@@ -367,9 +371,9 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
         sub.add_argument("--state-dir", required=True, help="the authorizer's folder: CA keys, bans, admitted nodes")
 
     serve = actions.add_parser("serve", help="serve admission and renewal (creates the run's CA on first start)",
-                               description="Serve agora.v1.Authorizer (plaintext gRPC, health, reflection). Prints "
-                                           "the address and the root fingerprint nodes pin; writes "
-                                           "STATE_DIR/join.json.")
+                               description="Serve agora.v1.Authorizer (gRPC over TLS under the run's root CA, health, "
+                                           "reflection). Prints the address and the root fingerprint nodes pin; "
+                                           "writes STATE_DIR/join.json.")
     state_dir(serve)
     serve.add_argument("--run-id", default=None, help="run identifier (needed on first start)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
@@ -417,6 +421,11 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
                             "client: a client runs inference only, agora-node generate/serve); "
                             "leave trainer out to keep trainers, which choose the data and targets of every gradient, "
                             "to machines the operator credentials with `authorizer issue --role trainer`")
+    serve.add_argument("--max-concurrent-rpcs", type=int, default=_DEFAULTS.max_concurrent_rpcs, metavar="N",
+                       help="calls the port serves at once; newcomers (preflights, joins) may hold three quarters, "
+                            "so renewals always find room (default %(default)d)")
+    serve.add_argument("--max-calls-per-network", type=int, default=_DEFAULTS.max_calls_per_network, metavar="N",
+                       help="newcomers' calls in flight from one network (default %(default)d)")
     serve.add_argument("--local-network", action="store_true",
                        help="the run lives on one host or a private network: the dial-back may reach loopback, "
                             "private and link-local addresses (the demo sets it); without it, only public ones")

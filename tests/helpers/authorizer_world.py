@@ -11,12 +11,12 @@ import contextlib
 import socket
 import time
 
-import grpc
 import pytest
 
 from agora.auth.admission import admit
 from agora.auth.admitted import ADMITTED_DB
 from agora.auth.authority import RunAuthority
+from agora.auth.authorizer_tls import authorizer_channel
 from agora.auth.keys import KEY_FILE, generate_key, private_key_pem, write_private_file
 from agora.auth.node_state import NodeCredentials
 from agora.auth.policy import Floors
@@ -105,9 +105,9 @@ def fingerprint_from_config(config: dict) -> str:
     return run_fingerprint(config_from_dict(config)).text()
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """A channel to the authorizer at `address`, for tests that speak its protocol by hand."""
-    return grpc.aio.insecure_channel(address)
+def channel(address: str, authority: RunAuthority):
+    """A TLS channel to `authority`'s authorizer at `address`, for tests that speak its protocol by hand."""
+    return authorizer_channel(address, authority.root_pem)
 
 
 @contextlib.asynccontextmanager

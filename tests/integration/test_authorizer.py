@@ -109,7 +109,7 @@ def _signed(request: adapter.JoinRequest, key) -> adapter.JoinRequest:
 def test_a_challenge_is_single_use(authority, keys):
     async def main():
         async with serving(authority) as (service, address):
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with world.channel(address, authority) as channel:
                 stub = adapter.AuthorizerStub(channel)
                 challenge = await stub.get_challenge(adapter.ChallengeRequest(role="trainer"))
                 request = _signed(adapter.JoinRequest(nonce=challenge.nonce, public_key_pem=public_key_pem(keys[0]),
@@ -128,7 +128,7 @@ def test_a_challenge_is_single_use(authority, keys):
 def test_a_join_signed_by_another_key_is_refused(authority, keys):
     async def main():
         async with serving(authority) as (service, address):
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with world.channel(address, authority) as channel:
                 stub = adapter.AuthorizerStub(channel)
                 challenge = await stub.get_challenge(adapter.ChallengeRequest(role="trainer"))
                 claimed = adapter.JoinRequest(nonce=challenge.nonce, public_key_pem=public_key_pem(keys[0]),
@@ -284,7 +284,7 @@ def test_the_cap_queues_the_next_worker_and_admits_it_when_a_slot_frees(authorit
 
             waiting = asyncio.ensure_future(join(address, second, authority, on_queued=on_queued))
             await asyncio.wait_for(queued.wait(), 20)
-            async with grpc.aio.insecure_channel(address) as channel:  # polls carry no transfers
+            async with world.channel(address, authority) as channel:  # polls carry no transfers
                 stub = adapter.AuthorizerStub(channel)
                 poll = await stub.get_challenge(adapter.ChallengeRequest(peer_id=second.peer_id, role="worker"))
                 fresh = await stub.get_challenge(adapter.ChallengeRequest(peer_id=third.peer_id, role="worker"))
@@ -328,7 +328,7 @@ def test_a_restarted_authorizer_keeps_its_slots(authority, nodes):
 def test_join_attempts_are_rate_limited_per_address(authority):
     async def main():
         async with serving(authority, join_burst=2, join_rate_per_s=0.01) as (service, address):
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with world.channel(address, authority) as channel:
                 stub = adapter.AuthorizerStub(channel)
                 for _ in range(2):
                     await stub.get_challenge(adapter.ChallengeRequest(role="trainer"))
@@ -462,7 +462,7 @@ def test_the_authorizer_serves_health_and_reflection(authority):
 
     async def main():
         async with serving(authority) as (service, address):
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with world.channel(address, authority) as channel:
                 health = await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(service=adapter.SERVICE_NAME))
                 stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from agora.auth.admission import admit
 from agora.auth.authority import RunAuthority
+from agora.auth.authorizer_tls import authorizer_channel
 from agora.auth.keys import KEY_FILE, generate_key, private_key_pem, write_private_file
 from agora.auth.node_state import NodeCredentials, public_key_pem
 from agora.auth.policy import Floors, sign_proof
@@ -53,7 +54,7 @@ def world(tmp_path_factory):
     started = loop.run_until_complete(start_authorizer_server(service, "127.0.0.1", 0))
     port = started.port
     async def open_channel():  # grpc.aio binds a channel to the loop it is created on
-        return grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        return authorizer_channel(f"127.0.0.1:{port}", authority.root_pem)
 
     channel = loop.run_until_complete(open_channel())
     key = generate_key()

@@ -12,10 +12,11 @@ import pytest
 
 from agora.auth.challenges import ChallengeBook, ChallengeError, RenewalChallenges
 from agora.auth.keys import generate_key, node_key_problem, peer_id_of
-from agora.auth.limits import CallerLimits, TokenBuckets, address_key, network_prefix
+from agora.auth.limits import CallerLimits, CallSlots, TokenBuckets, address_key, network_prefix
 from agora.auth.policy import (ContributorSlots, Floors, LinkMeasurement, assign_stage, check_announce, check_floors,
                                credential_lifetime_s, dialback_allowed, dialback_answer, download_mbit, median_rtt_ms,
                                proof_is_valid, renewal_delay_s, retry_delay_s, run_payload, sign_proof, upload_mbit)
+from agora.auth.settings import AuthorizerSettings
 from agora.auth.status import caller_address
 from agora.protos import authorizer_adapter as adapter
 from agora.protos.authorizer_adapter import Hardware
@@ -239,6 +240,26 @@ def test_a_refused_attempt_spends_no_token():
     assert limits.acquire("198.51.100.1", now=0) is None
     assert limits.acquire("198.51.100.2", now=0).scope == "network"
     assert limits.acquire("198.51.100.2", now=100.0) is None, "its address bucket was not spent by the refusal"
+
+
+def test_newcomers_calls_in_flight_are_capped_per_network_and_in_all():
+    slots = CallSlots(per_network=2, total=3)
+    assert slots.enter("198.51.100.1") is None and slots.enter("198.51.100.2") is None
+    assert slots.enter("198.51.100.3") == "2 calls in flight from network 198.51.100.0/24"
+    assert slots.enter("192.0.2.1") is None
+    assert slots.enter("203.0.113.1") == "3 calls of newcomers in flight (at most 3)"
+    slots.leave("198.51.100.1")
+    assert slots.enter("203.0.113.1") is None
+
+
+def test_newcomers_may_hold_three_quarters_of_the_ports_calls():
+    assert AuthorizerSettings().newcomer_calls == 384
+    with pytest.raises(ValueError, match="--max-calls-per-network: expected 1 to 6"):
+        AuthorizerSettings(max_concurrent_rpcs=8, max_calls_per_network=7).validate()
+    with pytest.raises(ValueError, match="--challenges-per-network"):
+        AuthorizerSettings(challenges_per_network=5000).validate()
+    with pytest.raises(ValueError, match="--network-join-rate"):
+        AuthorizerSettings(network_join_rate_per_s=0).validate()
 
 
 # ---- challenges
