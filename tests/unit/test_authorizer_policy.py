@@ -301,8 +301,8 @@ def test_outstanding_challenges_are_bounded():
 
 def test_one_network_cannot_take_the_whole_book():
     book = _book(per_network=2)
-    book.issue("198.51.100.1", "worker", now=0)
-    book.issue("198.51.100.2", "worker", now=1)
+    for host, now in ((1, 0), (2, 1)):  # two addresses of one /24
+        book.issue(f"198.51.100.{host}", "worker", now=now)
     with pytest.raises(ChallengeError) as full:
         book.issue("198.51.100.3", "worker", now=2)
     assert full.value.kind == "full" and "network 198.51.100.0/24" in str(full.value)
