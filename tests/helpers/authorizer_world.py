@@ -81,9 +81,10 @@ async def serving(authority: RunAuthority, *, floors: Floors = OPEN, handler=Non
         for name in (ADMITTED_DB, f"{ADMITTED_DB}-wal", f"{ADMITTED_DB}-shm"):
             (authority.directory / name).unlink(missing_ok=True)
     clock = settings.pop("clock", time.time)
+    hooks = {"on_refused": settings.pop("on_refused")} if "on_refused" in settings else {}
     service = AuthorizerService(authority, AuthorizerSettings(floors=floors, **{**SMALL, **settings}),
                                 run_config=config_to_dict(CONFIG), fingerprint=FINGERPRINT, initial_peers=PEERS,
-                                clock=clock)
+                                clock=clock, **hooks)
     started = await start_authorizer_server(handler(service) if handler else service, "127.0.0.1", 0)
     try:
         yield service, f"127.0.0.1:{started.port}"

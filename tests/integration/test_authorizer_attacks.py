@@ -148,9 +148,10 @@ def test_the_dial_back_goes_only_to_public_addresses_and_says_only_unreachable(a
     local; the refusal reads as a closed port's does, and only the operator's log says why."""
     caplog.set_level(logging.INFO, logger="agora.auth.service")
     closed = world.free_port()
+    counted: list[str] = []
 
     async def main():
-        async with serving(authority, local_network=False) as (service, address):
+        async with serving(authority, local_network=False, on_refused=counted.append) as (service, address):
             async with reachability_listener("127.0.0.1", 0) as listener:
                 with pytest.raises(AdmissionRefused) as listening:
                     await join(address, nodes(0), authority, announce=("127.0.0.1", listener.port), listener=listener)
@@ -166,6 +167,7 @@ def test_the_dial_back_goes_only_to_public_addresses_and_says_only_unreachable(a
     reasons = [error.reason.replace(str(port), "PORT") for error, port in refused]
     assert reasons[0] == reasons[1] and "127.0.0.1:PORT is unreachable from the authorizer" in reasons[0]
     assert all(error.field == "reachability" for error, _ in refused) and admitted == []
+    assert counted == ["reachability", "reachability"], "each refusal is counted by its field (a metric)"
     logged = " ".join(record.getMessage() for record in caplog.records)
     assert "resolves to 127.0.0.1: no public address" in logged and "--local-network" in logged
     assert local.role == "worker", "a local run dials loopback"

@@ -3,6 +3,7 @@ admits a node."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -10,11 +11,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from agora.auth.admission import JoinFile, admit
+from agora.auth.admission import AdmissionRefused, JoinFile, admit
 from agora.auth.authority import RunAuthority
 from agora.auth.credentials import CredentialVerifier
 from agora.auth.node_state import NodeCredentials
@@ -140,7 +142,8 @@ def test_a_served_authorizer_admits_a_node_and_stops_cleanly(tmp_path, capsys):
                "--state-dir", str(state), "--run-id", "mp-run", "--ready-file", str(ready), "--stages", "3",
                "--steps", "50", "--min-upload-mbit", "0", "--min-download-mbit", "0", "--max-rtt-ms", "inf",
                "--min-accelerator-gb", "0", "--min-ram-gb", "0", "--preflight-bytes", str(256 << 10),
-               "--credential-lifetime", "120", "--local-network", "--initial-peers", peers]
+               "--credential-lifetime", "120", "--local-network", "--metrics-port", "auto", "--metrics-file",
+               str(tmp_path / "metrics.txt"), "--initial-peers", peers]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -163,6 +166,12 @@ def test_a_served_authorizer_admits_a_node_and_stops_cleanly(tmp_path, capsys):
         assert joined.stage == 0 and joined.initial_peers == (peers,)
         assert run_fingerprint(config_from_dict(joined.config)) == run_fingerprint(PRESETS["tiny"].with_stages(3))
         assert node.identity().role == "worker"
+        other_seed = dataclasses.replace(run_fingerprint(PRESETS["tiny"].with_stages(3)), seed=1).text()
+        with pytest.raises(AdmissionRefused, match="seed=1"):
+            run(admit(ticket.authorizer, ticket.root_fingerprint, NodeCredentials(tmp_path / "other", clock=time.time),
+                      role="trainer", fingerprint=other_seed))
+        metrics = urllib.request.urlopen(f"http://{(tmp_path / 'metrics.txt').read_text().strip()}/metrics").read()
+        assert b'agora_authorizer_refusals_total{field="fingerprint.seed"} 1.0' in metrics
 
         assert main(["authorizer", "list", "--json", "--state-dir", str(state)]) == 0
         listing = json.loads(capsys.readouterr().out)
