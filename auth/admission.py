@@ -3,11 +3,15 @@
 
 Design choices:
 
-- Trust nothing the authorizer says until it checks out against the pinned root fingerprint
-  (the channel is plaintext, see auth/service.py): the root PEM must hash to the pinned
-  fingerprint, the credential chain must verify against it and certify this node's own key for
-  the role (and stage) asked for, and the run description must carry the issuing CA's signature.
-  Only then is anything written (``NodeCredentials.save`` re-checks the first two).
+- The authorizer speaks TLS under the run's root (auth/authorizer_tls.py). A joining node takes
+  the root from the server's handshake only if it hashes to the pinned fingerprint, then talks over
+  a channel that trusts that root alone; a renewing node uses the root in its state directory. So
+  a status (a refusal, a ban) comes from the authorizer, never from whoever sits on the path.
+- Trust nothing the authorizer says until it checks out against the pinned root as well: the
+  root PEM in the reply must hash to the pinned fingerprint, the credential chain must verify
+  against it and certify this node's own key for the role (and stage) asked for, and the run
+  description must carry the issuing CA's signature. Only then is anything written
+  (``NodeCredentials.save`` re-checks the first two).
 - The preflight is run, not reported: the node echoes the authorizer's latency probes and moves
   the bytes the challenge asks for; the authorizer times them. A worker also keeps a plain TCP
   listener on its announced port for the length of the admission (``reachability_listener``)
@@ -40,6 +44,7 @@ import grpc
 
 from agora.auth.credentials import (Clock, CredentialError, CredentialVerifier, Identity, certificate_fingerprint,
                                     load_chain)
+from agora.auth.authorizer_tls import authorizer_channel, pinned_root, presented_chain
 from agora.auth.keys import write_private_file
 from agora.auth.node_state import NodeCredentials, RunInfo, public_key_pem
 from agora.auth.policy import (dialback_answer, proof_is_valid, renewal_delay_s, retry_delay_s, run_payload,
@@ -208,7 +213,8 @@ async def admit(address: str, root_fingerprint: str, node: NodeCredentials, *, r
     else:
         opened = reachability_listener(listen_host or announce[0], announce[1])
     hardware = hardware or hardware_report()
-    async with grpc.aio.insecure_channel(address) as channel:
+    root_pem = await _authorizer_root(address, root_fingerprint, rpc_timeout_s)
+    async with authorizer_channel(address, root_pem) as channel:
         stub = AuthorizerStub(channel)
         try:
             # The root first: a node never joins (nor takes a slot at) an authorizer it does not trust.
@@ -271,6 +277,19 @@ async def _join_loop(stub: AuthorizerStub, address: str, root_fingerprint: str, 
         await asyncio.sleep(min(max(reply.queued.retry_after_s, 0.05), 300.0))
 
 
+async def _authorizer_root(address: str, root_fingerprint: str, timeout_s: float) -> bytes:
+    """The root CA the authorizer at ``address`` presents in its TLS handshake, if it is the pinned one."""
+    try:
+        chain = await presented_chain(address, timeout_s)
+    except (OSError, asyncio.TimeoutError) as error:
+        raise AdmissionError(f"the authorizer at {address} is unreachable over TLS "
+                             f"({error or type(error).__name__})") from None
+    root = pinned_root(chain, root_fingerprint)
+    if root is None:
+        _check_root(chain[-1] if chain else b"", address, root_fingerprint)  # says what was presented instead
+    return root
+
+
 def _check_root(root_pem: bytes, address: str, root_fingerprint: str) -> None:
     try:
         presented = certificate_fingerprint(root_pem)
@@ -327,7 +346,7 @@ class CredentialRenewer:
     async def renew_once(self) -> Identity:
         """One renewal now; raises RenewalRefused (definitive) or AdmissionError (try again later)."""
         chain, before = self.node.current()
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with authorizer_channel(self.address, self.node.root_pem()) as channel:
             stub = AuthorizerStub(channel)
             try:
                 challenge = await stub.get_challenge(ChallengeRequest(peer_id=self.node.peer_id, role=before.role,

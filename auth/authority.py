@@ -34,7 +34,7 @@ from agora.auth.credentials import (
     make_issuing_ca,
     make_root_ca,
 )
-from agora.auth.keys import generate_key, private_key_pem, write_private_file
+from agora.auth.keys import generate_key, node_key_problem, private_key_pem, write_private_file
 from agora.auth.node_state import NodeCredentials, RunInfo
 
 __all__ = ["RunAuthority", "BanEntry", "DEFAULT_CREDENTIAL_LIFETIME_S", "DEFAULT_ISSUING_LIFETIME_S"]
@@ -131,6 +131,9 @@ class RunAuthority:
         """`agora-node authorizer issue`: a credential for a node state directory on this machine
         (its key is created there if absent; the key never leaves it)."""
         node = NodeCredentials(out_dir, clock=self._clock)
+        problem = node_key_problem(node.key.public_key())
+        if problem is not None:
+            raise ValueError(f"the node key in {out_dir}: {problem}")
         chain = self.issue(node.key.public_key(), role=role, stage=stage, lifetime_s=lifetime_s)
         node.save(chain, self.root_pem, RunInfo(run_id=self.run_id, role=role, stage=stage,
                                                 root_fingerprint=self.root_fingerprint, authorizer=authorizer,

@@ -48,6 +48,8 @@ __all__ = [
     "certificate_fingerprint",
     "identity_uri",
     "issue_credential",
+    "issue_authorizer_certificate",
+    "AUTHORIZER_SERVER_NAME",
     "load_chain",
     "make_issuing_ca",
     "make_root_ca",
@@ -63,6 +65,9 @@ STAGE_ROLES = frozenset({"worker"})  # roles whose credential names one pipeline
 _URI = re.compile(r"agora://(?P<run>[A-Za-z0-9_-]{1,64})/(?P<role>[a-z]+)/(?P<stage>-|\d{1,4})/(?P<peer>[1-9A-HJ-NP-Za-km-z]{10,128})")
 
 Clock = Callable[[], float]
+# The TLS name of the authorizer's certificate: outside the names credentials carry
+# (``<hash>.<role>[-<stage>].agora``), so no admitted node can answer for it.
+AUTHORIZER_SERVER_NAME = "authorizer.agora"
 
 # Certificates are valid from this long before they are issued, for peers whose clocks run
 # behind; a credential's useful lifetime is therefore not_after - not_before - CLOCK_SKEW_S.
@@ -212,22 +217,35 @@ def issue_credential(issuer: Issuer, public_key: rsa.RSAPublicKey, *, run_id: st
     if (role in STAGE_ROLES) != (stage is not None):
         raise ValueError(f"stage: a {role} credential {'needs' if role in STAGE_ROLES else 'takes no'} stage")
     peer_id = peer_id_of(public_key)
-    not_after = min(now + lifetime_s, issuer.not_after)
+    names = [x509.UniformResourceIdentifier(identity_uri(run_id, role, stage, peer_id)),
+             x509.DNSName(server_name(role, stage, peer_id))]
+    return _leaf(issuer, public_key, f"{role} {peer_id}", names,
+                 [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], now=now,
+                 not_after=min(now + lifetime_s, issuer.not_after))
+
+
+def issue_authorizer_certificate(issuer: Issuer, public_key: rsa.RSAPublicKey, *, now: float,
+                                 lifetime_s: float) -> bytes:
+    """The authorizer's TLS server certificate, leaf + issuing CA (PEM). It names only
+    ``AUTHORIZER_SERVER_NAME`` (no agora:// identity, so it is no credential), and no credential
+    carries that name, so a node expecting it talks to the authorizer and to no admitted peer."""
+    return _leaf(issuer, public_key, "agora authorizer", [x509.DNSName(AUTHORIZER_SERVER_NAME)],
+                 [ExtendedKeyUsageOID.SERVER_AUTH], now=now, not_after=min(now + lifetime_s, issuer.not_after))
+
+
+def _leaf(issuer: Issuer, public_key: rsa.RSAPublicKey, common_name: str, names: list[x509.GeneralName],
+          usages: list[x509.ObjectIdentifier], *, now: float, not_after: float) -> bytes:
     cert = (
-        x509.CertificateBuilder().subject_name(_name(f"{role} {peer_id}"))
+        x509.CertificateBuilder().subject_name(_name(common_name))
         .issuer_name(issuer.certificate.subject).public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(_utc(now - CLOCK_SKEW_S)).not_valid_after(_utc(not_after))
-        .add_extension(x509.SubjectAlternativeName([
-            x509.UniformResourceIdentifier(identity_uri(run_id, role, stage, peer_id)),
-            x509.DNSName(server_name(role, stage, peer_id)),
-        ]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=True,
                                      data_encipherment=False, key_agreement=False, key_cert_sign=False,
                                      crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                       critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer.key.public_key()), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
         .sign(issuer.key, hashes.SHA256())

@@ -10,12 +10,18 @@ Design choices:
   peer id by construction: nobody can present a credential for a peer id whose key they lack.
 - RSA because hivemind's record signatures and access tokens are RSA-only; 2048 bits is
   hivemind's own choice and what libp2p's RSA peer ids use.
+- Every node key has that size and the public exponent 65537 (``node_key_problem``), and the
+  authorizer admits and renews no other. A peer id hashes the whole public key, exponent
+  included: the holder of one key pair can compute a private exponent for any other public
+  exponent of the same modulus, so without this rule one key would yield any number of peer ids
+  (and a ban by peer id would be sidestepped without generating a key).
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Optional
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
@@ -29,6 +35,9 @@ __all__ = [
     "hivemind_private_key",
     "libp2p_identity_bytes",
     "load_or_create_key",
+    "node_key_problem",
+    "NODE_KEY_BITS",
+    "NODE_KEY_EXPONENT",
     "openssh_public_key",
     "peer_id_of",
     "private_key_pem",
@@ -38,10 +47,24 @@ __all__ = [
 ]
 
 KEY_FILE = "node.key"
+NODE_KEY_BITS = 2048
+NODE_KEY_EXPONENT = 65537
 
 
 def generate_key() -> rsa.RSAPrivateKey:
-    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    return rsa.generate_private_key(public_exponent=NODE_KEY_EXPONENT, key_size=NODE_KEY_BITS)
+
+
+def node_key_problem(key: object) -> Optional[str]:
+    """Why ``key`` is not a node key (an RSA public key of NODE_KEY_BITS bits with exponent
+    NODE_KEY_EXPONENT, what ``generate_key`` makes), or None when it is one."""
+    if not isinstance(key, rsa.RSAPublicKey):
+        return f"expected an RSA key, got {type(key).__name__}"
+    exponent = key.public_numbers().e
+    if key.key_size != NODE_KEY_BITS or exponent != NODE_KEY_EXPONENT:
+        return (f"expected an RSA key of {NODE_KEY_BITS} bits with public exponent {NODE_KEY_EXPONENT} (what "
+                f"agora-node generates), got {key.key_size} bits with exponent {exponent}")
+    return None
 
 
 def private_key_pem(key: rsa.RSAPrivateKey) -> bytes:

@@ -11,15 +11,14 @@ What is decided here, tested without sockets (tests/unit/test_authorizer_policy.
   last, so one round trip (the fastest probe) is taken off, never more than half the elapsed
   time: a node that delays its echoes to inflate the RTT can at most double its apparent rate.
 - The announced address a worker will be dialled on: never 0.0.0.0 or ``::`` ("every
-  interface" on the node is no address for anyone else).
+  interface" on the node is no address for anyone else). The dial-back connects only to globally
+  routable addresses unless the run is local (``dialback_allowed``): a stranger must not make the
+  authorizer connect into its own host or network.
 - Stage assignment: the requested stage when given, else the stage with the least announced
   throughput (ties to the lowest index).
 - ``ContributorSlots``: the cap on admitted workers and its FIFO queue. A slot frees when its
   credential expires unrenewed or the peer is banned; a queued node that stops polling drops
   out after ``stale_s``, so a dead node never holds up the queue.
-- ``JoinRateLimiter``: a token bucket per caller address.
-- ``ChallengeBook``: single-use, short-lived challenges bound to the caller's address, with the
-  preflight measurements recorded against them.
 - Proof of possession: RSA-PSS/SHA-256 signatures over the adapter's canonical payload, and the
   signed run description an admitted node checks against the issuing CA of its credential.
 - When to renew: SPIRE's rule, once less than half the credential's lifetime remains, earlier by
@@ -37,8 +36,8 @@ import random
 import re
 import statistics
 from collections import OrderedDict
-from dataclasses import dataclass, field, fields
-from typing import Callable, Mapping, Optional, Sequence
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional, Sequence
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
@@ -54,15 +53,12 @@ __all__ = [
     "Refusal",
     "check_floors",
     "check_announce",
+    "dialback_allowed",
     "assign_stage",
     "median_rtt_ms",
     "download_mbit",
     "upload_mbit",
     "ContributorSlots",
-    "JoinRateLimiter",
-    "ChallengeError",
-    "ChallengeState",
-    "ChallengeBook",
     "DIALBACK_PREFIX",
     "dialback_answer",
     "sign_proof",
@@ -184,6 +180,21 @@ def check_announce(host: str, port: int) -> Optional[Refusal]:
     return None
 
 
+def dialback_allowed(address: str, local_network: bool) -> bool:
+    """Whether the dial-back may connect to ``address`` (an IP literal, as resolved): a globally
+    routable unicast address, or with ``local_network`` (a run on one host or a private network)
+    any unicast one, loopback, private and link-local included."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone ("fe80::1%eth0") names a link
+    except ValueError:
+        return False
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_unspecified or ip.is_multicast:
+        return False
+    return local_network or ip.is_global
+
+
 def assign_stage(n_stages: int, throughput: Mapping[int, float], requested: Optional[int]) -> int | Refusal:
     """The stage a worker hosts: the requested one, else the least covered by throughput."""
     if requested is not None:
@@ -239,114 +250,6 @@ class ContributorSlots:
     def release(self, peer_id: str) -> bool:
         self._queue.pop(peer_id, None)
         return self.admitted.pop(peer_id, None) is not None
-
-
-class JoinRateLimiter:
-    """A token bucket per caller address: ``burst`` attempts at once, ``rate_per_s`` sustained."""
-
-    def __init__(self, rate_per_s: float, burst: int, *, max_addresses: int = 65536):
-        if rate_per_s <= 0 or burst < 1:
-            raise ValueError(f"--join-rate/--join-burst: expected a positive rate and burst, got {rate_per_s}, {burst}")
-        self.rate_per_s, self.burst, self.max_addresses = rate_per_s, burst, max_addresses
-        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, at)
-
-    def acquire(self, address: str, now: float) -> float:
-        """0.0 when an attempt is allowed now (and spends a token), else the seconds to wait."""
-        tokens, at = self._buckets.get(address, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - at) * self.rate_per_s)
-        if tokens < 1.0:
-            self._buckets[address] = (tokens, now)
-            return (1.0 - tokens) / self.rate_per_s
-        if len(self._buckets) >= self.max_addresses and address not in self._buckets:
-            self._forget_full(now)
-        self._buckets[address] = (tokens - 1.0, now)
-        return 0.0
-
-    def _forget_full(self, now: float) -> None:
-        """Bound memory: drop buckets that have refilled (they hold no information)."""
-        for address, (tokens, at) in list(self._buckets.items()):
-            if tokens + (now - at) * self.rate_per_s >= self.burst:
-                del self._buckets[address]
-        while len(self._buckets) >= self.max_addresses:
-            self._buckets.pop(next(iter(self._buckets)))
-
-
-# ---- challenges and their preflight
-
-class ChallengeError(ValueError):
-    """``kind``: ``unknown`` (expired, used or never issued), ``wrong_caller``, ``full`` (too many
-    outstanding)."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
-@dataclass
-class ChallengeState:
-    """One challenge and what the authorizer measured against it (mutable, owned by the book)."""
-
-    nonce: bytes
-    dial_token: bytes
-    caller: str
-    role: str
-    renewal: bool
-    expires_at: float
-    latency_probes: int
-    download_bytes: int
-    upload_bytes: int
-    rtts_s: list[float] = field(default_factory=list)
-    download: Optional[tuple[int, float]] = None  # (bytes acknowledged, seconds)
-    upload: Optional[tuple[int, float]] = None
-
-    def link(self) -> Optional[LinkMeasurement]:
-        """The measurements, once the challenge's whole preflight ran."""
-        if len(self.rtts_s) < self.latency_probes or self.download is None or self.upload is None:
-            return None
-        rtt = median_rtt_ms(self.rtts_s)
-        return LinkMeasurement(rtt_ms=rtt, download_mbit=download_mbit(*self.download, min(self.rtts_s)),
-                               upload_mbit=upload_mbit(*self.upload))
-
-
-class ChallengeBook:
-    """Outstanding challenges: single use, ``ttl_s`` long, bound to the caller that asked."""
-
-    def __init__(self, ttl_s: float, *, random_bytes: Callable[[int], bytes], capacity: int = 4096):
-        self.ttl_s, self.capacity = ttl_s, capacity
-        self._random_bytes = random_bytes
-        self._open: dict[bytes, ChallengeState] = {}
-
-    def _prune(self, now: float) -> None:
-        for nonce in [n for n, c in self._open.items() if c.expires_at <= now]:
-            del self._open[nonce]
-
-    def issue(self, caller: str, role: str, renewal: bool, now: float, *, latency_probes: int = 0,
-              download_bytes: int = 0, upload_bytes: int = 0) -> ChallengeState:
-        self._prune(now)
-        if len(self._open) >= self.capacity:
-            raise ChallengeError("full", f"the authorizer has {len(self._open)} challenges outstanding; retry "
-                                         f"in {self.ttl_s:.0f} s")
-        state = ChallengeState(nonce=self._random_bytes(32), dial_token=self._random_bytes(16), caller=caller,
-                               role=role, renewal=renewal, expires_at=now + self.ttl_s,
-                               latency_probes=latency_probes, download_bytes=download_bytes,
-                               upload_bytes=upload_bytes)
-        self._open[state.nonce] = state
-        return state
-
-    def peek(self, nonce: bytes, caller: str, now: float) -> ChallengeState:
-        """An open challenge, for its preflight (not consumed)."""
-        state = self._open.get(nonce)
-        if state is None or state.expires_at <= now:
-            raise ChallengeError("unknown", "challenge: unknown, expired or already used; request a new one")
-        if state.caller != caller:
-            raise ChallengeError("wrong_caller", f"challenge: issued to {state.caller}, presented by {caller}")
-        return state
-
-    def consume(self, nonce: bytes, caller: str, now: float) -> ChallengeState:
-        """Take a challenge for the Join or Renew it was issued for: it cannot be used again."""
-        state = self.peek(nonce, caller, now)
-        del self._open[nonce]
-        return state
 
 
 # ---- reachability

@@ -2,58 +2,91 @@
 
 Design choices:
 
-- Plaintext gRPC. A joining node has no credential to present, and nothing secret crosses the
-  wire: the node's private key never leaves it (it signs our single-use challenge to prove it
-  holds the key; the credential certifies only its public key). The node pinned the root's
-  fingerprint out of band, so it checks every reply: the root PEM must hash to the pinned
+- gRPC over TLS under the run's root (auth/authorizer_tls.py): a joining node has no credential
+  to present, and needs none, but every status it gets (a refusal, a ban) comes from us. Nothing
+  secret crosses the wire: the node's private key never leaves it (it signs our single-use
+  challenge to prove it holds the key; the credential certifies only its public key), and the
+  node checks every reply against the root it pinned: the root PEM must hash to the pinned
   fingerprint, the credential chain must verify against that root with the node's own public
   key, and the run description (config, bootstrap peers) must carry a valid signature by the
-  issuing CA that signed the credential (auth/admission.py does all three). A man in the middle
-  can refuse service, never admit anyone or change what an admitted node is told.
-- The preflight is measured here, on our clock, never self-reported: the latency probes, the
-  download (first byte sent to acknowledgement received) and the upload (opening message to last
-  byte) are timed per challenge, and Join reads those records. A challenge is bound to the
+  issuing CA that signed the credential (auth/admission.py does all three).
+- The port serves ``max_concurrent_rpcs`` calls at once; newcomers' calls that wait (preflight
+  streams, Joins) may hold three quarters of them, and as many per network as the settings say,
+  so a port full of slow newcomers still serves renewals.
+- The preflight is measured on our clock, never self-reported (auth/preflight.py), per
+  challenge, one measurement at a time; Join reads the records. A join challenge is bound to the
   address that asked for it; the preflight and the Join must come from there.
+- Newcomers and admitted nodes draw on separate capacity. Join challenges come from a book capped
+  in all and per caller network, behind token buckets per address and per network (auth/limits.py).
+  Renewal challenges are MACed nonces that need no book (auth/challenges.py), behind buckets of
+  their own; a renewal needs a live credential of this run, a proof with its key, and no ban.
+  So no flood of newcomers, from however many addresses, can make an admitted node's renewal fail.
 - Reachability: before admitting a worker we connect to the host:port it announced and expect the
-  challenge's dial token back (its listener, see auth/admission.py). Refusals say which address
-  failed and what to open. The dial-back runs only after a valid proof of possession, within the
-  caller's rate limit, and only reads one line (it sends nothing), so it is a poor tool for
-  probing third parties.
+  challenge's dial token back (its listener, see auth/admission.py), on a public address unless the
+  run is local (auth/dialback.py). A refusal tells the node only that the address is unreachable
+  and what to open; the log says why (refused, timed out, not public, another service answers).
 - Outcomes the node can act on are replies (admitted / queued / refused with the floor or field
   and the measured value); protocol faults are statuses: INVALID_ARGUMENT (malformed),
   UNAUTHENTICATED (bad proof, expired credential), PERMISSION_DENIED (wrong caller, operator
   role, banned renewal), FAILED_PRECONDITION (unknown or used challenge, preflight not run),
   RESOURCE_EXHAUSTED (rate limit, with ``retry-after`` trailing metadata).
+- Cheap checks come before expensive work: nothing signs, transfers, dials or writes for a call
+  that has not passed every check that costs less. In order:
+    GetChallenge  role (format); rate (join: address and network buckets; renewal: its own
+                  buckets); join: the book's room, in all and for the caller's network.
+    preflight     the first message; the challenge (open, this caller's, this kind, none running);
+                  then the transfer (auth/preflight.py).
+    Join          role and key size (format); the challenge (consumed); the key rule (RSA-2048,
+                  exponent 65537); the proof of possession (one RSA verification); ban, run
+                  fingerprint, stage, announce, hardware, the preflight's figures and the floors
+                  (all in memory); then the dial-back (workers); the slot; then the two RSA
+                  signatures and the log write.
+    Renew         size (format); the nonce (a MAC); the chain (cached X.509 verification), the key
+                  rule, the role; the proof; ban; the peer's renewal bucket; then one RSA signature
+                  and the log write.
+- Blocking work runs on worker threads (``asyncio.to_thread``): the RSA signatures of an admission
+  or a renewal (a few hundred microseconds each, and a key generation when the issuing CA
+  rotates) and every write of the admission log. Verifications stay on the loop: a signature's
+  costs some 30 microseconds, a chain's some 200 the first time and nothing once cached, about
+  what the hop to a thread and back costs.
 - Decisions live in auth/policy.py; this module does I/O and bookkeeping. One asyncio loop, no
-  locks: every handler's state change happens between awaits.
-- Admitted workers are kept in ``admitted.json`` beside the CA, so a restarted authorizer keeps
-  its slots and ``agora-node authorizer list`` shows them.
+  locks: every handler's state change happens between awaits, and a worker's slot is held before
+  the first await of its admission.
+- Admitted nodes are kept in ``admitted.sqlite`` beside the CA (auth/admitted.py), so a restarted
+  authorizer keeps its slots and ``agora-node authorizer list`` shows them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import inspect
 import json
 import logging
 import secrets
+import sqlite3
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional
+from dataclasses import replace
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Optional
 
 import grpc
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from agora.auth.authority import DEFAULT_CREDENTIAL_LIFETIME_S, RunAuthority
+from agora.auth.admitted import AdmissionLog, AdmittedNode
+from agora.auth.authority import RunAuthority
+from agora.auth.challenges import ChallengeBook, ChallengeState, RenewalChallenges
 from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, issue_credential, load_chain
-from agora.auth.keys import peer_id_of, write_private_file
-from agora.auth.policy import (DIALBACK_PREFIX, ChallengeBook, ChallengeError, ChallengeState, ContributorSlots,
-                               Floors, JoinRateLimiter, LinkMeasurement, Refusal, assign_stage,
-                               check_announce, check_floors, dialback_answer, proof_is_valid, run_payload,
-                               sign_proof, upload_mbit)
+from agora.auth.dialback import dial_back
+from agora.auth.keys import node_key_problem, peer_id_of
+from agora.auth.limits import CallerLimits, CallSlots, TokenBuckets, address_key
+from agora.auth.policy import (ContributorSlots, LinkMeasurement, Refusal, assign_stage, check_announce, check_floors,
+                               proof_is_valid, run_payload, sign_proof)
+from agora.auth.preflight import PreflightMeter
+from agora.auth.settings import JOIN_ROLES, AuthorizerSettings
+from agora.auth.status import Status, answers, caller_address
 from agora.pipeline.fingerprint import FingerprintMismatch, RunFingerprint
 from agora.protos.authorizer_adapter import (DOWNLOAD_CHUNK_BYTES, Admitted, Challenge, ChallengeRequest,
                                              JoinReply, JoinRequest, LatencyProbe, Payload, Queued, RenewReply,
@@ -61,132 +94,12 @@ from agora.protos.authorizer_adapter import (DOWNLOAD_CHUNK_BYTES, Admitted, Cha
                                              UploadReceipt, signed_payload)
 from agora.protos.authorizer_adapter import Refused as RefusedReply
 
-__all__ = ["AuthorizerSettings", "AuthorizerService", "AdmittedNode", "ADMITTED_FILE", "JOIN_ROLES",
-           "read_admitted", "dial_back", "caller_address"]
+__all__ = ["AuthorizerService"]
 
 logger = logging.getLogger(__name__)
 
-ADMITTED_FILE = "admitted.json"
-JOIN_ROLES = ("worker", "trainer", "monitor", "client")  # operator credentials are minted offline only
 _MAX_KEY_PEM, _MAX_CHAIN_PEM = 4096, 16384
-
-
-@dataclass(frozen=True)
-class AuthorizerSettings:
-    floors: Floors = Floors()
-    max_workers: Optional[int] = None  # None: no cap
-    credential_lifetime_s: float = DEFAULT_CREDENTIAL_LIFETIME_S
-    challenge_ttl_s: float = 60.0
-    latency_probes: int = 5
-    download_bytes: int = 8 << 20
-    upload_bytes: int = 8 << 20
-    join_rate_per_s: float = 0.5
-    join_burst: int = 10
-    dialback_timeout_s: float = 3.0
-    queue_retry_after_s: float = 5.0
-    measurement_ttl_s: float = 600.0  # a queued node's preflight stays valid this long
-    # Roles a node may join as by itself; the others only with a credential the operator mints
-    # (`authorizer issue`), which renews as usual. A trainer chooses the data and the targets of
-    # the gradients it sends, so an open run may keep trainers to its operator's machines.
-    join_roles: tuple[str, ...] = JOIN_ROLES
-
-    def validate(self) -> "AuthorizerSettings":
-        self.floors.validate()
-        if self.credential_lifetime_s < 5:
-            raise ValueError(f"--credential-lifetime: at least 5 s, got {self.credential_lifetime_s}")
-        if self.latency_probes < 1 or self.download_bytes < 1 or self.upload_bytes < 1:
-            raise ValueError("--preflight-bytes / latency probes: expected positive values")
-        if self.max_workers is not None and self.max_workers < 1:
-            raise ValueError(f"--max-workers: expected at least 1, got {self.max_workers}")
-        if not (self.join_rate_per_s > 0 and self.join_burst >= 1):
-            raise ValueError(f"--join-rate/--join-burst: expected a positive rate and a burst of at least 1, got "
-                             f"{self.join_rate_per_s}, {self.join_burst}")
-        if not (self.queue_retry_after_s > 0 and self.challenge_ttl_s > 0 and self.dialback_timeout_s > 0):
-            raise ValueError("--queue-retry-after: expected a positive number of seconds")
-        unknown = [role for role in self.join_roles if role not in JOIN_ROLES]
-        if unknown or not self.join_roles:
-            raise ValueError(f"--join-roles: expected some of {', '.join(JOIN_ROLES)}, got {', '.join(self.join_roles)}")
-        return self
-
-
-@dataclass(frozen=True)
-class AdmittedNode:
-    peer_id: str
-    role: str
-    stage: Optional[int]
-    address: str  # the announced host:port (workers), else the caller's address
-    device: str
-    admitted_at: float
-    expires_at: float
-    rtt_ms: Optional[float] = None
-    upload_mbit: Optional[float] = None
-    download_mbit: Optional[float] = None
-
-
-def read_admitted(state_dir: str | Path) -> list[AdmittedNode]:
-    path = Path(state_dir) / ADMITTED_FILE
-    if not path.exists():
-        return []
-    return [AdmittedNode(**entry) for entry in json.loads(path.read_text() or "[]")]
-
-
-class _Status(Exception):
-    """A gRPC status to answer with (raised anywhere below a handler)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: Optional[float] = None):
-        super().__init__(message)
-        self.code, self.message, self.retry_after_s = code, message, retry_after_s
-
-
-_CHALLENGE_STATUS = {"unknown": grpc.StatusCode.FAILED_PRECONDITION, "wrong_caller": grpc.StatusCode.PERMISSION_DENIED,
-                     "full": grpc.StatusCode.RESOURCE_EXHAUSTED}
-
-
-def _answers(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """Turn `_Status` (and policy's ChallengeError) into the call's status."""
-    async def wrapped(self: "AuthorizerService", *args: Any) -> Any:
-        context = args[-1]
-        try:
-            return await handler(self, *args)
-        except ChallengeError as error:
-            status = _Status(_CHALLENGE_STATUS[error.kind], str(error))
-        except _Status as error:
-            status = error
-        metadata = () if status.retry_after_s is None else (("retry-after", f"{status.retry_after_s:.1f}"),)
-        logger.debug("authorizer: %s to %s: %s", status.code.name, context.peer(), status.message)
-        await context.abort(status.code, status.message, trailing_metadata=metadata)
-    wrapped.__name__, wrapped.__doc__ = handler.__name__, handler.__doc__
-    return wrapped
-
-
-def caller_address(peer: str) -> str:
-    """The IP address in a grpc peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5")."""
-    kind, _, rest = peer.partition(":")
-    if kind in ("ipv4", "ipv6"):
-        return rest.rsplit(":", 1)[0].strip("[]")
-    return peer
-
-
-async def dial_back(host: str, port: int, token: bytes, timeout_s: float) -> Optional[str]:
-    """Connect to a worker's announced address and check its listener's answer; None when it is
-    reachable, else what went wrong (one phrase)."""
-    expected = dialback_answer(token)
-    writer = None
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-        answer = await asyncio.wait_for(reader.readline(), timeout_s)
-    except asyncio.TimeoutError:
-        return f"no answer within {timeout_s:g} s" if writer is not None else f"no connection within {timeout_s:g} s"
-    except (OSError, ValueError) as error:  # refused, unreachable, unknown host; a line too long
-        return getattr(error, "strerror", None) or str(error) or type(error).__name__
-    finally:
-        if writer is not None:
-            writer.close()
-    if answer == expected:
-        return None
-    if answer.startswith(DIALBACK_PREFIX):
-        return "it answered with another challenge's token (a stale listener, or another node on that address)"
-    return "something else answers on that port (not this node's admission listener)"
+_SWEEP_EVERY = 256
 
 
 class AuthorizerService:
@@ -197,27 +110,46 @@ class AuthorizerService:
                  stage_throughput: Optional[Callable[[], Mapping[int, float] | Awaitable[Mapping[int, float]]]] = None,
                  clock: Clock = time.time, timer: Clock = time.perf_counter,
                  random_bytes: Callable[[int], bytes] = secrets.token_bytes,
-                 dial: Callable[[str, int, bytes, float], Awaitable[Optional[str]]] = dial_back):
+                 dial: Optional[Callable[[str, int, bytes, float], Awaitable[Optional[str]]]] = None,
+                 on_refused: Callable[[str], None] = lambda field: None):
         self.authority = authority
         self.settings = settings.validate()
         self.config_json = json.dumps(dict(run_config), sort_keys=True)
         self.fingerprint = fingerprint
         self.initial_peers = tuple(initial_peers)
         self._stage_throughput = stage_throughput or self._workers_per_stage
-        self._clock, self._timer, self._dial = clock, timer, dial
+        self._clock, self._timer = clock, timer
+        self._dial = dial or functools.partial(dial_back, local_network=self.settings.local_network)
+        self._on_refused = on_refused  # counts refusals by field (node/authorizer.py: a metric)
         self._verifier = CredentialVerifier(authority.root_pem, authority.run_id, clock=clock)
-        self._challenges = ChallengeBook(settings.challenge_ttl_s, random_bytes=random_bytes)
-        self._limiter = JoinRateLimiter(settings.join_rate_per_s, settings.join_burst)
+        s = self.settings
+        self._challenges = ChallengeBook(s.challenge_ttl_s, random_bytes=random_bytes, capacity=s.max_challenges,
+                                         per_network=s.challenges_per_network)
+        self._join_limits = CallerLimits(address_rate_per_s=s.join_rate_per_s, address_burst=s.join_burst,
+                                         network_rate_per_s=s.network_join_rate_per_s,
+                                         network_burst=s.network_join_burst)
+        # Renewals draw on capacity of their own: nonces that need no book, and their own buckets.
+        self._renewal_challenges = RenewalChallenges(s.challenge_ttl_s, random_bytes=random_bytes)
+        self._renewal_limits = TokenBuckets(s.renew_rate_per_s, s.renew_burst)  # per caller address
+        self._renewing_peers = TokenBuckets(s.renew_rate_per_s, s.renew_burst)  # per peer id, after its proof
+        self._newcomer_calls = CallSlots(per_network=s.max_calls_per_network, total=s.newcomer_calls)
+        self._preflight = PreflightMeter(self._challenges, clock=clock, timer=timer,
+                                         download_block=random_bytes(DOWNLOAD_CHUNK_BYTES))
         self._slots = ContributorSlots(settings.max_workers, stale_s=3 * settings.queue_retry_after_s + 10)
         self._measured: dict[str, tuple[str, LinkMeasurement, float]] = {}  # peer -> (caller, link, at)
-        self._download_block = random_bytes(DOWNLOAD_CHUNK_BYTES)  # incompressible
-        self._admitted: dict[str, AdmittedNode] = {}
+        self._records = 0
         now = clock()
-        for node in read_admitted(authority.directory):
-            if node.expires_at > now:
+        self._log = AdmissionLog(authority.directory, now=now)
+        self._admitted: dict[str, AdmittedNode] = {}
+        for node in self._log.live(now):
+            if not authority.is_banned(node.peer_id):
                 self._admitted[node.peer_id] = node
                 if node.role == "worker":
                     self._slots.hold(node.peer_id, node.expires_at)
+
+    def close(self) -> None:
+        """Close the admission log (the service answers no more calls after this)."""
+        self._log.close()
 
     # ---- bookkeeping
 
@@ -228,18 +160,22 @@ class AuthorizerService:
     def _workers_per_stage(self) -> Mapping[int, float]:
         return Counter(node.stage for node in self.admitted() if node.role == "worker")
 
-    def _persist(self) -> None:
-        now = self._clock()
-        self._admitted = {peer: node for peer, node in self._admitted.items() if node.expires_at > now}
-        entries = [asdict(node) for node in self._admitted.values()]
-        write_private_file(self.authority.directory / ADMITTED_FILE, json.dumps(entries, indent=1).encode(),
-                           mode=0o644)
+    async def _record(self, node: AdmittedNode) -> None:
+        """Keep ``node`` (an admission, or a renewal's new expiry) in memory and in the admission log."""
+        self._records += 1
+        if self._records % _SWEEP_EVERY == 0:  # drop the expired ones from memory now and then
+            now = self._clock()
+            self._admitted = {peer: kept for peer, kept in self._admitted.items() if kept.expires_at > now}
+        self._admitted[node.peer_id] = node
+        try:
+            await asyncio.to_thread(self._log.record, node)
+        except sqlite3.Error as error:  # the admission stands; only the record of it is lost
+            logger.warning("authorizer: could not write %s to %s (%s)", node.peer_id[:16], self._log.path, error)
 
     def _forget(self, peer_id: str) -> None:
-        """A banned peer: its slot frees now, and `list` stops showing it."""
+        """A banned peer: its slot frees now, and `list` stops showing it (it filters banned peers)."""
         self._slots.release(peer_id)
-        if self._admitted.pop(peer_id, None) is not None:
-            self._persist()
+        self._admitted.pop(peer_id, None)
 
     def _refresh_slots(self, now: float) -> None:
         """Free the slots of expired and banned workers."""
@@ -249,23 +185,24 @@ class AuthorizerService:
 
     # ---- run and challenges
 
-    @_answers
+    @answers
     async def get_run(self, request: RunRequest, context: Any) -> RunDescription:
         return RunDescription(run_id=self.authority.run_id, config_json=self.config_json,
                               fingerprint=self.fingerprint.text(), root_pem=self.authority.root_pem)
 
-    @_answers
+    @answers
     async def get_challenge(self, request: ChallengeRequest, context: Any) -> Challenge:
         caller, now = caller_address(context.peer()), self._clock()
-        wait = self._limiter.acquire(caller, now)
-        if wait > 0:
-            raise _Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rate limit: too many join attempts from {caller}; "
-                                                               f"retry after {wait:.1f} s", retry_after_s=wait)
         _check_role(request.role, self.settings.join_roles, request.renewal)
-        preflight = request.role == "worker" and not request.renewal and self._fresh_link(request.peer_id, caller,
-                                                                                           now) is None
+        if request.renewal:
+            return self._renewal_challenge(caller, now)
+        limited = self._join_limits.acquire(caller, now)
+        if limited is not None:
+            raise Status(grpc.StatusCode.RESOURCE_EXHAUSTED, limited.message("join attempts"),
+                         retry_after_s=limited.retry_after_s)
+        preflight = request.role == "worker" and self._fresh_link(request.peer_id, caller, now) is None
         s = self.settings
-        state = self._challenges.issue(caller, request.role, request.renewal, now,
+        state = self._challenges.issue(caller, request.role, now,
                                        latency_probes=s.latency_probes if preflight else 0,
                                        download_bytes=s.download_bytes if preflight else 0,
                                        upload_bytes=s.upload_bytes if preflight else 0)
@@ -273,109 +210,91 @@ class AuthorizerService:
                          latency_probes=state.latency_probes, download_bytes=state.download_bytes,
                          upload_bytes=state.upload_bytes)
 
+    def _renewal_challenge(self, caller: str, now: float) -> Challenge:
+        address = address_key(caller)
+        wait = self._renewal_limits.acquire(address, now)
+        if wait > 0:
+            raise Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rate limit: too many renewal challenges from "
+                                                             f"{address}; retry after {wait:.1f} s", retry_after_s=wait)
+        return Challenge(nonce=self._renewal_challenges.issue(now), dial_token=b"",
+                         expires_in_s=self.settings.challenge_ttl_s)
+
     def _fresh_link(self, peer_id: str, caller: str, now: float) -> Optional[LinkMeasurement]:
         for peer in [p for p, (_, _, at) in self._measured.items() if now - at > self.settings.measurement_ttl_s]:
             del self._measured[peer]
         entry = self._measured.get(peer_id)
         return entry[1] if entry is not None and entry[0] == caller else None
 
-    async def _open(self, stream: AsyncIterator[Any], context: Any, what: str, kind: str) -> ChallengeState:
-        """The challenge a preflight stream names in its first message; each kind runs once."""
+    @contextlib.contextmanager
+    def _newcomer(self, caller: str) -> Iterator[None]:
+        """Hold one of the newcomers' call slots (preflight streams and Joins, the calls that wait)."""
+        full = self._newcomer_calls.enter(caller)
+        if full is not None:
+            raise Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {full}; retry after 1 s", retry_after_s=1.0)
         try:
-            first = await asyncio.wait_for(anext(stream, None), self.settings.challenge_ttl_s)
-        except asyncio.TimeoutError:
-            first = None
-        if first is None:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: the stream must open with the challenge nonce")
-        state = self._challenges.peek(first.nonce, caller_address(context.peer()), self._clock())
-        size = {"latency": state.latency_probes, "download": state.download_bytes, "upload": state.upload_bytes}[kind]
-        done = {"latency": bool(state.rtts_s), "download": state.download is not None,
-                "upload": state.upload is not None}[kind]
-        if size == 0 or done:
-            raise _Status(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"{what}: {'already measured' if done else 'not part of'} this challenge")
-        return state
+            yield
+        finally:
+            self._newcomer_calls.leave(caller)
 
-    # ---- preflight, timed here
+    # ---- preflight (auth/preflight.py)
 
-    async def _within(self, state: ChallengeState, awaitable: Awaitable[Any], what: str) -> Any:
-        """Await one step of a preflight stream, bounded by the challenge's expiry."""
-        try:
-            return await asyncio.wait_for(awaitable, max(1e-3, state.expires_at - self._clock()))
-        except asyncio.TimeoutError:
-            raise _Status(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"{what}: not finished before the challenge expired") from None
-
-    @_answers
+    @answers
     async def measure_latency(self, probes: AsyncIterator[LatencyProbe],
                               send: Callable[[LatencyProbe], Awaitable[None]], context: Any) -> None:
-        state = await self._open(probes, context, "latency", "latency")
-        samples = []
-        for sequence in range(state.latency_probes):
-            start = self._timer()
-            await self._within(state, send(LatencyProbe(sequence=sequence)), "latency")
-            echo = await self._within(state, anext(probes, None), "latency")
-            if echo is None or echo.sequence != sequence:
-                raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"latency: expected the echo of probe {sequence}")
-            samples.append(self._timer() - start)
-        state.rtts_s = samples
+        caller = caller_address(context.peer())
+        with self._newcomer(caller):
+            await self._preflight.latency(probes, send, caller)
 
-    @_answers
+    @answers
     async def measure_download(self, controls: AsyncIterator[TransferControl],
                                send: Callable[[Payload], Awaitable[None]], context: Any) -> None:
-        state = await self._open(controls, context, "download", "download")
-        start, sent = self._timer(), 0
-        while sent < state.download_bytes:
-            piece = self._download_block[:min(DOWNLOAD_CHUNK_BYTES, state.download_bytes - sent)]
-            sent += len(piece)
-            await self._within(state, send(Payload(data=piece, last=sent == state.download_bytes)), "download")
-        ack = await self._within(state, anext(controls, None), "download")
-        elapsed = self._timer() - start
-        if ack is None:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, "download: the stream ended without an acknowledgement")
-        state.download = (min(ack.received_bytes, sent), elapsed)
+        caller = caller_address(context.peer())
+        with self._newcomer(caller):
+            await self._preflight.download(controls, send, caller)
 
-    @_answers
+    @answers
     async def measure_upload(self, chunks: AsyncIterator[Payload], context: Any) -> UploadReceipt:
-        state = await self._open(chunks, context, "upload", "upload")
-        start, received = self._timer(), 0
-        while (chunk := await self._within(state, anext(chunks, None), "upload")) is not None:
-            received += len(chunk.data)
-            if received > state.upload_bytes:
-                raise _Status(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"upload: more than the challenge's {state.upload_bytes} bytes")
-        elapsed = self._timer() - start
-        state.upload = (received, elapsed)
-        return UploadReceipt(received_bytes=received, mbit_per_s=upload_mbit(received, elapsed))
+        caller = caller_address(context.peer())
+        with self._newcomer(caller):
+            return await self._preflight.upload(chunks, caller)
 
     # ---- join
 
-    @_answers
+    @answers
     async def join(self, request: JoinRequest, context: Any) -> JoinReply:
-        caller, now = caller_address(context.peer()), self._clock()
+        caller = caller_address(context.peer())
+        with self._newcomer(caller):
+            return await self._join(request, caller)
+
+    async def _join(self, request: JoinRequest, caller: str) -> JoinReply:
+        now = self._clock()
+        _check_role(request.role, self.settings.join_roles, False)
+        if len(request.public_key_pem) > _MAX_KEY_PEM:
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"public_key_pem: longer than {_MAX_KEY_PEM} bytes")
         state = self._challenges.consume(request.nonce, caller, now)
-        if state.renewal:
-            raise _Status(grpc.StatusCode.FAILED_PRECONDITION, "challenge: issued for a renewal, not a join")
-        _check_role(request.role, self.settings.join_roles, state.renewal)
         if request.role != state.role:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"role: the challenge was requested for a {state.role or 'node without role'}")
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"role: the challenge was requested for a {state.role or 'node without role'}")
         public_key = _public_key(request.public_key_pem)
         if not proof_is_valid(public_key, signed_payload(request), request.signature):
-            raise _Status(grpc.StatusCode.UNAUTHENTICATED,
-                          "proof of possession failed: the signature does not verify with public_key_pem")
+            raise Status(grpc.StatusCode.UNAUTHENTICATED,
+                         "proof of possession failed: the signature does not verify with public_key_pem")
         peer_id = peer_id_of(public_key)
         outcome = await self._decide(request, state, peer_id, caller, now)
         if isinstance(outcome, JoinReply):
             return outcome
         stage, link = outcome
-        return JoinReply(admitted=self._admit(request, public_key, peer_id, stage, caller, link, self._clock()))
+        return JoinReply(admitted=await self._admit(request, public_key, peer_id, stage, caller, link))
 
     async def _decide(self, request: JoinRequest, state: ChallengeState, peer_id: str, caller: str,
                       now: float) -> JoinReply | tuple[Optional[int], Optional[LinkMeasurement]]:
         """Refuse or queue (a reply), or the stage and link of an admission."""
-        def refused(refusal: Refusal) -> JoinReply:
-            logger.info("authorizer: refused %s %s from %s: %s", request.role, peer_id[:16], caller, refusal.reason)
+        def refused(refusal: Refusal, detail: str = "") -> JoinReply:
+            self._on_refused(refusal.field)
+            logger.info("authorizer: refused %s %s from %s: %s", request.role, peer_id[:16], caller,
+                        detail or refusal.reason, extra={"milestone": "admission_refused", "fields": {
+                            "role": request.role, "peer_id": peer_id, "caller": caller, "field": refusal.field,
+                            **({"detail": detail} if detail else {})}})
             return JoinReply(refused=RefusedReply(reason=refusal.reason, field=refusal.field))
 
         ban = self.authority.is_banned(peer_id)
@@ -387,10 +306,10 @@ class AuthorizerService:
         except FingerprintMismatch as mismatch:
             return refused(Refusal(f"fingerprint.{mismatch.field}", str(mismatch)))
         except ValueError as error:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"fingerprint: {error}") from None
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"fingerprint: {error}") from None
         if request.role != "worker":
             if request.stage is not None:
-                raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"stage: a {request.role} hosts no stage")
+                raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"stage: a {request.role} hosts no stage")
             return None, None
         if request.stage is not None and not 0 <= request.stage < self.fingerprint.stages:
             return refused(assign_stage(self.fingerprint.stages, {}, request.stage))
@@ -398,7 +317,7 @@ class AuthorizerService:
         if announce is not None:
             return refused(announce)
         if request.hardware is None:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, "hardware: a worker must report its hardware")
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT, "hardware: a worker must report its hardware")
         link = self._link(state, peer_id, caller, now)
         below = check_floors(self.settings.floors, request.hardware, link)
         if below is not None:
@@ -406,11 +325,11 @@ class AuthorizerService:
         address = _host_port(request.announce_host, request.announce_port)
         problem = await self._dial(request.announce_host, request.announce_port, state.dial_token,
                                    self.settings.dialback_timeout_s)
-        if problem is not None:
+        if problem is not None:  # the node learns only that it is unreachable; the operator's log says why
             return refused(Refusal("reachability", (
-                f"reachability: the authorizer could not reach {address} ({problem}): open TCP port "
-                f"{request.announce_port} on {request.announce_host} to the internet / forward it from your router "
-                f"to this machine, or pass --announce-host with your public address")))
+                f"reachability: {address} is unreachable from the authorizer: open TCP port {request.announce_port} "
+                f"on {request.announce_host} to the internet / forward it from your router to this machine, or "
+                f"pass --announce-host with your public address")), detail=f"dial-back to {address}: {problem}")
         throughput = await self._throughput()
         # No await from here to the admission: the slot taken is the slot counted.
         now = self._clock()
@@ -428,18 +347,18 @@ class AuthorizerService:
         if state.latency_probes == 0:
             link = self._fresh_link(peer_id, caller, now)
             if link is None:
-                raise _Status(grpc.StatusCode.FAILED_PRECONDITION, "preflight: no recent measurements for this node; "
-                                                                   "request a new challenge and run its preflight")
+                raise Status(grpc.StatusCode.FAILED_PRECONDITION, "preflight: no recent measurements for this node; "
+                                                                  "request a new challenge and run its preflight")
             return link
         link = state.link()
         if link is None:
-            raise _Status(grpc.StatusCode.FAILED_PRECONDITION, "preflight: run the challenge's latency, download and "
-                                                               "upload measurements before Join")
+            raise Status(grpc.StatusCode.FAILED_PRECONDITION, "preflight: run the challenge's latency, download and "
+                                                              "upload measurements before Join")
         for what, (count, _), expected in (("download", state.download, state.download_bytes),
                                            ("upload", state.upload, state.upload_bytes)):
             if count < expected:
-                raise _Status(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"preflight: {what} carried {count} of the challenge's {expected} bytes")
+                raise Status(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"preflight: {what} carried {count} of the challenge's {expected} bytes")
         self._measured[peer_id] = (caller, link, now)
         return link
 
@@ -447,24 +366,40 @@ class AuthorizerService:
         value = self._stage_throughput()
         return await value if inspect.isawaitable(value) else value
 
-    def _admit(self, request: JoinRequest, public_key: rsa.RSAPublicKey, peer_id: str, stage: Optional[int],
-               caller: str, link: Optional[LinkMeasurement], now: float) -> Admitted:
+    def _credential(self, public_key: rsa.RSAPublicKey, role: str, stage: Optional[int], now: float,
+                    *, describe_run: bool) -> tuple[bytes, float, bytes]:
+        """A credential chain, its expiry and (``describe_run``) the issuing CA's signature over the run
+        description. Blocking (one or two RSA signatures; a new issuing CA key at rotation): it runs on
+        a worker thread, so the loop serves other calls meanwhile."""
         lifetime = self.settings.credential_lifetime_s
         issuer = self.authority.issuing()
-        chain = issue_credential(issuer, public_key, run_id=self.authority.run_id, role=request.role, stage=stage,
-                                 now=now, lifetime_s=lifetime)
-        expires_at = min(now + lifetime, issuer.not_after)
-        signature = sign_proof(issuer.key, run_payload(self.authority.run_id, self.config_json, self.initial_peers,
-                                                       chain))
-        address = _host_port(request.announce_host, request.announce_port) if request.role == "worker" else caller
-        self._admitted[peer_id] = AdmittedNode(
+        chain = issue_credential(issuer, public_key, run_id=self.authority.run_id, role=role, stage=stage, now=now,
+                                 lifetime_s=lifetime)
+        signature = b"" if not describe_run else sign_proof(
+            issuer.key, run_payload(self.authority.run_id, self.config_json, self.initial_peers, chain))
+        return chain, min(now + lifetime, issuer.not_after), signature
+
+    async def _admit(self, request: JoinRequest, public_key: rsa.RSAPublicKey, peer_id: str, stage: Optional[int],
+                     caller: str, link: Optional[LinkMeasurement]) -> Admitted:
+        now = self._clock()
+        worker = request.role == "worker"
+        if worker:  # taken before the first await below: the slot _decide counted is this one
+            self._slots.hold(peer_id, now + self.settings.credential_lifetime_s)
+        try:
+            chain, expires_at, signature = await asyncio.to_thread(self._credential, public_key, request.role, stage,
+                                                                   now, describe_run=True)
+        except BaseException:
+            if worker:
+                self._slots.release(peer_id)
+            raise
+        if worker:
+            self._slots.hold(peer_id, expires_at)
+        address = _host_port(request.announce_host, request.announce_port) if worker else caller
+        await self._record(AdmittedNode(
             peer_id=peer_id, role=request.role, stage=stage, address=address,
             device=request.hardware.device if request.hardware else "", admitted_at=now, expires_at=expires_at,
             **({} if link is None else {"rtt_ms": round(link.rtt_ms, 3), "upload_mbit": round(link.upload_mbit, 1),
-                                        "download_mbit": round(link.download_mbit, 1)}))
-        if request.role == "worker":
-            self._slots.hold(peer_id, expires_at)
-        self._persist()
+                                        "download_mbit": round(link.download_mbit, 1)})))
         logger.info("authorizer: admitted %s%s %s at %s", request.role, "" if stage is None else f" stage {stage}",
                     peer_id[:16], address)
         return Admitted(credential_pem=chain, root_pem=self.authority.root_pem, run_id=self.authority.run_id,
@@ -473,42 +408,44 @@ class AuthorizerService:
 
     # ---- renewal
 
-    @_answers
+    @answers
     async def renew(self, request: RenewRequest, context: Any) -> RenewReply:
-        caller, now = caller_address(context.peer()), self._clock()
-        state = self._challenges.consume(request.nonce, caller, now)
-        if not state.renewal:
-            raise _Status(grpc.StatusCode.FAILED_PRECONDITION, "challenge: issued for a join, not a renewal")
+        now = self._clock()
         if len(request.credential_pem) > _MAX_CHAIN_PEM:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"credential_pem: longer than {_MAX_CHAIN_PEM} bytes")
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"credential_pem: longer than {_MAX_CHAIN_PEM} bytes")
+        self._renewal_challenges.check(request.nonce, now)
         try:
             identity = self._verifier.verify(request.credential_pem)
         except CredentialError as error:
             code = grpc.StatusCode.INVALID_ARGUMENT if error.reason == "malformed" else grpc.StatusCode.UNAUTHENTICATED
             hint = ": join again" if error.reason == "expired" else ""
-            raise _Status(code, f"{error}{hint}") from None
+            raise Status(code, f"{error}{hint}") from None
         public_key = load_chain(request.credential_pem)[0].public_key()
+        problem = node_key_problem(public_key)
+        if problem is not None:
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"credential_pem: its key: {problem}")
+        if identity.role not in JOIN_ROLES:
+            raise Status(grpc.StatusCode.PERMISSION_DENIED, "an operator credential is not renewed: mint a new one "
+                                                            "with `agora-node authorizer issue`")
         if not proof_is_valid(public_key, signed_payload(request), request.signature):
-            raise _Status(grpc.StatusCode.UNAUTHENTICATED,
-                          "proof of possession failed: the signature does not verify with the credential's key")
+            raise Status(grpc.StatusCode.UNAUTHENTICATED,
+                         "proof of possession failed: the signature does not verify with the credential's key")
+        self._renewal_challenges.spend(request.nonce, now)
         ban = self.authority.is_banned(identity.peer_id)
         if ban is not None:
             self._forget(identity.peer_id)
-            raise _Status(grpc.StatusCode.PERMISSION_DENIED, f"banned: {ban.reason or 'by the operator'}")
-        if identity.role not in JOIN_ROLES:
-            raise _Status(grpc.StatusCode.PERMISSION_DENIED, "an operator credential is not renewed: mint a new one "
-                                                             "with `agora-node authorizer issue`")
-        issuer = self.authority.issuing()
-        lifetime = self.settings.credential_lifetime_s
-        chain = issue_credential(issuer, public_key, run_id=self.authority.run_id, role=identity.role,
-                                 stage=identity.stage, now=now, lifetime_s=lifetime)
-        expires_at = min(now + lifetime, issuer.not_after)
+            raise Status(grpc.StatusCode.PERMISSION_DENIED, f"banned: {ban.reason or 'by the operator'}")
+        wait = self._renewing_peers.acquire(identity.peer_id, now)
+        if wait > 0:
+            raise Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rate limit: {identity.peer_id[:16]}... renewed too "
+                                                             f"often; retry after {wait:.1f} s", retry_after_s=wait)
+        chain, expires_at, _ = await asyncio.to_thread(self._credential, public_key, identity.role, identity.stage,
+                                                       now, describe_run=False)
         if identity.peer_id in self._slots.admitted:
             self._slots.hold(identity.peer_id, expires_at)
         known = self._admitted.get(identity.peer_id)
         if known is not None:
-            self._admitted[identity.peer_id] = replace(known, expires_at=expires_at)
-            self._persist()
+            await self._record(replace(known, expires_at=expires_at))
         logger.debug("authorizer: renewed %s", identity.describe())
         return RenewReply(credential_pem=chain, lifetime_s=expires_at - now)
 
@@ -519,24 +456,23 @@ def _host_port(host: str, port: int) -> str:
 
 def _check_role(role: str, join_roles: tuple[str, ...], renewal: bool) -> None:
     if role in JOIN_ROLES and role not in join_roles and not renewal:
-        raise _Status(grpc.StatusCode.PERMISSION_DENIED,
-                      f"role: this run admits {role}s with a credential from its operator only (`agora-node authorizer "
-                      f"issue --role {role}`); it admits {', '.join(join_roles)} nodes that join by themselves")
+        raise Status(grpc.StatusCode.PERMISSION_DENIED,
+                     f"role: this run admits {role}s with a credential from its operator only (`agora-node authorizer "
+                     f"issue --role {role}`); it admits {', '.join(join_roles)} nodes that join by themselves")
     if role == "operator":
-        raise _Status(grpc.StatusCode.PERMISSION_DENIED, "role: operator credentials are minted offline with "
-                                                         "`agora-node authorizer issue`, never through Join")
+        raise Status(grpc.StatusCode.PERMISSION_DENIED, "role: operator credentials are minted offline with "
+                                                        "`agora-node authorizer issue`, never through Join")
     if role not in JOIN_ROLES:
-        raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"role: expected one of {', '.join(JOIN_ROLES)}, "
-                                                        f"got {role[:40]!r}")
+        raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"role: expected one of {', '.join(JOIN_ROLES)}, "
+                                                       f"got {role[:40]!r}")
 
 
 def _public_key(pem: bytes) -> rsa.RSAPublicKey:
-    if len(pem) > _MAX_KEY_PEM:
-        raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"public_key_pem: longer than {_MAX_KEY_PEM} bytes")
     try:
         key = serialization.load_pem_public_key(pem)
     except (ValueError, TypeError) as error:
-        raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"public_key_pem: not a PEM public key ({error})") from None
-    if not isinstance(key, rsa.RSAPublicKey) or key.key_size < 2048:
-        raise _Status(grpc.StatusCode.INVALID_ARGUMENT, "public_key_pem: expected an RSA key of at least 2048 bits")
+        raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"public_key_pem: not a PEM public key ({error})") from None
+    problem = node_key_problem(key)
+    if problem is not None:
+        raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"public_key_pem: {problem}")
     return key

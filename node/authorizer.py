@@ -39,13 +39,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import grpc
+from prometheus_client import Counter
 
 from agora.auth.admission import JoinFile
+from agora.auth.admitted import read_admitted
 from agora.auth.authority import DEFAULT_CREDENTIAL_LIFETIME_S, RunAuthority
+from agora.auth.authorizer_tls import authorizer_server_credentials
 from agora.auth.credentials import ROLES
 from agora.auth.keys import write_private_file
 from agora.auth.node_state import NodeCredentials
 from agora.auth.policy import DEFAULT_FLOORS, Floors
+from agora.auth.settings import AuthorizerSettings
 from agora.dht.records import Phase
 from agora.monitor.worker_metrics import RpcServerMetrics
 from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments, package_version
@@ -56,10 +60,10 @@ from agora.pipeline.config import ConfigError
 from agora.protos.authorizer_adapter import SERVICE_NAME, add_authorizer_service
 
 if TYPE_CHECKING:  # agora.auth.service imports torch (the run fingerprint): the serving commands import it
-    from agora.auth.service import AuthorizerService, AuthorizerSettings
+    from agora.auth.service import AuthorizerService
 
 __all__ = ["add_authorizer_commands", "issue_credential", "AuthorizerServer", "start_authorizer_server",
-           "serve_authorizer", "SERVING_FILE", "JOIN_FILE"]
+           "serve_authorizer", "SERVING_FILE", "JOIN_FILE", "LOCAL_RUN_FLAGS"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +72,12 @@ JOIN_FILE = "join.json"
 _MAX_MESSAGE_BYTES = 1 << 20  # preflight chunks are 64 KiB; credentials a few KiB
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{10,128}")
+_DEFAULTS = AuthorizerSettings()
+# `serve` flags for a run on one machine or a private network (the demo, tests): its nodes share one
+# address and network, so the limits per address and network are wide, and the dial-back may reach
+# loopback and private addresses.
+LOCAL_RUN_FLAGS = ("--local-network", "--join-rate", "20", "--join-burst", "64", "--network-join-rate", "20",
+                   "--network-join-burst", "64", "--renew-rate", "20", "--renew-burst", "64")
 
 
 @dataclass(frozen=True)
@@ -86,14 +96,16 @@ class AuthorizerServer:
 async def start_authorizer_server(service: AuthorizerService, host: str, port: int,
                                   interceptors: tuple = ()) -> AuthorizerServer:
     """The service on a started grpc.aio server behind the shared interceptor chain (plus
-    `interceptors`: metrics), with health and reflection. The port is exclusive (no SO_REUSEPORT):
-    a second authorizer on it fails to start."""
+    `interceptors`: metrics), with health and reflection, over TLS under the run's root
+    (auth/authorizer_tls.py) and serving `max_concurrent_rpcs` calls at once. The port is exclusive
+    (no SO_REUSEPORT): a second authorizer on it fails to start."""
     server = create_server(interceptors=interceptor_chain(outer=interceptors), max_message_bytes=_MAX_MESSAGE_BYTES,
-                           options=[("grpc.so_reuseport", 0)])
+                           options=[("grpc.so_reuseport", 0)],
+                           maximum_concurrent_rpcs=service.settings.max_concurrent_rpcs)
     add_authorizer_service(server, service)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     try:
-        bound = bind(server, host, port)
+        bound = bind(server, host, port, authorizer_server_credentials(service.authority))
     except RuntimeError as error:  # grpc reports a failed bind as RuntimeError
         raise OSError(str(error).split(";")[0]) from None
     await server.start()
@@ -131,8 +143,6 @@ def _open_authority(state_dir: str, run_id: Optional[str] = None, *, create: boo
 
 
 def _settings(args: argparse.Namespace) -> AuthorizerSettings:
-    from agora.auth.service import AuthorizerSettings
-
     floors = Floors(min_upload_mbit=args.min_upload_mbit, min_download_mbit=args.min_download_mbit,
                     max_rtt_ms=args.max_rtt_ms, min_accelerator_gb=args.min_accelerator_gb, min_ram_gb=args.min_ram_gb)
     try:
@@ -140,6 +150,12 @@ def _settings(args: argparse.Namespace) -> AuthorizerSettings:
                                   credential_lifetime_s=args.credential_lifetime, latency_probes=args.latency_probes,
                                   download_bytes=args.preflight_bytes, upload_bytes=args.preflight_bytes,
                                   join_rate_per_s=args.join_rate, join_burst=args.join_burst,
+                                  network_join_rate_per_s=args.network_join_rate,
+                                  network_join_burst=args.network_join_burst,
+                                  challenges_per_network=args.challenges_per_network,
+                                  renew_rate_per_s=args.renew_rate, renew_burst=args.renew_burst,
+                                  local_network=args.local_network, max_concurrent_rpcs=args.max_concurrent_rpcs,
+                                  max_calls_per_network=args.max_calls_per_network,
                                   queue_retry_after_s=args.queue_retry_after,
                                   join_roles=tuple(r.strip() for r in args.join_roles.split(",") if r.strip())
                                   ).validate()
@@ -179,8 +195,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             if own.remaining_s() < authority.issuing_lifetime_s / 4:  # the DHT process re-reads the file
                 authority.mint(own.directory, role="operator", lifetime_s=authority.issuing_lifetime_s)
             return await _read_coverage(swarm, authority.run_id, fingerprint, service.admitted())
+    # Admissions and renewals by status code (and the bytes they cost) are its gRPC metrics; a refused
+    # join is a reply, not a status: counted by the floor or field it names.
+    metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="authorizer", run_id=authority.run_id,
+                                   version=package_version())
+    hooks = (MetricsHook(RpcServerMetrics(metrics.registry)),)
+    refusals = Counter("agora_authorizer_refusals", "Joins refused with a reason, by the floor or field it names",
+                       ["field"], registry=metrics.registry)
     service = AuthorizerService(authority, settings, run_config=plain, fingerprint=fingerprint,
-                                initial_peers=tuple(args.initial_peers), stage_throughput=coverage)
+                                initial_peers=tuple(args.initial_peers), stage_throughput=coverage,
+                                on_refused=lambda field: refusals.labels(field=field).inc())
     state = Path(args.state_dir)
     join_path = Path(args.join_file) if args.join_file else state / JOIN_FILE
 
@@ -197,11 +221,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             from agora.dht.bootstrap import write_ready_file
 
             write_ready_file(args.ready_file, [address, authority.root_fingerprint])
-
-    # Admissions and renewals by status code (and the bytes they cost) are its gRPC metrics.
-    metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="authorizer", run_id=authority.run_id,
-                                   version=package_version())
-    hooks = (MetricsHook(RpcServerMetrics(metrics.registry)),)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -223,6 +242,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             Path(args.ready_file).unlink(missing_ok=True)
         if swarm is not None:
             swarm.shutdown()
+        service.close()
         metrics.close()
     return 0
 
@@ -290,12 +310,11 @@ def _when(seconds: float) -> str:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from agora.auth.service import read_admitted
-
     authority = _open_authority(args.state_dir)
     bans = sorted(authority.bans().values(), key=lambda entry: entry.banned_at)
-    now = time.time()
-    admitted = [node for node in read_admitted(args.state_dir) if node.expires_at > now]  # still holding a credential
+    # Still holding a credential, and not banned since (a ban takes effect at the node's next renewal).
+    banned = {entry.peer_id for entry in bans}
+    admitted = [node for node in read_admitted(args.state_dir, time.time()) if node.peer_id not in banned]
     if args.json:
         print(json.dumps({"run_id": authority.run_id, "root_fingerprint": authority.root_fingerprint,
                           "bans": [asdict(entry) for entry in bans],
@@ -352,9 +371,9 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
         sub.add_argument("--state-dir", required=True, help="the authorizer's folder: CA keys, bans, admitted nodes")
 
     serve = actions.add_parser("serve", help="serve admission and renewal (creates the run's CA on first start)",
-                               description="Serve agora.v1.Authorizer (plaintext gRPC, health, reflection). Prints "
-                                           "the address and the root fingerprint nodes pin; writes "
-                                           "STATE_DIR/join.json.")
+                               description="Serve agora.v1.Authorizer (gRPC over TLS under the run's root CA, health, "
+                                           "reflection). Prints the address and the root fingerprint nodes pin; "
+                                           "writes STATE_DIR/join.json.")
     state_dir(serve)
     serve.add_argument("--run-id", default=None, help="run identifier (needed on first start)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
@@ -379,13 +398,37 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--preflight-bytes", type=int, default=8 << 20, metavar="BYTES",
                        help="bytes moved each way to measure a worker's link (default 8 MiB)")
     serve.add_argument("--latency-probes", type=int, default=5, help="round trips timed (median; default 5)")
-    serve.add_argument("--join-rate", type=float, default=0.5, help="sustained join attempts per second per address")
-    serve.add_argument("--join-burst", type=int, default=10, help="join attempts at once per address")
+    serve.add_argument("--join-rate", type=float, default=_DEFAULTS.join_rate_per_s,
+                       help="sustained join attempts per second per address (an IPv4 address or IPv6 /64; "
+                            "default %(default)g)")
+    serve.add_argument("--join-burst", type=int, default=_DEFAULTS.join_burst,
+                       help="join attempts at once per address (default %(default)d)")
+    serve.add_argument("--network-join-rate", type=float, default=_DEFAULTS.network_join_rate_per_s,
+                       help="sustained join attempts per second per network (an IPv4 /24 or IPv6 /56; "
+                            "default %(default)g)")
+    serve.add_argument("--network-join-burst", type=int, default=_DEFAULTS.network_join_burst,
+                       help="join attempts at once per network (default %(default)d)")
+    serve.add_argument("--challenges-per-network", type=int, default=_DEFAULTS.challenges_per_network,
+                       help=f"join challenges one network may hold outstanding (of {_DEFAULTS.max_challenges} in "
+                            "all; default %(default)d)")
+    serve.add_argument("--renew-rate", type=float, default=_DEFAULTS.renew_rate_per_s,
+                       help="sustained renewals per second per address and per peer, counted apart from joins so "
+                            "newcomers never spend them (default %(default)g)")
+    serve.add_argument("--renew-burst", type=int, default=_DEFAULTS.renew_burst,
+                       help="renewals at once per address and per peer (default %(default)d)")
     serve.add_argument("--join-roles", default="worker,trainer,monitor,client", metavar="ROLES",
                        help="roles a node may join as by itself, comma-separated (default worker,trainer,monitor,"
                             "client: a client runs inference only, agora-node generate/serve); "
                             "leave trainer out to keep trainers, which choose the data and targets of every gradient, "
                             "to machines the operator credentials with `authorizer issue --role trainer`")
+    serve.add_argument("--max-concurrent-rpcs", type=int, default=_DEFAULTS.max_concurrent_rpcs, metavar="N",
+                       help="calls the port serves at once; newcomers (preflights, joins) may hold three quarters, "
+                            "so renewals always find room (default %(default)d)")
+    serve.add_argument("--max-calls-per-network", type=int, default=_DEFAULTS.max_calls_per_network, metavar="N",
+                       help="newcomers' calls in flight from one network (default %(default)d)")
+    serve.add_argument("--local-network", action="store_true",
+                       help="the run lives on one host or a private network: the dial-back may reach loopback, "
+                            "private and link-local addresses (the demo sets it); without it, only public ones")
     serve.add_argument("--queue-retry-after", type=float, default=5.0, metavar="S",
                        help="seconds a queued node waits between polls (default %(default)g)")
     serve.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",

@@ -351,14 +351,18 @@ def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, c
 
 def _start_authorizer(group: ProcessGroup, options: DemoOptions, workdir: Path, maddrs: list[str],
                       common: list[str], extra: list[str]) -> str:
-    """The run's authorizer, with floors low enough for one machine's loopback; its address."""
+    """The run's authorizer, with floors low enough for one machine's loopback and the limits of a
+    local run (every node shares one address and network; the dial-back reaches private addresses,
+    which the WAN harness's namespaces use); its address."""
+    from agora.node.authorizer import LOCAL_RUN_FLAGS
+
     ready = workdir / "authorizer.ready"
     lifetime = [] if options.credential_lifetime is None else ["--credential-lifetime", str(options.credential_lifetime)]
     command = agora_node_command(
         *common, "authorizer", "serve", "--state-dir", str(workdir / "authorizer"), "--run-id", options.run_id,
         "--host", group.host("authorizer"), "--ready-file", str(ready), *lifetime, "--min-upload-mbit", "0", "--min-download-mbit", "0",
         "--max-rtt-ms", "inf", "--min-accelerator-gb", "0", "--min-ram-gb", "0", "--preflight-bytes", str(256 << 10),
-        "--join-rate", "20", "--join-burst", "64", *options.run_flags(), *extra, "--initial-peers", *maddrs)
+        *LOCAL_RUN_FLAGS, *options.run_flags(), *extra, "--initial-peers", *maddrs)
     child = group.spawn("authorizer", command, ready)
     return group.wait_ready([child], options.ready_timeout_s)["authorizer"][0]
 

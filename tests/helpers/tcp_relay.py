@@ -1,6 +1,8 @@
 """A TCP relay for tests: forwards one listening port to an upstream address, and can hold or cut the
 upstream-to-client direction after a number of bytes, so a test drops or stalls a real connection
-(gRPC over it sees what it would see on a real network) at a chosen point of a transfer."""
+(gRPC over it sees what it would see on a real network) at a chosen point of a transfer. With
+`source`, it dials upstream from that local address (any of 127.0.0.0/8 on loopback), so a server
+sees callers from several addresses of one network."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ class TcpRelay:
     """`hold_after`: bytes toward the client before forwarding waits for `release()`; `cut()` cuts
     the first connection now (when the test knows what the client has taken; later ones pass whole)."""
 
-    def __init__(self, upstream: str, *, hold_after: Optional[int] = None):
+    def __init__(self, upstream: str, *, hold_after: Optional[int] = None, source: Optional[str] = None):
         host, port = upstream.rsplit(":", 1)
         self.upstream = (host, int(port))
+        self.local_addr = None if source is None else (source, 0)
         self.hold_after = hold_after
         self.held = asyncio.Event()  # set once forwarding is held
         self.dropped = asyncio.Event()  # set once the first connection was cut
@@ -49,7 +52,7 @@ class TcpRelay:
     async def _serve(self, client_reader, client_writer) -> None:
         self.connections += 1
         first = self.connections == 1
-        upstream_reader, upstream_writer = await asyncio.open_connection(*self.upstream)
+        upstream_reader, upstream_writer = await asyncio.open_connection(*self.upstream, local_addr=self.local_addr)
         up = asyncio.create_task(self._pump(client_reader, upstream_writer, False))
         down = asyncio.create_task(self._pump(upstream_reader, client_writer, True))
         self._tasks.update((up, down))

@@ -1,15 +1,15 @@
 """The authorizer over real grpc.aio on 127.0.0.1:0, driven by the node's own admission client.
 
-One run authority and a pool of node keys per module (RSA keys cost 50-200 ms each); one event
+One run authority and a pool of node keys per module (tests/helpers/authorizer_world.py); one event
 loop and one freshly started authorizer per test.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextlib
 import dataclasses
-import socket
 import time
 
 import grpc
@@ -18,93 +18,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agora.auth.admission import (AdmissionError, AdmissionRefused, AuthorizerUntrusted, CredentialRenewer,
                                   RenewalRefused, admit, reachability_listener)
-from agora.auth.authority import RunAuthority
 from agora.auth.credentials import CredentialVerifier
-from agora.auth.keys import KEY_FILE, generate_key, private_key_pem, write_private_file
-from agora.auth.node_state import NodeCredentials, public_key_pem
+from agora.auth.keys import KEY_FILE, private_key_pem, write_private_file
+from agora.auth.node_state import NodeCredentials, RunInfo, public_key_pem
 from agora.auth.policy import Floors, sign_proof
-from agora.auth.service import ADMITTED_FILE, AuthorizerService, AuthorizerSettings
-from agora.node.authorizer import start_authorizer_server
+from agora.auth.service import AuthorizerService
+from agora.auth.settings import AuthorizerSettings
 from agora.node.rpc.server import run
-from agora.pipeline.config import PRESETS, config_to_dict
+from agora.pipeline.config import config_to_dict
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.protos import authorizer_adapter as adapter
+import authorizer_world as world
+from authorizer_world import (CONFIG, FINGERPRINT, OPEN, PEERS, Clock, fingerprint_from_config, free_port, join,
+                              serving)
+from odd_keys import same_modulus_with_exponent
 
 pytestmark = pytest.mark.timeout(60)
 
-CONFIG = PRESETS["tiny"].with_stages(3)
-FINGERPRINT = run_fingerprint(CONFIG)
-PEERS = ("/ip4/203.0.113.5/tcp/31337/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",)
-# Tests run on loopback: no floor but the one a test raises.
-OPEN = Floors(min_upload_mbit=0, min_download_mbit=0, max_rtt_ms=float("inf"), min_accelerator_gb=0, min_ram_gb=0)
-SMALL = dict(download_bytes=256 << 10, upload_bytes=256 << 10, latency_probes=3)
-
-
-@pytest.fixture(scope="module")
-def authority(tmp_path_factory) -> RunAuthority:
-    return RunAuthority(tmp_path_factory.mktemp("authority"), run_id="test-run")
-
-
-@pytest.fixture(scope="module")
-def keys() -> list:
-    return [generate_key() for _ in range(4)]
-
-
-@pytest.fixture
-def nodes(tmp_path, keys):
-    """Node state directories with keys from the pool (node i gets key i)."""
-    def node(i: int) -> NodeCredentials:
-        directory = tmp_path / f"node{i}"
-        write_private_file(directory / KEY_FILE, private_key_pem(keys[i]))
-        return NodeCredentials(directory, clock=time.time)
-    return node
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Clock:
-    """Wall time plus an offset a test can advance (the authorizer's clock)."""
-
-    def __init__(self):
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return time.time() + self.offset
-
-
-@contextlib.asynccontextmanager
-async def serving(authority: RunAuthority, *, floors: Floors = OPEN, handler=None, restart: bool = False,
-                  **settings):
-    """A fresh authorizer for `authority` on 127.0.0.1:0 (with no admitted nodes, unless `restart`);
-    yields (service, address)."""
-    if not restart:
-        (authority.directory / ADMITTED_FILE).unlink(missing_ok=True)
-    clock = settings.pop("clock", time.time)
-    service = AuthorizerService(authority, AuthorizerSettings(floors=floors, **{**SMALL, **settings}),
-                                run_config=config_to_dict(CONFIG), fingerprint=FINGERPRINT, initial_peers=PEERS,
-                                clock=clock)
-    started = await start_authorizer_server(handler(service) if handler else service, "127.0.0.1", 0)
-    try:
-        yield service, f"127.0.0.1:{started.port}"
-    finally:
-        await started.stop(None)
-
-
-async def join(address: str, node: NodeCredentials, authority: RunAuthority, *, role: str = "worker", **kwargs):
-    if role == "worker":
-        kwargs.setdefault("announce", ("127.0.0.1", free_port()))
-    kwargs.setdefault("fingerprint", FINGERPRINT.text())
-    return await admit(address, authority.root_fingerprint, node, role=role, **kwargs)
-
-
-def fingerprint_from_config(config: dict) -> str:
-    from agora.pipeline.config import config_from_dict
-
-    return run_fingerprint(config_from_dict(config)).text()
+authority, keys, nodes = world.authority, world.keys, world.nodes  # fixtures
 
 
 # ---- admission
@@ -178,7 +109,7 @@ def _signed(request: adapter.JoinRequest, key) -> adapter.JoinRequest:
 def test_a_challenge_is_single_use(authority, keys):
     async def main():
         async with serving(authority) as (service, address):
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with world.channel(address, authority) as channel:
                 stub = adapter.AuthorizerStub(channel)
                 challenge = await stub.get_challenge(adapter.ChallengeRequest(role="trainer"))
                 request = _signed(adapter.JoinRequest(nonce=challenge.nonce, public_key_pem=public_key_pem(keys[0]),
@@ -197,7 +128,7 @@ def test_a_challenge_is_single_use(authority, keys):
 def test_a_join_signed_by_another_key_is_refused(authority, keys):
     async def main():
         async with serving(authority) as (service, address):
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with world.channel(address, authority) as channel:
                 stub = adapter.AuthorizerStub(channel)
                 challenge = await stub.get_challenge(adapter.ChallengeRequest(role="trainer"))
                 claimed = adapter.JoinRequest(nonce=challenge.nonce, public_key_pem=public_key_pem(keys[0]),
@@ -210,6 +141,32 @@ def test_a_join_signed_by_another_key_is_refused(authority, keys):
     assert refused.code() is grpc.StatusCode.UNAUTHENTICATED
     assert "proof of possession" in refused.details()
     assert admitted == []
+
+
+def test_a_key_with_another_exponent_is_refused_at_join_and_renewal(authority, keys, tmp_path):
+    odd = same_modulus_with_exponent(keys[0])
+    directory = tmp_path / "odd"
+    write_private_file(directory / KEY_FILE, private_key_pem(odd))
+    node = NodeCredentials(directory, clock=time.time)
+    # A credential for that key, as an authorizer without the rule would have issued it.
+    chain = authority.issue(odd.public_key(), role="trainer", stage=None, lifetime_s=600.0)
+    node.save(chain, authority.root_pem, RunInfo(run_id="test-run", role="trainer", stage=None,
+                                                 root_fingerprint=authority.root_fingerprint))
+
+    async def main():
+        async with serving(authority, credential_lifetime_s=600.0) as (service, address):
+            with pytest.raises(AdmissionError, match="INVALID_ARGUMENT: public_key_pem: expected an RSA key of 2048 "
+                                                     "bits with public exponent 65537") as joined:
+                await join(address, node, authority, role="trainer")
+            with pytest.raises(RenewalRefused) as renewed:
+                await CredentialRenewer(address, node, on_revoked=pytest.fail).renew_once()
+            return joined.value, renewed.value, service.admitted()
+
+    joined, renewed, admitted = run(main())
+    assert renewed.code is grpc.StatusCode.INVALID_ARGUMENT and "exponent 65539" in renewed.reason
+    assert admitted == []
+    with pytest.raises(ValueError, match="exponent 65539"):
+        authority.mint(directory, role="trainer")
 
 
 @pytest.mark.parametrize("floor, value, shown", [
@@ -247,12 +204,13 @@ def test_an_unreachable_announced_address_is_refused_with_what_to_open(authority
 
     refused, admitted = run(main())
     assert refused.field == "reachability"
-    assert f"could not reach 127.0.0.1:{closed}" in refused.reason
+    assert f"127.0.0.1:{closed} is unreachable from the authorizer" in refused.reason
     assert f"open TCP port {closed} on 127.0.0.1" in refused.reason and "--announce-host" in refused.reason
     assert admitted == []
 
 
-def test_another_service_on_the_announced_port_is_not_mistaken_for_the_node(authority, nodes):
+def test_another_service_on_the_announced_port_is_not_mistaken_for_the_node(authority, nodes, caplog):
+    caplog.set_level(logging.INFO, logger="agora.auth.service")
     async def impostor(reader, writer):
         writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
         writer.close()
@@ -271,8 +229,9 @@ def test_another_service_on_the_announced_port_is_not_mistaken_for_the_node(auth
             await server.wait_closed()
 
     refused, port = run(main())
-    assert refused.field == "reachability" and f"127.0.0.1:{port}" in refused.reason
-    assert "something else answers" in refused.reason
+    assert refused.field == "reachability" and f"127.0.0.1:{port} is unreachable" in refused.reason
+    assert "something else answers" not in refused.reason, "the node is told only that it is unreachable"
+    assert any("something else answers" in record.getMessage() for record in caplog.records), "the log says why"
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])
@@ -325,7 +284,7 @@ def test_the_cap_queues_the_next_worker_and_admits_it_when_a_slot_frees(authorit
 
             waiting = asyncio.ensure_future(join(address, second, authority, on_queued=on_queued))
             await asyncio.wait_for(queued.wait(), 20)
-            async with grpc.aio.insecure_channel(address) as channel:  # polls carry no transfers
+            async with world.channel(address, authority) as channel:  # polls carry no transfers
                 stub = adapter.AuthorizerStub(channel)
                 poll = await stub.get_challenge(adapter.ChallengeRequest(peer_id=second.peer_id, role="worker"))
                 fresh = await stub.get_challenge(adapter.ChallengeRequest(peer_id=third.peer_id, role="worker"))
@@ -369,7 +328,7 @@ def test_a_restarted_authorizer_keeps_its_slots(authority, nodes):
 def test_join_attempts_are_rate_limited_per_address(authority):
     async def main():
         async with serving(authority, join_burst=2, join_rate_per_s=0.01) as (service, address):
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with world.channel(address, authority) as channel:
                 stub = adapter.AuthorizerStub(channel)
                 for _ in range(2):
                     await stub.get_challenge(adapter.ChallengeRequest(role="trainer"))
@@ -503,7 +462,7 @@ def test_the_authorizer_serves_health_and_reflection(authority):
 
     async def main():
         async with serving(authority) as (service, address):
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with world.channel(address, authority) as channel:
                 health = await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(service=adapter.SERVICE_NAME))
                 stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(

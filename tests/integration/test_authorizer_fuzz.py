@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 
 from agora.auth.admission import admit
 from agora.auth.authority import RunAuthority
+from agora.auth.authorizer_tls import authorizer_channel
 from agora.auth.keys import KEY_FILE, generate_key, private_key_pem, write_private_file
 from agora.auth.node_state import NodeCredentials, public_key_pem
 from agora.auth.policy import Floors, sign_proof
-from agora.auth.service import AuthorizerService, AuthorizerSettings
+from agora.auth.service import AuthorizerService
+from agora.auth.settings import AuthorizerSettings
 from agora.node.authorizer import start_authorizer_server
 from agora.node.rpc.server import new_event_loop
 from agora.pipeline.config import PRESETS, config_to_dict
@@ -44,13 +46,15 @@ def world(tmp_path_factory):
     service = AuthorizerService(
         authority, AuthorizerSettings(floors=Floors(0, 0, float("inf"), 0, 0), download_bytes=4096,
                                       upload_bytes=4096, latency_probes=1, join_rate_per_s=1e6, join_burst=10**6,
+                                      network_join_rate_per_s=1e6, network_join_burst=10**6,
+                                      challenges_per_network=4096, renew_rate_per_s=1e6, renew_burst=10**6,
                                       dialback_timeout_s=0.2),
         run_config=config_to_dict(CONFIG), fingerprint=FINGERPRINT)
     loop = new_event_loop()
     started = loop.run_until_complete(start_authorizer_server(service, "127.0.0.1", 0))
     port = started.port
     async def open_channel():  # grpc.aio binds a channel to the loop it is created on
-        return grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        return authorizer_channel(f"127.0.0.1:{port}", authority.root_pem)
 
     channel = loop.run_until_complete(open_channel())
     key = generate_key()

@@ -23,6 +23,7 @@ import pytest
 
 from agora.auth.admission import hardware_report
 from agora.auth.node_state import NodeCredentials
+from agora.node.authorizer import LOCAL_RUN_FLAGS
 from agora.node.cli import main
 from agora.node.demo.processes import ChildProcess, ProcessGroup, agora_node_command
 from agora.node.worker.join import EXIT_REVOKED
@@ -33,8 +34,6 @@ READY_TIMEOUT_S = 90.0
 # Floors a loopback node on this machine passes; a small preflight keeps admission fast.
 LOW_FLOORS = ("--min-upload-mbit", "0", "--min-download-mbit", "0", "--max-rtt-ms", "inf",
               "--min-accelerator-gb", "0", "--min-ram-gb", "0", "--preflight-bytes", str(256 << 10))
-# Every node of these tests shares 127.0.0.1, which the authorizer rate-limits as one address.
-GENEROUS_RATE = ("--join-rate", "20", "--join-burst", "64")
 # One torch thread per child (2 cores); INFO puts admission and renewal milestones in the logs.
 NODE_FLAGS = ("--threads", "1", "--log-level", "INFO")
 
@@ -50,7 +49,7 @@ def _serve(group: ProcessGroup, state: Path, *flags: str, name: str = "authorize
     """`authorizer serve` on a fresh state dir; (address, root fingerprint) from its ready file."""
     ready = group.workdir / f"{name}.ready"
     child = group.spawn(name, agora_node_command(*NODE_FLAGS, "authorizer", "serve", "--state-dir", str(state),
-                                                 "--ready-file", str(ready), *GENEROUS_RATE, *flags), ready)
+                                                 "--ready-file", str(ready), *LOCAL_RUN_FLAGS, *flags), ready)
     address, fingerprint = group.wait_ready([child], READY_TIMEOUT_S)[name]
     return address, fingerprint
 

@@ -3,6 +3,7 @@ admits a node."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -10,11 +11,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from agora.auth.admission import JoinFile, admit
+from agora.auth.admission import AdmissionRefused, JoinFile, admit
 from agora.auth.authority import RunAuthority
 from agora.auth.credentials import CredentialVerifier
 from agora.auth.node_state import NodeCredentials
@@ -81,6 +83,22 @@ def test_ban_unban_and_list(state_dir, capsys):
     assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["bans"] == []
 
 
+def test_list_reads_the_admissions_of_an_older_state_dir_once_imported(tmp_path, capsys):
+    """An authorizer state directory from before the admission log kept its nodes in admitted.json:
+    `list` (like `serve`) imports it into admitted.sqlite once and shows them."""
+    state = tmp_path / "older-state"
+    RunAuthority(state, run_id="older-run")
+    peer = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    entry = {"peer_id": peer, "role": "worker", "stage": 0, "address": "198.51.100.7:7000", "device": "cpu",
+             "admitted_at": time.time(), "expires_at": time.time() + 600}
+    (state / "admitted.json").write_text(json.dumps([entry]))
+    for _ in range(2):
+        assert main(["authorizer", "list", "--json", "--state-dir", str(state)]) == 0
+        assert [node["peer_id"] for node in json.loads(capsys.readouterr().out)["admitted"]] == [peer]
+    assert not (state / "admitted.json").exists() and (state / "admitted.json.imported").exists()
+    assert (state / "admitted.sqlite").exists()
+
+
 def test_help_and_the_ban_commands_start_without_torch_or_hivemind(state_dir):
     """An operator's quick commands (and `--help`) do not pay seconds for torch and hivemind, which
     only the commands that compute or join the DHT import."""
@@ -124,7 +142,8 @@ def test_a_served_authorizer_admits_a_node_and_stops_cleanly(tmp_path, capsys):
                "--state-dir", str(state), "--run-id", "mp-run", "--ready-file", str(ready), "--stages", "3",
                "--steps", "50", "--min-upload-mbit", "0", "--min-download-mbit", "0", "--max-rtt-ms", "inf",
                "--min-accelerator-gb", "0", "--min-ram-gb", "0", "--preflight-bytes", str(256 << 10),
-               "--credential-lifetime", "120", "--initial-peers", peers]
+               "--credential-lifetime", "120", "--local-network", "--metrics-port", "auto", "--metrics-file",
+               str(tmp_path / "metrics.txt"), "--initial-peers", peers]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -147,6 +166,12 @@ def test_a_served_authorizer_admits_a_node_and_stops_cleanly(tmp_path, capsys):
         assert joined.stage == 0 and joined.initial_peers == (peers,)
         assert run_fingerprint(config_from_dict(joined.config)) == run_fingerprint(PRESETS["tiny"].with_stages(3))
         assert node.identity().role == "worker"
+        other_seed = dataclasses.replace(run_fingerprint(PRESETS["tiny"].with_stages(3)), seed=1).text()
+        with pytest.raises(AdmissionRefused, match="seed=1"):
+            run(admit(ticket.authorizer, ticket.root_fingerprint, NodeCredentials(tmp_path / "other", clock=time.time),
+                      role="trainer", fingerprint=other_seed))
+        metrics = urllib.request.urlopen(f"http://{(tmp_path / 'metrics.txt').read_text().strip()}/metrics").read()
+        assert b'agora_authorizer_refusals_total{field="fingerprint.seed"} 1.0' in metrics
 
         assert main(["authorizer", "list", "--json", "--state-dir", str(state)]) == 0
         listing = json.loads(capsys.readouterr().out)
@@ -165,7 +190,7 @@ def test_a_served_authorizer_admits_a_node_and_stops_cleanly(tmp_path, capsys):
 
 def test_stage_coverage_prefers_the_stage_with_least_announced_throughput():
     from agora.auth.policy import assign_stage
-    from agora.auth.service import AdmittedNode
+    from agora.auth.admitted import AdmittedNode
     from agora.dht.records import WorkerRecord
     from agora.node.authorizer import stage_coverage
 

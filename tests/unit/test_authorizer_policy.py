@@ -10,13 +10,17 @@ from itertools import count
 
 import pytest
 
-from agora.auth.keys import generate_key
-from agora.auth.policy import (ChallengeBook, ChallengeError, ContributorSlots, Floors,
-                               JoinRateLimiter, LinkMeasurement, assign_stage, check_announce, check_floors,
-                               credential_lifetime_s, dialback_answer, download_mbit, median_rtt_ms, proof_is_valid,
-                               renewal_delay_s, retry_delay_s, run_payload, sign_proof, upload_mbit)
+from agora.auth.challenges import ChallengeBook, ChallengeError, RenewalChallenges
+from agora.auth.keys import generate_key, node_key_problem, peer_id_of
+from agora.auth.limits import CallerLimits, CallSlots, TokenBuckets, address_key, network_prefix
+from agora.auth.policy import (ContributorSlots, Floors, LinkMeasurement, assign_stage, check_announce, check_floors,
+                               credential_lifetime_s, dialback_allowed, dialback_answer, download_mbit, median_rtt_ms,
+                               proof_is_valid, renewal_delay_s, retry_delay_s, run_payload, sign_proof, upload_mbit)
+from agora.auth.settings import AuthorizerSettings
+from agora.auth.status import caller_address
 from agora.protos import authorizer_adapter as adapter
 from agora.protos.authorizer_adapter import Hardware
+from odd_keys import same_modulus_with_exponent
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -27,6 +31,20 @@ BIG = Hardware("NVIDIA H100", 80 * 10**9, 512 * 10**9)
 @pytest.fixture(scope="module")
 def key():
     return generate_key()
+
+
+# ---- node keys
+
+def test_only_a_2048_bit_key_with_exponent_65537_is_a_node_key(key):
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+    assert node_key_problem(key.public_key()) is None
+    reexponented = same_modulus_with_exponent(key, 65539)
+    assert peer_id_of(reexponented) != peer_id_of(key), "a new exponent of the same modulus is a new peer id"
+    assert "exponent 65539" in node_key_problem(reexponented.public_key())
+    small = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    assert "got 1024 bits" in node_key_problem(small.public_key())
+    assert "expected an RSA key" in node_key_problem(ec.generate_private_key(ec.SECP256R1()).public_key())
 
 
 # ---- floors
@@ -97,6 +115,19 @@ def test_dialable_announce_addresses_pass(host):
     assert check_announce(host, 443) is None
 
 
+@pytest.mark.parametrize("address, public", [
+    ("8.8.8.8", True), ("2606:4700::1111", True),
+    ("127.0.0.1", False), ("::1", False), ("10.1.2.3", False), ("192.168.1.1", False), ("172.16.0.9", False),
+    ("169.254.1.1", False), ("fe80::1%eth0", False), ("fd00::1", False), ("100.64.0.1", False),
+    ("::ffff:127.0.0.1", False), ("::ffff:8.8.8.8", True), ("0.0.0.0", False), ("224.0.0.1", False),
+    ("not an address", False),
+])
+def test_the_dial_back_goes_to_public_addresses_unless_the_run_is_local(address, public):
+    assert dialback_allowed(address, local_network=False) is public
+    unicast = address not in ("0.0.0.0", "224.0.0.1", "not an address")
+    assert dialback_allowed(address, local_network=True) is unicast
+
+
 def test_stage_assignment_prefers_the_least_covered_and_honours_a_request():
     assert assign_stage(3, {}, None) == 0
     assert assign_stage(3, {0: 500.0, 1: 100.0, 2: 300.0}, None) == 1
@@ -142,34 +173,109 @@ def test_no_cap_admits_everyone():
         slots.hold(str(i), expires_at=10)
 
 
-# ---- rate limit
+# ---- rate limits
 
-def test_the_rate_limit_is_a_token_bucket_per_address():
-    limiter = JoinRateLimiter(rate_per_s=0.5, burst=3)
+def test_the_rate_limit_is_a_token_bucket_per_key():
+    limiter = TokenBuckets(rate_per_s=0.5, burst=3)
     assert [limiter.acquire("1.2.3.4", now=0) for _ in range(3)] == [0.0, 0.0, 0.0]
     assert limiter.acquire("1.2.3.4", now=0) == pytest.approx(2.0)
-    assert limiter.acquire("5.6.7.8", now=0) == 0.0, "another address has its own bucket"
+    assert limiter.acquire("5.6.7.8", now=0) == 0.0, "another key has its own bucket"
     assert limiter.acquire("1.2.3.4", now=2.0) == 0.0
     assert limiter.acquire("1.2.3.4", now=2.0) == pytest.approx(2.0)
 
 
 def test_the_rate_limiter_bounds_its_memory():
-    limiter = JoinRateLimiter(rate_per_s=1.0, burst=1, max_addresses=4)
+    limiter = TokenBuckets(rate_per_s=1.0, burst=1, max_keys=4)
     for i in range(100):
         assert limiter.acquire(f"10.0.0.{i}", now=float(i)) == 0.0
     assert len(limiter._buckets) <= 4
 
 
+@pytest.mark.parametrize("peer, address", [
+    ("ipv4:203.0.113.7:5000", "203.0.113.7"),
+    ("ipv6:%5B2001:db8::1%5D:5000", "2001:db8::1"),  # grpc escapes the brackets
+    ("ipv6:[2001:db8::1]:5000", "2001:db8::1"),
+    ("unix:/tmp/socket", "unix:/tmp/socket"),
+])
+def test_the_caller_address_is_read_from_grpcs_peer_string(peer, address):
+    assert caller_address(peer) == address
+
+
+@pytest.mark.parametrize("address, key, network", [
+    ("203.0.113.7", "203.0.113.7", "203.0.113.0/24"),
+    ("::ffff:203.0.113.7", "203.0.113.7", "203.0.113.0/24"),
+    ("2001:db8:aa:bb01:1:2:3:4", "2001:db8:aa:bb01::/64", "2001:db8:aa:bb00::/56"),
+    ("unix:/tmp/socket", "unix:/tmp/socket", "unix:/tmp/socket"),
+])
+def test_callers_are_counted_by_ipv4_address_or_ipv6_64_and_by_network(address, key, network):
+    assert (address_key(address), network_prefix(address)) == (key, network)
+
+
+def _limits(**overrides) -> CallerLimits:
+    return CallerLimits(**{**dict(address_rate_per_s=0.01, address_burst=2, network_rate_per_s=0.01,
+                                  network_burst=5), **overrides})
+
+
+def test_new_addresses_in_one_ipv6_64_share_one_bucket():
+    limits = _limits()
+    assert limits.acquire("2001:db8::1", now=0) is None and limits.acquire("2001:db8::2", now=0) is None
+    limited = limits.acquire("2001:db8::ffff:3", now=0)
+    assert (limited.scope, limited.key) == ("address", "2001:db8::/64")
+    assert "too many join attempts from 2001:db8::/64" in limited.message("join attempts")
+
+
+@pytest.mark.parametrize("network, address", [("198.51.100.0/24", "198.51.100.{}"),
+                                              ("2001:db8:0:ff00::/56", "2001:db8:0:ff{:02x}::1")])
+def test_a_network_is_limited_whatever_addresses_it_uses(network, address):
+    limits = _limits()
+    assert [limits.acquire(address.format(i), now=0) for i in range(5)] == [None] * 5
+    limited = limits.acquire(address.format(99), now=0)
+    assert (limited.scope, limited.key) == ("network", network) and limited.retry_after_s == pytest.approx(100.0)
+    assert f"network {network}" in limited.message("join attempts")
+    assert limits.acquire("192.0.2.1", now=0) is None, "another network has its own buckets"
+
+
+def test_a_refused_attempt_spends_no_token():
+    limits = _limits(address_burst=1, network_burst=1)
+    assert limits.acquire("198.51.100.1", now=0) is None
+    assert limits.acquire("198.51.100.2", now=0).scope == "network"
+    assert limits.acquire("198.51.100.2", now=100.0) is None, "its address bucket was not spent by the refusal"
+
+
+def test_newcomers_calls_in_flight_are_capped_per_network_and_in_all():
+    slots = CallSlots(per_network=2, total=3)
+    assert slots.enter("198.51.100.1") is None and slots.enter("198.51.100.2") is None
+    assert slots.enter("198.51.100.3") == "2 calls in flight from network 198.51.100.0/24"
+    assert slots.enter("192.0.2.1") is None
+    assert slots.enter("203.0.113.1") == "3 calls of newcomers in flight (at most 3)"
+    slots.leave("198.51.100.1")
+    assert slots.enter("203.0.113.1") is None
+
+
+def test_newcomers_may_hold_three_quarters_of_the_ports_calls():
+    assert AuthorizerSettings().newcomer_calls == 384
+    with pytest.raises(ValueError, match="--max-calls-per-network: expected 1 to 6"):
+        AuthorizerSettings(max_concurrent_rpcs=8, max_calls_per_network=7).validate()
+    with pytest.raises(ValueError, match="--challenges-per-network"):
+        AuthorizerSettings(challenges_per_network=5000).validate()
+    with pytest.raises(ValueError, match="--network-join-rate"):
+        AuthorizerSettings(network_join_rate_per_s=0).validate()
+
+
 # ---- challenges
 
-def _book(ttl: float = 10.0, capacity: int = 4096) -> ChallengeBook:
+def _counting_bytes():
     counter = count()
-    return ChallengeBook(ttl, random_bytes=lambda n: next(counter).to_bytes(n, "big"), capacity=capacity)
+    return lambda n: next(counter).to_bytes(n, "big")
+
+
+def _book(ttl: float = 10.0, capacity: int = 4096, per_network=None) -> ChallengeBook:
+    return ChallengeBook(ttl, random_bytes=_counting_bytes(), capacity=capacity, per_network=per_network)
 
 
 def test_a_challenge_is_single_use_short_lived_and_bound_to_its_caller():
     book = _book()
-    first = book.issue("1.2.3.4", "worker", False, now=0, latency_probes=3, download_bytes=10, upload_bytes=10)
+    first = book.issue("1.2.3.4", "worker", now=0, latency_probes=3, download_bytes=10, upload_bytes=10)
     assert book.peek(first.nonce, "1.2.3.4", now=1) is first
     with pytest.raises(ChallengeError) as wrong:
         book.peek(first.nonce, "5.6.7.8", now=1)
@@ -178,23 +284,69 @@ def test_a_challenge_is_single_use_short_lived_and_bound_to_its_caller():
     with pytest.raises(ChallengeError) as used:
         book.consume(first.nonce, "1.2.3.4", now=2)
     assert used.value.kind == "unknown"
-    late = book.issue("1.2.3.4", "worker", False, now=0)
+    late = book.issue("1.2.3.4", "worker", now=0)
     with pytest.raises(ChallengeError, match="expired"):
         book.consume(late.nonce, "1.2.3.4", now=10)
 
 
 def test_outstanding_challenges_are_bounded():
     book = _book(capacity=2)
-    book.issue("a", "trainer", False, now=0)
-    book.issue("a", "trainer", False, now=0)
+    book.issue("a", "trainer", now=0)
+    book.issue("a", "trainer", now=0)
     with pytest.raises(ChallengeError) as full:
-        book.issue("a", "trainer", False, now=1)
+        book.issue("a", "trainer", now=1)
     assert full.value.kind == "full"
-    book.issue("a", "trainer", False, now=11)  # the expired ones were pruned
+    book.issue("a", "trainer", now=11)  # the expired ones were pruned
+
+
+def test_one_network_cannot_take_the_whole_book():
+    book = _book(per_network=2)
+    for host, now in ((1, 0), (2, 1)):  # two addresses of one /24
+        book.issue(f"198.51.100.{host}", "worker", now=now)
+    with pytest.raises(ChallengeError) as full:
+        book.issue("198.51.100.3", "worker", now=2)
+    assert full.value.kind == "full" and "network 198.51.100.0/24" in str(full.value)
+    assert full.value.retry_after_s == pytest.approx(8.0), "until the network's oldest challenge expires"
+    book.issue("192.0.2.1", "worker", now=2)
+    book.consume(book.issue("2001:db8::1", "worker", now=2).nonce, "2001:db8::1", now=2)
+    book.issue("198.51.100.3", "worker", now=10.5)  # the first one expired
+    assert len(book) == 3
+
+
+def test_a_challenges_measurements_run_one_at_a_time_and_once_each():
+    state = _book().issue("a", "worker", now=0, latency_probes=2, download_bytes=10, upload_bytes=10)
+    state.begin("download")
+    with pytest.raises(ChallengeError) as busy:
+        state.begin("download")
+    assert busy.value.kind == "busy" and "one at a time" in str(busy.value)
+    with pytest.raises(ChallengeError, match="still running"):
+        state.begin("upload")
+    state.end()
+    with pytest.raises(ChallengeError) as again:
+        state.begin("download")
+    assert again.value.kind == "repeated"
+    state.begin("upload")
+
+
+def test_renewal_challenges_verify_without_a_record_and_are_used_once():
+    challenges = RenewalChallenges(10.0, random_bytes=_counting_bytes())
+    nonce = challenges.issue(now=0)
+    challenges.check(nonce, now=5)
+    challenges.check(nonce, now=5)  # unused until a proof spends it
+    challenges.spend(nonce, now=5)
+    for forged in (nonce, nonce[:-1] + bytes([nonce[-1] ^ 1]), b"", challenges.issue(now=0)):
+        with pytest.raises(ChallengeError, match="unknown, expired or already used"):
+            challenges.check(forged, now=10.5 if forged not in (nonce, b"") else 5)
+    another_authorizer = RenewalChallenges(10.0, random_bytes=lambda n: bytes([7]) * n)
+    with pytest.raises(ChallengeError):
+        challenges.check(another_authorizer.issue(now=0), now=1)
+    for _ in range(100_000):
+        challenges.issue(now=1)  # issuing holds nothing
+    assert challenges._used == {nonce: 10.0}
 
 
 def test_a_challenge_has_its_link_only_after_the_whole_preflight():
-    state = _book().issue("a", "worker", False, now=0, latency_probes=2, download_bytes=1000, upload_bytes=1000)
+    state = _book().issue("a", "worker", now=0, latency_probes=2, download_bytes=1000, upload_bytes=1000)
     state.rtts_s = [0.010, 0.020]
     state.download = (1_000_000, 0.09)
     assert state.link() is None
