@@ -61,6 +61,7 @@ __all__ = [
     "announced_host",
     "outbound_address",
     "is_wildcard_host",
+    "is_loopback_host",
     "host_port",
     "add_health_and_reflection",
     "set_serving",
@@ -188,6 +189,17 @@ def is_wildcard_host(host: str) -> bool:
         return True
     try:
         return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: reachable from this machine only."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
