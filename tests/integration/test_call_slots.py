@@ -36,6 +36,27 @@ def pki(tmp_path_factory) -> Pki:
     return build_pki(tmp_path_factory.mktemp("pki"), RUN)
 
 
+async def start_worker(pki: Pki, stage: int) -> StageWorker:
+    worker = StageWorker(CONFIG, stage, run_id=RUN, credentials=NodeCredentials(pki.workers[stage], clock=time.time),
+                         options=OPTIONS)
+    await worker.start()
+    return worker
+
+
+def stage_client(worker: StageWorker, directory) -> StageClient:
+    """A StageClient presenting the credential in `directory` (a trainer's, a monitor's)."""
+    return StageClient(worker.address, run_id=RUN, stage=worker.stage_index, model=CONFIG.model,
+                       fingerprint=run_fingerprint(CONFIG), peer_id=worker.credentials.peer_id,
+                       channels=TlsChannels(NodeCredentials(directory, clock=time.time)), timeout_s=10)
+
+
+async def close(worker: StageWorker, client: StageClient, channels: list) -> None:
+    await client.close()
+    for channel in channels:
+        await channel.close()
+    await worker.stop(0)
+
+
 def channel_as(directory, worker: StageWorker) -> grpc.aio.Channel:
     target = worker_server_name(worker.stage_index, worker.credentials.peer_id)
     return TlsChannels(NodeCredentials(directory, clock=time.time)).open(worker.address, target_name=target)
@@ -77,13 +98,9 @@ def test_watch_streams_beyond_the_probe_pool_are_refused_and_a_trainer_still_run
     tokens = torch.randint(0, CONFIG.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
 
     async def main():
-        worker = StageWorker(CONFIG, 0, run_id=RUN, credentials=NodeCredentials(pki.workers[0], clock=time.time),
-                             options=OPTIONS)
-        await worker.start()
+        worker = await start_worker(pki, 0)
         channels = [channel_as(directory, worker) for directory in (pki.workers[1], pki.monitor, pki.trainer_b)]
-        trainer = StageClient(worker.address, run_id=RUN, stage=0, model=CONFIG.model,
-                              fingerprint=run_fingerprint(CONFIG), peer_id=worker.credentials.peer_id,
-                              channels=TlsChannels(NodeCredentials(pki.trainer, clock=time.time)), timeout_s=10)
+        trainer = stage_client(worker, pki.trainer)
         try:
             plain_worker = [await watch(channels[0]) for _ in range(6)]
             monitor = [await watch(channels[1]) for _ in range(6)]
@@ -109,10 +126,7 @@ def test_watch_streams_beyond_the_probe_pool_are_refused_and_a_trainer_still_run
             else:
                 raise AssertionError("the pool never gave a slot back")
         finally:
-            await trainer.close()
-            for channel in channels:
-                await channel.close()
-            await worker.stop(0)
+            await close(worker, trainer, channels)
 
     run(main())
 
@@ -121,13 +135,9 @@ def test_reflection_streams_share_the_probe_pool_not_the_calls(pki):
     """Reflection streams held open by two workers fill the probe pool (a Watch is then refused);
     Info, a call of the other pool, is still served."""
     async def main():
-        worker = StageWorker(CONFIG, 1, run_id=RUN, credentials=NodeCredentials(pki.workers[1], clock=time.time),
-                             options=OPTIONS)
-        await worker.start()
+        worker = await start_worker(pki, 1)
         channels = [channel_as(directory, worker) for directory in (pki.workers[0], pki.workers[2])]
-        monitor = StageClient(worker.address, run_id=RUN, stage=1, model=CONFIG.model,
-                              fingerprint=run_fingerprint(CONFIG), peer_id=worker.credentials.peer_id,
-                              channels=TlsChannels(NodeCredentials(pki.monitor, clock=time.time)), timeout_s=10)
+        monitor = stage_client(worker, pki.monitor)
         try:
             streams = [await reflect(channels[0]) for _ in range(3)] + [await reflect(channels[1]) for _ in range(2)]
             outcomes = [outcome for _, outcome in streams]
@@ -141,9 +151,6 @@ def test_reflection_streams_share_the_probe_pool_not_the_calls(pki):
             for stream, _ in streams:
                 stream.cancel()
         finally:
-            await monitor.close()
-            for channel in channels:
-                await channel.close()
-            await worker.stop(0)
+            await close(worker, monitor, channels)
 
     run(main())
