@@ -7,6 +7,10 @@ admitted peers answer its reads and refuse its stores, dht/security.py), then ev
 whatever view is current. A poll that fails (a DHT timeout) is counted and logged and the
 previous view stays, so a scrape never fails because the DHT hiccupped. SIGTERM/SIGINT stop it.
 
+A metrics endpoint the scrape policy leaves out of `/sd` (monitor/scrape_policy.py) is logged
+naming the record's peer and counted (`agora_monitor_scrape_targets_left_out_total`) once per
+peer, endpoint and reason, not at every poll: the same record is read every `poll_s`.
+
 The DHT process is forked before the HTTP server's thread exists (hivemind forks; a process
 with threads does not fork reliably).
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import signal
 import time
@@ -27,12 +32,15 @@ from prometheus_client import CollectorRegistry
 from agora.dht.records import TrainerRecord, trainer_key
 from agora.dht.swarm import DHTRequestError, SwarmDHT
 from agora.monitor.http import MonitorServer, start_monitor_server
+from agora.monitor.scrape_policy import REFUSAL_REASONS, host_key
 from agora.monitor.swarm_metrics import MonitorMetrics, SwarmCollector
-from agora.monitor.swarm_view import LossHistory, StaticTarget, SwarmView, summarize
+from agora.monitor.swarm_view import LeftOutTarget, LossHistory, StaticTarget, SwarmView, summarize
 
-__all__ = ["MonitorOptions", "SwarmMonitor", "parse_target"]
+__all__ = ["MonitorOptions", "SwarmMonitor", "parse_target", "parse_trainer_host"]
 
 logger = logging.getLogger("agora.monitor")
+
+_REPORTED_CAPACITY = 4096
 
 
 def parse_target(text: str) -> StaticTarget:
@@ -49,6 +57,21 @@ def parse_target(text: str) -> StaticTarget:
     return StaticTarget(role, endpoint)
 
 
+def parse_trainer_host(text: str) -> str:
+    """`--trainer-host HOST`: a name or an address (IPv6 with or without brackets), never a
+    wildcard; the host as the scrape policy compares it (ValueError names what is wrong)."""
+    host = text.strip().strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        if not host or any(ch.isspace() or ch in "/:[]" for ch in host):
+            raise ValueError(f"--trainer-host: expected a host name or address (no port), got {text!r}") from None
+        return host_key(host)
+    if address.is_unspecified:
+        raise ValueError(f"--trainer-host: {text!r} means 'every interface', not a host trainers run on")
+    return host_key(host)
+
+
 @dataclass(frozen=True)
 class MonitorOptions:
     run_id: str
@@ -58,6 +81,7 @@ class MonitorOptions:
     poll_s: float = 2.0
     static_targets: tuple[StaticTarget, ...] = ()
     ready_file: Optional[str] = None
+    trainer_hosts: tuple[str, ...] = ()  # hosts whose trainers' metrics endpoints /sd lists, besides the targets'
 
 
 class SwarmMonitor:
@@ -73,6 +97,7 @@ class SwarmMonitor:
         self._history = LossHistory()
         self._view: Optional[SwarmView] = None
         self._metrics = MonitorMetrics(registry)
+        self._reported: set[LeftOutTarget] = set()  # left-out endpoints already logged and counted
         SwarmCollector(lambda: self._view, registry)
         self.server: Optional[MonitorServer] = None
 
@@ -92,11 +117,26 @@ class SwarmMonitor:
         view = summarize(self.options.run_id, workers,
                          [s.record for s in trainers.values() if s.record.run_id == self.options.run_id],
                          n_stages=self.options.n_stages, now=self._clock() - self._started,
-                         static_targets=self.options.static_targets)
+                         static_targets=self.options.static_targets, trainer_hosts=self.options.trainer_hosts)
         view = dataclasses.replace(view, history=self._history.add(view))
         self._view = view
+        self._report(view.left_out)
         self._metrics.poll_duration.observe(self._clock() - started)
         return view
+
+    def _report(self, left_out: tuple[LeftOutTarget, ...]) -> None:
+        if len(self._reported) > _REPORTED_CAPACITY:
+            self._reported.clear()  # a churning swarm may report some again; memory stays bounded
+        for target in left_out:
+            if target in self._reported:
+                continue
+            self._reported.add(target)
+            self._metrics.left_out.labels(role=target.role, reason=target.reason).inc()
+            logger.warning("/sd leaves out the metrics endpoint %s that %s %s announced (%s)",
+                           target.metrics_endpoint, target.role, target.peer_id, REFUSAL_REASONS[target.reason],
+                           extra={"milestone": "scrape_target_left_out",
+                                  "fields": {"role": target.role, "peer": target.peer_id,
+                                             "metrics_endpoint": target.metrics_endpoint, "reason": target.reason}})
 
     def serve(self) -> str:
         """Start the HTTP port; the status page's URL."""

@@ -4,7 +4,7 @@ Nothing is stored twice: `SwarmCollector.collect()` reads the latest `SwarmView`
 of the DHT) and yields gauges from it. With every node scraped through `/sd` these duplicate
 nothing a node exports: they are the swarm as the DHT shows it (who announces what), which is
 also what an operator without access to the nodes' ports can see. `MonitorMetrics` counts the
-monitor's own polls.
+monitor's own polls and the announced metrics endpoints `/sd` left out.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ class MonitorMetrics:
                              ["outcome"], registry=registry)
         self.poll_duration = Histogram("agora_monitor_poll_duration_seconds", "Time one read of the swarm took",
                                        buckets=DURATION_BUCKETS, registry=registry)
+        self.left_out = Counter("agora_monitor_scrape_targets_left_out",
+                                "Announced metrics endpoints /sd left out (monitor/scrape_policy.py), once per peer, "
+                                "endpoint and reason, by role and reason", ["role", "reason"], registry=registry)
 
 
 def _gauge(name: str, documentation: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:

@@ -13,9 +13,11 @@ Design choices:
   replaces it whole, so a reader never sees half of one poll and half of the next.
 - `scrape_targets` is Prometheus' HTTP service discovery format: a list of
   `{"targets": ["host:port"], "labels": {...}}`, one per node that announces a metrics
-  endpoint, labelled with its role and stage (and run), plus the operator's static targets
-  (`--target ROLE=HOST:PORT`: the authorizer and the bootstrap, which have no record). The full
-  list each time, `[]` when there is none.
+  endpoint the scrape policy accepts (monitor/scrape_policy.py: a worker's on its own gRPC host,
+  a trainer's on a host the operator named), labelled with its role and stage (and run), plus the
+  operator's static targets (`--target ROLE=HOST:PORT`: the authorizer and the bootstrap, which
+  have no record). The full list each time, `[]` when there is none. The endpoints left out are in
+  the view too (`left_out`, with the announcing peer), for the monitor to log and count.
 - `LossHistory` keeps the curve the status page draws: one point per poll in which the trainers'
   run-wide step moved, bounded (oldest points dropped first).
 """
@@ -26,10 +28,11 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Mapping, Optional
 
-from agora.dht.records import PHASES, TrainerRecord, WorkerRecord
+from agora.dht.records import PHASES, TrainerRecord, WorkerRecord, parse_endpoint
+from agora.monitor.scrape_policy import host_key, trainer_target_refusal, worker_target_refusal
 
-__all__ = ["HistoryPoint", "LossHistory", "StageView", "StaticTarget", "SwarmView", "TrainerStatus", "WorkerStatus",
-           "scrape_targets", "summarize"]
+__all__ = ["HistoryPoint", "LeftOutTarget", "LossHistory", "StageView", "StaticTarget", "SwarmView", "TrainerStatus",
+           "WorkerStatus", "scrape_targets", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,16 @@ class StaticTarget:
 
     role: str
     endpoint: str
+
+
+@dataclass(frozen=True)
+class LeftOutTarget:
+    """An announced metrics endpoint `/sd` does not list, and why (monitor/scrape_policy.py)."""
+
+    role: str
+    peer_id: str  # the whole id: the log line names the record's writer
+    metrics_endpoint: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,8 @@ class SwarmView:
     static_targets: tuple[StaticTarget, ...] = ()
     history: tuple[HistoryPoint, ...] = ()
     worker_targets: tuple[tuple[str, int, str], ...] = field(default=())  # (endpoint, stage, peer)
+    trainer_targets: tuple[str, ...] = ()  # the trainers' metrics endpoints /sd lists
+    left_out: tuple[LeftOutTarget, ...] = ()
 
     @property
     def bottleneck_stage(self) -> Optional[int]:
@@ -135,11 +150,13 @@ def _short(peer_id: str) -> str:
 
 def summarize(run_id: str, workers_by_stage: Mapping[int, Iterable[WorkerRecord]],
               trainers: Iterable[TrainerRecord], *, n_stages: int, now: float,
-              static_targets: tuple[StaticTarget, ...] = (), history: tuple[HistoryPoint, ...] = ()) -> SwarmView:
+              static_targets: tuple[StaticTarget, ...] = (), history: tuple[HistoryPoint, ...] = (),
+              trainer_hosts: tuple[str, ...] = ()) -> SwarmView:
     """One poll's records as a view. `n_stages`: the stages to show even when empty; more are
-    shown when workers announce a larger count."""
+    shown when workers announce a larger count. `trainer_hosts`: hosts besides the static targets'
+    whose trainers' metrics endpoints `/sd` lists (monitor/scrape_policy.py)."""
     announced = max([n_stages] + [r.n_stages for records in workers_by_stage.values() for r in records])
-    stages, targets = [], []
+    stages = []
     for stage in range(announced):
         records = sorted(workers_by_stage.get(stage, ()), key=lambda r: r.peer_id)
         workers = tuple(WorkerStatus(_short(r.peer_id), r.endpoint, r.phase, r.step, r.throughput, r.queue_depth,
@@ -148,18 +165,51 @@ def summarize(run_id: str, workers_by_stage: Mapping[int, Iterable[WorkerRecord]
         stages.append(StageView(stage, workers, sum(r.throughput for r in records),
                                 max((r.step for r in records), default=0), phases,
                                 sum(r.averaging_rounds for r in records), sum(r.averaging_committed for r in records)))
-        targets += [(r.metrics_endpoint, stage, r.peer_id) for r in records if r.metrics_endpoint]
+    trainers = sorted(trainers, key=lambda t: (t.trainer_index, t.peer_id))
     trainer_views = tuple(TrainerStatus(t.trainer_index, t.batches, t.step, t.loss, t.tokens_per_s, t.metrics_endpoint)
-                          for t in sorted(trainers, key=lambda t: (t.trainer_index, t.peer_id)))
-    return SwarmView(run_id, now, tuple(stages), trainer_views, static_targets, history, tuple(targets))
+                          for t in trainers)
+    worker_targets, workers_left_out = _worker_targets(workers_by_stage, announced)
+    known_hosts = {host_key(parse_endpoint(t.endpoint)[0]) for t in static_targets} | set(map(host_key, trainer_hosts))
+    trainer_targets, trainers_left_out = _trainer_targets(trainers, known_hosts)
+    return SwarmView(run_id, now, tuple(stages), trainer_views, static_targets, history, worker_targets,
+                     trainer_targets, workers_left_out + trainers_left_out)
+
+
+def _worker_targets(workers_by_stage: Mapping[int, Iterable[WorkerRecord]], n_stages: int):
+    """(endpoint, stage, peer) of each metrics endpoint the scrape policy lists, and those it leaves out."""
+    listed, left_out = [], []
+    for stage in range(n_stages):
+        for r in sorted(workers_by_stage.get(stage, ()), key=lambda r: r.peer_id):
+            if not r.metrics_endpoint:
+                continue
+            refusal = worker_target_refusal(r.endpoint, r.metrics_endpoint)
+            if refusal is None:
+                listed.append((r.metrics_endpoint, stage, r.peer_id))
+            else:
+                left_out.append(LeftOutTarget("worker", r.peer_id, r.metrics_endpoint, refusal))
+    return tuple(listed), tuple(left_out)
+
+
+def _trainer_targets(trainers: Iterable[TrainerRecord], known_hosts: set[str]):
+    """The trainers' metrics endpoints the scrape policy lists, and those it leaves out."""
+    listed, left_out = [], []
+    for t in trainers:
+        if not t.metrics_endpoint:
+            continue
+        refusal = trainer_target_refusal(t.metrics_endpoint, known_hosts)
+        if refusal is None:
+            listed.append(t.metrics_endpoint)
+        else:
+            left_out.append(LeftOutTarget("trainer", t.peer_id, t.metrics_endpoint, refusal))
+    return tuple(listed), tuple(left_out)
 
 
 def scrape_targets(view: SwarmView) -> list[dict]:
     """Prometheus HTTP service discovery: every node's metrics endpoint with its role and stage."""
     groups = [{"targets": [endpoint], "labels": {"role": "worker", "stage": str(stage), "run": view.run_id}}
               for endpoint, stage, _ in view.worker_targets]
-    groups += [{"targets": [t.metrics_endpoint], "labels": {"role": "trainer", "run": view.run_id}}
-               for t in view.trainers if t.metrics_endpoint]
+    groups += [{"targets": [endpoint], "labels": {"role": "trainer", "run": view.run_id}}
+               for endpoint in view.trainer_targets]
     groups += [{"targets": [t.endpoint], "labels": {"role": t.role, "run": view.run_id}} for t in view.static_targets]
     return groups
 

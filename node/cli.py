@@ -209,12 +209,13 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
     from agora.dht.security import DHTSecurity
     from agora.dht.swarm import DHTRequestError, SwarmDHT
     from agora.monitor.metrics import CredentialMetrics
-    from agora.monitor.service import MonitorOptions, parse_target, run_monitor
+    from agora.monitor.service import MonitorOptions, parse_target, parse_trainer_host, run_monitor
     from agora.node.admission import AdmissionOptions, admit_node, config_chooser
     from agora.node.observability import NodeMetrics, package_version
 
     try:
         targets = tuple(parse_target(text) for text in args.target)
+        trainer_hosts = tuple(parse_trainer_host(text) for text in args.trainer_host)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if not args.poll > 0:
@@ -226,7 +227,8 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
         print("agora-node monitor: WARNING: no --initial-peers (and none from an authorizer): this starts a new, "
               "empty swarm to watch", file=sys.stderr)
     options = MonitorOptions(run_id=admission.run_id, n_stages=len(admission.config.layer_split), host=args.host,
-                             port=args.port, poll_s=args.poll, static_targets=targets, ready_file=args.ready_file)
+                             port=args.port, poll_s=args.poll, static_targets=targets, ready_file=args.ready_file,
+                             trainer_hosts=trainer_hosts)
     security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
     try:  # read-only: a client peer (a monitor credential's stores are refused anyway)
         swarm = SwarmDHT.start(initial_peers=admission.initial_peers, client_mode=True, security=security)
@@ -384,7 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
     monitor.add_argument("--poll", type=float, default=2.0, metavar="S", help="seconds between reads of the DHT")
     monitor.add_argument("--target", action="append", default=[], metavar="ROLE=HOST:PORT",
                          help="a metrics endpoint the DHT does not announce (the authorizer's, the bootstrap's), "
-                              "listed in /sd with role=ROLE; repeatable")
+                              "listed in /sd with role=ROLE; repeatable. Trainers announcing a metrics endpoint on "
+                              "the host of a --target are listed too")
+    monitor.add_argument("--trainer-host", action="append", default=[], metavar="HOST",
+                         help="a host whose trainers' announced metrics endpoints /sd lists (a trainer has no "
+                              "gRPC endpoint to vouch for its host, so by default only those on a --target's host "
+                              "are); repeatable. Workers are listed on the host of their gRPC endpoint only")
     monitor.add_argument("--ready-file", default=None, help="write the status page's URL here once serving")
     add_admission_arguments(monitor)
     monitor.set_defaults(handler=_cmd_monitor)

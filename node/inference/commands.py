@@ -4,6 +4,10 @@
 (node/admission.py; or --insecure), a read-only DHT peer in client mode to find the serving
 replicas, and a `SwarmGenerator` over them. Their run config is the one the workers serve: name
 the same checkpoint (`--checkpoint C`, or `--config C`), or the same run flags.
+
+`serve`'s API keys and bounds on load are `ServeOptions` (node/inference/options.py); the key file
+is read before anything starts, so a bad one is a one-line error and exit 2. Its listening flags
+(--host, --port, --model-name) are plain argparse flags, as `generate`'s are.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import sys
 from typing import Awaitable, Callable, TypeVar
 
 from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
-from agora.node.run_flags import add_run_arguments, run_config
+from agora.node.inference.options import ServeOptions
+from agora.node.rpc.server import is_loopback_host
+from agora.node.run_flags import add_option_flags, add_run_arguments, options_from_args, run_config
 from agora.pipeline.config import ConfigError
 
 __all__ = ["add_serving_arguments", "add_client_commands", "run_client"]
@@ -82,12 +88,17 @@ def add_client_commands(commands) -> None:
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP API in front of the swarm",
                                 description="Serve /v1/completions, /v1/chat/completions (server-sent events "
-                                            "with stream=true) and /v1/models over the swarm's serving workers.")
+                                            "with stream=true) and /v1/models over the swarm's serving workers. "
+                                            "Without --api-key-file the API is open to anyone who reaches "
+                                            "--host:--port; with it, each request needs 'Authorization: Bearer "
+                                            "KEY' (OpenAI's clients: api_key=KEY).")
     _add_client_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port (0: pick a free one)")
     serve.add_argument("--model-name", default=None, help="the model id clients name (default: agora-<config name>)")
     serve.add_argument("--ready-file", default=None, help="write the API's base URL here once serving")
+    add_option_flags(serve.add_argument_group("access and load", "who may use the API, and how much at once"),
+                     ServeOptions)
     serve.set_defaults(handler=cmd_serve)
 
 
@@ -187,8 +198,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from agora.dht.bootstrap import write_ready_file
+    from agora.node.inference.api_keys import load_api_keys
     from agora.node.inference.openai_api import OpenAIServer
 
+    options = options_from_args(ServeOptions, args, "serve")
+    keys = load_api_keys(options.api_key_file) if options.api_key_file is not None else None
+    if keys is None and not is_loopback_host(args.host):
+        print(f"serve: WARNING: no --api-key-file: anyone who reaches {args.host}:{args.port} can use the API",
+              file=sys.stderr, flush=True)
     admission = _client_config(args)
     from agora.pipeline.tokenizer import load_tokenizer
 
@@ -200,12 +217,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
-        server = OpenAIServer(generator, tokenizer, model_name=model_name)
+        server = OpenAIServer(generator, tokenizer, model_name=model_name, keys=keys, options=options)
         url = await server.start(args.host, args.port)
         if args.ready_file:
             write_ready_file(args.ready_file, [url])
-        print(f"serve: OpenAI-compatible API at {url} (model {model_name!r}); Ctrl-C stops", file=sys.stderr,
-              flush=True)
+        access = f"{len(keys.names)} API keys" if keys is not None else "no API key needed"
+        print(f"serve: OpenAI-compatible API at {url} (model {model_name!r}, {access}, at most "
+              f"{options.max_concurrent_requests} completions at once); Ctrl-C stops", file=sys.stderr, flush=True)
         try:
             await stop.wait()
         finally:

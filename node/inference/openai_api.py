@@ -18,22 +18,38 @@ Design choices:
   (no replica of a stage, every attempt failed). A stream that fails after it started ends with
   one `data: {"error": ...}` event.
 - Token ids come from the run's tokenizer; the end-of-text id always stops a generation.
+- Keys (`keys`, node/inference/api_keys.py): with a key file, every request must carry one as
+  `Authorization: Bearer KEY` (what OpenAI's clients send), else 401 with OpenAI's body
+  (`invalid_request_error`, code `invalid_api_key`) and `WWW-Authenticate: Bearer`. Without one
+  the API is open, as vLLM's is without `--api-key`.
+- Load (`ServeOptions`): completions served at once, and by one key, are bounded; beyond, 429
+  with OpenAI's body (type `requests`, code `rate_limit_exceeded`) and `Retry-After: 1`, which
+  OpenAI's clients wait for before they retry. Each completion is a session on every stage, and
+  workers evict the least recently used session when they hold too many, so admitting more than
+  the swarm holds would make generations evict each other. A completion holds its place until its
+  answer or its stream ends; a refusal comes before the body is read. Refusals are counted by
+  reason (`/v1/agora/stats`) and logged (naming the key's line, never the key).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 from aiohttp import web
 
+from agora.node.inference.api_keys import ApiKeys
 from agora.node.inference.generator import Generation, GenerationFailed, SwarmGenerator
+from agora.node.inference.options import ServeOptions
 from agora.node.inference.text import CHAT_ROLES, ChatMessage, TextStream, chat_stop_strings, render_chat
+from agora.node.rpc.call_slots import CallPool
 from agora.pipeline.config import ConfigError
 from agora.pipeline.inference import Sampling
 from agora.pipeline.tokenizer import Tokenizer
@@ -44,15 +60,19 @@ logger = logging.getLogger("agora.node.inference")
 
 _MAX_STOP_STRINGS = 4
 _MAX_BODY_BYTES = 1 << 20
+_RETRY_AFTER_S = 1
+_OPEN = "anyone"  # who every completion counts for without keys
 
 
 class ApiError(Exception):
     """An error answered in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, *, param: Optional[str] = None,
-                 kind: str = "invalid_request_error", code: Optional[str] = None):
+                 kind: str = "invalid_request_error", code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -148,15 +168,22 @@ def parse_chat(body: Any) -> tuple[CompletionRequest, int]:
 
 
 class OpenAIServer:
+    """`keys`: the accepted API keys (None: open to anyone); `options`: the bounds on load."""
+
     def __init__(self, generator: SwarmGenerator, tokenizer: Tokenizer, *, model_name: str,
-                 clock=time.time):
+                 keys: Optional[ApiKeys] = None, options: ServeOptions = ServeOptions(), clock=time.time):
         self.generator = generator
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.keys = keys
         self._clock = clock
         self._created = int(clock())
         self.requests = 0
-        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[self._errors])
+        self.refused: Counter[str] = Counter()  # refused requests by reason (/v1/agora/stats)
+        capacity = options.max_concurrent_requests
+        self.in_flight = CallPool("completions", capacity, options.requests_per_key if keys else capacity,
+                                  "serve.max_concurrent_requests")
+        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[self._errors, self._authenticate])
         app.add_routes([web.get("/v1/models", self._models), web.post("/v1/completions", self._completions),
                         web.post("/v1/chat/completions", self._chat), web.get("/v1/agora/stats", self._stats)])
         self._runner = web.AppRunner(app, access_log=None)
@@ -182,10 +209,52 @@ class OpenAIServer:
         try:
             return await handler(request)
         except ApiError as error:
-            return web.json_response(error.body(), status=error.status)
+            return web.json_response(error.body(), status=error.status, headers=error.headers)
         except web.HTTPException as error:  # aiohttp's own: unknown route, wrong method, body too large
             body = ApiError(error.status, error.reason or "request refused", code=str(error.status)).body()
             return web.json_response(body, status=error.status)
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
+        if self.keys is None or self._key_of(request) is not None:
+            return await handler(request)
+        presented = request.headers.get("Authorization", "")
+        self._refuse(request, "invalid_api_key" if presented else "missing_api_key", None)
+        message = ("Incorrect API key provided." if presented else
+                   "No API key provided: send one as 'Authorization: Bearer KEY'.")
+        raise ApiError(401, message + " This server takes the keys of its --api-key-file.",
+                       code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="agora"'})
+
+    def _key_of(self, request: web.Request) -> Optional[str]:
+        """The name of the key the request carries (`Authorization: Bearer KEY`), None for none or a wrong one."""
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        return self.keys.match(presented.strip()) if scheme.lower() == "bearer" else None
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, request: web.Request) -> AsyncIterator[None]:
+        """A place among the completions in flight for the request's key, for as long as it runs."""
+        owner = _OPEN if self.keys is None else self._key_of(request)
+        refusal = self.in_flight.refusal(owner)
+        if refusal is not None:
+            self._refuse(request, "rate_limit_exceeded", owner)
+            held, limit = (self.in_flight.capacity, "serve.max_concurrent_requests") if refusal[0] == "full" else \
+                (self.in_flight.per_caller, "serve.max_requests_per_key")
+            whose = "this server" if refusal[0] == "full" else "this API key"
+            raise ApiError(429, f"Rate limit reached: {whose} already has {held} completions in flight, the most "
+                                f"it may ({limit}); retry when one ends", kind="requests",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(_RETRY_AFTER_S)})
+        self.in_flight.take(owner)
+        try:
+            yield
+        finally:
+            self.in_flight.give_back(owner)
+
+    def _refuse(self, request: web.Request, reason: str, key: Optional[str]) -> None:
+        self.refused[reason] += 1
+        level = logging.INFO if reason == "rate_limit_exceeded" else logging.WARNING
+        logger.log(level, "serve: %s %s from %s refused: %s%s", request.method, request.path, request.remote, reason,
+                   f" ({key})" if key else "", extra={"milestone": "api_request_refused", "fields": {
+                       "reason": reason, "path": request.path, "remote": request.remote, "key": key}})
 
     async def _body(self, request: web.Request) -> Any:
         try:
@@ -212,21 +281,24 @@ class OpenAIServer:
             {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "agora"}]})
 
     async def _stats(self, request: web.Request) -> web.Response:
-        return web.json_response({"requests": self.requests, **vars(self.generator.stats)})
+        return web.json_response({"requests": self.requests, "in_flight": self.in_flight.in_use,
+                                  "refused": dict(self.refused), **vars(self.generator.stats)})
 
     # ------------------------------------------------------------------ completions
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        self._check_model(body)
-        completion = parse_completion(body)
-        return await self._respond(request, completion, chat=False)
+        async with self._admitted(request):
+            body = await self._body(request)
+            self._check_model(body)
+            completion = parse_completion(body)
+            return await self._respond(request, completion, chat=False)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        self._check_model(body)
-        completion, _ = parse_chat(body)
-        return await self._respond(request, completion, chat=True)
+        async with self._admitted(request):
+            body = await self._body(request)
+            self._check_model(body)
+            completion, _ = parse_chat(body)
+            return await self._respond(request, completion, chat=True)
 
     async def _respond(self, request: web.Request, completion: CompletionRequest, chat: bool) -> web.StreamResponse:
         self.requests += 1

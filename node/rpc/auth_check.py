@@ -46,11 +46,11 @@ import grpc
 from agora.auth.credentials import CredentialError, Identity
 from agora.auth.grpc_policy import FINGERPRINT_METADATA, NODE_POLICY, MethodRule, rule_for
 from agora.auth.node_state import NodeCredentials
-from agora.node.rpc.interceptors import CallHook, CallInfo, Clock
+from agora.node.rpc.interceptors import CallHook, CallInfo, Clock, peer_host
 from agora.pipeline.fingerprint import FingerprintMismatch, RunFingerprint
 from agora.protos.serving import drain
 
-__all__ = ["Caller", "CallerCheck", "RefusalCounts", "current_caller", "ANONYMOUS_ROLE"]
+__all__ = ["Caller", "CallerCheck", "RefusalCounts", "current_caller", "caller_owner", "ANONYMOUS_ROLE"]
 
 ANONYMOUS_ROLE = "anonymous"
 
@@ -77,15 +77,19 @@ class Caller:
     @classmethod
     def anonymous_from_peer(cls, peer: str) -> "Caller":
         """``ipv4:10.0.0.5:53122`` -> ``anonymous@10.0.0.5`` (the host, not the port: see above)."""
-        host = peer
-        if peer.startswith(("ipv4:", "ipv6:")):
-            host = peer.split(":", 1)[1].rsplit(":", 1)[0]
-        return cls(owner=f"anonymous@{host}", role=ANONYMOUS_ROLE)
+        return cls(owner=f"anonymous@{peer_host(peer)}", role=ANONYMOUS_ROLE)
 
 
 def current_caller() -> Optional[Caller]:
     """The caller of the gRPC call being handled (None outside a checked call)."""
     return _CALLER.get()
+
+
+def caller_owner(call: CallInfo) -> str:
+    """Who `call` counts for in a hook after `CallerCheck` (node/rpc/call_slots.py's pools): the
+    checked caller's owner, or the anonymous identity of its host where no check ran."""
+    caller = _CALLER.get()
+    return caller.owner if caller is not None else Caller.anonymous_from_peer(call.peer).owner
 
 
 class RefusalCounts:

@@ -15,6 +15,9 @@ node/rpc/auth_check.py; metrics, node/rpc/metrics_hook.py) live here, never in h
 - Streaming calls are wrapped like unary ones; the duration covers the whole stream.
 - A hook may also wrap the method's (de)serializers (`codecs`), which see every message's bytes:
   that is where wire bytes are counted, streams included.
+- A hook that holds something for the length of a call (a slot, node/rpc/call_slots.py) returns it
+  from `before` and gets it back in `release`, which runs once when a call `before` let through
+  ends, whatever its outcome: a call refused in `before` took nothing and gives nothing back.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 
-__all__ = ["CallInfo", "CallRecord", "CallHook", "LoggingInterceptor", "interceptor_chain"]
+__all__ = ["CallInfo", "CallRecord", "CallHook", "LoggingInterceptor", "interceptor_chain", "peer_host"]
 
 Clock = Callable[[], float]
 
@@ -40,6 +43,18 @@ class CallInfo:
     # what the client is still sending first: aborting mid-stream makes grpc.aio clients see
     # INTERNAL instead of the status (grpc/grpc#36066). None for unary requests.
     request_stream: Any = field(default=None, compare=False, repr=False)
+
+
+    @property
+    def host(self) -> str:
+        return peer_host(self.peer)
+
+
+def peer_host(peer: str) -> str:
+    """A grpc peer's address without the port: ``ipv4:10.0.0.5:53122`` -> ``10.0.0.5``."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.split(":", 1)[1].rsplit(":", 1)[0]
+    return peer
 
 
 @dataclass(frozen=True)
@@ -71,11 +86,15 @@ class CallHook(grpc.aio.ServerInterceptor):
     def __init__(self, *, clock: Clock = time.monotonic):
         self._clock = clock
 
-    async def before(self, call: CallInfo, context: Any) -> None:
-        """Runs ahead of the handler; abort the call here to refuse it."""
+    async def before(self, call: CallInfo, context: Any) -> Any:
+        """Runs ahead of the handler; abort the call here to refuse it. What it returns is handed
+        to `release` when the call ends."""
 
     def after(self, record: CallRecord) -> None:
         """Runs when the call ends, whatever its outcome. Must not raise."""
+
+    def release(self, call: CallInfo, held: Any) -> None:
+        """Runs when a call that `before` let through ends, with what `before` returned. Must not raise."""
 
     def codecs(self, method: str, deserialize: Any, serialize: Any) -> tuple[Any, Any]:
         """The request deserializer and reply serializer to use for `method` (default: unchanged)."""
@@ -96,9 +115,9 @@ class CallHook(grpc.aio.ServerInterceptor):
             behaviour = handler.stream_stream if handler.request_streaming else handler.unary_stream
 
             async def streaming(request: Any, context: Any):
-                call, start, error = call_info(request, context), self._clock(), None
+                call, start, error, admitted = call_info(request, context), self._clock(), None, None
                 try:
-                    await self.before(call, context)
+                    admitted = (await self.before(call, context),)
                     result = behaviour(request, context)
                     if hasattr(result, "__aiter__"):
                         async for reply in result:
@@ -109,22 +128,22 @@ class CallHook(grpc.aio.ServerInterceptor):
                     error = caught
                     raise
                 finally:
-                    self._finish(call, context, start, error)
+                    self._finish(call, context, start, error, admitted)
 
             wrapped = streaming
         else:
             behaviour = handler.stream_unary if handler.request_streaming else handler.unary_unary
 
             async def unary(request: Any, context: Any):
-                call, start, error = call_info(request, context), self._clock(), None
+                call, start, error, admitted = call_info(request, context), self._clock(), None, None
                 try:
-                    await self.before(call, context)
+                    admitted = (await self.before(call, context),)
                     return await behaviour(request, context)
                 except BaseException as caught:
                     error = caught
                     raise
                 finally:
-                    self._finish(call, context, start, error)
+                    self._finish(call, context, start, error, admitted)
 
             wrapped = unary
         factory = {
@@ -136,12 +155,20 @@ class CallHook(grpc.aio.ServerInterceptor):
         deserialize, serialize = self.codecs(method, handler.request_deserializer, handler.response_serializer)
         return factory(wrapped, request_deserializer=deserialize, response_serializer=serialize)
 
-    def _finish(self, call: CallInfo, context: Any, start: float, error: BaseException | None) -> None:
+    def _finish(self, call: CallInfo, context: Any, start: float, error: BaseException | None,
+                admitted: tuple[Any] | None) -> None:
+        """`admitted`: a 1-tuple of what `before` returned, None when `before` refused the call."""
         code, details = _outcome(context, error)
+        if admitted is not None:
+            self._guarded(self.release, call, admitted[0])
+        self._guarded(self.after, CallRecord(call.method, call.peer, code, details, self._clock() - start))
+
+    def _guarded(self, hook: Callable[..., None], *args: Any) -> None:
         try:
-            self.after(CallRecord(call.method, call.peer, code, details, self._clock() - start))
-        except Exception:  # an observer's bug must not turn a served call into a failed one
-            logging.getLogger(__name__).exception("interceptor %s failed in after()", type(self).__name__)
+            hook(*args)
+        except Exception:  # a hook's bug must not turn a served call into a failed one
+            logging.getLogger(__name__).exception("interceptor %s failed in %s()", type(self).__name__,
+                                                  hook.__name__)
 
 
 class LoggingInterceptor(CallHook):

@@ -6,7 +6,9 @@ Design choices:
 - `create_server` is the only place a `grpc.aio.Server` is built, so every service gets the
   same message-size limits and sits behind the same interceptor chain (node/rpc/interceptors.py).
 - Every server also runs the standard health-checking service and server reflection, so
-  grpc_health_probe and grpcurl work against any node without our .proto files.
+  grpc_health_probe and grpcurl work against any node without our .proto files. They are served
+  from a small pool of calls of their own (node/rpc/call_slots.py): a peer holding health Watch
+  streams open never takes the calls training and inference need.
 - Connections are long-lived and cross long round trips and NATs (`channel_options`,
   `server_options`): HTTP/2 keepalive pings every 20 s, also on an idle channel, because a NAT or a
   stateful firewall forgets an idle TCP flow after as little as 30 s and a trainer may not call a
@@ -43,6 +45,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from agora.node.rpc.call_slots import CallSlots
+
 __all__ = [
     "new_event_loop",
     "run",
@@ -57,6 +61,7 @@ __all__ = [
     "announced_host",
     "outbound_address",
     "is_wildcard_host",
+    "is_loopback_host",
     "host_port",
     "add_health_and_reflection",
     "set_serving",
@@ -140,21 +145,22 @@ def message_options(max_message_bytes: int) -> list[tuple[str, Any]]:
 
 def create_server(*, interceptors: Sequence[grpc.aio.ServerInterceptor], max_message_bytes: int,
                   options: Sequence[tuple[str, Any]] = (), max_receive_bytes: Optional[int] = None,
-                  maximum_concurrent_rpcs: Optional[int] = None) -> grpc.aio.Server:
+                  slots: Optional[CallSlots] = None) -> grpc.aio.Server:
     """`max_receive_bytes`: a tighter bound on one received message than `max_message_bytes` (a
     worker derives it from the run's geometry, node/replica/bounds.py); grpc refuses a message over
-    it with RESOURCE_EXHAUSTED before any handler runs. `maximum_concurrent_rpcs`: calls served at
-    once; grpc answers RESOURCE_EXHAUSTED beyond it, so what every call may hold is bounded in sum."""
+    it with RESOURCE_EXHAUSTED before any handler runs. `slots`: calls served at once, health checks
+    and reflection in a pool of their own (node/rpc/call_slots.py; by default only that pool is
+    bounded); it goes last in the chain, and grpc's own limit is set to their sum, so what every call
+    may hold is bounded in sum."""
     limits = message_options(max_message_bytes)
     if max_receive_bytes is not None:
         if max_receive_bytes <= 0:
             raise ValueError(f"max_receive_bytes must be positive, got {max_receive_bytes}")
         limits = [("grpc.max_receive_message_length", min(max_receive_bytes, max_message_bytes)),
                   ("grpc.max_send_message_length", max_message_bytes)]
-    if maximum_concurrent_rpcs is not None and maximum_concurrent_rpcs <= 0:
-        raise ValueError(f"maximum_concurrent_rpcs must be positive, got {maximum_concurrent_rpcs}")
-    return grpc.aio.server(interceptors=list(interceptors), options=[*limits, *server_options(), *options],
-                           maximum_concurrent_rpcs=maximum_concurrent_rpcs, compression=grpc.Compression.NoCompression)
+    slots = slots if slots is not None else CallSlots()
+    return grpc.aio.server(interceptors=[*interceptors, slots], options=[*limits, *server_options(), *options],
+                           maximum_concurrent_rpcs=slots.grpc_limit, compression=grpc.Compression.NoCompression)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: Optional[grpc.ServerCredentials] = None) -> int:
@@ -183,6 +189,17 @@ def is_wildcard_host(host: str) -> bool:
         return True
     try:
         return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: reachable from this machine only."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 

@@ -17,6 +17,7 @@ from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, model_valida
 from pydantic.dataclasses import dataclass
 
 from agora.node.inference.options import InferenceOptions
+from agora.node.rpc.call_slots import DEFAULT_PROBE_CALLS
 from agora.node.rpc.server import is_wildcard_host
 from agora.pipeline.schema import SECTION, NoneOr, setting
 
@@ -61,8 +62,13 @@ class WorkerOptions:
         None, "rows a request may carry (default: the run's train.microbatch_size; only raises it)",
         flag="--max-rows", gt=0)
     max_concurrent_rpcs: StrictInt | None = setting(
-        None, "calls served at once, grpc answering RESOURCE_EXHAUSTED beyond (default: twice the queues plus 32, "
-        "room for Info, health checks and refused calls being drained)", gt=0)
+        None, "calls served at once, RESOURCE_EXHAUSTED beyond; health checks and reflection are not counted here "
+        "(max_probe_calls) (default: twice the queues plus 32, room for Info, state downloads and calls refused "
+        "at admission)", gt=0)
+    max_probe_calls: StrictInt = setting(
+        DEFAULT_PROBE_CALLS, "health checks and reflection calls (health Watch streams included) served at once, "
+        "in a pool of their own that never takes a training or inference call's place; RESOURCE_EXHAUSTED "
+        "beyond, and one caller holds at most half", flag="--max-probe-calls", gt=0)
     stash_capacity: StrictInt = setting(64, "forward inputs kept for Backward", gt=0)
     stash_ttl_s: StrictFloat = setting(600.0, "a stashed input unclaimed this long is dropped", gt=0)
     max_message_bytes: StrictInt = setting(16 * 2**20, "one gRPC message, each way", gt=0)
@@ -118,7 +124,7 @@ class WorkerOptions:
         if self.concurrent_rpcs <= self.queue_capacity + self.control_queue:
             raise ValueError(f"max_concurrent_rpcs: {self.concurrent_rpcs} leaves no room beside "
                              f"max_queue={self.queue_capacity} and max_control_queue={self.control_queue} "
-                             "(Info, health checks and refusals need calls too)")
+                             "(Info and refusals need calls too)")
         if self.stream_chunk_bytes >= self.max_message_bytes:
             raise ValueError(f"stream_chunk_bytes: {self.stream_chunk_bytes} must be below "
                              f"max_message_bytes={self.max_message_bytes}")

@@ -21,7 +21,9 @@ Design choices:
   cancelled before it starts), not when its caller gives up: a job already on the thread still
   occupies it. A stream is admitted on its first part and read under the byte budget of the
   geometry, within `stream_timeout_s`; one gRPC message is capped by the same budget, and `max_concurrent_rpcs` caps the
-  calls served at once, so what a worker holds for its callers is bounded in sum. Step and Abort
+  calls served at once, so what a worker holds for its callers is bounded in sum; health checks and
+  reflection are served from a pool of their own (`max_probe_calls`, node/rpc/call_slots.py), so Watch
+  streams held open never take a trainer's call. Step and Abort
   are admitted the same way into a pool of their own (`max_control_queue`): a barrier or the
   Abort of a failed route must get through a worker full of that same trainer's work. Info never
   reaches the compute thread.
@@ -77,7 +79,8 @@ import grpc
 from agora.auth.node_state import NodeCredentials
 from agora.dht.records import PHASE_TRANSITIONS, PHASES, START_PHASES, Phase
 from agora.node.inference.service import InferenceService
-from agora.node.rpc.auth_check import Caller, CallerCheck, RefusalCounts, current_caller
+from agora.node.rpc.auth_check import Caller, CallerCheck, RefusalCounts, caller_owner, current_caller
+from agora.node.rpc.call_slots import CallSlots
 from agora.node.rpc.interceptors import interceptor_chain
 from agora.node.rpc.server import (
     add_health_and_reflection,
@@ -282,9 +285,11 @@ class StageWorker:
             codec=self._compute.codec, submit=self.submit_compute, refusals=self.refusals, clock=self._clock)
         if self._metrics is not None:
             self._watch(self._metrics, self._compute)
+        slots = CallSlots(calls=self.options.concurrent_rpcs, probe_calls=self.options.max_probe_calls,
+                          calls_setting="worker.max_concurrent_rpcs", probe_setting="worker.max_probe_calls",
+                          owner=caller_owner, refused=self.refusals.add, logger=self._logger)
         server = create_server(interceptors=self._interceptors, max_message_bytes=self.options.max_message_bytes,
-                               max_receive_bytes=self.geometry.message_budget(),
-                               maximum_concurrent_rpcs=self.options.concurrent_rpcs)
+                               max_receive_bytes=self.geometry.message_budget(), slots=slots)
         # The registration-wide bound only limits how much of a refused stream is read (and dropped)
         # so that its client sees the status (grpc/grpc#36066); an admitted stream is read under its
         # own method's budget from the geometry (`_admit`).

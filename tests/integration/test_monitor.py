@@ -40,8 +40,8 @@ RUN = "mon"
 
 
 def worker(peer: str, stage: int, *, step: int = 10, throughput: float = 100.0, phase: str = "member",
-           rounds: int = 0, committed: int = 0, metrics: str = "") -> WorkerRecord:
-    return WorkerRecord(peer_id=peer, run_id=RUN, endpoint=f"127.0.0.1:{5000 + stage}", stage=stage, n_stages=3,
+           rounds: int = 0, committed: int = 0, metrics: str = "", host: str = "127.0.0.1") -> WorkerRecord:
+    return WorkerRecord(peer_id=peer, run_id=RUN, endpoint=f"{host}:{5000 + stage}", stage=stage, n_stages=3,
                         throughput=throughput, queue_depth=1, step=step, phase=phase, version="1", updated_at=1.0,
                         fingerprint="f", metrics_endpoint=metrics, averaging_rounds=rounds,
                         averaging_committed=committed)
@@ -159,9 +159,11 @@ def test_the_dashboard_queries_only_metrics_that_exist():
     assert asked and asked <= known, asked - known
 
 
-def test_the_monitor_reads_announced_workers_and_trainers_from_a_real_dht():
+def test_the_monitor_reads_announced_workers_and_trainers_from_a_real_dht(caplog):
     """Two hivemind peers: a worker's and a trainer's heartbeats on one, the monitor's poll on the
-    other (client mode); a withdrawn trainer leaves the view and `/sd` on the next poll."""
+    other (client mode); a withdrawn trainer leaves the view and `/sd` on the next poll. A worker
+    whose metrics endpoint names a private address beside its public gRPC endpoint is left out of
+    `/sd`, logged naming its peer and counted, once however many polls read it."""
     node = SwarmDHT.start()
     try:
         reader = SwarmDHT.start(initial_peers=node.visible_maddrs(), client_mode=True)
@@ -171,20 +173,32 @@ def test_the_monitor_reads_announced_workers_and_trainers_from_a_real_dht():
                                       tokens_per_s=250.0)]
                 beat = Heartbeat(node, lambda: worker(node.peer_id, 1, metrics="127.0.0.1:9001", rounds=2,
                                                       committed=1), interval=5)
+                pointer = Heartbeat(node, lambda: worker(node.peer_id, 2, metrics="10.0.0.5:9100",
+                                                         host="203.0.113.5"), interval=5)
                 trainer_beat = trainer_heartbeat(node, run_id=RUN, trainer_index=0, records=lambda: records,
                                                  metrics_endpoint="127.0.0.1:9100", version="1", interval_s=5)
-                monitor = SwarmMonitor(reader, MonitorOptions(run_id=RUN, n_stages=3), new_registry())
-                async with beat, trainer_beat:
+                registry = new_registry()
+                monitor = SwarmMonitor(reader, MonitorOptions(run_id=RUN, n_stages=3, trainer_hosts=("127.0.0.1",)),
+                                       registry)
+                async with beat, pointer, trainer_beat:
                     deadline = asyncio.get_running_loop().time() + 20
-                    while True:  # readiness: the monitor's own reads see both records
+                    while True:  # readiness: the monitor's own reads see every record
                         view = await monitor.poll()
-                        if view.trainers and view.stages[1].workers:
+                        if view.trainers and view.stages[1].workers and view.stages[2].workers:
                             break
                         assert asyncio.get_running_loop().time() < deadline, view
                         await asyncio.sleep(0.2)
                     assert (view.trainers[0].step, view.trainers[0].loss, view.tokens_per_s) == (4, 3.5, 250.0)
                     assert view.stages[1].averaging_success == 0.5 and view.bottleneck_stage == 1
-                    assert {g["labels"]["role"] for g in scrape_targets(view)} == {"worker", "trainer"}
+                    assert [(g["labels"]["role"], g["targets"]) for g in scrape_targets(view)] == [
+                        ("worker", ["127.0.0.1:9001"]), ("trainer", ["127.0.0.1:9100"])]
+                    await monitor.poll()  # read again: reported once
+                    left_out = registry.get_sample_value("agora_monitor_scrape_targets_left_out_total",
+                                                         {"role": "worker", "reason": "other_host"})
+                    assert left_out == 1
+                    lines = [r for r in caplog.records if getattr(r, "milestone", None) == "scrape_target_left_out"]
+                    assert len(lines) == 1 and node.peer_id in lines[0].getMessage()
+                    assert "10.0.0.5:9100" in lines[0].getMessage()
                 # Both withdrawn (tombstones) on leaving: the next poll has no target left.
                 view = await monitor.poll()
                 assert scrape_targets(view) == [] and view.history[-1].step == 4

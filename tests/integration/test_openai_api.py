@@ -4,18 +4,24 @@ in front of real stage workers over loopback gRPC (one event loop, no DHT); and 
 Greedy completions equal the same model generating in one process (bytes decoded as text);
 streamed deltas add up to the same text; chat renders the plain template and stops at the next
 turn; concurrent requests each get their own answer; errors come in OpenAI's shape, naming the field.
+With an API key file, a wrong or missing key is the client's AuthenticationError and the right one
+is served; completions over the per-key or the server's limit are its RateLimitError, with Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
+import aiohttp
 import openai
 import pytest
 
 from agora.node.inference.discovery import StaticReplicas
+from agora.node.inference.api_keys import load_api_keys
 from agora.node.inference.generator import GeneratorOptions, SwarmGenerator
 from agora.node.inference.openai_api import OpenAIServer
+from agora.node.inference.options import ServeOptions
 from agora.node.inference.routing import ReplicaView
 from agora.node.inference.text import TextStream, render_chat, ChatMessage
 from agora.node.rpc.server import run
@@ -38,8 +44,12 @@ def local_text(prompt: str, max_new: int) -> str:
     return BYTES.decode(local.generate(list(prompt.encode()), max_new, stop_ids=(BYTES.eos_id,)))
 
 
-def with_api(body):
-    """Two workers, a generator and the HTTP API on 127.0.0.1:0; `body(client, server)` on the loop."""
+KEYS = ["alice-3f9c0a7e5b1d4c2a", "bob-8e6f0b9d7c5a3e1f", "carol-0d5c2b9a8f7e6d1c"]
+
+
+def with_api(body, *, keys=None, options=ServeOptions(), api_key="unused"):
+    """Two workers, a generator and the HTTP API on 127.0.0.1:0; `body(client, server, workers)` on
+    the loop (`client` sends `api_key`)."""
     async def main():
         workers = [StageWorker(CONFIG, i, run_id=RUN) for i in range(2)]
         for worker in workers:
@@ -47,11 +57,11 @@ def with_api(body):
         views = [ReplicaView(f"p{i}", w.address, i, w.phase) for i, w in enumerate(workers)]
         try:
             async with SwarmGenerator(CONFIG, StaticReplicas(views), GeneratorOptions(run_id=RUN)) as generator:
-                server = OpenAIServer(generator, BYTES, model_name=MODEL)
+                server = OpenAIServer(generator, BYTES, model_name=MODEL, keys=keys, options=options)
                 url = await server.start("127.0.0.1", 0)
-                client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
+                client = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0)
                 try:
-                    return await body(client, server)
+                    return await body(client, server, workers)
                 finally:
                     await client.close()
                     await server.stop()
@@ -62,7 +72,7 @@ def with_api(body):
 
 
 def test_completions_streamed_or_not_equal_one_process_and_models_lists_the_model():
-    async def body(client, server):
+    async def body(client, server, workers):
         models = await client.models.list()
         whole = await client.completions.create(model=MODEL, prompt="import os\n", max_tokens=20, temperature=0)
         parts = []
@@ -83,7 +93,7 @@ def test_completions_streamed_or_not_equal_one_process_and_models_lists_the_mode
 def test_chat_concurrency_and_stop_strings():
     prompts = ["def f(x):\n", "class A:\n", "# comment\n", "for i in "]
 
-    async def body(client, server):
+    async def body(client, server, workers):
         answers = await asyncio.gather(*[client.completions.create(model=MODEL, prompt=p, max_tokens=12,
                                                                    temperature=0) for p in prompts])
         chat = await client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
@@ -110,7 +120,7 @@ def test_chat_concurrency_and_stop_strings():
 
 
 def test_errors_come_in_openais_shape_naming_the_field():
-    async def body(client, server):
+    async def body(client, server, workers):
         errors = {}
         for name, call in {
             "model": lambda: client.completions.create(model="gpt-4", prompt="a", max_tokens=1),
@@ -146,3 +156,84 @@ def test_text_stream_holds_back_cut_characters_and_stop_prefixes():
     assert stream.add(ord("z")) == "" and stream.finish() == ""
     free = TextStream(BYTES, stop=["END"])
     assert "".join(free.add(b) for b in b"xEN") == "x" and free.finish() == "EN"
+
+
+@pytest.fixture
+def key_file(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# the team's keys\n\n" + "\n".join(f"{key}   # {key.split('-')[0]}" for key in KEYS) + "\n")
+    path.chmod(0o600)
+    return load_api_keys(path)
+
+
+def test_a_wrong_or_missing_key_is_refused_and_a_listed_one_is_served(key_file):
+    async def body(client, server, workers):
+        with pytest.raises(openai.AuthenticationError) as wrong:
+            await client.completions.create(model=MODEL, prompt="import os\n", max_tokens=4, temperature=0)
+        async with aiohttp.ClientSession() as session:  # no Authorization header at all
+            async with session.get(str(client.base_url) + "models") as missing:
+                missing_reply = (missing.status, missing.headers.get("WWW-Authenticate"), await missing.json())
+        right = client.with_options(api_key=KEYS[1])
+        served = await right.completions.create(model=MODEL, prompt="import os\n", max_tokens=12, temperature=0)
+        models = await right.models.list()
+        return wrong.value, missing_reply, served, models, dict(server.refused)
+
+    wrong, (status, challenge, missing), served, models, refused = with_api(body, keys=key_file,
+                                                                           api_key="not-" + KEYS[0])
+    assert wrong.status_code == 401 and wrong.body["code"] == "invalid_api_key"
+    assert wrong.body["type"] == "invalid_request_error" and "Incorrect API key" in wrong.body["message"]
+    assert status == 401 and challenge.startswith("Bearer")
+    assert missing["error"]["code"] == "invalid_api_key" and "No API key" in missing["error"]["message"]
+    assert served.choices[0].text == local_text("import os\n", 12) and [m.id for m in models.data] == [MODEL]
+    assert refused == {"invalid_api_key": 1, "missing_api_key": 1}
+
+
+def test_completions_over_the_key_or_the_server_limit_are_rate_limited_with_retry_after(key_file):
+    """One completion per key, two at once in all: with the first stage's compute thread held,
+    alice's completion and bob's are in flight; alice's second is over her key's limit, carol's
+    first over the server's. Both are 429s the client raises as RateLimitError; once the two
+    finish, carol is served."""
+    release = threading.Event()
+
+    async def body(client, server, workers):
+        as_key = [client.with_options(api_key=key) for key in KEYS]
+        held = asyncio.ensure_future(workers[0].on_compute(lambda _: release.wait(30)))
+
+        def complete(who: int):
+            return asyncio.ensure_future(as_key[who].completions.create(model=MODEL, prompt="def f(x):\n",
+                                                                        max_tokens=8, temperature=0))
+
+        async def in_flight(count: int) -> None:  # readiness: the server admitted them
+            for _ in range(2000):
+                if server.in_flight.in_use == count:
+                    return
+                await asyncio.sleep(0.005)
+            raise AssertionError(f"{server.in_flight.in_use} completions in flight, expected {count}")
+
+        refusals = []
+        try:
+            alice = complete(0)
+            await in_flight(1)
+            for who in (0, 2):
+                if who == 2:
+                    bob = complete(1)
+                    await in_flight(2)
+                with pytest.raises(openai.RateLimitError) as limited:
+                    await complete(who)
+                refusals.append(limited.value)
+        finally:
+            release.set()
+            await held
+        answers = [(await alice).choices[0].text, (await bob).choices[0].text]
+        carol = (await complete(2)).choices[0].text
+        return refusals, answers, carol, dict(server.refused), server.in_flight.in_use
+
+    (own, full), answers, carol, refused, left = with_api(
+        body, keys=key_file, options=ServeOptions(max_concurrent_requests=2, max_requests_per_key=1))
+    for error in (own, full):
+        assert error.status_code == 429 and error.response.headers["Retry-After"] == "1"
+        assert error.body["code"] == "rate_limit_exceeded" and error.body["type"] == "requests"
+    assert "this API key" in own.body["message"] and "serve.max_requests_per_key" in own.body["message"]
+    assert "this server" in full.body["message"] and "serve.max_concurrent_requests" in full.body["message"]
+    assert answers == [local_text("def f(x):\n", 8)] * 2 and carol == answers[0]
+    assert refused == {"rate_limit_exceeded": 2} and left == 0

@@ -434,7 +434,7 @@ def test_a_trickling_stream_loses_its_slot_after_stream_timeout_s():
         started.stop()
 
 
-def test_calls_beyond_max_concurrent_rpcs_are_refused_by_grpc():
+def test_calls_beyond_max_concurrent_rpcs_are_refused():
     """max_concurrent_rpcs bounds what every call may hold in sum: with 3, a Forward waiting on the
     compute thread, a Step behind it and a stream still being written leave no room for a fourth."""
     options = WorkerOptions(max_queue=1, max_control_queue=1, max_concurrent_rpcs=3)
