@@ -1,5 +1,5 @@
 """The bounds on what a trainer's lease entry may state (dht/records.py, dht/store_checks.py,
-dht/leases.py): pure, no DHT. Over a real DHT: tests/integration/test_lease_bounds.py."""
+dht/leases.py): pure, no DHT. Over a real DHT: tests/integration/test_hostile_leases.py."""
 
 from __future__ import annotations
 
