@@ -39,6 +39,19 @@ Design choices:
 - Clocks: ``claimed_at`` and expiries are DHT time (hivemind's ``get_dht_time``, injected as the
   swarm's clock), so leases compare across peers as far as their clocks agree; the lease is
   seconds long, far beyond NTP's skew.
+- Every time a trainer states is bounded, because the earliest ``claimed_at`` wins: a claim dated
+  far back would win every contest, and one expiring far ahead would hold its unit for good. So
+  peers keep an entry only if its claims lie near its ``updated_at`` (claimed by then, expiring
+  within the longest lease ``MAX_LEASE_S`` after it, at most ``MAX_CLAIMS`` of them: records.py's
+  ``claim_problem``), and store it only if ``updated_at`` is now (dht/store_checks.py; a read
+  refuses one ahead of now). A bound on the lease alone (expiry minus claim) would not do: a
+  back-dated claim with a short lease still wins. A claim is also held by renewals for at most
+  ``MAX_CLAIM_AGE_S`` (an hour: 120 renewals of the default 30 s lease, far longer than a global
+  batch of the presets takes), so renewing forever is no hold forever: a trainer whose unit runs
+  longer makes its claim anew (``renew``), claimed now, and in a contest it then ranks as a new
+  claim. What the bounds leave: a trainer can still date a new claim up to ``MAX_CLAIM_AGE_S``
+  back and take a unit another holds, within its ``MAX_CLAIMS``; workers then take that unit's
+  work from it alone (node/worker/unit_holders.py), and its credential is not free.
 """
 
 import asyncio
@@ -50,10 +63,11 @@ from typing import Mapping, Optional
 
 from agora.auth.credentials import CredentialError, CredentialVerifier
 from agora.auth.node_state import CREDENTIAL_FILE
-from agora.dht.records import BLOCK_UNITS, UnitBlockRecord, units_key
+from agora.dht.records import BLOCK_UNITS, MAX_CLAIM_AGE_S, MAX_LEASE_S, UnitBlockRecord, units_key
 from agora.dht.swarm import SwarmDHT
 
-__all__ = ["COMMIT_TTL_S", "CLAIM_SETTLE_S", "UnitState", "resolve", "LeaseBoard", "UnitWriters"]
+__all__ = ["COMMIT_TTL_S", "CLAIM_SETTLE_S", "UnitState", "resolve", "read_block", "renewed_claim", "LeaseBoard",
+           "UnitWriters"]
 
 # The least a winning claimant waits before its confirming read (see "Claiming" above).
 CLAIM_SETTLE_S = 0.05
@@ -92,6 +106,24 @@ def resolve(unit: int, entries: Mapping[str, UnitBlockRecord], now: float) -> Un
     return UnitState(unit, peer, False, expires_at, expired_claims=expired)
 
 
+def renewed_claim(claimed_at: float, now: float, lease_s: float) -> tuple[float, float]:
+    """A claim renewed at ``now``: its expiry a lease on, unless that would hold it longer than
+    ``MAX_CLAIM_AGE_S`` (then it is made anew, claimed now; see the module docstring)."""
+    if now + lease_s - claimed_at > MAX_CLAIM_AGE_S:
+        return now, now + lease_s
+    return claimed_at, now + lease_s
+
+
+async def read_block(swarm: SwarmDHT, run_id: str, block: int,
+                     writers: Optional["UnitWriters"]) -> dict[str, UnitBlockRecord]:
+    """Every trainer's entry for `block` that counts (a trainer's chain, under ``writers``; all
+    under ``--insecure``): what ``resolve`` decides on, for trainers and workers alike."""
+    stored = await swarm.owned_entries_async(units_key(run_id, block), UnitBlockRecord)
+    return {peer: item.record for peer, item in stored.items()
+            if item.record.run_id == run_id and item.record.block == block
+            and (writers is None or writers.trusted(peer, item.record.credential))}
+
+
 class UnitWriters:
     """Whose block entries a reader trusts, and the chain this node puts in its own (module docstring)."""
 
@@ -117,8 +149,8 @@ class LeaseBoard:
     (commits and claims per block) and rewrites the one a change touches."""
 
     def __init__(self, swarm: SwarmDHT, *, run_id: str, lease_s: float, writers: Optional[UnitWriters] = None):
-        if not lease_s > 0:
-            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        if not 0 < lease_s <= MAX_LEASE_S:
+            raise ValueError(f"lease_s must be in (0, {MAX_LEASE_S:g}] (peers refuse longer leases), got {lease_s}")
         self._swarm = swarm
         self._writers = writers  # None: --insecure, every entry counts
         self.run_id = run_id
@@ -169,7 +201,7 @@ class LeaseBoard:
             block = self.block_of(unit)
             claims = self._claims.get(block, {})
             if unit in claims:
-                claims[unit] = (claims[unit][0], now + self.lease_s)
+                claims[unit] = renewed_claim(claims[unit][0], now, self.lease_s)
                 touched.add(block)
         for block in touched:
             await self._store(block)
@@ -190,11 +222,7 @@ class LeaseBoard:
             await self._store(block)
 
     async def _entries(self, block: int) -> dict[str, UnitBlockRecord]:
-        stored = await self._swarm.owned_entries_async(units_key(self.run_id, block), UnitBlockRecord)
-        writers = self._writers
-        return {peer: item.record for peer, item in stored.items()
-                if item.record.run_id == self.run_id and item.record.block == block
-                and (writers is None or writers.trusted(peer, item.record.credential))}
+        return await read_block(self._swarm, self.run_id, block, self._writers)
 
     async def _load_own(self, block: int) -> None:
         """Take back this trainer's earlier commits in `block` (a restart with the same identity)."""

@@ -65,12 +65,12 @@ from typing import Annotated, Any, ClassVar, Iterator, Literal, Mapping, Optiona
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-__all__ = ["BLOCK_UNITS", "CLOCK_SKEW_S", "COVERING_PHASES", "KEY_FAMILIES", "MAX_STAGES", "MAX_UNIT_BLOCKS",
-           "OWNER_MARKER", "PHASES", "PHASE_TRANSITIONS", "START_PHASES", "SERVING_PHASES", "Phase", "SCHEMA_VERSION",
-           "TRAINING_PHASES", "KeyFamily", "MoveRecord", "Record", "RecordError",
-           "RoundRecord", "TrainerRecord", "UnitBlockRecord", "WorkerRecord", "check_run_id", "move_key",
-           "owned_subkey", "parse_endpoint", "rounds_key", "split_subkey", "trainer_key", "typed_keys",
-           "units_key", "worker_key"]
+__all__ = ["BLOCK_UNITS", "CLOCK_SKEW_S", "COVERING_PHASES", "KEY_FAMILIES", "MAX_CLAIM_AGE_S", "MAX_CLAIMS",
+           "MAX_LEASE_S", "MAX_STAGES", "MAX_UNIT_BLOCKS", "OWNER_MARKER", "PHASES", "PHASE_TRANSITIONS",
+           "START_PHASES", "SERVING_PHASES", "Phase", "SCHEMA_VERSION", "TRAINING_PHASES", "KeyFamily",
+           "MoveRecord", "Record", "RecordError", "RoundRecord", "TrainerRecord", "UnitBlockRecord", "WorkerRecord",
+           "check_run_id", "claim_problem", "move_key", "owned_subkey", "parse_endpoint", "rounds_key",
+           "split_subkey", "trainer_key", "typed_keys", "units_key", "worker_key"]
 
 SCHEMA_VERSION = 2
 HOUR_S, DAY_S = 3600.0, 24 * 3600.0
@@ -131,6 +131,13 @@ MAX_PACKED = 4096  # bytes of a packed field (a bitmap, fixed-size entries, a cr
 BLOCK_UNITS = 256
 # Blocks the record validator knows (dht/security.py): 2**20 units, six times the Agora run's.
 MAX_UNIT_BLOCKS = 4096
+# Lease bounds every peer holds a trainer's claims to (UnitBlockRecord; dht/leases.py says why):
+# the longest lease a trainer may take (its `--lease`, 30 s by default, is bounded by it), how long
+# one claim may be held by renewals before it must be made anew, and how many claims one trainer's
+# entry may hold in a block (a trainer runs a few global batches at once and claims no more than this).
+MAX_LEASE_S = 600.0
+MAX_CLAIM_AGE_S = 3600.0
+MAX_CLAIMS = 64
 _CLAIM = struct.Struct("<Hdd")  # unit offset in the block, claimed_at, expires_at
 _BITMAP_BYTES = BLOCK_UNITS // 8
 
@@ -303,6 +310,11 @@ class Record(BaseModel):
         except ValidationError as error:
             raise _one_line(self.KIND, error) from None
 
+    def untimely(self, now: float, *, storing: bool) -> Optional[str]:
+        """Why this record may not be held (or, with ``storing``, stored) at ``now``, or None. Only
+        records whose times other peers act on say anything here (``UnitBlockRecord``)."""
+        return None
+
     def replace(self: R, **changes: Any) -> R:
         """A copy with ``changes``, validated like any new record (``model_copy`` would not check)."""
         return type(self)(**{**self.model_dump(), **changes})
@@ -447,8 +459,35 @@ class RoundRecord(Record):
     closed: bool = False
 
 
+def claim_problem(claimed_at: float, expires_at: float, updated_at: float) -> Optional[str]:
+    """Why a claim (claimed at, expires at) may not stand in an entry written at ``updated_at``, or None.
+
+    Relations between the entry's own times, so they hold whenever the entry is read: a claim
+    expires after it was made, was made when its entry was written at the latest, expires at most
+    one lease (``MAX_LEASE_S``) after that, and is held by renewals for at most ``MAX_CLAIM_AGE_S``.
+    ``CLOCK_SKEW_S`` of slack each, for a writer's clock that stepped. With ``updated_at`` bound to
+    the time of the store (``UnitBlockRecord.untimely``) a live claim cannot be dated more than
+    ``MAX_CLAIM_AGE_S`` back, nor held further ahead than a lease."""
+    if not claimed_at < expires_at:
+        return f"expires at {expires_at:.17g}, not after it was claimed at {claimed_at:.17g}"
+    if claimed_at > updated_at + CLOCK_SKEW_S:
+        return f"claimed {claimed_at - updated_at:.3g} s after its entry was written"
+    if expires_at > updated_at + MAX_LEASE_S + CLOCK_SKEW_S:
+        return (f"expires {expires_at - updated_at:.3g} s after its entry was written, more than the longest "
+                f"lease ({MAX_LEASE_S:g} s)")
+    if expires_at - claimed_at > MAX_CLAIM_AGE_S:
+        return (f"held {expires_at - claimed_at:.3g} s from its claim to its expiry, more than a claim may be "
+                f"held by renewals ({MAX_CLAIM_AGE_S:g} s)")
+    return None
+
+
 class UnitBlockRecord(Record):
-    """One trainer's commits and live claims in one block of units (dht/leases.py)."""
+    """One trainer's commits and live claims in one block of units (dht/leases.py).
+
+    Its claims are bounded by their entry's ``updated_at`` (``claim_problem``), at most
+    ``MAX_CLAIMS`` of them, one per unit; ``updated_at`` is bound to now when the entry is stored
+    and is never ahead of now when it is read (``untimely``).
+    """
 
     KIND: ClassVar[str] = "units"
 
@@ -462,6 +501,29 @@ class UnitBlockRecord(Record):
 
     def dht_key(self) -> str:
         return units_key(self.run_id, self.block)
+
+    @model_validator(mode="after")
+    def _claims_bounded(self) -> "UnitBlockRecord":
+        claims = list(_CLAIM.iter_unpack(self.claims))
+        if len(claims) > MAX_CLAIMS:
+            raise RecordError(f"units.claims: {len(claims)} claims, more than one entry may hold ({MAX_CLAIMS})")
+        if len({offset for offset, _, _ in claims}) < len(claims):
+            raise RecordError("units.claims: a unit is claimed twice in one entry")
+        for offset, claimed_at, expires_at in claims:
+            problem = claim_problem(claimed_at, expires_at, self.updated_at)
+            if problem is not None:
+                raise RecordError(f"units.claims: the claim of unit {self.block * BLOCK_UNITS + offset} {problem}")
+        return self
+
+    def untimely(self, now: float, *, storing: bool) -> Optional[str]:
+        """An entry is written at most ``CLOCK_SKEW_S`` ahead of a reader's clock, whenever it is read
+        (time only moves on); a store must be written now, within ``CLOCK_SKEW_S`` either way."""
+        if self.updated_at > now + CLOCK_SKEW_S:
+            return f"units.updated_at: written {self.updated_at - now:.3g} s ahead of this peer's clock"
+        if storing and self.updated_at < now - CLOCK_SKEW_S:
+            return (f"units.updated_at: written {now - self.updated_at:.3g} s ago; an entry is stored when it is "
+                    f"written (within {CLOCK_SKEW_S:g} s)")
+        return None
 
     def committed_units(self) -> set[int]:
         first = self.block * BLOCK_UNITS

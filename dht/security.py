@@ -12,7 +12,9 @@ Three hivemind mechanisms, each given our credentials:
   from it, so a stolen chain is useless without the private key: hivemind checks the
   request's signature against the token's key), and that it has not expired. Nothing is
   asked of the authorizer service on this path. A ``monitor`` credential is read-only: its
-  ``StoreRequest`` is refused (ping and find are served).
+  ``StoreRequest`` is refused (ping and find are served). A store is also where a unit block
+  entry must be dated now (dht/store_checks.py: the validators below cannot tell a store from a
+  find); such refusals are counted by kind in ``refused``, the first of each kind logged.
   Replay protection is hivemind's, kept as is: a request carries its DHT time and an 8-byte
   nonce inside the signature; a receiver refuses times more than 60 s from its own clock and
   nonces seen in the last 3 minutes. So peers' clocks must agree within a minute (hivemind's
@@ -51,7 +53,9 @@ Three hivemind mechanisms, each given our credentials:
   A chain must be valid now, except for unit blocks, which outlive their writer's credential:
   theirs is judged as issued (the store itself needed a live token). An entry may not be stored
   to expire further ahead than its family allows (``KeyFamily.max_ttl_s``: an hour, a commit eight
-  days), so no lie outlives that.
+  days), so no lie outlives that. A record's times must not be ahead of this peer's clock where
+  other peers act on them (``Record.untimely``: a unit block's claims, dht/leases.py). Refused
+  entries are counted by kind in ``refused``; the first of each kind is a warning.
 
 ``DHTSecurity`` bundles all of it for one node (its state directory, the pinned root, the run):
 ``SwarmDHT.start(security=DHTSecurity.from_state_dir(d))`` starts an admitted peer, whose
@@ -90,6 +94,7 @@ from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_pu
 from agora.auth.node_state import NodeCredentials
 from agora.dht.ownership import EntryOwnership
 from agora.dht.records import MAX_STAGES, KeyFamily, RecordError, split_subkey, typed_keys, worker_key
+from agora.dht.store_checks import RefusedEntries, StoreTimes, refusal_kind
 
 __all__ = [
     "DHT_WRITER_ROLES",
@@ -144,8 +149,14 @@ class CredentialTokenAuthorizer(TokenAuthorizerBase):
     def _state(self) -> _Runtime:
         if self._runtime is None:
             self._runtime = _Runtime(NodeCredentials(self.state_dir, clock=self._clock),
-                                     CredentialVerifier(self.root_pem, self.run_id, clock=self._clock))
+                                     CredentialVerifier(self.root_pem, self.run_id, clock=self._clock),
+                                     StoreTimes(self.run_id, unwrap=_record_bytes))
         return self._runtime
+
+    @property
+    def refused(self) -> RefusedEntries:
+        """Stores refused for what they carry (not for their token), by kind."""
+        return self._state().refused
 
     # ---- TokenAuthorizerBase
 
@@ -180,6 +191,11 @@ class CredentialTokenAuthorizer(TokenAuthorizerBase):
             if identity.role not in DHT_WRITER_ROLES:
                 self._warn_once("read_only", request.auth.client_access_token,
                                 f"store refused: a {identity.role} credential is read-only")
+                return False
+            problem = self._state().store_times.problem(request, self._clock())
+            if problem is not None:
+                self._state().refused.add(refusal_kind(problem, "units"),
+                                          f"DHT store refused from {identity.describe()}: {problem}")
                 return False
         return True
 
@@ -227,9 +243,11 @@ class CredentialTokenAuthorizer(TokenAuthorizerBase):
 class _Runtime:
     """What an authorizer builds in the process it runs in (not pickled)."""
 
-    def __init__(self, credentials: NodeCredentials, verifier: CredentialVerifier):
+    def __init__(self, credentials: NodeCredentials, verifier: CredentialVerifier, store_times: StoreTimes):
         self.credentials = credentials
         self.verifier = verifier
+        self.store_times = store_times
+        self.refused = RefusedEntries()
         self.token_generation = -1
         self.warned: set[tuple[str, bytes]] = set()
         self.matched_keys: set[tuple[str, bytes]] = set()  # (credential, public key) pairs that matched
@@ -237,6 +255,11 @@ class _Runtime:
 
 class OwnerSignatureValidator(RSASignatureValidator):
     """hivemind's ``RSASignatureValidator``; a malformed owner key refuses instead of raising."""
+
+    @classmethod
+    def unsigned(cls, value: bytes) -> bytes:
+        """``value`` without the signature hivemind's validator attaches (its ``strip_value``)."""
+        return cls._SIGNATURE_RE.sub(b"", value)
 
     def validate(self, record: DHTRecord) -> bool:
         try:
@@ -266,6 +289,7 @@ class OwnedRecordValidator(RecordValidatorBase):
         self._keys: Optional[dict[bytes, tuple[KeyFamily, Optional[int]]]] = None
         self._writers: Optional[_WriterChains] = None
         self._ownership = EntryOwnership(require_owner=True)
+        self.refused = RefusedEntries()  # entries refused, by kind (the field path their refusal names)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -310,7 +334,8 @@ class OwnedRecordValidator(RecordValidatorBase):
         try:
             self.check(record, family, slot)
         except (RecordError, ValueError, TypeError) as error:
-            logger.debug("refusing a %s entry (slot %s): %s", family.name, slot, error)
+            self.refused.add(refusal_kind(str(error), family.name),
+                             f"refusing a {family.name} entry (slot {slot}): {error}")
             return False
         return True
 
@@ -329,6 +354,8 @@ class OwnedRecordValidator(RecordValidatorBase):
         if problem is not None:
             raise RecordError(problem)
         problem = None if parsed is None else family.misfiled(parsed, self.run_id, slot)
+        if problem is None and parsed is not None:
+            problem = parsed.untimely(self._clock(), storing=False)  # a find's values are checked here too
         if problem is not None:
             raise RecordError(problem)
         if chain is None:
@@ -359,6 +386,11 @@ def split_credential(value: bytes) -> tuple[bytes, Optional[bytes]]:
         return value[:at], base64.b64decode(value[at + len(_CREDENTIAL_OPEN):-1], validate=True)
     except binascii.Error:
         return value, None
+
+
+def _record_bytes(value: bytes) -> bytes:
+    """A typed entry's value as a store carries it (signed, a credential attached) -> its msgpack record."""
+    return split_credential(OwnerSignatureValidator.unsigned(value))[0]
 
 
 def _credential_at(value: bytes) -> int:

@@ -69,8 +69,9 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
   a replica that accumulated nothing since its last step advances its count without an update.
   A replica that joins (or restarts) mid-run adopts the epoch from the first report it counts, so
   its learning rate is the swarm's, not a second warmup; after that a report must lie within a
-  window of its own count or it is refused, not applied (node/replica/epoch.py has the rules and the
-  bounds on Step's `microbatches` and `replicas`). A synchronous barrier must name its step.
+  window of its own count or it is refused, not applied, and one trainer's reports move the count
+  only as far as its credit there reaches (node/replica/epoch.py has the rules and the bounds on
+  Step's `microbatches` and `replicas`). A synchronous barrier must name its step.
   `local_batch` (when set) makes a replica step on its own every that many samples instead, for
   runs whose trainers do not report.
 - A gradient that is not finite (a finite but huge output gradient overflows the head's parameter
@@ -106,6 +107,7 @@ from agora.protos.stage_adapter import (
 from agora.node.replica.epoch import (
     EPOCH_CATCH_UP_BATCHES,
     MAX_COMPLETED_BATCH,
+    ReportCredits,
     ReportWindow,
     check_step_fields,
     judge_report,
@@ -205,6 +207,7 @@ class StageCompute:
         # Asynchronous reports counted and still inside the window (node/replica/epoch.py).
         self._counted_batches: OrderedDict[int, StepReply] = OrderedDict()
         self._joined_epoch = False  # a report has been counted since this replica started
+        self.report_credits = ReportCredits(report_window.ahead)  # each trainer's, for jumps: epoch.py
         # The median step count the stage's other replicas announce (set by the join daemon from
         # their DHT records; None when it knows of none): node/replica/epoch.py.
         self.stage_step: int | None = None
@@ -514,7 +517,7 @@ class StageCompute:
         step already taken gets its recorded reply from anyone)."""
         self.frames.check_addressing(request.run_id, request.stage)
         if request.completed_batch is not None:
-            return self._batch_done(request.completed_batch, request.microbatches, request.replicas)
+            return self._batch_done(request.completed_batch, request.microbatches, request.replicas, owner)
         if not self.synchronous:
             raise PreconditionFailed("this worker is in asynchronous mode: it steps when trainers report "
                                      "completed global batches (completed_batch), not on a Step barrier")
@@ -541,8 +544,8 @@ class StageCompute:
         if refusal is not None:
             raise InvalidRequest(refusal)
 
-    def _batch_done(self, batch: int, microbatches: int, replicas: int) -> StepReply:
-        """A trainer reports global batch `batch` done: one local step (see the module docstring)."""
+    def _batch_done(self, batch: int, microbatches: int, replicas: int, owner: str) -> StepReply:
+        """Trainer `owner` reports global batch `batch` done: one local step (see the module docstring)."""
         if self.synchronous:
             raise PreconditionFailed("this worker is in synchronous mode: it steps on the Step barrier only, "
                                      "not on completed-batch reports")
@@ -556,13 +559,14 @@ class StageCompute:
             return counted  # a retried report, or one already counted
         self._check_step_fields(microbatches, replicas)
         decision = judge_report(batch, self.optimizer.steps, joined=self._joined_epoch, window=self.report_window,
-                                stage_step=self.stage_step)
+                                stage_step=self.stage_step, credit=self.report_credits.of(owner))
         if decision.refusal is not None:
             raise ReportOutsideWindow(decision.refusal)
         if decision.adopt is not None:
             logger.info("stage %d: global batch %d reported at local step %d (the stage's other replicas "
-                        "announce %s); adopting the stage's epoch (learning rate and averaging rounds follow the "
-                        "swarm's batch count)", self.index, batch, self.optimizer.steps, self.stage_step)
+                        "announce %s); adopting the stage's epoch at %d (learning rate and averaging rounds follow "
+                        "the swarm's batch count)", self.index, batch, self.optimizer.steps, self.stage_step,
+                        decision.adopt)
             self.optimizer.steps = decision.adopt
         if self.accumulated_microbatches:
             reply = self._step(microbatches / replicas)
@@ -573,6 +577,7 @@ class StageCompute:
             self._after_step()
             reply = StepReply(step=self.optimizer.steps, grad_norm=0.0, lr=lr, skipped=False, accumulated=0)
         self._counted_batches[batch] = reply
+        self.report_credits.counted(owner, decision.spent)
         self._joined_epoch = True
         prune_counted(self._counted_batches, self.optimizer.steps, self.report_window)
         return reply

@@ -20,9 +20,22 @@ a report is judged against the replica's own count `s` before it is applied:
 - Too far ahead: after that, a batch more than `ahead` beyond `s` is refused, not applied. Reports of
   several trainers arrive out of order, and a replica that missed some lags a few; `ahead` covers
   that with room to spare (trainers keep about two global batches each in flight, see
-  node/trainer/trainer.py). Within the window a batch more than `catch_up` ahead still moves the
-  count to it (a replica that missed reports catches up), so one report moves the count by at most
-  `ahead`; a trainer can still advance it one report at a time (reports are not bound to work done).
+  node/trainer/trainer.py).
+- Jumps: within the window, a batch more than `catch_up` ahead moves the count towards it (a replica
+  that missed reports catches up), but only as far as two things reach. The stage's count is free:
+  a replica behind `stage_step` may jump up to it, since its other replicas are there already. Beyond
+  that a jump is paid from the reporter's credit here: each report a replica counts earns its
+  trainer one step of credit (at most `ahead` of it kept), and a jump of d steps beyond the stage's
+  count spends d. What the credit does not cover is not jumped: the report is counted as one step.
+  So one trainer's reports move a replica at most twice as far as they are many (one step each,
+  one more of credit) plus the `ahead` it may have saved, and the stage's median with it: sent to
+  every replica of a stage, 780 reports of a batch 256 ahead move the stage by at most 1,816 steps,
+  not to the end of a 200k-step schedule (before, each moved every replica, and so the median, by
+  256). An honest trainer's credit is what it reported, far more than the few batches a replica
+  that missed some needs; a replica alone in its stage (no `stage_step`) catches up on that credit
+  alone. Which trainer reports which batch is bound to the unit's lease
+  (node/worker/unit_holders.py); reports are still not bound to work done, so a trainer can still
+  advance a replica one step per batch it holds and reports.
 - Stale: a batch below `s - behind` is refused instead of forcing a step. Counted batches are
   remembered while they are inside the window (pruned below `s - behind`, never more than
   `behind + ahead + 1` of them), so every batch either replays, is refused as stale, or counts once:
@@ -47,7 +60,9 @@ from typing import Iterable, Optional, TypeVar
 __all__ = [
     "ReportWindow",
     "ReportDecision",
+    "ReportCredits",
     "judge_report",
+    "jump",
     "stage_step",
     "prune_counted",
     "check_step_fields",
@@ -93,17 +108,30 @@ class ReportWindow:
 
 @dataclass(frozen=True)
 class ReportDecision:
-    """`refusal`: why the report is refused (None: count it); `adopt`: the step count to take first."""
+    """`refusal`: why the report is refused (None: count it); `adopt`: the step count to take first;
+    `spent`: the reporter's credit that jump costs (see the module docstring)."""
 
     refusal: Optional[str] = None
     adopt: Optional[int] = None
+    spent: int = 0
+
+
+def jump(batch: int, steps: int, stage_step: Optional[int], credit: int) -> ReportDecision:
+    """Move a count of `steps` towards `batch`: free up to the stage's count, beyond it on the
+    reporter's `credit` (see the module docstring)."""
+    free_to = steps if stage_step is None else max(steps, stage_step)
+    target = min(batch, free_to + max(0, credit))
+    if target <= steps:
+        return ReportDecision()
+    return ReportDecision(adopt=target, spent=max(0, target - free_to))
 
 
 def judge_report(batch: int, steps: int, *, joined: bool, window: ReportWindow,
-                 stage_step: Optional[int] = None) -> ReportDecision:
+                 stage_step: Optional[int] = None, credit: int = 0) -> ReportDecision:
     """Whether a replica at step count `steps` counts a report of global batch `batch` (not already
     counted, below MAX_COMPLETED_BATCH); `joined`: it has counted a report before; `stage_step`: the
-    step count the stage's other replicas announce (their median), if any (see the module)."""
+    step count the stage's other replicas announce (their median), if any; `credit`: the reporter's
+    here (see the module)."""
     ahead = batch - steps
     near_stage = stage_step is not None and stage_step - window.behind <= batch <= stage_step + window.ahead
     if not joined:
@@ -112,10 +140,13 @@ def judge_report(batch: int, steps: int, *, joined: bool, window: ReportWindow,
                 f"completed_batch {batch} is far from the step count {stage_step} this stage's other replicas "
                 f"announce; a first report is counted within [{max(0, stage_step - window.behind)}, "
                 f"{stage_step + window.ahead}]"))
-        return ReportDecision(adopt=batch if ahead > window.catch_up else None)
+        if ahead <= window.catch_up:
+            return ReportDecision()
+        # Alone in its stage, a replica takes its first reporter's count: nothing else tells the epoch.
+        return ReportDecision(adopt=batch) if stage_step is None else jump(batch, steps, stage_step, credit)
     if ahead > window.ahead:
         if near_stage and stage_step - steps > window.ahead:  # this replica lags its whole stage
-            return ReportDecision(adopt=batch)
+            return jump(batch, steps, stage_step, credit)
         return ReportDecision(refusal=(
             f"completed_batch {batch} is {ahead} batches ahead of this replica's step count {steps}; reports are "
             f"counted within [{max(0, steps - window.behind)}, {steps + window.ahead}] (the last {window.behind} "
@@ -127,7 +158,28 @@ def judge_report(batch: int, steps: int, *, joined: bool, window: ReportWindow,
             f"completed_batch {batch} is stale: {steps - batch} batches behind this replica's step count {steps}; "
             f"reports are counted within [{steps - window.behind}, {steps + window.ahead}], and an older one "
             "would step the stage a second time for a batch it has long stepped for"))
-    return ReportDecision(adopt=batch if ahead > window.catch_up else None)
+    return jump(batch, steps, stage_step, credit) if ahead > window.catch_up else ReportDecision()
+
+
+class ReportCredits:
+    """Each trainer's credit of jump steps at one replica (see the module docstring): earned one per
+    report counted, kept up to `cap`, for at most `max_trainers` trainers (the least recently heard
+    from is forgotten, so a flood of identities costs memory once)."""
+
+    def __init__(self, cap: int, max_trainers: int = 4096):
+        self.cap = cap
+        self.max_trainers = max_trainers
+        self._credit: OrderedDict[str, int] = OrderedDict()
+
+    def of(self, trainer: str) -> int:
+        return self._credit.get(trainer, 0)
+
+    def counted(self, trainer: str, spent: int) -> None:
+        """A report of `trainer` was counted, its jump costing `spent`."""
+        self._credit[trainer] = min(self.cap, max(0, self.of(trainer) - spent) + 1)
+        self._credit.move_to_end(trainer)
+        if len(self._credit) > self.max_trainers:
+            self._credit.popitem(last=False)
 
 
 def stage_step(steps: Iterable[int]) -> Optional[int]:

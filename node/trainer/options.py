@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from pydantic.dataclasses import dataclass
 
+from agora.dht.records import MAX_LEASE_S
 from agora.pipeline.schema import SECTION, setting
 
 __all__ = ["TrainerOptions"]
@@ -48,7 +49,8 @@ class TrainerOptions:
                                        flag="--heartbeat", gt=0)
     lease_s: StrictFloat = setting(
         30.0, "seconds a claimed global batch stays this trainer's without a renewal (renewed every third of it); "
-        "a trainer that dies gives its batches back after this", flag="--lease", gt=0)
+        f"a trainer that dies gives its batches back after this; peers refuse leases over {MAX_LEASE_S:g} s",
+        flag="--lease", gt=0, le=MAX_LEASE_S)
     start_step: StrictInt = setting(
         0, "take the run's global batches below STEP as done (a run resumed from checkpoints of that step); the "
         "log is appended to", flag="--start-step", ge=0)

@@ -51,6 +51,7 @@ import time
 from collections import Counter
 from typing import IO, Any, AsyncContextManager, Awaitable, Callable
 
+import grpc
 import torch
 
 from agora.node.rpc.tls import ChannelFactory
@@ -458,6 +459,12 @@ class SwarmTrainer:
                 self.stats.report_refused()
                 logger.debug("completed-batch report %d refused by %s: %s", unit_id, view.endpoint, error)
             except RequestRefused as error:
+                if error.code == grpc.StatusCode.PERMISSION_DENIED:
+                    # This trainer does not hold the unit as that worker reads the lease queue (it lost
+                    # it, or the worker's read lags): this report is refused, the next ones are sent.
+                    self.stats.report_refused()
+                    logger.debug("completed-batch report %d refused by %s: %s", unit_id, view.endpoint, error)
+                    return
                 # It steps on its own count (join --local-batch) or is synchronous: stop telling it.
                 self._unreported.add(view.peer_id)
                 logger.warning("worker %s refuses completed-batch reports; not sending it more: %s",

@@ -13,7 +13,8 @@ failed here, and ends when the source says every unit of the run is committed.
   taken by whoever gets there: "reclaimed". Faster trainers take more units, a restarted trainer
   resumes from the queue, and the run ends when every unit is committed, not when a trainer has
   done its share. What a trainer saw happen to units (claimed, committed, reclaimed, duplicate,
-  conflict, released) is counted in its metrics.
+  conflict, released) is counted in its metrics. It holds at most `MAX_CLAIMS` units at once (what
+  peers keep of one trainer's claims in a block; far more than its window of global batches).
 - `next_candidates` is the pure decision: which units to try, in order, given what the trainer
   knows of each unit now.
 """
@@ -26,7 +27,7 @@ import math
 from typing import Callable, Mapping, Optional, Protocol
 
 from agora.dht.leases import LeaseBoard, UnitState
-from agora.dht.records import BLOCK_UNITS
+from agora.dht.records import BLOCK_UNITS, MAX_CLAIMS
 from agora.node.trainer.stats import TrainerStats
 
 __all__ = ["UnitSource", "FixedUnits", "LeasedUnits", "next_candidates"]
@@ -129,6 +130,8 @@ class LeasedUnits:
     async def next_unit(self) -> Optional[int]:
         if self._renewing is None:
             self._renewing = asyncio.create_task(self._renew_forever(), name="lease-renewal")
+        if len(self._held) >= MAX_CLAIMS:  # one more would make its entry one that peers refuse
+            return None
         await self._refresh()
         me = self.board.peer_id
         for unit in next_candidates(self._states, low=self._low, total=self.total, now=self._clock(),

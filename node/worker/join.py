@@ -38,6 +38,7 @@ from agora.auth.node_state import NodeCredentials
 from agora.dht.averaging import AveragingAdmission, RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
+from agora.dht.leases import UnitWriters, read_block
 from agora.dht.records import TRAINING_PHASES, MoveRecord, Phase, WorkerRecord, move_key
 from agora.dht.robust import RobustAggregation
 from agora.dht.swarm import SwarmDHT
@@ -54,6 +55,7 @@ from agora.node.averaging.stats import AveragingStats
 from agora.node.observability import MetricsOptions, NodeMetrics, package_version
 from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.replica.epoch import stage_step
+from agora.node.worker.unit_holders import UnitHolders
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.node.replica.checkpoints import StageCheckpointer, restore_stage
 from agora.node.membership.phases import StageView, SyncPhases, SyncPolicy
@@ -166,7 +168,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         # With credentials: mutual TLS and per-call checks (node/rpc/auth_check.py); None: --insecure.
         worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
                              credentials=credentials, outer_interceptors=[MetricsHook(RpcServerMetrics(registry))],
-                             metrics=WorkerMetrics(registry))
+                             metrics=WorkerMetrics(registry), unit_holders=_unit_holders(swarm, options, credentials))
 
         async def final_checkpoint() -> None:
             if checkpoints is not None and left_phase and not moves:  # a mover's state stays with its old stage
@@ -263,6 +265,15 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     if averaging is not None:
         _write_stats(averaging, worker, phases, options)
     return WorkerExit(EXIT_REVOKED if revoked else 0, moves[0].target if moves and not revoked else None)
+
+
+def _unit_holders(swarm: SwarmDHT, options: JoinOptions, credentials: NodeCredentials | None) -> UnitHolders | None:
+    """Whose work and reports of a unit this worker takes: its lease holder's, read from the DHT as
+    trainers read it (node/worker/unit_holders.py); None under --insecure (no caller identities)."""
+    if credentials is None:
+        return None
+    writers = UnitWriters(credentials.root_pem(), options.run_id, credentials.directory)
+    return UnitHolders(lambda block: read_block(swarm, options.run_id, block, writers), clock=swarm.clock)
 
 
 async def _cancelled(task: asyncio.Task) -> None:

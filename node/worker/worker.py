@@ -44,7 +44,10 @@ Design choices:
   credentials (`--insecure`) the port is plaintext, callers are anonymous, and the fingerprint is
   still checked. Forward, Backward and Abort run as the caller (`Caller.owner`): a microbatch
   belongs to whoever ran its forward (PERMISSION_DENIED for anyone else, ALREADY_EXISTS for a
-  Forward reusing a pending id). Refusals are counted by reason (`refusals`).
+  Forward reusing a pending id). A training Forward of unit u and a Step reporting u done are taken
+  from u's lease holder only (`unit_holders`, node/worker/work_gate.py: PERMISSION_DENIED naming
+  the unit and its holder, INVALID_ARGUMENT for a work key naming no unit of the run, UNAVAILABLE
+  when the DHT does not answer). Refusals are counted by reason (`refusals`).
 - Weight sync: every training worker also serves its state to joining replicas of its stage
   (`DownloadState`, node/membership/state_transfer.py, `max_state_downloads` at once). A worker in
   phase weight_sync refuses Forward and Backward (FAILED_PRECONDITION): its weights are not the
@@ -102,6 +105,8 @@ from agora.node.replica.bounds import (
 )
 from agora.node.replica.compute import StageCompute
 from agora.node.worker.flow import Credits, FlowControl
+from agora.node.worker.unit_holders import UnitHolders
+from agora.node.worker.work_gate import WorkGate
 from agora.node.replica.request_frames import (
     ComputeError,
     DuplicateMicrobatch,
@@ -155,12 +160,15 @@ class StageWorker:
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  clock: Callable[[], float] = time.monotonic, logger: logging.Logger | None = None,
                  fingerprint: Optional[RunFingerprint] = None, metrics: Optional[WorkerMetrics] = None,
-                 outer_interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
+                 outer_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 unit_holders: Optional[UnitHolders] = None):
         """`credentials`: the node's state directory (mutual TLS and per-call checks); None serves
         plaintext to anonymous callers (--insecure). `fingerprint`: this run's, by default
         `run_fingerprint(config)`; callers must send the same with every Stage request.
         `interceptors` run after the per-call credential check, `outer_interceptors` before it
-        (they see every call, refused ones included: the gRPC metrics hook)."""
+        (they see every call, refused ones included: the gRPC metrics hook). `unit_holders`: the
+        units' lease holders, the only callers whose work and reports of a unit are taken (with
+        `credentials`; node/worker/unit_holders.py)."""
         self.config = config
         self.stage_index = stage_index
         self.run_id = run_id
@@ -195,6 +203,10 @@ class StageWorker:
         self._port: int | None = None
         self._stopping: asyncio.Task | None = None
         self._metrics = metrics
+        # Whose work and reports of a unit are taken (node/worker/work_gate.py); None: anyone's.
+        self._gate = None if unit_holders is None or credentials is None else WorkGate(
+            unit_holders, stage=stage_index, microbatches=config.train.microbatches, is_tail=self.geometry.is_tail,
+            per_caller=options.stash_capacity, refusals=self.refusals, logger=self._logger)
         # Serves this replica's state to joining ones (DownloadState); None for a serve-only worker.
         self.state_donor: StateDonor | None = None
 
@@ -348,6 +360,8 @@ class StageWorker:
         # Jobs of calls that gave up may still be queued or running; wait for them off the loop.
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
         self._logger.info("stage %d worker on port %s stopped", self.stage_index, self._port)
+        if self._gate is not None:
+            await self._gate.close()
 
     async def serve(self) -> None:
         """Start (if needed) and serve until stopped; cancelling this stops gracefully."""
@@ -428,9 +442,9 @@ class StageWorker:
             refusal.trailing_metadata = ((PUSHBACK_METADATA, str(pushback_ms)),)
             raise refusal from None
 
-    def _admit(self, request: ForwardRequest | BackwardRequest, *, partial: bool) -> "_Admission":
-        """Caller, addressing, declared shapes, then a queue slot: cheapest first, the slot last so
-        that a refused request never holds one. `partial`: a stream's first part."""
+    async def _admit(self, request: ForwardRequest | BackwardRequest, *, partial: bool) -> "_Admission":
+        """Caller, addressing, declared shapes, the unit's holder, then a queue slot: cheapest first,
+        the slot last so that a refused request never holds one. `partial`: a stream's first part."""
         caller = self._caller()
         self._check_addressing(request.run_id, request.stage)
         if self._phase == Phase.WEIGHT_SYNC:  # trainers do not route here; one with a stale view is told why
@@ -439,6 +453,8 @@ class StageWorker:
                                 "state yet and takes no Forward or Backward; route to a member", "weight_sync")
         self._check_shapes(request, partial=partial)
         forward = isinstance(request, ForwardRequest)
+        if self._gate is not None:
+            await self._gate.admit(caller, request)
         budget = self.geometry.forward_budget() if forward else self.geometry.backward_budget()
         slot = self._slot(self._slots, caller)
         self._flow.heard_from(caller.owner, request.round_trip_s)
@@ -449,7 +465,7 @@ class StageWorker:
                               admission: "_Admission | None", compute: Callable[..., T]) -> T:
         """Run an admitted Forward/Backward (a unary one is admitted here) in its slot."""
         if admission is None:
-            admission = self._admit(request, partial=False)
+            admission = await self._admit(request, partial=False)
             try:
                 reply = await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner),
                                         request)
@@ -542,7 +558,7 @@ class _StageService:
         self._worker = worker
 
     async def admit_stream(self, head: ForwardRequest | BackwardRequest, context: Any) -> _Admission:
-        return self._worker._admit(head, partial=True)
+        return await self._worker._admit(head, partial=True)
 
     async def forward(self, request: ForwardRequest, context: Any, admission: _Admission | None = None) -> ForwardReply:
         return await self._worker._serve_admitted(context, request, admission, self._worker._compute.forward)
@@ -563,10 +579,16 @@ class _StageService:
             slot.close()
 
     async def step(self, request: StepRequest, context: Any) -> StepReply:
+        worker = self._worker
+        if request.completed_batch is not None and worker._gate is not None:  # a unit's report: its holder's only
+            worker._check_addressing(request.run_id, request.stage)
+            await worker._gate.check_unit(worker._caller(), request.completed_batch)
         return await self._control(context, request.run_id, request.stage,
                                    lambda caller: self._worker._compute.step(request, caller.owner))
 
     async def abort(self, request: AbortRequest, context: Any) -> AbortReply:
+        if self._worker._gate is not None:
+            self._worker._gate.aborted(current_caller(), request.microbatch_id)
         return await self._control(context, request.run_id, request.stage,
                                    lambda caller: self._worker._compute.abort(request, caller.owner))
 

@@ -107,6 +107,23 @@ def test_a_later_claim_read_before_the_earlier_one_landed_does_not_win_too():
     assert resolve(3, {peer: item.record for peer, item in dht.entries.items()}, dht.now).holder == "A"
     assert not dht.entries["B"].record.claimed_units()  # B's claim was withdrawn
 
+def test_a_trainer_holds_no_more_units_than_peers_keep_claims_of(monkeypatch):
+    monkeypatch.setattr("agora.node.trainer.units.MAX_CLAIMS", 2)
+    dht = _SlowStoreBoard()
+
+    async def main():
+        board = LeaseBoard(dht.peer("A"), run_id="run", lease_s=30.0)
+        units = LeasedUnits(board, total=10, clock=lambda: dht.now)
+        try:
+            held = [await units.next_unit() for _ in range(3)]
+            await units.committed(held[0])
+            return held, await units.next_unit()
+        finally:
+            await units.close()
+
+    assert run(main()) == ([0, 1, None], 2)
+
+
 def test_candidates_are_free_units_from_the_lowest_unfinished_own_stripe_first():
     now = 10.0
     states = {0: UnitState(0, "X", True), 1: UnitState(1, "X", False, expires_at=20.0),

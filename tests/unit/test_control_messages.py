@@ -16,7 +16,8 @@ import torch
 
 from agora.node.replica.compute import StageCompute
 from agora.node.replica.request_frames import InvalidRequest, NotOwner, PreconditionFailed, ReportOutsideWindow
-from agora.node.replica.epoch import ReportWindow, check_step_fields, judge_report, prune_counted, stage_step
+from agora.node.replica.epoch import (ReportCredits, ReportDecision, ReportWindow, check_step_fields, judge_report,
+                                      prune_counted, stage_step)
 from agora.node.replica.stash import ForwardStash
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
@@ -50,9 +51,9 @@ def backward(compute: StageCompute, microbatch_id: str, grad: torch.Tensor, owne
                                             output_grad=CODEC.encode(grad)), owner)
 
 
-def report(compute: StageCompute, batch: int, microbatches: int = MICRO, replicas: int = 1):
+def report(compute: StageCompute, batch: int, microbatches: int = MICRO, replicas: int = 1, owner: str = "honest"):
     return compute.step(StepRequest(run_id="run", stage=compute.index, microbatches=microbatches,
-                                    completed_batch=batch, replicas=replicas))
+                                    completed_batch=batch, replicas=replicas), owner)
 
 
 def snapshot(compute: StageCompute) -> tuple:
@@ -90,8 +91,11 @@ def test_the_report_window_rules():
     # After that: within [s - behind, s + ahead], catching up beyond catch_up; refused outside.
     assert judge_report(53, 50, joined=True, window=window) == judge_report(45, 50, joined=True, window=window)
     assert judge_report(53, 50, joined=True, window=window).refusal is None
-    assert judge_report(54, 50, joined=True, window=window).adopt == 54  # it missed reports: catch up
-    assert judge_report(60, 50, joined=True, window=window).adopt == 60
+    # It missed reports: it catches up, on the reporter's credit (no stage count to catch up to here).
+    assert judge_report(54, 50, joined=True, window=window, credit=4) == ReportDecision(adopt=54, spent=4)
+    assert judge_report(60, 50, joined=True, window=window, credit=10).adopt == 60
+    assert judge_report(60, 50, joined=True, window=window, credit=2) == ReportDecision(adopt=52, spent=2)
+    assert judge_report(54, 50, joined=True, window=window) == ReportDecision()  # no credit: one step
     ahead = judge_report(61, 50, joined=True, window=window).refusal
     assert "completed_batch 61 is 11 batches ahead of this replica's step count 50" in ahead and "[45, 60]" in ahead
     stale = judge_report(44, 50, joined=True, window=window).refusal
@@ -111,13 +115,17 @@ def test_the_report_window_rules():
 
 def test_the_stage_s_announced_count_bounds_a_first_report_and_re_anchors_a_replica_far_from_it():
     window = ReportWindow(ahead=10, behind=5, catch_up=3)
-    # A fresh replica whose stage announces step 1000 takes a first report near it, not a far one.
-    assert judge_report(1004, 0, joined=False, window=window, stage_step=1000).adopt == 1004
+    # A fresh replica whose stage announces step 1000 takes a first report near it, not a far one:
+    # the stage's count is free, what lies beyond it costs the reporter's credit.
+    assert judge_report(1004, 0, joined=False, window=window, stage_step=1000) == ReportDecision(adopt=1000)
+    assert judge_report(1004, 0, joined=False, window=window, stage_step=1000, credit=9) == \
+        ReportDecision(adopt=1004, spent=4)
     far = judge_report(10**9, 0, joined=False, window=window, stage_step=1000).refusal
     assert "far from the step count 1000 this stage's other replicas announce" in far and "[995, 1010]" in far
     # A replica cut off for a while (far behind its stage) or set far ahead by a bad first report
     # counts a report near its stage's count and takes it, in either direction.
-    assert judge_report(1002, 50, joined=True, window=window, stage_step=1000).adopt == 1002
+    assert judge_report(1002, 50, joined=True, window=window, stage_step=1000).adopt == 1000
+    assert judge_report(998, 50, joined=True, window=window, stage_step=1000).adopt == 998
     assert judge_report(1002, 10**9, joined=True, window=window, stage_step=1000).adopt == 1002
     # Near its stage, the replica's own window rules alone; a report far from both is refused.
     assert judge_report(1020, 1000, joined=True, window=window, stage_step=1000).refusal is not None
@@ -162,6 +170,41 @@ def test_no_batch_ever_forces_a_second_step_in_any_order():
             stepped.add(batch)
         assert len(compute._counted_batches) <= SMALL.ahead + SMALL.behind + 1
     assert len(stepped) >= 190 and compute.optimizer.steps >= 199
+
+
+def test_a_trainer_earns_one_step_of_credit_per_report_counted_and_keeps_at_most_the_window():
+    credits = ReportCredits(cap=3, max_trainers=2)
+    for _ in range(5):
+        credits.counted("a", spent=0)
+    assert credits.of("a") == 3 and credits.of("nobody") == 0
+    credits.counted("a", spent=3)  # a jump of three spends it all; the report itself earns one
+    assert credits.of("a") == 1
+    credits.counted("b", spent=0)
+    credits.counted("c", spent=0)  # a third trainer: the least recently heard from is forgotten
+    assert (credits.of("a"), credits.of("b"), credits.of("c")) == (0, 1, 1)
+
+
+def test_780_reports_sent_to_every_replica_of_a_stage_do_not_end_a_200k_step_schedule():
+    """A trainer reports, to each of a stage's three replicas in turn, a batch as far ahead as the
+    window lets it, 780 times; the join daemon gives each replica its others' median between rounds.
+    Each report moved every replica 256 steps, and the median with them: 780 reports were the whole
+    200,000-step schedule. Now the count moves by at most what the reports earn as credit."""
+    window = ReportWindow()  # the defaults the worker runs with
+    replicas = [make(0, window=window) for _ in range(3)]
+    for replica in replicas:
+        report(replica, 1000, owner="honest")  # the stage is at step 1000 and every replica follows it
+    for _ in range(780):
+        for index, replica in enumerate(replicas):
+            report(replica, replica.optimizer.steps + window.ahead, owner="mallory")
+        steps = [replica.optimizer.steps for replica in replicas]
+        for index, replica in enumerate(replicas):
+            replica.stage_step = stage_step(steps[:index] + steps[index + 1:])
+    moved = [replica.optimizer.steps - 1001 for replica in replicas]
+    assert all(780 <= step <= 2 * 780 + window.ahead for step in moved), moved
+    assert max(moved) < 200_000
+    # The stage still counts an honest report where it is.
+    at = stage_step(replica.optimizer.steps for replica in replicas)
+    assert report(replicas[0], at + 1, owner="honest").step >= at
 
 
 # ---------------------------------------------------------------------------------------------- StageCompute
