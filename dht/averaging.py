@@ -82,7 +82,7 @@ from agora.auth.node_state import CREDENTIAL_FILE
 from agora.dht.robust import DeviationHistory, RobustAggregation
 from agora.pipeline.codec import all_finite
 from agora.dht.robust_allreduce import AgreedGroup, RobustAllReduceRunner, agreed_group
-from agora.dht.records import Phase, RoundRecord, rounds_key
+from agora.dht.records import AVERAGING_GROUP_BITS, Phase, RoundRecord, rounds_key
 from agora.dht.security import DHTSecurity
 from agora.dht.swarm import SwarmDHT, begin_forked_process
 
@@ -101,8 +101,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 OUTCOMES = ("committed", "alone", "failed", "rejected", "cancelled")
-# Bits of the round number in the group key; rounds 2**16 apart never meet in time anyway.
-GROUP_BITS = 16
+# Bits of the round number in the group key (records.py says why so few).
+GROUP_BITS = AVERAGING_GROUP_BITS
 # Extra host-side patience beyond hivemind's own deadlines (matchmaking, then the all-reduce)
 # before a step is given up: by then hivemind has finished with the buffer, so the next round's
 # copy into it cannot race a late write from this one.

@@ -55,6 +55,9 @@ Design choices:
   a ``TrainerRecord`` under ``{run}.trainers`` (its progress, last loss and tokens/s).
 - A worker that leaves its stage for another (rebalancing) announces a ``MoveRecord`` under
   ``{run}.moves`` while it is in transit, so no other worker judges the swarm without it.
+- hivemind's own averaging keys are named here too (``averaging_prefix``, ``averaging_keys``):
+  every key an admitted peer may store is listed by ``typed_keys`` or ``averaging_keys``, and
+  the record validator refuses any other (dht/security.py).
 """
 
 import enum
@@ -65,12 +68,12 @@ from typing import Annotated, Any, ClassVar, Iterator, Literal, Mapping, Optiona
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-__all__ = ["BLOCK_UNITS", "CLOCK_SKEW_S", "COVERING_PHASES", "KEY_FAMILIES", "MAX_STAGES", "MAX_UNIT_BLOCKS",
-           "OWNER_MARKER", "PHASES", "PHASE_TRANSITIONS", "START_PHASES", "SERVING_PHASES", "Phase", "SCHEMA_VERSION",
-           "TRAINING_PHASES", "KeyFamily", "MoveRecord", "Record", "RecordError",
-           "RoundRecord", "TrainerRecord", "UnitBlockRecord", "WorkerRecord", "check_run_id", "move_key",
-           "owned_subkey", "parse_endpoint", "rounds_key", "split_subkey", "trainer_key", "typed_keys",
-           "units_key", "worker_key"]
+__all__ = ["AVERAGING_GROUP_BITS", "BLOCK_UNITS", "CLOCK_SKEW_S", "COVERING_PHASES", "KEY_FAMILIES",
+           "MAX_STAGES", "MAX_UNIT_BLOCKS", "OWNER_MARKER", "PHASES", "PHASE_TRANSITIONS", "START_PHASES",
+           "SERVING_PHASES", "Phase", "SCHEMA_VERSION", "TRAINING_PHASES", "KeyFamily", "MoveRecord",
+           "Record", "RecordError", "RoundRecord", "TrainerRecord", "UnitBlockRecord", "WorkerRecord",
+           "averaging_key_parts", "averaging_keys", "averaging_prefix", "check_run_id", "move_key", "owned_subkey",
+           "parse_endpoint", "rounds_key", "split_subkey", "trainer_key", "typed_keys", "units_key", "worker_key"]
 
 SCHEMA_VERSION = 2
 HOUR_S, DAY_S = 3600.0, 24 * 3600.0
@@ -131,6 +134,10 @@ MAX_PACKED = 4096  # bytes of a packed field (a bitmap, fixed-size entries, a cr
 BLOCK_UNITS = 256
 # Blocks the record validator knows (dht/security.py): 2**20 units, six times the Agora run's.
 MAX_UNIT_BLOCKS = 4096
+# Bits of the round number in hivemind's matchmaking key (dht/averaging.py): rounds this many
+# apart never meet in time (a replica joins rounds at most a few past the stage's), and so few
+# keys per stage let the record validator list every one of them.
+AVERAGING_GROUP_BITS = 4
 _CLAIM = struct.Struct("<Hdd")  # unit offset in the block, claimed_at, expires_at
 _BITMAP_BYTES = BLOCK_UNITS // 8
 
@@ -241,17 +248,46 @@ def move_key(run_id: str) -> str:
     return f"{check_run_id(run_id)}.moves"
 
 
-def rounds_key(run_id: str, stage: int, method: str) -> str:
-    """Where the replicas of one stage announce the rounds they start (one subkey per peer)."""
-    base = worker_key(run_id, stage).rsplit(".", 1)[0]  # "{run}.stage{i}", validated there
+def _stage_of_method(run_id: str, stage: int, method: str) -> str:
+    """``{run}.stage{i}`` for an averaging method's keys of one stage, every part checked."""
     if not method.isidentifier():
         raise RecordError(f"method: expected an identifier, got {method!r:.40}")
-    return f"{base}.{method}.rounds"
+    return worker_key(run_id, stage).rsplit(".", 1)[0]
+
+
+def rounds_key(run_id: str, stage: int, method: str) -> str:
+    """Where the replicas of one stage announce the rounds they start (one subkey per peer)."""
+    return f"{_stage_of_method(run_id, stage, method)}.{method}.rounds"
 
 
 def units_key(run_id: str, block: int) -> str:
     """The DHT key of one block of units (one subkey per trainer)."""
     return f"{check_run_id(run_id)}.units.b{_key_part(_BLOCK, 'units.block', block)}"
+
+
+def averaging_prefix(run_id: str, stage: int, method: str) -> str:
+    """hivemind's averaging prefix for the replicas of one stage (``DecentralizedAverager(prefix=)``):
+    no dots, which hivemind's group keys use as their separator."""
+    return f"{_stage_of_method(run_id, stage, method).replace('.', '_')}_{method}"
+
+
+def averaging_keys(run_id: str, *, methods: tuple[str, ...], max_stages: int = MAX_STAGES) -> Iterator[str]:
+    """Every key hivemind's averagers of this run store: the matchmaking key ``{prefix}.0b{bits}``
+    of each stage, method and group bits (hivemind's ``GroupKeyManager.current_key``). Nothing
+    else: state sharing (``{prefix}.all_averagers``) is off, joiners download over gRPC."""
+    for head, bits in averaging_key_parts(run_id, methods=methods, max_stages=max_stages):
+        for tail in bits:
+            yield head + tail
+
+
+def averaging_key_parts(run_id: str, *, methods: tuple[str, ...], max_stages: int = MAX_STAGES
+                        ) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """``averaging_keys`` as (the part every key of one stage and method starts with, the group
+    bits that end them): a validator hashes the common part once (dht/key_policy.py)."""
+    bits = tuple(format(value, f"0{AVERAGING_GROUP_BITS}b") for value in range(2 ** AVERAGING_GROUP_BITS))
+    for stage in range(max_stages):
+        for method in methods:
+            yield f"{averaging_prefix(run_id, stage, method)}.0b", bits
 
 
 def owned_subkey(peer_id: str, owner_public_key: str) -> str:

@@ -36,8 +36,9 @@ Three hivemind mechanisms, each given our credentials:
   (``Record.from_wire``). For those keys it refuses: a plain value (it would replace every
   peer's entry), a subkey without an owner marker (unsigned), an owner key that is not the
   key of the subkey's peer id (announcing under another's id), and a value that is not a valid
-  record of that type for that peer, run and stage. Tombstones (None) pass. Other keys
-  (hivemind's own averaging keys) are left to the signature rule alone. It runs on every
+  record of that type for that peer, run and stage. Tombstones (None) pass. hivemind's own
+  averaging keys take a flag under a peer id; any other key is refused (dht/key_policy.py lists
+  them all). Refusals are counted by reason (``refused``). It runs on every
   store a peer accepts and on every value a find returns, so an honest peer neither keeps nor
   believes such an entry; readers in ``SwarmDHT`` check the same again and count what they skip.
   It also decides who may write each family (``KeyFamily.writers`` and ``writer_stage``): a
@@ -70,6 +71,7 @@ import base64
 import binascii
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -78,7 +80,6 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.proto import dht_pb2
 from hivemind.proto.auth_pb2 import AccessToken
@@ -88,8 +89,9 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, Identity
 from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
+from agora.dht.key_policy import PLAIN_TAGS, KeyTable, Refusal
 from agora.dht.ownership import EntryOwnership
-from agora.dht.records import MAX_STAGES, KeyFamily, RecordError, split_subkey, typed_keys, worker_key
+from agora.dht.records import MAX_STAGES, KeyFamily, RecordError, split_subkey, worker_key
 
 __all__ = [
     "DHT_WRITER_ROLES",
@@ -107,8 +109,6 @@ logger = logging.getLogger(__name__)
 DHT_WRITER_ROLES = ("worker", "trainer", "operator")
 # Averaging methods that keep a rounds board (pipeline/config.py SYNC_METHODS, less "none").
 ROUND_METHODS = ("sparta", "diloco")
-# hivemind's subkey tags for a plain value and for a whole dictionary (DHTProtocol.RESERVED_SUBKEYS).
-_PLAIN_TAGS = (MSGPackSerializer.dumps(None), b"")
 # What follows a typed entry's value: the writer's credential chain, base64, then "]".
 _CREDENTIAL_OPEN = b"[credential:"
 _MAX_WARNED = 256
@@ -260,26 +260,17 @@ class OwnedRecordValidator(RecordValidatorBase):
         self.run_id = run_id
         self.root_pem = root_pem
         self.state_dir = None if state_dir is None else Path(state_dir)
-        self.methods = tuple(methods)
-        self.max_stages = max_stages
         self._clock = clock
-        self._keys: Optional[dict[bytes, tuple[KeyFamily, Optional[int]]]] = None
+        self._keys = KeyTable(run_id, methods=tuple(methods), max_stages=max_stages)
+        self.refused: Counter[str] = Counter()  # values refused, by reason
+        self._warned: set[str] = set()
         self._writers: Optional[_WriterChains] = None
         self._ownership = EntryOwnership(require_owner=True)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_keys"] = None  # ~12k hashes: built again in the process that validates
-        state["_writers"] = None  # a verifier and caches: likewise
+        state["_writers"] = None  # a verifier and caches: built again in the process that validates
         return state
-
-    def _key_table(self) -> dict[bytes, tuple[KeyFamily, Optional[int]]]:
-        """Key hash -> (the family that key belongs to, its slot): the schema of a key hivemind names by hash."""
-        if self._keys is None:
-            self._keys = {DHTID.generate(source=key).to_bytes(): (family, slot)
-                          for key, family, slot in typed_keys(self.run_id, methods=self.methods,
-                                                              max_stages=self.max_stages)}
-        return self._keys
 
     def _chains(self) -> _WriterChains:
         if self._writers is None:
@@ -287,7 +278,7 @@ class OwnedRecordValidator(RecordValidatorBase):
         return self._writers
 
     def sign_value(self, record: DHTRecord) -> bytes:
-        if record.key not in self._key_table() or self.state_dir is None:
+        if self._keys.family(record.key) is None or self.state_dir is None:
             return record.value
         try:
             chain = self._chains().own()
@@ -297,26 +288,36 @@ class OwnedRecordValidator(RecordValidatorBase):
         return record.value + _CREDENTIAL_OPEN + base64.b64encode(chain) + b"]"
 
     def strip_value(self, record: DHTRecord) -> bytes:
-        if record.key not in self._key_table():
+        if self._keys.family(record.key) is None:
             return record.value
         at = _credential_at(record.value)  # the position alone: validate has decoded the chain already
         return record.value if at < 0 else record.value[:at]
 
     def validate(self, record: DHTRecord) -> bool:
-        expected = self._key_table().get(record.key)
-        if expected is None:
-            return True  # not one of our typed keys
-        family, slot = expected
+        expected = self._keys.family(record.key)
         try:
-            self.check(record, family, slot)
+            if expected is None:
+                self._keys.averaging_writer(record, self._clock())
+            else:
+                self.check(record, *expected)
+        except Refusal as refusal:
+            self._refuse(refusal.reason, str(refusal))
+            return False
         except (RecordError, ValueError, TypeError) as error:
-            logger.debug("refusing a %s entry (slot %s): %s", family.name, slot, error)
+            self._refuse("invalid", f"{'averaging' if expected is None else expected[0].name}: {error}")
             return False
         return True
 
+    def _refuse(self, reason: str, message: str) -> None:
+        self.refused[reason] += 1
+        first = reason not in self._warned  # the first of each kind is worth an operator's eye
+        self._warned.add(reason)
+        level = logging.WARNING if first and reason != "invalid" else logging.DEBUG
+        logger.log(level, "DHT entry refused (%s): %s", reason, message)
+
     def check(self, record: DHTRecord, family: KeyFamily, slot: Optional[int]) -> None:
         """Raise ``RecordError`` saying why ``record`` may not be stored under a key of ``family``."""
-        if record.subkey in _PLAIN_TAGS:
+        if record.subkey in PLAIN_TAGS:
             raise RecordError("a plain value under a per-peer key")
         problem = family.too_lasting(record.expiration_time, self._clock())
         if problem is not None:

@@ -38,7 +38,7 @@ from agora.auth.node_state import NodeCredentials
 from agora.dht.averaging import AveragingAdmission, RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
-from agora.dht.records import TRAINING_PHASES, MoveRecord, Phase, WorkerRecord, move_key
+from agora.dht.records import TRAINING_PHASES, MoveRecord, Phase, WorkerRecord, averaging_prefix, move_key
 from agora.dht.robust import RobustAggregation
 from agora.dht.swarm import SwarmDHT
 from agora.monitor.metrics import CredentialMetrics
@@ -116,7 +116,7 @@ def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, se
     numels = stage_parameter_numels(config.model, options.stage)
     size = averaged_vector_size(sync, SlicePartition(numels, sync.n_slices, config.seed).buffer_size)
     return SliceAverager.start(
-        swarm.hivemind_dht, prefix=f"{options.run_id}_stage{options.stage}_{sync.method}", size=size,
+        swarm.hivemind_dht, prefix=averaging_prefix(options.run_id, options.stage, sync.method), size=size,
         matchmaking_s=sync.matchmaking_s, request_s=sync.request_s, sender_s=sync.sender_s,
         reducer_s=sync.reducer_s, round_s=sync.round_s, part_size_bytes=sync.part_size_bytes,
         admission=AveragingAdmission.for_node(security, options.stage) if security is not None else None,
