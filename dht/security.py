@@ -22,6 +22,8 @@ Three hivemind mechanisms, each given our credentials:
   changed or half the token's life is gone, so this process needs no message to follow a
   renewal. An uncredentialed or foreign peer gets no answer from an admitted one (its requests
   are dropped, its responses ignored), so it can neither join nor store nor read.
+  For a store it lets through, it marks the request's context for the record validator
+  (``STORE_CONTEXT``: who sends it, which entries come one by one).
 - ``RSASignatureValidator`` (hivemind's) with the node key: every entry of ours lives under a
   subkey ``<peer id>[owner:<ssh-rsa ...>]`` and its value carries a signature by that key, so
   only the owner can change or tombstone it. ``OwnerSignatureValidator`` is that class with one
@@ -41,6 +43,8 @@ Three hivemind mechanisms, each given our credentials:
   them all). Refusals are counted by reason (``refused``). It runs on every
   store a peer accepts and on every value a find returns, so an honest peer neither keeps nor
   believes such an entry; readers in ``SwarmDHT`` check the same again and count what they skip.
+  On an incoming store only (``STORE_CONTEXT``) it also refuses what is over this peer's
+  storage bounds (dht/storage_bounds.py).
   It also decides who may write each family (``KeyFamily.writers`` and ``writer_stage``): a
   worker record or round of stage *i* only from a worker credentialed for stage *i*, a move only
   from a worker of the stage it leaves, trainer records and unit blocks only from trainers. A
@@ -72,7 +76,7 @@ import binascii
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -92,6 +96,7 @@ from agora.auth.node_state import NodeCredentials
 from agora.dht.key_policy import PLAIN_TAGS, KeyTable, Refusal
 from agora.dht.ownership import EntryOwnership
 from agora.dht.records import MAX_STAGES, KeyFamily, RecordError, split_subkey, worker_key
+from agora.dht.storage_bounds import STORE_CONTEXT, IncomingStores, StorageLimits, StoreContext
 
 __all__ = [
     "DHT_WRITER_ROLES",
@@ -181,6 +186,7 @@ class CredentialTokenAuthorizer(TokenAuthorizerBase):
                 self._warn_once("read_only", request.auth.client_access_token,
                                 f"store refused: a {identity.role} credential is read-only")
                 return False
+            STORE_CONTEXT.set(StoreContext.of(identity.peer_id, request))  # for the record validator
         return True
 
     # ---- checks
@@ -255,22 +261,31 @@ class OwnedRecordValidator(RecordValidatorBase):
     """
 
     def __init__(self, run_id: str, root_pem: bytes, *, state_dir: Optional[str | Path] = None,
-                 methods: tuple[str, ...] = ROUND_METHODS, max_stages: int = MAX_STAGES, clock: Clock = time.time):
+                 methods: tuple[str, ...] = ROUND_METHODS, max_stages: int = MAX_STAGES,
+                 limits: StorageLimits = StorageLimits(), clock: Clock = time.time):
         worker_key(run_id, 0)  # validates the run id
         self.run_id = run_id
         self.root_pem = root_pem
         self.state_dir = None if state_dir is None else Path(state_dir)
+        self.limits = limits
         self._clock = clock
         self._keys = KeyTable(run_id, methods=tuple(methods), max_stages=max_stages)
         self.refused: Counter[str] = Counter()  # values refused, by reason
         self._warned: set[str] = set()
         self._writers: Optional[_WriterChains] = None
+        self._incoming: Optional[IncomingStores] = None
         self._ownership = EntryOwnership(require_owner=True)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_writers"] = None  # a verifier and caches: built again in the process that validates
+        for built in ("_writers", "_incoming"):  # a verifier and caches, the ledger: built there
+            state[built] = None
         return state
+
+    def _incoming_stores(self) -> IncomingStores:
+        if self._incoming is None:
+            self._incoming = IncomingStores(self.limits)
+        return self._incoming
 
     def _chains(self) -> _WriterChains:
         if self._writers is None:
@@ -297,9 +312,12 @@ class OwnedRecordValidator(RecordValidatorBase):
         expected = self._keys.family(record.key)
         try:
             if expected is None:
-                self._keys.averaging_writer(record, self._clock())
+                writer = self._keys.averaging_writer(record, self._clock())
             else:
                 self.check(record, *expected)
+                writer = split_subkey(MSGPackSerializer.loads(record.subkey))[0]
+            self._incoming_stores().admit(record.key, record.subkey, record.value, record.expiration_time, writer,
+                                          self._clock())
         except Refusal as refusal:
             self._refuse(refusal.reason, str(refusal))
             return False
@@ -399,9 +417,11 @@ class DHTSecurity:
     role: str
     peer_id: str
     owner_public_key: str  # the node key, OpenSSH text: the owner of this node's entries
+    limits: StorageLimits = field(default_factory=StorageLimits)  # what other peers' stores may hold here
 
     @classmethod
-    def from_state_dir(cls, state_dir: str | Path, *, clock: Clock = time.time) -> DHTSecurity:
+    def from_state_dir(cls, state_dir: str | Path, *, clock: Clock = time.time,
+                       limits: StorageLimits = StorageLimits()) -> DHTSecurity:
         """Read (and check) a node's state directory; ``CredentialError`` if it holds no valid credential."""
         node = NodeCredentials(state_dir, clock=clock)
         if not node.has_credential():
@@ -409,7 +429,7 @@ class DHTSecurity:
                                              "(or mint one with `agora-node authorizer issue`)")
         _, identity = node.current()
         return cls(state_dir=Path(state_dir), root_pem=node.root_pem(), run_id=identity.run_id, role=identity.role,
-                   peer_id=node.peer_id, owner_public_key=openssh_public_key(node.key).decode("ascii"))
+                   peer_id=node.peer_id, owner_public_key=openssh_public_key(node.key).decode("ascii"), limits=limits)
 
     @property
     def may_store(self) -> bool:
@@ -432,5 +452,6 @@ class DHTSecurity:
             check_if_identity_free=False,
             authorizer=CredentialTokenAuthorizer(self.state_dir, self.root_pem, self.run_id),
             record_validators=[OwnerSignatureValidator(key),
-                               OwnedRecordValidator(self.run_id, self.root_pem, state_dir=self.state_dir)],
+                               OwnedRecordValidator(self.run_id, self.root_pem, state_dir=self.state_dir,
+                                                    limits=self.limits)],
         )
