@@ -5,6 +5,7 @@ listing every key it accepts and hashing each once. The list (records.py) is:
 
 - the per-peer record families (``typed_keys``: workers and rounds of every stage, trainers,
   moves, unit blocks), each with its record type;
+- the ban list (``bans_key``, dht/bans.py);
 - hivemind's matchmaking keys of this run's averagers (``averaging_keys``: ``{prefix}.0b{bits}``
   for every stage, method and group bits), whose entries are a flag under a peer id's bytes.
 
@@ -25,8 +26,8 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
-from agora.dht.records import (CLOCK_SKEW_S, HOUR_S, MAX_STAGES, KeyFamily, RecordError, averaging_key_parts,
-                               typed_keys)
+from agora.dht.records import (BAN_LIST, CLOCK_SKEW_S, HOUR_S, MAX_STAGES, KeyFamily, RecordError,
+                               averaging_key_parts, bans_key, typed_keys)
 
 __all__ = ["KeyTable", "Refusal", "key_hash", "PLAIN_TAGS"]
 
@@ -35,7 +36,7 @@ PLAIN_TAGS = (MSGPackSerializer.dumps(None), b"")
 
 
 class Refusal(RecordError):
-    """A refusal counted under its own reason (``unknown_key``, ...), not as an invalid value."""
+    """A refusal counted under its own reason (``unknown_key``, ``banned``, ``ban_list``, ``storage``)."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
@@ -61,8 +62,9 @@ class KeyTable:
     def family(self, key: bytes) -> Optional[tuple[KeyFamily, Optional[int]]]:
         """(the record family of the key hashed to ``key``, its slot), None if it is no record key."""
         if self._families is None:
-            self._families = {key_hash(key): (family, slot) for key, family, slot in typed_keys(
-                self.run_id, methods=self.methods, max_stages=self.max_stages)}
+            keys = [*typed_keys(self.run_id, methods=self.methods, max_stages=self.max_stages),
+                    (bans_key(self.run_id), BAN_LIST, None)]
+            self._families = {key_hash(key): (family, slot) for key, family, slot in keys}
         return self._families.get(key)
 
     def is_averaging(self, key: bytes) -> bool:

@@ -21,7 +21,9 @@ Three hivemind mechanisms, each given our credentials:
   process replaces the file atomically); ``does_token_need_refreshing`` is true once the file
   changed or half the token's life is gone, so this process needs no message to follow a
   renewal. An uncredentialed or foreign peer gets no answer from an admitted one (its requests
-  are dropped, its responses ignored), so it can neither join nor store nor read.
+  are dropped, its responses ignored), so it can neither join nor store nor read. Nor can a
+  banned one (``banned``: the run's ban list as this process last read it, dht/bans.py): a ban
+  cuts a peer off the DHT within a heartbeat of its publication, whatever its credential says.
   For a store it lets through, it marks the request's context for the record validator
   (``STORE_CONTEXT``: who sends it, which entries come one by one).
 - ``RSASignatureValidator`` (hivemind's) with the node key: every entry of ours lives under a
@@ -39,12 +41,13 @@ Three hivemind mechanisms, each given our credentials:
   peer's entry), a subkey without an owner marker (unsigned), an owner key that is not the
   key of the subkey's peer id (announcing under another's id), and a value that is not a valid
   record of that type for that peer, run and stage. Tombstones (None) pass. hivemind's own
-  averaging keys take a flag under a peer id; any other key is refused (dht/key_policy.py lists
-  them all). Refusals are counted by reason (``refused``). It runs on every
+  averaging keys take a flag under a peer id; the ban list, a list the run's CA signed
+  (dht/bans.py); any other key is refused (dht/key_policy.py lists them all). It runs on every
   store a peer accepts and on every value a find returns, so an honest peer neither keeps nor
   believes such an entry; readers in ``SwarmDHT`` check the same again and count what they skip.
-  On an incoming store only (``STORE_CONTEXT``) it also refuses what is over this peer's
-  storage bounds (dht/storage_bounds.py).
+  On an incoming store only (``STORE_CONTEXT``) it also refuses a banned writer's new entry and
+  what is over this peer's storage bounds (dht/storage_bounds.py). Refusals are counted by
+  reason (``refused``; a node reads them with the ban list).
   It also decides who may write each family (``KeyFamily.writers`` and ``writer_stage``): a
   worker record or round of stage *i* only from a worker credentialed for stage *i*, a move only
   from a worker of the stage it leaves, trainer records and unit blocks only from trainers. A
@@ -93,9 +96,10 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, Identity
 from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
+from agora.dht.bans import BanBook, BanListError
 from agora.dht.key_policy import PLAIN_TAGS, KeyTable, Refusal
 from agora.dht.ownership import EntryOwnership
-from agora.dht.records import MAX_STAGES, KeyFamily, RecordError, split_subkey, worker_key
+from agora.dht.records import BAN_LIST, MAX_STAGES, KeyFamily, RecordError, split_subkey, worker_key
 from agora.dht.storage_bounds import STORE_CONTEXT, IncomingStores, StorageLimits, StoreContext
 
 __all__ = [
@@ -135,6 +139,8 @@ class CredentialTokenAuthorizer(TokenAuthorizerBase):
         self._clock = clock
         self._runtime: Optional[_Runtime] = None
         self._refresh_at = 0.0  # clock time at which the current token is past half its life
+        # The run's banned peers, as this process last read them (dht/bans.py fetch_ban_list).
+        self.banned: frozenset[str] = frozenset()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -192,11 +198,19 @@ class CredentialTokenAuthorizer(TokenAuthorizerBase):
     # ---- checks
 
     def identity_of(self, access_token: AccessToken) -> Identity:
-        """The identity a token proves, or ``CredentialError`` saying why it proves none.
+        """The identity a token proves, or ``CredentialError`` saying why it proves none (a banned
+        peer's proves none: its requests go unanswered and its replies are ignored; this node's own
+        token is exempt, so a banned node's requests still go out and are refused by the others).
 
         Every DHT request and reply carries a token, so a token whose key was once matched to its
         credential skips parsing the key again; the chain's validity (time, run) is checked each call.
         """
+        identity = self._proven_identity(access_token)
+        if identity.peer_id in self.banned and identity.peer_id != self._state().credentials.peer_id:
+            raise CredentialError("banned", f"{identity.describe()} is banned by the run's operator")
+        return identity
+
+    def _proven_identity(self, access_token: AccessToken) -> Identity:
         runtime = self._state()
         seen = (access_token.username, bytes(access_token.public_key))
         if seen in runtime.matched_keys:
@@ -270,21 +284,28 @@ class OwnedRecordValidator(RecordValidatorBase):
         self.limits = limits
         self._clock = clock
         self._keys = KeyTable(run_id, methods=tuple(methods), max_stages=max_stages)
-        self.refused: Counter[str] = Counter()  # values refused, by reason
+        self.refused: Counter[str] = Counter()  # values refused, by reason (read with the ban list)
         self._warned: set[str] = set()
         self._writers: Optional[_WriterChains] = None
+        self._book: Optional[BanBook] = None
         self._incoming: Optional[IncomingStores] = None
         self._ownership = EntryOwnership(require_owner=True)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for built in ("_writers", "_incoming"):  # a verifier and caches, the ledger: built there
+        for built in ("_writers", "_book", "_incoming"):  # a verifier, the ban book, the ledger: built there
             state[built] = None
         return state
 
+    def ban_book(self) -> BanBook:
+        """This process's newest verified ban list (dht/bans.py), against which stores are checked."""
+        if self._book is None:
+            self._book = BanBook(self.root_pem, self.run_id, clock=self._clock)
+        return self._book
+
     def _incoming_stores(self) -> IncomingStores:
         if self._incoming is None:
-            self._incoming = IncomingStores(self.limits)
+            self._incoming = IncomingStores(self.limits, self.ban_book().is_banned)
         return self._incoming
 
     def _chains(self) -> _WriterChains:
@@ -292,8 +313,12 @@ class OwnedRecordValidator(RecordValidatorBase):
             self._writers = _WriterChains(self.root_pem, self.run_id, self.state_dir, self._clock)
         return self._writers
 
+    def _carries_credential(self, key: bytes) -> bool:
+        family = self._keys.family(key)
+        return family is not None and family[0] is not BAN_LIST
+
     def sign_value(self, record: DHTRecord) -> bytes:
-        if self._keys.family(record.key) is None or self.state_dir is None:
+        if not self._carries_credential(record.key) or self.state_dir is None:
             return record.value
         try:
             chain = self._chains().own()
@@ -303,7 +328,7 @@ class OwnedRecordValidator(RecordValidatorBase):
         return record.value + _CREDENTIAL_OPEN + base64.b64encode(chain) + b"]"
 
     def strip_value(self, record: DHTRecord) -> bytes:
-        if self._keys.family(record.key) is None:
+        if not self._carries_credential(record.key):
             return record.value
         at = _credential_at(record.value)  # the position alone: validate has decoded the chain already
         return record.value if at < 0 else record.value[:at]
@@ -313,6 +338,9 @@ class OwnedRecordValidator(RecordValidatorBase):
         try:
             if expected is None:
                 writer = self._keys.averaging_writer(record, self._clock())
+            elif expected[0] is BAN_LIST:
+                self._check_ban_list(record)
+                return True  # only the CA makes lists: they need no storage bound
             else:
                 self.check(record, *expected)
                 writer = split_subkey(MSGPackSerializer.loads(record.subkey))[0]
@@ -332,6 +360,17 @@ class OwnedRecordValidator(RecordValidatorBase):
         self._warned.add(reason)
         level = logging.WARNING if first and reason != "invalid" else logging.DEBUG
         logger.log(level, "DHT entry refused (%s): %s", reason, message)
+
+    def _check_ban_list(self, record: DHTRecord) -> None:
+        if record.subkey in PLAIN_TAGS:
+            raise RecordError("a plain value (each list lives under its serial)")
+        problem = BAN_LIST.too_lasting(record.expiration_time, self._clock())
+        if problem is not None:
+            raise RecordError(problem)
+        try:
+            self.ban_book().check(MSGPackSerializer.loads(record.value), MSGPackSerializer.loads(record.subkey))
+        except BanListError as error:
+            raise Refusal("ban_list", str(error)) from None
 
     def check(self, record: DHTRecord, family: KeyFamily, slot: Optional[int]) -> None:
         """Raise ``RecordError`` saying why ``record`` may not be stored under a key of ``family``."""

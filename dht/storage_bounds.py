@@ -33,7 +33,7 @@ import heapq
 from collections import Counter
 from contextvars import ContextVar
 from dataclasses import dataclass as plain_dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pydantic import StrictInt
 from pydantic.dataclasses import dataclass
@@ -149,17 +149,25 @@ class StorageLedger:
 
 
 class IncomingStores:
-    """The record validator's check of an entry another peer stores here (module docstring): the
-    storage bounds apply. Outside an incoming store (a find, this peer's own store) it checks nothing."""
+    """The record validator's checks of an entry another peer stores here (module docstring):
+    a banned writer's new entry is refused, and the storage bounds apply. Outside an incoming
+    store (a find, this peer's own store) it checks nothing."""
 
-    def __init__(self, limits: StorageLimits):
+    def __init__(self, limits: StorageLimits, is_banned: Callable[[str], bool]):
         self.ledger = StorageLedger(limits)
+        self._is_banned = is_banned
 
     def admit(self, key: bytes, subkey: bytes, value: bytes, expiration: float, writer: str, now: float) -> None:
-        """``Refusal`` (``storage``) unless the entry of ``writer`` fits this peer's bounds."""
+        """``Refusal`` (``banned``, ``storage``) unless the entry of ``writer`` may be stored.
+
+        A banned writer's entries that come as a whole dictionary are old ones a peer hands on:
+        hivemind takes or refuses a dictionary whole, so refusing would drop its other writers'
+        entries too; readers skip them (``SwarmDHT``)."""
         context = STORE_CONTEXT.get()
         if context is None:
             return
+        if (key, subkey) in context.single and self._is_banned(writer):
+            raise Refusal("banned", f"{writer} is banned by the run's operator")
         problem = self.ledger.admit(key, subkey, writer, len(value) + len(subkey), expiration, now)
         if problem is not None:
             raise Refusal("storage", f"from {context.sender}: {problem}")

@@ -50,6 +50,7 @@ from agora.dht.bootstrap import run_bootstrap
 from agora.dht.records import (RoundRecord, averaging_prefix, move_key, owned_subkey, rounds_key, trainer_key,
                                units_key)
 from agora.pipeline.fingerprint import RunFingerprint
+from polling import eventually
 from record_samples import SAMPLES
 
 pytestmark = pytest.mark.timeout(120)
@@ -110,15 +111,6 @@ def make_record(swarm_or_peer, stage: int, **overrides) -> WorkerRecord:
                   fingerprint=OURS.text())
     fields.update(overrides)
     return WorkerRecord(**fields)
-
-
-def eventually(predicate, *, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (result := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-    return result
 
 
 # ---- the authorizer, without a network ---------------------------------------------------------
@@ -425,6 +417,8 @@ def test_a_key_of_no_family_is_refused_and_the_runs_matchmaking_keys_take_only_a
         probe = functools.partial(_store_at, peer_id=first.peer_id, key=key, value=value, subkey=subkey)
         return second.hivemind_dht.run_coroutine(probe, return_future=True).result(20)
 
+    first.refresh_bans(max_age_s=0)  # the node's read of its DHT process, its refusal counts included
+    before = first.bans.refused().get("unknown_key", 0)
     own = PeerID.from_base58(second.peer_id).to_bytes()
     matchmaking = f"{averaging_prefix(RUN, 6, 'sparta')}.0b0101"
     assert store(matchmaking, True, own) == [True]
@@ -432,6 +426,8 @@ def test_a_key_of_no_family_is_refused_and_the_runs_matchmaking_keys_take_only_a
                                (f"{averaging_prefix(RUN, 6, 'sparta')}.0b00101", True, own),  # five group bits
                                (matchmaking, "not a flag", own)):
         assert store(key, value, subkey) == [False], key
+    first.refresh_bans(max_age_s=0)
+    assert first.bans.refused()["unknown_key"] - before == 3
 
 
 @pytest.mark.slow

@@ -49,6 +49,8 @@ def test_a_flood_from_one_owner_is_refused_over_its_bound_while_honest_stores_su
         assert stored == [True] * 8 + [False] * 4
         assert flooder.store(units_key(RUN, 0), block(0), 600, subkey=flooder.subkey_of(flooder.peer_id))
         assert honest.announce_worker(worker_record(honest), ttl=60)  # another owner: room as before
+        small.refresh_bans(max_age_s=0)  # the node's read of its DHT process, counts included
+        assert small.bans.refused().get("storage") == 4
     finally:
         for peer in (*clients, small):
             peer.shutdown()

@@ -1,16 +1,17 @@
-"""Which keys an admitted peer may store, without a network: the run's record families and hivemind's
-matchmaking keys of its averagers, by the hash hivemind names them by; nothing else."""
+"""Which keys an admitted peer may store, without a network: the run's record families, its ban list
+and hivemind's matchmaking keys of its averagers, by the hash hivemind names them by; nothing else."""
 
 from agora.dht.key_policy import KeyTable, key_hash
-from agora.dht.records import averaging_keys, averaging_prefix, units_key, worker_key
+from agora.dht.records import BAN_LIST, averaging_keys, averaging_prefix, bans_key, units_key, worker_key
 
 RUN = "ban-run"
 
 
-def test_the_key_table_knows_the_runs_record_and_averaging_keys_and_nothing_else():
+def test_the_key_table_knows_the_runs_record_ban_and_averaging_keys_and_nothing_else():
     table = KeyTable(RUN, methods=("sparta", "diloco"), max_stages=8)
     assert table.family(key_hash(worker_key(RUN, 3)))[1] == 3
     assert table.family(key_hash(units_key(RUN, 4095)))[0].name == "units"
+    assert table.family(key_hash(bans_key(RUN)))[0] is BAN_LIST
     assert table.family(key_hash(worker_key("other-run", 3))) is None
     assert averaging_prefix(RUN, 2, "sparta") == "ban-run_stage2_sparta"
     keys = list(averaging_keys(RUN, methods=("sparta", "diloco"), max_stages=8))
