@@ -50,6 +50,9 @@ connection) and the credential certifies:
   member's peer id (a leader that does not check, or lies, is caught here) and refuses to run
   the round if any fails: the outcome is ``rejected``, naming the peer; the buffer is untouched.
   All honest members hold the same gathered data, so they all refuse together.
+- A peer on the run's ban list is refused by both checks whatever its credential says:
+  the averager process gets the banned set (``start(banned=...)``, read before each round) when
+  it changed.
 - Parts: hivemind's ``AllReduceRunner.rpc_aggregate_part`` already answers a sender that is
   not in the group's ordered peer ids with ``PROTOCOL_VIOLATION``, and group membership is
   what the two checks above admit; so no part of an unadmitted peer is ever averaged.
@@ -66,7 +69,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping, Optional
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Optional
 
 import hivemind
 import torch
@@ -82,7 +85,7 @@ from agora.auth.node_state import CREDENTIAL_FILE
 from agora.dht.robust import DeviationHistory, RobustAggregation
 from agora.pipeline.codec import all_finite
 from agora.dht.robust_allreduce import AgreedGroup, RobustAllReduceRunner, agreed_group
-from agora.dht.records import Phase, RoundRecord, rounds_key
+from agora.dht.records import AVERAGING_GROUP_BITS, Phase, RoundRecord, rounds_key
 from agora.dht.security import DHTSecurity
 from agora.dht.swarm import SwarmDHT, begin_forked_process
 
@@ -101,8 +104,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 OUTCOMES = ("committed", "alone", "failed", "rejected", "cancelled")
-# Bits of the round number in the group key; rounds 2**16 apart never meet in time anyway.
-GROUP_BITS = 16
+# Bits of the round number in the group key (records.py says why so few).
+GROUP_BITS = AVERAGING_GROUP_BITS
 # Extra host-side patience beyond hivemind's own deadlines (matchmaking, then the all-reduce)
 # before a step is given up: by then hivemind has finished with the buffer, so the next round's
 # copy into it cannot race a late write from this one.
@@ -182,7 +185,8 @@ class SliceAverager:
     """Averages one flat float32 vector of ``size`` elements per round. Create with ``start``."""
 
     def __init__(self, process: "_AveragerProcess", *, size: int, matchmaking_s: float, request_s: float,
-                 round_s: float, admission: Optional[AveragingAdmission] = None):
+                 round_s: float, admission: Optional[AveragingAdmission] = None,
+                 banned: Callable[[], Iterable[str]] = frozenset):
         self._process = process
         self.admission = admission
         self.size = size
@@ -192,19 +196,22 @@ class SliceAverager:
         self._round_lock = threading.Lock()  # one round at a time; hivemind would queue a second
         self._current: Optional[MPFuture] = None
         self._closed = False
+        self._banned_source = banned
+        self._banned: frozenset[str] = frozenset()  # as the averager process last got it
 
     @classmethod
     def start(cls, dht: hivemind.DHT, *, prefix: str, size: int, matchmaking_s: float, request_s: float,
               sender_s: float, reducer_s: float, round_s: float, part_size_bytes: int,
               admission: Optional[AveragingAdmission] = None, robust: RobustAggregation = RobustAggregation(),
-              startup_timeout: float = 30.0) -> "SliceAverager":
+              banned: Callable[[], Iterable[str]] = frozenset, startup_timeout: float = 30.0) -> "SliceAverager":
         """Start the averager process on an already running DHT.
 
         Call from the main thread before starting gRPC servers or torch thread pools: hivemind
         forks. ``prefix`` names the group keys and must differ between stages and methods.
         ``admission`` turns on the credential checks of the module docstring (None: ``--insecure``);
         ``robust`` is how this peer reduces its parts and judges the averages it gets back
-        (dht/robust.py).
+        (dht/robust.py); ``banned`` gives the run's banned peers (``SwarmDHT.bans``), refused as
+        members whatever their credential.
         """
         if size <= 0:
             raise ValueError(f"the averaged vector needs at least one element, got {size}")
@@ -228,7 +235,7 @@ class SliceAverager:
         finally:
             signal.signal(signal.SIGINT, previous)
         return cls(process, size=size, matchmaking_s=matchmaking_s, request_s=request_s, round_s=round_s,
-                   admission=admission)
+                   admission=admission, banned=banned)
 
     @property
     def peer_id(self) -> str:
@@ -264,6 +271,10 @@ class SliceAverager:
             try:
                 self._process.set_group_bits(round_group_bits(round_number), wait=False).result(_CONTROL_TIMEOUT_S)
                 self._process.set_target_group_size(group_size if group_size and group_size > 1 else None)
+                banned = frozenset(self._banned_source())
+                if banned != self._banned:
+                    self._process.set_banned(banned)
+                    self._banned = banned
                 with self._process.get_tensors() as (buffer,):
                     buffer.copy_(values)
                 step = self._process.step(gather=gather, weight=float(weight), wait=False, allow_retries=False,
@@ -453,6 +464,17 @@ class _AveragerProcess(DecentralizedAverager):
         async for response in super().rpc_join_group(request, context):
             yield response
 
+    def set_banned(self, banned: frozenset[str]) -> None:
+        """Refuse these peers as members from now on (the run's ban list)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_banned", [], dict(banned=frozenset(banned), future=future)))
+        future.result(_CONTROL_TIMEOUT_S)
+
+    async def _set_banned(self, banned: frozenset[str], future: MPFuture) -> None:
+        if self._gate is not None:
+            self._gate.banned = banned
+        future.set_result(None)
+
     def set_target_group_size(self, size: Optional[int]) -> None:
         """Assemble a group as soon as it has ``size`` members (None: when the window closes)."""
         future = MPFuture()
@@ -528,10 +550,13 @@ class AdmissionGate:
     def __init__(self, admission: AveragingAdmission):
         self.admission = admission
         self.verifier = CredentialVerifier(admission.root_pem, admission.run_id, clock=time.time)
+        self.banned: frozenset[str] = frozenset()  # the run's ban list, as the owner last sent it
         self._warned: set[str] = set()
 
     def problem(self, data_for_gather: bytes, peer_id: str) -> Optional[str]:
         """Why a peer's gather does not admit it to this stage's rounds, or None if it does."""
+        if peer_id in self.banned:
+            return "banned: the run's operator banned it"
         try:  # hivemind's envelope: [bandwidth, mode, msgpack(user gather)]
             _, _, user = MSGPackSerializer.loads(data_for_gather)
             chain = MSGPackSerializer.loads(user).get(_CREDENTIAL)

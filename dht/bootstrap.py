@@ -20,7 +20,8 @@ Design choices:
   peer then runs the token authorizer and record validators of dht/security.py, its peer
   id is the credential's, and uncredentialed peers cannot join through it. ``--insecure`` runs
   an open peer and says so in a warning. Neither is refused: an open bootstrap is never started
-  by accident, since every peer that joins through it would be open too.
+  by accident, since every peer that joins through it would be open too. Admitted, it reads the
+  run's ban list like every node (dht/bans.py), so it stops serving a banned peer too.
 """
 
 from __future__ import annotations
@@ -144,6 +145,16 @@ def security_from_options(state_dir: Optional[str], insecure: bool) -> Optional[
     return security
 
 
+def _read_bans(swarm: SwarmDHT) -> None:
+    """The ban list, as every node reads it each heartbeat: this peer's validators need it too."""
+    from agora.dht.swarm import DHTRequestError
+
+    try:
+        swarm.refresh_bans()
+    except DHTRequestError as error:
+        logger.warning("reading the ban list failed: %s", error)
+
+
 def run_bootstrap(
     host: str = "127.0.0.1",
     port: int = 0,
@@ -196,6 +207,7 @@ def run_bootstrap(
             if not swarm.alive:
                 logger.error("the DHT process exited unexpectedly")
                 return 1
+            _read_bans(swarm)
         logger.info("bootstrap peer shutting down")
         return 0
     finally:

@@ -12,6 +12,9 @@ Design choices:
   burst of catch-up beats, the schedule just restarts from now.
 - One failed beat (DHT timeout, an invalid record from the callable) is logged and
   counted, never fatal: the next beat may succeed, and expiration covers the worst case.
+- Each beat also reads the run's ban list (``SwarmDHT.refresh_bans``, one get), so a ban
+  reaches a node within a beat even when nothing else of it reads the DHT; a failed read is
+  logged like a failed announce and changes nothing.
 - ``stop()`` cancels the loop, then withdraws the record (tombstone) so trainers stop
   routing to a worker that is leaving before its record would have expired. A store
   still in flight when the loop is cancelled cannot resurrect the record: the tombstone
@@ -79,7 +82,9 @@ class Heartbeat:
         return accepted
 
     async def beat(self) -> bool:
-        """Announce the current record now (for example right after a phase change)."""
+        """Announce the current record now (for example right after a phase change), and read
+        the ban list if a beat has passed since the last read."""
+        await self._read_bans()
         try:
             record = self._current_record().replace(updated_at=self._swarm.clock())
             previous = self._last_announced
@@ -102,6 +107,15 @@ class Heartbeat:
             # The node moved (another stage or identity): its old entry must not linger.
             await self._withdraw(previous)
         return True
+
+    async def _read_bans(self) -> None:
+        try:
+            # Half a beat: a read a beat ago is due, however the beats jitter.
+            await self._swarm.refresh_bans_async(self.interval / 2)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the list held stays; the next beat reads again
+            logger.warning("reading the ban list failed: %s: %s", type(error).__name__, error)
 
     async def wait_beats(self, count: int) -> None:
         """Return once `count` beats in all have been accepted (wrap in a timeout: a DHT that

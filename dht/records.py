@@ -55,22 +55,30 @@ Design choices:
   a ``TrainerRecord`` under ``{run}.trainers`` (its progress, last loss and tokens/s).
 - A worker that leaves its stage for another (rebalancing) announces a ``MoveRecord`` under
   ``{run}.moves`` while it is in transit, so no other worker judges the swarm without it.
+- The run's ban list (``BanListRecord`` under ``{run}.bans``, family ``BAN_LIST``) is the one
+  family that is not per-peer: the operator's authorizer writes it, one subkey per serial, and
+  its writer check is the run's CA's signature (dht/bans.py), not a credential's role.
+- hivemind's own averaging keys are named here too (``averaging_prefix``, ``averaging_keys``):
+  every key an admitted peer may store is listed by ``typed_keys``, ``bans_key`` or
+  ``averaging_keys``, and the record validator refuses any other (dht/security.py).
 """
 
 import enum
 import math
+import re
 import struct
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Iterator, Literal, Mapping, Optional, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-__all__ = ["BLOCK_UNITS", "CLOCK_SKEW_S", "COVERING_PHASES", "KEY_FAMILIES", "MAX_CLAIM_AGE_S", "MAX_CLAIMS",
-           "MAX_LEASE_S", "MAX_STAGES", "MAX_UNIT_BLOCKS", "OWNER_MARKER", "PHASES", "PHASE_TRANSITIONS",
-           "START_PHASES", "SERVING_PHASES", "Phase", "SCHEMA_VERSION", "TRAINING_PHASES", "KeyFamily",
-           "MoveRecord", "Record", "RecordError", "RoundRecord", "TrainerRecord", "UnitBlockRecord", "WorkerRecord",
-           "check_run_id", "claim_problem", "move_key", "owned_subkey", "parse_endpoint", "rounds_key",
-           "split_subkey", "trainer_key", "typed_keys", "units_key", "worker_key"]
+__all__ = ["AVERAGING_GROUP_BITS", "BAN_LIST", "BLOCK_UNITS", "CLOCK_SKEW_S", "COVERING_PHASES", "KEY_FAMILIES",
+           "MAX_BANS", "MAX_CLAIM_AGE_S", "MAX_CLAIMS", "MAX_LEASE_S", "MAX_STAGES", "MAX_UNIT_BLOCKS", "OWNER_MARKER",
+           "PHASES", "PHASE_TRANSITIONS", "START_PHASES", "SERVING_PHASES", "Phase", "SCHEMA_VERSION", "TRAINING_PHASES",
+           "BanListRecord", "KeyFamily", "MoveRecord", "Record", "RecordError", "RoundRecord", "TrainerRecord",
+           "UnitBlockRecord", "WorkerRecord", "averaging_key_parts", "averaging_keys", "averaging_prefix", "bans_key",
+           "check_run_id", "claim_problem", "move_key", "owned_subkey", "parse_endpoint", "rounds_key", "split_subkey",
+           "trainer_key", "typed_keys", "units_key", "worker_key"]
 
 SCHEMA_VERSION = 2
 HOUR_S, DAY_S = 3600.0, 24 * 3600.0
@@ -138,6 +146,12 @@ MAX_UNIT_BLOCKS = 4096
 MAX_LEASE_S = 600.0
 MAX_CLAIM_AGE_S = 3600.0
 MAX_CLAIMS = 64
+# Peer ids one ban list may name (about 55 KB at most: every node reads the list each heartbeat).
+MAX_BANS = 1024
+# Bits of the round number in hivemind's matchmaking key (dht/averaging.py): rounds this many
+# apart never meet in time (a replica joins rounds at most a few past the stage's), and so few
+# keys per stage let the record validator list every one of them.
+AVERAGING_GROUP_BITS = 4
 _CLAIM = struct.Struct("<Hdd")  # unit offset in the block, claimed_at, expires_at
 _BITMAP_BYTES = BLOCK_UNITS // 8
 
@@ -185,6 +199,22 @@ def _claims(packed: bytes) -> bytes:
     return packed
 
 
+_BASE58_PEER = re.compile(r"[1-9A-HJ-NP-Za-km-z]{10,128}")
+
+
+def _banned_peers(text: str) -> str:
+    """Peer ids, one a line, sorted and each once: one text for the whole list keeps the record flat."""
+    peers = text.split("\n") if text else []
+    if len(peers) > MAX_BANS:
+        raise ValueError(f"{len(peers)} peers, at most {MAX_BANS}")
+    for peer in peers:
+        if not _BASE58_PEER.fullmatch(peer):
+            raise ValueError(f"{peer!r:.60} is not a base58 peer id")
+    if peers != sorted(set(peers)):
+        raise ValueError("peer ids must be sorted and each listed once")
+    return text
+
+
 # Field types: each states a field's type and bounds once, for every record that has such a field.
 PeerId = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
 Label = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]  # a version, a fingerprint
@@ -200,7 +230,9 @@ Measure = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # a throughput, a 
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # DHT time (hivemind's get_dht_time)
 Bitmap = Annotated[bytes, Field(min_length=_BITMAP_BYTES, max_length=_BITMAP_BYTES)]  # one bit per unit of a block
 Claims = Annotated[bytes, Field(max_length=MAX_PACKED), AfterValidator(_claims)]
+BannedPeers = Annotated[str, Field(max_length=MAX_BANS * 129), AfterValidator(_banned_peers)]
 Packed = Annotated[bytes, Field(max_length=MAX_PACKED)]
+Signature = Annotated[bytes, Field(min_length=1, max_length=1024)]
 
 # The key builders check their arguments with the same field types (a key part is a record field).
 _RUN_ID, _STAGE, _BLOCK = TypeAdapter(RunId), TypeAdapter(Stage), TypeAdapter(Block)
@@ -248,17 +280,51 @@ def move_key(run_id: str) -> str:
     return f"{check_run_id(run_id)}.moves"
 
 
-def rounds_key(run_id: str, stage: int, method: str) -> str:
-    """Where the replicas of one stage announce the rounds they start (one subkey per peer)."""
-    base = worker_key(run_id, stage).rsplit(".", 1)[0]  # "{run}.stage{i}", validated there
+def _stage_of_method(run_id: str, stage: int, method: str) -> str:
+    """``{run}.stage{i}`` for an averaging method's keys of one stage, every part checked."""
     if not method.isidentifier():
         raise RecordError(f"method: expected an identifier, got {method!r:.40}")
-    return f"{base}.{method}.rounds"
+    return worker_key(run_id, stage).rsplit(".", 1)[0]
+
+
+def rounds_key(run_id: str, stage: int, method: str) -> str:
+    """Where the replicas of one stage announce the rounds they start (one subkey per peer)."""
+    return f"{_stage_of_method(run_id, stage, method)}.{method}.rounds"
 
 
 def units_key(run_id: str, block: int) -> str:
     """The DHT key of one block of units (one subkey per trainer)."""
     return f"{check_run_id(run_id)}.units.b{_key_part(_BLOCK, 'units.block', block)}"
+
+
+def bans_key(run_id: str) -> str:
+    """The DHT key of the run's ban list (one subkey per serial: dht/bans.py)."""
+    return f"{check_run_id(run_id)}.bans"
+
+
+def averaging_prefix(run_id: str, stage: int, method: str) -> str:
+    """hivemind's averaging prefix for the replicas of one stage (``DecentralizedAverager(prefix=)``):
+    no dots, which hivemind's group keys use as their separator."""
+    return f"{_stage_of_method(run_id, stage, method).replace('.', '_')}_{method}"
+
+
+def averaging_keys(run_id: str, *, methods: tuple[str, ...], max_stages: int = MAX_STAGES) -> Iterator[str]:
+    """Every key hivemind's averagers of this run store: the matchmaking key ``{prefix}.0b{bits}``
+    of each stage, method and group bits (hivemind's ``GroupKeyManager.current_key``). Nothing
+    else: state sharing (``{prefix}.all_averagers``) is off, joiners download over gRPC."""
+    for head, bits in averaging_key_parts(run_id, methods=methods, max_stages=max_stages):
+        for tail in bits:
+            yield head + tail
+
+
+def averaging_key_parts(run_id: str, *, methods: tuple[str, ...], max_stages: int = MAX_STAGES
+                        ) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """``averaging_keys`` as (the part every key of one stage and method starts with, the group
+    bits that end them): a validator hashes the common part once (dht/key_policy.py)."""
+    bits = tuple(format(value, f"0{AVERAGING_GROUP_BITS}b") for value in range(2 ** AVERAGING_GROUP_BITS))
+    for stage in range(max_stages):
+        for method in methods:
+            yield f"{averaging_prefix(run_id, stage, method)}.0b", bits
 
 
 def owned_subkey(peer_id: str, owner_public_key: str) -> str:
@@ -549,6 +615,31 @@ class UnitBlockRecord(Record):
                    updated_at=now, credential=credential)
 
 
+class BanListRecord(Record):
+    """The peers the run's operator banned, as of ``serial`` (higher serials are newer lists).
+
+    Signed by the run's issuing CA (``signer``: its certificate, PEM, which the pinned root signed;
+    ``signature`` over the other fields, dht/bans.py). ``banned``: peer ids, one a line, sorted.
+    Stored under ``bans_key(run_id)`` with the serial's decimal text as subkey, so a newer list
+    never has to outlive an older one's expiration to be found.
+    """
+
+    KIND: ClassVar[str] = "bans"
+
+    run_id: RunId
+    serial: Count
+    issued_at: Seconds
+    banned: BannedPeers
+    signer: Packed
+    signature: Signature
+
+    def dht_key(self) -> str:
+        return bans_key(self.run_id)
+
+    def peers(self) -> frozenset[str]:
+        return frozenset(self.banned.split("\n")) if self.banned else frozenset()
+
+
 @dataclass(frozen=True)
 class KeyFamily:
     """A family of DHT keys and the one record type stored under them, each peer under its subkey.
@@ -618,6 +709,8 @@ ROUNDS = KeyFamily("rounds", RoundRecord, slot="stage", writers=("worker",), wri
 UNIT_BLOCKS = KeyFamily("units", UnitBlockRecord, slot="block", writers=("trainer", "operator"), lasting=True,
                         max_ttl_s=8 * DAY_S)
 KEY_FAMILIES = (WORKERS, TRAINERS, MOVES, ROUNDS, UNIT_BLOCKS)
+# Not per-peer and written by no credential's role: the CA's signature decides (dht/bans.py).
+BAN_LIST = KeyFamily("bans", BanListRecord, max_ttl_s=HOUR_S)
 
 
 def typed_keys(run_id: str, *, methods: tuple[str, ...], max_stages: int = MAX_STAGES

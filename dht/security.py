@@ -23,7 +23,11 @@ Three hivemind mechanisms, each given our credentials:
   process replaces the file atomically); ``does_token_need_refreshing`` is true once the file
   changed or half the token's life is gone, so this process needs no message to follow a
   renewal. An uncredentialed or foreign peer gets no answer from an admitted one (its requests
-  are dropped, its responses ignored), so it can neither join nor store nor read.
+  are dropped, its responses ignored), so it can neither join nor store nor read. Nor can a
+  banned one (``banned``: the run's ban list as this process last read it, dht/bans.py): a ban
+  cuts a peer off the DHT within a heartbeat of its publication, whatever its credential says.
+  For a store it lets through, it marks the request's context for the record validator
+  (``STORE_CONTEXT``: who sends it, which entries come one by one).
 - ``RSASignatureValidator`` (hivemind's) with the node key: every entry of ours lives under a
   subkey ``<peer id>[owner:<ssh-rsa ...>]`` and its value carries a signature by that key, so
   only the owner can change or tombstone it. ``OwnerSignatureValidator`` is that class with one
@@ -38,10 +42,13 @@ Three hivemind mechanisms, each given our credentials:
   (``Record.from_wire``). For those keys it refuses: a plain value (it would replace every
   peer's entry), a subkey without an owner marker (unsigned), an owner key that is not the
   key of the subkey's peer id (announcing under another's id), and a value that is not a valid
-  record of that type for that peer, run and stage. Tombstones (None) pass. Other keys
-  (hivemind's own averaging keys) are left to the signature rule alone. It runs on every
+  record of that type for that peer, run and stage. Tombstones (None) pass. hivemind's own
+  averaging keys take a flag under a peer id; the ban list, a list the run's CA signed
+  (dht/bans.py); any other key is refused (dht/key_policy.py lists them all). It runs on every
   store a peer accepts and on every value a find returns, so an honest peer neither keeps nor
   believes such an entry; readers in ``SwarmDHT`` check the same again and count what they skip.
+  On an incoming store only (``STORE_CONTEXT``) it also refuses a banned writer's new entry and
+  what is over this peer's storage bounds (dht/storage_bounds.py).
   It also decides who may write each family (``KeyFamily.writers`` and ``writer_stage``): a
   worker record or round of stage *i* only from a worker credentialed for stage *i*, a move only
   from a worker of the stage it leaves, trainer records and unit blocks only from trainers. A
@@ -55,7 +62,8 @@ Three hivemind mechanisms, each given our credentials:
   to expire further ahead than its family allows (``KeyFamily.max_ttl_s``: an hour, a commit eight
   days), so no lie outlives that. A record's times must not be ahead of this peer's clock where
   other peers act on them (``Record.untimely``: a unit block's claims, dht/leases.py). Refused
-  entries are counted by kind in ``refused``; the first of each kind is a warning.
+  entries are counted by kind in ``refused`` (a node reads the counts with the ban list); the first
+  of each kind is a warning.
 
 ``DHTSecurity`` bundles all of it for one node (its state directory, the pinned root, the run):
 ``SwarmDHT.start(security=DHTSecurity.from_state_dir(d))`` starts an admitted peer, whose
@@ -74,7 +82,7 @@ import base64
 import binascii
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -82,7 +90,6 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.proto import dht_pb2
 from hivemind.proto.auth_pb2 import AccessToken
@@ -92,8 +99,11 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, Identity
 from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
+from agora.dht.bans import BanBook, BanListError
+from agora.dht.key_policy import PLAIN_TAGS, KeyTable, Refusal
 from agora.dht.ownership import EntryOwnership
-from agora.dht.records import MAX_STAGES, KeyFamily, RecordError, split_subkey, typed_keys, worker_key
+from agora.dht.records import BAN_LIST, MAX_STAGES, KeyFamily, RecordError, split_subkey, worker_key
+from agora.dht.storage_bounds import STORE_CONTEXT, IncomingStores, StorageLimits, StoreContext
 from agora.dht.store_checks import RefusedEntries, StoreTimes, refusal_kind
 
 __all__ = [
@@ -112,8 +122,6 @@ logger = logging.getLogger(__name__)
 DHT_WRITER_ROLES = ("worker", "trainer", "operator")
 # Averaging methods that keep a rounds board (pipeline/config.py SYNC_METHODS, less "none").
 ROUND_METHODS = ("sparta", "diloco")
-# hivemind's subkey tags for a plain value and for a whole dictionary (DHTProtocol.RESERVED_SUBKEYS).
-_PLAIN_TAGS = (MSGPackSerializer.dumps(None), b"")
 # What follows a typed entry's value: the writer's credential chain, base64, then "]".
 _CREDENTIAL_OPEN = b"[credential:"
 _MAX_WARNED = 256
@@ -135,6 +143,8 @@ class CredentialTokenAuthorizer(TokenAuthorizerBase):
         self._clock = clock
         self._runtime: Optional[_Runtime] = None
         self._refresh_at = 0.0  # clock time at which the current token is past half its life
+        # The run's banned peers, as this process last read them (dht/bans.py fetch_ban_list).
+        self.banned: frozenset[str] = frozenset()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -197,16 +207,25 @@ class CredentialTokenAuthorizer(TokenAuthorizerBase):
                 self._state().refused.add(refusal_kind(problem, "units"),
                                           f"DHT store refused from {identity.describe()}: {problem}")
                 return False
+            STORE_CONTEXT.set(StoreContext.of(identity.peer_id, request))  # for the record validator
         return True
 
     # ---- checks
 
     def identity_of(self, access_token: AccessToken) -> Identity:
-        """The identity a token proves, or ``CredentialError`` saying why it proves none.
+        """The identity a token proves, or ``CredentialError`` saying why it proves none (a banned
+        peer's proves none: its requests go unanswered and its replies are ignored; this node's own
+        token is exempt, so a banned node's requests still go out and are refused by the others).
 
         Every DHT request and reply carries a token, so a token whose key was once matched to its
         credential skips parsing the key again; the chain's validity (time, run) is checked each call.
         """
+        identity = self._proven_identity(access_token)
+        if identity.peer_id in self.banned and identity.peer_id != self._state().credentials.peer_id:
+            raise CredentialError("banned", f"{identity.describe()} is banned by the run's operator")
+        return identity
+
+    def _proven_identity(self, access_token: AccessToken) -> Identity:
         runtime = self._state()
         seen = (access_token.username, bytes(access_token.public_key))
         if seen in runtime.matched_keys:
@@ -278,40 +297,49 @@ class OwnedRecordValidator(RecordValidatorBase):
     """
 
     def __init__(self, run_id: str, root_pem: bytes, *, state_dir: Optional[str | Path] = None,
-                 methods: tuple[str, ...] = ROUND_METHODS, max_stages: int = MAX_STAGES, clock: Clock = time.time):
+                 methods: tuple[str, ...] = ROUND_METHODS, max_stages: int = MAX_STAGES,
+                 limits: StorageLimits = StorageLimits(), clock: Clock = time.time):
         worker_key(run_id, 0)  # validates the run id
         self.run_id = run_id
         self.root_pem = root_pem
         self.state_dir = None if state_dir is None else Path(state_dir)
-        self.methods = tuple(methods)
-        self.max_stages = max_stages
+        self.limits = limits
         self._clock = clock
-        self._keys: Optional[dict[bytes, tuple[KeyFamily, Optional[int]]]] = None
+        self._keys = KeyTable(run_id, methods=tuple(methods), max_stages=max_stages)
         self._writers: Optional[_WriterChains] = None
+        self._book: Optional[BanBook] = None
+        self._incoming: Optional[IncomingStores] = None
         self._ownership = EntryOwnership(require_owner=True)
-        self.refused = RefusedEntries()  # entries refused, by kind (the field path their refusal names)
+        self.refused = RefusedEntries()  # entries refused, by kind (read with the ban list)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_keys"] = None  # ~12k hashes: built again in the process that validates
-        state["_writers"] = None  # a verifier and caches: likewise
+        for built in ("_writers", "_book", "_incoming"):  # a verifier, the ban book, the ledger: built there
+            state[built] = None
         return state
 
-    def _key_table(self) -> dict[bytes, tuple[KeyFamily, Optional[int]]]:
-        """Key hash -> (the family that key belongs to, its slot): the schema of a key hivemind names by hash."""
-        if self._keys is None:
-            self._keys = {DHTID.generate(source=key).to_bytes(): (family, slot)
-                          for key, family, slot in typed_keys(self.run_id, methods=self.methods,
-                                                              max_stages=self.max_stages)}
-        return self._keys
+    def ban_book(self) -> BanBook:
+        """This process's newest verified ban list (dht/bans.py), against which stores are checked."""
+        if self._book is None:
+            self._book = BanBook(self.root_pem, self.run_id, clock=self._clock)
+        return self._book
+
+    def _incoming_stores(self) -> IncomingStores:
+        if self._incoming is None:
+            self._incoming = IncomingStores(self.limits, self.ban_book().is_banned)
+        return self._incoming
 
     def _chains(self) -> _WriterChains:
         if self._writers is None:
             self._writers = _WriterChains(self.root_pem, self.run_id, self.state_dir, self._clock)
         return self._writers
 
+    def _carries_credential(self, key: bytes) -> bool:
+        family = self._keys.family(key)
+        return family is not None and family[0] is not BAN_LIST
+
     def sign_value(self, record: DHTRecord) -> bytes:
-        if record.key not in self._key_table() or self.state_dir is None:
+        if not self._carries_credential(record.key) or self.state_dir is None:
             return record.value
         try:
             chain = self._chains().own()
@@ -321,27 +349,50 @@ class OwnedRecordValidator(RecordValidatorBase):
         return record.value + _CREDENTIAL_OPEN + base64.b64encode(chain) + b"]"
 
     def strip_value(self, record: DHTRecord) -> bytes:
-        if record.key not in self._key_table():
+        if not self._carries_credential(record.key):
             return record.value
         at = _credential_at(record.value)  # the position alone: validate has decoded the chain already
         return record.value if at < 0 else record.value[:at]
 
     def validate(self, record: DHTRecord) -> bool:
-        expected = self._key_table().get(record.key)
-        if expected is None:
-            return True  # not one of our typed keys
-        family, slot = expected
+        expected = self._keys.family(record.key)
         try:
-            self.check(record, family, slot)
+            if expected is None:
+                writer = self._keys.averaging_writer(record, self._clock())
+            elif expected[0] is BAN_LIST:
+                self._check_ban_list(record)
+                return True  # only the CA makes lists: they need no storage bound
+            else:
+                self.check(record, *expected)
+                writer = split_subkey(MSGPackSerializer.loads(record.subkey))[0]
+            self._incoming_stores().admit(record.key, record.subkey, record.value, record.expiration_time, writer,
+                                          self._clock())
+        except Refusal as refusal:
+            self._refuse(refusal.reason, str(refusal))
+            return False
         except (RecordError, ValueError, TypeError) as error:
-            self.refused.add(refusal_kind(str(error), family.name),
-                             f"refusing a {family.name} entry (slot {slot}): {error}")
+            name = "averaging" if expected is None else expected[0].name
+            self._refuse(refusal_kind(str(error), name), f"{name}: {error}")
             return False
         return True
 
+    def _refuse(self, reason: str, message: str) -> None:
+        self.refused.add(reason, f"DHT entry refused ({reason}): {message}")
+
+    def _check_ban_list(self, record: DHTRecord) -> None:
+        if record.subkey in PLAIN_TAGS:
+            raise RecordError("a plain value (each list lives under its serial)")
+        problem = BAN_LIST.too_lasting(record.expiration_time, self._clock())
+        if problem is not None:
+            raise RecordError(problem)
+        try:
+            self.ban_book().check(MSGPackSerializer.loads(record.value), MSGPackSerializer.loads(record.subkey))
+        except BanListError as error:
+            raise Refusal("ban_list", str(error)) from None
+
     def check(self, record: DHTRecord, family: KeyFamily, slot: Optional[int]) -> None:
         """Raise ``RecordError`` saying why ``record`` may not be stored under a key of ``family``."""
-        if record.subkey in _PLAIN_TAGS:
+        if record.subkey in PLAIN_TAGS:
             raise RecordError("a plain value under a per-peer key")
         problem = family.too_lasting(record.expiration_time, self._clock())
         if problem is not None:
@@ -430,9 +481,11 @@ class DHTSecurity:
     role: str
     peer_id: str
     owner_public_key: str  # the node key, OpenSSH text: the owner of this node's entries
+    limits: StorageLimits = field(default_factory=StorageLimits)  # what other peers' stores may hold here
 
     @classmethod
-    def from_state_dir(cls, state_dir: str | Path, *, clock: Clock = time.time) -> DHTSecurity:
+    def from_state_dir(cls, state_dir: str | Path, *, clock: Clock = time.time,
+                       limits: StorageLimits = StorageLimits()) -> DHTSecurity:
         """Read (and check) a node's state directory; ``CredentialError`` if it holds no valid credential."""
         node = NodeCredentials(state_dir, clock=clock)
         if not node.has_credential():
@@ -440,7 +493,7 @@ class DHTSecurity:
                                              "(or mint one with `agora-node authorizer issue`)")
         _, identity = node.current()
         return cls(state_dir=Path(state_dir), root_pem=node.root_pem(), run_id=identity.run_id, role=identity.role,
-                   peer_id=node.peer_id, owner_public_key=openssh_public_key(node.key).decode("ascii"))
+                   peer_id=node.peer_id, owner_public_key=openssh_public_key(node.key).decode("ascii"), limits=limits)
 
     @property
     def may_store(self) -> bool:
@@ -463,5 +516,6 @@ class DHTSecurity:
             check_if_identity_free=False,
             authorizer=CredentialTokenAuthorizer(self.state_dir, self.root_pem, self.run_id),
             record_validators=[OwnerSignatureValidator(key),
-                               OwnedRecordValidator(self.run_id, self.root_pem, state_dir=self.state_dir)],
+                               OwnedRecordValidator(self.run_id, self.root_pem, state_dir=self.state_dir,
+                                                    limits=self.limits)],
         )

@@ -34,6 +34,10 @@ Design choices:
   in ``rejections()`` and logged (warning once per entry and reason, then debug).
 - A kill -9 of the owning process must not leave hivemind's DHT process (and its p2pd)
   serving forever: the DHT process started here exits once it is orphaned.
+- The run's ban list (dht/bans.py) is read at most once per ``BAN_REFRESH_S`` (or a
+  heartbeat, which asks for it each beat) with one get in the DHT process, which also hands it
+  to that process's validators; readers then skip a banned peer's entries like any other they
+  do not believe, whatever their expiry, and ``bans`` answers the node's other checks.
 - The clock is injectable (default ``hivemind.utils.get_dht_time``) and is used for the
   expirations this peer writes and to drop entries that expired by its reading. It must
   stay within a few seconds of DHT time: hivemind's own storage prunes and refuses by
@@ -58,6 +62,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from agora.dht.bans import BAN_REFRESH_S, BanList, NodeBans, fetch_ban_list
 from agora.dht.ownership import EntryOwnership, fingerprint_mismatch
 from agora.dht.records import Record, RecordError, WorkerRecord, check_run_id, owned_subkey, worker_key
 
@@ -131,6 +136,7 @@ class SwarmDHT:
         self._written: dict[tuple[str, Optional[str]], float] = {}
         self._rejections: Counter[str] = Counter()
         self._warned: set[tuple[str, str, str]] = set()
+        self.bans = NodeBans()  # the run's ban list, as this peer's DHT process last read it
         self._peer_id: str = self._run_coroutine(_node_peer_id, "peer id")
         # A client-mode peer serves nothing, so its own storage counts for no reader: its
         # writes go to serving peers only, and "accepted" means one of them took it.
@@ -318,6 +324,21 @@ class SwarmDHT:
         Secured, only this node's own entry can be withdrawn."""
         return self.delete(worker_key(run_id, stage), subkey=self.subkey_of(peer_id))
 
+    # ---- the ban list ---------------------------------------------------------------------
+
+    def refresh_bans(self, max_age_s: float = BAN_REFRESH_S) -> Optional[BanList]:
+        """The run's newest ban list (``self.bans``), read again if the last read is older than
+        ``max_age_s``; None: none published, or ``--insecure``. ``DHTRequestError`` if it fails."""
+        if self.secured and self.bans.due(max_age_s):
+            self.bans.update(self._run_coroutine(fetch_ban_list, "ban list"))
+        return self.bans.ban_list
+
+    def _bans_for_reading(self) -> None:
+        try:
+            self.refresh_bans()
+        except DHTRequestError as error:  # the read goes on with the list held
+            logger.debug("could not read the ban list: %s", error)
+
     # ---- generic typed access -----------------------------------------------------------
 
     def store(self, key: str, record: Record, ttl: float, *, subkey: Optional[str] = None) -> bool:
@@ -426,6 +447,9 @@ class SwarmDHT:
     ) -> dict[str, Stored[R]]:
         return await asyncio.to_thread(self.owned_entries, key, record_type, latest=latest)
 
+    async def refresh_bans_async(self, max_age_s: float = BAN_REFRESH_S) -> Optional[BanList]:
+        return await asyncio.to_thread(self.refresh_bans, max_age_s)
+
     async def shutdown_async(self) -> None:
         await asyncio.to_thread(self.shutdown)
 
@@ -490,11 +514,15 @@ class SwarmDHT:
         return dict(sorted(entries.items()))
 
     def _owned(self, key: str, entries: dict[str, Stored[R]]) -> dict[str, Stored[R]]:
-        """Entries by peer id, each checked against its subkey (see ``owned_entries``)."""
+        """Entries by peer id, each checked against its subkey (see ``owned_entries``); a banned
+        peer's are skipped."""
         owned: dict[str, Stored[R]] = {}
+        self._bans_for_reading()
         for subkey, stored in entries.items():
             peer_id = getattr(stored.record, "peer_id", "")  # records without one are refused
             reason = self._ownership.problem(subkey, peer_id)
+            if reason is None and self.bans.is_banned(peer_id):
+                reason = "banned by the run's operator"
             if reason is not None:
                 self._reject(key, subkey, reason)
                 continue

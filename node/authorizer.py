@@ -11,8 +11,9 @@ Design choices:
 - The state directory is the authorizer: the CA (auth/authority.py), the ban list, the admitted
   nodes (auth/service.py) and ``serving.json`` (the run config and bootstrap peers ``serve`` was
   given, so ``issue`` mints credentials that carry them). ``ban``/``unban`` write the ban list
-  under its file lock; the serving process re-reads it on its next admission or renewal, so a
-  ban needs no restart and no RPC.
+  under its file lock; the serving process re-reads it on its next admission or renewal, and
+  publishes it, signed, in the DHT within a second (node/ban_publisher.py), where every node
+  reads it each heartbeat: a ban needs no restart and no RPC, and reaches the whole swarm.
 - ``issue --run-id R`` may create the CA, like ``serve`` does on first start: a DHT bootstrap peer
   needs a credential before it starts, and ``serve`` needs its address (``--initial-peers``).
 - ``serve`` runs the service behind the shared server plumbing (node/rpc: interceptor chain,
@@ -175,6 +176,7 @@ def _public_host(args: argparse.Namespace) -> str:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from agora.auth.service import AuthorizerService
+    from agora.node.ban_publisher import BanPublisher
     from agora.node.run_flags import run_config
     from agora.pipeline.config import config_to_dict
     from agora.pipeline.fingerprint import run_fingerprint
@@ -189,12 +191,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     own = authority.mint(Path(args.state_dir) / "self", role="operator",
                          lifetime_s=authority.issuing_lifetime_s) if args.initial_peers else None
     swarm = _coverage_peer(own, initial_peers=tuple(args.initial_peers)) if own is not None else None
-    coverage = None
+    coverage = publisher = None
+
+    def keep_own_credential() -> None:
+        if own.remaining_s() < authority.issuing_lifetime_s / 4:  # the DHT process re-reads the file
+            authority.mint(own.directory, role="operator", lifetime_s=authority.issuing_lifetime_s)
+
     if swarm is not None:
+        publisher = BanPublisher(authority, swarm)
+
         async def coverage() -> dict[int, float]:
-            if own.remaining_s() < authority.issuing_lifetime_s / 4:  # the DHT process re-reads the file
-                authority.mint(own.directory, role="operator", lifetime_s=authority.issuing_lifetime_s)
+            keep_own_credential()
             return await _read_coverage(swarm, authority.run_id, fingerprint, service.admitted())
+    else:
+        logger.warning("no DHT peer (serve with --initial-peers): bans will only refuse renewals, not reach the swarm")
     # Admissions and renewals by status code (and the bytes they cost) are its gRPC metrics; a refused
     # join is a reply, not a status: counted by the floor or field it names.
     metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="authorizer", run_id=authority.run_id,
@@ -227,8 +237,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
-        await serve_authorizer(service, args.host, args.port, public_host=_public_host(args), ready=ready, stop=stop,
-                               interceptors=hooks)
+        publishing = None if publisher is None else asyncio.create_task(publisher.run(keep_own_credential))
+        try:
+            await serve_authorizer(service, args.host, args.port, public_host=_public_host(args), ready=ready,
+                                   stop=stop, interceptors=hooks)
+        finally:
+            if publishing is not None:
+                publishing.cancel()
+                await asyncio.gather(publishing, return_exceptions=True)
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: expected 0-65535, got {args.port}")
@@ -294,8 +310,8 @@ def _peer_id(text: str) -> str:
 
 def _cmd_ban(args: argparse.Namespace) -> int:
     entry = _open_authority(args.state_dir).ban(_peer_id(args.peer_id), args.reason)
-    print(f"banned {entry.peer_id}: {entry.reason or '(no reason given)'}; its renewal will be refused, so it "
-          f"leaves within one credential lifetime")
+    print(f"banned {entry.peer_id}: {entry.reason or '(no reason given)'}; the serving authorizer publishes the ban "
+          f"list to the swarm, whose nodes refuse it from their next heartbeat, and refuses its renewal")
     return 0
 
 
@@ -437,8 +453,10 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
     serve.set_defaults(handler=_cmd_serve)
 
     ban = actions.add_parser("ban", help="ban a peer: its joins and renewals are refused",
-                             description="Ban a peer id. The serving authorizer refuses its next renewal, so it "
-                                         "leaves within one credential lifetime.")
+                             description="Ban a peer id. The serving authorizer publishes the signed ban list in "
+                                         "the DHT (with --initial-peers), and every node refuses the peer from its "
+                                         "next heartbeat: its DHT requests, records, averaging and calls; its "
+                                         "renewal is refused too.")
     ban.add_argument("peer_id", metavar="PEER_ID")
     ban.add_argument("--reason", default="", help="told to the peer when it is refused")
     state_dir(ban)

@@ -89,11 +89,20 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
                                    version=package_version())
     try:
         return run_bootstrap(args.host, args.port, tuple(args.initial_peers), args.identity_path, args.ready_file,
-                             state_dir=args.state_dir, insecure=args.insecure, on_started=lambda _: metrics.serve())
+                             state_dir=args.state_dir, insecure=args.insecure,
+                             on_started=lambda swarm: _serve_bootstrap_metrics(metrics, swarm))
     except (ValueError, DHTRequestError) as error:
         raise ConfigError(str(error)) from None
     finally:
         metrics.close()
+
+
+def _serve_bootstrap_metrics(metrics, swarm) -> None:
+    from agora.monitor.dht_metrics import DHTMetrics
+
+    if swarm.secured:  # what its validators refused, the ban list it holds
+        DHTMetrics(metrics.registry, swarm.bans)
+    metrics.serve()
 
 
 def _bootstrap_run(args: argparse.Namespace) -> str:

@@ -12,10 +12,13 @@ outlives a 1-hour credential, and the handshake knows nothing of methods, so on 
    certificate's bytes, and `check`: time, run, role): an expired or not-yet-valid credential, or
    one of another run, is UNAUTHENTICATED with the verifier's message; a role the method does not
    allow is PERMISSION_DENIED naming the role and the method;
-3. checks the run fingerprint the request carries (``agora-run-fingerprint`` metadata) where the
+3. refuses a caller the run's ban list names (PERMISSION_DENIED "banned"; `banned`, the list as
+   the node's DHT last read it, dht/bans.py): its credential may still be valid for an hour,
+   the ban holds from the node's next heartbeat;
+4. checks the run fingerprint the request carries (``agora-run-fingerprint`` metadata) where the
    policy asks for it, also under ``--insecure``: a mismatch is FAILED_PRECONDITION naming the
    first differing field, a malformed one INVALID_ARGUMENT;
-4. makes the caller known to the handler: `current_caller()` returns the `Caller` (its
+5. makes the caller known to the handler: `current_caller()` returns the `Caller` (its
    ``owner`` is what microbatches are bound to: the credential's peer id).
 
 Under ``--insecure`` there is no credential: the caller is an explicit anonymous identity,
@@ -39,7 +42,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import grpc
 
@@ -50,7 +53,8 @@ from agora.node.rpc.interceptors import CallHook, CallInfo, Clock, peer_host
 from agora.pipeline.fingerprint import FingerprintMismatch, RunFingerprint
 from agora.protos.serving import drain
 
-__all__ = ["Caller", "CallerCheck", "RefusalCounts", "current_caller", "caller_owner", "ANONYMOUS_ROLE"]
+__all__ = ["Caller", "CallerCheck", "RefusalCounts", "current_caller", "caller_owner", "nobody_banned",
+           "ANONYMOUS_ROLE"]
 
 ANONYMOUS_ROLE = "anonymous"
 
@@ -78,6 +82,11 @@ class Caller:
     def anonymous_from_peer(cls, peer: str) -> "Caller":
         """``ipv4:10.0.0.5:53122`` -> ``anonymous@10.0.0.5`` (the host, not the port: see above)."""
         return cls(owner=f"anonymous@{peer_host(peer)}", role=ANONYMOUS_ROLE)
+
+
+def nobody_banned(peer_id: str) -> bool:
+    """The ban list of a node that reads none (--insecure, tests without a DHT)."""
+    return False
 
 
 def current_caller() -> Optional[Caller]:
@@ -125,12 +134,14 @@ class _Refused(Exception):
 
 class CallerCheck(CallHook):
     """Checks every call against `policy`; `credentials=None` is the --insecure mode (anonymous
-    callers, fingerprint still checked)."""
+    callers, fingerprint still checked). `banned(peer_id)`: whether the run's ban list names a caller."""
 
     def __init__(self, *, fingerprint: RunFingerprint, credentials: Optional[NodeCredentials] = None,
                  policy: Mapping[str, Mapping[str, MethodRule]] = NODE_POLICY,
-                 refusals: Optional[RefusalCounts] = None, clock: Clock = time.monotonic):
+                 refusals: Optional[RefusalCounts] = None, clock: Clock = time.monotonic,
+                 banned: Callable[[str], bool] = nobody_banned):
         super().__init__(clock=clock)
+        self.banned = banned
         self.fingerprint = fingerprint
         self._fingerprint_text = fingerprint.text()
         self.credentials = credentials
@@ -173,6 +184,9 @@ class CallerCheck(CallHook):
                                f"{call.method} needs a {' or '.join(sorted(rule.roles))} credential; the caller "
                                f"holds a {identity.role} credential ({identity.describe()})") from None
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, error.reason, f"{call.method}: {error}") from None
+        if self.banned(identity.peer_id):
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED, "banned",
+                           f"{call.method}: banned: {identity.describe()} is on the run's ban list")
         return Caller.of_identity(identity)
 
     def _check_fingerprint(self, call: CallInfo, context: Any) -> None:

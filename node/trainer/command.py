@@ -43,6 +43,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
     from agora.dht.security import DHTSecurity
     from agora.dht.swarm import SwarmDHT
     from agora.node.trainer.units import LeasedUnits
+    from agora.monitor.dht_metrics import DHTMetrics
     from agora.monitor.metrics import CredentialMetrics
     from agora.node.observability import NodeMetrics, package_version
     from agora.node.rpc.server import run as run_loop
@@ -86,6 +87,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
         if credentials is not None:
             CredentialMetrics(node.registry, credentials.remaining_s,
                               lambda: renewer.renewals if renewer is not None else 0)
+            DHTMetrics(node.registry, swarm.bans)
         stats = TrainerStats(node.registry)
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(node.close)

@@ -39,9 +39,10 @@ from agora.dht.averaging import AveragingAdmission, RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.leases import UnitWriters, read_block
-from agora.dht.records import TRAINING_PHASES, MoveRecord, Phase, WorkerRecord, move_key
+from agora.dht.records import TRAINING_PHASES, MoveRecord, Phase, WorkerRecord, averaging_prefix, move_key
 from agora.dht.robust import RobustAggregation
 from agora.dht.swarm import SwarmDHT
+from agora.monitor.dht_metrics import DHTMetrics
 from agora.monitor.metrics import CredentialMetrics
 from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
 from agora.node.averaging.loop import AveragingLoop
@@ -118,11 +119,11 @@ def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, se
     numels = stage_parameter_numels(config.model, options.stage)
     size = averaged_vector_size(sync, SlicePartition(numels, sync.n_slices, config.seed).buffer_size)
     return SliceAverager.start(
-        swarm.hivemind_dht, prefix=f"{options.run_id}_stage{options.stage}_{sync.method}", size=size,
+        swarm.hivemind_dht, prefix=averaging_prefix(options.run_id, options.stage, sync.method), size=size,
         matchmaking_s=sync.matchmaking_s, request_s=sync.request_s, sender_s=sync.sender_s,
         reducer_s=sync.reducer_s, round_s=sync.round_s, part_size_bytes=sync.part_size_bytes,
         admission=AveragingAdmission.for_node(security, options.stage) if security is not None else None,
-        robust=robust)
+        robust=robust, banned=lambda: swarm.bans.banned)
 
 
 async def _follow_stage_epoch(swarm: SwarmDHT, worker: StageWorker, options: JoinOptions) -> None:
@@ -168,7 +169,8 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         # With credentials: mutual TLS and per-call checks (node/rpc/auth_check.py); None: --insecure.
         worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
                              credentials=credentials, outer_interceptors=[MetricsHook(RpcServerMetrics(registry))],
-                             metrics=WorkerMetrics(registry), unit_holders=_unit_holders(swarm, options, credentials))
+                             metrics=WorkerMetrics(registry), unit_holders=_unit_holders(swarm, options, credentials),
+                             banned=swarm.bans.is_banned)
 
         async def final_checkpoint() -> None:
             if checkpoints is not None and left_phase and not moves:  # a mover's state stays with its old stage
@@ -190,6 +192,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         if credentials is not None:
             CredentialMetrics(registry, credentials.remaining_s,
                               lambda: renewer.renewals if renewer is not None else 0)
+            DHTMetrics(registry, swarm.bans)
         stats = AveragingStats(config.sync.method, registry=registry) if averager is not None else None
         metrics_endpoint = metrics.serve(worker_options.announce_host)
         step, saved, averaging_state = await _restore(worker, config, options)

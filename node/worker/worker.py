@@ -82,7 +82,7 @@ import grpc
 from agora.auth.node_state import NodeCredentials
 from agora.dht.records import PHASE_TRANSITIONS, PHASES, START_PHASES, Phase
 from agora.node.inference.service import InferenceService
-from agora.node.rpc.auth_check import Caller, CallerCheck, RefusalCounts, caller_owner, current_caller
+from agora.node.rpc.auth_check import Caller, CallerCheck, RefusalCounts, caller_owner, current_caller, nobody_banned
 from agora.node.rpc.call_slots import CallSlots
 from agora.node.rpc.interceptors import interceptor_chain
 from agora.node.rpc.server import (
@@ -161,14 +161,15 @@ class StageWorker:
                  clock: Callable[[], float] = time.monotonic, logger: logging.Logger | None = None,
                  fingerprint: Optional[RunFingerprint] = None, metrics: Optional[WorkerMetrics] = None,
                  outer_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 unit_holders: Optional[UnitHolders] = None):
+                 unit_holders: Optional[UnitHolders] = None, banned: Callable[[str], bool] = nobody_banned):
         """`credentials`: the node's state directory (mutual TLS and per-call checks); None serves
         plaintext to anonymous callers (--insecure). `fingerprint`: this run's, by default
         `run_fingerprint(config)`; callers must send the same with every Stage request.
         `interceptors` run after the per-call credential check, `outer_interceptors` before it
         (they see every call, refused ones included: the gRPC metrics hook). `unit_holders`: the
         units' lease holders, the only callers whose work and reports of a unit are taken (with
-        `credentials`; node/worker/unit_holders.py)."""
+        `credentials`; node/worker/unit_holders.py). `banned`: whether
+        the run's ban list names a peer (`SwarmDHT.bans.is_banned`); its calls are refused."""
         self.config = config
         self.stage_index = stage_index
         self.run_id = run_id
@@ -184,7 +185,8 @@ class StageWorker:
         # What a request may declare and carry (node/replica/bounds.py); a bad max_rows fails here.
         self.geometry = RequestGeometry.from_config(self.config, stage_index, self.options.max_rows)
         self.refusals = RefusalCounts()  # refused calls by reason (auth, fingerprint, ownership)
-        check = CallerCheck(fingerprint=self.fingerprint, credentials=credentials, refusals=self.refusals, clock=clock)
+        check = CallerCheck(fingerprint=self.fingerprint, credentials=credentials, refusals=self.refusals, clock=clock,
+                            banned=banned)
         self._interceptors = interceptor_chain(check, *interceptors, outer=outer_interceptors, clock=clock)
         self._announced_host: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")

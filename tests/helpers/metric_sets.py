@@ -7,6 +7,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from agora.dht.averaging import RoundResult
+from agora.dht.bans import BanList, BanStatus, NodeBans
+from agora.monitor.dht_metrics import DHTMetrics
 from agora.monitor.metrics import CredentialMetrics, node_info
 from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
@@ -30,6 +32,9 @@ def every_role(registry: CollectorRegistry) -> None:
     server.received.labels(method="Forward").inc(100)
     server.sent.labels(method="Forward").inc(100)
     CredentialMetrics(registry, lambda: 1800.0, lambda: 2)
+    bans = NodeBans()
+    bans.update(BanStatus(BanList(RUN, 3, 0.0, frozenset({"QmBanned"})), {"unknown_key": 1, "storage": 2}))
+    DHTMetrics(registry, bans)
     stats = AveragingStats("sparta", registry=registry)
     stats.record(RoundResult("committed", 3, None, participants=("a", "b"), received_fraction=1.0, duration_s=0.4,
                              bytes_sent=100, bytes_received=100, rejections={"outlier": 1}), applied=True,

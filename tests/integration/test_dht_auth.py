@@ -47,8 +47,10 @@ from agora.dht import DHTRequestError, SwarmDHT, WorkerRecord, worker_key
 from agora.dht.averaging import AdmissionGate, AveragingAdmission, SliceAverager, round_group_bits
 from agora.dht.bootstrap import main as bootstrap_main
 from agora.dht.bootstrap import run_bootstrap
-from agora.dht.records import RoundRecord, move_key, owned_subkey, rounds_key, trainer_key, units_key
+from agora.dht.records import (RoundRecord, averaging_prefix, move_key, owned_subkey, rounds_key, trainer_key,
+                               units_key)
 from agora.pipeline.fingerprint import RunFingerprint
+from polling import eventually
 from record_samples import SAMPLES
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,15 +111,6 @@ def make_record(swarm_or_peer, stage: int, **overrides) -> WorkerRecord:
                   fingerprint=OURS.text())
     fields.update(overrides)
     return WorkerRecord(**fields)
-
-
-def eventually(predicate, *, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (result := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-    return result
 
 
 # ---- the authorizer, without a network ---------------------------------------------------------
@@ -209,8 +202,8 @@ def test_the_record_validator_admits_only_owned_well_formed_entries(authority, w
     good = make_record(a_id, 0).to_wire()
     assert validator.validate(entry(good))
     assert validator.validate(entry(None))  # the owner's tombstone
-    assert validator.validate(entry(good, key=DHTID.generate(source="elsewhere").to_bytes()))  # not our key
     refused = {
+        "a key of no family": entry(good, key=DHTID.generate(source="elsewhere").to_bytes()),
         "unsigned subkey": entry(good, subkey=a_id),
         "no signature": entry(good, sign=False),
         "plain value": DHTRecord(key, MSGPackSerializer.dumps(None), MSGPackSerializer.dumps(good), 1e12),
@@ -379,10 +372,11 @@ def start_attacker(swarm_peer: SwarmDHT, state_dir: Path, root_pem: bytes, **kwa
 
 
 async def _store_and_find_at(_dht, node, *, peer_id: str, key: str):
-    """Run in a DHT process: one raw store and one find RPC at ``peer_id`` (None: no valid answer)."""
+    """Run in a DHT process: one raw store and one find RPC at ``peer_id`` (None: no valid answer).
+    What it stores is what hivemind's matchmaking stores: a flag under the sender's peer id."""
     target, key_id = PeerID.from_base58(peer_id), DHTID.generate(source=key)
-    stored = await node.protocol.call_store(target, [key_id], [MSGPackSerializer.dumps("hello")],
-                                            get_dht_time() + 30)
+    stored = await node.protocol.call_store(target, [key_id], [MSGPackSerializer.dumps(True)],
+                                            get_dht_time() + 30, subkeys=[node.peer_id.to_bytes()])
     found = await node.protocol.call_find(target, [key_id])
     return None if stored is None else list(stored), None if found is None else found[key_id][0] is not None
 
@@ -398,14 +392,42 @@ def test_an_uncredentialed_peer_can_neither_join_nor_store_nor_read(swarm):
     first, second = swarm
     with pytest.raises(DHTRequestError, match="none of the initial_peers responded"):
         SwarmDHT.start(initial_peers=first.visible_maddrs(), startup_timeout=20, join_attempts=1)
-    key = f"free-key-{time.monotonic_ns()}"  # outside the run's typed keys: only the authorizer decides
-    assert store_and_find(second, first, key) == ([True], True)  # an admitted peer: stored, then found
+    key = f"{averaging_prefix(RUN, 5, 'sparta')}.0b"  # a matchmaking key of the run: admitted peers store there
+    assert store_and_find(second, first, f"{key}0011") == ([True], True)  # an admitted peer: stored, then found
     intruder = SwarmDHT.start(initial_peers=first.visible_maddrs(), ensure_bootstrap_success=False)
     try:
-        assert store_and_find(intruder, first, f"{key}-intruder") == (None, None)  # no answer to either
-        assert first.hivemind_dht.get(f"{key}-intruder", latest=True) is None
+        assert store_and_find(intruder, first, f"{key}0100") == (None, None)  # no answer to either
+        assert first.hivemind_dht.get(f"{key}0100", latest=True) is None
     finally:
         intruder.shutdown()
+
+
+async def _store_at(_dht, node, *, peer_id: str, key: str, value, subkey):
+    """Run in a DHT process: one raw store RPC at ``peer_id`` (None: no answer)."""
+    stored = await node.protocol.call_store(PeerID.from_base58(peer_id), [DHTID.generate(source=key)],
+                                            [MSGPackSerializer.dumps(value)], get_dht_time() + 30, subkeys=[subkey])
+    return None if stored is None else list(stored)
+
+
+@pytest.mark.slow
+def test_a_key_of_no_family_is_refused_and_the_runs_matchmaking_keys_take_only_a_flag(swarm):
+    first, second = swarm
+
+    def store(key: str, value, subkey):
+        probe = functools.partial(_store_at, peer_id=first.peer_id, key=key, value=value, subkey=subkey)
+        return second.hivemind_dht.run_coroutine(probe, return_future=True).result(20)
+
+    first.refresh_bans(max_age_s=0)  # the node's read of its DHT process, its refusal counts included
+    before = first.bans.refused().get("unknown_key", 0)
+    own = PeerID.from_base58(second.peer_id).to_bytes()
+    matchmaking = f"{averaging_prefix(RUN, 6, 'sparta')}.0b0101"
+    assert store(matchmaking, True, own) == [True]
+    for key, value, subkey in (("free-key", "hello", None), (f"{RUN}.stage6.anything", "hello", second.peer_id),
+                               (f"{averaging_prefix(RUN, 6, 'sparta')}.0b00101", True, own),  # five group bits
+                               (matchmaking, "not a flag", own)):
+        assert store(key, value, subkey) == [False], key
+    first.refresh_bans(max_age_s=0)
+    assert first.bans.refused()["unknown_key"] - before == 3
 
 
 @pytest.mark.slow
@@ -571,6 +593,7 @@ def test_an_admitted_bootstrap_lets_admitted_peers_in_and_no_one_else(mint, tmp_
 # ---- averaging -----------------------------------------------------------------------------------
 
 TIMEOUTS = dict(matchmaking_s=3.0, request_s=1.0, sender_s=2.0, reducer_s=4.0, round_s=20.0)
+PREFIX = averaging_prefix(RUN, 0, "sparta")  # admitted peers store only the run's matchmaking keys
 SIZE = 1000
 
 
@@ -593,7 +616,7 @@ def averaging(swarm, worker_dirs, mint):
         for peer, state_dir in ((first, worker_dirs[0]), (second, worker_dirs[1]), (intruder, None)):
             security = None if state_dir is None else DHTSecurity.from_state_dir(state_dir)
             admission = None if security is None else AveragingAdmission.for_node(security, 0)
-            averagers.append(SliceAverager.start(peer.hivemind_dht, prefix="authavg", size=SIZE,
+            averagers.append(SliceAverager.start(peer.hivemind_dht, prefix=PREFIX, size=SIZE,
                                                  part_size_bytes=16 * 1024, admission=admission, **TIMEOUTS))
         yield averagers, (intruder_dir / CREDENTIAL_FILE).read_bytes()
     finally:
@@ -622,7 +645,7 @@ def test_an_intruder_is_refused_at_the_door_and_the_honest_pair_averages_without
                                   (intruder, torch.full((SIZE,), 1000.0), dict(common, credential=intruder_chain))])
     for thread in threads[:2]:
         thread.start()
-    eventually(lambda: declared(first, "authavg", 1) >= 2, timeout=10, what="the honest pair to declare")
+    eventually(lambda: declared(first, PREFIX, 1) >= 2, timeout=10, what="the honest pair to declare")
     threads[2].start()  # later: the honest peers lead, the intruder asks to join them
     for thread in threads:
         thread.join(timeout=60)
@@ -645,7 +668,7 @@ def test_a_group_with_an_unadmitted_member_is_refused_by_every_honest_member(swa
         (intruder, torch.full((SIZE,), 1000.0), dict(common, credential=intruder_chain)),
         (a, torch.ones(SIZE), common), (b, torch.full((SIZE,), 2.0), common)])
     threads[0].start()
-    eventually(lambda: declared(swarm[0], "authavg", 2) >= 1, timeout=10, what="the intruder to declare")
+    eventually(lambda: declared(swarm[0], PREFIX, 2) >= 1, timeout=10, what="the intruder to declare")
     threads[1].start()
     threads[2].start()
     for thread in threads:

@@ -8,6 +8,7 @@ from hivemind.averaging.key_manager import is_valid_group
 
 from agora.dht.averaging import GROUP_BITS, estimated_bytes, round_group_bits
 from agora.dht.records import RecordError, RoundRecord, rounds_key
+from agora.node.averaging.loop import ROUND_LEAD
 from agora.node.averaging.sparta import (
     MEMBER_WEIGHT_FLOOR,
     SlicePartition,
@@ -100,9 +101,11 @@ def test_rounds_are_due_every_n_steps_or_when_announced():
 
 def test_same_round_same_group_key_and_nothing_else():
     bits = [round_group_bits(r) for r in range(300)]
-    assert len(set(bits)) == 300 and all(len(b) == GROUP_BITS for b in bits)
-    assert round_group_bits(5) == "0000000000000101"
-    assert round_group_bits(5) == round_group_bits(5 + 2**GROUP_BITS)  # wraps, far beyond any drift
+    assert all(len(set(bits[r:r + 2**GROUP_BITS])) == 2**GROUP_BITS for r in range(300 - 2**GROUP_BITS))
+    assert all(len(b) == GROUP_BITS for b in bits)
+    assert round_group_bits(5) == "0101"
+    assert round_group_bits(5) == round_group_bits(5 + 2**GROUP_BITS)  # wraps, beyond any drift:
+    assert 2**GROUP_BITS > 2 * ROUND_LEAD  # replicas join rounds at most ROUND_LEAD past the stage's
     assert all(is_valid_group(f"demo_stage1_sparta.0b{b}") for b in bits[:5])
     with pytest.raises(ValueError):
         round_group_bits(-1)
