@@ -54,6 +54,7 @@ from agora.auth.settings import AuthorizerSettings
 from agora.dht.records import Phase
 from agora.monitor.worker_metrics import RpcServerMetrics
 from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments, package_version
+from agora.node.rpc.call_slots import CallSlots
 from agora.node.rpc.interceptors import interceptor_chain
 from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.rpc.server import add_health_and_reflection, bind, create_server, run, set_serving
@@ -102,7 +103,7 @@ async def start_authorizer_server(service: AuthorizerService, host: str, port: i
     (no SO_REUSEPORT): a second authorizer on it fails to start."""
     server = create_server(interceptors=interceptor_chain(outer=interceptors), max_message_bytes=_MAX_MESSAGE_BYTES,
                            options=[("grpc.so_reuseport", 0)],
-                           maximum_concurrent_rpcs=service.settings.max_concurrent_rpcs)
+                           slots=CallSlots(calls=service.settings.max_concurrent_rpcs))
     add_authorizer_service(server, service)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     try:

@@ -208,7 +208,7 @@ def test_the_record_validator_refuses_a_relayed_new_entry_of_a_banned_writer_but
     assert reader.validate(record)  # a find: readers drop it (SwarmDHT), the dictionary stays whole
     assert not stored_by_another(single=True)
     assert stored_by_another(single=False)
-    assert honest.refused == {"banned": 1}
+    assert honest.refused.snapshot() == {"banned": 1}
 
 
 def test_a_banned_trainers_unit_commits_no_longer_count(swarm, lift):
