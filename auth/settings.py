@@ -15,9 +15,14 @@ from typing import Optional
 from agora.auth.authority import DEFAULT_CREDENTIAL_LIFETIME_S
 from agora.auth.policy import Floors
 
-__all__ = ["AuthorizerSettings", "JOIN_ROLES"]
+__all__ = ["AuthorizerSettings", "JOIN_ROLES", "OPEN_ROLES"]
 
 JOIN_ROLES = ("worker", "trainer", "monitor", "client")  # operator credentials are minted offline only
+# What a stranger is admitted as by default: a contributor hosting a stage, or a read-only monitor.
+# A trainer chooses the data and the targets of every gradient and holds leases, and a client spends
+# the workers' inference capacity, so both come from the operator (`authorizer issue`) unless it
+# opens them (`--join-roles`).
+OPEN_ROLES = ("worker", "monitor")
 
 
 def _positive_rate(flag: str, rate: float, burst: int) -> None:
@@ -51,9 +56,8 @@ class AuthorizerSettings:
     queue_retry_after_s: float = 5.0
     measurement_ttl_s: float = 600.0  # a queued node's preflight stays valid this long
     # Roles a node may join as by itself; the others only with a credential the operator mints
-    # (`authorizer issue`), which renews as usual. A trainer chooses the data and the targets of
-    # the gradients it sends, so an open run may keep trainers to its operator's machines.
-    join_roles: tuple[str, ...] = JOIN_ROLES
+    # (`authorizer issue`), which renews as usual (OPEN_ROLES says why trainers are not among them).
+    join_roles: tuple[str, ...] = OPEN_ROLES
 
     @property
     def newcomer_calls(self) -> int:

@@ -3,7 +3,7 @@ against the same run without the flood, side by side in one run (phases alternat
 
 `agora-node authorizer serve` runs in a process of its own with its default limits, except that
 renewals are not rate limited (so their latency is measured, not their bucket). The measured side,
-in this process, joins M trainers C at a time, each from a network of its own (127.1.i.1), and
+in this process, joins M monitors C at a time, each from a network of its own (127.1.i.1), and
 renews one credential R times in turn from another (127.2.0.1): the node's own client code
 (auth/admission.py), each call through a TCP relay that dials from that source address. The flood,
 a second process, calls from K addresses of 127.0.0.0/24 as fast as it is answered, ignoring
@@ -110,13 +110,13 @@ async def _flood_caller(address: str, root_pem: bytes, kind: str, stop: asyncio.
         stub = adapter.AuthorizerStub(channel)
         while not stop.is_set():
             try:
-                role = "worker" if kind == "preflight" else "trainer"
+                role = "worker" if kind == "preflight" else "monitor"
                 challenge = await stub.get_challenge(adapter.ChallengeRequest(role=role), timeout=30)
                 calls["OK"] += 1
                 if kind == "preflight":
                     await stub.download(challenge.nonce, max_bytes=challenge.download_bytes, timeout=30)
                 elif kind == "forge":
-                    await stub.join(adapter.JoinRequest(nonce=challenge.nonce, public_key_pem=key_pem, role="trainer",
+                    await stub.join(adapter.JoinRequest(nonce=challenge.nonce, public_key_pem=key_pem, role="monitor",
                                                         fingerprint="x", signature=b"forged"), timeout=30)
                 if kind != "ask":
                     calls["OK"] += 1
@@ -164,13 +164,13 @@ def _run_fingerprint(config: dict) -> str:
 
 
 async def _joins(address: str, root_fingerprint: str, nodes: list[NodeCredentials], concurrency: int) -> float:
-    """Admissions per second of `nodes` (trainers), `concurrency` at a time, each from its own network."""
+    """Admissions per second of `nodes` (monitors: admitted without a preflight, as strangers may be), `concurrency` at a time, each from its own network."""
     async with relays(address, [JOIN_SOURCE.format(i) for i in range(len(nodes))]) as relayed:
         gate = asyncio.Semaphore(concurrency)
 
         async def one(node: NodeCredentials, relay: str) -> None:
             async with gate:
-                await admit(relay, root_fingerprint, node, role="trainer", fingerprint=_run_fingerprint)
+                await admit(relay, root_fingerprint, node, role="monitor", fingerprint=_run_fingerprint)
 
         started = time.monotonic()
         await asyncio.gather(*(one(node, relay) for node, relay in zip(nodes, relayed)))
@@ -257,7 +257,7 @@ def _report(phases: list[Phase], args: argparse.Namespace, command: str, loads: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--joins", type=int, default=40, help="trainers admitted per phase (M)")
+    parser.add_argument("--joins", type=int, default=40, help="monitors admitted per phase (M)")
     parser.add_argument("--concurrency", type=int, default=4, help="admissions at a time (C)")
     parser.add_argument("--renewals", type=int, default=200, help="renewals timed per phase (R)")
     parser.add_argument("--flooders", type=int, default=32, help="flooding addresses in 127.0.0.0/24 (K)")

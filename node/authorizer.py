@@ -50,7 +50,7 @@ from agora.auth.credentials import ROLES
 from agora.auth.keys import write_private_file
 from agora.auth.node_state import NodeCredentials
 from agora.auth.policy import DEFAULT_FLOORS, Floors
-from agora.auth.settings import AuthorizerSettings
+from agora.auth.settings import JOIN_ROLES, OPEN_ROLES, AuthorizerSettings
 from agora.dht.records import Phase
 from agora.monitor.worker_metrics import RpcServerMetrics
 from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments, package_version
@@ -201,9 +201,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if swarm is not None:
         publisher = BanPublisher(authority, swarm)
 
-        async def coverage() -> dict[int, float]:
+        async def read_coverage() -> dict[int, float]:
             keep_own_credential()
             return await _read_coverage(swarm, authority.run_id, fingerprint, service.admitted())
+        coverage = read_coverage
     else:
         logger.warning("no DHT peer (serve with --initial-peers): bans will only refuse renewals, not reach the swarm")
     # Admissions and renewals by status code (and the bytes they cost) are its gRPC metrics; a refused
@@ -433,11 +434,12 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
                             "newcomers never spend them (default %(default)g)")
     serve.add_argument("--renew-burst", type=int, default=_DEFAULTS.renew_burst,
                        help="renewals at once per address and per peer (default %(default)d)")
-    serve.add_argument("--join-roles", default="worker,trainer,monitor,client", metavar="ROLES",
-                       help="roles a node may join as by itself, comma-separated (default worker,trainer,monitor,"
-                            "client: a client runs inference only, agora-node generate/serve); "
-                            "leave trainer out to keep trainers, which choose the data and targets of every gradient, "
-                            "to machines the operator credentials with `authorizer issue --role trainer`")
+    serve.add_argument("--join-roles", default=",".join(OPEN_ROLES), metavar="ROLES",
+                       help=f"roles a node may join as by itself, comma-separated, of {','.join(JOIN_ROLES)} "
+                            f"(default {','.join(OPEN_ROLES)}); the others need a credential the operator mints "
+                            "with `authorizer issue --role R`, which renews as usual: a trainer chooses the data "
+                            "and the targets of every gradient, a client (generate/serve) spends the workers' "
+                            "inference capacity")
     serve.add_argument("--max-concurrent-rpcs", type=int, default=_DEFAULTS.max_concurrent_rpcs, metavar="N",
                        help="calls the port serves at once; newcomers (preflights, joins) may hold three quarters, "
                             "so renewals always find room (default %(default)d)")

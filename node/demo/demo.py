@@ -28,6 +28,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from agora.node.authorizer import LOCAL_RUN_FLAGS, issue_credential
 from agora.node.demo.launcher import warm_up
 from agora.node.demo.processes import ChildFailed, ChildProcess, Placement, ProcessGroup, agora_node_command
 from agora.node.demo.chaos import Chaos, ChaosEvent
@@ -130,7 +131,7 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
                 start = ["--start-step", str(resume_step)]
             command = agora_node_command(
                 *common, "trainer", *options.run_flags(), *swarm, *admission,
-                *_state_dir(options, workdir, name),
+                *_issued_state_dir(options, workdir, name, "trainer"),
                 "--trainer-index", str(index), "--trainers", str(options.trainers), *start,
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
                 *([] if options.max_staleness is None else ["--max-staleness", str(options.max_staleness)]),
@@ -330,6 +331,17 @@ def _state_dir(options: DemoOptions, workdir: Path, name: str) -> list[str]:
     return [] if options.insecure else ["--state-dir", str(workdir / f"{name}.state")]
 
 
+def _issued_state_dir(options: DemoOptions, workdir: Path, name: str, role: str) -> list[str]:
+    """`_state_dir` for a role the authorizer does not admit by itself (a trainer, a client): the
+    demo is the operator and mints its credential first (`agora-node authorizer issue`), as an
+    operator does for the machines it runs. The node renews it through the authorizer as usual."""
+    flags = _state_dir(options, workdir, name)
+    if flags:
+        lifetime = {} if options.credential_lifetime is None else {"lifetime_s": options.credential_lifetime}
+        issue_credential(str(workdir / "authorizer"), flags[1], role=role, **lifetime)
+    return flags
+
+
 def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, common: list[str],
                      extra: list[str] = ()) -> list[str]:
     """The run's DHT bootstrap peer; its multiaddrs. With admission, the operator credentials it offline
@@ -338,8 +350,6 @@ def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, c
     boot_ready = workdir / "bootstrap.ready"
     boot_flags = ["--insecure"]
     if not options.insecure:
-        from agora.node.authorizer import issue_credential
-
         boot_flags = ["--state-dir", str(workdir / "bootstrap.state")]
         issue_credential(str(workdir / "authorizer"), str(workdir / "bootstrap.state"), role="operator",
                          run_id=options.run_id, lifetime_s=24 * 3600)
@@ -354,8 +364,6 @@ def _start_authorizer(group: ProcessGroup, options: DemoOptions, workdir: Path, 
     """The run's authorizer, with floors low enough for one machine's loopback and the limits of a
     local run (every node shares one address and network; the dial-back reaches private addresses,
     which the WAN harness's namespaces use); its address."""
-    from agora.node.authorizer import LOCAL_RUN_FLAGS
-
     ready = workdir / "authorizer.ready"
     lifetime = [] if options.credential_lifetime is None else ["--credential-lifetime", str(options.credential_lifetime)]
     command = agora_node_command(

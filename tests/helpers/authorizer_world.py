@@ -21,7 +21,7 @@ from agora.auth.keys import KEY_FILE, generate_key, private_key_pem, write_priva
 from agora.auth.node_state import NodeCredentials
 from agora.auth.policy import Floors
 from agora.auth.service import AuthorizerService
-from agora.auth.settings import AuthorizerSettings
+from agora.auth.settings import JOIN_ROLES, AuthorizerSettings
 from agora.node.authorizer import start_authorizer_server
 from agora.pipeline.config import PRESETS, config_to_dict
 from agora.pipeline.fingerprint import run_fingerprint
@@ -33,7 +33,10 @@ PEERS = ("/ip4/203.0.113.5/tcp/31337/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7
 # Tests run on loopback: no floor but the one a test raises.
 OPEN = Floors(min_upload_mbit=0, min_download_mbit=0, max_rtt_ms=float("inf"), min_accelerator_gb=0, min_ram_gb=0)
 # The dial-back reaches workers on loopback only in a local run.
-SMALL = dict(download_bytes=256 << 10, upload_bytes=256 << 10, latency_probes=3, local_network=True)
+# Every role may join by itself here: these tests exercise each role's own join. What a served
+# authorizer admits by default (workers and monitors only) has a test of its own.
+SMALL = dict(download_bytes=256 << 10, upload_bytes=256 << 10, latency_probes=3, local_network=True,
+             join_roles=JOIN_ROLES)
 
 
 @pytest.fixture(scope="module")

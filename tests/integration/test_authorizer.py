@@ -80,24 +80,28 @@ def test_trainers_skip_floors_and_the_cap_and_operators_cannot_join(authority, n
     assert {entry.role for entry in admitted} == {"trainer", "monitor"}
 
 
-def test_a_run_can_keep_trainers_to_credentials_its_operator_mints(authority, nodes, tmp_path):
-    """--join-roles worker,monitor: a trainer cannot join by itself; one the operator minted renews."""
+def test_by_default_trainers_and_clients_need_a_credential_their_operator_mints(authority, nodes, tmp_path):
+    """A stranger joins as a worker or a monitor only; a trainer or client the operator minted renews."""
     clock = Clock()
     minted = authority.mint(tmp_path / "ci-trainer", role="trainer", lifetime_s=600.0)
+    default = AuthorizerSettings().join_roles
+    assert default == ("worker", "monitor")
 
     async def main():
-        async with serving(authority, join_roles=("worker", "monitor"), credential_lifetime_s=600.0,
+        async with serving(authority, join_roles=default, credential_lifetime_s=600.0,
                            clock=clock) as (service, address):
-            with pytest.raises(AdmissionError, match=r"admits trainers with a credential from its operator only "
-                                                     r"\(`agora-node authorizer issue --role trainer`\)"):
-                await join(address, nodes(0), authority, role="trainer")
+            for role in ("trainer", "client"):
+                with pytest.raises(AdmissionError, match=rf"admits {role}s with a credential from its operator only "
+                                                         rf"\(`agora-node authorizer issue --role {role}`\)"):
+                    await join(address, nodes(0), authority, role=role)
             worker = await join(address, nodes(1), authority)
+            monitor = await join(address, nodes(2), authority, role="monitor")
             clock.offset = 30.0
             renewed = await CredentialRenewer(address, minted, on_revoked=pytest.fail).renew_once()
-            return worker, renewed
+            return worker, monitor, renewed
 
-    worker, renewed = run(main())
-    assert worker.role == "worker" and renewed.role == "trainer"
+    worker, monitor, renewed = run(main())
+    assert (worker.role, monitor.role, renewed.role) == ("worker", "monitor", "trainer")
     with pytest.raises(ValueError, match="--join-roles"):
         AuthorizerSettings(join_roles=("worker", "operator")).validate()
 
