@@ -130,8 +130,8 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
                 _truncate_log(log, resume_step)
                 start = ["--start-step", str(resume_step)]
             command = agora_node_command(
-                *common, "trainer", *options.run_flags(), *swarm, *admission,
-                *_issued_state_dir(options, workdir, name, "trainer"),
+                *common, "trainer", *options.run_flags(), *swarm,
+                *_operator_issued(options, workdir, name, "trainer", admission),
                 "--trainer-index", str(index), "--trainers", str(options.trainers), *start,
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
                 *([] if options.max_staleness is None else ["--max-staleness", str(options.max_staleness)]),
@@ -331,15 +331,17 @@ def _state_dir(options: DemoOptions, workdir: Path, name: str) -> list[str]:
     return [] if options.insecure else ["--state-dir", str(workdir / f"{name}.state")]
 
 
-def _issued_state_dir(options: DemoOptions, workdir: Path, name: str, role: str) -> list[str]:
-    """`_state_dir` for a role the authorizer does not admit by itself (a trainer, a client): the
-    demo is the operator and mints its credential first (`agora-node authorizer issue`), as an
-    operator does for the machines it runs. The node renews it through the authorizer as usual."""
-    flags = _state_dir(options, workdir, name)
-    if flags:
-        lifetime = {} if options.credential_lifetime is None else {"lifetime_s": options.credential_lifetime}
-        issue_credential(str(workdir / "authorizer"), flags[1], role=role, **lifetime)
-    return flags
+def _operator_issued(options: DemoOptions, workdir: Path, name: str, role: str, admission: list[str]) -> list[str]:
+    """How a role the authorizer does not admit by itself (a trainer, a client) gets in: the demo is
+    the operator and mints its credential into its state directory (`agora-node authorizer issue`),
+    as an operator does for the machines it runs; the node then starts from that credential, with
+    no join file, and renews it through the authorizer as usual. `admission`: under --insecure."""
+    if options.insecure:
+        return admission
+    state = workdir / f"{name}.state"
+    lifetime = {} if options.credential_lifetime is None else {"lifetime_s": options.credential_lifetime}
+    issue_credential(str(workdir / "authorizer"), str(state), role=role, **lifetime)
+    return ["--state-dir", str(state)]
 
 
 def _start_bootstrap(group: ProcessGroup, options: DemoOptions, workdir: Path, common: list[str],

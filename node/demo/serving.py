@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agora.node.demo.demo import (DemoOptions, _interrupt_on, _issued_state_dir, _start_authorizer, _start_bootstrap,
+from agora.node.demo.demo import (DemoOptions, _interrupt_on, _operator_issued, _start_authorizer, _start_bootstrap,
                                   _state_dir)
 from agora.node.demo.processes import ChildFailed, ProcessGroup, agora_node_command
 from agora.pipeline.config import load_config
@@ -54,8 +54,8 @@ def run_serving_demo(options: DemoOptions, *, out=sys.stdout) -> int:
         group.wait_ready(workers, options.ready_timeout_s)
         serve_ready = workdir / "serve.ready"
         serve = group.spawn("serve", agora_node_command(
-            *common, "serve", *options.run_flags(), *swarm, *admission,
-            *_issued_state_dir(options, workdir, "serve", "client"),
+            *common, "serve", *options.run_flags(), *swarm,
+            *_operator_issued(options, workdir, "serve", "client", admission),
             "--port", str(options.http_port), "--ready-file", str(serve_ready)), serve_ready)
         url = group.wait_ready([serve], options.ready_timeout_s)["serve"][0]
         generate = ["agora-node", "generate", *options.run_flags(), *swarm, *admission, "--prompt", "def "]
