@@ -275,9 +275,19 @@ def plan_stage(config: RunConfig, index: int, options: MemoryOptions, *, device_
 
 def plan_run(config: RunConfig, options: MemoryOptions, *, device_type: str, dtype: str, weights: str = "fp32",
              stages: list[int] | None = None) -> list[StagePlan]:
-    """Every stage's plan (or those in `stages`)."""
-    indices = range(len(config.layer_split)) if stages is None else stages
-    return [plan_stage(config, i, options, device_type=device_type, dtype=dtype, weights=weights) for i in indices]
+    """Every stage's plan (or those in `stages`). Stages of one shape (the kind and the number of
+    blocks: every block of a model has the same shapes) share one planning run, which takes seconds
+    to minutes on a large model: a 7-stage split plans a head, a tail and one or two bodies."""
+    split = config.layer_split
+    indices = range(len(split)) if stages is None else stages
+    by_shape: dict[tuple[bool, bool, int], StagePlan] = {}
+    plans = []
+    for index in indices:
+        shape = (index == 0, index == len(split) - 1, split[index])
+        if shape not in by_shape:
+            by_shape[shape] = plan_stage(config, index, options, device_type=device_type, dtype=dtype, weights=weights)
+        plans.append(replace(by_shape[shape], index=index))
+    return plans
 
 
 def format_plan(plans: list[StagePlan], memory_gb: float | None = None) -> str:

@@ -24,7 +24,7 @@ from agora.node.cli import main
 from agora.node.replica.compute import StageCompute
 from agora.node.replica.stash import ForwardStash
 from agora.pipeline.config import PRESETS, RuntimeConfig
-from agora.pipeline.memory import LiveBytes, MemoryOptions, plan_stage
+from agora.pipeline.memory import LiveBytes, MemoryOptions, plan_run, plan_stage
 from agora.pipeline.runtime import Runtime
 
 pytestmark = pytest.mark.timeout(240)
@@ -42,6 +42,15 @@ def _steady_state(config, index: int, runtime: Runtime, applied: int) -> tuple[i
         held = counter.held()
     del compute
     return held, counter.peak
+
+
+def test_stages_of_one_shape_share_a_plan_equal_to_their_own():
+    # tiny's 6 blocks over 4 stages: bodies of 2 and 1 blocks (2, 2, 1, 1); over 6, four bodies of one.
+    for stages in (4, 6):
+        config = PRESETS["tiny"].with_stages(stages)
+        options = MemoryOptions(microbatch=2, seq_len=32, in_flight=4, pinned_versions=1, applied=2)
+        shared = plan_run(config, options, device_type="cpu", dtype="fp32")
+        assert shared == [plan_stage(config, i, options, device_type="cpu", dtype="fp32") for i in range(stages)]
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
