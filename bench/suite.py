@@ -17,8 +17,9 @@ and blocked compute; 7 and 8 are reported as not measured until the churn and ac
 land. A row that fails is reported as failed with its error, and the others still run.
 
 `--quick` keeps every row but runs few steps, one repeat, one swarm variant per row (the
-comparisons within a row need the full run) and without admission on loopback rows: it proves
-the suite still runs end to end, in CI; its figures are not results. `--row N` runs only those
+comparisons within a row need the full run), without admission on loopback rows and without the
+wide batch shape (the same demo with other batch flags; its goals' arithmetic has unit tests): it
+proves the suite still runs end to end, in CI; its figures are not results. `--row N` runs only those
 rows; with `--update F` (the raw figures of an earlier `--json F`) it measures them again with
 F's plan, keeps F's other rows, and writes F and the table back, each rerun row marked with its
 own commit and date: after a fix, one row, not another hour. A full run
@@ -82,7 +83,7 @@ def plan_for(quick: bool, profiles: list[str] | None = None, configs: list[str] 
                          convergence_swarms=("demo --replicas 2 (sparta)",),
                          insecure=True, relay_geometries=("tiny",), relay_microbatches=20,
                          join_profiles=("agora-floor",), join_budget_s=10.0, join_chaos_s=4.0, seed=seed,
-                         rate_seconds=1.5, wide={"tiny": (16, 16)}, wide_steps={"tiny": 2}, report_shape=None,
+                         rate_seconds=1.5, wide={}, wide_steps={}, report_shape=None,
                          wide_trainers=(1,), wide_profiles=(), report_profiles=())
     return SuitePlan(quick=False, configs=tuple(configs or ("tiny", "small")), profiles=tuple(profiles or PROFILES),
                      stages={"tiny": 3, "small": 4}, steps={"tiny": 40, "small": 8}, repeats=2, equal_time_s=120.0,

@@ -1,4 +1,4 @@
-"""Exact restore, as seed 003 checked it: a synchronous demo killed with kill -9 after step 24 and
+"""Exact restore: a synchronous demo killed with kill -9 after step 24 and
 resumed from its step-20 checkpoints (`demo --resume --workdir W`) has, at step 30, every tensor
 equal (torch.equal) to the uninterrupted run's, and the same loss trace.
 
@@ -23,9 +23,9 @@ from agora.pipeline.checkpoint import load_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS, EVERY, KILL_AFTER = 30, 10, 24
-DEMO = ["--log-level", "WARNING", "demo", "--sync", "--steps", str(STEPS), "--schedule-steps", str(STEPS),
-        "--checkpoint-every", str(EVERY), "--no-monitor"]
+STEPS, EVERY, KILL_AFTER, STAGES = 30, 10, 24, 2
+DEMO = ["--log-level", "WARNING", "demo", "--sync", "--stages", str(STAGES), "--steps", str(STEPS),
+        "--schedule-steps", str(STEPS), "--checkpoint-every", str(EVERY), "--no-monitor"]
 
 
 def demo(workdir: Path, *extra: str) -> subprocess.Popen:
@@ -43,7 +43,7 @@ def steps_logged(path: Path) -> list[dict]:
 def stage_tensors(workdir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of every stage's last (step-30) checkpoint: parameters, Adam moments, step counts."""
     tensors = {}
-    for stage in range(3):
+    for stage in range(STAGES):
         step, _, (state,), _ = load_checkpoint(workdir / f"worker-s{stage}-r0.state" / "checkpoints", step=STEPS)
         assert step == STEPS
         tensors.update({f"s{stage}.{name}": value for name, value in state.model.items()})
