@@ -2,14 +2,16 @@
 files and logs in its workdir, each node's metrics page, and the summary it writes when it ends.
 
 Readiness is a file or a log line appearing, polled with a deadline (the demo is checked alive on
-every poll, so a failed run ends the wait with its output's tail, not a timeout). The demo's
-children die with it (node/demo/supervision.py); `close()` stops it with Ctrl-C first, so they
-leave cleanly, and kills it if it does not stop.
+every poll, so a failed run ends the wait with its output's tail, not a timeout). The demo dies with
+the test's process and its children with it (node/demo/supervision.py), so a test killed by its
+timeout leaves nothing behind; `close()` stops it with Ctrl-C first, so they leave cleanly, and
+kills it if it does not stop.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from agora.node.demo.supervision import PARENT_PID_ENV
 
 T = TypeVar("T")
 
@@ -78,7 +82,7 @@ class DemoRun:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "agora.node", "demo", "--workdir", str(self.work),
              "--summary-json", str(self.summary_path), *flags],
-            stdout=self._output, stderr=subprocess.STDOUT)
+            stdout=self._output, stderr=subprocess.STDOUT, env={**os.environ, PARENT_PID_ENV: str(os.getpid())})
 
     def tail(self) -> str:
         return read_text(self.output_path)[-4000:]
