@@ -11,6 +11,7 @@ import contextlib
 import socket
 import time
 
+import grpc
 import pytest
 
 from agora.auth.admission import admit
@@ -25,6 +26,7 @@ from agora.auth.settings import JOIN_ROLES, AuthorizerSettings
 from agora.node.authorizer import start_authorizer_server
 from agora.pipeline.config import PRESETS, config_to_dict
 from agora.pipeline.fingerprint import run_fingerprint
+from agora.protos import authorizer_adapter as adapter
 from tcp_relay import TcpRelay
 
 CONFIG = PRESETS["tiny"].with_stages(3)
@@ -112,6 +114,20 @@ def fingerprint_from_config(config: dict) -> str:
 def channel(address: str, authority: RunAuthority):
     """A TLS channel to `authority`'s authorizer at `address`, for tests that speak its protocol by hand."""
     return authorizer_channel(address, authority.root_pem)
+
+
+async def challenges_until_refused(address: str, root_pem: bytes, *, role: str = "trainer",
+                                   limit: int = 100) -> tuple[int, grpc.aio.AioRpcError | None]:
+    """Ask the authorizer at `address` (of the run whose root is `root_pem`) for join challenges as
+    `role` until refused (`limit` at most): how many were granted, and the refusal."""
+    async with authorizer_channel(address, root_pem) as opened:
+        stub = adapter.AuthorizerStub(opened)
+        for granted in range(limit):
+            try:
+                await stub.get_challenge(adapter.ChallengeRequest(role=role))
+            except grpc.aio.AioRpcError as error:
+                return granted, error
+    return limit, None
 
 
 @contextlib.asynccontextmanager

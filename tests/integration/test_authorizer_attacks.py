@@ -20,24 +20,11 @@ from agora.node.rpc.server import bind, run
 from agora.protos import authorizer_adapter as adapter
 from agora.protos import authorizer_pb2, authorizer_pb2_grpc
 import authorizer_world as world
-from authorizer_world import Clock, from_sources, join, serving
+from authorizer_world import Clock, challenges_until_refused, from_sources, join, serving
 
 pytestmark = pytest.mark.timeout(60)
 
 authority, keys, nodes = world.authority, world.keys, world.nodes  # fixtures
-
-
-async def _challenges_until_refused(address: str, authority,
-                                    limit: int = 100) -> tuple[int, grpc.aio.AioRpcError | None]:
-    """Ask for join challenges until refused (`limit` at most): how many were granted, and the refusal."""
-    async with world.channel(address, authority) as channel:
-        stub = adapter.AuthorizerStub(channel)
-        for granted in range(limit):
-            try:
-                await stub.get_challenge(adapter.ChallengeRequest(role="trainer"))
-            except grpc.aio.AioRpcError as error:
-                return granted, error
-    return limit, None
 
 
 def test_a_flood_from_one_network_is_refused_while_a_node_there_renews(authority, tmp_path):
@@ -50,9 +37,9 @@ def test_a_flood_from_one_network_is_refused_while_a_node_there_renews(authority
     async def main():
         async with serving(authority, join_rate_per_s=0.01, join_burst=10, credential_lifetime_s=600.0,
                            clock=clock) as (service, address):
-            refusals = [await _challenges_until_refused(address, authority)]  # from 127.0.0.1, the node's own address
+            refusals = [await challenges_until_refused(address, authority.root_pem)]  # from 127.0.0.1, the node's own address
             async with from_sources(address, [f"127.0.0.{i}" for i in range(2, 7)]) as relays:
-                refusals += [await _challenges_until_refused(relay, authority) for relay in relays]
+                refusals += [await challenges_until_refused(relay, authority.root_pem) for relay in relays]
             clock.offset = 30.0
             renewed = await CredentialRenewer(address, node, on_revoked=pytest.fail).renew_once()
             return refusals, renewed
@@ -76,9 +63,9 @@ def test_one_network_cannot_fill_the_challenge_book(authority, tmp_path):
         async with serving(authority, join_rate_per_s=100.0, join_burst=100, credential_lifetime_s=600.0,
                            clock=clock) as (service, address):
             async with from_sources(address, ["127.0.0.2", "127.0.0.3", "127.0.1.1"]) as (first, second, other):
-                granted, _ = await _challenges_until_refused(first, authority, limit=20)
-                more, refused = await _challenges_until_refused(second, authority)
-                elsewhere, _ = await _challenges_until_refused(other, authority, limit=1)
+                granted, _ = await challenges_until_refused(first, authority.root_pem, limit=20)
+                more, refused = await challenges_until_refused(second, authority.root_pem)
+                elsewhere, _ = await challenges_until_refused(other, authority.root_pem, limit=1)
             clock.offset = 30.0
             renewed = await CredentialRenewer(address, node, on_revoked=pytest.fail).renew_once()
             return granted + more, refused, elsewhere, renewed
