@@ -455,6 +455,26 @@ def test_the_authorizer_refuses_a_flood_from_one_network_while_every_node_renews
     assert "stranger_revoked" not in record  # the stranger renews like any node: admitted is admitted
 
 
+def test_every_node_renews_its_short_credential_across_the_run_without_a_failed_call(attacked):
+    """20 s credentials renew every 8-10 s, so every process renews at least twice while calls are
+    in flight (and the attacks are mounted): the trainer never fails a call or a report, and each
+    worker's TLS server presents its renewed certificate from then on."""
+    demo, _, _, summary = attacked
+    assert summary["security"] == "admitted" and summary["reroutes"] == 0 and summary["revoked"] == []
+    trainer = json.loads(demo.text("trainer-0.summary.json"))
+    assert trainer["failures_by_peer"] == {} and trainer["batch_reports_failed"] == 0 and trainer["aborts"] == {}
+    assert trainer["credential_renewals"] >= 2, trainer
+    assert summary["credential_renewals"]["trainers"] == trainer["credential_renewals"]
+    renewals = {}
+    for name in WORKERS:
+        text = demo.text(f"{name}.log")
+        renewals[name] = text.count("renewed the credential")
+        assert "serving the renewed credential" in text, name
+        assert "credential renewal failed" not in text and "credential revoked" not in text, name
+    assert min(renewals.values()) >= 2, renewals
+    assert summary["credential_renewals"]["workers"] == sum(renewals.values())
+
+
 def test_a_watch_flood_takes_the_probe_pool_and_none_of_the_trainers_calls(attacked):
     demo, record, _, summary = attacked
     watch = record["watch"]
