@@ -19,7 +19,7 @@ from agora.auth.keys import KEY_FILE, generate_key, private_key_pem, write_priva
 from agora.auth.node_state import NodeCredentials, public_key_pem
 from agora.auth.policy import Floors, sign_proof
 from agora.auth.service import AuthorizerService
-from agora.auth.settings import AuthorizerSettings
+from agora.auth.settings import JOIN_ROLES, AuthorizerSettings
 from agora.node.authorizer import start_authorizer_server
 from agora.node.rpc.server import new_event_loop
 from agora.pipeline.config import PRESETS, config_to_dict
@@ -48,7 +48,7 @@ def world(tmp_path_factory):
                                       upload_bytes=4096, latency_probes=1, join_rate_per_s=1e6, join_burst=10**6,
                                       network_join_rate_per_s=1e6, network_join_burst=10**6,
                                       challenges_per_network=4096, renew_rate_per_s=1e6, renew_burst=10**6,
-                                      dialback_timeout_s=0.2),
+                                      dialback_timeout_s=0.2, join_roles=JOIN_ROLES),  # every role's path
         run_config=config_to_dict(CONFIG), fingerprint=FINGERPRINT)
     loop = new_event_loop()
     started = loop.run_until_complete(start_authorizer_server(service, "127.0.0.1", 0))

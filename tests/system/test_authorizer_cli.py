@@ -169,7 +169,7 @@ def test_a_served_authorizer_admits_a_node_and_stops_cleanly(tmp_path, capsys):
         other_seed = dataclasses.replace(run_fingerprint(PRESETS["tiny"].with_stages(3)), seed=1).text()
         with pytest.raises(AdmissionRefused, match="seed=1"):
             run(admit(ticket.authorizer, ticket.root_fingerprint, NodeCredentials(tmp_path / "other", clock=time.time),
-                      role="trainer", fingerprint=other_seed))
+                      role="monitor", fingerprint=other_seed))
         metrics = urllib.request.urlopen(f"http://{(tmp_path / 'metrics.txt').read_text().strip()}/metrics").read()
         assert b'agora_authorizer_refusals_total{field="fingerprint.seed"} 1.0' in metrics
 

@@ -1,4 +1,4 @@
-"""A short chaos run in CI: 2 stages x 2 replicas and 2 trainers, a random worker or trainer
+"""A short chaos run in CI: 3 stages x 2 replicas and 2 trainers, a random worker or trainer
 killed -9 every few seconds and a newcomer started in its place; the run finishes,
 every unit is committed and none lost, no process is left behind, and the held-out loss is within 3%
 of the same run without faults. The longer run and its figures: bench/chaos.py."""
@@ -17,7 +17,7 @@ from agora.node.demo.summary import churn_summary, merge_logs
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = 60  # with a kill every 8 s: 2 or more kills; at 48 the chaos run came out 3.4% above the quiet one once
-RUN = ["--stages", "2", "--replicas", "2", "--trainers", "2", "--steps", str(STEPS), "--seed", "3", "--no-monitor"]
+RUN = ["--stages", "3", "--replicas", "2", "--trainers", "2", "--steps", str(STEPS), "--seed", "3", "--no-monitor"]
 
 
 def run_demo(tmp_path, name: str, *flags: str) -> tuple[int, dict]:
