@@ -72,16 +72,23 @@ from typing import Annotated, Any, ClassVar, Iterator, Literal, Mapping, Optiona
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from agora.pipeline.config import MAX_MATCHMAKING_S
+
 __all__ = ["AVERAGING_GROUP_BITS", "BAN_LIST", "BLOCK_UNITS", "CLOCK_SKEW_S", "COVERING_PHASES", "KEY_FAMILIES",
-           "MAX_BANS", "MAX_CLAIM_AGE_S", "MAX_CLAIMS", "MAX_LEASE_S", "MAX_STAGES", "MAX_UNIT_BLOCKS", "OWNER_MARKER",
-           "PHASES", "PHASE_TRANSITIONS", "START_PHASES", "SERVING_PHASES", "Phase", "SCHEMA_VERSION", "TRAINING_PHASES",
-           "BanListRecord", "KeyFamily", "MoveRecord", "Record", "RecordError", "RoundRecord", "TrainerRecord",
-           "UnitBlockRecord", "WorkerRecord", "averaging_key_parts", "averaging_keys", "averaging_prefix", "bans_key",
-           "check_run_id", "claim_problem", "move_key", "owned_subkey", "parse_endpoint", "rounds_key", "split_subkey",
-           "trainer_key", "typed_keys", "units_key", "worker_key"]
+           "MAX_BANS", "MAX_CLAIM_AGE_S", "MAX_CLAIMS", "MAX_HEARTBEAT_S", "MAX_LEASE_S", "MAX_STAGES",
+           "MAX_UNIT_BLOCKS", "OWNER_MARKER", "PHASES", "PHASE_TRANSITIONS", "START_PHASES", "SERVING_PHASES",
+           "Phase", "SCHEMA_VERSION", "TRAINING_PHASES", "BanListRecord", "KeyFamily", "MoveRecord", "Record",
+           "RecordError", "RoundRecord", "TrainerRecord", "UnitBlockRecord", "WorkerRecord", "averaging_key_parts",
+           "averaging_keys", "averaging_prefix", "bans_key", "check_run_id", "claim_problem", "move_key",
+           "owned_subkey", "parse_endpoint", "rounds_key", "split_subkey", "trainer_key", "typed_keys", "units_key",
+           "worker_key"]
 
 SCHEMA_VERSION = 2
 HOUR_S, DAY_S = 3600.0, 24 * 3600.0
+# The longest a node may leave between two announces (`join --heartbeat`, `trainer --heartbeat`): an
+# announce lives three beats, so no heartbeat family needs its entries to live longer than a few
+# minutes, and peers refuse entries meant to (KeyFamily.max_ttl_s).
+MAX_HEARTBEAT_S = 60.0
 # How far apart peers' clocks may be: hivemind refuses requests whose time is further off than this.
 CLOCK_SKEW_S = 60.0
 # hivemind's RSASignatureValidator.PUBLIC_KEY_FORMAT, as text: b"[owner:_key_]".
@@ -656,9 +663,11 @@ class KeyFamily:
 
     ``max_ttl_s``: how far ahead of now an entry may be stored to expire. A writer picks its
     entry's expiry, and hivemind keeps an entry until then, so without a bound one store could
-    leave a lie in place for good. The bounds are far above what honest writers use (a heartbeat
-    entry lives three beats, a round seconds, a commit ``leases.COMMIT_TTL_S``), so no setting of
-    theirs comes near them.
+    leave a lie in place for good (a dead member's record kept alive, keeping joiners waiting on a
+    donor that is gone). Each bound sits just above the longest that settings allow honest writers: a
+    heartbeat entry lives three beats of at most ``MAX_HEARTBEAT_S``, a move twelve, a round its
+    matchmaking window (at most ``pipeline.config.MAX_MATCHMAKING_S``) and a request, a commit
+    ``leases.COMMIT_TTL_S``.
     """
 
     name: str
@@ -701,11 +710,16 @@ class KeyFamily:
         return f"run {run_id}" if self.slot is None else f"run {run_id} {self.slot} {slot}"
 
 
-WORKERS = KeyFamily("workers", WorkerRecord, slot="stage", writers=("worker",), writer_stage="stage")
-TRAINERS = KeyFamily("trainers", TrainerRecord, writers=("trainer",))
+_HEARTBEAT_TTL_S = 4 * MAX_HEARTBEAT_S  # three beats, and room for a late one
+WORKERS = KeyFamily("workers", WorkerRecord, slot="stage", writers=("worker",), writer_stage="stage",
+                    max_ttl_s=_HEARTBEAT_TTL_S)
+TRAINERS = KeyFamily("trainers", TrainerRecord, writers=("trainer",), max_ttl_s=_HEARTBEAT_TTL_S)
 # A mover announces its move while it still holds the credential of the stage it leaves.
-MOVES = KeyFamily("moves", MoveRecord, writers=("worker",), writer_stage="from_stage")
-ROUNDS = KeyFamily("rounds", RoundRecord, slot="stage", writers=("worker",), writer_stage="stage")
+MOVES = KeyFamily("moves", MoveRecord, writers=("worker",), writer_stage="from_stage",
+                  max_ttl_s=12 * MAX_HEARTBEAT_S)  # node/worker/join.py: twelve beats, at least a minute
+# matchmaking_s plus one request, which is shorter (pipeline/config.py)
+ROUNDS = KeyFamily("rounds", RoundRecord, slot="stage", writers=("worker",), writer_stage="stage",
+                   max_ttl_s=2 * MAX_MATCHMAKING_S)
 UNIT_BLOCKS = KeyFamily("units", UnitBlockRecord, slot="block", writers=("trainer", "operator"), lasting=True,
                         max_ttl_s=8 * DAY_S)
 KEY_FAMILIES = (WORKERS, TRAINERS, MOVES, ROUNDS, UNIT_BLOCKS)

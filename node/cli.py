@@ -13,6 +13,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from agora.dht.records import MAX_HEARTBEAT_S
 from agora.node.admission import add_admission_arguments
 from agora.node.demo.supervision import PARENT_PID_ENV
 from agora.node.logs import LOG_FORMATS, configure_logging
@@ -23,6 +24,17 @@ from agora.pipeline.files import hold_folder
 from agora.pipeline.config import ConfigError
 
 __all__ = ["main", "build_parser"]
+
+
+def _heartbeat(text: str) -> float:
+    """`join --heartbeat`: seconds in (0, MAX_HEARTBEAT_S], refused by the parser in one line."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < seconds <= MAX_HEARTBEAT_S:
+        raise argparse.ArgumentTypeError(f"must be in (0, {MAX_HEARTBEAT_S:g}] seconds, got {text}")
+    return seconds
 
 
 def _cmd_train_local(args: argparse.Namespace) -> int:
@@ -339,7 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "by announced throughput; required with --insecure)")
     join.add_argument("--dht-host", default="127.0.0.1", help="address the DHT peer listens on")
     join.add_argument("--dht-port", type=int, default=0, help="DHT port (0: pick a free one)")
-    join.add_argument("--heartbeat", type=float, default=5.0, help="seconds between DHT announces")
+    join.add_argument("--heartbeat", type=_heartbeat, default=5.0,
+                      help=f"seconds between DHT announces (at most {MAX_HEARTBEAT_S:g}: peers refuse announces meant "
+                           "to outlive a few of the longest beats)")
     join.add_argument("--no-memory-check", action="store_true",
                       help="start even when the memory plan (agora-node plan) says the stage does not fit")
     join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")

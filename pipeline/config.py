@@ -39,6 +39,7 @@ else:  # pragma: no cover
 from agora.pipeline.checkpoint_meta import CheckpointError, read_meta
 
 __all__ = [
+    "MAX_MATCHMAKING_S",
     "ConfigError",
     "ModelConfig",
     "OptimConfig",
@@ -171,6 +172,9 @@ class TrainConfig:
 
 
 SYNC_METHODS = ("sparta", "diloco", "none")
+# The longest an averaging round may look for its group: its announcement in the DHT lives that long,
+# and peers refuse announcements meant to live much longer (dht/records.py).
+MAX_MATCHMAKING_S = 600.0
 # How a reducer combines its group's contributions (the averager's rules: dht/robust.py).
 AGGREGATIONS = ("centered_clip", "mean")
 
@@ -189,7 +193,7 @@ class SyncConfig:
     fragments: StrictInt = setting(4, "diloco: fragments published in turn, one per round", gt=0)
     average_optimizer_state: StrictBool = setting(
         False, "sparta: also average the Adam moments of the slice", flag="--average-optimizer-state")
-    matchmaking_s: StrictFloat = setting(40.0, "how long a round looks for its group", gt=0)
+    matchmaking_s: StrictFloat = setting(40.0, "how long a round looks for its group", gt=0, le=MAX_MATCHMAKING_S)
     request_s: StrictFloat = setting(3.0, "one matchmaking request to a would-be leader", gt=0)
     sender_s: StrictFloat = setting(30.0, "a sender silent this long is dropped from the round", gt=0)
     reducer_s: StrictFloat = setting(60.0, "a reducer silent this long: its part keeps local values", gt=0)

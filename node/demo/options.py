@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from pydantic.dataclasses import dataclass
 
+from agora.dht.records import MAX_HEARTBEAT_S
 from agora.node.run_flags import explicit_settings, options_from_args, setting_flags
 from agora.node.trainer.options import TrainerOptions
 from agora.node.worker.options import WorkerOptions
@@ -59,7 +60,7 @@ class DemoOptions:
                                    flag="--insecure")
     heartbeat_s: StrictFloat = setting(
         1.0, "seconds between the workers' DHT announces (quick failure detection on one machine; `join` "
-        "defaults to 5)", flag="--heartbeat", gt=0)
+        "defaults to 5)", flag="--heartbeat", gt=0, le=MAX_HEARTBEAT_S)
     credential_lifetime: StrictFloat | None = setting(
         None, "seconds each credential is valid (nodes renew at half life; default: the authorizer's, 1 hour)",
         flag="--credential-lifetime", ge=10)

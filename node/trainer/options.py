@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from pydantic.dataclasses import dataclass
 
-from agora.dht.records import MAX_LEASE_S
+from agora.dht.records import MAX_HEARTBEAT_S, MAX_LEASE_S
 from agora.pipeline.schema import SECTION, setting
 
 __all__ = ["TrainerOptions"]
@@ -46,7 +46,7 @@ class TrainerOptions:
     wire_dtype: Literal["fp32", "bf16", "fp16", "int8"] = setting(
         "fp32", "encoding of the boundary tensors this trainer sends (it decodes any)", flag="--wire-dtype")
     heartbeat_s: StrictFloat = setting(5.0, "seconds between announces of this trainer's progress in the DHT",
-                                       flag="--heartbeat", gt=0)
+                                       flag="--heartbeat", gt=0, le=MAX_HEARTBEAT_S)
     lease_s: StrictFloat = setting(
         30.0, "seconds a claimed global batch stays this trainer's without a renewal (renewed every third of it); "
         f"a trainer that dies gives its batches back after this; peers refuse leases over {MAX_LEASE_S:g} s",

@@ -39,7 +39,8 @@ from agora.dht.averaging import AveragingAdmission, RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.leases import UnitWriters, read_block
-from agora.dht.records import TRAINING_PHASES, MoveRecord, Phase, WorkerRecord, averaging_prefix, move_key
+from agora.dht.records import (MAX_HEARTBEAT_S, TRAINING_PHASES, MoveRecord, Phase, WorkerRecord, averaging_prefix,
+                               move_key)
 from agora.dht.robust import RobustAggregation
 from agora.dht.swarm import SwarmDHT
 from agora.monitor.dht_metrics import DHTMetrics
@@ -108,6 +109,11 @@ class JoinOptions:
     state_download_s: float = 480.0  # the whole weight-sync download, over every donor tried
     rebalance: bool = True  # move to a stage that is short of replicas (node/membership/rebalance.py)
     rebalance_s: float | None = None  # between two readings of the stages; None: 6 heartbeats
+
+    def __post_init__(self) -> None:
+        # Peers refuse announces meant to outlive a few of the longest beats (dht/records.py).
+        if not 0 < self.heartbeat_s <= MAX_HEARTBEAT_S:
+            raise ConfigError(f"--heartbeat: must be in (0, {MAX_HEARTBEAT_S:g}] seconds, got {self.heartbeat_s:g}")
 
 
 def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, security: DHTSecurity | None,

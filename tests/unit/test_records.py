@@ -12,8 +12,9 @@ import msgpack
 import pytest
 from pydantic import ValidationError
 
-from agora.dht.records import (CLOCK_SKEW_S, KEY_FAMILIES, MoveRecord, RecordError, RoundRecord, WorkerRecord,
-                               move_key, rounds_key, trainer_key, typed_keys, units_key, worker_key)
+from agora.dht.records import (CLOCK_SKEW_S, KEY_FAMILIES, MAX_HEARTBEAT_S, MoveRecord, RecordError, RoundRecord,
+                               WorkerRecord, move_key, rounds_key, trainer_key, typed_keys, units_key, worker_key)
+from agora.pipeline.config import MAX_MATCHMAKING_S
 from record_samples import SAMPLES
 
 WIRE_BYTES = {
@@ -243,8 +244,29 @@ def test_an_entry_may_not_be_stored_to_expire_further_ahead_than_its_family_allo
     from agora.dht.leases import COMMIT_TTL_S
 
     now = 1000.0
-    assert FAMILIES["workers"].too_lasting(now + 3600.0 + CLOCK_SKEW_S, now) is None
-    assert FAMILIES["workers"].too_lasting(now + 1e9, now) == "workers: expires 1000000000 s from now, more than 3600 s"
+    assert FAMILIES["workers"].too_lasting(now + 240.0 + CLOCK_SKEW_S, now) is None
+    assert FAMILIES["workers"].too_lasting(now + 3600.0, now) == "workers: expires 3600 s from now, more than 240 s"
+    assert FAMILIES["workers"].too_lasting(now + 1e9, now) == "workers: expires 1000000000 s from now, more than 240 s"
+    assert FAMILIES["trainers"].too_lasting(now + 3600.0, now) is not None
     assert FAMILIES["rounds"].too_lasting(now + 2 * 3600.0, now) is not None
-    # Honest writers stay inside: a trainer's commits live COMMIT_TTL_S.
+    # Honest writers stay inside, at the longest their settings allow: an announce lives three of the
+    # longest heartbeats, a move twelve, a round its longest matchmaking window and a request (shorter),
+    # a trainer's commits COMMIT_TTL_S.
+    assert FAMILIES["workers"].too_lasting(now + 3 * MAX_HEARTBEAT_S, now) is None
+    assert FAMILIES["trainers"].too_lasting(now + 3 * MAX_HEARTBEAT_S, now) is None
+    assert FAMILIES["moves"].too_lasting(now + 12 * MAX_HEARTBEAT_S, now) is None
+    assert FAMILIES["rounds"].too_lasting(now + 2 * MAX_MATCHMAKING_S - 1, now) is None
     assert FAMILIES["units"].too_lasting(now + COMMIT_TTL_S, now) is None
+
+
+@pytest.mark.parametrize("command", [["join", "--insecure", "--stage", "0"], ["trainer", "--insecure"],
+                                     ["demo", "--insecure"]])
+def test_a_heartbeat_longer_than_peers_let_an_announce_live_is_refused_in_one_line(command, capsys):
+    from agora.node.cli import main
+
+    try:  # refused before anything starts: by the parser (join), or by the options' schema
+        code = main([*command, "--heartbeat", str(2 * MAX_HEARTBEAT_S)])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and ("--heartbeat" in error or "heartbeat_s: must be <= 60" in error), error
