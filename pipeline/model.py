@@ -125,10 +125,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if affine else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = x.to(dtype)
+        # torch's rms_norm is one fused kernel on CUDA (computing in fp32 inside), where the widen,
+        # square, mean, scale and narrow written out are five passes over the residual stream.
+        x = F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         return x * self.weight if self.weight is not None else x
 
 
@@ -157,6 +156,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (batch, heads, seq, head_dim); rotates the first cos.shape[-1] dims of each head."""
     rotary_dims = cos.shape[-1]
+    # In x's dtype: fp32 tables would widen bf16 queries and keys, for SDPA to narrow them again.
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     rotated, passed = x[..., :rotary_dims], x[..., rotary_dims:]
     rotated = rotated * cos + _rotate_half(rotated) * sin
     return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
@@ -233,13 +234,13 @@ class Attention(nn.Module):
         if cache is not None:
             past = cache.length
             k, v = cache.extend(k, v)
-        if self.n_kv_heads != self.n_heads:
-            repeat = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        # Grouped keys and values go to SDPA as they are (no per-head copies of them).
+        gqa = self.n_kv_heads != self.n_heads
         if past == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=_cached_attention_mask(seq, past, x.device))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=_cached_attention_mask(seq, past, x.device),
+                                                 enable_gqa=gqa)
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1), basis)
 
 
