@@ -98,7 +98,7 @@ class CentralizedTrainer:
         self.stages = [build_stage(config.model, i) for i in range(len(split))]
         basis = self.stages[0].basis  # digested as generated, before it takes the compute dtype
         self.basis_checksum = basis_checksum(basis.U, basis.T) if basis is not None else "dense"
-        self.stages = [self.runtime.place_stage(stage) for stage in self.stages]
+        self.stages = [self.runtime.compile_stage(self.runtime.place_stage(stage)) for stage in self.stages]
         self.optimizers = [StageOptimizer(s, config.optim, s.index, len(split)) for s in self.stages]
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.log_json = log_json

@@ -249,6 +249,10 @@ class RuntimeConfig:
     weights: Literal["fp32", "bf16"] = setting(
         "fp32", "with dtype bf16: fp32 master weights, or bf16 weights with fp32 optimizer state (half the weight "
         "memory; updates below bf16's resolution are lost)", local=True)
+    compile: StrictBool = setting(
+        False, "compile each block's training forward and backward with torch.compile (fused kernels on a GPU; "
+        "the first microbatch of each shape waits for the compiler; inference stays eager)", flag="--compile",
+        local=True)
 
     @field_validator("device")
     @classmethod

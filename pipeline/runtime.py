@@ -134,6 +134,7 @@ class Runtime:
     device: torch.device = torch.device("cpu")
     dtype: str = "fp32"
     weights: str = "fp32"
+    compile: bool = False
 
     @classmethod
     def from_config(cls, config: RuntimeConfig) -> "Runtime":
@@ -141,7 +142,7 @@ class Runtime:
         if config.dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError(f"--dtype / runtime.dtype: bf16 requested, but {torch.cuda.get_device_name(device)} "
                               "does not support it; pass --dtype fp32")
-        return cls(device=device, dtype=config.dtype, weights=config.weights)
+        return cls(device=device, dtype=config.dtype, weights=config.weights, compile=config.compile)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -161,9 +162,9 @@ class Runtime:
         return self.is_cuda
 
     def describe(self) -> str:
-        weights = "" if self.weights == self.dtype or self.dtype == "fp32" else f", {self.weights} weights"
-        master = ", fp32 master weights" if self.dtype == "bf16" and self.weights == "fp32" else ""
-        return f"{self.device} {self.dtype}{master}{weights}"
+        weights = "" if self.dtype == "fp32" else ", fp32 master weights" if self.weights == "fp32" else \
+            f", {self.weights} weights"
+        return f"{self.device} {self.dtype}{weights}{', compiled' if self.compile else ''}"
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The compute context of a stage's forward and backward: bf16 autocast, or nothing."""
@@ -185,6 +186,12 @@ class Runtime:
         if all(t.device == self.device for t in tensors):
             return stage  # (also what lets the memory plan place a stage of fake tensors)
         return stage.to(self.device)
+
+    def compile_stage(self, stage: nn.Module) -> nn.Module:
+        """`stage` with its blocks' training path compiled when this runtime compiles (after `place_stage`)."""
+        if self.compile:
+            stage.compile_blocks()
+        return stage
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """An uninitialised host tensor to decode into: pinned where a device copies from it."""

@@ -51,6 +51,7 @@ class Stage(nn.Module):
         self.index = index
         self.n_stages = len(self.layer_split)
         self.layer_ids = stage_layer_ids(self.layer_split, index)
+        self._compiled_blocks: tuple[nn.Module, ...] = ()  # (a tuple: not registered as submodules)
         if config.tie_embeddings and self.n_stages > 1:
             raise ConfigError("model.tie_embeddings: tied embeddings need the embedding on the tail; "
                               "use a single stage or untied embeddings")
@@ -108,9 +109,16 @@ class Stage(nn.Module):
         """The residual stream after this stage's blocks."""
         h = self.residual_input(tokens, wire)
         rotary = rotary_tables(self.config, tokens.shape[1], tokens.device)
-        for block in self.layers.values():
+        for block in self._compiled_blocks or self.layers.values():
             h = block(h, rotary, self.basis)
         return h
+
+    def compile_blocks(self) -> None:
+        """Run training's forward and backward through each block compiled by torch.compile. The
+        compiled wrappers share the blocks' parameters; blocks of one shape share compiled code, so
+        the compiler runs once per microbatch shape, not once per block. Inference calls the blocks
+        with a KV cache whose length changes every token, so it keeps the eager ones."""
+        self._compiled_blocks = tuple(torch.compile(block) for block in self.layers.values())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.final_norm(hidden)

@@ -191,7 +191,8 @@ class StageCompute:
         self.synchronous = synchronous
         self.local_batch = local_batch
         self.runtime = runtime if runtime is not None else Runtime.from_config(config.runtime)
-        self.stage = self.runtime.place_stage(stage if stage is not None else build_stage(config.model, index))
+        self.stage = self.runtime.compile_stage(self.runtime.place_stage(
+            stage if stage is not None else build_stage(config.model, index)))
         self.index = self.stage.index
         self.frames = RequestFrames(config, run_id, codec, self.runtime, self.stage)
         self.n_stages = self.stage.n_stages

@@ -134,7 +134,8 @@ def test_machine_local_settings_are_outside_the_fingerprint():
     local = config_with(tiny, {"sync.optimizer_sync_steps": 3, "runtime.device": "cpu", "data.cache_dir": "/x"})
     assert run_fingerprint(local) == run_fingerprint(tiny)
     assert {s.path for s in run_settings() if s.local} == {
-        "data.cache_dir", "sync.optimizer_sync_steps", "runtime.device", "runtime.dtype", "runtime.weights"}
+        "data.cache_dir", "sync.optimizer_sync_steps", "runtime.device", "runtime.dtype", "runtime.weights",
+        "runtime.compile"}
     assert run_fingerprint(config_with(tiny, {"sync.quorum": 2})) != run_fingerprint(tiny)
     assert run_fingerprint(replace(tiny, model=replace(tiny.model, init_std=0.03))) != run_fingerprint(tiny)
 

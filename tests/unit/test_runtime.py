@@ -125,6 +125,35 @@ def test_bf16_keeps_fp32_master_weights_and_optimizer_state_and_a_fp32_wire():
     assert states and all(s["exp_avg"].dtype == torch.float32 and s["exp_avg_sq"].dtype == torch.float32 for s in states)
 
 
+def test_a_compiled_stage_computes_what_the_eager_one_does():
+    """`--compile`: a body stage's Forward output and Backward gradients match the eager stage's
+    (same weights), and the compiled wrappers add no modules (a checkpoint's names are unchanged)."""
+    config = _config(stages=3)
+    computes = []
+    for compile in (False, True):
+        torch.manual_seed(0)
+        computes.append(StageCompute(config, 1, run_id="r", codec=WireCodec(), stash=ForwardStash(8, 60.0),
+                                     synchronous=True, runtime=Runtime.from_config(RuntimeConfig(compile=compile))))
+    eager, compiled = computes
+    compiled.stage.load_state_dict(eager.stage.state_dict())
+    assert compiled.runtime.describe().endswith("compiled") and len(compiled.stage._compiled_blocks) == 2
+    assert not eager.stage._compiled_blocks
+    assert all(not name.startswith("_compiled") for name, _ in compiled.stage.named_modules())  # nothing doubled
+    codec = WireCodec()
+    tokens = encode_tokens(torch.randint(0, 256, (2, 64)), 256)
+    wire = codec.encode(torch.randn(2, 64, config.model.wire_dim))
+    outputs, grads = [], []
+    for compute in computes:
+        reply = compute.forward(ForwardRequest(run_id="r", stage=1, microbatch_id="m", tokens=tokens, wire=wire))
+        outputs.append(codec.decode(reply.wire))
+        compute.backward(BackwardRequest(run_id="r", stage=1, microbatch_id="m",
+                                         output_grad=codec.encode(torch.ones_like(outputs[-1]))))
+        grads.append([p.grad.clone() for p in compute.optimizer.parameters])
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)
+    for mine, theirs in zip(grads[1], grads[0]):
+        torch.testing.assert_close(mine, theirs, rtol=1e-3, atol=1e-5)
+
+
 def replace_step(microbatches):
     from agora.protos.stage_adapter import StepRequest
 
