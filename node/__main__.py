@@ -19,6 +19,10 @@ SERVICES = {"bootstrap", "join", "trainer", "monitor", "authorizer"}
 GLOBAL_OPTIONS_WITH_VALUES = ("--log-level", "--log-format", "--threads")
 # How long a stop that did not end the start waits before it is delivered again.
 REDELIVER_S = 1.0
+# CUDA's caching allocator grows segments in place rather than caching fixed-size blocks that the
+# next microbatch shape cannot reuse: on an H200 a pluralis-8b body stage at 5 x 4096 tokens peaked
+# 7.7 GiB lower (bench/results/gpu.md). Read when torch first touches CUDA; a user's own setting wins.
+CUDA_ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def _command(argv: list[str]) -> str | None:
@@ -56,6 +60,7 @@ def _deliver_again_unless_leaving(signum: int) -> None:
 
 def main() -> int:
     signal.signal(signal.SIGTERM, _stop_while_starting)
+    os.environ.setdefault(*CUDA_ALLOCATOR_ENV)
     from agora.node.cli import main as cli_main
 
     return cli_main()

@@ -55,9 +55,11 @@ __all__ = ["LiveBytes", "MemoryOptions", "StagePlan", "plan_stage", "plan_run", 
 
 GiB = 2**30
 # What a CUDA process holds besides its tensors: the context (kernels, cuBLAS workspaces), and the
-# caching allocator's rounding and fragmentation as a share of the peak. Estimates, see above.
-CUDA_CONTEXT_BYTES = GiB // 2
-CUDA_ALLOCATOR_SLACK = 0.05
+# caching allocator's rounding and fragmentation as a share of the peak. Measured on an H200 with
+# CUDA 13 (bench/results/gpu.md): a context of about 0.7 GiB, and 2% over the tensors' peak with the
+# expandable segments agora-node asks for (the default allocator's fixed blocks took 13-19%).
+CUDA_CONTEXT_BYTES = 3 * GiB // 4
+CUDA_ALLOCATOR_SLACK = 0.03
 
 
 class LiveBytes(TorchDispatchMode):
