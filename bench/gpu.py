@@ -6,11 +6,13 @@
 Parts, each in a child process of its own with its own time box (bench/gpu_parts.py):
   - cuda-tests: `pytest -m cuda tests/integration/test_cuda.py` (passed / failed / skipped, from its JUnit XML);
   - train-local: `agora-node train-local` on `small` in bf16 on the device: tokens/s, held-out loss,
-    peak device memory against the memory plan;
+    peak device memory against the memory plan; then the same run in fp32 (tokens/s and held-out
+    loss ratios);
   - demo: a whole `agora-node demo` on one device (every process shares it): outcome, tokens/s;
   - body-stage: one `pluralis-8b` body stage's Forward and Backward jobs (a real StageCompute) at
     the report's microbatches, 1 and 5 samples of 4096 tokens: tokens/s, model FLOP utilization,
-    peak device memory against the plan.
+    peak device memory against the plan; eager, compiled (`--compile`) and compiled with bf16
+    weights, each built afresh (`--body-variants`).
 Writes `gpu.md` (a table: device, torch and CUDA versions, every figure) and `gpu.json` into
 --out-dir (`gpu_cpu-smoke.*` under --cpu-smoke); exits 0 when every part succeeded, 1 otherwise.
 
@@ -42,6 +44,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+
+from agora.node.__main__ import CUDA_ALLOCATOR_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS_SCRIPT = Path(__file__).resolve().parent / "gpu_parts.py"
@@ -77,23 +81,27 @@ class Settings:
     train_config: str = "small"
     train_stages: int = 4
     train_steps: int = 60
+    train_reference_dtype: str | None = "fp32"  # train-local again in it: the precision's cost in loss and speed
     demo_config: str = "tiny"
     demo_stages: int = 3
     demo_steps: int = 40
     demo_insecure: bool = False
+    compile: bool = False  # train-local and the demo with --compile (the body stage has its own variants)
     body_config: str = "pluralis-8b"
     body_stages: int | None = None  # None: the preset's own split
     body_index: int = 1
     body_microbatches: tuple[int, ...] = (1, 5)  # the report's: 1 sample at ~20 GB up to 5 at ~78 GB
     body_iterations: int = 8
+    body_variants: tuple[str, ...] = ("eager", "compiled", "compiled-bf16w")  # bench/gpu_parts.py BODY_VARIANTS
     time_boxes: dict[str, float] = field(default_factory=lambda: {
-        "cuda-tests": 120.0, "train-local": 75.0, "demo": 120.0, "body-stage": 150.0})
+        "cuda-tests": 120.0, "train-local": 120.0, "demo": 120.0, "body-stage": 300.0})
 
 
 # The same parts at tiny sizes on the CPU (`--cpu-smoke`).
 CPU_SMOKE = Settings(
-    device="cpu", train_config="tiny", train_stages=3, train_steps=3, demo_config="tiny", demo_stages=2,
-    demo_steps=2, demo_insecure=True, body_config="tiny", body_stages=3, body_microbatches=(2,), body_iterations=2,
+    device="cpu", train_config="tiny", train_stages=3, train_steps=3, demo_config="tiny", demo_stages=2, demo_steps=2,
+    demo_insecure=True, body_config="tiny", body_stages=3, body_microbatches=(2,), body_iterations=2,
+    body_variants=("eager",),
     time_boxes={"cuda-tests": 60.0, "train-local": 60.0, "demo": 120.0, "body-stage": 60.0})
 
 
@@ -134,9 +142,12 @@ def run_part(name: str, settings: Settings, log_dir: Path) -> dict:
     command = [sys.executable, str(PARTS_SCRIPT), name, "--settings", json.dumps(asdict(settings)),
                "--result", str(result_path), "--work", str(log_dir / name)]
     started = time.monotonic()
+    # The parts measure the allocator agora-node runs with (a user's own setting wins there too).
+    env = {**os.environ}
+    env.setdefault(*CUDA_ALLOCATOR_ENV)
     with open(log_path, "w") as log:
         child = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
+                                 start_new_session=True, env=env)
         try:
             code = child.wait(timeout=box)
             timed_out = False
@@ -204,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
     parser.add_argument("--time-box", action="append", default=[], metavar="PART=SECONDS",
                         help="override one part's time box (repeatable)")
+    parser.add_argument("--body-variants", default=None,
+                        help="comma-separated body-stage variants: eager, compiled, compiled-bf16w (default: all; "
+                             "--cpu-smoke: eager)")
+    parser.add_argument("--compile", action="store_true", help="run train-local and the demo with --compile")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run every part on the CPU at tiny sizes: checks this script, measures no GPU")
     args = parser.parse_args(argv)
@@ -234,7 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         if peak is None:
             print(f"{prog}: the peak bf16 rate of {name!r} is not in the table; pass --peak-tflops for MFU "
                   "(MFU rows are left out)", file=sys.stderr)
-    settings = replace(settings, peak_tflops=peak, time_boxes=boxes)
+    settings = replace(settings, peak_tflops=peak, time_boxes=boxes, compile=args.compile)
+    if args.body_variants:
+        variants = tuple(v.strip() for v in args.body_variants.split(",") if v.strip())
+        known = ("eager", "compiled", "compiled-bf16w")
+        if not variants or any(v not in known for v in variants):
+            parser.error(f"--body-variants: expected some of {', '.join(known)}, got {args.body_variants!r}")
+        settings = replace(settings, body_variants=variants)
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

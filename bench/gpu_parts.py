@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import json
 import subprocess
@@ -156,18 +157,15 @@ def cuda_tests(settings: dict, results: Results, work: Path) -> None:
         raise RuntimeError(f"{skipped} of {total} CUDA tests skipped on a CUDA machine")
 
 
-def train_local(settings: dict, results: Results, work: Path) -> None:
+def _train_local_run(settings: dict, dtype: str, work: Path) -> tuple[list[dict], float, tuple[int, int | None]]:
+    """One `agora-node train-local` in this process: its step records, held-out loss and peak memory."""
     from agora.node.cli import main as agora_main
-    from agora.pipeline.config import load_config
-    from agora.pipeline.data import build_data
-    from agora.pipeline.memory import MemoryOptions, plan_stage
 
-    config = load_config(settings["train_config"]).with_stages(settings["train_stages"])
-    build_data(config)  # tokenized and cached before anything is measured
-    log = work / "train-local.jsonl"
+    log = work / f"train-local-{dtype}.jsonl"
     argv = ["--log-level", "WARNING", "train-local", "--config", settings["train_config"],
             "--stages", str(settings["train_stages"]), "--steps", str(settings["train_steps"]),
-            "--device", settings["device"], "--dtype", settings["dtype"], "--log-json", str(log)]
+            "--device", settings["device"], "--dtype", dtype, "--log-json", str(log)]
+    argv += ["--compile"] if settings["compile"] else []
     memory = PeakMemory(settings["device"])
     memory.start()
     printed = io.StringIO()
@@ -179,11 +177,21 @@ def train_local(settings: dict, results: Results, work: Path) -> None:
     measured = memory.peak()
     print(printed.getvalue(), flush=True)
     if code != 0:
-        raise RuntimeError(f"agora-node train-local exited {code}: {printed.getvalue().strip()[-300:]}")
+        raise RuntimeError(f"agora-node train-local --dtype {dtype} exited {code}: {printed.getvalue().strip()[-300:]}")
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    line = printed.getvalue()
-    heldout = float(line.split("heldout=")[1].split()[0])
-    what = f"{settings['train_config']}, {settings['train_stages']} stages, {settings['dtype']}"
+    return records, float(printed.getvalue().split("heldout=")[1].split()[0]), measured
+
+
+def train_local(settings: dict, results: Results, work: Path) -> None:
+    from agora.pipeline.config import load_config
+    from agora.pipeline.data import build_data
+    from agora.pipeline.memory import MemoryOptions, plan_stage
+
+    config = load_config(settings["train_config"]).with_stages(settings["train_stages"])
+    build_data(config)  # tokenized and cached before anything is measured
+    records, heldout, measured = _train_local_run(settings, settings["dtype"], work)
+    what = (f"{settings['train_config']}, {settings['train_stages']} stages, {settings['dtype']}"
+            + (", compiled" if settings["compile"] else ""))
     results.add("tokens/s", f"{records[-1]['tokens_per_s']:,.0f}", f"{what}, {len(records)} steps, the whole run",
                 tokens_per_s=records[-1]["tokens_per_s"])
     results.add("train loss", f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}", "first step -> last step",
@@ -197,6 +205,17 @@ def train_local(settings: dict, results: Results, work: Path) -> None:
     reserve = max(plan.reserve for plan in plans)
     planned = sum(plan.state + plan.working for plan in plans) + reserve
     _report_memory(results, measured, planned, reserve, "")
+    reference = settings.get("train_reference_dtype")
+    if reference and reference != settings["dtype"]:
+        # The same run in the reference precision: what the lower precision costs in loss and buys in speed.
+        ref_records, ref_heldout, _ = _train_local_run(settings, reference, work)
+        speed = records[-1]["tokens_per_s"] / ref_records[-1]["tokens_per_s"]
+        results.add(f"{reference} tokens/s", f"{ref_records[-1]['tokens_per_s']:,.0f}",
+                    f"{settings['dtype']} / {reference} = {speed:.2f}x", tokens_per_s=ref_records[-1]["tokens_per_s"],
+                    ratio=speed)
+        results.add(f"{reference} held-out loss", f"{ref_heldout:.4f}",
+                    f"{settings['dtype']} / {reference} = {heldout / ref_heldout:.4f}", heldout=ref_heldout,
+                    ratio=heldout / ref_heldout)
 
 
 def demo(settings: dict, results: Results, work: Path) -> None:
@@ -206,6 +225,7 @@ def demo(settings: dict, results: Results, work: Path) -> None:
                "--steps", str(settings["demo_steps"]), "--device", settings["device"], "--dtype", settings["dtype"],
                "--summary-json", str(summary_path), "--workdir", str(work / "demo"), "--no-monitor"]
     command += ["--insecure"] if settings["demo_insecure"] else []
+    command += ["--compile"] if settings["compile"] else []
     printed = subprocess.run(command, capture_output=True, text=True)
     print(printed.stdout[-4000:], printed.stderr[-4000:], flush=True)
     if not summary_path.exists():
@@ -213,7 +233,8 @@ def demo(settings: dict, results: Results, work: Path) -> None:
                            f"{(printed.stderr or printed.stdout).strip()[-300:]}")
     summary = json.loads(summary_path.read_text())
     what = (f"{settings['demo_config']}, {settings['demo_stages']} stages, {settings['dtype']}, "
-            f"{'--insecure' if settings['demo_insecure'] else 'admitted'}, every process on one device")
+            f"{'--insecure' if settings['demo_insecure'] else 'admitted'}{', compiled' if settings['compile'] else ''}, "
+            "every process on one device")
     results.add("demo outcome", f"{summary['outcome']}, {summary['steps']} steps",
                 f"exit codes {summary.get('exit_codes')}", outcome=summary["outcome"])
     results.add("tokens/s", f"{summary['tokens_per_s']:,.0f}", what, tokens_per_s=summary["tokens_per_s"])
@@ -231,7 +252,22 @@ def model_flops_per_token(config, index: int, trainable: int, seq_len: int, *, r
     return (8 * trainable + attention * 4 / 3) if recompute else (6 * trainable + attention)
 
 
+# The body stage's variants: how its blocks run and what precision its weights are kept in.
+BODY_VARIANTS = {"eager": {"compile": False, "weights": "fp32"},
+                 "compiled": {"compile": True, "weights": "fp32"},
+                 "compiled-bf16w": {"compile": True, "weights": "bf16"}}
+
+
 def body_stage(settings: dict, results: Results, work: Path) -> None:
+    variants = settings["body_variants"]
+    for name in variants:
+        _body_stage_variant(settings, results, name, prefix=f"{name}: " if len(variants) > 1 else "")
+        gc.collect()
+        if settings["device"] == "cuda":
+            torch.cuda.empty_cache()  # the next variant's peak starts from an empty cache
+
+
+def _body_stage_variant(settings: dict, results: Results, variant: str, prefix: str) -> None:
     from agora.node.replica.compute import StageCompute
     from agora.node.replica.stash import ForwardStash
     from agora.pipeline.codec import WireCodec, encode_tokens
@@ -243,7 +279,8 @@ def body_stage(settings: dict, results: Results, work: Path) -> None:
     config = load_config(settings["body_config"])
     if settings["body_stages"]:
         config = config.with_stages(settings["body_stages"])
-    config = replace(config, runtime=RuntimeConfig(device=settings["device"], dtype=settings["dtype"]))
+    config = replace(config, runtime=RuntimeConfig(device=settings["device"], dtype=settings["dtype"],
+                                                    **BODY_VARIANTS[variant]))
     index, seq, iterations = settings["body_index"], config.train.seq_len, settings["body_iterations"]
     codec = WireCodec("fp32", max_bytes=2**30)
     cuda = settings["device"] == "cuda"
@@ -261,9 +298,9 @@ def body_stage(settings: dict, results: Results, work: Path) -> None:
     if compute.stage.is_head or compute.stage.is_tail:
         raise RuntimeError(f"stage {index} of {config.name} is not a body stage")
     trainable = sum(p.numel() for p in compute.optimizer.parameters)
-    results.add("stage", f"{config.name} stage {index} ({config.layer_split[index]} layers)",
+    results.add(f"{prefix}stage", f"{config.name} stage {index} ({config.layer_split[index]} layers)",
                 f"{trainable / 1e6:,.1f}M trainable parameters, built and placed in "
-                f"{time.perf_counter() - started:.1f} s", trainable=trainable)
+                f"{time.perf_counter() - started:.1f} s; {compute.runtime.describe()}", trainable=trainable)
     generator = torch.Generator().manual_seed(0)
     for rows in settings["body_microbatches"]:
         tokens = encode_tokens(torch.randint(0, config.model.vocab_size, (rows, seq), generator=generator),
@@ -298,7 +335,7 @@ def body_stage(settings: dict, results: Results, work: Path) -> None:
         step_s = step()
         per_microbatch = (times["forward"] + times["backward"]) / iterations
         tokens_per_s = rows * seq / per_microbatch
-        label = f"microbatch {rows} x {seq}: "
+        label = f"{prefix}microbatch {rows} x {seq}: "
         results.add(f"{label}tokens/s", f"{tokens_per_s:,.0f}",
                     f"Forward {times['forward'] / iterations * 1e3:.1f} ms + Backward (recompute) "
                     f"{times['backward'] / iterations * 1e3:.1f} ms per microbatch, mean of {iterations}; "
@@ -316,7 +353,8 @@ def body_stage(settings: dict, results: Results, work: Path) -> None:
                             tflops=flops / 1e12)
         measured = memory.peak()
         options = MemoryOptions(microbatch=rows, seq_len=seq, in_flight=1, pinned_versions=0, applied=iterations)
-        plan = plan_stage(config, index, options, device_type=settings["device"], dtype=settings["dtype"])
+        plan = plan_stage(config, index, options, device_type=settings["device"], dtype=settings["dtype"],
+                          weights=config.runtime.weights)
         _report_memory(results, measured, plan.peak, plan.reserve, label)
     memory.stop()
 
