@@ -113,12 +113,13 @@ class Stage(nn.Module):
             h = block(h, rotary, self.basis)
         return h
 
-    def compile_blocks(self) -> None:
+    def compile_blocks(self, backend: str = "inductor") -> None:
         """Run training's forward and backward through each block compiled by torch.compile. The
         compiled wrappers share the blocks' parameters; blocks of one shape share compiled code, so
         the compiler runs once per microbatch shape, not once per block. Inference calls the blocks
-        with a KV cache whose length changes every token, so it keeps the eager ones."""
-        self._compiled_blocks = tuple(torch.compile(block) for block in self.layers.values())
+        with a KV cache whose length changes every token, so it keeps the eager ones. (`backend`:
+        tests trace with "aot_eager", which skips inductor's kernel compiler on the CPU.)"""
+        self._compiled_blocks = tuple(torch.compile(block, backend=backend) for block in self.layers.values())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.final_norm(hidden)
