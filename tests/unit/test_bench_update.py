@@ -98,3 +98,26 @@ def test_a_missing_update_file_is_named(tmp_path, capsys):
     missing = tmp_path / "nothing.json"
     code = main(["--row", "7", "--update", str(missing)])
     assert code == 2 and f"--update {missing}: cannot read it" in capsys.readouterr().err
+
+
+def test_the_gpu_row_shows_the_gpu_checks_last_run_or_says_it_never_ran(tmp_path):
+    """Row 8 is bench/gpu.py's, measured on a GPU machine: the summary reads its results file, judges
+    the best variant's MFU against 40%, and says so plainly where no run left one."""
+    from agora.bench.suite_report import _gpu_row
+
+    assert "not measured" in _gpu_row(tmp_path / "absent.json")
+    figures = [{"measure": f"{variant}: microbatch 5 x 4096: {name}", **value}
+               for variant, mfu in (("eager", 0.336), ("compiled", 0.444))
+               for name, value in (("tokens/s", {"tokens_per_s": {0.336: 51_522.0, 0.444: 68_188.0}[mfu]}), ("MFU", {"utilization": mfu}))]
+    results = {"environment": {"device": "NVIDIA H200"},
+               "settings": {"body_microbatches": [1, 5], "body_variants": ["eager", "compiled"]},
+               "parts": {"body-stage": {"status": "ok", "figures": figures}}}
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(results))
+    row = _gpu_row(path)
+    assert "eager 51,522 tokens/s, 33.6%; compiled 68,188 tokens/s, 44.4%" in row and row.endswith("| yes |")
+    results["settings"]["body_variants"] = ["eager"]
+    results["parts"]["body-stage"]["figures"] = [{**f, "measure": f["measure"].removeprefix("eager: ")}
+                                                 for f in figures[:2]]
+    path.write_text(json.dumps(results))
+    assert _gpu_row(path).endswith("| no |")
