@@ -308,14 +308,15 @@ class StageCompute:
         if not request.evaluate:  # a held-out forward stores nothing, so it replaces nothing
             self._check_new_microbatch(request.microbatch_id)
         step = self.optimizer.steps
+        produced = None if wire is None else "wire"  # what may overflow this stage: the previous one's output
         if request.evaluate:
             with torch.no_grad(), self.runtime.autocast():
                 output = self.stage(tokens, wire, targets)
             if self.stage.is_tail:
                 if not torch.isfinite(output):
-                    raise self.frames.unusable(f"tail produced a non-finite held-out loss ({float(output)})")
+                    raise self.frames.unusable(f"tail produced a non-finite held-out loss ({float(output)})", produced)
                 return ForwardReply(loss=float(output), step=step)
-            return ForwardReply(wire=self.frames.encode(output, "output"), step=step)
+            return ForwardReply(wire=self.frames.encode(output, "output", produced), step=step)
         if self.stage.is_tail:
             reply = self._forward_tail(tokens, wire, targets, step, request.microbatch_id, owner, request.work_key)
         else:
@@ -328,7 +329,7 @@ class StageCompute:
             else:
                 with torch.no_grad(), self.runtime.autocast():
                     output = self.stage(tokens, wire)
-            reply = ForwardReply(wire=self.frames.encode(output.detach(), "output"), step=step)
+            reply = ForwardReply(wire=self.frames.encode(output.detach(), "output", produced), step=step)
             evicted = self.stash.put(request.microbatch_id,
                                      StashedInput(tokens, wire, tuple(output.shape), self.weights_version, owner,
                                                   request.work_key),
@@ -342,6 +343,7 @@ class StageCompute:
 
     def _forward_tail(self, tokens: torch.Tensor, wire: torch.Tensor | None, targets: torch.Tensor,
                       step: int, microbatch_id: str, owner: str, work_key: str) -> ForwardReply:
+        produced = None if wire is None else "wire"
         if wire is not None:
             wire.requires_grad_(True)
         with torch.enable_grad():
@@ -349,10 +351,11 @@ class StageCompute:
                 loss = self.stage(tokens, wire, targets)
             loss_value = float(loss.detach())
             if not torch.isfinite(loss.detach()):
-                raise self.frames.unusable(f"tail produced a non-finite loss ({loss_value}); no gradient accumulated")
+                raise self.frames.unusable(f"tail produced a non-finite loss ({loss_value}); no gradient accumulated",
+                                           produced)
             wire_grad, param_grads = self._gradients(loss, wire, None)
-        self.frames.check_finite(param_grads, "the request's wire")
-        input_grad = self.frames.encode(wire_grad, "input gradient") if wire_grad is not None else b""
+        self.frames.check_finite(param_grads, "the request's wire", produced)
+        input_grad = self.frames.encode(wire_grad, "input gradient", produced) if wire_grad is not None else b""
         applied = self._accumulate(param_grads, microbatch_id,
                                    self._abort_record(tokens, None if wire is None else wire.detach(), None, targets,
                                                       self.weights_version, owner, work_key))
@@ -381,8 +384,8 @@ class StageCompute:
                 wire_grad, param_grads = self._gradients(kept.output, kept.wire, output_grad)
         else:
             wire_grad, param_grads = self._recompute(version, stashed.tokens, stashed.wire, None, output_grad)
-        self.frames.check_finite(param_grads, "output_grad")
-        input_grad = self.frames.encode(wire_grad, "input gradient") if wire_grad is not None else b""
+        self.frames.check_finite(param_grads, "output_grad", "output_grad")
+        input_grad = self.frames.encode(wire_grad, "input gradient", "output_grad") if wire_grad is not None else b""
         self.stash.pop(request.microbatch_id)  # validated: this backward is now committed
         step = self.optimizer.steps
         applied = self._accumulate(param_grads, request.microbatch_id,

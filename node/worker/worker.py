@@ -27,7 +27,10 @@ Design choices:
   are admitted the same way into a pool of their own (`max_control_queue`): a barrier or the
   Abort of a failed route must get through a worker full of that same trainer's work. Info never
   reaches the compute thread.
-- A peer's mistake maps to a status with a clear message: InvalidRequest -> INVALID_ARGUMENT,
+- A peer's mistake maps to a status with a clear message: InvalidRequest -> INVALID_ARGUMENT (with
+  `agora-refused-input: wire|output_grad` in its trailing metadata when the values the previous
+  stage's worker produced are at fault: the trainer then blames that worker; counted as
+  `extreme_wire` / `extreme_output_grad`),
   PreconditionFailed (including an unknown/evicted microbatch) -> FAILED_PRECONDITION, a
   completed-batch report outside the replica's window -> OUT_OF_RANGE (the trainer keeps reporting), a
   non-finite result from finite weights (the input's fault: extreme values) -> INVALID_ARGUMENT,
@@ -110,6 +113,7 @@ from agora.node.worker.work_gate import WorkGate
 from agora.node.replica.request_frames import (
     ComputeError,
     DuplicateMicrobatch,
+    ExtremeInput,
     InvalidRequest,
     NotOwner,
     PreconditionFailed,
@@ -126,6 +130,7 @@ from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import RunFingerprint, run_fingerprint
 from agora.protos.stage_adapter import (
     PUSHBACK_METADATA,
+    REFUSED_INPUT_METADATA,
     AbortReply,
     AbortRequest,
     SERVICE_NAME,
@@ -505,6 +510,12 @@ class StageWorker:
     async def _answer(self, context: Any, future: Future) -> Any:
         try:
             return await asyncio.wrap_future(future)
+        except ExtremeInput as error:  # the previous stage's values: the caller learns which frame
+            self.refusals.add(f"extreme_{error.field}")
+            self._logger.info("stage %d refused a request's %s: %s", self.stage_index, error.field, error,
+                              extra={"milestone": "extreme_input_refused",
+                                     "fields": {"stage": self.stage_index, "field": error.field}})
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error), ((REFUSED_INPUT_METADATA, error.field),))
         except InvalidRequest as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except ReportOutsideWindow as error:  # the trainer keeps reporting: the replica may re-anchor

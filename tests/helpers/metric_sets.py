@@ -50,6 +50,8 @@ def every_role(registry: CollectorRegistry) -> None:
                    trainer.report_refused):
         record()
     trainer.rerouted("peer")
+    trainer.extreme_reply("peer", 0, "output")
+    trainer.blamed("peer", 0)
     trainer.aborted("reverted")
     trainer.batch_done(256, 5.2, 3e-4)
     trainer.heldout(5.0)

@@ -8,6 +8,7 @@ import torch
 from agora.node.replica.compute import StageCompute
 from agora.node.replica.request_frames import (
     ComputeError,
+    ExtremeInput,
     InvalidRequest,
     PreconditionFailed,
     UnknownMicrobatch,
@@ -117,6 +118,21 @@ def test_non_finite_loss_fails_without_accumulating_anything():
         tail.forward(forward_request(2, tokens, torch.randn(2, 16, CONFIG.model.wire_dim), targets))
     assert tail.accumulated_microbatches == 0
     assert all(p.grad is None for p in tail.optimizer.parameters)
+
+
+def test_values_the_previous_stage_produced_that_overflow_a_stage_are_refused_naming_that_frame():
+    """A wire at float32's limit (finite: the codec takes it) overflows a body's output and a tail's loss.
+    The refusal names the frame another worker computed (`ExtremeInput.field`), so a trainer can blame
+    that worker; nothing is stashed or accumulated. (An output gradient that overflows the head:
+    tests/unit/test_control_messages.py.)"""
+    tokens, targets = batch(6)
+    limit = torch.full((2, 16, CONFIG.model.wire_dim), 3.4e38)
+    body, tail = make_compute(1), make_compute(2)
+    for compute, request in ((body, forward_request(1, tokens, limit)), (tail, forward_request(2, tokens, limit, targets))):
+        with pytest.raises(ExtremeInput, match="the request's values overflowed it") as refused:
+            compute.forward(request)
+        assert refused.value.field == "wire"
+        assert (len(compute.stash), compute.accumulated_microbatches) == (0, 0)
 
 
 def test_misaddressed_and_malformed_inputs_are_invalid():
