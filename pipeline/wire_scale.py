@@ -69,14 +69,27 @@ class WireScale:
         bound = self.bound()
         return bound is not None and largest <= bound
 
-    def admit(self, largest: float) -> float | None:
-        """Judge one frame: None when accepted (and counted into the scale), else the bound it exceeds."""
+    def refuses(self, largest: float) -> float | None:
+        """The bound a frame of this measure exceeds (counted as refused), or None: it may be accepted."""
         bound = self.bound()
         if bound is not None and not largest <= bound:  # NaN is refused as well
             self.refused += 1
             return bound
-        if bound is not None:
-            self.peak_ratio = max(self.peak_ratio, largest / (bound / self.factor))
+        return None
+
+    def accept(self, largest: float) -> None:
+        """Count an accepted frame's measure into the scale (after `refuses` said None)."""
+        scale = self.scale if self.accepted >= self.warmup else None
+        if scale:
+            self.peak_ratio = max(self.peak_ratio, largest / scale)
         self._recent.append(largest)
         self.accepted += 1
-        return None
+
+    def admit(self, largest: float) -> float | None:
+        """Judge one frame: None when accepted (and counted into the scale), else the bound it exceeds.
+        A caller that may still fail the frame for other reasons calls `refuses`, then `accept` once
+        it is taken."""
+        bound = self.refuses(largest)
+        if bound is None:
+            self.accept(largest)
+        return bound

@@ -162,6 +162,12 @@ class ReplyScales:
             scale = self._scales[(stage, kind)] = WireScale(self.factor, self.warmup)
         return scale
 
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per "stage/kind": replies accepted and refused, the scale, and the largest accepted over it."""
+        return {f"{stage}/{kind}": {"accepted": scale.accepted, "refused": scale.refused, "scale": scale.scale,
+                                    "peak_ratio": round(scale.peak_ratio, 3)}
+                for (stage, kind), scale in sorted(self._scales.items())}
+
 
 _ERROR_BY_CODE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: WorkerBusy,

@@ -128,6 +128,7 @@ from agora.pipeline.codec import WireCodec, peek_header
 from agora.pipeline.optim import lr_at
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import RunFingerprint, run_fingerprint
+from agora.pipeline.wire_scale import WireScale
 from agora.protos.stage_adapter import (
     PUSHBACK_METADATA,
     REFUSED_INPUT_METADATA,
@@ -291,6 +292,8 @@ class StageWorker:
             stash=ForwardStash(options.stash_capacity, options.stash_ttl_s, clock=self._clock),
             synchronous=options.synchronous, local_batch=options.local_batch,
             pinned_versions=options.pinned_weights, keep_graphs=options.keep_graphs,
+            output_grad_scale=None if self.geometry.is_tail else WireScale(options.gradient_bound_factor,
+                                                                            options.gradient_bound_warmup),
         )
 
     async def start(self) -> int:
@@ -345,6 +348,9 @@ class StageWorker:
                       throughput=lambda: compute.throughput, phase=lambda: self.phase, phases=PHASES,
                       refusals=self.refusals.snapshot, callers=self._flow.active_callers,
                       queue_target=self._flow.queue_target)
+        scale = compute.output_grad_scale
+        if scale is not None:
+            metrics.watch_output_grads(scale=lambda: scale.scale or float("nan"), peak_ratio=lambda: scale.peak_ratio)
 
         def stepped(compute: StageCompute) -> None:  # compute thread, right after each step
             steps, last = compute.optimizer.steps, compute.last_step
@@ -366,9 +372,23 @@ class StageWorker:
             await self._server.stop(grace_s)
         # Jobs of calls that gave up may still be queued or running; wait for them off the loop.
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        self._log_output_grad_scale()
         self._logger.info("stage %d worker on port %s stopped", self.stage_index, self._port)
         if self._gate is not None:
             await self._gate.close()
+
+    def _log_output_grad_scale(self) -> None:
+        """How far the output gradients it took came to its bound, and how many it refused: a line at leave."""
+        scale = None if self._compute is None else self._compute.output_grad_scale
+        if scale is None or not scale.accepted:
+            return
+        self._logger.info("stage %d: %d output gradients accepted, %d refused beyond %g times their scale %.3g; the "
+                          "largest accepted was %.3g times it", self.stage_index, scale.accepted, scale.refused,
+                          scale.factor, scale.scale, scale.peak_ratio,
+                          extra={"milestone": "output_grad_scale",
+                                 "fields": {"stage": self.stage_index, "accepted": scale.accepted,
+                                            "refused": scale.refused, "scale": scale.scale, "factor": scale.factor,
+                                            "peak_ratio": scale.peak_ratio}})
 
     async def serve(self) -> None:
         """Start (if needed) and serve until stopped; cancelling this stops gracefully."""

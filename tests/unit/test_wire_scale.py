@@ -49,6 +49,18 @@ def test_the_scale_follows_an_honest_drift_and_reports_its_headroom():
     assert 1.0 < scale.peak_ratio < 100.0
 
 
+def test_a_frame_judged_then_failing_elsewhere_is_never_counted_in():
+    """`refuses` judges without counting a frame in; only `accept` (once the caller took it) moves the scale."""
+    scale = WireScale(factor=10.0, warmup=2)
+    assert scale.refuses(1e30) is None and (scale.accepted, scale.scale) == (0, None)  # judged, then failed
+    scale.accept(1.0)
+    scale.accept(1.0)
+    assert scale.refuses(5.0) is None and scale.scale == 1.0
+    assert scale.refuses(11.0) == 10.0 and (scale.accepted, scale.refused) == (2, 1)
+    scale.accept(5.0)
+    assert scale.peak_ratio == 5.0
+
+
 def test_frames_of_zeros_give_no_bound_and_nan_is_refused_once_warm():
     zeros = WireScale(factor=10.0, warmup=2)
     _warm(zeros, 0.0, count=5)
