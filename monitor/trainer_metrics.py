@@ -8,6 +8,8 @@
 - Routing: reroutes (a failed route rerun elsewhere), busy retries (a full worker, no penalty),
   bans (a peer benched with backoff), aborts by the worker's answer, completed-batch reports a
   worker did not answer or refused (outside its window).
+- Trust in what workers compute: replies refused for values far beyond their stage's recent ones,
+  by stage and frame kind, and workers blamed for values a worker downstream refused, by stage.
 - Flow control (node/worker/flow.py): the microbatches in flight the trainer allows itself now,
   the workers' in-flight credits that bound it, the calls each stage's workers let it have
   outstanding, and the time its calls waited here for a credit, by stage.
@@ -68,6 +70,11 @@ class TrainerMetrics:
                                     registry=registry)
         self.bans = Counter("agora_trainer_bans", "Workers benched by this trainer after a failed call",
                             registry=registry)
+        self.extreme_replies = Counter("agora_trainer_extreme_replies", "Replies refused for values far beyond "
+                                       "their stage's recent ones (kind: output wire or input gradient)",
+                                       ["stage", "kind"], registry=registry)
+        self.blamed = Counter("agora_trainer_blamed", "Workers blamed for values they produced that a worker "
+                              "downstream refused, by the producer's stage", ["stage"], registry=registry)
         self.in_flight_limit = Gauge("agora_trainer_in_flight_limit", "Microbatches this trainer allows itself in "
                                      "flight now (the adaptive depth, within its caps)", registry=registry)
         self.in_flight_credits = Gauge("agora_trainer_in_flight_credits", "Microbatches the workers keep for this "

@@ -12,6 +12,9 @@ Design choices:
   and at scrape time the queue depth, the phase and the announced throughput (read from the
   worker, not copied), the refusals it counts by reason, and its flow control: the callers it
   shares its queue among and the calls it lets them have outstanding in all (node/worker/flow.py).
+  The bound on output gradients (a head's or body's, pipeline/wire_scale.py): the running scale it
+  judges them by, and how far the largest it accepted came to the bound (refusals beyond are
+  counted as `extreme_output_grad`).
 - Durations are histograms; buckets cover a CPU microbatch (milliseconds) to a slow 8B stage
   (tens of seconds).
 """
@@ -81,6 +84,13 @@ class WorkerMetrics:
                                 "Compute throughput the worker announces (moving average)", registry=registry)
         self.phase = Gauge("agora_worker_phase", "1 for the phase the worker is in, 0 for the others", ["phase"],
                            registry=registry)
+        self.output_grad_scale = Gauge("agora_worker_output_grad_scale", "Median largest |value| of the output "
+                                       "gradients the replica accepted lately; refused beyond gradient_bound_factor "
+                                       "times it (NaN: none yet, or the tail)", registry=registry)
+        self.output_grad_scale.set(float("nan"))
+        self.output_grad_peak_ratio = Gauge("agora_worker_output_grad_peak_ratio", "Largest accepted output "
+                                            "gradient over that scale since the bound applies (honest headroom: "
+                                            "refusals start at gradient_bound_factor)", registry=registry)
         self._registry = registry
 
     def observe_job(self, method: str, tokens: int, queued_s: float, compute_s: float) -> None:
@@ -110,6 +120,11 @@ class WorkerMetrics:
         for name in phases:
             self.phase.labels(phase=name).set_function(lambda name=name: float(phase() == name))
         self._registry.register(_Refusals(refusals))
+
+    def watch_output_grads(self, *, scale: Callable[[], float], peak_ratio: Callable[[], float]) -> None:
+        """A head's or body's bound on output gradients, read at scrape time."""
+        self.output_grad_scale.set_function(scale)
+        self.output_grad_peak_ratio.set_function(peak_ratio)
 
 
 class _Refusals(Collector):

@@ -156,7 +156,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
         check_stage_fits(admission.config, admission.stage, Runtime.from_config(admission.config.runtime),
                          worker_memory_options(admission.config, rows=worker_options.max_rows,
                                                pinned_versions=worker_options.pinned_weights,
-                                               in_flight=worker_options.stash_capacity))
+                                               in_flight=worker_options.stash_capacity,
+                                               inference=worker_options.inference))
     checkpoint_dir = args.checkpoint_dir
     held = None
     if checkpoint_dir is not None:  # (the default one lies in the --state-dir, held by the admission)

@@ -1,13 +1,13 @@
 """`agora-node plan`, and the memory check `join` runs before it loads anything (pipeline/memory.py).
 
     agora-node plan --config C [--stages S] [--device D] [--dtype D] [--microbatch M]
-                    [--pinned-weights N] [--in-flight N] [--memory-gb G] [--json]
+                    [--pinned-weights N] [--in-flight N] [--max-kv-cache-gib G] [--memory-gb G] [--json]
 
 prints, per stage, what one worker holds at its peak and whether it fits G GB (exit 1 when a
 stage does not). It plans for the device type it is told, not the one this machine has: an
 operator can size a run for GPUs from a laptop. `join` plans its own stage on its own device with
-its own options (the run's microbatch or `--max-rows`, `--pinned-weights`, the stash capacity)
-and, when the peak exceeds the memory free there, refuses in one line naming the shortfall and
+its own options (the run's microbatch or `--max-rows`, `--pinned-weights`, the stash capacity,
+the inference sessions' cache budget) and, when the peak exceeds the memory free there, refuses in one line naming the shortfall and
 what would shrink it, before it starts a DHT peer or builds the stage.
 """
 
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from agora.pipeline.config import COMPUTE_DTYPES, ConfigError, RunConfig
 
 if TYPE_CHECKING:  # torch: imported by the commands that plan, not by parsing their flags
+    from agora.node.inference.options import InferenceOptions
     from agora.pipeline.memory import MemoryOptions, StagePlan
     from agora.pipeline.runtime import Runtime
 
@@ -33,23 +34,28 @@ logger = logging.getLogger("agora.node.plan")
 
 
 def worker_memory_options(config: RunConfig, *, rows: int | None = None, pinned_versions: int | None = None,
-                          in_flight: int | None = None) -> MemoryOptions:
+                          in_flight: int | None = None, inference: InferenceOptions | None = None) -> MemoryOptions:
     """What a worker with these options keeps: by default `join`'s (the run's microbatch, 2 pinned
-    versions, the stash's 64 entries) and the Abort records of a whole global batch (one replica)."""
+    versions, the stash's 64 entries, the inference sessions' cache budget) and the Abort records of
+    a whole global batch (one replica)."""
+    from agora.node.inference.options import InferenceOptions
     from agora.node.worker.options import DEFAULT_PINNED_VERSIONS
     from agora.node.worker.worker import WorkerOptions
     from agora.pipeline.memory import MemoryOptions
 
+    inference = inference or InferenceOptions()
     return MemoryOptions(
         microbatch=rows or config.train.microbatch_size, seq_len=config.train.seq_len,
         in_flight=WorkerOptions().stash_capacity if in_flight is None else in_flight,
         pinned_versions=DEFAULT_PINNED_VERSIONS if pinned_versions is None else pinned_versions,
-        applied=config.train.microbatches)
+        applied=config.train.microbatches, session_positions=inference.session_positions(config),
+        kv_cache_bytes=inference.set_kv_cache_bytes)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
+    from agora.node.inference.options import InferenceOptions
     from agora.node.run_flags import run_config
     from agora.pipeline.memory import format_plan, plan_run
 
@@ -58,13 +64,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag}: must be positive, got {value}")
     if args.pinned_weights is not None and args.pinned_weights < 0:
         raise ConfigError(f"--pinned-weights: must be >= 0, got {args.pinned_weights}")
-    if args.memory_gb is not None and not args.memory_gb > 0:
-        raise ConfigError(f"--memory-gb: must be positive, got {args.memory_gb}")
+    for flag, value in (("--memory-gb", args.memory_gb), ("--max-kv-cache-gib", args.max_kv_cache_gib)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag}: must be positive, got {value}")
     config = run_config(args)  # (the plan's --device/--dtype are not this machine's: kept apart from it)
     device = args.plan_device or config.runtime.device
     device_type = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device.split(":")[0]
+    inference = InferenceOptions(max_kv_cache_gib=args.max_kv_cache_gib)
     options = worker_memory_options(config, rows=args.microbatch, pinned_versions=args.pinned_weights,
-                                    in_flight=args.in_flight)
+                                    in_flight=args.in_flight, inference=inference)
     plans = plan_run(config, options, device_type=device_type, dtype=args.plan_dtype or config.runtime.dtype,
                      weights=config.runtime.weights)
     available = None if args.memory_gb is None else int(args.memory_gb * 1e9)
@@ -72,11 +80,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"config": config.name, "device": device_type, "microbatch": options.microbatch,
                           "seq_len": options.seq_len, "in_flight": options.in_flight,
                           "pinned_versions": options.pinned_versions, "applied": options.applied,
+                          "session_positions": options.session_positions, "kv_cache_bytes": options.kv_cache_bytes,
                           "stages": [plan.as_dict() for plan in plans]}))
     else:
         print(f"memory plan: {config.name}, {len(plans)} stages, {device_type} {args.plan_dtype or config.runtime.dtype}, "
               f"microbatch {options.microbatch} x {options.seq_len} tokens, {options.in_flight} forwards stashed, "
-              f"{options.pinned_versions} pinned versions, {options.applied} microbatches per step")
+              f"{options.pinned_versions} pinned versions, {options.applied} microbatches per step, inference "
+              + (f"caches of {args.max_kv_cache_gib:g} GiB" if args.max_kv_cache_gib is not None else
+                 f"caches for {inference.max_sessions} sessions of {inference.session_tokens(config)} positions"))
         print(format_plan(plans, args.memory_gb))
     return 1 if available is not None and any(plan.shortfall(available) for plan in plans) else 0
 
@@ -87,9 +98,9 @@ def add_plan_command(commands) -> None:
     plan = commands.add_parser("plan", help="what one worker of each stage needs in memory, and whether it fits",
                                description="Per stage: parameters, gradients, optimizer state, pinned weight "
                                            "versions, fixed buffers (U, T), the stash of forward inputs, Abort "
-                                           "records, the worst job's working set, and the peak, in GiB, computed "
-                                           "from the stage's modules without allocating them. Exit 1 when a stage "
-                                           "does not fit --memory-gb.")
+                                           "records, the inference sessions' caches, the worst job's working set, "
+                                           "and the peak, in GiB, computed from the stage's modules without "
+                                           "allocating them. Exit 1 when a stage does not fit --memory-gb.")
     add_run_arguments(plan, steps_help="planned run length (does not change the plan)", skip=("--device", "--dtype"))
     plan.add_argument("--device", dest="plan_device", default=None, choices=["auto", "cpu", "cuda"],
                       help="the device type to plan for (default: the config's, auto: this machine's)")
@@ -101,6 +112,9 @@ def add_plan_command(commands) -> None:
                       help="earlier weight versions each head or body worker keeps (default 2)")
     plan.add_argument("--in-flight", type=int, default=None, metavar="N",
                       help="forward inputs a worker stashes at most (default: the worker's stash capacity, 64)")
+    plan.add_argument("--max-kv-cache-gib", type=float, default=None, metavar="G",
+                      help="GiB the inference sessions' attention caches may hold on each worker (default: the "
+                           "worker's, max_sessions sessions of max_session_tokens positions, one row each)")
     plan.add_argument("--memory-gb", type=float, default=None, metavar="G",
                       help="say per stage whether it fits G GB (decimal, as cards are sold) of device memory")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object (bytes)")
@@ -108,17 +122,21 @@ def add_plan_command(commands) -> None:
 
 
 def _remedies(plan: StagePlan, runtime: Runtime, options: MemoryOptions) -> str:
+    from agora.pipeline.memory import GiB
+
     ideas = []
     if runtime.dtype == "fp32":
         ideas.append("--dtype bf16")
     if options.pinned_versions and plan.pinned and not plan.pinned_on_host:
         ideas.append("--pinned-weights 0")
+    if plan.kv_cache:
+        ideas.append(f"a --max-kv-cache-gib below the sessions' {plan.kv_cache / GiB:.2f}")
     ideas.append("a run with smaller microbatches (train.microbatches)")
     return ", ".join(ideas)
 
 
 # The modules a plan is computed from: any change to one of them is a new plan.
-_PLAN_SOURCES = ("agora.pipeline.memory", "agora.pipeline.model", "agora.pipeline.stages", "agora.pipeline.optim",
+_PLAN_SOURCES = ("agora.pipeline.memory", "agora.pipeline.inference", "agora.pipeline.model", "agora.pipeline.stages", "agora.pipeline.optim",
                  "agora.pipeline.runtime", "agora.pipeline.config")
 
 

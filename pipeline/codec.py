@@ -52,6 +52,7 @@ __all__ = [
     "FrameHeader",
     "peek_header",
     "WireCodec",
+    "CheckedFrame",
     "encode_tokens",
     "decode_tokens",
     "token_width",
@@ -300,6 +301,14 @@ def all_finite(tensor: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------- floats
 
 
+@dataclass(frozen=True)
+class CheckedFrame:
+    """What `WireCodec.inspect` found in a well-formed float frame."""
+
+    shape: tuple[int, ...]
+    largest_magnitude: float  # max |value|
+
+
 class WireCodec:
     """Encodes float tensors in one chosen wire dtype; decodes frames of any dtype."""
 
@@ -342,24 +351,33 @@ class WireCodec:
 
     def check(self, data: bytes, *, expected_shape: tuple[int | None, ...] | None = None) -> tuple[int, ...]:
         """Everything `decode` checks (header, size, shape, no NaN or Inf), without building the tensor:
-        the frame's shape. What a relay needs, which passes a frame on unchanged: fp32 and fp16 payloads
-        are checked in place (min and max of a zero-copy view: NaN propagates into both, an infinity is
-        one of them), bf16 by its exponent bits; int8 is decoded (its scales and range need it)."""
+        the frame's shape (see `inspect`)."""
+        return self.inspect(data, expected_shape=expected_shape).shape
+
+    def inspect(self, data: bytes, *, expected_shape: tuple[int | None, ...] | None = None) -> CheckedFrame:
+        """`check`, and the largest magnitude the frame carries, from the same pass. What a relay needs,
+        which passes a frame on unchanged: fp32 and fp16 payloads are read in place (min and max of a
+        zero-copy view: NaN propagates into both, an infinity is one of them), bf16 by its bits (the
+        largest exponent-and-mantissa is the largest magnitude; all exponent bits set is Inf or NaN);
+        int8 is decoded (its scales and range need it)."""
         view = _as_buffer(data)
         dtype, shape, offset = _read_header(view, _KIND_FLOAT, self.max_bytes, expected_shape)
         count = math.prod(shape)
         if dtype in ("fp32", "fp16"):
             values = np.frombuffer(view, dtype="<f4" if dtype == "fp32" else "<f2", count=count, offset=offset)
-            finite = bool(np.isfinite(values.min()) and np.isfinite(values.max()))
+            low, high = float(values.min()), float(values.max())
+            finite, largest = math.isfinite(low) and math.isfinite(high), max(-low, high)
         elif dtype == "bf16":
             bits = np.frombuffer(view, dtype="<u2", count=count, offset=offset)
-            finite = not bool(((bits & 0x7F80) == 0x7F80).any())  # all exponent bits set: Inf or NaN
+            top = int((bits & 0x7FFF).max())
+            finite = top < 0x7F80
+            largest = float(np.array([top << 16], dtype=np.uint32).view(np.float32)[0])
         else:
-            self.decode(data, expected_shape=expected_shape)
-            return shape
+            largest = float(self.decode(data, expected_shape=expected_shape).abs().max())
+            finite = True
         if not finite:
             raise WireFormatError(f"{dtype} payload of shape {list(shape)} contains NaN or Inf")
-        return shape
+        return CheckedFrame(shape, largest)
 
     def decode(self, data: bytes, *, expected_shape: tuple[int | None, ...] | None = None,
                out: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> torch.Tensor:

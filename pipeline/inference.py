@@ -18,6 +18,10 @@ Design choices:
   client, so both draw the same tokens from the same logits.
 - Everything runs under `torch.no_grad` on the stage's own parameters, in their dtype and device:
   nothing here touches gradients or optimizer state.
+- What a position costs in a cache (`cache_bytes_per_position`) is measured by caching one, not
+  computed from a formula: keys leave RoPE in float32 while values keep the autocast dtype, and
+  the model's options (GQA, qk-norm, partial rotary) change the shapes. The memory plan measures
+  it on fake tensors, a worker on its own stage, so the budget both count is the same.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from agora.pipeline.stages import Stage
 __all__ = [
     "StageCache",
     "SessionTooLong",
+    "cache_bytes_per_position",
     "cached_forward",
     "Sampling",
     "GREEDY",
@@ -66,6 +71,16 @@ class StageCache:
     def truncate(self, length: int) -> None:
         for cache in self.layers.values():
             cache.truncate(length)
+
+
+def cache_bytes_per_position(stage: Stage, device: torch.device) -> int:
+    """Bytes one position of one row adds to a session's cache on `stage` (every block's keys and
+    values), measured by caching one position of zeros; call it under the stage's autocast."""
+    tokens = torch.zeros((1, 1), dtype=torch.long, device=device)
+    wire = None if stage.is_head else torch.zeros((1, 1, stage.config.wire_dim), device=device)
+    cache = StageCache(stage)
+    cached_forward(stage, tokens, wire, cache)
+    return cache.nbytes
 
 
 def cached_forward(stage: Stage, tokens: torch.Tensor, wire: torch.Tensor | None, cache: StageCache,

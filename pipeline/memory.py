@@ -2,8 +2,9 @@
 
 `plan_stage` answers, per stage and in bytes: parameters, gradients, optimizer state, pinned
 weight versions, fixed buffers (U, T), the activation stash at the in-flight depth, the records
-kept for Abort until a step, and the working set of the worst job (a forward, a backward
-recompute, the tail's fused forward and backward, an optimizer step) on top of all that.
+kept for Abort until a step, the inference sessions' attention caches at the worker's budget for
+them, and the working set of the worst job (a forward, a backward recompute, the tail's fused
+forward and backward, an optimizer step) on top of all that.
 `agora-node plan` prints it; `join` runs it for its own stage and device before loading anything
 and refuses, naming the shortfall, when it does not fit.
 
@@ -28,6 +29,12 @@ Design choices:
   fake tensors cannot evaluate): torch's single-tensor AdamW holds two temporaries the size of
   the largest parameter (the square root of the second moment and its scaled copy), RoundedAdamW
   four in fp32 (the widened gradient and weight besides those two).
+- Inference sessions keep their attention caches on the stage's device beside the training state
+  (node/inference/engine.py), up to a budget in bytes the worker enforces
+  (`inference.max_kv_cache_gib`; by default `max_sessions` sessions of the longest a session may
+  be, one row each). The plan counts that budget as held, so a worker that fits its plan never
+  lends training's memory to sessions. What a position costs is measured on the fake stage by
+  caching one (pipeline/inference.py `cache_bytes_per_position`), as the worker measures it.
 - Where things live: on a CUDA worker pinned weight versions and the Abort records are in host
   memory (node/replica/weight_versions.py, node/replica/compute.py), so they count in `host`, and a
   backward on a pinned version stages one copy of the trainable weights on the device. CUDA adds
@@ -46,6 +53,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from agora.pipeline.config import RunConfig
+from agora.pipeline.inference import cache_bytes_per_position
 from agora.pipeline.optim import StageOptimizer
 from agora.pipeline.runtime import Runtime
 from agora.pipeline.stages import build_stage
@@ -112,6 +120,8 @@ class MemoryOptions:
     in_flight: int  # forwards stashed at once for their backward (head and bodies)
     pinned_versions: int  # earlier weight versions kept (head and bodies)
     applied: int  # microbatches accumulated before a step, whose Abort records are kept
+    session_positions: int = 0  # positions the inference sessions hold at most by default (sessions x tokens)
+    kv_cache_bytes: int | None = None  # the sessions' cache budget when set (inference.max_kv_cache_gib)
 
 
 @dataclass(frozen=True)
@@ -128,6 +138,8 @@ class StagePlan:
     fixed: int  # U and T
     stash: int  # stashed forward inputs at the in-flight depth
     applied: int  # Abort records of accumulated microbatches
+    kv_cache: int  # the inference sessions' attention caches, at the worker's budget for them
+    kv_per_position: int  # what one position of one row costs in them
     working: int  # the worst job's working set on top of the state
     working_job: str  # which job that is
     reserve: int  # CUDA context and allocator slack (0 on the CPU)
@@ -136,7 +148,7 @@ class StagePlan:
     @property
     def state(self) -> int:
         """Device bytes held between jobs."""
-        on_device = self.parameters + self.gradients + self.optimizer + self.fixed + self.stash
+        on_device = self.parameters + self.gradients + self.optimizer + self.fixed + self.stash + self.kv_cache
         return on_device + (0 if self.pinned_on_host else self.pinned + self.applied)
 
     @property
@@ -261,13 +273,18 @@ def plan_stage(config: RunConfig, index: int, options: MemoryOptions, *, device_
         # An Abort record: tokens, the input wire, and the output gradient (targets on the tail).
         record = token_bytes + (0 if stage.is_head else wire_bytes) + (token_bytes if stage.is_tail else wire_bytes)
         job, working = max(jobs.items(), key=lambda item: item[1])
+        with runtime.autocast():
+            kv_per_position = cache_bytes_per_position(stage, runtime.device)
+        kv_cache = options.kv_cache_bytes if options.kv_cache_bytes is not None else \
+            options.session_positions * kv_per_position
         state = _nbytes(stage.parameters()) + _nbytes(parameters) + _state_nbytes(optimizer) + \
-            _nbytes(stage.buffers()) + stash
+            _nbytes(stage.buffers()) + stash + kv_cache
         plan = StagePlan(
             index=stage.index, kind=stage.kind, device=device_type, dtype=dtype,
             trainable=sum(p.numel() for p in parameters), parameters=_nbytes(stage.parameters()),
             gradients=_nbytes(parameters), optimizer=_state_nbytes(optimizer), pinned=pinned,
-            fixed=_nbytes(stage.buffers()), stash=stash, applied=options.applied * record,
+            fixed=_nbytes(stage.buffers()), stash=stash, applied=options.applied * record, kv_cache=kv_cache,
+            kv_per_position=kv_per_position,
             working=working, working_job=job, reserve=0, pinned_on_host=pinned_on_host)
     if device_type == "cuda":
         slack = math.ceil(CUDA_ALLOCATOR_SLACK * (state + working))
@@ -300,14 +317,14 @@ def format_plan(plans: list[StagePlan], memory_gb: float | None = None) -> str:
     def size(value: int) -> str:
         return f"{value / scale:.2f}"
 
-    columns = ["stage", "params", "grads", "optim", "pinned", "fixed", "stash", "abort", "working", "reserve",
-               "peak", "host"]
+    columns = ["stage", "params", "grads", "optim", "pinned", "fixed", "stash", "abort", "kv cache", "working",
+               "reserve", "peak", "host"]
     rows = []
     for plan in plans:
         where = " (host)" if plan.pinned_on_host else ""
         rows.append([f"{plan.index} {plan.kind}", size(plan.parameters), size(plan.gradients), size(plan.optimizer),
                      size(plan.pinned) + where, size(plan.fixed), size(plan.stash), size(plan.applied) + where,
-                     size(plan.working), size(plan.reserve), size(plan.peak), size(plan.host)])
+                     size(plan.kv_cache), size(plan.working), size(plan.reserve), size(plan.peak), size(plan.host)])
     if memory_gb is not None:
         columns.append(f"fits {memory_gb:g} GB")
         for row, plan in zip(rows, plans):
@@ -320,6 +337,7 @@ def format_plan(plans: list[StagePlan], memory_gb: float | None = None) -> str:
         jobs.setdefault(plan.working_job, []).append(str(plan.index))
     lines.append(f"{unit}; peak = the state plus the working set of the worst job ("
                  + "; ".join(f"{job}: stage {', '.join(indices)}" for job, indices in jobs.items())
-                 + "), plus the CUDA reserve; host = page-locked host memory")
+                 + "), plus the CUDA reserve; kv cache = the inference sessions' budget; "
+                 "host = page-locked host memory")
     return "\n".join(lines)
 

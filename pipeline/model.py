@@ -181,9 +181,11 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
+        """The memory its keys and values hold: their storages, so a cache cut back (a view) still
+        counts what it keeps alive until it grows again."""
         if self.keys is None:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes()
 
     def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new positions; every position's keys and values so far."""

@@ -51,6 +51,8 @@ from agora.protos.stage_relay_adapter import decode_message, encode_message
 __all__ = [
     "SERVICE_NAME",
     "PUSHBACK_METADATA",
+    "REFUSED_INPUT_METADATA",
+    "PRODUCED_FIELDS",
     "ForwardRequest",
     "ForwardReply",
     "BackwardRequest",
@@ -85,6 +87,10 @@ SERVICE_NAME: str = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name  # 
 # gRPC's server pushback (gRFC A6): in a refusal's trailing metadata, milliseconds until the caller
 # should try again (a busy worker's estimate of when a slot frees).
 PUSHBACK_METADATA = "grpc-retry-pushback-ms"
+# In an INVALID_ARGUMENT's trailing metadata: the request's frame whose values, computed by the
+# previous stage's worker and relayed by the caller, the worker refused ("wire", "output_grad").
+REFUSED_INPUT_METADATA = "agora-refused-input"
+PRODUCED_FIELDS = ("wire", "output_grad")  # its values: the request's frames another stage's worker computed
 
 
 @dataclass(frozen=True)

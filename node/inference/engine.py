@@ -17,15 +17,23 @@ decoded against the model (vocabulary, wire width, the rows the session has, fin
 Nothing is half-applied: a call that fails after touching the cache cuts it back to where the
 call started, and a Prefill that fails leaves no session. Inference never touches gradients,
 optimizer state or the training stash.
+
+The sessions' caches are bounded in bytes (node/inference/sessions.py): before a call runs, the
+engine says what the session will hold after it, rows x positions x what one position costs on
+this stage. That cost is measured once, on the compute thread at the first call, by caching one
+position (pipeline/inference.py `cache_bytes_per_position`, the memory plan's measure), and fixes
+the default budget (node/inference/options.py).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from agora.node.inference.sessions import SessionError, SessionTable
 from agora.node.replica.compute import StageCompute
 from agora.node.replica.request_frames import InvalidRequest
 from agora.pipeline.codec import WireCodec, WireFormatError, decode_tokens
-from agora.pipeline.inference import SessionTooLong, StageCache, cached_forward
+from agora.pipeline.inference import SessionTooLong, StageCache, cache_bytes_per_position, cached_forward
 from agora.protos.stage_adapter import CloseSessionReply, CloseSessionRequest, InferReply, InferRequest
 
 __all__ = ["InferenceEngine", "SessionBehind", "MAX_SESSION_ID_CHARS"]
@@ -40,10 +48,24 @@ class SessionBehind(SessionError):
 class InferenceEngine:
     """Not thread-safe: call it from the compute thread only (node/inference/service.py does)."""
 
-    def __init__(self, sessions: SessionTable, codec: WireCodec):
+    def __init__(self, sessions: SessionTable, codec: WireCodec, kv_budget: Callable[[int], int] | None = None):
+        """`kv_budget`: the caches' budget in bytes given what one position of one row costs (None:
+        unbounded)."""
         self.sessions = sessions
         self.codec = codec  # what this worker sends on the wire; it decodes any dtype
         self._logits_codec = WireCodec("fp32", max_bytes=codec.max_bytes)  # sampling needs full precision
+        self._kv_budget = kv_budget
+        self.bytes_per_position: int | None = None  # measured at the first call (module docstring)
+
+    def _cache_bytes(self, compute: StageCompute, rows: int, positions: int) -> int:
+        """What a session of `rows` x `positions` holds in its cache here (0 when unbounded)."""
+        if self._kv_budget is None:
+            return 0
+        if self.bytes_per_position is None:
+            with compute.runtime.autocast():
+                self.bytes_per_position = cache_bytes_per_position(compute.stage, compute.runtime.device)
+            self.sessions.max_cache_bytes = self._kv_budget(self.bytes_per_position)
+        return rows * positions * self.bytes_per_position
 
     # ------------------------------------------------------------------ checks
 
@@ -78,7 +100,8 @@ class InferenceEngine:
     # ------------------------------------------------------------------ calls
 
     def _run(self, compute: StageCompute, session, tokens, wire, position: int) -> InferReply:
-        self.sessions.check_room(session, position, tokens.shape[1])
+        rows, new = tokens.shape
+        self.sessions.check_room(session, position, new, cache_bytes=self._cache_bytes(compute, rows, position + new))
         try:
             with compute.runtime.autocast():
                 output = cached_forward(compute.stage, tokens, wire, session.cache, position=position)
@@ -106,7 +129,7 @@ class InferenceEngine:
                                  "extend an open session with Decode")
         tokens, wire = self._inputs(compute, request, None)
         session = self.sessions.open(request.session_id, owner, request.max_tokens, StageCache(compute.stage),
-                                     compute.optimizer.steps)
+                                     compute.optimizer.steps, cache_bytes=self._cache_bytes(compute, *tokens.shape))
         try:
             return self._run(compute, session, tokens, wire, 0)
         except BaseException:
@@ -127,10 +150,3 @@ class InferenceEngine:
     def close(self, compute: StageCompute, request: CloseSessionRequest, owner: str) -> CloseSessionReply:
         self._check(compute, request.run_id, request.stage, request.session_id)
         return CloseSessionReply(closed=self.sessions.close(request.session_id, owner))
-
-    @staticmethod
-    def bytes_per_position(compute: StageCompute) -> int:
-        """Cache bytes one position of one row costs on this stage (keys and values, every block)."""
-        config = compute.config.model
-        element = next(compute.stage.parameters()).element_size()
-        return 2 * len(compute.stage.layers) * config.n_kv_heads * config.head_dim * element

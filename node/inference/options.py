@@ -1,7 +1,13 @@
 """`InferenceOptions`: a worker's bounds on inference sessions; `ServeOptions`: who may use `agora-node
 serve`'s HTTP API and how much of it at once. Sections of the settings schema (pipeline/schema.py):
 `join`'s and `serve`'s flags for them come from here. Light: the CLI imports it to build its
-parser, before torch."""
+parser, before torch.
+
+The sessions' attention caches live on the stage's device beside training's state, so their bytes
+are bounded (`max_kv_cache_gib`) and the memory plan counts that budget (pipeline/memory.py). Its
+default holds `max_sessions` sessions of the longest a session may be, one row each: what the
+sessions' count and length bounds let single-row generations (every completion of
+`agora-node serve`) hold anyway, so the default refuses none of them and only makes it counted."""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ from pydantic.dataclasses import dataclass
 
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.schema import SECTION, NoneOr, setting
+
+GiB = 2**30
 
 __all__ = ["InferenceOptions", "ServeOptions"]
 
@@ -25,9 +33,29 @@ class InferenceOptions:
     session_ttl_s: StrictFloat = setting(300.0, "seconds an idle session is kept", flag="--session-ttl", gt=0)
     max_queue: StrictInt = setting(8, "inference calls in flight before RESOURCE_EXHAUSTED",
                                    flag="--max-inference-queue", gt=0)
+    max_kv_cache_gib: Annotated[StrictFloat | None, NoneOr] = setting(
+        None, "GiB of device memory the sessions' attention caches may hold on this worker, counted in its memory "
+        "plan; a Prefill or Decode that would take them past it is refused (RESOURCE_EXHAUSTED) and the open "
+        "sessions keep theirs (default: max_sessions sessions of max_session_tokens positions, one row each)",
+        flag="--max-kv-cache-gib", gt=0)
 
     def session_tokens(self, config: RunConfig) -> int:
         return self.max_session_tokens or config.model.max_seq_len
+
+    def session_positions(self, config: RunConfig) -> int:
+        """Positions the sessions hold at most by default: `max_sessions` of the longest, one row each."""
+        return self.max_sessions * self.session_tokens(config)
+
+    @property
+    def set_kv_cache_bytes(self) -> int | None:
+        """`max_kv_cache_gib` in bytes; None when unset (the default depends on the stage)."""
+        return None if self.max_kv_cache_gib is None else int(self.max_kv_cache_gib * GiB)
+
+    def kv_cache_bytes(self, config: RunConfig, bytes_per_position: int) -> int:
+        """The sessions' cache budget in bytes, given what one position of one row costs on the stage."""
+        if self.set_kv_cache_bytes is not None:
+            return self.set_kv_cache_bytes
+        return self.session_positions(config) * bytes_per_position
 
     def validate(self, config: RunConfig) -> "InferenceOptions":
         """Within the run's model: a session holds at most model.max_seq_len positions."""

@@ -18,6 +18,7 @@ Admitted calls run on the stage's compute thread (node/inference/engine.py says 
 | UnknownSession (not held: evicted, expired, never opened) | NOT_FOUND naming the session: replay it |
 | SessionBehind (a Decode after positions not held) | FAILED_PRECONDITION: replay it |
 | SessionRefused, SessionTooLong (over the session's or the model's bound) | OUT_OF_RANGE naming the bound |
+| SessionsFull (the caches would pass the worker's budget for them) | RESOURCE_EXHAUSTED, counted (`kv_cache_budget`) |
 | NotSessionOwner | PERMISSION_DENIED |
 | anything else (our bug) | INTERNAL, logged with its traceback |
 """
@@ -29,13 +30,14 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import Future
+from functools import partial
 from typing import Any, Callable, Optional
 
 import grpc
 
 from agora.node.inference.engine import InferenceEngine, SessionBehind
 from agora.node.inference.options import InferenceOptions
-from agora.node.inference.sessions import NotSessionOwner, SessionRefused, SessionTable, UnknownSession
+from agora.node.inference.sessions import NotSessionOwner, SessionRefused, SessionsFull, SessionTable, UnknownSession
 from agora.node.rpc.auth_check import Caller, RefusalCounts, current_caller
 from agora.node.replica.bounds import OutOfBounds, RequestGeometry, Slot, SlotPool, SlotRefused
 from agora.node.worker.options import default_per_caller
@@ -66,7 +68,7 @@ class InferenceService:
         self.geometry = geometry.for_inference(options.session_tokens(config))
         self.sessions = SessionTable(options.max_sessions, options.session_tokens(config), options.session_ttl_s,
                                      where=f"stage {stage}", clock=clock)
-        self.engine = InferenceEngine(self.sessions, codec)
+        self.engine = InferenceEngine(self.sessions, codec, kv_budget=partial(options.kv_cache_bytes, config))
         self._submit = submit
         self._refusals = refusals
         self._slots = SlotPool(f"stage {stage} worker's inference queue", options.max_queue,
@@ -124,6 +126,12 @@ class InferenceService:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except (SessionRefused, SessionTooLong) as error:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(error))
+        except SessionsFull as error:
+            self._refusals.add("kv_cache_budget")
+            logger.info("stage %d refused a session's call: %s", self.stage, error,
+                        extra={"milestone": "kv_cache_budget_refused",
+                               "fields": {"stage": self.stage, "needed": error.needed, "budget": error.budget}})
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         except NotSessionOwner as error:
             self._refusals.add("not_owner")
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(error))

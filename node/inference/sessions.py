@@ -1,4 +1,4 @@
-"""`SessionTable`: the inference sessions a worker holds for its callers, bounded four ways.
+"""`SessionTable`: the inference sessions a worker holds for its callers, bounded five ways.
 
 A session is one generation's attention cache on this stage (pipeline/inference.StageCache),
 opened by a Prefill and extended by Decodes. Caches cost memory in proportion to their tokens
@@ -12,6 +12,14 @@ vanishes mid-generation never closes its session, hence the bounds:
 - `max_tokens` positions per session, declared at Prefill (the prompt plus what it will
   generate) and refused there when over the worker's limit, so a generation is not cut halfway.
 - `ttl_s`: a session idle that long is gone (checked lazily on every access: no timer thread).
+- `max_cache_bytes`: what the caches hold in all, the budget the worker's memory plan counts
+  (node/inference/options.py). The caller says what a session will hold after its call (the
+  engine measures a position's cost); a Prefill or Decode that would take the caches past the
+  budget is `SessionsFull` (RESOURCE_EXHAUSTED) and changes nothing: unlike the count, the bytes
+  evict nobody, since the session refused is the one asking for more, and a budget shared by
+  long sessions would otherwise let one caller's growth cut everyone's generations short. What a
+  Prefill replaces (the caller's session of that id) and the session its opening evicts for the
+  count are not counted against it: with single-row sessions the default budget refuses none.
 - Ownership: a session is bound to the caller that opened it (the credential's peer id, or
   `anonymous@host` under --insecure); anyone else's call for it is refused, and cannot close it.
 
@@ -30,7 +38,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Session", "SessionTable", "SessionError", "UnknownSession", "SessionRefused", "NotSessionOwner"]
+__all__ = ["Session", "SessionTable", "SessionError", "UnknownSession", "SessionRefused", "SessionsFull",
+           "NotSessionOwner"]
 
 
 class SessionError(Exception):
@@ -43,6 +52,15 @@ class UnknownSession(SessionError):
 
 class SessionRefused(SessionError):
     """Beyond this worker's per-session bound (OUT_OF_RANGE)."""
+
+
+class SessionsFull(SessionError):
+    """The sessions' caches would pass this worker's budget for them (RESOURCE_EXHAUSTED: retry later,
+    or on another replica). `needed`: the bytes they would hold; `budget`: what they may."""
+
+    def __init__(self, message: str, needed: int, budget: int):
+        super().__init__(message)
+        self.needed, self.budget = needed, budget
 
 
 class NotSessionOwner(SessionError):
@@ -60,11 +78,13 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self, max_sessions: int, max_tokens: int, ttl_s: float, *, where: str = "this worker",
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_sessions: int, max_tokens: int, ttl_s: float, *, max_cache_bytes: int | None = None,
+                 where: str = "this worker", clock: Callable[[], float] = time.monotonic):
+        """`max_cache_bytes` None: the caches' bytes unbounded (until the engine sets the budget)."""
         if max_sessions <= 0 or max_tokens <= 0 or not ttl_s > 0:
             raise ValueError(f"need max_sessions, max_tokens and ttl_s > 0, got {max_sessions}, {max_tokens}, {ttl_s}")
         self.max_sessions = max_sessions
+        self.max_cache_bytes = max_cache_bytes
         self.max_tokens = max_tokens
         self.ttl_s = ttl_s
         self.where = where  # "stage 1", for messages
@@ -98,9 +118,11 @@ class SessionTable:
             raise NotSessionOwner(f"session {session.session_id!r} belongs to another caller; only the caller that "
                                   "opened it may use or close it")
 
-    def open(self, session_id: str, owner: str, max_tokens: int, cache: Any, step: int) -> Session:
+    def open(self, session_id: str, owner: str, max_tokens: int, cache: Any, step: int, *,
+             cache_bytes: int = 0) -> Session:
         """A new session (`max_tokens` 0: this worker's limit), replacing the caller's own of that id;
-        evicts to make room (see the module docstring)."""
+        evicts to make room (see the module docstring). `cache_bytes`: what it will hold after its
+        first call; SessionsFull, nothing changed, when that passes the budget."""
         if max_tokens > self.max_tokens:
             raise SessionRefused(f"max_tokens: {max_tokens} positions, {self.where} holds at most {self.max_tokens} "
                                  "per session (--max-session-tokens)")
@@ -109,20 +131,33 @@ class SessionTable:
         existing = self._sessions.get(session_id)
         if existing is not None:
             self._check_owner(existing, owner)
+        victim = self._victim_for(owner) if existing is None and len(self._sessions) >= self.max_sessions else None
+        leaving = [s for s in (existing, victim) if s is not None]
+        self._check_cache(session_id, cache_bytes, self.cache_bytes - sum(s.cache.nbytes for s in leaving))
+        if existing is not None:
             del self._sessions[session_id]  # a replay: the caller starts it again
-        if len(self._sessions) >= self.max_sessions:
-            self._evict_for(owner)
+        if victim is not None:
+            del self._sessions[victim.session_id]
+            self.evictions["capacity"] += 1
         session = Session(session_id, owner, cache, max_tokens or self.max_tokens, step, now)
         self._sessions[session_id] = session
         return session
 
-    def _evict_for(self, owner: str) -> None:
+    def _victim_for(self, owner: str) -> Session:
         held = Counter(session.owner for session in self._sessions.values())
         most = max(held.values())
         victim_owner = owner if held.get(owner, 0) == most else next(o for o, n in held.items() if n == most)
-        victim = next(s for s in self._sessions.values() if s.owner == victim_owner)  # its least recently used
-        del self._sessions[victim.session_id]
-        self.evictions["capacity"] += 1
+        return next(s for s in self._sessions.values() if s.owner == victim_owner)  # its least recently used
+
+    def _check_cache(self, session_id: str, cache_bytes: int, others: int) -> None:
+        """SessionsFull when `others` bytes held by the sessions staying plus the session's `cache_bytes`
+        pass the budget."""
+        needed, budget = others + cache_bytes, self.max_cache_bytes
+        if budget is not None and needed > budget:
+            raise SessionsFull(
+                f"session {session_id!r} would take the attention caches on {self.where} to {needed:,} bytes, past "
+                f"the {budget:,} this worker allows them (--max-kv-cache-gib); the open sessions keep theirs: retry "
+                "once one ends, or on another replica", needed, budget)
 
     def get(self, session_id: str, owner: str) -> Session:
         """The caller's open session, now the most recently used; UnknownSession / NotSessionOwner."""
@@ -136,11 +171,13 @@ class SessionTable:
         self._sessions.move_to_end(session_id)
         return session
 
-    def check_room(self, session: Session, position: int, new_tokens: int) -> None:
-        """SessionRefused when `new_tokens` after `position` pass the session's declared bound."""
+    def check_room(self, session: Session, position: int, new_tokens: int, *, cache_bytes: int = 0) -> None:
+        """SessionRefused when `new_tokens` after `position` pass the session's declared bound;
+        SessionsFull when the session holding `cache_bytes` after the call passes the budget."""
         if position + new_tokens > session.max_tokens:
             raise SessionRefused(f"tokens: positions up to {position + new_tokens} exceed the {session.max_tokens} "
                                  f"this session declared at Prefill (max_tokens) on {self.where}")
+        self._check_cache(session.session_id, cache_bytes, self.cache_bytes - session.cache.nbytes)
 
     def close(self, session_id: str, owner: str) -> bool:
         """Drop the caller's session; False when it is not held (closing twice is fine)."""

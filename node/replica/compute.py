@@ -77,6 +77,13 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
 - A gradient that is not finite (a finite but huge output gradient overflows the head's parameter
   gradients) is refused before it touches `.grad`, on every stage: one bad Backward would
   otherwise make the next step skip or, worse, poison the weights.
+- A finite output gradient far beyond the ones this replica accepted lately (`output_grad_scale`,
+  pipeline/wire_scale.py: the median largest |value| of the recent ones, a generous factor, none
+  refused during a warm-up) is refused too, before any compute: whoever relays it (a hostile
+  trainer, or an honest one relaying a lying worker's input gradient) must not make this stage
+  train on it. It is an `ExtremeInput` naming `output_grad`; the stashed input is kept (the owner
+  may send a sane gradient, or its Abort drops it), and only gradients of committed backwards
+  enter the scale.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ from agora.pipeline.config import RunConfig
 from agora.pipeline.optim import StageOptimizer
 from agora.pipeline.runtime import JobTimer, Runtime
 from agora.pipeline.stages import Stage, build_stage
+from agora.pipeline.wire_scale import WireScale
 from agora.protos.stage_adapter import (
     AbortReply,
     AbortRequest,
@@ -117,6 +125,7 @@ from agora.node.replica.kept_graphs import KeptGraph, KeptGraphs
 from agora.node.replica.stash import ForwardStash
 from agora.node.replica.request_frames import (
     DuplicateMicrobatch,
+    ExtremeInput,
     InvalidRequest,
     NotOwner,
     PreconditionFailed,
@@ -178,8 +187,10 @@ class StageCompute:
     def __init__(self, config: RunConfig, index: int, *, run_id: str, codec: WireCodec, stash: ForwardStash,
                  synchronous: bool, local_batch: int | None = None, stage: Stage | None = None,
                  optimizer: StageOptimizer | None = None, pinned_versions: int = DEFAULT_PINNED_VERSIONS,
-                 report_window: ReportWindow = ReportWindow(), keep_graphs: int = 0, runtime: Runtime | None = None):
-        """`runtime`: where and in what precision to compute; default `config.runtime` resolved."""
+                 report_window: ReportWindow = ReportWindow(), keep_graphs: int = 0, runtime: Runtime | None = None,
+                 output_grad_scale: WireScale | None = None):
+        """`runtime`: where and in what precision to compute; default `config.runtime` resolved.
+        `output_grad_scale`: the bound on Backward's output gradients (module docstring); None: none."""
         if local_batch is not None and local_batch <= 0:
             raise ValueError(f"local_batch must be positive, got {local_batch}")
         if pinned_versions < 0:
@@ -220,6 +231,7 @@ class StageCompute:
         self.weights_version = 0
         self._pinned = WeightCopies(self.runtime, pinned_versions)
         self.kept = KeptGraphs(keep_graphs)  # forward graphs kept for Backward (none by default)
+        self.output_grad_scale = output_grad_scale
         self._parameter_names = [name for name, p in self.stage.named_parameters() if p.requires_grad]
         if len(self._parameter_names) != len(self.optimizer.parameters):
             raise ValueError("the optimizer's parameters are not the stage's trainable parameters")
@@ -309,14 +321,15 @@ class StageCompute:
         if not request.evaluate:  # a held-out forward stores nothing, so it replaces nothing
             self._check_new_microbatch(request.microbatch_id)
         step = self.optimizer.steps
+        produced = None if wire is None else "wire"  # what may overflow this stage: the previous one's output
         if request.evaluate:
             with torch.no_grad(), self.runtime.autocast():
                 output = self.stage(tokens, wire, targets)
             if self.stage.is_tail:
                 if not torch.isfinite(output):
-                    raise self.frames.unusable(f"tail produced a non-finite held-out loss ({float(output)})")
+                    raise self.frames.unusable(f"tail produced a non-finite held-out loss ({float(output)})", produced)
                 return ForwardReply(loss=float(output), step=step)
-            return ForwardReply(wire=self.frames.encode(output, "output"), step=step)
+            return ForwardReply(wire=self.frames.encode(output, "output", produced), step=step)
         if self.stage.is_tail:
             reply = self._forward_tail(tokens, wire, targets, step, request.microbatch_id, owner, request.work_key)
         else:
@@ -329,7 +342,7 @@ class StageCompute:
             else:
                 with torch.no_grad(), self.runtime.autocast():
                     output = self.stage(tokens, wire)
-            reply = ForwardReply(wire=self.frames.encode(output.detach(), "output"), step=step)
+            reply = ForwardReply(wire=self.frames.encode(output.detach(), "output", produced), step=step)
             evicted = self.stash.put(request.microbatch_id,
                                      StashedInput(tokens, wire, tuple(output.shape), self.weights_version, owner,
                                                   request.work_key),
@@ -343,6 +356,7 @@ class StageCompute:
 
     def _forward_tail(self, tokens: torch.Tensor, wire: torch.Tensor | None, targets: torch.Tensor,
                       step: int, microbatch_id: str, owner: str, work_key: str) -> ForwardReply:
+        produced = None if wire is None else "wire"
         if wire is not None:
             wire.requires_grad_(True)
         with torch.enable_grad():
@@ -350,10 +364,11 @@ class StageCompute:
                 loss = self.stage(tokens, wire, targets)
             loss_value = float(loss.detach())
             if not torch.isfinite(loss.detach()):
-                raise self.frames.unusable(f"tail produced a non-finite loss ({loss_value}); no gradient accumulated")
+                raise self.frames.unusable(f"tail produced a non-finite loss ({loss_value}); no gradient accumulated",
+                                           produced)
             wire_grad, param_grads = self._gradients(loss, wire, None)
-        self.frames.check_finite(param_grads, "the request's wire")
-        input_grad = self.frames.encode(wire_grad, "input gradient") if wire_grad is not None else b""
+        self.frames.check_finite(param_grads, "the request's wire", produced)
+        input_grad = self.frames.encode(wire_grad, "input gradient", produced) if wire_grad is not None else b""
         applied = self._accumulate(param_grads, microbatch_id,
                                    self._abort_record(tokens, None if wire is None else wire.detach(), None, targets,
                                                       self.weights_version, owner, work_key))
@@ -375,6 +390,7 @@ class StageCompute:
                 f"(capacity {self.stash.capacity}); rerun the microbatch") from None
         self._check_owner(request.microbatch_id, stashed.owner, owner)
         output_grad = self.frames.decode_floats(request.output_grad, "output_grad", stashed.output_shape)
+        largest = self._check_output_grad_scale(request.output_grad)
         version = self._available_version(stashed.weights_version)
         kept = self.kept.take(request.microbatch_id, self.weights_version)
         if kept is not None:  # built on these very weights: back-propagate through it
@@ -382,9 +398,11 @@ class StageCompute:
                 wire_grad, param_grads = self._gradients(kept.output, kept.wire, output_grad)
         else:
             wire_grad, param_grads = self._recompute(version, stashed.tokens, stashed.wire, None, output_grad)
-        self.frames.check_finite(param_grads, "output_grad")
-        input_grad = self.frames.encode(wire_grad, "input gradient") if wire_grad is not None else b""
+        self.frames.check_finite(param_grads, "output_grad", "output_grad")
+        input_grad = self.frames.encode(wire_grad, "input gradient", "output_grad") if wire_grad is not None else b""
         self.stash.pop(request.microbatch_id)  # validated: this backward is now committed
+        if largest is not None:
+            self.output_grad_scale.accept(largest)
         step = self.optimizer.steps
         applied = self._accumulate(param_grads, request.microbatch_id,
                                    self._abort_record(stashed.tokens, stashed.wire, output_grad, None, version, owner,
@@ -392,6 +410,19 @@ class StageCompute:
         self._unpin_unused()
         self._observe(stashed.tokens.numel(), timer)
         return BackwardReply(input_grad=input_grad, step=step, repeat=not applied)
+
+    def _check_output_grad_scale(self, frame: bytes) -> float | None:
+        """The frame's largest |value| once the scale allows it (None without a scale); ExtremeInput beyond."""
+        scale = self.output_grad_scale
+        if scale is None:
+            return None
+        largest = self.codec.inspect(frame).largest_magnitude
+        bound = scale.refuses(largest)
+        if bound is not None:
+            raise ExtremeInput(f"output_grad: values up to {largest:.3g}, beyond {bound:.3g} ({scale.factor:g} times the "
+                               f"median largest value of the output gradients stage {self.index} accepted lately); "
+                               "nothing applied, the stashed input is kept", "output_grad")
+        return largest
 
     # ------------------------------------------------------------------ weight versions
 

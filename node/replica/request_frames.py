@@ -14,6 +14,12 @@ the serving thread before a job is queued. Design choices:
 - A result that is NaN/Inf or does not encode is the request's fault while the stage's weights
   are finite (its extreme but finite values overflowed the stage: a peer must not be able to
   make a worker look broken) and this replica's own `ComputeError` otherwise (`unusable`).
+- Of a request's frames, a Forward's `wire` and a Backward's `output_grad` hold what another
+  stage's worker computed (the trainer relays them unchanged); tokens and targets are the
+  trainer's own, and ids in the vocabulary cannot overflow a stage. A refusal caused by the
+  values of such a frame is an `ExtremeInput` naming the field, which the worker sends with the
+  status (protos/stage_adapter.py `REFUSED_INPUT_METADATA`), so the trainer can hold the worker
+  that produced them to account rather than this one.
 
 The rejections (the worker maps each to one gRPC status, node/worker/worker.py) live here too.
 """
@@ -26,13 +32,14 @@ from agora.pipeline.codec import WireCodec, WireFormatError, all_finite, decode_
 from agora.pipeline.config import RunConfig
 from agora.pipeline.runtime import Runtime
 from agora.pipeline.stages import Stage
-from agora.protos.stage_adapter import ForwardRequest
+from agora.protos.stage_adapter import PRODUCED_FIELDS, ForwardRequest
 
 from agora.node.replica.work_ledger import MAX_WORK_KEY_CHARS
 
 __all__ = [
     "RequestRejected",
     "InvalidRequest",
+    "ExtremeInput",
     "PreconditionFailed",
     "ReportOutsideWindow",
     "UnknownMicrobatch",
@@ -52,6 +59,18 @@ class RequestRejected(Exception):
 
 class InvalidRequest(RequestRejected):
     """Malformed or mismatched input (INVALID_ARGUMENT)."""
+
+
+class ExtremeInput(InvalidRequest):
+    """The values of `field` (one of `PRODUCED_FIELDS`), which the previous stage's worker produced,
+    are out of range: they overflowed this stage, or lie far beyond what it accepted lately
+    (INVALID_ARGUMENT, with the field in the status's trailing metadata)."""
+
+    def __init__(self, message: str, field: str):
+        if field not in PRODUCED_FIELDS:
+            raise ValueError(f"field must be one of {PRODUCED_FIELDS}, got {field!r}")
+        super().__init__(message)
+        self.field = field
 
 
 class PreconditionFailed(RequestRejected):
@@ -123,23 +142,25 @@ class RequestFrames:
             raise InvalidRequest(f"{what}: {error}") from None
         return self.runtime.to_device(host)
 
-    def unusable(self, message: str) -> Exception:
+    def unusable(self, message: str, produced: str | None = None) -> Exception:
         """The error for a result that is NaN/Inf or does not encode. Finite weights map inputs of
         sane magnitude to finite values, so with finite weights it is the request's values (finite,
         but the codec takes anything up to float32's max) that overflowed the stage: the caller's
-        mistake, INVALID_ARGUMENT. A non-finite weight makes it this replica's own failure."""
+        mistake, INVALID_ARGUMENT, an `ExtremeInput` when the values that can overflow came from
+        another stage (`produced`: the request's frame that holds them, None when there is none).
+        A non-finite weight makes it this replica's own failure."""
         if all(all_finite(p) for p in self.stage.parameters()):
-            return InvalidRequest(f"{message}; this stage's weights are finite, so the request's values "
-                                  "overflowed it")
+            message = f"{message}; this stage's weights are finite, so the request's values overflowed it"
+            return InvalidRequest(message) if produced is None else ExtremeInput(message, produced)
         return ComputeError(message)
 
-    def encode(self, tensor: torch.Tensor, what: str) -> bytes:
+    def encode(self, tensor: torch.Tensor, what: str, produced: str | None = None) -> bytes:
         try:
             return self.codec.encode(self.runtime.to_host(tensor))
         except WireFormatError as error:
-            raise self.unusable(f"stage {self.stage.index} could not encode its {what}: {error}") from None
+            raise self.unusable(f"stage {self.stage.index} could not encode its {what}: {error}", produced) from None
 
-    def check_finite(self, param_grads: list[torch.Tensor | None], source: str) -> None:
+    def check_finite(self, param_grads: list[torch.Tensor | None], source: str, produced: str | None = None) -> None:
         """Refuse parameter gradients that are not finite before they reach `.grad`. The codec takes
         any finite value up to float32's max, and on the head (no input gradient to encode, which
         would catch it elsewhere) an output gradient of 3e38 overflowed the embedding's gradient.
@@ -154,7 +175,7 @@ class RequestFrames:
             finite = all(grad is None or all_finite(grad) for grad in param_grads)
         if not finite:
             raise self.unusable(f"{source}: stage {self.stage.index}'s parameter gradient is not finite; "
-                                 "nothing accumulated")
+                                "nothing accumulated", produced)
 
     def decode_forward(self, request: ForwardRequest) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         self.check_addressing(request.run_id, request.stage)

@@ -43,6 +43,12 @@ class TrainerOptions:
     unit_failures: StrictInt = setting(
         5, "global batches failing in a row (all routes exhausted) before the run stops", ge=1)
     roster_refresh_s: StrictFloat = setting(2.0, "between two reads of the workers' records", gt=0)
+    reply_bound_factor: StrictFloat = setting(
+        1000.0, "a reply whose values reach beyond this many times the median largest value of its stage's recent "
+        "replies (outputs and input gradients apart) is refused before it is relayed, its worker banned and the "
+        "microbatch rerouted", gt=1)
+    reply_bound_warmup: StrictInt = setting(
+        32, "replies of a stage (of each kind) accepted before that bound applies", ge=1)
     wire_dtype: Literal["fp32", "bf16", "fp16", "int8"] = setting(
         "fp32", "encoding of the boundary tensors this trainer sends (it decodes any)", flag="--wire-dtype")
     heartbeat_s: StrictFloat = setting(5.0, "seconds between announces of this trainer's progress in the DHT",

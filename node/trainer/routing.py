@@ -31,6 +31,10 @@ stepping on nothing, drifting from its stage until its averages no longer reach 
 routable replica that got no microbatch of `PROBE_AFTER` global batches in a row gets the next
 one of the stage (`WorkerView.idle_batches`, kept by the trainer), which measures it afresh.
 
+Blame. A worker may refuse a frame for values another worker produced (node/replica/request_frames.py
+`ExtremeInput`); `producer_of_refused` says which worker of the route that was, and the trainer
+counts the failure against it (`Roster.blamed`: its call had returned) rather than the refuser.
+
 Credits (flow control, node/worker/flow.py). Every reply of a worker says how many calls this
 trainer may have outstanding there (`credits`) and how many of its microbatches the worker keeps
 between Forward and Backward (`in_flight_credits`); before the first reply, what the worker's
@@ -51,7 +55,7 @@ from typing import Mapping
 from agora.dht.records import TRAINING_PHASES
 
 __all__ = ["BALANCE_SLACK", "PROBE_AFTER", "MIN_CREDITS", "WorkerView", "Roster", "expected_finish_time",
-           "pick_worker"]
+           "pick_worker", "producer_of_refused"]
 
 _NEWCOMER_PENALTY = 1.5
 _DEFAULT_SECONDS = 1.0
@@ -163,6 +167,15 @@ def pick_worker(candidates: list[WorkerView], now: float, microbatch_size: int,
         return earliest
     comparable = [v for v in usable if seconds[v.peer_id] <= BALANCE_SLACK * fastest]
     return min(comparable, key=lambda v: (shares.get(v.peer_id, 0), finish[v.peer_id], v.peer_id))
+
+
+def producer_of_refused(route_length: int, stage: int, *, backward: bool, field: str) -> int | None:
+    """The route index of the worker that produced the frame the worker at `stage` refused: a Forward's
+    `wire` is the output of the stage before, a Backward's `output_grad` the input gradient of the stage
+    after. None when the refusal names a frame that call did not carry from another worker (a head's
+    Forward has no wire; a Forward has no output_grad): the refuser's claim is then its own failure."""
+    producer, carried = (stage + 1, "output_grad") if backward else (stage - 1, "wire")
+    return producer if field == carried and 0 <= producer < route_length else None
 
 
 @dataclass
@@ -280,6 +293,11 @@ class Roster:
     def failed(self, peer_id: str, now: float) -> float:
         """Record a failed call (the worker is dead, wrong, or refused the request); returns the ban length."""
         self.released(peer_id)
+        return self.blamed(peer_id, now)
+
+    def blamed(self, peer_id: str, now: float) -> float:
+        """Count a failure against a worker whose call has returned already (its output was refused
+        downstream, node/trainer/trainer.py); returns the ban length, as `failed`."""
         view = self.workers.get(peer_id)
         if view is None:
             return 0.0

@@ -12,8 +12,15 @@ Design choices:
 - Errors are typed by what the trainer should do, and each carries the gRPC status code:
   `WorkerBusy` (RESOURCE_EXHAUSTED: back-pressure, wait and call again, no penalty; it carries the
   worker's pushback, gRPC's `grpc-retry-pushback-ms`), `RequestRefused` (the worker
-  judged the request or its state wrong: rerun the microbatch), `WorkerUnreachable` (transport,
-  deadline: reroute and back off), `BadReply` (ban-worthy). `StageCallError` is their base.
+  judged the request or its state wrong: rerun the microbatch), `InputRefused` (a RequestRefused
+  whose trailing metadata names the frame the previous stage's worker produced: that worker's
+  fault, not this one's), `WorkerUnreachable` (transport, deadline: reroute and back off),
+  `BadReply` (ban-worthy; `ExtremeReply` for values beyond the stage's bound).
+  `StageCallError` is their base.
+- With `scales` (the trainer's, one `WireScale` per stage and frame kind: pipeline/wire_scale.py)
+  a reply's output wire and input gradient are also held to their stage's recent scale, measured
+  in the pass that checks them, before the trainer relays them: values far beyond what the
+  stage's workers send are an `ExtremeReply`, so they never reach the next worker.
 - Every call has a deadline (`timeout_s`, per call or the client default).
 - Payloads that may not fit one message (either way: a head's reply is ~4*wire_dim times its
   token input) go through the streaming variants, cut into `stream_chunk_bytes` parts.
@@ -46,8 +53,11 @@ from agora.node.rpc.tls import ChannelFactory, InsecureChannels, worker_server_n
 from agora.pipeline.codec import WireCodec, WireFormatError, encode_tokens, float_frame_bytes
 from agora.pipeline.config import ModelConfig
 from agora.pipeline.fingerprint import RunFingerprint
+from agora.pipeline.wire_scale import WireScale
 from agora.protos.stage_adapter import (
+    PRODUCED_FIELDS,
     PUSHBACK_METADATA,
+    REFUSED_INPUT_METADATA,
     AbortReply,
     AbortRequest,
     BackwardRequest,
@@ -67,6 +77,9 @@ __all__ = [
     "OutsideWindow",
     "WorkerUnreachable",
     "BadReply",
+    "ExtremeReply",
+    "InputRefused",
+    "ReplyScales",
     "error_for",
     "ForwardResult",
     "BackwardResult",
@@ -109,12 +122,51 @@ class OutsideWindow(StageCallError):
     stage's count when the stage's other replicas announce one)."""
 
 
+class InputRefused(RequestRefused):
+    """INVALID_ARGUMENT over values the previous stage's worker produced: `field` is the request's frame
+    that holds them ("wire": the output of the stage before; "output_grad": the input gradient of the
+    stage after), as the worker's trailing metadata names it."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, *, address: str, method: str, field: str):
+        super().__init__(code, details, address=address, method=method)
+        self.field = field
+
+
 class WorkerUnreachable(StageCallError):
     """Transport failure, deadline or shutdown: reroute, and back off from this worker."""
 
 
 class BadReply(StageCallError):
     """The call succeeded but the reply does not decode or has the wrong shape (DATA_LOSS)."""
+
+
+class ExtremeReply(BadReply):
+    """The reply decodes, but its values lie far beyond what the stage's workers sent lately (`kind`:
+    "output" or "input_grad")."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, *, address: str, method: str, kind: str):
+        super().__init__(code, details, address=address, method=method)
+        self.kind = kind
+
+
+class ReplyScales:
+    """One `WireScale` per (stage, frame kind), shared by a trainer's clients (module docstring)."""
+
+    def __init__(self, factor: float, warmup: int):
+        self.factor, self.warmup = factor, warmup
+        self._scales: dict[tuple[int, str], WireScale] = {}
+
+    def of(self, stage: int, kind: str) -> WireScale:
+        scale = self._scales.get((stage, kind))
+        if scale is None:
+            scale = self._scales[(stage, kind)] = WireScale(self.factor, self.warmup)
+        return scale
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per "stage/kind": replies accepted and refused, the scale, and the largest accepted over it."""
+        return {f"{stage}/{kind}": {"accepted": scale.accepted, "refused": scale.refused, "scale": scale.scale,
+                                    "peak_ratio": round(scale.peak_ratio, 3)}
+                for (stage, kind), scale in sorted(self._scales.items())}
 
 
 _ERROR_BY_CODE = {
@@ -138,18 +190,25 @@ def error_for(code: grpc.StatusCode, details: str, *, address: str, method: str,
     """The typed error for a status code (INTERNAL, UNKNOWN, ... stay the base class); a busy one
     with the pushback its trailing metadata carries."""
     cls = _ERROR_BY_CODE.get(code, StageCallError)
+    refused_input = _metadata_value(trailing_metadata, REFUSED_INPUT_METADATA)
+    if code == grpc.StatusCode.INVALID_ARGUMENT and refused_input in PRODUCED_FIELDS:
+        return InputRefused(code, details, address=address, method=method, field=refused_input)
     if cls is WorkerBusy:
         return WorkerBusy(code, details, address=address, method=method, pushback_s=pushback_s(trailing_metadata))
     return cls(code, details, address=address, method=method)
 
 
+def _metadata_value(trailing_metadata: Any, key: str) -> str | None:
+    for name, value in trailing_metadata or ():
+        if name == key:
+            return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+    return None
+
+
 def pushback_s(trailing_metadata: Any) -> float | None:
     """Seconds of a `grpc-retry-pushback-ms` entry (None: absent, or not a whole non-negative number)."""
-    for key, value in trailing_metadata or ():
-        if key == PUSHBACK_METADATA:
-            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
-            return int(text) / 1e3 if text.isdigit() and len(text) <= 9 else None
-    return None
+    text = _metadata_value(trailing_metadata, PUSHBACK_METADATA)
+    return int(text) / 1e3 if text is not None and text.isdigit() and len(text) <= 9 else None
 
 
 def _tensor(codec: WireCodec, frame: bytes) -> torch.Tensor | None:
@@ -208,9 +267,11 @@ class StageClient:
                  channels: Optional[ChannelFactory] = None,
                  codec: WireCodec | None = None, timeout_s: float = 30.0,
                  max_message_bytes: int = 16 * 2**20, max_stream_bytes: int = 512 * 2**20,
-                 stream_chunk_bytes: int = 2**20, metrics: Optional[RpcClientMetrics] = None, relay: bool = True):
+                 stream_chunk_bytes: int = 2**20, metrics: Optional[RpcClientMetrics] = None, relay: bool = True,
+                 scales: Optional[ReplyScales] = None):
         """`relay=False`: the generated classes and a decoded tensor of every reply, as this client did
-        before relaying frames (kept as the reference bench/trainer_relay.py measures against)."""
+        before relaying frames (kept as the reference bench/trainer_relay.py measures against).
+        `scales`: hold replies' values to their stage's recent scale (module docstring)."""
         if stream_chunk_bytes + _ENVELOPE_BYTES > max_message_bytes:
             raise ValueError("stream_chunk_bytes plus framing must fit in max_message_bytes")
         self.channels = channels if channels is not None else InsecureChannels()
@@ -235,6 +296,7 @@ class StageClient:
         self._retiring: set[asyncio.Task] = set()  # old channels closing after their grace period
         self.channels_opened = 0
         self._metrics = metrics
+        self._scales = scales
 
     # ------------------------------------------------------------------ plumbing
 
@@ -303,16 +365,25 @@ class StageClient:
             raise BadReply(grpc.StatusCode.DATA_LOSS, f"reply does not decode: {error}",
                            address=self.address, method=method) from None
 
-    def _check(self, frame: bytes | memoryview, shape: tuple[int | None, ...], method: str) -> bytes | memoryview:
-        """`frame`, checked as `_decode` checks it, left as it is."""
+    def _check(self, frame: bytes | memoryview, shape: tuple[int | None, ...], method: str,
+               kind: str) -> bytes | memoryview:
+        """`frame`, checked as `_decode` checks it and held to its stage's scale, left as it is."""
         if not self.relay:
-            self._decode(frame, shape, method)
-            return frame
-        try:
-            self.codec.check(frame, expected_shape=shape)
-        except WireFormatError as error:
-            raise BadReply(grpc.StatusCode.DATA_LOSS, f"reply does not decode: {error}",
-                           address=self.address, method=method) from None
+            largest = float(self._decode(frame, shape, method).abs().max())
+        else:
+            try:
+                largest = self.codec.inspect(frame, expected_shape=shape).largest_magnitude
+            except WireFormatError as error:
+                raise BadReply(grpc.StatusCode.DATA_LOSS, f"reply does not decode: {error}",
+                               address=self.address, method=method) from None
+        if self._scales is not None:
+            scale = self._scales.of(self.stage, kind)
+            bound = scale.admit(largest)
+            if bound is not None:
+                raise ExtremeReply(grpc.StatusCode.DATA_LOSS,
+                                   f"reply's {kind} has values up to {largest:.3g}, beyond {bound:.3g} ({scale.factor:g} "
+                                   f"times the median of stage {self.stage}'s recent replies)",
+                                   address=self.address, method=method, kind=kind)
         return frame
 
     @staticmethod
@@ -363,8 +434,8 @@ class StageClient:
         if not reply.wire and reply.loss is None:
             raise BadReply(grpc.StatusCode.DATA_LOSS, "reply carries neither an output wire nor a loss",
                            address=self.address, method="Forward")
-        wire_out = self._check(reply.wire, shape, "Forward") if reply.wire else b""
-        grad = self._check(reply.input_grad, shape, "Forward") if reply.input_grad else b""
+        wire_out = self._check(reply.wire, shape, "Forward", "output") if reply.wire else b""
+        grad = self._check(reply.input_grad, shape, "Forward", "input_grad") if reply.input_grad else b""
         return ForwardResult(loss=reply.loss, step=reply.step, wire_frame=wire_out, grad_frame=grad,
                              queued_s=reply.queued_s, compute_s=reply.compute_s, codec=self.codec, repeat=reply.repeat,
                              credits=reply.credits, in_flight_credits=reply.in_flight_credits)
@@ -384,7 +455,7 @@ class StageClient:
         else:
             call = lambda **options: stub.backward(request, **options)  # noqa: E731
         reply = await self._invoke("Backward", call, timeout_s, request)
-        grad = self._check(reply.input_grad, shape, "Backward") if reply.input_grad else b""
+        grad = self._check(reply.input_grad, shape, "Backward", "input_grad") if reply.input_grad else b""
         return BackwardResult(step=reply.step, grad_frame=grad, queued_s=reply.queued_s, compute_s=reply.compute_s,
                               codec=self.codec, repeat=reply.repeat, credits=reply.credits,
                               in_flight_credits=reply.in_flight_credits)

@@ -27,6 +27,10 @@ class TrainerStats:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.metrics = TrainerMetrics(self.registry)
         self.failures_by_peer: dict[str, int] = {}
+        # Replies refused for values beyond their stage's bound, and refusals downstream blamed on the
+        # worker whose output they refused (node/trainer/trainer.py), per peer.
+        self.extreme_replies_by_peer: dict[str, int] = {}
+        self.blamed_by_peer: dict[str, int] = {}
         # Where a training microbatch's time goes on the trainer's side (evaluation not counted): this
         # process's CPU time during `run`, each microbatch's wall time from its first pick to its loss,
         # and the part of that spent in calls (round trips); the rest is picking a route, waiting for
@@ -67,6 +71,18 @@ class TrainerStats:
 
     def banned(self) -> None:
         self.metrics.bans.inc()
+
+    def extreme_reply(self, peer: str, stage: int, kind: str) -> None:
+        """A reply of `peer` (a worker of `stage`) whose `kind` frame lay beyond the stage's bound."""
+        self.metrics.extreme_replies.labels(stage=str(stage), kind=kind).inc()
+        with self._lock:
+            self.extreme_replies_by_peer[peer] = self.extreme_replies_by_peer.get(peer, 0) + 1
+
+    def blamed(self, peer: str, stage: int) -> None:
+        """A worker downstream refused what `peer` (a worker of `stage`) produced; the failure is `peer`'s."""
+        self.metrics.blamed.labels(stage=str(stage)).inc()
+        with self._lock:
+            self.blamed_by_peer[peer] = self.blamed_by_peer.get(peer, 0) + 1
 
     def depth(self, limit: int, credit_cap: int | None, stage_credits: list[int]) -> None:
         """The in-flight limit now, the workers' in-flight credits bounding it (None: none states one)
@@ -132,6 +148,14 @@ class TrainerStats:
     @property
     def bans(self) -> int:
         return int(self._value("agora_trainer_bans_total"))
+
+    @property
+    def extreme_replies(self) -> int:
+        return sum(self.extreme_replies_by_peer.values())
+
+    @property
+    def blames(self) -> int:
+        return sum(self.blamed_by_peer.values())
 
     @property
     def batch_reports_failed(self) -> int:

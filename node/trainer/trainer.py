@@ -6,7 +6,10 @@ microbatch goes forward through a route of one worker per stage, chosen by the `
 (earliest expected finish, equal shares of each batch among equally fast replicas, bans with
 backoff), and backward in reverse pinned to the same workers. Any failure abandons the
 microbatch's route and re-runs it on another (bounded attempts; a new microbatch id per
-attempt, so a late reply of the abandoned route can never be confused with the new one).
+attempt, so a late reply of the abandoned route can never be confused with the new one). A
+failure is counted against the worker at fault (node/trainer/blame.py): a reply whose values lie
+far beyond its stage's recent ones is refused before it is relayed, and a worker refusing the
+values the worker before (or after) it produced gets that producer blamed and excluded, not itself.
 
 How much is in flight is the asynchronous pipeline's one real trade-off. A microbatch started
 before a worker steps is finished with newer weights: the staleness is about (microbatches in
@@ -58,9 +61,12 @@ from agora.node.rpc.tls import ChannelFactory
 from agora.node.trainer.discovery import Discovery
 from agora.node.trainer.inflight import DepthEstimate, InFlightLimit, adaptive_depth, depth_cap, in_flight_limit
 from agora.node.trainer.options import TrainerOptions
+from agora.node.trainer.blame import Blame
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.stage_client import (
+    InputRefused,
     OutsideWindow,
+    ReplyScales,
     RequestRefused,
     StageCallError,
     StageClient,
@@ -88,6 +94,8 @@ _CREDIT_POLL_S = 0.5
 
 class MicrobatchFailed(RuntimeError):
     pass
+
+
 
 
 # Called with a stage index once a microbatch's gradient has been accumulated on that stage.
@@ -123,6 +131,9 @@ class SwarmTrainer:
         # Counters in the process's metrics registry (node/trainer/stats.py), or a private one.
         self.stats = stats if stats is not None else TrainerStats()
         self._wire_metrics = RpcClientMetrics(self.stats.registry)
+        # Each stage's recent reply values, which a reply's must stay near (node/trainer/stage_client.py).
+        self.scales = ReplyScales(options.reply_bound_factor, options.reply_bound_warmup)
+        self.blame = Blame(self.roster, self.stats, self.scales, self.codec, clock)
         self._clients: dict[str, StageClient] = {}
         self._last_refresh = float("-inf")
         self._refresh_lock = asyncio.Lock()
@@ -153,7 +164,7 @@ class SwarmTrainer:
             client = StageClient(view.endpoint, run_id=self.options.run_id, stage=view.stage,
                                  model=self.config.model, fingerprint=self.fingerprint, peer_id=view.peer_id,
                                  channels=self.channels, codec=self.codec, timeout_s=self.options.call_timeout_s,
-                                 metrics=self._wire_metrics)
+                                 metrics=self._wire_metrics, scales=self.scales)
             self._clients[view.endpoint] = client
         return client
 
@@ -267,13 +278,11 @@ class SwarmTrainer:
         except WorkerBusy as error:
             self.roster.busy(view.peer_id, self.clock(), error.pushback_s)
             raise
+        except InputRefused:  # whose fault it is, the route decides (`Blame.refused_input`)
+            self.roster.released(view.peer_id)
+            raise
         except StageCallError as error:
-            ban_s = self.roster.failed(view.peer_id, self.clock())
-            if ban_s > 0:
-                self.stats.banned()
-                logger.info("ban %s (stage %d) for %.1f s: %s", view.endpoint, view.stage, ban_s, error.code.name,
-                            extra={"milestone": "ban", "fields": {"stage": view.stage, "endpoint": view.endpoint,
-                                                                  "seconds": ban_s, "code": error.code.name}})
+            self.blame.failed(view, error)
             raise
         except BaseException:
             self.roster.released(view.peer_id)
@@ -340,10 +349,13 @@ class SwarmTrainer:
 
             # Synchronous mode: the tail's turn is taken before its credit, so a microbatch waiting for
             # its turn never holds a credit the one before it needs.
-            async with (turn(stage) if tail and turn is not None else contextlib.nullcontext()):
-                _, result, waited = await self._call_stage(
-                    stage, functools.partial(self._pick, stage, exclude, stage_shares), forward,
-                    training=not evaluate, route=route, unpick=unpick)
+            try:
+                async with (turn(stage) if tail and turn is not None else contextlib.nullcontext()):
+                    _, result, waited = await self._call_stage(
+                        stage, functools.partial(self._pick, stage, exclude, stage_shares), forward,
+                        training=not evaluate, route=route, unpick=unpick)
+            except InputRefused as refusal:
+                raise self.blame.refused_input(refusal, route, stage, wire or b"", backward=False) from None
             if result.repeat:
                 self.stats.repeated(stage)
             wire = result.wire_frame
@@ -358,9 +370,12 @@ class SwarmTrainer:
             def backward(view: WorkerView, grad=grad):
                 return self._client(view).backward(microbatch_id, grad, round_trip_s=view.round_trip_s or 0.0)
 
-            async with (turn(stage) if turn is not None else contextlib.nullcontext()):
-                _, back, waited = await self._call_stage(stage, functools.partial(self._pinned, route[stage]),
-                                                         backward, training=True)
+            try:
+                async with (turn(stage) if turn is not None else contextlib.nullcontext()):
+                    _, back, waited = await self._call_stage(stage, functools.partial(self._pinned, route[stage]),
+                                                             backward, training=True)
+            except InputRefused as refusal:
+                raise self.blame.refused_input(refusal, route, stage, grad, backward=True) from None
             if back.repeat:
                 self.stats.repeated(stage)
             grad = back.grad_frame

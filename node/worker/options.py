@@ -2,8 +2,8 @@
 
 Bounds on what it admits (queues, per-caller shares, rows, concurrent calls, message and stream
 sizes), its stash, pinned weight versions and kept graphs, weight-sync downloads, the wire dtype it
-sends, where it listens and what it announces. Light (no torch): the CLI builds its flags from
-it. A section of the settings schema
+sends, where it listens and what it announces, and the bound on the output gradients it takes.
+Light (no torch): the CLI builds its flags from it. A section of the settings schema
 (pipeline/schema.py): each option is declared once with its bounds and help, the fields with a
 flag are `join`'s options, and a bad value is a `ConfigError` naming `worker.<field>` and the value
 (one line, exit 2 from the CLI).
@@ -91,6 +91,12 @@ class WorkerOptions:
         0, "head and body workers keep up to N forward autograd graphs, so a Backward skips recomputing its "
         "forward while the weights are unchanged (memory: the forward's activations each; 0: recompute every "
         "Backward)", flag="--keep-graphs", ge=0)
+    gradient_bound_factor: StrictFloat = setting(
+        1000.0, "a head or body refuses a Backward whose output gradient reaches beyond this many times the median "
+        "largest value of the output gradients it accepted lately (INVALID_ARGUMENT naming output_grad: nothing "
+        "applied, the stashed input kept)", gt=1)
+    gradient_bound_warmup: StrictInt = setting(
+        64, "output gradients a head or body accepts before that bound applies", ge=1)
     serve_only: StrictBool = setting(
         False, "answer inference only, on the weights of --checkpoint: no training, no averaging",
         flag="--serve-only")

@@ -27,7 +27,10 @@ Design choices:
   are admitted the same way into a pool of their own (`max_control_queue`): a barrier or the
   Abort of a failed route must get through a worker full of that same trainer's work. Info never
   reaches the compute thread.
-- A peer's mistake maps to a status with a clear message: InvalidRequest -> INVALID_ARGUMENT,
+- A peer's mistake maps to a status with a clear message: InvalidRequest -> INVALID_ARGUMENT (with
+  `agora-refused-input: wire|output_grad` in its trailing metadata when the values the previous
+  stage's worker produced are at fault: the trainer then blames that worker; counted as
+  `extreme_wire` / `extreme_output_grad`),
   PreconditionFailed (including an unknown/evicted microbatch) -> FAILED_PRECONDITION, a
   completed-batch report outside the replica's window -> OUT_OF_RANGE (the trainer keeps reporting), a
   non-finite result from finite weights (the input's fault: extreme values) -> INVALID_ARGUMENT,
@@ -110,6 +113,7 @@ from agora.node.worker.work_gate import WorkGate
 from agora.node.replica.request_frames import (
     ComputeError,
     DuplicateMicrobatch,
+    ExtremeInput,
     InvalidRequest,
     NotOwner,
     PreconditionFailed,
@@ -124,8 +128,10 @@ from agora.pipeline.codec import WireCodec, peek_header
 from agora.pipeline.optim import lr_at
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import RunFingerprint, run_fingerprint
+from agora.pipeline.wire_scale import WireScale
 from agora.protos.stage_adapter import (
     PUSHBACK_METADATA,
+    REFUSED_INPUT_METADATA,
     AbortReply,
     AbortRequest,
     SERVICE_NAME,
@@ -286,6 +292,8 @@ class StageWorker:
             stash=ForwardStash(options.stash_capacity, options.stash_ttl_s, clock=self._clock),
             synchronous=options.synchronous, local_batch=options.local_batch,
             pinned_versions=options.pinned_weights, keep_graphs=options.keep_graphs,
+            output_grad_scale=None if self.geometry.is_tail else WireScale(options.gradient_bound_factor,
+                                                                            options.gradient_bound_warmup),
         )
 
     async def start(self) -> int:
@@ -340,6 +348,9 @@ class StageWorker:
                       throughput=lambda: compute.throughput, phase=lambda: self.phase, phases=PHASES,
                       refusals=self.refusals.snapshot, callers=self._flow.active_callers,
                       queue_target=self._flow.queue_target)
+        scale = compute.output_grad_scale
+        if scale is not None:
+            metrics.watch_output_grads(scale=lambda: scale.scale or float("nan"), peak_ratio=lambda: scale.peak_ratio)
 
         def stepped(compute: StageCompute) -> None:  # compute thread, right after each step
             steps, last = compute.optimizer.steps, compute.last_step
@@ -361,9 +372,23 @@ class StageWorker:
             await self._server.stop(grace_s)
         # Jobs of calls that gave up may still be queued or running; wait for them off the loop.
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        self._log_output_grad_scale()
         self._logger.info("stage %d worker on port %s stopped", self.stage_index, self._port)
         if self._gate is not None:
             await self._gate.close()
+
+    def _log_output_grad_scale(self) -> None:
+        """How far the output gradients it took came to its bound, and how many it refused: a line at leave."""
+        scale = None if self._compute is None else self._compute.output_grad_scale
+        if scale is None or not scale.accepted:
+            return
+        self._logger.info("stage %d: %d output gradients accepted, %d refused beyond %g times their scale %.3g; the "
+                          "largest accepted was %.3g times it", self.stage_index, scale.accepted, scale.refused,
+                          scale.factor, scale.scale, scale.peak_ratio,
+                          extra={"milestone": "output_grad_scale",
+                                 "fields": {"stage": self.stage_index, "accepted": scale.accepted,
+                                            "refused": scale.refused, "scale": scale.scale, "factor": scale.factor,
+                                            "peak_ratio": scale.peak_ratio}})
 
     async def serve(self) -> None:
         """Start (if needed) and serve until stopped; cancelling this stops gracefully."""
@@ -505,6 +530,12 @@ class StageWorker:
     async def _answer(self, context: Any, future: Future) -> Any:
         try:
             return await asyncio.wrap_future(future)
+        except ExtremeInput as error:  # the previous stage's values: the caller learns which frame
+            self.refusals.add(f"extreme_{error.field}")
+            self._logger.info("stage %d refused a request's %s: %s", self.stage_index, error.field, error,
+                              extra={"milestone": "extreme_input_refused",
+                                     "fields": {"stage": self.stage_index, "field": error.field}})
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error), ((REFUSED_INPUT_METADATA, error.field),))
         except InvalidRequest as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except ReportOutsideWindow as error:  # the trainer keeps reporting: the replica may re-anchor

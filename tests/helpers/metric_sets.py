@@ -27,6 +27,7 @@ def every_role(registry: CollectorRegistry) -> None:
                  phases=PHASES, refusals=lambda: {"expired": 2}, callers=lambda: 2, queue_target=lambda: 6)
     worker.observe_job("Forward", 128, 0.001, 0.02)
     worker.stepped(3e-4, 1.5)
+    worker.watch_output_grads(scale=lambda: 0.01, peak_ratio=lambda: 3.0)
     server = RpcServerMetrics(registry)
     server.finished("/agora.v1.Stage/Forward", "OK", 0.03)
     server.received.labels(method="Forward").inc(100)
@@ -50,6 +51,8 @@ def every_role(registry: CollectorRegistry) -> None:
                    trainer.report_refused):
         record()
     trainer.rerouted("peer")
+    trainer.extreme_reply("peer", 0, "output")
+    trainer.blamed("peer", 0)
     trainer.aborted("reverted")
     trainer.batch_done(256, 5.2, 3e-4)
     trainer.heldout(5.0)

@@ -9,6 +9,8 @@
 - The session calls' statuses: NOT_FOUND naming an unknown session, FAILED_PRECONDITION for a
   call after positions not held, OUT_OF_RANGE over the bounds, INVALID_ARGUMENT naming a bad frame, and a serve-only
   worker refuses training calls while serving inference.
+- The sessions' caches kept within the worker's byte budget: a session that would pass it, opening
+  or growing, is refused with RESOURCE_EXHAUSTED and counted while the open one keeps decoding.
 """
 
 from __future__ import annotations
@@ -194,6 +196,47 @@ def test_session_calls_are_refused_by_name():
     assert results["body_serves"][0] == grpc.StatusCode.OK
     assert results["closed"] == (True, False)
     assert results["info"] == ("member", "serving", 0, 1)
+
+
+def test_sessions_past_the_kv_cache_budget_are_refused_and_the_open_ones_keep_working():
+    """A head holding 24 positions of cache (1 KiB each on this stage, fp32), a 16-token prompt per
+    session: a second session does not fit and is refused RESOURCE_EXHAUSTED, naming the budget, as
+    is the first one growing past it; the first decodes on within it, nothing is evicted, each
+    refusal is counted, and once the first closes the second opens."""
+    tokens = torch.tensor([PROMPT])
+    per_position = 2 * 2 * CONFIG.model.n_kv_heads * CONFIG.model.head_dim * 4  # keys and values, 2 blocks, fp32
+    budget = 24 * per_position
+
+    async def main():
+        head = StageWorker(CONFIG, 0, run_id=RUN, options=WorkerOptions(
+            inference=InferenceOptions(max_kv_cache_gib=budget / 2**30)))
+        await head.start()
+        client = InferenceClient(head.address, run_id=RUN, stage=0, model=CONFIG.model, fingerprint=FINGERPRINT)
+        try:
+            results = {
+                "first": await _code(client.prefill("a", tokens)),
+                "second": await _code(client.prefill("b", tokens)),
+                "decoded": await _code(client.decode("a", len(PROMPT), tokens[:, :1])),
+                "grown_past": await _code(client.decode("a", len(PROMPT) + 1, tokens[:, :8])),
+                "decoded_again": await _code(client.decode("a", len(PROMPT) + 1, tokens[:, :7])),
+                "sessions": head.info().sessions,
+                "refused": head.refusals.snapshot().get("kv_cache_budget"),
+                "closed": await client.close_session("a"),
+                "second_again": await _code(client.prefill("b", tokens)),
+            }
+        finally:
+            await client.close()
+            await head.stop(0)
+        return results
+
+    results = run(main())
+    code, details = results["second"]
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "session 'b'" in details
+    assert f"to {32 * per_position:,} bytes, past the {budget:,}" in details and "--max-kv-cache-gib" in details
+    code, details = results["grown_past"]
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "session 'a'" in details
+    assert all(results[key][0] == grpc.StatusCode.OK for key in ("first", "decoded", "decoded_again", "second_again"))
+    assert (results["sessions"], results["refused"], results["closed"]) == (1, 2, True)
 
 
 def _request(client: InferenceClient, session_id: str, tokens: torch.Tensor):

@@ -34,6 +34,7 @@ from agora.node.replica.bounds import (
     SlotRefused,
     default_per_caller,
 )
+from agora.node.trainer.stage_client import InputRefused, StageClient
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.codec import WireCodec, WireFormatError, encode_tokens, peek_header
 from agora.pipeline.config import ConfigError, checked
@@ -42,7 +43,7 @@ from agora.protos import stage_pb2
 
 pytestmark = pytest.mark.timeout(120)
 
-from stage_requests import (BODY, CONFIG, HEAD, K, METADATA, ROWS, RUN, SEQ, TAIL, VOCAB,
+from stage_requests import (BODY, CONFIG, FINGERPRINT, HEAD, K, METADATA, ROWS, RUN, SEQ, TAIL, VOCAB,
                             forward, header, serialized, streamed, tokens, wire)
 
 
@@ -197,7 +198,9 @@ def test_worker_options_for_the_bounds_are_checked():
                          (dict(max_control_queue=-1), "worker.max_control_queue: must be > 0, got -1"),
                          (dict(max_concurrent_rpcs=16), "worker.max_concurrent_rpcs: 16 leaves no room"),
                          (dict(wire_dtype="fp8"), "worker.wire_dtype: expected one of fp32, bf16, fp16 or int8"),
-                         (dict(stream_chunk_bytes=2**30), "worker.stream_chunk_bytes: 1073741824 must be below")]:
+                         (dict(stream_chunk_bytes=2**30), "worker.stream_chunk_bytes: 1073741824 must be below"),
+                         (dict(gradient_bound_factor=1.0), "worker.gradient_bound_factor: must be > 1, got 1.0"),
+                         (dict(gradient_bound_warmup=0), "worker.gradient_bound_warmup: must be >= 1, got 0")]:
         with pytest.raises(ConfigError, match=message):
             checked(WorkerOptions, "worker", **{**dataclasses.asdict(options), **bad, "inference": options.inference})
     with pytest.raises(ConfigError, match="worker.max_rows: 1 is below train.microbatch_size=2"):
@@ -326,6 +329,47 @@ def test_an_output_gradient_unlike_the_stashed_output_is_refused_and_the_stash_k
     assert workers.state(BODY) == before
     code, details, _ = workers.call(BODY, "Backward", serialized(adapter.BackwardRequest(RUN, "pending", BODY, wire())))
     assert code == grpc.StatusCode.OK, details  # the entry was kept for the real gradient
+
+
+def test_an_output_gradient_far_beyond_the_ones_the_worker_took_is_refused_naming_it_and_counted():
+    """A trainer (a StageClient over gRPC) sends a body honest output gradients, one a million times
+    larger once the worker's bound is warm (4 taken), then honest ones again. The huge one is refused
+    with INVALID_ARGUMENT naming output_grad in its trailing metadata (the client's `InputRefused`),
+    counted as `extreme_output_grad`, and changes nothing: the stashed input stays for the honest
+    gradient that follows, which is taken like every other."""
+    started = Workers(WorkerOptions(gradient_bound_warmup=4), stages=(BODY,)).start()
+    usual = torch.randn(2, 8, K, generator=torch.Generator().manual_seed(5)) * 1e-3
+    try:
+        body = started.workers[BODY]
+        client = StageClient(body.address, run_id=RUN, stage=BODY, model=CONFIG.model, fingerprint=FINGERPRINT)
+
+        async def backward(microbatch_id: str, grad: torch.Tensor):
+            await client.forward(microbatch_id, torch.zeros(2, 8, dtype=torch.long), wire())
+            return await client.backward(microbatch_id, grad)
+
+        async def state():
+            return await body.on_compute(lambda c: (len(c.stash), c.accumulated_microbatches, c.optimizer.steps))
+
+        async def scenario():
+            for index in range(4):
+                await backward(f"warm{index}", usual * (1 + index))
+            before = await state()
+            with pytest.raises(InputRefused) as refused:
+                await backward("huge", usual * 1e6)
+            after = await state()
+            await client.backward("huge", usual)  # the same microbatch, an honest gradient: kept for it
+            await backward("later", usual * 3)
+            await client.close()
+            return refused.value, before, after
+
+        refused, before, after = started.loop.run_until_complete(scenario())
+        assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and refused.field == "output_grad"
+        assert "output_grad: values up to" in refused.details and "the stashed input is kept" in refused.details
+        assert after[1:] == before[1:] and after[0] == before[0] + 1  # its forward stashed, nothing applied
+        assert body.refusals.snapshot().get("extreme_output_grad") == 1
+        assert started.state(BODY)[:2] == (0, 6)  # every other backward taken, nothing left stashed
+    finally:
+        started.stop()
 
 
 def test_slots_per_caller_streams_admitted_on_their_first_part_and_step_gets_through():

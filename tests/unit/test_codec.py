@@ -375,3 +375,17 @@ def test_check_refuses_exactly_what_decode_refuses_without_building_a_tensor(dty
             codec.check(bad)
     with pytest.raises(WireFormatError, match="shape mismatch"):
         codec.check(frame, expected_shape=(2, 8, 5))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "int8"])
+def test_inspect_finds_the_largest_magnitude_a_frame_carries(dtype):
+    """The measure a relay holds a frame to (pipeline/wire_scale.py), from the pass that checks it: the
+    largest |value| of what `decode` would build, whichever its sign and wherever it sits."""
+    codec = WireCodec(dtype)
+    for where, value in ((0, -7.5e3), (37, 3.0e4), (63, 1.0)):  # within fp16
+        tensor = torch.rand(2, 8, 4) * 0.1
+        tensor.view(-1)[where] = value
+        frame = codec.encode(tensor)
+        checked = codec.inspect(frame, expected_shape=(2, 8, 4))
+        assert checked.shape == (2, 8, 4)
+        assert checked.largest_magnitude == float(codec.decode(frame).abs().max())

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from agora.node.replica.compute import StageCompute
-from agora.node.replica.request_frames import InvalidRequest, NotOwner, PreconditionFailed, ReportOutsideWindow
+from agora.node.replica.request_frames import (ExtremeInput, InvalidRequest, NotOwner, PreconditionFailed,
+                                                ReportOutsideWindow)
 from agora.node.replica.epoch import (ReportCredits, ReportDecision, ReportWindow, check_step_fields, judge_report,
                                       prune_counted, stage_step)
 from agora.node.replica.stash import ForwardStash
@@ -266,7 +267,7 @@ def test_a_huge_output_gradient_on_the_head_is_refused_before_it_touches_grad():
     head = make(0)
     out = forward(head, "mb")
     huge = torch.full_like(out, 3e38)  # finite, so the codec takes it; the embedding's gradient overflows
-    message = refused(head, InvalidRequest, ("output_grad: stage 0's parameter gradient is not finite",
+    message = refused(head, ExtremeInput, ("output_grad: stage 0's parameter gradient is not finite",
                                              "nothing accumulated", "the request's values overflowed it"),
                       lambda: backward(head, "mb", huge))
     assert head.stash.keys_of("honest") == ["mb"], message  # still there: the owner may send a sane one

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from agora.node.inference.routing import ReplicaRoster, ReplicaView, pick_replica
-from agora.node.inference.sessions import NotSessionOwner, SessionRefused, SessionTable, UnknownSession
+from agora.node.inference.sessions import NotSessionOwner, SessionRefused, SessionsFull, SessionTable, UnknownSession
 from agora.node.replica.bounds import HEADROOM_BYTES, OutOfBounds, RequestGeometry
 from agora.pipeline.codec import WireCodec, encode_tokens, float_frame_bytes
 from agora.pipeline.config import PRESETS
@@ -23,7 +23,8 @@ class Clock:
 
 
 class Cache:
-    nbytes = 10
+    def __init__(self, nbytes: int = 10):
+        self.nbytes = nbytes
 
 
 def table(max_sessions=4, max_tokens=64, ttl_s=30.0):
@@ -81,6 +82,29 @@ def test_a_full_table_evicts_the_largest_holders_least_recently_used():
     sessions.open("a4", "alice", 0, Cache(), step=0)  # alice and bob tie at 2: the caller's own goes
     assert "b1" in sessions and "b2" in sessions and "a3" not in sessions
     assert sessions.evictions["capacity"] == 2 and sessions.cache_bytes == 40
+
+
+def test_the_caches_bytes_are_bounded_and_a_session_past_them_refused_while_the_others_stay():
+    """Budget 100 bytes: a session that would pass it, opening or growing, is SessionsFull and nothing
+    changes (no eviction, the others keep their caches); what a replay replaces, and the session an
+    opening evicts for the count, leave room for it."""
+    sessions, _ = table(max_sessions=3)
+    sessions.max_cache_bytes = 100
+    a = sessions.open("a", "alice", 0, Cache(40), step=0, cache_bytes=40)
+    sessions.open("b", "bob", 0, Cache(40), step=0, cache_bytes=40)
+    with pytest.raises(SessionsFull, match="session 'c' would take the attention caches on stage 1 to 120 bytes, "
+                                           "past the 100 .*the open sessions keep theirs") as refused:
+        sessions.open("c", "carol", 0, Cache(), step=0, cache_bytes=40)
+    assert (refused.value.needed, refused.value.budget) == (120, 100)
+    assert len(sessions) == 2 and "c" not in sessions and not sessions.evictions
+    sessions.check_room(a, 0, 8, cache_bytes=60)  # a grows to 60: 100 in all, the budget
+    with pytest.raises(SessionsFull, match="session 'a' .* to 101 bytes"):
+        sessions.check_room(a, 0, 8, cache_bytes=61)
+    assert sessions.get("a", "alice") is a and sessions.get("b", "bob")
+    sessions.open("a", "alice", 0, Cache(60), step=0, cache_bytes=60)  # a replay: its old 40 bytes go
+    sessions.max_sessions = 2  # full by count: opening evicts bob's, whose bytes make the room
+    sessions.open("c", "carol", 0, Cache(40), step=0, cache_bytes=40)
+    assert "b" not in sessions and sessions.evictions["capacity"] == 1 and sessions.cache_bytes == 100
 
 
 def test_replicas_are_chosen_by_latency_and_load_and_bans_last():

@@ -14,6 +14,7 @@ numpy are not ATen allocations and are not counted: a few KB here.)
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -93,6 +94,47 @@ def test_pluralis_body_stage_on_a_gpu_keeps_pinned_versions_on_the_host():
     assert plan.peak < 40 * 2**30  # fits a 40 GB card with the pinned versions on the host
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_plan_counts_the_inference_sessions_cache_budget_as_held(dtype):
+    """What a position costs is what a real session's cache holds per position (fp32 keys after RoPE
+    beside bf16 values under autocast); the default budget is the sessions' positions at that cost,
+    `max_kv_cache_gib` replaces it, and either is held state: it moves the state and the peak."""
+    from agora.node.inference.options import InferenceOptions
+    from agora.node.plan import worker_memory_options
+    from agora.pipeline.inference import StageCache, cached_forward
+    from agora.pipeline.stages import build_stage
+
+    config = PRESETS["tiny"].with_stages(3)
+    runtime = Runtime.from_config(RuntimeConfig(device="cpu", dtype=dtype))
+    stage = runtime.place_stage(build_stage(config.model, 1))
+    cache = StageCache(stage)
+    with runtime.autocast():
+        cached_forward(stage, torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5, config.model.wire_dim), cache)
+    default = worker_memory_options(config)
+    assert default.session_positions == 32 * config.model.max_seq_len and default.kv_cache_bytes is None
+    without = plan_stage(config, 1, replace(default, session_positions=0), device_type="cpu", dtype=dtype)
+    plan = plan_stage(config, 1, default, device_type="cpu", dtype=dtype)
+    assert plan.kv_per_position == cache.nbytes // 10 and without.kv_cache == 0
+    assert plan.kv_cache == default.session_positions * plan.kv_per_position
+    assert (plan.state - without.state, plan.peak - without.peak) == (plan.kv_cache, plan.kv_cache)
+    assert InferenceOptions().kv_cache_bytes(config, plan.kv_per_position) == plan.kv_cache  # the worker's budget
+    set_to = worker_memory_options(config, inference=InferenceOptions(max_kv_cache_gib=0.5))
+    assert plan_stage(config, 1, set_to, device_type="cpu", dtype=dtype).kv_cache == 2**29
+
+
+def test_plan_command_and_join_count_the_cache_budget_they_are_given(capsys):
+    assert main(["plan", "--config", "tiny", "--max-kv-cache-gib", "0.25", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["kv_cache_bytes"] == 2**28 and printed["stages"][0]["kv_cache"] == 2**28
+    assert main(["plan", "--config", "tiny", "--max-kv-cache-gib", "0"]) == 2
+    assert "--max-kv-cache-gib: must be positive, got 0.0" in capsys.readouterr().err
+    code = main(["join", "--insecure", "--config", "tiny", "--stage", "0", "--device", "cpu",
+                 "--max-kv-cache-gib", "1000000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("agora-node join: error: memory plan: stage 0 (full) needs 1000000.")
+    assert "a --max-kv-cache-gib below the sessions' 1000000.00" in err[-1]
+
+
 def test_plan_command_prints_every_stage_and_whether_it_fits(capsys):
     assert main(["plan", "--config", "pluralis-8b", "--dtype", "bf16", "--device", "cuda", "--microbatch", "1",
                  "--memory-gb", "80"]) == 0
@@ -125,8 +167,6 @@ def test_join_refuses_a_stage_that_does_not_fit_before_starting_anything(capsys)
 
 
 def test_join_plans_a_geometry_once_per_cache_and_plans_again_what_differs(tmp_path, monkeypatch):
-    from dataclasses import replace
-
     import agora.pipeline.memory as memory
     from agora.node.plan import _plan_key, cached_plan_stage
 

@@ -1,6 +1,6 @@
-"""Worker selection: earliest expected finish, newcomer handling, bans with backoff, credits."""
+"""Worker selection: earliest expected finish, newcomer handling, bans with backoff, credits, blame."""
 
-from agora.node.trainer.routing import MIN_CREDITS, Roster, WorkerView, pick_worker
+from agora.node.trainer.routing import MIN_CREDITS, Roster, WorkerView, pick_worker, producer_of_refused
 
 
 def _view(peer, stage=0, **fields):
@@ -48,6 +48,31 @@ def test_failures_ban_with_exponential_backoff_and_success_resets():
     roster.started("a")
     roster.succeeded("a", 0.3)
     assert roster.workers["a"].failures == 0 and roster.workers["a"].measured_seconds == 0.3
+
+
+def test_a_blamed_worker_is_banned_like_a_failed_one_without_a_call_to_release():
+    """Its call had returned: the ban and the failure count of `failed`, and no other call of it forgotten."""
+    roster = Roster(microbatch_size=2, ban_base_s=1.0, ban_max_s=5.0)
+    roster.refresh([_view("a"), _view("b")])
+    roster.started("a")
+    assert [roster.blamed("a", now=0) for _ in range(3)] == [1.0, 2.0, 4.0]
+    a = roster.workers["a"]
+    assert (a.failures, a.banned_until, a.in_flight) == (3, 4.0, 1)
+    assert roster.choose(0, now=1.0).peer_id == "b" and roster.blamed("gone", now=0) == 0.0
+
+
+def test_a_refused_frame_is_the_producer_s_only_when_the_call_carried_it_from_another_worker():
+    """A Forward's wire comes from the stage before, a Backward's output gradient from the stage after;
+    a claim about a frame the call did not carry (a head's wire, a Forward's output_grad) names none."""
+    assert producer_of_refused(3, 1, backward=False, field="wire") == 0
+    assert producer_of_refused(3, 2, backward=False, field="wire") == 1
+    assert producer_of_refused(3, 0, backward=True, field="output_grad") == 1
+    assert producer_of_refused(3, 1, backward=True, field="output_grad") == 2
+    assert producer_of_refused(1, 0, backward=False, field="wire") is None  # the head: no wire
+    assert producer_of_refused(3, 1, backward=False, field="output_grad") is None
+    assert producer_of_refused(3, 1, backward=True, field="wire") is None
+    assert producer_of_refused(2, 1, backward=True, field="output_grad") is None  # nothing after the tail
+    assert producer_of_refused(3, 1, backward=False, field="tokens") is None
 
 
 def test_a_busy_answer_is_back_pressure_never_a_failure():

@@ -8,6 +8,7 @@ import torch
 from agora.node.replica.compute import StageCompute
 from agora.node.replica.request_frames import (
     ComputeError,
+    ExtremeInput,
     InvalidRequest,
     PreconditionFailed,
     UnknownMicrobatch,
@@ -15,6 +16,7 @@ from agora.node.replica.request_frames import (
 from agora.node.replica.stash import AlreadyStashed, ForwardStash
 from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
+from agora.pipeline.wire_scale import WireScale
 from agora.protos.stage_adapter import AbortRequest, BackwardRequest, ForwardRequest, StepRequest
 from fake_clock import FakeClock
 
@@ -117,6 +119,58 @@ def test_non_finite_loss_fails_without_accumulating_anything():
         tail.forward(forward_request(2, tokens, torch.randn(2, 16, CONFIG.model.wire_dim), targets))
     assert tail.accumulated_microbatches == 0
     assert all(p.grad is None for p in tail.optimizer.parameters)
+
+
+def test_values_the_previous_stage_produced_that_overflow_a_stage_are_refused_naming_that_frame():
+    """A wire at float32's limit (finite: the codec takes it) overflows a body's output and a tail's loss.
+    The refusal names the frame another worker computed (`ExtremeInput.field`), so a trainer can blame
+    that worker; nothing is stashed or accumulated. (An output gradient that overflows the head:
+    tests/unit/test_control_messages.py.)"""
+    tokens, targets = batch(6)
+    limit = torch.full((2, 16, CONFIG.model.wire_dim), 3.4e38)
+    body, tail = make_compute(1), make_compute(2)
+    for compute, request in ((body, forward_request(1, tokens, limit)), (tail, forward_request(2, tokens, limit, targets))):
+        with pytest.raises(ExtremeInput, match="the request's values overflowed it") as refused:
+            compute.forward(request)
+        assert refused.value.field == "wire"
+        assert (len(compute.stash), compute.accumulated_microbatches) == (0, 0)
+
+
+def test_an_output_gradient_far_beyond_the_accepted_ones_is_refused_after_the_warm_up_and_nothing_applied():
+    """A body bounds its output gradients by the ones it accepted (warm-up 3, factor 100): before the
+    warm-up anything finite the body can take is taken (one that overflows it fails after the bound and
+    is never counted in), after it a gradient 1e4 times the usual is an `ExtremeInput`
+    naming output_grad. The stashed input is kept (the owner may send a sane gradient), nothing is
+    accumulated, the refused value never enters the scale, and a gradient 50 times the usual (a
+    loss spike) is still taken."""
+    stash = ForwardStash(8, 60.0, clock=FakeClock())
+    body = StageCompute(CONFIG, 1, run_id="run", codec=CODEC, stash=stash, synchronous=True, local_batch=None,
+                        output_grad_scale=WireScale(factor=100.0, warmup=3))
+    tokens, _ = batch(7)
+    usual = torch.randn(2, 16, CONFIG.model.wire_dim, generator=torch.Generator().manual_seed(7)) * 1e-3
+
+    def forward(microbatch_id: str) -> None:
+        body.forward(forward_request(1, tokens, torch.randn(2, 16, CONFIG.model.wire_dim) * 0.1,
+                                     microbatch_id=microbatch_id))
+
+    forward("overflow")  # a gradient that fails after the bound (it overflows the body) is not counted in
+    with pytest.raises(ExtremeInput, match="output_grad"):
+        body.backward(grad_request(1, torch.full_like(usual, 3.4e38), microbatch_id="overflow"))
+    assert body.output_grad_scale.accepted == 0
+    forward("early")
+    body.backward(grad_request(1, usual * 1e4, microbatch_id="early"))  # nothing known yet: taken
+    for index in range(3):
+        forward(f"m{index}")
+        body.backward(grad_request(1, usual, microbatch_id=f"m{index}"))
+    forward("huge")
+    accumulated, scale = body.accumulated_microbatches, body.output_grad_scale.scale
+    with pytest.raises(ExtremeInput, match="output_grad: values up to .*nothing applied, the stashed input is kept") \
+            as refused:
+        body.backward(grad_request(1, usual * 1e4, microbatch_id="huge"))
+    assert refused.value.field == "output_grad" and "huge" in body.stash
+    assert (body.accumulated_microbatches, body.output_grad_scale.scale) == (accumulated, scale)
+    body.backward(grad_request(1, usual * 50, microbatch_id="huge"))  # the same microbatch, a spike: taken
+    assert body.accumulated_microbatches == accumulated + 1 and body.output_grad_scale.refused == 1
 
 
 def test_misaddressed_and_malformed_inputs_are_invalid():

@@ -1,0 +1,87 @@
+"""`Blame`: which worker a failed call is counted against, and the ban that follows.
+
+A call's failure is usually its own worker's: it is dead, slow past the deadline, sent a reply
+that does not decode, or refused the request. Two cases are not, and both are about values one
+worker computes and the trainer relays to the next (docs/design.md "A microbatch's path"):
+
+- A reply whose values lie far beyond what its stage's workers sent lately (`ExtremeReply`, from
+  the trainer's `ReplyScales`, node/trainer/stage_client.py) is refused before it is relayed: the
+  failure is its sender's, counted per worker beside the ban.
+- A worker may refuse the frame another worker produced (`InputRefused`: the values overflowed
+  it, or lie far beyond its own recent range; node/replica/request_frames.py `ExtremeInput`). The
+  failure is then the producer's, whose call had succeeded: it is banned as if its call had failed,
+  the route is abandoned and aborted as after any failure, and the error the route ends with names
+  the producer, so the microbatch's next attempt excludes the producer, not the honest refuser.
+  Unless the trainer's own scale for those values, warmed up, holds them ordinary: a worker crying
+  wolf would otherwise get every producer before it banned, so the refuser's claim is then its own
+  failure. (While a scale warms up, the refuser is believed: a value that overflows a stage is at
+  float32's limit, no honest stage produces it.)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from agora.node.trainer.routing import Roster, WorkerView, producer_of_refused
+from agora.node.trainer.stage_client import ExtremeReply, InputRefused, ReplyScales, StageCallError
+from agora.node.trainer.stats import TrainerStats
+from agora.pipeline.codec import WireCodec
+
+__all__ = ["Blame", "ProducerBlamed"]
+
+logger = logging.getLogger("agora.node.trainer")
+
+
+class ProducerBlamed(StageCallError):
+    """A worker refused the values another worker of the route produced: the failure is the producer's
+    (`address`), whose call had succeeded."""
+
+
+class Blame:
+    """Counts failures against the right worker (module docstring); one per trainer, on its event loop."""
+
+    def __init__(self, roster: Roster, stats: TrainerStats, scales: ReplyScales, codec: WireCodec,
+                 clock: Callable[[], float]):
+        self.roster, self.stats, self.scales, self.codec, self.clock = roster, stats, scales, codec, clock
+
+    def failed(self, view: WorkerView, error: StageCallError) -> None:
+        """A call to `view`, reserved in the roster, failed through its worker's fault."""
+        if isinstance(error, ExtremeReply):
+            self.stats.extreme_reply(view.peer_id, view.stage, error.kind)
+        self._banned(view, self.roster.failed(view.peer_id, self.clock()), error.code.name)
+
+    def refused_input(self, refusal: InputRefused, route: list[WorkerView], stage: int, frame: bytes | memoryview,
+                      backward: bool) -> StageCallError:
+        """The worker of `stage` on `route` refused the values another worker produced (a Forward's
+        wire: the stage before; a Backward's output gradient: the stage after), relayed as `frame`;
+        its call's reservation is released already. Counts the failure (module docstring) and
+        returns the error that names who failed."""
+        refuser, now = route[stage], self.clock()
+        producer_index = producer_of_refused(len(route), stage, backward=backward, field=refusal.field)
+        if producer_index is not None:
+            producer, largest = route[producer_index], self.codec.inspect(frame).largest_magnitude
+            if not self.scales.of(producer.stage, "input_grad" if backward else "output").vouches(largest):
+                return self._blame_producer(refusal, producer, refuser, largest, now)
+        self._banned(refuser, self.roster.blamed(refuser.peer_id, now), refusal.code.name)
+        return refusal
+
+    def _blame_producer(self, refusal: InputRefused, producer: WorkerView, refuser: WorkerView, largest: float,
+                        now: float) -> ProducerBlamed:
+        self.stats.blamed(producer.peer_id, producer.stage)
+        logger.warning("stage %d worker %s refused the %s stage %d's worker %s produced (values up to %.3g); the "
+                       "failure is the producer's", refuser.stage, refuser.endpoint, refusal.field, producer.stage,
+                       producer.endpoint, largest,
+                       extra={"milestone": "producer_blamed",
+                              "fields": {"stage": producer.stage, "endpoint": producer.endpoint,
+                                         "field": refusal.field, "refused_by": refuser.endpoint, "largest": largest}})
+        self._banned(producer, self.roster.blamed(producer.peer_id, now), f"{refusal.field} refused downstream")
+        return ProducerBlamed(refusal.code, f"stage {refuser.stage} refused its {refusal.field}: {refusal.details}",
+                              address=producer.endpoint, method=refusal.method)
+
+    def _banned(self, view: WorkerView, ban_s: float, reason: str) -> None:
+        if ban_s > 0:
+            self.stats.banned()
+            logger.info("ban %s (stage %d) for %.1f s: %s", view.endpoint, view.stage, ban_s, reason,
+                        extra={"milestone": "ban", "fields": {"stage": view.stage, "endpoint": view.endpoint,
+                                                              "seconds": ban_s, "code": reason}})
