@@ -99,7 +99,7 @@ __all__ = [
     "PartAggregate",
     "agreed_weights",
     "aggregate_part",
-    "clip_coordinates",
+    "clip_offset",
     "coordinate_move_bound",
     "relative_move",
     "deviation",
@@ -225,9 +225,10 @@ def aggregate_part(parts: Sequence[torch.Tensor], weights: Sequence[float], poli
     elif len(live) == 2 and own in live and bound is not None:
         other = next(i for i in live if i != own)
         value = _bounded_pair(parts, weights, own, other, bound, policy, nonnegative_from, verdicts, coordinates)
-    else:
-        rows = [clip_coordinates(parts[i], None, None, nonnegative_from)[0] for i in live]
-        value = _weighted_mean(rows, [weights[i] for i in live])
+    else:  # one contribution, or a pair without this reducer's own: their mean, never below 0 where it may not be
+        value = _weighted_mean([parts[i] for i in live], [weights[i] for i in live])
+        if nonnegative_from is not None:
+            value[nonnegative_from:].clamp_min_(0.0)
     counts.update(v for v in verdicts if v in ("outlier", "clipped"))
     return PartAggregate(value, counts, verdicts, coordinates)
 
@@ -291,7 +292,8 @@ def _robust_many(parts, weights, live, verdicts, coordinates, policy: RobustAggr
                  nonnegative_from: Optional[int]) -> torch.Tensor:
     rows = [parts[i] for i in live]
     centre = _coordinate_median(rows)
-    distances = [float(torch.linalg.vector_norm(row - centre)) for row in rows]
+    offsets = [row - centre for row in rows]
+    distances = [float(torch.linalg.vector_norm(offset)) for offset in offsets]
     spread = sorted(distances)[(len(distances) - 1) // 2]
     noise = _NOISE * float(torch.linalg.vector_norm(centre))
     keep = []
@@ -300,11 +302,11 @@ def _robust_many(parts, weights, live, verdicts, coordinates, policy: RobustAggr
             verdicts[i] = "outlier"
         else:
             keep.append(row)
-    band = _coordinate_band(rows, centre, spread + noise, policy.coordinate_factor)
-    low, high = centre - band, centre + band
+    band = _coordinate_band(offsets, spread + noise, policy.coordinate_factor)
     clipped = {}
     for row in keep:
-        clipped[row], coordinates[live[row]] = clip_coordinates(rows[row], low, high, nonnegative_from)
+        offset, coordinates[live[row]] = clip_offset(offsets[row], band, centre, nonnegative_from)
+        clipped[row] = rows[row] if offset is offsets[row] else offset.add_(centre)
     kept_weights = [weights[live[row]] for row in keep]
     radius = policy.clip_factor * spread + noise
     # Every kept contribution within the radius of the weighted mean: that mean is CenteredClip's
@@ -322,24 +324,37 @@ def _robust_many(parts, weights, live, verdicts, coordinates, policy: RobustAggr
     return value
 
 
-def _coordinate_band(rows: Sequence[torch.Tensor], centre: torch.Tensor, spread: float, factor: float
-                     ) -> torch.Tensor:
-    """How far from the coordinate-wise median a contribution may be on each coordinate (3 or more):
-    ``factor`` times the coordinate's own spread (the lower median of the rows' distances from the
-    median there), at least the part's typical per-coordinate spread."""
-    own_spread = _coordinate_median([(row - centre).abs_() for row in rows])
-    return own_spread.clamp_min_(spread / math.sqrt(centre.numel())).mul_(factor)
+def _coordinate_band(offsets: Sequence[torch.Tensor], spread: float, factor: float) -> torch.Tensor:
+    """How far from the coordinate-wise median a contribution may be on each coordinate (3 or more),
+    from the contributions' ``offsets`` from it: ``factor`` times the coordinate's own spread (the
+    lower median of the offsets' sizes there), at least the part's typical per-coordinate spread."""
+    own_spread = _coordinate_median([offset.abs() for offset in offsets])
+    return own_spread.clamp_min_(spread / math.sqrt(own_spread.numel())).mul_(factor)
 
 
-def clip_coordinates(row: torch.Tensor, low: Union[torch.Tensor, float, None], high: Union[torch.Tensor, float, None],
-                     nonnegative_from: Optional[int] = None) -> tuple[torch.Tensor, int]:
-    """The row within [low, high] on every coordinate (None: no bound), and at least 0 from
-    ``nonnegative_from``; with how many coordinates that moved. The row itself is never changed."""
-    clipped = row if low is None and high is None else torch.clamp(row, min=low, max=high)
-    if nonnegative_from is not None and nonnegative_from < row.numel():
-        clipped = clipped.clone() if clipped is row else clipped
-        clipped[nonnegative_from:].clamp_min_(0.0)
-    return clipped, 0 if clipped is row else int((clipped != row).sum())
+def clip_offset(offset: torch.Tensor, limit: Union[torch.Tensor, float], centre: Optional[torch.Tensor] = None,
+                nonnegative_from: Optional[int] = None) -> tuple[torch.Tensor, int]:
+    """``offset`` (from ``centre``) with every coordinate within +-``limit`` (one number, or one per
+    coordinate) and, from ``nonnegative_from``, ``centre + offset`` at least 0; with how many
+    coordinates that moved. ``offset`` itself when none did, else a new tensor (never in place:
+    hivemind's deserialized parts may be read-only)."""
+    floor = None
+    if centre is not None and nonnegative_from is not None and nonnegative_from < offset.numel():
+        floor = centre[nonnegative_from:].neg()
+    elif not isinstance(limit, torch.Tensor):
+        low, high = torch.aminmax(offset)  # one pass, nothing allocated: the common case moves nothing
+        if -limit <= float(low) and float(high) <= limit:
+            return offset, 0
+    moved = offset.abs() > limit
+    if floor is not None:
+        moved[nonnegative_from:] |= offset[nonnegative_from:] < floor
+    count = int(torch.count_nonzero(moved))
+    if not count:
+        return offset, 0
+    clipped = torch.clamp(offset, min=-limit, max=limit)
+    if floor is not None:
+        clipped[nonnegative_from:] = torch.maximum(clipped[nonnegative_from:], floor)
+    return clipped, count
 
 
 def coordinate_move_bound(own: torch.Tensor, bound: float, policy: RobustAggregation) -> float:
@@ -408,9 +423,7 @@ def _bounded_pair(parts, weights, own: int, other: int, bound: float, policy: Ro
     relative = max(bound, policy.history_floor / max(share, 1e-12))
     limit = relative * float(torch.linalg.vector_norm(mine))
     per_coordinate = coordinate_move_bound(mine, relative, policy)
-    theirs, coordinates[other] = clip_coordinates(parts[other], mine - per_coordinate, mine + per_coordinate,
-                                                  nonnegative_from)
-    offset = theirs - mine
+    offset, coordinates[other] = clip_offset(parts[other] - mine, per_coordinate, mine, nonnegative_from)
     distance = float(torch.linalg.vector_norm(offset))
     if distance > limit:
         verdicts[other] = "clipped"

@@ -48,7 +48,7 @@ from agora.dht.robust import (
     RobustAggregation,
     aggregate_part,
     agreed_weights,
-    clip_coordinates,
+    clip_offset,
     coordinate_move_bound,
     deviation,
     relative_move,
@@ -260,7 +260,7 @@ class GuardedPartContainer:
             self._inner.failed_size += part.numel()
         else:
             per_coordinate = coordinate_move_bound(local, bound, self._policy)
-            part, clipped = clip_coordinates(part, -per_coordinate, per_coordinate)
+            part, clipped = clip_offset(part, per_coordinate)
             if clipped:
                 self._clipped["coordinates"] += clipped
                 logger.info("averaging part %d: %d coordinates of the average from %s clipped to the move bound",

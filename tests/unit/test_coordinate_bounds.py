@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from agora.dht.robust import RobustAggregation, aggregate_part, clip_coordinates, coordinate_move_bound
+from agora.dht.robust import RobustAggregation, aggregate_part, clip_offset, coordinate_move_bound
 from agora.node.averaging.sparta import second_moment_offset
 from agora.pipeline.config import PRESETS
 
@@ -136,13 +136,17 @@ def test_the_second_moment_begins_after_the_slice_and_its_first_moment():
     assert second_moment_offset(dataclasses.replace(sync, average_optimizer_state=True), 100) == 200
 
 
-def test_clipping_counts_what_moved_and_never_changes_the_row():
-    row = torch.tensor([-2.0, -0.5, 0.5, 2.0])
-    clipped, moved = clip_coordinates(row, -1.0, 1.0)
+def test_clipping_counts_what_moved_and_never_changes_the_offset():
+    offset = torch.tensor([-2.0, -0.5, 0.5, 2.0])
+    clipped, moved = clip_offset(offset, 1.0)
     assert clipped.tolist() == [-1.0, -0.5, 0.5, 1.0] and moved == 2
-    clipped, moved = clip_coordinates(row, None, None, nonnegative_from=1)
-    assert clipped.tolist() == [-2.0, 0.0, 0.5, 2.0] and moved == 1
-    assert row.tolist() == [-2.0, -0.5, 0.5, 2.0]
+    clipped, moved = clip_offset(offset, torch.tensor([3.0, 3.0, 0.25, 3.0]), centre=torch.full((4,), 1.0),
+                                 nonnegative_from=1)
+    assert clipped.tolist() == [-2.0, -0.5, 0.25, 2.0] and moved == 1  # 1 - 0.5 is not below 0
+    clipped, moved = clip_offset(offset, 3.0, centre=torch.full((4,), 0.25), nonnegative_from=1)
+    assert clipped.tolist() == [-2.0, -0.25, 0.5, 2.0] and moved == 1  # 0.25 - 0.5 is
+    assert offset.tolist() == [-2.0, -0.5, 0.5, 2.0]
+    assert clip_offset(offset, 3.0) == (offset, 0)
 
 
 def test_policies_refuse_a_coordinate_factor_below_one():
