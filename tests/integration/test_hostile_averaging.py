@@ -158,6 +158,34 @@ def test_a_replica_pushing_single_coordinates_moves_them_about_the_honest_spread
         assert result.clipped_coordinates >= 1  # each honest reducer clipped the pushes in its parts
 
 
+def test_a_reducer_returning_one_pushed_coordinate_per_part_moves_it_at_most_the_coordinate_bound():
+    # The hostile reduces its parts with the plain mean, so the averages it returns carry its push;
+    # each moves its part 0.4 of the part's norm, inside the guard's norm bound (its ceiling,
+    # 1.0, in a first round), so only the per-coordinate bound stands in the way.
+    parts, part = 12, 1024
+    generator = torch.Generator().manual_seed(2)
+    base = 0.02 * torch.randn(parts * part, generator=generator)
+    a, b = (base + 2e-4 * torch.randn(base.shape, generator=generator) for _ in range(2))
+    hostile = (a + b) / 2
+    pushed = torch.arange(parts) * part + 7
+    hostile[pushed] += 3 * 0.4 * torch.linalg.vector_norm(base.view(parts, part), dim=1)  # a third of it lands
+
+    async def one_round(group):
+        return await asyncio.gather(*(in_thread(averager, values, 8, 8.0)
+                                      for averager, values in zip(group, (a, b, hostile))))
+
+    with averagers(["robust", "robust", "mean"], "reducer-push", a.numel(), 4 * part) as group:
+        results = run(one_round(group))
+    for result, own in zip(results[:2], (a, b)):
+        assert result.outcome == "committed", result.error
+        assert not result.rejections.get("reducer_outlier"), result.rejections  # the guard's norm bound let them in
+        per_coordinate = RobustAggregation().coordinate_factor * own.view(parts, part).pow(2).mean(dim=1).sqrt()
+        moved = (result.averaged[pushed] - own[pushed]).abs()
+        assert bool((moved <= per_coordinate * (1 + 1e-4)).all()), moved / per_coordinate
+        assert float((moved / per_coordinate).max()) > 0.99  # the hostile's parts: held at the bound
+        assert result.clipped_coordinates >= 1
+
+
 def train(kinds: list[str], prefix: str) -> tuple[list[float], list[dict]]:
     """Three replicas train STEPS local steps on disjoint data, averaging with each other through
     their own loops; returns the held-out loss and the averaging counters of each replica."""
