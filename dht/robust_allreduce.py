@@ -54,7 +54,8 @@ from agora.dht.robust import (
     relative_move,
 )
 
-__all__ = ["AgreedGroup", "agreed_group", "RobustAllReduceRunner", "RobustPartReducer", "GuardedPartContainer"]
+__all__ = ["AgreedGroup", "agreed_group", "RobustAllReduceRunner", "RobustPartReducer", "GuardedPartContainer",
+           "nonnegative_in_part"]
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +198,8 @@ class RobustPartReducer:
             own = senders.index(self.own_sender) if self.own_sender in senders else None
             result = aggregate_part([self._values[s] for s in senders], [self.weights[s] for s in senders],
                                     self.policy, own=own, bound=self.history.bound(position),
-                                    nonnegative_from=self._nonnegative_from(position))
+                                    nonnegative_from=nonnegative_in_part(self.policy.nonnegative_from, position,
+                                                                         self.part_numel))
             self.counts.update(result.counts)
             self.clipped["coordinates"] += result.clipped_coordinates
             for sender, verdict, coordinates in zip(senders, result.verdicts, result.coordinates):
@@ -216,17 +218,18 @@ class RobustPartReducer:
             self.finished.set()
         future.set_result(value)
 
-    def _nonnegative_from(self, position: int) -> Optional[int]:
-        """Where the policy's non-negative section begins in the part at ``position`` (None: nowhere)."""
-        start = self.policy.nonnegative_from
-        if start is None or start >= (position + 1) * self.part_numel:
-            return None
-        return max(0, start - position * self.part_numel)
-
     def finalize(self) -> None:
         if not self.finished.is_set():
             self._future.cancel()
             self.finished.set()
+
+
+def nonnegative_in_part(nonnegative_from: Optional[int], position: int, part_numel: int) -> Optional[int]:
+    """Where the averaged vector's non-negative section (from its flat offset ``nonnegative_from``)
+    begins in the part at ``position``: 0 for a part inside it, None for a part before it."""
+    if nonnegative_from is None or nonnegative_from >= (position + 1) * part_numel:
+        return None
+    return max(0, nonnegative_from - position * part_numel)
 
 
 class GuardedPartContainer:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from agora.dht.robust import RobustAggregation, aggregate_part, clip_offset, coordinate_move_bound
+from agora.dht.robust_allreduce import nonnegative_in_part
 from agora.node.averaging.sparta import second_moment_offset
 from agora.pipeline.config import PRESETS
 
@@ -134,6 +135,12 @@ def test_the_second_moment_begins_after_the_slice_and_its_first_moment():
     sync = PRESETS["tiny"].sync
     assert second_moment_offset(sync, 100) is None
     assert second_moment_offset(dataclasses.replace(sync, average_optimizer_state=True), 100) == 200
+
+
+def test_a_reducer_finds_where_the_second_moments_begin_in_each_of_its_parts():
+    # Parts of 100 values; the second moments from offset 250: part 2 holds its first 50.
+    assert [nonnegative_in_part(250, position, 100) for position in range(5)] == [None, None, 50, 0, 0]
+    assert nonnegative_in_part(None, 3, 100) is None and nonnegative_in_part(200, 2, 100) == 0
 
 
 def test_clipping_counts_what_moved_and_never_changes_the_offset():
