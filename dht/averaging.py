@@ -170,6 +170,8 @@ class RoundResult:
     # Contributions this peer's reducer rejected or pulled in, and averages it dropped, by reason
     # (dht/robust.py REASONS); only reasons that occurred.
     rejections: Mapping[str, int] = field(default_factory=dict)
+    # Coordinates this peer's reducer moved to the edge of their band, or its guard to the move bound.
+    clipped_coordinates: int = 0
 
     @property
     def rejected(self) -> int:
@@ -319,7 +321,8 @@ class SliceAverager:
         with self._process.get_tensors() as (buffer,):
             averaged = buffer.clone()
         common = dict(participants=peers, weights=weights, received_fraction=received,
-                      duration_s=time.monotonic() - started, rejections=rejections)
+                      duration_s=time.monotonic() - started, rejections=rejections,
+                      clipped_coordinates=int(reply.get("clipped_coordinates", 0)))
         sent = estimated_bytes(averaged.numel() * averaged.element_size(), len(peers))
         if rounds != {round_number}:
             return RoundResult("rejected", round_number, None, **common, bytes_sent=sent, bytes_received=sent,
@@ -510,7 +513,7 @@ class _AveragerProcess(DecentralizedAverager):
             container = runner.tensor_part_container
             self._round_reports[group_info.group_id] = {
                 "received_fraction": 1.0 - container.failed_size / max(1, container.total_size),
-                "rejections": dict(runner.counts)}
+                "rejections": dict(runner.counts), "clipped_coordinates": runner.clipped_coordinates}
 
     async def _aggregate_with_group(self, group_info: Any, **kwargs: Any) -> dict:
         if self._gate is not None:
@@ -533,6 +536,7 @@ class _AveragerProcess(DecentralizedAverager):
             self._round_reports.pop(group_info.group_id, None)
         return {"gathered": gathered, "received_fraction": report.get("received_fraction", 1.0),
                 "rejections": report.get("rejections", {}),
+                "clipped_coordinates": report.get("clipped_coordinates", 0),
                 "weights": [agreed.weights[peer] for peer in group_info.peer_ids]}
 
     def _refuse(self, group_info: Any, reason: str) -> dict:

@@ -39,6 +39,38 @@ stage is out of scope, as it is for every robust aggregator):
   while must still be allowed to differ) and never above ``max_relative_delta``; with fewer than
   ``HISTORY_MIN`` past rounds, the ceiling alone. On `tiny`, honest moves are 0.01-0.27 of a
   part's norm and drift slowly over a run; scaled or random vectors are 4.5 and more.
+- Coordinates are bounded as well as norms. A norm bound alone lets one sender place its whole
+  allowed distance on a single coordinate: in a group of 3, within the outlier threshold and the
+  clip radius, that coordinate moves 32 times the honest replicas' per-coordinate spread (more in
+  a longer part: the distance grows with the square root of the length), and nothing is rejected.
+  So before the norm rules combine anything, every contribution is clipped coordinate-wise:
+
+  - groups of 3 or more: into a band around the coordinate-wise median, ``coordinate_factor``
+    times the larger of the coordinate's own spread (the lower median of the contributions'
+    absolute distances from the median there) and the part's typical per-coordinate spread (the
+    median distance over the square root of the part's length). This is a coordinate-wise
+    centered clip (Karimireddy, He, Jaggi 2021, applied per coordinate) around the coordinate-wise
+    median of Yin, Chen, Ramchandran, Bartlett 2018: the median and the spread are what one bad
+    contribution cannot move far, and a band rather than the median or a trimmed mean itself keeps
+    an honest group's weighted mean (a trimmed mean of 3 is their median, a different value on
+    every coordinate); honest values fall outside the band on next to no coordinates, and there
+    the clipped value is still theirs, moved to the band's edge. One bad contribution then moves a
+    coordinate by at most its weight share of the band: a few honest spreads.
+  - pairs: the other's value may be at most ``coordinate_factor`` times the norm bound's even share
+    per coordinate (the bound times the root mean square of the reducer's own values) from the
+    reducer's own, so the pair's recent deviation and the weight's typical size bound every
+    coordinate's move as they bound the norm.
+  - a part's coordinates from ``nonnegative_from`` (Adam's ``exp_avg_sq`` when optimizer state is
+    averaged: the flat offset where it starts) are clipped at 0 too. The result is a convex
+    combination of the clipped contributions (the weighted mean, CenteredClip's iterates and the
+    pair's pull all are), so on every coordinate it stays within their smallest and largest value,
+    and it is at least the honest senders' share of the weight times the smallest honest value:
+    a bad sender lowers the second moment by at most its weight share (3/7 in a group of 3 of equal
+    honest weights, after the caps; in a pair, the partner's share) and never to 0 or below, so no
+    coordinate takes a huge step.
+
+  Clipped coordinates are counted per sender (``PartAggregate.coordinates``), apart from the
+  rejections: an honest group has a few, and a value moved to the edge of a band is not refused.
 - Counted by reason (``REASONS``): ``syncing`` (weight 0 by phase), ``weight_capped``,
   ``nonfinite``, ``outlier`` (rejected), ``clipped`` (pulled in by CenteredClip or the pair
   bound), and, on the receiving side, ``reducer_outlier`` (an average from another reducer
@@ -53,7 +85,7 @@ import functools
 import math
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -67,6 +99,8 @@ __all__ = [
     "PartAggregate",
     "agreed_weights",
     "aggregate_part",
+    "clip_offset",
+    "coordinate_move_bound",
     "relative_move",
     "deviation",
     "DeviationHistory",
@@ -96,6 +130,9 @@ class RobustAggregation:
     history_factor: float = 8.0
     history_floor: float = 0.02
     history_length: int = 16
+    coordinate_factor: float = 6.0
+    # The flat offset in the averaged vector from which values are never negative (exp_avg_sq).
+    nonnegative_from: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.method not in AGGREGATION_METHODS:
@@ -103,6 +140,8 @@ class RobustAggregation:
                              f"got {self.method!r}")
         if not self.max_weight > 0 or self.median_weight_slack < 1 or self.outlier_factor < 1:
             raise ValueError("max_weight must be positive, median_weight_slack and outlier_factor at least 1")
+        if self.coordinate_factor < 1 or (self.nonnegative_from is not None and self.nonnegative_from < 0):
+            raise ValueError("coordinate_factor must be at least 1, nonnegative_from None or >= 0")
         if not (self.clip_factor > 0 and self.max_relative_delta > 0 and self.history_factor >= 1
                 and self.clip_iterations >= 1 and self.history_length >= HISTORY_MIN
                 and 0 <= self.history_floor <= self.max_relative_delta):
@@ -151,18 +190,27 @@ class PartAggregate:
     counts: Counter
     # Per contribution, in input order: "used", "clipped", "outlier", "nonfinite" or "unweighted".
     verdicts: list[str]
+    # Per contribution, in input order: its coordinates moved to the edge of their band.
+    coordinates: list[int]
+
+    @property
+    def clipped_coordinates(self) -> int:
+        return sum(self.coordinates)
 
 
 def aggregate_part(parts: Sequence[torch.Tensor], weights: Sequence[float], policy: RobustAggregation, *,
-                   own: Optional[int] = None, bound: Optional[float] = None) -> PartAggregate:
+                   own: Optional[int] = None, bound: Optional[float] = None,
+                   nonnegative_from: Optional[int] = None) -> PartAggregate:
     """Combine the senders' values of one part. ``own``: the index of this reducer's own part, if it
-    sent one (the trusted centre of a pair); ``bound``: the relative deviation a pair's other may have.
+    sent one (the trusted centre of a pair); ``bound``: the relative deviation a pair's other may have;
+    ``nonnegative_from``: the index in the part from which values are never negative.
 
     Returns NaN values when no contribution has a positive weight (the caller reports that)."""
     if len(parts) != len(weights) or not parts:
         raise ValueError(f"{len(parts)} parts for {len(weights)} weights")
+    coordinates = [0] * len(parts)
     if not policy.robust:
-        return PartAggregate(_weighted_mean(parts, weights), Counter(), ["used"] * len(parts))
+        return PartAggregate(_weighted_mean(parts, weights), Counter(), ["used"] * len(parts), coordinates)
     verdicts = ["used" if w > 0 else "unweighted" for w in weights]
     counts: Counter = Counter()
     for i, part in enumerate(parts):
@@ -171,16 +219,18 @@ def aggregate_part(parts: Sequence[torch.Tensor], weights: Sequence[float], poli
             counts["nonfinite"] += 1
     live = [i for i, v in enumerate(verdicts) if v == "used"]
     if not live:
-        return PartAggregate(torch.full_like(parts[0], math.nan), counts, verdicts)
+        return PartAggregate(torch.full_like(parts[0], math.nan), counts, verdicts, coordinates)
     if len(live) >= 3:
-        value = _robust_many(parts, weights, live, verdicts, policy)
+        value = _robust_many(parts, weights, live, verdicts, coordinates, policy, nonnegative_from)
     elif len(live) == 2 and own in live and bound is not None:
-        value = _bounded_pair(parts, weights, own, next(i for i in live if i != own), bound, policy.history_floor,
-                              verdicts)
-    else:
+        other = next(i for i in live if i != own)
+        value = _bounded_pair(parts, weights, own, other, bound, policy, nonnegative_from, verdicts, coordinates)
+    else:  # one contribution, or a pair without this reducer's own: their mean, never below 0 where it may not be
         value = _weighted_mean([parts[i] for i in live], [weights[i] for i in live])
+        if nonnegative_from is not None:
+            value[nonnegative_from:].clamp_min_(0.0)
     counts.update(v for v in verdicts if v in ("outlier", "clipped"))
-    return PartAggregate(value, counts, verdicts)
+    return PartAggregate(value, counts, verdicts, coordinates)
 
 
 def deviation(move: float, own_share: float) -> float:
@@ -238,10 +288,12 @@ class DeviationHistory:
             self._moves.setdefault(position, deque(maxlen=self.policy.history_length)).append(move)
 
 
-def _robust_many(parts, weights, live, verdicts, policy: RobustAggregation) -> torch.Tensor:
+def _robust_many(parts, weights, live, verdicts, coordinates, policy: RobustAggregation,
+                 nonnegative_from: Optional[int]) -> torch.Tensor:
     rows = [parts[i] for i in live]
     centre = _coordinate_median(rows)
-    distances = [float(torch.linalg.vector_norm(row - centre)) for row in rows]
+    offsets = [row - centre for row in rows]
+    distances = [float(torch.linalg.vector_norm(offset)) for offset in offsets]
     spread = sorted(distances)[(len(distances) - 1) // 2]
     noise = _NOISE * float(torch.linalg.vector_norm(centre))
     keep = []
@@ -250,14 +302,19 @@ def _robust_many(parts, weights, live, verdicts, policy: RobustAggregation) -> t
             verdicts[i] = "outlier"
         else:
             keep.append(row)
+    band = _coordinate_band(offsets, spread + noise, policy.coordinate_factor)
+    clipped = {}
+    for row in keep:
+        offset, coordinates[live[row]] = clip_offset(offsets[row], band, centre, nonnegative_from)
+        clipped[row] = rows[row] if offset is offsets[row] else offset.add_(centre)
     kept_weights = [weights[live[row]] for row in keep]
     radius = policy.clip_factor * spread + noise
     # Every kept contribution within the radius of the weighted mean: that mean is CenteredClip's
     # fixed point (nothing is clipped there), exactly, and it is what an honest group gets.
-    mean = _weighted_mean([rows[row] for row in keep], kept_weights)
-    if all(float(torch.linalg.vector_norm(rows[row] - mean)) <= radius for row in keep):
+    mean = _weighted_mean([clipped[row] for row in keep], kept_weights)
+    if all(float(torch.linalg.vector_norm(clipped[row] - mean)) <= radius for row in keep):
         return mean
-    kept = torch.stack([rows[row] for row in keep])
+    kept = torch.stack([clipped[row] for row in keep])
     value = _centered_clip(kept, torch.tensor(kept_weights, dtype=kept.dtype), centre, radius,
                            policy.clip_iterations)
     final = torch.linalg.vector_norm(kept - value, dim=1)
@@ -265,6 +322,45 @@ def _robust_many(parts, weights, live, verdicts, policy: RobustAggregation) -> t
         if distance > radius:
             verdicts[live[row]] = "clipped"
     return value
+
+
+def _coordinate_band(offsets: Sequence[torch.Tensor], spread: float, factor: float) -> torch.Tensor:
+    """How far from the coordinate-wise median a contribution may be on each coordinate (3 or more),
+    from the contributions' ``offsets`` from it: ``factor`` times the coordinate's own spread (the
+    lower median of the offsets' sizes there), at least the part's typical per-coordinate spread."""
+    own_spread = _coordinate_median([offset.abs() for offset in offsets])
+    return own_spread.clamp_min_(spread / math.sqrt(own_spread.numel())).mul_(factor)
+
+
+def clip_offset(offset: torch.Tensor, limit: Union[torch.Tensor, float], centre: Optional[torch.Tensor] = None,
+                nonnegative_from: Optional[int] = None) -> tuple[torch.Tensor, int]:
+    """``offset`` (from ``centre``) with every coordinate within +-``limit`` (one number, or one per
+    coordinate) and, from ``nonnegative_from``, ``centre + offset`` at least 0; with how many
+    coordinates that moved. ``offset`` itself when none did, else a new tensor (never in place:
+    hivemind's deserialized parts may be read-only)."""
+    floor = None
+    if centre is not None and nonnegative_from is not None and nonnegative_from < offset.numel():
+        floor = centre[nonnegative_from:].neg()
+    elif not isinstance(limit, torch.Tensor):
+        low, high = torch.aminmax(offset)  # one pass, nothing allocated: the common case moves nothing
+        if -limit <= float(low) and float(high) <= limit:
+            return offset, 0
+    moved = offset.abs() > limit
+    if floor is not None:
+        moved[nonnegative_from:] |= offset[nonnegative_from:] < floor
+    count = int(torch.count_nonzero(moved))
+    if not count:
+        return offset, 0
+    clipped = torch.clamp(offset, min=-limit, max=limit)
+    if floor is not None:
+        clipped[nonnegative_from:] = torch.maximum(clipped[nonnegative_from:], floor)
+    return clipped, count
+
+
+def coordinate_move_bound(own: torch.Tensor, bound: float, policy: RobustAggregation) -> float:
+    """How far one coordinate of ``own`` may move when the part may move ``bound`` of its norm:
+    ``coordinate_factor`` times that norm budget spread evenly over the coordinates."""
+    return policy.coordinate_factor * bound * float(torch.linalg.vector_norm(own)) / math.sqrt(own.numel())
 
 
 def _coordinate_median(rows: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -319,13 +415,16 @@ def _centered_clip(values: torch.Tensor, weights: torch.Tensor, start: torch.Ten
     return centre
 
 
-def _bounded_pair(parts, weights, own: int, other: int, bound: float, floor: float, verdicts) -> torch.Tensor:
-    mine, theirs = parts[own], parts[other]
+def _bounded_pair(parts, weights, own: int, other: int, bound: float, policy: RobustAggregation,
+                  nonnegative_from: Optional[int], verdicts, coordinates) -> torch.Tensor:
+    mine = parts[own]
     share = weights[other] / (weights[own] + weights[other])
-    offset = theirs - mine
-    distance = float(torch.linalg.vector_norm(offset))
     # A pull under the floor is let be whatever the distance (an idle partner's weight is tiny).
-    limit = max(bound, floor / max(share, 1e-12)) * float(torch.linalg.vector_norm(mine))
+    relative = max(bound, policy.history_floor / max(share, 1e-12))
+    limit = relative * float(torch.linalg.vector_norm(mine))
+    per_coordinate = coordinate_move_bound(mine, relative, policy)
+    offset, coordinates[other] = clip_offset(parts[other] - mine, per_coordinate, mine, nonnegative_from)
+    distance = float(torch.linalg.vector_norm(offset))
     if distance > limit:
         verdicts[other] = "clipped"
         offset.mul_(limit / distance)

@@ -9,11 +9,16 @@ and streams the average back. Two seams, one per side, and nothing else of hivem
   a part done when every sender still in the round has sent it, a failed sender's later parts
   not waited for). It keeps the senders' values of the current part instead of a running sum
   and combines them with ``aggregate_part`` under the weights *agreed* from the gathered
-  metadata (``agreed_group``); the weight field of each message is ignored.
+  metadata (``agreed_group``); the weight field of each message is ignored. It tells
+  ``aggregate_part`` where in the part the policy's non-negative section (``exp_avg_sq``) begins.
 - ``GuardedPartContainer`` wraps the runner's ``TensorPartContainer`` and judges every average
   another reducer sends back before it is registered: a move beyond the bound
   (``DeviationHistory``) or a non-finite one is dropped and the part keeps its local values,
-  exactly as for a reducer that failed (it counts in the round's received fraction).
+  exactly as for a reducer that failed (it counts in the round's received fraction); an accepted
+  one has each coordinate's move bounded as a pair's is (``coordinate_move_bound``), so a reducer
+  cannot spend the whole norm bound on one coordinate either.
+- Clipped coordinates, by the reducer and by the guard, are summed in ``clipped_coordinates``,
+  apart from the rejections by reason.
 - ``agreed_group`` also makes the part split independent of what peers declare: every
   member's declared bandwidth is replaced by the same value before hivemind's load balancing,
   so a peer cannot claim the whole vector to reduce by declaring a huge bandwidth. All honest
@@ -43,11 +48,14 @@ from agora.dht.robust import (
     RobustAggregation,
     aggregate_part,
     agreed_weights,
+    clip_offset,
+    coordinate_move_bound,
     deviation,
     relative_move,
 )
 
-__all__ = ["AgreedGroup", "agreed_group", "RobustAllReduceRunner", "RobustPartReducer", "GuardedPartContainer"]
+__all__ = ["AgreedGroup", "agreed_group", "RobustAllReduceRunner", "RobustPartReducer", "GuardedPartContainer",
+           "nonnegative_in_part"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +104,7 @@ class RobustAllReduceRunner(AllReduceRunner):
                  part_size_bytes: int, **kwargs: Any):
         super().__init__(part_size_bytes=part_size_bytes, **kwargs)
         self.counts: Counter = Counter(agreed.counts)
+        self.clipped = Counter()  # "coordinates": clipped by this peer's reducer and guard
         self.weight = agreed.weights.get(self.peer_id, 0.0)
         tensors = kwargs["tensors"]
         if len(tensors) != 1 or tensors[0].dtype != torch.float32:
@@ -112,8 +121,8 @@ class RobustAllReduceRunner(AllReduceRunner):
         total = sum(agreed.weights.values())
         self.tensor_part_container = GuardedPartContainer(
             container, local=flat, part_numel=part_numel, offsets=offsets, own_index=own_index,
-            peer_ids=self.ordered_peer_ids, history=history, counts=self.counts, policy=policy,
-            own_share=self.weight / total if total > 0 else 0.0)
+            peer_ids=self.ordered_peer_ids, history=history, counts=self.counts, clipped=self.clipped,
+            policy=policy, own_share=self.weight / total if total > 0 else 0.0)
         hivemind_reducer = self.tensor_part_reducer
         hivemind_reducer.finished.set()  # retired unused: its finalize would report 0% received
         self.tensor_part_reducer = RobustPartReducer(
@@ -121,18 +130,23 @@ class RobustAllReduceRunner(AllReduceRunner):
             weights=[agreed.weights.get(peer, 0.0) for peer in self.sender_peer_ids],
             own_sender=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
             sender_names=[str(peer) for peer in self.sender_peer_ids], first_position=offsets[own_index],
-            policy=policy, history=history, counts=self.counts)
+            part_numel=part_numel, policy=policy, history=history, counts=self.counts, clipped=self.clipped)
+
+    @property
+    def clipped_coordinates(self) -> int:
+        return self.clipped["coordinates"]
 
 
 class RobustPartReducer:
     """Reduces this peer's parts with ``aggregate_part``; the interface of hivemind's reducer."""
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, weights: Sequence[float],
-                 own_sender: Optional[int], sender_names: Sequence[str], first_position: int,
-                 policy: RobustAggregation, history: DeviationHistory, counts: Counter):
+                 own_sender: Optional[int], sender_names: Sequence[str], first_position: int, part_numel: int,
+                 policy: RobustAggregation, history: DeviationHistory, counts: Counter, clipped: Counter):
         self.part_shapes, self.num_senders, self.num_parts = tuple(part_shapes), num_senders, len(part_shapes)
         self.weights, self.own_sender, self.sender_names = list(weights), own_sender, list(sender_names)
         self.first_position, self.policy, self.history, self.counts = first_position, policy, history, counts
+        self.part_numel, self.clipped = part_numel, clipped
         self.current_part_index = 0
         self.num_parts_received = [0] * num_senders
         self.sender_failed_after = [math.inf] * num_senders
@@ -183,11 +197,17 @@ class RobustPartReducer:
         if senders:
             own = senders.index(self.own_sender) if self.own_sender in senders else None
             result = aggregate_part([self._values[s] for s in senders], [self.weights[s] for s in senders],
-                                    self.policy, own=own, bound=self.history.bound(position))
+                                    self.policy, own=own, bound=self.history.bound(position),
+                                    nonnegative_from=nonnegative_in_part(self.policy.nonnegative_from, position,
+                                                                         self.part_numel))
             self.counts.update(result.counts)
-            for sender, verdict in zip(senders, result.verdicts):
+            self.clipped["coordinates"] += result.clipped_coordinates
+            for sender, verdict, coordinates in zip(senders, result.verdicts, result.coordinates):
                 if verdict in ("outlier", "clipped", "nonfinite"):
                     logger.info("averaging part %d: %s from %s", position, verdict, self.sender_names[sender])
+                if coordinates:
+                    logger.info("averaging part %d: %d coordinates from %s clipped to their band", position,
+                                coordinates, self.sender_names[sender])
             value = result.value
         else:  # nobody is left to send this part: it is nobody's any more
             value = torch.full(self.part_shapes[index], math.nan)
@@ -204,15 +224,23 @@ class RobustPartReducer:
             self.finished.set()
 
 
+def nonnegative_in_part(nonnegative_from: Optional[int], position: int, part_numel: int) -> Optional[int]:
+    """Where the averaged vector's non-negative section (from its flat offset ``nonnegative_from``)
+    begins in the part at ``position``: 0 for a part inside it, None for a part before it."""
+    if nonnegative_from is None or nonnegative_from >= (position + 1) * part_numel:
+        return None
+    return max(0, nonnegative_from - position * part_numel)
+
+
 class GuardedPartContainer:
     """hivemind's ``TensorPartContainer`` with every average another reducer returns judged first."""
 
     def __init__(self, inner: Any, *, local: torch.Tensor, part_numel: int, offsets: Sequence[int], own_index: int,
-                 peer_ids: Sequence[Any], history: DeviationHistory, counts: Counter, policy: RobustAggregation,
-                 own_share: float):
+                 peer_ids: Sequence[Any], history: DeviationHistory, counts: Counter, clipped: Counter,
+                 policy: RobustAggregation, own_share: float):
         self._inner, self._local, self._part_numel, self._own_share = inner, local, part_numel, own_share
         self._offsets, self._own_index, self._peer_ids = list(offsets), own_index, list(peer_ids)
-        self._history, self._counts, self._robust = history, counts, policy.robust
+        self._history, self._counts, self._clipped, self._policy = history, counts, clipped, policy
 
     def __getattr__(self, name: str) -> Any:  # everything but the registration is hivemind's
         return getattr(self._inner, name)
@@ -222,14 +250,23 @@ class GuardedPartContainer:
         start = position * self._part_numel
         local = self._local[start:start + part.numel()]
         distance = deviation(relative_move(part, local), self._own_share)
-        if peer_index == self._own_index or not self._robust:
+        trusted_history = self._own_share >= _LOW_SHARE
+        bound = self._history.bound(position) if trusted_history else self._policy.max_relative_delta
+        if peer_index == self._own_index or not self._policy.robust:
             self._history.record(position, distance)  # this peer's own reducer is honest to it
-        elif not self._history.accept(position, distance, trusted_history=self._own_share >= _LOW_SHARE):
+        elif not self._history.accept(position, distance, trusted_history=trusted_history):
             self._counts["reducer_outlier"] += 1
             logger.info("averaging part %d: the average from %s puts the group %.3g of its norm away (bound %.3g): "
                         "kept local values", position, self._peer_ids[peer_index], distance,
                         self._history.bound(position))
             part = torch.zeros_like(part)
             self._inner.failed_size += part.numel()
+        else:
+            per_coordinate = coordinate_move_bound(local, bound, self._policy)
+            part, clipped = clip_offset(part, per_coordinate)
+            if clipped:
+                self._clipped["coordinates"] += clipped
+                logger.info("averaging part %d: %d coordinates of the average from %s clipped to the move bound",
+                            position, clipped, self._peer_ids[peer_index])
         self._inner.register_processed_part(peer_index, part_index, part)
 

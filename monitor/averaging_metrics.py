@@ -6,7 +6,8 @@ the summary and a Prometheus scrape can never disagree.
 
 - Rounds by outcome (committed, alone, failed, rejected, cancelled), rounds whose result was
   applied, and rounds skipped because they came due while another ran; what the robust
-  aggregation rejected, by reason (dht/robust.py).
+  aggregation rejected, by reason (dht/robust.py), and the coordinates it clipped (a count of
+  values, not of contributions: an honest group has a few).
 - Per round: the group size and, for committed rounds, the share of the vector whose average
   arrived (`_ratio`, 0..1), the duration, and the bytes each way (estimated, see dht/averaging.py).
 - Local steps from a round's snapshot to its apply (the lag that costs convergence) and the
@@ -39,6 +40,10 @@ class AveragingMetrics:
                                registry=registry)
         self.rejections = Counter("agora_averaging_rejections", "Contributions the robust aggregation rejected, by "
                                   "reason", ["method", "reason"], registry=registry)
+        self.clipped_coordinates = Counter("agora_averaging_clipped_coordinates",
+                                           "Coordinates the robust aggregation moved to the edge of their band "
+                                           "(a contribution's per-coordinate bound, or an average's move bound)",
+                                           ["method"], registry=registry)
         self.refused = Counter("agora_averaging_refused_announcements",
                                "Other replicas' round announcements refused, by reason (a round past the stage's "
                                "schedule)", ["method", "reason"], registry=registry)

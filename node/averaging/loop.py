@@ -72,6 +72,7 @@ from agora.node.averaging.sparta import (
     outer_nesterov_step,
     peer_weight,
     round_slice,
+    second_moment_offset,
 )
 from agora.node.averaging.stats import AveragingStats
 from agora.node.replica.compute import StageCompute
@@ -394,8 +395,7 @@ class AveragingLoop:
         apply gets the same delta. It is what the next round averages; without the delta the next
         round would undo this one's corrections, leaving each replica its own offset from the mean
         with the sign swapped (possible when rounds are at most `n_slices` rounds apart)."""
-        moments_from = 2 * self._partition.buffer_size \
-            if self.sync.method == "sparta" and self.sync.average_optimizer_state else None
+        moments_from = second_moment_offset(self.sync, self._partition.buffer_size)
         self._hooked.carry(lambda r: round_slice(r, self.sync.n_slices) == index, delta, moments_from)
 
     async def _replica_count(self) -> Optional[int]:
@@ -503,6 +503,8 @@ class AveragingLoop:
         }
         if result.rejections:  # by reason (dht/robust.py): what this replica's reducer and guard stopped
             fields["rejected"] = ",".join(f"{reason}:{n}" for reason, n in sorted(result.rejections.items()))
+        if result.clipped_coordinates:
+            fields["clipped_coordinates"] = result.clipped_coordinates
         if result.error:
             fields["error"] = repr(result.error)
         level = logging.WARNING if result.outcome in ("failed", "rejected") or result.rejected else logging.INFO

@@ -34,7 +34,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -50,6 +50,7 @@ __all__ = [
     "outer_nesterov_step",
     "stage_parameter_numels",
     "averaged_vector_size",
+    "second_moment_offset",
     "max_round_weight",
 ]
 
@@ -256,6 +257,12 @@ def averaged_vector_size(sync: SyncConfig, buffer_size: int) -> int:
     if sync.method == "diloco":
         return 2 * buffer_size
     return (3 if sync.average_optimizer_state else 1) * buffer_size
+
+
+def second_moment_offset(sync: SyncConfig, buffer_size: int) -> Optional[int]:
+    """Where Adam's second moment (never negative) begins in the averaged vector, or None when it is
+    not averaged: sparta with `average_optimizer_state` averages [slice, exp_avg, exp_avg_sq]."""
+    return 2 * buffer_size if sync.method == "sparta" and sync.average_optimizer_state else None
 
 
 def stage_parameter_numels(model: ModelConfig, index: int) -> list[int]:

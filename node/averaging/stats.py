@@ -79,6 +79,8 @@ class AveragingStats:
         for reason, count in result.rejections.items():  # by reason (dht/robust.py), over every round
             metrics.rejections.labels(method=method, reason=reason).inc(count)
             self._rejection_reasons.add(reason)
+        if result.clipped_coordinates:
+            metrics.clipped_coordinates.labels(method=method).inc(result.clipped_coordinates)
         if result.outcome == "committed":
             metrics.received.labels(method=method).observe(result.received_fraction)
         metrics.duration.labels(method=method).observe(result.duration_s)
@@ -134,6 +136,7 @@ class AveragingStats:
             "skipped": self.skipped,
             "group_sizes": self._group_sizes(),
             "rejections": self.rejections,
+            "clipped_coordinates": int(self._value("agora_averaging_clipped_coordinates_total")),
             "refused_announcements": self.refused,
             "mean_received_fraction": received / rounds["committed"] if rounds["committed"] else None,
             "mean_duration_s": duration / total if total else None,

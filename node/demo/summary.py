@@ -223,7 +223,7 @@ def _averaging_by_stage(workdir: Path, workers) -> dict:
             continue
         into = merged.setdefault(str(stats.get("stage", stage)), {"method": stats.get("method"), "replicas_reporting": 0,
                                               "rounds_by_outcome": {}, "rejections": {}, "applied": 0, "skipped": 0,
-                                              "bytes_sent": 0,
+                                              "clipped_coordinates": 0, "bytes_sent": 0,
                                               "local_steps": 0, "compute_blocked_s": 0.0, "wall_s": 0.0,
                                               "lag_steps_sum": 0.0, "max_lag_steps": 0})
         into["replicas_reporting"] += 1
@@ -231,7 +231,8 @@ def _averaging_by_stage(workdir: Path, workers) -> dict:
             into["rounds_by_outcome"][outcome] = into["rounds_by_outcome"].get(outcome, 0) + n
         for reason, n in stats.get("rejections", {}).items():  # what robust aggregation stopped (dht/robust.py)
             into["rejections"][reason] = into["rejections"].get(reason, 0) + n
-        for key in ("applied", "skipped", "bytes_sent", "local_steps", "compute_blocked_s", "wall_s"):
+        for key in ("applied", "skipped", "clipped_coordinates", "bytes_sent", "local_steps", "compute_blocked_s",
+                    "wall_s"):
             into[key] += stats.get(key, 0)
         into["parameters"] = stats.get("parameters", 0)
         into["lag_steps_sum"] += (stats.get("mean_lag_steps") or 0.0) * stats.get("applied", 0)

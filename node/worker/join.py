@@ -51,6 +51,7 @@ from agora.node.averaging.sparta import (
     SlicePartition,
     averaged_vector_size,
     max_round_weight,
+    second_moment_offset,
     stage_parameter_numels,
 )
 from agora.node.averaging.stats import AveragingStats
@@ -120,10 +121,11 @@ def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, se
                     local_batch: int | None) -> SliceAverager:
     """The stage's averager process, sized for one round of `config.sync.method` (forks: call early)."""
     sync = config.sync
-    robust = RobustAggregation(sync.aggregation, max_weight=max_round_weight(sync, config.train.batch_size,
-                                                                             local_batch))
     numels = stage_parameter_numels(config.model, options.stage)
-    size = averaged_vector_size(sync, SlicePartition(numels, sync.n_slices, config.seed).buffer_size)
+    buffer_size = SlicePartition(numels, sync.n_slices, config.seed).buffer_size
+    size = averaged_vector_size(sync, buffer_size)
+    robust = RobustAggregation(sync.aggregation, max_weight=max_round_weight(sync, config.train.batch_size, local_batch),
+                               nonnegative_from=second_moment_offset(sync, buffer_size))
     return SliceAverager.start(
         swarm.hivemind_dht, prefix=averaging_prefix(options.run_id, options.stage, sync.method), size=size,
         matchmaking_s=sync.matchmaking_s, request_s=sync.request_s, sender_s=sync.sender_s,

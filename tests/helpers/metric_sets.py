@@ -38,7 +38,8 @@ def every_role(registry: CollectorRegistry) -> None:
     DHTMetrics(registry, bans)
     stats = AveragingStats("sparta", registry=registry)
     stats.record(RoundResult("committed", 3, None, participants=("a", "b"), received_fraction=1.0, duration_s=0.4,
-                             bytes_sent=100, bytes_received=100, rejections={"outlier": 1}), applied=True,
+                             bytes_sent=100, bytes_received=100, rejections={"outlier": 1},
+                             clipped_coordinates=5), applied=True,
                  lag_steps=1)
     stats.count_skipped(1)
     stats.count_refused("past_schedule")

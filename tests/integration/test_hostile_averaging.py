@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 
 import pytest
 import torch
@@ -58,15 +59,18 @@ class HostileAverager(SliceAverager):
 
 
 @contextlib.contextmanager
-def averagers(kinds: list[str], prefix: str, size: int = VECTOR, part_size_bytes: int = SYNC.part_size_bytes):
+def averagers(kinds: list[str], prefix: str, size: int = VECTOR, part_size_bytes: int = SYNC.part_size_bytes,
+              nonnegative_from: int | None = None):
     """One DHT peer and averager per kind: "robust" (this project's defaults), "mean" (hivemind's
-    plain weighted mean) or "hostile"; all shut down on exit."""
+    plain weighted mean) or "hostile"; all shut down on exit. ``nonnegative_from``: where the
+    averaged vector's second moments begin, as a worker averaging its optimizer state sets it."""
     dhts, started = [], []
     weight_cap = max_round_weight(SYNC, CONFIG.train.batch_size, CONFIG.train.batch_size)
     try:
         for kind in kinds:
             dhts.append(SwarmDHT.start(initial_peers=dhts[0].visible_maddrs() if dhts else ()))
-            policy = RobustAggregation("centered_clip" if kind == "robust" else "mean", max_weight=weight_cap)
+            policy = RobustAggregation("centered_clip" if kind == "robust" else "mean", max_weight=weight_cap,
+                                       nonnegative_from=nonnegative_from)
             cls = HostileAverager if kind == "hostile" else SliceAverager
             started.append(cls.start(dhts[-1].hivemind_dht, prefix=prefix, size=size, part_size_bytes=part_size_bytes,
                                      robust=policy, **TIMEOUTS))
@@ -113,6 +117,73 @@ def test_a_bad_replica_and_its_bad_averages_are_rejected_by_both_honest_replicas
         plain = run(one_round(group, 4))
     assert plain[0].outcome == "committed"  # what the checks stop: the hostile's values everywhere
     assert float(torch.linalg.vector_norm(plain[0].averaged - 10 * base)) < 1e-3 * float(torch.linalg.vector_norm(base))
+
+
+def test_a_replica_pushing_single_coordinates_moves_them_about_the_honest_spread_and_never_zeroes_a_second_moment():
+    # 6 parts of 1024 weights, then 6 of their second moments (exp_avg_sq): each peer reduces four.
+    parts, part = 6, 1024
+    generator = torch.Generator().manual_seed(1)
+    base = 0.02 * torch.randn(parts * part, generator=generator)
+    moments = 1e-8 * torch.rand(parts * part, generator=generator).pow(4).add_(1e-3)
+    a, b = (torch.cat([base + 2e-4 * torch.randn(base.shape, generator=generator),
+                       moments * (1 + 0.1 * torch.rand(moments.shape, generator=generator))]) for _ in range(2))
+    hostile = (a + b) / 2
+    pushed = torch.arange(parts) * part + 7  # one weight per part, its whole allowed distance on it
+    for k in pushed.tolist():
+        hostile[k] += 1.5 * float(torch.linalg.vector_norm(a[k - 7:k - 7 + part] - b[k - 7:k - 7 + part]))
+    # In each part, the five smallest second moments (where a 0 changes Adam's step the most), so
+    # far inside the outlier threshold; the plain mean of these is 0.
+    smallest = moments.view(parts, part).topk(5, dim=1, largest=False).indices
+    zeroed = parts * part + (smallest + torch.arange(parts).unsqueeze(1) * part).flatten()
+    hostile[zeroed] = -(a[zeroed] + b[zeroed])
+
+    async def one_round(group):  # equal weights, within the cap the run's config allows
+        return await asyncio.gather(*(in_thread(averager, values, 6, 8.0)
+                                      for averager, values in zip(group, (a, b, hostile))))
+
+    with averagers(["robust"] * 3, "coordinate-push", a.numel(), 4 * part, nonnegative_from=parts * part) as group:
+        results = run(one_round(group))
+    honest_spread = float(torch.linalg.vector_norm(a[:parts * part] - b[:parts * part])) / math.sqrt(parts * part)
+    mean = (a + b) / 2
+    low = torch.minimum(a, b)[parts * part:]
+    for result in results[:2]:
+        assert result.outcome == "committed", result.error
+        assert result.rejections == {}, result.rejections  # nothing the norm rules see
+        moved = (result.averaged[pushed] - mean[pushed]).abs()
+        # About the honest spread there: its share (1/3) of 6 times that spread, and a little more.
+        spread_there = (a[pushed] - b[pushed]).abs().clamp_min(honest_spread)
+        assert bool((moved <= 3 * spread_there).all()), (moved / spread_there, spread_there / honest_spread)
+        second = result.averaged[parts * part:]
+        assert bool((second >= 2 / 3 * low).all()) and bool((second > 0).all())
+        assert result.clipped_coordinates >= 1  # each honest reducer clipped the pushes in its parts
+
+
+def test_a_reducer_returning_one_pushed_coordinate_per_part_moves_it_at_most_the_coordinate_bound():
+    # The hostile reduces its parts with the plain mean, so the averages it returns carry its push;
+    # each moves its part 0.4 of the part's norm, inside the guard's norm bound (its ceiling,
+    # 1.0, in a first round), so only the per-coordinate bound stands in the way.
+    parts, part = 12, 1024
+    generator = torch.Generator().manual_seed(2)
+    base = 0.02 * torch.randn(parts * part, generator=generator)
+    a, b = (base + 2e-4 * torch.randn(base.shape, generator=generator) for _ in range(2))
+    hostile = (a + b) / 2
+    pushed = torch.arange(parts) * part + 7
+    hostile[pushed] += 3 * 0.4 * torch.linalg.vector_norm(base.view(parts, part), dim=1)  # a third of it lands
+
+    async def one_round(group):
+        return await asyncio.gather(*(in_thread(averager, values, 8, 8.0)
+                                      for averager, values in zip(group, (a, b, hostile))))
+
+    with averagers(["robust", "robust", "mean"], "reducer-push", a.numel(), 4 * part) as group:
+        results = run(one_round(group))
+    for result, own in zip(results[:2], (a, b)):
+        assert result.outcome == "committed", result.error
+        assert not result.rejections.get("reducer_outlier"), result.rejections  # the guard's norm bound let them in
+        per_coordinate = RobustAggregation().coordinate_factor * own.view(parts, part).pow(2).mean(dim=1).sqrt()
+        moved = (result.averaged[pushed] - own[pushed]).abs()
+        assert bool((moved <= per_coordinate * (1 + 1e-4)).all()), moved / per_coordinate
+        assert float((moved / per_coordinate).max()) > 0.99  # the hostile's parts: held at the bound
+        assert result.clipped_coordinates >= 1
 
 
 def train(kinds: list[str], prefix: str) -> tuple[list[float], list[dict]]:
