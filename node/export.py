@@ -65,7 +65,8 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
                   credentials: Optional[NodeCredentials]) -> int:
     from agora.node.averaging.sparta import stage_parameter_numels
     from agora.node.rpc.tls import InsecureChannels, TlsChannels
-    from agora.node.membership.state_download import StateDownloader, StateDownloadError, donor_order
+    from agora.node.membership.state_download import StateDownloader, StateDownloadError, plan_donors
+    from agora.node.replica.epoch import DEFAULT_REPORT_AHEAD
     from agora.node.membership.state_transfer import state_bytes_bound
     from agora.pipeline.checkpoint import StageState
     from agora.pipeline.fingerprint import run_fingerprint
@@ -75,8 +76,9 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
     fingerprint = run_fingerprint(config)
     by_stage = await swarm.all_workers_async(options.run_id, n_stages, fingerprint=fingerprint)
     rng = random.Random()
-    donors = {stage: donor_order(records, swarm.peer_id, rng) for stage, records in by_stage.items()}
-    missing = [stage for stage in range(n_stages) if not donors.get(stage)]
+    plans = {stage: plan_donors(by_stage, stage, swarm.peer_id, rng, max_gap=DEFAULT_REPORT_AHEAD)
+             for stage in range(n_stages)}
+    missing = [stage for stage in range(n_stages) if not plans[stage].donors and not plans[stage].outliers]
     if missing:
         raise ConfigError(f"stage {', '.join(map(str, missing))} of run {options.run_id!r}: no member replica "
                           "announces itself in the DHT (is the swarm up, and are --initial-peers and --run-id its own?)")
@@ -87,7 +89,7 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
                                      max_bytes=state_bytes_bound(stage_parameter_numels(config.model, stage)),
                                      timeout_s=options.timeout_s, label="export")
         try:
-            result = await downloader.download(donors[stage])
+            result = await downloader.download(plans[stage])
         except StateDownloadError as error:
             raise ConfigError(f"export: {error}") from None
         tree = result.tree

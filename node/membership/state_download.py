@@ -1,9 +1,18 @@
 """Weight sync, the joiner's side: download the stage's state from one of its live members.
 
 Design choices:
-- Donors are the stage's replicas announced in the DHT in phase `member` (not this node), most
-  advanced step first, then least loaded (`donor_order`, pure); ties are broken at random so that
-  joiners arriving together spread over the donors instead of all picking the first.
+- Donors are the stage's replicas announced in the DHT in phase `member` (not this node), in the
+  order `plan_donors` gives (pure): closest to the step the members agree on first, then least
+  loaded, ties broken at random so that joiners arriving together spread over the donors. Never the
+  highest step first: a record's step is what its writer says about itself, and one member
+  announcing step 10**9 would then serve every joiner and every export. The agreed step is the
+  median the stage's members announce (the lower one of an even count, as the replica's epoch
+  takes it: node/replica/epoch.py); a stage of one or two members has no majority, so there it is
+  the median over the run's members of every stage (the stage's included), which count the same
+  global batches. A member announcing a step more than `max_gap` from it (the report window's
+  `ahead`: a replica that far from its stage is re-anchored by its own epoch rules) is an outlier:
+  never asked, and reported once per downloader (a `state_donor_refused` milestone and the
+  `refused` callback, a metric in the join daemon).
 - A donor that is full (RESOURCE_EXHAUSTED), refuses (not a member any more, a permission or
   fingerprint problem) or sends something unusable is left for the next; a transfer that drops
   (the connection, a deadline, the donor's own timeout) is resumed from the bytes already held,
@@ -25,20 +34,21 @@ import logging
 import random
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import grpc
 
 from agora.auth.grpc_policy import FINGERPRINT_METADATA
 from agora.dht.records import Phase, WorkerRecord
 from agora.node.progress import Progress
+from agora.node.replica.epoch import stage_step
 from agora.node.rpc.server import message_options
 from agora.node.rpc.tls import ChannelFactory, worker_server_name
 from agora.pipeline.fingerprint import RunFingerprint
 from agora.pipeline.state_wire import StateReceiver, StateWireError
 from agora.protos.state_adapter import StateChunk, StateRequest, StateStub
 
-__all__ = ["Donor", "donor_order", "StateDownloadError", "DownloadedState", "StateDownloader"]
+__all__ = ["Donor", "DonorPlan", "plan_donors", "StateDownloadError", "DownloadedState", "StateDownloader"]
 
 logger = logging.getLogger("agora.node.worker.state")
 
@@ -55,12 +65,44 @@ class Donor:
     queue_depth: int = 0
 
 
-def donor_order(records: Sequence[WorkerRecord], own_peer_id: str, rng: random.Random) -> list[Donor]:
-    """The stage's members other than this node, best first: highest step, then least queued (pure)."""
-    donors = [Donor(r.peer_id, r.endpoint, r.step, r.queue_depth) for r in records
-              if r.phase == Phase.MEMBER and r.peer_id != own_peer_id]
-    keyed = [(-d.step, d.queue_depth, rng.random(), d) for d in donors]
-    return [entry[-1] for entry in sorted(keyed, key=lambda entry: entry[:3])]
+@dataclass(frozen=True)
+class DonorPlan:
+    """Whom to download a stage's state from: `donors` in the order to try, `outliers` (members that
+    announce a step more than `max_gap` from `agreed_step`: never asked), and the step they agree on."""
+
+    donors: tuple[Donor, ...]
+    outliers: tuple[Donor, ...] = ()
+    agreed_step: Optional[int] = None
+    max_gap: Optional[int] = None
+
+    def far_from_agreement(self, step: int) -> bool:
+        """`step` lies more than `max_gap` from the agreed step (False when either is unknown)."""
+        return self.agreed_step is not None and self.max_gap is not None and abs(step - self.agreed_step) > self.max_gap
+
+
+def _members(records: Sequence[WorkerRecord], own_peer_id: str) -> list[Donor]:
+    return [Donor(r.peer_id, r.endpoint, r.step, r.queue_depth) for r in records
+            if r.phase == Phase.MEMBER and r.peer_id != own_peer_id]
+
+
+def plan_donors(by_stage: Mapping[int, Sequence[WorkerRecord]], stage: int, own_peer_id: str, rng: random.Random,
+                *, max_gap: int) -> DonorPlan:
+    """Stage `stage`'s members other than this node, closest to the step they agree on first, then
+    least queued, ties at random; members farther than `max_gap` from it set apart (pure; see the
+    module docstring)."""
+    members = _members(by_stage.get(stage, ()), own_peer_id)
+    steps = [d.step for d in members]
+    if len(steps) < 3:  # no majority inside the stage: every stage's members count the same batches
+        steps += [d.step for other, records in by_stage.items() if other != stage
+                  for d in _members(records, own_peer_id)]
+    agreed = stage_step(steps)
+    if agreed is None:
+        return DonorPlan((), max_gap=max_gap)
+    keyed = sorted(((abs(d.step - agreed), d.queue_depth, rng.random(), d) for d in members),
+                   key=lambda entry: entry[:3])
+    ordered = [entry[-1] for entry in keyed]
+    return DonorPlan(tuple(d for d in ordered if abs(d.step - agreed) <= max_gap),
+                     tuple(d for d in ordered if abs(d.step - agreed) > max_gap), agreed, max_gap)
 
 
 class StateDownloadError(RuntimeError):
@@ -85,22 +127,47 @@ class StateDownloader:
                  max_bytes: int, timeout_s: float = 480.0, next_chunk_s: float = 30.0, resumes_per_donor: int = 3,
                  max_message_bytes: int = 16 * 2**20, show_progress: bool = True, label: str = "weight sync",
                  clock: Callable[[], float] = time.monotonic,
-                 on_progress: Optional[Callable[[int, int], None]] = None):
-        """`on_progress(held, total)`: called with the bytes held after every chunk is taken (an
-        observer: it must not raise)."""
+                 on_progress: Optional[Callable[[int, int], None]] = None,
+                 on_refused: Optional[Callable[[str], None]] = None):
+        """`on_progress(held, total)`: called with the bytes held after every chunk is taken;
+        `on_refused(reason)`: once per donor refused and reason (observers: they must not raise)."""
         self.run_id, self.stage, self.channels = run_id, stage, channels
         self._metadata = ((FINGERPRINT_METADATA, fingerprint.text()),)
         self.max_bytes, self.timeout_s, self.next_chunk_s = max_bytes, timeout_s, next_chunk_s
         self.resumes_per_donor, self.max_message_bytes = resumes_per_donor, max_message_bytes
         self.show_progress, self.label = show_progress, label  # the progress bar's: "weight sync", "export"
-        self.on_progress = on_progress
+        self.on_progress, self.on_refused = on_progress, on_refused
         self._clock = clock
+        self._reported: set[tuple[str, str]] = set()  # (peer id, reason) refused and reported
 
-    async def download(self, donors: Sequence[Donor]) -> DownloadedState:
-        """The state from the first donor that gives a complete, intact one; StateDownloadError if none
-        does before the deadline (donors are tried in turn, again from the first while time is left)."""
+    def refuse(self, donor: Donor, reason: str, detail: str) -> None:
+        """Report a donor whose state (or claim) is not used: a `state_donor_refused` milestone and
+        `on_refused`, once per donor and reason."""
+        if (donor.peer_id, reason) in self._reported:
+            return
+        self._reported.add((donor.peer_id, reason))
+        logger.warning("stage %d: %s: donor %s (%s) refused: %s", self.stage, self.label, donor.peer_id,
+                       donor.endpoint, detail,
+                       extra={"milestone": "state_donor_refused",
+                              "fields": {"stage": self.stage, "donor": donor.peer_id, "endpoint": donor.endpoint,
+                                         "announced_step": donor.step, "reason": reason, "detail": detail}})
+        if self.on_refused is not None:
+            self.on_refused(reason)
+
+    def report_outliers(self, plan: DonorPlan) -> None:
+        for outlier in plan.outliers:
+            self.refuse(outlier, "step", f"it announces step {outlier.step}, {abs(outlier.step - plan.agreed_step)} "
+                                         f"from step {plan.agreed_step} the members agree on (at most {plan.max_gap})")
+
+    async def download(self, plan: DonorPlan) -> DownloadedState:
+        """The state from the first donor of `plan` that gives a complete, intact one; StateDownloadError
+        if none does before the deadline (donors are tried in turn, again from the first while time is
+        left). The plan's outliers are reported, never asked."""
+        self.report_outliers(plan)
+        donors = plan.donors
         if not donors:
-            raise StateDownloadError(f"no member of stage {self.stage} to download its state from")
+            refused = f" ({len(plan.outliers)} refused for the step they announce)" if plan.outliers else ""
+            raise StateDownloadError(f"no member of stage {self.stage} to download its state from{refused}")
         started = self._clock()
         deadline = started + self.timeout_s
         attempts: list[str] = []

@@ -11,6 +11,7 @@ from agora.dht.bans import BanList, BanStatus, NodeBans
 from agora.monitor.dht_metrics import DHTMetrics
 from agora.monitor.metrics import CredentialMetrics, node_info
 from agora.monitor.trainer_metrics import RpcClientMetrics
+from agora.monitor.weight_sync_metrics import WeightSyncMetrics
 from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
 from agora.node.averaging.stats import AveragingStats
 from agora.node.trainer.stats import TrainerStats
@@ -27,6 +28,7 @@ def every_role(registry: CollectorRegistry) -> None:
                  phases=PHASES, refusals=lambda: {"expired": 2}, callers=lambda: 2, queue_target=lambda: 6)
     worker.observe_job("Forward", 128, 0.001, 0.02)
     worker.stepped(3e-4, 1.5)
+    WeightSyncMetrics(registry).refused("step")
     server = RpcServerMetrics(registry)
     server.finished("/agora.v1.Stage/Forward", "OK", 0.03)
     server.received.labels(method="Forward").inc(100)

@@ -24,10 +24,9 @@ from agora.auth.grpc_policy import FINGERPRINT_METADATA
 from agora.node.rpc.server import run
 from agora.node.rpc.tls import InsecureChannels, TlsChannels, worker_server_name
 from agora.node.trainer.stage_client import StageClient
-from agora.node.membership.state_download import Donor, StateDownloader, donor_order
+from agora.node.membership.state_download import Donor, DonorPlan, StateDownloader
 from agora.node.membership.state_transfer import apply_state, download_refusal, expected_state_bytes
 from agora.node.worker.worker import StageWorker, WorkerOptions
-from agora.dht.records import WorkerRecord
 from agora.node.rpc.auth_check import Caller
 from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
@@ -120,7 +119,7 @@ def test_a_joiner_gets_the_donors_snapshot_exactly_while_the_donor_keeps_trainin
             await _train(client, 0, 3)
             donor.state_donor.averaging = _FixedAveragingState({"method": "sparta", "last_round": 7})
             address = await relay.start()
-            download = asyncio.create_task(_downloader().download([Donor("donor", address, 3)]))
+            download = asyncio.create_task(_downloader().download(DonorPlan((Donor("donor", address, 3),))))
             await asyncio.wait_for(relay.held.wait(), 30)  # mid-transfer: the donor trains on meanwhile
             await _train(client, 3, 4)
             relay.release()
@@ -165,7 +164,7 @@ def test_a_dropped_transfer_resumes_on_the_same_snapshot_from_the_bytes_held():
             # through, so the bytes sent in all measure the resume.)
             downloader = _downloader(NarrowWindowChannels(),
                                      on_progress=lambda held, total: held >= 2 * CHUNK and taken.set())
-            download = asyncio.create_task(downloader.download([Donor("donor", address, 2)]))
+            download = asyncio.create_task(downloader.download(DonorPlan((Donor("donor", address, 2),))))
             await asyncio.wait_for(taken.wait(), 60)
             relay.cut()
             relay.release()  # the resumed connection passes whole
@@ -196,9 +195,11 @@ def test_a_full_donor_answers_resource_exhausted_and_the_joiner_takes_the_next()
             # The holding joiner's flow-control window must stay small: with BDP probing it can grow past
             # the whole state on loopback, the donor then hands every byte to the transport, ends its
             # call and frees the slot while the relay still holds the bytes.
-            holding = asyncio.create_task(_downloader(NarrowWindowChannels()).download([Donor("busy", address, 0)]))
+            holding = asyncio.create_task(
+                _downloader(NarrowWindowChannels()).download(DonorPlan((Donor("busy", address, 0),))))
             await asyncio.wait_for(relay.held.wait(), 30)  # the busy donor's one slot is taken
-            result = await _downloader().download([Donor("busy", busy.address, 0), Donor("spare", spare.address, 0)])
+            result = await _downloader().download(DonorPlan((Donor("busy", busy.address, 0),
+                                                             Donor("spare", spare.address, 0))))
             assert result.donor.peer_id == "spare"
             assert busy.state_donor.stats.refused_busy == 1 and any("RESOURCE_EXHAUSTED" in a for a in result.attempts)
             relay.release()
@@ -254,7 +255,7 @@ def test_a_replica_that_is_not_a_member_gives_no_state():
         syncing.phase = "optimizer_sync"  # its weights are the stage's, its moments are not yet
         try:
             with pytest.raises(Exception) as raised:
-                await _downloader(timeout_s=0.5).download([Donor("syncing", syncing.address, 0)])
+                await _downloader(timeout_s=0.5).download(DonorPlan((Donor("syncing", syncing.address, 0),)))
             assert "FAILED_PRECONDITION" in str(raised.value) and "not a member" in str(raised.value)
         finally:
             await syncing.stop()
@@ -340,16 +341,7 @@ def test_apply_state_refuses_another_stage_or_shape_and_changes_nothing():
     assert expected_state_bytes(compute) > StateStream(good).total_bytes
 
 
-def test_donors_are_members_best_first_and_who_may_download():
-    import random
-
-    def record(peer, step, phase="member", queue=0):
-        return WorkerRecord(peer_id=peer, run_id=RUN, endpoint=f"127.0.0.1:{1000 + step}", stage=1, n_stages=2,
-                            throughput=1.0, queue_depth=queue, step=step, phase=phase, version="x", updated_at=0.0,
-                            fingerprint="f")
-
-    records = [record("me", 50), record("a", 40), record("b", 41, queue=3), record("c", 41), record("d", 60, "weight_sync")]
-    assert [d.peer_id for d in donor_order(records, "me", random.Random(0))] == ["c", "b", "a"]
+def test_who_may_download():
     from agora.auth.credentials import Identity
 
     def caller(role, stage):
