@@ -317,7 +317,7 @@ def test_the_receiver_refuses_what_does_not_add_up_before_allocating():
         StateReceiver(len(pickled) + 100, max_bytes=10**7).add(pickled + b"\0" * 100)
 
 
-def test_apply_state_refuses_another_stage_or_shape_and_changes_nothing():
+def test_apply_state_refuses_another_stage_shape_or_optimizer_setting_and_changes_nothing():
     from agora.node.replica.compute import StageCompute
     from agora.node.replica.stash import ForwardStash
     from agora.pipeline.codec import WireCodec
@@ -336,6 +336,12 @@ def test_apply_state_refuses_another_stage_or_shape_and_changes_nothing():
     bad = dict(good, model=dict(good["model"], **{name: torch.zeros(1)}))
     with pytest.raises(StateWireError, match="parameters are not"):
         apply_state(compute, bad)
+    # Torch takes an optimizer's settings from the state it loads: a donor may not choose them.
+    inner = good["optimizer"]["optimizer"]
+    maximizing = [dict(group, maximize=True) for group in inner["param_groups"]]
+    maximize = dict(good, optimizer=dict(good["optimizer"], optimizer=dict(inner, param_groups=maximizing)))
+    with pytest.raises(StateWireError, match="maximize"):
+        apply_state(compute, maximize)
     after = _state_of(compute)
     assert all(torch.equal(before["model"][k], after["model"][k]) for k in before["model"])
     assert expected_state_bytes(compute) > StateStream(good).total_bytes
