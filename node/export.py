@@ -4,7 +4,10 @@ transformers export. Only an operator may run it: no contributor ever holds more
 Design choices:
 - One member replica per stage, through the same state transfer a joiner uses (DownloadState,
   node/membership/state_download.py): the best announced donor first, the others if it is busy or
-  fails, chunked and resumable, the SHA-256 checked. A worker gives its state to an operator
+  fails, chunked and resumable, the SHA-256 checked, and the same checks of what it holds
+  (node/membership/state_verify.py): finite, in range, and confirmed by another member's sketch
+  where the stage has another member; a state refused there is never written, its donor reported,
+  the next one tried. A worker gives its state to an operator
   credential of its run (auth/grpc_policy.py, node/membership/state_transfer.py); under --insecure
   to anyone of the run.
 - A stage with no member announcing itself fails the export in one line naming it (a replica
@@ -19,6 +22,7 @@ Design choices:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -87,7 +91,8 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
     for stage in range(n_stages):
         downloader = StateDownloader(run_id=options.run_id, stage=stage, fingerprint=fingerprint, channels=channels,
                                      max_bytes=state_bytes_bound(stage_parameter_numels(config.model, stage)),
-                                     timeout_s=options.timeout_s, label="export")
+                                     checks=_state_checks(config, stage), timeout_s=options.timeout_s,
+                                     label="export")
         try:
             result = await downloader.download(plans[stage])
         except StateDownloadError as error:
@@ -101,6 +106,21 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
         logger.info("export: stage %d at step %d from %s (%d bytes)", stage, result.step, result.donor.endpoint,
                     result.total_bytes)
     return _write(config, options, states, sources, time.monotonic() - started)
+
+
+def _state_checks(config: RunConfig, stage: int):
+    """What a stage's state must pass before it is written (node/membership/state_verify.py): the
+    schema's default bounds; the scale reference without a second member is the run's
+    initialisation of the stage, which every replica started from."""
+    from agora.node.membership.check_options import StateCheckOptions
+    from agora.node.membership.state_check import norms_of
+    from agora.node.membership.state_verify import StateChecks
+    from agora.pipeline.stages import build_stage
+
+    async def initialisation():
+        return await asyncio.to_thread(lambda: norms_of(build_stage(config.model, stage).state_dict()))
+
+    return StateChecks.for_run(StateCheckOptions(), config.optim, initialisation)
 
 
 def _write(config: RunConfig, options: ExportOptions, states: list[StageState], sources: dict, seconds: float) -> int:

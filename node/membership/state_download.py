@@ -12,7 +12,7 @@ Design choices:
   global batches. A member announcing a step more than `max_gap` from it (the report window's
   `ahead`: a replica that far from its stage is re-anchored by its own epoch rules) is an outlier:
   never asked, and reported once per downloader (a `state_donor_refused` milestone and the
-  `refused` callback, a metric in the join daemon).
+  refusals metric, monitor/weight_sync_metrics.py).
 - A donor that is full (RESOURCE_EXHAUSTED), refuses (not a member any more, a permission or
   fingerprint problem) or sends something unusable is left for the next; a transfer that drops
   (the connection, a deadline, the donor's own timeout) is resumed from the bytes already held,
@@ -23,6 +23,14 @@ Design choices:
 - Bounded and checked as it arrives (pipeline/state_wire.py): the announced size must fit this
   stage's own state (`max_bytes`), every chunk must continue the same snapshot at the offset
   held, and the SHA-256 of the whole stream must equal the donor's before anything is used.
+- Checked before it is returned (node/membership/state_verify.py, node/membership/state_check.py):
+  the SHA-256 only says the bytes arrived as the donor sent them, so the values are checked too:
+  finite, in range, and, where the stage has another credible member, agreeing with the sketch a
+  second member computes of its own state. A refused state is never returned; its donor is
+  reported (a `state_donor_refused` milestone, the refusals metric by reason) and the next donor
+  tried. A state no other member answers for is not used either, but nobody is blamed: every
+  other member being unreachable means the plan is stale, so the download ends and the caller
+  reads the members again.
 - Progress: a tqdm bar in bytes on a terminal, a plain line every few seconds otherwise
   (node/progress.py).
 """
@@ -40,6 +48,8 @@ import grpc
 
 from agora.auth.grpc_policy import FINGERPRINT_METADATA
 from agora.dht.records import Phase, WorkerRecord
+from agora.monitor.weight_sync_metrics import WeightSyncMetrics
+from agora.node.membership.state_verify import UNVERIFIED, CheckReport, StateChecks, StateVerifier
 from agora.node.progress import Progress
 from agora.node.replica.epoch import stage_step
 from agora.node.rpc.server import message_options
@@ -118,31 +128,37 @@ class DownloadedState:
     seconds: float
     resumes: int  # transfers resumed after a drop
     attempts: list[str]  # what each try did, for the log
+    check: Optional[CheckReport] = None  # how it was checked (None: the downloader checks nothing)
 
 
 class StateDownloader:
     """Downloads stage `stage`'s state for a joiner (see the module docstring)."""
 
     def __init__(self, *, run_id: str, stage: int, fingerprint: RunFingerprint, channels: ChannelFactory,
-                 max_bytes: int, timeout_s: float = 480.0, next_chunk_s: float = 30.0, resumes_per_donor: int = 3,
-                 max_message_bytes: int = 16 * 2**20, show_progress: bool = True, label: str = "weight sync",
-                 clock: Callable[[], float] = time.monotonic,
+                 max_bytes: int, checks: Optional[StateChecks], timeout_s: float = 480.0, next_chunk_s: float = 30.0,
+                 resumes_per_donor: int = 3, max_message_bytes: int = 16 * 2**20, show_progress: bool = True,
+                 label: str = "weight sync", clock: Callable[[], float] = time.monotonic,
                  on_progress: Optional[Callable[[int, int], None]] = None,
-                 on_refused: Optional[Callable[[str], None]] = None):
-        """`on_progress(held, total)`: called with the bytes held after every chunk is taken;
-        `on_refused(reason)`: once per donor refused and reason (observers: they must not raise)."""
+                 metrics: Optional[WeightSyncMetrics] = None):
+        """`checks`: what a downloaded state must pass before it is returned (node/membership/state_verify.py;
+        None, only for tests of the transfer itself: nothing). `on_progress(held, total)`: called with the
+        bytes held after every chunk is taken (an observer: it must not raise); `metrics`: refusals and
+        checks counted."""
         self.run_id, self.stage, self.channels = run_id, stage, channels
         self._metadata = ((FINGERPRINT_METADATA, fingerprint.text()),)
         self.max_bytes, self.timeout_s, self.next_chunk_s = max_bytes, timeout_s, next_chunk_s
         self.resumes_per_donor, self.max_message_bytes = resumes_per_donor, max_message_bytes
         self.show_progress, self.label = show_progress, label  # the progress bar's: "weight sync", "export"
-        self.on_progress, self.on_refused = on_progress, on_refused
+        self.on_progress, self.metrics = on_progress, metrics
         self._clock = clock
+        self._verifier = None if checks is None else StateVerifier(
+            run_id=run_id, stage=stage, channels=channels, metadata=self._metadata, checks=checks,
+            max_message_bytes=max_message_bytes, ask_timeout_s=next_chunk_s, clock=clock)
         self._reported: set[tuple[str, str]] = set()  # (peer id, reason) refused and reported
 
     def refuse(self, donor: Donor, reason: str, detail: str) -> None:
-        """Report a donor whose state (or claim) is not used: a `state_donor_refused` milestone and
-        `on_refused`, once per donor and reason."""
+        """Report a donor whose state (or claim) is not used: a `state_donor_refused` milestone and the
+        refusals metric, once per donor and reason."""
         if (donor.peer_id, reason) in self._reported:
             return
         self._reported.add((donor.peer_id, reason))
@@ -151,8 +167,8 @@ class StateDownloader:
                        extra={"milestone": "state_donor_refused",
                               "fields": {"stage": self.stage, "donor": donor.peer_id, "endpoint": donor.endpoint,
                                          "announced_step": donor.step, "reason": reason, "detail": detail}})
-        if self.on_refused is not None:
-            self.on_refused(reason)
+        if self.metrics is not None:
+            self.metrics.refused(reason)
 
     def report_outliers(self, plan: DonorPlan) -> None:
         for outlier in plan.outliers:
@@ -160,9 +176,11 @@ class StateDownloader:
                                          f"from step {plan.agreed_step} the members agree on (at most {plan.max_gap})")
 
     async def download(self, plan: DonorPlan) -> DownloadedState:
-        """The state from the first donor of `plan` that gives a complete, intact one; StateDownloadError
-        if none does before the deadline (donors are tried in turn, again from the first while time is
-        left). The plan's outliers are reported, never asked."""
+        """The state from the first donor of `plan` that gives a complete, intact one that passes its
+        checks; StateDownloadError if none does before the deadline (donors are tried in turn, again
+        from the first while time is left; a donor whose state was refused is not asked again), or as
+        soon as a state cannot be checked (no other member answers). The plan's outliers are reported,
+        never asked."""
         self.report_outliers(plan)
         donors = plan.donors
         if not donors:
@@ -171,21 +189,45 @@ class StateDownloader:
         started = self._clock()
         deadline = started + self.timeout_s
         attempts: list[str] = []
+        refused: set[str] = set()  # donors whose state this download refused: not asked again
         resumes = 0
-        while self._clock() < deadline:
+        while self._clock() < deadline and len(refused) < len(donors):
             for donor in donors:
                 if self._clock() >= deadline:
                     break
+                if donor.peer_id in refused:
+                    continue
                 result, note, resumed = await self._from(donor, deadline)
                 resumes += resumed
-                attempts.append(f"{donor.endpoint}: {note}")
                 if result is not None:
                     receiver, step = result
-                    return DownloadedState(receiver.result(), step, donor, receiver.total_bytes,
-                                           self._clock() - started, resumes, attempts)
+                    tree = receiver.result()
+                    check = await self._check(tree, donor, plan, deadline)
+                    if check is None or check.verdict.refusal is None:
+                        attempts.append(f"{donor.endpoint}: {note}")
+                        return DownloadedState(tree, step, donor, receiver.total_bytes, self._clock() - started,
+                                               resumes, attempts, check)
+                    if check.verdict.refusal == UNVERIFIED:  # every other member is unreachable: a stale plan
+                        raise StateDownloadError(f"stage {self.stage}: the state from {donor.endpoint} could not be "
+                                                 f"checked ({check.verdict.detail}); it is not used")
+                    refused.add(donor.peer_id)
+                    note = f"{note}, refused: {check.verdict.refusal}: {check.verdict.detail}"
+                attempts.append(f"{donor.endpoint}: {note}")
             await asyncio.sleep(min(1.0, max(0.0, deadline - self._clock())))  # every donor busy: a pause
-        raise StateDownloadError(f"stage {self.stage}: no donor gave its state within {self.timeout_s:g} s ("
-                                 + "; ".join(attempts[-6:]) + ")")
+        raise StateDownloadError(f"stage {self.stage}: no donor gave a state that passed its checks within "
+                                 f"{self.timeout_s:g} s (" + "; ".join(attempts[-6:]) + ")")
+
+    async def _check(self, tree: Any, donor: Donor, plan: DonorPlan, deadline: float) -> Optional[CheckReport]:
+        """The verdict on a state `donor` sent, reported (a refusal: the donor; any: the metrics)."""
+        if self._verifier is None:
+            return None
+        others = [d for d in plan.donors if d.peer_id != donor.peer_id]
+        check = await self._verifier.verify(tree, others, plan.far_from_agreement, deadline)
+        if self.metrics is not None:
+            self.metrics.checked(check.seconds, check.sketch_bytes)
+        if check.verdict.refusal not in (None, UNVERIFIED):
+            self.refuse(donor, check.verdict.refusal, f"its state is not used: {check.verdict.detail}")
+        return check
 
     async def _from(self, donor: Donor, deadline: float) -> tuple[Optional[tuple[StateReceiver, int]], str, int]:
         """(receiver and step, or None; what happened; resumes) for one donor."""

@@ -63,8 +63,10 @@ from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.node.replica.checkpoints import StageCheckpointer, restore_stage
 from agora.node.membership.phases import StageView, SyncPhases, SyncPolicy
 from agora.node.membership.rebalance import Move, RebalancePolicy, Rebalancer
+from agora.node.membership.state_check import StateSketch, norms_of
 from agora.node.membership.state_download import StateDownloader, plan_donors
 from agora.node.membership.state_transfer import apply_state, expected_state_bytes
+from agora.node.membership.state_verify import StateChecks
 from agora.node.rpc.tls import InsecureChannels, TlsChannels
 from agora.pipeline.checkpoint import CheckpointError, checkpoint_steps, read_meta
 from agora.pipeline.config import ConfigError, RunConfig
@@ -434,8 +436,8 @@ async def _weight_sync(phases: SyncPhases, worker: StageWorker, config: RunConfi
     downloader = StateDownloader(run_id=options.run_id, stage=options.stage, fingerprint=run_fingerprint(config),
                                  channels=TlsChannels(credentials) if credentials is not None else InsecureChannels(),
                                  max_bytes=await worker.on_compute(expected_state_bytes),
-                                 timeout_s=options.state_download_s, max_message_bytes=worker.options.max_message_bytes,
-                                 on_refused=metrics.refused)
+                                 checks=_state_checks(worker, config), timeout_s=options.state_download_s,
+                                 max_message_bytes=worker.options.max_message_bytes, metrics=metrics)
     download = asyncio.create_task(phases.download(downloader, members,
                                                    lambda tree: worker.on_compute(lambda c: apply_state(c, tree))))
     stopping = asyncio.create_task(stop.wait())
@@ -446,6 +448,15 @@ async def _weight_sync(phases: SyncPhases, worker: StageWorker, config: RunConfi
         await asyncio.gather(download, return_exceptions=True)
         return None
     return download.result()
+
+
+def _state_checks(worker: StageWorker, config: RunConfig) -> StateChecks:
+    """What a downloaded state must pass (node/membership/state_verify.py); the scale reference without
+    a second member is this replica's own state (its initialisation or its checkpoint's)."""
+    async def own() -> StateSketch:
+        return await worker.on_compute(lambda compute: norms_of(compute.stage.state_dict()))
+
+    return StateChecks.for_run(worker.options.state_check, config.optim, own)
 
 
 def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions,

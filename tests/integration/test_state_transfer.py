@@ -86,9 +86,10 @@ class NarrowWindowChannels(InsecureChannels):
 
 
 def _downloader(channels=None, **kwargs) -> StateDownloader:
+    """The transfer alone: what the state holds is checked in test_state_poisoning.py."""
     kwargs.setdefault("max_bytes", 64 * 2**20)
     return StateDownloader(run_id=RUN, stage=TAIL, fingerprint=FINGERPRINT, channels=channels or InsecureChannels(),
-                           show_progress=False, **kwargs)
+                           checks=None, show_progress=False, **kwargs)
 
 
 def _worker(**options) -> StageWorker:

@@ -1,0 +1,151 @@
+"""A hostile member of a stage serves poisoned state over real gRPC on 127.0.0.1:0: the joiner's
+downloader (node/membership/state_download.py) checks what it downloaded (node/membership/
+state_verify.py) before returning it, so the poisoned state is refused, its donor reported (the
+refusals metric and a `state_donor_refused` milestone) and the state comes from an honest member.
+
+The stage: three tail StageWorkers of one tiny run, trained on different batches (honest replicas
+that drifted apart), the hostile one first in the plan (the donor order a joiner would try first).
+Its poison is put into its own parameters, so it serves it through the real DownloadState path as
+the state of a member, and answers sketch requests over its poisoned state too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from agora.monitor.weight_sync_metrics import WeightSyncMetrics
+from agora.node.membership.check_options import StateCheckOptions
+from agora.node.membership.state_check import norms_of
+from agora.node.membership.state_download import Donor, DonorPlan, StateDownloader, StateDownloadError
+from agora.node.membership.state_transfer import apply_state
+from agora.node.membership.state_verify import StateChecks
+from agora.node.rpc.server import run
+from agora.node.rpc.tls import InsecureChannels
+from agora.node.trainer.stage_client import StageClient
+from agora.node.worker.worker import StageWorker, WorkerOptions
+from agora.pipeline.config import PRESETS
+from agora.pipeline.fingerprint import run_fingerprint
+
+pytestmark = pytest.mark.timeout(180)
+
+CONFIG = PRESETS["tiny"].with_stages(2)
+RUN = "poison-run"
+FINGERPRINT = run_fingerprint(CONFIG)
+TAIL = 1
+POISONED = "layers.3.attn.q.weight"  # a tail-stage weight matrix (tiny, two stages)
+
+
+def _tail_batch(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, CONFIG.model.vocab_size, (2, 33), generator=generator)
+    wire = torch.randn(2, 32, CONFIG.model.wire_dim, generator=generator)
+    return tokens[:, :-1], wire, tokens[:, 1:]
+
+
+async def _train(worker: StageWorker, first_batch: int, batches: int = 3) -> None:
+    client = StageClient(worker.address, run_id=RUN, stage=TAIL, model=CONFIG.model, fingerprint=FINGERPRINT)
+    try:
+        for batch in range(first_batch, first_batch + batches):
+            tokens, wire, targets = _tail_batch(batch)
+            await client.forward(f"b{batch}", tokens, wire, targets)
+            await client.batch_done(batch - first_batch, 1, 1)
+    finally:
+        await client.close()
+
+
+def _poison(how: str):
+    def apply(compute) -> None:
+        with torch.no_grad():
+            tensor = dict(compute.stage.named_parameters())[POISONED]
+            if how == "scaled":
+                tensor.mul_(10)
+            elif how == "nonfinite":
+                tensor.view(-1)[7] = math.nan
+            elif how == "flipped":
+                tensor.neg_()
+    return apply
+
+
+def _checks(joiner: StageWorker) -> StateChecks:
+    async def own():
+        return await joiner.on_compute(lambda compute: norms_of(compute.stage.state_dict()))
+
+    return StateChecks.for_run(StateCheckOptions(), CONFIG.optim, own)
+
+
+def _downloader(joiner: StageWorker, metrics: WeightSyncMetrics, **kwargs) -> StateDownloader:
+    return StateDownloader(run_id=RUN, stage=TAIL, fingerprint=FINGERPRINT, channels=InsecureChannels(),
+                           max_bytes=64 * 2**20, checks=_checks(joiner), show_progress=False, metrics=metrics,
+                           **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def _workers(count: int):
+    workers = [StageWorker(CONFIG, TAIL, run_id=RUN, options=WorkerOptions()) for _ in range(count)]
+    try:
+        for worker in workers:
+            await worker.start()
+        yield workers
+    finally:
+        for worker in workers:
+            await worker.stop()
+
+
+def _refusals(registry: CollectorRegistry, reason: str) -> float:
+    return registry.get_sample_value("agora_worker_state_refusals_total", {"reason": reason}) or 0.0
+
+
+def _parameters(compute) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in compute.stage.state_dict().items()}
+
+
+@pytest.mark.parametrize("how, reason", [("scaled", "scale"), ("nonfinite", "nonfinite"), ("flipped", "sketch")])
+def test_a_hostile_donors_state_is_refused_and_the_joiner_loads_an_honest_members(how, reason, caplog):
+    async def main():
+        async with _workers(4) as (hostile, honest, other, joiner):
+            joiner.start_in_phase("weight_sync")
+            await asyncio.gather(_train(hostile, 0), _train(honest, 0), _train(other, 10))
+            await hostile.on_compute(_poison(how))
+            registry = CollectorRegistry()
+            plan = DonorPlan((Donor("hostile", hostile.address, 3), Donor("honest", honest.address, 3),
+                              Donor("other", other.address, 3)), agreed_step=3, max_gap=64)
+            with caplog.at_level(logging.WARNING, logger="agora.node.worker.state"):
+                result = await _downloader(joiner, WeightSyncMetrics(registry)).download(plan)
+            assert result.donor.peer_id == "honest", result.attempts
+            assert result.check.verdict.refusal is None and result.check.second_members
+            assert hostile.state_donor.stats.completed == 1  # it was asked, and what it sent was refused
+            assert _refusals(registry, reason) == 1
+            (line,) = [r for r in caplog.records if getattr(r, "milestone", None) == "state_donor_refused"]
+            assert line.fields["donor"] == "hostile" and line.fields["reason"] == reason
+            await joiner.on_compute(lambda compute: apply_state(compute, result.tree))
+            applied, served = await joiner.on_compute(_parameters), honest.state_donor.snapshots[0]["model"]
+            assert all(torch.equal(applied[name], served[name]) for name in served)
+
+    run(main())
+
+
+def test_the_stages_only_member_serving_a_state_far_from_the_joiners_scale_is_refused():
+    """Alone: no second member to compare with; the scale against the joiner's own tensors (the run's
+    initialisation) is what is checked, and a tensor 100x its size fails it."""
+    async def main():
+        async with _workers(2) as (only, joiner):
+            joiner.start_in_phase("weight_sync")
+            await _train(only, 0)
+            await only.on_compute(lambda compute: dict(compute.stage.named_parameters())[POISONED].data.mul_(100))
+            registry = CollectorRegistry()
+            downloader = _downloader(joiner, WeightSyncMetrics(registry), timeout_s=10.0)
+            before = await joiner.on_compute(_parameters)
+            with pytest.raises(StateDownloadError, match="scale"):
+                await downloader.download(DonorPlan((Donor("only", only.address, 3),), agreed_step=3, max_gap=64))
+            assert _refusals(registry, "scale") == 1
+            after = await joiner.on_compute(_parameters)
+            assert all(torch.equal(before[name], after[name]) for name in before)
+
+    run(main())
