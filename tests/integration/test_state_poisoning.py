@@ -149,3 +149,24 @@ def test_the_stages_only_member_serving_a_state_far_from_the_joiners_scale_is_re
             assert all(torch.equal(before[name], after[name]) for name in before)
 
     run(main())
+
+
+def test_a_state_no_other_member_answers_for_is_not_used_and_nobody_is_reported():
+    """The plan names a second member that is gone (a stale record): the state cannot be checked, so
+    the download ends without it (the caller reads the members again) and its donor is not blamed."""
+    async def main():
+        async with _workers(2) as (honest, joiner):
+            joiner.start_in_phase("weight_sync")
+            await _train(honest, 0)
+            await joiner.stop()  # its port now answers nothing: the stale record's endpoint
+            registry = CollectorRegistry()
+            downloader = _downloader(honest, WeightSyncMetrics(registry), next_chunk_s=3.0)
+            plan = DonorPlan((Donor("honest", honest.address, 3), Donor("gone", joiner.address, 3)),
+                             agreed_step=3, max_gap=64)
+            with pytest.raises(StateDownloadError, match="could not be checked"):
+                await downloader.download(plan)
+            assert honest.state_donor.stats.completed == 1
+            assert not any(sample.value for metric in registry.collect() for sample in metric.samples
+                           if sample.name == "agora_worker_state_refusals_total")
+
+    run(main())
