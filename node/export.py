@@ -7,17 +7,19 @@ Design choices:
   fails, chunked and resumable, the SHA-256 checked, and the same checks of what it holds
   (node/membership/state_verify.py): finite, in range, and confirmed by another member's sketch
   where the stage has another member; a state refused there is never written, its donor reported,
-  the next one tried. A worker gives its state to an operator
-  credential of its run (auth/grpc_policy.py, node/membership/state_transfer.py); under --insecure
-  to anyone of the run.
+  the next one tried. The bounds are the schema's defaults (`StateCheckOptions`): export's flags
+  are its own parser's. A worker gives its state to an operator credential of its run
+  (auth/grpc_policy.py, node/membership/state_transfer.py); under --insecure to anyone of the run.
 - A stage with no member announcing itself fails the export in one line naming it (a replica
-  still syncing has not got the stage's state).
+  still syncing has not got the stage's state), and so does one whose members' states all fail
+  their checks.
 - `DIR/checkpoint` is a complete checkpoint of every stage (parameters, optimizer state, averaging
   state: pipeline/checkpoint.py), loadable by `train-local --resume`, `export-hf` and
   `join --serve-only --checkpoint`; its step is the lowest of the stages' (replicas of different
-  stages are a few steps apart in an asynchronous run: each stage's own step and donor are in the
-  checkpoint's `extra`). `DIR/hf` is the transformers export of the assembled model
-  (pipeline/interop.py), which also checks that the stages fit together (a strict load).
+  stages are a few steps apart in an asynchronous run: each stage's own step, donor and the
+  members whose sketch confirmed its state are in the checkpoint's `extra`). `DIR/hf` is the
+  transformers export of the assembled model (pipeline/interop.py), which also checks that the
+  stages fit together (a strict load).
 """
 
 from __future__ import annotations
@@ -101,10 +103,12 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
         if not isinstance(tree, dict) or tree.get("stage") != stage or not isinstance(tree.get("model"), dict):
             raise ConfigError(f"export: the donor of stage {stage} ({result.donor.endpoint}) sent another stage's state")
         states.append(StageState(stage, tree["model"], tree.get("optimizer"), tree.get("averaging")))
+        confirmed_by = list(result.check.confirmed_by)
         sources[str(stage)] = {"peer": result.donor.peer_id, "endpoint": result.donor.endpoint, "step": result.step,
-                               "bytes": result.total_bytes}
-        logger.info("export: stage %d at step %d from %s (%d bytes)", stage, result.step, result.donor.endpoint,
-                    result.total_bytes)
+                               "bytes": result.total_bytes, "confirmed_by": confirmed_by}
+        logger.info("export: stage %d at step %d from %s (%d bytes; %s)", stage, result.step, result.donor.endpoint,
+                    result.total_bytes, f"confirmed by {', '.join(confirmed_by)}" if confirmed_by
+                    else "the stage's only member: checked alone")
     return _write(config, options, states, sources, time.monotonic() - started)
 
 

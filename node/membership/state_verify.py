@@ -74,13 +74,15 @@ class StateChecks:
 
 @dataclass(frozen=True)
 class CheckReport:
-    """One state's check: the verdict, the second members that answered, the sketch bytes they sent
-    and the seconds from the complete download to the verdict."""
+    """One state's check: the verdict, the second members that answered (peer ids), the sketch bytes
+    they sent, the seconds from the complete download to the verdict, and the second members whose
+    sketch the state agrees with (none when it was checked alone)."""
 
     verdict: Verdict
     second_members: tuple[str, ...]
     sketch_bytes: int
     seconds: float
+    confirmed_by: tuple[str, ...] = ()
 
 
 class StateVerifier:
@@ -114,7 +116,8 @@ class StateVerifier:
                                (), 0, self._clock() - started)
         verdict = judge(expected, [sketch for _, sketch, _ in answers], checks.options)
         return CheckReport(verdict, tuple(member.peer_id for member, _, _ in answers),
-                           sum(size for _, _, size in answers), self._clock() - started)
+                           sum(size for _, _, size in answers), self._clock() - started,
+                           tuple(answers[index][0].peer_id for index in verdict.agreeing))
 
     async def _answers(self, others: Sequence[_Member], seed: int, expected: StateSketch,
                        deadline: float) -> list[tuple[_Member, StateSketch, int]]:

@@ -2,6 +2,7 @@
 downloader (node/membership/state_download.py) checks what it downloaded (node/membership/
 state_verify.py) before returning it, so the poisoned state is refused, its donor reported (the
 refusals metric and a `state_donor_refused` milestone) and the state comes from an honest member.
+`export`, reading the members from a real hivemind DHT, writes the honest member's state too.
 
 The stage: three tail StageWorkers of one tiny run, trained on different batches (honest replicas
 that drifted apart), the hostile one first in the plan (the donor order a joiner would try first).
@@ -15,21 +16,25 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from agora.dht.records import WorkerRecord
 from agora.monitor.weight_sync_metrics import WeightSyncMetrics
 from agora.node.membership.check_options import StateCheckOptions
 from agora.node.membership.state_check import norms_of
 from agora.node.membership.state_download import Donor, DonorPlan, StateDownloader, StateDownloadError
 from agora.node.membership.state_transfer import apply_state
 from agora.node.membership.state_verify import StateChecks
+from agora.node.export import ExportOptions, _export
 from agora.node.rpc.server import run
 from agora.node.rpc.tls import InsecureChannels
 from agora.node.trainer.stage_client import StageClient
 from agora.node.worker.worker import StageWorker, WorkerOptions
+from agora.pipeline.checkpoint import load_checkpoint
 from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
 
@@ -170,3 +175,59 @@ def test_a_state_no_other_member_answers_for_is_not_used_and_nobody_is_reported(
                            if sample.name == "agora_worker_state_refusals_total")
 
     run(main())
+
+
+def _record(worker: StageWorker, peer_id: str, clock: float, queue_depth: int = 0) -> WorkerRecord:
+    return WorkerRecord(peer_id=peer_id, run_id=RUN, endpoint=worker.address, stage=worker.stage_index,
+                        n_stages=len(CONFIG.layer_split), throughput=1.0, queue_depth=queue_depth, step=3,
+                        phase="member",
+                        version="0.1.0", updated_at=clock, fingerprint=FINGERPRINT.text())
+
+
+def test_export_writes_the_stage_state_another_members_sketch_confirms(dht_pair, tmp_path, caplog):
+    """Stage 1's first donor serves a tensor scaled x10: export refuses it and writes an honest member's
+    state, confirmed by the third member's sketch; stage 0, one member, is checked alone."""
+    first, second = dht_pair
+
+    async def main():
+        async with _workers(3) as (hostile, honest, other):
+            head = StageWorker(CONFIG, 0, run_id=RUN, options=WorkerOptions())
+            await head.start()
+            try:
+                await asyncio.gather(_train(hostile, 0), _train(honest, 0), _train(other, 10))
+                await hostile.on_compute(_poison("scaled"))
+                now = first.clock()  # the hostile member announces the shortest queue: export asks it first
+                records = [_record(head, "head", now), _record(hostile, "hostile", now),
+                           _record(honest, "honest", now, queue_depth=2), _record(other, "other", now, queue_depth=2)]
+                for record in records:
+                    assert await first.announce_worker_async(record, ttl=120)
+                await _until_listed(second, len(records))
+                with caplog.at_level(logging.WARNING, logger="agora.node.worker.state"):
+                    assert await _export(CONFIG, ExportOptions(out=str(tmp_path), run_id=RUN, timeout_s=60.0),
+                                         second, None) == 0
+                assert hostile.state_donor.stats.completed == 1  # asked first, and what it sent was refused
+                snapshots = {"honest": honest.state_donor.snapshots, "other": other.state_donor.snapshots}
+            finally:
+                await head.stop()
+        return snapshots
+
+    snapshots = run(main())
+    _, _, stages, extra = load_checkpoint(tmp_path / "checkpoint")
+    sources = extra["exported_from"]
+    assert sources["1"]["peer"] in ("honest", "other"), sources
+    assert sources["1"]["confirmed_by"] and {"hostile", sources["1"]["peer"]}.isdisjoint(sources["1"]["confirmed_by"])
+    served = snapshots[sources["1"]["peer"]][0]["model"]
+    assert sources["0"]["peer"] == "head" and sources["0"]["confirmed_by"] == []
+    assert all(torch.equal(stages[1].model[name], served[name]) for name in served)
+    (line,) = [r for r in caplog.records if getattr(r, "milestone", None) == "state_donor_refused"]
+    assert line.fields["donor"] == "hostile" and line.fields["reason"] == "scale"
+
+
+async def _until_listed(reader, count: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stages = await reader.all_workers_async(RUN, len(CONFIG.layer_split), fingerprint=FINGERPRINT)
+        if sum(len(records) for records in stages.values()) == count:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the DHT did not list the {count} workers in {timeout_s:g} s")
