@@ -127,6 +127,8 @@ def test_a_hostile_donors_state_is_refused_and_the_joiner_loads_an_honest_member
             assert result.check.verdict.refusal is None and result.check.second_members
             assert hostile.state_donor.stats.completed == 1  # it was asked, and what it sent was refused
             assert _refusals(registry, reason) == 1
+            assert other.state_donor.stats.sketches >= 1  # a few KiB each, counted by the joiner too
+            assert registry.get_sample_value("agora_worker_state_sketch_bytes_total") > 0
             (line,) = [r for r in caplog.records if getattr(r, "milestone", None) == "state_donor_refused"]
             assert line.fields["donor"] == "hostile" and line.fields["reason"] == reason
             await joiner.on_compute(lambda compute: apply_state(compute, result.tree))
