@@ -214,8 +214,9 @@ class StateDownloader:
                     note = f"{note}, refused: {check.verdict.refusal}: {check.verdict.detail}"
                 attempts.append(f"{donor.endpoint}: {note}")
             await asyncio.sleep(min(1.0, max(0.0, deadline - self._clock())))  # every donor busy: a pause
-        raise StateDownloadError(f"stage {self.stage}: no donor gave a state that passed its checks within "
-                                 f"{self.timeout_s:g} s (" + "; ".join(attempts[-6:]) + ")")
+        why = "every donor's state was refused" if len(refused) == len(donors) else \
+            f"no donor gave a state that passed its checks within {self.timeout_s:g} s"
+        raise StateDownloadError(f"stage {self.stage}: {why} (" + "; ".join(attempts[-6:]) + ")")
 
     async def _check(self, tree: Any, donor: Donor, plan: DonorPlan, deadline: float) -> Optional[CheckReport]:
         """The verdict on a state `donor` sent, reported (a refusal: the donor; any: the metrics)."""
