@@ -132,6 +132,17 @@ class _RefusingDownloader:
         raise StateDownloadError("every donor refused")
 
 
+async def _download_until_cancelled(phases, downloader: _RefusingDownloader, members) -> None:
+    """Weight sync from its start until `members` cancels it (the test has seen enough)."""
+    import asyncio
+
+    await phases.begin(own_step=0, resumed_phase=None, members=members)
+    try:
+        await phases.download(downloader, members, apply=None, retry_s=0.001)
+    except asyncio.CancelledError:
+        pass
+
+
 def _phases(clock: _Clock, policy: SyncPolicy):
     from agora.node.membership.phases import SyncPhases
     from agora.node.worker.worker import StageWorker
@@ -184,11 +195,7 @@ def test_behind_the_run_a_replica_waits_for_a_member_before_it_takes_the_stage_a
                 raise asyncio.CancelledError  # the test has seen enough: stop the loop here
             return view
 
-        await phases.begin(own_step=0, resumed_phase=None, members=members)
-        try:
-            await phases.download(downloader, members, apply=None, retry_s=0.001)
-        except asyncio.CancelledError:
-            pass
+        await _download_until_cancelled(phases, downloader, members)
         return phases, downloader
 
     phases, downloader = asyncio.run(member_shows_up())
@@ -233,11 +240,7 @@ def test_a_stage_whose_only_members_announce_far_off_steps_is_never_taken_as_los
                 raise asyncio.CancelledError  # ten seconds, five times the wait for an empty stage
             return StageView(DonorPlan((), (liar,), agreed_step=115, max_gap=256), run_step=10**9)
 
-        await phases.begin(own_step=0, resumed_phase=None, members=members)
-        try:
-            await phases.download(downloader, members, apply=None, retry_s=0.001)
-        except asyncio.CancelledError:
-            pass
+        await _download_until_cancelled(phases, downloader, members)
         return phases, downloader
 
     phases, downloader = asyncio.run(main())
