@@ -35,7 +35,9 @@ class StateCheckOptions:
     drift_factor: StrictFloat = setting(
         4.0, "a tensor may lie this many times as far from a second member as two second members lie apart", gt=1)
     min_drift: StrictFloat = setting(
-        0.1, "floor of that bound, as a share of the tensor's norm", gt=0)
+        0.25, "floor of that bound, as a share of the tensor's norm: two second members that are near copies (a "
+        "member and its recent joiner) show no drift, while a third replica that trained apart between averaging "
+        "rounds lies farther (three steps of the tiny preset on other batches: 0.19)", gt=0)
     max_drift: StrictFloat = setting(
         1.0, "ceiling of that bound, and the bound itself with one second member, as a share of the tensor's norm "
         "(random values of the same size lie at 1.41 of it, a flipped sign at 2)", gt=0, lt=math.sqrt(2))
