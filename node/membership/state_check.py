@@ -94,22 +94,23 @@ class StateSketch:
                 "vectors": dict(self.vectors)}
 
     @classmethod
-    def from_tree(cls, tree: Any, expected: "StateSketch") -> "StateSketch":
-        """A second member's sketch, which must cover exactly the tensors of `expected` (the downloaded
-        state's, of the same size and sketch length); StateWireError naming what differs."""
+    def from_tree(cls, tree: Any, numels: Mapping[str, int], size: int) -> "StateSketch":
+        """A second member's sketch, which must cover exactly the tensors `numels` names (this stage's,
+        of these sizes) with sketches of `size` numbers (fewer for a smaller tensor); StateWireError
+        naming what differs."""
         if not isinstance(tree, dict) or not isinstance(tree.get("step"), int) \
                 or not all(isinstance(tree.get(key), dict) for key in ("norms", "numels", "vectors")):
             raise StateWireError("the sketch is malformed")
-        norms, numels, vectors = tree["norms"], tree["numels"], tree["vectors"]
-        if set(norms) != set(expected.norms) or numels != dict(expected.numels) or set(vectors) != set(norms):
+        norms, vectors = tree["norms"], tree["vectors"]
+        if tree["numels"] != dict(numels) or set(norms) != set(numels) or set(vectors) != set(norms):
             raise StateWireError("the sketch does not cover this stage's tensors")
         for name, value in norms.items():
             vector = vectors[name]
             if not isinstance(value, float) or not math.isfinite(value) or value < 0 \
-                    or not isinstance(vector, torch.Tensor) or vector.shape != expected.vectors[name].shape \
+                    or not isinstance(vector, torch.Tensor) or vector.shape != (min(size, numels[name]),) \
                     or vector.dtype != torch.float32 or not bool(torch.isfinite(vector).all()):
                 raise StateWireError(f"the sketch of {name} is malformed")
-        return cls(tree["step"], norms, numels, vectors)
+        return cls(tree["step"], norms, dict(numels), vectors)
 
 
 def _signs(start: int, count: int, key: int, device: torch.device) -> torch.Tensor:

@@ -49,7 +49,7 @@ import grpc
 from agora.auth.grpc_policy import FINGERPRINT_METADATA
 from agora.dht.records import Phase, WorkerRecord
 from agora.monitor.weight_sync_metrics import WeightSyncMetrics
-from agora.node.membership.state_verify import UNVERIFIED, CheckReport, StateChecks, StateVerifier
+from agora.node.membership.state_verify import UNVERIFIED, CheckReport, SketchAsk, StateChecks, StateVerifier
 from agora.node.progress import Progress
 from agora.node.replica.epoch import stage_step
 from agora.node.rpc.server import message_options
@@ -197,16 +197,14 @@ class StateDownloader:
                     break
                 if donor.peer_id in refused:
                     continue
-                result, note, resumed = await self._from(donor, deadline)
+                result, note, resumed = await self._attempt(donor, plan, deadline)
                 resumes += resumed
                 if result is not None:
-                    receiver, step = result
-                    tree = receiver.result()
-                    check = await self._check(tree, donor, plan, deadline)
+                    tree, step, total_bytes, check = result
                     if check is None or check.verdict.refusal is None:
                         attempts.append(f"{donor.endpoint}: {note}")
-                        return DownloadedState(tree, step, donor, receiver.total_bytes, self._clock() - started,
-                                               resumes, attempts, check)
+                        return DownloadedState(tree, step, donor, total_bytes, self._clock() - started, resumes,
+                                               attempts, check)
                     if check.verdict.refusal == UNVERIFIED:  # every other member is unreachable: a stale plan
                         raise StateDownloadError(f"stage {self.stage}: the state from {donor.endpoint} could not be "
                                                  f"checked ({check.verdict.detail}); it is not used")
@@ -218,25 +216,50 @@ class StateDownloader:
             f"no donor gave a state that passed its checks within {self.timeout_s:g} s"
         raise StateDownloadError(f"stage {self.stage}: {why} (" + "; ".join(attempts[-6:]) + ")")
 
-    async def _check(self, tree: Any, donor: Donor, plan: DonorPlan, deadline: float) -> Optional[CheckReport]:
+    async def _attempt(self, donor: Donor, plan: DonorPlan, deadline: float
+                       ) -> tuple[Optional[tuple[Any, int, int, Optional[CheckReport]]], str, int]:
+        """((state, step, bytes, its check) or None; what happened; resumes) for one donor. The second
+        members are asked for their sketches when the donor's stream starts, when it takes its
+        snapshot (node/membership/state_verify.py)."""
+        asked: list[Optional[SketchAsk]] = []
+
+        def ask_second_members() -> None:
+            if self._verifier is not None and not asked:
+                asked.append(self._verifier.ask([d for d in plan.donors if d.peer_id != donor.peer_id], deadline))
+
+        try:
+            result, note, resumes = await self._from(donor, deadline, ask_second_members)
+            if result is None:
+                return None, note, resumes
+            receiver, step = result
+            tree = receiver.result()
+            check = await self._check(tree, donor, asked[0] if asked else None, plan)
+            return (tree, step, receiver.total_bytes, check), note, resumes
+        finally:
+            if asked and asked[0] is not None:
+                asked[0].cancel()
+
+    async def _check(self, tree: Any, donor: Donor, asked: Optional[SketchAsk],
+                     plan: DonorPlan) -> Optional[CheckReport]:
         """The verdict on a state `donor` sent, reported (a refusal: the donor; any: the metrics)."""
         if self._verifier is None:
             return None
-        others = [d for d in plan.donors if d.peer_id != donor.peer_id]
-        check = await self._verifier.verify(tree, others, plan.far_from_agreement, deadline)
+        check = await self._verifier.verify(tree, asked, plan.far_from_agreement)
         if self.metrics is not None:
             self.metrics.checked(check.seconds, check.sketch_bytes)
         if check.verdict.refusal not in (None, UNVERIFIED):
             self.refuse(donor, check.verdict.refusal, f"its state is not used: {check.verdict.detail}")
         return check
 
-    async def _from(self, donor: Donor, deadline: float) -> tuple[Optional[tuple[StateReceiver, int]], str, int]:
-        """(receiver and step, or None; what happened; resumes) for one donor."""
+    async def _from(self, donor: Donor, deadline: float, on_start: Callable[[], None]
+                    ) -> tuple[Optional[tuple[StateReceiver, int]], str, int]:
+        """(receiver and step, or None; what happened; resumes) for one donor; `on_start()` when its
+        first chunk of a snapshot arrives."""
         target = worker_server_name(self.stage, donor.peer_id) if self.channels.secure else None
         channel = self.channels.open(donor.endpoint, target_name=target,
                                      options=message_options(self.max_message_bytes))
         transfer = _Transfer(StateStub(channel), StateRequest(run_id=self.run_id, stage=self.stage), self.max_bytes,
-                             self._metadata, self.label, self.on_progress)
+                             self._metadata, self.label, self.on_progress, on_start)
         resumes = 0
         try:
             while True:
@@ -277,9 +300,10 @@ class _Transfer:
     """One donor's snapshot as received so far, across the calls that resume it."""
 
     def __init__(self, stub: StateStub, request: StateRequest, max_bytes: int, metadata, label: str,
-                 on_progress: Optional[Callable[[int, int], None]] = None):
+                 on_progress: Optional[Callable[[int, int], None]] = None,
+                 on_start: Optional[Callable[[], None]] = None):
         self.stub, self.request, self.max_bytes, self.metadata, self.label = stub, request, max_bytes, metadata, label
-        self.on_progress = on_progress
+        self.on_progress, self.on_start = on_progress, on_start
         self.receiver: Optional[StateReceiver] = None
         self.snapshot: Optional[tuple[str, str, int]] = None  # id, sha256, step
         self._bar: Optional[Progress] = None
@@ -316,6 +340,8 @@ class _Transfer:
         if self.receiver is None:
             self.receiver = StateReceiver(chunk.total_bytes, max_bytes=self.max_bytes)
             self.snapshot = (chunk.snapshot_id, chunk.sha256, chunk.step)
+            if self.on_start is not None:
+                self.on_start()
         elif (chunk.snapshot_id, chunk.sha256, chunk.step) != self.snapshot \
                 or chunk.total_bytes != self.receiver.total_bytes:
             raise StateWireError("a chunk of another snapshot arrived in the middle of a transfer")

@@ -2,19 +2,26 @@
 
 Design choices:
 - One verdict per downloaded state (`StateVerifier.verify`): the local checks first (nothing to
-  ask anyone), then the sketches of up to `second_members` other members of the stage, asked at
-  once through the same `DownloadState` call with a sketch size (node/membership/state_transfer.py),
+  ask anyone), then the sketches of up to `second_members` other members of the stage, asked
+  through the same `DownloadState` call with a sketch size (node/membership/state_transfer.py),
   so exactly the callers who may download a state may ask for its sketch. The second members are
   the plan's other donors (node/membership/state_download.py): members whose announced step the
   stage agrees with, never the outliers.
-- The seed is drawn here for each check (`secrets`), sent to the second members only, and used for
-  the downloaded state's own sketch once their answers are in: the donor has already sent its
-  state when anyone learns the seed.
+- When: the downloader asks (`StateVerifier.ask`) as soon as the donor's stream starts, which is
+  when the donor takes its snapshot, and the answers wait for the download. Replicas keep
+  training, so a second member's state drifts from the snapshot by every step it takes; asked
+  at the end of a download lasting minutes it would be that many steps away, and the comparison
+  would measure the download's length rather than the donor.
+- The seed is drawn here for each state (`secrets`) and sent to the second members only, never
+  to the donor, which has no way to see it unless a second member tells it (and a second member
+  that helps the donor lie can lie itself: the verdict needs one honest second member, see
+  node/membership/state_check.py). The downloaded state's own sketch is computed with it once
+  the download is complete, off the event loop.
 - A second member that does not answer (busy, gone, a malformed sketch) is replaced by the next
   one; while none answers, all are asked again a second later, for at most `ask_timeout_s`.
   Without any answer the state is `unverified`: not used, and not the donor's fault (nobody is
   reported); the downloader then ends, since a plan whose every other member is unreachable is
-  stale. The downloaded state's own sketch is computed off the event loop.
+  stale.
 - Alone: when the donor is the only member the plan holds, no cross-check is possible, and the
   verdict says so (`judge_alone`).
 """
@@ -26,7 +33,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol, Sequence
 
 import grpc
 
@@ -39,7 +46,7 @@ from agora.pipeline.config import OptimConfig
 from agora.pipeline.state_wire import StateReceiver, StateWireError
 from agora.protos.state_adapter import StateRequest, StateStub
 
-__all__ = ["StateChecks", "CheckReport", "StateVerifier", "UNVERIFIED"]
+__all__ = ["StateChecks", "CheckReport", "SketchAsk", "StateVerifier", "UNVERIFIED"]
 
 logger = logging.getLogger("agora.node.worker.state")
 
@@ -85,6 +92,18 @@ class CheckReport:
     confirmed_by: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class SketchAsk:
+    """The second members' sketches being gathered under `seed` for one donor's state: `answers`
+    (a task) ends with (member, sketch, bytes) for each that answered."""
+
+    seed: int
+    answers: asyncio.Task
+
+    def cancel(self) -> None:
+        self.answers.cancel()
+
+
 class StateVerifier:
     """Judges states downloaded for stage `stage` (see the module docstring)."""
 
@@ -94,10 +113,19 @@ class StateVerifier:
         self.checks, self.max_message_bytes, self.ask_timeout_s = checks, max_message_bytes, ask_timeout_s
         self._clock = clock
 
-    async def verify(self, tree: Any, others: Sequence[_Member], far_from_agreement: Callable[[int], bool],
-                     deadline: float) -> CheckReport:
-        """The verdict on a downloaded state `tree`; `others`: the stage's credible members other than its
-        donor (the plan's order)."""
+    def ask(self, others: Sequence[_Member], deadline: float) -> Optional[SketchAsk]:
+        """Start gathering the sketches of up to `second_members` of `others` (the stage's credible
+        members other than the donor, the plan's order) under a fresh seed; None when there is none
+        to ask (the donor is the stage's only member)."""
+        if not others:
+            return None
+        seed = secrets.randbits(63)
+        return SketchAsk(seed, asyncio.create_task(self._answers(list(others), seed, deadline),
+                                                   name=f"state-sketches-{self.stage}"))
+
+    async def verify(self, tree: Any, asked: Optional[SketchAsk],
+                     far_from_agreement: Callable[[int], bool]) -> CheckReport:
+        """The verdict on a downloaded state `tree`; `asked`: what `ask` started when its download did."""
         started = self._clock()
         checks = self.checks
         local = local_refusal(tree, stage=self.stage, far_from_agreement=far_from_agreement, betas=checks.betas,
@@ -105,47 +133,49 @@ class StateVerifier:
         if local is not None:
             return CheckReport(Verdict(*local), (), 0, self._clock() - started)
         model, step = tree["model"], tree["optimizer"]["steps"]
-        if not others:
+        if asked is None:
             verdict = judge_alone(await asyncio.to_thread(norms_of, model, step), await checks.own(), checks.options)
             return CheckReport(verdict, (), 0, self._clock() - started)
-        seed = secrets.randbits(63)
-        expected = await asyncio.to_thread(sketch_state, model, seed, checks.options.sketch_size, step)
-        answers = await self._answers(others, seed, expected, deadline)
+        expected = await asyncio.to_thread(sketch_state, model, asked.seed, checks.options.sketch_size, step)
+        answers = await asked.answers
         if not answers:
-            return CheckReport(Verdict(UNVERIFIED, "no other member of the stage sent a sketch to check it against"),
-                               (), 0, self._clock() - started)
-        verdict = judge(expected, [sketch for _, sketch, _ in answers], checks.options)
+            verdict = Verdict(UNVERIFIED, "no other member of the stage sent a sketch to check it against")
+        elif dict(expected.numels) != dict(answers[0][1].numels):
+            verdict = Verdict("state", "its parameters are not this stage's")
+        else:
+            verdict = judge(expected, [sketch for _, sketch, _ in answers], checks.options)
         return CheckReport(verdict, tuple(member.peer_id for member, _, _ in answers),
                            sum(size for _, _, size in answers), self._clock() - started,
                            tuple(answers[index][0].peer_id for index in verdict.agreeing))
 
-    async def _answers(self, others: Sequence[_Member], seed: int, expected: StateSketch,
+    async def _answers(self, others: Sequence[_Member], seed: int,
                        deadline: float) -> list[tuple[_Member, StateSketch, int]]:
         """(member, its sketch, bytes) from up to `second_members` of `others`, in their order."""
         want = self.checks.options.second_members
         deadline = min(deadline, self._clock() + self.ask_timeout_s)
+        numels = (await self.checks.own()).numels  # this stage's tensors: what every sketch must cover
         while True:
             answers, pending = [], list(others)
             while len(answers) < want and pending:
                 batch, pending = pending[:want - len(answers)], pending[want - len(answers):]
-                replies = await asyncio.gather(*(self._ask(member, seed, expected, deadline) for member in batch))
+                replies = await asyncio.gather(*(self._ask(member, seed, numels, deadline) for member in batch))
                 answers += [(member, *reply) for member, reply in zip(batch, replies) if reply is not None]
             if answers or self._clock() + 1.0 >= deadline:
                 return answers
             await asyncio.sleep(1.0)
 
-    async def _ask(self, member: _Member, seed: int, expected: StateSketch,
+    async def _ask(self, member: _Member, seed: int, numels: Mapping[str, int],
                    deadline: float) -> Optional[tuple[StateSketch, int]]:
         target = worker_server_name(self.stage, member.peer_id) if self.channels.secure else None
         channel = self.channels.open(member.endpoint, target_name=target,
                                      options=message_options(self.max_message_bytes))
         request = StateRequest(run_id=self.run_id, stage=self.stage, sketch_seed=seed,
                                sketch_size=self.checks.options.sketch_size)
-        bound = len(expected.norms) * (4 * self.checks.options.sketch_size + 1024) + 2**16
+        bound = len(numels) * (4 * self.checks.options.sketch_size + 1024) + 2**16
         try:
             timeout = max(0.1, min(self.ask_timeout_s, deadline - self._clock()))
             tree, size = await asyncio.wait_for(_receive(StateStub(channel), request, self.metadata, bound), timeout)
-            return StateSketch.from_tree(tree, expected), size
+            return StateSketch.from_tree(tree, numels, self.checks.options.sketch_size), size
         except (grpc.aio.AioRpcError, StateWireError, asyncio.TimeoutError) as error:
             what = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else (
                 str(error) or "no answer in time")

@@ -37,6 +37,8 @@ from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.checkpoint import load_checkpoint
 from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
+from tail_training import train_tail
+from tcp_relay import TcpRelay
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,22 +47,13 @@ RUN = "poison-run"
 FINGERPRINT = run_fingerprint(CONFIG)
 TAIL = 1
 POISONED = "layers.3.attn.q.weight"  # a tail-stage weight matrix (tiny, two stages)
+CHUNK = 64 * 2**10
 
 
-def _tail_batch(seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, CONFIG.model.vocab_size, (2, 33), generator=generator)
-    wire = torch.randn(2, 32, CONFIG.model.wire_dim, generator=generator)
-    return tokens[:, :-1], wire, tokens[:, 1:]
-
-
-async def _train(worker: StageWorker, first_batch: int, batches: int = 3) -> None:
+async def _train(worker: StageWorker, first_batch: int, batches: int = 3, first_report: int = 0) -> None:
     client = StageClient(worker.address, run_id=RUN, stage=TAIL, model=CONFIG.model, fingerprint=FINGERPRINT)
     try:
-        for batch in range(first_batch, first_batch + batches):
-            tokens, wire, targets = _tail_batch(batch)
-            await client.forward(f"b{batch}", tokens, wire, targets)
-            await client.batch_done(batch - first_batch, 1, 1)
+        await train_tail(client, CONFIG.model, first_batch, batches, first_report)
     finally:
         await client.close()
 
@@ -179,6 +172,41 @@ def test_a_state_no_other_member_answers_for_is_not_used_and_nobody_is_reported(
     run(main())
 
 
+def test_second_members_are_asked_when_the_download_starts_so_training_during_it_is_no_drift(caplog):
+    """Three replicas in step; the transfer is held after its first chunks while all three train on
+    for 30 more batches. The snapshot is the stage's state at its step; the second members' states
+    30 steps later are not. Asked when the stream starts, their sketches match the snapshot's
+    step and the state is taken; asked at its end, an honest donor would be refused for how long
+    its download took."""
+    async def main():
+        workers = [StageWorker(CONFIG, TAIL, run_id=RUN, options=WorkerOptions(stream_chunk_bytes=CHUNK))
+                   for _ in range(4)]
+        donor, first, second, joiner = workers
+        for worker in workers:
+            await worker.start()
+        relay = TcpRelay(donor.address, hold_after=4 * CHUNK)
+        try:
+            joiner.start_in_phase("weight_sync")
+            await asyncio.gather(*(_train(worker, 0) for worker in (donor, first, second)))
+            plan = DonorPlan((Donor("donor", await relay.start(), 3), Donor("first", first.address, 3),
+                              Donor("second", second.address, 3)), agreed_step=3, max_gap=64)
+            registry = CollectorRegistry()
+            download = asyncio.create_task(_downloader(joiner, WeightSyncMetrics(registry)).download(plan))
+            await asyncio.wait_for(relay.held.wait(), 30)
+            await asyncio.gather(*(_train(worker, 3, batches=30, first_report=3) for worker in (donor, first, second)))
+            relay.release()
+            result = await download
+            assert result.donor.peer_id == "donor" and result.step == 3, result.attempts
+            assert result.check.confirmed_by, result.check
+            assert first.state_donor.stats.sketches == second.state_donor.stats.sketches == 1
+        finally:
+            await relay.close()
+            for worker in workers:
+                await worker.stop()
+
+    run(main())
+
+
 def _record(worker: StageWorker, peer_id: str, clock: float, queue_depth: int = 0) -> WorkerRecord:
     return WorkerRecord(peer_id=peer_id, run_id=RUN, endpoint=worker.address, stage=worker.stage_index,
                         n_stages=len(CONFIG.layer_split), throughput=1.0, queue_depth=queue_depth, step=3,
@@ -221,7 +249,9 @@ def test_export_writes_the_stage_state_another_members_sketch_confirms(dht_pair,
     served = snapshots[sources["1"]["peer"]][0]["model"]
     assert sources["0"]["peer"] == "head" and sources["0"]["confirmed_by"] == []
     assert all(torch.equal(stages[1].model[name], served[name]) for name in served)
-    (line,) = [r for r in caplog.records if getattr(r, "milestone", None) == "state_donor_refused"]
+    lines = [r for r in caplog.records if getattr(r, "milestone", None) == "state_donor_refused"]
+    assert len(lines) == 1, [(r.fields, r.getMessage()) for r in lines]
+    (line,) = lines
     assert line.fields["donor"] == "hostile" and line.fields["reason"] == "scale"
 
 

@@ -32,6 +32,7 @@ from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.state_wire import StateReceiver, StateStream, StateWireError
 from agora.protos.state_adapter import StateRequest, StateStub
+from tail_training import tail_batch, train_tail
 from tcp_relay import TcpRelay
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,19 +44,9 @@ TAIL = 1
 CHUNK = 64 * 2**10
 
 
-def _tail_batch(seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, CONFIG.model.vocab_size, (2, 33), generator=generator)
-    wire = torch.randn(2, 32, CONFIG.model.wire_dim, generator=generator)
-    return tokens[:, :-1], wire, tokens[:, 1:]
-
-
 async def _train(client: StageClient, first_batch: int, batches: int) -> None:
     """`batches` global batches of one microbatch each through a tail worker, each reported done."""
-    for batch in range(first_batch, first_batch + batches):
-        tokens, wire, targets = _tail_batch(batch)
-        await client.forward(f"b{batch}", tokens, wire, targets)
-        await client.batch_done(batch, 1, 1)
+    await train_tail(client, CONFIG.model, first_batch, batches, first_report=first_batch)
 
 
 def _state_of(compute) -> dict:
@@ -137,7 +128,7 @@ def test_a_joiner_gets_the_donors_snapshot_exactly_while_the_donor_keeps_trainin
             # The joiner refuses training calls while in weight sync (trainers never route there).
             joiner_client = StageClient(joiner.address, run_id=RUN, stage=TAIL, model=CONFIG.model,
                                         fingerprint=FINGERPRINT)
-            tokens, wire, targets = _tail_batch(99)
+            tokens, wire, targets = tail_batch(CONFIG.model, 99)
             with pytest.raises(Exception, match="weight sync"):
                 await joiner_client.forward("x", tokens, wire, targets)
             await joiner_client.close()
