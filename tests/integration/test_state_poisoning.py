@@ -18,18 +18,20 @@ import logging
 import math
 import time
 
+import grpc
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from agora.auth.grpc_policy import FINGERPRINT_METADATA
 from agora.dht.records import WorkerRecord
 from agora.monitor.weight_sync_metrics import WeightSyncMetrics
+from agora.node.export import ExportOptions, _export
 from agora.node.membership.check_options import StateCheckOptions
 from agora.node.membership.state_check import norms_of
 from agora.node.membership.state_download import Donor, DonorPlan, StateDownloader, StateDownloadError
-from agora.node.membership.state_transfer import apply_state
+from agora.node.membership.state_transfer import MAX_SKETCH_SIZE, apply_state
 from agora.node.membership.state_verify import StateChecks
-from agora.node.export import ExportOptions, _export
 from agora.node.rpc.server import run
 from agora.node.rpc.tls import InsecureChannels
 from agora.node.trainer.stage_client import StageClient
@@ -37,6 +39,7 @@ from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.checkpoint import load_checkpoint
 from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
+from agora.protos.state_adapter import StateRequest, StateStub
 from tail_training import train_tail
 from tcp_relay import TcpRelay
 
@@ -203,6 +206,30 @@ def test_second_members_are_asked_when_the_download_starts_so_training_during_it
             await relay.close()
             for worker in workers:
                 await worker.stop()
+
+    run(main())
+
+
+def test_a_sketch_request_beyond_the_bound_is_refused_by_name_and_the_member_serves_on():
+    async def main():
+        async with _workers(1) as (member,):
+            channel = InsecureChannels().open(member.address)
+            stub, metadata = StateStub(channel), ((FINGERPRINT_METADATA, FINGERPRINT.text()),)
+            try:
+                call = stub.download(StateRequest(run_id=RUN, stage=TAIL, sketch_seed=1,
+                                                  sketch_size=MAX_SKETCH_SIZE + 1), metadata=metadata)
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await call.next()
+                assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert f"sketch_size {MAX_SKETCH_SIZE + 1}" in raised.value.details()
+                call = stub.download(StateRequest(run_id=RUN, stage=TAIL, sketch_seed=1, sketch_size=16),
+                                     metadata=metadata)
+                chunks = []
+                while (chunk := await call.next()) is not None:
+                    chunks.append(chunk)
+                assert chunks and member.state_donor.stats.sketches == 1
+            finally:
+                await channel.close()
 
     run(main())
 
