@@ -4,21 +4,27 @@ transformers export. Only an operator may run it: no contributor ever holds more
 Design choices:
 - One member replica per stage, through the same state transfer a joiner uses (DownloadState,
   node/membership/state_download.py): the best announced donor first, the others if it is busy or
-  fails, chunked and resumable, the SHA-256 checked. A worker gives its state to an operator
-  credential of its run (auth/grpc_policy.py, node/membership/state_transfer.py); under --insecure
-  to anyone of the run.
+  fails, chunked and resumable, the SHA-256 checked, and the same checks of what it holds
+  (node/membership/state_verify.py): finite, in range, and confirmed by another member's sketch
+  where the stage has another member; a state refused there is never written, its donor reported,
+  the next one tried. The bounds are the schema's defaults (`StateCheckOptions`): export's flags
+  are its own parser's. A worker gives its state to an operator credential of its run
+  (auth/grpc_policy.py, node/membership/state_transfer.py); under --insecure to anyone of the run.
 - A stage with no member announcing itself fails the export in one line naming it (a replica
-  still syncing has not got the stage's state).
+  still syncing has not got the stage's state), and so does one whose members' states all fail
+  their checks.
 - `DIR/checkpoint` is a complete checkpoint of every stage (parameters, optimizer state, averaging
   state: pipeline/checkpoint.py), loadable by `train-local --resume`, `export-hf` and
   `join --serve-only --checkpoint`; its step is the lowest of the stages' (replicas of different
-  stages are a few steps apart in an asynchronous run: each stage's own step and donor are in the
-  checkpoint's `extra`). `DIR/hf` is the transformers export of the assembled model
-  (pipeline/interop.py), which also checks that the stages fit together (a strict load).
+  stages are a few steps apart in an asynchronous run: each stage's own step, donor and the
+  members whose sketch confirmed its state are in the checkpoint's `extra`). `DIR/hf` is the
+  transformers export of the assembled model (pipeline/interop.py), which also checks that the
+  stages fit together (a strict load).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -65,7 +71,8 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
                   credentials: Optional[NodeCredentials]) -> int:
     from agora.node.averaging.sparta import stage_parameter_numels
     from agora.node.rpc.tls import InsecureChannels, TlsChannels
-    from agora.node.membership.state_download import StateDownloader, StateDownloadError, donor_order
+    from agora.node.membership.state_download import StateDownloader, StateDownloadError, plan_donors
+    from agora.node.replica.epoch import DEFAULT_REPORT_AHEAD
     from agora.node.membership.state_transfer import state_bytes_bound
     from agora.pipeline.checkpoint import StageState
     from agora.pipeline.fingerprint import run_fingerprint
@@ -75,8 +82,9 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
     fingerprint = run_fingerprint(config)
     by_stage = await swarm.all_workers_async(options.run_id, n_stages, fingerprint=fingerprint)
     rng = random.Random()
-    donors = {stage: donor_order(records, swarm.peer_id, rng) for stage, records in by_stage.items()}
-    missing = [stage for stage in range(n_stages) if not donors.get(stage)]
+    plans = {stage: plan_donors(by_stage, stage, swarm.peer_id, rng, max_gap=DEFAULT_REPORT_AHEAD)
+             for stage in range(n_stages)}
+    missing = [stage for stage in range(n_stages) if not plans[stage].donors and not plans[stage].outliers]
     if missing:
         raise ConfigError(f"stage {', '.join(map(str, missing))} of run {options.run_id!r}: no member replica "
                           "announces itself in the DHT (is the swarm up, and are --initial-peers and --run-id its own?)")
@@ -85,20 +93,38 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
     for stage in range(n_stages):
         downloader = StateDownloader(run_id=options.run_id, stage=stage, fingerprint=fingerprint, channels=channels,
                                      max_bytes=state_bytes_bound(stage_parameter_numels(config.model, stage)),
-                                     timeout_s=options.timeout_s, label="export")
+                                     checks=_state_checks(config, stage), timeout_s=options.timeout_s,
+                                     label="export")
         try:
-            result = await downloader.download(donors[stage])
+            result = await downloader.download(plans[stage])
         except StateDownloadError as error:
             raise ConfigError(f"export: {error}") from None
         tree = result.tree
         if not isinstance(tree, dict) or tree.get("stage") != stage or not isinstance(tree.get("model"), dict):
             raise ConfigError(f"export: the donor of stage {stage} ({result.donor.endpoint}) sent another stage's state")
         states.append(StageState(stage, tree["model"], tree.get("optimizer"), tree.get("averaging")))
+        confirmed_by = list(result.check.confirmed_by)
         sources[str(stage)] = {"peer": result.donor.peer_id, "endpoint": result.donor.endpoint, "step": result.step,
-                               "bytes": result.total_bytes}
-        logger.info("export: stage %d at step %d from %s (%d bytes)", stage, result.step, result.donor.endpoint,
-                    result.total_bytes)
+                               "bytes": result.total_bytes, "confirmed_by": confirmed_by}
+        logger.info("export: stage %d at step %d from %s (%d bytes; %s)", stage, result.step, result.donor.endpoint,
+                    result.total_bytes, f"confirmed by {', '.join(confirmed_by)}" if confirmed_by
+                    else "the stage's only member: checked alone")
     return _write(config, options, states, sources, time.monotonic() - started)
+
+
+def _state_checks(config: RunConfig, stage: int):
+    """What a stage's state must pass before it is written (node/membership/state_verify.py): the
+    schema's default bounds; the scale reference without a second member is the run's
+    initialisation of the stage, which every replica started from."""
+    from agora.node.membership.check_options import StateCheckOptions
+    from agora.node.membership.state_check import norms_of
+    from agora.node.membership.state_verify import StateChecks
+    from agora.pipeline.stages import build_stage
+
+    async def initialisation():
+        return await asyncio.to_thread(lambda: norms_of(build_stage(config.model, stage).state_dict()))
+
+    return StateChecks.for_run(StateCheckOptions(), config.optim, initialisation)
 
 
 def _write(config: RunConfig, options: ExportOptions, states: list[StageState], sources: dict, seconds: float) -> int:

@@ -181,16 +181,20 @@ class CloseSessionReply(_message.Message):
     def __init__(self, closed: _Optional[bool] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "snapshot_id", "offset")
+    __slots__ = ("run_id", "stage", "snapshot_id", "offset", "sketch_seed", "sketch_size")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_SEED_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     snapshot_id: str
     offset: int
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    sketch_seed: int
+    sketch_size: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., offset: _Optional[int] = ..., sketch_seed: _Optional[int] = ..., sketch_size: _Optional[int] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("snapshot_id", "offset", "data", "total_bytes", "sha256", "step")

@@ -173,7 +173,9 @@ class StageServicer:
         worker took between two of its compute jobs; it keeps training meanwhile. The state is one
         byte stream (see StateChunk) sent in chunks from `offset`, so a dropped transfer resumes
         where it stopped as long as the donor still holds the snapshot. A donor serves a few
-        downloads at once and answers RESOURCE_EXHAUSTED beyond (try another replica).
+        downloads at once and answers RESOURCE_EXHAUSTED beyond (try another replica). With a sketch
+        size in the request it sends a small sketch of its state instead (see StateRequest), which the
+        joiner compares with the state it downloaded from another member.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -40,6 +40,8 @@ class StateRequest:
     stage: int
     snapshot_id: str = ""  # resume: the snapshot being received ("" : the donor's current one)
     offset: int = 0  # resume: bytes of it already held
+    sketch_seed: int = 0  # with sketch_size > 0: the member's sketch of its own state under this seed, not the state
+    sketch_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class StateChunk:
 
 def _request(message: Any) -> StateRequest:
     return StateRequest(run_id=message.run_id, stage=message.stage, snapshot_id=message.snapshot_id,
-                        offset=message.offset)
+                        offset=message.offset, sketch_seed=message.sketch_seed, sketch_size=message.sketch_size)
 
 
 def _chunk_message(chunk: StateChunk) -> Any:
@@ -104,8 +106,8 @@ class StateStub:
 
     def download(self, request: StateRequest, **call: Any) -> "StateCall":
         return StateCall(self._stub.DownloadState(stage_pb2.StateRequest(
-            run_id=request.run_id, stage=request.stage, snapshot_id=request.snapshot_id, offset=request.offset),
-            **call))
+            run_id=request.run_id, stage=request.stage, snapshot_id=request.snapshot_id, offset=request.offset,
+            sketch_seed=request.sketch_seed, sketch_size=request.sketch_size), **call))
 
 
 class StateCall:

@@ -29,6 +29,10 @@ Design choices:
   together are identical by construction (name-seeded initialisation), a few steps apart are
   what averaging evens out, and a download would cost them the rotation for nothing. A replica
   resumed from a checkpoint that was not a member's syncs again.
+- A stage whose only members announce steps far from what the run's members agree on
+  (node/membership/state_download.py's `plan_donors`) is not empty: its members are reported and
+  asked again every `retry_s`, for as long as it takes. Taking it as lost would make this replica's
+  fresh weights the stage's state on one member's word about itself.
 - A syncing replica that holds the stage's state (weight sync after its download, optimizer
   sync) while no member of the stage is left (the last one died mid-sync: chaos did it) holds
   the freshest copy there is, and becomes a member: `SyncPhases` reads the stage every
@@ -58,7 +62,7 @@ from typing import Awaitable, Callable, Optional, Sequence
 from agora.dht.averaging import RoundResult
 from agora.dht.records import Phase
 from agora.node.replica.compute import StageCompute
-from agora.node.membership.state_download import Donor, DownloadedState, StateDownloader, StateDownloadError
+from agora.node.membership.state_download import Donor, DonorPlan, DownloadedState, StateDownloader, StateDownloadError
 from agora.node.worker.worker import StageWorker
 from agora.pipeline.config import SyncConfig
 from agora.pipeline.state_wire import StateWireError
@@ -91,11 +95,16 @@ class SyncPolicy:
 
 @dataclass(frozen=True)
 class StageView:
-    """What the DHT says now: the stage's members other than this replica (best donor first), and
-    the highest step a member of any stage announces (None: no member anywhere)."""
+    """What the DHT says now: whom to download the stage's state from (`plan`: its members other
+    than this replica, best donor first, and those refused for the step they announce), and the
+    highest step a member of any stage announces (None: no member anywhere)."""
 
-    donors: Sequence[Donor]
+    plan: DonorPlan
     run_step: Optional[int] = None
+
+    @property
+    def donors(self) -> Sequence[Donor]:
+        return self.plan.donors
 
 
 def behind_the_run(own_step: int, run_step: Optional[int], policy: SyncPolicy) -> bool:
@@ -240,6 +249,12 @@ class SyncPhases:
                 await asyncio.sleep(retry_s)
                 continue
             donors = view.donors
+            if not donors and view.plan.outliers:  # members, none of them credible: never the stage's state
+                downloader.report_outliers(view.plan)
+                logger.warning("stage %d: weight sync: the stage's only members announce steps far from the "
+                               "run's; asking again in %g s", self.worker.stage_index, retry_s)
+                await asyncio.sleep(retry_s)
+                continue
             if not donors:
                 now = self._clock()
                 empty_since = now if empty_since is None else empty_since
@@ -263,7 +278,7 @@ class SyncPhases:
                 return None
             empty_since = None
             try:
-                result = await downloader.download(donors)
+                result = await downloader.download(view.plan)
                 step = await apply(result.tree)
             except (StateDownloadError, StateWireError) as error:
                 logger.warning("stage %d: weight sync: %s; trying again in %g s", self.worker.stage_index, error,

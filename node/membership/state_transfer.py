@@ -26,6 +26,10 @@ holds, so a download waits for the round and then for the chunk timeout, donor a
   to a worker of the same stage or an operator (`agora-node export`); under --insecure anyone of
   the run (the fingerprint is still checked). The role table (auth/grpc_policy.py) already keeps
   trainers, clients and monitors out.
+- The same call, with a sketch size, asks for a sketch of this member's own parameters under the
+  caller's seed instead (node/membership/state_check.py): what a joiner compares a state it
+  downloaded from another member with. The same callers, the same refusals; one pass over the
+  parameters on the compute thread, no snapshot, a few KiB sent; at most `max_downloads` at once.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import grpc
 import torch
 
 from agora.dht.records import Phase
+from agora.node.membership.state_check import param_group_refusal, sketch_state
 from agora.node.rpc.auth_check import Caller, current_caller
 from agora.node.replica.compute import StageCompute
 from agora.pipeline.checkpoint import StageState, rng_state
@@ -54,6 +59,9 @@ __all__ = ["StateDonor", "DonorStats", "snapshot_stage", "state_tree", "download
            "expected_state_bytes", "state_bytes_bound"]
 
 logger = logging.getLogger("agora.node.worker.state")
+
+# The longest sketch per tensor a member computes for a joiner (StateCheckOptions.sketch_size's bound).
+MAX_SKETCH_SIZE = 65536
 
 
 class _Worker(Protocol):
@@ -131,10 +139,12 @@ def expected_state_bytes(compute: StageCompute) -> int:
 def apply_state(compute: StageCompute, tree: Any) -> int:
     """(compute thread) Take a downloaded state as this replica's own; returns the step it is at.
 
-    The parameters must be exactly this stage's (names, shapes, dtypes) and the optimizer state must
-    fit them, or nothing is changed (`StateWireError`). The step count keeps whichever is later, the
-    donor's or the one this replica reached by counting completed-batch reports while it downloaded,
-    so it stays on the stage's epoch."""
+    The parameters must be exactly this stage's (names, shapes, dtypes), the optimizer state must fit
+    them and set nothing but its learning rate unlike this replica's own (betas, eps, weight decay,
+    maximize, ...: torch takes them from the state), or nothing is changed (`StateWireError`). Its
+    values are checked before, by the downloader (node/membership/state_check.py). The step count
+    keeps whichever is later, the donor's or the one this replica reached by counting
+    completed-batch reports while it downloaded, so it stays on the stage's epoch."""
     if not isinstance(tree, dict) or tree.get("stage") != compute.index:
         raise StateWireError(f"the state is not stage {compute.index}'s")
     model, optimizer = tree.get("model"), tree.get("optimizer")
@@ -145,6 +155,9 @@ def apply_state(compute: StageCompute, tree: Any) -> int:
         raise StateWireError(f"the parameters are not those of stage {compute.index} of this model")
     if not isinstance(optimizer, dict):
         raise StateWireError("the state has no optimizer state")
+    groups = param_group_refusal(optimizer, compute.optimizer.optimizer.state_dict()["param_groups"])
+    if groups is not None:
+        raise StateWireError(groups)
     optimizer = dict(optimizer)
     samples = optimizer.pop("samples_total", 0)
     _check_moments(optimizer, compute)
@@ -203,6 +216,7 @@ class DonorStats:
     resumed: int = 0  # started at an offset > 0
     refused_busy: int = 0
     bytes_sent: int = 0
+    sketches: int = 0  # sketches sent to joiners checking another member's state
     offsets: deque = field(default_factory=lambda: deque(maxlen=64))  # where the latest downloads started
 
 
@@ -222,6 +236,7 @@ class StateDonor:
         self.stats = DonorStats()
         self._clock = clock
         self._active = 0
+        self._sketching = 0
         self._snapshots: dict[str, _Snapshot] = {}
         self._taking: Optional[asyncio.Lock] = None
 
@@ -244,6 +259,9 @@ class StateDonor:
             raise StageRefusal(grpc.StatusCode.FAILED_PRECONDITION,
                                f"this replica is in phase {worker.phase}, not a member: its state is not the "
                                "stage's; download from a member")
+        if request.sketch_size:
+            await self._send_sketch(request, send)
+            return
         if self._active >= self.max_downloads:
             self.stats.refused_busy += 1
             raise StageRefusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -261,6 +279,26 @@ class StateDonor:
         finally:
             self._active -= 1
 
+    async def _send_sketch(self, request: StateRequest, send: Callable[[StateChunk], Awaitable[None]]) -> None:
+        """A second member's part in checking another's state: its own parameters' sketch under the
+        joiner's seed (node/membership/state_check.py), one pass on the compute thread, a few KiB."""
+        if request.sketch_size > MAX_SKETCH_SIZE:
+            raise StageRefusal(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"sketch_size {request.sketch_size} is above {MAX_SKETCH_SIZE}")
+        if self._sketching >= self.max_downloads:
+            self.stats.refused_busy += 1
+            raise StageRefusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"this member computes {self.max_downloads} sketches at once; ask another member")
+        self._sketching += 1
+        try:
+            sketch = await self.worker.on_compute(lambda compute: sketch_state(
+                compute.stage.state_dict(), request.sketch_seed, request.sketch_size, compute.optimizer.steps))
+        finally:
+            self._sketching -= 1
+        stream = StateStream(sketch.tree())
+        await self._stream(stream, 0, "", stream.sha256(), sketch.step, send)
+        self.stats.sketches += 1
+
     async def _send(self, snapshot: _Snapshot, offset: int, send: Callable[[StateChunk], Awaitable[None]]) -> None:
         stream = snapshot.stream
         if not 0 <= offset <= stream.total_bytes:
@@ -272,19 +310,23 @@ class StateDonor:
             self.stats.resumed += 1
         logger.info("state download of stage %d step %d (snapshot %s, %d bytes) from offset %d",
                     self.worker.stage_index, snapshot.step, snapshot.id, stream.total_bytes, offset)
+        await self._stream(stream, offset, snapshot.id, snapshot.sha256, snapshot.step, send)
+        self.stats.completed += 1
+
+    async def _stream(self, stream: StateStream, offset: int, snapshot_id: str, sha256: str, step: int,
+                      send: Callable[[StateChunk], Awaitable[None]]) -> None:
         while offset < stream.total_bytes:
             data = stream.read(offset, self.chunk_bytes)
-            chunk = StateChunk(snapshot_id=snapshot.id, offset=offset, data=data, total_bytes=stream.total_bytes,
-                               sha256=snapshot.sha256, step=snapshot.step)
+            chunk = StateChunk(snapshot_id=snapshot_id, offset=offset, data=data, total_bytes=stream.total_bytes,
+                               sha256=sha256, step=step)
             try:
                 await asyncio.wait_for(send(chunk), self.write_timeout_s)
             except asyncio.TimeoutError:
                 raise StageRefusal(grpc.StatusCode.DEADLINE_EXCEEDED,
                                    f"the joiner read nothing for {self.write_timeout_s:g} s; resume with snapshot "
-                                   f"{snapshot.id} at offset {offset}") from None
+                                   f"{snapshot_id} at offset {offset}") from None
             offset += len(data)
             self.stats.bytes_sent += len(data)
-        self.stats.completed += 1
 
     async def _snapshot_for(self, request: StateRequest) -> _Snapshot:
         now = self._clock()

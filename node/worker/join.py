@@ -45,6 +45,7 @@ from agora.dht.robust import RobustAggregation
 from agora.dht.swarm import SwarmDHT
 from agora.monitor.dht_metrics import DHTMetrics
 from agora.monitor.metrics import CredentialMetrics
+from agora.monitor.weight_sync_metrics import WeightSyncMetrics
 from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
 from agora.node.averaging.loop import AveragingLoop
 from agora.node.averaging.sparta import (
@@ -63,8 +64,10 @@ from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.node.replica.checkpoints import StageCheckpointer, restore_stage
 from agora.node.membership.phases import StageView, SyncPhases, SyncPolicy
 from agora.node.membership.rebalance import Move, RebalancePolicy, Rebalancer
-from agora.node.membership.state_download import StateDownloader, donor_order
+from agora.node.membership.state_check import StateSketch, norms_of
+from agora.node.membership.state_download import StateDownloader, plan_donors
 from agora.node.membership.state_transfer import apply_state, expected_state_bytes
+from agora.node.membership.state_verify import StateChecks
 from agora.node.rpc.tls import InsecureChannels, TlsChannels
 from agora.pipeline.checkpoint import CheckpointError, checkpoint_steps, read_meta
 from agora.pipeline.config import ConfigError, RunConfig
@@ -204,7 +207,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         stats = AveragingStats(config.sync.method, registry=registry) if averager is not None else None
         metrics_endpoint = metrics.serve(worker_options.announce_host)
         step, saved, averaging_state = await _restore(worker, config, options)
-        members = _stage_members(swarm, options, config)
+        members = _stage_members(swarm, options, config, await worker.on_compute(lambda c: c.report_window.ahead))
         if not options.serve_checkpoint:  # before the first announce: a joiner is never routed by mistake
             phases = SyncPhases(worker, SyncPolicy.from_config(config.sync),
                                 config.sync if averager is not None else None)
@@ -221,7 +224,8 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         follow = asyncio.create_task(_follow_stage_epoch(swarm, worker, options), name="stage-epoch")
         stack.push_async_callback(_cancelled, follow)
         if phases is not None and phases.phase == Phase.WEIGHT_SYNC:
-            downloaded = await _weight_sync(phases, worker, config, options, members, credentials, stop)
+            downloaded = await _weight_sync(phases, worker, config, options, members, credentials, stop,
+                                            WeightSyncMetrics(registry))
             if downloaded is not None:
                 averaging_state = downloaded.tree.get("averaging")
         if averager is not None:
@@ -411,8 +415,9 @@ async def _announce_move(swarm: SwarmDHT, options: JoinOptions, move: Move) -> N
         logger.warning("could not announce the move to stage %d: %s", move.target, error)
 
 
-def _stage_members(swarm: SwarmDHT, options: JoinOptions, config: RunConfig):
-    """What the sync phases read: the stage's members other than this node, best donor first
+def _stage_members(swarm: SwarmDHT, options: JoinOptions, config: RunConfig, max_gap: int):
+    """What the sync phases read: the stage's members other than this node, best donor first, those
+    announcing a step more than `max_gap` from the members' agreed one set apart
     (node/membership/state_download.py), and the highest step a member of any stage announces."""
     fingerprint = run_fingerprint(config)
     rng = random.Random()
@@ -421,18 +426,20 @@ def _stage_members(swarm: SwarmDHT, options: JoinOptions, config: RunConfig):
         stages = await swarm.all_workers_async(options.run_id, len(config.layer_split), fingerprint=fingerprint)
         steps = [r.step for records in stages.values() for r in records
                  if r.phase == Phase.MEMBER and r.peer_id != swarm.peer_id]
-        return StageView(donor_order(stages.get(options.stage, []), swarm.peer_id, rng), max(steps, default=None))
+        return StageView(plan_donors(stages, options.stage, swarm.peer_id, rng, max_gap=max_gap),
+                         max(steps, default=None))
 
     return members
 
 
 async def _weight_sync(phases: SyncPhases, worker: StageWorker, config: RunConfig, options: JoinOptions, members,
-                       credentials: NodeCredentials | None, stop: asyncio.Event):
+                       credentials: NodeCredentials | None, stop: asyncio.Event, metrics: WeightSyncMetrics):
     """Download the stage's state (unless the daemon is told to stop first); the download or None."""
     downloader = StateDownloader(run_id=options.run_id, stage=options.stage, fingerprint=run_fingerprint(config),
                                  channels=TlsChannels(credentials) if credentials is not None else InsecureChannels(),
                                  max_bytes=await worker.on_compute(expected_state_bytes),
-                                 timeout_s=options.state_download_s, max_message_bytes=worker.options.max_message_bytes)
+                                 checks=_state_checks(worker, config), timeout_s=options.state_download_s,
+                                 max_message_bytes=worker.options.max_message_bytes, metrics=metrics)
     download = asyncio.create_task(phases.download(downloader, members,
                                                    lambda tree: worker.on_compute(lambda c: apply_state(c, tree))))
     stopping = asyncio.create_task(stop.wait())
@@ -443,6 +450,15 @@ async def _weight_sync(phases: SyncPhases, worker: StageWorker, config: RunConfi
         await asyncio.gather(download, return_exceptions=True)
         return None
     return download.result()
+
+
+def _state_checks(worker: StageWorker, config: RunConfig) -> StateChecks:
+    """What a downloaded state must pass (node/membership/state_verify.py); the scale reference without
+    a second member is this replica's own state (its initialisation or its checkpoint's)."""
+    async def own() -> StateSketch:
+        return await worker.on_compute(lambda compute: norms_of(compute.stage.state_dict()))
+
+    return StateChecks.for_run(worker.options.state_check, config.optim, own)
 
 
 def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions,

@@ -2,11 +2,11 @@
 
 Bounds on what it admits (queues, per-caller shares, rows, concurrent calls, message and stream
 sizes), its stash, pinned weight versions and kept graphs, weight-sync downloads, the wire dtype it
-sends, where it listens and what it announces, and the bound on the output gradients it takes.
-Light (no torch): the CLI builds its flags from it. A section of the settings schema
-(pipeline/schema.py): each option is declared once with its bounds and help, the fields with a
-flag are `join`'s options, and a bad value is a `ConfigError` naming `worker.<field>` and the value
-(one line, exit 2 from the CLI).
+sends, where it listens and what it announces, the bound on the output gradients it takes, and
+how it checks a state it downloads (`state_check`). Light (no torch): the CLI builds its flags
+from it. A section of the settings schema (pipeline/schema.py): each option is declared once with
+its bounds and help, the fields with a flag are `join`'s options, and a bad value is a
+`ConfigError` naming `worker.<field>` and the value (one line, exit 2 from the CLI).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, model_valida
 from pydantic.dataclasses import dataclass
 
 from agora.node.inference.options import InferenceOptions
+from agora.node.membership.check_options import StateCheckOptions
 from agora.node.rpc.call_slots import DEFAULT_PROBE_CALLS
 from agora.node.rpc.server import is_wildcard_host
 from agora.pipeline.schema import SECTION, NoneOr, setting
@@ -101,6 +102,7 @@ class WorkerOptions:
         False, "answer inference only, on the weights of --checkpoint: no training, no averaging",
         flag="--serve-only")
     inference: InferenceOptions = setting(default_factory=InferenceOptions)
+    state_check: StateCheckOptions = setting(default_factory=StateCheckOptions)
 
     @property
     def queue_capacity(self) -> int:

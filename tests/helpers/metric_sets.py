@@ -11,6 +11,7 @@ from agora.dht.bans import BanList, BanStatus, NodeBans
 from agora.monitor.dht_metrics import DHTMetrics
 from agora.monitor.metrics import CredentialMetrics, node_info
 from agora.monitor.trainer_metrics import RpcClientMetrics
+from agora.monitor.weight_sync_metrics import WeightSyncMetrics
 from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
 from agora.node.averaging.stats import AveragingStats
 from agora.node.trainer.stats import TrainerStats
@@ -28,6 +29,9 @@ def every_role(registry: CollectorRegistry) -> None:
     worker.observe_job("Forward", 128, 0.001, 0.02)
     worker.stepped(3e-4, 1.5)
     worker.watch_output_grads(scale=lambda: 0.01, peak_ratio=lambda: 3.0)
+    weight_sync = WeightSyncMetrics(registry)
+    weight_sync.refused("step")
+    weight_sync.checked(0.2, 4096)
     server = RpcServerMetrics(registry)
     server.finished("/agora.v1.Stage/Forward", "OK", 0.03)
     server.received.labels(method="Forward").inc(100)

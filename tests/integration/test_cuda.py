@@ -5,6 +5,7 @@ a whole demo, train-local and a pluralis-8b body stage on the device."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
@@ -14,6 +15,7 @@ import torch
 from memory_scenario import IN_FLIGHT, PINNED, steady_state
 
 from agora.node.averaging.sparta import SlicePartition
+from agora.node.membership.state_check import sketch_state
 from agora.node.replica.compute import StageCompute
 from agora.node.replica.stash import ForwardStash
 from agora.node.replica.weight_versions import WeightCopies
@@ -113,6 +115,19 @@ def test_sparta_slices_are_the_same_on_the_gpu():
         partition.scatter_add(gpu, s, torch.ones(partition.buffer_size))
         partition.scatter_add(cpu, s, torch.ones(partition.buffer_size))
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))
+
+
+def test_a_state_sketch_on_the_gpu_is_the_cpus():
+    """A donor on a GPU answers a joiner on a CPU: the same signs (an integer hash), the same sums to
+    float32 rounding, far inside any drift bound (node/membership/state_check.py)."""
+    generator = torch.Generator().manual_seed(3)
+    cpu = {"w": torch.randn(3_000_001, generator=generator), "b": torch.zeros(7), "m": torch.randn(640, 33)}
+    here = sketch_state(cpu, 987654321, 256)
+    there = sketch_state({name: tensor.cuda() for name, tensor in cpu.items()}, 987654321, 256)
+    for name in cpu:
+        assert there.vectors[name].device.type == "cpu"
+        torch.testing.assert_close(there.vectors[name], here.vectors[name], rtol=1e-5, atol=1e-5)
+        assert math.isclose(there.norms[name], here.norms[name], rel_tol=1e-9)
 
 
 def test_train_local_learns_in_bf16_on_the_gpu():

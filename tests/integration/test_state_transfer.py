@@ -24,15 +24,15 @@ from agora.auth.grpc_policy import FINGERPRINT_METADATA
 from agora.node.rpc.server import run
 from agora.node.rpc.tls import InsecureChannels, TlsChannels, worker_server_name
 from agora.node.trainer.stage_client import StageClient
-from agora.node.membership.state_download import Donor, StateDownloader, donor_order
+from agora.node.membership.state_download import Donor, DonorPlan, StateDownloader
 from agora.node.membership.state_transfer import apply_state, download_refusal, expected_state_bytes
 from agora.node.worker.worker import StageWorker, WorkerOptions
-from agora.dht.records import WorkerRecord
 from agora.node.rpc.auth_check import Caller
 from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.state_wire import StateReceiver, StateStream, StateWireError
 from agora.protos.state_adapter import StateRequest, StateStub
+from tail_training import tail_batch, train_tail
 from tcp_relay import TcpRelay
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,19 +44,9 @@ TAIL = 1
 CHUNK = 64 * 2**10
 
 
-def _tail_batch(seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, CONFIG.model.vocab_size, (2, 33), generator=generator)
-    wire = torch.randn(2, 32, CONFIG.model.wire_dim, generator=generator)
-    return tokens[:, :-1], wire, tokens[:, 1:]
-
-
 async def _train(client: StageClient, first_batch: int, batches: int) -> None:
     """`batches` global batches of one microbatch each through a tail worker, each reported done."""
-    for batch in range(first_batch, first_batch + batches):
-        tokens, wire, targets = _tail_batch(batch)
-        await client.forward(f"b{batch}", tokens, wire, targets)
-        await client.batch_done(batch, 1, 1)
+    await train_tail(client, CONFIG.model, first_batch, batches, first_report=first_batch)
 
 
 def _state_of(compute) -> dict:
@@ -87,9 +77,10 @@ class NarrowWindowChannels(InsecureChannels):
 
 
 def _downloader(channels=None, **kwargs) -> StateDownloader:
+    """The transfer alone: what the state holds is checked in test_state_poisoning.py."""
     kwargs.setdefault("max_bytes", 64 * 2**20)
     return StateDownloader(run_id=RUN, stage=TAIL, fingerprint=FINGERPRINT, channels=channels or InsecureChannels(),
-                           show_progress=False, **kwargs)
+                           checks=None, show_progress=False, **kwargs)
 
 
 def _worker(**options) -> StageWorker:
@@ -120,7 +111,7 @@ def test_a_joiner_gets_the_donors_snapshot_exactly_while_the_donor_keeps_trainin
             await _train(client, 0, 3)
             donor.state_donor.averaging = _FixedAveragingState({"method": "sparta", "last_round": 7})
             address = await relay.start()
-            download = asyncio.create_task(_downloader().download([Donor("donor", address, 3)]))
+            download = asyncio.create_task(_downloader().download(DonorPlan((Donor("donor", address, 3),))))
             await asyncio.wait_for(relay.held.wait(), 30)  # mid-transfer: the donor trains on meanwhile
             await _train(client, 3, 4)
             relay.release()
@@ -137,7 +128,7 @@ def test_a_joiner_gets_the_donors_snapshot_exactly_while_the_donor_keeps_trainin
             # The joiner refuses training calls while in weight sync (trainers never route there).
             joiner_client = StageClient(joiner.address, run_id=RUN, stage=TAIL, model=CONFIG.model,
                                         fingerprint=FINGERPRINT)
-            tokens, wire, targets = _tail_batch(99)
+            tokens, wire, targets = tail_batch(CONFIG.model, 99)
             with pytest.raises(Exception, match="weight sync"):
                 await joiner_client.forward("x", tokens, wire, targets)
             await joiner_client.close()
@@ -165,7 +156,7 @@ def test_a_dropped_transfer_resumes_on_the_same_snapshot_from_the_bytes_held():
             # through, so the bytes sent in all measure the resume.)
             downloader = _downloader(NarrowWindowChannels(),
                                      on_progress=lambda held, total: held >= 2 * CHUNK and taken.set())
-            download = asyncio.create_task(downloader.download([Donor("donor", address, 2)]))
+            download = asyncio.create_task(downloader.download(DonorPlan((Donor("donor", address, 2),))))
             await asyncio.wait_for(taken.wait(), 60)
             relay.cut()
             relay.release()  # the resumed connection passes whole
@@ -196,9 +187,11 @@ def test_a_full_donor_answers_resource_exhausted_and_the_joiner_takes_the_next()
             # The holding joiner's flow-control window must stay small: with BDP probing it can grow past
             # the whole state on loopback, the donor then hands every byte to the transport, ends its
             # call and frees the slot while the relay still holds the bytes.
-            holding = asyncio.create_task(_downloader(NarrowWindowChannels()).download([Donor("busy", address, 0)]))
+            holding = asyncio.create_task(
+                _downloader(NarrowWindowChannels()).download(DonorPlan((Donor("busy", address, 0),))))
             await asyncio.wait_for(relay.held.wait(), 30)  # the busy donor's one slot is taken
-            result = await _downloader().download([Donor("busy", busy.address, 0), Donor("spare", spare.address, 0)])
+            result = await _downloader().download(DonorPlan((Donor("busy", busy.address, 0),
+                                                             Donor("spare", spare.address, 0))))
             assert result.donor.peer_id == "spare"
             assert busy.state_donor.stats.refused_busy == 1 and any("RESOURCE_EXHAUSTED" in a for a in result.attempts)
             relay.release()
@@ -254,7 +247,7 @@ def test_a_replica_that_is_not_a_member_gives_no_state():
         syncing.phase = "optimizer_sync"  # its weights are the stage's, its moments are not yet
         try:
             with pytest.raises(Exception) as raised:
-                await _downloader(timeout_s=0.5).download([Donor("syncing", syncing.address, 0)])
+                await _downloader(timeout_s=0.5).download(DonorPlan((Donor("syncing", syncing.address, 0),)))
             assert "FAILED_PRECONDITION" in str(raised.value) and "not a member" in str(raised.value)
         finally:
             await syncing.stop()
@@ -316,7 +309,7 @@ def test_the_receiver_refuses_what_does_not_add_up_before_allocating():
         StateReceiver(len(pickled) + 100, max_bytes=10**7).add(pickled + b"\0" * 100)
 
 
-def test_apply_state_refuses_another_stage_or_shape_and_changes_nothing():
+def test_apply_state_refuses_another_stage_shape_or_optimizer_setting_and_changes_nothing():
     from agora.node.replica.compute import StageCompute
     from agora.node.replica.stash import ForwardStash
     from agora.pipeline.codec import WireCodec
@@ -335,21 +328,18 @@ def test_apply_state_refuses_another_stage_or_shape_and_changes_nothing():
     bad = dict(good, model=dict(good["model"], **{name: torch.zeros(1)}))
     with pytest.raises(StateWireError, match="parameters are not"):
         apply_state(compute, bad)
+    # Torch takes an optimizer's settings from the state it loads: a donor may not choose them.
+    inner = good["optimizer"]["optimizer"]
+    maximizing = [dict(group, maximize=True) for group in inner["param_groups"]]
+    maximize = dict(good, optimizer=dict(good["optimizer"], optimizer=dict(inner, param_groups=maximizing)))
+    with pytest.raises(StateWireError, match="maximize"):
+        apply_state(compute, maximize)
     after = _state_of(compute)
     assert all(torch.equal(before["model"][k], after["model"][k]) for k in before["model"])
     assert expected_state_bytes(compute) > StateStream(good).total_bytes
 
 
-def test_donors_are_members_best_first_and_who_may_download():
-    import random
-
-    def record(peer, step, phase="member", queue=0):
-        return WorkerRecord(peer_id=peer, run_id=RUN, endpoint=f"127.0.0.1:{1000 + step}", stage=1, n_stages=2,
-                            throughput=1.0, queue_depth=queue, step=step, phase=phase, version="x", updated_at=0.0,
-                            fingerprint="f")
-
-    records = [record("me", 50), record("a", 40), record("b", 41, queue=3), record("c", 41), record("d", 60, "weight_sync")]
-    assert [d.peer_id for d in donor_order(records, "me", random.Random(0))] == ["c", "b", "a"]
+def test_who_may_download():
     from agora.auth.credentials import Identity
 
     def caller(role, stage):

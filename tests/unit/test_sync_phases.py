@@ -122,10 +122,25 @@ class _RefusingDownloader:
 
     def __init__(self):
         self.asked: list[list[str]] = []
+        self.reported: list[str] = []
 
-    async def download(self, donors):
-        self.asked.append([d.peer_id for d in donors])
+    def report_outliers(self, plan):
+        self.reported.extend(d.peer_id for d in plan.outliers)
+
+    async def download(self, plan):
+        self.asked.append([d.peer_id for d in plan.donors])
         raise StateDownloadError("every donor refused")
+
+
+async def _download_until_cancelled(phases, downloader: _RefusingDownloader, members) -> None:
+    """Weight sync from its start until `members` cancels it (the test has seen enough)."""
+    import asyncio
+
+    await phases.begin(own_step=0, resumed_phase=None, members=members)
+    try:
+        await phases.download(downloader, members, apply=None, retry_s=0.001)
+    except asyncio.CancelledError:
+        pass
 
 
 def _phases(clock: _Clock, policy: SyncPolicy):
@@ -144,7 +159,7 @@ def test_behind_the_run_a_replica_waits_for_a_member_before_it_takes_the_stage_a
     import asyncio
 
     from agora.node.membership.phases import StageView
-    from agora.node.membership.state_download import Donor
+    from agora.node.membership.state_download import Donor, DonorPlan
 
     policy = SyncPolicy(lag_tolerance=3, empty_stage_wait_s=10.0)
 
@@ -154,7 +169,7 @@ def test_behind_the_run_a_replica_waits_for_a_member_before_it_takes_the_stage_a
 
         async def members():
             clock.now += 1.0  # each read a second later
-            return StageView(donors=[], run_step=115)
+            return StageView(DonorPlan(()), run_step=115)
 
         await phases.begin(own_step=0, resumed_phase=None, members=members)
         assert phases.phase == "weight_sync"
@@ -169,7 +184,8 @@ def test_behind_the_run_a_replica_waits_for_a_member_before_it_takes_the_stage_a
     async def member_shows_up():
         clock = _Clock()
         phases = _phases(clock, policy)
-        reads = iter([StageView([], 115), StageView([], 115), StageView([Donor("live", "127.0.0.1:1", 115)], 115)])
+        reads = iter([StageView(DonorPlan(()), 115), StageView(DonorPlan(()), 115),
+                      StageView(DonorPlan((Donor("live", "127.0.0.1:1", 115),)), 115)])
         downloader = _RefusingDownloader()
 
         async def members():
@@ -179,11 +195,7 @@ def test_behind_the_run_a_replica_waits_for_a_member_before_it_takes_the_stage_a
                 raise asyncio.CancelledError  # the test has seen enough: stop the loop here
             return view
 
-        await phases.begin(own_step=0, resumed_phase=None, members=members)
-        try:
-            await phases.download(downloader, members, apply=None, retry_s=0.001)
-        except asyncio.CancelledError:
-            pass
+        await _download_until_cancelled(phases, downloader, members)
         return phases, downloader
 
     phases, downloader = asyncio.run(member_shows_up())
@@ -193,12 +205,47 @@ def test_behind_the_run_a_replica_waits_for_a_member_before_it_takes_the_stage_a
         phases = _phases(_Clock(), policy)
 
         async def members():
-            return StageView([], run_step=2)  # the run is where this replica is: nothing was lost
+            return StageView(DonorPlan(()), run_step=2)  # the run is where this replica is: nothing was lost
 
         await phases.begin(own_step=0, resumed_phase=None, members=members)
         return phases
 
     assert asyncio.run(not_behind()).phase == "member"
+
+
+@pytest.mark.timeout(60)
+def test_a_stage_whose_only_members_announce_far_off_steps_is_never_taken_as_lost(caplog):
+    """A member announcing step 10**9 is not downloaded from, but it is not an empty stage either:
+    the joiner reports it and asks again, however long, instead of making its fresh weights the
+    stage's state after `empty_stage_wait_s`."""
+    import asyncio
+
+    from agora.node.membership.phases import StageView
+    from agora.node.membership.state_download import Donor, DonorPlan
+
+    policy = SyncPolicy(lag_tolerance=3, empty_stage_wait_s=2.0)
+    liar = Donor("liar", "127.0.0.1:1", 10**9)
+
+    async def main():
+        clock = _Clock()
+        phases = _phases(clock, policy)
+        downloader = _RefusingDownloader()
+        reads = 0
+
+        async def members():
+            nonlocal reads
+            reads += 1
+            clock.now += 1.0
+            if reads > 10:
+                raise asyncio.CancelledError  # ten seconds, five times the wait for an empty stage
+            return StageView(DonorPlan((), (liar,), agreed_step=115, max_gap=256), run_step=10**9)
+
+        await _download_until_cancelled(phases, downloader, members)
+        return phases, downloader
+
+    phases, downloader = asyncio.run(main())
+    assert phases.phase == "weight_sync" and downloader.asked == [] and set(downloader.reported) == {"liar"}
+    assert "far from the run's" in caplog.text
 
 
 @pytest.mark.timeout(60)
@@ -211,7 +258,7 @@ def test_a_syncing_replica_with_the_stages_state_is_a_member_once_no_member_is_l
     import time
 
     from agora.node.membership.phases import SyncPhases, StageView
-    from agora.node.membership.state_download import Donor
+    from agora.node.membership.state_download import Donor, DonorPlan
     from agora.node.worker.worker import StageWorker
 
     policy = SyncPolicy(lag_tolerance=3, member_check_s=0.01)
@@ -224,7 +271,7 @@ def test_a_syncing_replica_with_the_stages_state_is_a_member_once_no_member_is_l
         seen = []
 
         async def members():
-            view = next(views, StageView([], 60))
+            view = next(views, StageView(DonorPlan(()), 60))
             seen.append(bool(view.donors))
             return view
 
@@ -237,11 +284,12 @@ def test_a_syncing_replica_with_the_stages_state_is_a_member_once_no_member_is_l
             pass
         return phases, seen
 
-    phases, seen = asyncio.run(main(True, [StageView([member], 60), StageView([], 60), StageView([member], 60)]))
+    phases, seen = asyncio.run(main(True, [StageView(DonorPlan((member,)), 60), StageView(DonorPlan(()), 60),
+                                           StageView(DonorPlan((member,)), 60)]))
     # begin's read; then an empty read, the member back (the miss forgotten), two empty reads: member.
     assert phases.phase == "member" and seen[:5] == [True, False, True, False, False] and len(seen) == 5
     assert phases.history[-1][0] == "member" and "freshest copy" in caplog.text
-    phases, seen = asyncio.run(main(False, [StageView([member], 60)]))
+    phases, seen = asyncio.run(main(False, [StageView(DonorPlan((member,)), 60)]))
     assert phases.phase == "weight_sync" and seen == [True]  # without the state it has nothing to offer
 
 
