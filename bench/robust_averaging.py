@@ -53,7 +53,7 @@ def reducer_cost(group: int, repeats: int = 15) -> tuple[float, float, float]:
 
 
 def hostile_training() -> dict[str, list[float]]:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path[:0] = [str(ROOT / "tests" / "integration"), str(ROOT / "tests" / "helpers")]
     import test_hostile_averaging as harness  # noqa: E402 - the test's own harness
 
     torch.set_num_threads(1)
