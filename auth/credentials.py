@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -253,12 +254,23 @@ def _leaf(issuer: Issuer, public_key: rsa.RSAPublicKey, common_name: str, names:
     return cert.public_bytes(serialization.Encoding.PEM) + issuer.pem
 
 
+def _public_key_of(cert: x509.Certificate):
+    """A certificate's key; CredentialError where its bytes are no key (cryptography parses a
+    certificate's key only when it is read, so a chain that loaded can still fail here)."""
+    try:
+        return cert.public_key()
+    except (ValueError, UnsupportedAlgorithm) as error:
+        raise CredentialError("malformed", f"credential: its key does not parse ({error})") from None
+
+
 def parse_identity(cert: x509.Certificate) -> Identity:
     """What a (not yet verified) leaf certificate claims; CredentialError if it claims nothing usable."""
     try:
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         raise CredentialError("malformed", "credential: no subject alternative names") from None
+    except ValueError as error:  # extensions too are parsed only when read
+        raise CredentialError("malformed", f"credential: its extensions do not parse ({error})") from None
     uris = [u for u in names.get_values_for_type(x509.UniformResourceIdentifier) if u.startswith("agora://")]
     if len(uris) != 1:
         raise CredentialError("malformed", f"credential: expected one agora:// identity, found {len(uris)}")
@@ -316,7 +328,7 @@ class CredentialVerifier:
         certs = load_chain(chain_pem)
         leaf, intermediates = certs[0], certs[1:]
         identity = parse_identity(leaf)
-        if peer_id_of(leaf.public_key()) != identity.peer_id:
+        if peer_id_of(_public_key_of(leaf)) != identity.peer_id:
             raise CredentialError("malformed", "credential: its peer id is not its key's")
         now = self._clock()
         self.check_time(identity, now)
@@ -355,7 +367,7 @@ class CredentialVerifier:
         certs = load_chain(chain_pem)
         leaf, intermediates = certs[0], certs[1:]
         identity = parse_identity(leaf)
-        if peer_id_of(leaf.public_key()) != identity.peer_id:
+        if peer_id_of(_public_key_of(leaf)) != identity.peer_id:
             raise CredentialError("malformed", "credential: its peer id is not its key's")
         then = max(c.not_valid_before_utc.timestamp() for c in certs) + 1.0
         verifier = PolicyBuilder().store(self._store).time(_utc(then)).build_client_verifier()

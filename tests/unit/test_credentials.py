@@ -96,6 +96,31 @@ def test_the_verifier_refuses_with_a_reason(pki, case, reason):
     assert refused.value.reason == reason, str(refused.value)
 
 
+def test_a_chain_corrupted_anywhere_is_valid_or_a_credential_error_never_another_exception(pki):
+    """cryptography parses a certificate's key and extensions only when they are read, so a chain
+    that loads can still hold bytes that are no key: every verifier path answers such a chain as
+    malformed (the renewal fuzz found one byte in a leaf's key that escaped as a bare ValueError)."""
+    root, issuing, key = pki
+    chain = issue_credential(issuing, key.public_key(), run_id="run-a", role="worker", stage=2, now=NOW,
+                             lifetime_s=3600)
+    leaf = split_pem(chain)[0]
+    verifier = CredentialVerifier(root.pem, "run-a", clock=Clock())
+    body = range(leaf.index(b"\n") + 1, len(leaf) - len(b"-----END CERTIFICATE-----\n"))
+    reasons = set()
+    for at in body:
+        if leaf[at:at + 1] == b"\n":
+            continue
+        for byte in (b"/", b"A"):
+            corrupted = chain[:at] + byte + chain[at + 1:]
+            for judge in (verifier.verify, verifier.verify_issued):
+                try:
+                    judge(corrupted)
+                except CredentialError as error:
+                    reasons.add(error.reason)
+    assert "malformed" in reasons and reasons <= {"malformed", "untrusted", "wrong_run", "wrong_role", "expired",
+                                                  "not_yet_valid", "wrong_stage"}
+
+
 def test_a_cached_verification_still_checks_time(pki):
     root, issuing, key = pki
     clock = Clock()
