@@ -675,8 +675,8 @@ class SwarmTrainer:
 
     def verification_summary(self) -> dict:
         """The verifier's account (the workers it flagged are the stats' `flagged_by_peer`): stage-wide
-        shifts it let pass, replies it left unjudged (computed from a suspected worker's), and the largest CUSUM each worker reached by stage and kind (how close
-        honest traffic came to the bar)."""
+        shifts it let pass, replies it left unjudged (computed from a suspected worker's), and the
+        largest CUSUM each worker reached by stage and kind (how close honest traffic came to the bar)."""
         if self.verifier is None:
             return {"enabled": False}
         return {"enabled": True, "threshold": self.verifier.settings.threshold,

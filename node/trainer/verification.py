@@ -8,6 +8,7 @@ relays every such value, so it can watch them. Design choices:
 
 - **What is measured.** Each reply's frame (batch, seq, wire) in the stage's wire coordinates is
   summarised by a few dimensionless numbers (`reply_features`): the log of its RMS (scale); the
+  share of that RMS in the tokens' differences from their mean (a constant has none); the
   per-coordinate mean over tokens projected on `PROJECTIONS` fixed random unit directions and
   divided by the RMS (direction: a sign flip negates it, a constant or noise shrinks it); and, where
   the call carried a frame the reply answers token for token, the mean per-token cosine between the
@@ -81,7 +82,7 @@ Source = tuple[int, str, str]
 
 # Fixed random directions the per-coordinate mean is projected on.
 PROJECTIONS = 4
-FEATURES = ("log_rms", *(f"direction_{index}" for index in range(PROJECTIONS)), "alignment")
+FEATURES = ("log_rms", "variation", *(f"direction_{index}" for index in range(PROJECTIONS)), "alignment")
 # A standardized deviation counts at most this much (a single wild reply cannot trip a worker).
 Z_CAP = 12.0
 # The smallest spread of a feature (all are dimensionless): a feature that never varies is not
@@ -133,13 +134,15 @@ def reply_features(frame: torch.Tensor, request: torch.Tensor | None, directions
     frame of the reply's shape."""
     rows = frame.reshape(-1, frame.shape[-1]).to(torch.float32)
     rms = float(rows.square().mean().sqrt())
-    direction = directions @ rows.mean(dim=0) / (rms + _EPSILON)
+    mean = rows.mean(dim=0)
+    variation = float((rows - mean).square().mean().sqrt()) / (rms + _EPSILON)
+    direction = directions @ mean / (rms + _EPSILON)
     alignment = math.nan
     if request is not None and request.shape == frame.shape:
         other = request.reshape(-1, request.shape[-1]).to(torch.float32)
         cosine = (rows * other).sum(dim=1) / (rows.norm(dim=1) * other.norm(dim=1) + _EPSILON)
         alignment = float(cosine.mean())
-    return (math.log(rms + _EPSILON), *(float(value) for value in direction), alignment)
+    return (math.log(rms + _EPSILON), variation, *(float(value) for value in direction), alignment)
 
 
 @dataclass(frozen=True)

@@ -23,3 +23,15 @@ def rewrite_replies(worker: StageWorker, rewrite, *, after: int = 0) -> None:
 
 def scaled_output(factor: float):
     return lambda reply: dataclasses.replace(reply, wire=CODEC.encode(CODEC.decode(reply.wire) * factor))
+
+
+def rewritten_output(transform):
+    """A rewrite of a Forward reply's output wire: `transform(output, the previous honest output or None)`."""
+    previous = [None]
+
+    def rewrite(reply):
+        honest = CODEC.decode(reply.wire)
+        lie = transform(honest, previous[0])
+        previous[0] = honest
+        return dataclasses.replace(reply, wire=CODEC.encode(lie))
+    return rewrite

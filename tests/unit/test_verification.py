@@ -97,7 +97,9 @@ def test_the_features_see_scale_sign_and_alignment():
     louder = reply_features(10 * reply, request, directions)
     flipped_reply = reply_features(-reply, request, directions)
     assert louder[0] == pytest.approx(honest[0] + math.log(10), abs=1e-5)
-    assert flipped_reply[1:-1] == pytest.approx(tuple(-value for value in honest[1:-1]), abs=1e-5)
+    assert flipped_reply[2:-1] == pytest.approx(tuple(-value for value in honest[2:-1]), abs=1e-5)
+    assert flipped_reply[1] == pytest.approx(honest[1], abs=1e-5) and 0 < honest[1] < 1
+    assert reply_features(reply.mean(dim=(0, 1), keepdim=True).expand_as(reply), request, directions)[1] < 1e-5
     assert honest[-1] > 0.9 and flipped_reply[-1] < -0.9
     assert math.isnan(reply_features(reply, None, directions)[-1])
 
