@@ -53,7 +53,8 @@ class TrainerOptions:
         True, "hold every worker's replies to its stage's (node/trainer/verification.py): a worker whose values "
         "drift away from the stage's is excluded for the rest of the run and the reply that showed it is not used")
     verify_drift: StrictFloat = setting(
-        3.0, "the verifier's drift allowance: standardized deviations below it add nothing to a worker's CUSUM", gt=0)
+        3.0, "the verifier's drift allowance: standardized deviations below it add nothing to a worker's CUSUM (one "
+        "counts at most 12)", gt=0, lt=12)
     verify_threshold: StrictFloat = setting(
         30.0, "the verifier's bar: a worker is flagged when a CUSUM of its deviations passes it (one reply adds at most "
         "12 minus the drift allowance: more than bar / (12 - drift) replies far off are needed)", gt=0)

@@ -108,8 +108,9 @@ class VerifierSettings:
     window: int = 64
 
     def __post_init__(self) -> None:
-        if not (self.drift > 0 and self.threshold > 0):
-            raise ValueError(f"drift and threshold must be positive, got {self.drift} and {self.threshold}")
+        if not (0 < self.drift < Z_CAP and self.threshold > 0):
+            raise ValueError(f"drift must lie in (0, {Z_CAP:g}) and threshold be positive, got {self.drift} and "
+                             f"{self.threshold}")
         if self.warmup < 2 or self.window < 2:
             raise ValueError(f"warmup and window must be at least 2, got {self.warmup} and {self.window}")
 
