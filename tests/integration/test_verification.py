@@ -77,11 +77,11 @@ def test_a_head_replica_scaling_its_outputs_by_ten_is_flagged_excluded_and_the_r
     assert "output" in stats.flagged_by_peer["s0r1"]
     # One microbatch in flight: every lie was judged before the next call; the one that tripped the
     # verifier was refused (its route aborted and rerun), and the liar was never called again. Tiny's
-    # head output scale varies by about a third between microbatches, so x10 is about 7 spreads off:
-    # 4 over the drift allowance per reply, the bar passed on the 8th (a lie of 12 spreads or more
-    # takes DETECTION_REPLIES).
+    # head output scale varies by a fifth to a third between microbatches, so x10 is 7 to 12 spreads
+    # off: 4 to 9 over the drift allowance per reply, the bar passed on the 4th to the 8th reply (no
+    # lie, however large, before DETECTION_REPLIES; the bound asserted is the unit tests').
     lies = liar_forwards - HONEST_REPLIES
-    assert DETECTION_REPLIES <= lies <= 2 * DETECTION_REPLIES, lies
+    assert DETECTION_REPLIES <= lies <= 4 * DETECTION_REPLIES, lies
     assert stats.failures_by_peer.get("s0r1") == 1 and set(stats.failures_by_peer) == {"s0r1"}
     assert stats.aborts, stats.aborts  # the refused reply's route was aborted
     assert sample_value(stats.registry, "agora_trainer_flagged_workers_total", {"stage": "0", "kind": "output"}) == 1
