@@ -9,7 +9,8 @@
   bans (a peer benched with backoff), aborts by the worker's answer, completed-batch reports a
   worker did not answer or refused (outside its window).
 - Trust in what workers compute: replies refused for values far beyond their stage's recent ones,
-  by stage and frame kind, and workers blamed for values a worker downstream refused, by stage.
+  by stage and frame kind, workers blamed for values a worker downstream refused, by stage, and
+  workers flagged by the trainer's verifier (their replies unlike their stage's), by stage and kind.
 - Flow control (node/worker/flow.py): the microbatches in flight the trainer allows itself now,
   the workers' in-flight credits that bound it, the calls each stage's workers let it have
   outstanding, and the time its calls waited here for a credit, by stage.
@@ -75,6 +76,9 @@ class TrainerMetrics:
                                        ["stage", "kind"], registry=registry)
         self.blamed = Counter("agora_trainer_blamed", "Workers blamed for values they produced that a worker "
                               "downstream refused, by the producer's stage", ["stage"], registry=registry)
+        self.flagged = Counter("agora_trainer_flagged_workers", "Workers excluded for the rest of the run because "
+                               "their replies drifted away from their stage's (by stage and frame kind)",
+                               ["stage", "kind"], registry=registry)
         self.in_flight_limit = Gauge("agora_trainer_in_flight_limit", "Microbatches this trainer allows itself in "
                                      "flight now (the adaptive depth, within its caps)", registry=registry)
         self.in_flight_credits = Gauge("agora_trainer_in_flight_credits", "Microbatches the workers keep for this "

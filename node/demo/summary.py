@@ -146,6 +146,11 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         "calls": sum(s.get("calls", 0) for s in trainer_summaries),
         "busy_share": _busy_share(trainer_summaries),
         "bans": sum(s.get("bans", 0) for s in trainer_summaries),
+        # Workers the trainers' verifiers flagged (the evidence), and the largest CUSUM any worker
+        # reached at any trainer against the bar (how close the run came to flagging someone).
+        "flagged": {peer: evidence for s in trainer_summaries for peer, evidence in s.get("flagged_by_peer", {}).items()},
+        "verification_peak": max((peak for s in trainer_summaries
+                                  for peak in s.get("verification", {}).get("peak_cusum", {}).values()), default=None),
         "averaging_by_stage": _averaging_by_stage(workdir, workers),
         # Each worker's phases and when it entered them (seconds after it started): a replica that
         # joined mid-run shows weight_sync, optimizer_sync, member (node/membership/phases.py).

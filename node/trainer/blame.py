@@ -16,6 +16,11 @@ worker computes and the trainer relays to the next (docs/design.md "A microbatch
   wolf would otherwise get every producer before it banned, so the refuser's claim is then its own
   failure. (While a scale warms up, the refuser is believed: a value that overflows a stage is at
   float32's limit, no honest stage produces it.)
+- A reply within every bound may still be a lie (scaled, sign-flipped, noise, a constant, a replay):
+  the trainer's verifier (node/trainer/verification.py) holds each worker's replies to its stage's.
+  A worker it flags is excluded for the rest of the run (`Roster.exclude`), counted and logged with
+  the evidence, and the reply that showed it is refused like a failed call (`SuspectReply`): the
+  route is abandoned and aborted, the microbatch rerun elsewhere.
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import grpc
+
 from agora.node.trainer.routing import Roster, WorkerView, producer_of_refused
 from agora.node.trainer.stage_client import ExtremeReply, InputRefused, ReplyScales, StageCallError
 from agora.node.trainer.stats import TrainerStats
+from agora.node.trainer.verification import Evidence
 from agora.pipeline.codec import WireCodec
 
-__all__ = ["Blame", "ProducerBlamed"]
+__all__ = ["Blame", "ProducerBlamed", "SuspectReply"]
 
 logger = logging.getLogger("agora.node.trainer")
 
@@ -36,6 +44,16 @@ logger = logging.getLogger("agora.node.trainer")
 class ProducerBlamed(StageCallError):
     """A worker refused the values another worker of the route produced: the failure is the producer's
     (`address`), whose call had succeeded."""
+
+
+class SuspectReply(StageCallError):
+    """The reply decodes and lies within every bound, but its worker's replies drifted away from its
+    stage's: the verifier flagged the worker (`evidence`), and this reply is not used."""
+
+    def __init__(self, evidence: Evidence, *, address: str, method: str):
+        super().__init__(grpc.StatusCode.DATA_LOSS, f"worker flagged: {evidence.describe()}", address=address,
+                         method=method)
+        self.evidence = evidence
 
 
 class Blame:
@@ -50,6 +68,19 @@ class Blame:
         if isinstance(error, ExtremeReply):
             self.stats.extreme_reply(view.peer_id, view.stage, error.kind)
         self._banned(view, self.roster.failed(view.peer_id, self.clock()), error.code.name)
+
+    def suspect(self, view: WorkerView, evidence: Evidence, method: str) -> SuspectReply:
+        """The verifier flagged `view`'s worker on a reply of `method` (first time or again, for a reply
+        still in flight when it was flagged): exclude it for the rest of the run, count and log it
+        once, and return the error that refuses the reply."""
+        if view.peer_id not in self.roster.excluded:
+            self.roster.exclude(view.peer_id)
+            self.stats.flagged(view.peer_id, view.stage, evidence.kind, evidence.describe())
+            logger.warning("stage %d worker %s flagged and excluded for the rest of the run: %s", view.stage,
+                           view.endpoint, evidence.describe(),
+                           extra={"milestone": "worker_flagged",
+                                  "fields": {"endpoint": view.endpoint, **evidence.fields()}})
+        return SuspectReply(evidence, address=view.endpoint, method=method)
 
     def refused_input(self, refusal: InputRefused, route: list[WorkerView], stage: int, frame: bytes | memoryview,
                       backward: bool) -> StageCallError:

@@ -135,6 +135,8 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "extreme_replies_by_peer": trainer.stats.extreme_replies_by_peer,
                 "blamed_by_peer": trainer.stats.blamed_by_peer,
                 "reply_scales": trainer.scales.summary(),
+                "flagged_by_peer": trainer.stats.flagged_by_peer,
+                "verification": trainer.verification_summary(),
                 "aborts": trainer.stats.aborts, "batch_reports_failed": trainer.stats.batch_reports_failed,
                 "batch_reports_refused": trainer.stats.batch_reports_refused,
                 "units": trainer.stats.units(),

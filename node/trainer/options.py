@@ -49,6 +49,17 @@ class TrainerOptions:
         "microbatch rerouted", gt=1)
     reply_bound_warmup: StrictInt = setting(
         32, "replies of a stage (of each kind) accepted before that bound applies", ge=1)
+    verify_replies: StrictBool = setting(
+        True, "hold every worker's replies to its stage's (node/trainer/verification.py): a worker whose values "
+        "drift away from the stage's is excluded for the rest of the run and the reply that showed it is not used")
+    verify_drift: StrictFloat = setting(
+        3.0, "the verifier's drift allowance: standardized deviations below it add nothing to a worker's CUSUM (one "
+        "counts at most 12)", gt=0, lt=12)
+    verify_threshold: StrictFloat = setting(
+        30.0, "the verifier's bar: a worker is flagged when a CUSUM of its deviations passes it (one reply adds at most "
+        "12 minus the drift allowance: more than bar / (12 - drift) replies far off are needed)", gt=0)
+    verify_warmup: StrictInt = setting(
+        32, "replies of a stage (of each kind) accepted before the verifier judges any", ge=2)
     wire_dtype: Literal["fp32", "bf16", "fp16", "int8"] = setting(
         "fp32", "encoding of the boundary tensors this trainer sends (it decodes any)", flag="--wire-dtype")
     heartbeat_s: StrictFloat = setting(5.0, "seconds between announces of this trainer's progress in the DHT",

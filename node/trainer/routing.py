@@ -35,6 +35,10 @@ Blame. A worker may refuse a frame for values another worker produced (node/repl
 `ExtremeInput`); `producer_of_refused` says which worker of the route that was, and the trainer
 counts the failure against it (`Roster.blamed`: its call had returned) rather than the refuser.
 
+Exclusion. A worker whose replies the trainer's verifier flagged (node/trainer/verification.py) is
+excluded for the rest of the run: it is in no stage's list, so it is neither picked, counted as a
+replica, nor told of completed batches, whatever its record says.
+
 Credits (flow control, node/worker/flow.py). Every reply of a worker says how many calls this
 trainer may have outstanding there (`credits`) and how many of its microbatches the worker keeps
 between Forward and Backward (`in_flight_credits`); before the first reply, what the worker's
@@ -187,6 +191,9 @@ class Roster:
     ban_base_s: float = 2.0
     ban_max_s: float = 120.0
     workers: dict[str, WorkerView] = field(default_factory=dict)
+    # Peers this trainer no longer routes to for the rest of the run (whatever their records say):
+    # their replies were found to be lies (node/trainer/verification.py).
+    excluded: set[str] = field(default_factory=set)
 
     def refresh(self, announced: list[WorkerView]) -> None:
         """Replace the DHT-derived fields; keep local observations of workers still present."""
@@ -204,7 +211,12 @@ class Roster:
         self.workers = fresh
 
     def of_stage(self, stage: int) -> list[WorkerView]:
-        return [v for v in self.workers.values() if v.stage == stage]
+        """The workers of `stage` this trainer routes to (excluded peers are not among them)."""
+        return [v for v in self.workers.values() if v.stage == stage and v.peer_id not in self.excluded]
+
+    def exclude(self, peer_id: str) -> None:
+        """Never route to this peer again in this run."""
+        self.excluded.add(peer_id)
 
     def replicas(self, stage: int) -> int:
         """Replicas of `stage` sharing its work now: routable, and their last call did not fail (at least 1)."""

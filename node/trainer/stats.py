@@ -31,6 +31,8 @@ class TrainerStats:
         # worker whose output they refused (node/trainer/trainer.py), per peer.
         self.extreme_replies_by_peer: dict[str, int] = {}
         self.blamed_by_peer: dict[str, int] = {}
+        # Workers the verifier flagged (node/trainer/verification.py), with the evidence, per peer.
+        self.flagged_by_peer: dict[str, str] = {}
         # Where a training microbatch's time goes on the trainer's side (evaluation not counted): this
         # process's CPU time during `run`, each microbatch's wall time from its first pick to its loss,
         # and the part of that spent in calls (round trips); the rest is picking a route, waiting for
@@ -83,6 +85,12 @@ class TrainerStats:
         self.metrics.blamed.labels(stage=str(stage)).inc()
         with self._lock:
             self.blamed_by_peer[peer] = self.blamed_by_peer.get(peer, 0) + 1
+
+    def flagged(self, peer: str, stage: int, kind: str, evidence: str) -> None:
+        """The verifier flagged `peer` (a worker of `stage`) on its `kind` replies; it is excluded."""
+        self.metrics.flagged.labels(stage=str(stage), kind=kind).inc()
+        with self._lock:
+            self.flagged_by_peer[peer] = evidence
 
     def depth(self, limit: int, credit_cap: int | None, stage_credits: list[int]) -> None:
         """The in-flight limit now, the workers' in-flight credits bounding it (None: none states one)

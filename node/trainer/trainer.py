@@ -10,6 +10,9 @@ attempt, so a late reply of the abandoned route can never be confused with the n
 failure is counted against the worker at fault (node/trainer/blame.py): a reply whose values lie
 far beyond its stage's recent ones is refused before it is relayed, and a worker refusing the
 values the worker before (or after) it produced gets that producer blamed and excluded, not itself.
+Every reply that passes those checks is also held to its stage's other replies by the verifier
+(node/trainer/verification.py) before it is relayed: a worker whose replies drift away from its
+stage's is excluded for the rest of the run, and the reply that showed it fails its route.
 
 How much is in flight is the asynchronous pipeline's one real trade-off. A microbatch started
 before a worker steps is finished with newer weights: the staleness is about (microbatches in
@@ -75,6 +78,7 @@ from agora.node.trainer.stage_client import (
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.turns import AccumulationOrder
 from agora.node.trainer.units import FixedUnits, UnitSource
+from agora.node.trainer.verification import ReplyVerifier, Source, VerifierSettings
 from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.pipeline.centralized import StepRecord
 from agora.pipeline.codec import WireCodec
@@ -134,6 +138,10 @@ class SwarmTrainer:
         # Each stage's recent reply values, which a reply's must stay near (node/trainer/stage_client.py).
         self.scales = ReplyScales(options.reply_bound_factor, options.reply_bound_warmup)
         self.blame = Blame(self.roster, self.stats, self.scales, self.codec, clock)
+        # What each stage's workers send, per worker, against their stage's (None: not checked).
+        self.verifier = ReplyVerifier(VerifierSettings(
+            drift=options.verify_drift, threshold=options.verify_threshold, warmup=options.verify_warmup,
+            window=max(2 * options.verify_warmup, 64))) if options.verify_replies else None
         self._clients: dict[str, StageClient] = {}
         self._last_refresh = float("-inf")
         self._refresh_lock = asyncio.Lock()
@@ -334,6 +342,7 @@ class SwarmTrainer:
         started = self.clock()
         compute = [0.0] * self.n_stages  # each stage's compute on this microbatch, and all its queueing
         queued = 0.0  # at the workers and here, waiting for their credits
+        upstream: list[Source] = []  # the replies this microbatch's next ones are computed from
         for stage in range(self.n_stages):
             stage_shares = None if shares is None else shares[stage]
             tail = stage == self.n_stages - 1
@@ -351,11 +360,13 @@ class SwarmTrainer:
             # its turn never holds a credit the one before it needs.
             try:
                 async with (turn(stage) if tail and turn is not None else contextlib.nullcontext()):
-                    _, result, waited = await self._call_stage(
+                    worker, result, waited = await self._call_stage(
                         stage, functools.partial(self._pick, stage, exclude, stage_shares), forward,
                         training=not evaluate, route=route, unpick=unpick)
             except InputRefused as refusal:
                 raise self.blame.refused_input(refusal, route, stage, wire or b"", backward=False) from None
+            self._verify(worker, "output", result.wire_frame, wire, "Forward", upstream)
+            self._verify(worker, "input_grad", result.grad_frame, wire, "Forward", upstream)
             if result.repeat:
                 self.stats.repeated(stage)
             wire = result.wire_frame
@@ -372,10 +383,11 @@ class SwarmTrainer:
 
             try:
                 async with (turn(stage) if turn is not None else contextlib.nullcontext()):
-                    _, back, waited = await self._call_stage(stage, functools.partial(self._pinned, route[stage]),
-                                                             backward, training=True)
+                    worker, back, waited = await self._call_stage(
+                        stage, functools.partial(self._pinned, route[stage]), backward, training=True)
             except InputRefused as refusal:
                 raise self.blame.refused_input(refusal, route, stage, grad, backward=True) from None
+            self._verify(worker, "input_grad", back.grad_frame, grad, "Backward", upstream)
             if back.repeat:
                 self.stats.repeated(stage)
             grad = back.grad_frame
@@ -385,6 +397,20 @@ class SwarmTrainer:
                 on_stage_done(stage)
         await self._observe_depth(self.clock() - started, compute, queued)
         return float(result.loss)
+
+    def _verify(self, view: WorkerView, kind: str, frame: bytes | memoryview, request: bytes | memoryview | None,
+                method: str, upstream: list[Source]) -> None:
+        """Hold one reply's `kind` frame (none: nothing to hold) to its stage's; `request`: the frame the
+        call carried that the reply answers token for token (a Forward's wire, a Backward's output
+        gradient); `upstream`: the route's replies it was computed from, to which it is added. Raises
+        `SuspectReply` when its worker is (or was already) flagged."""
+        if self.verifier is None or not frame:
+            return
+        features = self.verifier.features(self.codec.decode(frame), self.codec.decode(request) if request else None)
+        evidence = self.verifier.observe(view.stage, kind, view.peer_id, features, upstream)
+        if evidence is not None:
+            raise self.blame.suspect(view, evidence, method)
+        upstream.append((view.stage, kind, view.peer_id))
 
     async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:
         """Feed one training microbatch to the depth estimate and resize the in-flight limit."""
@@ -646,6 +672,17 @@ class SwarmTrainer:
                 "stage_compute_ms": [round(1e3 * c, 2) for c in estimate.stage_compute_s],
                 "credit_cap": self.roster.in_flight_cap(self.n_stages),
                 "stage_credits": self.roster.stage_credits(self.n_stages)}
+
+    def verification_summary(self) -> dict:
+        """The verifier's account (the workers it flagged are the stats' `flagged_by_peer`): stage-wide
+        shifts it let pass, replies it left unjudged (computed from a suspected worker's), and the
+        largest CUSUM each worker reached by stage and kind (how close honest traffic came to the bar)."""
+        if self.verifier is None:
+            return {"enabled": False}
+        return {"enabled": True, "threshold": self.verifier.settings.threshold,
+                "shifts": self.verifier.shifts, "tainted": self.verifier.tainted,
+                "peak_cusum": {f"{stage}/{kind}/{peer}": round(peak, 2)
+                               for (stage, kind, peer), peak in sorted(self.verifier.peaks().items())}}
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
         """Mean held-out loss through the swarm (forward only: nothing stashed or accumulated). Its

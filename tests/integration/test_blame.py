@@ -31,6 +31,7 @@ from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import PRESETS
 from agora.pipeline.data import build_data
+from lying_workers import rewrite_replies, scaled_output
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -53,17 +54,6 @@ def data():
     return build_data(CONFIG)
 
 
-def _rewrite_replies(worker: StageWorker, rewrite, *, after: int = 0) -> None:
-    """From its `after`-th Forward on, the worker's replies go through `rewrite` (a liar)."""
-    forward, served = worker.compute.forward, [0]
-
-    def lying(request, **caller):
-        reply = forward(request, **caller)
-        served[0] += 1
-        return rewrite(reply) if served[0] > after and not request.evaluate else reply
-    worker.compute.forward = lying
-
-
 def _record_largest_wire(worker: StageWorker) -> list[float]:
     """The largest |value| of every wire the worker was sent."""
     forward, seen = worker.compute.forward, []
@@ -73,10 +63,6 @@ def _record_largest_wire(worker: StageWorker) -> list[float]:
         return forward(request, **caller)
     worker.compute.forward = recording
     return seen
-
-
-def _scaled_output(factor: float):
-    return lambda reply: dataclasses.replace(reply, wire=CODEC.encode(CODEC.decode(reply.wire) * factor))
 
 
 def _limit(field: str):
@@ -114,7 +100,7 @@ def test_a_worker_whose_outputs_turn_a_million_times_larger_is_refused_before_th
     bound, stage 1 got every lie: a tiny tail normalises its input and computes on), the liar is
     counted and banned, and the run ends on the honest head."""
     def prepare(workers):
-        _rewrite_replies(workers["s0r1"], _scaled_output(1e6), after=2)
+        rewrite_replies(workers["s0r1"], scaled_output(1e6), after=2)
         return _record_largest_wire(workers["s1r0"])
 
     options = TrainerOptions(run_id="test", max_in_flight=1, reply_bound_warmup=4)
@@ -139,7 +125,7 @@ def test_a_worker_that_refuses_what_another_produced_gets_the_producer_blamed_no
     replicas = (2, 1) if stage_of_liar == 0 else (1, 2)
 
     def prepare(workers):
-        _rewrite_replies(workers[liar], _limit("wire" if stage_of_liar == 0 else "input_grad"))
+        rewrite_replies(workers[liar], _limit("wire" if stage_of_liar == 0 else "input_grad"))
 
     options = TrainerOptions(run_id="test", max_in_flight=1, reply_bound_warmup=10**6)
     records, stats, workers, _ = asyncio.run(_train(data, replicas, prepare, options))
@@ -158,7 +144,7 @@ def test_a_worker_crying_wolf_over_an_ordinary_wire_fails_itself_and_its_produce
     def prepare(workers):
         def crying(reply):
             raise ExtremeInput("wire: the request's values overflowed it (a lie)", "wire")
-        _rewrite_replies(workers["s1r1"], crying, after=2)
+        rewrite_replies(workers["s1r1"], crying, after=2)
 
     options = TrainerOptions(run_id="test", max_in_flight=1, reply_bound_warmup=2)
     records, stats, workers, _ = asyncio.run(_train(data, (1, 2), prepare, options))

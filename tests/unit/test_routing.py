@@ -61,6 +61,18 @@ def test_a_blamed_worker_is_banned_like_a_failed_one_without_a_call_to_release()
     assert roster.choose(0, now=1.0).peer_id == "b" and roster.blamed("gone", now=0) == 0.0
 
 
+def test_an_excluded_worker_is_never_routed_counted_or_listed_again_whatever_its_record_says():
+    roster = Roster(microbatch_size=4)
+    roster.refresh([WorkerView("a", "h:1", 0, announced_samples_per_s=50.0),
+                    WorkerView("b", "h:2", 0, announced_samples_per_s=100.0)])
+    assert roster.choose(0, now=0.0).peer_id == "b" and roster.replicas(0) == 2
+    roster.exclude("b")
+    roster.refresh([WorkerView("a", "h:1", 0, announced_samples_per_s=50.0),
+                    WorkerView("b", "h:3", 0, announced_samples_per_s=1000.0)])  # a new address, a fresh record
+    assert [v.peer_id for v in roster.of_stage(0)] == ["a"] and roster.replicas(0) == 1
+    assert roster.choose(0, now=1e9).peer_id == "a"
+
+
 def test_a_refused_frame_is_the_producer_s_only_when_the_call_carried_it_from_another_worker():
     """A Forward's wire comes from the stage before, a Backward's output gradient from the stage after;
     a claim about a frame the call did not carry (a head's wire, a Forward's output_grad) names none."""

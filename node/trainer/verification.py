@@ -1,0 +1,322 @@
+"""`ReplyVerifier`: whether what a worker computes looks like what its stage's other workers compute.
+
+Format checks (the codec) and the scale bound (pipeline/wire_scale.py) stop values no honest stage
+produces; a worker that scales its outputs by ten, flips the sign of its gradients, adds noise at the
+signal's scale, sends a constant or replays the previous microbatch's reply passes both, and its
+values flow into every later stage (activations) or every earlier one (gradients). The trainer
+relays every such value, so it can watch them. Design choices:
+
+- **What is measured.** Each reply's frame (batch, seq, wire) in the stage's wire coordinates is
+  summarised by a few dimensionless numbers (`reply_features`): the log of its RMS (scale); the
+  share of that RMS in the tokens' differences from their mean (a constant has none); the
+  per-coordinate mean over tokens projected on `PROJECTIONS` fixed random unit directions and
+  divided by the RMS (direction: a sign flip negates it, a constant or noise shrinks it); and, where
+  the call carried a frame the reply answers token for token, the mean per-token cosine between the
+  two (the relation of a reply to its request: a body's output to its input wire, both residual
+  streams; a Backward's input gradient to the output gradient it was given; a tail's input
+  gradient to its input wire). A replayed reply keeps every marginal statistic and loses that
+  alignment. Cost: one decode and a few passes over the frame per reply.
+- **The reference.** Per stage and frame kind ("output", "input_grad"), the features of the last
+  `window` accepted replies of all the stage's workers, pooled: the median of its newest quarter
+  is the centre (a short lag behind drift), the MAD of the whole window (times 1.4826, floored at
+  `SPREAD_FLOOR`) the spread (wide enough to hold the window's drift as well as the noise between
+  microbatches). For values drifting steadily through the window the newest reply then stands about
+  a third of a spread off. Medians cannot be moved by a minority of the window's replies, however
+  extreme, so with three or more replicas one liar cannot shift the reference; with two, a liar's
+  replies stay out of it from the moment its CUSUM is half-way to the bar (and the reply that trips
+  it never enters, as `WireScale` keeps refused frames out), so it trips before it owns the median.
+  Early in a run, while values still move fast, the spread is wide and a lie needs more replies.
+- **The test.** Per worker, for each feature, a two-sided CUSUM (Page, "Continuous inspection
+  schemes", Biometrika 1954) over the reply's standardized deviation z, clipped at `Z_CAP`:
+  S+ = max(0, S+ + z - k), S- = max(0, S- - z - k), tripping at S > h. With k = 3 and h = 30
+  an honest worker (z mostly within 2) accumulates nothing, a single wild reply (a loss spike)
+  adds at most 9, and a worker whose every reply is 12 spreads off or more trips on its fourth
+  (`DETECTION_REPLIES`); a lie of z spreads takes about 30 / (z - 3) replies. On tiny's real
+  traffic honest CUSUMs stayed below a third of the bar over 150 steps. Monitoring the
+  activations and gradients crossing stage boundaries with running statistics follows SENTINEL's
+  EMA monitoring of inter-stage values in decentralized pipelines; a per-worker EMA of each
+  feature is kept for the evidence, and each worker's largest CUSUM (`peaks`) shows how close
+  honest traffic comes to the bar.
+- **Whose shift it is.** When a worker trips, the stage's other recently active workers are
+  looked at: if at least half of them are half-way to tripping the same feature in the same
+  direction, the stage as a whole has moved (the data, the weights after a step or an averaging
+  round) and nobody is flagged: every CUSUM of that stage and kind restarts at 0 (`shifts` counts
+  it). Otherwise the worker is flagged for good, with its evidence, and every later reply of it
+  is refused.
+- **Whose lie it is.** A lie flows on: a head's outputs scaled by ten make the tail's input
+  gradient ten times smaller, and a tail judged on that would be flagged as fast as the liar (or
+  faster, if its values vary less). So a reply computed from a suspected worker's (one whose
+  CUSUM reached a tenth of the bar) is not judged at all: `observe` is told which replies of the
+  microbatch's route came before it (`upstream`), and while one of their workers is suspected,
+  the reply is used, its worker's statistics untouched (`tainted` counts it). The liar alone
+  accumulates evidence; honest workers downstream wait, at the cost of a few unjudged replies
+  while an honest upstream worker's CUSUM is above a tenth of the bar.
+- Nothing is judged before the stage and kind have `warmup` accepted replies.
+
+With one worker on a stage the pooled reference is that worker's own recent history: a sudden
+change of its scale or direction, or of a reply's relation to its request, is still caught. What
+this cannot catch then: a worker lying from its first reply (its history is the lie), a lie grown
+so slowly that it looks like drift, a sole head replaying earlier outputs (a head's Forward has
+no request frame to align with), and a stage-wide honest shift cannot be told from a lie. With
+several workers, a colluding majority of a stage's replies owns the median, as in robust averaging.
+
+Pure: no socket, no clock; `reply_features` is the only torch here. One instance per trainer, used
+from its event loop.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+__all__ = ["PROJECTIONS", "FEATURES", "Z_CAP", "SPREAD_FLOOR", "DETECTION_REPLIES", "VerifierSettings",
+           "Evidence", "ReplyVerifier", "Source", "reply_features", "projection_directions"]
+
+# A reply's place: (stage, frame kind, worker).
+Source = tuple[int, str, str]
+
+# Fixed random directions the per-coordinate mean is projected on.
+PROJECTIONS = 4
+FEATURES = ("log_rms", "variation", *(f"direction_{index}" for index in range(PROJECTIONS)), "alignment")
+# A standardized deviation counts at most this much (a single wild reply cannot trip a worker).
+Z_CAP = 12.0
+# The smallest spread of a feature (all are dimensionless): a feature that never varies is not
+# an invitation to flag the first rounding difference.
+SPREAD_FLOOR = 0.02
+_MAD_TO_SIGMA = 1.4826
+# The centre is the median of the newest 1/_RECENT_PART of the window (the spread is the whole window's).
+_RECENT_PART = 4
+_EMA_WEIGHT = 0.1
+# A worker whose CUSUM reached this fraction of the bar is suspected: replies computed from its are
+# not judged (module docstring).
+_SUSPECT_FRACTION = 0.1
+_EPSILON = 1e-30
+
+
+@dataclass(frozen=True)
+class VerifierSettings:
+    """The bar (module docstring): drift allowance k, threshold h, warm-up and window in replies."""
+
+    drift: float = 3.0
+    threshold: float = 30.0
+    warmup: int = 32
+    window: int = 64
+
+    def __post_init__(self) -> None:
+        if not (0 < self.drift < Z_CAP and self.threshold > 0):
+            raise ValueError(f"drift must lie in (0, {Z_CAP:g}) and threshold be positive, got {self.drift} and "
+                             f"{self.threshold}")
+        if self.warmup < 2 or self.window < 2:
+            raise ValueError(f"warmup and window must be at least 2, got {self.warmup} and {self.window}")
+
+
+def _detection_replies(settings: VerifierSettings) -> int:
+    return math.floor(settings.threshold / (Z_CAP - settings.drift)) + 1
+
+
+# Replies of a worker far off in every one of them before it is flagged, under the default bar.
+DETECTION_REPLIES = _detection_replies(VerifierSettings())
+
+
+def projection_directions(width: int) -> torch.Tensor:
+    """`PROJECTIONS` fixed unit vectors of the wire's width (the same on every trainer)."""
+    generator = torch.Generator().manual_seed(width)
+    directions = torch.randn(PROJECTIONS, width, generator=generator, dtype=torch.float64)
+    return (directions / directions.norm(dim=1, keepdim=True)).to(torch.float32)
+
+
+def reply_features(frame: torch.Tensor, request: torch.Tensor | None, directions: torch.Tensor) -> tuple[float, ...]:
+    """The reply's features in `FEATURES` order (module docstring); alignment is NaN without a request
+    frame of the reply's shape."""
+    rows = frame.reshape(-1, frame.shape[-1]).to(torch.float32)
+    rms = float(rows.square().mean().sqrt())
+    mean = rows.mean(dim=0)
+    variation = float((rows - mean).square().mean().sqrt()) / (rms + _EPSILON)
+    direction = directions @ mean / (rms + _EPSILON)
+    alignment = math.nan
+    if request is not None and request.shape == frame.shape:
+        other = request.reshape(-1, request.shape[-1]).to(torch.float32)
+        cosine = (rows * other).sum(dim=1) / (rows.norm(dim=1) * other.norm(dim=1) + _EPSILON)
+        alignment = float(cosine.mean())
+    return (math.log(rms + _EPSILON), variation, *(float(value) for value in direction), alignment)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Why a worker was flagged: the feature whose CUSUM tripped, and where its values stood."""
+
+    stage: int
+    kind: str
+    peer: str
+    feature: str
+    direction: str  # "high" or "low"
+    cusum: float
+    value: float  # the tripping reply's
+    mean: float  # the worker's moving average of the feature
+    centre: float  # the stage's reference
+    spread: float
+    replies: int  # this worker's replies of this kind seen
+
+    def describe(self) -> str:
+        return (f"stage {self.stage} {self.kind}: {self.feature} {self.direction} (CUSUM {self.cusum:.1f} after "
+                f"{self.replies} replies; reply {self.value:.4g}, worker's average {self.mean:.4g}, stage's "
+                f"{self.centre:.4g} +- {self.spread:.3g})")
+
+    def fields(self) -> dict:
+        return {"stage": self.stage, "kind": self.kind, "peer": self.peer, "feature": self.feature,
+                "direction": self.direction, "cusum": round(self.cusum, 2), "value": self.value,
+                "worker_mean": self.mean, "stage_centre": self.centre, "stage_spread": self.spread,
+                "replies": self.replies}
+
+
+@dataclass
+class _WorkerTrack:
+    high: list[float]
+    low: list[float]
+    mean: list[float]
+    replies: int = 0
+    peak: float = 0.0  # the largest CUSUM this worker reached (how close honest traffic comes to the bar)
+    last_seen: int = 0  # the boundary's reply count at this worker's last reply
+    flagged: Evidence | None = None
+
+    @classmethod
+    def fresh(cls) -> "_WorkerTrack":
+        return cls([0.0] * len(FEATURES), [0.0] * len(FEATURES), [math.nan] * len(FEATURES))
+
+    def average(self, features: tuple[float, ...]) -> None:
+        self.replies += 1
+        self.mean = [value if math.isnan(old) else old + _EMA_WEIGHT * (value - old)
+                     for old, value in zip(self.mean, features)]
+
+    def largest(self) -> float:
+        return max(*self.high, *self.low)
+
+    def restart(self) -> None:
+        self.high = [0.0] * len(FEATURES)
+        self.low = [0.0] * len(FEATURES)
+
+
+@dataclass
+class _Boundary:
+    """One stage's frames of one kind: the pooled window and each worker's track."""
+
+    window: deque
+    workers: dict[str, _WorkerTrack] = field(default_factory=dict)
+    replies: int = 0
+
+    def reference(self, index: int) -> tuple[float, float] | None:
+        """The feature's centre (the median of the window's newest part) and spread (module docstring)."""
+        values = [features[index] for features in self.window if not math.isnan(features[index])]
+        if len(values) < 2:
+            return None
+        middle = statistics.median(values)
+        spread = _MAD_TO_SIGMA * statistics.median(abs(value - middle) for value in values)
+        recent = values[-max(2, len(values) // _RECENT_PART):]
+        return statistics.median(recent), max(spread, SPREAD_FLOOR)
+
+
+class ReplyVerifier:
+    """Per (stage, kind, worker) statistics and the CUSUM that flags a worker (module docstring)."""
+
+    def __init__(self, settings: VerifierSettings = VerifierSettings()):
+        self.settings = settings
+        self._boundaries: dict[tuple[int, str], _Boundary] = {}
+        self._directions: dict[int, torch.Tensor] = {}
+        self.shifts = 0  # stage-wide shifts seen (every CUSUM of a boundary restarted)
+        self.tainted = 0  # replies left unjudged: computed from a suspected worker's
+
+    def directions(self, width: int) -> torch.Tensor:
+        if width not in self._directions:
+            self._directions[width] = projection_directions(width)
+        return self._directions[width]
+
+    def features(self, frame: torch.Tensor, request: torch.Tensor | None) -> tuple[float, ...]:
+        return reply_features(frame, request, self.directions(frame.shape[-1]))
+
+    def flagged(self) -> dict[str, Evidence]:
+        """Every flagged worker and the evidence it was flagged on (its first)."""
+        return {peer: track.flagged for boundary in self._boundaries.values()
+                for peer, track in boundary.workers.items() if track.flagged is not None}
+
+    def peaks(self) -> dict[tuple[int, str, str], float]:
+        """The largest CUSUM each (stage, kind, worker) reached."""
+        return {(stage, kind, peer): track.peak for (stage, kind), boundary in self._boundaries.items()
+                for peer, track in boundary.workers.items()}
+
+    def observe(self, stage: int, kind: str, peer: str, features: tuple[float, ...],
+                upstream: Iterable[Source] = ()) -> Evidence | None:
+        """Judge one reply of `peer`, a worker of `stage`: None when it is used (and counted into the
+        stage's reference), else the evidence against its worker (this reply and every later one).
+        `upstream`: the replies of the microbatch's route this one was computed from."""
+        boundary = self._boundaries.get((stage, kind))
+        if boundary is None:
+            boundary = self._boundaries[(stage, kind)] = _Boundary(deque(maxlen=self.settings.window))
+        track = boundary.workers.setdefault(peer, _WorkerTrack.fresh())
+        if track.flagged is not None:
+            return track.flagged
+        if any(self._suspected(source) for source in upstream):
+            self.tainted += 1
+            return None
+        track.average(features)
+        boundary.replies += 1
+        track.last_seen = boundary.replies
+        if len(boundary.window) >= self.settings.warmup:
+            tripped = self._accumulate(boundary, track, features)
+            if tripped is not None:
+                index, side, value = tripped
+                if not self._shared_shift(boundary, peer, index, side):
+                    track.flagged = self._evidence(stage, kind, peer, boundary, track, index, side, value)
+                    return track.flagged
+                self.shifts += 1
+                for other in boundary.workers.values():
+                    other.restart()
+        if track.largest() < self.settings.threshold / 2:  # a worker on its way to a flag is kept out
+            boundary.window.append(features)
+        return None
+
+    def _suspected(self, source: Source) -> bool:
+        stage, kind, peer = source
+        boundary = self._boundaries.get((stage, kind))
+        track = None if boundary is None else boundary.workers.get(peer)
+        return track is not None and track.largest() >= _SUSPECT_FRACTION * self.settings.threshold
+
+    def _accumulate(self, boundary: _Boundary, track: _WorkerTrack,
+                    features: tuple[float, ...]) -> tuple[int, str, float] | None:
+        """Add the reply's deviations to the worker's CUSUMs; the feature and side of the largest one
+        over the threshold, if any."""
+        k, worst = self.settings.drift, None
+        for index, value in enumerate(features):
+            reference = boundary.reference(index)
+            if math.isnan(value) or reference is None:
+                continue
+            centre, spread = reference
+            z = max(-Z_CAP, min(Z_CAP, (value - centre) / spread))
+            track.high[index] = max(0.0, track.high[index] + z - k)
+            track.low[index] = max(0.0, track.low[index] - z - k)
+            track.peak = max(track.peak, track.high[index], track.low[index])
+            for side, cusum in (("high", track.high[index]), ("low", track.low[index])):
+                if cusum > self.settings.threshold and (worst is None or cusum > worst[0]):
+                    worst = (cusum, index, side, value)
+        return None if worst is None else worst[1:]
+
+    def _shared_shift(self, boundary: _Boundary, peer: str, index: int, side: str) -> bool:
+        """Whether at least half the stage's other recently active, unflagged workers (one at least)
+        are half-way to tripping the same feature the same way."""
+        recent = boundary.replies - self.settings.window
+        others = [track for other, track in boundary.workers.items()
+                  if other != peer and track.flagged is None and track.last_seen > recent]
+        half_way = self.settings.threshold / 2
+        moved = [t for t in others if (t.high if side == "high" else t.low)[index] >= half_way]
+        return bool(others) and 2 * len(moved) >= len(others)
+
+    def _evidence(self, stage: int, kind: str, peer: str, boundary: _Boundary, track: _WorkerTrack, index: int,
+                  side: str, value: float) -> Evidence:
+        centre, spread = boundary.reference(index)
+        cusum = (track.high if side == "high" else track.low)[index]
+        return Evidence(stage=stage, kind=kind, peer=peer, feature=FEATURES[index], direction=side, cusum=cusum,
+                        value=value, mean=track.mean[index], centre=centre, spread=spread, replies=track.replies)

@@ -1,0 +1,162 @@
+"""The trainer's verifier (node/trainer/verification.py), without sockets.
+
+Two kinds of traffic: numbers drawn to order (the CUSUM's arithmetic, shifts, taint, warm-up), and
+what tiny's three stages really send while they train in-process with two averaged replicas of the
+body (tests/helpers/reply_traffic.py). The honest run must flag no one; each liar, forked from the
+honest run once its values have settled, must be flagged, and no one else: within
+DETECTION_REPLIES of its replies for a lie of 12 spreads or more, within 4 * DETECTION_REPLIES for
+every lie tried here (tiny's values vary by about a third between microbatches, so a tenfold scale
+is some 7 spreads off).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from agora.node.trainer.verification import (
+    DETECTION_REPLIES,
+    FEATURES,
+    ReplyVerifier,
+    VerifierSettings,
+    projection_directions,
+    reply_features,
+)
+from agora.pipeline.data import build_data
+from reply_traffic import CONFIG, Attack, WatchedTraining, constant, flipped, noisy, scaled, stale
+
+pytestmark = pytest.mark.timeout(300)
+
+HONEST_STEPS = 40  # global batches before a liar forks off: tiny's early drift has passed
+ATTACK_STEPS = 12
+
+
+def _features(rng: random.Random, shift: float = 0.0) -> tuple[float, ...]:
+    return tuple(rng.gauss(shift, 0.1) for _ in FEATURES)
+
+
+def _warm(verifier: ReplyVerifier, rng: random.Random, peers: list[str], replies: int) -> None:
+    for index in range(replies):
+        assert verifier.observe(0, "output", peers[index % len(peers)], _features(rng)) is None
+
+
+def test_a_lie_of_more_than_the_cap_flags_its_worker_after_detection_replies_and_no_one_else():
+    rng, verifier = random.Random(0), ReplyVerifier()
+    peers = ["a", "b", "c"]
+    _warm(verifier, rng, peers, 96)
+    outcomes = []
+    for index in range(3 * DETECTION_REPLIES):
+        peer = peers[index % 3]
+        outcomes.append((peer, verifier.observe(0, "output", peer, _features(rng, 5.0 if peer == "c" else 0.0))))
+    flagged_at = [i for i, (peer, evidence) in enumerate(outcomes) if evidence is not None]
+    assert {outcomes[i][0] for i in flagged_at} == {"c"}
+    assert flagged_at[0] == 3 * (DETECTION_REPLIES - 1) + 2  # c's DETECTION_REPLIES-th lie
+    evidence = verifier.flagged()["c"]
+    assert evidence.direction == "high" and evidence.cusum > verifier.settings.threshold
+    # Flagged for good: every later reply of it is refused, even an honest one.
+    assert verifier.observe(0, "output", "c", _features(rng)) is evidence
+
+
+def test_a_shift_of_the_whole_stage_flags_no_one_and_is_counted():
+    rng, verifier = random.Random(1), ReplyVerifier()
+    peers = ["a", "b", "c"]
+    _warm(verifier, rng, peers, 96)
+    for index in range(200):
+        assert verifier.observe(0, "output", peers[index % 3], _features(rng, 3.0)) is None
+    assert verifier.shifts >= 1 and verifier.flagged() == {}
+
+
+def test_a_reply_computed_from_a_suspected_workers_is_not_judged():
+    """The tail's input gradient after a head's lie moves as much as the lie; it must not count."""
+    rng, verifier = random.Random(2), ReplyVerifier()
+    for index in range(64):
+        verifier.observe(0, "output", "head", _features(rng))
+        verifier.observe(1, "input_grad", "tail", _features(rng))
+    for _ in range(10):
+        verifier.observe(0, "output", "head", _features(rng, 5.0))
+        upstream = [(0, "output", "head")]
+        assert verifier.observe(1, "input_grad", "tail", _features(rng, -5.0), upstream) is None
+    assert set(verifier.flagged()) == {"head"} and verifier.tainted >= DETECTION_REPLIES - 1
+
+
+def test_nothing_is_judged_before_the_warmup():
+    rng, verifier = random.Random(3), ReplyVerifier(VerifierSettings(warmup=32))
+    for index in range(31):
+        assert verifier.observe(0, "output", "a", _features(rng, 100.0 * (index % 2))) is None
+
+
+def test_the_features_see_scale_sign_and_alignment():
+    generator = torch.Generator().manual_seed(0)
+    request = torch.randn(2, 8, 16, generator=generator) + 1.0
+    reply = request + 0.1 * torch.randn(2, 8, 16, generator=generator)
+    directions = projection_directions(16)
+    honest = reply_features(reply, request, directions)
+    louder = reply_features(10 * reply, request, directions)
+    flipped_reply = reply_features(-reply, request, directions)
+    assert louder[0] == pytest.approx(honest[0] + math.log(10), abs=1e-5)
+    assert flipped_reply[2:-1] == pytest.approx(tuple(-value for value in honest[2:-1]), abs=1e-5)
+    assert flipped_reply[1] == pytest.approx(honest[1], abs=1e-5) and 0 < honest[1] < 1
+    assert reply_features(reply.mean(dim=(0, 1), keepdim=True).expand_as(reply), request, directions)[1] < 1e-5
+    assert honest[-1] > 0.9 and flipped_reply[-1] < -0.9
+    assert math.isnan(reply_features(reply, None, directions)[-1])
+
+
+# ------------------------------------------------------------------ tiny's real traffic
+
+
+@pytest.fixture(scope="module")
+def data():
+    return build_data(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def honest(data):
+    """The honest run, stopped once its values settled; each liar forks from it."""
+    torch.set_num_threads(1)
+    training = WatchedTraining(seed=0)
+    training.train(HONEST_STEPS, data)
+    return training
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_honest_replicas_drifting_through_training_and_averaging_are_never_flagged(data, seed):
+    """150 global batches (600 replies per stage and kind, a loss from 5.6 to about 2.5), two body
+    replicas that step on their own shares and are averaged every third step."""
+    outcome = WatchedTraining(seed=seed).train(150, data)
+    assert outcome.flagged == {} and outcome.reroutes == 0
+    threshold = VerifierSettings().threshold
+    assert max(outcome.peaks.values()) < threshold / 2, outcome.peaks  # how close honest traffic comes
+
+
+LIES = {
+    "output_x10": ("b1", "output", scaled(10.0)),
+    "output_noise": ("b1", "output", noisy),
+    "output_constant": ("b1", "output", constant),
+    "output_stale": ("b1", "output", stale),
+    "output_sign": ("b1", "output", flipped),
+    "gradient_sign": ("b1", "input_grad", flipped),
+    "gradient_x10": ("b1", "input_grad", scaled(10.0)),
+    "gradient_noise": ("b1", "input_grad", noisy),
+    "gradient_stale": ("b1", "input_grad", stale),
+}
+
+
+@pytest.mark.parametrize("lie", sorted(LIES))
+def test_a_body_replica_that_lies_is_flagged_and_its_honest_twin_is_not(honest, data, lie):
+    peer, kind, rewrite = LIES[lie]
+    outcome = honest.fork(Attack(peer, kind, rewrite)).train(ATTACK_STEPS, data)
+    assert set(outcome.flagged) == {peer}, outcome.flagged
+    assert outcome.flagged[peer].kind in (kind, "input_grad")  # a lie in an output also skews its Backward
+    assert 1 <= outcome.lies <= 4 * DETECTION_REPLIES, outcome.lies
+    assert outcome.reroutes >= 1  # the reply that tripped it was not used: its microbatch ran on b0
+
+
+@pytest.mark.parametrize("peer, kind", [("t", "input_grad"), ("h", "output")], ids=["tail", "head"])
+def test_a_sole_worker_that_scales_its_replies_is_caught_by_its_own_history(honest, data, peer, kind):
+    outcome = honest.fork(Attack(peer, kind, scaled(10.0))).train(ATTACK_STEPS, data)
+    assert set(outcome.flagged) == {peer}, outcome.flagged
+    assert outcome.flagged[peer].feature == "log_rms" and outcome.lies <= 2 * DETECTION_REPLIES
