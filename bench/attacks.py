@@ -1,7 +1,7 @@
 """What the trainer's verifier stops, over real gRPC: one head replica lying, against a clean run.
 
 tiny, two stages: two head replicas and one tail, StageWorkers on loopback and one SwarmTrainer
-(the harness of tests/integration/test_verification.py). One head replica answers honestly for
+(the harness of tests/integration/test_reply_verification.py). One head replica answers honestly for
 `--honest` Forwards, then lies in one way (x10, its output's sign flipped, noise at the output's
 scale, a constant, its previous output replayed). Per behaviour: whether it was flagged (and who
 was), after how many lies, the microbatches rerouted, and the held-out loss against the clean
