@@ -53,7 +53,8 @@ relays every such value, so it can watch them. Design choices:
   while an honest upstream worker's CUSUM is above a tenth of the bar.
 - Nothing is judged before the stage and kind have `warmup` accepted replies.
 
-With one worker on a stage the pooled reference is that worker's own recent history: a sudden
+With one worker on a stage the pooled reference is that worker's own recent history, its spread
+floored at `LONE_SPREAD_FLOOR` (training's own trends are narrow next to it): a sudden large
 change of its scale or direction, or of a reply's relation to its request, is still caught. What
 this cannot catch then: a worker lying from its first reply (its history is the lie), a lie grown
 so slowly that it looks like drift, a sole head replaying earlier outputs (a head's Forward has
@@ -74,7 +75,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["PROJECTIONS", "FEATURES", "Z_CAP", "SPREAD_FLOOR", "DETECTION_REPLIES", "VerifierSettings",
+__all__ = ["PROJECTIONS", "FEATURES", "Z_CAP", "SPREAD_FLOOR", "LONE_SPREAD_FLOOR", "DETECTION_REPLIES", "VerifierSettings",
            "Evidence", "ReplyVerifier", "Source", "reply_features", "projection_directions"]
 
 # A reply's place: (stage, frame kind, worker).
@@ -88,6 +89,12 @@ Z_CAP = 12.0
 # The smallest spread of a feature (all are dimensionless): a feature that never varies is not
 # an invitation to flag the first rounding difference.
 SPREAD_FLOOR = 0.02
+# The smallest spread when a worker is alone on its stage: its reference is its own recent history,
+# whose spread can be far narrower than what training moves it by (a lone tail's input gradients
+# shrank 1.6x over a few batches as the loss fell, 12 of its own spreads). A quarter in every
+# feature (log-RMS: a 1.3x change) keeps such trends under the drift allowance, while a x10 lie
+# (2.3 in log-RMS) or a flipped sign (about 2 in alignment) still counts 8-9 spreads a reply.
+LONE_SPREAD_FLOOR = 0.25
 _MAD_TO_SIGMA = 1.4826
 # The centre is the median of the newest 1/_RECENT_PART of the window (the spread is the whole window's).
 _RECENT_PART = 4
@@ -209,15 +216,16 @@ class _Boundary:
     workers: dict[str, _WorkerTrack] = field(default_factory=dict)
     replies: int = 0
 
-    def reference(self, index: int) -> tuple[float, float] | None:
-        """The feature's centre (the median of the window's newest part) and spread (module docstring)."""
+    def reference(self, index: int, floor: float = SPREAD_FLOOR) -> tuple[float, float] | None:
+        """The feature's centre (the median of the window's newest part) and spread (module docstring),
+        the spread at least `floor`."""
         values = [features[index] for features in self.window if not math.isnan(features[index])]
         if len(values) < 2:
             return None
         middle = statistics.median(values)
         spread = _MAD_TO_SIGMA * statistics.median(abs(value - middle) for value in values)
         recent = values[-max(2, len(values) // _RECENT_PART):]
-        return statistics.median(recent), max(spread, SPREAD_FLOOR)
+        return statistics.median(recent), max(spread, floor)
 
 
 class ReplyVerifier:
@@ -290,8 +298,9 @@ class ReplyVerifier:
         """Add the reply's deviations to the worker's CUSUMs; the feature and side of the largest one
         over the threshold, if any."""
         k, worst = self.settings.drift, None
+        floor = SPREAD_FLOOR if self._others(boundary, track) else LONE_SPREAD_FLOOR
         for index, value in enumerate(features):
-            reference = boundary.reference(index)
+            reference = boundary.reference(index, floor)
             if math.isnan(value) or reference is None:
                 continue
             centre, spread = reference
@@ -307,16 +316,21 @@ class ReplyVerifier:
     def _shared_shift(self, boundary: _Boundary, peer: str, index: int, side: str) -> bool:
         """Whether at least half the stage's other recently active, unflagged workers (one at least)
         are half-way to tripping the same feature the same way."""
-        recent = boundary.replies - self.settings.window
-        others = [track for other, track in boundary.workers.items()
-                  if other != peer and track.flagged is None and track.last_seen > recent]
+        others = self._others(boundary, boundary.workers[peer])
         half_way = self.settings.threshold / 2
         moved = [t for t in others if (t.high if side == "high" else t.low)[index] >= half_way]
         return bool(others) and 2 * len(moved) >= len(others)
 
+    def _others(self, boundary: _Boundary, track: _WorkerTrack) -> list[_WorkerTrack]:
+        """The stage's other unflagged workers with a reply in the window's span."""
+        recent = boundary.replies - self.settings.window
+        return [other for other in boundary.workers.values()
+                if other is not track and other.flagged is None and other.last_seen > recent]
+
     def _evidence(self, stage: int, kind: str, peer: str, boundary: _Boundary, track: _WorkerTrack, index: int,
                   side: str, value: float) -> Evidence:
-        centre, spread = boundary.reference(index)
+        floor = SPREAD_FLOOR if self._others(boundary, track) else LONE_SPREAD_FLOOR
+        centre, spread = boundary.reference(index, floor)
         cusum = (track.high if side == "high" else track.low)[index]
         return Evidence(stage=stage, kind=kind, peer=peer, feature=FEATURES[index], direction=side, cusum=cusum,
                         value=value, mean=track.mean[index], centre=centre, spread=spread, replies=track.replies)

@@ -69,6 +69,23 @@ def test_a_shift_of_the_whole_stage_flags_no_one_and_is_counted():
     assert verifier.shifts >= 1 and verifier.flagged() == {}
 
 
+def test_a_sole_worker_whose_replies_trend_as_training_moves_them_is_not_flagged():
+    """A lone tail's input gradients shrank 1.6x over a few batches as the loss fell, while each
+    batch's replies sat close together: against its own narrow history that was 12 spreads, and an
+    honest sole worker (its stage's only one) was excluded and the run stalled. Alone, a worker's
+    spread is floored at LONE_SPREAD_FLOOR; a x10 jump is still caught."""
+    rng, verifier = random.Random(4), ReplyVerifier()
+    for index in range(8 * 32):  # batches of 32 replies a step apart, each 1.6x smaller: log-RMS -0.5
+        step = index // 32
+        features = tuple(-0.5 * step + rng.gauss(0.0, 0.03) for _ in FEATURES)
+        assert verifier.observe(0, "input_grad", "tail", features) is None, index
+    liar = ReplyVerifier()
+    for index in range(64):
+        assert liar.observe(0, "output", "head", _features(rng)) is None
+    outcomes = [liar.observe(0, "output", "head", _features(rng, math.log(10.0))) for _ in range(2 * DETECTION_REPLIES)]
+    assert any(outcome is not None for outcome in outcomes)
+
+
 def test_a_reply_computed_from_a_suspected_workers_is_not_judged():
     """The tail's input gradient after a head's lie moves as much as the lie; it must not count."""
     rng, verifier = random.Random(2), ReplyVerifier()
