@@ -164,7 +164,8 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     checkpoint (only on a clean leave: a start that failed halfway has no state worth keeping). Two
     steps must come before all of that and are pushed last so that they run first (`withdraw`):
     nothing may decide a phase or a move any more, and the record is withdrawn while averaging
-    still winds down, so trainers stop routing here as early as possible.
+    still winds down, so trainers stop routing here as early as possible. The renewer stops as the
+    leave begins: a credential outlasts a leave, and at a run's end the authorizer is going too.
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -275,6 +276,8 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         if revoked:
             logger.error("leaving the run: the credential was revoked (%s)", revoked[0])
         logger.info("leaving: withdrawing the record, finishing in-flight work")
+        if renewer is not None:
+            await renewer.stop()
         left_phase.append(worker.phase)
         worker.phase = Phase.LEAVING
     if averaging is not None:
