@@ -365,8 +365,9 @@ class SwarmTrainer:
                         training=not evaluate, route=route, unpick=unpick)
             except InputRefused as refusal:
                 raise self.blame.refused_input(refusal, route, stage, wire or b"", backward=False) from None
-            self._verify(worker, "output", result.wire_frame, wire, "Forward", upstream)
-            self._verify(worker, "input_grad", result.grad_frame, wire, "Forward", upstream)
+            request = self._verified_request(wire)  # decoded once for both of the reply's frames
+            self._verify(worker, "output", result.wire_frame, request, "Forward", upstream)
+            self._verify(worker, "input_grad", result.grad_frame, request, "Forward", upstream)
             if result.repeat:
                 self.stats.repeated(stage)
             wire = result.wire_frame
@@ -387,7 +388,7 @@ class SwarmTrainer:
                         stage, functools.partial(self._pinned, route[stage]), backward, training=True)
             except InputRefused as refusal:
                 raise self.blame.refused_input(refusal, route, stage, grad, backward=True) from None
-            self._verify(worker, "input_grad", back.grad_frame, grad, "Backward", upstream)
+            self._verify(worker, "input_grad", back.grad_frame, self._verified_request(grad), "Backward", upstream)
             if back.repeat:
                 self.stats.repeated(stage)
             grad = back.grad_frame
@@ -398,15 +399,19 @@ class SwarmTrainer:
         await self._observe_depth(self.clock() - started, compute, queued)
         return float(result.loss)
 
-    def _verify(self, view: WorkerView, kind: str, frame: bytes | memoryview, request: bytes | memoryview | None,
+    def _verified_request(self, frame: bytes | memoryview | None) -> torch.Tensor | None:
+        """A call's request frame decoded for the verifier (None: no frame, or nothing is verified)."""
+        return self.codec.decode(frame) if self.verifier is not None and frame else None
+
+    def _verify(self, view: WorkerView, kind: str, frame: bytes | memoryview, request: torch.Tensor | None,
                 method: str, upstream: list[Source]) -> None:
-        """Hold one reply's `kind` frame (none: nothing to hold) to its stage's; `request`: the frame the
-        call carried that the reply answers token for token (a Forward's wire, a Backward's output
-        gradient); `upstream`: the route's replies it was computed from, to which it is added. Raises
-        `SuspectReply` when its worker is (or was already) flagged."""
+        """Hold one reply's `kind` frame (none: nothing to hold) to its stage's; `request`: the decoded
+        frame the call carried that the reply answers token for token (a Forward's wire, a Backward's
+        output gradient); `upstream`: the route's replies it was computed from, to which it is added.
+        Raises `SuspectReply` when its worker is (or was already) flagged."""
         if self.verifier is None or not frame:
             return
-        features = self.verifier.features(self.codec.decode(frame), self.codec.decode(request) if request else None)
+        features = self.verifier.features(self.codec.decode(frame), request)
         evidence = self.verifier.observe(view.stage, kind, view.peer_id, features, upstream)
         if evidence is not None:
             raise self.blame.suspect(view, evidence, method)
