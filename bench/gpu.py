@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from agora.bench.gpu_parts import BODY_VARIANTS
 from agora.node.__main__ import CUDA_ALLOCATOR_ENV
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,7 +93,7 @@ class Settings:
     body_index: int = 1
     body_microbatches: tuple[int, ...] = (1, 5)  # the report's: 1 sample at ~20 GB up to 5 at ~78 GB
     body_iterations: int = 8
-    body_variants: tuple[str, ...] = ("eager", "compiled", "compiled-bf16w")  # bench/gpu_parts.py BODY_VARIANTS
+    body_variants: tuple[str, ...] = tuple(BODY_VARIANTS)
     time_boxes: dict[str, float] = field(default_factory=lambda: {
         "cuda-tests": 120.0, "train-local": 120.0, "demo": 120.0, "body-stage": 300.0})
 
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = replace(settings, peak_tflops=peak, time_boxes=boxes, compile=args.compile)
     if args.body_variants:
         variants = tuple(v.strip() for v in args.body_variants.split(",") if v.strip())
-        known = ("eager", "compiled", "compiled-bf16w")
+        known = tuple(BODY_VARIANTS)
         if not variants or any(v not in known for v in variants):
             parser.error(f"--body-variants: expected some of {', '.join(known)}, got {args.body_variants!r}")
         settings = replace(settings, body_variants=variants)
