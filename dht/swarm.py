@@ -63,6 +63,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from agora.dht.bans import BAN_REFRESH_S, BanList, NodeBans, fetch_ban_list
+from agora.dht.op_timings import RequestTimings, key_family
 from agora.dht.ownership import EntryOwnership, fingerprint_mismatch
 from agora.dht.records import Record, RecordError, WorkerRecord, check_run_id, owned_subkey, worker_key
 
@@ -135,6 +136,7 @@ class SwarmDHT:
         # (key, subkey) -> latest expiration this peer wrote there; see the module docstring.
         self._written: dict[tuple[str, Optional[str]], float] = {}
         self._rejections: Counter[str] = Counter()
+        self.timings = RequestTimings()  # every request's latency, by operation and key family
         self._warned: set[tuple[str, str, str]] = set()
         self.bans = NodeBans()  # the run's ban list, as this peer's DHT process last read it
         self._peer_id: str = self._run_coroutine(_node_peer_id, "peer id")
@@ -330,7 +332,7 @@ class SwarmDHT:
         """The run's newest ban list (``self.bans``), read again if the last read is older than
         ``max_age_s``; None: none published, or ``--insecure``. ``DHTRequestError`` if it fails."""
         if self.secured and self.bans.due(max_age_s):
-            self.bans.update(self._run_coroutine(fetch_ban_list, "ban list"))
+            self.bans.update(self._run_coroutine(fetch_ban_list, "ban list", family="bans"))
         return self.bans.ban_list
 
     def _bans_for_reading(self) -> None:
@@ -351,7 +353,7 @@ class SwarmDHT:
             lambda: self._dht.store(
                 key, wire, expiration, subkey=subkey, exclude_self=self._client_mode, return_future=True
             ),
-            f"store {key!r}",
+            f"store {key!r}", operation="store", family=key_family(key),
         )
         return bool(accepted)
 
@@ -372,7 +374,7 @@ class SwarmDHT:
             lambda: self._dht.store(
                 key, None, expiration, subkey=subkey, exclude_self=self._client_mode, return_future=True
             ),
-            f"delete {key!r}",
+            f"delete {key!r}", operation="delete", family=key_family(key),
         )
         return bool(accepted)
 
@@ -472,15 +474,25 @@ class SwarmDHT:
         except Exception as error:
             raise DHTRequestError(f"{what}: {type(error).__name__}: {error}") from error
 
-    def _request(self, send: Callable[[], concurrent.futures.Future], what: str) -> Any:
-        future = self._submit(send)
-        return self._wait(future, what, time.monotonic() + self.request_timeout)
+    def _request(self, send: Callable[[], concurrent.futures.Future], what: str, *,
+                 operation: str = "call", family: str = "other") -> Any:
+        """Send one request and wait for its answer, timed into ``timings`` whatever the outcome."""
+        started = time.monotonic()
+        failed = True
+        try:
+            future = self._submit(send)
+            answer = self._wait(future, what, started + self.request_timeout)
+            failed = False
+            return answer
+        finally:
+            self.timings.record(operation, family, time.monotonic() - started, failed=failed)
 
     def _get_raw(self, key: str, latest: bool) -> Optional[ValueWithExpiration[Any]]:
-        return self._request(lambda: self._dht.get(key, latest=latest, return_future=True), f"get {key!r}")
+        return self._request(lambda: self._dht.get(key, latest=latest, return_future=True), f"get {key!r}",
+                             operation="get", family=key_family(key))
 
-    def _run_coroutine(self, coroutine: Callable[..., Any], what: str) -> Any:
-        return self._request(lambda: self._dht.run_coroutine(coroutine, return_future=True), what)
+    def _run_coroutine(self, coroutine: Callable[..., Any], what: str, *, family: str = "other") -> Any:
+        return self._request(lambda: self._dht.run_coroutine(coroutine, return_future=True), what, family=family)
 
     def _claim_expiration(self, key: str, subkey: Optional[str], wanted: float) -> float:
         with self._send_lock:

@@ -112,8 +112,7 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
 def _serve_bootstrap_metrics(metrics, swarm) -> None:
     from agora.monitor.dht_metrics import DHTMetrics
 
-    if swarm.secured:  # what its validators refused, the ban list it holds
-        DHTMetrics(metrics.registry, swarm.bans)
+    DHTMetrics(metrics.registry, swarm.bans, swarm.timings)  # its requests; secured: refusals, the ban list
     metrics.serve()
 
 

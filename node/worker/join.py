@@ -204,7 +204,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         if credentials is not None:
             CredentialMetrics(registry, credentials.remaining_s,
                               lambda: renewer.renewals if renewer is not None else 0)
-            DHTMetrics(registry, swarm.bans)
+        DHTMetrics(registry, swarm.bans, swarm.timings)
         stats = AveragingStats(config.sync.method, registry=registry) if averager is not None else None
         metrics_endpoint = metrics.serve(worker_options.announce_host)
         step, saved, averaging_state = await _restore(worker, config, options)

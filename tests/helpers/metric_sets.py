@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from agora.dht.averaging import RoundResult
 from agora.dht.bans import BanList, BanStatus, NodeBans
+from agora.dht.op_timings import RequestTimings
 from agora.monitor.dht_metrics import DHTMetrics
 from agora.monitor.metrics import CredentialMetrics, node_info
 from agora.monitor.trainer_metrics import RpcClientMetrics
@@ -39,7 +40,10 @@ def every_role(registry: CollectorRegistry) -> None:
     CredentialMetrics(registry, lambda: 1800.0, lambda: 2)
     bans = NodeBans()
     bans.update(BanStatus(BanList(RUN, 3, 0.0, frozenset({"QmBanned"})), {"unknown_key": 1, "storage": 2}))
-    DHTMetrics(registry, bans)
+    timings = RequestTimings()
+    timings.record("get", "workers", 0.004)
+    timings.record("store", "rounds", 12.0, failed=True)
+    DHTMetrics(registry, bans, timings)
     stats = AveragingStats("sparta", registry=registry)
     stats.record(RoundResult("committed", 3, None, participants=("a", "b"), received_fraction=1.0, duration_s=0.4,
                              bytes_sent=100, bytes_received=100, rejections={"outlier": 1},

@@ -461,3 +461,22 @@ def test_a_join_nobody_answers_is_tried_again_saying_so(caplog):
             SwarmDHT.start(initial_peers=[dead], startup_timeout=20, join_attempts=2)
     assert [r.getMessage() for r in caplog.records if "initial peers answered" in r.getMessage()] == [
         "none of the 1 initial peers answered (attempt 1 of 2); trying again in 2 s"]
+
+
+def test_every_request_is_timed_by_operation_and_key_family(dht_pair, run_id):
+    a, b = dht_pair
+    before = a.timings.snapshot()
+    a.announce_worker(make_record(peer_id="timed", run_id=run_id, stage=0), ttl=30)
+    a.live_workers(run_id, 0)
+    a.get_record(f"{run_id}.nothing-here", WorkerRecord)
+    after = a.timings.snapshot()
+
+    def added(operation, family):
+        then = before.get((operation, family))
+        now = after[(operation, family)]
+        return now.count - (then.count if then else 0), now.cumulative()[-1] == now.count
+
+    assert added("store", "workers") == (1, True)
+    assert added("get", "workers")[0] >= 1
+    assert added("get", "other")[0] == 1  # a key of no family is named by none
+    assert all(stats.total_s > 0 for stats in after.values())
