@@ -6,7 +6,8 @@ a newcomer (new identity, empty state) started in its place. Reports, per run an
 held-out loss (goal: within 3% of the fault-free run), tokens/s and wall time, the units
 committed / lost / run twice, each newcomer's seconds from start to member, and the throughput
 dip after a kill (global batches completed in the `--window` seconds after each kill, against the
-fault-free run's rate). The batches' completion times are read from the demo's live --log-json.
+fault-free run's rate), and the honest workers the trainers' verifiers flagged (every worker here is
+honest: goal 0). The batches' completion times are read from the demo's live --log-json.
 Writes bench/results/chaos_<preset>.md.
 
     python bench/chaos.py --steps 200 --every 15 --seeds 0 1
@@ -81,8 +82,9 @@ def main() -> None:
              f"Machine: {platform.machine()}, {os.cpu_count()} cores shared by every process of both runs (one at a "
              f"time); load average at the start {load[0]:.1f}. Runs alternate, fault-free first.", "",
              "| seed | run | held-out loss | / fault-free | tokens/s | / fault-free | wall s | kills | units committed "
-             "/ lost / run twice | newcomers' s to member | batches in 10 s after a kill / fault-free |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+             "/ lost / run twice | newcomers' s to member | batches in 10 s after a kill / fault-free | honest workers "
+             "flagged |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|"]
     ratios = []
     for seed in args.seeds:
         quiet = run(args, seed, False, work)
@@ -93,12 +95,12 @@ def main() -> None:
         loss_ratio = chaotic["heldout_loss"] / quiet["heldout_loss"]
         ratios.append(loss_ratio)
         table.append(f"| {seed} | fault-free | {quiet['heldout_loss']:.4f} | 1.000 | {quiet['tokens_per_s']:,.0f} | 1.000 | "
-                     f"{quiet['wall_s']:.1f} | 0 | {quiet['steps']} / 0 / 0 | - | - |")
+                     f"{quiet['wall_s']:.1f} | 0 | {quiet['steps']} / 0 / 0 | - | - | {len(quiet.get('flagged', {}))} |")
         table.append(f"| {seed} | chaos | {chaotic['heldout_loss']:.4f} | {loss_ratio:.3f} | "
                      f"{chaotic['tokens_per_s']:,.0f} | {chaotic['tokens_per_s'] / quiet['tokens_per_s']:.3f} | "
                      f"{chaotic['wall_s']:.1f} | {churn['kills']} | {units['committed']} / {units['lost']} / "
                      f"{units['duplicated']} | {', '.join(f'{s:.1f}' for s in joined) or '-'} | "
-                     f"{(dip(chaotic, quiet, args.window) or 0):.2f} |")
+                     f"{(dip(chaotic, quiet, args.window) or 0):.2f} | {len(chaotic.get('flagged', {}))} |")
         print("\n".join(table[-2:]), flush=True)
     table += ["", f"Held-out loss under chaos / fault-free, mean over seeds: {statistics.mean(ratios):.3f} "
               "(goal: within 3%)."]

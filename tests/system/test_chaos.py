@@ -46,6 +46,9 @@ def test_a_chaos_run_finishes_with_every_unit_committed_and_the_loss_kept(tmp_pa
     # Every process still running at the end left cleanly; the killed ones are the only non-zeros.
     left = {name: code for name, code in chaos["exit_codes"].items() if name not in chaos["killed"]}
     assert set(left.values()) == {0}, left
+    # Every worker here is honest: newcomers with fresh weights syncing, stages losing replicas and
+    # averaging moving weights under the trainers' verifiers must not get one flagged.
+    assert chaos["flagged"] == {}, chaos["flagged"]
     ratio = chaos["heldout_loss"] / local_heldout
     assert ratio < MAX_LOSS_OVER_LOCAL, (chaos["heldout_loss"], local_heldout, ratio)
 
