@@ -34,13 +34,14 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -94,6 +95,8 @@ class Figures:
     monitor_poll_p95_s: float
     trainer_calls_s: float
     scraped: int
+    # DHT requests per node per second, and their p95 in ms, by "method kind" (what grows, and where)
+    by_family: dict = field(default_factory=dict)
 
 
 # ---- reading the nodes -----------------------------------------------------------------------------
@@ -244,7 +247,8 @@ def measure(nodes: int, stages: int, warmup_s: float, window_s: float, workdir: 
     load_start = os.getloadavg()[0]
     port = _free_port()
     monitor = f"127.0.0.1:{port}"
-    workdir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(workdir, ignore_errors=True)  # a swarm of another geometry's checkpoints would be refused
+    workdir.mkdir(parents=True)
     budget = warmup_s + window_s + 600  # the trainers stop on their own well after the window
     log = (workdir / "demo.out").open("w")
     process = subprocess.Popen(demo_command(geometry, port, workdir / "swarm", budget), stdout=log,
@@ -306,7 +310,19 @@ def _figures(nodes: int, geometry: Geometry, before: dict, after: dict, elapsed:
         rounds_committed_ratio=committed / total_rounds if total_rounds else math.nan,
         round_p50_s=quantile(0.5, rounds.cumulative()), round_p95_s=quantile(0.95, rounds.cumulative()),
         monitor_poll_p95_s=quantile(0.95, polls.cumulative()), trainer_calls_s=calls.count / elapsed,
-        scraped=len(both))
+        scraped=len(both), by_family=_by_family(window, len(both) - 1, elapsed))
+
+
+def _by_family(window, peers: int, elapsed: float) -> dict:
+    """Requests per node per second and p95 (ms) of each (method, kind) of DHT request."""
+    out = {}
+    for method in ("get", "store", "delete", "call"):
+        for kind in ("workers", "trainers", "moves", "rounds", "units", "bans", "other"):
+            stats = window("agora_dht_request_seconds", method=method, kind=kind)
+            if stats.count:
+                out[f"{method} {kind}"] = {"per_node_s": round(stats.count / max(1, peers) / elapsed, 4),
+                                           "p95_ms": round(1000 * quantile(0.95, stats.cumulative()), 2)}
+    return out
 
 
 # ---- growth and the report -------------------------------------------------------------------------
@@ -361,6 +377,14 @@ def report(rows: list[Figures], command: str) -> str:
                      f"{values} |")
     lines.append("| growth | | | | " + " | ".join(growth(nodes, [getattr(r, name) for r in rows])
                                                   for name, _ in COLUMNS) + " |")
+    families = sorted({name for row in rows for name in row.by_family})
+    lines += ["", "DHT requests by operation and record family: per node per second (p95 ms).", "",
+              "| request | " + " | ".join(f"N={n}" for n in nodes) + " | growth |", "|---|" + "---:|" * (len(nodes) + 1)]
+    for name in families:
+        cells = [row.by_family.get(name) for row in rows]
+        shown = " | ".join("-" if c is None else f"{c['per_node_s']:.3g} ({c['p95_ms']:.3g})" for c in cells)
+        rates = [math.nan if c is None else c["per_node_s"] for c in cells]
+        lines.append(f"| {name} | {shown} | {growth(nodes, rates)} |")
     return "\n".join(lines) + "\n"
 
 
