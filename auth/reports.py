@@ -29,11 +29,17 @@ Design choices:
   admissions (auth/admitted.py says why sqlite), inserted and never updated or deleted; the bar
   reads them back, so a restarted authorizer counts the reports it had.
 - **Bounded**: a report's fields are checked before anything is stored (``report_problem``):
-  a base58 peer id, short kind, feature and reason, a finite CUSUM.
+  a base58 peer id, a stage of the run, short kind, feature and reason, a finite CUSUM.
+- ``ReportDesk`` takes a report the service authenticated (auth/service.py: a trainer's credential,
+  its proof, its rate): a worker neither admitted nor banned is NOT_FOUND (nothing to ban), else
+  the report is stored, the bar read and the worker banned if it is passed. A report about a worker
+  already banned is kept and answered "banned". Its disk work runs on worker threads.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import re
 import sqlite3
@@ -42,10 +48,17 @@ from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Iterable, Optional
 
-from agora.auth.admitted import ADMITTED_DB
+import grpc
 
-__all__ = ["ReportBar", "ReportVerdict", "StoredReport", "ReportLog", "report_problem", "MAX_REASON_CHARS",
-           "MAX_LABEL_CHARS"]
+from agora.auth.admitted import ADMITTED_DB
+from agora.auth.authority import RunAuthority
+from agora.auth.status import Status
+from agora.protos.authorizer_adapter import ReportReceipt, WorkerReport
+
+__all__ = ["ReportBar", "ReportVerdict", "StoredReport", "ReportLog", "ReportDesk", "report_problem",
+           "MAX_REASON_CHARS", "MAX_LABEL_CHARS"]
+
+logger = logging.getLogger("agora.auth.service")
 
 MAX_REASON_CHARS = 400
 MAX_LABEL_CHARS = 40  # kind, feature
@@ -74,17 +87,19 @@ class ReportBar:
         return ReportVerdict(reporters, 0 < self.ban_after_reports <= len(reporters))
 
 
-def report_problem(peer_id: str, kind: str, feature: str, cusum: float, reason: str) -> Optional[str]:
-    """None when a report's fields are within bounds, else one line naming the field."""
-    if not _PEER_ID.fullmatch(peer_id):
-        return f"peer_id: expected a base58 peer id, got {peer_id[:40]!r}"
-    for name, value in (("kind", kind), ("feature", feature)):
+def report_problem(report: WorkerReport, stages: int) -> Optional[str]:
+    """None when a report's fields are within bounds (of a run of ``stages``), else one line naming the field."""
+    if not _PEER_ID.fullmatch(report.peer_id):
+        return f"peer_id: expected a base58 peer id, got {report.peer_id[:40]!r}"
+    if report.stage >= stages:
+        return f"stage: {report.stage} is out of range for this {stages}-stage run"
+    for name, value in (("kind", report.kind), ("feature", report.feature)):
         if not 0 < len(value) <= MAX_LABEL_CHARS:
             return f"{name}: expected 1 to {MAX_LABEL_CHARS} characters, got {len(value)}"
-    if len(reason) > MAX_REASON_CHARS:
-        return f"reason: at most {MAX_REASON_CHARS} characters, got {len(reason)}"
-    if not (math.isfinite(cusum) and cusum >= 0):
-        return f"cusum: expected a finite value >= 0, got {cusum}"
+    if len(report.reason) > MAX_REASON_CHARS:
+        return f"reason: at most {MAX_REASON_CHARS} characters, got {len(report.reason)}"
+    if not (math.isfinite(report.cusum) and report.cusum >= 0):
+        return f"cusum: expected a finite value >= 0, got {report.cusum}"
     return None
 
 
@@ -140,3 +155,45 @@ class ReportLog:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+class ReportDesk:
+    """Keeps authenticated reports in ``authority``'s ``admitted.sqlite`` and bans at ``bar`` (module docstring)."""
+
+    def __init__(self, authority: RunAuthority, bar: ReportBar):
+        self.authority, self.bar = authority, bar
+        self._log = ReportLog(authority.directory)
+
+    async def take(self, report: WorkerReport, reporter: str, caller: str, now: float, *,
+                   admitted_worker: bool) -> tuple[ReportReceipt, bool]:
+        """The receipt for `reporter`'s `report`, and whether it banned the worker; NOT_FOUND when the
+        worker is neither `admitted_worker` nor banned."""
+        ban = self.authority.is_banned(report.peer_id)
+        if ban is None and not admitted_worker:
+            raise Status(grpc.StatusCode.NOT_FOUND, f"peer_id: {report.peer_id[:16]}... is not an admitted worker of "
+                                                    "this run: nothing to ban")
+        await asyncio.to_thread(self._log.append, StoredReport(
+            reported_at=now, reporter=reporter, caller=caller, peer_id=report.peer_id, stage=report.stage,
+            kind=report.kind, feature=report.feature, cusum=report.cusum, replies=report.replies, reason=report.reason))
+        recent = await asyncio.to_thread(self._log.about, report.peer_id, now - self.bar.window_s)
+        verdict = self.bar.verdict(((stored.reporter, stored.reported_at) for stored in recent), now)
+        fields = {"peer_id": report.peer_id, "reporter": reporter, "stage": report.stage, "kind": report.kind,
+                  "feature": report.feature, "cusum": report.cusum, "reporters": len(verdict.reporters),
+                  "needed": self.bar.ban_after_reports}
+        logger.warning("authorizer: trainer %s reported worker %s: %s (%d of %d trainers needed)", reporter[:16],
+                       report.peer_id[:16], report.reason or report.feature, len(verdict.reporters),
+                       self.bar.ban_after_reports, extra={"milestone": "worker_reported", "fields": fields})
+        banned_now = ban is None and verdict.ban
+        if banned_now:
+            reason = (f"flagged by {len(verdict.reporters)} trainer(s) ({', '.join(sorted(verdict.reporters))}): "
+                      f"stage {report.stage} {report.kind} {report.feature}, CUSUM {report.cusum:.1f} after "
+                      f"{report.replies} replies")
+            await asyncio.to_thread(self.authority.ban, report.peer_id, reason)
+            logger.warning("authorizer: banned worker %s: %s", report.peer_id[:16], reason,
+                           extra={"milestone": "worker_banned", "fields": {**fields, "reason": reason}})
+        receipt = ReportReceipt(reporters=len(verdict.reporters), needed=self.bar.ban_after_reports,
+                                banned=ban is not None or banned_now)
+        return receipt, banned_now
+
+    def close(self) -> None:
+        self._log.close()

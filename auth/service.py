@@ -1,4 +1,4 @@
-"""The authorizer's gRPC service (`agora.v1.Authorizer`): admission, preflight, renewal.
+"""The authorizer's gRPC service (`agora.v1.Authorizer`): admission, preflight, renewal, trainers' reports.
 
 Design choices:
 
@@ -28,8 +28,9 @@ Design choices:
 - Outcomes the node can act on are replies (admitted / queued / refused with the floor or field
   and the measured value); protocol faults are statuses: INVALID_ARGUMENT (malformed),
   UNAUTHENTICATED (bad proof, expired credential), PERMISSION_DENIED (wrong caller, operator
-  role, banned renewal), FAILED_PRECONDITION (unknown or used challenge, preflight not run),
-  RESOURCE_EXHAUSTED (rate limit, with ``retry-after`` trailing metadata).
+  role, banned renewal, a report from no trainer), NOT_FOUND (a report about no admitted worker),
+  FAILED_PRECONDITION (unknown or used challenge, preflight not run), RESOURCE_EXHAUSTED (rate
+  limit, with ``retry-after`` trailing metadata).
 - Cheap checks come before expensive work: nothing signs, transfers, dials or writes for a call
   that has not passed every check that costs less. In order:
     GetChallenge  role (format); rate (join: address and network buckets; renewal: its own
@@ -44,6 +45,9 @@ Design choices:
     Renew         size (format); the nonce (a MAC); the chain (cached X.509 verification), the key
                   rule, the role; the proof; ban; the peer's renewal bucket; then one RSA signature
                   and the log write.
+    Report        the report's bounds; then as Renew up to the ban, the role a trainer's; the
+                  trainer's report bucket; the worker (admitted or banned); then the report's write,
+                  the bar and, past it, the ban (auth/reports.py).
 - Blocking work runs on worker threads (``asyncio.to_thread``): the RSA signatures of an admission
   or a renewal (a few hundred microseconds each, and a key generation when the issuing CA
   rotates) and every write of the admission log. Verifications stay on the loop: a signature's
@@ -53,7 +57,8 @@ Design choices:
   locks: every handler's state change happens between awaits, and a worker's slot is held before
   the first await of its admission.
 - Admitted nodes are kept in ``admitted.sqlite`` beside the CA (auth/admitted.py), so a restarted
-  authorizer keeps its slots and ``agora-node authorizer list`` shows them.
+  authorizer keeps its slots and ``agora-node authorizer list`` shows them; trainers' reports of
+  flagged workers in a table beside them (auth/reports.py: the bar, and what a trainer can do).
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ from agora.auth.limits import CallerLimits, CallSlots, TokenBuckets, address_key
 from agora.auth.policy import (ContributorSlots, LinkMeasurement, Refusal, assign_stage, check_announce, check_floors,
                                proof_is_valid, run_payload, sign_proof)
 from agora.auth.preflight import PreflightMeter
-from agora.auth.reports import ReportLog, StoredReport, report_problem
+from agora.auth.reports import ReportDesk, report_problem
 from agora.auth.settings import JOIN_ROLES, AuthorizerSettings
 from agora.auth.status import Status, answers, caller_address
 from agora.pipeline.fingerprint import FingerprintMismatch, RunFingerprint
@@ -145,7 +150,7 @@ class AuthorizerService:
         self._records = 0
         now = clock()
         self._log = AdmissionLog(authority.directory, now=now)
-        self._reports = ReportLog(authority.directory)
+        self._report_desk = ReportDesk(authority, self.settings.report_bar)
         self._admitted: dict[str, AdmittedNode] = {}
         for node in self._log.live(now):
             if not authority.is_banned(node.peer_id):
@@ -156,7 +161,7 @@ class AuthorizerService:
     def close(self) -> None:
         """Close the admission and report logs (the service answers no more calls after this)."""
         self._log.close()
-        self._reports.close()
+        self._report_desk.close()
 
     # ---- bookkeeping
 
@@ -482,11 +487,10 @@ class AuthorizerService:
         return receipt
 
     async def _report(self, request: WorkerReport, caller: str) -> tuple[ReportReceipt, bool]:
-        """The receipt, and whether this report banned the worker."""
-        now, bar = self._clock(), self.settings.report_bar
-        problem = report_problem(request.peer_id, request.kind, request.feature, request.cusum, request.reason)
-        if problem is None and request.stage >= self.fingerprint.stages:
-            problem = f"stage: {request.stage} is out of range for this {self.fingerprint.stages}-stage run"
+        """The receipt, and whether this report banned the worker. Cheap checks first: bounds, then the
+        reporter (a renewal's), its rate, and the worker (in memory); then the write and the bar."""
+        now = self._clock()
+        problem = report_problem(request, self.fingerprint.stages)
         if problem is not None:
             raise Status(grpc.StatusCode.INVALID_ARGUMENT, problem)
         reporter, _ = self._authenticated(request, now, roles=("trainer",), denied=(
@@ -495,34 +499,13 @@ class AuthorizerService:
         if wait > 0:
             raise Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rate limit: {reporter.peer_id[:16]}... reported too "
                                                              f"often; retry after {wait:.1f} s", retry_after_s=wait)
-        ban = self.authority.is_banned(request.peer_id)
         subject = self._admitted.get(request.peer_id)
-        if ban is None and (subject is None or subject.role != "worker" or subject.expires_at <= now):
-            raise Status(grpc.StatusCode.NOT_FOUND, f"peer_id: {request.peer_id[:16]}... is not an admitted worker of "
-                                                    "this run: nothing to ban")
-        await asyncio.to_thread(self._reports.append, StoredReport(
-            reported_at=now, reporter=reporter.peer_id, caller=caller, peer_id=request.peer_id, stage=request.stage,
-            kind=request.kind, feature=request.feature, cusum=request.cusum, replies=request.replies,
-            reason=request.reason))
-        recent = await asyncio.to_thread(self._reports.about, request.peer_id, now - bar.window_s)
-        verdict = bar.verdict(((stored.reporter, stored.reported_at) for stored in recent), now)
-        fields = {"peer_id": request.peer_id, "reporter": reporter.peer_id, "stage": request.stage,
-                  "kind": request.kind, "feature": request.feature, "cusum": request.cusum,
-                  "reporters": len(verdict.reporters), "needed": bar.ban_after_reports}
-        logger.warning("authorizer: trainer %s reported worker %s: %s (%d of %d trainers needed)", reporter.peer_id[:16],
-                       request.peer_id[:16], request.reason or request.feature, len(verdict.reporters),
-                       bar.ban_after_reports, extra={"milestone": "worker_reported", "fields": fields})
-        banned_now = ban is None and verdict.ban
+        admitted_worker = subject is not None and subject.role == "worker" and subject.expires_at > now
+        receipt, banned_now = await self._report_desk.take(request, reporter.peer_id, caller, now,
+                                                           admitted_worker=admitted_worker)
         if banned_now:
-            reason = (f"flagged by {len(verdict.reporters)} trainer(s) ({', '.join(sorted(verdict.reporters))}): "
-                      f"stage {request.stage} {request.kind} {request.feature}, CUSUM {request.cusum:.1f} after "
-                      f"{request.replies} replies")
-            await asyncio.to_thread(self.authority.ban, request.peer_id, reason)
             self._forget(request.peer_id)
-            logger.warning("authorizer: banned worker %s: %s", request.peer_id[:16], reason,
-                           extra={"milestone": "worker_banned", "fields": {**fields, "reason": reason}})
-        return ReportReceipt(reporters=len(verdict.reporters), needed=bar.ban_after_reports,
-                             banned=ban is not None or banned_now), banned_now
+        return receipt, banned_now
 
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -48,9 +48,10 @@ def unbanned(authority):
 def test_a_trainers_report_bans_the_worker_everywhere_the_ban_list_reaches(authority, nodes, unbanned):
     worker, trainer = nodes(0), nodes(1)
     outcomes: Counter = Counter()
+    counted = dict(on_report=lambda outcome: outcomes.update([outcome]))
 
     async def main():
-        async with serving(authority, credential_lifetime_s=600.0, on_report=lambda outcome: outcomes.update([outcome])) as (service, address):
+        async with serving(authority, credential_lifetime_s=600.0, **counted) as (service, address):
             await join(address, worker, authority)
             await join(address, trainer, authority, role="trainer")
             receipt = await send_report(address, trainer, _evidence(worker.peer_id), timeout_s=10)
@@ -114,9 +115,10 @@ def test_reports_from_a_worker_another_run_or_over_the_bounds_are_refused_and_co
     worker, other_worker, trainer = nodes(0), nodes(1), nodes(2)
     stranger = RunAuthority(tmp_path / "other-run", run_id="other-run").mint(tmp_path / "stranger", role="trainer")
     outcomes: Counter = Counter()
+    counted = dict(on_report=lambda outcome: outcomes.update([outcome]))
 
     async def main():
-        async with serving(authority, credential_lifetime_s=600.0, on_report=lambda outcome: outcomes.update([outcome])) as (service, address):
+        async with serving(authority, credential_lifetime_s=600.0, **counted) as (service, address):
             await join(address, worker, authority)
             await join(address, other_worker, authority)
             await join(address, trainer, authority, role="trainer")
@@ -127,7 +129,8 @@ def test_reports_from_a_worker_another_run_or_over_the_bounds_are_refused_and_co
             return {
                 "worker": await _refused(address, authority, other_worker, report(other_worker)),
                 "stranger": await _refused(address, authority, stranger, report(stranger)),
-                "oversized": await _refused(address, authority, trainer, report(trainer, reason="x" * (MAX_REASON_CHARS + 1))),
+                "oversized": await _refused(address, authority, trainer,
+                                            report(trainer, reason="x" * (MAX_REASON_CHARS + 1))),
                 "stage": await _refused(address, authority, trainer, report(trainer, stage=7)),
                 "not_a_worker": await _refused(address, authority, trainer, report(trainer, peer_id=trainer.peer_id)),
             }

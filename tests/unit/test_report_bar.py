@@ -8,6 +8,7 @@ import pytest
 
 from agora.auth.reports import MAX_LABEL_CHARS, MAX_REASON_CHARS, ReportBar, report_problem
 from agora.auth.settings import AuthorizerSettings
+from agora.protos.authorizer_adapter import WorkerReport
 
 PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 
@@ -47,13 +48,19 @@ def test_a_bad_bar_is_refused_naming_the_flag(flag, settings):
         AuthorizerSettings(**settings).validate()
 
 
+def _report(**fields) -> WorkerReport:
+    return WorkerReport(**{"nonce": b"", "credential_pem": b"", "peer_id": PEER, "stage": 1, "kind": "output",
+                           "feature": "log_rms", "cusum": 31.5, "replies": 40, "reason": "log_rms high", **fields})
+
+
 def test_a_report_within_bounds_passes():
-    assert report_problem(PEER, "output", "log_rms", 31.5, "stage 0 output: log_rms high") is None
+    assert report_problem(_report(), stages=2) is None
 
 
 @pytest.mark.parametrize("field, fields", [
     ("peer_id", {"peer_id": "not a peer id"}),
     ("peer_id", {"peer_id": "Qm" + "z" * 200}),
+    ("stage", {"stage": 2}),
     ("kind", {"kind": ""}),
     ("feature", {"feature": "x" * (MAX_LABEL_CHARS + 1)}),
     ("reason", {"reason": "x" * (MAX_REASON_CHARS + 1)}),
@@ -61,6 +68,5 @@ def test_a_report_within_bounds_passes():
     ("cusum", {"cusum": -1.0}),
 ])
 def test_a_report_out_of_bounds_is_refused_naming_the_field(field, fields):
-    report = {"peer_id": PEER, "kind": "output", "feature": "log_rms", "cusum": 31.5, "reason": "", **fields}
-    problem = report_problem(**report)
+    problem = report_problem(_report(**fields), stages=2)
     assert problem is not None and problem.startswith(f"{field}: "), problem
