@@ -1,4 +1,4 @@
-"""The authorizer's gRPC service (`agora.v1.Authorizer`): admission, preflight, renewal.
+"""The authorizer's gRPC service (`agora.v1.Authorizer`): admission, preflight, renewal, trainers' reports.
 
 Design choices:
 
@@ -28,8 +28,9 @@ Design choices:
 - Outcomes the node can act on are replies (admitted / queued / refused with the floor or field
   and the measured value); protocol faults are statuses: INVALID_ARGUMENT (malformed),
   UNAUTHENTICATED (bad proof, expired credential), PERMISSION_DENIED (wrong caller, operator
-  role, banned renewal), FAILED_PRECONDITION (unknown or used challenge, preflight not run),
-  RESOURCE_EXHAUSTED (rate limit, with ``retry-after`` trailing metadata).
+  role, banned renewal, a report from no trainer), NOT_FOUND (a report about no admitted worker),
+  FAILED_PRECONDITION (unknown or used challenge, preflight not run), RESOURCE_EXHAUSTED (rate
+  limit, with ``retry-after`` trailing metadata).
 - Cheap checks come before expensive work: nothing signs, transfers, dials or writes for a call
   that has not passed every check that costs less. In order:
     GetChallenge  role (format); rate (join: address and network buckets; renewal: its own
@@ -44,6 +45,9 @@ Design choices:
     Renew         size (format); the nonce (a MAC); the chain (cached X.509 verification), the key
                   rule, the role; the proof; ban; the peer's renewal bucket; then one RSA signature
                   and the log write.
+    Report        the report's bounds; then as Renew up to the ban, the role a trainer's; the
+                  trainer's report bucket; the worker (admitted or banned); then the report's write,
+                  the bar and, past it, the ban (auth/reports.py).
 - Blocking work runs on worker threads (``asyncio.to_thread``): the RSA signatures of an admission
   or a renewal (a few hundred microseconds each, and a key generation when the issuing CA
   rotates) and every write of the admission log. Verifications stay on the loop: a signature's
@@ -53,7 +57,8 @@ Design choices:
   locks: every handler's state change happens between awaits, and a worker's slot is held before
   the first await of its admission.
 - Admitted nodes are kept in ``admitted.sqlite`` beside the CA (auth/admitted.py), so a restarted
-  authorizer keeps its slots and ``agora-node authorizer list`` shows them.
+  authorizer keeps its slots and ``agora-node authorizer list`` shows them; trainers' reports of
+  flagged workers in a table beside them (auth/reports.py: the bar, and what a trainer can do).
 """
 
 from __future__ import annotations
@@ -77,21 +82,23 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from agora.auth.admitted import AdmissionLog, AdmittedNode
 from agora.auth.authority import RunAuthority
-from agora.auth.challenges import ChallengeBook, ChallengeState, RenewalChallenges
-from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, issue_credential, load_chain
+from agora.auth.challenges import ChallengeBook, ChallengeError, ChallengeState, RenewalChallenges
+from agora.auth.credentials import (Clock, CredentialError, CredentialVerifier, Identity, issue_credential,
+                                    load_chain)
 from agora.auth.dialback import dial_back
 from agora.auth.keys import node_key_problem, peer_id_of
 from agora.auth.limits import CallerLimits, CallSlots, TokenBuckets, address_key
 from agora.auth.policy import (ContributorSlots, LinkMeasurement, Refusal, assign_stage, check_announce, check_floors,
                                proof_is_valid, run_payload, sign_proof)
 from agora.auth.preflight import PreflightMeter
+from agora.auth.reports import ReportDesk, report_problem
 from agora.auth.settings import JOIN_ROLES, AuthorizerSettings
 from agora.auth.status import Status, answers, caller_address
 from agora.pipeline.fingerprint import FingerprintMismatch, RunFingerprint
 from agora.protos.authorizer_adapter import (DOWNLOAD_CHUNK_BYTES, Admitted, Challenge, ChallengeRequest,
                                              JoinReply, JoinRequest, LatencyProbe, Payload, Queued, RenewReply,
-                                             RenewRequest, RunDescription, RunRequest, TransferControl,
-                                             UploadReceipt, signed_payload)
+                                             RenewRequest, ReportReceipt, RunDescription, RunRequest,
+                                             TransferControl, UploadReceipt, WorkerReport, signed_payload)
 from agora.protos.authorizer_adapter import Refused as RefusedReply
 
 __all__ = ["AuthorizerService"]
@@ -111,7 +118,8 @@ class AuthorizerService:
                  clock: Clock = time.time, timer: Clock = time.perf_counter,
                  random_bytes: Callable[[int], bytes] = secrets.token_bytes,
                  dial: Optional[Callable[[str, int, bytes, float], Awaitable[Optional[str]]]] = None,
-                 on_refused: Callable[[str], None] = lambda field: None):
+                 on_refused: Callable[[str], None] = lambda field: None,
+                 on_report: Callable[[str], None] = lambda outcome: None):
         self.authority = authority
         self.settings = settings.validate()
         self.config_json = json.dumps(dict(run_config), sort_keys=True)
@@ -121,6 +129,7 @@ class AuthorizerService:
         self._clock, self._timer = clock, timer
         self._dial = dial or functools.partial(dial_back, local_network=self.settings.local_network)
         self._on_refused = on_refused  # counts refusals by field (node/authorizer.py: a metric)
+        self._on_report = on_report  # counts reports: accepted, banned, or the status that refused them
         self._verifier = CredentialVerifier(authority.root_pem, authority.run_id, clock=clock)
         s = self.settings
         self._challenges = ChallengeBook(s.challenge_ttl_s, random_bytes=random_bytes, capacity=s.max_challenges,
@@ -132,6 +141,7 @@ class AuthorizerService:
         self._renewal_challenges = RenewalChallenges(s.challenge_ttl_s, random_bytes=random_bytes)
         self._renewal_limits = TokenBuckets(s.renew_rate_per_s, s.renew_burst)  # per caller address
         self._renewing_peers = TokenBuckets(s.renew_rate_per_s, s.renew_burst)  # per peer id, after its proof
+        self._reporting_peers = TokenBuckets(s.renew_rate_per_s, s.renew_burst)  # per trainer, after its proof
         self._newcomer_calls = CallSlots(per_network=s.max_calls_per_network, total=s.newcomer_calls)
         self._preflight = PreflightMeter(self._challenges, clock=clock, timer=timer,
                                          download_block=random_bytes(DOWNLOAD_CHUNK_BYTES))
@@ -140,6 +150,7 @@ class AuthorizerService:
         self._records = 0
         now = clock()
         self._log = AdmissionLog(authority.directory, now=now)
+        self._report_desk = ReportDesk(authority, self.settings.report_bar)
         self._admitted: dict[str, AdmittedNode] = {}
         for node in self._log.live(now):
             if not authority.is_banned(node.peer_id):
@@ -148,8 +159,9 @@ class AuthorizerService:
                     self._slots.hold(node.peer_id, node.expires_at)
 
     def close(self) -> None:
-        """Close the admission log (the service answers no more calls after this)."""
+        """Close the admission and report logs (the service answers no more calls after this)."""
         self._log.close()
+        self._report_desk.close()
 
     # ---- bookkeeping
 
@@ -411,30 +423,8 @@ class AuthorizerService:
     @answers
     async def renew(self, request: RenewRequest, context: Any) -> RenewReply:
         now = self._clock()
-        if len(request.credential_pem) > _MAX_CHAIN_PEM:
-            raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"credential_pem: longer than {_MAX_CHAIN_PEM} bytes")
-        self._renewal_challenges.check(request.nonce, now)
-        try:
-            identity = self._verifier.verify(request.credential_pem)
-        except CredentialError as error:
-            code = grpc.StatusCode.INVALID_ARGUMENT if error.reason == "malformed" else grpc.StatusCode.UNAUTHENTICATED
-            hint = ": join again" if error.reason == "expired" else ""
-            raise Status(code, f"{error}{hint}") from None
-        public_key = load_chain(request.credential_pem)[0].public_key()
-        problem = node_key_problem(public_key)
-        if problem is not None:
-            raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"credential_pem: its key: {problem}")
-        if identity.role not in JOIN_ROLES:
-            raise Status(grpc.StatusCode.PERMISSION_DENIED, "an operator credential is not renewed: mint a new one "
-                                                            "with `agora-node authorizer issue`")
-        if not proof_is_valid(public_key, signed_payload(request), request.signature):
-            raise Status(grpc.StatusCode.UNAUTHENTICATED,
-                         "proof of possession failed: the signature does not verify with the credential's key")
-        self._renewal_challenges.spend(request.nonce, now)
-        ban = self.authority.is_banned(identity.peer_id)
-        if ban is not None:
-            self._forget(identity.peer_id)
-            raise Status(grpc.StatusCode.PERMISSION_DENIED, f"banned: {ban.reason or 'by the operator'}")
+        identity, public_key = self._authenticated(request, now, roles=JOIN_ROLES, denied=(
+            "an operator credential is not renewed: mint a new one with `agora-node authorizer issue`"))
         wait = self._renewing_peers.acquire(identity.peer_id, now)
         if wait > 0:
             raise Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rate limit: {identity.peer_id[:16]}... renewed too "
@@ -449,6 +439,73 @@ class AuthorizerService:
         logger.debug("authorizer: renewed %s", identity.describe())
         return RenewReply(credential_pem=chain, lifetime_s=expires_at - now)
 
+    def _authenticated(self, request: RenewRequest | WorkerReport, now: float, *, roles: tuple[str, ...],
+                       denied: str) -> tuple[Identity, rsa.RSAPublicKey]:
+        """Who sent ``request``: a live credential of this run in a role of ``roles`` (else PERMISSION_DENIED
+        with ``denied``, formatted with the role), whose key signed the request over a renewal challenge (spent
+        here), and not banned. Cheap checks first: size, the nonce's MAC, the (cached) chain, then the proof."""
+        if len(request.credential_pem) > _MAX_CHAIN_PEM:
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"credential_pem: longer than {_MAX_CHAIN_PEM} bytes")
+        self._renewal_challenges.check(request.nonce, now)
+        try:
+            identity = self._verifier.verify(request.credential_pem)
+        except CredentialError as error:
+            code = grpc.StatusCode.INVALID_ARGUMENT if error.reason == "malformed" else grpc.StatusCode.UNAUTHENTICATED
+            hint = ": join again" if error.reason == "expired" else ""
+            raise Status(code, f"{error}{hint}") from None
+        public_key = load_chain(request.credential_pem)[0].public_key()
+        problem = node_key_problem(public_key)
+        if problem is not None:
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"credential_pem: its key: {problem}")
+        if identity.role not in roles:
+            raise Status(grpc.StatusCode.PERMISSION_DENIED, denied.format(role=identity.role))
+        if not proof_is_valid(public_key, signed_payload(request), request.signature):
+            raise Status(grpc.StatusCode.UNAUTHENTICATED,
+                         "proof of possession failed: the signature does not verify with the credential's key")
+        self._renewal_challenges.spend(request.nonce, now)
+        ban = self.authority.is_banned(identity.peer_id)
+        if ban is not None:
+            self._forget(identity.peer_id)
+            raise Status(grpc.StatusCode.PERMISSION_DENIED, f"banned: {ban.reason or 'by the operator'}")
+        return identity, public_key
+
+    # ---- trainers' reports of flagged workers (auth/reports.py)
+
+    @answers
+    async def report(self, request: WorkerReport, context: Any) -> ReportReceipt:
+        caller = caller_address(context.peer())
+        try:
+            receipt, banned_now = await self._report(request, caller)
+        except (Status, ChallengeError) as error:
+            outcome = error.code.name.lower() if isinstance(error, Status) else f"challenge_{error.kind}"
+            self._on_report(outcome)
+            logger.info("authorizer: refused a report about %s from %s: %s", request.peer_id[:16], caller, error,
+                        extra={"milestone": "report_refused", "fields": {
+                            "peer_id": request.peer_id[:128], "caller": caller, "outcome": outcome}})
+            raise
+        self._on_report("banned" if banned_now else "accepted")
+        return receipt
+
+    async def _report(self, request: WorkerReport, caller: str) -> tuple[ReportReceipt, bool]:
+        """The receipt, and whether this report banned the worker. Cheap checks first: bounds, then the
+        reporter (a renewal's), its rate, and the worker (in memory); then the write and the bar."""
+        now = self._clock()
+        problem = report_problem(request, self.fingerprint.stages)
+        if problem is not None:
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        reporter, _ = self._authenticated(request, now, roles=("trainer",), denied=(
+            "role: only a trainer reports workers; this is a {role} credential"))
+        wait = self._reporting_peers.acquire(reporter.peer_id, now)
+        if wait > 0:
+            raise Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rate limit: {reporter.peer_id[:16]}... reported too "
+                                                             f"often; retry after {wait:.1f} s", retry_after_s=wait)
+        subject = self._admitted.get(request.peer_id)
+        admitted_worker = subject is not None and subject.role == "worker" and subject.expires_at > now
+        receipt, banned_now = await self._report_desk.take(request, reporter.peer_id, caller, now,
+                                                           admitted_worker=admitted_worker)
+        if banned_now:
+            self._forget(request.peer_id)
+        return receipt, banned_now
 
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -5,6 +5,10 @@ address or an IPv6 /64, a network an IPv4 /24 or an IPv6 /56. Renewals have buck
 so newcomers never spend what admitted nodes renew with; and newcomers' calls in flight (joins,
 preflight streams) may take three quarters of the port's ``max_concurrent_rpcs`` at most, so
 renewals find room on a port full of slow newcomers.
+
+A worker is banned once trainers' reports pass the bar: ``ban_after_reports`` distinct trainers
+within ``report_window_s`` (auth/reports.py says why one trainer by default, and what a trainer
+can then do).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Optional
 
 from agora.auth.authority import DEFAULT_CREDENTIAL_LIFETIME_S
 from agora.auth.policy import Floors
+from agora.auth.reports import ReportBar
 
 __all__ = ["AuthorizerSettings", "JOIN_ROLES", "OPEN_ROLES"]
 
@@ -58,6 +63,14 @@ class AuthorizerSettings:
     # Roles a node may join as by itself; the others only with a credential the operator mints
     # (`authorizer issue`), which renews as usual (OPEN_ROLES says why trainers are not among them).
     join_roles: tuple[str, ...] = OPEN_ROLES
+    # Trainers' reports of flagged workers: ban once this many distinct trainers reported one within
+    # the window (0: keep the reports, never ban on them).
+    ban_after_reports: int = 1
+    report_window_s: float = 3600.0
+
+    @property
+    def report_bar(self) -> ReportBar:
+        return ReportBar(self.ban_after_reports, self.report_window_s)
 
     @property
     def newcomer_calls(self) -> int:
@@ -86,6 +99,10 @@ class AuthorizerSettings:
                              f"--max-concurrent-rpcs), got {self.max_calls_per_network}")
         if not (self.queue_retry_after_s > 0 and self.challenge_ttl_s > 0 and self.dialback_timeout_s > 0):
             raise ValueError("--queue-retry-after: expected a positive number of seconds")
+        if self.ban_after_reports < 0:
+            raise ValueError(f"--ban-after-reports: expected 0 (never) or more trainers, got {self.ban_after_reports}")
+        if not self.report_window_s > 0:
+            raise ValueError(f"--report-window: expected a positive number of seconds, got {self.report_window_s}")
         unknown = [role for role in self.join_roles if role not in JOIN_ROLES]
         if unknown or not self.join_roles:
             raise ValueError(f"--join-roles: expected some of {', '.join(JOIN_ROLES)}, got {', '.join(self.join_roles)}")

@@ -10,7 +10,8 @@
   worker did not answer or refused (outside its window).
 - Trust in what workers compute: replies refused for values far beyond their stage's recent ones,
   by stage and frame kind, workers blamed for values a worker downstream refused, by stage, and
-  workers flagged by the trainer's verifier (their replies unlike their stage's), by stage and kind.
+  workers flagged by the trainer's verifier (their replies unlike their stage's), by stage and kind,
+  and the reports of them to the run's authorizer, sent or failed.
 - Flow control (node/worker/flow.py): the microbatches in flight the trainer allows itself now,
   the workers' in-flight credits that bound it, the calls each stage's workers let it have
   outstanding, and the time its calls waited here for a credit, by stage.
@@ -79,6 +80,9 @@ class TrainerMetrics:
         self.flagged = Counter("agora_trainer_flagged_workers", "Workers excluded for the rest of the run because "
                                "their replies drifted away from their stage's (by stage and frame kind)",
                                ["stage", "kind"], registry=registry)
+        self.worker_reports = Counter("agora_trainer_worker_reports", "Flagged workers reported to the run's "
+                                      "authorizer: sent, or failed (refused, or unreachable through every retry)",
+                                      ["outcome"], registry=registry)
         self.in_flight_limit = Gauge("agora_trainer_in_flight_limit", "Microbatches this trainer allows itself in "
                                      "flight now (the adaptive depth, within its caps)", registry=registry)
         self.in_flight_credits = Gauge("agora_trainer_in_flight_credits", "Microbatches the workers keep for this "

@@ -159,6 +159,7 @@ def _settings(args: argparse.Namespace) -> AuthorizerSettings:
                                   local_network=args.local_network, max_concurrent_rpcs=args.max_concurrent_rpcs,
                                   max_calls_per_network=args.max_calls_per_network,
                                   queue_retry_after_s=args.queue_retry_after,
+                                  ban_after_reports=args.ban_after_reports, report_window_s=args.report_window,
                                   join_roles=tuple(r.strip() for r in args.join_roles.split(",") if r.strip())
                                   ).validate()
     except ValueError as error:
@@ -214,9 +215,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     hooks = (MetricsHook(RpcServerMetrics(metrics.registry)),)
     refusals = Counter("agora_authorizer_refusals", "Joins refused with a reason, by the floor or field it names",
                        ["field"], registry=metrics.registry)
+    # Trainers' reports of flagged workers: accepted, accepted and banning the worker, or the status that
+    # refused them (permission_denied: a caller without a trainer credential).
+    reports = Counter("agora_authorizer_worker_reports", "Trainers' reports of flagged workers, by outcome",
+                      ["outcome"], registry=metrics.registry)
     service = AuthorizerService(authority, settings, run_config=plain, fingerprint=fingerprint,
                                 initial_peers=tuple(args.initial_peers), stage_throughput=coverage,
-                                on_refused=lambda field: refusals.labels(field=field).inc())
+                                on_refused=lambda field: refusals.labels(field=field).inc(),
+                                on_report=lambda outcome: reports.labels(outcome=outcome).inc())
     state = Path(args.state_dir)
     join_path = Path(args.join_file) if args.join_file else state / JOIN_FILE
 
@@ -450,6 +456,12 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
                             "private and link-local addresses (the demo sets it); without it, only public ones")
     serve.add_argument("--queue-retry-after", type=float, default=5.0, metavar="S",
                        help="seconds a queued node waits between polls (default %(default)g)")
+    serve.add_argument("--ban-after-reports", type=int, default=_DEFAULTS.ban_after_reports, metavar="N",
+                       help="ban a worker once N distinct trainers reported it (their verifiers flagged it) within "
+                            "--report-window; trainers are the operator's, each applied its own bar, so one is "
+                            "enough by default; 0: keep the reports, never ban on them (default %(default)d)")
+    serve.add_argument("--report-window", type=float, default=_DEFAULTS.report_window_s, metavar="S",
+                       help="seconds within which trainers' reports of a worker count together (default %(default)g)")
     serve.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
                        help="DHT multiaddrs handed to admitted nodes")
     add_run_arguments(serve, steps_help="planned run length in global batches (sets the lr schedule)")

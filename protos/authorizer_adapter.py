@@ -13,9 +13,9 @@ Everything else speaks the frozen dataclasses below. Design choices:
 - Streaming RPCs are handed to the handler as an async iterator of dataclasses plus a `send`
   coroutine, so the handler owns the timing (the preflight is measured on the authorizer's
   clock) while this module owns the messages.
-- `signed_payload` is the canonical byte string a node signs for a Join or a Renew: a domain tag,
-  then every field except the signature as sorted JSON (bytes as hex). Both sides build it here,
-  so they cannot disagree on what was signed.
+- `signed_payload` is the canonical byte string a node signs for a Join, a Renew or a trainer's
+  Report: a domain tag, then every field except the signature as sorted JSON (bytes as hex). Both
+  sides build it here, so they cannot disagree on what was signed.
 
 Imports nothing of ours except the generated modules beside it.
 """
@@ -51,6 +51,8 @@ __all__ = [
     "JoinReply",
     "RenewRequest",
     "RenewReply",
+    "WorkerReport",
+    "ReportReceipt",
     "MalformedMessage",
     "AuthorizerHandler",
     "AuthorizerStub",
@@ -187,6 +189,27 @@ class RenewReply:
     lifetime_s: float
 
 
+@dataclass(frozen=True)
+class WorkerReport:
+    nonce: bytes
+    credential_pem: bytes
+    peer_id: str
+    stage: int
+    kind: str
+    feature: str
+    cusum: float
+    replies: int
+    reason: str = ""
+    signature: bytes = b""
+
+
+@dataclass(frozen=True)
+class ReportReceipt:
+    reporters: int
+    needed: int
+    banned: bool
+
+
 # Read-only pairing of each dataclass with its generated message class.
 _MESSAGE_OF: Mapping[type, type] = MappingProxyType({
     RunRequest: authorizer_pb2.RunRequest,
@@ -205,6 +228,8 @@ _MESSAGE_OF: Mapping[type, type] = MappingProxyType({
     JoinReply: authorizer_pb2.JoinReply,
     RenewRequest: authorizer_pb2.RenewRequest,
     RenewReply: authorizer_pb2.RenewReply,
+    WorkerReport: authorizer_pb2.WorkerReport,
+    ReportReceipt: authorizer_pb2.ReportReceipt,
 })
 _DATACLASS_OF: Mapping[type, type] = MappingProxyType({message: data for data, message in _MESSAGE_OF.items()})
 
@@ -252,9 +277,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def signed_payload(request: JoinRequest | RenewRequest) -> bytes:
+def signed_payload(request: JoinRequest | RenewRequest | WorkerReport) -> bytes:
     """What the node signs: a domain tag and every field but the signature, canonically."""
-    tag = {JoinRequest: b"agora-join-v1\0", RenewRequest: b"agora-renew-v1\0"}[type(request)]
+    tag = {JoinRequest: b"agora-join-v1\0", RenewRequest: b"agora-renew-v1\0",
+           WorkerReport: b"agora-report-v1\0"}[type(request)]
     fields = _plain(dataclasses.replace(request, signature=b""))
     del fields["signature"]
     return tag + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
@@ -279,6 +305,7 @@ class AuthorizerHandler(Protocol):
     def measure_upload(self, chunks: AsyncIterator[Payload], context: Any) -> Awaitable[UploadReceipt]: ...
     def join(self, request: JoinRequest, context: Any) -> Awaitable[JoinReply]: ...
     def renew(self, request: RenewRequest, context: Any) -> Awaitable[RenewReply]: ...
+    def report(self, request: WorkerReport, context: Any) -> Awaitable[ReportReceipt]: ...
 
 
 class _Servicer:
@@ -303,6 +330,9 @@ class _Servicer:
 
     async def Renew(self, request, context):
         return await self._unary(self._handler.renew, request, context)
+
+    async def Report(self, request, context):
+        return await self._unary(self._handler.report, request, context)
 
     async def _streaming(self, run: Callable[[], Awaitable[Any]], context: Any) -> Any:
         try:
@@ -334,6 +364,7 @@ _KINDS = {
     "MeasureUpload": (grpc.stream_unary_rpc_method_handler, authorizer_pb2.Payload),
     "Join": (grpc.unary_unary_rpc_method_handler, authorizer_pb2.JoinRequest),
     "Renew": (grpc.unary_unary_rpc_method_handler, authorizer_pb2.RenewRequest),
+    "Report": (grpc.unary_unary_rpc_method_handler, authorizer_pb2.WorkerReport),
 }
 
 
@@ -370,6 +401,9 @@ class AuthorizerStub:
 
     async def renew(self, request: RenewRequest, **call: Any) -> RenewReply:
         return from_message(await self._stub.Renew(to_message(request), **call))
+
+    async def report(self, request: WorkerReport, **call: Any) -> ReportReceipt:
+        return from_message(await self._stub.Report(to_message(request), **call))
 
     async def echo_latency(self, nonce: bytes, **call: Any) -> int:
         """Answer the authorizer's latency probes until it ends the stream; returns the count."""

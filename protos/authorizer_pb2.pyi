@@ -179,3 +179,37 @@ class RenewReply(_message.Message):
     credential_pem: bytes
     lifetime_s: float
     def __init__(self, credential_pem: _Optional[bytes] = ..., lifetime_s: _Optional[float] = ...) -> None: ...
+
+class WorkerReport(_message.Message):
+    __slots__ = ("nonce", "credential_pem", "signature", "peer_id", "stage", "kind", "feature", "cusum", "replies", "reason")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_PEM_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
+    CUSUM_FIELD_NUMBER: _ClassVar[int]
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    credential_pem: bytes
+    signature: bytes
+    peer_id: str
+    stage: int
+    kind: str
+    feature: str
+    cusum: float
+    replies: int
+    reason: str
+    def __init__(self, nonce: _Optional[bytes] = ..., credential_pem: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., kind: _Optional[str] = ..., feature: _Optional[str] = ..., cusum: _Optional[float] = ..., replies: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportReceipt(_message.Message):
+    __slots__ = ("reporters", "needed", "banned")
+    REPORTERS_FIELD_NUMBER: _ClassVar[int]
+    NEEDED_FIELD_NUMBER: _ClassVar[int]
+    BANNED_FIELD_NUMBER: _ClassVar[int]
+    reporters: int
+    needed: int
+    banned: bool
+    def __init__(self, reporters: _Optional[int] = ..., needed: _Optional[int] = ..., banned: _Optional[bool] = ...) -> None: ...

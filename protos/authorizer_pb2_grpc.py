@@ -69,6 +69,11 @@ class AuthorizerStub:
                 request_serializer=agora_dot_protos_dot_authorizer__pb2.RenewRequest.SerializeToString,
                 response_deserializer=agora_dot_protos_dot_authorizer__pb2.RenewReply.FromString,
                 _registered_method=True)
+        self.Report = channel.unary_unary(
+                '/agora.v1.Authorizer/Report',
+                request_serializer=agora_dot_protos_dot_authorizer__pb2.WorkerReport.SerializeToString,
+                response_deserializer=agora_dot_protos_dot_authorizer__pb2.ReportReceipt.FromString,
+                _registered_method=True)
 
 
 class AuthorizerServicer:
@@ -122,6 +127,12 @@ class AuthorizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Report(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AuthorizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +170,11 @@ def add_AuthorizerServicer_to_server(servicer, server):
                     servicer.Renew,
                     request_deserializer=agora_dot_protos_dot_authorizer__pb2.RenewRequest.FromString,
                     response_serializer=agora_dot_protos_dot_authorizer__pb2.RenewReply.SerializeToString,
+            ),
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=agora_dot_protos_dot_authorizer__pb2.WorkerReport.FromString,
+                    response_serializer=agora_dot_protos_dot_authorizer__pb2.ReportReceipt.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +366,33 @@ class Authorizer:
             '/agora.v1.Authorizer/Renew',
             agora_dot_protos_dot_authorizer__pb2.RenewRequest.SerializeToString,
             agora_dot_protos_dot_authorizer__pb2.RenewReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agora.v1.Authorizer/Report',
+            agora_dot_protos_dot_authorizer__pb2.WorkerReport.SerializeToString,
+            agora_dot_protos_dot_authorizer__pb2.ReportReceipt.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,7 +20,8 @@ worker computes and the trainer relays to the next (docs/design.md "A microbatch
   the trainer's verifier (node/trainer/verification.py) holds each worker's replies to its stage's.
   A worker it flags is excluded for the rest of the run (`Roster.exclude`), counted and logged with
   the evidence, and the reply that showed it is refused like a failed call (`SuspectReply`): the
-  route is abandoned and aborted, the microbatch rerun elsewhere.
+  route is abandoned and aborted, the microbatch rerun elsewhere. `on_flagged` then hears of it once
+  (the trainer reports it to the run's authorizer, node/trainer/reports.py).
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class Blame:
     """Counts failures against the right worker (module docstring); one per trainer, on its event loop."""
 
     def __init__(self, roster: Roster, stats: TrainerStats, scales: ReplyScales, codec: WireCodec,
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float], on_flagged: Callable[[Evidence], None] = lambda evidence: None):
         self.roster, self.stats, self.scales, self.codec, self.clock = roster, stats, scales, codec, clock
+        self.on_flagged = on_flagged
 
     def failed(self, view: WorkerView, error: StageCallError) -> None:
         """A call to `view`, reserved in the roster, failed through its worker's fault."""
@@ -80,6 +82,7 @@ class Blame:
                            view.endpoint, evidence.describe(),
                            extra={"milestone": "worker_flagged",
                                   "fields": {"endpoint": view.endpoint, **evidence.fields()}})
+            self.on_flagged(evidence)
         return SuspectReply(evidence, address=view.endpoint, method=method)
 
     def refused_input(self, refusal: InputRefused, route: list[WorkerView], stage: int, frame: bytes | memoryview,

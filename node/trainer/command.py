@@ -4,8 +4,9 @@ It joins the DHT as a client (hivemind forks its process before any event loop o
 exists), is admitted with its credential (mutual TLS to every worker, renewed at half life; a
 revoked credential ends the run as an interruption), claims the run's units from the lease queue
 (node/trainer/units.py), announces itself every beat (node/trainer/announce.py), serves its
-metrics, trains, evaluates on the held-out split and returns its summary. SIGTERM or SIGINT end
-the run between calls: channels closed, the log flushed, a summary.
+metrics, trains, evaluates on the held-out split and returns its summary. A worker its verifier
+flags is reported to the authorizer in the background (node/trainer/reports.py), where there is
+one. SIGTERM or SIGINT end the run between calls: channels closed, the log flushed, a summary.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import IO
 from agora.auth.node_state import NodeCredentials
 from agora.node.observability import MetricsOptions
 from agora.node.rpc.tls import TlsChannels
+from agora.node.trainer.reports import WorkerReports
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
 from agora.pipeline.config import ConfigError, RunConfig
@@ -96,11 +98,15 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
             board = LeaseBoard(swarm, run_id=options.run_id, lease_s=options.lease_s,
                                writers=None if security is None else UnitWriters(
                                    security.root_pem, options.run_id, security.state_dir))
+            # Flagged workers are reported where there is an authorizer (there is one to renew at).
+            reports = None if renewer is None else await stack.enter_async_context(
+                WorkerReports(authorizer, credentials, stats))
+            report_flagged = reports.flagged if reports is not None else lambda evidence: None
             units = LeasedUnits(board, total=steps, start=options.start_step, stats=stats, clock=swarm.clock,
                                 stripe=(options.trainer_index, options.trainers))
             trainer = await stack.enter_async_context(
                 SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels, stats=stats,
-                             units=units))
+                             units=units, on_flagged=report_flagged))
             endpoint = node.serve()
             await stack.enter_async_context(trainer_heartbeat(
                 swarm, run_id=options.run_id, trainer_index=options.trainer_index, records=lambda: trainer.records,
@@ -136,6 +142,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "blamed_by_peer": trainer.stats.blamed_by_peer,
                 "reply_scales": trainer.scales.summary(),
                 "flagged_by_peer": trainer.stats.flagged_by_peer,
+                "reported": {peer: receipt.banned for peer, receipt in reports.receipts.items()} if reports else {},
                 "verification": trainer.verification_summary(),
                 "aborts": trainer.stats.aborts, "batch_reports_failed": trainer.stats.batch_reports_failed,
                 "batch_reports_refused": trainer.stats.batch_reports_refused,

@@ -92,6 +92,10 @@ class TrainerStats:
         with self._lock:
             self.flagged_by_peer[peer] = evidence
 
+    def worker_report(self, outcome: str) -> None:
+        """A flagged worker's report to the authorizer (node/trainer/reports.py): "sent" or "failed"."""
+        self.metrics.worker_reports.labels(outcome=outcome).inc()
+
     def depth(self, limit: int, credit_cap: int | None, stage_credits: list[int]) -> None:
         """The in-flight limit now, the workers' in-flight credits bounding it (None: none states one)
         and the calls each stage lets this trainer have outstanding."""

@@ -78,7 +78,7 @@ from agora.node.trainer.stage_client import (
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.turns import AccumulationOrder
 from agora.node.trainer.units import FixedUnits, UnitSource
-from agora.node.trainer.verification import ReplyVerifier, Source, VerifierSettings
+from agora.node.trainer.verification import Evidence, ReplyVerifier, Source, VerifierSettings
 from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.pipeline.centralized import StepRecord
 from agora.pipeline.codec import WireCodec
@@ -117,9 +117,11 @@ class SwarmTrainer:
     def __init__(self, config: RunConfig, data, discovery: Discovery, options: TrainerOptions, *,
                  log_json: IO[str] | None = None, clock: Callable[[], float] = time.monotonic,
                  on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None,
-                 stats: TrainerStats | None = None, units: UnitSource | None = None):
+                 stats: TrainerStats | None = None, units: UnitSource | None = None,
+                 on_flagged: Callable[[Evidence], None] = lambda evidence: None):
         # `channels`: mutual TLS with this trainer's credential (node/rpc/tls.TlsChannels), or
         # None for plaintext (--insecure). Every call carries the run fingerprint either way.
+        # `on_flagged`: told of each worker the verifier flags, once (node/trainer/reports.py).
         self.config = config
         self.channels = channels
         self.fingerprint = run_fingerprint(config)
@@ -137,7 +139,7 @@ class SwarmTrainer:
         self._wire_metrics = RpcClientMetrics(self.stats.registry)
         # Each stage's recent reply values, which a reply's must stay near (node/trainer/stage_client.py).
         self.scales = ReplyScales(options.reply_bound_factor, options.reply_bound_warmup)
-        self.blame = Blame(self.roster, self.stats, self.scales, self.codec, clock)
+        self.blame = Blame(self.roster, self.stats, self.scales, self.codec, clock, on_flagged)
         # What each stage's workers send, per worker, against their stage's (None: not checked).
         self.verifier = ReplyVerifier(VerifierSettings(
             drift=options.verify_drift, threshold=options.verify_threshold, warmup=options.verify_warmup,

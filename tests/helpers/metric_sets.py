@@ -63,6 +63,7 @@ def every_role(registry: CollectorRegistry) -> None:
     trainer.extreme_reply("peer", 0, "output")
     trainer.blamed("peer", 0)
     trainer.flagged("peer", 0, "output", "stage 0 output: log_rms high")
+    trainer.worker_report("sent")
     trainer.aborted("reverted")
     trainer.batch_done(256, 5.2, 3e-4)
     trainer.heldout(5.0)

@@ -1,5 +1,5 @@
 """Fuzz the authorizer's request parsing (hypothesis, fixed budget): arbitrary bytes and arbitrary
-field values into Join and Renew get only clean statuses, never UNKNOWN or INTERNAL, and the
+field values into Join, Renew and Report get only clean statuses, never UNKNOWN or INTERNAL, and the
 authorizer then still admits a well-formed node."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ pytestmark = pytest.mark.timeout(120)
 CONFIG = PRESETS["tiny"].with_stages(3)
 FINGERPRINT = run_fingerprint(CONFIG)
 CLEAN = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
-         grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION}
+         grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
+         grpc.StatusCode.NOT_FOUND}
 BUDGET = settings(max_examples=100, deadline=None, database=None, derandomize=True,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 U32, U64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
@@ -85,7 +86,7 @@ def _status(loop, call) -> grpc.StatusCode:
 
 def test_arbitrary_bytes_get_clean_statuses(world):
     loop, channel, *_ = world
-    methods = [f"/{adapter.SERVICE_NAME}/{name}" for name in ("Join", "Renew", "GetChallenge", "GetRun")]
+    methods = [f"/{adapter.SERVICE_NAME}/{name}" for name in ("Join", "Renew", "Report", "GetChallenge", "GetRun")]
 
     @BUDGET
     @given(method=st.sampled_from(methods), payload=st.binary(max_size=512))
@@ -159,6 +160,32 @@ def test_arbitrary_renewals_get_clean_statuses(world):
         _status(loop, lambda: stub.renew(request, timeout=10))
 
     check()
+
+
+def test_arbitrary_reports_get_clean_statuses(world):
+    """Half the examples carry a fresh challenge and the trainer's valid signature over their fields,
+    so that the arbitrary values reach the bounds, the worker's check and the store."""
+    loop, channel, authority, key, chain, _ = world
+    stub = adapter.AuthorizerStub(channel)
+
+    @BUDGET
+    @given(deep=st.booleans(), nonce=st.binary(max_size=40),
+           credential=st.one_of(st.just(chain), st.binary(max_size=800)),
+           peer_id=st.one_of(st.text(max_size=140), st.just("Qm" + "z" * 44)), stage=st.one_of(st.integers(0, 3), U32),
+           kind=st.text(max_size=60), feature=st.text(max_size=60), cusum=st.floats(), replies=U32,
+           reason=st.text(max_size=600), signature=st.binary(max_size=300))
+    def check(deep, nonce, credential, peer_id, stage, kind, feature, cusum, replies, reason, signature):
+        if deep:
+            challenge = _on(loop, lambda: stub.get_challenge(adapter.ChallengeRequest(role="trainer", renewal=True)))
+            nonce, credential = challenge.nonce, chain
+        report = adapter.WorkerReport(nonce=nonce, credential_pem=credential, peer_id=peer_id, stage=stage, kind=kind,
+                                      feature=feature, cusum=cusum, replies=replies, reason=reason, signature=signature)
+        if deep:
+            report = dataclasses.replace(report, signature=sign_proof(key, adapter.signed_payload(report)))
+        _status(loop, lambda: stub.report(report, timeout=10))
+
+    check()
+    assert authority.bans() == {}  # no admitted worker here: nothing was banned
 
 
 def test_the_authorizer_still_admits_after_the_fuzzing(world, tmp_path):

@@ -34,7 +34,12 @@ components):
    first: RESOURCE_EXHAUSTED at the network's share of the challenge book, which stays full for a
    minute, and every node renews through it meanwhile (test_authorizer_attacks.py);
 7. a health Watch flood on one worker from both identities: each holds half the probe pool, the
-   rest is refused, and the trainer completes global batches meanwhile (test_call_slots.py).
+   rest is refused, and the trainer completes global batches meanwhile (test_call_slots.py);
+8. last, reports of flagged workers to the authorizer: the stranger reporting a real worker, refused
+   (only trainers report); the compromised trainer reporting the stranger, which a trainer may do
+   (the residual auth/reports.py states): the stranger is banned, the ban names the trainer, its
+   renewal is refused and every worker's DHT peer holds the ban list from its next heartbeat
+   (test_worker_reports.py; a verifier's own flag reported: test_reply_verification.py).
 
 Readiness is the demo's files (the join file, ready files, the trainer's log, metrics pages),
 polled with deadlines; the demo and the attacker's DHT peers are reaped on every path."""
@@ -64,7 +69,9 @@ from agora.node.cli import main as agora_node
 from agora.node.replica.epoch import DEFAULT_REPORT_AHEAD
 from agora.node.rpc.server import run as run_loop
 from agora.node.rpc.tls import TlsChannels, worker_server_name
+from agora.node.trainer.reports import send_report
 from agora.node.trainer.stage_client import StageCallError, StageClient
+from agora.node.trainer.verification import Evidence
 from agora.pipeline.config import config_from_dict
 from agora.pipeline.fingerprint import run_fingerprint
 from authorizer_world import challenges_until_refused, from_sources
@@ -143,6 +150,7 @@ class Attacker:
             record["push"] = await self.schedule_push()
             record["flood"].update(await self.renewed_since(record["flood"].pop("renewals")))
             record["after"] = await self.refusals_counted()
+            record["report"] = await self.report_and_ban()
             record["step_at_end"] = self.demo.steps()
         finally:
             await renewer.stop()
@@ -240,6 +248,30 @@ class Attacker:
         return {"outcomes": [(granted, None if error is None else (error.code().name, error.details()))
                              for granted, error in outcomes], "renewals": renewals}
 
+    async def report_and_ban(self) -> dict:
+        """8: the stranger reports a real worker (refused); the compromised trainer reports the stranger
+        (banned). Waits for the stranger's renewal to be refused and every worker to hold the ban list."""
+        address = self.join.authorizer
+        victim = self.workers["worker-s0-r0"].peer_id
+        try:
+            await send_report(address, NodeCredentials(self.stranger_dir, clock=time.time), _evidence(victim),
+                              timeout_s=20)
+            as_worker = ("OK", "")
+        except grpc.aio.AioRpcError as error:
+            as_worker = (error.code().name, error.details())
+        receipt = await send_report(address, NodeCredentials(self.compromised_dir, clock=time.time),
+                                    _evidence(self.stranger.peer_id), timeout_s=20)
+        deadline, banned = time.monotonic() + 2 * LIFETIME_S, {}
+        while time.monotonic() < deadline:
+            scraped = await self.scrape_workers()
+            banned = {name: samples["agora_dht_banned_peers"][()] for name, samples in scraped.items()}
+            if "stranger_revoked" in self.record and min(banned.values()) >= 1:
+                break
+            await asyncio.sleep(0.5)
+        authorizer = await asyncio.to_thread(scrape, self.demo.text("authorizer.metrics").strip())
+        return {"as_worker": as_worker, "receipt": receipt, "banned_peers": banned,
+                "outcomes": by_label(authorizer, "agora_authorizer_worker_reports_total", "outcome")}
+
     async def renewed_since(self, renewals: dict) -> dict:
         """Which nodes renewed since the flood (the step each was seen at), waiting up to two lifetimes;
         and the authorizer's metrics then (a status reaches its caller before the server counts it)."""
@@ -264,6 +296,12 @@ class Attacker:
             if all(counted) or time.monotonic() > deadline:
                 return after
             await asyncio.sleep(0.2)
+
+
+def _evidence(peer_id: str) -> Evidence:
+    """What a trainer's verifier says of a worker it flags (here made up: a trainer may say anything)."""
+    return Evidence(stage=0, kind="output", peer=peer_id, feature="log_rms", direction="high", cusum=31.5, value=2.3,
+                    mean=2.1, centre=0.0, spread=0.1, replies=40)
 
 
 def _dht_refused(samples: dict, reason: str) -> float:
@@ -337,7 +375,9 @@ def _attack(demo: DemoRun, base: Path) -> dict:
                                 config_from_dict(info.config), join)
             record = run_loop(attacker.mount())
     record.update(refused_as_trainer=refused_as_trainer, admitted=info, workers=workers,
-                  trainer=NodeCredentials(demo.work / "trainer-0.state", clock=time.time).peer_id)
+                  trainer=NodeCredentials(demo.work / "trainer-0.state", clock=time.time).peer_id,
+                  compromised=NodeCredentials(compromised_dir, clock=time.time).peer_id,
+                  admitted_peer=NodeCredentials(stranger_dir, clock=time.time).peer_id)
     return record
 
 
@@ -452,7 +492,24 @@ def test_the_authorizer_refuses_a_flood_from_one_network_while_every_node_renews
     assert len(flood["nodes"]) == 5 and sorted(flood["renewed"]) == flood["nodes"], flood
     for name in [*WORKERS, "trainer-0"]:
         assert "credential renewal failed" not in demo.text(f"{name}.log"), name
-    assert "stranger_revoked" not in record  # the stranger renews like any node: admitted is admitted
+    # The stranger renews like any node (admitted is admitted), until the compromised trainer's report.
+    assert record["stranger_revoked"].startswith(f"banned: flagged by 1 trainer(s) ({record['compromised']})")
+
+
+def test_only_a_trainer_reports_a_worker_and_its_report_bans_it_across_the_swarm(attacked):
+    demo, record, _, summary = attacked
+    report = record["report"]
+    # 8: the stranger's worker credential may not report; the real worker it named is not banned.
+    assert report["as_worker"] == ("PERMISSION_DENIED", "role: only a trainer reports workers; this is a worker "
+                                                        "credential"), report
+    # The compromised trainer's report banned the stranger (a trainer is trusted: the ban names it, for
+    # the operator to audit and unban), through the signed ban list every worker holds.
+    assert report["receipt"].banned and (report["receipt"].reporters, report["receipt"].needed) == (1, 1)
+    assert report["banned_peers"] == {name: 1.0 for name in WORKERS}, report
+    assert report["outcomes"] == {"permission_denied": 1.0, "banned": 1.0}, report
+    bans = json.loads((demo.work / "authorizer" / "bans.json").read_text())
+    assert [ban["peer_id"] for ban in bans] == [record["admitted_peer"]]
+    assert record["compromised"] in bans[0]["reason"]
 
 
 def test_every_node_renews_its_short_credential_across_the_run_without_a_failed_call(attacked):
