@@ -1,6 +1,7 @@
 """The attack suite's figures (bench/attack_report.py): F1, steps to detection, loss ratios, goals."""
 
 import json
+from pathlib import Path
 
 from agora.bench.attack_report import detection_row, render_markdown, score
 
@@ -52,3 +53,12 @@ def test_an_honest_worker_caught_in_a_clean_run_fails_the_goal_and_is_named(tmp_
     row = detection_row(path)
     assert row.startswith("| 9 | hostile workers") and "honest caught 1 (clean runs 1 of 2)" in row
     assert row.endswith("| no |")
+
+
+def test_the_suite_table_carries_the_detection_row_after_the_gpu_row():
+    from agora.bench.suite_report import render
+
+    record = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" / "suite.json").read_text())
+    summary = render(record).split("\n## ")[1]
+    rows = [line for line in summary.splitlines() if line.startswith("| 8 |") or line.startswith("| 9 |")]
+    assert [row[:5] for row in rows] == ["| 8 |", "| 9 |"] and "hostile workers" in rows[1]
