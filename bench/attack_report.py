@@ -8,7 +8,7 @@ checked by hand against the runs in the JSON:
   negative: not caught; false positives: the honest workers caught (any run, clean ones included).
   F1 = 2 TP / (2 TP + FP + FN) over a behaviour and position's guarded runs.
 - Steps to detection: the liar's stage's step at the catch minus its step at the first lie.
-- Held-out loss ratio: a run's held-out loss over the clean run of the same seed (no churn).
+- Held-out loss ratio: a run's held-out loss over the clean run of the same seed and steps (no churn).
 - A lie moves the loss when its unguarded run's ratio is off 1 by more than `MOVES_LOSS`; the F1
   goal applies to those (and to lies never run unguarded: unknown counts as moving).
 """
@@ -36,6 +36,11 @@ def _honest_caught(run: dict) -> list[str]:
     return sorted(peer for peer in run["caught"] if peer != run["liar"])
 
 
+def _same(run: dict) -> tuple[int, int]:
+    """The key of the clean run a run is held against: its seed and steps."""
+    return run["seed"], run["steps"]
+
+
 def _median(values: list) -> float | None:
     values = [value for value in values if value is not None]
     return statistics.median(values) if values else None
@@ -50,8 +55,8 @@ def _cell(runs: list[dict], unguarded: list[dict], clean_loss: dict[int, float])
             who[peer] = catch["how"]
     steps = [run["caught"][run["liar"]]["step"] - run["first_lie_step"] for run in caught
              if run["first_lie_step"] is not None and run["caught"][run["liar"]]["step"] is not None]
-    ratios = [run["heldout"] / clean_loss[run["seed"]] for run in runs if run["seed"] in clean_loss]
-    open_ratios = [run["heldout"] / clean_loss[run["seed"]] for run in unguarded if run["seed"] in clean_loss]
+    ratios = [run["heldout"] / clean_loss[_same(run)] for run in runs if _same(run) in clean_loss]
+    open_ratios = [run["heldout"] / clean_loss[_same(run)] for run in unguarded if _same(run) in clean_loss]
     open_ratio = _median(open_ratios)
     moves = None if open_ratio is None else abs(open_ratio - 1) > MOVES_LOSS
     f1 = _f1(len(caught), honest, len(runs) - len(caught))
@@ -67,7 +72,7 @@ def _cell(runs: list[dict], unguarded: list[dict], clean_loss: dict[int, float])
 def score(runs: list[dict]) -> dict:
     """Per (attack, position) cell and overall (module docstring)."""
     clean = [run for run in runs if run["attack"] is None]
-    clean_loss = {run["seed"]: run["heldout"] for run in clean if not run["churn"]}
+    clean_loss = {_same(run): run["heldout"] for run in clean if not run["churn"]}
     keys = list(dict.fromkeys((run["attack"], run["position"]) for run in runs if run["attack"] is not None))
     cells = [_cell([r for r in runs if (r["attack"], r["position"]) == key and r["verify"]],
                    [r for r in runs if (r["attack"], r["position"]) == key and not r["verify"]], clean_loss)
@@ -104,8 +109,8 @@ def render_markdown(results: dict) -> str:
     lines = [f"# Hostile workers against the trainer's checks (tiny, head/body/tail x2 replicas, {settings['runs']} "
              f"seed(s) from {settings['seed']})", "",
              f"`{results['command']}` on {results['machine']}, {results['seconds']:.0f} s, 1-minute load {load}. "
-             f"A liar lies after {settings['honest_steps']} honest steps of {settings['steps']} (late: after "
-             f"{settings['late_steps']}, then {settings['lie_steps']}); on-off lies 4 replies, honest 4. "
+             f"A liar lies after {settings['honest_steps']} honest steps, for {settings['lie_steps']} (late: after "
+             f"{settings['late_steps']}); on-off lies 4 replies, honest 4. "
              "Caught: flagged by the verifier, refused by the scale bound, or blamed for a refusal downstream "
              "(bench/attack_report.py defines every column).", "",
              f"Clean runs: {clean['runs']} ({clean['churned']} losing a body replica half-way); honest workers "
@@ -130,7 +135,7 @@ def render_markdown(results: dict) -> str:
 def detection_row(path: Path) -> str:
     """RESULTS.md's row from bench/attacks.py's JSON (or a line saying it was never run)."""
     if not path.exists():
-        return f"{ROW_LABEL} not measured: `python bench/attacks.py --runs 3 --unguarded --churn` | - | - |"
+        return f"{ROW_LABEL} not measured: `python bench/attacks.py --runs 3 --unguarded 1 --churn --load 2` | - | - |"
     results = json.loads(path.read_text())
     scores = results["scores"]
     overall = scores["overall"]

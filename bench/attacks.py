@@ -1,13 +1,13 @@
 """Hostile workers against the trainer's checks, over real gRPC: detection F1 over repeated runs.
 
 tiny, three stages (head, body, tail), two replicas each: six StageWorkers on loopback and one
-SwarmTrainer, no DHT (the harness of tests/integration/test_reply_verification.py), so every liar
-has an honest twin on its stage. In each attacked run one replica (`s<stage>r1`) turns liar after
-`--honest-steps` steps of its stage (tests/helpers/lying_workers.py): x10, x1e4, noise at the
-frame's scale, sign-flipped gradients (a Backward's input gradient negated), zeros, a constant,
-stale (the previous microbatch's frame), a small persistent bias, on-off (x10 for `--period`
-replies, honest for as many) and late (x10 after `--late-steps` honest steps). A head or body lies
-in its Forward outputs (sign-grad: its Backward's input gradient); a tail, whose output is a
+SwarmTrainer, no DHT (tests/helpers/attack_swarm.py), so every liar has an honest twin on its
+stage. In each attacked run one replica (`s<stage>r1`) turns liar after `--honest-steps` steps
+of its stage (tests/helpers/lying_workers.py): x10, x1e4, noise at the frame's scale,
+sign-flipped gradients (a Backward's input gradient negated), zeros, a constant, stale (the
+previous microbatch's frame), a small persistent bias (5% of the frame's RMS), on-off (x10 for
+4 replies, honest for 4) and late (x10 after `--late-steps` honest steps). A head or body lies
+in its Forward outputs (sign-grad: in its Backward's input gradient); a tail, whose output is a
 loss, lies in the input gradient it sends back. A head's Backward sends nothing upstream, so
 sign-grad has no head row.
 
@@ -15,18 +15,19 @@ Per behaviour and position, over `--runs` seeds: the detection F1 (a true positi
 caught; a false positive: any honest worker caught; caught = flagged by the verifier, refused by
 the trainer's scale bound, or blamed for a refusal downstream), the median steps from the first
 lie to the catch, whom the trainer caught and how, the held-out loss against the clean run of the
-same seed, and (`--unguarded`, the first seed) the held-out loss with the verifier off, which
-says whether the lie moves the loss by more than 1% at all (the F1 goal applies only then).
-Clean runs of every seed count toward the false positives; with `--churn` a clean run also loses
-a body replica half-way. The figures are for one machine's load: os.getloadavg() is recorded at
-the start and the end. Flags are argparse's (as the other bench scripts'): a bench's knobs are not
+same seed and length, and (`--unguarded N`, the first N seeds) the held-out loss with the
+verifier off (the scale bound stays), which says whether the lie moves the loss by more than 1%
+at all (the F1 goal applies only then). Clean runs of every seed count toward the false
+positives; with `--churn` each seed has one more clean run that loses a body replica half-way
+while `--load` CPU-bound processes run beside it. The machine's 1-minute load is recorded at the
+start and the end. Flags are argparse's, as the other bench scripts': a bench's knobs are not
 settings of the node.
 
-Writes bench/results/attacks_tiny.md and attacks_tiny.json (bench/attack_report.py renders both,
-and RESULTS.md's detection row reads the JSON).
+Writes bench/results/attacks_tiny.md and attacks_tiny.json (bench/attack_report.py renders both;
+RESULTS.md's row 9 reads the JSON).
 
-    python bench/attacks.py --runs 3 --unguarded --churn        # the whole suite (about 15 min, 2 cores)
-    python bench/attacks.py --quick                             # x1e4 at the head, sign-grad at the body
+    python bench/attacks.py --runs 3 --unguarded 1 --churn --load 2   # the whole suite (about 15 min, 2 cores)
+    python bench/attacks.py --quick     # x1e4 at the head and body, sign-grad at the body: shows it works
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ import logging
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -52,22 +55,35 @@ from attack_swarm import ATTACKS, POSITIONS, Plan, run_plan  # noqa: E402 - the 
 from lying_workers import LieSchedule  # noqa: E402
 
 
+@contextmanager
+def _cpu_load(processes: int):
+    """`processes` busy loops in child processes for the block's duration (each reaped after)."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
 def _plans(args) -> tuple[list[Plan], list[Plan]]:
     """The clean runs and the attacked ones, in the order they run."""
     seeds = [args.seed + run for run in range(args.runs)]
-    clean = [Plan(seed, args.steps) for seed in seeds]
-    clean += [Plan(seed, args.steps, churn=True) for seed in seeds] if args.churn else []
+    steps, late_steps = args.honest_steps + args.lie_steps, args.late_steps + args.lie_steps
+    clean = [Plan(seed, steps) for seed in seeds]
+    clean += [Plan(seed, late_steps) for seed in seeds if any(ATTACKS[name].late for name in args.behaviours)]
+    clean += [Plan(seed, steps, churn=True) for seed in seeds] if args.churn else []
     attacked = []
     for name in args.behaviours:
         attack = ATTACKS[name]
-        steps = args.late_steps + args.lie_steps if attack.late else args.steps
+        steps = late_steps if attack.late else args.honest_steps + args.lie_steps
         schedule = LieSchedule(honest_steps=args.late_steps if attack.late else args.honest_steps, period=attack.period)
         for position in args.positions:
             if attack.frame_at(position) is None:
                 continue
             attacked += [Plan(seed, steps, True, name, position, schedule) for seed in seeds]
-            if args.unguarded:
-                attacked.append(Plan(seeds[0], steps, False, name, position, schedule))
+            attacked += [Plan(seed, steps, False, name, position, schedule) for seed in seeds[:args.unguarded]]
     return clean, attacked
 
 
@@ -78,17 +94,19 @@ def _parser() -> argparse.ArgumentParser:
                         help="where the liar sits (all: head, body and tail)")
     parser.add_argument("--runs", type=int, default=3, help="seeds per behaviour and position (and clean runs)")
     parser.add_argument("--seed", type=int, default=0, help="the first seed")
-    parser.add_argument("--honest-steps", type=int, default=24,
+    parser.add_argument("--honest-steps", type=int, default=20,
                         help="steps before a liar lies (the verifier's spread is wide while values still move fast)")
-    parser.add_argument("--lie-steps", type=int, default=16, help="steps of lying a late attacker gets")
-    parser.add_argument("--steps", type=int, default=40, help="steps of a clean or attacked run")
+    parser.add_argument("--lie-steps", type=int, default=16, help="steps of a run after the honest ones")
     parser.add_argument("--late-steps", type=int, default=100, help="honest steps before the late attacker lies")
-    parser.add_argument("--unguarded", action="store_true", help="also run each attack once with the verifier off")
+    parser.add_argument("--unguarded", type=int, default=0, metavar="N",
+                        help="also run each attack with the verifier off, on the first N seeds (routes differ from run "
+                        "to run: held-out losses of one seed wander by about 1%%)")
     parser.add_argument("--churn", action="store_true", help="also run each clean seed losing a body replica half-way")
+    parser.add_argument("--load", type=int, default=0, help="CPU-bound processes running beside the churned clean runs")
     parser.add_argument("--spot-share", type=float, default=None,
                         help="the trainer's spot_check_share (where the trainer has spot checks)")
     parser.add_argument("--quick", action="store_true",
-                        help="one seed, 24 steps: x1e4 at the head and sign-grad at the body, to show it works")
+                        help="one seed, 12 honest steps and 12 more: x1e4 at the head and sign-grad at the body, to show it works")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "attacks_tiny.md"))
     return parser
 
@@ -96,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = _parser().parse_args()
     if args.quick:
-        args.runs, args.steps, args.honest_steps, args.behaviours = 1, 24, 12, ["x1e4", "sign-grad"]
+        args.runs, args.honest_steps, args.lie_steps, args.behaviours = 1, 12, 12, ["x1e4", "sign-grad"]
         args.positions = ["head", "body"]
     if "all" in args.positions:
         args.positions = list(POSITIONS)
@@ -106,7 +124,8 @@ def main() -> None:
     clean_plans, attacked_plans = _plans(args)
     runs, total = [], len(clean_plans) + len(attacked_plans)
     for plan in clean_plans + attacked_plans:
-        result = asyncio.run(run_plan(plan, args.spot_share))
+        with _cpu_load(args.load if plan.churn else 0):
+            result = asyncio.run(run_plan(plan, args.spot_share))
         runs.append(result)
         caught = ", ".join(f"{peer} ({c['how']})" for peer, c in result["caught"].items()) or "-"
         print(f"[{len(runs)}/{total} {time.monotonic() - started:.0f}s] {plan.attack or 'clean'}"

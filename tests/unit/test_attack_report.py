@@ -6,10 +6,11 @@ from pathlib import Path
 from agora.bench.attack_report import detection_row, render_markdown, score
 
 
-def _run(seed, attack=None, position=None, caught=None, heldout=3.0, verify=True, churn=False, first_lie_step=None):
+def _run(seed, attack=None, position=None, caught=None, heldout=3.0, verify=True, churn=False, first_lie_step=None,
+         steps=24):
     liar = None if attack is None else {"head": "s0r1", "body": "s1r1", "tail": "s2r1"}[position]
-    return {"seed": seed, "attack": attack, "position": position, "verify": verify, "churn": churn, "liar": liar,
-            "caught": caught or {}, "heldout": heldout, "lies": 5, "first_lie_step": first_lie_step}
+    return {"seed": seed, "steps": steps, "attack": attack, "position": position, "verify": verify, "churn": churn,
+            "liar": liar, "caught": caught or {}, "heldout": heldout, "lies": 5, "first_lie_step": first_lie_step}
 
 
 def _catch(how="verifier", lies=4, step=14):
@@ -36,6 +37,13 @@ def test_f1_counts_liars_caught_missed_and_honest_workers_caught():
     assert scores["overall"]["met"] is False
 
 
+def test_a_late_attack_is_held_against_the_clean_run_of_its_own_length():
+    runs = [_run(0, heldout=3.0), _run(0, heldout=2.0, steps=116),
+            _run(0, "late", "body", {"s1r1": _catch(step=102)}, heldout=2.02, steps=116, first_lie_step=100)]
+    late = score(runs)["cells"][0]
+    assert abs(late["heldout_ratio"] - 1.01) < 1e-9 and late["steps_to_detection"] == 2
+
+
 def test_an_honest_worker_caught_in_a_clean_run_fails_the_goal_and_is_named(tmp_path):
     runs = [_run(0, caught={"s2r0": _catch("scale bound")}), _run(0, churn=True),
             _run(0, "x1e4", "head", {"s0r1": _catch("scale bound", 1, 12)}, first_lie_step=12)]
@@ -43,8 +51,8 @@ def test_an_honest_worker_caught_in_a_clean_run_fails_the_goal_and_is_named(tmp_
     assert scores["clean"] == {"runs": 2, "churned": 1, "honest_caught": 1, "who": ["s2r0"]}
     assert scores["cells"][0]["met"] is True and scores["overall"]["met"] is False
     results = {"command": "python bench/attacks.py --quick", "machine": "m, 2 cores", "load": [1.0, 2.0],
-               "seconds": 10.0, "settings": {"runs": 1, "seed": 0, "honest_steps": 12, "steps": 24, "late_steps": 100,
-                                             "lie_steps": 16}, "runs": runs, "scores": scores}
+               "seconds": 10.0, "settings": {"runs": 1, "seed": 0, "honest_steps": 12, "late_steps": 100,
+                                             "lie_steps": 12}, "runs": runs, "scores": scores}
     table = render_markdown(results)
     assert "honest workers caught: 1 (s2r0)" in table and "| x1e4 | head | 1 | 1 | 0 | 1.00 | 0.0 | 1.0 |" in table
     path = tmp_path / "attacks.json"
