@@ -4,8 +4,9 @@ the goals, the markdown table, and the summary row RESULTS.md shows.
 Pure: a run is the dict `attack_swarm.run_plan` returns. Definitions, so that every figure can be
 checked by hand against the runs in the JSON:
 
-- A run's true positive: its liar caught (by the verifier, the scale bound or blame); a false
-  negative: not caught; false positives: the honest workers caught (any run, clean ones included).
+- A run's true positive: its liar caught (by the verifier, the scale bound or blame) after its
+  first lie; a false negative: not caught so; false positives: the honest workers caught (any run,
+  clean ones included), and a liar caught before it lied (it was an honest worker then).
   F1 = 2 TP / (2 TP + FP + FN) over a behaviour and position's guarded runs.
 - Steps to detection: the liar's stage's step at the catch minus its step at the first lie.
 - Held-out loss ratio: a run's held-out loss over the clean run of the same seed and steps (no churn).
@@ -24,7 +25,8 @@ __all__ = ["F1_GOAL", "LOSS_GOAL", "MOVES_LOSS", "score", "render_markdown", "de
 F1_GOAL = 0.95
 LOSS_GOAL = 1.02  # guarded held-out loss at most 2% above the clean run's
 MOVES_LOSS = 0.01
-ROW_LABEL = "| 9 | hostile workers (bench/attacks.py): detection F1 over runs; honest workers caught; held-out loss / clean |"
+ROW_LABEL = ("| 9 | hostile workers (bench/attacks.py): detection F1 over runs; honest workers caught; held-out loss / "
+             "clean |")
 
 
 def _f1(true_positives: int, false_positives: int, false_negatives: int) -> float | None:
@@ -32,8 +34,13 @@ def _f1(true_positives: int, false_positives: int, false_negatives: int) -> floa
     return None if denominator == 0 else 2 * true_positives / denominator
 
 
+def _liar_caught(run: dict) -> bool:
+    catch = run["caught"].get(run["liar"])
+    return catch is not None and catch["lies"] > 0
+
+
 def _honest_caught(run: dict) -> list[str]:
-    return sorted(peer for peer in run["caught"] if peer != run["liar"])
+    return sorted(peer for peer in run["caught"] if peer != run["liar"] or not _liar_caught(run))
 
 
 def _same(run: dict) -> tuple[int, int]:
@@ -47,7 +54,7 @@ def _median(values: list) -> float | None:
 
 
 def _cell(runs: list[dict], unguarded: list[dict], clean_loss: dict[int, float]) -> dict:
-    caught = [run for run in runs if run["liar"] in run["caught"]]
+    caught = [run for run in runs if _liar_caught(run)]
     honest = sum(len(_honest_caught(run)) for run in runs)
     who: dict[str, str] = {}
     for run in runs:

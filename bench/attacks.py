@@ -2,7 +2,7 @@
 
 tiny, three stages (head, body, tail), two replicas each: six StageWorkers on loopback and one
 SwarmTrainer, no DHT (tests/helpers/attack_swarm.py), so every liar has an honest twin on its
-stage. In each attacked run one replica (`s<stage>r1`) turns liar after `--honest-steps` steps
+stage; a stage's replicas are averaged exactly every 3 steps, as a real run averages them. In each attacked run one replica (`s<stage>r1`) turns liar after `--honest-steps` steps
 of its stage (tests/helpers/lying_workers.py): x10, x1e4, noise at the frame's scale,
 sign-flipped gradients (a Backward's input gradient negated), zeros, a constant, stale (the
 previous microbatch's frame), a small persistent bias (5% of the frame's RMS), on-off (x10 for
@@ -106,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--spot-share", type=float, default=None,
                         help="the trainer's spot_check_share (where the trainer has spot checks)")
     parser.add_argument("--quick", action="store_true",
-                        help="one seed, 12 honest steps and 12 more: x1e4 at the head and sign-grad at the body, to show it works")
+                        help="one seed, 12 honest steps and 12 more: x1e4 at the head and body, sign-grad at the body, "
+                        "to show it works")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "attacks_tiny.md"))
     return parser
 

@@ -7,7 +7,8 @@ body replica leaving half-way). `run_plan` trains it and returns what the traine
 its first catch (the verifier's flag, the scale bound's refusal, or blame for a refusal
 downstream), with the liar's lies and its stage's step at that moment, and the held-out loss
 after the run (the liar's held-out replies are honest: the loss measures what its lies did to
-the weights). The liar is replica 1 of its stage (`s<stage>r1`). bench/attacks.py runs the suite;
+the weights). The liar is replica 1 of its stage (`s<stage>r1`); a stage's replicas are averaged every
+`AVERAGE_EVERY` steps (`ReplicaAverage`). bench/attacks.py runs the suite;
 tests/integration/test_attack_suite.py its quick form.
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import threading
 from dataclasses import dataclass, replace
 
 import torch
@@ -27,11 +30,16 @@ from agora.pipeline.config import PRESETS
 from agora.pipeline.data import build_data
 from lying_workers import BEHAVIOURS, LieSchedule, make_liar
 
-__all__ = ["ATTACKS", "Attack", "CATCHES", "CHURNED", "PEERS", "POSITIONS", "Plan", "run_plan"]
+__all__ = ["ATTACKS", "AVERAGE_EVERY", "Attack", "CATCHES", "CHURNED", "PEERS", "POSITIONS", "Plan", "ReplicaAverage",
+           "run_plan"]
 
 POSITIONS = {"head": 0, "body": 1, "tail": 2}
 PEERS = {f"s{stage}r{replica}": stage for stage in POSITIONS.values() for replica in range(2)}
 CHURNED = "s1r1"  # the body replica a churned clean run loses half-way
+# A stage's replicas are averaged exactly every this many steps, as the verifier's own measurements
+# assume (tests/unit/test_verification.py): replicas that never average drift apart, and over a
+# hundred steps the verifier rightly tells one from the other.
+AVERAGE_EVERY = 3
 # Trainer stats methods whose first call on a peer is a catch, and how it reads in the table.
 CATCHES = {"flagged": "verifier", "extreme_reply": "scale bound", "blamed": "blamed"}
 
@@ -107,13 +115,60 @@ def _record_catches(stats, liar_worker: StageWorker | None, liar) -> dict[str, d
     return catches
 
 
-async def _leave_half_way(workers: dict[str, StageWorker], steps: int, stopped: set[str]) -> None:
-    """Churn: the body replica `CHURNED` goes once its twin's stage has taken half the steps."""
-    twin = workers["s1r0"].compute.optimizer
-    while twin.steps < steps // 2:
-        await asyncio.sleep(0.05)
-    stopped.add(CHURNED)
-    await workers[CHURNED].stop(0)
+def _add(compute, delta: list[torch.Tensor]) -> None:
+    compute.weights_changing()
+    with torch.no_grad():
+        for parameter, change in zip(compute.optimizer.parameters, delta):
+            parameter.add_(change)
+
+
+class ReplicaAverage:
+    """A stage's replicas averaged exactly every `every` steps, in place of averaging over a DHT.
+
+    A step hook on each replica's compute thread snapshots its weights at every `every`-th step;
+    the replica whose snapshot completes the round computes the mean and each replica adds
+    (mean - its snapshot) on its own compute thread (the delta rule of node/averaging: steps taken
+    since the snapshot are kept). A round a replica never reaches (it left) is never applied."""
+
+    def __init__(self, workers: list[StageWorker], every: int = AVERAGE_EVERY):
+        self._workers, self._every = workers, every
+        self._snapshots: dict[int, dict[int, list[torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+        self.rounds = 0
+        for index, worker in enumerate(workers):
+            worker.compute.step_hooks.append(functools.partial(self._stepped, index))
+
+    def _stepped(self, index: int, compute) -> None:
+        step = compute.optimizer.steps
+        if step % self._every:
+            return
+        with self._lock:
+            snapshots = self._snapshots.setdefault(step, {})
+            snapshots[index] = [parameter.detach().clone() for parameter in compute.optimizer.parameters]
+            if len(snapshots) < len(self._workers):
+                return
+            del self._snapshots[step]
+            self.rounds += 1
+        mean = [torch.stack(group).mean(dim=0) for group in zip(*snapshots.values())]
+        for other, worker in enumerate(self._workers):
+            delta = [average - own for average, own in zip(mean, snapshots[other])]
+            if other == index:
+                _add(compute, delta)
+            else:
+                worker.submit_compute(functools.partial(_add, delta=delta))
+
+
+def _leave_half_way(workers: dict[str, StageWorker], steps: int, stopped: set[str], loop) -> list:
+    """Churn: the body replica `CHURNED` stops once its twin has taken half the steps (a step hook);
+    returns the list its stop's future goes into."""
+    leaving: list = []
+
+    def stepped(compute) -> None:
+        if compute.optimizer.steps == steps // 2 and not leaving:
+            stopped.add(CHURNED)
+            leaving.append(asyncio.run_coroutine_threadsafe(workers[CHURNED].stop(0), loop))
+    workers["s1r0"].compute.step_hooks.append(stepped)
+    return leaving
 
 
 async def run_plan(plan: Plan, spot_share: float | None = None) -> dict:
@@ -121,29 +176,33 @@ async def run_plan(plan: Plan, spot_share: float | None = None) -> dict:
     config = _config(plan.seed)
     data = build_data(config)
     torch.manual_seed(plan.seed)
-    workers = {peer: StageWorker(config, stage, run_id="attacks", options=WorkerOptions()) for peer, stage in PEERS.items()}
+    workers = {peer: StageWorker(config, stage, run_id="attacks", options=WorkerOptions())
+               for peer, stage in PEERS.items()}
     stopped: set[str] = set()
     liar_peer = liar = None
     try:
         for worker in workers.values():
             await worker.start()
+        averages = [ReplicaAverage([workers[peer] for peer, of in PEERS.items() if of == stage])
+                    for stage in POSITIONS.values()]
+        leaving = _leave_half_way(workers, plan.steps, stopped, asyncio.get_running_loop()) if plan.churn else []
         if plan.attack is not None:
             liar_peer = f"s{POSITIONS[plan.position]}r1"
             attack = ATTACKS[plan.attack]
             liar = make_liar(workers[liar_peer], BEHAVIOURS[attack.behaviour], frame=attack.frame_at(plan.position),
                              schedule=plan.schedule)
         views = [WorkerView(peer, w.address, PEERS[peer], announced_samples_per_s=100.0) for peer, w in workers.items()]
-        async with SwarmTrainer(config, data, StaticDiscovery(views), _trainer_options(plan.verify, spot_share)) as trainer:
+        options = _trainer_options(plan.verify, spot_share)
+        async with SwarmTrainer(config, data, StaticDiscovery(views), options) as trainer:
             catches = _record_catches(trainer.stats, workers.get(liar_peer), liar)
-            churn = asyncio.create_task(_leave_half_way(workers, plan.steps, stopped)) if plan.churn else None
             await trainer.run(plan.steps)
-            if churn is not None:
-                churn.cancel()
+            for stop in leaving:
+                await asyncio.wrap_future(stop)
             held_out = await trainer.evaluate(data.heldout_batches(config.train.eval_batches, config.train.batch_size))
-        return {"seed": plan.seed, "steps": plan.steps, "attack": plan.attack, "position": plan.position, "verify": plan.verify,
-                "churn": plan.churn, "liar": liar_peer, "caught": catches, "heldout": held_out,
+        return {"seed": plan.seed, "steps": plan.steps, "attack": plan.attack, "position": plan.position,
+                "verify": plan.verify, "churn": plan.churn, "liar": liar_peer, "caught": catches, "heldout": held_out,
                 "lies": liar.lies if liar else 0, "replies": liar.replies if liar else 0,
-                "started_at": liar.started_at if liar else None,
+                "started_at": liar.started_at if liar else None, "averaging_rounds": [a.rounds for a in averages],
                 "first_lie_step": liar.lie_steps[0] if liar and liar.lie_steps else None}
     finally:
         await asyncio.gather(*(w.stop(0) for peer, w in workers.items() if peer not in stopped))

@@ -3,9 +3,10 @@
 Six StageWorkers on loopback (head, body, tail, two replicas each) and one SwarmTrainer
 (tests/helpers/attack_swarm.py). A replica turns liar after 12 honest steps of a 24-step run; the
 trainer must catch it (the verifier's flag, the scale bound's refusal, or blame) and no honest
-worker, and finish the run. Three lies cover the three positions and both frames: x1e4 outputs at
-the head (beyond the scale bound), sign-flipped gradients in a body's Backward replies, and a
-constant input gradient from the tail. A clean run must catch no one. The schedules of the liars
+worker, and finish the run. A stage's replicas are averaged every few steps, as in a real run.
+Three lies cover the three positions and both frames: x1e4 outputs at the head (beyond the scale
+bound), sign-flipped gradients in a body's Backward replies, and a constant input gradient from
+the tail. A clean run must catch no one. The schedules of the liars
 (late, on-off) are checked on the lies they told.
 """
 
@@ -15,7 +16,7 @@ import asyncio
 
 import pytest
 
-from attack_swarm import Plan, run_plan
+from attack_swarm import AVERAGE_EVERY, Plan, run_plan
 from lying_workers import LieSchedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -38,6 +39,9 @@ def test_a_liar_is_caught_and_no_honest_worker(attack, position):
 def test_a_clean_run_catches_no_one():
     result = asyncio.run(run_plan(Plan(1, STEPS)))
     assert result["caught"] == {} and result["liar"] is None, result
+    # Every stage's replicas were averaged every AVERAGE_EVERY steps (each round once both reached it).
+    rounds = result["averaging_rounds"]
+    assert len(rounds) == 3 and all(count >= STEPS // AVERAGE_EVERY - 1 for count in rounds), result
 
 
 def test_an_on_off_liar_tells_lies_in_periods_and_a_late_one_only_after_its_honest_steps():

@@ -30,7 +30,8 @@ def test_f1_counts_liars_caught_missed_and_honest_workers_caught():
     assert (sign["runs"], sign["caught"], sign["honest_caught"]) == (2, 2, 1) and sign["f1"] == 0.8
     assert sign["steps_to_detection"] == 3.0 and sign["lies_to_detection"] == 4
     assert abs(sign["heldout_ratio"] - 1.005) < 1e-9 and abs(sign["unguarded_ratio"] - 1.1) < 1e-9
-    assert sign["moves_loss"] is True and sign["met"] is False and sign["who"] == {"s1r1": "verifier", "s1r0": "verifier"}
+    assert sign["moves_loss"] is True and sign["met"] is False
+    assert sign["who"] == {"s1r1": "verifier", "s1r0": "verifier"}
     # Never caught, but it does not move the loss: the F1 goal does not apply.
     assert stale["f1"] == 0.0 and stale["moves_loss"] is False and stale["met"] is True
     assert scores["overall"]["f1_moving"] == 0.8 and scores["overall"]["honest_caught"] == 1
@@ -42,6 +43,12 @@ def test_a_late_attack_is_held_against_the_clean_run_of_its_own_length():
             _run(0, "late", "body", {"s1r1": _catch(step=102)}, heldout=2.02, steps=116, first_lie_step=100)]
     late = score(runs)["cells"][0]
     assert abs(late["heldout_ratio"] - 1.01) < 1e-9 and late["steps_to_detection"] == 2
+
+
+def test_a_liar_caught_before_its_first_lie_is_an_honest_worker_caught_and_a_miss():
+    runs = [_run(0), _run(0, "late", "body", {"s1r1": _catch(lies=0, step=27)}, first_lie_step=100)]
+    late = score(runs)["cells"][0]
+    assert (late["caught"], late["honest_caught"], late["f1"]) == (0, 1, 0.0)
 
 
 def test_an_honest_worker_caught_in_a_clean_run_fails_the_goal_and_is_named(tmp_path):
