@@ -113,8 +113,8 @@ def render_markdown(results: dict) -> str:
     scores, settings = results["scores"], results["settings"]
     clean = scores["clean"]
     load = "->".join(f"{value:.1f}" for value in results["load"])
-    lines = [f"# Hostile workers against the trainer's checks (tiny, head/body/tail x2 replicas, {settings['runs']} "
-             f"seed(s) from {settings['seed']})", "",
+    lines = [f"# Hostile workers against the trainer's checks (tiny, head/body/tail x2 replicas averaged every 3 "
+             f"steps, {settings['runs']} seed(s) from {settings['seed']})", "",
              f"`{results['command']}` on {results['machine']}, {results['seconds']:.0f} s, 1-minute load {load}. "
              f"A liar lies after {settings['honest_steps']} honest steps, for {settings['lie_steps']} (late: after "
              f"{settings['late_steps']}); on-off lies 4 replies, honest 4. "
