@@ -1,130 +1,149 @@
-"""What the trainer's verifier stops, over real gRPC: one head replica lying, against a clean run.
+"""Hostile workers against the trainer's checks, over real gRPC: detection F1 over repeated runs.
 
-tiny, two stages: two head replicas and one tail, StageWorkers on loopback and one SwarmTrainer
-(the harness of tests/integration/test_reply_verification.py). One head replica answers honestly for
-`--honest` Forwards, then lies in one way (x10, its output's sign flipped, noise at the output's
-scale, a constant, its previous output replayed). Per behaviour: whether it was flagged (and who
-was), after how many lies, the microbatches rerouted, and the held-out loss against the clean
-run's (same seed, same data). With `--unguarded` each behaviour also runs without the verifier,
-to show what the lie costs when nothing stops it.
+tiny, three stages (head, body, tail), two replicas each: six StageWorkers on loopback and one
+SwarmTrainer, no DHT (tests/helpers/attack_swarm.py), so every liar has an honest twin on its
+stage; a stage's replicas are averaged exactly every 3 steps, as a real run averages them. In each attacked run one replica (`s<stage>r1`) turns liar after `--honest-steps` steps
+of its stage (tests/helpers/lying_workers.py): x10, x1e4, noise at the frame's scale,
+sign-flipped gradients (a Backward's input gradient negated), zeros, a constant, stale (the
+previous microbatch's frame), a small persistent bias (5% of the frame's RMS), on-off (x10 for
+4 replies, honest for 4) and late (x10 after `--late-steps` honest steps). A head or body lies
+in its Forward outputs (sign-grad: in its Backward's input gradient); a tail, whose output is a
+loss, lies in the input gradient it sends back. A head's Backward sends nothing upstream, so
+sign-grad has no head row.
 
-Writes bench/results/attacks_tiny.md.
+Per behaviour and position, over `--runs` seeds: the detection F1 (a true positive: the liar
+caught; a false positive: any honest worker caught; caught = flagged by the verifier, refused by
+the trainer's scale bound, or blamed for a refusal downstream), the median steps from the first
+lie to the catch, whom the trainer caught and how, the held-out loss against the clean run of the
+same seed and length, and (`--unguarded N`, the first N seeds) the held-out loss with the
+verifier off (the scale bound stays), which says whether the lie moves the loss by more than 1%
+at all (the F1 goal applies only then). Clean runs of every seed count toward the false
+positives; with `--churn` each seed has one more clean run that loses a body replica half-way
+while `--load` CPU-bound processes run beside it. The machine's 1-minute load is recorded at the
+start and the end. Flags are argparse's, as the other bench scripts': a bench's knobs are not
+settings of the node.
 
-    python bench/attacks.py --steps 80 --honest 80 --unguarded
-    python bench/attacks.py --quick          # x10 and a constant, 50 steps: shows it works
+Writes bench/results/attacks_tiny.md and attacks_tiny.json (bench/attack_report.py renders both;
+RESULTS.md's row 9 reads the JSON).
+
+    python bench/attacks.py --runs 3 --unguarded 1 --churn --load 2   # the whole suite (about 15 min, 2 cores)
+    python bench/attacks.py --quick     # x1e4 at the head and body, sign-grad at the body: shows it works
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import logging
+import os
 import platform
+import shlex
+import subprocess
 import sys
-from dataclasses import replace
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from agora.node.trainer.discovery import StaticDiscovery
-from agora.node.trainer.routing import WorkerView
-from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
-from agora.node.worker.worker import StageWorker, WorkerOptions
-from agora.pipeline.config import PRESETS
-from agora.pipeline.data import build_data
+from agora.bench.attack_report import render_markdown, score
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = {"s0r0": 0, "s0r1": 0, "s1r0": 1}
-LIAR = "s0r1"
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+from attack_swarm import ATTACKS, POSITIONS, Plan, run_plan  # noqa: E402 - the tests' own swarm and liars
+from lying_workers import LieSchedule  # noqa: E402
 
 
-def _behaviours() -> dict:
-    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
-    from lying_workers import rewritten_output  # noqa: E402 - the tests' own liars
-
-    def noise(output, previous):
-        return output + torch.randn_like(output) * output.square().mean().sqrt()
-
-    return {
-        "x10": rewritten_output(lambda output, previous: output * 10),
-        "sign": rewritten_output(lambda output, previous: -output),
-        "noise": rewritten_output(noise),
-        "constant": rewritten_output(lambda output, previous: output.mean(dim=(0, 1), keepdim=True).expand_as(output)),
-        "stale": rewritten_output(lambda output, previous: output if previous is None else previous),
-    }
-
-
-def _config(seed: int):
-    config = PRESETS["tiny"].with_stages(2)
-    return replace(config, seed=seed, train=replace(config.train, batch_size=8, microbatches=4, seq_len=64,
-                                                    eval_every=0, eval_batches=4))
-
-
-async def run(config, data, steps: int, honest: int, rewrite, verify: bool) -> dict:
-    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
-    from lying_workers import rewrite_replies  # noqa: E402
-
-    workers = {peer: StageWorker(config, stage, run_id="bench", options=WorkerOptions())
-               for peer, stage in STAGES.items()}
-    served = [0]
+@contextmanager
+def _cpu_load(processes: int):
+    """`processes` busy loops in child processes for the block's duration (each reaped after)."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
     try:
-        for worker in workers.values():
-            await worker.start()
-        if rewrite is not None:
-            forward = workers[LIAR].compute.forward
-
-            def counted(request, **caller):
-                served[0] += 1
-                return forward(request, **caller)
-            workers[LIAR].compute.forward = counted
-            rewrite_replies(workers[LIAR], rewrite, after=honest)
-        views = [WorkerView(peer, w.address, STAGES[peer], announced_samples_per_s=100.0) for peer, w in workers.items()]
-        options = TrainerOptions(run_id="bench", max_in_flight=2, verify_replies=verify)
-        async with SwarmTrainer(config, data, StaticDiscovery(views), options) as trainer:
-            await trainer.run(steps)
-            held_out = await trainer.evaluate(data.heldout_batches(config.train.eval_batches, config.train.batch_size))
-        summary = trainer.verification_summary()
-        peak = max((value for key, value in summary.get("peak_cusum", {}).items() if key.endswith(f"/{LIAR}")),
-                   default=0.0)
-        return {"flagged": sorted(trainer.stats.flagged_by_peer), "reroutes": trainer.stats.reroutes, "peak": peak,
-                "lies": max(0, served[0] - honest) if rewrite is not None else 0, "heldout": held_out}
+        yield
     finally:
-        await asyncio.gather(*(w.stop(0) for w in workers.values()))
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+def _plans(args) -> tuple[list[Plan], list[Plan]]:
+    """The clean runs and the attacked ones, in the order they run."""
+    seeds = [args.seed + run for run in range(args.runs)]
+    steps, late_steps = args.honest_steps + args.lie_steps, args.late_steps + args.lie_steps
+    clean = [Plan(seed, steps) for seed in seeds]
+    clean += [Plan(seed, late_steps) for seed in seeds if any(ATTACKS[name].late for name in args.behaviours)]
+    clean += [Plan(seed, steps, churn=True) for seed in seeds] if args.churn else []
+    attacked = []
+    for name in args.behaviours:
+        attack = ATTACKS[name]
+        steps = late_steps if attack.late else args.honest_steps + args.lie_steps
+        schedule = LieSchedule(honest_steps=args.late_steps if attack.late else args.honest_steps, period=attack.period)
+        for position in args.positions:
+            if attack.frame_at(position) is None:
+                continue
+            attacked += [Plan(seed, steps, True, name, position, schedule) for seed in seeds]
+            attacked += [Plan(seed, steps, False, name, position, schedule) for seed in seeds[:args.unguarded]]
+    return clean, attacked
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--behaviours", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    parser.add_argument("--position", dest="positions", nargs="+", default=["all"], choices=[*POSITIONS, "all"],
+                        help="where the liar sits (all: head, body and tail)")
+    parser.add_argument("--runs", type=int, default=3, help="seeds per behaviour and position (and clean runs)")
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument("--honest-steps", type=int, default=20,
+                        help="steps before a liar lies (the verifier's spread is wide while values still move fast)")
+    parser.add_argument("--lie-steps", type=int, default=16, help="steps of a run after the honest ones")
+    parser.add_argument("--late-steps", type=int, default=100, help="honest steps before the late attacker lies")
+    parser.add_argument("--unguarded", type=int, default=0, metavar="N",
+                        help="also run each attack with the verifier off, on the first N seeds (routes differ from run "
+                        "to run: held-out losses of one seed wander by about 1%%)")
+    parser.add_argument("--churn", action="store_true", help="also run each clean seed losing a body replica half-way")
+    parser.add_argument("--load", type=int, default=0, help="CPU-bound processes running beside the churned clean runs")
+    parser.add_argument("--spot-share", type=float, default=None,
+                        help="the trainer's spot_check_share (where the trainer has spot checks)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one seed, 12 honest steps and 12 more: x1e4 at the head and body, sign-grad at the body, "
+                        "to show it works")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "attacks_tiny.md"))
+    return parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--honest", type=int, default=80, help="the liar's honest Forwards before it lies (two a "
-                        "step: before the stage's values settle, a tenfold lie is within their drift)")
-    parser.add_argument("--behaviours", nargs="+", default=["x10", "sign", "noise", "constant", "stale"])
-    parser.add_argument("--unguarded", action="store_true", help="also run each behaviour without the verifier")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="x10 and a constant, 50 steps, liar after 60 Forwards")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "attacks_tiny.md"))
-    args = parser.parse_args()
+    args = _parser().parse_args()
     if args.quick:
-        args.steps, args.honest, args.behaviours = 50, 60, ["x10", "constant"]
+        args.runs, args.honest_steps, args.lie_steps, args.behaviours = 1, 12, 12, ["x1e4", "sign-grad"]
+        args.positions = ["head", "body"]
+    if "all" in args.positions:
+        args.positions = list(POSITIONS)
     torch.set_num_threads(1)
-    config = _config(args.seed)
-    data = build_data(config)
-    behaviours = _behaviours()
-    clean = asyncio.run(run(config, data, args.steps, args.honest, None, True))
-    lines = [f"# One lying head replica against the verifier (tiny, 2 stages, head x2, {args.steps} steps, liar "
-             f"after {args.honest} Forwards, seed {args.seed}, {platform.node()})", "",
-             "| behaviour | verifier | flagged | lies | liar's peak CUSUM | reroutes | held-out loss | vs clean |",
-             "|---|---|---|---|---|---|---|---|",
-             f"| none (clean) | on | {', '.join(clean['flagged']) or '-'} | 0 | - | {clean['reroutes']} | "
-             f"{clean['heldout']:.4f} | 1.000 |"]
-    print(lines[-1], flush=True)
-    for name in args.behaviours:
-        for verify in (True, False) if args.unguarded else (True,):
-            result = asyncio.run(run(config, data, args.steps, args.honest, behaviours[name], verify))
-            lines.append(f"| {name} | {'on' if verify else 'off'} | {', '.join(result['flagged']) or '-'} | "
-                         f"{result['lies']} | {result['peak']:.1f} | {result['reroutes']} | {result['heldout']:.4f} | "
-                         f"{result['heldout'] / clean['heldout']:.3f} |")
-            print(lines[-1], flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    logging.basicConfig(level=logging.ERROR)  # the progress lines below say what each run caught
+    load_start, started = os.getloadavg()[0], time.monotonic()
+    clean_plans, attacked_plans = _plans(args)
+    runs, total = [], len(clean_plans) + len(attacked_plans)
+    for plan in clean_plans + attacked_plans:
+        with _cpu_load(args.load if plan.churn else 0):
+            result = asyncio.run(run_plan(plan, args.spot_share))
+        runs.append(result)
+        caught = ", ".join(f"{peer} ({c['how']})" for peer, c in result["caught"].items()) or "-"
+        print(f"[{len(runs)}/{total} {time.monotonic() - started:.0f}s] {plan.attack or 'clean'}"
+              f"{'' if plan.position is None else ' at ' + plan.position} seed {plan.seed}"
+              f"{'' if plan.verify else ' unguarded'}{' churn' if plan.churn else ''}: caught {caught}, "
+              f"held-out {result['heldout']:.4f}", flush=True)
+    results = {"command": "python bench/attacks.py " + shlex.join(sys.argv[1:]),
+               "machine": f"{platform.node()}, {os.cpu_count()} cores", "load": [load_start, os.getloadavg()[0]],
+               "seconds": time.monotonic() - started, "settings": {key: value for key, value in vars(args).items()
+                                                                   if key not in ("out", "quick")},
+               "runs": runs}
+    results["scores"] = score(runs)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    out.write_text(render_markdown(results))
+    print(out.read_text(), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,15 @@ import math
 import statistics
 from pathlib import Path
 
+from agora.bench.attack_report import detection_row
+
 __all__ = ["render"]
 
 # Row 8 is measured by bench/gpu.py on a GPU machine, not by the suite: the table shows what its
 # last run wrote (bench/results/gpu.json), or says it was never run.
 GPU_RESULTS = Path(__file__).resolve().parent / "results" / "gpu.json"
+# Row 9 likewise from bench/attacks.py's last run, which the suite does not run (about 15 minutes alone).
+ATTACK_RESULTS = Path(__file__).resolve().parent / "results" / "attacks_tiny.json"
 GPU_NOT_MEASURED = ("not measured: the suite's machine has no GPU; `python bench/gpu.py` measures one stage's "
                     "tokens/s and MFU on one (bench/results/gpu.md)")
 
@@ -400,6 +404,7 @@ def render(results: dict) -> str:
                        f"worker newcomers) | "
                        f"{shown} | - | - |")
     summary.append(_gpu_row(GPU_RESULTS))
+    summary.append(detection_row(ATTACK_RESULTS))
     fix_lines, fix_summary = _fixes(items)
     sections += fix_lines
     summary += fix_summary
