@@ -1,18 +1,33 @@
 """`OpenAIServer`: an OpenAI-compatible HTTP API in front of a `SwarmGenerator` (`agora-node serve`).
 
 Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both with
-`stream: true` as server-sent events ending in `data: [DONE]`), and `GET /v1/agora/stats` (this
-server's generator counters: sessions, tokens, retries, replays, failovers; not OpenAI's).
+`stream: true` as server-sent events ending in `data: [DONE]`), `GET /v1/agora/stats` (this
+server's generator counters: sessions, tokens, retries, replays, failovers, scored prompts; not OpenAI's), and vLLM's tokenizer endpoints (below).
 
 Design choices:
 - aiohttp's server runs on the process's one event loop, beside the gRPC channels of the
   generator; each request is its own task, so concurrent requests are concurrent generations
   (each its own session and route through the swarm).
-- Fields: `model` (must be the served one), `prompt` (a string, or a list of one string) or
-  `messages` (rendered by node/inference/text.render_chat), `max_tokens` (`max_completion_tokens`
-  for chat; default 16 as OpenAI's completions), `temperature` (default 1.0 as OpenAI's; 0 is
-  greedy), `top_p`, `seed` (default: a random one per request), `stop` (a string or up to 4),
-  `n` (only 1), `stream`. Unknown fields are ignored as OpenAI's API does with optional ones.
+- Fields of `/v1/completions` (request_fields.py parses them; choices.py runs them):
+  `model` (must be the served one); `prompt`: a string, a list of strings, a list of token ids,
+  or a list of lists of token ids (each a prompt; ids in the model's vocabulary);
+  `max_tokens` (default 16 as OpenAI's; 0: score only, nothing generated, the prompts scored in
+  batched Prefills through the swarm); `echo` (the prompt leads each choice's text, and its
+  tokens lead `logprobs`); `logprobs` (0..20: OpenAI's legacy object, `tokens`, `token_logprobs`
+  (null for the first prompt token), `top_logprobs` (that many likeliest plus the token itself,
+  text -> log-probability), `text_offset`; the model's log-softmax, not the temperature's);
+  `n` (choices per prompt, index = prompt * n + j, choice j sampled with seed + j; prompts x n
+  at most 2048); `temperature` (default 1.0 as OpenAI's; 0 is greedy), `top_p`, `seed`
+  (default: a random one per request), `stop` (a string or up to 4), `stream` (each choice's
+  deltas as events, with its `index`; with `echo` the prompt comes first). Chat completions:
+  `messages` (rendered by node/inference/text.render_chat), `max_completion_tokens` or
+  `max_tokens` (default 256), `logprobs` (true: `choices[].logprobs.content`, per token `token`,
+  `logprob`, `bytes`, `top_logprobs`), `top_logprobs` (0..20, only with `logprobs`), and the
+  sampling fields above. Unknown fields are ignored as OpenAI's API does with optional ones.
+- vLLM's tokenizer endpoints at the root: `GET /tokenizer_info` (`eos_token`, `model_max_length`),
+  `POST /tokenize` (`prompt` -> `tokens`, `count`), `POST /detokenize` (`tokens` -> `prompt`).
+  lm-eval's `local-completions` finds them and tokenizes with the served tokenizer, so no
+  tokenizer files are needed beside the URL.
 - Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400
   invalid_request_error naming the field, 404 for another model, 503 when the swarm cannot serve
   (no replica of a stage, every attempt failed). A stream that fails after it started ends with
@@ -44,12 +59,12 @@ from typing import Any, AsyncIterator, Optional
 from aiohttp import web
 
 from agora.node.inference.api_keys import ApiKeys
-from agora.node.inference.generator import Generation, GenerationFailed, SwarmGenerator
+from agora.node.inference.choices import Choice, ChoiceDelta, ChoiceRunner, collect
+from agora.node.inference.generator import SwarmGenerator
+from agora.node.inference.logprobs import chat_logprobs, completion_logprobs
 from agora.node.inference.options import ServeOptions
 from agora.node.inference.request_fields import ApiError, CompletionRequest, parse_chat, parse_completion
-from agora.node.inference.text import TextStream
 from agora.node.rpc.call_slots import CallPool
-from agora.pipeline.config import ConfigError
 from agora.pipeline.tokenizer import Tokenizer
 
 __all__ = ["OpenAIServer"]
@@ -79,7 +94,9 @@ class OpenAIServer:
                                   "serve.max_concurrent_requests")
         app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[self._errors, self._authenticate])
         app.add_routes([web.get("/v1/models", self._models), web.post("/v1/completions", self._completions),
-                        web.post("/v1/chat/completions", self._chat), web.get("/v1/agora/stats", self._stats)])
+                        web.post("/v1/chat/completions", self._chat), web.get("/v1/agora/stats", self._stats),
+                        web.get("/tokenizer_info", self._tokenizer_info), web.post("/tokenize", self._tokenize),
+                        web.post("/detokenize", self._detokenize)])
         self._runner = web.AppRunner(app, access_log=None)
         self.url: Optional[str] = None
 
@@ -162,14 +179,6 @@ class OpenAIServer:
             raise ApiError(404, f"model: {model!r:.80} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def _prompt_ids(self, text: str) -> list[int]:
-        ids = [int(t) for t in self.tokenizer.encode(text)]
-        limit = self.generator.config.model.max_seq_len
-        if len(ids) >= limit:
-            raise ApiError(400, f"prompt: {len(ids)} tokens, this model takes fewer than {limit} (model.max_seq_len)",
-                           param="prompt", code="context_length_exceeded")
-        return ids
-
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "agora"}]})
@@ -178,13 +187,38 @@ class OpenAIServer:
         return web.json_response({"requests": self.requests, "in_flight": self.in_flight.in_use,
                                   "refused": dict(self.refused), **vars(self.generator.stats)})
 
+    # ------------------------------------------------------------------ tokenizer (vLLM's endpoints)
+
+    async def _tokenizer_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"eos_token": self.tokenizer.decode([self.tokenizer.eos_id]), "bos_token": None,
+                                  "pad_token": None, "model_max_length": self.generator.config.model.max_seq_len,
+                                  "tokenizer_class": type(self.tokenizer).__name__})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        text = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            raise ApiError(400, "prompt: expected a string", param="prompt")
+        tokens = [int(t) for t in self.tokenizer.encode(text)]
+        return web.json_response({"count": len(tokens), "max_model_len": self.generator.config.model.max_seq_len,
+                                  "tokens": tokens})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        vocab = self.tokenizer.vocab_size
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                   for t in tokens):
+            raise ApiError(400, f"tokens: expected a list of token ids in [0, {vocab})", param="tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
     # ------------------------------------------------------------------ completions
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         async with self._admitted(request):
             body = await self._body(request)
             self._check_model(body)
-            completion = parse_completion(body)
+            completion = parse_completion(body, self.generator.config.model.vocab_size)
             return await self._respond(request, completion, chat=False)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -194,73 +228,65 @@ class OpenAIServer:
             completion, _ = parse_chat(body)
             return await self._respond(request, completion, chat=True)
 
+    def _logprobs(self, delta: ChoiceDelta | Choice, chat: bool) -> Optional[dict]:
+        if delta.logprobs is None:
+            return None
+        decode = self._token_text
+        return chat_logprobs(delta.logprobs, decode) if chat else completion_logprobs(delta.logprobs, decode,
+                                                                                      delta.text_start)
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
     async def _respond(self, request: web.Request, completion: CompletionRequest, chat: bool) -> web.StreamResponse:
         self.requests += 1
-        prompt = self._prompt_ids(completion.prompt)
-        ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        created = int(self._clock())
-        text = TextStream(self.tokenizer, completion.stop)
-        outcome = Generation()
-        tokens = self.generator.stream(prompt, completion.max_tokens, completion.sampling,
-                                       (self.tokenizer.eos_id,), outcome)
+        runner = ChoiceRunner(self.generator, self.tokenizer, completion)
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(self._clock()),
+                "model": self.model_name}
         if not completion.stream:
-            try:
-                async for token in tokens:
-                    text.add(token)
-                    if text.stopped:
-                        break
-            except ConfigError as error:
-                raise ApiError(400, str(error), param="prompt") from None
-            except GenerationFailed as error:
-                raise ApiError(503, f"the swarm could not complete this request: {error}", kind="server_error") from None
-            finally:
-                await tokens.aclose()
-            text.finish()
-            reason = "stop" if text.stopped else outcome.finish_reason
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text.text}, "finish_reason": reason}
-                      if chat else {"index": 0, "text": text.text, "logprobs": None, "finish_reason": reason})
-            return web.json_response({
-                "id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": self.model_name, "choices": [choice], "usage": self._usage(outcome)})
+            deltas = [delta async for delta in runner.deltas()]
+            choices = [self._choice(choice, chat) for choice in collect(deltas)]
+            return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
+                                      "choices": choices, "usage": self._usage(runner)})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-
-        async def send(delta: Optional[str], reason: Optional[str]) -> None:
-            if chat:
-                content = {} if delta is None else {"content": delta}
-                event = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                         "choices": [{"index": 0, "delta": content, "finish_reason": reason}]}
-            else:
-                event = {"id": ident, "object": "text_completion", "created": created, "model": self.model_name,
-                         "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}]}
-            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-
+        started: set[int] = set()
         try:
-            if chat:
-                event = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "finish_reason": None}]}
-                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-            async for token in tokens:
-                delta = text.add(token)
-                if delta:
-                    await send(delta, None)
-                if text.stopped:
-                    break
-            tail = text.finish()
-            if tail:
-                await send(tail, None)
-            await send(None, "stop" if text.stopped else outcome.finish_reason)
-        except (GenerationFailed, ConfigError) as error:
-            failure = ApiError(503, f"the swarm could not complete this request: {error}", kind="server_error")
-            await response.write(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
-        finally:
-            await tokens.aclose()
+            async for delta in runner.deltas():
+                if chat and delta.index not in started:
+                    started.add(delta.index)
+                    await self._event(response, {**head, "object": "chat.completion.chunk", "choices": [
+                        {"index": delta.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]})
+                if delta.text or delta.finish_reason or delta.logprobs:
+                    await self._event(response, {**head, "object": "chat.completion.chunk" if chat
+                                                 else "text_completion", "choices": [self._chunk(delta, chat)]})
+        except ApiError as error:
+            await self._event(response, error.body())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
     @staticmethod
-    def _usage(outcome: Generation) -> dict:
-        return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": len(outcome.tokens),
-                "total_tokens": outcome.prompt_tokens + len(outcome.tokens)}
+    async def _event(response: web.StreamResponse, event: dict) -> None:
+        await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+    def _choice(self, choice: Choice, chat: bool) -> dict:
+        if chat:
+            return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                    "logprobs": self._logprobs(choice, chat), "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "text": choice.text, "logprobs": self._logprobs(choice, chat),
+                "finish_reason": choice.finish_reason}
+
+    def _chunk(self, delta: ChoiceDelta, chat: bool) -> dict:
+        if chat:
+            return {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                    "logprobs": self._logprobs(delta, chat), "finish_reason": delta.finish_reason}
+        return {"index": delta.index, "text": delta.text, "logprobs": self._logprobs(delta, chat),
+                "finish_reason": delta.finish_reason}
+
+    @staticmethod
+    def _usage(runner: ChoiceRunner) -> dict:
+        usage = runner.usage
+        return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens}
