@@ -15,7 +15,11 @@ costs 4096 * k * 4 bytes per boundary). When a call fails, that stage alone move
   the positions of the failed call, and go on; the other stages keep their caches;
 - the replica lost the session (NOT_FOUND: evicted, expired, restarted; FAILED_PRECONDITION:
   behind): replay it on the same replica;
-- the replica is busy (RESOURCE_EXHAUSTED): wait a little and ask again (its cache is there).
+- the replica is busy (RESOURCE_EXHAUSTED): wait a little and ask again (its cache is there);
+  when what is full is its attention caches' byte budget (`kv_cache_budget`) and the stage has
+  another replica, move there instead, without a ban (the replica is healthy, only full), and
+  replay the session there: a refused call changed nothing, and waiting would only help once
+  another session on it ends.
 Calls at a position the worker already holds cut its cache back first (pipeline/inference.py), so
 a retry after a reply was lost is exact. A step gives up after `max_attempts` failed calls on one
 stage. The output is unchanged: the replayed cache holds what the lost one held (a prefill and
@@ -52,6 +56,7 @@ import torch
 from agora.node.inference.client import InferenceClient, InferResult
 from agora.node.inference.discovery import ReplicaDiscovery
 from agora.node.inference.routing import ReplicaRoster, ReplicaView
+from agora.node.inference.sessions import CACHE_FULL_MARK
 from agora.node.rpc.tls import ChannelFactory
 from agora.node.trainer.stage_client import StageCallError, WorkerBusy
 from agora.pipeline.config import ConfigError, RunConfig
@@ -92,6 +97,7 @@ class GeneratorStats:
     replays: int = 0  # Prefills that rebuilt a session mid-generation
     failovers: int = 0  # route moves to another replica
     busy: int = 0
+    cache_full_moves: int = 0  # route moves off a replica whose caches were full (kv_cache_budget)
     scored_prompts: int = 0  # prompts scored by `score`
     scored_tokens: int = 0
 
@@ -219,7 +225,14 @@ class SwarmGenerator:
                 self.stats.retries += 1
                 if failures >= self.options.max_attempts:
                     raise GenerationFailed(f"stage {stage}: {failures} failed calls in one step; last: {error}") from None
-                if isinstance(error, WorkerBusy):
+                if isinstance(error, WorkerBusy) and CACHE_FULL_MARK in error.details and \
+                        len(self.roster.of_stage(stage)) > len(exclude) + 1:
+                    logger.info("stage %d replica %s has no room for session %s: moving it to another replica (%s)",
+                                stage, view.endpoint, session.id[:8], error.details)
+                    self.stats.busy += 1
+                    self.stats.cache_full_moves += 1
+                    self._leave(session, stage, view, exclude)
+                elif isinstance(error, WorkerBusy):
                     self.stats.busy += 1
                     await asyncio.sleep(self.options.busy_pause_s * 2 ** (failures - 1))
                 elif error.code in _SESSION_LOST and stage in session.held:
@@ -230,12 +243,20 @@ class SwarmGenerator:
                     logger.warning("stage %d replica %s failed (%s): moving session %s to another replica", stage,
                                    view.endpoint, error, session.id[:8])
                     self.roster.failed(view.peer_id, self._clock())
-                    self.roster.closed(view.peer_id)
-                    exclude.add(view.peer_id)
-                    del session.route[stage]
-                    session.held.discard(stage)
+                    session.held.discard(stage)  # nothing to close on a replica that failed
+                    self._leave(session, stage, view, exclude)
                     self.stats.failovers += 1
                     await self.refresh(force=True)
+
+    def _leave(self, session: _Session, stage: int, view: ReplicaView, exclude: set[str]) -> None:
+        """Take the session's route for `stage` off `view` (the next call picks another replica); what
+        the replica still holds of the session is closed there, in the background."""
+        self.roster.closed(view.peer_id)
+        exclude.add(view.peer_id)
+        del session.route[stage]
+        if stage in session.held:
+            session.held.discard(stage)
+            self._close_on(view, session.id)
 
     async def _call(self, client: InferenceClient, session: _Session, stage: int, tokens: torch.Tensor,
                     wire: Optional[torch.Tensor], position: int, score: Optional[int]) -> InferResult:
@@ -280,19 +301,21 @@ class SwarmGenerator:
         """Close the session on every replica that holds it, in the background."""
         for stage, view in session.route.items():
             self.roster.closed(view.peer_id)
-            if stage not in session.held:
-                continue
-            client = self._client(view)
+            if stage in session.held:
+                self._close_on(view, session.id)
 
-            async def close(client: InferenceClient = client) -> None:
-                try:
-                    await client.close_session(session.id, timeout_s=self.options.close_timeout_s)
-                except StageCallError:
-                    pass  # gone already: its TTL drops the session anyway
+    def _close_on(self, view: ReplicaView, session_id: str) -> None:
+        client = self._client(view)
 
-            task = asyncio.ensure_future(close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+        async def close() -> None:
+            try:
+                await client.close_session(session_id, timeout_s=self.options.close_timeout_s)
+            except StageCallError:
+                pass  # gone already: its TTL drops the session anyway
+
+        task = asyncio.ensure_future(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     # ------------------------------------------------------------------ generation
 

@@ -8,6 +8,8 @@
 - A generation asked for logprobs scores its prompt in its own Prefill and each token it draws,
   as one process does.
 - A worker refuses more alternatives than it gives (INVALID_ARGUMENT naming top_logprobs).
+- A replica whose attention caches are full (RESOURCE_EXHAUSTED, kv_cache_budget) hands the
+  session to another replica of its stage, without a ban.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from agora.node.inference.client import InferenceClient
 from agora.node.inference.discovery import StaticReplicas
 from agora.node.inference.generator import Generation, GeneratorOptions, SwarmGenerator
 from agora.node.inference.routing import ReplicaView
+from agora.node.inference.service import InferenceOptions
 from agora.node.rpc.server import run
 from agora.node.trainer.stage_client import StageCallError
-from agora.node.worker.worker import StageWorker
+from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.inference import LocalGenerator, PositionScores
@@ -140,3 +143,30 @@ def test_a_worker_refuses_more_alternatives_than_it_gives():
 
     code, details = run(main())
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "top_logprobs" in details
+
+
+def test_a_replica_whose_caches_are_full_hands_the_session_to_another_without_a_ban():
+    """peer-1, the body replica a fresh roster routes to first, holds 4 positions of cache: the
+    scoring batch it refuses (RESOURCE_EXHAUSTED, kv_cache_budget) goes to peer-2, unchanged."""
+    per_position = 2 * 2 * CONFIG.model.n_kv_heads * CONFIG.model.head_dim * 4  # keys and values, 2 blocks, fp32
+
+    async def main():
+        small = WorkerOptions(inference=InferenceOptions(max_kv_cache_gib=4 * per_position / 2**30))
+        workers = [StageWorker(CONFIG, 0, run_id=RUN), StageWorker(CONFIG, 1, run_id=RUN, options=small),
+                   StageWorker(CONFIG, 1, run_id=RUN), StageWorker(CONFIG, 2, run_id=RUN)]
+        for worker in workers:
+            await worker.start()
+        try:
+            async with generator_for(workers) as generator:
+                scores = await generator.score(PROMPTS[:2], top_k=2)
+                stats = generator.stats
+                banned = generator.roster.replicas["peer-1"].banned_until
+            return scores, stats, banned, workers[1].refusals.snapshot().get("kv_cache_budget")
+        finally:
+            for worker in workers:
+                await worker.stop(0)
+
+    scores, stats, banned, refused = run(main())
+    assert refused == 1 and stats.cache_full_moves == 1 and stats.failovers == 0 and banned == 0.0
+    for prompt, swarm in zip(PROMPTS, scores):
+        assert_scores_equal(swarm, LOCAL.score(prompt, 2))
