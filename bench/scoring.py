@@ -25,8 +25,6 @@ import argparse
 import asyncio
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,12 +32,9 @@ from pathlib import Path
 import aiohttp
 import torch
 
-from agora.bench.inference import PROMPTS, Swarm
-from agora.pipeline.checkpoint import load_checkpoint
+from agora.bench.inference import PROMPTS, Swarm, checkpoint_models, served_checkpoint
 from agora.pipeline.config import load_config
 from agora.pipeline.inference import LocalGenerator
-from agora.pipeline.interop import to_transformers
-from agora.pipeline.stages import assemble_model, build_stage
 
 
 def prompts_of(count: int, tokens: int) -> list[list[int]]:
@@ -92,18 +87,6 @@ def transformers_seconds(model, prompts: list[list[int]], batch: int) -> float:
     return time.perf_counter() - started
 
 
-def load_stages(checkpoint: Path, stages: int):
-    _, config, states, _ = load_checkpoint(checkpoint)
-    config = config.with_stages(stages)
-    merged = {k: v for s in states for k, v in s.model.items()}
-    built = []
-    for index in range(stages):
-        stage = build_stage(config.model, index)
-        stage.load_state_dict({k: merged[k] for k in stage.state_dict()})
-        built.append(stage)
-    return built, to_transformers(assemble_model(config.model, [s.model for s in states]))
-
-
 def largest_difference(left: list[list[float]], right: list[list[float]]) -> float:
     return max(abs(a - b) for x, y in zip(left, right) for a, b in zip(x, y))
 
@@ -121,15 +104,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # as every process of the swarm (`--threads 1`): the same cores, compared fairly
     work = Path(tempfile.mkdtemp(prefix="agora-bench-scoring-"))
-    checkpoint = Path(args.checkpoint) if args.checkpoint else work / "ckpt"
-    if not args.checkpoint:
-        subprocess.run([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "--threads", "1",
-                        "train-local", "--config", args.config, "--stages", str(args.stages), "--steps",
-                        str(args.train_steps), "--checkpoint-dir", str(checkpoint)], check=True,
-                       stdout=subprocess.DEVNULL)
+    checkpoint = served_checkpoint(args, work)
     model = f"agora-{load_config(str(checkpoint)).name}"  # what `serve` calls it
     prompts = prompts_of(args.prompts, args.prompt_tokens)
-    stages, hf = load_stages(checkpoint, args.stages)
+    stages, hf = checkpoint_models(checkpoint, args.stages)
     local_s, local = local_scores(stages, prompts)
     rows = {"one process, one prompt at a time (LocalGenerator.score)": (local_s, 0.0),
             f"transformers on export-hf, {args.batch} per forward": (transformers_seconds(hf, prompts, args.batch),

@@ -2,7 +2,8 @@
 
 Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `stream: true` as server-sent events ending in `data: [DONE]`), `GET /v1/agora/stats` (this
-server's generator counters: sessions, tokens, retries, replays, failovers, scored prompts; not OpenAI's), and vLLM's tokenizer endpoints (below).
+server's generator counters: sessions, tokens, retries, replays, failovers, scored prompts; not
+OpenAI's), and vLLM's tokenizer endpoints (below).
 
 Design choices:
 - aiohttp's server runs on the process's one event loop, beside the gRPC channels of the

@@ -19,9 +19,7 @@ import pytest
 import torch
 
 from agora.node.inference.client import InferenceClient
-from agora.node.inference.discovery import StaticReplicas
-from agora.node.inference.generator import Generation, GeneratorOptions, SwarmGenerator
-from agora.node.inference.routing import ReplicaView
+from agora.node.inference.generator import Generation, SwarmGenerator
 from agora.node.inference.service import InferenceOptions
 from agora.node.rpc.server import run
 from agora.node.trainer.stage_client import StageCallError
@@ -30,6 +28,7 @@ from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.inference import LocalGenerator, PositionScores
 from agora.pipeline.stages import build_stage
+from inference_swarm import generator_over, start_stage_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,18 +40,11 @@ LOCAL = LocalGenerator([build_stage(CONFIG.model, i) for i in range(3)])
 
 
 async def start_workers(body_replicas: int = 1) -> list[StageWorker]:
-    workers = []
-    for stage in range(3):
-        for _ in range(body_replicas if stage == 1 else 1):
-            worker = StageWorker(CONFIG, stage, run_id=RUN)
-            await worker.start()
-            workers.append(worker)
-    return workers
+    return await start_stage_workers(CONFIG, RUN, {1: body_replicas})
 
 
 def generator_for(workers: list[StageWorker], **options) -> SwarmGenerator:
-    views = [ReplicaView(f"peer-{i}", w.address, w.stage_index, w.phase) for i, w in enumerate(workers)]
-    return SwarmGenerator(CONFIG, StaticReplicas(views), GeneratorOptions(run_id=RUN, **options))
+    return generator_over(CONFIG, RUN, workers, **options)
 
 
 def assert_scores_equal(swarm, local) -> None:

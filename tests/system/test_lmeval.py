@@ -20,12 +20,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from agora.node.demo.processes import ProcessGroup, agora_node_command
-from agora.pipeline.checkpoint import StageState, save_checkpoint
+from agora.node.demo.processes import ProcessGroup
 from agora.pipeline.config import PRESETS
-from agora.pipeline.stages import build_stage
+from inference_swarm import node_command, perturbed_checkpoint, serving_swarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -41,18 +39,7 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFL
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """Stage weights away from their initialisation, saved as a train-local checkpoint would be."""
-    stages = [build_stage(CONFIG.model, i) for i in range(2)]
-    generator = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for stage in stages:
-            for parameter in stage.parameters():
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.02)
-    return save_checkpoint(tmp_path_factory.mktemp("ckpt"), 3, CONFIG, [StageState(i, s.state_dict())
-                                                                       for i, s in enumerate(stages)])
-
-
-def _node(*args: str) -> list[str]:
-    return agora_node_command("--log-level", "INFO", "--threads", "1", *args)
+    return perturbed_checkpoint(tmp_path_factory.mktemp("ckpt"), CONFIG, seed=11)[0]
 
 
 def _lm_eval(out: Path, *model: str) -> tuple[dict, dict[str, list[dict]]]:
@@ -73,22 +60,11 @@ def _by_doc(samples: list[dict]) -> dict[int, list]:
 
 def test_lm_eval_through_the_swarm_equals_lm_eval_on_the_export(checkpoint, tmp_path):
     export = tmp_path / "hf"
-    subprocess.run(_node("export-hf", "--checkpoint", str(checkpoint), "--out", str(export)), check=True,
+    subprocess.run(node_command("export-hf", "--checkpoint", str(checkpoint), "--out", str(export)), check=True,
                    env={**os.environ, **OFFLINE}, timeout=120, capture_output=True)
     group = ProcessGroup(tmp_path)
     try:
-        boot = group.spawn("bootstrap", _node("bootstrap", "--insecure", "--ready-file", str(tmp_path / "boot.ready")),
-                           tmp_path / "boot.ready")
-        peers = group.wait_ready([boot], 60)["bootstrap"]
-        swarm = ["--run-id", "lmeval-test", "--initial-peers", *peers, "--insecure"]
-        workers = [group.spawn(f"s{stage}", _node("join", "--serve-only", "--checkpoint", str(checkpoint), "--stage",
-                                                  str(stage), *swarm, "--heartbeat", "0.5", "--ready-file",
-                                                  str(tmp_path / f"s{stage}.ready")), tmp_path / f"s{stage}.ready")
-                   for stage in range(2)]
-        group.wait_ready(workers, 120)
-        serve = group.spawn("serve", _node("serve", "--checkpoint", str(checkpoint), *swarm, "--port", "0",
-                                           "--ready-file", str(tmp_path / "serve.ready")), tmp_path / "serve.ready")
-        url = group.wait_ready([serve], 60)["serve"][0]
+        url, _, _ = serving_swarm(group, tmp_path, checkpoint, "lmeval-test", [(0, 0), (1, 0)])
         swarm_results, swarm_samples = _lm_eval(
             tmp_path / "swarm", "--model", "local-completions", "--model_args",
             f"model={MODEL},base_url={url}/completions,max_length={CONFIG.model.max_seq_len},max_retries=1")
