@@ -140,7 +140,11 @@ def _write(config: RunConfig, options: ExportOptions, states: list[StageState], 
     step = min(source["step"] for source in sources.values())
     checkpoint = save_checkpoint(out / "checkpoint", step, config, states,
                                  extra={"exported_from": sources, "run_id": options.run_id})
-    hf = save_tokenizer(config.data.tokenizer, save_pretrained(model, out / "hf"))
+    hf = save_pretrained(model, out / "hf")
+    try:
+        save_tokenizer(config.data.tokenizer, hf)
+    except ConfigError as error:  # the weights are worth keeping: the tokenizer file can be copied in later
+        logger.warning("export: %s has no tokenizer: %s", hf, error)
     steps = ", ".join(f"stage {stage} step {source['step']}" for stage, source in sources.items())
     print(f"export: {len(states)} stages ({steps}) in {seconds:.1f} s -> {checkpoint} and {hf}")
     return 0

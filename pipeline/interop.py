@@ -370,7 +370,8 @@ def _gpt2_byte_characters() -> dict[int, str]:
 
 def save_tokenizer(spec: str, out_dir: str | Path) -> Path:
     """Write the run's tokenizer (`data.tokenizer`: "bytes" or a tokenizers JSON file) beside an export,
-    loadable by `AutoTokenizer.from_pretrained` with the same ids and end-of-text token."""
+    loadable by `AutoTokenizer.from_pretrained` with the same ids and end-of-text token; ConfigError
+    (one line) when the JSON file is not here."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

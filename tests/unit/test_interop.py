@@ -310,3 +310,10 @@ def test_the_byte_tokenizer_exports_as_one_transformers_reads_with_our_ids(tmp_p
     loaded = AutoTokenizer.from_pretrained(save_tokenizer("bytes", tmp_path))
     assert loaded(text, add_special_tokens=False)["input_ids"] == ByteTokenizer().encode(text).tolist()
     assert loaded.eos_token_id == ByteTokenizer.eos_id and loaded.decode(list(text.encode())) == text
+
+
+def test_a_tokenizer_file_that_is_not_here_is_one_line_naming_the_setting(tmp_path):
+    from agora.pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        save_tokenizer(str(tmp_path / "missing.json"), tmp_path / "out")
