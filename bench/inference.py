@@ -28,6 +28,7 @@ import asyncio
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -127,16 +128,33 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def decode_rates(checkpoint: Path, stages: int, url: str, model: str, new_tokens: int) -> dict[str, float]:
-    """Tokens/s of one greedy generation: through the swarm, in one process, with transformers."""
+def checkpoint_models(checkpoint: Path, stages: int):
+    """The checkpoint as `stages` stages (re-split by global names) and as its transformers export."""
     _, config, states, _ = load_checkpoint(checkpoint)
     config = config.with_stages(stages)
     merged = {k: v for s in states for k, v in s.model.items()}
-    local_stages = []
+    built = []
     for index in range(stages):
         stage = build_stage(config.model, index)
         stage.load_state_dict({k: merged[k] for k in stage.state_dict()})
-        local_stages.append(stage)
+        built.append(stage)
+    return built, to_transformers(assemble_model(config.model, [s.model for s in states]))
+
+
+def served_checkpoint(args: argparse.Namespace, work: Path) -> Path:
+    """`--checkpoint`, or a train-local run of `--train-steps` steps of `--config` in `work`."""
+    if args.checkpoint:
+        return Path(args.checkpoint)
+    checkpoint = work / "ckpt"
+    subprocess.run([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "--threads", "1",
+                    "train-local", "--config", args.config, "--stages", str(args.stages), "--steps",
+                    str(args.train_steps), "--checkpoint-dir", str(checkpoint)], check=True, stdout=subprocess.DEVNULL)
+    return checkpoint
+
+
+def decode_rates(checkpoint: Path, stages: int, url: str, model: str, new_tokens: int) -> dict[str, float]:
+    """Tokens/s of one greedy generation: through the swarm, in one process, with transformers."""
+    local_stages, hf = checkpoint_models(checkpoint, stages)
     prompt = list(PROMPTS[0].encode())
     rates = {}
     generator = LocalGenerator(local_stages)
@@ -144,7 +162,6 @@ def decode_rates(checkpoint: Path, stages: int, url: str, model: str, new_tokens
     started = time.perf_counter()
     local = generator.generate(prompt, new_tokens)
     rates["one process (pipeline/inference.py)"] = len(local) / (time.perf_counter() - started)
-    hf = to_transformers(assemble_model(config.model, [s.model for s in states]))
     ids = torch.tensor([prompt])
     with torch.no_grad():
         hf.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -177,14 +194,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # as every process of the swarm (`--threads 1`): the same cores, compared fairly
     work = Path(tempfile.mkdtemp(prefix="agora-bench-inference-"))
-    checkpoint = Path(args.checkpoint) if args.checkpoint else work / "ckpt"
-    if not args.checkpoint:
-        import subprocess
-
-        subprocess.run([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "--threads", "1",
-                        "train-local", "--config", args.config, "--stages", str(args.stages), "--steps",
-                        str(args.train_steps), "--checkpoint-dir", str(checkpoint)], check=True,
-                       stdout=subprocess.DEVNULL)
+    checkpoint = served_checkpoint(args, work)
     model = f"agora-{load_config(str(checkpoint)).name}"  # what `serve` calls it
     rows, outputs, rates = [], {}, {}
     for phase, replicas, outage in (("1 replica per stage", 1, False), ("2 replicas per stage", 2, False),

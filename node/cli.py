@@ -79,7 +79,7 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
     from agora.pipeline.checkpoint import load_checkpoint
-    from agora.pipeline.interop import save_pretrained
+    from agora.pipeline.interop import save_pretrained, save_tokenizer
     from agora.pipeline.stages import assemble_model
 
     step, config, states, _ = load_checkpoint(args.checkpoint)
@@ -87,6 +87,10 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
         raise ConfigError(f"--checkpoint: {args.checkpoint} does not hold every stage (has {[s.index for s in states]})")
     model = assemble_model(config.model, [s.model for s in states])
     save_pretrained(model, args.out)
+    try:
+        save_tokenizer(config.data.tokenizer, args.out)
+    except ConfigError as error:  # the weights are worth keeping: the tokenizer file can be copied in later
+        print(f"export-hf: no tokenizer written: {error}")
     print(f"export-hf: step {step} -> {args.out}")
     return 0
 
@@ -321,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     train.set_defaults(handler=_cmd_train_local)
 
-    export = commands.add_parser("export-hf", help="write a transformers checkpoint (config.json + safetensors)",
+    export = commands.add_parser("export-hf", help="write a transformers checkpoint (config.json + safetensors + "
+                                 "the run's tokenizer)",
                                  description="Assemble every stage of a checkpoint into one model and save it so "
                                              "AutoModelForCausalLM.from_pretrained loads it.")
     export.add_argument("--checkpoint", required=True, help="checkpoint folder (or a folder with 'latest')")

@@ -18,8 +18,8 @@ Design choices:
   `join --serve-only --checkpoint`; its step is the lowest of the stages' (replicas of different
   stages are a few steps apart in an asynchronous run: each stage's own step, donor and the
   members whose sketch confirmed its state are in the checkpoint's `extra`). `DIR/hf` is the
-  transformers export of the assembled model (pipeline/interop.py), which also checks that the
-  stages fit together (a strict load).
+  transformers export of the assembled model and the run's tokenizer (pipeline/interop.py), which
+  also checks that the stages fit together (a strict load).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def _state_checks(config: RunConfig, stage: int):
 
 def _write(config: RunConfig, options: ExportOptions, states: list[StageState], sources: dict, seconds: float) -> int:
     from agora.pipeline.checkpoint import save_checkpoint
-    from agora.pipeline.interop import save_pretrained
+    from agora.pipeline.interop import save_pretrained, save_tokenizer
     from agora.pipeline.stages import assemble_model
 
     try:
@@ -141,6 +141,10 @@ def _write(config: RunConfig, options: ExportOptions, states: list[StageState], 
     checkpoint = save_checkpoint(out / "checkpoint", step, config, states,
                                  extra={"exported_from": sources, "run_id": options.run_id})
     hf = save_pretrained(model, out / "hf")
+    try:
+        save_tokenizer(config.data.tokenizer, hf)
+    except ConfigError as error:  # the weights are worth keeping: the tokenizer file can be copied in later
+        logger.warning("export: %s has no tokenizer: %s", hf, error)
     steps = ", ".join(f"stage {stage} step {source['step']}" for stage, source in sources.items())
     print(f"export: {len(states)} stages ({steps}) in {seconds:.1f} s -> {checkpoint} and {hf}")
     return 0

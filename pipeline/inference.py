@@ -13,6 +13,10 @@ Design choices:
 - A call may start before the cache's end (`position`): the cache is cut back to it first. A
   retried step whose first attempt did reach the stage then recomputes the same positions
   instead of appending them twice.
+- Scoring (`PositionScores`, `score_positions`) happens where the logits are, on the tail: a
+  prompt's per-token log-probabilities and top-k alternatives are n * (1 + 2k) numbers, where the
+  logits they come from are n * vocab. Log-probabilities are the model's own (log-softmax of the
+  logits in float32), not those of a sampling temperature, as OpenAI's and vLLM's `logprobs` are.
 - `TokenChooser` is the one sampling rule (greedy at temperature 0; else temperature, nucleus
   top-p, a seeded torch.Generator), shared by the in-process `LocalGenerator` and the swarm's
   client, so both draw the same tokens from the same logits.
@@ -45,8 +49,14 @@ __all__ = [
     "GREEDY",
     "TokenChooser",
     "new_token_budget",
+    "PositionScores",
+    "score_positions",
+    "score_next",
+    "MAX_TOP_LOGPROBS",
     "LocalGenerator",
 ]
+
+MAX_TOP_LOGPROBS = 20  # alternatives per position at most (vLLM's default bound; OpenAI's chat allows 20)
 
 
 class SessionTooLong(ValueError):
@@ -160,6 +170,47 @@ class TokenChooser:
         return int(torch.multinomial(probabilities, 1, generator=self._generator))
 
 
+@dataclass(frozen=True)
+class PositionScores:
+    """What the model says about n positions of one sequence (or `rows` of them).
+
+    token_logprobs (rows, n): at position i < n-1, log p(token i+1 | tokens ..i); the last: 0 (its
+    next token is not part of the call). top_logprobs, top_ids (rows, n, k): the k likeliest next
+    tokens at each position, likeliest first."""
+
+    token_logprobs: torch.Tensor
+    top_logprobs: torch.Tensor
+    top_ids: torch.Tensor
+
+    def row(self, index: int, length: int) -> "PositionScores":
+        """Row `index`'s first `length` positions (a batch's rows are right-padded to one length)."""
+        logprobs = self.token_logprobs[index:index + 1, :length].clone()
+        logprobs[:, -1] = 0.0  # the position after `length` is padding, not the row's next token
+        return PositionScores(logprobs, self.top_logprobs[index:index + 1, :length],
+                              self.top_ids[index:index + 1, :length])
+
+
+def score_next(logits: torch.Tensor, next_tokens: torch.Tensor, top_k: int) -> PositionScores:
+    """logits (rows, n, vocab) -> the log-probability of `next_tokens` (rows, n) at each position, and
+    the `top_k` likeliest there."""
+    logprobs = torch.log_softmax(logits.detach().float(), dim=-1)
+    token_logprobs = logprobs.gather(-1, next_tokens.to(logprobs.device).unsqueeze(-1)).squeeze(-1)
+    if not top_k:
+        empty = logprobs.new_zeros((*next_tokens.shape, 0))
+        return PositionScores(token_logprobs, empty, empty.long())
+    top = torch.topk(logprobs, top_k, dim=-1)
+    return PositionScores(token_logprobs, top.values, top.indices)
+
+
+def score_positions(logits: torch.Tensor, tokens: torch.Tensor, top_k: int) -> PositionScores:
+    """logits (rows, n, vocab) of the positions whose ids are `tokens` (rows, n) -> their scores."""
+    following = torch.zeros_like(tokens)
+    following[:, :-1] = tokens[:, 1:]
+    scores = score_next(logits, following, top_k)
+    scores.token_logprobs[:, -1] = 0.0
+    return scores
+
+
 def new_token_budget(prompt_tokens: int, max_new_tokens: int, max_seq_len: int) -> int:
     """How many tokens a generation may add: `max_new_tokens`, cut at the model's longest sequence
     (the last token needs no forward of its own). ConfigError when the prompt leaves no room."""
@@ -209,3 +260,11 @@ class LocalGenerator:
     def generate(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = GREEDY,
                  stop_ids: Sequence[int] = ()) -> list[int]:
         return list(self.stream(prompt, max_new_tokens, sampling, stop_ids))
+
+    def score(self, prompt: Sequence[int], top_k: int = 0) -> PositionScores:
+        """The prompt's scores (rows 1) from one forward of every stage."""
+        tokens = torch.tensor([list(prompt)], dtype=torch.long)
+        wire = None
+        for stage in self.stages:
+            wire = cached_forward(stage, tokens, wire, StageCache(stage), last_only=False)
+        return score_positions(wire, tokens, top_k)

@@ -27,6 +27,10 @@ Design choices:
   bias (HF's NeoX MLP always has biases, whatever attention_bias says). Biases the source
   lacks are zeros, which is exact. Exporting bias=False to NeoX writes zero MLP biases.
 - The imported model is float32 (our parameters are); the exported one too.
+- The export carries the run's tokenizer (`save_tokenizer`), so `AutoTokenizer` and tools built
+  on it (lm-eval's `hf` model) read the directory alone. The byte tokenizer becomes a byte-level
+  BPE with no merges whose vocabulary maps each byte's GPT-2 character to the byte's value:
+  exactly our ids (id = byte), end-of-text id 0; a tokenizers JSON file is carried as it is.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ __all__ = [
     "from_transformers",
     "to_transformers",
     "save_pretrained",
+    "save_tokenizer",
     "hf_config_from",
     "model_config_from",
     "dense_state",
@@ -354,3 +359,33 @@ def save_pretrained(model: SubspaceTransformer, out_dir: str | Path) -> Path:
     to_transformers(model).save_pretrained(out_dir)
     return out_dir
 
+
+
+def _gpt2_byte_characters() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (what a ByteLevel pre-tokenizer turns bytes into)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def save_tokenizer(spec: str, out_dir: str | Path) -> Path:
+    """Write the run's tokenizer (`data.tokenizer`: "bytes" or a tokenizers JSON file) beside an export,
+    loadable by `AutoTokenizer.from_pretrained` with the same ids and end-of-text token; ConfigError
+    (one line) when the JSON file is not here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from agora.pipeline.tokenizer import load_tokenizer
+
+    ours = load_tokenizer(spec)
+    if spec == "bytes":
+        characters = _gpt2_byte_characters()
+        backend = Tokenizer(models.BPE(vocab={characters[b]: b for b in range(256)}, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        eos = characters[ours.eos_id]
+    else:
+        backend = Tokenizer.from_file(spec)
+        eos = backend.id_to_token(ours.eos_id)
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos).save_pretrained(out_dir)
+    return Path(out_dir)

@@ -203,6 +203,8 @@ class InferRequest:
     position: int = 0  # positions this call follows (0 for Prefill)
     wire: bytes = b""  # empty for the head
     max_tokens: int = 0  # Prefill: positions the session will hold at most; 0: the worker's limit
+    score: bool = False  # tail: also score the new positions (InferReply.token_logprobs)
+    top_logprobs: int = 0  # tail, when scoring: the k likeliest next tokens at each new position
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,9 @@ class InferReply:
     session_step: int = 0
     queued_s: float = 0.0
     compute_s: float = 0.0
+    token_logprobs: bytes = b""  # tail, scoring: fp32 (rows, n), the next new position's token's
+    top_logprobs: bytes = b""  # tail, scoring with k > 0: fp32 (rows, n, k), likeliest first
+    top_ids: bytes = b""  # and their ids, token frame (rows, n, k)
 
 
 @dataclass(frozen=True)

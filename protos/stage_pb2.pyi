@@ -129,7 +129,7 @@ class AbortReply(_message.Message):
     def __init__(self, reverted: _Optional[bool] = ..., outcome: _Optional[str] = ...) -> None: ...
 
 class InferRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "session_id", "position", "tokens", "wire", "max_tokens")
+    __slots__ = ("run_id", "stage", "session_id", "position", "tokens", "wire", "max_tokens", "score", "top_logprobs")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,8 @@ class InferRequest(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     WIRE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     session_id: str
@@ -144,10 +146,12 @@ class InferRequest(_message.Message):
     tokens: bytes
     wire: bytes
     max_tokens: int
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., session_id: _Optional[str] = ..., position: _Optional[int] = ..., tokens: _Optional[bytes] = ..., wire: _Optional[bytes] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    score: bool
+    top_logprobs: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., session_id: _Optional[str] = ..., position: _Optional[int] = ..., tokens: _Optional[bytes] = ..., wire: _Optional[bytes] = ..., max_tokens: _Optional[int] = ..., score: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class InferReply(_message.Message):
-    __slots__ = ("wire", "logits", "length", "step", "session_step", "queued_s", "compute_s")
+    __slots__ = ("wire", "logits", "length", "step", "session_step", "queued_s", "compute_s", "token_logprobs", "top_logprobs", "top_ids")
     WIRE_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +159,9 @@ class InferReply(_message.Message):
     SESSION_STEP_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     wire: bytes
     logits: bytes
     length: int
@@ -162,7 +169,10 @@ class InferReply(_message.Message):
     session_step: int
     queued_s: float
     compute_s: float
-    def __init__(self, wire: _Optional[bytes] = ..., logits: _Optional[bytes] = ..., length: _Optional[int] = ..., step: _Optional[int] = ..., session_step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    token_logprobs: bytes
+    top_logprobs: bytes
+    top_ids: bytes
+    def __init__(self, wire: _Optional[bytes] = ..., logits: _Optional[bytes] = ..., length: _Optional[int] = ..., step: _Optional[int] = ..., session_step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., token_logprobs: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., top_ids: _Optional[bytes] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("run_id", "stage", "session_id")

@@ -18,6 +18,12 @@ Nothing is half-applied: a call that fails after touching the cache cuts it back
 call started, and a Prefill that fails leaves no session. Inference never touches gradients,
 optimizer state or the training stash.
 
+Scoring (`InferRequest.score`, on the tail): the call's logits at every new position, not only
+the last, reduced here to each position's next-token log-probability and top-k alternatives
+(pipeline/inference.score_positions): what leaves the worker is n * (1 + 2k) numbers per row, not
+n * vocab. The last position's logits still come back whole, so a scored Prefill also starts a
+generation.
+
 The sessions' caches are bounded in bytes (node/inference/sessions.py): before a call runs, the
 engine says what the session will hold after it, rows x positions x what one position costs on
 this stage. That cost is measured once, on the compute thread at the first call, by caching one
@@ -27,13 +33,15 @@ the default budget (node/inference/options.py).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from agora.node.inference.sessions import SessionError, SessionTable
 from agora.node.replica.compute import StageCompute
 from agora.node.replica.request_frames import InvalidRequest
-from agora.pipeline.codec import WireCodec, WireFormatError, decode_tokens
-from agora.pipeline.inference import SessionTooLong, StageCache, cache_bytes_per_position, cached_forward
+from agora.pipeline.codec import WireCodec, WireFormatError, decode_tokens, encode_tokens
+from agora.pipeline.inference import (MAX_TOP_LOGPROBS, SessionTooLong, StageCache, cache_bytes_per_position,
+                                      cached_forward, score_positions)
 from agora.protos.stage_adapter import CloseSessionReply, CloseSessionRequest, InferReply, InferRequest
 
 __all__ = ["InferenceEngine", "SessionBehind", "MAX_SESSION_ID_CHARS"]
@@ -74,6 +82,14 @@ class InferenceEngine:
         if not session_id or len(session_id) > MAX_SESSION_ID_CHARS:
             raise InvalidRequest(f"session_id must be 1..{MAX_SESSION_ID_CHARS} characters, got {len(session_id)}")
 
+    @staticmethod
+    def _check_scoring(compute: StageCompute, request: InferRequest) -> None:
+        bound = min(MAX_TOP_LOGPROBS, compute.config.model.vocab_size)
+        if request.top_logprobs > bound:
+            raise InvalidRequest(f"top_logprobs: at most {bound} alternatives per position, got {request.top_logprobs}")
+        if request.top_logprobs and not request.score:
+            raise InvalidRequest("top_logprobs: only with score")
+
     def _inputs(self, compute: StageCompute, request: InferRequest, rows: int | None):
         if not request.tokens:
             raise InvalidRequest("tokens: missing (empty frame)")
@@ -99,27 +115,41 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ calls
 
-    def _run(self, compute: StageCompute, session, tokens, wire, position: int) -> InferReply:
+    def _run(self, compute: StageCompute, session, tokens, wire, request: InferRequest) -> InferReply:
         rows, new = tokens.shape
+        position = request.position
         self.sessions.check_room(session, position, new, cache_bytes=self._cache_bytes(compute, rows, position + new))
+        scoring = compute.stage.is_tail and request.score
         try:
             with compute.runtime.autocast():
-                output = cached_forward(compute.stage, tokens, wire, session.cache, position=position)
+                output = cached_forward(compute.stage, tokens, wire, session.cache, position=position,
+                                        last_only=not scoring)
         except SessionTooLong as error:
             session.cache.truncate(position)
             raise SessionTooLong(str(error)) from None
         try:
-            output = compute.runtime.to_host(output)
-            if compute.stage.is_tail:
-                reply = InferReply(logits=self._logits_codec.encode(output))
+            if not compute.stage.is_tail:
+                reply = InferReply(wire=self.codec.encode(compute.runtime.to_host(output)))
+            elif scoring:
+                reply = self._scored(compute, output, tokens, request.top_logprobs)
             else:
-                reply = InferReply(wire=self.codec.encode(output))
+                reply = InferReply(logits=self._logits_codec.encode(compute.runtime.to_host(output)))
         except WireFormatError:
             session.cache.truncate(position)  # nothing of a failed call stays in the cache
             raise InvalidRequest(f"stage {compute.index} produced non-finite values from this request's input: "
                                  "the request's values overflowed it") from None
-        return InferReply(wire=reply.wire, logits=reply.logits, length=session.cache.length,
-                          step=compute.optimizer.steps, session_step=session.started_step)
+        return dataclasses.replace(reply, length=session.cache.length, step=compute.optimizer.steps,
+                                   session_step=session.started_step)
+
+    def _scored(self, compute: StageCompute, logits, tokens, top_k: int) -> InferReply:
+        """The tail's reply to a scoring call: the last position's logits, and every position's scores."""
+        scores = score_positions(logits, tokens, top_k)
+        vocab = compute.config.model.vocab_size
+        return InferReply(logits=self._logits_codec.encode(compute.runtime.to_host(logits[:, -1:])),
+                          token_logprobs=self._logits_codec.encode(compute.runtime.to_host(scores.token_logprobs)),
+                          top_logprobs=self._logits_codec.encode(compute.runtime.to_host(scores.top_logprobs))
+                          if top_k else b"",
+                          top_ids=encode_tokens(scores.top_ids, vocab) if top_k else b"")
 
     def prefill(self, compute: StageCompute, request: InferRequest, owner: str) -> InferReply:
         """Open (or start again) the caller's session with its first positions."""
@@ -127,11 +157,12 @@ class InferenceEngine:
         if request.position != 0:
             raise InvalidRequest(f"position: Prefill opens a session at position 0, got {request.position}; "
                                  "extend an open session with Decode")
+        self._check_scoring(compute, request)
         tokens, wire = self._inputs(compute, request, None)
         session = self.sessions.open(request.session_id, owner, request.max_tokens, StageCache(compute.stage),
                                      compute.optimizer.steps, cache_bytes=self._cache_bytes(compute, *tokens.shape))
         try:
-            return self._run(compute, session, tokens, wire, 0)
+            return self._run(compute, session, tokens, wire, request)
         except BaseException:
             self.sessions.drop(request.session_id)  # a failed Prefill leaves no session behind
             raise
@@ -144,8 +175,9 @@ class InferenceEngine:
         if request.position > held:
             raise SessionBehind(f"position: session {request.session_id!r} holds {held} positions on stage "
                                 f"{compute.index}, the call follows {request.position}; replay it with Prefill")
+        self._check_scoring(compute, request)
         tokens, wire = self._inputs(compute, request, session.cache.rows)
-        return self._run(compute, session, tokens, wire, request.position)
+        return self._run(compute, session, tokens, wire, request)
 
     def close(self, compute: StageCompute, request: CloseSessionRequest, owner: str) -> CloseSessionReply:
         self._check(compute, request.run_id, request.stage, request.session_id)

@@ -15,12 +15,26 @@ costs 4096 * k * 4 bytes per boundary). When a call fails, that stage alone move
   the positions of the failed call, and go on; the other stages keep their caches;
 - the replica lost the session (NOT_FOUND: evicted, expired, restarted; FAILED_PRECONDITION:
   behind): replay it on the same replica;
-- the replica is busy (RESOURCE_EXHAUSTED): wait a little and ask again (its cache is there).
+- the replica is busy (RESOURCE_EXHAUSTED): wait a little and ask again (its cache is there);
+  when what is full is its attention caches' byte budget (`kv_cache_budget`) and the stage has
+  another replica, move there instead, without a ban (the replica is healthy, only full), and
+  replay the session there: a refused call changed nothing, and waiting would only help once
+  another session on it ends.
 Calls at a position the worker already holds cut its cache back first (pipeline/inference.py), so
 a retry after a reply was lost is exact. A step gives up after `max_attempts` failed calls on one
 stage. The output is unchanged: the replayed cache holds what the lost one held (a prefill and
 the decodes it replaces compute the same positions on the same weights; float rounding may differ
 in the last bits, which does not move a greedy choice short of an exact tie).
+
+Scoring (`score`, and a generation's `score_prompt`): the tail answers every position's
+log-probability and top-k alternatives (pipeline/inference.score_positions) for the calls that ask,
+only ever a Prefill at position 0, so a scoring call that fails is simply made again, here or on
+another replica, by the same failover. `score` puts several prompts in one session of several
+rows, right-padded to the longest (attention is causal: padding after a prompt changes none of its
+positions); a batch holds at most `score_rows` rows, by default the run's microbatch size, which
+every worker accepts (--max-rows only raises it). Prompts are batched longest first, so the
+padding stays small. A generation's own tokens are scored here from the logits each step brings
+back, with the same log-softmax.
 
 Sessions are closed on every replica that holds them when the generation ends (best effort: a
 worker also drops idle sessions after its TTL).
@@ -29,6 +43,7 @@ worker also drops idle sessions after its TTL).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -38,16 +53,19 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 import grpc
 import torch
 
-from agora.node.inference.client import InferenceClient
+from agora.node.inference.client import InferenceClient, InferResult
 from agora.node.inference.discovery import ReplicaDiscovery
 from agora.node.inference.routing import ReplicaRoster, ReplicaView
+from agora.node.inference.sessions import CACHE_FULL_MARK
 from agora.node.rpc.tls import ChannelFactory
 from agora.node.trainer.stage_client import StageCallError, WorkerBusy
-from agora.pipeline.config import RunConfig
+from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import run_fingerprint
-from agora.pipeline.inference import GREEDY, Sampling, TokenChooser, new_token_budget
+from agora.pipeline.inference import (GREEDY, PositionScores, Sampling, TokenChooser, new_token_budget,
+                                      score_next)
 
-__all__ = ["GeneratorOptions", "GeneratorStats", "Generation", "GenerationFailed", "SwarmGenerator"]
+__all__ = ["GeneratorOptions", "GeneratorStats", "Generation", "GenerationFailed", "SwarmGenerator",
+           "plan_score_batches"]
 
 logger = logging.getLogger("agora.node.inference")
 
@@ -68,6 +86,7 @@ class GeneratorOptions:
     wait_for_replicas_s: float = 30.0  # how long a stage may have no serving replica
     busy_pause_s: float = 0.05  # first pause before asking a busy replica again (doubles)
     close_timeout_s: float = 5.0
+    score_rows: Optional[int] = None  # prompts scored in one call; None: the run's train.microbatch_size
 
 
 @dataclass
@@ -78,6 +97,9 @@ class GeneratorStats:
     replays: int = 0  # Prefills that rebuilt a session mid-generation
     failovers: int = 0  # route moves to another replica
     busy: int = 0
+    cache_full_moves: int = 0  # route moves off a replica whose caches were full (kv_cache_budget)
+    scored_prompts: int = 0  # prompts scored by `score`
+    scored_tokens: int = 0
 
 
 @dataclass
@@ -89,6 +111,14 @@ class Generation:
     prompt_tokens: int = 0
     retries: int = 0
     route: dict[int, str] = field(default_factory=dict)  # stage -> endpoint, at the end
+    prompt_scores: Optional[PositionScores] = None  # with `score_prompt`: the prompt's, rows 1
+    token_scores: list[PositionScores] = field(default_factory=list)  # with `logprobs`: each token's, n 1
+
+
+def plan_score_batches(lengths: Sequence[int], max_rows: int) -> list[list[int]]:
+    """The prompts' indices in batches of at most `max_rows`, longest first (least padding)."""
+    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
+    return [order[start:start + max_rows] for start in range(0, len(order), max_rows)]
 
 
 class _Session:
@@ -173,7 +203,7 @@ class SwarmGenerator:
     # ------------------------------------------------------------------ one stage, one step
 
     async def _on_stage(self, session: _Session, stage: int, tokens: torch.Tensor, wire: Optional[torch.Tensor],
-                        position: int) -> torch.Tensor:
+                        position: int, score: Optional[int]) -> InferResult:
         """The stage's output for the positions `position`.. (failover in the module docstring)."""
         failures = 0
         exclude: set[str] = set()
@@ -186,7 +216,7 @@ class SwarmGenerator:
             client = self._client(view)
             started = self._clock()
             try:
-                output = await self._call(client, session, stage, tokens, wire, position)
+                output = await self._call(client, session, stage, tokens, wire, position, score)
                 self.roster.succeeded(view.peer_id, self._clock() - started)
                 return output
             except StageCallError as error:
@@ -195,7 +225,14 @@ class SwarmGenerator:
                 self.stats.retries += 1
                 if failures >= self.options.max_attempts:
                     raise GenerationFailed(f"stage {stage}: {failures} failed calls in one step; last: {error}") from None
-                if isinstance(error, WorkerBusy):
+                if isinstance(error, WorkerBusy) and CACHE_FULL_MARK in error.details and \
+                        len(self.roster.of_stage(stage)) > len(exclude) + 1:
+                    logger.info("stage %d replica %s has no room for session %s: moving it to another replica (%s)",
+                                stage, view.endpoint, session.id[:8], error.details)
+                    self.stats.busy += 1
+                    self.stats.cache_full_moves += 1
+                    self._leave(session, stage, view, exclude)
+                elif isinstance(error, WorkerBusy):
                     self.stats.busy += 1
                     await asyncio.sleep(self.options.busy_pause_s * 2 ** (failures - 1))
                 elif error.code in _SESSION_LOST and stage in session.held:
@@ -206,17 +243,31 @@ class SwarmGenerator:
                     logger.warning("stage %d replica %s failed (%s): moving session %s to another replica", stage,
                                    view.endpoint, error, session.id[:8])
                     self.roster.failed(view.peer_id, self._clock())
-                    self.roster.closed(view.peer_id)
-                    exclude.add(view.peer_id)
-                    del session.route[stage]
-                    session.held.discard(stage)
+                    session.held.discard(stage)  # nothing to close on a replica that failed
+                    self._leave(session, stage, view, exclude)
                     self.stats.failovers += 1
                     await self.refresh(force=True)
 
-    async def _call(self, client: InferenceClient, session: _Session, stage: int, tokens: torch.Tensor,
-                    wire: Optional[torch.Tensor], position: int) -> torch.Tensor:
+    def _leave(self, session: _Session, stage: int, view: ReplicaView, exclude: set[str]) -> None:
+        """Take the session's route for `stage` off `view` (the next call picks another replica); what
+        the replica still holds of the session is closed there, in the background."""
+        self.roster.closed(view.peer_id)
+        exclude.add(view.peer_id)
+        del session.route[stage]
         if stage in session.held:
-            return (await client.decode(session.id, position, tokens, wire)).output
+            session.held.discard(stage)
+            self._close_on(view, session.id)
+
+    async def _call(self, client: InferenceClient, session: _Session, stage: int, tokens: torch.Tensor,
+                    wire: Optional[torch.Tensor], position: int, score: Optional[int]) -> InferResult:
+        """The stage's reply for the positions `position`..; `score` (top-k): a scored Prefill (position 0)."""
+        if score is not None:
+            result = await client.prefill(session.id, tokens, wire, max_tokens=session.max_tokens, score=True,
+                                          top_logprobs=score)
+            session.held.add(stage)
+            return result
+        if stage in session.held:
+            return await client.decode(session.id, position, tokens, wire)
         replay = position > 0
         if replay:  # everything this stage was fed, then the new positions
             tokens = torch.cat((torch.tensor([session.fed], dtype=torch.long), tokens), dim=1)
@@ -226,45 +277,55 @@ class SwarmGenerator:
         session.held.add(stage)
         if replay:
             self.stats.replays += 1
-        return result.output if client.is_tail or not replay else result.output[:, position:]
+        return result if client.is_tail or not replay else dataclasses.replace(result,
+                                                                                output=result.output[:, position:])
 
-    async def _step(self, session: _Session, new: Sequence[int]) -> torch.Tensor:
-        """Feed `new` through every stage; the last position's logits (vocab,)."""
-        tokens = torch.tensor([list(new)], dtype=torch.long)
+    async def _forward(self, session: _Session, tokens: torch.Tensor, score: Optional[int]) -> InferResult:
+        """Feed `tokens` (rows, n) through every stage; the tail's reply."""
         position = len(session.fed)
         wire = None
         for stage in range(self.n_stages):
-            output = await self._on_stage(session, stage, tokens, wire, position)
+            result = await self._on_stage(session, stage, tokens, wire, position, score)
             if stage > 0:
                 session.inputs[stage].append(wire)
-            wire = output
+            wire = result.output
+        return result
+
+    async def _step(self, session: _Session, new: Sequence[int], score: Optional[int] = None) -> InferResult:
+        """Feed `new` through every stage (`score`: scored, top-k); the tail's reply."""
+        result = await self._forward(session, torch.tensor([list(new)], dtype=torch.long), score)
         session.fed.extend(new)
-        return wire[0, -1]
+        return result
 
     def _close(self, session: _Session) -> None:
         """Close the session on every replica that holds it, in the background."""
         for stage, view in session.route.items():
             self.roster.closed(view.peer_id)
-            if stage not in session.held:
-                continue
-            client = self._client(view)
+            if stage in session.held:
+                self._close_on(view, session.id)
 
-            async def close(client: InferenceClient = client) -> None:
-                try:
-                    await client.close_session(session.id, timeout_s=self.options.close_timeout_s)
-                except StageCallError:
-                    pass  # gone already: its TTL drops the session anyway
+    def _close_on(self, view: ReplicaView, session_id: str) -> None:
+        client = self._client(view)
 
-            task = asyncio.ensure_future(close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+        async def close() -> None:
+            try:
+                await client.close_session(session_id, timeout_s=self.options.close_timeout_s)
+            except StageCallError:
+                pass  # gone already: its TTL drops the session anyway
+
+        task = asyncio.ensure_future(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     # ------------------------------------------------------------------ generation
 
     async def stream(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = GREEDY,
-                     stop_ids: Sequence[int] = (), outcome: Optional[Generation] = None) -> AsyncIterator[int]:
+                     stop_ids: Sequence[int] = (), outcome: Optional[Generation] = None, *,
+                     logprobs: Optional[int] = None, score_prompt: bool = False) -> AsyncIterator[int]:
         """The generated token ids one by one (a stop id ends it and is not yielded); `outcome` is
-        filled as it goes (finish reason, retries, route)."""
+        filled as it goes (finish reason, retries, route). `logprobs` (top-k): each generated token's
+        scores in `outcome.token_scores`; `score_prompt`: the prompt's in `outcome.prompt_scores`
+        (top-k `logprobs` or 0), from the generation's own Prefill."""
         outcome = outcome if outcome is not None else Generation()
         outcome.prompt_tokens = len(prompt)
         budget = new_token_budget(len(prompt), max_new_tokens, self.config.model.max_seq_len)
@@ -275,12 +336,19 @@ class SwarmGenerator:
         session = _Session(self.n_stages, max_tokens=len(prompt) + budget - 1)
         self.stats.sessions += 1
         new: Sequence[int] = list(prompt)
+        score = (logprobs or 0) if score_prompt else None
         try:
             for _ in range(budget):
-                token = chooser.choose(await self._step(session, new))
+                result = await self._step(session, new, score)
+                if score is not None:
+                    outcome.prompt_scores, score = result.scores, None
+                logits = result.output[0, -1]
+                token = chooser.choose(logits)
                 if token in stop_ids:
                     outcome.finish_reason = "stop"
                     return
+                if logprobs is not None:
+                    outcome.token_scores.append(score_next(logits.view(1, 1, -1), torch.tensor([[token]]), logprobs))
                 outcome.tokens.append(token)
                 self.stats.tokens += 1
                 yield token
@@ -289,6 +357,33 @@ class SwarmGenerator:
             outcome.retries = session.retries
             outcome.route = {stage: view.endpoint for stage, view in session.route.items()}
             self._close(session)
+
+    async def score(self, prompts: Sequence[Sequence[int]], top_k: int = 0) -> list[PositionScores]:
+        """Each prompt's scores (rows 1, its length), from one scored Prefill per batch of prompts
+        through the swarm, without a decode; ConfigError for a prompt empty or too long."""
+        limit = self.config.model.max_seq_len
+        for prompt in prompts:
+            if not 1 <= len(prompt) <= limit:
+                raise ConfigError(f"prompt: {len(prompt)} tokens, scoring takes 1 to {limit} (model.max_seq_len)")
+        await self.refresh()
+        lengths = [len(prompt) for prompt in prompts]
+        scores: list[Optional[PositionScores]] = [None] * len(prompts)
+        for batch in plan_score_batches(lengths, self.options.score_rows or self.config.train.microbatch_size):
+            width = lengths[batch[0]]
+            tokens = torch.zeros((len(batch), width), dtype=torch.long)  # padding: id 0, never scored
+            for row, index in enumerate(batch):
+                tokens[row, :lengths[index]] = torch.as_tensor(list(prompts[index]), dtype=torch.long)
+            session = _Session(self.n_stages, max_tokens=width)
+            self.stats.sessions += 1
+            try:
+                batch_scores = (await self._forward(session, tokens, top_k)).scores
+            finally:
+                self._close(session)
+            for row, index in enumerate(batch):
+                scores[index] = batch_scores.row(row, lengths[index])
+            self.stats.scored_prompts += len(batch)
+            self.stats.scored_tokens += sum(lengths[index] for index in batch)
+        return scores
 
     async def generate(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = GREEDY,
                        stop_ids: Sequence[int] = ()) -> Generation:

@@ -1,18 +1,34 @@
 """`OpenAIServer`: an OpenAI-compatible HTTP API in front of a `SwarmGenerator` (`agora-node serve`).
 
 Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both with
-`stream: true` as server-sent events ending in `data: [DONE]`), and `GET /v1/agora/stats` (this
-server's generator counters: sessions, tokens, retries, replays, failovers; not OpenAI's).
+`stream: true` as server-sent events ending in `data: [DONE]`), `GET /v1/agora/stats` (this
+server's generator counters: sessions, tokens, retries, replays, failovers, scored prompts; not
+OpenAI's), and vLLM's tokenizer endpoints (below).
 
 Design choices:
 - aiohttp's server runs on the process's one event loop, beside the gRPC channels of the
   generator; each request is its own task, so concurrent requests are concurrent generations
   (each its own session and route through the swarm).
-- Fields: `model` (must be the served one), `prompt` (a string, or a list of one string) or
-  `messages` (rendered by node/inference/text.render_chat), `max_tokens` (`max_completion_tokens`
-  for chat; default 16 as OpenAI's completions), `temperature` (default 1.0 as OpenAI's; 0 is
-  greedy), `top_p`, `seed` (default: a random one per request), `stop` (a string or up to 4),
-  `n` (only 1), `stream`. Unknown fields are ignored as OpenAI's API does with optional ones.
+- Fields of `/v1/completions` (request_fields.py parses them; choices.py runs them):
+  `model` (must be the served one); `prompt`: a string, a list of strings, a list of token ids,
+  or a list of lists of token ids (each a prompt; ids in the model's vocabulary);
+  `max_tokens` (default 16 as OpenAI's; 0: score only, nothing generated, the prompts scored in
+  batched Prefills through the swarm); `echo` (the prompt leads each choice's text, and its
+  tokens lead `logprobs`); `logprobs` (0..20: OpenAI's legacy object, `tokens`, `token_logprobs`
+  (null for the first prompt token), `top_logprobs` (that many likeliest plus the token itself,
+  text -> log-probability), `text_offset`; the model's log-softmax, not the temperature's);
+  `n` (choices per prompt, index = prompt * n + j, choice j sampled with seed + j; prompts x n
+  at most 2048); `temperature` (default 1.0 as OpenAI's; 0 is greedy), `top_p`, `seed`
+  (default: a random one per request), `stop` (a string or up to 4), `stream` (each choice's
+  deltas as events, with its `index`; with `echo` the prompt comes first). Chat completions:
+  `messages` (rendered by node/inference/text.render_chat), `max_completion_tokens` or
+  `max_tokens` (default 256), `logprobs` (true: `choices[].logprobs.content`, per token `token`,
+  `logprob`, `bytes`, `top_logprobs`), `top_logprobs` (0..20, only with `logprobs`), and the
+  sampling fields above. Unknown fields are ignored as OpenAI's API does with optional ones.
+- vLLM's tokenizer endpoints at the root: `GET /tokenizer_info` (`eos_token`, `model_max_length`),
+  `POST /tokenize` (`prompt` -> `tokens`, `count`), `POST /detokenize` (`tokens` -> `prompt`).
+  lm-eval's `local-completions` finds them and tokenizes with the served tokenizer, so no
+  tokenizer files are needed beside the URL.
 - Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400
   invalid_request_error naming the field, 404 for another model, 503 when the swarm cannot serve
   (no replica of a stage, every attempt failed). A stream that fails after it started ends with
@@ -36,135 +52,29 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from aiohttp import web
 
 from agora.node.inference.api_keys import ApiKeys
-from agora.node.inference.generator import Generation, GenerationFailed, SwarmGenerator
+from agora.node.inference.choices import Choice, ChoiceDelta, ChoiceRunner, collect
+from agora.node.inference.generator import SwarmGenerator
+from agora.node.inference.logprobs import chat_logprobs, completion_logprobs
 from agora.node.inference.options import ServeOptions
-from agora.node.inference.text import CHAT_ROLES, ChatMessage, TextStream, chat_stop_strings, render_chat
+from agora.node.inference.request_fields import ApiError, CompletionRequest, parse_chat, parse_completion
 from agora.node.rpc.call_slots import CallPool
-from agora.pipeline.config import ConfigError
-from agora.pipeline.inference import Sampling
 from agora.pipeline.tokenizer import Tokenizer
 
-__all__ = ["OpenAIServer", "ApiError", "CompletionRequest", "parse_completion", "parse_chat"]
+__all__ = ["OpenAIServer"]
 
 logger = logging.getLogger("agora.node.inference")
 
-_MAX_STOP_STRINGS = 4
 _MAX_BODY_BYTES = 1 << 20
 _RETRY_AFTER_S = 1
 _OPEN = "anyone"  # who every completion counts for without keys
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None,
-                 kind: str = "invalid_request_error", code: Optional[str] = None,
-                 headers: Optional[dict[str, str]] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-@dataclass(frozen=True)
-class CompletionRequest:
-    prompt: str
-    max_tokens: int
-    sampling: Sampling
-    stop: tuple[str, ...]
-    stream: bool
-
-
-def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high:
-        raise ApiError(400, f"{name}: expected a number in [{low:g}, {high:g}], got {value!r:.40}", param=name)
-    return float(value)
-
-
-def _integer(body: dict, name: str, default: Optional[int], low: int, high: int) -> Optional[int]:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ApiError(400, f"{name}: expected an integer in [{low}, {high}], got {value!r:.40}", param=name)
-    return value
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and len(stop) <= _MAX_STOP_STRINGS and all(isinstance(s, str) for s in stop):
-        return tuple(stop)
-    raise ApiError(400, f"stop: expected a string or a list of at most {_MAX_STOP_STRINGS} strings", param="stop")
-
-
-def _common(body: dict, prompt: str, max_tokens_field: str, max_tokens: int) -> CompletionRequest:
-    if _integer(body, "n", 1, 1, 1_000_000) != 1:
-        raise ApiError(400, "n: only 1 choice per request is supported", param="n")
-    seed = _integer(body, "seed", None, -(2**63), 2**63 - 1)
-    sampling = Sampling(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                        top_p=max(_number(body, "top_p", 1.0, 0.0, 1.0), 1e-9),  # 0: only the likeliest token
-                        seed=secrets.randbits(62) if seed is None else seed % 2**63)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, f"stream: expected true or false, got {stream!r:.40}", param="stream")
-    tokens = _integer(body, max_tokens_field, max_tokens, 0, 1 << 20)
-    return CompletionRequest(prompt=prompt, max_tokens=tokens, sampling=sampling, stop=_stop(body), stream=stream)
-
-
-def parse_completion(body: Any) -> CompletionRequest:
-    """/v1/completions' fields (see the module docstring); ApiError naming the first bad one."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise ApiError(400, "prompt: expected a non-empty string (or a list of one)", param="prompt")
-    return _common(body, prompt, "max_tokens", 16)
-
-
-def parse_chat(body: Any) -> tuple[CompletionRequest, int]:
-    """/v1/chat/completions' fields: the rendered prompt, and how many messages it holds."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages: expected a non-empty list of {role, content}", param="messages")
-    parsed = []
-    for index, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):  # content parts: the text ones, joined
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict)
-                              and part.get("type") == "text")
-        if role not in CHAT_ROLES or not isinstance(content, str):
-            raise ApiError(400, f"messages[{index}]: expected a role in {', '.join(CHAT_ROLES)} and text content",
-                           param=f"messages[{index}]")
-        parsed.append(ChatMessage(role, content))
-    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    request = _common(body, render_chat(parsed), field, 256)
-    return CompletionRequest(request.prompt, request.max_tokens, request.sampling,
-                             request.stop + chat_stop_strings(), request.stream), len(parsed)
 
 
 class OpenAIServer:
@@ -185,7 +95,9 @@ class OpenAIServer:
                                   "serve.max_concurrent_requests")
         app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[self._errors, self._authenticate])
         app.add_routes([web.get("/v1/models", self._models), web.post("/v1/completions", self._completions),
-                        web.post("/v1/chat/completions", self._chat), web.get("/v1/agora/stats", self._stats)])
+                        web.post("/v1/chat/completions", self._chat), web.get("/v1/agora/stats", self._stats),
+                        web.get("/tokenizer_info", self._tokenizer_info), web.post("/tokenize", self._tokenize),
+                        web.post("/detokenize", self._detokenize)])
         self._runner = web.AppRunner(app, access_log=None)
         self.url: Optional[str] = None
 
@@ -268,14 +180,6 @@ class OpenAIServer:
             raise ApiError(404, f"model: {model!r:.80} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def _prompt_ids(self, text: str) -> list[int]:
-        ids = [int(t) for t in self.tokenizer.encode(text)]
-        limit = self.generator.config.model.max_seq_len
-        if len(ids) >= limit:
-            raise ApiError(400, f"prompt: {len(ids)} tokens, this model takes fewer than {limit} (model.max_seq_len)",
-                           param="prompt", code="context_length_exceeded")
-        return ids
-
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "agora"}]})
@@ -284,13 +188,38 @@ class OpenAIServer:
         return web.json_response({"requests": self.requests, "in_flight": self.in_flight.in_use,
                                   "refused": dict(self.refused), **vars(self.generator.stats)})
 
+    # ------------------------------------------------------------------ tokenizer (vLLM's endpoints)
+
+    async def _tokenizer_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"eos_token": self.tokenizer.decode([self.tokenizer.eos_id]), "bos_token": None,
+                                  "pad_token": None, "model_max_length": self.generator.config.model.max_seq_len,
+                                  "tokenizer_class": type(self.tokenizer).__name__})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        text = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            raise ApiError(400, "prompt: expected a string", param="prompt")
+        tokens = [int(t) for t in self.tokenizer.encode(text)]
+        return web.json_response({"count": len(tokens), "max_model_len": self.generator.config.model.max_seq_len,
+                                  "tokens": tokens})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        vocab = self.tokenizer.vocab_size
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                   for t in tokens):
+            raise ApiError(400, f"tokens: expected a list of token ids in [0, {vocab})", param="tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
     # ------------------------------------------------------------------ completions
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         async with self._admitted(request):
             body = await self._body(request)
             self._check_model(body)
-            completion = parse_completion(body)
+            completion = parse_completion(body, self.generator.config.model.vocab_size)
             return await self._respond(request, completion, chat=False)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -300,73 +229,65 @@ class OpenAIServer:
             completion, _ = parse_chat(body)
             return await self._respond(request, completion, chat=True)
 
+    def _logprobs(self, delta: ChoiceDelta | Choice, chat: bool) -> Optional[dict]:
+        if delta.logprobs is None:
+            return None
+        decode = self._token_text
+        return chat_logprobs(delta.logprobs, decode) if chat else completion_logprobs(delta.logprobs, decode,
+                                                                                      delta.text_start)
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
     async def _respond(self, request: web.Request, completion: CompletionRequest, chat: bool) -> web.StreamResponse:
         self.requests += 1
-        prompt = self._prompt_ids(completion.prompt)
-        ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        created = int(self._clock())
-        text = TextStream(self.tokenizer, completion.stop)
-        outcome = Generation()
-        tokens = self.generator.stream(prompt, completion.max_tokens, completion.sampling,
-                                       (self.tokenizer.eos_id,), outcome)
+        runner = ChoiceRunner(self.generator, self.tokenizer, completion)
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(self._clock()),
+                "model": self.model_name}
         if not completion.stream:
-            try:
-                async for token in tokens:
-                    text.add(token)
-                    if text.stopped:
-                        break
-            except ConfigError as error:
-                raise ApiError(400, str(error), param="prompt") from None
-            except GenerationFailed as error:
-                raise ApiError(503, f"the swarm could not complete this request: {error}", kind="server_error") from None
-            finally:
-                await tokens.aclose()
-            text.finish()
-            reason = "stop" if text.stopped else outcome.finish_reason
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text.text}, "finish_reason": reason}
-                      if chat else {"index": 0, "text": text.text, "logprobs": None, "finish_reason": reason})
-            return web.json_response({
-                "id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": self.model_name, "choices": [choice], "usage": self._usage(outcome)})
+            deltas = [delta async for delta in runner.deltas()]
+            choices = [self._choice(choice, chat) for choice in collect(deltas)]
+            return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
+                                      "choices": choices, "usage": self._usage(runner)})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-
-        async def send(delta: Optional[str], reason: Optional[str]) -> None:
-            if chat:
-                content = {} if delta is None else {"content": delta}
-                event = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                         "choices": [{"index": 0, "delta": content, "finish_reason": reason}]}
-            else:
-                event = {"id": ident, "object": "text_completion", "created": created, "model": self.model_name,
-                         "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}]}
-            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-
+        started: set[int] = set()
         try:
-            if chat:
-                event = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "finish_reason": None}]}
-                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-            async for token in tokens:
-                delta = text.add(token)
-                if delta:
-                    await send(delta, None)
-                if text.stopped:
-                    break
-            tail = text.finish()
-            if tail:
-                await send(tail, None)
-            await send(None, "stop" if text.stopped else outcome.finish_reason)
-        except (GenerationFailed, ConfigError) as error:
-            failure = ApiError(503, f"the swarm could not complete this request: {error}", kind="server_error")
-            await response.write(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
-        finally:
-            await tokens.aclose()
+            async for delta in runner.deltas():
+                if chat and delta.index not in started:
+                    started.add(delta.index)
+                    await self._event(response, {**head, "object": "chat.completion.chunk", "choices": [
+                        {"index": delta.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]})
+                if delta.text or delta.finish_reason or delta.logprobs:
+                    await self._event(response, {**head, "object": "chat.completion.chunk" if chat
+                                                 else "text_completion", "choices": [self._chunk(delta, chat)]})
+        except ApiError as error:
+            await self._event(response, error.body())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
     @staticmethod
-    def _usage(outcome: Generation) -> dict:
-        return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": len(outcome.tokens),
-                "total_tokens": outcome.prompt_tokens + len(outcome.tokens)}
+    async def _event(response: web.StreamResponse, event: dict) -> None:
+        await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+    def _choice(self, choice: Choice, chat: bool) -> dict:
+        if chat:
+            return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                    "logprobs": self._logprobs(choice, chat), "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "text": choice.text, "logprobs": self._logprobs(choice, chat),
+                "finish_reason": choice.finish_reason}
+
+    def _chunk(self, delta: ChoiceDelta, chat: bool) -> dict:
+        if chat:
+            return {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                    "logprobs": self._logprobs(delta, chat), "finish_reason": delta.finish_reason}
+        return {"index": delta.index, "text": delta.text, "logprobs": self._logprobs(delta, chat),
+                "finish_reason": delta.finish_reason}
+
+    @staticmethod
+    def _usage(runner: ChoiceRunner) -> dict:
+        usage = runner.usage
+        return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens}

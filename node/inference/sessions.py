@@ -39,7 +39,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 __all__ = ["Session", "SessionTable", "SessionError", "UnknownSession", "SessionRefused", "SessionsFull",
-           "NotSessionOwner"]
+           "NotSessionOwner", "CACHE_FULL_MARK"]
+
+# In every SessionsFull message: what tells a client that a replica's caches, not its queue, are full.
+CACHE_FULL_MARK = "--max-kv-cache-gib"
 
 
 class SessionError(Exception):
@@ -156,7 +159,7 @@ class SessionTable:
         if budget is not None and needed > budget:
             raise SessionsFull(
                 f"session {session_id!r} would take the attention caches on {self.where} to {needed:,} bytes, past "
-                f"the {budget:,} this worker allows them (--max-kv-cache-gib); the open sessions keep theirs: retry "
+                f"the {budget:,} this worker allows them ({CACHE_FULL_MARK}); the open sessions keep theirs: retry "
                 "once one ends, or on another replica", needed, budget)
 
     def get(self, session_id: str, owner: str) -> Session:

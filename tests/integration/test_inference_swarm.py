@@ -34,6 +34,7 @@ from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.inference import LocalGenerator, Sampling
 from agora.pipeline.stages import build_stage
+from inference_swarm import generator_over, start_stage_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,18 +49,11 @@ def local_tokens(max_new: int, sampling: Sampling = Sampling()) -> list[int]:
 
 
 async def start_workers(replicas: dict[int, int] | None = None, **options) -> list[StageWorker]:
-    workers = []
-    for stage in range(3):
-        for _ in range((replicas or {}).get(stage, 1)):
-            worker = StageWorker(CONFIG, stage, run_id=RUN, options=WorkerOptions(**options))
-            await worker.start()
-            workers.append(worker)
-    return workers
+    return await start_stage_workers(CONFIG, RUN, replicas, WorkerOptions(**options))
 
 
 def generator_for(workers: list[StageWorker], **options) -> SwarmGenerator:
-    views = [ReplicaView(f"peer-{i}", w.address, w.stage_index, w.phase) for i, w in enumerate(workers)]
-    return SwarmGenerator(CONFIG, StaticReplicas(views), GeneratorOptions(run_id=RUN, **options))
+    return generator_over(CONFIG, RUN, workers, **options)
 
 
 async def stop_all(workers: list[StageWorker]) -> None:

@@ -129,7 +129,11 @@ def test_errors_come_in_openais_shape_naming_the_field():
             "length": lambda: client.completions.create(model=MODEL, prompt="a" * 300, max_tokens=1),
             "messages": lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "robot",
                                                                                         "content": "hi"}]),
-            "n": lambda: client.completions.create(model=MODEL, prompt="a", n=2),
+            "n": lambda: client.completions.create(model=MODEL, prompt="a", n=0),
+            "logprobs": lambda: client.completions.create(model=MODEL, prompt="a", logprobs=21),
+            "ids": lambda: client.completions.create(model=MODEL, prompt=[[1, 2], [3, 256]]),
+            "top_logprobs": lambda: client.chat.completions.create(model=MODEL, top_logprobs=2, messages=[
+                {"role": "user", "content": "hi"}]),
         }.items():
             try:
                 await call()
@@ -144,7 +148,82 @@ def test_errors_come_in_openais_shape_naming_the_field():
     assert errors["prompt"][1]["param"] == "prompt" and errors["prompt"][1]["type"] == "invalid_request_error"
     assert errors["length"][1]["code"] == "context_length_exceeded"
     assert errors["messages"][1]["param"] == "messages[0]"
-    assert errors["n"][1]["param"] == "n"
+    assert errors["n"][1]["param"] == "n" and errors["logprobs"][1]["param"] == "logprobs"
+    assert errors["ids"][0] == 400 and "prompt[1]" in errors["ids"][1]["message"]
+    assert errors["top_logprobs"][1]["param"] == "top_logprobs"
+
+
+def local_scores(prompt: bytes, top_k: int):
+    return LocalGenerator([build_stage(CONFIG.model, i) for i in range(2)]).score(list(prompt), top_k)
+
+
+def test_echo_logprobs_and_prompt_lists_score_as_one_process_does():
+    """What lm-eval's local-completions sends: token ids, a list of prompts, echo, logprobs; and
+    max_tokens 0 (score only), n, chat logprobs, the tokenizer endpoints."""
+    prompts = [b"def f(x):\n", b"import os", b"ab"]
+
+    async def body(client, server, workers):
+        scored = await client.completions.create(model=MODEL, prompt=[list(p) for p in prompts], max_tokens=0,
+                                                 echo=True, logprobs=2, temperature=0)
+        generated = await client.completions.create(model=MODEL, prompt=[p.decode() for p in prompts[:2]],
+                                                    max_tokens=3, echo=True, logprobs=1, temperature=0, n=2)
+        plain = await client.completions.create(model=MODEL, prompt="x = ", max_tokens=4, logprobs=0,
+                                                temperature=0)
+        chat = await client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, logprobs=True,
+                                                    top_logprobs=2, messages=[{"role": "user", "content": "hi"}])
+        async with aiohttp.ClientSession() as http:
+            root = server.url.removesuffix("/v1")
+            info = await (await http.get(root + "/tokenizer_info")).json()
+            tokens = await (await http.post(root + "/tokenize", json={"prompt": "hé"})).json()
+            text = await (await http.post(root + "/detokenize", json={"tokens": tokens["tokens"]})).json()
+        return scored, generated, plain, chat, (info, tokens, text), server.generator.stats
+
+    scored, generated, plain, chat, (info, tokens, text), stats = with_api(body)
+    assert [c.index for c in scored.choices] == [0, 1, 2] and scored.usage.completion_tokens == 0
+    for prompt, choice in zip(prompts, scored.choices):
+        local = local_scores(prompt, 2)
+        logprobs = choice.logprobs
+        assert choice.text == prompt.decode() and choice.finish_reason == "length"
+        assert logprobs.tokens == [chr(b) for b in prompt] and logprobs.text_offset == list(range(len(prompt)))
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert logprobs.token_logprobs[1:] == pytest.approx(local.token_logprobs[0, :-1].tolist(), abs=1e-4)
+        for position, top in enumerate(logprobs.top_logprobs[1:]):
+            likeliest = {BYTES.decode([i]) for i in local.top_ids[0, position].tolist()}
+            assert set(top) >= likeliest and len(top) <= 3  # the two likeliest, and the token when it is not one
+    assert stats.scored_prompts == 3  # one batch: max_tokens 0 never decodes
+    assert [c.index for c in generated.choices] == [0, 1, 2, 3]
+    first, again = generated.choices[:2]
+    expected = local_text(prompts[0].decode(), 3)
+    assert first.text == prompts[0].decode() + expected and again.text == first.text
+    assert len(first.logprobs.tokens) == len(prompts[0]) + 3
+    assert first.logprobs.token_logprobs[1:len(prompts[0])] == pytest.approx(
+        local_scores(prompts[0], 1).token_logprobs[0, :-1].tolist(), abs=1e-4)
+    drawn = LocalGenerator([build_stage(CONFIG.model, i) for i in range(2)]).generate(list(prompts[0]), 3)
+    whole = local_scores(prompts[0] + bytes(drawn), 1)
+    assert first.logprobs.token_logprobs[len(prompts[0]):] == pytest.approx(
+        whole.token_logprobs[0, len(prompts[0]) - 1:-1].tolist(), abs=1e-4)
+    assert plain.choices[0].logprobs.text_offset[0] == len("x = ") and len(plain.choices[0].logprobs.tokens) == 4
+    assert all(len(top) == 1 for top in plain.choices[0].logprobs.top_logprobs)  # greedy: the token is the top
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content).startswith(chat.choices[0].message.content)
+    assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
+    assert info["eos_token"] == "\x00" and tokens["tokens"] == list("hé".encode()) and text["prompt"] == "hé"
+
+
+def test_streamed_choices_carry_their_index_echo_and_logprobs():
+    async def body(client, server, workers):
+        chunks = []
+        async for chunk in await client.completions.create(model=MODEL, prompt=["ab", "cd"], max_tokens=5, echo=True,
+                                                            logprobs=1, temperature=0, stream=True):
+            chunks.append(chunk.choices[0])
+        return chunks
+
+    chunks = with_api(body)
+    for index, prompt in enumerate(["ab", "cd"]):
+        mine = [c for c in chunks if c.index == index]
+        assert "".join(c.text for c in mine) == prompt + local_text(prompt, 5)
+        assert sum(len(c.logprobs.tokens) for c in mine if c.logprobs) == len(prompt) + 5
+        assert mine[-1].finish_reason == "length"
 
 
 def test_text_stream_holds_back_cut_characters_and_stop_prefixes():

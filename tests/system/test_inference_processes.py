@@ -23,18 +23,16 @@ import urllib.request
 
 import openai
 import pytest
-import torch
 
-from agora.node.demo.processes import ProcessGroup, agora_node_command
+from agora.node.demo.processes import ProcessGroup
 from agora.node.inference.text import ChatMessage, chat_stop_strings, render_chat
 from agora.node.rpc.server import run
 from agora.node.trainer.stage_client import StageClient
-from agora.pipeline.checkpoint import StageState, save_checkpoint
 from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.inference import LocalGenerator
-from agora.pipeline.stages import build_stage
 from agora.pipeline.tokenizer import ByteTokenizer
+from inference_swarm import perturbed_checkpoint, serving_swarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -48,23 +46,11 @@ PROMPT = "def parse(text):\n    "
 def checkpoint(tmp_path_factory):
     """Stage weights away from their initialisation (so the text is not the init's), saved as a
     train-local checkpoint would be."""
-    stages = [build_stage(CONFIG.model, i) for i in range(2)]
-    generator = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for stage in stages:
-            for parameter in stage.parameters():
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.02)
-    path = save_checkpoint(tmp_path_factory.mktemp("ckpt"), 7, CONFIG, [StageState(i, s.state_dict())
-                                                                       for i, s in enumerate(stages)])
-    return path, stages
+    return perturbed_checkpoint(tmp_path_factory.mktemp("ckpt"), CONFIG, seed=9)
 
 
 def _local(stages, prompt: str, max_new: int) -> str:
     return BYTES.decode(LocalGenerator(stages).generate(list(prompt.encode()), max_new, stop_ids=(0,)))
-
-
-def _node(*args: str) -> list[str]:
-    return agora_node_command("--log-level", "INFO", "--threads", "1", *args)
 
 
 def _sessions(endpoint: str) -> int:
@@ -82,20 +68,7 @@ def test_completions_through_the_swarm_equal_one_process_even_when_a_replica_is_
     path, stages = checkpoint
     group = ProcessGroup(tmp_path)
     try:
-        boot = group.spawn("bootstrap", _node("bootstrap", "--insecure", "--ready-file", str(tmp_path / "boot.ready")),
-                           tmp_path / "boot.ready")
-        peers = group.wait_ready([boot], 60)["bootstrap"]
-        swarm = ["--run-id", "serve-test", "--initial-peers", *peers, "--insecure"]
-        workers = []
-        for stage, replica in ((0, 0), (1, 0), (1, 1)):
-            name = f"s{stage}r{replica}"
-            workers.append(group.spawn(name, _node("join", "--serve-only", "--checkpoint", str(path), "--stage",
-                                                   str(stage), *swarm, "--heartbeat", "0.5", "--ready-file",
-                                                   str(tmp_path / f"{name}.ready")), tmp_path / f"{name}.ready"))
-        endpoints = {name: lines[0] for name, lines in group.wait_ready(workers, 120).items()}
-        serve = group.spawn("serve", _node("serve", "--checkpoint", str(path), *swarm, "--port", "0", "--ready-file",
-                                           str(tmp_path / "serve.ready")), tmp_path / "serve.ready")
-        url = group.wait_ready([serve], 60)["serve"][0]
+        url, workers, endpoints = serving_swarm(group, tmp_path, path, "serve-test", [(0, 0), (1, 0), (1, 1)])
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
 
         whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text

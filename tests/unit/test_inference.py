@@ -25,6 +25,7 @@ from agora.pipeline.inference import (
     TokenChooser,
     cached_forward,
     new_token_budget,
+    score_positions,
 )
 from agora.pipeline.model import SubspaceTransformer
 from agora.pipeline.stages import stages_of
@@ -156,3 +157,16 @@ def test_new_token_budget():
         new_token_budget(0, 5, 256)
     with pytest.raises(ConfigError, match="at most 256"):
         new_token_budget(256, 1, 256)
+
+
+def test_scores_are_the_log_softmax_at_each_position_and_a_padded_row_ends_where_its_prompt_does():
+    logits = torch.randn(2, 4, 7)
+    tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 0, 0]])
+    scores = score_positions(logits, tokens, 3)
+    expected = torch.log_softmax(logits, dim=-1)
+    assert scores.token_logprobs[0, :3].tolist() == [expected[0, i, tokens[0, i + 1]].item() for i in range(3)]
+    assert scores.token_logprobs[:, -1].tolist() == [0.0, 0.0]
+    assert torch.equal(scores.top_ids, torch.topk(expected, 3, dim=-1).indices)
+    row = scores.row(1, 2)
+    assert row.token_logprobs.tolist() == [[expected[1, 0, 6].item(), 0.0]] and row.top_ids.shape == (1, 2, 3)
+    assert score_positions(logits, tokens, 0).top_ids.shape == (2, 4, 0)

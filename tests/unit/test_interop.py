@@ -9,7 +9,7 @@ from torch.testing import assert_close
 import dataclasses
 import json
 
-from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
                           LlamaForCausalLM, Qwen3ForCausalLM)
 
 from agora.pipeline.config import PRESETS, ModelConfig
@@ -21,6 +21,7 @@ from agora.pipeline.interop import (
     hf_config_from,
     model_config_from,
     save_pretrained,
+    save_tokenizer,
     to_transformers,
 )
 from agora.pipeline.model import SubspaceTransformer
@@ -300,3 +301,19 @@ def test_export_hf_of_a_pluralis_shaped_checkpoint_from_the_command_line(tmp_pat
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     inputs = tokens % 256
     assert_close(_hf_logits(loaded, inputs), _our_logits(ours, inputs), **TOLERANCE)
+
+
+def test_the_byte_tokenizer_exports_as_one_transformers_reads_with_our_ids(tmp_path):
+    from agora.pipeline.tokenizer import ByteTokenizer
+
+    text = "héllo  wörld\n\tx = 1\x00 ✓"
+    loaded = AutoTokenizer.from_pretrained(save_tokenizer("bytes", tmp_path))
+    assert loaded(text, add_special_tokens=False)["input_ids"] == ByteTokenizer().encode(text).tolist()
+    assert loaded.eos_token_id == ByteTokenizer.eos_id and loaded.decode(list(text.encode())) == text
+
+
+def test_a_tokenizer_file_that_is_not_here_is_one_line_naming_the_setting(tmp_path):
+    from agora.pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        save_tokenizer(str(tmp_path / "missing.json"), tmp_path / "out")
