@@ -1,0 +1,142 @@
+"""Spot checks' pure parts (node/trainer/spot_checks.py): the distance, the bar, whom a disagreement names.
+
+The honest reference is measured on what tiny's two body replicas really compute while they train
+in-process and are averaged every third step (tests/helpers/reply_traffic.py): their outputs for the
+same input must never count as a disagreement, while a replayed or row-shuffled output must.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from agora.monitor.metrics import sample_value
+from agora.node.trainer.routing import WorkerView
+from agora.node.trainer.spot_checks import PARTNERS, SpotChecks, SpotJudge, output_distance
+from agora.node.trainer.stats import TrainerStats
+from agora.pipeline.codec import WireCodec
+from agora.pipeline.data import build_data
+from reply_traffic import CONFIG, MICROBATCHES, WatchedTraining
+
+pytestmark = pytest.mark.timeout(300)
+
+TOLERANCE = 0.25
+
+
+def _honest(judge: SpotJudge, peers: list[str], checks: int, rng: random.Random, stage: int = 0) -> None:
+    for _ in range(checks):
+        primary, checker = rng.sample(peers, 2)
+        assert judge.compare(stage, primary, checker, rng.uniform(0.0, 0.06)).agreed
+
+
+def test_the_distance_is_zero_for_equal_outputs_two_for_opposite_ones_and_symmetric():
+    generator = torch.Generator().manual_seed(0)
+    first, second = torch.randn(2, 8, 16, generator=generator), torch.randn(2, 8, 16, generator=generator)
+    assert output_distance(first, first) == 0.0
+    assert output_distance(first, -first) == pytest.approx(2.0)
+    assert output_distance(first, second) == pytest.approx(output_distance(second, first))
+    assert output_distance(3 * first, 3 * second) == pytest.approx(output_distance(first, second), rel=1e-5)
+
+
+def test_the_bar_is_the_tolerance_until_honest_drift_reaches_it_then_follows_the_drift():
+    judge = SpotJudge(TOLERANCE)
+    assert judge.reference(0) == (0.0, TOLERANCE)
+    for distance in (0.01, 0.02, 0.03, 0.02):
+        judge.compare(0, "a", "b", distance)
+    assert judge.reference(0)[1] == TOLERANCE
+    wide = SpotJudge(TOLERANCE)
+    for index in range(200):  # replicas drifting apart, never averaged: from 0.02 to 0.6, a tenth up and down
+        assert wide.compare(0, "a", "b", (0.02 + 0.58 * index / 199) * (1 + 0.1 * (index % 3 - 1))).agreed
+    centre, bar = wide.reference(0)
+    assert centre > 0.4 and bar > 0.6
+    assert not wide.compare(0, "a", "b", 2 * bar).agreed
+
+
+def test_disagreements_stay_out_of_the_reference_so_a_liar_cannot_lift_its_bar():
+    judge, rng = SpotJudge(TOLERANCE), random.Random(1)
+    _honest(judge, ["h1", "h2"], 16, rng)
+    before = judge.reference(0)
+    for index in range(64):
+        assert not judge.compare(0, "liar", f"h{1 + index % 2}", 1.0).agreed
+    assert judge.reference(0) == before
+
+
+def test_a_liar_among_three_replicas_is_named_once_two_partners_that_agree_with_each_other_disagree_with_it():
+    judge, rng = SpotJudge(TOLERANCE), random.Random(2)
+    first = judge.compare(0, "liar", "h1", 1.1)
+    assert not first.agreed and first.flagged is None  # one witness is not enough
+    second = judge.compare(0, "h2", "liar", 0.9)  # a liar lying in its checks too
+    assert second.flagged is None  # h1 and h2 have not yet vouched for each other
+    named = judge.compare(0, "h1", "h2", 0.03)  # the agreement completes the case against the liar
+    assert named.agreed and named.flagged is not None and named.flagged.peer == "liar"
+    assert named.flagged.cusum == PARTNERS and "disagreed on spot checks with 2 replicas" in named.flagged.describe()
+    _honest(judge, ["h1", "h2"], 32, rng)
+    for index in range(8):  # flagged once; the honest ones never
+        verdict = judge.compare(0, "liar", f"h{1 + index % 2}", 1.0)
+        assert verdict.flagged is None
+
+
+def test_with_two_replicas_disagreements_are_counted_and_no_one_is_named():
+    judge = SpotJudge(TOLERANCE)
+    for index in range(50):
+        verdict = judge.compare(0, "a" if index % 2 else "b", "b" if index % 2 else "a", 1.0)
+        assert not verdict.agreed and verdict.flagged is None
+
+
+def test_liars_honest_in_their_checks_cannot_frame_an_honest_replica():
+    """Two liars of four lie in training Forwards only: each disagrees whenever it is the checked one;
+    as checkers they answer honestly. An honest worker disagrees with both liars, but they never agree
+    with each other (one of them is always lying), so only the liars are named."""
+    judge, rng = SpotJudge(TOLERANCE), random.Random(3)
+    peers, liars, named = ["h1", "h2", "l1", "l2"], {"l1", "l2"}, set()
+    for _ in range(400):
+        primary, checker = rng.sample(peers, 2)
+        distance = 1.0 if primary in liars else rng.uniform(0.0, 0.06)
+        verdict = judge.compare(0, primary, checker, distance)
+        if verdict.flagged is not None:
+            named.add(verdict.flagged.peer)
+    assert named == liars
+
+
+def test_honest_replicas_under_real_averaging_drift_never_disagree_and_a_replayed_or_shuffled_output_does():
+    torch.set_num_threads(1)
+    data, training, judge = build_data(CONFIG), WatchedTraining(), SpotJudge(TOLERANCE)
+    previous, honest, lies = None, [], []
+    for _ in range(90):
+        training.train(1, data)
+        stages = training.pipeline.stages
+        for micro in data.train.unit(5000 + training.steps_done).chunk(MICROBATCHES)[:2]:
+            tokens = micro[:, :-1]
+            with torch.no_grad():
+                wire = stages["h"](tokens)
+                first, second = stages["b0"](tokens, wire), stages["b1"](tokens, wire)
+            verdict = judge.compare(1, "b0", "b1", output_distance(first, second))
+            honest.append(verdict)
+            if training.steps_done > 40:  # the first steps' fast drift out of the window
+                for lie in (previous, second.roll(1, dims=0)):
+                    if lie is not None and lie.shape == first.shape:
+                        lies.append((training.steps_done, round(output_distance(first, lie), 3), round(judge.reference(1)[1], 3)))
+            previous = second
+    assert all(verdict.agreed for verdict in honest), max(verdict.distance for verdict in honest)
+    assert lies and all(d > bar for _, d, bar in lies), [x for x in lies if x[1] <= x[2]]
+
+
+def _view(peer: str, *, in_flight: int = 0) -> WorkerView:
+    return WorkerView(peer, f"127.0.0.1:{len(peer)}", 0, announced_credits=2, in_flight=in_flight)
+
+
+def test_a_check_goes_to_another_replica_with_a_credit_free_and_is_skipped_and_counted_when_none_has_one():
+    stats = TrainerStats()
+    checks = SpotChecks(1.0, SpotJudge(TOLERANCE), WireCodec(), stats, flag=lambda evidence: None,
+                        rng=random.Random(4))
+    primary = _view("a")
+    assert checks.checker(primary, [primary], 0.0) is None  # alone: nothing to compare with, nothing skipped
+    chosen = {checks.checker(primary, [primary, _view("b"), _view("c"), _view("d", in_flight=2)], 0.0).peer_id
+              for _ in range(40)}
+    assert chosen == {"b", "c"}
+    assert checks.checker(primary, [primary, _view("d", in_flight=2)], 0.0) is None
+    assert sample_value(stats.registry, "agora_trainer_spot_checks_skipped_total", {"stage": "0"}) == 1
+    off = SpotChecks(0.0, SpotJudge(TOLERANCE), WireCodec(), stats, flag=lambda evidence: None)
+    assert off.checker(primary, [primary, _view("b")], 0.0) is None
