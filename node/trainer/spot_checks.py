@@ -32,15 +32,20 @@ computing the same Forward tells them apart at once. Design choices:
   leaves honest drift far below the bar and catches replays and content lies; a small bias (a
   scale of 1.2) is the verifier's, not this check's. Disagreements stay out of the window, so a
   liar in many pairs cannot lift the bar it is held to.
-- **Whom to blame.** A disagreement says one of two replicas is wrong, not which. A worker is
-  flagged when it disagreed with two partners that agreed with each other on a spot check of
-  their own: two witnesses who vouch for each other against it. A lone liar among three or more
-  replicas disagrees with every honest partner, and honest ones agree with each other; an honest
-  worker disagrees only with liars, which do not agree with each other unless they collude (a
-  liar answering checks honestly still disagrees with every partner that checked its training
-  replies). With exactly two replicas nobody can be named: their disagreements are counted and
-  logged (`spot_check_disagreement`), and a flag waits for a third replica. Colluding liars making
-  up half a stage's replicas can name an honest one, as in robust averaging.
+- **Whom to blame.** A disagreement says one of two answers is wrong, not which. What a check
+  judges is the primary's training reply; the checker's held-out answer is the witness. A witness
+  counts against a worker once its own answers agreed with another worker's training reply. A
+  worker is flagged when its replies disagreed with `PARTNERS` (2) such witnesses, its
+  disagreements number at least `MAJORITY` (2) times its agreements, and `MIN_CHECKED` (8) of its
+  replies were checked. A lone liar among three or
+  more replicas disagrees with every honest checker, and honest checkers agree with each other's
+  replies; an honest worker's replies disagree only with lying witnesses, which vouch for no one
+  unless liars collude, and, while honest drift jumps (a stage's first steps, replicas never
+  averaged), only now and then, far from a majority. A liar answering checks honestly gains
+  nothing: its training replies are what is judged. With exactly two replicas nobody can be
+  named (a witness needs a third worker to vouch for it): disagreements are counted and logged
+  (`spot_check_disagreement`) and a flag waits for a third replica. Colluding liars making up
+  half a stage's replicas can name an honest one, as in robust averaging.
 - A flagged worker takes the verifier's path (`Blame.suspect`): excluded for the rest of the run,
   counted in `agora_trainer_flagged_workers_total` and logged `worker_flagged` with this module's
   evidence. The primary reply was relayed already (the check is off the critical path); what the
@@ -62,7 +67,7 @@ import random
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable
 
 import torch
 
@@ -73,14 +78,20 @@ from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.verification import Evidence
 from agora.pipeline.codec import WireCodec
 
-__all__ = ["SPREADS", "PARTNERS", "SpotCheckEvidence", "SpotVerdict", "SpotJudge", "SpotChecks", "output_distance"]
+__all__ = ["SPREADS", "PARTNERS", "MAJORITY", "MIN_CHECKED", "SpotCheckEvidence", "SpotVerdict", "SpotJudge", "SpotChecks", "output_distance", "valid_witnesses"]
 
 logger = logging.getLogger("agora.node.trainer")
 
 # A distance this many spreads above the median of a stage's recent agreeing checks is a disagreement.
 SPREADS = 6.0
-# Partners, agreeing with each other, a worker must have disagreed with before it is flagged.
+# Checkers, each vouched for by an agreement with another worker, a worker's replies must have
+# disagreed with before it is flagged; and its disagreements must be at least MAJORITY times its
+# agreements (an honest replica's rare disagreement, while the stage's drift jumps, names no one).
 PARTNERS = 2
+MAJORITY = 2
+# Replies of a worker checked before it can be named: honest drift jumps in bursts (a stage's first
+# steps, the steps between averaging rounds), and a handful of checks can all fall in one.
+MIN_CHECKED = 8
 # The spread of the agreeing distances is at least this share of their median.
 _RELATIVE_SPREAD_FLOOR = 0.5
 _MAD_TO_SIGMA = 1.4826
@@ -95,12 +106,14 @@ def output_distance(first: torch.Tensor, second: torch.Tensor) -> float:
 
 
 class SpotCheckEvidence(Evidence):
-    """Why a spot check flagged a worker: the partners it disagreed with (agreeing with each other)."""
+    """Why spot checks flagged a worker: `cusum` holds the witnesses its replies disagreed with, `value`
+    the last distance, `mean` its disagreements' median, `centre` and `spread` the stage's reference
+    and bar, `replies` its replies checked."""
 
     def describe(self) -> str:
-        return (f"stage {self.stage} {self.kind}: its Forward disagreed on spot checks with {int(self.cusum)} replicas "
-                f"that agree with each other (last distance {self.value:.3g}, its median {self.mean:.3g}; the stage's "
-                f"agreeing checks {self.centre:.3g}, bar {self.spread:.3g}, after {self.replies} checks)")
+        return (f"stage {self.stage} {self.kind}: its Forwards disagreed on spot checks with {int(self.cusum)} replicas "
+                f"that agree with others (last distance {self.value:.3g}, its median {self.mean:.3g}; the stage's "
+                f"agreeing checks {self.centre:.3g}, bar {self.spread:.3g}; {self.replies} of its replies checked)")
 
 
 @dataclass(frozen=True)
@@ -114,15 +127,18 @@ class SpotVerdict:
 @dataclass
 class _StageRecord:
     window: deque
-    agreed_pairs: set[frozenset] = field(default_factory=set)
-    disagreed: dict[str, set[str]] = field(default_factory=dict)  # worker -> partners it disagreed with
-    distances: dict[str, list[float]] = field(default_factory=dict)  # worker -> its disagreements' distances
-    checks: dict[str, int] = field(default_factory=dict)  # worker -> spot checks it took part in
+    # Per primary: the checkers its training replies disagreed with, its agreements and disagreements,
+    # and the distances of the latter; per checker: the primaries its held-out answers agreed with.
+    accusers: dict[str, set[str]] = field(default_factory=dict)
+    agreed: dict[str, int] = field(default_factory=dict)
+    disagreed: dict[str, list[float]] = field(default_factory=dict)
+    vouched: dict[str, set[str]] = field(default_factory=dict)
     flagged: set[str] = field(default_factory=set)
 
 
 class SpotJudge:
-    """Per stage: the reference of honest disagreement and who disagreed with whom (module docstring)."""
+    """Per stage: the reference of honest disagreement and whose replies disagreed with whose answers
+    (module docstring)."""
 
     def __init__(self, tolerance: float, window: int = 64):
         if not 0 < tolerance <= 2:
@@ -147,46 +163,39 @@ class SpotJudge:
         return middle, max(self.tolerance, middle + SPREADS * spread)
 
     def compare(self, stage: int, primary: str, checker: str, distance: float) -> SpotVerdict:
-        """One spot check of `primary`'s reply against `checker`'s answer, `distance` apart."""
+        """One spot check: `primary`'s training reply against `checker`'s held-out answer, `distance` apart."""
         record = self._record(stage)
         centre, bar = self.reference(stage)
-        for peer in (primary, checker):
-            record.checks[peer] = record.checks.get(peer, 0) + 1
-        if distance <= bar:
+        agreed = distance <= bar
+        if agreed:
             record.window.append(distance)
-            record.agreed_pairs.add(frozenset((primary, checker)))
-            return SpotVerdict(True, distance, bar, self._named(stage, record, primary, checker, distance, centre, bar))
-        for peer, partner in ((primary, checker), (checker, primary)):
-            record.disagreed.setdefault(peer, set()).add(partner)
-            record.distances.setdefault(peer, []).append(distance)
-        return SpotVerdict(False, distance, bar, self._named(stage, record, primary, checker, distance, centre, bar))
+            record.agreed[primary] = record.agreed.get(primary, 0) + 1
+            record.vouched.setdefault(checker, set()).add(primary)
+        else:
+            record.accusers.setdefault(primary, set()).add(checker)
+            record.disagreed.setdefault(primary, []).append(distance)
+        return SpotVerdict(agreed, distance, bar, self._named(stage, record, distance, centre, bar))
 
-    def _named(self, stage: int, record: _StageRecord, primary: str, checker: str, distance: float, centre: float,
+    def _named(self, stage: int, record: _StageRecord, distance: float, centre: float,
                bar: float) -> SpotCheckEvidence | None:
-        """A worker the checks name now: a new agreement can vouch for two witnesses as well as a new
-        disagreement add one (the first found, at most one per check)."""
-        for peer in self._candidates(record, primary, checker):
-            witnesses = vouched_witnesses(record.disagreed.get(peer, set()), record.agreed_pairs)
-            if len(witnesses) >= PARTNERS:
+        """A worker the checks name now (a new agreement can complete a case as well as a new
+        disagreement: every accused worker is looked at; at most one named per check)."""
+        for peer in sorted(set(record.accusers) - record.flagged):
+            witnesses = valid_witnesses(peer, record.accusers[peer], record.vouched)
+            disagreements, agreements = record.disagreed[peer], record.agreed.get(peer, 0)
+            if (len(witnesses) >= PARTNERS and len(disagreements) >= MAJORITY * agreements
+                    and len(disagreements) + agreements >= MIN_CHECKED):
                 record.flagged.add(peer)
                 return SpotCheckEvidence(
                     stage=stage, kind="output", peer=peer, feature="spot_check", direction="high",
-                    cusum=float(len(witnesses)), value=distance, mean=statistics.median(record.distances[peer]),
-                    centre=centre, spread=bar, replies=record.checks.get(peer, 0))
+                    cusum=float(len(witnesses)), value=distance, mean=statistics.median(disagreements),
+                    centre=centre, spread=bar, replies=len(disagreements) + record.agreed.get(peer, 0))
         return None
 
-    @staticmethod
-    def _candidates(record: _StageRecord, primary: str, checker: str) -> Iterable[str]:
-        touched = {primary, checker}
-        # A new agreement between two witnesses may complete the case against any worker they disagreed with.
-        touched |= {peer for peer, partners in record.disagreed.items() if partners & {primary, checker}}
-        return sorted(peer for peer in touched if peer not in record.flagged and peer in record.disagreed)
 
-
-def vouched_witnesses(partners: set[str], agreed_pairs: set[frozenset]) -> set[str]:
-    """The partners a worker disagreed with that agreed with another of them on a check of their own."""
-    return {partner for partner in partners
-            if any(frozenset((partner, other)) in agreed_pairs for other in partners if other != partner)}
+def valid_witnesses(accused: str, accusers: set[str], vouched: dict[str, set[str]]) -> set[str]:
+    """The checkers whose answers disagreed with `accused`'s replies and agreed with another worker's."""
+    return {checker for checker in accusers if vouched.get(checker, set()) - {accused}}
 
 
 class SpotChecks:

@@ -14,7 +14,7 @@ import torch
 
 from agora.monitor.metrics import sample_value
 from agora.node.trainer.routing import WorkerView
-from agora.node.trainer.spot_checks import PARTNERS, SpotChecks, SpotJudge, output_distance
+from agora.node.trainer.spot_checks import MIN_CHECKED, PARTNERS, SpotChecks, SpotJudge, output_distance
 from agora.node.trainer.stats import TrainerStats
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.data import build_data
@@ -63,19 +63,40 @@ def test_disagreements_stay_out_of_the_reference_so_a_liar_cannot_lift_its_bar()
     assert judge.reference(0) == before
 
 
-def test_a_liar_among_three_replicas_is_named_once_two_partners_that_agree_with_each_other_disagree_with_it():
+def test_a_liar_among_three_replicas_is_named_once_two_vouched_checkers_disagree_with_its_replies():
     judge, rng = SpotJudge(TOLERANCE), random.Random(2)
-    first = judge.compare(0, "liar", "h1", 1.1)
-    assert not first.agreed and first.flagged is None  # one witness is not enough
-    second = judge.compare(0, "h2", "liar", 0.9)  # a liar lying in its checks too
-    assert second.flagged is None  # h1 and h2 have not yet vouched for each other
-    named = judge.compare(0, "h1", "h2", 0.03)  # the agreement completes the case against the liar
+    for index in range(MIN_CHECKED):  # h1 and h2 not yet vouched for: nobody named
+        assert judge.compare(0, "liar", f"h{1 + index % 2}", 1.1).flagged is None
+    assert judge.compare(0, "h2", "liar", 0.9).flagged is None  # a lying witness accuses no one it must
+    assert judge.compare(0, "h1", "h2", 0.03).flagged is None  # h2 vouched for, h1 not yet
+    named = judge.compare(0, "h2", "h1", 0.02)  # the agreement that completes the case against the liar
     assert named.agreed and named.flagged is not None and named.flagged.peer == "liar"
     assert named.flagged.cusum == PARTNERS and "disagreed on spot checks with 2 replicas" in named.flagged.describe()
     _honest(judge, ["h1", "h2"], 32, rng)
-    for index in range(8):  # flagged once; the honest ones never
-        verdict = judge.compare(0, "liar", f"h{1 + index % 2}", 1.0)
-        assert verdict.flagged is None
+    for index in range(8):  # flagged once; the honest ones never (h2 was accused by the liar alone)
+        assert judge.compare(0, "liar", f"h{1 + index % 2}", 1.0).flagged is None
+        assert judge.compare(0, f"h{1 + index % 2}", "liar", 1.0).flagged is None
+
+
+def test_a_worker_is_named_only_after_enough_of_its_replies_were_checked():
+    judge = SpotJudge(TOLERANCE)
+    judge.compare(0, "h1", "h2", 0.02)
+    judge.compare(0, "h2", "h1", 0.02)
+    verdicts = [judge.compare(0, "liar", f"h{1 + index % 2}", 1.0) for index in range(MIN_CHECKED)]
+    assert [v.flagged is not None for v in verdicts] == [False] * (MIN_CHECKED - 1) + [True]
+
+
+def test_an_honest_replica_disagreeing_now_and_then_while_drift_jumps_is_not_named():
+    judge, rng = SpotJudge(TOLERANCE), random.Random(5)
+    _honest(judge, ["a", "b", "c"], 30, rng)
+    for _ in range(3):  # a burst right after a step: a's replies past the bar, with both vouched witnesses
+        assert not judge.compare(0, "a", "b", 0.45).agreed
+        assert judge.compare(0, "a", "c", 0.45).flagged is None  # its replies mostly agreed before
+    burst = SpotJudge(TOLERANCE)  # the stage's first steps: a burst before anything agreed much
+    burst.compare(0, "b", "c", 0.0)
+    burst.compare(0, "c", "b", 0.0)
+    for _ in range(3):
+        assert burst.compare(0, "a", "b", 0.4).flagged is None and burst.compare(0, "a", "c", 0.4).flagged is None
 
 
 def test_with_two_replicas_disagreements_are_counted_and_no_one_is_named():
@@ -85,19 +106,19 @@ def test_with_two_replicas_disagreements_are_counted_and_no_one_is_named():
         assert not verdict.agreed and verdict.flagged is None
 
 
-def test_liars_honest_in_their_checks_cannot_frame_an_honest_replica():
-    """Two liars of four lie in training Forwards only: each disagrees whenever it is the checked one;
-    as checkers they answer honestly. An honest worker disagrees with both liars, but they never agree
-    with each other (one of them is always lying), so only the liars are named."""
-    judge, rng = SpotJudge(TOLERANCE), random.Random(3)
-    peers, liars, named = ["h1", "h2", "l1", "l2"], {"l1", "l2"}, set()
-    for _ in range(400):
-        primary, checker = rng.sample(peers, 2)
-        distance = 1.0 if primary in liars else rng.uniform(0.0, 0.06)
-        verdict = judge.compare(0, primary, checker, distance)
-        if verdict.flagged is not None:
-            named.add(verdict.flagged.peer)
-    assert named == liars
+def test_liars_cannot_frame_an_honest_replica_whether_they_lie_in_their_checks_or_not():
+    """Two liars of four lie in every training Forward, and in their held-out answers or not: only
+    the liars are named, whatever the order of the checks."""
+    for lie_in_checks in (False, True):
+        judge, rng = SpotJudge(TOLERANCE), random.Random(3)
+        peers, liars, named = ["h1", "h2", "l1", "l2"], {"l1", "l2"}, set()
+        for _ in range(400):
+            primary, checker = rng.sample(peers, 2)
+            lying = primary in liars or (lie_in_checks and checker in liars)
+            verdict = judge.compare(0, primary, checker, rng.uniform(0.8, 1.2) if lying else rng.uniform(0.0, 0.06))
+            if verdict.flagged is not None:
+                named.add(verdict.flagged.peer)
+        assert named == liars, lie_in_checks
 
 
 def test_honest_replicas_under_real_averaging_drift_never_disagree_and_a_replayed_or_shuffled_output_does():
