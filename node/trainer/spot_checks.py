@@ -27,21 +27,24 @@ computing the same Forward tells them apart at once. Design choices:
   `median + SPREADS * spread` of them, the spread 1.4826 MAD floored at half the median (the
   drift of a scale is relative), and never below `tolerance`. On tiny with two body replicas
   averaged every third step, honest distances are 0 just after a round and 0.02 to 0.07 between
-  rounds (0.2 over the first steps, before averaging pulled them together); a replayed or
-  row-shuffled head output stands 0.35 to 1.3 off, x1.2 at 0.18. So the default tolerance of 0.25
-  leaves honest drift far below the bar and catches replays and content lies; a small bias (a
-  scale of 1.2) is the verifier's, not this check's. Disagreements stay out of the window, so a
-  liar in many pairs cannot lift the bar it is held to.
+  rounds (0.2 over the first steps, before averaging pulled them together); head replicas (an
+  embedding, which each replica's Adam moves on its own tokens) averaged every other step stand up
+  to 0.5 apart over the first steps and 0.15 to 0.25 later. A replayed or row-shuffled head output
+  stands 0.35 to 1.3 off, a x1.2 scale 0.18. So the default tolerance of 0.25 keeps settled honest
+  drift below the bar and catches replays and content lies; a small bias is the verifier's, not
+  this check's, and the bursts of early drift past the bar are left to the blame rule. Replicas
+  never averaged drift as far apart as a lie within a dozen of tiny's steps: then no comparison
+  tells them apart. Disagreements stay out of the window, so a liar in many pairs cannot lift the
+  bar it is held to.
 - **Whom to blame.** A disagreement says one of two answers is wrong, not which. What a check
   judges is the primary's training reply; the checker's held-out answer is the witness. A witness
   counts against a worker once its own answers agreed with another worker's training reply. A
   worker is flagged when its replies disagreed with `PARTNERS` (2) such witnesses, its
   disagreements number at least `MAJORITY` (2) times its agreements, and `MIN_CHECKED` (8) of its
-  replies were checked. A lone liar among three or
-  more replicas disagrees with every honest checker, and honest checkers agree with each other's
+  replies were checked. A lone liar among three or more replicas disagrees with every honest checker, and honest checkers agree with each other's
   replies; an honest worker's replies disagree only with lying witnesses, which vouch for no one
-  unless liars collude, and, while honest drift jumps (a stage's first steps, replicas never
-  averaged), only now and then, far from a majority. A liar answering checks honestly gains
+  unless liars collude, and, while honest drift jumps past the bar (a stage's first steps, the
+  steps between averaging rounds), only now and then, far from a majority. A liar answering checks honestly gains
   nothing: its training replies are what is judged. With exactly two replicas nobody can be
   named (a witness needs a third worker to vouch for it): disagreements are counted and logged
   (`spot_check_disagreement`) and a flag waits for a third replica. Colluding liars making up
@@ -52,8 +55,10 @@ computing the same Forward tells them apart at once. Design choices:
   liar sent before its flag was trained on, as with the verifier's warm-up.
 - Cost, per checked Forward: one more forward on another replica (`agora_trainer_spot_checks_total`,
   its compute in `agora_trainer_spot_check_compute_seconds_total`), the input frame sent twice, and
-  two decodes here. At `share` s over a pipeline of S stages with replicas, about s * (S - 1) / S of
-  one stage's forward compute per microbatch, spread over the replicas: 2% costs well under 1%.
+  two decodes here. At `share` s, s of each checked stage's training Forwards run again without
+  autograd: with a Forward a third of a microbatch's compute or less, 2% costs under 1% of those
+  stages' compute. The duplicate counts in the checker's call times like any call (routing's
+  estimate of it, the trainer's time split). bench/spot_checks.py puts tokens/s side by side.
 
 `SpotJudge` is pure (no socket, no clock, no torch beyond `output_distance`); `SpotChecks` samples,
 sends and compares on the trainer's event loop.
