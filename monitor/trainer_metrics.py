@@ -10,12 +10,12 @@
   worker did not answer or refused (outside its window).
 - Trust in what workers compute: replies refused for values far beyond their stage's recent ones,
   by stage and frame kind, workers blamed for values a worker downstream refused, by stage, and
-  workers flagged by the trainer's verifier (their replies unlike their stage's), by stage and kind;
-  spot checks (node/trainer/spot_checks.py) by stage: sent (each an extra Forward on a second
-  replica), their compute there, skipped for want of a free replica, and disagreements.
+  workers flagged by the trainer's verifier (their replies unlike their stage's), by stage and kind.
 - Flow control (node/worker/flow.py): the microbatches in flight the trainer allows itself now,
   the workers' in-flight credits that bound it, the calls each stage's workers let it have
   outstanding, and the time its calls waited here for a credit, by stage.
+- Spot checks (node/trainer/spot_checks.py), by stage: sent (each an extra Forward on a second
+  replica), their compute there, skipped for want of a free replica, and disagreements.
 - `RpcClientMetrics`: payload bytes (tensor frames) sent and received, by method.
 """
 
@@ -81,16 +81,6 @@ class TrainerMetrics:
         self.flagged = Counter("agora_trainer_flagged_workers", "Workers excluded for the rest of the run because "
                                "their replies drifted away from their stage's (by stage and frame kind)",
                                ["stage", "kind"], registry=registry)
-        self.spot_checks = Counter("agora_trainer_spot_checks", "Forwards also sent to a second replica of the "
-                                   "stage and compared (each an extra held-out Forward), by stage", ["stage"],
-                                   registry=registry)
-        self.spot_check_compute = Counter("agora_trainer_spot_check_compute_seconds", "The second replicas' compute "
-                                          "on spot checks, by stage", ["stage"], registry=registry)
-        self.spot_checks_skipped = Counter("agora_trainer_spot_checks_skipped", "Sampled spot checks not sent: no "
-                                           "other replica of the stage had a credit free", ["stage"], registry=registry)
-        self.spot_check_disagreements = Counter("agora_trainer_spot_check_disagreements", "Spot checks whose two "
-                                                "answers lay beyond the stage's honest drift, by stage", ["stage"],
-                                                registry=registry)
         self.in_flight_limit = Gauge("agora_trainer_in_flight_limit", "Microbatches this trainer allows itself in "
                                      "flight now (the adaptive depth, within its caps)", registry=registry)
         self.in_flight_credits = Gauge("agora_trainer_in_flight_credits", "Microbatches the workers keep for this "
@@ -112,3 +102,13 @@ class TrainerMetrics:
                              "claimed, committed, reclaimed (another trainer's lease had run out), duplicate "
                              "(also committed by another), conflict (a claim another trainer won), released",
                              ["outcome"], registry=registry)
+        self.spot_checks = Counter("agora_trainer_spot_checks", "Forwards also sent to a second replica of the "
+                                   "stage and compared (each an extra held-out Forward), by stage", ["stage"],
+                                   registry=registry)
+        self.spot_check_compute = Counter("agora_trainer_spot_check_compute_seconds", "The second replicas' compute "
+                                          "on spot checks, by stage", ["stage"], registry=registry)
+        self.spot_checks_skipped = Counter("agora_trainer_spot_checks_skipped", "Sampled spot checks not sent: no "
+                                           "other replica of the stage had a credit free", ["stage"], registry=registry)
+        self.spot_check_disagreements = Counter("agora_trainer_spot_check_disagreements", "Spot checks whose two "
+                                                "answers lay beyond the stage's honest drift, by stage", ["stage"],
+                                                registry=registry)

@@ -92,17 +92,6 @@ class TrainerStats:
         with self._lock:
             self.flagged_by_peer[peer] = evidence
 
-    def spot_check(self, stage: int, compute_s: float) -> None:
-        """A spot check's duplicate Forward answered on a second replica of `stage`."""
-        self.metrics.spot_checks.labels(stage=str(stage)).inc()
-        self.metrics.spot_check_compute.labels(stage=str(stage)).inc(compute_s)
-
-    def spot_check_skipped(self, stage: int) -> None:
-        self.metrics.spot_checks_skipped.labels(stage=str(stage)).inc()
-
-    def spot_check_disagreement(self, stage: int) -> None:
-        self.metrics.spot_check_disagreements.labels(stage=str(stage)).inc()
-
     def depth(self, limit: int, credit_cap: int | None, stage_credits: list[int]) -> None:
         """The in-flight limit now, the workers' in-flight credits bounding it (None: none states one)
         and the calls each stage lets this trainer have outstanding."""
@@ -116,6 +105,17 @@ class TrainerStats:
     def credit_wait(self, stage: int, seconds: float) -> None:
         if seconds > 0:
             self.metrics.credit_wait.labels(stage=str(stage)).inc(seconds)
+
+    def spot_check(self, stage: int, compute_s: float) -> None:
+        """A spot check's duplicate Forward answered on a second replica of `stage`."""
+        self.metrics.spot_checks.labels(stage=str(stage)).inc()
+        self.metrics.spot_check_compute.labels(stage=str(stage)).inc(compute_s)
+
+    def spot_check_skipped(self, stage: int) -> None:
+        self.metrics.spot_checks_skipped.labels(stage=str(stage)).inc()
+
+    def spot_check_disagreement(self, stage: int) -> None:
+        self.metrics.spot_check_disagreements.labels(stage=str(stage)).inc()
 
     def aborted(self, outcome: str) -> None:
         self.metrics.aborts.labels(outcome=outcome).inc()
