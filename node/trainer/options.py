@@ -68,7 +68,7 @@ class TrainerOptions:
         flag="--spot-check-share", ge=0, le=1)
     spot_check_tolerance: StrictFloat = setting(
         0.25, "spot checks: two answers closer than this (their L2 distance over their RMS) always agree; above it "
-        "the stage's honest drift (recent agreeing checks, median + 6 spreads) sets the bar", gt=0, le=2)
+        "the stage's honest drift (recent agreeing checks, median + 4 spreads) sets the bar", gt=0, le=2)
     wire_dtype: Literal["fp32", "bf16", "fp16", "int8"] = setting(
         "fp32", "encoding of the boundary tensors this trainer sends (it decodes any)", flag="--wire-dtype")
     heartbeat_s: StrictFloat = setting(5.0, "seconds between announces of this trainer's progress in the DHT",

@@ -37,18 +37,22 @@ computing the same Forward tells them apart at once. Design choices:
   tells them apart. Disagreements stay out of the window, so a liar in many pairs cannot lift the
   bar it is held to.
 - **Whom to blame.** A disagreement says one of two answers is wrong, not which. What a check
-  judges is the primary's training reply; the checker's held-out answer is the witness. A witness
-  counts against a worker once its own answers agreed with another worker's training reply. A
-  worker is flagged when its replies disagreed with `PARTNERS` (2) such witnesses, its
-  disagreements number at least `MAJORITY` (2) times its agreements, and `MIN_CHECKED` (8) of its
-  replies were checked. A lone liar among three or more replicas disagrees with every honest checker, and honest checkers agree with each other's
-  replies; an honest worker's replies disagree only with lying witnesses, which vouch for no one
-  unless liars collude, and, while honest drift jumps past the bar (a stage's first steps, the
-  steps between averaging rounds), only now and then, far from a majority. A liar answering checks honestly gains
-  nothing: its training replies are what is judged. With exactly two replicas nobody can be
-  named (a witness needs a third worker to vouch for it): disagreements are counted and logged
-  (`spot_check_disagreement`) and a flag waits for a third replica. Colluding liars making up
-  half a stage's replicas can name an honest one, as in robust averaging.
+  judges is the primary's training reply; the checker's held-out answer is the witness. Over a
+  stage's last `window` checks (`case_against`), a worker is flagged when (1) `MIN_CHECKED` (16) of
+  its replies were checked and they disagreed at least `MAJORITY` (4) times as often as they
+  agreed; (2) its share of disagreements is at least `MAJORITY` times that of the checks of the
+  stage's other replies by other checkers (`MIN_OTHERS`, 8, of them at least): else the stage drifts
+  as a whole (its first steps, the steps between averaging rounds, when every pair stands past the
+  bar now and then); and (3) `PARTNERS` (2) of the checkers its replies disagreed with are vouched for, each
+  having agreed with another worker's reply. A lone liar among three or more replicas meets all
+  three; an honest worker's replies disagree only with lying witnesses, which vouch for no one
+  unless liars collude, or with everyone's during drift, which (2) sets aside. Liars that also lie in their checks raise
+  the others' share of disagreements: two such of four replicas may hide each other (and name no one). A liar answering
+  checks honestly gains nothing: its training replies are what is judged. With exactly two
+  replicas nobody can be named (no third worker's replies to compare the rate with, no witness to
+  vouch for): disagreements are counted and logged (`spot_check_disagreement`) and a flag waits
+  for a third replica. Colluding liars making up half a stage's replicas can name an honest one,
+  as in robust averaging.
 - A flagged worker takes the verifier's path (`Blame.suspect`): excluded for the rest of the run,
   counted in `agora_trainer_flagged_workers_total` and logged `worker_flagged` with this module's
   evidence. The primary reply was relayed already (the check is off the critical path); what the
@@ -83,20 +87,20 @@ from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.verification import Evidence
 from agora.pipeline.codec import WireCodec
 
-__all__ = ["SPREADS", "PARTNERS", "MAJORITY", "MIN_CHECKED", "SpotCheckEvidence", "SpotVerdict", "SpotJudge", "SpotChecks", "output_distance", "valid_witnesses"]
+__all__ = ["SPREADS", "PARTNERS", "MAJORITY", "MIN_CHECKED", "MIN_OTHERS", "SpotCheckEvidence", "SpotVerdict", "SpotJudge", "SpotChecks", "Check", "case_against", "output_distance"]
 
 logger = logging.getLogger("agora.node.trainer")
 
 # A distance this many spreads above the median of a stage's recent agreeing checks is a disagreement.
-SPREADS = 6.0
-# Checkers, each vouched for by an agreement with another worker, a worker's replies must have
-# disagreed with before it is flagged; and its disagreements must be at least MAJORITY times its
-# agreements (an honest replica's rare disagreement, while the stage's drift jumps, names no one).
+SPREADS = 4.0
+# Whom the checks name (module docstring, `case_against`): vouched checkers a worker's replies must
+# have disagreed with; how many times its disagreements must outnumber its agreements, and its share
+# of disagreements the share among the stage's other checks; its replies checked, and the others'
+# checks, before anything is decided (honest drift comes in bursts a few checks can all fall in).
 PARTNERS = 2
-MAJORITY = 2
-# Replies of a worker checked before it can be named: honest drift jumps in bursts (a stage's first
-# steps, the steps between averaging rounds), and a handful of checks can all fall in one.
-MIN_CHECKED = 8
+MAJORITY = 4
+MIN_CHECKED = 16
+MIN_OTHERS = 8
 # The spread of the agreeing distances is at least this share of their median.
 _RELATIVE_SPREAD_FLOOR = 0.5
 _MAD_TO_SIGMA = 1.4826
@@ -129,15 +133,20 @@ class SpotVerdict:
     flagged: SpotCheckEvidence | None = None  # a worker the checks now name (module docstring)
 
 
+@dataclass(frozen=True)
+class Check:
+    """One spot check: `primary`'s training reply against `checker`'s held-out answer."""
+
+    primary: str
+    checker: str
+    agreed: bool
+    distance: float
+
+
 @dataclass
 class _StageRecord:
-    window: deque
-    # Per primary: the checkers its training replies disagreed with, its agreements and disagreements,
-    # and the distances of the latter; per checker: the primaries its held-out answers agreed with.
-    accusers: dict[str, set[str]] = field(default_factory=dict)
-    agreed: dict[str, int] = field(default_factory=dict)
-    disagreed: dict[str, list[float]] = field(default_factory=dict)
-    vouched: dict[str, set[str]] = field(default_factory=dict)
+    distances: deque  # the recent agreeing distances: the reference
+    checks: deque  # the recent checks: whom they name
     flagged: set[str] = field(default_factory=set)
 
 
@@ -145,7 +154,7 @@ class SpotJudge:
     """Per stage: the reference of honest disagreement and whose replies disagreed with whose answers
     (module docstring)."""
 
-    def __init__(self, tolerance: float, window: int = 64):
+    def __init__(self, tolerance: float, window: int = 96):
         if not 0 < tolerance <= 2:
             raise ValueError(f"tolerance must lie in (0, 2], got {tolerance}")
         self.tolerance = tolerance
@@ -154,12 +163,12 @@ class SpotJudge:
 
     def _record(self, stage: int) -> _StageRecord:
         if stage not in self._stages:
-            self._stages[stage] = _StageRecord(deque(maxlen=self._window))
+            self._stages[stage] = _StageRecord(deque(maxlen=self._window), deque(maxlen=self._window))
         return self._stages[stage]
 
     def reference(self, stage: int) -> tuple[float, float]:
         """The median of the stage's recent agreeing distances (0 before any) and the bar above it."""
-        values = list(self._record(stage).window)
+        values = list(self._record(stage).distances)
         if not values:
             return 0.0, self.tolerance
         middle = statistics.median(values)
@@ -173,34 +182,42 @@ class SpotJudge:
         centre, bar = self.reference(stage)
         agreed = distance <= bar
         if agreed:
-            record.window.append(distance)
-            record.agreed[primary] = record.agreed.get(primary, 0) + 1
-            record.vouched.setdefault(checker, set()).add(primary)
-        else:
-            record.accusers.setdefault(primary, set()).add(checker)
-            record.disagreed.setdefault(primary, []).append(distance)
+            record.distances.append(distance)
+        record.checks.append(Check(primary, checker, agreed, distance))
         return SpotVerdict(agreed, distance, bar, self._named(stage, record, distance, centre, bar))
 
     def _named(self, stage: int, record: _StageRecord, distance: float, centre: float,
                bar: float) -> SpotCheckEvidence | None:
         """A worker the checks name now (a new agreement can complete a case as well as a new
-        disagreement: every accused worker is looked at; at most one named per check)."""
-        for peer in sorted(set(record.accusers) - record.flagged):
-            witnesses = valid_witnesses(peer, record.accusers[peer], record.vouched)
-            disagreements, agreements = record.disagreed[peer], record.agreed.get(peer, 0)
-            if (len(witnesses) >= PARTNERS and len(disagreements) >= MAJORITY * agreements
-                    and len(disagreements) + agreements >= MIN_CHECKED):
+        disagreement: every worker checked is looked at; at most one named per check)."""
+        checks = [check for check in record.checks
+                  if check.primary not in record.flagged and check.checker not in record.flagged]
+        for peer in sorted({check.primary for check in checks}):
+            witnesses = case_against(peer, checks)
+            if witnesses is not None:
                 record.flagged.add(peer)
+                mine = [check for check in checks if check.primary == peer]
                 return SpotCheckEvidence(
                     stage=stage, kind="output", peer=peer, feature="spot_check", direction="high",
-                    cusum=float(len(witnesses)), value=distance, mean=statistics.median(disagreements),
-                    centre=centre, spread=bar, replies=len(disagreements) + record.agreed.get(peer, 0))
+                    cusum=float(len(witnesses)), value=distance,
+                    mean=statistics.median(check.distance for check in mine if not check.agreed),
+                    centre=centre, spread=bar, replies=len(mine))
         return None
 
 
-def valid_witnesses(accused: str, accusers: set[str], vouched: dict[str, set[str]]) -> set[str]:
-    """The checkers whose answers disagreed with `accused`'s replies and agreed with another worker's."""
-    return {checker for checker in accusers if vouched.get(checker, set()) - {accused}}
+def case_against(peer: str, checks: list[Check]) -> set[str] | None:
+    """The witnesses that name `peer` on these checks, or None (module docstring: whom to blame)."""
+    mine = [check for check in checks if check.primary == peer]
+    refuted = [check for check in mine if not check.agreed]
+    if len(mine) < MIN_CHECKED or len(refuted) < MAJORITY * (len(mine) - len(refuted)):
+        return None
+    others = [check for check in checks if peer not in (check.primary, check.checker)]
+    others_refuted = sum(1 for check in others if not check.agreed)
+    if len(others) < MIN_OTHERS or len(refuted) * len(others) < MAJORITY * others_refuted * len(mine):
+        return None  # the stage's other replies disagree nearly as often: its drift, not this worker
+    vouched = {check.checker for check in others if check.agreed}
+    witnesses = {check.checker for check in refuted} & vouched
+    return witnesses if len(witnesses) >= PARTNERS else None
 
 
 class SpotChecks:

@@ -34,8 +34,11 @@ from lying_workers import rewrite_replies, rewritten_output
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS = 14
+STEPS = 20
 AVERAGE_EVERY = 2
+# A quarter of tiny's: at tiny's own, one Adam step moves a head replica's outputs (an embedding of
+# std 0.02) by a quarter to a half of their size, as far as a lie; a model's step moves them far less.
+LEARNING_RATE = 5e-4
 STAGES = {"s0r0": 0, "s0r1": 0, "s0r2": 0, "s1r0": 1}
 LIAR = "s0r2"
 LIES = {
@@ -46,8 +49,8 @@ LIES = {
 
 def _config():
     config = PRESETS["tiny"].with_stages(2)
-    return replace(config, train=replace(config.train, batch_size=8, microbatches=4, seq_len=32,
-                                         eval_every=0, eval_batches=2))
+    return replace(config, optim=replace(config.optim, lr=LEARNING_RATE),
+                   train=replace(config.train, batch_size=8, microbatches=4, seq_len=32, eval_every=0, eval_batches=2))
 
 
 CONFIG = _config()
