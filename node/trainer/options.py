@@ -61,11 +61,12 @@ class TrainerOptions:
     verify_warmup: StrictInt = setting(
         32, "replies of a stage (of each kind) accepted before the verifier judges any", ge=2)
     spot_check_share: StrictFloat = setting(
-        0.0, "share of head and body training Forwards also sent, as a held-out Forward, to a second replica of "
-        "the stage with a credit free, the two outputs compared (node/trainer/spot_checks.py): catches replayed "
-        "and content lies no statistic sees, at one extra forward per check (0.02-0.05 costs about 1-2% of the "
-        "stages' compute); a worker that disagrees with two replicas that agree with each other is excluded. 0: off",
-        flag="--spot-check-share", ge=0, le=1)
+        0.0, "share of head and body training Forwards also sent, as a held-out Forward, to another replica of "
+        "the stage with a credit free, and the two outputs compared (node/trainer/spot_checks.py): catches replayed "
+        "and content lies no statistic sees, at one extra forward without autograd per check (0.02 costs under 1% of "
+        "those stages' compute and names a lone liar among three replicas after some 2,400 of its stage's Forwards); "
+        "a worker whose replies disagree far more often than its stage's others is excluded. 0: off (stages with "
+        "fewer than three replicas can only count disagreements)", flag="--spot-check-share", ge=0, le=1)
     spot_check_tolerance: StrictFloat = setting(
         0.25, "spot checks: two answers closer than this (their L2 distance over their RMS) always agree; above it "
         "the stage's honest drift (recent agreeing checks, median + 4 spreads) sets the bar", gt=0, le=2)

@@ -23,36 +23,38 @@ computing the same Forward tells them apart at once. Design choices:
 - **What counts as a disagreement.** `output_distance`: the two outputs' L2 distance over their
   mean RMS (0 equal, 2 opposite; symmetric). Replicas of a stage differ honestly because
   asynchronous averaging leaves their weights apart, so each stage keeps the distances of its
-  recent agreeing checks (`window`), and a distance is a disagreement when it passes
-  `median + SPREADS * spread` of them, the spread 1.4826 MAD floored at half the median (the
-  drift of a scale is relative), and never below `tolerance`. On tiny with two body replicas
-  averaged every third step, honest distances are 0 just after a round and 0.02 to 0.07 between
-  rounds (0.2 over the first steps, before averaging pulled them together); head replicas (an
-  embedding, which each replica's Adam moves on its own tokens) averaged every other step stand up
-  to 0.5 apart over the first steps and 0.15 to 0.25 later. A replayed or row-shuffled head output
-  stands 0.35 to 1.3 off, a x1.2 scale 0.18. So the default tolerance of 0.25 keeps settled honest
-  drift below the bar and catches replays and content lies; a small bias is the verifier's, not
-  this check's, and the bursts of early drift past the bar are left to the blame rule. Replicas
-  never averaged drift as far apart as a lie within a dozen of tiny's steps: then no comparison
-  tells them apart. Disagreements stay out of the window, so a liar in many pairs cannot lift the
-  bar it is held to.
+  last `window` agreeing checks, and a distance is a disagreement when it passes
+  `median + SPREADS * spread` of them (4 spreads), the spread 1.4826 MAD floored at half the
+  median (the drift of a scale is relative), and never below `tolerance`. Disagreements stay out
+  of the reference, so a liar in many pairs cannot lift the bar it is held to. On tiny, two body
+  replicas averaged every third step stand 0 apart just after a round and 0.02 to 0.07 between
+  rounds (0.2 over the first steps); two head replicas (an embedding of std 0.02, which each
+  replica's Adam moves on its own tokens) averaged every other step up to 0.5 at tiny's learning
+  rate over the first steps, 0.1 to 0.25 at a quarter of it. A replayed or row-shuffled head
+  output stands 0.35 to 1.4 off, a x1.2 scale 0.18. So the default tolerance, 0.25, keeps
+  settled honest drift below the bar and catches replays and content lies; a small bias is the
+  verifier's to catch, and bursts of drift past the bar are left to the blame rule. Replicas never
+  averaged drift as far apart as a lie within a dozen of tiny's steps: no comparison tells them
+  apart then.
 - **Whom to blame.** A disagreement says one of two answers is wrong, not which. What a check
   judges is the primary's training reply; the checker's held-out answer is the witness. Over a
-  stage's last `window` checks (`case_against`), a worker is flagged when (1) `MIN_CHECKED` (16) of
-  its replies were checked and they disagreed at least `MAJORITY` (4) times as often as they
+  stage's last `window` checks (`case_against`), a worker is flagged when (1) `MIN_CHECKED` (16)
+  of its replies were checked and they disagreed at least `MAJORITY` (4) times as often as they
   agreed; (2) its share of disagreements is at least `MAJORITY` times that of the checks of the
-  stage's other replies by other checkers (`MIN_OTHERS`, 8, of them at least): else the stage drifts
-  as a whole (its first steps, the steps between averaging rounds, when every pair stands past the
-  bar now and then); and (3) `PARTNERS` (2) of the checkers its replies disagreed with are vouched for, each
-  having agreed with another worker's reply. A lone liar among three or more replicas meets all
-  three; an honest worker's replies disagree only with lying witnesses, which vouch for no one
-  unless liars collude, or with everyone's during drift, which (2) sets aside. Liars that also lie in their checks raise
-  the others' share of disagreements: two such of four replicas may hide each other (and name no one). A liar answering
-  checks honestly gains nothing: its training replies are what is judged. With exactly two
-  replicas nobody can be named (no third worker's replies to compare the rate with, no witness to
-  vouch for): disagreements are counted and logged (`spot_check_disagreement`) and a flag waits
-  for a third replica. Colluding liars making up half a stage's replicas can name an honest one,
-  as in robust averaging.
+  stage's other replies by other checkers (`MIN_OTHERS`, 8, of them at least): else the stage
+  drifts as a whole (its first steps, between averaging rounds: every pair then stands past the
+  bar now and then, a liar's only its own); and (3) `PARTNERS` (2) of the checkers its replies
+  disagreed with are vouched for, each having agreed with another worker's reply. A lone liar
+  among three or more replicas meets all three; an honest worker's replies disagree only with
+  lying witnesses, which vouch for no one unless liars collude, or with everyone's during drift,
+  which (2) sets aside. A liar answering checks honestly gains nothing: its training replies are
+  what is judged. Liars that also lie in their checks raise the others' share of disagreements:
+  two such of four replicas may hide each other (naming no one). With exactly two replicas nobody
+  can be named (no third worker's replies to compare the share with, no witness to vouch for):
+  disagreements are counted and logged (`spot_check_disagreement`) and a flag waits for a third
+  replica. Colluding liars making up half a stage's replicas can name an honest one, as in robust
+  averaging. Checking at a share s, a liar with 1/R of a stage's Forwards is named after some
+  16 R / s of them: at 0.02 and three replicas, some 2,400 of the stage's Forwards.
 - A flagged worker takes the verifier's path (`Blame.suspect`): excluded for the rest of the run,
   counted in `agora_trainer_flagged_workers_total` and logged `worker_flagged` with this module's
   evidence. The primary reply was relayed already (the check is off the critical path); what the

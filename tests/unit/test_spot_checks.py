@@ -126,12 +126,14 @@ def test_liars_are_named_and_never_an_honest_replica_whatever_the_order_of_check
 
 
 def test_a_stage_drifting_as_a_whole_names_no_one():
-    """Every pair of honest replicas stands past the bar half the time (a stage's first steps)."""
-    judge, rng = SpotJudge(TOLERANCE), random.Random(6)
-    for _ in range(400):
-        primary, checker = rng.sample(["a", "b", "c"], 2)
-        verdict = judge.compare(0, primary, checker, rng.choice([0.0, 0.4]) + rng.uniform(0.0, 0.05))
-        assert verdict.flagged is None
+    """Every pair of honest replicas stands past the bar half the time, at random (a stage's first
+    steps; real drift moves the pairs together, which is kinder): runs of bad luck name no one."""
+    for seed in range(50):
+        judge, rng = SpotJudge(TOLERANCE), random.Random(seed)
+        for _ in range(400):
+            primary, checker = rng.sample(["a", "b", "c"], 2)
+            verdict = judge.compare(0, primary, checker, rng.choice([0.0, 0.4]) + rng.uniform(0.0, 0.05))
+            assert verdict.flagged is None, seed
 
 
 def test_honest_replicas_under_real_averaging_drift_never_disagree_and_a_replayed_or_shuffled_output_does():
