@@ -28,9 +28,10 @@ from agora.node.trainer.discovery import StaticDiscovery
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
 from agora.node.worker.worker import StageWorker, WorkerOptions
+from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import PRESETS
 from agora.pipeline.data import build_data
-from lying_workers import rewrite_replies, rewritten_output
+from lying_workers import rewrite_replies
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,6 +42,21 @@ AVERAGE_EVERY = 2
 LEARNING_RATE = 5e-4
 STAGES = {"s0r0": 0, "s0r1": 0, "s0r2": 0, "s1r0": 1}
 LIAR = "s0r2"
+CODEC = WireCodec("fp32")
+
+
+def rewritten_output(transform):
+    """A Forward reply's output rewritten: `transform(honest output, the previous honest output or None)`."""
+    previous = [None]
+
+    def rewrite(reply):
+        honest = CODEC.decode(reply.wire)
+        lie = transform(honest, previous[0])
+        previous[0] = honest
+        return replace(reply, wire=CODEC.encode(lie))
+    return rewrite
+
+
 LIES = {
     "stale": lambda output, previous: output if previous is None else previous,
     "rows_rolled": lambda output, previous: output.roll(1, dims=0),
