@@ -15,6 +15,8 @@
 - Flow control (node/worker/flow.py): the microbatches in flight the trainer allows itself now,
   the workers' in-flight credits that bound it, the calls each stage's workers let it have
   outstanding, and the time its calls waited here for a credit, by stage.
+- Spot checks (node/trainer/spot_checks.py), by stage: sent (each an extra Forward on a second
+  replica), their compute there, skipped for want of a free replica, and disagreements.
 - `RpcClientMetrics`: payload bytes (tensor frames) sent and received, by method.
 """
 
@@ -104,3 +106,13 @@ class TrainerMetrics:
                              "claimed, committed, reclaimed (another trainer's lease had run out), duplicate "
                              "(also committed by another), conflict (a claim another trainer won), released",
                              ["outcome"], registry=registry)
+        self.spot_checks = Counter("agora_trainer_spot_checks", "Forwards also sent to a second replica of the "
+                                   "stage and compared (each an extra held-out Forward), by stage", ["stage"],
+                                   registry=registry)
+        self.spot_check_compute = Counter("agora_trainer_spot_check_compute_seconds", "The second replicas' compute "
+                                          "on spot checks, by stage", ["stage"], registry=registry)
+        self.spot_checks_skipped = Counter("agora_trainer_spot_checks_skipped", "Sampled spot checks not sent: no "
+                                           "other replica of the stage had a credit free", ["stage"], registry=registry)
+        self.spot_check_disagreements = Counter("agora_trainer_spot_check_disagreements", "Spot checks whose two "
+                                                "answers lay beyond the stage's honest drift, by stage", ["stage"],
+                                                registry=registry)

@@ -60,6 +60,16 @@ class TrainerOptions:
         "12 minus the drift allowance: more than bar / (12 - drift) replies far off are needed)", gt=0)
     verify_warmup: StrictInt = setting(
         32, "replies of a stage (of each kind) accepted before the verifier judges any", ge=2)
+    spot_check_share: StrictFloat = setting(
+        0.0, "share of head and body training Forwards also sent, as a held-out Forward, to another replica of "
+        "the stage with a credit free, and the two outputs compared (node/trainer/spot_checks.py): catches replayed "
+        "and content lies no statistic sees, at one extra forward without autograd per check (0.02 costs under 1% of "
+        "those stages' compute and names a lone liar among three replicas after some 2,400 of its stage's Forwards); "
+        "a worker whose replies disagree far more often than its stage's others is excluded. 0: off (stages with "
+        "fewer than three replicas can only count disagreements)", flag="--spot-check-share", ge=0, le=1)
+    spot_check_tolerance: StrictFloat = setting(
+        0.25, "spot checks: two answers closer than this (their L2 distance over their RMS) always agree; above it "
+        "the stage's honest drift (recent agreeing checks, median + 4 spreads) sets the bar", gt=0, le=2)
     wire_dtype: Literal["fp32", "bf16", "fp16", "int8"] = setting(
         "fp32", "encoding of the boundary tensors this trainer sends (it decodes any)", flag="--wire-dtype")
     heartbeat_s: StrictFloat = setting(5.0, "seconds between announces of this trainer's progress in the DHT",

@@ -110,6 +110,17 @@ class TrainerStats:
         if seconds > 0:
             self.metrics.credit_wait.labels(stage=str(stage)).inc(seconds)
 
+    def spot_check(self, stage: int, compute_s: float) -> None:
+        """A spot check's duplicate Forward answered on a second replica of `stage`."""
+        self.metrics.spot_checks.labels(stage=str(stage)).inc()
+        self.metrics.spot_check_compute.labels(stage=str(stage)).inc(compute_s)
+
+    def spot_check_skipped(self, stage: int) -> None:
+        self.metrics.spot_checks_skipped.labels(stage=str(stage)).inc()
+
+    def spot_check_disagreement(self, stage: int) -> None:
+        self.metrics.spot_check_disagreements.labels(stage=str(stage)).inc()
+
     def aborted(self, outcome: str) -> None:
         self.metrics.aborts.labels(outcome=outcome).inc()
         self._abort_outcomes.add(outcome)
@@ -185,6 +196,21 @@ class TrainerStats:
     def aborts(self) -> dict[str, int]:
         return {outcome: int(self._value("agora_trainer_aborts_total", outcome=outcome))
                 for outcome in sorted(self._abort_outcomes)}
+
+    def spot_check_split(self) -> dict[str, dict[str, float]]:
+        """Per stage with spot checks: sent, skipped, disagreements, and the second replicas' compute (s)."""
+        split = {}
+        for stage in sorted(self._stages):
+            label = str(stage)
+            sent = self._value("agora_trainer_spot_checks_total", stage=label)
+            skipped = self._value("agora_trainer_spot_checks_skipped_total", stage=label)
+            if sent or skipped:
+                split[label] = {"sent": int(sent), "skipped": int(skipped),
+                                "disagreements": int(self._value("agora_trainer_spot_check_disagreements_total",
+                                                                 stage=label)),
+                                "compute_s": self._value("agora_trainer_spot_check_compute_seconds_total",
+                                                         stage=label)}
+        return split
 
     def time_split(self) -> dict[str, dict[str, float]]:
         """Per stage: calls, and mean milliseconds per call of the round trip, the worker's compute,

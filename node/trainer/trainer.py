@@ -12,7 +12,11 @@ far beyond its stage's recent ones is refused before it is relayed, and a worker
 values the worker before (or after) it produced gets that producer blamed and excluded, not itself.
 Every reply that passes those checks is also held to its stage's other replies by the verifier
 (node/trainer/verification.py) before it is relayed: a worker whose replies drift away from its
-stage's is excluded for the rest of the run, and the reply that showed it fails its route.
+stage's is excluded for the rest of the run, and the reply that showed it fails its route. With
+`spot_check_share` a share of head and body Forwards is also sent, off the critical path, to a
+second replica of the stage, and the two outputs compared (node/trainer/spot_checks.py): that
+catches what statistics cannot (a replayed head reply, content shuffled within the batch, a lie
+from a worker's first reply), at one extra forward per check.
 
 How much is in flight is the asynchronous pipeline's one real trade-off. A microbatch started
 before a worker steps is finished with newer weights: the staleness is about (microbatches in
@@ -66,6 +70,7 @@ from agora.node.trainer.inflight import DepthEstimate, InFlightLimit, adaptive_d
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.blame import Blame
 from agora.node.trainer.routing import Roster, WorkerView
+from agora.node.trainer.spot_checks import SpotChecks, SpotJudge
 from agora.node.trainer.stage_client import (
     InputRefused,
     OutsideWindow,
@@ -144,6 +149,8 @@ class SwarmTrainer:
         self.verifier = ReplyVerifier(VerifierSettings(
             drift=options.verify_drift, threshold=options.verify_threshold, warmup=options.verify_warmup,
             window=max(2 * options.verify_warmup, 64))) if options.verify_replies else None
+        self.spot_checks = SpotChecks(options.spot_check_share, SpotJudge(options.spot_check_tolerance), self.codec,
+                                      self.stats, flag=self._spot_flagged)
         self._clients: dict[str, StageClient] = {}
         self._last_refresh = float("-inf")
         self._refresh_lock = asyncio.Lock()
@@ -372,6 +379,8 @@ class SwarmTrainer:
             self._verify(worker, "input_grad", result.grad_frame, request, "Forward", upstream)
             if result.repeat:
                 self.stats.repeated(stage)
+            if not evaluate and not tail:
+                self._spot_check(worker, microbatch_id, tokens, wire, result.wire_frame)
             wire = result.wire_frame
             compute[stage] += result.compute_s
             queued += result.queued_s + waited
@@ -400,6 +409,21 @@ class SwarmTrainer:
                 on_stage_done(stage)
         await self._observe_depth(self.clock() - started, compute, queued)
         return float(result.loss)
+
+    def _spot_check(self, primary: WorkerView, microbatch_id: str, tokens: torch.Tensor,
+                    wire: bytes | memoryview | None, output: bytes | memoryview) -> None:
+        """Maybe send the same Forward, held out, to another replica with a credit free, and compare the
+        outputs in the background (node/trainer/spot_checks.py)."""
+        checker = self.spot_checks.checker(primary, self.roster.of_stage(primary.stage), self.clock())
+        if checker is not None:
+            self.roster.started(checker.peer_id)
+            duplicate = self._client(checker).forward(f"{microbatch_id}.spot", tokens, wire, evaluate=True)
+            self.spot_checks.launch(primary, checker, output, self._timed(checker, duplicate, training=False))
+
+    def _spot_flagged(self, evidence: Evidence) -> None:
+        """Spot checks named a worker: the verifier's path (excluded, counted, logged `worker_flagged`)."""
+        view = self.roster.workers.get(evidence.peer) or WorkerView(evidence.peer, evidence.peer, evidence.stage)
+        self.blame.suspect(view, evidence, "Forward")
 
     def _verified_request(self, frame: bytes | memoryview | None) -> torch.Tensor | None:
         """A call's request frame decoded for the verifier (None: no frame, or nothing is verified)."""
@@ -660,6 +684,7 @@ class SwarmTrainer:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             await asyncio.gather(*self._reports, return_exceptions=True)  # short timeouts each
+            await self.spot_checks.drain()
             await source.close()
             self.stats.cpu_s += time.process_time() - cpu_started
         records.sort(key=lambda r: r.step)

@@ -60,6 +60,9 @@ this cannot catch then: a worker lying from its first reply (its history is the 
 so slowly that it looks like drift, a sole head replaying earlier outputs (a head's Forward has
 no request frame to align with), and a stage-wide honest shift cannot be told from a lie. With
 several workers, a colluding majority of a stage's replies owns the median, as in robust averaging.
+Where a stage has several replicas, the trainer's optional spot checks (node/trainer/spot_checks.py)
+cover part of what this cannot: a replayed head reply, content shuffled within a batch, a lie from
+a worker's first reply, by asking a second replica the same Forward now and then.
 
 Pure: no socket, no clock; `reply_features` is the only torch here. One instance per trainer, used
 from its event loop.

@@ -67,4 +67,7 @@ def every_role(registry: CollectorRegistry) -> None:
     trainer.aborted("reverted")
     trainer.batch_done(256, 5.2, 3e-4)
     trainer.heldout(5.0)
+    trainer.spot_check(0, 0.02)
+    trainer.spot_check_skipped(0)
+    trainer.spot_check_disagreement(0)
     RpcClientMetrics(registry).exchanged("Forward", 10, 20)
