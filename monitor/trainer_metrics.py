@@ -16,6 +16,10 @@
   the workers' in-flight credits that bound it, the calls each stage's workers let it have
   outstanding, and the time its calls waited here for a credit, by stage.
 - `RpcClientMetrics`: payload bytes (tensor frames) sent and received, by method.
+- `EvalMetrics`: the evaluations run against the live swarm while training (node/trainer/evals.py):
+  each figure of the last one by `kind` (`heldout_loss`, `heldout_perplexity`, `TASK.METRIC`: the
+  operator's configured list, so few series), the step it was taken at, evaluations by outcome
+  (done, failed, skipped: the previous one still ran), and the time spent evaluating.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from agora.monitor.worker_metrics import DURATION_BUCKETS
 
-__all__ = ["RpcClientMetrics", "TrainerMetrics"]
+__all__ = ["EvalMetrics", "RpcClientMetrics", "TrainerMetrics"]
 
 
 class RpcClientMetrics:
@@ -104,3 +108,24 @@ class TrainerMetrics:
                              "claimed, committed, reclaimed (another trainer's lease had run out), duplicate "
                              "(also committed by another), conflict (a claim another trainer won), released",
                              ["outcome"], registry=registry)
+
+
+class EvalMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.score = Gauge("agora_trainer_eval_score", "Figures of the last evaluation against the live swarm, by kind "
+                           "(heldout_loss, heldout_perplexity, TASK.METRIC of an lm-eval task)", ["kind"],
+                           registry=registry)
+        self.step = Gauge("agora_trainer_eval_step", "Run-wide step of the global batch after which the last "
+                          "evaluation began", registry=registry)
+        self.evaluations = Counter("agora_trainer_evaluations", "Evaluations against the live swarm by outcome: done, "
+                                   "failed, skipped (the previous one was still running)", ["outcome"],
+                                   registry=registry)
+        self.busy = Counter("agora_trainer_eval_seconds", "Time spent evaluating against the live swarm (training "
+                            "goes on meanwhile)", registry=registry)
+
+    def finished(self, step: int, figures: dict[str, float], seconds: float) -> None:
+        for kind, value in figures.items():
+            self.score.labels(kind=kind).set(value)
+        self.step.set(step)
+        self.busy.inc(seconds)
+        self.evaluations.labels(outcome="done").inc()
