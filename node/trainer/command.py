@@ -121,7 +121,8 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
             endpoint = node.serve()
             await stack.enter_async_context(trainer_heartbeat(
                 swarm, run_id=options.run_id, trainer_index=options.trainer_index, records=lambda: trainer.records,
-                metrics_endpoint=endpoint, version=package_version(), interval_s=options.heartbeat_s))
+                metrics_endpoint=endpoint, version=package_version(), interval_s=options.heartbeat_s,
+                evaluation=evaluator.last_heldout if evaluator is not None else lambda: (0, 0.0)))
             logger.info("joined run %r as trainer %d of %d (peer %s)", options.run_id, options.trainer_index,
                         options.trainers, swarm.peer_id,
                         extra={"milestone": "joined", "fields": {"role": "trainer", "run": options.run_id,

@@ -142,6 +142,13 @@ class SwarmEvaluator:
         if running is not None:
             await asyncio.gather(running, return_exceptions=True)
 
+    def last_heldout(self) -> tuple[int, float]:
+        """(step, held-out loss) of the last evaluation that measured one; (0, 0.0): none yet."""
+        for result in reversed(self.results):
+            if "heldout_loss" in result.figures:
+                return result.step, result.figures["heldout_loss"]
+        return 0, 0.0
+
     # ------------------------------------------------------------------ the trainer's hook
 
     def on_record(self, record: StepRecord) -> None:
