@@ -87,12 +87,13 @@ def mean_heldout_loss(scores: Sequence[PositionScores]) -> float:
 
 def task_figures(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     """lm-eval's `results` table as flat figures `TASK.METRIC` (a filter other than `none` appended:
-    `TASK.METRIC.FILTER`); stderr and non-numeric entries left out."""
+    `TASK.METRIC.FILTER`). Its metrics are the `METRIC,FILTER` keys; stderr, non-numeric values and
+    the other keys (`alias`, `sample_len`) are left out."""
     figures = {}
     for task, metrics in sorted(results.items()):
         for key, value in metrics.items():
-            metric, _, applied = key.partition(",")
-            if "_stderr" in metric or isinstance(value, bool) or not isinstance(value, (int, float)):
+            metric, comma, applied = key.partition(",")
+            if not comma or "_stderr" in metric or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             figures[".".join([task, metric] + ([applied] if applied not in ("", "none") else []))] = float(value)
     return figures

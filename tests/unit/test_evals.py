@@ -37,7 +37,8 @@ def test_heldout_prompts_are_the_sequences_cut_to_what_one_prefill_takes():
 
 
 def test_lm_eval_results_become_flat_figures_without_stderr_or_text():
-    results = {"agora_code_mc": {"alias": "agora_code_mc", "acc,none": 0.5, "acc_stderr,none": "N/A"},
+    results = {"agora_code_mc": {"alias": "agora_code_mc", "acc,none": 0.5, "acc_stderr,none": "N/A",
+                                 "sample_len": 4},
                "gsm": {"exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": 0.1, "ok,none": True}}
     assert task_figures(results) == {"agora_code_mc.acc": 0.5, "gsm.exact_match.strict-match": 0.25}
 
