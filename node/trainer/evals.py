@@ -143,6 +143,11 @@ class SwarmEvaluator:
         if running is not None:
             await asyncio.gather(running, return_exceptions=True)
 
+    @property
+    def running(self) -> bool:
+        """Whether an evaluation is under way now."""
+        return self._running is not None and not self._running.done()
+
     def last_heldout(self) -> tuple[int, float]:
         """(step, held-out loss) of the last evaluation that measured one; (0, 0.0): none yet."""
         for result in reversed(self.results):
@@ -158,7 +163,7 @@ class SwarmEvaluator:
         self._batches += 1
         if not is_due(self._batches, self.settings.every):
             return
-        if self._running is not None and not self._running.done():
+        if self.running:
             self.metrics.evaluations.labels(outcome="skipped").inc()
             logger.info("evaluation due at step %d skipped: the previous one still runs", record.step)
             return

@@ -87,7 +87,7 @@ def test_evaluations_run_against_the_live_swarm_while_the_trainer_trains():
                 async with SwarmTrainer(config, data, discovery, TrainerOptions(run_id=RUN), log_json=log,
                                         stats=TrainerStats(registry), on_record=evaluator.on_record) as trainer:
                     records = await trainer.run(STEPS)
-                    started_before_the_end = evaluator.results == [] and evaluator._running is not None
+                    started_before_the_end = evaluator.results == [] and evaluator.running
                     gate.set()
                     await evaluator.drain()
                     batches = data.heldout_batches(config.evals.heldout_batches, config.train.batch_size)
