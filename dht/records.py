@@ -371,11 +371,15 @@ class Record(BaseModel):
 
     Subclasses set ``KIND``, declare fields with the field types of this module, and state a rule
     between fields in a ``model_validator(mode="after")`` that raises ``RecordError`` naming them.
+    A field added to a released family is listed in its ``WRITTEN_WHEN_SET``: left off the wire
+    while it holds its default, so such a record is byte for byte what the released code wrote (and
+    read), and a released peer ignores the field when it is there.
     """
 
     model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
 
     KIND: ClassVar[str] = ""
+    WRITTEN_WHEN_SET: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, **fields: Any) -> None:
         try:
@@ -398,7 +402,11 @@ class Record(BaseModel):
 
     def to_wire(self) -> dict[str, Any]:
         """A plain dict that msgpack serializes as is."""
-        return {"schema": SCHEMA_VERSION, "kind": self.KIND, **self.model_dump()}
+        fields = self.model_dump()
+        for name in self.WRITTEN_WHEN_SET:
+            if fields[name] == type(self).model_fields[name].default:
+                del fields[name]
+        return {"schema": SCHEMA_VERSION, "kind": self.KIND, **fields}
 
     @classmethod
     def from_wire(cls: type[R], value: object) -> R:
@@ -475,10 +483,13 @@ class TrainerRecord(Record):
 
     ``batches`` is the global batches it completed, ``step`` the run-wide step of the last one,
     ``loss`` that batch's mean loss (0 before the first), ``tokens_per_s`` its rate since it
-    started, ``metrics_endpoint`` where its Prometheus metrics are served (empty: none).
+    started, ``metrics_endpoint`` where its Prometheus metrics are served (empty: none),
+    ``eval_step`` the step of its last evaluation against the live swarm with a held-out loss and
+    ``heldout_loss`` that loss (0: none yet; node/trainer/evals.py).
     """
 
     KIND: ClassVar[str] = "trainer"
+    WRITTEN_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"eval_step", "heldout_loss"})
 
     peer_id: PeerId
     run_id: RunId
@@ -490,6 +501,8 @@ class TrainerRecord(Record):
     version: Label
     updated_at: Seconds
     metrics_endpoint: OptionalEndpoint = ""
+    eval_step: Count = 0
+    heldout_loss: Measure = 0.0
 
     def dht_key(self) -> str:
         return trainer_key(self.run_id)

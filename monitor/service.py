@@ -34,7 +34,7 @@ from agora.dht.swarm import DHTRequestError, SwarmDHT
 from agora.monitor.http import MonitorServer, start_monitor_server
 from agora.monitor.scrape_policy import REFUSAL_REASONS, host_key
 from agora.monitor.swarm_metrics import MonitorMetrics, SwarmCollector
-from agora.monitor.swarm_view import LeftOutTarget, LossHistory, StaticTarget, SwarmView, summarize
+from agora.monitor.swarm_view import EvalHistory, LeftOutTarget, LossHistory, StaticTarget, SwarmView, summarize
 
 __all__ = ["MonitorOptions", "SwarmMonitor", "parse_target", "parse_trainer_host"]
 
@@ -95,6 +95,7 @@ class SwarmMonitor:
         self._clock = clock
         self._started = clock()
         self._history = LossHistory()
+        self._evals = EvalHistory()
         self._view: Optional[SwarmView] = None
         self._metrics = MonitorMetrics(registry)
         self._reported: set[LeftOutTarget] = set()  # left-out endpoints already logged and counted
@@ -118,7 +119,7 @@ class SwarmMonitor:
                          [s.record for s in trainers.values() if s.record.run_id == self.options.run_id],
                          n_stages=self.options.n_stages, now=self._clock() - self._started,
                          static_targets=self.options.static_targets, trainer_hosts=self.options.trainer_hosts)
-        view = dataclasses.replace(view, history=self._history.add(view))
+        view = dataclasses.replace(view, history=self._history.add(view), eval_history=self._evals.add(view))
         self._view = view
         self._report(view.left_out)
         self._metrics.poll_duration.observe(self._clock() - started)

@@ -19,7 +19,9 @@ Design choices:
   have no record). The full list each time, `[]` when there is none. The endpoints left out are in
   the view too (`left_out`, with the announcing peer), for the monitor to log and count.
 - `LossHistory` keeps the curve the status page draws: one point per poll in which the trainers'
-  run-wide step moved, bounded (oldest points dropped first).
+  run-wide step moved, bounded (oldest points dropped first). `EvalHistory` likewise keeps the
+  held-out loss the trainers measured through the swarm (node/trainer/evals.py): a point whenever
+  the step of their latest evaluation moved.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Iterable, Mapping, Optional
 from agora.dht.records import PHASES, TrainerRecord, WorkerRecord, parse_endpoint
 from agora.monitor.scrape_policy import host_key, trainer_target_refusal, worker_target_refusal
 
-__all__ = ["HistoryPoint", "LeftOutTarget", "LossHistory", "StageView", "StaticTarget", "SwarmView", "TrainerStatus",
+__all__ = ["EvalHistory", "EvalPoint", "HistoryPoint", "LeftOutTarget", "LossHistory", "StageView", "StaticTarget", "SwarmView", "TrainerStatus",
            "WorkerStatus", "scrape_targets", "summarize"]
 
 
@@ -89,6 +91,15 @@ class TrainerStatus:
     loss: float
     tokens_per_s: float
     metrics_endpoint: str
+    eval_step: int = 0  # of its last evaluation against the live swarm (0: none yet)
+    heldout_loss: float = 0.0  # that evaluation's
+
+
+@dataclass(frozen=True)
+class EvalPoint:
+    t: float  # seconds since the monitor started
+    step: int
+    heldout_loss: float
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,7 @@ class SwarmView:
     worker_targets: tuple[tuple[str, int, str], ...] = field(default=())  # (endpoint, stage, peer)
     trainer_targets: tuple[str, ...] = ()  # the trainers' metrics endpoints /sd lists
     left_out: tuple[LeftOutTarget, ...] = ()
+    eval_history: tuple[EvalPoint, ...] = ()
 
     @property
     def bottleneck_stage(self) -> Optional[int]:
@@ -140,6 +152,7 @@ class SwarmView:
             "bottleneck_stage": self.bottleneck_stage, "step_drift": self.step_drift,
             "tokens_per_s": self.tokens_per_s, "loss": self.loss,
             "history": [asdict(p) for p in self.history],
+            "eval_history": [asdict(p) for p in self.eval_history],
             "targets": len(scrape_targets(self)),
         }
 
@@ -166,8 +179,8 @@ def summarize(run_id: str, workers_by_stage: Mapping[int, Iterable[WorkerRecord]
                                 max((r.step for r in records), default=0), phases,
                                 sum(r.averaging_rounds for r in records), sum(r.averaging_committed for r in records)))
     trainers = sorted(trainers, key=lambda t: (t.trainer_index, t.peer_id))
-    trainer_views = tuple(TrainerStatus(t.trainer_index, t.batches, t.step, t.loss, t.tokens_per_s, t.metrics_endpoint)
-                          for t in trainers)
+    trainer_views = tuple(TrainerStatus(t.trainer_index, t.batches, t.step, t.loss, t.tokens_per_s, t.metrics_endpoint,
+                                        t.eval_step, t.heldout_loss) for t in trainers)
     worker_targets, workers_left_out = _worker_targets(workers_by_stage, announced)
     known_hosts = {host_key(parse_endpoint(t.endpoint)[0]) for t in static_targets} | set(map(host_key, trainer_hosts))
     trainer_targets, trainers_left_out = _trainer_targets(trainers, known_hosts)
@@ -228,4 +241,21 @@ class LossHistory:
             if not self._points or step > self._points[-1].step:
                 self._points.append(HistoryPoint(round(view.updated_at, 3), step,
                                                  sum(t.loss for t in live) / len(live), view.tokens_per_s))
+        return tuple(self._points)
+
+
+class EvalHistory:
+    """The status page's curve of held-out loss through the swarm: a point whenever the step of the
+    trainers' latest evaluation moved (the mean over the trainers that evaluated at it), at most `capacity`."""
+
+    def __init__(self, capacity: int = 1000):
+        self._points: deque[EvalPoint] = deque(maxlen=capacity)
+
+    def add(self, view: SwarmView) -> tuple[EvalPoint, ...]:
+        evaluated = [t for t in view.trainers if t.eval_step]
+        if evaluated:
+            step = max(t.eval_step for t in evaluated)
+            if not self._points or step > self._points[-1].step:
+                losses = [t.heldout_loss for t in evaluated if t.eval_step == step]
+                self._points.append(EvalPoint(round(view.updated_at, 3), step, sum(losses) / len(losses)))
         return tuple(self._points)

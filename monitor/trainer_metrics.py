@@ -18,6 +18,10 @@
 - Spot checks (node/trainer/spot_checks.py), by stage: sent (each an extra Forward on a second
   replica), their compute there, skipped for want of a free replica, and disagreements.
 - `RpcClientMetrics`: payload bytes (tensor frames) sent and received, by method.
+- `EvalMetrics`: the evaluations run against the live swarm while training (node/trainer/evals.py):
+  each figure of the last one by `kind` (`heldout_loss`, `heldout_perplexity`, `TASK.METRIC`: the
+  operator's configured list, so few series), the step it was taken at, evaluations by outcome
+  (done, failed, skipped: the previous one still ran), and the time spent evaluating.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from agora.monitor.worker_metrics import DURATION_BUCKETS
 
-__all__ = ["RpcClientMetrics", "TrainerMetrics"]
+__all__ = ["EvalMetrics", "RpcClientMetrics", "TrainerMetrics"]
 
 
 class RpcClientMetrics:
@@ -116,3 +120,24 @@ class TrainerMetrics:
         self.spot_check_disagreements = Counter("agora_trainer_spot_check_disagreements", "Spot checks whose two "
                                                 "answers lay beyond the stage's honest drift, by stage", ["stage"],
                                                 registry=registry)
+
+
+class EvalMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.score = Gauge("agora_trainer_eval_score", "Figures of the last evaluation against the live swarm, by kind "
+                           "(heldout_loss, heldout_perplexity, TASK.METRIC of an lm-eval task)", ["kind"],
+                           registry=registry)
+        self.step = Gauge("agora_trainer_eval_step", "Run-wide step of the global batch after which the last "
+                          "evaluation began", registry=registry)
+        self.evaluations = Counter("agora_trainer_evaluations", "Evaluations against the live swarm by outcome: done, "
+                                   "failed, skipped (the previous one was still running)", ["outcome"],
+                                   registry=registry)
+        self.busy = Counter("agora_trainer_eval_seconds", "Time spent evaluating against the live swarm (training "
+                            "goes on meanwhile)", registry=registry)
+
+    def finished(self, step: int, figures: dict[str, float], seconds: float) -> None:
+        for kind, value in figures.items():
+            self.score.labels(kind=kind).set(value)
+        self.step.set(step)
+        self.busy.inc(seconds)
+        self.evaluations.labels(outcome="done").inc()

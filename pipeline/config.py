@@ -24,8 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError, field_validator, \
-    model_validator
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError, \
+    field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
 from agora.pipeline.schema import (SECTION, ConfigError, Fraction, NoneOr, Positive, Setting, checked, explain, get,
@@ -49,6 +49,7 @@ __all__ = [
     "SYNC_METHODS",
     "RuntimeConfig",
     "COMPUTE_DTYPES",
+    "EvalsConfig",
     "RunConfig",
     "PRESETS",
     "Setting",
@@ -270,6 +271,35 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True, config=SECTION)
+class EvalsConfig:
+    """Evaluations a trainer runs against the live swarm while it trains (node/trainer/evals.py),
+    through the workers' inference path (scored Prefills), never stopping training. Machine-local: they
+    read the model, they do not change it, so trainers with and without them serve one run."""
+
+    every: StrictInt = setting(
+        0, "global batches (of this trainer) between two evaluations against the live swarm (0: none)", ge=0,
+        local=True)
+    heldout_batches: StrictInt = setting(
+        2, "held-out batches of train.batch_size sequences scored through the swarm per evaluation: held-out loss "
+        "and perplexity (0: none)", ge=0, local=True)
+    tasks: tuple[Annotated[StrictStr, Field(min_length=1)], ...] = setting(
+        (), "lm-eval tasks run through the swarm per evaluation, by name (offline: their data must be local)",
+        local=True)
+    include_path: Annotated[StrictStr | None, NoneOr] = setting(
+        None, "a folder of lm-eval task YAML files, besides lm-eval's own tasks", min_length=1, local=True)
+    limit: StrictInt = setting(32, "examples of each lm-eval task per evaluation", gt=0, local=True)
+
+    @model_validator(mode="after")
+    def _agree(self) -> "EvalsConfig":
+        if self.every and not (self.heldout_batches or self.tasks):
+            raise ValueError("every: evaluations every {} global batches need heldout_batches > 0 or a task"
+                             .format(self.every))
+        if self.include_path is not None and not self.tasks:
+            raise ValueError("include_path: given without tasks to run from it")
+        return self
+
+
+@dataclass(frozen=True, config=SECTION)
 class RunConfig:
     name: StrictStr = setting("tiny", "the run's name (a preset's, or the file's)", min_length=1)
     seed: StrictInt = setting(0, "run seed")
@@ -279,6 +309,7 @@ class RunConfig:
     train: TrainConfig = setting(default_factory=TrainConfig)
     sync: SyncConfig = setting(default_factory=SyncConfig)
     runtime: RuntimeConfig = setting(default_factory=RuntimeConfig)
+    evals: EvalsConfig = setting(default_factory=EvalsConfig)
 
     @model_validator(mode="after")
     def _agree(self) -> "RunConfig":

@@ -42,14 +42,14 @@ function drawStages(view) {
   }
 }
 
-function drawChart(id, points, key, digits) {
+function drawChart(id, points, key, digits, empty = "no global batch yet") {
   const svg = document.getElementById(id);
   svg.replaceChildren();
   const width = 600, height = 220, left = 48, right = 10, top = 10, bottom = 24;
   svg.append(element("svg:line", {class: "axis", x1: left, y1: height - bottom, x2: width - right, y2: height - bottom}));
   svg.append(element("svg:line", {class: "axis", x1: left, y1: top, x2: left, y2: height - bottom}));
   if (points.length === 0) {
-    svg.append(element("svg:text", {x: left + 10, y: height / 2}, "no global batch yet"));
+    svg.append(element("svg:text", {x: left + 10, y: height / 2}, empty));
     return;
   }
   const xs = points.map(p => p.step), ys = points.map(p => p[key]);
@@ -78,6 +78,7 @@ function draw(view) {
   drawStages(view);
   drawChart("loss-chart", view.history, "loss", 3);
   drawChart("rate-chart", view.history, "tokens_per_s", 0);
+  drawChart("eval-chart", view.eval_history, "heldout_loss", 3, "no evaluation yet (the run config's evals)");
 }
 
 async function refresh() {

@@ -94,13 +94,14 @@ def merge_logs(paths: list[Path]) -> list[dict]:
     """Every trainer's lines, one per global batch, ordered by the run-wide step. Only complete lines
     count: the trainers write while the demo reads, so the last line may still be half written (a
     demo at load 8 once read '{"step": 116, "loss": 2.62925380468' and stopped the run), and a trainer
-    killed mid-write leaves its torn line unterminated."""
+    killed mid-write leaves its torn line unterminated. A trainer's evaluation lines (an `eval` key,
+    node/trainer/evals.py) are not global batches: left out."""
     lines = []
     for path in paths:
         if path.exists():
             text = path.read_text()
             complete = text[:text.rfind("\n") + 1]
-            lines += [json.loads(line) for line in complete.splitlines() if line.strip()]
+            lines += [row for row in map(json.loads, filter(str.strip, complete.splitlines())) if "eval" not in row]
     return sorted(lines, key=lambda line: line["step"])
 
 
@@ -141,6 +142,8 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         "time_split_by_stage": _merge_time_splits([s.get("time_split_by_stage", {}) for s in trainer_summaries]),
         "trainer_split": _mean_trainer_split([s.get("trainer_split", {}) for s in trainer_summaries]),
         "in_flight": [s.get("in_flight") for s in trainer_summaries],
+        # Each trainer's evaluations against the live swarm (the run config's evals), with their step.
+        "evaluations": [e for s in trainer_summaries for e in s.get("evaluations", [])],
         "busy_retries": sum(s.get("busy", 0) for s in trainer_summaries),
         # Forward/Backward calls the workers answered, and the share of all calls refused as busy.
         "calls": sum(s.get("calls", 0) for s in trainer_summaries),

@@ -4,9 +4,9 @@ It joins the DHT as a client (hivemind forks its process before any event loop o
 exists), is admitted with its credential (mutual TLS to every worker, renewed at half life; a
 revoked credential ends the run as an interruption), claims the run's units from the lease queue
 (node/trainer/units.py), announces itself every beat (node/trainer/announce.py), serves its
-metrics, trains, evaluates on the held-out split and returns its summary. A worker its verifier
-flags is reported to the authorizer in the background (node/trainer/reports.py), where there is
-one. SIGTERM or SIGINT end the run between calls: channels closed, the log flushed, a summary.
+metrics, trains, evaluates on the held-out split and returns its summary; the run config's `evals`
+run meanwhile against the live swarm (node/trainer/evals.py). A worker its verifier flags is
+reported to the authorizer in the background (node/trainer/reports.py), where there is one. SIGTERM or SIGINT end the run between calls: channels closed, the log flushed, a summary.
 """
 
 from __future__ import annotations
@@ -50,8 +50,11 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
     from agora.node.observability import NodeMetrics, package_version
     from agora.node.rpc.server import run as run_loop
     from agora.node.rpc.server import slow_start_hint
+    from agora.node.inference.discovery import DHTReplicas
+    from agora.node.inference.generator import GeneratorOptions, SwarmGenerator
     from agora.node.trainer.announce import trainer_heartbeat
     from agora.node.trainer.discovery import DHTDiscovery
+    from agora.node.trainer.evals import SwarmEvaluator
     from agora.pipeline.data import build_data
     from agora.pipeline.fingerprint import run_fingerprint
 
@@ -102,15 +105,24 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
             reports = None if renewer is None else await stack.enter_async_context(
                 WorkerReports(authorizer, credentials, stats))
             report_flagged = reports.flagged if reports is not None else lambda evidence: None
+            evaluator = None
+            if config.evals.every:  # scores through every stage's replicas the DHT lists, as a client would
+                replicas = DHTReplicas(swarm, options.run_id, len(config.layer_split), run_fingerprint(config))
+                generator = SwarmGenerator(config, replicas, GeneratorOptions(
+                    run_id=options.run_id, call_timeout_s=options.call_timeout_s), channels=channels)
+                evaluator = await stack.enter_async_context(SwarmEvaluator(
+                    config.evals, generator, data, registry=node.registry, log_json=log_json))
             units = LeasedUnits(board, total=steps, start=options.start_step, stats=stats, clock=swarm.clock,
                                 stripe=(options.trainer_index, options.trainers))
             trainer = await stack.enter_async_context(
                 SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels, stats=stats,
-                             units=units, on_flagged=report_flagged))
+                             units=units, on_flagged=report_flagged,
+                             on_record=evaluator.on_record if evaluator is not None else None))
             endpoint = node.serve()
             await stack.enter_async_context(trainer_heartbeat(
                 swarm, run_id=options.run_id, trainer_index=options.trainer_index, records=lambda: trainer.records,
-                metrics_endpoint=endpoint, version=package_version(), interval_s=options.heartbeat_s))
+                metrics_endpoint=endpoint, version=package_version(), interval_s=options.heartbeat_s,
+                evaluation=evaluator.last_heldout if evaluator is not None else lambda: (0, 0.0)))
             logger.info("joined run %r as trainer %d of %d (peer %s)", options.run_id, options.trainer_index,
                         options.trainers, swarm.peer_id,
                         extra={"milestone": "joined", "fields": {"role": "trainer", "run": options.run_id,
@@ -121,6 +133,8 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 await trainer.run(steps)
             except asyncio.CancelledError:
                 interrupted = True
+            if evaluator is not None:
+                await evaluator.close(wait=not interrupted)
             records = trainer.records
             held_out = None
             if evaluate and not interrupted:
@@ -151,6 +165,8 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "trainer_split": trainer.stats.trainer_split(),
                 "spot_checks_by_stage": trainer.stats.spot_check_split(),
                 "in_flight": trainer.in_flight_summary(),
+                "evaluations": [result.figures | {"step": result.step} for result in evaluator.results]
+                if evaluator is not None else [],
             }
 
     try:

@@ -11,7 +11,7 @@ from agora.dht.bans import BanList, BanStatus, NodeBans
 from agora.dht.op_timings import RequestTimings
 from agora.monitor.dht_metrics import DHTMetrics
 from agora.monitor.metrics import CredentialMetrics, node_info
-from agora.monitor.trainer_metrics import RpcClientMetrics
+from agora.monitor.trainer_metrics import EvalMetrics, RpcClientMetrics
 from agora.monitor.weight_sync_metrics import WeightSyncMetrics
 from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
 from agora.node.averaging.stats import AveragingStats
@@ -71,3 +71,6 @@ def every_role(registry: CollectorRegistry) -> None:
     trainer.spot_check_skipped(0)
     trainer.spot_check_disagreement(0)
     RpcClientMetrics(registry).exchanged("Forward", 10, 20)
+    evals = EvalMetrics(registry)
+    evals.finished(8, {"heldout_loss": 2.5, "heldout_perplexity": 12.2, "agora_code_mc.acc": 0.5}, 1.5)
+    evals.evaluations.labels(outcome="skipped").inc()

@@ -10,9 +10,14 @@
 - A worker refuses more alternatives than it gives (INVALID_ARGUMENT naming top_logprobs).
 - A replica whose attention caches are full (RESOURCE_EXHAUSTED, kv_cache_budget) hands the
   session to another replica of its stage, without a ban.
+- lm-eval's requests through `SwarmLM` (a trainer's evaluations, node/trainer/evals.py), made from
+  lm-eval's own thread: loglikelihoods, a rolling loglikelihood and a generation cut at its stop
+  string are what one process computes.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import pytest
@@ -28,6 +33,7 @@ from agora.pipeline.config import PRESETS
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.inference import LocalGenerator, PositionScores
 from agora.pipeline.stages import build_stage
+from agora.pipeline.tokenizer import ByteTokenizer
 from inference_swarm import generator_over, start_stage_workers
 
 pytestmark = pytest.mark.timeout(120)
@@ -162,3 +168,39 @@ def test_a_replica_whose_caches_are_full_hands_the_session_to_another_without_a_
     assert refused == 1 and stats.cache_full_moves == 1 and stats.failovers == 0 and banned == 0.0
     for prompt, swarm in zip(PROMPTS, scores):
         assert_scores_equal(swarm, LOCAL.score(prompt, 2))
+
+
+def test_lm_eval_requests_through_the_swarm_are_what_one_process_computes():
+    lm_eval = pytest.importorskip("lm_eval.api.instance", reason="lm-eval is in the test extra")
+    from agora.node.inference.lmeval_model import SwarmLM
+
+    def requests(kind: str, *arguments: tuple) -> list:
+        return [lm_eval.Instance(kind, {}, args, index) for index, args in enumerate(arguments)]
+
+    pairs = [("def main():", "\n    return 1"), ("", "x"), ("import", " os")]
+    text = "for i in range(10):\n    print(i)\n"
+
+    async def main():
+        workers = await start_workers()
+        try:
+            async with generator_for(workers, score_rows=2) as generator:
+                lm = SwarmLM(generator, ByteTokenizer(), asyncio.get_running_loop())
+                return (await asyncio.to_thread(lm.loglikelihood, requests("loglikelihood", *pairs)),
+                        await asyncio.to_thread(lm.loglikelihood_rolling, requests("loglikelihood_rolling", (text,))),
+                        await asyncio.to_thread(lm.generate_until, requests(
+                            "generate_until", ("def f(", {"until": ["\n"], "max_gen_toks": 6}))))
+        finally:
+            for worker in workers:
+                await worker.stop(0)
+
+    likelihoods, rolling, generated = run(main())
+    for (context, continuation), (logprob, greedy) in zip(pairs, likelihoods):
+        context_ids, continuation_ids = list(context.encode()) or [0], list(continuation.encode())
+        local = LOCAL.score(context_ids + continuation_ids, 1)
+        span = slice(len(context_ids) - 1, len(context_ids) + len(continuation_ids) - 1)
+        assert logprob == pytest.approx(float(local.token_logprobs[0, span].sum()), abs=1e-3)
+        assert greedy == (local.top_ids[0, span, 0].tolist() == continuation_ids)
+    whole = LOCAL.score([0] + list(text.encode()))  # the first token predicted from the separator
+    assert rolling == [pytest.approx(float(whole.token_logprobs[0, :-1].sum()), abs=1e-3)]
+    expected = bytes(LOCAL.generate(list(b"def f("), 6, stop_ids=(0,))).decode(errors="replace").split("\n")[0]
+    assert generated == [expected]

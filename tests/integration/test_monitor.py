@@ -9,6 +9,7 @@ Prometheus and Chromium.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import configparser
 import fnmatch
 import json
@@ -28,7 +29,7 @@ from agora.monitor.metrics import new_registry
 from agora.monitor.naming import lint
 from agora.monitor.service import MonitorOptions, SwarmMonitor, parse_target
 from agora.monitor.swarm_metrics import MonitorMetrics, SwarmCollector
-from agora.monitor.swarm_view import LossHistory, StaticTarget, scrape_targets, summarize
+from agora.monitor.swarm_view import EvalHistory, LossHistory, StaticTarget, scrape_targets, summarize
 from agora.node.trainer.announce import trainer_heartbeat
 from agora.pipeline.centralized import StepRecord
 from metric_sets import every_role
@@ -47,9 +48,11 @@ def worker(peer: str, stage: int, *, step: int = 10, throughput: float = 100.0, 
                         averaging_committed=committed)
 
 
-def trainer(index: int, step: int, loss: float, rate: float, metrics: str = "") -> TrainerRecord:
+def trainer(index: int, step: int, loss: float, rate: float, metrics: str = "", evaluated: tuple[int, float] = (0, 0.0)
+            ) -> TrainerRecord:
     return TrainerRecord(peer_id=f"t{index}", run_id=RUN, trainer_index=index, batches=step, step=step, loss=loss,
-                         tokens_per_s=rate, version="1", updated_at=1.0, metrics_endpoint=metrics)
+                         tokens_per_s=rate, version="1", updated_at=1.0, metrics_endpoint=metrics,
+                         eval_step=evaluated[0], heldout_loss=evaluated[1])
 
 
 def test_the_view_finds_the_bottleneck_the_drift_and_each_stages_averaging_health():
@@ -86,6 +89,23 @@ def test_the_loss_history_adds_a_point_only_when_the_step_moves_and_stays_bounde
                                        n_stages=1, now=now))
     assert [p.step for p in points] == [6, 9, 12]
     assert points[-1].loss == pytest.approx(2.8) and points[-1].t == 6
+
+
+def test_the_eval_curve_adds_a_point_when_the_trainers_latest_evaluation_moves():
+    """The held-out loss the trainers measured through the swarm (their records' last evaluation):
+    one point per evaluation step, the mean of the trainers that evaluated at it; none before one."""
+    history = EvalHistory()
+    polls = [(1, [trainer(0, 3, 4.0, 1)]),
+             (2, [trainer(0, 4, 3.9, 1, evaluated=(4, 3.5)), trainer(1, 4, 3.9, 1)]),
+             (3, [trainer(0, 6, 3.8, 1, evaluated=(4, 3.5)), trainer(1, 6, 3.8, 1)]),
+             (4, [trainer(0, 8, 3.7, 1, evaluated=(8, 3.1)), trainer(1, 8, 3.7, 1, evaluated=(8, 3.3))])]
+    for now, trainers in polls:
+        view = summarize(RUN, {}, trainers, n_stages=1, now=now)
+        points = history.add(view)
+    assert [(p.t, p.step) for p in points] == [(2, 4), (4, 8)]
+    assert points[-1].heldout_loss == pytest.approx(3.2)
+    assert dataclasses.replace(view, eval_history=points).to_json()["eval_history"][-1] == \
+        {"t": 4, "step": 8, "heldout_loss": pytest.approx(3.2)}
 
 
 def test_static_targets_are_parsed_or_refused_naming_the_problem():
@@ -176,7 +196,8 @@ def test_the_monitor_reads_announced_workers_and_trainers_from_a_real_dht(caplog
                 pointer = Heartbeat(node, lambda: worker(node.peer_id, 2, metrics="10.0.0.5:9100",
                                                          host="203.0.113.5"), interval=5)
                 trainer_beat = trainer_heartbeat(node, run_id=RUN, trainer_index=0, records=lambda: records,
-                                                 metrics_endpoint="127.0.0.1:9100", version="1", interval_s=5)
+                                                 metrics_endpoint="127.0.0.1:9100", version="1", interval_s=5,
+                                                 evaluation=lambda: (4, 3.25))
                 registry = new_registry()
                 monitor = SwarmMonitor(reader, MonitorOptions(run_id=RUN, n_stages=3, trainer_hosts=("127.0.0.1",)),
                                        registry)
@@ -189,6 +210,7 @@ def test_the_monitor_reads_announced_workers_and_trainers_from_a_real_dht(caplog
                         assert asyncio.get_running_loop().time() < deadline, view
                         await asyncio.sleep(0.2)
                     assert (view.trainers[0].step, view.trainers[0].loss, view.tokens_per_s) == (4, 3.5, 250.0)
+                    assert [(p.step, p.heldout_loss) for p in view.eval_history] == [(4, 3.25)]  # the status page's
                     assert view.stages[1].averaging_success == 0.5 and view.bottleneck_stage == 1
                     assert [(g["labels"]["role"], g["targets"]) for g in scrape_targets(view)] == [
                         ("worker", ["127.0.0.1:9001"]), ("trainer", ["127.0.0.1:9100"])]

@@ -135,7 +135,10 @@ def test_machine_local_settings_are_outside_the_fingerprint():
     assert run_fingerprint(local) == run_fingerprint(tiny)
     assert {s.path for s in run_settings() if s.local} == {
         "data.cache_dir", "sync.optimizer_sync_steps", "runtime.device", "runtime.dtype", "runtime.weights",
-        "runtime.compile"}
+        "runtime.compile", "evals.every", "evals.heldout_batches", "evals.tasks", "evals.include_path",
+        "evals.limit"}
+    evaluating = config_with(tiny, {"evals.every": 5, "evals.tasks": ("agora_code_mc",)})
+    assert run_fingerprint(evaluating) == run_fingerprint(tiny)  # a trainer that evaluates serves the same run
     assert run_fingerprint(config_with(tiny, {"sync.quorum": 2})) != run_fingerprint(tiny)
     assert run_fingerprint(replace(tiny, model=replace(tiny.model, init_std=0.03))) != run_fingerprint(tiny)
 
@@ -167,6 +170,10 @@ def test_every_setting_has_a_flag_with_the_schema_help():
     (["--runtime.weights", "bf16"], "runtime.weights: bf16 weights need runtime.dtype = bf16"),
     (["--model.layer-split", "3", "2"], r"model.layer_split: \[3, 2\] must sum to n_layers=6"),
     (["--stages", "9"], "stages: need 1..6 stages for 6 blocks, got 9"),
+    (["--evals.every", "-1"], "evals.every: must be >= 0, got -1"),
+    (["--evals.every", "5", "--evals.heldout-batches", "0"],
+     "evals.every: evaluations every 5 global batches need heldout_batches > 0 or a task"),
+    (["--evals.limit", "0"], "evals.limit: must be > 0, got 0"),
 ])
 def test_a_bad_flag_value_names_the_setting_and_the_value(argv, message):
     from agora.node.cli import build_parser
@@ -182,6 +189,10 @@ def test_a_bad_flag_value_names_the_setting_and_the_value(argv, message):
     ("[optim]\nlr = '1e-3'\n", "optim.lr: expected a number, got '1e-3'"),
     ("[sync]\nevry_steps = 3\n", r"sync.evry_steps: unknown field \(known: .*every_steps"),
     ("sync = 3\n", "sync: expected a table, got 3"),
+    ("[evals]\ntasks = 'agora_code_mc'\n", "evals.tasks: expected a list, got 'agora_code_mc'"),
+    ("[evals]\ntasks = ['']\n", r"evals.tasks\[0\]: string should have at least 1 character, got ''"),
+    ("[evals]\ninclude_path = 'tasks/'\n", "evals.include_path: given without tasks to run from it"),
+    ("[evals]\nevery = 4\nperplexity = 2\n", r"evals.perplexity: unknown field \(known: every, heldout_batches"),
 ])
 def test_a_bad_file_value_names_the_setting_and_the_value(tmp_path, text, message):
     path = tmp_path / "run.toml"

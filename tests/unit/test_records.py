@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from agora.dht.records import (CLOCK_SKEW_S, KEY_FAMILIES, MAX_HEARTBEAT_S, MoveRecord, RecordError, RoundRecord,
-                               WorkerRecord, move_key, rounds_key, trainer_key, typed_keys, units_key, worker_key)
+                               TrainerRecord, WorkerRecord, move_key, rounds_key, trainer_key, typed_keys, units_key, worker_key)
 from agora.pipeline.config import MAX_MATCHMAKING_S
 from record_samples import SAMPLES
 
@@ -73,6 +73,17 @@ def test_a_record_of_an_older_peer_reads_with_the_defaults_and_a_newer_ones_extr
     assert (older.sessions, older.metrics_endpoint, older.capacity, older.credits) == (0, "", 0, 0)
     newer = {**SAMPLES["round"].to_wire(), "added_later": [1, 2], 7: "a key msgpack allows", b"k": None}
     assert RoundRecord.from_wire(newer) == SAMPLES["round"]
+
+
+def test_a_trainers_evaluation_is_on_the_wire_only_once_it_has_one():
+    """eval_step and heldout_loss came after the release: a trainer that has not evaluated writes the
+    released bytes (above); one that has writes both, and reads back with them."""
+    trainer = SAMPLES["trainer"]
+    assert "eval_step" not in trainer.to_wire() and "heldout_loss" not in trainer.to_wire()
+    evaluated = trainer.replace(eval_step=12, heldout_loss=2.5)
+    wire = msgpack.unpackb(packed(evaluated.to_wire()), raw=False)
+    assert (wire["eval_step"], wire["heldout_loss"]) == (12, 2.5)
+    assert TrainerRecord.from_wire(wire) == evaluated
 
 
 # A value of the wrong type for each scalar type a field may have (a bool is no int, text no bytes).
