@@ -3,7 +3,8 @@
 A node's access link has an upload and a download rate and a round trip to any other node. A
 message from A to B holds A's uplink for its bytes at the slower of A's upload and B's download
 (one message at a time per uplink: a busy link queues), then travels half the path's round trip,
-the path's being the longer of the two nodes' (the harness delays at the relay, per node). What
+the path's being the mean of the two nodes' access round trips (as the WAN harness's relay delays
+a frame by a quarter of their sum each way). What
 the message costs in framing and gRPC is the scenario's `call_overhead_ms`, paid per call.
 
 A DHT operation (a store, a get) takes `base_ms + per_doubling_ms * log2(N)` at N nodes: Kademlia's
@@ -19,7 +20,7 @@ import simpy
 
 from agora.node.simulate.scenario import DHTSection, LinkSection
 
-__all__ = ["NodeLink", "transmit", "dht_op_s"]
+__all__ = ["NodeLink", "path_rtt_s", "transmit", "dht_op_s"]
 
 
 @dataclass
@@ -39,7 +40,7 @@ class NodeLink:
 
 
 def path_rtt_s(a: NodeLink, b: NodeLink) -> float:
-    return max(a.rtt_s, b.rtt_s)
+    return (a.rtt_s + b.rtt_s) / 2
 
 
 def transmit(env: simpy.Environment, sender: NodeLink, receiver: NodeLink, nbytes: float):

@@ -67,6 +67,8 @@ class ComputeSection:
     tail one call that does both)."""
 
     ms: tuple[StrictFloat, ...] = setting((20.0, 20.0, 20.0), "compute per microbatch of each stage, ms", min_length=2)
+    step_ms: tuple[StrictFloat, ...] = setting((), "each stage's optimizer step on a replica's executor, ms "
+                                               "(empty: none)")
     forward_share: StrictFloat = setting(0.5, "a head's or body's Forward's share of its compute", gt=0, lt=1)
     call_overhead_ms: StrictFloat = setting(
         0.0, "each call's time outside compute and the links (framing, gRPC, the trainer's relay)", ge=0)
@@ -78,6 +80,8 @@ class ComputeSection:
     def _positive(self) -> "ComputeSection":
         if not all(value > 0 for value in self.ms):
             raise ValueError(f"ms: every stage's compute must be > 0, got {list(self.ms)}")
+        if self.step_ms and (len(self.step_ms) != len(self.ms) or min(self.step_ms) < 0):
+            raise ValueError(f"step_ms: one time >= 0 per stage of ms, got {list(self.step_ms)}")
         return self
 
 
@@ -88,7 +92,7 @@ class LinkSection:
     name: StrictStr = setting(..., "what trainers and the scenario call it", min_length=1)
     up_mbit: StrictFloat = setting(..., "upload rate, Mbit/s", gt=0)
     down_mbit: StrictFloat = setting(..., "download rate, Mbit/s", gt=0)
-    rtt_ms: StrictFloat = setting(0.0, "round trip to any other node, ms", ge=0, le=10_000)
+    rtt_ms: StrictFloat = setting(0.0, "access round trip, ms (two nodes see the mean of theirs)", ge=0, le=10_000)
     share: StrictFloat = setting(1.0, "relative share of the workers on this kind of link (0: trainers only)", ge=0)
 
 

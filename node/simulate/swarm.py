@@ -26,6 +26,7 @@ import simpy
 from agora.dht.records import Phase
 from agora.node.membership.phases import SyncPolicy, entry_phase
 from agora.node.membership.rebalance import RebalancePolicy, plan_move, stage_coverage
+from agora.node.simulate.host import SharedCores
 from agora.node.simulate.network import NodeLink, dht_op_s, transmit
 from agora.node.simulate.results import SimulationResult, summarize
 from agora.node.simulate.scenario import Scenario
@@ -40,6 +41,7 @@ __all__ = ["SimSwarm", "simulate"]
 
 _LEASE_S = 30.0
 _UNITS = 10_000_000  # the schedule is longer than any simulation runs
+_RETRY_S = 5.0  # a weight sync with no member to download from asks again this often (phases.py's retry_s)
 
 
 class SimSwarm:
@@ -55,7 +57,7 @@ class SimSwarm:
         self._moving: Optional[str] = None
         self._plans: dict[str, tuple[int, int]] = {}  # peer -> (target, checks in a row)
         self._serial = 0
-        self.cores = simpy.Resource(self.env, capacity=s.compute.shared_cores) if s.compute.shared_cores else None
+        self.cores = SharedCores(self.env, s.compute.shared_cores) if s.compute.shared_cores else None
         sync = SyncConfig(method=s.averaging.method, every_steps=s.averaging.every_steps,
                           fraction=s.averaging.fraction)
         self.n_slices = sync.n_slices if s.averaging.method != "none" else 0
@@ -117,17 +119,19 @@ class SimSwarm:
         return worker
 
     def compute(self, seconds: float, since: float):
-        """A simpy process: `seconds` of compute (holding one of the host's cores when they are shared);
-        its value is the time waited since `since` before it began."""
+        """A simpy process: `seconds` of compute, on the host's shared cores when the scenario shares
+        them; its value is the time waited since `since` before it began."""
+        waited = self.env.now - since
         if self.cores is None:
-            waited = self.env.now - since
             yield self.env.timeout(seconds)
-            return waited
-        with self.cores.request() as core:
-            yield core
-            waited = self.env.now - since
-            yield self.env.timeout(seconds)
+        else:
+            yield from self.cores.run(seconds)
         return waited
+
+    def step_s(self, worker: SimWorker) -> float:
+        """A replica's optimizer step on its executor (its speed applies)."""
+        steps = self.scenario.compute.step_ms
+        return steps[worker.stage] / 1000.0 * worker.speed if steps else 0.0
 
     def measured(self, seconds: float) -> float:
         """Busy time that counts toward utilization (none during the warm-up)."""
@@ -158,6 +162,14 @@ class SimSwarm:
         if phase == Phase.MEMBER:
             worker.state_at = self.env.now - began
             return
+        empty_since = self.env.now
+        while not members:  # SyncPhases.download: ask again, and after empty_stage_wait_s be the stage's state
+            if self.env.now - empty_since >= self.policy.empty_stage_wait_s:
+                worker.enter(Phase.MEMBER, self.env.now)
+                worker.state_at = self.env.now - began
+                return
+            yield self.env.timeout(_RETRY_S)
+            members = [w for w in self.workers.values() if w.alive and w.stage == stage and w.phase == Phase.MEMBER]
         donor = max(members, key=lambda m: (m.steps, m.peer_id))
         yield from transmit(self.env, donor.link, worker.link, s.state_bytes)
         yield self.env.timeout(s.state_load_s)

@@ -9,14 +9,19 @@ It runs as node/trainer/trainer.py does, calling the same decisions:
   hears every call's round trip, compute and queueing (`Roster.succeeded`) as the real one does.
 - The depth starts at `initial_depth` and after every microbatch becomes `resized_depth`
   (node/trainer/inflight.py) over a `DepthEstimate` fed its unqueued latency and compute.
-- A global batch is done when its microbatches are: each stage's replicas are told (one round
-  trip), step, and the unit is committed (one DHT store).
-The trainer's own work per microbatch (`cpu_ms`) is paid once per microbatch, before its first call.
+- A stage's replicas are told a global batch is done the moment its last microbatch has passed
+  that stage (one round trip; each replica steps, which takes its executor `step_ms`), and a call
+  to a replica first waits for the report sent to it last (the trainer's `_reported`), so the next
+  batch meets stepped weights. Once every stage has taken its report the unit is committed (one
+  DHT store).
+The trainer's own work per microbatch (`cpu_ms`) is paid once per microbatch, before its first call,
+one microbatch at a time (a trainer is one asyncio loop).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,8 +34,8 @@ from agora.node.trainer.routing import Roster, WorkerView
 
 __all__ = ["SimTrainer", "DepthLimit", "CallCosts"]
 
-# How long a call that found no replica with a credit waits before it looks again (a return wakes it sooner).
-_RETRY_S = 0.05
+# How long a call that found no routable replica at all waits before it looks again.
+_RETRY_S = 1.0
 
 
 class DepthLimit:
@@ -107,7 +112,12 @@ class SimTrainer:
         self.roster = Roster(microbatch_size=self.costs.tokens)
         self.depth = DepthEstimate(self.stages)
         self.limit = DepthLimit(self.env, initial_depth(self.max_in_flight, self.microbatches, adaptive=self.adaptive))
-        self._returned = self.env.event()
+        self._waiting = [deque() for _ in range(self.stages)]  # per stage, calls waiting for a credit
+        self._woken = [False] * self.stages  # the first in line was let through to look again
+        self.loop = simpy.Resource(self.env, capacity=1)
+        self._reports: dict[str, simpy.Process] = {}  # peer -> the completed-batch report sent it last
+        self._stage_reports: dict[int, list] = {}  # unit -> its reports so far
+        self._passed_count: dict[int, list[int]] = {}  # unit -> microbatches done at each stage
 
     # ------------------------------------------------------------------ the roster
     def refresh(self) -> None:
@@ -120,19 +130,39 @@ class SimTrainer:
             for w in self.swarm.workers.values() if w.alive])
 
     def _pick(self, stage: int, shares: dict):
+        """The replica `Roster.choose` gives; while none has a credit free, wait in line for a call to
+        that stage to return (one waiter per return, first come first served), or for the swarm to change."""
         while True:
             if self._seen_version != self.swarm.version:
                 self.refresh()
-            view = self.roster.choose(stage, self.env.now, shares=shares)
-            if view is not None:
-                self.roster.started(view.peer_id)
-                return self.swarm.workers[view.peer_id]
-            yield self.env.any_of([self._returned, self.env.timeout(_RETRY_S)])
+            if not self._waiting[stage] or self._woken[stage]:
+                self._woken[stage] = False
+                view = self.roster.choose(stage, self.env.now, shares=shares)
+                if view is not None:
+                    self.roster.started(view.peer_id)
+                    return self.swarm.workers[view.peer_id]
+            turn = self.env.event()
+            self._waiting[stage].append(turn)
+            if self.roster.held_back(stage, self.env.now):
+                yield turn
+            else:  # no replica to wait for: the swarm must change
+                yield self.env.any_of([turn, self.env.timeout(_RETRY_S)])
+                if not turn.triggered:
+                    self._waiting[stage].remove(turn)
+
+    def _returned_at(self, stage: int) -> None:
+        """A call to `stage` returned: a credit there is free, the first in line may look again."""
+        if self._waiting[stage]:
+            self._woken[stage] = True
+            self._waiting[stage].popleft().succeed()
 
     # ------------------------------------------------------------------ calls
     def _call(self, worker: SimWorker, job_s: float, stage: int, backward: bool, record: dict):
         request, reply = self.costs.frames(stage, self.stages, backward)
         began = self.env.now
+        pending = self._reports.get(worker.peer_id)
+        if pending is not None and not pending.triggered:
+            yield pending
         yield from transmit(self.env, self.link, worker.link, request)
         arrived = self.env.now
         with worker.compute.request() as turn:
@@ -145,14 +175,15 @@ class SimTrainer:
                               credits=self.credits, in_flight_credits=self.credits)
         record["compute"][stage] += job_s
         record["queued"] += queued
-        returned, self._returned = self._returned, self.env.event()
-        returned.succeed()
+        self._returned_at(stage)
 
     def _microbatch(self, unit: int, shares: list[dict]):
         yield from self.limit.acquire()
         began = self.env.now
         record = {"compute": [0.0] * self.stages, "queued": 0.0}
-        yield from self.swarm.compute(self.cpu_s, since=self.env.now)
+        with self.loop.request() as turn:  # one event loop: the trainer's own work is serial
+            yield turn
+            yield from self.swarm.compute(self.cpu_s, since=self.env.now)
         route = []
         for stage in range(self.stages):
             worker = yield from self._pick(stage, shares[stage])
@@ -160,9 +191,11 @@ class SimTrainer:
             worker.got_microbatches += 1
             route.append(worker)
             yield from self._call(worker, worker.job_s[0], stage, False, record)
+        self._passed(unit, self.stages - 1)
         for stage in range(self.stages - 2, -1, -1):
             self.roster.started(route[stage].peer_id)
             yield from self._call(route[stage], route[stage].job_s[1], stage, True, record)
+            self._passed(unit, stage)
         self.limit.release()
         self.tokens_done.append((self.env.now, self.costs.tokens))
         wall = self.env.now - began
@@ -176,15 +209,35 @@ class SimTrainer:
         self.swarm.board.renew(self.peer_id, unit)
 
     # ------------------------------------------------------------------ units
+    def _passed(self, unit: int, stage: int) -> None:
+        """A microbatch of `unit` is done at `stage`; after its last one the stage is told."""
+        passed = self._passed_count.setdefault(unit, [0] * self.stages)
+        passed[stage] += 1
+        if passed[stage] == self.microbatches:
+            told = [w for w in self.swarm.workers.values() if w.alive and w.stage == stage]
+            reports = [self.env.process(self._report(worker, len(told))) for worker in told]
+            for worker, report in zip(told, reports):
+                self._reports[worker.peer_id] = report
+            self._stage_reports.setdefault(unit, []).extend(reports)
+
+    def _report(self, worker: SimWorker, replicas: int):
+        """One completed-batch report: there, the replica's step, and back."""
+        rtt = path_rtt_s(self.link, worker.link)
+        yield self.env.timeout(rtt / 2)
+        step_s = self.swarm.step_s(worker)
+        if step_s > 0:
+            with worker.compute.request() as turn:
+                yield turn
+                yield from self.swarm.compute(step_s, since=self.env.now)
+        self.swarm.rounds.stepped(worker, self.microbatches * self.costs.tokens // max(1, replicas))
+        yield self.env.timeout(rtt / 2)
+
     def _unit(self, unit: int):
         self.refresh()
         shares: list[dict] = [{} for _ in range(self.stages)]
         yield self.env.all_of([self.env.process(self._microbatch(unit, shares)) for _ in range(self.microbatches)])
-        tokens = self.microbatches * self.costs.tokens
-        told = [w for w in self.swarm.workers.values() if w.alive]
-        yield self.env.timeout(max((path_rtt_s(self.link, w.link) for w in told), default=0.0))
-        for worker in told:
-            self.swarm.rounds.stepped(worker, tokens // max(1, sum(1 for w in told if w.stage == worker.stage)))
+        yield self.env.all_of(self._stage_reports.pop(unit, []))
+        self._passed_count.pop(unit, None)
         for stage in range(self.stages):
             self.roster.batch_done(stage, shares[stage])
         yield from self.swarm.board.commit(self.peer_id, unit)
