@@ -25,6 +25,7 @@ replicas at the 10-replica pace.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from agora.bench.gpu_parts import model_flops_per_token
@@ -102,13 +103,15 @@ def main(argv=None) -> int:
     parser.add_argument("--replicas", default="10,25,50,100")
     parser.add_argument("--trainers", default="10,30,60")
     parser.add_argument("--seconds", type=float, default=20.0, help="simulated seconds of each throughput run")
-    parser.add_argument("--churn-days", type=float, default=DAYS)
+    parser.add_argument("--churn-days", type=float, default=DAYS, help="0: no churn run")
+    parser.add_argument("--merge", type=Path, action="append", default=[],
+                        help="another run's .json (its rows and points join this run's table and plot)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "simulate_8b.md")
     args = parser.parse_args(argv)
     g = geometry()
     rows, points = [], []
-    for replicas in map(int, args.replicas.split(",")):
-        for trainers in map(int, args.trainers.split(",")):
+    for replicas in [int(r) for r in args.replicas.split(",") if r]:  # "": only --merge's points
+        for trainers in [int(t) for t in args.trainers.split(",") if t]:
             result = simulate(scenario_from_dict(base_scenario(g, replicas, trainers, args.seconds)))
             rounds = rounds_at_pace(g, replicas, result.tokens_per_s)
             ratio = None if not (rounds.round_mean_s and rounds.round_window_s) else \
@@ -120,10 +123,13 @@ def main(argv=None) -> int:
                         f"{_fmt(rounds.round_mean_s, 1, ' s')} | {_fmt(rounds.round_window_s, 0, ' s')} | "
                         f"{_fmt(ratio, 3)} | {result.bottleneck} |")
             print(rows[-1], flush=True)
-    ten = max((t for r, _, t in points if r == min(p[0] for p in points)), default=REPORT_TOKENS_PER_S)
-    moved = churn(g, ten, args.churn_days)
-    joined = [n for n in moved.newcomers if n.to_state_s is not None]
-    members = [n.to_member_s for n in joined if n.to_member_s is not None]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"rows": rows, "points": points}))
+    for other in args.merge:
+        merged = json.loads(other.read_text())
+        rows += merged["rows"]
+        points += [tuple(p) for p in merged["points"]]
+    ten = max((t for r, _, t in points if r == 10), default=REPORT_TOKENS_PER_S)
     text = "\n".join([
         "# Pluralis-8B predictions (agora-node's simulator)\n",
         f"Written by `python -m agora.bench.simulate_8b --replicas {args.replicas} --trainers {args.trainers} "
@@ -132,18 +138,30 @@ def main(argv=None) -> int:
         + ", ".join(f"{ms:.0f}" for ms in g["ms"]) + ".\n",
         "| replicas per stage | trainers | tokens/s | / the report's ~170k | stage utilization % | microbatch latency | "
         "round | compute window between rounds | round / window | bottleneck |",
-        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---|", *rows, "",
-        f"Churn at the run's rate ({JOINS} joins, {DEPARTURES} departures over {DAYS} days), 7 x 10 replicas at "
-        f"{ten:,.0f} tokens/s, {args.churn_days:g} days simulated: {len(moved.newcomers)} joins, {moved.departures} "
-        f"departures, {moved.moves} rebalancing moves; newcomers to state: mean "
-        f"{_fmt(sum(n.to_state_s for n in joined) / len(joined) if joined else None, 0, ' s')}, to member: mean "
-        f"{_fmt(sum(members) / len(members) if members else None, 0, ' s')} ({len(members)} of {len(joined)} "
-        "members by the end).", ""])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---|", *sorted(rows, key=_row_key), "",
+        _churn_line(g, ten, args.churn_days) if args.churn_days > 0 else "", ""])
     args.out.write_text(text)
     _plot(points, args.out.with_suffix(".png"))
     print(text)
     return 0
+
+
+def _row_key(row: str) -> tuple[int, int]:
+    replicas, trainers = row.strip("| ").split(" | ")[:2]
+    return int(replicas), int(trainers)
+
+
+def _churn_line(g: dict, tokens_per_s: float, days: float) -> str:
+    moved = churn(g, tokens_per_s, days)
+    joined = [n for n in moved.newcomers if n.to_state_s is not None]
+    members = [n.to_member_s for n in joined if n.to_member_s is not None]
+    return (f"Churn at the run's rate ({JOINS} joins, {DEPARTURES} departures over {DAYS} days), 7 x 10 replicas at "
+            f"{tokens_per_s:,.0f} tokens/s, {days:g} days simulated: {len(moved.newcomers)} joins, {moved.departures} "
+            f"departures, {moved.moves} rebalancing moves; newcomers to state: mean "
+            f"{_fmt(sum(n.to_state_s for n in joined) / len(joined) if joined else None, 0, ' s')}, to member: mean "
+            f"{_fmt(sum(members) / len(members) if members else None, 0, ' s')} "
+            f"({_fmt(sum(members) / len(members) / 3600 if members else None, 1, ' h')}; {len(members)} of "
+            f"{len(joined)} members by the end).")
 
 
 def _plot(points: list, path: Path) -> None:

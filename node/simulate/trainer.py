@@ -186,7 +186,9 @@ class SimTrainer:
             yield from self.swarm.compute(self.cpu_s, since=self.env.now)
         route = []
         for stage in range(self.stages):
+            waiting_since = self.env.now
             worker = yield from self._pick(stage, shares[stage])
+            record["queued"] += self.env.now - waiting_since  # a credit wait is queueing too, as the trainer counts it
             shares[stage][worker.peer_id] = shares[stage].get(worker.peer_id, 0) + 1
             worker.got_microbatches += 1
             route.append(worker)

@@ -88,3 +88,28 @@ def test_routing_balances_shares_between_replicas_within_the_slack():
     equal_shares = 2 * TOKENS / (0.030 * slow)
     assert result.tokens_per_s == pytest.approx(equal_shares, rel=0.08)
     assert result.tokens_per_s < 0.9 * TOKENS * (1 / 0.030 + 1 / (0.030 * slow))
+
+
+def _killed_at(at: float):
+    """3 stages x 2 replicas, a global batch every second, 2 slices every 2 steps, 3 optimizer-sync
+    steps; the oldest replica of stage 0 killed at `at` and a newcomer started for it."""
+    return simulate(_scenario(run={"seconds": 30.0, "warmup_s": 0.0, "batch_s": 1.0},
+                              workers={"replicas": 2},
+                              averaging={"method": "sparta", "every_steps": 2, "fraction": 0.5, "vector_bytes": 0,
+                                         "optimizer_sync_steps": 3},
+                              churn={"admission_s": 0.5, "join_dht_ops": 0, "state_bytes": 0,
+                                     "kill_at_s": [at]}))
+
+
+def test_a_newcomer_behind_the_run_syncs_every_slice_then_warms_then_is_a_member():
+    """Killed at 10.2 s, it starts at 10.7 s ten steps behind (past lag_tolerance): weight sync, the
+    download, rounds 6 and 7 at steps 12 and 14 bring slices 0 and 1 (14 s), then three steps with
+    updates in optimizer sync (17 s): a member 6.8 s after its start."""
+    newcomer, = _killed_at(10.2).newcomers
+    assert newcomer.to_state_s == pytest.approx(0.5)
+    assert newcomer.to_member_s == pytest.approx(17.0 - 10.2)
+
+
+def test_a_newcomer_within_the_lag_tolerance_is_a_member_at_once():
+    newcomer, = _killed_at(1.2).newcomers  # the run is at step 1: entry_phase's lag tolerance (3)
+    assert newcomer.to_member_s == pytest.approx(0.5)
