@@ -113,3 +113,25 @@ def test_a_newcomer_behind_the_run_syncs_every_slice_then_warms_then_is_a_member
 def test_a_newcomer_within_the_lag_tolerance_is_a_member_at_once():
     newcomer, = _killed_at(1.2).newcomers  # the run is at step 1: entry_phase's lag tolerance (3)
     assert newcomer.to_member_s == pytest.approx(0.5)
+
+
+def test_shared_cores_share_time_as_an_operating_system_does():
+    """Processor sharing: a 0.1 s job beside a 1 s one on one core ends at 0.2 s, not after the long
+    one (FIFO) nor at 0.1 s (a core each); the long one at 1.1 s."""
+    import simpy
+
+    from agora.node.simulate.host import SharedCores
+
+    env = simpy.Environment()
+    cores = SharedCores(env, 1)
+    ended = {}
+
+    def job(name, seconds, at=0.0):
+        yield env.timeout(at)
+        yield from cores.run(seconds)
+        ended[name] = env.now
+
+    env.process(job("long", 1.0))
+    env.process(job("short", 0.1))
+    env.run()
+    assert ended == pytest.approx({"long": 1.1, "short": 0.2})
