@@ -68,3 +68,10 @@ def test_the_command_prints_the_result_and_refuses_a_bad_file(tmp_path, capsys):
     path.write_text("[run]\nstages = 1\n")
     assert main(["simulate", "--scenario", str(path)]) == 2
     assert "run.stages: must be >= 2, got 1" in capsys.readouterr().err
+
+
+def test_the_shipped_example_scenario_is_valid():
+    from pathlib import Path
+
+    scenario = load_scenario(Path(__file__).resolve().parents[2] / "bench" / "scenarios" / "pluralis_8b_mixed.toml")
+    assert scenario.run.stages == len(scenario.compute.ms) == 7
