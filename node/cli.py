@@ -441,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     from agora.node.plan import add_plan_command
 
     add_plan_command(commands)
+    from agora.node.simulate.command import add_simulate_command
+
+    add_simulate_command(commands)
     add_config_command(commands)
     add_client_commands(commands)
     return parser

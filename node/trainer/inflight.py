@@ -30,7 +30,8 @@ from typing import Sequence
 
 from agora.node.trainer.options import TrainerOptions
 
-__all__ = ["fill_depth", "in_flight_limit", "adaptive_depth", "depth_cap", "DepthEstimate", "InFlightLimit", "SMOOTHING"]
+__all__ = ["fill_depth", "in_flight_limit", "adaptive_depth", "depth_cap", "initial_depth", "resized_depth",
+           "DepthEstimate", "InFlightLimit", "SMOOTHING"]
 
 # Weight of the newest microbatch in the moving averages: ~10 microbatches of memory.
 SMOOTHING = 0.1
@@ -128,3 +129,17 @@ def depth_cap(max_in_flight: int, credit_cap: int | None, stage_credits: list[in
     cap = max_in_flight if credit_cap is None else min(max_in_flight, credit_cap)
     calls = sum(stage_credits)
     return max(1, min(cap, calls)) if calls else max(1, cap)
+
+
+def initial_depth(max_in_flight: int, microbatches: int, *, adaptive: bool) -> int:
+    """The depth before the first microbatch is measured: half a global batch (at most the cap) when
+    adaptive, else the fixed cap."""
+    return min(max_in_flight, max(1, microbatches // 2)) if adaptive else max_in_flight
+
+
+def resized_depth(estimate: DepthEstimate, *, adaptive: bool, max_in_flight: int, credit_cap: int | None,
+                  stage_credits: list[int]) -> int | None:
+    """The depth after a microbatch was observed: the fill depth within `depth_cap` when adaptive, else
+    the cap itself; None before anything was observed."""
+    cap = depth_cap(max_in_flight, credit_cap, stage_credits)
+    return estimate.depth(cap=cap) if adaptive else cap

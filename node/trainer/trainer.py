@@ -66,7 +66,8 @@ import torch
 
 from agora.node.rpc.tls import ChannelFactory
 from agora.node.trainer.discovery import Discovery
-from agora.node.trainer.inflight import DepthEstimate, InFlightLimit, adaptive_depth, depth_cap, in_flight_limit
+from agora.node.trainer.inflight import (DepthEstimate, InFlightLimit, adaptive_depth, in_flight_limit, initial_depth,
+                                         resized_depth)
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.blame import Blame
 from agora.node.trainer.routing import Roster, WorkerView
@@ -166,8 +167,8 @@ class SwarmTrainer:
         self.max_in_flight = in_flight_limit(options, config.train.microbatches)
         self.adaptive = adaptive_depth(options)
         # Until the first microbatch is measured: half a global batch (at most the cap).
-        initial = min(self.max_in_flight, max(1, config.train.microbatches // 2)) if self.adaptive else self.max_in_flight
-        self._in_flight = InFlightLimit(initial)
+        self._in_flight = InFlightLimit(initial_depth(self.max_in_flight, config.train.microbatches,
+                                                      adaptive=self.adaptive))
         self.depth = DepthEstimate(self.n_stages)
         self._returned = asyncio.Event()  # set (and replaced) whenever a call returns: a credit freed
 
@@ -447,8 +448,8 @@ class SwarmTrainer:
         """Feed one training microbatch to the depth estimate and resize the in-flight limit."""
         self.depth.observe(wall_s, compute, queued_s)
         credit_cap, stage_credits = self.roster.in_flight_cap(self.n_stages), self.roster.stage_credits(self.n_stages)
-        cap = depth_cap(self.max_in_flight, credit_cap, stage_credits)
-        depth = self.depth.depth(cap=cap) if self.adaptive else cap
+        depth = resized_depth(self.depth, adaptive=self.adaptive, max_in_flight=self.max_in_flight,
+                              credit_cap=credit_cap, stage_credits=stage_credits)
         if depth is not None and depth != self._in_flight.limit:
             await self._in_flight.set(depth)
         self.stats.depth(self._in_flight.limit, credit_cap, stage_credits)

@@ -70,3 +70,23 @@ def test_limit_can_shrink_and_grow_while_held():
         assert limit.active == 0 and limit.limit == 3
 
     asyncio.run(scenario())
+
+
+def test_initial_depth_is_half_a_batch_within_the_cap_when_adaptive():
+    from agora.node.trainer.inflight import initial_depth
+
+    assert initial_depth(16, 8, adaptive=True) == 4
+    assert initial_depth(2, 8, adaptive=True) == 2
+    assert initial_depth(16, 1, adaptive=True) == 1
+    assert initial_depth(16, 8, adaptive=False) == 16
+
+
+def test_resized_depth_follows_the_estimate_within_the_credits():
+    from agora.node.trainer.inflight import DepthEstimate, resized_depth
+
+    estimate = DepthEstimate(stages=2)
+    assert resized_depth(estimate, adaptive=True, max_in_flight=32, credit_cap=None, stage_credits=[]) is None
+    estimate.observe(1.0, [0.1, 0.05], 0.0)  # fill depth 10
+    assert resized_depth(estimate, adaptive=True, max_in_flight=32, credit_cap=None, stage_credits=[]) == 10
+    assert resized_depth(estimate, adaptive=True, max_in_flight=32, credit_cap=6, stage_credits=[]) == 6
+    assert resized_depth(estimate, adaptive=False, max_in_flight=32, credit_cap=None, stage_credits=[4, 4]) == 8

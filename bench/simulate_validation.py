@@ -1,0 +1,213 @@
+"""The simulator against the WAN harness: bench/RESULTS.md rows 3 and 7, side by side.
+
+    python -m agora.bench.simulate_validation [--results bench/RESULTS.md] [--out bench/results/simulate_validation.md]
+                                              [--seconds 60] [--only PROFILE]
+
+Row 3: every run with a per-call table. Its inputs are what the harness measured, never its
+tokens/s: each stage's compute per call (a head's or body's Forward and Backward, the tail's one
+call), the trainer's CPU per microbatch, each profile's measured RTT and rates, the run's shape
+(config, microbatches, depth cap, trainers, credits) read from its name. A call's framing and gRPC
+time is the same config's lan run's mean wire time per call (no link there), the frames are the
+trainer relay's bytes per token (row F1), and a DHT operation takes one measured round trip plus
+5 ms. What is predicted: tokens/s and a microbatch's unqueued latency.
+
+Row 7: `demo --chaos 30` (tiny, 3 stages x 2 replicas, one trainer), a worker killed every 30 s
+and a newcomer started on its stage. The run's pace is an input (its committed units over its 150 s
+of training: the chaos runs shared 2 cores with a dozen processes, far slower than row 3's), as is
+a newcomer's start, admission and DHT join before its download, taken as 8 s (what the lan figure
+to state is, less a download of a fraction of a second). What is predicted is the time from state
+to member: the sync phases' rounds and steps, and whether a newcomer gets there before the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from agora.node.simulate.scenario import scenario_from_dict
+from agora.node.simulate.swarm import simulate
+
+ROOT = Path(__file__).resolve().parent
+# Row 3's harness measurement of each profile: RTT ms, up and down Mbit/s.
+PROFILE_LINKS = {"lan": (0.06, 22279.9, 20906.8), "agora-floor": (80.68, 192.3, 191.2),
+                 "residential": (40.85, 19.3, 95.5), "agora-floor (tuned hosts)": (80.73, 191.3, 191.2)}
+# Per config: stages, tokens per sequence, sequences and microbatches per global batch in its preset's
+# shape, bytes per token of a relayed frame (row F1: tiny 16,403 B per 256 tokens, small 131,091 per 1,024).
+CONFIGS = {"tiny": (3, 128, 8, 4, 64.0), "small": (4, 256, 16, 4, 128.0)}
+WIDE = (32, 32)  # sequences, microbatches: "wide"
+REPORT_SHAPE = (256, 256)
+ADMISSION_S = 8.0
+HOST_CORES = 2  # every process of a harness run on one 2-core machine
+DHT_EXTRA_MS = 5.0
+
+
+@dataclass
+class Run:
+    profile: str
+    name: str
+    tokens_per_s: float
+    latency_ms: float
+    stages: list  # (compute ms per call, wire ms) per stage
+    trainer_cpu_ms: float
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def read_row3(text: str) -> dict[tuple[str, str], Run]:
+    section = text.split("## 3.")[1].split("## 4.")[0]
+    runs: dict[tuple[str, str], Run] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 9 and cells[0] in PROFILE_LINKS and re.match(r"^[\d,]+$", cells[2]):
+            runs[(cells[0], cells[1])] = Run(cells[0], cells[1], _number(cells[2]), _number(cells[6]), [], 0.0)
+        elif len(cells) == 9 and ", " in cells[0] and re.match(r"^\d+$", cells[1]):
+            profile, name = cells[0].split(", ", 1)
+            run = runs.get((profile, name))
+            if run is not None:
+                run.stages.append((_number(cells[3]), _number(cells[5])))
+                run.trainer_cpu_ms = _number(cells[7])
+    return {key: run for key, run in runs.items() if run.stages}
+
+
+def _shape(name: str) -> dict:
+    config = name.split()[0]
+    stages, seq, sequences, microbatches, frame = CONFIGS[config]
+    if " wide" in name:
+        sequences, microbatches = WIDE
+    if "report shape" in name:
+        sequences, microbatches = REPORT_SHAPE
+    trainers = int(m.group(1)) if (m := re.search(r"(\d+) trainers", name)) else 1
+    staleness = float(m.group(1)) if (m := re.search(r"staleness (\d+)", name)) else 1.0
+    fixed = max(1, microbatches // 2) if "half a batch" in name else None
+    return {"config": config, "stages": stages, "tokens": sequences * seq // microbatches,
+            "microbatches": microbatches, "trainers": trainers, "staleness": staleness, "fixed": fixed, "frame": frame}
+
+
+def _compute_ms(run: Run) -> list[float]:
+    """Per microbatch: a head's or body's two calls, the tail's one."""
+    last = len(run.stages) - 1
+    return [ms * (1 if i == last else 2) for i, (ms, _) in enumerate(run.stages)]
+
+
+def scenario_for(run: Run, overhead_ms: float, seconds: float) -> dict:
+    shape = _shape(run.name)
+    rtt, up, down = PROFILE_LINKS[run.profile]
+    return {
+        "run": {"seconds": seconds, "warmup_s": min(10.0, seconds / 4), "stages": shape["stages"],
+                "tokens_per_microbatch": shape["tokens"], "microbatches": shape["microbatches"]},
+        "compute": {"ms": _compute_ms(run), "call_overhead_ms": overhead_ms, "shared_cores": HOST_CORES},
+        "links": [{"name": run.profile, "up_mbit": up, "down_mbit": down, "rtt_ms": rtt}],
+        "trainers": {"count": shape["trainers"], "cpu_ms": run.trainer_cpu_ms, "max_staleness": shape["staleness"],
+                     "max_in_flight": shape["fixed"]},
+        "workers": {"credits": 64 // shape["trainers"]},
+        "wire": {"forward_bytes_per_token": shape["frame"], "backward_bytes_per_token": shape["frame"]},
+        "dht": {"base_ms": rtt + DHT_EXTRA_MS},
+        "averaging": {"method": "none"},
+    }
+
+
+def _off(predicted: float, measured: float) -> str:
+    return f"{(predicted / measured - 1) * 100:+.0f}%"
+
+
+def validate_row3(runs: dict[tuple[str, str], Run], seconds: float, only: str | None) -> tuple[list[str], list[float]]:
+    lines = ["| profile | run | measured tokens/s | simulated | off | measured latency ms | simulated | bottleneck (simulated) |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    errors = []
+    for (profile, name), run in runs.items():
+        if only and profile != only:
+            continue
+        lan = runs.get(("lan", name))
+        overhead = statistics.fmean(wire for _, wire in lan.stages) if lan else 0.0
+        result = simulate(scenario_from_dict(scenario_for(run, overhead, seconds)))
+        errors.append(abs(result.tokens_per_s / run.tokens_per_s - 1))
+        latency = (result.latency_s or 0.0) * 1000
+        lines.append(f"| {profile} | {name} | {run.tokens_per_s:,.0f} | {result.tokens_per_s:,.0f} | "
+                     f"{_off(result.tokens_per_s, run.tokens_per_s)} | {run.latency_ms:,.0f} | {latency:,.0f} | "
+                     f"{result.bottleneck} |")
+    return lines, errors
+
+
+# kills, measured s to member, units committed in 150 s of training
+ROW7 = {"lan": (5, [51.0], 168), "agora-floor": (6, [], 75), "residential": (5, [], 105)}
+ROW7_TRAINING_S = 150.0
+
+
+def validate_row7(runs: dict[tuple[str, str], Run], only: str | None) -> list[str]:
+    lines = ["| profile | measured s to member | simulated newcomers: s to state, s to member (- : not by the end) | "
+             "simulated sync phases (member - state) |", "|---|---|---|---:|"]
+    for profile, (kills, members, units) in ROW7.items():
+        if only and profile != only:
+            continue
+        run = runs[(profile, "tiny x1 adaptive")]
+        scenario = scenario_for(run, statistics.fmean(w for _, w in runs[("lan", "tiny x1 adaptive")].stages), 180.0)
+        scenario["run"].update(seconds=180.0, warmup_s=10.0, batch_s=ROW7_TRAINING_S / units)
+        scenario["workers"]["replicas"] = 2
+        scenario["averaging"] = {"method": "sparta", "every_steps": 8, "fraction": 0.25, "optimizer_sync_steps": 16,
+                                 "vector_bytes": 400_000, "matchmaking_dht_ops": 4}
+        scenario["churn"] = {"admission_s": ADMISSION_S, "state_bytes": 6_000_000,
+                             "kill_at_s": [30.0 * (i + 1) for i in range(kills)]}
+        result = simulate(scenario_from_dict(scenario))
+        times = ", ".join(f"{n.to_state_s:.1f}/{'-' if n.to_member_s is None else f'{n.to_member_s:.1f}'}"
+                          for n in result.newcomers if n.to_state_s is not None)
+        syncs = [n.to_member_s - n.to_state_s for n in result.newcomers if n.to_member_s is not None and n.to_state_s]
+        measured = ", ".join(f"{m:.1f}" for m in members) or "never (every newcomer killed or syncing)"
+        lines.append(f"| {profile} | {measured} | {times} | "
+                     f"{statistics.fmean(syncs):.1f} s |" if syncs else f"| {profile} | {measured} | {times} | - |")
+    return lines
+
+
+# What the model leaves out, and which of the runs above show it (read against the measured tables).
+NOTES = """## What the simulator leaves out, and where it shows
+
+- Linux's slow start after idle: on default hosts a connection idle between calls restarts its
+  congestion window, which the simulator's links do not; RESULTS.md's F3 measured tuned hosts 1.45x
+  (small x1 adaptive) to 2.2x (small x1 half a batch) faster at agora-floor. The small runs at
+  agora-floor on default hosts are the ones most over-predicted; on tuned hosts they come closer.
+- The report shape (256 microbatches a batch): the harness's trainer spent 9.6 to 11.4 s outside
+  calls per microbatch there (its own table), lan and agora-floor alike (762 and 749 tokens/s), a
+  cost per global batch that the simulator has no input for; it predicts what the links and compute
+  allow, about 5x more.
+- Depth 4 at one trainer (x1 adaptive, staleness 1): the simulated latency matches the measured one
+  within a few percent, but the harness kept fewer than 4 in flight on average (its tokens/s over
+  latency says about 2.6): the trainer's own time between a global batch's end and the next claim
+  on a loaded host is not in the model.
+- Row 7: at the chaos runs' pace lan's newcomers become members within 20% of the measured 51.0 s.
+  On agora-floor and residential the harness's newcomers were killed or still syncing at the end;
+  the simulated ones need 60 to 90 s of sync phases at those paces, more than the 30 s between kills
+  leaves most of them, so "never" is what both say for most, but the figures cannot be set side by
+  side. The simulator kills the oldest replica of a stage; chaos kills at random, newcomers too.
+"""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=ROOT / "RESULTS.md")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "simulate_validation.md")
+    parser.add_argument("--seconds", type=float, default=60.0, help="simulated seconds per row-3 run")
+    parser.add_argument("--only", default=None, help="one profile only (a quick look)")
+    args = parser.parse_args(argv)
+    runs = read_row3(args.results.read_text())
+    row3, errors = validate_row3(runs, args.seconds, args.only)
+    row7 = validate_row7(runs, args.only)
+    within = sum(1 for e in errors if e <= 0.10)
+    summary = (f"Row 3: {within} of {len(errors)} runs within 10% of the measured tokens/s; median error "
+               f"{statistics.median(errors) * 100:.0f}%, largest {max(errors) * 100:.0f}%." if errors else "")
+    text = "\n".join(["# The simulator against bench/RESULTS.md rows 3 and 7\n",
+                      f"Written by `python -m agora.bench.simulate_validation --seconds {args.seconds:g}`. "
+                      "How the inputs were taken: bench/simulate_validation.py's docstring.\n", summary, "",
+                      "## Row 3: tokens/s over emulated links\n", *row3, "",
+                      "## Row 7: a newcomer's time to member (`demo --chaos 30`)\n", *row7, "", NOTES])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""A discrete-event simulation of a swarm that calls the project's own decisions (`agora-node simulate`)."""

@@ -1,0 +1,213 @@
+"""A simulation's scenario: what `agora-node simulate --scenario FILE` reads, as typed sections.
+
+Every section is a frozen pydantic dataclass declared with pipeline/schema.py's `setting` (type,
+default, bounds, help once), so a bad value is one line naming the field (`load_scenario` turns
+pydantic's report into a `ConfigError`). A scenario states what the simulator cannot derive: the
+time a stage's replica computes one microbatch (measured, or from FLOPs and a stated MFU:
+bench/simulate_8b.py does that), each kind of link (rate each way, round trip), how long a DHT
+operation takes at the swarm's size, the churn, and the run's shape (stages, replicas, trainers,
+microbatches). The swarm's decisions are not settings here: the simulator calls the project's own.
+
+    [run]        seconds, seed, warmup_s, tokens_per_microbatch, microbatches, stages
+    [compute]    ms per microbatch per stage, the forward's share, per-call overhead, shared cores
+    [[links]]    name, up/down Mbit/s, RTT ms, share (a replica draws its link by share)
+    [trainers]   count, link, CPU per microbatch, staleness cap or fixed depth
+    [workers]    replicas per stage, credits, speed spread
+    [wire]       bytes per token of a Forward's and a Backward's frames
+    [dht]        latency of one operation: base + per doubling of the swarm's size
+    [averaging]  the run's SyncConfig fields that shape rounds, and the averaged vector's size
+    [churn]      arrivals per hour, mean lifetime, a newcomer's admission and state size
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError, model_validator
+from pydantic.dataclasses import dataclass
+
+from agora.pipeline.schema import SECTION, ConfigError, explain, setting
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["RunSection", "ComputeSection", "LinkSection", "TrainerSection", "WorkerSection", "WireSection",
+           "DHTSection", "AveragingSection", "ChurnSection", "Scenario", "load_scenario", "scenario_from_dict"]
+
+
+
+@dataclass(frozen=True, config=SECTION)
+class RunSection:
+    """What is simulated and for how long."""
+
+    seconds: StrictFloat = setting(120.0, "simulated seconds of training", gt=0, le=100 * 86400)
+    warmup_s: StrictFloat = setting(0.0, "seconds left out of the throughput figures (the pipeline filling)", ge=0)
+    seed: StrictInt = setting(0, "seed of every random draw (links by share, churn, speed spread)", ge=0)
+    stages: StrictInt = setting(3, "pipeline stages", ge=2, le=64)
+    tokens_per_microbatch: StrictInt = setting(256, "tokens in one microbatch", gt=0)
+    microbatches: StrictInt = setting(4, "microbatches per global batch", gt=0)
+    batch_s: StrictFloat | None = setting(
+        None, "a global batch every this many seconds instead of simulated trainers and microbatches (for days "
+        "of churn: the pace from a run simulated in full)", gt=0)
+
+    @model_validator(mode="after")
+    def _warmup_within(self) -> "RunSection":
+        if self.warmup_s >= self.seconds:
+            raise ValueError(f"warmup_s: {self.warmup_s} leaves nothing of run.seconds={self.seconds} to measure")
+        return self
+
+
+@dataclass(frozen=True, config=SECTION)
+class ComputeSection:
+    """A replica's compute per microbatch, per stage (a head or body runs a Forward and a Backward, the
+    tail one call that does both)."""
+
+    ms: tuple[StrictFloat, ...] = setting((20.0, 20.0, 20.0), "compute per microbatch of each stage, ms", min_length=2)
+    step_ms: tuple[StrictFloat, ...] = setting((), "each stage's optimizer step on a replica's executor, ms "
+                                               "(empty: none)")
+    forward_share: StrictFloat = setting(0.5, "a head's or body's Forward's share of its compute", gt=0, lt=1)
+    call_overhead_ms: StrictFloat = setting(
+        0.0, "each call's time outside compute and the links (framing, gRPC, the trainer's relay)", ge=0)
+    shared_cores: StrictInt | None = setting(
+        None, "every process on one host with this many cores (the emulation harness); none: one machine each",
+        gt=0)
+
+    @model_validator(mode="after")
+    def _positive(self) -> "ComputeSection":
+        if not all(value > 0 for value in self.ms):
+            raise ValueError(f"ms: every stage's compute must be > 0, got {list(self.ms)}")
+        if self.step_ms and (len(self.step_ms) != len(self.ms) or min(self.step_ms) < 0):
+            raise ValueError(f"step_ms: one time >= 0 per stage of ms, got {list(self.step_ms)}")
+        return self
+
+
+@dataclass(frozen=True, config=SECTION)
+class LinkSection:
+    """One kind of access link; a replica draws its kind by `share`."""
+
+    name: StrictStr = setting(..., "what trainers and the scenario call it", min_length=1)
+    up_mbit: StrictFloat = setting(..., "upload rate, Mbit/s", gt=0)
+    down_mbit: StrictFloat = setting(..., "download rate, Mbit/s", gt=0)
+    rtt_ms: StrictFloat = setting(0.0, "access round trip, ms (two nodes see the mean of theirs)", ge=0, le=10_000)
+    share: StrictFloat = setting(1.0, "relative share of the workers on this kind of link (0: trainers only)", ge=0)
+
+
+@dataclass(frozen=True, config=SECTION)
+class TrainerSection:
+    count: StrictInt = setting(1, "trainers", gt=0, le=1000)
+    link: StrictStr = setting("", "their link's name (empty: the first link)")
+    cpu_ms: StrictFloat = setting(0.0, "a trainer's own work per microbatch between calls, ms", ge=0)
+    max_staleness: StrictFloat = setting(1.0, "the in-flight cap in global batches (the trainer's --max-staleness)",
+                                         gt=0)
+    max_in_flight: StrictInt | None = setting(None, "a fixed depth instead of the adaptive one (none: adaptive)", gt=0)
+
+
+@dataclass(frozen=True, config=SECTION)
+class WorkerSection:
+    replicas: StrictInt = setting(1, "replicas per stage at the start", gt=0, le=10_000)
+    credits: StrictInt = setting(64, "calls a trainer may hold at one worker (and microbatches it keeps)", gt=0)
+    speed_spread: StrictFloat = setting(0.0, "replicas' compute drawn uniformly within +- this fraction", ge=0, lt=1)
+    slowdown: tuple[StrictFloat, ...] = setting(
+        (1.0,), "replica i of every stage computes slowdown[i % len] times the stage's time (a mixed swarm)",
+        min_length=1)
+
+    @model_validator(mode="after")
+    def _slowdown_positive(self) -> "WorkerSection":
+        if not all(value > 0 for value in self.slowdown):
+            raise ValueError(f"slowdown: every factor must be > 0, got {list(self.slowdown)}")
+        return self
+
+
+@dataclass(frozen=True, config=SECTION)
+class WireSection:
+    forward_bytes_per_token: StrictFloat = setting(64.0, "a Forward's frame per token, bytes (each way)", ge=0)
+    backward_bytes_per_token: StrictFloat = setting(64.0, "a Backward's gradient frame per token, bytes", ge=0)
+
+
+@dataclass(frozen=True, config=SECTION)
+class DHTSection:
+    base_ms: StrictFloat = setting(5.0, "one DHT operation's latency in a swarm of 2 nodes, ms", ge=0)
+    per_doubling_ms: StrictFloat = setting(0.0, "what each doubling of the swarm adds (Kademlia: log N hops)", ge=0)
+
+
+@dataclass(frozen=True, config=SECTION)
+class AveragingSection:
+    method: Literal["sparta", "none"] = setting("sparta", "sparta, or none (no rounds)")
+    every_steps: StrictInt = setting(20, "local optimizer steps between rounds", gt=0)
+    fraction: StrictFloat = setting(0.05, "share of every tensor per round", gt=0, le=1)
+    vector_bytes: StrictInt = setting(1_000_000, "bytes of one stage's averaged slice", ge=0)
+    matchmaking_dht_ops: StrictInt = setting(4, "DHT operations a round's matchmaking takes", ge=0)
+    optimizer_sync_steps: StrictInt = setting(100, "a joiner's optimizer-sync steps", ge=0)
+
+
+@dataclass(frozen=True, config=SECTION)
+class ChurnSection:
+    arrivals_per_hour: StrictFloat = setting(0.0, "worker arrivals per hour (Poisson)", ge=0)
+    mean_lifetime_h: StrictFloat = setting(0.0, "a worker's mean lifetime, hours (exponential; 0: never leaves)",
+                                           ge=0)
+    admission_s: StrictFloat = setting(2.0, "a newcomer's start and admission before its DHT join, seconds", ge=0)
+    join_dht_ops: StrictInt = setting(6, "DHT operations of its join and first reads", ge=0)
+    state_bytes: StrictInt = setting(10_000_000, "the stage state it downloads, bytes", ge=0)
+    state_load_s: StrictFloat = setting(0.0, "loading the downloaded state, seconds", ge=0)
+    kill_at_s: tuple[StrictFloat, ...] = setting((), "times a worker (the oldest of a stage, in turn) is killed "
+                                                 "and a newcomer starts for it, seconds")
+
+
+@dataclass(frozen=True, config=SECTION)
+class Scenario:
+    run: RunSection = setting(default_factory=RunSection)
+    compute: ComputeSection = setting(default_factory=ComputeSection)
+    links: tuple[LinkSection, ...] = setting(
+        (LinkSection(name="lan", up_mbit=10_000.0, down_mbit=10_000.0),), "kinds of link", min_length=1)
+    trainers: TrainerSection = setting(default_factory=TrainerSection)
+    workers: WorkerSection = setting(default_factory=WorkerSection)
+    wire: WireSection = setting(default_factory=WireSection)
+    dht: DHTSection = setting(default_factory=DHTSection)
+    averaging: AveragingSection = setting(default_factory=AveragingSection)
+    churn: ChurnSection = setting(default_factory=ChurnSection)
+
+    @model_validator(mode="after")
+    def _agree(self) -> "Scenario":
+        if len(self.compute.ms) != self.run.stages:
+            raise ValueError(f"compute.ms: {len(self.compute.ms)} stages given, run.stages is {self.run.stages}")
+        names = [link.name for link in self.links]
+        if len(set(names)) != len(names):
+            raise ValueError(f"links: names must differ, got {names}")
+        if self.trainers.link and self.trainers.link not in names:
+            raise ValueError(f"trainers.link: no link named {self.trainers.link!r} (known: {', '.join(names)})")
+        if not any(link.share > 0 for link in self.links):
+            raise ValueError("links: at least one link needs share > 0 (the workers' links)")
+        return self
+
+    def link(self, name: str) -> LinkSection:
+        return next((link for link in self.links if link.name == name), self.links[0])
+
+
+_SCENARIO = TypeAdapter(Scenario)
+
+
+def scenario_from_dict(values: dict) -> Scenario:
+    """A scenario from parsed TOML (or any mapping), or a ConfigError naming the first bad field."""
+    try:
+        return _SCENARIO.validate_python(values)
+    except ValidationError as error:
+        raise explain(error, Scenario) from None
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read a TOML scenario file; a ConfigError (one line naming the file and field) when it is wrong."""
+    path = Path(path)
+    try:
+        values = tomllib.loads(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the scenario: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML: {error}") from None
+    try:
+        return scenario_from_dict(values)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None

@@ -1,0 +1,84 @@
+"""Leased units in simulated time: each trainer's entry per block, read through dht/leases.py's `resolve`.
+
+A trainer claims as node/trainer/units.py and dht/leases.py do: `next_candidates` picks the units to
+try, the claim is a store, a read, a wait as long as both took (at least `CLAIM_SETTLE_S`) and a
+read again, and it holds the unit only if `resolve` names it holder both times; a commit is one
+store. A store is visible to others once its DHT operation has taken its time. Entries carry the
+two views `resolve` reads (committed units, live claims) and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import simpy
+
+from agora.dht.leases import CLAIM_SETTLE_S, resolve
+from agora.node.trainer.units import next_candidates
+
+__all__ = ["SimUnitEntry", "SimLeaseBoard"]
+
+
+@dataclass
+class SimUnitEntry:
+    """One trainer's entry: what `resolve` reads of a `UnitBlockRecord`."""
+
+    committed: set = field(default_factory=set)
+    claims: dict = field(default_factory=dict)  # unit -> (claimed_at, expires_at)
+
+    def committed_units(self) -> set[int]:
+        return self.committed
+
+    def claimed_units(self) -> dict[int, tuple[float, float]]:
+        return self.claims
+
+
+class SimLeaseBoard:
+    """Every trainer's entry (one block is enough for a simulation's units)."""
+
+    def __init__(self, env: simpy.Environment, *, total: int, lease_s: float, dht_op_s: Callable[[], float]):
+        self.env, self.total, self.lease_s, self.dht_op_s = env, total, lease_s, dht_op_s
+        self.entries: dict[str, SimUnitEntry] = {}
+        self.low = 0
+        self.duplicates = 0
+        self.committed: set[int] = set()  # every trainer's commits (which units `_states` resolves)
+
+    def _state(self, unit: int):
+        return resolve(unit, self.entries, self.env.now)
+
+    def _states(self) -> dict:
+        touched = {unit for entry in self.entries.values() for unit in entry.claims} | self.committed
+        return {unit: self._state(unit) for unit in touched if unit >= self.low}
+
+    def claim(self, peer: str, stripe: Optional[tuple[int, int]]):
+        """A simpy process whose value is the unit `peer` now holds, or None."""
+        while self.low in self.committed:
+            self.low += 1
+        entry = self.entries.setdefault(peer, SimUnitEntry())
+        for unit in next_candidates(self._states(), low=self.low, total=self.total, now=self.env.now,
+                                    stripe=stripe, limit=4):
+            began = self.env.now
+            yield self.env.timeout(self.dht_op_s())  # store
+            entry.claims[unit] = (began, self.env.now + self.lease_s)
+            yield self.env.timeout(self.dht_op_s())  # read back
+            if self._state(unit).holder == peer:
+                yield self.env.timeout(max(CLAIM_SETTLE_S, self.env.now - began))
+                yield self.env.timeout(self.dht_op_s())  # and again
+                if self._state(unit).holder == peer:
+                    return unit
+            entry.claims.pop(unit, None)
+        return None
+
+    def renew(self, peer: str, unit: int) -> None:
+        entry = self.entries[peer]
+        if unit in entry.claims:
+            entry.claims[unit] = (entry.claims[unit][0], self.env.now + self.lease_s)
+
+    def commit(self, peer: str, unit: int):
+        yield self.env.timeout(self.dht_op_s())
+        entry = self.entries[peer]
+        entry.claims.pop(unit, None)
+        self.duplicates += unit in self.committed
+        entry.committed.add(unit)
+        self.committed.add(unit)

@@ -1,0 +1,149 @@
+"""Simulated stage replicas: compute, steps, averaging rounds and the sync phases of a joiner.
+
+A `SimWorker` computes one job at a time (its executor thread); with `shared_cores` every job also
+holds one of the host's cores (the emulation harness ran every process on one machine). What it
+does between jobs is the project's own decisions, called with what it has observed:
+
+- Steps: a completed-batch report steps every replica of the stage (as node/replica/epoch.py counts
+  a unit once). After each, `next_round` (node/averaging/sparta.py) says whether a round is due;
+  the stage's first replica to reach a round announces it, so the others start it too (the fastest
+  sets the pace), and a round that comes due while one runs is skipped.
+- Rounds: replicas that start round r within one matchmaking window form its group
+  (`StageRounds`); it lasts the matchmaking's DHT operations plus the all-reduce, whose bytes per
+  peer are dht/averaging.py's `estimated_bytes` over the slowest member's link. A group of one
+  commits nothing. Its slice is `round_slice`.
+- Phases: a newcomer's entry (`entry_phase`) and every move on (`next_phase`) are
+  node/membership/phases.py's pure rules, fed the steps, updates, rounds and slices it observed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import simpy
+
+from agora.dht.averaging import estimated_bytes
+from agora.dht.records import TRAINING_PHASES, Phase
+from agora.node.averaging.sparta import next_round, round_slice
+from agora.node.membership.phases import SyncPolicy, SyncProgress, next_phase
+from agora.node.simulate.network import NodeLink, path_rtt_s
+
+__all__ = ["SimWorker", "StageRounds", "RoundLog"]
+
+
+@dataclass
+class RoundLog:
+    stage: int
+    number: int
+    started: float
+    seconds: float
+    group: int
+    committed: bool
+
+
+@dataclass(eq=False)
+class SimWorker:
+    peer_id: str
+    stage: int
+    link: NodeLink
+    job_s: tuple[float, float]  # Forward, Backward (the tail: its one fused call, then 0)
+    compute: simpy.Resource
+    phase: str = Phase.MEMBER
+    started_at: float = 0.0
+    alive: bool = True
+    steps: int = 0
+    busy_s: float = 0.0
+    samples_since_round: int = 0
+    last_round: int = 0
+    rounding: bool = False
+    # what a syncing replica has observed since its phase began (SyncProgress's fields)
+    downloaded: bool = False
+    phase_steps: int = 0
+    phase_updates: int = 0
+    rounds: int = 0
+    slices_averaged: set = field(default_factory=set)
+    got_microbatches: int = 0  # in the global batch now running
+    history: list = field(default_factory=list)  # (phase, seconds since its start)
+
+    @property
+    def routable(self) -> bool:
+        return self.alive and self.phase in TRAINING_PHASES
+
+    @property
+    def per_job_s(self) -> float:
+        jobs = [s for s in self.job_s if s > 0]
+        return sum(jobs) / len(jobs)
+
+    def enter(self, phase: str, now: float) -> None:
+        self.phase = phase
+        self.phase_steps = self.phase_updates = 0
+        self.history.append((phase, now - self.started_at))
+
+    def progress(self, n_slices: int) -> SyncProgress:
+        return SyncProgress(Phase(self.phase), self.downloaded, self.phase_steps, self.phase_updates, self.rounds,
+                            frozenset(self.slices_averaged), n_slices)
+
+    def advance(self, policy: SyncPolicy, n_slices: int, now: float) -> None:
+        """Move on through the sync phases for as long as `next_phase` says so."""
+        while self.phase in (Phase.WEIGHT_SYNC, Phase.OPTIMIZER_SYNC):
+            move = next_phase(self.progress(n_slices), policy)
+            if move is None:
+                return
+            self.enter(move[0], now)
+
+
+class StageRounds:
+    """The averaging rounds of every stage: groups, durations, and what each round did."""
+
+    def __init__(self, env: simpy.Environment, *, every_steps: int, n_slices: int, vector_bytes: int,
+                 matchmaking_s: Callable[[], float], policy: SyncPolicy, enabled: bool):
+        self.env, self.every_steps, self.n_slices = env, every_steps, n_slices
+        self.vector_bytes, self.matchmaking_s, self.policy, self.enabled = vector_bytes, matchmaking_s, policy, enabled
+        self.announced: dict[int, int] = {}  # stage -> highest round announced
+        self._groups: dict[tuple[int, int], list[SimWorker]] = {}
+        self.log: list[RoundLog] = []
+
+    def stepped(self, worker: SimWorker, tokens: int) -> None:
+        """A completed-batch report reached `worker`: count the step, maybe start a round."""
+        worker.steps += 1
+        worker.samples_since_round += tokens
+        worker.phase_steps += 1
+        worker.phase_updates += int(worker.got_microbatches > 0)
+        worker.got_microbatches = 0
+        worker.advance(self.policy, self.n_slices, self.env.now)
+        if not self.enabled or worker.rounding:
+            return
+        decision = next_round(worker.steps, self.every_steps, worker.last_round, self.announced.get(worker.stage))
+        if decision.round is None:
+            return
+        worker.last_round = decision.round
+        self.announced[worker.stage] = max(self.announced.get(worker.stage, 0), decision.round)
+        self.env.process(self._round(worker, decision.round))
+
+    def _round(self, worker: SimWorker, number: int):
+        worker.rounding = True
+        key = (worker.stage, number)
+        group = self._groups.setdefault(key, [])
+        group.append(worker)
+        started = self.env.now
+        if len(group) == 1:  # the first to look: the group forms within its matchmaking
+            yield self.env.timeout(self.matchmaking_s())
+            del self._groups[key]
+            members = [w for w in group if w.alive]
+            size = len(members)
+            slowest = max((estimated_bytes(self.vector_bytes, size) * 8 /
+                           min(w.link.kind.up_mbit, w.link.kind.down_mbit) / 1e6 for w in members), default=0.0)
+            rtt = max((path_rtt_s(a.link, b.link) for a in members for b in members), default=0.0)
+            yield self.env.timeout(slowest + (2 * rtt if size > 1 else 0.0))
+            committed = size > 1
+            self.log.append(RoundLog(worker.stage, number, started, self.env.now - started, size, committed))
+            for member in members:
+                member.rounding = False
+                member.samples_since_round = 0
+                if member.downloaded:
+                    member.rounds += 1
+                    if committed:
+                        member.slices_averaged.add(round_slice(number, self.n_slices))
+                member.advance(self.policy, self.n_slices, self.env.now)
+        # the others are released by the first one's process above

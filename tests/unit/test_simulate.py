@@ -1,0 +1,137 @@
+"""The simulator against closed forms, under a seed, and calling the project's own routing.
+
+Each simulation is small (a few simulated seconds of a 3-stage pipeline) so the file runs in seconds."""
+
+import pytest
+
+from agora.node.simulate.scenario import scenario_from_dict
+from agora.node.simulate.swarm import simulate
+from agora.node.trainer.routing import BALANCE_SLACK
+
+TOKENS = 256
+
+
+def _scenario(**sections):
+    base = {
+        "run": {"seconds": 6.0, "warmup_s": 1.0, "stages": 3, "tokens_per_microbatch": TOKENS, "microbatches": 64},
+        "compute": {"ms": [30.0, 30.0, 30.0]},
+        "trainers": {"max_in_flight": 32},
+        "dht": {"base_ms": 0.0},
+        "averaging": {"method": "none"},
+    }
+    for name, values in sections.items():
+        base[name] = values if isinstance(values, list) else {**base.get(name, {}), **values}
+    return scenario_from_dict(base)
+
+
+def test_one_replica_per_stage_runs_at_the_busiest_stages_rate():
+    result = simulate(_scenario(compute={"ms": [20.0, 40.0, 30.0]}))
+    bound = TOKENS / 0.040  # the pipeline's bound: one microbatch per 40 ms of stage 1
+    assert result.tokens_per_s == pytest.approx(bound, rel=0.05)
+    assert result.bottleneck.startswith("compute: stage 1")
+
+
+def test_one_in_flight_runs_at_one_microbatchs_latency():
+    """Depth 1: every microbatch alone through 5 calls over 50 ms links, plus its compute."""
+    result = simulate(_scenario(trainers={"max_in_flight": 1, "link": "wan"},
+                                links=[{"name": "wan", "up_mbit": 1000.0, "down_mbit": 1000.0, "rtt_ms": 50.0}],
+                                wire={"forward_bytes_per_token": 0.0, "backward_bytes_per_token": 0.0}))
+    latency = 5 * 0.050 + 3 * 0.030 + 2 * 4 * TOKENS * 8 / 1e9  # round trips, compute, the head's token ids
+    assert result.tokens_per_s == pytest.approx(TOKENS / latency, rel=0.05)
+    assert result.latency_s == pytest.approx(latency, rel=0.01)
+
+
+def test_the_trainers_uplink_bounds_a_pipeline_whose_frames_outgrow_it():
+    """Every frame goes through the trainer: 4 frames of 1,000 bytes per token leave its uplink per
+    microbatch (Forward wire to stages 1 and 2, Backward gradients to 1 and 0)."""
+    result = simulate(_scenario(trainers={"link": "thin"},
+                                links=[{"name": "thin", "up_mbit": 100.0, "down_mbit": 10_000.0, "share": 0.0},
+                                       {"name": "fast", "up_mbit": 10_000.0, "down_mbit": 10_000.0}],
+                                wire={"forward_bytes_per_token": 1000.0, "backward_bytes_per_token": 1000.0}))
+    sent_bits = (4 * 1000.0 * TOKENS + 4 * TOKENS) * 8  # the head's token ids besides
+    assert result.tokens_per_s == pytest.approx(TOKENS / (sent_bits / 100e6), rel=0.05)
+
+
+def test_a_seed_gives_the_same_run_and_another_seed_another():
+    mixed = {"links": [{"name": "a", "up_mbit": 100.0, "down_mbit": 100.0, "rtt_ms": 40.0, "share": 1.0},
+                       {"name": "b", "up_mbit": 1000.0, "down_mbit": 1000.0, "rtt_ms": 5.0, "share": 1.0}],
+             "workers": {"replicas": 2, "speed_spread": 0.3}}
+    first = simulate(_scenario(run={"seed": 3}, **mixed))
+    again = simulate(_scenario(run={"seed": 3}, **mixed))
+    other = simulate(_scenario(run={"seed": 4}, **mixed))
+    assert first.as_dict() == again.as_dict()
+    assert other.tokens_per_s != first.tokens_per_s
+
+
+def _two_replicas(slowdown: float):
+    return simulate(_scenario(workers={"replicas": 2, "slowdown": [1.0, slowdown]}))
+
+
+def test_routing_gives_a_replica_over_twice_as_slow_only_what_it_finishes_in_time():
+    """Beyond BALANCE_SLACK routing.pick_worker takes the earliest finish: the slow replica adds its
+    rate to the fast one's. Equal shares would run at twice the slow replica's rate instead."""
+    slow = 3.0
+    assert slow > BALANCE_SLACK
+    result = _two_replicas(slow)
+    earliest_finish = TOKENS * (1 / 0.030 + 1 / (0.030 * slow))
+    equal_shares = 2 * TOKENS / (0.030 * slow)
+    assert result.tokens_per_s == pytest.approx(earliest_finish, rel=0.08)
+    assert result.tokens_per_s > 1.5 * equal_shares
+
+
+def test_routing_balances_shares_between_replicas_within_the_slack():
+    """Within BALANCE_SLACK pick_worker gives both replicas equal shares of every global batch, so
+    the slower one paces the stage: twice its rate, below what earliest-finish would reach."""
+    slow = 1.5
+    assert slow < BALANCE_SLACK
+    result = _two_replicas(slow)
+    equal_shares = 2 * TOKENS / (0.030 * slow)
+    assert result.tokens_per_s == pytest.approx(equal_shares, rel=0.08)
+    assert result.tokens_per_s < 0.9 * TOKENS * (1 / 0.030 + 1 / (0.030 * slow))
+
+
+def _killed_at(at: float):
+    """3 stages x 2 replicas, a global batch every second, 2 slices every 2 steps, 3 optimizer-sync
+    steps; the oldest replica of stage 0 killed at `at` and a newcomer started for it."""
+    return simulate(_scenario(run={"seconds": 30.0, "warmup_s": 0.0, "batch_s": 1.0},
+                              workers={"replicas": 2},
+                              averaging={"method": "sparta", "every_steps": 2, "fraction": 0.5, "vector_bytes": 0,
+                                         "optimizer_sync_steps": 3},
+                              churn={"admission_s": 0.5, "join_dht_ops": 0, "state_bytes": 0,
+                                     "kill_at_s": [at]}))
+
+
+def test_a_newcomer_behind_the_run_syncs_every_slice_then_warms_then_is_a_member():
+    """Killed at 10.2 s, it starts at 10.7 s ten steps behind (past lag_tolerance): weight sync, the
+    download, rounds 6 and 7 at steps 12 and 14 bring slices 0 and 1 (14 s), then three steps with
+    updates in optimizer sync (17 s): a member 6.8 s after its start."""
+    newcomer, = _killed_at(10.2).newcomers
+    assert newcomer.to_state_s == pytest.approx(0.5)
+    assert newcomer.to_member_s == pytest.approx(17.0 - 10.2)
+
+
+def test_a_newcomer_within_the_lag_tolerance_is_a_member_at_once():
+    newcomer, = _killed_at(1.2).newcomers  # the run is at step 1: entry_phase's lag tolerance (3)
+    assert newcomer.to_member_s == pytest.approx(0.5)
+
+
+def test_shared_cores_share_time_as_an_operating_system_does():
+    """Processor sharing: a 0.1 s job beside a 1 s one on one core ends at 0.2 s, not after the long
+    one (FIFO) nor at 0.1 s (a core each); the long one at 1.1 s."""
+    import simpy
+
+    from agora.node.simulate.host import SharedCores
+
+    env = simpy.Environment()
+    cores = SharedCores(env, 1)
+    ended = {}
+
+    def job(name, seconds, at=0.0):
+        yield env.timeout(at)
+        yield from cores.run(seconds)
+        ended[name] = env.now
+
+    env.process(job("long", 1.0))
+    env.process(job("short", 0.1))
+    env.run()
+    assert ended == pytest.approx({"long": 1.1, "short": 0.2})
