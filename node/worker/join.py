@@ -3,7 +3,10 @@
 Life: start a DHT peer (joining through `--initial-peers`), build the stage and serve it over
 gRPC, announce it in the DHT every few seconds (endpoint, stage, throughput, queue, step, phase),
 and on SIGTERM/SIGINT leave cleanly: mark itself leaving, withdraw the DHT record so trainers stop
-routing to it, finish in-flight calls, write an atomic checkpoint of its stage, exit 0. A second
+routing to it, tell the authorizer (its slot frees at once), finish in-flight calls, write an atomic
+checkpoint of its stage, exit 0. Its watchdog (node/worker/watchdog.py) leaves the same way when a
+rule of `worker.watchdog` trips (non-finite gradients, memory, a stalled compute thread, failing
+averaging or renewal, its own id banned), and exits with that rule's code. A second
 SIGTERM/SIGINT during that leave stops it at once (exit 130): the record expires as after a crash,
 the DHT and averager processes follow their owner, the newest complete checkpoint stays.
 With `serve_checkpoint` (join --serve-only) it serves inference only, on that checkpoint's
@@ -60,6 +63,8 @@ from agora.node.observability import MetricsOptions, NodeMetrics, package_versio
 from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.replica.epoch import stage_step
 from agora.node.worker.unit_holders import UnitHolders
+from agora.node.worker.watchdog import NodeHealth, Watchdog
+from agora.node.worker.watchdog_rules import Trip
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.node.replica.checkpoints import StageCheckpointer, restore_stage
 from agora.node.membership.phases import StageView, SyncPhases, SyncPolicy
@@ -174,14 +179,16 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     metrics = metrics if metrics is not None else NodeMetrics(options.metrics)
     registry = metrics.registry
     revoked: list[str] = []
+    tripped: list[Trip] = []  # the watchdog's rule, once one tripped
     moves: list[Move] = []
     left_phase: list[str] = []  # the phase it left from, once it leaves cleanly
     checkpoints = averaging = phases = None
     async with contextlib.AsyncExitStack() as stack:
         # With credentials: mutual TLS and per-call checks (node/rpc/auth_check.py); None: --insecure.
+        worker_metrics = WorkerMetrics(registry)
         worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
                              credentials=credentials, outer_interceptors=[MetricsHook(RpcServerMetrics(registry))],
-                             metrics=WorkerMetrics(registry), unit_holders=_unit_holders(swarm, options, credentials),
+                             metrics=worker_metrics, unit_holders=_unit_holders(swarm, options, credentials),
                              banned=swarm.bans.is_banned)
 
         async def final_checkpoint() -> None:
@@ -206,6 +213,16 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
                               lambda: renewer.renewals if renewer is not None else 0)
         DHTMetrics(registry, swarm.bans, swarm.timings)
         stats = AveragingStats(config.sync.method, registry=registry) if averager is not None else None
+
+        def on_trip(trip: Trip) -> None:
+            if not stop.is_set():
+                tripped.append(trip)
+                stop.set()
+
+        watchdog = Watchdog(worker_options.watchdog, NodeHealth.of(worker, swarm, stats, renewer).sample, on_trip,
+                            metrics=worker_metrics)
+        watchdog.start()
+        stack.push_async_callback(watchdog.stop)
         metrics_endpoint = metrics.serve(worker_options.announce_host)
         step, saved, averaging_state = await _restore(worker, config, options)
         members = _stage_members(swarm, options, config, await worker.on_compute(lambda c: c.report_window.ahead))
@@ -276,13 +293,17 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         if revoked:
             logger.error("leaving the run: the credential was revoked (%s)", revoked[0])
         logger.info("leaving: withdrawing the record, finishing in-flight work")
+        await watchdog.stop()
         if renewer is not None:
             await renewer.stop()
+            if not revoked and not moves:  # a mover keeps its slot for its admission to the other stage
+                await renewer.leave(f"watchdog: {tripped[0].rule}" if tripped else "signal")
         left_phase.append(worker.phase)
         worker.phase = Phase.LEAVING
     if averaging is not None:
         _write_stats(averaging, worker, phases, options)
-    return WorkerExit(EXIT_REVOKED if revoked else 0, moves[0].target if moves and not revoked else None)
+    code = EXIT_REVOKED if revoked else tripped[0].exit_code if tripped else 0
+    return WorkerExit(code, moves[0].target if moves and code == 0 else None)
 
 
 def _unit_holders(swarm: SwarmDHT, options: JoinOptions, credentials: NodeCredentials | None) -> UnitHolders | None:
