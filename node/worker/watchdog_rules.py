@@ -9,7 +9,7 @@ supervisor can tell a sick node from a stopped one.
 Design choices:
 
 - `WatchdogOptions` is a section of the settings schema (pipeline/schema.py), nested in
-  `WorkerOptions` as `worker.watchdog`. The defaults leave a healthy worker alone with a wide
+  `WorkerOptions` as `worker.watchdog`; each rule is a `join --watchdog-*` flag. The defaults leave a healthy worker alone with a wide
   margin; an operator tightens them. 0 turns a counting rule off.
 - The decision is pure: `first_tripped(options, samples)` reads what the node sampled at each
   check (cumulative counters and gauges, `WatchdogSample`) and names the first rule tripped with
@@ -36,7 +36,7 @@ from pydantic.dataclasses import dataclass as section
 
 from agora.pipeline.schema import SECTION, setting
 
-__all__ = ["EXIT_CODES", "RULES", "Trip", "WatchdogOptions", "WatchdogSample", "first_tripped"]
+__all__ = ["EXIT_CODES", "RULES", "exit_codes_help", "Trip", "WatchdogOptions", "WatchdogSample", "first_tripped"]
 
 # Each rule's process exit code (README "Exit codes"); 3 is also a credential the authorizer revoked.
 EXIT_CODES = {"banned": 3, "non_finite_gradients": 10, "host_memory": 11, "device_memory": 12,
@@ -44,28 +44,39 @@ EXIT_CODES = {"banned": 3, "non_finite_gradients": 10, "host_memory": 11, "devic
 RULES = tuple(EXIT_CODES)
 
 
+def exit_codes_help() -> str:
+    """`agora-node join`'s exit codes, one line for its --help."""
+    rules = ", ".join(f"{code} {rule}" for rule, code in EXIT_CODES.items() if rule != "banned")
+    return (f"exit codes: 0 left on a signal (or moved stage), 2 a bad setting or a refused admission, 3 banned or "
+            f"credential revoked, the watchdog's rules (--watchdog-*): {rules}; 130 a second signal while leaving")
+
+
 @section(frozen=True, config=SECTION)
 class WatchdogOptions:
-    check_s: StrictFloat = setting(5.0, "seconds between two checks of the worker's own health", gt=0)
+    check_s: StrictFloat = setting(5.0, "seconds between two checks of the worker's own health", flag="--watchdog-check", gt=0)
     window_s: StrictFloat = setting(
-        300.0, "seconds over which the counting rules (non-finite gradients, failed averaging rounds) count", gt=0)
+        300.0, "seconds over which the counting rules (non-finite gradients, failed averaging rounds) count", flag="--watchdog-window", gt=0)
     max_non_finite: StrictInt = setting(
         3, "calls failed on a non-finite loss or gradient of this replica's own (its weights are not finite) within "
-        "the window before it leaves; 0: never", ge=0)
+        "the window before it leaves; 0: never", flag="--watchdog-max-non-finite", ge=0)
     host_memory_share: StrictFloat = setting(
-        0.95, "leave when the process's resident memory reaches this share of the machine's RAM", gt=0, le=1)
+        0.95, "leave when the process's resident memory reaches this share of the machine's RAM", flag="--watchdog-host-memory-share", gt=0,
+        le=1)
     device_memory_share: StrictFloat = setting(
-        0.98, "leave when the accelerator memory torch holds reaches this share of the device's", gt=0, le=1)
+        0.98, "leave when the accelerator memory torch holds reaches this share of the device's", flag="--watchdog-device-memory-share",
+        gt=0, le=1)
     stall_s: StrictFloat = setting(
         600.0, "leave when a no-op job given to the stage's compute thread has waited this long (a compute job or a "
-        "handler stuck); 0: never", ge=0)
+        "handler stuck); 0: never", flag="--watchdog-stall", ge=0)
     max_failed_rounds: StrictInt = setting(
-        20, "averaging rounds failed within the window, with none committed, before it leaves; 0: never", ge=0)
+        20, "averaging rounds failed within the window, with none committed, before it leaves; 0: never",
+        flag="--watchdog-max-failed-rounds", ge=0)
     max_renewal_failures: StrictInt = setting(
         8, "credential renewals in a row that got no answer from the authorizer before it leaves (a refusal leaves at "
-        "once); 0: never", ge=0)
+        "once); 0: never", flag="--watchdog-max-renewal-failures", ge=0)
     leave_when_banned: StrictBool = setting(
-        True, "leave as soon as this node's own peer id is in the ban list its DHT holds")
+        True, "leave as soon as this node's own peer id is in the ban list its DHT holds (with --no-watchdog-ban-leave: "
+        "once its renewal is refused)", flag="--no-watchdog-ban-leave")
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ def test_a_worker_past_its_memory_share_leaves_cleanly_and_frees_its_slot(author
     swarm = SwarmDHT.start()  # hivemind forks: before the loop and its gRPC servers
 
     async def main():
-        async with serving(authority, max_workers=1, queue_retry_after_s=0.05, join_rate_per_s=100.0) as (
-                service, address):
+        async with serving(authority, max_workers=1, queue_retry_after_s=0.2, join_rate_per_s=100.0,
+                           network_join_rate_per_s=100.0, network_join_burst=1000) as (service, address):
             await join(address, sick, authority, stage=0)
             queued = asyncio.Event()
             waiting = asyncio.ensure_future(join(address, newcomer, authority, on_queued=lambda p: queued.set()))

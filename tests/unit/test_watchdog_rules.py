@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agora.node.worker.options import WorkerOptions
-from agora.node.worker.watchdog_rules import EXIT_CODES, RULES, WatchdogOptions, WatchdogSample, first_tripped
+from agora.node.worker.watchdog_rules import (EXIT_CODES, RULES, WatchdogOptions, WatchdogSample, exit_codes_help,
+                                              first_tripped)
 from agora.pipeline.schema import ConfigError, checked
 
 OPTIONS = WatchdogOptions(window_s=60.0)
@@ -44,6 +45,7 @@ def test_each_rule_trips_with_its_figures_and_its_own_exit_code(rule, sick, figu
 def test_exit_codes_are_distinct_and_none_is_a_clean_or_a_config_exit():
     codes = [EXIT_CODES[rule] for rule in RULES]
     assert len(set(codes)) == len(codes) and not {0, 1, 2, 130} & set(codes)
+    assert all(f"{EXIT_CODES[rule]} {rule}" in exit_codes_help() for rule in RULES if rule != "banned")
 
 
 def test_counters_count_over_the_window_only():
