@@ -1,7 +1,8 @@
-"""The watchdog on the real path: a worker in its own process (in-process here), admitted by a real
-authorizer over gRPC, announcing itself in a real DHT, whose rule trips, leaves cleanly: its record
-withdrawn, its stage checkpointed, its slot freed at the authorizer (a queued newcomer is admitted),
-and it ends with the rule's exit code."""
+"""The watchdog on the real path: a worker (in-process here), admitted by a real authorizer over gRPC,
+announcing itself in a real DHT, whose rule trips, leaves cleanly: its record withdrawn, its stage
+checkpointed, its slot freed at the authorizer (a queued newcomer is admitted), and it ends with the
+rule's exit code. And a worker whose own id reaches the ban list its DHT holds (the authorizer's
+publisher, a heartbeat's read) leaves without waiting for its next renewal."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 
 import authorizer_world as world
 from authorizer_world import CONFIG, join, serving
+from agora.dht.security import DHTSecurity
 from agora.dht.swarm import SwarmDHT
+from agora.node.ban_publisher import BanPublisher
 from agora.node.rpc.server import run
 from agora.node.worker.join import JoinOptions, _serve
 from agora.node.worker.options import WorkerOptions
@@ -57,3 +60,37 @@ def test_a_worker_past_its_memory_share_leaves_cleanly_and_frees_its_slot(author
     assert live == [], "the record was withdrawn, not left to expire"
     assert checkpoint_steps(str(checkpoints)), "the clean leave wrote the stage's checkpoint"
     assert admitted.role == "worker" and holders == [newcomer.peer_id]
+
+
+def test_a_worker_whose_own_id_the_swarm_bans_leaves_at_once_with_the_ban_code(authority, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    sick = authority.mint(tmp_path / "sick", role="worker", stage=0)
+    operator = authority.mint(tmp_path / "operator", role="operator")
+    swarm = SwarmDHT.start(security=DHTSecurity.from_state_dir(sick.directory))
+    publishing = SwarmDHT.start(initial_peers=swarm.visible_maddrs(), client_mode=True,
+                                security=DHTSecurity.from_state_dir(operator.directory))
+    options = JoinOptions(stage=0, run_id=authority.run_id, heartbeat_s=1.0, sync_phases=False, rebalance=False)
+
+    async def main():
+        serving = asyncio.ensure_future(_serve(CONFIG, options, WorkerOptions(watchdog=WatchdogOptions(check_s=0.2)),
+                                               swarm, credentials=sick))
+        for _ in range(600):  # its record announced: it is serving
+            if await publishing.live_workers_async(authority.run_id, 0) or serving.done():
+                break
+            await asyncio.sleep(0.05)
+        assert not serving.done(), "it left before it was banned"
+        authority.ban(sick.peer_id, "test")
+        try:
+            await asyncio.to_thread(BanPublisher(authority, publishing).publish_if_due)
+            return await asyncio.wait_for(serving, 60)
+        finally:
+            authority.unban(sick.peer_id)
+
+    try:
+        ended = run(main())
+    finally:
+        publishing.shutdown()
+        swarm.shutdown()
+    assert ended.code == EXIT_CODES["banned"] == 3
+    tripped = [record for record in caplog.records if getattr(record, "milestone", None) == "watchdog_tripped"]
+    assert [record.fields["rule"] for record in tripped] == ["banned"]
