@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
+import grpc
 import pytest
+import torch
 
 import authorizer_world as world
 from authorizer_world import CONFIG, join, serving
@@ -17,10 +20,15 @@ from agora.dht.security import DHTSecurity
 from agora.dht.swarm import SwarmDHT
 from agora.node.ban_publisher import BanPublisher
 from agora.node.rpc.server import run
+from agora.node.trainer.stage_client import StageCallError, StageClient
+from agora.node.worker.watchdog import NodeHealth
 from agora.node.worker.join import JoinOptions, _serve
 from agora.node.worker.options import WorkerOptions
-from agora.node.worker.watchdog_rules import EXIT_CODES, WatchdogOptions
+from agora.node.worker.watchdog_rules import EXIT_CODES, WatchdogOptions, first_tripped
+from agora.node.worker.worker import StageWorker
 from agora.pipeline.checkpoint import checkpoint_steps
+from agora.pipeline.fingerprint import run_fingerprint
+from fake_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,3 +102,35 @@ def test_a_worker_whose_own_id_the_swarm_bans_leaves_at_once_with_the_ban_code(a
     assert ended.code == EXIT_CODES["banned"] == 3
     tripped = [record for record in caplog.records if getattr(record, "milestone", None) == "watchdog_tripped"]
     assert [record.fields["rule"] for record in tripped] == ["banned"]
+
+
+def test_the_health_sample_sees_a_blocked_compute_thread_and_calls_failed_on_its_own_non_finite_weights():
+    """A real worker: a job that holds its compute thread shows as the probe's wait; a Forward on NaN
+    weights fails INTERNAL and is counted as this replica's non-finite result."""
+    clock, release = FakeClock(), threading.Event()
+    tokens = torch.randint(0, CONFIG.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    async def main():
+        async with StageWorker(CONFIG, 0, run_id="watchdog") as worker:
+            health = NodeHealth(worker, clock=clock)
+            blocker = asyncio.ensure_future(worker.on_compute(lambda _: release.wait(30)))
+            first = health.sample()
+            clock.now += 700.0
+            stalled = health.sample()
+            release.set()
+            await blocker
+            await worker.on_compute(lambda compute: None)  # the probe has run: the thread moves again
+            moving = health.sample()
+            await worker.on_compute(lambda compute: [p.data.fill_(float("nan")) for p in compute.stage.parameters()])
+            client = StageClient(worker.address, stage=0, run_id="watchdog", fingerprint=run_fingerprint(CONFIG),
+                                 model=CONFIG.model)
+            with pytest.raises(StageCallError) as failed:
+                await client.forward("nan", tokens)
+            await client.close()
+            return first, stalled, moving, failed.value, health.sample()
+
+    first, stalled, moving, failed, sick = run(main())
+    assert first.compute_wait_s == 0 and stalled.compute_wait_s == 700.0 and moving.compute_wait_s == 0
+    assert first_tripped(WatchdogOptions(), [first, stalled]).rule == "compute_stalled"
+    assert failed.code == grpc.StatusCode.INTERNAL and (first.non_finite, sick.non_finite) == (0, 1)
+    assert sick.host_bytes and sick.host_total_bytes and sick.device_bytes is None  # a CPU worker
