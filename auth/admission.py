@@ -409,7 +409,7 @@ class CredentialRenewer:
         freed, or None when the authorizer did not answer within ``timeout_s`` (said in one line)."""
         try:
             return await asyncio.wait_for(self._leave(reason), timeout_s)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError, CredentialError, OSError) as error:
+        except Exception as error:  # a courtesy: nothing it meets may stop the leave
             detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error) or "no answer"
             logger.warning("could not tell the authorizer at %s that this node leaves (%s); its slot frees when "
                            "the credential expires", self.address, detail)
