@@ -64,7 +64,6 @@ from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.replica.epoch import stage_step
 from agora.node.worker.unit_holders import UnitHolders
 from agora.node.worker.watchdog import NodeHealth, Watchdog
-from agora.node.worker.watchdog_rules import Trip
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.node.replica.checkpoints import StageCheckpointer, restore_stage
 from agora.node.membership.phases import StageView, SyncPhases, SyncPolicy
@@ -169,8 +168,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     checkpoint (only on a clean leave: a start that failed halfway has no state worth keeping). Two
     steps must come before all of that and are pushed last so that they run first (`withdraw`):
     nothing may decide a phase or a move any more, and the record is withdrawn while averaging
-    still winds down, so trainers stop routing here as early as possible. The renewer stops as the
-    leave begins: a credential outlasts a leave, and at a run's end the authorizer is going too.
+    still winds down, so trainers stop routing here as early as possible; right after it the
+    authorizer is told (`tell_authorizer`: the slot frees at once, a few seconds at most). The
+    watchdog and the renewer stop as the leave begins: a credential outlasts a leave, and at a run's
+    end the authorizer is going too.
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -179,7 +180,6 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     metrics = metrics if metrics is not None else NodeMetrics(options.metrics)
     registry = metrics.registry
     revoked: list[str] = []
-    tripped: list[Trip] = []  # the watchdog's rule, once one tripped
     moves: list[Move] = []
     left_phase: list[str] = []  # the phase it left from, once it leaves cleanly
     checkpoints = averaging = phases = None
@@ -213,14 +213,8 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
                               lambda: renewer.renewals if renewer is not None else 0)
         DHTMetrics(registry, swarm.bans, swarm.timings)
         stats = AveragingStats(config.sync.method, registry=registry) if averager is not None else None
-
-        def on_trip(trip: Trip) -> None:
-            if not stop.is_set():
-                tripped.append(trip)
-                stop.set()
-
-        watchdog = Watchdog(worker_options.watchdog, NodeHealth.of(worker, swarm, stats, renewer).sample, on_trip,
-                            metrics=worker_metrics)
+        watchdog = Watchdog(worker_options.watchdog, NodeHealth.of(worker, swarm, stats, renewer).sample,
+                            on_trip=lambda trip: stop.set(), metrics=worker_metrics)
         watchdog.start()
         stack.push_async_callback(watchdog.stop)
         metrics_endpoint = metrics.serve(worker_options.announce_host)
@@ -279,6 +273,11 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
                 await _announce_move(swarm, options, moves[0])
             await heartbeat.stop(withdraw=True)
 
+        async def tell_authorizer() -> None:  # right after the withdrawal: trainers stop routing here first
+            if renewer is not None and left_phase and not revoked and not moves:  # a mover keeps its slot
+                await renewer.leave(f"watchdog: {watchdog.tripped.rule}" if watchdog.tripped else "signal")
+
+        stack.push_async_callback(tell_authorizer)
         stack.push_async_callback(withdraw)
         if options.ready_file:
             write_ready_file(options.ready_file, [worker.address, swarm.peer_id])
@@ -296,13 +295,11 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         await watchdog.stop()
         if renewer is not None:
             await renewer.stop()
-            if not revoked and not moves:  # a mover keeps its slot for its admission to the other stage
-                await renewer.leave(f"watchdog: {tripped[0].rule}" if tripped else "signal")
         left_phase.append(worker.phase)
         worker.phase = Phase.LEAVING
     if averaging is not None:
         _write_stats(averaging, worker, phases, options)
-    code = EXIT_REVOKED if revoked else tripped[0].exit_code if tripped else 0
+    code = EXIT_REVOKED if revoked else watchdog.tripped.exit_code if watchdog.tripped else 0
     return WorkerExit(code, moves[0].target if moves and code == 0 else None)
 
 
