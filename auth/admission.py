@@ -1,5 +1,5 @@
-"""A node's side of the authorizer: joining a run (``admit``) and keeping its credential fresh
-(``CredentialRenewer``).
+"""A node's side of the authorizer: joining a run (``admit``), keeping its credential fresh
+(``CredentialRenewer``) and saying it leaves (``CredentialRenewer.leave``).
 
 Design choices:
 
@@ -23,6 +23,9 @@ Design choices:
   authorizer is retried with exponential backoff, never past expiry. A definitive refusal
   (banned, or a credential the authorizer no longer accepts) calls ``on_revoked(reason)`` once
   and the renewer ends: the node then stops, so a banned node leaves within one lifetime.
+- A clean leave tells the authorizer (Leave, signed like a renewal), so a worker's slot frees at
+  once. It is a courtesy with a short timeout: an authorizer that does not answer never holds up
+  the leave, the slot then frees when the credential expires.
 - asyncio only, no threads; the renewer is one task with explicit cancellation
   (``async with CredentialRenewer(...)`` or ``start``/``stop``).
 """
@@ -50,7 +53,7 @@ from agora.auth.node_state import NodeCredentials, RunInfo, public_key_pem
 from agora.auth.policy import (dialback_answer, proof_is_valid, renewal_delay_s, retry_delay_s, run_payload,
                                sign_proof)
 from agora.protos.authorizer_adapter import (Admitted, AuthorizerStub, ChallengeRequest, Hardware, JoinRequest,
-                                             RenewRequest, signed_payload)
+                                             LeaveRequest, RenewRequest, signed_payload)
 
 __all__ = [
     "AdmissionError",
@@ -341,6 +344,7 @@ class CredentialRenewer:
         self._rpc_timeout_s = rpc_timeout_s
         self._task: Optional[asyncio.Task] = None
         self.renewals = 0
+        self.failures = 0  # consecutive renewals that did not reach a verdict (the watchdog reads it)
         self.revoked: Optional[str] = None  # the reason, once revoked
 
     async def renew_once(self) -> Identity:
@@ -375,17 +379,17 @@ class CredentialRenewer:
 
     async def run(self) -> None:
         """Renew at half life until revoked (then ``on_revoked`` has been called) or cancelled."""
-        failures = 0
+        self.failures = 0
         while True:
             try:
                 _, identity = self.node.current()
             except CredentialError as error:
                 return await self._revoke(f"no valid credential to renew: {error}")
             now = self._clock()
-            if failures == 0:
+            if self.failures == 0:
                 delay = renewal_delay_s(identity.not_before, identity.not_after, now, self._rng, self._jitter_fraction)
             else:
-                delay = retry_delay_s(failures - 1, self._rng, initial_s=self._retry_initial_s,
+                delay = retry_delay_s(self.failures - 1, self._rng, initial_s=self._retry_initial_s,
                                       maximum_s=self._retry_max_s)
             await asyncio.sleep(min(delay, max(0.0, identity.not_after - now)))
             if self._clock() >= identity.not_after:
@@ -393,12 +397,36 @@ class CredentialRenewer:
                                           f"in time")
             try:
                 await self.renew_once()
-                failures = 0
+                self.failures = 0
             except RenewalRefused as refused:
                 return await self._revoke(refused.reason)
             except AdmissionError as error:
-                failures += 1
+                self.failures += 1
                 logger.warning("credential renewal failed (%s); retrying", error)
+
+    async def leave(self, reason: str, timeout_s: float = 5.0) -> Optional[bool]:
+        """Tell the authorizer this node leaves (its slot frees at once): whether a worker's slot was
+        freed, or None when the authorizer did not answer within ``timeout_s`` (said in one line)."""
+        try:
+            return await asyncio.wait_for(self._leave(reason), timeout_s)
+        except Exception as error:  # a courtesy: nothing it meets may stop the leave
+            detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error) or "no answer"
+            logger.warning("could not tell the authorizer at %s that this node leaves (%s); its slot frees when "
+                           "the credential expires", self.address, detail)
+            return None
+
+    async def _leave(self, reason: str) -> bool:
+        chain, identity = self.node.current()
+        async with authorizer_channel(self.address, self.node.root_pem()) as channel:
+            stub = AuthorizerStub(channel)
+            challenge = await stub.get_challenge(ChallengeRequest(peer_id=self.node.peer_id, role=identity.role,
+                                                                  renewal=True))
+            request = LeaveRequest(nonce=challenge.nonce, credential_pem=chain, reason=reason)
+            request = replace(request, signature=sign_proof(self.node.key, signed_payload(request)))
+            receipt = await stub.leave(request)
+        logger.info("told the authorizer this node leaves (%s)%s", reason, ": its slot is free" if receipt.freed else "",
+                    extra={"milestone": "left_authorizer", "fields": {"reason": reason, "freed": receipt.freed}})
+        return receipt.freed
 
     async def _revoke(self, reason: str) -> None:
         self.revoked = reason

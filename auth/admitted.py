@@ -89,6 +89,11 @@ class AdmissionLog:
             if self._writes % _PRUNE_EVERY == 0:
                 self._db.execute("DELETE FROM admitted WHERE expires_at <= ?", (node.admitted_at,))
 
+    def forget(self, peer_id: str) -> None:
+        """Delete ``peer_id``'s row (a clean leave): a restarted authorizer does not hold its slot again."""
+        with self._lock:
+            self._db.execute("DELETE FROM admitted WHERE peer_id = ?", (peer_id,))
+
     def prune(self, now: float) -> None:
         with self._lock:
             self._db.execute("DELETE FROM admitted WHERE expires_at <= ?", (now,))

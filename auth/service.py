@@ -1,4 +1,5 @@
-"""The authorizer's gRPC service (`agora.v1.Authorizer`): admission, preflight, renewal, trainers' reports.
+"""The authorizer's gRPC service (`agora.v1.Authorizer`): admission, preflight, renewal, trainers' reports,
+clean leaves.
 
 Design choices:
 
@@ -45,6 +46,8 @@ Design choices:
     Renew         size (format); the nonce (a MAC); the chain (cached X.509 verification), the key
                   rule, the role; the proof; ban; the peer's renewal bucket; then one RSA signature
                   and the log write.
+    Leave         as Renew up to the ban (any role, for the caller itself only: the request names no
+                  one else); then the slot's release and the log's delete.
     Report        the report's bounds; then as Renew up to the ban, the role a trainer's; the
                   trainer's report bucket; the worker (admitted or banned); then the report's write,
                   the bar and, past it, the ban (auth/reports.py).
@@ -56,6 +59,8 @@ Design choices:
 - Decisions live in auth/policy.py; this module does I/O and bookkeeping. One asyncio loop, no
   locks: every handler's state change happens between awaits, and a worker's slot is held before
   the first await of its admission.
+- A worker's slot frees when its credential expires, when it is banned, or at once when it leaves
+  cleanly (Leave): the stage it held can take a newcomer without waiting out the credential.
 - Admitted nodes are kept in ``admitted.sqlite`` beside the CA (auth/admitted.py), so a restarted
   authorizer keeps its slots and ``agora-node authorizer list`` shows them; trainers' reports of
   flagged workers in a table beside them (auth/reports.py: the bar, and what a trainer can do).
@@ -97,7 +102,7 @@ from agora.auth.status import Status, answers, caller_address
 from agora.pipeline.fingerprint import FingerprintMismatch, RunFingerprint
 from agora.protos.authorizer_adapter import (DOWNLOAD_CHUNK_BYTES, Admitted, Challenge, ChallengeRequest,
                                              JoinReply, JoinRequest, LatencyProbe, Payload, Queued, RenewReply,
-                                             RenewRequest, ReportReceipt, RunDescription, RunRequest,
+                                             LeaveReceipt, LeaveRequest, RenewRequest, ReportReceipt, RunDescription, RunRequest,
                                              TransferControl, UploadReceipt, WorkerReport, signed_payload)
 from agora.protos.authorizer_adapter import Refused as RefusedReply
 
@@ -119,7 +124,8 @@ class AuthorizerService:
                  random_bytes: Callable[[int], bytes] = secrets.token_bytes,
                  dial: Optional[Callable[[str, int, bytes, float], Awaitable[Optional[str]]]] = None,
                  on_refused: Callable[[str], None] = lambda field: None,
-                 on_report: Callable[[str], None] = lambda outcome: None):
+                 on_report: Callable[[str], None] = lambda outcome: None,
+                 on_leave: Callable[[str], None] = lambda outcome: None):
         self.authority = authority
         self.settings = settings.validate()
         self.config_json = json.dumps(dict(run_config), sort_keys=True)
@@ -130,6 +136,7 @@ class AuthorizerService:
         self._dial = dial or functools.partial(dial_back, local_network=self.settings.local_network)
         self._on_refused = on_refused  # counts refusals by field (node/authorizer.py: a metric)
         self._on_report = on_report  # counts reports: accepted, banned, or the status that refused them
+        self._on_leave = on_leave  # counts leaves: freed (a worker's slot), left (no slot), or the refusing status
         self._verifier = CredentialVerifier(authority.root_pem, authority.run_id, clock=clock)
         s = self.settings
         self._challenges = ChallengeBook(s.challenge_ttl_s, random_bytes=random_bytes, capacity=s.max_challenges,
@@ -439,7 +446,7 @@ class AuthorizerService:
         logger.debug("authorizer: renewed %s", identity.describe())
         return RenewReply(credential_pem=chain, lifetime_s=expires_at - now)
 
-    def _authenticated(self, request: RenewRequest | WorkerReport, now: float, *, roles: tuple[str, ...],
+    def _authenticated(self, request: RenewRequest | WorkerReport | LeaveRequest, now: float, *, roles: tuple[str, ...],
                        denied: str) -> tuple[Identity, rsa.RSAPublicKey]:
         """Who sent ``request``: a live credential of this run in a role of ``roles`` (else PERMISSION_DENIED
         with ``denied``, formatted with the role), whose key signed the request over a renewal challenge (spent
@@ -468,6 +475,30 @@ class AuthorizerService:
             self._forget(identity.peer_id)
             raise Status(grpc.StatusCode.PERMISSION_DENIED, f"banned: {ban.reason or 'by the operator'}")
         return identity, public_key
+
+    # ---- clean leaves
+
+    @answers
+    async def leave(self, request: LeaveRequest, context: Any) -> LeaveReceipt:
+        caller = caller_address(context.peer())
+        try:
+            identity, _ = self._authenticated(request, self._clock(), roles=JOIN_ROLES, denied=(
+                "an operator credential holds no slot: nothing to leave"))
+        except (Status, ChallengeError) as error:
+            self._on_leave(error.code.name.lower() if isinstance(error, Status) else f"challenge_{error.kind}")
+            raise
+        freed = identity.peer_id in self._slots.admitted
+        self._forget(identity.peer_id)
+        try:
+            await asyncio.to_thread(self._log.forget, identity.peer_id)
+        except sqlite3.Error as error:  # the slot is free now; a restart would hold it until expiry
+            logger.warning("authorizer: could not delete %s from %s (%s)", identity.peer_id[:16], self._log.path, error)
+        self._on_leave("freed" if freed else "left")
+        logger.info("authorizer: %s left (%s)%s", identity.describe(), request.reason[:200] or "no reason given",
+                    ", its slot is free" if freed else "", extra={"milestone": "node_left", "fields": {
+                        "peer_id": identity.peer_id, "role": identity.role, "caller": caller, "freed": freed,
+                        "reason": request.reason[:200]}})
+        return LeaveReceipt(freed=freed)
 
     # ---- trainers' reports of flagged workers (auth/reports.py)
 

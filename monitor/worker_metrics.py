@@ -91,7 +91,12 @@ class WorkerMetrics:
         self.output_grad_peak_ratio = Gauge("agora_worker_output_grad_peak_ratio", "Largest accepted output "
                                             "gradient over that scale since the bound applies (honest headroom: "
                                             "refusals start at gradient_bound_factor)", registry=registry)
+        self.watchdog_trips = Counter("agora_worker_watchdog_trips", "Times the watchdog made the worker leave, by "
+                                      "the rule that tripped", ["reason"], registry=registry)
         self._registry = registry
+
+    def watchdog_tripped(self, rule: str) -> None:
+        self.watchdog_trips.labels(reason=rule).inc()
 
     def observe_job(self, method: str, tokens: int, queued_s: float, compute_s: float) -> None:
         self.microbatches.labels(method=method).inc()

@@ -219,10 +219,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # refused them (permission_denied: a caller without a trainer credential).
     reports = Counter("agora_authorizer_worker_reports", "Trainers' reports of flagged workers, by outcome",
                       ["outcome"], registry=metrics.registry)
+    # Clean leaves: freed (a worker's slot), left (a node without one), or the status that refused them.
+    leaves = Counter("agora_authorizer_leaves", "Nodes that said they leave, by outcome", ["outcome"],
+                     registry=metrics.registry)
     service = AuthorizerService(authority, settings, run_config=plain, fingerprint=fingerprint,
                                 initial_peers=tuple(args.initial_peers), stage_throughput=coverage,
                                 on_refused=lambda field: refusals.labels(field=field).inc(),
-                                on_report=lambda outcome: reports.labels(outcome=outcome).inc())
+                                on_report=lambda outcome: reports.labels(outcome=outcome).inc(),
+                                on_leave=lambda outcome: leaves.labels(outcome=outcome).inc())
     state = Path(args.state_dir)
     join_path = Path(args.join_file) if args.join_file else state / JOIN_FILE
 

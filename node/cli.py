@@ -342,9 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_arguments(bootstrap)
     bootstrap.set_defaults(handler=_cmd_bootstrap)
 
+    from agora.node.worker.watchdog_rules import exit_codes_help
+
     join = commands.add_parser("join", help="host one replica of one pipeline stage (contributor)",
                                description="Serve one pipeline stage over gRPC, announce it in the DHT, train it; "
-                                           "SIGTERM leaves cleanly (withdraw, finish in-flight, checkpoint).")
+                                           "SIGTERM leaves cleanly (withdraw, tell the authorizer, finish in-flight, "
+                                           "checkpoint), and so does its watchdog when a rule trips.",
+                               epilog=exit_codes_help())
     add_run_arguments(join, steps_help="planned run length in global batches (sets the lr schedule)", computes=True)
     _add_swarm_arguments(join)
     from agora.node.worker.options import WorkerOptions

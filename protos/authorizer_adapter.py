@@ -13,8 +13,8 @@ Everything else speaks the frozen dataclasses below. Design choices:
 - Streaming RPCs are handed to the handler as an async iterator of dataclasses plus a `send`
   coroutine, so the handler owns the timing (the preflight is measured on the authorizer's
   clock) while this module owns the messages.
-- `signed_payload` is the canonical byte string a node signs for a Join, a Renew or a trainer's
-  Report: a domain tag, then every field except the signature as sorted JSON (bytes as hex). Both
+- `signed_payload` is the canonical byte string a node signs for a Join, a Renew, a trainer's
+  Report or a Leave: a domain tag, then every field except the signature as sorted JSON (bytes as hex). Both
   sides build it here, so they cannot disagree on what was signed.
 
 Imports nothing of ours except the generated modules beside it.
@@ -53,6 +53,8 @@ __all__ = [
     "RenewReply",
     "WorkerReport",
     "ReportReceipt",
+    "LeaveRequest",
+    "LeaveReceipt",
     "MalformedMessage",
     "AuthorizerHandler",
     "AuthorizerStub",
@@ -210,6 +212,19 @@ class ReportReceipt:
     banned: bool
 
 
+@dataclass(frozen=True)
+class LeaveRequest:
+    nonce: bytes
+    credential_pem: bytes
+    reason: str = ""
+    signature: bytes = b""
+
+
+@dataclass(frozen=True)
+class LeaveReceipt:
+    freed: bool
+
+
 # Read-only pairing of each dataclass with its generated message class.
 _MESSAGE_OF: Mapping[type, type] = MappingProxyType({
     RunRequest: authorizer_pb2.RunRequest,
@@ -230,6 +245,8 @@ _MESSAGE_OF: Mapping[type, type] = MappingProxyType({
     RenewReply: authorizer_pb2.RenewReply,
     WorkerReport: authorizer_pb2.WorkerReport,
     ReportReceipt: authorizer_pb2.ReportReceipt,
+    LeaveRequest: authorizer_pb2.LeaveRequest,
+    LeaveReceipt: authorizer_pb2.LeaveReceipt,
 })
 _DATACLASS_OF: Mapping[type, type] = MappingProxyType({message: data for data, message in _MESSAGE_OF.items()})
 
@@ -277,10 +294,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def signed_payload(request: JoinRequest | RenewRequest | WorkerReport) -> bytes:
+def signed_payload(request: JoinRequest | RenewRequest | WorkerReport | LeaveRequest) -> bytes:
     """What the node signs: a domain tag and every field but the signature, canonically."""
     tag = {JoinRequest: b"agora-join-v1\0", RenewRequest: b"agora-renew-v1\0",
-           WorkerReport: b"agora-report-v1\0"}[type(request)]
+           WorkerReport: b"agora-report-v1\0", LeaveRequest: b"agora-leave-v1\0"}[type(request)]
     fields = _plain(dataclasses.replace(request, signature=b""))
     del fields["signature"]
     return tag + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
@@ -306,6 +323,7 @@ class AuthorizerHandler(Protocol):
     def join(self, request: JoinRequest, context: Any) -> Awaitable[JoinReply]: ...
     def renew(self, request: RenewRequest, context: Any) -> Awaitable[RenewReply]: ...
     def report(self, request: WorkerReport, context: Any) -> Awaitable[ReportReceipt]: ...
+    def leave(self, request: LeaveRequest, context: Any) -> Awaitable[LeaveReceipt]: ...
 
 
 class _Servicer:
@@ -333,6 +351,9 @@ class _Servicer:
 
     async def Report(self, request, context):
         return await self._unary(self._handler.report, request, context)
+
+    async def Leave(self, request, context):
+        return await self._unary(self._handler.leave, request, context)
 
     async def _streaming(self, run: Callable[[], Awaitable[Any]], context: Any) -> Any:
         try:
@@ -365,6 +386,7 @@ _KINDS = {
     "Join": (grpc.unary_unary_rpc_method_handler, authorizer_pb2.JoinRequest),
     "Renew": (grpc.unary_unary_rpc_method_handler, authorizer_pb2.RenewRequest),
     "Report": (grpc.unary_unary_rpc_method_handler, authorizer_pb2.WorkerReport),
+    "Leave": (grpc.unary_unary_rpc_method_handler, authorizer_pb2.LeaveRequest),
 }
 
 
@@ -404,6 +426,9 @@ class AuthorizerStub:
 
     async def report(self, request: WorkerReport, **call: Any) -> ReportReceipt:
         return from_message(await self._stub.Report(to_message(request), **call))
+
+    async def leave(self, request: LeaveRequest, **call: Any) -> LeaveReceipt:
+        return from_message(await self._stub.Leave(to_message(request), **call))
 
     async def echo_latency(self, nonce: bytes, **call: Any) -> int:
         """Answer the authorizer's latency probes until it ends the stream; returns the count."""

@@ -213,3 +213,21 @@ class ReportReceipt(_message.Message):
     needed: int
     banned: bool
     def __init__(self, reporters: _Optional[int] = ..., needed: _Optional[int] = ..., banned: _Optional[bool] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("nonce", "credential_pem", "signature", "reason")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_PEM_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    credential_pem: bytes
+    signature: bytes
+    reason: str
+    def __init__(self, nonce: _Optional[bytes] = ..., credential_pem: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveReceipt(_message.Message):
+    __slots__ = ("freed",)
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    freed: bool
+    def __init__(self, freed: _Optional[bool] = ...) -> None: ...

@@ -74,6 +74,11 @@ class AuthorizerStub:
                 request_serializer=agora_dot_protos_dot_authorizer__pb2.WorkerReport.SerializeToString,
                 response_deserializer=agora_dot_protos_dot_authorizer__pb2.ReportReceipt.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/agora.v1.Authorizer/Leave',
+                request_serializer=agora_dot_protos_dot_authorizer__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=agora_dot_protos_dot_authorizer__pb2.LeaveReceipt.FromString,
+                _registered_method=True)
 
 
 class AuthorizerServicer:
@@ -133,6 +138,12 @@ class AuthorizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AuthorizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +186,11 @@ def add_AuthorizerServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=agora_dot_protos_dot_authorizer__pb2.WorkerReport.FromString,
                     response_serializer=agora_dot_protos_dot_authorizer__pb2.ReportReceipt.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=agora_dot_protos_dot_authorizer__pb2.LeaveRequest.FromString,
+                    response_serializer=agora_dot_protos_dot_authorizer__pb2.LeaveReceipt.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,6 +409,33 @@ class Authorizer:
             '/agora.v1.Authorizer/Report',
             agora_dot_protos_dot_authorizer__pb2.WorkerReport.SerializeToString,
             agora_dot_protos_dot_authorizer__pb2.ReportReceipt.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agora.v1.Authorizer/Leave',
+            agora_dot_protos_dot_authorizer__pb2.LeaveRequest.SerializeToString,
+            agora_dot_protos_dot_authorizer__pb2.LeaveReceipt.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,10 @@
 Life: start a DHT peer (joining through `--initial-peers`), build the stage and serve it over
 gRPC, announce it in the DHT every few seconds (endpoint, stage, throughput, queue, step, phase),
 and on SIGTERM/SIGINT leave cleanly: mark itself leaving, withdraw the DHT record so trainers stop
-routing to it, finish in-flight calls, write an atomic checkpoint of its stage, exit 0. A second
+routing to it, tell the authorizer (its slot frees at once), finish in-flight calls, write an atomic
+checkpoint of its stage, exit 0. Its watchdog (node/worker/watchdog.py) leaves the same way when a
+rule of `worker.watchdog` trips (non-finite gradients, memory, a stalled compute thread, failing
+averaging or renewal, its own id banned), and exits with that rule's code. A second
 SIGTERM/SIGINT during that leave stops it at once (exit 130): the record expires as after a crash,
 the DHT and averager processes follow their owner, the newest complete checkpoint stays.
 With `serve_checkpoint` (join --serve-only) it serves inference only, on that checkpoint's
@@ -60,6 +63,7 @@ from agora.node.observability import MetricsOptions, NodeMetrics, package_versio
 from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.replica.epoch import stage_step
 from agora.node.worker.unit_holders import UnitHolders
+from agora.node.worker.watchdog import NodeHealth, Watchdog
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.node.replica.checkpoints import StageCheckpointer, restore_stage
 from agora.node.membership.phases import StageView, SyncPhases, SyncPolicy
@@ -164,8 +168,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     checkpoint (only on a clean leave: a start that failed halfway has no state worth keeping). Two
     steps must come before all of that and are pushed last so that they run first (`withdraw`):
     nothing may decide a phase or a move any more, and the record is withdrawn while averaging
-    still winds down, so trainers stop routing here as early as possible. The renewer stops as the
-    leave begins: a credential outlasts a leave, and at a run's end the authorizer is going too.
+    still winds down, so trainers stop routing here as early as possible; right after it the
+    authorizer is told (`tell_authorizer`: the slot frees at once, a few seconds at most). The
+    watchdog and the renewer stop as the leave begins: a credential outlasts a leave, and at a run's
+    end the authorizer is going too.
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -179,9 +185,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     checkpoints = averaging = phases = None
     async with contextlib.AsyncExitStack() as stack:
         # With credentials: mutual TLS and per-call checks (node/rpc/auth_check.py); None: --insecure.
+        worker_metrics = WorkerMetrics(registry)
         worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
                              credentials=credentials, outer_interceptors=[MetricsHook(RpcServerMetrics(registry))],
-                             metrics=WorkerMetrics(registry), unit_holders=_unit_holders(swarm, options, credentials),
+                             metrics=worker_metrics, unit_holders=_unit_holders(swarm, options, credentials),
                              banned=swarm.bans.is_banned)
 
         async def final_checkpoint() -> None:
@@ -206,6 +213,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
                               lambda: renewer.renewals if renewer is not None else 0)
         DHTMetrics(registry, swarm.bans, swarm.timings)
         stats = AveragingStats(config.sync.method, registry=registry) if averager is not None else None
+        watchdog = Watchdog(worker_options.watchdog, NodeHealth.of(worker, swarm, stats, renewer).sample,
+                            on_trip=lambda trip: stop.set(), metrics=worker_metrics)
+        watchdog.start()
+        stack.push_async_callback(watchdog.stop)
         metrics_endpoint = metrics.serve(worker_options.announce_host)
         step, saved, averaging_state = await _restore(worker, config, options)
         members = _stage_members(swarm, options, config, await worker.on_compute(lambda c: c.report_window.ahead))
@@ -262,6 +273,11 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
                 await _announce_move(swarm, options, moves[0])
             await heartbeat.stop(withdraw=True)
 
+        async def tell_authorizer() -> None:  # right after the withdrawal: trainers stop routing here first
+            if renewer is not None and left_phase and not revoked and not moves:  # a mover keeps its slot
+                await renewer.leave(f"watchdog: {watchdog.tripped.rule}" if watchdog.tripped else "signal")
+
+        stack.push_async_callback(tell_authorizer)
         stack.push_async_callback(withdraw)
         if options.ready_file:
             write_ready_file(options.ready_file, [worker.address, swarm.peer_id])
@@ -276,13 +292,15 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         if revoked:
             logger.error("leaving the run: the credential was revoked (%s)", revoked[0])
         logger.info("leaving: withdrawing the record, finishing in-flight work")
+        await watchdog.stop()
         if renewer is not None:
             await renewer.stop()
         left_phase.append(worker.phase)
         worker.phase = Phase.LEAVING
     if averaging is not None:
         _write_stats(averaging, worker, phases, options)
-    return WorkerExit(EXIT_REVOKED if revoked else 0, moves[0].target if moves and not revoked else None)
+    code = EXIT_REVOKED if revoked else watchdog.tripped.exit_code if watchdog.tripped else 0
+    return WorkerExit(code, moves[0].target if moves and code == 0 else None)
 
 
 def _unit_holders(swarm: SwarmDHT, options: JoinOptions, credentials: NodeCredentials | None) -> UnitHolders | None:

@@ -2,11 +2,12 @@
 
 Bounds on what it admits (queues, per-caller shares, rows, concurrent calls, message and stream
 sizes), its stash, pinned weight versions and kept graphs, weight-sync downloads, the wire dtype it
-sends, where it listens and what it announces, the bound on the output gradients it takes, and
-how it checks a state it downloads (`state_check`). Light (no torch): the CLI builds its flags
-from it. A section of the settings schema (pipeline/schema.py): each option is declared once with
-its bounds and help, the fields with a flag are `join`'s options, and a bad value is a
-`ConfigError` naming `worker.<field>` and the value (one line, exit 2 from the CLI).
+sends, where it listens and what it announces, the bound on the output gradients it takes, how
+it checks a state it downloads (`state_check`), and when its watchdog makes it leave (`watchdog`).
+Light (no torch): the CLI builds its flags from it. A section of the settings schema
+(pipeline/schema.py): each option is declared once with its bounds and help, the fields with a
+flag are `join`'s options, and a bad value is a `ConfigError` naming `worker.<field>` and the
+value (one line, exit 2 from the CLI).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from agora.node.inference.options import InferenceOptions
 from agora.node.membership.check_options import StateCheckOptions
 from agora.node.rpc.call_slots import DEFAULT_PROBE_CALLS
 from agora.node.rpc.server import is_wildcard_host
+from agora.node.worker.watchdog_rules import WatchdogOptions
 from agora.pipeline.schema import SECTION, NoneOr, setting
 
 __all__ = ["WorkerOptions", "DEFAULT_PINNED_VERSIONS", "default_per_caller"]
@@ -103,6 +105,7 @@ class WorkerOptions:
         flag="--serve-only")
     inference: InferenceOptions = setting(default_factory=InferenceOptions)
     state_check: StateCheckOptions = setting(default_factory=StateCheckOptions)
+    watchdog: WatchdogOptions = setting(default_factory=WatchdogOptions)
 
     @property
     def queue_capacity(self) -> int:

@@ -191,6 +191,7 @@ class StageWorker:
         # What a request may declare and carry (node/replica/bounds.py); a bad max_rows fails here.
         self.geometry = RequestGeometry.from_config(self.config, stage_index, self.options.max_rows)
         self.refusals = RefusalCounts()  # refused calls by reason (auth, fingerprint, ownership)
+        self.compute_errors = 0  # calls failed on this replica's own non-finite result (its watchdog reads it)
         check = CallerCheck(fingerprint=self.fingerprint, credentials=credentials, refusals=self.refusals, clock=clock,
                             banned=banned)
         self._interceptors = interceptor_chain(check, *interceptors, outer=outer_interceptors, clock=clock)
@@ -550,6 +551,7 @@ class StageWorker:
             self.refusals.add("duplicate_microbatch")
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
         except ComputeError as error:
+            self.compute_errors += 1
             self._logger.warning("stage %d compute error: %s", self.stage_index, error)
             await context.abort(grpc.StatusCode.INTERNAL, str(error))
         except Exception as error:  # our bug, not the peer's: keep the traceback here, keep serving

@@ -30,6 +30,7 @@ def every_role(registry: CollectorRegistry) -> None:
     worker.observe_job("Forward", 128, 0.001, 0.02)
     worker.stepped(3e-4, 1.5)
     worker.watch_output_grads(scale=lambda: 0.01, peak_ratio=lambda: 3.0)
+    worker.watchdog_tripped("host_memory")
     weight_sync = WeightSyncMetrics(registry)
     weight_sync.refused("step")
     weight_sync.checked(0.2, 4096)

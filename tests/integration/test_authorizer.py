@@ -268,7 +268,7 @@ def test_a_mismatched_seed_is_refused_naming_seed(authority, nodes):
 
 # ---- the cap
 
-@pytest.mark.parametrize("frees_by", ["ban", "expiry"])
+@pytest.mark.parametrize("frees_by", ["ban", "expiry", "leave"])
 def test_the_cap_queues_the_next_worker_and_admits_it_when_a_slot_frees(authority, nodes, frees_by):
     clock = Clock()
     first, second, third = nodes(0), nodes(1), nodes(2)
@@ -295,17 +295,21 @@ def test_the_cap_queues_the_next_worker_and_admits_it_when_a_slot_frees(authorit
             # The queued node has polled again and been told to wait again: the cap holds.
             await asyncio.wait_for(polled_again.wait(), 20)
             assert not waiting.done(), "the cap holds while the first worker's slot is taken"
+            left = None
             if frees_by == "ban":
                 authority.ban(first.peer_id, "test")
+            elif frees_by == "leave":  # a clean leave frees the slot at once, long before the expiry
+                left = await CredentialRenewer(address, first, on_revoked=pytest.fail).leave("signal")
             else:
                 clock.offset = 31.0  # the first credential expired unrenewed (within the 60 s back-dating)
             try:
                 admitted = await asyncio.wait_for(waiting, 20)
             finally:
                 authority.unban(first.peer_id)
-            return positions, poll, fresh, admitted, service.admitted()
+            return positions, poll, fresh, admitted, service.admitted(), left
 
-    positions, poll, fresh, admitted, entries = run(main())
+    positions, poll, fresh, admitted, entries, left = run(main())
+    assert left is (True if frees_by == "leave" else None)
     assert positions and set(positions) == {1}
     assert (poll.download_bytes, poll.upload_bytes, poll.latency_probes) == (0, 0, 0)
     assert fresh.download_bytes == 256 << 10
@@ -327,6 +331,43 @@ def test_a_restarted_authorizer_keeps_its_slots(authority, nodes):
             return [entry.peer_id for entry in service.admitted()]
 
     assert run(main()) == [nodes(0).peer_id], "the second worker was queued behind the restored slot"
+
+
+def test_a_leave_is_the_signer_own_and_outlives_a_restart(authority, nodes):
+    """A Leave signed by another key than its credential's frees nothing; the leaver's own frees its
+    slot, is counted, and a restarted authorizer does not hold that slot again."""
+    outcomes: list[str] = []
+
+    async def main():
+        async with serving(authority, max_workers=1, on_leave=outcomes.append) as (service, address):
+            await join(address, nodes(0), authority)
+            chain, _ = nodes(0).current()
+            async with world.channel(address, authority) as channel:
+                stub = adapter.AuthorizerStub(channel)
+                challenge = await stub.get_challenge(adapter.ChallengeRequest(role="worker", renewal=True))
+                forged = adapter.LeaveRequest(nonce=challenge.nonce, credential_pem=chain, reason="forged")
+                forged = dataclasses.replace(forged, signature=sign_proof(nodes(1).key, adapter.signed_payload(forged)))
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.leave(forged)
+            still = [entry.peer_id for entry in service.admitted()]
+            freed = await CredentialRenewer(address, nodes(0), on_revoked=pytest.fail).leave("watchdog: banned")
+        async with serving(authority, max_workers=1, restart=True) as (service, address):
+            await asyncio.wait_for(join(address, nodes(1), authority), 20)  # admitted at once: no slot restored
+            return refused.value.code(), still, freed, [entry.peer_id for entry in service.admitted()]
+
+    code, still, freed, admitted = run(main())
+    assert code is grpc.StatusCode.UNAUTHENTICATED and still == [nodes(0).peer_id]
+    assert freed is True and outcomes == ["unauthenticated", "freed"]
+    assert admitted == [nodes(1).peer_id]
+
+
+def test_an_unanswered_leave_does_not_hold_up_the_leaver(authority, nodes):
+    async def main():
+        async with serving(authority) as (service, address):
+            await join(address, nodes(0), authority)
+        return await CredentialRenewer(address, nodes(0), on_revoked=pytest.fail).leave("signal", timeout_s=2.0)
+
+    assert run(main()) is None
 
 
 def test_join_attempts_are_rate_limited_per_address(authority):

@@ -1,5 +1,5 @@
 """Fuzz the authorizer's request parsing (hypothesis, fixed budget): arbitrary bytes and arbitrary
-field values into Join, Renew and Report get only clean statuses, never UNKNOWN or INTERNAL, and the
+field values into Join, Renew, Report and Leave get only clean statuses, never UNKNOWN or INTERNAL, and the
 authorizer then still admits a well-formed node."""
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def _status(loop, call) -> grpc.StatusCode:
 
 def test_arbitrary_bytes_get_clean_statuses(world):
     loop, channel, *_ = world
-    methods = [f"/{adapter.SERVICE_NAME}/{name}" for name in ("Join", "Renew", "Report", "GetChallenge", "GetRun")]
+    methods = [f"/{adapter.SERVICE_NAME}/{name}" for name in ("Join", "Renew", "Report", "Leave", "GetChallenge",
+                                                                        "GetRun")]
 
     @BUDGET
     @given(method=st.sampled_from(methods), payload=st.binary(max_size=512))
@@ -186,6 +187,28 @@ def test_arbitrary_reports_get_clean_statuses(world):
 
     check()
     assert authority.bans() == {}  # no admitted worker here: nothing was banned
+
+
+def test_arbitrary_leaves_get_clean_statuses(world):
+    """Half the examples are signed over a fresh challenge with the node's key, so the arbitrary reason
+    reaches the log and the slot's release."""
+    loop, channel, authority, key, chain, _ = world
+    stub = adapter.AuthorizerStub(channel)
+
+    @BUDGET
+    @given(deep=st.booleans(), nonce=st.binary(max_size=40),
+           credential=st.one_of(st.just(chain), st.binary(max_size=800)), reason=st.text(max_size=600),
+           signature=st.binary(max_size=300))
+    def check(deep, nonce, credential, reason, signature):
+        if deep:
+            challenge = _on(loop, lambda: stub.get_challenge(adapter.ChallengeRequest(role="trainer", renewal=True)))
+            nonce, credential = challenge.nonce, chain
+        leave = adapter.LeaveRequest(nonce=nonce, credential_pem=credential, reason=reason, signature=signature)
+        if deep:
+            leave = dataclasses.replace(leave, signature=sign_proof(key, adapter.signed_payload(leave)))
+        _status(loop, lambda: stub.leave(leave, timeout=10))
+
+    check()
 
 
 def test_the_authorizer_still_admits_after_the_fuzzing(world, tmp_path):
