@@ -107,13 +107,18 @@ def test_a_worker_whose_own_id_the_swarm_bans_leaves_at_once_with_the_ban_code(a
 def test_the_health_sample_sees_a_blocked_compute_thread_and_calls_failed_on_its_own_non_finite_weights():
     """A real worker: a job that holds its compute thread shows as the probe's wait; a Forward on NaN
     weights fails INTERNAL and is counted as this replica's non-finite result."""
-    clock, release = FakeClock(), threading.Event()
+    clock, release, holding = FakeClock(), threading.Event(), threading.Event()
     tokens = torch.randint(0, CONFIG.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def hold(_compute):
+        holding.set()
+        release.wait(30)
 
     async def main():
         async with StageWorker(CONFIG, 0, run_id="watchdog") as worker:
             health = NodeHealth(worker, clock=clock)
-            blocker = asyncio.ensure_future(worker.on_compute(lambda _: release.wait(30)))
+            blocker = asyncio.ensure_future(worker.on_compute(hold))
+            assert await asyncio.to_thread(holding.wait, 30)  # the thread is held before the first probe
             first = health.sample()
             clock.now += 700.0
             stalled = health.sample()
