@@ -121,6 +121,17 @@ class TrainerStats:
     def spot_check_disagreement(self, stage: int) -> None:
         self.metrics.spot_check_disagreements.labels(stage=str(stage)).inc()
 
+    def gradient_check(self, stage: int, compute_s: float) -> None:
+        """A gradient check's two probes answered for a worker of `stage` (node/trainer/gradient_checks.py)."""
+        self.metrics.gradient_checks.labels(stage=str(stage)).inc()
+        self.metrics.gradient_check_compute.labels(stage=str(stage)).inc(compute_s)
+
+    def gradient_check_skipped(self, stage: int) -> None:
+        self.metrics.gradient_checks_skipped.labels(stage=str(stage)).inc()
+
+    def gradient_check_failed(self, stage: int) -> None:
+        self.metrics.gradient_check_failures.labels(stage=str(stage)).inc()
+
     def aborted(self, outcome: str) -> None:
         self.metrics.aborts.labels(outcome=outcome).inc()
         self._abort_outcomes.add(outcome)

@@ -69,6 +69,7 @@ from agora.node.trainer.discovery import Discovery
 from agora.node.trainer.inflight import DepthEstimate, InFlightLimit, adaptive_depth, depth_cap, in_flight_limit
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.blame import Blame
+from agora.node.trainer.gradient_checks import GradientChecks, Probe
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.spot_checks import SpotChecks, SpotJudge
 from agora.node.trainer.stage_client import (
@@ -151,6 +152,7 @@ class SwarmTrainer:
             window=max(2 * options.verify_warmup, 64))) if options.verify_replies else None
         self.spot_checks = SpotChecks(options.spot_check_share, SpotJudge(options.spot_check_tolerance), self.codec,
                                       self.stats, flag=self._spot_flagged)
+        self.gradient_checks = GradientChecks(options.gradient_check_share, self.stats, flag=self._spot_flagged)
         self._clients: dict[str, StageClient] = {}
         self._last_refresh = float("-inf")
         self._refresh_lock = asyncio.Lock()
@@ -352,6 +354,7 @@ class SwarmTrainer:
         compute = [0.0] * self.n_stages  # each stage's compute on this microbatch, and all its queueing
         queued = 0.0  # at the workers and here, waiting for their credits
         upstream: list[Source] = []  # the replies this microbatch's next ones are computed from
+        route_wires: list = []  # each stage's input wire and the step it computed at, for its gradient check
         for stage in range(self.n_stages):
             stage_shares = None if shares is None else shares[stage]
             tail = stage == self.n_stages - 1
@@ -381,6 +384,9 @@ class SwarmTrainer:
                 self.stats.repeated(stage)
             if not evaluate and not tail:
                 self._spot_check(worker, microbatch_id, tokens, wire, result.wire_frame)
+            if not evaluate and tail and wire:
+                self._gradient_check(worker, microbatch_id, tokens, targets, (wire, result.step), result.grad_frame, None)
+            route_wires.append((wire, result.step))
             wire = result.wire_frame
             compute[stage] += result.compute_s
             queued += result.queued_s + waited
@@ -402,6 +408,8 @@ class SwarmTrainer:
             self._verify(worker, "input_grad", back.grad_frame, self._verified_request(grad), "Backward", upstream)
             if back.repeat:
                 self.stats.repeated(stage)
+            if stage > 0:
+                self._gradient_check(worker, microbatch_id, tokens, None, route_wires[stage], back.grad_frame, grad)
             grad = back.grad_frame
             compute[stage] += back.compute_s
             queued += back.queued_s + waited
@@ -420,8 +428,31 @@ class SwarmTrainer:
             duplicate = self._client(checker).forward(f"{microbatch_id}.spot", tokens, wire, evaluate=True)
             self.spot_checks.launch(primary, checker, output, self._timed(checker, duplicate, training=False))
 
+    def _gradient_check(self, worker: WorkerView, microbatch_id: str, tokens: torch.Tensor,
+                        targets: torch.Tensor | None, computed: tuple[bytes | memoryview, int],
+                        input_grad: bytes | memoryview, output_grad: bytes | memoryview | None) -> None:
+        """Maybe check `worker`'s input gradient by finite differences in the background, on a replica
+        with two credits free (node/trainer/gradient_checks.py); `computed`: the input wire and the step of
+        the Forward it answers; `output_grad`: what it answered (None: the tail's loss)."""
+        checks = self.gradient_checks
+        if not input_grad or not checks.sampled():
+            return
+        checker = checks.checker(worker, self.roster.of_stage(worker.stage), self.clock())
+        if checker is None:
+            return
+        for _ in range(2):  # both probes' credits, reserved now (`checker` found them free)
+            self.roster.started(checker.peer_id)
+        wire, step = computed
+        probe = Probe(self.codec.decode(wire), self.codec.decode(input_grad),
+                      None if output_grad is None else self.codec.decode(output_grad), tokens, targets, step)
+
+        def call(view: WorkerView, probe_id: str, tokens, frame: bytes, targets):
+            return self._timed(view, self._client(view).forward(probe_id, tokens, frame, targets, evaluate=True),
+                               training=False)
+        checks.launch(worker, checker, microbatch_id, probe, call)
+
     def _spot_flagged(self, evidence: Evidence) -> None:
-        """Spot checks named a worker: the verifier's path (excluded, counted, logged `worker_flagged`)."""
+        """Spot or gradient checks named a worker: the verifier's path (excluded, counted, logged `worker_flagged`)."""
         view = self.roster.workers.get(evidence.peer) or WorkerView(evidence.peer, evidence.peer, evidence.stage)
         self.blame.suspect(view, evidence, "Forward")
 
@@ -685,6 +716,7 @@ class SwarmTrainer:
             await asyncio.gather(*pending, return_exceptions=True)
             await asyncio.gather(*self._reports, return_exceptions=True)  # short timeouts each
             await self.spot_checks.drain()
+            await self.gradient_checks.drain()
             await source.close()
             self.stats.cpu_s += time.process_time() - cpu_started
         records.sort(key=lambda r: r.step)

@@ -70,4 +70,7 @@ def every_role(registry: CollectorRegistry) -> None:
     trainer.spot_check(0, 0.02)
     trainer.spot_check_skipped(0)
     trainer.spot_check_disagreement(0)
+    trainer.gradient_check(0, 0.02)
+    trainer.gradient_check_skipped(0)
+    trainer.gradient_check_failed(0)
     RpcClientMetrics(registry).exchanged("Forward", 10, 20)
