@@ -22,35 +22,48 @@ returned. Design choices:
   along one direction, Nocedal & Wright, "Numerical Optimization", 2nd ed., section 8.1, "gradient
   checking"), along the one direction a liar cannot hide from: its own answer. The head sends no
   gradient upstream: nothing to check there.
-- **The step.** eps = `RELATIVE_STEP` |x| (the frame's norm, not its RMS): d is a unit vector over
-  the whole frame, so each element moves by eps / sqrt(n). At 1% of |x| the difference's error on
-  tiny stands below 1e-4 (body) and 1e-5 (tail) of r; at 1% of the RMS the tail's loss difference
-  nears float32's resolution (r off by 1e-3 on a 1024-element frame, worse on bigger ones). The
-  probes are encoded in fp32 whatever the trainer's wire dtype: x is the decoded frame the worker
-  itself received, exact in fp32, and a bf16 probe would round eps d (under 2^-8 of an element)
-  away.
-- **Who probes.** Another replica of the stage with two credits free (an independent witness: the
-  two probes go at once), else the worker itself (its probes are ordinary held-out Forwards to it:
-  it cannot tell them from an evaluation, and its training answer is what is compared), else
-  skipped and counted. Probes run as background tasks off the critical path, as spot checks do:
-  they never wait for, nor take, a credit the pipeline waits on. Sampling is per tail Forward and
-  per body Backward of a training microbatch, with probability `share`, from a private generator.
-- **The decision.** A check is out of band when r <= 0 or |log r| > log `BAND` (1.25). On tiny at
-  its real learning rate, replicas averaged every third step, honest checks stand within 1 +- 0.05
-  (tests/integration/test_gradient_checks.py); noise, the weakest lie here, stands at 0.5, four
-  bands off. A worker is flagged when `FAILURES` (2) of its last `RECENT` (6) checks were out of
-  band: one stray check (a probe across an averaging round, a loss spike) never flags, and a lie
-  that shows in every check is named on its second. A flag takes the verifier's path
-  (`Blame.suspect`): excluded for the rest of the run, counted, logged `worker_flagged` with
-  feature `gradient_check`, reported to the run's authorizer.
-- **What it costs, what it misses.** Per check two held-out forwards on one replica (each a third
-  of a training microbatch's compute or less) and two input frames sent: at 0.05 some 3% of the
-  tail's and bodies' compute (`agora_trainer_gradient_check_compute_seconds_total`). The gradient
-  checked was relayed already when its check completes (off the critical path): what a liar sent
-  before its flag was trained on, as with the verifier's warm-up. A checker that lies in its own
-  held-out Forwards can make an honest worker's checks fail; spot checks hold held-out answers
-  to other replicas'. A lie only in directions orthogonal to the gradient that also keeps its
-  norm is not seen along d; noise of that kind shrinks r as above.
+- **The step.** eps = `RELATIVE_STEP` |x| (a share of the frame's norm, not its RMS: d is a unit
+  vector over the whole frame, so each element moves by eps / sqrt(n), and a step in RMS units
+  would shrink relative to the frame as frames grow). The central difference's error grows as
+  eps^2: on tiny's real traffic at 1e-2 |x| honest self-probed ratios strayed to 0.83 and 1.34
+  (a trained stage bends within 1% of its input), at 1e-3 |x| they stand within 0.977..1.011,
+  and the tail's loss difference is still far above float32's resolution (at 1e-2 of the RMS on a
+  1024-element frame it is not: r off by 1e-3). The probes are encoded in fp32 whatever the
+  trainer's wire dtype: x is the decoded frame the worker itself received, exact in fp32, and a
+  bf16 probe would round eps d (under 2^-8 of an element) away.
+- **Who probes, and at which weights.** The identity holds at the weights that computed the
+  gradient. The worker itself holds them: its probes are ordinary held-out Forwards to it (it
+  cannot tell them from an evaluation, and its training answer is what is compared), and honest
+  ratios then stand within 1% of 1. Another replica of the stage holds weights that drifted
+  apart: on tiny at its own learning rate, replicas averaged every third step, honest witnessed
+  ratios spread over 0.50..1.42, so a witness cannot tell noise (0.5) from drift but still tells a
+  sign flip (-1) or a scale of ten (0.1, 10). So the worker probes when it has two credits free
+  (the two probes go at once), another replica with two free in `WITNESS_SHARE` (a quarter) of
+  those checks and whenever the worker has none, and the check is skipped and counted when no
+  replica has. A witnessed check is judged against `WITNESS_BAND` (3), a self-probed one against
+  `BAND` (1.25). A probe answered at another optimizer step than the gradient's Forward (the
+  stage stepped in between: on tiny's first steps that moved r tenfold) is not judged (counted
+  skipped). Probes run as background tasks off the critical path, as spot checks do: they never
+  wait for, nor take, a credit the pipeline waits on. Sampling is per tail Forward and per body
+  Backward of a training microbatch, with probability `share`, from a private generator.
+- **The decision.** A check is out of band when r <= 0, r is not finite, or |log r| exceeds its
+  band's log. A worker is flagged when `FAILURES` (2) of its last `RECENT` (6) checks were out of
+  band: one stray check (a probe across an averaging round, a loss spike) never flags, a lie that
+  shows in every check is named on its second, and failures older than six checks age out. With
+  honest self-probes within 1% of 1 and the weakest lie here (noise at the gradient's scale) at
+  0.5, the band has room on both sides. A flag takes the verifier's path (`Blame.suspect`):
+  excluded for the rest of the run, counted, logged `worker_flagged` with feature
+  `gradient_check`, reported to the run's authorizer.
+- **What it costs, what it misses.** Per check two held-out forwards (each a third of a training
+  microbatch's compute or less) and two input frames sent: at 0.05 some 3% of the tail's and
+  bodies' compute (`agora_trainer_gradient_check_compute_seconds_total`). The gradient checked
+  was relayed already when its check completes (off the critical path): what a liar sent before
+  its flag was trained on, as with the verifier's warm-up. A worker that recognises its own
+  probes (held-out Forwards near a recent training input) could answer them consistently with
+  its lie; the witnessed share is what it cannot game, for sign and scale lies. A witness lying
+  in its held-out Forwards could fail an honest worker's witnessed checks (two of six are needed,
+  and spot checks hold held-out answers to other replicas'). A lie that keeps the gradient's
+  component along itself (|g_in|^2 = <g_in, J^T g_out>) is invisible along d by construction.
 
 `gradient_ratio`, `tail_ratio`, `probe_inputs` and `GradientJudge` are pure (no socket, no clock);
 `GradientChecks` samples, sends and judges on the trainer's event loop.

@@ -16,7 +16,9 @@ stage's is excluded for the rest of the run, and the reply that showed it fails 
 `spot_check_share` a share of head and body Forwards is also sent, off the critical path, to a
 second replica of the stage, and the two outputs compared (node/trainer/spot_checks.py): that
 catches what statistics cannot (a replayed head reply, content shuffled within the batch, a lie
-from a worker's first reply), at one extra forward per check.
+from a worker's first reply), at one extra forward per check. With `gradient_check_share` a share of
+the tail's and bodies' input gradients is checked by finite differences, off the critical path
+(node/trainer/gradient_checks.py): a sign-flipped, scaled or noisy gradient keeps every statistic.
 
 How much is in flight is the asynchronous pipeline's one real trade-off. A microbatch started
 before a worker steps is finished with newer weights: the staleness is about (microbatches in

@@ -62,7 +62,9 @@ no request frame to align with), and a stage-wide honest shift cannot be told fr
 several workers, a colluding majority of a stage's replies owns the median, as in robust averaging.
 Where a stage has several replicas, the trainer's optional spot checks (node/trainer/spot_checks.py)
 cover part of what this cannot: a replayed head reply, content shuffled within a batch, a lie from
-a worker's first reply, by asking a second replica the same Forward now and then.
+a worker's first reply, by asking a second replica the same Forward now and then; and its
+gradient checks (node/trainer/gradient_checks.py) what no marginal statistic shows of a gradient,
+its sign and scale against the stage's own directional derivative, with any number of replicas.
 
 Pure: no socket, no clock; `reply_features` is the only torch here. One instance per trainer, used
 from its event loop.
