@@ -36,12 +36,11 @@ returned. Design choices:
   cannot tell them from an evaluation, and its training answer is what is compared), and honest
   ratios then stand within 1% of 1. Another replica of the stage holds weights that drifted
   apart: on tiny at its own learning rate, replicas averaged every third step, honest witnessed
-  ratios spread over 0.50..1.42, so a witness cannot tell noise (0.5) from drift but still tells a
-  sign flip (-1) or a scale of ten (0.1, 10). So the worker probes when it has two credits free
-  (the two probes go at once), another replica with two free in `WITNESS_SHARE` (a quarter) of
-  those checks and whenever the worker has none, and the check is skipped and counted when no
-  replica has. A witnessed check is judged against `WITNESS_BAND` (3), a self-probed one against
-  `BAND` (1.25). A probe answered at another optimizer step than the gradient's Forward (the
+  ratios spread over 0.21..1.42, so a witness cannot tell noise (0.5) or a scale from drift, only
+  a sign flip (-1). So the worker probes when it has two credits free (the two probes go at once),
+  another replica with two free in `WITNESS_SHARE` (a quarter) of those checks and whenever the
+  worker has none, and the check is skipped and counted when no replica has. A self-probed check
+  is in band within `BAND` (1/1.25..1.25) of 1, a witnessed one when r > 0. A probe answered at another optimizer step than the gradient's Forward (the
   stage stepped in between: on tiny's first steps that moved r tenfold) is not judged (counted
   skipped). Probes run as background tasks off the critical path, as spot checks do: they never
   wait for, nor take, a credit the pipeline waits on. Sampling is per tail Forward and per body
@@ -88,18 +87,17 @@ from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.verification import Evidence
 from agora.pipeline.codec import WireCodec
 
-__all__ = ["BAND", "FAILURES", "RECENT", "RELATIVE_STEP", "WITNESS_BAND", "WITNESS_SHARE", "GradientCheckEvidence", "GradientJudge", "GradientChecks",
+__all__ = ["BAND", "FAILURES", "RECENT", "RELATIVE_STEP", "WITNESS_SHARE", "GradientCheckEvidence", "GradientJudge", "GradientChecks",
            "Probe", "gradient_ratio", "in_band", "probe_inputs", "tail_ratio"]
 
 logger = logging.getLogger("agora.node.trainer")
 
 # eps as a share of the input frame's norm (module docstring: the step).
 RELATIVE_STEP = 1e-3
-# A check is in band when 1/BAND <= r <= BAND (probed by the worker itself; by another replica of the
-# stage: WITNESS_BAND, wide enough for the replicas' drift); a worker is flagged at FAILURES out of band
+# A check probed by the worker itself is in band when 1/BAND <= r <= BAND (by another replica of the
+# stage: when r > 0, its weights drift too far for a band); a worker is flagged at FAILURES out of band
 # among its last RECENT. A share of checks goes to another replica even when the worker has credits.
 BAND = 1.25
-WITNESS_BAND = 3.0
 WITNESS_SHARE = 0.25
 FAILURES = 2
 RECENT = 6
@@ -127,9 +125,12 @@ def tail_ratio(loss_plus: float, loss_minus: float, step: float, input_grad_norm
     return (loss_plus - loss_minus) / (2 * step * (input_grad_norm + _EPSILON))
 
 
-def in_band(ratio: float, band: float = BAND) -> bool:
-    """1/band <= r <= band (a ratio of the wrong sign, zero or not finite never is)."""
-    return ratio > 0 and math.isfinite(ratio) and abs(math.log(ratio)) <= math.log(band)
+def in_band(ratio: float, witnessed: bool = False) -> bool:
+    """Probed by the worker itself: 1/BAND <= r <= BAND; by another replica: r > 0 (module docstring).
+    A ratio zero or not finite never is."""
+    if not (ratio > 0 and math.isfinite(ratio)):
+        return False
+    return witnessed or abs(math.log(ratio)) <= math.log(BAND)
 
 
 class GradientCheckEvidence(Evidence):
@@ -139,7 +140,8 @@ class GradientCheckEvidence(Evidence):
     def describe(self) -> str:
         return (f"stage {self.stage} {self.kind}: its input gradients failed {int(self.cusum)} of its last "
                 f"{RECENT} finite-difference checks (last ratio {self.value:.3g}, recent median {self.mean:.3g}; "
-                f"honest 1, band {1 / BAND:.2f}..{BAND:.2f}; {self.replies} of its gradients checked)")
+                f"honest 1, band {1 / BAND:.2f}..{BAND:.2f} probed by itself, > 0 by another replica; "
+                f"{self.replies} of its gradients checked)")
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,7 @@ class GradientJudge:
     def judge(self, stage: int, peer: str, ratio: float, witnessed: bool = False) -> GradientVerdict:
         """One check of `peer`'s gradient: `ratio`, probed by another replica (`witnessed`) or by itself."""
         record = self._workers.setdefault(peer, _WorkerRecord())
-        good = in_band(ratio, WITNESS_BAND if witnessed else BAND)
+        good = in_band(ratio, witnessed)
         record.recent.append((ratio, good))
         record.checked += 1
         prober = "witness" if witnessed else "self"

@@ -456,6 +456,8 @@ class SwarmTrainer:
     def _spot_flagged(self, evidence: Evidence) -> None:
         """Spot or gradient checks named a worker: the verifier's path (excluded, counted, logged `worker_flagged`)."""
         view = self.roster.workers.get(evidence.peer) or WorkerView(evidence.peer, evidence.peer, evidence.stage)
+        if self.verifier is not None and view.peer_id not in self.roster.excluded:
+            self.verifier.forget(view.peer_id)
         self.blame.suspect(view, evidence, "Forward")
 
     def _verified_request(self, frame: bytes | memoryview | None) -> torch.Tensor | None:
