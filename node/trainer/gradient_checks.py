@@ -32,21 +32,20 @@ returned. Design choices:
   trainer's wire dtype: x is the decoded frame the worker itself received, exact in fp32, and a
   bf16 probe would round eps d (under 2^-8 of an element) away.
 - **Who probes, and at which weights.** The identity holds at the weights that computed the
-  gradient. The worker itself holds them: its probes are ordinary held-out Forwards to it (it
+  gradient, and the worker itself holds them: its probes are ordinary held-out Forwards to it (it
   cannot tell them from an evaluation, and its training answer is what is compared), and honest
-  ratios then stand within 1% of 1. Another replica of the stage holds weights that drifted
-  apart: on tiny at its own learning rate, replicas averaged every third step, honest witnessed
-  ratios spread over 0.21..1.42, so a witness cannot tell noise (0.5) or a scale from drift, only
-  a sign flip (-1). So the worker probes when it has two credits free (the two probes go at once),
-  another replica with two free in `WITNESS_SHARE` (a quarter) of those checks and whenever the
-  worker has none, and the check is skipped and counted when no replica has. A self-probed check
-  is in band within `BAND` (1/1.25..1.25) of 1, a witnessed one when r > 0. A probe answered at another optimizer step than the gradient's Forward (the
-  stage stepped in between: on tiny's first steps that moved r tenfold) is not judged (counted
-  skipped). Probes run as background tasks off the critical path, as spot checks do: they never
+  ratios then stand within 1% of 1. Another replica of the stage would be an independent
+  witness, but its weights drifted from the worker's: on tiny at its own learning rate, replicas
+  averaged every third step, honest witnessed ratios spread over -0.07..1.42 (a wrong sign
+  included), so a witness tells neither noise nor a scale nor even a sign flip from drift. So
+  the worker probes its own gradient, when it has two credits free (the two probes go at once);
+  else the check is skipped and counted. A probe answered at another optimizer step than the
+  gradient's Forward (the stage stepped in between: on tiny's first steps that moved r tenfold) is
+  not judged (counted skipped). Probes run as background tasks off the critical path, as spot checks do: they never
   wait for, nor take, a credit the pipeline waits on. Sampling is per tail Forward and per body
   Backward of a training microbatch, with probability `share`, from a private generator.
-- **The decision.** A check is out of band when r <= 0, r is not finite, or |log r| exceeds its
-  band's log. A worker is flagged when `FAILURES` (2) of its last `RECENT` (6) checks were out of
+- **The decision.** A check is out of band when r <= 0, r is not finite, or |log r| exceeds
+  log `BAND` (1.25). A worker is flagged when `FAILURES` (2) of its last `RECENT` (6) checks were out of
   band: one stray check (a probe across an averaging round, a loss spike) never flags, a lie that
   shows in every check is named on its second, and failures older than six checks age out. With
   honest self-probes within 1% of 1 and the weakest lie here (noise at the gradient's scale) at
@@ -59,9 +58,10 @@ returned. Design choices:
   was relayed already when its check completes (off the critical path): what a liar sent before
   its flag was trained on, as with the verifier's warm-up. A worker that recognises its own
   probes (held-out Forwards near a recent training input) could answer them consistently with
-  its lie; the witnessed share is what it cannot game, for sign and scale lies. A witness lying
-  in its held-out Forwards could fail an honest worker's witnessed checks (two of six are needed,
-  and spot checks hold held-out answers to other replicas'). A lie that keeps the gradient's
+  its lie: no other replica's weights stand near enough to the worker's to witness instead (spot
+  checks compare held-out answers across replicas at a coarser bar). Under full load a worker
+  seldom has two credits free and its checks are skipped (`..._skipped_total` says how many).
+  A lie that keeps the gradient's
   component along itself (|g_in|^2 = <g_in, J^T g_out>) is invisible along d by construction.
 
 `gradient_ratio`, `tail_ratio`, `probe_inputs` and `GradientJudge` are pure (no socket, no clock);
@@ -87,18 +87,15 @@ from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.verification import Evidence
 from agora.pipeline.codec import WireCodec
 
-__all__ = ["BAND", "FAILURES", "RECENT", "RELATIVE_STEP", "WITNESS_SHARE", "GradientCheckEvidence", "GradientJudge", "GradientChecks",
+__all__ = ["BAND", "FAILURES", "RECENT", "RELATIVE_STEP", "GradientCheckEvidence", "GradientJudge", "GradientChecks",
            "Probe", "gradient_ratio", "in_band", "probe_inputs", "tail_ratio"]
 
 logger = logging.getLogger("agora.node.trainer")
 
 # eps as a share of the input frame's norm (module docstring: the step).
 RELATIVE_STEP = 1e-3
-# A check probed by the worker itself is in band when 1/BAND <= r <= BAND (by another replica of the
-# stage: when r > 0, its weights drift too far for a band); a worker is flagged at FAILURES out of band
-# among its last RECENT. A share of checks goes to another replica even when the worker has credits.
+# A check is in band when 1/BAND <= r <= BAND; a worker is flagged at FAILURES out of band among its last RECENT.
 BAND = 1.25
-WITNESS_SHARE = 0.25
 FAILURES = 2
 RECENT = 6
 _EPSILON = 1e-30
@@ -125,12 +122,9 @@ def tail_ratio(loss_plus: float, loss_minus: float, step: float, input_grad_norm
     return (loss_plus - loss_minus) / (2 * step * (input_grad_norm + _EPSILON))
 
 
-def in_band(ratio: float, witnessed: bool = False) -> bool:
-    """Probed by the worker itself: 1/BAND <= r <= BAND; by another replica: r > 0 (module docstring).
-    A ratio zero or not finite never is."""
-    if not (ratio > 0 and math.isfinite(ratio)):
-        return False
-    return witnessed or abs(math.log(ratio)) <= math.log(BAND)
+def in_band(ratio: float) -> bool:
+    """1/BAND <= r <= BAND (a ratio of the wrong sign, zero or not finite never is)."""
+    return ratio > 0 and math.isfinite(ratio) and abs(math.log(ratio)) <= math.log(BAND)
 
 
 class GradientCheckEvidence(Evidence):
@@ -140,8 +134,7 @@ class GradientCheckEvidence(Evidence):
     def describe(self) -> str:
         return (f"stage {self.stage} {self.kind}: its input gradients failed {int(self.cusum)} of its last "
                 f"{RECENT} finite-difference checks (last ratio {self.value:.3g}, recent median {self.mean:.3g}; "
-                f"honest 1, band {1 / BAND:.2f}..{BAND:.2f} probed by itself, > 0 by another replica; "
-                f"{self.replies} of its gradients checked)")
+                f"honest 1, band {1 / BAND:.2f}..{BAND:.2f}; {self.replies} of its gradients checked)")
 
 
 @dataclass(frozen=True)
@@ -155,7 +148,8 @@ class GradientVerdict:
 class _WorkerRecord:
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # (ratio, in band)
     checked: int = 0
-    ranges: dict = field(default_factory=dict)  # "self" / "witness" (who probed) -> (smallest, largest) ratio
+    smallest: float = math.inf
+    largest: float = -math.inf
 
 
 class GradientJudge:
@@ -165,20 +159,17 @@ class GradientJudge:
         self._workers: dict[str, _WorkerRecord] = {}
         self.flagged: set[str] = set()
 
-    def extremes(self) -> dict[str, dict[str, tuple[float, float]]]:
-        """Per worker checked and per prober ("self", "witness"), its smallest and largest ratio (how close
-        honest traffic comes to the band)."""
-        return {peer: dict(record.ranges) for peer, record in sorted(self._workers.items())}
+    def extremes(self) -> dict[str, tuple[float, float]]:
+        """Per worker checked, its smallest and largest ratio (how close honest traffic comes to the band)."""
+        return {peer: (record.smallest, record.largest) for peer, record in sorted(self._workers.items())}
 
-    def judge(self, stage: int, peer: str, ratio: float, witnessed: bool = False) -> GradientVerdict:
-        """One check of `peer`'s gradient: `ratio`, probed by another replica (`witnessed`) or by itself."""
+    def judge(self, stage: int, peer: str, ratio: float) -> GradientVerdict:
+        """One check of `peer`'s gradient, its ratio `ratio`."""
         record = self._workers.setdefault(peer, _WorkerRecord())
-        good = in_band(ratio, witnessed)
+        good = in_band(ratio)
         record.recent.append((ratio, good))
         record.checked += 1
-        prober = "witness" if witnessed else "self"
-        smallest, largest = record.ranges.get(prober, (math.inf, -math.inf))
-        record.ranges[prober] = (min(smallest, ratio), max(largest, ratio))
+        record.smallest, record.largest = min(record.smallest, ratio), max(record.largest, ratio)
         failures = sum(1 for _, ok in record.recent if not ok)
         if failures < FAILURES or peer in self.flagged:
             return GradientVerdict(ratio, good)
@@ -226,17 +217,13 @@ class GradientChecks:
         return self.share > 0 and self.rng.random() < self.share
 
     def checker(self, worker: WorkerView, candidates: list[WorkerView], now: float) -> WorkerView | None:
-        """Who probes: another replica with two credits free, else the worker itself, else None (counted)."""
-        usable = [v for v in candidates if v.phase in TRAINING_PHASES and v.banned_until <= now
-                  and v.paused_until <= now and v.in_flight + 2 <= v.credits]
-        own = [v for v in usable if v.peer_id == worker.peer_id]
-        others = [v for v in usable if v.peer_id != worker.peer_id]
-        if others and (not own or self.rng.random() < WITNESS_SHARE):
-            return self.rng.choice(others)
-        if own:
-            return own[0]
-        self.stats.gradient_check_skipped(worker.stage)
-        return None
+        """Who probes (module docstring): the worker itself when it has two credits free, else None (counted)."""
+        own = [v for v in candidates if v.peer_id == worker.peer_id and v.phase in TRAINING_PHASES
+               and v.banned_until <= now and v.paused_until <= now and v.in_flight + 2 <= v.credits]
+        if not own:
+            self.stats.gradient_check_skipped(worker.stage)
+            return None
+        return own[0]
 
     def launch(self, worker: WorkerView, checker: WorkerView, microbatch_id: str, probe: Probe,
                call: ProbeCall) -> None:
@@ -270,7 +257,7 @@ class GradientChecks:
         ratio = self._ratio(probe, answers, step)
         if ratio is None:
             return
-        verdict = self.judge.judge(stage, worker.peer_id, ratio, witnessed=checker.peer_id != worker.peer_id)
+        verdict = self.judge.judge(stage, worker.peer_id, ratio)
         if not verdict.in_band:
             self.stats.gradient_check_failed(stage)
             logger.info("stage %d gradient check of %s on %s: ratio %.3g out of band", stage, worker.endpoint,

@@ -387,7 +387,8 @@ class SwarmTrainer:
             if not evaluate and not tail:
                 self._spot_check(worker, microbatch_id, tokens, wire, result.wire_frame)
             if not evaluate and tail and wire:
-                self._gradient_check(worker, microbatch_id, tokens, targets, (wire, result.step), result.grad_frame, None)
+                self._gradient_check(worker, microbatch_id, tokens, targets, (wire, result.step), result.grad_frame,
+                                     None)
             route_wires.append((wire, result.step))
             wire = result.wire_frame
             compute[stage] += result.compute_s
@@ -433,8 +434,8 @@ class SwarmTrainer:
     def _gradient_check(self, worker: WorkerView, microbatch_id: str, tokens: torch.Tensor,
                         targets: torch.Tensor | None, computed: tuple[bytes | memoryview, int],
                         input_grad: bytes | memoryview, output_grad: bytes | memoryview | None) -> None:
-        """Maybe check `worker`'s input gradient by finite differences in the background, on a replica
-        with two credits free (node/trainer/gradient_checks.py); `computed`: the input wire and the step of
+        """Maybe check `worker`'s input gradient by finite differences in the background, on its own
+        held-out Forwards (node/trainer/gradient_checks.py); `computed`: the input wire and the step of
         the Forward it answers; `output_grad`: what it answered (None: the tail's loss)."""
         checks = self.gradient_checks
         if not input_grad or not checks.sampled():
@@ -454,7 +455,8 @@ class SwarmTrainer:
         checks.launch(worker, checker, microbatch_id, probe, call)
 
     def _spot_flagged(self, evidence: Evidence) -> None:
-        """Spot or gradient checks named a worker: the verifier's path (excluded, counted, logged `worker_flagged`)."""
+        """Spot or gradient checks named a worker: the verifier's path (excluded, counted, logged
+        `worker_flagged`); its replies leave the verifier's references."""
         view = self.roster.workers.get(evidence.peer) or WorkerView(evidence.peer, evidence.peer, evidence.stage)
         if self.verifier is not None and view.peer_id not in self.roster.excluded:
             self.verifier.forget(view.peer_id)

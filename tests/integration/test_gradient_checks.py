@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 
 # A high share, so a short run checks the liar's gradients several times (the default is 0.05).
 SHARE = 0.5
-HONEST_STEPS, LIE_STEPS = 4, 8
+HONEST_STEPS, LIE_STEPS = 4, 12
 
 
 def _attacked(attack: str, position: str, gradient_share: float) -> dict:
@@ -51,7 +51,5 @@ def test_an_honest_run_flags_no_one_and_its_ratios_stay_in_band():
     assert result["caught"] == {} and result["gradient_flagged"] == [], result
     ratios = result["gradient_ratios"]
     assert {peer[:2] for peer in ratios} == {"s1", "s2"}, ratios  # the bodies and tails were checked
-    for probed in ratios.values():
-        smallest, largest = probed["self"]
+    for smallest, largest in ratios.values():
         assert 1 / BAND < smallest <= largest < BAND, ratios
-        assert probed.get("witness", (1.0, 1.0))[0] > 0, ratios

@@ -82,8 +82,6 @@ def test_the_band_refuses_a_wrong_sign_zero_and_non_finite_ratios():
     assert in_band(1.0) and in_band(1 / BAND) and in_band(BAND)
     for ratio in (-1.0, 0.0, float("nan"), float("inf"), 0.5, 2.0):
         assert not in_band(ratio), ratio
-    assert in_band(0.2, witnessed=True) and in_band(5.0, witnessed=True)  # a witness's weights drifted
-    assert not in_band(-1.0, witnessed=True) and not in_band(0.0, witnessed=True)
 
 
 def test_a_worker_is_flagged_at_its_second_failure_among_its_recent_checks_and_once():
@@ -103,7 +101,7 @@ def test_one_stray_check_never_flags_and_old_failures_age_out():
         for _ in range(RECENT - 1):
             assert judge.judge(1, "honest", 1.0 + random.uniform(-0.05, 0.05)).flagged is None
     assert judge.flagged == set()
-    smallest, largest = judge.extremes()["honest"]["self"]
+    smallest, largest = judge.extremes()["honest"]
     assert smallest == 0.2 and largest < BAND
 
 
@@ -117,16 +115,13 @@ def test_a_liar_flagged_on_its_second_failure_carries_its_evidence():
     assert judge.flagged == {"liar"}
 
 
-def test_the_prober_is_the_worker_itself_or_another_replica_with_two_credits_free_else_skipped():
+def test_the_worker_probes_its_own_gradient_when_it_has_two_credits_free_else_the_check_is_skipped():
     stats = TrainerStats()
     checks = GradientChecks(1.0, stats, flag=lambda evidence: None, rng=random.Random(0))
     worker, other = WorkerView("w", "a:1", 1), WorkerView("o", "a:2", 1)
     for view in (worker, other):
         view.granted_credits = 2
-    chosen = {checks.checker(worker, [worker, other], now=0.0).peer_id for _ in range(200)}
-    assert chosen == {"w", "o"}  # mostly itself, a share to an independent witness
-    worker.in_flight = 1  # one credit free is not enough for two probes
-    assert checks.checker(worker, [worker, other], now=0.0) is other
-    other.in_flight = 1
+    assert checks.checker(worker, [worker, other], now=0.0) is worker
+    worker.in_flight = 1  # one credit free is not enough for two probes; another replica's weights drifted
     assert checks.checker(worker, [worker, other], now=0.0) is None
     assert sample_value(stats.registry, "agora_trainer_gradient_checks_skipped_total", {"stage": "1"}) == 1
