@@ -105,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--load", type=int, default=0, help="CPU-bound processes running beside the churned clean runs")
     parser.add_argument("--spot-share", type=float, default=None,
                         help="the trainer's spot_check_share (where the trainer has spot checks)")
+    parser.add_argument("--gradient-share", type=float, default=None,
+                        help="the trainer's gradient_check_share (default: the trainer's own; 0: off, the verifier "
+                        "alone)")
     parser.add_argument("--quick", action="store_true",
                         help="one seed, 12 honest steps and 12 more: x1e4 at the head and body, sign-grad at the body, "
                         "to show it works")
@@ -126,7 +129,7 @@ def main() -> None:
     runs, total = [], len(clean_plans) + len(attacked_plans)
     for plan in clean_plans + attacked_plans:
         with _cpu_load(args.load if plan.churn else 0):
-            result = asyncio.run(run_plan(plan, args.spot_share))
+            result = asyncio.run(run_plan(plan, args.spot_share, args.gradient_share))
         runs.append(result)
         caught = ", ".join(f"{peer} ({c['how']})" for peer, c in result["caught"].items()) or "-"
         print(f"[{len(runs)}/{total} {time.monotonic() - started:.0f}s] {plan.attack or 'clean'}"

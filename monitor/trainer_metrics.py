@@ -17,6 +17,8 @@
   outstanding, and the time its calls waited here for a credit, by stage.
 - Spot checks (node/trainer/spot_checks.py), by stage: sent (each an extra Forward on a second
   replica), their compute there, skipped for want of a free replica, and disagreements.
+- Gradient checks (node/trainer/gradient_checks.py), by stage: sent (two held-out Forwards each),
+  their compute, skipped for want of a replica with two credits free, and checks out of band.
 - `RpcClientMetrics`: payload bytes (tensor frames) sent and received, by method.
 - `EvalMetrics`: the evaluations run against the live swarm while training (node/trainer/evals.py):
   each figure of the last one by `kind` (`heldout_loss`, `heldout_perplexity`, `TASK.METRIC`: the
@@ -120,6 +122,18 @@ class TrainerMetrics:
         self.spot_check_disagreements = Counter("agora_trainer_spot_check_disagreements", "Spot checks whose two "
                                                 "answers lay beyond the stage's honest drift, by stage", ["stage"],
                                                 registry=registry)
+        self.gradient_checks = Counter("agora_trainer_gradient_checks", "Input gradients checked by finite "
+                                       "differences (two held-out Forwards each), by the checked worker's stage",
+                                       ["stage"], registry=registry)
+        self.gradient_check_compute = Counter("agora_trainer_gradient_check_compute_seconds", "The probing "
+                                              "replicas' compute on gradient checks, by stage", ["stage"],
+                                              registry=registry)
+        self.gradient_checks_skipped = Counter("agora_trainer_gradient_checks_skipped", "Sampled gradient checks "
+                                               "not sent: no replica of the stage had two credits free", ["stage"],
+                                               registry=registry)
+        self.gradient_check_failures = Counter("agora_trainer_gradient_check_failures", "Gradient checks whose "
+                                               "ratio lay out of band (a wrong sign or scale), by stage", ["stage"],
+                                               registry=registry)
 
 
 class EvalMetrics:

@@ -19,7 +19,8 @@ computing the same Forward tells them apart at once. Design choices:
   never waits for, nor takes, a credit the pipeline is waiting on. Sampling is per head or body
   Forward of a training microbatch, with probability `share` from a private random generator the
   workers cannot predict. The tail is not checked: its held-out Forward answers a loss, and what
-  a tail could lie about is its input gradient, which the verifier aligns with its input.
+  a tail could lie about is its input gradient, which the verifier aligns with its input and the
+  gradient checks (node/trainer/gradient_checks.py) probe along its own direction.
 - **What counts as a disagreement.** `output_distance`: the two outputs' L2 distance over their
   mean RMS (0 equal, 2 opposite; symmetric). Replicas of a stage differ honestly because
   asynchronous averaging leaves their weights apart, so each stage keeps the distances of its

@@ -121,6 +121,17 @@ class TrainerStats:
     def spot_check_disagreement(self, stage: int) -> None:
         self.metrics.spot_check_disagreements.labels(stage=str(stage)).inc()
 
+    def gradient_check(self, stage: int, compute_s: float) -> None:
+        """A gradient check's two probes answered for a worker of `stage` (node/trainer/gradient_checks.py)."""
+        self.metrics.gradient_checks.labels(stage=str(stage)).inc()
+        self.metrics.gradient_check_compute.labels(stage=str(stage)).inc(compute_s)
+
+    def gradient_check_skipped(self, stage: int) -> None:
+        self.metrics.gradient_checks_skipped.labels(stage=str(stage)).inc()
+
+    def gradient_check_failed(self, stage: int) -> None:
+        self.metrics.gradient_check_failures.labels(stage=str(stage)).inc()
+
     def aborted(self, outcome: str) -> None:
         self.metrics.aborts.labels(outcome=outcome).inc()
         self._abort_outcomes.add(outcome)
@@ -199,17 +210,22 @@ class TrainerStats:
 
     def spot_check_split(self) -> dict[str, dict[str, float]]:
         """Per stage with spot checks: sent, skipped, disagreements, and the second replicas' compute (s)."""
+        return self._check_split("spot_check", "spot_checks", "disagreements", "spot_check_disagreements")
+
+    def gradient_check_split(self) -> dict[str, dict[str, float]]:
+        """Per stage with gradient checks: sent, skipped, failures (out of band), and the probes' compute (s)."""
+        return self._check_split("gradient_check", "gradient_checks", "failures", "gradient_check_failures")
+
+    def _check_split(self, check: str, checks: str, outcome: str, outcome_metric: str) -> dict[str, dict[str, float]]:
         split = {}
         for stage in sorted(self._stages):
             label = str(stage)
-            sent = self._value("agora_trainer_spot_checks_total", stage=label)
-            skipped = self._value("agora_trainer_spot_checks_skipped_total", stage=label)
+            sent = self._value(f"agora_trainer_{checks}_total", stage=label)
+            skipped = self._value(f"agora_trainer_{checks}_skipped_total", stage=label)
             if sent or skipped:
                 split[label] = {"sent": int(sent), "skipped": int(skipped),
-                                "disagreements": int(self._value("agora_trainer_spot_check_disagreements_total",
-                                                                 stage=label)),
-                                "compute_s": self._value("agora_trainer_spot_check_compute_seconds_total",
-                                                         stage=label)}
+                                outcome: int(self._value(f"agora_trainer_{outcome_metric}_total", stage=label)),
+                                "compute_s": self._value(f"agora_trainer_{check}_compute_seconds_total", stage=label)}
         return split
 
     def time_split(self) -> dict[str, dict[str, float]]:

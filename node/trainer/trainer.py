@@ -16,7 +16,9 @@ stage's is excluded for the rest of the run, and the reply that showed it fails 
 `spot_check_share` a share of head and body Forwards is also sent, off the critical path, to a
 second replica of the stage, and the two outputs compared (node/trainer/spot_checks.py): that
 catches what statistics cannot (a replayed head reply, content shuffled within the batch, a lie
-from a worker's first reply), at one extra forward per check.
+from a worker's first reply), at one extra forward per check. With `gradient_check_share` a share of
+the tail's and bodies' input gradients is checked by finite differences, off the critical path
+(node/trainer/gradient_checks.py): a sign-flipped, scaled or noisy gradient keeps every statistic.
 
 How much is in flight is the asynchronous pipeline's one real trade-off. A microbatch started
 before a worker steps is finished with newer weights: the staleness is about (microbatches in
@@ -70,6 +72,7 @@ from agora.node.trainer.inflight import (DepthEstimate, InFlightLimit, adaptive_
                                          resized_depth)
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.blame import Blame
+from agora.node.trainer.gradient_checks import GradientChecks, Probe
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.spot_checks import SpotChecks, SpotJudge
 from agora.node.trainer.stage_client import (
@@ -152,6 +155,7 @@ class SwarmTrainer:
             window=max(2 * options.verify_warmup, 64))) if options.verify_replies else None
         self.spot_checks = SpotChecks(options.spot_check_share, SpotJudge(options.spot_check_tolerance), self.codec,
                                       self.stats, flag=self._spot_flagged)
+        self.gradient_checks = GradientChecks(options.gradient_check_share, self.stats, flag=self._spot_flagged)
         self._clients: dict[str, StageClient] = {}
         self._last_refresh = float("-inf")
         self._refresh_lock = asyncio.Lock()
@@ -353,6 +357,7 @@ class SwarmTrainer:
         compute = [0.0] * self.n_stages  # each stage's compute on this microbatch, and all its queueing
         queued = 0.0  # at the workers and here, waiting for their credits
         upstream: list[Source] = []  # the replies this microbatch's next ones are computed from
+        route_wires: list = []  # each stage's input wire and the step it computed at, for its gradient check
         for stage in range(self.n_stages):
             stage_shares = None if shares is None else shares[stage]
             tail = stage == self.n_stages - 1
@@ -382,6 +387,10 @@ class SwarmTrainer:
                 self.stats.repeated(stage)
             if not evaluate and not tail:
                 self._spot_check(worker, microbatch_id, tokens, wire, result.wire_frame)
+            if not evaluate and tail and wire:
+                self._gradient_check(worker, microbatch_id, tokens, targets, (wire, result.step), result.grad_frame,
+                                     None)
+            route_wires.append((wire, result.step))
             wire = result.wire_frame
             compute[stage] += result.compute_s
             queued += result.queued_s + waited
@@ -403,6 +412,8 @@ class SwarmTrainer:
             self._verify(worker, "input_grad", back.grad_frame, self._verified_request(grad), "Backward", upstream)
             if back.repeat:
                 self.stats.repeated(stage)
+            if stage > 0:
+                self._gradient_check(worker, microbatch_id, tokens, None, route_wires[stage], back.grad_frame, grad)
             grad = back.grad_frame
             compute[stage] += back.compute_s
             queued += back.queued_s + waited
@@ -421,9 +432,35 @@ class SwarmTrainer:
             duplicate = self._client(checker).forward(f"{microbatch_id}.spot", tokens, wire, evaluate=True)
             self.spot_checks.launch(primary, checker, output, self._timed(checker, duplicate, training=False))
 
+    def _gradient_check(self, worker: WorkerView, microbatch_id: str, tokens: torch.Tensor,
+                        targets: torch.Tensor | None, computed: tuple[bytes | memoryview, int],
+                        input_grad: bytes | memoryview, output_grad: bytes | memoryview | None) -> None:
+        """Maybe check `worker`'s input gradient by finite differences in the background, on its own
+        held-out Forwards (node/trainer/gradient_checks.py); `computed`: the input wire and the step of
+        the Forward it answers; `output_grad`: what it answered (None: the tail's loss)."""
+        checks = self.gradient_checks
+        if not input_grad or not checks.sampled():
+            return
+        checker = checks.checker(worker, self.roster.of_stage(worker.stage), self.clock())
+        if checker is None:
+            return
+        for _ in range(2):  # both probes' credits, reserved now (`checker` found them free)
+            self.roster.started(checker.peer_id)
+        wire, step = computed
+        probe = Probe(self.codec.decode(wire), self.codec.decode(input_grad),
+                      None if output_grad is None else self.codec.decode(output_grad), tokens, targets, step)
+
+        def call(view: WorkerView, probe_id: str, tokens, frame: bytes, targets):
+            return self._timed(view, self._client(view).forward(probe_id, tokens, frame, targets, evaluate=True),
+                               training=False)
+        checks.launch(worker, checker, microbatch_id, probe, call)
+
     def _spot_flagged(self, evidence: Evidence) -> None:
-        """Spot checks named a worker: the verifier's path (excluded, counted, logged `worker_flagged`)."""
+        """Spot or gradient checks named a worker: the verifier's path (excluded, counted, logged
+        `worker_flagged`); its replies leave the verifier's references."""
         view = self.roster.workers.get(evidence.peer) or WorkerView(evidence.peer, evidence.peer, evidence.stage)
+        if self.verifier is not None and view.peer_id not in self.roster.excluded:
+            self.verifier.forget(view.peer_id)
         self.blame.suspect(view, evidence, "Forward")
 
     def _verified_request(self, frame: bytes | memoryview | None) -> torch.Tensor | None:
@@ -686,6 +723,7 @@ class SwarmTrainer:
             await asyncio.gather(*pending, return_exceptions=True)
             await asyncio.gather(*self._reports, return_exceptions=True)  # short timeouts each
             await self.spot_checks.drain()
+            await self.gradient_checks.drain()
             await source.close()
             self.stats.cpu_s += time.process_time() - cpu_started
         records.sort(key=lambda r: r.step)

@@ -26,6 +26,8 @@ relays every such value, so it can watch them. Design choices:
   replies stay out of it from the moment its CUSUM is half-way to the bar (and the reply that trips
   it never enters, as `WireScale` keeps refused frames out), so it trips before it owns the median.
   Early in a run, while values still move fast, the spread is wide and a lie needs more replies.
+  A worker flagged by another check (spot or gradient checks) leaves every reference at once
+  (`forget`), and the CUSUMs held to those references restart.
 - **The test.** Per worker, for each feature, a two-sided CUSUM (Page, "Continuous inspection
   schemes", Biometrika 1954) over the reply's standardized deviation z, clipped at `Z_CAP`:
   S+ = max(0, S+ + z - k), S- = max(0, S- - z - k), tripping at S > h. With k = 3 and h = 30
@@ -62,7 +64,9 @@ no request frame to align with), and a stage-wide honest shift cannot be told fr
 several workers, a colluding majority of a stage's replies owns the median, as in robust averaging.
 Where a stage has several replicas, the trainer's optional spot checks (node/trainer/spot_checks.py)
 cover part of what this cannot: a replayed head reply, content shuffled within a batch, a lie from
-a worker's first reply, by asking a second replica the same Forward now and then.
+a worker's first reply, by asking a second replica the same Forward now and then; and its
+gradient checks (node/trainer/gradient_checks.py) what no marginal statistic shows of a gradient,
+its sign and scale against the stage's own directional derivative, with any number of replicas.
 
 Pure: no socket, no clock; `reply_features` is the only torch here. One instance per trainer, used
 from its event loop.
@@ -215,14 +219,14 @@ class _WorkerTrack:
 class _Boundary:
     """One stage's frames of one kind: the pooled window and each worker's track."""
 
-    window: deque
+    window: deque  # (peer, features) of the accepted replies
     workers: dict[str, _WorkerTrack] = field(default_factory=dict)
     replies: int = 0
 
     def reference(self, index: int, floor: float = SPREAD_FLOOR) -> tuple[float, float] | None:
         """The feature's centre (the median of the window's newest part) and spread (module docstring),
         the spread at least `floor`."""
-        values = [features[index] for features in self.window if not math.isnan(features[index])]
+        values = [features[index] for _, features in self.window if not math.isnan(features[index])]
         if len(values) < 2:
             return None
         middle = statistics.median(values)
@@ -287,8 +291,20 @@ class ReplyVerifier:
                 for other in boundary.workers.values():
                     other.restart()
         if track.largest() < self.settings.threshold / 2:  # a worker on its way to a flag is kept out
-            boundary.window.append(features)
+            boundary.window.append((peer, features))
         return None
+
+    def forget(self, peer: str) -> None:
+        """Another check (spot or gradient checks) flagged `peer`: its replies leave every reference they
+        were in, and the CUSUMs measured against those restart (with two replicas its replies were half
+        the reference, and the honest one's would otherwise stand off a reference the liar bent)."""
+        for boundary in self._boundaries.values():
+            if any(owner == peer for owner, _ in boundary.window):
+                kept = [entry for entry in boundary.window if entry[0] != peer]
+                boundary.window.clear()
+                boundary.window.extend(kept)
+                for track in boundary.workers.values():
+                    track.restart()
 
     def _suspected(self, source: Source) -> bool:
         stage, kind, peer = source

@@ -90,13 +90,15 @@ def _config(seed: int):
                                                     eval_every=0, eval_batches=16))
 
 
-def _trainer_options(verify: bool, spot_share: float | None) -> TrainerOptions:
-    """The trainer's options; `spot_share` goes to a `spot_check_share` field where the trainer has one."""
-    extra = {}
-    if spot_share is not None:
-        if "spot_check_share" not in {f.name for f in dataclasses.fields(TrainerOptions)}:
-            raise SystemExit("--spot-share: this trainer has no spot_check_share option")
-        extra["spot_check_share"] = spot_share
+def _trainer_options(verify: bool, spot_share: float | None, gradient_share: float | None = None) -> TrainerOptions:
+    """The trainer's options; `spot_share` and `gradient_share` go to its `spot_check_share` and
+    `gradient_check_share` fields where it has them (None: the trainer's default)."""
+    extra, fields = {}, {f.name for f in dataclasses.fields(TrainerOptions)}
+    for name, share in (("spot_check_share", spot_share), ("gradient_check_share", gradient_share)):
+        if share is not None:
+            if name not in fields:
+                raise SystemExit(f"this trainer has no {name} option")
+            extra[name] = share
     return TrainerOptions(run_id="attacks", max_in_flight=2, verify_replies=verify, **extra)
 
 
@@ -171,8 +173,10 @@ def _leave_half_way(workers: dict[str, StageWorker], steps: int, stopped: set[st
     return leaving
 
 
-async def run_plan(plan: Plan, spot_share: float | None = None) -> dict:
-    """Train one `plan` on a fresh swarm: the liar's catches, the held-out loss, the lies told."""
+async def run_plan(plan: Plan, spot_share: float | None = None, gradient_share: float | None = None) -> dict:
+    """Train one `plan` on a fresh swarm: the liar's catches, the held-out loss, the lies told, and
+    (where the trainer checks gradients) whom those checks flagged and each checked worker's
+    smallest and largest ratio."""
     config = _config(plan.seed)
     data = build_data(config)
     torch.manual_seed(plan.seed)
@@ -192,17 +196,20 @@ async def run_plan(plan: Plan, spot_share: float | None = None) -> dict:
             liar = make_liar(workers[liar_peer], BEHAVIOURS[attack.behaviour], frame=attack.frame_at(plan.position),
                              schedule=plan.schedule)
         views = [WorkerView(peer, w.address, PEERS[peer], announced_samples_per_s=100.0) for peer, w in workers.items()]
-        options = _trainer_options(plan.verify, spot_share)
+        options = _trainer_options(plan.verify, spot_share, gradient_share)
         async with SwarmTrainer(config, data, StaticDiscovery(views), options) as trainer:
             catches = _record_catches(trainer.stats, workers.get(liar_peer), liar)
             await trainer.run(plan.steps)
             for stop in leaving:
                 await asyncio.wrap_future(stop)
             held_out = await trainer.evaluate(data.heldout_batches(config.train.eval_batches, config.train.batch_size))
+            judge = getattr(getattr(trainer, "gradient_checks", None), "judge", None)
         return {"seed": plan.seed, "steps": plan.steps, "attack": plan.attack, "position": plan.position,
                 "verify": plan.verify, "churn": plan.churn, "liar": liar_peer, "caught": catches, "heldout": held_out,
                 "lies": liar.lies if liar else 0, "replies": liar.replies if liar else 0,
                 "started_at": liar.started_at if liar else None, "averaging_rounds": [a.rounds for a in averages],
-                "first_lie_step": liar.lie_steps[0] if liar and liar.lie_steps else None}
+                "first_lie_step": liar.lie_steps[0] if liar and liar.lie_steps else None,
+                "gradient_flagged": sorted(judge.flagged) if judge else [],
+                "gradient_ratios": judge.extremes() if judge else {}}
     finally:
         await asyncio.gather(*(w.stop(0) for peer, w in workers.items() if peer not in stopped))

@@ -263,9 +263,11 @@ def test_role_options_come_from_their_sections_and_are_checked_before_anything_s
         return options_from_args(TrainerOptions, build_parser().parse_args(["trainer", *argv]), "trainer", run_id="r")
 
     assert trainer("--max-staleness", "4", "--trainers", "3", "--trainer-index", "2", "--lease", "7").lease_s == 7.0
+    assert trainer().gradient_check_share == 0.05 and trainer("--gradient-check-share", "0").gradient_check_share == 0
     for argv, message in [(["--max-staleness", "0"], "trainer.max_staleness: must be > 0, got 0"),
                           (["--trainers", "2", "--trainer-index", "2"], "trainer.trainer_index: 2 out of range"),
-                          (["--time-budget", "-1"], "trainer.time_budget_s: must be > 0, got -1")]:
+                          (["--time-budget", "-1"], "trainer.time_budget_s: must be > 0, got -1"),
+                          (["--gradient-check-share", "2"], "trainer.gradient_check_share: must be <= 1, got 2")]:
         with pytest.raises(ConfigError, match=message):
             trainer(*argv)
     demo = DemoOptions.from_args(build_parser().parse_args(

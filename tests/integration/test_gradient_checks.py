@@ -1,0 +1,55 @@
+"""Gradient checks over real gRPC: tiny in three stages, two replicas each (tests/helpers/attack_swarm.py).
+
+A liar flips the sign of the input gradients it returns, at the tail (in its Forward reply) or at
+the body (in its Backward reply), or adds noise at the tail's gradient's own scale: every marginal
+statistic of its replies stays an honest one's, and the verifier alone lets it through. With
+gradient checks (node/trainer/gradient_checks.py) its gradients' finite-difference ratios stand at
+-1 or about 0.5 and it is flagged, the only one. An honest run at tiny's own learning rate, the
+replicas averaged every few steps, flags no one and keeps every ratio inside the band.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agora.node.trainer.gradient_checks import BAND
+from attack_swarm import Plan, run_plan
+from lying_workers import LieSchedule
+
+pytestmark = pytest.mark.timeout(300)
+
+# A high share, so a short run checks the liar's gradients several times (the default is 0.05).
+SHARE = 0.5
+HONEST_STEPS, LIE_STEPS = 4, 12
+
+
+def _attacked(attack: str, position: str, gradient_share: float) -> dict:
+    plan = Plan(seed=0, steps=HONEST_STEPS + LIE_STEPS, attack=attack, position=position,
+                schedule=LieSchedule(honest_steps=HONEST_STEPS))
+    return asyncio.run(run_plan(plan, gradient_share=gradient_share))
+
+
+@pytest.mark.parametrize("attack, position", [("sign-grad", "tail"), ("noise", "tail"), ("sign-grad", "body")])
+def test_a_gradient_liar_is_flagged_by_its_gradient_checks(attack, position):
+    result = _attacked(attack, position, SHARE)
+    liar = result["liar"]
+    assert result["lies"] > 0, result
+    assert result["gradient_flagged"] == [liar], result
+    assert set(result["caught"]) == {liar}, result
+
+
+@pytest.mark.parametrize("attack", ["sign-grad", "noise"])
+def test_the_verifier_alone_misses_a_tail_lying_in_its_gradient(attack):
+    result = _attacked(attack, "tail", 0.0)
+    assert result["lies"] > 0 and result["caught"] == {}, result
+
+
+def test_an_honest_run_flags_no_one_and_its_ratios_stay_in_band():
+    result = asyncio.run(run_plan(Plan(seed=1, steps=30), gradient_share=SHARE))
+    assert result["caught"] == {} and result["gradient_flagged"] == [], result
+    ratios = result["gradient_ratios"]
+    assert {peer[:2] for peer in ratios} == {"s1", "s2"}, ratios  # the bodies and tails were checked
+    for smallest, largest in ratios.values():
+        assert 1 / BAND < smallest <= largest < BAND, ratios

@@ -1,0 +1,127 @@
+"""Gradient checks' pure parts (node/trainer/gradient_checks.py): the ratio and whom it names.
+
+The ratio is computed on tiny's real stages (a body and a tail at initialisation, float32, on the
+real codec): an honest gradient's stands at 1, a sign flip's at -1, a gradient scaled by ten at
+0.1, noise at the gradient's scale about 0.5; the wire's own encoding (bf16) does not move an
+honest ratio, since the probes go in fp32 around the frame the worker decoded.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from agora.monitor.metrics import sample_value
+from agora.node.trainer.gradient_checks import (
+    BAND, FAILURES, RECENT, GradientChecks, GradientJudge, gradient_ratio, in_band, probe_inputs,
+    tail_ratio,
+)
+from agora.node.trainer.routing import WorkerView
+from agora.node.trainer.stats import TrainerStats
+from agora.pipeline.codec import WireCodec
+from agora.pipeline.config import PRESETS
+from agora.pipeline.stages import build_stage
+
+pytestmark = pytest.mark.timeout(120)
+
+CONFIG = PRESETS["tiny"].with_stages(3)
+LIES = {"honest": lambda g: g, "sign": lambda g: -g, "x10": lambda g: 10 * g, "x0.1": lambda g: g / 10,
+        "noise": lambda g: g + torch.randn_like(g) * g.square().mean().sqrt()}
+
+
+def _route(wire_dtype: str):
+    """A body and a tail of tiny, a microbatch through them, every frame through the real codec: the
+    body's input wire, the output gradient the trainer sent it, its input gradient, the tail's."""
+    torch.manual_seed(0)
+    codec = WireCodec(wire_dtype)
+    body, tail = build_stage(CONFIG.model, 1), build_stage(CONFIG.model, 2)
+    tokens = torch.randint(0, CONFIG.model.vocab_size, (2, 32))
+    targets = torch.randint(0, CONFIG.model.vocab_size, (2, 32))
+    body_in = codec.decode(codec.encode(build_stage(CONFIG.model, 0)(tokens).detach()))
+    leaf = body_in.clone().requires_grad_(True)
+    output = body(tokens, leaf)
+    tail_in = codec.decode(codec.encode(output.detach())).requires_grad_(True)
+    tail_grad, = torch.autograd.grad(tail(tokens, tail_in, targets), tail_in)
+    tail_grad = codec.decode(codec.encode(tail_grad))
+    body_grad, = torch.autograd.grad(output, leaf, tail_grad)
+    return body, tail, tokens, targets, body_in, tail_in.detach(), tail_grad, codec.decode(codec.encode(body_grad))
+
+
+def _body_ratio(body, tokens, wire, output_grad, input_grad) -> float:
+    plus, minus, step = probe_inputs(wire, input_grad)
+    fp32 = WireCodec("fp32")
+    with torch.no_grad():
+        answers = [body(tokens, fp32.decode(fp32.encode(probe))) for probe in (plus, minus)]
+    return gradient_ratio(output_grad, *answers, step, float(input_grad.norm()))
+
+
+def _tail_ratio(tail, tokens, targets, wire, input_grad) -> float:
+    plus, minus, step = probe_inputs(wire, input_grad)
+    with torch.no_grad():
+        losses = [float(tail(tokens, probe, targets)) for probe in (plus, minus)]
+    return tail_ratio(*losses, step, float(input_grad.norm()))
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16"])
+def test_the_ratio_tells_an_honest_gradient_from_a_sign_flip_a_scale_and_noise(wire_dtype):
+    body, tail, tokens, targets, body_in, tail_in, tail_grad, body_grad = _route(wire_dtype)
+    expected = {"honest": 1.0, "sign": -1.0, "x10": 0.1, "x0.1": 10.0, "noise": 0.5}
+    for lie, transform in LIES.items():
+        torch.manual_seed(1)
+        ratios = (_body_ratio(body, tokens, body_in, tail_grad, transform(body_grad)),
+                  _tail_ratio(tail, tokens, targets, tail_in, transform(tail_grad)))
+        for ratio in ratios:
+            tolerance = 0.01 if lie != "noise" else 0.15
+            assert ratio == pytest.approx(expected[lie], rel=tolerance), (lie, ratios)
+            assert in_band(ratio) == (lie == "honest"), (lie, ratio)
+
+
+def test_the_band_refuses_a_wrong_sign_zero_and_non_finite_ratios():
+    assert in_band(1.0) and in_band(1 / BAND) and in_band(BAND)
+    for ratio in (-1.0, 0.0, float("nan"), float("inf"), 0.5, 2.0):
+        assert not in_band(ratio), ratio
+
+
+def test_a_worker_is_flagged_at_its_second_failure_among_its_recent_checks_and_once():
+    judge = GradientJudge()
+    assert not judge.judge(2, "liar", -1.0).in_band
+    for _ in range(FAILURES - 2):
+        assert judge.judge(2, "liar", -1.0).flagged is None
+    assert judge.judge(2, "liar", -1.0).flagged is not None
+    assert all(judge.judge(2, "liar", -1.0).flagged is None for _ in range(3))  # flagged once
+    assert judge.flagged == {"liar"}
+
+
+def test_one_stray_check_never_flags_and_old_failures_age_out():
+    judge = GradientJudge()
+    for _ in range(5):
+        assert judge.judge(1, "honest", 0.2).flagged is None  # a stray check
+        for _ in range(RECENT - 1):
+            assert judge.judge(1, "honest", 1.0 + random.uniform(-0.05, 0.05)).flagged is None
+    assert judge.flagged == set()
+    smallest, largest = judge.extremes()["honest"]
+    assert smallest == 0.2 and largest < BAND
+
+
+def test_a_liar_flagged_on_its_second_failure_carries_its_evidence():
+    judge = GradientJudge()
+    judge.judge(2, "honest", 1.0)
+    assert judge.judge(2, "liar", 0.5).flagged is None
+    evidence = judge.judge(2, "liar", 0.48).flagged
+    assert evidence is not None and evidence.peer == "liar" and evidence.feature == "gradient_check"
+    assert evidence.cusum == FAILURES and evidence.replies == 2 and "finite-difference" in evidence.describe()
+    assert judge.flagged == {"liar"}
+
+
+def test_the_worker_probes_its_own_gradient_when_it_has_two_credits_free_else_the_check_is_skipped():
+    stats = TrainerStats()
+    checks = GradientChecks(1.0, stats, flag=lambda evidence: None, rng=random.Random(0))
+    worker, other = WorkerView("w", "a:1", 1), WorkerView("o", "a:2", 1)
+    for view in (worker, other):
+        view.granted_credits = 2
+    assert checks.checker(worker, [worker, other], now=0.0) is worker
+    worker.in_flight = 1  # one credit free is not enough for two probes; another replica's weights drifted
+    assert checks.checker(worker, [worker, other], now=0.0) is None
+    assert sample_value(stats.registry, "agora_trainer_gradient_checks_skipped_total", {"stage": "1"}) == 1
