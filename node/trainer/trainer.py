@@ -476,7 +476,8 @@ class SwarmTrainer:
         if self.verifier is None or not frame:
             return
         features = self.verifier.features(self.codec.decode(frame), request)
-        evidence = self.verifier.observe(view.stage, kind, view.peer_id, features, upstream)
+        present = [worker.peer_id for worker in self.roster.of_stage(view.stage)]
+        evidence = self.verifier.observe(view.stage, kind, view.peer_id, features, upstream, present)
         if evidence is not None:
             raise self.blame.suspect(view, evidence, method)
         upstream.append((view.stage, kind, view.peer_id))

@@ -28,6 +28,13 @@ relays every such value, so it can watch them. Design choices:
   Early in a run, while values still move fast, the spread is wide and a lie needs more replies.
   A worker flagged by another check (spot or gradient checks) leaves every reference at once
   (`forget`), and the CUSUMs held to those references restart.
+- **The workers that are there.** Only the replies of the stage's workers the trainer still routes
+  to make the reference (`observe`'s `present`): a worker killed or gone takes its replies with it.
+  Under churn a newcomer may be a stage's only member, holding the copy of its state it downloaded
+  while the members it came to join were dying, steps behind what they last answered; held to the
+  departed ones' window it stood five of their spreads off and was flagged within a few replies
+  (seen in a chaos run). Held to the workers that are there, it is alone and its own history is its
+  reference, and nothing is judged until that history holds `warmup` replies.
 - **The test.** Per worker, for each feature, a two-sided CUSUM (Page, "Continuous inspection
   schemes", Biometrika 1954) over the reply's standardized deviation z, clipped at `Z_CAP`:
   S+ = max(0, S+ + z - k), S- = max(0, S- - z - k), tripping at S > h. With k = 3 and h = 30
@@ -223,10 +230,15 @@ class _Boundary:
     workers: dict[str, _WorkerTrack] = field(default_factory=dict)
     replies: int = 0
 
-    def reference(self, index: int, floor: float = SPREAD_FLOOR) -> tuple[float, float] | None:
+    def entries(self, live: frozenset[str] | None) -> list[tuple[str, tuple[float, ...]]]:
+        """The window's replies of the workers in `live` (None: all of them)."""
+        return [entry for entry in self.window if live is None or entry[0] in live]
+
+    def reference(self, index: int, floor: float = SPREAD_FLOOR,
+                  live: frozenset[str] | None = None) -> tuple[float, float] | None:
         """The feature's centre (the median of the window's newest part) and spread (module docstring),
-        the spread at least `floor`."""
-        values = [features[index] for _, features in self.window if not math.isnan(features[index])]
+        over the replies of the workers in `live` (None: all), the spread at least `floor`."""
+        values = [features[index] for _, features in self.entries(live) if not math.isnan(features[index])]
         if len(values) < 2:
             return None
         middle = statistics.median(values)
@@ -264,10 +276,12 @@ class ReplyVerifier:
                 for peer, track in boundary.workers.items()}
 
     def observe(self, stage: int, kind: str, peer: str, features: tuple[float, ...],
-                upstream: Iterable[Source] = ()) -> Evidence | None:
+                upstream: Iterable[Source] = (), present: Iterable[str] | None = None) -> Evidence | None:
         """Judge one reply of `peer`, a worker of `stage`: None when it is used (and counted into the
         stage's reference), else the evidence against its worker (this reply and every later one).
-        `upstream`: the replies of the microbatch's route this one was computed from."""
+        `upstream`: the replies of the microbatch's route this one was computed from. `present`: the
+        stage's workers the trainer still routes to (None: every worker seen); only their replies make
+        the reference (module docstring: a newcomer is held to the workers that are there)."""
         boundary = self._boundaries.get((stage, kind))
         if boundary is None:
             boundary = self._boundaries[(stage, kind)] = _Boundary(deque(maxlen=self.settings.window))
@@ -280,12 +294,13 @@ class ReplyVerifier:
         track.average(features)
         boundary.replies += 1
         track.last_seen = boundary.replies
-        if len(boundary.window) >= self.settings.warmup:
-            tripped = self._accumulate(boundary, track, features)
+        live = None if present is None else frozenset(present) | {peer}
+        if len(boundary.entries(live)) >= self.settings.warmup:
+            tripped = self._accumulate(boundary, track, features, live)
             if tripped is not None:
                 index, side, value = tripped
-                if not self._shared_shift(boundary, peer, index, side):
-                    track.flagged = self._evidence(stage, kind, peer, boundary, track, index, side, value)
+                if not self._shared_shift(boundary, peer, index, side, live):
+                    track.flagged = self._evidence(stage, kind, peer, boundary, track, index, side, value, live)
                     return track.flagged
                 self.shifts += 1
                 for other in boundary.workers.values():
@@ -312,14 +327,14 @@ class ReplyVerifier:
         track = None if boundary is None else boundary.workers.get(peer)
         return track is not None and track.largest() >= _SUSPECT_FRACTION * self.settings.threshold
 
-    def _accumulate(self, boundary: _Boundary, track: _WorkerTrack,
-                    features: tuple[float, ...]) -> tuple[int, str, float] | None:
+    def _accumulate(self, boundary: _Boundary, track: _WorkerTrack, features: tuple[float, ...],
+                    live: frozenset[str] | None) -> tuple[int, str, float] | None:
         """Add the reply's deviations to the worker's CUSUMs; the feature and side of the largest one
         over the threshold, if any."""
         k, worst = self.settings.drift, None
-        floor = SPREAD_FLOOR if self._others(boundary, track) else LONE_SPREAD_FLOOR
+        floor = SPREAD_FLOOR if self._others(boundary, track, live) else LONE_SPREAD_FLOOR
         for index, value in enumerate(features):
-            reference = boundary.reference(index, floor)
+            reference = boundary.reference(index, floor, live)
             if math.isnan(value) or reference is None:
                 continue
             centre, spread = reference
@@ -332,24 +347,27 @@ class ReplyVerifier:
                     worst = (cusum, index, side, value)
         return None if worst is None else worst[1:]
 
-    def _shared_shift(self, boundary: _Boundary, peer: str, index: int, side: str) -> bool:
+    def _shared_shift(self, boundary: _Boundary, peer: str, index: int, side: str,
+                      live: frozenset[str] | None) -> bool:
         """Whether at least half the stage's other recently active, unflagged workers (one at least)
         are half-way to tripping the same feature the same way."""
-        others = self._others(boundary, boundary.workers[peer])
+        others = self._others(boundary, boundary.workers[peer], live)
         half_way = self.settings.threshold / 2
         moved = [t for t in others if (t.high if side == "high" else t.low)[index] >= half_way]
         return bool(others) and 2 * len(moved) >= len(others)
 
-    def _others(self, boundary: _Boundary, track: _WorkerTrack) -> list[_WorkerTrack]:
-        """The stage's other unflagged workers with a reply in the window's span."""
+    def _others(self, boundary: _Boundary, track: _WorkerTrack, live: frozenset[str] | None) -> list[_WorkerTrack]:
+        """The stage's other unflagged workers with a reply in the window's span (and, given `live`,
+        still routed to)."""
         recent = boundary.replies - self.settings.window
-        return [other for other in boundary.workers.values()
-                if other is not track and other.flagged is None and other.last_seen > recent]
+        return [other for peer, other in boundary.workers.items()
+                if other is not track and other.flagged is None and other.last_seen > recent
+                and (live is None or peer in live)]
 
     def _evidence(self, stage: int, kind: str, peer: str, boundary: _Boundary, track: _WorkerTrack, index: int,
-                  side: str, value: float) -> Evidence:
-        floor = SPREAD_FLOOR if self._others(boundary, track) else LONE_SPREAD_FLOOR
-        centre, spread = boundary.reference(index, floor)
+                  side: str, value: float, live: frozenset[str] | None) -> Evidence:
+        floor = SPREAD_FLOOR if self._others(boundary, track, live) else LONE_SPREAD_FLOOR
+        centre, spread = boundary.reference(index, floor, live)
         cusum = (track.high if side == "high" else track.low)[index]
         return Evidence(stage=stage, kind=kind, peer=peer, feature=FEATURES[index], direction=side, cusum=cusum,
                         value=value, mean=track.mean[index], centre=centre, spread=spread, replies=track.replies)

@@ -177,3 +177,29 @@ def test_a_sole_worker_that_scales_its_replies_is_caught_by_its_own_history(hone
     outcome = honest.fork(Attack(peer, kind, scaled(10.0))).train(ATTACK_STEPS, data)
     assert set(outcome.flagged) == {peer}, outcome.flagged
     assert outcome.flagged[peer].feature == "log_rms" and outcome.lies <= 2 * DETECTION_REPLIES
+
+
+def test_a_worker_left_alone_on_its_stage_is_judged_by_the_workers_still_there_not_the_departed():
+    # The stage's first replicas answered around 0; they are gone (killed, left) and a newcomer
+    # holding an older copy of the stage's state, now its only member, answers around 0.5: five of
+    # the departed ones' spreads off. Held to the departed ones' window it was flagged within a few
+    # replies (a chaos run saw it); held to the workers the trainer still routes to, it is alone,
+    # and its own history is its reference.
+    rng, verifier = random.Random(3), ReplyVerifier()
+    _warm(verifier, rng, ["a", "b"], 96)
+    outcomes = [verifier.observe(0, "output", "newcomer", _features(rng, 0.5), present={"newcomer"})
+                for _ in range(200)]
+    assert outcomes == [None] * 200 and verifier.flagged() == {}
+    # Against the workers that are there it is still held to account: a x10 lie of its own is caught.
+    lies = [verifier.observe(0, "output", "newcomer", _features(rng, 0.5 + 3.0), present={"newcomer"})
+            for _ in range(4 * DETECTION_REPLIES)]
+    assert any(evidence is not None for evidence in lies)
+
+
+def test_a_newcomer_beside_a_worker_still_there_is_held_to_it():
+    rng, verifier = random.Random(4), ReplyVerifier()
+    _warm(verifier, rng, ["a", "b"], 96)  # b leaves; a stays
+    outcomes = [verifier.observe(0, "output", "newcomer" if i % 2 else "a",
+                                 _features(rng, 5.0 if i % 2 else 0.0), present={"a", "newcomer"})
+                for i in range(4 * DETECTION_REPLIES)]
+    assert set(verifier.flagged()) == {"newcomer"} and any(outcomes)
