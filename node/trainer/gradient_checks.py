@@ -87,7 +87,7 @@ from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.verification import Evidence
 from agora.pipeline.codec import WireCodec
 
-__all__ = ["BAND", "FAILURES", "RECENT", "RELATIVE_STEP", "GradientCheckEvidence", "GradientJudge", "GradientChecks",
+__all__ = ["BAND", "FAILURES", "RECENT", "RELATIVE_STEP", "GradientCheckEvidence", "GradientJudge", "GradientChecks", "checkable",
            "Probe", "gradient_ratio", "in_band", "probe_inputs", "tail_ratio"]
 
 logger = logging.getLogger("agora.node.trainer")
@@ -120,6 +120,12 @@ def gradient_ratio(output_grad: torch.Tensor, output_plus: torch.Tensor, output_
 def tail_ratio(loss_plus: float, loss_minus: float, step: float, input_grad_norm: float) -> float:
     """The tail's r = (L(x + eps d) - L(x - eps d)) / (2 eps |g|) (module docstring)."""
     return (loss_plus - loss_minus) / (2 * step * (input_grad_norm + _EPSILON))
+
+
+def checkable(step: float, input_grad_norm: float) -> bool:
+    """Whether a gradient has a direction to probe along and its input a size to step by: a zero
+    gradient or input (a worker sending zeros) has neither, and leaves its judgement to the verifier."""
+    return step > 0 and input_grad_norm > 0 and math.isfinite(step) and math.isfinite(input_grad_norm)
 
 
 def in_band(ratio: float) -> bool:
@@ -240,6 +246,9 @@ class GradientChecks:
                      call: ProbeCall) -> None:
         stage = worker.stage
         plus, minus, step = probe_inputs(probe.wire, probe.input_grad)
+        if not checkable(step, float(probe.input_grad.to(torch.float32).norm())):
+            self.stats.gradient_check_skipped(stage)  # no direction to probe along: the verifier judges zeros
+            return
         frames = (self.probe_codec.encode(plus), self.probe_codec.encode(minus))
         answers = await asyncio.gather(
             *(call(checker, f"{microbatch_id}.grad-{sign}", probe.tokens, frame, probe.targets)

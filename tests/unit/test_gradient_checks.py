@@ -15,7 +15,7 @@ import torch
 
 from agora.monitor.metrics import sample_value
 from agora.node.trainer.gradient_checks import (
-    BAND, FAILURES, RECENT, GradientChecks, GradientJudge, gradient_ratio, in_band, probe_inputs,
+    BAND, FAILURES, RECENT, GradientChecks, GradientJudge, checkable, gradient_ratio, in_band, probe_inputs,
     tail_ratio,
 )
 from agora.node.trainer.routing import WorkerView
@@ -125,3 +125,10 @@ def test_the_worker_probes_its_own_gradient_when_it_has_two_credits_free_else_th
     worker.in_flight = 1  # one credit free is not enough for two probes; another replica's weights drifted
     assert checks.checker(worker, [worker, other], now=0.0) is None
     assert sample_value(stats.registry, "agora_trainer_gradient_checks_skipped_total", {"stage": "1"}) == 1
+
+
+def test_a_zero_gradient_or_input_is_not_probed():
+    # A worker sending zeros gives no direction to step along (and, with its input zero, no step):
+    # the check is skipped, not a division by zero in the background task.
+    assert not checkable(0.0, 1.0) and not checkable(0.1, 0.0) and not checkable(float("nan"), 1.0)
+    assert checkable(1e-3, 2.0)
