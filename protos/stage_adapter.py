@@ -117,6 +117,7 @@ class ForwardReply:
     repeat: bool = False  # tail: its work key was applied here already, the gradient not added again
     credits: int = 0  # calls this caller may have outstanding here now (flow control; 0: not stated)
     in_flight_credits: int = 0  # microbatches of this caller kept here for their Backward (0: no bound)
+    weights_version: int = 0  # the weights it ran on: bumped by every write to them
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class BackwardReply:
     repeat: bool = False  # its work key was applied here already, the gradient not added again
     credits: int = 0
     in_flight_credits: int = 0
+    weights_version: int = 0  # the weights its gradient was computed on
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ class ForwardRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., wire: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., evaluate: _Optional[bool] = ..., work_key: _Optional[str] = ..., round_trip_s: _Optional[float] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("wire", "loss", "input_grad", "step", "queued_s", "compute_s", "repeat", "credits", "in_flight_credits")
+    __slots__ = ("wire", "loss", "input_grad", "step", "queued_s", "compute_s", "repeat", "credits", "in_flight_credits", "weights_version")
     WIRE_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class ForwardReply(_message.Message):
     REPEAT_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     wire: bytes
     loss: float
     input_grad: bytes
@@ -46,7 +47,8 @@ class ForwardReply(_message.Message):
     repeat: bool
     credits: int
     in_flight_credits: int
-    def __init__(self, wire: _Optional[bytes] = ..., loss: _Optional[float] = ..., input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ..., credits: _Optional[int] = ..., in_flight_credits: _Optional[int] = ...) -> None: ...
+    weights_version: int
+    def __init__(self, wire: _Optional[bytes] = ..., loss: _Optional[float] = ..., input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ..., credits: _Optional[int] = ..., in_flight_credits: _Optional[int] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("run_id", "microbatch_id", "stage", "output_grad", "round_trip_s")
@@ -63,7 +65,7 @@ class BackwardRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., output_grad: _Optional[bytes] = ..., round_trip_s: _Optional[float] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
-    __slots__ = ("input_grad", "step", "queued_s", "compute_s", "repeat", "credits", "in_flight_credits")
+    __slots__ = ("input_grad", "step", "queued_s", "compute_s", "repeat", "credits", "in_flight_credits", "weights_version")
     INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +73,7 @@ class BackwardReply(_message.Message):
     REPEAT_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     input_grad: bytes
     step: int
     queued_s: float
@@ -78,7 +81,8 @@ class BackwardReply(_message.Message):
     repeat: bool
     credits: int
     in_flight_credits: int
-    def __init__(self, input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ..., credits: _Optional[int] = ..., in_flight_credits: _Optional[int] = ...) -> None: ...
+    weights_version: int
+    def __init__(self, input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ..., credits: _Optional[int] = ..., in_flight_credits: _Optional[int] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("run_id", "stage", "microbatches", "step", "completed_batch", "replicas")

@@ -328,8 +328,9 @@ class StageCompute:
             if self.stage.is_tail:
                 if not torch.isfinite(output):
                     raise self.frames.unusable(f"tail produced a non-finite held-out loss ({float(output)})", produced)
-                return ForwardReply(loss=float(output), step=step)
-            return ForwardReply(wire=self.frames.encode(output, "output", produced), step=step)
+                return ForwardReply(loss=float(output), step=step, weights_version=self.weights_version)
+            return ForwardReply(wire=self.frames.encode(output, "output", produced), step=step,
+                                weights_version=self.weights_version)
         if self.stage.is_tail:
             reply = self._forward_tail(tokens, wire, targets, step, request.microbatch_id, owner, request.work_key)
         else:
@@ -342,7 +343,8 @@ class StageCompute:
             else:
                 with torch.no_grad(), self.runtime.autocast():
                     output = self.stage(tokens, wire)
-            reply = ForwardReply(wire=self.frames.encode(output.detach(), "output", produced), step=step)
+            reply = ForwardReply(wire=self.frames.encode(output.detach(), "output", produced), step=step,
+                                 weights_version=self.weights_version)
             evicted = self.stash.put(request.microbatch_id,
                                      StashedInput(tokens, wire, tuple(output.shape), self.weights_version, owner,
                                                   request.work_key),
@@ -369,10 +371,12 @@ class StageCompute:
             wire_grad, param_grads = self._gradients(loss, wire, None)
         self.frames.check_finite(param_grads, "the request's wire", produced)
         input_grad = self.frames.encode(wire_grad, "input gradient", produced) if wire_grad is not None else b""
+        version = self.weights_version  # the gradient's weights (an asynchronous step may follow it)
         applied = self._accumulate(param_grads, microbatch_id,
                                    self._abort_record(tokens, None if wire is None else wire.detach(), None, targets,
-                                                      self.weights_version, owner, work_key))
-        return ForwardReply(loss=loss_value, input_grad=input_grad, step=step, repeat=not applied)
+                                                      version, owner, work_key))
+        return ForwardReply(loss=loss_value, input_grad=input_grad, step=step, repeat=not applied,
+                            weights_version=version)
 
     def backward(self, request: BackwardRequest, owner: str = LOCAL_OWNER) -> BackwardReply:
         timer = self.runtime.timer()
@@ -409,7 +413,7 @@ class StageCompute:
                                                       stashed.work_key))
         self._unpin_unused()
         self._observe(stashed.tokens.numel(), timer)
-        return BackwardReply(input_grad=input_grad, step=step, repeat=not applied)
+        return BackwardReply(input_grad=input_grad, step=step, repeat=not applied, weights_version=version)
 
     def _check_output_grad_scale(self, frame: bytes) -> float | None:
         """The frame's largest |value| once the scale allows it (None without a scale); ExtremeInput beyond."""

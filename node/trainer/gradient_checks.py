@@ -34,19 +34,20 @@ returned. Design choices:
 - **Who probes, and at which weights.** The identity holds at the weights that computed the
   gradient, and the worker itself holds them: its probes are ordinary held-out Forwards to it (it
   cannot tell them from an evaluation, and its training answer is what is compared), and honest
-  ratios then stand within 1% of 1. Another replica of the stage would be an independent
+  ratios then stand within 1% of 1 on the same weights. Another replica of the stage would be an independent
   witness, but its weights drifted from the worker's: on tiny at its own learning rate, replicas
   averaged every third step, honest witnessed ratios spread over -0.07..1.42 (a wrong sign
   included), so a witness tells neither noise nor a scale nor even a sign flip from drift. So
   the worker probes its own gradient, when it has two credits free (the two probes go at once);
-  else the check is skipped and counted. A probe answered at another optimizer step than the
-  gradient's Forward (the stage stepped in between: on tiny's first steps that moved r tenfold) is
-  not judged (counted skipped). Probes run as background tasks off the critical path, as spot checks do: they never
+  else the check is skipped and counted. Every reply names the version of the weights it ran on
+  (bumped by each optimizer step, averaging round or restore); a probe answered on other weights
+  than the gradient's is not judged (counted skipped): across a step r moved tenfold on tiny's first
+  steps, and across an averaging round an honest tail's r reached 1.32. Probes run as background tasks off the critical path, as spot checks do: they never
   wait for, nor take, a credit the pipeline waits on. Sampling is per tail Forward and per body
   Backward of a training microbatch, with probability `share`, from a private generator.
 - **The decision.** A check is out of band when r <= 0, r is not finite, or |log r| exceeds
   log `BAND` (1.25). A worker is flagged when `FAILURES` (2) of its last `RECENT` (6) checks were out of
-  band: one stray check (a probe across an averaging round, a loss spike) never flags, a lie that
+  band: one stray check (a loss spike) never flags, a lie that
   shows in every check is named on its second, and failures older than six checks age out. With
   honest self-probes within 1% of 1 and the weakest lie here (noise at the gradient's scale) at
   0.5, the band has room on both sides. A flag takes the verifier's path (`Blame.suspect`):
@@ -191,15 +192,15 @@ class GradientJudge:
 @dataclass(frozen=True)
 class Probe:
     """What one check needs: the stage's input wire x (decoded), the gradient returned for it, the
-    output gradient it answered (None: the tail), the call's tokens and labels, and the stage's step
-    when it computed (the probes must answer at the same one)."""
+    output gradient it answered (None: the tail), the call's tokens and labels, and the version of the
+    worker's weights the gradient was computed on (the probes must answer on the same weights)."""
 
     wire: torch.Tensor
     input_grad: torch.Tensor
     output_grad: torch.Tensor | None
     tokens: torch.Tensor
     targets: torch.Tensor | None
-    step: int
+    weights_version: int
 
 
 # (checker, microbatch id, tokens, encoded probe wire, targets) -> the held-out Forward's result
@@ -260,8 +261,8 @@ class GradientChecks:
             logger.debug("gradient check of stage %d on %s failed: %s", stage, checker.endpoint, failed[0])
             return
         self.stats.gradient_check(stage, sum(answer.compute_s for answer in answers))
-        if any(answer.step != probe.step for answer in answers):
-            self.stats.gradient_check_skipped(stage)  # module docstring: the same step
+        if any(answer.weights_version != probe.weights_version for answer in answers):
+            self.stats.gradient_check_skipped(stage)  # module docstring: the same weights
             return
         ratio = self._ratio(probe, answers, step)
         if ratio is None:

@@ -228,6 +228,7 @@ class ForwardResult:
     repeat: bool = False  # tail: the worker had applied this work already (not accumulated again)
     credits: int = 0  # calls this trainer may have outstanding at the worker now (0: not stated)
     in_flight_credits: int = 0  # microbatches of this trainer it keeps for their Backward (0: no bound)
+    weights_version: int = 0  # the worker's weights it ran on (bumped by every write to them)
 
     @property
     def wire(self) -> torch.Tensor | None:
@@ -250,6 +251,7 @@ class BackwardResult:
     repeat: bool = False  # the worker had applied this work already (not accumulated again)
     credits: int = 0
     in_flight_credits: int = 0
+    weights_version: int = 0  # the weights its gradient was computed on
 
     @property
     def input_grad(self) -> torch.Tensor | None:
@@ -438,7 +440,8 @@ class StageClient:
         grad = self._check(reply.input_grad, shape, "Forward", "input_grad") if reply.input_grad else b""
         return ForwardResult(loss=reply.loss, step=reply.step, wire_frame=wire_out, grad_frame=grad,
                              queued_s=reply.queued_s, compute_s=reply.compute_s, codec=self.codec, repeat=reply.repeat,
-                             credits=reply.credits, in_flight_credits=reply.in_flight_credits)
+                             credits=reply.credits, in_flight_credits=reply.in_flight_credits,
+                             weights_version=reply.weights_version)
 
     async def backward(self, microbatch_id: str, output_grad: torch.Tensor | bytes,
                        *, round_trip_s: float = 0.0, timeout_s: float | None = None) -> BackwardResult:
@@ -458,7 +461,7 @@ class StageClient:
         grad = self._check(reply.input_grad, shape, "Backward", "input_grad") if reply.input_grad else b""
         return BackwardResult(step=reply.step, grad_frame=grad, queued_s=reply.queued_s, compute_s=reply.compute_s,
                               codec=self.codec, repeat=reply.repeat, credits=reply.credits,
-                              in_flight_credits=reply.in_flight_credits)
+                              in_flight_credits=reply.in_flight_credits, weights_version=reply.weights_version)
 
     async def step(self, microbatches: int, *, step: int | None = None,
                    timeout_s: float | None = None) -> StepReply:

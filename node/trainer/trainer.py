@@ -357,7 +357,7 @@ class SwarmTrainer:
         compute = [0.0] * self.n_stages  # each stage's compute on this microbatch, and all its queueing
         queued = 0.0  # at the workers and here, waiting for their credits
         upstream: list[Source] = []  # the replies this microbatch's next ones are computed from
-        route_wires: list = []  # each stage's input wire and the step it computed at, for its gradient check
+        route_wires: list = []  # each stage's input wire, for its gradient check
         for stage in range(self.n_stages):
             stage_shares = None if shares is None else shares[stage]
             tail = stage == self.n_stages - 1
@@ -388,9 +388,9 @@ class SwarmTrainer:
             if not evaluate and not tail:
                 self._spot_check(worker, microbatch_id, tokens, wire, result.wire_frame)
             if not evaluate and tail and wire:
-                self._gradient_check(worker, microbatch_id, tokens, targets, (wire, result.step), result.grad_frame,
-                                     None)
-            route_wires.append((wire, result.step))
+                self._gradient_check(worker, microbatch_id, tokens, targets, (wire, result.weights_version),
+                                     result.grad_frame, None)
+            route_wires.append(wire)
             wire = result.wire_frame
             compute[stage] += result.compute_s
             queued += result.queued_s + waited
@@ -413,7 +413,8 @@ class SwarmTrainer:
             if back.repeat:
                 self.stats.repeated(stage)
             if stage > 0:
-                self._gradient_check(worker, microbatch_id, tokens, None, route_wires[stage], back.grad_frame, grad)
+                self._gradient_check(worker, microbatch_id, tokens, None, (route_wires[stage], back.weights_version),
+                                     back.grad_frame, grad)
             grad = back.grad_frame
             compute[stage] += back.compute_s
             queued += back.queued_s + waited
@@ -436,8 +437,8 @@ class SwarmTrainer:
                         targets: torch.Tensor | None, computed: tuple[bytes | memoryview, int],
                         input_grad: bytes | memoryview, output_grad: bytes | memoryview | None) -> None:
         """Maybe check `worker`'s input gradient by finite differences in the background, on its own
-        held-out Forwards (node/trainer/gradient_checks.py); `computed`: the input wire and the step of
-        the Forward it answers; `output_grad`: what it answered (None: the tail's loss)."""
+        held-out Forwards (node/trainer/gradient_checks.py); `computed`: the input wire and the weights
+        version the gradient was computed on; `output_grad`: what it answered (None: the tail's loss)."""
         checks = self.gradient_checks
         if not input_grad or not checks.sampled():
             return
@@ -446,9 +447,9 @@ class SwarmTrainer:
             return
         for _ in range(2):  # both probes' credits, reserved now (`checker` found them free)
             self.roster.started(checker.peer_id)
-        wire, step = computed
+        wire, version = computed
         probe = Probe(self.codec.decode(wire), self.codec.decode(input_grad),
-                      None if output_grad is None else self.codec.decode(output_grad), tokens, targets, step)
+                      None if output_grad is None else self.codec.decode(output_grad), tokens, targets, version)
 
         def call(view: WorkerView, probe_id: str, tokens, frame: bytes, targets):
             return self._timed(view, self._client(view).forward(probe_id, tokens, frame, targets, evaluate=True),

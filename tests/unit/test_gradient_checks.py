@@ -8,14 +8,16 @@ honest ratio, since the probes go in fp32 around the frame the worker decoded.
 
 from __future__ import annotations
 
+import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from agora.monitor.metrics import sample_value
 from agora.node.trainer.gradient_checks import (
-    BAND, FAILURES, RECENT, GradientChecks, GradientJudge, checkable, gradient_ratio, in_band, probe_inputs,
+    BAND, FAILURES, RECENT, GradientChecks, GradientJudge, Probe, checkable, gradient_ratio, in_band, probe_inputs,
     tail_ratio,
 )
 from agora.node.trainer.routing import WorkerView
@@ -132,3 +134,31 @@ def test_a_zero_gradient_or_input_is_not_probed():
     # the check is skipped, not a division by zero in the background task.
     assert not checkable(0.0, 1.0) and not checkable(0.1, 0.0) and not checkable(float("nan"), 1.0)
     assert checkable(1e-3, 2.0)
+
+
+def test_a_check_is_judged_only_when_both_probes_ran_on_the_gradients_own_weights():
+    # An averaging round between the gradient and its probes moves the weights without a step: the
+    # probes' replies name other weights, and the check is counted skipped, not judged.
+    _, tail, tokens, targets, _, tail_in, tail_grad, _ = _route("fp32")
+    stats = TrainerStats()
+    checks = GradientChecks(1.0, stats, flag=lambda evidence: None, rng=random.Random(0))
+    worker = WorkerView("w", "a:1", 2)
+    probe = Probe(tail_in, tail_grad, None, tokens, targets, weights_version=7)
+
+    def answering(version: int):
+        async def call(view, probe_id, tokens, frame, targets):
+            with torch.no_grad():
+                loss = float(tail(tokens, checks.probe_codec.decode(frame), targets))
+            return SimpleNamespace(loss=loss, weights_version=version, compute_s=0.0)
+        return call
+
+    async def check(version: int):
+        checks.launch(worker, worker, "m0", probe, answering(version))
+        await checks.drain()
+
+    asyncio.run(check(8))
+    assert checks.judge.extremes() == {}
+    assert sample_value(stats.registry, "agora_trainer_gradient_checks_skipped_total", {"stage": "2"}) == 1
+    asyncio.run(check(7))
+    (smallest, largest), = checks.judge.extremes().values()
+    assert abs(smallest - 1) < 0.01 and smallest == largest

@@ -39,11 +39,12 @@ def batch(seed: int, size: int = 2, seq: int = 16):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def forward_request(index: int, tokens, wire=None, targets=None, microbatch_id="m0") -> ForwardRequest:
+def forward_request(index: int, tokens, wire=None, targets=None, microbatch_id="m0",
+                    evaluate: bool = False) -> ForwardRequest:
     vocab = CONFIG.model.vocab_size
     return ForwardRequest(run_id="run", microbatch_id=microbatch_id, stage=index, tokens=encode_tokens(tokens, vocab),
                           wire=CODEC.encode(wire) if wire is not None else b"",
-                          targets=encode_tokens(targets, vocab) if targets is not None else b"")
+                          targets=encode_tokens(targets, vocab) if targets is not None else b"", evaluate=evaluate)
 
 
 def grad_request(index: int, grad, microbatch_id="m0") -> BackwardRequest:
@@ -391,6 +392,7 @@ def test_backward_uses_the_weights_its_forward_ran_on(pinned):
     _perturb(body)
     assert body.pinned_weight_copies == (1 if pinned else 0)
     reply = body.backward(grad_request(1, output_grad, microbatch_id="m0"))
+    assert reply.weights_version == (0 if pinned else 1)  # the weights its gradient was computed on
 
     reference = at_forward if pinned else body.stage
     wire_grad, param_grads = _reference_gradients(reference, tokens, wire, output_grad)
@@ -405,6 +407,19 @@ def test_backward_uses_the_weights_its_forward_ran_on(pinned):
     assert body.weights_version == 2
 
 
+def test_every_forward_names_the_weights_it_ran_on_and_a_write_to_them_changes_the_name():
+    tail = make_compute(2, synchronous=False, local_batch=None)
+    tokens, targets = batch(1)
+    wire = torch.randn(*tokens.shape, CONFIG.model.wire_dim, generator=torch.Generator().manual_seed(1))
+    held_out = forward_request(2, tokens, wire=wire, targets=targets, microbatch_id="e0", evaluate=True)
+    before = tail.forward(held_out)
+    trained = tail.forward(forward_request(2, tokens, wire=wire, targets=targets, microbatch_id="m0"))
+    assert before.weights_version == trained.weights_version == tail.weights_version
+    _perturb(tail)  # an averaging round's write: the optimizer step count stays, the weights' name does not
+    after = tail.forward(held_out)
+    assert after.step == before.step and after.weights_version == before.weights_version + 1
+
+
 def test_pinned_weights_are_bounded_and_the_oldest_falls_back_to_current_weights():
     import copy
 
@@ -417,12 +432,12 @@ def test_pinned_weights_are_bounded_and_the_oldest_falls_back_to_current_weights
     at_second = copy.deepcopy(body.stage)
     _perturb(body)
     assert body.pinned_weight_copies == 1  # version 0 was dropped for version 1
-    body.backward(grad_request(1, first[2], microbatch_id="m0"))
+    assert body.backward(grad_request(1, first[2], microbatch_id="m0")).weights_version == 2
     _, on_current = _reference_gradients(body.stage, *first)
     for param, expected in zip(body.optimizer.parameters, on_current):
         torch.testing.assert_close(param.grad, expected)
     body.optimizer.zero_grad()
-    body.backward(grad_request(1, second[2], microbatch_id="m1"))
+    assert body.backward(grad_request(1, second[2], microbatch_id="m1")).weights_version == 1
     _, on_pinned = _reference_gradients(at_second, *second)
     for param, expected in zip(body.optimizer.parameters, on_pinned):
         torch.testing.assert_close(param.grad, expected)
