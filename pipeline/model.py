@@ -86,13 +86,20 @@ class SubspaceBasis(nn.Module):
         stream stays fp32 (a no-op when T is fp32)."""
         return F.embedding(tokens, self.T).float()
 
+    def basis_for(self, values: torch.Tensor) -> torch.Tensor:
+        """U to multiply `values` by: as stored under autocast (which casts both), else in `values`'
+        dtype (a full-precision held-out forward of a bf16 runtime, whose U is stored in bf16)."""
+        if self.U.dtype == values.dtype or torch.is_autocast_enabled(values.device.type):
+            return self.U
+        return self.U.to(values.dtype)
+
     def encode(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """c = U^T (h - T[tokens]): (..., d) -> (..., k)."""
-        return (hidden - self.fixed_rows(tokens)) @ self.U
+        return (hidden - self.fixed_rows(tokens)) @ self.basis_for(hidden)
 
     def decode(self, coords: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """h = T[tokens] + U c: (..., k) -> (..., d)."""
-        return self.fixed_rows(tokens) + coords @ self.U.T
+        return self.fixed_rows(tokens) + coords @ self.basis_for(coords).T
 
 
 class OutputProjection(nn.Module):
@@ -108,7 +115,7 @@ class OutputProjection(nn.Module):
 
     def forward(self, x: torch.Tensor, basis: SubspaceBasis | None) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        return out @ basis.U.T if self.subspace else out
+        return out @ basis.basis_for(out).T if self.subspace else out
 
     def dense_weight(self, basis: SubspaceBasis | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The equivalent dense (d x in) weight and (d,) bias: exactly W = U Z^T."""
@@ -295,7 +302,7 @@ class TokenEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor, basis: SubspaceBasis | None) -> torch.Tensor:
         rows = F.embedding(tokens, self.weight)
-        return basis.fixed_rows(tokens) + rows @ basis.U.T if self.subspace else rows
+        return basis.fixed_rows(tokens) + rows @ basis.basis_for(rows).T if self.subspace else rows
 
     def dense_weight(self, basis: SubspaceBasis | None) -> torch.Tensor:
         return basis.T + self.weight @ basis.U.T if self.subspace else self.weight

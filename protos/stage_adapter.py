@@ -104,6 +104,7 @@ class ForwardRequest:
     evaluate: bool = False  # held-out loss: no stash, no gradients
     work_key: str = ""  # the unit and index this microbatch trains on; applied once per worker
     round_trip_s: float = 0.0  # the caller's round trip to this worker outside compute and queue; 0: unknown
+    full_precision: bool = False  # held-out: computed in float32, the reply in fp32 (finite-difference probes)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class ForwardReply:
     credits: int = 0  # calls this caller may have outstanding here now (flow control; 0: not stated)
     in_flight_credits: int = 0  # microbatches of this caller kept here for their Backward (0: no bound)
     weights_version: int = 0  # the weights it ran on: bumped by every write to them
+    full_precision: bool = False  # asked for full precision and computed in it
 
 
 @dataclass(frozen=True)

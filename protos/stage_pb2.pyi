@@ -5,7 +5,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("run_id", "microbatch_id", "stage", "wire", "tokens", "targets", "evaluate", "work_key", "round_trip_s")
+    __slots__ = ("run_id", "microbatch_id", "stage", "wire", "tokens", "targets", "evaluate", "work_key", "round_trip_s", "full_precision")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class ForwardRequest(_message.Message):
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
     WORK_KEY_FIELD_NUMBER: _ClassVar[int]
     ROUND_TRIP_S_FIELD_NUMBER: _ClassVar[int]
+    FULL_PRECISION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     microbatch_id: str
     stage: int
@@ -24,10 +25,11 @@ class ForwardRequest(_message.Message):
     evaluate: bool
     work_key: str
     round_trip_s: float
-    def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., wire: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., evaluate: _Optional[bool] = ..., work_key: _Optional[str] = ..., round_trip_s: _Optional[float] = ...) -> None: ...
+    full_precision: bool
+    def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., wire: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., evaluate: _Optional[bool] = ..., work_key: _Optional[str] = ..., round_trip_s: _Optional[float] = ..., full_precision: _Optional[bool] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("wire", "loss", "input_grad", "step", "queued_s", "compute_s", "repeat", "credits", "in_flight_credits", "weights_version")
+    __slots__ = ("wire", "loss", "input_grad", "step", "queued_s", "compute_s", "repeat", "credits", "in_flight_credits", "weights_version", "full_precision")
     WIRE_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +40,7 @@ class ForwardReply(_message.Message):
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_CREDITS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FULL_PRECISION_FIELD_NUMBER: _ClassVar[int]
     wire: bytes
     loss: float
     input_grad: bytes
@@ -48,7 +51,8 @@ class ForwardReply(_message.Message):
     credits: int
     in_flight_credits: int
     weights_version: int
-    def __init__(self, wire: _Optional[bytes] = ..., loss: _Optional[float] = ..., input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ..., credits: _Optional[int] = ..., in_flight_credits: _Optional[int] = ..., weights_version: _Optional[int] = ...) -> None: ...
+    full_precision: bool
+    def __init__(self, wire: _Optional[bytes] = ..., loss: _Optional[float] = ..., input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ..., credits: _Optional[int] = ..., in_flight_credits: _Optional[int] = ..., weights_version: _Optional[int] = ..., full_precision: _Optional[bool] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("run_id", "microbatch_id", "stage", "output_grad", "round_trip_s")

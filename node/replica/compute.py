@@ -88,6 +88,7 @@ It speaks the Stage service's dataclasses and codec frames. Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -206,6 +207,7 @@ class StageCompute:
             stage if stage is not None else build_stage(config.model, index)))
         self.index = self.stage.index
         self.frames = RequestFrames(config, run_id, codec, self.runtime, self.stage)
+        self._fp32_codec = WireCodec("fp32", max_bytes=codec.max_bytes)  # full-precision held-out replies
         self.n_stages = self.stage.n_stages
         self.optimizer = optimizer or StageOptimizer(self.stage, config.optim, self.index, self.n_stages)
         self.samples_total = 0  # every sample whose gradient this replica applied (averaging weights)
@@ -323,14 +325,7 @@ class StageCompute:
         step = self.optimizer.steps
         produced = None if wire is None else "wire"  # what may overflow this stage: the previous one's output
         if request.evaluate:
-            with torch.no_grad(), self.runtime.autocast():
-                output = self.stage(tokens, wire, targets)
-            if self.stage.is_tail:
-                if not torch.isfinite(output):
-                    raise self.frames.unusable(f"tail produced a non-finite held-out loss ({float(output)})", produced)
-                return ForwardReply(loss=float(output), step=step, weights_version=self.weights_version)
-            return ForwardReply(wire=self.frames.encode(output, "output", produced), step=step,
-                                weights_version=self.weights_version)
+            return self._held_out(tokens, wire, targets, step, produced, request.full_precision)
         if self.stage.is_tail:
             reply = self._forward_tail(tokens, wire, targets, step, request.microbatch_id, owner, request.work_key)
         else:
@@ -355,6 +350,22 @@ class StageCompute:
                 self.kept.keep(request.microbatch_id, KeptGraph(output, leaf, self.weights_version))
         self._observe(tokens.numel(), timer)
         return reply
+
+    def _held_out(self, tokens: torch.Tensor, wire: torch.Tensor | None, targets: torch.Tensor | None, step: int,
+                  produced: str | None, full_precision: bool) -> ForwardReply:
+        """A held-out forward: nothing stashed, no gradient. `full_precision` (finite-difference probes,
+        node/trainer/gradient_checks.py): in float32 without autocast, the reply encoded in fp32, when
+        the weights are float32; bf16 weights compute as usual and the reply says so."""
+        precise = full_precision and self.runtime.weights == "fp32"
+        with torch.no_grad(), (contextlib.nullcontext() if precise else self.runtime.autocast()):
+            output = self.stage(tokens, wire, targets)
+        if self.stage.is_tail:
+            if not torch.isfinite(output):
+                raise self.frames.unusable(f"tail produced a non-finite held-out loss ({float(output)})", produced)
+            return ForwardReply(loss=float(output), step=step, weights_version=self.weights_version,
+                                full_precision=precise)
+        encoded = self.frames.encode(output, "output", produced, codec=self._fp32_codec if precise else None)
+        return ForwardReply(wire=encoded, step=step, weights_version=self.weights_version, full_precision=precise)
 
     def _forward_tail(self, tokens: torch.Tensor, wire: torch.Tensor | None, targets: torch.Tensor,
                       step: int, microbatch_id: str, owner: str, work_key: str) -> ForwardReply:

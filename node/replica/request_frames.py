@@ -154,9 +154,11 @@ class RequestFrames:
             return InvalidRequest(message) if produced is None else ExtremeInput(message, produced)
         return ComputeError(message)
 
-    def encode(self, tensor: torch.Tensor, what: str, produced: str | None = None) -> bytes:
+    def encode(self, tensor: torch.Tensor, what: str, produced: str | None = None,
+               codec: WireCodec | None = None) -> bytes:
+        """`tensor` in this worker's wire encoding (`codec`: another one, e.g. fp32 for a probe's reply)."""
         try:
-            return self.codec.encode(self.runtime.to_host(tensor))
+            return (codec or self.codec).encode(self.runtime.to_host(tensor))
         except WireFormatError as error:
             raise self.unusable(f"stage {self.stage.index} could not encode its {what}: {error}", produced) from None
 

@@ -30,7 +30,14 @@ returned. Design choices:
   and the tail's loss difference is still far above float32's resolution (at 1e-2 of the RMS on a
   1024-element frame it is not: r off by 1e-3). The probes are encoded in fp32 whatever the
   trainer's wire dtype: x is the decoded frame the worker itself received, exact in fp32, and a
-  bf16 probe would round eps d (under 2^-8 of an element) away.
+  bf16 probe would round eps d (under 2^-8 of an element) away. For the same reason the probes
+  ask for full precision (`ForwardRequest.full_precision`): computed in float32 without autocast,
+  the body's reply in fp32. A worker computing in bf16 answered an honest tail's probes at r =
+  0.52 under its autocast (tiny, CPU bf16), 1.000 in float32 for the same bf16-computed gradient:
+  the gradient's own bf16 rounding moves r by far less than the band. A worker keeping its weights
+  in bf16 cannot compute them in float32 without a float32 copy of the stage; its probes come back
+  not in full precision and are not judged (counted skipped): such a worker's gradients are the
+  verifier's alone.
 - **Who probes, and at which weights.** The identity holds at the weights that computed the
   gradient, and the worker itself holds them: its probes are ordinary held-out Forwards to it (it
   cannot tell them from an evaluation, and its training answer is what is compared), and honest
@@ -261,8 +268,8 @@ class GradientChecks:
             logger.debug("gradient check of stage %d on %s failed: %s", stage, checker.endpoint, failed[0])
             return
         self.stats.gradient_check(stage, sum(answer.compute_s for answer in answers))
-        if any(answer.weights_version != probe.weights_version for answer in answers):
-            self.stats.gradient_check_skipped(stage)  # module docstring: the same weights
+        if any(answer.weights_version != probe.weights_version or not answer.full_precision for answer in answers):
+            self.stats.gradient_check_skipped(stage)  # module docstring: the same weights, in full precision
             return
         ratio = self._ratio(probe, answers, step)
         if ratio is None:

@@ -229,6 +229,7 @@ class ForwardResult:
     credits: int = 0  # calls this trainer may have outstanding at the worker now (0: not stated)
     in_flight_credits: int = 0  # microbatches of this trainer it keeps for their Backward (0: no bound)
     weights_version: int = 0  # the worker's weights it ran on (bumped by every write to them)
+    full_precision: bool = False  # asked for full precision (held-out) and computed in it
 
     @property
     def wire(self) -> torch.Tensor | None:
@@ -410,15 +411,16 @@ class StageClient:
     async def forward(self, microbatch_id: str, tokens: torch.Tensor | bytes,
                       wire: torch.Tensor | bytes | None = None, targets: torch.Tensor | bytes | None = None,
                       *, evaluate: bool = False, work_key: str = "", round_trip_s: float = 0.0,
-                      timeout_s: float | None = None) -> ForwardResult:
+                      full_precision: bool = False, timeout_s: float | None = None) -> ForwardResult:
         """Forward on this stage. Tail: `targets` required; the result has the loss and input gradient
         (`evaluate`: the held-out loss only, nothing stashed or accumulated anywhere). `work_key`:
         the unit and index trained on, the same for every attempt (applied once per worker).
-        `round_trip_s`: this trainer's measured round trip to the worker outside its compute and queue."""
+        `round_trip_s`: this trainer's measured round trip to the worker outside its compute and queue.
+        `full_precision` (held-out): computed in float32, the reply in fp32 (a gradient check's probes)."""
         request = ForwardRequest(run_id=self.run_id, microbatch_id=microbatch_id, stage=self.stage,
                                  tokens=self._token_frame(tokens), wire=self._frame(wire),
                                  targets=self._token_frame(targets), evaluate=evaluate, work_key=work_key,
-                                 round_trip_s=round_trip_s)
+                                 round_trip_s=round_trip_s, full_precision=full_precision)
         shape = (None, None, self.model.wire_dim)
         if isinstance(tokens, torch.Tensor):
             shape = (*tokens.shape, self.model.wire_dim)
@@ -441,7 +443,7 @@ class StageClient:
         return ForwardResult(loss=reply.loss, step=reply.step, wire_frame=wire_out, grad_frame=grad,
                              queued_s=reply.queued_s, compute_s=reply.compute_s, codec=self.codec, repeat=reply.repeat,
                              credits=reply.credits, in_flight_credits=reply.in_flight_credits,
-                             weights_version=reply.weights_version)
+                             weights_version=reply.weights_version, full_precision=reply.full_precision)
 
     async def backward(self, microbatch_id: str, output_grad: torch.Tensor | bytes,
                        *, round_trip_s: float = 0.0, timeout_s: float | None = None) -> BackwardResult:

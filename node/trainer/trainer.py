@@ -452,8 +452,8 @@ class SwarmTrainer:
                       None if output_grad is None else self.codec.decode(output_grad), tokens, targets, version)
 
         def call(view: WorkerView, probe_id: str, tokens, frame: bytes, targets):
-            return self._timed(view, self._client(view).forward(probe_id, tokens, frame, targets, evaluate=True),
-                               training=False)
+            probing = self._client(view).forward(probe_id, tokens, frame, targets, evaluate=True, full_precision=True)
+            return self._timed(view, probing, training=False)
         checks.launch(worker, checker, microbatch_id, probe, call)
 
     def _spot_flagged(self, evidence: Evidence) -> None:

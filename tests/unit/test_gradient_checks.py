@@ -136,7 +136,7 @@ def test_a_zero_gradient_or_input_is_not_probed():
     assert checkable(1e-3, 2.0)
 
 
-def test_a_check_is_judged_only_when_both_probes_ran_on_the_gradients_own_weights():
+def test_a_check_is_judged_only_when_both_probes_ran_on_the_gradients_own_weights_in_full_precision():
     # An averaging round between the gradient and its probes moves the weights without a step: the
     # probes' replies name other weights, and the check is counted skipped, not judged.
     _, tail, tokens, targets, _, tail_in, tail_grad, _ = _route("fp32")
@@ -145,20 +145,72 @@ def test_a_check_is_judged_only_when_both_probes_ran_on_the_gradients_own_weight
     worker = WorkerView("w", "a:1", 2)
     probe = Probe(tail_in, tail_grad, None, tokens, targets, weights_version=7)
 
-    def answering(version: int):
+    def answering(version: int, full_precision: bool):
         async def call(view, probe_id, tokens, frame, targets):
             with torch.no_grad():
                 loss = float(tail(tokens, checks.probe_codec.decode(frame), targets))
-            return SimpleNamespace(loss=loss, weights_version=version, compute_s=0.0)
+            return SimpleNamespace(loss=loss, weights_version=version, compute_s=0.0, full_precision=full_precision)
         return call
 
-    async def check(version: int):
-        checks.launch(worker, worker, "m0", probe, answering(version))
+    async def check(version: int, full_precision: bool = True):
+        checks.launch(worker, worker, "m0", probe, answering(version, full_precision))
         await checks.drain()
 
     asyncio.run(check(8))
+    asyncio.run(check(7, full_precision=False))  # a worker with bf16 weights: its probes are not precise enough
     assert checks.judge.extremes() == {}
-    assert sample_value(stats.registry, "agora_trainer_gradient_checks_skipped_total", {"stage": "2"}) == 1
+    assert sample_value(stats.registry, "agora_trainer_gradient_checks_skipped_total", {"stage": "2"}) == 2
     asyncio.run(check(7))
     (smallest, largest), = checks.judge.extremes().values()
     assert abs(smallest - 1) < 0.01 and smallest == largest
+
+
+@pytest.mark.parametrize("index", [1, 2])
+def test_a_bf16_workers_honest_gradient_passes_its_check_in_full_precision_and_would_fail_without(index):
+    # The real replica (no sockets) computing in bf16, as a GPU worker does: its probes under its own
+    # autocast measure an honest gradient far from itself; in full precision within 1% of it.
+    from agora.node.replica.compute import StageCompute
+    from agora.node.replica.stash import ForwardStash
+    from agora.pipeline.codec import encode_tokens
+    from agora.pipeline.runtime import Runtime
+    from agora.protos.stage_adapter import BackwardRequest, ForwardRequest
+
+    torch.manual_seed(0)
+    codec, vocab = WireCodec("fp32"), CONFIG.model.vocab_size
+    compute = StageCompute(CONFIG, index, run_id="run", codec=codec, stash=ForwardStash(8, 60.0), synchronous=False,
+                           runtime=Runtime(dtype="bf16"))
+    tokens = torch.randint(0, vocab, (2, 32))
+    targets = torch.randint(0, vocab, (2, 32)) if index == 2 else None
+    with torch.no_grad():
+        wire = build_stage(CONFIG.model, 0)(tokens)
+
+    def request(microbatch_id, frame, evaluate=False, full_precision=False):
+        return ForwardRequest(run_id="run", microbatch_id=microbatch_id, stage=index, tokens=encode_tokens(tokens, vocab),
+                              wire=frame, targets=b"" if targets is None else encode_tokens(targets, vocab),
+                              evaluate=evaluate, full_precision=full_precision)
+
+    trained = compute.forward(request("m0", codec.encode(wire)))
+    output_grad = None
+    if index == 2:
+        input_grad = codec.decode(trained.input_grad)
+    else:
+        output_grad = torch.randn_like(codec.decode(trained.wire))
+        input_grad = codec.decode(compute.backward(BackwardRequest(run_id="run", microbatch_id="m0", stage=index,
+                                                                   output_grad=codec.encode(output_grad))).input_grad)
+    probe = Probe(wire, input_grad, output_grad, tokens, targets, weights_version=trained.weights_version)
+    ratios = {}
+    for full_precision in (False, True):
+        checks = GradientChecks(1.0, TrainerStats(), flag=lambda evidence: None)
+
+        async def call(view, probe_id, tokens, frame, targets, full_precision=full_precision):
+            reply = compute.forward(request(probe_id, frame, evaluate=True, full_precision=full_precision))
+            return SimpleNamespace(loss=reply.loss, wire=codec.decode(reply.wire) if reply.wire else None,
+                                   weights_version=reply.weights_version, full_precision=True, compute_s=0.0)
+
+        async def check():
+            checks.launch(WorkerView("w", "a:1", index), WorkerView("w", "a:1", index), "m0", probe, call)
+            await checks.drain()
+        asyncio.run(check())
+        (ratios[full_precision], _), = checks.judge.extremes().values()
+    assert abs(ratios[True] - 1) < 0.01, ratios
+    assert abs(ratios[False] - 1) > 10 * abs(ratios[True] - 1), ratios  # (the tail's: 0.52, out of band)

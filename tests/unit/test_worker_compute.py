@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -418,6 +420,31 @@ def test_every_forward_names_the_weights_it_ran_on_and_a_write_to_them_changes_t
     _perturb(tail)  # an averaging round's write: the optimizer step count stays, the weights' name does not
     after = tail.forward(held_out)
     assert after.step == before.step and after.weights_version == before.weights_version + 1
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_a_full_precision_held_out_forward_of_a_bf16_worker_is_computed_in_float32_when_its_weights_are(weights):
+    # A gradient check's probes differ from each other by about 1e-3 of the input: bf16 autocast, or
+    # a bf16 reply frame, would round that difference away (node/trainer/gradient_checks.py).
+    from agora.pipeline.runtime import Runtime
+
+    torch.manual_seed(0)
+    stash = ForwardStash(8, 60.0, clock=FakeClock())
+    body = StageCompute(CONFIG, 1, run_id="run", codec=WireCodec("bf16"), stash=stash, synchronous=False,
+                        runtime=Runtime(dtype="bf16", weights=weights))
+    tokens, _ = batch(1)
+    wire = torch.randn(*tokens.shape, CONFIG.model.wire_dim, generator=torch.Generator().manual_seed(1))
+    request = forward_request(1, tokens, wire=wire, microbatch_id="e0", evaluate=True)
+    usual = body.forward(request)
+    precise = body.forward(dataclasses.replace(request, full_precision=True))
+    assert not usual.full_precision and precise.full_precision == (weights == "fp32")
+    if weights == "fp32":
+        with torch.no_grad():
+            expected = body.stage(tokens, wire)  # float32 throughout (the request's wire is fp32)
+        torch.testing.assert_close(WireCodec("fp32").decode(precise.wire), expected, rtol=1e-6, atol=1e-6)
+        assert len(precise.wire) > len(usual.wire)  # fp32 payload, where the worker's wire is bf16
+    else:
+        assert precise.wire == usual.wire
 
 
 def test_pinned_weights_are_bounded_and_the_oldest_falls_back_to_current_weights():
