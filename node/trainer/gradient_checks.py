@@ -1,4 +1,7 @@
-"""Gradient checks: a share of the input gradients workers return, checked by finite differences.
+"""Self checks: a share of each worker's replies checked against its own held-out answers on the same weights.
+
+Two checks, one mechanism: a worker's input gradients by finite differences along their own
+direction (the gradient check), and its outputs by replaying their input (the replay check).
 
 The verifier (node/trainer/verification.py) sees a gradient's marginal statistics and the spot
 checks (node/trainer/spot_checks.py) compare activations only; a worker that flips the sign of the
@@ -45,35 +48,54 @@ returned. Design choices:
   witness, but its weights drifted from the worker's: on tiny at its own learning rate, replicas
   averaged every third step, honest witnessed ratios spread over -0.07..1.42 (a wrong sign
   included), so a witness tells neither noise nor a scale nor even a sign flip from drift. So
-  the worker probes its own gradient, when it has two credits free (the two probes go at once);
-  else the check is skipped and counted. Every reply names the version of the weights it ran on
-  (bumped by each optimizer step, averaging round or restore); a probe answered on other weights
-  than the gradient's is not judged (counted skipped): across a step r moved tenfold on tiny's first
-  steps, and across an averaging round an honest tail's r reached 1.32. Probes run as background tasks off the critical path, as spot checks do: they never
-  wait for, nor take, a credit the pipeline waits on. Sampling is per tail Forward and per body
-  Backward of a training microbatch, with probability `share`, from a private generator.
-- **The decision.** A check is out of band when r <= 0, r is not finite, or |log r| exceeds
-  log `BAND` (1.25). A worker is flagged when `FAILURES` (2) of its last `RECENT` (6) checks were out of
-  band: one stray check (a loss spike) never flags, a lie that
-  shows in every check is named on its second, and failures older than six checks age out. With
-  honest self-probes within 1% of 1 and the weakest lie here (noise at the gradient's scale) at
-  0.5, the band has room on both sides. A flag takes the verifier's path (`Blame.suspect`):
-  excluded for the rest of the run, counted, logged `worker_flagged` with feature
-  `gradient_check`, reported to the run's authorizer.
-- **What it costs, what it misses.** Per check two held-out forwards (each a third of a training
-  microbatch's compute or less) and two input frames sent: at 0.05 some 3% of the tail's and
-  bodies' compute (`agora_trainer_gradient_check_compute_seconds_total`). The gradient checked
+  the worker probes its own gradient, when it has two credits free (the two probes go at once).
+  Every reply names the version of the weights it ran on (bumped by each optimizer step, averaging
+  round or restore); a probe answered on other weights than the gradient's is not judged (counted
+  skipped): across a step r moved tenfold on tiny's first steps, and across an averaging round an
+  honest tail's r reached 1.32. Probes run as background tasks off the critical path, as spot
+  checks do: they never wait for, nor take, a credit the pipeline waits on. A tail is checked at
+  its training Forward, a body at its Backward, the head at its Forward.
+- **The replay check.** A worker's training answer and its held-out answer to the same input on
+  the same weights are the same computation: the trainer holds the training answer (the output it
+  relayed, the tail's loss), and the probes answer the rest. A body's two probes average to
+  f(x) + O(eps^2) and a tail's to L(x) + O(eps^2), so its gradient check replays its output for
+  free; the head has no input wire to move, and its check is one held-out Forward of the same
+  tokens. Compared as `output_distance` (the L2 distance over the mean RMS, as spot checks do) or,
+  for a loss, |L - L'| / |L|: honest answers stand within numerics (0 in float32 on CPU; a bf16
+  training answer against a float32 replay within 1%); noise at the signal's scale stands 1 off, a
+  stale reply (the previous microbatch's) further. This is what catches a head that adds noise or
+  replays its last answer, which neither the statistics nor, with two replicas, the spot checks
+  can name. Judged only when the replay ran on the weights of the training answer.
+- **When.** Not a coin per reply but a countdown per worker: the next check of a worker falls a
+  uniformly drawn 1 .. 2/share - 1 of its replies after the last (mean 1/share, drawn from a private
+  generator the workers cannot predict), and a check due while its worker has no credit free stays
+  due until one is. So a lie told for n replies is checked at least once within n >= 2/share
+  (at 0.05, 39 replies), where independent coins miss it with probability (1 - share)^n.
+- **The decision.** A gradient check is out of band when r <= 0, r is not finite, or |log r|
+  exceeds log `BAND` (1.25); decisively out when r <= 0 or |log r| exceeds log `DECISIVE` (2). A
+  replay is out of band past `TOLERANCE` (0.05), decisively past `DECISIVE_DISTANCE` (0.25). A
+  worker is flagged on one decisive failure, or when `FAILURES` (2) of its last `RECENT` (6)
+  checks were out of band: honest checks on the same weights stand within 1% (gradients) and 1%
+  (replays), so one far failure is a lie (a sign flip, a stale answer), while one near the band
+  (a loss spike) never flags alone and failures older than six checks age out. Noise at the
+  gradient's scale (r about 0.5) is named on its second check. A flag takes the verifier's path
+  (`Blame.suspect`): excluded for the rest of the run, counted, logged `worker_flagged` with
+  feature `gradient_check` or `replay_check`, reported to the run's authorizer.
+- **What it costs, what it misses.** Per check two held-out forwards (one at the head; each a
+  third of a training microbatch's compute or less) and two input frames sent: at 0.05 some 3% of
+  the tail's and bodies' compute, 2% of the head's (`agora_trainer_gradient_check_compute_seconds_total`). The gradient checked
   was relayed already when its check completes (off the critical path): what a liar sent before
   its flag was trained on, as with the verifier's warm-up. A worker that recognises its own
   probes (held-out Forwards near a recent training input) could answer them consistently with
   its lie: no other replica's weights stand near enough to the worker's to witness instead (spot
   checks compare held-out answers across replicas at a coarser bar). Under full load a worker
-  seldom has two credits free and its checks are skipped (`..._skipped_total` says how many).
-  A lie that keeps the gradient's
-  component along itself (|g_in|^2 = <g_in, J^T g_out>) is invisible along d by construction.
+  seldom has two credits free and its checks wait (`..._skipped_total` counts each reply a due
+  check waited). A lie that keeps the gradient's component along itself (|g_in|^2 =
+  <g_in, J^T g_out>) is invisible along d by construction; a deterministic lie (a scale, a sign, a
+  fixed bias) told in replays too passes the replay check, and is the statistics' to catch.
 
-`gradient_ratio`, `tail_ratio`, `probe_inputs` and `GradientJudge` are pure (no socket, no clock);
-`GradientChecks` samples, sends and judges on the trainer's event loop.
+`gradient_ratio`, `tail_ratio`, `probe_inputs`, `replay_distance` and `GradientJudge` are pure (no
+socket, no clock); `GradientChecks` schedules, sends and judges on the trainer's event loop.
 """
 
 from __future__ import annotations
@@ -90,20 +112,27 @@ import torch
 
 from agora.dht.records import TRAINING_PHASES
 from agora.node.trainer.routing import WorkerView
+from agora.node.trainer.spot_checks import output_distance
 from agora.node.trainer.stage_client import StageCallError
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.verification import Evidence
 from agora.pipeline.codec import WireCodec
 
-__all__ = ["BAND", "FAILURES", "RECENT", "RELATIVE_STEP", "GradientCheckEvidence", "GradientJudge", "GradientChecks", "checkable",
-           "Probe", "gradient_ratio", "in_band", "probe_inputs", "tail_ratio"]
+__all__ = ["BAND", "DECISIVE", "DECISIVE_DISTANCE", "FAILURES", "RECENT", "RELATIVE_STEP", "TOLERANCE",
+           "GradientCheckEvidence", "GradientJudge", "GradientChecks", "checkable", "Probe", "gradient_ratio",
+           "in_band", "probe_inputs", "replay_distance", "tail_ratio"]
 
 logger = logging.getLogger("agora.node.trainer")
 
 # eps as a share of the input frame's norm (module docstring: the step).
 RELATIVE_STEP = 1e-3
-# A check is in band when 1/BAND <= r <= BAND; a worker is flagged at FAILURES out of band among its last RECENT.
+# A gradient check is in band when 1/BAND <= r <= BAND, decisively out beyond 1/DECISIVE .. DECISIVE (or r <= 0).
 BAND = 1.25
+DECISIVE = 2.0
+# A replay is in band within TOLERANCE of the training answer, decisively out beyond DECISIVE_DISTANCE.
+TOLERANCE = 0.05
+DECISIVE_DISTANCE = 0.25
+# A worker is flagged on one decisive failure, or at FAILURES out of band among its last RECENT checks.
 FAILURES = 2
 RECENT = 6
 _EPSILON = 1e-30
@@ -130,25 +159,40 @@ def tail_ratio(loss_plus: float, loss_minus: float, step: float, input_grad_norm
     return (loss_plus - loss_minus) / (2 * step * (input_grad_norm + _EPSILON))
 
 
+def replay_distance(trained: torch.Tensor | float, replayed: torch.Tensor | float) -> float:
+    """How far a training answer stands from its replay: `output_distance` for outputs, the relative
+    difference for losses (module docstring: the replay check)."""
+    if isinstance(trained, torch.Tensor):
+        return output_distance(trained, replayed)
+    return abs(trained - replayed) / (abs(trained) + _EPSILON)
+
+
 def checkable(step: float, input_grad_norm: float) -> bool:
     """Whether a gradient has a direction to probe along and its input a size to step by: a zero
     gradient or input (a worker sending zeros) has neither, and leaves its judgement to the verifier."""
     return step > 0 and input_grad_norm > 0 and math.isfinite(step) and math.isfinite(input_grad_norm)
 
 
-def in_band(ratio: float) -> bool:
-    """1/BAND <= r <= BAND (a ratio of the wrong sign, zero or not finite never is)."""
-    return ratio > 0 and math.isfinite(ratio) and abs(math.log(ratio)) <= math.log(BAND)
+def in_band(ratio: float, band: float = BAND) -> bool:
+    """1/band <= r <= band (a ratio of the wrong sign, zero or not finite never is)."""
+    return ratio > 0 and math.isfinite(ratio) and abs(math.log(ratio)) <= math.log(band)
 
 
 class GradientCheckEvidence(Evidence):
-    """Why gradient checks flagged a worker: `value` the last ratio, `mean` the median of its recent
-    ones, `cusum` its checks out of band among the recent, `replies` its gradients checked."""
+    """Why self checks flagged a worker: `value` the last measure (a ratio or a replay distance),
+    `mean` the median of its recent ones, `cusum` its checks out of band among the recent,
+    `replies` its replies checked."""
 
     def describe(self) -> str:
+        if self.feature == "replay_check":
+            return (f"stage {self.stage} {self.kind}: its training answers failed {int(self.cusum)} of its last "
+                    f"{RECENT} replays on the same weights (last distance {self.value:.3g}, recent median "
+                    f"{self.mean:.3g}; honest within {TOLERANCE:g}, decisive past {DECISIVE_DISTANCE:g}; "
+                    f"{self.replies} of its replies checked)")
         return (f"stage {self.stage} {self.kind}: its input gradients failed {int(self.cusum)} of its last "
                 f"{RECENT} finite-difference checks (last ratio {self.value:.3g}, recent median {self.mean:.3g}; "
-                f"honest 1, band {1 / BAND:.2f}..{BAND:.2f}; {self.replies} of its gradients checked)")
+                f"honest 1, band {1 / BAND:.2f}..{BAND:.2f}, decisive beyond {1 / DECISIVE:.2f}..{DECISIVE:.2f}; "
+                f"{self.replies} of its replies checked)")
 
 
 @dataclass(frozen=True)
@@ -160,64 +204,88 @@ class GradientVerdict:
 
 @dataclass
 class _WorkerRecord:
-    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # (ratio, in band)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # (measure, in band)
     checked: int = 0
-    smallest: float = math.inf
+    smallest: float = math.inf  # gradient ratios' extremes
     largest: float = -math.inf
+    farthest: float = -1.0  # the largest replay distance (-1: none replayed)
 
 
 class GradientJudge:
-    """Per worker: its recent checks' ratios, and whether they name it (module docstring)."""
+    """Per worker: its recent checks, and whether they name it (module docstring: the decision)."""
 
     def __init__(self) -> None:
         self._workers: dict[str, _WorkerRecord] = {}
         self.flagged: set[str] = set()
 
     def extremes(self) -> dict[str, tuple[float, float]]:
-        """Per worker checked, its smallest and largest ratio (how close honest traffic comes to the band)."""
-        return {peer: (record.smallest, record.largest) for peer, record in sorted(self._workers.items())}
+        """Per worker whose gradients were checked, its smallest and largest ratio (how close honest traffic
+        comes to the band)."""
+        return {peer: (record.smallest, record.largest) for peer, record in sorted(self._workers.items())
+                if record.smallest <= record.largest}
+
+    def farthest_replays(self) -> dict[str, float]:
+        """Per worker replayed, the largest distance of a training answer from its replay."""
+        return {peer: record.farthest for peer, record in sorted(self._workers.items()) if record.farthest >= 0}
 
     def judge(self, stage: int, peer: str, ratio: float) -> GradientVerdict:
-        """One check of `peer`'s gradient, its ratio `ratio`."""
+        """One gradient check of `peer`, its ratio `ratio`."""
         record = self._workers.setdefault(peer, _WorkerRecord())
-        good = in_band(ratio)
-        record.recent.append((ratio, good))
-        record.checked += 1
         record.smallest, record.largest = min(record.smallest, ratio), max(record.largest, ratio)
+        return self._judged(stage, peer, record, ratio, in_band(ratio), not in_band(ratio, DECISIVE),
+                            "input_grad", "gradient_check")
+
+    def replayed(self, stage: int, peer: str, distance: float, kind: str) -> GradientVerdict:
+        """One replay check of `peer`'s `kind` ("output" or "loss"), the answers `distance` apart."""
+        record = self._workers.setdefault(peer, _WorkerRecord())
+        record.farthest = max(record.farthest, distance)
+        good = math.isfinite(distance) and distance <= TOLERANCE
+        decisive = not math.isfinite(distance) or distance > DECISIVE_DISTANCE
+        return self._judged(stage, peer, record, distance, good, decisive, kind, "replay_check")
+
+    def _judged(self, stage: int, peer: str, record: _WorkerRecord, measure: float, good: bool, decisive: bool,
+                kind: str, feature: str) -> GradientVerdict:
+        record.recent.append((measure, good))
+        record.checked += 1
         failures = sum(1 for _, ok in record.recent if not ok)
-        if failures < FAILURES or peer in self.flagged:
-            return GradientVerdict(ratio, good)
+        if (failures < FAILURES and not decisive) or peer in self.flagged:
+            return GradientVerdict(measure, good)
         self.flagged.add(peer)
-        ratios = sorted(value for value, _ in record.recent)
+        measures = sorted(value for value, _ in record.recent)
+        high = measure > (0.0 if feature == "replay_check" else 1.0)
         evidence = GradientCheckEvidence(
-            stage=stage, kind="input_grad", peer=peer, feature="gradient_check",
-            direction="low" if ratio < 1 else "high", cusum=float(failures), value=ratio,
-            mean=ratios[len(ratios) // 2], centre=1.0, spread=math.log(BAND), replies=record.checked)
-        return GradientVerdict(ratio, good, evidence)
+            stage=stage, kind=kind, peer=peer, feature=feature, direction="high" if high else "low",
+            cusum=float(failures), value=measure, mean=measures[len(measures) // 2], centre=0.0 if feature ==
+            "replay_check" else 1.0, spread=TOLERANCE if feature == "replay_check" else math.log(BAND),
+            replies=record.checked)
+        return GradientVerdict(measure, good, evidence)
 
 
 @dataclass(frozen=True)
 class Probe:
-    """What one check needs: the stage's input wire x (decoded), the gradient returned for it, the
-    output gradient it answered (None: the tail), the call's tokens and labels, and the version of the
-    worker's weights the gradient was computed on (the probes must answer on the same weights)."""
+    """What one check needs: the stage's input wire x (decoded; None at the head), the gradient returned
+    for it (None at the head: a replay only), the output gradient it answered (None: the tail, the head),
+    the call's tokens and labels, the version of the worker's weights the gradient was computed on (the
+    probes must answer on the same weights), and the training answer to replay (the decoded output, the
+    tail's loss; None: none held) with the version of the weights it was computed on."""
 
-    wire: torch.Tensor
-    input_grad: torch.Tensor
+    wire: torch.Tensor | None
+    input_grad: torch.Tensor | None
     output_grad: torch.Tensor | None
     tokens: torch.Tensor
     targets: torch.Tensor | None
     weights_version: int
+    trained: torch.Tensor | float | None = None
+    trained_version: int = -1
 
 
-# (checker, microbatch id, tokens, encoded probe wire, targets) -> the held-out Forward's result
-ProbeCall = Callable[[WorkerView, str, torch.Tensor, bytes, torch.Tensor | None], Awaitable]
+# (checker, probe id, tokens, encoded probe wire or None, targets) -> the held-out Forward's result
+ProbeCall = Callable[[WorkerView, str, torch.Tensor, bytes | None, torch.Tensor | None], Awaitable]
 
 
 class GradientChecks:
-    """Samples gradients to check, probes and judges them in the background (module docstring).
-
-    `flag(evidence)` takes the worker it names out of the run."""
+    """Schedules checks of each worker's replies, probes and judges them in the background (module
+    docstring). `flag(evidence)` takes the worker it names out of the run."""
 
     def __init__(self, share: float, stats: TrainerStats, flag: Callable[[GradientCheckEvidence], None],
                  rng: random.Random | None = None):
@@ -225,23 +293,36 @@ class GradientChecks:
         self.judge = GradientJudge()
         self.rng = rng if rng is not None else random.Random()
         self.probe_codec = WireCodec("fp32")  # module docstring: the step
+        self._countdown: dict[str, int] = {}  # per worker: its replies until its next check (0: due)
         self._tasks: set[asyncio.Task] = set()
 
-    def sampled(self) -> bool:
-        return self.share > 0 and self.rng.random() < self.share
+    def _gap(self) -> int:
+        return self.rng.randint(1, max(1, round(2 / self.share) - 1))
 
-    def checker(self, worker: WorkerView, candidates: list[WorkerView], now: float) -> WorkerView | None:
-        """Who probes (module docstring): the worker itself when it has two credits free, else None (counted)."""
+    def due(self, peer: str) -> bool:
+        """Count one reply of `peer`'s; whether a check of it is due (module docstring: when)."""
+        if self.share <= 0:
+            return False
+        left = self._countdown.get(peer)
+        left = (self._gap() if left is None else left) - 1
+        self._countdown[peer] = max(0, left)
+        return left <= 0
+
+    def checker(self, worker: WorkerView, candidates: list[WorkerView], now: float,
+                probes: int = 2) -> WorkerView | None:
+        """Who probes (module docstring): the worker itself when it has `probes` credits free (its next
+        check is then drawn), else None (this one stays due, and the wait is counted)."""
         own = [v for v in candidates if v.peer_id == worker.peer_id and v.phase in TRAINING_PHASES
-               and v.banned_until <= now and v.paused_until <= now and v.in_flight + 2 <= v.credits]
+               and v.banned_until <= now and v.paused_until <= now and v.in_flight + probes <= v.credits]
         if not own:
             self.stats.gradient_check_skipped(worker.stage)
             return None
+        self._countdown[worker.peer_id] = self._gap()
         return own[0]
 
     def launch(self, worker: WorkerView, checker: WorkerView, microbatch_id: str, probe: Probe,
                call: ProbeCall) -> None:
-        """Probe `worker`'s gradient on `checker` and judge it, in the background."""
+        """Probe `worker`'s reply on `checker` and judge it, in the background."""
         task = asyncio.create_task(self._check(worker, checker, microbatch_id, probe, call))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -253,37 +334,49 @@ class GradientChecks:
     async def _check(self, worker: WorkerView, checker: WorkerView, microbatch_id: str, probe: Probe,
                      call: ProbeCall) -> None:
         stage = worker.stage
-        plus, minus, step = probe_inputs(probe.wire, probe.input_grad)
-        if not checkable(step, float(probe.input_grad.to(torch.float32).norm())):
-            self.stats.gradient_check_skipped(stage)  # no direction to probe along: the verifier judges zeros
-            return
-        frames = (self.probe_codec.encode(plus), self.probe_codec.encode(minus))
+        if probe.input_grad is None:  # the head: its output replayed
+            frames, names, step = (None,), ("replay",), 0.0
+        else:
+            plus, minus, step = probe_inputs(probe.wire, probe.input_grad)
+            if not checkable(step, float(probe.input_grad.to(torch.float32).norm())):
+                self.stats.gradient_check_skipped(stage)  # no direction to probe along: the verifier judges zeros
+                return
+            frames, names = (self.probe_codec.encode(plus), self.probe_codec.encode(minus)), ("grad-plus", "grad-minus")
         answers = await asyncio.gather(
-            *(call(checker, f"{microbatch_id}.grad-{sign}", probe.tokens, frame, probe.targets)
-              for sign, frame in zip(("plus", "minus"), frames)), return_exceptions=True)
+            *(call(checker, f"{microbatch_id}.{name}", probe.tokens, frame, probe.targets)
+              for name, frame in zip(names, frames)), return_exceptions=True)
         failed = [answer for answer in answers if isinstance(answer, BaseException)]
         if failed:
             if not all(isinstance(error, StageCallError) for error in failed):
                 raise failed[0]
-            logger.debug("gradient check of stage %d on %s failed: %s", stage, checker.endpoint, failed[0])
+            logger.debug("check of stage %d on %s failed: %s", stage, checker.endpoint, failed[0])
             return
         self.stats.gradient_check(stage, sum(answer.compute_s for answer in answers))
-        if any(answer.weights_version != probe.weights_version or not answer.full_precision for answer in answers):
-            self.stats.gradient_check_skipped(stage)  # module docstring: the same weights, in full precision
+        if not all(answer.full_precision for answer in answers):
+            self.stats.gradient_check_skipped(stage)  # module docstring: the step (full precision)
             return
-        ratio = self._ratio(probe, answers, step)
-        if ratio is None:
-            return
-        verdict = self.judge.judge(stage, worker.peer_id, ratio)
-        if not verdict.in_band:
-            self.stats.gradient_check_failed(stage)
-            logger.info("stage %d gradient check of %s on %s: ratio %.3g out of band", stage, worker.endpoint,
-                        checker.endpoint, ratio,
-                        extra={"milestone": "gradient_check_failed",
-                               "fields": {"stage": stage, "peer": worker.peer_id, "checker": checker.peer_id,
-                                          "ratio": ratio}})
-        if verdict.flagged is not None:
-            self.flag(verdict.flagged)
+        verdicts = []
+        if probe.input_grad is not None and all(a.weights_version == probe.weights_version for a in answers):
+            ratio = self._ratio(probe, answers, step)
+            if ratio is not None:
+                verdicts.append(("ratio", self.judge.judge(stage, worker.peer_id, ratio)))
+        if probe.trained is not None and all(a.weights_version == probe.trained_version for a in answers):
+            distance = self._replay(probe, answers)
+            if distance is not None:
+                kind = "output" if isinstance(probe.trained, torch.Tensor) else "loss"
+                verdicts.append(("replay distance", self.judge.replayed(stage, worker.peer_id, distance, kind)))
+        if not verdicts:
+            self.stats.gradient_check_skipped(stage)  # module docstring: the same weights
+        for measure, verdict in verdicts:
+            if not verdict.in_band:
+                self.stats.gradient_check_failed(stage)
+                logger.info("stage %d check of %s on %s: %s %.3g out of band", stage, worker.endpoint,
+                            checker.endpoint, measure, verdict.ratio,
+                            extra={"milestone": "gradient_check_failed",
+                                   "fields": {"stage": stage, "peer": worker.peer_id, "checker": checker.peer_id,
+                                              measure.replace(" ", "_"): verdict.ratio}})
+            if verdict.flagged is not None:
+                self.flag(verdict.flagged)
 
     def _ratio(self, probe: Probe, answers: list, step: float) -> float | None:
         """r from the two held-out answers (None: an answer of the wrong kind or shape, nothing judged)."""
@@ -296,3 +389,15 @@ class GradientChecks:
         if any(output is None or output.shape != probe.output_grad.shape for output in outputs):
             return None
         return gradient_ratio(probe.output_grad, outputs[0], outputs[1], step, norm)
+
+    def _replay(self, probe: Probe, answers: list) -> float | None:
+        """The training answer's distance from the probes' mean (the replay itself at the head; None:
+        an answer of the wrong kind or shape)."""
+        if not isinstance(probe.trained, torch.Tensor):
+            if any(answer.loss is None for answer in answers):
+                return None
+            return replay_distance(float(probe.trained), sum(float(a.loss) for a in answers) / len(answers))
+        outputs = [answer.wire for answer in answers]
+        if any(output is None or output.shape != probe.trained.shape for output in outputs):
+            return None
+        return replay_distance(probe.trained, sum(o.to(torch.float32) for o in outputs) / len(outputs))

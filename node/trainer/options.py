@@ -71,11 +71,13 @@ class TrainerOptions:
         0.25, "spot checks: two answers closer than this (their L2 distance over their RMS) always agree; above it "
         "the stage's honest drift (recent agreeing checks, median + 4 spreads) sets the bar", gt=0, le=2)
     gradient_check_share: StrictFloat = setting(
-        0.05, "share of the tail's training Forwards and the bodies' Backwards whose input gradient is checked by "
-        "finite differences (node/trainer/gradient_checks.py): two held-out Forwards of the stage's input moved "
-        "along the returned gradient, on the worker itself when it has two credits free, in the background; "
-        "catches sign-flipped, scaled and noisy gradients no statistic sees, with any number of replicas, at "
-        "some 3% of those stages' compute at 0.05; a worker failing 2 of its last 6 checks is excluded. 0: off",
+        0.05, "share of each worker's training replies checked against its own held-out answers on the same "
+        "weights (node/trainer/gradient_checks.py), in the background: a tail's and body's input gradient by finite "
+        "differences (two held-out Forwards of its input moved along the returned gradient), which also replay its "
+        "output or loss, and a head's output by one held-out replay; a check falls every 1/share replies of a "
+        "worker on average, at most 2/share apart. Catches sign-flipped, scaled and noisy gradients and noisy or "
+        "stale outputs no statistic sees, with any number of replicas, at some 3% of the checked stages' compute "
+        "at 0.05; a worker failing one check decisively, or 2 of its last 6, is excluded. 0: off",
         flag="--gradient-check-share", ge=0, le=1)
     wire_dtype: Literal["fp32", "bf16", "fp16", "int8"] = setting(
         "fp32", "encoding of the boundary tensors this trainer sends (it decodes any)", flag="--wire-dtype")

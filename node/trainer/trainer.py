@@ -17,8 +17,10 @@ stage's is excluded for the rest of the run, and the reply that showed it fails 
 second replica of the stage, and the two outputs compared (node/trainer/spot_checks.py): that
 catches what statistics cannot (a replayed head reply, content shuffled within the batch, a lie
 from a worker's first reply), at one extra forward per check. With `gradient_check_share` a share of
-the tail's and bodies' input gradients is checked by finite differences, off the critical path
-(node/trainer/gradient_checks.py): a sign-flipped, scaled or noisy gradient keeps every statistic.
+each worker's replies is checked against its own held-out answers on the same weights, off the
+critical path (node/trainer/gradient_checks.py): input gradients by finite differences, outputs by
+replay. A sign-flipped, scaled or noisy gradient, or a head's noisy or stale output, keeps every
+statistic.
 
 How much is in flight is the asynchronous pipeline's one real trade-off. A microbatch started
 before a worker steps is finished with newer weights: the staleness is about (microbatches in
@@ -357,7 +359,7 @@ class SwarmTrainer:
         compute = [0.0] * self.n_stages  # each stage's compute on this microbatch, and all its queueing
         queued = 0.0  # at the workers and here, waiting for their credits
         upstream: list[Source] = []  # the replies this microbatch's next ones are computed from
-        route_wires: list = []  # each stage's input wire, for its gradient check
+        route_wires: list = []  # each stage's input wire and its Forward's weights version, for self checks
         for stage in range(self.n_stages):
             stage_shares = None if shares is None else shares[stage]
             tail = stage == self.n_stages - 1
@@ -387,10 +389,11 @@ class SwarmTrainer:
                 self.stats.repeated(stage)
             if not evaluate and not tail:
                 self._spot_check(worker, microbatch_id, tokens, wire, result.wire_frame)
-            if not evaluate and tail and wire:
-                self._gradient_check(worker, microbatch_id, tokens, targets, (wire, result.weights_version),
-                                     result.grad_frame, None)
-            route_wires.append(wire)
+            if not evaluate and (stage == 0 or tail and wire):
+                self._self_check(worker, microbatch_id, tokens, targets if tail else None, wire, result.grad_frame,
+                                 None, result.weights_version, trained=(result.loss if tail else result.wire_frame,
+                                                                        result.weights_version))
+            route_wires.append((wire, result.weights_version))
             wire = result.wire_frame
             compute[stage] += result.compute_s
             queued += result.queued_s + waited
@@ -413,8 +416,9 @@ class SwarmTrainer:
             if back.repeat:
                 self.stats.repeated(stage)
             if stage > 0:
-                self._gradient_check(worker, microbatch_id, tokens, None, (route_wires[stage], back.weights_version),
-                                     back.grad_frame, grad)
+                (wire, forward_version), (output, _) = route_wires[stage], route_wires[stage + 1]
+                self._self_check(worker, microbatch_id, tokens, None, wire, back.grad_frame, grad, back.weights_version,
+                                 trained=(output, forward_version))
             grad = back.grad_frame
             compute[stage] += back.compute_s
             queued += back.queued_s + waited
@@ -433,25 +437,30 @@ class SwarmTrainer:
             duplicate = self._client(checker).forward(f"{microbatch_id}.spot", tokens, wire, evaluate=True)
             self.spot_checks.launch(primary, checker, output, self._timed(checker, duplicate, training=False))
 
-    def _gradient_check(self, worker: WorkerView, microbatch_id: str, tokens: torch.Tensor,
-                        targets: torch.Tensor | None, computed: tuple[bytes | memoryview, int],
-                        input_grad: bytes | memoryview, output_grad: bytes | memoryview | None) -> None:
-        """Maybe check `worker`'s input gradient by finite differences in the background, on its own
-        held-out Forwards (node/trainer/gradient_checks.py); `computed`: the input wire and the weights
-        version the gradient was computed on; `output_grad`: what it answered (None: the tail's loss)."""
+    def _self_check(self, worker: WorkerView, microbatch_id: str, tokens: torch.Tensor,
+                    targets: torch.Tensor | None, wire: bytes | memoryview | None, input_grad: bytes | memoryview,
+                    output_grad: bytes | memoryview | None, version: int,
+                    trained: tuple[bytes | memoryview | float, int]) -> None:
+        """When one is due, check `worker`'s reply in the background on its own held-out Forwards
+        (node/trainer/gradient_checks.py): its input gradient (computed on weights `version`; none at
+        the head) by finite differences against `output_grad` (None: the tail's loss), and its
+        training answer `trained` (the output frame or the tail's loss, and its weights version) by replay."""
         checks = self.gradient_checks
-        if not input_grad or not checks.sampled():
+        if not checks.due(worker.peer_id):
             return
-        checker = checks.checker(worker, self.roster.of_stage(worker.stage), self.clock())
+        probes = 2 if input_grad else 1
+        checker = checks.checker(worker, self.roster.of_stage(worker.stage), self.clock(), probes=probes)
         if checker is None:
             return
-        for _ in range(2):  # both probes' credits, reserved now (`checker` found them free)
+        for _ in range(probes):  # the probes' credits, reserved now (`checker` found them free)
             self.roster.started(checker.peer_id)
-        wire, version = computed
-        probe = Probe(self.codec.decode(wire), self.codec.decode(input_grad),
-                      None if output_grad is None else self.codec.decode(output_grad), tokens, targets, version)
+        answer, trained_version = trained
+        decode = self.codec.decode
+        probe = Probe(decode(wire) if wire else None, decode(input_grad) if input_grad else None,
+                      None if output_grad is None else decode(output_grad), tokens, targets, version,
+                      trained=answer if isinstance(answer, float) else decode(answer), trained_version=trained_version)
 
-        def call(view: WorkerView, probe_id: str, tokens, frame: bytes, targets):
+        def call(view: WorkerView, probe_id: str, tokens, frame: bytes | None, targets):
             probing = self._client(view).forward(probe_id, tokens, frame, targets, evaluate=True, full_precision=True)
             return self._timed(view, probing, training=False)
         checks.launch(worker, checker, microbatch_id, probe, call)

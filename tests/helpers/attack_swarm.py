@@ -80,6 +80,7 @@ class Plan:
     position: str | None = None
     schedule: LieSchedule = LieSchedule()
     churn: bool = False
+    lie_in_checks: bool = False  # the liar lies in held-out Forwards too (make_liar's `in_checks`)
 
 
 def _config(seed: int):
@@ -194,7 +195,7 @@ async def run_plan(plan: Plan, spot_share: float | None = None, gradient_share: 
             liar_peer = f"s{POSITIONS[plan.position]}r1"
             attack = ATTACKS[plan.attack]
             liar = make_liar(workers[liar_peer], BEHAVIOURS[attack.behaviour], frame=attack.frame_at(plan.position),
-                             schedule=plan.schedule)
+                             schedule=plan.schedule, in_checks=plan.lie_in_checks)
         views = [WorkerView(peer, w.address, PEERS[peer], announced_samples_per_s=100.0) for peer, w in workers.items()]
         options = _trainer_options(plan.verify, spot_share, gradient_share)
         async with SwarmTrainer(config, data, StaticDiscovery(views), options) as trainer:
@@ -210,6 +211,7 @@ async def run_plan(plan: Plan, spot_share: float | None = None, gradient_share: 
                 "started_at": liar.started_at if liar else None, "averaging_rounds": [a.rounds for a in averages],
                 "first_lie_step": liar.lie_steps[0] if liar and liar.lie_steps else None,
                 "gradient_flagged": sorted(judge.flagged) if judge else [],
-                "gradient_ratios": judge.extremes() if judge else {}}
+                "gradient_ratios": judge.extremes() if judge else {},
+                "replay_distances": judge.farthest_replays() if judge and hasattr(judge, "farthest_replays") else {}}
     finally:
         await asyncio.gather(*(w.stop(0) for peer, w in workers.items() if peer not in stopped))

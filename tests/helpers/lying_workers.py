@@ -99,14 +99,17 @@ class Liar:
     frame: str
     replies: int = 0
     lies: int = 0
+    check_lies: int = 0  # held-out replies lied in (`in_checks`)
     started_at: int | None = None  # the reply count at the attack's start
     lie_steps: list[int] = field(default_factory=list)
 
 
 def make_liar(worker: StageWorker, transform, *, frame: str = "output",
-              schedule: LieSchedule = LieSchedule()) -> Liar:
+              schedule: LieSchedule = LieSchedule(), in_checks: bool = False) -> Liar:
     """Wrap `worker`'s compute so its `frame` (`FRAMES`) goes through `transform` when `schedule` says;
-    returns the liar's record. A tail's "input_grad" is in its Forward reply, anyone else's in Backward."""
+    returns the liar's record. A tail's "input_grad" is in its Forward reply, anyone else's in Backward.
+    Held-out Forwards (evaluations, the trainer's checks) are answered honestly unless `in_checks`: a
+    liar that also lies in them once its attack started (counted apart, never as training lies)."""
     if frame not in FRAMES:
         raise ValueError(f"frame must be one of {FRAMES}, got {frame!r}")
     compute, liar, previous = worker.compute, Liar(frame), [None]
@@ -118,8 +121,14 @@ def make_liar(worker: StageWorker, transform, *, frame: str = "output",
 
     def lying(request, **caller):
         reply = honest_call(request, **caller)
-        if getattr(request, "evaluate", False) or not getattr(reply, field_name):
+        if not getattr(reply, field_name):
             return reply
+        if getattr(request, "evaluate", False):
+            if not in_checks or liar.started_at is None:
+                return reply
+            liar.check_lies += 1
+            honest = CODEC.decode(getattr(reply, field_name))
+            return dataclasses.replace(reply, **{field_name: CODEC.encode(transform(honest, previous[0]).contiguous())})
         liar.replies += 1
         honest = CODEC.decode(getattr(reply, field_name))
         last, previous[0] = previous[0], honest

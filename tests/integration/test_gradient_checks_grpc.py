@@ -1,11 +1,13 @@
-"""Gradient checks over real gRPC: tiny in three stages, two replicas each (tests/helpers/attack_swarm.py).
+"""Self checks over real gRPC: tiny in three stages, two replicas each (tests/helpers/attack_swarm.py).
 
 A liar flips the sign of the input gradients it returns, at the tail (in its Forward reply) or at
 the body (in its Backward reply), or adds noise at the tail's gradient's own scale: every marginal
-statistic of its replies stays an honest one's, and the verifier alone lets it through. With
-gradient checks (node/trainer/gradient_checks.py) its gradients' finite-difference ratios stand at
--1 or about 0.5 and it is flagged, the only one. An honest run at tiny's own learning rate, the
-replicas averaged every few steps, flags no one and keeps every ratio inside the band.
+statistic of its replies stays an honest one's, and the verifier alone lets it through; so does a
+head adding noise to its output, or replaying its last one. With self checks
+(node/trainer/gradient_checks.py) the gradients' finite-difference ratios stand at -1 or about 0.5
+and the head's replays stand far from its training answers, and the liar is flagged, the only one.
+An honest run at tiny's own learning rate, the replicas averaged every few steps, flags no one and
+keeps every ratio inside the band and every replay within numerics.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 
 import pytest
 
-from agora.node.trainer.gradient_checks import BAND
+from agora.node.trainer.gradient_checks import BAND, TOLERANCE
 from attack_swarm import Plan, run_plan
 from lying_workers import LieSchedule
 
@@ -25,24 +27,28 @@ SHARE = 0.5
 HONEST_STEPS, LIE_STEPS = 4, 12
 
 
-def _attacked(attack: str, position: str, gradient_share: float) -> dict:
+def _attacked(attack: str, position: str, gradient_share: float, lie_in_checks: bool = False) -> dict:
     plan = Plan(seed=0, steps=HONEST_STEPS + LIE_STEPS, attack=attack, position=position,
-                schedule=LieSchedule(honest_steps=HONEST_STEPS))
+                schedule=LieSchedule(honest_steps=HONEST_STEPS), lie_in_checks=lie_in_checks)
     return asyncio.run(run_plan(plan, gradient_share=gradient_share))
 
 
-@pytest.mark.parametrize("attack, position", [("sign-grad", "tail"), ("noise", "tail"), ("sign-grad", "body")])
-def test_a_gradient_liar_is_flagged_by_its_gradient_checks(attack, position):
-    result = _attacked(attack, position, SHARE)
+@pytest.mark.parametrize("attack, position, lie_in_checks", [
+    ("sign-grad", "tail", False), ("noise", "tail", False), ("sign-grad", "body", False),
+    ("noise", "head", False),  # the head's replay check
+    ("stale", "head", True),  # a stale answer stays stale when the replay is lied in too
+])
+def test_a_liar_is_flagged_by_its_own_held_out_answers(attack, position, lie_in_checks):
+    result = _attacked(attack, position, SHARE, lie_in_checks)
     liar = result["liar"]
     assert result["lies"] > 0, result
     assert result["gradient_flagged"] == [liar], result
     assert set(result["caught"]) == {liar}, result
 
 
-@pytest.mark.parametrize("attack", ["sign-grad", "noise"])
-def test_the_verifier_alone_misses_a_tail_lying_in_its_gradient(attack):
-    result = _attacked(attack, "tail", 0.0)
+@pytest.mark.parametrize("attack, position", [("sign-grad", "tail"), ("noise", "tail"), ("noise", "head")])
+def test_the_verifier_alone_misses_these_lies(attack, position):
+    result = _attacked(attack, position, 0.0)
     assert result["lies"] > 0 and result["caught"] == {}, result
 
 
@@ -53,3 +59,5 @@ def test_an_honest_run_flags_no_one_and_its_ratios_stay_in_band():
     assert {peer[:2] for peer in ratios} == {"s1", "s2"}, ratios  # the bodies and tails were checked
     for smallest, largest in ratios.values():
         assert 1 / BAND < smallest <= largest < BAND, ratios
+    replays = result["replay_distances"]
+    assert {peer[:2] for peer in replays} == {"s0", "s1", "s2"} and max(replays.values()) < TOLERANCE, replays

@@ -17,8 +17,8 @@ import torch
 
 from agora.monitor.metrics import sample_value
 from agora.node.trainer.gradient_checks import (
-    BAND, FAILURES, RECENT, GradientChecks, GradientJudge, Probe, checkable, gradient_ratio, in_band, probe_inputs,
-    tail_ratio,
+    BAND, DECISIVE_DISTANCE, FAILURES, RECENT, TOLERANCE, GradientChecks, GradientJudge, Probe, checkable,
+    gradient_ratio, in_band, probe_inputs, replay_distance, tail_ratio,
 )
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.stats import TrainerStats
@@ -88,23 +88,61 @@ def test_the_band_refuses_a_wrong_sign_zero_and_non_finite_ratios():
 
 def test_a_worker_is_flagged_at_its_second_failure_among_its_recent_checks_and_once():
     judge = GradientJudge()
-    assert not judge.judge(2, "liar", -1.0).in_band
+    assert not judge.judge(2, "liar", 0.6).in_band  # out of band, not decisively
     for _ in range(FAILURES - 2):
-        assert judge.judge(2, "liar", -1.0).flagged is None
-    assert judge.judge(2, "liar", -1.0).flagged is not None
+        assert judge.judge(2, "liar", 0.6).flagged is None
+    assert judge.judge(2, "liar", 1.5).flagged is not None
     assert all(judge.judge(2, "liar", -1.0).flagged is None for _ in range(3))  # flagged once
     assert judge.flagged == {"liar"}
+
+
+@pytest.mark.parametrize("ratio", [-1.0, 0.0, 0.3, 3.0, float("nan")])
+def test_one_decisive_failure_flags_at_once(ratio):
+    # Honest checks on the gradient's own weights stand within 1% of 1: a sign flip, or a gradient
+    # off by more than twice, is a lie on its first check.
+    judge = GradientJudge()
+    evidence = judge.judge(2, "liar", ratio).flagged
+    assert evidence is not None and evidence.cusum == 1 and evidence.replies == 1
 
 
 def test_one_stray_check_never_flags_and_old_failures_age_out():
     judge = GradientJudge()
     for _ in range(5):
-        assert judge.judge(1, "honest", 0.2).flagged is None  # a stray check
+        assert judge.judge(1, "honest", 0.7).flagged is None  # a stray check, out of band but not decisively
         for _ in range(RECENT - 1):
             assert judge.judge(1, "honest", 1.0 + random.uniform(-0.05, 0.05)).flagged is None
     assert judge.flagged == set()
     smallest, largest = judge.extremes()["honest"]
-    assert smallest == 0.2 and largest < BAND
+    assert smallest == 0.7 and largest < BAND
+
+
+def test_a_replay_far_from_the_training_answer_flags_at_once_and_near_ones_need_two():
+    honest = torch.randn(2, 8, 16)
+    assert replay_distance(honest, honest.clone()) == 0.0
+    noisy = honest + torch.randn_like(honest) * honest.square().mean().sqrt()
+    assert replay_distance(noisy, honest) > DECISIVE_DISTANCE  # noise at the output's own scale: about 1
+    assert replay_distance(3.0, 3.0 * (1 + TOLERANCE / 2)) < TOLERANCE  # a loss within numerics
+    judge = GradientJudge()
+    assert judge.replayed(0, "noisy", replay_distance(noisy, honest), "output").flagged is not None
+    assert judge.replayed(0, "near", 0.1, "output").flagged is None
+    evidence = judge.replayed(0, "near", 0.1, "output").flagged
+    assert evidence is not None and evidence.feature == "replay_check" and "replays" in evidence.describe()
+    assert judge.farthest_replays()["near"] == 0.1 and "near" not in judge.extremes()
+
+
+def test_a_workers_checks_fall_at_most_two_over_share_replies_apart_and_wait_for_credits():
+    worker = WorkerView("w", "a:1", 1)
+    worker.granted_credits = 2
+    checks = GradientChecks(0.05, TrainerStats(), flag=lambda evidence: None, rng=random.Random(1))
+    checked = [reply for reply in range(4000) if checks.due("w") and checks.checker(worker, [worker], 0.0)]
+    gaps = [b - a for a, b in zip(checked, checked[1:])]
+    assert max(gaps) <= round(2 / 0.05) - 1 and abs(len(checked) / 4000 - 0.05) < 0.01
+    worker.in_flight = 2  # no credit free: the check stays due at the worker's next replies
+    while not checks.due("w"):
+        pass
+    assert checks.checker(worker, [worker], 0.0) is None and checks.due("w") and checks.due("w")
+    worker.in_flight = 0
+    assert checks.checker(worker, [worker], 0.0) is worker
 
 
 def test_a_liar_flagged_on_its_second_failure_carries_its_evidence():
