@@ -92,7 +92,8 @@ returned. Design choices:
   seldom has two credits free and its checks wait (`..._skipped_total` counts each reply a due
   check waited). A lie that keeps the gradient's component along itself (|g_in|^2 =
   <g_in, J^T g_out>) is invisible along d by construction; a deterministic lie (a scale, a sign, a
-  fixed bias) told in replays too passes the replay check, and is the statistics' to catch.
+  fixed bias), or one remembered per input, told in replays too passes the replay check and is
+  the statistics' to catch; fresh noise and a replay of the previous answer fail it even then.
 
 `gradient_ratio`, `tail_ratio`, `probe_inputs`, `replay_distance` and `GradientJudge` are pure (no
 socket, no clock); `GradientChecks` schedules, sends and judges on the trainer's event loop.
