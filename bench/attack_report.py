@@ -4,7 +4,8 @@ the goals, the markdown table, and the summary row RESULTS.md shows.
 Pure: a run is the dict `attack_swarm.run_plan` returns. Definitions, so that every figure can be
 checked by hand against the runs in the JSON:
 
-- A run's true positive: its liar caught (by the verifier, the scale bound or blame) after its
+- A run's true positive: its liar caught (flagged by the verifier, a gradient, replay or spot
+  check; refused by the scale bound; or blamed) after its
   first lie; a false negative: not caught so; false positives: the honest workers caught (any run,
   clean ones included), and a liar caught before it lied (it was an honest worker then).
   F1 = 2 TP / (2 TP + FP + FN) over a behaviour and position's guarded runs.
@@ -118,7 +119,8 @@ def render_markdown(results: dict) -> str:
              f"`{results['command']}` on {results['machine']}, {results['seconds']:.0f} s, 1-minute load {load}. "
              f"A liar lies after {settings['honest_steps']} honest steps, for {settings['lie_steps']} (late: after "
              f"{settings['late_steps']}); on-off lies 4 replies, honest 4. "
-             "Caught: flagged by the verifier, refused by the scale bound, or blamed for a refusal downstream "
+             "Caught: flagged by the verifier or by a gradient, replay or spot check, refused by the scale bound, or "
+             "blamed for a refusal downstream "
              "(bench/attack_report.py defines every column).", "",
              f"Clean runs: {clean['runs']} ({clean['churned']} losing a body replica half-way); honest workers "
              f"caught: {clean['honest_caught']}{' (' + ', '.join(clean['who']) + ')' if clean['who'] else ''}.", "",

@@ -103,6 +103,16 @@ def _trainer_options(verify: bool, spot_share: float | None, gradient_share: flo
     return TrainerOptions(run_id="attacks", max_in_flight=2, verify_replies=verify, **extra)
 
 
+def _check_named(evidence) -> str:
+    """Which of the trainer's checks a flag's evidence (`Evidence.describe()`) comes from."""
+    text = str(evidence)
+    for words, name in (("finite-difference", "gradient check"), ("replays on the same weights", "replay check"),
+                        ("spot check", "spot check")):
+        if words in text:
+            return name
+    return "verifier"
+
+
 def _record_catches(stats, liar_worker: StageWorker | None, liar) -> dict[str, dict]:
     """Per peer, its first catch by the trainer: how, the liar's lies so far and its stage's step then."""
     catches: dict[str, dict] = {}
@@ -111,7 +121,8 @@ def _record_catches(stats, liar_worker: StageWorker | None, liar) -> dict[str, d
 
         def recording(peer, *args, _original=original, _how=how, **kwargs):
             if peer not in catches:
-                catches[peer] = {"how": _how, "lies": liar.lies if liar else 0,
+                catches[peer] = {"how": _check_named(args[-1]) if _how == "verifier" and args else _how,
+                                 "lies": liar.lies if liar else 0,
                                  "step": liar_worker.compute.optimizer.steps if liar_worker else None}
             return _original(peer, *args, **kwargs)
         setattr(stats, method, recording)
