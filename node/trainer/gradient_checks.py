@@ -69,8 +69,11 @@ returned. Design choices:
 - **When.** Not a coin per reply but a countdown per worker: the next check of a worker falls a
   uniformly drawn 1 .. 2/share - 1 of its replies after the last (mean 1/share, drawn from a private
   generator the workers cannot predict), and a check due while its worker has no credit free stays
-  due until one is. So a lie told for n replies is checked at least once within n >= 2/share
-  (at 0.05, 39 replies), where independent coins miss it with probability (1 - share)^n.
+  due until one is, for as many replies again at most: then it is sent without free credits (a
+  worker stating none at every reply, busy or dodging, is still checked; its probes queue behind
+  its work, or are refused as any call over its credits is, and the check waits again). So a lie
+  told for n replies is checked at least once within some 4/share of them where independent coins
+  miss it with probability (1 - share)^n.
 - **The decision.** A gradient check is out of band when r <= 0, r is not finite, or |log r|
   exceeds log `BAND` (1.25); decisively out when r <= 0 or |log r| exceeds log `DECISIVE` (2). A
   replay is out of band past `TOLERANCE` (0.05), decisively past `DECISIVE_DISTANCE` (0.25). A
@@ -295,6 +298,7 @@ class GradientChecks:
         self.rng = rng if rng is not None else random.Random()
         self.probe_codec = WireCodec("fp32")  # module docstring: the step
         self._countdown: dict[str, int] = {}  # per worker: its replies until its next check (0: due)
+        self._waited: dict[str, int] = {}  # per worker: replies its due check has waited for free credits
         self._tasks: set[asyncio.Task] = set()
 
     def _gap(self) -> int:
@@ -311,15 +315,24 @@ class GradientChecks:
 
     def checker(self, worker: WorkerView, candidates: list[WorkerView], now: float,
                 probes: int = 2) -> WorkerView | None:
-        """Who probes (module docstring): the worker itself when it has `probes` credits free (its next
-        check is then drawn), else None (this one stays due, and the wait is counted)."""
+        """Who probes (module docstring): the worker itself when it has `probes` credits free, or when
+        its check has waited `_overdue()` of its replies already (its next check is then drawn); else
+        None (this one stays due, and the wait is counted)."""
         own = [v for v in candidates if v.peer_id == worker.peer_id and v.phase in TRAINING_PHASES
-               and v.banned_until <= now and v.paused_until <= now and v.in_flight + probes <= v.credits]
-        if not own:
+               and v.banned_until <= now and v.paused_until <= now]
+        waited = self._waited.get(worker.peer_id, 0)
+        if not own or (own[0].in_flight + probes > own[0].credits and waited < self._overdue()):
+            self._waited[worker.peer_id] = waited + 1
             self.stats.gradient_check_skipped(worker.stage)
             return None
-        self._countdown[worker.peer_id] = self._gap()
+        self._countdown[worker.peer_id], self._waited[worker.peer_id] = self._gap(), 0
         return own[0]
+
+    def _overdue(self) -> int:
+        """Replies a due check waits for free credits before it is sent without them: a worker that
+        states no free credit at every reply (busy, or dodging) is still checked, its probes queued
+        behind its work or refused as any call over its credits would be."""
+        return max(1, round(2 / self.share) - 1)
 
     def launch(self, worker: WorkerView, checker: WorkerView, microbatch_id: str, probe: Probe,
                call: ProbeCall) -> None:

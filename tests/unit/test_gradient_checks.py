@@ -130,19 +130,27 @@ def test_a_replay_far_from_the_training_answer_flags_at_once_and_near_ones_need_
     assert judge.farthest_replays()["near"] == 0.1 and "near" not in judge.extremes()
 
 
-def test_a_workers_checks_fall_at_most_two_over_share_replies_apart_and_wait_for_credits():
+def test_a_workers_checks_fall_at_most_two_over_share_replies_apart_and_wait_for_credits_a_while():
     worker = WorkerView("w", "a:1", 1)
     worker.granted_credits = 2
     checks = GradientChecks(0.05, TrainerStats(), flag=lambda evidence: None, rng=random.Random(1))
     checked = [reply for reply in range(4000) if checks.due("w") and checks.checker(worker, [worker], 0.0)]
     gaps = [b - a for a, b in zip(checked, checked[1:])]
     assert max(gaps) <= round(2 / 0.05) - 1 and abs(len(checked) / 4000 - 0.05) < 0.01
-    worker.in_flight = 2  # no credit free: the check stays due at the worker's next replies
+    worker.in_flight = 2  # no credit free: the check stays due at the worker's next replies...
     while not checks.due("w"):
         pass
     assert checks.checker(worker, [worker], 0.0) is None and checks.due("w") and checks.due("w")
     worker.in_flight = 0
     assert checks.checker(worker, [worker], 0.0) is worker
+    worker.in_flight = 2  # ... for as many replies as the longest gap at most: then it goes without them
+    while not checks.due("w"):
+        pass
+    waits = 0
+    while checks.checker(worker, [worker], 0.0) is None:
+        waits += 1
+        assert checks.due("w")
+    assert waits == round(2 / 0.05) - 1
 
 
 def test_a_liar_flagged_on_its_second_failure_carries_its_evidence():
