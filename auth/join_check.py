@@ -11,8 +11,9 @@ Design choices:
   verdicts and admits nobody, issues nothing, holds no slot (auth/service.py says what it costs).
 - The request is signed with a key made for the dry run, never the node's own: nothing the dry
   run does touches the state directory, so it runs beside a node of the same identity.
-- The authorizer's clock: CheckJoin carries it; this node's is read before and after the call and
-  the skew taken against their midpoint (off by half the call's duration at most).
+- The authorizer's clock: CheckJoin carries it, read as it answers (after the dial-back, which
+  can take seconds); the skew is taken against this node's clock on receipt, less half the
+  measured round trip (the reply's way back).
 """
 
 from __future__ import annotations
@@ -81,4 +82,4 @@ async def check_join(address: str, root_fingerprint: str, *, fingerprint: Callab
             after = clock()
         except grpc.aio.AioRpcError as error:
             raise rpc_error(address, error) from None
-    return JoinCheckResult(check, check.server_time - (before + after) / 2)
+    return JoinCheckResult(check, check.server_time - (after - min(check.rtt_ms / 2e3, (after - before) / 2)))
