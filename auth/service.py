@@ -46,6 +46,8 @@ Design choices:
     Renew         size (format); the nonce (a MAC); the chain (cached X.509 verification), the key
                   rule, the role; the proof; ban; the peer's renewal bucket; then one RSA signature
                   and the log write.
+    CheckJoin     as Join up to the dial-back (the floors judged, not refused on, so every verdict is
+                  answered); then the stage a Join would get; no slot, signature or write.
     Leave         as Renew up to the ban (any role, for the caller itself only: the request names no
                   one else); then the slot's release and the log's delete.
     Report        the report's bounds; then as Renew up to the ban, the role a trainer's; the
@@ -126,7 +128,8 @@ class AuthorizerService:
                  dial: Optional[Callable[[str, int, bytes, float], Awaitable[Optional[str]]]] = None,
                  on_refused: Callable[[str], None] = lambda field: None,
                  on_report: Callable[[str], None] = lambda outcome: None,
-                 on_leave: Callable[[str], None] = lambda outcome: None):
+                 on_leave: Callable[[str], None] = lambda outcome: None,
+                 on_join_check: Callable[[str], None] = lambda outcome: None):
         self.authority = authority
         self.settings = settings.validate()
         self.config_json = json.dumps(dict(run_config), sort_keys=True)
@@ -138,6 +141,7 @@ class AuthorizerService:
         self._on_refused = on_refused  # counts refusals by field (node/authorizer.py: a metric)
         self._on_report = on_report  # counts reports: accepted, banned, or the status that refused them
         self._on_leave = on_leave  # counts leaves: freed (a worker's slot), left (no slot), or the refusing status
+        self._on_join_check = on_join_check  # counts Joins' dry runs: reachable, unreachable, or refused
         self._verifier = CredentialVerifier(authority.root_pem, authority.run_id, clock=clock)
         s = self.settings
         self._challenges = ChallengeBook(s.challenge_ttl_s, random_bytes=random_bytes, capacity=s.max_challenges,
@@ -489,6 +493,7 @@ class AuthorizerService:
             verdict = JoinCheck(rtt_ms=link.rtt_ms, download_mbit=link.download_mbit, upload_mbit=link.upload_mbit,
                                 floors=RunFloors(**dataclasses.asdict(self.settings.floors)),
                                 unreachable=unreachable[0].reason if unreachable else "", stage=stage)
+        self._on_join_check("refused" if refusal else "unreachable" if unreachable else "reachable")
         logger.info("authorizer: checked a join of %s from %s (dry run)", peer_id[:16], caller, extra={
             "milestone": "join_checked", "fields": {
                 "peer_id": peer_id, "caller": caller, "refused": refusal.field if refusal else "",

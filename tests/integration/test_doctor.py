@@ -14,12 +14,16 @@ import os
 import sys
 import time
 
+import grpc
 import pytest
 
 from agora.auth.admission import JoinFile, hardware_report
 from agora.auth.admitted import read_admitted
 from agora.auth.join_check import check_join
+from agora.auth.node_state import public_key_pem
+from agora.auth.policy import sign_proof
 from agora.node.rpc.server import run
+from agora.protos import authorizer_adapter as adapter
 import authorizer_world as world
 from authorizer_world import OPEN, fingerprint_from_config, free_port, join, serving
 
@@ -47,6 +51,41 @@ def test_a_dry_run_reports_the_measurements_and_takes_no_slot_of_a_full_run(auth
     assert abs(result.skew_s) < 5
     assert slots == {} and queue == [] and admitted_nodes == []
     assert admitted.stage == 0  # the one slot was still free
+
+
+def test_a_dry_run_is_bounded_as_a_join_is(authority, keys):
+    """It needs a join challenge of its own and that challenge's preflight, spends the challenge,
+    dials only where a Join's dial-back may (no loopback in a run that is not local), and is
+    counted by outcome."""
+    outcomes = []
+
+    async def main():
+        async with serving(authority, local_network=False, on_join_check=outcomes.append) as (_, address):
+            async with world.channel(address, authority) as opened:
+                stub = adapter.AuthorizerStub(opened)
+                challenge = await stub.get_challenge(adapter.ChallengeRequest(role="worker"))
+                key = keys[0]
+                request = adapter.JoinRequest(nonce=challenge.nonce, public_key_pem=public_key_pem(key), role="worker",
+                                              fingerprint=world.FINGERPRINT.text(), hardware=hardware_report(),
+                                              announce_host="127.0.0.1", announce_port=free_port())
+                request = dataclasses.replace(request, signature=sign_proof(key, adapter.signed_payload(request)))
+                statuses = []
+                for _ in range(2):  # no preflight yet; then the challenge is spent
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await stub.check_join(request)
+                    statuses.append((refused.value.code(), refused.value.details().split(':')[0]))
+                with pytest.raises(grpc.aio.AioRpcError) as trainer:
+                    await stub.check_join(dataclasses.replace(request, role="trainer"))
+            result = await check_join(address, authority.root_fingerprint, fingerprint=fingerprint_from_config,
+                                      hardware=hardware_report(), announce=("127.0.0.1", free_port()))
+            return statuses, trainer.value.code(), result
+
+    statuses, trainer_status, result = run(main())
+    assert statuses[0] == (grpc.StatusCode.FAILED_PRECONDITION, "preflight")
+    assert statuses[1][0] == grpc.StatusCode.FAILED_PRECONDITION and statuses[1][1] != "preflight"
+    assert trainer_status == grpc.StatusCode.INVALID_ARGUMENT
+    assert "is unreachable from the authorizer" in result.check.unreachable  # loopback: never dialled
+    assert outcomes == ["unreachable"]
 
 
 async def _doctor(join_file, tmp_path, *flags: str) -> tuple[int, str, str]:
