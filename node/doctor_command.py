@@ -90,9 +90,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         raise ConfigError(str(error)) from None
     hardware = hardware_report(resolve_device(explicit_settings(args).get("runtime.device") or "auto"))
     config_for = config_chooser(args, run_config)
-    checks, served, run_id, assigned = asyncio.run(_authorizer_checks(
+    checks, config, run_id, assigned = asyncio.run(_authorizer_checks(
         options, config_for, hardware=hardware, announce=announce, listen_host=worker.host, stage=args.stage))
-    config = None if served is None else config_for(served)
     stages = _stages(config, args.stage, assigned)
     checks += _machine_checks(config, stages, worker, args.checkpoint_dir, run_id)
     print(as_json(checks) if args.json else "\n".join(format_line(check) for check in checks))
@@ -102,8 +101,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 async def _authorizer_checks(options, config_for: Callable[[dict], RunConfig], *, hardware, announce: tuple[str, int],
                              listen_host: str, stage: Optional[int]
-                             ) -> tuple[list[Check], Optional[dict], Optional[str], Optional[int]]:
-    """The checks the authorizer answers, the run config it serves, the run id and the stage it would assign."""
+                             ) -> tuple[list[Check], Optional[RunConfig], Optional[str], Optional[int]]:
+    """The checks the authorizer answers, the config join would run (the served one with the run flags
+    on top: ConfigError for flags that do not apply), the run id and the stage it would assign."""
     from agora.auth.admission import AdmissionError
     from agora.auth.join_check import check_join, describe_run
     from agora.auth.policy import Floors, LinkMeasurement, floor_verdicts
@@ -115,18 +115,20 @@ async def _authorizer_checks(options, config_for: Callable[[dict], RunConfig], *
     except AdmissionError as error:
         return [authorizer_check(address, None, str(error))] + [
             unknown(name, "the authorizer did not answer") for name in _AUTHORIZER_CHECKS], None, None, None
-    served = json.loads(run.config_json)
+    config = config_for(json.loads(run.config_json))
+    fingerprint = run_fingerprint(config).text()
     checks = [authorizer_check(address, run.run_id, None)]
     shown = f"{announce[0]}:{announce[1]}"
     try:
         result = await check_join(address, options.root_fingerprint, announce=announce, listen_host=listen_host,
                                   stage=stage, hardware=hardware,
-                                  fingerprint=lambda config: run_fingerprint(config_for(config)).text())
-    except (AdmissionError, ConfigError) as error:
+                                  fingerprint=lambda served: fingerprint)
+    except AdmissionError as error:
         checks.append(Check("dry run", FAIL, shown, detail=str(error),
-                            fix="the authorizer refused the dry run: wait a minute (rate limits) and try again"))
+                            fix="as the line says: a --port in use here, the authorizer's rate limits (try again "
+                                "in a minute), or its refusal"))
         return checks + [unknown(name, "the dry run did not complete") for name in _AUTHORIZER_CHECKS], \
-            served, run.run_id, None
+            config, run.run_id, None
     verdict = result.check
     if verdict.refused is not None:
         checks.append(refused_check(verdict.refused.field, verdict.refused.reason))
@@ -136,7 +138,7 @@ async def _authorizer_checks(options, config_for: Callable[[dict], RunConfig], *
         checks += floor_checks(floor_verdicts(Floors(**asdict(verdict.floors)), hardware, link))
         checks.append(reachability_check(shown, verdict.unreachable))
     checks.append(clock_check(result.skew_s, verdict.tolerated_skew_s))
-    return checks, served, run.run_id, verdict.stage
+    return checks, config, run.run_id, verdict.stage
 
 
 def _stages(config: Optional[RunConfig], asked: Optional[int], assigned: Optional[int]) -> list[int]:

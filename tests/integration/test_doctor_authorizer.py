@@ -153,3 +153,15 @@ def test_an_unreachable_address_and_a_missed_floor_fail_with_exit_1(authority, t
     assert failed == ["reachability", "upload"]
     assert "memory stage 2" in out and "Traceback" not in err
     assert admitted == []
+
+
+def test_an_unreachable_authorizer_is_one_fail_line_and_exit_1(authority, tmp_path):
+    """Nothing listens at the join file's address: one FAIL line naming it, what depends on it
+    unknown, no traceback."""
+    address = f"127.0.0.1:{free_port()}"
+    code, out, err = run(_doctor(_join_file(tmp_path, address, authority), tmp_path))
+    lines = out.splitlines()
+    assert code == 1 and "Traceback" not in err, (out, err)
+    assert lines[0].startswith(f"FAIL    authorizer       {address} - the authorizer at {address} is unreachable")
+    assert [line.split()[0] for line in lines[1:-1]] == ["unknown"] * (len(lines) - 2)
+    assert [line.split()[0] for line in lines if line.startswith("FAIL")] == ["FAIL"]
