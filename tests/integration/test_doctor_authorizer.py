@@ -88,6 +88,21 @@ def test_a_dry_run_is_bounded_as_a_join_is(authority, keys):
     assert outcomes == ["unreachable"]
 
 
+def test_a_dry_run_with_another_config_is_refused_before_its_measurements(authority):
+    """The checks before the measurements answer as a Join's refusal would, naming the field."""
+    outcomes = []
+    other_seed = dataclasses.replace(world.FINGERPRINT, seed=world.FINGERPRINT.seed + 1).text()
+
+    async def main():
+        async with serving(authority, on_join_check=outcomes.append) as (_, address):
+            return await check_join(address, authority.root_fingerprint, fingerprint=lambda served: other_seed,
+                                    hardware=hardware_report(), announce=("127.0.0.1", free_port()))
+
+    check = run(main()).check
+    assert check.refused.field == "fingerprint.seed" and check.floors is None and check.stage is None
+    assert outcomes == ["refused"]
+
+
 async def _doctor(join_file, tmp_path, *flags: str) -> tuple[int, str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_STATE_HOME": str(tmp_path / "state"),
            "AGORA_CACHE_DIR": str(tmp_path / "cache")}
