@@ -52,7 +52,8 @@ from agora.auth.keys import write_private_file
 from agora.auth.node_state import NodeCredentials, RunInfo, public_key_pem
 from agora.auth.policy import (dialback_answer, proof_is_valid, renewal_delay_s, retry_delay_s, run_payload,
                                sign_proof)
-from agora.protos.authorizer_adapter import (Admitted, AuthorizerStub, Challenge, ChallengeRequest, Hardware, JoinRequest,
+from agora.protos.authorizer_adapter import (Admitted, AuthorizerStub, Challenge, ChallengeRequest, Hardware,
+                                             JoinRequest,
                                              LeaveRequest, RenewRequest, signed_payload)
 
 __all__ = [

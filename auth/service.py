@@ -91,8 +91,8 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from agora.auth.admitted import AdmissionLog, AdmittedNode
 from agora.auth.authority import RunAuthority
 from agora.auth.challenges import ChallengeBook, ChallengeError, ChallengeState, RenewalChallenges
-from agora.auth.credentials import (CLOCK_SKEW_S, Clock, CredentialError, CredentialVerifier, Identity, issue_credential,
-                                    load_chain)
+from agora.auth.credentials import (CLOCK_SKEW_S, Clock, CredentialError, CredentialVerifier, Identity,
+                                    issue_credential, load_chain)
 from agora.auth.dialback import dial_back
 from agora.auth.keys import node_key_problem, peer_id_of
 from agora.auth.limits import CallerLimits, CallSlots, TokenBuckets, address_key
@@ -104,8 +104,9 @@ from agora.auth.settings import JOIN_ROLES, AuthorizerSettings
 from agora.auth.status import Status, answers, caller_address
 from agora.pipeline.fingerprint import FingerprintMismatch, RunFingerprint
 from agora.protos.authorizer_adapter import (DOWNLOAD_CHUNK_BYTES, Admitted, Challenge, ChallengeRequest,
-                                             JoinCheck, JoinReply, JoinRequest, LatencyProbe, Payload, Queued, RenewReply,
-                                             LeaveReceipt, LeaveRequest, RenewRequest, ReportReceipt, RunDescription, RunFloors, RunRequest,
+                                             JoinCheck, JoinReply, JoinRequest, LatencyProbe, Payload, Queued,
+                                             RenewReply, LeaveReceipt, LeaveRequest, RenewRequest, ReportReceipt,
+                                             RunDescription, RunFloors, RunRequest,
                                              TransferControl, UploadReceipt, WorkerReport, signed_payload)
 from agora.protos.authorizer_adapter import Refused as RefusedReply
 
@@ -315,7 +316,8 @@ class AuthorizerService:
                          "proof of possession failed: the signature does not verify with public_key_pem")
         return public_key, peer_id_of(public_key), state
 
-    def _refused(self, request: JoinRequest, peer_id: str, caller: str, refusal: Refusal, detail: str = "") -> JoinReply:
+    def _refused(self, request: JoinRequest, peer_id: str, caller: str, refusal: Refusal,
+                 detail: str = "") -> JoinReply:
         self._on_refused(refusal.field)
         logger.info("authorizer: refused %s %s from %s: %s", request.role, peer_id[:16], caller,
                     detail or refusal.reason, extra={"milestone": "admission_refused", "fields": {

@@ -121,7 +121,8 @@ def memory_check(stage: int, kind: str, peak_bytes: int, free_bytes: int, where:
     detail = f"{kind}: peak {peak_bytes / GiB:.2f} GiB on {where}, {free_bytes / GiB:.2f} GiB free"
     if problem is not None or peak_bytes > free_bytes:
         return Check(name, FAIL, round(peak_bytes / GiB, 2), round(free_bytes / GiB, 2), "GiB", detail=detail,
-                     against="free", fix=problem or "free memory on the device, or see `agora-node plan` for what shrinks the stage")
+                     against="free", fix=problem or "free memory on the device, or see `agora-node plan` for what "
+                                                    "shrinks the stage")
     if host_bytes and host_free_bytes is not None and host_bytes > host_free_bytes:
         return Check(name, FAIL, round(host_bytes / GiB, 2), round(host_free_bytes / GiB, 2), "GiB", against="free",
                      detail=f"{kind}: {host_bytes / GiB:.2f} GiB page-locked on the host, "
@@ -162,7 +163,9 @@ def exit_code(checks: Iterable[Check]) -> int:
 
 
 def _shown(value: Value, unit: str) -> str:
-    return "" if value is None else f"{value:g} {unit}".strip() if isinstance(value, float) else f"{value} {unit}".strip()
+    if value is None:
+        return ""
+    return (f"{value:g} {unit}" if isinstance(value, float) else f"{value} {unit}").strip()
 
 
 def format_line(check: Check) -> str:

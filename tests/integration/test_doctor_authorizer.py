@@ -162,7 +162,8 @@ def test_an_unreachable_address_and_a_missed_floor_fail_with_exit_1(authority, t
     lines = {line.split()[1]: line for line in out.splitlines() if line.split()[0] in ("ok", "FAIL", "unknown")}
     assert code == 1, (out, err)
     assert lines["reachability"].startswith("FAIL    reachability     127.0.0.2:")
-    assert "is unreachable from the authorizer" in lines["reachability"] and "fix: open or forward" in lines["reachability"]
+    assert "is unreachable from the authorizer" in lines["reachability"]
+    assert "fix: open or forward" in lines["reachability"]
     assert lines["upload"].startswith("FAIL    upload") and "(floor 1e+09 Mbit/s)" in lines["upload"]
     failed = sorted(name for name, line in lines.items() if line.startswith("FAIL"))
     assert failed == ["reachability", "upload"]
