@@ -49,8 +49,13 @@ def unknown(name: str, why: str) -> Check:
     return Check(name, UNKNOWN, detail=why)
 
 
-def authorizer_check(address: str, run_id: Optional[str], error: Optional[str]) -> Check:
-    """The authorizer answered GetRun with a run description that checks out against the pinned root."""
+def authorizer_check(address: str, run_id: Optional[str], error: Optional[str], *,
+                     untrusted: bool = False) -> Check:
+    """The authorizer answered GetRun with a run description that checks out against the pinned root
+    (``untrusted``: it answered, but under another root than the join file pins)."""
+    if error is not None and untrusted:
+        return Check("authorizer", FAIL, address, detail=error,
+                     fix="get the run's join file from its operator again: this one pins another CA")
     if error is not None:
         return Check("authorizer", FAIL, address, detail=error,
                      fix="check the join file's address and that the authorizer runs; a firewall must let this "

@@ -104,7 +104,7 @@ async def _authorizer_checks(options, config_for: Callable[[dict], RunConfig], *
                              ) -> tuple[list[Check], Optional[RunConfig], Optional[str], Optional[int]]:
     """The checks the authorizer answers, the config join would run (the served one with the run flags
     on top: ConfigError for flags that do not apply), the run id and the stage it would assign."""
-    from agora.auth.admission import AdmissionError
+    from agora.auth.admission import AdmissionError, AuthorizerUntrusted
     from agora.auth.join_check import check_join, describe_run
     from agora.auth.policy import Floors, LinkMeasurement, floor_verdicts
     from agora.pipeline.fingerprint import run_fingerprint
@@ -113,7 +113,8 @@ async def _authorizer_checks(options, config_for: Callable[[dict], RunConfig], *
     try:
         run = await describe_run(address, options.root_fingerprint)
     except AdmissionError as error:
-        return [authorizer_check(address, None, str(error))] + [
+        untrusted = isinstance(error, AuthorizerUntrusted)
+        return [authorizer_check(address, None, str(error), untrusted=untrusted)] + [
             unknown(name, "the authorizer did not answer") for name in _AUTHORIZER_CHECKS], None, None, None
     config = config_for(json.loads(run.config_json))
     fingerprint = run_fingerprint(config).text()

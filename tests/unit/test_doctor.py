@@ -7,6 +7,7 @@ import json
 import math
 
 from agora.auth.policy import DEFAULT_FLOORS, Floors, LinkMeasurement, check_floors, floor_verdicts
+from agora.node.cli import main
 from agora.node.doctor import (FAIL, OK, UNKNOWN, Check, as_json, authorizer_check, clock_check, disk_check, exit_code,
                                floor_checks, format_line, memory_check, reachability_check, refused_check, unknown,
                                version_check)
@@ -89,6 +90,17 @@ def test_exit_code_is_1_on_any_failure_and_unknowns_do_not_fail():
     unreachable = authorizer_check("a:1", None, "the authorizer at a:1 is unreachable")
     assert unreachable.verdict == FAIL and exit_code([unreachable]) == 1
     assert exit_code([refused_check("fingerprint.seed", "fingerprint: seed differs")]) == 1
+
+
+def test_an_authorizer_under_another_root_is_told_apart_from_an_unreachable_one():
+    untrusted = authorizer_check("a:1", None, "presented root CA 2d94..., not the pinned 0000...", untrusted=True)
+    assert untrusted.verdict == FAIL and "join file from its operator again" in untrusted.fix
+    assert "firewall" in authorizer_check("a:1", None, "unreachable").fix
+
+
+def test_doctor_without_a_join_file_is_a_usage_error(capsys):
+    assert main(["doctor"]) == 2
+    assert "--join-file: doctor checks admission to a run" in capsys.readouterr().err
 
 
 def test_a_refusal_before_the_measurements_names_its_field_and_fix():
