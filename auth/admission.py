@@ -52,7 +52,8 @@ from agora.auth.keys import write_private_file
 from agora.auth.node_state import NodeCredentials, RunInfo, public_key_pem
 from agora.auth.policy import (dialback_answer, proof_is_valid, renewal_delay_s, retry_delay_s, run_payload,
                                sign_proof)
-from agora.protos.authorizer_adapter import (Admitted, AuthorizerStub, ChallengeRequest, Hardware, JoinRequest,
+from agora.protos.authorizer_adapter import (Admitted, AuthorizerStub, Challenge, ChallengeRequest, Hardware,
+                                             JoinRequest,
                                              LeaveRequest, RenewRequest, signed_payload)
 
 __all__ = [
@@ -65,6 +66,10 @@ __all__ = [
     "reachability_listener",
     "hardware_report",
     "admit",
+    "authorizer_root",
+    "check_root",
+    "rpc_error",
+    "run_preflight",
     "CredentialRenewer",
 ]
 
@@ -181,7 +186,7 @@ def _retry_after(error: grpc.aio.AioRpcError, default: float) -> float:
     return default
 
 
-def _rpc_error(address: str, error: grpc.aio.AioRpcError) -> AdmissionError:
+def rpc_error(address: str, error: grpc.aio.AioRpcError) -> AdmissionError:
     if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return AdmissionError(f"the authorizer at {address} is unreachable ({error.code().name}: {error.details()})")
     return AdmissionError(f"the authorizer at {address} answered {error.code().name}: {error.details()}")
@@ -216,13 +221,13 @@ async def admit(address: str, root_fingerprint: str, node: NodeCredentials, *, r
     else:
         opened = reachability_listener(listen_host or announce[0], announce[1])
     hardware = hardware or hardware_report()
-    root_pem = await _authorizer_root(address, root_fingerprint, rpc_timeout_s)
+    root_pem = await authorizer_root(address, root_fingerprint, rpc_timeout_s)
     async with authorizer_channel(address, root_pem) as channel:
         stub = AuthorizerStub(channel)
         try:
             # The root first: a node never joins (nor takes a slot at) an authorizer it does not trust.
             run = await stub.get_run(timeout=rpc_timeout_s)
-            _check_root(run.root_pem, address, root_fingerprint)
+            check_root(run.root_pem, address, root_fingerprint)
             if callable(fingerprint):
                 fingerprint = fingerprint(json.loads(run.config_json))
             async with opened as open_listener:
@@ -230,7 +235,7 @@ async def admit(address: str, root_fingerprint: str, node: NodeCredentials, *, r
                                         hardware=hardware, stage=stage, announce=announce, listener=open_listener,
                                         on_queued=on_queued, clock=clock, timeout=rpc_timeout_s)
         except grpc.aio.AioRpcError as error:
-            raise _rpc_error(address, error) from None
+            raise rpc_error(address, error) from None
 
 
 async def _join_loop(stub: AuthorizerStub, address: str, root_fingerprint: str, node: NodeCredentials, *, role: str,
@@ -251,15 +256,7 @@ async def _join_loop(stub: AuthorizerStub, address: str, root_fingerprint: str, 
         limited = 0
         if listener is not None:
             listener.answer(challenge.dial_token)
-        if challenge.latency_probes:
-            await stub.echo_latency(challenge.nonce, timeout=timeout)
-        if challenge.download_bytes:
-            try:
-                await stub.download(challenge.nonce, max_bytes=challenge.download_bytes, timeout=timeout)
-            except ValueError as error:  # more bytes than announced
-                raise AdmissionError(f"the authorizer at {address}: {error}") from None
-        if challenge.upload_bytes:
-            await stub.upload(challenge.nonce, size=challenge.upload_bytes, timeout=timeout)
+        await run_preflight(stub, challenge, address, timeout)
         request = JoinRequest(nonce=challenge.nonce, public_key_pem=public_pem, role=role, fingerprint=fingerprint,
                               hardware=hardware, stage=stage, announce_host=announce[0] if announce else "",
                               announce_port=announce[1] if announce else 0)
@@ -280,7 +277,21 @@ async def _join_loop(stub: AuthorizerStub, address: str, root_fingerprint: str, 
         await asyncio.sleep(min(max(reply.queued.retry_after_s, 0.05), 300.0))
 
 
-async def _authorizer_root(address: str, root_fingerprint: str, timeout_s: float) -> bytes:
+async def run_preflight(stub: AuthorizerStub, challenge: Challenge, address: str, timeout: float) -> None:
+    """The transfers ``challenge`` asks for: echo the latency probes, take the download, send the
+    upload (the authorizer times each on its own clock)."""
+    if challenge.latency_probes:
+        await stub.echo_latency(challenge.nonce, timeout=timeout)
+    if challenge.download_bytes:
+        try:
+            await stub.download(challenge.nonce, max_bytes=challenge.download_bytes, timeout=timeout)
+        except ValueError as error:  # more bytes than announced
+            raise AdmissionError(f"the authorizer at {address}: {error}") from None
+    if challenge.upload_bytes:
+        await stub.upload(challenge.nonce, size=challenge.upload_bytes, timeout=timeout)
+
+
+async def authorizer_root(address: str, root_fingerprint: str, timeout_s: float) -> bytes:
     """The root CA the authorizer at ``address`` presents in its TLS handshake, if it is the pinned one."""
     try:
         chain = await presented_chain(address, timeout_s)
@@ -289,11 +300,11 @@ async def _authorizer_root(address: str, root_fingerprint: str, timeout_s: float
                              f"({error or type(error).__name__})") from None
     root = pinned_root(chain, root_fingerprint)
     if root is None:
-        _check_root(chain[-1] if chain else b"", address, root_fingerprint)  # says what was presented instead
+        check_root(chain[-1] if chain else b"", address, root_fingerprint)  # says what was presented instead
     return root
 
 
-def _check_root(root_pem: bytes, address: str, root_fingerprint: str) -> None:
+def check_root(root_pem: bytes, address: str, root_fingerprint: str) -> None:
     try:
         presented = certificate_fingerprint(root_pem)
     except ValueError:
@@ -307,7 +318,7 @@ def _accept(admitted: Admitted, address: str, root_fingerprint: str, node: NodeC
             stage: Optional[int], clock: Clock) -> RunInfo:
     """Check an admission against the pinned root, then store it."""
     try:
-        _check_root(admitted.root_pem, address, root_fingerprint)
+        check_root(admitted.root_pem, address, root_fingerprint)
         verifier = CredentialVerifier(admitted.root_pem, admitted.run_id, clock=clock)
         identity = verifier.verify(admitted.credential_pem, roles=(role,), stage=stage,
                                    public_key=node.key.public_key())
@@ -362,7 +373,7 @@ class CredentialRenewer:
                 if error.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
                                     grpc.StatusCode.INVALID_ARGUMENT):
                     raise RenewalRefused(error.details() or error.code().name, error.code()) from None
-                raise _rpc_error(self.address, error) from None
+                raise rpc_error(self.address, error) from None
         run = self.node.run_info()
         try:
             identity = CredentialVerifier(self.node.root_pem(), run.run_id, clock=self._clock).verify(

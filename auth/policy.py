@@ -51,6 +51,8 @@ __all__ = [
     "Floors",
     "LinkMeasurement",
     "Refusal",
+    "FloorVerdict",
+    "floor_verdicts",
     "check_floors",
     "check_announce",
     "dialback_allowed",
@@ -114,8 +116,23 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_floors(floors: Floors, hardware: Hardware, link: LinkMeasurement) -> Optional[Refusal]:
-    """The first floor this worker is below, or None (``hardware`` is what the node reported)."""
+@dataclass(frozen=True)
+class FloorVerdict:
+    """One floor held against one figure: ``passed``, and ``reason`` (one line) when not."""
+
+    name: str  # the floor's field in Floors
+    what: str
+    measured: float
+    floor: float
+    unit: str
+    at_least: bool  # the figure must reach the floor (else stay under it)
+    passed: bool
+    reason: str = ""
+
+
+def floor_verdicts(floors: Floors, hardware: Hardware, link: LinkMeasurement) -> list[FloorVerdict]:
+    """Every floor of the run against this worker (``hardware`` is what the node reported): what
+    a Join checks, and what `agora-node doctor` shows."""
     checks = (
         ("max_rtt_ms", "round-trip time to the authorizer", link.rtt_ms, floors.max_rtt_ms, "ms", False),
         ("min_upload_mbit", "upload rate", link.upload_mbit, floors.min_upload_mbit, "Mbit/s", True),
@@ -124,12 +141,24 @@ def check_floors(floors: Floors, hardware: Hardware, link: LinkMeasurement) -> O
          hardware.accelerator_memory_bytes / _GB, floors.min_accelerator_gb, "GB", True),
         ("min_ram_gb", "RAM", hardware.ram_bytes / _GB, floors.min_ram_gb, "GB", True),
     )
+    verdicts = []
     for name, what, measured, floor, unit, at_least in checks:
-        if (measured < floor) if at_least else (measured > floor):
+        passed = not ((measured < floor) if at_least else (measured > floor))
+        reason = ""
+        if not passed:
             relation = "below the floor" if at_least else "above the limit"
             how = "reported" if name in ("min_accelerator_gb", "min_ram_gb") else "measured"
-            return Refusal(name, f"{what} {how} {measured:.1f} {unit}, {relation} {name}={floor:g} {unit} "
-                                 f"of this run (the operator sets it with {_flag(name)})")
+            reason = (f"{what} {how} {measured:.1f} {unit}, {relation} {name}={floor:g} {unit} of this run (the "
+                      f"operator sets it with {_flag(name)})")
+        verdicts.append(FloorVerdict(name, what, measured, floor, unit, at_least, passed, reason))
+    return verdicts
+
+
+def check_floors(floors: Floors, hardware: Hardware, link: LinkMeasurement) -> Optional[Refusal]:
+    """The first floor this worker is below, or None (``hardware`` is what the node reported)."""
+    for verdict in floor_verdicts(floors, hardware, link):
+        if not verdict.passed:
+            return Refusal(verdict.name, verdict.reason)
     return None
 
 

@@ -46,6 +46,8 @@ Design choices:
     Renew         size (format); the nonce (a MAC); the chain (cached X.509 verification), the key
                   rule, the role; the proof; ban; the peer's renewal bucket; then one RSA signature
                   and the log write.
+    CheckJoin     as Join up to the dial-back (the floors judged, not refused on, so every verdict is
+                  answered); then the stage a Join would get; no slot, signature or write.
     Leave         as Renew up to the ban (any role, for the caller itself only: the request names no
                   one else); then the slot's release and the log's delete.
     Report        the report's bounds; then as Renew up to the ban, the role a trainer's; the
@@ -70,6 +72,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import inspect
 import json
@@ -88,8 +91,8 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from agora.auth.admitted import AdmissionLog, AdmittedNode
 from agora.auth.authority import RunAuthority
 from agora.auth.challenges import ChallengeBook, ChallengeError, ChallengeState, RenewalChallenges
-from agora.auth.credentials import (Clock, CredentialError, CredentialVerifier, Identity, issue_credential,
-                                    load_chain)
+from agora.auth.credentials import (CLOCK_SKEW_S, Clock, CredentialError, CredentialVerifier, Identity,
+                                    issue_credential, load_chain)
 from agora.auth.dialback import dial_back
 from agora.auth.keys import node_key_problem, peer_id_of
 from agora.auth.limits import CallerLimits, CallSlots, TokenBuckets, address_key
@@ -101,8 +104,9 @@ from agora.auth.settings import JOIN_ROLES, AuthorizerSettings
 from agora.auth.status import Status, answers, caller_address
 from agora.pipeline.fingerprint import FingerprintMismatch, RunFingerprint
 from agora.protos.authorizer_adapter import (DOWNLOAD_CHUNK_BYTES, Admitted, Challenge, ChallengeRequest,
-                                             JoinReply, JoinRequest, LatencyProbe, Payload, Queued, RenewReply,
-                                             LeaveReceipt, LeaveRequest, RenewRequest, ReportReceipt, RunDescription, RunRequest,
+                                             JoinCheck, JoinReply, JoinRequest, LatencyProbe, Payload, Queued,
+                                             RenewReply, LeaveReceipt, LeaveRequest, RenewRequest, ReportReceipt,
+                                             RunDescription, RunFloors, RunRequest,
                                              TransferControl, UploadReceipt, WorkerReport, signed_payload)
 from agora.protos.authorizer_adapter import Refused as RefusedReply
 
@@ -125,7 +129,8 @@ class AuthorizerService:
                  dial: Optional[Callable[[str, int, bytes, float], Awaitable[Optional[str]]]] = None,
                  on_refused: Callable[[str], None] = lambda field: None,
                  on_report: Callable[[str], None] = lambda outcome: None,
-                 on_leave: Callable[[str], None] = lambda outcome: None):
+                 on_leave: Callable[[str], None] = lambda outcome: None,
+                 on_join_check: Callable[[str], None] = lambda outcome: None):
         self.authority = authority
         self.settings = settings.validate()
         self.config_json = json.dumps(dict(run_config), sort_keys=True)
@@ -137,6 +142,7 @@ class AuthorizerService:
         self._on_refused = on_refused  # counts refusals by field (node/authorizer.py: a metric)
         self._on_report = on_report  # counts reports: accepted, banned, or the status that refused them
         self._on_leave = on_leave  # counts leaves: freed (a worker's slot), left (no slot), or the refusing status
+        self._on_join_check = on_join_check  # counts Joins' dry runs: reachable, unreachable, or refused
         self._verifier = CredentialVerifier(authority.root_pem, authority.run_id, clock=clock)
         s = self.settings
         self._challenges = ChallengeBook(s.challenge_ttl_s, random_bytes=random_bytes, capacity=s.max_challenges,
@@ -287,6 +293,16 @@ class AuthorizerService:
 
     async def _join(self, request: JoinRequest, caller: str) -> JoinReply:
         now = self._clock()
+        public_key, peer_id, state = self._proven(request, caller, now)
+        outcome = await self._decide(request, state, peer_id, caller, now)
+        if isinstance(outcome, JoinReply):
+            return outcome
+        stage, link = outcome
+        return JoinReply(admitted=await self._admit(request, public_key, peer_id, stage, caller, link))
+
+    def _proven(self, request: JoinRequest, caller: str, now: float) -> tuple[rsa.RSAPublicKey, str, ChallengeState]:
+        """The key, peer id and (consumed) challenge of a Join or its dry run, once its format, its
+        challenge and its proof of possession passed."""
         _check_role(request.role, self.settings.join_roles, False)
         if len(request.public_key_pem) > _MAX_KEY_PEM:
             raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"public_key_pem: longer than {_MAX_KEY_PEM} bytes")
@@ -298,57 +314,74 @@ class AuthorizerService:
         if not proof_is_valid(public_key, signed_payload(request), request.signature):
             raise Status(grpc.StatusCode.UNAUTHENTICATED,
                          "proof of possession failed: the signature does not verify with public_key_pem")
-        peer_id = peer_id_of(public_key)
-        outcome = await self._decide(request, state, peer_id, caller, now)
-        if isinstance(outcome, JoinReply):
-            return outcome
-        stage, link = outcome
-        return JoinReply(admitted=await self._admit(request, public_key, peer_id, stage, caller, link))
+        return public_key, peer_id_of(public_key), state
 
-    async def _decide(self, request: JoinRequest, state: ChallengeState, peer_id: str, caller: str,
-                      now: float) -> JoinReply | tuple[Optional[int], Optional[LinkMeasurement]]:
-        """Refuse or queue (a reply), or the stage and link of an admission."""
-        def refused(refusal: Refusal, detail: str = "") -> JoinReply:
-            self._on_refused(refusal.field)
-            logger.info("authorizer: refused %s %s from %s: %s", request.role, peer_id[:16], caller,
-                        detail or refusal.reason, extra={"milestone": "admission_refused", "fields": {
-                            "role": request.role, "peer_id": peer_id, "caller": caller, "field": refusal.field,
-                            **({"detail": detail} if detail else {})}})
-            return JoinReply(refused=RefusedReply(reason=refusal.reason, field=refusal.field))
+    def _refused(self, request: JoinRequest, peer_id: str, caller: str, refusal: Refusal,
+                 detail: str = "") -> JoinReply:
+        self._on_refused(refusal.field)
+        logger.info("authorizer: refused %s %s from %s: %s", request.role, peer_id[:16], caller,
+                    detail or refusal.reason, extra={"milestone": "admission_refused", "fields": {
+                        "role": request.role, "peer_id": peer_id, "caller": caller, "field": refusal.field,
+                        **({"detail": detail} if detail else {})}})
+        return JoinReply(refused=RefusedReply(reason=refusal.reason, field=refusal.field))
 
+    def _vet(self, request: JoinRequest, peer_id: str) -> Optional[Refusal]:
+        """The checks a Join passes before its measurements (all in memory): ban, run fingerprint,
+        and a worker's stage, announced address and hardware report."""
         ban = self.authority.is_banned(peer_id)
         if ban is not None:
             self._forget(peer_id)
-            return refused(Refusal("banned", f"banned: {ban.reason or 'by the operator'}"))
+            return Refusal("banned", f"banned: {ban.reason or 'by the operator'}")
         try:
             self.fingerprint.check(request.fingerprint)
         except FingerprintMismatch as mismatch:
-            return refused(Refusal(f"fingerprint.{mismatch.field}", str(mismatch)))
+            return Refusal(f"fingerprint.{mismatch.field}", str(mismatch))
         except ValueError as error:
             raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"fingerprint: {error}") from None
         if request.role != "worker":
             if request.stage is not None:
                 raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"stage: a {request.role} hosts no stage")
-            return None, None
+            return None
         if request.stage is not None and not 0 <= request.stage < self.fingerprint.stages:
-            return refused(assign_stage(self.fingerprint.stages, {}, request.stage))
+            refusal = assign_stage(self.fingerprint.stages, {}, request.stage)
+            assert isinstance(refusal, Refusal)
+            return refusal
         announce = check_announce(request.announce_host, request.announce_port)
         if announce is not None:
-            return refused(announce)
+            return announce
         if request.hardware is None:
             raise Status(grpc.StatusCode.INVALID_ARGUMENT, "hardware: a worker must report its hardware")
-        link = self._link(state, peer_id, caller, now)
-        below = check_floors(self.settings.floors, request.hardware, link)
-        if below is not None:
-            return refused(below)
+        return None
+
+    async def _unreachable(self, request: JoinRequest, state: ChallengeState) -> Optional[tuple[Refusal, str]]:
+        """Dial the worker back at its announced address: None when its listener answered with the
+        challenge's token, else the refusal (the same words whatever went wrong, so that nobody maps
+        what listens where) and, for the operator's log only, why."""
         address = _host_port(request.announce_host, request.announce_port)
         problem = await self._dial(request.announce_host, request.announce_port, state.dial_token,
                                    self.settings.dialback_timeout_s)
-        if problem is not None:  # the node learns only that it is unreachable; the operator's log says why
-            return refused(Refusal("reachability", (
-                f"reachability: {address} is unreachable from the authorizer: open TCP port {request.announce_port} "
-                f"on {request.announce_host} to the internet / forward it from your router to this machine, or "
-                f"pass --announce-host with your public address")), detail=f"dial-back to {address}: {problem}")
+        if problem is None:
+            return None
+        return Refusal("reachability", (
+            f"reachability: {address} is unreachable from the authorizer: open TCP port {request.announce_port} "
+            f"on {request.announce_host} to the internet / forward it from your router to this machine, or "
+            f"pass --announce-host with your public address")), f"dial-back to {address}: {problem}"
+
+    async def _decide(self, request: JoinRequest, state: ChallengeState, peer_id: str, caller: str,
+                      now: float) -> JoinReply | tuple[Optional[int], Optional[LinkMeasurement]]:
+        """Refuse or queue (a reply), or the stage and link of an admission."""
+        refusal = self._vet(request, peer_id)
+        if refusal is not None:
+            return self._refused(request, peer_id, caller, refusal)
+        if request.role != "worker":
+            return None, None
+        link = self._link(state, peer_id, caller, now)
+        below = check_floors(self.settings.floors, request.hardware, link)
+        if below is not None:
+            return self._refused(request, peer_id, caller, below)
+        unreachable = await self._unreachable(request, state)
+        if unreachable is not None:  # the node learns only that it is unreachable; the operator's log says why
+            return self._refused(request, peer_id, caller, *unreachable)
         throughput = await self._throughput()
         # No await from here to the admission: the slot taken is the slot counted.
         now = self._clock()
@@ -424,6 +457,50 @@ class AuthorizerService:
         return Admitted(credential_pem=chain, root_pem=self.authority.root_pem, run_id=self.authority.run_id,
                         role=request.role, stage=stage, lifetime_s=expires_at - now, config_json=self.config_json,
                         initial_peers=self.initial_peers, run_signature=signature)
+
+    # ---- a Join's dry run
+
+    @answers
+    async def check_join(self, request: JoinRequest, context: Any) -> JoinCheck:
+        """What a worker's Join would find, without the Join (`agora-node doctor`): the checks before
+        the measurements, the preflight's figures and the run's floors, the dial-back, the stage it
+        would be assigned, and our clock. It admits nobody, signs nothing, writes nothing and takes no
+        slot, nor a place in the queue.
+
+        Cost and bounds: exactly a Join's up to its admission. It spends a join challenge (the
+        address and network buckets, the book's room in all and per network), its preflight (the
+        same transfers, one at a time), a newcomer's call slot, one RSA verification (the proof of
+        possession) and at most one dial-back of ``dialback_timeout_s``, to an address
+        ``dialback_allowed`` accepts, answered in the same words whatever went wrong. So it dials
+        no more often, nor anywhere else, than Joins already may, and tells no more about what
+        listens there: no free port scanner."""
+        caller = caller_address(context.peer())
+        with self._newcomer(caller):
+            return await self._check_join(request, caller)
+
+    async def _check_join(self, request: JoinRequest, caller: str) -> JoinCheck:
+        now = self._clock()
+        if request.role != "worker":
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT, "role: only a worker's Join has floors and a dial-back "
+                                                           "to check")
+        _, peer_id, state = self._proven(request, caller, now)
+        refusal = self._vet(request, peer_id)
+        if refusal is not None:
+            verdict = JoinCheck(refused=RefusedReply(reason=refusal.reason, field=refusal.field))
+            unreachable, stage = None, None
+        else:
+            link = self._link(state, peer_id, caller, now)
+            unreachable = await self._unreachable(request, state)
+            stage = assign_stage(self.fingerprint.stages, await self._throughput(), request.stage)
+            verdict = JoinCheck(rtt_ms=link.rtt_ms, download_mbit=link.download_mbit, upload_mbit=link.upload_mbit,
+                                floors=RunFloors(**dataclasses.asdict(self.settings.floors)),
+                                unreachable=unreachable[0].reason if unreachable else "", stage=stage)
+        self._on_join_check("refused" if refusal else "unreachable" if unreachable else "reachable")
+        logger.info("authorizer: checked a join of %s from %s (dry run)", peer_id[:16], caller, extra={
+            "milestone": "join_checked", "fields": {
+                "peer_id": peer_id, "caller": caller, "refused": refusal.field if refusal else "",
+                "reachable": unreachable is None, **({"detail": unreachable[1]} if unreachable else {})}})
+        return dataclasses.replace(verdict, server_time=self._clock(), tolerated_skew_s=CLOCK_SKEW_S)
 
     # ---- renewal
 

@@ -42,7 +42,7 @@ from typing import Callable, Optional
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.files import hold_folder
 
-__all__ = ["AdmissionOptions", "Admission", "add_admission_arguments", "admit_node", "free_port"]
+__all__ = ["AdmissionOptions", "Admission", "add_admission_arguments", "admit_node", "default_state_dir", "free_port"]
 
 logger = logging.getLogger("agora.node.admission")
 
@@ -112,7 +112,7 @@ class Admission:
     state_lock: object = None  # the --state-dir held for this process (pipeline/files.hold_folder)
 
 
-def _default_state_dir(run_id: str, role: str, stage: Optional[int]) -> Path:
+def default_state_dir(run_id: str, role: str, stage: Optional[int]) -> Path:
     base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "agora-node"
     return base / run_id / (role if stage is None else f"{role}-s{stage}")
 
@@ -145,7 +145,7 @@ def admit_node(options: AdmissionOptions, *, role: str, run_id: str, stage: Opti
     from agora.pipeline.fingerprint import run_fingerprint
 
     state_dir = (Path(options.state_dir) if options.state_dir
-                 else _default_state_dir(options.run_id or run_id, role, stage))
+                 else default_state_dir(options.run_id or run_id, role, stage))
     held = hold_folder(state_dir, "--state-dir")  # one daemon per identity: held until this process ends
     node = NodeCredentials(state_dir, clock=time.time)
     if options.authorizer is None:

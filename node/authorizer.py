@@ -222,11 +222,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # Clean leaves: freed (a worker's slot), left (a node without one), or the status that refused them.
     leaves = Counter("agora_authorizer_leaves", "Nodes that said they leave, by outcome", ["outcome"],
                      registry=metrics.registry)
+    # Joins' dry runs (`agora-node doctor`): reachable, unreachable (the dial-back failed), or refused before it.
+    join_checks = Counter("agora_authorizer_join_checks", "Joins' dry runs (CheckJoin), by outcome", ["outcome"],
+                          registry=metrics.registry)
     service = AuthorizerService(authority, settings, run_config=plain, fingerprint=fingerprint,
                                 initial_peers=tuple(args.initial_peers), stage_throughput=coverage,
                                 on_refused=lambda field: refusals.labels(field=field).inc(),
                                 on_report=lambda outcome: reports.labels(outcome=outcome).inc(),
-                                on_leave=lambda outcome: leaves.labels(outcome=outcome).inc())
+                                on_leave=lambda outcome: leaves.labels(outcome=outcome).inc(),
+                                on_join_check=lambda outcome: join_checks.labels(outcome=outcome).inc())
     state = Path(args.state_dir)
     join_path = Path(args.join_file) if args.join_file else state / JOIN_FILE
 

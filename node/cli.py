@@ -445,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     from agora.node.plan import add_plan_command
 
     add_plan_command(commands)
+    from agora.node.doctor_command import add_doctor_command
+
+    add_doctor_command(commands)
     from agora.node.simulate.command import add_simulate_command
 
     add_simulate_command(commands)

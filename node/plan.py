@@ -26,9 +26,9 @@ from agora.pipeline.config import COMPUTE_DTYPES, ConfigError, RunConfig
 if TYPE_CHECKING:  # torch: imported by the commands that plan, not by parsing their flags
     from agora.node.inference.options import InferenceOptions
     from agora.pipeline.memory import MemoryOptions, StagePlan
-    from agora.pipeline.runtime import Runtime
+    from agora.pipeline.runtime import DeviceMemory, Runtime
 
-__all__ = ["add_plan_command", "cached_plan_stage", "check_stage_fits", "worker_memory_options"]
+__all__ = ["add_plan_command", "cached_plan_stage", "check_stage_fits", "stage_memory_problem", "worker_memory_options"]
 
 logger = logging.getLogger("agora.node.plan")
 
@@ -182,9 +182,11 @@ def cached_plan_stage(config: RunConfig, stage: int, runtime: Runtime, options: 
     return plan
 
 
-def check_stage_fits(config: RunConfig, stage: int, runtime: Runtime, options: MemoryOptions) -> StagePlan:
-    """Plan `stage` for this worker; ConfigError naming the shortfall when its peak exceeds what is
-    free on the device (its RAM for the CPU): `join` calls this before loading anything."""
+def stage_memory_problem(config: RunConfig, stage: int, runtime: Runtime,
+                         options: MemoryOptions) -> tuple[StagePlan, DeviceMemory, str | None]:
+    """Plan `stage` for this worker against the memory free on its device (its RAM for the CPU): the
+    plan, that memory, and when the peak exceeds it one line naming the shortfall and what would
+    shrink it (else None)."""
     from agora.pipeline.memory import GiB
     from agora.pipeline.runtime import device_memory
 
@@ -192,12 +194,24 @@ def check_stage_fits(config: RunConfig, stage: int, runtime: Runtime, options: M
     memory = device_memory(runtime.device, free=True)
     short = plan.shortfall(memory.free_bytes)
     where = f"{runtime.device} ({memory.name})" if memory.accelerator else "this machine's RAM"
-    if short:
-        raise ConfigError(
-            f"memory plan: stage {plan.index} ({plan.kind}) needs {plan.peak / GiB:.2f} GiB on {where} at its peak "
-            f"({plan.working_job}, microbatch {options.microbatch} x {options.seq_len}, {runtime.dtype}), but "
-            f"{memory.free_bytes / GiB:.2f} GiB are free: short by {short / GiB:.2f} GiB; try "
-            f"{_remedies(plan, runtime, options)}, or see `agora-node plan` (--no-memory-check skips this)")
+    if not short:
+        return plan, memory, None
+    return plan, memory, (
+        f"memory plan: stage {plan.index} ({plan.kind}) needs {plan.peak / GiB:.2f} GiB on {where} at its peak "
+        f"({plan.working_job}, microbatch {options.microbatch} x {options.seq_len}, {runtime.dtype}), but "
+        f"{memory.free_bytes / GiB:.2f} GiB are free: short by {short / GiB:.2f} GiB; try "
+        f"{_remedies(plan, runtime, options)}, or see `agora-node plan`")
+
+
+def check_stage_fits(config: RunConfig, stage: int, runtime: Runtime, options: MemoryOptions) -> StagePlan:
+    """Plan `stage` for this worker; ConfigError naming the shortfall when its peak exceeds what is
+    free on the device (its RAM for the CPU): `join` calls this before loading anything."""
+    from agora.pipeline.memory import GiB
+
+    plan, memory, problem = stage_memory_problem(config, stage, runtime, options)
+    if problem is not None:
+        raise ConfigError(f"{problem} (--no-memory-check skips this)")
+    where = f"{runtime.device} ({memory.name})" if memory.accelerator else "this machine's RAM"
     logger.info("memory plan: stage %d (%s) needs %.2f GiB at its peak on %s, %.2f GiB free", plan.index, plan.kind,
                 plan.peak / GiB, where, memory.free_bytes / GiB)
     return plan

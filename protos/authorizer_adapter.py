@@ -55,6 +55,8 @@ __all__ = [
     "ReportReceipt",
     "LeaveRequest",
     "LeaveReceipt",
+    "RunFloors",
+    "JoinCheck",
     "MalformedMessage",
     "AuthorizerHandler",
     "AuthorizerStub",
@@ -225,6 +227,30 @@ class LeaveReceipt:
     freed: bool
 
 
+@dataclass(frozen=True)
+class RunFloors:
+    min_upload_mbit: float
+    min_download_mbit: float
+    max_rtt_ms: float
+    min_accelerator_gb: float
+    min_ram_gb: float
+
+
+@dataclass(frozen=True)
+class JoinCheck:
+    """A Join's dry run: ``refused`` when a check before the measurements failed, else the rest."""
+
+    refused: Optional[Refused] = None
+    rtt_ms: float = 0.0
+    download_mbit: float = 0.0
+    upload_mbit: float = 0.0
+    floors: Optional[RunFloors] = None
+    unreachable: str = ""
+    stage: Optional[int] = None
+    server_time: float = 0.0
+    tolerated_skew_s: float = 0.0
+
+
 # Read-only pairing of each dataclass with its generated message class.
 _MESSAGE_OF: Mapping[type, type] = MappingProxyType({
     RunRequest: authorizer_pb2.RunRequest,
@@ -247,6 +273,8 @@ _MESSAGE_OF: Mapping[type, type] = MappingProxyType({
     ReportReceipt: authorizer_pb2.ReportReceipt,
     LeaveRequest: authorizer_pb2.LeaveRequest,
     LeaveReceipt: authorizer_pb2.LeaveReceipt,
+    RunFloors: authorizer_pb2.RunFloors,
+    JoinCheck: authorizer_pb2.JoinCheck,
 })
 _DATACLASS_OF: Mapping[type, type] = MappingProxyType({message: data for data, message in _MESSAGE_OF.items()})
 
@@ -324,6 +352,7 @@ class AuthorizerHandler(Protocol):
     def renew(self, request: RenewRequest, context: Any) -> Awaitable[RenewReply]: ...
     def report(self, request: WorkerReport, context: Any) -> Awaitable[ReportReceipt]: ...
     def leave(self, request: LeaveRequest, context: Any) -> Awaitable[LeaveReceipt]: ...
+    def check_join(self, request: JoinRequest, context: Any) -> Awaitable[JoinCheck]: ...
 
 
 class _Servicer:
@@ -354,6 +383,9 @@ class _Servicer:
 
     async def Leave(self, request, context):
         return await self._unary(self._handler.leave, request, context)
+
+    async def CheckJoin(self, request, context):
+        return await self._unary(self._handler.check_join, request, context)
 
     async def _streaming(self, run: Callable[[], Awaitable[Any]], context: Any) -> Any:
         try:
@@ -387,6 +419,7 @@ _KINDS = {
     "Renew": (grpc.unary_unary_rpc_method_handler, authorizer_pb2.RenewRequest),
     "Report": (grpc.unary_unary_rpc_method_handler, authorizer_pb2.WorkerReport),
     "Leave": (grpc.unary_unary_rpc_method_handler, authorizer_pb2.LeaveRequest),
+    "CheckJoin": (grpc.unary_unary_rpc_method_handler, authorizer_pb2.JoinRequest),
 }
 
 
@@ -429,6 +462,9 @@ class AuthorizerStub:
 
     async def leave(self, request: LeaveRequest, **call: Any) -> LeaveReceipt:
         return from_message(await self._stub.Leave(to_message(request), **call))
+
+    async def check_join(self, request: JoinRequest, **call: Any) -> JoinCheck:
+        return from_message(await self._stub.CheckJoin(to_message(request), **call))
 
     async def echo_latency(self, nonce: bytes, **call: Any) -> int:
         """Answer the authorizer's latency probes until it ends the stream; returns the count."""

@@ -231,3 +231,39 @@ class LeaveReceipt(_message.Message):
     FREED_FIELD_NUMBER: _ClassVar[int]
     freed: bool
     def __init__(self, freed: _Optional[bool] = ...) -> None: ...
+
+class RunFloors(_message.Message):
+    __slots__ = ("min_upload_mbit", "min_download_mbit", "max_rtt_ms", "min_accelerator_gb", "min_ram_gb")
+    MIN_UPLOAD_MBIT_FIELD_NUMBER: _ClassVar[int]
+    MIN_DOWNLOAD_MBIT_FIELD_NUMBER: _ClassVar[int]
+    MAX_RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    MIN_ACCELERATOR_GB_FIELD_NUMBER: _ClassVar[int]
+    MIN_RAM_GB_FIELD_NUMBER: _ClassVar[int]
+    min_upload_mbit: float
+    min_download_mbit: float
+    max_rtt_ms: float
+    min_accelerator_gb: float
+    min_ram_gb: float
+    def __init__(self, min_upload_mbit: _Optional[float] = ..., min_download_mbit: _Optional[float] = ..., max_rtt_ms: _Optional[float] = ..., min_accelerator_gb: _Optional[float] = ..., min_ram_gb: _Optional[float] = ...) -> None: ...
+
+class JoinCheck(_message.Message):
+    __slots__ = ("refused", "rtt_ms", "download_mbit", "upload_mbit", "floors", "unreachable", "stage", "server_time", "tolerated_skew_s")
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_MBIT_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_MBIT_FIELD_NUMBER: _ClassVar[int]
+    FLOORS_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    TOLERATED_SKEW_S_FIELD_NUMBER: _ClassVar[int]
+    refused: Refused
+    rtt_ms: float
+    download_mbit: float
+    upload_mbit: float
+    floors: RunFloors
+    unreachable: str
+    stage: int
+    server_time: float
+    tolerated_skew_s: float
+    def __init__(self, refused: _Optional[_Union[Refused, _Mapping]] = ..., rtt_ms: _Optional[float] = ..., download_mbit: _Optional[float] = ..., upload_mbit: _Optional[float] = ..., floors: _Optional[_Union[RunFloors, _Mapping]] = ..., unreachable: _Optional[str] = ..., stage: _Optional[int] = ..., server_time: _Optional[float] = ..., tolerated_skew_s: _Optional[float] = ...) -> None: ...

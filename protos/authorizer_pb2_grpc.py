@@ -79,6 +79,11 @@ class AuthorizerStub:
                 request_serializer=agora_dot_protos_dot_authorizer__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=agora_dot_protos_dot_authorizer__pb2.LeaveReceipt.FromString,
                 _registered_method=True)
+        self.CheckJoin = channel.unary_unary(
+                '/agora.v1.Authorizer/CheckJoin',
+                request_serializer=agora_dot_protos_dot_authorizer__pb2.JoinRequest.SerializeToString,
+                response_deserializer=agora_dot_protos_dot_authorizer__pb2.JoinCheck.FromString,
+                _registered_method=True)
 
 
 class AuthorizerServicer:
@@ -144,6 +149,14 @@ class AuthorizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckJoin(self, request, context):
+        """A Join's dry run (`agora-node doctor`): every check a Join runs, the dial-back included, and
+        the measurements and floors behind them; it admits nobody, issues nothing and holds no slot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AuthorizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -191,6 +204,11 @@ def add_AuthorizerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=agora_dot_protos_dot_authorizer__pb2.LeaveRequest.FromString,
                     response_serializer=agora_dot_protos_dot_authorizer__pb2.LeaveReceipt.SerializeToString,
+            ),
+            'CheckJoin': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckJoin,
+                    request_deserializer=agora_dot_protos_dot_authorizer__pb2.JoinRequest.FromString,
+                    response_serializer=agora_dot_protos_dot_authorizer__pb2.JoinCheck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -436,6 +454,33 @@ class Authorizer:
             '/agora.v1.Authorizer/Leave',
             agora_dot_protos_dot_authorizer__pb2.LeaveRequest.SerializeToString,
             agora_dot_protos_dot_authorizer__pb2.LeaveReceipt.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckJoin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agora.v1.Authorizer/CheckJoin',
+            agora_dot_protos_dot_authorizer__pb2.JoinRequest.SerializeToString,
+            agora_dot_protos_dot_authorizer__pb2.JoinCheck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -87,7 +87,7 @@ def _status(loop, call) -> grpc.StatusCode:
 def test_arbitrary_bytes_get_clean_statuses(world):
     loop, channel, *_ = world
     methods = [f"/{adapter.SERVICE_NAME}/{name}" for name in ("Join", "Renew", "Report", "Leave", "GetChallenge",
-                                                                        "GetRun")]
+                                                                        "GetRun", "CheckJoin")]
 
     @BUDGET
     @given(method=st.sampled_from(methods), payload=st.binary(max_size=512))

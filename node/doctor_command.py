@@ -1,0 +1,200 @@
+"""`agora-node doctor`: before queueing to join a run, whether this machine would be admitted and
+useful (the verdicts are node/doctor.py's).
+
+    agora-node doctor --join-file F [--stage I] [--json] [join's run and worker flags]
+
+checks, one line each: the authorizer and the run's description (GetRun); the round-trip time,
+upload and download rates, accelerator memory and RAM against the run's floors, measured by the
+authorizer as for a Join; whether the authorizer can dial this node back on the address it would
+announce; this clock against the authorizer's; the memory plan of the stage it would host (the
+one asked for with --stage, else the one the authorizer would assign now, else every stage) against
+the memory free on its device and host; free disk for checkpoints; the versions it runs. Exit code
+0 when no check failed, 1 otherwise, 2 for a usage or config mistake.
+
+Design choices:
+
+- It takes join's flags (the run flags, the worker's, --checkpoint-dir, admission's), so what it
+  checks is what `join` with the same command line would do: the same announced address, the
+  same config and so the same run fingerprint, the same memory plan.
+- The authorizer's part is one dry run of a Join (auth/join_check.py, the CheckJoin RPC): the
+  same preflight and floor comparison as admission, the dial-back included, and nobody is
+  admitted, nothing is issued, no slot or queue place is taken, the state directory is not touched.
+- The memory plan and the checkpoint size come from node/plan.py (its cache included); a
+  checkpoint holds the stage's weights, buffers and optimizer state, and the folder holds the
+  newest ``keep`` of them (pipeline/checkpoint.py) and the one being written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import inspect
+import json
+import shutil
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Optional
+
+from agora.node.admission import add_admission_arguments
+from agora.node.doctor import (FAIL, Check, authorizer_check, as_json, clock_check, disk_check, exit_code,
+                               floor_checks, format_line, memory_check, reachability_check, refused_check, unknown,
+                               version_check)
+from agora.node.run_flags import add_option_flags, add_run_arguments, non_negative_int
+from agora.pipeline.config import ConfigError, RunConfig
+
+__all__ = ["add_doctor_command"]
+
+_AUTHORIZER_CHECKS = ("rtt", "upload", "download", "accelerator", "ram", "reachability", "clock")
+
+
+def add_doctor_command(commands) -> None:
+    from agora.node.worker.options import WorkerOptions
+
+    doctor = commands.add_parser(
+        "doctor", help="before joining: would this machine be admitted to the run, and useful in it?",
+        description="Check, without joining, what admission checks (the authorizer, the link floors, the "
+                    "dial-back, the clock) and what the stage needs here (memory, disk, versions); one line "
+                    "per check. Exit 0 when none failed, 1 otherwise, 2 for a usage or config mistake.")
+    add_run_arguments(doctor, steps_help="as for join", computes=True)
+    add_option_flags(doctor.add_argument_group("worker", "as for join: where it listens and announces, what it "
+                                                         "keeps (the memory plan)"), WorkerOptions)
+    doctor.add_argument("--stage", type=non_negative_int, default=None,
+                        help="the stage to check (default: the one the authorizer would assign now, else every stage)")
+    doctor.add_argument("--checkpoint-dir", default=None,
+                        help="where checkpoints would go (default: checkpoints/ in the --state-dir join would use)")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object with every check")
+    add_admission_arguments(doctor)
+    doctor.set_defaults(handler=_cmd_doctor)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from agora.auth.admission import hardware_report
+    from agora.node.admission import AdmissionOptions, config_chooser, free_port
+    from agora.node.rpc.server import announced_host
+    from agora.node.run_flags import check_runtime_flags, explicit_settings, options_from_args, run_config
+    from agora.node.worker.options import WorkerOptions
+    from agora.pipeline.runtime import resolve_device
+
+    options = AdmissionOptions.from_args(args).resolved()
+    if options.authorizer is None:
+        raise ConfigError("--join-file: doctor checks admission to a run: give the run's join file (or --authorizer "
+                          "and --ca-fingerprint)")
+    check_runtime_flags(args)
+    worker = options_from_args(WorkerOptions, args, "worker")
+    port = worker.port or free_port(worker.host)
+    try:
+        announce = (announced_host(worker.host, worker.announce_host), port)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    hardware = hardware_report(resolve_device(explicit_settings(args).get("runtime.device") or "auto"))
+    config_for = config_chooser(args, run_config)
+    checks, config, run_id, assigned = asyncio.run(_authorizer_checks(
+        options, config_for, hardware=hardware, announce=announce, listen_host=worker.host, stage=args.stage))
+    stages = _stages(config, args.stage, assigned)
+    checks += _machine_checks(config, stages, worker, args.checkpoint_dir, run_id)
+    print(as_json(checks) if args.json else "\n".join(format_line(check) for check in checks))
+    sys.stdout.flush()
+    return exit_code(checks)
+
+
+async def _authorizer_checks(options, config_for: Callable[[dict], RunConfig], *, hardware, announce: tuple[str, int],
+                             listen_host: str, stage: Optional[int]
+                             ) -> tuple[list[Check], Optional[RunConfig], Optional[str], Optional[int]]:
+    """The checks the authorizer answers, the config join would run (the served one with the run flags
+    on top: ConfigError for flags that do not apply), the run id and the stage it would assign."""
+    from agora.auth.admission import AdmissionError, AuthorizerUntrusted
+    from agora.auth.join_check import check_join, describe_run
+    from agora.auth.policy import Floors, LinkMeasurement, floor_verdicts
+    from agora.pipeline.fingerprint import run_fingerprint
+
+    address = options.authorizer
+    try:
+        run = await describe_run(address, options.root_fingerprint)
+    except AdmissionError as error:
+        untrusted = isinstance(error, AuthorizerUntrusted)
+        return [authorizer_check(address, None, str(error), untrusted=untrusted)] + [
+            unknown(name, "the authorizer did not answer") for name in _AUTHORIZER_CHECKS], None, None, None
+    config = config_for(json.loads(run.config_json))
+    fingerprint = run_fingerprint(config).text()
+    checks = [authorizer_check(address, run.run_id, None)]
+    shown = f"{announce[0]}:{announce[1]}"
+    try:
+        result = await check_join(address, options.root_fingerprint, announce=announce, listen_host=listen_host,
+                                  stage=stage, hardware=hardware,
+                                  fingerprint=lambda served: fingerprint)
+    except AdmissionError as error:
+        checks.append(Check("dry run", FAIL, shown, detail=str(error),
+                            fix="as the line says: a --port in use here, the authorizer's rate limits (try again "
+                                "in a minute), or its refusal"))
+        return checks + [unknown(name, "the dry run did not complete") for name in _AUTHORIZER_CHECKS], \
+            config, run.run_id, None
+    verdict = result.check
+    if verdict.refused is not None:
+        checks.append(refused_check(verdict.refused.field, verdict.refused.reason))
+        checks += [unknown(name, "a Join would be refused before this check") for name in _AUTHORIZER_CHECKS[:-1]]
+    else:
+        link = LinkMeasurement(verdict.rtt_ms, verdict.download_mbit, verdict.upload_mbit)
+        checks += floor_checks(floor_verdicts(Floors(**asdict(verdict.floors)), hardware, link))
+        checks.append(reachability_check(shown, verdict.unreachable))
+    checks.append(clock_check(result.skew_s, verdict.tolerated_skew_s))
+    return checks, config, run.run_id, verdict.stage
+
+
+def _stages(config: Optional[RunConfig], asked: Optional[int], assigned: Optional[int]) -> list[int]:
+    if config is None:
+        return []
+    if asked is not None:
+        return [asked]
+    return [assigned] if assigned is not None else list(range(len(config.model.layer_split)))
+
+
+def _machine_checks(config: Optional[RunConfig], stages: list[int], worker, checkpoint_dir: Optional[str],
+                    run_id: Optional[str]) -> list[Check]:
+    """Memory per stage, disk, versions: what this machine brings to the stage."""
+    import torch
+
+    from agora.node.plan import stage_memory_problem, worker_memory_options
+    from agora.pipeline.runtime import Runtime, device_memory
+
+    running = {"agora-node": importlib.metadata.version("agora-node"), "torch": torch.__version__,
+               "protocol": _protocol()}
+    if config is None:
+        return [unknown("memory", "no run config: the authorizer did not describe the run"),
+                unknown("disk", "no run config: the authorizer did not describe the run"),
+                version_check(running, {})]
+    if any(not 0 <= stage < len(config.model.layer_split) for stage in stages):
+        return [unknown("memory", f"--stage: the run has stages 0-{len(config.model.layer_split) - 1}"),
+                unknown("disk", "no stage to size a checkpoint of"), version_check(running, {})]
+    runtime = Runtime.from_config(config.runtime)
+    options = worker_memory_options(config, rows=worker.max_rows, pinned_versions=worker.pinned_weights,
+                                    in_flight=worker.stash_capacity, inference=worker.inference)
+    host_free = device_memory(torch.device("cpu"), free=True).free_bytes
+    checks, checkpoint_bytes = [], 0
+    for stage in stages:
+        plan, memory, problem = stage_memory_problem(config, stage, runtime, options)
+        where = f"{runtime.device} ({memory.name})" if memory.accelerator else "this machine's RAM"
+        checks.append(memory_check(stage, plan.kind, plan.peak, memory.free_bytes, where, host_bytes=plan.host,
+                                   host_free_bytes=host_free if memory.accelerator else None, problem=problem))
+        checkpoint_bytes = max(checkpoint_bytes, plan.parameters + plan.fixed + plan.optimizer)
+    checks.append(_disk(checkpoint_dir, run_id, stages, checkpoint_bytes))
+    checks.append(version_check(running, {}))
+    return checks
+
+
+def _disk(checkpoint_dir: Optional[str], run_id: Optional[str], stages: list[int], checkpoint_bytes: int) -> Check:
+    from agora.node.admission import default_state_dir
+    from agora.pipeline.checkpoint import save_checkpoint
+
+    folder = Path(checkpoint_dir) if checkpoint_dir else \
+        default_state_dir(run_id or "agora", "worker", stages[0] if len(stages) == 1 else None) / "checkpoints"
+    existing = next((path for path in (folder, *folder.parents) if path.exists()), Path("/"))
+    copies = inspect.signature(save_checkpoint).parameters["keep"].default + 1  # the kept ones and the next
+    return disk_check(str(folder), shutil.disk_usage(existing).free, copies * checkpoint_bytes, copies)
+
+
+def _protocol() -> str:
+    from agora.protos.authorizer_adapter import SERVICE_NAME
+
+    return SERVICE_NAME.rpartition(".")[0]
