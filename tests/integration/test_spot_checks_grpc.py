@@ -96,7 +96,10 @@ async def _train(lie, share: float):
             rewrite_replies(workers[LIAR], rewritten_output(lie))
         views = [WorkerView(peer, w.address, STAGES[peer], announced_samples_per_s=100.0)
                  for peer, w in workers.items()]
-        options = TrainerOptions(run_id="test", max_in_flight=2, verify_warmup=16, spot_check_share=share)
+        # Self checks off: their replays would name a lying head on their own (tests/integration/
+        # test_gradient_checks_grpc.py); what is shown here is what spot checks do.
+        options = TrainerOptions(run_id="test", max_in_flight=2, verify_warmup=16, spot_check_share=share,
+                                 gradient_check_share=0.0)
         heads, rounds = [w for peer, w in workers.items() if STAGES[peer] == 0], set()
 
         def averaged(record) -> None:
