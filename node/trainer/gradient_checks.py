@@ -75,13 +75,16 @@ returned. Design choices:
   told for n replies is checked at least once within some 4/share of them where independent coins
   miss it with probability (1 - share)^n.
 - **The decision.** A gradient check is out of band when r <= 0, r is not finite, or |log r|
-  exceeds log `BAND` (1.25); decisively out when r <= 0 or |log r| exceeds log `DECISIVE` (2). A
-  replay is out of band past `TOLERANCE` (0.05), decisively past `DECISIVE_DISTANCE` (0.25). A
-  worker is flagged on one decisive failure, or when `FAILURES` (2) of its last `RECENT` (6)
-  checks were out of band: honest checks on the same weights stand within 1% (gradients) and 1%
-  (replays), so one far failure is a lie (a sign flip, a stale answer), while one near the band
-  (a loss spike) never flags alone and failures older than six checks age out. Noise at the
-  gradient's scale (r about 0.5) is named on its second check. A flag takes the verifier's path
+  exceeds log `BAND` (1.25); a replay past `TOLERANCE` (0.05). A worker is flagged when `FAILURES`
+  (2) of its last `RECENT` (6) checks were out of band, and a check out of band makes the next
+  reply of that worker's due at once, credits free or not: a failure is confirmed or cleared by
+  the very next reply. A lie fails every check, so it is named on its second reply checked; one
+  stray failure never flags, and failures older than six checks age out. Honest checks on the same
+  weights stand within 1% (gradients, replays), but not always: an honest tail checked on every
+  reply once measured r = -0.205 beside a 1000-fold input gradient (a spike the trainer's scale
+  bound refused), and flagging on one failure, however far, named it; in some runs of
+  tests/integration/test_gradient_checks_grpc.py one honest tail check in some forty stands at
+  0.67..1.23, the next within 1% (where the difference's error comes from there is not known). A flag takes the verifier's path
   (`Blame.suspect`): excluded for the rest of the run, counted, logged `worker_flagged` with
   feature `gradient_check` or `replay_check`, reported to the run's authorizer.
 - **What it costs, what it misses.** Per check two held-out forwards (one at the head; each a
@@ -122,7 +125,7 @@ from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.verification import Evidence
 from agora.pipeline.codec import WireCodec
 
-__all__ = ["BAND", "DECISIVE", "DECISIVE_DISTANCE", "FAILURES", "RECENT", "RELATIVE_STEP", "TOLERANCE",
+__all__ = ["BAND", "FAILURES", "RECENT", "RELATIVE_STEP", "TOLERANCE",
            "GradientCheckEvidence", "GradientJudge", "GradientChecks", "checkable", "Probe", "gradient_ratio",
            "in_band", "probe_inputs", "replay_distance", "tail_ratio"]
 
@@ -130,13 +133,10 @@ logger = logging.getLogger("agora.node.trainer")
 
 # eps as a share of the input frame's norm (module docstring: the step).
 RELATIVE_STEP = 1e-3
-# A gradient check is in band when 1/BAND <= r <= BAND, decisively out beyond 1/DECISIVE .. DECISIVE (or r <= 0).
+# A gradient check is in band when 1/BAND <= r <= BAND; a replay within TOLERANCE of the training answer.
 BAND = 1.25
-DECISIVE = 2.0
-# A replay is in band within TOLERANCE of the training answer, decisively out beyond DECISIVE_DISTANCE.
 TOLERANCE = 0.05
-DECISIVE_DISTANCE = 0.25
-# A worker is flagged on one decisive failure, or at FAILURES out of band among its last RECENT checks.
+# A worker is flagged at FAILURES out of band among its last RECENT checks.
 FAILURES = 2
 RECENT = 6
 _EPSILON = 1e-30
@@ -191,11 +191,11 @@ class GradientCheckEvidence(Evidence):
         if self.feature == "replay_check":
             return (f"stage {self.stage} {self.kind}: its training answers failed {int(self.cusum)} of its last "
                     f"{RECENT} replays on the same weights (last distance {self.value:.3g}, recent median "
-                    f"{self.mean:.3g}; honest within {TOLERANCE:g}, decisive past {DECISIVE_DISTANCE:g}; "
+                    f"{self.mean:.3g}; honest within {TOLERANCE:g}; "
                     f"{self.replies} of its replies checked)")
         return (f"stage {self.stage} {self.kind}: its input gradients failed {int(self.cusum)} of its last "
                 f"{RECENT} finite-difference checks (last ratio {self.value:.3g}, recent median {self.mean:.3g}; "
-                f"honest 1, band {1 / BAND:.2f}..{BAND:.2f}, decisive beyond {1 / DECISIVE:.2f}..{DECISIVE:.2f}; "
+                f"honest 1, band {1 / BAND:.2f}..{BAND:.2f}; "
                 f"{self.replies} of its replies checked)")
 
 
@@ -213,6 +213,7 @@ class _WorkerRecord:
     smallest: float = math.inf  # gradient ratios' extremes
     largest: float = -math.inf
     farthest: float = -1.0  # the largest replay distance (-1: none replayed)
+    failed: int = 0  # checks out of band, in all
 
 
 class GradientJudge:
@@ -228,6 +229,10 @@ class GradientJudge:
         return {peer: (record.smallest, record.largest) for peer, record in sorted(self._workers.items())
                 if record.smallest <= record.largest}
 
+    def failures(self) -> dict[str, int]:
+        """Per worker checked, its checks out of band in all."""
+        return {peer: record.failed for peer, record in sorted(self._workers.items())}
+
     def farthest_replays(self) -> dict[str, float]:
         """Per worker replayed, the largest distance of a training answer from its replay."""
         return {peer: record.farthest for peer, record in sorted(self._workers.items()) if record.farthest >= 0}
@@ -236,23 +241,22 @@ class GradientJudge:
         """One gradient check of `peer`, its ratio `ratio`."""
         record = self._workers.setdefault(peer, _WorkerRecord())
         record.smallest, record.largest = min(record.smallest, ratio), max(record.largest, ratio)
-        return self._judged(stage, peer, record, ratio, in_band(ratio), not in_band(ratio, DECISIVE),
-                            "input_grad", "gradient_check")
+        return self._judged(stage, peer, record, ratio, in_band(ratio), "input_grad", "gradient_check")
 
     def replayed(self, stage: int, peer: str, distance: float, kind: str) -> GradientVerdict:
         """One replay check of `peer`'s `kind` ("output" or "loss"), the answers `distance` apart."""
         record = self._workers.setdefault(peer, _WorkerRecord())
         record.farthest = max(record.farthest, distance)
         good = math.isfinite(distance) and distance <= TOLERANCE
-        decisive = not math.isfinite(distance) or distance > DECISIVE_DISTANCE
-        return self._judged(stage, peer, record, distance, good, decisive, kind, "replay_check")
+        return self._judged(stage, peer, record, distance, good, kind, "replay_check")
 
-    def _judged(self, stage: int, peer: str, record: _WorkerRecord, measure: float, good: bool, decisive: bool,
-                kind: str, feature: str) -> GradientVerdict:
+    def _judged(self, stage: int, peer: str, record: _WorkerRecord, measure: float, good: bool, kind: str,
+                feature: str) -> GradientVerdict:
         record.recent.append((measure, good))
         record.checked += 1
+        record.failed += not good
         failures = sum(1 for _, ok in record.recent if not ok)
-        if (failures < FAILURES and not decisive) or peer in self.flagged:
+        if failures < FAILURES or peer in self.flagged:
             return GradientVerdict(measure, good)
         self.flagged.add(peer)
         measures = sorted(value for value, _ in record.recent)
@@ -328,6 +332,10 @@ class GradientChecks:
         self._countdown[worker.peer_id], self._waited[worker.peer_id] = self._gap(), 0
         return own[0]
 
+    def _confirm(self, peer: str) -> None:
+        """A check of `peer` failed: its next reply is checked, credits free or not (module docstring)."""
+        self._countdown[peer], self._waited[peer] = 0, self._overdue()
+
     def _overdue(self) -> int:
         """Replies a due check waits for free credits before it is sent without them: a worker that
         states no free credit at every reply (busy, or dodging) is still checked, its probes queued
@@ -383,6 +391,7 @@ class GradientChecks:
             self.stats.gradient_check_skipped(stage)  # module docstring: the same weights
         for measure, verdict in verdicts:
             if not verdict.in_band:
+                self._confirm(worker.peer_id)
                 self.stats.gradient_check_failed(stage)
                 logger.info("stage %d check of %s on %s: %s %.3g out of band", stage, worker.endpoint,
                             checker.endpoint, measure, verdict.ratio,

@@ -77,7 +77,8 @@ class TrainerOptions:
         "output or loss, and a head's output by one held-out replay; a check falls every 1/share replies of a "
         "worker on average, at most 2/share apart. Catches sign-flipped, scaled and noisy gradients and noisy or "
         "stale outputs no statistic sees, with any number of replicas, at some 3% of the checked stages' compute "
-        "at 0.05; a worker failing one check decisively, or 2 of its last 6, is excluded. 0: off",
+        "at 0.05; a failed check makes the worker's next reply checked at once, and a worker failing 2 of its "
+        "last 6 is excluded. 0: off",
         flag="--gradient-check-share", ge=0, le=1)
     wire_dtype: Literal["fp32", "bf16", "fp16", "int8"] = setting(
         "fp32", "encoding of the boundary tensors this trainer sends (it decodes any)", flag="--wire-dtype")

@@ -223,6 +223,7 @@ async def run_plan(plan: Plan, spot_share: float | None = None, gradient_share: 
                 "first_lie_step": liar.lie_steps[0] if liar and liar.lie_steps else None,
                 "gradient_flagged": sorted(judge.flagged) if judge else [],
                 "gradient_ratios": judge.extremes() if judge else {},
-                "replay_distances": judge.farthest_replays() if judge and hasattr(judge, "farthest_replays") else {}}
+                "replay_distances": judge.farthest_replays() if judge and hasattr(judge, "farthest_replays") else {},
+                "check_failures": judge.failures() if judge and hasattr(judge, "failures") else {}}
     finally:
         await asyncio.gather(*(w.stop(0) for peer, w in workers.items() if peer not in stopped))
