@@ -70,7 +70,9 @@ async def _train_with_a_liar(data, liar: str, stats: TrainerStats, on_flagged):
         rewrite_replies(workers[liar], scaled_output(10.0), after=HONEST_REPLIES)
         served = _count_forwards(workers[liar])
         views = [WorkerView(peer, w.address, stages[peer], announced_samples_per_s=100.0) for peer, w in workers.items()]
-        options = TrainerOptions(run_id="test", max_in_flight=1, verify_warmup=16)
+        # Self checks off: a head's replays would name the x10 liar on their own; shown here is the
+        # verifier's path from flag to ban (self checks take the same one: test_gradient_checks_grpc.py).
+        options = TrainerOptions(run_id="test", max_in_flight=1, verify_warmup=16, gradient_check_share=0.0)
         async with SwarmTrainer(CONFIG, data, StaticDiscovery(views), options, stats=stats,
                                 on_flagged=on_flagged) as trainer:
             records = await trainer.run(STEPS)
