@@ -24,7 +24,7 @@ returned. Design choices:
   constant to learn. This is the gradient check of numerical optimisation (central differences
   along one direction, Nocedal & Wright, "Numerical Optimization", 2nd ed., section 8.1, "gradient
   checking"), along the one direction a liar cannot hide from: its own answer. The head sends no
-  gradient upstream: nothing to check there.
+  gradient upstream: its outputs are replayed instead (below).
 - **The step.** eps = `RELATIVE_STEP` |x| (a share of the frame's norm, not its RMS: d is a unit
   vector over the whole frame, so each element moves by eps / sqrt(n), and a step in RMS units
   would shrink relative to the frame as frames grow). The central difference's error grows as
@@ -84,14 +84,16 @@ returned. Design choices:
   reply once measured r = -0.205 beside a 1000-fold input gradient (a spike the trainer's scale
   bound refused), and flagging on one failure, however far, named it; in some runs of
   tests/integration/test_gradient_checks_grpc.py one honest tail check in some forty stands at
-  0.67..1.23, the next within 1% (where the difference's error comes from there is not known). A flag takes the verifier's path
-  (`Blame.suspect`): excluded for the rest of the run, counted, logged `worker_flagged` with
-  feature `gradient_check` or `replay_check`, reported to the run's authorizer.
+  0.67..1.23, the next within 1% (where the difference's error comes from there is not known). A
+  flag takes the verifier's path (`Blame.suspect`): excluded for the rest of the run, counted,
+  logged `worker_flagged` with feature `gradient_check` or `replay_check`, reported to the run's
+  authorizer.
 - **What it costs, what it misses.** Per check two held-out forwards (one at the head; each a
   third of a training microbatch's compute or less) and two input frames sent: at 0.05 some 3% of
-  the tail's and bodies' compute, 2% of the head's (`agora_trainer_gradient_check_compute_seconds_total`). The gradient checked
-  was relayed already when its check completes (off the critical path): what a liar sent before
-  its flag was trained on, as with the verifier's warm-up. A worker that recognises its own
+  the tail's and bodies' compute, 2% of the head's
+  (`agora_trainer_gradient_check_compute_seconds_total`). The reply checked was relayed already
+  when its check completes (off the critical path): what a liar sent before its flag was trained
+  on, as with the verifier's warm-up. A worker that recognises its own
   probes (held-out Forwards near a recent training input) could answer them consistently with
   its lie: no other replica's weights stand near enough to the worker's to witness instead (spot
   checks compare held-out answers across replicas at a coarser bar). Under full load a worker
