@@ -77,8 +77,9 @@ returned. Design choices:
 - **The decision.** A gradient check is out of band when r <= 0, r is not finite, or |log r|
   exceeds log `BAND` (1.25); a replay past `TOLERANCE` (0.05). A worker is flagged when `FAILURES`
   (2) of its last `RECENT` (6) checks were out of band, and a check out of band makes the next
-  reply of that worker's due at once, credits free or not: a failure is confirmed or cleared by
-  the very next reply. A lie fails every check, so it is named on its second reply checked; one
+  reply of that worker's due at once, credits free or not, and every reply after it until a check
+  reaches a verdict (probes refused, or answered on other weights, decide nothing): a failure is
+  confirmed or cleared by the next reply that can be judged. A lie fails every check, so it is named on its second reply checked; one
   stray failure never flags, and failures older than six checks age out. Honest checks on the same
   weights stand within 1% (gradients, replays), but not always: an honest tail checked on every
   reply once measured r = -0.205 beside a 1000-fold input gradient (a spike the trainer's scale
@@ -305,6 +306,7 @@ class GradientChecks:
         self.probe_codec = WireCodec("fp32")  # module docstring: the step
         self._countdown: dict[str, int] = {}  # per worker: its replies until its next check (0: due)
         self._waited: dict[str, int] = {}  # per worker: replies its due check has waited for free credits
+        self._confirming: set[str] = set()  # workers whose last verdict failed: checked at each reply till judged
         self._tasks: set[asyncio.Task] = set()
 
     def _gap(self) -> int:
@@ -335,7 +337,9 @@ class GradientChecks:
         return own[0]
 
     def _confirm(self, peer: str) -> None:
-        """A check of `peer` failed: its next reply is checked, credits free or not (module docstring)."""
+        """A check of `peer` failed: its next reply is checked, credits free or not, until a check of it
+        reaches a verdict (module docstring)."""
+        self._confirming.add(peer)
         self._countdown[peer], self._waited[peer] = 0, self._overdue()
 
     def _overdue(self) -> int:
@@ -357,6 +361,13 @@ class GradientChecks:
 
     async def _check(self, worker: WorkerView, checker: WorkerView, microbatch_id: str, probe: Probe,
                      call: ProbeCall) -> None:
+        judged = await self._probe_and_judge(worker, checker, microbatch_id, probe, call)
+        if not judged and worker.peer_id in self._confirming:
+            self._confirm(worker.peer_id)  # refused, or on other weights: the confirmation stays due
+
+    async def _probe_and_judge(self, worker: WorkerView, checker: WorkerView, microbatch_id: str, probe: Probe,
+                               call: ProbeCall) -> bool:
+        """Probe `worker`'s reply and judge it; whether a verdict was reached."""
         stage = worker.stage
         if probe.input_grad is None:  # the head: its output replayed
             frames, names, step = (None,), ("replay",), 0.0
@@ -364,7 +375,7 @@ class GradientChecks:
             plus, minus, step = probe_inputs(probe.wire, probe.input_grad)
             if not checkable(step, float(probe.input_grad.to(torch.float32).norm())):
                 self.stats.gradient_check_skipped(stage)  # no direction to probe along: the verifier judges zeros
-                return
+                return False
             frames, names = (self.probe_codec.encode(plus), self.probe_codec.encode(minus)), ("grad-plus", "grad-minus")
         answers = await asyncio.gather(
             *(call(checker, f"{microbatch_id}.{name}", probe.tokens, frame, probe.targets)
@@ -374,11 +385,11 @@ class GradientChecks:
             if not all(isinstance(error, StageCallError) for error in failed):
                 raise failed[0]
             logger.debug("check of stage %d on %s failed: %s", stage, checker.endpoint, failed[0])
-            return
+            return False
         self.stats.gradient_check(stage, sum(answer.compute_s for answer in answers))
         if not all(answer.full_precision for answer in answers):
             self.stats.gradient_check_skipped(stage)  # module docstring: the step (full precision)
-            return
+            return False
         verdicts = []
         if probe.input_grad is not None and all(a.weights_version == probe.weights_version for a in answers):
             ratio = self._ratio(probe, answers, step)
@@ -391,6 +402,9 @@ class GradientChecks:
                 verdicts.append(("replay distance", self.judge.replayed(stage, worker.peer_id, distance, kind)))
         if not verdicts:
             self.stats.gradient_check_skipped(stage)  # module docstring: the same weights
+            return False
+        if all(verdict.in_band for _, verdict in verdicts):
+            self._confirming.discard(worker.peer_id)
         for measure, verdict in verdicts:
             if not verdict.in_band:
                 self._confirm(worker.peer_id)
@@ -402,6 +416,7 @@ class GradientChecks:
                                               measure.replace(" ", "_"): verdict.ratio}})
             if verdict.flagged is not None:
                 self.flag(verdict.flagged)
+        return True
 
     def _ratio(self, probe: Probe, answers: list, step: float) -> float | None:
         """r from the two held-out answers (None: an answer of the wrong kind or shape, nothing judged)."""

@@ -125,6 +125,15 @@ def test_a_failed_check_makes_the_workers_next_reply_checked_credits_free_or_not
     assert checks.judge.flagged == set()
     assert checks.due("w") and checks.checker(worker, [worker], 0.0) is worker
 
+    async def elsewhere(view, probe_id, tokens, frame, targets):  # answered on other weights: no verdict
+        return SimpleNamespace(loss=1.0, weights_version=1, compute_s=0.0, full_precision=True)
+
+    async def unjudged():
+        checks.launch(worker, worker, "m1", Probe(tail_in, tail_grad, None, tokens, targets, 0), elsewhere)
+        await checks.drain()
+    asyncio.run(unjudged())
+    assert checks.due("w") and checks.checker(worker, [worker], 0.0) is worker  # the confirmation stays due
+
 
 def test_one_stray_check_never_flags_and_old_failures_age_out():
     judge = GradientJudge()
