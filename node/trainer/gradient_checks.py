@@ -142,6 +142,8 @@ TOLERANCE = 0.05
 # A worker is flagged at FAILURES out of band among its last RECENT checks.
 FAILURES = 2
 RECENT = 6
+# Per check, the honest value and the band's half-width its evidence states.
+_HONEST = {"gradient_check": (1.0, math.log(BAND)), "replay_check": (0.0, TOLERANCE)}
 _EPSILON = 1e-30
 
 
@@ -180,9 +182,9 @@ def checkable(step: float, input_grad_norm: float) -> bool:
     return step > 0 and input_grad_norm > 0 and math.isfinite(step) and math.isfinite(input_grad_norm)
 
 
-def in_band(ratio: float, band: float = BAND) -> bool:
-    """1/band <= r <= band (a ratio of the wrong sign, zero or not finite never is)."""
-    return ratio > 0 and math.isfinite(ratio) and abs(math.log(ratio)) <= math.log(band)
+def in_band(ratio: float) -> bool:
+    """1/BAND <= r <= BAND (a ratio of the wrong sign, zero or not finite never is)."""
+    return ratio > 0 and math.isfinite(ratio) and abs(math.log(ratio)) <= math.log(BAND)
 
 
 class GradientCheckEvidence(Evidence):
@@ -204,14 +206,14 @@ class GradientCheckEvidence(Evidence):
 
 @dataclass(frozen=True)
 class GradientVerdict:
-    ratio: float
+    measure: float  # the ratio, or the replay distance
     in_band: bool
     flagged: GradientCheckEvidence | None = None
 
 
 @dataclass
 class _WorkerRecord:
-    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # (measure, in band)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # (feature, measure, in band)
     checked: int = 0
     smallest: float = math.inf  # gradient ratios' extremes
     largest: float = -math.inf
@@ -255,19 +257,18 @@ class GradientJudge:
 
     def _judged(self, stage: int, peer: str, record: _WorkerRecord, measure: float, good: bool, kind: str,
                 feature: str) -> GradientVerdict:
-        record.recent.append((measure, good))
+        record.recent.append((feature, measure, good))
         record.checked += 1
         record.failed += not good
-        failures = sum(1 for _, ok in record.recent if not ok)
+        failures = sum(1 for _, _, ok in record.recent if not ok)
         if failures < FAILURES or peer in self.flagged:
             return GradientVerdict(measure, good)
         self.flagged.add(peer)
-        measures = sorted(value for value, _ in record.recent)
-        high = measure > (0.0 if feature == "replay_check" else 1.0)
+        measures = sorted(value for named, value, _ in record.recent if named == feature)
+        centre, spread = _HONEST[feature]
         evidence = GradientCheckEvidence(
-            stage=stage, kind=kind, peer=peer, feature=feature, direction="high" if high else "low",
-            cusum=float(failures), value=measure, mean=measures[len(measures) // 2], centre=0.0 if feature ==
-            "replay_check" else 1.0, spread=TOLERANCE if feature == "replay_check" else math.log(BAND),
+            stage=stage, kind=kind, peer=peer, feature=feature, direction="high" if measure > centre else "low",
+            cusum=float(failures), value=measure, mean=measures[len(measures) // 2], centre=centre, spread=spread,
             replies=record.checked)
         return GradientVerdict(measure, good, evidence)
 
@@ -410,10 +411,10 @@ class GradientChecks:
                 self._confirm(worker.peer_id)
                 self.stats.gradient_check_failed(stage)
                 logger.info("stage %d check of %s on %s: %s %.3g out of band", stage, worker.endpoint,
-                            checker.endpoint, measure, verdict.ratio,
+                            checker.endpoint, measure, verdict.measure,
                             extra={"milestone": "gradient_check_failed",
                                    "fields": {"stage": stage, "peer": worker.peer_id, "checker": checker.peer_id,
-                                              measure.replace(" ", "_"): verdict.ratio}})
+                                              measure.replace(" ", "_"): verdict.measure}})
             if verdict.flagged is not None:
                 self.flag(verdict.flagged)
         return True
