@@ -452,7 +452,7 @@ class SwarmTrainer:
         checker = checks.checker(worker, self.roster.of_stage(worker.stage), self.clock(), probes=probes)
         if checker is None:
             return
-        for _ in range(probes):  # the probes' credits, reserved now (`checker` found them free)
+        for _ in range(probes):  # the probes' credits, reserved now (free ones, or past them for an overdue check)
             self.roster.started(checker.peer_id)
         answer, trained_version = trained
         decode = self.codec.decode
