@@ -2,8 +2,9 @@
 
 A liar flips the sign of the input gradients it returns, at the tail (in its Forward reply) or at
 the body (in its Backward reply), or adds noise at the tail's gradient's own scale: every marginal
-statistic of its replies stays an honest one's, and the verifier alone lets it through; so does a
-head adding noise to its output, or replaying its last one. With self checks
+statistic of its replies stays an honest one's, and the verifier alone lets it through. A head
+adding noise to its output, or replaying its last one, mostly goes through too (the verifier caught
+a noisy head at the last step of one run, so that case is not asserted either way). With self checks
 (node/trainer/gradient_checks.py) the gradients' finite-difference ratios stand at -1 or about 0.5
 and the head's replays stand far from its training answers, and the liar is flagged, the only one.
 An honest run at tiny's own learning rate, the replicas averaged every few steps, flags no one; its
@@ -47,7 +48,7 @@ def test_a_liar_is_flagged_by_its_own_held_out_answers(attack, position, lie_in_
     assert set(result["caught"]) == {liar}, result
 
 
-@pytest.mark.parametrize("attack, position", [("sign-grad", "tail"), ("noise", "tail"), ("noise", "head")])
+@pytest.mark.parametrize("attack, position", [("sign-grad", "tail"), ("noise", "tail")])
 def test_the_verifier_alone_misses_these_lies(attack, position):
     result = _attacked(attack, position, 0.0)
     assert result["lies"] > 0 and result["caught"] == {}, result
