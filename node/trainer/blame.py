@@ -12,10 +12,14 @@ worker computes and the trainer relays to the next (docs/design.md "A microbatch
   failure is then the producer's, whose call had succeeded: it is banned as if its call had failed,
   the route is abandoned and aborted as after any failure, and the error the route ends with names
   the producer, so the microbatch's next attempt excludes the producer, not the honest refuser.
-  Unless the trainer's own scale for those values, warmed up, holds them ordinary: a worker crying
-  wolf would otherwise get every producer before it banned, so the refuser's claim is then its own
-  failure. (While a scale warms up, the refuser is believed: a value that overflows a stage is at
-  float32's limit, no honest stage produces it.)
+  Unless the trainer's own scale for those values, warmed up, holds them ordinary and no check
+  suspects the producer: a worker crying wolf would otherwise get every producer before it banned,
+  so the refuser's claim is then its own failure. (While a scale warms up, the refuser is believed:
+  a value that overflows a stage is at float32's limit, no honest stage produces it.) A suspected
+  producer is not vouched for by the scale: with two replicas a producer scaling its values by ten
+  makes half of what the scale learns from, so the scale soon holds them ordinary, while the
+  verifier's statistics suspect it within a few replies (an honest body refusing a x10 tail's
+  gradients was blamed for them in an attack run).
 - A reply within every bound may still be a lie (scaled, sign-flipped, noise, a constant, a replay):
   the trainer's verifier (node/trainer/verification.py) holds each worker's replies to its stage's.
   A worker it flags is excluded for the rest of the run (`Roster.exclude`), counted and logged with
@@ -61,9 +65,10 @@ class Blame:
     """Counts failures against the right worker (module docstring); one per trainer, on its event loop."""
 
     def __init__(self, roster: Roster, stats: TrainerStats, scales: ReplyScales, codec: WireCodec,
-                 clock: Callable[[], float], on_flagged: Callable[[Evidence], None] = lambda evidence: None):
+                 clock: Callable[[], float], on_flagged: Callable[[Evidence], None] = lambda evidence: None,
+                 suspected: Callable[[str], bool] = lambda peer: False):
         self.roster, self.stats, self.scales, self.codec, self.clock = roster, stats, scales, codec, clock
-        self.on_flagged = on_flagged
+        self.on_flagged, self.suspected = on_flagged, suspected
 
     def failed(self, view: WorkerView, error: StageCallError) -> None:
         """A call to `view`, reserved in the roster, failed through its worker's fault."""
@@ -95,7 +100,8 @@ class Blame:
         producer_index = producer_of_refused(len(route), stage, backward=backward, field=refusal.field)
         if producer_index is not None:
             producer, largest = route[producer_index], self.codec.inspect(frame).largest_magnitude
-            if not self.scales.of(producer.stage, "input_grad" if backward else "output").vouches(largest):
+            scale = self.scales.of(producer.stage, "input_grad" if backward else "output")
+            if self.suspected(producer.peer_id) or not scale.vouches(largest):
                 return self._blame_producer(refusal, producer, refuser, largest, now)
         self._banned(refuser, self.roster.blamed(refuser.peer_id, now), refusal.code.name)
         return refusal

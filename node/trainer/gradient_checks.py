@@ -65,7 +65,14 @@ returned. Design choices:
   training answer against a float32 replay within 1%); noise at the signal's scale stands 1 off, a
   stale reply (the previous microbatch's) further. This is what catches a head that adds noise or
   replays its last answer, which neither the statistics nor, with two replicas, the spot checks
-  can name. Judged only when the replay ran on the weights of the training answer.
+  can name. An output also has its offset measured (`replay_offset`): the difference's mean over
+  the frame's tokens, per coordinate, as an RMS over the answer's. Rounding differs from token to
+  token and averages away (by the square root of the tokens), while a vector added to every token
+  stays whole: a persistent bias of a twentieth of the output's RMS stands on `TOLERANCE` as a
+  distance (0.05, passing or failing by rounding) and at 0.05 as an offset, where an honest bf16
+  answer's stands near 0.001 (tiny's head and body against float32; 0.003-0.004 as a distance). A replay's measure is the larger of the two in units of its tolerance
+  (`OFFSET_TOLERANCE` for the offset); in band at 1 or under. Judged only when the replay ran on
+  the weights of the training answer.
 - **When.** Not a coin per reply but a countdown per worker: the next check of a worker falls a
   uniformly drawn 1 .. 2/share - 1 of its replies after the last (mean 1/share, drawn from a private
   generator the workers cannot predict), and a check due while its worker has no credit free stays
@@ -75,7 +82,7 @@ returned. Design choices:
   told for n replies is checked at least once within some 4/share of them where independent coins
   miss it with probability (1 - share)^n.
 - **The decision.** A gradient check is out of band when r <= 0, r is not finite, or |log r|
-  exceeds log `BAND` (1.25); a replay past `TOLERANCE` (0.05). A worker is flagged when `FAILURES`
+  exceeds log `BAND` (1.25); a replay past its tolerance. A worker is flagged when `FAILURES`
   (2) of its last `RECENT` (6) checks were out of band, and a check out of band makes the next
   reply of that worker's due at once, credits free or not, and every reply after it until a check
   reaches a verdict (probes refused, or answered on other weights, decide nothing): a failure is
@@ -104,7 +111,7 @@ returned. Design choices:
   fixed bias), or one remembered per input, told in replays too passes the replay check and is
   the statistics' to catch; fresh noise and a replay of the previous answer fail it even then.
 
-`gradient_ratio`, `tail_ratio`, `probe_inputs`, `replay_distance` and `GradientJudge` are pure (no
+`gradient_ratio`, `tail_ratio`, `probe_inputs`, `replay_measure` and `GradientJudge` are pure (no
 socket, no clock); `GradientChecks` schedules, sends and judges on the trainer's event loop.
 """
 
@@ -128,22 +135,24 @@ from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.verification import Evidence
 from agora.pipeline.codec import WireCodec
 
-__all__ = ["BAND", "FAILURES", "RECENT", "RELATIVE_STEP", "TOLERANCE",
+__all__ = ["BAND", "FAILURES", "OFFSET_TOLERANCE", "RECENT", "RELATIVE_STEP", "TOLERANCE",
            "GradientCheckEvidence", "GradientJudge", "GradientChecks", "checkable", "Probe", "gradient_ratio",
-           "in_band", "probe_inputs", "replay_distance", "tail_ratio"]
+           "in_band", "probe_inputs", "replay_distance", "replay_measure", "replay_offset", "tail_ratio"]
 
 logger = logging.getLogger("agora.node.trainer")
 
 # eps as a share of the input frame's norm (module docstring: the step).
 RELATIVE_STEP = 1e-3
-# A gradient check is in band when 1/BAND <= r <= BAND; a replay within TOLERANCE of the training answer.
+# A gradient check is in band when 1/BAND <= r <= BAND; a replay within TOLERANCE of the training
+# answer, its offset within OFFSET_TOLERANCE.
 BAND = 1.25
 TOLERANCE = 0.05
+OFFSET_TOLERANCE = 0.02
 # A worker is flagged at FAILURES out of band among its last RECENT checks.
 FAILURES = 2
 RECENT = 6
 # Per check, the honest value and the band's half-width its evidence states.
-_HONEST = {"gradient_check": (1.0, math.log(BAND)), "replay_check": (0.0, TOLERANCE)}
+_HONEST = {"gradient_check": (1.0, math.log(BAND)), "replay_check": (0.0, 1.0)}
 _EPSILON = 1e-30
 
 
@@ -176,6 +185,23 @@ def replay_distance(trained: torch.Tensor | float, replayed: torch.Tensor | floa
     return abs(trained - replayed) / (abs(trained) + _EPSILON)
 
 
+def replay_offset(trained: torch.Tensor, replayed: torch.Tensor) -> float:
+    """The systematic part of an output's replay difference: the RMS over the wire's coordinates of the
+    difference's mean over tokens, over the training answer's RMS (module docstring: the replay check)."""
+    trained = trained.to(torch.float32)
+    mean = (trained - replayed.to(torch.float32)).reshape(-1, trained.shape[-1]).mean(dim=0)
+    return float(mean.square().mean().sqrt()) / (float(trained.square().mean().sqrt()) + _EPSILON)
+
+
+def replay_measure(trained: torch.Tensor | float, replayed: torch.Tensor | float) -> float:
+    """A replay's measure in units of its tolerance (in band at 1 or under): the distance, and for an
+    output its offset too, whichever stands further."""
+    measure = replay_distance(trained, replayed) / TOLERANCE
+    if isinstance(trained, torch.Tensor):
+        measure = max(measure, replay_offset(trained, replayed) / OFFSET_TOLERANCE)
+    return measure if math.isfinite(measure) else math.inf
+
+
 def checkable(step: float, input_grad_norm: float) -> bool:
     """Whether a gradient has a direction to probe along and its input a size to step by: a zero
     gradient or input (a worker sending zeros) has neither, and leaves its judgement to the verifier."""
@@ -188,15 +214,15 @@ def in_band(ratio: float) -> bool:
 
 
 class GradientCheckEvidence(Evidence):
-    """Why self checks flagged a worker: `value` the last measure (a ratio or a replay distance),
+    """Why self checks flagged a worker: `value` the last measure (a ratio, or a replay measure in tolerances),
     `mean` the median of its recent ones, `cusum` its checks out of band among the recent,
     `replies` its replies checked."""
 
     def describe(self) -> str:
         if self.feature == "replay_check":
             return (f"stage {self.stage} {self.kind}: its training answers failed {int(self.cusum)} of its last "
-                    f"{RECENT} replays on the same weights (last distance {self.value:.3g}, recent median "
-                    f"{self.mean:.3g}; honest within {TOLERANCE:g}; "
+                    f"{RECENT} replays on the same weights (last at {self.value:.3g} of the tolerance, recent median "
+                    f"{self.mean:.3g}; honest within 1: distance {TOLERANCE:g}, offset {OFFSET_TOLERANCE:g}; "
                     f"{self.replies} of its replies checked)")
         return (f"stage {self.stage} {self.kind}: its input gradients failed {int(self.cusum)} of its last "
                 f"{RECENT} finite-difference checks (last ratio {self.value:.3g}, recent median {self.mean:.3g}; "
@@ -206,7 +232,7 @@ class GradientCheckEvidence(Evidence):
 
 @dataclass(frozen=True)
 class GradientVerdict:
-    measure: float  # the ratio, or the replay distance
+    measure: float  # the ratio, or the replay's measure (in tolerances)
     in_band: bool
     flagged: GradientCheckEvidence | None = None
 
@@ -217,7 +243,7 @@ class _WorkerRecord:
     checked: int = 0
     smallest: float = math.inf  # gradient ratios' extremes
     largest: float = -math.inf
-    farthest: float = -1.0  # the largest replay distance (-1: none replayed)
+    farthest: float = -1.0  # the largest replay measure (-1: none replayed)
     failed: int = 0  # checks out of band, in all
 
 
@@ -239,7 +265,7 @@ class GradientJudge:
         return {peer: record.failed for peer, record in sorted(self._workers.items())}
 
     def farthest_replays(self) -> dict[str, float]:
-        """Per worker replayed, the largest distance of a training answer from its replay."""
+        """Per worker replayed, the largest measure of a training answer against its replay (in tolerances)."""
         return {peer: record.farthest for peer, record in sorted(self._workers.items()) if record.farthest >= 0}
 
     def judge(self, stage: int, peer: str, ratio: float) -> GradientVerdict:
@@ -248,12 +274,12 @@ class GradientJudge:
         record.smallest, record.largest = min(record.smallest, ratio), max(record.largest, ratio)
         return self._judged(stage, peer, record, ratio, in_band(ratio), "input_grad", "gradient_check")
 
-    def replayed(self, stage: int, peer: str, distance: float, kind: str) -> GradientVerdict:
-        """One replay check of `peer`'s `kind` ("output" or "loss"), the answers `distance` apart."""
+    def replayed(self, stage: int, peer: str, measure: float, kind: str) -> GradientVerdict:
+        """One replay check of `peer`'s `kind` ("output" or "loss"), its `replay_measure`."""
         record = self._workers.setdefault(peer, _WorkerRecord())
-        record.farthest = max(record.farthest, distance)
-        good = math.isfinite(distance) and distance <= TOLERANCE
-        return self._judged(stage, peer, record, distance, good, kind, "replay_check")
+        record.farthest = max(record.farthest, measure)
+        good = math.isfinite(measure) and measure <= 1.0
+        return self._judged(stage, peer, record, measure, good, kind, "replay_check")
 
     def _judged(self, stage: int, peer: str, record: _WorkerRecord, measure: float, good: bool, kind: str,
                 feature: str) -> GradientVerdict:
@@ -309,6 +335,11 @@ class GradientChecks:
         self._waited: dict[str, int] = {}  # per worker: replies its due check has waited for free credits
         self._confirming: set[str] = set()  # workers whose last verdict failed: checked at each reply till judged
         self._tasks: set[asyncio.Task] = set()
+
+    def suspected(self, peer: str) -> bool:
+        """Whether `peer` failed a check not yet cleared, or was flagged (what its replies fed others is
+        then not held against them: node/trainer/verification.py, node/trainer/blame.py)."""
+        return peer in self._confirming or peer in self.judge.flagged
 
     def _gap(self) -> int:
         return self.rng.randint(1, max(1, round(2 / self.share) - 1))
@@ -397,10 +428,10 @@ class GradientChecks:
             if ratio is not None:
                 verdicts.append(("ratio", self.judge.judge(stage, worker.peer_id, ratio)))
         if probe.trained is not None and all(a.weights_version == probe.trained_version for a in answers):
-            distance = self._replay(probe, answers)
-            if distance is not None:
+            measure = self._replay(probe, answers)
+            if measure is not None:
                 kind = "output" if isinstance(probe.trained, torch.Tensor) else "loss"
-                verdicts.append(("replay distance", self.judge.replayed(stage, worker.peer_id, distance, kind)))
+                verdicts.append(("replay measure", self.judge.replayed(stage, worker.peer_id, measure, kind)))
         if not verdicts:
             self.stats.gradient_check_skipped(stage)  # module docstring: the same weights
             return False
@@ -432,13 +463,13 @@ class GradientChecks:
         return gradient_ratio(probe.output_grad, outputs[0], outputs[1], step, norm)
 
     def _replay(self, probe: Probe, answers: list) -> float | None:
-        """The training answer's distance from the probes' mean (the replay itself at the head; None:
-        an answer of the wrong kind or shape)."""
+        """The training answer's `replay_measure` against the probes' mean (the replay itself at the head;
+        None: an answer of the wrong kind or shape)."""
         if not isinstance(probe.trained, torch.Tensor):
             if any(answer.loss is None for answer in answers):
                 return None
-            return replay_distance(float(probe.trained), sum(float(a.loss) for a in answers) / len(answers))
+            return replay_measure(float(probe.trained), sum(float(a.loss) for a in answers) / len(answers))
         outputs = [answer.wire for answer in answers]
         if any(output is None or output.shape != probe.trained.shape for output in outputs):
             return None
-        return replay_distance(probe.trained, sum(o.to(torch.float32) for o in outputs) / len(outputs))
+        return replay_measure(probe.trained, sum(o.to(torch.float32) for o in outputs) / len(outputs))

@@ -150,7 +150,8 @@ class SwarmTrainer:
         self._wire_metrics = RpcClientMetrics(self.stats.registry)
         # Each stage's recent reply values, which a reply's must stay near (node/trainer/stage_client.py).
         self.scales = ReplyScales(options.reply_bound_factor, options.reply_bound_warmup)
-        self.blame = Blame(self.roster, self.stats, self.scales, self.codec, clock, on_flagged)
+        self.blame = Blame(self.roster, self.stats, self.scales, self.codec, clock, on_flagged,
+                           suspected=self._suspected)
         # What each stage's workers send, per worker, against their stage's (None: not checked).
         self.verifier = ReplyVerifier(VerifierSettings(
             drift=options.verify_drift, threshold=options.verify_threshold, warmup=options.verify_warmup,
@@ -473,6 +474,11 @@ class SwarmTrainer:
             self.verifier.forget(view.peer_id)
         self.blame.suspect(view, evidence, "Forward")
 
+    def _suspected(self, peer: str) -> bool:
+        """Whether a check suspects `peer`: its verifier's statistics half-way to a flag, or a self check
+        it failed and has not cleared (node/trainer/blame.py: a suspected producer is not vouched for)."""
+        return (self.verifier is not None and self.verifier.on_its_way(peer)) or self.gradient_checks.suspected(peer)
+
     def _verified_request(self, frame: bytes | memoryview | None) -> torch.Tensor | None:
         """A call's request frame decoded for the verifier (None: no frame, or nothing is verified)."""
         return self.codec.decode(frame) if self.verifier is not None and frame else None
@@ -487,7 +493,8 @@ class SwarmTrainer:
             return
         features = self.verifier.features(self.codec.decode(frame), request)
         present = [worker.peer_id for worker in self.roster.of_stage(view.stage)]
-        evidence = self.verifier.observe(view.stage, kind, view.peer_id, features, upstream, present)
+        evidence = self.verifier.observe(view.stage, kind, view.peer_id, features, upstream, present,
+                                         suspected_elsewhere=self.gradient_checks.suspected)
         if evidence is not None:
             raise self.blame.suspect(view, evidence, method)
         upstream.append((view.stage, kind, view.peer_id))

@@ -57,9 +57,13 @@ relays every such value, so it can watch them. Design choices:
   faster, if its values vary less). So a reply computed from a suspected worker's (one whose
   CUSUM reached a tenth of the bar) is not judged at all: `observe` is told which replies of the
   microbatch's route came before it (`upstream`), and while one of their workers is suspected,
-  the reply is used, its worker's statistics untouched (`tainted` counts it). The liar alone
-  accumulates evidence; honest workers downstream wait, at the cost of a few unjudged replies
-  while an honest upstream worker's CUSUM is above a tenth of the bar.
+  the reply is used, its worker's statistics untouched (`tainted` counts it). The same holds while
+  another check suspects one of them (a self check it failed and has not cleared): a tail
+  returning stale gradients keeps every marginal statistic and fails only its gradient checks,
+  and a body's Backward replies computed from those gradients drifted off its twin's until the
+  verifier flagged the honest body (seen in an attack run). The liar alone accumulates evidence;
+  honest workers downstream wait, at the cost of a few unjudged replies while an honest upstream
+  worker's CUSUM is above a tenth of the bar or its stray check is not yet cleared.
 - Nothing is judged before the stage and kind have `warmup` accepted replies.
 
 With one worker on a stage the pooled reference is that worker's own recent history, its spread
@@ -85,7 +89,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -276,19 +280,22 @@ class ReplyVerifier:
                 for peer, track in boundary.workers.items()}
 
     def observe(self, stage: int, kind: str, peer: str, features: tuple[float, ...],
-                upstream: Iterable[Source] = (), present: Iterable[str] | None = None) -> Evidence | None:
+                upstream: Iterable[Source] = (), present: Iterable[str] | None = None,
+                suspected_elsewhere: Callable[[str], bool] = lambda peer: False) -> Evidence | None:
         """Judge one reply of `peer`, a worker of `stage`: None when it is used (and counted into the
         stage's reference), else the evidence against its worker (this reply and every later one).
         `upstream`: the replies of the microbatch's route this one was computed from. `present`: the
         stage's workers the trainer still routes to (None: every worker seen); only their replies make
-        the reference (module docstring: a newcomer is held to the workers that are there)."""
+        the reference (module docstring: a newcomer is held to the workers that are there).
+        `suspected_elsewhere`: whether another check suspects a worker (a self check it failed and
+        has not cleared): replies computed from its are not judged either."""
         boundary = self._boundaries.get((stage, kind))
         if boundary is None:
             boundary = self._boundaries[(stage, kind)] = _Boundary(deque(maxlen=self.settings.window))
         track = boundary.workers.setdefault(peer, _WorkerTrack.fresh())
         if track.flagged is not None:
             return track.flagged
-        if any(self._suspected(source) for source in upstream):
+        if any(self._suspected(source) or suspected_elsewhere(source[2]) for source in upstream):
             self.tainted += 1
             return None
         track.average(features)
@@ -321,11 +328,16 @@ class ReplyVerifier:
                 for track in boundary.workers.values():
                     track.restart()
 
-    def _suspected(self, source: Source) -> bool:
+    def on_its_way(self, peer: str) -> bool:
+        """Whether one of `peer`'s CUSUMs is half-way to the bar or past it (its replies are kept out of
+        the reference then): a mark honest traffic stays under, unlike the suspicion of a tenth."""
+        return any(self._suspected((stage, kind, peer), fraction=0.5) for stage, kind in self._boundaries)
+
+    def _suspected(self, source: Source, fraction: float = _SUSPECT_FRACTION) -> bool:
         stage, kind, peer = source
         boundary = self._boundaries.get((stage, kind))
         track = None if boundary is None else boundary.workers.get(peer)
-        return track is not None and track.largest() >= _SUSPECT_FRACTION * self.settings.threshold
+        return track is not None and (track.flagged is not None or track.largest() >= fraction * self.settings.threshold)
 
     def _accumulate(self, boundary: _Boundary, track: _WorkerTrack, features: tuple[float, ...],
                     live: frozenset[str] | None) -> tuple[int, str, float] | None:

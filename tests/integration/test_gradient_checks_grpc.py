@@ -6,7 +6,8 @@ statistic of its replies stays an honest one's, and the verifier alone lets it t
 adding noise to its output, or replaying its last one, mostly goes through too (the verifier caught
 a noisy head at the last step of one run, so that case is not asserted either way). With self checks
 (node/trainer/gradient_checks.py) the gradients' finite-difference ratios stand at -1 or about 0.5
-and the head's replays stand far from its training answers, and the liar is flagged, the only one.
+and the head's replays stand far from its training answers (a persistent bias of a twentieth of
+its RMS: far in their offset), and the liar is flagged, the only one.
 An honest run at tiny's own learning rate, the replicas averaged every few steps, flags no one; its
 ratios stand inside the band but for a stray check now and then, cleared by the next, and its
 replays within numerics.
@@ -18,7 +19,7 @@ import asyncio
 
 import pytest
 
-from agora.node.trainer.gradient_checks import BAND, TOLERANCE
+from agora.node.trainer.gradient_checks import BAND
 from attack_swarm import Plan, run_plan
 from lying_workers import LieSchedule
 
@@ -38,6 +39,7 @@ def _attacked(attack: str, position: str, gradient_share: float, lie_in_checks: 
 @pytest.mark.parametrize("attack, position, lie_in_checks", [
     ("sign-grad", "tail", False), ("noise", "tail", False), ("sign-grad", "body", False),
     ("noise", "head", False),  # the head's replay check
+    ("bias", "head", False),  # on the replay distance's tolerance: the replay's offset
     ("stale", "head", True),  # a stale answer stays stale when the replay is lied in too
 ])
 def test_a_liar_is_flagged_by_its_own_held_out_answers(attack, position, lie_in_checks):
@@ -64,4 +66,4 @@ def test_an_honest_run_flags_no_one_and_its_checks_stay_in_band_but_for_a_glitch
     assert all(failed <= 1 for failed in result["check_failures"].values()), result["check_failures"]
     assert sum(1 / BAND < smallest <= largest < BAND for smallest, largest in ratios.values()) >= 3, ratios
     replays = result["replay_distances"]
-    assert {peer[:2] for peer in replays} == {"s0", "s1", "s2"} and max(replays.values()) < TOLERANCE, replays
+    assert {peer[:2] for peer in replays} == {"s0", "s1", "s2"} and max(replays.values()) < 1, replays  # in tolerances

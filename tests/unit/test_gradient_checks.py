@@ -17,8 +17,8 @@ import torch
 
 from agora.monitor.metrics import sample_value
 from agora.node.trainer.gradient_checks import (
-    BAND, FAILURES, RECENT, TOLERANCE, GradientChecks, GradientJudge, Probe, checkable,
-    gradient_ratio, in_band, probe_inputs, replay_distance, tail_ratio,
+    BAND, FAILURES, OFFSET_TOLERANCE, RECENT, TOLERANCE, GradientChecks, GradientJudge, Probe, checkable,
+    gradient_ratio, in_band, probe_inputs, replay_distance, replay_measure, replay_offset, tail_ratio,
 )
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.stats import TrainerStats
@@ -122,7 +122,7 @@ def test_a_failed_check_makes_the_workers_next_reply_checked_credits_free_or_not
         checks.launch(worker, worker, "m0", Probe(tail_in, tail_grad, None, tokens, targets, 0), lying)
         await checks.drain()
     asyncio.run(check())
-    assert checks.judge.flagged == set()
+    assert checks.judge.flagged == set() and checks.suspected("w")
     assert checks.due("w") and checks.checker(worker, [worker], 0.0) is worker
 
     async def elsewhere(view, probe_id, tokens, frame, targets):  # answered on other weights: no verdict
@@ -133,6 +133,18 @@ def test_a_failed_check_makes_the_workers_next_reply_checked_credits_free_or_not
         await checks.drain()
     asyncio.run(unjudged())
     assert checks.due("w") and checks.checker(worker, [worker], 0.0) is worker  # the confirmation stays due
+    assert checks.suspected("w")  # what its replies fed others is not held against them meanwhile
+
+    async def honest(view, probe_id, tokens, frame, targets):
+        with torch.no_grad():
+            loss = float(tail(tokens, checks.probe_codec.decode(frame), targets))
+        return SimpleNamespace(loss=loss, weights_version=0, compute_s=0.0, full_precision=True)
+
+    async def cleared():
+        checks.launch(worker, worker, "m2", Probe(tail_in, tail_grad, None, tokens, targets, 0), honest)
+        await checks.drain()
+    asyncio.run(cleared())
+    assert not checks.suspected("w") and checks.judge.flagged == set()
 
 
 def test_one_stray_check_never_flags_and_old_failures_age_out():
@@ -152,11 +164,31 @@ def test_a_replay_off_the_training_answer_fails_and_two_failures_flag():
     noisy = honest + torch.randn_like(honest) * honest.square().mean().sqrt()
     assert replay_distance(noisy, honest) > 10 * TOLERANCE  # noise at the output's own scale: about 1
     assert replay_distance(3.0, 3.0 * (1 + TOLERANCE / 2)) < TOLERANCE  # a loss within numerics
+    assert replay_measure(noisy, honest) > 10 and replay_measure(3.0, 3.0 * (1 + TOLERANCE / 2)) <= 1
     judge = GradientJudge()
-    assert not judge.replayed(0, "noisy", replay_distance(noisy, honest), "output").in_band
-    evidence = judge.replayed(0, "noisy", 0.1, "output").flagged
+    assert not judge.replayed(0, "noisy", replay_measure(noisy, honest), "output").in_band
+    evidence = judge.replayed(0, "noisy", 2.0, "output").flagged
     assert evidence is not None and evidence.feature == "replay_check" and "replays" in evidence.describe()
-    assert judge.farthest_replays()["noisy"] > 0.1 and "noisy" not in judge.extremes()
+    assert judge.farthest_replays()["noisy"] > 10 and "noisy" not in judge.extremes()
+
+
+def test_a_persistent_bias_hides_in_the_replay_distance_and_stands_out_in_its_offset():
+    """A twentieth of the output's RMS added to every token: on the distance's tolerance, but whole in
+    the offset, where an honest bf16 answer's rounding (tiny's real head and body) averages away."""
+    from lying_workers import BEHAVIOURS
+    torch.manual_seed(0)
+    head, body = build_stage(CONFIG.model, 0), build_stage(CONFIG.model, 1)
+    tokens = torch.randint(0, CONFIG.model.vocab_size, (2, 32))
+    with torch.no_grad():
+        for stage, run in ((0, lambda: head(tokens)), (1, lambda: body(tokens, head(tokens)))):
+            exact = run()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                rounded = run().to(torch.float32)
+            biased = BEHAVIOURS["bias"](exact, None)
+            assert abs(replay_distance(biased, exact) - TOLERANCE) < 0.02 * TOLERANCE  # the distance: a coin flip
+            assert replay_offset(biased, exact) > 2 * OFFSET_TOLERANCE and replay_measure(biased, exact) > 2, stage
+            assert replay_offset(rounded, exact) < OFFSET_TOLERANCE / 10 < replay_distance(rounded, exact), stage
+            assert replay_measure(rounded, exact) < 0.25, stage
 
 
 def test_a_workers_checks_fall_at_most_two_over_share_replies_apart_and_wait_for_credits_a_while():

@@ -99,6 +99,37 @@ def test_a_reply_computed_from_a_suspected_workers_is_not_judged():
     assert set(verifier.flagged()) == {"head"} and verifier.tainted >= DETECTION_REPLIES - 1
 
 
+def test_a_reply_computed_from_a_worker_another_check_suspects_is_not_judged():
+    """A stale tail keeps every statistic of its own and fails only its self checks; the body's
+    Backward replies computed from its gradients drift, and must not count against the body while
+    the tail's failed check is not cleared. Without that suspicion the same replies flag the body."""
+    def run(suspected: bool) -> ReplyVerifier:
+        rng, verifier = random.Random(5), ReplyVerifier()
+        for _ in range(64):
+            verifier.observe(2, "input_grad", "tail", _features(rng))
+            verifier.observe(1, "input_grad", "body", _features(rng))
+        for _ in range(3 * DETECTION_REPLIES):
+            verifier.observe(2, "input_grad", "tail", _features(rng))  # the tail's own statistics stay honest
+            verifier.observe(1, "input_grad", "body", _features(rng, 5.0), [(2, "input_grad", "tail")],
+                             suspected_elsewhere=lambda peer: suspected and peer == "tail")
+        return verifier
+
+    assert run(suspected=False).flagged().keys() == {"body"}
+    spared = run(suspected=True)
+    assert spared.flagged() == {} and spared.tainted == 3 * DETECTION_REPLIES
+
+
+def test_on_its_way_marks_a_worker_half_way_to_its_flag_and_not_an_honest_one():
+    rng, verifier = random.Random(6), ReplyVerifier()
+    for _ in range(64):
+        verifier.observe(0, "output", "a", _features(rng))
+        verifier.observe(0, "output", "b", _features(rng))
+    assert not verifier.on_its_way("a") and not verifier.on_its_way("b")
+    for _ in range(2):
+        verifier.observe(0, "output", "b", _features(rng, math.log(10.0)))
+    assert verifier.on_its_way("b") and not verifier.on_its_way("a")
+
+
 def test_nothing_is_judged_before_the_warmup():
     rng, verifier = random.Random(3), ReplyVerifier(VerifierSettings(warmup=32))
     for index in range(31):
