@@ -18,8 +18,9 @@ worker computes and the trainer relays to the next (docs/design.md "A microbatch
   a value that overflows a stage is at float32's limit, no honest stage produces it.) A suspected
   producer is not vouched for by the scale: with two replicas a producer scaling its values by ten
   makes half of what the scale learns from, so the scale soon holds them ordinary, while the
-  verifier's statistics suspect it within a few replies (an honest body refusing a x10 tail's
-  gradients was blamed for them in an attack run).
+  verifier's statistics are half-way to flagging it within a couple of replies (an honest body
+  refusing a x10 tail's gradients was blamed for them in an attack run); a self check it failed
+  and has not cleared counts as well.
 - A reply within every bound may still be a lie (scaled, sign-flipped, noise, a constant, a replay):
   the trainer's verifier (node/trainer/verification.py) holds each worker's replies to its stage's.
   A worker it flags is excluded for the rest of the run (`Roster.exclude`), counted and logged with

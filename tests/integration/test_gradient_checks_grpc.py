@@ -9,8 +9,7 @@ a noisy head at the last step of one run, so that case is not asserted either wa
 and the head's replays stand far from its training answers (a persistent bias of a twentieth of
 its RMS: far in their offset), and the liar is flagged, the only one.
 An honest run at tiny's own learning rate, the replicas averaged every few steps, flags no one; its
-ratios stand inside the band but for a stray check now and then, cleared by the next, and its
-replays within numerics.
+ratios stand within a few percent of 1 and its replays within numerics.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import asyncio
 
 import pytest
 
-from agora.node.trainer.gradient_checks import BAND
 from attack_swarm import Plan, run_plan
 from lying_workers import LieSchedule
 
@@ -56,14 +54,14 @@ def test_the_verifier_alone_misses_these_lies(attack, position):
     assert result["lies"] > 0 and result["caught"] == {}, result
 
 
-def test_an_honest_run_flags_no_one_and_its_checks_stay_in_band_but_for_a_glitch_cleared_at_once():
+def test_an_honest_run_flags_no_one_and_its_checks_stay_near_one():
     result = asyncio.run(run_plan(Plan(seed=1, steps=30), gradient_share=SHARE))
     assert result["caught"] == {} and result["gradient_flagged"] == [], result
     ratios = result["gradient_ratios"]
     assert {peer[:2] for peer in ratios} == {"s1", "s2"}, ratios  # the bodies and tails were checked
-    # Honest checks on the gradient's own weights stand within 1% of 1, but now and then one tail
-    # check strays (0.67..1.23 seen); the next reply's check, due at once, clears it.
-    assert all(failed <= 1 for failed in result["check_failures"].values()), result["check_failures"]
-    assert sum(1 / BAND < smallest <= largest < BAND for smallest, largest in ratios.values()) >= 3, ratios
+    # Honest checks on the gradient's own weights: within 1.7% of 1 over 414 checks of five runs
+    # (node/trainer/gradient_checks.py: the step); the band is 25%.
+    assert all(failed == 0 for failed in result["check_failures"].values()), result["check_failures"]
+    assert all(0.95 < smallest <= largest < 1.05 for smallest, largest in ratios.values()), ratios
     replays = result["replay_distances"]
     assert {peer[:2] for peer in replays} == {"s0", "s1", "s2"} and max(replays.values()) < 1, replays  # in tolerances

@@ -320,4 +320,4 @@ def test_a_bf16_workers_honest_gradient_passes_its_check_in_full_precision_and_w
         asyncio.run(check())
         (ratios[full_precision], _), = checks.judge.extremes().values()
     assert abs(ratios[True] - 1) < 0.01, ratios
-    assert abs(ratios[False] - 1) > 10 * abs(ratios[True] - 1), ratios  # (the tail's: 0.52, out of band)
+    assert abs(ratios[False] - 1) > 10 * abs(ratios[True] - 1), ratios  # (the tail's: -0.14, out of band)
