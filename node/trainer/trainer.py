@@ -74,9 +74,8 @@ from agora.node.trainer.inflight import (DepthEstimate, InFlightLimit, adaptive_
                                          resized_depth)
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.blame import Blame
-from agora.node.trainer.gradient_checks import GradientChecks, Probe
 from agora.node.trainer.routing import Roster, WorkerView
-from agora.node.trainer.spot_checks import SpotChecks, SpotJudge
+from agora.node.trainer.reply_checks import ReplyChecks
 from agora.node.trainer.stage_client import (
     InputRefused,
     OutsideWindow,
@@ -89,7 +88,7 @@ from agora.node.trainer.stage_client import (
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.turns import AccumulationOrder
 from agora.node.trainer.units import FixedUnits, UnitSource
-from agora.node.trainer.verification import Evidence, ReplyVerifier, Source, VerifierSettings
+from agora.node.trainer.verification import Evidence, Source
 from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.pipeline.centralized import StepRecord
 from agora.pipeline.codec import WireCodec
@@ -150,15 +149,9 @@ class SwarmTrainer:
         self._wire_metrics = RpcClientMetrics(self.stats.registry)
         # Each stage's recent reply values, which a reply's must stay near (node/trainer/stage_client.py).
         self.scales = ReplyScales(options.reply_bound_factor, options.reply_bound_warmup)
-        self.blame = Blame(self.roster, self.stats, self.scales, self.codec, clock, on_flagged,
-                           suspected=self._suspected)
-        # What each stage's workers send, per worker, against their stage's (None: not checked).
-        self.verifier = ReplyVerifier(VerifierSettings(
-            drift=options.verify_drift, threshold=options.verify_threshold, warmup=options.verify_warmup,
-            window=max(2 * options.verify_warmup, 64))) if options.verify_replies else None
-        self.spot_checks = SpotChecks(options.spot_check_share, SpotJudge(options.spot_check_tolerance), self.codec,
-                                      self.stats, flag=self._spot_flagged)
-        self.gradient_checks = GradientChecks(options.gradient_check_share, self.stats, flag=self._spot_flagged)
+        self.blame = Blame(self.roster, self.stats, self.scales, self.codec, clock, on_flagged)
+        # The verifier, spot checks and self checks (node/trainer/reply_checks.py).
+        self.checks = ReplyChecks(options, self.codec, self.roster, self.stats, self.blame, clock, self._held_out)
         self._clients: dict[str, StageClient] = {}
         self._last_refresh = float("-inf")
         self._refresh_lock = asyncio.Lock()
@@ -323,6 +316,12 @@ class SwarmTrainer:
                         result.queued_s)
         return result
 
+    def _held_out(self, view: WorkerView, probe_id: str, tokens: torch.Tensor, wire: bytes | memoryview | None,
+                  targets: torch.Tensor | None, full_precision: bool) -> Awaitable:
+        """A held-out Forward to `view` for a check (its credit reserved by the caller), timed as a call."""
+        call = self._client(view).forward(probe_id, tokens, wire, targets, evaluate=True, full_precision=full_precision)
+        return self._timed(view, call, training=False)
+
     # ------------------------------------------------------------------ one microbatch
 
     async def _route_once(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
@@ -383,15 +382,15 @@ class SwarmTrainer:
                         training=not evaluate, route=route, unpick=unpick)
             except InputRefused as refusal:
                 raise self.blame.refused_input(refusal, route, stage, wire or b"", backward=False) from None
-            request = self._verified_request(wire)  # decoded once for both of the reply's frames
-            self._verify(worker, "output", result.wire_frame, request, "Forward", upstream)
-            self._verify(worker, "input_grad", result.grad_frame, request, "Forward", upstream)
+            request = self.checks.request(wire)  # decoded once for both of the reply's frames
+            self.checks.verify(worker, "output", result.wire_frame, request, "Forward", upstream)
+            self.checks.verify(worker, "input_grad", result.grad_frame, request, "Forward", upstream)
             if result.repeat:
                 self.stats.repeated(stage)
             if not evaluate and not tail:
-                self._spot_check(worker, microbatch_id, tokens, wire, result.wire_frame)
+                self.checks.spot_check(worker, microbatch_id, tokens, wire, result.wire_frame)
             if not evaluate and (stage == 0 or tail and wire):
-                self._self_check(worker, microbatch_id, tokens, targets if tail else None, wire, result.grad_frame,
+                self.checks.self_check(worker, microbatch_id, tokens, targets if tail else None, wire, result.grad_frame,
                                  None, result.weights_version, trained=(result.loss if tail else result.wire_frame,
                                                                         result.weights_version))
             route_wires.append((wire, result.weights_version))
@@ -413,12 +412,12 @@ class SwarmTrainer:
                         stage, functools.partial(self._pinned, route[stage]), backward, training=True)
             except InputRefused as refusal:
                 raise self.blame.refused_input(refusal, route, stage, grad, backward=True) from None
-            self._verify(worker, "input_grad", back.grad_frame, self._verified_request(grad), "Backward", upstream)
+            self.checks.verify(worker, "input_grad", back.grad_frame, self.checks.request(grad), "Backward", upstream)
             if back.repeat:
                 self.stats.repeated(stage)
             if stage > 0:
                 (wire, forward_version), (output, _) = route_wires[stage], route_wires[stage + 1]
-                self._self_check(worker, microbatch_id, tokens, None, wire, back.grad_frame, grad, back.weights_version,
+                self.checks.self_check(worker, microbatch_id, tokens, None, wire, back.grad_frame, grad, back.weights_version,
                                  trained=(output, forward_version))
             grad = back.grad_frame
             compute[stage] += back.compute_s
@@ -427,77 +426,6 @@ class SwarmTrainer:
                 on_stage_done(stage)
         await self._observe_depth(self.clock() - started, compute, queued)
         return float(result.loss)
-
-    def _spot_check(self, primary: WorkerView, microbatch_id: str, tokens: torch.Tensor,
-                    wire: bytes | memoryview | None, output: bytes | memoryview) -> None:
-        """Maybe send the same Forward, held out, to another replica with a credit free, and compare the
-        outputs in the background (node/trainer/spot_checks.py)."""
-        checker = self.spot_checks.checker(primary, self.roster.of_stage(primary.stage), self.clock())
-        if checker is not None:
-            self.roster.started(checker.peer_id)
-            duplicate = self._client(checker).forward(f"{microbatch_id}.spot", tokens, wire, evaluate=True)
-            self.spot_checks.launch(primary, checker, output, self._timed(checker, duplicate, training=False))
-
-    def _self_check(self, worker: WorkerView, microbatch_id: str, tokens: torch.Tensor,
-                    targets: torch.Tensor | None, wire: bytes | memoryview | None, input_grad: bytes | memoryview,
-                    output_grad: bytes | memoryview | None, version: int,
-                    trained: tuple[bytes | memoryview | float, int]) -> None:
-        """When one is due, check `worker`'s reply in the background on its own held-out Forwards
-        (node/trainer/gradient_checks.py): its input gradient (computed on weights `version`; none at
-        the head) by finite differences against `output_grad` (None: the tail's loss), and its
-        training answer `trained` (the output frame or the tail's loss, and its weights version) by replay."""
-        checks = self.gradient_checks
-        if not checks.due(worker.peer_id):
-            return
-        probes = 2 if input_grad else 1
-        checker = checks.checker(worker, self.roster.of_stage(worker.stage), self.clock(), probes=probes)
-        if checker is None:
-            return
-        for _ in range(probes):  # the probes' credits, reserved now (free ones, or past them for an overdue check)
-            self.roster.started(checker.peer_id)
-        answer, trained_version = trained
-        decode = self.codec.decode
-        probe = Probe(decode(wire) if wire else None, decode(input_grad) if input_grad else None,
-                      None if output_grad is None else decode(output_grad), tokens, targets, version,
-                      trained=answer if isinstance(answer, float) else decode(answer), trained_version=trained_version)
-
-        def call(view: WorkerView, probe_id: str, tokens, frame: bytes | None, targets):
-            probing = self._client(view).forward(probe_id, tokens, frame, targets, evaluate=True, full_precision=True)
-            return self._timed(view, probing, training=False)
-        checks.launch(worker, checker, microbatch_id, probe, call)
-
-    def _spot_flagged(self, evidence: Evidence) -> None:
-        """Spot or gradient checks named a worker: the verifier's path (excluded, counted, logged
-        `worker_flagged`); its replies leave the verifier's references."""
-        view = self.roster.workers.get(evidence.peer) or WorkerView(evidence.peer, evidence.peer, evidence.stage)
-        if self.verifier is not None and view.peer_id not in self.roster.excluded:
-            self.verifier.forget(view.peer_id)
-        self.blame.suspect(view, evidence, "Forward")
-
-    def _suspected(self, peer: str) -> bool:
-        """Whether a check suspects `peer`: its verifier's statistics half-way to a flag, or a self check
-        it failed and has not cleared (node/trainer/blame.py: a suspected producer is not vouched for)."""
-        return (self.verifier is not None and self.verifier.on_its_way(peer)) or self.gradient_checks.suspected(peer)
-
-    def _verified_request(self, frame: bytes | memoryview | None) -> torch.Tensor | None:
-        """A call's request frame decoded for the verifier (None: no frame, or nothing is verified)."""
-        return self.codec.decode(frame) if self.verifier is not None and frame else None
-
-    def _verify(self, view: WorkerView, kind: str, frame: bytes | memoryview, request: torch.Tensor | None,
-                method: str, upstream: list[Source]) -> None:
-        """Hold one reply's `kind` frame (none: nothing to hold) to its stage's; `request`: the decoded
-        frame the call carried that the reply answers token for token (a Forward's wire, a Backward's
-        output gradient); `upstream`: the route's replies it was computed from, to which it is added.
-        Raises `SuspectReply` when its worker is (or was already) flagged."""
-        if self.verifier is None or not frame:
-            return
-        features = self.verifier.features(self.codec.decode(frame), request)
-        present = [worker.peer_id for worker in self.roster.of_stage(view.stage)]
-        evidence = self.verifier.observe(view.stage, kind, view.peer_id, features, upstream, present,
-                                         suspected_elsewhere=self.gradient_checks.suspected)
-        if evidence is not None:
-            raise self.blame.suspect(view, evidence, method)
-        upstream.append((view.stage, kind, view.peer_id))
 
     async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:
         """Feed one training microbatch to the depth estimate and resize the in-flight limit."""
@@ -740,8 +668,7 @@ class SwarmTrainer:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             await asyncio.gather(*self._reports, return_exceptions=True)  # short timeouts each
-            await self.spot_checks.drain()
-            await self.gradient_checks.drain()
+            await self.checks.drain()
             await source.close()
             self.stats.cpu_s += time.process_time() - cpu_started
         records.sort(key=lambda r: r.step)
@@ -763,15 +690,7 @@ class SwarmTrainer:
                 "stage_credits": self.roster.stage_credits(self.n_stages)}
 
     def verification_summary(self) -> dict:
-        """The verifier's account (the workers it flagged are the stats' `flagged_by_peer`): stage-wide
-        shifts it let pass, replies it left unjudged (computed from a suspected worker's), and the
-        largest CUSUM each worker reached by stage and kind (how close honest traffic came to the bar)."""
-        if self.verifier is None:
-            return {"enabled": False}
-        return {"enabled": True, "threshold": self.verifier.settings.threshold,
-                "shifts": self.verifier.shifts, "tainted": self.verifier.tainted,
-                "peak_cusum": {f"{stage}/{kind}/{peer}": round(peak, 2)
-                               for (stage, kind, peer), peak in sorted(self.verifier.peaks().items())}}
+        return self.checks.verification_summary()
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
         """Mean held-out loss through the swarm (forward only: nothing stashed or accumulated). Its

@@ -215,7 +215,7 @@ async def run_plan(plan: Plan, spot_share: float | None = None, gradient_share: 
             for stop in leaving:
                 await asyncio.wrap_future(stop)
             held_out = await trainer.evaluate(data.heldout_batches(config.train.eval_batches, config.train.batch_size))
-            judge = getattr(getattr(trainer, "gradient_checks", None), "judge", None)
+            judge = trainer.checks.gradients.judge
         return {"seed": plan.seed, "steps": plan.steps, "attack": plan.attack, "position": plan.position,
                 "verify": plan.verify, "churn": plan.churn, "liar": liar_peer, "caught": catches, "heldout": held_out,
                 "lies": liar.lies if liar else 0, "replies": liar.replies if liar else 0,
