@@ -132,7 +132,7 @@ class AuthorizerService:
                  on_leave: Callable[[str], None] = lambda outcome: None,
                  on_join_check: Callable[[str], None] = lambda outcome: None):
         self.authority = authority
-        self.settings = settings.validate()
+        self.settings = settings
         self.config_json = json.dumps(dict(run_config), sort_keys=True)
         self.fingerprint = fingerprint
         self.initial_peers = tuple(initial_peers)
@@ -229,8 +229,8 @@ class AuthorizerService:
         s = self.settings
         state = self._challenges.issue(caller, request.role, now,
                                        latency_probes=s.latency_probes if preflight else 0,
-                                       download_bytes=s.download_bytes if preflight else 0,
-                                       upload_bytes=s.upload_bytes if preflight else 0)
+                                       download_bytes=s.preflight_bytes if preflight else 0,
+                                       upload_bytes=s.preflight_bytes if preflight else 0)
         return Challenge(nonce=state.nonce, dial_token=state.dial_token, expires_in_s=s.challenge_ttl_s,
                          latency_probes=state.latency_probes, download_bytes=state.download_bytes,
                          upload_bytes=state.upload_bytes)
