@@ -105,7 +105,7 @@ def test_a_challenge_runs_one_measurement_at_a_time(authority):
 def test_an_admission_and_a_renewal_sign_off_the_event_loop(authority, nodes, monkeypatch):
     """The RSA signatures of an admission (credential, run description) and of a renewal run on a
     worker thread: the loop keeps serving other nodes meanwhile."""
-    from agora.auth import service as service_module
+    from agora.auth import joining as joining_module
 
     signed: list[tuple[str, bool]] = []
 
@@ -116,7 +116,7 @@ def test_an_admission_and_a_renewal_sign_off_the_event_loop(authority, nodes, mo
         return call
 
     for name in ("issue_credential", "sign_proof"):
-        monkeypatch.setattr(service_module, name, recorded(getattr(service_module, name)))
+        monkeypatch.setattr(joining_module, name, recorded(getattr(joining_module, name)))
     clock = Clock()
 
     async def main():
