@@ -8,7 +8,11 @@ Design choices:
   handshake only if it matches the pinned fingerprint, GetRun checked against it, a join
   challenge, its preflight (``run_preflight``), the reachability listener on the port the node
   would announce, a signed request. Then CheckJoin instead of Join: the authorizer answers its
-  verdicts and admits nobody, issues nothing, holds no slot (auth/service.py says what it costs).
+  verdicts and admits nobody, issues nothing, holds no slot (``JoinCheckService.check_join`` says
+  what it costs).
+- Both sides live here: the node's (``check_join``) and the authorizer's handler
+  (``JoinCheckService``, a part of auth/service.py's ``AuthorizerService``, reusing the Join's
+  steps of auth/joining.py), so what one asks and the other answers read together.
 - The request is signed with a key made for the dry run, never the node's own: nothing the dry
   run does touches the state directory, so it runs beside a node of the same identity.
 - The authorizer's clock: CheckJoin carries it, read as it answers (after the dial-back, which
@@ -18,11 +22,10 @@ Design choices:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional
 
 import grpc
@@ -92,6 +95,8 @@ async def check_join(address: str, root_fingerprint: str, *, fingerprint: Callab
 
 
 class JoinCheckService:
+    """CheckJoin on the authorizer, over the state AuthorizerService builds and JoinService's steps."""
+
     # ---- a Join's dry run
 
     @answers
@@ -127,11 +132,11 @@ class JoinCheckService:
             unreachable = await self._unreachable(request, state)
             stage = assign_stage(self.fingerprint.stages, await self._throughput(), request.stage)
             verdict = JoinCheck(rtt_ms=link.rtt_ms, download_mbit=link.download_mbit, upload_mbit=link.upload_mbit,
-                                floors=RunFloors(**dataclasses.asdict(self.settings.floors)),
+                                floors=RunFloors(**asdict(self.settings.floors)),
                                 unreachable=unreachable[0].reason if unreachable else "", stage=stage)
         self._on_join_check("refused" if refusal else "unreachable" if unreachable else "reachable")
         logger.info("authorizer: checked a join of %s from %s (dry run)", peer_id[:16], caller, extra={
             "milestone": "join_checked", "fields": {
                 "peer_id": peer_id, "caller": caller, "refused": refusal.field if refusal else "",
                 "reachable": unreachable is None, **({"detail": unreachable[1]} if unreachable else {})}})
-        return dataclasses.replace(verdict, server_time=self._clock(), tolerated_skew_s=CLOCK_SKEW_S)
+        return replace(verdict, server_time=self._clock(), tolerated_skew_s=CLOCK_SKEW_S)

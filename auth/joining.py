@@ -1,3 +1,15 @@
+"""A node's Join, on the authorizer: the part of ``AuthorizerService`` (auth/service.py) that admits.
+
+Why a module of its own: a Join is the one call that takes every step of admission, in the order
+auth/service.py's docstring gives (format, the challenge, the key rule and its proof, the checks
+in memory, the floors on the preflight's figures, the dial-back, the slot, then the signatures and
+the log write), and its dry run (auth/join_check.py) reuses those steps up to the slot. The
+decisions are auth/policy.py's; this class does their I/O over the service's state.
+
+``check_role`` is the rule on the role a caller asks for (a join or a renewal challenge, a Join):
+the operator's role is never joined, and the roles ``join_roles`` leaves out only renew.
+"""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +33,7 @@ from agora.pipeline.fingerprint import FingerprintMismatch
 from agora.protos.authorizer_adapter import Admitted, JoinReply, JoinRequest, Queued, signed_payload
 from agora.protos.authorizer_adapter import Refused as RefusedReply
 
-__all__ = ["JoinService"]
+__all__ = ["JoinService", "check_role"]
 
 logger = logging.getLogger("agora.auth.service")
 
@@ -29,6 +41,8 @@ _MAX_KEY_PEM = 4096
 
 
 class JoinService:
+    """Join, over the state AuthorizerService builds (its challenge book, slots, dial and log)."""
+
     # ---- join
 
     @answers
@@ -49,7 +63,7 @@ class JoinService:
     def _proven(self, request: JoinRequest, caller: str, now: float) -> tuple[rsa.RSAPublicKey, str, ChallengeState]:
         """The key, peer id and (consumed) challenge of a Join or its dry run, once its format, its
         challenge and its proof of possession passed."""
-        _check_role(request.role, self.settings.join_roles, False)
+        check_role(request.role, self.settings.join_roles, False)
         if len(request.public_key_pem) > _MAX_KEY_PEM:
             raise Status(grpc.StatusCode.INVALID_ARGUMENT, f"public_key_pem: longer than {_MAX_KEY_PEM} bytes")
         state = self._challenges.consume(request.nonce, caller, now)
@@ -209,7 +223,7 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _check_role(role: str, join_roles: tuple[str, ...], renewal: bool) -> None:
+def check_role(role: str, join_roles: tuple[str, ...], renewal: bool) -> None:
     if role in JOIN_ROLES and role not in join_roles and not renewal:
         raise Status(grpc.StatusCode.PERMISSION_DENIED,
                      f"role: this run admits {role}s with a credential from its operator only (`agora-node authorizer "

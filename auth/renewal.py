@@ -1,3 +1,13 @@
+"""Renew and Leave on the authorizer: the calls of a node that already holds a credential, and
+how such a caller is authenticated (``_authenticated``, which a trainer's Report uses too).
+
+Why apart from joining: these calls draw on nothing a newcomer can spend. Their challenges are
+MACed nonces without a book, their rate limits are buckets of their own, and they need a live
+credential of this run, a proof with its key and no ban, checked cheapest first (size, the
+nonce's MAC, the cached chain, the key rule, the role, the proof, the ban). So a flood of
+newcomers never makes an admitted node's renewal fail, and reading this module alone shows it.
+"""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,6 +36,8 @@ _MAX_CHAIN_PEM = 16384
 
 
 class RenewalService:
+    """Renew and Leave, over the state AuthorizerService builds (renewal nonces, buckets, slots, log)."""
+
     # ---- renewal
 
     @answers

@@ -30,10 +30,13 @@ Design choices:
   reads them back, so a restarted authorizer counts the reports it had.
 - **Bounded**: a report's fields are checked before anything is stored (``report_problem``):
   a base58 peer id, a stage of the run, short kind, feature and reason, a finite CUSUM.
-- ``ReportDesk`` takes a report the service authenticated (auth/service.py: a trainer's credential,
-  its proof, its rate): a worker neither admitted nor banned is NOT_FOUND (nothing to ban), else
-  the report is stored, the bar read and the worker banned if it is passed. A report about a worker
-  already banned is kept and answered "banned". Its disk work runs on worker threads.
+- ``ReportDesk`` takes a report the service authenticated (``ReportService``, the Report handler
+  of auth/service.py's ``AuthorizerService``: the report's bounds, then a trainer's credential and
+  proof as a renewal's, auth/renewal.py, then its rate): a worker neither admitted nor banned is
+  NOT_FOUND (nothing to ban), else the report is stored, the bar read and the worker banned if it
+  is passed. A report about a worker already banned is kept and answered "banned". Its disk work
+  runs on worker threads. The handler sits here, beside the desk, so that a report's whole path
+  reads in one module.
 """
 
 from __future__ import annotations
@@ -201,6 +204,8 @@ class ReportDesk:
 
 
 class ReportService:
+    """Report, over the state AuthorizerService builds (the desk, the admitted nodes, the buckets)."""
+
     # ---- trainers' reports of flagged workers (auth/reports.py)
 
     @answers

@@ -1,6 +1,16 @@
 """The authorizer's gRPC service (`agora.v1.Authorizer`): admission, preflight, renewal, trainers' reports,
 clean leaves.
 
+One object serves the whole service, since every handler reads and changes the same state (the
+challenge book, the buckets, the slots, the admitted nodes) on one loop without locks. It is
+assembled here from its parts, one module per concept, each a class of handlers over that state:
+
+    auth/service.py     the state, the run's description, challenges, the preflight's streams
+    auth/joining.py     Join: the checks, the floors, the dial-back, the slot, the credential
+    auth/join_check.py  CheckJoin, a Join's dry run (beside the node's side of it)
+    auth/renewal.py     Renew and Leave: a credential holder's calls, and how one is authenticated
+    auth/reports.py     Report: trainers' reports of flagged workers (beside the bar and the ban)
+
 Design choices:
 
 - gRPC over TLS under the run's root (auth/authorizer_tls.py): a joining node has no credential
@@ -58,7 +68,7 @@ Design choices:
   rotates) and every write of the admission log. Verifications stay on the loop: a signature's
   costs some 30 microseconds, a chain's some 200 the first time and nothing once cached, about
   what the hop to a thread and back costs.
-- Decisions live in auth/policy.py; this module does I/O and bookkeeping. One asyncio loop, no
+- Decisions live in auth/policy.py; the service's modules do I/O and bookkeeping. One asyncio loop, no
   locks: every handler's state change happens between awaits, and a worker's slot is held before
   the first await of its admission.
 - A worker's slot frees when its credential expires, when it is banned, or at once when it leaves
@@ -89,7 +99,7 @@ from agora.auth.challenges import ChallengeBook, RenewalChallenges
 from agora.auth.credentials import Clock, CredentialVerifier
 from agora.auth.dialback import dial_back
 from agora.auth.join_check import JoinCheckService
-from agora.auth.joining import JoinService, _check_role
+from agora.auth.joining import JoinService, check_role
 from agora.auth.limits import CallerLimits, CallSlots, TokenBuckets, address_key
 from agora.auth.policy import ContributorSlots, LinkMeasurement
 from agora.auth.preflight import PreflightMeter
@@ -103,13 +113,14 @@ from agora.protos.authorizer_adapter import (DOWNLOAD_CHUNK_BYTES, Challenge, Ch
 
 __all__ = ["AuthorizerService"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)  # the authorizer's log: its parts write to it by this name
 
 _SWEEP_EVERY = 256
 
 
 class AuthorizerService(JoinService, JoinCheckService, RenewalService, ReportService):
-    """Implements protos/authorizer_adapter.AuthorizerHandler for one run."""
+    """Implements protos/authorizer_adapter.AuthorizerHandler for one run: the state every handler
+    shares is built here; the handlers of each call are its bases'."""
 
     def __init__(self, authority: RunAuthority, settings: AuthorizerSettings, *, run_config: Mapping[str, Any],
                  fingerprint: RunFingerprint, initial_peers: tuple[str, ...] = (),
@@ -208,7 +219,7 @@ class AuthorizerService(JoinService, JoinCheckService, RenewalService, ReportSer
     @answers
     async def get_challenge(self, request: ChallengeRequest, context: Any) -> Challenge:
         caller, now = caller_address(context.peer()), self._clock()
-        _check_role(request.role, self.settings.join_roles, request.renewal)
+        check_role(request.role, self.settings.join_roles, request.renewal)
         if request.renewal:
             return self._renewal_challenge(caller, now)
         limited = self._join_limits.acquire(caller, now)
