@@ -94,7 +94,7 @@ class AuthorizerSettings:
                                             ge=1)
     max_challenges: StrictInt = setting(4096, "join challenges outstanding, in all", ge=1)
     challenges_per_network: StrictInt = setting(
-        32, "join challenges one network may hold outstanding (of max_challenges, 4096, in all)",
+        32, "join challenges one network may hold outstanding (of max_challenges in all)",
         flag="--challenges-per-network", ge=1)
     renew_rate_per_s: StrictFloat = setting(
         0.2, "sustained renewals per second per address and per peer, counted apart from joins so newcomers never "
