@@ -143,11 +143,6 @@ def _open_authority(state_dir: str, run_id: Optional[str] = None, *, create: boo
         raise ConfigError(str(error).replace("give the run id", "give --run-id")) from None
 
 
-def _settings(args: argparse.Namespace) -> AuthorizerSettings:
-    """The settings `serve`'s flags give (node/run_flags.py); a bad one is a ConfigError naming it."""
-    return options_from_args(AuthorizerSettings, args, "authorizer")
-
-
 def _public_host(settings: AuthorizerSettings) -> str:
     if settings.public_host:
         return settings.public_host
@@ -165,7 +160,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from agora.pipeline.fingerprint import run_fingerprint
 
     config = run_config(args)
-    settings = _settings(args)
+    settings = options_from_args(AuthorizerSettings, args, "authorizer")  # a bad one: one line naming it
     authority = _open_authority(args.state_dir, args.run_id, create=True)
     fingerprint = run_fingerprint(config)
     plain = config_to_dict(config)
@@ -371,7 +366,6 @@ def _cmd_issue(args: argparse.Namespace) -> int:
 
 def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
     """Mount `authorizer serve|ban|unban|list|issue` on the top-level subcommands of agora-node."""
-
     parser = commands.add_parser("authorizer", help="the run's authorizer: admission, credentials, bans (operator)",
                                  description="Admit nodes to a run and issue their short-lived credentials; ban, "
                                              "list and mint credentials for the operator's own machines.")
