@@ -97,8 +97,6 @@ async def check_join(address: str, root_fingerprint: str, *, fingerprint: Callab
 class JoinCheckService:
     """CheckJoin on the authorizer, over the state AuthorizerService builds and JoinService's steps."""
 
-    # ---- a Join's dry run
-
     @answers
     async def check_join(self, request: JoinRequest, context: Any) -> JoinCheck:
         """What a worker's Join would find, without the Join (`agora-node doctor`): the checks before

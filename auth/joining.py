@@ -43,8 +43,6 @@ _MAX_KEY_PEM = 4096
 class JoinService:
     """Join, over the state AuthorizerService builds (its challenge book, slots, dial and log)."""
 
-    # ---- join
-
     @answers
     async def join(self, request: JoinRequest, context: Any) -> JoinReply:
         caller = caller_address(context.peer())

@@ -38,8 +38,6 @@ _MAX_CHAIN_PEM = 16384
 class RenewalService:
     """Renew and Leave, over the state AuthorizerService builds (renewal nonces, buckets, slots, log)."""
 
-    # ---- renewal
-
     @answers
     async def renew(self, request: RenewRequest, context: Any) -> RenewReply:
         now = self._clock()

@@ -206,8 +206,6 @@ class ReportDesk:
 class ReportService:
     """Report, over the state AuthorizerService builds (the desk, the admitted nodes, the buckets)."""
 
-    # ---- trainers' reports of flagged workers (auth/reports.py)
-
     @answers
     async def report(self, request: WorkerReport, context: Any) -> ReportReceipt:
         caller = caller_address(context.peer())
