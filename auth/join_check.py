@@ -8,7 +8,11 @@ Design choices:
   handshake only if it matches the pinned fingerprint, GetRun checked against it, a join
   challenge, its preflight (``run_preflight``), the reachability listener on the port the node
   would announce, a signed request. Then CheckJoin instead of Join: the authorizer answers its
-  verdicts and admits nobody, issues nothing, holds no slot (auth/service.py says what it costs).
+  verdicts and admits nobody, issues nothing, holds no slot (``JoinCheckService.check_join`` says
+  what it costs).
+- Both sides live here: the node's (``check_join``) and the authorizer's handler
+  (``JoinCheckService``, a part of auth/service.py's ``AuthorizerService``, reusing the Join's
+  steps of auth/joining.py), so what one asks and the other answers read together.
 - The request is signed with a key made for the dry run, never the node's own: nothing the dry
   run does touches the state directory, so it runs beside a node of the same identity.
 - The authorizer's clock: CheckJoin carries it, read as it answers (after the dial-back, which
@@ -19,22 +23,27 @@ Design choices:
 from __future__ import annotations
 
 import json
+import logging
 import time
-from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Optional
 
 import grpc
 
 from agora.auth.admission import authorizer_root, check_root, reachability_listener, rpc_error, run_preflight
 from agora.auth.authorizer_tls import authorizer_channel
-from agora.auth.credentials import Clock
+from agora.auth.credentials import CLOCK_SKEW_S, Clock
 from agora.auth.keys import generate_key
 from agora.auth.node_state import public_key_pem
-from agora.auth.policy import sign_proof
+from agora.auth.policy import assign_stage, sign_proof
+from agora.auth.status import Status, answers, caller_address
 from agora.protos.authorizer_adapter import (AuthorizerStub, ChallengeRequest, Hardware, JoinCheck, JoinRequest,
-                                             RunDescription, signed_payload)
+                                             RunDescription, RunFloors, signed_payload)
+from agora.protos.authorizer_adapter import Refused as RefusedReply
 
-__all__ = ["JoinCheckResult", "describe_run", "check_join"]
+__all__ = ["JoinCheckResult", "describe_run", "check_join", "JoinCheckService"]
+
+logger = logging.getLogger("agora.auth.service")
 
 
 @dataclass(frozen=True)
@@ -83,3 +92,49 @@ async def check_join(address: str, root_fingerprint: str, *, fingerprint: Callab
         except grpc.aio.AioRpcError as error:
             raise rpc_error(address, error) from None
     return JoinCheckResult(check, check.server_time - (after - min(check.rtt_ms / 2e3, (after - before) / 2)))
+
+
+class JoinCheckService:
+    """CheckJoin on the authorizer, over the state AuthorizerService builds and JoinService's steps."""
+
+    @answers
+    async def check_join(self, request: JoinRequest, context: Any) -> JoinCheck:
+        """What a worker's Join would find, without the Join (`agora-node doctor`): the checks before
+        the measurements, the preflight's figures and the run's floors, the dial-back, the stage it
+        would be assigned, and our clock. It admits nobody, signs nothing, writes nothing and takes no
+        slot, nor a place in the queue.
+
+        Cost and bounds: exactly a Join's up to its admission. It spends a join challenge (the
+        address and network buckets, the book's room in all and per network), its preflight (the
+        same transfers, one at a time), a newcomer's call slot, one RSA verification (the proof of
+        possession) and at most one dial-back of ``dialback_timeout_s``, to an address
+        ``dialback_allowed`` accepts, answered in the same words whatever went wrong. So it dials
+        no more often, nor anywhere else, than Joins already may, and tells no more about what
+        listens there: no free port scanner."""
+        caller = caller_address(context.peer())
+        with self._newcomer(caller):
+            return await self._check_join(request, caller)
+
+    async def _check_join(self, request: JoinRequest, caller: str) -> JoinCheck:
+        now = self._clock()
+        if request.role != "worker":
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT, "role: only a worker's Join has floors and a dial-back "
+                                                           "to check")
+        _, peer_id, state = self._proven(request, caller, now)
+        refusal = self._vet(request, peer_id)
+        if refusal is not None:
+            verdict = JoinCheck(refused=RefusedReply(reason=refusal.reason, field=refusal.field))
+            unreachable, stage = None, None
+        else:
+            link = self._link(state, peer_id, caller, now)
+            unreachable = await self._unreachable(request, state)
+            stage = assign_stage(self.fingerprint.stages, await self._throughput(), request.stage)
+            verdict = JoinCheck(rtt_ms=link.rtt_ms, download_mbit=link.download_mbit, upload_mbit=link.upload_mbit,
+                                floors=RunFloors(**asdict(self.settings.floors)),
+                                unreachable=unreachable[0].reason if unreachable else "", stage=stage)
+        self._on_join_check("refused" if refusal else "unreachable" if unreachable else "reachable")
+        logger.info("authorizer: checked a join of %s from %s (dry run)", peer_id[:16], caller, extra={
+            "milestone": "join_checked", "fields": {
+                "peer_id": peer_id, "caller": caller, "refused": refusal.field if refusal else "",
+                "reachable": unreachable is None, **({"detail": unreachable[1]} if unreachable else {})}})
+        return replace(verdict, server_time=self._clock(), tolerated_skew_s=CLOCK_SKEW_S)

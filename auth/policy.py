@@ -36,14 +36,17 @@ import random
 import re
 import statistics
 from collections import OrderedDict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from pydantic import StrictFloat
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from agora.auth.credentials import CLOCK_SKEW_S
+from agora.pipeline.schema import SECTION, setting
 from agora.protos.authorizer_adapter import Hardware
 
 __all__ = [
@@ -74,22 +77,21 @@ __all__ = [
 _GB = 1e9
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=SECTION)
 class Floors:
-    """The least a worker must bring; 0 (or inf for RTT) disables a floor."""
+    """The least a worker must bring; 0 (or inf for RTT) disables a floor. A section of the
+    authorizer's settings (auth/settings.py): each floor is `serve`'s flag of the same name."""
 
-    min_upload_mbit: float = 200.0
-    min_download_mbit: float = 200.0
-    max_rtt_ms: float = 80.0
-    min_accelerator_gb: float = 24.0
-    min_ram_gb: float = 80.0
-
-    def validate(self) -> "Floors":
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
-                raise ValueError(f"--{f.name.replace('_', '-')}: expected a number >= 0, got {value!r}")
-        return self
+    min_upload_mbit: StrictFloat = setting(200.0, "worker floor: least upload rate, measured by the authorizer",
+                                           flag="--min-upload-mbit", ge=0)
+    min_download_mbit: StrictFloat = setting(200.0, "worker floor: least download rate, measured by the authorizer",
+                                             flag="--min-download-mbit", ge=0)
+    max_rtt_ms: StrictFloat = setting(80.0, "worker floor: largest round-trip time to the authorizer (inf: none)",
+                                      flag="--max-rtt-ms", ge=0)
+    min_accelerator_gb: StrictFloat = setting(24.0, "worker floor: least accelerator memory (decimal GB, reported)",
+                                              flag="--min-accelerator-gb", ge=0)
+    min_ram_gb: StrictFloat = setting(80.0, "worker floor: least RAM (decimal GB, reported)", flag="--min-ram-gb",
+                                      ge=0)
 
 
 DEFAULT_FLOORS = Floors()

@@ -30,10 +30,13 @@ Design choices:
   reads them back, so a restarted authorizer counts the reports it had.
 - **Bounded**: a report's fields are checked before anything is stored (``report_problem``):
   a base58 peer id, a stage of the run, short kind, feature and reason, a finite CUSUM.
-- ``ReportDesk`` takes a report the service authenticated (auth/service.py: a trainer's credential,
-  its proof, its rate): a worker neither admitted nor banned is NOT_FOUND (nothing to ban), else
-  the report is stored, the bar read and the worker banned if it is passed. A report about a worker
-  already banned is kept and answered "banned". Its disk work runs on worker threads.
+- ``ReportDesk`` takes a report the service authenticated (``ReportService``, the Report handler
+  of auth/service.py's ``AuthorizerService``: the report's bounds, then a trainer's credential and
+  proof as a renewal's, auth/renewal.py, then its rate): a worker neither admitted nor banned is
+  NOT_FOUND (nothing to ban), else the report is stored, the bar read and the worker banned if it
+  is passed. A report about a worker already banned is kept and answered "banned". Its disk work
+  runs on worker threads. The handler sits here, beside the desk, so that a report's whole path
+  reads in one module.
 """
 
 from __future__ import annotations
@@ -46,17 +49,18 @@ import sqlite3
 import threading
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import grpc
 
 from agora.auth.admitted import ADMITTED_DB
 from agora.auth.authority import RunAuthority
-from agora.auth.status import Status
+from agora.auth.challenges import ChallengeError
+from agora.auth.status import Status, answers, caller_address
 from agora.protos.authorizer_adapter import ReportReceipt, WorkerReport
 
 __all__ = ["ReportBar", "ReportVerdict", "StoredReport", "ReportLog", "ReportDesk", "report_problem",
-           "MAX_REASON_CHARS", "MAX_LABEL_CHARS"]
+           "MAX_REASON_CHARS", "MAX_LABEL_CHARS", "ReportService"]
 
 logger = logging.getLogger("agora.auth.service")
 
@@ -197,3 +201,43 @@ class ReportDesk:
 
     def close(self) -> None:
         self._log.close()
+
+
+class ReportService:
+    """Report, over the state AuthorizerService builds (the desk, the admitted nodes, the buckets)."""
+
+    @answers
+    async def report(self, request: WorkerReport, context: Any) -> ReportReceipt:
+        caller = caller_address(context.peer())
+        try:
+            receipt, banned_now = await self._report(request, caller)
+        except (Status, ChallengeError) as error:
+            outcome = error.code.name.lower() if isinstance(error, Status) else f"challenge_{error.kind}"
+            self._on_report(outcome)
+            logger.info("authorizer: refused a report about %s from %s: %s", request.peer_id[:16], caller, error,
+                        extra={"milestone": "report_refused", "fields": {
+                            "peer_id": request.peer_id[:128], "caller": caller, "outcome": outcome}})
+            raise
+        self._on_report("banned" if banned_now else "accepted")
+        return receipt
+
+    async def _report(self, request: WorkerReport, caller: str) -> tuple[ReportReceipt, bool]:
+        """The receipt, and whether this report banned the worker. Cheap checks first: bounds, then the
+        reporter (a renewal's), its rate, and the worker (in memory); then the write and the bar."""
+        now = self._clock()
+        problem = report_problem(request, self.fingerprint.stages)
+        if problem is not None:
+            raise Status(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        reporter, _ = self._authenticated(request, now, roles=("trainer",), denied=(
+            "role: only a trainer reports workers; this is a {role} credential"))
+        wait = self._reporting_peers.acquire(reporter.peer_id, now)
+        if wait > 0:
+            raise Status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rate limit: {reporter.peer_id[:16]}... reported too "
+                                                             f"often; retry after {wait:.1f} s", retry_after_s=wait)
+        subject = self._admitted.get(request.peer_id)
+        admitted_worker = subject is not None and subject.role == "worker" and subject.expires_at > now
+        receipt, banned_now = await self._report_desk.take(request, reporter.peer_id, caller, now,
+                                                           admitted_worker=admitted_worker)
+        if banned_now:
+            self._forget(request.peer_id)
+        return receipt, banned_now

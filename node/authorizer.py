@@ -49,8 +49,7 @@ from agora.auth.authorizer_tls import authorizer_server_credentials
 from agora.auth.credentials import ROLES
 from agora.auth.keys import write_private_file
 from agora.auth.node_state import NodeCredentials
-from agora.auth.policy import DEFAULT_FLOORS, Floors
-from agora.auth.settings import JOIN_ROLES, OPEN_ROLES, AuthorizerSettings
+from agora.auth.settings import AuthorizerSettings
 from agora.dht.records import Phase
 from agora.monitor.worker_metrics import RpcServerMetrics
 from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments, package_version
@@ -58,6 +57,7 @@ from agora.node.rpc.call_slots import CallSlots
 from agora.node.rpc.interceptors import interceptor_chain
 from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.rpc.server import add_health_and_reflection, bind, create_server, run, set_serving
+from agora.node.run_flags import add_option_flags, add_run_arguments, options_from_args, run_config
 from agora.pipeline.config import ConfigError
 from agora.protos.authorizer_adapter import SERVICE_NAME, add_authorizer_service
 
@@ -74,7 +74,6 @@ JOIN_FILE = "join.json"
 _MAX_MESSAGE_BYTES = 1 << 20  # preflight chunks are 64 KiB; credentials a few KiB
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{10,128}")
-_DEFAULTS = AuthorizerSettings()
 # `serve` flags for a run on one machine or a private network (the demo, tests): its nodes share one
 # address and network, so the limits per address and network are wide, and the dial-back may reach
 # loopback and private addresses.
@@ -144,47 +143,24 @@ def _open_authority(state_dir: str, run_id: Optional[str] = None, *, create: boo
         raise ConfigError(str(error).replace("give the run id", "give --run-id")) from None
 
 
-def _settings(args: argparse.Namespace) -> AuthorizerSettings:
-    floors = Floors(min_upload_mbit=args.min_upload_mbit, min_download_mbit=args.min_download_mbit,
-                    max_rtt_ms=args.max_rtt_ms, min_accelerator_gb=args.min_accelerator_gb, min_ram_gb=args.min_ram_gb)
+def _public_host(settings: AuthorizerSettings) -> str:
+    if settings.public_host:
+        return settings.public_host
     try:
-        return AuthorizerSettings(floors=floors, max_workers=args.max_workers,
-                                  credential_lifetime_s=args.credential_lifetime, latency_probes=args.latency_probes,
-                                  download_bytes=args.preflight_bytes, upload_bytes=args.preflight_bytes,
-                                  join_rate_per_s=args.join_rate, join_burst=args.join_burst,
-                                  network_join_rate_per_s=args.network_join_rate,
-                                  network_join_burst=args.network_join_burst,
-                                  challenges_per_network=args.challenges_per_network,
-                                  renew_rate_per_s=args.renew_rate, renew_burst=args.renew_burst,
-                                  local_network=args.local_network, max_concurrent_rpcs=args.max_concurrent_rpcs,
-                                  max_calls_per_network=args.max_calls_per_network,
-                                  queue_retry_after_s=args.queue_retry_after,
-                                  ban_after_reports=args.ban_after_reports, report_window_s=args.report_window,
-                                  join_roles=tuple(r.strip() for r in args.join_roles.split(",") if r.strip())
-                                  ).validate()
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-
-
-def _public_host(args: argparse.Namespace) -> str:
-    if args.public_host:
-        return args.public_host
-    try:
-        unspecified = ipaddress.ip_address(args.host).is_unspecified
+        unspecified = ipaddress.ip_address(settings.host).is_unspecified
     except ValueError:
         unspecified = False
-    return socket.getfqdn() if unspecified else args.host
+    return socket.getfqdn() if unspecified else settings.host
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from agora.auth.service import AuthorizerService
     from agora.node.ban_publisher import BanPublisher
-    from agora.node.run_flags import run_config
     from agora.pipeline.config import config_to_dict
     from agora.pipeline.fingerprint import run_fingerprint
 
     config = run_config(args)
-    settings = _settings(args)
+    settings = options_from_args(AuthorizerSettings, args, "authorizer")  # a bad one: one line naming it
     authority = _open_authority(args.state_dir, args.run_id, create=True)
     fingerprint = run_fingerprint(config)
     plain = config_to_dict(config)
@@ -255,20 +231,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(signum, stop.set)
         publishing = None if publisher is None else asyncio.create_task(publisher.run(keep_own_credential))
         try:
-            await serve_authorizer(service, args.host, args.port, public_host=_public_host(args), ready=ready,
-                                   stop=stop, interceptors=hooks)
+            await serve_authorizer(service, settings.host, settings.port, public_host=_public_host(settings),
+                                   ready=ready, stop=stop, interceptors=hooks)
         finally:
             if publishing is not None:
                 publishing.cancel()
                 await asyncio.gather(publishing, return_exceptions=True)
 
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port: expected 0-65535, got {args.port}")
     metrics.serve()  # after the coverage peer forked its DHT process
     try:
         run(main())
     except OSError as error:
-        raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error})") from None
+        raise ConfigError(f"--host/--port: cannot listen on {settings.host}:{settings.port} ({error})") from None
     finally:
         if args.ready_file:
             Path(args.ready_file).unlink(missing_ok=True)
@@ -392,8 +366,6 @@ def _cmd_issue(args: argparse.Namespace) -> int:
 
 def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
     """Mount `authorizer serve|ban|unban|list|issue` on the top-level subcommands of agora-node."""
-    from agora.node.run_flags import add_run_arguments
-
     parser = commands.add_parser("authorizer", help="the run's authorizer: admission, credentials, bans (operator)",
                                  description="Admit nodes to a run and issue their short-lived credentials; ban, "
                                              "list and mint credentials for the operator's own machines.")
@@ -408,68 +380,11 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
                                            "writes STATE_DIR/join.json.")
     state_dir(serve)
     serve.add_argument("--run-id", default=None, help="run identifier (needed on first start)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    serve.add_argument("--port", type=int, default=0, help="port (0: pick a free one)")
-    serve.add_argument("--public-host", default=None,
-                       help="host nodes dial, written to the join file (default: --host, or this machine's name when "
-                            "--host is 0.0.0.0/::)")
     serve.add_argument("--ready-file", default=None, help="write the address and root fingerprint here once serving")
-    add_metrics_arguments(serve)
     serve.add_argument("--join-file", default=None, help="where to write the join file (default STATE_DIR/join.json)")
-    serve.add_argument("--credential-lifetime", type=float, default=DEFAULT_CREDENTIAL_LIFETIME_S, metavar="S",
-                       help="seconds a credential is valid; nodes renew at half life (default %(default)g)")
-    serve.add_argument("--max-workers", type=int, default=None, metavar="N",
-                       help="cap on admitted workers; more wait in a FIFO queue (default: no cap)")
-    for name, help_text in (("min_upload_mbit", "least upload rate, measured by the authorizer"),
-                            ("min_download_mbit", "least download rate, measured by the authorizer"),
-                            ("max_rtt_ms", "largest round-trip time to the authorizer"),
-                            ("min_accelerator_gb", "least accelerator memory (decimal GB, reported)"),
-                            ("min_ram_gb", "least RAM (decimal GB, reported)")):
-        serve.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(DEFAULT_FLOORS, name),
-                           help=f"worker floor: {help_text} (default %(default)g; the Agora report's)")
-    serve.add_argument("--preflight-bytes", type=int, default=8 << 20, metavar="BYTES",
-                       help="bytes moved each way to measure a worker's link (default 8 MiB)")
-    serve.add_argument("--latency-probes", type=int, default=5, help="round trips timed (median; default 5)")
-    serve.add_argument("--join-rate", type=float, default=_DEFAULTS.join_rate_per_s,
-                       help="sustained join attempts per second per address (an IPv4 address or IPv6 /64; "
-                            "default %(default)g)")
-    serve.add_argument("--join-burst", type=int, default=_DEFAULTS.join_burst,
-                       help="join attempts at once per address (default %(default)d)")
-    serve.add_argument("--network-join-rate", type=float, default=_DEFAULTS.network_join_rate_per_s,
-                       help="sustained join attempts per second per network (an IPv4 /24 or IPv6 /56; "
-                            "default %(default)g)")
-    serve.add_argument("--network-join-burst", type=int, default=_DEFAULTS.network_join_burst,
-                       help="join attempts at once per network (default %(default)d)")
-    serve.add_argument("--challenges-per-network", type=int, default=_DEFAULTS.challenges_per_network,
-                       help=f"join challenges one network may hold outstanding (of {_DEFAULTS.max_challenges} in "
-                            "all; default %(default)d)")
-    serve.add_argument("--renew-rate", type=float, default=_DEFAULTS.renew_rate_per_s,
-                       help="sustained renewals per second per address and per peer, counted apart from joins so "
-                            "newcomers never spend them (default %(default)g)")
-    serve.add_argument("--renew-burst", type=int, default=_DEFAULTS.renew_burst,
-                       help="renewals at once per address and per peer (default %(default)d)")
-    serve.add_argument("--join-roles", default=",".join(OPEN_ROLES), metavar="ROLES",
-                       help=f"roles a node may join as by itself, comma-separated, of {','.join(JOIN_ROLES)} "
-                            f"(default {','.join(OPEN_ROLES)}); the others need a credential the operator mints "
-                            "with `authorizer issue --role R`, which renews as usual: a trainer chooses the data "
-                            "and the targets of every gradient, a client (generate/serve) spends the workers' "
-                            "inference capacity")
-    serve.add_argument("--max-concurrent-rpcs", type=int, default=_DEFAULTS.max_concurrent_rpcs, metavar="N",
-                       help="calls the port serves at once; newcomers (preflights, joins) may hold three quarters, "
-                            "so renewals always find room (default %(default)d)")
-    serve.add_argument("--max-calls-per-network", type=int, default=_DEFAULTS.max_calls_per_network, metavar="N",
-                       help="newcomers' calls in flight from one network (default %(default)d)")
-    serve.add_argument("--local-network", action="store_true",
-                       help="the run lives on one host or a private network: the dial-back may reach loopback, "
-                            "private and link-local addresses (the demo sets it); without it, only public ones")
-    serve.add_argument("--queue-retry-after", type=float, default=5.0, metavar="S",
-                       help="seconds a queued node waits between polls (default %(default)g)")
-    serve.add_argument("--ban-after-reports", type=int, default=_DEFAULTS.ban_after_reports, metavar="N",
-                       help="ban a worker once N distinct trainers reported it (their verifiers flagged it) within "
-                            "--report-window; trainers are the operator's, each applied its own bar, so one is "
-                            "enough by default; 0: keep the reports, never ban on them (default %(default)d)")
-    serve.add_argument("--report-window", type=float, default=_DEFAULTS.report_window_s, metavar="S",
-                       help="seconds within which trainers' reports of a worker count together (default %(default)g)")
+    add_metrics_arguments(serve)
+    add_option_flags(serve.add_argument_group("authorizer", "where it listens; whom it admits, how fast, and when "
+                                                            "trainers' reports ban a worker"), AuthorizerSettings)
     serve.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
                        help="DHT multiaddrs handed to admitted nodes")
     add_run_arguments(serve, steps_help="planned run length in global batches (sets the lr schedule)")

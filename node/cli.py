@@ -20,6 +20,7 @@ from agora.node.logs import LOG_FORMATS, configure_logging
 from agora.node.observability import MetricsOptions, add_metrics_arguments
 from agora.node.run_flags import (add_config_command, add_option_flags, add_run_arguments, check_runtime_flags,
                                   explicit_settings, non_negative_int, options_from_args, run_config)
+from agora.node.trainer.options import TrainLocalOptions
 from agora.pipeline.files import hold_folder
 from agora.pipeline.config import ConfigError
 
@@ -43,6 +44,7 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
     from agora.pipeline.data import build_data
 
     config = run_config(args)
+    options = options_from_args(TrainLocalOptions, args, "train_local")
     held = None
     if args.checkpoint_dir:  # one writer per checkpoint folder, as for a worker's
         held = hold_folder(args.checkpoint_dir, "--checkpoint-dir")
@@ -56,7 +58,7 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
                                 f"{record.tokens_per_s:,.0f} tok/s", force=record.step >= total)
 
     try:
-        trainer = CentralizedTrainer(config, data, wire_dtype=args.wire_dtype, checkpoint_dir=args.checkpoint_dir,
+        trainer = CentralizedTrainer(config, data, wire_dtype=options.wire_dtype, checkpoint_dir=args.checkpoint_dir,
                                      log_json=log_json, progress=progress)
         if args.resume:
             if not args.checkpoint_dir:
@@ -318,8 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Train the model centrally through the same stages and wire codec "
                                             "the swarm uses; the reference the swarm is compared with.")
     add_run_arguments(train, steps_help="optimizer steps (global batches) in total", computes=True)
-    train.add_argument("--wire-dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
-                       help="encoding of boundary tensors (default fp32, lossless)")
+    add_option_flags(train.add_argument_group("train-local", "how the reference run computes"), TrainLocalOptions)
     train.add_argument("--log-json", default=None, help="write one JSON object per step to this file")
     train.add_argument("--checkpoint-dir", default=None, help="write atomic checkpoints here")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")

@@ -10,9 +10,12 @@ from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, model_valida
 from pydantic.dataclasses import dataclass
 
 from agora.dht.records import MAX_HEARTBEAT_S, MAX_LEASE_S
-from agora.pipeline.schema import SECTION, setting
+from agora.pipeline.schema import SECTION, like, setting
 
-__all__ = ["TrainerOptions"]
+__all__ = ["TrainerOptions", "TrainLocalOptions", "WireDtype"]
+
+# How boundary tensors are encoded on the wire (pipeline/codec.py); a receiver decodes any.
+WireDtype = Literal["fp32", "bf16", "fp16", "int8"]
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -80,7 +83,7 @@ class TrainerOptions:
         "at 0.05; a failed check makes the worker's next reply checked at once, and a worker failing 2 of its "
         "last 6 is excluded. 0: off",
         flag="--gradient-check-share", ge=0, le=1)
-    wire_dtype: Literal["fp32", "bf16", "fp16", "int8"] = setting(
+    wire_dtype: WireDtype = setting(
         "fp32", "encoding of the boundary tensors this trainer sends (it decodes any)", flag="--wire-dtype")
     heartbeat_s: StrictFloat = setting(5.0, "seconds between announces of this trainer's progress in the DHT",
                                        flag="--heartbeat", gt=0, le=MAX_HEARTBEAT_S)
@@ -100,3 +103,13 @@ class TrainerOptions:
         if self.trainer_index >= self.trainers:
             raise ValueError(f"trainer_index: {self.trainer_index} out of range for trainers={self.trainers}")
         return self
+
+
+@dataclass(frozen=True, config=SECTION)
+class TrainLocalOptions:
+    """`train-local`'s options: the centralized reference run, which encodes its stage boundaries as a
+    trainer does, so that the swarm can be compared with it at the same precision. The files it
+    writes (--log-json, --checkpoint-dir) and --resume are the command's own arguments."""
+
+    wire_dtype: WireDtype = like(TrainerOptions, "wire_dtype", description=(
+        "encoding of the boundary tensors between stages (fp32: lossless)"))

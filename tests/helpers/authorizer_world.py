@@ -37,8 +37,7 @@ OPEN = Floors(min_upload_mbit=0, min_download_mbit=0, max_rtt_ms=float("inf"), m
 # The dial-back reaches workers on loopback only in a local run.
 # Every role may join by itself here: these tests exercise each role's own join. What a served
 # authorizer admits by default (workers and monitors only) has a test of its own.
-SMALL = dict(download_bytes=256 << 10, upload_bytes=256 << 10, latency_probes=3, local_network=True,
-             join_roles=JOIN_ROLES)
+SMALL = dict(preflight_bytes=256 << 10, latency_probes=3, local_network=True, join_roles=JOIN_ROLES)
 
 
 @pytest.fixture(scope="module")

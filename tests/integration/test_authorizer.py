@@ -27,6 +27,7 @@ from agora.auth.settings import AuthorizerSettings
 from agora.node.rpc.server import run
 from agora.pipeline.config import config_to_dict
 from agora.pipeline.fingerprint import run_fingerprint
+from agora.pipeline.schema import ConfigError, checked
 from agora.protos import authorizer_adapter as adapter
 import authorizer_world as world
 from authorizer_world import (CONFIG, FINGERPRINT, OPEN, PEERS, Clock, fingerprint_from_config, free_port, join,
@@ -102,8 +103,8 @@ def test_by_default_trainers_and_clients_need_a_credential_their_operator_mints(
 
     worker, monitor, renewed = run(main())
     assert (worker.role, monitor.role, renewed.role) == ("worker", "monitor", "trainer")
-    with pytest.raises(ValueError, match="--join-roles"):
-        AuthorizerSettings(join_roles=("worker", "operator")).validate()
+    with pytest.raises(ConfigError, match=r"^authorizer.join_roles: expected some of .* \(operator is not one\)"):
+        checked(AuthorizerSettings, "authorizer", join_roles=("worker", "operator"))
 
 
 def _signed(request: adapter.JoinRequest, key) -> adapter.JoinRequest:

@@ -80,7 +80,7 @@ def test_one_network_cannot_fill_the_challenge_book(authority, tmp_path):
 
 def test_a_challenge_runs_one_measurement_at_a_time(authority):
     async def main():
-        async with serving(authority, download_bytes=4 << 20) as (service, address):
+        async with serving(authority, preflight_bytes=4 << 20) as (service, address):
             async with world.channel(address, authority) as channel:
                 stub = adapter.AuthorizerStub(channel)
                 challenge = await stub.get_challenge(adapter.ChallengeRequest(role="worker"))
@@ -105,7 +105,7 @@ def test_a_challenge_runs_one_measurement_at_a_time(authority):
 def test_an_admission_and_a_renewal_sign_off_the_event_loop(authority, nodes, monkeypatch):
     """The RSA signatures of an admission (credential, run description) and of a renewal run on a
     worker thread: the loop keeps serving other nodes meanwhile."""
-    from agora.auth import service as service_module
+    from agora.auth import joining as joining_module
 
     signed: list[tuple[str, bool]] = []
 
@@ -116,7 +116,7 @@ def test_an_admission_and_a_renewal_sign_off_the_event_loop(authority, nodes, mo
         return call
 
     for name in ("issue_credential", "sign_proof"):
-        monkeypatch.setattr(service_module, name, recorded(getattr(service_module, name)))
+        monkeypatch.setattr(joining_module, name, recorded(getattr(joining_module, name)))
     clock = Clock()
 
     async def main():
@@ -235,7 +235,7 @@ def test_newcomers_calls_in_flight_are_capped_per_network_and_below_the_ports_ca
     node = authority.mint(tmp_path / "trainer", role="trainer", lifetime_s=600.0)
 
     async def main():
-        async with serving(authority, max_concurrent_rpcs=8, max_calls_per_network=2, download_bytes=64 << 20,
+        async with serving(authority, max_concurrent_rpcs=8, max_calls_per_network=2, preflight_bytes=64 << 20,
                            join_rate_per_s=100.0, join_burst=100, credential_lifetime_s=600.0,
                            clock=clock) as (service, address):
             async with from_sources(address, ["127.0.1.1", "127.0.2.1", "127.0.3.1"]) as (second, third, fourth):

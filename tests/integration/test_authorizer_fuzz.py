@@ -45,8 +45,8 @@ def world(tmp_path_factory):
     """One authorizer on its own event loop for the whole module (hypothesis drives it example by example)."""
     authority = RunAuthority(tmp_path_factory.mktemp("fuzz-authority"), run_id="fuzz")
     service = AuthorizerService(
-        authority, AuthorizerSettings(floors=Floors(0, 0, float("inf"), 0, 0), download_bytes=4096,
-                                      upload_bytes=4096, latency_probes=1, join_rate_per_s=1e6, join_burst=10**6,
+        authority, AuthorizerSettings(floors=Floors(0, 0, float("inf"), 0, 0), preflight_bytes=4096,
+                                      latency_probes=1, join_rate_per_s=1e6, join_burst=10**6,
                                       network_join_rate_per_s=1e6, network_join_burst=10**6,
                                       challenges_per_network=4096, renew_rate_per_s=1e6, renew_burst=10**6,
                                       dialback_timeout_s=0.2, join_roles=JOIN_ROLES),  # every role's path

@@ -124,7 +124,7 @@ def test_help_and_the_ban_commands_start_without_torch_or_hivemind(state_dir):
      "--stage: a trainer credential takes no"),
     (["serve", "--state-dir", "{tmp}/new", "--run-id", "bad id!"], "--run-id: letters, digits"),
     (["serve", "--state-dir", "{tmp}/new2"], "give --run-id"),
-    (["serve", "--state-dir", "{state}", "--min-ram-gb", "-1"], "--min-ram-gb: expected a number >= 0"),
+    (["serve", "--state-dir", "{state}", "--min-ram-gb", "-1"], "authorizer.floors.min_ram_gb: must be >= 0, got -1"),
 ])
 def test_mistakes_are_one_line_and_exit_2(state_dir, tmp_path, capsys, argv, message):
     values = {"state": str(state_dir), "tmp": str(tmp_path), "missing": str(tmp_path / "nothing")}

@@ -18,6 +18,7 @@ from agora.auth.policy import (ContributorSlots, Floors, LinkMeasurement, assign
                                proof_is_valid, renewal_delay_s, retry_delay_s, run_payload, sign_proof, upload_mbit)
 from agora.auth.settings import AuthorizerSettings
 from agora.auth.status import caller_address
+from agora.pipeline.schema import ConfigError, checked
 from agora.protos import authorizer_adapter as adapter
 from agora.protos.authorizer_adapter import Hardware
 from odd_keys import same_modulus_with_exponent
@@ -79,10 +80,10 @@ def test_a_24_gb_card_passes_the_24_gb_floor():
 def test_floors_can_be_disabled_and_reject_nonsense():
     off = Floors(0, 0, math.inf, 0, 0)
     assert check_floors(off, Hardware("cpu", 0, 0), LinkMeasurement(1e6, 0.0, 0.0)) is None
-    with pytest.raises(ValueError, match="--min-ram-gb"):
-        Floors(min_ram_gb=-1).validate()
-    with pytest.raises(ValueError, match="--max-rtt-ms"):
-        Floors(max_rtt_ms=math.nan).validate()
+    with pytest.raises(ConfigError, match="^floors.min_ram_gb: must be >= 0, got -1$"):
+        checked(Floors, "floors", min_ram_gb=-1)
+    with pytest.raises(ConfigError, match="^floors.max_rtt_ms: must be >= 0, got nan$"):
+        checked(Floors, "floors", max_rtt_ms=math.nan)
 
 
 def test_preflight_arithmetic():
@@ -254,12 +255,12 @@ def test_newcomers_calls_in_flight_are_capped_per_network_and_in_all():
 
 def test_newcomers_may_hold_three_quarters_of_the_ports_calls():
     assert AuthorizerSettings().newcomer_calls == 384
-    with pytest.raises(ValueError, match="--max-calls-per-network: expected 1 to 6"):
-        AuthorizerSettings(max_concurrent_rpcs=8, max_calls_per_network=7).validate()
-    with pytest.raises(ValueError, match="--challenges-per-network"):
-        AuthorizerSettings(challenges_per_network=5000).validate()
-    with pytest.raises(ValueError, match="--network-join-rate"):
-        AuthorizerSettings(network_join_rate_per_s=0).validate()
+    with pytest.raises(ConfigError, match="^authorizer.max_calls_per_network: 7 is above 6, three quarters"):
+        checked(AuthorizerSettings, "authorizer", max_concurrent_rpcs=8, max_calls_per_network=7)
+    with pytest.raises(ConfigError, match="^authorizer.challenges_per_network: 5000 is above max_challenges=4096$"):
+        checked(AuthorizerSettings, "authorizer", challenges_per_network=5000)
+    with pytest.raises(ConfigError, match="^authorizer.network_join_rate_per_s: must be > 0, got 0.0$"):
+        checked(AuthorizerSettings, "authorizer", network_join_rate_per_s=0.0)
 
 
 # ---- challenges

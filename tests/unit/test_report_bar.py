@@ -8,6 +8,7 @@ import pytest
 
 from agora.auth.reports import MAX_LABEL_CHARS, MAX_REASON_CHARS, ReportBar, report_problem
 from agora.auth.settings import AuthorizerSettings
+from agora.pipeline.schema import ConfigError, checked
 from agora.protos.authorizer_adapter import WorkerReport
 
 PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -38,14 +39,15 @@ def test_a_bar_of_zero_keeps_reports_and_never_bans():
     assert not verdict.ban and len(verdict.reporters) == 10
 
 
-@pytest.mark.parametrize("flag, settings", [
-    ("--ban-after-reports", {"ban_after_reports": -1}),
-    ("--report-window", {"report_window_s": 0.0}),
-    ("--report-window", {"report_window_s": math.nan}),
+@pytest.mark.parametrize("refusal, settings", [
+    ("authorizer.ban_after_reports: must be >= 0, got -1", {"ban_after_reports": -1}),
+    ("authorizer.report_window_s: must be > 0, got 0.0", {"report_window_s": 0.0}),
+    ("authorizer.report_window_s: must be > 0, got nan", {"report_window_s": math.nan}),
 ])
-def test_a_bad_bar_is_refused_naming_the_flag(flag, settings):
-    with pytest.raises(ValueError, match=flag):
-        AuthorizerSettings(**settings).validate()
+def test_a_bad_bar_is_refused_naming_the_field(refusal, settings):
+    with pytest.raises(ConfigError) as refused:
+        checked(AuthorizerSettings, "authorizer", **settings)
+    assert str(refused.value) == refusal
 
 
 def _report(**fields) -> WorkerReport:
