@@ -1,0 +1,141 @@
+"""Traces of microbatches over real gRPC: tiny in three stages, one StageWorker each and a SwarmTrainer
+in this process (no DHT), spans kept by the SDK's InMemorySpanExporter.
+
+Sampled at 1.0, each microbatch is one trace: its root span, a client span per call to a worker
+(each stage's Forward, then the body's and head's Backward) and under each the worker's server span,
+joined through the `traceparent` the call carried. Per hop the worker's queue and compute times and
+the trainer's wire time add up to the client span's own duration (the SDK's clock, not the
+trainer's). With the trainer's share at 0 (or tracing off) nothing is exported and the trainer's
+tracer is never asked for a span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from agora.node.rpc.tracing import traced_calls
+from agora.node.trainer.discovery import StaticDiscovery
+from agora.node.trainer.routing import WorkerView
+from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
+from agora.node.trainer.traces import MicrobatchTraces
+from agora.node.tracing_export import start_tracing
+from agora.node.tracing_options import TracingOptions
+from agora.node.worker.worker import StageWorker, WorkerOptions
+from agora.pipeline.config import PRESETS
+from agora.pipeline.data import build_data
+
+pytestmark = pytest.mark.timeout(180)
+
+STEPS = 2
+# Tracing on; the endpoint is never dialled, since the spans go to the test's exporter.
+TRACED = TracingOptions(otlp_endpoint="127.0.0.1:4317", trace_sample=1.0)
+
+
+def _config():
+    config = PRESETS["tiny"].with_stages(3)
+    return replace(config, train=replace(config.train, batch_size=4, microbatches=2, seq_len=32,
+                                         eval_every=0, eval_batches=2))
+
+
+class CountingTracer:
+    """A tracer that counts the spans it is asked for."""
+
+    def __init__(self, tracer):
+        self._tracer, self.asked = tracer, 0
+
+    def start_span(self, *args, **kwargs):
+        self.asked += 1
+        return self._tracer.start_span(*args, **kwargs)
+
+    def start_as_current_span(self, *args, **kwargs):
+        self.asked += 1
+        return self._tracer.start_as_current_span(*args, **kwargs)
+
+
+async def _train(config, worker_tracer, traces: MicrobatchTraces | None) -> None:
+    data = build_data(config)
+    workers = [StageWorker(config, stage, run_id="test", options=WorkerOptions(), interceptors=traced_calls(worker_tracer))
+               for stage in range(len(config.layer_split))]
+    try:
+        for worker in workers:
+            await worker.start()
+        views = [WorkerView(f"s{w.stage_index}", w.address, w.stage_index) for w in workers]
+        options = TrainerOptions(run_id="test", max_in_flight=1, gradient_check_share=0.0)
+        async with SwarmTrainer(config, data, StaticDiscovery(views), options, traces=traces) as trainer:
+            await trainer.run(STEPS)
+    finally:
+        await asyncio.gather(*(w.stop(0) for w in workers))
+
+
+def _by_trace(spans) -> dict[int, list]:
+    traces = defaultdict(list)
+    for span in spans:
+        traces[span.context.trace_id].append(span)
+    return traces
+
+
+def _seconds(span) -> float:
+    return (span.end_time - span.start_time) / 1e9
+
+
+def test_each_sampled_microbatch_is_one_trace_through_every_stage_forward_and_backward():
+    config = _config()
+    exporter = InMemorySpanExporter()
+    trainer_tracing = start_tracing(TRACED, "trainer", exporter=exporter)
+    worker_tracing = start_tracing(TRACED, "worker", exporter=exporter)
+    traces = MicrobatchTraces(trainer_tracing.tracer, trainer_tracing.share)
+    asyncio.run(_train(config, worker_tracing.tracer, traces))
+    trainer_tracing.close()
+    worker_tracing.close()
+
+    spans = exporter.get_finished_spans()
+    roots = [span for span in spans if span.name == "microbatch"]
+    assert len(roots) == STEPS * config.train.microbatches
+    assert len({root.context.trace_id for root in roots}) == len(roots)  # one trace per microbatch
+    by_trace = _by_trace(spans)
+    assert set(by_trace) == {root.context.trace_id for root in roots}  # nothing outside a microbatch's trace
+    for root in roots:
+        assert root.parent is None and root.attributes["agora.loss"] > 0
+        members = by_trace[root.context.trace_id]
+        clients = [s for s in members if s.kind is SpanKind.CLIENT]
+        assert sorted(s.name for s in clients) == sorted(
+            ["Forward stage 0", "Forward stage 1", "Forward stage 2", "Backward stage 1", "Backward stage 0"])
+        for client in clients:
+            assert client.parent.span_id == root.context.span_id
+            servers = [s for s in members if s.kind is SpanKind.SERVER and s.parent.span_id == client.context.span_id]
+            assert len(servers) == 1, client.name
+            server = servers[0]
+            assert server.name == client.name.split()[0]
+            assert server.attributes["rpc.grpc.status_code"] == 0
+            # The worker's own account, as the reply carried it to the trainer.
+            assert server.attributes["agora.queue_s"] == client.attributes["agora.queue_s"]
+            assert server.attributes["agora.compute_s"] == client.attributes["agora.compute_s"]
+            hop = server.attributes["agora.queue_s"] + server.attributes["agora.compute_s"] + client.attributes["agora.wire_s"]
+            assert hop == pytest.approx(_seconds(client), rel=0.10)
+            assert server.start_time >= client.start_time and server.end_time <= client.end_time
+
+
+def test_with_a_share_of_zero_nothing_is_exported_and_no_span_is_made():
+    config = _config()
+    exporter = InMemorySpanExporter()
+    # The workers trace what their callers sample (and at share 0 nothing else); the trainer samples nothing.
+    worker_tracing = start_tracing(replace(TRACED, trace_sample=0.0), "worker", exporter=exporter)
+    trainer_tracing = start_tracing(replace(TRACED, trace_sample=0.0), "trainer", exporter=exporter)
+    counting = CountingTracer(trainer_tracing.tracer)
+    asyncio.run(_train(config, worker_tracing.tracer, MicrobatchTraces(counting, trainer_tracing.share)))
+    worker_tracing.close()
+    trainer_tracing.close()
+    assert exporter.get_finished_spans() == ()
+    assert counting.asked == 0
+
+
+def test_tracing_off_builds_no_tracer():
+    assert start_tracing(TracingOptions(), "trainer", exporter=InMemorySpanExporter()) is None
+    assert start_tracing(TracingOptions(), "worker", exporter=InMemorySpanExporter()) is None
+    assert traced_calls(None) == []
