@@ -5,9 +5,11 @@ Design choices:
 - One provider per process, made by the role's command and closed with it (its last spans are
   flushed then); nothing sets opentelemetry's global provider, so tests run several in one process.
 - The sampler follows the role. A trainer decides per microbatch itself, before any span exists
-  (node/rpc/tracing.py `sampled`), so its provider records every span it is asked for. A worker's
-  follows the caller's decision carried in the call's `traceparent`, and for a call that carries none
-  starts a trace for `share` of them by trace id (ParentBased(TraceIdRatioBased)).
+  (node/rpc/tracing.py `sampled`), so its provider records every span it is asked for; its share is
+  `--trace-sample`, 0.01 by default. A worker follows the caller's decision carried in the call's
+  `traceparent` (ParentBased), and starts traces of its own only when given `--trace-sample`: for
+  that share of the calls that carry none (TraceIdRatioBased), a trainer's unsampled microbatches
+  among them. By default it records just what its callers trace, so a trace is a whole microbatch.
 - Spans go to the OTLP/gRPC endpoint in batches, from a thread of the SDK's (BatchSpanProcessor): a
   call never waits for the collector, and a collector that is down costs dropped spans, not
   training. A test hands its own `exporter` (the SDK's InMemorySpanExporter), exported as each span
@@ -40,7 +42,7 @@ Role = Literal["trainer", "worker"]
 
 @dataclass(frozen=True)
 class Tracing:
-    """A process's tracer and the share it samples; `close` flushes and stops the export."""
+    """A process's tracer and the share of traces it starts; `close` flushes and stops the export."""
 
     tracer: Tracer
     share: float
@@ -48,6 +50,11 @@ class Tracing:
 
     def close(self) -> None:
         self.provider.shutdown()
+
+
+def _started_share(options: TracingOptions, role: Role) -> float:
+    """The share of traces a process starts (module docstring)."""
+    return options.share if role == "trainer" else options.trace_sample or 0.0
 
 
 def _sampler(role: Role, share: float) -> Sampler:
@@ -61,10 +68,11 @@ def start_tracing(options: TracingOptions, role: Role, *, run_id: str = "",
     if not options.enabled:
         return None
     resource = Resource.create({"service.name": f"agora-{role}", "agora.run": run_id})
-    provider = TracerProvider(resource=resource, sampler=_sampler(role, options.share))
+    share = _started_share(options, role)
+    provider = TracerProvider(resource=resource, sampler=_sampler(role, share))
     if exporter is None:
         exporter = OTLPSpanExporter(endpoint=options.otlp_endpoint, insecure=True, timeout=_EXPORT_TIMEOUT_S)
         provider.add_span_processor(BatchSpanProcessor(exporter))
     else:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return Tracing(provider.get_tracer("agora.node"), options.share, provider)
+    return Tracing(provider.get_tracer("agora.node"), share, provider)

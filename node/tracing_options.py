@@ -33,8 +33,9 @@ class TracingOptions:
         flag="--otlp-endpoint", local=True)
     trace_sample: StrictFloat | None = setting(
         None, f"with --otlp-endpoint: the share of microbatches a trainer traces through every stage (default "
-        f"{DEFAULT_TRACE_SAMPLE:g}); a worker records the calls its callers trace, and starts a trace of its own for "
-        "this share of the calls that carry none", flag="--trace-sample", ge=0, le=1, local=True)
+        f"{DEFAULT_TRACE_SAMPLE:g}); a worker records the calls its callers trace, and given this, also starts a "
+        "trace of its own for this share of the calls that carry none (default 0)", flag="--trace-sample", ge=0,
+        le=1, local=True)
 
     @property
     def enabled(self) -> bool:
@@ -42,7 +43,7 @@ class TracingOptions:
 
     @property
     def share(self) -> float:
-        """The sampled share; 0 when tracing is off."""
+        """The share of microbatches a trainer traces; 0 when tracing is off."""
         if not self.enabled:
             return 0.0
         return DEFAULT_TRACE_SAMPLE if self.trace_sample is None else self.trace_sample

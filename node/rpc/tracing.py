@@ -11,8 +11,8 @@ Design choices:
   its workers'. A client adds it only when a sampled span is current (`with_trace_context`); with
   tracing off that check is one context-variable read, no object made.
 - A worker's side is `TracingHook`, a `CallHook` (node/rpc/interceptors.py) behind the credential
-  check: a server span per admitted call, a child of the caller's span, current while the handler
-  runs, ended with the call's status. The worker adds the queue and compute times it measured for
+  check: a server span for each admitted call its caller traced, a child of the caller's span,
+  current while the handler runs, ended with the call's status; any other call makes no span. The worker adds the queue and compute times it measured for
   its reply (`annotate_job`): the numbers the reply carries, not a second measurement. A refused
   call has no server span; the caller's span shows the refusal.
 - The trainer's span of a call (node/trainer/traces.py) carries its measured round trip and the
@@ -35,6 +35,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from agora.node.rpc.interceptors import CallHook, CallInfo, CallRecord
+from agora.node.tracing_export import Tracing
 
 __all__ = ["sampled", "job_attributes", "hop_attributes", "with_trace_context", "annotate_job", "TracingHook",
            "traced_calls"]
@@ -96,16 +97,20 @@ class _ServerSpan:
 
 
 class TracingHook(CallHook):
-    """A server span per admitted call, under the caller's trace context (module docstring). Which
-    calls are recorded is the tracer's sampler's choice (node/tracing_export.py): the caller's, and a
-    share of those without a context."""
+    """A server span per admitted call, under the caller's trace context (module docstring): for each
+    call its caller sampled, and with `root_share` above 0 for the calls that carry no trace, where
+    the tracer's sampler takes that share (node/tracing_export.py). Other calls make no span."""
 
-    def __init__(self, tracer: Tracer):
+    def __init__(self, tracer: Tracer, root_share: float = 0.0):
         super().__init__()
         self._tracer = tracer
+        self._root_share = root_share
 
     async def before(self, call: CallInfo, context: Any) -> _ServerSpan | None:
         parent = _incoming_context(context)
+        caller = trace.get_current_span(parent).get_span_context()
+        if not (caller.trace_flags.sampled if caller.is_valid else self._root_share > 0.0):
+            return None
         service, _, method = call.method.lstrip("/").rpartition("/")
         span = self._tracer.start_span(method, context=parent, kind=SpanKind.SERVER, attributes={
             "rpc.system": "grpc", "rpc.service": service, "rpc.method": method, "agora.peer": call.peer})
@@ -123,6 +128,7 @@ class TracingHook(CallHook):
         otel_context.detach(held.token)
 
 
-def traced_calls(tracer: Tracer | None) -> list[TracingHook]:
-    """The server hooks a node with `tracer` adds to its chain: none when it does not trace."""
-    return [] if tracer is None else [TracingHook(tracer)]
+def traced_calls(tracing: Tracing | None) -> list[TracingHook]:
+    """The server hooks a node adds to its chain for `tracing` (its share: of calls without a trace):
+    none when it does not trace."""
+    return [] if tracing is None else [TracingHook(tracing.tracer, tracing.share)]

@@ -193,7 +193,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
             stack.callback(tracing.close)  # runs after the server's stop: its last spans are flushed
         worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
                              credentials=credentials, outer_interceptors=[MetricsHook(RpcServerMetrics(registry))],
-                             interceptors=traced_calls(None if tracing is None else tracing.tracer),
+                             interceptors=traced_calls(tracing),
                              metrics=worker_metrics, unit_holders=_unit_holders(swarm, options, credentials),
                              banned=swarm.bans.is_banned)
 

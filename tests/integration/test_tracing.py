@@ -29,7 +29,7 @@ from agora.node.trainer.discovery import StaticDiscovery
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
 from agora.node.trainer.traces import MicrobatchTraces
-from agora.node.tracing_export import start_tracing
+from agora.node.tracing_export import Tracing, start_tracing
 from agora.node.tracing_options import TracingOptions
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS
@@ -63,9 +63,9 @@ class CountingTracer:
         return self._tracer.start_as_current_span(*args, **kwargs)
 
 
-async def _train(config, worker_tracer, traces: MicrobatchTraces | None) -> None:
+async def _train(config, worker_tracing: Tracing | None, traces: MicrobatchTraces | None) -> None:
     data = build_data(config)
-    workers = [StageWorker(config, stage, run_id="test", options=WorkerOptions(), interceptors=traced_calls(worker_tracer))
+    workers = [StageWorker(config, stage, run_id="test", options=WorkerOptions(), interceptors=traced_calls(worker_tracing))
                for stage in range(len(config.layer_split))]
     try:
         for worker in workers:
@@ -95,7 +95,7 @@ def test_each_sampled_microbatch_is_one_trace_through_every_stage_forward_and_ba
     trainer_tracing = start_tracing(TRACED, "trainer", exporter=exporter)
     worker_tracing = start_tracing(TRACED, "worker", exporter=exporter)
     traces = MicrobatchTraces(trainer_tracing.tracer, trainer_tracing.share)
-    asyncio.run(_train(config, worker_tracing.tracer, traces))
+    asyncio.run(_train(config, worker_tracing, traces))
     trainer_tracing.close()
     worker_tracing.close()
 
@@ -129,15 +129,17 @@ def test_each_sampled_microbatch_is_one_trace_through_every_stage_forward_and_ba
 def test_with_a_share_of_zero_nothing_is_exported_and_no_span_is_made():
     config = _config()
     exporter = InMemorySpanExporter()
-    # The workers trace what their callers sample (and at share 0 nothing else); the trainer samples nothing.
-    worker_tracing = start_tracing(replace(TRACED, trace_sample=0.0), "worker", exporter=exporter)
+    # The trainer samples nothing; the workers trace what their callers sample, and start no trace of their own.
+    worker_tracing = start_tracing(TracingOptions(otlp_endpoint="127.0.0.1:4317"), "worker", exporter=exporter)
     trainer_tracing = start_tracing(replace(TRACED, trace_sample=0.0), "trainer", exporter=exporter)
-    counting = CountingTracer(trainer_tracing.tracer)
-    asyncio.run(_train(config, worker_tracing.tracer, MicrobatchTraces(counting, trainer_tracing.share)))
+    counting = CountingTracer(trainer_tracing.tracer), CountingTracer(worker_tracing.tracer)
+    asyncio.run(_train(config, replace(worker_tracing, tracer=counting[1]),
+                       MicrobatchTraces(counting[0], trainer_tracing.share)))
     worker_tracing.close()
     trainer_tracing.close()
+    assert worker_tracing.share == 0.0
     assert exporter.get_finished_spans() == ()
-    assert counting.asked == 0
+    assert [tracer.asked for tracer in counting] == [0, 0]
 
 
 def test_tracing_off_builds_no_tracer():
@@ -172,7 +174,7 @@ def test_the_spans_reach_an_otlp_collector():
     try:
         options = TracingOptions(otlp_endpoint=f"127.0.0.1:{port}", trace_sample=1.0)
         trainer_tracing, worker_tracing = start_tracing(options, "trainer"), start_tracing(options, "worker")
-        asyncio.run(_train(_config(), worker_tracing.tracer, MicrobatchTraces(trainer_tracing.tracer, 1.0)))
+        asyncio.run(_train(_config(), worker_tracing, MicrobatchTraces(trainer_tracing.tracer, 1.0)))
         trainer_tracing.close()  # flushes the batch
         worker_tracing.close()
     finally:

@@ -16,6 +16,7 @@ from agora.node.rpc.tracing import hop_attributes, job_attributes, sampled, with
 from agora.node.run_flags import options_from_args
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.traces import MicrobatchTraces
+from agora.node.tracing_export import start_tracing
 from agora.node.tracing_options import DEFAULT_TRACE_SAMPLE, TracingOptions
 from agora.node.worker.options import WorkerOptions
 from agora.pipeline.schema import ConfigError
@@ -160,3 +161,13 @@ def test_join_and_the_demo_take_the_tracing_flags_and_the_demo_hands_on_those_gi
     given = build_parser().parse_args(["demo", "--otlp-endpoint", "collector:4317", "--trace-sample", "0.5"])
     assert DemoOptions.from_args(given).tracing_flags() == ["--otlp-endpoint", "collector:4317", "--trace-sample", "0.5"]
     assert DemoOptions.from_args(build_parser().parse_args(["demo"])).tracing_flags() == []
+
+
+def test_a_trainer_starts_its_share_of_traces_and_a_worker_none_unless_given_one():
+    endpoint = TracingOptions(otlp_endpoint="collector:4317")
+    started = {role: start_tracing(options, role, exporter=InMemorySpanExporter()).share
+               for role, options in (("trainer", endpoint), ("worker", endpoint))}
+    assert started == {"trainer": DEFAULT_TRACE_SAMPLE, "worker": 0.0}
+    given = TracingOptions(otlp_endpoint="collector:4317", trace_sample=0.5)
+    assert start_tracing(given, "worker", exporter=InMemorySpanExporter()).share == 0.5
+    assert start_tracing(TracingOptions(), "trainer") is None
