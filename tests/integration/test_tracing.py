@@ -7,23 +7,20 @@ joined through the `traceparent` the call carried. Per hop the worker's queue an
 the trainer's wire time add up to the client span's own duration (the SDK's clock, not the
 trainer's). With the trainer's share at 0 (or tracing off) nothing is exported and the trainer's
 tracer is never asked for a span. And through the real exporter: the spans reach an OTLP/gRPC
-collector on loopback (a TraceService of opentelemetry-proto's, standing for Jaeger or Tempo).
+collector on loopback (bench/tracing_cost.py's TraceService, standing for Jaeger or Tempo).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from agora.bench.tracing_cost import TraceCollector
 from agora.node.rpc.tracing import traced_calls
 from agora.node.trainer.discovery import StaticDiscovery
 from agora.node.trainer.routing import WorkerView
@@ -142,43 +139,15 @@ def test_with_a_share_of_zero_nothing_is_exported_and_no_span_is_made():
     assert [tracer.asked for tracer in counting] == [0, 0]
 
 
-def test_tracing_off_builds_no_tracer():
-    assert start_tracing(TracingOptions(), "trainer", exporter=InMemorySpanExporter()) is None
-    assert start_tracing(TracingOptions(), "worker", exporter=InMemorySpanExporter()) is None
-    assert traced_calls(None) == []
-
-
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace receiver: every span it is sent, by service name."""
-
-    def __init__(self):
-        self.spans: dict[str, list[str]] = defaultdict(list)
-        self._lock = threading.Lock()
-
-    def Export(self, request, context):
-        with self._lock:
-            for resource_spans in request.resource_spans:
-                service = next(a.value.string_value for a in resource_spans.resource.attributes
-                               if a.key == "service.name")
-                for scope in resource_spans.scope_spans:
-                    self.spans[service].extend(span.name for span in scope.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
 
 def test_the_spans_reach_an_otlp_collector():
-    collector = Collector()
-    server = grpc.server(ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        options = TracingOptions(otlp_endpoint=f"127.0.0.1:{port}", trace_sample=1.0)
+    with TraceCollector() as collector:
+        options = TracingOptions(otlp_endpoint=collector.endpoint, trace_sample=1.0)
         trainer_tracing, worker_tracing = start_tracing(options, "trainer"), start_tracing(options, "worker")
         asyncio.run(_train(_config(), worker_tracing, MicrobatchTraces(trainer_tracing.tracer, 1.0)))
         trainer_tracing.close()  # flushes the batch
         worker_tracing.close()
-    finally:
-        server.stop(0)
-    assert collector.spans["agora-trainer"].count("microbatch") == STEPS * _config().train.microbatches
-    assert collector.spans["agora-trainer"].count("Backward stage 0") == STEPS * _config().train.microbatches
-    assert collector.spans["agora-worker"].count("Forward") == 3 * STEPS * _config().train.microbatches
+    microbatches = STEPS * _config().train.microbatches
+    assert collector.spans["agora-trainer"]["microbatch"] == microbatches
+    assert collector.spans["agora-trainer"]["Backward stage 0"] == microbatches
+    assert collector.spans["agora-worker"]["Forward"] == 3 * microbatches

@@ -12,7 +12,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from agora.node.cli import build_parser
 from agora.node.demo.options import DemoOptions
-from agora.node.rpc.tracing import hop_attributes, job_attributes, sampled, with_trace_context
+from agora.node.rpc.tracing import hop_attributes, job_attributes, sampled, traced_calls, with_trace_context
 from agora.node.run_flags import options_from_args
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.traces import MicrobatchTraces
@@ -170,4 +170,5 @@ def test_a_trainer_starts_its_share_of_traces_and_a_worker_none_unless_given_one
     assert started == {"trainer": DEFAULT_TRACE_SAMPLE, "worker": 0.0}
     given = TracingOptions(otlp_endpoint="collector:4317", trace_sample=0.5)
     assert start_tracing(given, "worker", exporter=InMemorySpanExporter()).share == 0.5
-    assert start_tracing(TracingOptions(), "trainer") is None
+    assert start_tracing(TracingOptions(), "trainer") is None and start_tracing(TracingOptions(), "worker") is None
+    assert traced_calls(None) == []  # nothing in a worker's chain
