@@ -5,8 +5,8 @@ Sampled at 1.0, each microbatch is one trace: its root span, a client span per c
 (each stage's Forward, then the body's and head's Backward) and under each the worker's server span,
 joined through the `traceparent` the call carried. Per hop the worker's queue and compute times and
 the trainer's wire time add up to the client span's own duration (the SDK's clock, not the
-trainer's). With the trainer's share at 0 (or tracing off) nothing is exported and the trainer's
-tracer is never asked for a span. And through the real exporter: the spans reach an OTLP/gRPC
+trainer's). A refused call is an error on both its spans. With the trainer's share at 0 nothing is
+exported and no tracer is asked for a span. And through the real exporter: the spans reach an OTLP/gRPC
 collector on loopback (bench/tracing_cost.py's TraceService, standing for Jaeger or Tempo).
 """
 
@@ -16,7 +16,9 @@ import asyncio
 from collections import defaultdict
 from dataclasses import replace
 
+import grpc
 import pytest
+import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
@@ -24,6 +26,7 @@ from agora.bench.tracing_cost import TraceCollector
 from agora.node.rpc.tracing import traced_calls
 from agora.node.trainer.discovery import StaticDiscovery
 from agora.node.trainer.routing import WorkerView
+from agora.node.trainer.stage_client import RequestRefused, StageClient
 from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
 from agora.node.trainer.traces import MicrobatchTraces
 from agora.node.tracing_export import Tracing, start_tracing
@@ -31,6 +34,7 @@ from agora.node.tracing_options import TracingOptions
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS
 from agora.pipeline.data import build_data
+from agora.pipeline.fingerprint import run_fingerprint
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -151,3 +155,35 @@ def test_the_spans_reach_an_otlp_collector():
     assert collector.spans["agora-trainer"]["microbatch"] == microbatches
     assert collector.spans["agora-trainer"]["Backward stage 0"] == microbatches
     assert collector.spans["agora-worker"]["Forward"] == 3 * microbatches
+
+
+def test_a_refused_call_is_an_error_on_both_sides_of_its_trace():
+    """A Backward of a microbatch the worker never saw: FAILED_PRECONDITION, marked on the client's span
+    and on the worker's, which still hangs under it."""
+    config = _config()
+    exporter = InMemorySpanExporter()
+    trainer_tracing = start_tracing(TRACED, "trainer", exporter=exporter)
+    worker_tracing = start_tracing(TRACED, "worker", exporter=exporter)
+    traces = MicrobatchTraces(trainer_tracing.tracer, 1.0)
+
+    async def main():
+        worker = StageWorker(config, 1, run_id="test", options=WorkerOptions(), interceptors=traced_calls(worker_tracing))
+        await worker.start()
+        client = StageClient(worker.address, run_id="test", stage=1, model=config.model,
+                             fingerprint=run_fingerprint(config))
+        try:
+            with traces.microbatch("u0m0", evaluate=False):
+                hop = traces.hop(1, "s1")
+                grad = torch.zeros(config.train.microbatch_size, config.train.seq_len, config.model.wire_dim)
+                with pytest.raises(RequestRefused):
+                    await hop.around(client.backward("never-forwarded", grad))
+        finally:
+            await client.close()
+            await worker.stop(0)
+
+    asyncio.run(main())
+    spans = {span.kind: span for span in exporter.get_finished_spans() if span.kind is not SpanKind.INTERNAL}
+    client, server = spans[SpanKind.CLIENT], spans[SpanKind.SERVER]
+    assert client.name == "Backward stage 1" and not client.status.is_ok
+    assert server.parent.span_id == client.context.span_id and not server.status.is_ok
+    assert server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.FAILED_PRECONDITION.value[0]
