@@ -35,6 +35,7 @@ from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS
 from agora.pipeline.data import build_data
 from agora.pipeline.fingerprint import run_fingerprint
+from counting_tracer import CountingTracer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,21 +48,6 @@ def _config():
     config = PRESETS["tiny"].with_stages(3)
     return replace(config, train=replace(config.train, batch_size=4, microbatches=2, seq_len=32,
                                          eval_every=0, eval_batches=2))
-
-
-class CountingTracer:
-    """A tracer that counts the spans it is asked for."""
-
-    def __init__(self, tracer):
-        self._tracer, self.asked = tracer, 0
-
-    def start_span(self, *args, **kwargs):
-        self.asked += 1
-        return self._tracer.start_span(*args, **kwargs)
-
-    def start_as_current_span(self, *args, **kwargs):
-        self.asked += 1
-        return self._tracer.start_as_current_span(*args, **kwargs)
 
 
 async def _train(config, worker_tracing: Tracing | None, traces: MicrobatchTraces | None) -> None:

@@ -20,6 +20,7 @@ from agora.node.tracing_export import start_tracing
 from agora.node.tracing_options import DEFAULT_TRACE_SAMPLE, TracingOptions
 from agora.node.worker.options import WorkerOptions
 from agora.pipeline.schema import ConfigError
+from counting_tracer import CountingTracer
 
 FINGERPRINT = (("agora-run-fingerprint", "abc"),)
 
@@ -29,19 +30,6 @@ def _tracer():
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     return provider.get_tracer("test"), exporter
-
-
-class CountingTracer:
-    def __init__(self, tracer):
-        self._tracer, self.asked = tracer, 0
-
-    def start_span(self, *args, **kwargs):
-        self.asked += 1
-        return self._tracer.start_span(*args, **kwargs)
-
-    def start_as_current_span(self, *args, **kwargs):
-        self.asked += 1
-        return self._tracer.start_as_current_span(*args, **kwargs)
 
 
 # ------------------------------------------------------------------ the sampling decision
