@@ -123,8 +123,8 @@ def main() -> None:
             order = SHARES[round_index % 3:] + SHARES[:round_index % 3]
             for share in order:
                 figures[share].append(run(tokens_per_second(args.steps, share, collector.endpoint)))
-            print(f"round {round_index}: " + ", ".join(f"{_label(s)} {figures[s][-1]:.0f}" for s in SHARES) + " tokens/s",
-                  flush=True)
+            measured = ", ".join(f"{_label(share)} {figures[share][-1]:.0f}" for share in SHARES)
+            print(f"round {round_index}: {measured} tokens/s", flush=True)
     off = statistics.median(figures[None])
     received = {service: sum(names.values()) for service, names in sorted(collector.spans.items())}
     lines = ["# Tracing cost (tiny, three stages in one process, in-process gRPC, OTLP to a loopback collector)", "",

@@ -109,8 +109,8 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
             host = group.host(name)
             command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
                                          "--host", host, "--dht-host", host,
-                                         *options.run_flags(), *swarm, *options.worker_flags(), *options.tracing_flags(),
-                                         *admission,
+                                         *options.run_flags(), *swarm, *options.worker_flags(),
+                                         *options.tracing_flags(), *admission,
                                          *_state_dir(options, workdir, name), *checkpoints,
                                          "--stats-file", str(workdir / f"{name}.stats.json"),
                                          "--heartbeat", str(options.heartbeat_s), "--ready-file", str(ready),

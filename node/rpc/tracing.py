@@ -12,9 +12,10 @@ Design choices:
   tracing off that check is one context-variable read, no object made.
 - A worker's side is `TracingHook`, a `CallHook` (node/rpc/interceptors.py) behind the credential
   check: a server span for each admitted call its caller traced, a child of the caller's span,
-  current while the handler runs, ended with the call's status; any other call makes no span. The worker adds the queue and compute times it measured for
-  its reply (`annotate_job`): the numbers the reply carries, not a second measurement. A refused
-  call has no server span; the caller's span shows the refusal.
+  current while the handler runs, ended with the call's status; any other call makes no span. The
+  worker adds the queue and compute times it measured for its reply (`annotate_job`): the numbers
+  the reply carries, not a second measurement. A refused call has no server span; the caller's
+  span shows the refusal.
 - The trainer's span of a call (node/trainer/traces.py) carries its measured round trip and the
   reply's queue and compute times; the rest of the round trip is `wire` (`hop_attributes`): the
   network, (de)serialization, and the worker's admission.

@@ -7,7 +7,8 @@ revoked credential ends the run as an interruption), claims the run's units from
 metrics, trains, evaluates on the held-out split and returns its summary; the run config's `evals`
 run meanwhile against the live swarm (node/trainer/evals.py). A worker its verifier flags is
 reported to the authorizer in the background (node/trainer/reports.py), where there is one. With
-`--otlp-endpoint` a sampled share of its microbatches is traced there (node/trainer/traces.py). SIGTERM or SIGINT end the run between calls: channels closed, the log flushed, a summary.
+`--otlp-endpoint` a sampled share of its microbatches is traced there (node/trainer/traces.py).
+SIGTERM or SIGINT end the run between calls: channels closed, the log flushed, a summary.
 """
 
 from __future__ import annotations

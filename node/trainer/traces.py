@@ -69,8 +69,8 @@ class MicrobatchTraces:
         if not sampled(key, self.share):
             yield None
             return
-        with self._tracer.start_as_current_span("microbatch", kind=SpanKind.INTERNAL,
-                                                attributes={"agora.microbatch": key, "agora.evaluate": evaluate}) as span:
+        attributes = {"agora.microbatch": key, "agora.evaluate": evaluate}
+        with self._tracer.start_as_current_span("microbatch", kind=SpanKind.INTERNAL, attributes=attributes) as span:
             yield span
 
     def hop(self, stage: int, peer: str) -> Hop | None:

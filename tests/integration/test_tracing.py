@@ -52,7 +52,8 @@ def _config():
 
 async def _train(config, worker_tracing: Tracing | None, traces: MicrobatchTraces | None) -> None:
     data = build_data(config)
-    workers = [StageWorker(config, stage, run_id="test", options=WorkerOptions(), interceptors=traced_calls(worker_tracing))
+    workers = [StageWorker(config, stage, run_id="test", options=WorkerOptions(),
+                           interceptors=traced_calls(worker_tracing))
                for stage in range(len(config.layer_split))]
     try:
         for worker in workers:
@@ -108,7 +109,8 @@ def test_each_sampled_microbatch_is_one_trace_through_every_stage_forward_and_ba
             # The worker's own account, as the reply carried it to the trainer.
             assert server.attributes["agora.queue_s"] == client.attributes["agora.queue_s"]
             assert server.attributes["agora.compute_s"] == client.attributes["agora.compute_s"]
-            hop = server.attributes["agora.queue_s"] + server.attributes["agora.compute_s"] + client.attributes["agora.wire_s"]
+            worker_s = server.attributes["agora.queue_s"] + server.attributes["agora.compute_s"]
+            hop = worker_s + client.attributes["agora.wire_s"]
             assert hop == pytest.approx(_seconds(client), rel=0.10)
             assert server.start_time >= client.start_time and server.end_time <= client.end_time
 
@@ -153,7 +155,8 @@ def test_a_refused_call_is_an_error_on_both_sides_of_its_trace():
     traces = MicrobatchTraces(trainer_tracing.tracer, 1.0)
 
     async def main():
-        worker = StageWorker(config, 1, run_id="test", options=WorkerOptions(), interceptors=traced_calls(worker_tracing))
+        worker = StageWorker(config, 1, run_id="test", options=WorkerOptions(),
+                             interceptors=traced_calls(worker_tracing))
         await worker.start()
         client = StageClient(worker.address, run_id="test", stage=1, model=config.model,
                              fingerprint=run_fingerprint(config))

@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 def test_a_demo_sends_every_hop_of_its_sampled_microbatches_to_the_collector(tmp_path):
     steps, microbatches = 2, 4  # tiny's
     with TraceCollector() as collector:
-        code = main(["demo", "--stages", "2", "--steps", str(steps), "--no-monitor", "--workdir", str(tmp_path / "work"),
-                     "--otlp-endpoint", collector.endpoint, "--trace-sample", "1"])
+        code = main(["demo", "--stages", "2", "--steps", str(steps), "--no-monitor",
+                     "--workdir", str(tmp_path / "work"), "--otlp-endpoint", collector.endpoint, "--trace-sample", "1"])
     assert code == 0
     trainer, worker = collector.spans["agora-trainer"], collector.spans["agora-worker"]
     assert trainer["Backward stage 0"] == worker["Backward"] == steps * microbatches

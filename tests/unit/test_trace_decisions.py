@@ -147,7 +147,8 @@ def test_join_and_the_demo_take_the_tracing_flags_and_the_demo_hands_on_those_gi
     args = build_parser().parse_args(["join", "--otlp-endpoint", "collector:4317", "--trace-sample", "0.5"])
     assert options_from_args(WorkerOptions, args, "worker").tracing.share == 0.5
     given = build_parser().parse_args(["demo", "--otlp-endpoint", "collector:4317", "--trace-sample", "0.5"])
-    assert DemoOptions.from_args(given).tracing_flags() == ["--otlp-endpoint", "collector:4317", "--trace-sample", "0.5"]
+    handed_on = ["--otlp-endpoint", "collector:4317", "--trace-sample", "0.5"]
+    assert DemoOptions.from_args(given).tracing_flags() == handed_on
     assert DemoOptions.from_args(build_parser().parse_args(["demo"])).tracing_flags() == []
 
 
