@@ -31,12 +31,11 @@ import torch
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from agora.node.rpc.server import run
-from agora.node.rpc.tracing import traced_calls
 from agora.node.trainer.discovery import StaticDiscovery
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
 from agora.node.trainer.traces import MicrobatchTraces
-from agora.node.tracing_export import start_tracing
+from agora.node.tracing_export import start_tracing, traced_calls
 from agora.node.tracing_options import TracingOptions
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS

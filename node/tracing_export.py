@@ -30,9 +30,10 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.trace import Tracer
 
+from agora.node.rpc.tracing import TracingHook
 from agora.node.tracing_options import TracingOptions
 
-__all__ = ["Tracing", "start_tracing"]
+__all__ = ["Tracing", "start_tracing", "traced_calls"]
 
 # A collector that does not answer holds a batch this long before it is dropped.
 _EXPORT_TIMEOUT_S = 5.0
@@ -76,3 +77,9 @@ def start_tracing(options: TracingOptions, role: Role, *, run_id: str = "",
     else:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     return Tracing(provider.get_tracer("agora.node"), share, provider)
+
+
+def traced_calls(tracing: Tracing | None) -> list[TracingHook]:
+    """The server hooks a node adds to its chain for `tracing` (its share: of the calls that carry no
+    trace): none when it does not trace."""
+    return [] if tracing is None else [TracingHook(tracing.tracer, tracing.share)]

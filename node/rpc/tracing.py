@@ -21,6 +21,8 @@ Design choices:
   network, (de)serialization, and the worker's admission.
 - No process-wide state: each process builds its own tracer provider (node/tracing_export.py) and
   hands its tracer to what makes spans; opentelemetry's global provider and propagator are left alone.
+  This module needs opentelemetry's API only (every worker and trainer imports it); the SDK and the
+  exporter are node/tracing_export.py's.
 """
 
 from __future__ import annotations
@@ -36,10 +38,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from agora.node.rpc.interceptors import CallHook, CallInfo, CallRecord
-from agora.node.tracing_export import Tracing
 
-__all__ = ["sampled", "job_attributes", "hop_attributes", "with_trace_context", "annotate_job", "TracingHook",
-           "traced_calls"]
+__all__ = ["sampled", "job_attributes", "hop_attributes", "with_trace_context", "annotate_job", "TracingHook"]
 
 # Stateless: it only reads and writes the carrier it is given.
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -127,9 +127,3 @@ class TracingHook(CallHook):
             held.span.set_status(Status(StatusCode.ERROR, f"{record.code.name}: {record.details}"))
         held.span.end()
         otel_context.detach(held.token)
-
-
-def traced_calls(tracing: Tracing | None) -> list[TracingHook]:
-    """The server hooks a node adds to its chain for `tracing` (its share: of calls without a trace):
-    none when it does not trace."""
-    return [] if tracing is None else [TracingHook(tracing.tracer, tracing.share)]

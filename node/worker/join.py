@@ -61,8 +61,7 @@ from agora.node.averaging.sparta import (
 from agora.node.averaging.stats import AveragingStats
 from agora.node.observability import MetricsOptions, NodeMetrics, package_version
 from agora.node.rpc.metrics_hook import MetricsHook
-from agora.node.rpc.tracing import traced_calls
-from agora.node.tracing_export import start_tracing
+from agora.node.tracing_export import start_tracing, traced_calls
 from agora.node.replica.epoch import stage_step
 from agora.node.worker.unit_holders import UnitHolders
 from agora.node.worker.watchdog import NodeHealth, Watchdog

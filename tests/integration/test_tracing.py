@@ -23,13 +23,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from agora.bench.tracing_cost import TraceCollector
-from agora.node.rpc.tracing import traced_calls
 from agora.node.trainer.discovery import StaticDiscovery
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.stage_client import RequestRefused, StageClient
 from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
 from agora.node.trainer.traces import MicrobatchTraces
-from agora.node.tracing_export import Tracing, start_tracing
+from agora.node.tracing_export import Tracing, start_tracing, traced_calls
 from agora.node.tracing_options import TracingOptions
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS
