@@ -59,7 +59,8 @@ def add_doctor_command(commands) -> None:
                     "per check. Exit 0 when none failed, 1 otherwise, 2 for a usage or config mistake.")
     add_run_arguments(doctor, steps_help="as for join", computes=True)
     add_option_flags(doctor.add_argument_group("worker", "as for join: where it listens and announces, what it "
-                                                         "keeps (the memory plan)"), WorkerOptions)
+                                                         "keeps (the memory plan)"), WorkerOptions,
+                     skip=("--otlp-endpoint", "--trace-sample"))  # it serves no calls to trace
     doctor.add_argument("--stage", type=non_negative_int, default=None,
                         help="the stage to check (default: the one the authorizer would assign now, else every stage)")
     doctor.add_argument("--checkpoint-dir", default=None,

@@ -109,7 +109,8 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
             host = group.host(name)
             command = agora_node_command("--log-level", "INFO", *threads, "join", "--stage", str(stage),
                                          "--host", host, "--dht-host", host,
-                                         *options.run_flags(), *swarm, *options.worker_flags(), *admission,
+                                         *options.run_flags(), *swarm, *options.worker_flags(),
+                                         *options.tracing_flags(), *admission,
                                          *_state_dir(options, workdir, name), *checkpoints,
                                          "--stats-file", str(workdir / f"{name}.stats.json"),
                                          "--heartbeat", str(options.heartbeat_s), "--ready-file", str(ready),
@@ -132,7 +133,7 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
             command = agora_node_command(
                 *common, "trainer", *options.run_flags(), *swarm,
                 *_operator_issued(options, workdir, name, "trainer", admission),
-                "--trainer-index", str(index), "--trainers", str(options.trainers), *start,
+                "--trainer-index", str(index), "--trainers", str(options.trainers), *start, *options.tracing_flags(),
                 *([] if options.max_in_flight is None else ["--max-in-flight", str(options.max_in_flight)]),
                 *([] if options.max_staleness is None else ["--max-staleness", str(options.max_staleness)]),
                 *([] if budget is None else ["--time-budget", f"{budget:.3f}"]),

@@ -13,6 +13,7 @@ from pydantic.dataclasses import dataclass
 from agora.dht.records import MAX_HEARTBEAT_S
 from agora.node.run_flags import explicit_settings, options_from_args, setting_flags
 from agora.node.trainer.options import TrainerOptions
+from agora.node.tracing_options import TracingOptions
 from agora.node.worker.options import WorkerOptions
 from agora.pipeline.config import PRESETS
 from agora.pipeline.schema import SECTION, like, setting
@@ -87,6 +88,7 @@ class DemoOptions:
         "member, and units committed, lost and run twice", flag="--chaos", gt=0)
     chaos_seed: StrictInt = setting(0, "seed of --chaos's choice of victims", flag="--chaos-seed")
     lease_s: StrictFloat | None = like(TrainerOptions, "lease_s", default=None)  # None: 5 s under --chaos
+    tracing: TracingOptions = setting(default_factory=TracingOptions)  # handed to every trainer and worker
 
     @model_validator(mode="after")
     def _agree(self) -> "DemoOptions":
@@ -125,6 +127,11 @@ class DemoOptions:
         if self.keep_graphs is not None:
             flags += ["--keep-graphs", str(self.keep_graphs)]
         return flags + ([] if self.sync_phases else ["--no-sync-phases"])
+
+    def tracing_flags(self) -> list[str]:
+        """The tracing flags it was given, for its trainers and workers alike."""
+        given = (("--otlp-endpoint", self.tracing.otlp_endpoint), ("--trace-sample", self.tracing.trace_sample))
+        return [text for flag, value in given if value is not None for text in (flag, str(value))]
 
     def run_flags(self) -> list[str]:
         """Flags every process of the run takes, the authorizer's served config included (all but

@@ -36,7 +36,7 @@ import grpc
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
-from agora.node.rpc.interceptors import CallHook, CallInfo
+from agora.node.rpc.interceptors import CallHook, CallInfo, CallRecord
 from agora.protos.serving import drain
 
 __all__ = ["CallPool", "CallSlots", "PROBE_SERVICES", "DEFAULT_PROBE_CALLS", "REFUSAL_ROOM", "is_probe"]
@@ -147,7 +147,7 @@ class CallSlots(CallHook):
             await drain(call.request_stream, max_parts=_DRAIN_PARTS)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{call.method}: {message}")  # raises
 
-    def release(self, call: CallInfo, held: Any) -> None:
+    def release(self, call: CallInfo, held: Any, record: CallRecord) -> None:
         pool = self.pool_of(call.method)
         if pool is None:
             return

@@ -15,9 +15,10 @@ node/rpc/auth_check.py; metrics, node/rpc/metrics_hook.py) live here, never in h
 - Streaming calls are wrapped like unary ones; the duration covers the whole stream.
 - A hook may also wrap the method's (de)serializers (`codecs`), which see every message's bytes:
   that is where wire bytes are counted, streams included.
-- A hook that holds something for the length of a call (a slot, node/rpc/call_slots.py) returns it
-  from `before` and gets it back in `release`, which runs once when a call `before` let through
-  ends, whatever its outcome: a call refused in `before` took nothing and gives nothing back.
+- A hook that holds something for the length of a call (a slot, node/rpc/call_slots.py; a span,
+  node/rpc/tracing.py) returns it from `before` and gets it back in `release` with the call's record,
+  which runs once when a call `before` let through ends, whatever its outcome: a call refused in
+  `before` took nothing and gives nothing back.
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ class CallHook(grpc.aio.ServerInterceptor):
     def after(self, record: CallRecord) -> None:
         """Runs when the call ends, whatever its outcome. Must not raise."""
 
-    def release(self, call: CallInfo, held: Any) -> None:
-        """Runs when a call that `before` let through ends, with what `before` returned. Must not raise."""
+    def release(self, call: CallInfo, held: Any, record: CallRecord) -> None:
+        """Runs when a call that `before` let through ends, with what `before` returned and the call's
+        outcome (before `after`). Must not raise."""
 
     def codecs(self, method: str, deserialize: Any, serialize: Any) -> tuple[Any, Any]:
         """The request deserializer and reply serializer to use for `method` (default: unchanged)."""
@@ -159,9 +161,10 @@ class CallHook(grpc.aio.ServerInterceptor):
                 admitted: tuple[Any] | None) -> None:
         """`admitted`: a 1-tuple of what `before` returned, None when `before` refused the call."""
         code, details = _outcome(context, error)
+        record = CallRecord(call.method, call.peer, code, details, self._clock() - start)
         if admitted is not None:
-            self._guarded(self.release, call, admitted[0])
-        self._guarded(self.after, CallRecord(call.method, call.peer, code, details, self._clock() - start))
+            self._guarded(self.release, call, admitted[0], record)
+        self._guarded(self.after, record)
 
     def _guarded(self, hook: Callable[..., None], *args: Any) -> None:
         try:

@@ -6,7 +6,9 @@ revoked credential ends the run as an interruption), claims the run's units from
 (node/trainer/units.py), announces itself every beat (node/trainer/announce.py), serves its
 metrics, trains, evaluates on the held-out split and returns its summary; the run config's `evals`
 run meanwhile against the live swarm (node/trainer/evals.py). A worker its verifier flags is
-reported to the authorizer in the background (node/trainer/reports.py), where there is one. SIGTERM or SIGINT end the run between calls: channels closed, the log flushed, a summary.
+reported to the authorizer in the background (node/trainer/reports.py), where there is one. With
+`--otlp-endpoint` a sampled share of its microbatches is traced there (node/trainer/traces.py).
+SIGTERM or SIGINT end the run between calls: channels closed, the log flushed, a summary.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from typing import IO
 from agora.auth.node_state import NodeCredentials
 from agora.node.observability import MetricsOptions
 from agora.node.rpc.tls import TlsChannels
+from agora.node.tracing_export import start_tracing
 from agora.node.trainer.reports import WorkerReports
 from agora.node.trainer.stats import TrainerStats
+from agora.node.trainer.traces import MicrobatchTraces
 from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
 from agora.pipeline.config import ConfigError, RunConfig
 
@@ -96,6 +100,9 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
         stats = TrainerStats(node.registry)
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(node.close)
+            tracing = start_tracing(options.tracing, "trainer", run_id=options.run_id)  # after the DHT's fork
+            if tracing is not None:
+                stack.callback(tracing.close)
             if renewer is not None:
                 await stack.enter_async_context(renewer)
             board = LeaseBoard(swarm, run_id=options.run_id, lease_s=options.lease_s,
@@ -117,6 +124,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
             trainer = await stack.enter_async_context(
                 SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels, stats=stats,
                              units=units, on_flagged=report_flagged,
+                             traces=None if tracing is None else MicrobatchTraces(tracing.tracer, tracing.share),
                              on_record=evaluator.on_record if evaluator is not None else None))
             endpoint = node.serve()
             await stack.enter_async_context(trainer_heartbeat(

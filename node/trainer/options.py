@@ -10,6 +10,7 @@ from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, model_valida
 from pydantic.dataclasses import dataclass
 
 from agora.dht.records import MAX_HEARTBEAT_S, MAX_LEASE_S
+from agora.node.tracing_options import TracingOptions
 from agora.pipeline.schema import SECTION, like, setting
 
 __all__ = ["TrainerOptions", "TrainLocalOptions", "WireDtype"]
@@ -97,6 +98,7 @@ class TrainerOptions:
     time_budget_s: StrictFloat | None = setting(
         None, "start no global batch after this many seconds of training (those in flight finish, then the "
         "held-out evaluation); --steps still sets the schedule", flag="--time-budget", gt=0)
+    tracing: TracingOptions = setting(default_factory=TracingOptions)
 
     @model_validator(mode="after")
     def _agree(self) -> "TrainerOptions":

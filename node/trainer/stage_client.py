@@ -32,7 +32,8 @@ Design choices:
 - With `metrics` (monitor/trainer_metrics.RpcClientMetrics) the payload bytes of every call are
   counted each way.
 - Every call carries this run's fingerprint (`agora-run-fingerprint` metadata); a worker of
-  another run configuration refuses it, naming the differing field.
+  another run configuration refuses it, naming the differing field. A call made under a sampled
+  span also carries its trace context (`traceparent`, node/rpc/tracing.py).
 - Flow control (node/worker/flow.py): Forward and Backward send the caller's measured round trip to
   the worker, and their results carry the credits the worker granted in reply.
 """
@@ -50,6 +51,7 @@ from agora.auth.grpc_policy import FINGERPRINT_METADATA
 from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.node.rpc.server import channel_options
 from agora.node.rpc.tls import ChannelFactory, InsecureChannels, worker_server_name
+from agora.node.rpc.tracing import with_trace_context
 from agora.pipeline.codec import WireCodec, WireFormatError, encode_tokens, float_frame_bytes
 from agora.pipeline.config import ModelConfig
 from agora.pipeline.fingerprint import RunFingerprint
@@ -348,7 +350,8 @@ class StageClient:
 
     async def _invoke(self, method: str, call, timeout_s: float | None, request: Any = None) -> Any:
         try:
-            reply = await call(timeout=timeout_s if timeout_s is not None else self.timeout_s, metadata=self._metadata)
+            reply = await call(timeout=timeout_s if timeout_s is not None else self.timeout_s,
+                               metadata=with_trace_context(self._metadata))
             if self._metrics is not None and request is not None:
                 self._metrics.exchanged(method, payload_bytes(request), payload_bytes(reply))
             return reply

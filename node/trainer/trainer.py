@@ -86,6 +86,7 @@ from agora.node.trainer.stage_client import (
     WorkerBusy,
 )
 from agora.node.trainer.stats import TrainerStats
+from agora.node.trainer.traces import MicrobatchTraces
 from agora.node.trainer.turns import AccumulationOrder
 from agora.node.trainer.units import FixedUnits, UnitSource
 from agora.node.trainer.verification import Evidence, Source
@@ -128,12 +129,15 @@ class SwarmTrainer:
                  log_json: IO[str] | None = None, clock: Callable[[], float] = time.monotonic,
                  on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None,
                  stats: TrainerStats | None = None, units: UnitSource | None = None,
-                 on_flagged: Callable[[Evidence], None] = lambda evidence: None):
+                 on_flagged: Callable[[Evidence], None] = lambda evidence: None,
+                 traces: MicrobatchTraces | None = None):
         # `channels`: mutual TLS with this trainer's credential (node/rpc/tls.TlsChannels), or
         # None for plaintext (--insecure). Every call carries the run fingerprint either way.
         # `on_flagged`: told of each worker the verifier flags, once (node/trainer/reports.py).
+        # `traces`: spans of a sampled share of the microbatches (node/trainer/traces.py); None: off.
         self.config = config
         self.channels = channels
+        self.traces = traces
         self.fingerprint = run_fingerprint(config)
         self.data = data
         self.discovery = discovery
@@ -289,10 +293,11 @@ class SwarmTrainer:
 
     async def _timed(self, view: WorkerView, call: Awaitable, training: bool = True):
         """Await a call to `view`, reserved by `_pick`/`_pinned`: record its outcome in the roster (a busy
-        answer as back-pressure, a failure with a ban) and its time split."""
+        answer as back-pressure, a failure with a ban) and its time split (and on its span, when traced)."""
+        hop = self.traces.hop(view.stage, view.peer_id) if self.traces is not None else None
         started = self.clock()
         try:
-            result = await call
+            result = await (call if hop is None else hop.around(call))
         except WorkerBusy as error:
             self.roster.busy(view.peer_id, self.clock(), error.pushback_s)
             raise
@@ -314,6 +319,8 @@ class SwarmTrainer:
                               credits=result.credits, in_flight_credits=result.in_flight_credits)
         self.stats.call(view.stage, type(result).__name__.removesuffix("Result"), seconds, result.compute_s,
                         result.queued_s)
+        if hop is not None:
+            hop.answered(seconds, result, training=training)
         return result
 
     def _held_out(self, view: WorkerView, probe_id: str, tokens: torch.Tensor, wire: bytes | memoryview | None,
@@ -453,6 +460,18 @@ class SwarmTrainer:
     async def run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
                              evaluate: bool = False, on_stage_done: StageDone | None = None,
                              shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
+        """`_run_microbatch`, under its trace's root span when it is sampled (`traces`)."""
+        if self.traces is None:
+            return await self._run_microbatch(key, tokens, targets, evaluate, on_stage_done, shares, turn)
+        with self.traces.microbatch(key, evaluate=evaluate) as span:
+            loss = await self._run_microbatch(key, tokens, targets, evaluate, on_stage_done, shares, turn)
+            if span is not None:
+                span.set_attribute("agora.loss", loss)
+            return loss
+
+    async def _run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
+                              evaluate: bool = False, on_stage_done: StageDone | None = None,
+                              shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
         """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts.
         `shares`: the global batch's microbatches per peer, one counter per stage (balanced routing).
         `key` names the work ("u12m3"): the same for every attempt and every trainer that runs this unit,

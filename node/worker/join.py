@@ -61,6 +61,7 @@ from agora.node.averaging.sparta import (
 from agora.node.averaging.stats import AveragingStats
 from agora.node.observability import MetricsOptions, NodeMetrics, package_version
 from agora.node.rpc.metrics_hook import MetricsHook
+from agora.node.tracing_export import start_tracing, traced_calls
 from agora.node.replica.epoch import stage_step
 from agora.node.worker.unit_holders import UnitHolders
 from agora.node.worker.watchdog import NodeHealth, Watchdog
@@ -186,8 +187,12 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     async with contextlib.AsyncExitStack() as stack:
         # With credentials: mutual TLS and per-call checks (node/rpc/auth_check.py); None: --insecure.
         worker_metrics = WorkerMetrics(registry)
+        tracing = start_tracing(worker_options.tracing, "worker", run_id=options.run_id)  # after the forks
+        if tracing is not None:
+            stack.callback(tracing.close)  # runs after the server's stop: its last spans are flushed
         worker = StageWorker(config, options.stage, run_id=options.run_id, options=worker_options,
                              credentials=credentials, outer_interceptors=[MetricsHook(RpcServerMetrics(registry))],
+                             interceptors=traced_calls(tracing),
                              metrics=worker_metrics, unit_holders=_unit_holders(swarm, options, credentials),
                              banned=swarm.bans.is_banned)
 

@@ -3,7 +3,8 @@
 Bounds on what it admits (queues, per-caller shares, rows, concurrent calls, message and stream
 sizes), its stash, pinned weight versions and kept graphs, weight-sync downloads, the wire dtype it
 sends, where it listens and what it announces, the bound on the output gradients it takes, how
-it checks a state it downloads (`state_check`), and when its watchdog makes it leave (`watchdog`).
+it checks a state it downloads (`state_check`), when its watchdog makes it leave (`watchdog`), and
+where it sends traces of the calls it serves (`tracing`).
 Light (no torch): the CLI builds its flags from it. A section of the settings schema
 (pipeline/schema.py): each option is declared once with its bounds and help, the fields with a
 flag are `join`'s options, and a bad value is a `ConfigError` naming `worker.<field>` and the
@@ -21,6 +22,7 @@ from agora.node.inference.options import InferenceOptions
 from agora.node.membership.check_options import StateCheckOptions
 from agora.node.rpc.call_slots import DEFAULT_PROBE_CALLS
 from agora.node.rpc.server import is_wildcard_host
+from agora.node.tracing_options import TracingOptions
 from agora.node.worker.watchdog_rules import WatchdogOptions
 from agora.pipeline.schema import SECTION, NoneOr, setting
 
@@ -106,6 +108,7 @@ class WorkerOptions:
     inference: InferenceOptions = setting(default_factory=InferenceOptions)
     state_check: StateCheckOptions = setting(default_factory=StateCheckOptions)
     watchdog: WatchdogOptions = setting(default_factory=WatchdogOptions)
+    tracing: TracingOptions = setting(default_factory=TracingOptions)
 
     @property
     def queue_capacity(self) -> int:

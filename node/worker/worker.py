@@ -88,6 +88,7 @@ from agora.node.inference.service import InferenceService
 from agora.node.rpc.auth_check import Caller, CallerCheck, RefusalCounts, caller_owner, current_caller, nobody_banned
 from agora.node.rpc.call_slots import CallSlots
 from agora.node.rpc.interceptors import interceptor_chain
+from agora.node.rpc.tracing import annotate_job
 from agora.node.rpc.server import (
     add_health_and_reflection,
     announced_host,
@@ -502,6 +503,7 @@ class StageWorker:
         else:
             self._check_shapes(request, partial=False)  # a stream admitted on its first part is whole now
             reply = await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner), request)
+        annotate_job(reply.queued_s, reply.compute_s)  # on the call's span, where it is traced
         return self._credited(admission.caller.owner, reply)
 
     def _credited(self, owner: str, reply: T) -> T:
