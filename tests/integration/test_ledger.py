@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
+import shutil
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -59,6 +62,17 @@ def _post(base: str, body: bytes) -> dict:
 def _get(base: str, path: str):
     with urllib.request.urlopen(base + path, timeout=10) as reply:
         return json.loads(reply.read())
+
+
+def _page_dom(base: str, tmp_path) -> str:
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is not installed: .ci/run installs it (apt-get install chromium)"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+             f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=3000"]
+    dom = subprocess.run([chromium, *flags, "--dump-dom", base + "/"], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    return dom.stdout
 
 
 def test_a_trainers_receipts_reach_the_ledger_and_match_what_the_workers_counted(pki, tmp_path):
@@ -130,6 +144,10 @@ def test_a_trainers_receipts_reach_the_ledger_and_match_what_the_workers_counted
         with pytest.raises(urllib.error.HTTPError) as bad:
             _post(base, b"not json")
         assert bad.value.code == 400
+
+        # The status page shows each contributor's share (headless Chromium runs the page's own fetches).
+        rows = dict(re.findall(r'<tr data-worker="([^"]+)" data-tokens="(\d+)"', _page_dom(base, tmp_path)))
+        assert rows == {peer: str(STEPS * TOKENS_PER_BATCH) for peer in peers}
 
         # The export verifies against the root alone; one changed figure does not.
         export = tmp_path / "ledger.json"
