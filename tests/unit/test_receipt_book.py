@@ -8,15 +8,13 @@ from collections import Counter
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agora.auth.credentials import CredentialVerifier, issue_credential, make_issuing_ca, make_root_ca
-from agora.auth.keys import generate_key, peer_id_of
+from agora.auth.keys import peer_id_of
 from agora.auth.receipts import verify_receipt
 from agora.monitor.served_counts import served_from_metrics
 from agora.monitor.worker_metrics import MAX_SERVED_TRAINERS, WorkerMetrics
 from agora.node.trainer.receipts import ReceiptBook
+from receipt_pki import NOW, RUN, receipt_pki
 
-NOW = 1_800_000_000.0
-RUN = "run-a"
 A, B = "QmWorkerAaaaaaaaaa", "QmWorkerBbbbbbbbbb"
 
 
@@ -31,12 +29,8 @@ class Clock:
 
 @pytest.fixture(scope="module")
 def signer():
-    root = make_root_ca(RUN, generate_key(), now=NOW, lifetime_s=30 * 86400)
-    issuing = make_issuing_ca(root, generate_key(), now=NOW, lifetime_s=86400)
-    key = generate_key()
-    chain = issue_credential(issuing, key.public_key(), run_id=RUN, role="trainer", stage=None, now=NOW,
-                             lifetime_s=3600)
-    return key, chain, CredentialVerifier(root.pem, RUN, clock=lambda: NOW + 100)
+    pki = receipt_pki()
+    return pki.trainer_key, pki.trainer_chain, pki.verifier(NOW + 100)
 
 
 def book_of(signer, every: int, flagged=frozenset()):

@@ -10,27 +10,21 @@ import sqlite3
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agora.auth.credentials import CredentialVerifier, issue_credential, make_issuing_ca, make_root_ca
+from agora.auth.credentials import CredentialVerifier, make_root_ca
 from agora.auth.keys import generate_key, peer_id_of
 from agora.auth.receipts import Receipt, ReceiptError, sign_receipt
 from agora.monitor.ledger import (LedgerMetrics, ReceiptLedger, ServedCount, StoredReceipt, contributors,
                                   overclaim, verify_export)
 from agora.monitor.metrics import sample_value
-
-NOW = 1_800_000_000.0
-RUN = "run-a"
+from receipt_pki import NOW, RUN, receipt_pki
 
 
 @pytest.fixture(scope="module")
 def pki():
-    root = make_root_ca(RUN, generate_key(), now=NOW, lifetime_s=30 * 86400)
-    issuing = make_issuing_ca(root, generate_key(), now=NOW, lifetime_s=86400)
-    trainer = generate_key()
-    chain = issue_credential(issuing, trainer.public_key(), run_id=RUN, role="trainer", stage=None, now=NOW,
-                             lifetime_s=3600)
+    made = receipt_pki()
     other_root = make_root_ca(RUN, generate_key(), now=NOW, lifetime_s=30 * 86400)
     workers = [peer_id_of(generate_key()) for _ in range(2)]
-    return root, trainer, chain, other_root, workers
+    return made.root, made.trainer_key, made.trainer_chain, other_root, workers
 
 
 @pytest.fixture

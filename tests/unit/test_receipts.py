@@ -8,31 +8,24 @@ import json
 
 import pytest
 
-from agora.auth.credentials import CredentialVerifier, issue_credential, make_issuing_ca, make_root_ca
+from agora.auth.credentials import issue_credential, make_issuing_ca, make_root_ca
 from agora.auth.keys import generate_key, peer_id_of
 from agora.auth.receipts import (Receipt, ReceiptError, SignedReceipt, receipt_from_json, receipt_problem,
                                  receipt_to_json, sign_receipt, verify_receipt)
-
-NOW = 1_800_000_000.0
-RUN = "run-a"
+from receipt_pki import NOW, RUN, receipt_pki
 
 
 @pytest.fixture(scope="module")
 def world():
-    root = make_root_ca(RUN, generate_key(), now=NOW, lifetime_s=30 * 86400)
-    issuing = make_issuing_ca(root, generate_key(), now=NOW, lifetime_s=86400)
-    trainer_key, worker_key = generate_key(), generate_key()
-    trainer_chain = issue_credential(issuing, trainer_key.public_key(), run_id=RUN, role="trainer", stage=None,
-                                     now=NOW, lifetime_s=3600)
-    worker_chain = issue_credential(issuing, worker_key.public_key(), run_id=RUN, role="worker", stage=1, now=NOW,
-                                    lifetime_s=3600)
+    pki = receipt_pki()
+    worker_key = generate_key()
     other_root = make_root_ca(RUN, generate_key(), now=NOW, lifetime_s=30 * 86400)
     other_issuing = make_issuing_ca(other_root, generate_key(), now=NOW, lifetime_s=86400)
-    other_chain = issue_credential(other_issuing, trainer_key.public_key(), run_id=RUN, role="trainer", stage=None,
-                                   now=NOW, lifetime_s=3600)
-    return dataclasses.make_dataclass("World", ["root", "trainer_key", "trainer_chain", "worker_key",
+    other_chain = issue_credential(other_issuing, pki.trainer_key.public_key(), run_id=RUN, role="trainer",
+                                   stage=None, now=NOW, lifetime_s=3600)
+    return dataclasses.make_dataclass("World", ["pki", "trainer_key", "trainer_chain", "worker_key",
                                                 "worker_chain", "other_chain"])(
-        root, trainer_key, trainer_chain, worker_key, worker_chain, other_chain)
+        pki, pki.trainer_key, pki.trainer_chain, worker_key, pki.credential(worker_key, "worker", 1), other_chain)
 
 
 def receipt_of(world, **changes) -> Receipt:
@@ -41,8 +34,8 @@ def receipt_of(world, **changes) -> Receipt:
     return Receipt(**(fields | changes))
 
 
-def verifier_of(world, *, now: float = NOW + 200.0) -> CredentialVerifier:
-    return CredentialVerifier(world.root.pem, RUN, clock=lambda: now)
+def verifier_of(world, *, now: float = NOW + 200.0):
+    return world.pki.verifier(now)
 
 
 def test_a_signed_receipt_verifies_against_the_runs_root_and_names_its_trainer(world):
