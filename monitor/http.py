@@ -115,8 +115,10 @@ def _ledger_api(path: str, environ, start_response, ledger: Optional[ReceiptLedg
 
 
 def _take_receipts(entries: list, ledger: ReceiptLedger, served: ServedLookup) -> dict:
-    """Each receipt appended or refused on its own: the answer lists the refused ones by index."""
+    """Each receipt appended or refused on its own: the answer lists the refused ones by index. The
+    worker's count is read once per worker and trainer in a request (one HTTP read each)."""
     accepted, flagged, refused = 0, 0, []
+    counts: dict[tuple[str, str], Optional[ServedCount]] = {}
     for index, entry in enumerate(entries):
         try:
             try:
@@ -124,7 +126,10 @@ def _take_receipts(entries: list, ledger: ReceiptLedger, served: ServedLookup) -
             except ReceiptError:
                 ledger.metrics.refused.labels(reason="malformed").inc()  # `append` counts the rest
                 raise
-            stored = ledger.append(signed, served(signed.receipt.worker, signed.receipt.trainer))
+            pair = (signed.receipt.worker, signed.receipt.trainer)
+            if pair not in counts:
+                counts[pair] = served(*pair)
+            stored = ledger.append(signed, counts[pair])
         except ReceiptError as error:
             refused.append({"index": index, "reason": error.reason, "error": str(error)})
             continue

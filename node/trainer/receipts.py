@@ -14,7 +14,7 @@ closed when the run ends, however short.
 
 `ReceiptSender` posts the receipts to the monitor's ledger (monitor/http.py, `/api/receipts`) in
 the background, best effort: what a post could not deliver (the monitor down, a timeout) is
-kept, up to `MAX_UNSENT`, and sent with the next interval's; a receipt the ledger already holds
+kept, up to `MAX_UNSENT`, and sent with the next interval's, `POST_CHUNK` to a request; a receipt the ledger already holds
 is answered `duplicate` and counts as delivered. The HTTP client is the stdlib's, on a worker
 thread: one small POST per interval does not need another dependency.
 """
@@ -36,11 +36,13 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from agora.auth.receipts import Receipt, SignedReceipt, receipt_to_json, sign_receipt
 from agora.node.trainer.stats import TrainerStats
 
-__all__ = ["MAX_UNSENT", "ReceiptBook", "ReceiptSender", "Signer", "WorkerTally"]
+__all__ = ["MAX_UNSENT", "POST_CHUNK", "ReceiptBook", "ReceiptSender", "Signer", "WorkerTally"]
 
 logger = logging.getLogger("agora.node.trainer")
 
 MAX_UNSENT = 10_000
+# Receipts per POST: each carries its trainer's chain (some 3 KB in all), well within the ledger's 1 MiB body.
+POST_CHUNK = 100
 # The trainer's node key and its current credential chain (re-read: the credential is renewed).
 Signer = Callable[[], tuple[rsa.RSAPrivateKey, bytes]]
 
@@ -128,21 +130,25 @@ class ReceiptSender:
             batch, self._unsent = self._unsent, []
             if not batch:
                 return
-            try:
-                answer = await asyncio.to_thread(self._send, batch)
-            except (OSError, ValueError) as error:
-                self._unsent[:0] = batch
-                self.stats.receipts("failed", len(batch))
-                logger.warning("receipts: posting %d to %s failed (kept for the next post): %s", len(batch),
-                               self.url, error)
-                return
-            refused = [entry for entry in answer.get("refused", []) if entry.get("reason") != "duplicate"]
-            self.stats.receipts("delivered", len(batch) - len(refused))
-            if refused:
-                self.stats.receipts("refused", len(refused))
-                logger.warning("receipts: the ledger refused %d of %d: %s", len(refused), len(batch),
-                               refused[0].get("error"), extra={"milestone": "receipts_refused",
-                                                               "fields": {"refused": len(refused), "url": self.url}})
+            for start in range(0, len(batch), POST_CHUNK):  # a backlog goes in bodies the ledger takes
+                chunk = batch[start:start + POST_CHUNK]
+                try:
+                    answer = await asyncio.to_thread(self._send, chunk)
+                except (OSError, ValueError) as error:
+                    self._unsent[:0] = batch[start:]
+                    self.stats.receipts("failed", len(batch) - start)
+                    logger.warning("receipts: posting %d to %s failed (kept for the next post): %s",
+                                   len(batch) - start, self.url, error)
+                    return
+                self._answered(answer, len(chunk))
+
+    def _answered(self, answer: dict, sent: int) -> None:
+        refused = [entry for entry in answer.get("refused", []) if entry.get("reason") != "duplicate"]
+        self.stats.receipts("delivered", sent - len(refused))
+        if refused:
+            self.stats.receipts("refused", len(refused))
+            logger.warning("receipts: the ledger refused %d of %d: %s", len(refused), sent, refused[0].get("error"),
+                           extra={"milestone": "receipts_refused", "fields": {"refused": len(refused), "url": self.url}})
 
     def _send(self, batch: list[SignedReceipt]) -> dict:
         body = json.dumps({"receipts": [receipt_to_json(signed) for signed in batch]}).encode()

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import re
 import shutil
+import socket
 import subprocess
 import time
 import urllib.error
@@ -29,7 +30,7 @@ from agora.monitor.worker_metrics import WorkerMetrics
 from agora.node.cli import main as agora_node
 from agora.node.rpc.tls import TlsChannels
 from agora.node.trainer.discovery import StaticDiscovery
-from agora.node.trainer.receipts import ReceiptBook, ReceiptSender
+from agora.node.trainer.receipts import POST_CHUNK, ReceiptBook, ReceiptSender
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
@@ -165,3 +166,36 @@ def test_a_trainers_receipts_reach_the_ledger_and_match_what_the_workers_counted
         for server, thread in metrics_servers:
             server.shutdown()
             server.server_close()
+
+
+def test_receipts_the_ledger_could_not_take_are_kept_and_a_backlog_goes_in_several_posts(pki, tmp_path):
+    credentials = NodeCredentials(pki.trainer, clock=time.time)
+    chain, worker = credentials.current()[0], NodeCredentials(pki.workers[0], clock=time.time).peer_id
+    now = time.time()
+    receipts = [sign_receipt(Receipt(RUN, credentials.peer_id, worker, 0, now + i, now + i + 0.5, 1, 64),
+                             credentials.key, chain) for i in range(4 * POST_CHUNK)]  # over 1 MiB in one body
+    with socket.socket() as reserved:  # a port nothing listens on yet: the monitor comes up there later
+        reserved.bind(("127.0.0.1", 0))
+        port = reserved.getsockname()[1]
+    stats = TrainerStats()
+    sender = ReceiptSender(f"http://127.0.0.1:{port}", stats, timeout_s=5)
+
+    async def submit(batch):
+        sender.submit(batch)
+        await sender.drain()
+
+    asyncio.run(submit(receipts[:20]))
+    assert sample_value(stats.registry, "agora_trainer_receipts_total", {"outcome": "failed"}) == 20
+    registry = new_registry()
+    ledger = ReceiptLedger(tmp_path / "ledger.sqlite", CredentialVerifier(pki.root_pem, RUN, clock=time.time),
+                           LedgerMetrics(registry), clock=time.time)
+    monitor = start_monitor_server(registry, lambda: None, "127.0.0.1", port, ledger=ledger)
+    try:
+        asyncio.run(submit(receipts[20:]))  # the 20 kept go first, then these: two posts
+        assert sample_value(stats.registry, "agora_trainer_receipts_total", {"outcome": "delivered"}) == len(receipts)
+        (entry,) = ledger.contributors()
+        assert (entry.receipts, entry.tokens) == (len(receipts), 64 * len(receipts))
+        assert sample_value(registry, "agora_ledger_receipts_refused_total", {"reason": "duplicate"}) == 0
+    finally:
+        monitor.close()
+        ledger.close()

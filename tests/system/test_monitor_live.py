@@ -249,6 +249,7 @@ def test_the_status_page_shows_every_stage_its_workers_and_a_loss_curve(demo, tm
     assert page.points >= 3
     shown = set(re.findall(r'<tr data-worker="([^"]+)"', dom.stdout))  # the contributors table
     assert {entry["worker"] for entry in contributors} <= shown
+    assert all(entry["flagged_receipts"] == 0 for entry in contributors)  # honest workers counted what they served
     shot = tmp_path / "status-page.png"
     subprocess.run([chromium, *flags, f"--screenshot={shot}", demo], capture_output=True, timeout=120, check=True)
     assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
