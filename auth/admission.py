@@ -41,9 +41,12 @@ import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
 import grpc
+
+if TYPE_CHECKING:  # torch is imported where the hardware is read: the authorizer never needs it
+    import torch
 
 from agora.auth.credentials import (Clock, CredentialError, CredentialVerifier, Identity, certificate_fingerprint,
                                     load_chain)

@@ -8,7 +8,10 @@ Prometheus' own conventions (prometheus.io/docs/practices/naming), made checkabl
   percent, ...) never appear; anything that names a duration ends in `_seconds`;
 - `_total` ends exactly the counters' samples;
 - labels only from `ALLOWED_LABELS` (low cardinality: a stage index, a method, a status code;
-  never a microbatch or peer id), plus the ones Prometheus itself defines for histograms;
+  never a microbatch or a worker's peer id), plus the ones Prometheus itself defines for
+  histograms. The one peer id allowed is a `trainer`'s, on a worker's count of what it served each
+  trainer: trainers are operator-issued, a handful per run, and the worker caps the series
+  (monitor/worker_metrics.py);
 - every metric has help text.
 
 `lint(families)` takes what `CollectorRegistry.collect()` yields or what
@@ -26,7 +29,7 @@ __all__ = ["ALLOWED_LABELS", "BASE_UNITS", "lint"]
 
 # `version` and `run` appear on agora_node_info only (one series per process).
 ALLOWED_LABELS = frozenset({"stage", "role", "outcome", "method", "code", "phase", "reason", "kind", "version",
-                            "run"})
+                            "run", "trainer"})
 BASE_UNITS = ("seconds", "bytes", "ratio")
 _PROMETHEUS_LABELS = frozenset({"le", "quantile"})
 _NOT_BASE_UNITS = frozenset({"milliseconds", "ms", "microseconds", "us", "nanoseconds", "ns", "minutes", "hours",

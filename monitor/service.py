@@ -11,6 +11,11 @@ A metrics endpoint the scrape policy leaves out of `/sd` (monitor/scrape_policy.
 naming the record's peer and counted (`agora_monitor_scrape_targets_left_out_total`) once per
 peer, endpoint and reason, not at every poll: the same record is read every `poll_s`.
 
+With `ledger` (a sqlite file) and the run's root certificate, the monitor also keeps the run's
+ledger of verified work (monitor/ledger.py): the trainers post their signed receipts to its HTTP
+port, and each is checked against the worker's own count of what it served, read from the worker's
+announced metrics endpoint (monitor/served_counts.py).
+
 The DHT process is forked before the HTTP server's thread exists (hivemind forks; a process
 with threads does not fork reliably).
 """
@@ -29,10 +34,13 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry
 
+from agora.auth.credentials import CredentialVerifier
 from agora.dht.records import TrainerRecord, trainer_key
 from agora.dht.swarm import DHTRequestError, SwarmDHT
 from agora.monitor.http import MonitorServer, start_monitor_server
+from agora.monitor.ledger import LedgerMetrics, ReceiptLedger, ServedCount
 from agora.monitor.scrape_policy import REFUSAL_REASONS, host_key
+from agora.monitor.served_counts import served_count
 from agora.monitor.swarm_metrics import MonitorMetrics, SwarmCollector
 from agora.monitor.swarm_view import EvalHistory, LeftOutTarget, LossHistory, StaticTarget, SwarmView, summarize
 
@@ -82,13 +90,14 @@ class MonitorOptions:
     static_targets: tuple[StaticTarget, ...] = ()
     ready_file: Optional[str] = None
     trainer_hosts: tuple[str, ...] = ()  # hosts whose trainers' metrics endpoints /sd lists, besides the targets'
+    ledger: Optional[str] = None  # the sqlite file of the ledger of verified work (None: no ledger)
 
 
 class SwarmMonitor:
     """Polls `swarm` for `options.run_id` and serves the view; `run()` until stopped."""
 
     def __init__(self, swarm: SwarmDHT, options: MonitorOptions, registry: CollectorRegistry, *,
-                 clock=time.monotonic):
+                 clock=time.monotonic, root_pem: Optional[bytes] = None):
         self.swarm = swarm
         self.options = options
         self.registry = registry
@@ -101,6 +110,10 @@ class SwarmMonitor:
         self._reported: set[LeftOutTarget] = set()  # left-out endpoints already logged and counted
         SwarmCollector(lambda: self._view, registry)
         self.server: Optional[MonitorServer] = None
+        self.ledger: Optional[ReceiptLedger] = None
+        if options.ledger is not None and root_pem is not None:
+            verifier = CredentialVerifier(root_pem, options.run_id, clock=time.time)
+            self.ledger = ReceiptLedger(options.ledger, verifier, LedgerMetrics(registry), clock=time.time)
 
     @property
     def view(self) -> Optional[SwarmView]:
@@ -141,7 +154,8 @@ class SwarmMonitor:
 
     def serve(self) -> str:
         """Start the HTTP port; the status page's URL."""
-        self.server = start_monitor_server(self.registry, lambda: self._view, self.options.host, self.options.port)
+        self.server = start_monitor_server(self.registry, lambda: self._view, self.options.host, self.options.port,
+                                           ledger=self.ledger, served=self.served)
         return f"http://{self.server.host}:{self.server.port}/"
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -157,19 +171,28 @@ class SwarmMonitor:
             except asyncio.TimeoutError:
                 pass
 
+    def served(self, worker: str, trainer: str) -> Optional[ServedCount]:
+        """What `worker` says it served `trainer`, from the metrics endpoint it announced (None: unknown)."""
+        view = self._view
+        endpoints = {peer: endpoint for endpoint, _, peer in view.worker_targets} if view is not None else {}
+        return served_count(endpoints[worker], trainer) if worker in endpoints else None
+
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
             self.server = None
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
 
 
 def run_monitor(swarm: SwarmDHT, options: MonitorOptions, registry: CollectorRegistry,
-                on_serving=lambda url: None, companions=()) -> int:
+                on_serving=lambda url: None, companions=(), root_pem: Optional[bytes] = None) -> int:
     """Blocking: serve until SIGINT/SIGTERM; `on_serving(url)` once the port answers. `companions`:
     async context managers that live as long as the monitor (the credential's renewer)."""
     from agora.pipeline.files import atomic_write
 
-    monitor = SwarmMonitor(swarm, options, registry)
+    monitor = SwarmMonitor(swarm, options, registry, root_pem=root_pem)
 
     async def main() -> None:
         stop = asyncio.Event()

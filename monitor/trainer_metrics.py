@@ -19,6 +19,8 @@
   replica), their compute there, skipped for want of a free replica, and disagreements.
 - Gradient checks (node/trainer/gradient_checks.py), by stage: sent (two held-out Forwards each),
   their compute, skipped for want of a replica with two credits free, and checks out of band.
+- Receipts of accepted work (node/trainer/receipts.py) by outcome: signed, delivered to the
+  ledger, refused by it, failed to post, dropped unsent.
 - `RpcClientMetrics`: payload bytes (tensor frames) sent and received, by method.
 - `EvalMetrics`: the evaluations run against the live swarm while training (node/trainer/evals.py):
   each figure of the last one by `kind` (`heldout_loss`, `heldout_perplexity`, `TASK.METRIC`: the
@@ -91,6 +93,9 @@ class TrainerMetrics:
         self.worker_reports = Counter("agora_trainer_worker_reports", "Flagged workers reported to the run's "
                                       "authorizer: sent, or failed (refused, or unreachable through every retry)",
                                       ["outcome"], registry=registry)
+        self.receipts = Counter("agora_trainer_receipts", "Receipts of accepted work for workers (node/trainer/"
+                                "receipts.py): signed, then delivered to the ledger, refused by it, failed to post "
+                                "(kept and posted again), or dropped unsent", ["outcome"], registry=registry)
         self.in_flight_limit = Gauge("agora_trainer_in_flight_limit", "Microbatches this trainer allows itself in "
                                      "flight now (the adaptive depth, within its caps)", registry=registry)
         self.in_flight_credits = Gauge("agora_trainer_in_flight_credits", "Microbatches the workers keep for this "

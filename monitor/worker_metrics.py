@@ -15,20 +15,25 @@ Design choices:
   The bound on output gradients (a head's or body's, pipeline/wire_scale.py): the running scale it
   judges them by, and how far the largest it accepted came to the bound (refusals beyond are
   counted as `extreme_output_grad`).
+  What it served each trainer (tokens of its training Forwards, by the caller's peer id, and since
+  when): a contributor's own account of its share, and the figure the ledger holds the trainers'
+  receipts to (monitor/ledger.py).
 - Durations are histograms; buckets cover a CPU microbatch (milliseconds) to a slow 8B stage
   (tens of seconds).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["DURATION_BUCKETS", "RpcServerMetrics", "WorkerMetrics"]
+__all__ = ["DURATION_BUCKETS", "MAX_SERVED_TRAINERS", "RpcServerMetrics", "WorkerMetrics"]
 
+MAX_SERVED_TRAINERS = 64  # trainers are operator-issued: a handful per run
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -93,7 +98,23 @@ class WorkerMetrics:
                                             "refusals start at gradient_bound_factor)", registry=registry)
         self.watchdog_trips = Counter("agora_worker_watchdog_trips", "Times the watchdog made the worker leave, by "
                                       "the rule that tripped", ["reason"], registry=registry)
+        self.served_tokens = Counter("agora_worker_served_tokens", "Tokens of training microbatches this process "
+                                     "served, by the trainer that sent them: what the trainers' receipts for it may "
+                                     "claim at most (monitor/ledger.py)", ["trainer"], registry=registry)
+        self.served_since = Gauge("agora_worker_served_since_seconds", "When this process began counting "
+                                  "agora_worker_served_tokens (seconds since the epoch)", registry=registry)
+        self.served_since.set(time.time())
+        self._served_trainers: set[str] = set()
         self._registry = registry
+
+    def served(self, trainer: str, tokens: int) -> None:
+        """A training microbatch of `tokens` served to `trainer` (its Forward; its Backward is the same work).
+        Past `MAX_SERVED_TRAINERS` distinct callers the rest count as "other" (bounded series)."""
+        if trainer not in self._served_trainers:
+            if len(self._served_trainers) >= MAX_SERVED_TRAINERS:
+                trainer = "other"
+            self._served_trainers.add(trainer)
+        self.served_tokens.labels(trainer=trainer).inc(tokens)
 
     def watchdog_tripped(self, rule: str) -> None:
         self.watchdog_trips.labels(reason=rule).inc()

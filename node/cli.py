@@ -255,7 +255,10 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
               "empty swarm to watch", file=sys.stderr)
     options = MonitorOptions(run_id=admission.run_id, n_stages=len(admission.config.layer_split), host=args.host,
                              port=args.port, poll_s=args.poll, static_targets=targets, ready_file=args.ready_file,
-                             trainer_hosts=trainer_hosts)
+                             trainer_hosts=trainer_hosts, ledger=args.ledger)
+    if args.ledger is not None and credentials is None:
+        raise ConfigError("--ledger: receipts are verified against the run's root certificate; a monitor without a "
+                          "credential (--insecure) has none")
     security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
     try:  # read-only: a client peer (a monitor credential's stores are refused anyway)
         swarm = SwarmDHT.start(initial_peers=admission.initial_peers, client_mode=True, security=security)
@@ -275,7 +278,8 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
               f"service discovery {url}sd", flush=True)
 
     try:
-        return run_monitor(swarm, options, metrics.registry, on_serving=serving, companions=companions)
+        return run_monitor(swarm, options, metrics.registry, on_serving=serving, companions=companions,
+                           root_pem=credentials.root_pem() if credentials is not None else None)
     except OSError as error:
         raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror or error})") \
             from None
@@ -426,6 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
                               "gRPC endpoint to vouch for its host, so by default only those on a --target's host "
                               "are); repeatable. Workers are listed on the host of their gRPC endpoint only")
     monitor.add_argument("--ready-file", default=None, help="write the status page's URL here once serving")
+    monitor.add_argument("--ledger", default=None, metavar="FILE",
+                         help="keep the run's ledger of verified work in this sqlite file: trainers started with "
+                              "--ledger-url post their signed receipts here, /api/contributors sums them, "
+                              "/api/ledger exports them (needs a monitor credential: receipts are verified against "
+                              "the run's root)")
     add_admission_arguments(monitor)
     monitor.set_defaults(handler=_cmd_monitor)
 
@@ -449,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     from agora.node.doctor_command import add_doctor_command
 
     add_doctor_command(commands)
+    from agora.node.ledger_command import add_ledger_command
+
+    add_ledger_command(commands)
     from agora.node.simulate.command import add_simulate_command
 
     add_simulate_command(commands)

@@ -1,4 +1,5 @@
-// The status page: polls /api/swarm once a second and redraws. No library, no CDN: this file,
+// The status page: polls /api/swarm once a second and /api/contributors (the ledger of verified
+// work, when the monitor keeps one) every few seconds, and redraws. No library, no CDN: this file,
 // index.html and style.css are everything, shipped in the package.
 "use strict";
 
@@ -81,6 +82,40 @@ function draw(view) {
   drawChart("eval-chart", view.eval_history, "heldout_loss", 3, "no evaluation yet (the run config's evals)");
 }
 
+function when(seconds) { return new Date(seconds * 1000).toISOString().replace("T", " ").slice(0, 19); }
+
+function drawContributors(reply) {
+  const body = document.querySelector("#contributors tbody");
+  body.replaceChildren();
+  for (const entry of reply.contributors) {
+    const row = element("tr", {"data-worker": entry.worker, "data-tokens": entry.tokens});
+    const short = entry.worker.length > 16 ? `${entry.worker.slice(0, 6)}...${entry.worker.slice(-6)}` : entry.worker;
+    row.append(element("td", {title: entry.worker}, short), element("td", {}, entry.stages.join(", ")),
+               element("td", {class: "number"}, rate(entry.tokens)),
+               element("td", {class: "number"}, rate(entry.microbatches)),
+               element("td", {class: "number"}, `${entry.receipts}`), element("td", {class: "number"},
+               `${entry.trainers.length}`), element("td", {}, when(entry.first_seen)),
+               element("td", {}, when(entry.last_seen)),
+               element("td", {class: "number"}, entry.flagged_receipts
+                 ? `${entry.flagged_receipts} (${rate(entry.flagged_tokens)} tokens)` : "-"));
+    body.append(row);
+  }
+  text("ledger-status", reply.contributors.length
+    ? `${reply.contributors.length} contributors, from trainers' signed receipts (export: /api/ledger)`
+    : "no receipt yet");
+}
+
+async function refreshContributors() {
+  try {
+    const reply = await fetch("/api/contributors", {cache: "no-store"});
+    if (reply.status === 404) { text("ledger-status", "this monitor keeps no ledger (--ledger FILE)"); return; }
+    if (!reply.ok) throw new Error(`HTTP ${reply.status}`);
+    drawContributors(await reply.json());
+  } catch (error) {
+    text("ledger-status", `cannot read the ledger: ${error}`);
+  }
+}
+
 async function refresh() {
   const status = document.getElementById("status");
   try {
@@ -102,3 +137,5 @@ async function refresh() {
 
 refresh();
 setInterval(refresh, 1000);
+refreshContributors();
+setInterval(refreshContributors, 5000);

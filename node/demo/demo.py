@@ -6,7 +6,8 @@ Order: bootstrap (its ready file carries the DHT multiaddrs) -> one `join` per s
 monitor credential it joins with) and the demo prints its status page's URL; every
 process serves Prometheus metrics on a free port (workers and trainers announce theirs in the
 DHT; the authorizer's and the bootstrap's are given to the monitor as static targets), so the
-monitor's `/sd` lists them all. While the trainers run, a progress bar (plain lines when not a
+monitor's `/sd` lists them all. In an admitted run the monitor keeps the ledger of verified work
+(`ledger.sqlite` in the work directory) and the trainers post their receipts to it. While the trainers run, a progress bar (plain lines when not a
 terminal) shows global batches, loss, tokens/s and live workers per stage. When they finish,
 workers and the bootstrap get SIGTERM (clean leave), every process is reaped, the trainers'
 logs are merged into one JSON line per global batch (run-wide `step`, the train-local schema)
@@ -139,15 +140,18 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
                 *([] if budget is None else ["--time-budget", f"{budget:.3f}"]),
                 *([] if options.trainer_lease_s is None else ["--lease", str(options.trainer_lease_s)]),
                 "--log-json", str(log), "--summary-json", str(workdir / f"{name}.summary.json"),
-                "--heartbeat", str(options.heartbeat_s), *metrics_flags(), *([] if index == 0 else ["--no-eval"]))
+                "--heartbeat", str(options.heartbeat_s), *metrics_flags(), *([] if index == 0 else ["--no-eval"]),
+                *ledger_url)
             return group.spawn(name, command)
 
         for stage in range(options.stages or 1):
             for replica in range(options.replicas):
                 workers.append((stage, start_worker(stage, f"worker-s{stage}-r{replica}", resume_step is not None)))
         ready = group.wait_ready([w for _, w in workers] + ([monitor] if monitor else []), options.ready_timeout_s)
+        ledger_url: list[str] = []  # the trainers post their receipts to the monitor's ledger (secure runs)
         if monitor is not None:
             url = ready["monitor"][0]
+            ledger_url = [] if options.insecure else ["--ledger-url", url.rstrip("/")]
             print(f"demo: status page {url} (Prometheus: service discovery {url}sd, swarm metrics {url}metrics)",
                   file=sys.stderr, flush=True)
         trainers_started = time.monotonic()  # the run's --time-budget counts from here
@@ -314,7 +318,8 @@ def _start_monitor(group: ProcessGroup, options: DemoOptions, workdir: Path, swa
     swarm = [flag for flag in swarm if flag != "--sync"]
     command = agora_node_command(*common, "monitor", *options.run_flags(), *swarm, *admission,
                                  *_state_dir(options, workdir, "monitor"), "--port", str(options.monitor_port),
-                                 "--poll", str(options.heartbeat_s), *targets, "--ready-file", str(ready))
+                                 "--poll", str(options.heartbeat_s), *targets, "--ready-file", str(ready),
+                                 *([] if options.insecure else ["--ledger", str(workdir / "ledger.sqlite")]))
     return group.spawn("monitor", command, ready)
 
 

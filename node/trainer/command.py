@@ -6,9 +6,11 @@ revoked credential ends the run as an interruption), claims the run's units from
 (node/trainer/units.py), announces itself every beat (node/trainer/announce.py), serves its
 metrics, trains, evaluates on the held-out split and returns its summary; the run config's `evals`
 run meanwhile against the live swarm (node/trainer/evals.py). A worker its verifier flags is
-reported to the authorizer in the background (node/trainer/reports.py), where there is one. With
-`--otlp-endpoint` a sampled share of its microbatches is traced there (node/trainer/traces.py).
-SIGTERM or SIGINT end the run between calls: channels closed, the log flushed, a summary.
+reported to the authorizer in the background (node/trainer/reports.py), where there is one; with a
+ledger (`--ledger-url`), the work it accepted from each worker is signed into receipts and posted
+there (node/trainer/receipts.py). With `--otlp-endpoint` a sampled share of its microbatches is
+traced there (node/trainer/traces.py). SIGTERM or SIGINT end the run between calls: channels
+closed, the log flushed, a summary.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from agora.auth.node_state import NodeCredentials
 from agora.node.observability import MetricsOptions
 from agora.node.rpc.tls import TlsChannels
 from agora.node.tracing_export import start_tracing
+from agora.node.trainer.receipts import ReceiptBook, ReceiptSender
 from agora.node.trainer.reports import WorkerReports
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.traces import MicrobatchTraces
@@ -119,11 +122,12 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                     run_id=options.run_id, call_timeout_s=options.call_timeout_s), channels=channels)
                 evaluator = await stack.enter_async_context(SwarmEvaluator(
                     config.evals, generator, data, registry=node.registry, log_json=log_json))
+            book, sender = _receipts(options, credentials, stats)
             units = LeasedUnits(board, total=steps, start=options.start_step, stats=stats, clock=swarm.clock,
                                 stripe=(options.trainer_index, options.trainers))
             trainer = await stack.enter_async_context(
                 SwarmTrainer(config, data, discovery, options, log_json=log_json, channels=channels, stats=stats,
-                             units=units, on_flagged=report_flagged,
+                             units=units, on_flagged=report_flagged, receipts=book,
                              traces=None if tracing is None else MicrobatchTraces(tracing.tracer, tracing.share),
                              on_record=evaluator.on_record if evaluator is not None else None))
             endpoint = node.serve()
@@ -141,6 +145,9 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 await trainer.run(steps)
             except asyncio.CancelledError:
                 interrupted = True
+            if book is not None:  # the last interval, however short
+                book.close_interval()
+                await sender.drain()
             if evaluator is not None:
                 await evaluator.close(wait=not interrupted)
             records = trainer.records
@@ -166,6 +173,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "flagged_by_peer": trainer.stats.flagged_by_peer,
                 "reported": {peer: receipt.banned for peer, receipt in reports.receipts.items()} if reports else {},
                 "verification": trainer.verification_summary(),
+                "receipts": {"signed": book.signed, "withheld_tokens": book.withheld} if book is not None else None,
                 "aborts": trainer.stats.aborts, "batch_reports_failed": trainer.stats.batch_reports_failed,
                 "batch_reports_refused": trainer.stats.batch_reports_refused,
                 "units": trainer.stats.units(),
@@ -182,3 +190,18 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
         return run_loop(main())
     finally:
         swarm.shutdown()
+
+
+def _receipts(options: TrainerOptions, credentials: NodeCredentials | None,
+              stats: TrainerStats) -> tuple[ReceiptBook | None, ReceiptSender | None]:
+    """The receipt book and its sender to the ledger at `options.ledger_url` (None, None: no ledger)."""
+    if options.ledger_url is None:
+        return None, None
+    if credentials is None:
+        raise ConfigError("ledger_url: receipts are signed with the trainer's credential; without one (--insecure) "
+                          "there is nothing to sign them with")
+    sender = ReceiptSender(options.ledger_url, stats)
+    book = ReceiptBook(options.run_id, credentials.peer_id, options.receipt_every_batches,
+                       lambda: (credentials.key, credentials.current()[0]),
+                       flagged=lambda peer: peer in stats.flagged_by_peer, deliver=sender.submit)
+    return book, sender

@@ -96,6 +96,10 @@ class TrainerStats:
         """A flagged worker's report to the authorizer (node/trainer/reports.py): "sent" or "failed"."""
         self.metrics.worker_reports.labels(outcome=outcome).inc()
 
+    def receipts(self, outcome: str, count: int = 1) -> None:
+        """Receipts of accepted work (node/trainer/receipts.py): signed, delivered, refused, failed, dropped."""
+        self.metrics.receipts.labels(outcome=outcome).inc(count)
+
     def depth(self, limit: int, credit_cap: int | None, stage_credits: list[int]) -> None:
         """The in-flight limit now, the workers' in-flight credits bounding it (None: none states one)
         and the calls each stage lets this trainer have outstanding."""

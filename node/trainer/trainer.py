@@ -74,6 +74,7 @@ from agora.node.trainer.inflight import (DepthEstimate, InFlightLimit, adaptive_
                                          resized_depth)
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.blame import Blame
+from agora.node.trainer.receipts import ReceiptBook
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.reply_checks import ReplyChecks
 from agora.node.trainer.stage_client import (
@@ -130,11 +131,12 @@ class SwarmTrainer:
                  on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None,
                  stats: TrainerStats | None = None, units: UnitSource | None = None,
                  on_flagged: Callable[[Evidence], None] = lambda evidence: None,
-                 traces: MicrobatchTraces | None = None):
+                 traces: MicrobatchTraces | None = None, receipts: ReceiptBook | None = None):
         # `channels`: mutual TLS with this trainer's credential (node/rpc/tls.TlsChannels), or
         # None for plaintext (--insecure). Every call carries the run fingerprint either way.
         # `on_flagged`: told of each worker the verifier flags, once (node/trainer/reports.py).
         # `traces`: spans of a sampled share of the microbatches (node/trainer/traces.py); None: off.
+        # `receipts`: told of each finished batch's accepted work per worker (node/trainer/receipts.py).
         self.config = config
         self.channels = channels
         self.traces = traces
@@ -167,6 +169,7 @@ class SwarmTrainer:
         self._stage_reports: dict[int, dict[str, asyncio.Task]] = {}
         self._unit_reports: dict[int, list[asyncio.Task]] = {}  # a unit commits once its reports are in
         self.units = units
+        self.receipts = receipts
         self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
         self.max_in_flight = in_flight_limit(options, config.train.microbatches)
         self.adaptive = adaptive_depth(options)
@@ -598,6 +601,8 @@ class SwarmTrainer:
         losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))
         for stage, stage_shares in enumerate(shares):
             self.roster.batch_done(stage, stage_shares)  # who got none of it (routing's probe)
+        if self.receipts is not None:  # only the routes that completed are left in the shares
+            self.receipts.batch_served(shares, unit.shape[0] // n_micro * (unit.shape[1] - 1))
         grad_norms: list[float] = []
         if self.options.synchronous:
             replies = await self._step_barrier(unit_id)

@@ -504,6 +504,8 @@ class StageWorker:
             self._check_shapes(request, partial=False)  # a stream admitted on its first part is whole now
             reply = await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner), request)
         annotate_job(reply.queued_s, reply.compute_s)  # on the call's span, where it is traced
+        if self._metrics is not None and isinstance(request, ForwardRequest) and not request.evaluate:
+            self._metrics.served(admission.caller.owner, _job_tokens(request))  # what a trainer's receipts may claim
         return self._credited(admission.caller.owner, reply)
 
     def _credited(self, owner: str, reply: T) -> T:

@@ -28,6 +28,7 @@ def every_role(registry: CollectorRegistry) -> None:
     worker.watch(load=lambda: 3, capacity=8, step=lambda: 5, throughput=lambda: 1e4, phase=lambda: "member",
                  phases=PHASES, refusals=lambda: {"expired": 2}, callers=lambda: 2, queue_target=lambda: 6)
     worker.observe_job("Forward", 128, 0.001, 0.02)
+    worker.served("QmTrainer", 128)
     worker.stepped(3e-4, 1.5)
     worker.watch_output_grads(scale=lambda: 0.01, peak_ratio=lambda: 3.0)
     worker.watchdog_tripped("host_memory")
@@ -65,6 +66,7 @@ def every_role(registry: CollectorRegistry) -> None:
     trainer.blamed("peer", 0)
     trainer.flagged("peer", 0, "output", "stage 0 output: log_rms high")
     trainer.worker_report("sent")
+    trainer.receipts("signed", 3)
     trainer.aborted("reverted")
     trainer.batch_done(256, 5.2, 3e-4)
     trainer.heldout(5.0)

@@ -234,6 +234,9 @@ class _Dom(html.parser.HTMLParser):
 
 def test_the_status_page_shows_every_stage_its_workers_and_a_loss_curve(demo, tmp_path):
     chromium = tool("chromium")
+    # The trainers post signed receipts every 20 global batches; the ledger verifies and sums them.
+    contributors = until(lambda: get_json(demo + "api/contributors")["contributors"], 240,
+                         "the first receipts in the monitor's ledger")
     flags = [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,1000",
              "--virtual-time-budget=5000"]  # the page's own fetches and redraws run within it
     dom = subprocess.run([chromium, *flags, "--dump-dom", demo], capture_output=True, text=True, timeout=120)
@@ -244,6 +247,9 @@ def test_the_status_page_shows_every_stage_its_workers_and_a_loss_curve(demo, tm
     assert page.rows == {str(s): REPLICAS for s in range(STAGES)}
     assert page.workers == page.rows
     assert page.points >= 3
+    shown = set(re.findall(r'<tr data-worker="([^"]+)"', dom.stdout))  # the contributors table
+    assert {entry["worker"] for entry in contributors} <= shown
+    assert all(entry["flagged_receipts"] == 0 for entry in contributors)  # honest workers counted what they served
     shot = tmp_path / "status-page.png"
     subprocess.run([chromium, *flags, f"--screenshot={shot}", demo], capture_output=True, timeout=120, check=True)
     assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
