@@ -81,9 +81,13 @@ returned. Design choices:
   generator the workers cannot predict), and a check due while its worker has no credit free stays
   due until one is, for as many replies again at most: then it is sent without free credits (a
   worker stating none at every reply, busy or dodging, is still checked; its probes queue behind
-  its work, or are refused as any call over its credits is, and the check waits again). So a lie
-  told for n replies is checked at least once within some 4/share of them where independent coins
-  miss it with probability (1 - share)^n.
+  its work, or are refused as any call over its credits is, and the check waits again). A check
+  that decides nothing (its probes refused or failed, or answered on weights a step or an
+  averaging round after the reply's) is due again at the worker's next reply: on tiny's busy
+  two-replica attack runs more than half of the checks sent came back on other weights, and a
+  lie of 32 replies went unjudged when each of them counted as done. So a lie told for n replies
+  is checked at least once within some 4/share of them where independent coins miss it with
+  probability (1 - share)^n.
 - **The decision.** A gradient check is out of band when r <= 0, r is not finite, or |log r|
   exceeds log `BAND` (1.25); a replay past its tolerance. A worker is flagged when `FAILURES`
   (2) of its last `RECENT` (6) checks were out of band, and a check out of band makes the next
@@ -155,6 +159,8 @@ RECENT = 6
 # Per check, the honest value and the band's half-width its evidence states.
 _HONEST = {"gradient_check": (1.0, math.log(BAND)), "replay_check": (0.0, 1.0)}
 _EPSILON = 1e-30
+# What a check came to: a verdict, nothing this time (due again at the next reply), nothing to judge.
+_JUDGED, _AGAIN, _NEVER = "judged", "again", "never"
 
 
 def probe_inputs(wire: torch.Tensor, gradient: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -394,13 +400,17 @@ class GradientChecks:
 
     async def _check(self, worker: WorkerView, checker: WorkerView, microbatch_id: str, probe: Probe,
                      call: ProbeCall) -> None:
-        judged = await self._probe_and_judge(worker, checker, microbatch_id, probe, call)
-        if not judged and worker.peer_id in self._confirming:
+        outcome = await self._probe_and_judge(worker, checker, microbatch_id, probe, call)
+        if outcome != _JUDGED and worker.peer_id in self._confirming:
             self._confirm(worker.peer_id)  # refused, or on other weights: the confirmation stays due
+        elif outcome == _AGAIN:
+            self._countdown[worker.peer_id] = 0  # module docstring: when (a check that decided nothing)
 
     async def _probe_and_judge(self, worker: WorkerView, checker: WorkerView, microbatch_id: str, probe: Probe,
-                               call: ProbeCall) -> bool:
-        """Probe `worker`'s reply and judge it; whether a verdict was reached."""
+                               call: ProbeCall) -> str:
+        """Probe `worker`'s reply and judge it: `_JUDGED` (a verdict), `_AGAIN` (the probes failed or ran
+        on other weights: the next reply may be judged) or `_NEVER` (nothing to judge in this reply, nor
+        likely in the next: a zero gradient, probes not in full precision, answers of the wrong kind)."""
         stage = worker.stage
         if probe.input_grad is None:  # the head: its output replayed
             frames, names, step = (None,), ("replay",), 0.0
@@ -408,7 +418,7 @@ class GradientChecks:
             plus, minus, step = probe_inputs(probe.wire, probe.input_grad)
             if not checkable(step, float(probe.input_grad.to(torch.float32).norm())):
                 self.stats.gradient_check_skipped(stage)  # no direction to probe along: the verifier judges zeros
-                return False
+                return _NEVER
             frames, names = (self.probe_codec.encode(plus), self.probe_codec.encode(minus)), ("grad-plus", "grad-minus")
         answers = await asyncio.gather(
             *(call(checker, f"{microbatch_id}.{name}", probe.tokens, frame, probe.targets)
@@ -418,12 +428,13 @@ class GradientChecks:
             if not all(isinstance(error, StageCallError) for error in failed):
                 raise failed[0]
             logger.debug("check of stage %d on %s failed: %s", stage, checker.endpoint, failed[0])
-            return False
+            return _AGAIN
         self.stats.gradient_check(stage, sum(answer.compute_s for answer in answers))
         if not all(answer.full_precision for answer in answers):
             self.stats.gradient_check_skipped(stage)  # module docstring: the step (full precision)
-            return False
+            return _NEVER
         verdicts = []
+        moved = any(a.weights_version not in (probe.weights_version, probe.trained_version) for a in answers)
         if probe.input_grad is not None and all(a.weights_version == probe.weights_version for a in answers):
             ratio = self._ratio(probe, answers, step)
             if ratio is not None:
@@ -435,7 +446,7 @@ class GradientChecks:
                 verdicts.append(("replay measure", self.judge.replayed(stage, worker.peer_id, measure, kind)))
         if not verdicts:
             self.stats.gradient_check_skipped(stage)  # module docstring: the same weights
-            return False
+            return _AGAIN if moved else _NEVER
         if all(verdict.in_band for _, verdict in verdicts):
             self._confirming.discard(worker.peer_id)
         for measure, verdict in verdicts:
@@ -449,7 +460,7 @@ class GradientChecks:
                                               measure.replace(" ", "_"): verdict.measure}})
             if verdict.flagged is not None:
                 self.flag(verdict.flagged)
-        return True
+        return _JUDGED
 
     def _ratio(self, probe: Probe, answers: list, step: float) -> float | None:
         """r from the two held-out answers (None: an answer of the wrong kind or shape, nothing judged)."""

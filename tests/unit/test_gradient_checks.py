@@ -272,6 +272,44 @@ def test_a_check_is_judged_only_when_both_probes_ran_on_the_gradients_own_weight
     assert abs(smallest - 1) < 0.01 and smallest == largest
 
 
+def test_a_check_that_decided_nothing_is_due_again_at_the_next_reply_unless_nothing_would_change():
+    _, tail, tokens, targets, _, tail_in, tail_grad, _ = _route("fp32")
+    checks = GradientChecks(0.05, TrainerStats(), flag=lambda evidence: None, rng=random.Random(3))
+    worker = WorkerView("w", "a:1", 2)
+    worker.granted_credits = 4  # credits free: a due check is sent at once
+    probe = Probe(tail_in, tail_grad, None, tokens, targets, weights_version=7)
+
+    def answering(version: int, full_precision: bool):
+        async def call(view, probe_id, tokens, frame, targets):
+            with torch.no_grad():
+                loss = float(tail(tokens, checks.probe_codec.decode(frame), targets))
+            return SimpleNamespace(loss=loss, weights_version=version, compute_s=0.0, full_precision=full_precision)
+        return call
+
+    def sent_and_answered(version: int, full_precision: bool = True) -> None:
+        while not checks.due("w"):
+            pass
+        assert checks.checker(worker, [worker], 0.0) is worker  # sent: the next one is drawn a gap away
+
+        async def check():
+            checks.launch(worker, worker, "m", probe, answering(version, full_precision))
+            await checks.drain()
+        asyncio.run(check())
+
+    def replies_until_due() -> int:
+        replies = 1
+        while not checks.due("w"):
+            replies += 1
+        return replies
+
+    sent_and_answered(8)  # a step or an averaging round came between: no verdict
+    assert replies_until_due() == 1
+    sent_and_answered(7, full_precision=False)  # the next reply would not be precise either
+    assert replies_until_due() > 1  # the drawn gap runs on (this seed draws more than one)
+    sent_and_answered(7)  # judged
+    assert replies_until_due() > 1 and checks.judge.extremes()
+
+
 @pytest.mark.parametrize("index", [1, 2])
 def test_a_bf16_workers_honest_gradient_passes_its_check_in_full_precision_and_would_fail_without(index):
     # The real replica (no sockets) computing in bf16, as a GPU worker does: its probes under its own
