@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # agora.auth.service imports torch (the run fingerprint): the
     from agora.auth.service import AuthorizerService
 
 __all__ = ["add_authorizer_commands", "issue_credential", "AuthorizerServer", "start_authorizer_server",
-           "serve_authorizer", "SERVING_FILE", "JOIN_FILE", "LOCAL_RUN_FLAGS"]
+           "serve_authorizer", "read_stage_members", "SERVING_FILE", "JOIN_FILE", "LOCAL_RUN_FLAGS"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         async def read_members(stage: int) -> list:
             keep_own_credential()
-            return await _read_members(swarm, authority.run_id, fingerprint, stage, config.train.seq_len)
+            return await read_stage_members(swarm, authority.run_id, fingerprint, stage, config.train.seq_len)
         coverage, members = read_coverage, read_members
     else:
         logger.warning("no DHT peer (serve with --initial-peers): bans will only refuse renewals, not reach the swarm")
@@ -297,7 +297,7 @@ async def _read_coverage(swarm, run_id: str, fingerprint, admitted) -> dict[int,
     return stage_coverage(fingerprint.stages, workers, admitted)
 
 
-async def _read_members(swarm, run_id: str, fingerprint, stage: int, seq_len: int) -> list:
+async def read_stage_members(swarm, run_id: str, fingerprint, stage: int, seq_len: int) -> list:
     """The live workers of ``stage`` as a Join's dry run shows them (auth/join_check.py): each one's
     announced endpoint and compute in samples/s (its record's tokens/s over the run's sequence
     length, as trainers read it); none when the DHT cannot be read."""

@@ -16,9 +16,13 @@ import pytest
 
 from agora.auth.admission import hardware_report
 from agora.auth.join_check import MEMBERS_SHOWN, check_join
+from agora.dht.records import Phase
+from agora.dht.swarm import SwarmDHT
+from agora.node.authorizer import read_stage_members
 from agora.node.rpc.server import run
 from agora.protos.authorizer_adapter import StageMember
 import authorizer_world as world
+from record_samples import SAMPLES
 from authorizer_world import fingerprint_from_config, free_port, join, serving
 from doctor_run import run_doctor, write_join_file
 
@@ -108,3 +112,26 @@ def test_the_doctor_times_the_members_and_predicts_its_share(authority, tmp_path
     assert "of stage 0's microbatches (3 members at 1e+07 samples/s; this machine" in share["detail"]
     assert "faster accelerator" in share["fix"]
     assert list(checks)[-1] == "versions"
+
+
+def test_a_serving_authorizer_reads_the_members_from_the_workers_records_in_a_real_dht():
+    """A worker's record of stage 1 in a hivemind DHT, read as the serving authorizer reads it: its
+    announced endpoint, and its tokens/s over the run's sequence length; a leaving worker is none."""
+    node = SwarmDHT.start()
+    try:
+        reader = SwarmDHT.start(initial_peers=node.visible_maddrs(), client_mode=True)
+        try:
+            record = SAMPLES["worker"].model_copy(update=dict(
+                peer_id=node.peer_id, run_id="test-run", fingerprint=world.FINGERPRINT.text(), stage=1,
+                throughput=2560.0, endpoint="127.0.0.1:7100", updated_at=node.clock()))
+            assert node.announce_worker(record, ttl=60)
+            members = run(read_stage_members(reader, record.run_id, world.FINGERPRINT, 1, seq_len=128))
+            assert node.announce_worker(record.model_copy(update=dict(phase=Phase.LEAVING.value,
+                                                                      updated_at=node.clock())), ttl=60)
+            leaving = run(read_stage_members(reader, record.run_id, world.FINGERPRINT, 1, seq_len=128))
+        finally:
+            reader.shutdown()
+    finally:
+        node.shutdown()
+    assert members == [StageMember("127.0.0.1:7100", 20.0)]
+    assert leaving == []
