@@ -156,10 +156,11 @@ async def _authorizer_checks(options, config_for: Callable[[dict], RunConfig], *
 
 def _member_links(verdict: JoinCheck) -> list[Check]:
     """The round trips to the members of the assigned stage the authorizer showed."""
+    from agora.auth.join_check import MEMBERS_SHOWN
     from agora.node.doctor_probes import time_member_links
     from agora.node.doctor_stage import member_link_checks
 
-    links = asyncio.run(time_member_links([member.address for member in verdict.members]))
+    links = asyncio.run(time_member_links([member.address for member in verdict.members[:MEMBERS_SHOWN]]))
     return member_link_checks(verdict.stage, links, verdict.floors.max_rtt_ms)
 
 

@@ -38,6 +38,9 @@ from agora.node.trainer.routing import BALANCE_SLACK, Roster, WorkerView
 
 __all__ = ["MemberLink", "member_link_checks", "predicted_share", "share_check"]
 
+# Replicas weighed by the routing, at most, in one prediction (batches x microbatches x replicas).
+_ROUTING_WORK = 2_000_000
+
 
 @dataclass(frozen=True)
 class MemberLink:
@@ -76,7 +79,9 @@ def predicted_share(own_samples_per_s: float, member_samples_per_s: Sequence[flo
     global batches of ``microbatches`` (the module docstring)."""
     rates = [*member_samples_per_s, own_samples_per_s]
     replicas, own = len(rates), len(rates) - 1
-    batches = 4 * replicas  # every rotation of the ids, several times (the probing of starved replicas counts)
+    # Every rotation of the ids, several times (the probing of starved replicas counts), within a
+    # bound on the routing's work (a pick weighs every replica): seconds on a stage of hundreds.
+    batches = max(1, min(4 * replicas, _ROUTING_WORK // (microbatches * replicas)))
     idle, taken = [0] * replicas, 0
     for batch in range(batches):
         ids = [f"{(index + batch) % replicas:06d}" for index in range(replicas)]
