@@ -99,12 +99,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     checks, config, run_id, verdict = asyncio.run(_authorizer_checks(
         options, config_for, hardware=hardware, announce=announce, listen_host=worker.host, stage=args.stage))
     stages = _stages(config, args.stage, verdict.stage if verdict is not None else None)
-    members = verdict is not None and verdict.refused is None and verdict.stage is not None and config is not None \
+    stage_assigned = verdict is not None and verdict.refused is None and verdict.stage is not None and config is not None \
         and 0 <= verdict.stage < len(config.model.layer_split)
-    if members:
+    if stage_assigned:
         checks += _member_links(verdict)
     machine = _machine_checks(config, stages, worker, args.checkpoint_dir, run_id)
-    checks += machine[:-1] + ([_share(config, verdict)] if members else []) + machine[-1:]  # the versions last
+    checks += machine[:-1] + ([_share(config, verdict)] if stage_assigned else []) + machine[-1:]  # the versions last
     print(as_json(checks) if args.json else "\n".join(format_line(check) for check in checks))
     sys.stdout.flush()
     return exit_code(checks)
