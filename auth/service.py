@@ -127,7 +127,8 @@ class AuthorizerService(JoinService, JoinCheckService, RenewalService, ReportSer
     def __init__(self, authority: RunAuthority, settings: AuthorizerSettings, *, run_config: Mapping[str, Any],
                  fingerprint: RunFingerprint, initial_peers: tuple[str, ...] = (),
                  stage_throughput: Optional[Callable[[], Mapping[int, float] | Awaitable[Mapping[int, float]]]] = None,
-                 stage_members: Optional[Callable[[int], Sequence[StageMember] | Awaitable[Sequence[StageMember]]]] = None,
+                 stage_members: Optional[Callable[[int], Sequence[StageMember]
+                                                  | Awaitable[Sequence[StageMember]]]] = None,
                  clock: Clock = time.time, timer: Clock = time.perf_counter,
                  random_bytes: Callable[[int], bytes] = secrets.token_bytes,
                  dial: Optional[Callable[[str, int, bytes, float], Awaitable[Optional[str]]]] = None,

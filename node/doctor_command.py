@@ -99,8 +99,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     checks, config, run_id, verdict = asyncio.run(_authorizer_checks(
         options, config_for, hardware=hardware, announce=announce, listen_host=worker.host, stage=args.stage))
     stages = _stages(config, args.stage, verdict.stage if verdict is not None else None)
-    stage_assigned = verdict is not None and verdict.refused is None and verdict.stage is not None and config is not None \
-        and 0 <= verdict.stage < len(config.model.layer_split)
+    stage_assigned = (verdict is not None and verdict.refused is None and verdict.stage is not None
+                      and config is not None and 0 <= verdict.stage < len(config.model.layer_split))
     if stage_assigned:
         checks += _member_links(verdict)
     machine = _machine_checks(config, stages, worker, args.checkpoint_dir, run_id)

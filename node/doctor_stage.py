@@ -120,7 +120,8 @@ def share_check(stage: int, own_samples_per_s: float, member_samples_per_s: Sequ
                      detail=f"stage {stage} has {members} members whose compute the authorizer does not know (it "
                             f"reads no DHT): as newcomers to the routing they would leave this machine about "
                             f"{share:.0f}% ({own})")
-    detail = f"would take about {share:.0f}% of stage {stage}'s microbatches ({members} member{'s' * (members > 1)} at " \
+    plural = "s" * (members > 1)
+    detail = f"would take about {share:.0f}% of stage {stage}'s microbatches ({members} member{plural} at " \
              f"{_rates(member_samples_per_s)}; {own})"
     fastest = max(member_samples_per_s)
     if own_samples_per_s * BALANCE_SLACK < fastest and own_samples_per_s < min(member_samples_per_s):

@@ -93,8 +93,8 @@ def test_the_doctor_times_the_members_and_predicts_its_share(authority, tmp_path
             gone = f"127.0.0.1:{free_port()}"
             members = [StageMember(member, fast) for member in [*addresses, gone]]
             async with serving(authority, stage_members=lambda stage: members) as (_, address):
-                outcome = await run_doctor(write_join_file(tmp_path, address, authority), tmp_path, "--json", "--stage", "0",
-                                        "--host", "127.0.0.1", "--port", str(free_port()))
+                outcome = await run_doctor(write_join_file(tmp_path, address, authority), tmp_path, "--json",
+                                           "--stage", "0", "--host", "127.0.0.1", "--port", str(free_port()))
             return outcome, addresses, gone
 
     (code, out, err), addresses, gone = run(main())
