@@ -15,6 +15,15 @@ Design choices:
   steps of auth/joining.py), so what one asks and the other answers read together.
 - The request is signed with a key made for the dry run, never the node's own: nothing the dry
   run does touches the state directory, so it runs beside a node of the same identity.
+- The stage's members: an unadmitted node may not read the DHT (every DHT request needs a run
+  credential, docs/design.md "The DHT"), so the reply carries what the authorizer knows of the
+  assigned stage's members: a random sample of ``MEMBERS_SHOWN`` announced addresses, for the node
+  to time its links to (a TCP connect, which needs no credential), and every member's announced
+  compute (samples/s, at most ``MEMBER_RATES_SHOWN`` figures), for the share of the stage it would
+  take. An authorizer that reads the DHT (``serve --initial-peers``) takes both from the workers'
+  records; one that does not, from its admissions (the announced addresses, compute unknown: 0).
+  A few addresses to a caller that passed a Join's checks and its rate limits tell no more than
+  a Join would, once admitted, read from the DHT.
 - The authorizer's clock: CheckJoin carries it, read as it answers (after the dial-back, which
   can take seconds); the skew is taken against this node's clock on receipt, less half the
   measured round trip (the reply's way back).
@@ -22,11 +31,13 @@ Design choices:
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
+import random
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import grpc
 
@@ -38,12 +49,16 @@ from agora.auth.node_state import public_key_pem
 from agora.auth.policy import assign_stage, sign_proof
 from agora.auth.status import Status, answers, caller_address
 from agora.protos.authorizer_adapter import (AuthorizerStub, ChallengeRequest, Hardware, JoinCheck, JoinRequest,
-                                             RunDescription, RunFloors, signed_payload)
+                                             RunDescription, RunFloors, StageMember, signed_payload)
 from agora.protos.authorizer_adapter import Refused as RefusedReply
 
-__all__ = ["JoinCheckResult", "describe_run", "check_join", "JoinCheckService"]
+__all__ = ["MEMBERS_SHOWN", "MEMBER_RATES_SHOWN", "JoinCheckResult", "describe_run", "check_join",
+           "sample_members", "JoinCheckService"]
 
 logger = logging.getLogger("agora.auth.service")
+
+# Members of the stage whose addresses a dry run shows, and the most compute figures it carries.
+MEMBERS_SHOWN, MEMBER_RATES_SHOWN = 5, 256
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,12 @@ async def check_join(address: str, root_fingerprint: str, *, fingerprint: Callab
     return JoinCheckResult(check, check.server_time - (after - min(check.rtt_ms / 2e3, (after - before) / 2)))
 
 
+def sample_members(members: Sequence[StageMember], limit: int, rng: random.Random) -> tuple[StageMember, ...]:
+    """At most ``limit`` of ``members``, drawn at random (every member's link is as likely to be timed)."""
+    members = list(members)
+    return tuple(members if len(members) <= limit else rng.sample(members, limit))
+
+
 class JoinCheckService:
     """CheckJoin on the authorizer, over the state AuthorizerService builds and JoinService's steps."""
 
@@ -129,12 +150,20 @@ class JoinCheckService:
             link = self._link(state, peer_id, caller, now)
             unreachable = await self._unreachable(request, state)
             stage = assign_stage(self.fingerprint.stages, await self._throughput(), request.stage)
+            members = await self._members_of(stage)
             verdict = JoinCheck(rtt_ms=link.rtt_ms, download_mbit=link.download_mbit, upload_mbit=link.upload_mbit,
                                 floors=RunFloors(**asdict(self.settings.floors)),
-                                unreachable=unreachable[0].reason if unreachable else "", stage=stage)
+                                unreachable=unreachable[0].reason if unreachable else "", stage=stage,
+                                members=sample_members(members, MEMBERS_SHOWN, random.SystemRandom()),
+                                member_samples_per_s=tuple(m.samples_per_s for m in members[:MEMBER_RATES_SHOWN]))
         self._on_join_check("refused" if refusal else "unreachable" if unreachable else "reachable")
         logger.info("authorizer: checked a join of %s from %s (dry run)", peer_id[:16], caller, extra={
             "milestone": "join_checked", "fields": {
                 "peer_id": peer_id, "caller": caller, "refused": refusal.field if refusal else "",
                 "reachable": unreachable is None, **({"detail": unreachable[1]} if unreachable else {})}})
         return replace(verdict, server_time=self._clock(), tolerated_skew_s=CLOCK_SKEW_S)
+
+    async def _members_of(self, stage: int) -> list[StageMember]:
+        """The stage's current members (``AuthorizerService(stage_members=...)``, else its admissions)."""
+        members = self._stage_members(stage)
+        return list(await members if inspect.isawaitable(members) else members)

@@ -57,7 +57,8 @@ Design choices:
                   rule, the role; the proof; ban; the peer's renewal bucket; then one RSA signature
                   and the log write.
     CheckJoin     as Join up to the dial-back (the floors judged, not refused on, so every verdict is
-                  answered); then the stage a Join would get; no slot, signature or write.
+                  answered); then the stage a Join would get and a sample of its members; no slot, signature or
+                  write.
     Leave         as Renew up to the ban (any role, for the caller itself only: the request names no
                   one else); then the slot's release and the log's delete.
     Report        the report's bounds; then as Renew up to the ban, the role a trainer's; the
@@ -89,7 +90,7 @@ import secrets
 import sqlite3
 import time
 from collections import Counter
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Optional, Sequence
 
 import grpc
 
@@ -109,7 +110,8 @@ from agora.auth.settings import AuthorizerSettings
 from agora.auth.status import Status, answers, caller_address
 from agora.pipeline.fingerprint import RunFingerprint
 from agora.protos.authorizer_adapter import (DOWNLOAD_CHUNK_BYTES, Challenge, ChallengeRequest, LatencyProbe, Payload,
-                                             RunDescription, RunRequest, TransferControl, UploadReceipt)
+                                             RunDescription, RunRequest, StageMember, TransferControl,
+                                             UploadReceipt)
 
 __all__ = ["AuthorizerService"]
 
@@ -125,6 +127,8 @@ class AuthorizerService(JoinService, JoinCheckService, RenewalService, ReportSer
     def __init__(self, authority: RunAuthority, settings: AuthorizerSettings, *, run_config: Mapping[str, Any],
                  fingerprint: RunFingerprint, initial_peers: tuple[str, ...] = (),
                  stage_throughput: Optional[Callable[[], Mapping[int, float] | Awaitable[Mapping[int, float]]]] = None,
+                 stage_members: Optional[Callable[[int], Sequence[StageMember]
+                                                  | Awaitable[Sequence[StageMember]]]] = None,
                  clock: Clock = time.time, timer: Clock = time.perf_counter,
                  random_bytes: Callable[[int], bytes] = secrets.token_bytes,
                  dial: Optional[Callable[[str, int, bytes, float], Awaitable[Optional[str]]]] = None,
@@ -138,6 +142,7 @@ class AuthorizerService(JoinService, JoinCheckService, RenewalService, ReportSer
         self.fingerprint = fingerprint
         self.initial_peers = tuple(initial_peers)
         self._stage_throughput = stage_throughput or self._workers_per_stage
+        self._stage_members = stage_members or self._admitted_members  # a dry run's sample (auth/join_check.py)
         self._clock, self._timer = clock, timer
         self._dial = dial or functools.partial(dial_back, local_network=self.settings.local_network)
         self._on_refused = on_refused  # counts refusals by field (node/authorizer.py: a metric)
@@ -185,6 +190,10 @@ class AuthorizerService(JoinService, JoinCheckService, RenewalService, ReportSer
 
     def _workers_per_stage(self) -> Mapping[int, float]:
         return Counter(node.stage for node in self.admitted() if node.role == "worker")
+
+    def _admitted_members(self, stage: int) -> list[StageMember]:
+        """The admitted workers of ``stage`` at the addresses they announced (their compute unknown here)."""
+        return [StageMember(node.address) for node in self.admitted() if node.role == "worker" and node.stage == stage]
 
     async def _record(self, node: AdmittedNode) -> None:
         """Keep ``node`` (an admission, or a renewal's new expiry) in memory and in the admission log."""

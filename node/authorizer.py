@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # agora.auth.service imports torch (the run fingerprint): the
     from agora.auth.service import AuthorizerService
 
 __all__ = ["add_authorizer_commands", "issue_credential", "AuthorizerServer", "start_authorizer_server",
-           "serve_authorizer", "SERVING_FILE", "JOIN_FILE", "LOCAL_RUN_FLAGS"]
+           "serve_authorizer", "read_stage_members", "SERVING_FILE", "JOIN_FILE", "LOCAL_RUN_FLAGS"]
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     own = authority.mint(Path(args.state_dir) / "self", role="operator",
                          lifetime_s=authority.issuing_lifetime_s) if args.initial_peers else None
     swarm = _coverage_peer(own, initial_peers=tuple(args.initial_peers)) if own is not None else None
-    coverage = publisher = None
+    coverage = members = publisher = None
 
     def keep_own_credential() -> None:
         if own.remaining_s() < authority.issuing_lifetime_s / 4:  # the DHT process re-reads the file
@@ -181,7 +181,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         async def read_coverage() -> dict[int, float]:
             keep_own_credential()
             return await _read_coverage(swarm, authority.run_id, fingerprint, service.admitted())
-        coverage = read_coverage
+
+        async def read_members(stage: int) -> list:
+            keep_own_credential()
+            return await read_stage_members(swarm, authority.run_id, fingerprint, stage, config.train.seq_len)
+        coverage, members = read_coverage, read_members
     else:
         logger.warning("no DHT peer (serve with --initial-peers): bans will only refuse renewals, not reach the swarm")
     # Admissions and renewals by status code (and the bytes they cost) are its gRPC metrics; a refused
@@ -203,6 +207,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           registry=metrics.registry)
     service = AuthorizerService(authority, settings, run_config=plain, fingerprint=fingerprint,
                                 initial_peers=tuple(args.initial_peers), stage_throughput=coverage,
+                                stage_members=members,
                                 on_refused=lambda field: refusals.labels(field=field).inc(),
                                 on_report=lambda outcome: reports.labels(outcome=outcome).inc(),
                                 on_leave=lambda outcome: leaves.labels(outcome=outcome).inc(),
@@ -290,6 +295,22 @@ async def _read_coverage(swarm, run_id: str, fingerprint, admitted) -> dict[int,
         logger.warning("reading worker records failed (%s): assigning by admitted workers", error)
         workers = {}
     return stage_coverage(fingerprint.stages, workers, admitted)
+
+
+async def read_stage_members(swarm, run_id: str, fingerprint, stage: int, seq_len: int) -> list:
+    """The live workers of ``stage`` as a Join's dry run shows them (auth/join_check.py): each one's
+    announced endpoint and compute in samples/s (its record's tokens/s over the run's sequence
+    length, as trainers read it); none when the DHT cannot be read."""
+    from agora.dht.swarm import DHTRequestError
+    from agora.protos.authorizer_adapter import StageMember
+
+    try:
+        records = await swarm.live_workers_async(run_id, stage, fingerprint=fingerprint)
+    except DHTRequestError as error:
+        logger.warning("reading worker records failed (%s): a dry run shows no members", error)
+        return []
+    return [StageMember(record.endpoint, record.throughput / seq_len) for record in records
+            if record.phase != Phase.LEAVING]
 
 
 def _peer_id(text: str) -> str:

@@ -1,7 +1,7 @@
 """The verdicts of `agora-node doctor` (node/doctor_command.py gathers what they judge): whether
 this machine would be admitted to a run, and useful in it, before it queues to join.
 
-Each check is one ``Check``: its name, a verdict (ok / FAIL / unknown), the value found, the
+Each check is one ``Check``: its name, a verdict (ok / WARN / FAIL / unknown), the value found, the
 run's floor where the run states one, and the fix in one line. Design choices:
 
 - Pure functions of what was measured, so each verdict is tested without sockets or devices
@@ -10,8 +10,10 @@ run's floor where the run states one, and the fix in one line. Design choices:
 - The link and hardware floors are judged by the authorizer's comparison (auth/policy.py
   ``floor_verdicts``): a doctor that passes a floor a Join then refuses would be worse than none.
 - ``unknown`` is for what could not be judged (the authorizer unreachable, a run that states no
-  versions, a check that needs an earlier one). Only FAIL makes the exit code 1: an unknown is
-  said, not guessed.
+  versions, a check that needs an earlier one). ``WARN`` is for what admission does not refuse but
+  makes this machine less useful (a slow link to a member of its stage, a stage it would slow
+  down; node/doctor_stage.py). Only FAIL makes the exit code 1: an unknown is said, not guessed,
+  and a warning is advice.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from agora.auth.policy import FloorVerdict
 
-__all__ = ["OK", "FAIL", "UNKNOWN", "Check", "authorizer_check", "refused_check", "floor_checks",
+__all__ = ["OK", "WARN", "FAIL", "UNKNOWN", "Check", "authorizer_check", "refused_check", "floor_checks",
            "reachability_check", "clock_check", "memory_check", "disk_check", "version_check", "unknown",
            "exit_code", "format_line", "as_json"]
 
-OK, FAIL, UNKNOWN = "ok", "FAIL", "unknown"
+OK, WARN, FAIL, UNKNOWN = "ok", "WARN", "FAIL", "unknown"
 GiB = 1 << 30
 
 Value = Union[float, int, str, None]
@@ -163,7 +165,7 @@ def version_check(running: Mapping[str, str], stated: Mapping[str, str]) -> Chec
 
 
 def exit_code(checks: Iterable[Check]) -> int:
-    """0 when no check failed, else 1 (unknowns do not fail: they are said, not guessed)."""
+    """0 when no check failed, else 1 (unknowns and warnings do not fail: they are said, not guessed)."""
     return 1 if any(check.verdict == FAIL for check in checks) else 0
 
 

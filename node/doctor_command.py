@@ -8,8 +8,10 @@ upload and download rates, accelerator memory and RAM against the run's floors, 
 authorizer as for a Join; whether the authorizer can dial this node back on the address it would
 announce; this clock against the authorizer's; the memory plan of the stage it would host (the
 one asked for with --stage, else the one the authorizer would assign now, else every stage) against
-the memory free on its device and host; free disk for checkpoints; the versions it runs. Exit code
-0 when no check failed, 1 otherwise, 2 for a usage or config mistake.
+the memory free on its device and host; the round trips to a few of that stage's current members
+and the share of its microbatches this machine would take (node/doctor_stage.py); free disk for
+checkpoints; the versions it runs. Exit code 0 when no check failed (a WARN does not fail), 1
+otherwise, 2 for a usage or config mistake.
 
 Design choices:
 
@@ -35,7 +37,7 @@ import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from agora.node.admission import add_admission_arguments
 from agora.node.doctor import (FAIL, Check, authorizer_check, as_json, clock_check, disk_check, exit_code,
@@ -43,6 +45,9 @@ from agora.node.doctor import (FAIL, Check, authorizer_check, as_json, clock_che
                                version_check)
 from agora.node.run_flags import add_option_flags, add_run_arguments, non_negative_int
 from agora.pipeline.config import ConfigError, RunConfig
+
+if TYPE_CHECKING:
+    from agora.protos.authorizer_adapter import JoinCheck
 
 __all__ = ["add_doctor_command"]
 
@@ -91,10 +96,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         raise ConfigError(str(error)) from None
     hardware = hardware_report(resolve_device(explicit_settings(args).get("runtime.device") or "auto"))
     config_for = config_chooser(args, run_config)
-    checks, config, run_id, assigned = asyncio.run(_authorizer_checks(
+    checks, config, run_id, verdict = asyncio.run(_authorizer_checks(
         options, config_for, hardware=hardware, announce=announce, listen_host=worker.host, stage=args.stage))
-    stages = _stages(config, args.stage, assigned)
-    checks += _machine_checks(config, stages, worker, args.checkpoint_dir, run_id)
+    stages = _stages(config, args.stage, verdict.stage if verdict is not None else None)
+    stage_assigned = (verdict is not None and verdict.refused is None and verdict.stage is not None
+                      and config is not None and 0 <= verdict.stage < len(config.model.layer_split))
+    if stage_assigned:
+        checks += _member_links(verdict)
+    machine = _machine_checks(config, stages, worker, args.checkpoint_dir, run_id)
+    checks += machine[:-1] + ([_share(config, verdict)] if stage_assigned else []) + machine[-1:]  # the versions last
     print(as_json(checks) if args.json else "\n".join(format_line(check) for check in checks))
     sys.stdout.flush()
     return exit_code(checks)
@@ -102,9 +112,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 async def _authorizer_checks(options, config_for: Callable[[dict], RunConfig], *, hardware, announce: tuple[str, int],
                              listen_host: str, stage: Optional[int]
-                             ) -> tuple[list[Check], Optional[RunConfig], Optional[str], Optional[int]]:
+                             ) -> tuple[list[Check], Optional[RunConfig], Optional[str], Optional[JoinCheck]]:
     """The checks the authorizer answers, the config join would run (the served one with the run flags
-    on top: ConfigError for flags that do not apply), the run id and the stage it would assign."""
+    on top: ConfigError for flags that do not apply), the run id and the dry run's verdict (the stage
+    it would assign, a sample of that stage's members)."""
     from agora.auth.admission import AdmissionError, AuthorizerUntrusted
     from agora.auth.join_check import check_join, describe_run
     from agora.auth.policy import Floors, LinkMeasurement, floor_verdicts
@@ -140,7 +151,32 @@ async def _authorizer_checks(options, config_for: Callable[[dict], RunConfig], *
         checks += floor_checks(floor_verdicts(Floors(**asdict(verdict.floors)), hardware, link))
         checks.append(reachability_check(shown, verdict.unreachable))
     checks.append(clock_check(result.skew_s, verdict.tolerated_skew_s))
-    return checks, config, run.run_id, verdict.stage
+    return checks, config, run.run_id, verdict
+
+
+def _member_links(verdict: JoinCheck) -> list[Check]:
+    """The round trips to the members of the assigned stage the authorizer showed."""
+    from agora.auth.join_check import MEMBERS_SHOWN
+    from agora.node.doctor_probes import time_member_links
+    from agora.node.doctor_stage import member_link_checks
+
+    links = asyncio.run(time_member_links([member.address for member in verdict.members[:MEMBERS_SHOWN]]))
+    return member_link_checks(verdict.stage, links, verdict.floors.max_rtt_ms)
+
+
+def _share(config: RunConfig, verdict: JoinCheck) -> Check:
+    """The share of the assigned stage this machine would take, from its compute timed here."""
+    from agora.node.doctor_probes import stage_samples_per_s
+    from agora.node.doctor_stage import share_check
+    from agora.pipeline.runtime import Runtime
+
+    name = f"share stage {verdict.stage}"
+    try:
+        own = stage_samples_per_s(config, verdict.stage, Runtime.from_config(config.runtime))
+    except RuntimeError as error:  # out of memory, a device that cannot run it: the memory line says more
+        return unknown(name, f"this machine could not run the stage to time it: {str(error).splitlines()[0]}")
+    return share_check(verdict.stage, own, verdict.member_samples_per_s, config.train.microbatches,
+                       config.train.microbatch_size)
 
 
 def _stages(config: Optional[RunConfig], asked: Optional[int], assigned: Optional[int]) -> list[int]:

@@ -57,6 +57,7 @@ __all__ = [
     "LeaveReceipt",
     "RunFloors",
     "JoinCheck",
+    "StageMember",
     "MalformedMessage",
     "AuthorizerHandler",
     "AuthorizerStub",
@@ -237,6 +238,14 @@ class RunFloors:
 
 
 @dataclass(frozen=True)
+class StageMember:
+    """One current member of a stage, as a Join's dry run shows it: its announced address and compute."""
+
+    address: str
+    samples_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class JoinCheck:
     """A Join's dry run: ``refused`` when a check before the measurements failed, else the rest."""
 
@@ -249,6 +258,8 @@ class JoinCheck:
     stage: Optional[int] = None
     server_time: float = 0.0
     tolerated_skew_s: float = 0.0
+    members: tuple[StageMember, ...] = ()
+    member_samples_per_s: tuple[float, ...] = ()
 
 
 # Read-only pairing of each dataclass with its generated message class.
@@ -275,6 +286,7 @@ _MESSAGE_OF: Mapping[type, type] = MappingProxyType({
     LeaveReceipt: authorizer_pb2.LeaveReceipt,
     RunFloors: authorizer_pb2.RunFloors,
     JoinCheck: authorizer_pb2.JoinCheck,
+    StageMember: authorizer_pb2.StageMember,
 })
 _DATACLASS_OF: Mapping[type, type] = MappingProxyType({message: data for data, message in _MESSAGE_OF.items()})
 
@@ -289,7 +301,7 @@ def to_message(value: Any) -> Any:
         if dataclasses.is_dataclass(item):
             item = to_message(item)
         elif isinstance(item, tuple):
-            item = list(item)
+            item = [to_message(entry) if dataclasses.is_dataclass(entry) else entry for entry in item]
         values[f.name] = item
     return _MESSAGE_OF[type(value)](**values)
 
@@ -301,7 +313,9 @@ def from_message(message: Any) -> Any:
     values = {}
     for f in dataclasses.fields(cls):
         field = descriptor[f.name]
-        if field.is_repeated:
+        if field.is_repeated and field.message_type is not None:
+            values[f.name] = tuple(from_message(entry) for entry in getattr(message, f.name))
+        elif field.is_repeated:
             values[f.name] = tuple(getattr(message, f.name))
         elif field.has_presence and not message.HasField(f.name):
             values[f.name] = None

@@ -247,7 +247,7 @@ class RunFloors(_message.Message):
     def __init__(self, min_upload_mbit: _Optional[float] = ..., min_download_mbit: _Optional[float] = ..., max_rtt_ms: _Optional[float] = ..., min_accelerator_gb: _Optional[float] = ..., min_ram_gb: _Optional[float] = ...) -> None: ...
 
 class JoinCheck(_message.Message):
-    __slots__ = ("refused", "rtt_ms", "download_mbit", "upload_mbit", "floors", "unreachable", "stage", "server_time", "tolerated_skew_s")
+    __slots__ = ("refused", "rtt_ms", "download_mbit", "upload_mbit", "floors", "unreachable", "stage", "server_time", "tolerated_skew_s", "members", "member_samples_per_s")
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_MBIT_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,8 @@ class JoinCheck(_message.Message):
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     TOLERATED_SKEW_S_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     refused: Refused
     rtt_ms: float
     download_mbit: float
@@ -266,4 +268,14 @@ class JoinCheck(_message.Message):
     stage: int
     server_time: float
     tolerated_skew_s: float
-    def __init__(self, refused: _Optional[_Union[Refused, _Mapping]] = ..., rtt_ms: _Optional[float] = ..., download_mbit: _Optional[float] = ..., upload_mbit: _Optional[float] = ..., floors: _Optional[_Union[RunFloors, _Mapping]] = ..., unreachable: _Optional[str] = ..., stage: _Optional[int] = ..., server_time: _Optional[float] = ..., tolerated_skew_s: _Optional[float] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[StageMember]
+    member_samples_per_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, refused: _Optional[_Union[Refused, _Mapping]] = ..., rtt_ms: _Optional[float] = ..., download_mbit: _Optional[float] = ..., upload_mbit: _Optional[float] = ..., floors: _Optional[_Union[RunFloors, _Mapping]] = ..., unreachable: _Optional[str] = ..., stage: _Optional[int] = ..., server_time: _Optional[float] = ..., tolerated_skew_s: _Optional[float] = ..., members: _Optional[_Iterable[_Union[StageMember, _Mapping]]] = ..., member_samples_per_s: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StageMember(_message.Message):
+    __slots__ = ("address", "samples_per_s")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    samples_per_s: float
+    def __init__(self, address: _Optional[str] = ..., samples_per_s: _Optional[float] = ...) -> None: ...

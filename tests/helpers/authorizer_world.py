@@ -85,7 +85,8 @@ async def serving(authority: RunAuthority, *, floors: Floors = OPEN, handler=Non
         for name in (ADMITTED_DB, f"{ADMITTED_DB}-wal", f"{ADMITTED_DB}-shm"):
             (authority.directory / name).unlink(missing_ok=True)
     clock = settings.pop("clock", time.time)
-    hooks = {name: settings.pop(name) for name in ("on_refused", "on_report", "on_leave", "on_join_check")
+    hooks = {name: settings.pop(name) for name in ("on_refused", "on_report", "on_leave", "on_join_check",
+                                                  "stage_members")
              if name in settings}
     service = AuthorizerService(authority, AuthorizerSettings(floors=floors, **{**SMALL, **settings}),
                                 run_config=config_to_dict(CONFIG), fingerprint=FINGERPRINT, initial_peers=PEERS,

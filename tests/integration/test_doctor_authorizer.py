@@ -7,17 +7,14 @@ awaited without blocking that loop, so the authorizer answers it, dial-back incl
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
-import os
-import sys
 import time
 
 import grpc
 import pytest
 
-from agora.auth.admission import JoinFile, hardware_report
+from agora.auth.admission import hardware_report
 from agora.auth.admitted import read_admitted
 from agora.auth.join_check import check_join
 from agora.auth.node_state import public_key_pem
@@ -26,6 +23,7 @@ from agora.node.rpc.server import run
 from agora.protos import authorizer_adapter as adapter
 import authorizer_world as world
 from authorizer_world import OPEN, fingerprint_from_config, free_port, join, serving
+from doctor_run import run_doctor, write_join_file
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -103,32 +101,10 @@ def test_a_dry_run_with_another_config_is_refused_before_its_measurements(author
     assert outcomes == ["refused"]
 
 
-async def _doctor(join_file, tmp_path, *flags: str) -> tuple[int, str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_STATE_HOME": str(tmp_path / "state"),
-           "AGORA_CACHE_DIR": str(tmp_path / "cache")}
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "agora.node", "--threads", "1", "--log-level", "WARNING", "doctor",
-        "--join-file", str(join_file), *flags, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env=env)
-    try:
-        out, err = await asyncio.wait_for(child.communicate(), 150)
-    finally:
-        if child.returncode is None:
-            child.kill()
-            await child.wait()
-    return child.returncode, out.decode(), err.decode()
-
-
-def _join_file(tmp_path, address: str, authority) -> str:
-    path = tmp_path / "join.json"
-    JoinFile(address, authority.root_fingerprint, authority.run_id).write(path)
-    return str(path)
-
-
 def test_a_reachable_node_passes_every_check_and_nothing_is_admitted(authority, tmp_path):
     async def main():
         async with serving(authority) as (service, address):
-            outcome = await _doctor(_join_file(tmp_path, address, authority), tmp_path, "--json",
+            outcome = await run_doctor(write_join_file(tmp_path, address, authority), tmp_path, "--json",
                                     "--host", "127.0.0.1", "--port", str(free_port()))
             return outcome, service.admitted(), dict(service._slots.admitted)
 
@@ -138,7 +114,7 @@ def test_a_reachable_node_passes_every_check_and_nothing_is_admitted(authority, 
     assert code == 0 and report["exit_code"] == 0, (out, err)
     assert verdicts == {"authorizer": "ok", "rtt": "ok", "upload": "ok", "download": "ok", "accelerator": "ok",
                         "ram": "ok", "reachability": "ok", "clock": "ok", "memory stage 0": "ok", "disk": "ok",
-                        "versions": "unknown"}
+                        "share stage 0": "ok", "versions": "unknown"}
     assert all(set(check) == {"name", "verdict", "value", "floor", "against", "unit", "fix",
                                                 "detail"} for check in report["checks"])
     # The dry run admitted nobody, held no slot, wrote nothing to the admission log or a state directory.
@@ -154,7 +130,7 @@ def test_an_unreachable_address_and_a_missed_floor_fail_with_exit_1(authority, t
 
     async def main():
         async with serving(authority, floors=floors) as (service, address):
-            outcome = await _doctor(_join_file(tmp_path, address, authority), tmp_path, "--host", "127.0.0.1",
+            outcome = await run_doctor(write_join_file(tmp_path, address, authority), tmp_path, "--host", "127.0.0.1",
                                     "--announce-host", "127.0.0.2", "--port", str(free_port()), "--stage", "2")
             return outcome, service.admitted()
 
@@ -175,7 +151,7 @@ def test_an_unreachable_authorizer_is_one_fail_line_and_exit_1(authority, tmp_pa
     """Nothing listens at the join file's address: one FAIL line naming it, what depends on it
     unknown, no traceback."""
     address = f"127.0.0.1:{free_port()}"
-    code, out, err = run(_doctor(_join_file(tmp_path, address, authority), tmp_path))
+    code, out, err = run(run_doctor(write_join_file(tmp_path, address, authority), tmp_path))
     lines = out.splitlines()
     assert code == 1 and "Traceback" not in err, (out, err)
     assert lines[0].startswith(f"FAIL    authorizer       {address} - the authorizer at {address} is unreachable")

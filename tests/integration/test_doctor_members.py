@@ -1,0 +1,137 @@
+"""`agora-node doctor`'s view of the stage it would join, against a real authorizer on 127.0.0.1:0
+(tests/helpers/authorizer_world.py): the members the dry run shows, the round trips to them over
+real TCP, and the share of the stage this machine would take.
+
+The members are real listening TCP servers in the test's event loop (a connect is all the doctor
+asks of them), plus an announced port where nothing listens; the doctor is a child process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import pytest
+
+from agora.auth.admission import hardware_report
+from agora.auth.join_check import MEMBERS_SHOWN, check_join
+from agora.dht.records import Phase
+from agora.dht.swarm import SwarmDHT
+from agora.node.authorizer import read_stage_members
+from agora.node.rpc.server import run
+from agora.protos.authorizer_adapter import StageMember
+import authorizer_world as world
+from record_samples import SAMPLES
+from authorizer_world import fingerprint_from_config, free_port, join, serving
+from doctor_run import run_doctor, write_join_file
+
+pytestmark = pytest.mark.timeout(180)
+
+authority, keys, nodes = world.authority, world.keys, world.nodes  # fixtures
+
+
+@contextlib.asynccontextmanager
+async def listening_members(count: int):
+    """``count`` TCP servers on 127.0.0.1:0 that accept and close; yields their host:port."""
+    servers = [await asyncio.start_server(lambda reader, writer: writer.close(), "127.0.0.1", 0) for _ in range(count)]
+    try:
+        yield [f"127.0.0.1:{server.sockets[0].getsockname()[1]}" for server in servers]
+    finally:
+        for server in servers:
+            server.close()
+            await server.wait_closed()
+
+
+def test_without_a_dht_the_dry_run_shows_the_admitted_workers_of_the_stage(authority, nodes):
+    """Two workers admitted to stage 0 by real Joins, one to stage 1: a dry run for stage 0 shows
+    the two addresses they announced, their compute unknown (0)."""
+    announced = [("127.0.0.1", free_port()) for _ in range(3)]
+
+    async def main():
+        async with serving(authority) as (_, address):
+            for index, stage in enumerate((0, 0, 1)):
+                await join(address, nodes(index), authority, stage=stage, announce=announced[index])
+            return await check_join(address, authority.root_fingerprint, fingerprint=fingerprint_from_config,
+                                    hardware=hardware_report(), announce=("127.0.0.1", free_port()), stage=0)
+
+    check = run(main()).check
+    assert check.stage == 0
+    assert sorted(member.address for member in check.members) == sorted(f"{h}:{p}" for h, p in announced[:2])
+    assert check.member_samples_per_s == (0.0, 0.0)
+
+
+def test_the_dry_run_shows_a_sample_of_the_members_the_authorizer_reads(authority):
+    """With a source of members (the DHT's records on a serving authorizer), at most MEMBERS_SHOWN
+    addresses and every member's compute."""
+    members = [StageMember(f"127.0.0.1:{7100 + index}", 10.0 + index) for index in range(MEMBERS_SHOWN + 2)]
+    asked = []
+
+    async def stage_members(stage: int):
+        asked.append(stage)
+        return members
+
+    async def main():
+        async with serving(authority, stage_members=stage_members) as (_, address):
+            return await check_join(address, authority.root_fingerprint, fingerprint=fingerprint_from_config,
+                                    hardware=hardware_report(), announce=("127.0.0.1", free_port()), stage=1)
+
+    check = run(main()).check
+    assert asked == [1]
+    assert len(check.members) == MEMBERS_SHOWN and set(check.members) <= set(members)
+    assert check.member_samples_per_s == tuple(member.samples_per_s for member in members)
+
+
+def test_the_doctor_times_the_members_and_predicts_its_share(authority, tmp_path):
+    """Two listening members and one gone: two member lines with a round trip, one WARN with the fix,
+    and the share line (members announcing far more compute than any machine: this one is the
+    stage's slowest by more than the slack, a WARN); warnings do not fail the exit code."""
+    fast = 1e7  # samples/s
+
+    async def main():
+        async with listening_members(2) as addresses:
+            gone = f"127.0.0.1:{free_port()}"
+            members = [StageMember(member, fast) for member in [*addresses, gone]]
+            async with serving(authority, stage_members=lambda stage: members) as (_, address):
+                outcome = await run_doctor(write_join_file(tmp_path, address, authority), tmp_path, "--json",
+                                           "--stage", "0", "--host", "127.0.0.1", "--port", str(free_port()))
+            return outcome, addresses, gone
+
+    (code, out, err), addresses, gone = run(main())
+    assert code == 0 and "Traceback" not in err, (out, err)
+    checks = {check["name"]: check for check in json.loads(out)["checks"]}
+    lines = [checks[f"member {number}"] for number in (1, 2, 3)]
+    by_address = {line["detail"].split("member ")[1].split()[0]: line for line in lines}
+    for member in addresses:
+        assert by_address[member]["verdict"] == "ok" and by_address[member]["unit"] == "ms"
+        assert isinstance(by_address[member]["value"], float) and by_address[member]["value"] >= 0
+    missing = by_address[gone]
+    assert missing["verdict"] == "WARN" and missing["value"] == gone and "outbound TCP" in missing["fix"]
+    share = checks["share stage 0"]
+    assert share["verdict"] == "WARN" and 0 <= share["value"] < 25 and share["unit"] == "%"
+    assert "of stage 0's microbatches (3 members at 1e+07 samples/s; this machine" in share["detail"]
+    assert "faster accelerator" in share["fix"]
+    assert list(checks)[-1] == "versions"
+
+
+def test_a_serving_authorizer_reads_the_members_from_the_workers_records_in_a_real_dht():
+    """A worker's record of stage 1 in a hivemind DHT, read as the serving authorizer reads it: its
+    announced endpoint, and its tokens/s over the run's sequence length; a leaving worker is none."""
+    node = SwarmDHT.start()
+    try:
+        reader = SwarmDHT.start(initial_peers=node.visible_maddrs(), client_mode=True)
+        try:
+            record = SAMPLES["worker"].model_copy(update=dict(
+                peer_id=node.peer_id, run_id="test-run", fingerprint=world.FINGERPRINT.text(), stage=1,
+                throughput=2560.0, endpoint="127.0.0.1:7100", updated_at=node.clock()))
+            assert node.announce_worker(record, ttl=60)
+            members = run(read_stage_members(reader, record.run_id, world.FINGERPRINT, 1, seq_len=128))
+            assert node.announce_worker(record.model_copy(update=dict(phase=Phase.LEAVING.value,
+                                                                      updated_at=node.clock())), ttl=60)
+            leaving = run(read_stage_members(reader, record.run_id, world.FINGERPRINT, 1, seq_len=128))
+        finally:
+            reader.shutdown()
+    finally:
+        node.shutdown()
+    assert members == [StageMember("127.0.0.1:7100", 20.0)]
+    assert leaving == []
