@@ -90,11 +90,15 @@ returned. Design choices:
   probability (1 - share)^n.
 - **The decision.** A gradient check is out of band when r <= 0, r is not finite, or |log r|
   exceeds log `BAND` (1.25); a replay past its tolerance. A worker is flagged when `FAILURES`
-  (2) of its last `RECENT` (6) checks were out of band, and a check out of band makes the next
-  reply of that worker's due at once, credits free or not, and every reply after it until a check
-  reaches a verdict (probes refused, or answered on other weights, decide nothing): a failure is
-  confirmed or cleared by the next reply that can be judged. A lie fails every check, so it is named on its second reply checked; one
-  stray failure never flags, and failures older than six checks age out. Honest checks on the same
+  (2) of its last `RECENT` (6) checks were out of band, and a check out of band puts the worker on
+  probation: its next `RECENT` replies that can be judged are all checked, each due at once, credits
+  free or not (probes refused, or answered on other weights, decide nothing and leave the reply
+  after due). A steady lie fails every check, so it is named on its second reply checked; a lie
+  told in bursts (K replies lied, K honest) is named once any check lands in a burst and K < `RECENT`
+  (the probation reaches the next burst): with only the next reply checked, a check on a burst's
+  last lie was cleared by the honest reply after it, and the on-off liars of the attack table went
+  free in two runs of three. One stray failure never flags, and failures older than six checks age
+  out. Honest checks on the same
   weights stand within 1% (gradients, replays), but not always: an honest tail checked on every
   reply once measured r = -0.205 beside a 1000-fold input gradient (a spike the trainer's scale
   bound refused), and flagging on one failure, however far, named it. A
@@ -340,13 +344,21 @@ class GradientChecks:
         self.probe_codec = WireCodec("fp32")  # module docstring: the step
         self._countdown: dict[str, int] = {}  # per worker: its replies until its next check (0: due)
         self._waited: dict[str, int] = {}  # per worker: replies its due check has waited for free credits
-        self._confirming: set[str] = set()  # workers whose last verdict failed: checked at each reply till judged
+        self._probation: dict[str, int] = {}  # per worker on probation: its replies still to be judged at once
         self._tasks: set[asyncio.Task] = set()
 
     def suspected(self, peer: str) -> bool:
         """Whether `peer` failed a check not yet cleared, or was flagged (what its replies fed others is
         then not held against them: node/trainer/verification.py, node/trainer/blame.py)."""
-        return peer in self._confirming or peer in self.judge.flagged
+        return peer in self._probation or peer in self.judge.flagged
+
+    def check_now(self, peer: str) -> None:
+        """Another check points at `peer` (node/trainer/verification.py: a trip laid on the producer of a
+        worker's inputs): it is on probation until its next reply judged, checked credits free or not
+        (and suspected meanwhile: what it fed others is not held against them)."""
+        if self.share > 0:
+            self._probation[peer] = max(1, self._probation.get(peer, 0))
+            self._probe_next(peer)
 
     def _gap(self) -> int:
         return self.rng.randint(1, max(1, round(2 / self.share) - 1))
@@ -375,11 +387,18 @@ class GradientChecks:
         self._countdown[worker.peer_id], self._waited[worker.peer_id] = self._gap(), 0
         return own[0]
 
-    def _confirm(self, peer: str) -> None:
-        """A check of `peer` failed: its next reply is checked, credits free or not, until a check of it
-        reaches a verdict (module docstring)."""
-        self._confirming.add(peer)
+    def _probe_next(self, peer: str) -> None:
+        """`peer` is on probation: its next reply is checked, credits free or not (module docstring)."""
         self._countdown[peer], self._waited[peer] = 0, self._overdue()
+
+    def _judged(self, peer: str, failed: bool) -> None:
+        """A check of `peer` reached a verdict: a failure starts its probation over, a pass counts it down."""
+        left = RECENT if failed else self._probation.get(peer, 0) - 1
+        if left > 0:
+            self._probation[peer] = left
+            self._probe_next(peer)
+        else:
+            self._probation.pop(peer, None)
 
     def _overdue(self) -> int:
         """Replies a due check waits for free credits before it is sent without them: a worker that
@@ -401,8 +420,8 @@ class GradientChecks:
     async def _check(self, worker: WorkerView, checker: WorkerView, microbatch_id: str, probe: Probe,
                      call: ProbeCall) -> None:
         outcome = await self._probe_and_judge(worker, checker, microbatch_id, probe, call)
-        if outcome != _JUDGED and worker.peer_id in self._confirming:
-            self._confirm(worker.peer_id)  # refused, or on other weights: the confirmation stays due
+        if outcome != _JUDGED and worker.peer_id in self._probation:
+            self._probe_next(worker.peer_id)  # refused, or on other weights: the probation's check stays due
         elif outcome == _AGAIN:
             self._countdown[worker.peer_id] = 0  # module docstring: when (a check that decided nothing)
 
@@ -447,11 +466,9 @@ class GradientChecks:
         if not verdicts:
             self.stats.gradient_check_skipped(stage)  # module docstring: the same weights
             return _AGAIN if moved else _NEVER
-        if all(verdict.in_band for _, verdict in verdicts):
-            self._confirming.discard(worker.peer_id)
+        self._judged(worker.peer_id, failed=not all(verdict.in_band for _, verdict in verdicts))
         for measure, verdict in verdicts:
             if not verdict.in_band:
-                self._confirm(worker.peer_id)
                 self.stats.gradient_check_failed(stage)
                 logger.info("stage %d check of %s on %s: %s %.3g out of band", stage, worker.endpoint,
                             checker.endpoint, measure, verdict.measure,

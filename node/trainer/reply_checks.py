@@ -14,8 +14,9 @@ They share one fate for the worker they name (`flagged`: excluded for the rest o
 `Blame.suspect`, and its replies taken out of the verifier's references) and one notion of
 suspicion (`suspected`): a worker half-way to a verifier flag, or with a self check failed and not
 cleared, carries the blame for what it fed others: the replies computed from its are not judged,
-and a refusal of its values downstream is its failure (node/trainer/blame.py). Without that, a
-liar's victims downstream were named in its place.
+and a refusal of its values downstream is its failure (node/trainer/blame.py). A worker whose
+verifier trip came only with one producer's frames gets that producer checked at once instead.
+Without these, a liar's victims downstream were named in its place.
 
 The background checks send held-out Forwards through `held_out`, the trainer's timed call to a
 worker (its credits reserved here, released by the call's outcome like any other).
@@ -23,6 +24,7 @@ worker (its credits reserved here, released by the call's outcome like any other
 
 from __future__ import annotations
 
+import logging
 from typing import Awaitable, Callable
 
 import torch
@@ -37,6 +39,8 @@ from agora.node.trainer.verification import Evidence, ReplyVerifier, Source, Ver
 from agora.pipeline.codec import WireCodec
 
 __all__ = ["HeldOut", "ReplyChecks"]
+
+logger = logging.getLogger("agora.node.trainer")
 
 Frame = bytes | memoryview
 
@@ -88,6 +92,13 @@ class ReplyChecks:
         present = [worker.peer_id for worker in self.roster.of_stage(view.stage)]
         evidence = self.verifier.observe(view.stage, kind, view.peer_id, features, upstream, present,
                                          suspected_elsewhere=self.gradients.suspected)
+        for stage, frames, peer, producer, feature in self.verifier.take_implicated():
+            logger.info("stage %d worker %s's %s stood off only with the frames %s produced: checking %s at once",
+                        stage, peer, feature, producer, producer,
+                        extra={"milestone": "producer_implicated",
+                               "fields": {"stage": stage, "kind": frames, "peer": peer, "producer": producer,
+                                          "feature": feature}})
+            self.gradients.check_now(producer)
         if evidence is not None:
             raise self.blame.suspect(view, evidence, method)
         upstream.append((view.stage, kind, view.peer_id))

@@ -63,7 +63,16 @@ relays every such value, so it can watch them. Design choices:
   and a body's Backward replies computed from those gradients drifted off its twin's until the
   verifier flagged the honest body (seen in an attack run). The liar alone accumulates evidence;
   honest workers downstream wait, at the cost of a few unjudged replies while an honest upstream
-  worker's CUSUM is above a tenth of the bar or its stray check is not yet cleared.
+  worker's CUSUM is above a tenth of the bar or its stray check is not yet cleared. And a lie
+  small enough to keep its sender under suspicion (a persistent bias of a twentieth of the
+  head's RMS) can grow in the next stage's reply past that stage's spread: an honest body was
+  flagged for it in an attack run. So when a worker trips, its latest replies are grouped by the
+  worker that produced their request (`_producer_to_blame`): if only one producer's frames came
+  with the deviation (at least `_ATTRIBUTION_MIN_REPLIES` from each of two producers, the
+  culprit's mean deviation past the drift allowance k and every other's within k/2), the trip is
+  laid on that producer instead (`implicated`: the trainer checks it at once, node/trainer/
+  reply_checks.py) and the worker's CUSUMs restart; once per producer, so a worker that lies only
+  on one producer's inputs is flagged at its next trip.
 - Nothing is judged before the stage and kind have `warmup` accepted replies.
 
 With one worker on a stage the pooled reference is that worker's own recent history, its spread
@@ -121,6 +130,10 @@ _EMA_WEIGHT = 0.1
 # not judged (module docstring).
 _SUSPECT_FRACTION = 0.1
 _EPSILON = 1e-30
+# A trip is laid on one producer of a worker's inputs when its latest replies, at least this many
+# from each of two producers or more, stood off only with that producer's frames.
+_ATTRIBUTION_WINDOW = 32
+_ATTRIBUTION_MIN_REPLIES = 4
 
 
 @dataclass(frozen=True)
@@ -208,6 +221,9 @@ class _WorkerTrack:
     peak: float = 0.0  # the largest CUSUM this worker reached (how close honest traffic comes to the bar)
     last_seen: int = 0  # the boundary's reply count at this worker's last reply
     flagged: Evidence | None = None
+    # (producer of the reply's request, its standardized deviations) of its latest judged replies
+    deviations: deque = field(default_factory=lambda: deque(maxlen=_ATTRIBUTION_WINDOW))
+    deflected: set = field(default_factory=set)  # producers a trip of this worker was laid on already
 
     @classmethod
     def fresh(cls) -> "_WorkerTrack":
@@ -260,6 +276,9 @@ class ReplyVerifier:
         self._directions: dict[int, torch.Tensor] = {}
         self.shifts = 0  # stage-wide shifts seen (every CUSUM of a boundary restarted)
         self.tainted = 0  # replies left unjudged: computed from a suspected worker's
+        # (stage, kind, worker, producer, feature) of each trip laid on the producer of its inputs;
+        # the trainer takes them (`take_implicated`) to check those producers at once
+        self.implicated: list[tuple[int, str, str, str, str]] = []
 
     def directions(self, width: int) -> torch.Tensor:
         if width not in self._directions:
@@ -289,6 +308,7 @@ class ReplyVerifier:
         the reference (module docstring: a newcomer is held to the workers that are there).
         `suspected_elsewhere`: whether another check suspects a worker (a self check it failed and
         has not cleared): replies computed from its are not judged either."""
+        upstream = list(upstream)
         boundary = self._boundaries.get((stage, kind))
         if boundary is None:
             boundary = self._boundaries[(stage, kind)] = _Boundary(deque(maxlen=self.settings.window))
@@ -303,18 +323,28 @@ class ReplyVerifier:
         track.last_seen = boundary.replies
         live = None if present is None else frozenset(present) | {peer}
         if len(boundary.entries(live)) >= self.settings.warmup:
-            tripped = self._accumulate(boundary, track, features, live)
+            tripped = self._accumulate(boundary, track, features, live, producer=upstream[-1][2] if upstream else None)
             if tripped is not None:
                 index, side, value = tripped
-                if not self._shared_shift(boundary, peer, index, side, live):
+                if self._shared_shift(boundary, peer, index, side, live):
+                    self.shifts += 1
+                    for other in boundary.workers.values():
+                        other.restart()
+                elif (culprit := self._producer_to_blame(track, index, side)) is not None:
+                    track.deflected.add(culprit)
+                    track.restart()
+                    self.implicated.append((stage, kind, peer, culprit, FEATURES[index]))
+                else:
                     track.flagged = self._evidence(stage, kind, peer, boundary, track, index, side, value, live)
                     return track.flagged
-                self.shifts += 1
-                for other in boundary.workers.values():
-                    other.restart()
         if track.largest() < self.settings.threshold / 2:  # a worker on its way to a flag is kept out
             boundary.window.append((peer, features))
         return None
+
+    def take_implicated(self) -> list[tuple[int, str, str, str, str]]:
+        """The trips laid on a producer since the last call (see `implicated`)."""
+        taken, self.implicated = self.implicated, []
+        return taken
 
     def forget(self, peer: str) -> None:
         """Another check (spot or gradient checks) flagged `peer`: its replies leave every reference they
@@ -340,10 +370,12 @@ class ReplyVerifier:
         return track is not None and (track.flagged is not None or track.largest() >= fraction * self.settings.threshold)
 
     def _accumulate(self, boundary: _Boundary, track: _WorkerTrack, features: tuple[float, ...],
-                    live: frozenset[str] | None) -> tuple[int, str, float] | None:
+                    live: frozenset[str] | None, producer: str | None = None) -> tuple[int, str, float] | None:
         """Add the reply's deviations to the worker's CUSUMs; the feature and side of the largest one
-        over the threshold, if any."""
+        over the threshold, if any. `producer`: the worker whose frame the call carried (None: none)."""
         k, worst = self.settings.drift, None
+        deviations = [0.0] * len(features)
+        track.deviations.append((producer, deviations))
         floor = SPREAD_FLOOR if self._others(boundary, track, live) else LONE_SPREAD_FLOOR
         for index, value in enumerate(features):
             reference = boundary.reference(index, floor, live)
@@ -351,6 +383,7 @@ class ReplyVerifier:
                 continue
             centre, spread = reference
             z = max(-Z_CAP, min(Z_CAP, (value - centre) / spread))
+            deviations[index] = z
             track.high[index] = max(0.0, track.high[index] + z - k)
             track.low[index] = max(0.0, track.low[index] - z - k)
             track.peak = max(track.peak, track.high[index], track.low[index])
@@ -367,6 +400,26 @@ class ReplyVerifier:
         half_way = self.settings.threshold / 2
         moved = [t for t in others if (t.high if side == "high" else t.low)[index] >= half_way]
         return bool(others) and 2 * len(moved) >= len(others)
+
+    def _producer_to_blame(self, track: _WorkerTrack, index: int, side: str) -> str | None:
+        """The one producer whose frames the tripping deviation came with (module docstring: whose lie
+        it is), or None: the worker's replies stood off whoever produced their input, or too few came
+        from each, or this worker laid a trip on that producer before."""
+        sign = 1.0 if side == "high" else -1.0
+        by_producer: dict[str, list[float]] = {}
+        for producer, deviations in track.deviations:
+            if producer is not None:
+                by_producer.setdefault(producer, []).append(sign * deviations[index])
+        means = {producer: statistics.fmean(zs) for producer, zs in by_producer.items()
+                 if len(zs) >= _ATTRIBUTION_MIN_REPLIES}
+        if len(means) < 2:
+            return None
+        culprit = max(means, key=means.get)
+        others = [mean for producer, mean in means.items() if producer != culprit]
+        k = self.settings.drift
+        if means[culprit] >= k and max(others) <= k / 2 and culprit not in track.deflected:
+            return culprit
+        return None
 
     def _others(self, boundary: _Boundary, track: _WorkerTrack, live: frozenset[str] | None) -> list[_WorkerTrack]:
         """The stage's other unflagged workers with a reply in the window's span (and, given `live`,

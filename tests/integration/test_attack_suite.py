@@ -45,11 +45,12 @@ def test_a_clean_run_catches_no_one():
 
 
 def test_an_on_off_liar_tells_lies_in_periods_and_a_late_one_only_after_its_honest_steps():
-    # The verifier off, so each liar keeps its schedule the whole run (a caught one is called no more).
+    # The verifier and self checks off, so each liar keeps its schedule the whole run (a caught one is
+    # called no more).
     on_off = asyncio.run(run_plan(Plan(0, 12, verify=False, attack="on-off", position="body",
-                                       schedule=LieSchedule(honest_steps=4, period=4))))
+                                       schedule=LieSchedule(honest_steps=4, period=4)), gradient_share=0.0))
     late = asyncio.run(run_plan(Plan(0, 12, verify=False, attack="late", position="tail",
-                                     schedule=LieSchedule(honest_steps=8))))
+                                     schedule=LieSchedule(honest_steps=8)), gradient_share=0.0))
     # On-off: since its first lie, lies and honest replies alternate in runs of 4 (half of them lies).
     since_start = on_off["replies"] - on_off["started_at"] + 1
     assert on_off["first_lie_step"] >= 4 and since_start >= 8, on_off

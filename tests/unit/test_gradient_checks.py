@@ -107,7 +107,7 @@ def test_even_a_far_failure_needs_a_second_one(ratio):
     assert evidence is not None and evidence.cusum == 2 and evidence.replies == 3
 
 
-def test_a_failed_check_makes_the_workers_next_reply_checked_credits_free_or_not():
+def test_a_failed_check_puts_the_worker_on_probation_its_next_replies_checked_credits_free_or_not():
     _, tail, tokens, targets, _, tail_in, tail_grad, _ = _route("fp32")
     checks = GradientChecks(0.05, TrainerStats(), flag=lambda evidence: None, rng=random.Random(0))
     worker = WorkerView("w", "a:1", 2)
@@ -143,7 +143,10 @@ def test_a_failed_check_makes_the_workers_next_reply_checked_credits_free_or_not
     async def cleared():
         checks.launch(worker, worker, "m2", Probe(tail_in, tail_grad, None, tokens, targets, 0), honest)
         await checks.drain()
-    asyncio.run(cleared())
+    for passed in range(1, RECENT + 1):  # probation: its next RECENT replies judged are all checked
+        asyncio.run(cleared())  # the check just sent passes
+        if passed < RECENT:
+            assert checks.suspected("w") and checks.due("w") and checks.checker(worker, [worker], 0.0) is worker
     assert not checks.suspected("w") and checks.judge.flagged == set()
 
 

@@ -119,6 +119,30 @@ def test_a_reply_computed_from_a_worker_another_check_suspects_is_not_judged():
     assert spared.flagged() == {} and spared.tainted == 3 * DETECTION_REPLIES
 
 
+def test_a_trip_that_came_only_with_one_producers_frames_is_laid_on_that_producer_once():
+    """Two bodies take inputs from two heads; one head's small bias grows past the bodies' spread in
+    their outputs. The body that trips is not flagged: its deviation came only with that head's frames,
+    so the head is implicated. A body lying whatever produced its input is flagged; and a trip laid on
+    a producer once is not laid on it again."""
+    def run(lies_with: str) -> ReplyVerifier:
+        rng, verifier = random.Random(8), ReplyVerifier()
+        for index in range(64):
+            for body in ("b0", "b1"):
+                verifier.observe(1, "output", body, _features(rng), [(0, "output", f"h{index % 2}")])
+        for index in range(60):
+            head = f"h{index % 2}"
+            shift = 5.0 if lies_with in (head, "any") else 0.0
+            verifier.observe(1, "output", "b0", _features(rng, shift), [(0, "output", head)])
+            verifier.observe(1, "output", "b1", _features(rng), [(0, "output", head)])
+        return verifier
+
+    framed = run("h1")
+    assert framed.implicated[0][2:4] == ("b0", "h1")  # laid on the head, once
+    assert framed.flagged().keys() == {"b0"}  # its next trip on the same head's frames flags it
+    liar = run("any")
+    assert liar.implicated == [] and liar.flagged().keys() == {"b0"}
+
+
 def test_on_its_way_marks_a_worker_half_way_to_its_flag_and_not_an_honest_one():
     rng, verifier = random.Random(6), ReplyVerifier()
     for _ in range(64):
