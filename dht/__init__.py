@@ -17,7 +17,7 @@ which a command that only reads its flags or a record never needs.
 import importlib
 
 _HOMES = {"Heartbeat": "heartbeat", "PHASES": "records", "SCHEMA_VERSION": "records", "Record": "records",
-          "RecordError": "records", "WorkerRecord": "records", "worker_key": "records",
+          "RecordError": "record_fields", "WorkerRecord": "records", "worker_key": "keys",
           "DHTRequestError": "swarm", "Stored": "swarm", "SwarmDHT": "swarm"}
 
 __all__ = sorted(_HOMES)

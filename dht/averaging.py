@@ -85,7 +85,8 @@ from agora.auth.node_state import CREDENTIAL_FILE
 from agora.dht.robust import DeviationHistory, RobustAggregation
 from agora.pipeline.codec import all_finite
 from agora.dht.robust_allreduce import AgreedGroup, RobustAllReduceRunner, agreed_group
-from agora.dht.records import AVERAGING_GROUP_BITS, Phase, RoundRecord, rounds_key
+from agora.dht.keys import AVERAGING_GROUP_BITS, rounds_key
+from agora.dht.records import Phase, RoundRecord
 from agora.dht.security import DHTSecurity
 from agora.dht.swarm import SwarmDHT, begin_forked_process
 

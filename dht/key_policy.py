@@ -26,8 +26,10 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
-from agora.dht.records import (BAN_LIST, CLOCK_SKEW_S, HOUR_S, MAX_STAGES, KeyFamily, RecordError,
-                               averaging_key_parts, bans_key, typed_keys)
+from agora.dht.key_families import BAN_LIST, HOUR_S, KeyFamily, typed_keys
+from agora.dht.keys import averaging_key_parts, bans_key
+from agora.dht.record_fields import MAX_STAGES, RecordError
+from agora.dht.records import CLOCK_SKEW_S
 
 __all__ = ["KeyTable", "Refusal", "key_hash", "PLAIN_TAGS"]
 

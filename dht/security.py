@@ -102,7 +102,9 @@ from agora.auth.node_state import NodeCredentials
 from agora.dht.bans import BanBook, BanListError
 from agora.dht.key_policy import PLAIN_TAGS, KeyTable, Refusal
 from agora.dht.ownership import EntryOwnership
-from agora.dht.records import BAN_LIST, MAX_STAGES, KeyFamily, RecordError, split_subkey, worker_key
+from agora.dht.key_families import BAN_LIST, KeyFamily
+from agora.dht.keys import split_subkey, worker_key
+from agora.dht.record_fields import MAX_STAGES, RecordError
 from agora.dht.storage_bounds import STORE_CONTEXT, IncomingStores, StorageLimits, StoreContext
 from agora.dht.store_checks import RefusedEntries, StoreTimes, refusal_kind
 

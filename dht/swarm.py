@@ -65,7 +65,9 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from agora.dht.bans import BAN_REFRESH_S, BanList, NodeBans, fetch_ban_list
 from agora.dht.op_timings import RequestTimings, key_family
 from agora.dht.ownership import EntryOwnership, fingerprint_mismatch
-from agora.dht.records import Record, RecordError, WorkerRecord, check_run_id, owned_subkey, worker_key
+from agora.dht.keys import check_run_id, owned_subkey, worker_key
+from agora.dht.record_fields import RecordError
+from agora.dht.records import Record, WorkerRecord
 
 if TYPE_CHECKING:
     from agora.dht.security import DHTSecurity

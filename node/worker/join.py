@@ -42,8 +42,9 @@ from agora.dht.averaging import AveragingAdmission, RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.leases import UnitWriters, read_block
-from agora.dht.records import (MAX_HEARTBEAT_S, TRAINING_PHASES, MoveRecord, Phase, WorkerRecord, averaging_prefix,
-                               move_key)
+from agora.dht.key_families import MAX_HEARTBEAT_S
+from agora.dht.keys import averaging_prefix, move_key
+from agora.dht.records import TRAINING_PHASES, MoveRecord, Phase, WorkerRecord
 from agora.dht.robust import RobustAggregation
 from agora.dht.swarm import SwarmDHT
 from agora.monitor.dht_metrics import DHTMetrics

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping, Optional
 
 from agora.dht.leases import UnitState, resolve
-from agora.dht.records import BLOCK_UNITS, MAX_UNIT_BLOCKS, UnitBlockRecord
+from agora.dht.record_fields import BLOCK_UNITS, MAX_UNIT_BLOCKS
+from agora.dht.records import UnitBlockRecord
 
 __all__ = ["LeaseUnavailable", "UnitHolders", "WorkRefused", "parse_work_key", "unit_of_forward", "work_permission"]
 

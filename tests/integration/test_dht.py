@@ -21,7 +21,9 @@ from pydantic import Field
 
 from agora.dht import DHTRequestError, Heartbeat, Record, RecordError, SwarmDHT, WorkerRecord, worker_key
 from agora.dht.bootstrap import host_maddrs, write_ready_file
-from agora.dht.records import SCHEMA_VERSION, check_run_id, parse_endpoint
+from agora.dht.keys import check_run_id
+from agora.dht.record_fields import parse_endpoint
+from agora.dht.records import SCHEMA_VERSION
 
 
 def make_record(**overrides) -> WorkerRecord:

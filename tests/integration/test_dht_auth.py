@@ -47,8 +47,9 @@ from agora.dht import DHTRequestError, SwarmDHT, WorkerRecord, worker_key
 from agora.dht.averaging import AdmissionGate, AveragingAdmission, SliceAverager, round_group_bits
 from agora.dht.bootstrap import main as bootstrap_main
 from agora.dht.bootstrap import run_bootstrap
-from agora.dht.records import (MAX_HEARTBEAT_S, RoundRecord, averaging_prefix, move_key, owned_subkey, rounds_key,
-                               trainer_key, units_key)
+from agora.dht.key_families import MAX_HEARTBEAT_S
+from agora.dht.keys import averaging_prefix, move_key, owned_subkey, rounds_key, trainer_key, units_key
+from agora.dht.records import RoundRecord
 from agora.pipeline.fingerprint import RunFingerprint
 from polling import eventually
 from record_samples import SAMPLES

@@ -12,8 +12,10 @@ import msgpack
 import pytest
 from pydantic import ValidationError
 
-from agora.dht.records import (CLOCK_SKEW_S, KEY_FAMILIES, MAX_HEARTBEAT_S, MoveRecord, RecordError, RoundRecord,
-                               TrainerRecord, WorkerRecord, move_key, rounds_key, trainer_key, typed_keys, units_key, worker_key)
+from agora.dht.key_families import KEY_FAMILIES, MAX_HEARTBEAT_S, typed_keys
+from agora.dht.keys import move_key, rounds_key, trainer_key, units_key, worker_key
+from agora.dht.record_fields import RecordError
+from agora.dht.records import CLOCK_SKEW_S, MoveRecord, RoundRecord, TrainerRecord, WorkerRecord
 from agora.pipeline.config import MAX_MATCHMAKING_S
 from record_samples import SAMPLES
 
