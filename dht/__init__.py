@@ -1,6 +1,9 @@
 """agora.dht: the typed layer over hivemind's DHT.
 
-- ``records``: record schemas (``WorkerRecord``, the ``Record`` base) and key names; pure.
+- ``records``: record schemas (``WorkerRecord``, the ``Record`` base) and their wire form; pure.
+- ``record_fields``: the field types and bounds records and keys are checked with, ``RecordError``.
+- ``keys``: the names of the DHT keys (``worker_key``, ...) and of owned subkeys; pure.
+- ``key_families``: which record type each key holds, who may write it, how long it may live.
 - ``swarm``: ``SwarmDHT``, the one owner of the hivemind DHT process and its futures.
 - ``ownership``: which per-peer entries a reader believes (owner key, peer id, fingerprint).
 - ``averaging``: ``SliceAverager`` (hivemind's averager, with credential checks) and the

@@ -105,7 +105,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 OUTCOMES = ("committed", "alone", "failed", "rejected", "cancelled")
-# Bits of the round number in the group key (records.py says why so few).
+# Bits of the round number in the group key (keys.py says why so few).
 GROUP_BITS = AVERAGING_GROUP_BITS
 # Extra host-side patience beyond hivemind's own deadlines (matchmaking, then the all-reduce)
 # before a step is given up: by then hivemind has finished with the buffer, so the next round's

@@ -1,11 +1,18 @@
-"""Which record type each DHT key family holds, who may write it, and for how long.
+"""Which record type each DHT key family holds, who may write it, and how long its entries may live.
 
 Design choices:
 
 - ``KEY_FAMILIES`` is the one statement of which record type each key family holds, and
   ``typed_keys`` lists a run's keys with their family, so a validator that sees only a key's hash
-  (hivemind's) can look the schema up. A rule about a family (who may write it) is one more
-  field of its ``KeyFamily``.
+  (hivemind's) can look the schema up (dht/key_policy.py, dht/security.py). A rule about a family
+  (who may write it) is one more field of its ``KeyFamily``.
+- The families sit above both the record schemas (dht/records.py) and the key names
+  (dht/keys.py): a family pairs the two, and a record needs its key's builder, so neither of
+  those can hold the pairing without an import cycle.
+- Entry lifetimes are bounded here because they are a family's rule: a writer picks its entry's
+  expiry, and the longest heartbeat (``MAX_HEARTBEAT_S``) sets how long an honest announce lives.
+- The run's ban list (``BAN_LIST``) is the one family that is not per-peer and that no
+  credential's role writes: the run's CA's signature decides (dht/bans.py).
 """
 
 from dataclasses import dataclass

@@ -1,7 +1,7 @@
 """Which keys an admitted peer may store in this run's DHT, looked up by the hash hivemind names them by.
 
 hivemind sends only a key's hash (``DHTID``), never the key, so a validator knows a key by
-listing every key it accepts and hashing each once. The list (records.py) is:
+listing every key it accepts and hashing each once. The list (key_families.py, keys.py) is:
 
 - the per-peer record families (``typed_keys``: workers and rounds of every stage, trainers,
   moves, unit blocks), each with its record type;

@@ -1,13 +1,15 @@
-"""Names of the DHT keys a run uses.
+"""The names of the DHT keys a run uses, and of the subkeys each peer writes under.
 
 Design choices:
 
-- Key naming lives here, next to the schemas, so every reader and writer builds the same keys.
-  ``run_id`` is restricted to ``[A-Za-z0-9_-]`` so that the dots in keys separate components
-  unambiguously. Every record type the DHT holds is declared here with the builder of its key:
-  workers, trainers, moves, averaging rounds (``RoundRecord``, read by dht/averaging.py's
-  ``RoundBoard``) and leased unit blocks (``UnitBlockRecord``, dht/leases.py). A record knows its
-  own key (``dht_key()``), so one heartbeat serves every record type.
+- Every key is built here, by one function per family, so every reader and writer builds the same
+  keys: ``{run}.stage{i}.workers``, ``{run}.trainers``, ``{run}.moves``,
+  ``{run}.stage{i}.{method}.rounds``, ``{run}.units.b{block}``, ``{run}.bans``. Each part is
+  checked with its record field's type (dht/record_fields.py): ``run_id`` is restricted to
+  ``[A-Za-z0-9_-]`` so that the dots in keys separate components unambiguously. A record knows its
+  own key (``dht_key()``, dht/records.py), so one heartbeat serves every record type.
+- Names only: which record type a key holds and who may write it is dht/key_families.py's, which
+  imports both the records and these builders (the records need the builders for their keys).
 - Per-peer entries live under subkeys. With admission on (dht/security.py) a subkey is
   ``<peer id>[owner:<ssh-rsa ...>]``: hivemind's ``RSASignatureValidator`` then lets only the
   holder of that key write or tombstone the entry, and readers check that the key is the one
@@ -22,7 +24,7 @@ from typing import Any, Iterator, Optional
 
 from pydantic import TypeAdapter, ValidationError
 
-from agora.dht.record_fields import MAX_STAGES, MAX_TEXT, Block, RecordError, RunId, Stage, _one_line
+from agora.dht.record_fields import MAX_STAGES, MAX_TEXT, Block, RecordError, RunId, Stage, one_line_error
 
 __all__ = ["AVERAGING_GROUP_BITS", "OWNER_MARKER", "averaging_key_parts", "averaging_keys", "averaging_prefix",
            "bans_key", "check_run_id", "move_key", "owned_subkey", "rounds_key", "split_subkey", "trainer_key",
@@ -42,7 +44,7 @@ def _key_part(adapter: TypeAdapter, name: str, value: object) -> Any:
     try:
         return adapter.validate_python(value, strict=True)
     except ValidationError as error:
-        raise _one_line(name, error) from None
+        raise one_line_error(name, error) from None
 
 
 def check_run_id(run_id: object) -> str:

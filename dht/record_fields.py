@@ -1,4 +1,16 @@
-"""The field types of DHT records and key parts, their bounds, and RecordError."""
+"""The field types every DHT record and key part is checked with, their bounds, and ``RecordError``.
+
+Design choices:
+
+- Each field's type and bounds are declared once, as an ``Annotated`` type here (``PeerId``,
+  ``Stage``, ``Count``, ``Seconds``, ...), and every record that has such a field uses it
+  (dht/records.py); the key builders check a key's parts with the same types (dht/keys.py), so a
+  run id or a stage that could not be a record's field cannot be part of a key either.
+- The bounds are generous: they exist to reject garbage cheaply, not to constrain real runs.
+- A bad value is a ``RecordError`` whose message is one line naming the field and the value
+  (``one_line_error`` turns pydantic's report into it). Records and keys both raise it, so it
+  lives below both.
+"""
 
 import math
 import re
@@ -7,10 +19,11 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, ValidationError
 
-__all__ = ["BLOCK_UNITS", "MAX_BANS", "MAX_CREDITS", "MAX_PACKED", "MAX_STAGES", "MAX_TEXT", "MAX_UNIT_BLOCKS",
-           "RecordError", "parse_endpoint"]
+__all__ = ["BITMAP_BYTES", "BLOCK_UNITS", "CLAIM_LAYOUT", "MAX_BANS", "MAX_CREDITS", "MAX_PACKED", "MAX_STAGES",
+           "MAX_TEXT", "MAX_UNIT_BLOCKS", "BannedPeers", "Bitmap", "Block", "Claims", "Count", "Credits", "Endpoint",
+           "Label", "Measure", "OptionalEndpoint", "Packed", "PeerId", "RecordError", "RunId", "Seconds", "Signature",
+           "Stage", "StageCount", "one_line_error", "parse_endpoint"]
 
-# Generous bounds: they exist to reject garbage cheaply, not to constrain real runs.
 MAX_STAGES = 4096
 MAX_CREDITS = 2**16  # a worker's queue, and the credits it announces
 MAX_TEXT = 256  # characters of any text field
@@ -20,8 +33,8 @@ BLOCK_UNITS = 256
 MAX_UNIT_BLOCKS = 4096
 # Peer ids one ban list may name (about 55 KB at most: every node reads the list each heartbeat).
 MAX_BANS = 1024
-_CLAIM = struct.Struct("<Hdd")  # unit offset in the block, claimed_at, expires_at
-_BITMAP_BYTES = BLOCK_UNITS // 8
+CLAIM_LAYOUT = struct.Struct("<Hdd")  # unit offset in the block, claimed_at, expires_at
+BITMAP_BYTES = BLOCK_UNITS // 8
 
 
 class RecordError(ValueError):
@@ -57,9 +70,9 @@ def _optional_endpoint(text: str) -> str:
 
 
 def _claims(packed: bytes) -> bytes:
-    if len(packed) % _CLAIM.size:
+    if len(packed) % CLAIM_LAYOUT.size:
         raise ValueError(f"{len(packed)} bytes is not a whole number of claims")
-    for offset, claimed_at, expires_at in _CLAIM.iter_unpack(packed):
+    for offset, claimed_at, expires_at in CLAIM_LAYOUT.iter_unpack(packed):
         if offset >= BLOCK_UNITS or not (math.isfinite(claimed_at) and math.isfinite(expires_at)):
             raise ValueError(f"offset {offset} or times out of range")
     return packed
@@ -94,13 +107,13 @@ Count = Annotated[int, Field(ge=0)]
 Credits = Annotated[int, Field(ge=0, le=MAX_CREDITS)]
 Measure = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # a throughput, a loss, a rate
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # DHT time (hivemind's get_dht_time)
-Bitmap = Annotated[bytes, Field(min_length=_BITMAP_BYTES, max_length=_BITMAP_BYTES)]  # one bit per unit of a block
+Bitmap = Annotated[bytes, Field(min_length=BITMAP_BYTES, max_length=BITMAP_BYTES)]  # one bit per unit of a block
 Claims = Annotated[bytes, Field(max_length=MAX_PACKED), AfterValidator(_claims)]
 BannedPeers = Annotated[str, Field(max_length=MAX_BANS * 129), AfterValidator(_banned_peers)]
 Packed = Annotated[bytes, Field(max_length=MAX_PACKED)]
 Signature = Annotated[bytes, Field(min_length=1, max_length=1024)]
 
-def _one_line(where: str, error: ValidationError) -> RecordError:
+def one_line_error(where: str, error: ValidationError) -> RecordError:
     """The first problem pydantic found, as one line naming the field and the bad value."""
     first = error.errors(include_url=False)[0]
     cause = first.get("ctx", {}).get("error")

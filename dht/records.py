@@ -1,11 +1,15 @@
-"""Typed records that peers publish in the DHT, their keys, and their wire form.
+"""Typed records that peers publish in the DHT, and their wire form.
 
 Design choices:
 
+- Every record type the DHT holds is declared here: workers, trainers, moves, averaging rounds
+  (``RoundRecord``, read by dht/averaging.py's ``RoundBoard``), leased unit blocks
+  (``UnitBlockRecord``, dht/leases.py) and the ban list. Their keys are named in dht/keys.py, and
+  which key holds which record in dht/key_families.py.
 - A record is a frozen pydantic model in strict mode whose fields are plain scalars (str, int,
   float, bool, bytes). Each field's type and bounds are declared once, on the field, through the
-  field types below (``PeerId``, ``Stage``, ``Count``, ``Seconds``, ...); a rule between two fields
-  (a stage below ``n_stages``) is the model's one after-validator. Strict means no coercion: "1"
+  field types of dht/record_fields.py (``PeerId``, ``Stage``, ``Count``, ``Seconds``, ...); a
+  rule between two fields (a stage below ``n_stages``) is the model's one after-validator. Strict means no coercion: "1"
   is no int, ``True`` no count, 1.5 no step. The one conversion is a whole number where a float
   belongs (a writer in another language may encode 7.0 as the int 7): pydantic stores it as a
   float, so equal records compare and serialize equal.
@@ -51,9 +55,9 @@ from typing import Any, ClassVar, Literal, Mapping, Optional, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from agora.dht.keys import bans_key, move_key, trainer_key, units_key, worker_key
-from agora.dht.record_fields import (BLOCK_UNITS, BannedPeers, Bitmap, Block, Claims, Count, Credits, Endpoint,
-                                     Label, Measure, OptionalEndpoint, Packed, PeerId, RecordError, RunId, Seconds,
-                                     Signature, Stage, StageCount, _BITMAP_BYTES, _CLAIM, _one_line)
+from agora.dht.record_fields import (BITMAP_BYTES, BLOCK_UNITS, CLAIM_LAYOUT, BannedPeers, Bitmap, Block, Claims, Count,
+                                     Credits, Endpoint, Label, Measure, OptionalEndpoint, Packed, PeerId, RecordError,
+                                     RunId, Seconds, Signature, Stage, StageCount, one_line_error)
 
 __all__ = ["CLOCK_SKEW_S", "COVERING_PHASES", "MAX_CLAIM_AGE_S", "MAX_CLAIMS", "MAX_LEASE_S", "PHASES",
            "PHASE_TRANSITIONS", "START_PHASES", "SERVING_PHASES", "Phase", "SCHEMA_VERSION", "TRAINING_PHASES",
@@ -138,7 +142,7 @@ class Record(BaseModel):
         try:
             super().__init__(**fields)
         except ValidationError as error:
-            raise _one_line(self.KIND, error) from None
+            raise one_line_error(self.KIND, error) from None
 
     def untimely(self, now: float, *, storing: bool) -> Optional[str]:
         """Why this record may not be held (or, with ``storing``, stored) at ``now``, or None. Only
@@ -343,7 +347,7 @@ class UnitBlockRecord(Record):
 
     @model_validator(mode="after")
     def _claims_bounded(self) -> "UnitBlockRecord":
-        claims = list(_CLAIM.iter_unpack(self.claims))
+        claims = list(CLAIM_LAYOUT.iter_unpack(self.claims))
         if len(claims) > MAX_CLAIMS:
             raise RecordError(f"units.claims: {len(claims)} claims, more than one entry may hold ({MAX_CLAIMS})")
         if len({offset for offset, _, _ in claims}) < len(claims):
@@ -372,17 +376,17 @@ class UnitBlockRecord(Record):
         """unit -> (claimed_at, expires_at)."""
         first = self.block * BLOCK_UNITS
         return {first + offset: (claimed_at, expires_at)
-                for offset, claimed_at, expires_at in _CLAIM.iter_unpack(self.claims)}
+                for offset, claimed_at, expires_at in CLAIM_LAYOUT.iter_unpack(self.claims)}
 
     @classmethod
     def build(cls, peer_id: str, run_id: str, block: int, committed: set[int],
               claims: Mapping[int, tuple[float, float]], now: float, credential: bytes = b"") -> "UnitBlockRecord":
         first = block * BLOCK_UNITS
-        bitmap = bytearray(_BITMAP_BYTES)
+        bitmap = bytearray(BITMAP_BYTES)
         for unit in committed:
             offset = unit - first
             bitmap[offset // 8] |= 1 << (offset % 8)
-        packed = b"".join(_CLAIM.pack(unit - first, claimed_at, expires_at)
+        packed = b"".join(CLAIM_LAYOUT.pack(unit - first, claimed_at, expires_at)
                           for unit, (claimed_at, expires_at) in sorted(claims.items()))
         return cls(peer_id=peer_id, run_id=run_id, block=block, committed=bytes(bitmap), claims=packed,
                    updated_at=now, credential=credential)

@@ -121,7 +121,7 @@ class JoinOptions:
     rebalance_s: float | None = None  # between two readings of the stages; None: 6 heartbeats
 
     def __post_init__(self) -> None:
-        # Peers refuse announces meant to outlive a few of the longest beats (dht/records.py).
+        # Peers refuse announces meant to outlive a few of the longest beats (dht/key_families.py).
         if not 0 < self.heartbeat_s <= MAX_HEARTBEAT_S:
             raise ConfigError(f"--heartbeat: must be in (0, {MAX_HEARTBEAT_S:g}] seconds, got {self.heartbeat_s:g}")
 

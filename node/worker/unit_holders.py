@@ -55,7 +55,7 @@ __all__ = ["LeaseUnavailable", "UnitHolders", "WorkRefused", "parse_work_key", "
 
 # The work key a trainer gives a unit's microbatch (node/trainer/trainer.py): u<unit>m<index>.
 _WORK_KEY = re.compile(r"u(0|[1-9][0-9]{0,15})m(0|[1-9][0-9]{0,8})")
-_UNITS = MAX_UNIT_BLOCKS * BLOCK_UNITS  # units the lease queue can hold (dht/records.py)
+_UNITS = MAX_UNIT_BLOCKS * BLOCK_UNITS  # units the lease queue can hold (dht/record_fields.py)
 
 logger = logging.getLogger("agora.node.worker")
 

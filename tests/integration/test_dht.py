@@ -295,7 +295,7 @@ def test_entries_expire_by_the_injected_clock(dht_pair, run_id):
 
 
 class LeaseRecord(Record):
-    """A record type declared outside records.py, the way a test or an experiment may."""
+    """A record type declared outside dht/records.py, the way a test or an experiment may."""
 
     KIND: ClassVar[str] = "test-lease"
     holder: str

@@ -1,4 +1,5 @@
-"""agora.dht.records (pure): each family's wire form, its fields' types and bounds, and its keys.
+"""DHT records (pure: dht/records.py, record_fields.py, keys.py, key_families.py): each family's wire form, its
+fields' types and bounds, and its keys.
 
 The wire bytes below were produced by the released record code; a peer of this version must
 write exactly them and read them back, or peers of the two versions stop seeing each other.
