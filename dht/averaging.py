@@ -88,7 +88,8 @@ from agora.dht.robust_allreduce import AgreedGroup, RobustAllReduceRunner, agree
 from agora.dht.keys import AVERAGING_GROUP_BITS, rounds_key
 from agora.dht.records import Phase, RoundRecord
 from agora.dht.security import DHTSecurity
-from agora.dht.swarm import SwarmDHT, begin_forked_process
+from agora.dht.dht_process import begin_forked_process
+from agora.dht.swarm import SwarmDHT
 
 __all__ = [
     "GROUP_BITS",
