@@ -124,17 +124,16 @@ class SwarmDHT:
     ) -> None:
         self._dht = dht
         self._owner_public_key = owner_public_key
-        self._ownership = EntryOwnership(require_owner=owner_public_key is not None)
         self._clock = clock
         self.request_timeout = request_timeout
         self._send_lock = threading.Lock()
         self._closed = False
         # (key, subkey) -> latest expiration this peer wrote there; see the module docstring.
         self._written: dict[tuple[str, Optional[str]], float] = {}
-        self._rejections: Counter[str] = Counter()
         self.timings = RequestTimings()  # every request's latency, by operation and key family
-        self._warned: set[tuple[str, str, str]] = set()
         self.bans = NodeBans()  # the run's ban list, as this peer's DHT process last read it
+        self._reader = EntryReader(clock=clock, ownership=EntryOwnership(require_owner=owner_public_key is not None),
+                                   bans=self.bans)
         self._peer_id: str = self._run_coroutine(_node_peer_id, "peer id")
         # A client-mode peer serves nothing, so its own storage counts for no reader: its
         # writes go to serving peers only, and "accepted" means one of them took it.
@@ -295,7 +294,7 @@ class SwarmDHT:
         """
         key = worker_key(run_id, stage)
         entries = self.owned_entries(key, WorkerRecord, latest=latest)
-        return self._workers_of(key, entries, run_id, stage, fingerprint)
+        return self._reader.workers(key, entries, run_id, stage, fingerprint)
 
     def all_workers(
         self, run_id: str, n_stages: int, *, latest: bool = True, fingerprint: Optional[RunFingerprint] = None
@@ -313,8 +312,8 @@ class SwarmDHT:
         found = [self._wait(future, f"get {key!r}", deadline) for key, future in zip(keys, futures)]
         result: dict[int, list[WorkerRecord]] = {}
         for stage, (key, value) in enumerate(zip(keys, found)):
-            entries = self._owned(key, self._parse_entries(key, value, WorkerRecord))
-            result[stage] = self._workers_of(key, entries, run_id, stage, fingerprint)
+            entries = self._owned(key, self._reader.entries(key, value, WorkerRecord))
+            result[stage] = self._reader.workers(key, entries, run_id, stage, fingerprint)
         return result
 
     def withdraw(self, run_id: str, stage: int, peer_id: str) -> bool:
@@ -376,22 +375,12 @@ class SwarmDHT:
 
     def get_record(self, key: str, record_type: type[R], *, latest: bool = True) -> Optional[Stored[R]]:
         """The record stored under a plain key (no subkeys), or None if absent or invalid."""
-        found = self._get_raw(key, latest)
-        if found is None or found.expiration_time < self._clock() or found.value is None:
-            return None
-        if _is_subkey_dict(found.value):
-            self._reject(key, None, "expected one record, found subkeys")
-            return None
-        try:
-            return Stored(record_type.from_wire(found.value), found.expiration_time)
-        except RecordError as error:
-            self._reject(key, None, str(error))
-            return None
+        return self._reader.record(key, self._get_raw(key, latest), record_type)
 
     def get_entries(self, key: str, record_type: type[R], *, latest: bool = True) -> dict[str, Stored[R]]:
         """Valid, unexpired, not deleted records under a key's subkeys, sorted by subkey."""
         found = self._get_raw(key, latest)
-        return self._parse_entries(key, found, record_type)
+        return self._reader.entries(key, found, record_type)
 
     def owned_entries(self, key: str, record_type: type[R], *, latest: bool = True) -> dict[str, Stored[R]]:
         """``get_entries`` keyed by peer id, keeping only entries whose subkey is their record's
@@ -400,8 +389,7 @@ class SwarmDHT:
 
     def rejections(self) -> dict[str, int]:
         """How many invalid values each key has yielded to this peer's reads so far."""
-        with self._send_lock:
-            return dict(self._rejections)
+        return self._reader.rejections()
 
     # ---- async twins ----------------------------------------------------------------------
 
@@ -500,7 +488,44 @@ class SwarmDHT:
             self._written[(key, subkey)] = expiration
             return expiration
 
-    def _parse_entries(self, key: str, found: Any, record_type: type[R]) -> dict[str, Stored[R]]:
+    def _owned(self, key: str, entries: dict[str, Stored[R]]) -> dict[str, Stored[R]]:
+        """``EntryReader.owned`` under the run's ban list, read again first if it is due."""
+        self._bans_for_reading()
+        return self._reader.owned(key, entries)
+
+
+class EntryReader:
+    """What a reader makes of the values a get found: records, kept only where it believes them,
+    and a count per key (and a log line) of every value it skips (see the module docstring)."""
+
+    def __init__(self, *, clock: Clock, ownership: EntryOwnership, bans: NodeBans) -> None:
+        self._clock = clock
+        self._ownership = ownership
+        self._bans = bans
+        self._lock = threading.Lock()
+        self._rejections: Counter[str] = Counter()
+        self._warned: set[tuple[str, str, str]] = set()
+
+    def rejections(self) -> dict[str, int]:
+        """How many invalid values each key has yielded so far."""
+        with self._lock:
+            return dict(self._rejections)
+
+    def record(self, key: str, found: Any, record_type: type[R]) -> Optional[Stored[R]]:
+        """The record of a plain key (no subkeys), or None if absent, expired or invalid."""
+        if found is None or found.expiration_time < self._clock() or found.value is None:
+            return None
+        if _is_subkey_dict(found.value):
+            self._reject(key, None, "expected one record, found subkeys")
+            return None
+        try:
+            return Stored(record_type.from_wire(found.value), found.expiration_time)
+        except RecordError as error:
+            self._reject(key, None, str(error))
+            return None
+
+    def entries(self, key: str, found: Any, record_type: type[R]) -> dict[str, Stored[R]]:
+        """Valid, unexpired, not deleted records under a key's subkeys, sorted by subkey."""
         if found is None:
             return {}
         if not _is_subkey_dict(found.value):
@@ -521,15 +546,14 @@ class SwarmDHT:
                 self._reject(key, subkey, str(error))
         return dict(sorted(entries.items()))
 
-    def _owned(self, key: str, entries: dict[str, Stored[R]]) -> dict[str, Stored[R]]:
-        """Entries by peer id, each checked against its subkey (see ``owned_entries``); a banned
-        peer's are skipped."""
+    def owned(self, key: str, entries: dict[str, Stored[R]]) -> dict[str, Stored[R]]:
+        """Entries by peer id, each checked against its subkey (see ``SwarmDHT.owned_entries``); a
+        banned peer's are skipped."""
         owned: dict[str, Stored[R]] = {}
-        self._bans_for_reading()
         for subkey, stored in entries.items():
             peer_id = getattr(stored.record, "peer_id", "")  # records without one are refused
             reason = self._ownership.problem(subkey, peer_id)
-            if reason is None and self.bans.is_banned(peer_id):
+            if reason is None and self._bans.is_banned(peer_id):
                 reason = "banned by the run's operator"
             if reason is not None:
                 self._reject(key, subkey, reason)
@@ -537,7 +561,7 @@ class SwarmDHT:
             owned[peer_id] = stored
         return dict(sorted(owned.items()))
 
-    def _workers_of(
+    def workers(
         self,
         key: str,
         entries: dict[str, Stored[WorkerRecord]],
@@ -545,6 +569,8 @@ class SwarmDHT:
         stage: int,
         fingerprint: Optional[RunFingerprint],
     ) -> list[WorkerRecord]:
+        """The workers of ``run_id``'s ``stage`` among ``entries``, skipping another run's (or, with
+        ``fingerprint``, another configuration's)."""
         workers = []
         for peer_id, stored in entries.items():
             record = stored.record
@@ -558,7 +584,7 @@ class SwarmDHT:
 
     def _reject(self, key: str, subkey: Optional[str], reason: str) -> None:
         entry = (key, str(subkey), reason)
-        with self._send_lock:
+        with self._lock:
             self._rejections[key] += 1
             first_time = entry not in self._warned
             if first_time:
