@@ -21,7 +21,7 @@ import importlib
 
 _HOMES = {"Heartbeat": "heartbeat", "PHASES": "records", "SCHEMA_VERSION": "records", "Record": "records",
           "RecordError": "record_fields", "WorkerRecord": "records", "worker_key": "keys",
-          "DHTRequestError": "swarm", "Stored": "swarm", "SwarmDHT": "swarm"}
+          "DHTRequestError": "swarm", "Stored": "entry_reader", "SwarmDHT": "swarm"}
 
 __all__ = sorted(_HOMES)
 
