@@ -5,6 +5,8 @@
 - ``keys``: the names of the DHT keys (``worker_key``, ...) and of owned subkeys; pure.
 - ``key_families``: which record type each key holds, who may write it, how long it may live.
 - ``swarm``: ``SwarmDHT``, the one owner of the hivemind DHT process and its futures.
+- ``dht_process``: that process: forked, orphan watch, stopped and reaped.
+- ``entry_reader``: what a read makes of found values (``Stored`` records it believes, the rest counted).
 - ``ownership``: which per-peer entries a reader believes (owner key, peer id, fingerprint).
 - ``averaging``: ``SliceAverager`` (hivemind's averager, with credential checks) and the
   rounds board.

@@ -1,9 +1,15 @@
-"""The hivemind DHT process a SwarmDHT owns.
+"""The hivemind DHT process a ``SwarmDHT`` owns: forked from ours, watched, stopped and reaped.
 
 Design choices:
 
+- hivemind runs its DHT node in a process of its own; this module is everything about that
+  process as a process, so dht/swarm.py reads as the requests it sends there.
 - A kill -9 of the owning process must not leave hivemind's DHT process (and its p2pd)
   serving forever: the DHT process started here exits once it is orphaned.
+- A process hivemind forks from ours begins by leaving what it inherited alone
+  (``begin_forked_process``); the averager's process (dht/averaging.py) begins the same way.
+- What runs inside the DHT process through ``run_coroutine`` is a module-level coroutine here,
+  so that it pickles by name.
 """
 
 from __future__ import annotations
@@ -17,14 +23,15 @@ from typing import Any
 
 import hivemind
 
-__all__ = ["begin_forked_process"]
+__all__ = ["OwnedDHT", "begin_forked_process", "node_client_mode", "node_peer_id", "node_visible_maddrs",
+           "stop_process"]
 
 logger = logging.getLogger(__name__)
 # How often the DHT process checks that its owner is still alive.
 _OWNER_CHECK_PERIOD = 1.0
 
 
-class _OwnedDHT(hivemind.DHT):
+class OwnedDHT(hivemind.DHT):
     """A ``hivemind.DHT`` whose process exits when the process that started it is gone.
 
     hivemind's DHT process survives an owner killed with SIGKILL and keeps serving; a
@@ -66,7 +73,7 @@ def _exit_when_orphaned(owner_pid: int) -> None:
     os._exit(0)
 
 
-def _stop_process(dht: hivemind.DHT) -> None:
+def stop_process(dht: hivemind.DHT) -> None:
     # hivemind's shutdown asks the node to stop (it also stops p2pd), then terminates it
     # after its grace period; join so no zombie is left behind.
     try:
@@ -79,13 +86,13 @@ def _stop_process(dht: hivemind.DHT) -> None:
 
 
 # Run inside the DHT process through run_coroutine; module-level so they pickle by name.
-async def _node_peer_id(_dht: hivemind.DHT, node: Any) -> str:
+async def node_peer_id(_dht: hivemind.DHT, node: Any) -> str:
     return str(node.peer_id)
 
 
-async def _node_client_mode(_dht: hivemind.DHT, node: Any) -> bool:
+async def node_client_mode(_dht: hivemind.DHT, node: Any) -> bool:
     return bool(node.protocol.client_mode)
 
 
-async def _node_visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[str]:
+async def node_visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[str]:
     return [str(maddr) for maddr in await node.get_visible_maddrs()]

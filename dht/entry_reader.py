@@ -1,7 +1,10 @@
-"""What a SwarmDHT reader makes of the values a get found.
+"""What a SwarmDHT reader makes of the values a get found: records it believes, the rest counted.
 
 Design choices:
 
+- Reading is a pure function of what a get returned, this peer's clock, the owner rule and the
+  ban list; no request is made here, so the checks read apart from the requests (dht/swarm.py)
+  and one ``EntryReader`` per peer holds the counts of what its reads skipped.
 - Readers check what the validators check (``dht/ownership.py``), and count what they skip:
   the subkey's peer id is the record's, the owner key is that peer id's key, and with
   admission on an entry without an owner (unsigned) is skipped. A reader that passes its
@@ -29,7 +32,7 @@ from agora.dht.records import Record, WorkerRecord
 if TYPE_CHECKING:
     from agora.pipeline.fingerprint import RunFingerprint
 
-__all__ = ["EntryReader", "Stored"]
+__all__ = ["EntryReader", "Stored", "is_subkey_dict"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ class EntryReader:
         """The record of a plain key (no subkeys), or None if absent, expired or invalid."""
         if found is None or found.expiration_time < self._clock() or found.value is None:
             return None
-        if _is_subkey_dict(found.value):
+        if is_subkey_dict(found.value):
             self._reject(key, None, "expected one record, found subkeys")
             return None
         try:
@@ -82,7 +85,7 @@ class EntryReader:
         """Valid, unexpired, not deleted records under a key's subkeys, sorted by subkey."""
         if found is None:
             return {}
-        if not _is_subkey_dict(found.value):
+        if not is_subkey_dict(found.value):
             if found.value is not None and found.expiration_time >= self._clock():
                 self._reject(key, None, "expected subkeys, found a plain value")
             return {}
@@ -151,5 +154,6 @@ class EntryReader:
         logger.log(level, "skipping invalid DHT value at %s: %s", where, reason)
 
 
-def _is_subkey_dict(value: Any) -> bool:
+def is_subkey_dict(value: Any) -> bool:
+    """Whether a value hivemind found is a dictionary of subkeys (each with its expiration), not one value."""
     return isinstance(value, dict) and all(isinstance(item, ValueWithExpiration) for item in value.values())

@@ -1,5 +1,9 @@
 """SwarmDHT: the one owner of the hivemind DHT process, with typed reads and writes.
 
+The process itself (started, watched, stopped) is dht/dht_process.py's, and what a read makes
+of the values it found (parsed, believed, or skipped and counted) is dht/entry_reader.py's; this
+module sends the requests and keeps the bookkeeping of what this peer wrote.
+
 Design choices:
 
 - hivemind runs its DHT node in a forked process and answers through ``MPFuture``s.
@@ -20,7 +24,7 @@ Design choices:
 - hivemind cannot delete. A store wins only if its expiration is *later* than the one
   held, and a store whose expiration is already past is refused. So withdrawing writes a
   tombstone (``None``) whose expiration is just after the withdrawn entry's; readers skip
-  tombstones. To make this (and re-announcing after a withdraw) always win, every
+  tombstones (``EntryReader``). To make this (and re-announcing after a withdraw) always win, every
   expiration this peer writes to an entry is strictly later than the last one it wrote.
 - Reads use ``latest=True`` by default: without it hivemind returns the first unexpired
   copy it meets, usually this node's own cache, which can miss subkeys other peers added
@@ -50,8 +54,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from agora.dht.bans import BAN_REFRESH_S, BanList, NodeBans, fetch_ban_list
-from agora.dht.dht_process import _node_client_mode, _node_peer_id, _node_visible_maddrs, _OwnedDHT, _stop_process
-from agora.dht.entry_reader import EntryReader, Stored, _is_subkey_dict
+from agora.dht.dht_process import OwnedDHT, node_client_mode, node_peer_id, node_visible_maddrs, stop_process
+from agora.dht.entry_reader import EntryReader, Stored, is_subkey_dict
 from agora.dht.keys import check_run_id, owned_subkey, worker_key
 from agora.dht.op_timings import RequestTimings, key_family
 from agora.dht.ownership import EntryOwnership
@@ -115,10 +119,10 @@ class SwarmDHT:
         self.bans = NodeBans()  # the run's ban list, as this peer's DHT process last read it
         self._reader = EntryReader(clock=clock, ownership=EntryOwnership(require_owner=owner_public_key is not None),
                                    bans=self.bans)
-        self._peer_id: str = self._run_coroutine(_node_peer_id, "peer id")
+        self._peer_id: str = self._run_coroutine(node_peer_id, "peer id")
         # A client-mode peer serves nothing, so its own storage counts for no reader: its
         # writes go to serving peers only, and "accepted" means one of them took it.
-        self._client_mode: bool = self._run_coroutine(_node_client_mode, "client mode")
+        self._client_mode: bool = self._run_coroutine(node_client_mode, "client mode")
 
     @classmethod
     def start(
@@ -165,7 +169,7 @@ class SwarmDHT:
         elif identity_path is not None:
             options["identity_path"] = identity_path
         for attempt in itertools.count(1):  # every pass returns, raises or waits for the next
-            dht = _OwnedDHT(
+            dht = OwnedDHT(
                 initial_peers=list(initial_peers) or None,
                 start=False,
                 host_maddrs=list(host_maddrs),
@@ -181,7 +185,7 @@ class SwarmDHT:
                     raise DHTRequestError(f"the DHT peer id {swarm.peer_id} is not the credential's {security.peer_id}")
                 return swarm
             except BaseException as error:
-                _stop_process(dht)
+                stop_process(dht)
                 if not isinstance(error, Exception):
                     raise
                 unanswered = bool(initial_peers) and any(words in str(error) for words in _NO_ANSWER)
@@ -233,7 +237,7 @@ class SwarmDHT:
 
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs (with ``/p2p/<peer id>``) that other peers pass as initial peers."""
-        return self._run_coroutine(_node_visible_maddrs, "visible multiaddrs")
+        return self._run_coroutine(node_visible_maddrs, "visible multiaddrs")
 
     def shutdown(self) -> None:
         """Stop the DHT process and its p2pd. Idempotent; later requests raise."""
@@ -241,7 +245,7 @@ class SwarmDHT:
             if self._closed:
                 return
             self._closed = True
-        _stop_process(self._dht)
+        stop_process(self._dht)
 
     def __enter__(self) -> SwarmDHT:
         return self
@@ -480,6 +484,6 @@ def _entry_expiration(found: Any, subkey: Optional[str]) -> Optional[float]:
         return None
     if subkey is None:
         return found.expiration_time
-    if _is_subkey_dict(found.value) and subkey in found.value:
+    if is_subkey_dict(found.value) and subkey in found.value:
         return found.value[subkey].expiration_time
     return None

@@ -555,7 +555,7 @@ def test_a_worker_of_another_run_configuration_is_skipped_naming_the_field(swarm
     ours = make_record(second, stage)
     assert second.announce_worker(ours, ttl=60)
     eventually(lambda: len(first.live_workers(RUN, stage)) == 2, timeout=10, what="both records")
-    with caplog.at_level(logging.WARNING, logger="agora.dht.swarm"):
+    with caplog.at_level(logging.WARNING, logger="agora.dht.entry_reader"):
         assert first.live_workers(RUN, stage, fingerprint=OURS) == [ours]
         assert first.all_workers(RUN, stage + 1, fingerprint=OURS)[stage] == [ours]
     assert first.rejections()[worker_key(RUN, stage)] == 2
