@@ -192,20 +192,11 @@ class StageWorker:
         # What a request may declare and carry (node/replica/bounds.py); a bad max_rows fails here.
         self.geometry = RequestGeometry.from_config(self.config, stage_index, self.options.max_rows)
         self.refusals = RefusalCounts()  # refused calls by reason (auth, fingerprint, ownership)
-        self.compute_errors = 0  # calls failed on this replica's own non-finite result (its watchdog reads it)
         check = CallerCheck(fingerprint=self.fingerprint, credentials=credentials, refusals=self.refusals, clock=clock,
                             banned=banned)
         self._interceptors = interceptor_chain(check, *interceptors, outer=outer_interceptors, clock=clock)
         self._announced_host: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
-        self._slots = SlotPool(f"stage {stage_index} worker", self.options.queue_capacity,
-                               self.options.queue_per_caller, option="worker.max_queue_per_caller")
-        # Credits for each caller (node/worker/flow.py); the tail keeps no forward stash.
-        self._flow = FlowControl(self.options.queue_capacity,
-                                 None if self.geometry.is_tail else self.options.stash_capacity, clock=clock)
-        control = self.options.control_queue
-        self._control_slots = SlotPool(f"stage {stage_index} worker's Step/Abort queue", control,
-                                       default_per_caller(control), option="three quarters of max_control_queue")
         self._compute: StageCompute | None = None
         self._inference: InferenceService | None = None
         self._server: grpc.aio.Server | None = None
@@ -217,6 +208,8 @@ class StageWorker:
         self._gate = None if unit_holders is None or credentials is None else WorkGate(
             unit_holders, stage=stage_index, microbatches=config.train.microbatches, is_tail=self.geometry.is_tail,
             per_caller=options.stash_capacity, refusals=self.refusals, logger=self._logger)
+        # Each call's admission, its run on the compute thread and the status of its failure.
+        self._service = StageService(self, clock=clock, logger=self._logger, metrics=metrics, gate=self._gate)
         # Serves this replica's state to joining ones (DownloadState); None for a serve-only worker.
         self.state_donor: StateDonor | None = None
 
@@ -248,12 +241,22 @@ class StageWorker:
 
     @property
     def load(self) -> int:
-        return self._slots.in_use
+        return self._service.slots.in_use
+
+    @property
+    def control_load(self) -> int:
+        """Step and Abort calls admitted and not finished (their own pool: `max_control_queue`)."""
+        return self._service.control_slots.in_use
 
     @property
     def flow(self) -> FlowControl:
         """The callers' credits; what a caller new to this worker gets is `flow.grant(None)`."""
-        return self._flow
+        return self._service.flow
+
+    @property
+    def compute_errors(self) -> int:
+        """Calls failed on this replica's own non-finite result (its watchdog reads it)."""
+        return self._service.compute_errors
 
     @property
     def is_serving(self) -> bool:
@@ -320,7 +323,7 @@ class StageWorker:
         if not self.options.serve_only and self.options.max_state_downloads:
             self.state_donor = StateDonor(self, max_downloads=self.options.max_state_downloads,
                                           chunk_bytes=self.options.stream_chunk_bytes, clock=self._clock)
-        add_stage_service(server, _StageService(self), max_stream_bytes=self.options.max_stream_bytes,
+        add_stage_service(server, self._service, max_stream_bytes=self.options.max_stream_bytes,
                           chunk_bytes=self.options.stream_chunk_bytes, stream_timeout_s=self.options.stream_timeout_s,
                           inference=self._inference,
                           extra=state_method_handlers(self.state_donor) if self.state_donor is not None else {})
@@ -348,8 +351,8 @@ class StageWorker:
         metrics.watch(load=lambda: self.load, capacity=self.options.queue_capacity,
                       step=lambda: compute.optimizer.steps,
                       throughput=lambda: compute.throughput, phase=lambda: self.phase, phases=PHASES,
-                      refusals=self.refusals.snapshot, callers=self._flow.active_callers,
-                      queue_target=self._flow.queue_target)
+                      refusals=self.refusals.snapshot, callers=self.flow.active_callers,
+                      queue_target=self.flow.queue_target)
         scale = compute.output_grad_scale
         if scale is not None:
             metrics.watch_output_grads(scale=lambda: scale.scale or float("nan"), peak_ratio=lambda: scale.peak_ratio)
@@ -423,150 +426,10 @@ class StageWorker:
             slot.hand_off(future)
         return future
 
-    # ------------------------------------------------------------------ admission (node/replica/bounds.py)
-
-    def _refused(self, code: grpc.StatusCode, message: str, reason: str | None = None) -> StageRefusal:
-        if reason is not None:
-            self.refusals.add(reason)
-        return StageRefusal(code, message)
-
-    def _caller(self) -> Caller:
-        caller = current_caller()
-        if caller is None:  # CallerCheck runs ahead of every handler; fail closed if it did not
-            raise self._refused(grpc.StatusCode.INTERNAL, "no caller identity for this call")
-        return caller
-
-    def _check_addressing(self, run_id: str, stage: int) -> None:
-        """Refuse misaddressed calls on the loop, before they take a queue slot; every training call
-        comes through here, so a serve-only worker refuses them here too."""
-        if self.options.serve_only:
-            raise self._refused(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"this stage {self.stage_index} worker serves inference only (join --serve-only): it takes "
-                                "no Forward, Backward, Step or Abort", "serve_only")
-        try:
-            self._compute.check_addressing(run_id, stage)
-        except RequestRejected as error:
-            raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-
-    def _check_shapes(self, request: Any, *, partial: bool) -> None:
-        try:
-            if isinstance(request, ForwardRequest):
-                self.geometry.check_forward(request, partial=partial)
-            else:
-                self.geometry.check_backward(request, partial=partial)
-        except OutOfBounds as error:
-            raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, str(error), "out_of_bounds") from None
-
-    def _slot(self, pool: SlotPool, caller: Caller) -> Slot:
-        try:
-            return pool.acquire(caller.owner)
-        except SlotRefused as error:
-            # A full worker is routine load; one caller at its share is worth counting. Either way the
-            # refusal says when a slot should free: the next job for a full pool, the caller's earliest
-            # own job (at most the others' jobs ahead of it) when it holds its share.
-            ahead = 1 if error.reason == "full" else pool.in_use - pool.held_by(caller.owner) + 1
-            pushback_ms = max(1, round(1e3 * self._flow.pushback_s(ahead)))
-            refusal = self._refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
-                                    "caller_limit" if error.reason == "caller_limit" else None)
-            refusal.trailing_metadata = ((PUSHBACK_METADATA, str(pushback_ms)),)
-            raise refusal from None
-
-    async def _admit(self, request: ForwardRequest | BackwardRequest, *, partial: bool) -> "_Admission":
-        """Caller, addressing, declared shapes, the unit's holder, then a queue slot: cheapest first,
-        the slot last so that a refused request never holds one. `partial`: a stream's first part."""
-        caller = self._caller()
-        self._check_addressing(request.run_id, request.stage)
-        if self._phase == Phase.WEIGHT_SYNC:  # trainers do not route here; one with a stale view is told why
-            raise self._refused(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"this stage {self.stage_index} replica is in weight sync: it has not got the stage's "
-                                "state yet and takes no Forward or Backward; route to a member", "weight_sync")
-        self._check_shapes(request, partial=partial)
-        forward = isinstance(request, ForwardRequest)
-        if self._gate is not None:
-            await self._gate.admit(caller, request)
-        budget = self.geometry.forward_budget() if forward else self.geometry.backward_budget()
-        slot = self._slot(self._slots, caller)
-        self._flow.heard_from(caller.owner, request.round_trip_s)
-        return _Admission(caller, slot, min(budget, self.options.max_stream_bytes),
-                          self.geometry.describe_budget("Forward" if forward else "Backward"))
-
-    async def _serve_admitted(self, context: Any, request: ForwardRequest | BackwardRequest,
-                              admission: "_Admission | None", compute: Callable[..., T]) -> T:
-        """Run an admitted Forward/Backward (a unary one is admitted here) in its slot."""
-        if admission is None:
-            admission = await self._admit(request, partial=False)
-            try:
-                reply = await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner),
-                                        request)
-            finally:
-                admission.close()
-        else:
-            self._check_shapes(request, partial=False)  # a stream admitted on its first part is whole now
-            reply = await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner), request)
-        annotate_job(reply.queued_s, reply.compute_s)  # on the call's span, where it is traced
-        if self._metrics is not None and isinstance(request, ForwardRequest) and not request.evaluate:
-            self._metrics.served(admission.caller.owner, _job_tokens(request))  # what a trainer's receipts may claim
-        return self._credited(admission.caller.owner, reply)
-
-    def _credited(self, owner: str, reply: T) -> T:
-        """The reply with the caller's credits now (node/worker/flow.py), its job's compute time counted."""
-        self._flow.observe_compute(reply.compute_s)
-        credits = self._flow.grant(owner)
-        return dataclasses.replace(reply, credits=credits.calls, in_flight_credits=credits.in_flight)
-
-    async def _run(self, context: Any, slot: Slot, fn: Callable[[Any], T], request: Any) -> T:
-        admitted = time.perf_counter()
-
-        def timed(request: Any) -> T:
-            started = time.perf_counter()
-            reply = fn(request)
-            if hasattr(reply, "compute_s"):  # Forward/Backward replies report where the time went
-                reply = dataclasses.replace(reply, queued_s=started - admitted,
-                                            compute_s=time.perf_counter() - started)
-                if self._metrics is not None:
-                    self._metrics.observe_job(type(request).__name__.removesuffix("Request"), _job_tokens(request),
-                                              reply.queued_s, reply.compute_s)
-            return reply
-
-        future = self._executor.submit(timed, request)
-        slot.hand_off(future)  # the slot is freed when the job ends, not when the caller gives up
-        return await self._answer(context, future)
-
-    async def _answer(self, context: Any, future: Future) -> Any:
-        try:
-            return await asyncio.wrap_future(future)
-        except ExtremeInput as error:  # the previous stage's values: the caller learns which frame
-            self.refusals.add(f"extreme_{error.field}")
-            self._logger.info("stage %d refused a request's %s: %s", self.stage_index, error.field, error,
-                              extra={"milestone": "extreme_input_refused",
-                                     "fields": {"stage": self.stage_index, "field": error.field}})
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error), ((REFUSED_INPUT_METADATA, error.field),))
-        except InvalidRequest as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except ReportOutsideWindow as error:  # the trainer keeps reporting: the replica may re-anchor
-            self.refusals.add("report_outside_window")
-            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(error))
-        except PreconditionFailed as error:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
-        except NotOwner as error:
-            self.refusals.add("not_owner")
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(error))
-        except DuplicateMicrobatch as error:
-            self.refusals.add("duplicate_microbatch")
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
-        except ComputeError as error:
-            self.compute_errors += 1
-            self._logger.warning("stage %d compute error: %s", self.stage_index, error)
-            await context.abort(grpc.StatusCode.INTERNAL, str(error))
-        except Exception as error:  # our bug, not the peer's: keep the traceback here, keep serving
-            self._logger.exception("stage %d: unexpected failure in compute", self.stage_index)
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"stage {self.stage_index} failed: {type(error).__name__}: {error}")
-
     def info(self, owner: str | None = None) -> InfoReply:
         """Stage, step, phase and load; the credits are `owner`'s (None: a caller new to this worker)."""
         compute = self._compute
-        credits: Credits = self._flow.grant(owner)
+        credits: Credits = self.flow.grant(owner)
         return InfoReply(
             run_id=self.run_id, stage=self.stage_index, n_stages=compute.n_stages,
             # Plain int reads of compute-thread state: a momentarily stale value is fine for routing.
@@ -590,50 +453,205 @@ class _Admission:
         self.slot.close()
 
 
-class _StageService:
-    """The agora.v1.Stage handlers (see protos/stage_adapter.StageHandler): admission and status mapping only."""
+class StageService:
+    """The agora.v1.Stage handlers (see protos/stage_adapter.StageHandler): each call's admission
+    (module docstring), its run on the worker's compute thread, and the status its failure maps to.
+    It holds the worker's queue slots and its callers' credits."""
 
-    def __init__(self, worker: StageWorker):
+    def __init__(self, worker: StageWorker, *, clock: Callable[[], float], logger: logging.Logger,
+                 metrics: Optional[WorkerMetrics], gate: Optional[WorkGate]):
         self._worker = worker
+        self._stage = worker.stage_index
+        self._options = options = worker.options
+        self._geometry = worker.geometry
+        self._refusals = worker.refusals
+        self._logger = logger
+        self._metrics = metrics
+        self._gate = gate
+        self.compute_errors = 0  # calls failed on this replica's own non-finite result
+        self.slots = SlotPool(f"stage {self._stage} worker", options.queue_capacity, options.queue_per_caller,
+                              option="worker.max_queue_per_caller")
+        # Credits for each caller (node/worker/flow.py); the tail keeps no forward stash.
+        self.flow = FlowControl(options.queue_capacity, None if self._geometry.is_tail else options.stash_capacity,
+                                clock=clock)
+        control = options.control_queue
+        self.control_slots = SlotPool(f"stage {self._stage} worker's Step/Abort queue", control,
+                                       default_per_caller(control), option="three quarters of max_control_queue")
 
     async def admit_stream(self, head: ForwardRequest | BackwardRequest, context: Any) -> _Admission:
-        return await self._worker._admit(head, partial=True)
+        return await self._admit(head, partial=True)
 
     async def forward(self, request: ForwardRequest, context: Any, admission: _Admission | None = None) -> ForwardReply:
-        return await self._worker._serve_admitted(context, request, admission, self._worker._compute.forward)
+        return await self._serve_admitted(context, request, admission, self._worker.compute.forward)
 
     async def backward(self, request: BackwardRequest, context: Any,
                        admission: _Admission | None = None) -> BackwardReply:
-        return await self._worker._serve_admitted(context, request, admission, self._worker._compute.backward)
+        return await self._serve_admitted(context, request, admission, self._worker.compute.backward)
 
     async def _control(self, context: Any, run_id: str, stage: int, fn: Callable[[Caller], Any]) -> Any:
         """Step and Abort: admitted like the rest, into their own bounded pool (module docstring)."""
-        worker = self._worker
-        caller = worker._caller()
-        worker._check_addressing(run_id, stage)
-        slot = worker._slot(worker._control_slots, caller)
+        caller = self._caller()
+        self._check_addressing(run_id, stage)
+        slot = self._slot(self.control_slots, caller)
         try:
-            return await worker._run(context, slot, lambda _: fn(caller), None)
+            return await self._run(context, slot, lambda _: fn(caller), None)
         finally:
             slot.close()
 
     async def step(self, request: StepRequest, context: Any) -> StepReply:
-        worker = self._worker
-        if request.completed_batch is not None and worker._gate is not None:  # a unit's report: its holder's only
-            worker._check_addressing(request.run_id, request.stage)
-            await worker._gate.check_unit(worker._caller(), request.completed_batch)
+        if request.completed_batch is not None and self._gate is not None:  # a unit's report: its holder's only
+            self._check_addressing(request.run_id, request.stage)
+            await self._gate.check_unit(self._caller(), request.completed_batch)
         return await self._control(context, request.run_id, request.stage,
-                                   lambda caller: self._worker._compute.step(request, caller.owner))
+                                   lambda caller: self._worker.compute.step(request, caller.owner))
 
     async def abort(self, request: AbortRequest, context: Any) -> AbortReply:
-        if self._worker._gate is not None:
-            self._worker._gate.aborted(current_caller(), request.microbatch_id)
+        if self._gate is not None:
+            self._gate.aborted(current_caller(), request.microbatch_id)
         return await self._control(context, request.run_id, request.stage,
-                                   lambda caller: self._worker._compute.abort(request, caller.owner))
+                                   lambda caller: self._worker.compute.abort(request, caller.owner))
 
     async def info(self, request: InfoRequest, context: Any) -> InfoReply:
         caller = current_caller()
         return self._worker.info(None if caller is None else caller.owner)
+
+    def _refused(self, code: grpc.StatusCode, message: str, reason: str | None = None) -> StageRefusal:
+        if reason is not None:
+            self._refusals.add(reason)
+        return StageRefusal(code, message)
+
+    def _caller(self) -> Caller:
+        caller = current_caller()
+        if caller is None:  # CallerCheck runs ahead of every handler; fail closed if it did not
+            raise self._refused(grpc.StatusCode.INTERNAL, "no caller identity for this call")
+        return caller
+
+    def _check_addressing(self, run_id: str, stage: int) -> None:
+        """Refuse misaddressed calls on the loop, before they take a queue slot; every training call
+        comes through here, so a serve-only worker refuses them here too."""
+        if self._options.serve_only:
+            raise self._refused(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this stage {self._stage} worker serves inference only (join --serve-only): it takes "
+                                "no Forward, Backward, Step or Abort", "serve_only")
+        try:
+            self._worker.compute.check_addressing(run_id, stage)
+        except RequestRejected as error:
+            raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+
+    def _check_shapes(self, request: Any, *, partial: bool) -> None:
+        try:
+            if isinstance(request, ForwardRequest):
+                self._geometry.check_forward(request, partial=partial)
+            else:
+                self._geometry.check_backward(request, partial=partial)
+        except OutOfBounds as error:
+            raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, str(error), "out_of_bounds") from None
+
+    def _slot(self, pool: SlotPool, caller: Caller) -> Slot:
+        try:
+            return pool.acquire(caller.owner)
+        except SlotRefused as error:
+            # A full worker is routine load; one caller at its share is worth counting. Either way the
+            # refusal says when a slot should free: the next job for a full pool, the caller's earliest
+            # own job (at most the others' jobs ahead of it) when it holds its share.
+            ahead = 1 if error.reason == "full" else pool.in_use - pool.held_by(caller.owner) + 1
+            pushback_ms = max(1, round(1e3 * self.flow.pushback_s(ahead)))
+            refusal = self._refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
+                                    "caller_limit" if error.reason == "caller_limit" else None)
+            refusal.trailing_metadata = ((PUSHBACK_METADATA, str(pushback_ms)),)
+            raise refusal from None
+
+    async def _admit(self, request: ForwardRequest | BackwardRequest, *, partial: bool) -> "_Admission":
+        """Caller, addressing, declared shapes, the unit's holder, then a queue slot: cheapest first,
+        the slot last so that a refused request never holds one. `partial`: a stream's first part."""
+        caller = self._caller()
+        self._check_addressing(request.run_id, request.stage)
+        if self._worker.phase == Phase.WEIGHT_SYNC:  # trainers do not route here; one with a stale view is told why
+            raise self._refused(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this stage {self._stage} replica is in weight sync: it has not got the stage's "
+                                "state yet and takes no Forward or Backward; route to a member", "weight_sync")
+        self._check_shapes(request, partial=partial)
+        forward = isinstance(request, ForwardRequest)
+        if self._gate is not None:
+            await self._gate.admit(caller, request)
+        budget = self._geometry.forward_budget() if forward else self._geometry.backward_budget()
+        slot = self._slot(self.slots, caller)
+        self.flow.heard_from(caller.owner, request.round_trip_s)
+        return _Admission(caller, slot, min(budget, self._options.max_stream_bytes),
+                          self._geometry.describe_budget("Forward" if forward else "Backward"))
+
+    async def _serve_admitted(self, context: Any, request: ForwardRequest | BackwardRequest,
+                              admission: "_Admission | None", compute: Callable[..., T]) -> T:
+        """Run an admitted Forward/Backward (a unary one is admitted here) in its slot."""
+        if admission is None:
+            admission = await self._admit(request, partial=False)
+            try:
+                reply = await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner),
+                                        request)
+            finally:
+                admission.close()
+        else:
+            self._check_shapes(request, partial=False)  # a stream admitted on its first part is whole now
+            reply = await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner), request)
+        annotate_job(reply.queued_s, reply.compute_s)  # on the call's span, where it is traced
+        if self._metrics is not None and isinstance(request, ForwardRequest) and not request.evaluate:
+            self._metrics.served(admission.caller.owner, _job_tokens(request))  # what a trainer's receipts may claim
+        return self._credited(admission.caller.owner, reply)
+
+    def _credited(self, owner: str, reply: T) -> T:
+        """The reply with the caller's credits now (node/worker/flow.py), its job's compute time counted."""
+        self.flow.observe_compute(reply.compute_s)
+        credits = self.flow.grant(owner)
+        return dataclasses.replace(reply, credits=credits.calls, in_flight_credits=credits.in_flight)
+
+    async def _run(self, context: Any, slot: Slot, fn: Callable[[Any], T], request: Any) -> T:
+        admitted = time.perf_counter()
+
+        def timed(request: Any) -> T:
+            started = time.perf_counter()
+            reply = fn(request)
+            if hasattr(reply, "compute_s"):  # Forward/Backward replies report where the time went
+                reply = dataclasses.replace(reply, queued_s=started - admitted,
+                                            compute_s=time.perf_counter() - started)
+                if self._metrics is not None:
+                    self._metrics.observe_job(type(request).__name__.removesuffix("Request"), _job_tokens(request),
+                                              reply.queued_s, reply.compute_s)
+            return reply
+
+        # the slot is freed when the job ends, not when the caller gives up
+        future = self._worker.submit_compute(lambda _compute: timed(request), slot)
+        return await self._answer(context, future)
+
+    async def _answer(self, context: Any, future: Future) -> Any:
+        try:
+            return await asyncio.wrap_future(future)
+        except ExtremeInput as error:  # the previous stage's values: the caller learns which frame
+            self._refusals.add(f"extreme_{error.field}")
+            self._logger.info("stage %d refused a request's %s: %s", self._stage, error.field, error,
+                              extra={"milestone": "extreme_input_refused",
+                                     "fields": {"stage": self._stage, "field": error.field}})
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error), ((REFUSED_INPUT_METADATA, error.field),))
+        except InvalidRequest as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except ReportOutsideWindow as error:  # the trainer keeps reporting: the replica may re-anchor
+            self._refusals.add("report_outside_window")
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(error))
+        except PreconditionFailed as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except NotOwner as error:
+            self._refusals.add("not_owner")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(error))
+        except DuplicateMicrobatch as error:
+            self._refusals.add("duplicate_microbatch")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+        except ComputeError as error:
+            self.compute_errors += 1
+            self._logger.warning("stage %d compute error: %s", self._stage, error)
+            await context.abort(grpc.StatusCode.INTERNAL, str(error))
+        except Exception as error:  # our bug, not the peer's: keep the traceback here, keep serving
+            self._logger.exception("stage %d: unexpected failure in compute", self._stage)
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"stage {self._stage} failed: {type(error).__name__}: {error}")
 
 
 def _job_tokens(request: ForwardRequest | BackwardRequest) -> int:
