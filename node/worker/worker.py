@@ -78,7 +78,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar
 
 import grpc
 
@@ -453,12 +453,32 @@ class _Admission:
         self.slot.close()
 
 
+class ServedStage(Protocol):
+    """What a StageService needs of the worker it serves (a StageWorker): its stage and bounds, its
+    replica and phase, its compute thread, and its Info."""
+
+    stage_index: int
+    options: WorkerOptions
+    geometry: RequestGeometry
+    refusals: RefusalCounts
+
+    @property
+    def compute(self) -> StageCompute: ...
+
+    @property
+    def phase(self) -> Phase: ...
+
+    def submit_compute(self, fn: Callable[[StageCompute], T], slot: Slot | None = None) -> Future: ...
+
+    def info(self, owner: str | None = None) -> InfoReply: ...
+
+
 class StageService:
     """The agora.v1.Stage handlers (see protos/stage_adapter.StageHandler): each call's admission
     (module docstring), its run on the worker's compute thread, and the status its failure maps to.
     It holds the worker's queue slots and its callers' credits."""
 
-    def __init__(self, worker: StageWorker, *, clock: Callable[[], float], logger: logging.Logger,
+    def __init__(self, worker: ServedStage, *, clock: Callable[[], float], logger: logging.Logger,
                  metrics: Optional[WorkerMetrics], gate: Optional[WorkGate]):
         self._worker = worker
         self._stage = worker.stage_index
