@@ -1,6 +1,10 @@
 """`StageService`: the agora.v1.Stage calls of a StageWorker, admitted, run and answered.
 
 Design choices:
+- Apart from the worker (node/worker/worker.py: lifecycle, phase, the compute thread, Info), so
+  what one call goes through reads in one place, as node/inference/service.py does for inference.
+  The service holds what admission needs (the queue slots, the callers' credits, the unit gate);
+  what it needs of its worker is `ServedStage`, a Protocol, so this module never imports the worker.
 - Admission is bounded, and happens before anything is allocated for a request (node/replica/bounds.py):
   caller, run/stage addressing, the shapes its frames declare (rows <= train.microbatch_size or
   `max_rows`, sequence <= train.seq_len, wire width = model.wire_dim; INVALID_ARGUMENT naming the
@@ -10,16 +14,16 @@ Design choices:
   answers RESOURCE_EXHAUSTED at once instead of queueing without bound, with the time a slot is
   expected to free (`grpc-retry-pushback-ms`). Callers rarely get there: every Forward/Backward
   reply carries the caller's credits (node/worker/flow.py), its share of a queue sized to keep the
-  compute thread busy across the callers' round trips, and a trainer keeps within them. A request leaves the count when its compute job finishes (or is
-  cancelled before it starts), not when its caller gives up: a job already on the thread still
-  occupies it. A stream is admitted on its first part and read under the byte budget of the
-  geometry, within `stream_timeout_s`; one gRPC message is capped by the same budget, and `max_concurrent_rpcs` caps the
-  calls served at once, so what a worker holds for its callers is bounded in sum; health checks and
-  reflection are served from a pool of their own (`max_probe_calls`, node/rpc/call_slots.py), so Watch
-  streams held open never take a trainer's call. Step and Abort
-  are admitted the same way into a pool of their own (`max_control_queue`): a barrier or the
-  Abort of a failed route must get through a worker full of that same trainer's work. Info never
-  reaches the compute thread.
+  compute thread busy across the callers' round trips, and a trainer keeps within them. A request
+  leaves the count when its compute job finishes (or is cancelled before it starts), not when its
+  caller gives up: a job already on the thread still occupies it. A stream is admitted on its first
+  part and read under the byte budget of the geometry, within `stream_timeout_s`; one gRPC message
+  is capped by the same budget, and `max_concurrent_rpcs` caps the calls served at once, so what a
+  worker holds for its callers is bounded in sum; health checks and reflection are served from a
+  pool of their own (`max_probe_calls`, node/rpc/call_slots.py), so Watch streams held open never
+  take a trainer's call. Step and Abort are admitted the same way into a pool of their own
+  (`max_control_queue`): a barrier or the Abort of a failed route must get through a worker full of
+  that same trainer's work. Info never reaches the compute thread.
 - A peer's mistake maps to a status with a clear message: InvalidRequest -> INVALID_ARGUMENT (with
   `agora-refused-input: wire|output_grad` in its trailing metadata when the values the previous
   stage's worker produced are at fault: the trainer then blames that worker; counted as

@@ -8,6 +8,9 @@ Design choices:
   its optimizer and its stash (`StageCompute`). Work for it is FIFO, so a Step barrier runs after
   every request admitted before it. Others (checkpoints, averaging) get the same thread through
   `on_compute`.
+- What each Stage call goes through (bounded admission, queue slots and credits, its job on the
+  compute thread, the status a failure maps to) is `StageService`'s (node/worker/service.py); the
+  worker builds it, serves it and reports its load and credits.
 - Graceful stop: health goes NOT_SERVING, new calls are refused, in-flight calls get `grace_s`
   to finish, then the compute thread drains and exits.
 - Trust (docs/design.md "Admission and trust"): with a `NodeCredentials` the port is mutual TLS with
