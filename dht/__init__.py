@@ -1,7 +1,12 @@
 """agora.dht: the typed layer over hivemind's DHT.
 
-- ``records``: record schemas (``WorkerRecord``, the ``Record`` base) and key names; pure.
+- ``records``: record schemas (``WorkerRecord``, the ``Record`` base) and their wire form; pure.
+- ``record_fields``: the field types and bounds records and keys are checked with, ``RecordError``.
+- ``keys``: the names of the DHT keys (``worker_key``, ...) and of owned subkeys; pure.
+- ``key_families``: which record type each key holds, who may write it, how long it may live.
 - ``swarm``: ``SwarmDHT``, the one owner of the hivemind DHT process and its futures.
+- ``dht_process``: that process: forked, orphan watch, stopped and reaped.
+- ``entry_reader``: what a read makes of found values (``Stored`` records it believes, the rest counted).
 - ``ownership``: which per-peer entries a reader believes (owner key, peer id, fingerprint).
 - ``averaging``: ``SliceAverager`` (hivemind's averager, with credential checks) and the
   rounds board.
@@ -17,8 +22,8 @@ which a command that only reads its flags or a record never needs.
 import importlib
 
 _HOMES = {"Heartbeat": "heartbeat", "PHASES": "records", "SCHEMA_VERSION": "records", "Record": "records",
-          "RecordError": "records", "WorkerRecord": "records", "worker_key": "records",
-          "DHTRequestError": "swarm", "Stored": "swarm", "SwarmDHT": "swarm"}
+          "RecordError": "record_fields", "WorkerRecord": "records", "worker_key": "keys",
+          "DHTRequestError": "swarm", "Stored": "entry_reader", "SwarmDHT": "swarm"}
 
 __all__ = sorted(_HOMES)
 

@@ -85,9 +85,11 @@ from agora.auth.node_state import CREDENTIAL_FILE
 from agora.dht.robust import DeviationHistory, RobustAggregation
 from agora.pipeline.codec import all_finite
 from agora.dht.robust_allreduce import AgreedGroup, RobustAllReduceRunner, agreed_group
-from agora.dht.records import AVERAGING_GROUP_BITS, Phase, RoundRecord, rounds_key
+from agora.dht.keys import AVERAGING_GROUP_BITS, rounds_key
+from agora.dht.records import Phase, RoundRecord
 from agora.dht.security import DHTSecurity
-from agora.dht.swarm import SwarmDHT, begin_forked_process
+from agora.dht.dht_process import begin_forked_process
+from agora.dht.swarm import SwarmDHT
 
 __all__ = [
     "GROUP_BITS",
@@ -104,7 +106,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 OUTCOMES = ("committed", "alone", "failed", "rejected", "cancelled")
-# Bits of the round number in the group key (records.py says why so few).
+# Bits of the round number in the group key (keys.py says why so few).
 GROUP_BITS = AVERAGING_GROUP_BITS
 # Extra host-side patience beyond hivemind's own deadlines (matchmaking, then the all-reduce)
 # before a step is given up: by then hivemind has finished with the buffer, so the next round's

@@ -1,7 +1,7 @@
 """Which keys an admitted peer may store in this run's DHT, looked up by the hash hivemind names them by.
 
 hivemind sends only a key's hash (``DHTID``), never the key, so a validator knows a key by
-listing every key it accepts and hashing each once. The list (records.py) is:
+listing every key it accepts and hashing each once. The list (key_families.py, keys.py) is:
 
 - the per-peer record families (``typed_keys``: workers and rounds of every stage, trainers,
   moves, unit blocks), each with its record type;
@@ -26,8 +26,10 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
-from agora.dht.records import (BAN_LIST, CLOCK_SKEW_S, HOUR_S, MAX_STAGES, KeyFamily, RecordError,
-                               averaging_key_parts, bans_key, typed_keys)
+from agora.dht.key_families import BAN_LIST, HOUR_S, KeyFamily, typed_keys
+from agora.dht.keys import averaging_key_parts, bans_key
+from agora.dht.record_fields import MAX_STAGES, RecordError
+from agora.dht.records import CLOCK_SKEW_S
 
 __all__ = ["KeyTable", "Refusal", "key_hash", "PLAIN_TAGS"]
 

@@ -63,7 +63,9 @@ from typing import Mapping, Optional
 
 from agora.auth.credentials import CredentialError, CredentialVerifier
 from agora.auth.node_state import CREDENTIAL_FILE
-from agora.dht.records import BLOCK_UNITS, MAX_CLAIM_AGE_S, MAX_LEASE_S, UnitBlockRecord, units_key
+from agora.dht.keys import units_key
+from agora.dht.record_fields import BLOCK_UNITS
+from agora.dht.records import MAX_CLAIM_AGE_S, MAX_LEASE_S, UnitBlockRecord
 from agora.dht.swarm import SwarmDHT
 
 __all__ = ["COMMIT_TTL_S", "CLAIM_SETTLE_S", "UnitState", "resolve", "read_block", "renewed_claim", "LeaseBoard",

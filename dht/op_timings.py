@@ -38,7 +38,7 @@ FAMILIES = ("workers", "trainers", "moves", "rounds", "units", "bans")
 
 
 def key_family(key: Optional[str]) -> str:
-    """The record family a DHT key belongs to (dht/records.py's key shapes), `other` if none;
+    """The record family a DHT key belongs to (dht/keys.py's key shapes), `other` if none;
     `call` requests have no key (None) and are named by what they fetch instead."""
     if not key:
         return "other"

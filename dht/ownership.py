@@ -24,7 +24,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from agora.auth.keys import peer_id_of
-from agora.dht.records import RecordError, split_subkey
+from agora.dht.keys import split_subkey
+from agora.dht.record_fields import RecordError
 
 if TYPE_CHECKING:
     from agora.pipeline.fingerprint import RunFingerprint

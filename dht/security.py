@@ -37,8 +37,8 @@ Three hivemind mechanisms, each given our credentials:
   ``SchemaValidator`` (dht/records.py says why that one does not fit our keys): our keys are
   ``{run}.stage{i}.workers``, ``{run}.stage{i}.{method}.rounds``, ``{run}.trainers``, ``{run}.moves``
   and the unit blocks ``{run}.units.b{block}``. This validator does the same job with the same
-  mechanism (a table from key hash to key family, built from records.py's ``typed_keys`` for this
-  run's keys, every stage up to ``MAX_STAGES``) and the one parser readers use
+  mechanism (a table from key hash to key family, built from key_families.py's ``typed_keys``
+  for this run's keys, every stage up to ``MAX_STAGES``) and the one parser readers use
   (``Record.from_wire``). For those keys it refuses: a plain value (it would replace every
   peer's entry), a subkey without an owner marker (unsigned), an owner key that is not the
   key of the subkey's peer id (announcing under another's id), and a value that is not a valid
@@ -102,7 +102,9 @@ from agora.auth.node_state import NodeCredentials
 from agora.dht.bans import BanBook, BanListError
 from agora.dht.key_policy import PLAIN_TAGS, KeyTable, Refusal
 from agora.dht.ownership import EntryOwnership
-from agora.dht.records import BAN_LIST, MAX_STAGES, KeyFamily, RecordError, split_subkey, worker_key
+from agora.dht.key_families import BAN_LIST, KeyFamily
+from agora.dht.keys import split_subkey, worker_key
+from agora.dht.record_fields import MAX_STAGES, RecordError
 from agora.dht.storage_bounds import STORE_CONTEXT, IncomingStores, StorageLimits, StoreContext
 from agora.dht.store_checks import RefusedEntries, StoreTimes, refusal_kind
 

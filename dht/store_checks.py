@@ -29,7 +29,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer
 
-from agora.dht.records import MAX_UNIT_BLOCKS, RecordError, UnitBlockRecord, units_key
+from agora.dht.keys import units_key
+from agora.dht.record_fields import MAX_UNIT_BLOCKS, RecordError
+from agora.dht.records import UnitBlockRecord
 
 __all__ = ["RefusedEntries", "StoreTimes", "refusal_kind"]
 

@@ -1,5 +1,9 @@
 """SwarmDHT: the one owner of the hivemind DHT process, with typed reads and writes.
 
+The process itself (started, watched, stopped) is dht/dht_process.py's, and what a read makes
+of the values it found (parsed, believed, or skipped and counted) is dht/entry_reader.py's; this
+module sends the requests and keeps the bookkeeping of what this peer wrote.
+
 Design choices:
 
 - hivemind runs its DHT node in a forked process and answers through ``MPFuture``s.
@@ -17,23 +21,14 @@ Design choices:
   this node can write or tombstone its entries, and the peer id is its credential's (the
   libp2p identity is the node key). Without it (``--insecure``) subkeys are bare peer ids,
   exactly as before admission existed.
-- Readers check what the validators check (``dht/ownership.py``), and count what they skip:
-  the subkey's peer id is the record's, the owner key is that peer id's key, and with
-  admission on an entry without an owner (unsigned) is skipped. A reader that passes its
-  run fingerprint also skips workers of another run configuration, naming the field.
 - hivemind cannot delete. A store wins only if its expiration is *later* than the one
   held, and a store whose expiration is already past is refused. So withdrawing writes a
   tombstone (``None``) whose expiration is just after the withdrawn entry's; readers skip
-  tombstones. To make this (and re-announcing after a withdraw) always win, every
+  tombstones (``EntryReader``). To make this (and re-announcing after a withdraw) always win, every
   expiration this peer writes to an entry is strictly later than the last one it wrote.
 - Reads use ``latest=True`` by default: without it hivemind returns the first unexpired
   copy it meets, usually this node's own cache, which can miss subkeys other peers added
   since. With it, the search visits the nearest peers and merges their subkeys.
-- Values from other peers are untrusted: anything that is not a valid record (wrong
-  shape, bad field, subkey that does not match the record) is skipped, counted per key
-  in ``rejections()`` and logged (warning once per entry and reason, then debug).
-- A kill -9 of the owning process must not leave hivemind's DHT process (and its p2pd)
-  serving forever: the DHT process started here exits once it is orphaned.
 - The run's ban list (dht/bans.py) is read at most once per ``BAN_REFRESH_S`` (or a
   heartbeat, which asks for it each beat) with one get in the DHT process, which also hands it
   to that process's validators; readers then skip a banned peer's entries like any other they
@@ -48,24 +43,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import gc
 import itertools
 import logging
-import os
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 import hivemind
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from agora.dht.bans import BAN_REFRESH_S, BanList, NodeBans, fetch_ban_list
+from agora.dht.dht_process import OwnedDHT, node_client_mode, node_peer_id, node_visible_maddrs, stop_process
+from agora.dht.entry_reader import EntryReader, Stored, is_subkey_dict
+from agora.dht.keys import check_run_id, owned_subkey, worker_key
 from agora.dht.op_timings import RequestTimings, key_family
-from agora.dht.ownership import EntryOwnership, fingerprint_mismatch
-from agora.dht.records import Record, RecordError, WorkerRecord, check_run_id, owned_subkey, worker_key
+from agora.dht.ownership import EntryOwnership
+from agora.dht.records import Record, WorkerRecord
 
 if TYPE_CHECKING:
     from agora.dht.security import DHTSecurity
@@ -75,9 +69,7 @@ __all__ = [
     "DEFAULT_HOST_MADDRS",
     "Clock",
     "DHTRequestError",
-    "Stored",
     "SwarmDHT",
-    "begin_forked_process",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,23 +82,12 @@ R = TypeVar("R", bound=Record)
 DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 # Each write to an entry expires at least this much later than the previous one (see above).
 _EXPIRATION_STEP = 1e-3
-# How often the DHT process checks that its owner is still alive.
-_OWNER_CHECK_PERIOD = 1.0
 # Bounds on per-instance bookkeeping, so a long-lived peer's memory stays flat.
 _MAX_TRACKED_ENTRIES = 4096
-_MAX_WARNED_REJECTIONS = 1024
 
 
 class DHTRequestError(RuntimeError):
     """A DHT request failed: timed out, the DHT process is gone, or hivemind raised."""
-
-
-@dataclass(frozen=True)
-class Stored(Generic[R]):
-    """A record as read from the DHT, with the DHT time at which it expires."""
-
-    record: R
-    expiration_time: float
 
 
 class SwarmDHT:
@@ -128,21 +109,20 @@ class SwarmDHT:
     ) -> None:
         self._dht = dht
         self._owner_public_key = owner_public_key
-        self._ownership = EntryOwnership(require_owner=owner_public_key is not None)
         self._clock = clock
         self.request_timeout = request_timeout
         self._send_lock = threading.Lock()
         self._closed = False
         # (key, subkey) -> latest expiration this peer wrote there; see the module docstring.
         self._written: dict[tuple[str, Optional[str]], float] = {}
-        self._rejections: Counter[str] = Counter()
         self.timings = RequestTimings()  # every request's latency, by operation and key family
-        self._warned: set[tuple[str, str, str]] = set()
         self.bans = NodeBans()  # the run's ban list, as this peer's DHT process last read it
-        self._peer_id: str = self._run_coroutine(_node_peer_id, "peer id")
+        self._reader = EntryReader(clock=clock, ownership=EntryOwnership(require_owner=owner_public_key is not None),
+                                   bans=self.bans)
+        self._peer_id: str = self._run_coroutine(node_peer_id, "peer id")
         # A client-mode peer serves nothing, so its own storage counts for no reader: its
         # writes go to serving peers only, and "accepted" means one of them took it.
-        self._client_mode: bool = self._run_coroutine(_node_client_mode, "client mode")
+        self._client_mode: bool = self._run_coroutine(node_client_mode, "client mode")
 
     @classmethod
     def start(
@@ -189,7 +169,7 @@ class SwarmDHT:
         elif identity_path is not None:
             options["identity_path"] = identity_path
         for attempt in itertools.count(1):  # every pass returns, raises or waits for the next
-            dht = _OwnedDHT(
+            dht = OwnedDHT(
                 initial_peers=list(initial_peers) or None,
                 start=False,
                 host_maddrs=list(host_maddrs),
@@ -205,7 +185,7 @@ class SwarmDHT:
                     raise DHTRequestError(f"the DHT peer id {swarm.peer_id} is not the credential's {security.peer_id}")
                 return swarm
             except BaseException as error:
-                _stop_process(dht)
+                stop_process(dht)
                 if not isinstance(error, Exception):
                     raise
                 unanswered = bool(initial_peers) and any(words in str(error) for words in _NO_ANSWER)
@@ -257,7 +237,7 @@ class SwarmDHT:
 
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs (with ``/p2p/<peer id>``) that other peers pass as initial peers."""
-        return self._run_coroutine(_node_visible_maddrs, "visible multiaddrs")
+        return self._run_coroutine(node_visible_maddrs, "visible multiaddrs")
 
     def shutdown(self) -> None:
         """Stop the DHT process and its p2pd. Idempotent; later requests raise."""
@@ -265,7 +245,7 @@ class SwarmDHT:
             if self._closed:
                 return
             self._closed = True
-        _stop_process(self._dht)
+        stop_process(self._dht)
 
     def __enter__(self) -> SwarmDHT:
         return self
@@ -299,7 +279,7 @@ class SwarmDHT:
         """
         key = worker_key(run_id, stage)
         entries = self.owned_entries(key, WorkerRecord, latest=latest)
-        return self._workers_of(key, entries, run_id, stage, fingerprint)
+        return self._reader.workers(key, entries, run_id, stage, fingerprint)
 
     def all_workers(
         self, run_id: str, n_stages: int, *, latest: bool = True, fingerprint: Optional[RunFingerprint] = None
@@ -317,8 +297,8 @@ class SwarmDHT:
         found = [self._wait(future, f"get {key!r}", deadline) for key, future in zip(keys, futures)]
         result: dict[int, list[WorkerRecord]] = {}
         for stage, (key, value) in enumerate(zip(keys, found)):
-            entries = self._owned(key, self._parse_entries(key, value, WorkerRecord))
-            result[stage] = self._workers_of(key, entries, run_id, stage, fingerprint)
+            entries = self._owned(key, self._reader.entries(key, value, WorkerRecord))
+            result[stage] = self._reader.workers(key, entries, run_id, stage, fingerprint)
         return result
 
     def withdraw(self, run_id: str, stage: int, peer_id: str) -> bool:
@@ -380,22 +360,12 @@ class SwarmDHT:
 
     def get_record(self, key: str, record_type: type[R], *, latest: bool = True) -> Optional[Stored[R]]:
         """The record stored under a plain key (no subkeys), or None if absent or invalid."""
-        found = self._get_raw(key, latest)
-        if found is None or found.expiration_time < self._clock() or found.value is None:
-            return None
-        if _is_subkey_dict(found.value):
-            self._reject(key, None, "expected one record, found subkeys")
-            return None
-        try:
-            return Stored(record_type.from_wire(found.value), found.expiration_time)
-        except RecordError as error:
-            self._reject(key, None, str(error))
-            return None
+        return self._reader.record(key, self._get_raw(key, latest), record_type)
 
     def get_entries(self, key: str, record_type: type[R], *, latest: bool = True) -> dict[str, Stored[R]]:
         """Valid, unexpired, not deleted records under a key's subkeys, sorted by subkey."""
         found = self._get_raw(key, latest)
-        return self._parse_entries(key, found, record_type)
+        return self._reader.entries(key, found, record_type)
 
     def owned_entries(self, key: str, record_type: type[R], *, latest: bool = True) -> dict[str, Stored[R]]:
         """``get_entries`` keyed by peer id, keeping only entries whose subkey is their record's
@@ -404,8 +374,7 @@ class SwarmDHT:
 
     def rejections(self) -> dict[str, int]:
         """How many invalid values each key has yielded to this peer's reads so far."""
-        with self._send_lock:
-            return dict(self._rejections)
+        return self._reader.rejections()
 
     # ---- async twins ----------------------------------------------------------------------
 
@@ -504,121 +473,10 @@ class SwarmDHT:
             self._written[(key, subkey)] = expiration
             return expiration
 
-    def _parse_entries(self, key: str, found: Any, record_type: type[R]) -> dict[str, Stored[R]]:
-        if found is None:
-            return {}
-        if not _is_subkey_dict(found.value):
-            if found.value is not None and found.expiration_time >= self._clock():
-                self._reject(key, None, "expected subkeys, found a plain value")
-            return {}
-        now = self._clock()
-        entries: dict[str, Stored[R]] = {}
-        for subkey, item in found.value.items():
-            if item.expiration_time < now or item.value is None:
-                continue  # expired by our clock, or a tombstone
-            if not isinstance(subkey, str):
-                self._reject(key, repr(subkey), "subkey is not a string")
-                continue
-            try:
-                entries[subkey] = Stored(record_type.from_wire(item.value), item.expiration_time)
-            except RecordError as error:
-                self._reject(key, subkey, str(error))
-        return dict(sorted(entries.items()))
-
     def _owned(self, key: str, entries: dict[str, Stored[R]]) -> dict[str, Stored[R]]:
-        """Entries by peer id, each checked against its subkey (see ``owned_entries``); a banned
-        peer's are skipped."""
-        owned: dict[str, Stored[R]] = {}
+        """``EntryReader.owned`` under the run's ban list, read again first if it is due."""
         self._bans_for_reading()
-        for subkey, stored in entries.items():
-            peer_id = getattr(stored.record, "peer_id", "")  # records without one are refused
-            reason = self._ownership.problem(subkey, peer_id)
-            if reason is None and self.bans.is_banned(peer_id):
-                reason = "banned by the run's operator"
-            if reason is not None:
-                self._reject(key, subkey, reason)
-                continue
-            owned[peer_id] = stored
-        return dict(sorted(owned.items()))
-
-    def _workers_of(
-        self,
-        key: str,
-        entries: dict[str, Stored[WorkerRecord]],
-        run_id: str,
-        stage: int,
-        fingerprint: Optional[RunFingerprint],
-    ) -> list[WorkerRecord]:
-        workers = []
-        for peer_id, stored in entries.items():
-            record = stored.record
-            if record.run_id != run_id or record.stage != stage:
-                self._reject(key, peer_id, f"record is for {record.run_id}.stage{record.stage}")
-            elif fingerprint is not None and (mismatch := fingerprint_mismatch(fingerprint, record.fingerprint)):
-                self._reject(key, peer_id, mismatch)
-            else:
-                workers.append(record)
-        return workers
-
-    def _reject(self, key: str, subkey: Optional[str], reason: str) -> None:
-        entry = (key, str(subkey), reason)
-        with self._send_lock:
-            self._rejections[key] += 1
-            first_time = entry not in self._warned
-            if first_time:
-                if len(self._warned) >= _MAX_WARNED_REJECTIONS:
-                    self._warned.clear()
-                self._warned.add(entry)
-        where = key if subkey is None else f"{key}[{str(subkey)[:60]}]"
-        # A bad entry lingers until it expires and is re-read on every poll: warn once.
-        level = logging.WARNING if first_time else logging.DEBUG
-        logger.log(level, "skipping invalid DHT value at %s: %s", where, reason)
-
-
-class _OwnedDHT(hivemind.DHT):
-    """A ``hivemind.DHT`` whose process exits when the process that started it is gone.
-
-    hivemind's DHT process survives an owner killed with SIGKILL and keeps serving; a
-    watcher thread in it notices the reparenting and exits (p2pd follows its parent).
-    It is a thread, not a task on the DHT's event loop, so it also works while that loop
-    is busy or broken.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._owner_pid = os.getpid()
-        super().__init__(*args, **kwargs)
-
-    def run(self) -> None:
-        begin_forked_process(self._owner_pid)
-        super().run()
-
-
-def begin_forked_process(owner_pid: int) -> None:
-    """What a process hivemind forks from ours does first: leave what it inherited alone, and
-    exit once its owner is gone.
-
-    A fork copies every object of the owner, its garbage cycles too, but only the thread that
-    forked; a collection here would run the inherited garbage's finalizers in this process.
-    One that joins a thread waits forever (a DHT process hung so, collecting in the middle of
-    a store, after the test process that forked it had run worker threads); one that calls into
-    gRPC finds a core whose threads and locks did not come along (gRPC skips its fork handlers
-    while a thread is in a call). Freezing moves everything inherited to the permanent
-    generation, which is never collected (nor copied page by page by collections walking it);
-    only what this process makes is collected.
-    """
-    gc.freeze()
-    threading.Thread(target=_exit_when_orphaned, args=(owner_pid,), name="agora-owner-watch", daemon=True).start()
-
-
-def _exit_when_orphaned(owner_pid: int) -> None:
-    while os.getppid() == owner_pid:
-        time.sleep(_OWNER_CHECK_PERIOD)
-    logger.warning("the process that started this DHT peer is gone; exiting")
-    os._exit(0)
-
-
-def _is_subkey_dict(value: Any) -> bool:
-    return isinstance(value, dict) and all(isinstance(item, ValueWithExpiration) for item in value.values())
+        return self._reader.owned(key, entries)
 
 
 def _entry_expiration(found: Any, subkey: Optional[str]) -> Optional[float]:
@@ -626,32 +484,6 @@ def _entry_expiration(found: Any, subkey: Optional[str]) -> Optional[float]:
         return None
     if subkey is None:
         return found.expiration_time
-    if _is_subkey_dict(found.value) and subkey in found.value:
+    if is_subkey_dict(found.value) and subkey in found.value:
         return found.value[subkey].expiration_time
     return None
-
-
-def _stop_process(dht: hivemind.DHT) -> None:
-    # hivemind's shutdown asks the node to stop (it also stops p2pd), then terminates it
-    # after its grace period; join so no zombie is left behind.
-    try:
-        dht.shutdown()
-    finally:
-        if dht.pid is not None:  # it was started
-            if dht.is_alive():
-                dht.terminate()
-            dht.join(timeout=5)
-
-
-# Run inside the DHT process through run_coroutine; module-level so they pickle by name.
-async def _node_peer_id(_dht: hivemind.DHT, node: Any) -> str:
-    return str(node.peer_id)
-
-
-async def _node_client_mode(_dht: hivemind.DHT, node: Any) -> bool:
-    return bool(node.protocol.client_mode)
-
-
-async def _node_visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[str]:
-    return [str(maddr) for maddr in await node.get_visible_maddrs()]
-

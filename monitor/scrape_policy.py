@@ -29,7 +29,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Iterable, Optional
 
-from agora.dht.records import RecordError, parse_endpoint
+from agora.dht.record_fields import RecordError, parse_endpoint
 
 __all__ = ["host_key", "worker_target_refusal", "trainer_target_refusal", "REFUSAL_REASONS"]
 

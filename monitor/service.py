@@ -35,7 +35,8 @@ from typing import Optional
 from prometheus_client import CollectorRegistry
 
 from agora.auth.credentials import CredentialVerifier
-from agora.dht.records import TrainerRecord, trainer_key
+from agora.dht.keys import trainer_key
+from agora.dht.records import TrainerRecord
 from agora.dht.swarm import DHTRequestError, SwarmDHT
 from agora.monitor.http import MonitorServer, start_monitor_server
 from agora.monitor.ledger import LedgerMetrics, ReceiptLedger, ServedCount
@@ -53,7 +54,7 @@ _REPORTED_CAPACITY = 4096
 
 def parse_target(text: str) -> StaticTarget:
     """`ROLE=HOST:PORT` (a scrape target the DHT does not announce); ValueError names what is wrong."""
-    from agora.dht.records import RecordError, parse_endpoint
+    from agora.dht.record_fields import RecordError, parse_endpoint
 
     role, sep, endpoint = text.partition("=")
     if not sep or not role.isidentifier():

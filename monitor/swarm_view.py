@@ -30,7 +30,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Mapping, Optional
 
-from agora.dht.records import PHASES, TrainerRecord, WorkerRecord, parse_endpoint
+from agora.dht.record_fields import parse_endpoint
+from agora.dht.records import PHASES, TrainerRecord, WorkerRecord
 from agora.monitor.scrape_policy import host_key, trainer_target_refusal, worker_target_refusal
 
 __all__ = ["EvalHistory", "EvalPoint", "HistoryPoint", "LeftOutTarget", "LossHistory", "StageView", "StaticTarget", "SwarmView", "TrainerStatus",

@@ -29,7 +29,10 @@ from agora.auth.authority import RunAuthority
 from agora.auth.credentials import Clock
 from agora.auth.keys import write_private_file
 from agora.dht.bans import sign_ban_list
-from agora.dht.records import BAN_LIST, BanListRecord, RecordError, bans_key
+from agora.dht.key_families import BAN_LIST
+from agora.dht.keys import bans_key
+from agora.dht.record_fields import RecordError
+from agora.dht.records import BanListRecord
 from agora.dht.swarm import DHTRequestError, SwarmDHT
 
 __all__ = ["BAN_LIST_FILE", "BanPublisher", "next_serial"]

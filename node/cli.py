@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from agora.dht.records import MAX_HEARTBEAT_S
+from agora.dht.key_families import MAX_HEARTBEAT_S
 from agora.node.admission import add_admission_arguments
 from agora.node.demo.supervision import PARENT_PID_ENV
 from agora.node.logs import LOG_FORMATS, configure_logging

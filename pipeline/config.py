@@ -174,7 +174,7 @@ class TrainConfig:
 
 SYNC_METHODS = ("sparta", "diloco", "none")
 # The longest an averaging round may look for its group: its announcement in the DHT lives that long,
-# and peers refuse announcements meant to live much longer (dht/records.py).
+# and peers refuse announcements meant to live much longer (dht/key_families.py).
 MAX_MATCHMAKING_S = 600.0
 # How a reducer combines its group's contributions (the averager's rules: dht/robust.py).
 AGGREGATIONS = ("centered_clip", "mean")

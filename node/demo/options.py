@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from pydantic.dataclasses import dataclass
 
-from agora.dht.records import MAX_HEARTBEAT_S
+from agora.dht.key_families import MAX_HEARTBEAT_S
 from agora.node.run_flags import explicit_settings, options_from_args, setting_flags
 from agora.node.trainer.options import TrainerOptions
 from agora.node.tracing_options import TracingOptions

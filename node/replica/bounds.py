@@ -3,9 +3,10 @@
 A credential says who a peer is, not that it behaves (README "Admission and trust"). Everything
 a request could make a worker allocate is bounded here, before a tensor is built, as pure rules
 over the run's geometry and the worker's counters, tested without sockets
-(tests/integration/test_worker_bounds.py). The worker (node/worker/worker.py) applies them on the event loop
-ahead of the compute thread; `StageCompute` (node/replica/compute.py) still decodes and checks
-every frame fully afterwards, against the stash for a Backward.
+(tests/integration/test_worker_bounds.py). The worker's StageService (node/worker/service.py)
+applies them on the event loop ahead of the compute thread; `StageCompute`
+(node/replica/compute.py) still decodes and checks every frame fully afterwards, against the
+stash for a Backward.
 
 Design choices:
 - Shapes come from the config, not from the request: rows <= `train.microbatch_size` (what every

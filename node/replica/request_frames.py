@@ -21,7 +21,7 @@ the serving thread before a job is queued. Design choices:
   status (protos/stage_adapter.py `REFUSED_INPUT_METADATA`), so the trainer can hold the worker
   that produced them to account rather than this one.
 
-The rejections (the worker maps each to one gRPC status, node/worker/worker.py) live here too.
+The rejections (the worker maps each to one gRPC status, node/worker/service.py) live here too.
 """
 
 from __future__ import annotations

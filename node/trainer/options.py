@@ -9,7 +9,8 @@ from typing import Literal
 from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from pydantic.dataclasses import dataclass
 
-from agora.dht.records import MAX_HEARTBEAT_S, MAX_LEASE_S
+from agora.dht.key_families import MAX_HEARTBEAT_S
+from agora.dht.records import MAX_LEASE_S
 from agora.node.tracing_options import TracingOptions
 from agora.pipeline.schema import SECTION, like, setting
 

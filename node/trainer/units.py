@@ -27,7 +27,8 @@ import math
 from typing import Callable, Mapping, Optional, Protocol
 
 from agora.dht.leases import LeaseBoard, UnitState
-from agora.dht.records import BLOCK_UNITS, MAX_CLAIMS
+from agora.dht.record_fields import BLOCK_UNITS
+from agora.dht.records import MAX_CLAIMS
 from agora.node.trainer.stats import TrainerStats
 
 __all__ = ["UnitSource", "FixedUnits", "LeasedUnits", "next_candidates"]

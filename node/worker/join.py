@@ -42,8 +42,9 @@ from agora.dht.averaging import AveragingAdmission, RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.leases import UnitWriters, read_block
-from agora.dht.records import (MAX_HEARTBEAT_S, TRAINING_PHASES, MoveRecord, Phase, WorkerRecord, averaging_prefix,
-                               move_key)
+from agora.dht.key_families import MAX_HEARTBEAT_S
+from agora.dht.keys import averaging_prefix, move_key
+from agora.dht.records import TRAINING_PHASES, MoveRecord, Phase, WorkerRecord
 from agora.dht.robust import RobustAggregation
 from agora.dht.swarm import SwarmDHT
 from agora.monitor.dht_metrics import DHTMetrics
@@ -120,7 +121,7 @@ class JoinOptions:
     rebalance_s: float | None = None  # between two readings of the stages; None: 6 heartbeats
 
     def __post_init__(self) -> None:
-        # Peers refuse announces meant to outlive a few of the longest beats (dht/records.py).
+        # Peers refuse announces meant to outlive a few of the longest beats (dht/key_families.py).
         if not 0 < self.heartbeat_s <= MAX_HEARTBEAT_S:
             raise ConfigError(f"--heartbeat: must be in (0, {MAX_HEARTBEAT_S:g}] seconds, got {self.heartbeat_s:g}")
 

@@ -48,13 +48,14 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping, Optional
 
 from agora.dht.leases import UnitState, resolve
-from agora.dht.records import BLOCK_UNITS, MAX_UNIT_BLOCKS, UnitBlockRecord
+from agora.dht.record_fields import BLOCK_UNITS, MAX_UNIT_BLOCKS
+from agora.dht.records import UnitBlockRecord
 
 __all__ = ["LeaseUnavailable", "UnitHolders", "WorkRefused", "parse_work_key", "unit_of_forward", "work_permission"]
 
 # The work key a trainer gives a unit's microbatch (node/trainer/trainer.py): u<unit>m<index>.
 _WORK_KEY = re.compile(r"u(0|[1-9][0-9]{0,15})m(0|[1-9][0-9]{0,8})")
-_UNITS = MAX_UNIT_BLOCKS * BLOCK_UNITS  # units the lease queue can hold (dht/records.py)
+_UNITS = MAX_UNIT_BLOCKS * BLOCK_UNITS  # units the lease queue can hold (dht/record_fields.py)
 
 logger = logging.getLogger("agora.node.worker")
 

@@ -8,36 +8,9 @@ Design choices:
   its optimizer and its stash (`StageCompute`). Work for it is FIFO, so a Step barrier runs after
   every request admitted before it. Others (checkpoints, averaging) get the same thread through
   `on_compute`.
-- Admission is bounded, and happens before anything is allocated for a request (node/replica/bounds.py):
-  caller, run/stage addressing, the shapes its frames declare (rows <= train.microbatch_size or
-  `max_rows`, sequence <= train.seq_len, wire width = model.wire_dim; INVALID_ARGUMENT naming the
-  field and both values), then a queue slot. `load` counts Forward/Backward requests admitted but
-  not finished (queued or running); at `max_queue` (by default the stash's capacity: the in-flight
-  depth the memory plan sized), or at `max_queue_per_caller` for one caller identity, the worker
-  answers RESOURCE_EXHAUSTED at once instead of queueing without bound, with the time a slot is
-  expected to free (`grpc-retry-pushback-ms`). Callers rarely get there: every Forward/Backward
-  reply carries the caller's credits (node/worker/flow.py), its share of a queue sized to keep the
-  compute thread busy across the callers' round trips, and a trainer keeps within them. A request leaves the count when its compute job finishes (or is
-  cancelled before it starts), not when its caller gives up: a job already on the thread still
-  occupies it. A stream is admitted on its first part and read under the byte budget of the
-  geometry, within `stream_timeout_s`; one gRPC message is capped by the same budget, and `max_concurrent_rpcs` caps the
-  calls served at once, so what a worker holds for its callers is bounded in sum; health checks and
-  reflection are served from a pool of their own (`max_probe_calls`, node/rpc/call_slots.py), so Watch
-  streams held open never take a trainer's call. Step and Abort
-  are admitted the same way into a pool of their own (`max_control_queue`): a barrier or the
-  Abort of a failed route must get through a worker full of that same trainer's work. Info never
-  reaches the compute thread.
-- A peer's mistake maps to a status with a clear message: InvalidRequest -> INVALID_ARGUMENT (with
-  `agora-refused-input: wire|output_grad` in its trailing metadata when the values the previous
-  stage's worker produced are at fault: the trainer then blames that worker; counted as
-  `extreme_wire` / `extreme_output_grad`),
-  PreconditionFailed (including an unknown/evicted microbatch) -> FAILED_PRECONDITION, a
-  completed-batch report outside the replica's window -> OUT_OF_RANGE (the trainer keeps reporting), a
-  non-finite result from finite weights (the input's fault: extreme values) -> INVALID_ARGUMENT,
-  from weights that are no longer finite (this worker's fault) -> INTERNAL; gRPC itself answers
-  RESOURCE_EXHAUSTED for a message over the geometry's budget (or `max_message_bytes`), the stream
-  reassembler for a stream over it, naming it; an unexpected exception in compute is logged with
-  its traceback and answered INTERNAL.
+- What each Stage call goes through (bounded admission, queue slots and credits, its job on the
+  compute thread, the status a failure maps to) is `StageService`'s (node/worker/service.py); the
+  worker builds it, serves it and reports its load and credits.
 - Graceful stop: health goes NOT_SERVING, new calls are refused, in-flight calls get `grace_s`
   to finish, then the compute thread drains and exits.
 - Trust (docs/design.md "Admission and trust"): with a `NodeCredentials` the port is mutual TLS with
@@ -71,13 +44,9 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import grpc
@@ -85,10 +54,9 @@ import grpc
 from agora.auth.node_state import NodeCredentials
 from agora.dht.records import PHASE_TRANSITIONS, PHASES, START_PHASES, Phase
 from agora.node.inference.service import InferenceService
-from agora.node.rpc.auth_check import Caller, CallerCheck, RefusalCounts, caller_owner, current_caller, nobody_banned
+from agora.node.rpc.auth_check import CallerCheck, RefusalCounts, caller_owner, nobody_banned
 from agora.node.rpc.call_slots import CallSlots
 from agora.node.rpc.interceptors import interceptor_chain
-from agora.node.rpc.tracing import annotate_job
 from agora.node.rpc.server import (
     add_health_and_reflection,
     announced_host,
@@ -99,54 +67,22 @@ from agora.node.rpc.server import (
     slow_start_hint,
 )
 from agora.node.rpc.tls import server_credentials
-from agora.node.replica.bounds import (
-    OutOfBounds,
-    RequestGeometry,
-    Slot,
-    SlotPool,
-    SlotRefused,
-    default_per_caller,
-)
+from agora.node.replica.bounds import RequestGeometry, Slot
 from agora.node.replica.compute import StageCompute
 from agora.node.worker.flow import Credits, FlowControl
 from agora.node.worker.unit_holders import UnitHolders
 from agora.node.worker.work_gate import WorkGate
-from agora.node.replica.request_frames import (
-    ComputeError,
-    DuplicateMicrobatch,
-    ExtremeInput,
-    InvalidRequest,
-    NotOwner,
-    PreconditionFailed,
-    ReportOutsideWindow,
-    RequestRejected,
-)
 from agora.node.worker.options import WorkerOptions
+from agora.node.worker.service import StageService
 from agora.node.replica.stash import ForwardStash
 from agora.node.membership.state_transfer import StateDonor
 from agora.monitor.worker_metrics import WorkerMetrics
-from agora.pipeline.codec import WireCodec, peek_header
+from agora.pipeline.codec import WireCodec
 from agora.pipeline.optim import lr_at
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import RunFingerprint, run_fingerprint
 from agora.pipeline.wire_scale import WireScale
-from agora.protos.stage_adapter import (
-    PUSHBACK_METADATA,
-    REFUSED_INPUT_METADATA,
-    AbortReply,
-    AbortRequest,
-    SERVICE_NAME,
-    BackwardReply,
-    BackwardRequest,
-    ForwardReply,
-    ForwardRequest,
-    InfoReply,
-    InfoRequest,
-    StageRefusal,
-    StepReply,
-    StepRequest,
-    add_stage_service,
-)
+from agora.protos.stage_adapter import SERVICE_NAME, InfoReply, add_stage_service
 from agora.protos.state_adapter import state_method_handlers
 
 __all__ = ["WorkerOptions", "StageWorker"]
@@ -192,20 +128,11 @@ class StageWorker:
         # What a request may declare and carry (node/replica/bounds.py); a bad max_rows fails here.
         self.geometry = RequestGeometry.from_config(self.config, stage_index, self.options.max_rows)
         self.refusals = RefusalCounts()  # refused calls by reason (auth, fingerprint, ownership)
-        self.compute_errors = 0  # calls failed on this replica's own non-finite result (its watchdog reads it)
         check = CallerCheck(fingerprint=self.fingerprint, credentials=credentials, refusals=self.refusals, clock=clock,
                             banned=banned)
         self._interceptors = interceptor_chain(check, *interceptors, outer=outer_interceptors, clock=clock)
         self._announced_host: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
-        self._slots = SlotPool(f"stage {stage_index} worker", self.options.queue_capacity,
-                               self.options.queue_per_caller, option="worker.max_queue_per_caller")
-        # Credits for each caller (node/worker/flow.py); the tail keeps no forward stash.
-        self._flow = FlowControl(self.options.queue_capacity,
-                                 None if self.geometry.is_tail else self.options.stash_capacity, clock=clock)
-        control = self.options.control_queue
-        self._control_slots = SlotPool(f"stage {stage_index} worker's Step/Abort queue", control,
-                                       default_per_caller(control), option="three quarters of max_control_queue")
         self._compute: StageCompute | None = None
         self._inference: InferenceService | None = None
         self._server: grpc.aio.Server | None = None
@@ -217,6 +144,8 @@ class StageWorker:
         self._gate = None if unit_holders is None or credentials is None else WorkGate(
             unit_holders, stage=stage_index, microbatches=config.train.microbatches, is_tail=self.geometry.is_tail,
             per_caller=options.stash_capacity, refusals=self.refusals, logger=self._logger)
+        # Each call's admission, its run on the compute thread and the status of its failure.
+        self._service = StageService(self, clock=clock, logger=self._logger, metrics=metrics, gate=self._gate)
         # Serves this replica's state to joining ones (DownloadState); None for a serve-only worker.
         self.state_donor: StateDonor | None = None
 
@@ -248,12 +177,22 @@ class StageWorker:
 
     @property
     def load(self) -> int:
-        return self._slots.in_use
+        return self._service.slots.in_use
+
+    @property
+    def control_load(self) -> int:
+        """Step and Abort calls admitted and not finished (their own pool: `max_control_queue`)."""
+        return self._service.control_slots.in_use
 
     @property
     def flow(self) -> FlowControl:
         """The callers' credits; what a caller new to this worker gets is `flow.grant(None)`."""
-        return self._flow
+        return self._service.flow
+
+    @property
+    def compute_errors(self) -> int:
+        """Calls failed on this replica's own non-finite result (its watchdog reads it)."""
+        return self._service.compute_errors
 
     @property
     def is_serving(self) -> bool:
@@ -320,7 +259,7 @@ class StageWorker:
         if not self.options.serve_only and self.options.max_state_downloads:
             self.state_donor = StateDonor(self, max_downloads=self.options.max_state_downloads,
                                           chunk_bytes=self.options.stream_chunk_bytes, clock=self._clock)
-        add_stage_service(server, _StageService(self), max_stream_bytes=self.options.max_stream_bytes,
+        add_stage_service(server, self._service, max_stream_bytes=self.options.max_stream_bytes,
                           chunk_bytes=self.options.stream_chunk_bytes, stream_timeout_s=self.options.stream_timeout_s,
                           inference=self._inference,
                           extra=state_method_handlers(self.state_donor) if self.state_donor is not None else {})
@@ -348,8 +287,8 @@ class StageWorker:
         metrics.watch(load=lambda: self.load, capacity=self.options.queue_capacity,
                       step=lambda: compute.optimizer.steps,
                       throughput=lambda: compute.throughput, phase=lambda: self.phase, phases=PHASES,
-                      refusals=self.refusals.snapshot, callers=self._flow.active_callers,
-                      queue_target=self._flow.queue_target)
+                      refusals=self.refusals.snapshot, callers=self.flow.active_callers,
+                      queue_target=self.flow.queue_target)
         scale = compute.output_grad_scale
         if scale is not None:
             metrics.watch_output_grads(scale=lambda: scale.scale or float("nan"), peak_ratio=lambda: scale.peak_ratio)
@@ -423,150 +362,10 @@ class StageWorker:
             slot.hand_off(future)
         return future
 
-    # ------------------------------------------------------------------ admission (node/replica/bounds.py)
-
-    def _refused(self, code: grpc.StatusCode, message: str, reason: str | None = None) -> StageRefusal:
-        if reason is not None:
-            self.refusals.add(reason)
-        return StageRefusal(code, message)
-
-    def _caller(self) -> Caller:
-        caller = current_caller()
-        if caller is None:  # CallerCheck runs ahead of every handler; fail closed if it did not
-            raise self._refused(grpc.StatusCode.INTERNAL, "no caller identity for this call")
-        return caller
-
-    def _check_addressing(self, run_id: str, stage: int) -> None:
-        """Refuse misaddressed calls on the loop, before they take a queue slot; every training call
-        comes through here, so a serve-only worker refuses them here too."""
-        if self.options.serve_only:
-            raise self._refused(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"this stage {self.stage_index} worker serves inference only (join --serve-only): it takes "
-                                "no Forward, Backward, Step or Abort", "serve_only")
-        try:
-            self._compute.check_addressing(run_id, stage)
-        except RequestRejected as error:
-            raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-
-    def _check_shapes(self, request: Any, *, partial: bool) -> None:
-        try:
-            if isinstance(request, ForwardRequest):
-                self.geometry.check_forward(request, partial=partial)
-            else:
-                self.geometry.check_backward(request, partial=partial)
-        except OutOfBounds as error:
-            raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, str(error), "out_of_bounds") from None
-
-    def _slot(self, pool: SlotPool, caller: Caller) -> Slot:
-        try:
-            return pool.acquire(caller.owner)
-        except SlotRefused as error:
-            # A full worker is routine load; one caller at its share is worth counting. Either way the
-            # refusal says when a slot should free: the next job for a full pool, the caller's earliest
-            # own job (at most the others' jobs ahead of it) when it holds its share.
-            ahead = 1 if error.reason == "full" else pool.in_use - pool.held_by(caller.owner) + 1
-            pushback_ms = max(1, round(1e3 * self._flow.pushback_s(ahead)))
-            refusal = self._refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
-                                    "caller_limit" if error.reason == "caller_limit" else None)
-            refusal.trailing_metadata = ((PUSHBACK_METADATA, str(pushback_ms)),)
-            raise refusal from None
-
-    async def _admit(self, request: ForwardRequest | BackwardRequest, *, partial: bool) -> "_Admission":
-        """Caller, addressing, declared shapes, the unit's holder, then a queue slot: cheapest first,
-        the slot last so that a refused request never holds one. `partial`: a stream's first part."""
-        caller = self._caller()
-        self._check_addressing(request.run_id, request.stage)
-        if self._phase == Phase.WEIGHT_SYNC:  # trainers do not route here; one with a stale view is told why
-            raise self._refused(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"this stage {self.stage_index} replica is in weight sync: it has not got the stage's "
-                                "state yet and takes no Forward or Backward; route to a member", "weight_sync")
-        self._check_shapes(request, partial=partial)
-        forward = isinstance(request, ForwardRequest)
-        if self._gate is not None:
-            await self._gate.admit(caller, request)
-        budget = self.geometry.forward_budget() if forward else self.geometry.backward_budget()
-        slot = self._slot(self._slots, caller)
-        self._flow.heard_from(caller.owner, request.round_trip_s)
-        return _Admission(caller, slot, min(budget, self.options.max_stream_bytes),
-                          self.geometry.describe_budget("Forward" if forward else "Backward"))
-
-    async def _serve_admitted(self, context: Any, request: ForwardRequest | BackwardRequest,
-                              admission: "_Admission | None", compute: Callable[..., T]) -> T:
-        """Run an admitted Forward/Backward (a unary one is admitted here) in its slot."""
-        if admission is None:
-            admission = await self._admit(request, partial=False)
-            try:
-                reply = await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner),
-                                        request)
-            finally:
-                admission.close()
-        else:
-            self._check_shapes(request, partial=False)  # a stream admitted on its first part is whole now
-            reply = await self._run(context, admission.slot, partial(compute, owner=admission.caller.owner), request)
-        annotate_job(reply.queued_s, reply.compute_s)  # on the call's span, where it is traced
-        if self._metrics is not None and isinstance(request, ForwardRequest) and not request.evaluate:
-            self._metrics.served(admission.caller.owner, _job_tokens(request))  # what a trainer's receipts may claim
-        return self._credited(admission.caller.owner, reply)
-
-    def _credited(self, owner: str, reply: T) -> T:
-        """The reply with the caller's credits now (node/worker/flow.py), its job's compute time counted."""
-        self._flow.observe_compute(reply.compute_s)
-        credits = self._flow.grant(owner)
-        return dataclasses.replace(reply, credits=credits.calls, in_flight_credits=credits.in_flight)
-
-    async def _run(self, context: Any, slot: Slot, fn: Callable[[Any], T], request: Any) -> T:
-        admitted = time.perf_counter()
-
-        def timed(request: Any) -> T:
-            started = time.perf_counter()
-            reply = fn(request)
-            if hasattr(reply, "compute_s"):  # Forward/Backward replies report where the time went
-                reply = dataclasses.replace(reply, queued_s=started - admitted,
-                                            compute_s=time.perf_counter() - started)
-                if self._metrics is not None:
-                    self._metrics.observe_job(type(request).__name__.removesuffix("Request"), _job_tokens(request),
-                                              reply.queued_s, reply.compute_s)
-            return reply
-
-        future = self._executor.submit(timed, request)
-        slot.hand_off(future)  # the slot is freed when the job ends, not when the caller gives up
-        return await self._answer(context, future)
-
-    async def _answer(self, context: Any, future: Future) -> Any:
-        try:
-            return await asyncio.wrap_future(future)
-        except ExtremeInput as error:  # the previous stage's values: the caller learns which frame
-            self.refusals.add(f"extreme_{error.field}")
-            self._logger.info("stage %d refused a request's %s: %s", self.stage_index, error.field, error,
-                              extra={"milestone": "extreme_input_refused",
-                                     "fields": {"stage": self.stage_index, "field": error.field}})
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error), ((REFUSED_INPUT_METADATA, error.field),))
-        except InvalidRequest as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except ReportOutsideWindow as error:  # the trainer keeps reporting: the replica may re-anchor
-            self.refusals.add("report_outside_window")
-            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(error))
-        except PreconditionFailed as error:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
-        except NotOwner as error:
-            self.refusals.add("not_owner")
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(error))
-        except DuplicateMicrobatch as error:
-            self.refusals.add("duplicate_microbatch")
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
-        except ComputeError as error:
-            self.compute_errors += 1
-            self._logger.warning("stage %d compute error: %s", self.stage_index, error)
-            await context.abort(grpc.StatusCode.INTERNAL, str(error))
-        except Exception as error:  # our bug, not the peer's: keep the traceback here, keep serving
-            self._logger.exception("stage %d: unexpected failure in compute", self.stage_index)
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"stage {self.stage_index} failed: {type(error).__name__}: {error}")
-
     def info(self, owner: str | None = None) -> InfoReply:
         """Stage, step, phase and load; the credits are `owner`'s (None: a caller new to this worker)."""
         compute = self._compute
-        credits: Credits = self._flow.grant(owner)
+        credits: Credits = self.flow.grant(owner)
         return InfoReply(
             run_id=self.run_id, stage=self.stage_index, n_stages=compute.n_stages,
             # Plain int reads of compute-thread state: a momentarily stale value is fine for routing.
@@ -575,72 +374,6 @@ class StageWorker:
             sessions=len(self._inference.sessions), session_capacity=self._inference.sessions.max_sessions,
             credits=credits.calls, in_flight_credits=credits.in_flight,
         )
-
-
-@dataclass
-class _Admission:
-    """A Forward/Backward admitted into a queue slot (a `StreamAdmission` for the stage adapter)."""
-
-    caller: Caller
-    slot: Slot
-    max_bytes: int  # payload bytes a streamed request may carry
-    budget: str  # how max_bytes follows from the geometry, for the refusal
-
-    def close(self) -> None:
-        self.slot.close()
-
-
-class _StageService:
-    """The agora.v1.Stage handlers (see protos/stage_adapter.StageHandler): admission and status mapping only."""
-
-    def __init__(self, worker: StageWorker):
-        self._worker = worker
-
-    async def admit_stream(self, head: ForwardRequest | BackwardRequest, context: Any) -> _Admission:
-        return await self._worker._admit(head, partial=True)
-
-    async def forward(self, request: ForwardRequest, context: Any, admission: _Admission | None = None) -> ForwardReply:
-        return await self._worker._serve_admitted(context, request, admission, self._worker._compute.forward)
-
-    async def backward(self, request: BackwardRequest, context: Any,
-                       admission: _Admission | None = None) -> BackwardReply:
-        return await self._worker._serve_admitted(context, request, admission, self._worker._compute.backward)
-
-    async def _control(self, context: Any, run_id: str, stage: int, fn: Callable[[Caller], Any]) -> Any:
-        """Step and Abort: admitted like the rest, into their own bounded pool (module docstring)."""
-        worker = self._worker
-        caller = worker._caller()
-        worker._check_addressing(run_id, stage)
-        slot = worker._slot(worker._control_slots, caller)
-        try:
-            return await worker._run(context, slot, lambda _: fn(caller), None)
-        finally:
-            slot.close()
-
-    async def step(self, request: StepRequest, context: Any) -> StepReply:
-        worker = self._worker
-        if request.completed_batch is not None and worker._gate is not None:  # a unit's report: its holder's only
-            worker._check_addressing(request.run_id, request.stage)
-            await worker._gate.check_unit(worker._caller(), request.completed_batch)
-        return await self._control(context, request.run_id, request.stage,
-                                   lambda caller: self._worker._compute.step(request, caller.owner))
-
-    async def abort(self, request: AbortRequest, context: Any) -> AbortReply:
-        if self._worker._gate is not None:
-            self._worker._gate.aborted(current_caller(), request.microbatch_id)
-        return await self._control(context, request.run_id, request.stage,
-                                   lambda caller: self._worker._compute.abort(request, caller.owner))
-
-    async def info(self, request: InfoRequest, context: Any) -> InfoReply:
-        caller = current_caller()
-        return self._worker.info(None if caller is None else caller.owner)
-
-
-def _job_tokens(request: ForwardRequest | BackwardRequest) -> int:
-    """Tokens a job computed, from the shape its frame declares (checked at admission)."""
-    frame, kind = (request.tokens, "token") if isinstance(request, ForwardRequest) else (request.output_grad, "float")
-    header = peek_header(frame, kind)
-    return 0 if header is None else math.prod(header.shape[:2])
 
 
 def _check_own_credential(credentials: NodeCredentials, run_id: str, stage: int) -> None:

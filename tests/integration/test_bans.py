@@ -32,7 +32,8 @@ from agora.dht.averaging import AveragingAdmission, SliceAverager, round_group_b
 from agora.dht.bans import sign_ban_list
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.leases import LeaseBoard, UnitWriters
-from agora.dht.records import WorkerRecord, averaging_prefix, owned_subkey, worker_key
+from agora.dht.keys import averaging_prefix, owned_subkey, worker_key
+from agora.dht.records import WorkerRecord
 from agora.dht.security import DHTSecurity, OwnedRecordValidator, OwnerSignatureValidator
 from agora.dht.storage_bounds import STORE_CONTEXT, StoreContext
 from agora.dht.swarm import SwarmDHT

@@ -21,7 +21,9 @@ from pydantic import Field
 
 from agora.dht import DHTRequestError, Heartbeat, Record, RecordError, SwarmDHT, WorkerRecord, worker_key
 from agora.dht.bootstrap import host_maddrs, write_ready_file
-from agora.dht.records import SCHEMA_VERSION, check_run_id, parse_endpoint
+from agora.dht.keys import check_run_id
+from agora.dht.record_fields import parse_endpoint
+from agora.dht.records import SCHEMA_VERSION
 
 
 def make_record(**overrides) -> WorkerRecord:
@@ -293,7 +295,7 @@ def test_entries_expire_by_the_injected_clock(dht_pair, run_id):
 
 
 class LeaseRecord(Record):
-    """A record type declared outside records.py, the way a test or an experiment may."""
+    """A record type declared outside dht/records.py, the way a test or an experiment may."""
 
     KIND: ClassVar[str] = "test-lease"
     holder: str

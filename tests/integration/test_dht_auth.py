@@ -47,8 +47,9 @@ from agora.dht import DHTRequestError, SwarmDHT, WorkerRecord, worker_key
 from agora.dht.averaging import AdmissionGate, AveragingAdmission, SliceAverager, round_group_bits
 from agora.dht.bootstrap import main as bootstrap_main
 from agora.dht.bootstrap import run_bootstrap
-from agora.dht.records import (MAX_HEARTBEAT_S, RoundRecord, averaging_prefix, move_key, owned_subkey, rounds_key,
-                               trainer_key, units_key)
+from agora.dht.key_families import MAX_HEARTBEAT_S
+from agora.dht.keys import averaging_prefix, move_key, owned_subkey, rounds_key, trainer_key, units_key
+from agora.dht.records import RoundRecord
 from agora.pipeline.fingerprint import RunFingerprint
 from polling import eventually
 from record_samples import SAMPLES
@@ -554,7 +555,7 @@ def test_a_worker_of_another_run_configuration_is_skipped_naming_the_field(swarm
     ours = make_record(second, stage)
     assert second.announce_worker(ours, ttl=60)
     eventually(lambda: len(first.live_workers(RUN, stage)) == 2, timeout=10, what="both records")
-    with caplog.at_level(logging.WARNING, logger="agora.dht.swarm"):
+    with caplog.at_level(logging.WARNING, logger="agora.dht.entry_reader"):
         assert first.live_workers(RUN, stage, fingerprint=OURS) == [ours]
         assert first.all_workers(RUN, stage + 1, fingerprint=OURS)[stage] == [ours]
     assert first.rejections()[worker_key(RUN, stage)] == 2

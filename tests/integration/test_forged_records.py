@@ -13,7 +13,8 @@ import uuid
 import pytest
 
 from agora.dht.averaging import RoundBoard
-from agora.dht.records import RoundRecord, rounds_key
+from agora.dht.keys import rounds_key
+from agora.dht.records import RoundRecord
 from agora.node.averaging.loop import ROUND_LEAD, AveragingLoop
 from agora.node.rpc.server import run
 from local_replica import LocalReplica

@@ -12,7 +12,7 @@ import pytest
 from agora.auth.authority import RunAuthority
 from agora.auth.node_state import CREDENTIAL_FILE
 from agora.dht.leases import LeaseBoard, UnitWriters
-from agora.dht.records import units_key
+from agora.dht.keys import units_key
 from agora.dht.security import DHTSecurity, OwnedRecordValidator
 from agora.dht.swarm import SwarmDHT
 from agora.node.rpc.server import run

@@ -11,8 +11,10 @@ import pytest
 
 from agora.auth.authority import RunAuthority
 from agora.dht.leases import LeaseBoard, UnitState, UnitWriters, resolve
-from agora.dht.records import BLOCK_UNITS, RecordError, UnitBlockRecord, units_key
-from agora.dht.swarm import Stored
+from agora.dht.keys import units_key
+from agora.dht.record_fields import BLOCK_UNITS, RecordError
+from agora.dht.records import UnitBlockRecord
+from agora.dht.entry_reader import Stored
 from agora.node.rpc.server import run
 from agora.node.trainer.units import FixedUnits, LeasedUnits, next_candidates
 

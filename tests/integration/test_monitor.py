@@ -22,7 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agora.dht.heartbeat import Heartbeat
-from agora.dht.records import RecordError, TrainerRecord, WorkerRecord
+from agora.dht.record_fields import RecordError
+from agora.dht.records import TrainerRecord, WorkerRecord
 from agora.dht.swarm import SwarmDHT
 from agora.monitor.http import start_monitor_server
 from agora.monitor.metrics import new_registry

@@ -7,7 +7,8 @@ import pytest
 
 from agora.auth.authority import RunAuthority
 from agora.dht.leases import UnitWriters
-from agora.dht.records import UnitBlockRecord, WorkerRecord, units_key
+from agora.dht.keys import units_key
+from agora.dht.records import UnitBlockRecord, WorkerRecord
 from agora.dht.security import DHTSecurity
 from agora.dht.storage_bounds import StorageLimits
 from agora.dht.swarm import SwarmDHT

@@ -413,7 +413,7 @@ def test_slots_per_caller_streams_admitted_on_their_first_part_and_step_gets_thr
             steps = [asyncio.ensure_future(channel.unary_unary(path + "Step")(serialized(step)[0], metadata=METADATA,
                                                                               timeout=20)) for _ in range(2)]
             for _ in range(2000):
-                if body._control_slots.in_use == 2:
+                if body.control_load == 2:
                     break
                 await asyncio.sleep(0.005)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -428,7 +428,7 @@ def test_slots_per_caller_streams_admitted_on_their_first_part_and_step_gets_thr
             await first
             assert len([reply async for reply in stream]) >= 1
             await asyncio.gather(*steps)
-            return body.load, body._control_slots.in_use
+            return body.load, body.control_load
 
         assert loop.run_until_complete(scenario()) == (0, 0)
         assert body.refusals.snapshot() == {"caller_limit": 1}
@@ -504,7 +504,7 @@ def test_calls_beyond_max_concurrent_rpcs_are_refused():
             stream = channel.stream_stream(path + "ForwardStream")(held_back(), metadata=METADATA, timeout=20)
             streaming = asyncio.ensure_future(stream.read())
             for _ in range(2000):  # readiness: the Forward and the Step admitted
-                if body.load == 1 and body._control_slots.in_use == 1:
+                if body.load == 1 and body.control_load == 1:
                     break
                 await asyncio.sleep(0.005)
             for _ in range(400):  # the stream reaches the server's count of calls (no part sent yet)

@@ -60,8 +60,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agora.auth.admission import AdmissionError, CredentialRenewer, JoinFile, admit
 from agora.auth.node_state import CREDENTIAL_FILE, NodeCredentials
 from agora.dht.leases import LeaseBoard, UnitWriters
-from agora.dht.records import (RoundRecord, TrainerRecord, WorkerRecord, rounds_key, trainer_key, units_key,
-                               worker_key)
+from agora.dht.keys import rounds_key, trainer_key, units_key, worker_key
+from agora.dht.records import RoundRecord, TrainerRecord, WorkerRecord
 from agora.dht.security import DHTSecurity
 from agora.dht.swarm import SwarmDHT
 from agora.node.admission import free_port

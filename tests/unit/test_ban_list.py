@@ -12,7 +12,8 @@ from agora.auth.authority import RunAuthority
 from agora.auth.keys import generate_key
 from agora.auth.credentials import issue_credential, make_issuing_ca
 from agora.dht.bans import BanBook, BanListError, sign_ban_list, verify_ban_list
-from agora.dht.records import MAX_BANS, BanListRecord, RecordError
+from agora.dht.record_fields import MAX_BANS, RecordError
+from agora.dht.records import BanListRecord
 from agora.node.ban_publisher import next_serial
 
 RUN = "ban-run"

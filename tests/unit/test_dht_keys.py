@@ -2,7 +2,8 @@
 and hivemind's matchmaking keys of its averagers, by the hash hivemind names them by; nothing else."""
 
 from agora.dht.key_policy import KeyTable, key_hash
-from agora.dht.records import BAN_LIST, averaging_keys, averaging_prefix, bans_key, units_key, worker_key
+from agora.dht.key_families import BAN_LIST
+from agora.dht.keys import averaging_keys, averaging_prefix, bans_key, units_key, worker_key
 
 RUN = "ban-run"
 

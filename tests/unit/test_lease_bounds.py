@@ -15,8 +15,9 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.dht.storage import DictionaryDHTValue
 
 from agora.dht.leases import LeaseBoard, renewed_claim
-from agora.dht.records import (CLOCK_SKEW_S, MAX_CLAIM_AGE_S, MAX_CLAIMS, MAX_LEASE_S, RecordError, UnitBlockRecord,
-                               claim_problem, trainer_key, units_key)
+from agora.dht.keys import trainer_key, units_key
+from agora.dht.record_fields import RecordError
+from agora.dht.records import CLOCK_SKEW_S, MAX_CLAIM_AGE_S, MAX_CLAIMS, MAX_LEASE_S, UnitBlockRecord, claim_problem
 from agora.dht.store_checks import RefusedEntries, StoreTimes, refusal_kind
 from agora.node.trainer.options import TrainerOptions
 from agora.pipeline.schema import ConfigError, checked

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from agora.dht.op_timings import BUCKETS_S, OperationStats, RequestTimings, key_family, quantile
-from agora.dht.records import bans_key, move_key, rounds_key, trainer_key, units_key, worker_key
+from agora.dht.keys import bans_key, move_key, rounds_key, trainer_key, units_key, worker_key
 
 
 def test_keys_are_named_by_their_record_family_and_nothing_else():

@@ -1,4 +1,5 @@
-"""agora.dht.records (pure): each family's wire form, its fields' types and bounds, and its keys.
+"""DHT records (pure: dht/records.py, record_fields.py, keys.py, key_families.py): each family's wire form, its
+fields' types and bounds, and its keys.
 
 The wire bytes below were produced by the released record code; a peer of this version must
 write exactly them and read them back, or peers of the two versions stop seeing each other.
@@ -12,8 +13,10 @@ import msgpack
 import pytest
 from pydantic import ValidationError
 
-from agora.dht.records import (CLOCK_SKEW_S, KEY_FAMILIES, MAX_HEARTBEAT_S, MoveRecord, RecordError, RoundRecord,
-                               TrainerRecord, WorkerRecord, move_key, rounds_key, trainer_key, typed_keys, units_key, worker_key)
+from agora.dht.key_families import KEY_FAMILIES, MAX_HEARTBEAT_S, typed_keys
+from agora.dht.keys import move_key, rounds_key, trainer_key, units_key, worker_key
+from agora.dht.record_fields import RecordError
+from agora.dht.records import CLOCK_SKEW_S, MoveRecord, RoundRecord, TrainerRecord, WorkerRecord
 from agora.pipeline.config import MAX_MATCHMAKING_S
 from record_samples import SAMPLES
 

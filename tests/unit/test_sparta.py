@@ -7,7 +7,9 @@ import torch
 from hivemind.averaging.key_manager import is_valid_group
 
 from agora.dht.averaging import GROUP_BITS, estimated_bytes, round_group_bits
-from agora.dht.records import RecordError, RoundRecord, rounds_key
+from agora.dht.keys import rounds_key
+from agora.dht.record_fields import RecordError
+from agora.dht.records import RoundRecord
 from agora.node.averaging.loop import ROUND_LEAD
 from agora.node.averaging.sparta import (
     MEMBER_WEIGHT_FLOOR,
