@@ -7,6 +7,7 @@ own handler (a clean leave) once it serves. Any other command stops as if interr
 """
 
 import atexit
+import faulthandler
 import os
 import signal
 import sys
@@ -58,8 +59,16 @@ def _deliver_again_unless_leaving(signum: int) -> None:
     again.start()
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """SIGUSR1 writes every thread's stack to stderr, from C: it works while the main thread is stuck
+    where no Python signal handler runs (a supervisor sends it before it kills a role that did not
+    stop; node/demo/processes.py)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def main() -> int:
     signal.signal(signal.SIGTERM, _stop_while_starting)
+    dump_stacks_on_sigusr1()
     os.environ.setdefault(*CUDA_ALLOCATOR_ENV)
     from agora.node.cli import main as cli_main
 

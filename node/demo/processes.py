@@ -16,6 +16,7 @@ netns exec NS` for an exec'd command) and the address it listens on and announce
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -28,6 +29,8 @@ from typing import Callable
 from agora.node.demo.launcher import LaunchedProcess, LauncherError, launch
 from agora.node.demo.supervision import PARENT_PID_ENV
 
+logger = logging.getLogger("agora.node.demo")
+
 __all__ = ["ChildProcess", "ProcessGroup", "ChildFailed", "Placement", "LOOPBACK", "agora_node_command"]
 
 
@@ -38,6 +41,18 @@ class ChildFailed(RuntimeError):
 def agora_node_command(*args: str) -> list[str]:
     """The `agora-node ...` command line, run by this interpreter (no PATH lookup needed)."""
     return [sys.executable, "-m", "agora.node", *args]
+
+
+def _dump_stacks(child: ChildProcess) -> None:
+    """A child that did not stop within its grace: its threads' stacks go to its log (SIGUSR1, which
+    agora-node answers from C, node/__main__.py) before it is killed, so where it hung is known."""
+    logger.warning("%s did not stop within its grace; its threads' stacks are in its log", child.name,
+                   extra={"milestone": "stop_timeout", "fields": {"child": child.name}})
+    try:
+        os.kill(child.pid, signal.SIGUSR1)
+        child.process.wait(timeout=1.0)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
 
 
 def _kill_group(pgid: int) -> None:
@@ -180,6 +195,7 @@ class ProcessGroup:
             try:
                 codes[child.name] = child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                _dump_stacks(child)
                 _kill_child(child.pid)
                 codes[child.name] = child.process.wait()
             _kill_group(child.pid)
