@@ -16,7 +16,7 @@ caught; a false positive: any honest worker caught; caught = flagged by the veri
 the trainer's scale bound, or blamed for a refusal downstream), the median steps from the first
 lie to the catch, whom the trainer caught and how, the held-out loss against the clean run of the
 same seed and length, and (`--unguarded N`, the first N seeds) the held-out loss with the
-verifier off (the scale bound stays), which says whether the lie moves the loss by more than 1%
+verifier, self and spot checks off (the scale bound stays), which says whether the lie moves the loss by more than 1%
 at all (the F1 goal applies only then). Clean runs of every seed count toward the false
 positives; with `--churn` each seed has one more clean run that loses a body replica half-way
 while `--load` CPU-bound processes run beside it. The machine's 1-minute load is recorded at the
@@ -99,8 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--lie-steps", type=int, default=16, help="steps of a run after the honest ones")
     parser.add_argument("--late-steps", type=int, default=100, help="honest steps before the late attacker lies")
     parser.add_argument("--unguarded", type=int, default=0, metavar="N",
-                        help="also run each attack with the verifier off, on the first N seeds (routes differ from run "
-                        "to run: held-out losses of one seed wander by about 1%%)")
+                        help="also run each attack with the verifier, self and spot checks off, on the first N seeds "
+                        "(routes differ from run to run: held-out losses of one seed wander by about 1%%)")
     parser.add_argument("--churn", action="store_true", help="also run each clean seed losing a body replica half-way")
     parser.add_argument("--load", type=int, default=0, help="CPU-bound processes running beside the churned clean runs")
     parser.add_argument("--spot-share", type=float, default=None,
@@ -129,7 +129,10 @@ def main() -> None:
     runs, total = [], len(clean_plans) + len(attacked_plans)
     for plan in clean_plans + attacked_plans:
         with _cpu_load(args.load if plan.churn else 0):
-            result = asyncio.run(run_plan(plan, args.spot_share, args.gradient_share))
+            # Unguarded: every check of what workers compute off (the scale bound stays), so the
+            # run says what the lie does to the loss when nothing stops it.
+            shares = (args.spot_share, args.gradient_share) if plan.verify else (0.0, 0.0)
+            result = asyncio.run(run_plan(plan, *shares))
         runs.append(result)
         caught = ", ".join(f"{peer} ({c['how']})" for peer, c in result["caught"].items()) or "-"
         print(f"[{len(runs)}/{total} {time.monotonic() - started:.0f}s] {plan.attack or 'clean'}"
