@@ -246,6 +246,15 @@ def test_a_zero_gradient_or_input_is_not_probed():
     assert checkable(1e-3, 2.0)
 
 
+def _tail_answering(tail, checks: GradientChecks, version: int, full_precision: bool):
+    """A tail's probe call, answered by the real stage on weights `version`, in full precision or not."""
+    async def call(view, probe_id, tokens, frame, targets):
+        with torch.no_grad():
+            loss = float(tail(tokens, checks.probe_codec.decode(frame), targets))
+        return SimpleNamespace(loss=loss, weights_version=version, compute_s=0.0, full_precision=full_precision)
+    return call
+
+
 def test_a_check_is_judged_only_when_both_probes_ran_on_the_gradients_own_weights_in_full_precision():
     # An averaging round between the gradient and its probes moves the weights without a step: the
     # probes' replies name other weights, and the check is counted skipped, not judged.
@@ -255,15 +264,8 @@ def test_a_check_is_judged_only_when_both_probes_ran_on_the_gradients_own_weight
     worker = WorkerView("w", "a:1", 2)
     probe = Probe(tail_in, tail_grad, None, tokens, targets, weights_version=7)
 
-    def answering(version: int, full_precision: bool):
-        async def call(view, probe_id, tokens, frame, targets):
-            with torch.no_grad():
-                loss = float(tail(tokens, checks.probe_codec.decode(frame), targets))
-            return SimpleNamespace(loss=loss, weights_version=version, compute_s=0.0, full_precision=full_precision)
-        return call
-
     async def check(version: int, full_precision: bool = True):
-        checks.launch(worker, worker, "m0", probe, answering(version, full_precision))
+        checks.launch(worker, worker, "m0", probe, _tail_answering(tail, checks, version, full_precision))
         await checks.drain()
 
     asyncio.run(check(8))
@@ -282,20 +284,13 @@ def test_a_check_that_decided_nothing_is_due_again_at_the_next_reply_unless_noth
     worker.granted_credits = 4  # credits free: a due check is sent at once
     probe = Probe(tail_in, tail_grad, None, tokens, targets, weights_version=7)
 
-    def answering(version: int, full_precision: bool):
-        async def call(view, probe_id, tokens, frame, targets):
-            with torch.no_grad():
-                loss = float(tail(tokens, checks.probe_codec.decode(frame), targets))
-            return SimpleNamespace(loss=loss, weights_version=version, compute_s=0.0, full_precision=full_precision)
-        return call
-
     def sent_and_answered(version: int, full_precision: bool = True) -> None:
         while not checks.due("w"):
             pass
         assert checks.checker(worker, [worker], 0.0) is worker  # sent: the next one is drawn a gap away
 
         async def check():
-            checks.launch(worker, worker, "m", probe, answering(version, full_precision))
+            checks.launch(worker, worker, "m", probe, _tail_answering(tail, checks, version, full_precision))
             await checks.drain()
         asyncio.run(check())
 
