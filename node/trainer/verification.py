@@ -72,7 +72,8 @@ relays every such value, so it can watch them. Design choices:
   culprit's mean deviation past the drift allowance k and every other's within k/2), the trip is
   laid on that producer instead (`implicated`: the trainer checks it at once, node/trainer/
   reply_checks.py) and the worker's CUSUMs restart; once per producer, so a worker that lies only
-  on one producer's inputs is flagged at its next trip.
+  on one producer's inputs is flagged at its next trip. Once a worker is flagged (by any check),
+  what the replies computed from its frames added to other workers' CUSUMs is void: those restart.
 - Nothing is judged before the stage and kind have `warmup` accepted replies.
 
 With one worker on a stage the pooled reference is that worker's own recent history, its spread
@@ -336,6 +337,7 @@ class ReplyVerifier:
                     self.implicated.append((stage, kind, peer, culprit, FEATURES[index]))
                 else:
                     track.flagged = self._evidence(stage, kind, peer, boundary, track, index, side, value, live)
+                    self._void_evidence_from(peer)
                     return track.flagged
         if track.largest() < self.settings.threshold / 2:  # a worker on its way to a flag is kept out
             boundary.window.append((peer, features))
@@ -356,6 +358,19 @@ class ReplyVerifier:
                 boundary.window.clear()
                 boundary.window.extend(kept)
                 for track in boundary.workers.values():
+                    track.restart()
+        self._void_evidence_from(peer)
+
+    def _void_evidence_from(self, producer: str) -> None:
+        """`producer` is flagged: what other workers' replies computed from its frames added to their
+        CUSUMs is void, so those start over (their deviations with its frames dropped). A stale body
+        made an honest tail's gradients stand off until the tail was flagged after the body."""
+        for boundary in self._boundaries.values():
+            for track in boundary.workers.values():
+                if track.flagged is None and any(source == producer for source, _ in track.deviations):
+                    kept = [entry for entry in track.deviations if entry[0] != producer]
+                    track.deviations.clear()
+                    track.deviations.extend(kept)
                     track.restart()
 
     def on_its_way(self, peer: str) -> bool:

@@ -143,6 +143,20 @@ def test_a_trip_that_came_only_with_one_producers_frames_is_laid_on_that_produce
     assert liar.implicated == [] and liar.flagged().keys() == {"b0"}
 
 
+def test_once_a_producer_is_flagged_what_its_frames_added_to_others_is_void():
+    """A tail's replies computed from a stale body's frames stood off, below its bar; once the body is
+    flagged the tail starts over, and the same number of honest-looking replies cannot trip it."""
+    rng, verifier = random.Random(9), ReplyVerifier()
+    for index in range(64):
+        for tail in ("t0", "t1"):
+            verifier.observe(2, "input_grad", tail, _features(rng), [(1, "output", f"b{index % 2}")])
+    for _ in range(3):  # each 5 spreads off: past half the bar, not over it
+        verifier.observe(2, "input_grad", "t0", _features(rng, 5.0), [(1, "output", "b1")])
+    assert verifier.on_its_way("t0")
+    verifier.forget("b1")  # another check flagged the body
+    assert not verifier.on_its_way("t0") and verifier.flagged() == {}
+
+
 def test_on_its_way_marks_a_worker_half_way_to_its_flag_and_not_an_honest_one():
     rng, verifier = random.Random(6), ReplyVerifier()
     for _ in range(64):
