@@ -153,11 +153,12 @@ class _Lines:
 
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="waits on process exits with pidfds (Linux)")
-def test_a_second_sigterm_while_a_worker_leaves_stops_it_at_once_and_its_helpers_follow():
+def test_a_second_sigterm_while_a_worker_leaves_stops_it_at_once_and_its_helpers_follow(tmp_path):
     # The DHT peer the worker joined through is frozen (SIGSTOP) before the first SIGTERM, so the
     # leave's withdrawal from the DHT waits for its timeout: the second SIGTERM lands inside it.
-    boot = subprocess.Popen([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "bootstrap", "--insecure",
-                             "--host", "127.0.0.1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    with (tmp_path / "bootstrap.err").open("w") as stderr:  # the child keeps its own descriptor
+        boot = subprocess.Popen([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "bootstrap",
+                                 "--insecure", "--host", "127.0.0.1"], stdout=subprocess.PIPE, stderr=stderr, text=True)
     worker = None
     try:
         maddr = _Lines(boot).wait_for("/p2p/", 60).strip()  # it prints its multiaddrs once it serves
@@ -188,10 +189,13 @@ def test_a_second_sigterm_while_a_worker_leaves_stops_it_at_once_and_its_helpers
         boot.terminate()
         try:
             boot.wait(timeout=30)
-        except subprocess.TimeoutExpired:  # (seen once: its shutdown hung; reaped, never left behind)
+        except subprocess.TimeoutExpired:  # (seen twice: its shutdown hung; reaped, never left behind)
+            boot.send_signal(signal.SIGUSR1)  # its threads' stacks to its stderr (node/__main__.py)
+            time.sleep(1.0)
             boot.kill()
             boot.wait()
-            raise
+            raise AssertionError("the bootstrap did not stop within 30 s of SIGTERM; its stacks:\n"
+                                 + (tmp_path / "bootstrap.err").read_text()[-6000:]) from None
         if worker is not None and worker.poll() is None:
             worker.kill()
             worker.wait()
