@@ -82,7 +82,7 @@ class TrainerOptions:
         "output or loss, and a head's output by one held-out replay; a check falls every 1/share replies of a "
         "worker on average, at most 2/share apart. Catches sign-flipped, scaled and noisy gradients and noisy or "
         "stale outputs no statistic sees, with any number of replicas, at some 3% of the checked stages' compute "
-        "at 0.05; a failed check makes the worker's next reply checked at once, and a worker failing 2 of its "
+        "at 0.05; a failed check has the worker's next 6 replies checked, and a worker failing 2 of its "
         "last 6 is excluded. 0: off",
         flag="--gradient-check-share", ge=0, le=1)
     ledger_url: StrictStr | None = setting(
