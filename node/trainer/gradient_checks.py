@@ -87,7 +87,8 @@ returned. Design choices:
   two-replica attack runs more than half of the checks sent came back on other weights, and a
   lie of 32 replies went unjudged when each of them counted as done. So a lie told for n replies
   is checked at least once within some 4/share of them where independent coins miss it with
-  probability (1 - share)^n.
+  probability (1 - share)^n. A worker the verifier's statistics put half-way to a flag gets its
+  next reply checked at once (`suspicion`, once per rise), as one another check points at does.
 - **The decision.** A gradient check is out of band when r <= 0, r is not finite, or |log r|
   exceeds log `BAND` (1.25); a replay past its tolerance. A worker is flagged when `FAILURES`
   (2) of its last `RECENT` (6) checks were out of band, and a check out of band puts the worker on
@@ -347,6 +348,7 @@ class GradientChecks:
         self._countdown: dict[str, int] = {}  # per worker: its replies until its next check (0: due)
         self._waited: dict[str, int] = {}  # per worker: replies its due check has waited for free credits
         self._probation: dict[str, int] = {}  # per worker on probation: its replies still to be judged at once
+        self._raised: set[str] = set()  # workers another check suspects, already checked at its rise
         self._tasks: set[asyncio.Task] = set()
 
     def suspected(self, peer: str) -> bool:
@@ -361,6 +363,18 @@ class GradientChecks:
         if self.share > 0:
             self._probation[peer] = max(1, self._probation.get(peer, 0))
             self._probe_next(peer)
+
+    def suspicion(self, peer: str, raised: bool) -> None:
+        """Another check's suspicion of `peer` (the verifier's statistics half-way to a flag) rose or fell:
+        on its rise, `peer`'s next reply is checked at once (`check_now`) instead of up to 2/share replies
+        later. The verifier needs many replies to name a liar and can be wrong about a stage's outlier;
+        a self check settles it on one reply, and honest statistics seldom get half-way, so it costs
+        little. Once per rise: a worker that stays suspected is the probation's and the verifier's."""
+        if not raised:
+            self._raised.discard(peer)
+        elif peer not in self._raised:
+            self._raised.add(peer)
+            self.check_now(peer)
 
     def _gap(self) -> int:
         return self.rng.randint(1, max(1, round(2 / self.share) - 1))

@@ -217,6 +217,21 @@ def test_a_workers_checks_fall_at_most_two_over_share_replies_apart_and_wait_for
     assert waits == round(2 / 0.05) - 1
 
 
+def test_a_rising_suspicion_elsewhere_checks_the_next_reply_at_once_once_per_rise():
+    worker = WorkerView("w", "a:1", 1)
+    worker.granted_credits, worker.in_flight = 2, 2  # no credit free
+    checks = GradientChecks(0.05, TrainerStats(), flag=lambda evidence: None, rng=random.Random(1))
+    while checks.due("w"):  # past its first check, if the draw made it the first reply
+        checks.checker(worker, [worker], 0.0)
+    checks.suspicion("w", raised=True)
+    assert checks.due("w") and checks.checker(worker, [worker], 0.0) is worker  # at once, credits or not
+    checks.suspicion("w", raised=True)  # still suspected: not checked again for it
+    assert not checks.due("w")
+    checks.suspicion("w", raised=False)
+    checks.suspicion("w", raised=True)  # a new rise
+    assert checks.due("w") and checks.checker(worker, [worker], 0.0) is worker
+
+
 def test_a_liar_flagged_on_its_second_failure_carries_its_evidence():
     judge = GradientJudge()
     judge.judge(2, "honest", 1.0)
