@@ -89,7 +89,7 @@ from agora.node.trainer.stage_client import (
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.traces import MicrobatchTraces
 from agora.node.trainer.turns import AccumulationOrder
-from agora.node.trainer.units import FixedUnits, UnitSource
+from agora.node.trainer.units import FixedUnits, UnitSource, assigned_units
 from agora.node.trainer.verification import Evidence, Source
 from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.pipeline.centralized import StepRecord
@@ -98,7 +98,7 @@ from agora.pipeline.config import RunConfig
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.optim import lr_at
 
-__all__ = ["TrainerOptions", "SwarmTrainer", "MicrobatchFailed", "assigned_units"]
+__all__ = ["TrainerOptions", "SwarmTrainer", "MicrobatchFailed"]
 
 logger = logging.getLogger("agora.node.trainer")
 
@@ -117,12 +117,6 @@ class MicrobatchFailed(RuntimeError):
 # Called with a stage index once a microbatch's gradient has been accumulated on that stage.
 StageDone = Callable[[int], None]
 Turn = Callable[[int], AsyncContextManager[None]]  # synchronous mode: a stage's turn to accumulate
-
-
-def assigned_units(total_steps: int, trainer_index: int, trainers: int, start: int = 0) -> list[int]:
-    """Static striping of the run's global batches over trainers, from `start` (without a DHT: tests,
-    and the exact restore of a synchronous run)."""
-    return [unit for unit in range(trainer_index, total_steps, trainers) if unit >= start]
 
 
 class SwarmTrainer:

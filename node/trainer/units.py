@@ -31,7 +31,7 @@ from agora.dht.record_fields import BLOCK_UNITS
 from agora.dht.records import MAX_CLAIMS
 from agora.node.trainer.stats import TrainerStats
 
-__all__ = ["UnitSource", "FixedUnits", "LeasedUnits", "next_candidates"]
+__all__ = ["UnitSource", "FixedUnits", "LeasedUnits", "assigned_units", "next_candidates"]
 
 logger = logging.getLogger("agora.node.trainer")
 
@@ -57,6 +57,12 @@ class UnitSource(Protocol):
     async def failed(self, unit: int) -> None: ...
 
     async def close(self) -> None: ...
+
+
+def assigned_units(total_steps: int, trainer_index: int, trainers: int, start: int = 0) -> list[int]:
+    """Static striping of the run's global batches over trainers, from `start` (without a DHT: tests,
+    and the exact restore of a synchronous run)."""
+    return [unit for unit in range(trainer_index, total_steps, trainers) if unit >= start]
 
 
 class FixedUnits:
