@@ -65,7 +65,6 @@ import time
 from collections import Counter
 from typing import IO, Any, AsyncContextManager, Awaitable, Callable
 
-import grpc
 import torch
 
 from agora.node.rpc.tls import ChannelFactory
@@ -73,15 +72,14 @@ from agora.node.trainer.discovery import Discovery
 from agora.node.trainer.inflight import (DepthEstimate, InFlightLimit, adaptive_depth, in_flight_limit, initial_depth,
                                          resized_depth)
 from agora.node.trainer.options import TrainerOptions
+from agora.node.trainer.batch_reports import CompletedBatchReports
 from agora.node.trainer.blame import Blame
 from agora.node.trainer.receipts import ReceiptBook
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.reply_checks import ReplyChecks
 from agora.node.trainer.stage_client import (
     InputRefused,
-    OutsideWindow,
     ReplyScales,
-    RequestRefused,
     StageCallError,
     StageClient,
     WorkerBusy,
@@ -119,7 +117,7 @@ StageDone = Callable[[int], None]
 Turn = Callable[[int], AsyncContextManager[None]]  # synchronous mode: a stage's turn to accumulate
 
 
-class SwarmTrainer:
+class SwarmTrainer(CompletedBatchReports):
     def __init__(self, config: RunConfig, data, discovery: Discovery, options: TrainerOptions, *,
                  log_json: IO[str] | None = None, clock: Callable[[], float] = time.monotonic,
                  on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None,
@@ -441,19 +439,6 @@ class SwarmTrainer:
             await self._in_flight.set(depth)
         self.stats.depth(self._in_flight.limit, credit_cap, stage_credits)
 
-    async def _reported(self, stage: int, peer_id: str) -> None:
-        """Wait until the replica about to be called has taken the completed-batch report sent to it last.
-
-        A stage is told a global batch is done the moment its last microbatch has passed it, but a
-        microbatch of the next batch can be on its way there already; without this wait it could
-        reach a replica before the report and run on weights a step old (1 in 10 tail forwards on
-        tiny). The wait is at most one report's round trip, and only in that race; only for the
-        replica called, so a hung replica costs its own traffic and never its stage's.
-        """
-        pending = self._stage_reports.get(stage, {}).get(peer_id)
-        if pending is not None and not pending.done():
-            await pending  # failures are counted inside, never raised
-
     async def run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
                              evaluate: bool = False, on_stage_done: StageDone | None = None,
                              shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
@@ -511,47 +496,6 @@ class SwarmTrainer:
                                        f"found {len(workers)}")
             replies.append(await self._client(workers[0]).step(self.config.train.microbatches, step=step))
         return replies
-
-    def _report_batch_done(self, unit_id: int, stage: int) -> None:
-        """Tell every known worker of `stage`, in the background, that global batch `unit_id` is done there.
-
-        The reports are tasks with a short timeout each (`run` waits for the last ones before it
-        returns); a worker that misses one lags its stage by a step.
-        """
-        timeout = min(5.0, self.options.call_timeout_s)
-
-        views = [v for v in self.roster.of_stage(stage) if v.peer_id not in self._unreported]
-        n_micro, replicas = self.config.train.microbatches, self.roster.replicas(stage)
-
-        async def one(view: WorkerView) -> None:
-            try:
-                await self._client(view).batch_done(unit_id, n_micro, replicas, timeout_s=timeout)
-            except OutsideWindow as error:
-                # It lags or runs ahead of its stage: keep telling it, it re-anchors to the stage's count.
-                self.stats.report_refused()
-                logger.debug("completed-batch report %d refused by %s: %s", unit_id, view.endpoint, error)
-            except RequestRefused as error:
-                if error.code == grpc.StatusCode.PERMISSION_DENIED:
-                    # This trainer does not hold the unit as that worker reads the lease queue (it lost
-                    # it, or the worker's read lags): this report is refused, the next ones are sent.
-                    self.stats.report_refused()
-                    logger.debug("completed-batch report %d refused by %s: %s", unit_id, view.endpoint, error)
-                    return
-                # It steps on its own count (join --local-batch) or is synchronous: stop telling it.
-                self._unreported.add(view.peer_id)
-                logger.warning("worker %s refuses completed-batch reports; not sending it more: %s",
-                               view.endpoint, error)
-            except StageCallError as error:
-                # That worker lags one step behind its stage (or is gone); training goes on.
-                self.stats.report_failed()
-                logger.debug("completed-batch report %d to %s failed: %s", unit_id, view.endpoint, error)
-
-        tasks = {view.peer_id: asyncio.create_task(one(view)) for view in views}
-        self._stage_reports[stage] = tasks
-        self._unit_reports.setdefault(unit_id, []).extend(tasks.values())
-        for task in tasks.values():
-            self._reports.add(task)
-            task.add_done_callback(self._reports.discard)
 
     async def train_unit(self, unit_id: int) -> StepRecord:
         unit = self.data.train.unit(unit_id)
