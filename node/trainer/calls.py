@@ -136,7 +136,7 @@ class WorkerCalls:
             self.stats.credit_wait(stage, credit_wait)
             try:
                 if training:
-                    await self._reported(stage, view.peer_id)
+                    await self.batch_reports.reported(stage, view.peer_id)
             except BaseException:
                 self.roster.released(view.peer_id)
                 raise

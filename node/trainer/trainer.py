@@ -73,7 +73,7 @@ logger = logging.getLogger("agora.node.trainer")
 _IDLE_POLL_S = 0.5
 
 
-class SwarmTrainer(Microbatches, WorkerCalls, CompletedBatchReports):
+class SwarmTrainer(Microbatches, WorkerCalls):
     def __init__(self, config: RunConfig, data, discovery: Discovery, options: TrainerOptions, *,
                  log_json: IO[str] | None = None, clock: Callable[[], float] = time.monotonic,
                  on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None,
@@ -111,11 +111,10 @@ class SwarmTrainer(Microbatches, WorkerCalls, CompletedBatchReports):
         self._refresh_lock = asyncio.Lock()
         self._run_started = clock()
         self._units_done = 0
-        self._reports: set[asyncio.Task] = set()  # completed-batch reports still in flight
-        self._unreported: set[str] = set()  # peers that refused a report (they step on their own)
-        # Per stage and replica, the completed-batch report sent last; a call waits for its replica's.
-        self._stage_reports: dict[int, dict[str, asyncio.Task]] = {}
-        self._unit_reports: dict[int, list[asyncio.Task]] = {}  # a unit commits once its reports are in
+        # Asynchronous mode's completed-batch reports (node/trainer/batch_reports.py).
+        self.batch_reports = CompletedBatchReports(self.roster, self._client, self.stats,
+                                                   microbatches=config.train.microbatches,
+                                                   call_timeout_s=options.call_timeout_s)
         self.units = units
         self.receipts = receipts
         self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
@@ -157,7 +156,7 @@ class SwarmTrainer(Microbatches, WorkerCalls, CompletedBatchReports):
         # told the batch is done the moment its last microbatch has passed that stage (the tail
         # first, the head last), not when the whole pipeline is done: waiting for the head would
         # have the tail and bodies run the next batch's first microbatches on weights a step old.
-        # Every call to a stage first waits for the reports in flight to it (`_reported`), so the
+        # Every call to a stage first waits for the reports in flight to it (`CompletedBatchReports.reported`), so the
         # next batch's microbatches meet stepped weights (one in flight: exactly the centralized run).
         finished: list[set[int]] = [set() for _ in range(self.n_stages)]
         # Microbatches of this batch per replica, per stage: equally fast replicas get equal shares.
@@ -168,7 +167,7 @@ class SwarmTrainer(Microbatches, WorkerCalls, CompletedBatchReports):
                 if len(finished[stage]) < n_micro:
                     finished[stage].add(index)  # a rerun's second pass adds nothing
                     if len(finished[stage]) == n_micro:
-                        self._report_batch_done(unit_id, stage)
+                        self.batch_reports.send(unit_id, stage)
             return done
 
         order = AccumulationOrder(self.n_stages) if self.options.synchronous else None
@@ -234,8 +233,7 @@ class SwarmTrainer(Microbatches, WorkerCalls, CompletedBatchReports):
 
         async def one_unit(unit_id: int) -> StepRecord:
             record = await self.train_unit(unit_id)
-            reports = self._unit_reports.pop(unit_id, [])
-            await asyncio.gather(*reports)  # every stage has taken its report (short timeouts each)
+            await self.batch_reports.taken(unit_id)  # short timeouts each
             # Logged before it is committed: a trainer killed in between leaves the line and the
             # unit is run again by another, which is what happened to the weights (run twice).
             records.append(record)
@@ -281,7 +279,7 @@ class SwarmTrainer(Microbatches, WorkerCalls, CompletedBatchReports):
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-            await asyncio.gather(*self._reports, return_exceptions=True)  # short timeouts each
+            await self.batch_reports.drain()
             await self.checks.drain()
             await source.close()
             self.stats.cpu_s += time.process_time() - cpu_started

@@ -225,7 +225,7 @@ def test_workers_stepping_on_their_own_count_are_told_once_and_then_left_alone(d
 
     records, trainer, steps_taken = asyncio.run(main())
     assert len(records) == 3 and steps_taken == [3, 3]  # a full local batch per global batch
-    assert trainer._unreported == {"s0", "s1"} and trainer.stats.batch_reports_failed == 0
+    assert trainer.batch_reports.unreported == {"s0", "s1"} and trainer.stats.batch_reports_failed == 0
 
 
 def test_a_time_budget_stops_starting_global_batches(data):
