@@ -2,7 +2,7 @@
 
 Everything a call to a worker goes through on the trainer's side lives here, so the microbatch's
 route (node/trainer/microbatches.py) and the checks (node/trainer/reply_checks.py) only say whom
-to call and what: which worker has a credit free (`_pick`, or `_pinned` for a Backward), the wait
+to call and what: which worker has a credit free (`pick`, or `pinned` for a Backward), the wait
 for a credit, the completed-batch report the replica is owed (node/trainer/batch_reports.py), and
 the call's outcome in the roster (node/trainer/routing.py), its time split in the stats and, when
 the microbatch is traced, on its span (node/trainer/traces.py).
@@ -15,8 +15,9 @@ back-pressure: the same call is made again once a credit frees or the worker's p
 on the route built so far, and it is no failed attempt, no ban, no batch given back. Only real
 failures (a dead or wrong worker, a refused request) abandon a route.
 
-One `StageClient` per worker endpoint, rebuilt when another peer or stage answers there: the TLS
-target name is the record's peer id and stage, so a handshake proves who answers.
+`StageClients` keeps one `StageClient` per worker endpoint, rebuilt when another peer or stage
+answers there: the TLS target name is the record's peer id and stage, so a handshake proves who
+answers.
 """
 
 from __future__ import annotations
@@ -29,10 +30,22 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
-from agora.node.trainer.routing import WorkerView
-from agora.node.trainer.stage_client import InputRefused, StageCallError, StageClient, WorkerBusy
+from agora.monitor.trainer_metrics import RpcClientMetrics
+from agora.node.rpc.tls import ChannelFactory
+from agora.node.trainer.batch_reports import CompletedBatchReports
+from agora.node.trainer.blame import Blame
+from agora.node.trainer.discovery import Discovery
+from agora.node.trainer.options import TrainerOptions
+from agora.node.trainer.routing import Roster, WorkerView
+from agora.node.trainer.stage_client import (InputRefused, ReplyScales, StageCallError, StageClient,
+                                             WorkerBusy)
+from agora.node.trainer.stats import TrainerStats
+from agora.node.trainer.traces import MicrobatchTraces
+from agora.pipeline.codec import WireCodec
+from agora.pipeline.config import RunConfig
+from agora.pipeline.fingerprint import run_fingerprint
 
-__all__ = ["WorkerCalls"]
+__all__ = ["StageClients", "WorkerCalls"]
 
 logger = logging.getLogger("agora.node.trainer")
 
@@ -40,8 +53,18 @@ logger = logging.getLogger("agora.node.trainer")
 _CREDIT_POLL_S = 0.5
 
 
-class WorkerCalls:
-    def _client(self, view: WorkerView) -> StageClient:
+class StageClients:
+    """One `StageClient` per worker endpoint, for the run of `config`; `channels`: mutual TLS with this
+    trainer's credential (node/rpc/tls.TlsChannels), or None for plaintext (--insecure)."""
+
+    def __init__(self, config: RunConfig, options: TrainerOptions, codec: WireCodec, scales: ReplyScales,
+                 metrics: RpcClientMetrics, channels: ChannelFactory | None = None):
+        self.config, self.options, self.codec, self.scales, self.channels = config, options, codec, scales, channels
+        self.fingerprint = run_fingerprint(config)
+        self._wire_metrics = metrics
+        self._clients: dict[str, StageClient] = {}
+
+    def for_worker(self, view: WorkerView) -> StageClient:
         client = self._clients.get(view.endpoint)
         if client is None or client.stage != view.stage or client.peer_id != view.peer_id:
             # The TLS target name is the record's peer id and stage: a new peer at an old address
@@ -53,6 +76,24 @@ class WorkerCalls:
             self._clients[view.endpoint] = client
         return client
 
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
+class WorkerCalls:
+    """Calls to the workers of `roster` through `clients`, under their flow control (module docstring)."""
+
+    def __init__(self, clients: StageClients, roster: Roster, discovery: Discovery, stats: TrainerStats,
+                 blame: Blame, batch_reports: CompletedBatchReports, options: TrainerOptions,
+                 clock: Callable[[], float], traces: MicrobatchTraces | None = None):
+        self.clients, self.roster, self.discovery, self.stats = clients, roster, discovery, stats
+        self.blame, self.batch_reports, self.traces = blame, batch_reports, traces
+        self.options, self.clock = options, clock
+        self._last_refresh = float("-inf")
+        self._refresh_lock = asyncio.Lock()
+        self._returned = asyncio.Event()  # set (and replaced) whenever a call returns: a credit freed
+
     async def refresh(self, force: bool = False) -> None:
         async with self._refresh_lock:
             if not force and self.clock() - self._last_refresh < self.options.roster_refresh_s:
@@ -60,7 +101,7 @@ class WorkerCalls:
             self.roster.refresh(await self.discovery.workers())
             self._last_refresh = self.clock()
 
-    async def _pick(self, stage: int, exclude: frozenset[str], shares: Counter | None = None) -> tuple[WorkerView, float]:
+    async def pick(self, stage: int, exclude: frozenset[str], shares: Counter | None = None) -> tuple[WorkerView, float]:
         """A worker for `stage` with a credit free, reserved for the call about to be made; with
         `shares` (this batch's microbatches per peer on the stage), balanced across replicas (see
         node/trainer/routing.py) and counted there. Also returns the seconds it waited for a credit."""
@@ -93,7 +134,7 @@ class WorkerCalls:
             pause = min(pause * 2, 2.0)
             await self.refresh(force=True)
 
-    async def _pinned(self, view: WorkerView) -> tuple[WorkerView, float]:
+    async def pinned(self, view: WorkerView) -> tuple[WorkerView, float]:
         """`view` itself (a Backward goes to the worker that ran its forward) once it has a credit free,
         reserved; and the seconds waited. A worker gone from the roster is called anyway: the call says."""
         waited = 0.0
@@ -117,10 +158,10 @@ class WorkerCalls:
         returned, self._returned = self._returned, asyncio.Event()
         returned.set()
 
-    async def _call_stage(self, stage: int, pick: Callable[[], Awaitable[tuple[WorkerView, float]]],
-                          call: Callable[[WorkerView], Awaitable], *, training: bool,
-                          route: list[WorkerView] | None = None,
-                          unpick: Callable[[WorkerView], None] | None = None) -> tuple[WorkerView, Any, float]:
+    async def call_stage(self, stage: int, pick: Callable[[], Awaitable[tuple[WorkerView, float]]],
+                         call: Callable[[WorkerView], Awaitable], *, training: bool,
+                         route: list[WorkerView] | None = None,
+                         unpick: Callable[[WorkerView], None] | None = None) -> tuple[WorkerView, Any, float]:
         """One call to `stage` under flow control: `pick` a worker with a credit free (it waits for one),
         wait for the completed-batch report it is owed, call. A busy answer is back-pressure: the call is
         made again once a credit frees (on that replica or another: `pick` decides; `unpick` takes back
@@ -155,7 +196,7 @@ class WorkerCalls:
                     raise
 
     async def _timed(self, view: WorkerView, call: Awaitable, training: bool = True):
-        """Await a call to `view`, reserved by `_pick`/`_pinned`: record its outcome in the roster (a busy
+        """Await a call to `view`, reserved by `pick`/`pinned`: record its outcome in the roster (a busy
         answer as back-pressure, a failure with a ban) and its time split (and on its span, when traced)."""
         hop = self.traces.hop(view.stage, view.peer_id) if self.traces is not None else None
         started = self.clock()
@@ -186,8 +227,9 @@ class WorkerCalls:
             hop.answered(seconds, result, training=training)
         return result
 
-    def _held_out(self, view: WorkerView, probe_id: str, tokens: torch.Tensor, wire: bytes | memoryview | None,
-                  targets: torch.Tensor | None, full_precision: bool) -> Awaitable:
+    def held_out(self, view: WorkerView, probe_id: str, tokens: torch.Tensor, wire: bytes | memoryview | None,
+                 targets: torch.Tensor | None, full_precision: bool) -> Awaitable:
         """A held-out Forward to `view` for a check (its credit reserved by the caller), timed as a call."""
-        call = self._client(view).forward(probe_id, tokens, wire, targets, evaluate=True, full_precision=full_precision)
+        call = self.clients.for_worker(view).forward(probe_id, tokens, wire, targets, evaluate=True,
+                                                     full_precision=full_precision)
         return self._timed(view, call, training=False)

@@ -73,7 +73,8 @@ class Microbatches:
         """Best effort: every worker the abandoned route touched takes its part back."""
         async def one(view: WorkerView) -> None:
             try:
-                reply = await self._client(view).abort(microbatch_id, timeout_s=min(5.0, self.options.call_timeout_s))
+                reply = await self.clients.for_worker(view).abort(microbatch_id,
+                                                                  timeout_s=min(5.0, self.options.call_timeout_s))
                 self.stats.aborted(reply.outcome)
             except StageCallError:
                 self.stats.aborted("unreachable")
@@ -95,9 +96,9 @@ class Microbatches:
             tail = stage == self.n_stages - 1
 
             def forward(view: WorkerView, wire=wire, tail=tail):
-                return self._client(view).forward(microbatch_id, tokens, wire, targets if tail else None,
-                                                  evaluate=evaluate, work_key=work_key,
-                                                  round_trip_s=view.round_trip_s or 0.0)
+                return self.clients.for_worker(view).forward(microbatch_id, tokens, wire, targets if tail else None,
+                                                             evaluate=evaluate, work_key=work_key,
+                                                             round_trip_s=view.round_trip_s or 0.0)
 
             def unpick(view: WorkerView, stage_shares=stage_shares) -> None:
                 if stage_shares is not None:
@@ -107,8 +108,8 @@ class Microbatches:
             # its turn never holds a credit the one before it needs.
             try:
                 async with (turn(stage) if tail and turn is not None else contextlib.nullcontext()):
-                    worker, result, waited = await self._call_stage(
-                        stage, functools.partial(self._pick, stage, exclude, stage_shares), forward,
+                    worker, result, waited = await self.calls.call_stage(
+                        stage, functools.partial(self.calls.pick, stage, exclude, stage_shares), forward,
                         training=not evaluate, route=route, unpick=unpick)
             except InputRefused as refusal:
                 raise self.blame.refused_input(refusal, route, stage, wire or b"", backward=False) from None
@@ -134,12 +135,13 @@ class Microbatches:
         grad = result.grad_frame
         for stage in reversed(range(self.n_stages - 1)):
             def backward(view: WorkerView, grad=grad):
-                return self._client(view).backward(microbatch_id, grad, round_trip_s=view.round_trip_s or 0.0)
+                return self.clients.for_worker(view).backward(microbatch_id, grad,
+                                                              round_trip_s=view.round_trip_s or 0.0)
 
             try:
                 async with (turn(stage) if turn is not None else contextlib.nullcontext()):
-                    worker, back, waited = await self._call_stage(
-                        stage, functools.partial(self._pinned, route[stage]), backward, training=True)
+                    worker, back, waited = await self.calls.call_stage(
+                        stage, functools.partial(self.calls.pinned, route[stage]), backward, training=True)
             except InputRefused as refusal:
                 raise self.blame.refused_input(refusal, route, stage, grad, backward=True) from None
             self.checks.verify(worker, "input_grad", back.grad_frame, self.checks.request(grad), "Backward", upstream)
@@ -200,5 +202,5 @@ class Microbatches:
                                extra={"milestone": "reroute",
                                       "fields": {"microbatch": key, "attempt": attempt + 1,
                                                  "endpoint": error.address, "code": error.code.name}})
-                await self.refresh(force=True)
+                await self.calls.refresh(force=True)
         raise MicrobatchFailed(f"microbatch {key} failed {self.options.max_attempts} times; last: {last_error}")

@@ -48,11 +48,11 @@ from agora.node.trainer.inflight import (DepthEstimate, InFlightLimit, adaptive_
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.batch_reports import CompletedBatchReports
 from agora.node.trainer.blame import Blame
-from agora.node.trainer.calls import WorkerCalls
+from agora.node.trainer.calls import StageClients, WorkerCalls
 from agora.node.trainer.receipts import ReceiptBook
 from agora.node.trainer.routing import Roster
 from agora.node.trainer.reply_checks import ReplyChecks
-from agora.node.trainer.stage_client import ReplyScales, StageClient
+from agora.node.trainer.stage_client import ReplyScales
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.traces import MicrobatchTraces
 from agora.node.trainer.turns import AccumulationOrder
@@ -62,7 +62,6 @@ from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.pipeline.centralized import StepRecord
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import RunConfig
-from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.optim import lr_at
 
 __all__ = ["TrainerOptions", "SwarmTrainer"]
@@ -73,7 +72,7 @@ logger = logging.getLogger("agora.node.trainer")
 _IDLE_POLL_S = 0.5
 
 
-class SwarmTrainer(Microbatches, WorkerCalls):
+class SwarmTrainer(Microbatches):
     def __init__(self, config: RunConfig, data, discovery: Discovery, options: TrainerOptions, *,
                  log_json: IO[str] | None = None, clock: Callable[[], float] = time.monotonic,
                  on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None,
@@ -86,9 +85,7 @@ class SwarmTrainer(Microbatches, WorkerCalls):
         # `traces`: spans of a sampled share of the microbatches (node/trainer/traces.py); None: off.
         # `receipts`: told of each finished batch's accepted work per worker (node/trainer/receipts.py).
         self.config = config
-        self.channels = channels
         self.traces = traces
-        self.fingerprint = run_fingerprint(config)
         self.data = data
         self.discovery = discovery
         self.options = options
@@ -100,21 +97,22 @@ class SwarmTrainer(Microbatches, WorkerCalls):
         self.on_record = on_record
         # Counters in the process's metrics registry (node/trainer/stats.py), or a private one.
         self.stats = stats if stats is not None else TrainerStats()
-        self._wire_metrics = RpcClientMetrics(self.stats.registry)
         # Each stage's recent reply values, which a reply's must stay near (node/trainer/stage_client.py).
         self.scales = ReplyScales(options.reply_bound_factor, options.reply_bound_warmup)
         self.blame = Blame(self.roster, self.stats, self.scales, self.codec, clock, on_flagged)
-        # The verifier, spot checks and self checks (node/trainer/reply_checks.py).
-        self.checks = ReplyChecks(options, self.codec, self.roster, self.stats, self.blame, clock, self._held_out)
-        self._clients: dict[str, StageClient] = {}
-        self._last_refresh = float("-inf")
-        self._refresh_lock = asyncio.Lock()
-        self._run_started = clock()
-        self._units_done = 0
+        self.clients = StageClients(config, options, self.codec, self.scales, RpcClientMetrics(self.stats.registry),
+                                    channels)
         # Asynchronous mode's completed-batch reports (node/trainer/batch_reports.py).
-        self.batch_reports = CompletedBatchReports(self.roster, self._client, self.stats,
+        self.batch_reports = CompletedBatchReports(self.roster, self.clients.for_worker, self.stats,
                                                    microbatches=config.train.microbatches,
                                                    call_timeout_s=options.call_timeout_s)
+        # Every call to a worker, under its flow control (node/trainer/calls.py).
+        self.calls = WorkerCalls(self.clients, self.roster, discovery, self.stats, self.blame, self.batch_reports,
+                                 options, clock, traces)
+        # The verifier, spot checks and self checks (node/trainer/reply_checks.py).
+        self.checks = ReplyChecks(options, self.codec, self.roster, self.stats, self.blame, clock, self.calls.held_out)
+        self._run_started = clock()
+        self._units_done = 0
         self.units = units
         self.receipts = receipts
         self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
@@ -124,7 +122,6 @@ class SwarmTrainer(Microbatches, WorkerCalls):
         self._in_flight = InFlightLimit(initial_depth(self.max_in_flight, config.train.microbatches,
                                                       adaptive=self.adaptive))
         self.depth = DepthEstimate(self.n_stages)
-        self._returned = asyncio.Event()  # set (and replaced) whenever a call returns: a credit freed
 
     async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:
         """Feed one training microbatch to the depth estimate and resize the in-flight limit."""
@@ -145,7 +142,7 @@ class SwarmTrainer(Microbatches, WorkerCalls):
             if len(workers) != 1:
                 raise MicrobatchFailed(f"synchronous mode needs exactly one worker on stage {stage}, "
                                        f"found {len(workers)}")
-            replies.append(await self._client(workers[0]).step(self.config.train.microbatches, step=step))
+            replies.append(await self.clients.for_worker(workers[0]).step(self.config.train.microbatches, step=step))
         return replies
 
     async def train_unit(self, unit_id: int) -> StepRecord:
@@ -222,7 +219,7 @@ class SwarmTrainer(Microbatches, WorkerCalls):
         """
         source = self.units if self.units is not None else FixedUnits(
             assigned_units(total_steps, self.options.trainer_index, self.options.trainers), total_steps)
-        await self.refresh(force=True)
+        await self.calls.refresh(force=True)
         self._run_started = self.clock()
         cpu_started = time.process_time()
         records = self.records
@@ -326,5 +323,4 @@ class SwarmTrainer(Microbatches, WorkerCalls):
         await self.close()
 
     async def close(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        await self.clients.close()
