@@ -31,15 +31,21 @@ import functools
 import logging
 import secrets
 from collections import Counter
-from typing import AsyncContextManager, Callable
+from typing import AsyncContextManager, Awaitable, Callable
 
 import torch
 
+from agora.node.trainer.blame import Blame
+from agora.node.trainer.calls import WorkerCalls
+from agora.node.trainer.options import TrainerOptions
+from agora.node.trainer.reply_checks import ReplyChecks
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.stage_client import InputRefused, StageCallError
+from agora.node.trainer.stats import TrainerStats
+from agora.node.trainer.traces import MicrobatchTraces
 from agora.node.trainer.verification import Source
 
-__all__ = ["Microbatches", "MicrobatchFailed", "StageDone", "Turn"]
+__all__ = ["Microbatches", "MicrobatchFailed", "StageDone", "Turn", "DepthObserver"]
 
 logger = logging.getLogger("agora.node.trainer")
 
@@ -51,9 +57,20 @@ class MicrobatchFailed(RuntimeError):
 # Called with a stage index once a microbatch's gradient has been accumulated on that stage.
 StageDone = Callable[[int], None]
 Turn = Callable[[int], AsyncContextManager[None]]  # synchronous mode: a stage's turn to accumulate
+# Told of each training microbatch: its wall time, each stage's compute on it, its queueing (all seconds).
+DepthObserver = Callable[[float, list[float], float], Awaitable[None]]
 
 
 class Microbatches:
+    """Runs microbatches through the workers `calls` reaches, every reply held to `checks` (module docstring)."""
+
+    def __init__(self, calls: WorkerCalls, checks: ReplyChecks, blame: Blame, stats: TrainerStats,
+                 options: TrainerOptions, *, n_stages: int, clock: Callable[[], float], observe_depth: DepthObserver,
+                 traces: MicrobatchTraces | None = None):
+        self.calls, self.clients, self.roster = calls, calls.clients, calls.roster
+        self.checks, self.blame, self.stats, self.options = checks, blame, stats, options
+        self.n_stages, self.clock, self._observe_depth, self.traces = n_stages, clock, observe_depth, traces
+
     async def _route_once(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
                           exclude: frozenset[str], evaluate: bool, on_stage_done: StageDone | None,
                           shares: list[Counter] | None, work_key: str = "", turn: Turn | None = None) -> float:
@@ -159,21 +176,21 @@ class Microbatches:
         await self._observe_depth(self.clock() - started, compute, queued)
         return float(result.loss)
 
-    async def run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
-                             evaluate: bool = False, on_stage_done: StageDone | None = None,
-                             shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
-        """`_run_microbatch`, under its trace's root span when it is sampled (`traces`)."""
+    async def run(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
+                  evaluate: bool = False, on_stage_done: StageDone | None = None,
+                  shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
+        """`_run`, under its trace's root span when it is sampled (`traces`)."""
         if self.traces is None:
-            return await self._run_microbatch(key, tokens, targets, evaluate, on_stage_done, shares, turn)
+            return await self._run(key, tokens, targets, evaluate, on_stage_done, shares, turn)
         with self.traces.microbatch(key, evaluate=evaluate) as span:
-            loss = await self._run_microbatch(key, tokens, targets, evaluate, on_stage_done, shares, turn)
+            loss = await self._run(key, tokens, targets, evaluate, on_stage_done, shares, turn)
             if span is not None:
                 span.set_attribute("agora.loss", loss)
             return loss
 
-    async def _run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
-                              evaluate: bool = False, on_stage_done: StageDone | None = None,
-                              shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
+    async def _run(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
+                   evaluate: bool = False, on_stage_done: StageDone | None = None,
+                   shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
         """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts.
         `shares`: the global batch's microbatches per peer, one counter per stage (balanced routing).
         `key` names the work ("u12m3"): the same for every attempt and every trainer that runs this unit,

@@ -72,7 +72,7 @@ logger = logging.getLogger("agora.node.trainer")
 _IDLE_POLL_S = 0.5
 
 
-class SwarmTrainer(Microbatches):
+class SwarmTrainer:
     def __init__(self, config: RunConfig, data, discovery: Discovery, options: TrainerOptions, *,
                  log_json: IO[str] | None = None, clock: Callable[[], float] = time.monotonic,
                  on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None,
@@ -85,9 +85,7 @@ class SwarmTrainer(Microbatches):
         # `traces`: spans of a sampled share of the microbatches (node/trainer/traces.py); None: off.
         # `receipts`: told of each finished batch's accepted work per worker (node/trainer/receipts.py).
         self.config = config
-        self.traces = traces
         self.data = data
-        self.discovery = discovery
         self.options = options
         self.n_stages = len(config.layer_split)
         self.codec = WireCodec(options.wire_dtype)
@@ -122,6 +120,10 @@ class SwarmTrainer(Microbatches):
         self._in_flight = InFlightLimit(initial_depth(self.max_in_flight, config.train.microbatches,
                                                       adaptive=self.adaptive))
         self.depth = DepthEstimate(self.n_stages)
+        # One microbatch's route, checks and reroutes (node/trainer/microbatches.py).
+        self.microbatches = Microbatches(self.calls, self.checks, self.blame, self.stats, options,
+                                         n_stages=self.n_stages, clock=clock, observe_depth=self._observe_depth,
+                                         traces=traces)
 
     async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:
         """Feed one training microbatch to the depth estimate and resize the in-flight limit."""
@@ -173,7 +175,7 @@ class SwarmTrainer(Microbatches):
             async with self._in_flight:
                 started = self.clock()
                 try:
-                    return await self.run_microbatch(
+                    return await self.microbatches.run(
                         f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
                         on_stage_done=None if self.options.synchronous else stage_done(index), shares=shares,
                         turn=None if order is None else functools.partial(order.turn, index=index))
@@ -311,7 +313,7 @@ class SwarmTrainer(Microbatches):
 
         async def one(key: str, micro: torch.Tensor) -> float:
             async with self._in_flight:
-                return await self.run_microbatch(key, micro[:, :-1], micro[:, 1:], evaluate=True)
+                return await self.microbatches.run(key, micro[:, :-1], micro[:, 1:], evaluate=True)
 
         losses = await asyncio.gather(*(one(key, micro) for key, micro in parts))
         return sum(losses) / max(1, len(losses))

@@ -271,7 +271,7 @@ def test_a_unit_run_again_by_another_trainer_is_computed_but_applied_once(data):
             for _ in range(2):  # the trainer that died after its forwards, then the one that reclaimed
                 async with SwarmTrainer(config, data, discovery,
                                         TrainerOptions(run_id="test", synchronous=True, max_in_flight=1)) as trainer:
-                    losses.append(await trainer.run_microbatch("u5m0", micro[:, :-1], micro[:, 1:]))
+                    losses.append(await trainer.microbatches.run("u5m0", micro[:, :-1], micro[:, 1:]))
                     repeats.append(trainer.stats.repeats)
             accumulated = [await w.on_compute(lambda c: c.accumulated_microbatches) for w in workers]
             return losses, repeats, accumulated
