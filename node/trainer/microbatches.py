@@ -71,6 +71,52 @@ class Microbatches:
         self.checks, self.blame, self.stats, self.options = checks, blame, stats, options
         self.n_stages, self.clock, self._observe_depth, self.traces = n_stages, clock, observe_depth, traces
 
+    async def run(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
+                  evaluate: bool = False, on_stage_done: StageDone | None = None,
+                  shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
+        """`_run`, under its trace's root span when it is sampled (`traces`)."""
+        if self.traces is None:
+            return await self._run(key, tokens, targets, evaluate, on_stage_done, shares, turn)
+        with self.traces.microbatch(key, evaluate=evaluate) as span:
+            loss = await self._run(key, tokens, targets, evaluate, on_stage_done, shares, turn)
+            if span is not None:
+                span.set_attribute("agora.loss", loss)
+            return loss
+
+    async def _run(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
+                   evaluate: bool = False, on_stage_done: StageDone | None = None,
+                   shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
+        """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts.
+        `shares`: the global batch's microbatches per peer, one counter per stage (balanced routing).
+        `key` names the work ("u12m3"): the same for every attempt and every trainer that runs this unit,
+        so a worker that applied it once does not apply it again (node/replica/work_ledger.py).
+        `turn(stage)`: synchronous mode's order of accumulation (node/trainer/turns.py)."""
+        exclude: set[str] = set()
+        last_error: Exception | None = None
+        for attempt in range(self.options.max_attempts):
+            # 128 random bits per attempt: unguessable, and never the id of another attempt (a late
+            # reply of an abandoned route cannot be confused with the new one). The worker binds
+            # it to this trainer's identity; the readable prefix is for logs.
+            microbatch_id = f"{key}.a{attempt}.{secrets.token_hex(16)}"
+            try:
+                loss = await self._route_once(microbatch_id, tokens, targets, frozenset(exclude), evaluate,
+                                              on_stage_done, shares, work_key="" if evaluate else key, turn=turn)
+                if not evaluate:
+                    self.stats.microbatch_done()
+                return loss
+            except StageCallError as error:  # a real failure: busy answers were waited out in `_call_stage`
+                last_error = error
+                peer = next((v.peer_id for v in self.roster.workers.values()
+                             if v.endpoint == error.address), error.address)
+                exclude.add(peer)
+                self.stats.rerouted(peer)
+                logger.warning("reroute microbatch %s (attempt %d): %s", key, attempt + 1, error,
+                               extra={"milestone": "reroute",
+                                      "fields": {"microbatch": key, "attempt": attempt + 1,
+                                                 "endpoint": error.address, "code": error.code.name}})
+                await self.calls.refresh(force=True)
+        raise MicrobatchFailed(f"microbatch {key} failed {self.options.max_attempts} times; last: {last_error}")
+
     async def _route_once(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
                           exclude: frozenset[str], evaluate: bool, on_stage_done: StageDone | None,
                           shares: list[Counter] | None, work_key: str = "", turn: Turn | None = None) -> float:
@@ -175,49 +221,3 @@ class Microbatches:
                 on_stage_done(stage)
         await self._observe_depth(self.clock() - started, compute, queued)
         return float(result.loss)
-
-    async def run(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
-                  evaluate: bool = False, on_stage_done: StageDone | None = None,
-                  shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
-        """`_run`, under its trace's root span when it is sampled (`traces`)."""
-        if self.traces is None:
-            return await self._run(key, tokens, targets, evaluate, on_stage_done, shares, turn)
-        with self.traces.microbatch(key, evaluate=evaluate) as span:
-            loss = await self._run(key, tokens, targets, evaluate, on_stage_done, shares, turn)
-            if span is not None:
-                span.set_attribute("agora.loss", loss)
-            return loss
-
-    async def _run(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
-                   evaluate: bool = False, on_stage_done: StageDone | None = None,
-                   shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
-        """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts.
-        `shares`: the global batch's microbatches per peer, one counter per stage (balanced routing).
-        `key` names the work ("u12m3"): the same for every attempt and every trainer that runs this unit,
-        so a worker that applied it once does not apply it again (node/replica/work_ledger.py).
-        `turn(stage)`: synchronous mode's order of accumulation (node/trainer/turns.py)."""
-        exclude: set[str] = set()
-        last_error: Exception | None = None
-        for attempt in range(self.options.max_attempts):
-            # 128 random bits per attempt: unguessable, and never the id of another attempt (a late
-            # reply of an abandoned route cannot be confused with the new one). The worker binds
-            # it to this trainer's identity; the readable prefix is for logs.
-            microbatch_id = f"{key}.a{attempt}.{secrets.token_hex(16)}"
-            try:
-                loss = await self._route_once(microbatch_id, tokens, targets, frozenset(exclude), evaluate,
-                                              on_stage_done, shares, work_key="" if evaluate else key, turn=turn)
-                if not evaluate:
-                    self.stats.microbatch_done()
-                return loss
-            except StageCallError as error:  # a real failure: busy answers were waited out in `_call_stage`
-                last_error = error
-                peer = next((v.peer_id for v in self.roster.workers.values()
-                             if v.endpoint == error.address), error.address)
-                exclude.add(peer)
-                self.stats.rerouted(peer)
-                logger.warning("reroute microbatch %s (attempt %d): %s", key, attempt + 1, error,
-                               extra={"milestone": "reroute",
-                                      "fields": {"microbatch": key, "attempt": attempt + 1,
-                                                 "endpoint": error.address, "code": error.code.name}})
-                await self.calls.refresh(force=True)
-        raise MicrobatchFailed(f"microbatch {key} failed {self.options.max_attempts} times; last: {last_error}")

@@ -125,90 +125,6 @@ class SwarmTrainer:
                                          n_stages=self.n_stages, clock=clock, observe_depth=self._observe_depth,
                                          traces=traces)
 
-    async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:
-        """Feed one training microbatch to the depth estimate and resize the in-flight limit."""
-        self.depth.observe(wall_s, compute, queued_s)
-        credit_cap, stage_credits = self.roster.in_flight_cap(self.n_stages), self.roster.stage_credits(self.n_stages)
-        depth = resized_depth(self.depth, adaptive=self.adaptive, max_in_flight=self.max_in_flight,
-                              credit_cap=credit_cap, stage_credits=stage_credits)
-        if depth is not None and depth != self._in_flight.limit:
-            await self._in_flight.set(depth)
-        self.stats.depth(self._in_flight.limit, credit_cap, stage_credits)
-
-    # ------------------------------------------------------------------ global batches
-
-    async def _step_barrier(self, step: int) -> list:
-        replies = []
-        for stage in range(self.n_stages):
-            workers = self.roster.of_stage(stage)
-            if len(workers) != 1:
-                raise MicrobatchFailed(f"synchronous mode needs exactly one worker on stage {stage}, "
-                                       f"found {len(workers)}")
-            replies.append(await self.clients.for_worker(workers[0]).step(self.config.train.microbatches, step=step))
-        return replies
-
-    async def train_unit(self, unit_id: int) -> StepRecord:
-        unit = self.data.train.unit(unit_id)
-        n_micro = self.config.train.microbatches
-        microbatches = unit.chunk(n_micro)
-        # Asynchronous mode: which microbatches each stage has accumulated. A stage's replicas are
-        # told the batch is done the moment its last microbatch has passed that stage (the tail
-        # first, the head last), not when the whole pipeline is done: waiting for the head would
-        # have the tail and bodies run the next batch's first microbatches on weights a step old.
-        # Every call to a stage first waits for the reports in flight to it (`CompletedBatchReports.reported`), so the
-        # next batch's microbatches meet stepped weights (one in flight: exactly the centralized run).
-        finished: list[set[int]] = [set() for _ in range(self.n_stages)]
-        # Microbatches of this batch per replica, per stage: equally fast replicas get equal shares.
-        shares: list[Counter] = [Counter() for _ in range(self.n_stages)]
-
-        def stage_done(index: int) -> StageDone:
-            def done(stage: int) -> None:
-                if len(finished[stage]) < n_micro:
-                    finished[stage].add(index)  # a rerun's second pass adds nothing
-                    if len(finished[stage]) == n_micro:
-                        self.batch_reports.send(unit_id, stage)
-            return done
-
-        order = AccumulationOrder(self.n_stages) if self.options.synchronous else None
-
-        async def one(index: int, batch: torch.Tensor) -> float:
-            async with self._in_flight:
-                started = self.clock()
-                try:
-                    return await self.microbatches.run(
-                        f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
-                        on_stage_done=None if self.options.synchronous else stage_done(index), shares=shares,
-                        turn=None if order is None else functools.partial(order.turn, index=index))
-                except BaseException:
-                    if order is not None:
-                        await order.abandon()  # the calls waiting for this one's turn give up
-                    raise
-                finally:
-                    self.stats.microbatch_s += self.clock() - started
-
-        losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))
-        for stage, stage_shares in enumerate(shares):
-            self.roster.batch_done(stage, stage_shares)  # who got none of it (routing's probe)
-        if self.receipts is not None:  # only the routes that completed are left in the shares
-            self.receipts.batch_served(shares, unit.shape[0] // n_micro * (unit.shape[1] - 1))
-        grad_norms: list[float] = []
-        if self.options.synchronous:
-            replies = await self._step_barrier(unit_id)
-            grad_norms = [round(r.grad_norm, 6) for r in replies]
-            lr = replies[0].lr
-        else:
-            lr = lr_at(unit_id, self.config.optim)  # each replica stepped on its own share; no norms here
-        elapsed = self.clock() - self._run_started
-        tokens_per_unit = unit.shape[0] * (unit.shape[1] - 1)
-        self._units_done += 1
-        self.stats.batch_done(tokens_per_unit, sum(losses) / len(losses), lr)
-        return StepRecord(
-            step=unit_id + 1, loss=sum(losses) / len(losses), tokens=(unit_id + 1) * tokens_per_unit, lr=lr,
-            grad_norm=grad_norms, elapsed_s=elapsed,
-            tokens_per_s=self._units_done * tokens_per_unit / max(elapsed, 1e-9),
-            extra={"trainer": self.options.trainer_index, "reroutes": self.stats.reroutes},
-        )
-
     async def run(self, total_steps: int) -> list[StepRecord]:
         """Train global batches of a `total_steps` run until every one is committed.
 
@@ -285,23 +201,81 @@ class SwarmTrainer:
         records.sort(key=lambda r: r.step)
         return records
 
+    async def train_unit(self, unit_id: int) -> StepRecord:
+        unit = self.data.train.unit(unit_id)
+        n_micro = self.config.train.microbatches
+        microbatches = unit.chunk(n_micro)
+        # Asynchronous mode: which microbatches each stage has accumulated. A stage's replicas are
+        # told the batch is done the moment its last microbatch has passed that stage (the tail
+        # first, the head last), not when the whole pipeline is done: waiting for the head would
+        # have the tail and bodies run the next batch's first microbatches on weights a step old.
+        # Every call to a stage first waits for the reports in flight to it (`CompletedBatchReports.reported`), so the
+        # next batch's microbatches meet stepped weights (one in flight: exactly the centralized run).
+        finished: list[set[int]] = [set() for _ in range(self.n_stages)]
+        # Microbatches of this batch per replica, per stage: equally fast replicas get equal shares.
+        shares: list[Counter] = [Counter() for _ in range(self.n_stages)]
+
+        def stage_done(index: int) -> StageDone:
+            def done(stage: int) -> None:
+                if len(finished[stage]) < n_micro:
+                    finished[stage].add(index)  # a rerun's second pass adds nothing
+                    if len(finished[stage]) == n_micro:
+                        self.batch_reports.send(unit_id, stage)
+            return done
+
+        order = AccumulationOrder(self.n_stages) if self.options.synchronous else None
+
+        async def one(index: int, batch: torch.Tensor) -> float:
+            async with self._in_flight:
+                started = self.clock()
+                try:
+                    return await self.microbatches.run(
+                        f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
+                        on_stage_done=None if self.options.synchronous else stage_done(index), shares=shares,
+                        turn=None if order is None else functools.partial(order.turn, index=index))
+                except BaseException:
+                    if order is not None:
+                        await order.abandon()  # the calls waiting for this one's turn give up
+                    raise
+                finally:
+                    self.stats.microbatch_s += self.clock() - started
+
+        losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))
+        for stage, stage_shares in enumerate(shares):
+            self.roster.batch_done(stage, stage_shares)  # who got none of it (routing's probe)
+        if self.receipts is not None:  # only the routes that completed are left in the shares
+            self.receipts.batch_served(shares, unit.shape[0] // n_micro * (unit.shape[1] - 1))
+        grad_norms: list[float] = []
+        if self.options.synchronous:
+            replies = await self._step_barrier(unit_id)
+            grad_norms = [round(r.grad_norm, 6) for r in replies]
+            lr = replies[0].lr
+        else:
+            lr = lr_at(unit_id, self.config.optim)  # each replica stepped on its own share; no norms here
+        elapsed = self.clock() - self._run_started
+        tokens_per_unit = unit.shape[0] * (unit.shape[1] - 1)
+        self._units_done += 1
+        self.stats.batch_done(tokens_per_unit, sum(losses) / len(losses), lr)
+        return StepRecord(
+            step=unit_id + 1, loss=sum(losses) / len(losses), tokens=(unit_id + 1) * tokens_per_unit, lr=lr,
+            grad_norm=grad_norms, elapsed_s=elapsed,
+            tokens_per_s=self._units_done * tokens_per_unit / max(elapsed, 1e-9),
+            extra={"trainer": self.options.trainer_index, "reroutes": self.stats.reroutes},
+        )
+
+    async def _step_barrier(self, step: int) -> list:
+        replies = []
+        for stage in range(self.n_stages):
+            workers = self.roster.of_stage(stage)
+            if len(workers) != 1:
+                raise MicrobatchFailed(f"synchronous mode needs exactly one worker on stage {stage}, "
+                                       f"found {len(workers)}")
+            replies.append(await self.clients.for_worker(workers[0]).step(self.config.train.microbatches, step=step))
+        return replies
+
     def _out_of_time(self) -> bool:
         budget = self.options.time_budget_s
         return budget is not None and self.clock() - self._run_started >= budget
-
-    def in_flight_summary(self) -> dict:
-        """The depth: how it was set, its cap, the last and the largest limit, what it was derived from, and
-        the workers' credits for this trainer at the end (in flight, calls per stage)."""
-        estimate = self.depth
-        return {"mode": "adaptive" if self.adaptive else "fixed", "cap": self.max_in_flight,
-                "last": self._in_flight.limit, "max": max(self.stats.depth_max, self._in_flight.limit),
-                "latency_ms": round(1e3 * estimate.latency_s, 2),
-                "stage_compute_ms": [round(1e3 * c, 2) for c in estimate.stage_compute_s],
-                "credit_cap": self.roster.in_flight_cap(self.n_stages),
-                "stage_credits": self.roster.stage_credits(self.n_stages)}
-
-    def verification_summary(self) -> dict:
-        return self.checks.verification_summary()
 
     async def evaluate(self, batches: list[torch.Tensor]) -> float:
         """Mean held-out loss through the swarm (forward only: nothing stashed or accumulated). Its
@@ -317,6 +291,30 @@ class SwarmTrainer:
 
         losses = await asyncio.gather(*(one(key, micro) for key, micro in parts))
         return sum(losses) / max(1, len(losses))
+
+    async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:
+        """Feed one training microbatch to the depth estimate and resize the in-flight limit."""
+        self.depth.observe(wall_s, compute, queued_s)
+        credit_cap, stage_credits = self.roster.in_flight_cap(self.n_stages), self.roster.stage_credits(self.n_stages)
+        depth = resized_depth(self.depth, adaptive=self.adaptive, max_in_flight=self.max_in_flight,
+                              credit_cap=credit_cap, stage_credits=stage_credits)
+        if depth is not None and depth != self._in_flight.limit:
+            await self._in_flight.set(depth)
+        self.stats.depth(self._in_flight.limit, credit_cap, stage_credits)
+
+    def in_flight_summary(self) -> dict:
+        """The depth: how it was set, its cap, the last and the largest limit, what it was derived from, and
+        the workers' credits for this trainer at the end (in flight, calls per stage)."""
+        estimate = self.depth
+        return {"mode": "adaptive" if self.adaptive else "fixed", "cap": self.max_in_flight,
+                "last": self._in_flight.limit, "max": max(self.stats.depth_max, self._in_flight.limit),
+                "latency_ms": round(1e3 * estimate.latency_s, 2),
+                "stage_compute_ms": [round(1e3 * c, 2) for c in estimate.stage_compute_s],
+                "credit_cap": self.roster.in_flight_cap(self.n_stages),
+                "stage_credits": self.roster.stage_credits(self.n_stages)}
+
+    def verification_summary(self) -> dict:
+        return self.checks.verification_summary()
 
     async def __aenter__(self) -> "SwarmTrainer":
         return self
