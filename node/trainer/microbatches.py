@@ -20,7 +20,10 @@ critical path (node/trainer/gradient_checks.py): input gradients by finite diffe
 replay. A sign-flipped, scaled or noisy gradient, or a head's noisy or stale output, keeps every
 statistic.
 
-A sampled microbatch runs under its trace's root span, every attempt under it (node/trainer/traces.py).
+Every call goes through node/trainer/calls.py (credits, busy answers, the completed-batch report
+a replica is owed). A sampled microbatch runs under its trace's root span, every attempt under it
+(node/trainer/traces.py). Each training microbatch's wall time, compute and queueing go to the
+trainer's depth (`observe_depth`, node/trainer/inflight.py), which sizes how many run at once.
 """
 
 from __future__ import annotations

@@ -22,9 +22,16 @@ and its loss trace must equal `train-local`'s, so each stage accumulates the bat
 in index order (node/trainer/turns.py). Asynchronous mode reports each finished global
 batch to every worker it knows (`Step` with `completed_batch`, stage by stage as soon as the
 batch's last microbatch has passed that stage, in the background, best effort: a worker that
-misses one lags a step) and goes on with the next one meanwhile; each replica then steps on its
-own share of the batch, so the replicas of a stage keep one epoch counter and the centralized
-run's learning-rate schedule.
+misses one lags a step; node/trainer/batch_reports.py) and goes on with the next one meanwhile;
+each replica then steps on its own share of the batch, so the replicas of a stage keep one epoch
+counter and the centralized run's learning-rate schedule.
+
+This module is the trainer's assembly and its main loop: `run` keeps a window of global batches
+open, `train_unit` runs one, closes it and records it. Each part it holds lives in a module of
+its own: the calls to workers under their flow control (node/trainer/calls.py), one microbatch's
+route (node/trainer/microbatches.py), the completed-batch reports, the reply checks
+(node/trainer/reply_checks.py), the blame (node/trainer/blame.py) and the depth's rules
+(node/trainer/inflight.py).
 
 The trainer writes the same JSON-lines schema as `train-local` (`StepRecord`).
 """
@@ -41,17 +48,17 @@ from typing import IO, Callable
 import torch
 
 from agora.node.rpc.tls import ChannelFactory
-from agora.node.trainer.discovery import Discovery
-from agora.node.trainer.microbatches import MicrobatchFailed, Microbatches, StageDone
-from agora.node.trainer.inflight import (DepthEstimate, InFlightLimit, adaptive_depth, in_flight_limit, initial_depth,
-                                         resized_depth)
-from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.batch_reports import CompletedBatchReports
 from agora.node.trainer.blame import Blame
 from agora.node.trainer.calls import StageClients, WorkerCalls
+from agora.node.trainer.discovery import Discovery
+from agora.node.trainer.inflight import (DepthEstimate, InFlightLimit, adaptive_depth, in_flight_limit, initial_depth,
+                                         resized_depth)
+from agora.node.trainer.microbatches import MicrobatchFailed, Microbatches, StageDone
+from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.receipts import ReceiptBook
-from agora.node.trainer.routing import Roster
 from agora.node.trainer.reply_checks import ReplyChecks
+from agora.node.trainer.routing import Roster
 from agora.node.trainer.stage_client import ReplyScales
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.traces import MicrobatchTraces
@@ -73,6 +80,8 @@ _IDLE_POLL_S = 0.5
 
 
 class SwarmTrainer:
+    """Trains a run's global batches through the workers `discovery` finds (module docstring)."""
+
     def __init__(self, config: RunConfig, data, discovery: Discovery, options: TrainerOptions, *,
                  log_json: IO[str] | None = None, clock: Callable[[], float] = time.monotonic,
                  on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None,
@@ -109,11 +118,6 @@ class SwarmTrainer:
                                  options, clock, traces)
         # The verifier, spot checks and self checks (node/trainer/reply_checks.py).
         self.checks = ReplyChecks(options, self.codec, self.roster, self.stats, self.blame, clock, self.calls.held_out)
-        self._run_started = clock()
-        self._units_done = 0
-        self.units = units
-        self.receipts = receipts
-        self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
         self.max_in_flight = in_flight_limit(options, config.train.microbatches)
         self.adaptive = adaptive_depth(options)
         # Until the first microbatch is measured: half a global batch (at most the cap).
@@ -124,6 +128,11 @@ class SwarmTrainer:
         self.microbatches = Microbatches(self.calls, self.checks, self.blame, self.stats, options,
                                          n_stages=self.n_stages, clock=clock, observe_depth=self._observe_depth,
                                          traces=traces)
+        self.units = units
+        self.receipts = receipts
+        self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
+        self._run_started = clock()
+        self._units_done = 0
 
     async def run(self, total_steps: int) -> list[StepRecord]:
         """Train global batches of a `total_steps` run until every one is committed.
@@ -209,8 +218,8 @@ class SwarmTrainer:
         # told the batch is done the moment its last microbatch has passed that stage (the tail
         # first, the head last), not when the whole pipeline is done: waiting for the head would
         # have the tail and bodies run the next batch's first microbatches on weights a step old.
-        # Every call to a stage first waits for the reports in flight to it (`CompletedBatchReports.reported`), so the
-        # next batch's microbatches meet stepped weights (one in flight: exactly the centralized run).
+        # Every call to a stage first waits for the reports in flight to it (node/trainer/batch_reports.py),
+        # so the next batch's microbatches meet stepped weights (one in flight: exactly the centralized run).
         finished: list[set[int]] = [set() for _ in range(self.n_stages)]
         # Microbatches of this batch per replica, per stage: equally fast replicas get equal shares.
         shares: list[Counter] = [Counter() for _ in range(self.n_stages)]
@@ -270,7 +279,8 @@ class SwarmTrainer:
             if len(workers) != 1:
                 raise MicrobatchFailed(f"synchronous mode needs exactly one worker on stage {stage}, "
                                        f"found {len(workers)}")
-            replies.append(await self.clients.for_worker(workers[0]).step(self.config.train.microbatches, step=step))
+            client = self.clients.for_worker(workers[0])
+            replies.append(await client.step(self.config.train.microbatches, step=step))
         return replies
 
     def _out_of_time(self) -> bool:

@@ -5,7 +5,8 @@ has room, tells it when a unit is committed (every stage took its completed-batc
 failed here, and ends when the source says every unit of the run is committed.
 
 - `FixedUnits`: a list decided up front (tests without a DHT; a lone trainer that must run
-  exactly units start..N-1 in order, as the synchronous mode's exact restore does).
+  exactly units start..N-1 in order, as the synchronous mode's exact restore does), such as the
+  trainer's static stripe of the run (`assigned_units`).
 - `LeasedUnits` (dht/leases.py underneath): a trainer claims the lowest free unit, preferring
   its own stripe (`unit % trainers == index`) among the next `16 x trainers` so that trainers
   rarely race for the same unit, renews its leases every third of their length while it runs them, and
