@@ -71,7 +71,7 @@ from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import RunConfig
 from agora.pipeline.optim import lr_at
 
-__all__ = ["TrainerOptions", "SwarmTrainer"]
+__all__ = ["SwarmTrainer"]
 
 logger = logging.getLogger("agora.node.trainer")
 

@@ -9,8 +9,9 @@ import pytest
 
 from agora.node.rpc.interceptors import CallHook
 from agora.node.trainer.discovery import StaticDiscovery
+from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import WorkerView
-from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
+from agora.node.trainer.trainer import SwarmTrainer
 from agora.node.trainer.units import assigned_units
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.centralized import CentralizedTrainer
