@@ -32,8 +32,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from agora.node.rpc.server import run
 from agora.node.trainer.discovery import StaticDiscovery
+from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import WorkerView
-from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
+from agora.node.trainer.trainer import SwarmTrainer
 from agora.node.trainer.traces import MicrobatchTraces
 from agora.node.tracing_export import start_tracing, traced_calls
 from agora.node.tracing_options import TracingOptions

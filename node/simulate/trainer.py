@@ -11,7 +11,7 @@ It runs as node/trainer/trainer.py does, calling the same decisions:
   (node/trainer/inflight.py) over a `DepthEstimate` fed its unqueued latency and compute.
 - A stage's replicas are told a global batch is done the moment its last microbatch has passed
   that stage (one round trip; each replica steps, which takes its executor `step_ms`), and a call
-  to a replica first waits for the report sent to it last (the trainer's `_reported`), so the next
+  to a replica first waits for the report sent to it last (node/trainer/batch_reports.py, `reported`), so the next
   batch meets stepped weights. Once every stage has taken its report the unit is committed (one
   DHT store).
 The trainer's own work per microbatch (`cpu_ms`) is paid once per microbatch, before its first call,

@@ -25,11 +25,12 @@ from agora.auth.node_state import NodeCredentials
 from agora.node.observability import MetricsOptions
 from agora.node.rpc.tls import TlsChannels
 from agora.node.tracing_export import start_tracing
+from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.receipts import ReceiptBook, ReceiptSender
 from agora.node.trainer.reports import WorkerReports
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.traces import MicrobatchTraces
-from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
+from agora.node.trainer.trainer import SwarmTrainer
 from agora.pipeline.config import ConfigError, RunConfig
 
 __all__ = ["run_swarm_trainer"]

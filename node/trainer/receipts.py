@@ -3,7 +3,7 @@
 `ReceiptBook` tallies, per worker, the microbatches (and their tokens) of every global batch this
 trainer finished: a microbatch counts for each worker of its completed route, forward and backward
 (the tail's Forward runs both). Routes that failed are no share (the trainer takes them back from
-the batch's shares before the batch finishes, node/trainer/trainer.py), so what is tallied is what
+the batch's shares before the batch finishes, node/trainer/microbatches.py), so what is tallied is what
 passed the reply bounds, the blame of a downstream refusal and the verifier. Every
 `every_batches` finished global batches the interval closes: each worker with work in it gets one
 receipt (auth/receipts.py), signed with this trainer's credential key, except a worker flagged in

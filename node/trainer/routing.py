@@ -309,7 +309,7 @@ class Roster:
 
     def blamed(self, peer_id: str, now: float) -> float:
         """Count a failure against a worker whose call has returned already (its output was refused
-        downstream, node/trainer/trainer.py); returns the ban length, as `failed`."""
+        downstream, node/trainer/blame.py); returns the ban length, as `failed`."""
         view = self.workers.get(peer_id)
         if view is None:
             return 0.0

@@ -28,7 +28,7 @@ class TrainerStats:
         self.metrics = TrainerMetrics(self.registry)
         self.failures_by_peer: dict[str, int] = {}
         # Replies refused for values beyond their stage's bound, and refusals downstream blamed on the
-        # worker whose output they refused (node/trainer/trainer.py), per peer.
+        # worker whose output they refused (node/trainer/blame.py), per peer.
         self.extreme_replies_by_peer: dict[str, int] = {}
         self.blamed_by_peer: dict[str, int] = {}
         # Workers the verifier flagged (node/trainer/verification.py), with the evidence, per peer.

@@ -1,26 +1,9 @@
 """`SwarmTrainer`: pushes microbatches through one worker per stage, over gRPC.
 
 A trainer owns data units and the microbatch schedule, never weights. For each global batch
-(one data unit) it cuts microbatches and runs up to `max_in_flight` of them at once; each
-microbatch goes forward through a route of one worker per stage, chosen by the `Roster`
-(earliest expected finish, equal shares of each batch among equally fast replicas, bans with
-backoff), and backward in reverse pinned to the same workers. Any failure abandons the
-microbatch's route and re-runs it on another (bounded attempts; a new microbatch id per
-attempt, so a late reply of the abandoned route can never be confused with the new one). A
-failure is counted against the worker at fault (node/trainer/blame.py): a reply whose values lie
-far beyond its stage's recent ones is refused before it is relayed, and a worker refusing the
-values the worker before (or after) it produced gets that producer blamed and excluded, not itself.
-Every reply that passes those checks is also held to its stage's other replies by the verifier
-(node/trainer/verification.py) before it is relayed: a worker whose replies drift away from its
-stage's is excluded for the rest of the run, and the reply that showed it fails its route. With
-`spot_check_share` a share of head and body Forwards is also sent, off the critical path, to a
-second replica of the stage, and the two outputs compared (node/trainer/spot_checks.py): that
-catches what statistics cannot (a replayed head reply, content shuffled within the batch, a lie
-from a worker's first reply), at one extra forward per check. With `gradient_check_share` a share of
-each worker's replies is checked against its own held-out answers on the same weights, off the
-critical path (node/trainer/gradient_checks.py): input gradients by finite differences, outputs by
-replay. A sign-flipped, scaled or noisy gradient, or a head's noisy or stale output, keeps every
-statistic.
+(one data unit) it cuts microbatches and runs up to `max_in_flight` of them at once, each
+through a route of one worker per stage, rerouted on failure and every reply checked
+(node/trainer/microbatches.py).
 
 How much is in flight is the asynchronous pipeline's one real trade-off. A microbatch started
 before a worker steps is finished with newer weights: the staleness is about (microbatches in
@@ -33,23 +16,22 @@ half a global batch (its barrier closes every batch anyway). Whatever sets it, t
 within the workers' credits (node/worker/flow.py): what they keep for this trainer between Forward
 and Backward, and the calls they let it have outstanding.
 
-Flow control. A worker's reply says how many calls this trainer may have outstanding there; a call
-to a worker at its credits waits here for one to free (or goes to another replica of the stage), so
-the worker is not asked for more than it holds. A busy answer (RESOURCE_EXHAUSTED, which a trainer
-keeping to its credits meets only when the worker is shared with callers it cannot tell apart) is
-back-pressure: the same call is made again once a credit frees or the worker's pushback has passed,
-on the route built so far, and it is no failed attempt, no ban, no batch given back. Only real
-failures (a dead or wrong worker, a refused request) abandon a route.
-
 Every replica of every stage steps once per global batch. Synchronous mode (one replica per
 stage) closes each global batch with a Step barrier on every stage: this is the centralized run,
 and its loss trace must equal `train-local`'s, so each stage accumulates the batch's microbatches
 in index order (node/trainer/turns.py). Asynchronous mode reports each finished global
 batch to every worker it knows (`Step` with `completed_batch`, stage by stage as soon as the
 batch's last microbatch has passed that stage, in the background, best effort: a worker that
-misses one lags a step) and goes on with the next one meanwhile; each replica then steps on its
-own share of the batch, so the replicas of a stage keep one epoch counter and the centralized
-run's learning-rate schedule.
+misses one lags a step; node/trainer/batch_reports.py) and goes on with the next one meanwhile;
+each replica then steps on its own share of the batch, so the replicas of a stage keep one epoch
+counter and the centralized run's learning-rate schedule.
+
+This module is the trainer's assembly and its main loop: `run` keeps a window of global batches
+open, `train_unit` runs one, closes it and records it. Each part it holds lives in a module of
+its own: the calls to workers under their flow control (node/trainer/calls.py), one microbatch's
+route (node/trainer/microbatches.py), the completed-batch reports, the reply checks
+(node/trainer/reply_checks.py), the blame (node/trainer/blame.py) and the depth's rules
+(node/trainer/inflight.py).
 
 The trainer writes the same JSON-lines schema as `train-local` (`StepRecord`).
 """
@@ -57,75 +39,49 @@ The trainer writes the same JSON-lines schema as `train-local` (`StepRecord`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import secrets
 import time
 from collections import Counter
-from typing import IO, Any, AsyncContextManager, Awaitable, Callable
+from typing import IO, Callable
 
-import grpc
 import torch
 
 from agora.node.rpc.tls import ChannelFactory
+from agora.node.trainer.batch_reports import CompletedBatchReports
+from agora.node.trainer.blame import Blame
+from agora.node.trainer.calls import StageClients, WorkerCalls
 from agora.node.trainer.discovery import Discovery
 from agora.node.trainer.inflight import (DepthEstimate, InFlightLimit, adaptive_depth, in_flight_limit, initial_depth,
                                          resized_depth)
+from agora.node.trainer.microbatches import MicrobatchFailed, Microbatches, StageDone
 from agora.node.trainer.options import TrainerOptions
-from agora.node.trainer.blame import Blame
 from agora.node.trainer.receipts import ReceiptBook
-from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.reply_checks import ReplyChecks
-from agora.node.trainer.stage_client import (
-    InputRefused,
-    OutsideWindow,
-    ReplyScales,
-    RequestRefused,
-    StageCallError,
-    StageClient,
-    WorkerBusy,
-)
+from agora.node.trainer.routing import Roster
+from agora.node.trainer.stage_client import ReplyScales
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.traces import MicrobatchTraces
 from agora.node.trainer.turns import AccumulationOrder
-from agora.node.trainer.units import FixedUnits, UnitSource
-from agora.node.trainer.verification import Evidence, Source
+from agora.node.trainer.units import FixedUnits, UnitSource, assigned_units
+from agora.node.trainer.verification import Evidence
 from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.pipeline.centralized import StepRecord
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import RunConfig
-from agora.pipeline.fingerprint import run_fingerprint
 from agora.pipeline.optim import lr_at
 
-__all__ = ["TrainerOptions", "SwarmTrainer", "MicrobatchFailed", "assigned_units"]
+__all__ = ["SwarmTrainer"]
 
 logger = logging.getLogger("agora.node.trainer")
 
 # How often a trainer with nothing to run looks again for a free unit (others hold the rest).
 _IDLE_POLL_S = 0.5
-# The longest a call waits for a worker's credit before looking at the roster again.
-_CREDIT_POLL_S = 0.5
-
-
-class MicrobatchFailed(RuntimeError):
-    pass
-
-
-
-
-# Called with a stage index once a microbatch's gradient has been accumulated on that stage.
-StageDone = Callable[[int], None]
-Turn = Callable[[int], AsyncContextManager[None]]  # synchronous mode: a stage's turn to accumulate
-
-
-def assigned_units(total_steps: int, trainer_index: int, trainers: int, start: int = 0) -> list[int]:
-    """Static striping of the run's global batches over trainers, from `start` (without a DHT: tests,
-    and the exact restore of a synchronous run)."""
-    return [unit for unit in range(trainer_index, total_steps, trainers) if unit >= start]
 
 
 class SwarmTrainer:
+    """Trains a run's global batches through the workers `discovery` finds (module docstring)."""
+
     def __init__(self, config: RunConfig, data, discovery: Discovery, options: TrainerOptions, *,
                  log_json: IO[str] | None = None, clock: Callable[[], float] = time.monotonic,
                  on_record: Callable[[StepRecord], None] | None = None, channels: ChannelFactory | None = None,
@@ -138,11 +94,7 @@ class SwarmTrainer:
         # `traces`: spans of a sampled share of the microbatches (node/trainer/traces.py); None: off.
         # `receipts`: told of each finished batch's accepted work per worker (node/trainer/receipts.py).
         self.config = config
-        self.channels = channels
-        self.traces = traces
-        self.fingerprint = run_fingerprint(config)
         self.data = data
-        self.discovery = discovery
         self.options = options
         self.n_stages = len(config.layer_split)
         self.codec = WireCodec(options.wire_dtype)
@@ -152,474 +104,35 @@ class SwarmTrainer:
         self.on_record = on_record
         # Counters in the process's metrics registry (node/trainer/stats.py), or a private one.
         self.stats = stats if stats is not None else TrainerStats()
-        self._wire_metrics = RpcClientMetrics(self.stats.registry)
         # Each stage's recent reply values, which a reply's must stay near (node/trainer/stage_client.py).
         self.scales = ReplyScales(options.reply_bound_factor, options.reply_bound_warmup)
         self.blame = Blame(self.roster, self.stats, self.scales, self.codec, clock, on_flagged)
+        self.clients = StageClients(config, options, self.codec, self.scales, RpcClientMetrics(self.stats.registry),
+                                    channels)
+        # Asynchronous mode's completed-batch reports (node/trainer/batch_reports.py).
+        self.batch_reports = CompletedBatchReports(self.roster, self.clients.for_worker, self.stats,
+                                                   microbatches=config.train.microbatches,
+                                                   call_timeout_s=options.call_timeout_s)
+        # Every call to a worker, under its flow control (node/trainer/calls.py).
+        self.calls = WorkerCalls(self.clients, self.roster, discovery, self.stats, self.blame, self.batch_reports,
+                                 options, clock, traces)
         # The verifier, spot checks and self checks (node/trainer/reply_checks.py).
-        self.checks = ReplyChecks(options, self.codec, self.roster, self.stats, self.blame, clock, self._held_out)
-        self._clients: dict[str, StageClient] = {}
-        self._last_refresh = float("-inf")
-        self._refresh_lock = asyncio.Lock()
-        self._run_started = clock()
-        self._units_done = 0
-        self._reports: set[asyncio.Task] = set()  # completed-batch reports still in flight
-        self._unreported: set[str] = set()  # peers that refused a report (they step on their own)
-        # Per stage and replica, the completed-batch report sent last; a call waits for its replica's.
-        self._stage_reports: dict[int, dict[str, asyncio.Task]] = {}
-        self._unit_reports: dict[int, list[asyncio.Task]] = {}  # a unit commits once its reports are in
-        self.units = units
-        self.receipts = receipts
-        self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
+        self.checks = ReplyChecks(options, self.codec, self.roster, self.stats, self.blame, clock, self.calls.held_out)
         self.max_in_flight = in_flight_limit(options, config.train.microbatches)
         self.adaptive = adaptive_depth(options)
         # Until the first microbatch is measured: half a global batch (at most the cap).
         self._in_flight = InFlightLimit(initial_depth(self.max_in_flight, config.train.microbatches,
                                                       adaptive=self.adaptive))
         self.depth = DepthEstimate(self.n_stages)
-        self._returned = asyncio.Event()  # set (and replaced) whenever a call returns: a credit freed
-
-    # ------------------------------------------------------------------ workers
-
-    def _client(self, view: WorkerView) -> StageClient:
-        client = self._clients.get(view.endpoint)
-        if client is None or client.stage != view.stage or client.peer_id != view.peer_id:
-            # The TLS target name is the record's peer id and stage: a new peer at an old address
-            # (or a forged record) gets a new client, whose handshake proves who answers.
-            client = StageClient(view.endpoint, run_id=self.options.run_id, stage=view.stage,
-                                 model=self.config.model, fingerprint=self.fingerprint, peer_id=view.peer_id,
-                                 channels=self.channels, codec=self.codec, timeout_s=self.options.call_timeout_s,
-                                 metrics=self._wire_metrics, scales=self.scales)
-            self._clients[view.endpoint] = client
-        return client
-
-    async def refresh(self, force: bool = False) -> None:
-        async with self._refresh_lock:
-            if not force and self.clock() - self._last_refresh < self.options.roster_refresh_s:
-                return
-            self.roster.refresh(await self.discovery.workers())
-            self._last_refresh = self.clock()
-
-    async def _pick(self, stage: int, exclude: frozenset[str], shares: Counter | None = None) -> tuple[WorkerView, float]:
-        """A worker for `stage` with a credit free, reserved for the call about to be made; with
-        `shares` (this batch's microbatches per peer on the stage), balanced across replicas (see
-        node/trainer/routing.py) and counted there. Also returns the seconds it waited for a credit."""
-        waiting_since = self.clock()
-        notice = waiting_since + self.options.wait_notice_s
-        pause = 0.05
-        credit_wait = 0.0
-        while True:
-            await self.refresh()
-            now = self.clock()
-            view = self.roster.choose(stage, now, exclude, shares)
-            if view is None and exclude and not self.roster.held_back(stage, now, exclude):
-                view = self.roster.choose(stage, now, shares=shares)  # retry a peer rather than stall
-            if view is not None:
-                self.roster.started(view.peer_id)  # no await between the choice and the reservation
-                if shares is not None:
-                    shares[view.peer_id] += 1
-                return view, credit_wait
-            if self.roster.held_back(stage, now):  # workers there, at their credits: wait for one to free
-                await self._credit_freed(self.roster.next_pause_end(stage, now))
-                credit_wait += self.clock() - now
-                continue
-            if self.clock() >= notice:  # a stage emptied by churn: wait for a worker to (re)join
-                notice = self.clock() + self.options.wait_notice_s
-                logger.warning("waiting for a worker of stage %d: none routable for %.0f s (%d known)", stage,
-                               self.clock() - waiting_since, len(self.roster.of_stage(stage)),
-                               extra={"milestone": "waiting_for_workers",
-                                      "fields": {"stage": stage, "seconds": round(self.clock() - waiting_since, 1)}})
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 2.0)
-            await self.refresh(force=True)
-
-    async def _pinned(self, view: WorkerView) -> tuple[WorkerView, float]:
-        """`view` itself (a Backward goes to the worker that ran its forward) once it has a credit free,
-        reserved; and the seconds waited. A worker gone from the roster is called anyway: the call says."""
-        waited = 0.0
-        while True:
-            now = self.clock()
-            current = self.roster.workers.get(view.peer_id)
-            if current is None or current.has_credit(now):
-                self.roster.started(view.peer_id)
-                return view, waited
-            await self._credit_freed(current.paused_until if current.paused_until > now else None)
-            waited += self.clock() - now
-
-    async def _credit_freed(self, until: float | None) -> None:
-        """Until a call of this trainer returns (a credit frees and fresh ones arrive), a paused worker may
-        be called again (`until`, this trainer's clock), or `_CREDIT_POLL_S` at most."""
-        timeout = _CREDIT_POLL_S if until is None else min(_CREDIT_POLL_S, max(0.0, until - self.clock()))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._returned.wait(), timeout)
-
-    def _call_returned(self) -> None:
-        returned, self._returned = self._returned, asyncio.Event()
-        returned.set()
-
-    async def _call_stage(self, stage: int, pick: Callable[[], Awaitable[tuple[WorkerView, float]]],
-                          call: Callable[[WorkerView], Awaitable], *, training: bool,
-                          route: list[WorkerView] | None = None,
-                          unpick: Callable[[WorkerView], None] | None = None) -> tuple[WorkerView, Any, float]:
-        """One call to `stage` under flow control: `pick` a worker with a credit free (it waits for one),
-        wait for the completed-batch report it is owed, call. A busy answer is back-pressure: the call is
-        made again once a credit frees (on that replica or another: `pick` decides; `unpick` takes back
-        what picking counted), and counts as no failure. Only a worker busy for every call of this one
-        for `call_timeout_s` counts as failed (it is stuck, or refuses for good). `route`: the workers
-        this microbatch touched, for its Abort. Returns the worker, the result and the seconds waited
-        for credits."""
-        waited = 0.0
-        busy_since: float | None = None
-        while True:
-            view, credit_wait = await pick()
-            waited += credit_wait
-            self.stats.credit_wait(stage, credit_wait)
-            try:
-                if training:
-                    await self._reported(stage, view.peer_id)
-            except BaseException:
-                self.roster.released(view.peer_id)
-                raise
-            if route is not None:
-                route.append(view)
-            try:
-                return view, await self._timed(view, call(view), training=training), waited
-            except WorkerBusy:
-                if route is not None:
-                    route.pop()  # refused at the door: it holds nothing of this microbatch
-                if unpick is not None:
-                    unpick(view)
-                self.stats.busy_retry()
-                busy_since = self.clock() if busy_since is None else busy_since
-                if self.clock() - busy_since >= self.options.call_timeout_s:
-                    raise
-
-    async def _timed(self, view: WorkerView, call: Awaitable, training: bool = True):
-        """Await a call to `view`, reserved by `_pick`/`_pinned`: record its outcome in the roster (a busy
-        answer as back-pressure, a failure with a ban) and its time split (and on its span, when traced)."""
-        hop = self.traces.hop(view.stage, view.peer_id) if self.traces is not None else None
-        started = self.clock()
-        try:
-            result = await (call if hop is None else hop.around(call))
-        except WorkerBusy as error:
-            self.roster.busy(view.peer_id, self.clock(), error.pushback_s)
-            raise
-        except InputRefused:  # whose fault it is, the route decides (`Blame.refused_input`)
-            self.roster.released(view.peer_id)
-            raise
-        except StageCallError as error:
-            self.blame.failed(view, error)
-            raise
-        except BaseException:
-            self.roster.released(view.peer_id)
-            raise
-        finally:
-            self._call_returned()
-        seconds = self.clock() - started
-        if training:
-            self.stats.calls_s += seconds
-        self.roster.succeeded(view.peer_id, seconds, compute_s=result.compute_s, queued_s=result.queued_s,
-                              credits=result.credits, in_flight_credits=result.in_flight_credits)
-        self.stats.call(view.stage, type(result).__name__.removesuffix("Result"), seconds, result.compute_s,
-                        result.queued_s)
-        if hop is not None:
-            hop.answered(seconds, result, training=training)
-        return result
-
-    def _held_out(self, view: WorkerView, probe_id: str, tokens: torch.Tensor, wire: bytes | memoryview | None,
-                  targets: torch.Tensor | None, full_precision: bool) -> Awaitable:
-        """A held-out Forward to `view` for a check (its credit reserved by the caller), timed as a call."""
-        call = self._client(view).forward(probe_id, tokens, wire, targets, evaluate=True, full_precision=full_precision)
-        return self._timed(view, call, training=False)
-
-    # ------------------------------------------------------------------ one microbatch
-
-    async def _route_once(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
-                          exclude: frozenset[str], evaluate: bool, on_stage_done: StageDone | None,
-                          shares: list[Counter] | None, work_key: str = "", turn: Turn | None = None) -> float:
-        route: list[WorkerView] = []
-        try:
-            return await self._forward_backward(microbatch_id, tokens, targets, exclude, evaluate, route,
-                                                on_stage_done, shares, work_key, turn)
-        except StageCallError:
-            if not evaluate:
-                await self._abort(microbatch_id, route)
-                if shares is not None:  # the route's gradients were taken back: no longer a share
-                    for stage, view in enumerate(route):
-                        shares[stage][view.peer_id] -= 1
-            raise
-
-    async def _abort(self, microbatch_id: str, route: list[WorkerView]) -> None:
-        """Best effort: every worker the abandoned route touched takes its part back."""
-        async def one(view: WorkerView) -> None:
-            try:
-                reply = await self._client(view).abort(microbatch_id, timeout_s=min(5.0, self.options.call_timeout_s))
-                self.stats.aborted(reply.outcome)
-            except StageCallError:
-                self.stats.aborted("unreachable")
-        await asyncio.gather(*(one(view) for view in route))
-
-    async def _forward_backward(self, microbatch_id: str, tokens: torch.Tensor, targets: torch.Tensor,
-                                exclude: frozenset[str], evaluate: bool, route: list[WorkerView],
-                                on_stage_done: StageDone | None = None, shares: list[Counter] | None = None,
-                                work_key: str = "", turn: Turn | None = None) -> float:
-        wire: bytes | None = None
-        result = None
-        started = self.clock()
-        compute = [0.0] * self.n_stages  # each stage's compute on this microbatch, and all its queueing
-        queued = 0.0  # at the workers and here, waiting for their credits
-        upstream: list[Source] = []  # the replies this microbatch's next ones are computed from
-        route_wires: list = []  # each stage's input wire and its Forward's weights version, for self checks
-        for stage in range(self.n_stages):
-            stage_shares = None if shares is None else shares[stage]
-            tail = stage == self.n_stages - 1
-
-            def forward(view: WorkerView, wire=wire, tail=tail):
-                return self._client(view).forward(microbatch_id, tokens, wire, targets if tail else None,
-                                                  evaluate=evaluate, work_key=work_key,
-                                                  round_trip_s=view.round_trip_s or 0.0)
-
-            def unpick(view: WorkerView, stage_shares=stage_shares) -> None:
-                if stage_shares is not None:
-                    stage_shares[view.peer_id] -= 1
-
-            # Synchronous mode: the tail's turn is taken before its credit, so a microbatch waiting for
-            # its turn never holds a credit the one before it needs.
-            try:
-                async with (turn(stage) if tail and turn is not None else contextlib.nullcontext()):
-                    worker, result, waited = await self._call_stage(
-                        stage, functools.partial(self._pick, stage, exclude, stage_shares), forward,
-                        training=not evaluate, route=route, unpick=unpick)
-            except InputRefused as refusal:
-                raise self.blame.refused_input(refusal, route, stage, wire or b"", backward=False) from None
-            request = self.checks.request(wire)  # decoded once for both of the reply's frames
-            self.checks.verify(worker, "output", result.wire_frame, request, "Forward", upstream)
-            self.checks.verify(worker, "input_grad", result.grad_frame, request, "Forward", upstream)
-            if result.repeat:
-                self.stats.repeated(stage)
-            if not evaluate and not tail:
-                self.checks.spot_check(worker, microbatch_id, tokens, wire, result.wire_frame)
-            if not evaluate and (stage == 0 or tail and wire):
-                self.checks.self_check(worker, microbatch_id, tokens, targets if tail else None, wire, result.grad_frame,
-                                 None, result.weights_version, trained=(result.loss if tail else result.wire_frame,
-                                                                        result.weights_version))
-            route_wires.append((wire, result.weights_version))
-            wire = result.wire_frame
-            compute[stage] += result.compute_s
-            queued += result.queued_s + waited
-        if evaluate:
-            return float(result.loss)
-        if on_stage_done is not None:
-            on_stage_done(self.n_stages - 1)  # the tail accumulated its gradient inside Forward
-        grad = result.grad_frame
-        for stage in reversed(range(self.n_stages - 1)):
-            def backward(view: WorkerView, grad=grad):
-                return self._client(view).backward(microbatch_id, grad, round_trip_s=view.round_trip_s or 0.0)
-
-            try:
-                async with (turn(stage) if turn is not None else contextlib.nullcontext()):
-                    worker, back, waited = await self._call_stage(
-                        stage, functools.partial(self._pinned, route[stage]), backward, training=True)
-            except InputRefused as refusal:
-                raise self.blame.refused_input(refusal, route, stage, grad, backward=True) from None
-            self.checks.verify(worker, "input_grad", back.grad_frame, self.checks.request(grad), "Backward", upstream)
-            if back.repeat:
-                self.stats.repeated(stage)
-            if stage > 0:
-                (wire, forward_version), (output, _) = route_wires[stage], route_wires[stage + 1]
-                self.checks.self_check(worker, microbatch_id, tokens, None, wire, back.grad_frame, grad, back.weights_version,
-                                 trained=(output, forward_version))
-            grad = back.grad_frame
-            compute[stage] += back.compute_s
-            queued += back.queued_s + waited
-            if on_stage_done is not None:
-                on_stage_done(stage)
-        await self._observe_depth(self.clock() - started, compute, queued)
-        return float(result.loss)
-
-    async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:
-        """Feed one training microbatch to the depth estimate and resize the in-flight limit."""
-        self.depth.observe(wall_s, compute, queued_s)
-        credit_cap, stage_credits = self.roster.in_flight_cap(self.n_stages), self.roster.stage_credits(self.n_stages)
-        depth = resized_depth(self.depth, adaptive=self.adaptive, max_in_flight=self.max_in_flight,
-                              credit_cap=credit_cap, stage_credits=stage_credits)
-        if depth is not None and depth != self._in_flight.limit:
-            await self._in_flight.set(depth)
-        self.stats.depth(self._in_flight.limit, credit_cap, stage_credits)
-
-    async def _reported(self, stage: int, peer_id: str) -> None:
-        """Wait until the replica about to be called has taken the completed-batch report sent to it last.
-
-        A stage is told a global batch is done the moment its last microbatch has passed it, but a
-        microbatch of the next batch can be on its way there already; without this wait it could
-        reach a replica before the report and run on weights a step old (1 in 10 tail forwards on
-        tiny). The wait is at most one report's round trip, and only in that race; only for the
-        replica called, so a hung replica costs its own traffic and never its stage's.
-        """
-        pending = self._stage_reports.get(stage, {}).get(peer_id)
-        if pending is not None and not pending.done():
-            await pending  # failures are counted inside, never raised
-
-    async def run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
-                             evaluate: bool = False, on_stage_done: StageDone | None = None,
-                             shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
-        """`_run_microbatch`, under its trace's root span when it is sampled (`traces`)."""
-        if self.traces is None:
-            return await self._run_microbatch(key, tokens, targets, evaluate, on_stage_done, shares, turn)
-        with self.traces.microbatch(key, evaluate=evaluate) as span:
-            loss = await self._run_microbatch(key, tokens, targets, evaluate, on_stage_done, shares, turn)
-            if span is not None:
-                span.set_attribute("agora.loss", loss)
-            return loss
-
-    async def _run_microbatch(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
-                              evaluate: bool = False, on_stage_done: StageDone | None = None,
-                              shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
-        """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts.
-        `shares`: the global batch's microbatches per peer, one counter per stage (balanced routing).
-        `key` names the work ("u12m3"): the same for every attempt and every trainer that runs this unit,
-        so a worker that applied it once does not apply it again (node/replica/work_ledger.py).
-        `turn(stage)`: synchronous mode's order of accumulation (node/trainer/turns.py)."""
-        exclude: set[str] = set()
-        last_error: Exception | None = None
-        for attempt in range(self.options.max_attempts):
-            # 128 random bits per attempt: unguessable, and never the id of another attempt (a late
-            # reply of an abandoned route cannot be confused with the new one). The worker binds
-            # it to this trainer's identity; the readable prefix is for logs.
-            microbatch_id = f"{key}.a{attempt}.{secrets.token_hex(16)}"
-            try:
-                loss = await self._route_once(microbatch_id, tokens, targets, frozenset(exclude), evaluate,
-                                              on_stage_done, shares, work_key="" if evaluate else key, turn=turn)
-                if not evaluate:
-                    self.stats.microbatch_done()
-                return loss
-            except StageCallError as error:  # a real failure: busy answers were waited out in `_call_stage`
-                last_error = error
-                peer = next((v.peer_id for v in self.roster.workers.values()
-                             if v.endpoint == error.address), error.address)
-                exclude.add(peer)
-                self.stats.rerouted(peer)
-                logger.warning("reroute microbatch %s (attempt %d): %s", key, attempt + 1, error,
-                               extra={"milestone": "reroute",
-                                      "fields": {"microbatch": key, "attempt": attempt + 1,
-                                                 "endpoint": error.address, "code": error.code.name}})
-                await self.refresh(force=True)
-        raise MicrobatchFailed(f"microbatch {key} failed {self.options.max_attempts} times; last: {last_error}")
-
-    # ------------------------------------------------------------------ global batches
-
-    async def _step_barrier(self, step: int) -> list:
-        replies = []
-        for stage in range(self.n_stages):
-            workers = self.roster.of_stage(stage)
-            if len(workers) != 1:
-                raise MicrobatchFailed(f"synchronous mode needs exactly one worker on stage {stage}, "
-                                       f"found {len(workers)}")
-            replies.append(await self._client(workers[0]).step(self.config.train.microbatches, step=step))
-        return replies
-
-    def _report_batch_done(self, unit_id: int, stage: int) -> None:
-        """Tell every known worker of `stage`, in the background, that global batch `unit_id` is done there.
-
-        The reports are tasks with a short timeout each (`run` waits for the last ones before it
-        returns); a worker that misses one lags its stage by a step.
-        """
-        timeout = min(5.0, self.options.call_timeout_s)
-
-        views = [v for v in self.roster.of_stage(stage) if v.peer_id not in self._unreported]
-        n_micro, replicas = self.config.train.microbatches, self.roster.replicas(stage)
-
-        async def one(view: WorkerView) -> None:
-            try:
-                await self._client(view).batch_done(unit_id, n_micro, replicas, timeout_s=timeout)
-            except OutsideWindow as error:
-                # It lags or runs ahead of its stage: keep telling it, it re-anchors to the stage's count.
-                self.stats.report_refused()
-                logger.debug("completed-batch report %d refused by %s: %s", unit_id, view.endpoint, error)
-            except RequestRefused as error:
-                if error.code == grpc.StatusCode.PERMISSION_DENIED:
-                    # This trainer does not hold the unit as that worker reads the lease queue (it lost
-                    # it, or the worker's read lags): this report is refused, the next ones are sent.
-                    self.stats.report_refused()
-                    logger.debug("completed-batch report %d refused by %s: %s", unit_id, view.endpoint, error)
-                    return
-                # It steps on its own count (join --local-batch) or is synchronous: stop telling it.
-                self._unreported.add(view.peer_id)
-                logger.warning("worker %s refuses completed-batch reports; not sending it more: %s",
-                               view.endpoint, error)
-            except StageCallError as error:
-                # That worker lags one step behind its stage (or is gone); training goes on.
-                self.stats.report_failed()
-                logger.debug("completed-batch report %d to %s failed: %s", unit_id, view.endpoint, error)
-
-        tasks = {view.peer_id: asyncio.create_task(one(view)) for view in views}
-        self._stage_reports[stage] = tasks
-        self._unit_reports.setdefault(unit_id, []).extend(tasks.values())
-        for task in tasks.values():
-            self._reports.add(task)
-            task.add_done_callback(self._reports.discard)
-
-    async def train_unit(self, unit_id: int) -> StepRecord:
-        unit = self.data.train.unit(unit_id)
-        n_micro = self.config.train.microbatches
-        microbatches = unit.chunk(n_micro)
-        # Asynchronous mode: which microbatches each stage has accumulated. A stage's replicas are
-        # told the batch is done the moment its last microbatch has passed that stage (the tail
-        # first, the head last), not when the whole pipeline is done: waiting for the head would
-        # have the tail and bodies run the next batch's first microbatches on weights a step old.
-        # Every call to a stage first waits for the reports in flight to it (`_reported`), so the
-        # next batch's microbatches meet stepped weights (one in flight: exactly the centralized run).
-        finished: list[set[int]] = [set() for _ in range(self.n_stages)]
-        # Microbatches of this batch per replica, per stage: equally fast replicas get equal shares.
-        shares: list[Counter] = [Counter() for _ in range(self.n_stages)]
-
-        def stage_done(index: int) -> StageDone:
-            def done(stage: int) -> None:
-                if len(finished[stage]) < n_micro:
-                    finished[stage].add(index)  # a rerun's second pass adds nothing
-                    if len(finished[stage]) == n_micro:
-                        self._report_batch_done(unit_id, stage)
-            return done
-
-        order = AccumulationOrder(self.n_stages) if self.options.synchronous else None
-
-        async def one(index: int, batch: torch.Tensor) -> float:
-            async with self._in_flight:
-                started = self.clock()
-                try:
-                    return await self.run_microbatch(
-                        f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
-                        on_stage_done=None if self.options.synchronous else stage_done(index), shares=shares,
-                        turn=None if order is None else functools.partial(order.turn, index=index))
-                except BaseException:
-                    if order is not None:
-                        await order.abandon()  # the calls waiting for this one's turn give up
-                    raise
-                finally:
-                    self.stats.microbatch_s += self.clock() - started
-
-        losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))
-        for stage, stage_shares in enumerate(shares):
-            self.roster.batch_done(stage, stage_shares)  # who got none of it (routing's probe)
-        if self.receipts is not None:  # only the routes that completed are left in the shares
-            self.receipts.batch_served(shares, unit.shape[0] // n_micro * (unit.shape[1] - 1))
-        grad_norms: list[float] = []
-        if self.options.synchronous:
-            replies = await self._step_barrier(unit_id)
-            grad_norms = [round(r.grad_norm, 6) for r in replies]
-            lr = replies[0].lr
-        else:
-            lr = lr_at(unit_id, self.config.optim)  # each replica stepped on its own share; no norms here
-        elapsed = self.clock() - self._run_started
-        tokens_per_unit = unit.shape[0] * (unit.shape[1] - 1)
-        self._units_done += 1
-        self.stats.batch_done(tokens_per_unit, sum(losses) / len(losses), lr)
-        return StepRecord(
-            step=unit_id + 1, loss=sum(losses) / len(losses), tokens=(unit_id + 1) * tokens_per_unit, lr=lr,
-            grad_norm=grad_norms, elapsed_s=elapsed,
-            tokens_per_s=self._units_done * tokens_per_unit / max(elapsed, 1e-9),
-            extra={"trainer": self.options.trainer_index, "reroutes": self.stats.reroutes},
-        )
+        # One microbatch's route, checks and reroutes (node/trainer/microbatches.py).
+        self.microbatches = Microbatches(self.calls, self.checks, self.blame, self.stats, options,
+                                         n_stages=self.n_stages, clock=clock, observe_depth=self._observe_depth,
+                                         traces=traces)
+        self.units = units
+        self.receipts = receipts
+        self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
+        self._run_started = clock()
+        self._units_done = 0
 
     async def run(self, total_steps: int) -> list[StepRecord]:
         """Train global batches of a `total_steps` run until every one is committed.
@@ -633,7 +146,7 @@ class SwarmTrainer:
         """
         source = self.units if self.units is not None else FixedUnits(
             assigned_units(total_steps, self.options.trainer_index, self.options.trainers), total_steps)
-        await self.refresh(force=True)
+        await self.calls.refresh(force=True)
         self._run_started = self.clock()
         cpu_started = time.process_time()
         records = self.records
@@ -644,8 +157,7 @@ class SwarmTrainer:
 
         async def one_unit(unit_id: int) -> StepRecord:
             record = await self.train_unit(unit_id)
-            reports = self._unit_reports.pop(unit_id, [])
-            await asyncio.gather(*reports)  # every stage has taken its report (short timeouts each)
+            await self.batch_reports.taken(unit_id)  # short timeouts each
             # Logged before it is committed: a trainer killed in between leaves the line and the
             # unit is run again by another, which is what happened to the weights (run twice).
             records.append(record)
@@ -691,16 +203,114 @@ class SwarmTrainer:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-            await asyncio.gather(*self._reports, return_exceptions=True)  # short timeouts each
+            await self.batch_reports.drain()
             await self.checks.drain()
             await source.close()
             self.stats.cpu_s += time.process_time() - cpu_started
         records.sort(key=lambda r: r.step)
         return records
 
+    async def train_unit(self, unit_id: int) -> StepRecord:
+        unit = self.data.train.unit(unit_id)
+        n_micro = self.config.train.microbatches
+        microbatches = unit.chunk(n_micro)
+        # Asynchronous mode: which microbatches each stage has accumulated. A stage's replicas are
+        # told the batch is done the moment its last microbatch has passed that stage (the tail
+        # first, the head last), not when the whole pipeline is done: waiting for the head would
+        # have the tail and bodies run the next batch's first microbatches on weights a step old.
+        # Every call to a stage first waits for the reports in flight to it (node/trainer/batch_reports.py),
+        # so the next batch's microbatches meet stepped weights (one in flight: exactly the centralized run).
+        finished: list[set[int]] = [set() for _ in range(self.n_stages)]
+        # Microbatches of this batch per replica, per stage: equally fast replicas get equal shares.
+        shares: list[Counter] = [Counter() for _ in range(self.n_stages)]
+
+        def stage_done(index: int) -> StageDone:
+            def done(stage: int) -> None:
+                if len(finished[stage]) < n_micro:
+                    finished[stage].add(index)  # a rerun's second pass adds nothing
+                    if len(finished[stage]) == n_micro:
+                        self.batch_reports.send(unit_id, stage)
+            return done
+
+        order = AccumulationOrder(self.n_stages) if self.options.synchronous else None
+
+        async def one(index: int, batch: torch.Tensor) -> float:
+            async with self._in_flight:
+                started = self.clock()
+                try:
+                    return await self.microbatches.run(
+                        f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
+                        on_stage_done=None if self.options.synchronous else stage_done(index), shares=shares,
+                        turn=None if order is None else functools.partial(order.turn, index=index))
+                except BaseException:
+                    if order is not None:
+                        await order.abandon()  # the calls waiting for this one's turn give up
+                    raise
+                finally:
+                    self.stats.microbatch_s += self.clock() - started
+
+        losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))
+        for stage, stage_shares in enumerate(shares):
+            self.roster.batch_done(stage, stage_shares)  # who got none of it (routing's probe)
+        if self.receipts is not None:  # only the routes that completed are left in the shares
+            self.receipts.batch_served(shares, unit.shape[0] // n_micro * (unit.shape[1] - 1))
+        grad_norms: list[float] = []
+        if self.options.synchronous:
+            replies = await self._step_barrier(unit_id)
+            grad_norms = [round(r.grad_norm, 6) for r in replies]
+            lr = replies[0].lr
+        else:
+            lr = lr_at(unit_id, self.config.optim)  # each replica stepped on its own share; no norms here
+        elapsed = self.clock() - self._run_started
+        tokens_per_unit = unit.shape[0] * (unit.shape[1] - 1)
+        self._units_done += 1
+        self.stats.batch_done(tokens_per_unit, sum(losses) / len(losses), lr)
+        return StepRecord(
+            step=unit_id + 1, loss=sum(losses) / len(losses), tokens=(unit_id + 1) * tokens_per_unit, lr=lr,
+            grad_norm=grad_norms, elapsed_s=elapsed,
+            tokens_per_s=self._units_done * tokens_per_unit / max(elapsed, 1e-9),
+            extra={"trainer": self.options.trainer_index, "reroutes": self.stats.reroutes},
+        )
+
+    async def _step_barrier(self, step: int) -> list:
+        replies = []
+        for stage in range(self.n_stages):
+            workers = self.roster.of_stage(stage)
+            if len(workers) != 1:
+                raise MicrobatchFailed(f"synchronous mode needs exactly one worker on stage {stage}, "
+                                       f"found {len(workers)}")
+            client = self.clients.for_worker(workers[0])
+            replies.append(await client.step(self.config.train.microbatches, step=step))
+        return replies
+
     def _out_of_time(self) -> bool:
         budget = self.options.time_budget_s
         return budget is not None and self.clock() - self._run_started >= budget
+
+    async def evaluate(self, batches: list[torch.Tensor]) -> float:
+        """Mean held-out loss through the swarm (forward only: nothing stashed or accumulated). Its
+        microbatches are pipelined like training's, within the same in-flight limit and credits: one at
+        a time, a batch of hundreds of microbatches would take hundreds of round trips. The losses are
+        summed in microbatch order, so the figure does not depend on which finished first."""
+        parts = [(f"eval{index}.{part}", micro) for index, batch in enumerate(batches)
+                 for part, micro in enumerate(batch.chunk(self.config.train.microbatches))]
+
+        async def one(key: str, micro: torch.Tensor) -> float:
+            async with self._in_flight:
+                return await self.microbatches.run(key, micro[:, :-1], micro[:, 1:], evaluate=True)
+
+        losses = await asyncio.gather(*(one(key, micro) for key, micro in parts))
+        return sum(losses) / max(1, len(losses))
+
+    async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:
+        """Feed one training microbatch to the depth estimate and resize the in-flight limit."""
+        self.depth.observe(wall_s, compute, queued_s)
+        credit_cap, stage_credits = self.roster.in_flight_cap(self.n_stages), self.roster.stage_credits(self.n_stages)
+        depth = resized_depth(self.depth, adaptive=self.adaptive, max_in_flight=self.max_in_flight,
+                              credit_cap=credit_cap, stage_credits=stage_credits)
+        if depth is not None and depth != self._in_flight.limit:
+            await self._in_flight.set(depth)
+        self.stats.depth(self._in_flight.limit, credit_cap, stage_credits)
 
     def in_flight_summary(self) -> dict:
         """The depth: how it was set, its cap, the last and the largest limit, what it was derived from, and
@@ -716,21 +326,6 @@ class SwarmTrainer:
     def verification_summary(self) -> dict:
         return self.checks.verification_summary()
 
-    async def evaluate(self, batches: list[torch.Tensor]) -> float:
-        """Mean held-out loss through the swarm (forward only: nothing stashed or accumulated). Its
-        microbatches are pipelined like training's, within the same in-flight limit and credits: one at
-        a time, a batch of hundreds of microbatches would take hundreds of round trips. The losses are
-        summed in microbatch order, so the figure does not depend on which finished first."""
-        parts = [(f"eval{index}.{part}", micro) for index, batch in enumerate(batches)
-                 for part, micro in enumerate(batch.chunk(self.config.train.microbatches))]
-
-        async def one(key: str, micro: torch.Tensor) -> float:
-            async with self._in_flight:
-                return await self.run_microbatch(key, micro[:, :-1], micro[:, 1:], evaluate=True)
-
-        losses = await asyncio.gather(*(one(key, micro) for key, micro in parts))
-        return sum(losses) / max(1, len(losses))
-
     async def __aenter__(self) -> "SwarmTrainer":
         return self
 
@@ -738,5 +333,4 @@ class SwarmTrainer:
         await self.close()
 
     async def close(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        await self.clients.close()

@@ -5,7 +5,8 @@ has room, tells it when a unit is committed (every stage took its completed-batc
 failed here, and ends when the source says every unit of the run is committed.
 
 - `FixedUnits`: a list decided up front (tests without a DHT; a lone trainer that must run
-  exactly units start..N-1 in order, as the synchronous mode's exact restore does).
+  exactly units start..N-1 in order, as the synchronous mode's exact restore does), such as the
+  trainer's static stripe of the run (`assigned_units`).
 - `LeasedUnits` (dht/leases.py underneath): a trainer claims the lowest free unit, preferring
   its own stripe (`unit % trainers == index`) among the next `16 x trainers` so that trainers
   rarely race for the same unit, renews its leases every third of their length while it runs them, and
@@ -31,7 +32,7 @@ from agora.dht.record_fields import BLOCK_UNITS
 from agora.dht.records import MAX_CLAIMS
 from agora.node.trainer.stats import TrainerStats
 
-__all__ = ["UnitSource", "FixedUnits", "LeasedUnits", "next_candidates"]
+__all__ = ["UnitSource", "FixedUnits", "LeasedUnits", "assigned_units", "next_candidates"]
 
 logger = logging.getLogger("agora.node.trainer")
 
@@ -57,6 +58,12 @@ class UnitSource(Protocol):
     async def failed(self, unit: int) -> None: ...
 
     async def close(self) -> None: ...
+
+
+def assigned_units(total_steps: int, trainer_index: int, trainers: int, start: int = 0) -> list[int]:
+    """Static striping of the run's global batches over trainers, from `start` (without a DHT: tests,
+    and the exact restore of a synchronous run)."""
+    return [unit for unit in range(trainer_index, total_steps, trainers) if unit >= start]
 
 
 class FixedUnits:

@@ -25,8 +25,9 @@ import torch
 
 from agora.node.replica.request_frames import ExtremeInput
 from agora.node.trainer.discovery import StaticDiscovery
+from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import WorkerView
-from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
+from agora.node.trainer.trainer import SwarmTrainer
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import PRESETS

@@ -14,7 +14,8 @@ from agora.node.trainer.discovery import StaticDiscovery
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.stage_client import StageClient, WorkerBusy, pushback_s
 from agora.node.trainer.inflight import depth_cap
-from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
+from agora.node.trainer.options import TrainerOptions
+from agora.node.trainer.trainer import SwarmTrainer
 from agora.node.worker.flow import HEADROOM, MIN_CREDITS, Credits, FlowControl, demand_for, water_fill
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS

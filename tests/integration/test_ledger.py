@@ -30,10 +30,11 @@ from agora.monitor.worker_metrics import WorkerMetrics
 from agora.node.cli import main as agora_node
 from agora.node.rpc.tls import TlsChannels
 from agora.node.trainer.discovery import StaticDiscovery
+from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.receipts import POST_CHUNK, ReceiptBook, ReceiptSender
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.stats import TrainerStats
-from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
+from agora.node.trainer.trainer import SwarmTrainer
 from agora.node.worker.worker import StageWorker
 from agora.pipeline.config import PRESETS
 from agora.pipeline.data import build_data

@@ -43,9 +43,10 @@ from agora.node.rpc.interceptors import CallHook, CallRecord
 from agora.node.rpc.server import run
 from agora.node.rpc.tls import TlsChannels
 from agora.node.trainer.discovery import StaticDiscovery
+from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.stage_client import StageCallError, StageClient
-from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
+from agora.node.trainer.trainer import SwarmTrainer
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS
 from agora.pipeline.data import build_data

@@ -22,8 +22,9 @@ from agora.monitor.metrics import sample_value
 from agora.node.trainer.reports import WorkerReports
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.discovery import StaticDiscovery
+from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import WorkerView
-from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
+from agora.node.trainer.trainer import SwarmTrainer
 from agora.node.trainer.verification import DETECTION_REPLIES
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS

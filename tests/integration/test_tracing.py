@@ -24,9 +24,10 @@ from opentelemetry.trace import SpanKind
 
 from agora.bench.tracing_cost import TraceCollector
 from agora.node.trainer.discovery import StaticDiscovery
+from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.stage_client import RequestRefused, StageClient
-from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
+from agora.node.trainer.trainer import SwarmTrainer
 from agora.node.trainer.traces import MicrobatchTraces
 from agora.node.tracing_export import Tracing, start_tracing, traced_calls
 from agora.node.tracing_options import TracingOptions

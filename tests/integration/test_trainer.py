@@ -9,8 +9,10 @@ import pytest
 
 from agora.node.rpc.interceptors import CallHook
 from agora.node.trainer.discovery import StaticDiscovery
+from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import WorkerView
-from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions, assigned_units
+from agora.node.trainer.trainer import SwarmTrainer
+from agora.node.trainer.units import assigned_units
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.centralized import CentralizedTrainer
 from agora.pipeline.config import PRESETS
@@ -224,7 +226,7 @@ def test_workers_stepping_on_their_own_count_are_told_once_and_then_left_alone(d
 
     records, trainer, steps_taken = asyncio.run(main())
     assert len(records) == 3 and steps_taken == [3, 3]  # a full local batch per global batch
-    assert trainer._unreported == {"s0", "s1"} and trainer.stats.batch_reports_failed == 0
+    assert trainer.batch_reports.unreported == {"s0", "s1"} and trainer.stats.batch_reports_failed == 0
 
 
 def test_a_time_budget_stops_starting_global_batches(data):
@@ -270,7 +272,7 @@ def test_a_unit_run_again_by_another_trainer_is_computed_but_applied_once(data):
             for _ in range(2):  # the trainer that died after its forwards, then the one that reclaimed
                 async with SwarmTrainer(config, data, discovery,
                                         TrainerOptions(run_id="test", synchronous=True, max_in_flight=1)) as trainer:
-                    losses.append(await trainer.run_microbatch("u5m0", micro[:, :-1], micro[:, 1:]))
+                    losses.append(await trainer.microbatches.run("u5m0", micro[:, :-1], micro[:, 1:]))
                     repeats.append(trainer.stats.repeats)
             accumulated = [await w.on_compute(lambda c: c.accumulated_microbatches) for w in workers]
             return losses, repeats, accumulated

@@ -29,9 +29,10 @@ from agora.node.inference.routing import ReplicaView
 from agora.node.rpc.server import run
 from agora.node.trainer.discovery import StaticDiscovery
 from agora.node.trainer.evals import SwarmEvaluator
+from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import WorkerView
 from agora.node.trainer.stats import TrainerStats
-from agora.node.trainer.trainer import SwarmTrainer, TrainerOptions
+from agora.node.trainer.trainer import SwarmTrainer
 from agora.pipeline.config import PRESETS, EvalsConfig
 from agora.pipeline.data import build_data
 from inference_swarm import start_stage_workers

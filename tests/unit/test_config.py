@@ -257,7 +257,7 @@ def test_role_options_come_from_their_sections_and_are_checked_before_anything_s
     from agora.node.cli import build_parser, main
     from agora.node.demo.demo import DemoOptions
     from agora.node.run_flags import options_from_args
-    from agora.node.trainer.trainer import TrainerOptions
+    from agora.node.trainer.options import TrainerOptions
 
     def trainer(*argv):
         return options_from_args(TrainerOptions, build_parser().parse_args(["trainer", *argv]), "trainer", run_id="r")
