@@ -103,7 +103,7 @@ CPU_SMOKE = Settings(
     device="cpu", train_config="tiny", train_stages=3, train_steps=3, demo_config="tiny", demo_stages=2, demo_steps=2,
     demo_insecure=True, body_config="tiny", body_stages=3, body_microbatches=(2,), body_iterations=2,
     body_variants=("eager",),
-    time_boxes={"cuda-tests": 60.0, "train-local": 60.0, "demo": 120.0, "body-stage": 60.0})
+    time_boxes={"cuda-tests": 120.0, "train-local": 120.0, "demo": 180.0, "body-stage": 120.0})  # a loaded CI box
 
 
 def environment(settings: Settings) -> dict:

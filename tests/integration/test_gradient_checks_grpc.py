@@ -2,7 +2,8 @@
 
 A liar flips the sign of the input gradients it returns, at the tail (in its Forward reply) or at
 the body (in its Backward reply), or adds noise at the tail's gradient's own scale: every marginal
-statistic of its replies stays an honest one's, and the verifier alone lets it through. A head
+statistic of its replies stays an honest one's, and the verifier alone lets it through (and may
+name the body it poisoned instead). A head
 adding noise to its output, or replaying its last one, mostly goes through too (the verifier caught
 a noisy head at the last step of one run, so that case is not asserted either way). With self checks
 (node/trainer/gradient_checks.py) the gradients' finite-difference ratios stand at -1 or about 0.5
@@ -51,7 +52,9 @@ def test_a_liar_is_flagged_by_its_own_held_out_answers(attack, position, lie_in_
 @pytest.mark.parametrize("attack, position", [("sign-grad", "tail"), ("noise", "tail")])
 def test_the_verifier_alone_misses_these_lies(attack, position):
     result = _attacked(attack, position, 0.0)
-    assert result["lies"] > 0 and result["caught"] == {}, result
+    # Not the liar; its victim may be: a body trained on the flipped gradients drifts from its replica
+    # until the verifier names it (it did at the last step of one loaded run), as self checks prevent.
+    assert result["lies"] > 0 and result["liar"] not in result["caught"], result
 
 
 def test_an_honest_run_flags_no_one_and_its_checks_stay_near_one():

@@ -22,6 +22,9 @@ def test_a_demo_sends_every_hop_of_its_sampled_microbatches_to_the_collector(tmp
     assert code == 0
     trainer, worker = collector.spans["agora-trainer"], collector.spans["agora-worker"]
     assert trainer["Backward stage 0"] == worker["Backward"] == steps * microbatches
-    # Training and held-out microbatches alike: one root each, every Forward answered by a worker's span.
-    assert trainer["microbatch"] == trainer["Forward stage 0"] == trainer["Forward stage 1"] >= steps * microbatches
+    # Training and held-out microbatches alike: one root each, at least one Forward per stage under it (a
+    # Forward answered busy on a loaded machine is tried again, a span each), every one answered by a
+    # worker's span.
+    assert trainer["microbatch"] >= steps * microbatches
+    assert trainer["Forward stage 0"] >= trainer["microbatch"] and trainer["Forward stage 1"] >= trainer["microbatch"]
     assert worker["Forward"] == trainer["Forward stage 0"] + trainer["Forward stage 1"]
