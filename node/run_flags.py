@@ -92,7 +92,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str, seed_
             names.remove(item.short_flag)
         (machine if item.local else run).add_argument(
             *names, dest=item.path, type=_parser_of(item), default=argparse.SUPPRESS, choices=item.choices,
-            nargs="+" if item.is_tuple else None, metavar=item.path.rpartition(".")[2].upper(), help=_help(item))
+            nargs="+" if item.is_tuple else None, metavar=item.metavar, help=_help(item))
 
 
 def explicit_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -231,7 +231,7 @@ def add_option_flags(parser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
         parser.add_argument(item.short_flag, dest=_option_dest(item), type=_parser_of(item),
                             default=None if item.is_tuple else item.default, choices=item.choices,
                             **({"nargs": "+", "action": "extend"} if item.is_tuple else {}),  # repeatable
-                            metavar=item.path.rpartition(".")[2].upper(), help=help_text)
+                            metavar=item.metavar, help=help_text)
 
 
 def options_from_args(cls: type, args: argparse.Namespace, section: str, **given: Any) -> Any:
