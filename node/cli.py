@@ -13,29 +13,18 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from agora.dht.key_families import MAX_HEARTBEAT_S
 from agora.node.admission import add_admission_arguments
 from agora.node.demo.supervision import PARENT_PID_ENV
 from agora.node.logs import LOG_FORMATS, configure_logging
 from agora.node.observability import MetricsOptions, add_metrics_arguments
 from agora.node.run_flags import (add_config_command, add_option_flags, add_run_arguments, check_runtime_flags,
-                                  explicit_settings, non_negative_int, options_from_args, run_config)
+                                  explicit_settings, options_from_args, run_config)
+from agora.node.swarm_options import SwarmOptions
 from agora.node.trainer.options import TrainLocalOptions
 from agora.pipeline.files import hold_folder
 from agora.pipeline.config import ConfigError
 
 __all__ = ["main", "build_parser"]
-
-
-def _heartbeat(text: str) -> float:
-    """`join --heartbeat`: seconds in (0, MAX_HEARTBEAT_S], refused by the parser in one line."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 < seconds <= MAX_HEARTBEAT_S:
-        raise argparse.ArgumentTypeError(f"must be in (0, {MAX_HEARTBEAT_S:g}] seconds, got {text}")
-    return seconds
 
 
 def _cmd_train_local(args: argparse.Namespace) -> int:
@@ -138,7 +127,8 @@ def _bootstrap_run(args: argparse.Namespace) -> str:
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
-    from agora.node.worker.join import JoinOptions, run_worker
+    from agora.node.worker.join import run_worker
+    from agora.node.worker.join_options import JoinOptions
 
     from agora.node.admission import AdmissionOptions, admit_node, config_chooser, free_port
     from agora.node.inference.commands import serve_only_config_flags
@@ -146,15 +136,18 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
     check_runtime_flags(args)  # a device this machine lacks is refused before admission
     serve_only_config_flags(args)  # --serve-only: the checkpoint is the run config unless --config
+    swarm = options_from_args(SwarmOptions, args, "swarm")
+    options = options_from_args(JoinOptions, args, "join", run_id=swarm.run_id)  # refused before admission
     worker_options = _worker_options(args)
+    metrics = MetricsOptions.from_args(args)
     if worker_options.port == 0:  # the authorizer's dial-back and then the gRPC server take this port
         worker_options = replace(worker_options, port=free_port(worker_options.host))
     announce = (announced_host(worker_options.host, worker_options.announce_host), worker_options.port)
-    admission = admit_node(AdmissionOptions.from_args(args), role="worker", run_id=args.run_id, stage=args.stage,
-                           config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers),
+    admission = admit_node(AdmissionOptions.from_args(args), role="worker", run_id=swarm.run_id, stage=options.stage,
+                           config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers,
                            announce=announce, listen_host=worker_options.host,
                            device=explicit_settings(args).get("runtime.device"))
-    if not (args.serve_only or args.no_memory_check):  # before the DHT peer and the stage exist
+    if options.memory_check and not worker_options.serve_only:  # before the DHT peer and the stage exist
         from agora.node.plan import check_stage_fits, worker_memory_options
         from agora.pipeline.runtime import Runtime
 
@@ -163,23 +156,16 @@ def _cmd_join(args: argparse.Namespace) -> int:
                                                pinned_versions=worker_options.pinned_weights,
                                                in_flight=worker_options.stash_capacity,
                                                inference=worker_options.inference))
-    checkpoint_dir = args.checkpoint_dir
     held = None
-    if checkpoint_dir is not None:  # (the default one lies in the --state-dir, held by the admission)
-        held = hold_folder(checkpoint_dir, "--checkpoint-dir")
+    if options.checkpoint_dir is not None:  # (the default one lies in the --state-dir, held by the admission)
+        held = hold_folder(options.checkpoint_dir, "--checkpoint-dir")
     elif admission.credentials is not None:  # on by default beside the credential
-        checkpoint_dir = str(Path(admission.credentials.directory) / "checkpoints")
-    every = admission.config.train.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every
-    options = JoinOptions(stage=admission.stage, run_id=admission.run_id, initial_peers=admission.initial_peers,
-                          dht_host=args.dht_host, dht_port=args.dht_port, heartbeat_s=args.heartbeat,
-                          ready_file=args.ready_file, checkpoint_dir=checkpoint_dir, checkpoint_every=every,
-                          resume_step=args.resume_step,
-                          stats_file=args.stats_file, authorizer=admission.authorizer,
-                          serve_checkpoint=args.checkpoint if args.serve_only else None,
-                          metrics=MetricsOptions.from_args(args), sync_phases=not args.no_sync_phases,
-                          rebalance=not args.no_rebalance)
+        options = replace(options, checkpoint_dir=str(Path(admission.credentials.directory) / "checkpoints"))
+    options = replace(options, stage=admission.stage, run_id=admission.run_id, initial_peers=admission.initial_peers,
+                      authorizer=admission.authorizer, serve_checkpoint=args.checkpoint if args.serve_only else None)
     try:
-        ended = run_worker(admission.config, options, worker_options, credentials=admission.credentials)
+        ended = run_worker(admission.config, options, worker_options, credentials=admission.credentials,
+                           metrics=metrics)
     finally:
         del held  # the folders stay held until here (and the kernel frees them if this process dies)
     if ended.move_to is not None:  # rebalancing: the same worker (key, flags) joins the other stage
@@ -209,9 +195,10 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
 
     metrics = MetricsOptions.from_args(args)
     check_runtime_flags(args)
-    options = options_from_args(TrainerOptions, args, "trainer", run_id=args.run_id)  # refused before admission
-    admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=args.run_id, stage=None,
-                           config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers))
+    swarm = options_from_args(SwarmOptions, args, "swarm")
+    options = options_from_args(TrainerOptions, args, "trainer", run_id=swarm.run_id)  # refused before admission
+    admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=swarm.run_id, stage=None,
+                           config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
     options = replace(options, run_id=admission.run_id)
     log_json = open(args.log_json, "a" if args.start_step else "w") if args.log_json else None
     try:
@@ -236,27 +223,20 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
     from agora.dht.security import DHTSecurity
     from agora.dht.swarm import DHTRequestError, SwarmDHT
     from agora.monitor.metrics import CredentialMetrics
-    from agora.monitor.service import MonitorOptions, parse_target, parse_trainer_host, run_monitor
+    from agora.monitor.options import MonitorOptions
+    from agora.monitor.service import run_monitor
     from agora.node.admission import AdmissionOptions, admit_node, config_chooser
     from agora.node.observability import NodeMetrics, package_version
 
-    try:
-        targets = tuple(parse_target(text) for text in args.target)
-        trainer_hosts = tuple(parse_trainer_host(text) for text in args.trainer_host)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    if not args.poll > 0:
-        raise ConfigError(f"--poll: must be positive, got {args.poll}")
-    admission = admit_node(AdmissionOptions.from_args(args), role="monitor", run_id=args.run_id, stage=None,
-                           config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers))
+    swarm_options = options_from_args(SwarmOptions, args, "swarm")
+    options = options_from_args(MonitorOptions, args, "monitor")  # refused before admission
+    admission = admit_node(AdmissionOptions.from_args(args), role="monitor", run_id=swarm_options.run_id, stage=None,
+                           config_for=config_chooser(args, run_config), initial_peers=swarm_options.initial_peers)
     credentials = admission.credentials
     if not admission.initial_peers:
         print("agora-node monitor: WARNING: no --initial-peers (and none from an authorizer): this starts a new, "
               "empty swarm to watch", file=sys.stderr)
-    options = MonitorOptions(run_id=admission.run_id, n_stages=len(admission.config.layer_split), host=args.host,
-                             port=args.port, poll_s=args.poll, static_targets=targets, ready_file=args.ready_file,
-                             trainer_hosts=trainer_hosts, ledger=args.ledger)
-    if args.ledger is not None and credentials is None:
+    if options.ledger is not None and credentials is None:
         raise ConfigError("--ledger: receipts are verified against the run's root certificate; a monitor without a "
                           "credential (--insecure) has none")
     security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
@@ -278,11 +258,12 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
               f"service discovery {url}sd", flush=True)
 
     try:
-        return run_monitor(swarm, options, metrics.registry, on_serving=serving, companions=companions,
+        return run_monitor(swarm, options, metrics.registry, run_id=admission.run_id,
+                           n_stages=len(admission.config.layer_split), on_serving=serving, companions=companions,
                            root_pem=credentials.root_pem() if credentials is not None else None)
     except OSError as error:
-        raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror or error})") \
-            from None
+        raise ConfigError(f"--host/--port: cannot listen on {options.host}:{options.port} "
+                          f"({error.strerror or error})") from None
     finally:
         with contextlib.suppress(Exception):
             swarm.shutdown()
@@ -305,9 +286,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
-    parser.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
-                        help="DHT multiaddrs to join through (printed by `agora-node bootstrap`)")
+    add_option_flags(parser.add_argument_group("swarm", "the run and the peers to join it through"), SwarmOptions)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -356,36 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
                                epilog=exit_codes_help())
     add_run_arguments(join, steps_help="planned run length in global batches (sets the lr schedule)", computes=True)
     _add_swarm_arguments(join)
+    from agora.node.worker.join_options import JoinOptions
     from agora.node.worker.options import WorkerOptions
 
     add_option_flags(join.add_argument_group("worker", "how this worker serves (its bounds, the weights it keeps, "
                                                        "inference sessions)"), WorkerOptions)
-    join.add_argument("--stage", type=int, default=None,
-                      help="pipeline stage index to host (default: the authorizer assigns the stage least covered "
-                           "by announced throughput; required with --insecure)")
-    join.add_argument("--dht-host", default="127.0.0.1", help="address the DHT peer listens on")
-    join.add_argument("--dht-port", type=int, default=0, help="DHT port (0: pick a free one)")
-    join.add_argument("--heartbeat", type=_heartbeat, default=5.0,
-                      help=f"seconds between DHT announces (at most {MAX_HEARTBEAT_S:g}: peers refuse announces meant "
-                           "to outlive a few of the longest beats)")
-    join.add_argument("--no-memory-check", action="store_true",
-                      help="start even when the memory plan (agora-node plan) says the stage does not fit")
-    join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
-    join.add_argument("--checkpoint-dir", default=None,
-                      help="resume from and checkpoint into this folder (default: checkpoints/ in --state-dir; "
-                           "none under --insecure)")
-    join.add_argument("--checkpoint-every", type=non_negative_int, default=None, metavar="STEPS",
-                      help="optimizer steps between checkpoints (default: the config's train.checkpoint_every; "
-                           "0: only when leaving)")
-    join.add_argument("--resume-step", type=non_negative_int, default=None, metavar="STEP",
-                      help="resume from this step's checkpoint in --checkpoint-dir (default: the newest complete one)")
-    join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
-    join.add_argument("--no-rebalance", action="store_true",
-                      help="stay on this stage even when it is over-covered (by announced throughput) and another is "
-                           "short of replicas (default: move there, through weight sync)")
-    join.add_argument("--no-sync-phases", action="store_true",
-                      help="join as a member at once, without downloading the stage's state (only when this "
-                           "replica's state is known to be the stage's)")
+    add_option_flags(join.add_argument_group("join", "the daemon around it: its DHT peer, checkpoints, the files it "
+                                                     "writes, the sync phases and rebalancing"), JoinOptions)
     from agora.node.inference.commands import add_client_commands, add_serving_arguments
 
     add_serving_arguments(join)
@@ -415,26 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
                                               "service discovery of every node's metrics endpoint) and /metrics "
                                               "(swarm-level gauges).")
     add_run_arguments(monitor, steps_help="planned run length (only for the run fingerprint at admission)")
-    monitor.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
-    monitor.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
-                         help="DHT multiaddrs to join through (printed by `agora-node bootstrap`)")
-    monitor.add_argument("--host", default="127.0.0.1", help="address the HTTP port listens on")
-    monitor.add_argument("--port", type=int, default=9400, help="HTTP port (default 9400; 0: pick a free one)")
-    monitor.add_argument("--poll", type=float, default=2.0, metavar="S", help="seconds between reads of the DHT")
-    monitor.add_argument("--target", action="append", default=[], metavar="ROLE=HOST:PORT",
-                         help="a metrics endpoint the DHT does not announce (the authorizer's, the bootstrap's), "
-                              "listed in /sd with role=ROLE; repeatable. Trainers announcing a metrics endpoint on "
-                              "the host of a --target are listed too")
-    monitor.add_argument("--trainer-host", action="append", default=[], metavar="HOST",
-                         help="a host whose trainers' announced metrics endpoints /sd lists (a trainer has no "
-                              "gRPC endpoint to vouch for its host, so by default only those on a --target's host "
-                              "are); repeatable. Workers are listed on the host of their gRPC endpoint only")
-    monitor.add_argument("--ready-file", default=None, help="write the status page's URL here once serving")
-    monitor.add_argument("--ledger", default=None, metavar="FILE",
-                         help="keep the run's ledger of verified work in this sqlite file: trainers started with "
-                              "--ledger-url post their signed receipts here, /api/contributors sums them, "
-                              "/api/ledger exports them (needs a monitor credential: receipts are verified against "
-                              "the run's root)")
+    _add_swarm_arguments(monitor)
+    from agora.monitor.options import MonitorOptions
+
+    add_option_flags(monitor.add_argument_group("monitor", "what it serves, and how often it reads the swarm"),
+                     MonitorOptions)
     add_admission_arguments(monitor)
     monitor.set_defaults(handler=_cmd_monitor)
 
