@@ -32,13 +32,13 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
     from agora.pipeline.centralized import CentralizedTrainer
     from agora.pipeline.data import build_data
 
-    config = run_config(args)
     options = options_from_args(TrainLocalOptions, args, "train_local")
+    config = run_config(args)
     held = None
-    if args.checkpoint_dir:  # one writer per checkpoint folder, as for a worker's
-        held = hold_folder(args.checkpoint_dir, "--checkpoint-dir")
+    if options.checkpoint_dir:  # one writer per checkpoint folder, as for a worker's
+        held = hold_folder(options.checkpoint_dir, "--checkpoint-dir")
     data = build_data(config)
-    log_json = open(args.log_json, "a" if args.resume else "w") if args.log_json else None
+    log_json = open(options.log_json, "a" if options.resume else "w") if options.log_json else None
     bar = Progress(args.steps, "train-local")
 
     def progress(record, total: int) -> None:
@@ -47,13 +47,10 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
                                 f"{record.tokens_per_s:,.0f} tok/s", force=record.step >= total)
 
     try:
-        trainer = CentralizedTrainer(config, data, wire_dtype=options.wire_dtype, checkpoint_dir=args.checkpoint_dir,
-                                     log_json=log_json, progress=progress)
-        if args.resume:
-            if not args.checkpoint_dir:
-                raise ConfigError("--resume needs --checkpoint-dir")
-            if trainer.resume():
-                logging.info("resumed from step %d", trainer.step)
+        trainer = CentralizedTrainer(config, data, wire_dtype=options.wire_dtype,
+                                     checkpoint_dir=options.checkpoint_dir, log_json=log_json, progress=progress)
+        if options.resume and trainer.resume():
+            logging.info("resumed from step %d", trainer.step)
         records = trainer.run(args.steps)
         final = trainer.evaluate()
     finally:
@@ -200,18 +197,18 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
     admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=swarm.run_id, stage=None,
                            config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
     options = replace(options, run_id=admission.run_id)
-    log_json = open(args.log_json, "a" if args.start_step else "w") if args.log_json else None
+    log_json = open(options.log_json, "a" if options.start_step else "w") if options.log_json else None
     try:
         summary = run_swarm_trainer(admission.config, options, initial_peers=admission.initial_peers,
-                                    steps=args.steps, log_json=log_json, evaluate=not args.no_eval,
+                                    steps=args.steps, log_json=log_json, evaluate=options.evaluate,
                                     credentials=admission.credentials, authorizer=admission.authorizer,
                                     metrics=metrics)
     finally:
         if log_json is not None:
             log_json.close()
     text = json.dumps(summary)
-    if args.summary_json:
-        Path(args.summary_json).write_text(text + "\n")
+    if options.summary_json:
+        Path(options.summary_json).write_text(text + "\n")
     print(text)
     return 0
 
@@ -303,10 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Train the model centrally through the same stages and wire codec "
                                             "the swarm uses; the reference the swarm is compared with.")
     add_run_arguments(train, steps_help="optimizer steps (global batches) in total", computes=True)
-    add_option_flags(train.add_argument_group("train-local", "how the reference run computes"), TrainLocalOptions)
-    train.add_argument("--log-json", default=None, help="write one JSON object per step to this file")
-    train.add_argument("--checkpoint-dir", default=None, help="write atomic checkpoints here")
-    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    add_option_flags(train.add_argument_group("train-local", "how the reference run computes, and its files"),
+                     TrainLocalOptions)
     train.set_defaults(handler=_cmd_train_local)
 
     export = commands.add_parser("export-hf", help="write a transformers checkpoint (config.json + safetensors + "
@@ -358,9 +353,6 @@ def build_parser() -> argparse.ArgumentParser:
     from agora.node.trainer.options import TrainerOptions
 
     add_option_flags(trainer.add_argument_group("trainer", "how this trainer runs"), TrainerOptions)
-    trainer.add_argument("--log-json", default=None, help="write one JSON object per global batch here")
-    trainer.add_argument("--summary-json", default=None, help="write the final summary here")
-    trainer.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
     add_admission_arguments(trainer)
     add_metrics_arguments(trainer)
     trainer.set_defaults(handler=_cmd_trainer)

@@ -16,6 +16,7 @@ from agora.monitor.swarm_view import StaticTarget
 from agora.node.cli import build_parser, main
 from agora.node.run_flags import options_from_args
 from agora.node.swarm_options import SwarmOptions
+from agora.node.trainer.options import TrainerOptions
 from agora.node.worker.join_options import JoinOptions
 from agora.pipeline.schema import leaves
 
@@ -105,3 +106,10 @@ def test_the_option_modules_import_neither_torch_nor_hivemind():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_trainers_files_and_evaluation_are_fields_of_its_section():
+    assert options_from_args(TrainerOptions, parsed("trainer"), "trainer", run_id="r") == TrainerOptions(run_id="r")
+    given = options_from_args(TrainerOptions, parsed("trainer", "--log-json", "t.jsonl", "--summary-json", "s.json",
+                                                     "--no-eval"), "trainer", run_id="r")
+    assert (given.log_json, given.summary_json, given.evaluate) == ("t.jsonl", "s.json", False)
