@@ -19,7 +19,7 @@ from agora.node.logs import LOG_FORMATS, configure_logging
 from agora.node.observability import MetricsOptions, add_metrics_arguments
 from agora.node.run_flags import (add_config_command, add_option_flags, add_run_arguments, check_runtime_flags,
                                   explicit_settings, options_from_args, run_config)
-from agora.node.swarm_options import SwarmOptions
+from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.node.trainer.options import TrainLocalOptions
 from agora.pipeline.files import hold_folder
 from agora.pipeline.config import ConfigError
@@ -282,10 +282,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(DemoOptions.from_args(args))
 
 
-def _add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
-    add_option_flags(parser.add_argument_group("swarm", "the run and the peers to join it through"), SwarmOptions)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agora-node", description="Agora node: peer-to-peer pipeline-parallel training of subspace-compressed transformers.")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
@@ -329,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "checkpoint), and so does its watchdog when a rule trips.",
                                epilog=exit_codes_help())
     add_run_arguments(join, steps_help="planned run length in global batches (sets the lr schedule)", computes=True)
-    _add_swarm_arguments(join)
+    add_swarm_flags(join)
     from agora.node.worker.join_options import JoinOptions
     from agora.node.worker.options import WorkerOptions
 
@@ -349,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "reroute on failure; logs the train-local JSON schema.")
     # A trainer holds no weights: its --device/--dtype are checked, and its tensors stay on the host.
     add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)", computes=True)
-    _add_swarm_arguments(trainer)
+    add_swarm_flags(trainer)
     from agora.node.trainer.options import TrainerOptions
 
     add_option_flags(trainer.add_argument_group("trainer", "how this trainer runs"), TrainerOptions)
@@ -363,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "service discovery of every node's metrics endpoint) and /metrics "
                                               "(swarm-level gauges).")
     add_run_arguments(monitor, steps_help="planned run length (only for the run fingerprint at admission)")
-    _add_swarm_arguments(monitor)
+    add_swarm_flags(monitor)
     from agora.monitor.options import MonitorOptions
 
     add_option_flags(monitor.add_argument_group("monitor", "what it serves, and how often it reads the swarm"),

@@ -154,6 +154,7 @@ def add_export_command(commands) -> None:
     """Mount `agora-node export`."""
     from agora.node.admission import add_admission_arguments
     from agora.node.run_flags import add_run_arguments
+    from agora.node.swarm_options import add_swarm_flags
 
     export = commands.add_parser(
         "export", help="the whole model from the swarm, as a checkpoint and a transformers export (operator)",
@@ -162,9 +163,7 @@ def add_export_command(commands) -> None:
                     "included) and DIR/hf (`AutoModelForCausalLM.from_pretrained(DIR/hf)` loads it).")
     add_run_arguments(export, steps_help="planned run length (only for the run fingerprint)")
     export.add_argument("--out", required=True, metavar="DIR", help="where DIR/checkpoint and DIR/hf are written")
-    export.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
-    export.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
-                        help="DHT multiaddrs to join through (default: those the operator credential names)")
+    add_swarm_flags(export)
     export.add_argument("--timeout", type=float, default=480.0, metavar="S",
                         help="each stage's download, over every donor tried (default 480)")
     add_admission_arguments(export)
@@ -173,12 +172,14 @@ def add_export_command(commands) -> None:
 
 def cmd_export(args) -> int:
     from agora.node.admission import AdmissionOptions, admit_node, config_chooser
-    from agora.node.run_flags import run_config
+    from agora.node.run_flags import options_from_args, run_config
+    from agora.node.swarm_options import SwarmOptions
 
     if not args.timeout > 0:
         raise ConfigError(f"--timeout: must be positive, got {args.timeout}")
-    admission = admit_node(AdmissionOptions.from_args(args), role="operator", run_id=args.run_id, stage=None,
-                           config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers))
+    swarm = options_from_args(SwarmOptions, args, "swarm")
+    admission = admit_node(AdmissionOptions.from_args(args), role="operator", run_id=swarm.run_id, stage=None,
+                           config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
     if not admission.initial_peers:
         raise ConfigError("--initial-peers: the swarm's DHT peers are needed (the operator credential names none)")
     options = ExportOptions(out=args.out, run_id=admission.run_id, initial_peers=admission.initial_peers,

@@ -12,9 +12,10 @@ from __future__ import annotations
 from pydantic import StrictStr
 from pydantic.dataclasses import dataclass
 
+from agora.node.run_flags import add_option_flags
 from agora.pipeline.schema import SECTION, setting
 
-__all__ = ["SwarmOptions"]
+__all__ = ["SwarmOptions", "add_swarm_flags"]
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -24,3 +25,8 @@ class SwarmOptions:
     initial_peers: tuple[StrictStr, ...] = setting(
         (), "DHT multiaddrs to join through, printed by `agora-node bootstrap`; repeatable (default: those the "
         "authorizer hands out, else none: a new swarm)", flag="--initial-peers", metavar="MADDR")
+
+
+def add_swarm_flags(parser) -> None:
+    """`--run-id` and `--initial-peers`, in a group of their own in `--help`."""
+    add_option_flags(parser.add_argument_group("swarm", "the run and the peers to join it through"), SwarmOptions)

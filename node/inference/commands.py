@@ -25,6 +25,7 @@ from agora.node.admission import AdmissionOptions, add_admission_arguments, admi
 from agora.node.inference.options import ServeOptions
 from agora.node.rpc.server import is_loopback_host
 from agora.node.run_flags import add_option_flags, add_run_arguments, options_from_args, run_config
+from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.pipeline.config import ConfigError
 
 __all__ = ["add_serving_arguments", "add_client_commands", "run_client"]
@@ -64,9 +65,7 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
                       seed_flag="--run-seed")
     parser.add_argument("--checkpoint", default=None, metavar="C",
                         help="the checkpoint the workers serve: its run config (same as --config C)")
-    parser.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
-    parser.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
-                        help="DHT multiaddrs to join through (printed by `agora-node bootstrap`)")
+    add_swarm_flags(parser)
     parser.add_argument("--call-timeout", type=float, default=30.0, metavar="S", help="deadline of one call")
     add_admission_arguments(parser)
 
@@ -107,8 +106,9 @@ def _client_config(args: argparse.Namespace):
         if args.config is not None:
             raise ConfigError("--checkpoint and --config both name the run config: give one")
         args.config = args.checkpoint
-    return admit_node(AdmissionOptions.from_args(args), role="client", run_id=args.run_id, stage=None,
-                      config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers))
+    swarm = options_from_args(SwarmOptions, args, "swarm")
+    return admit_node(AdmissionOptions.from_args(args), role="client", run_id=swarm.run_id, stage=None,
+                      config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
 
 
 def run_client(admission, call_timeout_s: float, main: Callable[..., Awaitable[T]]) -> T:

@@ -51,10 +51,11 @@ def test_join_keeps_its_flag_names_and_defaults():
 
 
 def test_the_run_and_its_peers_are_one_declaration_for_every_swarm_peer():
-    for command in ("join", "trainer", "monitor"):
-        args = parsed(command, "--run-id", "r1", "--initial-peers", "/ip4/1.2.3.4/tcp/1", "--initial-peers", "/x")
+    for command in (["join"], ["trainer"], ["monitor"], ["export", "--out", "d"], ["generate", "--prompt", "p"],
+                    ["serve"]):
+        args = parsed(*command, "--run-id", "r1", "--initial-peers", "/ip4/1.2.3.4/tcp/1", "--initial-peers", "/x")
         assert options_from_args(SwarmOptions, args, "swarm") == SwarmOptions("r1", ("/ip4/1.2.3.4/tcp/1", "/x"))
-        assert options_from_args(SwarmOptions, parsed(command), "swarm") == SwarmOptions("agora", ())
+        assert options_from_args(SwarmOptions, parsed(*command), "swarm") == SwarmOptions("agora", ())
 
 
 def test_join_refuses_a_bad_value_naming_the_field(capsys):
