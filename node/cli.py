@@ -159,7 +159,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
     elif admission.credentials is not None:  # on by default beside the credential
         options = replace(options, checkpoint_dir=str(Path(admission.credentials.directory) / "checkpoints"))
     options = replace(options, stage=admission.stage, run_id=admission.run_id, initial_peers=admission.initial_peers,
-                      authorizer=admission.authorizer, serve_checkpoint=args.checkpoint if args.serve_only else None)
+                      authorizer=admission.authorizer)
     try:
         ended = run_worker(admission.config, options, worker_options, credentials=admission.credentials,
                            metrics=metrics)
@@ -333,9 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "inference sessions)"), WorkerOptions)
     add_option_flags(join.add_argument_group("join", "the daemon around it: its DHT peer, checkpoints, the files it "
                                                      "writes, the sync phases and rebalancing"), JoinOptions)
-    from agora.node.inference.commands import add_client_commands, add_serving_arguments
+    from agora.node.inference.commands import add_client_commands
 
-    add_serving_arguments(join)
     add_admission_arguments(join)
     add_metrics_arguments(join)
     join.set_defaults(handler=_cmd_join)

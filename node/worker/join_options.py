@@ -7,7 +7,7 @@ phases and rebalancing, and the checks before it starts. A section of the settin
 (pipeline/schema.py): the fields with a flag are `join`'s options, and a bad value is one line
 naming `join.<field>` and the value. The others are settled after admission (the stage the
 authorizer assigns, the run and peers it names, the authorizer to renew with) or by code (the
-serve-only checkpoint, the download's deadline). Light (no torch): the CLI builds its flags from it.
+download's deadline). Light (no torch): the CLI builds its flags from it.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class JoinOptions:
                                            flag="--stats-file")
     authorizer: StrictStr | None = setting(None, "HOST:PORT to renew the credential with (None: no renewal)")
     serve_checkpoint: StrictStr | None = setting(
-        None, "serve-only (--serve-only): the checkpoint whose weights this stage serves")
+        None, "with --serve-only: the checkpoint whose weights this stage serves (also the run config unless "
+        "--config)", flag="--checkpoint", metavar="C")
     sync_phases: StrictBool = setting(
         True, "join as a member at once, without downloading the stage's state (only when this replica's state is "
         "known to be the stage's)", flag="--no-sync-phases")

@@ -114,3 +114,11 @@ def test_the_trainers_files_and_evaluation_are_fields_of_its_section():
     given = options_from_args(TrainerOptions, parsed("trainer", "--log-json", "t.jsonl", "--summary-json", "s.json",
                                                      "--no-eval"), "trainer", run_id="r")
     assert (given.log_json, given.summary_json, given.evaluate) == ("t.jsonl", "s.json", False)
+
+
+def test_the_inference_clients_options_name_their_field(capsys):
+    assert refusal(capsys, "serve", "--insecure", "--port", "70000").endswith("serve.port: must be < 65536, got 70000")
+    assert refusal(capsys, "generate", "--insecure", "--prompt", "p", "--call-timeout", "0").endswith(
+        "client.call_timeout_s: must be > 0, got 0.0")
+    assert options_from_args(JoinOptions, parsed("join", "--serve-only", "--checkpoint", "ck"), "join",
+                             run_id="r").serve_checkpoint == "ck"
