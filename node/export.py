@@ -24,6 +24,7 @@ Design choices:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import random
@@ -39,7 +40,7 @@ if TYPE_CHECKING:  # hivemind and torch: imported by the export itself, not by `
     from agora.dht.swarm import SwarmDHT
     from agora.pipeline.checkpoint import StageState
 
-__all__ = ["ExportOptions", "run_export", "add_export_command", "cmd_export"]
+__all__ = ["ExportOptions", "run_export", "add_export_command", "cmd_export", "add_export_hf_command"]
 
 logger = logging.getLogger("agora.node.export")
 
@@ -185,3 +186,31 @@ def cmd_export(args) -> int:
     options = ExportOptions(out=args.out, run_id=admission.run_id, initial_peers=admission.initial_peers,
                             timeout_s=args.timeout)
     return run_export(admission.config, options, admission.credentials)
+
+
+def add_export_hf_command(commands) -> None:
+    export = commands.add_parser("export-hf", help="write a transformers checkpoint (config.json + safetensors + "
+                                 "the run's tokenizer)",
+                                 description="Assemble every stage of a checkpoint into one model and save it so "
+                                             "AutoModelForCausalLM.from_pretrained loads it.")
+    export.add_argument("--checkpoint", required=True, help="checkpoint folder (or a folder with 'latest')")
+    export.add_argument("--out", required=True, help="output folder")
+    export.set_defaults(handler=_cmd_export_hf)
+
+
+def _cmd_export_hf(args: argparse.Namespace) -> int:
+    from agora.pipeline.checkpoint import load_checkpoint
+    from agora.pipeline.interop import save_pretrained, save_tokenizer
+    from agora.pipeline.stages import assemble_model
+
+    step, config, states, _ = load_checkpoint(args.checkpoint)
+    if sorted(s.index for s in states) != list(range(len(config.layer_split))):
+        raise ConfigError(f"--checkpoint: {args.checkpoint} does not hold every stage (has {[s.index for s in states]})")
+    model = assemble_model(config.model, [s.model for s in states])
+    save_pretrained(model, args.out)
+    try:
+        save_tokenizer(config.data.tokenizer, args.out)
+    except ConfigError as error:  # the weights are worth keeping: the tokenizer file can be copied in later
+        print(f"export-hf: no tokenizer written: {error}")
+    print(f"export-hf: step {step} -> {args.out}")
+    return 0
