@@ -1,7 +1,9 @@
 """`agora-node`: one console script, one subcommand per role.
 
-Each subcommand parses its flags, builds its objects and runs; the work lives in the modules it
-calls. A user's mistake (bad config, missing file) ends in one readable line and exit code 2.
+This module is the command table: each role's module mounts its subcommand (`add_*_command`: its
+flags, generated from the role's settings sections, and its handler, which builds the role's
+objects and runs), and `main` runs the one given. A user's mistake (bad config, missing file)
+ends in one readable line and exit code 2, a failure of the swarm in exit code 1.
 """
 
 from __future__ import annotations
@@ -12,25 +14,75 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from agora.node.admission import add_admission_arguments
+from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
+from agora.node.authorizer import add_authorizer_commands
+from agora.node.bootstrap_command import add_bootstrap_command
+from agora.node.demo.command import add_demo_command
 from agora.node.demo.supervision import PARENT_PID_ENV
+from agora.node.doctor_command import add_doctor_command
+from agora.node.export import add_export_command, add_export_hf_command
+from agora.node.inference.commands import add_client_commands
+from agora.node.ledger_command import add_ledger_command
 from agora.node.logs import LOG_FORMATS, configure_logging
+from agora.node.monitor_command import add_monitor_command
 from agora.node.observability import MetricsOptions, add_metrics_arguments
+from agora.node.plan import add_plan_command
 from agora.node.run_flags import (add_config_command, add_option_flags, add_run_arguments, check_runtime_flags,
                                   options_from_args, run_config)
+from agora.node.simulate.command import add_simulate_command
 from agora.node.swarm_options import SwarmOptions, add_swarm_flags
+from agora.node.train_local_command import add_train_local_command
+from agora.node.trainer.options import TrainerOptions
+from agora.node.worker.command import add_join_command
 from agora.pipeline.config import ConfigError
 
 __all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agora-node", description="Agora node: peer-to-peer pipeline-parallel training of subspace-compressed transformers.")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                        help="text lines for people (default), or one JSON object per line with milestone events "
+                             "(joined, sync_phase, phase_changed, state_downloaded, averaging_round, reroute, ban, "
+                             "checkpoint_written, credential_renewed)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_train_local_command(commands)
+    add_export_hf_command(commands)
+    add_bootstrap_command(commands)
+    add_join_command(commands)
+    _add_trainer_command(commands)
+    add_monitor_command(commands)
+    add_demo_command(commands)
+    add_authorizer_commands(commands)
+    add_export_command(commands)
+    add_plan_command(commands)
+    add_doctor_command(commands)
+    add_ledger_command(commands)
+    add_simulate_command(commands)
+    add_config_command(commands)
+    add_client_commands(commands)
+    return parser
+
+
+def _add_trainer_command(commands) -> None:
+    trainer = commands.add_parser("trainer", help="push microbatches through the swarm",
+                                  description="Take data units, route microbatches through one worker per stage, "
+                                              "reroute on failure; logs the train-local JSON schema.")
+    # A trainer holds no weights: its --device/--dtype are checked, and its tensors stay on the host.
+    add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)", computes=True)
+    add_swarm_flags(trainer)
+    add_option_flags(trainer.add_argument_group("trainer", "how this trainer runs"), TrainerOptions)
+    add_admission_arguments(trainer)
+    add_metrics_arguments(trainer)
+    trainer.set_defaults(handler=_cmd_trainer)
 
 
 def _cmd_trainer(args: argparse.Namespace) -> int:
     import json
 
     from agora.node.trainer.command import run_swarm_trainer
-    from agora.node.trainer.options import TrainerOptions
-
-    from agora.node.admission import AdmissionOptions, admit_node, config_chooser
 
     metrics = MetricsOptions.from_args(args)
     check_runtime_flags(args)
@@ -53,67 +105,6 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
         Path(options.summary_json).write_text(text + "\n")
     print(text)
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agora-node", description="Agora node: peer-to-peer pipeline-parallel training of subspace-compressed transformers.")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
-                        help="text lines for people (default), or one JSON object per line with milestone events "
-                             "(joined, sync_phase, phase_changed, state_downloaded, averaging_round, reroute, ban, "
-                             "checkpoint_written, credential_renewed)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    from agora.node.bootstrap_command import add_bootstrap_command
-    from agora.node.export import add_export_hf_command
-    from agora.node.train_local_command import add_train_local_command
-    from agora.node.worker.command import add_join_command
-
-    add_train_local_command(commands)
-    add_export_hf_command(commands)
-    add_bootstrap_command(commands)
-    add_join_command(commands)
-
-    trainer = commands.add_parser("trainer", help="push microbatches through the swarm",
-                                  description="Take data units, route microbatches through one worker per stage, "
-                                              "reroute on failure; logs the train-local JSON schema.")
-    # A trainer holds no weights: its --device/--dtype are checked, and its tensors stay on the host.
-    add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)", computes=True)
-    add_swarm_flags(trainer)
-    from agora.node.trainer.options import TrainerOptions
-
-    add_option_flags(trainer.add_argument_group("trainer", "how this trainer runs"), TrainerOptions)
-    add_admission_arguments(trainer)
-    add_metrics_arguments(trainer)
-    trainer.set_defaults(handler=_cmd_trainer)
-
-    from agora.node.demo.command import add_demo_command
-    from agora.node.monitor_command import add_monitor_command
-
-    add_monitor_command(commands)
-    add_demo_command(commands)
-    from agora.node.inference.commands import add_client_commands
-    from agora.node.authorizer import add_authorizer_commands
-    from agora.node.export import add_export_command
-
-    add_authorizer_commands(commands)
-    add_export_command(commands)
-    from agora.node.plan import add_plan_command
-
-    add_plan_command(commands)
-    from agora.node.doctor_command import add_doctor_command
-
-    add_doctor_command(commands)
-    from agora.node.ledger_command import add_ledger_command
-
-    add_ledger_command(commands)
-    from agora.node.simulate.command import add_simulate_command
-
-    add_simulate_command(commands)
-    add_config_command(commands)
-    add_client_commands(commands)
-    return parser
 
 
 def _die_with_parent() -> None:

@@ -1,15 +1,19 @@
 """`agora-node monitor`: admit the monitor, start its read-only DHT peer and its credential's
 renewer, and serve the swarm's view (monitor/service.py). monitor/ reads the DHT and never node/,
-so the assembly with admission lives here."""
+so the assembly with admission lives here; the options are monitor/'s (`MonitorOptions`), read and
+checked before admission. Light at the top (no hivemind): the CLI mounts the command from here.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
-from agora.node.admission import add_admission_arguments
-from agora.node.observability import MetricsOptions
+from agora.monitor.options import MonitorOptions
+from agora.node.admission import Admission, AdmissionOptions, add_admission_arguments, admit_node, config_chooser
+from agora.node.observability import MetricsOptions, NodeMetrics, package_version
 from agora.node.run_flags import add_option_flags, add_run_arguments, options_from_args, run_config
 from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.pipeline.config import ConfigError
@@ -25,8 +29,6 @@ def add_monitor_command(commands) -> None:
                                               "(swarm-level gauges).")
     add_run_arguments(monitor, steps_help="planned run length (only for the run fingerprint at admission)")
     add_swarm_flags(monitor)
-    from agora.monitor.options import MonitorOptions
-
     add_option_flags(monitor.add_argument_group("monitor", "what it serves, and how often it reads the swarm"),
                      MonitorOptions)
     add_admission_arguments(monitor)
@@ -34,19 +36,12 @@ def add_monitor_command(commands) -> None:
 
 
 def _cmd_monitor(args: argparse.Namespace) -> int:
-    import contextlib
-
-    from agora.auth.admission import CredentialRenewer
     from agora.dht.security import DHTSecurity
     from agora.dht.swarm import DHTRequestError, SwarmDHT
-    from agora.monitor.metrics import CredentialMetrics
-    from agora.monitor.options import MonitorOptions
     from agora.monitor.service import run_monitor
-    from agora.node.admission import AdmissionOptions, admit_node, config_chooser
-    from agora.node.observability import NodeMetrics, package_version
 
     swarm_options = options_from_args(SwarmOptions, args, "swarm")
-    options = options_from_args(MonitorOptions, args, "monitor")  # refused before admission
+    options = options_from_args(MonitorOptions, args, "monitor")
     admission = admit_node(AdmissionOptions.from_args(args), role="monitor", run_id=swarm_options.run_id, stage=None,
                            config_for=config_chooser(args, run_config), initial_peers=swarm_options.initial_peers)
     credentials = admission.credentials
@@ -63,12 +58,6 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
         raise ConfigError(f"--initial-peers: {error}") from None
     metrics = NodeMetrics.for_role(MetricsOptions(), role="monitor", run_id=admission.run_id,
                                    version=package_version())
-    companions = []
-    if credentials is not None and admission.authorizer:
-        renewer = CredentialRenewer(admission.authorizer, credentials,
-                                    on_revoked=lambda reason: logging.error("monitor credential revoked: %s", reason))
-        CredentialMetrics(metrics.registry, credentials.remaining_s, lambda: renewer.renewals)
-        companions.append(renewer)
 
     def serving(url: str) -> None:
         print(f"monitor of run {admission.run_id!r}: status page {url}  Prometheus: {url}metrics, "
@@ -76,7 +65,8 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
 
     try:
         return run_monitor(swarm, options, metrics.registry, run_id=admission.run_id,
-                           n_stages=len(admission.config.layer_split), on_serving=serving, companions=companions,
+                           n_stages=len(admission.config.layer_split), on_serving=serving,
+                           companions=_renewers(admission, metrics),
                            root_pem=credentials.root_pem() if credentials is not None else None)
     except OSError as error:
         raise ConfigError(f"--host/--port: cannot listen on {options.host}:{options.port} "
@@ -84,3 +74,17 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
     finally:
         with contextlib.suppress(Exception):
             swarm.shutdown()
+
+
+def _renewers(admission: Admission, metrics: NodeMetrics) -> list:
+    """The credential's renewer, when there is an authorizer to renew with (and its metrics)."""
+    from agora.auth.admission import CredentialRenewer
+    from agora.monitor.metrics import CredentialMetrics
+
+    credentials = admission.credentials
+    if credentials is None or not admission.authorizer:
+        return []
+    renewer = CredentialRenewer(admission.authorizer, credentials,
+                                on_revoked=lambda reason: logging.error("monitor credential revoked: %s", reason))
+    CredentialMetrics(metrics.registry, credentials.remaining_s, lambda: renewer.renewals)
+    return [renewer]

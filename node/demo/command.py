@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from agora.node.demo.options import DemoOptions
 from agora.node.run_flags import add_option_flags, add_run_arguments, check_runtime_flags, run_config
 
 __all__ = ["add_demo_command"]
@@ -16,14 +17,12 @@ def add_demo_command(commands) -> None:
                                description="Start bootstrap, workers and trainers on loopback, each as the "
                                            "`agora-node <role>` command a user would run, train, and summarize.")
     add_run_arguments(demo, steps_help="global batches in total (over all trainers)", computes=True)
-    from agora.node.demo.options import DemoOptions
-
     add_option_flags(demo.add_argument_group("demo", "the swarm it starts"), DemoOptions)
     demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from agora.node.demo.demo import DemoOptions, run_demo
+    from agora.node.demo.demo import run_demo
 
     if args.checkpoint is not None:
         args.checkpoint = str(Path(args.checkpoint).resolve())  # the children run in the demo's workdir
