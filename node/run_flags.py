@@ -28,7 +28,7 @@ from agora.pipeline.config import (ConfigError, RunConfig, RuntimeConfig, checke
 from agora.pipeline.schema import Setting, explain, leaves, nested
 
 __all__ = ["add_run_arguments", "run_config", "run_config_sources", "explicit_settings", "setting_flags",
-           "check_runtime_flags", "non_negative_int", "add_config_command", "add_option_flags", "options_from_args"]
+           "check_runtime_flags", "add_config_command", "add_option_flags", "options_from_args"]
 
 _NONE = ("none", "null")
 # Leaves without a flag of their own: the name is the config's, the seed is --seed's.
@@ -147,16 +147,6 @@ def check_runtime_flags(args: argparse.Namespace) -> None:
         from agora.pipeline.runtime import Runtime
 
         Runtime.from_config(checked(RuntimeConfig, "runtime", **values))
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def setting_flags(settings: dict[str, Any]) -> list[str]:

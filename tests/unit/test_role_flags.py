@@ -122,3 +122,8 @@ def test_the_inference_clients_options_name_their_field(capsys):
         "client.call_timeout_s: must be > 0, got 0.0")
     assert options_from_args(JoinOptions, parsed("join", "--serve-only", "--checkpoint", "ck"), "join",
                              run_id="r").serve_checkpoint == "ck"
+
+
+def test_the_doctor_checks_a_stage_as_join_declares_it(capsys):
+    admission = ("--authorizer", "127.0.0.1:9", "--ca-fingerprint", "0" * 64)
+    assert refusal(capsys, "doctor", *admission, "--stage", "-1").endswith("doctor.stage: must be >= 0, got -1")
