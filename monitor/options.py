@@ -73,7 +73,8 @@ class MonitorOptions:
     ledger: StrictStr | None = setting(
         None, "keep the run's ledger of verified work in this sqlite file: trainers started with --ledger-url post "
         "their signed receipts here, /api/contributors sums them, /api/ledger exports them (needs a monitor "
-        "credential: receipts are verified against the run's root; default: no ledger)", flag="--ledger", metavar="FILE")
+        "credential: receipts are verified against the run's root; default: no ledger)", flag="--ledger",
+        metavar="FILE")
 
     @property
     def static_targets(self) -> tuple[StaticTarget, ...]:
