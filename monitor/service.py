@@ -25,11 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import ipaddress
 import logging
 import signal
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 from prometheus_client import CollectorRegistry
@@ -40,67 +38,29 @@ from agora.dht.records import TrainerRecord
 from agora.dht.swarm import DHTRequestError, SwarmDHT
 from agora.monitor.http import MonitorServer, start_monitor_server
 from agora.monitor.ledger import LedgerMetrics, ReceiptLedger, ServedCount
-from agora.monitor.scrape_policy import REFUSAL_REASONS, host_key
+from agora.monitor.options import MonitorOptions
+from agora.monitor.scrape_policy import REFUSAL_REASONS
 from agora.monitor.served_counts import served_count
 from agora.monitor.swarm_metrics import MonitorMetrics, SwarmCollector
-from agora.monitor.swarm_view import EvalHistory, LeftOutTarget, LossHistory, StaticTarget, SwarmView, summarize
+from agora.monitor.swarm_view import EvalHistory, LeftOutTarget, LossHistory, SwarmView, summarize
 
-__all__ = ["MonitorOptions", "SwarmMonitor", "parse_target", "parse_trainer_host"]
+__all__ = ["SwarmMonitor", "run_monitor"]
 
 logger = logging.getLogger("agora.monitor")
 
 _REPORTED_CAPACITY = 4096
 
 
-def parse_target(text: str) -> StaticTarget:
-    """`ROLE=HOST:PORT` (a scrape target the DHT does not announce); ValueError names what is wrong."""
-    from agora.dht.record_fields import RecordError, parse_endpoint
-
-    role, sep, endpoint = text.partition("=")
-    if not sep or not role.isidentifier():
-        raise ValueError(f"--target: expected ROLE=HOST:PORT (e.g. authorizer=10.0.0.2:9100), got {text!r}")
-    try:
-        parse_endpoint(endpoint)
-    except RecordError as error:
-        raise ValueError(f"--target {role}: {error}") from None
-    return StaticTarget(role, endpoint)
-
-
-def parse_trainer_host(text: str) -> str:
-    """`--trainer-host HOST`: a name or an address (IPv6 with or without brackets), never a
-    wildcard; the host as the scrape policy compares it (ValueError names what is wrong)."""
-    host = text.strip().strip("[]")
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        if not host or any(ch.isspace() or ch in "/:[]" for ch in host):
-            raise ValueError(f"--trainer-host: expected a host name or address (no port), got {text!r}") from None
-        return host_key(host)
-    if address.is_unspecified:
-        raise ValueError(f"--trainer-host: {text!r} means 'every interface', not a host trainers run on")
-    return host_key(host)
-
-
-@dataclass(frozen=True)
-class MonitorOptions:
-    run_id: str
-    n_stages: int
-    host: str = "127.0.0.1"
-    port: int = 0
-    poll_s: float = 2.0
-    static_targets: tuple[StaticTarget, ...] = ()
-    ready_file: Optional[str] = None
-    trainer_hosts: tuple[str, ...] = ()  # hosts whose trainers' metrics endpoints /sd lists, besides the targets'
-    ledger: Optional[str] = None  # the sqlite file of the ledger of verified work (None: no ledger)
-
-
 class SwarmMonitor:
-    """Polls `swarm` for `options.run_id` and serves the view; `run()` until stopped."""
+    """Polls `swarm` for run `run_id` (of `n_stages` stages, or more when its workers say so) and
+    serves the view; `run()` until stopped."""
 
-    def __init__(self, swarm: SwarmDHT, options: MonitorOptions, registry: CollectorRegistry, *,
-                 clock=time.monotonic, root_pem: Optional[bytes] = None):
+    def __init__(self, swarm: SwarmDHT, options: MonitorOptions, registry: CollectorRegistry, *, run_id: str,
+                 n_stages: int, clock=time.monotonic, root_pem: Optional[bytes] = None):
         self.swarm = swarm
         self.options = options
+        self.run_id = run_id
+        self.n_stages = n_stages
         self.registry = registry
         self._clock = clock
         self._started = clock()
@@ -113,7 +73,7 @@ class SwarmMonitor:
         self.server: Optional[MonitorServer] = None
         self.ledger: Optional[ReceiptLedger] = None
         if options.ledger is not None and root_pem is not None:
-            verifier = CredentialVerifier(root_pem, options.run_id, clock=time.time)
+            verifier = CredentialVerifier(root_pem, run_id, clock=time.time)
             self.ledger = ReceiptLedger(options.ledger, verifier, LedgerMetrics(registry), clock=time.time)
 
     @property
@@ -124,14 +84,14 @@ class SwarmMonitor:
         """Read the swarm once and make it the current view."""
         started = self._clock()
         workers, trainers = await asyncio.gather(
-            self.swarm.all_workers_async(self.options.run_id, self.options.n_stages),
-            self.swarm.owned_entries_async(trainer_key(self.options.run_id), TrainerRecord))
-        announced = max([self.options.n_stages] + [r.n_stages for rs in workers.values() for r in rs])
-        if announced > self.options.n_stages:  # workers of a longer pipeline than configured: read them all
-            workers = await self.swarm.all_workers_async(self.options.run_id, announced)
-        view = summarize(self.options.run_id, workers,
-                         [s.record for s in trainers.values() if s.record.run_id == self.options.run_id],
-                         n_stages=self.options.n_stages, now=self._clock() - self._started,
+            self.swarm.all_workers_async(self.run_id, self.n_stages),
+            self.swarm.owned_entries_async(trainer_key(self.run_id), TrainerRecord))
+        announced = max([self.n_stages] + [r.n_stages for rs in workers.values() for r in rs])
+        if announced > self.n_stages:  # workers of a longer pipeline than configured: read them all
+            workers = await self.swarm.all_workers_async(self.run_id, announced)
+        view = summarize(self.run_id, workers,
+                         [s.record for s in trainers.values() if s.record.run_id == self.run_id],
+                         n_stages=self.n_stages, now=self._clock() - self._started,
                          static_targets=self.options.static_targets, trainer_hosts=self.options.trainer_hosts)
         view = dataclasses.replace(view, history=self._history.add(view), eval_history=self._evals.add(view))
         self._view = view
@@ -187,13 +147,13 @@ class SwarmMonitor:
             self.ledger = None
 
 
-def run_monitor(swarm: SwarmDHT, options: MonitorOptions, registry: CollectorRegistry,
+def run_monitor(swarm: SwarmDHT, options: MonitorOptions, registry: CollectorRegistry, *, run_id: str, n_stages: int,
                 on_serving=lambda url: None, companions=(), root_pem: Optional[bytes] = None) -> int:
     """Blocking: serve until SIGINT/SIGTERM; `on_serving(url)` once the port answers. `companions`:
     async context managers that live as long as the monitor (the credential's renewer)."""
     from agora.pipeline.files import atomic_write
 
-    monitor = SwarmMonitor(swarm, options, registry, root_pem=root_pem)
+    monitor = SwarmMonitor(swarm, options, registry, run_id=run_id, n_stages=n_stages, root_pem=root_pem)
 
     async def main() -> None:
         stop = asyncio.Event()

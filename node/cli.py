@@ -1,313 +1,42 @@
 """`agora-node`: one console script, one subcommand per role.
 
-Each subcommand parses its flags, builds its objects and runs; the work lives in the modules it
-calls. A user's mistake (bad config, missing file) ends in one readable line and exit code 2.
+This module is the command table: each role's module mounts its subcommand (`add_*_command`: its
+flags, generated from the role's settings sections, and its handler, which builds the role's
+objects and runs), and `main` runs the one given. A user's mistake (bad config, missing file)
+ends in one readable line and exit code 2, a failure of the swarm in exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from agora.dht.key_families import MAX_HEARTBEAT_S
-from agora.node.admission import add_admission_arguments
+from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
+from agora.node.authorizer import add_authorizer_commands
+from agora.node.bootstrap_command import add_bootstrap_command
+from agora.node.demo.command import add_demo_command
 from agora.node.demo.supervision import PARENT_PID_ENV
+from agora.node.doctor_command import add_doctor_command
+from agora.node.export import add_export_command, add_export_hf_command
+from agora.node.inference.commands import add_client_commands
+from agora.node.ledger_command import add_ledger_command
 from agora.node.logs import LOG_FORMATS, configure_logging
+from agora.node.monitor_command import add_monitor_command
 from agora.node.observability import MetricsOptions, add_metrics_arguments
+from agora.node.plan import add_plan_command
 from agora.node.run_flags import (add_config_command, add_option_flags, add_run_arguments, check_runtime_flags,
-                                  explicit_settings, non_negative_int, options_from_args, run_config)
-from agora.node.trainer.options import TrainLocalOptions
-from agora.pipeline.files import hold_folder
+                                  options_from_args, run_config)
+from agora.node.simulate.command import add_simulate_command
+from agora.node.swarm_options import SwarmOptions, add_swarm_flags
+from agora.node.train_local_command import add_train_local_command
+from agora.node.trainer.options import TrainerOptions
+from agora.node.worker.command import add_join_command
 from agora.pipeline.config import ConfigError
 
 __all__ = ["main", "build_parser"]
-
-
-def _heartbeat(text: str) -> float:
-    """`join --heartbeat`: seconds in (0, MAX_HEARTBEAT_S], refused by the parser in one line."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 < seconds <= MAX_HEARTBEAT_S:
-        raise argparse.ArgumentTypeError(f"must be in (0, {MAX_HEARTBEAT_S:g}] seconds, got {text}")
-    return seconds
-
-
-def _cmd_train_local(args: argparse.Namespace) -> int:
-    from agora.node.progress import Progress
-    from agora.pipeline.centralized import CentralizedTrainer
-    from agora.pipeline.data import build_data
-
-    config = run_config(args)
-    options = options_from_args(TrainLocalOptions, args, "train_local")
-    held = None
-    if args.checkpoint_dir:  # one writer per checkpoint folder, as for a worker's
-        held = hold_folder(args.checkpoint_dir, "--checkpoint-dir")
-    data = build_data(config)
-    log_json = open(args.log_json, "a" if args.resume else "w") if args.log_json else None
-    bar = Progress(args.steps, "train-local")
-
-    def progress(record, total: int) -> None:
-        evaluation = f" eval {record.eval_loss:.3f}" if record.eval_loss is not None else ""
-        bar.update(record.step, f"loss {record.loss:.4f}{evaluation} lr {record.lr:.2e} "
-                                f"{record.tokens_per_s:,.0f} tok/s", force=record.step >= total)
-
-    try:
-        trainer = CentralizedTrainer(config, data, wire_dtype=options.wire_dtype, checkpoint_dir=args.checkpoint_dir,
-                                     log_json=log_json, progress=progress)
-        if args.resume:
-            if not args.checkpoint_dir:
-                raise ConfigError("--resume needs --checkpoint-dir")
-            if trainer.resume():
-                logging.info("resumed from step %d", trainer.step)
-        records = trainer.run(args.steps)
-        final = trainer.evaluate()
-    finally:
-        bar.close()
-        if log_json is not None:
-            log_json.close()
-        del held
-    last = records[-1].loss if records else float("nan")
-    tokens_per_s = records[-1].tokens_per_s if records else 0.0
-    print(f"train-local: {config.name} stages={len(config.layer_split)} steps={trainer.step} "
-          f"loss={last:.4f} heldout={final:.4f} tokens/s={tokens_per_s:,.0f} on {trainer.runtime.describe()}")
-    return 0
-
-
-def _cmd_export_hf(args: argparse.Namespace) -> int:
-    from agora.pipeline.checkpoint import load_checkpoint
-    from agora.pipeline.interop import save_pretrained, save_tokenizer
-    from agora.pipeline.stages import assemble_model
-
-    step, config, states, _ = load_checkpoint(args.checkpoint)
-    if sorted(s.index for s in states) != list(range(len(config.layer_split))):
-        raise ConfigError(f"--checkpoint: {args.checkpoint} does not hold every stage (has {[s.index for s in states]})")
-    model = assemble_model(config.model, [s.model for s in states])
-    save_pretrained(model, args.out)
-    try:
-        save_tokenizer(config.data.tokenizer, args.out)
-    except ConfigError as error:  # the weights are worth keeping: the tokenizer file can be copied in later
-        print(f"export-hf: no tokenizer written: {error}")
-    print(f"export-hf: step {step} -> {args.out}")
-    return 0
-
-
-def _cmd_bootstrap(args: argparse.Namespace) -> int:
-    from agora.dht.bootstrap import run_bootstrap
-    from agora.dht.swarm import DHTRequestError
-
-    from agora.node.observability import NodeMetrics, package_version
-
-    metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="bootstrap", run_id=_bootstrap_run(args),
-                                   version=package_version())
-    try:
-        return run_bootstrap(args.host, args.port, tuple(args.initial_peers), args.identity_path, args.ready_file,
-                             state_dir=args.state_dir, insecure=args.insecure,
-                             on_started=lambda swarm: _serve_bootstrap_metrics(metrics, swarm))
-    except (ValueError, DHTRequestError) as error:
-        raise ConfigError(str(error)) from None
-    finally:
-        metrics.close()
-
-
-def _serve_bootstrap_metrics(metrics, swarm) -> None:
-    from agora.monitor.dht_metrics import DHTMetrics
-
-    DHTMetrics(metrics.registry, swarm.bans, swarm.timings)  # its requests; secured: refusals, the ban list
-    metrics.serve()
-
-
-def _bootstrap_run(args: argparse.Namespace) -> str:
-    """The run a bootstrap's credential is for ("" for an open --insecure peer, which serves any run)."""
-    if args.insecure or not args.state_dir:
-        return ""
-    import time
-
-    from agora.auth.credentials import CredentialError
-    from agora.auth.node_state import NodeCredentials
-
-    try:
-        return NodeCredentials(args.state_dir, clock=time.time).identity().run_id
-    except (CredentialError, OSError, ValueError):
-        return ""  # run_bootstrap reports the unusable state directory in one line
-
-
-def _cmd_join(args: argparse.Namespace) -> int:
-    from agora.node.worker.join import JoinOptions, run_worker
-
-    from agora.node.admission import AdmissionOptions, admit_node, config_chooser, free_port
-    from agora.node.inference.commands import serve_only_config_flags
-    from agora.node.rpc.server import announced_host
-
-    check_runtime_flags(args)  # a device this machine lacks is refused before admission
-    serve_only_config_flags(args)  # --serve-only: the checkpoint is the run config unless --config
-    worker_options = _worker_options(args)
-    if worker_options.port == 0:  # the authorizer's dial-back and then the gRPC server take this port
-        worker_options = replace(worker_options, port=free_port(worker_options.host))
-    announce = (announced_host(worker_options.host, worker_options.announce_host), worker_options.port)
-    admission = admit_node(AdmissionOptions.from_args(args), role="worker", run_id=args.run_id, stage=args.stage,
-                           config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers),
-                           announce=announce, listen_host=worker_options.host,
-                           device=explicit_settings(args).get("runtime.device"))
-    if not (args.serve_only or args.no_memory_check):  # before the DHT peer and the stage exist
-        from agora.node.plan import check_stage_fits, worker_memory_options
-        from agora.pipeline.runtime import Runtime
-
-        check_stage_fits(admission.config, admission.stage, Runtime.from_config(admission.config.runtime),
-                         worker_memory_options(admission.config, rows=worker_options.max_rows,
-                                               pinned_versions=worker_options.pinned_weights,
-                                               in_flight=worker_options.stash_capacity,
-                                               inference=worker_options.inference))
-    checkpoint_dir = args.checkpoint_dir
-    held = None
-    if checkpoint_dir is not None:  # (the default one lies in the --state-dir, held by the admission)
-        held = hold_folder(checkpoint_dir, "--checkpoint-dir")
-    elif admission.credentials is not None:  # on by default beside the credential
-        checkpoint_dir = str(Path(admission.credentials.directory) / "checkpoints")
-    every = admission.config.train.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every
-    options = JoinOptions(stage=admission.stage, run_id=admission.run_id, initial_peers=admission.initial_peers,
-                          dht_host=args.dht_host, dht_port=args.dht_port, heartbeat_s=args.heartbeat,
-                          ready_file=args.ready_file, checkpoint_dir=checkpoint_dir, checkpoint_every=every,
-                          resume_step=args.resume_step,
-                          stats_file=args.stats_file, authorizer=admission.authorizer,
-                          serve_checkpoint=args.checkpoint if args.serve_only else None,
-                          metrics=MetricsOptions.from_args(args), sync_phases=not args.no_sync_phases,
-                          rebalance=not args.no_rebalance)
-    try:
-        ended = run_worker(admission.config, options, worker_options, credentials=admission.credentials)
-    finally:
-        del held  # the folders stay held until here (and the kernel frees them if this process dies)
-    if ended.move_to is not None:  # rebalancing: the same worker (key, flags) joins the other stage
-        from agora.node.membership.rebalance import moved_argv
-
-        state_dir = str(admission.credentials.directory) if admission.credentials is not None else None
-        argv = [sys.executable, "-m", "agora.node", *moved_argv(args.argv, ended.move_to, state_dir)]
-        logging.getLogger("agora.node.join").info("starting again as stage %d: %s", ended.move_to, " ".join(argv[3:]))
-        logging.shutdown()
-        os.execv(sys.executable, argv)
-    return ended.code
-
-
-def _worker_options(args: argparse.Namespace):
-    from agora.node.worker.options import WorkerOptions
-
-    return options_from_args(WorkerOptions, args, "worker")
-
-
-def _cmd_trainer(args: argparse.Namespace) -> int:
-    import json
-
-    from agora.node.trainer.command import run_swarm_trainer
-    from agora.node.trainer.options import TrainerOptions
-
-    from agora.node.admission import AdmissionOptions, admit_node, config_chooser
-
-    metrics = MetricsOptions.from_args(args)
-    check_runtime_flags(args)
-    options = options_from_args(TrainerOptions, args, "trainer", run_id=args.run_id)  # refused before admission
-    admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=args.run_id, stage=None,
-                           config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers))
-    options = replace(options, run_id=admission.run_id)
-    log_json = open(args.log_json, "a" if args.start_step else "w") if args.log_json else None
-    try:
-        summary = run_swarm_trainer(admission.config, options, initial_peers=admission.initial_peers,
-                                    steps=args.steps, log_json=log_json, evaluate=not args.no_eval,
-                                    credentials=admission.credentials, authorizer=admission.authorizer,
-                                    metrics=metrics)
-    finally:
-        if log_json is not None:
-            log_json.close()
-    text = json.dumps(summary)
-    if args.summary_json:
-        Path(args.summary_json).write_text(text + "\n")
-    print(text)
-    return 0
-
-
-def _cmd_monitor(args: argparse.Namespace) -> int:
-    import contextlib
-
-    from agora.auth.admission import CredentialRenewer
-    from agora.dht.security import DHTSecurity
-    from agora.dht.swarm import DHTRequestError, SwarmDHT
-    from agora.monitor.metrics import CredentialMetrics
-    from agora.monitor.service import MonitorOptions, parse_target, parse_trainer_host, run_monitor
-    from agora.node.admission import AdmissionOptions, admit_node, config_chooser
-    from agora.node.observability import NodeMetrics, package_version
-
-    try:
-        targets = tuple(parse_target(text) for text in args.target)
-        trainer_hosts = tuple(parse_trainer_host(text) for text in args.trainer_host)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    if not args.poll > 0:
-        raise ConfigError(f"--poll: must be positive, got {args.poll}")
-    admission = admit_node(AdmissionOptions.from_args(args), role="monitor", run_id=args.run_id, stage=None,
-                           config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers))
-    credentials = admission.credentials
-    if not admission.initial_peers:
-        print("agora-node monitor: WARNING: no --initial-peers (and none from an authorizer): this starts a new, "
-              "empty swarm to watch", file=sys.stderr)
-    options = MonitorOptions(run_id=admission.run_id, n_stages=len(admission.config.layer_split), host=args.host,
-                             port=args.port, poll_s=args.poll, static_targets=targets, ready_file=args.ready_file,
-                             trainer_hosts=trainer_hosts, ledger=args.ledger)
-    if args.ledger is not None and credentials is None:
-        raise ConfigError("--ledger: receipts are verified against the run's root certificate; a monitor without a "
-                          "credential (--insecure) has none")
-    security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
-    try:  # read-only: a client peer (a monitor credential's stores are refused anyway)
-        swarm = SwarmDHT.start(initial_peers=admission.initial_peers, client_mode=True, security=security)
-    except DHTRequestError as error:
-        raise ConfigError(f"--initial-peers: {error}") from None
-    metrics = NodeMetrics.for_role(MetricsOptions(), role="monitor", run_id=admission.run_id,
-                                   version=package_version())
-    companions = []
-    if credentials is not None and admission.authorizer:
-        renewer = CredentialRenewer(admission.authorizer, credentials,
-                                    on_revoked=lambda reason: logging.error("monitor credential revoked: %s", reason))
-        CredentialMetrics(metrics.registry, credentials.remaining_s, lambda: renewer.renewals)
-        companions.append(renewer)
-
-    def serving(url: str) -> None:
-        print(f"monitor of run {admission.run_id!r}: status page {url}  Prometheus: {url}metrics, "
-              f"service discovery {url}sd", flush=True)
-
-    try:
-        return run_monitor(swarm, options, metrics.registry, on_serving=serving, companions=companions,
-                           root_pem=credentials.root_pem() if credentials is not None else None)
-    except OSError as error:
-        raise ConfigError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror or error})") \
-            from None
-    finally:
-        with contextlib.suppress(Exception):
-            swarm.shutdown()
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from agora.node.demo.demo import DemoOptions, run_demo
-
-    if args.checkpoint is not None:
-        args.checkpoint = str(Path(args.checkpoint).resolve())  # the children run in the demo's workdir
-    if args.serve and args.config is None and args.checkpoint is not None:
-        args.config = args.checkpoint  # a serving swarm runs the checkpoint's config
-    check_runtime_flags(args)
-    run_config(args)  # refuse a bad config before starting any process
-    if args.serve:
-        from agora.node.demo.serving import run_serving_demo
-
-        return run_serving_demo(DemoOptions.from_args(args))
-    return run_demo(DemoOptions.from_args(args))
-
-
-def _add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
-    parser.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
-                        help="DHT multiaddrs to join through (printed by `agora-node bootstrap`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -319,154 +48,63 @@ def build_parser() -> argparse.ArgumentParser:
                              "checkpoint_written, credential_renewed)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_train_local_command(commands)
+    add_export_hf_command(commands)
+    add_bootstrap_command(commands)
+    add_join_command(commands)
+    _add_trainer_command(commands)
+    add_monitor_command(commands)
+    add_demo_command(commands)
+    add_authorizer_commands(commands)
+    add_export_command(commands)
+    add_plan_command(commands)
+    add_doctor_command(commands)
+    add_ledger_command(commands)
+    add_simulate_command(commands)
+    add_config_command(commands)
+    add_client_commands(commands)
+    return parser
 
-    train = commands.add_parser("train-local", help="centralized reference run, stage by stage in one process",
-                                description="Train the model centrally through the same stages and wire codec "
-                                            "the swarm uses; the reference the swarm is compared with.")
-    add_run_arguments(train, steps_help="optimizer steps (global batches) in total", computes=True)
-    add_option_flags(train.add_argument_group("train-local", "how the reference run computes"), TrainLocalOptions)
-    train.add_argument("--log-json", default=None, help="write one JSON object per step to this file")
-    train.add_argument("--checkpoint-dir", default=None, help="write atomic checkpoints here")
-    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    train.set_defaults(handler=_cmd_train_local)
 
-    export = commands.add_parser("export-hf", help="write a transformers checkpoint (config.json + safetensors + "
-                                 "the run's tokenizer)",
-                                 description="Assemble every stage of a checkpoint into one model and save it so "
-                                             "AutoModelForCausalLM.from_pretrained loads it.")
-    export.add_argument("--checkpoint", required=True, help="checkpoint folder (or a folder with 'latest')")
-    export.add_argument("--out", required=True, help="output folder")
-    export.set_defaults(handler=_cmd_export_hf)
-
-    from agora.dht.bootstrap import add_bootstrap_arguments
-
-    bootstrap = commands.add_parser("bootstrap", help="start a DHT peer that others join first",
-                                    description="Start a hivemind DHT peer and print the multiaddrs that other "
-                                                "peers pass as --initial-peers; serves until SIGINT/SIGTERM.")
-    add_bootstrap_arguments(bootstrap)
-    add_metrics_arguments(bootstrap)
-    bootstrap.set_defaults(handler=_cmd_bootstrap)
-
-    from agora.node.worker.watchdog_rules import exit_codes_help
-
-    join = commands.add_parser("join", help="host one replica of one pipeline stage (contributor)",
-                               description="Serve one pipeline stage over gRPC, announce it in the DHT, train it; "
-                                           "SIGTERM leaves cleanly (withdraw, tell the authorizer, finish in-flight, "
-                                           "checkpoint), and so does its watchdog when a rule trips.",
-                               epilog=exit_codes_help())
-    add_run_arguments(join, steps_help="planned run length in global batches (sets the lr schedule)", computes=True)
-    _add_swarm_arguments(join)
-    from agora.node.worker.options import WorkerOptions
-
-    add_option_flags(join.add_argument_group("worker", "how this worker serves (its bounds, the weights it keeps, "
-                                                       "inference sessions)"), WorkerOptions)
-    join.add_argument("--stage", type=int, default=None,
-                      help="pipeline stage index to host (default: the authorizer assigns the stage least covered "
-                           "by announced throughput; required with --insecure)")
-    join.add_argument("--dht-host", default="127.0.0.1", help="address the DHT peer listens on")
-    join.add_argument("--dht-port", type=int, default=0, help="DHT port (0: pick a free one)")
-    join.add_argument("--heartbeat", type=_heartbeat, default=5.0,
-                      help=f"seconds between DHT announces (at most {MAX_HEARTBEAT_S:g}: peers refuse announces meant "
-                           "to outlive a few of the longest beats)")
-    join.add_argument("--no-memory-check", action="store_true",
-                      help="start even when the memory plan (agora-node plan) says the stage does not fit")
-    join.add_argument("--ready-file", default=None, help="write the gRPC endpoint and peer id here once serving")
-    join.add_argument("--checkpoint-dir", default=None,
-                      help="resume from and checkpoint into this folder (default: checkpoints/ in --state-dir; "
-                           "none under --insecure)")
-    join.add_argument("--checkpoint-every", type=non_negative_int, default=None, metavar="STEPS",
-                      help="optimizer steps between checkpoints (default: the config's train.checkpoint_every; "
-                           "0: only when leaving)")
-    join.add_argument("--resume-step", type=non_negative_int, default=None, metavar="STEP",
-                      help="resume from this step's checkpoint in --checkpoint-dir (default: the newest complete one)")
-    join.add_argument("--stats-file", default=None, help="write the averaging counters here (JSON) on exit")
-    join.add_argument("--no-rebalance", action="store_true",
-                      help="stay on this stage even when it is over-covered (by announced throughput) and another is "
-                           "short of replicas (default: move there, through weight sync)")
-    join.add_argument("--no-sync-phases", action="store_true",
-                      help="join as a member at once, without downloading the stage's state (only when this "
-                           "replica's state is known to be the stage's)")
-    from agora.node.inference.commands import add_client_commands, add_serving_arguments
-
-    add_serving_arguments(join)
-    add_admission_arguments(join)
-    add_metrics_arguments(join)
-    join.set_defaults(handler=_cmd_join)
-
+def _add_trainer_command(commands) -> None:
     trainer = commands.add_parser("trainer", help="push microbatches through the swarm",
                                   description="Take data units, route microbatches through one worker per stage, "
                                               "reroute on failure; logs the train-local JSON schema.")
     # A trainer holds no weights: its --device/--dtype are checked, and its tensors stay on the host.
     add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)", computes=True)
-    _add_swarm_arguments(trainer)
-    from agora.node.trainer.options import TrainerOptions
-
+    add_swarm_flags(trainer)
     add_option_flags(trainer.add_argument_group("trainer", "how this trainer runs"), TrainerOptions)
-    trainer.add_argument("--log-json", default=None, help="write one JSON object per global batch here")
-    trainer.add_argument("--summary-json", default=None, help="write the final summary here")
-    trainer.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
     add_admission_arguments(trainer)
     add_metrics_arguments(trainer)
     trainer.set_defaults(handler=_cmd_trainer)
 
-    monitor = commands.add_parser("monitor", help="the swarm's status page, Prometheus service discovery and metrics",
-                                  description="Join the DHT read-only and serve, on one HTTP port: / (a live "
-                                              "status page), /api/swarm (the same as JSON), /sd (Prometheus HTTP "
-                                              "service discovery of every node's metrics endpoint) and /metrics "
-                                              "(swarm-level gauges).")
-    add_run_arguments(monitor, steps_help="planned run length (only for the run fingerprint at admission)")
-    monitor.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
-    monitor.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
-                         help="DHT multiaddrs to join through (printed by `agora-node bootstrap`)")
-    monitor.add_argument("--host", default="127.0.0.1", help="address the HTTP port listens on")
-    monitor.add_argument("--port", type=int, default=9400, help="HTTP port (default 9400; 0: pick a free one)")
-    monitor.add_argument("--poll", type=float, default=2.0, metavar="S", help="seconds between reads of the DHT")
-    monitor.add_argument("--target", action="append", default=[], metavar="ROLE=HOST:PORT",
-                         help="a metrics endpoint the DHT does not announce (the authorizer's, the bootstrap's), "
-                              "listed in /sd with role=ROLE; repeatable. Trainers announcing a metrics endpoint on "
-                              "the host of a --target are listed too")
-    monitor.add_argument("--trainer-host", action="append", default=[], metavar="HOST",
-                         help="a host whose trainers' announced metrics endpoints /sd lists (a trainer has no "
-                              "gRPC endpoint to vouch for its host, so by default only those on a --target's host "
-                              "are); repeatable. Workers are listed on the host of their gRPC endpoint only")
-    monitor.add_argument("--ready-file", default=None, help="write the status page's URL here once serving")
-    monitor.add_argument("--ledger", default=None, metavar="FILE",
-                         help="keep the run's ledger of verified work in this sqlite file: trainers started with "
-                              "--ledger-url post their signed receipts here, /api/contributors sums them, "
-                              "/api/ledger exports them (needs a monitor credential: receipts are verified against "
-                              "the run's root)")
-    add_admission_arguments(monitor)
-    monitor.set_defaults(handler=_cmd_monitor)
 
-    demo = commands.add_parser("demo", help="a whole swarm on this machine, one process per role",
-                               description="Start bootstrap, workers and trainers on loopback, each as the "
-                                           "`agora-node <role>` command a user would run, train, and summarize.")
-    add_run_arguments(demo, steps_help="global batches in total (over all trainers)", computes=True)
-    from agora.node.demo.options import DemoOptions
+def _cmd_trainer(args: argparse.Namespace) -> int:
+    import json
 
-    add_option_flags(demo.add_argument_group("demo", "the swarm it starts"), DemoOptions)
-    demo.set_defaults(handler=_cmd_demo, stages=3, steps=200)
+    from agora.node.trainer.command import run_swarm_trainer
 
-    from agora.node.authorizer import add_authorizer_commands
-    from agora.node.export import add_export_command
-
-    add_authorizer_commands(commands)
-    add_export_command(commands)
-    from agora.node.plan import add_plan_command
-
-    add_plan_command(commands)
-    from agora.node.doctor_command import add_doctor_command
-
-    add_doctor_command(commands)
-    from agora.node.ledger_command import add_ledger_command
-
-    add_ledger_command(commands)
-    from agora.node.simulate.command import add_simulate_command
-
-    add_simulate_command(commands)
-    add_config_command(commands)
-    add_client_commands(commands)
-    return parser
+    metrics = MetricsOptions.from_args(args)
+    check_runtime_flags(args)
+    swarm = options_from_args(SwarmOptions, args, "swarm")
+    options = options_from_args(TrainerOptions, args, "trainer", run_id=swarm.run_id)  # refused before admission
+    admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=swarm.run_id, stage=None,
+                           config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
+    options = replace(options, run_id=admission.run_id)
+    log_json = open(options.log_json, "a" if options.start_step else "w") if options.log_json else None
+    try:
+        summary = run_swarm_trainer(admission.config, options, initial_peers=admission.initial_peers,
+                                    steps=args.steps, log_json=log_json, evaluate=options.evaluate,
+                                    credentials=admission.credentials, authorizer=admission.authorizer,
+                                    metrics=metrics)
+    finally:
+        if log_json is not None:
+            log_json.close()
+    text = json.dumps(summary)
+    if options.summary_json:
+        Path(options.summary_json).write_text(text + "\n")
+    print(text)
+    return 0
 
 
 def _die_with_parent() -> None:

@@ -43,15 +43,30 @@ from agora.node.admission import add_admission_arguments
 from agora.node.doctor import (FAIL, Check, authorizer_check, as_json, clock_check, disk_check, exit_code,
                                floor_checks, format_line, memory_check, reachability_check, refused_check, unknown,
                                version_check)
-from agora.node.run_flags import add_option_flags, add_run_arguments, non_negative_int
+from pydantic import StrictInt, StrictStr
+from pydantic.dataclasses import dataclass
+
+from agora.node.run_flags import add_option_flags, add_run_arguments
+from agora.node.worker.join_options import JoinOptions
 from agora.pipeline.config import ConfigError, RunConfig
+from agora.pipeline.schema import SECTION, like
 
 if TYPE_CHECKING:
     from agora.protos.authorizer_adapter import JoinCheck
 
-__all__ = ["add_doctor_command"]
+__all__ = ["DoctorOptions", "add_doctor_command"]
 
 _AUTHORIZER_CHECKS = ("rtt", "upload", "download", "accelerator", "ram", "reachability", "clock")
+
+
+@dataclass(frozen=True, config=SECTION)
+class DoctorOptions:
+    """Which stage the doctor checks and where its checkpoints would go: `join`'s declarations."""
+
+    stage: StrictInt | None = like(JoinOptions, "stage", description=(
+        "the stage to check (default: the one the authorizer would assign now, else every stage)"))
+    checkpoint_dir: StrictStr | None = like(JoinOptions, "checkpoint_dir", description=(
+        "where checkpoints would go (default: checkpoints/ in the --state-dir join would use)"))
 
 
 def add_doctor_command(commands) -> None:
@@ -66,10 +81,7 @@ def add_doctor_command(commands) -> None:
     add_option_flags(doctor.add_argument_group("worker", "as for join: where it listens and announces, what it "
                                                          "keeps (the memory plan)"), WorkerOptions,
                      skip=("--otlp-endpoint", "--trace-sample"))  # it serves no calls to trace
-    doctor.add_argument("--stage", type=non_negative_int, default=None,
-                        help="the stage to check (default: the one the authorizer would assign now, else every stage)")
-    doctor.add_argument("--checkpoint-dir", default=None,
-                        help="where checkpoints would go (default: checkpoints/ in the --state-dir join would use)")
+    add_option_flags(doctor.add_argument_group("doctor", "what it checks"), DoctorOptions)
     doctor.add_argument("--json", action="store_true", help="print one JSON object with every check")
     add_admission_arguments(doctor)
     doctor.set_defaults(handler=_cmd_doctor)
@@ -89,6 +101,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                           "and --ca-fingerprint)")
     check_runtime_flags(args)
     worker = options_from_args(WorkerOptions, args, "worker")
+    asked = options_from_args(DoctorOptions, args, "doctor")
     port = worker.port or free_port(worker.host)
     try:
         announce = (announced_host(worker.host, worker.announce_host), port)
@@ -97,13 +110,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     hardware = hardware_report(resolve_device(explicit_settings(args).get("runtime.device") or "auto"))
     config_for = config_chooser(args, run_config)
     checks, config, run_id, verdict = asyncio.run(_authorizer_checks(
-        options, config_for, hardware=hardware, announce=announce, listen_host=worker.host, stage=args.stage))
-    stages = _stages(config, args.stage, verdict.stage if verdict is not None else None)
+        options, config_for, hardware=hardware, announce=announce, listen_host=worker.host, stage=asked.stage))
+    stages = _stages(config, asked.stage, verdict.stage if verdict is not None else None)
     stage_assigned = (verdict is not None and verdict.refused is None and verdict.stage is not None
                       and config is not None and 0 <= verdict.stage < len(config.model.layer_split))
     if stage_assigned:
         checks += _member_links(verdict)
-    machine = _machine_checks(config, stages, worker, args.checkpoint_dir, run_id)
+    machine = _machine_checks(config, stages, worker, asked.checkpoint_dir, run_id)
     checks += machine[:-1] + ([_share(config, verdict)] if stage_assigned else []) + machine[-1:]  # the versions last
     print(as_json(checks) if args.json else "\n".join(format_line(check) for check in checks))
     sys.stdout.flush()

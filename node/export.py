@@ -24,6 +24,7 @@ Design choices:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import random
@@ -39,7 +40,7 @@ if TYPE_CHECKING:  # hivemind and torch: imported by the export itself, not by `
     from agora.dht.swarm import SwarmDHT
     from agora.pipeline.checkpoint import StageState
 
-__all__ = ["ExportOptions", "run_export", "add_export_command", "cmd_export"]
+__all__ = ["ExportOptions", "run_export", "add_export_command", "cmd_export", "add_export_hf_command"]
 
 logger = logging.getLogger("agora.node.export")
 
@@ -154,6 +155,7 @@ def add_export_command(commands) -> None:
     """Mount `agora-node export`."""
     from agora.node.admission import add_admission_arguments
     from agora.node.run_flags import add_run_arguments
+    from agora.node.swarm_options import add_swarm_flags
 
     export = commands.add_parser(
         "export", help="the whole model from the swarm, as a checkpoint and a transformers export (operator)",
@@ -162,9 +164,7 @@ def add_export_command(commands) -> None:
                     "included) and DIR/hf (`AutoModelForCausalLM.from_pretrained(DIR/hf)` loads it).")
     add_run_arguments(export, steps_help="planned run length (only for the run fingerprint)")
     export.add_argument("--out", required=True, metavar="DIR", help="where DIR/checkpoint and DIR/hf are written")
-    export.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
-    export.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
-                        help="DHT multiaddrs to join through (default: those the operator credential names)")
+    add_swarm_flags(export)
     export.add_argument("--timeout", type=float, default=480.0, metavar="S",
                         help="each stage's download, over every donor tried (default 480)")
     add_admission_arguments(export)
@@ -173,14 +173,44 @@ def add_export_command(commands) -> None:
 
 def cmd_export(args) -> int:
     from agora.node.admission import AdmissionOptions, admit_node, config_chooser
-    from agora.node.run_flags import run_config
+    from agora.node.run_flags import options_from_args, run_config
+    from agora.node.swarm_options import SwarmOptions
 
     if not args.timeout > 0:
         raise ConfigError(f"--timeout: must be positive, got {args.timeout}")
-    admission = admit_node(AdmissionOptions.from_args(args), role="operator", run_id=args.run_id, stage=None,
-                           config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers))
+    swarm = options_from_args(SwarmOptions, args, "swarm")
+    admission = admit_node(AdmissionOptions.from_args(args), role="operator", run_id=swarm.run_id, stage=None,
+                           config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
     if not admission.initial_peers:
         raise ConfigError("--initial-peers: the swarm's DHT peers are needed (the operator credential names none)")
     options = ExportOptions(out=args.out, run_id=admission.run_id, initial_peers=admission.initial_peers,
                             timeout_s=args.timeout)
     return run_export(admission.config, options, admission.credentials)
+
+
+def add_export_hf_command(commands) -> None:
+    export = commands.add_parser("export-hf", help="write a transformers checkpoint (config.json + safetensors + "
+                                 "the run's tokenizer)",
+                                 description="Assemble every stage of a checkpoint into one model and save it so "
+                                             "AutoModelForCausalLM.from_pretrained loads it.")
+    export.add_argument("--checkpoint", required=True, help="checkpoint folder (or a folder with 'latest')")
+    export.add_argument("--out", required=True, help="output folder")
+    export.set_defaults(handler=_cmd_export_hf)
+
+
+def _cmd_export_hf(args: argparse.Namespace) -> int:
+    from agora.pipeline.checkpoint import load_checkpoint
+    from agora.pipeline.interop import save_pretrained, save_tokenizer
+    from agora.pipeline.stages import assemble_model
+
+    step, config, states, _ = load_checkpoint(args.checkpoint)
+    if sorted(s.index for s in states) != list(range(len(config.layer_split))):
+        raise ConfigError(f"--checkpoint: {args.checkpoint} does not hold every stage (has {[s.index for s in states]})")
+    model = assemble_model(config.model, [s.model for s in states])
+    save_pretrained(model, args.out)
+    try:
+        save_tokenizer(config.data.tokenizer, args.out)
+    except ConfigError as error:  # the weights are worth keeping: the tokenizer file can be copied in later
+        print(f"export-hf: no tokenizer written: {error}")
+    print(f"export-hf: step {step} -> {args.out}")
+    return 0

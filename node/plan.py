@@ -19,18 +19,46 @@ import hashlib
 import importlib
 import json
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from agora.pipeline.config import COMPUTE_DTYPES, ConfigError, RunConfig
+from pydantic import StrictFloat, StrictInt
+from pydantic.dataclasses import dataclass
+
+from agora.node.inference.options import InferenceOptions
+from agora.node.worker.options import WorkerOptions
+from agora.pipeline.config import ConfigError, RunConfig, RuntimeConfig
+from agora.pipeline.schema import SECTION, like, setting
 
 if TYPE_CHECKING:  # torch: imported by the commands that plan, not by parsing their flags
-    from agora.node.inference.options import InferenceOptions
     from agora.pipeline.memory import MemoryOptions, StagePlan
     from agora.pipeline.runtime import DeviceMemory, Runtime
 
-__all__ = ["add_plan_command", "cached_plan_stage", "check_stage_fits", "stage_memory_problem", "worker_memory_options"]
+__all__ = ["PlanOptions", "add_plan_command", "cached_plan_stage", "check_stage_fits", "stage_memory_problem",
+           "worker_memory_options"]
 
 logger = logging.getLogger("agora.node.plan")
+
+
+@dataclass(frozen=True, config=SECTION)
+class PlanOptions:
+    """What `plan` sizes the workers for: the device and precision it plans on (not this machine's),
+    and the worker options that change what a worker holds (a worker's own declarations, `like`)."""
+
+    device: Literal["auto", "cpu", "cuda"] | None = setting(
+        None, "the device type to plan for (default: the config's, auto: this machine's)", flag="--device")
+    dtype: Literal["fp32", "bf16"] | None = like(RuntimeConfig, "dtype", default=None,
+                                                 description="compute precision (default: the config's)")
+    microbatch: StrictInt | None = setting(
+        None, "samples per microbatch (default: the run's train.microbatch_size)", flag="--microbatch", metavar="M",
+        gt=0)
+    pinned_weights: StrictInt | None = like(WorkerOptions, "pinned_weights", default=None)
+    in_flight: StrictInt | None = setting(
+        None, "forward inputs a worker stashes at most (default: the worker's stash capacity, worker.stash_capacity)",
+        flag="--in-flight", metavar="N", gt=0)
+    max_kv_cache_gib: StrictFloat | None = like(InferenceOptions, "max_kv_cache_gib")
+    memory_gb: StrictFloat | None = setting(
+        None, "say per stage whether it fits G GB (decimal, as cards are sold) of device memory", flag="--memory-gb",
+        metavar="G", gt=0)
 
 
 def worker_memory_options(config: RunConfig, *, rows: int | None = None, pinned_versions: int | None = None,
@@ -38,9 +66,7 @@ def worker_memory_options(config: RunConfig, *, rows: int | None = None, pinned_
     """What a worker with these options keeps: by default `join`'s (the run's microbatch, 2 pinned
     versions, the stash's 64 entries, the inference sessions' cache budget) and the Abort records of
     a whole global batch (one replica)."""
-    from agora.node.inference.options import InferenceOptions
     from agora.node.worker.options import DEFAULT_PINNED_VERSIONS
-    from agora.node.worker.worker import WorkerOptions
     from agora.pipeline.memory import MemoryOptions
 
     inference = inference or InferenceOptions()
@@ -55,27 +81,19 @@ def worker_memory_options(config: RunConfig, *, rows: int | None = None, pinned_
 def _cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
-    from agora.node.inference.options import InferenceOptions
-    from agora.node.run_flags import run_config
+    from agora.node.run_flags import options_from_args, run_config
     from agora.pipeline.memory import format_plan, plan_run
 
-    for flag, value in (("--microbatch", args.microbatch), ("--in-flight", args.in_flight)):
-        if value is not None and value <= 0:
-            raise ConfigError(f"{flag}: must be positive, got {value}")
-    if args.pinned_weights is not None and args.pinned_weights < 0:
-        raise ConfigError(f"--pinned-weights: must be >= 0, got {args.pinned_weights}")
-    for flag, value in (("--memory-gb", args.memory_gb), ("--max-kv-cache-gib", args.max_kv_cache_gib)):
-        if value is not None and not value > 0:
-            raise ConfigError(f"{flag}: must be positive, got {value}")
+    asked = options_from_args(PlanOptions, args, "plan")
     config = run_config(args)  # (the plan's --device/--dtype are not this machine's: kept apart from it)
-    device = args.plan_device or config.runtime.device
+    device = asked.device or config.runtime.device
     device_type = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device.split(":")[0]
-    inference = InferenceOptions(max_kv_cache_gib=args.max_kv_cache_gib)
-    options = worker_memory_options(config, rows=args.microbatch, pinned_versions=args.pinned_weights,
-                                    in_flight=args.in_flight, inference=inference)
-    plans = plan_run(config, options, device_type=device_type, dtype=args.plan_dtype or config.runtime.dtype,
-                     weights=config.runtime.weights)
-    available = None if args.memory_gb is None else int(args.memory_gb * 1e9)
+    dtype = asked.dtype or config.runtime.dtype
+    inference = InferenceOptions(max_kv_cache_gib=asked.max_kv_cache_gib)
+    options = worker_memory_options(config, rows=asked.microbatch, pinned_versions=asked.pinned_weights,
+                                    in_flight=asked.in_flight, inference=inference)
+    plans = plan_run(config, options, device_type=device_type, dtype=dtype, weights=config.runtime.weights)
+    available = None if asked.memory_gb is None else int(asked.memory_gb * 1e9)
     if args.json:
         print(json.dumps({"config": config.name, "device": device_type, "microbatch": options.microbatch,
                           "seq_len": options.seq_len, "in_flight": options.in_flight,
@@ -83,17 +101,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                           "session_positions": options.session_positions, "kv_cache_bytes": options.kv_cache_bytes,
                           "stages": [plan.as_dict() for plan in plans]}))
     else:
-        print(f"memory plan: {config.name}, {len(plans)} stages, {device_type} {args.plan_dtype or config.runtime.dtype}, "
+        print(f"memory plan: {config.name}, {len(plans)} stages, {device_type} {dtype}, "
               f"microbatch {options.microbatch} x {options.seq_len} tokens, {options.in_flight} forwards stashed, "
               f"{options.pinned_versions} pinned versions, {options.applied} microbatches per step, inference "
-              + (f"caches of {args.max_kv_cache_gib:g} GiB" if args.max_kv_cache_gib is not None else
+              + (f"caches of {asked.max_kv_cache_gib:g} GiB" if asked.max_kv_cache_gib is not None else
                  f"caches for {inference.max_sessions} sessions of {inference.session_tokens(config)} positions"))
-        print(format_plan(plans, args.memory_gb))
+        print(format_plan(plans, asked.memory_gb))
     return 1 if available is not None and any(plan.shortfall(available) for plan in plans) else 0
 
 
 def add_plan_command(commands) -> None:
-    from agora.node.run_flags import add_run_arguments
+    from agora.node.run_flags import add_option_flags, add_run_arguments
 
     plan = commands.add_parser("plan", help="what one worker of each stage needs in memory, and whether it fits",
                                description="Per stage: parameters, gradients, optimizer state, pinned weight "
@@ -102,21 +120,7 @@ def add_plan_command(commands) -> None:
                                            "and the peak, in GiB, computed from the stage's modules without "
                                            "allocating them. Exit 1 when a stage does not fit --memory-gb.")
     add_run_arguments(plan, steps_help="planned run length (does not change the plan)", skip=("--device", "--dtype"))
-    plan.add_argument("--device", dest="plan_device", default=None, choices=["auto", "cpu", "cuda"],
-                      help="the device type to plan for (default: the config's, auto: this machine's)")
-    plan.add_argument("--dtype", dest="plan_dtype", default=None, choices=COMPUTE_DTYPES,
-                      help="compute precision (default: the config's)")
-    plan.add_argument("--microbatch", type=int, default=None, metavar="M",
-                      help="samples per microbatch (default: the run's train.microbatch_size)")
-    plan.add_argument("--pinned-weights", type=int, default=None, metavar="N",
-                      help="earlier weight versions each head or body worker keeps (default 2)")
-    plan.add_argument("--in-flight", type=int, default=None, metavar="N",
-                      help="forward inputs a worker stashes at most (default: the worker's stash capacity, 64)")
-    plan.add_argument("--max-kv-cache-gib", type=float, default=None, metavar="G",
-                      help="GiB the inference sessions' attention caches may hold on each worker (default: the "
-                           "worker's, max_sessions sessions of max_session_tokens positions, one row each)")
-    plan.add_argument("--memory-gb", type=float, default=None, metavar="G",
-                      help="say per stage whether it fits G GB (decimal, as cards are sold) of device memory")
+    add_option_flags(plan.add_argument_group("plan", "what it plans for"), PlanOptions)
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object (bytes)")
     plan.set_defaults(handler=_cmd_plan)
 

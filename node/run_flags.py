@@ -28,7 +28,7 @@ from agora.pipeline.config import (ConfigError, RunConfig, RuntimeConfig, checke
 from agora.pipeline.schema import Setting, explain, leaves, nested
 
 __all__ = ["add_run_arguments", "run_config", "run_config_sources", "explicit_settings", "setting_flags",
-           "check_runtime_flags", "non_negative_int", "add_config_command", "add_option_flags", "options_from_args"]
+           "check_runtime_flags", "add_config_command", "add_option_flags", "options_from_args"]
 
 _NONE = ("none", "null")
 # Leaves without a flag of their own: the name is the config's, the seed is --seed's.
@@ -92,7 +92,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str, seed_
             names.remove(item.short_flag)
         (machine if item.local else run).add_argument(
             *names, dest=item.path, type=_parser_of(item), default=argparse.SUPPRESS, choices=item.choices,
-            nargs="+" if item.is_tuple else None, metavar=item.path.rpartition(".")[2].upper(), help=_help(item))
+            nargs="+" if item.is_tuple else None, metavar=item.metavar, help=_help(item))
 
 
 def explicit_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -147,16 +147,6 @@ def check_runtime_flags(args: argparse.Namespace) -> None:
         from agora.pipeline.runtime import Runtime
 
         Runtime.from_config(checked(RuntimeConfig, "runtime", **values))
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def setting_flags(settings: dict[str, Any]) -> list[str]:
@@ -231,7 +221,7 @@ def add_option_flags(parser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
         parser.add_argument(item.short_flag, dest=_option_dest(item), type=_parser_of(item),
                             default=None if item.is_tuple else item.default, choices=item.choices,
                             **({"nargs": "+", "action": "extend"} if item.is_tuple else {}),  # repeatable
-                            metavar=item.path.rpartition(".")[2].upper(), help=help_text)
+                            metavar=item.metavar, help=help_text)
 
 
 def options_from_args(cls: type, args: argparse.Namespace, section: str, **given: Any) -> Any:

@@ -45,11 +45,12 @@ Fraction = Annotated[StrictFloat, Field(ge=0, lt=1)]
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None, local: bool = False,
-            default_factory: Any = None, **bounds: Any) -> Any:
+            metavar: str | None = None, default_factory: Any = None, **bounds: Any) -> Any:
     """One setting's declaration. `flag`: a short command-line name beside `--section.field`;
     `local`: this machine's choice (where it computes, caches, how long it warms up), left out of
-    the run fingerprint so that processes differing in it still serve one run."""
-    extra = {key: value for key, value in (("flag", flag), ("local", local)) if value}
+    the run fingerprint so that processes differing in it still serve one run; `metavar`: what
+    `--help` calls the flag's value (default: the field's name)."""
+    extra = {key: value for key, value in (("flag", flag), ("local", local), ("metavar", metavar)) if value}
     if default_factory is not None:
         bounds["default_factory"] = default_factory
     elif default is not dataclasses.MISSING:  # (none: the field is required)
@@ -85,6 +86,10 @@ class Setting:
     @property
     def local(self) -> bool:
         return bool(self.extra.get("local"))
+
+    @property
+    def metavar(self) -> str:
+        return self.extra.get("metavar") or self.path.rpartition(".")[2].upper()
 
     @property
     def choices(self) -> tuple | None:

@@ -10,10 +10,10 @@ from typing import Annotated, Any
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from pydantic.dataclasses import dataclass
 
-from agora.dht.key_families import MAX_HEARTBEAT_S
 from agora.node.run_flags import explicit_settings, options_from_args, setting_flags
 from agora.node.trainer.options import TrainerOptions
 from agora.node.tracing_options import TracingOptions
+from agora.node.worker.join_options import JoinOptions
 from agora.node.worker.options import WorkerOptions
 from agora.pipeline.config import PRESETS
 from agora.pipeline.schema import SECTION, like, setting
@@ -59,9 +59,8 @@ class DemoOptions:
     run_id: StrictStr = setting("demo", "the run's identifier", min_length=1)
     insecure: StrictBool = setting(False, "run without the authorizer: no admission, no TLS, no signed DHT records",
                                    flag="--insecure")
-    heartbeat_s: StrictFloat = setting(
-        1.0, "seconds between the workers' DHT announces (quick failure detection on one machine; `join` "
-        "defaults to 5)", flag="--heartbeat", gt=0, le=MAX_HEARTBEAT_S)
+    heartbeat_s: StrictFloat = like(JoinOptions, "heartbeat_s", default=1.0, description=(
+        "seconds between the workers' DHT announces (quick failure detection on one machine; `join` defaults to 5)"))
     credential_lifetime: StrictFloat | None = setting(
         None, "seconds each credential is valid (nodes renew at half life; default: the authorizer's, 1 hour)",
         flag="--credential-lifetime", ge=10)
@@ -76,9 +75,7 @@ class DemoOptions:
     monitor: StrictBool = setting(True, "do not start the monitor (status page, /sd, /metrics)", flag="--no-monitor")
     monitor_port: StrictInt = setting(0, "the monitor's HTTP port: status page, /sd, /metrics (0: a free one)",
                                       flag="--monitor-port", ge=0, lt=65536)
-    checkpoint_every: StrictInt | None = setting(
-        None, "the workers' checkpoint interval (default: the config's train.checkpoint_every)",
-        flag="--checkpoint-every", ge=0)
+    checkpoint_every: StrictInt | None = like(JoinOptions, "checkpoint_every")
     resume: StrictBool = setting(
         False, "restart every role of --workdir from its checkpoints: workers from the newest step all of them "
         "have, trainers from that step on", flag="--resume")

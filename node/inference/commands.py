@@ -5,9 +5,11 @@
 replicas, and a `SwarmGenerator` over them. Their run config is the one the workers serve: name
 the same checkpoint (`--checkpoint C`, or `--config C`), or the same run flags.
 
-`serve`'s API keys and bounds on load are `ServeOptions` (node/inference/options.py); the key file
-is read before anything starts, so a bad one is a one-line error and exit 2. Its listening flags
-(--host, --port, --model-name) are plain argparse flags, as `generate`'s are.
+`serve`'s address, model name, API keys and bounds on load are `ServeOptions`, and both commands'
+call deadline is `ClientOptions` (node/inference/options.py); the key file is read before anything
+starts, so a bad one is a one-line error and exit 2. `generate`'s sampling flags are the request's
+parameters, checked by `Sampling` as the HTTP API's are; `--checkpoint` is another name for
+`--config`.
 """
 
 from __future__ import annotations
@@ -22,23 +24,17 @@ import sys
 from typing import Awaitable, Callable, TypeVar
 
 from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
-from agora.node.inference.options import ServeOptions
+from agora.node.inference.options import ClientOptions, ServeOptions
 from agora.node.rpc.server import is_loopback_host
 from agora.node.run_flags import add_option_flags, add_run_arguments, options_from_args, run_config
+from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.pipeline.config import ConfigError
 
-__all__ = ["add_serving_arguments", "add_client_commands", "run_client"]
+__all__ = ["add_client_commands", "run_client", "serve_only_config_flags"]
 
 logger = logging.getLogger("agora.node.inference")
 
 T = TypeVar("T")
-
-
-def add_serving_arguments(join: argparse.ArgumentParser) -> None:
-    """`join`'s inference flag beside the worker's options (node/worker/options.py: --serve-only and
-    the sessions' bounds)."""
-    join.add_argument("--checkpoint", default=None, metavar="C",
-                      help="with --serve-only: the checkpoint to serve (also the run config unless --config)")
 
 
 def serve_only_config_flags(args: argparse.Namespace) -> None:
@@ -64,10 +60,8 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
                       seed_flag="--run-seed")
     parser.add_argument("--checkpoint", default=None, metavar="C",
                         help="the checkpoint the workers serve: its run config (same as --config C)")
-    parser.add_argument("--run-id", default="agora", help="run identifier shared by every peer of the run")
-    parser.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
-                        help="DHT multiaddrs to join through (printed by `agora-node bootstrap`)")
-    parser.add_argument("--call-timeout", type=float, default=30.0, metavar="S", help="deadline of one call")
+    add_swarm_flags(parser)
+    add_option_flags(parser.add_argument_group("client", "how it calls the workers"), ClientOptions)
     add_admission_arguments(parser)
 
 
@@ -93,11 +87,7 @@ def add_client_commands(commands) -> None:
                                             "--host:--port; with it, each request needs 'Authorization: Bearer "
                                             "KEY' (OpenAI's clients: api_key=KEY).")
     _add_client_arguments(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
-    serve.add_argument("--port", type=int, default=8000, help="HTTP port (0: pick a free one)")
-    serve.add_argument("--model-name", default=None, help="the model id clients name (default: agora-<config name>)")
-    serve.add_argument("--ready-file", default=None, help="write the API's base URL here once serving")
-    add_option_flags(serve.add_argument_group("access and load", "who may use the API, and how much at once"),
+    add_option_flags(serve.add_argument_group("the API", "where it listens, who may use it, and how much at once"),
                      ServeOptions)
     serve.set_defaults(handler=cmd_serve)
 
@@ -107,8 +97,9 @@ def _client_config(args: argparse.Namespace):
         if args.config is not None:
             raise ConfigError("--checkpoint and --config both name the run config: give one")
         args.config = args.checkpoint
-    return admit_node(AdmissionOptions.from_args(args), role="client", run_id=args.run_id, stage=None,
-                      config_for=config_chooser(args, run_config), initial_peers=tuple(args.initial_peers))
+    swarm = options_from_args(SwarmOptions, args, "swarm")
+    return admit_node(AdmissionOptions.from_args(args), role="client", run_id=swarm.run_id, stage=None,
+                      config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
 
 
 def run_client(admission, call_timeout_s: float, main: Callable[..., Awaitable[T]]) -> T:
@@ -166,6 +157,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from agora.pipeline.inference import Sampling
     from agora.pipeline.tokenizer import load_tokenizer
 
+    client = options_from_args(ClientOptions, args, "client")
     admission = _client_config(args)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.sampling_seed).validate()
     tokenizer = load_tokenizer(admission.config.data.tokenizer)
@@ -193,7 +185,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   f"replays {stats.replays}", file=sys.stderr)
         return 0
 
-    return run_client(admission, args.call_timeout, main)
+    return run_client(admission, client.call_timeout_s, main)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -202,15 +194,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from agora.node.inference.openai_api import OpenAIServer
 
     options = options_from_args(ServeOptions, args, "serve")
+    client = options_from_args(ClientOptions, args, "client")
     keys = load_api_keys(options.api_key_file) if options.api_key_file is not None else None
-    if keys is None and not is_loopback_host(args.host):
-        print(f"serve: WARNING: no --api-key-file: anyone who reaches {args.host}:{args.port} can use the API",
+    if keys is None and not is_loopback_host(options.host):
+        print(f"serve: WARNING: no --api-key-file: anyone who reaches {options.host}:{options.port} can use the API",
               file=sys.stderr, flush=True)
     admission = _client_config(args)
     from agora.pipeline.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(admission.config.data.tokenizer)
-    model_name = args.model_name or f"agora-{admission.config.name}"
+    model_name = options.model_name or f"agora-{admission.config.name}"
 
     async def main(generator) -> int:
         stop = asyncio.Event()
@@ -218,9 +211,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         server = OpenAIServer(generator, tokenizer, model_name=model_name, keys=keys, options=options)
-        url = await server.start(args.host, args.port)
-        if args.ready_file:
-            write_ready_file(args.ready_file, [url])
+        url = await server.start(options.host, options.port)
+        if options.ready_file:
+            write_ready_file(options.ready_file, [url])
         access = f"{len(keys.names)} API keys" if keys is not None else "no API key needed"
         print(f"serve: OpenAI-compatible API at {url} (model {model_name!r}, {access}, at most "
               f"{options.max_concurrent_requests} completions at once); Ctrl-C stops", file=sys.stderr, flush=True)
@@ -230,5 +223,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
             await server.stop()
         return 0
 
-    return run_client(admission, args.call_timeout, main)
+    return run_client(admission, client.call_timeout_s, main)
 

@@ -1,6 +1,7 @@
-"""`InferenceOptions`: a worker's bounds on inference sessions; `ServeOptions`: who may use `agora-node
-serve`'s HTTP API and how much of it at once. Sections of the settings schema (pipeline/schema.py):
-`join`'s and `serve`'s flags for them come from here. Light: the CLI imports it to build its
+"""`InferenceOptions`: a worker's bounds on inference sessions; `ServeOptions`: where `agora-node
+serve`'s HTTP API listens, who may use it and how much of it at once; `ClientOptions`: how
+`generate` and `serve` call the workers. Sections of the settings schema (pipeline/schema.py):
+`join`'s, `generate`'s and `serve`'s flags for them come from here. Light: the CLI imports it to build its
 parser, before torch.
 
 The sessions' attention caches live on the stage's device beside training's state, so their bytes
@@ -21,7 +22,7 @@ from agora.pipeline.schema import SECTION, NoneOr, setting
 
 GiB = 2**30
 
-__all__ = ["InferenceOptions", "ServeOptions"]
+__all__ = ["InferenceOptions", "ClientOptions", "ServeOptions"]
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -66,7 +67,19 @@ class InferenceOptions:
 
 
 @dataclass(frozen=True, config=SECTION)
+class ClientOptions:
+    """How `generate` and `serve` call the serving workers."""
+
+    call_timeout_s: StrictFloat = setting(30.0, "deadline of one call", flag="--call-timeout", metavar="S", gt=0)
+
+
+@dataclass(frozen=True, config=SECTION)
 class ServeOptions:
+    host: StrictStr = setting("127.0.0.1", "address the HTTP server listens on", flag="--host", min_length=1)
+    port: StrictInt = setting(8000, "HTTP port (0: pick a free one)", flag="--port", ge=0, lt=65536)
+    model_name: StrictStr | None = setting(None, "the model id clients name (default: agora-<config name>)",
+                                           flag="--model-name", min_length=1)
+    ready_file: StrictStr | None = setting(None, "write the API's base URL here once serving", flag="--ready-file")
     api_key_file: Annotated[StrictStr | None, NoneOr] = setting(
         None, "a file of API keys, one per line ('#' starts a comment, blank lines are skipped; a key is 16 to 256 "
         "printable characters without spaces); each request must then carry one as 'Authorization: Bearer KEY', "

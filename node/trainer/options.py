@@ -107,6 +107,12 @@ class TrainerOptions:
     time_budget_s: StrictFloat | None = setting(
         None, "start no global batch after this many seconds of training (those in flight finish, then the "
         "held-out evaluation); --steps still sets the schedule", flag="--time-budget", gt=0)
+    log_json: StrictStr | None = setting(
+        None, "write one JSON object per global batch here (appended to from --start-step on)", flag="--log-json",
+        metavar="FILE")
+    summary_json: StrictStr | None = setting(None, "write the final summary here", flag="--summary-json",
+                                             metavar="FILE")
+    evaluate: StrictBool = setting(True, "skip the held-out evaluation at the end", flag="--no-eval")
     tracing: TracingOptions = setting(default_factory=TracingOptions)
 
     @model_validator(mode="after")
@@ -119,8 +125,19 @@ class TrainerOptions:
 @dataclass(frozen=True, config=SECTION)
 class TrainLocalOptions:
     """`train-local`'s options: the centralized reference run, which encodes its stage boundaries as a
-    trainer does, so that the swarm can be compared with it at the same precision. The files it
-    writes (--log-json, --checkpoint-dir) and --resume are the command's own arguments."""
+    trainer does, so that the swarm can be compared with it at the same precision, and the files it
+    writes and resumes from."""
 
     wire_dtype: WireDtype = like(TrainerOptions, "wire_dtype", description=(
         "encoding of the boundary tensors between stages (fp32: lossless)"))
+    log_json: StrictStr | None = setting(None, "write one JSON object per step to this file", flag="--log-json",
+                                         metavar="FILE")
+    checkpoint_dir: StrictStr | None = setting(None, "write atomic checkpoints here", flag="--checkpoint-dir",
+                                               metavar="DIR")
+    resume: StrictBool = setting(False, "continue from the newest checkpoint in --checkpoint-dir", flag="--resume")
+
+    @model_validator(mode="after")
+    def _agree(self) -> "TrainLocalOptions":
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume: --resume needs --checkpoint-dir")
+        return self

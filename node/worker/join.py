@@ -42,7 +42,6 @@ from agora.dht.averaging import AveragingAdmission, RoundBoard, SliceAverager
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.leases import UnitWriters, read_block
-from agora.dht.key_families import MAX_HEARTBEAT_S
 from agora.dht.keys import averaging_prefix, move_key
 from agora.dht.records import TRAINING_PHASES, MoveRecord, Phase, WorkerRecord
 from agora.dht.robust import RobustAggregation
@@ -64,6 +63,7 @@ from agora.node.observability import MetricsOptions, NodeMetrics, package_versio
 from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.tracing_export import start_tracing, traced_calls
 from agora.node.replica.epoch import stage_step
+from agora.node.worker.join_options import JoinOptions
 from agora.node.worker.unit_holders import UnitHolders
 from agora.node.worker.watchdog import NodeHealth, Watchdog
 from agora.node.worker.worker import StageWorker, WorkerOptions
@@ -79,7 +79,7 @@ from agora.pipeline.checkpoint import CheckpointError, checkpoint_steps, read_me
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import run_fingerprint
 
-__all__ = ["EXIT_REVOKED", "EXIT_STOPPED_NOW", "JoinOptions", "WorkerExit", "run_worker", "package_version"]
+__all__ = ["EXIT_REVOKED", "EXIT_STOPPED_NOW", "WorkerExit", "run_worker", "package_version"]
 
 # Exit status of a worker that left because its credential was revoked (banned) or ran out.
 EXIT_REVOKED = 3
@@ -96,34 +96,6 @@ class WorkerExit:
     move_to: int | None = None
 
 logger = logging.getLogger("agora.node.join")
-
-
-@dataclass(frozen=True)
-class JoinOptions:
-    stage: int
-    run_id: str = "agora"
-    initial_peers: tuple[str, ...] = ()
-    dht_host: str = "127.0.0.1"
-    dht_port: int = 0
-    heartbeat_s: float = 5.0
-    ready_file: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # optimizer steps between periodic checkpoints (0: only when leaving)
-    resume_step: int | None = None  # resume from this step's checkpoint (None: the newest complete one)
-    stats_file: str | None = None  # averaging counters, written as JSON on exit
-    authorizer: str | None = None  # host:port to renew the credential with (None: no renewal)
-    serve_checkpoint: str | None = None  # serve-only: the checkpoint whose weights this stage serves
-    metrics: MetricsOptions = MetricsOptions()  # port 0: no metrics server
-    # The sync phases of a replica joining mid-run (node/membership/phases.py); False joins as a member at once.
-    sync_phases: bool = True
-    state_download_s: float = 480.0  # the whole weight-sync download, over every donor tried
-    rebalance: bool = True  # move to a stage that is short of replicas (node/membership/rebalance.py)
-    rebalance_s: float | None = None  # between two readings of the stages; None: 6 heartbeats
-
-    def __post_init__(self) -> None:
-        # Peers refuse announces meant to outlive a few of the longest beats (dht/key_families.py).
-        if not 0 < self.heartbeat_s <= MAX_HEARTBEAT_S:
-            raise ConfigError(f"--heartbeat: must be in (0, {MAX_HEARTBEAT_S:g}] seconds, got {self.heartbeat_s:g}")
 
 
 def _start_averager(config: RunConfig, options: JoinOptions, swarm: SwarmDHT, security: DHTSecurity | None,
@@ -179,7 +151,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    metrics = metrics if metrics is not None else NodeMetrics(options.metrics)
+    metrics = metrics if metrics is not None else NodeMetrics(MetricsOptions())
     registry = metrics.registry
     revoked: list[str] = []
     moves: list[Move] = []
@@ -267,7 +239,8 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
             rebalancer.start()
             stack.push_async_callback(rebalancer.stop)
         if options.checkpoint_dir and not options.serve_checkpoint:
-            checkpoints = StageCheckpointer(worker, options.checkpoint_dir, config, options.checkpoint_every, averaging)
+            checkpoints = StageCheckpointer(worker, options.checkpoint_dir, config,
+                                            options.checkpoint_interval(config.train.checkpoint_every), averaging)
             await checkpoints.start()
             stack.push_async_callback(checkpoints.stop)
 
@@ -489,12 +462,15 @@ def _state_checks(worker: StageWorker, config: RunConfig) -> StateChecks:
 
 
 def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOptions,
-               credentials: NodeCredentials | None = None) -> WorkerExit:
+               credentials: NodeCredentials | None = None, metrics: MetricsOptions = MetricsOptions()) -> WorkerExit:
     """Blocking: serve until a signal, return the exit code. `credentials`: the node's
-    `NodeCredentials` (a worker credential for this run and stage); None serves --insecure."""
+    `NodeCredentials` (a worker credential for this run and stage); None serves --insecure.
+    `metrics`: where it serves Prometheus metrics (port 0: nowhere)."""
     from agora.node.rpc.server import run as run_loop
 
     n_stages = len(config.layer_split)
+    if options.stage is None:
+        raise ConfigError("--stage: a worker needs the stage it hosts (admission assigns one)")
     if not 0 <= options.stage < n_stages:
         raise ConfigError(f"--stage: {options.stage} out of range for {n_stages} stages")
     # hivemind forks its DHT process: start it before any gRPC server or torch thread exists.
@@ -506,16 +482,16 @@ def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOp
                            host_maddrs=host_maddrs(options.dht_host, options.dht_port), security=security)
     averager = None
     # Its server thread starts inside _serve, after both forks.
-    metrics = NodeMetrics.for_role(options.metrics, role="worker", run_id=options.run_id, version=package_version(),
-                                   stage=options.stage)
+    node_metrics = NodeMetrics.for_role(metrics, role="worker", run_id=options.run_id, version=package_version(),
+                                        stage=options.stage)
     try:
         # Synchronous mode has one replica per stage by definition: nothing to average with.
         if config.sync.method != "none" and not worker_options.synchronous and not worker_options.serve_only:
             # forks too: before the gRPC server
             averager = _start_averager(config, options, swarm, security, worker_options.local_batch)
-        return run_loop(_serve(config, options, worker_options, swarm, averager, credentials, metrics))
+        return run_loop(_serve(config, options, worker_options, swarm, averager, credentials, node_metrics))
     finally:
-        metrics.close()
+        node_metrics.close()
         if averager is not None:
             averager.shutdown()
         swarm.shutdown()

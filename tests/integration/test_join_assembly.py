@@ -9,7 +9,8 @@ import pytest
 from agora.dht.swarm import SwarmDHT
 from agora.node.admission import free_port
 from agora.node.rpc.server import run
-from agora.node.worker.join import JoinOptions, _serve
+from agora.node.worker.join import _serve
+from agora.node.worker.join_options import JoinOptions
 from agora.node.worker.options import WorkerOptions
 from agora.pipeline.config import PRESETS, ConfigError
 

@@ -28,7 +28,8 @@ from agora.dht.swarm import SwarmDHT
 from agora.monitor.http import start_monitor_server
 from agora.monitor.metrics import new_registry
 from agora.monitor.naming import lint
-from agora.monitor.service import MonitorOptions, SwarmMonitor, parse_target
+from agora.monitor.options import MonitorOptions, parse_target
+from agora.monitor.service import SwarmMonitor
 from agora.monitor.swarm_metrics import MonitorMetrics, SwarmCollector
 from agora.monitor.swarm_view import EvalHistory, LossHistory, StaticTarget, scrape_targets, summarize
 from agora.node.trainer.announce import trainer_heartbeat
@@ -200,8 +201,8 @@ def test_the_monitor_reads_announced_workers_and_trainers_from_a_real_dht(caplog
                                                  metrics_endpoint="127.0.0.1:9100", version="1", interval_s=5,
                                                  evaluation=lambda: (4, 3.25))
                 registry = new_registry()
-                monitor = SwarmMonitor(reader, MonitorOptions(run_id=RUN, n_stages=3, trainer_hosts=("127.0.0.1",)),
-                                       registry)
+                monitor = SwarmMonitor(reader, MonitorOptions(port=0, trainer_hosts=("127.0.0.1",)), registry,
+                                       run_id=RUN, n_stages=3)
                 async with beat, pointer, trainer_beat:
                     deadline = asyncio.get_running_loop().time() + 20
                     while True:  # readiness: the monitor's own reads see every record

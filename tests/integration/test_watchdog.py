@@ -22,7 +22,8 @@ from agora.node.ban_publisher import BanPublisher
 from agora.node.rpc.server import run
 from agora.node.trainer.stage_client import StageCallError, StageClient
 from agora.node.worker.watchdog import NodeHealth
-from agora.node.worker.join import JoinOptions, _serve
+from agora.node.worker.join import _serve
+from agora.node.worker.join_options import JoinOptions
 from agora.node.worker.options import WorkerOptions
 from agora.node.worker.watchdog_rules import EXIT_CODES, WatchdogOptions, first_tripped
 from agora.node.worker.worker import StageWorker

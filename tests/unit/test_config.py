@@ -233,12 +233,13 @@ def test_config_show_prints_a_file_that_loads_back_with_each_source(tmp_path, ca
 
 
 def test_pinned_weights_reach_the_worker_and_the_demo_hands_them_on():
-    from agora.node.cli import _worker_options, build_parser
+    from agora.node.cli import build_parser
     from agora.node.demo.demo import DemoOptions
+    from agora.node.run_flags import options_from_args
     from agora.node.worker.worker import WorkerOptions
 
     def options_of(*argv):
-        return _worker_options(build_parser().parse_args(["join", "--stage", "0", *argv]))
+        return options_from_args(WorkerOptions, build_parser().parse_args(["join", "--stage", "0", *argv]), "worker")
 
     assert options_of().pinned_weights == WorkerOptions().pinned_weights == 2
     assert options_of("--pinned-weights", "0").pinned_weights == 0

@@ -127,7 +127,7 @@ def test_plan_command_and_join_count_the_cache_budget_they_are_given(capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed["kv_cache_bytes"] == 2**28 and printed["stages"][0]["kv_cache"] == 2**28
     assert main(["plan", "--config", "tiny", "--max-kv-cache-gib", "0"]) == 2
-    assert "--max-kv-cache-gib: must be positive, got 0.0" in capsys.readouterr().err
+    assert "plan.max_kv_cache_gib: must be > 0, got 0.0" in capsys.readouterr().err
     code = main(["join", "--insecure", "--config", "tiny", "--stage", "0", "--device", "cpu",
                  "--max-kv-cache-gib", "1000000"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -152,7 +152,13 @@ def test_plan_command_prints_every_stage_and_whether_it_fits(capsys):
 def test_plan_command_refuses_bad_flags_in_one_line(capsys):
     assert main(["plan", "--config", "tiny", "--microbatch", "0"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("agora-node plan: error: --microbatch") and "\n" not in err
+    assert err == "agora-node plan: error: plan.microbatch: must be > 0, got 0"
+    for flag, value, bound in (("--pinned-weights", "-1", ">= 0"), ("--in-flight", "0", "> 0"),
+                               ("--memory-gb", "0", "> 0")):
+        assert main(["plan", "--config", "tiny", flag, value]) == 2
+        field = flag.removeprefix("--").replace("-", "_")
+        assert capsys.readouterr().err.strip() == f"agora-node plan: error: plan.{field}: must be {bound}, got " + (
+            value if flag != "--memory-gb" else "0.0")
 
 
 def test_join_refuses_a_stage_that_does_not_fit_before_starting_anything(capsys):

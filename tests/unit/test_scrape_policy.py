@@ -7,7 +7,7 @@ import pytest
 
 from agora.dht.records import TrainerRecord, WorkerRecord
 from agora.monitor.scrape_policy import host_key, trainer_target_refusal, worker_target_refusal
-from agora.monitor.service import parse_trainer_host
+from agora.monitor.options import parse_trainer_host
 from agora.monitor.swarm_view import LeftOutTarget, StaticTarget, scrape_targets, summarize
 
 RUN = "sd"

@@ -1,0 +1,63 @@
+"""`agora-node bootstrap`: a DHT peer others join first, with its metrics. The peer itself and its
+flags are dht/bootstrap.py's (dht/ imports nothing of node/); this module adds the metrics and the
+run its credential is for."""
+
+from __future__ import annotations
+
+import argparse
+
+from agora.node.observability import MetricsOptions, add_metrics_arguments
+from agora.pipeline.config import ConfigError
+
+__all__ = ["add_bootstrap_command"]
+
+
+def add_bootstrap_command(commands) -> None:
+    from agora.dht.bootstrap import add_bootstrap_arguments
+
+    bootstrap = commands.add_parser("bootstrap", help="start a DHT peer that others join first",
+                                    description="Start a hivemind DHT peer and print the multiaddrs that other "
+                                                "peers pass as --initial-peers; serves until SIGINT/SIGTERM.")
+    add_bootstrap_arguments(bootstrap)
+    add_metrics_arguments(bootstrap)
+    bootstrap.set_defaults(handler=_cmd_bootstrap)
+
+
+def _cmd_bootstrap(args: argparse.Namespace) -> int:
+    from agora.dht.bootstrap import run_bootstrap
+    from agora.dht.swarm import DHTRequestError
+
+    from agora.node.observability import NodeMetrics, package_version
+
+    metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="bootstrap", run_id=_bootstrap_run(args),
+                                   version=package_version())
+    try:
+        return run_bootstrap(args.host, args.port, tuple(args.initial_peers), args.identity_path, args.ready_file,
+                             state_dir=args.state_dir, insecure=args.insecure,
+                             on_started=lambda swarm: _serve_bootstrap_metrics(metrics, swarm))
+    except (ValueError, DHTRequestError) as error:
+        raise ConfigError(str(error)) from None
+    finally:
+        metrics.close()
+
+
+def _serve_bootstrap_metrics(metrics, swarm) -> None:
+    from agora.monitor.dht_metrics import DHTMetrics
+
+    DHTMetrics(metrics.registry, swarm.bans, swarm.timings)  # its requests; secured: refusals, the ban list
+    metrics.serve()
+
+
+def _bootstrap_run(args: argparse.Namespace) -> str:
+    """The run a bootstrap's credential is for ("" for an open --insecure peer, which serves any run)."""
+    if args.insecure or not args.state_dir:
+        return ""
+    import time
+
+    from agora.auth.credentials import CredentialError
+    from agora.auth.node_state import NodeCredentials
+
+    try:
+        return NodeCredentials(args.state_dir, clock=time.time).identity().run_id
+    except (CredentialError, OSError, ValueError):
+        return ""  # run_bootstrap reports the unusable state directory in one line

@@ -1,0 +1,129 @@
+"""`join`'s and `monitor`'s flags come from their schema sections (`JoinOptions`, `MonitorOptions`,
+and `SwarmOptions` for the run and its peers): the names and defaults users know, and a bad value
+refused in one line naming the field, before admission starts anything. Pure: the parser is built
+and the commands stop at their options."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from agora.dht.key_families import MAX_HEARTBEAT_S
+from agora.monitor.options import MonitorOptions
+from agora.monitor.swarm_view import StaticTarget
+from agora.node.cli import build_parser, main
+from agora.node.run_flags import options_from_args
+from agora.node.swarm_options import SwarmOptions
+from agora.node.trainer.options import TrainerOptions
+from agora.node.worker.join_options import JoinOptions
+from agora.pipeline.schema import leaves
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def parsed(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+def refusal(capsys, *argv: str) -> str:
+    """The one line a command that refuses its flags prints (exit code 2)."""
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, err
+    return err
+
+
+def test_join_keeps_its_flag_names_and_defaults():
+    options = options_from_args(JoinOptions, parsed("join"), "join", run_id="r")
+    assert (options.stage, options.dht_host, options.dht_port, options.heartbeat_s) == (None, "127.0.0.1", 0, 5.0)
+    assert (options.ready_file, options.checkpoint_dir, options.checkpoint_every, options.resume_step,
+            options.stats_file) == (None,) * 5
+    assert options.memory_check and options.rebalance and options.sync_phases
+    given = options_from_args(JoinOptions, parsed(
+        "join", "--stage", "1", "--dht-host", "0.0.0.0", "--dht-port", "4100", "--heartbeat", "2.5",
+        "--no-memory-check", "--ready-file", "r.txt", "--checkpoint-dir", "ck", "--checkpoint-every", "0",
+        "--resume-step", "40", "--stats-file", "s.json", "--no-rebalance", "--no-sync-phases"), "join", run_id="r")
+    assert given == JoinOptions(run_id="r", stage=1, dht_host="0.0.0.0", dht_port=4100, heartbeat_s=2.5,
+                                memory_check=False, ready_file="r.txt", checkpoint_dir="ck", checkpoint_every=0,
+                                resume_step=40, stats_file="s.json", rebalance=False, sync_phases=False)
+
+
+def test_the_run_and_its_peers_are_one_declaration_for_every_swarm_peer():
+    for command in (["join"], ["trainer"], ["monitor"], ["export", "--out", "d"], ["generate", "--prompt", "p"],
+                    ["serve"]):
+        args = parsed(*command, "--run-id", "r1", "--initial-peers", "/ip4/1.2.3.4/tcp/1", "--initial-peers", "/x")
+        assert options_from_args(SwarmOptions, args, "swarm") == SwarmOptions("r1", ("/ip4/1.2.3.4/tcp/1", "/x"))
+        assert options_from_args(SwarmOptions, parsed(*command), "swarm") == SwarmOptions("agora", ())
+
+
+def test_join_refuses_a_bad_value_naming_the_field(capsys):
+    join = ("join", "--insecure", "--stage", "0")
+    assert refusal(capsys, *join, "--heartbeat", "0").endswith("join.heartbeat_s: must be > 0, got 0.0")
+    assert refusal(capsys, *join, "--heartbeat", "61").endswith(
+        f"join.heartbeat_s: must be <= {MAX_HEARTBEAT_S:g}, got 61.0")
+    assert refusal(capsys, *join, "--dht-port", "70000").endswith("join.dht_port: must be < 65536, got 70000")
+    assert refusal(capsys, *join, "--resume-step", "-1").endswith("join.resume_step: must be >= 0, got -1")
+    assert refusal(capsys, "join", "--insecure", "--stage", "-2").endswith("join.stage: must be >= 0, got -2")
+    assert "swarm.run_id" in refusal(capsys, *join, "--run-id", "")
+
+
+def test_monitor_keeps_its_flag_names_and_defaults():
+    options = options_from_args(MonitorOptions, parsed("monitor"), "monitor")
+    assert options == MonitorOptions(host="127.0.0.1", port=9400, poll_s=2.0, targets=(), trainer_hosts=(),
+                                     ready_file=None, ledger=None)
+    given = options_from_args(MonitorOptions, parsed(
+        "monitor", "--host", "0.0.0.0", "--port", "0", "--poll", "0.5", "--target", "authorizer=10.0.0.2:9100",
+        "--target", "bootstrap=10.0.0.3:9101", "--trainer-host", "[::1]", "--ready-file", "m.txt",
+        "--ledger", "l.sqlite"), "monitor")
+    assert given.static_targets == (StaticTarget("authorizer", "10.0.0.2:9100"),
+                                    StaticTarget("bootstrap", "10.0.0.3:9101"))
+    assert (given.host, given.port, given.poll_s, given.trainer_hosts) == ("0.0.0.0", 0, 0.5, ("::1",))
+    assert (given.ready_file, given.ledger) == ("m.txt", "l.sqlite")
+
+
+def test_monitor_refuses_a_bad_value_naming_the_field(capsys):
+    monitor = ("monitor", "--insecure")
+    assert refusal(capsys, *monitor, "--poll", "0").endswith("monitor.poll_s: must be > 0, got 0.0")
+    assert refusal(capsys, *monitor, "--port", "65536").endswith("monitor.port: must be < 65536, got 65536")
+    assert refusal(capsys, *monitor, "--target", "authorizer=10.0.0.2:9100", "--target", "10.0.0.2:9100").endswith(
+        "monitor.targets[1]: expected ROLE=HOST:PORT (e.g. authorizer=10.0.0.2:9100), got '10.0.0.2:9100'")
+    assert refusal(capsys, *monitor, "--trainer-host", "0.0.0.0").endswith(
+        "monitor.trainer_hosts[0]: a wildcard address (every interface) is not a host trainers run on, got '0.0.0.0'")
+
+
+def test_every_flagged_field_is_a_flag_of_its_command():
+    actions = {command: {flag for action in sub._actions for flag in action.option_strings}
+               for command, sub in build_parser()._subparsers._group_actions[0].choices.items()}
+    for command, sections in (("join", (JoinOptions, SwarmOptions)), ("monitor", (MonitorOptions, SwarmOptions))):
+        flags = {item.short_flag for section in sections for item in leaves(section) if item.short_flag}
+        assert flags <= actions[command], flags - actions[command]
+
+
+def test_the_option_modules_import_neither_torch_nor_hivemind():
+    script = ("import sys\nimport agora.node.worker.join_options, agora.monitor.options, agora.node.swarm_options\n"
+              "print(sorted(name for name in ('torch', 'hivemind') if name in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_trainers_files_and_evaluation_are_fields_of_its_section():
+    assert options_from_args(TrainerOptions, parsed("trainer"), "trainer", run_id="r") == TrainerOptions(run_id="r")
+    given = options_from_args(TrainerOptions, parsed("trainer", "--log-json", "t.jsonl", "--summary-json", "s.json",
+                                                     "--no-eval"), "trainer", run_id="r")
+    assert (given.log_json, given.summary_json, given.evaluate) == ("t.jsonl", "s.json", False)
+
+
+def test_the_inference_clients_options_name_their_field(capsys):
+    assert refusal(capsys, "serve", "--insecure", "--port", "70000").endswith("serve.port: must be < 65536, got 70000")
+    assert refusal(capsys, "generate", "--insecure", "--prompt", "p", "--call-timeout", "0").endswith(
+        "client.call_timeout_s: must be > 0, got 0.0")
+    assert options_from_args(JoinOptions, parsed("join", "--serve-only", "--checkpoint", "ck"), "join",
+                             run_id="r").serve_checkpoint == "ck"
+
+
+def test_the_doctor_checks_a_stage_as_join_declares_it(capsys):
+    admission = ("--authorizer", "127.0.0.1:9", "--ca-fingerprint", "0" * 64)
+    assert refusal(capsys, "doctor", *admission, "--stage", "-1").endswith("doctor.stage: must be >= 0, got -1")
