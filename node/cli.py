@@ -11,10 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import replace
-from pathlib import Path
 
-from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
 from agora.node.authorizer import add_authorizer_commands
 from agora.node.bootstrap_command import add_bootstrap_command
 from agora.node.demo.command import add_demo_command
@@ -25,14 +22,11 @@ from agora.node.inference.commands import add_client_commands
 from agora.node.ledger_command import add_ledger_command
 from agora.node.logs import LOG_FORMATS, configure_logging
 from agora.node.monitor_command import add_monitor_command
-from agora.node.observability import MetricsOptions, add_metrics_arguments
 from agora.node.plan import add_plan_command
-from agora.node.run_flags import (add_config_command, add_option_flags, add_run_arguments, check_runtime_flags,
-                                  options_from_args, run_config)
+from agora.node.run_flags import add_config_command
 from agora.node.simulate.command import add_simulate_command
-from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.node.train_local_command import add_train_local_command
-from agora.node.trainer.options import TrainerOptions
+from agora.node.trainer_command import add_trainer_command
 from agora.node.worker.command import add_join_command
 from agora.pipeline.config import ConfigError
 
@@ -52,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_hf_command(commands)
     add_bootstrap_command(commands)
     add_join_command(commands)
-    _add_trainer_command(commands)
+    add_trainer_command(commands)
     add_monitor_command(commands)
     add_demo_command(commands)
     add_authorizer_commands(commands)
@@ -64,47 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_command(commands)
     add_client_commands(commands)
     return parser
-
-
-def _add_trainer_command(commands) -> None:
-    trainer = commands.add_parser("trainer", help="push microbatches through the swarm",
-                                  description="Take data units, route microbatches through one worker per stage, "
-                                              "reroute on failure; logs the train-local JSON schema.")
-    # A trainer holds no weights: its --device/--dtype are checked, and its tensors stay on the host.
-    add_run_arguments(trainer, steps_help="global batches of the whole run (over all trainers)", computes=True)
-    add_swarm_flags(trainer)
-    add_option_flags(trainer.add_argument_group("trainer", "how this trainer runs"), TrainerOptions)
-    add_admission_arguments(trainer)
-    add_metrics_arguments(trainer)
-    trainer.set_defaults(handler=_cmd_trainer)
-
-
-def _cmd_trainer(args: argparse.Namespace) -> int:
-    import json
-
-    from agora.node.trainer.command import run_swarm_trainer
-
-    metrics = MetricsOptions.from_args(args)
-    check_runtime_flags(args)
-    swarm = options_from_args(SwarmOptions, args, "swarm")
-    options = options_from_args(TrainerOptions, args, "trainer", run_id=swarm.run_id)  # refused before admission
-    admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=swarm.run_id, stage=None,
-                           config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
-    options = replace(options, run_id=admission.run_id)
-    log_json = open(options.log_json, "a" if options.start_step else "w") if options.log_json else None
-    try:
-        summary = run_swarm_trainer(admission.config, options, initial_peers=admission.initial_peers,
-                                    steps=args.steps, log_json=log_json, evaluate=options.evaluate,
-                                    credentials=admission.credentials, authorizer=admission.authorizer,
-                                    metrics=metrics)
-    finally:
-        if log_json is not None:
-            log_json.close()
-    text = json.dumps(summary)
-    if options.summary_json:
-        Path(options.summary_json).write_text(text + "\n")
-    print(text)
-    return 0
 
 
 def _die_with_parent() -> None:
