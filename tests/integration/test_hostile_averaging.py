@@ -42,7 +42,7 @@ CONFIG = dataclasses.replace(
     sync=dataclasses.replace(BASE.sync, every_steps=2, fraction=0.5, part_size_bytes=16 * 1024, **TIMEOUTS),
     optim=dataclasses.replace(BASE.optim, total_steps=60))
 SYNC = CONFIG.sync
-STEPS = 48
+STEPS = 24
 VECTOR = averaged_vector_size(SYNC, SlicePartition(stage_parameter_numels(CONFIG.model, 0), SYNC.n_slices,
                                                    CONFIG.seed).buffer_size)
 
