@@ -1,5 +1,5 @@
-"""Exact restore: a synchronous demo killed with kill -9 after step 24 and
-resumed from its step-20 checkpoints (`demo --resume --workdir W`) has, at step 30, every tensor
+"""Exact restore: a synchronous demo killed with kill -9 after step 15 and
+resumed from its step-12 checkpoints (`demo --resume --workdir W`) has, at step 18, every tensor
 equal (torch.equal) to the uninterrupted run's, and the same loss trace.
 
 Real processes throughout: the `agora-node demo` a user runs, killed as a whole (its children die
@@ -23,7 +23,7 @@ from agora.pipeline.checkpoint import load_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS, EVERY, KILL_AFTER, STAGES = 30, 10, 24, 2
+STEPS, EVERY, KILL_AFTER, STAGES = 18, 6, 15, 2
 DEMO = ["--log-level", "WARNING", "demo", "--sync", "--stages", str(STAGES), "--steps", str(STEPS),
         "--schedule-steps", str(STEPS), "--checkpoint-every", str(EVERY), "--no-monitor"]
 
@@ -41,7 +41,7 @@ def steps_logged(path: Path) -> list[dict]:
 
 
 def stage_tensors(workdir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every stage's last (step-30) checkpoint: parameters, Adam moments, step counts."""
+    """Every tensor of every stage's last (step-18) checkpoint: parameters, Adam moments, step counts."""
     tensors = {}
     for stage in range(STAGES):
         step, _, (state,), _ = load_checkpoint(workdir / f"worker-s{stage}-r0.state" / "checkpoints", step=STEPS)
@@ -53,7 +53,7 @@ def stage_tensors(workdir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_a_run_killed_after_step_24_resumes_from_step_20_to_the_same_tensors_at_30(tmp_path):
+def test_a_run_killed_after_step_15_resumes_from_step_12_to_the_same_tensors_at_18(tmp_path):
     uninterrupted = demo(tmp_path / "a")  # side by side: the same run, once left alone, once killed
     killed = demo(tmp_path / "b")
     try:
@@ -83,7 +83,7 @@ def test_a_run_killed_after_step_24_resumes_from_step_20_to_the_same_tensors_at_
     assert json.loads((tmp_path / "b.json").read_text())["churn"]["resumed_from_step"] == STEPS - EVERY
     reference = [(line["step"], line["loss"]) for line in steps_logged(tmp_path / "a" / "trainer-0.jsonl")]
     trace = [(line["step"], line["loss"]) for line in steps_logged(log)]
-    assert trace == reference and len(trace) == STEPS  # steps 1-20 from before the kill, 21-30 after
+    assert trace == reference and len(trace) == STEPS  # steps 1-12 from before the kill, 13-18 after
     a, b = stage_tensors(tmp_path / "a"), stage_tensors(tmp_path / "b")
     assert a.keys() == b.keys() and len(a) > 50
     unequal = [name for name in a if not torch.equal(a[name], b[name])]
