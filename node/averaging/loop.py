@@ -29,6 +29,8 @@ Design choices:
   is closed when its round ends, so nobody joins a round the others have left. A replica whose
   count has not moved since its last probe reads only the announcements, every half window
   (node/averaging/probes.py): an idle swarm's DHT traffic was mostly these reads.
+- Between rounds the loop sleeps until the step hook wakes it or the next probe is due, looking
+  at its count at least every `_COUNT_CHECK_S` (a count moved without a step: a test, a restore).
 - A snapshot the hook takes while a round of the same slice is still running gets that round's
   delta when it is applied (`_carry_into_hooked`); otherwise the next round would undo it.
 - The board also gives the live replica count (read with the probe, and again at a round when
@@ -102,7 +104,9 @@ class RoundDirectory(Protocol):
 # that an announcement may still name and be joined. Replicas step on the same completed-batch
 # reports, so a real announcement is a round or two ahead at most; a later one is refused.
 ROUND_LEAD = 4
-# How often the loop looks at its own step count, and how long stop() waits for a round to end.
+# How often the loop looks at its own step count when no step hook woke it, how often stop()
+# looks whether the round in flight ended, and how long it waits for that.
+_COUNT_CHECK_S = 1.0
 _POLL_S = 0.05
 _STOP_GRACE_S = 10.0
 
@@ -253,7 +257,7 @@ class AveragingLoop:
                 decision = self._due_round(self.stats.local_steps)
             if decision.round is None:
                 try:
-                    await asyncio.wait_for(self._wake.wait(), _POLL_S)
+                    await asyncio.wait_for(self._wake.wait(), self._idle_wait_s())
                 except asyncio.TimeoutError:
                     pass
                 self._wake.clear()
@@ -281,6 +285,13 @@ class AveragingLoop:
         if replicas and replicas[0] is not None:
             self._replicas, self._replicas_read_at = replicas[0], time.monotonic()
         self._probes.probed(time.monotonic(), steps)
+
+    def _idle_wait_s(self) -> float:
+        """How long the loop may sleep when no round is due: until the next probe, at most `_COUNT_CHECK_S`."""
+        if self._board is None:
+            return _COUNT_CHECK_S
+        due_in = self._probes.due_in(time.monotonic(), self.worker.compute.optimizer.steps)
+        return min(_COUNT_CHECK_S, max(0.0, due_in))
 
     def _due_round(self, steps: int) -> RoundDecision:
         """The round to start now on this replica's own count: the one the step hook snapshotted

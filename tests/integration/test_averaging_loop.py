@@ -343,6 +343,32 @@ def test_a_quiet_replica_reads_only_the_announcements_until_its_count_moves():
     run(main())
 
 
+def test_between_probes_an_idle_loop_sleeps_until_the_next_one_is_due():
+    async def main():
+        board = CountingBoard()
+        worker, _, loop = await started(SYNC, lambda values, r: committed(values, r), board, quiet_probe_s=0.3)
+        turns = 0
+        due_round = loop._due_round
+
+        def counted(steps):
+            nonlocal turns
+            turns += 1
+            return due_round(steps)
+
+        loop._due_round = counted
+        try:
+            await board.read("announced", 2)  # past the first probes, at the quiet pace
+            turns, probes = 0, board.reads["announced"]
+            await board.read("announced", probes + 3)
+        finally:
+            await loop.stop()
+            await worker.stop()
+        # One turn per probe, and one more where a probe's read returned just short of the due time.
+        assert turns <= 2 * 3 + 1, turns
+
+    run(main())
+
+
 def test_optimizer_state_option_averages_the_moments_and_keeps_exp_avg_sq_non_negative():
     sync = dataclasses.replace(SYNC, average_optimizer_state=True)
 
