@@ -26,7 +26,11 @@ Design choices:
   round without partners, so replicas that missed each other meet in the next round; they are
   also how a replica whose count lags (missed reports, a restart, `--local-batch`) joins the
   rounds of the others, well inside the matchmaking window they wait for it. An announcement
-  is closed when its round ends, so nobody joins a round the others have left.
+  is closed when its round ends, so nobody joins a round the others have left. A replica whose
+  count has not moved since its last probe reads only the announcements, every half window
+  (node/averaging/probes.py): an idle swarm's DHT traffic was mostly these reads.
+- Between rounds the loop sleeps until the step hook wakes it or the next probe is due, looking
+  at its count at least every `_COUNT_CHECK_S` (a count moved without a step: a test, a restore).
 - A snapshot the hook takes while a round of the same slice is still running gets that round's
   delta when it is applied (`_carry_into_hooked`); otherwise the next round would undo it.
 - The board also gives the live replica count (read with the probe, and again at a round when
@@ -74,6 +78,7 @@ from agora.node.averaging.sparta import (
     round_slice,
     second_moment_offset,
 )
+from agora.node.averaging.probes import ProbeSchedule
 from agora.node.averaging.stats import AveragingStats
 from agora.node.replica.compute import StageCompute
 from agora.node.worker.worker import StageWorker
@@ -99,7 +104,9 @@ class RoundDirectory(Protocol):
 # that an announcement may still name and be joined. Replicas step on the same completed-batch
 # reports, so a real announcement is a round or two ahead at most; a later one is refused.
 ROUND_LEAD = 4
-# How often the loop looks at its own step count, and how long stop() waits for a round to end.
+# How often the loop looks at its own step count when no step hook woke it, how often stop()
+# looks whether the round in flight ended, and how long it waits for that.
+_COUNT_CHECK_S = 1.0
 _POLL_S = 0.05
 _STOP_GRACE_S = 10.0
 
@@ -113,7 +120,7 @@ class AveragingLoop:
 
     def __init__(self, worker: StageWorker, averager: SliceAverager, sync: SyncConfig, *, seed: int,
                  board: Optional[RoundDirectory] = None, probe_s: Optional[float] = None,
-                 logger: Optional[logging.Logger] = None, stats: Optional[AveragingStats] = None):
+                 quiet_probe_s: Optional[float] = None, logger: Optional[logging.Logger] = None, stats: Optional[AveragingStats] = None):
         if sync.method not in ("sparta", "diloco"):
             raise ValueError(f"no averaging loop for sync.method {sync.method!r}")
         self.worker = worker
@@ -124,9 +131,10 @@ class AveragingLoop:
         self._board = board
         # Well inside the matchmaking window, so a slower replica joins the fastest one's round.
         self.probe_s = probe_s if probe_s is not None else min(10.0, max(0.25, sync.matchmaking_s / 4))
+        quiet_probe_s = max(self.probe_s, quiet_probe_s if quiet_probe_s is not None else sync.matchmaking_s / 2)
+        self._probes = ProbeSchedule(self.probe_s, quiet_probe_s)
         self._announced: Optional[int] = None
         self._refused_counted: dict[str, int] = {}  # the board's refusals already in the stats
-        self._next_probe = 0.0
         self._logger = logger or logging.getLogger("agora.node.averaging")
         self._partition: Optional[SlicePartition] = None
         self._task: Optional[asyncio.Task] = None
@@ -239,14 +247,9 @@ class AveragingLoop:
 
     async def _run(self) -> None:
         while not self._stopping.is_set():
-            if self._board is not None and time.monotonic() >= self._next_probe:
-                announced, replicas = await asyncio.gather(self._ask(self._read_announced, None),
-                                                           self._ask(self._board.replicas, None))
-                self._announced = announced
-                if replicas is not None:
-                    self._replicas, self._replicas_read_at = replicas, time.monotonic()
-                self._next_probe = time.monotonic() + self.probe_s
             self.stats.local_steps = self.worker.compute.optimizer.steps
+            if self._board is not None and self._probes.due_in(time.monotonic(), self.stats.local_steps) <= 0:
+                await self._probe(self.stats.local_steps)
             decision = RoundDecision(None, 0)
             if self._announced is not None and self._announced > self._last_round:
                 decision = await self._join_announced()  # before a round of its own: see the docstring
@@ -254,7 +257,7 @@ class AveragingLoop:
                 decision = self._due_round(self.stats.local_steps)
             if decision.round is None:
                 try:
-                    await asyncio.wait_for(self._wake.wait(), _POLL_S)
+                    await asyncio.wait_for(self._wake.wait(), self._idle_wait_s())
                 except asyncio.TimeoutError:
                     pass
                 self._wake.clear()
@@ -264,13 +267,31 @@ class AveragingLoop:
             try:
                 result = await self.run_round(decision.round)
                 if result.outcome in ("alone", "failed") and (self._replicas or 0) > 1:
-                    self._next_probe = 0.0  # the others may be waiting in another round: look now
+                    self._probes.look_now()  # the others may be waiting in another round
             except RuntimeError as error:
                 if not self.worker.is_serving:  # the worker is stopping: its compute thread is gone
                     return
                 self._logger.exception("averaging round %d failed: %s", decision.round, error)
             except Exception:
                 self._logger.exception("averaging round %d failed", decision.round)
+
+    async def _probe(self, steps: int) -> None:
+        """Read the round board: the announcements, and the live replicas unless this replica is quiet."""
+        reads = [self._ask(self._read_announced, None)]
+        if self._probes.reads_replicas(steps):
+            reads.append(self._ask(self._board.replicas, None))
+        announced, *replicas = await asyncio.gather(*reads)
+        self._announced = announced
+        if replicas and replicas[0] is not None:
+            self._replicas, self._replicas_read_at = replicas[0], time.monotonic()
+        self._probes.probed(time.monotonic(), steps)
+
+    def _idle_wait_s(self) -> float:
+        """How long the loop may sleep when no round is due: until the next probe, at most `_COUNT_CHECK_S`."""
+        if self._board is None:
+            return _COUNT_CHECK_S
+        due_in = self._probes.due_in(time.monotonic(), self.worker.compute.optimizer.steps)
+        return min(_COUNT_CHECK_S, max(0.0, due_in))
 
     def _due_round(self, steps: int) -> RoundDecision:
         """The round to start now on this replica's own count: the one the step hook snapshotted

@@ -76,6 +76,32 @@ class Board:
         return self.replicas_now
 
 
+class CountingBoard(Board):
+    """A board that counts its reads; `read(kind, times)` waits (woken by each read, bounded) for them."""
+
+    def __init__(self, replicas: int = 2):
+        super().__init__(replicas=replicas)
+        self.reads = {"announced": 0, "replicas": 0}
+        self._read = asyncio.Event()
+
+    async def announced_round(self, at_most=None):
+        self._count("announced")
+        return await super().announced_round(at_most)
+
+    async def replicas(self):
+        self._count("replicas")
+        return await super().replicas()
+
+    def _count(self, kind: str) -> None:
+        self.reads[kind] += 1
+        self._read.set()
+
+    async def read(self, kind: str, times: int) -> None:
+        while self.reads[kind] < times:
+            self._read.clear()
+            await asyncio.wait_for(self._read.wait(), 10)
+
+
 def committed(averaged, round_number, group=2):
     return RoundResult("committed", round_number, averaged, participants=tuple(f"p{i}" for i in range(group)),
                        weights=(1.0,) * group, received_fraction=1.0)
@@ -96,10 +122,11 @@ def params(compute):
     return [p.detach().clone() for p in compute.optimizer.parameters]
 
 
-async def started(sync, reply, board=None, size=None):
+async def started(sync, reply, board=None, size=None, **loop_options):
     worker = LocalReplica(CONFIG, 1)
     averager = ScriptedAverager(size or vector_size(sync), reply)
-    loop = AveragingLoop(worker, averager, sync, seed=CONFIG.seed, board=board or Board(), probe_s=0.01)
+    loop = AveragingLoop(worker, averager, sync, seed=CONFIG.seed, board=board or Board(), probe_s=0.01,
+                         **loop_options)
     await loop.start()
     return worker, averager, loop
 
@@ -294,6 +321,50 @@ def test_alone_failed_and_rejected_rounds_write_nothing():
         snap = loop.stats.snapshot()
         assert snap["rounds_by_outcome"]["alone"] == 1 and snap["rounds_by_outcome"]["failed"] == 1
         assert snap["rounds_by_outcome"]["rejected"] == 1 and snap["applied"] == 0 and snap["rounds"] == 3
+
+    run(main())
+
+
+def test_a_quiet_replica_reads_only_the_announcements_until_its_count_moves():
+    async def main():
+        board = CountingBoard()
+        worker, _, loop = await started(SYNC, lambda values, r: committed(values, r), board, quiet_probe_s=0.02)
+        try:
+            await board.read("announced", 4)
+            quiet_reads = dict(board.reads)
+            await worker.on_compute(lambda c: setattr(c.optimizer, "steps", 1))  # no round due before step 4
+            await board.read("replicas", 2)
+        finally:
+            await loop.stop()
+            await worker.stop()
+        assert quiet_reads["replicas"] == 1  # the first probe only: nothing told it the count was still
+        assert sum(loop.stats.rounds.values()) == 0
+
+    run(main())
+
+
+def test_between_probes_an_idle_loop_sleeps_until_the_next_one_is_due():
+    async def main():
+        board = CountingBoard()
+        worker, _, loop = await started(SYNC, lambda values, r: committed(values, r), board, quiet_probe_s=0.3)
+        turns = 0
+        due_round = loop._due_round
+
+        def counted(steps):
+            nonlocal turns
+            turns += 1
+            return due_round(steps)
+
+        loop._due_round = counted
+        try:
+            await board.read("announced", 2)  # past the first probes, at the quiet pace
+            turns, probes = 0, board.reads["announced"]
+            await board.read("announced", probes + 3)
+        finally:
+            await loop.stop()
+            await worker.stop()
+        # One turn per probe, and one more where a probe's read returned just short of the due time.
+        assert turns <= 2 * 3 + 1, turns
 
     run(main())
 

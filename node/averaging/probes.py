@@ -1,0 +1,66 @@
+"""When the averaging loop reads the stage's round board, and what it reads. Pure: the clock and the
+step count are passed in.
+
+A probe reads the round announcements (a round another replica waits in) and the live replica
+count, each a DHT get that visits the stage's nearest peers. A training replica probes every
+`base_s` (a quarter of the matchmaking window), so a slower replica joins the fastest one's round
+well inside the window. A replica whose optimizer step count has not moved since its previous
+probe is quiet: with no trainer it would otherwise spend most of its DHT traffic, and the peers'
+CPU that answers it, on these reads. Design choices:
+
+- A quiet probe comes every `quiet_s` (half the matchmaking window): an announcement stays open
+  while its writer waits out the window for the replicas it expects, so a quiet replica still sees
+  it in time to join (a replica that gets no completed-batch reports while its stage trains keeps
+  averaging with it).
+- A quiet probe reads only the announcements. The replica count matters only when a round
+  starts, and a round re-reads it when it is older than `base_s` (node/averaging/loop.py), so
+  skipping it costs a quiet replica one read when it does join a round, not one per probe.
+- The first probe after the count moves is due `base_s` after the previous probe (at once when
+  that has passed): a replica whose stage starts training probes at the training pace from its
+  first step, not after its quiet interval.
+- No jitter: replicas probe from their own start times, and nothing aligns them afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+__all__ = ["ProbeSchedule"]
+
+
+class ProbeSchedule:
+    """The next probe's time and kind, from the probes done so far and the replica's step count."""
+
+    def __init__(self, base_s: float, quiet_s: float):
+        if not 0 < base_s <= quiet_s:
+            raise ValueError(f"probe intervals: need 0 < base_s <= quiet_s, got {base_s:g} and {quiet_s:g}")
+        self.base_s = base_s
+        self.quiet_s = quiet_s
+        self._probed_at = -math.inf
+        self._steps_at_probe: Optional[int] = None
+        self._next = 0.0  # the first probe is due at once
+
+    def quiet(self, steps: int) -> bool:
+        """Whether the step count is where the previous probe saw it (never before a first probe)."""
+        return self._steps_at_probe is not None and steps == self._steps_at_probe
+
+    def due_in(self, now: float, steps: int) -> float:
+        """Seconds until the next probe (0 or less: due now)."""
+        if not self.quiet(steps):
+            return min(self._next, self._probed_at + self.base_s) - now
+        return self._next - now
+
+    def reads_replicas(self, steps: int) -> bool:
+        """Whether a probe now reads the live replica count besides the announcements."""
+        return not self.quiet(steps)
+
+    def probed(self, now: float, steps: int) -> None:
+        """A probe was done at `now`, seeing step count `steps`."""
+        quiet = self.quiet(steps)
+        self._probed_at, self._steps_at_probe = now, steps
+        self._next = now + (self.quiet_s if quiet else self.base_s)
+
+    def look_now(self) -> None:
+        """Probe at the next turn (the others may be waiting in another round)."""
+        self._next = 0.0

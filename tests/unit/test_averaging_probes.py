@@ -1,0 +1,58 @@
+"""When the averaging loop reads its stage's round board (node/averaging/probes.py): pure, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from agora.node.averaging.probes import ProbeSchedule
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def test_the_first_probe_is_due_at_once_and_reads_everything():
+    probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
+    assert probes.due_in(100.0, steps=0) <= 0
+    assert probes.reads_replicas(steps=0)
+
+
+def test_a_training_replica_probes_every_base_interval_and_reads_the_replica_count():
+    probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
+    for step, now in enumerate([0.0, 1.0, 2.0]):
+        assert probes.reads_replicas(steps=step)
+        probes.probed(now, steps=step)
+        assert probes.due_in(now, steps=step + 1) == pytest.approx(1.0)
+
+
+def test_a_quiet_replica_probes_every_quiet_interval_for_the_announcements_only():
+    probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
+    probes.probed(0.0, steps=7)
+    assert probes.due_in(0.0, steps=7) == pytest.approx(1.0)  # not yet known to be quiet
+    assert not probes.reads_replicas(steps=7)
+    probes.probed(1.0, steps=7)
+    assert probes.due_in(1.0, steps=7) == pytest.approx(4.0)
+    assert not probes.reads_replicas(steps=7)
+
+
+def test_a_step_after_a_quiet_spell_brings_the_next_probe_back_to_the_base_pace():
+    probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
+    probes.probed(0.0, steps=7)
+    probes.probed(1.0, steps=7)  # quiet: the next at 5.0
+    assert probes.due_in(1.5, steps=8) == pytest.approx(0.5)  # base_s after the last probe
+    assert probes.due_in(3.0, steps=8) <= 0
+    assert probes.reads_replicas(steps=8)
+    probes.probed(3.0, steps=8)
+    assert probes.due_in(3.0, steps=8) == pytest.approx(1.0)
+
+
+def test_look_now_makes_the_next_probe_due():
+    probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
+    probes.probed(0.0, steps=1)
+    probes.probed(1.0, steps=1)
+    probes.look_now()
+    assert probes.due_in(1.0, steps=1) <= 0
+
+
+@pytest.mark.parametrize("base_s, quiet_s", [(0.0, 1.0), (2.0, 1.0), (-1.0, 1.0)])
+def test_intervals_out_of_order_are_refused(base_s, quiet_s):
+    with pytest.raises(ValueError, match="probe intervals"):
+        ProbeSchedule(base_s, quiet_s)
