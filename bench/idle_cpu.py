@@ -20,6 +20,11 @@ time (bench/idle_profile/sitecustomize.py), into ``DIR/<role>-<pid>.prof``.
     python bench/idle_cpu.py --mode idle loaded --window 60
     python bench/idle_cpu.py --mode idle --stages 1 --replicas 1 --window 10 --warmup 5   # shows it works
     python bench/idle_cpu.py --mode idle --profile /tmp/profiles   # then: python -m pstats /tmp/profiles/...
+    python bench/idle_cpu.py --mode idle --stages 4 --replicas 1 4 8   # how an idle node's cost grows with N
+
+With several ``--replicas``, every geometry is measured in turn and a last table puts a worker's
+CPU beside the number of DHT peers N (workers, the bootstrap and the authorizer), with each
+figure's growth from the smallest N against what log N and N would give.
 """
 
 from __future__ import annotations
@@ -283,11 +288,36 @@ def report(windows: list[Window], command: str) -> str:
     return "\n".join(lines)
 
 
+def _worker_means(window: Window) -> dict[str, float]:
+    """A worker's mean CPU s/min by kind, over the window's workers, and its total."""
+    workers = [kinds for role, kinds in window.per_role.items() if role.startswith("worker-")]
+    means = {kind: sum(w.get(kind, 0.0) for w in workers) / max(1, len(workers)) for kind in KINDS}
+    means["total"] = sum(means.values())
+    return means
+
+
+def scale_table(windows: list[Window], peers: list[int]) -> str:
+    """A worker's CPU against the number of DHT peers, growth against log N and N (module docstring)."""
+    import math
+
+    rows = [(n, window, _worker_means(window)) for n, window in zip(peers, windows)]
+    n0, _, base = rows[0]
+    lines = ["## A worker's CPU against the number of DHT peers", "",
+             "| DHT peers N | geometry | load | main | DHT process | p2pd | worker total | / smallest N | "
+             "log N / log N0 | N / N0 |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for n, window, means in rows:
+        lines.append(f"| {n} | {window.geometry} | {window.load_start:.1f} -> {window.load_end:.1f} | "
+                     f"{means['main']:.2f} | {means['dht']:.2f} | {means['p2pd']:.2f} | {means['total']:.2f} | "
+                     f"{means['total'] / base['total']:.2f} | {math.log(n) / math.log(n0):.2f} | {n / n0:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", nargs="+", choices=("idle", "loaded"), default=["idle", "loaded"])
     parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[2],
+                        help="replicas per stage; several: each geometry in turn, and the scale table")
     parser.add_argument("--heartbeat", type=float, default=5.0, help="the workers' DHT heartbeat (join's default)")
     parser.add_argument("--matchmaking", type=float, default=None,
                         help="the run's sync.matchmaking_s (default: tiny's 3 s; the schema's is 40): the averaging "
@@ -302,12 +332,16 @@ def main(argv: list[str] | None = None) -> int:
         args.profile.mkdir(parents=True, exist_ok=True)
         os.environ["AGORA_BENCH_PROFILE_DIR"] = str(args.profile.resolve())
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROFILE_HOOK), os.environ.get("PYTHONPATH")]))
-    windows = []
+    windows, series = [], defaultdict(list)
     for mode in args.mode:
-        print(f"idle-cpu: {mode}, {args.stages}x{args.replicas}", flush=True)
-        windows.append(run_mode(mode, args))
-        print(json.dumps(asdict(windows[-1])), flush=True)
+        for replicas in args.replicas:
+            print(f"idle-cpu: {mode}, {args.stages}x{replicas}", flush=True)
+            windows.append(run_mode(mode, argparse.Namespace(**{**vars(args), "replicas": replicas})))
+            series[mode].append((args.stages * replicas + 2, windows[-1]))  # + the bootstrap and the authorizer
+            print(json.dumps(asdict(windows[-1])), flush=True)
     text = report(windows, "python bench/idle_cpu.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    if len(args.replicas) > 1 and "idle" in series:
+        text += "\n" + scale_table([w for _, w in series["idle"]], [n for n, _ in series["idle"]])
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
