@@ -88,8 +88,10 @@ def test_the_dry_run_shows_a_sample_of_the_members_the_authorizer_reads(authorit
 
 def test_the_doctor_times_the_members_and_predicts_its_share(authority, tmp_path):
     """Two listening members and one gone: two member lines with a round trip, one WARN with the fix,
-    and the share line (members announcing far more compute than any machine: this one is the
-    stage's slowest by more than the slack, a WARN); warnings do not fail the exit code."""
+    the share line (members announcing far more compute than any machine: this one is the stage's
+    slowest by more than the slack, a WARN), every stage's capacity (each shows the same three
+    members) and the bottleneck, stage 0, which this machine would slow (a WARN); warnings do not
+    fail the exit code."""
     fast = 1e7  # samples/s
 
     async def main():
@@ -115,6 +117,14 @@ def test_the_doctor_times_the_members_and_predicts_its_share(authority, tmp_path
     assert share["verdict"] == "WARN" and 0 <= share["value"] < 25 and share["unit"] == "%"
     assert "of stage 0's microbatches (3 members at 1e+07 samples/s; this machine" in share["detail"]
     assert "faster accelerator" in share["fix"]
+    capacities = [checks[f"capacity stage {stage}"] for stage in range(3)]
+    assert [line["verdict"] for line in capacities] == ["ok"] * 3
+    assert capacities[0]["detail"] == "3 members at 3e+07 samples/s in all; the pipeline's bottleneck"
+    bottleneck = checks["bottleneck"]  # the routing's probes of this machine hold up the batches they fall in
+    assert bottleneck["verdict"] == "WARN" and bottleneck["unit"] == "microbatches/s"
+    assert bottleneck["floor"] == capacities[0]["value"] and bottleneck["value"] < bottleneck["floor"]
+    assert "stage 0 would go from 7.5e+06 to" in bottleneck["detail"]
+    assert "remain the bottleneck" in bottleneck["detail"]
     assert list(checks)[-1] == "versions"
 
 
