@@ -24,6 +24,11 @@ Design choices:
   records; one that does not, from its admissions (the announced addresses, compute unknown: 0).
   A few addresses to a caller that passed a Join's checks and its rate limits tell no more than
   a Join would, once admitted, read from the DHT.
+- Every stage's capacity: the same source read for each stage at once (one read per stage, the
+  assigned stage's members among them), summed up per stage as its members, those of unknown
+  compute, and the others' compute in all (``stage_capacity``), so the node can tell the
+  pipeline's bottleneck from its own stage (node/doctor_pipeline.py). Totals only: no address of
+  another stage's members is shown.
 - The authorizer's clock: CheckJoin carries it, read as it answers (after the dial-back, which
   can take seconds); the skew is taken against this node's clock on receipt, less half the
   measured round trip (the reply's way back).
@@ -31,6 +36,7 @@ Design choices:
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
@@ -49,11 +55,11 @@ from agora.auth.node_state import public_key_pem
 from agora.auth.policy import assign_stage, sign_proof
 from agora.auth.status import Status, answers, caller_address
 from agora.protos.authorizer_adapter import (AuthorizerStub, ChallengeRequest, Hardware, JoinCheck, JoinRequest,
-                                             RunDescription, RunFloors, StageMember, signed_payload)
+                                             RunDescription, RunFloors, StageCapacity, StageMember, signed_payload)
 from agora.protos.authorizer_adapter import Refused as RefusedReply
 
 __all__ = ["MEMBERS_SHOWN", "MEMBER_RATES_SHOWN", "JoinCheckResult", "describe_run", "check_join",
-           "sample_members", "JoinCheckService"]
+           "sample_members", "stage_capacity", "JoinCheckService"]
 
 logger = logging.getLogger("agora.auth.service")
 
@@ -115,6 +121,13 @@ def sample_members(members: Sequence[StageMember], limit: int, rng: random.Rando
     return tuple(members if len(members) <= limit else rng.sample(members, limit))
 
 
+def stage_capacity(stage: int, members: Sequence[StageMember]) -> StageCapacity:
+    """Stage ``stage`` summed up: its members, those announcing no compute, the others' compute in all."""
+    known = [member.samples_per_s for member in members if member.samples_per_s > 0]
+    return StageCapacity(stage=stage, members=len(members), unknown_members=len(members) - len(known),
+                         samples_per_s=sum(known))
+
+
 class JoinCheckService:
     """CheckJoin on the authorizer, over the state AuthorizerService builds and JoinService's steps."""
 
@@ -131,7 +144,8 @@ class JoinCheckService:
         possession) and at most one dial-back of ``dialback_timeout_s``, to an address
         ``dialback_allowed`` accepts, answered in the same words whatever went wrong. So it dials
         no more often, nor anywhere else, than Joins already may, and tells no more about what
-        listens there: no free port scanner."""
+        listens there: no free port scanner. Beyond a Join's, it reads each stage's members once
+        (the stage's DHT record, on a serving authorizer that reads the DHT)."""
         caller = caller_address(context.peer())
         with self._newcomer(caller):
             return await self._check_join(request, caller)
@@ -150,18 +164,25 @@ class JoinCheckService:
             link = self._link(state, peer_id, caller, now)
             unreachable = await self._unreachable(request, state)
             stage = assign_stage(self.fingerprint.stages, await self._throughput(), request.stage)
-            members = await self._members_of(stage)
             verdict = JoinCheck(rtt_ms=link.rtt_ms, download_mbit=link.download_mbit, upload_mbit=link.upload_mbit,
                                 floors=RunFloors(**asdict(self.settings.floors)),
                                 unreachable=unreachable[0].reason if unreachable else "", stage=stage,
-                                members=sample_members(members, MEMBERS_SHOWN, random.SystemRandom()),
-                                member_samples_per_s=tuple(m.samples_per_s for m in members[:MEMBER_RATES_SHOWN]))
+                                **await self._pipeline_view(stage))
         self._on_join_check("refused" if refusal else "unreachable" if unreachable else "reachable")
         logger.info("authorizer: checked a join of %s from %s (dry run)", peer_id[:16], caller, extra={
             "milestone": "join_checked", "fields": {
                 "peer_id": peer_id, "caller": caller, "refused": refusal.field if refusal else "",
                 "reachable": unreachable is None, **({"detail": unreachable[1]} if unreachable else {})}})
         return replace(verdict, server_time=self._clock(), tolerated_skew_s=CLOCK_SKEW_S)
+
+    async def _pipeline_view(self, stage: int) -> dict[str, tuple]:
+        """The assigned stage's members (a sample, and every one's compute) and every stage's capacity,
+        from one read of each stage's members, all at once."""
+        pipeline = await asyncio.gather(*(self._members_of(index) for index in range(self.fingerprint.stages)))
+        members = pipeline[stage]
+        return dict(members=sample_members(members, MEMBERS_SHOWN, random.SystemRandom()),
+                    member_samples_per_s=tuple(member.samples_per_s for member in members[:MEMBER_RATES_SHOWN]),
+                    stage_capacities=tuple(stage_capacity(index, found) for index, found in enumerate(pipeline)))
 
     async def _members_of(self, stage: int) -> list[StageMember]:
         """The stage's current members (``AuthorizerService(stage_members=...)``, else its admissions)."""

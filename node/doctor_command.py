@@ -9,8 +9,9 @@ authorizer as for a Join; whether the authorizer can dial this node back on the 
 announce; this clock against the authorizer's; the memory plan of the stage it would host (the
 one asked for with --stage, else the one the authorizer would assign now, else every stage) against
 the memory free on its device and host; the round trips to a few of that stage's current members
-and the share of its microbatches this machine would take (node/doctor_stage.py); free disk for
-checkpoints; the versions it runs. Exit code 0 when no check failed (a WARN does not fail), 1
+and the share of its microbatches this machine would take (node/doctor_stage.py); every stage's
+capacity and the pipeline's bottleneck, with this machine on that stage (node/doctor_pipeline.py);
+free disk for checkpoints; the versions it runs. Exit code 0 when no check failed (a WARN does not fail), 1
 otherwise, 2 for a usage or config mistake.
 
 Design choices:
@@ -117,7 +118,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if stage_assigned:
         checks += _member_links(verdict)
     machine = _machine_checks(config, stages, worker, asked.checkpoint_dir, run_id)
-    checks += machine[:-1] + ([_share(config, verdict)] if stage_assigned else []) + machine[-1:]  # the versions last
+    checks += machine[:-1] + (_stage_checks(config, verdict) if stage_assigned else []) + machine[-1:]  # versions last
     print(as_json(checks) if args.json else "\n".join(format_line(check) for check in checks))
     sys.stdout.flush()
     return exit_code(checks)
@@ -177,19 +178,27 @@ def _member_links(verdict: JoinCheck) -> list[Check]:
     return member_link_checks(verdict.stage, links, verdict.floors.max_rtt_ms)
 
 
-def _share(config: RunConfig, verdict: JoinCheck) -> Check:
-    """The share of the assigned stage this machine would take, from its compute timed here."""
+def _stage_checks(config: RunConfig, verdict: JoinCheck) -> list[Check]:
+    """The share of the assigned stage this machine would take, from its compute timed here, then every
+    stage's capacity and the pipeline's bottleneck with this machine on its stage."""
+    from agora.node.doctor_pipeline import pipeline_checks
     from agora.node.doctor_probes import stage_samples_per_s
-    from agora.node.doctor_stage import share_check
+    from agora.node.doctor_stage import predicted_share, share_check
     from agora.pipeline.runtime import Runtime
 
-    name = f"share stage {verdict.stage}"
+    stage, train = verdict.stage, config.train
+    members = verdict.member_samples_per_s
     try:
-        own = stage_samples_per_s(config, verdict.stage, Runtime.from_config(config.runtime))
+        own = stage_samples_per_s(config, stage, Runtime.from_config(config.runtime))
     except RuntimeError as error:  # out of memory, a device that cannot run it: the memory line says more
-        return unknown(name, f"this machine could not run the stage to time it: {str(error).splitlines()[0]}")
-    return share_check(verdict.stage, own, verdict.member_samples_per_s, config.train.microbatches,
-                       config.train.microbatch_size)
+        own = share = None
+        shares = unknown(f"share stage {stage}", f"this machine could not run the stage to time it: "
+                                                 f"{str(error).splitlines()[0]}")
+    else:
+        share = predicted_share(own, members, train.microbatches, train.microbatch_size)
+        shares = share_check(stage, own, members, train.microbatches, train.microbatch_size, share=share)
+    return [shares, *pipeline_checks(stage, verdict.stage_capacities, len(config.model.layer_split),
+                                     train.microbatch_size, own_samples_per_s=own, share=share)]
 
 
 def _stages(config: Optional[RunConfig], asked: Optional[int], assigned: Optional[int]) -> list[int]:

@@ -106,15 +106,18 @@ def _rates(member_samples_per_s: Sequence[float]) -> str:
 
 
 def share_check(stage: int, own_samples_per_s: float, member_samples_per_s: Sequence[float], microbatches: int,
-                microbatch_size: int) -> Check:
+                microbatch_size: int, *, share: Optional[float] = None) -> Check:
     """The share of stage ``stage``'s microbatches this machine would take, and whether it would be the
-    stage's slowest by more than the routing's slack (WARN)."""
+    stage's slowest by more than the routing's slack (WARN). ``share``: ``predicted_share``'s answer,
+    when the caller has it already."""
     name, own = f"share stage {stage}", f"this machine {own_samples_per_s:.3g} samples/s"
     members = len(member_samples_per_s)
     if not members:
         return Check(name, OK, 100.0, unit="%", detail=f"would take all of stage {stage}'s microbatches (no current "
                                                          f"members; {own})")
-    share = 100 * predicted_share(own_samples_per_s, member_samples_per_s, microbatches, microbatch_size)
+    if share is None:
+        share = predicted_share(own_samples_per_s, member_samples_per_s, microbatches, microbatch_size)
+    share *= 100
     if not all(rate > 0 for rate in member_samples_per_s):
         return Check(name, UNKNOWN, round(share, 1), unit="%",
                      detail=f"stage {stage} has {members} members whose compute the authorizer does not know (it "

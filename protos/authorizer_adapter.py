@@ -58,6 +58,7 @@ __all__ = [
     "RunFloors",
     "JoinCheck",
     "StageMember",
+    "StageCapacity",
     "MalformedMessage",
     "AuthorizerHandler",
     "AuthorizerStub",
@@ -246,6 +247,17 @@ class StageMember:
 
 
 @dataclass(frozen=True)
+class StageCapacity:
+    """One stage as a Join's dry run sums it up: its current members, how many of them announce no
+    compute, and the compute the others announce in all (samples/s per job)."""
+
+    stage: int
+    members: int = 0
+    unknown_members: int = 0
+    samples_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class JoinCheck:
     """A Join's dry run: ``refused`` when a check before the measurements failed, else the rest."""
 
@@ -260,6 +272,7 @@ class JoinCheck:
     tolerated_skew_s: float = 0.0
     members: tuple[StageMember, ...] = ()
     member_samples_per_s: tuple[float, ...] = ()
+    stage_capacities: tuple[StageCapacity, ...] = ()
 
 
 # Read-only pairing of each dataclass with its generated message class.
@@ -287,6 +300,7 @@ _MESSAGE_OF: Mapping[type, type] = MappingProxyType({
     RunFloors: authorizer_pb2.RunFloors,
     JoinCheck: authorizer_pb2.JoinCheck,
     StageMember: authorizer_pb2.StageMember,
+    StageCapacity: authorizer_pb2.StageCapacity,
 })
 _DATACLASS_OF: Mapping[type, type] = MappingProxyType({message: data for data, message in _MESSAGE_OF.items()})
 

@@ -15,6 +15,7 @@ from agora.node.trainer.options import TrainerOptions
 from agora.node.tracing_options import TracingOptions
 from agora.node.worker.join_options import JoinOptions
 from agora.node.worker.options import WorkerOptions
+from agora.node.worker.watchdog_rules import WatchdogOptions
 from agora.pipeline.config import PRESETS
 from agora.pipeline.schema import SECTION, like, setting
 
@@ -56,6 +57,7 @@ class DemoOptions:
     sync_phases: StrictBool = setting(
         True, "a joining replica is a member at once, with its fresh weights (to measure what the sync phases buy)",
         flag="--no-sync-phases")
+    watchdog: StrictBool = like(WatchdogOptions, "enabled")
     run_id: StrictStr = setting("demo", "the run's identifier", min_length=1)
     insecure: StrictBool = setting(False, "run without the authorizer: no admission, no TLS, no signed DHT records",
                                    flag="--insecure")
@@ -119,11 +121,12 @@ class DemoOptions:
                                  steps=args.steps, settings=explicit_settings(args))
 
     def worker_flags(self) -> list[str]:
-        """Flags for the workers alone (trainers do not take these): weight pinning, kept graphs, the sync phases."""
+        """Flags for the workers alone (trainers do not take these): weight pinning, kept graphs, the sync
+        phases, the watchdog."""
         flags = [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
         if self.keep_graphs is not None:
             flags += ["--keep-graphs", str(self.keep_graphs)]
-        return flags + ([] if self.sync_phases else ["--no-sync-phases"])
+        return flags + ([] if self.sync_phases else ["--no-sync-phases"]) + ([] if self.watchdog else ["--no-watchdog"])
 
     def tracing_flags(self) -> list[str]:
         """The tracing flags it was given, for its trainers and workers alike."""

@@ -12,6 +12,7 @@ What it samples, every `check_s`:
 - the renewer's renewals in a row without an answer;
 - whether this node's own peer id is in the ban list its DHT holds.
 
+Turned off (`WatchdogOptions.enabled`, `join --no-watchdog`) it starts no task: nothing sampled.
 On a trip it logs one line (milestone `watchdog_tripped`, the rule and its figures), counts
 `agora_worker_watchdog_trips_total{reason=rule}`, calls `on_trip(trip)` once and ends: the daemon
 (node/worker/join.py) then leaves cleanly and exits with the rule's code. Sampling never raises
@@ -132,8 +133,9 @@ class Watchdog:
             self._metrics.watchdog_tripped(trip.rule)
         self._on_trip(trip)
 
-    def start(self) -> asyncio.Task:
-        if self._task is None:
+    def start(self) -> Optional[asyncio.Task]:
+        """The checking task; None when the options turn the watchdog off (no sample is ever taken)."""
+        if self._task is None and self.options.enabled:
             self._task = asyncio.get_running_loop().create_task(self.run(), name="watchdog")
         return self._task
 

@@ -10,7 +10,9 @@ Design choices:
 
 - `WatchdogOptions` is a section of the settings schema (pipeline/schema.py), nested in
   `WorkerOptions` as `worker.watchdog`; each rule is a `join --watchdog-*` flag. The defaults leave a healthy worker alone with a wide
-  margin; an operator tightens them. 0 turns a counting rule off.
+  margin; an operator tightens them. 0 turns a counting rule off; `enabled` (--no-watchdog) all of
+  them, and the sampling too, so what the watchdog costs can be measured against none
+  (bench/watchdog_cost.py).
 - The decision is pure: `first_tripped(options, samples)` reads what the node sampled at each
   check (cumulative counters and gauges, `WatchdogSample`) and names the first rule tripped with
   its figures (`Trip`). Counters are judged over the window: the newest sample minus the oldest one
@@ -53,6 +55,9 @@ def exit_codes_help() -> str:
 
 @section(frozen=True, config=SECTION)
 class WatchdogOptions:
+    enabled: StrictBool = setting(
+        True, "check the worker's own health and leave on the first rule tripped (with --no-watchdog: no checks, "
+        "whatever the rules say; a ban still ends it at its next renewal)", flag="--no-watchdog")
     check_s: StrictFloat = setting(5.0, "seconds between two checks of the worker's own health", flag="--watchdog-check", gt=0)
     window_s: StrictFloat = setting(
         300.0, "seconds over which the counting rules (non-finite gradients, failed averaging rounds) count", flag="--watchdog-window", gt=0)
@@ -112,8 +117,8 @@ class Trip:
 
 
 def first_tripped(options: WatchdogOptions, samples: Sequence[WatchdogSample]) -> Optional[Trip]:
-    """The first rule `samples` (oldest first, the newest last) trip, or None."""
-    if not samples:
+    """The first rule `samples` (oldest first, the newest last) trip, or None (always, when not `enabled`)."""
+    if not samples or not options.enabled:
         return None
     now = samples[-1]
     oldest = next(s for s in samples if now.at - s.at <= options.window_s)

@@ -114,7 +114,8 @@ def test_a_reachable_node_passes_every_check_and_nothing_is_admitted(authority, 
     assert code == 0 and report["exit_code"] == 0, (out, err)
     assert verdicts == {"authorizer": "ok", "rtt": "ok", "upload": "ok", "download": "ok", "accelerator": "ok",
                         "ram": "ok", "reachability": "ok", "clock": "ok", "memory stage 0": "ok", "disk": "ok",
-                        "share stage 0": "ok", "versions": "unknown"}
+                        "share stage 0": "ok", "capacity stage 0": "ok", "capacity stage 1": "ok",
+                        "capacity stage 2": "ok", "bottleneck": "ok", "versions": "unknown"}
     assert all(set(check) == {"name", "verdict", "value", "floor", "against", "unit", "fix",
                                                 "detail"} for check in report["checks"])
     # The dry run admitted nobody, held no slot, wrote nothing to the admission log or a state directory.

@@ -1,6 +1,7 @@
 """`agora-node doctor`'s view of the stage it would join, against a real authorizer on 127.0.0.1:0
-(tests/helpers/authorizer_world.py): the members the dry run shows, the round trips to them over
-real TCP, and the share of the stage this machine would take.
+(tests/helpers/authorizer_world.py): the members the dry run shows, every stage's capacity, the
+round trips to the members over real TCP, the share of the stage this machine would take and the
+pipeline's bottleneck with it.
 
 The members are real listening TCP servers in the test's event loop (a connect is all the doctor
 asks of them), plus an announced port where nothing listens; the doctor is a child process.
@@ -20,7 +21,7 @@ from agora.dht.records import Phase
 from agora.dht.swarm import SwarmDHT
 from agora.node.authorizer import read_stage_members
 from agora.node.rpc.server import run
-from agora.protos.authorizer_adapter import StageMember
+from agora.protos.authorizer_adapter import StageCapacity, StageMember
 import authorizer_world as world
 from record_samples import SAMPLES
 from authorizer_world import fingerprint_from_config, free_port, join, serving
@@ -59,11 +60,12 @@ def test_without_a_dht_the_dry_run_shows_the_admitted_workers_of_the_stage(autho
     assert check.stage == 0
     assert sorted(member.address for member in check.members) == sorted(f"{h}:{p}" for h, p in announced[:2])
     assert check.member_samples_per_s == (0.0, 0.0)
+    assert check.stage_capacities == (StageCapacity(0, 2, 2, 0.0), StageCapacity(1, 1, 1, 0.0), StageCapacity(2))
 
 
 def test_the_dry_run_shows_a_sample_of_the_members_the_authorizer_reads(authority):
     """With a source of members (the DHT's records on a serving authorizer), at most MEMBERS_SHOWN
-    addresses and every member's compute."""
+    addresses and every member's compute, and every stage summed up from the same source."""
     members = [StageMember(f"127.0.0.1:{7100 + index}", 10.0 + index) for index in range(MEMBERS_SHOWN + 2)]
     asked = []
 
@@ -77,15 +79,19 @@ def test_the_dry_run_shows_a_sample_of_the_members_the_authorizer_reads(authorit
                                     hardware=hardware_report(), announce=("127.0.0.1", free_port()), stage=1)
 
     check = run(main()).check
-    assert asked == [1]
+    assert sorted(asked) == [0, 1, 2]  # each stage once
     assert len(check.members) == MEMBERS_SHOWN and set(check.members) <= set(members)
     assert check.member_samples_per_s == tuple(member.samples_per_s for member in members)
+    total = sum(member.samples_per_s for member in members)
+    assert check.stage_capacities == tuple(StageCapacity(stage, len(members), 0, total) for stage in range(3))
 
 
 def test_the_doctor_times_the_members_and_predicts_its_share(authority, tmp_path):
     """Two listening members and one gone: two member lines with a round trip, one WARN with the fix,
-    and the share line (members announcing far more compute than any machine: this one is the
-    stage's slowest by more than the slack, a WARN); warnings do not fail the exit code."""
+    the share line (members announcing far more compute than any machine: this one is the stage's
+    slowest by more than the slack, a WARN), every stage's capacity (each shows the same three
+    members) and the bottleneck, stage 0, which this machine would slow (a WARN); warnings do not
+    fail the exit code."""
     fast = 1e7  # samples/s
 
     async def main():
@@ -111,6 +117,14 @@ def test_the_doctor_times_the_members_and_predicts_its_share(authority, tmp_path
     assert share["verdict"] == "WARN" and 0 <= share["value"] < 25 and share["unit"] == "%"
     assert "of stage 0's microbatches (3 members at 1e+07 samples/s; this machine" in share["detail"]
     assert "faster accelerator" in share["fix"]
+    capacities = [checks[f"capacity stage {stage}"] for stage in range(3)]
+    assert [line["verdict"] for line in capacities] == ["ok"] * 3
+    assert capacities[0]["detail"] == "3 members at 3e+07 samples/s in all; the pipeline's bottleneck"
+    bottleneck = checks["bottleneck"]  # the routing's probes of this machine hold up the batches they fall in
+    assert bottleneck["verdict"] == "WARN" and bottleneck["unit"] == "microbatches/s"
+    assert bottleneck["floor"] == capacities[0]["value"] and bottleneck["value"] < bottleneck["floor"]
+    assert "stage 0 would go from 7.5e+06 to" in bottleneck["detail"]
+    assert "remain the bottleneck" in bottleneck["detail"]
     assert list(checks)[-1] == "versions"
 
 
@@ -135,3 +149,34 @@ def test_a_serving_authorizer_reads_the_members_from_the_workers_records_in_a_re
         node.shutdown()
     assert members == [StageMember("127.0.0.1:7100", 20.0)]
     assert leaving == []
+
+
+def test_the_dry_run_sums_up_every_stage_from_the_workers_records_in_a_real_dht(authority):
+    """Workers' records in a hivemind DHT (two peers: two members of stage 0, one of stage 1, one of
+    stage 2 before its first job), read as the serving authorizer reads them and answered over a
+    real CheckJoin: each stage's members and their compute in all (tokens/s over the sequence length)."""
+    node = SwarmDHT.start()
+    try:
+        reader = SwarmDHT.start(initial_peers=node.visible_maddrs(), client_mode=True)
+        try:
+            for peer, stage, throughput in ((node, 0, 2560.0), (reader, 0, 640.0), (node, 1, 1280.0), (reader, 2, 0.0)):
+                assert peer.announce_worker(SAMPLES["worker"].model_copy(update=dict(
+                    peer_id=peer.peer_id, run_id="test-run", fingerprint=world.FINGERPRINT.text(), stage=stage,
+                    throughput=throughput, endpoint=f"127.0.0.1:{7100 + stage}", updated_at=peer.clock())), ttl=60)
+
+            async def main():
+                def stage_members(stage: int):
+                    return read_stage_members(reader, "test-run", world.FINGERPRINT, stage, seq_len=128)
+
+                async with serving(authority, stage_members=stage_members) as (_, address):
+                    return await check_join(address, authority.root_fingerprint, fingerprint=fingerprint_from_config,
+                                            hardware=hardware_report(), announce=("127.0.0.1", free_port()), stage=0)
+
+            check = run(main()).check
+        finally:
+            reader.shutdown()
+    finally:
+        node.shutdown()
+    assert check.stage_capacities == (StageCapacity(0, 2, 0, 25.0), StageCapacity(1, 1, 0, 10.0),
+                                      StageCapacity(2, 1, 1, 0.0))
+    assert sorted(check.member_samples_per_s) == [5.0, 20.0]

@@ -1,10 +1,17 @@
-"""The watchdog's rules (node/worker/watchdog_rules.py): pure, over the samples a worker takes of itself."""
+"""The watchdog's rules (node/worker/watchdog_rules.py): pure, over the samples a worker takes of itself;
+and the switch that turns the watchdog off (join's and demo's --no-watchdog)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from agora.node.cli import build_parser
+from agora.node.demo.options import DemoOptions
+from agora.node.run_flags import options_from_args
 from agora.node.worker.options import WorkerOptions
+from agora.node.worker.watchdog import Watchdog
 from agora.node.worker.watchdog_rules import (EXIT_CODES, RULES, WatchdogOptions, WatchdogSample, exit_codes_help,
                                               first_tripped)
 from agora.pipeline.schema import ConfigError, checked
@@ -77,3 +84,41 @@ def test_a_share_out_of_bounds_is_one_line_naming_the_field():
     with pytest.raises(ConfigError, match=r"worker\.watchdog\.host_memory_share"):
         checked(WorkerOptions, "worker", watchdog={"host_memory_share": 1.5})
     assert checked(WorkerOptions, "worker", watchdog={"host_memory_share": 0.01}).watchdog.host_memory_share == 0.01
+
+
+def test_a_watchdog_turned_off_trips_nothing():
+    sick = samples({}, dict(banned=True, non_finite=99, host_bytes=32 * GIB, host_total_bytes=32 * GIB))
+    assert first_tripped(WatchdogOptions(enabled=False), sick) is None
+    assert first_tripped(WatchdogOptions(), sick).rule == "banned"
+
+
+def test_a_watchdog_turned_off_starts_no_task_and_takes_no_sample():
+    taken = []
+
+    async def started(enabled: bool) -> bool:
+        sampled = asyncio.Event()
+
+        def sample() -> WatchdogSample:
+            taken.append(enabled)
+            sampled.set()
+            return WatchdogSample(at=0.0)
+
+        watchdog = Watchdog(WatchdogOptions(enabled=enabled), sample, on_trip=lambda trip: None)
+        task = watchdog.start()
+        if task is not None:
+            await asyncio.wait_for(sampled.wait(), 10)
+        await watchdog.stop()
+        return task is not None
+
+    assert asyncio.run(started(False)) is False
+    assert asyncio.run(started(True)) is True
+    assert taken == [True]
+
+
+def test_no_watchdog_is_a_flag_of_join_and_of_the_demo_which_hands_it_to_its_workers():
+    parser = build_parser()
+    join = parser.parse_args(["join", "--stage", "0", "--no-watchdog"])
+    assert options_from_args(WorkerOptions, join, "worker").watchdog.enabled is False
+    assert options_from_args(WorkerOptions, parser.parse_args(["join", "--stage", "0"]), "worker").watchdog.enabled
+    assert "--no-watchdog" in DemoOptions.from_args(parser.parse_args(["demo", "--no-watchdog"])).worker_flags()
+    assert "--no-watchdog" not in DemoOptions.from_args(parser.parse_args(["demo"])).worker_flags()
