@@ -60,6 +60,7 @@ __all__ = [
     "check_announce",
     "dialback_allowed",
     "assign_stage",
+    "jobs_per_microbatch",
     "median_rtt_ms",
     "download_mbit",
     "upload_mbit",
@@ -226,14 +227,24 @@ def dialback_allowed(address: str, local_network: bool) -> bool:
     return local_network or ip.is_global
 
 
+def jobs_per_microbatch(stage: int, n_stages: int) -> int:
+    """A Forward and a Backward, except on the last stage (its loss and backward in one job)."""
+    return 1 if stage == n_stages - 1 else 2
+
+
 def assign_stage(n_stages: int, throughput: Mapping[int, float], requested: Optional[int]) -> int | Refusal:
-    """The stage a worker hosts: the requested one, else the least covered by throughput."""
+    """The stage a worker hosts: the requested one, else the least covered in microbatches per second.
+
+    ``throughput`` is what the stage's members announce: the mean rate of their jobs, in samples/s.
+    A microbatch costs the last stage one job and the others two, so the announced sum is divided by
+    that before stages are compared; summed raw, the last stage's figure reads at about half a body's
+    on equal machines and every newcomer was sent there."""
     if requested is not None:
         if not 0 <= requested < n_stages:
             return Refusal("stage", f"stage: {requested} is out of range for this {n_stages}-stage run "
                                     f"(0-{n_stages - 1})")
         return requested
-    return min(range(n_stages), key=lambda s: (throughput.get(s, 0.0), s))
+    return min(range(n_stages), key=lambda s: (throughput.get(s, 0.0) / jobs_per_microbatch(s, n_stages), s))
 
 
 # ---- the cap and its queue

@@ -34,18 +34,14 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from agora.auth.policy import jobs_per_microbatch
 from agora.node.doctor import OK, WARN, Check, unknown
 from agora.protos.authorizer_adapter import StageCapacity
 
-__all__ = ["UNIT", "jobs_per_microbatch", "stage_rates", "capacity_with", "bottleneck", "capacity_checks",
+__all__ = ["UNIT", "stage_rates", "capacity_with", "bottleneck", "capacity_checks",
            "bottleneck_check", "pipeline_checks"]
 
 UNIT = "microbatches/s"
-
-
-def jobs_per_microbatch(stage: int, n_stages: int) -> int:
-    """A Forward and a Backward, except on the last stage (its loss and backward in one job)."""
-    return 1 if stage == n_stages - 1 else 2
 
 
 def stage_rates(stages: Sequence[StageCapacity], microbatch_size: int) -> list[Optional[float]]:

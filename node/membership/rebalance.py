@@ -46,9 +46,10 @@ import statistics
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping, Optional, Sequence
 
+from agora.auth.policy import jobs_per_microbatch
 from agora.dht.records import COVERING_PHASES, MoveRecord, Phase, WorkerRecord
 
-__all__ = ["RebalancePolicy", "Move", "jobs_per_microbatch", "stage_coverage", "plan_move", "Rebalancer", "moved_argv"]
+__all__ = ["RebalancePolicy", "Move", "stage_coverage", "plan_move", "Rebalancer", "moved_argv"]
 
 logger = logging.getLogger("agora.node.join")
 
@@ -84,12 +85,6 @@ def _median(values: Sequence[float], default: float) -> float:
 def _covering(by_stage: Mapping[int, Sequence[WorkerRecord]], n_stages: int) -> dict[int, list[WorkerRecord]]:
     return {stage: [r for r in by_stage.get(stage, ()) if r.phase in _COVERING and r.stage == stage]
             for stage in range(n_stages)}
-
-
-def jobs_per_microbatch(stage: int, n_stages: int) -> int:
-    """Compute jobs one microbatch costs a stage: Forward and Backward, or on the tail one Forward
-    that runs its backward too."""
-    return 1 if stage == n_stages - 1 else 2
 
 
 def _capacities(covering: Mapping[int, Sequence[WorkerRecord]]) -> tuple[dict[str, float], dict[int, float]]:

@@ -133,7 +133,11 @@ def test_stage_assignment_prefers_the_least_covered_and_honours_a_request():
     assert assign_stage(3, {}, None) == 0
     assert assign_stage(3, {0: 500.0, 1: 100.0, 2: 300.0}, None) == 1
     assert assign_stage(3, {0: 1.0, 1: 1.0}, None) == 2  # a stage nobody announced is the least covered
-    assert assign_stage(3, {0: 1.0, 1: 1.0, 2: 1.0}, None) == 0  # ties to the lowest index
+    assert assign_stage(3, {0: 1.0, 1: 1.0, 2: 0.5}, None) == 0  # ties to the lowest index
+    # The last stage runs one job a microbatch, the others two: equal machines announce half the rate
+    # there and cover their stages equally; a newcomer goes to the stage short in microbatches/s.
+    assert assign_stage(3, {0: 1.0, 1: 1.0, 2: 0.6}, None) == 0
+    assert assign_stage(3, {0: 1.0, 1: 1.0, 2: 0.4}, None) == 2
     assert assign_stage(3, {1: 0.0}, 2) == 2
     refusal = assign_stage(3, {}, 3)
     assert not isinstance(refusal, int) and refusal.field == "stage" and "3-stage" in refusal.reason

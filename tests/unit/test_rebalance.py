@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from agora.dht.records import WorkerRecord
-from agora.node.membership.rebalance import (Move, RebalancePolicy, jobs_per_microbatch, moved_argv, plan_move,
+from agora.auth.policy import jobs_per_microbatch
+from agora.node.membership.rebalance import (Move, RebalancePolicy, moved_argv, plan_move,
                                          stage_coverage)
 
 POLICY = RebalancePolicy()
