@@ -23,10 +23,12 @@ from typing import Any
 
 import hivemind
 
-__all__ = ["OwnedDHT", "begin_forked_process", "node_client_mode", "node_peer_id", "node_visible_maddrs",
+__all__ = ["READ_BEAM", "OwnedDHT", "begin_forked_process", "node_client_mode", "node_peer_id", "node_visible_maddrs",
            "stop_process"]
 
 logger = logging.getLogger(__name__)
+# Peers a latest read keeps in its search (dht/swarm.py, "Reads"); hivemind stores a value on 5.
+READ_BEAM = 8
 # How often the DHT process checks that its owner is still alive.
 _OWNER_CHECK_PERIOD = 1.0
 

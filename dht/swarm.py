@@ -28,7 +28,13 @@ Design choices:
   expiration this peer writes to an entry is strictly later than the last one it wrote.
 - Reads use ``latest=True`` by default: without it hivemind returns the first unexpired
   copy it meets, usually this node's own cache, which can miss subkeys other peers added
-  since. With it, the search visits the nearest peers and merges their subkeys.
+  since. With it, the search visits the nearest peers and merges their subkeys. How many:
+  ``READ_BEAM``, not hivemind's default of its bucket size (20). A latest read visits every
+  peer in its beam, so with the default each read cost every node of a swarm up to 20 one
+  served request: an idle worker's CPU grew with the swarm (1.4 CPU s a minute among 6 DHT
+  peers, 4.9 among 18; bench/idle_cpu.py). A value lives on the 5 peers nearest its key
+  (hivemind's replicas; every writer re-stores its entry each heartbeat), so a beam of 8 still
+  holds them with room for peers that joined nearer since.
 - The run's ban list (dht/bans.py) is read at most once per ``BAN_REFRESH_S`` (or a
   heartbeat, which asks for it each beat) with one get in the DHT process, which also hands it
   to that process's validators; readers then skip a banned peer's entries like any other they
@@ -54,7 +60,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from agora.dht.bans import BAN_REFRESH_S, BanList, NodeBans, fetch_ban_list
-from agora.dht.dht_process import OwnedDHT, node_client_mode, node_peer_id, node_visible_maddrs, stop_process
+from agora.dht.dht_process import (READ_BEAM, OwnedDHT, node_client_mode, node_peer_id, node_visible_maddrs,
+                                   stop_process)
 from agora.dht.entry_reader import EntryReader, Stored, is_subkey_dict
 from agora.dht.keys import check_run_id, owned_subkey, worker_key
 from agora.dht.op_timings import RequestTimings, key_family
@@ -292,7 +299,8 @@ class SwarmDHT:
         keys = [worker_key(run_id, stage) for stage in range(n_stages)]
         deadline = time.monotonic() + self.request_timeout
         futures = [
-            self._submit(lambda key=key: self._dht.get(key, latest=latest, return_future=True)) for key in keys
+            self._submit(lambda key=key: self._dht.get(key, latest=latest, return_future=True, beam_size=READ_BEAM))
+            for key in keys
         ]
         found = [self._wait(future, f"get {key!r}", deadline) for key, future in zip(keys, futures)]
         result: dict[int, list[WorkerRecord]] = {}
@@ -457,7 +465,8 @@ class SwarmDHT:
             self.timings.record(operation, family, time.monotonic() - started, failed=failed)
 
     def _get_raw(self, key: str, latest: bool) -> Optional[ValueWithExpiration[Any]]:
-        return self._request(lambda: self._dht.get(key, latest=latest, return_future=True), f"get {key!r}",
+        return self._request(lambda: self._dht.get(key, latest=latest, return_future=True, beam_size=READ_BEAM),
+                             f"get {key!r}",
                              operation="get", family=key_family(key))
 
     def _run_coroutine(self, coroutine: Callable[..., Any], what: str, *, family: str = "other") -> Any:

@@ -482,3 +482,26 @@ def test_every_request_is_timed_by_operation_and_key_family(dht_pair, run_id):
     assert added("get", "workers")[0] >= 1
     assert added("get", "other")[0] == 1  # a key of no family is named by none
     assert all(stats.total_s > 0 for stats in after.values())
+
+
+def test_in_a_swarm_wider_than_the_read_beam_every_reader_sees_every_workers_entry():
+    """A latest read keeps READ_BEAM peers in its search, not hivemind's 20 (dht/swarm.py, "Reads"): with
+    more peers than that, the 5 nearest a key hold every writer's entry, and every reader finds them all."""
+    from agora.dht.dht_process import READ_BEAM
+
+    run_id = f"beam-{uuid.uuid4().hex[:8]}"
+    peers = [SwarmDHT.start()]
+    try:
+        while len(peers) < READ_BEAM + 4:
+            peers.append(SwarmDHT.start(initial_peers=peers[0].visible_maddrs()))
+        records = [make_record(peer_id=peer.peer_id, run_id=run_id, endpoint=f"127.0.0.1:{7000 + index}", stage=0)
+                   for index, peer in enumerate(peers)]
+        for peer, record in zip(peers, records):
+            assert peer.announce_worker(record, ttl=60)
+        expected = sorted(records, key=lambda record: record.peer_id)
+        for reader in peers:
+            assert eventually(lambda: reader.live_workers(run_id, 0) == expected, timeout=20,
+                              what=f"all {len(peers)} workers from {reader.peer_id[:12]}")
+    finally:
+        for peer in peers:
+            peer.shutdown()
