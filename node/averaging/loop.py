@@ -59,9 +59,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Protocol
 
 import torch
@@ -78,6 +76,7 @@ from agora.node.averaging.sparta import (
     round_slice,
     second_moment_offset,
 )
+from agora.node.averaging.hooked import Hooked, HookedSnapshots
 from agora.node.averaging.probes import ProbeSchedule
 from agora.node.averaging.stats import AveragingStats
 from agora.node.replica.compute import StageCompute
@@ -120,7 +119,8 @@ class AveragingLoop:
 
     def __init__(self, worker: StageWorker, averager: SliceAverager, sync: SyncConfig, *, seed: int,
                  board: Optional[RoundDirectory] = None, probe_s: Optional[float] = None,
-                 quiet_probe_s: Optional[float] = None, logger: Optional[logging.Logger] = None, stats: Optional[AveragingStats] = None):
+                 quiet_probe_s: Optional[float] = None, logger: Optional[logging.Logger] = None,
+                 stats: Optional[AveragingStats] = None):
         if sync.method not in ("sparta", "diloco"):
             raise ValueError(f"no averaging loop for sync.method {sync.method!r}")
         self.worker = worker
@@ -146,7 +146,7 @@ class AveragingLoop:
         self._anchor: list[torch.Tensor] = []
         self._momentum: list[torch.Tensor] = []
         self._restored: Optional[dict] = None  # a checkpointed state, applied by start()
-        self._hooked = _HookedSnapshots()
+        self._hooked = HookedSnapshots()
         self._announcing: Optional[asyncio.Task] = None  # this round's announcement, then its close
         self._open_round: Optional[int] = None  # announced and not yet closed
         self._hook_round = 0  # the last round the hook snapshotted (compute thread only)
@@ -295,7 +295,7 @@ class AveragingLoop:
 
     def _due_round(self, steps: int) -> RoundDecision:
         """The round to start now on this replica's own count: the one the step hook snapshotted
-        (see `_HookedSnapshots.reserve` for one that came due during a round), else one due by a
+        (see `HookedSnapshots.reserve` for one that came due during a round), else one due by a
         count the hook never saw."""
         hooked = self._hooked.next_after(self._last_round)
         if hooked is not None:
@@ -408,7 +408,7 @@ class AveragingLoop:
         started = time.perf_counter()
         local = self._local_part(compute, round_slice(round_number, self.sync.n_slices))
         self.stats.add_compute_blocked(time.perf_counter() - started)
-        self._hooked.put(_Hooked(round_number, local, compute.samples_total, steps))
+        self._hooked.put(Hooked(round_number, local, compute.samples_total, steps))
         self._event_loop.call_soon_threadsafe(self._wake.set)
 
     def _carry_into_hooked(self, index: int, delta: torch.Tensor) -> None:
@@ -531,74 +531,6 @@ class AveragingLoop:
         level = logging.WARNING if result.outcome in ("failed", "rejected") or result.rejected else logging.INFO
         self._logger.log(level, "averaging %s", " ".join(f"{k}={v}" for k, v in fields.items()),
                          extra={"milestone": "averaging_round", "fields": fields})
-
-
-@dataclass
-class _Hooked:
-    round: int
-    local: torch.Tensor  # `_local_part` at `step`
-    samples: int
-    step: int
-
-
-class _HookedSnapshots:
-    """The step hook's snapshots, handed from the compute thread to the loop (thread-safe).
-
-    `newest`: the latest round the hook snapshotted (one slot: the loop never runs an older one,
-    and a slice of a large stage is not small). `reserved`: the round the loop settled on as its
-    next when the previous round's result arrived, kept here because the hook may overwrite
-    `newest` while that result is being applied.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._newest: Optional[_Hooked] = None
-        self._reserved: Optional[_Hooked] = None
-
-    def put(self, hooked: _Hooked) -> None:
-        with self._lock:
-            self._newest = hooked
-
-    def reserve(self, after_round: int, steps: int) -> None:
-        """Settle the next round when `after_round`'s result arrives, at local step `steps`: the
-        newest snapshot if no step has happened since it was taken; one that came due while the
-        round ran and is no longer current is dropped (skipped, not started late)."""
-        with self._lock:
-            newest = self._newest
-            if newest is not None and newest.round > after_round:
-                self._newest = None
-                if newest.step >= steps:
-                    self._reserved = newest
-
-    def next_after(self, last_round: int) -> Optional[int]:
-        """The round to run now from the hook's snapshots: the reserved one, else the newest (taken
-        while no round ran, or since the last result), if later than `last_round`."""
-        with self._lock:
-            for hooked in (self._reserved, self._newest):
-                if hooked is not None and hooked.round > last_round:
-                    return hooked.round
-            return None
-
-    def take(self, round_number: int) -> Optional[_Hooked]:
-        """The snapshot of this round, if the hook took one; those of earlier rounds are dropped."""
-        with self._lock:
-            found = None
-            for name in ("_reserved", "_newest"):
-                hooked = getattr(self, name)
-                if hooked is not None and hooked.round <= round_number:
-                    setattr(self, name, None)
-                    if hooked.round == round_number:
-                        found = hooked
-            return found
-
-    def carry(self, same_slice: Callable[[int], bool], delta: torch.Tensor, moments_from: Optional[int]) -> None:
-        """Add an applied delta to the snapshots of the same slice (see `_carry_into_hooked`)."""
-        with self._lock:
-            for hooked in (self._reserved, self._newest):
-                if hooked is not None and same_slice(hooked.round):
-                    hooked.local.add_(delta)
-                    if moments_from is not None:
-                        hooked.local[moments_from:].clamp_min_(0.0)  # exp_avg_sq, as applied
 
 
 def _matches(tensors: list, numels: list[int]) -> bool:
