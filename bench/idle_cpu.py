@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -298,8 +299,6 @@ def _worker_means(window: Window) -> dict[str, float]:
 
 def scale_table(windows: list[Window], peers: list[int]) -> str:
     """A worker's CPU against the number of DHT peers, growth against log N and N (module docstring)."""
-    import math
-
     rows = [(n, window, _worker_means(window)) for n, window in zip(peers, windows)]
     n0, _, base = rows[0]
     lines = ["## A worker's CPU against the number of DHT peers", "",

@@ -7,6 +7,7 @@ authorizer. Light at the top (no torch): the CLI mounts the command from here.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,9 +34,7 @@ def add_trainer_command(commands) -> None:
 
 
 def _cmd_trainer(args: argparse.Namespace) -> int:
-    import json
-
-    from agora.node.trainer.command import run_swarm_trainer
+    from agora.node.trainer.command import run_swarm_trainer  # torch and hivemind: not for --help
 
     metrics = MetricsOptions.from_args(args)
     check_runtime_flags(args)
