@@ -180,8 +180,8 @@ class Microbatches:
             except InputRefused as refusal:
                 raise self.blame.refused_input(refusal, route, stage, wire or b"", backward=False) from None
             request = self.checks.request(wire)  # decoded once for both of the reply's frames
-            self.checks.verify(worker, "output", result.wire_frame, request, "Forward", upstream)
-            self.checks.verify(worker, "input_grad", result.grad_frame, request, "Forward", upstream)
+            self.checks.verify(worker, "output", result.wire_frame, request, "Forward", upstream, tokens)
+            self.checks.verify(worker, "input_grad", result.grad_frame, request, "Forward", upstream, tokens)
             if result.repeat:
                 self.stats.repeated(stage)
             if not evaluate and not tail:
@@ -210,7 +210,8 @@ class Microbatches:
                         stage, functools.partial(self.calls.pinned, route[stage]), backward, training=True)
             except InputRefused as refusal:
                 raise self.blame.refused_input(refusal, route, stage, grad, backward=True) from None
-            self.checks.verify(worker, "input_grad", back.grad_frame, self.checks.request(grad), "Backward", upstream)
+            self.checks.verify(worker, "input_grad", back.grad_frame, self.checks.request(grad), "Backward", upstream,
+                               tokens)
             if back.repeat:
                 self.stats.repeated(stage)
             if stage > 0:

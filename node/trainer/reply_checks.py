@@ -33,6 +33,7 @@ import torch
 from agora.node.trainer.blame import Blame
 from agora.node.trainer.gradient_checks import GradientChecks, Probe
 from agora.node.trainer.options import TrainerOptions
+from agora.node.trainer.repeats import RepeatJudge
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.spot_checks import SpotChecks, SpotJudge
 from agora.node.trainer.stats import TrainerStats
@@ -59,6 +60,7 @@ class ReplyChecks:
         self.verifier = ReplyVerifier(VerifierSettings(
             drift=options.verify_drift, threshold=options.verify_threshold, warmup=options.verify_warmup,
             window=max(2 * options.verify_warmup, 64))) if options.verify_replies else None
+        self.repeats = RepeatJudge() if options.verify_replies else None
         self.spot = SpotChecks(options.spot_check_share, SpotJudge(options.spot_check_tolerance), codec, stats,
                                flag=self.flagged)
         self.gradients = GradientChecks(options.gradient_check_share, stats, flag=self.flagged)
@@ -75,6 +77,7 @@ class ReplyChecks:
         view = self.roster.workers.get(evidence.peer) or WorkerView(evidence.peer, evidence.peer, evidence.stage)
         if self.verifier is not None and view.peer_id not in self.roster.excluded:
             self.verifier.forget(view.peer_id)
+            self.repeats.forget(view.peer_id)
         self.blame.suspect(view, evidence, "Forward")
 
     def request(self, frame: Frame | None) -> torch.Tensor | None:
@@ -82,14 +85,20 @@ class ReplyChecks:
         return self.codec.decode(frame) if self.verifier is not None and frame else None
 
     def verify(self, view: WorkerView, kind: str, frame: Frame, request: torch.Tensor | None, method: str,
-               upstream: list[Source]) -> None:
-        """Hold one reply's `kind` frame (none: nothing to hold) to its stage's; `request`: the decoded
-        frame the call carried that the reply answers token for token (a Forward's wire, a Backward's
-        output gradient); `upstream`: the route's replies it was computed from, to which it is added.
-        Raises `SuspectReply` when its worker is (or was already) flagged."""
+               upstream: list[Source], tokens: torch.Tensor) -> None:
+        """Hold one reply's `kind` frame (none: nothing to hold) to its worker's earlier replies and to its
+        stage's; `request`: the decoded frame the call carried that the reply answers token for token (a
+        Forward's wire, a Backward's output gradient); `tokens`: the microbatch's; `upstream`: the route's
+        replies it was computed from, to which it is added. Raises `SuspectReply` when its worker is (or was
+        already) flagged."""
         if self.verifier is None or not frame:
             return
-        features = self.verifier.features(self.codec.decode(frame), request)
+        decoded = self.codec.decode(frame)
+        repeated = self.repeats.observe(view.stage, kind, view.peer_id, tokens, decoded)
+        if repeated is not None:
+            self.flagged(repeated)
+            raise self.blame.suspect(view, repeated, method)
+        features = self.verifier.features(decoded, request)
         present = [worker.peer_id for worker in self.roster.of_stage(view.stage)]
         evidence = self.verifier.observe(view.stage, kind, view.peer_id, features, upstream, present,
                                          suspected_elsewhere=self.gradients.suspected)

@@ -108,7 +108,7 @@ def _check_named(evidence) -> str:
     """Which of the trainer's checks a flag's evidence (`Evidence.describe()`) comes from."""
     text = str(evidence)
     for words, name in (("finite-difference", "gradient check"), ("replays on the same weights", "replay check"),
-                        ("spot check", "spot check")):
+                        ("spot check", "spot check"), ("repeated one of its earlier replies", "repeat check")):
         if words in text:
             return name
     return "verifier"

@@ -6,7 +6,8 @@ trainer must catch it (the verifier's flag, the scale bound's refusal, or blame)
 worker, and finish the run. A stage's replicas are averaged every few steps, as in a real run.
 Three lies cover the three positions and both frames: x1e4 outputs at the head (beyond the scale
 bound), sign-flipped gradients in a body's Backward replies, and a constant input gradient from
-the tail. A clean run must catch no one. The schedules of the liars
+the tail. A stale tail (replaying its previous reply) is named on its first replay. A clean run
+must catch no one. The schedules of the liars
 (late, on-off) are checked on the lies they told.
 """
 
@@ -34,6 +35,15 @@ def test_a_liar_is_caught_and_no_honest_worker(attack, position):
     assert set(result["caught"]) == {liar}, result
     assert result["first_lie_step"] >= HONEST_STEPS
     assert 1 <= result["caught"][liar]["lies"] <= result["lies"]
+
+
+def test_a_stale_liar_is_named_by_its_first_repeated_reply():
+    # Self checks off: what names it is its repeat, not a check that happens to fall on a lie.
+    result = asyncio.run(run_plan(Plan(0, HONEST_STEPS + 4, attack="stale", position="tail",
+                                       schedule=LieSchedule(honest_steps=HONEST_STEPS)), gradient_share=0.0))
+    liar = result["liar"]
+    assert set(result["caught"]) == {liar}, result
+    assert result["caught"][liar]["how"] == "repeat check" and result["caught"][liar]["lies"] == 1, result
 
 
 def test_a_clean_run_catches_no_one():
