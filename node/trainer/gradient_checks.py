@@ -88,7 +88,10 @@ returned. Design choices:
   lie of 32 replies went unjudged when each of them counted as done. So a lie told for n replies
   is checked at least once within some 4/share of them where independent coins miss it with
   probability (1 - share)^n. A worker the verifier's statistics put half-way to a flag gets its
-  next reply checked at once (`suspicion`, once per rise), as one another check points at does.
+  next reply checked at once (`suspicion`, once per rise), as one another check points at does, and
+  a reply standing six spreads off its stage's on some statistic is checked itself
+  (`ReplyVerifier.outlying`): a liar lying in bursts of four x10 replies kept its CUSUMs under half
+  the bar and, in one run of three, every check it got fell on its honest replies.
 - **The decision.** A gradient check is out of band when r <= 0, r is not finite, or |log r|
   exceeds log `BAND` (1.25); a replay past its tolerance. A worker is flagged when `FAILURES`
   (2) of its last `RECENT` (6) checks were out of band, and a check out of band puts the worker on

@@ -16,7 +16,8 @@ suspicion (`suspected`): a worker half-way to a verifier flag, or with a self ch
 cleared, carries the blame for what it fed others: the replies computed from its are not judged,
 and a refusal of its values downstream is its failure (node/trainer/blame.py). A worker whose
 verifier trip came only with one producer's frames gets that producer checked at once instead, and
-a worker whose own statistics get half-way to a trip gets its next reply self-checked at once.
+a worker whose own statistics get half-way to a trip gets its next reply self-checked at once, as
+does a reply standing far off its stage's on its own.
 Without these, a liar's victims downstream were named in its place.
 
 The background checks send held-out Forwards through `held_out`, the trainer's timed call to a
@@ -111,6 +112,8 @@ class ReplyChecks:
             self.gradients.check_now(producer)
         if evidence is not None:
             raise self.blame.suspect(view, evidence, method)
+        if self.verifier.outlying(view.stage, kind, view.peer_id):
+            self.gradients.check_now(view.peer_id)  # this very reply (`ReplyVerifier.outlying`)
         self.gradients.suspicion(view.peer_id, self.verifier.on_its_way(view.peer_id))
         upstream.append((view.stage, kind, view.peer_id))
 

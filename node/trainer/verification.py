@@ -103,7 +103,7 @@ from typing import Callable, Iterable
 
 import torch
 
-__all__ = ["PROJECTIONS", "FEATURES", "Z_CAP", "SPREAD_FLOOR", "LONE_SPREAD_FLOOR", "DETECTION_REPLIES", "VerifierSettings",
+__all__ = ["PROJECTIONS", "FEATURES", "Z_CAP", "OUTLIER_Z", "SPREAD_FLOOR", "LONE_SPREAD_FLOOR", "DETECTION_REPLIES", "VerifierSettings",
            "Evidence", "ReplyVerifier", "Source", "reply_features", "projection_directions"]
 
 # A reply's place: (stage, frame kind, worker).
@@ -114,6 +114,10 @@ PROJECTIONS = 4
 FEATURES = ("log_rms", "variation", *(f"direction_{index}" for index in range(PROJECTIONS)), "alignment")
 # A standardized deviation counts at most this much (a single wild reply cannot trip a worker).
 Z_CAP = 12.0
+# A reply this many spreads off on some feature is an outlier: too few to flag on, enough to have that
+# very reply self-checked (`ReplyVerifier.outlying`). Tiny's honest traffic: 13 replies of 3,840 (two
+# runs of 120 global batches, tests/helpers/reply_traffic.py); a x10 output stands about 7 off.
+OUTLIER_Z = 6.0
 # The smallest spread of a feature (all are dimensionless): a feature that never varies is not
 # an invitation to flag the first rounding difference.
 SPREAD_FLOOR = 0.02
@@ -225,6 +229,7 @@ class _WorkerTrack:
     # (producer of the reply's request, its standardized deviations) of its latest judged replies
     deviations: deque = field(default_factory=lambda: deque(maxlen=_ATTRIBUTION_WINDOW))
     deflected: set = field(default_factory=set)  # producers a trip of this worker was laid on already
+    outlying: bool = False  # its last reply stood OUTLIER_Z spreads off on some feature
 
     @classmethod
     def fresh(cls) -> "_WorkerTrack":
@@ -316,6 +321,7 @@ class ReplyVerifier:
         track = boundary.workers.setdefault(peer, _WorkerTrack.fresh())
         if track.flagged is not None:
             return track.flagged
+        track.outlying = False
         if any(self._suspected(source) or suspected_elsewhere(source[2]) for source in upstream):
             self.tainted += 1
             return None
@@ -373,6 +379,15 @@ class ReplyVerifier:
                     track.deviations.extend(kept)
                     track.restart()
 
+    def outlying(self, stage: int, kind: str, peer: str) -> bool:
+        """Whether `peer`'s last reply of `kind` stood `OUTLIER_Z` spreads or more off its stage's on some
+        feature. One such reply cannot flag a worker (a liar that lies in short bursts keeps its CUSUMs
+        under the bar: four x10 replies, then four honest), but it is worth a self check of that very
+        reply: an honest worker's replies seldom stand that far off, and the check settles it."""
+        boundary = self._boundaries.get((stage, kind))
+        track = None if boundary is None else boundary.workers.get(peer)
+        return track is not None and track.outlying
+
     def on_its_way(self, peer: str) -> bool:
         """Whether one of `peer`'s CUSUMs is half-way to the bar or past it (its replies are kept out of
         the reference then): a mark honest traffic stays under, unlike the suspicion of a tenth."""
@@ -399,6 +414,7 @@ class ReplyVerifier:
             centre, spread = reference
             z = max(-Z_CAP, min(Z_CAP, (value - centre) / spread))
             deviations[index] = z
+            track.outlying = track.outlying or abs(z) >= OUTLIER_Z
             track.high[index] = max(0.0, track.high[index] + z - k)
             track.low[index] = max(0.0, track.low[index] - z - k)
             track.peak = max(track.peak, track.high[index], track.low[index])

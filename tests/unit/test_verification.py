@@ -20,6 +20,7 @@ import torch
 from agora.node.trainer.verification import (
     DETECTION_REPLIES,
     FEATURES,
+    OUTLIER_Z,
     ReplyVerifier,
     VerifierSettings,
     projection_directions,
@@ -166,6 +167,18 @@ def test_on_its_way_marks_a_worker_half_way_to_its_flag_and_not_an_honest_one():
     for _ in range(2):
         verifier.observe(0, "output", "b", _features(rng, math.log(10.0)))
     assert verifier.on_its_way("b") and not verifier.on_its_way("a")
+
+
+def test_a_single_reply_far_off_is_outlying_without_a_flag_and_the_next_honest_one_is_not():
+    rng, verifier = random.Random(7), ReplyVerifier()
+    for _ in range(64):
+        verifier.observe(0, "output", "a", _features(rng))
+        verifier.observe(0, "output", "b", _features(rng))
+    assert not verifier.outlying(0, "output", "b")
+    assert verifier.observe(0, "output", "b", _features(rng, 0.1 * (OUTLIER_Z + 2))) is None
+    assert verifier.outlying(0, "output", "b") and not verifier.outlying(0, "output", "a")
+    verifier.observe(0, "output", "b", _features(rng))
+    assert not verifier.outlying(0, "output", "b") and not verifier.outlying(1, "output", "b")
 
 
 def test_nothing_is_judged_before_the_warmup():
