@@ -188,6 +188,14 @@ class ReceiptTable:
                                          "interval_start >= ?", (trainer, since)).fetchone()
         return tokens
 
+    def totals(self, trainer: Optional[str] = None) -> tuple[int, int, int, int]:
+        """(receipts, microbatches, tokens, trainers) of the unflagged receipts; ``trainer``'s alone when given."""
+        where, values = ("AND trainer = ?", (trainer,)) if trainer is not None else ("", ())
+        with self._lock:
+            found = self._db.execute("SELECT COUNT(*), COALESCE(SUM(microbatches), 0), COALESCE(SUM(tokens), 0), "
+                                     f"COUNT(DISTINCT trainer) FROM receipts WHERE flag = '' {where}", values).fetchone()
+        return tuple(found)
+
     def export(self, verifier: CredentialVerifier) -> dict[str, Any]:
         """Every receipt as signed, with the flags and the totals derived from them (``verify_export``),
         read in one query: the totals are those of exactly the receipts listed."""
