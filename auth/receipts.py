@@ -25,7 +25,11 @@ Design choices:
   receipt failing one names the field and is never stored.
 - **The wire and file form** is JSON (``receipt_to_json`` / ``receipt_from_json``): the receipt's
   fields, the chain as PEM text and the signature in base64; the monitor's ledger exports it as
-  it was received, so a reader re-verifies exactly what was signed.
+  it was received, so a reader re-verifies exactly what was signed. The worker a receipt names
+  gets it too (its Stage service's DeliverReceipt) and keeps it only when ``verify_addressed``
+  accepts it: addressed to its own peer id, then everything ``verify_receipt`` checks.
+- **The fields are fixed** (``agora-receipt-v1``): readers require exactly these, so another field
+  (a trainer's total at a stage, say) is a new domain tag that today's readers would refuse.
 """
 
 from __future__ import annotations

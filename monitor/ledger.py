@@ -9,7 +9,8 @@ Design choices:
   ``admitted.sqlite``; ``ReceiptTable``): rows are inserted, never changed; triggers abort any
   UPDATE or DELETE, so not even a later bug here rewrites history. One receipt per (trainer,
   worker, interval start): a receipt sent twice (a retry) or replayed is refused as ``duplicate``,
-  and it moves no total.
+  and it moves no total. A worker keeps the receipts delivered to it in a table of the same kind
+  (node/worker/receipts.py), so its copy exports in the same form and verifies the same way.
 - **Kept as received**: each row holds the receipt's JSON as signed (``body``), so the export
   (``export``) is the signed receipts themselves, and anyone holding the run's root certificate
   re-verifies every one and recomputes every total (``verify_export``; ``agora-node ledger
