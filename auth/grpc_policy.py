@@ -20,6 +20,10 @@ Design choices:
   worker, which the handler further holds to its own stage (a contributor never gets more than
   the stage it hosts), and to an operator, whose `agora-node export` gathers every stage. Not to a
   trainer, client or monitor: none of them holds weights, and the state is the run's model.
+- DeliverReceipt (a trainer hands a worker the receipt it signed for its work, auth/receipts.py)
+  is open to a trainer and an operator, the roles that sign receipts (a worker cannot vouch for
+  itself, nor fill another's store); the handler further verifies the receipt itself, bounds its
+  size and keeps each one once (node/worker/receipts.py).
 - The run fingerprint (pipeline/fingerprint.py) travels in the ``agora-run-fingerprint``
   metadata of every Stage request, also under ``--insecure``: a peer started with another seed or
   config is refused at the call, naming the field, instead of computing garbage. Health and
@@ -34,6 +38,7 @@ from types import MappingProxyType
 from typing import Mapping, Optional
 
 from agora.auth.credentials import ROLES
+from agora.auth.receipts import RECEIPT_ROLES
 
 __all__ = [
     "FINGERPRINT_METADATA",
@@ -69,6 +74,7 @@ _INFERENCE = MethodRule(frozenset({"client", "trainer", "operator"}), fingerprin
 _READ_ONLY = MethodRule(frozenset(ROLES), fingerprint=True)
 _STATE = MethodRule(frozenset({"worker", "operator"}), fingerprint=True)
 _PROBE = MethodRule(frozenset(ROLES), fingerprint=False)
+_RECEIPT = MethodRule(frozenset(RECEIPT_ROLES), fingerprint=True)
 
 # service -> method (or "*") -> rule. Read-only views: the table is a constant.
 NODE_POLICY: Mapping[str, Mapping[str, MethodRule]] = MappingProxyType({
@@ -84,6 +90,7 @@ NODE_POLICY: Mapping[str, Mapping[str, MethodRule]] = MappingProxyType({
         "Decode": _INFERENCE,
         "CloseSession": _INFERENCE,
         "DownloadState": _STATE,
+        "DeliverReceipt": _RECEIPT,
     }),
     HEALTH_SERVICE: MappingProxyType({_ANY_SERVICE_METHOD: _PROBE}),
     **{name: MappingProxyType({_ANY_SERVICE_METHOD: _PROBE}) for name in REFLECTION_SERVICES},

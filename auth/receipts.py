@@ -25,7 +25,11 @@ Design choices:
   receipt failing one names the field and is never stored.
 - **The wire and file form** is JSON (``receipt_to_json`` / ``receipt_from_json``): the receipt's
   fields, the chain as PEM text and the signature in base64; the monitor's ledger exports it as
-  it was received, so a reader re-verifies exactly what was signed.
+  it was received, so a reader re-verifies exactly what was signed. The worker a receipt names
+  gets it too (its Stage service's DeliverReceipt) and keeps it only when ``verify_addressed``
+  accepts it: addressed to its own peer id, then everything ``verify_receipt`` checks.
+- **The fields are fixed** (``agora-receipt-v1``): readers require exactly these, so another field
+  (a trainer's total at a stage, say) is a new domain tag that today's readers would refuse.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from agora.auth.credentials import CredentialError, CredentialVerifier, Identity, load_chain
 from agora.auth.policy import proof_is_valid, sign_proof
 
-__all__ = ["Receipt", "SignedReceipt", "ReceiptError", "RECEIPT_ROLES", "RECEIPT_REFUSALS", "receipt_problem",
-           "receipt_payload", "sign_receipt", "verify_receipt", "receipt_to_json", "receipt_from_json"]
+__all__ = ["Receipt", "SignedReceipt", "ReceiptError", "RECEIPT_ROLES", "RECEIPT_REFUSALS", "KEPT_REFUSALS",
+           "receipt_problem", "receipt_payload", "sign_receipt", "verify_receipt", "verify_addressed",
+           "receipt_to_json", "receipt_from_json"]
 
 RECEIPT_ROLES = ("trainer", "operator")  # the credentials that may sign receipts
 _DOMAIN = b"agora-receipt-v1\0"
@@ -54,6 +59,9 @@ _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Why a receipt is refused: the label of the monitor's refusal counter.
 RECEIPT_REFUSALS = ("malformed", "untrusted", "expired", "wrong_run", "wrong_role", "not_signer", "bad_signature",
                     "duplicate")
+# Why a worker refuses a receipt delivered to it (node/worker/receipts.py): those, and one addressed to
+# another worker, one over the size a receipt has, or none can be verified (no root: --insecure).
+KEPT_REFUSALS = RECEIPT_REFUSALS + ("wrong_worker", "oversized", "no_root")
 
 
 class ReceiptError(ValueError):
@@ -146,6 +154,15 @@ def verify_receipt(signed: SignedReceipt, verifier: CredentialVerifier) -> Ident
     if not proof_is_valid(_leaf_key(leaf), receipt_payload(receipt), signed.signature):
         raise ReceiptError("bad_signature", f"signature: not {identity.describe()}'s signature over this receipt")
     return identity
+
+
+def verify_addressed(signed: SignedReceipt, verifier: CredentialVerifier, worker: str) -> Identity:
+    """``verify_receipt``, for the worker it is addressed to: one naming another worker (``wrong_worker``)
+    is refused first, so a worker keeps no receipt of anyone else's work."""
+    if signed.receipt.worker != worker:
+        raise ReceiptError("wrong_worker", f"worker: the receipt is for worker {str(signed.receipt.worker)[:16]}..., "
+                                           f"this is {worker[:16]}...")
+    return verify_receipt(signed, verifier)
 
 
 def _leaf_key(leaf: x509.Certificate) -> rsa.RSAPublicKey:

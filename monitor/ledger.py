@@ -6,9 +6,11 @@ Design choices:
   against the run's root; one that fails is refused with the reason, counted
   (``agora_ledger_receipts_refused_total{reason}``) and never written.
 - **Append-only sqlite** (stdlib, one file, one table ``receipts``, like the authorizer's
-  ``admitted.sqlite``): rows are inserted, never changed; triggers abort any UPDATE or DELETE, so
-  not even a later bug here rewrites history. One receipt per (trainer, worker, interval start):
-  a receipt sent twice (a retry) or replayed is refused as ``duplicate``, and it moves no total.
+  ``admitted.sqlite``; ``ReceiptTable``): rows are inserted, never changed; triggers abort any
+  UPDATE or DELETE, so not even a later bug here rewrites history. One receipt per (trainer,
+  worker, interval start): a receipt sent twice (a retry) or replayed is refused as ``duplicate``,
+  and it moves no total. A worker keeps the receipts delivered to it in a table of the same kind
+  (node/worker/receipts.py), so its copy exports in the same form and verifies the same way.
 - **Kept as received**: each row holds the receipt's JSON as signed (``body``), so the export
   (``export``) is the signed receipts themselves, and anyone holding the run's root certificate
   re-verifies every one and recomputes every total (``verify_export``; ``agora-node ledger
@@ -38,8 +40,8 @@ from agora.auth.credentials import CredentialVerifier
 from agora.auth.receipts import (RECEIPT_REFUSALS, Receipt, ReceiptError, SignedReceipt, receipt_from_json,
                                  receipt_to_json, verify_receipt)
 
-__all__ = ["LEDGER_VERSION", "Contributor", "LedgerMetrics", "ReceiptLedger", "ServedCount", "StoredReceipt",
-           "contributors", "overclaim", "verify_export"]
+__all__ = ["LEDGER_VERSION", "Contributor", "LedgerMetrics", "ReceiptLedger", "ReceiptTable", "ServedCount",
+           "StoredReceipt", "contributors", "overclaim", "verify_export"]
 
 LEDGER_VERSION = "agora-ledger-v1"
 
@@ -131,16 +133,20 @@ def contributors(rows: Iterable[StoredReceipt]) -> list[Contributor]:
     return sorted(by_worker.values(), key=lambda c: (-c.tokens, c.worker))
 
 
-class ReceiptLedger:
-    """The ``receipts`` table of one sqlite file; ``append`` verifies with ``verifier``. Thread-safe
-    (the monitor's HTTP threads append, its status page reads): one lock serializes the calls."""
+class ReceiptTable:
+    """The append-only ``receipts`` table of one sqlite file (module docstring): the monitor's ledger and
+    a worker's own copy of its receipts (node/worker/receipts.py) are each one. It stores what it is
+    given; whoever appends has verified it. Thread-safe (the monitor's HTTP threads append, its status
+    page reads): one lock serializes the calls. ``read_only``: opened to be read while another process
+    appends (``agora-node ledger export``), the file must exist and nothing is created."""
 
-    def __init__(self, path: str | Path, verifier: CredentialVerifier, metrics: LedgerMetrics, *, clock):
+    def __init__(self, path: str | Path, *, clock, read_only: bool = False):
         self.path = Path(path)
-        self.verifier = verifier
-        self.metrics = metrics
         self._clock = clock
         self._lock = threading.Lock()
+        if read_only:
+            self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
+            return
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(_SCHEMA)
@@ -148,20 +154,8 @@ class ReceiptLedger:
             self._db.execute(trigger)
 
     def append(self, signed: SignedReceipt, served: Optional[ServedCount] = None) -> StoredReceipt:
-        """Verify and store ``signed``; ReceiptError (counted) when it is refused. ``served``: the
-        worker's own count for the cross-check (``overclaim``), None when unknown."""
-        try:
-            verify_receipt(signed, self.verifier)
-            stored = self._insert(signed, served)
-        except ReceiptError as error:
-            self.metrics.refused.labels(reason=error.reason).inc()
-            raise
-        self.metrics.accepted.inc()
-        if stored.flag:
-            self.metrics.flagged.inc()
-        return stored
-
-    def _insert(self, signed: SignedReceipt, served: Optional[ServedCount]) -> StoredReceipt:
+        """Store ``signed`` (flagged when it brings its trainer's claims above ``served``, ``overclaim``);
+        ReceiptError (duplicate) when the table holds a receipt of its trainer, worker and interval start."""
         receipt = signed.receipt
         with self._lock:
             flag = ""
@@ -188,21 +182,70 @@ class ReceiptLedger:
             found = self._db.execute(f"SELECT {_ROW} FROM receipts ORDER BY id").fetchall()
         return [StoredReceipt(*row) for row in found]
 
-    def contributors(self) -> list[Contributor]:
-        return contributors(self.rows())
-
-    def export(self) -> dict[str, Any]:
-        """Every receipt as signed, with the flags and the totals derived from them (``verify_export``)."""
+    def claimed_tokens(self, trainer: str, since: float) -> int:
+        """Tokens of ``trainer``'s receipts whose interval started at ``since`` or later."""
         with self._lock:
-            found = self._db.execute("SELECT body, flag FROM receipts ORDER BY id").fetchall()
-        entries = [{"signed": json.loads(body), "flag": flag} for body, flag in found]
-        return {"version": LEDGER_VERSION, "run_id": self.verifier.run_id,
-                "root_fingerprint": self.verifier.root_fingerprint, "receipts": entries,
-                "contributors": [asdict(c) for c in self.contributors()]}
+            (tokens,) = self._db.execute("SELECT COALESCE(SUM(tokens), 0) FROM receipts WHERE trainer = ? AND "
+                                         "interval_start >= ?", (trainer, since)).fetchone()
+        return tokens
+
+    def totals(self, trainer: Optional[str] = None) -> tuple[int, int, int, int]:
+        """(receipts, microbatches, tokens, trainers) of the unflagged receipts; ``trainer``'s alone when given."""
+        where, values = ("AND trainer = ?", (trainer,)) if trainer is not None else ("", ())
+        with self._lock:
+            found = self._db.execute("SELECT COUNT(*), COALESCE(SUM(microbatches), 0), COALESCE(SUM(tokens), 0), "
+                                     f"COUNT(DISTINCT trainer) FROM receipts WHERE flag = '' {where}", values).fetchone()
+        return tuple(found)
+
+    def export(self, verifier: CredentialVerifier) -> dict[str, Any]:
+        """Every receipt as signed, with the flags and the totals derived from them (``verify_export``),
+        read in one query: the totals are those of exactly the receipts listed."""
+        with self._lock:
+            found = self._db.execute(f"SELECT {_ROW}, body FROM receipts ORDER BY id").fetchall()
+        entries = [{"signed": json.loads(row[-1]), "flag": row[-2]} for row in found]
+        return {"version": LEDGER_VERSION, "run_id": verifier.run_id, "root_fingerprint": verifier.root_fingerprint,
+                "receipts": entries, "contributors": [asdict(c) for c in contributors(
+                    StoredReceipt(*row[:-1]) for row in found)]}
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+class ReceiptLedger:
+    """The monitor's ledger: a ``ReceiptTable`` that ``append`` fills with what ``verifier`` accepts."""
+
+    def __init__(self, path: str | Path, verifier: CredentialVerifier, metrics: LedgerMetrics, *, clock):
+        self.verifier = verifier
+        self.metrics = metrics
+        self.table = ReceiptTable(path, clock=clock)
+        self.path = self.table.path
+
+    def append(self, signed: SignedReceipt, served: Optional[ServedCount] = None) -> StoredReceipt:
+        """Verify and store ``signed``; ReceiptError (counted) when it is refused. ``served``: the
+        worker's own count for the cross-check (``overclaim``), None when unknown."""
+        try:
+            verify_receipt(signed, self.verifier)
+            stored = self.table.append(signed, served)
+        except ReceiptError as error:
+            self.metrics.refused.labels(reason=error.reason).inc()
+            raise
+        self.metrics.accepted.inc()
+        if stored.flag:
+            self.metrics.flagged.inc()
+        return stored
+
+    def rows(self) -> list[StoredReceipt]:
+        return self.table.rows()
+
+    def contributors(self) -> list[Contributor]:
+        return contributors(self.rows())
+
+    def export(self) -> dict[str, Any]:
+        return self.table.export(self.verifier)
+
+    def close(self) -> None:
+        self.table.close()
 
 
 def _values(stored: StoredReceipt) -> tuple:

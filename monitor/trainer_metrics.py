@@ -20,7 +20,8 @@
 - Gradient checks (node/trainer/gradient_checks.py), by stage: sent (two held-out Forwards each),
   their compute, skipped for want of a replica with two credits free, and checks out of band.
 - Receipts of accepted work (node/trainer/receipts.py) by outcome: signed, delivered to the
-  ledger, refused by it, failed to post, dropped unsent.
+  ledger, refused by it, failed to post, dropped unsent; and their deliveries to the workers they
+  name (node/trainer/receipt_delivery.py): kept, duplicate, refused, failed, no_route.
 - `RpcClientMetrics`: payload bytes (tensor frames) sent and received, by method.
 - `EvalMetrics`: the evaluations run against the live swarm while training (node/trainer/evals.py):
   each figure of the last one by `kind` (`heldout_loss`, `heldout_perplexity`, `TASK.METRIC`: the
@@ -96,6 +97,10 @@ class TrainerMetrics:
         self.receipts = Counter("agora_trainer_receipts", "Receipts of accepted work for workers (node/trainer/"
                                 "receipts.py): signed, then delivered to the ledger, refused by it, failed to post "
                                 "(kept and posted again), or dropped unsent", ["outcome"], registry=registry)
+        self.receipt_deliveries = Counter("agora_trainer_receipt_deliveries", "Receipts handed to the workers they "
+                                          "name (node/trainer/receipt_delivery.py): kept, duplicate (it had it), "
+                                          "refused (with the worker's reason), failed (unreachable), no_route (gone)",
+                                          ["outcome"], registry=registry)
         self.in_flight_limit = Gauge("agora_trainer_in_flight_limit", "Microbatches this trainer allows itself in "
                                      "flight now (the adaptive depth, within its caps)", registry=registry)
         self.in_flight_credits = Gauge("agora_trainer_in_flight_credits", "Microbatches the workers keep for this "

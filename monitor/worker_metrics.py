@@ -17,7 +17,9 @@ Design choices:
   counted as `extreme_output_grad`).
   What it served each trainer (tokens of its training Forwards, by the caller's peer id, and since
   when): a contributor's own account of its share, and the figure the ledger holds the trainers'
-  receipts to (monitor/ledger.py).
+  receipts to (monitor/ledger.py). What the trainers' receipts delivered to it vouch for
+  (node/worker/receipts.py): microbatches and tokens by trainer, verified and kept since this
+  process started, and the receipts it refused, by reason.
 - Durations are histograms; buckets cover a CPU microbatch (milliseconds) to a slow 8B stage
   (tens of seconds).
 """
@@ -30,6 +32,8 @@ from typing import Callable, Iterable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+from agora.auth.receipts import KEPT_REFUSALS
 
 __all__ = ["DURATION_BUCKETS", "MAX_SERVED_TRAINERS", "RpcServerMetrics", "WorkerMetrics"]
 
@@ -103,18 +107,50 @@ class WorkerMetrics:
                                      "claim at most (monitor/ledger.py)", ["trainer"], registry=registry)
         self.served_since = Gauge("agora_worker_served_since_seconds", "When this process began counting "
                                   "agora_worker_served_tokens (seconds since the epoch)", registry=registry)
-        self.served_since.set(time.time())
+        self.served_since_s = time.time()
+        self.served_since.set(self.served_since_s)
         self._served_trainers: set[str] = set()
+        self._served: dict[str, int] = {}  # the same counts, read back for the receipts' log line
+        self.receipted_tokens = Counter("agora_worker_receipted_tokens", "Tokens the trainers' receipts delivered "
+                                        "to this worker vouch for, verified and kept, by trainer",
+                                        ["trainer"], registry=registry)
+        self.receipted_microbatches = Counter("agora_worker_receipted_microbatches", "Microbatches the trainers' "
+                                              "receipts delivered to this worker vouch for, verified and kept, by "
+                                              "trainer", ["trainer"], registry=registry)
+        self.receipts_refused = Counter("agora_worker_receipts_refused", "Receipts delivered to this worker and "
+                                        "refused, by reason", ["reason"], registry=registry)
+        for reason in KEPT_REFUSALS:
+            self.receipts_refused.labels(reason=reason)
         self._registry = registry
 
-    def served(self, trainer: str, tokens: int) -> None:
-        """A training microbatch of `tokens` served to `trainer` (its Forward; its Backward is the same work).
-        Past `MAX_SERVED_TRAINERS` distinct callers the rest count as "other" (bounded series)."""
+    def _trainer_label(self, trainer: str) -> str:
+        """`trainer`, or "other" past `MAX_SERVED_TRAINERS` distinct trainers (bounded series)."""
         if trainer not in self._served_trainers:
             if len(self._served_trainers) >= MAX_SERVED_TRAINERS:
                 trainer = "other"
             self._served_trainers.add(trainer)
-        self.served_tokens.labels(trainer=trainer).inc(tokens)
+        return trainer
+
+    def served(self, trainer: str, tokens: int) -> None:
+        """A training microbatch of `tokens` served to `trainer` (its Forward; its Backward is the same work)."""
+        label = self._trainer_label(trainer)
+        self.served_tokens.labels(trainer=label).inc(tokens)
+        self._served[label] = self._served.get(label, 0) + tokens
+
+    def served_tokens_of(self, trainer: str) -> int | None:
+        """Tokens served to `trainer` since `served_since_s`; None when it is counted among "other"."""
+        if trainer not in self._served_trainers and len(self._served_trainers) >= MAX_SERVED_TRAINERS:
+            return None
+        return self._served.get(trainer, 0)
+
+    def receipted(self, trainer: str, microbatches: int, tokens: int) -> None:
+        """A receipt of `trainer` for this worker, verified and kept."""
+        label = self._trainer_label(trainer)
+        self.receipted_microbatches.labels(trainer=label).inc(microbatches)
+        self.receipted_tokens.labels(trainer=label).inc(tokens)
+
+    def receipt_refused(self, reason: str) -> None:
+        self.receipts_refused.labels(reason=reason).inc()
 
     def watchdog_tripped(self, rule: str) -> None:
         self.watchdog_trips.labels(reason=rule).inc()

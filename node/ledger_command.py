@@ -1,16 +1,23 @@
-"""`agora-node ledger verify FILE --ca ROOT.pem`: check a ledger export without trusting whoever made it.
+"""`agora-node ledger verify FILE --ca ROOT.pem`: check a ledger export without trusting whoever made it;
+`agora-node ledger export --state-dir D`: a worker's own receipts as such an export.
 
 An export (the monitor's `/api/ledger`, monitor/ledger.py) is the trainers' signed receipts and
 the totals the monitor summed from them. This re-verifies every receipt against the run's root
 certificate alone (auth/receipts.py: each carries its trainer's credential chain), refuses a
 receipt repeated, and recomputes the totals; it prints each contributor's share, or one line
 naming the first entry that fails (exit 1). A missing or unreadable file is exit 2.
+
+A worker keeps the receipts delivered to it in `receipts.sqlite` in its state dir
+(node/worker/receipts.py). `export` writes them in the same form (read-only: the worker may be
+running), checked the way `verify` checks it first, so a contributor can hand its proof of work to
+anyone who holds the run's root certificate.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -20,9 +27,11 @@ __all__ = ["add_ledger_command"]
 
 
 def add_ledger_command(commands) -> None:
-    ledger = commands.add_parser("ledger", help="the run's ledger of verified work: verify an export",
-                                 description="Check a ledger export (the monitor's /api/ledger) against the run's "
-                                             "root certificate, receipt by receipt, and recompute its totals.")
+    ledger = commands.add_parser("ledger", help="the run's ledger of verified work: verify an export, export a "
+                                               "worker's own receipts",
+                                 description="Check a ledger export (the monitor's /api/ledger, or a worker's own "
+                                             "receipts exported) against the run's root certificate, receipt by "
+                                             "receipt, and recompute its totals.")
     actions = ledger.add_subparsers(dest="ledger_command", required=True)
     verify = actions.add_parser("verify", help="verify every receipt of an export and recompute the totals")
     verify.add_argument("file", help="the export, as /api/ledger serves it")
@@ -31,6 +40,10 @@ def add_ledger_command(commands) -> None:
     verify.add_argument("--run-id", default=None, help="the run the receipts must be of (default: the export's)")
     verify.add_argument("--json", action="store_true", help="print the recomputed contributors as JSON")
     verify.set_defaults(handler=_cmd_ledger_verify)
+    export = actions.add_parser("export", help="a worker's kept receipts as a ledger export, for `ledger verify`")
+    export.add_argument("--state-dir", required=True, help="the worker's --state-dir (it holds receipts.sqlite)")
+    export.add_argument("--out", default="-", help="the file to write (default: standard output)")
+    export.set_defaults(handler=_cmd_ledger_export)
 
 
 def _cmd_ledger_verify(args: argparse.Namespace) -> int:
@@ -64,4 +77,44 @@ def _cmd_ledger_verify(args: argparse.Namespace) -> int:
         flagged = f", {entry.flagged_tokens} tokens flagged" if entry.flagged_receipts else ""
         print(f"  {entry.worker}  {entry.tokens} tokens  {entry.microbatches} microbatches  "
               f"{entry.receipts} receipts{flagged}")
+    return 0
+
+
+def _cmd_ledger_export(args: argparse.Namespace) -> int:
+    from agora.auth.credentials import CredentialVerifier
+    from agora.auth.node_state import ROOT_FILE, RUN_FILE, RunInfo
+    from agora.auth.receipts import ReceiptError
+    from agora.monitor.ledger import ReceiptTable, verify_export
+    from agora.node.worker.receipts import RECEIPTS_FILE
+    from agora.pipeline.files import atomic_write
+
+    state = Path(args.state_dir)
+    path = state / RECEIPTS_FILE
+    if not path.is_file():
+        raise ConfigError(f"--state-dir: no {RECEIPTS_FILE} in {state}: no receipt was delivered to a worker with "
+                          "this state dir yet (a worker keeps them when it runs with a credential)")
+    try:
+        verifier = CredentialVerifier((state / ROOT_FILE).read_bytes(),
+                                      RunInfo.from_json((state / RUN_FILE).read_text()).run_id, clock=time.time)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"--state-dir: cannot read the run's root and id from {state}: {error}") from None
+    table = ReceiptTable(path, clock=time.time, read_only=True)
+    try:
+        document = table.export(verifier)
+    finally:
+        table.close()
+    try:
+        found = verify_export(document, verifier)
+    except ReceiptError as error:  # the file was changed behind the worker's back
+        print(f"ledger export: REFUSED ({error.reason}): {path}: {error}", file=sys.stderr)
+        return 1
+    text = json.dumps(document, indent=1) + "\n"
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        atomic_write(args.out, text.encode(), mode=0o644)
+    tokens = sum(entry.tokens for entry in found)
+    print(f"ledger export: {len(document['receipts'])} receipts ({tokens} tokens) of run {verifier.run_id!r}"
+          f"{'' if args.out == '-' else ' written to ' + args.out}; check with: agora-node ledger verify "
+          f"{'FILE' if args.out == '-' else args.out} --ca {state / ROOT_FILE}", file=sys.stderr)
     return 0

@@ -230,6 +230,22 @@ class StateChunk(_message.Message):
     step: int
     def __init__(self, snapshot_id: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
+class ReceiptDelivery(_message.Message):
+    __slots__ = ("receipt",)
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    receipt: str
+    def __init__(self, receipt: _Optional[str] = ...) -> None: ...
+
+class ReceiptKept(_message.Message):
+    __slots__ = ("receipts", "microbatches", "tokens")
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    receipts: int
+    microbatches: int
+    tokens: int
+    def __init__(self, receipts: _Optional[int] = ..., microbatches: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

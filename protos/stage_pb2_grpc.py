@@ -89,6 +89,11 @@ class StageStub:
                 request_serializer=agora_dot_protos_dot_stage__pb2.StateRequest.SerializeToString,
                 response_deserializer=agora_dot_protos_dot_stage__pb2.StateChunk.FromString,
                 _registered_method=True)
+        self.DeliverReceipt = channel.unary_unary(
+                '/agora.v1.Stage/DeliverReceipt',
+                request_serializer=agora_dot_protos_dot_stage__pb2.ReceiptDelivery.SerializeToString,
+                response_deserializer=agora_dot_protos_dot_stage__pb2.ReceiptKept.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -181,6 +186,20 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeliverReceipt(self, request, context):
+        """Receipts: a trainer hands this worker the receipt it signed for the work it accepted from it
+        over one interval (agora.auth.receipts: run, trainer, worker, stage, interval, microbatches,
+        tokens, the trainer's credential chain and its signature). The worker verifies it against the
+        run's root and keeps it, so a contributor holds the proof of its own work. A trainer or
+        operator credential may call it; a receipt that does not verify, is addressed to another
+        worker or repeats one kept is refused with the reason (INVALID_ARGUMENT, PERMISSION_DENIED,
+        ALREADY_EXISTS); a worker without a root to verify against (--insecure) answers
+        FAILED_PRECONDITION. Best effort for the trainer: training never waits on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -238,6 +257,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.DownloadState,
                     request_deserializer=agora_dot_protos_dot_stage__pb2.StateRequest.FromString,
                     response_serializer=agora_dot_protos_dot_stage__pb2.StateChunk.SerializeToString,
+            ),
+            'DeliverReceipt': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeliverReceipt,
+                    request_deserializer=agora_dot_protos_dot_stage__pb2.ReceiptDelivery.FromString,
+                    response_serializer=agora_dot_protos_dot_stage__pb2.ReceiptKept.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -537,6 +561,33 @@ class Stage:
             '/agora.v1.Stage/DownloadState',
             agora_dot_protos_dot_stage__pb2.StateRequest.SerializeToString,
             agora_dot_protos_dot_stage__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeliverReceipt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agora.v1.Stage/DeliverReceipt',
+            agora_dot_protos_dot_stage__pb2.ReceiptDelivery.SerializeToString,
+            agora_dot_protos_dot_stage__pb2.ReceiptKept.FromString,
             options,
             channel_credentials,
             insecure,

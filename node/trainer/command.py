@@ -6,9 +6,10 @@ revoked credential ends the run as an interruption), claims the run's units from
 (node/trainer/units.py), announces itself every beat (node/trainer/announce.py), serves its
 metrics, trains, evaluates on the held-out split and returns its summary; the run config's `evals`
 run meanwhile against the live swarm (node/trainer/evals.py). A worker its verifier flags is
-reported to the authorizer in the background (node/trainer/reports.py), where there is one; with a
-ledger (`--ledger-url`), the work it accepted from each worker is signed into receipts and posted
-there (node/trainer/receipts.py). With `--otlp-endpoint` a sampled share of its microbatches is
+reported to the authorizer in the background (node/trainer/reports.py), where there is one. With a
+credential, the work it accepted from each worker is signed into receipts (node/trainer/receipts.py),
+handed to each worker (node/trainer/receipt_delivery.py) and, with a ledger (`--ledger-url`), posted
+there. With `--otlp-endpoint` a sampled share of its microbatches is
 traced there (node/trainer/traces.py). SIGTERM or SIGINT end the run between calls: channels
 closed, the log flushed, a summary.
 """
@@ -146,8 +147,9 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 await trainer.run(steps)
             except asyncio.CancelledError:
                 interrupted = True
-            if book is not None:  # the last interval, however short
+            if book is not None:  # the last interval, however short (the workers' copies go as the trainer closes)
                 book.close_interval()
+            if sender is not None:
                 await sender.drain()
             if evaluator is not None:
                 await evaluator.close(wait=not interrupted)
@@ -195,14 +197,16 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
 
 def _receipts(options: TrainerOptions, credentials: NodeCredentials | None,
               stats: TrainerStats) -> tuple[ReceiptBook | None, ReceiptSender | None]:
-    """The receipt book and its sender to the ledger at `options.ledger_url` (None, None: no ledger)."""
-    if options.ledger_url is None:
-        return None, None
+    """The receipt book (None under --insecure: nothing to sign with) and its sender to the ledger at
+    `options.ledger_url` (None: no ledger). The trainer hands each worker its own receipts either way."""
     if credentials is None:
-        raise ConfigError("ledger_url: receipts are signed with the trainer's credential; without one (--insecure) "
-                          "there is nothing to sign them with")
-    sender = ReceiptSender(options.ledger_url, stats)
+        if options.ledger_url is not None:
+            raise ConfigError("ledger_url: receipts are signed with the trainer's credential; without one "
+                              "(--insecure) there is nothing to sign them with")
+        return None, None
+    sender = ReceiptSender(options.ledger_url, stats) if options.ledger_url is not None else None
     book = ReceiptBook(options.run_id, credentials.peer_id, options.receipt_every_batches,
                        lambda: (credentials.key, credentials.current()[0]),
-                       flagged=lambda peer: peer in stats.flagged_by_peer, deliver=sender.submit)
+                       flagged=lambda peer: peer in stats.flagged_by_peer,
+                       deliver=sender.submit if sender is not None else None)
     return book, sender

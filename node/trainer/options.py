@@ -86,13 +86,15 @@ class TrainerOptions:
         "last 6 is excluded. 0: off",
         flag="--gradient-check-share", ge=0, le=1)
     ledger_url: StrictStr | None = setting(
-        None, "the monitor keeping the run's ledger of verified work (http://HOST:PORT): this trainer signs a receipt "
-        "per worker for the microbatches and tokens it accepted from it, every --receipt-every global batches, and "
-        "posts them there (node/trainer/receipts.py); needs a credential. None: no receipts",
+        None, "the monitor keeping the run's ledger of verified work (http://HOST:PORT): the receipts this trainer "
+        "signs (with a credential, one per worker for the microbatches and tokens it accepted from it, every "
+        "--receipt-every global batches, each handed to its worker too) are also posted there "
+        "(node/trainer/receipts.py); needs a credential. None: the workers alone get them",
         flag="--ledger-url", pattern=r"^https?://[^\s/]+(/[^\s]*)?$")
     receipt_every_batches: StrictInt = setting(
         20, "global batches this trainer finishes between two rounds of receipts (the last round when the run "
-        "ends, however short)", flag="--receipt-every", ge=1, le=100_000)
+        "ends, however short); a trainer with a credential signs them and hands each worker its own",
+        flag="--receipt-every", ge=1, le=100_000)
     wire_dtype: WireDtype = setting(
         "fp32", "encoding of the boundary tensors this trainer sends (it decodes any)", flag="--wire-dtype")
     heartbeat_s: StrictFloat = setting(5.0, "seconds between announces of this trainer's progress in the DHT",

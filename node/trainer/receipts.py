@@ -10,7 +10,9 @@ receipt (auth/receipts.py), signed with this trainer's credential key, except a 
 the meantime by the verifier, a spot check or a self check. A flag can come after replies that
 already counted (a CUSUM builds up over many replies; checks run in the background), so the whole
 interval of a flagged worker goes unsigned, and it is excluded from then on. The last interval is
-closed when the run ends, however short.
+closed when the run ends, however short. Each round goes to every recipient: the ledger's sender
+below, when there is a ledger, and the workers themselves, each its own receipt
+(node/trainer/receipt_delivery.py, which the trainer adds: it holds the clients to the workers).
 
 `ReceiptSender` posts the receipts to the monitor's ledger (monitor/http.py, `/api/receipts`) in
 the background, best effort: what a post could not deliver (the monitor down, a timeout) is
@@ -29,14 +31,14 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from agora.auth.receipts import Receipt, SignedReceipt, receipt_to_json, sign_receipt
 from agora.node.trainer.stats import TrainerStats
 
-__all__ = ["MAX_UNSENT", "POST_CHUNK", "ReceiptBook", "ReceiptSender", "Signer", "WorkerTally"]
+__all__ = ["MAX_UNSENT", "POST_CHUNK", "ReceiptBook", "ReceiptSender", "Recipient", "Signer", "WorkerTally"]
 
 logger = logging.getLogger("agora.node.trainer")
 
@@ -45,6 +47,8 @@ MAX_UNSENT = 10_000
 POST_CHUNK = 100
 # The trainer's node key and its current credential chain (re-read: the credential is renewed).
 Signer = Callable[[], tuple[rsa.RSAPrivateKey, bytes]]
+# Who a round of receipts goes to: the ledger's sender, the workers' delivery.
+Recipient = Callable[[list[SignedReceipt]], None]
 
 
 @dataclass
@@ -58,10 +62,11 @@ class ReceiptBook:
     """Tallies accepted work per worker and signs it every `every_batches` global batches (module docstring)."""
 
     def __init__(self, run_id: str, trainer: str, every_batches: int, signer: Signer, *,
-                 flagged: Callable[[str], bool], deliver: Callable[[list[SignedReceipt]], None],
+                 flagged: Callable[[str], bool], deliver: Optional[Recipient] = None,
                  wall_clock: Callable[[], float] = time.time):
         self.run_id, self.trainer, self.every_batches = run_id, trainer, every_batches
-        self._signer, self._flagged, self._deliver, self._wall_clock = signer, flagged, deliver, wall_clock
+        self._signer, self._flagged, self._wall_clock = signer, flagged, wall_clock
+        self._recipients: list[Recipient] = [deliver] if deliver is not None else []
         self._tallies: dict[str, WorkerTally] = {}
         self._batches = 0
         self._started = wall_clock()
@@ -81,7 +86,7 @@ class ReceiptBook:
             self.close_interval()
 
     def close_interval(self) -> list[SignedReceipt]:
-        """Sign the interval's receipts (none: nothing was served) and hand them to `deliver`."""
+        """Sign the interval's receipts (none: nothing was served) and hand them to each recipient."""
         tallies, self._tallies, self._batches = self._tallies, {}, 0
         start, end = self._started, max(self._wall_clock(), self._started)
         self._started = end
@@ -95,8 +100,13 @@ class ReceiptBook:
             receipts.append(sign_receipt(receipt, key, chain))
         self.signed += len(receipts)
         if receipts:
-            self._deliver(receipts)
+            for recipient in self._recipients:
+                recipient(receipts)
         return receipts
+
+    def also_deliver(self, recipient: Recipient) -> None:
+        """Hand every later round of receipts to `recipient` too (the workers: node/trainer/receipt_delivery.py)."""
+        self._recipients.append(recipient)
 
 
 class ReceiptSender:

@@ -56,6 +56,7 @@ from agora.pipeline.codec import WireCodec, WireFormatError, encode_tokens, floa
 from agora.pipeline.config import ModelConfig
 from agora.pipeline.fingerprint import RunFingerprint
 from agora.pipeline.wire_scale import WireScale
+from agora.protos.receipt_adapter import ReceiptDelivery, ReceiptKept, ReceiptStub
 from agora.protos.stage_adapter import (
     PRODUCED_FIELDS,
     PUSHBACK_METADATA,
@@ -493,3 +494,10 @@ class StageClient:
     async def info(self, *, timeout_s: float | None = None) -> InfoReply:
         stub = self._calls()
         return await self._invoke("Info", lambda **options: stub.info(**options), timeout_s)
+
+    async def deliver_receipt(self, receipt: str, *, timeout_s: float | None = None) -> ReceiptKept:
+        """Hand the worker its signed receipt (JSON, auth/receipts.py); it verifies and keeps it."""
+        self._calls()  # the channel, as every call opens it
+        stub = ReceiptStub(self._channel)
+        return await self._invoke("DeliverReceipt", lambda **options: stub.deliver(ReceiptDelivery(receipt), **options),
+                                  timeout_s)

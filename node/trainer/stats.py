@@ -100,6 +100,10 @@ class TrainerStats:
         """Receipts of accepted work (node/trainer/receipts.py): signed, delivered, refused, failed, dropped."""
         self.metrics.receipts.labels(outcome=outcome).inc(count)
 
+    def receipt_delivery(self, outcome: str) -> None:
+        """A receipt handed to the worker it names (node/trainer/receipt_delivery.py), by the worker's answer."""
+        self.metrics.receipt_deliveries.labels(outcome=outcome).inc()
+
     def depth(self, limit: int, credit_cap: int | None, stage_credits: list[int]) -> None:
         """The in-flight limit now, the workers' in-flight credits bounding it (None: none states one)
         and the calls each stage lets this trainer have outstanding."""

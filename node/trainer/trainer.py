@@ -56,6 +56,7 @@ from agora.node.trainer.inflight import (DepthEstimate, InFlightLimit, adaptive_
                                          resized_depth)
 from agora.node.trainer.microbatches import MicrobatchFailed, Microbatches, StageDone
 from agora.node.trainer.options import TrainerOptions
+from agora.node.trainer.receipt_delivery import ReceiptDelivery
 from agora.node.trainer.receipts import ReceiptBook
 from agora.node.trainer.reply_checks import ReplyChecks
 from agora.node.trainer.routing import Roster
@@ -92,7 +93,8 @@ class SwarmTrainer:
         # None for plaintext (--insecure). Every call carries the run fingerprint either way.
         # `on_flagged`: told of each worker the verifier flags, once (node/trainer/reports.py).
         # `traces`: spans of a sampled share of the microbatches (node/trainer/traces.py); None: off.
-        # `receipts`: told of each finished batch's accepted work per worker (node/trainer/receipts.py).
+        # `receipts`: told of each finished batch's accepted work per worker (node/trainer/receipts.py);
+        # each round it signs also goes to the workers it names (node/trainer/receipt_delivery.py).
         self.config = config
         self.data = data
         self.options = options
@@ -130,6 +132,12 @@ class SwarmTrainer:
                                          traces=traces)
         self.units = units
         self.receipts = receipts
+        # Each worker gets its own receipt of every round, through this trainer's client for it.
+        self.receipt_delivery = None
+        if receipts is not None:
+            self.receipt_delivery = ReceiptDelivery(self.roster, self.clients.for_worker, self.stats,
+                                                    timeout_s=min(5.0, options.call_timeout_s))
+            receipts.also_deliver(self.receipt_delivery.submit)
         self.records: list[StepRecord] = []  # completed global batches, also when a run is cut short
         self._run_started = clock()
         self._units_done = 0
@@ -333,4 +341,6 @@ class SwarmTrainer:
         await self.close()
 
     async def close(self) -> None:
+        if self.receipt_delivery is not None:  # the last round's receipts, before the clients close
+            await self.receipt_delivery.close()
         await self.clients.close()

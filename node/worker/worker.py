@@ -37,6 +37,9 @@ Design choices:
   time the load, phase, step, throughput and refusals; the gRPC layer counts calls, codes and bytes
   (node/rpc/metrics_hook.py, passed in `outer_interceptors`, so refusals by the credential check
   are counted too). A phase change is a milestone log line.
+- Receipts: a trainer hands the worker its signed receipt for each interval (DeliverReceipt); with
+  credentials the worker verifies it against the run's root and keeps it in `receipts.sqlite` in its
+  state dir (node/worker/receipts.py), under --insecure it refuses it (nothing to verify against).
 - The announced address (`address`, what join puts in the DHT record) is `announce_host` when
   given, else the bound host, and never a wildcard (node/rpc/server.announced_host).
 """
@@ -51,6 +54,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import grpc
 
+from agora.auth.credentials import CredentialVerifier
 from agora.auth.node_state import NodeCredentials
 from agora.dht.records import PHASE_TRANSITIONS, PHASES, START_PHASES, Phase
 from agora.node.inference.service import InferenceService
@@ -73,6 +77,7 @@ from agora.node.worker.flow import Credits, FlowControl
 from agora.node.worker.unit_holders import UnitHolders
 from agora.node.worker.work_gate import WorkGate
 from agora.node.worker.options import WorkerOptions
+from agora.node.worker.receipts import RECEIPTS_FILE, KeptReceipts, ReceiptService
 from agora.node.worker.service import StageService
 from agora.node.replica.stash import ForwardStash
 from agora.node.membership.state_transfer import StateDonor
@@ -83,6 +88,7 @@ from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import RunFingerprint, run_fingerprint
 from agora.pipeline.wire_scale import WireScale
 from agora.protos.stage_adapter import SERVICE_NAME, InfoReply, add_stage_service
+from agora.protos.receipt_adapter import receipt_method_handlers
 from agora.protos.state_adapter import state_method_handlers
 
 __all__ = ["WorkerOptions", "StageWorker"]
@@ -148,6 +154,8 @@ class StageWorker:
         self._service = StageService(self, clock=clock, logger=self._logger, metrics=metrics, gate=self._gate)
         # Serves this replica's state to joining ones (DownloadState); None for a serve-only worker.
         self.state_donor: StateDonor | None = None
+        # Keeps the receipts trainers deliver for this worker's work (DeliverReceipt); built at start.
+        self.receipts: ReceiptService | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -259,10 +267,12 @@ class StageWorker:
         if not self.options.serve_only and self.options.max_state_downloads:
             self.state_donor = StateDonor(self, max_downloads=self.options.max_state_downloads,
                                           chunk_bytes=self.options.stream_chunk_bytes, clock=self._clock)
+        self.receipts = ReceiptService(self._open_receipts(), metrics=self._metrics, logger=self._logger)
         add_stage_service(server, self._service, max_stream_bytes=self.options.max_stream_bytes,
                           chunk_bytes=self.options.stream_chunk_bytes, stream_timeout_s=self.options.stream_timeout_s,
                           inference=self._inference,
-                          extra=state_method_handlers(self.state_donor) if self.state_donor is not None else {})
+                          extra={**(state_method_handlers(self.state_donor) if self.state_donor is not None else {}),
+                                 **receipt_method_handlers(self.receipts)})
         self._health = add_health_and_reflection(server, [SERVICE_NAME])
         tls = server_credentials(self.credentials) if self.credentials is not None else None
         self._announced_host = announced_host(self.options.host, self.options.announce_host)
@@ -282,6 +292,13 @@ class StageWorker:
                           "synchronous" if self.options.synchronous else "asynchronous",
                           "mutual TLS" if tls is not None else "insecure")
         return self._port
+
+    def _open_receipts(self) -> KeptReceipts | None:
+        """The receipts trainers deliver, kept in the state dir (node/worker/receipts.py); None under --insecure."""
+        if self.credentials is None:
+            return None
+        verifier = CredentialVerifier(self.credentials.root_pem(), self.run_id, clock=time.time)
+        return KeptReceipts(self.credentials.directory / RECEIPTS_FILE, self.credentials.peer_id, verifier)
 
     def _watch(self, metrics: WorkerMetrics, compute: StageCompute) -> None:
         metrics.watch(load=lambda: self.load, capacity=self.options.queue_capacity,
@@ -313,6 +330,8 @@ class StageWorker:
             await self._server.stop(grace_s)
         # Jobs of calls that gave up may still be queued or running; wait for them off the loop.
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        if self.receipts is not None and self.receipts.kept is not None:
+            self.receipts.kept.close()
         self._log_output_grad_scale()
         self._logger.info("stage %d worker on port %s stopped", self.stage_index, self._port)
         if self._gate is not None:

@@ -1,6 +1,8 @@
 """The ledger of verified work end to end: a trainer on mutual TLS to real StageWorkers signs receipts
 for what it accepted, posts them to a real monitor HTTP port, the ledger verifies and sums them, the
-workers' own metrics count the same tokens, and an export verifies with `agora-node ledger verify`."""
+workers' own metrics count the same tokens, and an export verifies with `agora-node ledger verify`.
+Each worker is handed its own receipts over its gRPC service and keeps them; its export verifies too,
+and a receipt it must refuse is refused with the reason while it keeps serving."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import urllib.error
 import urllib.request
 from dataclasses import replace
 
+import grpc
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, start_http_server
 
 from agora.auth.credentials import CredentialVerifier
@@ -33,11 +37,13 @@ from agora.node.trainer.discovery import StaticDiscovery
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.receipts import POST_CHUNK, ReceiptBook, ReceiptSender
 from agora.node.trainer.routing import WorkerView
+from agora.node.trainer.stage_client import RequestRefused, StageClient
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.trainer import SwarmTrainer
 from agora.node.worker.worker import StageWorker
 from agora.pipeline.config import PRESETS
 from agora.pipeline.data import build_data
+from agora.pipeline.fingerprint import run_fingerprint
 from run_pki import build_pki
 
 pytestmark = pytest.mark.timeout(180)
@@ -109,7 +115,7 @@ def test_a_trainers_receipts_reach_the_ledger_and_match_what_the_workers_counted
             async with SwarmTrainer(CONFIG, data, StaticDiscovery(views), TrainerOptions(run_id=RUN),
                                     channels=TlsChannels(trainer_credentials), stats=stats, receipts=book) as trainer:
                 await trainer.run(STEPS)
-            book.close_interval()  # what the trainer command does when the run ends
+                book.close_interval()  # what the trainer command does when the run ends
             await sender.drain()
             return [w.credentials.peer_id for w in workers], stats
         finally:
@@ -127,6 +133,21 @@ def test_a_trainers_receipts_reach_the_ledger_and_match_what_the_workers_counted
                                   {"trainer": trainer_credentials.peer_id})
             assert served == STEPS * TOKENS_PER_BATCH  # the contributor's own count: the same tokens
         assert sample_value(stats.registry, "agora_trainer_receipts_total", {"outcome": "delivered"}) == 6
+
+        # Each worker was handed its own receipts, verified and kept them: the same ones the ledger holds,
+        # counted in its metrics, and exported from its state dir they verify against the root alone.
+        assert sample_value(stats.registry, "agora_trainer_receipt_deliveries_total", {"outcome": "kept"}) == 6
+        root = tmp_path / "root.pem"
+        root.write_bytes(pki.root_pem)
+        for stage, peer in enumerate(peers):
+            receipted = sample_value(worker_registries[stage], "agora_worker_receipted_tokens_total",
+                                     {"trainer": trainer_credentials.peer_id})
+            assert receipted == STEPS * TOKENS_PER_BATCH
+            own = tmp_path / f"worker{stage}-receipts.json"
+            assert agora_node(["ledger", "export", "--state-dir", str(pki.workers[stage]), "--out", str(own)]) == 0
+            (entry,) = json.loads(own.read_text())["contributors"]
+            assert (entry["worker"], entry["tokens"], entry["receipts"]) == (peer, STEPS * TOKENS_PER_BATCH, 2)
+            assert agora_node(["ledger", "verify", str(own), "--ca", str(root)]) == 0
 
         # A receipt claiming more than the worker served is stored flagged, apart from the share.
         head = peers[0]
@@ -154,8 +175,6 @@ def test_a_trainers_receipts_reach_the_ledger_and_match_what_the_workers_counted
         # The export verifies against the root alone; one changed figure does not.
         export = tmp_path / "ledger.json"
         export.write_text(json.dumps(_get(base, "/api/ledger")))
-        root = tmp_path / "root.pem"
-        root.write_bytes(pki.root_pem)
         assert agora_node(["ledger", "verify", str(export), "--ca", str(root)]) == 0
         document = json.loads(export.read_text())
         document["receipts"][0]["signed"]["receipt"]["tokens"] += 1
@@ -200,3 +219,50 @@ def test_receipts_the_ledger_could_not_take_are_kept_and_a_backlog_goes_in_sever
     finally:
         monitor.close()
         ledger.close()
+
+
+def test_a_worker_refuses_a_bad_receipt_with_the_reason_and_keeps_serving(pki, tmp_path):
+    state = tmp_path / "worker0"  # the stage-0 worker's credential, with a receipts file of its own
+    shutil.copytree(pki.workers[0], state, ignore=shutil.ignore_patterns("receipts.sqlite*"))
+    trainer = NodeCredentials(pki.trainer, clock=time.time)
+    registry = CollectorRegistry()
+
+    def client_of(worker: StageWorker, credentials_dir) -> StageClient:
+        return StageClient(worker.address, run_id=RUN, stage=0, model=CONFIG.model, fingerprint=run_fingerprint(CONFIG),
+                           peer_id=worker.credentials.peer_id, channels=TlsChannels(NodeCredentials(
+                               credentials_dir, clock=time.time)), timeout_s=10)
+
+    async def main():
+        worker = StageWorker(CONFIG, 0, run_id=RUN, credentials=NodeCredentials(state, clock=time.time),
+                             metrics=WorkerMetrics(registry))
+        async with worker, client_of(worker, pki.trainer) as as_trainer, client_of(worker, pki.monitor) as as_monitor:
+            now, chain = time.time(), trainer.current()[0]
+            genuine = sign_receipt(Receipt(RUN, trainer.peer_id, worker.credentials.peer_id, 0, now - 60, now, 2, 64),
+                                   trainer.key, chain)
+            others = sign_receipt(replace(genuine.receipt, worker=NodeCredentials(pki.workers[1], clock=time.time)
+                                          .peer_id), trainer.key, chain)
+            forged = replace(genuine, receipt=replace(genuine.receipt, tokens=6400))
+            kept = await as_trainer.deliver_receipt(json.dumps(receipt_to_json(genuine)))
+            refusals = {}
+            for name, signed in (("forged", forged), ("another worker's", others), ("again", genuine)):
+                with pytest.raises(RequestRefused) as refused:
+                    await as_trainer.deliver_receipt(json.dumps(receipt_to_json(signed)))
+                refusals[name] = (refused.value.code, refused.value.details)
+            with pytest.raises(RequestRefused) as by_monitor:  # a monitor credential may not deliver receipts
+                await as_monitor.deliver_receipt(json.dumps(receipt_to_json(genuine)))
+            tokens = torch.randint(0, CONFIG.model.vocab_size, (2, CONFIG.train.seq_len))
+            served = await as_trainer.forward("after-refusals", tokens, evaluate=True)
+            return kept, refusals, by_monitor.value, served
+
+    kept, refusals, by_monitor, served = asyncio.run(main())
+    assert (kept.receipts, kept.microbatches, kept.tokens) == (1, 2, 64)
+    assert refusals["forged"][0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert refusals["forged"][1].startswith("receipt refused (bad_signature): signature:")
+    assert refusals["another worker's"][0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "(wrong_worker): worker: the receipt is for worker" in refusals["another worker's"][1]
+    assert refusals["again"][0] == grpc.StatusCode.ALREADY_EXISTS
+    assert by_monitor.code == grpc.StatusCode.PERMISSION_DENIED and "monitor credential" in by_monitor.details
+    assert served.wire_frame  # still serving the pipeline
+    for reason in ("bad_signature", "wrong_worker", "duplicate"):
+        assert sample_value(registry, "agora_worker_receipts_refused_total", {"reason": reason}) == 1
+    assert sample_value(registry, "agora_worker_receipted_tokens_total", {"trainer": trainer.peer_id}) == 64

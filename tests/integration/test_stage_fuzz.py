@@ -81,13 +81,13 @@ OPTIONS = WorkerOptions(max_message_bytes=MESSAGE_LIMIT, max_stream_bytes=STREAM
 CLEAN = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
          grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND,
          grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNAUTHENTICATED}
-UNARY = ("Forward", "Backward", "Step", "Abort", "Info", "Prefill", "Decode", "CloseSession")
+UNARY = ("Forward", "Backward", "Step", "Abort", "Info", "Prefill", "Decode", "CloseSession", "DeliverReceipt")
 STREAMING = ("ForwardStream", "BackwardStream")
 REQUEST_OF = {"Forward": stage_pb2.ForwardRequest, "Backward": stage_pb2.BackwardRequest,
               "Step": stage_pb2.StepRequest, "Abort": stage_pb2.AbortRequest, "Info": stage_pb2.InfoRequest,
               "ForwardStream": stage_pb2.ForwardRequest, "BackwardStream": stage_pb2.BackwardRequest,
               "Prefill": stage_pb2.InferRequest, "Decode": stage_pb2.InferRequest,
-              "CloseSession": stage_pb2.CloseSessionRequest}
+              "CloseSession": stage_pb2.CloseSessionRequest, "DeliverReceipt": stage_pb2.ReceiptDelivery}
 
 
 def budget(examples: int):
@@ -261,7 +261,8 @@ def raw_payloads(draw):
               "InfoRequest": {},
               "InferRequest": dict(run_id=RUN, stage=BODY, session_id="raw", position=0, tokens=encode_tokens(
                   token_ids((1, 4), 0), VOCAB), wire=WireCodec().encode(torch.zeros(1, 4, K)), max_tokens=8),
-              "CloseSessionRequest": dict(run_id=RUN, stage=BODY, session_id="raw")}
+              "CloseSessionRequest": dict(run_id=RUN, stage=BODY, session_id="raw"),
+              "ReceiptDelivery": dict(receipt='{"receipt": {}, "chain": "", "signature": ""}')}
     message = REQUEST_OF[method]
     valid = message(**fields[message.DESCRIPTOR.name]).SerializeToString()
     how = draw(st.sampled_from(["cut", "extend", "byte", "prefix"]))
