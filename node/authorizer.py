@@ -57,8 +57,9 @@ from agora.node.rpc.call_slots import CallSlots
 from agora.node.rpc.interceptors import interceptor_chain
 from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.rpc.server import add_health_and_reflection, bind, create_server, run, set_serving
-from agora.node.run_flags import add_option_flags, add_run_arguments, options_from_args, run_config
+from agora.node.run_flags import add_run_arguments, run_config
 from agora.pipeline.config import ConfigError
+from agora.pipeline.option_flags import add_option_flags, options_from_args
 from agora.protos.authorizer_adapter import SERVICE_NAME, add_authorizer_service
 
 if TYPE_CHECKING:  # agora.auth.service imports torch (the run fingerprint): the serving commands import it

@@ -173,8 +173,9 @@ def add_export_command(commands) -> None:
 
 def cmd_export(args) -> int:
     from agora.node.admission import AdmissionOptions, admit_node, config_chooser
-    from agora.node.run_flags import options_from_args, run_config
+    from agora.node.run_flags import run_config
     from agora.node.swarm_options import SwarmOptions
+    from agora.pipeline.option_flags import options_from_args
 
     if not args.timeout > 0:
         raise ConfigError(f"--timeout: must be positive, got {args.timeout}")

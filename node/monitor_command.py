@@ -14,9 +14,10 @@ import sys
 from agora.monitor.options import MonitorOptions
 from agora.node.admission import Admission, AdmissionOptions, add_admission_arguments, admit_node, config_chooser
 from agora.node.observability import MetricsOptions, NodeMetrics, package_version
-from agora.node.run_flags import add_option_flags, add_run_arguments, options_from_args, run_config
+from agora.node.run_flags import add_run_arguments, run_config
 from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.pipeline.config import ConfigError
+from agora.pipeline.option_flags import add_option_flags, options_from_args
 
 __all__ = ["add_monitor_command"]
 

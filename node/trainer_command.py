@@ -13,9 +13,10 @@ from pathlib import Path
 
 from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
 from agora.node.observability import MetricsOptions, add_metrics_arguments
-from agora.node.run_flags import add_option_flags, add_run_arguments, check_runtime_flags, options_from_args, run_config
+from agora.node.run_flags import add_run_arguments, check_runtime_flags, run_config
 from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.node.trainer.options import TrainerOptions
+from agora.pipeline.option_flags import add_option_flags, options_from_args
 
 __all__ = ["add_trainer_command"]
 

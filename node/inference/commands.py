@@ -26,9 +26,10 @@ from typing import Awaitable, Callable, TypeVar
 from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
 from agora.node.inference.options import ClientOptions, ServeOptions
 from agora.node.rpc.server import is_loopback_host
-from agora.node.run_flags import add_option_flags, add_run_arguments, options_from_args, run_config
+from agora.node.run_flags import add_run_arguments, run_config
 from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.pipeline.config import ConfigError
+from agora.pipeline.option_flags import add_option_flags, options_from_args
 
 __all__ = ["add_client_commands", "run_client", "serve_only_config_flags"]
 

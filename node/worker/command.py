@@ -22,13 +22,13 @@ from agora.node.admission import (Admission, AdmissionOptions, add_admission_arg
 from agora.node.inference.commands import serve_only_config_flags
 from agora.node.observability import MetricsOptions, add_metrics_arguments
 from agora.node.rpc.server import announced_host
-from agora.node.run_flags import (add_option_flags, add_run_arguments, check_runtime_flags, explicit_settings,
-                                  options_from_args, run_config)
+from agora.node.run_flags import add_run_arguments, check_runtime_flags, explicit_settings, run_config
 from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.node.worker.join_options import JoinOptions
 from agora.node.worker.options import WorkerOptions
 from agora.node.worker.watchdog_rules import exit_codes_help
 from agora.pipeline.files import hold_folder
+from agora.pipeline.option_flags import add_option_flags, options_from_args
 
 __all__ = ["add_join_command"]
 

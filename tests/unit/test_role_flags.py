@@ -14,10 +14,10 @@ from agora.dht.key_families import MAX_HEARTBEAT_S
 from agora.monitor.options import MonitorOptions
 from agora.monitor.swarm_view import StaticTarget
 from agora.node.cli import build_parser, main
-from agora.node.run_flags import options_from_args
 from agora.node.swarm_options import SwarmOptions
 from agora.node.trainer.options import TrainerOptions
 from agora.node.worker.join_options import JoinOptions
+from agora.pipeline.option_flags import options_from_args
 from agora.pipeline.schema import leaves
 
 pytestmark = pytest.mark.timeout(60)
