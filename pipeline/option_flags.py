@@ -25,10 +25,13 @@ _NONE = ("none", "null")
 def value_parser(item: Setting):
     """What turns one command-line value into the setting's type (argparse's `type=`)."""
     scalar = item.scalar
+    words = {} if scalar is str else {str(word).lower(): word for word in item.words}  # `auto` beside a number
 
     def parse(text: str) -> Any:
         if item.optional and text.lower() in _NONE:
             return None
+        if text.lower() in words:
+            return words[text.lower()]
         if scalar is bool:
             if text.lower() in ("true", "yes", "1", "on"):
                 return True
@@ -39,6 +42,7 @@ def value_parser(item: Setting):
             return scalar(text)
         except ValueError:
             kind = {int: "a whole number", float: "a number"}.get(scalar, "a string")
+            kind = " or ".join([kind, *map(repr, words.values())])
             raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
     parse.__name__ = item.path  # argparse names the type in its error line
     return parse
@@ -51,8 +55,16 @@ def shown_default(default: Any) -> str:
 
 def _option_dest(item: Setting) -> str:
     """The flag's own name as its destination (`--max-queue` -> max_queue), which code beside the
-    options reads too (`args.sync`)."""
-    return item.short_flag.removeprefix("--").removeprefix("no-").replace("-", "_")
+    options reads too (`args.sync`); or the one the setting names, where the flag's own would be
+    another flag's (`generate --seed`, the sampling seed, beside the run's seed)."""
+    return item.extra.get("dest") or item.short_flag.removeprefix("--").removeprefix("no-").replace("-", "_")
+
+
+def _help(item: Setting) -> str:
+    if item.required:
+        return f"{item.help} (required)".replace("%", "%%")
+    shown = item.extra.get("unset") if item.default is None and "unset" in item.extra else shown_default(item.default)
+    return (item.help if "default" in item.help else f"{item.help} (default: {shown})").replace("%", "%%")
 
 
 def _flagged(cls: type) -> list[Setting]:
@@ -61,22 +73,21 @@ def _flagged(cls: type) -> list[Setting]:
 
 def add_option_flags(parser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
     """A flag for each field of `cls` that declares one (`--no-X` for a field that is true unless
-    turned off), its default the schema's."""
+    turned off), its default the schema's; one the command must be given for a field without a
+    default; a repeatable one taking one or more values for a list."""
     for item in _flagged(cls):
         if item.short_flag in skip:
             continue
-        shown = item.extra.get("unset") if item.default is None and "unset" in item.extra else shown_default(item.default)
-        help_text = item.help if "default" in item.help else f"{item.help} (default: {shown})"
-        help_text = help_text.replace("%", "%%")
         if item.scalar is bool and not item.is_tuple:
             parser.add_argument(item.short_flag, dest=_option_dest(item), default=item.default,
                                 action="store_false" if item.short_flag.startswith("--no-") else "store_true",
                                 help=item.help.replace("%", "%%"))
             continue
-        parser.add_argument(item.short_flag, dest=_option_dest(item), type=value_parser(item),
-                            default=None if item.is_tuple else item.default, choices=item.choices,
+        default = {} if item.required else {"default": None if item.is_tuple else item.default}
+        parser.add_argument(item.short_flag, dest=_option_dest(item), type=value_parser(item), required=item.required,
+                            choices=item.choices, **default,
                             **({"nargs": "+", "action": "extend"} if item.is_tuple else {}),  # repeatable
-                            metavar=item.metavar, help=help_text)
+                            metavar=item.metavar, help=_help(item))
 
 
 def options_from_args(cls: type, args: argparse.Namespace, section: str, **given: Any) -> Any:
