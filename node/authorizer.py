@@ -162,6 +162,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     config = run_config(args)
     settings = options_from_args(AuthorizerSettings, args, "authorizer")  # a bad one: one line naming it
+    metrics_settings = options_from_args(MetricsOptions, args, "metrics")
     authority = _open_authority(args.state_dir, args.run_id, create=True)
     fingerprint = run_fingerprint(config)
     plain = config_to_dict(config)
@@ -191,7 +192,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         logger.warning("no DHT peer (serve with --initial-peers): bans will only refuse renewals, not reach the swarm")
     # Admissions and renewals by status code (and the bytes they cost) are its gRPC metrics; a refused
     # join is a reply, not a status: counted by the floor or field it names.
-    metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="authorizer", run_id=authority.run_id,
+    metrics = NodeMetrics.for_role(metrics_settings, role="authorizer", run_id=authority.run_id,
                                    version=package_version())
     hooks = (MetricsHook(RpcServerMetrics(metrics.registry)),)
     refusals = Counter("agora_authorizer_refusals", "Joins refused with a reason, by the floor or field it names",

@@ -8,6 +8,7 @@ import argparse
 
 from agora.node.observability import MetricsOptions, add_metrics_arguments
 from agora.pipeline.config import ConfigError
+from agora.pipeline.option_flags import options_from_args
 
 __all__ = ["add_bootstrap_command"]
 
@@ -29,7 +30,7 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
 
     from agora.node.observability import NodeMetrics, package_version
 
-    metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="bootstrap", run_id=_bootstrap_run(args),
+    metrics = NodeMetrics.for_role(options_from_args(MetricsOptions, args, "metrics"), role="bootstrap", run_id=_bootstrap_run(args),
                                    version=package_version())
     try:
         return run_bootstrap(args.host, args.port, tuple(args.initial_peers), args.identity_path, args.ready_file,

@@ -37,7 +37,7 @@ def add_trainer_command(commands) -> None:
 def _cmd_trainer(args: argparse.Namespace) -> int:
     from agora.node.trainer.command import run_swarm_trainer  # torch and hivemind: not for --help
 
-    metrics = MetricsOptions.from_args(args)
+    metrics = options_from_args(MetricsOptions, args, "metrics")
     check_runtime_flags(args)
     swarm = options_from_args(SwarmOptions, args, "swarm")
     options = options_from_args(TrainerOptions, args, "trainer", run_id=swarm.run_id)  # refused before admission

@@ -58,7 +58,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
     swarm = options_from_args(SwarmOptions, args, "swarm")
     options = options_from_args(JoinOptions, args, "join", run_id=swarm.run_id)
     worker_options = options_from_args(WorkerOptions, args, "worker")
-    metrics = MetricsOptions.from_args(args)
+    metrics = options_from_args(MetricsOptions, args, "metrics")
     if worker_options.port == 0:  # the authorizer's dial-back and then the gRPC server take this port
         worker_options = replace(worker_options, port=free_port(worker_options.host))
     announce = (announced_host(worker_options.host, worker_options.announce_host), worker_options.port)

@@ -14,6 +14,7 @@ from agora.dht.key_families import MAX_HEARTBEAT_S
 from agora.monitor.options import MonitorOptions
 from agora.monitor.swarm_view import StaticTarget
 from agora.node.cli import build_parser, main
+from agora.node.observability import MetricsOptions
 from agora.node.swarm_options import SwarmOptions
 from agora.node.trainer.options import TrainerOptions
 from agora.node.worker.join_options import JoinOptions
@@ -127,3 +128,15 @@ def test_the_inference_clients_options_name_their_field(capsys):
 def test_the_doctor_checks_a_stage_as_join_declares_it(capsys):
     admission = ("--authorizer", "127.0.0.1:9", "--ca-fingerprint", "0" * 64)
     assert refusal(capsys, "doctor", *admission, "--stage", "-1").endswith("doctor.stage: must be >= 0, got -1")
+
+
+def test_every_role_reads_its_metrics_flags_from_one_section(capsys):
+    for command in (["join"], ["trainer"], ["bootstrap"], ["authorizer", "serve", "--state-dir", "s"]):
+        assert options_from_args(MetricsOptions, parsed(*command), "metrics") == MetricsOptions()
+        given = parsed(*command, "--metrics-port", "auto", "--metrics-host", "0.0.0.0", "--metrics-file", "m.txt")
+        assert options_from_args(MetricsOptions, given, "metrics") == MetricsOptions("auto", "0.0.0.0", "m.txt")
+        assert options_from_args(MetricsOptions, parsed(*command, "--metrics-port", "9100"), "metrics").port == 9100
+    assert refusal(capsys, "join", "--insecure", "--stage", "0", "--metrics-port", "70000").endswith(
+        "metrics.port: must be <= 65535, got 70000")
+    assert refusal(capsys, "trainer", "--insecure", "--metrics-file", "m.txt").endswith(
+        "metrics.file: needs a metrics server (--metrics-port P or auto)")
