@@ -98,7 +98,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from agora.pipeline.option_flags import options_from_args
     from agora.pipeline.runtime import resolve_device
 
-    options = AdmissionOptions.from_args(args).resolved()
+    options = options_from_args(AdmissionOptions, args, "admission").resolved()
     if options.authorizer is None:
         raise ConfigError("--join-file: doctor checks admission to a run: give the run's join file (or --authorizer "
                           "and --ca-fingerprint)")

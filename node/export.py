@@ -180,7 +180,8 @@ def cmd_export(args) -> int:
     if not args.timeout > 0:
         raise ConfigError(f"--timeout: must be positive, got {args.timeout}")
     swarm = options_from_args(SwarmOptions, args, "swarm")
-    admission = admit_node(AdmissionOptions.from_args(args), role="operator", run_id=swarm.run_id, stage=None,
+    admission_options = options_from_args(AdmissionOptions, args, "admission")
+    admission = admit_node(admission_options, role="operator", run_id=swarm.run_id, stage=None,
                            config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
     if not admission.initial_peers:
         raise ConfigError("--initial-peers: the swarm's DHT peers are needed (the operator credential names none)")

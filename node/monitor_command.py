@@ -43,7 +43,8 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
 
     swarm_options = options_from_args(SwarmOptions, args, "swarm")
     options = options_from_args(MonitorOptions, args, "monitor")
-    admission = admit_node(AdmissionOptions.from_args(args), role="monitor", run_id=swarm_options.run_id, stage=None,
+    admission_options = options_from_args(AdmissionOptions, args, "admission")
+    admission = admit_node(admission_options, role="monitor", run_id=swarm_options.run_id, stage=None,
                            config_for=config_chooser(args, run_config), initial_peers=swarm_options.initial_peers)
     credentials = admission.credentials
     if not admission.initial_peers:

@@ -41,7 +41,8 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
     check_runtime_flags(args)
     swarm = options_from_args(SwarmOptions, args, "swarm")
     options = options_from_args(TrainerOptions, args, "trainer", run_id=swarm.run_id)  # refused before admission
-    admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=swarm.run_id, stage=None,
+    admission_options = options_from_args(AdmissionOptions, args, "admission")
+    admission = admit_node(admission_options, role="trainer", run_id=swarm.run_id, stage=None,
                            config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
     options = replace(options, run_id=admission.run_id)
     log_json = open(options.log_json, "a" if options.start_step else "w") if options.log_json else None

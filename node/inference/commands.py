@@ -99,7 +99,8 @@ def _client_config(args: argparse.Namespace):
             raise ConfigError("--checkpoint and --config both name the run config: give one")
         args.config = args.checkpoint
     swarm = options_from_args(SwarmOptions, args, "swarm")
-    return admit_node(AdmissionOptions.from_args(args), role="client", run_id=swarm.run_id, stage=None,
+    admission_options = options_from_args(AdmissionOptions, args, "admission")
+    return admit_node(admission_options, role="client", run_id=swarm.run_id, stage=None,
                       config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
 
 

@@ -59,10 +59,11 @@ def _cmd_join(args: argparse.Namespace) -> int:
     options = options_from_args(JoinOptions, args, "join", run_id=swarm.run_id)
     worker_options = options_from_args(WorkerOptions, args, "worker")
     metrics = options_from_args(MetricsOptions, args, "metrics")
+    admission_options = options_from_args(AdmissionOptions, args, "admission")
     if worker_options.port == 0:  # the authorizer's dial-back and then the gRPC server take this port
         worker_options = replace(worker_options, port=free_port(worker_options.host))
     announce = (announced_host(worker_options.host, worker_options.announce_host), worker_options.port)
-    admission = admit_node(AdmissionOptions.from_args(args), role="worker", run_id=swarm.run_id, stage=options.stage,
+    admission = admit_node(admission_options, role="worker", run_id=swarm.run_id, stage=options.stage,
                            config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers,
                            announce=announce, listen_host=worker_options.host,
                            device=explicit_settings(args).get("runtime.device"))

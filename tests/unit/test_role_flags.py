@@ -10,9 +10,11 @@ import sys
 
 import pytest
 
+from agora.auth.admission import JoinFile
 from agora.dht.key_families import MAX_HEARTBEAT_S
 from agora.monitor.options import MonitorOptions
 from agora.monitor.swarm_view import StaticTarget
+from agora.node.admission import AdmissionOptions
 from agora.node.cli import build_parser, main
 from agora.node.observability import MetricsOptions
 from agora.node.swarm_options import SwarmOptions
@@ -140,3 +142,29 @@ def test_every_role_reads_its_metrics_flags_from_one_section(capsys):
         "metrics.port: must be <= 65535, got 70000")
     assert refusal(capsys, "trainer", "--insecure", "--metrics-file", "m.txt").endswith(
         "metrics.file: needs a metrics server (--metrics-port P or auto)")
+
+
+def test_every_admitted_role_reads_the_admission_flags_from_one_section(capsys):
+    fingerprint = "AB" * 32
+    for command in (["join"], ["trainer"], ["monitor"], ["export", "--out", "d"], ["generate", "--prompt", "p"],
+                    ["serve"], ["doctor"]):
+        assert options_from_args(AdmissionOptions, parsed(*command), "admission") == AdmissionOptions()
+        given = parsed(*command, "--authorizer", "10.0.0.2:7000", "--ca-fingerprint", fingerprint, "--state-dir", "d",
+                       "--join-file", "j.json")
+        assert options_from_args(AdmissionOptions, given, "admission") == AdmissionOptions(
+            join_file="j.json", authorizer="10.0.0.2:7000", root_fingerprint=fingerprint.lower(), state_dir="d")
+        assert options_from_args(AdmissionOptions, parsed(*command, "--insecure"), "admission").insecure
+    assert refusal(capsys, "join", "--authorizer", "10.0.0.2:7000", "--ca-fingerprint", "abc").endswith(
+        "admission.root_fingerprint: expected the 64 hex digits of a SHA-256, got 'abc'")
+    assert refusal(capsys, "trainer", "--authorizer", "10.0.0.2:7000").endswith(
+        "admission.authorizer: --authorizer and --ca-fingerprint go together (or give --join-file)")
+    assert refusal(capsys, "monitor", "--insecure", "--join-file", "j.json").endswith(
+        "admission.insecure: runs without an authorizer; drop --authorizer/--ca-fingerprint/--join-file")
+
+
+def test_a_join_file_fills_in_the_authorizer_and_a_flag_wins_over_it(tmp_path):
+    JoinFile(authorizer="10.0.0.2:7000", root_fingerprint="cd" * 32, run_id="r1").write(tmp_path / "join.json")
+    resolved = AdmissionOptions(join_file=str(tmp_path / "join.json")).resolved()
+    assert (resolved.authorizer, resolved.root_fingerprint, resolved.run_id) == ("10.0.0.2:7000", "cd" * 32, "r1")
+    flagged = AdmissionOptions(join_file=str(tmp_path / "join.json"), authorizer="127.0.0.1:9").resolved()
+    assert (flagged.authorizer, flagged.root_fingerprint) == ("127.0.0.1:9", "cd" * 32)
