@@ -16,6 +16,7 @@ from agora.monitor.options import MonitorOptions
 from agora.monitor.swarm_view import StaticTarget
 from agora.node.admission import AdmissionOptions
 from agora.node.cli import build_parser, main
+from agora.node.export import ExportHfOptions, ExportOptions
 from agora.node.observability import MetricsOptions
 from agora.node.swarm_options import SwarmOptions
 from agora.node.trainer.options import TrainerOptions
@@ -168,3 +169,19 @@ def test_a_join_file_fills_in_the_authorizer_and_a_flag_wins_over_it(tmp_path):
     assert (resolved.authorizer, resolved.root_fingerprint, resolved.run_id) == ("10.0.0.2:7000", "cd" * 32, "r1")
     flagged = AdmissionOptions(join_file=str(tmp_path / "join.json"), authorizer="127.0.0.1:9").resolved()
     assert (flagged.authorizer, flagged.root_fingerprint) == ("127.0.0.1:9", "cd" * 32)
+
+
+def test_export_keeps_its_flags_and_refuses_a_bad_value_naming_the_field(capsys):
+    assert options_from_args(ExportOptions, parsed("export", "--out", "d"), "export", run_id="r") == ExportOptions(
+        out="d", run_id="r", timeout_s=480.0)
+    given = parsed("export", "--out", "d", "--timeout", "60")
+    assert options_from_args(ExportOptions, given, "export", run_id="r").timeout_s == 60.0
+    with pytest.raises(SystemExit):  # --out is required
+        parsed("export")
+    assert capsys.readouterr().err.endswith("error: the following arguments are required: --out\n")
+    assert refusal(capsys, "export", "--insecure", "--out", "d", "--timeout", "0").endswith(
+        "export.timeout_s: must be > 0, got 0.0")
+    hf = options_from_args(ExportHfOptions, parsed("export-hf", "--checkpoint", "ck", "--out", "hf"), "export_hf")
+    assert hf == ExportHfOptions(checkpoint="ck", out="hf")
+    assert refusal(capsys, "export-hf", "--checkpoint", "", "--out", "hf").endswith(
+        "export_hf.checkpoint: string should have at least 1 character, got ''")
