@@ -48,7 +48,8 @@ if TYPE_CHECKING:  # hivemind and torch: imported by the export itself, not by `
     from agora.dht.swarm import SwarmDHT
     from agora.pipeline.checkpoint import StageState
 
-__all__ = ["ExportOptions", "ExportHfOptions", "run_export", "add_export_command", "cmd_export", "add_export_hf_command"]
+__all__ = ["ExportOptions", "ExportHfOptions", "run_export", "add_export_command", "cmd_export",
+           "add_export_hf_command"]
 
 logger = logging.getLogger("agora.node.export")
 

@@ -17,6 +17,7 @@ from agora.monitor.swarm_view import StaticTarget
 from agora.node.admission import AdmissionOptions
 from agora.node.cli import build_parser, main
 from agora.node.export import ExportHfOptions, ExportOptions
+from agora.node.inference.options import ClientOptions, GenerateOptions
 from agora.node.observability import MetricsOptions
 from agora.node.swarm_options import SwarmOptions
 from agora.node.trainer.options import TrainerOptions
@@ -185,3 +186,21 @@ def test_export_keeps_its_flags_and_refuses_a_bad_value_naming_the_field(capsys)
     assert hf == ExportHfOptions(checkpoint="ck", out="hf")
     assert refusal(capsys, "export-hf", "--checkpoint", "", "--out", "hf").endswith(
         "export_hf.checkpoint: string should have at least 1 character, got ''")
+
+
+def test_generate_keeps_its_sampling_flags_beside_the_runs_seed(capsys):
+    args = parsed("generate", "--prompt", "p")
+    assert options_from_args(GenerateOptions, args, "generate") == GenerateOptions(64, 0.0, 1.0, 0)
+    args = parsed("generate", "--prompt", "p", "--max-new-tokens", "8", "--temperature", "0.7", "--top-p", "0.9",
+                  "--seed", "5", "--run-seed", "3")
+    assert options_from_args(GenerateOptions, args, "generate") == GenerateOptions(8, 0.7, 0.9, 5)
+    assert args.seed == 3  # the run's seed keeps its own destination
+    for command in (["generate", "--prompt", "p"], ["serve"]):
+        assert options_from_args(ClientOptions, parsed(*command, "--checkpoint", "ck"), "client").checkpoint == "ck"
+    generate = ("generate", "--insecure", "--prompt", "p")
+    assert refusal(capsys, *generate, "--top-p", "0").endswith("generate.top_p: must be > 0, got 0.0")
+    assert refusal(capsys, *generate, "--temperature", "101").endswith("generate.temperature: must be <= 100, got 101.0")
+    assert refusal(capsys, *generate, "--seed", "-1").endswith("generate.seed: must be >= 0, got -1")
+    assert refusal(capsys, *generate, "--max-new-tokens", "-1").endswith("generate.max_new_tokens: must be >= 0, got -1")
+    assert refusal(capsys, *generate, "--checkpoint", "ck", "--config", "tiny").endswith(
+        "--checkpoint and --config both name the run config: give one")
