@@ -87,7 +87,8 @@ def add_option_flags(parser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
         parser.add_argument(item.short_flag, dest=_option_dest(item), type=value_parser(item), required=item.required,
                             choices=item.choices, **default,
                             **({"nargs": "+", "action": "extend"} if item.is_tuple else {}),  # repeatable
-                            metavar=item.metavar, help=_help(item))
+                            metavar=None if item.choices and "metavar" not in item.extra else item.metavar,
+                            help=_help(item))  # (no metavar: --help lists the choices)
 
 
 def options_from_args(cls: type, args: argparse.Namespace, section: str, **given: Any) -> Any:

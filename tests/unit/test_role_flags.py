@@ -15,6 +15,7 @@ from agora.dht.key_families import MAX_HEARTBEAT_S
 from agora.monitor.options import MonitorOptions
 from agora.monitor.swarm_view import StaticTarget
 from agora.node.admission import AdmissionOptions
+from agora.node.authorizer_options import AuthorityFolder, AuthorizerServeOptions, IssueOptions
 from agora.node.cli import build_parser, main
 from agora.node.export import ExportHfOptions, ExportOptions
 from agora.node.inference.options import ClientOptions, GenerateOptions
@@ -23,7 +24,7 @@ from agora.node.swarm_options import SwarmOptions
 from agora.node.trainer.options import TrainerOptions
 from agora.node.worker.join_options import JoinOptions
 from agora.pipeline.option_flags import options_from_args
-from agora.pipeline.schema import leaves
+from agora.pipeline.schema import ConfigError, leaves
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,6 +109,7 @@ def test_every_flagged_field_is_a_flag_of_its_command():
 
 def test_the_option_modules_import_neither_torch_nor_hivemind():
     script = ("import sys\nimport agora.node.worker.join_options, agora.monitor.options, agora.node.swarm_options\n"
+              "import agora.node.authorizer_options, agora.node.inference.options\n"
               "print(sorted(name for name in ('torch', 'hivemind') if name in sys.modules))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -184,8 +186,8 @@ def test_export_keeps_its_flags_and_refuses_a_bad_value_naming_the_field(capsys)
         "export.timeout_s: must be > 0, got 0.0")
     hf = options_from_args(ExportHfOptions, parsed("export-hf", "--checkpoint", "ck", "--out", "hf"), "export_hf")
     assert hf == ExportHfOptions(checkpoint="ck", out="hf")
-    assert refusal(capsys, "export-hf", "--checkpoint", "", "--out", "hf").endswith(
-        "export_hf.checkpoint: string should have at least 1 character, got ''")
+    with pytest.raises(ConfigError, match="^export_hf.checkpoint: string should have at least 1 character, got ''$"):
+        options_from_args(ExportHfOptions, parsed("export-hf", "--checkpoint", "", "--out", "hf"), "export_hf")
 
 
 def test_generate_keeps_its_sampling_flags_beside_the_runs_seed(capsys):
@@ -204,3 +206,38 @@ def test_generate_keeps_its_sampling_flags_beside_the_runs_seed(capsys):
     assert refusal(capsys, *generate, "--max-new-tokens", "-1").endswith("generate.max_new_tokens: must be >= 0, got -1")
     assert refusal(capsys, *generate, "--checkpoint", "ck", "--config", "tiny").endswith(
         "--checkpoint and --config both name the run config: give one")
+
+
+def test_the_authorizers_actions_keep_their_flags(capsys):
+    for action in (["serve"], ["list"], ["ban", "PEER"], ["unban", "PEER"],
+                   ["issue", "--role", "trainer", "--out", "o"]):
+        args = parsed("authorizer", *action, "--state-dir", "s")
+        assert options_from_args(AuthorityFolder, args, "authorizer") == AuthorityFolder("s")
+        with pytest.raises(SystemExit):  # --state-dir is required
+            parsed("authorizer", *action)
+        assert "the following arguments are required: --state-dir" in capsys.readouterr().err
+    serve = parsed("authorizer", "serve", "--state-dir", "s", "--run-id", "r-1", "--ready-file", "r.txt",
+                   "--join-file", "j.json", "--initial-peers", "/a", "/b", "--initial-peers", "/c")
+    assert options_from_args(AuthorizerServeOptions, serve, "authorizer") == AuthorizerServeOptions(
+        "r-1", "r.txt", "j.json", ("/a", "/b", "/c"))
+    assert options_from_args(AuthorizerServeOptions, parsed("authorizer", "serve", "--state-dir", "s"),
+                             "authorizer") == AuthorizerServeOptions()
+    issue = parsed("authorizer", "issue", "--role", "worker", "--stage", "1", "--out", "o", "--lifetime", "600",
+                   "--run-id", "early", "--state-dir", "s")
+    assert options_from_args(IssueOptions, issue, "issue") == IssueOptions("worker", "o", 1, 600.0, "early")
+    assert options_from_args(IssueOptions, parsed("authorizer", "issue", "--role", "client", "--out", "o",
+                                                  "--state-dir", "s"), "issue").lifetime_s == 3600.0
+
+
+def test_the_authorizers_actions_refuse_a_bad_value_naming_the_field(capsys, tmp_path):
+    state = ("--state-dir", str(tmp_path / "state"))
+    assert refusal(capsys, "authorizer", "serve", *state, "--run-id", "bad id!").endswith(
+        "authorizer.run_id: letters, digits, '_' and '-' only (1-64 characters), got 'bad id!'")
+    issue = ("authorizer", "issue", "--out", str(tmp_path / "out"), *state)
+    assert refusal(capsys, *issue, "--role", "worker", "--stage", "-1").endswith("issue.stage: must be >= 0, got -1")
+    assert refusal(capsys, *issue, "--role", "client", "--lifetime", "0").endswith(
+        "issue.lifetime_s: must be > 0, got 0.0")
+    assert not (tmp_path / "state").exists() and not (tmp_path / "out").exists()  # refused before any key
+    with pytest.raises(SystemExit):
+        parsed(*issue, "--role", "wizard")
+    assert "argument --role: invalid choice: 'wizard'" in capsys.readouterr().err
