@@ -25,7 +25,7 @@ _NONE = ("none", "null")
 def value_parser(item: Setting):
     """What turns one command-line value into the setting's type (argparse's `type=`)."""
     scalar = item.scalar
-    words = {} if scalar is str else {str(word).lower(): word for word in item.words}  # `auto` beside a number
+    words = {str(word).lower(): word for word in item.words}  # `auto` beside a number; a choice in any case
 
     def parse(text: str) -> Any:
         if item.optional and text.lower() in _NONE:
@@ -42,7 +42,7 @@ def value_parser(item: Setting):
             return scalar(text)
         except ValueError:
             kind = {int: "a whole number", float: "a number"}.get(scalar, "a string")
-            kind = " or ".join([kind, *map(repr, words.values())])
+            kind = " or ".join([kind, *map(repr, item.words)])
             raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
     parse.__name__ = item.path  # argparse names the type in its error line
     return parse

@@ -16,7 +16,7 @@ from agora.monitor.options import MonitorOptions
 from agora.monitor.swarm_view import StaticTarget
 from agora.node.admission import AdmissionOptions
 from agora.node.authorizer_options import AuthorityFolder, AuthorizerServeOptions, IssueOptions
-from agora.node.cli import build_parser, main
+from agora.node.cli import ProcessOptions, build_parser, main
 from agora.node.export import ExportHfOptions, ExportOptions
 from agora.node.inference.options import ClientOptions, GenerateOptions
 from agora.node.observability import MetricsOptions
@@ -241,3 +241,13 @@ def test_the_authorizers_actions_refuse_a_bad_value_naming_the_field(capsys, tmp
     with pytest.raises(SystemExit):
         parsed(*issue, "--role", "wizard")
     assert "argument --role: invalid choice: 'wizard'" in capsys.readouterr().err
+
+
+def test_the_process_flags_before_the_command_are_one_section(capsys):
+    assert options_from_args(ProcessOptions, parsed("plan"), "process") == ProcessOptions("INFO", "text", None)
+    given = parsed("--log-level", "warning", "--log-format", "json", "--threads", "2", "plan")
+    assert options_from_args(ProcessOptions, given, "process") == ProcessOptions("WARNING", "json", 2)
+    assert refusal(capsys, "--threads", "0", "plan") == "agora-node: error: process.threads: must be > 0, got 0"
+    with pytest.raises(SystemExit):
+        parsed("--log-level", "loud", "plan")
+    assert "argument --log-level: invalid choice: 'loud'" in capsys.readouterr().err
