@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from agora.auth.admission import JoinFile
+from agora.dht.bootstrap import BootstrapOptions
 from agora.dht.key_families import MAX_HEARTBEAT_S
 from agora.monitor.options import MonitorOptions
 from agora.monitor.swarm_view import StaticTarget
@@ -251,3 +252,19 @@ def test_the_process_flags_before_the_command_are_one_section(capsys):
     with pytest.raises(SystemExit):
         parsed("--log-level", "loud", "plan")
     assert "argument --log-level: invalid choice: 'loud'" in capsys.readouterr().err
+
+
+def test_the_bootstrap_keeps_its_flags_and_refuses_a_bad_value_naming_the_field(capsys):
+    assert options_from_args(BootstrapOptions, parsed("bootstrap"), "bootstrap") == BootstrapOptions()
+    given = parsed("bootstrap", "--host", "::", "--port", "4000", "--initial-peers", "/a", "--initial-peers", "/b",
+                   "--ready-file", "r.txt", "--state-dir", "d")
+    assert options_from_args(BootstrapOptions, given, "bootstrap") == BootstrapOptions(
+        host="::", port=4000, initial_peers=("/a", "/b"), ready_file="r.txt", state_dir="d")
+    assert options_from_args(BootstrapOptions, parsed("bootstrap", "--insecure", "--identity-path", "k"),
+                             "bootstrap") == BootstrapOptions(identity_path="k", insecure=True)
+    assert refusal(capsys, "bootstrap", "--insecure", "--port", "70000").endswith(
+        "bootstrap.port: must be <= 65535, got 70000")
+    assert refusal(capsys, "bootstrap", "--insecure", "--host", "localhost").endswith(
+        "bootstrap.host: expected an IPv4 or IPv6 address, got 'localhost'")
+    assert refusal(capsys, "bootstrap", "--insecure", "--state-dir", "d").endswith(
+        "bootstrap.insecure: an open peer has no credential; drop --state-dir (or --insecure)")
