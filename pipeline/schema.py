@@ -217,13 +217,17 @@ _EXPECTED = {"int_type": "an integer", "int_from_float": "an integer", "float_ty
 def _field_loc(root: type, loc: tuple) -> tuple:
     """`loc` without the tags pydantic adds below a leaf for a union's alternatives
     (`port.constrained-int`, `port.literal['auto']`): the field's own location."""
-    out, cls = [], root
+    out, annotation = [], root
     for part in loc:
-        fields = _fields(cls) if cls is not None and dataclasses.is_dataclass(cls) else None
-        if isinstance(part, int) or fields is not None:  # an item of a list, a field (or an unknown one)
+        if isinstance(part, int):  # an item of a list: of sections (`links[0].up_mbit`), or of values
             out.append(part)
-            annotation = (fields or {}).get(part, (None,))[0]
-            cls = annotation if dataclasses.is_dataclass(annotation) else None
+            lists = [a for a in _unwrap(annotation) if typing.get_origin(a) is tuple]
+            annotation = typing.get_args(lists[0])[0] if lists else None
+            continue
+        sections = [a for a in _unwrap(annotation) if dataclasses.is_dataclass(a)]
+        if sections:  # a field (or an unknown one)
+            out.append(part)
+            annotation = _fields(sections[0]).get(part, (None,))[0]
     return tuple(out)
 
 
@@ -268,8 +272,6 @@ def explain(error: ValidationError, root: type, section: str = "") -> ConfigErro
         expected = "one of " + str(ctx.get("expected", "")).replace("'", "")
     if expected is not None:
         return ConfigError(f"{where}: expected {expected}, got {value!r}")
-    if kind == "missing":
-        return ConfigError(f"{where}: required, and not given")
     message = first["msg"]
     return ConfigError(f"{where}: {message[0].lower()}{message[1:]}, got {value!r}")
 
