@@ -1,7 +1,8 @@
-"""`join`'s and `monitor`'s flags come from their schema sections (`JoinOptions`, `MonitorOptions`,
-and `SwarmOptions` for the run and its peers): the names and defaults users know, and a bad value
-refused in one line naming the field, before admission starts anything. Pure: the parser is built
-and the commands stop at their options."""
+"""Every command's flags come from schema sections (`JoinOptions`, `MonitorOptions`, `SwarmOptions`
+for the run and its peers; the admission, metrics and process flags every role shares; the
+authorizer's, the bootstrap's, `export`'s and `generate`'s): the names and defaults users know, and
+a bad value refused in one line naming the field, before admission starts anything. Pure: the
+parser is built and the commands stop at their options."""
 
 from __future__ import annotations
 
@@ -202,9 +203,11 @@ def test_generate_keeps_its_sampling_flags_beside_the_runs_seed(capsys):
         assert options_from_args(ClientOptions, parsed(*command, "--checkpoint", "ck"), "client").checkpoint == "ck"
     generate = ("generate", "--insecure", "--prompt", "p")
     assert refusal(capsys, *generate, "--top-p", "0").endswith("generate.top_p: must be > 0, got 0.0")
-    assert refusal(capsys, *generate, "--temperature", "101").endswith("generate.temperature: must be <= 100, got 101.0")
+    assert refusal(capsys, *generate, "--temperature", "101").endswith(
+        "generate.temperature: must be <= 100, got 101.0")
     assert refusal(capsys, *generate, "--seed", "-1").endswith("generate.seed: must be >= 0, got -1")
-    assert refusal(capsys, *generate, "--max-new-tokens", "-1").endswith("generate.max_new_tokens: must be >= 0, got -1")
+    assert refusal(capsys, *generate, "--max-new-tokens", "-1").endswith(
+        "generate.max_new_tokens: must be >= 0, got -1")
     assert refusal(capsys, *generate, "--checkpoint", "ck", "--config", "tiny").endswith(
         "--checkpoint and --config both name the run config: give one")
 
