@@ -5,8 +5,9 @@ A section is a frozen pydantic dataclass whose fields are declared with `setting
 default, bounds (`gt`, `ge`, `lt`, `le`), help text, an optional short command-line name, and
 whether it is machine-local. Rules across fields are the section's `model_validator`s, raising
 `ValueError("field: what is wrong")`. From those declarations the command line's flags are
-generated (node/run_flags.py) and pydantic's report becomes one line naming the field, the rule
-and the value (`explain`).
+generated (the run flags: node/run_flags.py; a section's own: pipeline/option_flags.py) and
+pydantic's report becomes one line naming the field, the rule and the value (`explain`), also for
+a value no alternative of a union takes (`metrics.port: expected an integer or 'auto'`).
 """
 
 from __future__ import annotations
