@@ -13,8 +13,8 @@ Design choices:
 - SIGINT/SIGTERM handlers are installed only after the DHT process has forked, so the
   child keeps default signal behaviour and the parent can still terminate it. Callers
   that run the bootstrap off the main thread (tests) pass their own ``stop`` event.
-- The parameters live in ``BootstrapOptions`` with ``add_bootstrap_arguments`` /
-  ``BootstrapOptions.from_args`` so the CLI can mount them on its own subparser.
+- The parameters are ``BootstrapOptions``, a section of the settings schema: ``add_bootstrap_arguments``
+  mounts its generated flags on the CLI's subparser, ``options_from_args`` reads them back.
 - Admission: ``--state-dir D`` holds the bootstrap's credential (an operator credential from
   ``agora-node authorizer issue --role operator --out D``; any role that may store works): the
   peer then runs the token authorizer and record validators of dht/security.py, its peer
@@ -33,10 +33,14 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, TextIO
+from typing import TYPE_CHECKING, Annotated, Callable, Optional, Sequence, TextIO
+
+from pydantic import AfterValidator, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic.dataclasses import dataclass
 
 from agora.pipeline.files import atomic_write
+from agora.pipeline.option_flags import add_option_flags, options_from_args
+from agora.pipeline.schema import SECTION, setting
 
 if TYPE_CHECKING:
     from agora.dht.security import DHTSecurity
@@ -58,51 +62,48 @@ logger = logging.getLogger(__name__)
 _LIVENESS_PERIOD = 1.0
 
 
-@dataclass(frozen=True)
-class BootstrapOptions:
-    host: str = "127.0.0.1"
-    port: int = 0
-    initial_peers: tuple[str, ...] = ()
-    identity_path: Optional[str] = None
-    ready_file: Optional[str] = None
-    state_dir: Optional[str] = None
-    insecure: bool = False
+def _ip_address(text: str) -> str:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        raise ValueError("expected an IPv4 or IPv6 address") from None
+    return text
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> BootstrapOptions:
-        return cls(
-            host=args.host,
-            port=args.port,
-            initial_peers=tuple(args.initial_peers or ()),
-            identity_path=args.identity_path,
-            ready_file=args.ready_file,
-            state_dir=args.state_dir,
-            insecure=args.insecure,
-        )
+
+@dataclass(frozen=True, config=SECTION)
+class BootstrapOptions:
+    """The bootstrap peer's settings: a section of the settings schema (pipeline/schema.py), its
+    flags generated (pipeline/option_flags.py); a bad one is one line naming `bootstrap.<field>`."""
+
+    host: Annotated[StrictStr, AfterValidator(_ip_address)] = setting("127.0.0.1", "IP address to listen on",
+                                                                      flag="--host")
+    port: StrictInt = setting(0, "TCP port (0: pick a free one)", flag="--port", ge=0, le=65535)
+    initial_peers: tuple[StrictStr, ...] = setting(
+        (), "multiaddrs of running peers to join; repeatable (default: start a new swarm)", flag="--initial-peers",
+        metavar="MADDR")
+    identity_path: StrictStr | None = setting(
+        None, "private key file; makes the peer id stable (--insecure only: a --state-dir holds one)",
+        flag="--identity-path", min_length=1)
+    ready_file: StrictStr | None = setting(None, "write the multiaddrs here once serving", flag="--ready-file",
+                                           min_length=1)
+    state_dir: StrictStr | None = setting(
+        None, "the bootstrap's credential directory (`agora-node authorizer issue --role operator --out DIR`): only "
+        "admitted peers can join and write", flag="--state-dir", metavar="DIR", min_length=1)
+    insecure: StrictBool = setting(
+        False, "run an open DHT peer: no credentials, unsigned records (local experiments only)", flag="--insecure")
+
+    @model_validator(mode="after")
+    def _one_identity(self) -> "BootstrapOptions":
+        if self.insecure and self.state_dir is not None:
+            raise ValueError("insecure: an open peer has no credential; drop --state-dir (or --insecure)")
+        if self.identity_path is not None and self.state_dir is not None:
+            raise ValueError("identity_path: the --state-dir holds the peer's identity; give one or the other")
+        return self
 
 
 def add_bootstrap_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the bootstrap's flags to a (sub)parser."""
-    defaults = BootstrapOptions()
-    parser.add_argument("--host", default=defaults.host, help="IP address to listen on (default %(default)s)")
-    parser.add_argument("--port", type=int, default=defaults.port, help="TCP port, 0 picks a free one")
-    parser.add_argument(
-        "--initial-peers",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="MADDR",
-        help="multiaddrs of running peers to join (default: start a new swarm)",
-    )
-    parser.add_argument("--identity-path", default=None,
-                        help="private key file; makes the peer id stable (--insecure only: a --state-dir holds one)")
-    parser.add_argument("--ready-file", default=None, help="write the multiaddrs here once serving")
-    admission = parser.add_mutually_exclusive_group()
-    admission.add_argument("--state-dir", default=None, metavar="DIR",
-                           help="the bootstrap's credential directory (`agora-node authorizer issue --role operator "
-                                "--out DIR`): only admitted peers can join and write")
-    admission.add_argument("--insecure", action="store_true",
-                           help="run an open DHT peer: no credentials, unsigned records (local experiments only)")
+    add_option_flags(parser, BootstrapOptions)
 
 
 def host_maddrs(host: str, port: int) -> list[str]:
@@ -122,11 +123,9 @@ def write_ready_file(path: str, maddrs: Sequence[str]) -> None:
 
 
 def security_from_options(state_dir: Optional[str], insecure: bool) -> Optional[DHTSecurity]:
-    """The admission of a DHT peer from ``--state-dir`` / ``--insecure`` (exactly one of them);
-    ``ValueError`` names what is missing or wrong in one line."""
+    """The admission of a DHT peer from ``--state-dir`` / ``--insecure`` (one of them: the section
+    refuses both); ``ValueError`` names what is missing or wrong in one line."""
     if insecure:
-        if state_dir is not None:
-            raise ValueError("--insecure and --state-dir exclude each other")
         logger.warning("--insecure: this DHT peer admits anyone and accepts unsigned records")
         return None
     if state_dir is None:
@@ -156,38 +155,30 @@ def _read_bans(swarm: SwarmDHT) -> None:
 
 
 def run_bootstrap(
-    host: str = "127.0.0.1",
-    port: int = 0,
-    initial_peers: Sequence[str] = (),
-    identity_path: Optional[str] = None,
-    ready_file: Optional[str] = None,
+    options: BootstrapOptions,
     *,
-    state_dir: Optional[str] = None,
-    insecure: bool = False,
     stop: Optional[threading.Event] = None,
     out: Optional[TextIO] = None,
     on_started: Optional[Callable[[SwarmDHT], None]] = None,
 ) -> int:
     """Serve a DHT peer until SIGINT/SIGTERM (or ``stop`` is set); return an exit code.
 
-    Exactly one of ``state_dir`` (the credential directory: admission on) and ``insecure``.
-    Prints the peer's multiaddrs to ``out`` (default stdout) and writes them to
-    ``ready_file`` once serving. Without ``stop`` it must run on the main thread. ``on_started(swarm)``
-    runs once the DHT process has forked (where a caller may start threads: a metrics server).
-    Raises ``ValueError`` for a bad host/port or admission and ``DHTRequestError`` if it
-    cannot start.
+    Exactly one of ``options.state_dir`` (the credential directory: admission on) and
+    ``options.insecure``. Prints the peer's multiaddrs to ``out`` (default stdout) and writes them to
+    ``options.ready_file`` once serving. Without ``stop`` it must run on the main thread.
+    ``on_started(swarm)`` runs once the DHT process has forked (where a caller may start threads: a
+    metrics server). Raises ``ValueError`` for a missing or unusable credential and
+    ``DHTRequestError`` if it cannot start.
     """
     from agora.dht.swarm import SwarmDHT  # hivemind (and torch): not for parsing the flags
 
     out = sys.stdout if out is None else out
-    listen = host_maddrs(host, port)
-    security = security_from_options(state_dir, insecure)
-    if security is not None and identity_path is not None:
-        raise ValueError("--identity-path: the --state-dir holds the peer's identity; give one or the other")
+    listen = host_maddrs(options.host, options.port)
+    security = security_from_options(options.state_dir, options.insecure)
     if stop is None and threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run_bootstrap needs a stop event when not on the main thread")
-    swarm = SwarmDHT.start(initial_peers=initial_peers, host_maddrs=listen, identity_path=identity_path,
-                           security=security)
+    swarm = SwarmDHT.start(initial_peers=options.initial_peers, host_maddrs=listen,
+                           identity_path=options.identity_path, security=security)
     restore: dict[int, object] = {}
     try:
         if stop is None:
@@ -200,8 +191,8 @@ def run_bootstrap(
         for maddr in maddrs:
             print(maddr, file=out)
         out.flush()
-        if ready_file is not None:
-            write_ready_file(ready_file, maddrs)
+        if options.ready_file is not None:
+            write_ready_file(options.ready_file, maddrs)
         logger.info("bootstrap peer %s serving at %s", swarm.peer_id, " ".join(maddrs))
         while not stop.wait(_LIVENESS_PERIOD):
             if not swarm.alive:
@@ -214,9 +205,9 @@ def run_bootstrap(
         for signum, handler in restore.items():
             signal.signal(signum, handler)
         swarm.shutdown()
-        if ready_file is not None:
+        if options.ready_file is not None:
             try:
-                os.unlink(ready_file)
+                os.unlink(options.ready_file)
             except FileNotFoundError:
                 pass
 
@@ -227,14 +218,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     parser = argparse.ArgumentParser(prog="agora-node bootstrap", description=__doc__.splitlines()[0])
     add_bootstrap_arguments(parser)
-    options = BootstrapOptions.from_args(parser.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return run_bootstrap(
-            options.host, options.port, options.initial_peers, options.identity_path, options.ready_file,
-            state_dir=options.state_dir, insecure=options.insecure,
-        )
-    except (ValueError, DHTRequestError) as error:
+        return run_bootstrap(options_from_args(BootstrapOptions, parser.parse_args(argv), "bootstrap"))
+    except (ValueError, DHTRequestError) as error:  # (ConfigError is a ValueError)
         print(f"agora-node bootstrap: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C while still starting

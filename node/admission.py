@@ -1,7 +1,8 @@
 """How a node's command line gets it into a run: admitted through an authorizer, with a credential
 minted for it offline, or explicitly `--insecure`.
 
-Every role (`join`, `trainer`, and the operator's `bootstrap`) takes the same flags:
+Every role that is admitted (`join`, `trainer`, `monitor`, `export`, `generate`, `serve`, `doctor`)
+takes the same flags, the fields of `AdmissionOptions` (a section of the settings schema):
 
     --join-file F                       the authorizer's address and root fingerprint, as written by
                                         `agora-node authorizer serve` (or the two flags below)
@@ -35,67 +36,75 @@ import re
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Annotated, Callable, Optional
+
+from pydantic import AfterValidator, StrictBool, StrictStr, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.files import hold_folder
+from agora.pipeline.option_flags import add_option_flags
+from agora.pipeline.schema import SECTION, checked, setting
 
 __all__ = ["AdmissionOptions", "Admission", "add_admission_arguments", "admit_node", "default_state_dir", "free_port"]
 
 logger = logging.getLogger("agora.node.admission")
 
 
-@dataclass(frozen=True)
-class AdmissionOptions:
-    insecure: bool = False
-    state_dir: Optional[str] = None
-    authorizer: Optional[str] = None
-    root_fingerprint: Optional[str] = None
-    join_file: Optional[str] = None
-    run_id: Optional[str] = None  # from the join file: names the default state directory
+def _sha256_hex(text: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{64}", text.lower()):
+        raise ValueError("expected the 64 hex digits of a SHA-256")
+    return text.lower()
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "AdmissionOptions":
-        return cls(insecure=args.insecure, state_dir=args.state_dir, authorizer=args.authorizer,
-                   root_fingerprint=args.ca_fingerprint, join_file=args.join_file)
+
+@pydantic_dataclass(frozen=True, config=SECTION)
+class AdmissionOptions:
+    """How this node gets into its run: a section of the settings schema (pipeline/schema.py), the
+    same flags for every role; a bad value is one line naming `admission.<field>`."""
+
+    join_file: StrictStr | None = setting(
+        None, "the run's join file (authorizer address and CA fingerprint), from `authorizer serve`",
+        flag="--join-file", metavar="F", min_length=1)
+    authorizer: StrictStr | None = setting(None, "the run's authorizer", flag="--authorizer", metavar="HOST:PORT",
+                                           min_length=1)
+    root_fingerprint: Annotated[StrictStr, AfterValidator(_sha256_hex)] | None = setting(
+        None, "SHA-256 of the run's root CA certificate, as the operator published it", flag="--ca-fingerprint",
+        metavar="SHA256")
+    state_dir: StrictStr | None = setting(
+        None, "this node's key and credential (default: ~/.local/state/agora-node/<run>/<role>)", flag="--state-dir",
+        metavar="D", min_length=1)
+    insecure: StrictBool = setting(False, "run without admission: no TLS, no credential checks, no signed DHT "
+                                          "records", flag="--insecure")
+    run_id: StrictStr | None = setting(None, "the join file's run: names the default state directory")
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> "AdmissionOptions":
+        if self.insecure and (self.authorizer or self.join_file or self.root_fingerprint):
+            raise ValueError("insecure: runs without an authorizer; drop --authorizer/--ca-fingerprint/--join-file")
+        if not self.join_file and bool(self.authorizer) != bool(self.root_fingerprint):
+            raise ValueError("authorizer: --authorizer and --ca-fingerprint go together (or give --join-file)")
+        return self
 
     def resolved(self) -> "AdmissionOptions":
-        """The authorizer and fingerprint from the join file when given; checks the combination."""
-        if self.insecure:
-            if self.authorizer or self.join_file or self.root_fingerprint:
-                raise ConfigError("--insecure: runs without an authorizer; drop --authorizer/--join-file")
+        """The authorizer and fingerprint from the join file when given (the flags win)."""
+        if self.insecure or not self.join_file:
             return self
-        authorizer, fingerprint, run_id = self.authorizer, self.root_fingerprint, None
-        if self.join_file:
-            from agora.auth.admission import JoinFile
+        from agora.auth.admission import JoinFile
 
-            try:
-                join = JoinFile.read(self.join_file)
-            except ValueError as error:
-                raise ConfigError(str(error)) from None
-            authorizer, fingerprint = authorizer or join.authorizer, fingerprint or join.root_fingerprint
-            run_id = join.run_id
-        if bool(authorizer) != bool(fingerprint):
-            raise ConfigError("--authorizer and --ca-fingerprint go together (or give --join-file)")
-        if fingerprint is not None and not re.fullmatch(r"[0-9a-f]{64}", fingerprint.lower()):
-            raise ConfigError(f"--ca-fingerprint: expected the 64 hex digits of a SHA-256, got {fingerprint[:80]!r}")
-        fingerprint = None if fingerprint is None else fingerprint.lower()
-        return AdmissionOptions(False, self.state_dir, authorizer, fingerprint, self.join_file, run_id)
+        try:
+            join = JoinFile.read(self.join_file)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        return checked(AdmissionOptions, "admission", **{
+            **asdict(self), "authorizer": self.authorizer or join.authorizer,
+            "root_fingerprint": self.root_fingerprint or join.root_fingerprint, "run_id": join.run_id})
 
 
 def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("admission (an authorizer admits this node; see `agora-node authorizer`)")
-    group.add_argument("--join-file", default=None, metavar="F",
-                       help="the run's join file (authorizer address and CA fingerprint), from `authorizer serve`")
-    group.add_argument("--authorizer", default=None, metavar="HOST:PORT", help="the run's authorizer")
-    group.add_argument("--ca-fingerprint", default=None, metavar="SHA256",
-                       help="SHA-256 of the run's root CA certificate, as the operator published it")
-    group.add_argument("--state-dir", default=None, metavar="D",
-                       help="this node's key and credential (default: ~/.local/state/agora-node/<run>/<role>)")
-    group.add_argument("--insecure", action="store_true",
-                       help="run without admission: no TLS, no credential checks, no signed DHT records")
+    add_option_flags(parser.add_argument_group("admission (an authorizer admits this node; see `agora-node "
+                                               "authorizer`)"), AdmissionOptions)
 
 
 @dataclass(frozen=True)

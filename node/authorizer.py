@@ -46,19 +46,21 @@ from agora.auth.admission import JoinFile
 from agora.auth.admitted import read_admitted
 from agora.auth.authority import DEFAULT_CREDENTIAL_LIFETIME_S, RunAuthority
 from agora.auth.authorizer_tls import authorizer_server_credentials
-from agora.auth.credentials import ROLES
 from agora.auth.keys import write_private_file
 from agora.auth.node_state import NodeCredentials
 from agora.auth.settings import AuthorizerSettings
 from agora.dht.records import Phase
 from agora.monitor.worker_metrics import RpcServerMetrics
+from agora.node.authorizer_options import AuthorityFolder, AuthorizerServeOptions, IssueOptions
 from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments, package_version
 from agora.node.rpc.call_slots import CallSlots
 from agora.node.rpc.interceptors import interceptor_chain
 from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.rpc.server import add_health_and_reflection, bind, create_server, run, set_serving
-from agora.node.run_flags import add_option_flags, add_run_arguments, options_from_args, run_config
+from agora.node.run_flags import add_run_arguments, run_config
 from agora.pipeline.config import ConfigError
+from agora.pipeline.option_flags import add_option_flags, options_from_args
+from agora.pipeline.schema import checked
 from agora.protos.authorizer_adapter import SERVICE_NAME, add_authorizer_service
 
 if TYPE_CHECKING:  # agora.auth.service imports torch (the run fingerprint): the serving commands import it
@@ -72,7 +74,6 @@ logger = logging.getLogger(__name__)
 SERVING_FILE = "serving.json"
 JOIN_FILE = "join.json"
 _MAX_MESSAGE_BYTES = 1 << 20  # preflight chunks are 64 KiB; credentials a few KiB
-_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{10,128}")
 # `serve` flags for a run on one machine or a private network (the demo, tests): its nodes share one
 # address and network, so the limits per address and network are wide, and the dial-back may reach
@@ -130,13 +131,16 @@ def _join_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _state_dir(args: argparse.Namespace) -> str:
+    return options_from_args(AuthorityFolder, args, "authorizer").state_dir
+
+
 def _open_authority(state_dir: str, run_id: Optional[str] = None, *, create: bool = False) -> RunAuthority:
     directory = Path(state_dir)
     if not create and not (directory / "authority.json").exists():
         raise ConfigError(f"--state-dir {state_dir} holds no authorizer: start `agora-node authorizer serve "
                           f"--state-dir {state_dir} --run-id RUN` first")
-    if run_id is not None and not _RUN_ID.fullmatch(run_id):
-        raise ConfigError(f"--run-id: letters, digits, '_' and '-' only (1-64 characters), got {run_id!r}")
+    checked(AuthorizerServeOptions, "authorizer", run_id=run_id)  # (the flags are checked: the demo's calls)
     try:
         return RunAuthority(directory, run_id=run_id)
     except ValueError as error:
@@ -159,16 +163,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from agora.pipeline.config import config_to_dict
     from agora.pipeline.fingerprint import run_fingerprint
 
+    state_dir = _state_dir(args)
+    serving = options_from_args(AuthorizerServeOptions, args, "authorizer")  # a bad one: one line naming it
+    settings = options_from_args(AuthorizerSettings, args, "authorizer")
+    metrics_settings = options_from_args(MetricsOptions, args, "metrics")
     config = run_config(args)
-    settings = options_from_args(AuthorizerSettings, args, "authorizer")  # a bad one: one line naming it
-    authority = _open_authority(args.state_dir, args.run_id, create=True)
+    authority = _open_authority(state_dir, serving.run_id, create=True)
     fingerprint = run_fingerprint(config)
     plain = config_to_dict(config)
     # With the swarm's address, the authorizer reads the workers' announced throughput from the DHT
     # (as an operator peer it credentials itself) and assigns a joining worker the least covered stage.
-    own = authority.mint(Path(args.state_dir) / "self", role="operator",
-                         lifetime_s=authority.issuing_lifetime_s) if args.initial_peers else None
-    swarm = _coverage_peer(own, initial_peers=tuple(args.initial_peers)) if own is not None else None
+    own = authority.mint(Path(state_dir) / "self", role="operator",
+                         lifetime_s=authority.issuing_lifetime_s) if serving.initial_peers else None
+    swarm = _coverage_peer(own, initial_peers=serving.initial_peers) if own is not None else None
     coverage = members = publisher = None
 
     def keep_own_credential() -> None:
@@ -190,7 +197,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         logger.warning("no DHT peer (serve with --initial-peers): bans will only refuse renewals, not reach the swarm")
     # Admissions and renewals by status code (and the bytes they cost) are its gRPC metrics; a refused
     # join is a reply, not a status: counted by the floor or field it names.
-    metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="authorizer", run_id=authority.run_id,
+    metrics = NodeMetrics.for_role(metrics_settings, role="authorizer", run_id=authority.run_id,
                                    version=package_version())
     hooks = (MetricsHook(RpcServerMetrics(metrics.registry)),)
     refusals = Counter("agora_authorizer_refusals", "Joins refused with a reason, by the floor or field it names",
@@ -206,28 +213,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     join_checks = Counter("agora_authorizer_join_checks", "Joins' dry runs (CheckJoin), by outcome", ["outcome"],
                           registry=metrics.registry)
     service = AuthorizerService(authority, settings, run_config=plain, fingerprint=fingerprint,
-                                initial_peers=tuple(args.initial_peers), stage_throughput=coverage,
+                                initial_peers=serving.initial_peers, stage_throughput=coverage,
                                 stage_members=members,
                                 on_refused=lambda field: refusals.labels(field=field).inc(),
                                 on_report=lambda outcome: reports.labels(outcome=outcome).inc(),
                                 on_leave=lambda outcome: leaves.labels(outcome=outcome).inc(),
                                 on_join_check=lambda outcome: join_checks.labels(outcome=outcome).inc())
-    state = Path(args.state_dir)
-    join_path = Path(args.join_file) if args.join_file else state / JOIN_FILE
+    state = Path(state_dir)
+    join_path = Path(serving.join_file) if serving.join_file else state / JOIN_FILE
 
     def ready(address: str) -> None:
         write_private_file(state / SERVING_FILE, json.dumps({
-            "authorizer": address, "config": plain, "initial_peers": list(args.initial_peers),
+            "authorizer": address, "config": plain, "initial_peers": list(serving.initial_peers),
             "stages": fingerprint.stages, "fingerprint": fingerprint.text()}, indent=1).encode(), mode=0o644)
         ticket = JoinFile(authorizer=address, root_fingerprint=authority.root_fingerprint, run_id=authority.run_id)
         ticket.write(join_path)
         print(f"authorizer of run {authority.run_id!r} serving at {address}")
         print(f"root fingerprint (nodes pin it): {authority.root_fingerprint}")
         print(f"join file: {join_path}", flush=True)
-        if args.ready_file:
+        if serving.ready_file:
             from agora.dht.bootstrap import write_ready_file
 
-            write_ready_file(args.ready_file, [address, authority.root_fingerprint])
+            write_ready_file(serving.ready_file, [address, authority.root_fingerprint])
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -249,8 +256,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except OSError as error:
         raise ConfigError(f"--host/--port: cannot listen on {settings.host}:{settings.port} ({error})") from None
     finally:
-        if args.ready_file:
-            Path(args.ready_file).unlink(missing_ok=True)
+        if serving.ready_file:
+            Path(serving.ready_file).unlink(missing_ok=True)
         if swarm is not None:
             swarm.shutdown()
         service.close()
@@ -320,14 +327,14 @@ def _peer_id(text: str) -> str:
 
 
 def _cmd_ban(args: argparse.Namespace) -> int:
-    entry = _open_authority(args.state_dir).ban(_peer_id(args.peer_id), args.reason)
+    entry = _open_authority(_state_dir(args)).ban(_peer_id(args.peer_id), args.reason)
     print(f"banned {entry.peer_id}: {entry.reason or '(no reason given)'}; the serving authorizer publishes the ban "
           f"list to the swarm, whose nodes refuse it from their next heartbeat, and refuses its renewal")
     return 0
 
 
 def _cmd_unban(args: argparse.Namespace) -> int:
-    found = _open_authority(args.state_dir).unban(_peer_id(args.peer_id))
+    found = _open_authority(_state_dir(args)).unban(_peer_id(args.peer_id))
     print(f"unbanned {args.peer_id}" if found else f"{args.peer_id} was not banned")
     return 0
 
@@ -337,11 +344,12 @@ def _when(seconds: float) -> str:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    authority = _open_authority(args.state_dir)
+    state_dir = _state_dir(args)
+    authority = _open_authority(state_dir)
     bans = sorted(authority.bans().values(), key=lambda entry: entry.banned_at)
     # Still holding a credential, and not banned since (a ban takes effect at the node's next renewal).
     banned = {entry.peer_id for entry in bans}
-    admitted = [node for node in read_admitted(args.state_dir, time.time()) if node.peer_id not in banned]
+    admitted = [node for node in read_admitted(state_dir, time.time()) if node.peer_id not in banned]
     if args.json:
         print(json.dumps({"run_id": authority.run_id, "root_fingerprint": authority.root_fingerprint,
                           "bans": [asdict(entry) for entry in bans],
@@ -379,9 +387,11 @@ def issue_credential(state_dir: str, out: str, *, role: str, run_id: Optional[st
 
 
 def _cmd_issue(args: argparse.Namespace) -> int:
-    identity = issue_credential(args.state_dir, args.out, role=args.role, run_id=args.run_id, stage=args.stage,
-                                lifetime_s=args.lifetime).identity()
-    print(f"issued a {identity.describe()} credential in {args.out}, valid until {_when(identity.not_after)}")
+    folder = options_from_args(AuthorityFolder, args, "authorizer")
+    options = options_from_args(IssueOptions, args, "issue")
+    identity = issue_credential(folder.state_dir, options.out, role=options.role, run_id=options.run_id,
+                                stage=options.stage, lifetime_s=options.lifetime_s).identity()
+    print(f"issued a {identity.describe()} credential in {options.out}, valid until {_when(identity.not_after)}")
     return 0
 
 
@@ -393,21 +403,17 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="authorizer_command", required=True, metavar="ACTION")
 
     def state_dir(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--state-dir", required=True, help="the authorizer's folder: CA keys, bans, admitted nodes")
+        add_option_flags(sub, AuthorityFolder)
 
     serve = actions.add_parser("serve", help="serve admission and renewal (creates the run's CA on first start)",
                                description="Serve agora.v1.Authorizer (gRPC over TLS under the run's root CA, health, "
                                            "reflection). Prints the address and the root fingerprint nodes pin; "
                                            "writes STATE_DIR/join.json.")
     state_dir(serve)
-    serve.add_argument("--run-id", default=None, help="run identifier (needed on first start)")
-    serve.add_argument("--ready-file", default=None, help="write the address and root fingerprint here once serving")
-    serve.add_argument("--join-file", default=None, help="where to write the join file (default STATE_DIR/join.json)")
+    add_option_flags(serve, AuthorizerServeOptions)
     add_metrics_arguments(serve)
     add_option_flags(serve.add_argument_group("authorizer", "where it listens; whom it admits, how fast, and when "
                                                             "trainers' reports ban a worker"), AuthorizerSettings)
-    serve.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MADDR",
-                       help="DHT multiaddrs handed to admitted nodes")
     add_run_arguments(serve, steps_help="planned run length in global batches (sets the lr schedule)")
     serve.set_defaults(handler=_cmd_serve)
 
@@ -434,13 +440,6 @@ def add_authorizer_commands(commands: argparse._SubParsersAction) -> None:
     issue = actions.add_parser("issue", help="mint a credential for a machine of the operator's (offline)",
                                description="Create (or reuse) a node key in --out and write a credential for it, "
                                            "with the run config and bootstrap peers the serving authorizer was given.")
-    issue.add_argument("--role", required=True, choices=ROLES, help="the credential's role")
-    issue.add_argument("--stage", type=int, default=None, help="pipeline stage (workers only)")
-    issue.add_argument("--out", required=True, help="the node's state folder")
-    issue.add_argument("--lifetime", type=float, default=DEFAULT_CREDENTIAL_LIFETIME_S, metavar="S",
-                       help="seconds the credential is valid (default %(default)g)")
-    issue.add_argument("--run-id", default=None,
-                       help="create the run's CA in --state-dir if it has none yet (e.g. to credential a DHT "
-                            "bootstrap peer before `serve` is started with its address)")
+    add_option_flags(issue, IssueOptions)
     state_dir(issue)
     issue.set_defaults(handler=_cmd_issue)

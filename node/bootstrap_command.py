@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import argparse
 
-from agora.node.observability import MetricsOptions, add_metrics_arguments
+from agora.dht.bootstrap import BootstrapOptions, add_bootstrap_arguments, run_bootstrap
+from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments, package_version
 from agora.pipeline.config import ConfigError
+from agora.pipeline.option_flags import options_from_args
 
 __all__ = ["add_bootstrap_command"]
 
 
 def add_bootstrap_command(commands) -> None:
-    from agora.dht.bootstrap import add_bootstrap_arguments
-
     bootstrap = commands.add_parser("bootstrap", help="start a DHT peer that others join first",
                                     description="Start a hivemind DHT peer and print the multiaddrs that other "
                                                 "peers pass as --initial-peers; serves until SIGINT/SIGTERM.")
@@ -24,17 +24,13 @@ def add_bootstrap_command(commands) -> None:
 
 
 def _cmd_bootstrap(args: argparse.Namespace) -> int:
-    from agora.dht.bootstrap import run_bootstrap
-    from agora.dht.swarm import DHTRequestError
+    from agora.dht.swarm import DHTRequestError  # hivemind: not for --help
 
-    from agora.node.observability import NodeMetrics, package_version
-
-    metrics = NodeMetrics.for_role(MetricsOptions.from_args(args), role="bootstrap", run_id=_bootstrap_run(args),
-                                   version=package_version())
+    options = options_from_args(BootstrapOptions, args, "bootstrap")
+    metrics = NodeMetrics.for_role(options_from_args(MetricsOptions, args, "metrics"), role="bootstrap",
+                                   run_id=_bootstrap_run(options), version=package_version())
     try:
-        return run_bootstrap(args.host, args.port, tuple(args.initial_peers), args.identity_path, args.ready_file,
-                             state_dir=args.state_dir, insecure=args.insecure,
-                             on_started=lambda swarm: _serve_bootstrap_metrics(metrics, swarm))
+        return run_bootstrap(options, on_started=lambda swarm: _serve_bootstrap_metrics(metrics, swarm))
     except (ValueError, DHTRequestError) as error:
         raise ConfigError(str(error)) from None
     finally:
@@ -48,9 +44,9 @@ def _serve_bootstrap_metrics(metrics, swarm) -> None:
     metrics.serve()
 
 
-def _bootstrap_run(args: argparse.Namespace) -> str:
+def _bootstrap_run(options: BootstrapOptions) -> str:
     """The run a bootstrap's credential is for ("" for an open --insecure peer, which serves any run)."""
-    if args.insecure or not args.state_dir:
+    if options.insecure or not options.state_dir:
         return ""
     import time
 
@@ -58,6 +54,6 @@ def _bootstrap_run(args: argparse.Namespace) -> str:
     from agora.auth.node_state import NodeCredentials
 
     try:
-        return NodeCredentials(args.state_dir, clock=time.time).identity().run_id
+        return NodeCredentials(options.state_dir, clock=time.time).identity().run_id
     except (CredentialError, OSError, ValueError):
         return ""  # run_bootstrap reports the unusable state directory in one line

@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Literal
+
+from pydantic import StrictInt
+from pydantic.dataclasses import dataclass
 
 from agora.node.authorizer import add_authorizer_commands
 from agora.node.bootstrap_command import add_bootstrap_command
@@ -29,18 +33,31 @@ from agora.node.train_local_command import add_train_local_command
 from agora.node.trainer_command import add_trainer_command
 from agora.node.worker.command import add_join_command
 from agora.pipeline.config import ConfigError
+from agora.pipeline.option_flags import add_option_flags, options_from_args
+from agora.pipeline.schema import SECTION, setting
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "ProcessOptions"]
+
+
+@dataclass(frozen=True, config=SECTION)
+class ProcessOptions:
+    """What every command's process takes before the command's name (`agora-node --threads 1 join ...`):
+    how it logs, how many threads torch computes on."""
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = setting(
+        "INFO", "logging level (any case)", flag="--log-level")
+    log_format: Literal[LOG_FORMATS] = setting(
+        "text", "text lines for people, or one JSON object per line with milestone events (joined, sync_phase, "
+        "phase_changed, state_downloaded, averaging_round, reroute, ban, checkpoint_written, credential_renewed)",
+        flag="--log-format")
+    threads: StrictInt | None = setting(None, "torch intra-op threads (default: torch's choice)", flag="--threads",
+                                        metavar="N", gt=0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agora-node", description="Agora node: peer-to-peer pipeline-parallel training of subspace-compressed transformers.")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
-                        help="text lines for people (default), or one JSON object per line with milestone events "
-                             "(joined, sync_phase, phase_changed, state_downloaded, averaging_round, reroute, ban, "
-                             "checkpoint_written, credential_renewed)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser = argparse.ArgumentParser(prog="agora-node", description="Agora node: peer-to-peer pipeline-parallel "
+                                                                    "training of subspace-compressed transformers.")
+    add_option_flags(parser, ProcessOptions)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_local_command(commands)
     add_export_hf_command(commands)
@@ -83,9 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # a worker that moves stage starts again with them
-    configure_logging(args.log_level, args.log_format)
-    if args.threads is not None:
-        _set_threads(max(1, args.threads))
+    try:
+        process = options_from_args(ProcessOptions, args, "process")
+    except ConfigError as error:
+        print(f"agora-node: error: {error}", file=sys.stderr)
+        return 2
+    configure_logging(process.log_level, process.log_format)
+    if process.threads is not None:
+        _set_threads(process.threads)
     try:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:

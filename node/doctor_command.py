@@ -47,9 +47,10 @@ from agora.node.doctor import (FAIL, Check, authorizer_check, as_json, clock_che
 from pydantic import StrictInt, StrictStr
 from pydantic.dataclasses import dataclass
 
-from agora.node.run_flags import add_option_flags, add_run_arguments
+from agora.node.run_flags import add_run_arguments
 from agora.node.worker.join_options import JoinOptions
 from agora.pipeline.config import ConfigError, RunConfig
+from agora.pipeline.option_flags import add_option_flags
 from agora.pipeline.schema import SECTION, like
 
 if TYPE_CHECKING:
@@ -92,11 +93,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from agora.auth.admission import hardware_report
     from agora.node.admission import AdmissionOptions, config_chooser, free_port
     from agora.node.rpc.server import announced_host
-    from agora.node.run_flags import check_runtime_flags, explicit_settings, options_from_args, run_config
+    from agora.node.run_flags import check_runtime_flags, explicit_settings, run_config
     from agora.node.worker.options import WorkerOptions
+    from agora.pipeline.option_flags import options_from_args
     from agora.pipeline.runtime import resolve_device
 
-    options = AdmissionOptions.from_args(args).resolved()
+    options = options_from_args(AdmissionOptions, args, "admission").resolved()
     if options.authorizer is None:
         raise ConfigError("--join-file: doctor checks admission to a run: give the run's join file (or --authorizer "
                           "and --ca-fingerprint)")

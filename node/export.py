@@ -29,28 +29,49 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from pydantic import StrictFloat, StrictStr
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
 from agora.auth.node_state import NodeCredentials
+from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
+from agora.node.run_flags import add_run_arguments, run_config
+from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.pipeline.config import ConfigError, RunConfig
+from agora.pipeline.option_flags import add_option_flags, options_from_args
+from agora.pipeline.schema import SECTION, setting
 
 if TYPE_CHECKING:  # hivemind and torch: imported by the export itself, not by `agora-node`'s parser
     from agora.dht.swarm import SwarmDHT
     from agora.pipeline.checkpoint import StageState
 
-__all__ = ["ExportOptions", "run_export", "add_export_command", "cmd_export", "add_export_hf_command"]
+__all__ = ["ExportOptions", "ExportHfOptions", "run_export", "add_export_command", "cmd_export",
+           "add_export_hf_command"]
 
 logger = logging.getLogger("agora.node.export")
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=SECTION)
 class ExportOptions:
-    out: str
-    run_id: str
-    initial_peers: tuple[str, ...] = ()
-    timeout_s: float = 480.0  # each stage's download, over every donor tried
+    """`export`'s settings (a section of the settings schema); the run and its peers are the ones
+    admission settles on."""
+
+    out: StrictStr = setting(help="where DIR/checkpoint and DIR/hf are written", flag="--out", metavar="DIR",
+                             min_length=1)
+    run_id: StrictStr = setting(help="the run (--run-id, or the join file's)", min_length=1)
+    initial_peers: tuple[StrictStr, ...] = setting((), "the swarm's DHT peers (--initial-peers, or the credential's)")
+    timeout_s: StrictFloat = setting(480.0, "each stage's download, over every donor tried", flag="--timeout",
+                                     metavar="S", gt=0)
+
+
+@pydantic_dataclass(frozen=True, config=SECTION)
+class ExportHfOptions:
+    checkpoint: StrictStr = setting(help="checkpoint folder (or a folder with 'latest')", flag="--checkpoint",
+                                    min_length=1)
+    out: StrictStr = setting(help="output folder", flag="--out", min_length=1)
 
 
 def run_export(config: RunConfig, options: ExportOptions, credentials: Optional[NodeCredentials]) -> int:
@@ -153,38 +174,27 @@ def _write(config: RunConfig, options: ExportOptions, states: list[StageState], 
 
 def add_export_command(commands) -> None:
     """Mount `agora-node export`."""
-    from agora.node.admission import add_admission_arguments
-    from agora.node.run_flags import add_run_arguments
-    from agora.node.swarm_options import add_swarm_flags
-
     export = commands.add_parser(
         "export", help="the whole model from the swarm, as a checkpoint and a transformers export (operator)",
         description="Download one member replica of every stage (an operator credential: `agora-node authorizer "
                     "issue --role operator`) and write DIR/checkpoint (every stage, optimizer and averaging state "
                     "included) and DIR/hf (`AutoModelForCausalLM.from_pretrained(DIR/hf)` loads it).")
     add_run_arguments(export, steps_help="planned run length (only for the run fingerprint)")
-    export.add_argument("--out", required=True, metavar="DIR", help="where DIR/checkpoint and DIR/hf are written")
+    add_option_flags(export.add_argument_group("export", "where it writes, how long a stage may take"), ExportOptions)
     add_swarm_flags(export)
-    export.add_argument("--timeout", type=float, default=480.0, metavar="S",
-                        help="each stage's download, over every donor tried (default 480)")
     add_admission_arguments(export)
     export.set_defaults(handler=cmd_export)
 
 
 def cmd_export(args) -> int:
-    from agora.node.admission import AdmissionOptions, admit_node, config_chooser
-    from agora.node.run_flags import options_from_args, run_config
-    from agora.node.swarm_options import SwarmOptions
-
-    if not args.timeout > 0:
-        raise ConfigError(f"--timeout: must be positive, got {args.timeout}")
     swarm = options_from_args(SwarmOptions, args, "swarm")
-    admission = admit_node(AdmissionOptions.from_args(args), role="operator", run_id=swarm.run_id, stage=None,
+    options = options_from_args(ExportOptions, args, "export", run_id=swarm.run_id)
+    admission_options = options_from_args(AdmissionOptions, args, "admission")
+    admission = admit_node(admission_options, role="operator", run_id=swarm.run_id, stage=None,
                            config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
     if not admission.initial_peers:
         raise ConfigError("--initial-peers: the swarm's DHT peers are needed (the operator credential names none)")
-    options = ExportOptions(out=args.out, run_id=admission.run_id, initial_peers=admission.initial_peers,
-                            timeout_s=args.timeout)
+    options = replace(options, run_id=admission.run_id, initial_peers=admission.initial_peers)
     return run_export(admission.config, options, admission.credentials)
 
 
@@ -193,8 +203,7 @@ def add_export_hf_command(commands) -> None:
                                  "the run's tokenizer)",
                                  description="Assemble every stage of a checkpoint into one model and save it so "
                                              "AutoModelForCausalLM.from_pretrained loads it.")
-    export.add_argument("--checkpoint", required=True, help="checkpoint folder (or a folder with 'latest')")
-    export.add_argument("--out", required=True, help="output folder")
+    add_option_flags(export, ExportHfOptions)
     export.set_defaults(handler=_cmd_export_hf)
 
 
@@ -203,14 +212,16 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
     from agora.pipeline.interop import save_pretrained, save_tokenizer
     from agora.pipeline.stages import assemble_model
 
-    step, config, states, _ = load_checkpoint(args.checkpoint)
+    options = options_from_args(ExportHfOptions, args, "export_hf")
+    step, config, states, _ = load_checkpoint(options.checkpoint)
     if sorted(s.index for s in states) != list(range(len(config.layer_split))):
-        raise ConfigError(f"--checkpoint: {args.checkpoint} does not hold every stage (has {[s.index for s in states]})")
+        raise ConfigError(f"--checkpoint: {options.checkpoint} does not hold every stage "
+                          f"(has {[s.index for s in states]})")
     model = assemble_model(config.model, [s.model for s in states])
-    save_pretrained(model, args.out)
+    save_pretrained(model, options.out)
     try:
-        save_tokenizer(config.data.tokenizer, args.out)
+        save_tokenizer(config.data.tokenizer, options.out)
     except ConfigError as error:  # the weights are worth keeping: the tokenizer file can be copied in later
         print(f"export-hf: no tokenizer written: {error}")
-    print(f"export-hf: step {step} -> {args.out}")
+    print(f"export-hf: step {step} -> {options.out}")
     return 0

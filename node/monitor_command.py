@@ -14,9 +14,10 @@ import sys
 from agora.monitor.options import MonitorOptions
 from agora.node.admission import Admission, AdmissionOptions, add_admission_arguments, admit_node, config_chooser
 from agora.node.observability import MetricsOptions, NodeMetrics, package_version
-from agora.node.run_flags import add_option_flags, add_run_arguments, options_from_args, run_config
+from agora.node.run_flags import add_run_arguments, run_config
 from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.pipeline.config import ConfigError
+from agora.pipeline.option_flags import add_option_flags, options_from_args
 
 __all__ = ["add_monitor_command"]
 
@@ -42,7 +43,8 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
 
     swarm_options = options_from_args(SwarmOptions, args, "swarm")
     options = options_from_args(MonitorOptions, args, "monitor")
-    admission = admit_node(AdmissionOptions.from_args(args), role="monitor", run_id=swarm_options.run_id, stage=None,
+    admission_options = options_from_args(AdmissionOptions, args, "admission")
+    admission = admit_node(admission_options, role="monitor", run_id=swarm_options.run_id, stage=None,
                            config_for=config_chooser(args, run_config), initial_peers=swarm_options.initial_peers)
     credentials = admission.credentials
     if not admission.initial_peers:

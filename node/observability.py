@@ -1,4 +1,5 @@
-"""The metrics every role serves: the flags, the registry, the port, the endpoint it announces.
+"""The metrics every role serves: the flags (`MetricsOptions`, a section of the settings schema), the
+registry, the port, the endpoint it announces.
 
     --metrics-port P     serve Prometheus metrics at http://HOST:P/metrics (0, the default: none;
                          auto: a port the system picks, announced in the node's DHT record)
@@ -30,16 +31,20 @@ import logging
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Literal, Optional
 
 from prometheus_client import CollectorRegistry
+from pydantic import Field, StrictInt, StrictStr, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from agora.monitor.metrics import MetricsServer, new_registry, node_info, start_metrics_server
 from agora.node.rpc.server import announced_host, host_port, is_wildcard_host
 from agora.pipeline.config import ConfigError
 from agora.pipeline.files import atomic_write
+from agora.pipeline.option_flags import add_option_flags
+from agora.pipeline.schema import SECTION, setting
 
-__all__ = ["MetricsOptions", "NodeMetrics", "add_metrics_arguments", "package_version", "AUTO_PORT"]
+__all__ = ["MetricsOptions", "NodeMetrics", "add_metrics_arguments", "package_version"]
 
 logger = logging.getLogger("agora.node.metrics")
 
@@ -51,49 +56,30 @@ def package_version() -> str:
         return "0+unknown"
 
 
-# `--metrics-port auto`: any free port, bound when the server starts.
-AUTO_PORT = -1
+@pydantic_dataclass(frozen=True, config=SECTION)
+class MetricsOptions:
+    """Where a role serves its metrics: a section of the settings schema (pipeline/schema.py), so a
+    bad value is one line naming `metrics.<field>` before the role starts anything."""
 
+    port: Annotated[StrictInt, Field(ge=0, le=65535)] | Literal["auto"] = setting(
+        0, "serve Prometheus metrics on this port at /metrics (0: do not serve them; auto: a free port the system "
+        "picks, announced in the node's DHT record)", flag="--metrics-port", metavar="P")
+    host: StrictStr = setting("127.0.0.1", "address the metrics server listens on (0.0.0.0 for a remote Prometheus)",
+                              flag="--metrics-host", metavar="H", min_length=1)
+    file: StrictStr | None = setting(
+        None, "once serving, write the metrics endpoint (host:port, one line) to this file, for a launcher's scrape "
+        "targets (with --metrics-port auto: the port the system picked)", flag="--metrics-file", metavar="F",
+        min_length=1)
 
-def _metrics_port(text: str) -> int:
-    if text.strip().lower() == "auto":
-        return AUTO_PORT
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a port number or 'auto', got {text!r}") from None
+    @model_validator(mode="after")
+    def _served(self) -> "MetricsOptions":
+        if self.file is not None and self.port == 0:
+            raise ValueError("file: needs a metrics server (--metrics-port P or auto)")
+        return self
 
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("metrics (Prometheus)")
-    group.add_argument("--metrics-port", type=_metrics_port, default=0, metavar="P",
-                       help="serve Prometheus metrics on this port at /metrics (default 0: do not serve them; "
-                            "auto: a free port the system picks, announced in the node's DHT record)")
-    group.add_argument("--metrics-host", default="127.0.0.1", metavar="H",
-                       help="address the metrics server listens on (default 127.0.0.1; 0.0.0.0 for a remote "
-                            "Prometheus)")
-    group.add_argument("--metrics-file", default=None, metavar="F",
-                       help="once serving, write the metrics endpoint (host:port, one line) to this file, for a "
-                            "launcher's scrape targets (with --metrics-port auto: the port the system picked)")
-
-
-@dataclass(frozen=True)
-class MetricsOptions:
-    port: int = 0  # 0: no metrics server; AUTO_PORT: any free port
-    host: str = "127.0.0.1"
-    file: Optional[str] = None  # where the endpoint is written once serving
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "MetricsOptions":
-        return cls(port=getattr(args, "metrics_port", 0), host=getattr(args, "metrics_host", "127.0.0.1"),
-                   file=getattr(args, "metrics_file", None)).validate()
-
-    def validate(self) -> "MetricsOptions":
-        if self.port != AUTO_PORT and not 0 <= self.port < 65536:
-            raise ConfigError(f"--metrics-port: must be in 0..65535 (0: no metrics) or 'auto', got {self.port}")
-        if self.file is not None and self.port == 0:
-            raise ConfigError("--metrics-file: needs a metrics server (--metrics-port P or auto)")
-        return self
+    add_option_flags(parser.add_argument_group("metrics (Prometheus)"), MetricsOptions)
 
 
 @dataclass
@@ -116,11 +102,11 @@ class NodeMetrics:
         """Start the server (when a port is set); the endpoint to announce, or ""."""
         if self.options.port == 0 or self.server is not None:
             return self.endpoint
+        auto = self.options.port == "auto"
         try:
-            self.server = start_metrics_server(self.registry, self.options.host,
-                                               0 if self.options.port == AUTO_PORT else self.options.port)
+            self.server = start_metrics_server(self.registry, self.options.host, 0 if auto else self.options.port)
         except OSError as error:
-            port = "a free port" if self.options.port == AUTO_PORT else self.options.port
+            port = "a free port" if auto else self.options.port
             raise ConfigError(f"--metrics-port: cannot listen on {self.options.host}:{port}: "
                               f"{error.strerror or error}") from None
         host = self.options.host

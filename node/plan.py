@@ -81,8 +81,9 @@ def worker_memory_options(config: RunConfig, *, rows: int | None = None, pinned_
 def _cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
-    from agora.node.run_flags import options_from_args, run_config
+    from agora.node.run_flags import run_config
     from agora.pipeline.memory import format_plan, plan_run
+    from agora.pipeline.option_flags import options_from_args
 
     asked = options_from_args(PlanOptions, args, "plan")
     config = run_config(args)  # (the plan's --device/--dtype are not this machine's: kept apart from it)
@@ -111,7 +112,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def add_plan_command(commands) -> None:
-    from agora.node.run_flags import add_option_flags, add_run_arguments
+    from agora.node.run_flags import add_run_arguments
+    from agora.pipeline.option_flags import add_option_flags
 
     plan = commands.add_parser("plan", help="what one worker of each stage needs in memory, and whether it fits",
                                description="Per stage: parameters, gradients, optimizer state, pinned weight "

@@ -1,4 +1,4 @@
-"""Flags generated from the settings' schema (pipeline/schema.py): the run flags, and a role's options.
+"""The run flags, generated from the run config's schema (pipeline/config.py), and `config show`.
 
 Each leaf of pipeline/config.py's schema is a flag `--section.field` (`--sync.every-steps 8`,
 `--model.rank none`), and the settings the schema gives a short name also answer to it
@@ -13,7 +13,7 @@ are this process's own; every other one is in the run fingerprint, so a process 
 value is another run.
 
 A role's options (a worker's queues, the demo's swarm) are sections of the same kind; the fields
-that declare a flag are that role's command-line options (`add_option_flags`, `options_from_args`).
+that declare a flag are that role's command-line options (pipeline/option_flags.py).
 """
 
 from __future__ import annotations
@@ -21,47 +21,20 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
-
 from agora.pipeline.config import (ConfigError, RunConfig, RuntimeConfig, checked, config_with, load_config_sources,
                                    run_settings, split_layers)
-from agora.pipeline.schema import Setting, explain, leaves, nested
+from agora.pipeline.option_flags import shown_default, value_parser
+from agora.pipeline.schema import Setting
 
 __all__ = ["add_run_arguments", "run_config", "run_config_sources", "explicit_settings", "setting_flags",
-           "check_runtime_flags", "add_config_command", "add_option_flags", "options_from_args"]
+           "check_runtime_flags", "add_config_command"]
 
-_NONE = ("none", "null")
 # Leaves without a flag of their own: the name is the config's, the seed is --seed's.
 _NOT_FLAGS = ("name", "seed")
 
 
-def _parser_of(item: Setting):
-    scalar = item.scalar
-
-    def parse(text: str) -> Any:
-        if item.optional and text.lower() in _NONE:
-            return None
-        if scalar is bool:
-            if text.lower() in ("true", "yes", "1", "on"):
-                return True
-            if text.lower() in ("false", "no", "0", "off"):
-                return False
-            raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-        try:
-            return scalar(text)
-        except ValueError:
-            kind = {int: "a whole number", float: "a number"}.get(scalar, "a string")
-            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
-    parse.__name__ = item.path  # argparse names the type in its error line
-    return parse
-
-
-def _shown(default: Any) -> str:
-    return "none" if default is None else (",".join(map(str, default)) if isinstance(default, tuple) else str(default))
-
-
 def _help(item: Setting) -> str:
-    return f"{item.help} (default: the config's; {_shown(item.default)} in the schema)".replace("%", "%%")
+    return f"{item.help} (default: the config's; {shown_default(item.default)} in the schema)".replace("%", "%%")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str, seed_flag: str = "--seed",
@@ -91,7 +64,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, steps_help: str, seed_
                                default=argparse.SUPPRESS, help=_help(item))
             names.remove(item.short_flag)
         (machine if item.local else run).add_argument(
-            *names, dest=item.path, type=_parser_of(item), default=argparse.SUPPRESS, choices=item.choices,
+            *names, dest=item.path, type=value_parser(item), default=argparse.SUPPRESS, choices=item.choices,
             nargs="+" if item.is_tuple else None, metavar=item.metavar, help=_help(item))
 
 
@@ -189,51 +162,3 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     else:
         print(f"# agora-node run config; fingerprint {fingerprint}\n{config_to_toml(config, sources)}", end="")
     return 0
-
-
-# ----------------------------------------------------------------------------- a role's options
-
-
-def _option_dest(item: Setting) -> str:
-    """The flag's own name as its destination (`--max-queue` -> max_queue), which code beside the
-    options reads too (`args.sync`)."""
-    return item.short_flag.removeprefix("--").removeprefix("no-").replace("-", "_")
-
-
-def _flagged(cls: type) -> list[Setting]:
-    return [item for item in leaves(cls) if item.short_flag]
-
-
-def add_option_flags(parser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
-    """A flag for each field of `cls` that declares one (`--no-X` for a field that is true unless
-    turned off), its default the schema's."""
-    for item in _flagged(cls):
-        if item.short_flag in skip:
-            continue
-        shown = item.extra.get("unset") if item.default is None and "unset" in item.extra else _shown(item.default)
-        help_text = item.help if "default" in item.help else f"{item.help} (default: {shown})"
-        help_text = help_text.replace("%", "%%")
-        if item.scalar is bool and not item.is_tuple:
-            parser.add_argument(item.short_flag, dest=_option_dest(item), default=item.default,
-                                action="store_false" if item.short_flag.startswith("--no-") else "store_true",
-                                help=item.help.replace("%", "%%"))
-            continue
-        parser.add_argument(item.short_flag, dest=_option_dest(item), type=_parser_of(item),
-                            default=None if item.is_tuple else item.default, choices=item.choices,
-                            **({"nargs": "+", "action": "extend"} if item.is_tuple else {}),  # repeatable
-                            metavar=item.metavar, help=help_text)
-
-
-def options_from_args(cls: type, args: argparse.Namespace, section: str, **given: Any) -> Any:
-    """`cls` from the flags `add_option_flags` gave the command (those of a parser that has them),
-    over `given`; a ConfigError names `section.field` and the value."""
-    flagged = {}
-    for item in _flagged(cls):
-        value = getattr(args, _option_dest(item), None)
-        if hasattr(args, _option_dest(item)) and not (item.is_tuple and value is None):  # unset: the schema's
-            flagged[item.path] = value
-    values = {**given, **nested(flagged)}
-    try:
-        return TypeAdapter(cls).validate_python(values)
-    except ValidationError as error:
-        raise explain(error, cls, section) from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import StrictStr
 from pydantic.dataclasses import dataclass
 
-from agora.node.run_flags import add_option_flags
+from agora.pipeline.option_flags import add_option_flags
 from agora.pipeline.schema import SECTION, setting
 
 __all__ = ["SwarmOptions", "add_swarm_flags"]

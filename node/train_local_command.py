@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-from agora.node.run_flags import add_option_flags, add_run_arguments, options_from_args, run_config
+from agora.node.run_flags import add_run_arguments, run_config
 from agora.node.trainer.options import TrainLocalOptions
 from agora.pipeline.files import hold_folder
+from agora.pipeline.option_flags import add_option_flags, options_from_args
 
 __all__ = ["add_train_local_command"]
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
 from agora.node.observability import MetricsOptions, add_metrics_arguments
-from agora.node.run_flags import add_option_flags, add_run_arguments, check_runtime_flags, options_from_args, run_config
+from agora.node.run_flags import add_run_arguments, check_runtime_flags, run_config
 from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.node.trainer.options import TrainerOptions
+from agora.pipeline.option_flags import add_option_flags, options_from_args
 
 __all__ = ["add_trainer_command"]
 
@@ -36,11 +37,12 @@ def add_trainer_command(commands) -> None:
 def _cmd_trainer(args: argparse.Namespace) -> int:
     from agora.node.trainer.command import run_swarm_trainer  # torch and hivemind: not for --help
 
-    metrics = MetricsOptions.from_args(args)
+    metrics = options_from_args(MetricsOptions, args, "metrics")
     check_runtime_flags(args)
     swarm = options_from_args(SwarmOptions, args, "swarm")
     options = options_from_args(TrainerOptions, args, "trainer", run_id=swarm.run_id)  # refused before admission
-    admission = admit_node(AdmissionOptions.from_args(args), role="trainer", run_id=swarm.run_id, stage=None,
+    admission_options = options_from_args(AdmissionOptions, args, "admission")
+    admission = admit_node(admission_options, role="trainer", run_id=swarm.run_id, stage=None,
                            config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
     options = replace(options, run_id=admission.run_id)
     log_json = open(options.log_json, "a" if options.start_step else "w") if options.log_json else None

@@ -5,8 +5,9 @@ A section is a frozen pydantic dataclass whose fields are declared with `setting
 default, bounds (`gt`, `ge`, `lt`, `le`), help text, an optional short command-line name, and
 whether it is machine-local. Rules across fields are the section's `model_validator`s, raising
 `ValueError("field: what is wrong")`. From those declarations the command line's flags are
-generated (node/run_flags.py) and pydantic's report becomes one line naming the field, the rule
-and the value (`explain`).
+generated (the run flags: node/run_flags.py; a section's own: pipeline/option_flags.py) and
+pydantic's report becomes one line naming the field, the rule and the value (`explain`), also for
+a value no alternative of a union takes (`metrics.port: expected an integer or 'auto'`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
 __all__ = ["ConfigError", "SECTION", "NoneOr", "Positive", "Fraction", "setting", "like", "Setting", "leaves",
            "get", "nested", "explain", "checked"]
@@ -45,12 +47,14 @@ Fraction = Annotated[StrictFloat, Field(ge=0, lt=1)]
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None, local: bool = False,
-            metavar: str | None = None, default_factory: Any = None, **bounds: Any) -> Any:
-    """One setting's declaration. `flag`: a short command-line name beside `--section.field`;
-    `local`: this machine's choice (where it computes, caches, how long it warms up), left out of
-    the run fingerprint so that processes differing in it still serve one run; `metavar`: what
-    `--help` calls the flag's value (default: the field's name)."""
-    extra = {key: value for key, value in (("flag", flag), ("local", local), ("metavar", metavar)) if value}
+            metavar: str | None = None, dest: str | None = None, default_factory: Any = None, **bounds: Any) -> Any:
+    """One setting's declaration (no default: required). `flag`: a short command-line name beside
+    `--section.field`; `local`: this machine's choice (where it computes, caches, how long it warms
+    up), left out of the run fingerprint so that processes differing in it still serve one run;
+    `metavar`: what `--help` calls the flag's value (default: the field's name); `dest`: where
+    argparse keeps the flag's value, when the flag's own name is taken (pipeline/option_flags.py)."""
+    extra = {key: value for key, value in (("flag", flag), ("local", local), ("metavar", metavar), ("dest", dest))
+             if value}
     if default_factory is not None:
         bounds["default_factory"] = default_factory
     elif default is not dataclasses.MISSING:  # (none: the field is required)
@@ -92,21 +96,35 @@ class Setting:
         return self.extra.get("metavar") or self.path.rpartition(".")[2].upper()
 
     @property
+    def required(self) -> bool:
+        """No default: the command line (or the code that builds the section) must give it."""
+        return self.default is PydanticUndefined
+
+    @property
+    def words(self) -> tuple:
+        """The values a Literal alternative allows (`Literal["text", "json"]`, or `"auto"` beside a port)."""
+        literals = [a for a in _unwrap(self.annotation) if typing.get_origin(a) is Literal]
+        return typing.get_args(literals[0]) if literals else ()
+
+    @property
     def choices(self) -> tuple | None:
-        literal = [a for a in _unwrap(self.annotation) if typing.get_origin(a) is Literal]
-        return typing.get_args(literal[0]) if literal else None
+        """The only values allowed, when the setting is a Literal and nothing else (a word beside a
+        number is not a choice: `--metrics-port 9100` and `--metrics-port auto`)."""
+        return None if self._others() else self.words or None
+
+    def _others(self) -> list:
+        return [a for a in _unwrap(self.annotation) if typing.get_origin(a) is not Literal and a is not type(None)]
 
     @property
     def scalar(self) -> type:
-        """The Python type one command-line value parses to (a tuple's items for a tuple)."""
-        for candidate in _unwrap(self.annotation):
-            origin = typing.get_origin(candidate)
-            if origin is tuple:
+        """The Python type one command-line value parses to (a tuple's items for a tuple); a
+        Literal's words are strings unless a number stands beside them."""
+        for candidate in self._others():
+            if typing.get_origin(candidate) is tuple:
                 return _scalar_of(typing.get_args(candidate)[0])
-            if origin is Literal:
-                return str
-            if candidate is not type(None):
-                return _scalar_of(candidate)
+            return _scalar_of(candidate)
+        if self.words:
+            return str
         raise TypeError(f"{self.path}: no scalar type in {self.annotation!r}")
 
     @property
@@ -191,10 +209,49 @@ def _where(loc: tuple) -> str:
     return text
 
 
+_BOUNDS = {"greater_than": "> {gt}", "greater_than_equal": ">= {ge}", "less_than": "< {lt}",
+           "less_than_equal": "<= {le}"}
+_EXPECTED = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
+             "bool_type": "true or false", "string_type": "a string", "tuple_type": "a list"}
+
+
+def _field_loc(root: type, loc: tuple) -> tuple:
+    """`loc` without the tags pydantic adds below a leaf for a union's alternatives
+    (`port.constrained-int`, `port.literal['auto']`): the field's own location."""
+    out, annotation = [], root
+    for part in loc:
+        if isinstance(part, int):  # an item of a list: of sections (`links[0].up_mbit`), or of values
+            out.append(part)
+            lists = [a for a in _unwrap(annotation) if typing.get_origin(a) is tuple]
+            annotation = typing.get_args(lists[0])[0] if lists else None
+            continue
+        sections = [a for a in _unwrap(annotation) if dataclasses.is_dataclass(a)]
+        if sections:  # a field (or an unknown one)
+            out.append(part)
+            annotation = _fields(sections[0]).get(part, (None,))[0]
+    return tuple(out)
+
+
+def _union_error(errors: list[dict], root: type) -> dict:
+    """One error for a value no alternative of a union took: the rule it broke where it had the
+    right type (`must be <= 65535`), else every type it could have had (`expected an integer or
+    'auto'`)."""
+    loc = _field_loc(root, tuple(errors[0]["loc"]))
+    alternatives = [e for e in errors if _field_loc(root, tuple(e["loc"])) == loc]
+    broke = [e for e in alternatives if e["type"] in _BOUNDS or e["type"] in ("value_error", "assertion_error")]
+    if broke:
+        return {**broke[0], "loc": loc}
+    kinds = [_EXPECTED.get(e["type"]) or str((e.get("ctx") or {}).get("expected", e["msg"])) for e in alternatives]
+    return {**errors[0], "loc": loc, "type": "union_type", "expected": " or ".join(dict.fromkeys(kinds))}
+
+
 def explain(error: ValidationError, root: type, section: str = "") -> ConfigError:
     """pydantic's report on validating `root` as one line naming the first bad field, what it
     takes and what it got; `section`: the name the validated object goes by ("runtime", "worker")."""
-    first = error.errors(include_url=False)[0]
+    errors = error.errors(include_url=False)
+    first = errors[0]
+    if _field_loc(root, tuple(first["loc"])) != tuple(first["loc"]):
+        first = _union_error(errors, root)
     loc, kind, value = tuple(first["loc"]), first["type"], first.get("input")
     ctx = first.get("ctx") or {}
     where = _where(((section,) if section else ()) + loc)
@@ -208,14 +265,12 @@ def explain(error: ValidationError, root: type, section: str = "") -> ConfigErro
         return ConfigError(f"{where}: {message}, got {value!r}")
     if kind.startswith("dataclass") or kind in ("dict_type", "model_type"):
         return ConfigError(f"{where}: expected a table, got {value!r}")
-    bound = {"greater_than": "> {gt}", "greater_than_equal": ">= {ge}", "less_than": "< {lt}",
-             "less_than_equal": "<= {le}"}.get(kind)
-    if bound is not None:
+    if kind in _BOUNDS:
         limits = {key: f"{limit:g}" if isinstance(limit, float) else limit for key, limit in ctx.items()}
-        return ConfigError(f"{where}: must be {bound.format(**limits)}, got {value!r}")
-    expected = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
-                "bool_type": "true or false", "string_type": "a string", "tuple_type": "a list",
-                "literal_error": "one of " + str(ctx.get("expected", "")).replace("'", "")}.get(kind)
+        return ConfigError(f"{where}: must be {_BOUNDS[kind].format(**limits)}, got {value!r}")
+    expected = first.get("expected") if kind == "union_type" else _EXPECTED.get(kind)
+    if kind == "literal_error":
+        expected = "one of " + str(ctx.get("expected", "")).replace("'", "")
     if expected is not None:
         return ConfigError(f"{where}: expected {expected}, got {value!r}")
     message = first["msg"]

@@ -7,7 +7,8 @@ import argparse
 from pathlib import Path
 
 from agora.node.demo.options import DemoOptions
-from agora.node.run_flags import add_option_flags, add_run_arguments, check_runtime_flags, run_config
+from agora.node.run_flags import add_run_arguments, check_runtime_flags, run_config
+from agora.pipeline.option_flags import add_option_flags
 
 __all__ = ["add_demo_command"]
 

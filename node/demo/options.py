@@ -10,13 +10,14 @@ from typing import Annotated, Any
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from pydantic.dataclasses import dataclass
 
-from agora.node.run_flags import explicit_settings, options_from_args, setting_flags
-from agora.node.trainer.options import TrainerOptions
+from agora.node.run_flags import explicit_settings, setting_flags
 from agora.node.tracing_options import TracingOptions
+from agora.node.trainer.options import TrainerOptions
 from agora.node.worker.join_options import JoinOptions
 from agora.node.worker.options import WorkerOptions
 from agora.node.worker.watchdog_rules import WatchdogOptions
 from agora.pipeline.config import PRESETS
+from agora.pipeline.option_flags import options_from_args
 from agora.pipeline.schema import SECTION, like, setting
 
 __all__ = ["DemoOptions"]

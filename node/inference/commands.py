@@ -6,10 +6,10 @@ replicas, and a `SwarmGenerator` over them. Their run config is the one the work
 the same checkpoint (`--checkpoint C`, or `--config C`), or the same run flags.
 
 `serve`'s address, model name, API keys and bounds on load are `ServeOptions`, and both commands'
-call deadline is `ClientOptions` (node/inference/options.py); the key file is read before anything
-starts, so a bad one is a one-line error and exit 2. `generate`'s sampling flags are the request's
-parameters, checked by `Sampling` as the HTTP API's are; `--checkpoint` is another name for
-`--config`.
+call deadline and `--checkpoint` (another name for `--config`) are `ClientOptions`
+(node/inference/options.py); the key file is read before anything starts, so a bad one is a
+one-line error and exit 2. `generate`'s length and sampling flags are `GenerateOptions`, the
+request's parameters, with the bounds the HTTP API's requests have.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ import sys
 from typing import Awaitable, Callable, TypeVar
 
 from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
-from agora.node.inference.options import ClientOptions, ServeOptions
+from agora.node.inference.options import ClientOptions, GenerateOptions, ServeOptions
 from agora.node.rpc.server import is_loopback_host
-from agora.node.run_flags import add_option_flags, add_run_arguments, options_from_args, run_config
+from agora.node.run_flags import add_run_arguments, run_config
 from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.pipeline.config import ConfigError
+from agora.pipeline.option_flags import add_option_flags, options_from_args
 
 __all__ = ["add_client_commands", "run_client", "serve_only_config_flags"]
 
@@ -58,10 +59,9 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
     # --seed is the sampling seed here (as in OpenAI's API); the run's seed is --run-seed.
     add_run_arguments(parser, steps_help="the run's --steps (part of its config, hence of its fingerprint)",
                       seed_flag="--run-seed")
-    parser.add_argument("--checkpoint", default=None, metavar="C",
-                        help="the checkpoint the workers serve: its run config (same as --config C)")
     add_swarm_flags(parser)
-    add_option_flags(parser.add_argument_group("client", "how it calls the workers"), ClientOptions)
+    add_option_flags(parser.add_argument_group("client", "the run config it serves, how it calls the workers"),
+                     ClientOptions)
     add_admission_arguments(parser)
 
 
@@ -72,11 +72,8 @@ def add_client_commands(commands) -> None:
                                                "another replica and the output is unchanged.")
     _add_client_arguments(generate)
     generate.add_argument("--prompt", required=True, help="the text to continue")
-    generate.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    generate.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)")
-    generate.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass")
-    generate.add_argument("--seed", dest="sampling_seed", type=int, default=0, metavar="S",
-                          help="sampling seed (default 0; the run's seed is --run-seed)")
+    add_option_flags(generate.add_argument_group("generation", "how long, and how each token is drawn"),
+                     GenerateOptions)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     generate.set_defaults(handler=cmd_generate)
 
@@ -92,13 +89,14 @@ def add_client_commands(commands) -> None:
     serve.set_defaults(handler=cmd_serve)
 
 
-def _client_config(args: argparse.Namespace):
-    if args.checkpoint is not None:
+def _client_config(args: argparse.Namespace, client: ClientOptions):
+    if client.checkpoint is not None:
         if args.config is not None:
             raise ConfigError("--checkpoint and --config both name the run config: give one")
-        args.config = args.checkpoint
+        args.config = client.checkpoint
     swarm = options_from_args(SwarmOptions, args, "swarm")
-    return admit_node(AdmissionOptions.from_args(args), role="client", run_id=swarm.run_id, stage=None,
+    admission_options = options_from_args(AdmissionOptions, args, "admission")
+    return admit_node(admission_options, role="client", run_id=swarm.run_id, stage=None,
                       config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers)
 
 
@@ -158,8 +156,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from agora.pipeline.tokenizer import load_tokenizer
 
     client = options_from_args(ClientOptions, args, "client")
-    admission = _client_config(args)
-    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.sampling_seed).validate()
+    request = options_from_args(GenerateOptions, args, "generate")
+    sampling = Sampling(temperature=request.temperature, top_p=request.top_p, seed=request.seed)
+    admission = _client_config(args, client)
     tokenizer = load_tokenizer(admission.config.data.tokenizer)
     prompt = [int(t) for t in tokenizer.encode(args.prompt)]
 
@@ -167,7 +166,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         outcome = Generation()
         text = TextStream(tokenizer)
         try:
-            async for token in generator.stream(prompt, args.max_new_tokens, sampling, (tokenizer.eos_id,), outcome):
+            async for token in generator.stream(prompt, request.max_new_tokens, sampling, (tokenizer.eos_id,), outcome):
                 delta = text.add(token)
                 if not args.json:
                     sys.stdout.write(delta)
@@ -199,7 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if keys is None and not is_loopback_host(options.host):
         print(f"serve: WARNING: no --api-key-file: anyone who reaches {options.host}:{options.port} can use the API",
               file=sys.stderr, flush=True)
-    admission = _client_config(args)
+    admission = _client_config(args, client)
     from agora.pipeline.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(admission.config.data.tokenizer)

@@ -1,8 +1,8 @@
 """`InferenceOptions`: a worker's bounds on inference sessions; `ServeOptions`: where `agora-node
 serve`'s HTTP API listens, who may use it and how much of it at once; `ClientOptions`: how
-`generate` and `serve` call the workers. Sections of the settings schema (pipeline/schema.py):
-`join`'s, `generate`'s and `serve`'s flags for them come from here. Light: the CLI imports it to build its
-parser, before torch.
+`generate` and `serve` call the workers; `GenerateOptions`: `generate`'s length and sampling.
+Sections of the settings schema (pipeline/schema.py): `join`'s, `generate`'s and `serve`'s flags for
+them come from here. Light: the CLI imports it to build its parser, before torch.
 
 The sessions' attention caches live on the stage's device beside training's state, so their bytes
 are bounded (`max_kv_cache_gib`) and the memory plan counts that budget (pipeline/memory.py). Its
@@ -22,7 +22,7 @@ from agora.pipeline.schema import SECTION, NoneOr, setting
 
 GiB = 2**30
 
-__all__ = ["InferenceOptions", "ClientOptions", "ServeOptions"]
+__all__ = ["InferenceOptions", "ClientOptions", "GenerateOptions", "ServeOptions"]
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -68,9 +68,25 @@ class InferenceOptions:
 
 @dataclass(frozen=True, config=SECTION)
 class ClientOptions:
-    """How `generate` and `serve` call the serving workers."""
+    """How `generate` and `serve` call the serving workers, and the run config they serve."""
 
     call_timeout_s: StrictFloat = setting(30.0, "deadline of one call", flag="--call-timeout", metavar="S", gt=0)
+    checkpoint: StrictStr | None = setting(
+        None, "the checkpoint the workers serve: its run config (same as --config C)", flag="--checkpoint",
+        metavar="C", min_length=1)
+
+
+@dataclass(frozen=True, config=SECTION)
+class GenerateOptions:
+    """`generate`'s request: how long, and how each token is drawn (the bounds the HTTP API's
+    requests have, pipeline/inference.py `Sampling`)."""
+
+    max_new_tokens: StrictInt = setting(64, "tokens to add at most (cut at model.max_seq_len)", flag="--max-new-tokens",
+                                        metavar="N", ge=0)
+    temperature: StrictFloat = setting(0.0, "0: greedy", flag="--temperature", metavar="T", ge=0, le=100)
+    top_p: StrictFloat = setting(1.0, "nucleus sampling mass", flag="--top-p", metavar="P", gt=0, le=1)
+    seed: StrictInt = setting(0, "sampling seed (the run's seed is --run-seed)", flag="--seed", metavar="S",
+                              dest="sampling_seed", ge=0, lt=2**63)
 
 
 @dataclass(frozen=True, config=SECTION)

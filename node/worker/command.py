@@ -22,13 +22,13 @@ from agora.node.admission import (Admission, AdmissionOptions, add_admission_arg
 from agora.node.inference.commands import serve_only_config_flags
 from agora.node.observability import MetricsOptions, add_metrics_arguments
 from agora.node.rpc.server import announced_host
-from agora.node.run_flags import (add_option_flags, add_run_arguments, check_runtime_flags, explicit_settings,
-                                  options_from_args, run_config)
+from agora.node.run_flags import add_run_arguments, check_runtime_flags, explicit_settings, run_config
 from agora.node.swarm_options import SwarmOptions, add_swarm_flags
 from agora.node.worker.join_options import JoinOptions
 from agora.node.worker.options import WorkerOptions
 from agora.node.worker.watchdog_rules import exit_codes_help
 from agora.pipeline.files import hold_folder
+from agora.pipeline.option_flags import add_option_flags, options_from_args
 
 __all__ = ["add_join_command"]
 
@@ -58,11 +58,12 @@ def _cmd_join(args: argparse.Namespace) -> int:
     swarm = options_from_args(SwarmOptions, args, "swarm")
     options = options_from_args(JoinOptions, args, "join", run_id=swarm.run_id)
     worker_options = options_from_args(WorkerOptions, args, "worker")
-    metrics = MetricsOptions.from_args(args)
+    metrics = options_from_args(MetricsOptions, args, "metrics")
+    admission_options = options_from_args(AdmissionOptions, args, "admission")
     if worker_options.port == 0:  # the authorizer's dial-back and then the gRPC server take this port
         worker_options = replace(worker_options, port=free_port(worker_options.host))
     announce = (announced_host(worker_options.host, worker_options.announce_host), worker_options.port)
-    admission = admit_node(AdmissionOptions.from_args(args), role="worker", run_id=swarm.run_id, stage=options.stage,
+    admission = admit_node(admission_options, role="worker", run_id=swarm.run_id, stage=options.stage,
                            config_for=config_chooser(args, run_config), initial_peers=swarm.initial_peers,
                            announce=announce, listen_host=worker_options.host,
                            device=explicit_settings(args).get("runtime.device"))

@@ -46,7 +46,7 @@ from agora.auth.node_state import CREDENTIAL_FILE, NodeCredentials
 from agora.dht import DHTRequestError, SwarmDHT, WorkerRecord, worker_key
 from agora.dht.averaging import AdmissionGate, AveragingAdmission, SliceAverager, round_group_bits
 from agora.dht.bootstrap import main as bootstrap_main
-from agora.dht.bootstrap import run_bootstrap
+from agora.dht.bootstrap import BootstrapOptions, run_bootstrap
 from agora.dht.key_families import MAX_HEARTBEAT_S
 from agora.dht.keys import averaging_prefix, move_key, owned_subkey, rounds_key, trainer_key, units_key
 from agora.dht.records import RoundRecord
@@ -577,7 +577,7 @@ def test_an_admitted_bootstrap_lets_admitted_peers_in_and_no_one_else(mint, tmp_
     ready, stop, out, printed = tmp_path / "boot.ready", threading.Event(), [], io.StringIO()
     boot_dir = mint("operator", "operator")
     thread = threading.Thread(target=lambda: out.append(run_bootstrap(
-        ready_file=str(ready), state_dir=str(boot_dir), stop=stop, out=printed)))
+        BootstrapOptions(ready_file=str(ready), state_dir=str(boot_dir)), stop=stop, out=printed)))
     thread.start()
     try:
         maddrs = eventually(lambda: ready.exists() and ready.read_text().split(), timeout=30, what="the bootstrap")

@@ -7,6 +7,7 @@ real `/metrics` endpoint over HTTP.
 
 from __future__ import annotations
 
+import argparse
 import urllib.request
 
 import grpc
@@ -21,12 +22,14 @@ from agora.monitor.naming import lint
 from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
 from agora.node.averaging.stats import AveragingStats
+from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments
 from agora.node.rpc.metrics_hook import MetricsHook
 from agora.node.rpc.server import run
 from agora.node.trainer.stage_client import RequestRefused, StageClient
 from agora.node.worker.worker import StageWorker, WorkerOptions
-from agora.pipeline.config import PRESETS
+from agora.pipeline.config import PRESETS, ConfigError
 from agora.pipeline.fingerprint import run_fingerprint
+from agora.pipeline.option_flags import options_from_args
 from metric_sets import every_role
 
 pytestmark = pytest.mark.timeout(60)
@@ -92,15 +95,16 @@ def test_a_metrics_endpoint_serves_its_registry_over_http():
     assert lint(families.values()) == []
 
 
-def test_metrics_port_auto_serves_on_a_port_the_system_picks_and_announces_it():
-    import argparse
-
-    from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments
-
+def metrics_flags(*argv: str) -> MetricsOptions:
+    """The metrics options a role's command line gives (the flags generated from `MetricsOptions`)."""
     parser = argparse.ArgumentParser()
     add_metrics_arguments(parser)
-    metrics = NodeMetrics.for_role(MetricsOptions.from_args(parser.parse_args(["--metrics-port", "auto"])),
-                                   role="worker", run_id=RUN, version="1.0", stage=0)
+    return options_from_args(MetricsOptions, parser.parse_args(list(argv)), "metrics")
+
+
+def test_metrics_port_auto_serves_on_a_port_the_system_picks_and_announces_it():
+    metrics = NodeMetrics.for_role(metrics_flags("--metrics-port", "auto"), role="worker", run_id=RUN, version="1.0",
+                                   stage=0)
     try:
         endpoint = metrics.serve()
         host, port = endpoint.rsplit(":", 1)
@@ -109,24 +113,17 @@ def test_metrics_port_auto_serves_on_a_port_the_system_picks_and_announces_it():
         assert "agora_node_info" in page
     finally:
         metrics.close()
-    assert MetricsOptions.from_args(parser.parse_args([])).port == 0  # the default serves nothing
+    assert metrics_flags().port == 0  # the default serves nothing
     with pytest.raises(SystemExit):  # argparse names the flag and the value
-        parser.parse_args(["--metrics-port", "fast"])
+        metrics_flags("--metrics-port", "fast")
 
 
 def test_metrics_file_names_the_endpoint_while_serving_for_a_launcher(tmp_path):
     """A role without a DHT record (bootstrap, authorizer) tells its launcher where it serves: the
     file holds the endpoint once serving and is gone once the server closes."""
-    import argparse
-
-    from agora.node.observability import MetricsOptions, NodeMetrics, add_metrics_arguments
-    from agora.pipeline.config import ConfigError
-
-    parser = argparse.ArgumentParser()
-    add_metrics_arguments(parser)
     path = tmp_path / "bootstrap.metrics"
-    options = MetricsOptions.from_args(parser.parse_args(["--metrics-port", "auto", "--metrics-file", str(path)]))
-    metrics = NodeMetrics.for_role(options, role="bootstrap", run_id=RUN, version="1.0")
+    metrics = NodeMetrics.for_role(metrics_flags("--metrics-port", "auto", "--metrics-file", str(path)),
+                                   role="bootstrap", run_id=RUN, version="1.0")
     assert not path.exists()
     try:
         endpoint = metrics.serve()
@@ -136,10 +133,9 @@ def test_metrics_file_names_the_endpoint_while_serving_for_a_launcher(tmp_path):
     finally:
         metrics.close()
     assert not path.exists()
-    with pytest.raises(ConfigError, match="--metrics-file: needs a metrics server"):
-        MetricsOptions.from_args(parser.parse_args(["--metrics-file", str(path)]))
-    unwritable = MetricsOptions.from_args(parser.parse_args(
-        ["--metrics-port", "auto", "--metrics-file", str(tmp_path / "missing" / "x.metrics")]))
+    with pytest.raises(ConfigError, match="metrics.file: needs a metrics server"):
+        metrics_flags("--metrics-file", str(path))
+    unwritable = metrics_flags("--metrics-port", "auto", "--metrics-file", str(tmp_path / "missing" / "x.metrics"))
     metrics = NodeMetrics.for_role(unwritable, role="bootstrap", run_id=RUN, version="1.0")
     with pytest.raises(ConfigError, match="--metrics-file .*cannot write it"):
         metrics.serve()

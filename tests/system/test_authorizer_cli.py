@@ -122,7 +122,7 @@ def test_help_and_the_ban_commands_start_without_torch_or_hivemind(state_dir):
     (["issue", "--role", "worker", "--out", "{tmp}/w", "--state-dir", "{state}"], "--stage: a worker credential needs"),
     (["issue", "--role", "trainer", "--stage", "0", "--out", "{tmp}/t", "--state-dir", "{state}"],
      "--stage: a trainer credential takes no"),
-    (["serve", "--state-dir", "{tmp}/new", "--run-id", "bad id!"], "--run-id: letters, digits"),
+    (["serve", "--state-dir", "{tmp}/new", "--run-id", "bad id!"], "authorizer.run_id: letters, digits"),
     (["serve", "--state-dir", "{tmp}/new2"], "give --run-id"),
     (["serve", "--state-dir", "{state}", "--min-ram-gb", "-1"], "authorizer.floors.min_ram_gb: must be >= 0, got -1"),
 ])

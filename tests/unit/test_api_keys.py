@@ -10,8 +10,8 @@ import pytest
 
 from agora.node.inference.api_keys import load_api_keys, parse_api_keys
 from agora.node.inference.options import ServeOptions
-from agora.node.run_flags import add_option_flags, options_from_args
 from agora.pipeline.config import ConfigError
+from agora.pipeline.option_flags import add_option_flags, options_from_args
 
 ALICE = "3f9c0a7e5b1d4c2a8e6f0b9d7c5a3e1f"
 BOB = "sk-team-b-7d2e9a4c1f8b6e3d0a5c"

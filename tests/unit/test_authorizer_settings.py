@@ -12,7 +12,7 @@ from agora.auth.policy import Floors
 from agora.auth.settings import OPEN_ROLES, AuthorizerSettings
 from agora.node.authorizer import LOCAL_RUN_FLAGS
 from agora.node.cli import build_parser, main
-from agora.node.run_flags import options_from_args
+from agora.pipeline.option_flags import options_from_args
 from agora.pipeline.schema import ConfigError, leaves
 
 SERVE = ["authorizer", "serve", "--state-dir", "unused"]

@@ -235,8 +235,8 @@ def test_config_show_prints_a_file_that_loads_back_with_each_source(tmp_path, ca
 def test_pinned_weights_reach_the_worker_and_the_demo_hands_them_on():
     from agora.node.cli import build_parser
     from agora.node.demo.demo import DemoOptions
-    from agora.node.run_flags import options_from_args
     from agora.node.worker.worker import WorkerOptions
+    from agora.pipeline.option_flags import options_from_args
 
     def options_of(*argv):
         return options_from_args(WorkerOptions, build_parser().parse_args(["join", "--stage", "0", *argv]), "worker")
@@ -257,8 +257,8 @@ def test_role_options_come_from_their_sections_and_are_checked_before_anything_s
     demo's rules across its options (one route for --sync) hold on the command line."""
     from agora.node.cli import build_parser, main
     from agora.node.demo.demo import DemoOptions
-    from agora.node.run_flags import options_from_args
     from agora.node.trainer.options import TrainerOptions
+    from agora.pipeline.option_flags import options_from_args
 
     def trainer(*argv):
         return options_from_args(TrainerOptions, build_parser().parse_args(["trainer", *argv]), "trainer", run_id="r")

@@ -13,12 +13,12 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from agora.node.cli import build_parser
 from agora.node.demo.options import DemoOptions
 from agora.node.rpc.tracing import hop_attributes, job_attributes, sampled, with_trace_context
-from agora.node.run_flags import options_from_args
-from agora.node.trainer.options import TrainerOptions
-from agora.node.trainer.traces import MicrobatchTraces
 from agora.node.tracing_export import start_tracing, traced_calls
 from agora.node.tracing_options import DEFAULT_TRACE_SAMPLE, TracingOptions
+from agora.node.trainer.options import TrainerOptions
+from agora.node.trainer.traces import MicrobatchTraces
 from agora.node.worker.options import WorkerOptions
+from agora.pipeline.option_flags import options_from_args
 from agora.pipeline.schema import ConfigError
 from counting_tracer import CountingTracer
 

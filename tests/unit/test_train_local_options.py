@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from agora.node.cli import build_parser, main
-from agora.node.run_flags import options_from_args
 from agora.node.trainer.options import TrainerOptions, TrainLocalOptions
+from agora.pipeline.option_flags import options_from_args
 from agora.pipeline.schema import leaves
 
 

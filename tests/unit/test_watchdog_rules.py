@@ -9,9 +9,9 @@ import pytest
 
 from agora.node.cli import build_parser
 from agora.node.demo.options import DemoOptions
-from agora.node.run_flags import options_from_args
 from agora.node.worker.options import WorkerOptions
 from agora.node.worker.watchdog import Watchdog
+from agora.pipeline.option_flags import options_from_args
 from agora.node.worker.watchdog_rules import (EXIT_CODES, RULES, WatchdogOptions, WatchdogSample, exit_codes_help,
                                               first_tripped)
 from agora.pipeline.schema import ConfigError, checked
