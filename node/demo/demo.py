@@ -33,6 +33,7 @@ from agora.node.authorizer import LOCAL_RUN_FLAGS, issue_credential
 from agora.node.demo.launcher import warm_up
 from agora.node.demo.processes import ChildFailed, ChildProcess, Placement, ProcessGroup, agora_node_command
 from agora.node.demo.chaos import Chaos, ChaosEvent
+from agora.node.demo.stall import StallWatch, report_stall
 from agora.node.demo.summary import build_summary, churn_summary, format_summary, latest_per_trainer, merge_logs
 from agora.node.progress import Progress
 from agora.node.demo.options import DemoOptions
@@ -160,8 +161,11 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
         logger.info("swarm up in %.1f s: %d workers, %d trainers", time.monotonic() - started, len(workers),
                     len(trainers))
 
+        stall = StallWatch()
         while any(t.alive() for t in trainers):
             lines = merge_logs(trainer_logs)
+            if stall.stalled(len(lines)):
+                report_stall(group.children, len(lines), stall.after_s)
             if live_log is not None:
                 live_log.write(trainer_logs)
             if options.kill_worker_at is not None and not killed and len(lines) >= options.kill_worker_at:
