@@ -81,13 +81,15 @@ OPTIONS = WorkerOptions(max_message_bytes=MESSAGE_LIMIT, max_stream_bytes=STREAM
 CLEAN = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
          grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND,
          grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNAUTHENTICATED}
-UNARY = ("Forward", "Backward", "Step", "Abort", "Info", "Prefill", "Decode", "CloseSession", "DeliverReceipt")
+UNARY = ("Forward", "Backward", "Step", "Abort", "Info", "Prefill", "Decode", "CloseSession", "DeliverReceipt",
+         "DeliverAttestation")
 STREAMING = ("ForwardStream", "BackwardStream")
 REQUEST_OF = {"Forward": stage_pb2.ForwardRequest, "Backward": stage_pb2.BackwardRequest,
               "Step": stage_pb2.StepRequest, "Abort": stage_pb2.AbortRequest, "Info": stage_pb2.InfoRequest,
               "ForwardStream": stage_pb2.ForwardRequest, "BackwardStream": stage_pb2.BackwardRequest,
               "Prefill": stage_pb2.InferRequest, "Decode": stage_pb2.InferRequest,
-              "CloseSession": stage_pb2.CloseSessionRequest, "DeliverReceipt": stage_pb2.ReceiptDelivery}
+              "CloseSession": stage_pb2.CloseSessionRequest, "DeliverReceipt": stage_pb2.ReceiptDelivery,
+              "DeliverAttestation": stage_pb2.AttestationDelivery}
 
 
 def budget(examples: int):
