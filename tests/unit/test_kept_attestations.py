@@ -2,7 +2,7 @@
 worker of its own stage attests it in a round near its own count, once per attester and round; refused
 otherwise with a reason, a status and a count; said in a log line at most every few seconds; stored
 append-only beside the receipts and exported in the ledger's form, which verifies against the root alone
-and counts each round once however many members attest it."""
+and counts each round once however many members attest it. And whom a worker attests after a round."""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ from agora.auth.keys import generate_key, peer_id_of
 from agora.auth.receipts import Receipt, sign_receipt
 from agora.auth.round_attestations import RoundAttestation, attestation_to_json, sign_attestation
 from agora.auth.signed_statements import StatementError
+from agora.dht.averaging import RoundResult
 from agora.monitor.attested_rounds import verify_attestations
 from agora.monitor.ledger import verify_export
 from agora.monitor.metrics import sample_value
 from agora.monitor.worker_metrics import WorkerMetrics
+from agora.node.averaging.round_attestations import attested_members
 from agora.node.rpc.auth_check import Caller
 from agora.node.worker.attestations import (LOG_EVERY_S, MAX_ATTESTATION_BYTES, MAX_IN_FLIGHT_PER_CALLER,
                                             ROUND_WINDOW, AttestationService, KeptAttestations)
@@ -239,3 +241,11 @@ def test_an_export_with_a_changed_total_a_repeated_or_a_self_attested_entry_is_r
             verify_attestations(changed, verifier)
         assert refused.value.reason == reason and str(refused.value).startswith(names)
     assert verify_attestations({"receipts": []}, verifier) == []  # an export without attestations: no rounds
+
+
+def test_a_committed_round_attests_its_other_members_that_brought_weight():
+    result = RoundResult("committed", 5, None, participants=("me", "a", "syncing", "b"), weights=(1.0, 3.0, 0.0, 1.0))
+    assert attested_members(result, "me") == ["a", "b"]  # a replica still syncing (weight 0) is not attested
+    assert attested_members(dataclasses.replace(result, weights=()), "me") == ["a", "syncing", "b"]
+    for outcome in ("alone", "failed", "rejected", "cancelled"):
+        assert attested_members(dataclasses.replace(result, outcome=outcome), "me") == []
