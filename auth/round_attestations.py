@@ -79,7 +79,8 @@ def attestation_problem(attestation: RoundAttestation) -> Optional[str]:
     """None when every field is within bounds, else one line naming the field."""
     problems = (run_id_problem(attestation.run_id), count_problem("stage", attestation.stage),
                 count_problem("round", attestation.round), peer_id_problem("attester", attestation.attester),
-                peer_id_problem("attested", attestation.attested), time_problem("completed_at", attestation.completed_at))
+                peer_id_problem("attested", attestation.attested),
+                time_problem("completed_at", attestation.completed_at))
     return next((problem for problem in problems if problem is not None), None)
 
 

@@ -88,9 +88,9 @@ def _cmd_ledger_verify(args: argparse.Namespace) -> int:
         print(f"  {entry.worker}  {entry.tokens} tokens  {entry.microbatches} microbatches  "
               f"{entry.receipts} receipts{flagged}")
     for entry in rounds:
-        print(f"  {entry.worker}  {entry.rounds} averaging rounds attested by other members (stages "
-              f"{', '.join(map(str, entry.stages))}; {entry.attestations} attestations from {len(entry.attesters)} "
-              "members)")
+        print(f"  {entry.worker}  {entry.rounds} averaging rounds attested by other members (stage "
+              f"{', '.join(map(str, entry.stages))}; {entry.attestations} attestations by "
+              f"{len(entry.attesters)} of them)")
     return 0
 
 

@@ -11,9 +11,10 @@ Design choices:
 - **Who is attested**: the round's other members as the group agreed on them (`participants`: the
   libp2p peer ids the averaging admission bound to each member's worker credential, so the peer
   ids their credentials and DHT records carry), each with a positive agreed weight: a member that
-  brought nothing to the round (weight 0: a replica still syncing its state) is not attested. Only a `committed` round: one alone, failed, rejected or cancelled attests nothing. A
-  committed round whose result was not applied (a quorum not met, nothing to change) still counts:
-  the members took part in it.
+  brought nothing to the round (weight 0: a replica still syncing its state) is not attested.
+  Only a `committed` round: one alone, failed, rejected or cancelled attests nothing. A committed
+  round whose result was not applied (a quorum not met, nothing to change) still counts: the
+  members took part in it.
 - **In the background, best effort**: the round observer (`AveragingLoop.round_observers`, on the
   event loop) only starts a task; the signatures (one RSA signature per member) run on a thread,
   each delivery is one call under `timeout_s`, and at most `max_pending` rounds are on their way:
@@ -111,11 +112,12 @@ class RoundAttester:
     async def _attest(self, round_number: int, members: list[str]) -> None:
         try:
             signed = await asyncio.to_thread(self._sign, round_number, members)
-            endpoints = await self._endpoints_of(members)
-            await asyncio.gather(*(self._deliver(one, endpoints.get(one.attestation.attested)) for one in signed))
-        except Exception as error:  # noqa: BLE001 - a background attestation must never break the averaging loop
+        except Exception as error:  # noqa: BLE001 - e.g. an unreadable credential: this round goes unattested
             for _ in members:
-                self._outcome("failed", f"round {round_number}: {type(error).__name__}: {error}")
+                self._outcome("failed", f"round {round_number}: cannot sign: {type(error).__name__}: {error}")
+            return
+        endpoints = await self._endpoints_of(members)
+        await asyncio.gather(*(self._deliver(one, endpoints.get(one.attestation.attested)) for one in signed))
 
     def _sign(self, round_number: int, members: list[str]) -> list[SignedAttestation]:
         chain, _ = self.credentials.current()  # re-read: the credential is renewed
@@ -151,6 +153,8 @@ class RoundAttester:
             outcome = "duplicate" if code == grpc.StatusCode.ALREADY_EXISTS else \
                 "failed" if code in _FAILED else "refused"
             self._outcome(outcome, f"member {member[:16]}.. at {endpoint}: {code.name}: {error.details()}")
+        except Exception as error:  # noqa: BLE001 - a background delivery must never break the averaging loop
+            self._outcome("failed", f"member {member[:16]}.. at {endpoint}: {type(error).__name__}: {error}")
         else:
             self._outcome("kept")
 

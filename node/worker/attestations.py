@@ -26,10 +26,10 @@ Design choices:
   them by `agora-node ledger export` and checked by `ledger verify`.
 - **Refused with the reason**, counted by it (`agora_worker_round_attestations_refused_total{reason}`),
   the status as for receipts (node/worker/receipts.py `refusal_code`: INVALID_ARGUMENT for what is
-  wrong with the attestation, self_attested and far_round included, PERMISSION_DENIED for who signed
-  or carried it, wrong_stage included, ALREADY_EXISTS for a duplicate, FAILED_PRECONDITION with no root
-  to verify against: --insecure, nothing is kept) and RESOURCE_EXHAUSTED for `busy`. The first refusal of each reason is a warning,
-  the rest debug lines; the worker serves on.
+  wrong with the attestation, self_attested and far_round included, PERMISSION_DENIED for who
+  signed or carried it, wrong_stage included, ALREADY_EXISTS for a duplicate, FAILED_PRECONDITION
+  with no root to verify against: --insecure, nothing is kept) and RESOURCE_EXHAUSTED for `busy`.
+  The first refusal of each reason is a warning, the rest debug lines; the worker serves on.
 - **The contributor's view**: a log line when a round is first attested, at most one every
   `LOG_EVERY_S` (the rounds newly attested since the last line, in one line: a round can come every
   step), and `agora_worker_attested_rounds_total` (each stage and round once) beside
@@ -212,9 +212,10 @@ class AttestationService:
         span = f"round {rounds[0]}" if len(rounds) == 1 else f"{len(rounds)} rounds ({rounds[0]}..{rounds[-1]})"
         every, attestations, members = totals
         self._logger.info(
-            "attestations: %s of stage %d attested by %s; all kept: %d rounds attested (%d attestations from %d "
-            "members)", span, self.stage, ", ".join(f"{peer[:12]}.." for peer in attesters), every, attestations,
-            members, extra={"milestone": "rounds_attested", "fields": {
+            "attestations: %s of stage %d attested by %s; all kept: %s attested (%s from %s)", span, self.stage,
+            ", ".join(f"{peer[:12]}.." for peer in attesters), _counted(every, "round"),
+            _counted(attestations, "attestation"), _counted(members, "member"),
+            extra={"milestone": "rounds_attested", "fields": {
                 "stage": self.stage, "rounds": rounds, "attesters": attesters, "total_rounds": every,
                 "total_attestations": attestations, "total_attesters": members}})
 
@@ -223,3 +224,8 @@ class AttestationService:
         if self.kept is not None:
             self._log_kept(self.kept.totals(), now=math.inf)
             self.kept.close()
+
+
+def _counted(count: int, noun: str) -> str:
+    """(1, "round") -> "1 round"; (3, "round") -> "3 rounds"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"

@@ -117,7 +117,7 @@ def test_attested_rounds_are_kept_counted_once_each_and_said_at_most_every_few_s
     assert (last.rounds, last.attestations, last.attesters) == (3, 5, 2)
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == (f"attestations: round 97 of stage {STAGE} attested by {world.a.peer_id[:12]}..; "
-                        "all kept: 1 rounds attested (1 attestations from 1 members)")
+                        "all kept: 1 round attested (1 attestation from 1 member)")
     assert lines[1].startswith(f"attestations: 2 rounds (98..99) of stage {STAGE} attested by {world.a.peer_id[:12]}")
     assert lines[1].endswith("all kept: 3 rounds attested (5 attestations from 2 members)")
     assert lines[2].startswith("attestations: round 100 of stage") and len(lines) == 3
