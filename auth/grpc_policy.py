@@ -24,6 +24,11 @@ Design choices:
   is open to a trainer and an operator, the roles that sign receipts (a worker cannot vouch for
   itself, nor fill another's store); the handler further verifies the receipt itself, bounds its
   size and keeps each one once (node/worker/receipts.py).
+- DeliverAttestation (a member of an averaging round hands another the attestation it signed that
+  they completed the round together, auth/round_attestations.py) is open to a worker alone, the
+  role that takes part in rounds; the handler further holds the caller to its own stage (only the
+  stage's replicas average together), verifies the attestation itself, bounds its size, the
+  caller's deliveries in flight and the round, and keeps each one once (node/worker/attestations.py).
 - The run fingerprint (pipeline/fingerprint.py) travels in the ``agora-run-fingerprint``
   metadata of every Stage request, also under ``--insecure``: a peer started with another seed or
   config is refused at the call, naming the field, instead of computing garbage. Health and
@@ -39,6 +44,7 @@ from typing import Mapping, Optional
 
 from agora.auth.credentials import ROLES
 from agora.auth.receipts import RECEIPT_ROLES
+from agora.auth.round_attestations import ATTESTATION_ROLES
 
 __all__ = [
     "FINGERPRINT_METADATA",
@@ -75,6 +81,7 @@ _READ_ONLY = MethodRule(frozenset(ROLES), fingerprint=True)
 _STATE = MethodRule(frozenset({"worker", "operator"}), fingerprint=True)
 _PROBE = MethodRule(frozenset(ROLES), fingerprint=False)
 _RECEIPT = MethodRule(frozenset(RECEIPT_ROLES), fingerprint=True)
+_ATTESTATION = MethodRule(frozenset(ATTESTATION_ROLES), fingerprint=True)
 
 # service -> method (or "*") -> rule. Read-only views: the table is a constant.
 NODE_POLICY: Mapping[str, Mapping[str, MethodRule]] = MappingProxyType({
@@ -91,6 +98,7 @@ NODE_POLICY: Mapping[str, Mapping[str, MethodRule]] = MappingProxyType({
         "CloseSession": _INFERENCE,
         "DownloadState": _STATE,
         "DeliverReceipt": _RECEIPT,
+        "DeliverAttestation": _ATTESTATION,
     }),
     HEALTH_SERVICE: MappingProxyType({_ANY_SERVICE_METHOD: _PROBE}),
     **{name: MappingProxyType({_ANY_SERVICE_METHOD: _PROBE}) for name in REFLECTION_SERVICES},

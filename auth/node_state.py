@@ -8,8 +8,9 @@ Layout of ``--state-dir`` (every file written atomically; secrets 0600):
     root.pem          the run's root CA, whose fingerprint the node pinned
     run.json          what the authorizer told the node: run id, role, stage, the run config,
                       the bootstrap peers, the authorizer's address and the root fingerprint
-    receipts.sqlite   a worker's: the receipts trainers delivered for its work, verified and kept
-                      (node/worker/receipts.py; `agora-node ledger export` writes them out)
+    receipts.sqlite   a worker's: the receipts trainers delivered for its work and the attestations
+                      of its averaging rounds by their other members, verified and kept
+                      (node/worker/receipts.py, attestations.py; `agora-node ledger export`)
 
 The directory is the one place where a renewed credential appears. Every consumer re-reads it
 when it changes (``NodeCredentials.current`` compares the file's mtime and size): the gRPC

@@ -41,7 +41,7 @@ from agora.auth.receipts import (RECEIPT_REFUSALS, Receipt, ReceiptError, Signed
                                  receipt_to_json, verify_receipt)
 
 __all__ = ["LEDGER_VERSION", "Contributor", "LedgerMetrics", "ReceiptLedger", "ReceiptTable", "ServedCount",
-           "StoredReceipt", "contributors", "overclaim", "verify_export"]
+           "StoredReceipt", "contributors", "open_append_only", "overclaim", "verify_export"]
 
 LEDGER_VERSION = "agora-ledger-v1"
 
@@ -49,10 +49,6 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS receipts (
     id INTEGER PRIMARY KEY AUTOINCREMENT, trainer TEXT NOT NULL, worker TEXT NOT NULL, stage INTEGER NOT NULL,
     interval_start REAL NOT NULL, interval_end REAL NOT NULL, microbatches INTEGER NOT NULL, tokens INTEGER NOT NULL,
     received_at REAL NOT NULL, flag TEXT NOT NULL, body TEXT NOT NULL, UNIQUE (trainer, worker, interval_start))"""
-_APPEND_ONLY = ["CREATE TRIGGER IF NOT EXISTS receipts_never_updated BEFORE UPDATE ON receipts "
-                "BEGIN SELECT RAISE(ABORT, 'the ledger is append-only'); END",
-                "CREATE TRIGGER IF NOT EXISTS receipts_never_deleted BEFORE DELETE ON receipts "
-                "BEGIN SELECT RAISE(ABORT, 'the ledger is append-only'); END"]
 _ROW = "trainer, worker, stage, interval_start, interval_end, microbatches, tokens, received_at, flag"
 
 
@@ -133,6 +129,22 @@ def contributors(rows: Iterable[StoredReceipt]) -> list[Contributor]:
     return sorted(by_worker.values(), key=lambda c: (-c.tokens, c.worker))
 
 
+def open_append_only(path: Path, schema: str, table: str, *, read_only: bool = False) -> sqlite3.Connection:
+    """A connection to the sqlite file at ``path`` holding ``table`` (created by ``schema``), whose
+    triggers abort every UPDATE and DELETE of its rows. ``read_only``: the file must exist, nothing is
+    created or changed (a reader while another process appends). One file may hold several such tables,
+    each opened on a connection of its own (a worker's receipts and round attestations)."""
+    if read_only:
+        return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(schema)
+    for event, name in (("UPDATE", "updated"), ("DELETE", "deleted")):
+        db.execute(f"CREATE TRIGGER IF NOT EXISTS {table}_never_{name} BEFORE {event} ON {table} "
+                   "BEGIN SELECT RAISE(ABORT, 'the ledger is append-only'); END")
+    return db
+
+
 class ReceiptTable:
     """The append-only ``receipts`` table of one sqlite file (module docstring): the monitor's ledger and
     a worker's own copy of its receipts (node/worker/receipts.py) are each one. It stores what it is
@@ -144,14 +156,7 @@ class ReceiptTable:
         self.path = Path(path)
         self._clock = clock
         self._lock = threading.Lock()
-        if read_only:
-            self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
-            return
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(_SCHEMA)
-        for trigger in _APPEND_ONLY:
-            self._db.execute(trigger)
+        self._db = open_append_only(self.path, _SCHEMA, "receipts", read_only=read_only)
 
     def append(self, signed: SignedReceipt, served: Optional[ServedCount] = None) -> StoredReceipt:
         """Store ``signed`` (flagged when it brings its trainer's claims above ``served``, ``overclaim``);

@@ -19,7 +19,10 @@ Design choices:
   when): a contributor's own account of its share, and the figure the ledger holds the trainers'
   receipts to (monitor/ledger.py). What the trainers' receipts delivered to it vouch for
   (node/worker/receipts.py): microbatches and tokens by trainer, verified and kept since this
-  process started, and the receipts it refused, by reason.
+  process started, and the receipts it refused, by reason. The averaging rounds the other members
+  of its rounds attest (node/worker/attestations.py): rounds newly attested (each stage and round
+  once) and attestations kept since this process started, those refused by reason, and how its own
+  attestations of the others fared on their way (node/averaging/round_attestations.py).
 - Durations are histograms; buckets cover a CPU microbatch (milliseconds) to a slow 8B stage
   (tens of seconds).
 """
@@ -34,10 +37,14 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from agora.auth.receipts import KEPT_REFUSALS
+from agora.auth.round_attestations import KEPT_ATTESTATION_REFUSALS
 
-__all__ = ["DURATION_BUCKETS", "MAX_SERVED_TRAINERS", "RpcServerMetrics", "WorkerMetrics"]
+__all__ = ["ATTESTATION_DELIVERIES", "DURATION_BUCKETS", "MAX_SERVED_TRAINERS", "RpcServerMetrics", "WorkerMetrics"]
 
 MAX_SERVED_TRAINERS = 64  # trainers are operator-issued: a handful per run
+# How a worker's attestation of another member's round fared: kept by it, already kept (a retry), refused
+# (its reason), not delivered (unreachable, the deadline), or no endpoint known for it.
+ATTESTATION_DELIVERIES = ("kept", "duplicate", "refused", "failed", "no_route")
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -121,6 +128,21 @@ class WorkerMetrics:
                                         "refused, by reason", ["reason"], registry=registry)
         for reason in KEPT_REFUSALS:
             self.receipts_refused.labels(reason=reason)
+        self.attested_rounds = Counter("agora_worker_attested_rounds", "Averaging rounds of this worker that another "
+                                       "member of the round attests, verified and kept (each stage and round once)",
+                                       registry=registry)
+        self.round_attestations = Counter("agora_worker_round_attestations", "Round attestations other members "
+                                          "delivered to this worker, verified and kept", registry=registry)
+        self.round_attestations_refused = Counter("agora_worker_round_attestations_refused", "Round attestations "
+                                                  "delivered to this worker and refused, by reason", ["reason"],
+                                                  registry=registry)
+        for reason in KEPT_ATTESTATION_REFUSALS:
+            self.round_attestations_refused.labels(reason=reason)
+        self.attestation_deliveries = Counter("agora_worker_round_attestation_deliveries", "This worker's "
+                                              "attestations of the other members of its rounds, by how their "
+                                              "delivery ended", ["outcome"], registry=registry)
+        for outcome in ATTESTATION_DELIVERIES:
+            self.attestation_deliveries.labels(outcome=outcome)
         self._registry = registry
 
     def _trainer_label(self, trainer: str) -> str:
@@ -151,6 +173,18 @@ class WorkerMetrics:
 
     def receipt_refused(self, reason: str) -> None:
         self.receipts_refused.labels(reason=reason).inc()
+
+    def attestation_kept(self, new_round: bool) -> None:
+        """A round attestation for this worker, verified and kept; `new_round`: the first of its round."""
+        self.round_attestations.inc()
+        if new_round:
+            self.attested_rounds.inc()
+
+    def attestation_refused(self, reason: str) -> None:
+        self.round_attestations_refused.labels(reason=reason).inc()
+
+    def attestation_delivered(self, outcome: str) -> None:
+        self.attestation_deliveries.labels(outcome=outcome).inc()
 
     def watchdog_tripped(self, rule: str) -> None:
         self.watchdog_trips.labels(reason=rule).inc()

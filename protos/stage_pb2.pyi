@@ -246,6 +246,22 @@ class ReceiptKept(_message.Message):
     tokens: int
     def __init__(self, receipts: _Optional[int] = ..., microbatches: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
+class AttestationDelivery(_message.Message):
+    __slots__ = ("attestation",)
+    ATTESTATION_FIELD_NUMBER: _ClassVar[int]
+    attestation: str
+    def __init__(self, attestation: _Optional[str] = ...) -> None: ...
+
+class AttestationKept(_message.Message):
+    __slots__ = ("rounds", "attestations", "attesters")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ATTESTATIONS_FIELD_NUMBER: _ClassVar[int]
+    ATTESTERS_FIELD_NUMBER: _ClassVar[int]
+    rounds: int
+    attestations: int
+    attesters: int
+    def __init__(self, rounds: _Optional[int] = ..., attestations: _Optional[int] = ..., attesters: _Optional[int] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

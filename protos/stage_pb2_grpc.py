@@ -94,6 +94,11 @@ class StageStub:
                 request_serializer=agora_dot_protos_dot_stage__pb2.ReceiptDelivery.SerializeToString,
                 response_deserializer=agora_dot_protos_dot_stage__pb2.ReceiptKept.FromString,
                 _registered_method=True)
+        self.DeliverAttestation = channel.unary_unary(
+                '/agora.v1.Stage/DeliverAttestation',
+                request_serializer=agora_dot_protos_dot_stage__pb2.AttestationDelivery.SerializeToString,
+                response_deserializer=agora_dot_protos_dot_stage__pb2.AttestationKept.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -200,6 +205,22 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeliverAttestation(self, request, context):
+        """Round attestations: another member of an averaging round of this worker's stage hands it the
+        attestation it signed that this worker completed the round with it (agora.auth.round_attestations:
+        run, stage, round, attester, attested, completed_at, the attester's credential chain and its
+        signature). The worker verifies it against the run's root and keeps it beside its receipts, so
+        a contributor holds the proof of the rounds it joined. Only a worker credential of this stage may
+        call it; an attestation that does not verify, names another worker or stage, attests its own
+        signer, names a round far from this worker's own count or repeats one kept is refused with the
+        reason (INVALID_ARGUMENT, PERMISSION_DENIED, ALREADY_EXISTS); a caller with too many in flight
+        gets RESOURCE_EXHAUSTED; a worker without a root (--insecure) answers FAILED_PRECONDITION.
+        Best effort for the attester: averaging and training never wait on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -262,6 +283,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.DeliverReceipt,
                     request_deserializer=agora_dot_protos_dot_stage__pb2.ReceiptDelivery.FromString,
                     response_serializer=agora_dot_protos_dot_stage__pb2.ReceiptKept.SerializeToString,
+            ),
+            'DeliverAttestation': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeliverAttestation,
+                    request_deserializer=agora_dot_protos_dot_stage__pb2.AttestationDelivery.FromString,
+                    response_serializer=agora_dot_protos_dot_stage__pb2.AttestationKept.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -588,6 +614,33 @@ class Stage:
             '/agora.v1.Stage/DeliverReceipt',
             agora_dot_protos_dot_stage__pb2.ReceiptDelivery.SerializeToString,
             agora_dot_protos_dot_stage__pb2.ReceiptKept.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeliverAttestation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agora.v1.Stage/DeliverAttestation',
+            agora_dot_protos_dot_stage__pb2.AttestationDelivery.SerializeToString,
+            agora_dot_protos_dot_stage__pb2.AttestationKept.FromString,
             options,
             channel_credentials,
             insecure,

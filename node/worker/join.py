@@ -15,7 +15,9 @@ A kill -9 needs nobody's cooperation: the record expires after ~3 missed heartbe
 reroute. With `--checkpoint-dir` holding a checkpoint of the same stage, the worker resumes it.
 Unless the run's `sync.method` is "none" (or the worker is in synchronous mode, one replica per
 stage), it averages with the other replicas of its stage in the background (node/averaging/loop.py)
-and, with `--stats-file`, writes the averaging counters there as JSON when it leaves.
+and, with `--stats-file`, writes the averaging counters there as JSON when it leaves. An admitted
+worker attests the other members of each round it completes and keeps their attestations of it
+(node/averaging/round_attestations.py, node/worker/attestations.py).
 With `--metrics-port` it serves Prometheus metrics (worker, gRPC, averaging, credential; see
 monitor/) and names the endpoint in its DHT record, with its averaging counts.
 A replica that joins a stage whose members are ahead of it goes through the sync phases first
@@ -51,6 +53,7 @@ from agora.monitor.metrics import CredentialMetrics
 from agora.monitor.weight_sync_metrics import WeightSyncMetrics
 from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
 from agora.node.averaging.loop import AveragingLoop
+from agora.node.averaging.round_attestations import attest_rounds
 from agora.node.averaging.sparta import (
     SlicePartition,
     averaged_vector_size,
@@ -220,6 +223,10 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
                 averaging_state = downloaded.tree.get("averaging")
         if averager is not None:
             averaging = _averaging_loop(worker, averager, swarm, config, options, stats, averaging_state)
+            if credentials is not None:  # its rounds, attested by their other members (nothing under --insecure)
+                attester = attest_rounds(worker, averaging, credentials, lambda: swarm.live_workers_async(
+                    options.run_id, options.stage), worker_metrics)
+                stack.push_async_callback(attester.close)  # after the loop stops: its last round is attested too
             await averaging.start()
             stack.push_async_callback(averaging.stop)
         if worker.state_donor is not None:

@@ -40,6 +40,9 @@ Design choices:
 - Receipts: a trainer hands the worker its signed receipt for each interval (DeliverReceipt); with
   credentials the worker verifies it against the run's root and keeps it in `receipts.sqlite` in its
   state dir (node/worker/receipts.py), under --insecure it refuses it (nothing to verify against).
+  The same for the attestations the other members of its averaging rounds sign for it
+  (DeliverAttestation, node/worker/attestations.py; `attestations.rounds` is set by whoever runs
+  its averaging loop: until then it refuses them).
 - The announced address (`address`, what join puts in the DHT record) is `announce_host` when
   given, else the bound host, and never a wildcard (node/rpc/server.announced_host).
 """
@@ -77,6 +80,7 @@ from agora.node.worker.flow import Credits, FlowControl
 from agora.node.worker.unit_holders import UnitHolders
 from agora.node.worker.work_gate import WorkGate
 from agora.node.worker.options import WorkerOptions
+from agora.node.worker.attestations import AttestationService, KeptAttestations
 from agora.node.worker.receipts import RECEIPTS_FILE, KeptReceipts, ReceiptService
 from agora.node.worker.service import StageService
 from agora.node.replica.stash import ForwardStash
@@ -88,6 +92,7 @@ from agora.pipeline.config import ConfigError, RunConfig
 from agora.pipeline.fingerprint import RunFingerprint, run_fingerprint
 from agora.pipeline.wire_scale import WireScale
 from agora.protos.stage_adapter import SERVICE_NAME, InfoReply, add_stage_service
+from agora.protos.attestation_adapter import attestation_method_handlers
 from agora.protos.receipt_adapter import receipt_method_handlers
 from agora.protos.state_adapter import state_method_handlers
 
@@ -156,6 +161,8 @@ class StageWorker:
         self.state_donor: StateDonor | None = None
         # Keeps the receipts trainers deliver for this worker's work (DeliverReceipt); built at start.
         self.receipts: ReceiptService | None = None
+        # Keeps the attestations of the averaging rounds it joined (DeliverAttestation); built at start.
+        self.attestations: AttestationService | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -268,11 +275,14 @@ class StageWorker:
             self.state_donor = StateDonor(self, max_downloads=self.options.max_state_downloads,
                                           chunk_bytes=self.options.stream_chunk_bytes, clock=self._clock)
         self.receipts = ReceiptService(self._open_receipts(), metrics=self._metrics, logger=self._logger)
+        self.attestations = AttestationService(self._open_attestations(), stage=self.stage_index,
+                                               metrics=self._metrics, logger=self._logger)
         add_stage_service(server, self._service, max_stream_bytes=self.options.max_stream_bytes,
                           chunk_bytes=self.options.stream_chunk_bytes, stream_timeout_s=self.options.stream_timeout_s,
                           inference=self._inference,
                           extra={**(state_method_handlers(self.state_donor) if self.state_donor is not None else {}),
-                                 **receipt_method_handlers(self.receipts)})
+                                 **receipt_method_handlers(self.receipts),
+                                 **attestation_method_handlers(self.attestations)})
         self._health = add_health_and_reflection(server, [SERVICE_NAME])
         tls = server_credentials(self.credentials) if self.credentials is not None else None
         self._announced_host = announced_host(self.options.host, self.options.announce_host)
@@ -299,6 +309,15 @@ class StageWorker:
             return None
         verifier = CredentialVerifier(self.credentials.root_pem(), self.run_id, clock=time.time)
         return KeptReceipts(self.credentials.directory / RECEIPTS_FILE, self.credentials.peer_id, verifier)
+
+    def _open_attestations(self) -> KeptAttestations | None:
+        """The round attestations the stage's other replicas deliver, kept beside the receipts, each store
+        with a verifier of its own (node/worker/attestations.py); None under --insecure."""
+        if self.credentials is None:
+            return None
+        verifier = CredentialVerifier(self.credentials.root_pem(), self.run_id, clock=time.time)
+        return KeptAttestations(self.credentials.directory / RECEIPTS_FILE, self.credentials.peer_id,
+                                self.stage_index, verifier)
 
     def _watch(self, metrics: WorkerMetrics, compute: StageCompute) -> None:
         metrics.watch(load=lambda: self.load, capacity=self.options.queue_capacity,
@@ -332,6 +351,8 @@ class StageWorker:
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
         if self.receipts is not None and self.receipts.kept is not None:
             self.receipts.kept.close()
+        if self.attestations is not None:
+            self.attestations.close()
         self._log_output_grad_scale()
         self._logger.info("stage %d worker on port %s stopped", self.stage_index, self._port)
         if self._gate is not None:

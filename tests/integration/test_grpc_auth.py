@@ -119,6 +119,8 @@ def test_the_policy_lets_only_trainers_drive_the_pipeline_and_refuses_unknown_me
         assert rule.roles == {"client", "trainer", "operator"} and rule.fingerprint, method
     receipts = rule_for("/agora.v1.Stage/DeliverReceipt")  # the roles that sign receipts, not a worker for itself
     assert receipts.roles == {"trainer", "operator"} and receipts.fingerprint
+    attestations = rule_for("/agora.v1.Stage/DeliverAttestation")  # a round's members: workers (of its stage)
+    assert attestations.roles == {"worker"} and attestations.fingerprint
     for probe in ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
                   "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"):
         assert rule_for(probe).roles == info.roles and not rule_for(probe).fingerprint

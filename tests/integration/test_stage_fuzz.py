@@ -81,13 +81,15 @@ OPTIONS = WorkerOptions(max_message_bytes=MESSAGE_LIMIT, max_stream_bytes=STREAM
 CLEAN = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
          grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND,
          grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNAUTHENTICATED}
-UNARY = ("Forward", "Backward", "Step", "Abort", "Info", "Prefill", "Decode", "CloseSession", "DeliverReceipt")
+UNARY = ("Forward", "Backward", "Step", "Abort", "Info", "Prefill", "Decode", "CloseSession", "DeliverReceipt",
+         "DeliverAttestation")
 STREAMING = ("ForwardStream", "BackwardStream")
 REQUEST_OF = {"Forward": stage_pb2.ForwardRequest, "Backward": stage_pb2.BackwardRequest,
               "Step": stage_pb2.StepRequest, "Abort": stage_pb2.AbortRequest, "Info": stage_pb2.InfoRequest,
               "ForwardStream": stage_pb2.ForwardRequest, "BackwardStream": stage_pb2.BackwardRequest,
               "Prefill": stage_pb2.InferRequest, "Decode": stage_pb2.InferRequest,
-              "CloseSession": stage_pb2.CloseSessionRequest, "DeliverReceipt": stage_pb2.ReceiptDelivery}
+              "CloseSession": stage_pb2.CloseSessionRequest, "DeliverReceipt": stage_pb2.ReceiptDelivery,
+              "DeliverAttestation": stage_pb2.AttestationDelivery}
 
 
 def budget(examples: int):
@@ -122,6 +124,7 @@ class World:
     loop: object
     workers: dict  # stage -> StageWorker
     channels: dict  # stage -> grpc.aio.Channel presenting the trainer credential
+    peer_channels: dict  # stage -> one presenting another worker's of that stage (DeliverAttestation's callers)
     trainer: NodeCredentials
     uncaught: Uncaught
     ids: itertools.count = field(default_factory=itertools.count)
@@ -141,6 +144,8 @@ def world(tmp_path_factory):
     worker_dirs = {stage: authority.mint(base / f"worker{stage}", role="worker", stage=stage).directory
                    for stage in (BODY, TAIL)}
     trainer = NodeCredentials(authority.mint(base / "trainer", role="trainer").directory, clock=time.time)
+    peers = {stage: NodeCredentials(authority.mint(base / f"peer{stage}", role="worker", stage=stage).directory,
+                                    clock=time.time) for stage in (BODY, TAIL)}
     uncaught = Uncaught()
     root = logging.getLogger()
     root.addHandler(uncaught)
@@ -153,16 +158,20 @@ def world(tmp_path_factory):
                                  options=replace(OPTIONS, synchronous=stage == BODY))
             await worker.start()
             workers[stage] = worker
-        channels = TlsChannels(trainer)
-        return workers, {stage: channels.open(w.address, target_name=worker_server_name(stage, w.credentials.peer_id))
-                         for stage, w in workers.items()}
+        def opened(node: NodeCredentials, stage: int):
+            worker = workers[stage]
+            target = worker_server_name(stage, worker.credentials.peer_id)
+            return TlsChannels(node).open(worker.address, target_name=target)
 
-    workers, channels = loop.run_until_complete(start())
+        return workers, {stage: opened(trainer, stage) for stage in workers}, \
+            {stage: opened(peers[stage], stage) for stage in workers}
+
+    workers, channels, peer_channels = loop.run_until_complete(start())
     try:
-        yield World(loop, workers, channels, trainer, uncaught)
+        yield World(loop, workers, channels, peer_channels, trainer, uncaught)
     finally:
         async def stop():
-            for channel in channels.values():
+            for channel in [*channels.values(), *peer_channels.values()]:
                 await channel.close()
             for worker in workers.values():
                 await worker.stop(0)
@@ -189,7 +198,7 @@ def _status(world: World, coroutine_fn) -> grpc.StatusCode:
 
 def _call(world: World, stage: int, method: str, parts: list[bytes], metadata=METADATA) -> grpc.StatusCode:
     """Send `parts` as they are (one for a unary method, any number for a streaming one) and read every reply."""
-    channel = world.channels[stage]
+    channel = channel_for(world, stage, method)
     path = f"/{adapter.SERVICE_NAME}/{method}"
     if method in STREAMING:
         async def streamed():
@@ -198,6 +207,11 @@ def _call(world: World, stage: int, method: str, parts: list[bytes], metadata=ME
         return _status(world, streamed)
     (payload,) = parts
     return _status(world, lambda: channel.unary_unary(path)(payload, metadata=metadata, timeout=20))
+
+
+def channel_for(world: World, stage: int, method: str):
+    """The trainer's channel, or for DeliverAttestation (a worker's call) the stage's other worker's."""
+    return world.peer_channels[stage] if method == "DeliverAttestation" else world.channels[stage]
 
 
 def _healthy(world: World) -> None:
@@ -262,7 +276,8 @@ def raw_payloads(draw):
               "InferRequest": dict(run_id=RUN, stage=BODY, session_id="raw", position=0, tokens=encode_tokens(
                   token_ids((1, 4), 0), VOCAB), wire=WireCodec().encode(torch.zeros(1, 4, K)), max_tokens=8),
               "CloseSessionRequest": dict(run_id=RUN, stage=BODY, session_id="raw"),
-              "ReceiptDelivery": dict(receipt='{"receipt": {}, "chain": "", "signature": ""}')}
+              "ReceiptDelivery": dict(receipt='{"receipt": {}, "chain": "", "signature": ""}'),
+              "AttestationDelivery": dict(attestation='{"attestation": {}, "chain": "", "signature": ""}')}
     message = REQUEST_OF[method]
     valid = message(**fields[message.DESCRIPTOR.name]).SerializeToString()
     how = draw(st.sampled_from(["cut", "extend", "byte", "prefix"]))
@@ -477,7 +492,7 @@ def test_the_inputs_that_broke_the_workers_are_refused_by_name(world):
             path = f"/{adapter.SERVICE_NAME}/{method}"
             if method in STREAMING:
                 return [r async for r in world.channels[stage].stream_stream(path)(iter(parts), metadata=METADATA)]
-            return await world.channels[stage].unary_unary(path)(parts[0], metadata=METADATA)
+            return await channel_for(world, stage, method).unary_unary(path)(parts[0], metadata=METADATA)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             world.loop.run_until_complete(go())
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
