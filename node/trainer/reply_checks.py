@@ -102,7 +102,8 @@ class ReplyChecks:
         features = self.verifier.features(decoded, request)
         present = [worker.peer_id for worker in self.roster.of_stage(view.stage)]
         evidence = self.verifier.observe(view.stage, kind, view.peer_id, features, upstream, present,
-                                         suspected_elsewhere=self.gradients.suspected)
+                                         suspected_elsewhere=self.gradients.suspected,
+                                         flagged_elsewhere=self.roster.excluded.__contains__)
         for stage, frames, peer, producer, feature in self.verifier.take_implicated():
             logger.info("stage %d worker %s's %s stood off only with the frames %s produced: checking %s at once",
                         stage, peer, feature, producer, producer,
@@ -110,6 +111,13 @@ class ReplyChecks:
                                "fields": {"stage": stage, "kind": frames, "peer": peer, "producer": producer,
                                           "feature": feature}})
             self.gradients.check_now(producer)
+        for stage, frames, peer, producer, feature in self.verifier.take_pardoned():
+            logger.info("stage %d worker %s's %s stood off after it took frames of %s, flagged since: checking it at "
+                        "once instead of flagging it", stage, peer, feature, producer,
+                        extra={"milestone": "victim_checked",
+                               "fields": {"stage": stage, "kind": frames, "peer": peer, "producer": producer,
+                                          "feature": feature}})
+            self.gradients.check_now(peer)
         if evidence is not None:
             raise self.blame.suspect(view, evidence, method)
         if self.verifier.outlying(view.stage, kind, view.peer_id):

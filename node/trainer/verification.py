@@ -74,6 +74,13 @@ relays every such value, so it can watch them. Design choices:
   reply_checks.py) and the worker's CUSUMs restart; once per producer, so a worker that lies only
   on one producer's inputs is flagged at its next trip. Once a worker is flagged (by any check),
   what the replies computed from its frames added to other workers' CUSUMs is void: those restart.
+  Voiding the evidence does not undo the training: a body that took a lying head's x10 outputs
+  into its gradients for a step stands off its twin afterwards on honest inputs too, and was
+  flagged with the head in an attack run. So a worker that trips while its latest replies include
+  frames of a producer flagged since (`flagged_elsewhere`) is not flagged: its CUSUMs restart and
+  the trainer checks it at once against its own held-out answers (`pardoned`), which an honest
+  worker on damaged weights passes and a liar does not; once per producer, so a worker that keeps
+  tripping is flagged at its next trip.
 - Nothing is judged before the stage and kind have `warmup` accepted replies.
 
 With one worker on a stage the pooled reference is that worker's own recent history, its spread
@@ -229,6 +236,7 @@ class _WorkerTrack:
     # (producer of the reply's request, its standardized deviations) of its latest judged replies
     deviations: deque = field(default_factory=lambda: deque(maxlen=_ATTRIBUTION_WINDOW))
     deflected: set = field(default_factory=set)  # producers a trip of this worker was laid on already
+    pardoned: set = field(default_factory=set)  # flagged producers a trip of this worker was excused for
     outlying: bool = False  # its last reply stood OUTLIER_Z spreads off on some feature
 
     @classmethod
@@ -285,6 +293,9 @@ class ReplyVerifier:
         # (stage, kind, worker, producer, feature) of each trip laid on the producer of its inputs;
         # the trainer takes them (`take_implicated`) to check those producers at once
         self.implicated: list[tuple[int, str, str, str, str]] = []
+        # (stage, kind, worker, flagged producer, feature) of each trip excused as that producer's damage
+        # (module docstring: whose lie it is); the trainer takes them (`take_pardoned`) to check the worker
+        self.pardoned: list[tuple[int, str, str, str, str]] = []
 
     def directions(self, width: int) -> torch.Tensor:
         if width not in self._directions:
@@ -306,14 +317,16 @@ class ReplyVerifier:
 
     def observe(self, stage: int, kind: str, peer: str, features: tuple[float, ...],
                 upstream: Iterable[Source] = (), present: Iterable[str] | None = None,
-                suspected_elsewhere: Callable[[str], bool] = lambda peer: False) -> Evidence | None:
+                suspected_elsewhere: Callable[[str], bool] = lambda peer: False,
+                flagged_elsewhere: Callable[[str], bool] = lambda peer: False) -> Evidence | None:
         """Judge one reply of `peer`, a worker of `stage`: None when it is used (and counted into the
         stage's reference), else the evidence against its worker (this reply and every later one).
         `upstream`: the replies of the microbatch's route this one was computed from. `present`: the
         stage's workers the trainer still routes to (None: every worker seen); only their replies make
         the reference (module docstring: a newcomer is held to the workers that are there).
         `suspected_elsewhere`: whether another check suspects a worker (a self check it failed and
-        has not cleared): replies computed from its are not judged either."""
+        has not cleared): replies computed from its are not judged either. `flagged_elsewhere`:
+        whether a worker was flagged (by any check): a trip of a worker it fed lately is excused once."""
         upstream = list(upstream)
         boundary = self._boundaries.get((stage, kind))
         if boundary is None:
@@ -341,6 +354,10 @@ class ReplyVerifier:
                     track.deflected.add(culprit)
                     track.restart()
                     self.implicated.append((stage, kind, peer, culprit, FEATURES[index]))
+                elif (damager := self._flagged_producer(track, flagged_elsewhere)) is not None:
+                    track.pardoned.add(damager)
+                    track.restart()
+                    self.pardoned.append((stage, kind, peer, damager, FEATURES[index]))
                 else:
                     track.flagged = self._evidence(stage, kind, peer, boundary, track, index, side, value, live)
                     self._void_evidence_from(peer)
@@ -348,6 +365,24 @@ class ReplyVerifier:
         if track.largest() < self.settings.threshold / 2:  # a worker on its way to a flag is kept out
             boundary.window.append((peer, features))
         return None
+
+    def take_pardoned(self) -> list[tuple[int, str, str, str, str]]:
+        """The trips excused as a flagged producer's damage since the last call (see `pardoned`)."""
+        taken, self.pardoned = self.pardoned, []
+        return taken
+
+    def _flagged_producer(self, track: _WorkerTrack, flagged_elsewhere: Callable[[str], bool]) -> str | None:
+        """A producer of the worker's latest replies' requests that was flagged since (by this verifier or
+        another check), and that no trip of this worker was excused for yet; None: none."""
+        for producer, _ in track.deviations:
+            if producer is not None and producer not in track.pardoned and (
+                    flagged_elsewhere(producer) or self._flagged_here(producer)):
+                return producer
+        return None
+
+    def _flagged_here(self, peer: str) -> bool:
+        return any(track.flagged is not None for boundary in self._boundaries.values()
+                   for owner, track in boundary.workers.items() if owner == peer)
 
     def take_implicated(self) -> list[tuple[int, str, str, str, str]]:
         """The trips laid on a producer since the last call (see `implicated`)."""

@@ -2,11 +2,12 @@
 
 Three head replicas and one tail; one head lies from its first training Forward in a way no
 statistic of its replies shows (each of its replies keeps an honest reply's scale, spread and
-direction): it replays its previous microbatch's output (a head's Forward has no request frame to
-align it with), or answers for the batch's rows rolled by one. It answers held-out Forwards
-honestly, as a liar that knows them would. Without spot checks the verifier lets it through; with
-them it is named by the two honest heads, whose replies agree with each other's answers, excluded,
-and the run goes on. Honest replicas checked on every Forward are never named.
+direction): it answers for the batch's rows rolled by one. It answers held-out Forwards honestly, as
+a liar that knows them would. Without spot checks the verifier lets it through; with them it is
+named by the two honest heads, whose replies agree with each other's answers, excluded,
+and the run goes on. Honest replicas checked on every Forward are never named. A head replaying its
+previous microbatch's output keeps every statistic too, but its first replay repeats an earlier
+reply to other tokens: the repeat checks name it, spot checks or not.
 
 The head replicas are averaged every `AVERAGE_EVERY` global batches, on their compute threads as
 an averaging round applies its result (`weights_changing`, then the write): between rounds they
@@ -115,7 +116,15 @@ async def _train(lie, share: float):
         await asyncio.gather(*(w.stop(0) for w in workers.values()))
 
 
-@pytest.mark.parametrize("lie", sorted(LIES))
+def test_a_head_replaying_its_previous_output_is_named_by_its_first_repeat_without_spot_checks():
+    records, trainer = asyncio.run(_train(LIES["stale"], 0.0))
+    assert len(records) == STEPS and set(trainer.stats.flagged_by_peer) == {LIAR}, trainer.stats.flagged_by_peer
+    assert "repeated one of its earlier replies" in trainer.stats.flagged_by_peer[LIAR]  # node/trainer/repeats.py
+
+
+# A replay of the previous output is the repeat checks' (above); what only spot checks see is an answer
+# for other rows of the same batch.
+@pytest.mark.parametrize("lie", ["rows_rolled"])
 def test_a_head_lying_from_its_first_reply_past_every_statistic_is_named_by_spot_checks(lie, caplog):
     caplog.set_level(logging.WARNING, logger="agora.node.trainer")
     records, unchecked = asyncio.run(_train(LIES[lie], 0.0))

@@ -144,6 +144,30 @@ def test_a_trip_that_came_only_with_one_producers_frames_is_laid_on_that_produce
     assert liar.implicated == [] and liar.flagged().keys() == {"b0"}
 
 
+def test_a_worker_standing_off_after_it_took_a_flagged_producers_frames_is_checked_once_before_a_flag():
+    """A body trained on a lying head's outputs before the head was flagged stands off its twin on honest
+    inputs too: its first trip is excused as the head's damage (the trainer checks it instead), once; if
+    it keeps standing off, its next trip flags it."""
+    rng, verifier = random.Random(10), ReplyVerifier()
+    for index in range(64):
+        for body in ("b0", "b1"):
+            verifier.observe(1, "output", body, _features(rng), [(0, "output", f"h{index % 2}")])
+    verifier.observe(1, "output", "b0", _features(rng), [(0, "output", "h1")])  # fed by the liar
+    flagged = {"h1"}  # then another check flagged the head
+    for index in range(40):
+        verifier.observe(1, "output", "b0", _features(rng, 5.0), [(0, "output", "h0")],
+                         flagged_elsewhere=flagged.__contains__)
+        verifier.observe(1, "output", "b1", _features(rng), [(0, "output", "h0")], flagged_elsewhere=flagged.__contains__)
+        if verifier.pardoned:
+            break
+    assert verifier.take_pardoned()[0][2:4] == ("b0", "h1") and verifier.flagged() == {}
+    for _ in range(40):
+        if verifier.observe(1, "output", "b0", _features(rng, 5.0), [(0, "output", "h0")],
+                            flagged_elsewhere=flagged.__contains__) is not None:
+            break
+    assert verifier.flagged().keys() == {"b0"} and verifier.take_pardoned() == []
+
+
 def test_once_a_producer_is_flagged_what_its_frames_added_to_others_is_void():
     """A tail's replies computed from a stale body's frames stood off, below its bar; once the body is
     flagged the tail starts over, and the same number of honest-looking replies cannot trip it."""
