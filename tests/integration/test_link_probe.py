@@ -3,7 +3,7 @@
 StageWorker of the stage answers the doctor's probe with its round trip and rates. A probe
 credential gets nothing else: every other method of the worker refuses it, and so does the DHT's
 door; a probe past its bounds, a second one at once, one over the caller's rate or for another
-stage is refused, and the worker serves on. Pure pieces: tests/unit/test_link_probe.py."""
+stage is refused, and the worker serves on. Pure pieces: tests/unit/test_link_probe_bounds.py."""
 
 from __future__ import annotations
 
