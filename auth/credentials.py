@@ -14,6 +14,13 @@ issuing CA, verified locally):
   - a DNS name ``server_name(role, stage, peer_id)``: a client dialling a worker sets the TLS
     target name to the one it expects from the worker's DHT record, so the TLS handshake itself
     proves that whoever answers holds a credential for that peer, role and stage.
+- ``ROLES`` are the roles of admitted nodes, and every check whose caller names no roles takes
+  only those. A ``probe`` credential (``PROBE_ROLE``) is no admission: the authorizer hands one
+  to a Join's dry run (auth/join_check.py) for two minutes, for the stage it would assign, so
+  `agora-node doctor` can measure its links to that stage's members over mutual TLS. It parses and
+  verifies like any other, but only a check that names ``probe`` takes it (the one gRPC method open
+  to it, auth/grpc_policy.py); it is a client certificate only (no server use), so nothing can
+  answer a dial with it.
 - ``CredentialVerifier`` checks a chain against the pinned root with ``cryptography``'s X.509
   verifier (path building, signatures, validity periods, CA constraints), then the run and the
   role. Parsing is cached by the certificate bytes; time checks run on every call.
@@ -39,6 +46,8 @@ from agora.auth.keys import peer_id_of
 
 __all__ = [
     "ROLES",
+    "PROBE_ROLE",
+    "CREDENTIAL_ROLES",
     "STAGE_ROLES",
     "CLOCK_SKEW_S",
     "Clock",
@@ -62,7 +71,10 @@ __all__ = [
 # A client runs inference through the swarm (`agora-node generate` / `serve`): it reads the DHT
 # and calls the workers' inference methods, nothing else (auth/grpc_policy.py).
 ROLES = ("worker", "trainer", "monitor", "operator", "client")
-STAGE_ROLES = frozenset({"worker"})  # roles whose credential names one pipeline stage
+# A Join's dry run's credential: a link probe of one stage's members, nothing else (module docstring).
+PROBE_ROLE = "probe"
+CREDENTIAL_ROLES = (*ROLES, PROBE_ROLE)  # every role a credential may carry
+STAGE_ROLES = frozenset({"worker", PROBE_ROLE})  # roles whose credential names one pipeline stage
 _URI = re.compile(r"agora://(?P<run>[A-Za-z0-9_-]{1,64})/(?P<role>[a-z]+)/(?P<stage>-|\d{1,4})/(?P<peer>[1-9A-HJ-NP-Za-km-z]{10,128})")
 
 Clock = Callable[[], float]
@@ -212,16 +224,17 @@ def issue_credential(issuer: Issuer, public_key: rsa.RSAPublicKey, *, run_id: st
     """A credential for ``public_key``: the leaf certificate and the issuing CA, PEM, leaf first.
 
     Its lifetime is capped by the issuing CA's (so a chain never holds an expired link while its
-    leaf is valid)."""
-    if role not in ROLES:
-        raise ValueError(f"role: expected one of {', '.join(ROLES)}, got {role!r}")
+    leaf is valid). A probe credential is for client use only (module docstring)."""
+    if role not in CREDENTIAL_ROLES:
+        raise ValueError(f"role: expected one of {', '.join(CREDENTIAL_ROLES)}, got {role!r}")
     if (role in STAGE_ROLES) != (stage is not None):
         raise ValueError(f"stage: a {role} credential {'needs' if role in STAGE_ROLES else 'takes no'} stage")
     peer_id = peer_id_of(public_key)
     names = [x509.UniformResourceIdentifier(identity_uri(run_id, role, stage, peer_id)),
              x509.DNSName(server_name(role, stage, peer_id))]
-    return _leaf(issuer, public_key, f"{role} {peer_id}", names,
-                 [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], now=now,
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH] if role == PROBE_ROLE else [ExtendedKeyUsageOID.SERVER_AUTH,
+                                                                           ExtendedKeyUsageOID.CLIENT_AUTH]
+    return _leaf(issuer, public_key, f"{role} {peer_id}", names, usages, now=now,
                  not_after=min(now + lifetime_s, issuer.not_after))
 
 
@@ -275,7 +288,7 @@ def parse_identity(cert: x509.Certificate) -> Identity:
     if len(uris) != 1:
         raise CredentialError("malformed", f"credential: expected one agora:// identity, found {len(uris)}")
     match = _URI.fullmatch(uris[0])
-    if match is None or match["role"] not in ROLES:
+    if match is None or match["role"] not in CREDENTIAL_ROLES:
         raise CredentialError("malformed", f"credential: malformed identity {uris[0][:120]!r}")
     stage = None if match["stage"] == "-" else int(match["stage"])
     if (match["role"] in STAGE_ROLES) != (stage is not None):
@@ -308,7 +321,8 @@ class CredentialVerifier:
     def verify(self, chain_pem: bytes, *, roles: Sequence[str] = ROLES, stage: Optional[int] = None,
                public_key: Optional[rsa.RSAPublicKey] = None) -> Identity:
         """The identity of a credential chain if it is valid now for this run and one of ``roles``
-        (and ``stage`` when given); else CredentialError."""
+        (and ``stage`` when given; the default takes admitted roles only, never a probe); else
+        CredentialError."""
         cached = self._verified.get(chain_pem)
         if cached is None:
             cached = self._verify_chain(chain_pem)

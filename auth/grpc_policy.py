@@ -29,6 +29,13 @@ Design choices:
   role that takes part in rounds; the handler further holds the caller to its own stage (only the
   stage's replicas average together), verifies the attestation itself, bounds its size, the
   caller's deliveries in flight and the round, and keeps each one once (node/worker/attestations.py).
+- ProbeLink (a would-be member times its link to a worker before admission: `agora-node doctor`,
+  node/worker/link_probe.py) is the one method open to a ``probe`` credential, the two-minute
+  credential a Join's dry run issues (auth/join_check.py), and to an operator (its own tools). No
+  other role needs it. Every other method, health and reflection included, refuses a probe
+  credential: ``_READ_ONLY`` and ``_PROBE`` name the admitted roles (``ROLES``), which it is not
+  one of. The handler further holds the caller to this worker's stage and bounds what one probe
+  and one caller may cost.
 - The run fingerprint (pipeline/fingerprint.py) travels in the ``agora-run-fingerprint``
   metadata of every Stage request, also under ``--insecure``: a peer started with another seed or
   config is refused at the call, naming the field, instead of computing garbage. Health and
@@ -42,7 +49,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping, Optional
 
-from agora.auth.credentials import ROLES
+from agora.auth.credentials import PROBE_ROLE, ROLES
 from agora.auth.receipts import RECEIPT_ROLES
 from agora.auth.round_attestations import ATTESTATION_ROLES
 
@@ -82,6 +89,7 @@ _STATE = MethodRule(frozenset({"worker", "operator"}), fingerprint=True)
 _PROBE = MethodRule(frozenset(ROLES), fingerprint=False)
 _RECEIPT = MethodRule(frozenset(RECEIPT_ROLES), fingerprint=True)
 _ATTESTATION = MethodRule(frozenset(ATTESTATION_ROLES), fingerprint=True)
+_LINK_PROBE = MethodRule(frozenset({PROBE_ROLE, "operator"}), fingerprint=True)
 
 # service -> method (or "*") -> rule. Read-only views: the table is a constant.
 NODE_POLICY: Mapping[str, Mapping[str, MethodRule]] = MappingProxyType({
@@ -99,6 +107,7 @@ NODE_POLICY: Mapping[str, Mapping[str, MethodRule]] = MappingProxyType({
         "DownloadState": _STATE,
         "DeliverReceipt": _RECEIPT,
         "DeliverAttestation": _ATTESTATION,
+        "ProbeLink": _LINK_PROBE,
     }),
     HEALTH_SERVICE: MappingProxyType({_ANY_SERVICE_METHOD: _PROBE}),
     **{name: MappingProxyType({_ANY_SERVICE_METHOD: _PROBE}) for name in REFLECTION_SERVICES},

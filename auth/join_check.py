@@ -1,6 +1,6 @@
 """A node's dry run of its Join (``agora-node doctor``): the run's description, and what a Join
 would find (the preflight's figures against the run's floors, the dial-back, the stage), without
-being admitted.
+being admitted; and a probe credential for a link probe of the stage's members.
 
 Design choices:
 
@@ -8,8 +8,7 @@ Design choices:
   handshake only if it matches the pinned fingerprint, GetRun checked against it, a join
   challenge, its preflight (``run_preflight``), the reachability listener on the port the node
   would announce, a signed request. Then CheckJoin instead of Join: the authorizer answers its
-  verdicts and admits nobody, issues nothing, holds no slot (``JoinCheckService.check_join`` says
-  what it costs).
+  verdicts and admits nobody, holds no slot (``JoinCheckService.check_join`` says what it costs).
 - Both sides live here: the node's (``check_join``) and the authorizer's handler
   (``JoinCheckService``, a part of auth/service.py's ``AuthorizerService``, reusing the Join's
   steps of auth/joining.py), so what one asks and the other answers read together.
@@ -18,12 +17,24 @@ Design choices:
 - The stage's members: an unadmitted node may not read the DHT (every DHT request needs a run
   credential, docs/design.md "The DHT"), so the reply carries what the authorizer knows of the
   assigned stage's members: a random sample of ``MEMBERS_SHOWN`` announced addresses, for the node
-  to time its links to (a TCP connect, which needs no credential), and every member's announced
+  to time its links to (a TCP connect, which needs no credential; a link probe with the probe
+  credential below), and every member's announced
   compute (samples/s, at most ``MEMBER_RATES_SHOWN`` figures), for the share of the stage it would
   take. An authorizer that reads the DHT (``serve --initial-peers``) takes both from the workers'
   records; one that does not, from its admissions (the announced addresses, compute unknown: 0).
   A few addresses to a caller that passed a Join's checks and its rate limits tell no more than
-  a Join would, once admitted, read from the DHT.
+  a Join would, once admitted, read from the DHT. Each member's peer id comes with its address:
+  the TLS name its credential carries, which a link probe dials it by.
+- The probe credential: a member's gRPC port needs mutual TLS with a credential of the run, so
+  to measure its link to a member (round trips and rates each way, node/doctor_links.py) the
+  node needs one. When the dry run passed the checks before the measurements and the stage has
+  members to show, the reply carries a credential of role ``probe`` (auth/credentials.py) for the
+  request's key (the dry run's own, proven by the request's signature) and the assigned stage,
+  valid ``PROBE_LIFETIME_S``. It admits nothing: no slot, no record in the admission log, no
+  renewal (Renew takes the roles nodes join as), no DHT (every DHT check takes admitted roles
+  only, dht/security.py), no gRPC method but a member's bounded link probe (auth/grpc_policy.py,
+  node/worker/link_probe.py). It costs the authorizer one RSA signature, on a worker thread,
+  after every cheaper check of the call.
 - Every stage's capacity: the same source read for each stage at once (one read per stage, the
   assigned stage's members among them), summed up per stage as its members, those of unknown
   compute, and the others' compute in all (``stage_capacity``), so the node can tell the
@@ -46,10 +57,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import grpc
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from agora.auth.admission import authorizer_root, check_root, reachability_listener, rpc_error, run_preflight
 from agora.auth.authorizer_tls import authorizer_channel
-from agora.auth.credentials import CLOCK_SKEW_S, Clock
+from agora.auth.credentials import CLOCK_SKEW_S, PROBE_ROLE, Clock, issue_credential
 from agora.auth.keys import generate_key
 from agora.auth.node_state import public_key_pem
 from agora.auth.policy import assign_stage, sign_proof
@@ -58,19 +70,23 @@ from agora.protos.authorizer_adapter import (AuthorizerStub, ChallengeRequest, H
                                              RunDescription, RunFloors, StageCapacity, StageMember, signed_payload)
 from agora.protos.authorizer_adapter import Refused as RefusedReply
 
-__all__ = ["MEMBERS_SHOWN", "MEMBER_RATES_SHOWN", "JoinCheckResult", "describe_run", "check_join",
+__all__ = ["MEMBERS_SHOWN", "MEMBER_RATES_SHOWN", "PROBE_LIFETIME_S", "JoinCheckResult", "describe_run", "check_join",
            "sample_members", "stage_capacity", "JoinCheckService"]
 
 logger = logging.getLogger("agora.auth.service")
 
 # Members of the stage whose addresses a dry run shows, and the most compute figures it carries.
 MEMBERS_SHOWN, MEMBER_RATES_SHOWN = 5, 256
+# How long a dry run's probe credential lasts (its not-before is back-dated by CLOCK_SKEW_S, as every credential's).
+PROBE_LIFETIME_S = 120.0
 
 
 @dataclass(frozen=True)
 class JoinCheckResult:
     check: JoinCheck
     skew_s: float  # the authorizer's clock minus this machine's (positive: this machine is behind)
+    key: Optional[rsa.RSAPrivateKey] = None  # the dry run's key: the probe credential's (check.probe_credential_pem)
+    root_pem: bytes = b""  # the run's root, as pinned: what members' credentials chain to
 
 
 async def describe_run(address: str, root_fingerprint: str, *, rpc_timeout_s: float = 30.0) -> RunDescription:
@@ -112,7 +128,8 @@ async def check_join(address: str, root_fingerprint: str, *, fingerprint: Callab
             after = clock()
         except grpc.aio.AioRpcError as error:
             raise rpc_error(address, error) from None
-    return JoinCheckResult(check, check.server_time - (after - min(check.rtt_ms / 2e3, (after - before) / 2)))
+    skew = check.server_time - (after - min(check.rtt_ms / 2e3, (after - before) / 2))
+    return JoinCheckResult(check, skew, key=key, root_pem=root_pem)
 
 
 def sample_members(members: Sequence[StageMember], limit: int, rng: random.Random) -> tuple[StageMember, ...]:
@@ -135,8 +152,8 @@ class JoinCheckService:
     async def check_join(self, request: JoinRequest, context: Any) -> JoinCheck:
         """What a worker's Join would find, without the Join (`agora-node doctor`): the checks before
         the measurements, the preflight's figures and the run's floors, the dial-back, the stage it
-        would be assigned, and our clock. It admits nobody, signs nothing, writes nothing and takes no
-        slot, nor a place in the queue.
+        would be assigned, and our clock; and a probe credential for the stage's members (the module
+        docstring). It admits nobody, writes nothing and takes no slot, nor a place in the queue.
 
         Cost and bounds: exactly a Join's up to its admission. It spends a join challenge (the
         address and network buckets, the book's room in all and per network), its preflight (the
@@ -145,7 +162,8 @@ class JoinCheckService:
         ``dialback_allowed`` accepts, answered in the same words whatever went wrong. So it dials
         no more often, nor anywhere else, than Joins already may, and tells no more about what
         listens there: no free port scanner. Beyond a Join's, it reads each stage's members once
-        (the stage's DHT record, on a serving authorizer that reads the DHT)."""
+        (the stage's DHT record, on a serving authorizer that reads the DHT); and, where it shows
+        members, signs a probe credential (one RSA signature, as a Join's admission signs one)."""
         caller = caller_address(context.peer())
         with self._newcomer(caller):
             return await self._check_join(request, caller)
@@ -155,7 +173,7 @@ class JoinCheckService:
         if request.role != "worker":
             raise Status(grpc.StatusCode.INVALID_ARGUMENT, "role: only a worker's Join has floors and a dial-back "
                                                            "to check")
-        _, peer_id, state = self._proven(request, caller, now)
+        public_key, peer_id, state = self._proven(request, caller, now)
         refusal = self._vet(request, peer_id)
         if refusal is not None:
             verdict = JoinCheck(refused=RefusedReply(reason=refusal.reason, field=refusal.field))
@@ -164,10 +182,12 @@ class JoinCheckService:
             link = self._link(state, peer_id, caller, now)
             unreachable = await self._unreachable(request, state)
             stage = assign_stage(self.fingerprint.stages, await self._throughput(), request.stage)
+            view = await self._pipeline_view(stage)
+            probe = await self._probe_credential(public_key, stage) if view["members"] else {}
             verdict = JoinCheck(rtt_ms=link.rtt_ms, download_mbit=link.download_mbit, upload_mbit=link.upload_mbit,
                                 floors=RunFloors(**asdict(self.settings.floors)),
                                 unreachable=unreachable[0].reason if unreachable else "", stage=stage,
-                                **await self._pipeline_view(stage))
+                                **view, **probe)
         self._on_join_check("refused" if refusal else "unreachable" if unreachable else "reachable")
         logger.info("authorizer: checked a join of %s from %s (dry run)", peer_id[:16], caller, extra={
             "milestone": "join_checked", "fields": {
@@ -183,6 +203,19 @@ class JoinCheckService:
         return dict(members=sample_members(members, MEMBERS_SHOWN, random.SystemRandom()),
                     member_samples_per_s=tuple(member.samples_per_s for member in members[:MEMBER_RATES_SHOWN]),
                     stage_capacities=tuple(stage_capacity(index, found) for index, found in enumerate(pipeline)))
+
+    async def _probe_credential(self, public_key: rsa.RSAPublicKey, stage: int) -> dict[str, Any]:
+        """A probe credential for the dry run's key and ``stage``, and its lifetime (the module
+        docstring); its signature runs on a worker thread, as a Join's does."""
+        now = self._clock()
+
+        def issue() -> tuple[bytes, float]:
+            issuer = self.authority.issuing()
+            chain = issue_credential(issuer, public_key, run_id=self.authority.run_id, role=PROBE_ROLE, stage=stage,
+                                     now=now, lifetime_s=PROBE_LIFETIME_S)
+            return chain, min(now + PROBE_LIFETIME_S, issuer.not_after) - now
+        chain, lifetime = await asyncio.to_thread(issue)
+        return dict(probe_credential_pem=chain, probe_lifetime_s=lifetime)
 
     async def _members_of(self, stage: int) -> list[StageMember]:
         """The stage's current members (``AuthorizerService(stage_members=...)``, else its admissions)."""

@@ -57,8 +57,8 @@ Design choices:
                   rule, the role; the proof; ban; the peer's renewal bucket; then one RSA signature
                   and the log write.
     CheckJoin     as Join up to the dial-back (the floors judged, not refused on, so every verdict is
-                  answered); then the stage a Join would get and a sample of its members; no slot, signature or
-                  write.
+                  answered); then the stage a Join would get and a sample of its members; then, with members
+                  to show, one RSA signature (a probe credential, auth/join_check.py); no slot or write.
     Leave         as Renew up to the ban (any role, for the caller itself only: the request names no
                   one else); then the slot's release and the log's delete.
     Report        the report's bounds; then as Renew up to the ban, the role a trainer's; the
@@ -193,7 +193,8 @@ class AuthorizerService(JoinService, JoinCheckService, RenewalService, ReportSer
 
     def _admitted_members(self, stage: int) -> list[StageMember]:
         """The admitted workers of ``stage`` at the addresses they announced (their compute unknown here)."""
-        return [StageMember(node.address) for node in self.admitted() if node.role == "worker" and node.stage == stage]
+        return [StageMember(node.address, peer_id=node.peer_id) for node in self.admitted()
+                if node.role == "worker" and node.stage == stage]
 
     async def _record(self, node: AdmittedNode) -> None:
         """Keep ``node`` (an admission, or a renewal's new expiry) in memory and in the admission log."""

@@ -306,8 +306,8 @@ async def _read_coverage(swarm, run_id: str, fingerprint, admitted) -> dict[int,
 
 async def read_stage_members(swarm, run_id: str, fingerprint, stage: int, seq_len: int) -> list:
     """The live workers of ``stage`` as a Join's dry run shows them (auth/join_check.py): each one's
-    announced endpoint and compute in samples/s (its record's tokens/s over the run's sequence
-    length, as trainers read it); none when the DHT cannot be read."""
+    announced endpoint, compute in samples/s (its record's tokens/s over the run's sequence
+    length, as trainers read it) and peer id; none when the DHT cannot be read."""
     from agora.dht.swarm import DHTRequestError
     from agora.protos.authorizer_adapter import StageMember
 
@@ -316,7 +316,7 @@ async def read_stage_members(swarm, run_id: str, fingerprint, stage: int, seq_le
     except DHTRequestError as error:
         logger.warning("reading worker records failed (%s): a dry run shows no members", error)
         return []
-    return [StageMember(record.endpoint, record.throughput / seq_len) for record in records
+    return [StageMember(record.endpoint, record.throughput / seq_len, record.peer_id) for record in records
             if record.phase != Phase.LEAVING]
 
 

@@ -9,7 +9,9 @@ authorizer as for a Join; whether the authorizer can dial this node back on the 
 announce; this clock against the authorizer's; the memory plan of the stage it would host (the
 one asked for with --stage, else the one the authorizer would assign now, else every stage) against
 the memory free on its device and host; the round trips to a few of that stage's current members
-and the share of its microbatches this machine would take (node/doctor_stage.py); every stage's
+(and, with the probe credential the dry run issues, the upload and download rates to each:
+node/doctor_links.py) and the share of its microbatches this machine would take
+(node/doctor_stage.py); every stage's
 capacity and the pipeline's bottleneck, with this machine on that stage (node/doctor_pipeline.py);
 free disk for checkpoints; the versions it runs. Exit code 0 when no check failed (a WARN does not fail), 1
 otherwise, 2 for a usage or config mistake.
@@ -21,7 +23,9 @@ Design choices:
   same config and so the same run fingerprint, the same memory plan.
 - The authorizer's part is one dry run of a Join (auth/join_check.py, the CheckJoin RPC): the
   same preflight and floor comparison as admission, the dial-back included, and nobody is
-  admitted, nothing is issued, no slot or queue place is taken, the state directory is not touched.
+  admitted, no slot or queue place is taken, the state directory is not touched. What it issues
+  is a two-minute probe credential for the dry run's key, which the members' link probes take
+  (and nothing else does), so the member lines come right after it.
 - The memory plan and the checkpoint size come from node/plan.py (its cache included); a
   checkpoint holds the stage's weights, buffers and optimizer state, and the folder holds the
   newest ``keep`` of them (pipeline/checkpoint.py) and the one being written.
@@ -36,7 +40,7 @@ import inspect
 import json
 import shutil
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -54,6 +58,7 @@ from agora.pipeline.option_flags import add_option_flags
 from agora.pipeline.schema import SECTION, like
 
 if TYPE_CHECKING:
+    from agora.auth.join_check import JoinCheckResult
     from agora.protos.authorizer_adapter import JoinCheck
 
 __all__ = ["DoctorOptions", "add_doctor_command"]
@@ -112,13 +117,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         raise ConfigError(str(error)) from None
     hardware = hardware_report(resolve_device(explicit_settings(args).get("runtime.device") or "auto"))
     config_for = config_chooser(args, run_config)
-    checks, config, run_id, verdict = asyncio.run(_authorizer_checks(
+    checks, config, run_id, result = asyncio.run(_authorizer_checks(
         options, config_for, hardware=hardware, announce=announce, listen_host=worker.host, stage=asked.stage))
+    verdict = result.check if result is not None else None
     stages = _stages(config, asked.stage, verdict.stage if verdict is not None else None)
     stage_assigned = (verdict is not None and verdict.refused is None and verdict.stage is not None
                       and config is not None and 0 <= verdict.stage < len(config.model.layer_split))
     if stage_assigned:
-        checks += _member_links(verdict)
+        checks += asyncio.run(_member_links(result, config))
     machine = _machine_checks(config, stages, worker, asked.checkpoint_dir, run_id)
     checks += machine[:-1] + (_stage_checks(config, verdict) if stage_assigned else []) + machine[-1:]  # versions last
     print(as_json(checks) if args.json else "\n".join(format_line(check) for check in checks))
@@ -128,10 +134,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 async def _authorizer_checks(options, config_for: Callable[[dict], RunConfig], *, hardware, announce: tuple[str, int],
                              listen_host: str, stage: Optional[int]
-                             ) -> tuple[list[Check], Optional[RunConfig], Optional[str], Optional[JoinCheck]]:
+                             ) -> tuple[list[Check], Optional[RunConfig], Optional[str], Optional[JoinCheckResult]]:
     """The checks the authorizer answers, the config join would run (the served one with the run flags
-    on top: ConfigError for flags that do not apply), the run id and the dry run's verdict (the stage
-    it would assign, a sample of that stage's members)."""
+    on top: ConfigError for flags that do not apply), the run id and the dry run (its verdict: the
+    stage it would assign, a sample of that stage's members, a probe credential for them)."""
     from agora.auth.admission import AdmissionError, AuthorizerUntrusted
     from agora.auth.join_check import check_join, describe_run
     from agora.auth.policy import Floors, LinkMeasurement, floor_verdicts
@@ -167,17 +173,30 @@ async def _authorizer_checks(options, config_for: Callable[[dict], RunConfig], *
         checks += floor_checks(floor_verdicts(Floors(**asdict(verdict.floors)), hardware, link))
         checks.append(reachability_check(shown, verdict.unreachable))
     checks.append(clock_check(result.skew_s, verdict.tolerated_skew_s))
-    return checks, config, run.run_id, verdict
+    return checks, config, run.run_id, result
 
 
-def _member_links(verdict: JoinCheck) -> list[Check]:
-    """The round trips to the members of the assigned stage the authorizer showed."""
+async def _member_links(result: JoinCheckResult, config: RunConfig) -> list[Check]:
+    """The round trips to the members of the assigned stage the authorizer showed, and with its probe
+    credential, the rates each way to each."""
     from agora.auth.join_check import MEMBERS_SHOWN
+    from agora.auth.keys import private_key_pem
+    from agora.node.doctor_links import probe_members
     from agora.node.doctor_probes import time_member_links
     from agora.node.doctor_stage import member_link_checks
+    from agora.pipeline.fingerprint import run_fingerprint
 
-    links = asyncio.run(time_member_links([member.address for member in verdict.members[:MEMBERS_SHOWN]]))
-    return member_link_checks(verdict.stage, links, verdict.floors.max_rtt_ms)
+    verdict = result.check
+    members = verdict.members[:MEMBERS_SHOWN]
+    links = await time_member_links([member.address for member in members])
+    if verdict.probe_credential_pem and result.key is not None:
+        probes = await probe_members(members, stage=verdict.stage, credential_pem=verdict.probe_credential_pem,
+                                     key_pem=private_key_pem(result.key), root_pem=result.root_pem,
+                                     fingerprint=run_fingerprint(config).text())
+        links = [replace(link, probe=probe) for link, probe in zip(links, probes)]
+    floors = verdict.floors
+    return member_link_checks(verdict.stage, links, floors.max_rtt_ms, min_upload_mbit=floors.min_upload_mbit,
+                              min_download_mbit=floors.min_download_mbit)
 
 
 def _stage_checks(config: RunConfig, verdict: JoinCheck) -> list[Check]:

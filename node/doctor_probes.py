@@ -7,7 +7,8 @@ Design choices:
 - A round trip is the time of a TCP connect to the member's announced port (the handshake is one
   round trip), the least of ``attempts`` connects, each bounded by ``timeout_s``; the members are
   timed at once (at most the authorizer's sample, auth/join_check.py ``MEMBERS_SHOWN``). The
-  connection is closed at once: nothing is sent, so nothing needs the member to admit us.
+  connection is closed at once: nothing is sent, so nothing needs the member to admit us. (With
+  the dry run's probe credential, node/doctor_links.py measures each member's rates too.)
 - Compute is timed as a worker spends it (node/replica/compute.py): the stage built as a worker
   builds it (pipeline/stages.py ``build_stage``, placed by the run's runtime: device, dtype,
   weights), at the run's microbatch shape, a Forward (no graph) and a Backward (the forward again

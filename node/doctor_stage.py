@@ -11,11 +11,15 @@ Design choices:
   admitted; the authorizer has one (it reads the records with its own operator credential), and
   without a DHT it still knows the addresses its admitted workers announced.
 - A link is timed as a TCP connect to the member's announced port: one round trip (SYN, SYN-ACK),
-  nothing that needs the member to admit the caller. No bandwidth is reported: a transfer needs the
-  member's cooperation, which it gives only to admitted peers, and a figure that is not measured is
-  not shown. The run's RTT floor judges it, as admission judges the authorizer's link; a member's
-  link over it (or no answer: the member may have left since its record) is a WARN, not a FAIL,
-  since admission does not hold a node to it.
+  nothing that needs the member to admit the caller. Where the dry run issued a probe credential
+  (auth/join_check.py), each member's link is also probed over mutual TLS (node/doctor_links.py):
+  its round trip as a gRPC message each way, which replaces the connect's on the line, and its
+  upload and download rates, one line each. The run's floors judge them (the RTT, the upload and
+  the download floor), as admission judges the authorizer's link; a member's link past one (or no
+  answer: the member may have left since its record) is a WARN, not a FAIL, since admission does
+  not hold a node to it. A probe that measured nothing (the member refused it, is busy with other
+  probes, runs a version without them) leaves the rates unknown, saying why; with no probe
+  credential (an older or --insecure authorizer) there are no rate lines, as before.
 - The share is the trainers' routing itself (node/trainer/routing.py ``Roster.choose``, which is
   ``pick_worker`` with its expected-finish and ``BALANCE_SLACK`` equal-shares rules, and its probing
   of starved replicas), run over global batches of the run's microbatches with this machine beside
@@ -36,40 +40,83 @@ from typing import Optional, Sequence
 from agora.node.doctor import OK, UNKNOWN, WARN, Check
 from agora.node.trainer.routing import BALANCE_SLACK, Roster, WorkerView
 
-__all__ = ["MemberLink", "member_link_checks", "predicted_share", "share_check"]
+__all__ = ["ProbedLink", "MemberLink", "member_link_checks", "predicted_share", "share_check"]
 
 # Replicas weighed by the routing, at most, in one prediction (batches x microbatches x replicas).
 _ROUTING_WORK = 2_000_000
 
 
 @dataclass(frozen=True)
+class ProbedLink:
+    """A member's link as a link probe measured it: a round trip and the rates each way (None
+    figures: the probe measured nothing, ``error`` says why)."""
+
+    rtt_ms: Optional[float] = None
+    upload_mbit: Optional[float] = None
+    download_mbit: Optional[float] = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class MemberLink:
-    """This machine's link to one member: its round trip (None when it did not answer, ``error`` says why)."""
+    """This machine's link to one member: its TCP connect's round trip (None when it did not answer,
+    ``error`` says why), and its link probe's figures (None: no probe credential to probe with)."""
 
     address: str
     rtt_ms: Optional[float]
     error: str = ""
+    probe: Optional[ProbedLink] = None
 
 
-def member_link_checks(stage: int, links: Sequence[MemberLink], max_rtt_ms: float) -> list[Check]:
-    """One check per member timed: its round trip against the run's RTT floor (inf: none)."""
-    floor = None if max_rtt_ms <= 0 or max_rtt_ms == float("inf") else max_rtt_ms
+_RATE_FIXES = {"upload": "a faster uplink (or nothing else uploading now): each microbatch's activations leave "
+                         "over this link",
+               "download": "a faster downlink (or nothing else downloading now): each microbatch's activations "
+                           "arrive over this link"}
+
+
+def _floor(value: float) -> Optional[float]:
+    return None if value <= 0 or value == float("inf") else value
+
+
+def member_link_checks(stage: int, links: Sequence[MemberLink], max_rtt_ms: float, *, min_upload_mbit: float = 0.0,
+                       min_download_mbit: float = 0.0) -> list[Check]:
+    """Per member timed: its round trip against the run's RTT floor (inf: none), and where it was
+    probed, its upload and download rates against the run's floors (0: none)."""
     checks = []
     for number, link in enumerate(links, 1):
-        name, where = f"member {number}", f"stage {stage}'s member {link.address}"
-        if link.rtt_ms is None:
-            checks.append(Check(name, WARN, link.address, detail=f"{where} did not answer a TCP connect: {link.error}",
-                                fix="let this machine open outbound TCP connections to the swarm's ports; if only "
-                                    "this member fails, it may have left since it announced itself"))
-        elif floor is not None and link.rtt_ms > floor:
-            checks.append(Check(name, WARN, round(link.rtt_ms, 1), floor, "ms",
-                                detail=f"round trip (TCP connect) to {where}, over the run's floor",
-                                fix="join from a machine nearer the swarm, on a wired link: each microbatch crosses "
-                                    "this link"))
-        else:
-            checks.append(Check(name, OK, round(link.rtt_ms, 1), floor, "ms",
-                                detail=f"round trip (TCP connect) to {where}"))
+        checks.append(_round_trip_check(number, stage, link, _floor(max_rtt_ms)))
+        if link.probe is not None:
+            checks += [_rate_check(number, stage, link, "upload", _floor(min_upload_mbit)),
+                       _rate_check(number, stage, link, "download", _floor(min_download_mbit))]
     return checks
+
+
+def _round_trip_check(number: int, stage: int, link: MemberLink, floor: Optional[float]) -> Check:
+    name, where = f"member {number}", f"stage {stage}'s member {link.address}"
+    probed = link.probe is not None and link.probe.rtt_ms is not None
+    rtt_ms, how = (link.probe.rtt_ms, "a gRPC message each way") if probed else (link.rtt_ms, "TCP connect")
+    if rtt_ms is None:
+        return Check(name, WARN, link.address, detail=f"{where} did not answer a TCP connect: {link.error}",
+                     fix="let this machine open outbound TCP connections to the swarm's ports; if only this member "
+                         "fails, it may have left since it announced itself")
+    if floor is not None and rtt_ms > floor:
+        return Check(name, WARN, round(rtt_ms, 1), floor, "ms", detail=f"round trip ({how}) to {where}, over the "
+                                                                        "run's floor",
+                     fix="join from a machine nearer the swarm, on a wired link: each microbatch crosses this link")
+    return Check(name, OK, round(rtt_ms, 1), floor, "ms", detail=f"round trip ({how}) to {where}")
+
+
+def _rate_check(number: int, stage: int, link: MemberLink, way: str, floor: Optional[float]) -> Check:
+    name, where = f"member {number} {way}", f"stage {stage}'s member {link.address}"
+    rate = getattr(link.probe, f"{way}_mbit")
+    if rate is None:
+        return Check(name, UNKNOWN, link.address, detail=f"the link probe of {where} measured no rate: "
+                                                         f"{link.probe.error}")
+    what = f"{way} rate {'to' if way == 'upload' else 'from'} {where} (link probe over mutual TLS)"
+    if floor is not None and rate < floor:
+        return Check(name, WARN, round(rate, 1), floor, "Mbit/s", detail=what + ", under the run's floor",
+                     fix=_RATE_FIXES[way])
+    return Check(name, OK, round(rate, 1), floor, "Mbit/s", detail=what)
 
 
 def predicted_share(own_samples_per_s: float, member_samples_per_s: Sequence[float], microbatches: int,

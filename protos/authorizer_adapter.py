@@ -240,10 +240,12 @@ class RunFloors:
 
 @dataclass(frozen=True)
 class StageMember:
-    """One current member of a stage, as a Join's dry run shows it: its announced address and compute."""
+    """One current member of a stage, as a Join's dry run shows it: its announced address and compute,
+    and its peer id (the TLS name a link probe dials it by; empty: not known)."""
 
     address: str
     samples_per_s: float = 0.0
+    peer_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,8 @@ class StageCapacity:
 
 @dataclass(frozen=True)
 class JoinCheck:
-    """A Join's dry run: ``refused`` when a check before the measurements failed, else the rest."""
+    """A Join's dry run: ``refused`` when a check before the measurements failed, else the rest;
+    ``probe_credential_pem``: for a link probe of the members shown (empty: none issued)."""
 
     refused: Optional[Refused] = None
     rtt_ms: float = 0.0
@@ -273,6 +276,8 @@ class JoinCheck:
     members: tuple[StageMember, ...] = ()
     member_samples_per_s: tuple[float, ...] = ()
     stage_capacities: tuple[StageCapacity, ...] = ()
+    probe_credential_pem: bytes = b""
+    probe_lifetime_s: float = 0.0
 
 
 # Read-only pairing of each dataclass with its generated message class.

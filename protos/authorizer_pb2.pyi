@@ -247,7 +247,7 @@ class RunFloors(_message.Message):
     def __init__(self, min_upload_mbit: _Optional[float] = ..., min_download_mbit: _Optional[float] = ..., max_rtt_ms: _Optional[float] = ..., min_accelerator_gb: _Optional[float] = ..., min_ram_gb: _Optional[float] = ...) -> None: ...
 
 class JoinCheck(_message.Message):
-    __slots__ = ("refused", "rtt_ms", "download_mbit", "upload_mbit", "floors", "unreachable", "stage", "server_time", "tolerated_skew_s", "members", "member_samples_per_s", "stage_capacities")
+    __slots__ = ("refused", "rtt_ms", "download_mbit", "upload_mbit", "floors", "unreachable", "stage", "server_time", "tolerated_skew_s", "members", "member_samples_per_s", "stage_capacities", "probe_credential_pem", "probe_lifetime_s")
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_MBIT_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,8 @@ class JoinCheck(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MEMBER_SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     STAGE_CAPACITIES_FIELD_NUMBER: _ClassVar[int]
+    PROBE_CREDENTIAL_PEM_FIELD_NUMBER: _ClassVar[int]
+    PROBE_LIFETIME_S_FIELD_NUMBER: _ClassVar[int]
     refused: Refused
     rtt_ms: float
     download_mbit: float
@@ -272,7 +274,9 @@ class JoinCheck(_message.Message):
     members: _containers.RepeatedCompositeFieldContainer[StageMember]
     member_samples_per_s: _containers.RepeatedScalarFieldContainer[float]
     stage_capacities: _containers.RepeatedCompositeFieldContainer[StageCapacity]
-    def __init__(self, refused: _Optional[_Union[Refused, _Mapping]] = ..., rtt_ms: _Optional[float] = ..., download_mbit: _Optional[float] = ..., upload_mbit: _Optional[float] = ..., floors: _Optional[_Union[RunFloors, _Mapping]] = ..., unreachable: _Optional[str] = ..., stage: _Optional[int] = ..., server_time: _Optional[float] = ..., tolerated_skew_s: _Optional[float] = ..., members: _Optional[_Iterable[_Union[StageMember, _Mapping]]] = ..., member_samples_per_s: _Optional[_Iterable[float]] = ..., stage_capacities: _Optional[_Iterable[_Union[StageCapacity, _Mapping]]] = ...) -> None: ...
+    probe_credential_pem: bytes
+    probe_lifetime_s: float
+    def __init__(self, refused: _Optional[_Union[Refused, _Mapping]] = ..., rtt_ms: _Optional[float] = ..., download_mbit: _Optional[float] = ..., upload_mbit: _Optional[float] = ..., floors: _Optional[_Union[RunFloors, _Mapping]] = ..., unreachable: _Optional[str] = ..., stage: _Optional[int] = ..., server_time: _Optional[float] = ..., tolerated_skew_s: _Optional[float] = ..., members: _Optional[_Iterable[_Union[StageMember, _Mapping]]] = ..., member_samples_per_s: _Optional[_Iterable[float]] = ..., stage_capacities: _Optional[_Iterable[_Union[StageCapacity, _Mapping]]] = ..., probe_credential_pem: _Optional[bytes] = ..., probe_lifetime_s: _Optional[float] = ...) -> None: ...
 
 class StageCapacity(_message.Message):
     __slots__ = ("stage", "members", "unknown_members", "samples_per_s")
@@ -287,9 +291,11 @@ class StageCapacity(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., members: _Optional[int] = ..., unknown_members: _Optional[int] = ..., samples_per_s: _Optional[float] = ...) -> None: ...
 
 class StageMember(_message.Message):
-    __slots__ = ("address", "samples_per_s")
+    __slots__ = ("address", "samples_per_s", "peer_id")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
     address: str
     samples_per_s: float
-    def __init__(self, address: _Optional[str] = ..., samples_per_s: _Optional[float] = ...) -> None: ...
+    peer_id: str
+    def __init__(self, address: _Optional[str] = ..., samples_per_s: _Optional[float] = ..., peer_id: _Optional[str] = ...) -> None: ...

@@ -516,7 +516,8 @@ class _Servicer(stage_pb2_grpc.StageServicer):
 # Methods another adapter serves (name -> (client streaming, server streaming)): this loop skips them.
 _SERVED_ELSEWHERE: Mapping[str, tuple[bool, bool]] = MappingProxyType({"DownloadState": (False, True),
                                                                   "DeliverReceipt": (False, False),
-                                                                  "DeliverAttestation": (False, False)})
+                                                                  "DeliverAttestation": (False, False),
+                                                                  "ProbeLink": (True, True)})
 
 
 def add_stage_service(server: grpc.aio.Server, handler: StageHandler, *,
@@ -528,8 +529,8 @@ def add_stage_service(server: grpc.aio.Server, handler: StageHandler, *,
     `stream_timeout_s` how long an admitted one may take after its first part. `inference`
     serves Prefill, Decode and CloseSession (None: UNIMPLEMENTED). `extra`: methods whose adapter
     lives in a module of its own (DownloadState: protos/state_adapter.py, DeliverReceipt:
-    protos/receipt_adapter.py, DeliverAttestation: protos/attestation_adapter.py); one of those
-    without a handler answers UNIMPLEMENTED."""
+    protos/receipt_adapter.py, DeliverAttestation: protos/attestation_adapter.py, ProbeLink:
+    protos/link_probe_adapter.py); one of those without a handler answers UNIMPLEMENTED."""
     servicer = _Servicer(handler, max_stream_bytes, chunk_bytes, stream_timeout_s, inference)
     handlers = dict(extra)
     for method in stage_pb2.DESCRIPTOR.services_by_name["Stage"].methods:

@@ -262,6 +262,22 @@ class AttestationKept(_message.Message):
     attesters: int
     def __init__(self, rounds: _Optional[int] = ..., attestations: _Optional[int] = ..., attesters: _Optional[int] = ...) -> None: ...
 
+class LinkProbe(_message.Message):
+    __slots__ = ("ping", "upload", "upload_done", "received", "download", "payload")
+    PING_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_DONE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    ping: int
+    upload: bytes
+    upload_done: bool
+    received: int
+    download: int
+    payload: bytes
+    def __init__(self, ping: _Optional[int] = ..., upload: _Optional[bytes] = ..., upload_done: _Optional[bool] = ..., received: _Optional[int] = ..., download: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

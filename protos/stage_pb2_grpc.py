@@ -99,6 +99,11 @@ class StageStub:
                 request_serializer=agora_dot_protos_dot_stage__pb2.AttestationDelivery.SerializeToString,
                 response_deserializer=agora_dot_protos_dot_stage__pb2.AttestationKept.FromString,
                 _registered_method=True)
+        self.ProbeLink = channel.stream_stream(
+                '/agora.v1.Stage/ProbeLink',
+                request_serializer=agora_dot_protos_dot_stage__pb2.LinkProbe.SerializeToString,
+                response_deserializer=agora_dot_protos_dot_stage__pb2.LinkProbe.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -221,6 +226,20 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeLink(self, request_iterator, context):
+        """Link probe: a would-be member (`agora-node doctor`, holding the probe credential a Join's dry
+        run issued for this stage) times its link to this worker before it is admitted: round trips
+        (pings echoed at once), an upload (the worker answers the bytes received), a download (the
+        worker sends the bytes asked for). Open to a probe credential of this worker's stage and to an
+        operator; every other call refuses a probe credential. Bounded by the worker: each way at most
+        4 MiB and a few pings per call, one call per caller and two in all at once, a few calls per
+        caller a minute, 30 s per call (RESOURCE_EXHAUSTED, INVALID_ARGUMENT for a malformed step,
+        DEADLINE_EXCEEDED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -288,6 +307,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.DeliverAttestation,
                     request_deserializer=agora_dot_protos_dot_stage__pb2.AttestationDelivery.FromString,
                     response_serializer=agora_dot_protos_dot_stage__pb2.AttestationKept.SerializeToString,
+            ),
+            'ProbeLink': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProbeLink,
+                    request_deserializer=agora_dot_protos_dot_stage__pb2.LinkProbe.FromString,
+                    response_serializer=agora_dot_protos_dot_stage__pb2.LinkProbe.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -641,6 +665,33 @@ class Stage:
             '/agora.v1.Stage/DeliverAttestation',
             agora_dot_protos_dot_stage__pb2.AttestationDelivery.SerializeToString,
             agora_dot_protos_dot_stage__pb2.AttestationKept.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeLink(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/agora.v1.Stage/ProbeLink',
+            agora_dot_protos_dot_stage__pb2.LinkProbe.SerializeToString,
+            agora_dot_protos_dot_stage__pb2.LinkProbe.FromString,
             options,
             channel_credentials,
             insecure,

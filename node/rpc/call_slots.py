@@ -1,4 +1,4 @@
-"""Calls a node's gRPC server serves at once, in two pools: probes and everything else.
+"""Calls a node's gRPC server serves at once, in three pools: probes, link probes and everything else.
 
 Design choices:
 - grpc's own `maximum_concurrent_rpcs` counts every call alike. Health checks and reflection are
@@ -7,13 +7,17 @@ Design choices:
   Health checks and reflection (**probes**) therefore have a small pool of their own
   (`probe_calls`), every other call the pool `calls`: a probe never takes a call's place, nor a
   call a probe's.
+- A would-be member's link probe (`Stage/ProbeLink`, node/worker/link_probe.py: megabytes each way,
+  from a caller not yet admitted) has a pool of its own too on a worker (`link_probe_calls`, a
+  worker's `LINK_PROBE_CALLS`), one call per caller: however many probe credentials call at once,
+  they hold at most that many transfers, and never a training call's place.
 - The pools are counted by a `CallHook` innermost in the chain (`create_server` puts it there),
   after the credential check: a call refused there never takes a slot, and the caller is known.
   One caller (its credential's peer id; the host under --insecure or on the authorizer's
   plaintext port) may hold at most half the probe pool, rounded up, so one peer's Watch streams
   cannot lock out the operator's own probes. The `calls` pool has no per-caller share here: the
   worker's queues give each caller its share of the work (node/replica/bounds.py).
-- grpc's limit stays as the bound in sum (`grpc_limit`): both pools plus `REFUSAL_ROOM`, room for
+- grpc's limit stays as the bound in sum (`grpc_limit`): the pools plus `REFUSAL_ROOM`, room for
   calls being refused (the credential check reading a refused stream to its end, a full pool's
   answer), which grpc counts until their status is out.
 - A full pool answers RESOURCE_EXHAUSTED naming the pool and the setting that sizes it; the
@@ -37,13 +41,16 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from agora.node.rpc.interceptors import CallHook, CallInfo, CallRecord
+from agora.protos.link_probe_adapter import LINK_PROBE_FULL_METHOD
 from agora.protos.serving import drain
 
-__all__ = ["CallPool", "CallSlots", "PROBE_SERVICES", "DEFAULT_PROBE_CALLS", "REFUSAL_ROOM", "is_probe"]
+__all__ = ["CallPool", "CallSlots", "PROBE_SERVICES", "DEFAULT_PROBE_CALLS", "LINK_PROBE_CALLS", "REFUSAL_ROOM",
+           "is_probe"]
 
 # Health checking and both versions of server reflection (what grpc_health_probe and grpcurl call).
 PROBE_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"})
 DEFAULT_PROBE_CALLS = 8
+LINK_PROBE_CALLS = 2  # link probes served at once, one per caller
 REFUSAL_ROOM = 16
 # A refused stream is read to its end before the status goes out, but no further than this many parts.
 _DRAIN_PARTS = 4096
@@ -107,15 +114,19 @@ def _host_owner(call: CallInfo) -> str:
 
 class CallSlots(CallHook):
     """The pools as a hook (module docstring). `calls=None`: other calls are not counted (a server
-    without a limit); `owner(call)`: who a call counts for; `refused(reason)`: counts a refusal."""
+    without a limit); `link_probe_calls=0`: no link-probe pool (a server that serves no ProbeLink);
+    `owner(call)`: who a call counts for; `refused(reason)`: counts a refusal."""
 
     def __init__(self, *, calls: Optional[int] = None, probe_calls: int = DEFAULT_PROBE_CALLS,
+                 link_probe_calls: int = 0,
                  calls_setting: str = "max_concurrent_rpcs", probe_setting: str = "max_probe_calls",
                  owner: Callable[[CallInfo], str] = _host_owner,
                  refused: Callable[[str], None] = lambda reason: None,
                  logger: Optional[logging.Logger] = None):
         super().__init__()
         self.probes = CallPool("health and reflection calls", probe_calls, (probe_calls + 1) // 2, probe_setting)
+        self.link_probes = CallPool("link probes", link_probe_calls, 1, "LINK_PROBE_CALLS") if link_probe_calls \
+            else None
         self.calls = None if calls is None else CallPool("calls", calls, calls, calls_setting)
         self._owner = owner
         self._refused = refused
@@ -124,12 +135,15 @@ class CallSlots(CallHook):
 
     @property
     def grpc_limit(self) -> Optional[int]:
-        """What grpc's own `maximum_concurrent_rpcs` is set to: both pools and the refusal room."""
+        """What grpc's own `maximum_concurrent_rpcs` is set to: the pools and the refusal room."""
         if self.calls is None:
             return None
-        return self.calls.capacity + self.probes.capacity + REFUSAL_ROOM
+        link_probes = self.link_probes.capacity if self.link_probes is not None else 0
+        return self.calls.capacity + self.probes.capacity + link_probes + REFUSAL_ROOM
 
     def pool_of(self, method: str) -> Optional[CallPool]:
+        if method == LINK_PROBE_FULL_METHOD and self.link_probes is not None:
+            return self.link_probes
         return self.probes if is_probe(method) else self.calls
 
     async def before(self, call: CallInfo, context: Any) -> Any:
@@ -143,7 +157,7 @@ class CallSlots(CallHook):
             return owner
         reason, message = refusal
         self._note_refusal(pool, reason, owner, call.method)
-        if call.request_stream is not None and pool is self.calls:
+        if call.request_stream is not None and pool is not self.probes:
             await drain(call.request_stream, max_parts=_DRAIN_PARTS)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{call.method}: {message}")  # raises
 
@@ -155,7 +169,8 @@ class CallSlots(CallHook):
         self._full.discard(pool.setting)
 
     def _note_refusal(self, pool: CallPool, reason: str, owner: str, method: str) -> None:
-        self._refused(f"{'probe' if pool is self.probes else 'call'}_{reason}")
+        kind = "probe" if pool is self.probes else "call" if pool is self.calls else "link_probe"
+        self._refused(f"{kind}_{reason}")
         if reason != "full" or pool.setting in self._full:
             return
         self._full.add(pool.setting)

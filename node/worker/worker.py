@@ -43,6 +43,9 @@ Design choices:
   The same for the attestations the other members of its averaging rounds sign for it
   (DeliverAttestation, node/worker/attestations.py; `attestations.rounds` is set by whoever runs
   its averaging loop: until then it refuses them).
+- Link probes: a would-be member of its stage, holding the probe credential a Join's dry run issued,
+  times its link to this worker (ProbeLink, node/worker/link_probe.py), within bounds per probe and
+  per caller and in a call pool of its own.
 - The announced address (`address`, what join puts in the DHT record) is `announce_host` when
   given, else the bound host, and never a wildcard (node/rpc/server.announced_host).
 """
@@ -62,7 +65,7 @@ from agora.auth.node_state import NodeCredentials
 from agora.dht.records import PHASE_TRANSITIONS, PHASES, START_PHASES, Phase
 from agora.node.inference.service import InferenceService
 from agora.node.rpc.auth_check import CallerCheck, RefusalCounts, caller_owner, nobody_banned
-from agora.node.rpc.call_slots import CallSlots
+from agora.node.rpc.call_slots import LINK_PROBE_CALLS, CallSlots
 from agora.node.rpc.interceptors import interceptor_chain
 from agora.node.rpc.server import (
     add_health_and_reflection,
@@ -81,6 +84,7 @@ from agora.node.worker.unit_holders import UnitHolders
 from agora.node.worker.work_gate import WorkGate
 from agora.node.worker.options import WorkerOptions
 from agora.node.worker.attestations import AttestationService, KeptAttestations
+from agora.node.worker.link_probe import LinkProbeService
 from agora.node.worker.receipts import RECEIPTS_FILE, KeptReceipts, ReceiptService
 from agora.node.worker.service import StageService
 from agora.node.replica.stash import ForwardStash
@@ -93,6 +97,7 @@ from agora.pipeline.fingerprint import RunFingerprint, run_fingerprint
 from agora.pipeline.wire_scale import WireScale
 from agora.protos.stage_adapter import SERVICE_NAME, InfoReply, add_stage_service
 from agora.protos.attestation_adapter import attestation_method_handlers
+from agora.protos.link_probe_adapter import link_probe_method_handlers
 from agora.protos.receipt_adapter import receipt_method_handlers
 from agora.protos.state_adapter import state_method_handlers
 
@@ -264,6 +269,7 @@ class StageWorker:
         if self._metrics is not None:
             self._watch(self._metrics, self._compute)
         slots = CallSlots(calls=self.options.concurrent_rpcs, probe_calls=self.options.max_probe_calls,
+                          link_probe_calls=LINK_PROBE_CALLS,
                           calls_setting="worker.max_concurrent_rpcs", probe_setting="worker.max_probe_calls",
                           owner=caller_owner, refused=self.refusals.add, logger=self._logger)
         server = create_server(interceptors=self._interceptors, max_message_bytes=self.options.max_message_bytes,
@@ -282,7 +288,9 @@ class StageWorker:
                           inference=self._inference,
                           extra={**(state_method_handlers(self.state_donor) if self.state_donor is not None else {}),
                                  **receipt_method_handlers(self.receipts),
-                                 **attestation_method_handlers(self.attestations)})
+                                 **attestation_method_handlers(self.attestations),
+                                 **link_probe_method_handlers(LinkProbeService(
+                                     self.stage_index, logger=self._logger, refused=self.refusals.add))})
         self._health = add_health_and_reflection(server, [SERVICE_NAME])
         tls = server_credentials(self.credentials) if self.credentials is not None else None
         self._announced_host = announced_host(self.options.host, self.options.announce_host)

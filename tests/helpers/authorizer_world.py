@@ -24,6 +24,7 @@ from agora.auth.policy import Floors
 from agora.auth.service import AuthorizerService
 from agora.auth.settings import JOIN_ROLES, AuthorizerSettings
 from agora.node.authorizer import start_authorizer_server
+from agora.node.worker.worker import StageWorker
 from agora.pipeline.config import PRESETS, config_to_dict
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.protos import authorizer_adapter as adapter
@@ -104,6 +105,18 @@ async def join(address: str, node: NodeCredentials, authority: RunAuthority, *, 
         kwargs.setdefault("announce", ("127.0.0.1", free_port()))
     kwargs.setdefault("fingerprint", FINGERPRINT.text())
     return await admit(address, authority.root_fingerprint, node, role=role, **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def serving_worker(directory, stage: int = 0, *, run_id: str = "test-run"):
+    """A real StageWorker of this world's run on 127.0.0.1:0, over mutual TLS with the credential in
+    ``directory`` (a state directory minted for ``stage``); yields it."""
+    worker = StageWorker(CONFIG, stage, run_id=run_id, credentials=NodeCredentials(directory, clock=time.time))
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        await worker.stop()
 
 
 def fingerprint_from_config(config: dict) -> str:

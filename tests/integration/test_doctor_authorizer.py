@@ -48,6 +48,7 @@ def test_a_dry_run_reports_the_measurements_and_takes_no_slot_of_a_full_run(auth
     assert check.floors.min_upload_mbit == 0 and check.tolerated_skew_s == 60.0
     assert abs(result.skew_s) < 5
     assert slots == {} and queue == [] and admitted_nodes == []
+    assert check.members == () and check.probe_credential_pem == b""  # no member to probe: no probe credential
     assert admitted.stage == 0  # the one slot was still free
 
 
@@ -98,6 +99,7 @@ def test_a_dry_run_with_another_config_is_refused_before_its_measurements(author
 
     check = run(main()).check
     assert check.refused.field == "fingerprint.seed" and check.floors is None and check.stage is None
+    assert check.probe_credential_pem == b""
     assert outcomes == ["refused"]
 
 

@@ -1,10 +1,13 @@
 """`agora-node doctor`'s view of the stage it would join, against a real authorizer on 127.0.0.1:0
 (tests/helpers/authorizer_world.py): the members the dry run shows, every stage's capacity, the
-round trips to the members over real TCP, the share of the stage this machine would take and the
+round trips to the members over real TCP, the rates to a member over its link probe (mutual TLS
+with the dry run's probe credential), the share of the stage this machine would take and the
 pipeline's bottleneck with it.
 
-The members are real listening TCP servers in the test's event loop (a connect is all the doctor
-asks of them), plus an announced port where nothing listens; the doctor is a child process.
+The members are a real StageWorker and a real listening TCP server in the test's event loop (a
+connect is all the doctor asks of a member it cannot probe), plus an announced port where nothing
+listens; the doctor is a child process. The link probe's own bounds and refusals:
+tests/integration/test_link_probe.py.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from agora.node.rpc.server import run
 from agora.protos.authorizer_adapter import StageCapacity, StageMember
 import authorizer_world as world
 from record_samples import SAMPLES
-from authorizer_world import fingerprint_from_config, free_port, join, serving
+from authorizer_world import fingerprint_from_config, free_port, join, serving, serving_worker
 from doctor_run import run_doctor, write_join_file
 
 pytestmark = pytest.mark.timeout(180)
@@ -87,31 +90,42 @@ def test_the_dry_run_shows_a_sample_of_the_members_the_authorizer_reads(authorit
 
 
 def test_the_doctor_times_the_members_and_predicts_its_share(authority, tmp_path):
-    """Two listening members and one gone: two member lines with a round trip, one WARN with the fix,
-    the share line (members announcing far more compute than any machine: this one is the stage's
-    slowest by more than the slack, a WARN), every stage's capacity (each shows the same three
-    members) and the bottleneck, stage 0, which this machine would slow (a WARN); warnings do not
-    fail the exit code."""
+    """A worker, a listening member the authorizer names no peer id for, and one gone: the worker's
+    round trip and rates each way from its link probe, the listener's round trip from a connect (its
+    rates unknown, saying why), one WARN with the fix; the share line (members announcing far more
+    compute than any machine: this one is the stage's slowest by more than the slack, a WARN), every
+    stage's capacity (each shows the same three members) and the bottleneck, stage 0, which this
+    machine would slow (a WARN); warnings do not fail the exit code."""
     fast = 1e7  # samples/s
+    worker_dir = authority.mint(tmp_path / "worker", role="worker", stage=0).directory
 
     async def main():
-        async with listening_members(2) as addresses:
+        async with listening_members(1) as (listener,), serving_worker(worker_dir) as worker:
             gone = f"127.0.0.1:{free_port()}"
-            members = [StageMember(member, fast) for member in [*addresses, gone]]
+            members = [StageMember(worker.address, fast, worker.credentials.peer_id), StageMember(listener, fast),
+                       StageMember(gone, fast)]
             async with serving(authority, stage_members=lambda stage: members) as (_, address):
                 outcome = await run_doctor(write_join_file(tmp_path, address, authority), tmp_path, "--json",
                                            "--stage", "0", "--host", "127.0.0.1", "--port", str(free_port()))
-            return outcome, addresses, gone
+            return outcome, worker.address, listener, gone
 
-    (code, out, err), addresses, gone = run(main())
+    (code, out, err), worker, listener, gone = run(main())
     assert code == 0 and "Traceback" not in err, (out, err)
     checks = {check["name"]: check for check in json.loads(out)["checks"]}
-    lines = [checks[f"member {number}"] for number in (1, 2, 3)]
-    by_address = {line["detail"].split("member ")[1].split()[0]: line for line in lines}
-    for member in addresses:
-        assert by_address[member]["verdict"] == "ok" and by_address[member]["unit"] == "ms"
-        assert isinstance(by_address[member]["value"], float) and by_address[member]["value"] >= 0
-    missing = by_address[gone]
+    number_of = {checks[f"member {number}"]["detail"].split("member ")[1].split()[0]: number for number in (1, 2, 3)}
+    line = {address: checks[f"member {number}"] for address, number in number_of.items()}
+    for member in (worker, listener):
+        assert line[member]["verdict"] == "ok" and line[member]["unit"] == "ms"
+        assert isinstance(line[member]["value"], float) and line[member]["value"] >= 0
+    assert "a gRPC message each way" in line[worker]["detail"] and "TCP connect" in line[listener]["detail"]
+    for way in ("upload", "download"):
+        rate = checks[f"member {number_of[worker]} {way}"]
+        assert rate["verdict"] == "ok" and rate["unit"] == "Mbit/s" and rate["value"] > 0, rate
+        assert "link probe over mutual TLS" in rate["detail"]
+        for member in (listener, gone):
+            unprobed = checks[f"member {number_of[member]} {way}"]
+            assert unprobed["verdict"] == "unknown" and "named no peer id" in unprobed["detail"], unprobed
+    missing = line[gone]
     assert missing["verdict"] == "WARN" and missing["value"] == gone and "outbound TCP" in missing["fix"]
     share = checks["share stage 0"]
     assert share["verdict"] == "WARN" and 0 <= share["value"] < 25 and share["unit"] == "%"
@@ -147,7 +161,7 @@ def test_a_serving_authorizer_reads_the_members_from_the_workers_records_in_a_re
             reader.shutdown()
     finally:
         node.shutdown()
-    assert members == [StageMember("127.0.0.1:7100", 20.0)]
+    assert members == [StageMember("127.0.0.1:7100", 20.0, node.peer_id)]
     assert leaving == []
 
 

@@ -121,6 +121,10 @@ def test_the_policy_lets_only_trainers_drive_the_pipeline_and_refuses_unknown_me
     assert receipts.roles == {"trainer", "operator"} and receipts.fingerprint
     attestations = rule_for("/agora.v1.Stage/DeliverAttestation")  # a round's members: workers (of its stage)
     assert attestations.roles == {"worker"} and attestations.fingerprint
+    link_probe = rule_for("/agora.v1.Stage/ProbeLink")  # a would-be member's probe credential, and an operator
+    assert link_probe.roles == {"probe", "operator"} and link_probe.fingerprint
+    other_rules = [rule for methods in NODE_POLICY.values() for name, rule in methods.items() if name != "ProbeLink"]
+    assert all("probe" not in rule.roles for rule in other_rules)  # health and reflection included
     for probe in ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
                   "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"):
         assert rule_for(probe).roles == info.roles and not rule_for(probe).fingerprint

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agora.node.rpc.call_slots import REFUSAL_ROOM, CallPool, CallSlots, is_probe
+from agora.node.rpc.call_slots import DEFAULT_PROBE_CALLS, REFUSAL_ROOM, CallPool, CallSlots, is_probe
 
 
 def test_health_and_reflection_are_probes_and_our_services_are_not():
@@ -49,3 +49,19 @@ def test_grpc_counts_both_pools_and_room_for_refusals_and_one_caller_gets_half_t
     unbounded = CallSlots(probe_calls=1)  # the authorizer: only probes are counted
     assert unbounded.grpc_limit is None and unbounded.pool_of("/agora.v1.Authorizer/Join") is None
     assert unbounded.probes.per_caller == 1
+
+
+def test_link_probes_have_a_pool_of_their_own_one_per_caller():
+    slots = CallSlots(calls=10, probe_calls=5, link_probe_calls=2)
+    assert slots.grpc_limit == 10 + 5 + 2 + REFUSAL_ROOM
+    pool = slots.pool_of("/agora.v1.Stage/ProbeLink")
+    assert pool is slots.link_probes and pool.capacity == 2 and pool.per_caller == 1
+    pool.take("prober")
+    reason, message = pool.refusal("prober")
+    assert reason == "caller_limit" and "at most 1 per caller" in message
+    pool.take("another")
+    reason, message = pool.refusal("third")
+    assert reason == "full" and "at most 2 link probes" in message
+    assert slots.calls.refusal("third") is None  # the training calls' pool is untouched
+    without = CallSlots(calls=10)  # a server that serves no link probe (the authorizer's)
+    assert without.link_probes is None and without.grpc_limit == 10 + DEFAULT_PROBE_CALLS + REFUSAL_ROOM

@@ -8,9 +8,12 @@ from dataclasses import replace
 
 import pytest
 from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from agora.auth.authority import RunAuthority
 from agora.auth.credentials import (
+    PROBE_ROLE,
+    ROLES,
     CredentialError,
     CredentialVerifier,
     certificate_fingerprint,
@@ -152,6 +155,39 @@ def test_roles_and_stages_must_agree():
         issue_credential(root, key.public_key(), run_id="r", role="trainer", stage=0, now=NOW, lifetime_s=60)
     with pytest.raises(ValueError, match="role"):
         issue_credential(root, key.public_key(), run_id="r", role="admin", stage=None, now=NOW, lifetime_s=60)
+
+
+def test_a_probe_credential_is_taken_only_where_a_check_names_it(pki, tmp_path):
+    """A dry run's probe credential (auth/join_check.py) verifies against the root and names its stage,
+    but a check that names no roles (the DHT's, a node's own credential, renewal) takes admitted
+    roles only; it is a client certificate, so no server can answer a dial with it."""
+    root, issuing, key = pki
+    with pytest.raises(ValueError, match="stage"):
+        issue_credential(issuing, key.public_key(), run_id="run-a", role=PROBE_ROLE, stage=None, now=NOW,
+                         lifetime_s=120)
+    chain = issue_credential(issuing, key.public_key(), run_id="run-a", role=PROBE_ROLE, stage=1, now=NOW,
+                             lifetime_s=120)
+    verifier = CredentialVerifier(root.pem, "run-a", clock=Clock())
+    assert PROBE_ROLE not in ROLES
+    identity = verifier.verify(chain, roles=[PROBE_ROLE], stage=1)
+    assert (identity.role, identity.stage, identity.peer_id) == (PROBE_ROLE, 1, peer_id_of(key))
+    for check in (lambda: verifier.verify(chain), lambda: verifier.verify_issued(chain),
+                  lambda: verifier.check(identity)):
+        with pytest.raises(CredentialError) as refused:
+            check()
+        assert refused.value.reason == "wrong_role" and "a probe credential may not do this" in str(refused.value)
+    leaf = x509.load_pem_x509_certificate(split_pem(chain)[0])
+    usages = list(leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    assert usages == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    with pytest.raises(CredentialError) as refused:
+        verifier.verify(chain, roles=[PROBE_ROLE], stage=2)
+    assert refused.value.reason == "wrong_stage"
+    authority = RunAuthority(tmp_path / "auth", run_id="run-a")
+    node = authority.mint(tmp_path / "node", role="trainer")
+    probe = authority.issue(node.key.public_key(), role=PROBE_ROLE, stage=0)
+    with pytest.raises(CredentialError) as refused:  # a node cannot take it as its own credential
+        node.save(probe, authority.root_pem, node.run_info())
+    assert refused.value.reason == "wrong_role"
 
 
 def test_the_libp2p_identity_has_the_peer_id_of_the_key():

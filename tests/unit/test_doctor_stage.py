@@ -12,7 +12,7 @@ import pytest
 from agora.auth.join_check import sample_members, stage_capacity
 from agora.node.doctor import OK, UNKNOWN, WARN, as_json, exit_code, format_line
 from agora.node.doctor_pipeline import (bottleneck, bottleneck_check, capacity_with, pipeline_checks, stage_rates)
-from agora.node.doctor_stage import MemberLink, member_link_checks, predicted_share, share_check
+from agora.node.doctor_stage import MemberLink, ProbedLink, member_link_checks, predicted_share, share_check
 from agora.node.trainer import routing
 from agora.protos import authorizer_adapter as adapter
 
@@ -71,6 +71,29 @@ def test_member_links_are_judged_against_the_runs_rtt_floor_and_warn_with_a_fix(
     assert exit_code([near, far, gone]) == 0
     report = json.loads(as_json([near, far, gone]))
     assert [row["verdict"] for row in report["checks"]] == ["ok", "WARN", "WARN"] and report["exit_code"] == 0
+
+
+def test_a_probed_member_shows_the_probes_round_trip_and_its_rates_against_the_floors():
+    """With a probe credential each member has an upload and a download line beside its round trip,
+    which is the probe's (a gRPC message each way); below a floor is a WARN with the fix; a probe
+    that measured nothing leaves the rates unknown with its reason, and the connect's round trip."""
+    links = [MemberLink("10.0.0.1:7100", 12.0, probe=ProbedLink(10.04, 250.0, 80.0)),
+             MemberLink("10.0.0.2:7100", 30.0, probe=ProbedLink(error="RESOURCE_EXHAUSTED: busy"))]
+    checks = member_link_checks(1, links, 80.0, min_upload_mbit=100.0, min_download_mbit=100.0)
+    assert [check.name for check in checks] == ["member 1", "member 1 upload", "member 1 download",
+                                                "member 2", "member 2 upload", "member 2 download"]
+    rtt, up, down, busy_rtt, busy_up, busy_down = checks
+    assert (rtt.verdict, rtt.value, rtt.unit) == (OK, 10.0, "ms") and "a gRPC message each way" in rtt.detail
+    assert (up.verdict, up.value, up.floor, up.unit) == (OK, 250.0, 100.0, "Mbit/s")
+    assert "upload rate to stage 1's member 10.0.0.1:7100" in up.detail
+    assert down.verdict == WARN and down.value == 80.0 and "faster downlink" in down.fix
+    assert "under the run's floor" in down.detail
+    assert busy_rtt.verdict == OK and busy_rtt.value == 30.0 and "TCP connect" in busy_rtt.detail
+    assert busy_up.verdict == busy_down.verdict == UNKNOWN and "RESOURCE_EXHAUSTED: busy" in busy_up.detail
+    assert exit_code(checks) == 0
+    (unfloored,) = [c for c in member_link_checks(0, links[:1], float("inf")) if c.name == "member 1 download"]
+    assert unfloored.verdict == OK and unfloored.floor is None  # a run without a download floor
+    assert [c.name for c in member_link_checks(0, [MemberLink("h:1", 5.0)], 80.0)] == ["member 1"]  # no probe
 
 
 def test_without_an_rtt_floor_every_answering_member_is_ok():
