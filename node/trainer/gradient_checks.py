@@ -379,6 +379,15 @@ class GradientChecks:
             self._raised.add(peer)
             self.check_now(peer)
 
+    def probeable(self, probe: "Probe") -> bool:
+        """Whether `probe` has anything to send: a replay (the head), or a gradient with a direction to
+        step along and an input to step from (`checkable`). Asked before the probes' credits are
+        reserved: they are released only by the probes' calls."""
+        if probe.input_grad is None:
+            return True
+        step = RELATIVE_STEP * float(probe.wire.to(torch.float32).norm()) if probe.wire is not None else 0.0
+        return checkable(step, float(probe.input_grad.to(torch.float32).norm()))
+
     def _gap(self) -> int:
         return self.rng.randint(1, max(1, round(2 / self.share) - 1))
 

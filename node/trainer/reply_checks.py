@@ -72,6 +72,10 @@ class ReplyChecks:
         failed and has not cleared."""
         return (self.verifier is not None and self.verifier.on_its_way(peer)) or self.gradients.suspected(peer)
 
+    def _implicated(self, peer: str) -> bool:
+        """Whether a check other than the verifier's statistics flagged or suspects `peer`."""
+        return peer in self.roster.excluded or self.gradients.suspected(peer)
+
     def flagged(self, evidence: Evidence) -> None:
         """Spot or self checks named a worker: the verifier's path (excluded, counted, logged
         `worker_flagged`); its replies leave the verifier's references."""
@@ -103,7 +107,7 @@ class ReplyChecks:
         present = [worker.peer_id for worker in self.roster.of_stage(view.stage)]
         evidence = self.verifier.observe(view.stage, kind, view.peer_id, features, upstream, present,
                                          suspected_elsewhere=self.gradients.suspected,
-                                         flagged_elsewhere=self.roster.excluded.__contains__)
+                                         implicated_elsewhere=self._implicated)
         for stage, frames, peer, producer, feature in self.verifier.take_implicated():
             logger.info("stage %d worker %s's %s stood off only with the frames %s produced: checking %s at once",
                         stage, peer, feature, producer, producer,
@@ -112,8 +116,8 @@ class ReplyChecks:
                                           "feature": feature}})
             self.gradients.check_now(producer)
         for stage, frames, peer, producer, feature in self.verifier.take_pardoned():
-            logger.info("stage %d worker %s's %s stood off after it took frames of %s, flagged since: checking it at "
-                        "once instead of flagging it", stage, peer, feature, producer,
+            logger.info("stage %d worker %s's %s stood off after it took frames of %s, flagged or suspected since: "
+                        "checking it at once instead of flagging it", stage, peer, feature, producer,
                         extra={"milestone": "victim_checked",
                                "fields": {"stage": stage, "kind": frames, "peer": peer, "producer": producer,
                                           "feature": feature}})
@@ -145,17 +149,22 @@ class ReplyChecks:
         checks = self.gradients
         if not checks.due(worker.peer_id):
             return
+        answer, trained_version = trained
+        decode = self.codec.decode
+        probe = Probe(decode(wire) if wire else None, decode(input_grad) if input_grad else None,
+                      None if output_grad is None else decode(output_grad), tokens, targets, version,
+                      trained=answer if isinstance(answer, float) else decode(answer), trained_version=trained_version)
+        if not checks.probeable(probe):
+            # Before any credit is reserved: a check that sends no probe releases none (a tail sending
+            # zeros had two credits taken at every reply, was starved of traffic and never flagged).
+            checks.stats.gradient_check_skipped(worker.stage)
+            return
         probes = 2 if input_grad else 1
         checker = checks.checker(worker, self.roster.of_stage(worker.stage), self.clock(), probes=probes)
         if checker is None:
             return
         for _ in range(probes):  # the probes' credits, reserved now (free ones, or past them for an overdue check)
             self.roster.started(checker.peer_id)
-        answer, trained_version = trained
-        decode = self.codec.decode
-        probe = Probe(decode(wire) if wire else None, decode(input_grad) if input_grad else None,
-                      None if output_grad is None else decode(output_grad), tokens, targets, version,
-                      trained=answer if isinstance(answer, float) else decode(answer), trained_version=trained_version)
 
         def call(view: WorkerView, probe_id: str, tokens: torch.Tensor, frame: bytes | None, targets):
             return self.held_out(view, probe_id, tokens, frame, targets, True)

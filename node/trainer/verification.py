@@ -75,12 +75,13 @@ relays every such value, so it can watch them. Design choices:
   on one producer's inputs is flagged at its next trip. Once a worker is flagged (by any check),
   what the replies computed from its frames added to other workers' CUSUMs is void: those restart.
   Voiding the evidence does not undo the training: a body that took a lying head's x10 outputs
-  into its gradients for a step stands off its twin afterwards on honest inputs too, and was
-  flagged with the head in an attack run. So a worker that trips while its latest replies include
-  frames of a producer flagged since (`flagged_elsewhere`) is not flagged: its CUSUMs restart and
-  the trainer checks it at once against its own held-out answers (`pardoned`), which an honest
-  worker on damaged weights passes and a liar does not; once per producer, so a worker that keeps
-  tripping is flagged at its next trip.
+  (or a lying tail's x10 gradients) into its weights for a step stands off its twin afterwards on
+  honest inputs too, and was flagged beside the liar in attack runs, once before it. So a worker
+  that trips while its latest replies of any kind include frames of a worker flagged or suspected
+  since (`implicated_elsewhere`: excluded, or a self check failed and not cleared; or half-way to
+  this verifier's bar) is not flagged: its CUSUMs restart and the trainer checks it at once
+  against its own held-out answers (`pardoned`), which an honest worker on damaged weights passes
+  and a liar does not; once per such producer, so a worker that keeps tripping is flagged.
 - Nothing is judged before the stage and kind have `warmup` accepted replies.
 
 With one worker on a stage the pooled reference is that worker's own recent history, its spread
@@ -318,15 +319,16 @@ class ReplyVerifier:
     def observe(self, stage: int, kind: str, peer: str, features: tuple[float, ...],
                 upstream: Iterable[Source] = (), present: Iterable[str] | None = None,
                 suspected_elsewhere: Callable[[str], bool] = lambda peer: False,
-                flagged_elsewhere: Callable[[str], bool] = lambda peer: False) -> Evidence | None:
+                implicated_elsewhere: Callable[[str], bool] = lambda peer: False) -> Evidence | None:
         """Judge one reply of `peer`, a worker of `stage`: None when it is used (and counted into the
         stage's reference), else the evidence against its worker (this reply and every later one).
         `upstream`: the replies of the microbatch's route this one was computed from. `present`: the
         stage's workers the trainer still routes to (None: every worker seen); only their replies make
         the reference (module docstring: a newcomer is held to the workers that are there).
         `suspected_elsewhere`: whether another check suspects a worker (a self check it failed and
-        has not cleared): replies computed from its are not judged either. `flagged_elsewhere`:
-        whether a worker was flagged (by any check): a trip of a worker it fed lately is excused once."""
+        has not cleared): replies computed from its are not judged either. `implicated_elsewhere`:
+        whether another check flagged or suspects a worker: a trip of a worker it fed lately is
+        excused once (module docstring: whose lie it is)."""
         upstream = list(upstream)
         boundary = self._boundaries.get((stage, kind))
         if boundary is None:
@@ -354,7 +356,7 @@ class ReplyVerifier:
                     track.deflected.add(culprit)
                     track.restart()
                     self.implicated.append((stage, kind, peer, culprit, FEATURES[index]))
-                elif (damager := self._flagged_producer(track, flagged_elsewhere)) is not None:
+                elif (damager := self._implicated_producer(peer, track, implicated_elsewhere)) is not None:
                     track.pardoned.add(damager)
                     track.restart()
                     self.pardoned.append((stage, kind, peer, damager, FEATURES[index]))
@@ -371,12 +373,15 @@ class ReplyVerifier:
         taken, self.pardoned = self.pardoned, []
         return taken
 
-    def _flagged_producer(self, track: _WorkerTrack, flagged_elsewhere: Callable[[str], bool]) -> str | None:
-        """A producer of the worker's latest replies' requests that was flagged since (by this verifier or
-        another check), and that no trip of this worker was excused for yet; None: none."""
-        for producer, _ in track.deviations:
-            if producer is not None and producer not in track.pardoned and (
-                    flagged_elsewhere(producer) or self._flagged_here(producer)):
+    def _implicated_producer(self, peer: str, track: _WorkerTrack, implicated: Callable[[str], bool]) -> str | None:
+        """A producer of `peer`'s latest replies' requests, of any kind, that was flagged or is suspected
+        since (by another check, or half-way to this one's bar), and that no trip of this track was
+        excused for yet; None: none."""
+        producers = {producer for boundary in self._boundaries.values()
+                     for owner, other in boundary.workers.items() if owner == peer
+                     for producer, _ in other.deviations if producer is not None and producer != peer}
+        for producer in sorted(producers - track.pardoned):
+            if implicated(producer) or self._flagged_here(producer) or self.on_its_way(producer):
                 return producer
         return None
 

@@ -156,14 +156,14 @@ def test_a_worker_standing_off_after_it_took_a_flagged_producers_frames_is_check
     flagged = {"h1"}  # then another check flagged the head
     for index in range(40):
         verifier.observe(1, "output", "b0", _features(rng, 5.0), [(0, "output", "h0")],
-                         flagged_elsewhere=flagged.__contains__)
-        verifier.observe(1, "output", "b1", _features(rng), [(0, "output", "h0")], flagged_elsewhere=flagged.__contains__)
+                         implicated_elsewhere=flagged.__contains__)
+        verifier.observe(1, "output", "b1", _features(rng), [(0, "output", "h0")], implicated_elsewhere=flagged.__contains__)
         if verifier.pardoned:
             break
     assert verifier.take_pardoned()[0][2:4] == ("b0", "h1") and verifier.flagged() == {}
     for _ in range(40):
         if verifier.observe(1, "output", "b0", _features(rng, 5.0), [(0, "output", "h0")],
-                            flagged_elsewhere=flagged.__contains__) is not None:
+                            implicated_elsewhere=flagged.__contains__) is not None:
             break
     assert verifier.flagged().keys() == {"b0"} and verifier.take_pardoned() == []
 
