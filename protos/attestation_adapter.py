@@ -7,7 +7,7 @@ own (`add_stage_service(..., extra=...)`).
 
 - The attestation travels in its JSON form (`attestation_to_json`), the form the ledger exports, so a
   worker keeps and exports exactly the text that was signed and sent.
-- The request is parsed tolerantly (protos/serving.py): bytes that are no `AttestationDelivery` are
+- The request is parsed tolerantly (protos/delivery.py): bytes that are no `AttestationDelivery` are
   INVALID_ARGUMENT naming it; a handler's `StageRefusal` becomes its status.
 
 Imports nothing of ours except the generated modules and stage_adapter's refusal beside it.
@@ -21,8 +21,7 @@ from typing import Any, Awaitable, Mapping, Protocol
 import grpc
 
 from agora.protos import stage_pb2, stage_pb2_grpc
-from agora.protos.serving import MalformedMessage, checked, tolerant_parser
-from agora.protos.stage_adapter import StageRefusal
+from agora.protos.delivery import delivery_handler
 
 __all__ = ["ATTESTATION_METHOD", "AttestationDelivery", "AttestationKept", "AttestationHandler",
            "attestation_method_handlers", "AttestationStub"]
@@ -53,20 +52,11 @@ class AttestationHandler(Protocol):
 def attestation_method_handlers(handler: AttestationHandler) -> Mapping[str, grpc.RpcMethodHandler]:
     """The DeliverAttestation method handler, for `stage_adapter.add_stage_service(..., extra=...)`."""
 
-    async def deliver_attestation(request: Any, context: Any) -> Any:
-        try:
-            value = AttestationDelivery(attestation=checked(request).attestation)
-        except MalformedMessage as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        try:
-            kept = await handler.deliver_attestation(value, context)
-        except StageRefusal as refusal:
-            await context.abort(refusal.code, refusal.message)
-        return stage_pb2.AttestationKept(rounds=kept.rounds, attestations=kept.attestations, attesters=kept.attesters)
-
-    return {ATTESTATION_METHOD: grpc.unary_unary_rpc_method_handler(
-        deliver_attestation, request_deserializer=tolerant_parser(stage_pb2.AttestationDelivery),
-        response_serializer=stage_pb2.AttestationKept.SerializeToString)}
+    return {ATTESTATION_METHOD: delivery_handler(
+        stage_pb2.AttestationDelivery, "attestation",
+        lambda text, context: handler.deliver_attestation(AttestationDelivery(attestation=text), context),
+        lambda kept: stage_pb2.AttestationKept(rounds=kept.rounds, attestations=kept.attestations,
+                                               attesters=kept.attesters))}
 
 
 class AttestationStub:

@@ -6,8 +6,8 @@ serves this module's handler beside its own (`add_stage_service(..., extra=...)`
 
 - The receipt travels in its JSON form (auth/receipts.py `receipt_to_json`), the form the ledger
   exports, so a worker keeps and exports exactly the text that was signed and sent.
-- The request is parsed tolerantly (protos/serving.py): bytes that are no `ReceiptDelivery` are
-  INVALID_ARGUMENT naming it; a handler's `StageRefusal` becomes its status.
+- The request is parsed tolerantly (protos/delivery.py, shared with DeliverAttestation): bytes that are no
+  `ReceiptDelivery` are INVALID_ARGUMENT naming it; a handler's `StageRefusal` becomes its status.
 
 Imports nothing of ours except the generated modules and stage_adapter's refusal beside it.
 """
@@ -20,8 +20,7 @@ from typing import Any, Awaitable, Mapping, Protocol
 import grpc
 
 from agora.protos import stage_pb2, stage_pb2_grpc
-from agora.protos.serving import MalformedMessage, checked, tolerant_parser
-from agora.protos.stage_adapter import StageRefusal
+from agora.protos.delivery import delivery_handler
 
 __all__ = ["DELIVER_METHOD", "ReceiptDelivery", "ReceiptKept", "ReceiptHandler", "receipt_method_handlers",
            "ReceiptStub"]
@@ -52,20 +51,10 @@ class ReceiptHandler(Protocol):
 def receipt_method_handlers(handler: ReceiptHandler) -> Mapping[str, grpc.RpcMethodHandler]:
     """The DeliverReceipt method handler, for `stage_adapter.add_stage_service(..., extra=...)`."""
 
-    async def deliver_receipt(request: Any, context: Any) -> Any:
-        try:
-            value = ReceiptDelivery(receipt=checked(request).receipt)
-        except MalformedMessage as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        try:
-            kept = await handler.deliver_receipt(value, context)
-        except StageRefusal as refusal:
-            await context.abort(refusal.code, refusal.message)
-        return stage_pb2.ReceiptKept(receipts=kept.receipts, microbatches=kept.microbatches, tokens=kept.tokens)
-
-    return {DELIVER_METHOD: grpc.unary_unary_rpc_method_handler(
-        deliver_receipt, request_deserializer=tolerant_parser(stage_pb2.ReceiptDelivery),
-        response_serializer=stage_pb2.ReceiptKept.SerializeToString)}
+    return {DELIVER_METHOD: delivery_handler(
+        stage_pb2.ReceiptDelivery, "receipt",
+        lambda text, context: handler.deliver_receipt(ReceiptDelivery(receipt=text), context),
+        lambda kept: stage_pb2.ReceiptKept(receipts=kept.receipts, microbatches=kept.microbatches, tokens=kept.tokens))}
 
 
 class ReceiptStub:
