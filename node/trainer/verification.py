@@ -85,8 +85,14 @@ relays every such value, so it can watch them. Design choices:
 - Nothing is judged before the stage and kind have `warmup` accepted replies.
 
 With one worker on a stage the pooled reference is that worker's own recent history, its spread
-floored at `LONE_SPREAD_FLOOR` (training's own trends are narrow next to it): a sudden large
-change of its scale or direction, or of a reply's relation to its request, is still caught. What
+floored at `LONE_SPREAD_FLOOR` (training's own trends are narrow next to it), and its replies keep
+entering it however far its CUSUM has gone, unless the reply itself stands `OUTLIER_Z` spreads off:
+with no one else's replies to move the reference, keeping them all out froze it, and a lone head
+whose outputs grew 3.5-fold over a few early steps (three trainers stepping it in turn, 5 spreads)
+stood ever further off its frozen past until it was flagged, and its stage, and the run, were left
+with no worker. A sudden large change of its scale or direction, or of a reply's relation to its
+request, is still caught: a x10 lie stands 9 spreads off, never enters, and trips within five
+replies. What
 this cannot catch then: a worker lying from its first reply (its history is the lie), a lie grown
 so slowly that it looks like drift, a sole head replaying earlier outputs (a head's Forward has
 no request frame to align with), and a stage-wide honest shift cannot be told from a lie. With
@@ -364,7 +370,11 @@ class ReplyVerifier:
                     track.flagged = self._evidence(stage, kind, peer, boundary, track, index, side, value, live)
                     self._void_evidence_from(peer)
                     return track.flagged
-        if track.largest() < self.settings.threshold / 2:  # a worker on its way to a flag is kept out
+        # A worker on its way to a flag is kept out of the reference it is held to. Alone, that reference
+        # is its own history, and frozen it turns honest drift into a flag: then only a reply standing
+        # OUTLIER_Z off is kept out (module docstring).
+        alone = not self._others(boundary, track, live)
+        if (track.outlying if alone else track.largest() >= self.settings.threshold / 2) is False:
             boundary.window.append((peer, features))
         return None
 

@@ -87,6 +87,22 @@ def test_a_sole_worker_whose_replies_trend_as_training_moves_them_is_not_flagged
     assert any(outcome is not None for outcome in outcomes)
 
 
+def test_a_sole_worker_whose_values_jump_a_few_fold_early_is_not_flagged_and_a_x10_lie_still_is():
+    """A lone head's outputs grew 3.5-fold (1.25 in log-RMS) over a few steps early in a run with three
+    trainers, then kept rising. Its CUSUM passed half the bar, its replies were kept out of its own
+    reference, which froze at the values before the jump, and the honest head was flagged 78 replies
+    in, its stage left with no worker. Alone, its replies keep moving the reference."""
+    def lone(values) -> list:
+        rng, verifier = random.Random(6), ReplyVerifier()
+        return [verifier.observe(0, "output", "head", tuple(value + rng.gauss(0.0, 0.03) for _ in FEATURES),
+                                 present={"head"}) for value in values]
+
+    honest = [-2.4 + (1.25 + 0.02 * (index - 64) if index >= 64 else 0.0) for index in range(300)]
+    assert lone(honest) == [None] * 300
+    lying = [-2.4 + (math.log(10.0) if index >= 64 else 0.0) for index in range(64 + DETECTION_REPLIES + 1)]
+    assert any(outcome is not None for outcome in lone(lying))
+
+
 def test_a_reply_computed_from_a_suspected_workers_is_not_judged():
     """The tail's input gradient after a head's lie moves as much as the lie; it must not count."""
     rng, verifier = random.Random(2), ReplyVerifier()
