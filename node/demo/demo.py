@@ -33,7 +33,7 @@ from agora.node.authorizer import LOCAL_RUN_FLAGS, issue_credential
 from agora.node.demo.launcher import warm_up
 from agora.node.demo.processes import ChildFailed, ChildProcess, Placement, ProcessGroup, agora_node_command
 from agora.node.demo.chaos import Chaos, ChaosEvent
-from agora.node.demo.stall import StallWatch, report_stall
+from agora.node.demo.stall import StallWatch, report_stall, stage_left_empty
 from agora.node.demo.summary import build_summary, churn_summary, format_summary, latest_per_trainer, merge_logs
 from agora.node.progress import Progress
 from agora.node.demo.options import DemoOptions
@@ -182,6 +182,9 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
             if chaos is not None and chaos.due(time.monotonic() - started):
                 _chaos_kill(chaos, group, workers, trainers, killed, joins, start_worker, start_trainer,
                             time.monotonic() - started)
+            emptied = stage_left_empty(workers)
+            if emptied is not None:
+                raise ChildFailed(emptied)
             _show(progress, lines, _alive_per_stage(workers))
             time.sleep(0.2)  # the progress view's refresh; trainers are waited on via their exit
         failed = [t for t in trainers if t.process.returncode != 0 and t.name not in killed]

@@ -8,6 +8,10 @@ so far, for a model whose batches take minutes), the demo asks every live child 
 stacks (SIGUSR1: agora-node writes them to its log from C, node/__main__.py) and prints the last
 lines of each child's log to its own stderr, once per stall: a further report only after as long
 again without a batch. Nothing is stopped: a slow machine's run goes on.
+
+One hang is certain and ends the run at once: every worker the demo started for a stage has exited
+(banned, crashed) and none will come, the demo starting no other (churn drills start the newcomer
+as they kill), so its trainers would wait for a worker of that stage for ever (`stage_left_empty`).
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ import os
 import signal
 import sys
 import time
-from typing import Callable, Iterable, TextIO
+from typing import Callable, Iterable, Sequence, TextIO
 
 from agora.node.demo.processes import ChildProcess
 
-__all__ = ["STALL_S", "StallWatch", "report_stall"]
+__all__ = ["STALL_S", "StallWatch", "report_stall", "stage_left_empty"]
 
 logger = logging.getLogger("agora.node.demo")
 
@@ -72,3 +76,16 @@ def report_stall(children: Iterable[ChildProcess], batches: int, after_s: float,
         lines = TRAINER_LINES if child.name.startswith("trainer") else OTHER_LINES
         print(f"demo: no global batch for {after_s:.0f} s; the last lines of {child.log_path}:\n{child.log_tail(lines)}",
               file=out, flush=True)
+
+
+def stage_left_empty(workers: Sequence[tuple[int, ChildProcess]]) -> str | None:
+    """Why the run cannot go on, if every worker started for some stage has exited (module
+    docstring): each one's exit code and last log lines; None while every stage has one alive."""
+    stages = sorted({stage for stage, _ in workers})
+    for stage in stages:
+        gone = [worker for s, worker in workers if s == stage]
+        if not any(worker.alive() for worker in gone):
+            reasons = "\n".join(f"{worker.name} exited with {worker.process.returncode}; the last lines of "
+                                 f"{worker.log_path}:\n{worker.log_tail(OTHER_LINES)}" for worker in gone)
+            return f"stage {stage} has no worker left, so the run cannot go on:\n{reasons}"
+    return None

@@ -8,7 +8,7 @@ import sys
 import time
 
 from agora.node.demo.processes import ChildProcess
-from agora.node.demo.stall import StallWatch, report_stall
+from agora.node.demo.stall import StallWatch, report_stall, stage_left_empty
 
 
 class Clock:
@@ -75,3 +75,23 @@ def test_the_report_shows_each_live_childs_log_tail_and_asks_it_for_its_stacks(t
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_stage_whose_every_worker_exited_ends_the_run_with_why(tmp_path):
+    def child(name: str, code: str) -> ChildProcess:
+        log = tmp_path / f"{name}.log"
+        log.write_text(f"{name} started\n{name}: banned by the run's operator\n")
+        return ChildProcess(name, subprocess.Popen([sys.executable, "-c", code]), log)
+
+    sleeping = "import time; time.sleep(60)"
+    head, body, tail = child("worker-s0-r0", "raise SystemExit(3)"), child("worker-s1-r0", sleeping), \
+        child("worker-s1-r1", "raise SystemExit(0)")
+    try:
+        head.process.wait(), tail.process.wait()
+        assert stage_left_empty([(1, body), (1, tail)]) is None  # stage 1 still has a worker
+        why = stage_left_empty([(0, head), (1, body), (1, tail)])
+        assert why.startswith("stage 0 has no worker left") and "worker-s0-r0 exited with 3" in why
+        assert "banned by the run's operator" in why and "worker-s1" not in why
+    finally:
+        body.process.kill()
+        body.process.wait()
