@@ -220,7 +220,7 @@ class Attacker:
         board = LeaseBoard(self.compromised, run_id=RUN, lease_s=120.0,
                            writers=UnitWriters(self.root_pem, RUN, self.compromised_dir))
         held = [STEPS + i for i in range(HELD)]
-        push: dict = {"claimed": [await board.claim(unit) for unit in held]}
+        push: dict = {"claimed": [await _claim(board, unit) for unit in held]}
         micro = self.config.train.microbatches
         for name in TAILS:
             async with self.client(self.workers[name], self.compromised_dir) as tail:
@@ -394,6 +394,15 @@ def attacked(tmp_path_factory):
         yield demo, record, code, summary
     finally:
         demo.close()
+
+
+async def _claim(board: LeaseBoard, unit: int, tries: int = 3) -> bool:
+    """Claim `unit` as any trainer would: a claim whose store or read-back the loaded DHT missed
+    (`claim` then says False and withdraws it) is tried again, like a trainer taking its next unit."""
+    for _ in range(tries):
+        if await board.claim(unit):
+            return True
+    return False
 
 
 def _plain(value):
