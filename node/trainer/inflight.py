@@ -24,7 +24,9 @@ trainer feeds it from every training microbatch; `InFlightLimit` is the resizabl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -78,32 +80,46 @@ class DepthEstimate:
 
 
 class InFlightLimit:
-    """A semaphore whose limit can change while it is held (lowering it lets holders finish)."""
+    """A semaphore whose limit can change while it is held (lowering it lets holders finish).
+
+    Leaving never waits: a holder cancelled on its way out (a unit's microbatches stopped) still
+    frees its place; with a lock to take on the way out, that place was lost for good, and enough
+    such losses would leave every later microbatch waiting for ever."""
 
     def __init__(self, limit: int):
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
         self.limit = limit
         self.active = 0
-        self._changed = asyncio.Condition()
+        self._waiters: deque[asyncio.Future] = deque()
 
     async def set(self, limit: int) -> None:
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
-        async with self._changed:
-            self.limit = limit
-            self._changed.notify_all()
+        self.limit = limit
+        self._wake()
 
     async def __aenter__(self) -> "InFlightLimit":
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.active < self.limit)
-            self.active += 1
+        while self.active >= self.limit:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+        self.active += 1
         return self
 
     async def __aexit__(self, *exc) -> None:
-        async with self._changed:
-            self.active -= 1
-            self._changed.notify_all()
+        self.active -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        """Every waiter looks again, in the order they came (those that find no room wait again)."""
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 def in_flight_limit(options: TrainerOptions, microbatches: int) -> int:

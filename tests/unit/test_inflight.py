@@ -72,6 +72,34 @@ def test_limit_can_shrink_and_grow_while_held():
     asyncio.run(scenario())
 
 
+def test_a_holder_cancelled_while_others_wait_frees_its_place():
+    """A unit's microbatches stopped mid-flight (cancelled) give their places back at once, even while
+    other microbatches wait at the limit: none is lost, and the waiters enter in the order they came."""
+    async def scenario():
+        limit = InFlightLimit(1)
+        entered = []
+
+        async def hold(name, release):
+            async with limit:
+                entered.append(name)
+                await release.wait()
+
+        never, later = asyncio.Event(), asyncio.Event()
+        holder = asyncio.create_task(hold("a", never))
+        await _settle()
+        waiters = [asyncio.create_task(hold(name, later)) for name in ("b", "c")]
+        await _settle()
+        holder.cancel()
+        waiters[1].cancel()  # a waiter cancelled too: it takes no place
+        await _settle()
+        assert entered == ["a", "b"] and limit.active == 1
+        later.set()
+        await asyncio.gather(waiters[0])
+        assert limit.active == 0 and entered == ["a", "b"]
+
+    asyncio.run(scenario())
+
+
 def test_initial_depth_is_half_a_batch_within_the_cap_when_adaptive():
     from agora.node.trainer.inflight import initial_depth
 
