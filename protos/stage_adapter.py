@@ -52,6 +52,7 @@ __all__ = [
     "SERVICE_NAME",
     "PUSHBACK_METADATA",
     "REFUSED_INPUT_METADATA",
+    "UNIT_NOT_HELD_METADATA",
     "PRODUCED_FIELDS",
     "ForwardRequest",
     "ForwardReply",
@@ -90,6 +91,9 @@ PUSHBACK_METADATA = "grpc-retry-pushback-ms"
 # In an INVALID_ARGUMENT's trailing metadata: the request's frame whose values, computed by the
 # previous stage's worker and relayed by the caller, the worker refused ("wire", "output_grad").
 REFUSED_INPUT_METADATA = "agora-refused-input"
+# In a PERMISSION_DENIED's trailing metadata: the unit whose work or report the caller sent without
+# holding it, as the worker read the lease queue (node/worker/unit_holders.py).
+UNIT_NOT_HELD_METADATA = "agora-unit-not-held"
 PRODUCED_FIELDS = ("wire", "output_grad")  # its values: the request's frames another stage's worker computed
 
 

@@ -38,7 +38,7 @@ from agora.node.trainer.discovery import Discovery
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.stage_client import (InputRefused, ReplyScales, StageCallError, StageClient,
-                                             WorkerBusy)
+                                             UnitNotHeld, WorkerBusy)
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.traces import MicrobatchTraces
 from agora.pipeline.codec import WireCodec
@@ -206,6 +206,9 @@ class WorkerCalls:
             self.roster.busy(view.peer_id, self.clock(), error.pushback_s)
             raise
         except InputRefused:  # whose fault it is, the route decides (`Blame.refused_input`)
+            self.roster.released(view.peer_id)
+            raise
+        except UnitNotHeld:  # this trainer's lease, not the worker's fault (node/trainer/microbatches.py)
             self.roster.released(view.peer_id)
             raise
         except StageCallError as error:

@@ -20,6 +20,13 @@ critical path (node/trainer/gradient_checks.py): input gradients by finite diffe
 replay. A sign-flipped, scaled or noisy gradient, or a head's noisy or stale output, keeps every
 statistic.
 
+A worker refusing work of a unit this trainer does not hold, as it reads the lease queue
+(`UnitNotHeld`), is at no fault: the trainer asks the queue itself (`hold`, node/trainer/units.py).
+Another trainer's unit is dropped here, every microbatch of it (`UnitLost`); its own, the worker read
+the queue before the claim landed and is called again once it reads it anew (`_REREAD_WAIT_S`).
+Counted as failures, such refusals had the trainer back off from the stage's only worker and give
+the unit back after six tries, a minute later.
+
 Every call goes through node/trainer/calls.py (credits, busy answers, the completed-batch report
 a replica is owed). A sampled microbatch runs under its trace's root span, every attempt under it
 (node/trainer/traces.py). Each training microbatch's wall time, compute and queueing go to the
@@ -43,9 +50,10 @@ from agora.node.trainer.calls import WorkerCalls
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.reply_checks import ReplyChecks
 from agora.node.trainer.routing import WorkerView
-from agora.node.trainer.stage_client import InputRefused, StageCallError
+from agora.node.trainer.stage_client import InputRefused, StageCallError, UnitNotHeld
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.traces import MicrobatchTraces
+from agora.node.trainer.units import UnitHold, UnitLost
 from agora.node.trainer.verification import Source
 
 __all__ = ["Microbatches", "MicrobatchFailed", "StageDone", "Turn", "DepthObserver"]
@@ -55,6 +63,11 @@ logger = logging.getLogger("agora.node.trainer")
 
 class MicrobatchFailed(RuntimeError):
     pass
+
+
+# A worker that refused a caller's work of a unit refuses that caller from its cache for a second
+# (node/worker/unit_holders.py, `refusal_memory_s`); a call made after that has it read the queue again.
+_REREAD_WAIT_S = 1.2
 
 
 # Called with a stage index once a microbatch's gradient has been accumulated on that stage.
@@ -76,20 +89,21 @@ class Microbatches:
 
     async def run(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
                   evaluate: bool = False, on_stage_done: StageDone | None = None,
-                  shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
+                  shares: list[Counter] | None = None, turn: Turn | None = None, hold: UnitHold | None = None) -> float:
         """`_run`, under its trace's root span when it is sampled (`traces`)."""
         if self.traces is None:
-            return await self._run(key, tokens, targets, evaluate, on_stage_done, shares, turn)
+            return await self._run(key, tokens, targets, evaluate, on_stage_done, shares, turn, hold)
         with self.traces.microbatch(key, evaluate=evaluate) as span:
-            loss = await self._run(key, tokens, targets, evaluate, on_stage_done, shares, turn)
+            loss = await self._run(key, tokens, targets, evaluate, on_stage_done, shares, turn, hold)
             if span is not None:
                 span.set_attribute("agora.loss", loss)
             return loss
 
     async def _run(self, key: str, tokens: torch.Tensor, targets: torch.Tensor,
                    evaluate: bool = False, on_stage_done: StageDone | None = None,
-                   shares: list[Counter] | None = None, turn: Turn | None = None) -> float:
-        """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts.
+                   shares: list[Counter] | None = None, turn: Turn | None = None, hold: UnitHold | None = None) -> float:
+        """Loss of one microbatch; reroutes on failure, raises MicrobatchFailed when out of attempts, and
+        UnitLost once `hold` (the unit's, None: always held) says another trainer holds the unit.
         `shares`: the global batch's microbatches per peer, one counter per stage (balanced routing).
         `key` names the work ("u12m3"): the same for every attempt and every trainer that runs this unit,
         so a worker that applied it once does not apply it again (node/replica/work_ledger.py).
@@ -97,6 +111,8 @@ class Microbatches:
         exclude: set[str] = set()
         last_error: Exception | None = None
         for attempt in range(self.options.max_attempts):
+            if hold is not None and hold.lost:
+                raise UnitLost(f"microbatch {key}: unit {hold.unit} is held by another trainer")
             # 128 random bits per attempt: unguessable, and never the id of another attempt (a late
             # reply of an abandoned route cannot be confused with the new one). The worker binds
             # it to this trainer's identity; the readable prefix is for logs.
@@ -107,6 +123,13 @@ class Microbatches:
                 if not evaluate:
                     self.stats.microbatch_done()
                 return loss
+            except UnitNotHeld as error:  # the worker's view of the lease queue: no fault of its own
+                last_error = error
+                if hold is None or not await hold.confirm():
+                    raise UnitLost(f"microbatch {key}: unit {error.unit} is held by another trainer: {error}") from None
+                logger.info("microbatch %s: %s read the lease queue before this trainer's claim of unit %d landed; "
+                            "calling again", key, error.address, error.unit)
+                await asyncio.sleep(_REREAD_WAIT_S)
             except StageCallError as error:  # a real failure: busy answers were waited out in `_call_stage`
                 last_error = error
                 peer = next((v.peer_id for v in self.roster.workers.values()

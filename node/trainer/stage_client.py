@@ -14,7 +14,9 @@ Design choices:
   worker's pushback, gRPC's `grpc-retry-pushback-ms`), `RequestRefused` (the worker
   judged the request or its state wrong: rerun the microbatch), `InputRefused` (a RequestRefused
   whose trailing metadata names the frame the previous stage's worker produced: that worker's
-  fault, not this one's), `WorkerUnreachable` (transport, deadline: reroute and back off),
+  fault, not this one's), `UnitNotHeld` (a RequestRefused naming a unit this trainer sent work of
+  without holding it, as the worker read the lease queue: the trainer's own problem, not the
+  worker's), `WorkerUnreachable` (transport, deadline: reroute and back off),
   `BadReply` (ban-worthy; `ExtremeReply` for values beyond the stage's bound).
   `StageCallError` is their base.
 - With `scales` (the trainer's, one `WireScale` per stage and frame kind: pipeline/wire_scale.py)
@@ -61,6 +63,7 @@ from agora.protos.stage_adapter import (
     PRODUCED_FIELDS,
     PUSHBACK_METADATA,
     REFUSED_INPUT_METADATA,
+    UNIT_NOT_HELD_METADATA,
     AbortReply,
     AbortRequest,
     BackwardRequest,
@@ -77,6 +80,7 @@ __all__ = [
     "StageCallError",
     "WorkerBusy",
     "RequestRefused",
+    "UnitNotHeld",
     "OutsideWindow",
     "WorkerUnreachable",
     "BadReply",
@@ -133,6 +137,16 @@ class InputRefused(RequestRefused):
     def __init__(self, code: grpc.StatusCode, details: str, *, address: str, method: str, field: str):
         super().__init__(code, details, address=address, method=method)
         self.field = field
+
+
+class UnitNotHeld(RequestRefused):
+    """PERMISSION_DENIED: this trainer sent work of `unit` that it does not hold, as the worker read the
+    lease queue. No fault of the worker's: the trainer lost the unit to another (a race the lease
+    queue settles after the fact), or the worker read the queue before this trainer's claim landed."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, *, address: str, method: str, unit: int):
+        super().__init__(code, details, address=address, method=method)
+        self.unit = unit
 
 
 class WorkerUnreachable(StageCallError):
@@ -198,6 +212,9 @@ def error_for(code: grpc.StatusCode, details: str, *, address: str, method: str,
         return InputRefused(code, details, address=address, method=method, field=refused_input)
     if cls is WorkerBusy:
         return WorkerBusy(code, details, address=address, method=method, pushback_s=pushback_s(trailing_metadata))
+    unit = _metadata_value(trailing_metadata, UNIT_NOT_HELD_METADATA)
+    if code == grpc.StatusCode.PERMISSION_DENIED and unit is not None and unit.isdigit() and len(unit) <= 16:
+        return UnitNotHeld(code, details, address=address, method=method, unit=int(unit))
     return cls(code, details, address=address, method=method)
 
 

@@ -19,7 +19,7 @@ from agora.monitor.trainer_metrics import TrainerMetrics
 
 __all__ = ["TrainerStats", "UNIT_OUTCOMES"]
 
-UNIT_OUTCOMES = ("claimed", "committed", "reclaimed", "duplicate", "conflict", "released")
+UNIT_OUTCOMES = ("claimed", "committed", "reclaimed", "duplicate", "conflict", "released", "lost")
 
 
 class TrainerStats:

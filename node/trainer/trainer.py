@@ -64,7 +64,7 @@ from agora.node.trainer.stage_client import ReplyScales
 from agora.node.trainer.stats import TrainerStats
 from agora.node.trainer.traces import MicrobatchTraces
 from agora.node.trainer.turns import AccumulationOrder
-from agora.node.trainer.units import FixedUnits, UnitSource, assigned_units
+from agora.node.trainer.units import FixedUnits, UnitHold, UnitLost, UnitSource, assigned_units
 from agora.node.trainer.verification import Evidence
 from agora.monitor.trainer_metrics import RpcClientMetrics
 from agora.pipeline.centralized import StepRecord
@@ -183,6 +183,10 @@ class SwarmTrainer:
                 unit_id = pending.pop(task)
                 try:
                     task.result()
+                except UnitLost as error:  # another trainer's now: not this one's failure, nothing to give back
+                    logger.warning("global batch %d dropped: %s", unit_id, error)
+                    await source.failed(unit_id)  # its claim withdrawn
+                    continue
                 except MicrobatchFailed as error:
                     failures_in_a_row += 1
                     logger.warning("global batch %d given back: %s", unit_id, error)
@@ -241,6 +245,7 @@ class SwarmTrainer:
             return done
 
         order = AccumulationOrder(self.n_stages) if self.options.synchronous else None
+        hold = UnitHold(unit_id, self.units, self.clock) if self.units is not None else None
 
         async def one(index: int, batch: torch.Tensor) -> float:
             async with self._in_flight:
@@ -249,7 +254,7 @@ class SwarmTrainer:
                     return await self.microbatches.run(
                         f"u{unit_id}m{index}", batch[:, :-1], batch[:, 1:],
                         on_stage_done=None if self.options.synchronous else stage_done(index), shares=shares,
-                        turn=None if order is None else functools.partial(order.turn, index=index))
+                        turn=None if order is None else functools.partial(order.turn, index=index), hold=hold)
                 except BaseException:
                     if order is not None:
                         await order.abandon()  # the calls waiting for this one's turn give up
@@ -257,7 +262,13 @@ class SwarmTrainer:
                 finally:
                     self.stats.microbatch_s += self.clock() - started
 
-        losses = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)))
+        # Every microbatch ends before the unit does (a lost unit's stop at their next attempt), so none
+        # runs on after the unit is given back or dropped.
+        outcomes = await asyncio.gather(*(one(i, mb) for i, mb in enumerate(microbatches)), return_exceptions=True)
+        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if errors:
+            raise next((error for error in errors if isinstance(error, UnitLost)), errors[0])
+        losses = list(outcomes)
         for stage, stage_shares in enumerate(shares):
             self.roster.batch_done(stage, stage_shares)  # who got none of it (routing's probe)
         if self.receipts is not None:  # only the routes that completed are left in the shares

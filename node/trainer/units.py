@@ -14,8 +14,14 @@ failed here, and ends when the source says every unit of the run is committed.
   taken by whoever gets there: "reclaimed". Faster trainers take more units, a restarted trainer
   resumes from the queue, and the run ends when every unit is committed, not when a trainer has
   done its share. What a trainer saw happen to units (claimed, committed, reclaimed, duplicate,
-  conflict, released) is counted in its metrics. It holds at most `MAX_CLAIMS` units at once (what
+  conflict, released, lost) is counted in its metrics. It holds at most `MAX_CLAIMS` units at once (what
   peers keep of one trainer's claims in a block; far more than its window of global batches).
+- Two trainers can both read back their claim of a unit when one's store lands late (a loaded
+  DHT), and both run it. The workers settle it: each takes a unit's work only from its holder as
+  the lease queue says (node/worker/unit_holders.py), and refuses the other's naming the unit
+  (`UnitNotHeld`). The trainer refused then reads the unit's block again (`holds`, through
+  `UnitHold`): held by another, the unit is lost here and every microbatch of it stops; still its
+  own, the worker had read the queue before its claim landed, and the call is made again.
 - `next_candidates` is the pure decision: which units to try, in order, given what the trainer
   knows of each unit now.
 """
@@ -32,7 +38,7 @@ from agora.dht.record_fields import BLOCK_UNITS
 from agora.dht.records import MAX_CLAIMS
 from agora.node.trainer.stats import TrainerStats
 
-__all__ = ["UnitSource", "FixedUnits", "LeasedUnits", "assigned_units", "next_candidates"]
+__all__ = ["UnitSource", "FixedUnits", "LeasedUnits", "UnitHold", "UnitLost", "assigned_units", "next_candidates"]
 
 logger = logging.getLogger("agora.node.trainer")
 
@@ -42,6 +48,12 @@ logger = logging.getLogger("agora.node.trainer")
 _HORIZON_PER_TRAINER = 16
 # How stale a trainer's view of a block may be when it looks for work (a read is one DHT get).
 _REFRESH_S = 1.0
+# How long a unit read back as still held here counts as held for further refusals of its work.
+_HOLD_CONFIRMED_S = 1.0
+
+
+class UnitLost(RuntimeError):
+    """Another trainer holds the unit this trainer was running, as a worker and the lease queue say."""
 
 
 class UnitSource(Protocol):
@@ -56,6 +68,9 @@ class UnitSource(Protocol):
     async def committed(self, unit: int) -> None: ...
 
     async def failed(self, unit: int) -> None: ...
+
+    async def holds(self, unit: int) -> bool:
+        """Whether this trainer still holds `unit` (its live claim, or its commit), read now."""
 
     async def close(self) -> None: ...
 
@@ -90,6 +105,9 @@ class FixedUnits:
     async def failed(self, unit: int) -> None:
         self._open.discard(unit)
         self._todo.insert(0, unit)  # it runs again here: nobody else would
+
+    async def holds(self, unit: int) -> bool:
+        return True  # a unit of the list is this trainer's alone
 
     async def close(self) -> None:
         pass
@@ -175,6 +193,20 @@ class LeasedUnits:
         self._states.pop(unit, None)
         self._count("released")
 
+    async def holds(self, unit: int) -> bool:
+        block = LeaseBoard.block_of(unit)
+        state = (await self.board.read(block)).get(unit)
+        if state is not None and state.holder == self.board.peer_id:
+            return True
+        if unit in self._held:
+            self._held.discard(unit)  # not renewed any more; `failed` withdraws the claim
+            self._count("lost")
+            logger.warning("unit %d is held by trainer %s, not this one: it stops here", unit,
+                           None if state is None else state.holder,
+                           extra={"milestone": "unit_lost", "fields": {"unit": unit}})
+        self._read_at.pop(block, None)
+        return False
+
     async def close(self) -> None:
         if self._renewing is not None:
             self._renewing.cancel()
@@ -225,3 +257,25 @@ class LeasedUnits:
     def _count(self, outcome: str) -> None:
         if self.stats is not None:
             self.stats.unit(outcome)
+
+
+class UnitHold:
+    """Whether this trainer still holds the unit it runs, asked when a worker refuses its work of it
+    (module docstring): one read of the lease queue at a time, a unit read back as held counts as
+    held for `_HOLD_CONFIRMED_S`, and once lost it is lost for every microbatch of the unit."""
+
+    def __init__(self, unit: int, source: UnitSource, clock: Callable[[], float]):
+        self.unit, self._source, self._clock = unit, source, clock
+        self.lost = False
+        self._confirmed_at = -math.inf
+        self._lock = asyncio.Lock()
+
+    async def confirm(self) -> bool:
+        """True while the unit is this trainer's; False (and `lost`) once another trainer holds it."""
+        async with self._lock:
+            if not self.lost and self._clock() - self._confirmed_at >= _HOLD_CONFIRMED_S:
+                if await self._source.holds(self.unit):
+                    self._confirmed_at = self._clock()
+                else:
+                    self.lost = True
+            return not self.lost

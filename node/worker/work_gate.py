@@ -28,7 +28,7 @@ import grpc
 
 from agora.node.rpc.auth_check import Caller, RefusalCounts
 from agora.node.worker.unit_holders import LeaseUnavailable, UnitHolders, WorkRefused, unit_of_forward
-from agora.protos.stage_adapter import BackwardRequest, ForwardRequest, StageRefusal
+from agora.protos.stage_adapter import UNIT_NOT_HELD_METADATA, BackwardRequest, ForwardRequest, StageRefusal
 
 __all__ = ["PendingChecks", "WorkGate"]
 
@@ -85,7 +85,8 @@ class WorkGate:
             if error.malformed:
                 raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, str(error), "bad_work_key") from None
             self._log_refusal(caller.owner, unit, str(error))
-            raise self._refused(grpc.StatusCode.PERMISSION_DENIED, str(error), "not_unit_holder") from None
+            raise self._refused(grpc.StatusCode.PERMISSION_DENIED, str(error), "not_unit_holder",
+                                ((UNIT_NOT_HELD_METADATA, str(unit)),)) from None
         except LeaseUnavailable as error:
             raise self._refused(grpc.StatusCode.UNAVAILABLE, str(error), "lease_unavailable") from None
 
@@ -101,9 +102,10 @@ class WorkGate:
         await self.holders.close()
         self._logger.info("stage %d unit lease checks: %s", self.stage, self.holders.summary())
 
-    def _refused(self, code: grpc.StatusCode, message: str, reason: str) -> StageRefusal:
+    def _refused(self, code: grpc.StatusCode, message: str, reason: str,
+                 trailing_metadata: tuple[tuple[str, str], ...] = ()) -> StageRefusal:
         self.refusals.add(reason)
-        return StageRefusal(code, message)
+        return StageRefusal(code, message, trailing_metadata)
 
     def _log_refusal(self, caller: str, unit: int, message: str) -> None:
         """A milestone the first time a caller sends work of a unit it does not hold, debug after."""

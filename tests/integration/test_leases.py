@@ -16,7 +16,7 @@ from agora.dht.record_fields import BLOCK_UNITS, RecordError
 from agora.dht.records import UnitBlockRecord
 from agora.dht.entry_reader import Stored
 from agora.node.rpc.server import run
-from agora.node.trainer.units import FixedUnits, LeasedUnits, next_candidates
+from agora.node.trainer.units import FixedUnits, LeasedUnits, UnitHold, next_candidates
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,6 +108,38 @@ def test_a_later_claim_read_before_the_earlier_one_landed_does_not_win_too():
     assert (a_won, b_won) == (True, False)
     assert resolve(3, {peer: item.record for peer, item in dht.entries.items()}, dht.now).holder == "A"
     assert not dht.entries["B"].record.claimed_units()  # B's claim was withdrawn
+
+def test_two_winners_of_a_late_store_are_settled_by_holds_and_the_later_one_loses_the_unit():
+    """A's store lands after B's whole claim (store, read, settle, read): both read back their claim
+    and both run the unit. Refused by a worker, B asks the queue: the earlier claim is A's, so B
+    loses the unit (stops renewing it, counts it lost) and A still holds it; a `UnitHold` asked again
+    answers from what it learnt, without another read."""
+    dht = _SlowStoreBoard()
+
+    async def main():
+        a = LeasedUnits(LeaseBoard(dht.peer("A", store_delay_s=0.3), run_id="run", lease_s=30.0), total=8,
+                        clock=lambda: dht.now)
+        b = LeasedUnits(LeaseBoard(dht.peer("B"), run_id="run", lease_s=30.0), total=8, clock=lambda: dht.now)
+        a_claims = asyncio.create_task(a.board.claim(0))
+        await asyncio.sleep(0)  # A has stamped its claim at time 0 and is storing it
+        dht.now = 1.0
+        b_won = await b.next_unit()
+        a_won = await a_claims
+        hold = UnitHold(0, b, clock=lambda: dht.now)
+        reads = []
+        original = b.board.read
+
+        async def counted(block):
+            reads.append(block)
+            return await original(block)
+        b.board.read = counted
+        held = [await hold.confirm(), await hold.confirm()]
+        return a_won, b_won, await a.holds(0), held, hold.lost, reads, 0 in b._held
+
+    a_won, b_won, a_holds, b_held, lost, reads, still_renewed = run(main())
+    assert (a_won, b_won) == (True, 0)  # both read their claim back twice
+    assert a_holds and b_held == [False, False] and lost and reads == [0] and not still_renewed
+
 
 def test_a_trainer_holds_no_more_units_than_peers_keep_claims_of(monkeypatch):
     monkeypatch.setattr("agora.node.trainer.units.MAX_CLAIMS", 2)

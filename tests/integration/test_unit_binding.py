@@ -6,6 +6,7 @@ tests/unit/test_unit_holders.py, tests/unit/test_control_messages.py."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -21,10 +22,16 @@ from agora.dht.swarm import SwarmDHT
 from agora.node.replica.epoch import DEFAULT_REPORT_AHEAD, stage_step
 from agora.node.rpc.server import run
 from agora.node.rpc.tls import TlsChannels
-from agora.node.trainer.stage_client import StageCallError, StageClient
+from agora.node.trainer.discovery import StaticDiscovery
+from agora.node.trainer.options import TrainerOptions
+from agora.node.trainer.routing import WorkerView
+from agora.node.trainer.stage_client import StageCallError, StageClient, UnitNotHeld
+from agora.node.trainer.trainer import SwarmTrainer
+from agora.node.trainer.units import LeasedUnits, UnitLost
 from agora.node.worker.unit_holders import UnitHolders
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS
+from agora.pipeline.data import build_data
 from agora.pipeline.fingerprint import run_fingerprint
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -91,10 +98,11 @@ def microbatch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[:, :-1], batch[:, 1:]
 
 
-async def refused(call) -> tuple[grpc.StatusCode, str]:
+async def refused(call) -> tuple[grpc.StatusCode, str, int | None]:
+    """The refusal's code and details, and the unit it says the caller does not hold (None: not that)."""
     with pytest.raises(StageCallError) as error:
         await call
-    return error.value.code, error.value.details
+    return error.value.code, error.value.details, error.value.unit if isinstance(error.value, UnitNotHeld) else None
 
 
 def test_a_unit_s_work_and_report_are_taken_from_its_holder_alone(pki, dhts):
@@ -132,6 +140,41 @@ def test_a_unit_s_work_and_report_are_taken_from_its_holder_alone(pki, dhts):
     assert applied == [False] * micro and repeated  # the holder's microbatches, each applied once
     assert accumulated == micro and stepped_on == micro
     assert refusals["not_unit_holder"] == 3 and refusals["bad_work_key"] == 1
+    # Each refusal of work or a report of a unit not held names the unit (the caller's own problem,
+    # which its trainer settles with the lease queue, node/trainer/units.py), a bad work key does not.
+    assert [unit for _, _, unit in squats] == [7, 8, 7, None]
+
+
+def test_a_trainer_running_a_unit_another_holds_drops_it_at_the_first_refusal_and_blames_no_worker(pki, dhts):
+    """Two trainers can both read back their claim of a unit when one's store lands late (dht/leases.py).
+    The one the worker refuses asks the lease queue, finds the unit is the other's, and drops it: every
+    microbatch stops, nothing of it is applied, no reroute, no failure counted against the worker (six
+    such failures each had a trainer back off from its stage's only worker for a minute)."""
+    _, trainers, root_pem = pki
+
+    async def main():
+        async with gated_stage(CONFIG, pki, dhts, 5) as (worker, _, _):
+            security = DHTSecurity.from_state_dir(trainers["mallory"])
+            other = await asyncio.to_thread(SwarmDHT.start, initial_peers=dhts[0].visible_maddrs(), client_mode=True,
+                                            security=security)
+            try:
+                board = LeaseBoard(other, run_id=RUN, lease_s=30.0, writers=UnitWriters(root_pem, RUN, trainers["mallory"]))
+                units = LeasedUnits(board, total=16, clock=other.clock)
+                view = WorkerView(worker.credentials.peer_id, worker.address, 0)
+                channels = TlsChannels(NodeCredentials(trainers["mallory"], clock=time.time))
+                async with SwarmTrainer(CONFIG, build_data(CONFIG), StaticDiscovery([view]),
+                                        TrainerOptions(run_id=RUN, max_in_flight=2), channels=channels,
+                                        units=units) as trainer:
+                    with pytest.raises(UnitLost) as lost:
+                        await trainer.train_unit(5)
+                    applied = await worker.on_compute(lambda c: (c.accumulated_microbatches, len(c.work)))
+                    return str(lost.value), applied, trainer.stats
+            finally:
+                await asyncio.to_thread(other.shutdown)
+
+    lost, applied, stats = run(main())
+    assert "unit 5 is held by another trainer" in lost
+    assert applied == (0, 0) and stats.reroutes == 0 and stats.failures_by_peer == {}
 
 
 def test_a_head_checks_a_forward_while_it_computes_and_applies_nothing_before_the_check_allows_it(pki, dhts):
