@@ -96,7 +96,7 @@ import grpc
 
 from agora.auth.admitted import AdmissionLog, AdmittedNode
 from agora.auth.authority import RunAuthority
-from agora.auth.challenges import ChallengeBook, RenewalChallenges
+from agora.auth.challenges import ChallengeBook, ChallengeError, RenewalChallenges
 from agora.auth.credentials import Clock, CredentialVerifier
 from agora.auth.dialback import dial_back
 from agora.auth.join_check import JoinCheckService
@@ -112,6 +112,7 @@ from agora.pipeline.fingerprint import RunFingerprint
 from agora.protos.authorizer_adapter import (DOWNLOAD_CHUNK_BYTES, Challenge, ChallengeRequest, LatencyProbe, Payload,
                                              RunDescription, RunRequest, StageMember, TransferControl,
                                              UploadReceipt)
+from agora.protos.serving import drain
 
 __all__ = ["AuthorizerService"]
 
@@ -291,5 +292,11 @@ class AuthorizerService(JoinService, JoinCheckService, RenewalService, ReportSer
     @answers
     async def measure_upload(self, chunks: AsyncIterator[Payload], context: Any) -> UploadReceipt:
         caller = caller_address(context.peer())
-        with self._newcomer(caller):
-            return await self._preflight.upload(chunks, caller)
+        try:
+            with self._newcomer(caller):
+                return await self._preflight.upload(chunks, caller)
+        except (Status, ChallengeError):
+            # Refused while the newcomer may still be writing: the rest is read and dropped first, or its
+            # grpc client reports INTERNAL instead of this status (protos/serving.py `drain`).
+            await drain(chunks, max_bytes=self.settings.preflight_bytes, size=lambda chunk: len(chunk.data))
+            raise

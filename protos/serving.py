@@ -10,8 +10,9 @@
   server sent (grpc/grpc#36066), so the rest of a refused stream is read and dropped until the
   client half-closes, then the status goes out. The read is bounded in bytes, parts and seconds,
   so a client that never stops cannot hold the call: past a bound the status goes out anyway (and
-  that client may see INTERNAL). Used by the Stage adapter (an oversized or malformed stream) and
-  by the per-call credential check (a stream refused at the door).
+  that client may see INTERNAL). Used by the Stage adapter (an oversized or malformed stream), by
+  the per-call credential check (a stream refused at the door) and by the authorizer's upload
+  measurement (a challenge busy, unknown or overrun).
 """
 
 from __future__ import annotations
@@ -61,13 +62,14 @@ def checked(message: Any) -> Any:
 
 
 async def drain(parts: AsyncIterable[Any], *, max_bytes: Optional[int] = None, max_parts: Optional[int] = None,
-                timeout_s: float = DRAIN_S) -> None:
-    """Read and drop the rest of a refused stream, up to `max_bytes`, `max_parts` and `timeout_s`."""
+                timeout_s: float = DRAIN_S, size: Callable[[Any], int] = lambda part: part.ByteSize()) -> None:
+    """Read and drop the rest of a refused stream, up to `max_bytes` (each part's `size`), `max_parts`
+    and `timeout_s`."""
     async def read() -> None:
         seen = count = 0
         async for part in parts:
             count += 1
-            seen += part.ByteSize()
+            seen += size(part)
             if (max_bytes is not None and seen > max_bytes) or (max_parts is not None and count >= max_parts):
                 return
     try:
