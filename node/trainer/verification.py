@@ -350,8 +350,10 @@ class ReplyVerifier:
         boundary.replies += 1
         track.last_seen = boundary.replies
         live = None if present is None else frozenset(present) | {peer}
+        alone = not self._others(boundary, track, live)
         if len(boundary.entries(live)) >= self.settings.warmup:
-            tripped = self._accumulate(boundary, track, features, live, producer=upstream[-1][2] if upstream else None)
+            tripped = self._accumulate(boundary, track, features, live, alone,
+                                       producer=upstream[-1][2] if upstream else None)
             if tripped is not None:
                 index, side, value = tripped
                 if self._shared_shift(boundary, peer, index, side, live):
@@ -373,8 +375,8 @@ class ReplyVerifier:
         # A worker on its way to a flag is kept out of the reference it is held to. Alone, that reference
         # is its own history, and frozen it turns honest drift into a flag: then only a reply standing
         # OUTLIER_Z off is kept out (module docstring).
-        alone = not self._others(boundary, track, live)
-        if (track.outlying if alone else track.largest() >= self.settings.threshold / 2) is False:
+        kept_out = track.outlying if alone else track.largest() >= self.settings.threshold / 2
+        if not kept_out:
             boundary.window.append((peer, features))
         return None
 
@@ -450,13 +452,15 @@ class ReplyVerifier:
         return track is not None and (track.flagged is not None or track.largest() >= fraction * self.settings.threshold)
 
     def _accumulate(self, boundary: _Boundary, track: _WorkerTrack, features: tuple[float, ...],
-                    live: frozenset[str] | None, producer: str | None = None) -> tuple[int, str, float] | None:
+                    live: frozenset[str] | None, alone: bool,
+                    producer: str | None = None) -> tuple[int, str, float] | None:
         """Add the reply's deviations to the worker's CUSUMs; the feature and side of the largest one
-        over the threshold, if any. `producer`: the worker whose frame the call carried (None: none)."""
+        over the threshold, if any. `alone`: no other worker of the stage is there (its own history is
+        the reference). `producer`: the worker whose frame the call carried (None: none)."""
         k, worst = self.settings.drift, None
         deviations = [0.0] * len(features)
         track.deviations.append((producer, deviations))
-        floor = SPREAD_FLOOR if self._others(boundary, track, live) else LONE_SPREAD_FLOOR
+        floor = LONE_SPREAD_FLOOR if alone else SPREAD_FLOOR
         for index, value in enumerate(features):
             reference = boundary.reference(index, floor, live)
             if math.isnan(value) or reference is None:
