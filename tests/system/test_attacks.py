@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,7 @@ CHALLENGE_SHARE = 32  # join challenges one network may hold outstanding (the au
 # What a worker's DHT peer counts the fake member and the lease holds under (agora_dht_refused_total).
 DHT_REFUSALS = ("workers", "units.claims", "units.updated_at")
 WATCH_TARGET = "worker-s0-r1"
+REFUSAL_MEMORY_S = 1.0  # how long a worker refuses a refused caller from its cache (UnitHolders' default)
 PROBE_POOL = 8  # the workers' max_probe_calls (default)
 
 
@@ -120,6 +122,7 @@ class Attacker:
         self.stranger_dir, self.compromised_dir = stranger_dir, compromised_dir
         self.root_pem = NodeCredentials(compromised_dir, clock=time.time).root_pem()
         self.record: dict = {}
+        self.refused_at = -math.inf  # when the tails last refused the compromised trainer's work
 
     def client(self, worker: Worker, directory: Path) -> StageClient:
         return StageClient(worker.address, run_id=RUN, stage=worker.stage, model=self.config.model,
@@ -212,6 +215,7 @@ class Attacker:
                 answers[name] = [await _refusal(tail.forward(f"squat-{unit}", tokens, torch.zeros(rows, 16, wire_dim),
                                                              tokens, work_key=f"u{unit}m0"))
                                  for unit in (0, future)]
+        self.refused_at = time.monotonic()
         return {"future": future, "answers": answers}
 
     async def schedule_push(self) -> dict:
@@ -221,6 +225,10 @@ class Attacker:
                            writers=UnitWriters(self.root_pem, RUN, self.compromised_dir))
         held = [STEPS + i for i in range(HELD)]
         push: dict = {"claimed": [await _claim(board, unit) for unit in held]}
+        # The squat just had this caller refused, and for a second after a refusal a worker refuses it
+        # again from its cache without reading the queue (node/worker/unit_holders.py): a report of a
+        # unit claimed since would be refused as held by no one. That rule is timed, so it is waited out.
+        await asyncio.sleep(max(0.0, self.refused_at + 1.5 * REFUSAL_MEMORY_S - time.monotonic()))
         micro = self.config.train.microbatches
         for name in TAILS:
             async with self.client(self.workers[name], self.compromised_dir) as tail:
