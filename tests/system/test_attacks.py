@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +70,7 @@ from agora.node.replica.epoch import DEFAULT_REPORT_AHEAD
 from agora.node.rpc.server import run as run_loop
 from agora.node.rpc.tls import TlsChannels, worker_server_name
 from agora.node.trainer.reports import send_report
-from agora.node.trainer.stage_client import StageCallError, StageClient
+from agora.node.trainer.stage_client import StageCallError, StageClient, UnitNotHeld
 from agora.node.trainer.verification import Evidence
 from agora.pipeline.config import config_from_dict
 from agora.pipeline.fingerprint import run_fingerprint
@@ -122,7 +121,6 @@ class Attacker:
         self.stranger_dir, self.compromised_dir = stranger_dir, compromised_dir
         self.root_pem = NodeCredentials(compromised_dir, clock=time.time).root_pem()
         self.record: dict = {}
-        self.refused_at = -math.inf  # when the tails last refused the compromised trainer's work
 
     def client(self, worker: Worker, directory: Path) -> StageClient:
         return StageClient(worker.address, run_id=RUN, stage=worker.stage, model=self.config.model,
@@ -215,7 +213,6 @@ class Attacker:
                 answers[name] = [await _refusal(tail.forward(f"squat-{unit}", tokens, torch.zeros(rows, 16, wire_dim),
                                                              tokens, work_key=f"u{unit}m0"))
                                  for unit in (0, future)]
-        self.refused_at = time.monotonic()
         return {"future": future, "answers": answers}
 
     async def schedule_push(self) -> dict:
@@ -225,16 +222,12 @@ class Attacker:
                            writers=UnitWriters(self.root_pem, RUN, self.compromised_dir))
         held = [STEPS + i for i in range(HELD)]
         push: dict = {"claimed": [await _claim(board, unit) for unit in held]}
-        # The squat just had this caller refused, and for a second after a refusal a worker refuses it
-        # again from its cache without reading the queue (node/worker/unit_holders.py): a report of a
-        # unit claimed since would be refused as held by no one. That rule is timed, so it is waited out.
-        await asyncio.sleep(max(0.0, self.refused_at + 1.5 * REFUSAL_MEMORY_S - time.monotonic()))
         micro = self.config.train.microbatches
         for name in TAILS:
             async with self.client(self.workers[name], self.compromised_dir) as tail:
                 start = (await tail.info()).step
                 far = max(STEPS + HELD, start + DEFAULT_REPORT_AHEAD + 64)  # beyond the replica's window
-                push[name] = {"start": start, "held": [(await tail.batch_done(unit, micro, 2)).step for unit in held],
+                push[name] = {"start": start, "held": [(await _report_held(tail, unit, micro)).step for unit in held],
                               "far claimed": await board.claim(far),
                               "far": await _refusal(tail.batch_done(far, micro, 2)),
                               # Last: for a second after refusing a caller, a worker refuses it from its
@@ -411,6 +404,19 @@ async def _claim(board: LeaseBoard, unit: int, tries: int = 3) -> bool:
         if await board.claim(unit):
             return True
     return False
+
+
+async def _report_held(tail: StageClient, unit: int, microbatches: int, tries: int = 3):
+    """Report a unit the compromised trainer holds done, as a trainer would: refused as not its own (the
+    worker's read of the queue missed the claim, or it refuses this caller from its one-second cache of
+    refusals, node/worker/unit_holders.py), it is sent again once that second is over."""
+    for attempt in range(tries):
+        try:
+            return await tail.batch_done(unit, microbatches, 2)
+        except UnitNotHeld:
+            if attempt == tries - 1:
+                raise
+            await asyncio.sleep(1.5 * REFUSAL_MEMORY_S)
 
 
 def _plain(value):
