@@ -107,6 +107,9 @@ ROUND_LEAD = 4
 # looks whether the round in flight ended, and how long it waits for that.
 _COUNT_CHECK_S = 1.0
 _POLL_S = 0.05
+# A probe due within this is due now: the event loop's timers round to the millisecond, so a wait
+# for the last fraction of one returns at once, and the loop would spin until the time came.
+_TIMER_RESOLUTION_S = 0.001
 _STOP_GRACE_S = 10.0
 
 
@@ -248,7 +251,8 @@ class AveragingLoop:
     async def _run(self) -> None:
         while not self._stopping.is_set():
             self.stats.local_steps = self.worker.compute.optimizer.steps
-            if self._board is not None and self._probes.due_in(time.monotonic(), self.stats.local_steps) <= 0:
+            probe_in = self._probes.due_in(time.monotonic(), self.stats.local_steps)
+            if self._board is not None and probe_in <= _TIMER_RESOLUTION_S:
                 await self._probe(self.stats.local_steps)
             decision = RoundDecision(None, 0)
             if self._announced is not None and self._announced > self._last_round:
