@@ -24,9 +24,11 @@ Design choices:
   refusal is counted by reason (`refused`: the worker's refusal counts, a metric) and logged as a
   milestone once each time the pool fills, not per call (the logging interceptor already logs each
   refused call, and a caller retrying in a loop would flood the log). A refused stage stream is
-  read to its end first (bounded), so its client sees the status (grpc/grpc#36066); a refused
-  reflection stream is not: its client sends one request and waits, so the status reaches it as
-  is, and waiting for the end of a stream its client keeps open would hold grpc's refusal room.
+  read to its end first (bounded), so its client sees the status (grpc/grpc#36066); of a refused
+  reflection stream only the first request is read: its client sends one and waits, so reading
+  that one is enough (a status sent while it was still being written reached the client as
+  INTERNAL), and waiting for the end of a stream its client keeps open would hold grpc's refusal
+  room.
 - Slots are taken and given back on the event loop only (hooks run there): no lock.
 """
 
@@ -42,7 +44,7 @@ from grpc_reflection.v1alpha import reflection
 
 from agora.node.rpc.interceptors import CallHook, CallInfo, CallRecord
 from agora.protos.link_probe_adapter import LINK_PROBE_FULL_METHOD
-from agora.protos.serving import drain
+from agora.protos.serving import DRAIN_S, drain
 
 __all__ = ["CallPool", "CallSlots", "PROBE_SERVICES", "DEFAULT_PROBE_CALLS", "LINK_PROBE_CALLS", "REFUSAL_ROOM",
            "is_probe"]
@@ -54,6 +56,8 @@ LINK_PROBE_CALLS = 2  # link probes served at once, one per caller
 REFUSAL_ROOM = 16
 # A refused stream is read to its end before the status goes out, but no further than this many parts.
 _DRAIN_PARTS = 4096
+# A refused probe stream's first request comes at once, or not at all (a client holding it open unsent).
+_PROBE_DRAIN_S = 1.0
 
 
 def is_probe(method: str) -> bool:
@@ -157,8 +161,9 @@ class CallSlots(CallHook):
             return owner
         reason, message = refusal
         self._note_refusal(pool, reason, owner, call.method)
-        if call.request_stream is not None and pool is not self.probes:
-            await drain(call.request_stream, max_parts=_DRAIN_PARTS)
+        if call.request_stream is not None:
+            await drain(call.request_stream, max_parts=1 if pool is self.probes else _DRAIN_PARTS,
+                        timeout_s=_PROBE_DRAIN_S if pool is self.probes else DRAIN_S)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{call.method}: {message}")  # raises
 
     def release(self, call: CallInfo, held: Any, record: CallRecord) -> None:
