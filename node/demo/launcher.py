@@ -234,7 +234,7 @@ def _serve(requests: int, replies: int) -> None:
                 pid = os.fork()
                 if pid == 0:
                     _become(request, own)  # never returns: it exits through the interpreter
-                _write_all(replies, (json.dumps({"launched": request["id"], "pid": pid}) + "\n").encode())
+                _reply(replies, {"launched": request["id"], "pid": pid})
 
 
 def _reap(replies: int) -> None:
@@ -245,7 +245,14 @@ def _reap(replies: int) -> None:
             return
         if pid == 0:
             return
-        _write_all(replies, (json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+        _reply(replies, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _reply(replies: int, message: dict) -> None:
+    try:
+        _write_all(replies, (json.dumps(message) + "\n").encode())
+    except BrokenPipeError:  # the supervisor is gone (stopped while a child was starting): as on EOF
+        os._exit(0)
 
 
 def _become(request: dict, own: tuple[int, ...]) -> None:
