@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from agora.bench.dht_peer import ACTIONS
 from agora.bench.dht_traffic import (ROLES, Dilation, Timetable, TrafficModel, check_rows, first_due_s, peer_rates,
                                      role_actions, swarm_rates)
 from agora.bench.many_nodes import geometry_for
@@ -57,6 +58,11 @@ def test_a_bad_role_or_model_names_the_field():
         TrafficModel(batches_per_s=0)
     with pytest.raises(ValueError, match="rounds_per_s"):
         TrafficModel(rounds_per_s=1.0, round_s=1.0)
+
+
+def test_every_action_of_the_model_has_a_peer_method():
+    names = {action.name for role in ROLES for action in role_actions(role, MODEL)}
+    assert names == set(ACTIONS)
 
 
 def test_dilation_stretches_periods_and_reads_windows_back_per_logical_minute():
