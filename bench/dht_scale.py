@@ -13,11 +13,12 @@ that demo's rates at N = 8), every period stretched `--dilation` K times, so tha
 cores without waiting for them.
 
 Per N: the swarm is started (peers in waves, each wave ready before the next: a join has a 3 s
-deadline), measured at rest for `--rest` seconds (no traffic yet: hivemind's and p2pd's own timers),
-then the traffic starts (the peers wait for a go file naming its start), and after `--warmup` the
-window: `--window` real seconds between two readings of each namespace's eth0 byte counters and of
-each peer's CPU time (its process, its hivemind DHT process and p2pd, from /proc); the memory
-(proportional set size) at the window's end. Then the peers stop and their request logs are read.
+deadline), measured at rest for `--rest` seconds once the last joins settled (no traffic yet:
+hivemind's and p2pd's own timers), then the traffic starts (the peers wait for a go file naming its
+start), and after `--warmup` the window: `--window` real seconds between two readings of each
+namespace's eth0 byte counters and of each peer's CPU time (its process, its hivemind DHT process and
+p2pd, from /proc); the memory (proportional set size) at the window's end. Then the peers stop and
+their request logs are read.
 
 Figures per N (bench/dht_scale_report.py): DHT get and store latency p50/p95 over every request in
 the window, as measured; requests per node by family, bytes in+out per node and CPU seconds per node,
@@ -63,6 +64,8 @@ RUN_ID = "dht-scale"
 BOOTSTRAP = "bootstrap"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 READY_S = 300.0
+# After the last wave joined, before the rest is measured: its joins' own traffic and CPU are not rest.
+REST_SETTLE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,7 @@ def measure(nodes: int, args: argparse.Namespace, workdir: Path) -> Figures:
             started = time.monotonic()
             children = start_peers(group, topology, specs, args, geometry, workdir)
             start_s = time.monotonic() - started
+            time.sleep(REST_SETTLE_S)
             rest = read_host(topology, children)
             time.sleep(args.rest)
             rest = (rest, read_host(topology, children))

@@ -237,8 +237,9 @@ def report(rows: list[Figures], command: str, model_check: list[tuple[str, float
              f"`{command}` on {time.strftime('%Y-%m-%d %H:%M')}; {platform.node()}, {os.cpu_count()} cores, "
              f"Python {platform.python_version()}. Each N is N admitted DHT peers (S stages x R replicas of workers "
              f"and trainers) and a bootstrap, each in its own network namespace on profile `{first.profile}`, "
-             f"playing bench/dht_traffic.py's traffic dilated {first.dilation:g}x; latencies as measured, every "
-             "per-time figure per logical minute (traffic x K plus the background measured at rest).", "",
+             f"playing bench/dht_traffic.py's traffic dilated {first.dilation:g}x; latencies as measured (each "
+             "peer serving 1/K of the logical load: a swarm at full pace may queue more), every per-time figure per "
+             "logical minute (traffic x K plus the background measured at rest).", "",
              NOT_MEASURED, "",
              "| N | geometry | load start/end | answered | " + " | ".join(title for _, title in COLUMNS) + " |",
              "|---:|---|---|---:|" + "---:|" * len(COLUMNS)]
@@ -279,17 +280,26 @@ def plot(rows: list[Figures], path: Path) -> bool:
     figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     nodes = [row.nodes for row in rows]
     for name in ("get_p50_ms", "get_p95_ms", "store_p50_ms", "store_p95_ms"):
-        axes[0].plot(nodes, [getattr(r, name) for r in rows], marker="o", label=name)
-    axes[0].set(title="DHT request latency (ms)", xlabel="peers N", xscale="log")
-    axes[1].plot(nodes, [r.kib_per_node_min for r in rows], marker="o", label="KiB in+out per node per min")
-    axes[1].plot(nodes, [r.requests_per_node_min for r in rows], marker="o", label="requests per node per min")
-    axes[1].set(title="per-node traffic (logical minute)", xlabel="peers N", xscale="log")
-    axes[2].plot(nodes, [r.cpu_s_per_node_min for r in rows], marker="o", label="CPU s per node per min")
-    axes[2].plot(nodes, [r.pss_mib_per_node / 100 for r in rows], marker="o", label="PSS per node (100 MiB)")
-    axes[2].set(title="per-node CPU and memory", xlabel="peers N", xscale="log")
+        axes[0].plot(nodes, [getattr(r, name) for r in rows], marker="o", label=name.replace("_ms", ""))
+    axes[0].set(title="DHT request latency (ms, as measured)", ylim=(0, None))
+    pairs = ((axes[1], "kib_per_node_min", 1 / KIB, "MiB in+out per node", "requests_per_node_min",
+              "requests per node"),
+             (axes[2], "cpu_s_per_node_min", 1.0, "CPU s per node", "pss_mib_per_node", "PSS MiB per node"))
+    for axis, left, scale, left_label, right, right_label in pairs:
+        axis.plot(nodes, [getattr(r, left) * scale for r in rows], marker="o", color="C0")
+        axis.set_ylabel(left_label, color="C0")
+        twin = axis.twinx()
+        twin.plot(nodes, [getattr(r, right) for r in rows], marker="s", color="C1")
+        twin.set_ylabel(right_label, color="C1")
+        twin.set_ylim(0, None)
+        axis.set_ylim(0, None)
+    axes[1].set(title="traffic per logical minute")
+    axes[2].set(title="CPU per logical minute, memory")
     for axis in axes:
+        axis.set(xlabel="peers N", xscale="log")
         axis.set_xticks(nodes, [str(n) for n in nodes])
-        axis.legend(fontsize=7)
+        axis.minorticks_off()
+    axes[0].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

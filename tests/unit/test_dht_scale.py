@@ -8,7 +8,7 @@ import math
 import pytest
 
 from agora.bench.dht_scale import PeerSpec, Reading, peer_specs, usage_between
-from agora.bench.dht_scale_report import (Call, PeerUsage, figures, goals, quantile, read_calls, read_errors,
+from agora.bench.dht_scale_report import (Call, PeerUsage, figures, goals, plot, quantile, read_calls, read_errors,
                                           report)
 from agora.bench.dht_traffic import Dilation
 from agora.bench.many_nodes import geometry_for
@@ -111,3 +111,10 @@ def test_the_report_has_every_n_the_growth_the_goals_and_the_models_check():
     assert "| growth |" in text and "Goals:" in text and "no averaging all-reduce" in text
     assert "| store units | 0.44 | 0.438 | 1 |" in text
     assert "| get units | " in text
+
+
+def test_the_plot_is_written_where_matplotlib_is_installed(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "dht_scale.png"
+    assert plot([_row(8, 100.0, 10.0, 1.0), _row(16, 120.0, 11.0, 1.1)], path)
+    assert path.stat().st_size > 10_000
