@@ -46,6 +46,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from agora.bench.growth import growth
 from agora.dht.op_timings import BUCKETS_S, OperationStats, quantile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,35 +326,7 @@ def _by_family(window, peers: int, elapsed: float) -> dict:
     return out
 
 
-# ---- growth and the report -------------------------------------------------------------------------
-
-GROWTH_SHAPES = {"constant": lambda n: 0.0, "log N": math.log, "N": float}
-
-
-def growth(nodes: list[int], values: list[float]) -> str:
-    """The shape (constant, log N, N) whose least-squares line fits `values` best; with a positive
-    slope only (a falling figure is called constant)."""
-    points = [(n, v) for n, v in zip(nodes, values) if math.isfinite(v)]
-    if len(points) < 3:
-        return "-"
-    best, best_error = "constant", math.inf
-    for name, shape in GROWTH_SHAPES.items():
-        xs, ys = [shape(n) for n, _ in points], [v for _, v in points]
-        slope, intercept = _line(xs, ys)
-        if name != "constant" and slope <= 0:
-            continue
-        error = sum((y - (intercept + slope * x)) ** 2 for x, y in zip(xs, ys))
-        if error < best_error * 0.8:  # a more complex shape must fit clearly better
-            best, best_error = name, error
-    return best
-
-
-def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    spread = sum((x - mean_x) ** 2 for x in xs)
-    slope = 0.0 if spread == 0 else sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
-    return slope, mean_y - slope * mean_x
-
+# ---- the report ----------------------------------------------------------------------------------
 
 COLUMNS = [("get_p50_ms", "DHT get p50 ms"), ("get_p95_ms", "DHT get p95 ms"), ("store_p50_ms", "store p50 ms"),
            ("store_p95_ms", "store p95 ms"), ("dht_requests_per_node_s", "DHT requests/s per node"),

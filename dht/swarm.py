@@ -35,10 +35,11 @@ Design choices:
   peers, 4.9 among 18; bench/idle_cpu.py). A value lives on the 5 peers nearest its key
   (hivemind's replicas; every writer re-stores its entry each heartbeat), so a beam of 8 still
   holds them with room for peers that joined nearer since.
-- The run's ban list (dht/bans.py) is read at most once per ``BAN_REFRESH_S`` (or a
-  heartbeat, which asks for it each beat) with one get in the DHT process, which also hands it
-  to that process's validators; readers then skip a banned peer's entries like any other they
-  do not believe, whatever their expiry, and ``bans`` answers the node's other checks.
+- The run's ban list (dht/bans.py) is read at most once per ``ban_refresh_s`` (``BAN_REFRESH_S``;
+  a bench that stretches time stretches it too), or a heartbeat, which asks for it each beat, with
+  one get in the DHT process, which also hands it to that process's validators; readers then skip
+  a banned peer's entries like any other they do not believe, whatever their expiry, and ``bans``
+  answers the node's other checks.
 - The clock is injectable (default ``hivemind.utils.get_dht_time``) and is used for the
   expirations this peer writes and to drop entries that expired by its reading. It must
   stay within a few seconds of DHT time: hivemind's own storage prunes and refuses by
@@ -124,6 +125,8 @@ class SwarmDHT:
         self._written: dict[tuple[str, Optional[str]], float] = {}
         self.timings = RequestTimings()  # every request's latency, by operation and key family
         self.bans = NodeBans()  # the run's ban list, as this peer's DHT process last read it
+        # How old that list may be when a read checks entries against it (read again first if older).
+        self.ban_refresh_s = BAN_REFRESH_S
         self._reader = EntryReader(clock=clock, ownership=EntryOwnership(require_owner=owner_public_key is not None),
                                    bans=self.bans)
         self._peer_id: str = self._run_coroutine(node_peer_id, "peer id")
@@ -325,7 +328,7 @@ class SwarmDHT:
 
     def _bans_for_reading(self) -> None:
         try:
-            self.refresh_bans()
+            self.refresh_bans(self.ban_refresh_s)
         except DHTRequestError as error:  # the read goes on with the list held
             logger.debug("could not read the ban list: %s", error)
 

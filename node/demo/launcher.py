@@ -5,7 +5,9 @@ hivemind, grpc, and torch._dynamo, which torch.optim imports on first use). A 3-
 starts 6 to 10 children at once, so on a 2-core machine most of its start went to imports. Here
 one server process (`python -m agora.node.demo.launcher`, started by the supervisor) imports
 PRELOAD, and each child is a fork of it that runs `python -m agora.node` on its argv (runpy, as
-the interpreter does for -m): the same main, and no import of it here.
+the interpreter does for -m): the same main, and no import of it here. A supervisor may name
+another module to run so (bench/dht_scale.py's DHT peers: programs that need what agora-node
+imports, and are many).
 
 Why a server and not a fork of the supervisor: the supervisor (the demo, a test, the WAN bench)
 has threads and event loops of its own, and a fork of a threaded process can inherit a held lock.
@@ -185,12 +187,13 @@ def warm_up() -> None:
 
 
 def launch(argv: list[str], *, env: dict[str, str], log_path: Path, cwd: Path, name: str,
-           namespace: str | None = None) -> LaunchedProcess:
-    """Start `agora-node *argv` as a fork of the server; its output goes to `log_path`, which must
-    exist (the supervisor creates it, so that a child that dies at once still has a log)."""
-    handle = LaunchedProcess([sys.executable, "-m", AGORA_NODE_MODULE, *argv])
+           namespace: str | None = None, module: str = AGORA_NODE_MODULE) -> LaunchedProcess:
+    """Start `python -m <module> *argv` (`agora-node *argv` by default) as a fork of the server; its
+    output goes to `log_path`, which must exist (the supervisor creates it, so that a child that dies
+    at once still has a log)."""
+    handle = LaunchedProcess([sys.executable, "-m", module, *argv])
     request = {"argv": list(argv), "env": dict(env), "log": str(log_path), "cwd": str(cwd), "name": name,
-               "namespace": namespace}
+               "namespace": namespace, "module": module}
     _current_server().launch(request, handle)
     return handle
 
@@ -231,7 +234,7 @@ def _serve(requests: int, replies: int) -> None:
                 pid = os.fork()
                 if pid == 0:
                     _become(request, own)  # never returns: it exits through the interpreter
-                _write_all(replies, (json.dumps({"launched": request["id"], "pid": pid}) + "\n").encode())
+                _reply(replies, {"launched": request["id"], "pid": pid})
 
 
 def _reap(replies: int) -> None:
@@ -242,11 +245,18 @@ def _reap(replies: int) -> None:
             return
         if pid == 0:
             return
-        _write_all(replies, (json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+        _reply(replies, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _reply(replies: int, message: dict) -> None:
+    try:
+        _write_all(replies, (json.dumps(message) + "\n").encode())
+    except BrokenPipeError:  # the supervisor is gone (stopped while a child was starting): as on EOF
+        os._exit(0)
 
 
 def _become(request: dict, own: tuple[int, ...]) -> None:
-    """The child's side: become what an exec'd `python -m agora.node` would be, then run it."""
+    """The child's side: become what an exec'd `python -m <module>` would be, then run it."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -275,9 +285,10 @@ def _become(request: dict, own: tuple[int, ...]) -> None:
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
     # What the interpreter does for `-m`: the package's __main__ runs as __main__, sys.argv[0] its
-    # path. It takes over SIGTERM first, so a role stopped while starting exits 0 there.
-    sys.argv = [AGORA_NODE_MODULE, *request["argv"]]
-    runpy.run_module(AGORA_NODE_MODULE, run_name="__main__", alter_sys=True)
+    # path. agora-node takes over SIGTERM first, so a role stopped while starting exits 0 there.
+    module = request.get("module", AGORA_NODE_MODULE)
+    sys.argv = [module, *request["argv"]]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
     sys.exit(0)  # it returned without exiting, as a script that ends does
 
 

@@ -7,7 +7,8 @@ SIGKILLs whatever is left, so no process outlives the group.
 
 A command that is `agora_node_command(...)` is not exec'd: it runs as a fork of a server that has
 imported agora-node once (node/demo/launcher.py), the same main with the same argv, environment,
-session and log, without the 3 s of imports per child. Any other command is exec'd.
+session and log, without the 3 s of imports per child. So does `python -m M ...` for any other
+module M a group lists in `launched_modules` (a bench's peer program). Any other command is exec'd.
 
 A `Placement` says where each child runs: on this machine's loopback by default; the WAN harness
 (bench/wan/) gives each its own network namespace (entered by the launched child, or with `ip
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from agora.node.demo.launcher import LaunchedProcess, LauncherError, launch
+from agora.node.demo.launcher import AGORA_NODE_MODULE, LaunchedProcess, LauncherError, launch
 from agora.node.demo.supervision import PARENT_PID_ENV
 
 logger = logging.getLogger("agora.node.demo")
@@ -40,7 +41,7 @@ class ChildFailed(RuntimeError):
 
 def agora_node_command(*args: str) -> list[str]:
     """The `agora-node ...` command line, run by this interpreter (no PATH lookup needed)."""
-    return [sys.executable, "-m", "agora.node", *args]
+    return [sys.executable, "-m", AGORA_NODE_MODULE, *args]
 
 
 def _dump_stacks(child: ChildProcess) -> None:
@@ -119,6 +120,8 @@ class ProcessGroup:
     env: dict[str, str] = field(default_factory=dict)
     children: list[ChildProcess] = field(default_factory=list)
     placement: Placement = LOOPBACK
+    # Modules whose `python -m` commands run as forks of the launcher's server (module docstring).
+    launched_modules: tuple[str, ...] = (AGORA_NODE_MODULE,)
 
     def host(self, name: str) -> str:
         """The address the child `name` listens on and announces."""
@@ -132,10 +135,10 @@ class ProcessGroup:
         env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid())}
         namespace = self.placement.namespace(name)
         with open(log_path, "wb") as log:
-            if command[:3] == agora_node_command():
+            if command[:2] == [sys.executable, "-m"] and command[2:3] and command[2] in self.launched_modules:
                 try:
                     process = launch(command[3:], env=env, log_path=log_path, cwd=self.workdir, name=name,
-                                     namespace=namespace)
+                                     namespace=namespace, module=command[2])
                 except LauncherError as error:
                     raise ChildFailed(f"{name} could not be started: {error}") from None
             else:

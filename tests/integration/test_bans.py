@@ -29,7 +29,7 @@ from agora.auth.authority import RunAuthority
 from agora.auth.keys import hivemind_private_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
 from agora.dht.averaging import AveragingAdmission, SliceAverager, round_group_bits
-from agora.dht.bans import sign_ban_list
+from agora.dht.bans import BAN_REFRESH_S, sign_ban_list
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.leases import LeaseBoard, UnitWriters
 from agora.dht.keys import averaging_prefix, owned_subkey, worker_key
@@ -183,6 +183,25 @@ def test_a_ban_reaches_a_node_through_the_publishers_loop_and_its_heartbeat(swar
 
     print(f"authorizer ban -> A refuses W: {run(main()):.2f} s")
     assert w.peer_id not in {r.peer_id for r in a.live_workers(RUN, 0)}
+
+
+def test_a_read_reads_the_ban_list_again_only_once_it_is_older_than_the_peers_ban_refresh(swarm):
+    peer = swarm.peers["a"]
+    peer.refresh_bans(max_age_s=0)
+
+    def ban_reads() -> int:
+        return peer.timings.snapshot()[("call", "bans")].count
+
+    before = ban_reads()
+    try:
+        peer.ban_refresh_s = 3600.0  # a bench's stretched time: the list read a moment ago is fresh
+        peer.live_workers(RUN, 0)
+        assert ban_reads() == before
+        peer.ban_refresh_s = 0.0
+        peer.live_workers(RUN, 0)
+        assert ban_reads() == before + 1
+    finally:
+        peer.ban_refresh_s = BAN_REFRESH_S
 
 
 def test_the_record_validator_refuses_a_relayed_new_entry_of_a_banned_writer_but_not_a_dictionary(swarm):

@@ -5,6 +5,7 @@ script's exit codes and SIGTERM rule, and it dies with its supervisor even after
 from __future__ import annotations
 
 import os
+import platform
 import select
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from agora.node.demo.launcher import LaunchedProcess
 from agora.node.demo.processes import ProcessGroup, agora_node_command
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -62,6 +64,20 @@ def test_a_launched_role_reports_a_user_error_in_its_log_with_exit_2_and_a_kill_
         assert boot.process.returncode == -signal.SIGKILL
     finally:
         group.shutdown()
+
+
+def test_a_group_launches_the_other_modules_it_lists_and_execs_any_other(tmp_path):
+    group = ProcessGroup(tmp_path, launched_modules=("agora.node", "platform"))
+    try:
+        launched = group.spawn("platform", [sys.executable, "-m", "platform", "--terse"])
+        execd = group.spawn("calendar", [sys.executable, "-m", "calendar", "2026", "1"])  # not listed
+        assert launched.process.wait(READY_S) == 0 and execd.process.wait(READY_S) == 0
+    finally:
+        group.shutdown()
+    assert isinstance(launched.process, LaunchedProcess) and isinstance(execd.process, subprocess.Popen)
+    assert launched.process.args[:3] == [sys.executable, "-m", "platform"]
+    assert platform.platform(terse=True) in launched.log_path.read_text()
+    assert "January 2026" in execd.log_path.read_text()
 
 
 # A supervisor without a main guard: `hold` prints the launched bootstrap's pid and waits to be

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from agora.bench.many_nodes import _as_stats, difference, geometry_for, growth
+from agora.bench.growth import growth
+from agora.bench.many_nodes import _as_stats, difference, geometry_for
 from agora.dht.op_timings import BUCKETS_S, quantile
 
 

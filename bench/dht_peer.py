@@ -1,0 +1,302 @@
+"""One DHT peer of bench/dht_scale.py: a real admitted `SwarmDHT` playing one role's DHT traffic.
+
+`python -m agora.bench.dht_peer --role worker --stage 1 --state-dir D ...`, started by the harness
+inside its own network namespace (a fork of the launcher's server: node/demo/launcher.py). It
+starts its DHT peer as the role's daemon does (its credential's identity, the token authorizer and
+record validators of dht/security.py; a trainer in client mode), joins through the bootstrap
+peer, writes its multiaddrs to `--ready-file`, then waits for the harness's `--go-file` (its one
+line: the wall time the schedule starts) so that every peer's traffic starts together, after the
+harness has measured the swarm at rest.
+
+Then it runs its role's actions (bench/dht_traffic.py) through the code the roles run: `Heartbeat`
+with a real `WorkerRecord` or `TrainerRecord` (the run's fingerprint, endpoints on its own address),
+`RoundBoard` announcements, closes and probes, `read_block` with `UnitWriters` (every trainer's
+chain checked), `LeasedUnits` over a `LeaseBoard` (claims, commits and renewals of real units), the
+ban list as the bootstrap publishes it (`BanPublisher`, signed by the run's CA). Every period is
+`--dilation` times its logical length, and so are the lifetimes of what it stores, within the
+bounds peers accept (`Dilation.ttl_s`). Two timers of the code are stretched from here too: the ban
+list's age a read accepts (`SwarmDHT.ban_refresh_s`) and the trainer's block refresh; the lease is
+`--dilation` times 30 s up to `MAX_LEASE_S`, so above a dilation of 20 renewals come more often
+than the model's.
+
+Every request `SwarmDHT` sends is timed where its own `RequestTimings` times it, and also written,
+one JSON array a line ([end wall time, operation, family, seconds, failed]), to `--calls` every
+couple of seconds and at exit; `<calls>.summary.json` holds each action's runs and errors. SIGTERM
+or SIGINT ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import logging
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from agora.auth.authority import RunAuthority
+from agora.bench.dht_traffic import Action, Dilation, Timetable, TrafficModel, first_due_s, role_actions
+from agora.dht.averaging import RoundBoard
+from agora.dht.bans import BAN_REFRESH_S
+from agora.dht.bootstrap import host_maddrs, write_ready_file
+from agora.dht.heartbeat import Heartbeat
+from agora.dht.key_families import ROUNDS, TRAINERS, WORKERS
+from agora.dht.keys import move_key
+from agora.dht.leases import LeaseBoard, UnitWriters, read_block
+from agora.dht.op_timings import RequestTimings
+from agora.dht.record_fields import BLOCK_UNITS, MAX_UNIT_BLOCKS
+from agora.dht.records import MAX_LEASE_S, MoveRecord, TrainerRecord, WorkerRecord
+from agora.dht.security import DHTSecurity
+from agora.dht.swarm import SwarmDHT
+from agora.node.averaging.loop import ROUND_LEAD
+from agora.node.ban_publisher import BanPublisher
+from agora.node.demo.supervision import die_with_parent
+from agora.node.observability import package_version
+from agora.node.trainer.units import LeasedUnits
+from agora.pipeline.config import PRESETS
+from agora.pipeline.fingerprint import run_fingerprint
+
+__all__ = ["ACTIONS", "CallLog", "Peer", "main"]
+
+logger = logging.getLogger("agora.bench.dht_peer")
+
+FLUSH_S = 2.0
+GO_POLL_S = 0.2
+IN_FLIGHT = 2  # a trainer's units held at once: the one it runs and the next it claimed
+GRPC_PORT, METRICS_PORT = 50051, 9100  # announced, as a worker's record does; nothing listens here
+CONFIG = PRESETS["tiny"]  # the demo's run: its fingerprint is what the workers announce
+# bench/dht_traffic.py's actions, and the `Peer` method that plays each.
+ACTIONS = {"heartbeat": "beat", "probe": "probe", "round": "run_round", "units": "read_units",
+           "rebalance": "rebalance", "roster": "roster", "batch": "batch", "renew": "renew", "bans": "read_bans"}
+
+
+class CallLog(RequestTimings):
+    """`RequestTimings` that also keeps every request for the harness (module docstring)."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self._path = path
+        self._pending: list[list] = []
+        self._pending_lock = threading.Lock()
+
+    def record(self, operation: str, family: str, seconds: float, *, failed: bool = False) -> None:
+        super().record(operation, family, seconds, failed=failed)
+        with self._pending_lock:
+            self._pending.append([round(time.time(), 4), operation, family, round(seconds, 5), failed])
+
+    def flush(self) -> None:
+        with self._pending_lock:
+            lines, self._pending = self._pending, []
+        if lines:
+            with self._path.open("a") as out:
+                out.write("".join(json.dumps(line) + "\n" for line in lines))
+
+
+class Peer:
+    """One role's actions over a started `SwarmDHT` (the module docstring)."""
+
+    def __init__(self, swarm: SwarmDHT, args: argparse.Namespace, model: TrafficModel, dilation: Dilation,
+                 epoch: float, root_pem: bytes):
+        self.swarm, self.args, self.model, self.dilation, self.epoch = swarm, args, model, dilation, epoch
+        self.run_id = args.run_id
+        self.round = 0
+        self.fingerprint = run_fingerprint(CONFIG).text()
+        self.writers = UnitWriters(root_pem, self.run_id, args.state_dir)
+        interval = dilation.real_s(model.heartbeat_s)
+        self.heartbeat = Heartbeat(swarm, self._record, interval=interval)
+        bound = (TRAINERS if args.role == "trainer" else WORKERS).max_ttl_s
+        self.heartbeat.ttl = dilation.ttl_s(model.heartbeat_s * 3, bound)
+        self.board = RoundBoard(swarm, run_id=self.run_id, stage=args.stage, method="sparta",
+                                ttl=dilation.ttl_s(model.round_announcement_s, ROUNDS.max_ttl_s))
+        lease = LeaseBoard(swarm, run_id=self.run_id, lease_s=min(dilation.real_s(model.lease_s), MAX_LEASE_S),
+                           writers=self.writers)
+        self.units = LeasedUnits(lease, total=MAX_UNIT_BLOCKS * BLOCK_UNITS, stripe=(args.trainer_index, args.trainers),
+                                 clock=swarm.clock, refresh_s=dilation.real_s(1.0))
+        self.held: collections.deque[int] = collections.deque()
+
+    # ---- what the roles announce
+
+    def logical_s(self) -> float:
+        return max(0.0, time.time() - self.epoch) / self.dilation.factor
+
+    def batches(self) -> int:
+        """Global batches the swarm has run by now at the model's pace (a record's step)."""
+        return int(self.logical_s() * self.model.batches_per_s * self.args.trainers)
+
+    def _record(self) -> WorkerRecord | TrainerRecord:
+        host, version = self.args.host, package_version()
+        if self.args.role == "trainer":
+            batches = int(self.logical_s() * self.model.batches_per_s)
+            return TrainerRecord(peer_id=self.swarm.peer_id, run_id=self.run_id, trainer_index=self.args.trainer_index,
+                                 batches=batches, step=self.batches(), loss=3.5, tokens_per_s=1400.0, version=version,
+                                 updated_at=0.0, metrics_endpoint=f"{host}:{METRICS_PORT}")
+        return WorkerRecord(peer_id=self.swarm.peer_id, run_id=self.run_id, endpoint=f"{host}:{GRPC_PORT}",
+                            stage=self.args.stage, n_stages=self.model.stages, throughput=1400.0, queue_depth=1,
+                            step=self.batches(), phase="member", version=version, updated_at=0.0,
+                            fingerprint=self.fingerprint, metrics_endpoint=f"{host}:{METRICS_PORT}",
+                            averaging_rounds=self.round, averaging_committed=self.round, capacity=8, credits=4,
+                            in_flight_credits=2)
+
+    # ---- the actions (bench/dht_traffic.py names them)
+
+    def actions(self) -> dict[str, Callable[[], Awaitable[None]]]:
+        return {name: getattr(self, method) for name, method in ACTIONS.items()}
+
+    async def beat(self) -> None:
+        await self.heartbeat.beat()
+
+    async def probe(self) -> None:
+        await asyncio.gather(self.board.announced_round(self.round + ROUND_LEAD), self.board.replicas())
+
+    async def run_round(self) -> None:
+        self.round += 1
+        await self.board.announce(self.round)
+        await asyncio.sleep(self.dilation.real_s(self.model.round_s))
+        await self.board.close(self.round)
+
+    async def read_units(self) -> None:
+        """The block the swarm's units are in now, as a worker refreshes it while work comes."""
+        await read_block(self.swarm, self.run_id, self.batches() // BLOCK_UNITS, self.writers)
+
+    async def rebalance(self) -> None:
+        await self._all_workers()
+        await self.swarm.owned_entries_async(move_key(self.run_id), MoveRecord)
+
+    async def roster(self) -> None:
+        await self._all_workers()
+
+    async def _all_workers(self) -> None:
+        """Every stage's workers, read concurrently as `all_workers` reads them, each get timed."""
+        await asyncio.gather(*(self.swarm.live_workers_async(self.run_id, stage) for stage in range(self.model.stages)))
+
+    async def batch(self) -> None:
+        """Claim the next unit; commit the one claimed `IN_FLIGHT` batches ago."""
+        unit = await self.units.next_unit()
+        if unit is not None:
+            self.held.append(unit)
+        while len(self.held) > IN_FLIGHT:
+            await self.units.committed(self.held.popleft())
+
+    async def renew(self) -> None:
+        """Nothing: `LeasedUnits` renews its claims on its own timer, a third of the (dilated) lease,
+        as a trainer's do; the action is in the model for its rate."""
+
+    async def read_bans(self) -> None:
+        await self.swarm.refresh_bans_async(self.dilation.real_s(self.model.heartbeat_s) / 2)
+
+    async def close(self) -> None:
+        await self.units.close()
+
+
+async def run_action(action: Action, work: Callable[[], Awaitable[None]], period_s: float, first_s: float,
+                     tally: dict[str, collections.Counter]) -> None:
+    loop = asyncio.get_running_loop()
+    table = Timetable(period_s, loop.time() + first_s)
+    while True:
+        await asyncio.sleep(max(0.0, table.next_s - loop.time()))
+        try:
+            await work()
+            tally["runs"][action.name] += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a failed action is counted, the schedule goes on
+            tally["errors"][action.name] += 1
+            logger.warning("%s failed: %s: %s", action.name, type(error).__name__, error)
+        table.ran(loop.time())
+
+
+async def wait_for_go(path: Path, stop: asyncio.Event) -> float | None:
+    """The wall time the schedule starts, once the harness wrote it; None if stopped first."""
+    while not stop.is_set():
+        try:
+            return float(path.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            await asyncio.sleep(GO_POLL_S)
+    return None
+
+
+async def flush_forever(log: CallLog) -> None:
+    while True:
+        await asyncio.sleep(FLUSH_S)
+        await asyncio.to_thread(log.flush)
+
+
+async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog, root_pem: bytes) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    model, dilation = TrafficModel(stages=args.stages), Dilation(args.dilation)
+    epoch = await wait_for_go(Path(args.go_file), stop)
+    if epoch is None:
+        return
+    if args.role == "bootstrap":
+        await asyncio.to_thread(BanPublisher(RunAuthority(args.ca_dir), swarm).publish_if_due)
+    peer = Peer(swarm, args, model, dilation, epoch, root_pem)
+    work = peer.actions()
+    rng = random.Random(f"{args.seed}:{args.name}")
+    tally = {"runs": collections.Counter(), "errors": collections.Counter()}
+    tasks = [asyncio.create_task(flush_forever(log))]
+    for action in role_actions(args.role, model):
+        period = dilation.real_s(action.period_s)
+        tasks.append(asyncio.create_task(run_action(action, work[action.name], period,
+                                                    first_due_s(action, period, rng), tally)))
+    try:
+        await stop.wait()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await peer.close()
+        log.flush()
+        summary = {name: dict(counts) for name, counts in tally.items()}
+        Path(f"{args.calls}.summary.json").write_text(json.dumps(summary))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m agora.bench.dht_peer", description=__doc__.splitlines()[0])
+    parser.add_argument("--role", required=True, choices=("worker", "trainer", "bootstrap"))
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--state-dir", required=True, help="the peer's credential directory")
+    parser.add_argument("--host", required=True, help="the address it listens on and announces")
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("--ready-file", required=True)
+    parser.add_argument("--go-file", required=True)
+    parser.add_argument("--calls", required=True, help="where its requests are written")
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--stage", type=int, default=0)
+    parser.add_argument("--trainers", type=int, default=1)
+    parser.add_argument("--trainer-index", type=int, default=0)
+    parser.add_argument("--dilation", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ca-dir", default=None, help="the bootstrap's: the run's authority, to sign the ban list")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    security = DHTSecurity.from_state_dir(args.state_dir)
+    swarm = SwarmDHT.start(initial_peers=args.initial_peers, host_maddrs=host_maddrs(args.host, 0),
+                           client_mode=args.role == "trainer", security=security)
+    try:
+        log = CallLog(Path(args.calls))
+        swarm.timings = log
+        swarm.ban_refresh_s = Dilation(args.dilation).real_s(BAN_REFRESH_S)
+        write_ready_file(args.ready_file, swarm.visible_maddrs())
+        asyncio.run(play(swarm, args, log, security.root_pem))
+    finally:
+        swarm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""How the coordination plane's cost grows with the swarm's size: N admitted DHT peers, nothing else.
+
+bench/many_nodes.py runs whole demos, so on two cores every figure past 8 nodes was contention. Here
+each N is the control plane alone: N peers (S stages x R replicas of workers plus trainers,
+bench/many_nodes.py's `geometry_for`) and a bootstrap, each one process (bench/dht_peer.py, a fork of
+the launcher's server, node/demo/launcher.py) in its own network namespace behind the WAN harness's
+links (bench/wan/topology.py; `--profile agora-floor` by default, 200 Mbit/s and 80 ms), each running a
+real `SwarmDHT` admitted with a credential the run's `RunAuthority` minted for its role (DHTSecurity
+on: every request signed and its token checked, every record signed and validated, as deployed),
+joined through the bootstrap. Each plays its role's DHT traffic with the project's own records and
+code paths at the many-node demo's pace (bench/dht_traffic.py has the model and its check against
+that demo's rates at N = 8), every period stretched `--dilation` K times, so that 64 peers fit on two
+cores without waiting for them.
+
+Per N: the swarm is started (peers in waves, each wave ready before the next: a join has a 3 s
+deadline), measured at rest for `--rest` seconds once the last joins settled (no traffic yet:
+hivemind's and p2pd's own timers), then the traffic starts (the peers wait for a go file naming its
+start), and after `--warmup` the window: `--window` real seconds between two readings of each
+namespace's eth0 byte counters and of each peer's CPU time (its process, its hivemind DHT process and
+p2pd, from /proc); the memory (proportional set size) at the window's end. Then the peers stop and
+their request logs are read.
+
+Figures per N (bench/dht_scale_report.py): DHT get and store latency p50/p95 over every request in
+the window, as measured; requests per node by family, bytes in+out per node and CPU seconds per node,
+per logical minute (the traffic's share times K, plus the background measured at rest); PSS per
+node; failed requests and actions; the bootstrap's bytes and CPU apart; the 1-minute load at the
+start and end (a row above 2 says so). Each figure's growth against N is fitted (constant, log N, N).
+
+What it is not: no compute, no gRPC data plane, no averaging all-reduce nor hivemind's matchmaking
+keys, no monitor or authorizer, no churn. Every namespace and process is removed on every path,
+Ctrl-C and SIGTERM included (WanTopology's context manager; namespaces a crashed run left are removed
+first). Needs root (namespaces, tc).
+
+    python bench/dht_scale.py --nodes 8 16 32 64 --dilation 32 --window 320       # alone on the machine
+    python bench/dht_scale.py --nodes 4 8 --dilation 4 --window 20 --out /tmp/dht_scale.md   # shows it works
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from agora.auth.authority import RunAuthority
+from agora.bench.dht_scale_report import Figures, PeerUsage, figures, plot, read_calls, read_errors, report
+from agora.bench.dht_traffic import Dilation, TrafficModel, check_rows
+from agora.bench.many_nodes import Geometry, geometry_for
+from agora.bench.wan.profiles import PROFILES, profile_named
+from agora.bench.wan.topology import WanTopology, cleanup_leftovers, harness_available
+from agora.dht.key_families import WORKERS
+from agora.node.demo.processes import ChildProcess, Placement, ProcessGroup
+from agora.pipeline.files import atomic_write
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PEER_MODULE = "agora.bench.dht_peer"
+RUN_ID = "dht-scale"
+BOOTSTRAP = "bootstrap"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+READY_S = 300.0
+# After the last wave joined, before the rest is measured: its joins' own traffic and CPU are not rest.
+REST_SETTLE_S = 5.0
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    name: str
+    role: str
+    stage: int = 0
+    trainer_index: int = 0
+
+
+def peer_specs(geometry: Geometry) -> list[PeerSpec]:
+    """The role peers of a geometry, named as the demo names its processes."""
+    workers = [PeerSpec(f"worker-s{s}-r{r}", "worker", stage=s) for r in range(geometry.replicas)
+               for s in range(geometry.stages)]
+    return workers + [PeerSpec(f"trainer-{i}", "trainer", trainer_index=i) for i in range(geometry.trainers)]
+
+
+# ---- what the host reads --------------------------------------------------------------------------
+
+def interface_bytes(namespace: str) -> int:
+    """Bytes received and sent on a namespace's eth0 so far."""
+    shown = subprocess.run(["ip", "-n", namespace, "-s", "-j", "link", "show", "dev", "eth0"], capture_output=True,
+                           text=True, check=True)
+    stats = json.loads(shown.stdout)[0]["stats64"]
+    return int(stats["rx"]["bytes"]) + int(stats["tx"]["bytes"])
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    return parents
+
+
+def tree_usage(roots: dict[str, int], *, memory: bool) -> dict[str, tuple[float, float]]:
+    """(CPU seconds, PSS MiB or 0) of each root pid and its descendants, by name; one pass over /proc."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in _parents().items():
+        children.setdefault(parent, []).append(pid)
+    usage = {}
+    for name, root in roots.items():
+        tree, frontier = [], [root]
+        while frontier:
+            pid = frontier.pop()
+            tree.append(pid)
+            frontier.extend(children.get(pid, []))
+        cpu = pss = 0.0
+        for pid in tree:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text()
+                fields = fields[fields.rindex(")") + 2:].split()
+                cpu += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+                if memory:
+                    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                        if line.startswith("Pss:"):
+                            pss += int(line.split()[1]) / 1024
+            except (OSError, ValueError, IndexError):
+                continue
+        usage[name] = (cpu, pss)
+    return usage
+
+
+@dataclass
+class Reading:
+    wall: float
+    bytes: dict[str, int]
+    usage: dict[str, tuple[float, float]]
+
+
+def read_host(topology: WanTopology, children: dict[str, ChildProcess], *, memory: bool = False) -> Reading:
+    wall = time.time()
+    counters = {name: interface_bytes(topology.node(name).namespace) for name in children}
+    return Reading(wall, counters, tree_usage({name: child.pid for name, child in children.items()}, memory=memory))
+
+
+def usage_between(rest: tuple[Reading, Reading], window: tuple[Reading, Reading]) -> dict[str, PeerUsage]:
+    (rest_a, rest_b), (window_a, window_b) = rest, window
+    return {name: PeerUsage(idle_bytes=rest_b.bytes[name] - rest_a.bytes[name],
+                            window_bytes=window_b.bytes[name] - window_a.bytes[name],
+                            idle_cpu_s=rest_b.usage[name][0] - rest_a.usage[name][0],
+                            window_cpu_s=window_b.usage[name][0] - window_a.usage[name][0],
+                            pss_mib=window_b.usage[name][1]) for name in window_b.bytes}
+
+
+# ---- one N ----------------------------------------------------------------------------------------
+
+def peer_command(spec: PeerSpec, args: argparse.Namespace, geometry: Geometry, workdir: Path, host: str,
+                 initial_peers: list[str]) -> list[str]:
+    command = [sys.executable, "-m", PEER_MODULE, "--role", spec.role, "--name", spec.name, "--run-id", RUN_ID,
+               "--state-dir", str(workdir / "state" / spec.name), "--host", host,
+               "--ready-file", str(workdir / f"{spec.name}.ready"), "--go-file", str(workdir / "go"),
+               "--calls", str(workdir / "calls" / f"{spec.name}.jsonl"), "--stages", str(geometry.stages),
+               "--stage", str(spec.stage), "--trainers", str(geometry.trainers),
+               "--trainer-index", str(spec.trainer_index), "--dilation", str(args.dilation), "--seed", str(args.seed)]
+    if initial_peers:
+        command += ["--initial-peers", *initial_peers]
+    if spec.role == BOOTSTRAP:
+        command += ["--ca-dir", str(workdir / "ca")]
+    return command
+
+
+def mint_credentials(workdir: Path, specs: list[PeerSpec]) -> None:
+    """The run's authority, and a credential for each peer's role (the bootstrap: an operator's)."""
+    authority = RunAuthority(workdir / "ca", run_id=RUN_ID)
+    for spec in specs:
+        role = "operator" if spec.role == BOOTSTRAP else spec.role
+        authority.mint(workdir / "state" / spec.name, role=role, stage=spec.stage if role == "worker" else None)
+
+
+def start_peers(group: ProcessGroup, topology: WanTopology, specs: list[PeerSpec], args, geometry: Geometry,
+                workdir: Path) -> dict[str, ChildProcess]:
+    """The bootstrap, then the others in waves of `--wave`, each ready before the next starts."""
+    boot_spec, others = specs[0], specs[1:]
+    boot = group.spawn(BOOTSTRAP, peer_command(boot_spec, args, geometry, workdir, topology.node(BOOTSTRAP).address,
+                                               []), workdir / f"{BOOTSTRAP}.ready")
+    maddrs = group.wait_ready([boot], READY_S)[BOOTSTRAP]
+    children = {BOOTSTRAP: boot}
+    for first in range(0, len(others), args.wave):
+        wave = []
+        for spec in others[first:first + args.wave]:
+            command = peer_command(spec, args, geometry, workdir, topology.node(spec.name).address, maddrs)
+            wave.append(group.spawn(spec.name, command, workdir / f"{spec.name}.ready"))
+        group.wait_ready(wave, READY_S)
+        children.update({child.name: child for child in wave})
+    return children
+
+
+def measure(nodes: int, args: argparse.Namespace, workdir: Path) -> Figures:
+    geometry = geometry_for(nodes, args.stages)
+    specs = [PeerSpec(BOOTSTRAP, BOOTSTRAP), *peer_specs(geometry)]
+    dilation = Dilation(args.dilation)
+    warmup = args.warmup if args.warmup is not None else max(10.0, dilation.real_s(TrafficModel().heartbeat_s))
+    load_start = os.getloadavg()[0]
+    (workdir / "calls").mkdir(parents=True)
+    mint_credentials(workdir, specs)
+    profile = profile_named(args.profile)
+    cleanup_leftovers()
+    with WanTopology({spec.name: profile.link for spec in specs}, workdir / "net") as topology:
+        placement = Placement(namespace=lambda name: topology.node(name).namespace,
+                              host=lambda name: topology.node(name).address)
+        group = ProcessGroup(workdir, env={"OMP_NUM_THREADS": "1"}, placement=placement,
+                             launched_modules=(PEER_MODULE,))
+        try:
+            started = time.monotonic()
+            children = start_peers(group, topology, specs, args, geometry, workdir)
+            start_s = time.monotonic() - started
+            time.sleep(REST_SETTLE_S)
+            rest = read_host(topology, children)
+            time.sleep(args.rest)
+            rest = (rest, read_host(topology, children))
+            atomic_write(workdir / "go", f"{time.time():.3f}\n".encode())
+            time.sleep(warmup)
+            window = read_host(topology, children)
+            time.sleep(args.window)
+            window = (window, read_host(topology, children, memory=True))
+            load_end = os.getloadavg()[0]
+        finally:
+            group.shutdown(grace_s=15.0)
+    names = [spec.name for spec in specs]
+    return figures(nodes=nodes, geometry=f"{geometry.stages}x{geometry.replicas} + {geometry.trainers}t",
+                   profile=profile.name, dilation=dilation, calls=read_calls(workdir / "calls", names),
+                   usage=usage_between(rest, window), bootstrap=BOOTSTRAP, window=(window[0].wall, window[1].wall),
+                   idle_s=rest[1].wall - rest[0].wall, loads=(load_start, load_end),
+                   action_errors=read_errors(workdir / "calls", names), start_s=round(start_s, 1))
+
+
+# ---- the run --------------------------------------------------------------------------------------
+
+def model_check(path: Path = RESULTS / "many_nodes.json") -> list[tuple[str, float, float]] | None:
+    """The traffic model against the demo's N = 8 row, if that file is here (bench/many_nodes.py wrote it)."""
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    row = next((r for r in rows if r.get("nodes") == 8), None)
+    if row is None:
+        return None
+    measured = {name: figures["per_node_s"] for name, figures in row["by_family"].items()}
+    services = row["scraped"] - 1 - 8  # DHT peers that are neither workers nor trainers (bootstrap, authorizer)
+    return check_rows(measured, geometry_for(8, 3), TrafficModel(), services=services)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[8, 16, 32, 64],
+                        help="role peers N (besides the bootstrap)")
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--dilation", type=float, default=32.0,
+                        help="K: every period of the traffic K times longer (at most 38: a beat must renew its record)")
+    parser.add_argument("--profile", default="agora-floor", choices=sorted(PROFILES), help="every peer's link")
+    parser.add_argument("--rest", type=float, default=15.0, help="real seconds measured at rest, before the traffic")
+    parser.add_argument("--warmup", type=float, default=None,
+                        help="real seconds of traffic before the window (default: one dilated heartbeat, at least 10)")
+    parser.add_argument("--window", type=float, default=320.0,
+                        help="real seconds between the two readings (default: two dilated heartbeats at K = 32)")
+    parser.add_argument("--wave", type=int, default=8, help="peers started together")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/agora-dht-scale"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "dht_scale.md")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if any(n < args.stages + 1 for n in args.nodes):
+        parser.error(f"--nodes: each N needs at least --stages + 1 = {args.stages + 1} peers")
+    if args.window <= 0 or args.rest <= 0 or args.wave < 1:
+        parser.error("--window and --rest must be positive, --wave at least 1")
+    try:
+        problem = Dilation(args.dilation).problem(TrafficModel(), WORKERS.max_ttl_s)
+    except ValueError as error:
+        problem = str(error)
+    if problem:
+        parser.error(problem)
+    problem = harness_available()
+    if problem:
+        print(f"dht_scale: error: {problem}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _interrupt)
+    rows = []
+    try:
+        for n in sorted(args.nodes):
+            workdir = args.workdir / f"n{n}-{int(time.time())}"
+            print(f"dht-scale: N={n} ({geometry_for(n, args.stages)}), dilation {args.dilation:g}", flush=True)
+            started = time.monotonic()
+            rows.append(measure(n, args, workdir))
+            rows[-1].wall_s = round(time.monotonic() - started, 1)
+            print(json.dumps(asdict(rows[-1])), flush=True)
+    except KeyboardInterrupt:
+        print("dht_scale: interrupted; every peer stopped and its namespace removed", file=sys.stderr)
+        return 130
+    command = "python bench/dht_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report(rows, command, model_check()))
+    args.out.with_suffix(".json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+    if plot(rows, args.out.with_suffix(".png")):
+        print(f"plot: {args.out.with_suffix('.png')}")
+    print(args.out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""bench/dht_scale.py's figures, table and plot: pure, from what the harness read at each N.
+
+The harness hands over, per N, every request its peers logged (`Call`), and per peer the bytes of
+its namespace's eth0 and the CPU seconds of its processes over the window and over a stretch at rest
+before the traffic started, and the memory at the window's end. `figures` turns them into one row:
+latencies as measured (exact quantiles of every request in the window), every per-time figure per
+logical minute (`Dilation.per_logical_minute`: the background measured at rest is not stretched back,
+the traffic is). `report` renders the rows, each figure's growth against N (bench/growth.py), the
+goals, and the traffic model's check against the demo's N = 8 rates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from agora.bench.dht_traffic import Dilation
+from agora.bench.growth import growth
+
+__all__ = ["COLUMNS", "Call", "Figures", "PeerUsage", "figures", "goals", "plot", "quantile", "read_calls",
+           "read_errors", "report"]
+
+LOAD_LIMIT = 2.0  # a 1-minute load above this on 2 cores: the figures include waiting for a core
+KIB = 1024.0
+
+
+@dataclass(frozen=True)
+class Call:
+    """One DHT request a peer sent: when it ended (wall time), what it was, how long, whether it failed."""
+
+    end: float
+    operation: str
+    family: str
+    seconds: float
+    failed: bool
+
+    @classmethod
+    def from_line(cls, fields: list) -> "Call":
+        end, operation, family, seconds, failed = fields
+        return cls(float(end), str(operation), str(family), float(seconds), bool(failed))
+
+
+@dataclass(frozen=True)
+class PeerUsage:
+    """What one peer's namespace and processes spent: at rest over `idle_s`, and over the window."""
+
+    idle_bytes: int = 0
+    window_bytes: int = 0
+    idle_cpu_s: float = 0.0
+    window_cpu_s: float = 0.0
+    pss_mib: float = 0.0
+
+
+@dataclass
+class Figures:
+    nodes: int
+    geometry: str
+    profile: str
+    dilation: float
+    load_start: float
+    load_end: float
+    window_s: float
+    peers_answered: int  # role peers with a request in the window
+    get_p50_ms: float
+    get_p95_ms: float
+    store_p50_ms: float
+    store_p95_ms: float
+    requests_per_node_min: float
+    failures: int
+    action_errors: int
+    kib_per_node_min: float
+    rest_kib_per_node_min: float  # at rest, before the traffic (per real minute)
+    cpu_s_per_node_min: float
+    cpu_s_per_node_real_min: float  # as measured on this host (the dilated load)
+    rest_cpu_s_per_node_min: float  # at rest, before the traffic
+    pss_mib_per_node: float
+    bootstrap_kib_min: float
+    bootstrap_cpu_s_min: float
+    start_s: float  # from the first peer launched to every peer ready
+    wall_s: float = math.nan  # the whole N: credentials, namespaces, start, rest, warm-up, window, stop
+    # per "operation family": requests per node per logical minute, p50 and p95 ms
+    by_family: dict = field(default_factory=dict)
+
+    @property
+    def loaded(self) -> bool:
+        return max(self.load_start, self.load_end) > LOAD_LIMIT
+
+
+def read_calls(folder: Path, names: Iterable[str]) -> dict[str, list[Call]]:
+    """Every peer's request log (bench/dht_peer.py writes `<name>.jsonl`), a missing one empty."""
+    calls = {}
+    for name in names:
+        try:
+            lines = (folder / f"{name}.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            lines = []
+        calls[name] = [Call.from_line(json.loads(line)) for line in lines if line.strip()]
+    return calls
+
+
+def read_errors(folder: Path, names: Iterable[str]) -> int:
+    """Actions that failed, over every peer's summary (a peer without one counts as one failure)."""
+    failed = 0
+    for name in names:
+        try:
+            failed += sum(json.loads((folder / f"{name}.jsonl.summary.json").read_text())["errors"].values())
+        except (OSError, ValueError, KeyError):
+            failed += 1
+    return failed
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The `q` quantile (0..1) of `values`, interpolated between ranks; NaN if there are none."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = q * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _ms(values: list[float], q: float) -> float:
+    return 1000.0 * quantile(values, q)
+
+
+def _rate(dilation: Dilation, usage: Iterable[PeerUsage], window_s: float, idle_s: float, kind: str) -> float:
+    """Mean over `usage` of one peer's bytes or CPU seconds per logical minute."""
+    usage = list(usage)
+    if not usage:
+        return math.nan
+    total = 0.0
+    for peer in usage:
+        idle, window = (peer.idle_bytes, peer.window_bytes) if kind == "bytes" else (peer.idle_cpu_s, peer.window_cpu_s)
+        total += dilation.per_logical_minute(window, window_s, idle / idle_s if idle_s > 0 else 0.0)
+    return total / len(usage)
+
+
+def figures(*, nodes: int, geometry: str, profile: str, dilation: Dilation, calls: Mapping[str, list[Call]],
+            usage: Mapping[str, PeerUsage], bootstrap: str, window: tuple[float, float], idle_s: float,
+            loads: tuple[float, float], action_errors: int = 0, start_s: float = math.nan) -> Figures:
+    """One N's row. `calls` and `usage` by peer name (the bootstrap's included, named `bootstrap`);
+    `window`: its wall-clock start and end; the role peers' figures are means over them."""
+    start, end = window
+    window_s = end - start
+    peers = [name for name in usage if name != bootstrap]
+    inside = {name: [c for c in calls.get(name, []) if start <= c.end <= end] for name in peers}
+    every = [c for name in peers for c in inside[name]]
+    gets = [c.seconds for c in every if c.operation == "get"]
+    stores = [c.seconds for c in every if c.operation == "store"]
+    per_node = len(peers) or 1
+    by_family: dict[str, dict] = {}
+    for name in sorted({f"{c.operation} {c.family}" for c in every}):
+        chosen = [c.seconds for c in every if f"{c.operation} {c.family}" == name]
+        by_family[name] = {"per_node_min": round(dilation.per_logical_minute(len(chosen), window_s) / per_node, 3),
+                           "p50_ms": round(_ms(chosen, 0.5), 2), "p95_ms": round(_ms(chosen, 0.95), 2)}
+    boot = usage.get(bootstrap, PeerUsage())
+    cpu_real = sum(usage[name].window_cpu_s for name in peers) / per_node / window_s * 60.0
+    at_rest = 60.0 / per_node / idle_s if idle_s > 0 else math.nan
+    return Figures(
+        nodes=nodes, geometry=geometry, profile=profile, dilation=dilation.factor, load_start=round(loads[0], 2),
+        load_end=round(loads[1], 2), window_s=round(window_s, 1),
+        peers_answered=sum(1 for name in peers if inside[name]),
+        get_p50_ms=_ms(gets, 0.5), get_p95_ms=_ms(gets, 0.95), store_p50_ms=_ms(stores, 0.5),
+        store_p95_ms=_ms(stores, 0.95),
+        requests_per_node_min=dilation.per_logical_minute(len(every), window_s) / per_node,
+        failures=sum(1 for c in every if c.failed), action_errors=action_errors,
+        kib_per_node_min=_rate(dilation, (usage[n] for n in peers), window_s, idle_s, "bytes") / KIB,
+        cpu_s_per_node_min=_rate(dilation, (usage[n] for n in peers), window_s, idle_s, "cpu"),
+        rest_kib_per_node_min=sum(usage[name].idle_bytes for name in peers) * at_rest / KIB,
+        cpu_s_per_node_real_min=cpu_real, rest_cpu_s_per_node_min=sum(usage[n].idle_cpu_s for n in peers) * at_rest,
+        pss_mib_per_node=sum(usage[name].pss_mib for name in peers) / per_node,
+        bootstrap_kib_min=_rate(dilation, [boot], window_s, idle_s, "bytes") / KIB,
+        bootstrap_cpu_s_min=_rate(dilation, [boot], window_s, idle_s, "cpu"),
+        start_s=start_s, by_family=by_family)
+
+
+# ---- the report ------------------------------------------------------------------------------------
+
+COLUMNS = [("get_p50_ms", "get p50 ms"), ("get_p95_ms", "get p95 ms"), ("store_p50_ms", "store p50 ms"),
+           ("store_p95_ms", "store p95 ms"), ("requests_per_node_min", "requests/node/min"),
+           ("kib_per_node_min", "KiB in+out/node/min"), ("rest_kib_per_node_min", "at rest KiB/real min"),
+           ("cpu_s_per_node_min", "CPU s/node/min"),
+           ("cpu_s_per_node_real_min", "CPU s/node/real min"), ("rest_cpu_s_per_node_min", "at rest CPU s/real min"),
+           ("pss_mib_per_node", "PSS MiB/node"), ("bootstrap_kib_min", "bootstrap KiB/min"),
+           ("bootstrap_cpu_s_min", "bootstrap CPU s/min"), ("failures", "failed requests"),
+           ("action_errors", "failed actions")]
+
+NOT_MEASURED = ("What this harness is not: no compute, no gRPC data plane (no Forward/Backward, no "
+                "completed-batch reports), no averaging all-reduce and no hivemind matchmaking (the averager's "
+                "own DHT keys), no monitor, no authorizer; no churn (every peer stays). It is the coordination "
+                "plane alone: the record families' stores and reads at the demo's pace.")
+
+
+def goals(rows: list[Figures]) -> list[str]:
+    """The issue's goals read off the rows: p95 at the largest N within 2x of the smallest N's, and
+    bytes and CPU per node growing no faster than log N."""
+    if len(rows) < 2:
+        return ["(one N: no growth to judge)"]
+    first, last = rows[0], rows[-1]
+    lines = []
+    for name, title in (("get_p95_ms", "DHT get p95"), ("store_p95_ms", "DHT store p95")):
+        ratio = getattr(last, name) / getattr(first, name)
+        verdict = "met" if ratio <= 2 else "missed"
+        lines.append(f"- {title} at N={last.nodes} is {ratio:.2f}x N={first.nodes}'s (goal: within 2x): {verdict}")
+    nodes = [row.nodes for row in rows]
+    log_ratio = math.log(last.nodes) / math.log(first.nodes)
+    for name, title in (("kib_per_node_min", "bytes per node"), ("cpu_s_per_node_min", "CPU per node")):
+        values = [getattr(row, name) for row in rows]
+        shape = growth(nodes, values)
+        ratio = values[-1] / values[0]
+        verdict = "met" if shape in ("constant", "log N", "-") and ratio <= log_ratio * 1.1 else "missed"
+        lines.append(f"- {title}: x{ratio:.2f} from N={first.nodes} to N={last.nodes} (log N: x{log_ratio:.2f}), "
+                     f"best fit {shape} (goal: at most log N): {verdict}")
+    if any(row.loaded for row in rows):
+        lines.append(f"- rows with a 1-minute load above {LOAD_LIMIT:g} include waiting for a core: "
+                     "read their latencies and CPU as this host's contention")
+    return lines
+
+
+def _cell(value) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "-"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def report(rows: list[Figures], command: str, model_check: list[tuple[str, float, float]] | None = None) -> str:
+    nodes = [row.nodes for row in rows]
+    first = rows[0]
+    lines = ["# DHT coordination cost against swarm size (bench/dht_scale.py)", "",
+             f"`{command}` on {time.strftime('%Y-%m-%d %H:%M')}; {platform.node()}, {os.cpu_count()} cores, "
+             f"Python {platform.python_version()}. Each N is N admitted DHT peers (S stages x R replicas of workers "
+             f"and trainers) and a bootstrap, each in its own network namespace on profile `{first.profile}`, "
+             f"playing bench/dht_traffic.py's traffic dilated {first.dilation:g}x; latencies as measured (each "
+             "peer serving 1/K of the logical load: a swarm at full pace may queue more), every per-time figure per "
+             "logical minute (traffic x K plus the background measured at rest).", "",
+             NOT_MEASURED, "",
+             "| N | geometry | load start/end | answered | " + " | ".join(title for _, title in COLUMNS) + " |",
+             "|---:|---|---|---:|" + "---:|" * len(COLUMNS)]
+    for row in rows:
+        load = f"{row.load_start:.1f}/{row.load_end:.1f}" + (" (over 2)" if row.loaded else "")
+        values = " | ".join(_cell(getattr(row, name)) for name, _ in COLUMNS)
+        lines.append(f"| {row.nodes} | {row.geometry} | {load} | {row.peers_answered}/{row.nodes} | {values} |")
+    lines.append("| growth | | | | " + " | ".join(growth(nodes, [float(getattr(r, name)) for r in rows])
+                                                  for name, _ in COLUMNS) + " |")
+    lines += ["", "Goals:", "", *goals(rows)]
+    families = sorted({name for row in rows for name in row.by_family})
+    lines += ["", "Requests by operation and record family: per node per logical minute (p50 / p95 ms).", "",
+              "| request | " + " | ".join(f"N={n}" for n in nodes) + " | growth of p95 |",
+              "|---|" + "---:|" * (len(nodes) + 1)]
+    for name in families:
+        cells = [row.by_family.get(name) for row in rows]
+        shown = " | ".join("-" if c is None else f"{c['per_node_min']:.3g} ({c['p50_ms']:.3g} / {c['p95_ms']:.3g})"
+                           for c in cells)
+        p95 = [math.nan if c is None else c["p95_ms"] for c in cells]
+        lines.append(f"| {name} | {shown} | {growth(nodes, p95)} |")
+    if model_check:
+        lines += ["", "The traffic model against the demo's nodes at N = 8 (bench/results/many_nodes.json), "
+                  "requests per DHT peer per second, as the nodes' metrics count them:", "",
+                  "| request | model | measured | model / measured |", "|---|---:|---:|---:|"]
+        for name, modelled, measured in model_check:
+            ratio = modelled / measured if measured else math.nan
+            lines.append(f"| {name} | {modelled:.3g} | {measured:.3g} | {_cell(ratio)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[Figures], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    nodes = [row.nodes for row in rows]
+    for name in ("get_p50_ms", "get_p95_ms", "store_p50_ms", "store_p95_ms"):
+        axes[0].plot(nodes, [getattr(r, name) for r in rows], marker="o", label=name.replace("_ms", ""))
+    axes[0].set(title="DHT request latency (ms, as measured)", ylim=(0, None))
+    pairs = ((axes[1], "kib_per_node_min", 1 / KIB, "MiB in+out per node", "requests_per_node_min",
+              "requests per node"),
+             (axes[2], "cpu_s_per_node_min", 1.0, "CPU s per node", "pss_mib_per_node", "PSS MiB per node"))
+    for axis, left, scale, left_label, right, right_label in pairs:
+        axis.plot(nodes, [getattr(r, left) * scale for r in rows], marker="o", color="C0")
+        axis.set_ylabel(left_label, color="C0")
+        twin = axis.twinx()
+        twin.plot(nodes, [getattr(r, right) for r in rows], marker="s", color="C1")
+        twin.set_ylabel(right_label, color="C1")
+        twin.set_ylim(0, None)
+        axis.set_ylim(0, None)
+    axes[1].set(title="traffic per logical minute")
+    axes[2].set(title="CPU per logical minute, memory")
+    for axis in axes:
+        axis.set(xlabel="peers N", xscale="log")
+        axis.set_xticks(nodes, [str(n) for n in nodes])
+        axis.minorticks_off()
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True

@@ -1,0 +1,120 @@
+"""bench/dht_scale.py's pure parts: the peers of a geometry, one N's figures from its peers' request
+logs and counters, the goals, and the table."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from agora.bench.dht_scale import PeerSpec, Reading, peer_specs, usage_between
+from agora.bench.dht_scale_report import (Call, PeerUsage, figures, goals, plot, quantile, read_calls, read_errors,
+                                          report)
+from agora.bench.dht_traffic import Dilation
+from agora.bench.many_nodes import geometry_for
+
+WINDOW = (1000.0, 1100.0)  # 100 real seconds
+
+
+def test_the_peers_of_a_geometry_are_its_workers_then_its_trainers():
+    specs = peer_specs(geometry_for(8, 3))
+    assert [s.name for s in specs[:3]] == ["worker-s0-r0", "worker-s1-r0", "worker-s2-r0"]
+    assert sum(s.role == "worker" for s in specs) == 6 and specs[-1] == PeerSpec("trainer-1", "trainer",
+                                                                                 trainer_index=1)
+
+
+def test_quantiles_interpolate_between_ranks():
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert quantile([0.0, 10.0], 0.95) == pytest.approx(9.5)
+    assert math.isnan(quantile([], 0.5))
+
+
+def _calls(count: int, operation: str, family: str, seconds: float, start: float = 1000.0) -> list[Call]:
+    return [Call(start + 1 + i, operation, family, seconds, False) for i in range(count)]
+
+
+def _figures(**overrides):
+    calls = {"a": _calls(20, "get", "units", 0.1) + _calls(10, "store", "workers", 0.3)
+             + [Call(990.0, "get", "units", 9.0, False), Call(1050.0, "get", "rounds", 5.0, True)],
+             "b": _calls(10, "get", "units", 0.2), "bootstrap": _calls(5, "call", "bans", 0.01)}
+    usage = {"a": PeerUsage(idle_bytes=1000, window_bytes=30_000, idle_cpu_s=1.0, window_cpu_s=12.0, pss_mib=80.0),
+             "b": PeerUsage(idle_bytes=1000, window_bytes=10_000, idle_cpu_s=1.0, window_cpu_s=6.0, pss_mib=60.0),
+             "bootstrap": PeerUsage(idle_bytes=0, window_bytes=102_400, window_cpu_s=1.0)}
+    arguments = dict(nodes=2, geometry="1x1 + 1t", profile="lan", dilation=Dilation(4), calls=calls, usage=usage,
+                     bootstrap="bootstrap", window=WINDOW, idle_s=10.0, loads=(0.5, 1.5))
+    return figures(**{**arguments, **overrides})
+
+
+def test_one_ns_figures_come_from_the_role_peers_requests_inside_the_window():
+    row = _figures()
+    assert row.peers_answered == 2 and row.failures == 1  # the request before the window is not counted
+    assert row.get_p50_ms == pytest.approx(100.0) and row.store_p95_ms == pytest.approx(300.0)
+    # 41 requests over 2 peers in 100 real s = 25 logical s at K=4
+    assert row.requests_per_node_min == pytest.approx(41 / 2 / 25 * 60)
+    assert row.by_family["get units"]["per_node_min"] == pytest.approx(30 / 2 / 25 * 60, abs=1e-3)
+    assert "call bans" not in row.by_family  # the bootstrap's are its own
+    assert row.pss_mib_per_node == 70.0 and not row.loaded
+
+
+def test_bytes_and_cpu_are_the_rest_background_plus_k_times_the_traffic_per_logical_minute():
+    row = _figures()
+    # peer a: 100 B/s at rest, 300 B/s in the window -> (200 x 4 + 100) x 60; b: (0 x 4 + 100) x 60
+    assert row.kib_per_node_min == pytest.approx(((200 * 4 + 100) * 60 + 100 * 60) / 2 / 1024)
+    # a: 0.1 s/s at rest, 0.12 in the window; b: 0.1 and 0.06 (below rest: its traffic counts nothing)
+    assert row.cpu_s_per_node_min == pytest.approx(((0.02 * 4 + 0.1) * 60 + 0.1 * 60) / 2)
+    assert row.cpu_s_per_node_real_min == pytest.approx(18.0 / 2 / 100 * 60)
+    assert row.rest_cpu_s_per_node_min == pytest.approx(6.0) and row.rest_kib_per_node_min == pytest.approx(6000 / 1024)
+    assert row.bootstrap_kib_min == pytest.approx(1024 * 4 * 60 / 1024)
+
+
+def test_a_peer_without_a_request_in_the_window_did_not_answer():
+    row = _figures(calls={"a": _calls(3, "get", "units", 0.1)})
+    assert row.peers_answered == 1 and math.isnan(row.store_p50_ms)
+
+
+def test_usage_between_two_readings_at_rest_and_two_in_the_window():
+    def reading(wall, counters, cpu, pss=0.0):
+        return Reading(wall, {"a": counters}, {"a": (cpu, pss)})
+
+    usage = usage_between((reading(0, 100, 1.0), reading(10, 150, 1.5)),
+                          (reading(20, 400, 3.0), reading(120, 1400, 9.0, 75.0)))
+    assert usage["a"] == PeerUsage(idle_bytes=50, window_bytes=1000, idle_cpu_s=0.5, window_cpu_s=6.0, pss_mib=75.0)
+
+
+def test_the_peers_logs_and_summaries_are_read_back(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps([1000.5, "get", "units", 0.1, False]) + "\n")
+    (tmp_path / "a.jsonl.summary.json").write_text(json.dumps({"runs": {"units": 3}, "errors": {"units": 2}}))
+    calls = read_calls(tmp_path, ["a", "gone"])
+    assert calls == {"a": [Call(1000.5, "get", "units", 0.1, False)], "gone": []}
+    assert read_errors(tmp_path, ["a", "gone"]) == 3  # a peer that wrote no summary counts as a failure
+
+
+def _row(nodes, p95, kib, cpu, load=0.5):
+    return dataclasses.replace(_figures(nodes=nodes), get_p95_ms=p95, store_p95_ms=p95, kib_per_node_min=kib,
+                               cpu_s_per_node_min=cpu, load_end=load)
+
+
+def test_goals_judge_p95_within_2x_and_per_node_cost_against_log_n():
+    met = goals([_row(8, 100.0, 10.0, 1.0), _row(16, 120.0, 11.0, 1.1), _row(32, 150.0, 12.0, 1.2),
+                 _row(64, 190.0, 13.0, 1.3)])
+    assert all(line.endswith(": met") for line in met)
+    missed = goals([_row(8, 100.0, 10.0, 1.0), _row(16, 200.0, 20.0, 2.0), _row(32, 400.0, 40.0, 4.0),
+                    _row(64, 800.0, 80.0, 8.0, load=3.0)])
+    assert sum(line.endswith(": missed") for line in missed) == 4
+    assert "contention" in missed[-1]
+
+
+def test_the_report_has_every_n_the_growth_the_goals_and_the_models_check():
+    rows = [_row(8, 100.0, 10.0, 1.0), _row(16, 120.0, 11.0, 1.1), _row(32, 150.0, 12.0, 1.2, load=2.5)]
+    text = report(rows, "python bench/dht_scale.py --nodes 8 16 32", [("store units", 0.44, 0.438)])
+    assert "| 8 | 1x1 + 1t | 0.5/0.5 | 2/8 |" in text and "(over 2)" in text
+    assert "| growth |" in text and "Goals:" in text and "no averaging all-reduce" in text
+    assert "| store units | 0.44 | 0.438 | 1 |" in text
+    assert "| get units | " in text
+
+
+def test_the_plot_is_written_where_matplotlib_is_installed(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "dht_scale.png"
+    assert plot([_row(8, 100.0, 10.0, 1.0), _row(16, 120.0, 11.0, 1.1)], path)
+    assert path.stat().st_size > 10_000
