@@ -16,15 +16,15 @@ recipe averaged exactly in one process, against train-local, SSN against dense; 
 and blocked compute; 7 and 8 are reported as not measured until the churn and accelerator issues
 land. A row that fails is reported as failed with its error, and the others still run.
 
-`--quick` keeps every row but runs few steps, one repeat, one swarm variant per row (the
-comparisons within a row need the full run), without admission on loopback rows and without the
-wide batch shape (the same demo with other batch flags; its goals' arithmetic has unit tests): it
-proves the suite still runs end to end, in CI; its figures are not results. `--row N` runs only those
-rows; with `--update F` (the raw figures of an earlier `--json F`) it measures them again with
-F's plan, keeps F's other rows, and writes F and the table back, each rerun row marked with its
-own commit and date: after a fix, one row, not another hour. A full run
-alternates variants (A, B, A, B) and records the load average around every run, because this
-machine is shared. Rows 3 and 4 need root (network namespaces); without it they are reported as
+`--quick` keeps every row but runs few steps, one repeat, one swarm variant per row (the comparisons
+within a row need the full run), row 3 on lan alone (rows 4 and 7 run over agora-floor), without
+admission on loopback rows and without the wide batch shape (the same demo with other batch flags;
+its goals' arithmetic has unit tests): it proves the suite still runs end to end, in CI; its figures
+are not results. `--row N` runs only those rows; with `--update F` (the raw figures of an earlier
+`--json F`) it measures them again with F's plan, keeps F's other rows, and writes F and the table
+back, each rerun row marked with its own commit and date: after a fix, one row, not another hour. A
+full run alternates variants (A, B, A, B) and records the load average around every run, because
+this machine is shared. Rows 3 and 4 need root (network namespaces); without it they are reported as
 not measured, naming why.
 """
 
@@ -75,7 +75,7 @@ def plan_for(quick: bool, profiles: list[str] | None = None, configs: list[str] 
         load_config(name)  # ConfigError, in one line
     if quick:
         return SuitePlan(quick=True, configs=tuple(configs or ("tiny",)),
-                         profiles=tuple(profiles or ("lan", "agora-floor")), stages={"tiny": 3, "small": 4},
+                         profiles=tuple(profiles or ("lan",)), stages={"tiny": 3, "small": 4},
                          steps={"tiny": 6, "small": 3}, repeats=1, equal_time_s=5.0, crossover_mbit=(),
                          local_steps={"tiny": 6, "small": 3}, equal_time_repeats=1,
                          convergence_steps=6, keep_graphs=8, local_variants=("async",),

@@ -79,6 +79,7 @@ class DemoOptions:
     monitor_port: StrictInt = setting(0, "the monitor's HTTP port: status page, /sd, /metrics (0: a free one)",
                                       flag="--monitor-port", ge=0, lt=65536)
     checkpoint_every: StrictInt | None = like(JoinOptions, "checkpoint_every")
+    rebalance_s: StrictFloat | None = like(JoinOptions, "rebalance_s")
     resume: StrictBool = setting(
         False, "restart every role of --workdir from its checkpoints: workers from the newest step all of them "
         "have, trainers from that step on", flag="--resume")
@@ -122,9 +123,11 @@ class DemoOptions:
                                  steps=args.steps, settings=explicit_settings(args))
 
     def worker_flags(self) -> list[str]:
-        """Flags for the workers alone (trainers do not take these): weight pinning, kept graphs, the sync
-        phases, the watchdog."""
+        """Flags for the workers alone (trainers do not take these): weight pinning, rebalancing's
+        readings, kept graphs, the sync phases, the watchdog."""
         flags = [] if self.pinned_weights is None else ["--pinned-weights", str(self.pinned_weights)]
+        if self.rebalance_s is not None:
+            flags += ["--rebalance-every", str(self.rebalance_s)]
         if self.keep_graphs is not None:
             flags += ["--keep-graphs", str(self.keep_graphs)]
         return flags + ([] if self.sync_phases else ["--no-sync-phases"]) + ([] if self.watchdog else ["--no-watchdog"])

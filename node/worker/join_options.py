@@ -61,7 +61,9 @@ class JoinOptions:
     rebalance: StrictBool = setting(
         True, "stay on this stage even when it is over-covered (by announced throughput) and another is short of "
         "replicas (default: move there, through weight sync)", flag="--no-rebalance")
-    rebalance_s: StrictFloat | None = setting(None, "between two readings of the stages (None: 6 heartbeats)", gt=0)
+    rebalance_s: StrictFloat | None = setting(
+        None, "seconds between two readings of the stages for rebalancing; a move needs two readings in a row that "
+        "agree (default: 6 heartbeats)", flag="--rebalance-every", metavar="S", gt=0)
 
     def checkpoint_interval(self, configured: int) -> int:
         """Optimizer steps between periodic checkpoints: `checkpoint_every`, else the run config's."""

@@ -75,8 +75,8 @@ class LiveRun:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "agora.node", "demo", "--stages", "2", "--replicas", "1", "--steps", "5000",
              "--seed", "1", "--join-at", str(JOIN_AT), "--join-at", str(JOIN_AT), "--averaging-every", "2",
-             "--averaging-fraction", "0.5", "--optimizer-sync-steps", "8", "--no-monitor", "--workdir", str(work),
-             "--summary-json", str(self.summary_path)],
+             "--averaging-fraction", "0.5", "--optimizer-sync-steps", "8", "--rebalance-every", "2", "--no-monitor",
+             "--workdir", str(work), "--summary-json", str(self.summary_path)],
             stdout=self.output, stderr=subprocess.STDOUT)
         self.summary: dict | None = None
 
