@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -54,7 +55,7 @@ from agora.bench.many_nodes import Geometry, geometry_for
 from agora.bench.wan.profiles import PROFILES, profile_named
 from agora.bench.wan.topology import WanTopology, cleanup_leftovers, harness_available
 from agora.dht.key_families import WORKERS
-from agora.node.demo.processes import ChildProcess, Placement, ProcessGroup
+from agora.node.demo.processes import ChildFailed, ChildProcess, Placement, ProcessGroup
 from agora.pipeline.files import atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,18 +183,25 @@ def mint_credentials(workdir: Path, specs: list[PeerSpec]) -> None:
 
 def start_peers(group: ProcessGroup, topology: WanTopology, specs: list[PeerSpec], args, geometry: Geometry,
                 workdir: Path) -> dict[str, ChildProcess]:
-    """The bootstrap, then the others in waves of `--wave`, each ready before the next starts."""
+    """The bootstrap, then the others in waves of `--wave`, each ready before the next starts. Each
+    joins through the bootstrap and `--join-through` - 1 workers of the earlier waves, drawn at random
+    (trainers are in client mode: nobody can dial them)."""
     boot_spec, others = specs[0], specs[1:]
     boot = group.spawn(BOOTSTRAP, peer_command(boot_spec, args, geometry, workdir, topology.node(BOOTSTRAP).address,
                                                []), workdir / f"{BOOTSTRAP}.ready")
-    maddrs = group.wait_ready([boot], READY_S)[BOOTSTRAP]
+    boot_maddrs = group.wait_ready([boot], READY_S)[BOOTSTRAP]
+    joined: list[list[str]] = []  # the maddrs of every peer ready so far
+    rng = random.Random(args.seed)
     children = {BOOTSTRAP: boot}
     for first in range(0, len(others), args.wave):
         wave = []
         for spec in others[first:first + args.wave]:
+            through = rng.sample(joined, min(len(joined), args.join_through - 1))
+            maddrs = boot_maddrs + [maddr for peer in through for maddr in peer]
             command = peer_command(spec, args, geometry, workdir, topology.node(spec.name).address, maddrs)
             wave.append(group.spawn(spec.name, command, workdir / f"{spec.name}.ready"))
-        group.wait_ready(wave, READY_S)
+        ready = group.wait_ready(wave, READY_S)
+        joined += [ready[spec.name] for spec in others[first:first + args.wave] if spec.role != "trainer"]
         children.update({child.name: child for child in wave})
     return children
 
@@ -271,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--window", type=float, default=320.0,
                         help="real seconds between the two readings (default: two dilated heartbeats at K = 32)")
     parser.add_argument("--wave", type=int, default=8, help="peers started together")
+    parser.add_argument("--join-through", type=int, default=1,
+                        help="initial peers each peer joins through: the bootstrap and this many - 1 peers already "
+                             "joined (1: the bootstrap alone, as the authorizer's join file names it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/agora-dht-scale"))
     parser.add_argument("--out", type=Path, default=RESULTS / "dht_scale.md")
@@ -282,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if any(n < args.stages + 1 for n in args.nodes):
         parser.error(f"--nodes: each N needs at least --stages + 1 = {args.stages + 1} peers")
-    if args.window <= 0 or args.rest <= 0 or args.wave < 1:
-        parser.error("--window and --rest must be positive, --wave at least 1")
+    if args.window <= 0 or args.rest <= 0 or args.wave < 1 or args.join_through < 1:
+        parser.error("--window and --rest must be positive, --wave and --join-through at least 1")
     try:
         problem = Dilation(args.dilation).problem(TrafficModel(), WORKERS.max_ttl_s)
     except ValueError as error:
@@ -295,21 +306,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dht_scale: error: {problem}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
-    rows = []
+    rows, failed = [], []
     try:
         for n in sorted(args.nodes):
             workdir = args.workdir / f"n{n}-{int(time.time())}"
             print(f"dht-scale: N={n} ({geometry_for(n, args.stages)}), dilation {args.dilation:g}", flush=True)
             started = time.monotonic()
-            rows.append(measure(n, args, workdir))
+            try:
+                rows.append(measure(n, args, workdir))
+            except ChildFailed as error:  # a swarm that did not form is a finding, and the other N still count
+                failed.append(f"N={n}: the swarm did not form: {str(error).splitlines()[0]} (logs: {workdir})")
+                print(f"dht-scale: {failed[-1]}", flush=True)
+                continue
             rows[-1].wall_s = round(time.monotonic() - started, 1)
             print(json.dumps(asdict(rows[-1])), flush=True)
     except KeyboardInterrupt:
         print("dht_scale: interrupted; every peer stopped and its namespace removed", file=sys.stderr)
         return 130
+    if not rows:
+        print("dht_scale: no N formed a swarm:\n" + "\n".join(failed), file=sys.stderr)
+        return 1
     command = "python bench/dht_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report(rows, command, model_check()))
+    args.out.write_text(report(rows, command, model_check()) + "".join(f"\n{line}\n" for line in failed))
     args.out.with_suffix(".json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
     if plot(rows, args.out.with_suffix(".png")):
         print(f"plot: {args.out.with_suffix('.png')}")
