@@ -29,7 +29,7 @@ from agora.node.averaging.loop import AveragingLoop
 from agora.node.averaging.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels
 from agora.node.rpc.server import run
 from agora.pipeline.config import PRESETS
-from local_replica import LocalReplica
+from agora.node.replica.local_replica import LocalReplica
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 

@@ -17,7 +17,7 @@ from agora.dht.keys import rounds_key
 from agora.dht.records import RoundRecord
 from agora.node.averaging.loop import ROUND_LEAD, AveragingLoop
 from agora.node.rpc.server import run
-from local_replica import LocalReplica
+from agora.node.replica.local_replica import LocalReplica
 from test_averaging_loop import CONFIG, SYNC, Board, ScriptedAverager, committed, vector_size
 
 pytestmark = pytest.mark.timeout(120)
