@@ -30,10 +30,8 @@ Design choices:
   to the other reducers and returns (g-1)/g of its reduced part, and receives as much.
 - The averager process exits if its owner dies (kill -9), like the DHT process; its "could
   not find a group" error log is demoted to DEBUG because the caller reports that outcome.
-- ``RoundBoard`` is where replicas of a stage say which round they are starting (a
-  ``RoundRecord`` per peer under ``{run}.stage{i}.{method}.rounds``, expiring with the
-  matchmaking window), so a replica whose own step count is behind can join the round a
-  faster one is waiting in, and how many live replicas there are (the workers' records).
+- Which round the stage's replicas are in, and how many live, is on the round board
+  (dht/round_board.py), read by the averaging loop, not here.
 
 Admission (``start(admission=AveragingAdmission(...))``; off under ``--insecure``). hivemind's
 DHT authorizer does not cover the averager's own RPCs (matchmaking and all-reduce parts go
@@ -68,7 +66,6 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Optional
 
 import hivemind
@@ -78,25 +75,17 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import as_aiter, azip
-from hivemind.utils.serializer import MSGPackSerializer
 
-from agora.auth.credentials import CredentialError, CredentialVerifier
-from agora.auth.node_state import CREDENTIAL_FILE
+from agora.dht.averaging_admission import CREDENTIAL_FIELD, AdmissionGate, AveragingAdmission
 from agora.dht.robust import DeviationHistory, RobustAggregation
 from agora.pipeline.codec import all_finite
 from agora.dht.robust_allreduce import AgreedGroup, RobustAllReduceRunner, agreed_group
-from agora.dht.keys import AVERAGING_GROUP_BITS, rounds_key
-from agora.dht.records import Phase, RoundRecord
-from agora.dht.security import DHTSecurity
+from agora.dht.keys import AVERAGING_GROUP_BITS
 from agora.dht.dht_process import begin_forked_process
-from agora.dht.swarm import SwarmDHT
 
 __all__ = [
     "GROUP_BITS",
-    "AdmissionGate",
-    "AveragingAdmission",
     "OUTCOMES",
-    "RoundBoard",
     "RoundResult",
     "SliceAverager",
     "estimated_bytes",
@@ -114,8 +103,6 @@ GROUP_BITS = AVERAGING_GROUP_BITS
 _HOST_GRACE_S = 5.0
 # A control request to the averager process (group bits, target size) answers in milliseconds.
 _CONTROL_TIMEOUT_S = 10.0
-# The gather metadata field that carries the sender's credential chain (PEM bytes).
-_CREDENTIAL = "credential"
 
 
 def round_group_bits(round_number: int, bits: int = GROUP_BITS) -> str:
@@ -130,31 +117,6 @@ def estimated_bytes(vector_bytes: int, group_size: int) -> int:
     if group_size <= 1:
         return 0
     return int(2 * vector_bytes * (group_size - 1) / group_size)
-
-
-@dataclass(frozen=True)
-class AveragingAdmission:
-    """Who may average with this node: workers of ``run_id`` at ``stage`` under the pinned root.
-
-    ``state_dir`` is the node's own credential directory, read every round for the chain it
-    sends (None: the caller passes ``credential=`` to ``average``). Picklable: the averager
-    process builds its verifier from it.
-    """
-
-    root_pem: bytes
-    run_id: str
-    stage: int
-    state_dir: Optional[str] = None
-
-    @classmethod
-    def for_node(cls, security: DHTSecurity, stage: int) -> "AveragingAdmission":
-        """An admitted node's averaging at ``stage``: its run's root and run, its own state directory."""
-        return cls(root_pem=security.root_pem, run_id=security.run_id, stage=stage, state_dir=str(security.state_dir))
-
-    def current_credential(self) -> Optional[bytes]:
-        if self.state_dir is None:
-            return None
-        return (Path(self.state_dir) / CREDENTIAL_FILE).read_bytes()
 
 
 @dataclass(frozen=True)
@@ -268,7 +230,7 @@ class SliceAverager:
             except OSError as error:
                 return RoundResult("failed", round_number, None, error=f"no credential to send: {error}")
         if credential is not None:
-            gather[_CREDENTIAL] = bytes(credential)
+            gather[CREDENTIAL_FIELD] = bytes(credential)
         with self._round_lock:
             if not self.alive:
                 return RoundResult("failed", round_number, None, error="the averager process is not running")
@@ -360,70 +322,6 @@ class SliceAverager:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-
-class RoundBoard:
-    """The stage's round announcements and replica count, over a ``SwarmDHT`` (async API)."""
-
-    def __init__(self, swarm: SwarmDHT, *, run_id: str, stage: int, method: str, ttl: float):
-        self._swarm = swarm
-        self.run_id, self.stage = run_id, stage
-        self.key = rounds_key(run_id, stage, method)
-        self.ttl = ttl
-        self.refused: Counter[str] = Counter()  # announcements refused, by reason (each writer's round once)
-        self._refused_seen: set[tuple[str, int]] = set()
-
-    async def announce(self, round_number: int) -> None:
-        """Tell the stage this replica is starting ``round_number`` (best effort)."""
-        record = RoundRecord(peer_id=self._swarm.peer_id, run_id=self.run_id, stage=self.stage,
-                             round=round_number, started_at=self._swarm.clock())
-        await self._swarm.store_async(self.key, record, self.ttl, subkey=self._swarm.subkey_of(record.peer_id))
-
-    async def close(self, round_number: int) -> None:
-        """Tell the stage this replica has left ``round_number`` (best effort). The record replaces
-        the announcement (same subkey, later expiry), so a replica that skipped the round does not
-        join it after the others are gone and wait out the matchmaking window alone."""
-        record = RoundRecord(peer_id=self._swarm.peer_id, run_id=self.run_id, stage=self.stage,
-                             round=round_number, started_at=self._swarm.clock(), closed=True)
-        await self._swarm.store_async(self.key, record, self.ttl, subkey=self._swarm.subkey_of(record.peer_id))
-
-    async def announced_round(self, at_most: Optional[int] = None) -> Optional[int]:
-        """The latest round another replica announced and has not left, if any, and no later than
-        `at_most` (the stage's schedule as the caller knows it, with some slack).
-
-        A later one is refused, not joined: a replica that joined it would skip every round up to
-        it, so one announcement of round 10**9 would end the stage's averaging, and through the
-        checkpointed last round, across restarts too. Each refused (writer, round) is counted once
-        in `refused` and said once in a log line naming the writer."""
-        entries = await self._swarm.owned_entries_async(self.key, RoundRecord)  # by peer id, ownership checked
-        rounds = []
-        for peer_id, stored in entries.items():
-            record = stored.record
-            if peer_id == self._swarm.peer_id or record.stage != self.stage or record.closed:
-                continue
-            if at_most is not None and record.round > at_most:
-                self._refuse(peer_id, record.round, at_most)
-                continue
-            rounds.append(record.round)
-        return max(rounds, default=None)
-
-    def _refuse(self, peer_id: str, round_number: int, at_most: int) -> None:
-        if (peer_id, round_number) in self._refused_seen:
-            return
-        self._refused_seen.add((peer_id, round_number))
-        self.refused["past_schedule"] += 1
-        logger.warning("stage %d: refused peer %s's announcement of round %d (the stage's schedule allows at "
-                       "most %d)", self.stage, peer_id, round_number, at_most,
-                       extra={"milestone": "record_refused",
-                              "fields": {"kind": "round", "peer": peer_id, "reason": "past_schedule",
-                                         "round": round_number, "at_most": at_most}})
-
-    async def replicas(self) -> int:
-        """Live replicas of the stage, this one included (even before its first announce lands)."""
-        records = await self._swarm.live_workers_async(self.run_id, self.stage)
-        # Serve-only workers (phase "serving") share the stage's record key but never average.
-        return 1 + sum(1 for w in records
-                       if w.peer_id != self._swarm.peer_id and w.phase not in (Phase.LEAVING, Phase.SERVING))
 
 
 class _AveragerProcess(DecentralizedAverager):
@@ -547,42 +445,6 @@ class _AveragerProcess(DecentralizedAverager):
         if registered is not None and not registered.done():
             registered.cancel()  # parts already waiting for this group end now
         return {"gathered": {}, "refused": reason, "peers": [str(p) for p in group_info.peer_ids]}
-
-
-class AdmissionGate:
-    """The averager process's credential check (built there, from a picklable admission); pure:
-    ``problem`` takes a peer's gather bytes as hivemind sends them and the peer id libp2p names."""
-
-    def __init__(self, admission: AveragingAdmission):
-        self.admission = admission
-        self.verifier = CredentialVerifier(admission.root_pem, admission.run_id, clock=time.time)
-        self.banned: frozenset[str] = frozenset()  # the run's ban list, as the owner last sent it
-        self._warned: set[str] = set()
-
-    def problem(self, data_for_gather: bytes, peer_id: str) -> Optional[str]:
-        """Why a peer's gather does not admit it to this stage's rounds, or None if it does."""
-        if peer_id in self.banned:
-            return "banned: the run's operator banned it"
-        try:  # hivemind's envelope: [bandwidth, mode, msgpack(user gather)]
-            _, _, user = MSGPackSerializer.loads(data_for_gather)
-            chain = MSGPackSerializer.loads(user).get(_CREDENTIAL)
-        except Exception:  # noqa: BLE001 - anything a peer sends must become a refusal, not a crash
-            return "malformed gather metadata"
-        if not isinstance(chain, bytes):
-            return "no credential in its gather metadata"
-        try:
-            identity = self.verifier.verify(chain, roles=("worker",), stage=self.admission.stage)
-        except CredentialError as error:
-            return f"{error.reason}: {error}"
-        if identity.peer_id != peer_id:
-            return f"wrong_key: it presents the credential of {identity.peer_id}"
-        return None
-
-    def warn(self, message: str) -> None:
-        level = logging.DEBUG if message in self._warned else logging.WARNING
-        if len(self._warned) < 1024:
-            self._warned.add(message)
-        logger.log(level, "%s", message)
 
 
 def _demote_no_group(record: logging.LogRecord) -> bool:

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agora.dht.averaging import RoundBoard, SliceAverager
+from agora.dht.averaging import SliceAverager
+from agora.dht.round_board import RoundBoard
 from agora.dht.swarm import SwarmDHT
 from agora.node.averaging.loop import AveragingLoop
 from agora.node.averaging.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels

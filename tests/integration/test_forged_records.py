@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from agora.dht.averaging import RoundBoard
+from agora.dht.round_board import RoundBoard
 from agora.dht.keys import rounds_key
 from agora.dht.records import RoundRecord
 from agora.node.averaging.loop import ROUND_LEAD, AveragingLoop
