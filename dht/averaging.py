@@ -26,6 +26,9 @@ Design choices:
   ``rejected`` (the average is not finite, or members disagree on the round), ``cancelled``.
 - ``received_fraction``: the share of the vector whose average arrived (1 - hivemind's failed
   reducer parts / total), read in the averager process and returned with the step's result.
+- ``formation_s``: from the round's start to matchmaking's formed group (stamped in the
+  averager process as the group is handed over; CLOCK_MONOTONIC is shared by both processes),
+  so a round's time splits into finding a group and averaging with it. None if none formed.
 - Bytes are estimated, not counted: with equal shares each peer sends (g-1)/g of its vector
   to the other reducers and returns (g-1)/g of its reduced part, and receives as much.
 - The averager process exits if its owner dies (kill -9), like the DHT process; its "could
@@ -128,6 +131,8 @@ class RoundResult:
     weights: tuple[float, ...] = ()  # their weights, same order
     received_fraction: float = 0.0
     duration_s: float = 0.0
+    # From the round's start to its group being formed (matchmaking); None when no group formed.
+    formation_s: Optional[float] = None
     bytes_sent: int = 0
     bytes_received: int = 0
     error: Optional[str] = None
@@ -272,9 +277,10 @@ class SliceAverager:
                                error=None if outcome == "alone" else f"{type(error).__name__}: {error}")
         if not (isinstance(reply, dict) and "gathered" in reply):  # the hook did not run (another hivemind)
             reply = {"gathered": reply if isinstance(reply, dict) else {}}
+        formation = reply["formed_at"] - started if "formed_at" in reply else None
         if reply.get("refused"):  # a member without a valid credential, or nobody with weight: no all-reduce ran
             return RoundResult("rejected", round_number, None, participants=tuple(reply.get("peers", ())),
-                               duration_s=time.monotonic() - started, error=reply["refused"])
+                               duration_s=time.monotonic() - started, formation_s=formation, error=reply["refused"])
         gathered = reply["gathered"] or {}
         peers = tuple(str(peer) for peer in gathered)
         rounds = {data.get("round") if isinstance(data, dict) else None for data in gathered.values()}
@@ -285,7 +291,7 @@ class SliceAverager:
         with self._process.get_tensors() as (buffer,):
             averaged = buffer.clone()
         common = dict(participants=peers, weights=weights, received_fraction=received,
-                      duration_s=time.monotonic() - started, rejections=rejections,
+                      duration_s=time.monotonic() - started, formation_s=formation, rejections=rejections,
                       clipped_coordinates=int(reply.get("clipped_coordinates", 0)))
         sent = estimated_bytes(averaged.numel() * averaged.element_size(), len(peers))
         if rounds != {round_number}:
@@ -416,6 +422,9 @@ class _AveragerProcess(DecentralizedAverager):
                 "rejections": dict(runner.counts), "clipped_coordinates": runner.clipped_coordinates}
 
     async def _aggregate_with_group(self, group_info: Any, **kwargs: Any) -> dict:
+        # Matchmaking has just formed the group. CLOCK_MONOTONIC is system-wide, so the owner
+        # subtracts its own start of the round from this.
+        formed_at = time.monotonic()
         if self._gate is not None:
             for peer_id, data in zip(group_info.peer_ids, group_info.gathered):
                 problem = self._gate.problem(data, str(peer_id))
@@ -423,10 +432,10 @@ class _AveragerProcess(DecentralizedAverager):
                     self._refusals["group"] += 1
                     refused = f"group member {peer_id} refused: {problem}"
                     self._gate.warn(refused)
-                    return self._refuse(group_info, refused)
+                    return self._refuse(group_info, refused, formed_at)
         agreed = agreed_group(group_info, self._robust)
         if not any(weight > 0 for weight in agreed.weights.values()):
-            return self._refuse(group_info, "every member has weight 0 (all are syncing or idle)")
+            return self._refuse(group_info, "every member has weight 0 (all are syncing or idle)", formed_at)
         self._agreed[group_info.group_id] = agreed
         try:
             gathered = await super()._aggregate_with_group(agreed.group_info, **kwargs)
@@ -436,15 +445,16 @@ class _AveragerProcess(DecentralizedAverager):
             self._round_reports.pop(group_info.group_id, None)
         return {"gathered": gathered, "received_fraction": report.get("received_fraction", 1.0),
                 "rejections": report.get("rejections", {}),
-                "clipped_coordinates": report.get("clipped_coordinates", 0),
+                "clipped_coordinates": report.get("clipped_coordinates", 0), "formed_at": formed_at,
                 "weights": [agreed.weights[peer] for peer in group_info.peer_ids]}
 
-    def _refuse(self, group_info: Any, reason: str) -> dict:
+    def _refuse(self, group_info: Any, reason: str, formed_at: float) -> dict:
         """End a group without running its all-reduce: every honest member refuses alike."""
         registered = self._running_groups.get(group_info.group_id)
         if registered is not None and not registered.done():
             registered.cancel()  # parts already waiting for this group end now
-        return {"gathered": {}, "refused": reason, "peers": [str(p) for p in group_info.peer_ids]}
+        return {"gathered": {}, "refused": reason, "peers": [str(p) for p in group_info.peer_ids],
+                "formed_at": formed_at}
 
 
 def _demote_no_group(record: logging.LogRecord) -> bool:
