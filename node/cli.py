@@ -19,7 +19,7 @@ from pydantic.dataclasses import dataclass
 from agora.node.authorizer import add_authorizer_commands
 from agora.node.bootstrap_command import add_bootstrap_command
 from agora.node.demo.command import add_demo_command
-from agora.node.demo.supervision import PARENT_PID_ENV
+from agora.node.demo.supervision import die_with_parent
 from agora.node.doctor_command import add_doctor_command
 from agora.node.export import add_export_command, add_export_hf_command
 from agora.node.inference.commands import add_client_commands
@@ -77,26 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _die_with_parent() -> None:
-    """A supervised child is killed when its supervisor dies, even by kill -9 (Linux's parent-death
-    signal), so a killed demo leaves no workers behind holding ports and state directories. Its own
-    helper processes (hivemind's) follow it: they exit when their owner is gone."""
-    parent = os.environ.get(PARENT_PID_ENV)
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(parent):  # it died before the signal was set up
-        os._exit(1)
-
-
 def main(argv: list[str] | None = None) -> int:
-    _die_with_parent()
+    die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # a worker that moves stage starts again with them

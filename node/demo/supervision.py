@@ -11,6 +11,27 @@ A module of its own because both sides read it: the console script without impor
 the launcher without importing the console script.
 """
 
-__all__ = ["PARENT_PID_ENV"]
+import os
+import sys
+
+__all__ = ["PARENT_PID_ENV", "die_with_parent"]
 
 PARENT_PID_ENV = "AGORA_NODE_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """A supervised child is killed when its supervisor dies, even by kill -9 (Linux's parent-death
+    signal), so a killed demo leaves no workers behind holding ports and state directories. Its own
+    helper processes (hivemind's) follow it: they exit when their owner is gone."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # it died before the signal was set up
+        os._exit(1)
