@@ -42,7 +42,6 @@ from typing import Awaitable, Callable
 
 from agora.auth.authority import RunAuthority
 from agora.bench.dht_traffic import Action, Dilation, Timetable, TrafficModel, first_due_s, role_actions
-from agora.dht.averaging import RoundBoard
 from agora.dht.bans import BAN_REFRESH_S
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
@@ -52,6 +51,7 @@ from agora.dht.leases import LeaseBoard, UnitWriters, read_block
 from agora.dht.op_timings import RequestTimings
 from agora.dht.record_fields import BLOCK_UNITS, MAX_UNIT_BLOCKS
 from agora.dht.records import MAX_LEASE_S, MoveRecord, TrainerRecord, WorkerRecord
+from agora.dht.round_board import RoundBoard
 from agora.dht.security import DHTSecurity
 from agora.dht.swarm import SwarmDHT
 from agora.node.averaging.loop import ROUND_LEAD

@@ -8,8 +8,9 @@
 - ``dht_process``: that process: forked, orphan watch, stopped and reaped.
 - ``entry_reader``: what a read makes of found values (``Stored`` records it believes, the rest counted).
 - ``ownership``: which per-peer entries a reader believes (owner key, peer id, fingerprint).
-- ``averaging``: ``SliceAverager`` (hivemind's averager, with credential checks) and the
-  rounds board.
+- ``averaging``: ``SliceAverager`` (hivemind's averager, with credential checks).
+- ``averaging_admission``: the credential a round carries and the averager process's check of it.
+- ``round_board``: ``RoundBoard``, which round the stage's replicas are in and how many live.
 - ``heartbeat``: ``Heartbeat``, keeps a worker's record alive while the worker is.
 - ``bootstrap``: ``run_bootstrap``, the ``agora-node bootstrap`` role (import it from
   ``agora.dht.bootstrap``; not re-exported here so ``python -m agora.dht.bootstrap`` runs

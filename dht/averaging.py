@@ -26,14 +26,15 @@ Design choices:
   ``rejected`` (the average is not finite, or members disagree on the round), ``cancelled``.
 - ``received_fraction``: the share of the vector whose average arrived (1 - hivemind's failed
   reducer parts / total), read in the averager process and returned with the step's result.
+- ``formation_s``: from the round's start to matchmaking's formed group (stamped in the
+  averager process as the group is handed over; CLOCK_MONOTONIC is shared by both processes),
+  so a round's time splits into finding a group and averaging with it. None if none formed.
 - Bytes are estimated, not counted: with equal shares each peer sends (g-1)/g of its vector
   to the other reducers and returns (g-1)/g of its reduced part, and receives as much.
 - The averager process exits if its owner dies (kill -9), like the DHT process; its "could
   not find a group" error log is demoted to DEBUG because the caller reports that outcome.
-- ``RoundBoard`` is where replicas of a stage say which round they are starting (a
-  ``RoundRecord`` per peer under ``{run}.stage{i}.{method}.rounds``, expiring with the
-  matchmaking window), so a replica whose own step count is behind can join the round a
-  faster one is waiting in, and how many live replicas there are (the workers' records).
+- Which round the stage's replicas are in, and how many live, is on the round board
+  (dht/round_board.py), read by the averaging loop, not here.
 
 Admission (``start(admission=AveragingAdmission(...))``; off under ``--insecure``). hivemind's
 DHT authorizer does not cover the averager's own RPCs (matchmaking and all-reduce parts go
@@ -68,7 +69,6 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Optional
 
 import hivemind
@@ -78,25 +78,17 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import as_aiter, azip
-from hivemind.utils.serializer import MSGPackSerializer
 
-from agora.auth.credentials import CredentialError, CredentialVerifier
-from agora.auth.node_state import CREDENTIAL_FILE
+from agora.dht.averaging_admission import CREDENTIAL_FIELD, AdmissionGate, AveragingAdmission
 from agora.dht.robust import DeviationHistory, RobustAggregation
 from agora.pipeline.codec import all_finite
 from agora.dht.robust_allreduce import AgreedGroup, RobustAllReduceRunner, agreed_group
-from agora.dht.keys import AVERAGING_GROUP_BITS, rounds_key
-from agora.dht.records import Phase, RoundRecord
-from agora.dht.security import DHTSecurity
+from agora.dht.keys import AVERAGING_GROUP_BITS
 from agora.dht.dht_process import begin_forked_process
-from agora.dht.swarm import SwarmDHT
 
 __all__ = [
     "GROUP_BITS",
-    "AdmissionGate",
-    "AveragingAdmission",
     "OUTCOMES",
-    "RoundBoard",
     "RoundResult",
     "SliceAverager",
     "estimated_bytes",
@@ -114,8 +106,6 @@ GROUP_BITS = AVERAGING_GROUP_BITS
 _HOST_GRACE_S = 5.0
 # A control request to the averager process (group bits, target size) answers in milliseconds.
 _CONTROL_TIMEOUT_S = 10.0
-# The gather metadata field that carries the sender's credential chain (PEM bytes).
-_CREDENTIAL = "credential"
 
 
 def round_group_bits(round_number: int, bits: int = GROUP_BITS) -> str:
@@ -133,31 +123,6 @@ def estimated_bytes(vector_bytes: int, group_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class AveragingAdmission:
-    """Who may average with this node: workers of ``run_id`` at ``stage`` under the pinned root.
-
-    ``state_dir`` is the node's own credential directory, read every round for the chain it
-    sends (None: the caller passes ``credential=`` to ``average``). Picklable: the averager
-    process builds its verifier from it.
-    """
-
-    root_pem: bytes
-    run_id: str
-    stage: int
-    state_dir: Optional[str] = None
-
-    @classmethod
-    def for_node(cls, security: DHTSecurity, stage: int) -> "AveragingAdmission":
-        """An admitted node's averaging at ``stage``: its run's root and run, its own state directory."""
-        return cls(root_pem=security.root_pem, run_id=security.run_id, stage=stage, state_dir=str(security.state_dir))
-
-    def current_credential(self) -> Optional[bytes]:
-        if self.state_dir is None:
-            return None
-        return (Path(self.state_dir) / CREDENTIAL_FILE).read_bytes()
-
-
-@dataclass(frozen=True)
 class RoundResult:
     outcome: str
     round: int
@@ -166,6 +131,8 @@ class RoundResult:
     weights: tuple[float, ...] = ()  # their weights, same order
     received_fraction: float = 0.0
     duration_s: float = 0.0
+    # From the round's start to its group being formed (matchmaking); None when no group formed.
+    formation_s: Optional[float] = None
     bytes_sent: int = 0
     bytes_received: int = 0
     error: Optional[str] = None
@@ -268,7 +235,7 @@ class SliceAverager:
             except OSError as error:
                 return RoundResult("failed", round_number, None, error=f"no credential to send: {error}")
         if credential is not None:
-            gather[_CREDENTIAL] = bytes(credential)
+            gather[CREDENTIAL_FIELD] = bytes(credential)
         with self._round_lock:
             if not self.alive:
                 return RoundResult("failed", round_number, None, error="the averager process is not running")
@@ -310,9 +277,10 @@ class SliceAverager:
                                error=None if outcome == "alone" else f"{type(error).__name__}: {error}")
         if not (isinstance(reply, dict) and "gathered" in reply):  # the hook did not run (another hivemind)
             reply = {"gathered": reply if isinstance(reply, dict) else {}}
+        formation = reply["formed_at"] - started if "formed_at" in reply else None
         if reply.get("refused"):  # a member without a valid credential, or nobody with weight: no all-reduce ran
             return RoundResult("rejected", round_number, None, participants=tuple(reply.get("peers", ())),
-                               duration_s=time.monotonic() - started, error=reply["refused"])
+                               duration_s=time.monotonic() - started, formation_s=formation, error=reply["refused"])
         gathered = reply["gathered"] or {}
         peers = tuple(str(peer) for peer in gathered)
         rounds = {data.get("round") if isinstance(data, dict) else None for data in gathered.values()}
@@ -323,7 +291,7 @@ class SliceAverager:
         with self._process.get_tensors() as (buffer,):
             averaged = buffer.clone()
         common = dict(participants=peers, weights=weights, received_fraction=received,
-                      duration_s=time.monotonic() - started, rejections=rejections,
+                      duration_s=time.monotonic() - started, formation_s=formation, rejections=rejections,
                       clipped_coordinates=int(reply.get("clipped_coordinates", 0)))
         sent = estimated_bytes(averaged.numel() * averaged.element_size(), len(peers))
         if rounds != {round_number}:
@@ -360,70 +328,6 @@ class SliceAverager:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-
-class RoundBoard:
-    """The stage's round announcements and replica count, over a ``SwarmDHT`` (async API)."""
-
-    def __init__(self, swarm: SwarmDHT, *, run_id: str, stage: int, method: str, ttl: float):
-        self._swarm = swarm
-        self.run_id, self.stage = run_id, stage
-        self.key = rounds_key(run_id, stage, method)
-        self.ttl = ttl
-        self.refused: Counter[str] = Counter()  # announcements refused, by reason (each writer's round once)
-        self._refused_seen: set[tuple[str, int]] = set()
-
-    async def announce(self, round_number: int) -> None:
-        """Tell the stage this replica is starting ``round_number`` (best effort)."""
-        record = RoundRecord(peer_id=self._swarm.peer_id, run_id=self.run_id, stage=self.stage,
-                             round=round_number, started_at=self._swarm.clock())
-        await self._swarm.store_async(self.key, record, self.ttl, subkey=self._swarm.subkey_of(record.peer_id))
-
-    async def close(self, round_number: int) -> None:
-        """Tell the stage this replica has left ``round_number`` (best effort). The record replaces
-        the announcement (same subkey, later expiry), so a replica that skipped the round does not
-        join it after the others are gone and wait out the matchmaking window alone."""
-        record = RoundRecord(peer_id=self._swarm.peer_id, run_id=self.run_id, stage=self.stage,
-                             round=round_number, started_at=self._swarm.clock(), closed=True)
-        await self._swarm.store_async(self.key, record, self.ttl, subkey=self._swarm.subkey_of(record.peer_id))
-
-    async def announced_round(self, at_most: Optional[int] = None) -> Optional[int]:
-        """The latest round another replica announced and has not left, if any, and no later than
-        `at_most` (the stage's schedule as the caller knows it, with some slack).
-
-        A later one is refused, not joined: a replica that joined it would skip every round up to
-        it, so one announcement of round 10**9 would end the stage's averaging, and through the
-        checkpointed last round, across restarts too. Each refused (writer, round) is counted once
-        in `refused` and said once in a log line naming the writer."""
-        entries = await self._swarm.owned_entries_async(self.key, RoundRecord)  # by peer id, ownership checked
-        rounds = []
-        for peer_id, stored in entries.items():
-            record = stored.record
-            if peer_id == self._swarm.peer_id or record.stage != self.stage or record.closed:
-                continue
-            if at_most is not None and record.round > at_most:
-                self._refuse(peer_id, record.round, at_most)
-                continue
-            rounds.append(record.round)
-        return max(rounds, default=None)
-
-    def _refuse(self, peer_id: str, round_number: int, at_most: int) -> None:
-        if (peer_id, round_number) in self._refused_seen:
-            return
-        self._refused_seen.add((peer_id, round_number))
-        self.refused["past_schedule"] += 1
-        logger.warning("stage %d: refused peer %s's announcement of round %d (the stage's schedule allows at "
-                       "most %d)", self.stage, peer_id, round_number, at_most,
-                       extra={"milestone": "record_refused",
-                              "fields": {"kind": "round", "peer": peer_id, "reason": "past_schedule",
-                                         "round": round_number, "at_most": at_most}})
-
-    async def replicas(self) -> int:
-        """Live replicas of the stage, this one included (even before its first announce lands)."""
-        records = await self._swarm.live_workers_async(self.run_id, self.stage)
-        # Serve-only workers (phase "serving") share the stage's record key but never average.
-        return 1 + sum(1 for w in records
-                       if w.peer_id != self._swarm.peer_id and w.phase not in (Phase.LEAVING, Phase.SERVING))
 
 
 class _AveragerProcess(DecentralizedAverager):
@@ -518,6 +422,9 @@ class _AveragerProcess(DecentralizedAverager):
                 "rejections": dict(runner.counts), "clipped_coordinates": runner.clipped_coordinates}
 
     async def _aggregate_with_group(self, group_info: Any, **kwargs: Any) -> dict:
+        # Matchmaking has just formed the group. CLOCK_MONOTONIC is system-wide, so the owner
+        # subtracts its own start of the round from this.
+        formed_at = time.monotonic()
         if self._gate is not None:
             for peer_id, data in zip(group_info.peer_ids, group_info.gathered):
                 problem = self._gate.problem(data, str(peer_id))
@@ -525,10 +432,10 @@ class _AveragerProcess(DecentralizedAverager):
                     self._refusals["group"] += 1
                     refused = f"group member {peer_id} refused: {problem}"
                     self._gate.warn(refused)
-                    return self._refuse(group_info, refused)
+                    return self._refuse(group_info, refused, formed_at)
         agreed = agreed_group(group_info, self._robust)
         if not any(weight > 0 for weight in agreed.weights.values()):
-            return self._refuse(group_info, "every member has weight 0 (all are syncing or idle)")
+            return self._refuse(group_info, "every member has weight 0 (all are syncing or idle)", formed_at)
         self._agreed[group_info.group_id] = agreed
         try:
             gathered = await super()._aggregate_with_group(agreed.group_info, **kwargs)
@@ -538,51 +445,16 @@ class _AveragerProcess(DecentralizedAverager):
             self._round_reports.pop(group_info.group_id, None)
         return {"gathered": gathered, "received_fraction": report.get("received_fraction", 1.0),
                 "rejections": report.get("rejections", {}),
-                "clipped_coordinates": report.get("clipped_coordinates", 0),
+                "clipped_coordinates": report.get("clipped_coordinates", 0), "formed_at": formed_at,
                 "weights": [agreed.weights[peer] for peer in group_info.peer_ids]}
 
-    def _refuse(self, group_info: Any, reason: str) -> dict:
+    def _refuse(self, group_info: Any, reason: str, formed_at: float) -> dict:
         """End a group without running its all-reduce: every honest member refuses alike."""
         registered = self._running_groups.get(group_info.group_id)
         if registered is not None and not registered.done():
             registered.cancel()  # parts already waiting for this group end now
-        return {"gathered": {}, "refused": reason, "peers": [str(p) for p in group_info.peer_ids]}
-
-
-class AdmissionGate:
-    """The averager process's credential check (built there, from a picklable admission); pure:
-    ``problem`` takes a peer's gather bytes as hivemind sends them and the peer id libp2p names."""
-
-    def __init__(self, admission: AveragingAdmission):
-        self.admission = admission
-        self.verifier = CredentialVerifier(admission.root_pem, admission.run_id, clock=time.time)
-        self.banned: frozenset[str] = frozenset()  # the run's ban list, as the owner last sent it
-        self._warned: set[str] = set()
-
-    def problem(self, data_for_gather: bytes, peer_id: str) -> Optional[str]:
-        """Why a peer's gather does not admit it to this stage's rounds, or None if it does."""
-        if peer_id in self.banned:
-            return "banned: the run's operator banned it"
-        try:  # hivemind's envelope: [bandwidth, mode, msgpack(user gather)]
-            _, _, user = MSGPackSerializer.loads(data_for_gather)
-            chain = MSGPackSerializer.loads(user).get(_CREDENTIAL)
-        except Exception:  # noqa: BLE001 - anything a peer sends must become a refusal, not a crash
-            return "malformed gather metadata"
-        if not isinstance(chain, bytes):
-            return "no credential in its gather metadata"
-        try:
-            identity = self.verifier.verify(chain, roles=("worker",), stage=self.admission.stage)
-        except CredentialError as error:
-            return f"{error.reason}: {error}"
-        if identity.peer_id != peer_id:
-            return f"wrong_key: it presents the credential of {identity.peer_id}"
-        return None
-
-    def warn(self, message: str) -> None:
-        level = logging.DEBUG if message in self._warned else logging.WARNING
-        if len(self._warned) < 1024:
-            self._warned.add(message)
-        logger.log(level, "%s", message)
+        return {"gathered": {}, "refused": reason, "peers": [str(p) for p in group_info.peer_ids],
+                "formed_at": formed_at}
 
 
 def _demote_no_group(record: logging.LogRecord) -> bool:

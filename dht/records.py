@@ -3,7 +3,7 @@
 Design choices:
 
 - Every record type the DHT holds is declared here: workers, trainers, moves, averaging rounds
-  (``RoundRecord``, read by dht/averaging.py's ``RoundBoard``), leased unit blocks
+  (``RoundRecord``, read by dht/round_board.py's ``RoundBoard``), leased unit blocks
   (``UnitBlockRecord``, dht/leases.py) and the ban list. Their keys are named in dht/keys.py, and
   which key holds which record in dht/key_families.py.
 - A record is a frozen pydantic model in strict mode whose fields are plain scalars (str, int,

@@ -22,7 +22,7 @@ Design choices:
   of the previous one had replicas pick different rounds whenever a step fell between their
   finishes, wait out the matchmaking window alone, finish apart again and keep missing each
   other (on `tiny` with a round every step, two of three stages spent most of a run so). The
-  announcements (`RoundBoard`, dht/averaging.py) are read every `probe_s` and at once after a
+  announcements (`RoundBoard`, dht/round_board.py) are read every `probe_s` and at once after a
   round without partners, so replicas that missed each other meet in the next round; they are
   also how a replica whose count lags (missed reports, a restart, `--local-batch`) joins the
   rounds of the others, well inside the matchmaking window they wait for it. An announcement

@@ -95,7 +95,7 @@ class AveragingStats:
         self.last_round = result.round
 
     def count_refused(self, reason: str, count: int = 1) -> None:
-        """Announcements of other replicas this one refused (dht/averaging.py's RoundBoard says why)."""
+        """Announcements of other replicas this one refused (dht/round_board.py's RoundBoard says why)."""
         self.metrics.refused.labels(method=self.method, reason=reason).inc(count)
         self._refusal_reasons.add(reason)
 

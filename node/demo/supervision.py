@@ -3,9 +3,10 @@ the child dies with.
 
 A supervisor (node/demo/processes.py's ProcessGroup: the demo, tests, the WAN bench) puts its own
 pid there for every child it starts, and the child arms Linux's parent-death signal against it
-(`die_with_parent`, the first thing node/cli.py's main does), so a supervisor killed with kill -9 leaves no role behind holding ports and state
-folders. A launched child's parent is the launcher's server (node/demo/launcher.py), which exits
-with the supervisor, so there the server's pid replaces the supervisor's.
+(`die_with_parent`, the first thing node/cli.py's main does), so a supervisor killed with kill -9
+leaves no role behind holding ports and state folders. A launched child's parent is the launcher's
+server (node/demo/launcher.py), which exits with the supervisor, so there the server's pid replaces
+the supervisor's.
 
 A module of its own because both sides read it: the console script without importing the demo,
 the launcher without importing the console script.

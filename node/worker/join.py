@@ -40,7 +40,9 @@ from dataclasses import dataclass
 from agora.auth.admission import CredentialRenewer
 from agora.dht.security import DHTSecurity
 from agora.auth.node_state import NodeCredentials
-from agora.dht.averaging import AveragingAdmission, RoundBoard, SliceAverager
+from agora.dht.averaging import SliceAverager
+from agora.dht.averaging_admission import AveragingAdmission
+from agora.dht.round_board import RoundBoard
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.leases import UnitWriters, read_block

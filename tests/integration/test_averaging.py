@@ -23,13 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from agora.dht.averaging import RoundBoard, SliceAverager
+from agora.dht.averaging import SliceAverager
+from agora.dht.round_board import RoundBoard
 from agora.dht.swarm import SwarmDHT
 from agora.node.averaging.loop import AveragingLoop
 from agora.node.averaging.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels
 from agora.node.rpc.server import run
 from agora.pipeline.config import PRESETS
-from local_replica import LocalReplica
+from agora.node.replica.local_replica import LocalReplica
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -139,12 +140,14 @@ def test_groups_form_only_within_one_round_and_average_by_weight():
 
         apart = both(5, 6)  # a replica ahead and one behind never meet
         assert [r.outcome for r in apart] == ["alone", "alone"]
+        assert [r.formation_s for r in apart] == [None, None]  # no group formed
         first, second = both(7, 7)
         assert first.outcome == second.outcome == "committed"
         assert torch.allclose(first.averaged, torch.full((1000,), 1.3)) and torch.equal(first.averaged,
                                                                                        second.averaged)
         assert first.group_size == 2 and sorted(first.weights) == [1.0, 3.0] and first.received_fraction == 1.0
         assert first.bytes_sent == 4000  # 2 * (g - 1) / g of 4000 bytes
+        assert all(0.0 < r.formation_s < r.duration_s for r in (first, second))
         nobody = both(8, 8, 0.0, 0.0)  # everyone syncing: no weight, no average
         assert [r.outcome for r in nobody] == ["rejected", "rejected"] and nobody[0].averaged is None
 

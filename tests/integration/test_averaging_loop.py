@@ -22,7 +22,7 @@ from agora.node.averaging.loop import AveragingLoop
 from agora.node.averaging.sparta import SlicePartition, averaged_vector_size, outer_nesterov_step
 from agora.node.rpc.server import run
 from agora.pipeline.config import PRESETS
-from local_replica import LocalReplica
+from agora.node.replica.local_replica import LocalReplica
 
 pytestmark = pytest.mark.timeout(60)
 

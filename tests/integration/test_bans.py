@@ -28,7 +28,8 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from agora.auth.authority import RunAuthority
 from agora.auth.keys import hivemind_private_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
-from agora.dht.averaging import AveragingAdmission, SliceAverager, round_group_bits
+from agora.dht.averaging import SliceAverager, round_group_bits
+from agora.dht.averaging_admission import AveragingAdmission
 from agora.dht.bans import BAN_REFRESH_S, sign_ban_list
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.leases import LeaseBoard, UnitWriters

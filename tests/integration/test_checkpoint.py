@@ -128,7 +128,7 @@ def test_a_worker_checkpoints_every_n_steps_off_its_compute_thread_and_resumes_e
     from agora.node.replica.checkpoints import StageCheckpointer, restore_stage
     from agora.pipeline.codec import encode_tokens
     from agora.protos.stage_adapter import ForwardRequest
-    from local_replica import LocalReplica
+    from agora.node.replica.local_replica import LocalReplica
 
     config = PRESETS["tiny"].with_stages(1)
     vocab = config.model.vocab_size

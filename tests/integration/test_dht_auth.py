@@ -44,7 +44,8 @@ from agora.dht.security import (
 from agora.auth.keys import hivemind_private_key, openssh_public_key
 from agora.auth.node_state import CREDENTIAL_FILE, NodeCredentials
 from agora.dht import DHTRequestError, SwarmDHT, WorkerRecord, worker_key
-from agora.dht.averaging import AdmissionGate, AveragingAdmission, SliceAverager, round_group_bits
+from agora.dht.averaging import SliceAverager, round_group_bits
+from agora.dht.averaging_admission import AdmissionGate, AveragingAdmission
 from agora.dht.bootstrap import main as bootstrap_main
 from agora.dht.bootstrap import BootstrapOptions, run_bootstrap
 from agora.dht.key_families import MAX_HEARTBEAT_S

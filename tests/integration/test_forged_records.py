@@ -12,12 +12,12 @@ import uuid
 
 import pytest
 
-from agora.dht.averaging import RoundBoard
+from agora.dht.round_board import RoundBoard
 from agora.dht.keys import rounds_key
 from agora.dht.records import RoundRecord
 from agora.node.averaging.loop import ROUND_LEAD, AveragingLoop
 from agora.node.rpc.server import run
-from local_replica import LocalReplica
+from agora.node.replica.local_replica import LocalReplica
 from test_averaging_loop import CONFIG, SYNC, Board, ScriptedAverager, committed, vector_size
 
 pytestmark = pytest.mark.timeout(120)

@@ -29,7 +29,7 @@ from agora.pipeline.codec import WireCodec, encode_tokens
 from agora.pipeline.config import PRESETS
 from agora.pipeline.data import build_data
 from agora.protos.stage_adapter import ForwardRequest
-from local_replica import LocalReplica
+from agora.node.replica.local_replica import LocalReplica
 from test_averaging import TIMEOUTS, FixedBoard
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

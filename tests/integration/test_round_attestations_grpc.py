@@ -19,7 +19,9 @@ from agora.auth.grpc_policy import FINGERPRINT_METADATA
 from agora.auth.node_state import NodeCredentials
 from agora.auth.round_attestations import RoundAttestation, attestation_to_json, sign_attestation
 from agora.dht import SwarmDHT
-from agora.dht.averaging import AveragingAdmission, RoundBoard, RoundResult, SliceAverager
+from agora.dht.averaging import RoundResult, SliceAverager
+from agora.dht.averaging_admission import AveragingAdmission
+from agora.dht.round_board import RoundBoard
 from agora.dht.keys import averaging_prefix
 from agora.dht.records import WorkerRecord
 from agora.dht.security import DHTSecurity

@@ -20,14 +20,17 @@ T = TypeVar("T")
 
 
 class LocalReplica:
-    def __init__(self, config: RunConfig, stage: int, run_id: str = "test"):
+    """`on_reports`: the compute steps on completed-batch reports (`compute.step`), as a stage's
+    replica behind trainers does; otherwise it steps on its own every local batch."""
+
+    def __init__(self, config: RunConfig, stage: int, run_id: str = "test", *, on_reports: bool = False):
         self.phase = "member"
         self._stopped = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         # Built on the compute thread, like StageWorker does: the only thread that touches it.
         self._compute = self._executor.submit(
             StageCompute, config, stage, run_id=run_id, codec=WireCodec("fp32"), stash=ForwardStash(4, 60.0),
-            synchronous=False, local_batch=config.train.batch_size).result()
+            synchronous=False, local_batch=None if on_reports else config.train.batch_size).result()
 
     @property
     def compute(self) -> StageCompute:

@@ -1,0 +1,256 @@
+"""How a stage's averaging behaves as its replicas grow: R replicas of one stage averaging for real.
+
+For each R, R processes (bench/averaging_replica.py), each what a deployed worker runs for its
+averaging: its own `SwarmDHT` (hivemind's DHT process and p2pd), `SliceAverager` (hivemind's
+averager process), worker-record heartbeat, the DHT round board and the `AveragingLoop` over the
+stage's compute thread. The stage is tiny's middle stage of three (a quarter of the model: its
+compute is negligible); the replicas step together every `--step-s` seconds, as a stage does on
+its trainers' completed-batch reports, so a round falls due every `--every-steps` steps. Over a
+window of `--rounds` rounds, from every replica's results:
+
+- rounds attempted per replica (a round that fell due while another ran is skipped, not
+  attempted) and their outcomes (committed / alone / failed / rejected, the loop's stats);
+- the success ratio (committed over attempted) and committed over due;
+- the group size of each committed round (how many of R took part) and the share with all R;
+- group formation time (round start to matchmaking's formed group, `RoundResult.formation_s`)
+  p50/p95 and the share formed within the matchmaking window (`sync.matchmaking_s`);
+- round duration p50/p95; memory (proportional set size of each replica's whole process tree);
+- the 1-minute load at each R's start and end: the machine's cores are shared by all R replicas'
+  processes, so at large R the times include waiting for a core. Read them beside the load.
+
+The DHT is insecure (`--insecure`'s): admission would need an authorizer and a credential per
+replica, and it is the averaging protocol that is measured here. Each figure's growth against R
+is fitted as constant / log R / R (bench/many_nodes.py's `growth`). Writes
+bench/results/averaging_scale.md and .json.
+
+    python bench/averaging_scale.py --replicas 2 4 8 16 --rounds 20       # the full run, alone
+    python bench/averaging_scale.py --replicas 2 3 --rounds 4              # shows it works
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from agora.bench.many_nodes import growth, tree_usage
+from agora.node.demo.processes import ChildFailed, ProcessGroup
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+OUTCOME_NAMES = ("committed", "alone", "failed", "rejected", "cancelled")
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How the replicas step and average: one step every `step_s`, a round every `every_steps`."""
+
+    rounds: int
+    step_s: float
+    every_steps: int
+    matchmaking_s: float
+
+    @property
+    def round_every_s(self) -> float:
+        return self.step_s * self.every_steps
+
+    def argv(self) -> list[str]:
+        return ["--rounds", str(self.rounds), "--step-s", str(self.step_s), "--every-steps", str(self.every_steps),
+                "--matchmaking-s", str(self.matchmaking_s)]
+
+
+@dataclass
+class Row:
+    replicas: int
+    reported: int  # replicas whose results came back
+    rounds_due: int
+    attempted_per_replica: float
+    attempted_min: int
+    outcomes: dict
+    skipped: int
+    success_ratio: float  # committed / attempted
+    committed_of_due: float  # committed / (rounds due x replicas)
+    group_mean: float
+    full_group_ratio: float  # committed rounds whose group held all R
+    formation_p50_s: float
+    formation_p95_s: float
+    formed_in_window_ratio: float  # formed groups whose formation took at most matchmaking_s
+    duration_p50_s: float
+    duration_p95_s: float
+    matchmaking_s: float
+    round_every_s: float
+    load_start: float = math.nan
+    load_end: float = math.nan
+    pss_mib_per_replica: float = math.nan
+    startup_s: float = math.nan
+    window_s: float = math.nan
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole else math.nan
+
+
+def aggregate(replicas: int, reports: list[dict], pace: Pace) -> Row:
+    """The table's row for R from each replica's report (`rounds`: its round rows, `stats`: the
+    loop's `AveragingStats.snapshot()`)."""
+    outcomes = {name: 0 for name in OUTCOME_NAMES}
+    attempted, skipped = [], 0
+    for report in reports:
+        by_outcome = report["stats"]["rounds_by_outcome"]
+        for name in OUTCOME_NAMES:
+            outcomes[name] += int(by_outcome.get(name, 0))
+        attempted.append(sum(int(n) for n in by_outcome.values()))
+        skipped += int(report["stats"].get("skipped", 0))
+    rows = [row for report in reports for row in report["rounds"]]
+    committed = [row for row in rows if row["outcome"] == "committed"]
+    formations = [row["formation_s"] for row in rows if row.get("formation_s") is not None]
+    total = sum(attempted)
+    return Row(
+        replicas=replicas, reported=len(reports), rounds_due=pace.rounds,
+        attempted_per_replica=_ratio(total, len(reports)), attempted_min=min(attempted, default=0),
+        outcomes=outcomes, skipped=skipped, success_ratio=_ratio(outcomes["committed"], total),
+        committed_of_due=_ratio(outcomes["committed"], pace.rounds * replicas),
+        group_mean=_ratio(sum(row["group_size"] for row in committed), len(committed)),
+        full_group_ratio=_ratio(sum(row["group_size"] >= replicas for row in committed), len(committed)),
+        formation_p50_s=percentile(formations, 0.5), formation_p95_s=percentile(formations, 0.95),
+        formed_in_window_ratio=_ratio(sum(f <= pace.matchmaking_s for f in formations), len(formations)),
+        duration_p50_s=percentile([row["duration_s"] for row in rows], 0.5),
+        duration_p95_s=percentile([row["duration_s"] for row in rows], 0.95),
+        matchmaking_s=pace.matchmaking_s, round_every_s=pace.round_every_s)
+
+
+# ---- one R -----------------------------------------------------------------------------------------
+
+def replica_command(index: int, replicas: int, workdir: Path, pace: Pace, peers: list[str]) -> list[str]:
+    return [sys.executable, "-m", "agora.bench.averaging_replica", "--workdir", str(workdir), "--index", str(index),
+            "--replicas", str(replicas), *pace.argv(), *(["--initial-peers", *peers] if peers else [])]
+
+
+def _wait_for_reports(group: ProcessGroup, workdir: Path, replicas: int, timeout_s: float) -> list[dict]:
+    """Each replica's results once all are in (or the deadline passed: those that came)."""
+    paths = [workdir / f"replica-{i}.json" for i in range(replicas)]
+    deadline = time.monotonic() + timeout_s
+    while not all(path.exists() for path in paths) and time.monotonic() < deadline:
+        for child in group.children:
+            if not child.alive():
+                raise ChildFailed(f"{child.name} exited with code {child.process.returncode} during the window:\n"
+                                  f"{child.log_tail()}")
+        time.sleep(0.25)
+    return [json.loads(path.read_text()) for path in paths if path.exists()]
+
+
+def measure(replicas: int, pace: Pace, workdir: Path) -> Row:
+    """Start R replicas, let `pace.rounds` rounds fall due, read their results; every child reaped."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    load_start, started = os.getloadavg()[0], time.monotonic()
+    group = ProcessGroup(workdir)
+    try:
+        first = group.spawn("replica-0", replica_command(0, replicas, workdir, pace, []), workdir / "replica-0.dht")
+        peers = group.wait_ready([first], 120)["replica-0"]
+        for index in range(1, replicas):
+            group.spawn(f"replica-{index}", replica_command(index, replicas, workdir, pace, peers))
+        for index, child in enumerate(group.children):
+            child.ready_path = workdir / f"replica-{index}.ready"
+        group.wait_ready(group.children, 120 + 15 * replicas)  # R processes importing torch on shared cores
+        startup_s = time.monotonic() - started
+        go = time.monotonic() + 1.0
+        (workdir / "go.partial").write_text(repr(go))
+        os.replace(workdir / "go.partial", workdir / "go")
+        window = pace.rounds * pace.round_every_s
+        reports = _wait_for_reports(group, workdir, replicas, window + 60.0)
+        window_s = time.monotonic() - go
+        pss = sum(tree_usage(child.pid)[1] for child in group.children)
+    finally:
+        group.shutdown(grace_s=15.0)
+    row = aggregate(replicas, reports, pace)
+    row.load_start, row.load_end = load_start, os.getloadavg()[0]
+    row.pss_mib_per_replica, row.startup_s, row.window_s = pss / replicas, startup_s, window_s
+    return row
+
+
+# ---- the report ------------------------------------------------------------------------------------
+
+COLUMNS = [("attempted_per_replica", "attempted / replica"), ("success_ratio", "committed / attempted"),
+           ("committed_of_due", "committed / due"), ("group_mean", "group mean"),
+           ("full_group_ratio", "groups of all R"), ("formation_p50_s", "formation p50 s"),
+           ("formation_p95_s", "formation p95 s"), ("formed_in_window_ratio", "formed within window"),
+           ("duration_p50_s", "round p50 s"), ("duration_p95_s", "round p95 s"),
+           ("pss_mib_per_replica", "PSS MiB / replica")]
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return "-" if not math.isfinite(value) else f"{value:.3g}"
+    return str(value)
+
+
+def report(rows: list[Row], pace: Pace, command: str) -> str:
+    replicas = [row.replicas for row in rows]
+    lines = ["# Averaging against a stage's replica count (bench/averaging_scale.py)", "",
+             f"`{command}` on {time.strftime('%Y-%m-%d %H:%M')}; {platform.node()}, {os.cpu_count()} cores, "
+             f"Python {platform.python_version()}. R replicas of tiny's middle stage (of 3), each its own process "
+             f"with its own DHT peer, averager and p2pd, insecure DHT (no admission); a step every {pace.step_s:g} s, "
+             f"a round every {pace.every_steps} steps ({pace.round_every_s:g} s), {pace.rounds} rounds due per R, "
+             f"matchmaking window {pace.matchmaking_s:g} s. Every replica's processes share this machine's cores: "
+             "read the times beside the load.", "",
+             "| R | load start/end | startup s | outcomes (c/a/f/r) | skipped | "
+             + " | ".join(title for _, title in COLUMNS) + " |",
+             "|---:|---|---:|---|---:|" + "---:|" * len(COLUMNS)]
+    for row in rows:
+        o = row.outcomes
+        lines.append(f"| {row.replicas} | {row.load_start:.1f}/{row.load_end:.1f} | {row.startup_s:.0f} | "
+                     f"{o['committed']}/{o['alone']}/{o['failed']}/{o['rejected']} | {row.skipped} | "
+                     + " | ".join(_cell(getattr(row, name)) for name, _ in COLUMNS) + " |")
+    fitted = [growth(replicas, [getattr(r, name) for r in rows]).replace("N", "R") for name, _ in COLUMNS]
+    lines.append("| growth | | | | | " + " | ".join(fitted) + " |")
+    lines += ["", "Outcomes are summed over the replicas (each replica's view of each round it attempted). "
+              "Growth is the best of constant / log R / R fitted to the R values (needs three)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--rounds", type=int, default=20, help="rounds due per R (the window)")
+    parser.add_argument("--step-s", type=float, default=2.0, help="seconds between the stage's steps")
+    parser.add_argument("--every-steps", type=int, default=4, help="sync.every_steps: steps between rounds")
+    parser.add_argument("--matchmaking-s", type=float, default=3.0, help="sync.matchmaking_s (tiny's default)")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/agora-averaging-scale"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "averaging_scale.md")
+    args = parser.parse_args(argv)
+    if any(r < 2 for r in args.replicas):
+        parser.error("--replicas: each R needs at least 2 replicas to average")
+    if args.rounds < 1 or args.step_s <= 0 or args.every_steps < 1 or args.matchmaking_s <= 0:
+        parser.error("--rounds and --every-steps must be >= 1, --step-s and --matchmaking-s > 0")
+    pace = Pace(args.rounds, args.step_s, args.every_steps, args.matchmaking_s)
+    rows = []
+    for replicas in args.replicas:
+        print(f"averaging-scale: R={replicas}", flush=True)
+        rows.append(measure(replicas, pace, args.workdir / f"r{replicas}"))
+        print(json.dumps(asdict(rows[-1])), flush=True)
+    command = "python bench/averaging_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report(rows, pace, command))
+    args.out.with_suffix(".json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+    print(args.out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

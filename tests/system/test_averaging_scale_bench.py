@@ -1,0 +1,29 @@
+"""bench/averaging_scale.py at R = 3, a short window: three replica processes average for real,
+their rounds commit, the table's figures come back, and no process outlives the measurement.
+
+Not a result (three rounds on a shared machine): what is checked is that the bench measures.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from agora.bench.averaging_scale import Pace, measure, report
+from leftovers import assert_nothing_left
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+
+def test_three_replicas_commit_rounds_and_the_figures_come_back(tmp_path):
+    pace = Pace(rounds=3, step_s=0.5, every_steps=4, matchmaking_s=2.0)
+    row = measure(3, pace, tmp_path / "r3")
+    assert row.reported == 3, row
+    assert row.outcomes["committed"] >= 3 and row.attempted_min >= 1, row
+    assert 2 <= row.group_mean <= 3, row
+    assert all(math.isfinite(v) and v > 0 for v in (row.formation_p50_s, row.duration_p50_s,
+                                                    row.pss_mib_per_replica, row.startup_s)), row
+    assert row.formation_p50_s <= row.duration_p50_s, row
+    assert "| 3 |" in report([row], pace, "test")
+    assert_nothing_left(tmp_path / "r3")
