@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/dht_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report(rows, command, model_check()) + "".join(f"\n{line}\n" for line in failed))
-    args.out.with_suffix(".json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": [asdict(r) for r in rows],
+                                                         "failed": failed}, indent=1) + "\n")
     if plot(rows, args.out.with_suffix(".png")):
         print(f"plot: {args.out.with_suffix('.png')}")
     print(args.out.read_text())

@@ -304,3 +304,28 @@ def plot(rows: list[Figures], path: Path) -> bool:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return True
+
+
+SUMMARY_LABEL = ("| 10 | the coordination plane alone (bench/dht_scale.py): bytes and CPU per node, DHT p95, from the "
+                 "smallest N to the largest |")
+
+
+def summary_row(path: Path) -> str:
+    """RESULTS.md's row from bench/dht_scale.py's JSON (or a line saying it was never run)."""
+    if not path.exists():
+        return (f"{SUMMARY_LABEL} not measured: `python bench/dht_scale.py --nodes 8 16 32 64 --dilation 32` | "
+                "- | - |")
+    recorded = json.loads(path.read_text())
+    rows = [Figures(**row) for row in recorded["rows"]]
+    first, last = rows[0], rows[-1]
+    log_ratio = math.log(last.nodes) / math.log(first.nodes)
+    ratios = {name: getattr(last, name) / getattr(first, name)
+              for name in ("kib_per_node_min", "cpu_s_per_node_min", "get_p95_ms", "store_p95_ms")}
+    failed = "; ".join(line.split(" (logs:")[0] for line in recorded["failed"])
+    measured = (f"N={first.nodes} to {last.nodes}: bytes x{ratios['kib_per_node_min']:.2f}, CPU "
+                f"x{ratios['cpu_s_per_node_min']:.2f} (log N: x{log_ratio:.2f}); get p95 x{ratios['get_p95_ms']:.2f}, "
+                f"store p95 x{ratios['store_p95_ms']:.2f}" + (f"; {failed}" if failed else "")
+                + " (bench/results/dht_scale.md)")
+    met = (max(ratios["kib_per_node_min"], ratios["cpu_s_per_node_min"]) <= log_ratio * 1.1
+           and max(ratios["get_p95_ms"], ratios["store_p95_ms"]) <= 2 and not failed and last.nodes >= 64)
+    return f"{SUMMARY_LABEL} {measured} | <= log N; p95 at 64 within 2x of 8 | {'yes' if met else 'no'} |"

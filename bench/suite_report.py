@@ -10,6 +10,7 @@ import statistics
 from pathlib import Path
 
 from agora.bench.attack_report import detection_row
+from agora.bench.dht_scale_report import summary_row as dht_scale_row
 
 __all__ = ["render"]
 
@@ -18,6 +19,8 @@ __all__ = ["render"]
 GPU_RESULTS = Path(__file__).resolve().parent / "results" / "gpu.json"
 # Row 9 likewise from bench/attacks.py's last run, which the suite does not run (about 15 minutes alone).
 ATTACK_RESULTS = Path(__file__).resolve().parent / "results" / "attacks_tiny.json"
+# Row 10 from bench/dht_scale.py's last run (the coordination plane alone, N up to 64; root, about 40 minutes).
+DHT_SCALE_RESULTS = Path(__file__).resolve().parent / "results" / "dht_scale.json"
 GPU_NOT_MEASURED = ("not measured: the suite's machine has no GPU; `python bench/gpu.py` measures one stage's "
                     "tokens/s and MFU on one (bench/results/gpu.md)")
 
@@ -405,6 +408,7 @@ def render(results: dict) -> str:
                        f"{shown} | - | - |")
     summary.append(_gpu_row(GPU_RESULTS))
     summary.append(detection_row(ATTACK_RESULTS))
+    summary.append(dht_scale_row(DHT_SCALE_RESULTS))
     fix_lines, fix_summary = _fixes(items)
     sections += fix_lines
     summary += fix_summary

@@ -28,7 +28,9 @@ def test_four_admitted_peers_report_real_figures_and_leave_no_namespace(tmp_path
             harness.kill()
     assert harness.returncode == 0, stderr[-3000:]
     assert not [name for name in _namespaces() if name.startswith(f"{NAME_PREFIX}{harness.pid}-")]
-    [row] = json.loads(out.with_suffix(".json").read_text())
+    recorded = json.loads(out.with_suffix(".json").read_text())
+    [row], failed = recorded["rows"], recorded["failed"]
+    assert failed == []
     assert row["nodes"] == 4 and row["peers_answered"] == 4  # every role peer's requests came back
     assert row["kib_per_node_min"] > 0 and row["bootstrap_kib_min"] > 0  # bytes on every namespace's eth0
     assert row["cpu_s_per_node_min"] > 0 and row["pss_mib_per_node"] > 0

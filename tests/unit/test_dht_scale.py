@@ -118,3 +118,18 @@ def test_the_plot_is_written_where_matplotlib_is_installed(tmp_path):
     path = tmp_path / "dht_scale.png"
     assert plot([_row(8, 100.0, 10.0, 1.0), _row(16, 120.0, 11.0, 1.1)], path)
     assert path.stat().st_size > 10_000
+
+
+def test_the_results_row_gives_the_growth_from_the_smallest_n_to_the_largest_and_what_did_not_form(tmp_path):
+    from agora.bench.dht_scale_report import summary_row
+
+    path = tmp_path / "dht_scale.json"
+    assert "not measured" in summary_row(path)
+    small = dataclasses.replace(_figures(), nodes=8)
+    large = dataclasses.replace(small, nodes=32, kib_per_node_min=small.kib_per_node_min * 1.5,
+                                cpu_s_per_node_min=small.cpu_s_per_node_min * 3, get_p95_ms=small.get_p95_ms * 4)
+    path.write_text(json.dumps({"command": "x", "rows": [dataclasses.asdict(small), dataclasses.asdict(large)],
+                                "failed": ["N=64: the swarm did not form: a peer exited (logs: /tmp/w)"]}))
+    row = summary_row(path)
+    assert "N=8 to 32: bytes x1.50, CPU x3.00 (log N: x1.67); get p95 x4.00, store p95 x1.00" in row
+    assert "N=64: the swarm did not form: a peer exited (bench/results" in row and row.endswith("| no |")
