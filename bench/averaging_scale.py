@@ -224,6 +224,25 @@ def report(rows: list[Row], pace: Pace, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+SUMMARY_LABEL = ("| 11 | a stage's averaging against its replica count (bench/averaging_scale.py): rounds committed, "
+                 "group formation against the matchmaking window, at the largest R |")
+
+
+def summary_row(path: Path) -> str:
+    """RESULTS.md's row from bench/averaging_scale.py's JSON (or a line saying it was never run)."""
+    if not path.exists():
+        return f"{SUMMARY_LABEL} not measured: `python bench/averaging_scale.py --replicas 2 4 8 16` | - | - |"
+    rows = [Row(**row) for row in json.loads(path.read_text())]
+    last = rows[-1]
+    measured = (f"R={last.replicas}: {last.success_ratio:.0%} of attempted rounds committed, groups of all R "
+                f"{last.full_group_ratio:.0%}, formation p95 {last.formation_p95_s:.2f} s of a "
+                f"{last.matchmaking_s:g} s window (R={'/'.join(str(r.replicas) for r in rows)}: "
+                f"{', '.join(f'{r.formation_p95_s:.2f}' for r in rows)} s; load {last.load_start:.0f}->"
+                f"{last.load_end:.0f}; insecure DHT) (bench/results/averaging_scale.md)")
+    met = last.replicas >= 16 and last.success_ratio >= 0.95 and last.formed_in_window_ratio >= 1.0
+    return f"{SUMMARY_LABEL} {measured} | >= 95% at R = 16, formed within the window | {'yes' if met else 'no'} |"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8, 16])

@@ -10,6 +10,7 @@ import statistics
 from pathlib import Path
 
 from agora.bench.attack_report import detection_row
+from agora.bench.averaging_scale import summary_row as averaging_scale_row
 from agora.bench.dht_scale_report import summary_row as dht_scale_row
 
 __all__ = ["render"]
@@ -21,6 +22,8 @@ GPU_RESULTS = Path(__file__).resolve().parent / "results" / "gpu.json"
 ATTACK_RESULTS = Path(__file__).resolve().parent / "results" / "attacks_tiny.json"
 # Row 10 from bench/dht_scale.py's last run (the coordination plane alone, N up to 64; root, about 40 minutes).
 DHT_SCALE_RESULTS = Path(__file__).resolve().parent / "results" / "dht_scale.json"
+# Row 11 from bench/averaging_scale.py's last run (R replicas of a stage averaging, up to 16; about 15 minutes).
+AVERAGING_SCALE_RESULTS = Path(__file__).resolve().parent / "results" / "averaging_scale.json"
 GPU_NOT_MEASURED = ("not measured: the suite's machine has no GPU; `python bench/gpu.py` measures one stage's "
                     "tokens/s and MFU on one (bench/results/gpu.md)")
 
@@ -409,6 +412,7 @@ def render(results: dict) -> str:
     summary.append(_gpu_row(GPU_RESULTS))
     summary.append(detection_row(ATTACK_RESULTS))
     summary.append(dht_scale_row(DHT_SCALE_RESULTS))
+    summary.append(averaging_scale_row(AVERAGING_SCALE_RESULTS))
     fix_lines, fix_summary = _fixes(items)
     sections += fix_lines
     summary += fix_summary

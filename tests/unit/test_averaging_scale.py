@@ -63,3 +63,21 @@ def test_the_table_has_a_row_per_r_and_a_growth_row():
     # Formation and round times grow as R in these reports; the rounds attempted stay 3.
     assert fitted["formation p50 s"] == "R" and fitted["round p50 s"] == "R"
     assert fitted["attempted / replica"] == "constant"
+
+
+def test_the_results_row_judges_the_largest_r_against_the_goal(tmp_path):
+    import dataclasses
+    import json
+
+    from agora.bench.averaging_scale import summary_row
+
+    path = tmp_path / "averaging_scale.json"
+    assert "not measured" in summary_row(path)
+    rows = [aggregate(r, [replica([("committed", r, 0.1 * r, 0.2 * r)] * 3)] * r, PACE) for r in (2, 16)]
+    path.write_text(json.dumps([dataclasses.asdict(row) for row in rows]))
+    row = summary_row(path)
+    assert "R=16: 100% of attempted rounds committed" in row and "R=2/16: 0.20, 1.60 s" in row
+    assert row.endswith("| yes |")
+    late = dataclasses.replace(rows[-1], formation_p95_s=2.5, formed_in_window_ratio=0.9)  # past PACE's 2 s window
+    path.write_text(json.dumps([dataclasses.asdict(row) for row in (rows[0], late)]))
+    assert summary_row(path).endswith("| no |")
