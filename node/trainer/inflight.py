@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from agora.node.trainer.options import TrainerOptions
+from agora.node.trainer.routing import MIN_CREDITS
 
 __all__ = ["fill_depth", "in_flight_limit", "adaptive_depth", "depth_cap", "initial_depth", "resized_depth",
            "DepthEstimate", "InFlightLimit", "SMOOTHING"]
@@ -147,10 +148,19 @@ def depth_cap(max_in_flight: int, credit_cap: int | None, stage_credits: list[in
     return max(1, min(cap, calls)) if calls else max(1, cap)
 
 
-def initial_depth(max_in_flight: int, microbatches: int, *, adaptive: bool) -> int:
-    """The depth before the first microbatch is measured: half a global batch (at most the cap) when
-    adaptive, else the fixed cap."""
-    return min(max_in_flight, max(1, microbatches // 2)) if adaptive else max_in_flight
+def initial_depth(max_in_flight: int, microbatches: int, *, adaptive: bool, credit_cap: int | None = None,
+                  stage_credits: Sequence[int] = ()) -> int:
+    """The depth before the first microbatch is measured: half a global batch when adaptive, else the
+    fixed cap; either way within `depth_cap` of what the workers' records announce for a trainer new to
+    them. A stage with no worker known yet counts as granting `MIN_CREDITS` calls.
+
+    Nothing is measured before the first microbatch ends, and by then the first depth's worth is in
+    flight: deeper than a worker keeps for this trainer, its stash evicts forward inputs whose
+    Backwards then fail, a burst of failures that bans a stage's only worker (backoff up to
+    `Roster.ban_max_s`) and stalls the run. Half of a 256-microbatch batch is twice a default stash (64)."""
+    known = [credits or MIN_CREDITS for credits in stage_credits]
+    cap = depth_cap(max_in_flight, credit_cap, known)
+    return min(cap, max(1, microbatches // 2)) if adaptive else cap
 
 
 def resized_depth(estimate: DepthEstimate, *, adaptive: bool, max_in_flight: int, credit_cap: int | None,

@@ -122,7 +122,8 @@ class SwarmTrainer:
         self.checks = ReplyChecks(options, self.codec, self.roster, self.stats, self.blame, clock, self.calls.held_out)
         self.max_in_flight = in_flight_limit(options, config.train.microbatches)
         self.adaptive = adaptive_depth(options)
-        # Until the first microbatch is measured: half a global batch (at most the cap).
+        # Until the first microbatch is measured: half a global batch (at most the cap), within the workers'
+        # credits once `run` has read their records.
         self._in_flight = InFlightLimit(initial_depth(self.max_in_flight, config.train.microbatches,
                                                       adaptive=self.adaptive))
         self.depth = DepthEstimate(self.n_stages)
@@ -155,6 +156,8 @@ class SwarmTrainer:
         source = self.units if self.units is not None else FixedUnits(
             assigned_units(total_steps, self.options.trainer_index, self.options.trainers), total_steps)
         await self.calls.refresh(force=True)
+        if self.depth.samples == 0:
+            await self._set_first_depth()
         self._run_started = self.clock()
         cpu_started = time.process_time()
         records = self.records
@@ -320,6 +323,14 @@ class SwarmTrainer:
 
         losses = await asyncio.gather(*(one(key, micro) for key, micro in parts))
         return sum(losses) / max(1, len(losses))
+
+    async def _set_first_depth(self) -> None:
+        """The depth until a microbatch is measured, within what the workers' records announce."""
+        credit_cap, stage_credits = self.roster.in_flight_cap(self.n_stages), self.roster.stage_credits(self.n_stages)
+        await self._in_flight.set(initial_depth(self.max_in_flight, self.config.train.microbatches,
+                                                adaptive=self.adaptive, credit_cap=credit_cap,
+                                                stage_credits=stage_credits))
+        self.stats.depth(self._in_flight.limit, credit_cap, stage_credits)
 
     async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:
         """Feed one training microbatch to the depth estimate and resize the in-flight limit."""

@@ -190,15 +190,22 @@ class SlowCalls(CallHook):
             await asyncio.sleep(self.seconds)
 
 
-async def _workers(config, queue: int, slow_stage: int | None = None, slow_s: float = 0.0):
+async def _workers(config, queue: int, slow_stage: int | None = None, slow_s: float = 0.0, stash: int = 64,
+                   announce: bool = False):
+    """A worker per stage; `announce`: the discovery carries the credits their records would announce."""
     workers = []
     for stage in range(len(config.layer_split)):
         hooks = [SlowCalls(slow_s)] if stage == slow_stage else []
-        worker = StageWorker(config, stage, run_id="test", options=WorkerOptions(max_queue=queue),
+        worker = StageWorker(config, stage, run_id="test", options=WorkerOptions(max_queue=queue, stash_capacity=stash),
                              interceptors=hooks)
         await worker.start()
         workers.append(worker)
-    return workers, StaticDiscovery([WorkerView(f"s{i}", w.address, i) for i, w in enumerate(workers)])
+    views = []
+    for i, worker in enumerate(workers):
+        info = worker.info() if announce else None
+        views.append(WorkerView(f"s{i}", worker.address, i, announced_credits=info.credits if info else 0,
+                                announced_in_flight_credits=info.in_flight_credits if info else 0))
+    return workers, StaticDiscovery(views)
 
 
 def test_a_wide_batch_trains_through_small_queues_without_a_busy_answer(data):
@@ -223,6 +230,29 @@ def test_a_wide_batch_trains_through_small_queues_without_a_busy_answer(data):
     assert (stats.busy, stats.reroutes, stats.bans) == (0, 0, 0)
     assert stats.calls == 3 * 16 * 5  # a Forward on each of 3 stages, a Backward on the first 2
     assert depth["stage_credits"] == [2, 2, 2] and depth["credit_cap"] == 64
+
+
+def test_the_first_depth_keeps_within_what_the_workers_stash(data):
+    """16 microbatches per global batch through workers that keep 4 forward inputs for a trainer, as
+    their records say: the depth before any microbatch is measured (half a batch, 8) stays within those
+    4, so no stashed input is evicted before its Backward. Deeper, the first batch's Backwards failed
+    (no forward input stashed), each a reroute and a ban of its stage's only worker."""
+    config = _config()
+
+    async def main():
+        workers, discovery = await _workers(config, queue=4, stash=4, announce=True)
+        try:
+            async with SwarmTrainer(config, data, discovery,
+                                    TrainerOptions(run_id="test", gradient_check_share=0.0)) as trainer:
+                records = await trainer.run(2)
+                return records, trainer.stats, trainer.in_flight_summary()
+        finally:
+            await asyncio.gather(*(w.stop(0) for w in workers))
+
+    records, stats, depth = asyncio.run(main())
+    assert [r.step for r in records] == [1, 2]
+    assert (stats.reroutes, stats.bans) == (0, 0)
+    assert depth["credit_cap"] == 4 and depth["max"] <= 4
 
 
 def test_three_trainers_share_a_slow_worker_per_stage_and_none_is_banned(data):

@@ -109,6 +109,22 @@ def test_initial_depth_is_half_a_batch_within_the_cap_when_adaptive():
     assert initial_depth(16, 8, adaptive=False) == 16
 
 
+def test_initial_depth_keeps_within_what_the_workers_announce():
+    """The report's shape: half of 256 microbatches is twice what a worker's stash keeps for a trainer."""
+    from agora.node.trainer.inflight import initial_depth
+    from agora.node.trainer.routing import MIN_CREDITS
+
+    assert initial_depth(256, 256, adaptive=True, credit_cap=64, stage_credits=[40, 40, 40]) == 64
+    # Calls outstanding over the stages bound it too: a newcomer's 4 calls a stage hold 12 microbatches.
+    assert initial_depth(256, 256, adaptive=True, credit_cap=64, stage_credits=[4, 4, 4]) == 12
+    # A stage with no worker known yet counts a worker that states no credits.
+    assert initial_depth(256, 256, adaptive=True, credit_cap=None, stage_credits=[0, 0, 0]) == 3 * MIN_CREDITS
+    assert initial_depth(256, 256, adaptive=True, credit_cap=None, stage_credits=[0, 20, 20]) == 40 + MIN_CREDITS
+    # A fixed depth too, as `resized_depth` caps it after the first microbatch.
+    assert initial_depth(16, 8, adaptive=False, credit_cap=6, stage_credits=[8, 8]) == 6
+    assert initial_depth(16, 8, adaptive=False, credit_cap=None, stage_credits=[]) == 16
+
+
 def test_resized_depth_follows_the_estimate_within_the_credits():
     from agora.node.trainer.inflight import DepthEstimate, resized_depth
 
