@@ -141,7 +141,7 @@ def _profiles(row: dict) -> tuple[list[str], dict]:
                   "unqueued latency ms | busy | load |", "|---|---|---:|---:|---:|---|---:|---:|---|"]
     lan = row["profiles"].get("lan", {}).get("runs", {})
     headline = {}
-    splits = ["", "Per call, by stage, the last run of each (ms; wire = round trip - compute - queued; credit wait: "
+    splits = ["", "Per training call, by stage, the last run of each (ms; wire = round trip - compute - queued; credit wait: "
                   "before the call, at the trainer, for a worker's credit; trainer: CPU and wall time outside calls per "
                   "microbatch):", "",
               "| profile, run | stage | round trip | compute | queued | wire | credit wait | trainer CPU | "

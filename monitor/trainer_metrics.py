@@ -67,14 +67,15 @@ class TrainerMetrics:
                                   registry=registry)
         for unknown in (self.loss, self.heldout_loss):  # NaN (no value) until measured, never a loss of 0
             unknown.set(float("nan"))
+        # method: Forward or Backward of training, HeldOut for a held-out Forward (evaluation, checks' probes).
         self.calls = Histogram("agora_trainer_call_seconds", "Round trip of a call to a stage worker",
                                ["stage", "method"], buckets=DURATION_BUCKETS, registry=registry)
         self.call_compute = Counter("agora_trainer_call_compute_seconds",
-                                    "Workers' compute-thread time of this trainer's calls", ["stage"],
+                                    "Workers' compute-thread time of this trainer's calls", ["stage", "method"],
                                     registry=registry)
         self.call_queued = Counter("agora_trainer_call_queued_seconds",
-                                   "Time this trainer's calls waited for workers' compute threads", ["stage"],
-                                   registry=registry)
+                                   "Time this trainer's calls waited for workers' compute threads",
+                                   ["stage", "method"], registry=registry)
         self.reroutes = Counter("agora_trainer_reroutes", "Microbatch routes abandoned and rerun on another route",
                                 registry=registry)
         self.repeats = Counter("agora_trainer_repeats", "Stage calls whose worker had applied that work already (a "

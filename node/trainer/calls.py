@@ -39,7 +39,7 @@ from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.stage_client import (InputRefused, ReplyScales, StageCallError, StageClient,
                                              UnitNotHeld, WorkerBusy)
-from agora.node.trainer.stats import TrainerStats
+from agora.node.trainer.stats import HELD_OUT, TrainerStats
 from agora.node.trainer.traces import MicrobatchTraces
 from agora.pipeline.codec import WireCodec
 from agora.pipeline.config import RunConfig
@@ -174,7 +174,8 @@ class WorkerCalls:
         while True:
             view, credit_wait = await pick()
             waited += credit_wait
-            self.stats.credit_wait(stage, credit_wait)
+            if training:  # the time split is of training calls (`TrainerStats.time_split`)
+                self.stats.credit_wait(stage, credit_wait)
             try:
                 if training:
                     await self.batch_reports.reported(stage, view.peer_id)
@@ -224,8 +225,8 @@ class WorkerCalls:
             self.stats.calls_s += seconds
         self.roster.succeeded(view.peer_id, seconds, compute_s=result.compute_s, queued_s=result.queued_s,
                               credits=result.credits, in_flight_credits=result.in_flight_credits)
-        self.stats.call(view.stage, type(result).__name__.removesuffix("Result"), seconds, result.compute_s,
-                        result.queued_s)
+        method = type(result).__name__.removesuffix("Result") if training else HELD_OUT
+        self.stats.call(view.stage, method, seconds, result.compute_s, result.queued_s)
         if hop is not None:
             hop.answered(seconds, result, training=training)
         return result

@@ -221,6 +221,8 @@ def test_a_wide_batch_trains_through_small_queues_without_a_busy_answer(data):
             async with SwarmTrainer(config, data, discovery,
                                     TrainerOptions(run_id="test", gradient_check_share=0.0)) as trainer:
                 records = await trainer.run(3)
+                # Held out of the training calls' split: an evaluation's Forwards.
+                await trainer.evaluate(data.heldout_batches(1, config.train.batch_size))
                 return records, trainer.stats, trainer.in_flight_summary()
         finally:
             await asyncio.gather(*(w.stop(0) for w in workers))

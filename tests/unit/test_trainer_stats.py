@@ -1,0 +1,21 @@
+"""The trainer's time split (node/trainer/stats.py): what the per-call tables and the simulator's inputs read."""
+
+import pytest
+
+from agora.node.trainer.stats import HELD_OUT, TrainerStats
+
+
+def test_the_time_split_is_of_training_calls():
+    """An evaluation's held-out Forwards (forward only, as many as its batches' microbatches) stay out of
+    the per-call figures of training: mixed in, they lowered the tail's compute per call."""
+    stats = TrainerStats()
+    stats.call(2, "Forward", 0.030, 0.020, 0.004)  # the tail: forward and backward in one call
+    stats.call(2, "Forward", 0.034, 0.024, 0.006)
+    for _ in range(4):
+        stats.call(2, HELD_OUT, 0.012, 0.006, 0.001)
+    stats.credit_wait(2, 0.002)
+    split = stats.time_split()["2"]
+    assert split["calls"] == 2 and stats.calls == 2
+    assert split["round_trip_ms"] == pytest.approx(32.0)
+    assert split["compute_ms"] == pytest.approx(22.0) and split["queued_ms"] == pytest.approx(5.0)
+    assert split["wire_ms"] == pytest.approx(5.0) and split["credit_wait_ms"] == pytest.approx(1.0)
