@@ -169,10 +169,16 @@ NOTES = """## What the simulator leaves out, and where it shows
   congestion window, which the simulator's links do not; RESULTS.md's F3 measured tuned hosts 1.45x
   (small x1 adaptive) to 2.2x (small x1 half a batch) faster at agora-floor. The small runs at
   agora-floor on default hosts are the ones most over-predicted; on tuned hosts they come closer.
-- The report shape (256 microbatches a batch): the harness's trainer spent 9.6 to 11.4 s outside
-  calls per microbatch there (its own table), lan and agora-floor alike (762 and 749 tokens/s), a
-  cost per global batch that the simulator has no input for; it predicts what the links and compute
-  allow, about 5x more.
+- The report shape (256 microbatches a batch): its row-3 runs (762 and 749 tokens/s) are of a
+  trainer whose first depth, half a batch (128), was twice what a worker's stash keeps for it (64).
+  The evicted forward inputs' Backwards failed (39 and 72 reroutes), each stage's only worker was
+  banned for up to 120 s, and the microbatches waited it out (9.6 to 11.4 s outside calls per
+  microbatch in their table). The simulator has no eviction: it predicts the trainer that keeps its
+  first depth within the workers' credits (node/trainer/inflight.py, `initial_depth`), which on
+  loopback measured 3,280 to 4,233 tokens/s, 0 reroutes (2 cores shared with other work). Their
+  compute per call is also diluted by the evaluation's 4 x 256 forward-only calls (the tail's read
+  about a third low); the trainer's time split is of training calls since. Given one such loopback
+  run's own inputs the simulator said 4,705 tokens/s where it measured 4,233 (+11%; load 0.7 to 8).
 - Depth 4 at one trainer (x1 adaptive, staleness 1): the simulated latency matches the measured one
   within a few percent, but the harness kept fewer than 4 in flight on average (its tokens/s over
   latency says about 2.6): the trainer's own time between a global batch's end and the next claim

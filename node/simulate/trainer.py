@@ -7,8 +7,9 @@ It runs as node/trainer/trainer.py does, calling the same decisions:
   S-2 down to 0 on the replicas its Forward took; each call's replica is `Roster.choose`
   (node/trainer/routing.py: earliest expected finish, balanced shares, credits), and the roster
   hears every call's round trip, compute and queueing (`Roster.succeeded`) as the real one does.
-- The depth starts at `initial_depth` and after every microbatch becomes `resized_depth`
-  (node/trainer/inflight.py) over a `DepthEstimate` fed its unqueued latency and compute.
+- The depth starts at `initial_depth` within the credits the workers' records announce, and after
+  every microbatch becomes `resized_depth` (node/trainer/inflight.py) over a `DepthEstimate` fed its
+  unqueued latency and compute.
 - A stage's replicas are told a global batch is done the moment its last microbatch has passed
   that stage (one round trip; each replica steps, which takes its executor `step_ms`), and a call
   to a replica first waits for the report sent to it last (node/trainer/batch_reports.py, `reported`), so the next
@@ -246,6 +247,10 @@ class SimTrainer:
         self.committed.append(self.env.now)
 
     def run(self):
+        self.refresh()
+        self.limit.set(initial_depth(self.max_in_flight, self.microbatches, adaptive=self.adaptive,
+                                     credit_cap=self.roster.in_flight_cap(self.stages),
+                                     stage_credits=self.roster.stage_credits(self.stages)))
         stripe = (self.index, self.swarm.trainer_count) if self.swarm.trainer_count > 1 else None
         window = 1 + math.ceil(self.max_in_flight / self.microbatches)
         pending: set = set()

@@ -5,7 +5,7 @@ Each simulation is small (a few simulated seconds of a 3-stage pipeline) so the 
 import pytest
 
 from agora.node.simulate.scenario import scenario_from_dict
-from agora.node.simulate.swarm import simulate
+from agora.node.simulate.swarm import SimSwarm, simulate
 from agora.node.trainer.routing import BALANCE_SLACK
 
 TOKENS = 256
@@ -135,3 +135,15 @@ def test_shared_cores_share_time_as_an_operating_system_does():
     env.process(job("short", 0.1))
     env.run()
     assert ended == pytest.approx({"long": 1.1, "short": 0.2})
+
+
+def test_the_first_depth_keeps_within_the_workers_credits_as_the_trainers_does():
+    """256 microbatches a batch: half a batch (128) would be in flight before anything is measured; the
+    trainer keeps its first depth within the credits the workers announce (`initial_depth`), so does
+    the simulated one."""
+    swarm = SimSwarm(_scenario(run={"microbatches": 256}, trainers={"max_in_flight": None},
+                               workers={"credits": 16}))
+    trainer = swarm.trainers[0]
+    swarm.env.process(trainer.run())
+    swarm.env.run(until=0.15)  # the unit claimed, its microbatches started, none finished yet
+    assert trainer.limit.limit == 16 and trainer.limit.active == 16 and not trainer.tokens_done
