@@ -79,8 +79,9 @@ def test_a_global_batch_of_32_microbatches_trains_within_the_workers_credits(tmp
     assert code == 0 and summary["outcome"] == "completed"
     assert [line["step"] for line in lines] == list(range(1, 7))
     assert (summary["busy_retries"], summary["reroutes"], summary["bans"]) == (0, 0, 0)
-    # Training: a Forward on each stage and a Backward on the head and the body; then the evaluation.
-    assert summary["calls"] > 6 * 32 * 5
+    # Training: a Forward on each stage and a Backward on the head and the body (the evaluation's
+    # held-out Forwards are counted apart).
+    assert summary["calls"] >= 6 * 32 * 5
     depth = summary["in_flight"][0]
     assert depth["credit_cap"] == 64 and all(credits >= 2 for credits in depth["stage_credits"])
 
