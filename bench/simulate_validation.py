@@ -175,10 +175,12 @@ NOTES = """## What the simulator leaves out, and where it shows
   banned for up to 120 s, and the microbatches waited it out (9.6 to 11.4 s outside calls per
   microbatch in their table). The simulator has no eviction: it predicts the trainer that keeps its
   first depth within the workers' credits (node/trainer/inflight.py, `initial_depth`), which on
-  loopback measured 3,280 to 4,233 tokens/s, 0 reroutes (2 cores shared with other work). Their
-  compute per call is also diluted by the evaluation's 4 x 256 forward-only calls (the tail's read
-  about a third low); the trainer's time split is of training calls since. Given one such loopback
-  run's own inputs the simulator said 4,705 tokens/s where it measured 4,233 (+11%; load 0.7 to 8).
+  loopback measured 3,280 to 5,489 tokens/s with 0 reroutes (2 cores shared with other work, load 1
+  to 14). Their compute per call is also diluted by the evaluation's 4 x 256 forward-only calls (the
+  tail's read about a third low); the trainer's time split is of training calls since. Given a
+  loopback run's own inputs, as here, the simulator said 5,299 tokens/s where the report shape
+  measured 5,270 (+1%) and 5,084 where the wide shape measured 4,939 next (+3%; load 1 to 5); under
+  other work's load (8 to 14) it said 4 to 37% more than measured, that load being none of its inputs.
 - Depth 4 at one trainer (x1 adaptive, staleness 1): the simulated latency matches the measured one
   within a few percent, but the harness kept fewer than 4 in flight on average (its tokens/s over
   latency says about 2.6): the trainer's own time between a global batch's end and the next claim
