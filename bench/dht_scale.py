@@ -52,6 +52,7 @@ from agora.auth.authority import RunAuthority
 from agora.bench.dht_scale_report import Figures, PeerUsage, figures, plot, read_calls, read_errors, report
 from agora.bench.dht_traffic import Dilation, TrafficModel, check_rows
 from agora.bench.many_nodes import Geometry, geometry_for
+from agora.bench.results_files import write_results
 from agora.bench.wan.profiles import PROFILES, profile_named
 from agora.bench.wan.topology import WanTopology, cleanup_leftovers, harness_available
 from agora.dht.key_families import WORKERS
@@ -327,13 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         print("dht_scale: no N formed a swarm:\n" + "\n".join(failed), file=sys.stderr)
         return 1
     command = "python bench/dht_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report(rows, command, model_check()) + "".join(f"\n{line}\n" for line in failed))
-    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": [asdict(r) for r in rows],
-                                                         "failed": failed}, indent=1) + "\n")
-    if plot(rows, args.out.with_suffix(".png")):
-        print(f"plot: {args.out.with_suffix('.png')}")
-    print(args.out.read_text())
+    write_results(args.out, report(rows, command, model_check()) + "".join(f"\n{line}\n" for line in failed),
+                  {"command": command, "rows": [asdict(r) for r in rows], "failed": failed},
+                  lambda path: plot(rows, path))
     return 0
 
 

@@ -22,6 +22,7 @@ from typing import Iterable, Mapping
 
 from agora.bench.dht_traffic import Dilation
 from agora.bench.growth import growth
+from agora.bench.results_files import pyplot
 
 __all__ = ["COLUMNS", "Call", "Figures", "PeerUsage", "figures", "goals", "plot", "quantile", "read_calls",
            "read_errors", "report"]
@@ -271,11 +272,8 @@ def report(rows: list[Figures], command: str, model_check: list[tuple[str, float
 
 
 def plot(rows: list[Figures], path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     nodes = [row.nodes for row in rows]

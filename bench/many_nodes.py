@@ -47,6 +47,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from agora.bench.growth import growth
+from agora.bench.results_files import pyplot, write_results
 from agora.dht.op_timings import BUCKETS_S, OperationStats, quantile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -368,11 +369,8 @@ def _cell(value: float) -> str:
 
 
 def plot(rows: list[Figures], path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     nodes = [row.nodes for row in rows]
@@ -409,12 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(n, args.stages, args.warmup, args.window, args.workdir / f"n{n}"))
         print(json.dumps(asdict(rows[-1])), flush=True)
     command = "python bench/many_nodes.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report(rows, command))
-    args.out.with_suffix(".json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
-    if plot(rows, args.out.with_suffix(".png")):
-        print(f"plot: {args.out.with_suffix('.png')}")
-    print(args.out.read_text())
+    write_results(args.out, report(rows, command), [asdict(r) for r in rows], lambda path: plot(rows, path))
     return 0
 
 
