@@ -367,9 +367,9 @@ def test_between_probes_an_idle_loop_sleeps_until_the_next_one_is_due(early_s):
         finally:
             await loop.stop()
             await worker.stop()
-        # One turn per probe (and one at the stop). A wait the event loop's millisecond timers ended
-        # just short of the due time must not spin until it comes (30 turns were seen).
-        assert turns <= 3 + 1, turns
+        # About one turn per probe (a loaded machine adds a few). A wait the event loop's millisecond
+        # timers ended just short of the due time must not spin until it comes (30 to 112 turns seen).
+        assert turns <= 2 * 3 + 1, turns
 
     run(main())
 
