@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import asdict
 from pathlib import Path
@@ -167,10 +168,12 @@ def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, work
                 continue
             # A row run again says when and where; one run with the suite shares the header's.
             stamp = {**now, "load": [_load_now()]}
+            started = None
             if number in ("3", "4", "7") and no_harness:
                 item = {"error": f"not measured: {no_harness}"}
             else:
                 print(f"bench: row {number} ({name}), load {os.getloadavg()[0]:.2f}", file=log, flush=True)
+                started = time.monotonic()
                 try:
                     item = {"data": row()}
                 except KeyboardInterrupt:
@@ -179,6 +182,9 @@ def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, work
                     traceback.print_exc(file=log)
                     item = {"error": f"{type(error).__name__}: {error}"[:400]}
             stamp["load"].append(_load_now())
+            if started is not None:
+                stamp["wall_s"] = round(time.monotonic() - started, 1)
+                print(f"bench: row {number} took {stamp['wall_s']:g} s", file=log, flush=True)
             if "error" in item and not item["error"].startswith("not measured"):
                 failed.append(number)
             recorded = results["items"].get(number, {})
