@@ -21,6 +21,16 @@ start, no pacing) and, with the shapers' two-BDP queues, keeps a link full after
 topology is built with `slow_start_after_idle=False` ("tuned hosts": what node/rpc/server.py's
 hint recommends), so the suite can show what the setting is worth.
 
+Every node's ARP table is written in advance, one permanent entry per other node (the harness
+chose every address and MAC). Linux keeps one neighbour table for all namespaces, and the entries
+it learns count against one host-wide cap, `net.ipv4.neigh.default.gc_thresh3` (1024 by default):
+a swarm where each node talks to most others needs N(N-1) of them, past the cap from about 33
+nodes, and then a node cannot resolve a new neighbour ("neighbor table overflow!" in dmesg) and
+its connections time out (at N = 64 every peer after the 35th to 38th failed to join the DHT).
+Permanent entries are exempt from that cap (Linux 5.0 and later), so no size of topology depends
+on the host's setting or takes entries from anything else on the machine, and no ARP broadcast
+has to cross the relay.
+
 `down` (also on any exception, Ctrl-C included, through the context manager) stops the relay
 and every process left in the namespaces, then deletes them; it is idempotent. Everything that
 touches the system goes through `ip` and `tc` (iproute2), run as root.
@@ -76,6 +86,14 @@ def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and result.returncode != 0:
         raise TopologyError(f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr.strip()}")
     return result
+
+
+def _run_batch(namespace: str, commands: list[str]) -> None:
+    """Run `ip` commands (one per line, without the leading `ip`) inside `namespace` in one process."""
+    result = subprocess.run(["ip", "-n", namespace, "-batch", "-"], input="\n".join(commands) + "\n",
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise TopologyError(f"`ip -n {namespace} -batch` failed ({result.returncode}): {result.stderr.strip()}")
 
 
 def harness_available() -> str | None:
@@ -168,6 +186,8 @@ class WanTopology:
                  "net.ipv6.conf.default.disable_ipv6=1")
             for node in self.nodes.values():
                 self._build_node(node)
+            for node in self.nodes.values():
+                self._pin_neighbours(node)
             self._start_relay(ready_timeout_s)
         except BaseException:
             self.down()
@@ -197,6 +217,11 @@ class WanTopology:
         if node.link.download_mbit is not None:
             _run("ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", node.hub_interface, "root", "tbf",
                  *tbf_arguments(node.link.download_mbit, node.link.rtt_ms))
+
+    def _pin_neighbours(self, node: WanNode) -> None:
+        """Every other node's MAC as a permanent ARP entry in `node` (see the module docstring)."""
+        _run_batch(node.namespace, [f"neigh replace {other.address} lladdr {other.mac} dev eth0 nud permanent"
+                                    for other in self.nodes.values() if other is not node])
 
     def _start_relay(self, ready_timeout_s: float) -> None:
         ports = [RelayPort(n.hub_interface, n.mac, n.link.rtt_ms / 1e3) for n in self.nodes.values()]

@@ -39,6 +39,17 @@ def test_links_are_held_and_shaped_and_everything_is_removed(tmp_path):
     assert topology.relay_stats()["frames"] > 0 and relayed.startswith("10.77.")
 
 
+def test_every_node_knows_every_other_nodes_mac_permanently(tmp_path):
+    # Learnt ARP entries share one host-wide cap (gc_thresh3) that a swarm of ~33 nodes exhausts.
+    links = {name: LinkSpec(None, None, 0.0) for name in ("a", "b", "c")}
+    with WanTopology(links, tmp_path) as topology:
+        for node in topology.nodes.values():
+            shown = subprocess.run(["ip", "-n", node.namespace, "neigh", "show", "nud", "permanent"],
+                                   capture_output=True, text=True, check=True).stdout
+            entries = {(line.split()[0], line.split()[4]) for line in shown.splitlines()}
+            assert entries == {(other.address, other.mac) for other in topology.nodes.values() if other is not node}
+
+
 def test_a_failure_inside_the_run_still_tears_down(tmp_path):
     topology = WanTopology({"a": LinkSpec(None, None, 0.0)}, tmp_path)
     with pytest.raises(RuntimeError, match="boom"):
