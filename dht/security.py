@@ -3,7 +3,7 @@
 Three hivemind mechanisms, each given our credentials:
 
 - ``CredentialTokenAuthorizer`` (hivemind's ``TokenAuthorizerBase``, as Pluralis node0 uses
-  it): every DHT request and response carries an access token and is signed with the
+  it; dht/token_authorizer.py): every DHT request and response carries an access token and is signed with the
   sender's node key. Our token *is* the node's credential: ``username`` holds its PEM chain
   (leaf + issuing CA), ``public_key`` the node key in OpenSSH form, ``expiration_time`` the
   leaf's not-after (seconds, informational: the chain decides). A receiver verifies the chain
@@ -11,7 +11,26 @@ Three hivemind mechanisms, each given our credentials:
   checked on every call), that the token's key is the certified key (the peer id is derived
   from it, so a stolen chain is useless without the private key: hivemind checks the
   request's signature against the token's key), and that it has not expired. Nothing is
-  asked of the authorizer service on this path. A ``monitor`` credential is read-only: its
+  asked of the authorizer service on this path.
+  Chains by name (dht/chain_references.py): the chain is ~2.7 KB and every request and response
+  carries a token, more than most DHT messages themselves, and a latest read asks a beam of 8
+  peers. So a receiver keeps the chains it verified with their keys (bounded, by SHA-256 of the
+  chain's bytes), and between peers that hold each other's chain ``username`` is
+  ``sha256:<hex>`` instead and the key is left out (the signature covers it: the sender signs with
+  it in place, the receiver puts back the key of the named chain before checking). A name the
+  receiver does not hold is refused like a bad token. A sender names its chain only where it
+  knows it is held: every token also says which chain of its counterparty its sender holds (the
+  first 8 bytes of its digest, in the token's ``signature`` field: hivemind's base class never
+  reads it, the message's signature covers it, and an older peer ignores it, so it is sent full
+  chains). A response names the responder's chain when the request said it holds it; a request,
+  when the peer's last token said so. A peer that restarted holds nothing and says so in its next
+  token; one that is silent refuses our name, and a request that got no valid response makes the
+  next one to that peer carry the chain, so it is served again after one refused request.
+  hivemind's client stub does not tell an authorizer whom a request goes to: ``use_peer_stubs``
+  gives the DHT process stubs that do (before it, the join's first pings carry the chain). A token
+  naming a chain is ~100 bytes instead of ~3.1 KB (a message's whole auth part, with its 256-byte
+  signature, 0.46 KB instead of 3.5 KB); every other check (times, ban list, key, replay)
+  is made on every call as before. A ``monitor`` credential is read-only: its
   ``StoreRequest`` is refused (ping and find are served). A store is also where a unit block
   entry must be dated now (dht/store_checks.py: the validators below cannot tell a store from a
   find); such refusals are counted by kind in ``refused``, the first of each kind logged.
