@@ -73,9 +73,15 @@ Three hivemind mechanisms, each given our credentials:
   from a worker of the stage it leaves, trainer records and unit blocks only from trainers. A
   record alone names no role, and a reader may get an entry from a peer that never met its
   writer, so the writer attaches its credential chain to every typed entry it stores: the value
-  is ``<msgpack record>[credential:<base64 PEM chain>]``, signed as a whole by the signature
-  validator, and this validator checks the chain against the run's root (once per chain), that
-  it is the subkey's peer's, then role and stage, and strips it before anyone reads the record.
+  is ``<msgpack record><the chain's DER, length-delimited from the end>`` (dht/entry_value.py),
+  signed as a whole by the signature validator, and this validator checks the chain against the
+  run's root (once per chain), that it is the subkey's peer's, then role and stage, and strips it
+  before anyone reads the record. An entry an older agora wrote (base64 PEM) is refused as such.
+  The whole chain, not a name for it as tokens use: this validator runs synchronously on every
+  value a find returns, from a holder that may have met the writer when this peer never did, and
+  it could not fetch a chain it lacks, so a name would drop honest entries. Naming it would take
+  a per-peer chain entry readers fetch before reading again, and a chain cache the authorizer and
+  this validator share (a store's token already carries the writer's chain to the storer).
   A chain must be valid now, except for unit blocks, which outlive their writer's credential:
   theirs is judged as issued (the store itself needed a live token). An entry may not be stored
   to expire further ahead than its family allows (``KeyFamily.max_ttl_s``: an hour, a commit eight
@@ -97,7 +103,6 @@ process with the authorizer and validators, which build their verifier and cache
 
 from __future__ import annotations
 
-import base64
 import logging
 import time
 from dataclasses import dataclass, field
@@ -111,7 +116,8 @@ from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, I
 from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
 from agora.dht.bans import BanBook, BanListError
-from agora.dht.entry_value import CREDENTIAL_OPEN, OwnerSignatureValidator, attached_credential_at, split_credential
+from agora.dht.entry_value import (OwnerSignatureValidator, attached_credential_at, credential_attachment,
+                                   older_credential_format, split_credential)
 from agora.dht.key_policy import PLAIN_TAGS, KeyTable, Refusal
 from agora.dht.ownership import EntryOwnership
 from agora.dht.key_families import BAN_LIST, KeyFamily
@@ -191,11 +197,10 @@ class OwnedRecordValidator(RecordValidatorBase):
         if not self._carries_credential(record.key) or self.state_dir is None:
             return record.value
         try:
-            chain = self._chains().own()
+            return record.value + self._chains().own_attachment()
         except CredentialError as error:
             logger.warning("storing an entry without a credential (peers refuse it): %s", error)
             return record.value
-        return record.value + CREDENTIAL_OPEN + base64.b64encode(chain) + b"]"
 
     def strip_value(self, record: DHTRecord) -> bytes:
         if not self._carries_credential(record.key):
@@ -247,6 +252,9 @@ class OwnedRecordValidator(RecordValidatorBase):
         if problem is not None:
             raise RecordError(problem)
         value_bytes, chain = split_credential(record.value)
+        if chain is None and older_credential_format(record.value):  # before its record is parsed: it cannot be
+            raise RecordError(f"{family.name}.credential_format: the writer's credential is attached as an older "
+                              "agora does (base64 PEM after '[credential:'): the writer must upgrade")
         subkey = MSGPackSerializer.loads(record.subkey)
         value = MSGPackSerializer.loads(value_bytes)
         parsed = None if value is None else family.record_type.from_wire(value)  # None: the owner's tombstone
@@ -277,7 +285,6 @@ class OwnedRecordValidator(RecordValidatorBase):
         return 0
 
 
-
 class _WriterChains:
     """The credential chains writers attach (each verified once, by the verifier's caches), and
     this node's own current chain."""
@@ -285,11 +292,16 @@ class _WriterChains:
     def __init__(self, root_pem: bytes, run_id: str, state_dir: Optional[Path], clock: Clock):
         self._verifier = CredentialVerifier(root_pem, run_id, clock=clock)
         self._node = None if state_dir is None else NodeCredentials(state_dir, clock=clock)
+        self._own: tuple[bytes, bytes] = (b"", b"")  # this node's chain and its attachment, made once
 
-    def own(self) -> bytes:
+    def own_attachment(self) -> bytes:
+        """What this node's entries carry after their value: its current chain (entry_value.py)."""
         if self._node is None:
             raise CredentialError("missing", "this validator has no node state directory")
-        return self._node.current()[0]  # a stat; re-read only when renewed
+        chain = self._node.current()[0]  # a stat; re-read only when renewed
+        if chain != self._own[0]:
+            self._own = (chain, credential_attachment(chain))
+        return self._own[1]
 
     def identity(self, chain: bytes, *, lasting: bool) -> Identity:
         return self._verifier.verify_issued(chain) if lasting else self._verifier.verify(chain)
