@@ -79,9 +79,11 @@ Three hivemind mechanisms, each given our credentials:
   before anyone reads the record. An entry an older agora wrote (base64 PEM) is refused as such.
   The whole chain, not a name for it as tokens use: this validator runs synchronously on every
   value a find returns, from a holder that may have met the writer when this peer never did, and
-  it could not fetch a chain it lacks, so a name would drop honest entries. Naming it would take
-  a per-peer chain entry readers fetch before reading again, and a chain cache the authorizer and
-  this validator share (a store's token already carries the writer's chain to the storer).
+  it cannot fetch a chain it lacks; hivemind refuses a found dictionary whole if one entry fails,
+  so one name this peer cannot resolve would hide a stage's every entry from that holder. Naming
+  it would take a find that says which writers' chains the reader holds (their digests' first
+  bytes, beside the token's tag) and a holder that names only those in its answer (rewriting the
+  found values in ``sign_response``), with the chains of stored entries kept while they are.
   A chain must be valid now, except for unit blocks, which outlive their writer's credential:
   theirs is judged as issued (the store itself needed a live token). An entry may not be stored
   to expire further ahead than its family allows (``KeyFamily.max_ttl_s``: an hour, a commit eight
