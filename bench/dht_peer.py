@@ -10,8 +10,8 @@ harness has measured the swarm at rest.
 
 Then it runs its role's actions (bench/dht_traffic.py) through the code the roles run: `Heartbeat`
 with a real `WorkerRecord` or `TrainerRecord` (the run's fingerprint, endpoints on its own address),
-`RoundBoard` announcements, closes and probes, `read_block` with `UnitWriters` (every trainer's
-chain checked), `LeasedUnits` over a `LeaseBoard` (claims, commits and renewals of real units), the
+`RoundBoard` announcements, closes and probes, `read_block` (every trainer's chain checked by the
+DHT's validator), `LeasedUnits` over a `LeaseBoard` (claims, commits and renewals of real units), the
 ban list as the bootstrap publishes it (`BanPublisher`, signed by the run's CA). Every period is
 `--dilation` times its logical length, and so are the lifetimes of what it stores, within the
 bounds peers accept (`Dilation.ttl_s`). Two timers of the code are stretched from here too: the ban
@@ -47,7 +47,7 @@ from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
 from agora.dht.key_families import ROUNDS, TRAINERS, WORKERS
 from agora.dht.keys import move_key
-from agora.dht.leases import LeaseBoard, UnitWriters, read_block
+from agora.dht.leases import LeaseBoard, read_block
 from agora.dht.op_timings import RequestTimings
 from agora.dht.record_fields import BLOCK_UNITS, MAX_UNIT_BLOCKS
 from agora.dht.records import MAX_LEASE_S, MoveRecord, TrainerRecord, WorkerRecord
@@ -102,20 +102,18 @@ class Peer:
     """One role's actions over a started `SwarmDHT` (the module docstring)."""
 
     def __init__(self, swarm: SwarmDHT, args: argparse.Namespace, model: TrafficModel, dilation: Dilation,
-                 epoch: float, root_pem: bytes):
+                 epoch: float):
         self.swarm, self.args, self.model, self.dilation, self.epoch = swarm, args, model, dilation, epoch
         self.run_id = args.run_id
         self.round = 0
         self.fingerprint = run_fingerprint(CONFIG).text()
-        self.writers = UnitWriters(root_pem, self.run_id, args.state_dir)
         interval = dilation.real_s(model.heartbeat_s)
         self.heartbeat = Heartbeat(swarm, self._record, interval=interval)
         bound = (TRAINERS if args.role == "trainer" else WORKERS).max_ttl_s
         self.heartbeat.ttl = dilation.ttl_s(model.heartbeat_s * 3, bound)
         self.board = RoundBoard(swarm, run_id=self.run_id, stage=args.stage, method="sparta",
                                 ttl=dilation.ttl_s(model.round_announcement_s, ROUNDS.max_ttl_s))
-        lease = LeaseBoard(swarm, run_id=self.run_id, lease_s=min(dilation.real_s(model.lease_s), MAX_LEASE_S),
-                           writers=self.writers)
+        lease = LeaseBoard(swarm, run_id=self.run_id, lease_s=min(dilation.real_s(model.lease_s), MAX_LEASE_S))
         self.units = LeasedUnits(lease, total=MAX_UNIT_BLOCKS * BLOCK_UNITS, stripe=(args.trainer_index, args.trainers),
                                  clock=swarm.clock, refresh_s=dilation.real_s(1.0))
         self.held: collections.deque[int] = collections.deque()
@@ -162,7 +160,7 @@ class Peer:
 
     async def read_units(self) -> None:
         """The block the swarm's units are in now, as a worker refreshes it while work comes."""
-        await read_block(self.swarm, self.run_id, self.batches() // BLOCK_UNITS, self.writers)
+        await read_block(self.swarm, self.run_id, self.batches() // BLOCK_UNITS)
 
     async def rebalance(self) -> None:
         await self._all_workers()
@@ -227,7 +225,7 @@ async def flush_forever(log: CallLog) -> None:
         await asyncio.to_thread(log.flush)
 
 
-async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog, root_pem: bytes) -> None:
+async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -238,7 +236,7 @@ async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog, root_pem
         return
     if args.role == "bootstrap":
         await asyncio.to_thread(BanPublisher(RunAuthority(args.ca_dir), swarm).publish_if_due)
-    peer = Peer(swarm, args, model, dilation, epoch, root_pem)
+    peer = Peer(swarm, args, model, dilation, epoch)
     work = peer.actions()
     rng = random.Random(f"{args.seed}:{args.name}")
     tally = {"runs": collections.Counter(), "errors": collections.Counter()}
@@ -292,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         swarm.timings = log
         swarm.ban_refresh_s = Dilation(args.dilation).real_s(BAN_REFRESH_S)
         write_ready_file(args.ready_file, swarm.visible_maddrs())
-        asyncio.run(play(swarm, args, log, security.root_pem))
+        asyncio.run(play(swarm, args, log))
     finally:
         swarm.shutdown()
     return 0

@@ -8,6 +8,10 @@
 - ``dht_process``: that process: forked, orphan watch, stopped and reaped.
 - ``entry_reader``: what a read makes of found values (``Stored`` records it believes, the rest counted).
 - ``ownership``: which per-peer entries a reader believes (owner key, peer id, fingerprint).
+- ``security``: admission on the DHT (``DHTSecurity``): the token authorizer and record validators.
+- ``token_authorizer``: ``CredentialTokenAuthorizer``, the access tokens of admitted peers.
+- ``chain_references``: when a token may name its sender's chain instead of carrying it (pure).
+- ``entry_value``: what a typed entry's value carries (record, writer's chain, owner's signature).
 - ``averaging``: ``SliceAverager`` (hivemind's averager, with credential checks).
 - ``averaging_admission``: the credential a round carries and the averager process's check of it.
 - ``round_board``: ``RoundBoard``, which round the stage's replicas are in and how many live.

@@ -32,10 +32,12 @@ Design choices:
   which units are done and resumes from the queue.
 - Only trainers' entries count. Any admitted peer may store under its own subkey, so a worker
   could write commits and end the run untrained; each entry therefore carries its writer's
-  credential chain, and readers (``UnitWriters``) keep only entries whose chain this run's CA
-  issued to a trainer (or the operator) of that peer id. The chain is judged as issued, not as
-  valid now: the DHT refused the store unless the writer's credential was live then, and a
-  trainer's commits must outlive its one-hour credentials. Under ``--insecure`` every entry counts.
+  credential chain, as every typed entry does (dht/security.py), and every admitted peer's DHT
+  validator keeps only entries whose chain this run's CA issued to a trainer (or the operator) of
+  that peer id, on each store and on each value a find returns, so a reader sees no other. The
+  chain is judged as issued, not as valid now: the DHT refused the store unless the writer's
+  credential was live then, and a trainer's commits must outlive its one-hour credentials. Under
+  ``--insecure`` every entry counts.
 - Clocks: ``claimed_at`` and expiries are DHT time (hivemind's ``get_dht_time``, injected as the
   swarm's clock), so leases compare across peers as far as their clocks agree; the lease is
   seconds long, far beyond NTP's skew.
@@ -58,18 +60,14 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping, Optional
 
-from agora.auth.credentials import CredentialError, CredentialVerifier
-from agora.auth.node_state import CREDENTIAL_FILE
 from agora.dht.keys import units_key
 from agora.dht.record_fields import BLOCK_UNITS
 from agora.dht.records import MAX_CLAIM_AGE_S, MAX_LEASE_S, UnitBlockRecord
 from agora.dht.swarm import SwarmDHT
 
-__all__ = ["COMMIT_TTL_S", "CLAIM_SETTLE_S", "UnitState", "resolve", "read_block", "renewed_claim", "LeaseBoard",
-           "UnitWriters"]
+__all__ = ["COMMIT_TTL_S", "CLAIM_SETTLE_S", "UnitState", "resolve", "read_block", "renewed_claim", "LeaseBoard"]
 
 # The least a winning claimant waits before its confirming read (see "Claiming" above).
 CLAIM_SETTLE_S = 0.05
@@ -116,45 +114,22 @@ def renewed_claim(claimed_at: float, now: float, lease_s: float) -> tuple[float,
     return claimed_at, now + lease_s
 
 
-async def read_block(swarm: SwarmDHT, run_id: str, block: int,
-                     writers: Optional["UnitWriters"]) -> dict[str, UnitBlockRecord]:
-    """Every trainer's entry for `block` that counts (a trainer's chain, under ``writers``; all
-    under ``--insecure``): what ``resolve`` decides on, for trainers and workers alike."""
+async def read_block(swarm: SwarmDHT, run_id: str, block: int) -> dict[str, UnitBlockRecord]:
+    """Every trainer's entry for `block` (the DHT's validator let only trainers' through: the module
+    docstring): what ``resolve`` decides on, for trainers and workers alike."""
     stored = await swarm.owned_entries_async(units_key(run_id, block), UnitBlockRecord)
     return {peer: item.record for peer, item in stored.items()
-            if item.record.run_id == run_id and item.record.block == block
-            and (writers is None or writers.trusted(peer, item.record.credential))}
-
-
-class UnitWriters:
-    """Whose block entries a reader trusts, and the chain this node puts in its own (module docstring)."""
-
-    ROLES = ("trainer", "operator")
-
-    def __init__(self, root_pem: bytes, run_id: str, state_dir: str | Path):
-        self._verifier = CredentialVerifier(root_pem, run_id, clock=lambda: 0.0)  # chains judged as issued
-        self._credential_file = Path(state_dir) / CREDENTIAL_FILE
-
-    def own(self) -> bytes:
-        """This node's current chain (re-read each time: a renewal is a file replace)."""
-        return self._credential_file.read_bytes()
-
-    def trusted(self, peer_id: str, chain: bytes) -> bool:
-        try:  # the verifier judges each chain once
-            return self._verifier.verify_issued(chain, roles=self.ROLES).peer_id == peer_id
-        except (CredentialError, ValueError):
-            return False
+            if item.record.run_id == run_id and item.record.block == block}
 
 
 class LeaseBoard:
     """This trainer's side of the unit queue over a `SwarmDHT` (async). It keeps its own entries
     (commits and claims per block) and rewrites the one a change touches."""
 
-    def __init__(self, swarm: SwarmDHT, *, run_id: str, lease_s: float, writers: Optional[UnitWriters] = None):
+    def __init__(self, swarm: SwarmDHT, *, run_id: str, lease_s: float):
         if not 0 < lease_s <= MAX_LEASE_S:
             raise ValueError(f"lease_s must be in (0, {MAX_LEASE_S:g}] (peers refuse longer leases), got {lease_s}")
         self._swarm = swarm
-        self._writers = writers  # None: --insecure, every entry counts
         self.run_id = run_id
         self.lease_s = lease_s
         self.peer_id = swarm.peer_id
@@ -224,7 +199,7 @@ class LeaseBoard:
             await self._store(block)
 
     async def _entries(self, block: int) -> dict[str, UnitBlockRecord]:
-        return await read_block(self._swarm, self.run_id, block, self._writers)
+        return await read_block(self._swarm, self.run_id, block)
 
     async def _load_own(self, block: int) -> None:
         """Take back this trainer's earlier commits in `block` (a restart with the same identity)."""
@@ -237,8 +212,7 @@ class LeaseBoard:
 
     async def _store(self, block: int) -> None:
         now = self._swarm.clock()
-        credential = self._writers.own() if self._writers is not None else b""
         record = UnitBlockRecord.build(self.peer_id, self.run_id, block, self._committed.get(block, set()),
-                                       self._claims.get(block, {}), now, credential)
+                                       self._claims.get(block, {}), now)
         await self._swarm.store_async(units_key(self.run_id, block), record, COMMIT_TTL_S,
                                       subkey=self._swarm.subkey_of(self.peer_id))

@@ -340,7 +340,6 @@ class UnitBlockRecord(Record):
     committed: Bitmap  # bit i: unit block*256 + i committed by this trainer
     claims: Claims  # packed (offset, claimed_at, expires_at) per live claim
     updated_at: Seconds
-    credential: Packed = b""  # the writer's credential chain (PEM); empty under --insecure
 
     def dht_key(self) -> str:
         return units_key(self.run_id, self.block)
@@ -380,7 +379,7 @@ class UnitBlockRecord(Record):
 
     @classmethod
     def build(cls, peer_id: str, run_id: str, block: int, committed: set[int],
-              claims: Mapping[int, tuple[float, float]], now: float, credential: bytes = b"") -> "UnitBlockRecord":
+              claims: Mapping[int, tuple[float, float]], now: float) -> "UnitBlockRecord":
         first = block * BLOCK_UNITS
         bitmap = bytearray(BITMAP_BYTES)
         for unit in committed:
@@ -389,7 +388,7 @@ class UnitBlockRecord(Record):
         packed = b"".join(CLAIM_LAYOUT.pack(unit - first, claimed_at, expires_at)
                           for unit, (claimed_at, expires_at) in sorted(claims.items()))
         return cls(peer_id=peer_id, run_id=run_id, block=block, committed=bytes(bitmap), claims=packed,
-                   updated_at=now, credential=credential)
+                   updated_at=now)
 
 
 class BanListRecord(Record):

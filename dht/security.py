@@ -3,7 +3,7 @@
 Three hivemind mechanisms, each given our credentials:
 
 - ``CredentialTokenAuthorizer`` (hivemind's ``TokenAuthorizerBase``, as Pluralis node0 uses
-  it): every DHT request and response carries an access token and is signed with the
+  it; dht/token_authorizer.py): every DHT request and response carries an access token and is signed with the
   sender's node key. Our token *is* the node's credential: ``username`` holds its PEM chain
   (leaf + issuing CA), ``public_key`` the node key in OpenSSH form, ``expiration_time`` the
   leaf's not-after (seconds, informational: the chain decides). A receiver verifies the chain
@@ -11,7 +11,26 @@ Three hivemind mechanisms, each given our credentials:
   checked on every call), that the token's key is the certified key (the peer id is derived
   from it, so a stolen chain is useless without the private key: hivemind checks the
   request's signature against the token's key), and that it has not expired. Nothing is
-  asked of the authorizer service on this path. A ``monitor`` credential is read-only: its
+  asked of the authorizer service on this path.
+  Chains by name (dht/chain_references.py): the chain is ~2.7 KB and every request and response
+  carries a token, more than most DHT messages themselves, and a latest read asks a beam of 8
+  peers. So a receiver keeps the chains it verified with their keys (bounded, by SHA-256 of the
+  chain's bytes), and between peers that hold each other's chain ``username`` is
+  ``sha256:<hex>`` instead and the key is left out (the signature covers it: the sender signs with
+  it in place, the receiver puts back the key of the named chain before checking). A name the
+  receiver does not hold is refused like a bad token. A sender names its chain only where it
+  knows it is held: every token also says which chain of its counterparty its sender holds (the
+  first 8 bytes of its digest, in the token's ``signature`` field: hivemind's base class never
+  reads it, the message's signature covers it, and an older peer ignores it, so it is sent full
+  chains). A response names the responder's chain when the request said it holds it; a request,
+  when the peer's last token said so. A peer that restarted holds nothing and says so in its next
+  token; one that is silent refuses our name, and a request that got no valid response makes the
+  next one to that peer carry the chain, so it is served again after one refused request.
+  hivemind's client stub does not tell an authorizer whom a request goes to: ``use_peer_stubs``
+  gives the DHT process stubs that do (before it, the join's first pings carry the chain). A token
+  naming a chain is ~100 bytes instead of ~3.1 KB (a message's whole auth part, with its 256-byte
+  signature, 0.46 KB instead of 3.5 KB); every other check (times, ban list, key, replay)
+  is made on every call as before. A ``monitor`` credential is read-only: its
   ``StoreRequest`` is refused (ping and find are served). A store is also where a unit block
   entry must be dated now (dht/store_checks.py: the validators below cannot tell a store from a
   find); such refusals are counted by kind in ``refused``, the first of each kind logged.
@@ -54,9 +73,17 @@ Three hivemind mechanisms, each given our credentials:
   from a worker of the stage it leaves, trainer records and unit blocks only from trainers. A
   record alone names no role, and a reader may get an entry from a peer that never met its
   writer, so the writer attaches its credential chain to every typed entry it stores: the value
-  is ``<msgpack record>[credential:<base64 PEM chain>]``, signed as a whole by the signature
-  validator, and this validator checks the chain against the run's root (once per chain), that
-  it is the subkey's peer's, then role and stage, and strips it before anyone reads the record.
+  is ``<msgpack record><the chain's DER, length-delimited from the end>`` (dht/entry_value.py),
+  signed as a whole by the signature validator, and this validator checks the chain against the
+  run's root (once per chain), that it is the subkey's peer's, then role and stage, and strips it
+  before anyone reads the record. An entry an older agora wrote (base64 PEM) is refused as such.
+  The whole chain, not a name for it as tokens use: this validator runs synchronously on every
+  value a find returns, from a holder that may have met the writer when this peer never did, and
+  it cannot fetch a chain it lacks; hivemind refuses a found dictionary whole if one entry fails,
+  so one name this peer cannot resolve would hide a stage's every entry from that holder. Naming
+  it would take a find that says which writers' chains the reader holds (their digests' first
+  bytes, beside the token's tag) and a holder that names only those in its answer (rewriting the
+  found values in ``sign_response``), with the chains of stored entries kept while they are.
   A chain must be valid now, except for unit blocks, which outlive their writer's credential:
   theirs is judged as issued (the store itself needed a live token). An entry may not be stored
   to expire further ahead than its family allows (``KeyFamily.max_ttl_s``: an hour, a commit eight
@@ -78,35 +105,29 @@ process with the authorizer and validators, which build their verifier and cache
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from cryptography.exceptions import UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.proto import dht_pb2
-from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils import MSGPackSerializer
-from hivemind.utils.auth import TokenAuthorizerBase
 
 from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, Identity
 from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
 from agora.dht.bans import BanBook, BanListError
+from agora.dht.entry_value import (OwnerSignatureValidator, attached_credential_at, credential_attachment,
+                                   older_credential_format, split_credential)
 from agora.dht.key_policy import PLAIN_TAGS, KeyTable, Refusal
 from agora.dht.ownership import EntryOwnership
 from agora.dht.key_families import BAN_LIST, KeyFamily
 from agora.dht.keys import split_subkey, worker_key
 from agora.dht.record_fields import MAX_STAGES, RecordError
-from agora.dht.storage_bounds import STORE_CONTEXT, IncomingStores, StorageLimits, StoreContext
-from agora.dht.store_checks import RefusedEntries, StoreTimes, refusal_kind
+from agora.dht.storage_bounds import IncomingStores, StorageLimits
+from agora.dht.store_checks import RefusedEntries, refusal_kind
+from agora.dht.token_authorizer import DHT_WRITER_ROLES, CredentialTokenAuthorizer
 
 __all__ = [
     "DHT_WRITER_ROLES",
@@ -120,174 +141,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Roles whose DHT stores are served; a monitor reads only.
-DHT_WRITER_ROLES = ("worker", "trainer", "operator")
 # Averaging methods that keep a rounds board (pipeline/config.py SYNC_METHODS, less "none").
 ROUND_METHODS = ("sparta", "diloco")
-# What follows a typed entry's value: the writer's credential chain, base64, then "]".
-_CREDENTIAL_OPEN = b"[credential:"
-_MAX_WARNED = 256
-_MAX_MATCHED = 4096  # token (credential, key) pairs remembered as matching
-
-
-class CredentialTokenAuthorizer(TokenAuthorizerBase):
-    """Access tokens that are the node's credential chain (see the module docstring).
-
-    ``state_dir`` is the node's ``NodeCredentials`` directory (key and current credential);
-    ``root_pem`` and ``run_id`` are what peers' tokens are checked against.
-    """
-
-    def __init__(self, state_dir: str | Path, root_pem: bytes, run_id: str, *, clock: Clock = time.time):
-        super().__init__(hivemind_private_key(load_or_create_key(state_dir)))
-        self.state_dir = Path(state_dir)
-        self.root_pem = root_pem
-        self.run_id = run_id
-        self._clock = clock
-        self._runtime: Optional[_Runtime] = None
-        self._refresh_at = 0.0  # clock time at which the current token is past half its life
-        # The run's banned peers, as this process last read them (dht/bans.py fetch_ban_list).
-        self.banned: frozenset[str] = frozenset()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_runtime"] = None  # rebuilt lazily in the process it lands in
-        del state["_local_public_key"]  # hivemind's public key wrapper does not pickle; derived again
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._local_public_key = self._local_private_key.get_public_key()
-
-    def _state(self) -> _Runtime:
-        if self._runtime is None:
-            self._runtime = _Runtime(NodeCredentials(self.state_dir, clock=self._clock),
-                                     CredentialVerifier(self.root_pem, self.run_id, clock=self._clock),
-                                     StoreTimes(self.run_id, unwrap=_record_bytes))
-        return self._runtime
-
-    @property
-    def refused(self) -> RefusedEntries:
-        """Stores refused for what they carry (not for their token), by kind."""
-        return self._state().refused
-
-    # ---- TokenAuthorizerBase
-
-    async def get_token(self) -> AccessToken:
-        chain, identity = self._state().credentials.current()  # CredentialError if ours is not valid
-        self._refresh_at = identity.not_before + (identity.not_after - identity.not_before) / 2
-        self._state().token_generation = self._state().credentials.generation
-        return AccessToken(username=chain.decode("ascii"), public_key=self.local_public_key.to_bytes(),
-                           expiration_time=repr(identity.not_after))
-
-    def is_token_valid(self, access_token: AccessToken) -> bool:
-        try:
-            self.identity_of(access_token)
-        except CredentialError as error:
-            self._warn_once(error.reason, access_token, str(error))
-            return False
-        return True
-
-    def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
-        runtime = self._state()
-        try:
-            runtime.credentials.current()  # a stat; re-reads the file only when it changed
-        except CredentialError:
-            return True  # get_token raises the readable reason
-        return runtime.credentials.generation != runtime.token_generation or self._clock() >= self._refresh_at
-
-    async def validate_request(self, request: Any) -> bool:
-        if not await super().validate_request(request):
-            return False
-        if isinstance(request, dht_pb2.StoreRequest):
-            identity = self.identity_of(request.auth.client_access_token)  # valid: checked just above
-            if identity.role not in DHT_WRITER_ROLES:
-                self._warn_once("read_only", request.auth.client_access_token,
-                                f"store refused: a {identity.role} credential is read-only")
-                return False
-            problem = self._state().store_times.problem(request, self._clock())
-            if problem is not None:
-                self._state().refused.add(refusal_kind(problem, "units"),
-                                          f"DHT store refused from {identity.describe()}: {problem}")
-                return False
-            STORE_CONTEXT.set(StoreContext.of(identity.peer_id, request))  # for the record validator
-        return True
-
-    # ---- checks
-
-    def identity_of(self, access_token: AccessToken) -> Identity:
-        """The identity a token proves, or ``CredentialError`` saying why it proves none (a banned
-        peer's proves none: its requests go unanswered and its replies are ignored; this node's own
-        token is exempt, so a banned node's requests still go out and are refused by the others).
-
-        Every DHT request and reply carries a token, so a token whose key was once matched to its
-        credential skips parsing the key again; the chain's validity (time, run) is checked each call.
-        """
-        identity = self._proven_identity(access_token)
-        if identity.peer_id in self.banned and identity.peer_id != self._state().credentials.peer_id:
-            raise CredentialError("banned", f"{identity.describe()} is banned by the run's operator")
-        return identity
-
-    def _proven_identity(self, access_token: AccessToken) -> Identity:
-        runtime = self._state()
-        seen = (access_token.username, bytes(access_token.public_key))
-        if seen in runtime.matched_keys:
-            return runtime.verifier.verify(seen[0].encode("ascii"))
-        try:
-            public_key = serialization.load_ssh_public_key(access_token.public_key)
-        except (ValueError, TypeError, UnsupportedAlgorithm):
-            raise CredentialError("malformed", "access token: its public key is not an OpenSSH key") from None
-        if not isinstance(public_key, rsa.RSAPublicKey):
-            raise CredentialError("malformed", "access token: its public key is not an RSA key")
-        try:
-            chain = access_token.username.encode("ascii")
-        except UnicodeEncodeError:
-            raise CredentialError("malformed", "access token: the credential is not PEM text") from None
-        identity = runtime.verifier.verify(chain, public_key=public_key)
-        if len(runtime.matched_keys) >= _MAX_MATCHED:
-            runtime.matched_keys.clear()
-        runtime.matched_keys.add(seen)
-        return identity
-
-    def _warn_once(self, reason: str, token: AccessToken, message: str) -> None:
-        # hivemind logs refusals at DEBUG; an operator wants to see the first of each kind.
-        runtime = self._state()
-        entry = (reason, bytes(token.public_key[-32:]))
-        level = logging.DEBUG
-        if entry not in runtime.warned:
-            if len(runtime.warned) >= _MAX_WARNED:
-                runtime.warned.clear()
-            runtime.warned.add(entry)
-            level = logging.WARNING
-        logger.log(level, "DHT request refused: %s", message)
-
-
-class _Runtime:
-    """What an authorizer builds in the process it runs in (not pickled)."""
-
-    def __init__(self, credentials: NodeCredentials, verifier: CredentialVerifier, store_times: StoreTimes):
-        self.credentials = credentials
-        self.verifier = verifier
-        self.store_times = store_times
-        self.refused = RefusedEntries()
-        self.token_generation = -1
-        self.warned: set[tuple[str, bytes]] = set()
-        self.matched_keys: set[tuple[str, bytes]] = set()  # (credential, public key) pairs that matched
-
-
-class OwnerSignatureValidator(RSASignatureValidator):
-    """hivemind's ``RSASignatureValidator``; a malformed owner key refuses instead of raising."""
-
-    @classmethod
-    def unsigned(cls, value: bytes) -> bytes:
-        """``value`` without the signature hivemind's validator attaches (its ``strip_value``)."""
-        return cls._SIGNATURE_RE.sub(b"", value)
-
-    def validate(self, record: DHTRecord) -> bool:
-        try:
-            return super().validate(record)
-        except (ValueError, TypeError, UnsupportedAlgorithm):
-            logger.debug("refusing an entry whose owner marker is not an RSA key")
-            return False
 
 
 class OwnedRecordValidator(RecordValidatorBase):
@@ -344,16 +199,15 @@ class OwnedRecordValidator(RecordValidatorBase):
         if not self._carries_credential(record.key) or self.state_dir is None:
             return record.value
         try:
-            chain = self._chains().own()
+            return record.value + self._chains().own_attachment()
         except CredentialError as error:
             logger.warning("storing an entry without a credential (peers refuse it): %s", error)
             return record.value
-        return record.value + _CREDENTIAL_OPEN + base64.b64encode(chain) + b"]"
 
     def strip_value(self, record: DHTRecord) -> bytes:
         if not self._carries_credential(record.key):
             return record.value
-        at = _credential_at(record.value)  # the position alone: validate has decoded the chain already
+        at = attached_credential_at(record.value)  # the position alone: validate has decoded the chain already
         return record.value if at < 0 else record.value[:at]
 
     def validate(self, record: DHTRecord) -> bool:
@@ -400,6 +254,9 @@ class OwnedRecordValidator(RecordValidatorBase):
         if problem is not None:
             raise RecordError(problem)
         value_bytes, chain = split_credential(record.value)
+        if chain is None and older_credential_format(record.value):  # before its record is parsed: it cannot be
+            raise RecordError(f"{family.name}.credential_format: the writer's credential is attached as an older "
+                              "agora does (base64 PEM after '[credential:'): the writer must upgrade")
         subkey = MSGPackSerializer.loads(record.subkey)
         value = MSGPackSerializer.loads(value_bytes)
         parsed = None if value is None else family.record_type.from_wire(value)  # None: the owner's tombstone
@@ -430,28 +287,6 @@ class OwnedRecordValidator(RecordValidatorBase):
         return 0
 
 
-def split_credential(value: bytes) -> tuple[bytes, Optional[bytes]]:
-    """(the value, the writer's credential chain attached to it, or None if none is)."""
-    at = _credential_at(value)
-    if at < 0:
-        return value, None
-    try:
-        return value[:at], base64.b64decode(value[at + len(_CREDENTIAL_OPEN):-1], validate=True)
-    except binascii.Error:
-        return value, None
-
-
-def _record_bytes(value: bytes) -> bytes:
-    """A typed entry's value as a store carries it (signed, a credential attached) -> its msgpack record."""
-    return split_credential(OwnerSignatureValidator.unsigned(value))[0]
-
-
-def _credential_at(value: bytes) -> int:
-    """Where the attached credential begins in ``value``, -1 if none is attached."""
-    at = value.rfind(_CREDENTIAL_OPEN)  # base64 has no '[' or ':': the last marker is the attachment
-    return at if at >= 0 and value.endswith(b"]") else -1
-
-
 class _WriterChains:
     """The credential chains writers attach (each verified once, by the verifier's caches), and
     this node's own current chain."""
@@ -459,11 +294,16 @@ class _WriterChains:
     def __init__(self, root_pem: bytes, run_id: str, state_dir: Optional[Path], clock: Clock):
         self._verifier = CredentialVerifier(root_pem, run_id, clock=clock)
         self._node = None if state_dir is None else NodeCredentials(state_dir, clock=clock)
+        self._own: tuple[bytes, bytes] = (b"", b"")  # this node's chain and its attachment, made once
 
-    def own(self) -> bytes:
+    def own_attachment(self) -> bytes:
+        """What this node's entries carry after their value: its current chain (entry_value.py)."""
         if self._node is None:
             raise CredentialError("missing", "this validator has no node state directory")
-        return self._node.current()[0]  # a stat; re-read only when renewed
+        chain = self._node.current()[0]  # a stat; re-read only when renewed
+        if chain != self._own[0]:
+            self._own = (chain, credential_attachment(chain))
+        return self._own[1]
 
     def identity(self, chain: bytes, *, lasting: bool) -> Identity:
         return self._verifier.verify_issued(chain) if lasting else self._verifier.verify(chain)

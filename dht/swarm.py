@@ -68,6 +68,7 @@ from agora.dht.keys import check_run_id, owned_subkey, worker_key
 from agora.dht.op_timings import RequestTimings, key_family
 from agora.dht.ownership import EntryOwnership
 from agora.dht.records import Record, WorkerRecord
+from agora.dht.token_authorizer import use_peer_stubs
 
 if TYPE_CHECKING:
     from agora.dht.security import DHTSecurity
@@ -130,6 +131,7 @@ class SwarmDHT:
         self._reader = EntryReader(clock=clock, ownership=EntryOwnership(require_owner=owner_public_key is not None),
                                    bans=self.bans)
         self._peer_id: str = self._run_coroutine(node_peer_id, "peer id")
+        self._run_coroutine(use_peer_stubs, "peer stubs")  # tokens made for their peer (dht/token_authorizer.py)
         # A client-mode peer serves nothing, so its own storage counts for no reader: its
         # writes go to serving peers only, and "accepted" means one of them took it.
         self._client_mode: bool = self._run_coroutine(node_client_mode, "client mode")

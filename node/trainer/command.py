@@ -50,7 +50,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
     renewal); a revoked credential ends the run as an interruption. `metrics`: where to serve its
     Prometheus metrics (port 0: nowhere); the trainer's DHT record names the endpoint."""
     from agora.auth.admission import CredentialRenewer
-    from agora.dht.leases import LeaseBoard, UnitWriters
+    from agora.dht.leases import LeaseBoard
     from agora.dht.security import DHTSecurity
     from agora.dht.swarm import SwarmDHT
     from agora.node.trainer.units import LeasedUnits
@@ -110,9 +110,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 stack.callback(tracing.close)
             if renewer is not None:
                 await stack.enter_async_context(renewer)
-            board = LeaseBoard(swarm, run_id=options.run_id, lease_s=options.lease_s,
-                               writers=None if security is None else UnitWriters(
-                                   security.root_pem, options.run_id, security.state_dir))
+            board = LeaseBoard(swarm, run_id=options.run_id, lease_s=options.lease_s)
             # Flagged workers are reported where there is an authorizer (there is one to renew at).
             reports = None if renewer is None else await stack.enter_async_context(
                 WorkerReports(authorizer, credentials, stats))

@@ -45,7 +45,7 @@ from agora.dht.averaging_admission import AveragingAdmission
 from agora.dht.round_board import RoundBoard
 from agora.dht.bootstrap import host_maddrs, write_ready_file
 from agora.dht.heartbeat import Heartbeat
-from agora.dht.leases import UnitWriters, read_block
+from agora.dht.leases import read_block
 from agora.dht.keys import averaging_prefix, move_key
 from agora.dht.records import TRAINING_PHASES, MoveRecord, Phase, WorkerRecord
 from agora.dht.robust import RobustAggregation
@@ -296,8 +296,7 @@ def _unit_holders(swarm: SwarmDHT, options: JoinOptions, credentials: NodeCreden
     trainers read it (node/worker/unit_holders.py); None under --insecure (no caller identities)."""
     if credentials is None:
         return None
-    writers = UnitWriters(credentials.root_pem(), options.run_id, credentials.directory)
-    return UnitHolders(lambda block: read_block(swarm, options.run_id, block, writers), clock=swarm.clock)
+    return UnitHolders(lambda block: read_block(swarm, options.run_id, block), clock=swarm.clock)
 
 
 async def _cancelled(task: asyncio.Task) -> None:

@@ -42,29 +42,29 @@ def store_at(sender: SwarmDHT, target: str, key: str, wire: dict, *, ttl_s: floa
     return sender.hivemind_dht.run_coroutine(store, return_future=True).result(20)
 
 
-def hostile_entry(squatter: SwarmDHT, run_id: str, chain: bytes, *, claims: bytes, updated_at: float,
+def hostile_entry(squatter: SwarmDHT, run_id: str, *, claims: bytes, updated_at: float,
                   block: int = 0) -> dict:
-    """The squatter's unit block entry in wire form with any claims and time (no `build`, no checks),
-    carrying its trainer chain as every entry must for readers to count it (dht/leases.py's UnitWriters)."""
-    honest = UnitBlockRecord.build(squatter.peer_id, run_id, block, set(), {}, updated_at, chain)
+    """The squatter's unit block entry in wire form with any claims and time (no `build`, no checks);
+    its DHT process attaches its trainer chain, as to every typed entry."""
+    honest = UnitBlockRecord.build(squatter.peer_id, run_id, block, set(), {}, updated_at)
     return {**honest.to_wire(), "claims": claims}
 
 
-def lease_holds(squatter: SwarmDHT, run_id: str, chain: bytes, unit: int) -> dict[str, dict]:
+def lease_holds(squatter: SwarmDHT, run_id: str, unit: int) -> dict[str, dict]:
     """Four entries that would hold `unit` (of block 0) against every honest claim, by name; a peer
     refuses the first two in its record validator and the last two at its door (``LEASE_ANSWERS``)."""
     now = squatter.clock()
     return {
         # Claimed at the dawn of time, expiring at its end: the earliest claim, held for good.
-        "eternal": hostile_entry(squatter, run_id, chain, claims=CLAIM.pack(unit, -1e300, 1e300), updated_at=now),
+        "eternal": hostile_entry(squatter, run_id, claims=CLAIM.pack(unit, -1e300, 1e300), updated_at=now),
         # Dated two hours back with an ordinary lease: it would win every contest for the unit.
-        "back-dated": hostile_entry(squatter, run_id, chain, claims=CLAIM.pack(unit, now - 7200, now + 30),
+        "back-dated": hostile_entry(squatter, run_id, claims=CLAIM.pack(unit, now - 7200, now + 30),
                                     updated_at=now),
         # Consistent in itself, but written five minutes ago: its claim is dated back by the store's time.
-        "stale": hostile_entry(squatter, run_id, chain, claims=CLAIM.pack(unit, now - 310, now + 200),
+        "stale": hostile_entry(squatter, run_id, claims=CLAIM.pack(unit, now - 310, now + 200),
                                updated_at=now - 300),
         # Written an hour ahead: a claim that expires then, made "later" than any honest one.
-        "ahead": hostile_entry(squatter, run_id, chain, claims=CLAIM.pack(unit, now + 3590, now + 3620),
+        "ahead": hostile_entry(squatter, run_id, claims=CLAIM.pack(unit, now + 3590, now + 3620),
                                updated_at=now + 3600),
     }
 

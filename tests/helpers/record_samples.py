@@ -14,5 +14,5 @@ SAMPLES = {
         version="0.1.0", updated_at=1000.5, metrics_endpoint="host.example:9101"),
     "move": MoveRecord(peer_id="QmPeerA", run_id="run-1", from_stage=0, to_stage=2, started_at=999.0),
     "round": RoundRecord(peer_id="QmPeerA", run_id="run-1", stage=1, round=7, started_at=12.5, closed=True),
-    "units": UnitBlockRecord.build("QmTrainer", "run-1", 1, {256, 300}, {257: (10.0, 40.0)}, 10.5, b"-----PEM-----"),
+    "units": UnitBlockRecord.build("QmTrainer", "run-1", 1, {256, 300}, {257: (10.0, 40.0)}, 10.5),
 }

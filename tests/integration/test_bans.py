@@ -32,7 +32,7 @@ from agora.dht.averaging import SliceAverager, round_group_bits
 from agora.dht.averaging_admission import AveragingAdmission
 from agora.dht.bans import BAN_REFRESH_S, sign_ban_list
 from agora.dht.heartbeat import Heartbeat
-from agora.dht.leases import LeaseBoard, UnitWriters
+from agora.dht.leases import LeaseBoard
 from agora.dht.keys import averaging_prefix, owned_subkey, worker_key
 from agora.dht.records import WorkerRecord
 from agora.dht.security import DHTSecurity, OwnedRecordValidator, OwnerSignatureValidator
@@ -236,13 +236,11 @@ def test_a_banned_trainers_unit_commits_no_longer_count(swarm, lift):
     a, t = swarm.peers["a"], swarm.peers["t"]
 
     async def commit() -> None:
-        board = LeaseBoard(t, run_id=RUN, lease_s=30, writers=UnitWriters(swarm.authority.root_pem, RUN,
-                                                                        swarm.dirs["t"]))
+        board = LeaseBoard(t, run_id=RUN, lease_s=30)
         assert await board.claim(5)
         assert (await board.commit(5)).committed
 
-    reader = LeaseBoard(a, run_id=RUN, lease_s=30, writers=UnitWriters(swarm.authority.root_pem, RUN,
-                                                                      swarm.dirs["a"]))
+    reader = LeaseBoard(a, run_id=RUN, lease_s=30)
     run(commit())
     state = eventually(lambda: run(reader.read(0)).get(5), timeout=10, what="T's commit")
     assert state.committed and state.holder == t.peer_id

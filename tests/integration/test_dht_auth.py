@@ -41,6 +41,7 @@ from agora.dht.security import (
     OwnerSignatureValidator,
     split_credential,
 )
+from agora.dht.entry_value import CHAIN_MARK, credential_attachment
 from agora.auth.keys import hivemind_private_key, openssh_public_key
 from agora.auth.node_state import CREDENTIAL_FILE, NodeCredentials
 from agora.dht import DHTRequestError, SwarmDHT, WorkerRecord, worker_key
@@ -280,28 +281,30 @@ def test_each_family_is_written_only_by_its_role_and_stage_as_the_attached_crede
     worker_key_pair = NodeCredentials(worker_dir, clock=time.time).key
     foreign = RunAuthority(dirs / "foreign-writer-authority", run_id=RUN)  # same run id, another root
     chains = {"none": None, "another peer's": (writers["worker of stage 0"] / CREDENTIAL_FILE).read_bytes(),
-              "not PEM": b"not a chain",
+              "not a certificate": b"not a chain" + (11).to_bytes(2, "big") + b"\x01" + CHAIN_MARK,
+              "an older agora's": b"[credential:" + base64.b64encode((worker_dir / CREDENTIAL_FILE).read_bytes()) + b"]",
               "another root's": foreign.issue(worker_key_pair.public_key(), role="worker", stage=1),
               "expired": authority.issue(worker_key_pair.public_key(), role="worker", stage=1, lifetime_s=1.0)}
     record = SAMPLES["worker"].replace(peer_id=NodeCredentials(worker_dir, clock=time.time).peer_id, run_id=RUN)
     key_validator = OwnerSignatureValidator(hivemind_private_key(worker_key_pair))
     # A reader two seconds on: the one-second credential is over there, the hour-long ones are not.
-    later = CompositeValidator([OwnerSignatureValidator(),
-                                OwnedRecordValidator(RUN, authority.root_pem, clock=lambda: time.time() + 2.0)])
+    owned_later = OwnedRecordValidator(RUN, authority.root_pem, clock=lambda: time.time() + 2.0)
+    later = CompositeValidator([OwnerSignatureValidator(), owned_later])
 
     def with_chain(chain) -> DHTRecord:
         body = MSGPackSerializer.dumps(record.to_wire())
         if chain is not None:
-            body += b"[credential:" + base64.b64encode(chain) + b"]"
+            body += credential_attachment(chain) if chain.startswith(b"-----") else chain  # else: as given
         unsigned = DHTRecord(DHTID.generate(source=SAMPLE_KEYS["worker"]).to_bytes(),
                              MSGPackSerializer.dumps(subkey_of(worker_dir)), body, time.time() + 30)
         return dataclasses.replace(unsigned, value=key_validator.sign_value(unsigned))  # signed by the owner
 
     assert later.validate(with_chain((worker_dir / CREDENTIAL_FILE).read_bytes()))
     assert {name: later.validate(with_chain(chain)) for name, chain in chains.items()} == dict.fromkeys(chains, False)
+    assert owned_later.refused.snapshot()["workers.credential_format"] == 1  # told apart, logged as such
     # The signature covers the attachment: another chain put in after signing breaks it.
-    swapped = good.value.replace(base64.b64encode((worker_dir / CREDENTIAL_FILE).read_bytes()),
-                                 base64.b64encode(chains["another peer's"]))
+    swapped = good.value.replace(credential_attachment((worker_dir / CREDENTIAL_FILE).read_bytes()),
+                                 credential_attachment(chains["another peer's"]))
     assert swapped != good.value and not reader.validate(dataclasses.replace(good, value=swapped))
 
 

@@ -10,8 +10,7 @@ import asyncio
 import pytest
 
 from agora.auth.authority import RunAuthority
-from agora.auth.node_state import CREDENTIAL_FILE
-from agora.dht.leases import LeaseBoard, UnitWriters
+from agora.dht.leases import LeaseBoard
 from agora.dht.keys import units_key
 from agora.dht.security import DHTSecurity, OwnedRecordValidator
 from agora.dht.swarm import SwarmDHT
@@ -25,7 +24,7 @@ RUN = "leasebounds"
 
 @pytest.fixture(scope="module")
 def peers(tmp_path_factory):
-    """(the worker's DHT peer, which stores; the honest trainer's; the squatter's), with their state dirs."""
+    """(the worker's DHT peer, which stores; the honest trainer's; the squatter's)."""
     base = tmp_path_factory.mktemp("lease-bounds")
     authority = RunAuthority(base / "ca", run_id=RUN)
     dirs = [authority.mint(base / name, role=role, stage=stage).directory
@@ -37,7 +36,7 @@ def peers(tmp_path_factory):
         for state_dir in dirs[1:]:
             started.append(SwarmDHT.start(initial_peers=started[0].visible_maddrs(), client_mode=True,
                                           security=DHTSecurity.from_state_dir(state_dir)))
-        yield started, dirs, authority.root_pem
+        yield started
     finally:
         for swarm in reversed(started):
             swarm.shutdown()
@@ -55,19 +54,17 @@ async def _refusals(_dht, node) -> tuple[dict, dict]:
 
 
 def test_back_dated_long_and_stale_claims_are_refused_by_peers_and_honest_claims_are_unaffected(peers):
-    (worker, honest, squatter), dirs, root_pem = peers
-    chain = (dirs[2] / CREDENTIAL_FILE).read_bytes()
-    answers = {name: store(squatter, worker, wire) for name, wire in lease_holds(squatter, RUN, chain, 3).items()}
+    worker, honest, squatter = peers
+    answers = {name: store(squatter, worker, wire) for name, wire in lease_holds(squatter, RUN, 3).items()}
     assert answers == LEASE_ANSWERS
     assert worker.hivemind_dht.run_coroutine(_refusals) == ({"units.updated_at": 2}, {"units.claims": 2})
     # The squatter's honest-looking claim of another unit is stored and read like any other.
     later = squatter.clock()
-    assert store(squatter, worker, hostile_entry(squatter, RUN, chain, claims=CLAIM.pack(4, later, later + 30),
+    assert store(squatter, worker, hostile_entry(squatter, RUN, claims=CLAIM.pack(4, later, later + 30),
                                                  updated_at=later)) == [True]
 
     async def main():
-        writers = UnitWriters(root_pem, RUN, dirs[1])
-        board = LeaseBoard(honest, run_id=RUN, lease_s=30.0, writers=writers)
+        board = LeaseBoard(honest, run_id=RUN, lease_s=30.0)
         assert 3 not in await board.read(0)  # none of the squatter's claims reached a reader
         assert await board.claim(3)  # nothing the squatter sent stands in its way
         return await board.read(0)
@@ -78,10 +75,10 @@ def test_back_dated_long_and_stale_claims_are_refused_by_peers_and_honest_claims
 
 
 def test_an_honest_trainer_s_renewals_and_commits_pass_every_bound(peers):
-    (_, honest, squatter), dirs, root_pem = peers
+    _, honest, squatter = peers
 
     async def main():
-        board = LeaseBoard(honest, run_id=RUN, lease_s=30.0, writers=UnitWriters(root_pem, RUN, dirs[1]))
+        board = LeaseBoard(honest, run_id=RUN, lease_s=30.0)
         for unit in (300, 301):
             assert await board.claim(unit)
         await board.renew([300, 301])

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 import uuid
 
 import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import CompositeValidator, DHTRecord
+from hivemind.utils import MSGPackSerializer
 
 from agora.auth.authority import RunAuthority
-from agora.dht.leases import LeaseBoard, UnitState, UnitWriters, resolve
-from agora.dht.keys import units_key
+from agora.auth.keys import hivemind_private_key, openssh_public_key
+from agora.auth.node_state import CREDENTIAL_FILE, NodeCredentials
+from agora.dht.entry_value import credential_attachment
+from agora.dht.security import OwnedRecordValidator, OwnerSignatureValidator
+from agora.dht.leases import LeaseBoard, UnitState, resolve
+from agora.dht.keys import owned_subkey, units_key
 from agora.dht.record_fields import BLOCK_UNITS, RecordError
 from agora.dht.records import UnitBlockRecord
 from agora.dht.entry_reader import Stored
@@ -21,8 +29,8 @@ from agora.node.trainer.units import FixedUnits, LeasedUnits, UnitHold, next_can
 pytestmark = pytest.mark.timeout(120)
 
 
-def block_record(peer: str, block: int = 0, committed=(), claims=None, credential=b"") -> UnitBlockRecord:
-    return UnitBlockRecord.build(peer, "run", block, set(committed), claims or {}, 10.0, credential)
+def block_record(peer: str, block: int = 0, committed=(), claims=None) -> UnitBlockRecord:
+    return UnitBlockRecord.build(peer, "run", block, set(committed), claims or {}, 10.0)
 
 
 # ---------------------------------------------------------------- records and rules (pure)
@@ -182,25 +190,33 @@ def test_fixed_units_hand_out_a_list_and_take_back_a_failed_one():
     assert run(main()) == ([4, 6, None], False, True)
 
 
-def test_readers_count_only_entries_written_under_a_trainer_credential_of_that_peer(tmp_path):
+def test_peers_keep_only_unit_entries_written_under_a_trainer_credential_of_that_peer_judged_as_issued(tmp_path):
     # The run's CA was made two hours ago, when a trainer got a one-hour credential: expired now.
     past = RunAuthority(tmp_path / "auth", run_id="lease-run", clock=lambda: time.time() - 7200)
     old = past.mint(tmp_path / "old", role="trainer", lifetime_s=3600)
     authority = RunAuthority(tmp_path / "auth")
     trainer = authority.mint(tmp_path / "trainer", role="trainer", lifetime_s=60)
     worker = authority.mint(tmp_path / "worker", role="worker", stage=0, lifetime_s=60)
-    writers = UnitWriters(authority.root_pem, "lease-run", tmp_path / "trainer")
-    assert writers.own() == (tmp_path / "trainer" / "credential.pem").read_bytes()
-    assert writers.trusted(trainer.peer_id, writers.own())
-    worker_chain = (tmp_path / "worker" / "credential.pem").read_bytes()
-    assert not writers.trusted(worker.peer_id, worker_chain)  # a worker cannot commit units
-    assert not writers.trusted(worker.peer_id, writers.own())  # nor under a trainer's chain
-    assert not writers.trusted(trainer.peer_id, b"garbage")
     other = RunAuthority(tmp_path / "other", run_id="lease-run").mint(tmp_path / "x", role="trainer")
-    assert not writers.trusted(other.peer_id, (tmp_path / "x" / "credential.pem").read_bytes())
-    chain = (tmp_path / "old" / "credential.pem").read_bytes()
+    # What every admitted peer's DHT process runs on each store and each found value.
+    peer = CompositeValidator([OwnerSignatureValidator(), OwnedRecordValidator("lease-run", authority.root_pem)])
+
+    def entry(writer: NodeCredentials, carrying: NodeCredentials) -> DHTRecord:
+        """``writer``'s entry for block 0, signed by its key, carrying ``carrying``'s chain."""
+        record = UnitBlockRecord.build(writer.peer_id, "lease-run", 0, {3}, {}, time.time())
+        unsigned = DHTRecord(DHTID.generate(source=units_key("lease-run", 0)).to_bytes(),
+                             MSGPackSerializer.dumps(owned_subkey(writer.peer_id, openssh_public_key(writer.key).decode())),
+                             MSGPackSerializer.dumps(record.to_wire()) + credential_attachment(
+                                 (carrying.directory / CREDENTIAL_FILE).read_bytes()), time.time() + 60)
+        return dataclasses.replace(unsigned, value=OwnerSignatureValidator(hivemind_private_key(writer.key))
+                                   .sign_value(unsigned))
+
+    assert peer.validate(entry(trainer, trainer))
     assert old.identity().not_after < time.time()
-    assert writers.trusted(old.peer_id, chain)  # its commits still count
+    assert peer.validate(entry(old, old))  # its commits still count
+    assert not peer.validate(entry(worker, worker))  # a worker cannot commit units
+    assert not peer.validate(entry(worker, trainer))  # nor under a trainer's chain
+    assert not peer.validate(entry(other, other))  # a trainer of another root
 
 
 # ---------------------------------------------------------------- over a real DHT

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from agora.auth.authority import RunAuthority
-from agora.dht.leases import UnitWriters
 from agora.dht.keys import units_key
 from agora.dht.records import UnitBlockRecord, WorkerRecord
 from agora.dht.security import DHTSecurity
@@ -39,11 +38,9 @@ def test_a_flood_from_one_owner_is_refused_over_its_bound_while_honest_stores_su
             clients.append(SwarmDHT.start(initial_peers=small.visible_maddrs(), client_mode=True,
                                           security=DHTSecurity.from_state_dir(dirs[name])))
         flooder, honest = clients
-        writers = UnitWriters(authority.root_pem, RUN, dirs["flooder"])
 
         def block(index: int) -> UnitBlockRecord:
-            return UnitBlockRecord.build(flooder.peer_id, RUN, index, {index * 256}, {}, flooder.clock(),
-                                         writers.own())
+            return UnitBlockRecord.build(flooder.peer_id, RUN, index, {index * 256}, {}, flooder.clock())
 
         stored = [flooder.store(units_key(RUN, i), block(i), 600, subkey=flooder.subkey_of(flooder.peer_id))
                   for i in range(12)]

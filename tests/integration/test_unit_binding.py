@@ -16,7 +16,7 @@ import torch
 
 from agora.auth.authority import RunAuthority
 from agora.auth.node_state import NodeCredentials
-from agora.dht.leases import LeaseBoard, UnitWriters, read_block
+from agora.dht.leases import LeaseBoard, read_block
 from agora.dht.security import DHTSecurity
 from agora.dht.swarm import SwarmDHT
 from agora.node.replica.epoch import DEFAULT_REPORT_AHEAD, stage_step
@@ -75,14 +75,13 @@ def client(worker: StageWorker, trainer_dir) -> StageClient:
 async def gated_stage(config, pki, dhts, unit: int):
     """A worker of stage 0 that takes a unit's work from its holder only, as its DHT peer reads the
     lease queue; `unit` claimed there by the honest trainer; (worker, honest client, mallory's)."""
-    worker_dirs, trainers, root_pem = pki
+    worker_dirs, trainers, _ = pki
     worker_dht, trainer_dht = dhts
-    writers = UnitWriters(root_pem, RUN, worker_dirs[0])
-    holders = UnitHolders(lambda block: read_block(worker_dht, RUN, block, writers), clock=worker_dht.clock)
+    holders = UnitHolders(lambda block: read_block(worker_dht, RUN, block), clock=worker_dht.clock)
     worker = StageWorker(config, 0, run_id=RUN, options=WorkerOptions(), unit_holders=holders,
                          credentials=NodeCredentials(worker_dirs[0], clock=time.time))
     await worker.start()
-    board = LeaseBoard(trainer_dht, run_id=RUN, lease_s=30.0, writers=UnitWriters(root_pem, RUN, trainers["honest"]))
+    board = LeaseBoard(trainer_dht, run_id=RUN, lease_s=30.0)
     honest, mallory = client(worker, trainers["honest"]), client(worker, trainers["mallory"])
     try:
         assert await board.claim(unit)
@@ -150,7 +149,7 @@ def test_a_trainer_running_a_unit_another_holds_drops_it_at_the_first_refusal_an
     The one the worker refuses asks the lease queue, finds the unit is the other's, and drops it: every
     microbatch stops, nothing of it is applied, no reroute, no failure counted against the worker (six
     such failures each had a trainer back off from its stage's only worker for a minute)."""
-    _, trainers, root_pem = pki
+    _, trainers, _ = pki
 
     async def main():
         async with gated_stage(CONFIG, pki, dhts, 5) as (worker, _, _):
@@ -158,7 +157,7 @@ def test_a_trainer_running_a_unit_another_holds_drops_it_at_the_first_refusal_an
             other = await asyncio.to_thread(SwarmDHT.start, initial_peers=dhts[0].visible_maddrs(), client_mode=True,
                                             security=security)
             try:
-                board = LeaseBoard(other, run_id=RUN, lease_s=30.0, writers=UnitWriters(root_pem, RUN, trainers["mallory"]))
+                board = LeaseBoard(other, run_id=RUN, lease_s=30.0)
                 units = LeasedUnits(board, total=16, clock=other.clock)
                 view = WorkerView(worker.credentials.peer_id, worker.address, 0)
                 channels = TlsChannels(NodeCredentials(trainers["mallory"], clock=time.time))

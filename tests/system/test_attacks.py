@@ -58,8 +58,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agora.auth.admission import AdmissionError, CredentialRenewer, JoinFile, admit
-from agora.auth.node_state import CREDENTIAL_FILE, NodeCredentials
-from agora.dht.leases import LeaseBoard, UnitWriters
+from agora.auth.node_state import NodeCredentials
+from agora.dht.leases import LeaseBoard
 from agora.dht.keys import rounds_key, trainer_key, units_key, worker_key
 from agora.dht.records import RoundRecord, TrainerRecord, WorkerRecord
 from agora.dht.security import DHTSecurity
@@ -196,9 +196,8 @@ class Attacker:
     async def lease_hold(self) -> dict:
         """3: entries that would hold a unit the trainer is about to claim, at every worker."""
         unit = self.demo.steps() + 3
-        chain = (self.compromised_dir / CREDENTIAL_FILE).read_bytes()
         answers = {}
-        for name, wire in lease_holds(self.compromised, RUN, chain, unit).items():
+        for name, wire in lease_holds(self.compromised, RUN, unit).items():
             answers[name] = await self.store_at_every_worker(self.compromised, units_key(RUN, 0), wire)
         return {"unit": unit, "answers": answers}
 
@@ -218,8 +217,7 @@ class Attacker:
     async def schedule_push(self) -> dict:
         """5: to both tails, reports of units past the run's end it claims, of one it claims far
         ahead of the replica's count, and of one it does not hold."""
-        board = LeaseBoard(self.compromised, run_id=RUN, lease_s=120.0,
-                           writers=UnitWriters(self.root_pem, RUN, self.compromised_dir))
+        board = LeaseBoard(self.compromised, run_id=RUN, lease_s=120.0)
         held = [STEPS + i for i in range(HELD)]
         push: dict = {"claimed": [await _claim(board, unit) for unit in held]}
         micro = self.config.train.microbatches

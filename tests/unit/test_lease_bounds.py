@@ -14,6 +14,7 @@ from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.dht.storage import DictionaryDHTValue
 
+from agora.dht.entry_value import CHAIN_MARK, record_bytes
 from agora.dht.leases import LeaseBoard, renewed_claim
 from agora.dht.keys import trainer_key, units_key
 from agora.dht.record_fields import RecordError
@@ -72,12 +73,8 @@ def test_an_entry_is_written_now_when_stored_and_never_ahead_of_now_when_read():
 
 def signed_value(record: UnitBlockRecord | None) -> bytes:
     """A value as it travels: msgpack, the writer's credential, hivemind's signature."""
-    return MSGPackSerializer.dumps(None if record is None else record.to_wire()) + b"[credential:QUJD]" + \
-        b"[signature:xyz]"
-
-
-def unwrap(value: bytes) -> bytes:
-    return value.split(b"[credential:")[0]
+    attachment = b"ABC" + (3).to_bytes(2, "big") + b"\x01" + CHAIN_MARK  # a one-"certificate" chain
+    return MSGPackSerializer.dumps(None if record is None else record.to_wire()) + attachment + b"[signature:xyz]"
 
 
 def store_request(items: list[tuple[str, bytes, bytes]]) -> dht_pb2.StoreRequest:
@@ -87,7 +84,7 @@ def store_request(items: list[tuple[str, bytes, bytes]]) -> dht_pb2.StoreRequest
 
 
 def test_a_store_of_a_unit_entry_not_written_now_is_refused_whatever_carries_it():
-    times = StoreTimes("run", unwrap=unwrap)
+    times = StoreTimes("run", unwrap=record_bytes)
     subkey = MSGPackSerializer.dumps("QmT[owner:ssh-rsa AAAA]")
     fresh, stale = entry({3: (NOW - 5, NOW + 30)}), entry({}, updated_at=NOW - 300)
     assert times.problem(store_request([(units_key("run", 0), subkey, signed_value(fresh))]), NOW) is None

@@ -40,11 +40,13 @@ WIRE_BYTES = {
     "round": (
         "88a6736368656d6102a46b696e64a5726f756e64a7706565725f6964a7516d5065657241a672756e5f6964a572756e2d31a57374"
         "61676501a5726f756e6407aa737461727465645f6174cb4029000000000000a6636c6f736564c3"),
+    # No credential field since the writer's chain rides only as the entry's attachment (dht/entry_value.py):
+    # a reader of the version before reads this record with an empty one (its DHT validator has refused
+    # the attachment's new format before that).
     "units": (
-        "89a6736368656d6102a46b696e64a5756e697473a7706565725f6964a9516d547261696e6572a672756e5f6964a572756e2d31a5"
+        "88a6736368656d6102a46b696e64a5756e697473a7706565725f6964a9516d547261696e6572a672756e5f6964a572756e2d31a5"
         "626c6f636b01a9636f6d6d6974746564c42001000000001000000000000000000000000000000000000000000000000000"
-        "00a6636c61696d73c412010000000000000024400000000000004440aa757064617465645f6174cb4025000000000000aa637265"
-        "64656e7469616cc40d2d2d2d2d2d50454d2d2d2d2d2d"),
+        "00a6636c61696d73c412010000000000000024400000000000004440aa757064617465645f6174cb4025000000000000"),
 }
 
 
@@ -148,7 +150,6 @@ OUT_OF_BOUNDS = [
     ("units", "claims", b"\x00" * 5, "units.claims: 5 bytes is not a whole number of claims, got bytes"),
     ("units", "claims", struct.pack("<Hdd", 256, 1.0, 2.0), "units.claims: offset 256 or times out of range"),
     ("units", "claims", struct.pack("<Hdd", 0, 1.0, math.nan), "units.claims: offset 0 or times out of range"),
-    ("units", "credential", b"c" * 4097, "units.credential: data should have at most 4096 bytes"),
 ]
 
 
