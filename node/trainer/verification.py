@@ -138,6 +138,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from agora.node.trainer.reply_reference import LONE_SPREAD_FLOOR, SPREAD_FLOOR, STALE_VERSIONS, Boundary
 __all__ = ["PROJECTIONS", "FEATURES", "Z_CAP", "OUTLIER_Z", "SPREAD_FLOOR", "LONE_SPREAD_FLOOR", "STALE_VERSIONS",
            "DETECTION_REPLIES", "VerifierSettings",
            "Evidence", "ReplyVerifier", "Source", "reply_features", "projection_directions"]
@@ -154,22 +155,6 @@ Z_CAP = 12.0
 # very reply self-checked (`ReplyVerifier.outlying`). Tiny's honest traffic: 13 replies of 3,840 (two
 # runs of 120 global batches, tests/helpers/reply_traffic.py); a x10 output stands about 7 off.
 OUTLIER_Z = 6.0
-# The smallest spread of a feature (all are dimensionless): a feature that never varies is not
-# an invitation to flag the first rounding difference.
-SPREAD_FLOOR = 0.02
-# The smallest spread when a worker is alone on its stage: its reference is its own recent history,
-# whose spread can be far narrower than what training moves it by (a lone tail's input gradients
-# shrank 1.6x over a few batches as the loss fell, 12 of its own spreads). A quarter in every
-# feature (log-RMS: a 1.3x change) keeps such trends under the drift allowance, while a x10 lie
-# (2.3 in log-RMS) or a flipped sign (about 2 in alignment) still counts 8-9 spreads a reply.
-LONE_SPREAD_FLOOR = 0.25
-# A lone worker's reply is held to its replies of the same weights, or of the newest weights before them
-# holding at least this many, within STALE_VERSIONS versions (module docstring: weights versions).
-_SAME_WEIGHTS_REPLIES = 4
-STALE_VERSIONS = 2
-_MAD_TO_SIGMA = 1.4826
-# The centre is the median of the newest 1/_RECENT_PART of the window (the spread is the whole window's).
-_RECENT_PART = 4
 _EMA_WEIGHT = 0.1
 # A worker whose CUSUM reached this fraction of the bar is suspected: replies computed from its are
 # not judged (module docstring).
@@ -289,65 +274,12 @@ class _WorkerTrack:
         self.low = [0.0] * len(FEATURES)
 
 
-@dataclass
-class _Boundary:
-    """One stage's frames of one kind: the pooled window and each worker's track."""
-
-    window: deque  # (peer, features, weights version or None) of the accepted replies
-    workers: dict[str, _WorkerTrack] = field(default_factory=dict)
-    replies: int = 0
-
-    def entries(self, live: frozenset[str] | None) -> list[tuple[str, tuple[float, ...], int | None]]:
-        """The window's replies of the workers in `live` (None: all of them)."""
-        return [entry for entry in self.window if live is None or entry[0] in live]
-
-    def reference(self, index: int, floor: float = SPREAD_FLOOR, live: frozenset[str] | None = None,
-                  version: int | None = None) -> tuple[float, float] | None:
-        """The feature's centre and spread (module docstring) over the replies of the workers in `live`
-        (None: all), the spread at least `floor`. Given the reply's weights `version`, the centre is the
-        median of the replies of those weights (`_same_weights`) and the spread is around each weights'
-        own median. None: too few replies, or none of weights close enough to `version`'s."""
-        entries = [(features[index], weights) for _, features, weights in self.entries(live)
-                   if not math.isnan(features[index])]
-        values = [value for value, _ in entries]
-        if len(values) < 2:
-            return None
-        if version is not None:
-            recent = _same_weights(entries, version)
-            return None if recent is None else (statistics.median(recent), max(_spread_within_weights(entries), floor))
-        middle = statistics.median(values)
-        spread = _MAD_TO_SIGMA * statistics.median(abs(value - middle) for value in values)
-        return statistics.median(values[-max(2, len(values) // _RECENT_PART):]), max(spread, floor)
-
-
-def _spread_within_weights(entries: list[tuple[float, int | None]]) -> float:
-    """The MAD (as a standard deviation) of the values around their own weights' median."""
-    by_weights: dict[int | None, list[float]] = {}
-    for value, weights in entries:
-        by_weights.setdefault(weights, []).append(value)
-    middles = {weights: statistics.median(values) for weights, values in by_weights.items()}
-    return _MAD_TO_SIGMA * statistics.median(abs(value - middles[weights]) for value, weights in entries)
-
-
-def _same_weights(entries: list[tuple[float, int | None]], version: int) -> list[float] | None:
-    """The values of the newest weights at or before `version` (whole versions, newest first, until
-    `_SAME_WEIGHTS_REPLIES`), or None when those reach back more than `STALE_VERSIONS` versions."""
-    chosen: list[float] = []
-    for weights in sorted({w for _, w in entries if w is not None and w <= version}, reverse=True):
-        if weights < version - STALE_VERSIONS:
-            break
-        chosen += [value for value, w in entries if w == weights]
-        if len(chosen) >= _SAME_WEIGHTS_REPLIES:
-            return chosen
-    return None
-
-
 class ReplyVerifier:
     """Per (stage, kind, worker) statistics and the CUSUM that flags a worker (module docstring)."""
 
     def __init__(self, settings: VerifierSettings = VerifierSettings()):
         self.settings = settings
-        self._boundaries: dict[tuple[int, str], _Boundary] = {}
+        self._boundaries: dict[tuple[int, str], Boundary] = {}
         self._directions: dict[int, torch.Tensor] = {}
         self.shifts = 0  # stage-wide shifts seen (every CUSUM of a boundary restarted)
         self.tainted = 0  # replies left unjudged: computed from a suspected worker's
@@ -395,7 +327,7 @@ class ReplyVerifier:
         upstream = list(upstream)
         boundary = self._boundaries.get((stage, kind))
         if boundary is None:
-            boundary = self._boundaries[(stage, kind)] = _Boundary(deque(maxlen=self.settings.window))
+            boundary = self._boundaries[(stage, kind)] = Boundary(deque(maxlen=self.settings.window))
         track = boundary.workers.setdefault(peer, _WorkerTrack.fresh())
         if track.flagged is not None:
             return track.flagged
@@ -509,7 +441,7 @@ class ReplyVerifier:
         track = None if boundary is None else boundary.workers.get(peer)
         return track is not None and (track.flagged is not None or track.largest() >= fraction * self.settings.threshold)
 
-    def _accumulate(self, boundary: _Boundary, track: _WorkerTrack, features: tuple[float, ...],
+    def _accumulate(self, boundary: Boundary, track: _WorkerTrack, features: tuple[float, ...],
                     live: frozenset[str] | None, alone: bool, version: int | None = None,
                     producer: str | None = None) -> tuple[int, str, float] | None:
         """Add the reply's deviations to the worker's CUSUMs; the feature and side of the largest one
@@ -536,7 +468,7 @@ class ReplyVerifier:
                     worst = (cusum, index, side, value)
         return None if worst is None else worst[1:]
 
-    def _shared_shift(self, boundary: _Boundary, peer: str, index: int, side: str,
+    def _shared_shift(self, boundary: Boundary, peer: str, index: int, side: str,
                       live: frozenset[str] | None) -> bool:
         """Whether at least half the stage's other recently active, unflagged workers (one at least)
         are half-way to tripping the same feature the same way."""
@@ -565,7 +497,7 @@ class ReplyVerifier:
             return culprit
         return None
 
-    def _others(self, boundary: _Boundary, track: _WorkerTrack, live: frozenset[str] | None) -> list[_WorkerTrack]:
+    def _others(self, boundary: Boundary, track: _WorkerTrack, live: frozenset[str] | None) -> list[_WorkerTrack]:
         """The stage's other unflagged workers with a reply in the window's span (and, given `live`,
         still routed to)."""
         recent = boundary.replies - self.settings.window
@@ -573,7 +505,7 @@ class ReplyVerifier:
                 if other is not track and other.flagged is None and other.last_seen > recent
                 and (live is None or peer in live)]
 
-    def _evidence(self, stage: int, kind: str, peer: str, boundary: _Boundary, track: _WorkerTrack, index: int,
+    def _evidence(self, stage: int, kind: str, peer: str, boundary: Boundary, track: _WorkerTrack, index: int,
                   side: str, value: float, live: frozenset[str] | None, version: int | None) -> Evidence:
         floor = SPREAD_FLOOR if self._others(boundary, track, live) else LONE_SPREAD_FLOOR
         centre, spread = boundary.reference(index, floor, live, version)
