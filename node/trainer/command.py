@@ -155,8 +155,13 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
             held_out = None
             if evaluate and not interrupted:
                 batches = data.heldout_batches(config.train.eval_batches, config.train.batch_size)
-                held_out = await trainer.evaluate(batches)
-                stats.heldout(held_out)
+                try:
+                    held_out = await trainer.evaluate(batches)
+                    stats.heldout(held_out)
+                except asyncio.CancelledError:
+                    # SIGTERM ends the run here too (module docstring): a trainer waiting for a stage left with
+                    # no worker is stopped so, and its summary is what names whom it flagged and why.
+                    interrupted = True
             return {
                 "trainer": options.trainer_index, "steps": len(records), "interrupted": interrupted,
                 "time_budget_s": options.time_budget_s,

@@ -203,8 +203,10 @@ class Microbatches:
             except InputRefused as refusal:
                 raise self.blame.refused_input(refusal, route, stage, wire or b"", backward=False) from None
             request = self.checks.request(wire)  # decoded once for both of the reply's frames
-            self.checks.verify(worker, "output", result.wire_frame, request, "Forward", upstream, tokens)
-            self.checks.verify(worker, "input_grad", result.grad_frame, request, "Forward", upstream, tokens)
+            self.checks.verify(worker, "output", result.wire_frame, request, "Forward", upstream, tokens,
+                               result.weights_version)
+            self.checks.verify(worker, "input_grad", result.grad_frame, request, "Forward", upstream, tokens,
+                               result.weights_version)
             if result.repeat:
                 self.stats.repeated(stage)
             if not evaluate and not tail:
@@ -234,7 +236,7 @@ class Microbatches:
             except InputRefused as refusal:
                 raise self.blame.refused_input(refusal, route, stage, grad, backward=True) from None
             self.checks.verify(worker, "input_grad", back.grad_frame, self.checks.request(grad), "Backward", upstream,
-                               tokens)
+                               tokens, back.weights_version)
             if back.repeat:
                 self.stats.repeated(stage)
             if stage > 0:

@@ -90,12 +90,12 @@ class ReplyChecks:
         return self.codec.decode(frame) if self.verifier is not None and frame else None
 
     def verify(self, view: WorkerView, kind: str, frame: Frame, request: torch.Tensor | None, method: str,
-               upstream: list[Source], tokens: torch.Tensor) -> None:
+               upstream: list[Source], tokens: torch.Tensor, version: int | None = None) -> None:
         """Hold one reply's `kind` frame (none: nothing to hold) to its worker's earlier replies and to its
         stage's; `request`: the decoded frame the call carried that the reply answers token for token (a
         Forward's wire, a Backward's output gradient); `tokens`: the microbatch's; `upstream`: the route's
-        replies it was computed from, to which it is added. Raises `SuspectReply` when its worker is (or was
-        already) flagged."""
+        replies it was computed from, to which it is added; `version`: the worker's weights the reply names.
+        Raises `SuspectReply` when its worker is (or was already) flagged."""
         if self.verifier is None or not frame:
             return
         decoded = self.codec.decode(frame)
@@ -107,7 +107,7 @@ class ReplyChecks:
         present = [worker.peer_id for worker in self.roster.of_stage(view.stage)]
         evidence = self.verifier.observe(view.stage, kind, view.peer_id, features, upstream, present,
                                          suspected_elsewhere=self.gradients.suspected,
-                                         implicated_elsewhere=self._implicated)
+                                         implicated_elsewhere=self._implicated, version=version)
         for stage, frames, peer, producer, feature in self.verifier.take_implicated():
             logger.info("stage %d worker %s's %s stood off only with the frames %s produced: checking %s at once",
                         stage, peer, feature, producer, producer,

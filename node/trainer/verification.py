@@ -92,9 +92,30 @@ whose outputs grew 3.5-fold over a few early steps (three trainers stepping it i
 stood ever further off its frozen past until it was flagged, and its stage, and the run, were left
 with no worker. A sudden large change of its scale or direction, or of a reply's relation to its
 request, is still caught: a x10 lie stands 9 spreads off, never enters, and trips within five
-replies. What
-this cannot catch then: a worker lying from its first reply (its history is the lie), a lie grown
-so slowly that it looks like drift, a sole head replaying earlier outputs (a head's Forward has
+replies.
+
+**Weights versions.** Alone, a worker's replies are held to its replies of the same weights: every
+reply names the weights version it was computed on (bumped by each write to the stage's weights),
+and a lone worker's centre is the median of its window's replies of the reply's version, or of the
+newest versions before it until `_SAME_WEIGHTS_REPLIES` replies, its spread their MAD around each
+version's own median (floored as above). Early in a run with three trainers stepping one worker,
+its values are a staircase in its versions, not a trend in one trainer's replies: a sole head's
+log-RMS stood flat over versions 0 and 1, then rose 0.33 a version (0.3 to 0.6 for a sole tail's
+input gradient, falling), while replies of one version scattered 0.15 to 0.3; and each trainer sees
+only its own microbatches, so it meets the worker again 2 to 3 versions on, or, after the others
+stepped it while it stalled or before its closing evaluation, 4 to 7 versions on (2.2 higher in
+log-RMS, 9 spreads off a history that held only versions 0 and 1: every such reply was kept out as an
+outlier and the honest head was flagged, in demo runs). Against the same weights those replies
+stand within 2 spreads (the largest CUSUM over 13 demo runs' recorded traffic 5.7, against 31
+before). A reply whose newest such replies go back more than `STALE_VERSIONS` versions is not judged
+(nothing there describes its weights) and enters the window, so its weights' next replies are. A
+lie is still caught where it starts on weights the trainer has seen replies of, or one or two
+versions on: a x10 lie stands 9 spreads off them, never enters, and trips within five replies. What
+this cannot catch then: a lone worker whose lie starts just when it names weights more than
+`STALE_VERSIONS` versions past the replies this trainer holds (its lie is its history from there;
+versions are the worker's word, and with several trainers honest jumps that large are common), a
+worker lying from its first reply (its history is the lie), a lie grown so slowly that it looks like
+drift, a sole head replaying earlier outputs (a head's Forward has
 no request frame to align with), and a stage-wide honest shift cannot be told from a lie. With
 several workers, a colluding majority of a stage's replies owns the median, as in robust averaging.
 Where a stage has several replicas, the trainer's optional spot checks (node/trainer/spot_checks.py)
@@ -117,7 +138,9 @@ from typing import Callable, Iterable
 
 import torch
 
-__all__ = ["PROJECTIONS", "FEATURES", "Z_CAP", "OUTLIER_Z", "SPREAD_FLOOR", "LONE_SPREAD_FLOOR", "DETECTION_REPLIES", "VerifierSettings",
+from agora.node.trainer.reply_reference import LONE_SPREAD_FLOOR, SPREAD_FLOOR, STALE_VERSIONS, Boundary
+__all__ = ["PROJECTIONS", "FEATURES", "Z_CAP", "OUTLIER_Z", "SPREAD_FLOOR", "LONE_SPREAD_FLOOR", "STALE_VERSIONS",
+           "DETECTION_REPLIES", "VerifierSettings",
            "Evidence", "ReplyVerifier", "Source", "reply_features", "projection_directions"]
 
 # A reply's place: (stage, frame kind, worker).
@@ -132,18 +155,6 @@ Z_CAP = 12.0
 # very reply self-checked (`ReplyVerifier.outlying`). Tiny's honest traffic: 13 replies of 3,840 (two
 # runs of 120 global batches, tests/helpers/reply_traffic.py); a x10 output stands about 7 off.
 OUTLIER_Z = 6.0
-# The smallest spread of a feature (all are dimensionless): a feature that never varies is not
-# an invitation to flag the first rounding difference.
-SPREAD_FLOOR = 0.02
-# The smallest spread when a worker is alone on its stage: its reference is its own recent history,
-# whose spread can be far narrower than what training moves it by (a lone tail's input gradients
-# shrank 1.6x over a few batches as the loss fell, 12 of its own spreads). A quarter in every
-# feature (log-RMS: a 1.3x change) keeps such trends under the drift allowance, while a x10 lie
-# (2.3 in log-RMS) or a flipped sign (about 2 in alignment) still counts 8-9 spreads a reply.
-LONE_SPREAD_FLOOR = 0.25
-_MAD_TO_SIGMA = 1.4826
-# The centre is the median of the newest 1/_RECENT_PART of the window (the spread is the whole window's).
-_RECENT_PART = 4
 _EMA_WEIGHT = 0.1
 # A worker whose CUSUM reached this fraction of the bar is suspected: replies computed from its are
 # not judged (module docstring).
@@ -263,37 +274,12 @@ class _WorkerTrack:
         self.low = [0.0] * len(FEATURES)
 
 
-@dataclass
-class _Boundary:
-    """One stage's frames of one kind: the pooled window and each worker's track."""
-
-    window: deque  # (peer, features) of the accepted replies
-    workers: dict[str, _WorkerTrack] = field(default_factory=dict)
-    replies: int = 0
-
-    def entries(self, live: frozenset[str] | None) -> list[tuple[str, tuple[float, ...]]]:
-        """The window's replies of the workers in `live` (None: all of them)."""
-        return [entry for entry in self.window if live is None or entry[0] in live]
-
-    def reference(self, index: int, floor: float = SPREAD_FLOOR,
-                  live: frozenset[str] | None = None) -> tuple[float, float] | None:
-        """The feature's centre (the median of the window's newest part) and spread (module docstring),
-        over the replies of the workers in `live` (None: all), the spread at least `floor`."""
-        values = [features[index] for _, features in self.entries(live) if not math.isnan(features[index])]
-        if len(values) < 2:
-            return None
-        middle = statistics.median(values)
-        spread = _MAD_TO_SIGMA * statistics.median(abs(value - middle) for value in values)
-        recent = values[-max(2, len(values) // _RECENT_PART):]
-        return statistics.median(recent), max(spread, floor)
-
-
 class ReplyVerifier:
     """Per (stage, kind, worker) statistics and the CUSUM that flags a worker (module docstring)."""
 
     def __init__(self, settings: VerifierSettings = VerifierSettings()):
         self.settings = settings
-        self._boundaries: dict[tuple[int, str], _Boundary] = {}
+        self._boundaries: dict[tuple[int, str], Boundary] = {}
         self._directions: dict[int, torch.Tensor] = {}
         self.shifts = 0  # stage-wide shifts seen (every CUSUM of a boundary restarted)
         self.tainted = 0  # replies left unjudged: computed from a suspected worker's
@@ -325,7 +311,8 @@ class ReplyVerifier:
     def observe(self, stage: int, kind: str, peer: str, features: tuple[float, ...],
                 upstream: Iterable[Source] = (), present: Iterable[str] | None = None,
                 suspected_elsewhere: Callable[[str], bool] = lambda peer: False,
-                implicated_elsewhere: Callable[[str], bool] = lambda peer: False) -> Evidence | None:
+                implicated_elsewhere: Callable[[str], bool] = lambda peer: False,
+                version: int | None = None) -> Evidence | None:
         """Judge one reply of `peer`, a worker of `stage`: None when it is used (and counted into the
         stage's reference), else the evidence against its worker (this reply and every later one).
         `upstream`: the replies of the microbatch's route this one was computed from. `present`: the
@@ -334,11 +321,13 @@ class ReplyVerifier:
         `suspected_elsewhere`: whether another check suspects a worker (a self check it failed and
         has not cleared): replies computed from its are not judged either. `implicated_elsewhere`:
         whether another check flagged or suspects a worker: a trip of a worker it fed lately is
-        excused once (module docstring: whose lie it is)."""
+        excused once (module docstring: whose lie it is). `version`: the worker's weights the reply was
+        computed on (None: not known); a lone worker's reply is held to its replies of those weights
+        (module docstring: weights versions)."""
         upstream = list(upstream)
         boundary = self._boundaries.get((stage, kind))
         if boundary is None:
-            boundary = self._boundaries[(stage, kind)] = _Boundary(deque(maxlen=self.settings.window))
+            boundary = self._boundaries[(stage, kind)] = Boundary(deque(maxlen=self.settings.window))
         track = boundary.workers.setdefault(peer, _WorkerTrack.fresh())
         if track.flagged is not None:
             return track.flagged
@@ -352,7 +341,7 @@ class ReplyVerifier:
         live = None if present is None else frozenset(present) | {peer}
         alone = not self._others(boundary, track, live)
         if len(boundary.entries(live)) >= self.settings.warmup:
-            tripped = self._accumulate(boundary, track, features, live, alone,
+            tripped = self._accumulate(boundary, track, features, live, alone, version,
                                        producer=upstream[-1][2] if upstream else None)
             if tripped is not None:
                 index, side, value = tripped
@@ -369,7 +358,8 @@ class ReplyVerifier:
                     track.restart()
                     self.pardoned.append((stage, kind, peer, damager, FEATURES[index]))
                 else:
-                    track.flagged = self._evidence(stage, kind, peer, boundary, track, index, side, value, live)
+                    track.flagged = self._evidence(stage, kind, peer, boundary, track, index, side, value, live,
+                                                   version if alone else None)
                     self._void_evidence_from(peer)
                     return track.flagged
         # A worker on its way to a flag is kept out of the reference it is held to. Alone, that reference
@@ -377,7 +367,7 @@ class ReplyVerifier:
         # OUTLIER_Z off is kept out (module docstring).
         kept_out = track.outlying if alone else track.largest() >= self.settings.threshold / 2
         if not kept_out:
-            boundary.window.append((peer, features))
+            boundary.window.append((peer, features, version))
         return None
 
     def take_pardoned(self) -> list[tuple[int, str, str, str, str]]:
@@ -411,7 +401,7 @@ class ReplyVerifier:
         were in, and the CUSUMs measured against those restart (with two replicas its replies were half
         the reference, and the honest one's would otherwise stand off a reference the liar bent)."""
         for boundary in self._boundaries.values():
-            if any(owner == peer for owner, _ in boundary.window):
+            if any(entry[0] == peer for entry in boundary.window):
                 kept = [entry for entry in boundary.window if entry[0] != peer]
                 boundary.window.clear()
                 boundary.window.extend(kept)
@@ -451,18 +441,19 @@ class ReplyVerifier:
         track = None if boundary is None else boundary.workers.get(peer)
         return track is not None and (track.flagged is not None or track.largest() >= fraction * self.settings.threshold)
 
-    def _accumulate(self, boundary: _Boundary, track: _WorkerTrack, features: tuple[float, ...],
-                    live: frozenset[str] | None, alone: bool,
+    def _accumulate(self, boundary: Boundary, track: _WorkerTrack, features: tuple[float, ...],
+                    live: frozenset[str] | None, alone: bool, version: int | None = None,
                     producer: str | None = None) -> tuple[int, str, float] | None:
         """Add the reply's deviations to the worker's CUSUMs; the feature and side of the largest one
         over the threshold, if any. `alone`: no other worker of the stage is there (its own history is
-        the reference). `producer`: the worker whose frame the call carried (None: none)."""
+        the reference); `version`: then, the weights the reply was computed on (None: not known).
+        `producer`: the worker whose frame the call carried (None: none)."""
         k, worst = self.settings.drift, None
         deviations = [0.0] * len(features)
         track.deviations.append((producer, deviations))
         floor = LONE_SPREAD_FLOOR if alone else SPREAD_FLOOR
         for index, value in enumerate(features):
-            reference = boundary.reference(index, floor, live)
+            reference = boundary.reference(index, floor, live, version if alone else None)
             if math.isnan(value) or reference is None:
                 continue
             centre, spread = reference
@@ -477,7 +468,7 @@ class ReplyVerifier:
                     worst = (cusum, index, side, value)
         return None if worst is None else worst[1:]
 
-    def _shared_shift(self, boundary: _Boundary, peer: str, index: int, side: str,
+    def _shared_shift(self, boundary: Boundary, peer: str, index: int, side: str,
                       live: frozenset[str] | None) -> bool:
         """Whether at least half the stage's other recently active, unflagged workers (one at least)
         are half-way to tripping the same feature the same way."""
@@ -506,7 +497,7 @@ class ReplyVerifier:
             return culprit
         return None
 
-    def _others(self, boundary: _Boundary, track: _WorkerTrack, live: frozenset[str] | None) -> list[_WorkerTrack]:
+    def _others(self, boundary: Boundary, track: _WorkerTrack, live: frozenset[str] | None) -> list[_WorkerTrack]:
         """The stage's other unflagged workers with a reply in the window's span (and, given `live`,
         still routed to)."""
         recent = boundary.replies - self.settings.window
@@ -514,10 +505,10 @@ class ReplyVerifier:
                 if other is not track and other.flagged is None and other.last_seen > recent
                 and (live is None or peer in live)]
 
-    def _evidence(self, stage: int, kind: str, peer: str, boundary: _Boundary, track: _WorkerTrack, index: int,
-                  side: str, value: float, live: frozenset[str] | None) -> Evidence:
+    def _evidence(self, stage: int, kind: str, peer: str, boundary: Boundary, track: _WorkerTrack, index: int,
+                  side: str, value: float, live: frozenset[str] | None, version: int | None) -> Evidence:
         floor = SPREAD_FLOOR if self._others(boundary, track, live) else LONE_SPREAD_FLOOR
-        centre, spread = boundary.reference(index, floor, live)
+        centre, spread = boundary.reference(index, floor, live, version)
         cusum = (track.high if side == "high" else track.low)[index]
         return Evidence(stage=stage, kind=kind, peer=peer, feature=FEATURES[index], direction=side, cusum=cusum,
                         value=value, mean=track.mean[index], centre=centre, spread=spread, replies=track.replies)

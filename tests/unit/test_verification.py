@@ -103,6 +103,43 @@ def test_a_sole_worker_whose_values_jump_a_few_fold_early_is_not_flagged_and_a_x
     assert any(outcome is not None for outcome in lone(lying))
 
 
+def _lone_head(replies: list[tuple[int, float]], versions: bool) -> list:
+    """A sole head's replies (weights version, log-RMS shift) judged by one trainer, the versions given or not."""
+    rng, verifier = random.Random(7), ReplyVerifier()
+    return [verifier.observe(0, "output", "head", (-3.45 + shift + rng.gauss(0.0, 0.15),
+                                                   *(rng.gauss(0.0, 0.03) for _ in FEATURES[1:])),
+                             present={"head"}, version=version if versions else None) for version, shift in replies]
+
+
+def _head_scale(version: int) -> float:
+    """A sole head's log-RMS as three trainers stepped it early in a demo run: flat over its first two
+    weights versions, then 0.33 higher at each."""
+    return 0.33 * max(0, version - 1)
+
+
+def test_a_sole_worker_seen_again_several_weights_versions_later_is_not_flagged():
+    """One of three trainers stepping a sole head saw its first 32 replies on weights 0 and 1, then none
+    until the other two had stepped it to version 8: its outputs stood 2.2 higher in log-RMS (9 spreads)
+    than all the history this trainer held, every reply was kept out as an outlier, and the honest head
+    was flagged on its sixth (demo, --stages 2 --trainers 3, seed 6). Held to its replies of the same
+    weights, such a reply is not judged until its own weights have replies."""
+    replies = [(version, 0.0) for version in (0, 1) for _ in range(16)]
+    replies += [(version, _head_scale(version)) for version in (8, 10, 12) for _ in range(12)]
+    assert any(outcome is not None for outcome in _lone_head(replies, versions=False))  # the flag, without versions
+    assert _lone_head(replies, versions=True) == [None] * len(replies)
+
+
+def test_a_sole_workers_x10_lie_on_the_weights_after_its_last_is_still_caught():
+    """Held to its replies of the same weights, a sole head that starts lying when its weights move on by
+    a step (or in the middle of a version) stands 9 spreads off the weights before: it never enters the
+    reference and is flagged within DETECTION_REPLIES + 1 replies."""
+    honest = [(version, _head_scale(version)) for version in range(4) for _ in range(16)]
+    for start, lie_version in ((0, 4), (8, 3)):  # at a new version, and half-way through the last one
+        lies = [(lie_version, _head_scale(lie_version) + math.log(10.0))] * (DETECTION_REPLIES + 1)
+        outcomes = _lone_head(honest[:len(honest) - start] + lies, versions=True)
+        assert outcomes[-1] is not None and outcomes[:len(honest) - start] == [None] * (len(honest) - start)
+
+
 def test_a_reply_computed_from_a_suspected_workers_is_not_judged():
     """The tail's input gradient after a head's lie moves as much as the lie; it must not count."""
     rng, verifier = random.Random(2), ReplyVerifier()
