@@ -134,8 +134,9 @@ class Peer:
                                  clock=swarm.clock, refresh_s=dilation.real_s(1.0))
         self.held: collections.deque[int] = collections.deque()
         self.phase = Phase.MEMBER  # what its worker record announces (a newcomer: weight sync)
-        self.monitor = SwarmMonitor(swarm, MonitorOptions(poll_s=dilation.real_s(model.monitor_poll_s)),
-                                    CollectorRegistry(), run_id=self.run_id, n_stages=model.stages)
+        self.monitor = None if args.role != "monitor" else SwarmMonitor(
+            swarm, MonitorOptions(poll_s=dilation.real_s(model.monitor_poll_s)), CollectorRegistry(),
+            run_id=self.run_id, n_stages=model.stages)
         self.polls: list[list[float]] = []  # the monitor's: [end wall time, seconds]
 
     # ---- what the roles announce
@@ -320,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dilation", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ca-dir", default=None, help="the bootstrap's: the run's authority, to sign the ban list")
-    parser.add_argument("--watch-file", default=None, help="the monitor's: where the harness names the newcomer's stage")
+    parser.add_argument("--watch-file", default=None,
+                        help="the monitor's: where the harness names the newcomer's stage")
     return parser
 
 

@@ -30,9 +30,9 @@ its own namespace through the bootstrap, and the harness waits until the monitor
 Figures per N (bench/dht_scale_report.py): DHT get and store latency p50/p95 over every request in
 the window, as measured; requests per node by family, bytes in+out per node and CPU seconds per node,
 per logical minute (the traffic's share times K, plus the background measured at rest); PSS per
-node; failed requests and actions; the bootstrap's and the monitor's bytes and CPU apart; the monitor's poll time; the trainers' roster
-reads; the newcomer's seconds to joined, donor found and visible; the 1-minute load at the
-start and end (a row above 2 says so). Each figure's growth against N is fitted (constant, log N, N).
+node; failed requests and actions; the bootstrap's and the monitor's bytes and CPU apart; the
+monitor's poll time; the trainers' roster reads; the newcomer's seconds to joined, donor found and
+visible; the 1-minute load at the start and end (a row above 2 says so). Each figure's growth against N is fitted (constant, log N, N).
 
 What it is not: no compute, no gRPC data plane, no averaging all-reduce nor hivemind's matchmaking
 keys, no authorizer, no churn but the newcomer. Every namespace and process is removed on every path,

@@ -17,7 +17,7 @@ batch), in logical seconds (`--dilation K` stretches every period K times: `Dila
 | trainer | batch | 0.95 | get units x 4, store units x 2 | node/trainer/units.py: a block read (`_REFRESH_S` 1 s), a claim (store, read, read), a commit (store, read) |
 | trainer | renew | 10 | store units | `lease_s` / 3 (30 s leases) |
 | bootstrap | bans | 5 | call bans | dht/bootstrap.py: the ban list, as every node reads it |
-| monitor | poll | 2 | get workers x S, get trainers | monitor/service.py `SwarmMonitor.poll` every `poll_s` (monitor/options.py) |
+| monitor | poll | 2 | get workers x S, get trainers | monitor/service.py `SwarmMonitor.poll`, monitor/options.py `poll_s` |
 
 Loops that sleep after their read (the probe, the unit refresh) run at their interval plus the
 read's own time, here the N = 8 get p50 (0.12 s), and a replica does not probe while its round runs
