@@ -12,7 +12,9 @@ Then it runs its role's actions (bench/dht_traffic.py) through the code the role
 with a real `WorkerRecord` or `TrainerRecord` (the run's fingerprint, endpoints on its own address),
 `RoundBoard` announcements, closes and probes, `read_block` (every trainer's chain checked by the
 DHT's validator), `LeasedUnits` over a `LeaseBoard` (claims, commits and renewals of real units), the
-ban list as the bootstrap publishes it (`BanPublisher`, signed by the run's CA). Every period is
+ban list as the bootstrap publishes it (`BanPublisher`, signed by the run's CA), the monitor's
+whole refresh (`SwarmMonitor.poll`, monitor/service.py: its reads and the view it builds from
+them). Every period is
 `--dilation` times its logical length, and so are the lifetimes of what it stores, within the
 bounds peers accept (`Dilation.ttl_s`). Two timers of the code are stretched from here too: the ban
 list's age a read accepts (`SwarmDHT.ban_refresh_s`) and the trainer's block refresh; the lease is
@@ -21,8 +23,13 @@ than the model's.
 
 Every request `SwarmDHT` sends is timed where its own `RequestTimings` times it, and also written,
 one JSON array a line ([end wall time, operation, family, seconds, failed]), to `--calls` every
-couple of seconds and at exit; `<calls>.summary.json` holds each action's runs and errors. SIGTERM
-or SIGINT ends it.
+couple of seconds and at exit; `<calls>.summary.json` holds each action's runs and errors, and the
+monitor's polls ([end wall time, seconds] each). SIGTERM or SIGINT ends it.
+
+The monitor also watches for the harness's newcomer (bench/dht_newcomer.py): once `--watch-file`
+names a stage, it reads that stage's workers (the key every reader of the stage reads), writes
+`<watch>.armed`, and reads it again every `WATCH_S` until a peer it did not see at first is there:
+`<watch>.seen` holds that read's end (wall time) and the peer. The newcomer is then visible to others.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from prometheus_client import CollectorRegistry
+
 from agora.auth.authority import RunAuthority
 from agora.bench.dht_traffic import Action, Dilation, Timetable, TrafficModel, first_due_s, role_actions
 from agora.dht.bans import BAN_REFRESH_S
@@ -50,16 +59,19 @@ from agora.dht.keys import move_key
 from agora.dht.leases import LeaseBoard, read_block
 from agora.dht.op_timings import RequestTimings
 from agora.dht.record_fields import BLOCK_UNITS, MAX_UNIT_BLOCKS
-from agora.dht.records import MAX_LEASE_S, MoveRecord, TrainerRecord, WorkerRecord
+from agora.dht.records import MAX_LEASE_S, MoveRecord, Phase, TrainerRecord, WorkerRecord
 from agora.dht.round_board import RoundBoard
 from agora.dht.security import DHTSecurity
 from agora.dht.swarm import SwarmDHT
+from agora.monitor.options import MonitorOptions
+from agora.monitor.service import SwarmMonitor
 from agora.node.averaging.loop import ROUND_LEAD
 from agora.node.ban_publisher import BanPublisher
 from agora.node.demo.supervision import die_with_parent
 from agora.node.observability import package_version
 from agora.node.trainer.units import LeasedUnits
 from agora.pipeline.config import PRESETS
+from agora.pipeline.files import atomic_write
 from agora.pipeline.fingerprint import run_fingerprint
 
 __all__ = ["ACTIONS", "CallLog", "Peer", "main"]
@@ -68,12 +80,14 @@ logger = logging.getLogger("agora.bench.dht_peer")
 
 FLUSH_S = 2.0
 GO_POLL_S = 0.2
+WATCH_S = 0.25  # between two reads of the newcomer's stage: the resolution of its "visible to others"
 IN_FLIGHT = 2  # a trainer's units held at once: the one it runs and the next it claimed
 GRPC_PORT, METRICS_PORT = 50051, 9100  # announced, as a worker's record does; nothing listens here
 CONFIG = PRESETS["tiny"]  # the demo's run: its fingerprint is what the workers announce
 # bench/dht_traffic.py's actions, and the `Peer` method that plays each.
 ACTIONS = {"heartbeat": "beat", "probe": "probe", "round": "run_round", "units": "read_units",
-           "rebalance": "rebalance", "roster": "roster", "batch": "batch", "renew": "renew", "bans": "read_bans"}
+           "rebalance": "rebalance", "roster": "roster", "batch": "batch", "renew": "renew", "bans": "read_bans",
+           "poll": "poll"}
 
 
 class CallLog(RequestTimings):
@@ -117,6 +131,11 @@ class Peer:
         self.units = LeasedUnits(lease, total=MAX_UNIT_BLOCKS * BLOCK_UNITS, stripe=(args.trainer_index, args.trainers),
                                  clock=swarm.clock, refresh_s=dilation.real_s(1.0))
         self.held: collections.deque[int] = collections.deque()
+        self.phase = Phase.MEMBER  # what its worker record announces (a newcomer: weight sync)
+        self.monitor = None if args.role != "monitor" else SwarmMonitor(
+            swarm, MonitorOptions(poll_s=dilation.real_s(model.monitor_poll_s)), CollectorRegistry(),
+            run_id=self.run_id, n_stages=model.stages)
+        self.polls: list[list[float]] = []  # the monitor's: [end wall time, seconds]
 
     # ---- what the roles announce
 
@@ -136,7 +155,7 @@ class Peer:
                                  updated_at=0.0, metrics_endpoint=f"{host}:{METRICS_PORT}")
         return WorkerRecord(peer_id=self.swarm.peer_id, run_id=self.run_id, endpoint=f"{host}:{GRPC_PORT}",
                             stage=self.args.stage, n_stages=self.model.stages, throughput=1400.0, queue_depth=1,
-                            step=self.batches(), phase="member", version=version, updated_at=0.0,
+                            step=self.batches(), phase=self.phase, version=version, updated_at=0.0,
                             fingerprint=self.fingerprint, metrics_endpoint=f"{host}:{METRICS_PORT}",
                             averaging_rounds=self.round, averaging_committed=self.round, capacity=8, credits=4,
                             in_flight_credits=2)
@@ -185,6 +204,13 @@ class Peer:
         """Nothing: `LeasedUnits` renews its claims on its own timer, a third of the (dilated) lease,
         as a trainer's do; the action is in the model for its rate."""
 
+    async def poll(self) -> None:
+        """One whole refresh of the monitor: every read it makes and the view it builds from them."""
+        started = time.time()
+        await self.monitor.poll()
+        ended = time.time()
+        self.polls.append([round(ended, 4), round(ended - started, 5)])
+
     async def read_bans(self) -> None:
         await self.swarm.refresh_bans_async(self.dilation.real_s(self.model.heartbeat_s) / 2)
 
@@ -209,14 +235,30 @@ async def run_action(action: Action, work: Callable[[], Awaitable[None]], period
         table.ran(loop.time())
 
 
-async def wait_for_go(path: Path, stop: asyncio.Event) -> float | None:
-    """The wall time the schedule starts, once the harness wrote it; None if stopped first."""
+async def wait_for_word(path: Path, stop: asyncio.Event, kind: type = float):
+    """The first word of a file the harness writes (the go file's start time, the watch file's
+    stage), once it is there; None if stopped first."""
     while not stop.is_set():
         try:
-            return float(path.read_text().split()[0])
+            return kind(path.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             await asyncio.sleep(GO_POLL_S)
     return None
+
+
+async def watch_for_newcomer(swarm: SwarmDHT, run_id: str, path: Path, stop: asyncio.Event) -> None:
+    """The monitor's watch for the newcomer (the module docstring)."""
+    stage = await wait_for_word(path, stop, int)
+    if stage is None:
+        return
+    known = {record.peer_id for record in await swarm.live_workers_async(run_id, stage)}
+    atomic_write(Path(f"{path}.armed"), b"armed\n")
+    while True:
+        fresh = [r.peer_id for r in await swarm.live_workers_async(run_id, stage) if r.peer_id not in known]
+        if fresh:
+            atomic_write(Path(f"{path}.seen"), json.dumps({"seen": time.time(), "peer_id": fresh[0]}).encode())
+            return
+        await asyncio.sleep(WATCH_S)
 
 
 async def flush_forever(log: CallLog) -> None:
@@ -231,7 +273,7 @@ async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     model, dilation = TrafficModel(stages=args.stages), Dilation(args.dilation)
-    epoch = await wait_for_go(Path(args.go_file), stop)
+    epoch = await wait_for_word(Path(args.go_file), stop)
     if epoch is None:
         return
     if args.role == "bootstrap":
@@ -241,6 +283,8 @@ async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog) -> None:
     rng = random.Random(f"{args.seed}:{args.name}")
     tally = {"runs": collections.Counter(), "errors": collections.Counter()}
     tasks = [asyncio.create_task(flush_forever(log))]
+    if args.role == "monitor" and args.watch_file:
+        tasks.append(asyncio.create_task(watch_for_newcomer(swarm, args.run_id, Path(args.watch_file), stop)))
     for action in role_actions(args.role, model):
         period = dilation.real_s(action.period_s)
         tasks.append(asyncio.create_task(run_action(action, work[action.name], period,
@@ -253,13 +297,13 @@ async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         await peer.close()
         log.flush()
-        summary = {name: dict(counts) for name, counts in tally.items()}
+        summary = {**{name: dict(counts) for name, counts in tally.items()}, "polls": peer.polls}
         Path(f"{args.calls}.summary.json").write_text(json.dumps(summary))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m agora.bench.dht_peer", description=__doc__.splitlines()[0])
-    parser.add_argument("--role", required=True, choices=("worker", "trainer", "bootstrap"))
+    parser.add_argument("--role", required=True, choices=("worker", "trainer", "bootstrap", "monitor"))
     parser.add_argument("--name", required=True)
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--state-dir", required=True, help="the peer's credential directory")
@@ -275,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dilation", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ca-dir", default=None, help="the bootstrap's: the run's authority, to sign the ban list")
+    parser.add_argument("--watch-file", default=None,
+                        help="the monitor's: where the harness names the newcomer's stage")
     return parser
 
 
@@ -284,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     security = DHTSecurity.from_state_dir(args.state_dir)
     swarm = SwarmDHT.start(initial_peers=args.initial_peers, host_maddrs=host_maddrs(args.host, 0),
-                           client_mode=args.role == "trainer", security=security)
+                           client_mode=args.role in ("trainer", "monitor"), security=security)
     try:
         log = CallLog(Path(args.calls))
         swarm.timings = log

@@ -12,22 +12,30 @@ code paths at the many-node demo's pace (bench/dht_traffic.py has the model and 
 that demo's rates at N = 8), every period stretched `--dilation` K times, so that 64 peers fit on two
 cores without waiting for them.
 
+A monitor peer (a `monitor` credential, client mode) polls the swarm as the real monitor does, and
+after the window a newcomer joins (bench/dht_newcomer.py; bench/dht_scale_report.py's `JOIN_TEXT` says
+what each of their figures measures).
+
 Per N: the swarm is started (peers in waves, each wave ready before the next: a join has a 3 s
 deadline), measured at rest for `--rest` seconds once the last joins settled (no traffic yet:
 hivemind's and p2pd's own timers), then the traffic starts (the peers wait for a go file naming its
 start), and after `--warmup` the window: `--window` real seconds between two readings of each
 namespace's eth0 byte counters and of each peer's CPU time (its process, its hivemind DHT process and
 p2pd, from /proc); the memory (proportional set size) at the window's end. Then the peers stop and
-their request logs are read.
+their request logs are read. Between the window's end and the stop, the newcomer: the monitor is
+told to watch stage 0 (the stage's workers read, `<workdir>/watch.armed`), the newcomer is launched in
+its own namespace through the bootstrap, and the harness waits until the monitor has seen its record
+(`watch.seen`), at most `NEWCOMER_WAIT_S`.
 
 Figures per N (bench/dht_scale_report.py): DHT get and store latency p50/p95 over every request in
 the window, as measured; requests per node by family, bytes in+out per node and CPU seconds per node,
 per logical minute (the traffic's share times K, plus the background measured at rest); PSS per
-node; failed requests and actions; the bootstrap's bytes and CPU apart; the 1-minute load at the
-start and end (a row above 2 says so). Each figure's growth against N is fitted (constant, log N, N).
+node; failed requests and actions; the bootstrap's and the monitor's bytes and CPU apart; the
+monitor's poll time; the trainers' roster reads; the newcomer's seconds to joined, donor found and
+visible; the 1-minute load at the start and end (a row above 2 says so). Each figure's growth against N is fitted (constant, log N, N).
 
 What it is not: no compute, no gRPC data plane, no averaging all-reduce nor hivemind's matchmaking
-keys, no monitor or authorizer, no churn. Every namespace and process is removed on every path,
+keys, no authorizer, no churn but the newcomer. Every namespace and process is removed on every path,
 Ctrl-C and SIGTERM included (WanTopology's context manager; namespaces a crashed run left are removed
 first). Needs root (namespaces, tc).
 
@@ -49,7 +57,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agora.auth.authority import RunAuthority
-from agora.bench.dht_scale_report import Figures, PeerUsage, figures, plot, read_calls, read_errors, report
+from agora.bench.dht_scale_report import (Figures, Newcomer, PeerUsage, figures, plot, read_calls, read_errors,
+                                          read_polls, report)
 from agora.bench.dht_traffic import Dilation, TrafficModel, check_rows
 from agora.bench.many_nodes import Geometry, geometry_for
 from agora.bench.results_files import write_results
@@ -62,8 +71,13 @@ from agora.pipeline.files import atomic_write
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PEER_MODULE = "agora.bench.dht_peer"
+NEWCOMER_MODULE = "agora.bench.dht_newcomer"
 RUN_ID = "dht-scale"
 BOOTSTRAP = "bootstrap"
+MONITOR = "monitor"
+NEWCOMER = "newcomer"
+NEWCOMER_WAIT_S = 90.0  # from the monitor armed to the newcomer's record seen (its join has its own deadlines)
+FILE_POLL_S = 0.1
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 READY_S = 300.0
 # After the last wave joined, before the rest is measured: its joins' own traffic and CPU are not rest.
@@ -160,8 +174,8 @@ def usage_between(rest: tuple[Reading, Reading], window: tuple[Reading, Reading]
 # ---- one N ----------------------------------------------------------------------------------------
 
 def peer_command(spec: PeerSpec, args: argparse.Namespace, geometry: Geometry, workdir: Path, host: str,
-                 initial_peers: list[str]) -> list[str]:
-    command = [sys.executable, "-m", PEER_MODULE, "--role", spec.role, "--name", spec.name, "--run-id", RUN_ID,
+                 initial_peers: list[str], module: str = PEER_MODULE) -> list[str]:
+    command = [sys.executable, "-m", module, "--role", spec.role, "--name", spec.name, "--run-id", RUN_ID,
                "--state-dir", str(workdir / "state" / spec.name), "--host", host,
                "--ready-file", str(workdir / f"{spec.name}.ready"), "--go-file", str(workdir / "go"),
                "--calls", str(workdir / "calls" / f"{spec.name}.jsonl"), "--stages", str(geometry.stages),
@@ -171,6 +185,8 @@ def peer_command(spec: PeerSpec, args: argparse.Namespace, geometry: Geometry, w
         command += ["--initial-peers", *initial_peers]
     if spec.role == BOOTSTRAP:
         command += ["--ca-dir", str(workdir / "ca")]
+    if spec.role == MONITOR:
+        command += ["--watch-file", str(workdir / "watch")]
     return command
 
 
@@ -186,7 +202,7 @@ def start_peers(group: ProcessGroup, topology: WanTopology, specs: list[PeerSpec
                 workdir: Path) -> dict[str, ChildProcess]:
     """The bootstrap, then the others in waves of `--wave`, each ready before the next starts. Each
     joins through the bootstrap and `--join-through` - 1 workers of the earlier waves, drawn at random
-    (trainers are in client mode: nobody can dial them)."""
+    (trainers and the monitor are in client mode: nobody can dial them)."""
     boot_spec, others = specs[0], specs[1:]
     boot = group.spawn(BOOTSTRAP, peer_command(boot_spec, args, geometry, workdir, topology.node(BOOTSTRAP).address,
                                                []), workdir / f"{BOOTSTRAP}.ready")
@@ -202,26 +218,58 @@ def start_peers(group: ProcessGroup, topology: WanTopology, specs: list[PeerSpec
             command = peer_command(spec, args, geometry, workdir, topology.node(spec.name).address, maddrs)
             wave.append(group.spawn(spec.name, command, workdir / f"{spec.name}.ready"))
         ready = group.wait_ready(wave, READY_S)
-        joined += [ready[spec.name] for spec in others[first:first + args.wave] if spec.role != "trainer"]
+        joined += [ready[spec.name] for spec in others[first:first + args.wave] if spec.role == "worker"]
         children.update({child.name: child for child in wave})
     return children
 
 
+def _wait_for(path: Path, timeout_s: float, child: ChildProcess | None = None) -> bool:
+    """Whether `path` appeared within `timeout_s` (False at once if `child` died)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline or (child is not None and not child.alive()):
+            return False
+        time.sleep(FILE_POLL_S)
+    return True
+
+
+def join_newcomer(group: ProcessGroup, topology: WanTopology, spec: PeerSpec, args: argparse.Namespace,
+                  geometry: Geometry, workdir: Path) -> Newcomer | None:
+    """The newcomer's steps and the monitor's first read that saw it (the module docstring); None
+    if it did not write its steps (its log says why)."""
+    watch, result = workdir / "watch", workdir / f"{NEWCOMER}.json"
+    atomic_write(watch, f"{spec.stage}\n".encode())
+    if not _wait_for(Path(f"{watch}.armed"), NEWCOMER_WAIT_S):
+        return None
+    boot = (workdir / f"{BOOTSTRAP}.ready").read_text().split()
+    command = peer_command(spec, args, geometry, workdir, topology.node(NEWCOMER).address, boot, NEWCOMER_MODULE)
+    child = group.spawn(NEWCOMER, command + ["--result", str(result)], workdir / f"{NEWCOMER}.ready")
+    seen_path = Path(f"{watch}.seen")
+    if not _wait_for(result, NEWCOMER_WAIT_S, child):
+        return None
+    steps = json.loads(result.read_text())
+    seen = json.loads(seen_path.read_text()) if _wait_for(seen_path, NEWCOMER_WAIT_S, child) else {}
+    visible = seen["seen"] if seen.get("peer_id") == steps["peer_id"] else None
+    return Newcomer(start=steps["start"], joined=steps["joined"], donor=steps["donor"], announced=steps["announced"],
+                    visible=visible, donors=steps["donors"])
+
+
 def measure(nodes: int, args: argparse.Namespace, workdir: Path) -> Figures:
     geometry = geometry_for(nodes, args.stages)
-    specs = [PeerSpec(BOOTSTRAP, BOOTSTRAP), *peer_specs(geometry)]
+    specs = [PeerSpec(BOOTSTRAP, BOOTSTRAP), *peer_specs(geometry), PeerSpec(MONITOR, MONITOR)]
+    newcomer_spec = PeerSpec(NEWCOMER, "worker", stage=0)
     dilation = Dilation(args.dilation)
     warmup = args.warmup if args.warmup is not None else max(10.0, dilation.real_s(TrafficModel().heartbeat_s))
     load_start = os.getloadavg()[0]
     (workdir / "calls").mkdir(parents=True)
-    mint_credentials(workdir, specs)
+    mint_credentials(workdir, [*specs, newcomer_spec])
     profile = profile_named(args.profile)
     cleanup_leftovers()
-    with WanTopology({spec.name: profile.link for spec in specs}, workdir / "net") as topology:
+    with WanTopology({spec.name: profile.link for spec in [*specs, newcomer_spec]}, workdir / "net") as topology:
         placement = Placement(namespace=lambda name: topology.node(name).namespace,
                               host=lambda name: topology.node(name).address)
         group = ProcessGroup(workdir, env={"OMP_NUM_THREADS": "1"}, placement=placement,
-                             launched_modules=(PEER_MODULE,))
+                             launched_modules=(PEER_MODULE, NEWCOMER_MODULE))
         try:
             started = time.monotonic()
             children = start_peers(group, topology, specs, args, geometry, workdir)
@@ -236,6 +284,7 @@ def measure(nodes: int, args: argparse.Namespace, workdir: Path) -> Figures:
             time.sleep(args.window)
             window = (window, read_host(topology, children, memory=True))
             load_end = os.getloadavg()[0]
+            newcomer = join_newcomer(group, topology, newcomer_spec, args, geometry, workdir)
         finally:
             group.shutdown(grace_s=15.0)
     names = [spec.name for spec in specs]
@@ -243,7 +292,8 @@ def measure(nodes: int, args: argparse.Namespace, workdir: Path) -> Figures:
                    profile=profile.name, dilation=dilation, calls=read_calls(workdir / "calls", names),
                    usage=usage_between(rest, window), bootstrap=BOOTSTRAP, window=(window[0].wall, window[1].wall),
                    idle_s=rest[1].wall - rest[0].wall, loads=(load_start, load_end),
-                   action_errors=read_errors(workdir / "calls", names), start_s=round(start_s, 1))
+                   action_errors=read_errors(workdir / "calls", names), start_s=round(start_s, 1), monitor=MONITOR,
+                   polls=read_polls(workdir / "calls", MONITOR), stages=geometry.stages, newcomer=newcomer)
 
 
 # ---- the run --------------------------------------------------------------------------------------

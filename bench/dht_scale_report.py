@@ -7,6 +7,9 @@ latencies as measured (exact quantiles of every request in the window), every pe
 logical minute (`Dilation.per_logical_minute`: the background measured at rest is not stretched back,
 the traffic is). `report` renders the rows, each figure's growth against N (bench/growth.py), the
 goals, and the traffic model's check against the demo's N = 8 rates.
+
+Apart from the role peers' means: the monitor (one peer whatever N: its whole polls' times, its bytes
+and CPU, as the bootstrap's), the trainers' roster reads, and the newcomer's steps (`Newcomer`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from agora.bench.dht_traffic import Dilation
 from agora.bench.growth import growth
 from agora.bench.results_files import pyplot
 
-__all__ = ["COLUMNS", "Call", "Figures", "PeerUsage", "figures", "goals", "plot", "quantile", "read_calls",
-           "read_errors", "report"]
+__all__ = ["COLUMNS", "JOIN_COLUMNS", "Call", "Figures", "Newcomer", "PeerUsage", "figures", "goals", "plot",
+           "quantile", "read_calls", "read_errors", "read_polls", "report"]
 
 LOAD_LIMIT = 2.0  # a 1-minute load above this on 2 cores: the figures include waiting for a core
 KIB = 1024.0
@@ -58,6 +61,27 @@ class PeerUsage:
     pss_mib: float = 0.0
 
 
+@dataclass(frozen=True)
+class Newcomer:
+    """Wall times of the newcomer's steps (bench/dht_newcomer.py): launched (just before its DHT
+    starts), joined, a donor planned (None: none), its record stored, and the end of the first read
+    by another peer (the monitor) that returned it (None: none did)."""
+
+    start: float
+    joined: float
+    donor: float | None
+    announced: float | None
+    visible: float | None
+    donors: int = 0
+
+    def seconds(self) -> dict[str, float]:
+        """Each step's seconds from the start (NaN: it did not happen)."""
+        def since(at):
+            return round(at - self.start, 3) if at is not None else math.nan
+        return {"newcomer_joined_s": since(self.joined), "newcomer_donor_s": since(self.donor),
+                "newcomer_visible_s": since(self.visible)}
+
+
 @dataclass
 class Figures:
     nodes: int
@@ -87,6 +111,18 @@ class Figures:
     wall_s: float = math.nan  # the whole N: credentials, namespaces, start, rest, warm-up, window, stop
     # per "operation family": requests per node per logical minute, p50 and p95 ms
     by_family: dict = field(default_factory=dict)
+    # the monitor: its whole polls from the traffic's start to the window's end (seconds, as measured),
+    # and its bytes and CPU per logical minute
+    monitor_polls: int = 0
+    monitor_poll_p50_s: float = math.nan
+    monitor_poll_p95_s: float = math.nan
+    monitor_kib_min: float = math.nan
+    monitor_cpu_s_min: float = math.nan
+    roster_reads_per_trainer_s: float = math.nan  # per logical second: its `all_workers` reads
+    newcomer_joined_s: float = math.nan  # from the newcomer's launch (its `SwarmDHT.start`)
+    newcomer_donor_s: float = math.nan
+    newcomer_visible_s: float = math.nan
+    newcomer_donors: int = 0
 
     @property
     def loaded(self) -> bool:
@@ -114,6 +150,15 @@ def read_errors(folder: Path, names: Iterable[str]) -> int:
         except (OSError, ValueError, KeyError):
             failed += 1
     return failed
+
+
+def read_polls(folder: Path, name: str) -> list[tuple[float, float]]:
+    """The monitor's polls ([end wall time, seconds] each) from its summary; none if it wrote none."""
+    try:
+        polls = json.loads((folder / f"{name}.jsonl.summary.json").read_text())["polls"]
+    except (OSError, ValueError, KeyError):
+        return []
+    return [(float(end), float(seconds)) for end, seconds in polls]
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -145,12 +190,15 @@ def _rate(dilation: Dilation, usage: Iterable[PeerUsage], window_s: float, idle_
 
 def figures(*, nodes: int, geometry: str, profile: str, dilation: Dilation, calls: Mapping[str, list[Call]],
             usage: Mapping[str, PeerUsage], bootstrap: str, window: tuple[float, float], idle_s: float,
-            loads: tuple[float, float], action_errors: int = 0, start_s: float = math.nan) -> Figures:
-    """One N's row. `calls` and `usage` by peer name (the bootstrap's included, named `bootstrap`);
-    `window`: its wall-clock start and end; the role peers' figures are means over them."""
+            loads: tuple[float, float], action_errors: int = 0, start_s: float = math.nan, monitor: str = "",
+            polls: Iterable[tuple[float, float]] = (), stages: int = 0, newcomer: Newcomer | None = None) -> Figures:
+    """One N's row. `calls` and `usage` by peer name (the bootstrap's included, named `bootstrap`, and
+    the monitor's, named `monitor`); `window`: its wall-clock start and end; the role peers' figures are
+    means over them. `polls`: the monitor's ([end wall time, seconds] each); `stages`: S, to count the
+    trainers' roster reads (S gets each, names starting "trainer")."""
     start, end = window
     window_s = end - start
-    peers = [name for name in usage if name != bootstrap]
+    peers = [name for name in usage if name not in (bootstrap, monitor)]
     inside = {name: [c for c in calls.get(name, []) if start <= c.end <= end] for name in peers}
     every = [c for name in peers for c in inside[name]]
     gets = [c.seconds for c in every if c.operation == "get"]
@@ -179,7 +227,31 @@ def figures(*, nodes: int, geometry: str, profile: str, dilation: Dilation, call
         pss_mib_per_node=sum(usage[name].pss_mib for name in peers) / per_node,
         bootstrap_kib_min=_rate(dilation, [boot], window_s, idle_s, "bytes") / KIB,
         bootstrap_cpu_s_min=_rate(dilation, [boot], window_s, idle_s, "cpu"),
-        start_s=start_s, by_family=by_family)
+        start_s=start_s, by_family=by_family,
+        **_monitor_figures(dilation, usage.get(monitor), [seconds for ended, seconds in polls if ended <= end],
+                           window_s, idle_s),
+        roster_reads_per_trainer_s=_roster_reads(dilation, inside, stages, window_s),
+        **(newcomer.seconds() if newcomer is not None else {}),
+        newcomer_donors=newcomer.donors if newcomer is not None else 0)
+
+
+def _monitor_figures(dilation: Dilation, usage: PeerUsage | None, polls: list[float], window_s: float,
+                     idle_s: float) -> dict:
+    if usage is None:
+        return {}
+    return {"monitor_polls": len(polls), "monitor_poll_p50_s": quantile(polls, 0.5),
+            "monitor_poll_p95_s": quantile(polls, 0.95),
+            "monitor_kib_min": _rate(dilation, [usage], window_s, idle_s, "bytes") / KIB,
+            "monitor_cpu_s_min": _rate(dilation, [usage], window_s, idle_s, "cpu")}
+
+
+def _roster_reads(dilation: Dilation, inside: Mapping[str, list[Call]], stages: int, window_s: float) -> float:
+    """A trainer's roster reads (`all_workers`: S gets of the workers' records) per logical second."""
+    trainers = [name for name in inside if name.startswith("trainer")]
+    if not trainers or stages < 1:
+        return math.nan
+    gets = sum(1 for name in trainers for c in inside[name] if (c.operation, c.family) == ("get", "workers"))
+    return gets / stages / len(trainers) / (window_s / dilation.factor)
 
 
 # ---- the report ------------------------------------------------------------------------------------
@@ -194,9 +266,34 @@ COLUMNS = [("get_p50_ms", "get p50 ms"), ("get_p95_ms", "get p95 ms"), ("store_p
            ("action_errors", "failed actions")]
 
 NOT_MEASURED = ("What this harness is not: no compute, no gRPC data plane (no Forward/Backward, no "
-                "completed-batch reports), no averaging all-reduce and no hivemind matchmaking (the averager's "
-                "own DHT keys), no monitor, no authorizer; no churn (every peer stays). It is the coordination "
-                "plane alone: the record families' stores and reads at the demo's pace.")
+                "completed-batch reports, no state download), no averaging all-reduce and no hivemind "
+                "matchmaking (the averager's own DHT keys), no authorizer; no churn besides one newcomer after "
+                "the window (no peer leaves). It is the coordination plane alone: the record families' stores "
+                "and reads at the demo's pace, and a monitor polling them.")
+
+JOIN_COLUMNS = [("monitor_poll_p50_s", "monitor poll p50 s"), ("monitor_poll_p95_s", "monitor poll p95 s"),
+                ("monitor_polls", "polls"), ("monitor_kib_min", "monitor KiB/min"),
+                ("monitor_cpu_s_min", "monitor CPU s/min"), ("roster_reads_per_trainer_s", "roster reads/trainer/s"),
+                ("newcomer_joined_s", "newcomer: DHT joined s"), ("newcomer_donor_s", "donor found s"),
+                ("newcomer_visible_s", "visible to others s"), ("newcomer_donors", "donors planned")]
+
+JOIN_TEXT = ("The monitor and a newcomer. The monitor is one client peer with a `monitor` credential (its stores "
+             "would be refused; it makes none) running monitor/service.py's `SwarmMonitor.poll` every dilated "
+             "`poll_s` (2 logical s): a poll's time is the whole refresh, every stage's worker records and the "
+             "trainers' records read concurrently and the view built, as measured, over the polls from the "
+             "traffic's start to the window's end; its bytes and CPU per logical minute are apart from the "
+             "role peers', as the bootstrap's. Roster reads: a trainer's `all_workers` reads per logical second "
+             "(node/trainer/calls.py refreshes its roster at most every `roster_refresh_s`); a trainer's routing "
+             "decisions are not a DHT quantity: it picks a worker per microbatch and stage from that cached "
+             "roster (`Roster.choose`), no DHT request, so none is given here. The newcomer: after the window "
+             "(its figures are the swarm's alone), one more worker of stage 0 starts in its own namespace while "
+             "the traffic goes on, and does what node/worker/join.py does before it holds state "
+             "(bench/dht_newcomer.py), each step in seconds from its DHT's start (its process's imports not "
+             "counted): DHT joined (`SwarmDHT.start` through "
+             "the bootstrap), donor found (every stage's records read and `plan_donors` naming one: the "
+             "coordination part of \"to state\"; the download is the data plane, not measured), visible to "
+             "others (the end of the first read of its stage's key by the monitor, every 0.25 s, that returns "
+             "its record: the coordination part of \"to member\").")
 
 
 def goals(rows: list[Figures]) -> list[str]:
@@ -250,6 +347,12 @@ def report(rows: list[Figures], command: str, model_check: list[tuple[str, float
         lines.append(f"| {row.nodes} | {row.geometry} | {load} | {row.peers_answered}/{row.nodes} | {values} |")
     lines.append("| growth | | | | " + " | ".join(growth(nodes, [float(getattr(r, name)) for r in rows])
                                                   for name, _ in COLUMNS) + " |")
+    lines += ["", JOIN_TEXT, "", "| N | " + " | ".join(title for _, title in JOIN_COLUMNS) + " |",
+              "|---:|" + "---:|" * len(JOIN_COLUMNS)]
+    for row in rows:
+        lines.append(f"| {row.nodes} | " + " | ".join(_cell(getattr(row, name)) for name, _ in JOIN_COLUMNS) + " |")
+    lines.append("| growth | " + " | ".join(growth(nodes, [float(getattr(r, name)) for r in rows])
+                                            for name, _ in JOIN_COLUMNS) + " |")
     lines += ["", "Goals:", "", *goals(rows)]
     families = sorted({name for row in rows for name in row.by_family})
     lines += ["", "Requests by operation and record family: per node per logical minute (p50 / p95 ms).", "",

@@ -17,6 +17,7 @@ batch), in logical seconds (`--dilation K` stretches every period K times: `Dila
 | trainer | batch | 0.95 | get units x 4, store units x 2 | node/trainer/units.py: a block read (`_REFRESH_S` 1 s), a claim (store, read, read), a commit (store, read) |
 | trainer | renew | 10 | store units | `lease_s` / 3 (30 s leases) |
 | bootstrap | bans | 5 | call bans | dht/bootstrap.py: the ban list, as every node reads it |
+| monitor | poll | 2 | get workers x S, get trainers | monitor/service.py `SwarmMonitor.poll`, monitor/options.py `poll_s` |
 
 Loops that sleep after their read (the probe, the unit refresh) run at their interval plus the
 read's own time, here the N = 8 get p50 (0.12 s), and a replica does not probe while its round runs
@@ -31,6 +32,9 @@ rounds and units and the rounds' reads within 5%, units' reads +7%, the ban list
 roster, the rebalancer) are not timed by dht/op_timings.py, so the demo's "get workers" does not
 count them; `Request.metered` marks them, and the check leaves them out where the demo did. The
 whole model offers 4.4 to 4.8 requests a logical second per peer at N = 8 to 64.
+
+The monitor is one peer whatever N (a read-only credential: it stores nothing), so `swarm_rates`,
+a per-peer mean over the roles that grow with N, leaves it out, as the check against the demo does.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from agora.bench.many_nodes import Geometry
 __all__ = ["ROLES", "Action", "Dilation", "Request", "Timetable", "TrafficModel", "check_rows", "first_due_s",
            "peer_rates", "role_actions", "swarm_rates"]
 
-ROLES = ("worker", "trainer", "bootstrap")
+ROLES = ("worker", "trainer", "bootstrap", "monitor")
 
 
 @dataclass(frozen=True)
@@ -64,10 +68,11 @@ class TrafficModel:
     lease_s: float = 30.0  # the trainer's --lease, renewed every third
     matchmaking_s: float = 3.0  # a round announcement lives matchmaking_s + request_s (node/worker/join.py)
     request_s: float = 1.0
+    monitor_poll_s: float = 2.0  # monitor/options.py: `poll_s`
 
     def __post_init__(self):
         for name in ("heartbeat_s", "probe_s", "rounds_per_s", "unit_refresh_s", "rebalance_s", "roster_refresh_s",
-                     "batches_per_s", "lease_s"):
+                     "batches_per_s", "lease_s", "monitor_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"traffic model: {name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.rounds_per_s * self.round_s < 1:
@@ -119,6 +124,9 @@ def role_actions(role: str, model: TrafficModel) -> tuple[Action, ...]:
                 Action("roster", model.roster_refresh_s, (Request("get", "workers", stages, metered=False),)),
                 Action("batch", 1 / model.batches_per_s, (Request("get", "units", 4), Request("store", "units", 2))),
                 Action("renew", model.lease_s / 3, (Request("store", "units"),)))
+    if role == "monitor":
+        return (Action("poll", model.monitor_poll_s, (Request("get", "workers", stages, metered=False),
+                                                      Request("get", "trainers"))),)
     return (Action("bans", model.heartbeat_s, (Request("call", "bans"),)),)
 
 

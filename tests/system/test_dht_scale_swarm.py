@@ -1,5 +1,6 @@
 """bench/dht_scale.py for real at N = 4: admitted DHT peers in namespaces behind the relay play their
-roles' traffic, real figures come back for every peer, and nothing is left behind (needs root)."""
+roles' traffic, real figures come back for every peer, the monitor's polls and the newcomer's steps
+are timed, and nothing is left behind (needs root)."""
 
 import json
 import subprocess
@@ -37,3 +38,8 @@ def test_four_admitted_peers_report_real_figures_and_leave_no_namespace(tmp_path
     assert 0 < row["get_p50_ms"] <= row["get_p95_ms"] and 0 < row["store_p50_ms"] <= row["store_p95_ms"]
     assert {"get units", "store units", "get rounds"} <= set(row["by_family"])
     assert "| 4 | 3x1 + 1t |" in out.read_text()
+    assert row["monitor_polls"] >= 1 and 0 < row["monitor_poll_p50_s"] <= row["monitor_poll_p95_s"] < 10
+    assert row["monitor_kib_min"] > 0 and row["roster_reads_per_trainer_s"] > 0
+    # the newcomer joined, found stage 0's one worker as its donor, and the monitor read its record, in order
+    assert row["newcomer_donors"] == 1
+    assert 0 < row["newcomer_joined_s"] < row["newcomer_donor_s"] < row["newcomer_visible_s"] < 60

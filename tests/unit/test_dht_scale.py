@@ -8,8 +8,8 @@ import math
 import pytest
 
 from agora.bench.dht_scale import PeerSpec, Reading, peer_specs, usage_between
-from agora.bench.dht_scale_report import (Call, PeerUsage, figures, goals, plot, quantile, read_calls, read_errors,
-                                          report)
+from agora.bench.dht_scale_report import (Call, Newcomer, PeerUsage, figures, goals, plot, quantile, read_calls,
+                                          read_errors, read_polls, report)
 from agora.bench.dht_traffic import Dilation
 from agora.bench.many_nodes import geometry_for
 
@@ -87,6 +87,59 @@ def test_the_peers_logs_and_summaries_are_read_back(tmp_path):
     calls = read_calls(tmp_path, ["a", "gone"])
     assert calls == {"a": [Call(1000.5, "get", "units", 0.1, False)], "gone": []}
     assert read_errors(tmp_path, ["a", "gone"]) == 3  # a peer that wrote no summary counts as a failure
+
+
+def _with_monitor_and_newcomer(newcomer=None):
+    calls = {"a": _calls(4, "get", "units", 0.1), "trainer-0": _calls(6, "get", "workers", 0.2),
+             "monitor": _calls(30, "get", "workers", 0.5)}
+    usage = {"a": PeerUsage(window_bytes=1000, window_cpu_s=1.0), "trainer-0": PeerUsage(window_bytes=1000),
+             "monitor": PeerUsage(idle_bytes=1000, window_bytes=61_000, idle_cpu_s=1.0, window_cpu_s=20.0),
+             "bootstrap": PeerUsage()}
+    polls = [(1004.0, 0.3), (1050.0, 0.5), (1099.0, 0.9), (1101.0, 9.0)]  # the last after the window
+    return _figures(calls=calls, usage=usage, monitor="monitor", polls=polls, stages=3, newcomer=newcomer)
+
+
+def test_the_monitor_is_apart_from_the_role_peers_and_its_polls_are_timed_to_the_windows_end():
+    row = _with_monitor_and_newcomer()
+    assert row.peers_answered == 2 and row.get_p95_ms < 200.1  # the monitor's 0.5 s gets are not the peers'
+    assert row.monitor_polls == 3 and row.monitor_poll_p50_s == 0.5
+    assert row.monitor_poll_p95_s == pytest.approx(0.5 + 0.4 * 0.9)
+    # 100 B/s at rest, 610 in the window -> (510 x 4 + 100) x 60; CPU 0.1 and 0.2 s/s -> (0.1 x 4 + 0.1) x 60
+    assert row.monitor_kib_min == pytest.approx((510 * 4 + 100) * 60 / 1024)
+    assert row.monitor_cpu_s_min == pytest.approx(30.0)
+
+
+def test_a_trainers_roster_reads_are_its_all_workers_gets_over_the_stages_per_logical_second():
+    row = _with_monitor_and_newcomer()
+    assert row.roster_reads_per_trainer_s == pytest.approx(6 / 3 / 25)  # 100 real s at K = 4: 25 logical s
+    assert math.isnan(_figures().roster_reads_per_trainer_s)  # no trainer: no figure
+
+
+def test_the_newcomers_steps_are_seconds_from_its_launch_and_a_missing_step_is_no_figure():
+    row = _with_monitor_and_newcomer(Newcomer(start=2000.0, joined=2001.5, donor=2001.75, announced=2001.9,
+                                              visible=2002.25, donors=2))
+    assert (row.newcomer_joined_s, row.newcomer_donor_s, row.newcomer_visible_s) == (1.5, 1.75, 2.25)
+    assert row.newcomer_donors == 2
+    unseen = Newcomer(start=2000.0, joined=2003.0, donor=None, announced=2004.0, visible=None).seconds()
+    assert unseen["newcomer_joined_s"] == 3.0 and math.isnan(unseen["newcomer_donor_s"])
+    assert math.isnan(unseen["newcomer_visible_s"])
+    assert math.isnan(_figures().newcomer_joined_s)  # no newcomer: no figure
+
+
+def test_the_monitors_polls_are_read_from_its_summary(tmp_path):
+    (tmp_path / "monitor.jsonl.summary.json").write_text(json.dumps({"runs": {}, "errors": {},
+                                                                     "polls": [[1000.5, 0.25]]}))
+    assert read_polls(tmp_path, "monitor") == [(1000.5, 0.25)]
+    assert read_polls(tmp_path, "gone") == []
+
+
+def test_the_report_has_the_monitor_and_newcomer_table_and_says_routing_is_not_a_dht_figure():
+    rows = [_with_monitor_and_newcomer(Newcomer(2000.0, 2001.0, 2002.0, 2002.5, 2003.0, 1)),
+            dataclasses.replace(_with_monitor_and_newcomer(), nodes=8)]
+    text = report(rows, "python bench/dht_scale.py --nodes 2 8")
+    assert "| N | monitor poll p50 s | monitor poll p95 s | polls |" in text
+    assert "| 2 | 0.5 | 0.86 | 3 |" in text and "| 1 | 2 | 3 | 1 |" in text  # the newcomer's seconds
+    assert "routing decisions are not a DHT quantity" in text and "the download is the data plane" in text
 
 
 def _row(nodes, p95, kib, cpu, load=0.5):

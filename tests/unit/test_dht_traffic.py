@@ -34,6 +34,12 @@ def test_the_reads_all_workers_makes_are_left_out_where_the_nodes_metrics_do_not
     assert metered["get workers"] == pytest.approx(peer_rates(role_actions("worker", MODEL))["get rounds"])
 
 
+def test_the_monitor_reads_every_stage_and_the_trainers_each_poll_and_stores_nothing():
+    assert peer_rates(role_actions("monitor", MODEL)) == {"get workers": pytest.approx(3 / 2.0),
+                                                          "get trainers": pytest.approx(1 / 2.0)}
+    assert "get workers" not in peer_rates(role_actions("monitor", MODEL), metered_only=True)  # as `all_workers`
+
+
 def test_swarm_rates_are_per_dht_peer_over_every_role_and_the_services():
     geometry = geometry_for(8, 3)  # 3x2 + 2t, and the demo's bootstrap and authorizer
     rates = swarm_rates(geometry, MODEL, services=2, metered_only=True)
@@ -53,7 +59,7 @@ def test_the_offered_load_per_peer_stays_the_same_as_the_swarm_grows():
 
 def test_a_bad_role_or_model_names_the_field():
     with pytest.raises(ValueError, match="role"):
-        role_actions("monitor", MODEL)
+        role_actions("authorizer", MODEL)
     with pytest.raises(ValueError, match="batches_per_s"):
         TrafficModel(batches_per_s=0)
     with pytest.raises(ValueError, match="rounds_per_s"):
