@@ -63,14 +63,14 @@ async def find_donor(swarm: SwarmDHT, run_id: str, stages: int, stage: int,
         await asyncio.sleep(RETRY_S)
 
 
-async def join(swarm: SwarmDHT, args, root_pem: bytes, times: dict) -> None:
+async def join(swarm: SwarmDHT, args, times: dict) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     model, dilation = TrafficModel(stages=args.stages), Dilation(args.dilation)
     epoch = float(Path(args.go_file).read_text().split()[0])  # the swarm's traffic started then
-    peer = Peer(swarm, args, model, dilation, epoch, root_pem)
+    peer = Peer(swarm, args, model, dilation, epoch)
     peer.phase = Phase.WEIGHT_SYNC
     try:
         times["donors"], times["donor"] = await find_donor(swarm, args.run_id, args.stages, args.stage)
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         swarm.timings = log
         swarm.ban_refresh_s = Dilation(args.dilation).real_s(BAN_REFRESH_S)
         write_ready_file(args.ready_file, swarm.visible_maddrs())
-        asyncio.run(join(swarm, args, security.root_pem, times))
+        asyncio.run(join(swarm, args, times))
         log.flush()
     finally:
         swarm.shutdown()
