@@ -50,10 +50,11 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 from agora.node.demo.supervision import PARENT_PID_ENV
 
-__all__ = ["launch", "warm_up", "LaunchedProcess", "LauncherError", "PRELOAD"]
+__all__ = ["launch", "leave", "warm_up", "LaunchedProcess", "LauncherError", "PRELOAD"]
 
 # What every role imports (node/cli.py's handlers import their modules lazily); a module that
 # fails to import here is only imported later, in the child that needs it, which then says why.
@@ -295,14 +296,14 @@ def _become(request: dict, own: tuple[int, ...]) -> None:
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exit:
-        _leave(exit.code)
-    _leave(0)  # it returned without exiting, as a script that ends does
+        leave(exit.code)
+    leave(0)  # it returned without exiting, as a script that ends does
 
 
-def _leave(code: int | str | None) -> None:
+def leave(code: int | str | None) -> NoReturn:
     """Exit with `code` as SystemExit would, after what the interpreter's exit does first (join the
     threads that are not daemons, run the atexit handlers, which stop the role's helper processes and
-    flush its logs), and without its teardown (module docstring)."""
+    flush its logs), and without its teardown (module docstring; agora-node's own exit too)."""
     if code is None:
         status = 0
     elif isinstance(code, int):
