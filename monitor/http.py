@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import json
 import mimetypes
-import threading
 from dataclasses import asdict
 from importlib import resources
-from socketserver import ThreadingMixIn
 from typing import Callable, Iterable, Optional
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from agora.auth.receipts import ReceiptError, receipt_from_json
 from agora.monitor.ledger import ReceiptLedger, ServedCount
+from agora.monitor.metrics import QuietHandler, ThreadingHTTPServer, serve_in_thread
 from agora.monitor.swarm_view import SwarmView, scrape_targets
 
 __all__ = ["MAX_RECEIPTS_BODY", "MonitorServer", "ServedLookup", "start_monitor_server"]
@@ -36,15 +35,6 @@ MAX_RECEIPTS_BODY = 1 << 20
 ServedLookup = Callable[[str, str], Optional[ServedCount]]
 
 _STATIC = "static"
-
-
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the stdlib's signature
-        pass  # one line per scrape is noise; the monitor logs what matters
 
 
 def _static_file(name: str) -> Optional[bytes]:
@@ -142,8 +132,7 @@ class MonitorServer:
     def __init__(self, server: WSGIServer):
         self._server = server
         self.host, self.port = server.server_address[:2]
-        self._thread = threading.Thread(target=server.serve_forever, name="agora-monitor-http", daemon=True)
-        self._thread.start()
+        self._thread = serve_in_thread(server, "agora-monitor-http")
 
     def close(self) -> None:
         self._server.shutdown()
@@ -154,5 +143,5 @@ def start_monitor_server(registry: CollectorRegistry, current: Callable[[], Opti
                          port: int, ledger: Optional[ReceiptLedger] = None,
                          served: ServedLookup = lambda worker, trainer: None) -> MonitorServer:
     """Listen on host:port (0: a free port; `MonitorServer.port` says which) and serve."""
-    return MonitorServer(make_server(host, port, monitor_app(registry, current, ledger, served), _ThreadingServer,
-                                     handler_class=_QuietHandler))
+    return MonitorServer(make_server(host, port, monitor_app(registry, current, ledger, served), ThreadingHTTPServer,
+                                     handler_class=QuietHandler))

@@ -19,17 +19,22 @@ Design choices:
   being copied into a second bookkeeping.
 - The process collector runs under the `agora` namespace (`agora_process_cpu_seconds_total`,
   `agora_process_resident_memory_bytes`, ...), so every series of a node has the prefix.
-- `start_metrics_server(registry, host, port)`: prometheus_client's own HTTP exposition in a
+- `start_metrics_server(registry, host, port)`: prometheus_client's WSGI exposition served from a
   daemon thread; port 0 is the caller's "disabled" (`--metrics-port 0`), so the server always
-  binds the port it is given and reports it.
+  binds the port it is given and reports it. Its loop looks for a stop every STOP_POLL_S, not the
+  standard library's 0.5 s, which every role's exit waited out (a quarter second on average).
 """
 
 from __future__ import annotations
 
+import socket
+import threading
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import Callable, Iterable, Optional
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Gauge, Info, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Info, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -37,9 +42,13 @@ __all__ = [
     "CredentialMetrics",
     "FunctionCounter",
     "MetricsServer",
+    "QuietHandler",
+    "STOP_POLL_S",
+    "ThreadingHTTPServer",
     "new_registry",
     "node_info",
     "sample_value",
+    "serve_in_thread",
     "start_metrics_server",
 ]
 
@@ -110,12 +119,34 @@ class MetricsServer:
         self._server.server_close()
 
 
+STOP_POLL_S = 0.05  # how long closing an HTTP server waits, at most, for its loop to see the stop
+
+
+class ThreadingHTTPServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the stdlib's signature
+        pass  # one line per scrape is noise
+
+
+def serve_in_thread(server: WSGIServer, name: str) -> threading.Thread:
+    """`server.serve_forever` in a daemon thread, looking for a stop every STOP_POLL_S."""
+    thread = threading.Thread(target=server.serve_forever, args=(STOP_POLL_S,), name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
     """Serve `registry` at http://host:port/metrics (any path answers) from a daemon thread.
 
     `port` 0 picks a free port; callers whose flag means "0 disables" never call this then.
     """
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("MetricsHTTPServer", (ThreadingHTTPServer,), {"address_family": family})
+    server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=QuietHandler)
+    serve_in_thread(server, "agora-metrics-http")
     return MetricsServer(host, server.server_address[1], server)
 
 
