@@ -186,3 +186,7 @@ def test_the_results_row_gives_the_growth_from_the_smallest_n_to_the_largest_and
     row = summary_row(path)
     assert "N=8 to 32: bytes x1.50, CPU x3.00 (log N: x1.67); get p95 x4.00, store p95 x1.00" in row
     assert "N=64: the swarm did not form: a peer exited (bench/results" in row and row.endswith("| no |")
+    busy = dataclasses.replace(large, load_start=9.9, load_end=16.8)
+    path.write_text(json.dumps({"command": "x", "rows": [dataclasses.asdict(small), dataclasses.asdict(busy)],
+                                "failed": []}))
+    assert "store p95 x1.00; taken busy: N=32 at load 9.9->16.8 (bench/results" in summary_row(path)
