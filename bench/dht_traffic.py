@@ -29,8 +29,9 @@ demo's authorizer counted as a peer that reads the ban list): the stores of work
 rounds and units and the rounds' reads within 5%, units' reads +7%, the ban list +15% (0.2 against
 0.17), workers' reads -16% (the authorizer's coverage reads are not modelled) and the moves' -21%
 (0.020 against 0.025, a few requests a minute). Reads made by `SwarmDHT.all_workers` (the trainer's
-roster, the rebalancer) are not timed by dht/op_timings.py, so the demo's "get workers" does not
-count them; `Request.metered` marks them, and the check leaves them out where the demo did. The
+roster, the rebalancer) were not timed by dht/op_timings.py when bench/results/many_nodes.json was
+taken (they are since), so its "get workers" does not count them; `Request.metered` marks them, and
+the check against that record leaves them out (a many_nodes run taken again counts them all). The
 whole model offers 4.4 to 4.8 requests a logical second per peer at N = 8 to 64.
 
 The monitor is one peer whatever N (a read-only credential: it stores nothing), so `swarm_rates`,
@@ -93,7 +94,7 @@ class Request:
     operation: str  # store, get, call (dht/op_timings.py's OPERATIONS)
     family: str  # workers, trainers, moves, rounds, units, bans
     count: int = 1
-    metered: bool = True  # False: `all_workers`' reads, which the nodes' own metrics do not time
+    metered: bool = True  # False: `all_workers`' reads, which many_nodes.json's metrics did not time
 
     @property
     def name(self) -> str:

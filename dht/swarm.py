@@ -298,13 +298,15 @@ class SwarmDHT:
     ) -> dict[int, list[WorkerRecord]]:
         """``live_workers`` of every stage in ``range(n_stages)`` (empty stages included).
 
-        The stages are looked up concurrently inside the DHT process.
+        The stages are looked up concurrently inside the DHT process, each get timed into ``timings``
+        from its send to its own answer (not to when this thread got to it).
         """
         check_run_id(run_id)
         keys = [worker_key(run_id, stage) for stage in range(n_stages)]
         deadline = time.monotonic() + self.request_timeout
         futures = [
-            self._submit(lambda key=key: self._dht.get(key, latest=latest, return_future=True, beam_size=READ_BEAM))
+            self._timed(self._submit(lambda key=key: self._dht.get(key, latest=latest, return_future=True,
+                                                                   beam_size=READ_BEAM)), "get", key_family(key))
             for key in keys
         ]
         found = [self._wait(future, f"get {key!r}", deadline) for key, future in zip(keys, futures)]
@@ -468,6 +470,17 @@ class SwarmDHT:
             return answer
         finally:
             self.timings.record(operation, family, time.monotonic() - started, failed=failed)
+
+    def _timed(self, future: concurrent.futures.Future, operation: str, family: str) -> concurrent.futures.Future:
+        """`future`, timed into ``timings`` when it ends (answered, failed, or cancelled past its deadline)."""
+        started = time.monotonic()
+
+        def ended(done: concurrent.futures.Future) -> None:
+            failed = done.cancelled() or done.exception() is not None
+            self.timings.record(operation, family, time.monotonic() - started, failed=failed)
+
+        future.add_done_callback(ended)
+        return future
 
     def _get_raw(self, key: str, latest: bool) -> Optional[ValueWithExpiration[Any]]:
         return self._request(lambda: self._dht.get(key, latest=latest, return_future=True, beam_size=READ_BEAM),
