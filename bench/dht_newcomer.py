@@ -29,12 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-from agora.bench.dht_peer import CONFIG, CallLog, Peer, build_parser
+from agora.bench.dht_peer import CONFIG, Peer, build_parser, start_swarm
 from agora.bench.dht_traffic import Dilation, TrafficModel
-from agora.dht.bans import BAN_REFRESH_S
-from agora.dht.bootstrap import host_maddrs, write_ready_file
+from agora.dht.bootstrap import write_ready_file
 from agora.dht.records import Phase
-from agora.dht.security import DHTSecurity
 from agora.dht.swarm import SwarmDHT
 from agora.node.demo.supervision import die_with_parent
 from agora.node.membership.state_download import plan_donors
@@ -92,15 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.prog = "python -m agora.bench.dht_newcomer"
     parser.add_argument("--result", required=True, help="where the steps' wall times are written")
     args = parser.parse_args(argv)
-    security = DHTSecurity.from_state_dir(args.state_dir)
     times = {"start": time.time()}
-    swarm = SwarmDHT.start(initial_peers=args.initial_peers, host_maddrs=host_maddrs(args.host, 0),
-                           security=security)
+    swarm, log = start_swarm(args)
     times["joined"] = time.time()
     try:
-        log = CallLog(Path(args.calls))
-        swarm.timings = log
-        swarm.ban_refresh_s = Dilation(args.dilation).real_s(BAN_REFRESH_S)
         write_ready_file(args.ready_file, swarm.visible_maddrs())
         asyncio.run(join(swarm, args, times))
         log.flush()

@@ -324,17 +324,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def start_swarm(args: argparse.Namespace, *, client_mode: bool = False) -> tuple[SwarmDHT, CallLog]:
+    """This peer's admitted `SwarmDHT`, joined through `--initial-peers`, its requests logged for the
+    harness (`--calls`) and its ban list's accepted age dilated like the rest of its timers."""
+    swarm = SwarmDHT.start(initial_peers=args.initial_peers, host_maddrs=host_maddrs(args.host, 0),
+                           client_mode=client_mode, security=DHTSecurity.from_state_dir(args.state_dir))
+    log = CallLog(Path(args.calls))
+    swarm.timings = log
+    swarm.ban_refresh_s = Dilation(args.dilation).real_s(BAN_REFRESH_S)
+    return swarm, log
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    security = DHTSecurity.from_state_dir(args.state_dir)
-    swarm = SwarmDHT.start(initial_peers=args.initial_peers, host_maddrs=host_maddrs(args.host, 0),
-                           client_mode=args.role in ("trainer", "monitor"), security=security)
+    swarm, log = start_swarm(args, client_mode=args.role in ("trainer", "monitor"))
     try:
-        log = CallLog(Path(args.calls))
-        swarm.timings = log
-        swarm.ban_refresh_s = Dilation(args.dilation).real_s(BAN_REFRESH_S)
         write_ready_file(args.ready_file, swarm.visible_maddrs())
         asyncio.run(play(swarm, args, log))
     finally:
