@@ -62,7 +62,7 @@ from agora.dht.record_fields import BLOCK_UNITS, MAX_UNIT_BLOCKS
 from agora.dht.records import MAX_LEASE_S, MoveRecord, Phase, TrainerRecord, WorkerRecord
 from agora.dht.round_board import RoundBoard
 from agora.dht.security import DHTSecurity
-from agora.dht.swarm import SwarmDHT
+from agora.dht.swarm import DHTRequestError, SwarmDHT
 from agora.monitor.options import MonitorOptions
 from agora.monitor.service import SwarmMonitor
 from agora.node.averaging.loop import ROUND_LEAD
@@ -251,13 +251,21 @@ async def watch_for_newcomer(swarm: SwarmDHT, run_id: str, path: Path, stop: asy
     stage = await wait_for_word(path, stop, int)
     if stage is None:
         return
-    known = {record.peer_id for record in await swarm.live_workers_async(run_id, stage)}
-    atomic_write(Path(f"{path}.armed"), b"armed\n")
+    known = None
     while True:
-        fresh = [r.peer_id for r in await swarm.live_workers_async(run_id, stage) if r.peer_id not in known]
-        if fresh:
-            atomic_write(Path(f"{path}.seen"), json.dumps({"seen": time.time(), "peer_id": fresh[0]}).encode())
-            return
+        try:  # a read that fails (a peer not answering in time) is tried again, as the monitor's poll is
+            peers = [record.peer_id for record in await swarm.live_workers_async(run_id, stage)]
+        except DHTRequestError as error:
+            logger.warning("watch: stage %d's workers not read (%s); reading again", stage, error)
+            peers = None
+        if peers is not None and known is None:
+            known = set(peers)
+            atomic_write(Path(f"{path}.armed"), b"armed\n")
+        elif peers is not None:
+            fresh = [peer for peer in peers if peer not in known]
+            if fresh:
+                atomic_write(Path(f"{path}.seen"), json.dumps({"seen": time.time(), "peer_id": fresh[0]}).encode())
+                return
         await asyncio.sleep(WATCH_S)
 
 
