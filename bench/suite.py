@@ -13,8 +13,9 @@ shape with 1, 2 and 4 trainers, the report's shape on lan and agora-floor); 4 he
 after equal training time over agora-floor for the report's sparse cadence, full averaging every
 step and none, and again at other link rates; 5 held-out loss after equal tokens against the same
 recipe averaged exactly in one process, against train-local, SSN against dense; 6 averaging bytes
-and blocked compute; 7 and 8 are reported as not measured until the churn and accelerator issues
-land. A row that fails is reported as failed with its error, and the others still run.
+and blocked compute; 7 a newcomer's seconds to state and to member under chaos (bench/wan/); 8 is
+bench/gpu.py's last run on a GPU machine, shown as it wrote it. A row that fails is reported as
+failed with its error, and the others still run.
 
 `--quick` keeps every row but runs few steps, one repeat, one swarm variant per row (the comparisons
 within a row need the full run), row 3 on lan alone (rows 4 and 7 run over agora-floor), without
@@ -77,13 +78,13 @@ def plan_for(quick: bool, profiles: list[str] | None = None, configs: list[str] 
     if quick:
         return SuitePlan(quick=True, configs=tuple(configs or ("tiny",)),
                          profiles=tuple(profiles or ("lan",)), stages={"tiny": 3, "small": 4},
-                         steps={"tiny": 6, "small": 3}, repeats=1, equal_time_s=5.0, crossover_mbit=(),
+                         steps={"tiny": 6, "small": 3}, repeats=1, equal_time_s=3.0, crossover_mbit=(),
                          local_steps={"tiny": 6, "small": 3}, equal_time_repeats=1,
                          convergence_steps=6, keep_graphs=8, local_variants=("async",),
                          depth_variants=("adaptive",), equal_time_variants=("sparta, the report's cadence",),
                          convergence_swarms=("demo --replicas 2 (sparta)",),
                          insecure=True, relay_geometries=("tiny",), relay_microbatches=20,
-                         join_profiles=("agora-floor",), join_budget_s=10.0, join_chaos_s=4.0, seed=seed,
+                         join_profiles=("agora-floor",), join_budget_s=6.0, join_chaos_s=3.0, seed=seed,
                          rate_seconds=1.5, wide={}, wide_steps={}, report_shape=None,
                          wide_trainers=(1,), wide_profiles=(), report_profiles=())
     return SuitePlan(quick=False, configs=tuple(configs or ("tiny", "small")), profiles=tuple(profiles or PROFILES),
