@@ -18,7 +18,9 @@ Design choices:
   node/membership/state_check.py). The downloaded state's own sketch is computed with it once
   the download is complete, off the event loop.
 - A second member that does not answer (busy, gone, a malformed sketch) is replaced by the next
-  one; while none answers, all are asked again a second later, for at most `ask_timeout_s`.
+  one; while none answers, all are asked again a second later, for at most `ask_timeout_s`. One
+  whose refusal will not change (it hosts another stage now, after rebalancing moved it, or it does
+  not let this caller ask) is not asked again: waiting out the timeout on it only delays the verdict.
   Without any answer the state is `unverified`: not used, and not the donor's fault (nobody is
   reported); the downloader then ends, since a plan whose every other member is unreachable is
   stale.
@@ -52,6 +54,10 @@ logger = logging.getLogger("agora.node.worker.state")
 
 # The verdict's reason when no second member answered: the state is not used, its donor not blamed.
 UNVERIFIED = "unverified"
+# A second member's refusals that asking again cannot change: another stage or run, or not this caller.
+_FINAL_REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+                             grpc.StatusCode.UNAUTHENTICATED})
+_REFUSED = "refused"  # `_ask`'s answer for such a member
 
 
 class _Member(Protocol):
@@ -154,18 +160,24 @@ class StateVerifier:
         want = self.checks.options.second_members
         deadline = min(deadline, self._clock() + self.ask_timeout_s)
         numels = (await self.checks.own()).numels  # this stage's tensors: what every sketch must cover
+        others = list(others)
         while True:
             answers, pending = [], list(others)
             while len(answers) < want and pending:
                 batch, pending = pending[:want - len(answers)], pending[want - len(answers):]
                 replies = await asyncio.gather(*(self._ask(member, seed, numels, deadline) for member in batch))
-                answers += [(member, *reply) for member, reply in zip(batch, replies) if reply is not None]
-            if answers or self._clock() + 1.0 >= deadline:
+                for member, reply in zip(batch, replies):
+                    if reply is _REFUSED:
+                        others.remove(member)
+                    elif reply is not None:
+                        answers.append((member, *reply))
+            if answers or not others or self._clock() + 1.0 >= deadline:
                 return answers
             await asyncio.sleep(1.0)
 
     async def _ask(self, member: _Member, seed: int, numels: Mapping[str, int],
-                   deadline: float) -> Optional[tuple[StateSketch, int]]:
+                   deadline: float) -> Optional[tuple[StateSketch, int]] | str:
+        """Its sketch and bytes; None when asking again may get it; `_REFUSED` when it never will."""
         target = worker_server_name(self.stage, member.peer_id) if self.channels.secure else None
         channel = self.channels.open(member.endpoint, target_name=target,
                                      options=message_options(self.max_message_bytes))
@@ -180,7 +192,8 @@ class StateVerifier:
             what = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else (
                 str(error) or "no answer in time")
             logger.info("stage %d: second member %s sent no usable sketch (%s)", self.stage, member.endpoint, what)
-            return None
+            final = isinstance(error, grpc.aio.AioRpcError) and error.code() in _FINAL_REFUSALS
+            return _REFUSED if final else None
         finally:
             await channel.close()
 

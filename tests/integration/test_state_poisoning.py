@@ -175,6 +175,30 @@ def test_a_state_no_other_member_answers_for_is_not_used_and_nobody_is_reported(
     run(main())
 
 
+def test_a_second_member_that_moved_to_another_stage_is_asked_once_not_until_the_timeout(caplog):
+    """The plan's other member has since moved to stage 0 (rebalancing): it refuses the sketch naming
+    its stage, which asking again cannot change, so the verdict comes at once instead of after a
+    second's retries for the whole ask timeout."""
+    async def main():
+        async with _workers(1) as (honest,):
+            moved = StageWorker(CONFIG, 0, run_id=RUN, options=WorkerOptions())
+            await moved.start()
+            try:
+                await _train(honest, 0)
+                downloader = _downloader(honest, WeightSyncMetrics(CollectorRegistry()), next_chunk_s=4.0)
+                plan = DonorPlan((Donor("honest", honest.address, 3), Donor("moved", moved.address, 3)),
+                                 agreed_step=3, max_gap=64)
+                with caplog.at_level(logging.INFO, logger="agora.node.worker.state"):
+                    with pytest.raises(StateDownloadError, match="could not be checked"):
+                        await downloader.download(plan)
+            finally:
+                await moved.stop()
+        asked = [r.getMessage() for r in caplog.records if "sent no usable sketch" in r.getMessage()]
+        assert len(asked) == 1 and "INVALID_ARGUMENT" in asked[0] and "hosts stage 0" in asked[0], asked
+
+    run(main())
+
+
 def test_second_members_are_asked_when_the_download_starts_so_training_during_it_is_no_drift(caplog):
     """Three replicas in step; the transfer is held after its first chunks while all three train on
     for 30 more batches. The snapshot is the stage's state at its step; the second members' states
