@@ -29,10 +29,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 JOINERS = ("worker-s0-r1", "worker-s0-r2")
 # The joiners start after this many global batches: the loss check below compares the 10 batches
-# before they arrive with the 40 after, so they must not arrive before batch 10 (a joiner that starts
+# before they arrive with the AFTER after, so they must not arrive before batch 10 (a joiner that starts
 # quickly arrives a few batches after it is started).
 JOIN_AT = 12
 MOVED = "rebalancing: moving to stage 1"
+# Batches after the first joiner arrived that the loss check reads: a fresh replica's initial weights
+# on the route would show within a few batches (the mean of these 20 was 3.1 against the 10 before's
+# 3.7 in one run at load 20: the check is not about the loss going down further).
+AFTER = 20
 
 
 def _text(path: Path) -> str:
@@ -54,7 +58,7 @@ def _arrival(log: str) -> int | None:
 
 def _done(work: Path) -> bool:
     """Everything the test checks has happened: the joiners are members, one replica moved and is a
-    member of stage 1 again, and 40 global batches passed since the first joiner arrived."""
+    member of stage 1 again, and AFTER global batches passed since the first joiner arrived."""
     logs = [_text(work / f"{joiner}.log") for joiner in JOINERS]
     arrivals = [_arrival(log) for log in logs]
     if None in arrivals or any("stage 0 worker: phase optimizer_sync -> member" not in log for log in logs):
@@ -62,7 +66,7 @@ def _done(work: Path) -> bool:
     movers = [_text(path) for path in work.glob("worker-*.log") if MOVED in _text(path)]
     if len(movers) != 1 or "stage 1 worker: phase optimizer_sync -> member" not in movers[0].split(MOVED)[1]:
         return False
-    return max(_loss_lines(work), default=0) >= min(arrivals) + 40
+    return max(_loss_lines(work), default=0) >= min(arrivals) + AFTER
 
 
 class LiveRun:
@@ -187,8 +191,8 @@ def test_joiners_sync_before_they_count_and_a_lopsided_swarm_moves_one_replica(l
     losses = _loss_lines(work)
     first = min(arrivals)
     before = [losses[s] for s in range(first - 10, first)]
-    after = [losses[s] for s in range(first, first + 40)]
-    assert sum(after) / 40 < sum(before) / 10 * 1.05, (before, after)
+    after = [losses[s] for s in range(first, first + AFTER)]
+    assert sum(after) / AFTER < sum(before) / 10 * 1.05, (before, after)
 
     # Rebalancing: exactly one replica left stage 0 for stage 1, synced there, and nobody moved again.
     assert [move["to"] for move in summary["rebalanced"]] == [1], summary["rebalanced"]
