@@ -201,15 +201,20 @@ def _cell(value) -> str:
 
 
 def report(rows: list[Row], pace: Pace, command: str) -> str:
-    replicas = [row.replicas for row in rows]
     lines = ["# Averaging against a stage's replica count (bench/averaging_scale.py)", "",
              f"`{command}` on {time.strftime('%Y-%m-%d %H:%M')}; {platform.node()}, {os.cpu_count()} cores, "
              f"Python {platform.python_version()}. R replicas of tiny's middle stage (of 3), each its own process "
              f"with its own DHT peer, averager and p2pd, insecure DHT (no admission); a step every {pace.step_s:g} s, "
              f"a round every {pace.every_steps} steps ({pace.round_every_s:g} s), {pace.rounds} rounds due per R, "
              f"matchmaking window {pace.matchmaking_s:g} s. Every replica's processes share this machine's cores: "
-             "read the times beside the load.", "",
-             "| R | load start/end | startup s | outcomes (c/a/f/r) | skipped | "
+             "read the times beside the load.", "", *tables(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def tables(rows: list[Row]) -> list[str]:
+    """The figures per R with their fitted growth."""
+    replicas = [row.replicas for row in rows]
+    lines = ["| R | load start/end | startup s | outcomes (c/a/f/r) | skipped | "
              + " | ".join(title for _, title in COLUMNS) + " |",
              "|---:|---|---:|---|---:|" + "---:|" * len(COLUMNS)]
     for row in rows:
@@ -221,7 +226,18 @@ def report(rows: list[Row], pace: Pace, command: str) -> str:
     lines.append("| growth | | | | | " + " | ".join(fitted) + " |")
     lines += ["", "Outcomes are summed over the replicas (each replica's view of each round it attempted). "
               "Growth is the best of constant / log R / R fitted to the R values (needs three)."]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def section(path: Path) -> list[str]:
+    """RESULTS.md's section 11 from bench/averaging_scale.py's JSON (nothing when it was never run)."""
+    if not path.exists():
+        return []
+    rows = [Row(**row) for row in json.loads(path.read_text())]
+    return ["## 11. A stage's averaging against its replica count (bench/averaging_scale.py)", "",
+            "R replicas of tiny's middle stage, each its own process with its own DHT peer, averager and p2pd, "
+            "on this machine's two cores (insecure DHT); bench/results/averaging_scale.md has the pace.", "",
+            *tables(rows)]
 
 
 SUMMARY_LABEL = ("| 11 | a stage's averaging against its replica count (bench/averaging_scale.py): rounds committed, "

@@ -328,18 +328,10 @@ def _cell(value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-def report(rows: list[Figures], command: str, model_check: list[tuple[str, float, float]] | None = None) -> str:
+def tables(rows: list[Figures]) -> list[str]:
+    """The figures per N with their fitted growth, then the monitor's and the newcomer's (JOIN_TEXT)."""
     nodes = [row.nodes for row in rows]
-    first = rows[0]
-    lines = ["# DHT coordination cost against swarm size (bench/dht_scale.py)", "",
-             f"`{command}` on {time.strftime('%Y-%m-%d %H:%M')}; {platform.node()}, {os.cpu_count()} cores, "
-             f"Python {platform.python_version()}. Each N is N admitted DHT peers (S stages x R replicas of workers "
-             f"and trainers) and a bootstrap, each in its own network namespace on profile `{first.profile}`, "
-             f"playing bench/dht_traffic.py's traffic dilated {first.dilation:g}x; latencies as measured (each "
-             "peer serving 1/K of the logical load: a swarm at full pace may queue more), every per-time figure per "
-             "logical minute (traffic x K plus the background measured at rest).", "",
-             NOT_MEASURED, "",
-             "| N | geometry | load start/end | answered | " + " | ".join(title for _, title in COLUMNS) + " |",
+    lines = ["| N | geometry | load start/end | answered | " + " | ".join(title for _, title in COLUMNS) + " |",
              "|---:|---|---|---:|" + "---:|" * len(COLUMNS)]
     for row in rows:
         load = f"{row.load_start:.1f}/{row.load_end:.1f}" + (" (over 2)" if row.loaded else "")
@@ -353,7 +345,32 @@ def report(rows: list[Figures], command: str, model_check: list[tuple[str, float
         lines.append(f"| {row.nodes} | " + " | ".join(_cell(getattr(row, name)) for name, _ in JOIN_COLUMNS) + " |")
     lines.append("| growth | " + " | ".join(growth(nodes, [float(getattr(r, name)) for r in rows])
                                             for name, _ in JOIN_COLUMNS) + " |")
-    lines += ["", "Goals:", "", *goals(rows)]
+    return lines
+
+
+def section(path: Path) -> list[str]:
+    """RESULTS.md's section 10 from bench/dht_scale.py's JSON (nothing when it was never run)."""
+    if not path.exists():
+        return []
+    recorded = json.loads(path.read_text())
+    rows = [Figures(**row) for row in recorded["rows"]]
+    return ["## 10. The coordination plane against the swarm's size (bench/dht_scale.py)", "",
+            f"`{recorded.get('command', 'python bench/dht_scale.py')}`, as bench/results/dht_scale.md has it with "
+            "its requests by record family, the reading and the plot. " + NOT_MEASURED, "", *tables(rows), "",
+            *goals(rows)]
+
+
+def report(rows: list[Figures], command: str, model_check: list[tuple[str, float, float]] | None = None) -> str:
+    nodes = [row.nodes for row in rows]
+    first = rows[0]
+    lines = ["# DHT coordination cost against swarm size (bench/dht_scale.py)", "",
+             f"`{command}` on {time.strftime('%Y-%m-%d %H:%M')}; {platform.node()}, {os.cpu_count()} cores, "
+             f"Python {platform.python_version()}. Each N is N admitted DHT peers (S stages x R replicas of workers "
+             f"and trainers) and a bootstrap, each in its own network namespace on profile `{first.profile}`, "
+             f"playing bench/dht_traffic.py's traffic dilated {first.dilation:g}x; latencies as measured (each "
+             "peer serving 1/K of the logical load: a swarm at full pace may queue more), every per-time figure per "
+             "logical minute (traffic x K plus the background measured at rest).", "",
+             NOT_MEASURED, "", *tables(rows), "", "Goals:", "", *goals(rows)]
     families = sorted({name for row in rows for name in row.by_family})
     lines += ["", "Requests by operation and record family: per node per logical minute (p50 / p95 ms).", "",
               "| request | " + " | ".join(f"N={n}" for n in nodes) + " | growth of p95 |",

@@ -10,7 +10,9 @@ import statistics
 from pathlib import Path
 
 from agora.bench.attack_report import detection_row
+from agora.bench.averaging_scale import section as averaging_scale_section
 from agora.bench.averaging_scale import summary_row as averaging_scale_row
+from agora.bench.dht_scale_report import section as dht_scale_section
 from agora.bench.dht_scale_report import summary_row as dht_scale_row
 
 __all__ = ["render"]
@@ -24,6 +26,8 @@ ATTACK_RESULTS = Path(__file__).resolve().parent / "results" / "attacks_tiny.jso
 DHT_SCALE_RESULTS = Path(__file__).resolve().parent / "results" / "dht_scale.json"
 # Row 11 from bench/averaging_scale.py's last run (R replicas of a stage averaging, up to 16; about 15 minutes).
 AVERAGING_SCALE_RESULTS = Path(__file__).resolve().parent / "results" / "averaging_scale.json"
+# The simulator against the measured runs: what bench/simulate_validation.py last wrote (CPU only, a minute).
+SIMULATOR_VALIDATION = Path(__file__).resolve().parent / "results" / "simulate_validation.md"
 GPU_NOT_MEASURED = ("not measured: the suite's machine has no GPU; `python bench/gpu.py` measures one stage's "
                     "tokens/s and MFU on one (bench/results/gpu.md)")
 
@@ -413,11 +417,23 @@ def render(results: dict) -> str:
     summary.append(detection_row(ATTACK_RESULTS))
     summary.append(dht_scale_row(DHT_SCALE_RESULTS))
     summary.append(averaging_scale_row(AVERAGING_SCALE_RESULTS))
+    sections += _scale_sections()
     fix_lines, fix_summary = _fixes(items)
     sections += fix_lines
     summary += fix_summary
     closing = ["## Closing note", ""] + (notes or ["Nothing to add beyond the table."])
     return "\n".join(lines + summary + [""] + sections + closing) + "\n"
+
+
+def _scale_sections() -> list[str]:
+    """Rows 10 and 11's tables and the simulator's validation, each as its own benchmark last wrote it:
+    none of them is a run of the suite (root and 40 minutes; 15 minutes; the simulator)."""
+    lines = [*dht_scale_section(DHT_SCALE_RESULTS), "", *averaging_scale_section(AVERAGING_SCALE_RESULTS), ""]
+    if SIMULATOR_VALIDATION.exists():
+        text = SIMULATOR_VALIDATION.read_text().splitlines()[1:]  # its own title goes
+        lines += ["## The simulator against the measured runs (bench/simulate_validation.py)",
+                  *[f"#{line}" if line.startswith("## ") else line for line in text], ""]
+    return [line for index, line in enumerate(lines) if line or (index and lines[index - 1])]
 
 
 def _gpu_row(path: Path) -> str:

@@ -81,3 +81,18 @@ def test_the_results_row_judges_the_largest_r_against_the_goal(tmp_path):
     late = dataclasses.replace(rows[-1], formation_p95_s=2.5, formed_in_window_ratio=0.9)  # past PACE's 2 s window
     path.write_text(json.dumps([dataclasses.asdict(row) for row in (rows[0], late)]))
     assert summary_row(path).endswith("| no |")
+
+
+def test_results_md_gets_the_table_per_r_from_the_last_run(tmp_path):
+    import dataclasses
+    import json
+
+    from agora.bench.averaging_scale import section
+
+    path = tmp_path / "averaging_scale.json"
+    assert section(path) == []
+    rows = [aggregate(r, [replica([("committed", r, 0.1 * r, 0.2 * r)] * 3)] * r, PACE) for r in (2, 4, 8)]
+    path.write_text(json.dumps([dataclasses.asdict(row) for row in rows]))
+    lines = section(path)
+    assert lines[0].startswith("## 11. ")
+    assert [line.split(" | ")[0] for line in lines if line.startswith("| ")][1:] == ["| 2", "| 4", "| 8", "| growth"]

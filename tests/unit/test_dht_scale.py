@@ -190,3 +190,19 @@ def test_the_results_row_gives_the_growth_from_the_smallest_n_to_the_largest_and
     path.write_text(json.dumps({"command": "x", "rows": [dataclasses.asdict(small), dataclasses.asdict(busy)],
                                 "failed": []}))
     assert "store p95 x1.00; taken busy: N=32 at load 9.9->16.8 (bench/results" in summary_row(path)
+
+
+def test_results_md_gets_the_table_per_n_and_the_goals_from_the_last_run(tmp_path):
+    from agora.bench.dht_scale_report import section
+
+    path = tmp_path / "dht_scale.json"
+    assert section(path) == []  # never run: no section, the summary row says so
+    small = dataclasses.replace(_figures(), nodes=8)
+    large = dataclasses.replace(small, nodes=16, kib_per_node_min=small.kib_per_node_min * 2)
+    path.write_text(json.dumps({"command": "python bench/dht_scale.py --nodes 8 16", "failed": [],
+                                "rows": [dataclasses.asdict(small), dataclasses.asdict(large)]}))
+    lines = section(path)
+    assert lines[0].startswith("## 10. ") and "`python bench/dht_scale.py --nodes 8 16`" in lines[2]
+    assert [line.split(" | ")[0] for line in lines if line.startswith("| 8 | ") or line.startswith("| 16 | ")] \
+        == ["| 8", "| 16", "| 8", "| 16"]  # the figures' table, then the monitor's and the newcomer's
+    assert any(line.startswith("- bytes per node: x2.00 from N=8 to N=16") for line in lines)
