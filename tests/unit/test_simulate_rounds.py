@@ -1,0 +1,67 @@
+"""The simulator's averaging matchmaking and a newcomer's first reads and record, against closed forms."""
+
+import pytest
+
+from agora.node.simulate.scenario import scenario_from_dict
+from agora.node.simulate.swarm import SimSwarm, simulate
+from agora.pipeline.schema import ConfigError
+
+OP_CPU_S, OP_LATENCY_S = 0.010, 0.001
+
+
+def _stage_alone(replicas: int, window_s: float = 3.0):
+    """One stage's replicas stepping every second, a round every step, each matchmaking DHT operation
+    10 ms of CPU on 2 shared cores and 1 ms of latency; returns the swarm after 3.5 s (rounds 1-3)."""
+    swarm = SimSwarm(scenario_from_dict({
+        "run": {"seconds": 3.5, "stages": 1, "batch_s": 1.0},
+        "compute": {"ms": [1.0], "shared_cores": 2},
+        "workers": {"replicas": replicas},
+        "dht": {"base_ms": OP_LATENCY_S * 1000, "cpu_ms_at": [[4.0, OP_CPU_S * 1000]]},
+        "averaging": {"method": "sparta", "every_steps": 1, "fraction": 0.5, "vector_bytes": 0,
+                      "matchmaking_dht_ops": 4, "matchmaking_s": window_s},
+    }))
+    swarm.run()
+    return swarm
+
+
+def test_a_full_group_forms_when_the_last_replica_has_made_its_matchmaking_operations():
+    """4 replicas start together: 8 operations at once share 2 cores (40 ms each, then 1 ms of
+    latency), twice (two at a time): every member's group forms 82 ms after its start, all 4 in it."""
+    rounds = _stage_alone(4).rounds.log
+    assert [r.number for r in rounds] == [1, 2, 3]
+    for r in rounds:
+        assert r.committed and r.group == 4
+        assert r.formations == pytest.approx([2 * (8 * OP_CPU_S / 2 + OP_LATENCY_S)] * 4)
+
+
+def test_a_window_shorter_than_the_matchmaking_leaves_every_replica_alone():
+    rounds = _stage_alone(4, window_s=0.05).rounds.log
+    assert len(rounds) == 12 and not any(r.committed for r in rounds)
+    assert {r.group for r in rounds} == {1}
+
+
+def test_a_replica_that_counts_itself_alone_makes_no_matchmaking():
+    rounds = _stage_alone(1).rounds.log
+    assert [(r.group, r.committed, r.seconds) for r in rounds] == [(1, False, 0.0)] * 3
+
+
+def test_one_stage_alone_needs_a_batch_clock():
+    with pytest.raises(ConfigError, match="run.stages: a pipeline needs 2"):
+        scenario_from_dict({"run": {"stages": 1}, "compute": {"ms": [1.0]}})
+
+
+def test_a_newcomer_names_a_donor_after_its_reads_and_is_visible_after_its_first_store():
+    """Admission 1.5 s, one read of every stage's records (200 ms) and `plan_donors` names one of its
+    stage's two members; its record's store takes 300 ms more."""
+    result = simulate(scenario_from_dict({
+        "run": {"seconds": 10.0, "stages": 3, "batch_s": 1.0},
+        "compute": {"ms": [1.0, 1.0, 1.0]},
+        "workers": {"replicas": 2},
+        "dht": {"get_ms_at": [[8.0, 200.0]], "store_ms_at": [[8.0, 300.0]]},
+        "averaging": {"method": "none"},
+        "churn": {"admission_s": 1.5, "join_dht_ops": 1, "join_at_s": [5.0], "state_bytes": 0},
+    }))
+    newcomer, = result.newcomers
+    assert newcomer.stage == 0 and newcomer.started_s == 5.0
+    assert newcomer.to_donor_s == pytest.approx(1.7)
+    assert newcomer.to_visible_s == pytest.approx(2.0)
