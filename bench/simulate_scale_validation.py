@@ -22,8 +22,12 @@ N admitted peers on agora-floor under the traffic model. Inputs: its measured "D
 process's DHT start through the bootstrap is not a DHT operation the simulator models), and the
 latency of a read and a store of a stage's worker records at that N (dht_scale's p50 of the
 `get workers` and `store workers` families, under the same traffic). Predicted: "donor found" (the
-simulated newcomer's first reads and `plan_donors`) and "visible to others" (its first record
-stored, then the harness's monitor reading every 0.25 s: half an interval on average and one read).
+simulated newcomer's first reads and `plan_donors`) and "visible to others": its first record at a
+holder (node/simulate/network.py's `first_holder_s`: a read's lookup and half a round trip, as
+hivemind's store reaches the key's holders at once after its lookup), then the harness's monitor,
+which reads the stage and sleeps 0.25 s in turn: the first read to start after the holder has the
+record starts half such a cycle later on average, and sees it when it ends, one read later (a read
+takes its view as it starts: its first hop asks the peers nearest the key that it knows).
 """
 
 from __future__ import annotations
@@ -152,7 +156,7 @@ def validate_newcomers(rows: list[dict]) -> tuple[list[str], dict[str, list[floa
         swarm = SimSwarm(scenario_from_dict(newcomer_scenario(row)))
         newcomer = swarm.run().newcomers[0]
         get_s = row["by_family"]["get workers"]["p50_ms"] / 1000.0
-        visible = newcomer.to_visible_s + MONITOR_READ_EVERY_S / 2 + get_s
+        visible = newcomer.to_visible_s + (get_s + MONITOR_READ_EVERY_S) / 2 + get_s
         donor_text, donor_error = _off(newcomer.to_donor_s, row["newcomer_donor_s"])
         visible_text, visible_error = _off(visible, row["newcomer_visible_s"])
         errors["donor found"].append(donor_error)

@@ -21,6 +21,13 @@ slow start, at most to the bandwidth-delay product (more would not send faster).
 A DHT operation (a store, a get) takes `base_ms + per_doubling_ms * log2(N)` at N nodes: Kademlia's
 lookups take log N hops. Measured tables (`get_ms_at`, `store_ms_at`, `cpu_ms_at`: what the
 many-node harness measures at a few N) replace that form: `at_size` reads between them.
+
+A store's record is readable before the store returns (`first_holder_s`): hivemind's
+`DHTNode.store_many` looks up the key's nearest peers (the same beam search a read of the key
+makes), then sends the record to all `num_replicas` of them at once, and returns only when every
+one has answered. A holder keeps the record on receipt, and a read (`get_many_by_id`) takes what
+the holders it asks have, so others can read it one lookup and half a round trip after the store
+began, however long the slowest holder takes to answer.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import simpy
 from agora.node.simulate.scenario import DHTSection, LinkSection
 
 __all__ = ["NodeLink", "CongestionWindow", "path_rtt_s", "transmit", "at_size", "dht_op_s", "dht_cpu_s",
-           "INITIAL_WINDOW", "SEGMENT_BYTES", "RTO_FLOOR_S"]
+           "first_holder_s", "INITIAL_WINDOW", "SEGMENT_BYTES", "RTO_FLOOR_S"]
 
 INITIAL_WINDOW = 10  # segments (RFC 6928; Linux's TCP_INIT_CWND)
 SEGMENT_BYTES = 1448  # a 1,500-byte MTU less IP and TCP headers with timestamps
@@ -145,3 +152,9 @@ def dht_op_s(dht: DHTSection, nodes: int, kind: str = "get") -> float:
 def dht_cpu_s(dht: DHTSection, nodes: int) -> float:
     """The CPU one DHT operation costs the swarm's hosts at `nodes` (0 when not given)."""
     return at_size(dht.cpu_ms_at, nodes) / 1000.0 if dht.cpu_ms_at else 0.0
+
+
+def first_holder_s(dht: DHTSection, nodes: int, rtt_s: float) -> float:
+    """From a store's start to its record's being readable at a holder (see the module docstring):
+    a read's lookup and half a round trip, never later than the store's return."""
+    return min(dht_op_s(dht, nodes, "store"), dht_op_s(dht, nodes, "get") + rtt_s / 2)

@@ -36,7 +36,7 @@ class NewcomerTimes:
     to_state_s: Optional[float]
     to_member_s: Optional[float]
     to_donor_s: Optional[float] = None  # its first reads named a donor
-    to_visible_s: Optional[float] = None  # its first record stored: others can read it
+    to_visible_s: Optional[float] = None  # its first record at a holder: others can read it
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from agora.node.membership.rebalance import RebalancePolicy, plan_move, stage_co
 from agora.node.membership.state_download import plan_donors
 from agora.node.replica.epoch import DEFAULT_REPORT_AHEAD
 from agora.node.simulate.host import SharedCores
-from agora.node.simulate.network import NodeLink, dht_cpu_s, dht_op_s, transmit
+from agora.node.simulate.network import NodeLink, dht_cpu_s, dht_op_s, first_holder_s, path_rtt_s, transmit
 from agora.node.simulate.results import SimulationResult, summarize
 from agora.node.simulate.scenario import Scenario
 from agora.node.simulate.trainer import CallCosts, SimTrainer
@@ -220,8 +220,12 @@ class SimSwarm:
         return plan_donors(by_stage, stage, "", self.rng, max_gap=DEFAULT_REPORT_AHEAD)
 
     def _announce(self, worker: SimWorker):
-        """A newcomer's first record: a store, after which the others can read it."""
-        yield from self.dht_op("store")
+        """A newcomer's first record: a store, readable once its first holder has it
+        (network.py's `first_holder_s`); nothing waits for the store's return."""
+        cpu = dht_cpu_s(self.scenario.dht, self.nodes())
+        if cpu > 0:
+            yield from self.compute(cpu, since=self.env.now)
+        yield self.env.timeout(first_holder_s(self.scenario.dht, self.nodes(), path_rtt_s(worker.link, worker.link)))
         worker.visible_at = self.env.now - worker.started_at
 
     def _least_covered(self) -> int:

@@ -83,7 +83,7 @@ class SimWorker:
     rounds: int = 0
     slices_averaged: set = field(default_factory=set)
     got_microbatches: int = 0  # in the global batch now running
-    # a newcomer's times from its start: a donor named, its first record stored, its stage's state held
+    # a newcomer's times from its start: a donor named, its first record at a holder, its stage's state held
     donor_at: Optional[float] = None
     visible_at: Optional[float] = None
     state_at: Optional[float] = None
