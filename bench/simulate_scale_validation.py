@@ -13,7 +13,10 @@ logical minute (its own requests and its share of serving the others'), read bet
 N by network.py's `at_size` (R = 2 and 4 lie below dht_scale's smallest N, 8: extrapolated). A
 round's matchmaking is 4 DHT operations two at a time (node/averaging/loop.py's announcement with
 its read of the live replicas, then hivemind's declaration with its read of the declared
-averagers), each taking its CPU on the shared cores and one loopback round trip. Predicted: group
+averagers), each taking its CPU on the shared cores and one loopback round trip. The all-reduce
+after the group formed takes each member's CPU on the shared cores, per other member and per byte
+it sends, as bench/allreduce_cost.py measured them (bench/results/allreduce_cost.json: R = 2 to 4
+replicas on this host, the host's CPU per round with and without the all-reduce). Predicted: group
 formation (each replica's start to its group's forming) and round duration, p50 and p95 over every
 replica's rounds, as the harness takes them.
 
@@ -43,7 +46,7 @@ from agora.node.simulate.scenario import scenario_from_dict
 from agora.node.simulate.swarm import SimSwarm
 from agora.pipeline.config import PRESETS
 
-__all__ = ["cpu_per_dht_op", "averaging_scenario", "newcomer_scenario", "validate_averaging",
+__all__ = ["cpu_per_dht_op", "allreduce_cpu", "averaging_scenario", "newcomer_scenario", "validate_averaging",
            "validate_newcomers", "scale_sections"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -69,7 +72,14 @@ def tiny_middle_stage_bytes() -> int:
     return 4 * averaged_vector_size(config.sync, buffer)
 
 
-def averaging_scenario(replicas: int, rounds: int, cpu_table, vector_bytes: int) -> dict:
+def allreduce_cpu(results: Path = RESULTS) -> tuple[float, float]:
+    """(ms per other member, ns per byte sent) of a member's all-reduce, bench/allreduce_cost.py's fit."""
+    measured = json.loads((results / "allreduce_cost.json").read_text())
+    return measured["cpu_s_per_peer"] * 1000.0, measured["cpu_s_per_byte_sent"] * 1e9
+
+
+def averaging_scenario(replicas: int, rounds: int, cpu_table, vector_bytes: int,
+                       allreduce: tuple[float, float] = (0.0, 0.0)) -> dict:
     rtt, up, down = LAN
     return {
         "run": {"seconds": (rounds + 0.5) * STEP_S * EVERY_STEPS, "stages": 1, "batch_s": STEP_S},
@@ -78,7 +88,8 @@ def averaging_scenario(replicas: int, rounds: int, cpu_table, vector_bytes: int)
         "workers": {"replicas": replicas},
         "dht": {"base_ms": rtt, "cpu_ms_at": [list(pair) for pair in cpu_table]},
         "averaging": {"method": "sparta", "every_steps": EVERY_STEPS, "fraction": 0.25, "vector_bytes": vector_bytes,
-                      "matchmaking_dht_ops": MATCHMAKING_DHT_OPS, "matchmaking_s": WINDOW_S},
+                      "matchmaking_dht_ops": MATCHMAKING_DHT_OPS, "matchmaking_s": WINDOW_S,
+                      "allreduce_cpu_ms_per_peer": allreduce[0], "allreduce_cpu_ns_per_byte": allreduce[1]},
     }
 
 
@@ -96,19 +107,20 @@ def within(errors: dict[str, list[float]], target: float = 0.20) -> str:
 AVERAGING_FIGURES = ("formation p50", "formation p95", "round p50", "round p95")
 
 
-def validate_averaging(rows: list[dict], cpu_table) -> tuple[list[str], dict[str, list[float]]]:
-    lines = ["| R | load start/end | DHT op CPU ms (input) | formation p50 s: measured / simulated | off | "
-             "p95 | off | round p50 s: measured / simulated | off | p95 | off |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def validate_averaging(rows: list[dict], cpu_table, allreduce: tuple[float, float] = (0.0, 0.0)
+                       ) -> tuple[list[str], dict[str, list[float]]]:
+    lines = ["| R | load start/end | DHT op CPU ms (input) | all-reduce CPU ms / member (input) | formation p50 s: "
+             "measured / simulated | off | p95 | off | round p50 s: measured / simulated | off | p95 | off |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     errors, vector_bytes = {name: [] for name in AVERAGING_FIGURES}, tiny_middle_stage_bytes()
     for row in rows:
         swarm = SimSwarm(scenario_from_dict(averaging_scenario(row["replicas"], row["rounds_due"], cpu_table,
-                                                               vector_bytes)))
+                                                               vector_bytes, allreduce)))
         swarm.run()
         formations = [f for r in swarm.rounds.log for f in r.formations]
         durations = [d for r in swarm.rounds.log for d in r.durations]
         cells = [f"| {row['replicas']} | {row['load_start']:.1f}/{row['load_end']:.1f} | "
-                 f"{swarm_cpu_ms(swarm):.1f} |"]
+                 f"{swarm_cpu_ms(swarm):.1f} | {swarm.rounds.allreduce_cpu_s(row['replicas']) * 1000:.1f} |"]
         for name, measured, simulated in zip(AVERAGING_FIGURES, (
                 row["formation_p50_s"], row["formation_p95_s"], row["duration_p50_s"], row["duration_p95_s"]), (
                 percentile(formations, 0.5), percentile(formations, 0.95),
@@ -173,7 +185,7 @@ def scale_sections(results: Path = RESULTS) -> tuple[list[str], str]:
     """The two tables with their summaries (markdown lines), and a one-line summary."""
     dht_rows = json.loads((results / "dht_scale.json").read_text())["rows"]
     averaging_rows = json.loads((results / "averaging_scale.json").read_text())
-    averaging, averaging_errors = validate_averaging(averaging_rows, cpu_per_dht_op(dht_rows))
+    averaging, averaging_errors = validate_averaging(averaging_rows, cpu_per_dht_op(dht_rows), allreduce_cpu(results))
     newcomers, newcomer_errors = validate_newcomers(dht_rows)
     summary = (f"Averaging against R (4 R): {within(averaging_errors)}. "
                f"A newcomer against N (4 N): {within(newcomer_errors)}.")

@@ -15,7 +15,7 @@ microbatches). The swarm's decisions are not settings here: the simulator calls 
     [workers]    replicas per stage, credits, speed spread
     [wire]       bytes per token of a Forward's and a Backward's frames
     [dht]        one operation's latency (base + per doubling, or measured against the swarm's size), its CPU
-    [averaging]  the run's SyncConfig fields that shape rounds, and the averaged vector's size
+    [averaging]  the run's SyncConfig fields that shape rounds, the averaged vector's size, the all-reduce's CPU
     [churn]      arrivals per hour, mean lifetime, a newcomer's admission and state size
 """
 
@@ -169,6 +169,10 @@ class AveragingSection:
     matchmaking_s: StrictFloat = setting(
         40.0, "the matchmaking window: a group short of the stage's live replicas forms when it closes", gt=0)
     optimizer_sync_steps: StrictInt = setting(100, "a joiner's optimizer-sync steps", ge=0)
+    allreduce_cpu_ms_per_peer: StrictFloat = setting(
+        0.0, "CPU of a member's all-reduce per other member of its group, ms (bench/allreduce_cost.py)", ge=0)
+    allreduce_cpu_ns_per_byte: StrictFloat = setting(
+        0.0, "CPU of a member's all-reduce per byte it sends, ns (bench/allreduce_cost.py)", ge=0)
 
 
 @dataclass(frozen=True, config=SECTION)

@@ -68,7 +68,10 @@ class SimSwarm:
         self.rounds = StageRounds(self.env, every_steps=s.averaging.every_steps, n_slices=max(1, self.n_slices),
                                   vector_bytes=s.averaging.vector_bytes, window_s=s.averaging.matchmaking_s,
                                   matchmaking=self._matchmaking, live=self._live_replicas,
-                                  policy=self.policy, enabled=s.averaging.method != "none")
+                                  policy=self.policy, enabled=s.averaging.method != "none",
+                                  cpu=lambda seconds: self.compute(seconds, since=self.env.now),
+                                  allreduce_cpu=(s.averaging.allreduce_cpu_ms_per_peer / 1000.0,
+                                                 s.averaging.allreduce_cpu_ns_per_byte / 1e9))
         self.board = SimLeaseBoard(self.env, total=_UNITS, lease_s=_LEASE_S, dht_op=self.dht_op)
         self.trainer_count = s.trainers.count if s.run.batch_s is None else 0
         self.batches: list[tuple[float, int]] = []  # the batch clock's global batches

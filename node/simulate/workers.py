@@ -16,9 +16,12 @@ does between jobs is the project's own decisions, called with what it has observ
   expiration). The group forms when every live replica the leader expects has joined (dht/averaging.py
   makes that count the matchmaking target), or when the leader's window (`matchmaking_s`) closes
   with whoever joined; one that joins later is alone. Each member's formation is the group's forming
-  less its own start, as `RoundResult.formation_s`. The all-reduce then takes dht/averaging.py's
-  `estimated_bytes` per peer over the slowest member's link and two round trips. A group of one
-  commits nothing. Its slice is `round_slice`.
+  less its own start, as `RoundResult.formation_s`. The all-reduce then takes each member's CPU
+  (a cost per other member and per byte it sends, as bench/allreduce_cost.py measured them: its
+  averager process and p2pd serializing, sending, reducing), all members at once on the shared
+  cores where the scenario shares them, then dht/averaging.py's `estimated_bytes` per peer over the
+  slowest member's link and two round trips. A group of one commits nothing. Its slice is
+  `round_slice`.
 - Phases: a newcomer's entry (`entry_phase`) and every move on (`next_phase`) are
   node/membership/phases.py's pure rules, fed the steps, updates, rounds and slices it observed.
 """
@@ -121,10 +124,13 @@ class StageRounds:
 
     def __init__(self, env: simpy.Environment, *, every_steps: int, n_slices: int, vector_bytes: int,
                  window_s: float, matchmaking: Callable[[SimWorker], Generator], live: Callable[[int], int],
-                 policy: SyncPolicy, enabled: bool):
+                 policy: SyncPolicy, enabled: bool, cpu: Callable[[float], Generator] = None,
+                 allreduce_cpu: tuple[float, float] = (0.0, 0.0)):
         self.env, self.every_steps, self.n_slices = env, every_steps, n_slices
         self.vector_bytes, self.window_s, self.policy, self.enabled = vector_bytes, window_s, policy, enabled
         self.matchmaking, self.live = matchmaking, live
+        self.cpu = cpu  # a simpy process taking that many CPU seconds (on the shared cores, if any)
+        self.allreduce_cpu = allreduce_cpu  # (s per other member, s per byte sent)
         self.announced: dict[int, int] = {}  # stage -> highest round announced
         self._forming: dict[tuple[int, int], _Forming] = {}
         self.log: list[RoundLog] = []
@@ -169,11 +175,21 @@ class StageRounds:
             return  # the first to join times the all-reduce for the whole group
         formed_at = self.env.now
         members = [w for w, _ in forming.joined if w.alive]
+        cpu = self.allreduce_cpu_s(len(members))
+        if cpu > 0 and self.cpu is not None:
+            yield self.env.all_of([self.env.process(self.cpu(cpu)) for _ in members])
         slowest = max((estimated_bytes(self.vector_bytes, len(members)) * 8 /
                        min(w.link.kind.up_mbit, w.link.kind.down_mbit) / 1e6 for w in members), default=0.0)
         rtt = max((path_rtt_s(a.link, b.link) for a in members for b in members), default=0.0)
         yield self.env.timeout(slowest + (2 * rtt if len(members) > 1 else 0.0))
         self._ended([(w, at) for w, at in forming.joined if w.alive], number, started, formed_at)
+
+    def allreduce_cpu_s(self, group: int) -> float:
+        """One member's all-reduce CPU in a group of `group` (none alone)."""
+        if group <= 1:
+            return 0.0
+        per_peer, per_byte = self.allreduce_cpu
+        return per_peer * (group - 1) + per_byte * estimated_bytes(self.vector_bytes, group)
 
     def _window(self, key: tuple[int, int], forming: _Forming):
         yield self.env.timeout(max(0.0, forming.closes_at - self.env.now))

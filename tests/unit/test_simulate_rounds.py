@@ -9,7 +9,7 @@ from agora.pipeline.schema import ConfigError
 OP_CPU_S, OP_LATENCY_S = 0.010, 0.001
 
 
-def _stage_alone(replicas: int, window_s: float = 3.0):
+def _stage_alone(replicas: int, window_s: float = 3.0, **averaging):
     """One stage's replicas stepping every second, a round every step, each matchmaking DHT operation
     10 ms of CPU on 2 shared cores and 1 ms of latency; returns the swarm after 3.5 s (rounds 1-3)."""
     swarm = SimSwarm(scenario_from_dict({
@@ -18,7 +18,7 @@ def _stage_alone(replicas: int, window_s: float = 3.0):
         "workers": {"replicas": replicas},
         "dht": {"base_ms": OP_LATENCY_S * 1000, "cpu_ms_at": [[4.0, OP_CPU_S * 1000]]},
         "averaging": {"method": "sparta", "every_steps": 1, "fraction": 0.5, "vector_bytes": 0,
-                      "matchmaking_dht_ops": 4, "matchmaking_s": window_s},
+                      "matchmaking_dht_ops": 4, "matchmaking_s": window_s, **averaging},
     }))
     swarm.run()
     return swarm
@@ -32,6 +32,20 @@ def test_a_full_group_forms_when_the_last_replica_has_made_its_matchmaking_opera
     for r in rounds:
         assert r.committed and r.group == 4
         assert r.formations == pytest.approx([2 * (8 * OP_CPU_S / 2 + OP_LATENCY_S)] * 4)
+
+
+def test_the_all_reduce_takes_every_members_cpu_on_the_shared_cores_after_the_group_forms():
+    """4 members, each 2 ms per other member and 10 ns per byte it sends (2 x 100 kB x 3/4 = 150 kB:
+    1.5 ms): 7.5 ms each, 30 ms on 2 cores = 15 ms after the group formed, then the 150 kB over the
+    default link (no round trip)."""
+    swarm = _stage_alone(4, vector_bytes=100_000, allreduce_cpu_ms_per_peer=2.0, allreduce_cpu_ns_per_byte=10.0)
+    assert swarm.rounds.allreduce_cpu_s(4) == pytest.approx(0.0075)
+    assert swarm.rounds.allreduce_cpu_s(1) == 0.0
+    link = next(iter(swarm.workers.values())).link.kind
+    transfer = 150_000 * 8 / (min(link.up_mbit, link.down_mbit) * 1e6)
+    assert link.rtt_ms == 0.0
+    for r in swarm.rounds.log:
+        assert [d - f for d, f in zip(r.durations, r.formations)] == pytest.approx([4 * 0.0075 / 2 + transfer] * 4)
 
 
 def test_a_window_shorter_than_the_matchmaking_leaves_every_replica_alone():
