@@ -16,7 +16,10 @@ its read of the live replicas, then hivemind's declaration with its read of the 
 averagers), each taking its CPU on the shared cores and one loopback round trip. The all-reduce
 after the group formed takes each member's CPU on the shared cores, per other member and per byte
 it sends, as bench/allreduce_cost.py measured them (bench/results/allreduce_cost.json: R = 2 to 4
-replicas on this host, the host's CPU per round with and without the all-reduce). Predicted: group
+replicas on this host, the host's CPU per round with and without the all-reduce). Between rounds
+each replica probes the round board on the loop's schedule, closes each round and beats every 5 s
+(the harness's heartbeat), each operation's CPU on the shared cores (node/simulate/background.py).
+Predicted: group
 formation (each replica's start to its group's forming) and round duration, p50 and p95 over every
 replica's rounds, as the harness takes them.
 
@@ -55,6 +58,7 @@ AGORA_FLOOR = (80.68, 192.3, 191.2)
 HOST_CORES = 2
 STEP_S, EVERY_STEPS, WINDOW_S = 2.0, 4, 3.0  # bench/averaging_scale.py's defaults, the run's settings
 MATCHMAKING_DHT_OPS = 4
+HEARTBEAT_S = 5.0  # bench/averaging_replica.py's --heartbeat-s, which the harness leaves at its default
 MONITOR_READ_EVERY_S = 0.25  # bench/dht_peer.py's WATCH_S
 NEWCOMER_AT_S = 10.0
 
@@ -85,10 +89,10 @@ def averaging_scenario(replicas: int, rounds: int, cpu_table, vector_bytes: int,
         "run": {"seconds": (rounds + 0.5) * STEP_S * EVERY_STEPS, "stages": 1, "batch_s": STEP_S},
         "compute": {"ms": [1.0], "shared_cores": HOST_CORES},
         "links": [{"name": "lan", "up_mbit": up, "down_mbit": down, "rtt_ms": rtt}],
-        "workers": {"replicas": replicas},
+        "workers": {"replicas": replicas, "heartbeat_s": HEARTBEAT_S},
         "dht": {"base_ms": rtt, "cpu_ms_at": [list(pair) for pair in cpu_table]},
         "averaging": {"method": "sparta", "every_steps": EVERY_STEPS, "fraction": 0.25, "vector_bytes": vector_bytes,
-                      "matchmaking_dht_ops": MATCHMAKING_DHT_OPS, "matchmaking_s": WINDOW_S,
+                      "matchmaking_dht_ops": MATCHMAKING_DHT_OPS, "matchmaking_s": WINDOW_S, "between_rounds": True,
                       "allreduce_cpu_ms_per_peer": allreduce[0], "allreduce_cpu_ns_per_byte": allreduce[1]},
     }
 

@@ -119,6 +119,8 @@ class WorkerSection:
     slowdown: tuple[StrictFloat, ...] = setting(
         (1.0,), "replica i of every stage computes slowdown[i % len] times the stage's time (a mixed swarm)",
         min_length=1)
+    heartbeat_s: StrictFloat = setting(
+        0.0, "a worker's heartbeat (a ban-list read, a record store) every so many seconds; 0: not simulated", ge=0)
 
     @model_validator(mode="after")
     def _slowdown_positive(self) -> "WorkerSection":
@@ -169,6 +171,9 @@ class AveragingSection:
     matchmaking_s: StrictFloat = setting(
         40.0, "the matchmaking window: a group short of the stage's live replicas forms when it closes", gt=0)
     optimizer_sync_steps: StrictInt = setting(100, "a joiner's optimizer-sync steps", ge=0)
+    between_rounds: StrictBool = setting(
+        False, "simulate the averaging loop's probes of the round board and its round closes between rounds "
+        "(node/simulate/background.py)")
     allreduce_cpu_ms_per_peer: StrictFloat = setting(
         0.0, "CPU of a member's all-reduce per other member of its group, ms (bench/allreduce_cost.py)", ge=0)
     allreduce_cpu_ns_per_byte: StrictFloat = setting(

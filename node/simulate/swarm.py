@@ -28,6 +28,7 @@ from agora.node.membership.phases import SyncPolicy, entry_phase
 from agora.node.membership.rebalance import RebalancePolicy, plan_move, stage_coverage
 from agora.node.membership.state_download import plan_donors
 from agora.node.replica.epoch import DEFAULT_REPORT_AHEAD
+from agora.node.simulate.background import heartbeat, probing
 from agora.node.simulate.host import SharedCores
 from agora.node.simulate.network import NodeLink, dht_cpu_s, dht_op_s, first_holder_s, path_rtt_s, transmit
 from agora.node.simulate.results import SimulationResult, summarize
@@ -90,6 +91,17 @@ class SimSwarm:
             for replica in range(s.workers.replicas):
                 slowdown = s.workers.slowdown[replica % len(s.workers.slowdown)]
                 self._add_worker(stage, self._speed() * slowdown, self._draw_link(), Phase.MEMBER)
+        for worker in list(self.workers.values()):
+            self._between_rounds(worker)
+
+    def _between_rounds(self, worker: SimWorker) -> None:
+        """The worker's traffic between rounds, where the scenario simulates it (background.py)."""
+        s = self.scenario
+        if s.averaging.between_rounds and s.averaging.method != "none":
+            self.env.process(probing(self, worker))
+        if s.workers.heartbeat_s > 0:
+            phase = self.rng.uniform(0.0, s.workers.heartbeat_s)
+            self.env.process(heartbeat(self, worker, s.workers.heartbeat_s, phase))
 
     # ------------------------------------------------------------------ nodes
     def nodes(self) -> int:
@@ -184,6 +196,7 @@ class SimSwarm:
         phase = entry_phase(own_step=0, resumed_phase=None, donor_steps=[d.step for d in plan.donors],
                             policy=self.policy, run_step=run_step)
         worker = self._add_worker(stage, speed, link, Phase.WEIGHT_SYNC)
+        self._between_rounds(worker)
         worker.started_at = began
         worker.history = []
         worker.enter(phase, self.env.now)

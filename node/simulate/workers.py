@@ -91,6 +91,17 @@ class SimWorker:
     visible_at: Optional[float] = None
     state_at: Optional[float] = None
     history: list = field(default_factory=list)  # (phase, seconds since its start)
+    woken: Optional[simpy.Event] = field(default=None, repr=False)  # a step counted or a round ended
+
+    def wait_wake(self, env: simpy.Environment) -> simpy.Event:
+        """An event that fires at the replica's next step or round end (its loop's wake-ups)."""
+        if self.woken is None or self.woken.triggered:
+            self.woken = env.event()
+        return self.woken
+
+    def wake(self) -> None:
+        if self.woken is not None and not self.woken.triggered:
+            self.woken.succeed()
 
     @property
     def routable(self) -> bool:
@@ -144,13 +155,17 @@ class StageRounds:
         worker.got_microbatches = 0
         worker.advance(self.policy, self.n_slices, self.env.now)
         if not self.enabled or worker.rounding:
+            worker.wake()
             return
         decision = next_round(worker.steps, self.every_steps, worker.last_round, self.announced.get(worker.stage))
         if decision.round is None:
+            worker.wake()
             return
         worker.last_round = decision.round
         self.announced[worker.stage] = max(self.announced.get(worker.stage, 0), decision.round)
+        worker.rounding = True
         self.env.process(self._round(worker, decision.round))
+        worker.wake()
 
     def _round(self, worker: SimWorker, number: int):
         worker.rounding = True
@@ -218,3 +233,4 @@ class StageRounds:
                 if committed:
                     member.slices_averaged.add(round_slice(number, self.n_slices))
             member.advance(self.policy, self.n_slices, self.env.now)
+            member.wake()

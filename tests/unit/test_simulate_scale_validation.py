@@ -28,10 +28,11 @@ def test_a_newcomers_scenario_takes_the_rows_geometry_latencies_and_dht_start():
     assert scenario.churn.admission_s == 2.0 and scenario.churn.join_dht_ops == 1
 
 
-def test_the_all_reduce_cpu_goes_into_the_averaging_scenario():
+def test_the_averaging_scenario_takes_the_all_reduce_cpu_and_the_replicas_traffic_between_rounds():
     scenario = scenario_from_dict(averaging_scenario(4, 3, ((8.0, 10.0),), 1000, (1.5, 20.0)))
     assert scenario.averaging.allreduce_cpu_ms_per_peer == 1.5
     assert scenario.averaging.allreduce_cpu_ns_per_byte == 20.0
+    assert scenario.averaging.between_rounds and scenario.workers.heartbeat_s == 5.0
 
 
 def _cost(replicas: int, vector_bytes: int, per_peer: float, per_byte: float) -> Cost:
