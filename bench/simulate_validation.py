@@ -203,23 +203,37 @@ NOTES = """## What the simulator leaves out, and where it shows
   the simulated ones need 60 to 90 s of sync phases at those paces, more than the 30 s between kills
   leaves most of them, so "never" is what both say for most, but the figures cannot be set side by
   side. The simulator kills the oldest replica of a stage; chaos kills at random, newcomers too.
-- Averaging against R: formation p50 comes within 15% at every R, but two things it leaves out may
-  cancel there. Its DHT operation's CPU is dht_scale's, whose peers are admitted (every record signed
-  and its writer's chain checked) where the averaging harness's are insecure: dearer than the
-  harness's. And the replicas' own DHT traffic between rounds is not simulated: the probes of
-  node/averaging/probes.py at this pace (about 1.5 reads a second) and a heartbeat every 5 s, which
-  at dht_scale's CPU per operation would hold about 60% of the two cores at R = 16 and 19% at R = 8.
-  The simulator starts every replica's round at the same instant (the shared step clock) and shares
-  the cores evenly, so all finish matchmaking together: its p95 is its p50, where the harness's
-  replicas spread (p95 1.4x to 2.3x p50). The all-reduce is its bytes over loopback's rate and two
-  round trips, under a millisecond; the harness measured 14 ms (R = 2) to 0.42 s (R = 16) between formation
-  and the round's end, the R - 1 part exchanges through each replica's p2pd on shared cores: no
-  harness measures that CPU, so the simulated rounds are short by it.
+- Averaging against R: formation p50 within 7% at every R, and round p50 within 9%, with two
+  inputs measured apart from averaging_scale: the all-reduce's CPU (bench/allreduce_cost.py: 1.06 ms
+  per peer and 21 ns per byte a member sends, R = 2 to 4, with every weight 0 against every weight 1;
+  round p50 was -21/-20/-23/-32% at R = 2/4/8/16 without it, -8/-6/-11/-22% with it), and the
+  replicas' traffic between rounds (the loop's probes on its own schedule, its round closes, a
+  heartbeat every 5 s; at R = 16 it moved formation p50 from -14% to +4% and round p50 from -22% to
+  -6%). The same bench's rounds with weight 0 corroborate the CPU the simulated formation takes: the
+  host's CPU per replica for hivemind's matchmaking alone was 20, 26 and 32 ms at R = 2, 3, 4, two of
+  dht_scale's operations at those N being 21, 28 and 34 ms. The simulated formation has four
+  operations, two of them the loop's: its announcement, which runs beside hivemind's matchmaking, and
+  its read of the live replicas, which the loop makes in its probe before the averager's clock
+  starts, so by the code one of the four is early; the early starters' wait for the others' probes,
+  which it stands in for, is not simulated (next point).
+- The p95s stay short (formation -53% at R = 2 to -19% at 16; rounds -55% to -21%). The harness's
+  replicas start a round apart, and nothing in the code's periods puts them apart: each replica's
+  probe falls due at the step itself (the previous probe is older than the 0.75 s base interval
+  when the 2 s step lands) and the heartbeat runs beside the loop. The offsets are the order in which
+  the shared cores serve R replicas' probes (and hivemind's matchmaking, which reads the declared
+  averagers again at once when it found none), which the simulator's processor sharing, every
+  runnable job advancing together, does not give: its replicas finish their probes together. The
+  spread it does show comes from heartbeats falling in some rounds. averaging_scale keeps no
+  replica's start of a round, so the offsets cannot be read from it either.
 - A newcomer against N: "donor found" is under-predicted by 7 to 18% (the newcomer's first read is
-  of three stage keys at once, whose slowest sets it; the input is one read's p50), and "visible to
-  others" comes within 20% up to N = 32. At N = 64 (load 10 to 17) a store's p50 was 9.0 s while the
-  newcomer was seen 1.4 s after its donor: a record is readable at its first holders before the
-  store has heard from all of them, which the simulator (a store visible when it ends) does not say.
+  of three stage keys at once, whose slowest sets it; the input is one read's p50). "Visible to
+  others" within 15%: hivemind's store looks up the key's holders and sends the record to all of
+  them at once, returning when the slowest has answered, and a read takes what the holders it asks
+  have; so the record is readable a lookup and half a round trip after the store began (network.py's
+  `first_holder_s`), where the simulator had it when the store returned (+4/+5/+20/+121% at N = 8 to
+  64; the store's p50 at 64 was 9.0 s, its read's 0.6 s; now +10/0/-15/-10%). The monitor's reads
+  come a read and its 0.25 s sleep apart, and a read is taken to see what the holders had as it
+  began; had it seen what they had as it ended, the figures would be a read shorter (-19% at 64).
 """
 
 
