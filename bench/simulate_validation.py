@@ -203,19 +203,22 @@ NOTES = """## What the simulator leaves out, and where it shows
   the simulated ones need 60 to 90 s of sync phases at those paces, more than the 30 s between kills
   leaves most of them, so "never" is what both say for most, but the figures cannot be set side by
   side. The simulator kills the oldest replica of a stage; chaos kills at random, newcomers too.
-- Averaging against R: formation p50 within 7% at every R, and round p50 within 9%, with two
-  inputs measured apart from averaging_scale: the all-reduce's CPU (bench/allreduce_cost.py: 1.06 ms
-  per peer and 21 ns per byte a member sends, R = 2 to 4, with every weight 0 against every weight 1;
+- Averaging against R: formation p50 within 7% at every R, and round p50 within 9%, with two inputs
+  measured apart from averaging_scale: the all-reduce's CPU (bench/allreduce_cost.py: 1.06 ms per
+  peer and 21 ns per byte a member sends, R = 2 to 4, with every weight 0 against every weight 1;
   round p50 was -21/-20/-23/-32% at R = 2/4/8/16 without it, -8/-6/-11/-22% with it), and the
   replicas' traffic between rounds (the loop's probes on its own schedule, its round closes, a
   heartbeat every 5 s; at R = 16 it moved formation p50 from -14% to +4% and round p50 from -22% to
-  -6%). The same bench's rounds with weight 0 corroborate the CPU the simulated formation takes: the
-  host's CPU per replica for hivemind's matchmaking alone was 20, 26 and 32 ms at R = 2, 3, 4, two of
-  dht_scale's operations at those N being 21, 28 and 34 ms. The simulated formation has four
-  operations, two of them the loop's: its announcement, which runs beside hivemind's matchmaking, and
-  its read of the live replicas, which the loop makes in its probe before the averager's clock
-  starts, so by the code one of the four is early; the early starters' wait for the others' probes,
-  which it stands in for, is not simulated (next point).
+  -6%). The all-reduce's two terms are not well pinned by R = 2 to 4 on a shared host: a second run
+  of the bench (60 rounds, at a load of about 3 from other work) fitted 2.57 ms per peer and 9.0 ns
+  per byte, 43 ms per member at R = 16 against the input's 26; with it round p50 would be
+  -11/-6/-5/-5%, p95 -57/-36/-25/-13%. The same bench's rounds with weight 0 corroborate the CPU the
+  simulated formation takes: the host's CPU per replica for hivemind's matchmaking alone was 20, 26
+  and 32 ms at R = 2, 3, 4, two of dht_scale's operations at those N being 21, 28 and 34 ms. The
+  simulated formation has four operations, two of them the loop's: its announcement, which runs
+  beside hivemind's matchmaking, and its read of the live replicas, which the loop makes in its
+  probe before the averager's clock starts, so by the code one of the four is early; the early
+  starters' wait for the others' probes, which it stands in for, is not simulated (next point).
 - The p95s stay short (formation -53% at R = 2 to -19% at 16; rounds -55% to -21%). The harness's
   replicas start a round apart, and nothing in the code's periods puts them apart: each replica's
   probe falls due at the step itself (the previous probe is older than the 0.75 s base interval
