@@ -77,7 +77,7 @@ from agora.node.averaging.sparta import (
     second_moment_offset,
 )
 from agora.node.averaging.hooked import Hooked, HookedSnapshots
-from agora.node.averaging.probes import ProbeSchedule
+from agora.node.averaging.probes import ProbeSchedule, probe_intervals
 from agora.node.averaging.stats import AveragingStats
 from agora.node.replica.compute import StageCompute
 from agora.node.worker.worker import StageWorker
@@ -132,9 +132,7 @@ class AveragingLoop:
         self.seed = seed
         self.stats = stats if stats is not None else AveragingStats(sync.method)  # the process's registry, or its own
         self._board = board
-        # Well inside the matchmaking window, so a slower replica joins the fastest one's round.
-        self.probe_s = probe_s if probe_s is not None else min(10.0, max(0.25, sync.matchmaking_s / 4))
-        quiet_probe_s = max(self.probe_s, quiet_probe_s if quiet_probe_s is not None else sync.matchmaking_s / 2)
+        self.probe_s, quiet_probe_s = probe_intervals(sync.matchmaking_s, probe_s, quiet_probe_s)
         self._probes = ProbeSchedule(self.probe_s, quiet_probe_s)
         self._announced: Optional[int] = None
         self._refused_counted: dict[str, int] = {}  # the board's refusals already in the stats

@@ -26,7 +26,15 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-__all__ = ["ProbeSchedule"]
+__all__ = ["ProbeSchedule", "probe_intervals"]
+
+
+def probe_intervals(matchmaking_s: float, probe_s: Optional[float] = None,
+                    quiet_probe_s: Optional[float] = None) -> tuple[float, float]:
+    """(base_s, quiet_s) for a matchmaking window, unless given: a quarter of the window (well inside
+    it, so a slower replica joins the fastest one's round; 0.25 s to 10 s), and half of it quiet."""
+    base = probe_s if probe_s is not None else min(10.0, max(0.25, matchmaking_s / 4))
+    return base, max(base, quiet_probe_s if quiet_probe_s is not None else matchmaking_s / 2)
 
 
 class ProbeSchedule:

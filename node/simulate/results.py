@@ -4,7 +4,8 @@
   the time after it (a global batch is too coarse a unit for a short run).
 - per-stage utilization: compute time of the stage's replicas after the warm-up over their time
   alive then (a stage at ~1 is the pipeline's bound).
-- round durations: every averaging round's matchmaking plus all-reduce (mean, max; committed ones).
+- round durations: every averaging round's matchmaking plus all-reduce (mean, max; committed ones),
+  and the mean of its members' time from their start to the group's forming.
 - newcomers: seconds from a newcomer's start to its stage's state and to member, None if it was
   not a member by the end.
 - the bottleneck, named by the first rule that holds: a stage busy at least `BUSY` of the time is
@@ -34,6 +35,8 @@ class NewcomerTimes:
     started_s: float
     to_state_s: Optional[float]
     to_member_s: Optional[float]
+    to_donor_s: Optional[float] = None  # its first reads named a donor
+    to_visible_s: Optional[float] = None  # its first record at a holder: others can read it
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class SimulationResult:
     stage_utilization: list[float]
     round_mean_s: Optional[float]
     round_max_s: Optional[float]
+    formation_mean_s: Optional[float]  # a member's start to its group's forming, committed rounds
     rounds: int
     rounds_committed: int
     round_window_s: Optional[float]  # compute time between two rounds of a stage
@@ -100,18 +104,21 @@ def summarize(swarm) -> SimulationResult:
     utilization = _utilization(swarm)
     rounds = [r for r in swarm.rounds.log if r.started >= s.run.warmup_s] or swarm.rounds.log
     committed = [r.seconds for r in rounds if r.committed]
+    formations = [f for r in rounds if r.committed for f in r.formations]
     round_mean = statistics.fmean(committed) if committed else None
     window = None
     if batches and s.averaging.method != "none":
         window = s.averaging.every_steps * end / batches  # every replica steps on every global batch
     latencies = [x for trainer in swarm.trainers for x in trainer.latencies]
     latency = statistics.fmean(latencies) if latencies else None
-    newcomers = [NewcomerTimes(w.stage, round(w.started_at, 3), getattr(w, "state_at", None),
-                               next((at for phase, at in w.history if phase == "member"), None))
+    newcomers = [NewcomerTimes(w.stage, round(w.started_at, 3), w.state_at,
+                               next((at for phase, at in w.history if phase == "member"), None), w.donor_at,
+                               w.visible_at)
                  for w in swarm.joins]
     return SimulationResult(
         seconds=end, tokens_per_s=tokens_per_s, global_batches=batches, stage_utilization=utilization,
-        round_mean_s=round_mean, round_max_s=max(committed) if committed else None, rounds=len(rounds),
+        round_mean_s=round_mean, round_max_s=max(committed) if committed else None,
+        formation_mean_s=statistics.fmean(formations) if formations else None, rounds=len(rounds),
         rounds_committed=len(committed), round_window_s=window, latency_s=latency,
         depth_cap=swarm.trainers[0].max_in_flight if swarm.trainers else 0,
         depth_last=[t.limit.limit for t in swarm.trainers], newcomers=newcomers, departures=swarm.departures,
@@ -130,11 +137,12 @@ def format_result(result: SimulationResult) -> str:
              f"microbatch latency (unqueued): {seconds(result.latency_s)}; depth now "
              f"{', '.join(map(str, result.depth_last))} (cap {result.depth_cap})",
              f"averaging rounds: {result.rounds} ({result.rounds_committed} committed), mean {seconds(result.round_mean_s)}, "
-             f"max {seconds(result.round_max_s)}",
+             f"max {seconds(result.round_max_s)}; group formed after {seconds(result.formation_mean_s)} (mean)",
              f"bottleneck: {result.bottleneck}"]
     for newcomer in result.newcomers:
-        lines.append(f"newcomer at {newcomer.started_s:.0f} s (stage {newcomer.stage}): state after "
-                     f"{seconds(newcomer.to_state_s)}, member after {seconds(newcomer.to_member_s)}")
+        lines.append(f"newcomer at {newcomer.started_s:.0f} s (stage {newcomer.stage}): donor named after "
+                     f"{seconds(newcomer.to_donor_s)}, seen by others after {seconds(newcomer.to_visible_s)}, "
+                     f"state after {seconds(newcomer.to_state_s)}, member after {seconds(newcomer.to_member_s)}")
     if result.departures or result.moves:
         lines.append(f"departures: {result.departures}, rebalancing moves: {result.moves}")
     return "\n".join(lines)

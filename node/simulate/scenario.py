@@ -14,8 +14,8 @@ microbatches). The swarm's decisions are not settings here: the simulator calls 
     [trainers]   count, link, CPU per microbatch, staleness cap or fixed depth
     [workers]    replicas per stage, credits, speed spread
     [wire]       bytes per token of a Forward's and a Backward's frames
-    [dht]        latency of one operation: base + per doubling of the swarm's size
-    [averaging]  the run's SyncConfig fields that shape rounds, and the averaged vector's size
+    [dht]        one operation's latency (base + per doubling, or measured against the swarm's size), its CPU
+    [averaging]  the run's SyncConfig fields that shape rounds, the averaged vector's size, the all-reduce's CPU
     [churn]      arrivals per hour, mean lifetime, a newcomer's admission and state size
 """
 
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError, model_validator
+from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError, model_validator
 from pydantic.dataclasses import dataclass
 
 from agora.pipeline.schema import SECTION, ConfigError, explain, setting
@@ -47,7 +47,7 @@ class RunSection:
     seconds: StrictFloat = setting(120.0, "simulated seconds of training", gt=0, le=100 * 86400)
     warmup_s: StrictFloat = setting(0.0, "seconds left out of the throughput figures (the pipeline filling)", ge=0)
     seed: StrictInt = setting(0, "seed of every random draw (links by share, churn, speed spread)", ge=0)
-    stages: StrictInt = setting(3, "pipeline stages", ge=2, le=64)
+    stages: StrictInt = setting(3, "pipeline stages (1: one stage's replicas alone, with batch_s)", ge=1, le=64)
     tokens_per_microbatch: StrictInt = setting(256, "tokens in one microbatch", gt=0)
     microbatches: StrictInt = setting(4, "microbatches per global batch", gt=0)
     batch_s: StrictFloat | None = setting(
@@ -56,6 +56,8 @@ class RunSection:
 
     @model_validator(mode="after")
     def _warmup_within(self) -> "RunSection":
+        if self.stages == 1 and self.batch_s is None:
+            raise ValueError("stages: a pipeline needs 2; one stage's replicas alone run on run.batch_s")
         if self.warmup_s >= self.seconds:
             raise ValueError(f"warmup_s: {self.warmup_s} leaves nothing of run.seconds={self.seconds} to measure")
         return self
@@ -66,7 +68,7 @@ class ComputeSection:
     """A replica's compute per microbatch, per stage (a head or body runs a Forward and a Backward, the
     tail one call that does both)."""
 
-    ms: tuple[StrictFloat, ...] = setting((20.0, 20.0, 20.0), "compute per microbatch of each stage, ms", min_length=2)
+    ms: tuple[StrictFloat, ...] = setting((20.0, 20.0, 20.0), "compute per microbatch of each stage, ms", min_length=1)
     step_ms: tuple[StrictFloat, ...] = setting((), "each stage's optimizer step on a replica's executor, ms "
                                                "(empty: none)")
     forward_share: StrictFloat = setting(0.5, "a head's or body's Forward's share of its compute", gt=0, lt=1)
@@ -94,6 +96,9 @@ class LinkSection:
     down_mbit: StrictFloat = setting(..., "download rate, Mbit/s", gt=0)
     rtt_ms: StrictFloat = setting(0.0, "access round trip, ms (two nodes see the mean of theirs)", ge=0, le=10_000)
     share: StrictFloat = setting(1.0, "relative share of the workers on this kind of link (0: trainers only)", ge=0)
+    slow_start_after_idle: StrictBool = setting(
+        False, "the hosts' net.ipv4.tcp_slow_start_after_idle (Linux's default is on): a connection idle longer "
+        "than its retransmission timeout sends again from a smaller congestion window (network.py)")
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -114,6 +119,8 @@ class WorkerSection:
     slowdown: tuple[StrictFloat, ...] = setting(
         (1.0,), "replica i of every stage computes slowdown[i % len] times the stage's time (a mixed swarm)",
         min_length=1)
+    heartbeat_s: StrictFloat = setting(
+        0.0, "a worker's heartbeat (a ban-list read, a record store) every so many seconds; 0: not simulated", ge=0)
 
     @model_validator(mode="after")
     def _slowdown_positive(self) -> "WorkerSection":
@@ -132,6 +139,25 @@ class WireSection:
 class DHTSection:
     base_ms: StrictFloat = setting(5.0, "one DHT operation's latency in a swarm of 2 nodes, ms", ge=0)
     per_doubling_ms: StrictFloat = setting(0.0, "what each doubling of the swarm adds (Kademlia: log N hops)", ge=0)
+    get_ms_at: tuple[tuple[StrictFloat, StrictFloat], ...] = setting(
+        (), "measured [nodes, ms] of a get against the swarm's size; when given, replaces base_ms and "
+        "per_doubling_ms (network.py's `at_size` reads between them)")
+    store_ms_at: tuple[tuple[StrictFloat, StrictFloat], ...] = setting(
+        (), "measured [nodes, ms] of a store against the swarm's size (none: a store takes a get's time)")
+    cpu_ms_at: tuple[tuple[StrictFloat, StrictFloat], ...] = setting(
+        (), "measured [nodes, CPU ms] one operation costs the swarm's hosts (its own and its serving), taken "
+        "on compute.shared_cores when given (none: no CPU)")
+
+    @model_validator(mode="after")
+    def _tables(self) -> "DHTSection":
+        for name in ("get_ms_at", "store_ms_at", "cpu_ms_at"):
+            table = getattr(self, name)
+            sizes = [nodes for nodes, _ in table]
+            if any(nodes < 1 for nodes in sizes) or sizes != sorted(set(sizes)):
+                raise ValueError(f"{name}: node counts must be >= 1 and increasing, got {sizes}")
+            if any(value < 0 for _, value in table):
+                raise ValueError(f"{name}: every value must be >= 0, got {[value for _, value in table]}")
+        return self
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -140,8 +166,18 @@ class AveragingSection:
     every_steps: StrictInt = setting(20, "local optimizer steps between rounds", gt=0)
     fraction: StrictFloat = setting(0.05, "share of every tensor per round", gt=0, le=1)
     vector_bytes: StrictInt = setting(1_000_000, "bytes of one stage's averaged slice", ge=0)
-    matchmaking_dht_ops: StrictInt = setting(4, "DHT operations a round's matchmaking takes", ge=0)
+    matchmaking_dht_ops: StrictInt = setting(
+        4, "DHT operations of a replica's matchmaking before it joins a group, two at a time (workers.py)", ge=0)
+    matchmaking_s: StrictFloat = setting(
+        40.0, "the matchmaking window: a group short of the stage's live replicas forms when it closes", gt=0)
     optimizer_sync_steps: StrictInt = setting(100, "a joiner's optimizer-sync steps", ge=0)
+    between_rounds: StrictBool = setting(
+        False, "simulate the averaging loop's probes of the round board and its round closes between rounds "
+        "(node/simulate/background.py)")
+    allreduce_cpu_ms_per_peer: StrictFloat = setting(
+        0.0, "CPU of a member's all-reduce per other member of its group, ms (bench/allreduce_cost.py)", ge=0)
+    allreduce_cpu_ns_per_byte: StrictFloat = setting(
+        0.0, "CPU of a member's all-reduce per byte it sends, ns (bench/allreduce_cost.py)", ge=0)
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -155,6 +191,8 @@ class ChurnSection:
     state_load_s: StrictFloat = setting(0.0, "loading the downloaded state, seconds", ge=0)
     kill_at_s: tuple[StrictFloat, ...] = setting((), "times a worker (the oldest of a stage, in turn) is killed "
                                                  "and a newcomer starts for it, seconds")
+    join_at_s: tuple[StrictFloat, ...] = setting((), "times one more worker starts (on the least covered "
+                                                 "stage), seconds")
 
 
 @dataclass(frozen=True, config=SECTION)

@@ -7,8 +7,8 @@ simpy to `run.seconds`, and returns a `SimulationResult`. Every random draw come
 `random.Random(run.seed)`, so a scenario and its seed give the same result.
 
 Membership, with the project's rules (node/membership/): a newcomer is admitted and joins the DHT,
-starts where `entry_phase` says, downloads its stage's state from the most advanced member over
-their links, then syncs (workers.py) until `next_phase` makes it a member. An arrival joins the
+starts where `entry_phase` says, downloads its stage's state from the donor `plan_donors` names
+over their links, then syncs (workers.py) until `next_phase` makes it a member. An arrival joins the
 stage `stage_coverage` (rebalance.py) finds least covered. Every `interval_s` each member asks
 `plan_move`; a plan that holds for `confirmations` checks in a row moves it (one at a time in the
 swarm): it leaves and joins the target stage as a newcomer. A leaving worker finishes the calls it
@@ -26,8 +26,11 @@ import simpy
 from agora.dht.records import Phase
 from agora.node.membership.phases import SyncPolicy, entry_phase
 from agora.node.membership.rebalance import RebalancePolicy, plan_move, stage_coverage
+from agora.node.membership.state_download import plan_donors
+from agora.node.replica.epoch import DEFAULT_REPORT_AHEAD
+from agora.node.simulate.background import heartbeat, probing
 from agora.node.simulate.host import SharedCores
-from agora.node.simulate.network import NodeLink, dht_op_s, transmit
+from agora.node.simulate.network import NodeLink, dht_cpu_s, dht_op_s, first_holder_s, path_rtt_s, transmit
 from agora.node.simulate.results import SimulationResult, summarize
 from agora.node.simulate.scenario import Scenario
 from agora.node.simulate.trainer import CallCosts, SimTrainer
@@ -64,10 +67,13 @@ class SimSwarm:
         self.policy = SyncPolicy(optimizer_sync_steps=s.averaging.optimizer_sync_steps)
         self.rebalance = RebalancePolicy()
         self.rounds = StageRounds(self.env, every_steps=s.averaging.every_steps, n_slices=max(1, self.n_slices),
-                                  vector_bytes=s.averaging.vector_bytes,
-                                  matchmaking_s=lambda: s.averaging.matchmaking_dht_ops * self.dht_op_s(),
-                                  policy=self.policy, enabled=s.averaging.method != "none")
-        self.board = SimLeaseBoard(self.env, total=_UNITS, lease_s=_LEASE_S, dht_op_s=self.dht_op_s)
+                                  vector_bytes=s.averaging.vector_bytes, window_s=s.averaging.matchmaking_s,
+                                  matchmaking=self._matchmaking, live=self._live_replicas,
+                                  policy=self.policy, enabled=s.averaging.method != "none",
+                                  cpu=lambda seconds: self.compute(seconds, since=self.env.now),
+                                  allreduce_cpu=(s.averaging.allreduce_cpu_ms_per_peer / 1000.0,
+                                                 s.averaging.allreduce_cpu_ns_per_byte / 1e9))
+        self.board = SimLeaseBoard(self.env, total=_UNITS, lease_s=_LEASE_S, dht_op=self.dht_op)
         self.trainer_count = s.trainers.count if s.run.batch_s is None else 0
         self.batches: list[tuple[float, int]] = []  # the batch clock's global batches
         options = TrainerOptions(run_id="simulated", max_staleness=s.trainers.max_staleness,
@@ -85,13 +91,44 @@ class SimSwarm:
             for replica in range(s.workers.replicas):
                 slowdown = s.workers.slowdown[replica % len(s.workers.slowdown)]
                 self._add_worker(stage, self._speed() * slowdown, self._draw_link(), Phase.MEMBER)
+        for worker in list(self.workers.values()):
+            self._between_rounds(worker)
+
+    def _between_rounds(self, worker: SimWorker) -> None:
+        """The worker's traffic between rounds, where the scenario simulates it (background.py)."""
+        s = self.scenario
+        if s.averaging.between_rounds and s.averaging.method != "none":
+            self.env.process(probing(self, worker))
+        if s.workers.heartbeat_s > 0:
+            phase = self.rng.uniform(0.0, s.workers.heartbeat_s)
+            self.env.process(heartbeat(self, worker, s.workers.heartbeat_s, phase))
 
     # ------------------------------------------------------------------ nodes
     def nodes(self) -> int:
         return len(self.trainers) + sum(1 for w in self.workers.values() if w.alive)
 
-    def dht_op_s(self) -> float:
-        return dht_op_s(self.scenario.dht, self.nodes())
+    def dht_op_s(self, kind: str = "get") -> float:
+        return dht_op_s(self.scenario.dht, self.nodes(), kind)
+
+    def dht_op(self, kind: str = "get"):
+        """A simpy process: one DHT operation, its CPU on the host's cores (where the scenario gives
+        one: a loaded host's operations wait for a core) and then its latency."""
+        cpu = dht_cpu_s(self.scenario.dht, self.nodes())
+        if cpu > 0:
+            yield from self.compute(cpu, since=self.env.now)
+        yield self.env.timeout(self.dht_op_s(kind))
+
+    def _matchmaking(self, worker: SimWorker):
+        """A simpy process: a replica's DHT operations before it joins a round's group, a store with a
+        read at a time (workers.py's `StageRounds` says which)."""
+        count = self.scenario.averaging.matchmaking_dht_ops
+        for first in range(0, count, 2):
+            pair = ("store", "get")[:min(2, count - first)]
+            yield self.env.all_of([self.env.process(self.dht_op(kind)) for kind in pair])
+
+    def _live_replicas(self, stage: int) -> int:
+        """The round board's count (dht/round_board.py's `replicas`): the stage's live workers."""
+        return sum(1 for w in self.workers.values() if w.alive and w.stage == stage)
 
     def _draw_link(self):
         kinds = [link for link in self.scenario.links if link.share > 0]
@@ -146,31 +183,41 @@ class SimSwarm:
             self.version += 1
 
     def newcomer(self, stage: int, link, speed: float):
-        """A simpy process: one replica's start, admission, entry, download and sync."""
+        """A simpy process: one replica's start and admission, its first reads (every stage's records,
+        node/membership/state_download.py's `plan_donors` naming a donor), its entry, its first
+        announcement (a store: then others see it) beside its download, and its sync."""
         s = self.scenario.churn
         began = self.env.now
-        yield self.env.timeout(s.admission_s + s.join_dht_ops * self.dht_op_s())
-        members = [w for w in self.workers.values() if w.alive and w.stage == stage and w.phase == Phase.MEMBER]
+        yield self.env.timeout(s.admission_s)
+        for _ in range(s.join_dht_ops):
+            yield from self.dht_op()
+        plan = self._donor_plan(stage)
         run_step = max((w.steps for w in self.workers.values() if w.alive and w.phase == Phase.MEMBER), default=None)
-        phase = entry_phase(own_step=0, resumed_phase=None, donor_steps=[m.steps for m in members],
+        phase = entry_phase(own_step=0, resumed_phase=None, donor_steps=[d.step for d in plan.donors],
                             policy=self.policy, run_step=run_step)
         worker = self._add_worker(stage, speed, link, Phase.WEIGHT_SYNC)
+        self._between_rounds(worker)
         worker.started_at = began
         worker.history = []
         worker.enter(phase, self.env.now)
         self.joins.append(worker)
+        self.env.process(self._announce(worker))
+        if plan.donors:
+            worker.donor_at = self.env.now - began
         if phase == Phase.MEMBER:
             worker.state_at = self.env.now - began
             return
         empty_since = self.env.now
-        while not members:  # SyncPhases.download: ask again, and after empty_stage_wait_s be the stage's state
+        while not plan.donors:  # SyncPhases.download: ask again, and after empty_stage_wait_s be the stage's state
             if self.env.now - empty_since >= self.policy.empty_stage_wait_s:
                 worker.enter(Phase.MEMBER, self.env.now)
                 worker.state_at = self.env.now - began
                 return
             yield self.env.timeout(_RETRY_S)
-            members = [w for w in self.workers.values() if w.alive and w.stage == stage and w.phase == Phase.MEMBER]
-        donor = max(members, key=lambda m: (m.steps, m.peer_id))
+            plan = self._donor_plan(stage)
+        if worker.donor_at is None:
+            worker.donor_at = self.env.now - began
+        donor = self.workers[plan.donors[0].peer_id]
         yield from transmit(self.env, donor.link, worker.link, s.state_bytes)
         yield self.env.timeout(s.state_load_s)
         worker.downloaded = True
@@ -178,6 +225,24 @@ class SimSwarm:
         worker.state_at = self.env.now - began
         worker.advance(self.policy, max(1, self.n_slices), self.env.now)
         self.version += 1
+
+    def _donor_plan(self, stage: int):
+        """`plan_donors` over what the workers' records say (their queues are not simulated: ties at random)."""
+        by_stage: dict = {}
+        for w in self.workers.values():
+            if w.alive:
+                by_stage.setdefault(w.stage, []).append(
+                    SimpleNamespace(peer_id=w.peer_id, endpoint="", step=w.steps, queue_depth=0, phase=w.phase))
+        return plan_donors(by_stage, stage, "", self.rng, max_gap=DEFAULT_REPORT_AHEAD)
+
+    def _announce(self, worker: SimWorker):
+        """A newcomer's first record: a store, readable once its first holder has it
+        (network.py's `first_holder_s`); nothing waits for the store's return."""
+        cpu = dht_cpu_s(self.scenario.dht, self.nodes())
+        if cpu > 0:
+            yield from self.compute(cpu, since=self.env.now)
+        yield self.env.timeout(first_holder_s(self.scenario.dht, self.nodes(), path_rtt_s(worker.link, worker.link)))
+        worker.visible_at = self.env.now - worker.started_at
 
     def _least_covered(self) -> int:
         coverage = stage_coverage(self._records(), self.scenario.run.stages)
@@ -218,6 +283,10 @@ class SimSwarm:
         if victims:
             self.leave(victims[0])
             yield from self.newcomer(stage, victims[0].link.kind, victims[0].speed)
+
+    def _join(self, at: float):
+        yield self.env.timeout(at)
+        yield from self._arrive(self._least_covered())
 
     def _rebalancing(self):
         checked = -1
@@ -276,6 +345,8 @@ class SimSwarm:
                 self.env.process(self._lifetime(worker))
         for turn, at in enumerate(s.churn.kill_at_s):
             self.env.process(self._kill(at, turn))
+        for at in s.churn.join_at_s:
+            self.env.process(self._join(at))
         if s.run.stages > 1:
             self.env.process(self._rebalancing())
         self.env.run(until=s.run.seconds)

@@ -3,14 +3,15 @@
 A trainer claims as node/trainer/units.py and dht/leases.py do: `next_candidates` picks the units to
 try, the claim is a store, a read, a wait as long as both took (at least `CLAIM_SETTLE_S`) and a
 read again, and it holds the unit only if `resolve` names it holder both times; a commit is one
-store. A store is visible to others once its DHT operation has taken its time. Entries carry the
-two views `resolve` reads (committed units, live claims) and nothing else.
+store. A store is visible to others once its DHT operation has taken its time (and its CPU where
+the scenario gives one: the swarm's `dht_op`). Entries carry the two views `resolve` reads
+(committed units, live claims) and nothing else.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Generator, Optional
 
 import simpy
 
@@ -37,8 +38,8 @@ class SimUnitEntry:
 class SimLeaseBoard:
     """Every trainer's entry (one block is enough for a simulation's units)."""
 
-    def __init__(self, env: simpy.Environment, *, total: int, lease_s: float, dht_op_s: Callable[[], float]):
-        self.env, self.total, self.lease_s, self.dht_op_s = env, total, lease_s, dht_op_s
+    def __init__(self, env: simpy.Environment, *, total: int, lease_s: float, dht_op: Callable[[str], Generator]):
+        self.env, self.total, self.lease_s, self.dht_op = env, total, lease_s, dht_op
         self.entries: dict[str, SimUnitEntry] = {}
         self.low = 0
         self.duplicates = 0
@@ -59,12 +60,12 @@ class SimLeaseBoard:
         for unit in next_candidates(self._states(), low=self.low, total=self.total, now=self.env.now,
                                     stripe=stripe, limit=4):
             began = self.env.now
-            yield self.env.timeout(self.dht_op_s())  # store
+            yield from self.dht_op("store")
             entry.claims[unit] = (began, self.env.now + self.lease_s)
-            yield self.env.timeout(self.dht_op_s())  # read back
+            yield from self.dht_op("get")  # read back
             if self._state(unit).holder == peer:
                 yield self.env.timeout(max(CLAIM_SETTLE_S, self.env.now - began))
-                yield self.env.timeout(self.dht_op_s())  # and again
+                yield from self.dht_op("get")  # and again
                 if self._state(unit).holder == peer:
                     return unit
             entry.claims.pop(unit, None)
@@ -76,7 +77,7 @@ class SimLeaseBoard:
             entry.claims[unit] = (entry.claims[unit][0], self.env.now + self.lease_s)
 
     def commit(self, peer: str, unit: int):
-        yield self.env.timeout(self.dht_op_s())
+        yield from self.dht_op("store")
         entry = self.entries[peer]
         entry.claims.pop(unit, None)
         self.duplicates += unit in self.committed

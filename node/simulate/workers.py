@@ -8,10 +8,20 @@ does between jobs is the project's own decisions, called with what it has observ
   a unit once). After each, `next_round` (node/averaging/sparta.py) says whether a round is due;
   the stage's first replica to reach a round announces it, so the others start it too (the fastest
   sets the pace), and a round that comes due while one runs is skipped.
-- Rounds: replicas that start round r within one matchmaking window form its group
-  (`StageRounds`); it lasts the matchmaking's DHT operations plus the all-reduce, whose bytes per
-  peer are dht/averaging.py's `estimated_bytes` over the slowest member's link. A group of one
-  commits nothing. Its slice is `round_slice`.
+- Rounds (`StageRounds`): a replica that counts itself alone on the stage (the round board's live
+  replicas, node/averaging/loop.py) is `alone` at once. Otherwise it makes its matchmaking's DHT
+  operations, two at a time (the loop's announcement with its read of the live replicas, then
+  hivemind's declaration with its read of the declared averagers), and joins the round's leader:
+  the replica that started the round first (hivemind's matchmaking follows the earliest declared
+  expiration). The group forms when every live replica the leader expects has joined (dht/averaging.py
+  makes that count the matchmaking target), or when the leader's window (`matchmaking_s`) closes
+  with whoever joined; one that joins later is alone. Each member's formation is the group's forming
+  less its own start, as `RoundResult.formation_s`. The all-reduce then takes each member's CPU
+  (a cost per other member and per byte it sends, as bench/allreduce_cost.py measured them: its
+  averager process and p2pd serializing, sending, reducing), all members at once on the shared
+  cores where the scenario shares them, then dht/averaging.py's `estimated_bytes` per peer over the
+  slowest member's link and two round trips. A group of one commits nothing. Its slice is
+  `round_slice`.
 - Phases: a newcomer's entry (`entry_phase`) and every move on (`next_phase`) are
   node/membership/phases.py's pure rules, fed the steps, updates, rounds and slices it observed.
 """
@@ -19,7 +29,7 @@ does between jobs is the project's own decisions, called with what it has observ
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Generator, Optional
 
 import simpy
 
@@ -40,6 +50,18 @@ class RoundLog:
     seconds: float
     group: int
     committed: bool
+    formations: tuple = ()  # each member's start to the group's forming, s
+    durations: tuple = ()  # each member's start to the round's end, s
+
+
+@dataclass
+class _Forming:
+    """A round's group while it forms: the leader's expectation and window, who joined in time."""
+
+    expected: int
+    closes_at: float
+    formed: simpy.Event
+    joined: list = field(default_factory=list)  # (replica, its start), in order of joining
 
 
 @dataclass(eq=False)
@@ -64,7 +86,22 @@ class SimWorker:
     rounds: int = 0
     slices_averaged: set = field(default_factory=set)
     got_microbatches: int = 0  # in the global batch now running
+    # a newcomer's times from its start: a donor named, its first record at a holder, its stage's state held
+    donor_at: Optional[float] = None
+    visible_at: Optional[float] = None
+    state_at: Optional[float] = None
     history: list = field(default_factory=list)  # (phase, seconds since its start)
+    woken: Optional[simpy.Event] = field(default=None, repr=False)  # a step counted or a round ended
+
+    def wait_wake(self, env: simpy.Environment) -> simpy.Event:
+        """An event that fires at the replica's next step or round end (its loop's wake-ups)."""
+        if self.woken is None or self.woken.triggered:
+            self.woken = env.event()
+        return self.woken
+
+    def wake(self) -> None:
+        if self.woken is not None and not self.woken.triggered:
+            self.woken.succeed()
 
     @property
     def routable(self) -> bool:
@@ -97,11 +134,16 @@ class StageRounds:
     """The averaging rounds of every stage: groups, durations, and what each round did."""
 
     def __init__(self, env: simpy.Environment, *, every_steps: int, n_slices: int, vector_bytes: int,
-                 matchmaking_s: Callable[[], float], policy: SyncPolicy, enabled: bool):
+                 window_s: float, matchmaking: Callable[[SimWorker], Generator], live: Callable[[int], int],
+                 policy: SyncPolicy, enabled: bool, cpu: Callable[[float], Generator] = None,
+                 allreduce_cpu: tuple[float, float] = (0.0, 0.0)):
         self.env, self.every_steps, self.n_slices = env, every_steps, n_slices
-        self.vector_bytes, self.matchmaking_s, self.policy, self.enabled = vector_bytes, matchmaking_s, policy, enabled
+        self.vector_bytes, self.window_s, self.policy, self.enabled = vector_bytes, window_s, policy, enabled
+        self.matchmaking, self.live = matchmaking, live
+        self.cpu = cpu  # a simpy process taking that many CPU seconds (on the shared cores, if any)
+        self.allreduce_cpu = allreduce_cpu  # (s per other member, s per byte sent)
         self.announced: dict[int, int] = {}  # stage -> highest round announced
-        self._groups: dict[tuple[int, int], list[SimWorker]] = {}
+        self._forming: dict[tuple[int, int], _Forming] = {}
         self.log: list[RoundLog] = []
 
     def stepped(self, worker: SimWorker, tokens: int) -> None:
@@ -113,37 +155,82 @@ class StageRounds:
         worker.got_microbatches = 0
         worker.advance(self.policy, self.n_slices, self.env.now)
         if not self.enabled or worker.rounding:
+            worker.wake()
             return
         decision = next_round(worker.steps, self.every_steps, worker.last_round, self.announced.get(worker.stage))
         if decision.round is None:
+            worker.wake()
             return
         worker.last_round = decision.round
         self.announced[worker.stage] = max(self.announced.get(worker.stage, 0), decision.round)
+        worker.rounding = True
         self.env.process(self._round(worker, decision.round))
+        worker.wake()
 
     def _round(self, worker: SimWorker, number: int):
         worker.rounding = True
-        key = (worker.stage, number)
-        group = self._groups.setdefault(key, [])
-        group.append(worker)
-        started = self.env.now
-        if len(group) == 1:  # the first to look: the group forms within its matchmaking
-            yield self.env.timeout(self.matchmaking_s())
-            del self._groups[key]
-            members = [w for w in group if w.alive]
-            size = len(members)
-            slowest = max((estimated_bytes(self.vector_bytes, size) * 8 /
-                           min(w.link.kind.up_mbit, w.link.kind.down_mbit) / 1e6 for w in members), default=0.0)
-            rtt = max((path_rtt_s(a.link, b.link) for a in members for b in members), default=0.0)
-            yield self.env.timeout(slowest + (2 * rtt if size > 1 else 0.0))
-            committed = size > 1
-            self.log.append(RoundLog(worker.stage, number, started, self.env.now - started, size, committed))
-            for member in members:
-                member.rounding = False
-                member.samples_since_round = 0
-                if member.downloaded:
-                    member.rounds += 1
-                    if committed:
-                        member.slices_averaged.add(round_slice(number, self.n_slices))
-                member.advance(self.policy, self.n_slices, self.env.now)
-        # the others are released by the first one's process above
+        started, key = self.env.now, (worker.stage, number)
+        if self.live(worker.stage) <= 1:
+            self._ended([(worker, started)], number, started, formed_at=None)
+            return
+        forming = self._forming.get(key)
+        if forming is None:  # this replica leads: the first to start the round
+            forming = self._forming[key] = _Forming(self.live(worker.stage), started + self.window_s,
+                                                    self.env.event())
+            self.env.process(self._window(key, forming))
+        yield from self.matchmaking(worker)
+        if forming.formed.triggered:  # the leader formed the group without it
+            self._ended([(worker, started)], number, started, formed_at=None)
+            return
+        forming.joined.append((worker, started))
+        if len(forming.joined) >= forming.expected:
+            self._form(key, forming)
+        yield forming.formed
+        if forming.joined[0][0] is not worker:
+            return  # the first to join times the all-reduce for the whole group
+        formed_at = self.env.now
+        members = [w for w, _ in forming.joined if w.alive]
+        cpu = self.allreduce_cpu_s(len(members))
+        if cpu > 0 and self.cpu is not None:
+            yield self.env.all_of([self.env.process(self.cpu(cpu)) for _ in members])
+        slowest = max((estimated_bytes(self.vector_bytes, len(members)) * 8 /
+                       min(w.link.kind.up_mbit, w.link.kind.down_mbit) / 1e6 for w in members), default=0.0)
+        rtt = max((path_rtt_s(a.link, b.link) for a in members for b in members), default=0.0)
+        yield self.env.timeout(slowest + (2 * rtt if len(members) > 1 else 0.0))
+        self._ended([(w, at) for w, at in forming.joined if w.alive], number, started, formed_at)
+
+    def allreduce_cpu_s(self, group: int) -> float:
+        """One member's all-reduce CPU in a group of `group` (none alone)."""
+        if group <= 1:
+            return 0.0
+        per_peer, per_byte = self.allreduce_cpu
+        return per_peer * (group - 1) + per_byte * estimated_bytes(self.vector_bytes, group)
+
+    def _window(self, key: tuple[int, int], forming: _Forming):
+        yield self.env.timeout(max(0.0, forming.closes_at - self.env.now))
+        if not forming.formed.triggered:
+            self._form(key, forming)
+
+    def _form(self, key: tuple[int, int], forming: _Forming) -> None:
+        self._forming.pop(key, None)
+        forming.formed.succeed()
+
+    def _ended(self, members: list, number: int, started: float, formed_at: Optional[float]) -> None:
+        """Log the round and release its members (a group of one commits nothing; of none, whose
+        members all left meanwhile, there is nothing to log)."""
+        if not members:
+            return
+        committed = len(members) > 1
+        now = self.env.now
+        self.log.append(RoundLog(members[0][0].stage, number, started, now - started, len(members), committed,
+                                 tuple(formed_at - at for _, at in members) if formed_at is not None else (),
+                                 tuple(now - at for _, at in members)))
+        for member, _ in members:
+            member.rounding = False
+            member.samples_since_round = 0
+            if member.downloaded:
+                member.rounds += 1
+                if committed:
+                    member.slices_averaged.add(round_slice(number, self.n_slices))
+            member.advance(self.policy, self.n_slices, self.env.now)
+            member.wake()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agora.node.averaging.probes import ProbeSchedule
+from agora.node.averaging.probes import ProbeSchedule, probe_intervals
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -56,3 +56,10 @@ def test_look_now_makes_the_next_probe_due():
 def test_intervals_out_of_order_are_refused(base_s, quiet_s):
     with pytest.raises(ValueError, match="probe intervals"):
         ProbeSchedule(base_s, quiet_s)
+
+
+def test_the_intervals_are_a_quarter_and_a_half_of_the_window_unless_given():
+    assert probe_intervals(3.0) == (0.75, 1.5)
+    assert probe_intervals(0.4) == (0.25, 0.25)  # never below 0.25 s, quiet never below base
+    assert probe_intervals(100.0) == (10.0, 50.0)
+    assert probe_intervals(3.0, probe_s=2.0, quiet_probe_s=1.0) == (2.0, 2.0)

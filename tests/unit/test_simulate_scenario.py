@@ -13,7 +13,12 @@ def test_an_empty_scenario_is_the_defaults():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"run": {"stages": 1}}, "run.stages: must be >= 2, got 1"),
+    ({"run": {"stages": 0}}, "run.stages: must be >= 1, got 0"),
+    ({"run": {"stages": 1}, "compute": {"ms": [1.0]}}, "run.stages: a pipeline needs 2"),
+    ({"dht": {"cpu_ms_at": [[16.0, 40.0], [8.0, 30.0]]}}, "dht.cpu_ms_at: node counts must be >= 1 and increasing"),
+    ({"dht": {"get_ms_at": [[8.0, -1.0]]}}, "dht.get_ms_at: every value must be >= 0"),
+    ({"links": [{"name": "a", "up_mbit": 1.0, "down_mbit": 1.0, "slow_start_after_idle": "yes"}]},
+     "links[0].slow_start_after_idle: "),
     ({"run": {"seconds": "long"}}, "run.seconds: expected a number, got 'long'"),
     ({"run": {"seconds": 10.0, "warmup_s": 10.0}}, "run.warmup_s: 10.0 leaves nothing"),
     ({"compute": {"ms": [10.0, 10.0]}}, "compute.ms: 2 stages given, run.stages is 3"),
@@ -65,9 +70,9 @@ def test_the_command_prints_the_result_and_refuses_a_bad_file(tmp_path, capsys):
     assert main(["simulate", "--scenario", str(path)]) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and "bottleneck: " in out
-    path.write_text("[run]\nstages = 1\n")
+    path.write_text("[run]\nstages = 0\n")
     assert main(["simulate", "--scenario", str(path)]) == 2
-    assert "run.stages: must be >= 2, got 1" in capsys.readouterr().err
+    assert "run.stages: must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_the_shipped_example_scenario_is_valid():

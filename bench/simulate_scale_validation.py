@@ -1,0 +1,200 @@
+"""The simulator against the many-node harnesses: a stage's rounds at R replicas, a newcomer at N peers.
+
+bench/simulate_validation.py writes these tables beside rows 3 and 7; each predicted figure is set
+beside the measured one, and the inputs are measured things other than the figure predicted.
+
+Averaging (bench/results/averaging_scale.json, bench/averaging_scale.py): R replicas of one stage
+on one 2-core host over loopback, stepping every 2 s, a round every 4 steps, a 3 s window, no
+trainers. Inputs: the harness's pace and window (its settings), the averaged vector's bytes (tiny's
+middle stage as node/averaging/sparta.py sizes it), loopback's measured round trip and rates (row 3's
+lan), the host's 2 cores, and what one DHT operation costs the swarm's hosts in CPU at N peers as
+dht_scale measured it: a peer's CPU per logical minute less its CPU at rest, over its requests per
+logical minute (its own requests and its share of serving the others'), read between the measured
+N by network.py's `at_size` (R = 2 and 4 lie below dht_scale's smallest N, 8: extrapolated). A
+round's matchmaking is 4 DHT operations two at a time (node/averaging/loop.py's announcement with
+its read of the live replicas, then hivemind's declaration with its read of the declared
+averagers), each taking its CPU on the shared cores and one loopback round trip. The all-reduce
+after the group formed takes each member's CPU on the shared cores, per other member and per byte
+it sends, as bench/allreduce_cost.py measured them (bench/results/allreduce_cost.json: R = 2 to 4
+replicas on this host, the host's CPU per round with and without the all-reduce). Between rounds
+each replica probes the round board on the loop's schedule, closes each round and beats every 5 s
+(the harness's heartbeat), each operation's CPU on the shared cores (node/simulate/background.py).
+Predicted: group
+formation (each replica's start to its group's forming) and round duration, p50 and p95 over every
+replica's rounds, as the harness takes them.
+
+Newcomer (bench/results/dht_scale.json, bench/dht_newcomer.py): one more worker of stage 0 joining
+N admitted peers on agora-floor under the traffic model. Inputs: its measured "DHT joined" (the
+process's DHT start through the bootstrap is not a DHT operation the simulator models), and the
+latency of a read and a store of a stage's worker records at that N (dht_scale's p50 of the
+`get workers` and `store workers` families, under the same traffic). Predicted: "donor found" (the
+simulated newcomer's first reads and `plan_donors`) and "visible to others": its first record at a
+holder (node/simulate/network.py's `first_holder_s`: a read's lookup and half a round trip, as
+hivemind's store reaches the key's holders at once after its lookup), then the harness's monitor,
+which reads the stage and sleeps 0.25 s in turn: the first read to start after the holder has the
+record starts half such a cycle later on average, and sees it when it ends, one read later (a read
+takes its view as it starts: its first hop asks the peers nearest the key that it knows).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from agora.bench.averaging_scale import percentile
+from agora.node.averaging.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels
+from agora.node.simulate.network import dht_cpu_s
+from agora.node.simulate.scenario import scenario_from_dict
+from agora.node.simulate.swarm import SimSwarm
+from agora.pipeline.config import PRESETS
+
+__all__ = ["cpu_per_dht_op", "allreduce_cpu", "averaging_scenario", "newcomer_scenario", "validate_averaging",
+           "validate_newcomers", "scale_sections"]
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAN = (0.06, 22279.9, 20906.8)  # row 3's lan: RTT ms, up and down Mbit/s
+AGORA_FLOOR = (80.68, 192.3, 191.2)
+HOST_CORES = 2
+STEP_S, EVERY_STEPS, WINDOW_S = 2.0, 4, 3.0  # bench/averaging_scale.py's defaults, the run's settings
+MATCHMAKING_DHT_OPS = 4
+HEARTBEAT_S = 5.0  # bench/averaging_replica.py's --heartbeat-s, which the harness leaves at its default
+MONITOR_READ_EVERY_S = 0.25  # bench/dht_peer.py's WATCH_S
+NEWCOMER_AT_S = 10.0
+
+
+def cpu_per_dht_op(dht_rows: list[dict]) -> tuple[tuple[float, float], ...]:
+    """(N, CPU ms per DHT request) from dht_scale's rows: traffic CPU over requests, per logical minute."""
+    return tuple((float(row["nodes"]), (row["cpu_s_per_node_min"] - row["rest_cpu_s_per_node_min"]) * 1000.0
+                  / row["requests_per_node_min"]) for row in dht_rows)
+
+
+def tiny_middle_stage_bytes() -> int:
+    """The averaged vector of tiny's middle stage (of 3), as the harness's replicas size it."""
+    config = PRESETS["tiny"].with_stages(3)
+    buffer = SlicePartition(stage_parameter_numels(config.model, 1), config.sync.n_slices, config.seed).buffer_size
+    return 4 * averaged_vector_size(config.sync, buffer)
+
+
+def allreduce_cpu(results: Path = RESULTS) -> tuple[float, float]:
+    """(ms per other member, ns per byte sent) of a member's all-reduce, bench/allreduce_cost.py's fit."""
+    measured = json.loads((results / "allreduce_cost.json").read_text())
+    return measured["cpu_s_per_peer"] * 1000.0, measured["cpu_s_per_byte_sent"] * 1e9
+
+
+def averaging_scenario(replicas: int, rounds: int, cpu_table, vector_bytes: int,
+                       allreduce: tuple[float, float] = (0.0, 0.0)) -> dict:
+    rtt, up, down = LAN
+    return {
+        "run": {"seconds": (rounds + 0.5) * STEP_S * EVERY_STEPS, "stages": 1, "batch_s": STEP_S},
+        "compute": {"ms": [1.0], "shared_cores": HOST_CORES},
+        "links": [{"name": "lan", "up_mbit": up, "down_mbit": down, "rtt_ms": rtt}],
+        "workers": {"replicas": replicas, "heartbeat_s": HEARTBEAT_S},
+        "dht": {"base_ms": rtt, "cpu_ms_at": [list(pair) for pair in cpu_table]},
+        "averaging": {"method": "sparta", "every_steps": EVERY_STEPS, "fraction": 0.25, "vector_bytes": vector_bytes,
+                      "matchmaking_dht_ops": MATCHMAKING_DHT_OPS, "matchmaking_s": WINDOW_S, "between_rounds": True,
+                      "allreduce_cpu_ms_per_peer": allreduce[0], "allreduce_cpu_ns_per_byte": allreduce[1]},
+    }
+
+
+def _off(predicted: float, measured: float) -> tuple[str, float]:
+    error = predicted / measured - 1
+    return f"{error * 100:+.0f}%", abs(error)
+
+
+def within(errors: dict[str, list[float]], target: float = 0.20) -> str:
+    """Per figure: how many of its rows came within `target` of the measured one."""
+    return "; ".join(f"{name} {sum(e <= target for e in values)} of {len(values)} within {target:.0%}"
+                     for name, values in errors.items())
+
+
+AVERAGING_FIGURES = ("formation p50", "formation p95", "round p50", "round p95")
+
+
+def validate_averaging(rows: list[dict], cpu_table, allreduce: tuple[float, float] = (0.0, 0.0)
+                       ) -> tuple[list[str], dict[str, list[float]]]:
+    lines = ["| R | load start/end | DHT op CPU ms (input) | all-reduce CPU ms / member (input) | formation p50 s: "
+             "measured / simulated | off | p95 | off | round p50 s: measured / simulated | off | p95 | off |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    errors, vector_bytes = {name: [] for name in AVERAGING_FIGURES}, tiny_middle_stage_bytes()
+    for row in rows:
+        swarm = SimSwarm(scenario_from_dict(averaging_scenario(row["replicas"], row["rounds_due"], cpu_table,
+                                                               vector_bytes, allreduce)))
+        swarm.run()
+        formations = [f for r in swarm.rounds.log for f in r.formations]
+        durations = [d for r in swarm.rounds.log for d in r.durations]
+        cells = [f"| {row['replicas']} | {row['load_start']:.1f}/{row['load_end']:.1f} | "
+                 f"{swarm_cpu_ms(swarm):.1f} | {swarm.rounds.allreduce_cpu_s(row['replicas']) * 1000:.1f} |"]
+        for name, measured, simulated in zip(AVERAGING_FIGURES, (
+                row["formation_p50_s"], row["formation_p95_s"], row["duration_p50_s"], row["duration_p95_s"]), (
+                percentile(formations, 0.5), percentile(formations, 0.95),
+                percentile(durations, 0.5), percentile(durations, 0.95))):
+            text, error = _off(simulated, measured)
+            errors[name].append(error)
+            cells.append(f" {measured:.3f} / {simulated:.3f} | {text} |")
+        lines.append("".join(cells))
+    return lines, errors
+
+
+def swarm_cpu_ms(swarm: SimSwarm) -> float:
+    """The CPU of one DHT operation at the simulated swarm's size (the table read at R)."""
+    return dht_cpu_s(swarm.scenario.dht, swarm.nodes()) * 1000.0
+
+
+def _geometry(text: str) -> tuple[int, int]:
+    stages, replicas = re.match(r"(\d+)x(\d+)", text).groups()
+    return int(stages), int(replicas)
+
+
+def newcomer_scenario(row: dict) -> dict:
+    stages, replicas = _geometry(row["geometry"])
+    rtt, up, down = AGORA_FLOOR
+    families = row["by_family"]
+    return {
+        "run": {"seconds": NEWCOMER_AT_S + row["newcomer_joined_s"] + 30.0, "stages": stages, "batch_s": 1.0},
+        "compute": {"ms": [1.0] * stages},
+        "links": [{"name": "agora-floor", "up_mbit": up, "down_mbit": down, "rtt_ms": rtt}],
+        "workers": {"replicas": replicas},
+        "dht": {"get_ms_at": [[float(row["nodes"]), families["get workers"]["p50_ms"]]],
+                "store_ms_at": [[float(row["nodes"]), families["store workers"]["p50_ms"]]]},
+        "averaging": {"method": "none"},
+        "churn": {"admission_s": row["newcomer_joined_s"], "join_dht_ops": 1, "join_at_s": [NEWCOMER_AT_S],
+                  "state_bytes": 1_000_000},
+    }
+
+
+def validate_newcomers(rows: list[dict]) -> tuple[list[str], dict[str, list[float]]]:
+    lines = ["| N | load start/end | DHT joined s (input) | get / store ms (input) | donor found s: measured / "
+             "simulated | off | visible to others s: measured / simulated | off |",
+             "|---:|---|---:|---|---:|---:|---:|---:|"]
+    errors: dict[str, list[float]] = {"donor found": [], "visible to others": []}
+    for row in rows:
+        swarm = SimSwarm(scenario_from_dict(newcomer_scenario(row)))
+        newcomer = swarm.run().newcomers[0]
+        get_s = row["by_family"]["get workers"]["p50_ms"] / 1000.0
+        visible = newcomer.to_visible_s + (get_s + MONITOR_READ_EVERY_S) / 2 + get_s
+        donor_text, donor_error = _off(newcomer.to_donor_s, row["newcomer_donor_s"])
+        visible_text, visible_error = _off(visible, row["newcomer_visible_s"])
+        errors["donor found"].append(donor_error)
+        errors["visible to others"].append(visible_error)
+        lines.append(f"| {row['nodes']} | {row['load_start']:.1f}/{row['load_end']:.1f} | "
+                     f"{row['newcomer_joined_s']:.2f} | {get_s * 1000:.0f} / "
+                     f"{row['by_family']['store workers']['p50_ms']:.0f} | {row['newcomer_donor_s']:.2f} / "
+                     f"{newcomer.to_donor_s:.2f} | {donor_text} | {row['newcomer_visible_s']:.2f} / {visible:.2f} | "
+                     f"{visible_text} |")
+    return lines, errors
+
+
+def scale_sections(results: Path = RESULTS) -> tuple[list[str], str]:
+    """The two tables with their summaries (markdown lines), and a one-line summary."""
+    dht_rows = json.loads((results / "dht_scale.json").read_text())["rows"]
+    averaging_rows = json.loads((results / "averaging_scale.json").read_text())
+    averaging, averaging_errors = validate_averaging(averaging_rows, cpu_per_dht_op(dht_rows), allreduce_cpu(results))
+    newcomers, newcomer_errors = validate_newcomers(dht_rows)
+    summary = (f"Averaging against R (4 R): {within(averaging_errors)}. "
+               f"A newcomer against N (4 N): {within(newcomer_errors)}.")
+    lines = ["## Averaging rounds against R (bench/results/averaging_scale.md)\n",
+             f"{within(averaging_errors)}.\n", *averaging, "",
+             "## A newcomer against N (bench/results/dht_scale.md)\n",
+             f"{within(newcomer_errors)}.\n", *newcomers, ""]
+    return lines, summary

@@ -1,0 +1,48 @@
+"""What the many-node validation takes from dht_scale's rows as the simulator's inputs."""
+
+import pytest
+
+from agora.bench.allreduce_cost import Cost, fit
+from agora.bench.simulate_scale_validation import averaging_scenario, cpu_per_dht_op, newcomer_scenario
+from agora.node.simulate.scenario import scenario_from_dict
+
+
+def _row(nodes: int, cpu: float, rest: float, requests: float) -> dict:
+    return {"nodes": nodes, "cpu_s_per_node_min": cpu, "rest_cpu_s_per_node_min": rest,
+            "requests_per_node_min": requests}
+
+
+def test_a_dht_operations_cpu_is_the_traffics_cpu_over_its_requests():
+    """CPU per logical minute less the CPU at rest, over the requests per logical minute."""
+    table = cpu_per_dht_op([_row(8, 9.0, 0.1, 300.0), _row(16, 13.0, 0.1, 300.0)])
+    assert [nodes for nodes, _ in table] == [8.0, 16.0]
+    assert [ms for _, ms in table] == pytest.approx([8.9 / 300 * 1000, 12.9 / 300 * 1000])
+
+
+def test_a_newcomers_scenario_takes_the_rows_geometry_latencies_and_dht_start():
+    row = {**_row(16, 13.0, 0.1, 300.0), "geometry": "3x5 + 1t", "newcomer_joined_s": 2.0,
+           "by_family": {"get workers": {"p50_ms": 350.0}, "store workers": {"p50_ms": 750.0}}}
+    scenario = scenario_from_dict(newcomer_scenario(row))
+    assert (scenario.run.stages, scenario.workers.replicas) == (3, 5)
+    assert scenario.dht.get_ms_at == ((16.0, 350.0),) and scenario.dht.store_ms_at == ((16.0, 750.0),)
+    assert scenario.churn.admission_s == 2.0 and scenario.churn.join_dht_ops == 1
+
+
+def test_the_averaging_scenario_takes_the_all_reduce_cpu_and_the_replicas_traffic_between_rounds():
+    scenario = scenario_from_dict(averaging_scenario(4, 3, ((8.0, 10.0),), 1000, (1.5, 20.0)))
+    assert scenario.averaging.allreduce_cpu_ms_per_peer == 1.5
+    assert scenario.averaging.allreduce_cpu_ns_per_byte == 20.0
+    assert scenario.averaging.between_rounds and scenario.workers.heartbeat_s == 5.0
+
+
+def _cost(replicas: int, vector_bytes: int, per_peer: float, per_byte: float) -> Cost:
+    """A run whose host all-reduce CPU per round is exactly R (R - 1) per_peer + R sent per_byte."""
+    sent = 2 * vector_bytes * (replicas - 1) / replicas
+    allreduce = replicas * (replicas - 1) * per_peer + replicas * int(sent) * per_byte
+    return Cost(replicas, vector_bytes, 30, 30 * replicas, 0.05 + allreduce, 0.05, 0.01, 0.03, 0.04)
+
+
+def test_the_fit_recovers_the_cost_per_peer_and_per_byte():
+    costs = [_cost(r, v, 0.001, 20e-9) for r in (2, 3, 4) for v in (261_632, 4096)]
+    per_peer, per_byte = fit(costs)
+    assert per_peer == pytest.approx(0.001) and per_byte == pytest.approx(20e-9)
