@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -417,6 +418,7 @@ def render(results: dict) -> str:
     summary.append(detection_row(ATTACK_RESULTS))
     summary.append(dht_scale_row(DHT_SCALE_RESULTS))
     summary.append(averaging_scale_row(AVERAGING_SCALE_RESULTS))
+    summary.append(_simulator_row(SIMULATOR_VALIDATION))
     sections += _scale_sections()
     fix_lines, fix_summary = _fixes(items)
     sections += fix_lines
@@ -434,6 +436,20 @@ def _scale_sections() -> list[str]:
         lines += ["## The simulator against the measured runs (bench/simulate_validation.py)",
                   *[f"#{line}" if line.startswith("## ") else line for line in text], ""]
     return [line for index, line in enumerate(lines) if line or (index and lines[index - 1])]
+
+
+def _simulator_row(path: Path) -> str:
+    """The summary's row from the validation's own headline lines (its tables are a section below)."""
+    label = "| 12 | the simulator against the measured runs (bench/simulate_validation.py) |"
+    goal = "tokens/s within 10%; rounds and a newcomer's times within 20%"
+    if not path.exists():
+        return f"{label} not run: `python -m agora.bench.simulate_validation --seconds 60` | {goal} | - |"
+    headlines = [line for line in path.read_text().splitlines()
+                 if line.startswith(("Row 3:", "Averaging against R", "A newcomer against N"))]
+    shown = " ".join(headlines).replace("|", "/")
+    counts = [(int(a), int(b)) for a, b in re.findall(r"(\d+) of (\d+)(?: runs)? within", shown)]
+    met = bool(counts) and all(a == b for a, b in counts)
+    return f"{label} {shown or 'no headline found'} | {goal} | {'yes' if met else 'no'} |"
 
 
 def _gpu_row(path: Path) -> str:

@@ -121,3 +121,17 @@ def test_the_gpu_row_shows_the_gpu_checks_last_run_or_says_it_never_ran(tmp_path
                                                  for f in figures[:2]]
     path.write_text(json.dumps(results))
     assert _gpu_row(path).endswith("| no |")
+
+
+def test_the_simulator_row_reads_the_validations_headlines_and_is_met_only_when_every_count_is_whole(tmp_path):
+    from agora.bench.suite_report import _simulator_row
+
+    assert "not run" in _simulator_row(tmp_path / "absent.md")
+    path = tmp_path / "simulate_validation.md"
+    path.write_text("# title\n\nRow 3: 13 of 34 runs within 10% of the measured tokens/s; median error 13%.\n\n"
+                    "Averaging against R (4 R): round p50 4 of 4 within 20%; round p95 0 of 4 within 20%.\n\n"
+                    "| a | b |\n")
+    row = _simulator_row(path)
+    assert "Row 3: 13 of 34 runs within 10%" in row and "round p95 0 of 4 within 20%." in row and row.endswith("| no |")
+    path.write_text("Row 3: 34 of 34 runs within 10%.\n\nA newcomer against N (4 N): visible to others 4 of 4 within 20%.\n")
+    assert _simulator_row(path).endswith("| yes |")
