@@ -87,8 +87,10 @@ class AveragingStats:
         metrics.sent.labels(method=method).inc(result.bytes_sent)
         metrics.received_bytes.labels(method=method).inc(result.bytes_received)
         with self._lock:
-            if applied and lag_steps > self._value("agora_averaging_apply_lag_max_steps"):
-                metrics.max_lag.labels(method=method).set(lag_steps)
+            if applied:  # the first apply gives the maximum its sample: a lag of 0 is shown as 0, not as no data
+                max_lag = metrics.max_lag.labels(method=method)
+                if lag_steps > self._value("agora_averaging_apply_lag_max_steps"):
+                    max_lag.set(lag_steps)
             if result.duration_s > self._value("agora_averaging_round_duration_max_seconds"):
                 metrics.max_duration.labels(method=method).set(result.duration_s)
         metrics.last_round.labels(method=method).set(result.round)

@@ -63,6 +63,19 @@ def test_the_lint_names_each_broken_rule():
         assert expected in problems
 
 
+def test_the_largest_apply_lag_is_scraped_from_the_first_apply_even_at_zero():
+    """The dashboard's apply-lag panel: rounds applied with no lag show 0 (a labelled gauge has no
+    sample until its label is first used); a round that was not applied adds none."""
+    registry = new_registry()
+    stats = AveragingStats("sparta", registry=registry)
+    result = RoundResult("committed", 1, None, participants=("a", "b"), received_fraction=1.0, duration_s=1.0,
+                         bytes_sent=10, bytes_received=10)
+    stats.record(result, applied=False)
+    assert registry.get_sample_value("agora_averaging_apply_lag_max_steps", {"method": "sparta"}) is None
+    stats.record(result, applied=True, lag_steps=0)
+    assert registry.get_sample_value("agora_averaging_apply_lag_max_steps", {"method": "sparta"}) == 0
+
+
 def test_averaging_stats_are_read_back_from_the_registry():
     registry = new_registry()
     stats = AveragingStats("sparta", registry=registry, clock=iter(range(100)).__next__)

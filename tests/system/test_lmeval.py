@@ -8,7 +8,9 @@ checkpoint's transformers export (`agora-node export-hf`, tokenizer included). S
 same generations, and every choice's loglikelihood within 1e-3. Offline throughout: no download.
 
 Readiness is every process's ready file; children run one torch thread and are reaped by the
-ProcessGroup whatever happens.
+ProcessGroup whatever happens. The export runs while the swarm starts, and the evaluation of the
+export beside the swarm's: each is its own process on its own inputs, and each lm_eval run spends
+most of its time importing, so side by side they take the time of the longer one.
 """
 
 from __future__ import annotations
@@ -42,12 +44,34 @@ def checkpoint(tmp_path_factory):
     return perturbed_checkpoint(tmp_path_factory.mktemp("ckpt"), CONFIG, seed=11)[0]
 
 
-def _lm_eval(out: Path, *model: str) -> tuple[dict, dict[str, list[dict]]]:
-    """Run the lm_eval CLI on the repository's tasks; its results and logged samples by task."""
-    command = [sys.executable, "-m", "lm_eval", *model, "--tasks", "agora_code_mc,agora_code_gen",
-               "--include_path", str(TASKS), "--output_path", str(out), "--log_samples", "--batch_size", "4"]
-    done = subprocess.run(command, env={**os.environ, **OFFLINE}, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+def _start(log: Path, command: list[str]) -> subprocess.Popen:
+    """A child with its output in `log` (a pipe nobody reads while it runs could fill and stall it)."""
+    with log.open("w") as output:
+        return subprocess.Popen(command, env={**os.environ, **OFFLINE}, stdout=output, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+
+
+def _lm_eval(out: Path, *model: str) -> subprocess.Popen:
+    """Start the lm_eval CLI on the repository's tasks, writing under `out`; `_results` reads it."""
+    out.mkdir()
+    return _start(out / "lm_eval.log", [sys.executable, "-m", "lm_eval", *model, "--tasks",
+                                        "agora_code_mc,agora_code_gen", "--include_path", str(TASKS), "--output_path",
+                                        str(out), "--log_samples", "--batch_size", "4"])
+
+
+def _finished(process: subprocess.Popen, log: Path, timeout_s: float = 240) -> None:
+    """Wait for a child started by `_start` (killed if it overruns); it must exit 0."""
+    try:
+        process.wait(timeout=timeout_s)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, log.read_text(errors="replace")[-9000:]
+
+
+def _results(out: Path) -> tuple[dict, dict[str, list[dict]]]:
+    """An lm_eval run's results and logged samples by task."""
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
     samples = {task: [json.loads(line) for line in next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines()]
                for task in ("agora_code_mc", "agora_code_gen")}
@@ -60,18 +84,29 @@ def _by_doc(samples: list[dict]) -> dict[int, list]:
 
 def test_lm_eval_through_the_swarm_equals_lm_eval_on_the_export(checkpoint, tmp_path):
     export = tmp_path / "hf"
-    subprocess.run(node_command("export-hf", "--checkpoint", str(checkpoint), "--out", str(export)), check=True,
-                   env={**os.environ, **OFFLINE}, timeout=120, capture_output=True)
+    exporting = _start(tmp_path / "export.log", node_command("export-hf", "--checkpoint", str(checkpoint),
+                                                             "--out", str(export)))
     group = ProcessGroup(tmp_path)
+    hf_eval = None
     try:
         url, _, _ = serving_swarm(group, tmp_path, checkpoint, "lmeval-test", [(0, 0), (1, 0)])
-        swarm_results, swarm_samples = _lm_eval(
-            tmp_path / "swarm", "--model", "local-completions", "--model_args",
-            f"model={MODEL},base_url={url}/completions,max_length={CONFIG.model.max_seq_len},max_retries=1")
+        _finished(exporting, tmp_path / "export.log", 120)
+        hf_eval = _lm_eval(tmp_path / "hf-eval", "--model", "hf", "--model_args", f"pretrained={export},dtype=float32",
+                           "--device", "cpu")
+        _finished(_lm_eval(tmp_path / "swarm", "--model", "local-completions", "--model_args",
+                           f"model={MODEL},base_url={url}/completions,max_length={CONFIG.model.max_seq_len},"
+                           "max_retries=1"), tmp_path / "swarm" / "lm_eval.log")
+    except BaseException:
+        for process in (exporting, hf_eval):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+        raise
     finally:
         group.shutdown()
-    hf_results, hf_samples = _lm_eval(tmp_path / "hf-eval", "--model", "hf", "--model_args",
-                                      f"pretrained={export},dtype=float32", "--device", "cpu")
+    _finished(hf_eval, tmp_path / "hf-eval" / "lm_eval.log")
+    swarm_results, swarm_samples = _results(tmp_path / "swarm")
+    hf_results, hf_samples = _results(tmp_path / "hf-eval")
 
     assert swarm_results["agora_code_mc"]["acc,none"] == hf_results["agora_code_mc"]["acc,none"]
     swarm_mc, hf_mc = _by_doc(swarm_samples["agora_code_mc"]), _by_doc(hf_samples["agora_code_mc"])
