@@ -9,8 +9,8 @@ Design choices:
 - hivemind runs its DHT node in a forked process and answers through ``MPFuture``s.
   Every such future is created and resolved in this module, with a timeout; callers get
   plain values or one exception type, ``DHTRequestError``. Blocking methods suit
-  threads and scripts; each has an ``*_async`` twin that runs it in a thread
-  (``asyncio.to_thread``) so an event loop never blocks on the DHT.
+  threads and scripts; each has an ``*_async`` twin (dht/swarm_async.py) that runs it in a
+  thread (``asyncio.to_thread``) so an event loop never blocks on the DHT.
 - Requests go down one pipe to the DHT process; ``multiprocessing.Connection.send``
   is not safe from several threads at once, so sends are serialized by a lock (waiting
   for the answer happens outside it).
@@ -45,7 +45,6 @@ Design choices:
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import itertools
 import logging
@@ -66,6 +65,7 @@ from agora.dht.op_timings import RequestTimings, key_family
 from agora.dht.ownership import EntryOwnership
 from agora.dht.reads import CACHE_OPTIONS, ReadMemory
 from agora.dht.records import Record, WorkerRecord
+from agora.dht.swarm_async import AsyncTwins
 from agora.dht.token_authorizer import use_peer_stubs
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class DHTRequestError(RuntimeError):
     """A DHT request failed: timed out, the DHT process is gone, or hivemind raised."""
 
 
-class SwarmDHT:
+class SwarmDHT(AsyncTwins):
     """Typed access to one hivemind DHT peer. Create with ``SwarmDHT.start(...)``.
 
     Wrapping an already started ``hivemind.DHT`` through the constructor hands it over:
@@ -389,54 +389,6 @@ class SwarmDHT:
     def rejections(self) -> dict[str, int]:
         """How many invalid values each key has yielded to this peer's reads so far."""
         return self._reader.rejections()
-
-    # ---- async twins ----------------------------------------------------------------------
-
-    async def visible_maddrs_async(self) -> list[str]:
-        return await asyncio.to_thread(self.visible_maddrs)
-
-    async def announce_worker_async(self, record: WorkerRecord, ttl: float) -> bool:
-        return await asyncio.to_thread(self.announce_worker, record, ttl)
-
-    async def live_workers_async(
-        self, run_id: str, stage: int, *, latest: bool = True, fingerprint: Optional[RunFingerprint] = None
-    ) -> list[WorkerRecord]:
-        return await asyncio.to_thread(self.live_workers, run_id, stage, latest=latest, fingerprint=fingerprint)
-
-    async def all_workers_async(
-        self, run_id: str, n_stages: int, *, latest: bool = True, fingerprint: Optional[RunFingerprint] = None
-    ) -> dict[int, list[WorkerRecord]]:
-        return await asyncio.to_thread(self.all_workers, run_id, n_stages, latest=latest, fingerprint=fingerprint)
-
-    async def withdraw_async(self, run_id: str, stage: int, peer_id: str) -> bool:
-        return await asyncio.to_thread(self.withdraw, run_id, stage, peer_id)
-
-    async def store_async(self, key: str, record: Record, ttl: float, *, subkey: Optional[str] = None) -> bool:
-        return await asyncio.to_thread(self.store, key, record, ttl, subkey=subkey)
-
-    async def delete_async(self, key: str, *, subkey: Optional[str] = None) -> bool:
-        return await asyncio.to_thread(self.delete, key, subkey=subkey)
-
-    async def get_record_async(
-        self, key: str, record_type: type[R], *, latest: bool = True
-    ) -> Optional[Stored[R]]:
-        return await asyncio.to_thread(self.get_record, key, record_type, latest=latest)
-
-    async def get_entries_async(
-        self, key: str, record_type: type[R], *, latest: bool = True
-    ) -> dict[str, Stored[R]]:
-        return await asyncio.to_thread(self.get_entries, key, record_type, latest=latest)
-
-    async def owned_entries_async(
-        self, key: str, record_type: type[R], *, latest: bool = True
-    ) -> dict[str, Stored[R]]:
-        return await asyncio.to_thread(self.owned_entries, key, record_type, latest=latest)
-
-    async def refresh_bans_async(self, max_age_s: float = BAN_REFRESH_S) -> Optional[BanList]:
-        return await asyncio.to_thread(self.refresh_bans, max_age_s)
-
-    async def shutdown_async(self) -> None:
-        await asyncio.to_thread(self.shutdown)
 
     # ---- internals -------------------------------------------------------------------------
 
