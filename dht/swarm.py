@@ -375,16 +375,21 @@ class SwarmDHT(AsyncTwins):
         """The record stored under a plain key (no subkeys), or None if absent or invalid."""
         return self._reader.record(key, self._get_raw(key, latest), record_type)
 
-    def get_entries(self, key: str, record_type: type[R], *, latest: bool = True) -> dict[str, Stored[R]]:
-        """Valid, unexpired, not deleted records under a key's subkeys, sorted by subkey."""
-        found = self._remember(key, latest, self._request(self._dict_get(key, latest), f"get {key!r}",
+    def get_entries(self, key: str, record_type: type[R], *, latest: bool = True,
+                    full: bool = False) -> dict[str, Stored[R]]:
+        """Valid, unexpired, not deleted records under a key's subkeys, sorted by subkey.
+
+        ``full``: read the whole beam this time, never a quick read (dht/reads.py), for a decision
+        that must not miss an entry some holder lacks (a lease's claim: dht/leases.py)."""
+        found = self._remember(key, latest, self._request(self._dict_get(key, latest, full), f"get {key!r}",
                                                           operation="get", family=key_family(key)))
         return self._reader.entries(key, found, record_type)
 
-    def owned_entries(self, key: str, record_type: type[R], *, latest: bool = True) -> dict[str, Stored[R]]:
+    def owned_entries(self, key: str, record_type: type[R], *, latest: bool = True,
+                      full: bool = False) -> dict[str, Stored[R]]:
         """``get_entries`` keyed by peer id, keeping only entries whose subkey is their record's
         ``peer_id`` (and, owned, whose owner key is that peer's; secured, owned at all)."""
-        return self._owned(key, self.get_entries(key, record_type, latest=latest))
+        return self._owned(key, self.get_entries(key, record_type, latest=latest, full=full))
 
     def rejections(self) -> dict[str, int]:
         """How many invalid values each key has yielded to this peer's reads so far."""
@@ -438,9 +443,9 @@ class SwarmDHT(AsyncTwins):
                              f"get {key!r}",
                              operation="get", family=key_family(key))
 
-    def _dict_get(self, key: str, latest: bool) -> Callable[[], concurrent.futures.Future]:
+    def _dict_get(self, key: str, latest: bool, full: bool = False) -> Callable[[], concurrent.futures.Future]:
         """The send of a read of a key with subkeys: latest over the beam, or quick (dht/reads.py)."""
-        bar = self._memory.next_bar(key) if latest and self._quick_reads else None
+        bar = self._memory.next_bar(key) if latest and self._quick_reads and not full else None
         if bar is None:
             return lambda: self._dht.get(key, latest=latest, return_future=True, beam_size=READ_BEAM)
         return lambda: self._dht.get(key, return_future=True, beam_size=READ_BEAM, num_workers=1,

@@ -56,14 +56,14 @@ class AsyncTwins:
         return await asyncio.to_thread(self.get_record, key, record_type, latest=latest)
 
     async def get_entries_async(
-        self, key: str, record_type: type[R], *, latest: bool = True
+        self, key: str, record_type: type[R], *, latest: bool = True, full: bool = False
     ) -> dict[str, Stored[R]]:
-        return await asyncio.to_thread(self.get_entries, key, record_type, latest=latest)
+        return await asyncio.to_thread(self.get_entries, key, record_type, latest=latest, full=full)
 
     async def owned_entries_async(
-        self, key: str, record_type: type[R], *, latest: bool = True
+        self, key: str, record_type: type[R], *, latest: bool = True, full: bool = False
     ) -> dict[str, Stored[R]]:
-        return await asyncio.to_thread(self.owned_entries, key, record_type, latest=latest)
+        return await asyncio.to_thread(self.owned_entries, key, record_type, latest=latest, full=full)
 
     async def refresh_bans_async(self, max_age_s: float = BAN_REFRESH_S) -> Optional[BanList]:
         return await asyncio.to_thread(self.refresh_bans, max_age_s)
