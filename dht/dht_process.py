@@ -27,7 +27,7 @@ __all__ = ["READ_BEAM", "OwnedDHT", "begin_forked_process", "node_caches_locally
            "stop_process"]
 
 logger = logging.getLogger(__name__)
-# Peers a latest read keeps in its search (dht/swarm.py, "Reads"); hivemind stores a value on 5.
+# Peers a read keeps in its search (dht/swarm.py and dht/reads.py); hivemind stores a value on 5.
 READ_BEAM = 8
 # How often the DHT process checks that its owner is still alive.
 _OWNER_CHECK_PERIOD = 1.0
