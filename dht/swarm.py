@@ -158,7 +158,8 @@ class SwarmDHT(AsyncTwins):
 
         Start it before creating gRPC servers or torch threads: hivemind forks its process.
         ``record_validators`` (hivemind ``RecordValidatorBase``) and ``dht_kwargs`` pass
-        through to ``hivemind.DHT``. ``security`` (``agora.dht.security.DHTSecurity``) is the
+        through to ``hivemind.DHT``; hivemind's local cache is off unless they turn it on (then
+        every read is a full one: dht/reads.py). ``security`` (``agora.dht.security.DHTSecurity``) is the
         node's admission: identity, token authorizer, signed and checked records; None is
         ``--insecure``. Failing to join raises ``DHTRequestError`` (so does joining an admitted
         swarm without a credential it accepts: nobody answers). hivemind pings the initial peers
