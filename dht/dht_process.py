@@ -23,11 +23,11 @@ from typing import Any
 
 import hivemind
 
-__all__ = ["READ_BEAM", "OwnedDHT", "begin_forked_process", "node_client_mode", "node_peer_id", "node_visible_maddrs",
+__all__ = ["READ_BEAM", "OwnedDHT", "begin_forked_process", "node_caches_locally", "node_client_mode", "node_peer_id", "node_visible_maddrs",
            "stop_process"]
 
 logger = logging.getLogger(__name__)
-# Peers a latest read keeps in its search (dht/swarm.py, "Reads"); hivemind stores a value on 5.
+# Peers a read keeps in its search (dht/swarm.py and dht/reads.py); hivemind stores a value on 5.
 READ_BEAM = 8
 # How often the DHT process checks that its owner is still alive.
 _OWNER_CHECK_PERIOD = 1.0
@@ -94,6 +94,10 @@ async def node_peer_id(_dht: hivemind.DHT, node: Any) -> str:
 
 async def node_client_mode(_dht: hivemind.DHT, node: Any) -> bool:
     return bool(node.protocol.client_mode)
+
+
+async def node_caches_locally(_dht: hivemind.DHT, node: Any) -> bool:
+    return bool(node.cache_locally)
 
 
 async def node_visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[str]:

@@ -24,7 +24,10 @@ Design choices:
   claim wins, but its store may land after the later claimant's first read, which then believes
   it won. Waiting a round trip lets that store land. What is left (a store slower than the
   other side's whole claim) shows as a duplicate commit, which is counted; trainers also prefer
-  different units (``next_candidates``), so claims rarely race at all. A worker counts a unit's
+  different units (``next_candidates``), so claims rarely race at all. A claim's reads (and a
+  commit's read back) visit the whole search beam every time (``full``): a quick read stops at one
+  holder, which may lack the rival claim the others hold (dht/reads.py); so does the read that takes
+  back a restarted trainer's own commits. A worker counts a unit's
   completed-batch report once (node/replica/epoch.py), so a duplicate never steps a replica twice,
   but both trainers' gradients reach it: duplicates are worth the extra read.
 - Commits outlive their trainer: an entry lives ``COMMIT_TTL_S`` (rewritten with a later
@@ -114,10 +117,12 @@ def renewed_claim(claimed_at: float, now: float, lease_s: float) -> tuple[float,
     return claimed_at, now + lease_s
 
 
-async def read_block(swarm: SwarmDHT, run_id: str, block: int) -> dict[str, UnitBlockRecord]:
+async def read_block(swarm: SwarmDHT, run_id: str, block: int, *, full: bool = False) -> dict[str, UnitBlockRecord]:
     """Every trainer's entry for `block` (the DHT's validator let only trainers' through: the module
-    docstring): what ``resolve`` decides on, for trainers and workers alike."""
-    stored = await swarm.owned_entries_async(units_key(run_id, block), UnitBlockRecord)
+    docstring): what ``resolve`` decides on, for trainers and workers alike. ``full``: never a quick
+    read (dht/reads.py: it may miss, for one read, an entry new to this peer that one holder lacks),
+    for a claim's checks, which must see a rival's claim wherever it landed."""
+    stored = await swarm.owned_entries_async(units_key(run_id, block), UnitBlockRecord, full=full)
     return {peer: item.record for peer, item in stored.items()
             if item.record.run_id == run_id and item.record.block == block}
 
@@ -167,7 +172,7 @@ class LeaseBoard:
         return False
 
     async def _holds(self, unit: int, block: int) -> bool:
-        state = resolve(unit, await self._entries(block), self._swarm.clock())
+        state = resolve(unit, await self._entries(block, full=True), self._swarm.clock())
         return state.holder == self.peer_id and not state.committed
 
     async def renew(self, units: list[int]) -> None:
@@ -190,7 +195,7 @@ class LeaseBoard:
         self._claims.get(block, {}).pop(unit, None)
         self._committed.setdefault(block, set()).add(unit)
         await self._store(block)
-        return resolve(unit, await self._entries(block), self._swarm.clock())
+        return resolve(unit, await self._entries(block, full=True), self._swarm.clock())
 
     async def release(self, unit: int) -> None:
         """Give up a claim (the unit failed here): another trainer may take it at once."""
@@ -198,14 +203,14 @@ class LeaseBoard:
         if self._claims.get(block, {}).pop(unit, None) is not None:
             await self._store(block)
 
-    async def _entries(self, block: int) -> dict[str, UnitBlockRecord]:
-        return await read_block(self._swarm, self.run_id, block)
+    async def _entries(self, block: int, *, full: bool = False) -> dict[str, UnitBlockRecord]:
+        return await read_block(self._swarm, self.run_id, block, full=full)
 
     async def _load_own(self, block: int) -> None:
         """Take back this trainer's earlier commits in `block` (a restart with the same identity)."""
         if block in self._loaded:
             return
-        own = (await self._entries(block)).get(self.peer_id)
+        own = (await self._entries(block, full=True)).get(self.peer_id)  # rewritten without it, they'd be lost
         if own is not None:
             self._committed.setdefault(block, set()).update(own.committed_units())
         self._loaded.add(block)

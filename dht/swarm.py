@@ -9,8 +9,8 @@ Design choices:
 - hivemind runs its DHT node in a forked process and answers through ``MPFuture``s.
   Every such future is created and resolved in this module, with a timeout; callers get
   plain values or one exception type, ``DHTRequestError``. Blocking methods suit
-  threads and scripts; each has an ``*_async`` twin that runs it in a thread
-  (``asyncio.to_thread``) so an event loop never blocks on the DHT.
+  threads and scripts; each has an ``*_async`` twin (dht/swarm_async.py) that runs it in a
+  thread (``asyncio.to_thread``) so an event loop never blocks on the DHT.
 - Requests go down one pipe to the DHT process; ``multiprocessing.Connection.send``
   is not safe from several threads at once, so sends are serialized by a lock (waiting
   for the answer happens outside it).
@@ -26,15 +26,12 @@ Design choices:
   tombstone (``None``) whose expiration is just after the withdrawn entry's; readers skip
   tombstones (``EntryReader``). To make this (and re-announcing after a withdraw) always win, every
   expiration this peer writes to an entry is strictly later than the last one it wrote.
-- Reads use ``latest=True`` by default: without it hivemind returns the first unexpired
-  copy it meets, usually this node's own cache, which can miss subkeys other peers added
-  since. With it, the search visits the nearest peers and merges their subkeys. How many:
-  ``READ_BEAM``, not hivemind's default of its bucket size (20). A latest read visits every
-  peer in its beam, so with the default each read cost every node of a swarm up to 20 one
-  served request: an idle worker's CPU grew with the swarm (1.4 CPU s a minute among 6 DHT
-  peers, 4.9 among 18; bench/idle_cpu.py). A value lives on the 5 peers nearest its key
-  (hivemind's replicas; every writer re-stores its entry each heartbeat), so a beam of 8 still
-  holds them with room for peers that joined nearer since.
+- Reads of a key with subkeys alternate: a latest read over ``READ_BEAM`` peers (8: hivemind stores
+  a value on the 5 nearest, every writer re-stores its entry each heartbeat, so 8 holds them with
+  room for peers that joined nearer since; hivemind's default of 20 made every node serve every
+  read: bench/idle_cpu.py), then a quick one that stops at the first holder as new as what this peer
+  saw, each answer merged into what the earlier ones returned: dht/reads.py says why and what a quick
+  read can miss (an entry new to this peer, for one read). Plain keys are always read latest.
 - The run's ban list (dht/bans.py) is read at most once per ``ban_refresh_s`` (``BAN_REFRESH_S``;
   a bench that stretches time stretches it too), or a heartbeat, which asks for it each beat, with
   one get in the DHT process, which also hands it to that process's validators; readers then skip
@@ -48,7 +45,6 @@ Design choices:
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import itertools
 import logging
@@ -61,13 +57,15 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from agora.dht.bans import BAN_REFRESH_S, BanList, NodeBans, fetch_ban_list
-from agora.dht.dht_process import (READ_BEAM, OwnedDHT, node_client_mode, node_peer_id, node_visible_maddrs,
-                                   stop_process)
+from agora.dht.dht_process import (READ_BEAM, OwnedDHT, node_caches_locally, node_client_mode, node_peer_id,
+                                   node_visible_maddrs, stop_process)
 from agora.dht.entry_reader import EntryReader, Stored, is_subkey_dict
 from agora.dht.keys import check_run_id, owned_subkey, worker_key
 from agora.dht.op_timings import RequestTimings, key_family
 from agora.dht.ownership import EntryOwnership
+from agora.dht.reads import CACHE_OPTIONS, ReadMemory
 from agora.dht.records import Record, WorkerRecord
+from agora.dht.swarm_async import AsyncTwins
 from agora.dht.token_authorizer import use_peer_stubs
 
 if TYPE_CHECKING:
@@ -99,7 +97,7 @@ class DHTRequestError(RuntimeError):
     """A DHT request failed: timed out, the DHT process is gone, or hivemind raised."""
 
 
-class SwarmDHT:
+class SwarmDHT(AsyncTwins):
     """Typed access to one hivemind DHT peer. Create with ``SwarmDHT.start(...)``.
 
     Wrapping an already started ``hivemind.DHT`` through the constructor hands it over:
@@ -135,6 +133,9 @@ class SwarmDHT:
         # A client-mode peer serves nothing, so its own storage counts for no reader: its
         # writes go to serving peers only, and "accepted" means one of them took it.
         self._client_mode: bool = self._run_coroutine(node_client_mode, "client mode")
+        # Quick reads need hivemind's local cache off (``start`` turns it off): it would answer them alone.
+        self._quick_reads = not self._run_coroutine(node_caches_locally, "cache option")
+        self._memory = ReadMemory(clock)  # what reads of each key with subkeys returned (dht/reads.py)
 
     @classmethod
     def start(
@@ -157,7 +158,8 @@ class SwarmDHT:
 
         Start it before creating gRPC servers or torch threads: hivemind forks its process.
         ``record_validators`` (hivemind ``RecordValidatorBase``) and ``dht_kwargs`` pass
-        through to ``hivemind.DHT``. ``security`` (``agora.dht.security.DHTSecurity``) is the
+        through to ``hivemind.DHT``; hivemind's local cache is off unless they turn it on (then
+        every read is a full one: dht/reads.py). ``security`` (``agora.dht.security.DHTSecurity``) is the
         node's admission: identity, token authorizer, signed and checked records; None is
         ``--insecure``. Failing to join raises ``DHTRequestError`` (so does joining an admitted
         swarm without a credential it accepts: nobody answers). hivemind pings the initial peers
@@ -166,7 +168,7 @@ class SwarmDHT:
         join none of them answered is tried
         ``join_attempts`` times in all, 2 s and then 4 s apart, saying so each time.
         """
-        options = dict(dht_kwargs)
+        options = {**CACHE_OPTIONS, **dht_kwargs}
         validators = list(record_validators)
         if announce_maddrs:
             options["announce_maddrs"] = list(announce_maddrs)
@@ -304,12 +306,9 @@ class SwarmDHT:
         check_run_id(run_id)
         keys = [worker_key(run_id, stage) for stage in range(n_stages)]
         deadline = time.monotonic() + self.request_timeout
-        futures = [
-            self._timed(self._submit(lambda key=key: self._dht.get(key, latest=latest, return_future=True,
-                                                                   beam_size=READ_BEAM)), "get", key_family(key))
-            for key in keys
-        ]
-        found = [self._wait(future, f"get {key!r}", deadline) for key, future in zip(keys, futures)]
+        futures = [self._timed(self._submit(self._dict_get(key, latest)), "get", key_family(key)) for key in keys]
+        found = [self._remember(key, latest, self._wait(future, f"get {key!r}", deadline))
+                 for key, future in zip(keys, futures)]
         result: dict[int, list[WorkerRecord]] = {}
         for stage, (key, value) in enumerate(zip(keys, found)):
             entries = self._owned(key, self._reader.entries(key, value, WorkerRecord))
@@ -377,67 +376,25 @@ class SwarmDHT:
         """The record stored under a plain key (no subkeys), or None if absent or invalid."""
         return self._reader.record(key, self._get_raw(key, latest), record_type)
 
-    def get_entries(self, key: str, record_type: type[R], *, latest: bool = True) -> dict[str, Stored[R]]:
-        """Valid, unexpired, not deleted records under a key's subkeys, sorted by subkey."""
-        found = self._get_raw(key, latest)
+    def get_entries(self, key: str, record_type: type[R], *, latest: bool = True,
+                    full: bool = False) -> dict[str, Stored[R]]:
+        """Valid, unexpired, not deleted records under a key's subkeys, sorted by subkey.
+
+        ``full``: read the whole beam this time, never a quick read (dht/reads.py), for a decision
+        that must not miss an entry some holder lacks (a lease's claim: dht/leases.py)."""
+        found = self._remember(key, latest, self._request(self._dict_get(key, latest, full), f"get {key!r}",
+                                                          operation="get", family=key_family(key)))
         return self._reader.entries(key, found, record_type)
 
-    def owned_entries(self, key: str, record_type: type[R], *, latest: bool = True) -> dict[str, Stored[R]]:
+    def owned_entries(self, key: str, record_type: type[R], *, latest: bool = True,
+                      full: bool = False) -> dict[str, Stored[R]]:
         """``get_entries`` keyed by peer id, keeping only entries whose subkey is their record's
         ``peer_id`` (and, owned, whose owner key is that peer's; secured, owned at all)."""
-        return self._owned(key, self.get_entries(key, record_type, latest=latest))
+        return self._owned(key, self.get_entries(key, record_type, latest=latest, full=full))
 
     def rejections(self) -> dict[str, int]:
         """How many invalid values each key has yielded to this peer's reads so far."""
         return self._reader.rejections()
-
-    # ---- async twins ----------------------------------------------------------------------
-
-    async def visible_maddrs_async(self) -> list[str]:
-        return await asyncio.to_thread(self.visible_maddrs)
-
-    async def announce_worker_async(self, record: WorkerRecord, ttl: float) -> bool:
-        return await asyncio.to_thread(self.announce_worker, record, ttl)
-
-    async def live_workers_async(
-        self, run_id: str, stage: int, *, latest: bool = True, fingerprint: Optional[RunFingerprint] = None
-    ) -> list[WorkerRecord]:
-        return await asyncio.to_thread(self.live_workers, run_id, stage, latest=latest, fingerprint=fingerprint)
-
-    async def all_workers_async(
-        self, run_id: str, n_stages: int, *, latest: bool = True, fingerprint: Optional[RunFingerprint] = None
-    ) -> dict[int, list[WorkerRecord]]:
-        return await asyncio.to_thread(self.all_workers, run_id, n_stages, latest=latest, fingerprint=fingerprint)
-
-    async def withdraw_async(self, run_id: str, stage: int, peer_id: str) -> bool:
-        return await asyncio.to_thread(self.withdraw, run_id, stage, peer_id)
-
-    async def store_async(self, key: str, record: Record, ttl: float, *, subkey: Optional[str] = None) -> bool:
-        return await asyncio.to_thread(self.store, key, record, ttl, subkey=subkey)
-
-    async def delete_async(self, key: str, *, subkey: Optional[str] = None) -> bool:
-        return await asyncio.to_thread(self.delete, key, subkey=subkey)
-
-    async def get_record_async(
-        self, key: str, record_type: type[R], *, latest: bool = True
-    ) -> Optional[Stored[R]]:
-        return await asyncio.to_thread(self.get_record, key, record_type, latest=latest)
-
-    async def get_entries_async(
-        self, key: str, record_type: type[R], *, latest: bool = True
-    ) -> dict[str, Stored[R]]:
-        return await asyncio.to_thread(self.get_entries, key, record_type, latest=latest)
-
-    async def owned_entries_async(
-        self, key: str, record_type: type[R], *, latest: bool = True
-    ) -> dict[str, Stored[R]]:
-        return await asyncio.to_thread(self.owned_entries, key, record_type, latest=latest)
-
-    async def refresh_bans_async(self, max_age_s: float = BAN_REFRESH_S) -> Optional[BanList]:
-        return await asyncio.to_thread(self.refresh_bans, max_age_s)
-
-    async def shutdown_async(self) -> None:
-        await asyncio.to_thread(self.shutdown)
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -486,6 +443,17 @@ class SwarmDHT:
         return self._request(lambda: self._dht.get(key, latest=latest, return_future=True, beam_size=READ_BEAM),
                              f"get {key!r}",
                              operation="get", family=key_family(key))
+
+    def _dict_get(self, key: str, latest: bool, full: bool = False) -> Callable[[], concurrent.futures.Future]:
+        """The send of a read of a key with subkeys: latest over the beam, or quick (dht/reads.py)."""
+        bar = self._memory.next_bar(key) if latest and self._quick_reads and not full else None
+        if bar is None:
+            return lambda: self._dht.get(key, latest=latest, return_future=True, beam_size=READ_BEAM)
+        return lambda: self._dht.get(key, return_future=True, beam_size=READ_BEAM, num_workers=1,
+                                     sufficient_expiration_time=bar)
+
+    def _remember(self, key: str, latest: bool, found: Any) -> Any:
+        return self._memory.merge(key, found) if latest and self._quick_reads else found
 
     def _run_coroutine(self, coroutine: Callable[..., Any], what: str, *, family: str = "other") -> Any:
         return self._request(lambda: self._dht.run_coroutine(coroutine, return_future=True), what, family=family)

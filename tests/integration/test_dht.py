@@ -490,8 +490,9 @@ def test_every_request_is_timed_by_operation_and_key_family(dht_pair, run_id):
 
 
 def test_in_a_swarm_wider_than_the_read_beam_every_reader_sees_every_workers_entry():
-    """A latest read keeps READ_BEAM peers in its search, not hivemind's 20 (dht/swarm.py, "Reads"): with
-    more peers than that, the 5 nearest a key hold every writer's entry, and every reader finds them all."""
+    """A latest read keeps READ_BEAM peers in its search, not hivemind's 20 (dht/swarm.py): with more
+    peers than that, the 5 nearest a key hold every writer's entry, and every reader finds them all,
+    by a full read and by the quick one after it (dht/reads.py)."""
     from agora.dht.dht_process import READ_BEAM
 
     run_id = f"beam-{uuid.uuid4().hex[:8]}"
@@ -507,6 +508,7 @@ def test_in_a_swarm_wider_than_the_read_beam_every_reader_sees_every_workers_ent
         for reader in peers:
             assert eventually(lambda: reader.live_workers(run_id, 0) == expected, timeout=20,
                               what=f"all {len(peers)} workers from {reader.peer_id[:12]}")
+            assert reader.live_workers(run_id, 0) == expected  # the other kind of read than the last
     finally:
         for peer in peers:
             peer.shutdown()

@@ -72,6 +72,7 @@ class _SlowStoreBoard:
     def __init__(self):
         self.entries: dict[str, Stored] = {}
         self.now = 0.0
+        self.full_reads: list[bool] = []  # per read: whether it asked for the whole beam (never a quick read)
 
     def peer(self, peer_id: str, store_delay_s: float = 0.0):
         board = self
@@ -91,7 +92,8 @@ class _SlowStoreBoard:
                 board.entries[subkey] = Stored(record, board.now + ttl)
                 return True
 
-            async def owned_entries_async(self, key, record_type):
+            async def owned_entries_async(self, key, record_type, *, full=False):
+                board.full_reads.append(full)
                 return dict(board.entries)
 
         return Peer()
@@ -116,6 +118,24 @@ def test_a_later_claim_read_before_the_earlier_one_landed_does_not_win_too():
     assert (a_won, b_won) == (True, False)
     assert resolve(3, {peer: item.record for peer, item in dht.entries.items()}, dht.now).holder == "A"
     assert not dht.entries["B"].record.claimed_units()  # B's claim was withdrawn
+
+def test_a_claims_reads_and_a_commits_read_back_visit_the_whole_beam_a_scan_may_be_quick():
+    """A quick read stops at one holder, which may lack a rival's claim (dht/reads.py)."""
+    dht = _SlowStoreBoard()
+
+    async def main():
+        board = LeaseBoard(dht.peer("A"), run_id="run", lease_s=30.0)
+        await board.read(0)
+        scan = list(dht.full_reads)
+        dht.full_reads.clear()
+        assert await board.claim(3)
+        await board.commit(3)
+        return scan, dht.full_reads
+
+    scan, decisions = run(main())
+    assert scan == [False]
+    assert decisions == [True, True, True, True]  # its own commits taken back, the claim's two reads, the commit's
+
 
 def test_two_winners_of_a_late_store_are_settled_by_holds_and_the_later_one_loses_the_unit():
     """A's store lands after B's whole claim (store, read, settle, read): both read back their claim
