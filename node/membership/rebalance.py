@@ -24,19 +24,23 @@ Design choices:
   rate is an average over its last ~10 jobs (node/replica/compute.py), and on a contended host it
   swings by more than `min_ratio` (2 against 2 replicas announced 11,114 against 5,110 tokens/s,
   and a mover went back). So the comparison waits for figures that mean something:
-  - nothing is planned while any covering replica of the run is not yet a member (syncing: its rate is
-    a guess, and it is the mover of a move not finished) or has no measurement yet, nor while a move
-    is in transit (its own included: the mover's record says a move is under way);
+  - nothing is planned while any covering replica of the run is not yet a member (syncing: its rate
+    is a guess, and it may be the mover of a move not finished) or has no measurement yet, nor while
+    a move is in transit (its own included: the mover's record says a move is under way);
   - once none of that holds, the swarm is settled, and a worker plans only after it has read it
     settled for `settle_intervals` readings in a row (`Settling`), comparing each replica's
-    throughput averaged over those readings, not the last one. A change (a move, a joiner, a
-    replica not seen before) starts the count over, so a mover that just arrived is judged on
-    several intervals of its own compute on its new stage, and noise that flips between readings
-    averages out instead of crossing the ratio. Counted by each reader from when it saw the swarm
-    settle, rather than by a longer-lived move record: a transit of unknown length (admission, weight
-    sync under load) then never eats into the settle period.
-  A real imbalance still moves, `settle_intervals + confirmations - 1` readings after the last
-  change: only noise within the window is smoothed, not a difference that persists across it.
+    throughput averaged over the last `settle_intervals` readings, not the last one. A change (a
+    move, a joiner, a replica not seen before) starts the count over, so a mover that just arrived
+    is judged on several intervals of its own compute on its new stage, and noise that flips
+    between readings averages out instead of crossing the ratio.
+  The settle period is counted by each reader from when it saw the swarm settle, not by a move
+  record that lives longer: a transit of unknown length (admission, weight sync under load) then
+  never eats into it, and it covers joiners too. The longer window is the reader's, not a second
+  figure in the record: the announced rate stays short-window for the trainers' routing, which
+  must follow a replica that slows now. A real imbalance still moves, `settle_intervals +
+  confirmations - 1` readings after the last change: only noise within the window is smoothed, not
+  a difference that persists across it (nothing in the records tells a host's lasting contention
+  from a slower machine).
 - One move at a time in the whole swarm: the mover announces a `MoveRecord` (dht/records.py) for as
   long as its transit may take (leaving, admission again, a new process), and nobody plans a move
   while one is live; otherwise a second member would judge the stages while the first is on its
@@ -61,6 +65,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Mapping, Optional, Sequence
 
@@ -176,37 +181,36 @@ def plan_move(by_stage: Mapping[int, Sequence[WorkerRecord]], n_stages: int, own
 @dataclass
 class Settling:
     """One reader's count of the readings it has seen settled in a row, and each covering replica's
-    throughput summed over those it appeared in (keyed by peer and stage: a replica that moved is
-    another figure; one missing from a reading, a late heartbeat, is averaged over the others)."""
+    throughputs in the last `settle_intervals` of them (keyed by peer and stage: a replica that moved
+    is another figure; one missing from a reading, a late heartbeat, is averaged over the others).
+    A window rather than everything since the swarm settled, so a replica that slows down for good
+    (its host got busy) shows within `settle_intervals` readings, however long the swarm was quiet."""
 
     policy: RebalancePolicy
     readings: int = 0
-    sums: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
+    history: dict[tuple[str, int], deque[float]] = field(default_factory=dict)
 
     def observe(self, by_stage: Mapping[int, Sequence[WorkerRecord]], n_stages: int,
                 moving: Sequence[MoveRecord] = ()) -> Optional[dict[int, list[WorkerRecord]]]:
-        """The covering records with each one's throughput averaged over the settled readings, once
-        there have been `settle_intervals` of them; None before. An unsettled reading, or a replica
-        not seen since the count began, starts it over."""
+        """The covering records with each one's throughput averaged over the window, once there have
+        been `settle_intervals` settled readings; None before. An unsettled reading, or a replica not
+        seen since the count began, starts it over."""
         if unsettled(by_stage, n_stages, moving) is not None:
-            self.readings, self.sums = 0, {}
+            self.readings, self.history = 0, {}
             return None
         covering = _covering(by_stage, n_stages)
-        if any((r.peer_id, stage) not in self.sums for stage, records in covering.items() for r in records):
-            self.readings, self.sums = 0, {}
+        if any((r.peer_id, stage) not in self.history for stage, records in covering.items() for r in records):
+            self.readings = 0
+            self.history = {(r.peer_id, stage): deque(maxlen=self.policy.settle_intervals)
+                            for stage, records in covering.items() for r in records}
         self.readings += 1
         for stage, records in covering.items():
             for r in records:
-                total, count = self.sums.get((r.peer_id, stage), (0.0, 0))
-                self.sums[(r.peer_id, stage)] = (total + r.throughput, count + 1)
+                self.history[(r.peer_id, stage)].append(r.throughput)
         if self.readings < self.policy.settle_intervals:
             return None
-        return {stage: [r.model_copy(update={"throughput": self._mean(r.peer_id, stage)}) for r in records]
-                for stage, records in covering.items()}
-
-    def _mean(self, peer_id: str, stage: int) -> float:
-        total, count = self.sums[(peer_id, stage)]
-        return total / count
+        return {stage: [r.model_copy(update={"throughput": statistics.fmean(self.history[(r.peer_id, stage)])})
+                        for r in records] for stage, records in covering.items()}
 
 
 class Rebalancer:

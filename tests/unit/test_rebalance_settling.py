@@ -147,3 +147,15 @@ def test_the_rebalancer_moves_once_settled_and_confirmed():
 
     asyncio.run(run())
     assert [move.target for move in moves] == [1] and len(reads) == 4
+
+
+def test_a_replica_that_slows_for_good_after_a_long_quiet_moves_one_within_the_window():
+    """The average is over the last `settle_intervals` readings, not since the swarm settled: after
+    an hour of balance (2 heads against a tail twice as fast), the tail's host gets busy."""
+    settling: dict[str, Settling] = {}
+    balanced = _by_stage(_record("a", 0), _record("b", 0), _record("d", 1, 2000.0))
+    for _ in range(1800):
+        assert _plans(settling, balanced) == {}
+    busy = _by_stage(_record("a", 0), _record("b", 0), _record("d", 1, 600.0))
+    plans = [_plans(settling, busy) for _ in range(POLICY.settle_intervals)]
+    assert {"a": 1} in plans, plans
