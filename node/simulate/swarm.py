@@ -10,9 +10,11 @@ Membership, with the project's rules (node/membership/): a newcomer is admitted 
 starts where `entry_phase` says, downloads its stage's state from the donor `plan_donors` names
 over their links, then syncs (workers.py) until `next_phase` makes it a member. An arrival joins the
 stage `stage_coverage` (rebalance.py) finds least covered. Every `interval_s` each member asks
-`plan_move`; a plan that holds for `confirmations` checks in a row moves it (one at a time in the
-swarm): it leaves and joins the target stage as a newcomer. A leaving worker finishes the calls it
-holds (a clean leave, as on SIGTERM); the simulator does not model a kill's lost calls.
+`plan_move` once nothing has changed for `settle_intervals` checks (its throughputs are noiseless,
+so the settle period only delays moves, as it does in the real swarm); a plan that holds for
+`confirmations` checks in a row moves it (one at a time in the swarm): it leaves and joins the
+target stage as a newcomer. A leaving worker finishes the calls it holds (a clean leave, as on
+SIGTERM); the simulator does not model a kill's lost calls.
 """
 
 from __future__ import annotations
@@ -289,10 +291,14 @@ class SimSwarm:
         yield from self._arrive(self._least_covered())
 
     def _rebalancing(self):
-        checked = -1
+        checked, seen, quiet = -1, -1, 0
         while True:
             yield self.env.timeout(self.rebalance.interval_s)
-            if self._moving is not None or (checked == self.version and not self._plans):
+            if self._moving is not None or seen != self.version:
+                seen, quiet = self.version, 0  # a change: the swarm settles again first (rebalance.py's Settling)
+                self._plans.clear()
+            quiet += 1
+            if quiet < self.rebalance.settle_intervals or (checked == self.version and not self._plans):
                 continue  # nothing changed since a check that planned nothing: it would plan nothing again
             checked = self.version
             records = self._records()

@@ -116,9 +116,9 @@ def test_nobody_plans_a_move_while_another_is_in_transit():
     transit = MoveRecord(peer_id="e", run_id="r", from_stage=0, to_stage=1, started_at=0.0)
     assert plan_move(by_stage, 2, "a", "member", POLICY, moving=[transit]) is None
     assert plan_move(by_stage, 2, "a", "member", POLICY, moving=[]) is not None
-    # Its own announcement (seen again after a restart) does not hold it back.
+    # Its own announcement holds it back too: it is the move under way, just arrived.
     own = MoveRecord(peer_id="a", run_id="r", from_stage=1, to_stage=0, started_at=0.0)
-    assert plan_move(by_stage, 2, "a", "member", POLICY, moving=[own]) is not None
+    assert plan_move(by_stage, 2, "a", "member", POLICY, moving=[own]) is None
 
 
 def test_an_unmeasured_replica_counts_as_its_stages_typical_one():
