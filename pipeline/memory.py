@@ -82,7 +82,8 @@ class LiveBytes(TorchDispatchMode):
     Freed storages are swept out only when the count passes the peak: the count without a sweep
     is never below the live bytes, so an operator that does not pass the peak cannot raise it, and
     the peak is the one a sweep around every operator gives, at a fraction of the cost (the sweep
-    is over every counted tensor, and a training step runs tens of thousands of operators).
+    is over every counted tensor, and a training step runs tens of thousands of operators). A freed
+    storage's address is not reused while it waits for a sweep: the weak reference keeps it.
     """
 
     def __init__(self):
@@ -108,15 +109,9 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(tensor, torch.Tensor):
                 storage = tensor.untyped_storage()
                 ref = StorageWeakRef(storage)
-                if ref.cdata in inputs:
-                    continue
-                counted = self._live.get(ref.cdata)
-                if counted is not None and not counted[0].expired():
-                    continue
-                if counted is not None:  # a freed storage not swept yet, its address reused
-                    self.bytes -= counted[1]
-                self._live[ref.cdata] = (ref, storage.nbytes())
-                self.bytes += storage.nbytes()
+                if ref.cdata not in inputs and ref.cdata not in self._live:
+                    self._live[ref.cdata] = (ref, storage.nbytes())
+                    self.bytes += storage.nbytes()
         if self.bytes > self.peak:
             self._sweep()
             self.peak = max(self.peak, self.bytes)
