@@ -153,7 +153,8 @@ def test_a_replica_pushing_single_coordinates_moves_them_about_the_honest_spread
         return await asyncio.gather(*(in_thread(averager, values, 6, 8.0)
                                       for averager, values in zip(group, (a, b, hostile))))
 
-    with averagers(dhts, ["robust"] * 3, "coordinate-push", a.numel(), 4 * part, nonnegative_from=parts * part) as group:
+    with averagers(dhts, ["robust"] * 3, "coordinate-push", a.numel(), 4 * part,
+                   nonnegative_from=parts * part) as group:
         results = run(one_round(group))
     honest_spread = float(torch.linalg.vector_norm(a[:parts * part] - b[:parts * part])) / math.sqrt(parts * part)
     mean = (a + b) / 2
