@@ -157,8 +157,10 @@ def cuda_tests(settings: dict, results: Results, work: Path) -> None:
         raise RuntimeError(f"{skipped} of {total} CUDA tests skipped on a CUDA machine")
 
 
-def _train_local_run(settings: dict, dtype: str, work: Path) -> tuple[list[dict], float, tuple[int, int | None]]:
-    """One `agora-node train-local` in this process: its step records, held-out loss and peak memory."""
+def _train_local_run(settings: dict, dtype: str, work: Path, *, measure_memory: bool = True
+                     ) -> tuple[list[dict], float, tuple[int, int | None] | None]:
+    """One `agora-node train-local` in this process: its step records, held-out loss and peak memory
+    (None unless `measure_memory`: on the CPU the count slows every operator several-fold)."""
     from agora.node.cli import main as agora_main
 
     log = work / f"train-local-{dtype}.jsonl"
@@ -166,15 +168,17 @@ def _train_local_run(settings: dict, dtype: str, work: Path) -> tuple[list[dict]
             "--stages", str(settings["train_stages"]), "--steps", str(settings["train_steps"]),
             "--device", settings["device"], "--dtype", dtype, "--log-json", str(log)]
     argv += ["--compile"] if settings["compile"] else []
-    memory = PeakMemory(settings["device"])
-    memory.start()
+    memory = PeakMemory(settings["device"]) if measure_memory else None
+    if memory is not None:
+        memory.start()
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
             code = agora_main(argv)
     finally:
-        memory.stop()
-    measured = memory.peak()
+        if memory is not None:
+            memory.stop()
+    measured = memory.peak() if memory is not None else None
     print(printed.getvalue(), flush=True)
     if code != 0:
         raise RuntimeError(f"agora-node train-local --dtype {dtype} exited {code}: {printed.getvalue().strip()[-300:]}")
@@ -208,7 +212,7 @@ def train_local(settings: dict, results: Results, work: Path) -> None:
     reference = settings.get("train_reference_dtype")
     if reference and reference != settings["dtype"]:
         # The same run in the reference precision: what the lower precision costs in loss and buys in speed.
-        ref_records, ref_heldout, _ = _train_local_run(settings, reference, work)
+        ref_records, ref_heldout, _ = _train_local_run(settings, reference, work, measure_memory=False)
         speed = records[-1]["tokens_per_s"] / ref_records[-1]["tokens_per_s"]
         results.add(f"{reference} tokens/s", f"{ref_records[-1]['tokens_per_s']:,.0f}",
                     f"{settings['dtype']} / {reference} = {speed:.2f}x", tokens_per_s=ref_records[-1]["tokens_per_s"],

@@ -58,28 +58,40 @@ class HostileAverager(SliceAverager):
         return dataclasses.replace(result, outcome="failed", averaged=None, error="hostile: keeps its own values")
 
 
+@pytest.fixture(scope="module")
+def dhts():
+    """Three DHT peers in one swarm, shared by the module's groups: each group's averagers have a
+    prefix of their own, so groups never meet, and a DHT peer's start (a process and its p2pd) takes
+    seconds on a loaded machine."""
+    peers = []
+    try:
+        for _ in range(3):
+            peers.append(SwarmDHT.start(initial_peers=peers[0].visible_maddrs() if peers else ()))
+        yield peers
+    finally:
+        for dht in peers:
+            dht.shutdown()
+
+
 @contextlib.contextmanager
-def averagers(kinds: list[str], prefix: str, size: int = VECTOR, part_size_bytes: int = SYNC.part_size_bytes,
-              nonnegative_from: int | None = None):
-    """One DHT peer and averager per kind: "robust" (this project's defaults), "mean" (hivemind's
-    plain weighted mean) or "hostile"; all shut down on exit. ``nonnegative_from``: where the
-    averaged vector's second moments begin, as a worker averaging its optimizer state sets it."""
-    dhts, started = [], []
+def averagers(dhts: list[SwarmDHT], kinds: list[str], prefix: str, size: int = VECTOR,
+              part_size_bytes: int = SYNC.part_size_bytes, nonnegative_from: int | None = None):
+    """One averager per kind, each on a DHT peer of its own: "robust" (this project's defaults),
+    "mean" (hivemind's plain weighted mean) or "hostile"; all shut down on exit. ``nonnegative_from``:
+    where the averaged vector's second moments begin, as a worker averaging its optimizer state sets it."""
+    started = []
     weight_cap = max_round_weight(SYNC, CONFIG.train.batch_size, CONFIG.train.batch_size)
     try:
-        for kind in kinds:
-            dhts.append(SwarmDHT.start(initial_peers=dhts[0].visible_maddrs() if dhts else ()))
+        for kind, dht in zip(kinds, dhts, strict=True):
             policy = RobustAggregation("centered_clip" if kind == "robust" else "mean", max_weight=weight_cap,
                                        nonnegative_from=nonnegative_from)
             cls = HostileAverager if kind == "hostile" else SliceAverager
-            started.append(cls.start(dhts[-1].hivemind_dht, prefix=prefix, size=size, part_size_bytes=part_size_bytes,
+            started.append(cls.start(dht.hivemind_dht, prefix=prefix, size=size, part_size_bytes=part_size_bytes,
                                      robust=policy, **TIMEOUTS))
         yield started
     finally:
         for averager in started:
             averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
 
 
 def in_thread(averager, values, round_number, weight):
@@ -87,7 +99,7 @@ def in_thread(averager, values, round_number, weight):
                              group_size=3)
 
 
-def test_a_bad_replica_and_its_bad_averages_are_rejected_by_both_honest_replicas():
+def test_a_bad_replica_and_its_bad_averages_are_rejected_by_both_honest_replicas(dhts):
     size = 12 * 1024  # 12 parts of 1024 values: each of the three reduces about four
     generator = torch.Generator().manual_seed(0)
     base = 0.02 * torch.randn(size, generator=generator)
@@ -100,7 +112,7 @@ def test_a_bad_replica_and_its_bad_averages_are_rejected_by_both_honest_replicas
                                     asyncio.to_thread(SliceAverager.average, hostile, 10 * base,
                                                       round_number=round_number, weight=1e6, group_size=3))
 
-    with averagers(["robust", "robust", "mean"], "hostile-wiring", size, 4096) as group:
+    with averagers(dhts, ["robust", "robust", "mean"], "hostile-wiring", size, 4096) as group:
         results = run(one_round(group, 4))
     mean = (a + b) / 2
     for result, own in zip(results[:2], (a, b)):
@@ -113,13 +125,13 @@ def test_a_bad_replica_and_its_bad_averages_are_rejected_by_both_honest_replicas
         assert result.rejections["outlier"] >= 3 and result.rejections["reducer_outlier"] >= 3
         assert result.received_fraction == pytest.approx(float(averaged.float().mean()), abs=0.1)
 
-    with averagers(["mean", "mean", "mean"], "hostile-plain", size, 4096) as group:
+    with averagers(dhts, ["mean", "mean", "mean"], "hostile-plain", size, 4096) as group:
         plain = run(one_round(group, 4))
     assert plain[0].outcome == "committed"  # what the checks stop: the hostile's values everywhere
     assert float(torch.linalg.vector_norm(plain[0].averaged - 10 * base)) < 1e-3 * float(torch.linalg.vector_norm(base))
 
 
-def test_a_replica_pushing_single_coordinates_moves_them_about_the_honest_spread_and_never_zeroes_a_second_moment():
+def test_a_replica_pushing_single_coordinates_moves_them_about_the_honest_spread_and_never_zeroes_a_second_moment(dhts):
     # 6 parts of 1024 weights, then 6 of their second moments (exp_avg_sq): each peer reduces four.
     parts, part = 6, 1024
     generator = torch.Generator().manual_seed(1)
@@ -141,7 +153,8 @@ def test_a_replica_pushing_single_coordinates_moves_them_about_the_honest_spread
         return await asyncio.gather(*(in_thread(averager, values, 6, 8.0)
                                       for averager, values in zip(group, (a, b, hostile))))
 
-    with averagers(["robust"] * 3, "coordinate-push", a.numel(), 4 * part, nonnegative_from=parts * part) as group:
+    with averagers(dhts, ["robust"] * 3, "coordinate-push", a.numel(), 4 * part,
+                   nonnegative_from=parts * part) as group:
         results = run(one_round(group))
     honest_spread = float(torch.linalg.vector_norm(a[:parts * part] - b[:parts * part])) / math.sqrt(parts * part)
     mean = (a + b) / 2
@@ -158,7 +171,7 @@ def test_a_replica_pushing_single_coordinates_moves_them_about_the_honest_spread
         assert result.clipped_coordinates >= 1  # each honest reducer clipped the pushes in its parts
 
 
-def test_a_reducer_returning_one_pushed_coordinate_per_part_moves_it_at_most_the_coordinate_bound():
+def test_a_reducer_returning_one_pushed_coordinate_per_part_moves_it_at_most_the_coordinate_bound(dhts):
     # The hostile reduces its parts with the plain mean, so the averages it returns carry its push;
     # each moves its part 0.4 of the part's norm, inside the guard's norm bound (its ceiling,
     # 1.0, in a first round), so only the per-coordinate bound stands in the way.
@@ -174,7 +187,7 @@ def test_a_reducer_returning_one_pushed_coordinate_per_part_moves_it_at_most_the
         return await asyncio.gather(*(in_thread(averager, values, 8, 8.0)
                                       for averager, values in zip(group, (a, b, hostile))))
 
-    with averagers(["robust", "robust", "mean"], "reducer-push", a.numel(), 4 * part) as group:
+    with averagers(dhts, ["robust", "robust", "mean"], "reducer-push", a.numel(), 4 * part) as group:
         results = run(one_round(group))
     for result, own in zip(results[:2], (a, b)):
         assert result.outcome == "committed", result.error
@@ -186,7 +199,7 @@ def test_a_reducer_returning_one_pushed_coordinate_per_part_moves_it_at_most_the
         assert result.clipped_coordinates >= 1
 
 
-def train(kinds: list[str], prefix: str) -> tuple[list[float], list[dict]]:
+def train(dhts: list[SwarmDHT], kinds: list[str], prefix: str) -> tuple[list[float], list[dict]]:
     """Three replicas train STEPS local steps on disjoint data, averaging with each other through
     their own loops; returns the held-out loss and the averaging counters of each replica."""
     data = build_data(CONFIG)
@@ -228,14 +241,14 @@ def train(kinds: list[str], prefix: str) -> tuple[list[float], list[dict]]:
             for worker in workers:
                 await worker.stop()
 
-    with averagers(kinds, prefix) as group:
+    with averagers(dhts, kinds, prefix) as group:
         return run(main(group))
 
 
-def test_honest_replicas_train_as_well_with_a_bad_replica_as_without_it(caplog):
-    honest_losses, honest_stats = train(["robust"] * 3, "train-honest")
+def test_honest_replicas_train_as_well_with_a_bad_replica_as_without_it(dhts, caplog):
+    honest_losses, honest_stats = train(dhts, ["robust"] * 3, "train-honest")
     with caplog.at_level(logging.INFO, logger="agora.node.averaging"):
-        losses, stats = train(["robust", "robust", "hostile"], "train-hostile")
+        losses, stats = train(dhts, ["robust", "robust", "hostile"], "train-hostile")
     rounds = STEPS // SYNC.every_steps
     # On a loaded machine an honest round may time out too (CI's 2 cores did, once in 24 rounds).
     assert all(s["rounds_by_outcome"]["committed"] >= rounds - 2 for s in honest_stats), \
@@ -254,6 +267,6 @@ def test_honest_replicas_train_as_well_with_a_bad_replica_as_without_it(caplog):
     flagged = [line for line in lines if "rejected=" in line and "outlier:" in line]
     assert len(flagged) >= 2 * rounds, lines[:4]
 
-    plain_losses, plain_stats = train(["mean", "mean", "hostile"], "train-plain")  # without the checks
+    plain_losses, plain_stats = train(dhts, ["mean", "mean", "hostile"], "train-plain")  # without the checks
     assert not any(s["rejections"] for s in plain_stats)
     assert not any(loss < 1.5 * reference for loss in plain_losses[:2]), plain_losses  # NaN is not less

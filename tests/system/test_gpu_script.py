@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,11 @@ def _gpu_module():
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=280)
+    # One torch thread in every process it starts, as in the tests' own (tests/conftest.py): the demo
+    # part runs several processes at once, and a part's two threads on a busy 2-core machine ran
+    # train-local several times slower than one.
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _figures(part: dict) -> dict[str, dict]:

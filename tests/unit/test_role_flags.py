@@ -6,6 +6,7 @@ parser is built and the commands stop at their options."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -31,8 +32,15 @@ from agora.pipeline.schema import ConfigError, leaves
 pytestmark = pytest.mark.timeout(60)
 
 
+@functools.cache
+def _parser():
+    """One parser for the module: building it reads every command's option sections (about a tenth
+    of a second), and parsing leaves it as it was."""
+    return build_parser()
+
+
 def parsed(*argv: str):
-    return build_parser().parse_args(list(argv))
+    return _parser().parse_args(list(argv))
 
 
 def refusal(capsys, *argv: str) -> str:
