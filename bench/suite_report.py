@@ -430,12 +430,18 @@ def render(results: dict) -> str:
 def _scale_sections() -> list[str]:
     """Rows 10 and 11's tables and the simulator's validation, each as its own benchmark last wrote it:
     none of them is a run of the suite (root and 40 minutes; 15 minutes; the simulator)."""
-    lines = [*dht_scale_section(DHT_SCALE_RESULTS), "", *averaging_scale_section(AVERAGING_SCALE_RESULTS), ""]
-    if SIMULATOR_VALIDATION.exists():
-        text = SIMULATOR_VALIDATION.read_text().splitlines()[1:]  # its own title goes
-        lines += ["## The simulator against the measured runs (bench/simulate_validation.py)",
-                  *[f"#{line}" if line.startswith("## ") else line for line in text], ""]
-    return [line for index, line in enumerate(lines) if line or (index and lines[index - 1])]
+    parts = [dht_scale_section(DHT_SCALE_RESULTS), averaging_scale_section(AVERAGING_SCALE_RESULTS),
+             _simulator_section(SIMULATOR_VALIDATION)]
+    return [line for part in parts if part for line in (*part, "")]
+
+
+def _simulator_section(path: Path) -> list[str]:
+    """The validation's own file under a RESULTS.md heading, its headings one level down."""
+    if not path.exists():
+        return []
+    text = path.read_text().splitlines()[1:]  # its own title goes
+    return ["## The simulator against the measured runs (bench/simulate_validation.py)",
+            *[f"#{line}" if line.startswith("## ") else line for line in text]]
 
 
 def _simulator_row(path: Path) -> str:
