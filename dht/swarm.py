@@ -32,6 +32,8 @@ Design choices:
   read: bench/idle_cpu.py), then a quick one that stops at the first holder as new as what this peer
   saw, each answer merged into what the earlier ones returned: dht/reads.py says why and what a quick
   read can miss (an entry new to this peer, for one read). Plain keys are always read latest.
+- A store searches for its key's nearest peers without being sent the key's value (hivemind's search
+  is answered with the whole dictionary by every holder it asks): dht/stores.py.
 - The run's ban list (dht/bans.py) is read at most once per ``ban_refresh_s`` (``BAN_REFRESH_S``;
   a bench that stretches time stretches it too), or a heartbeat, which asks for it each beat, with
   one get in the DHT process, which also hands it to that process's validators; readers then skip
@@ -46,6 +48,7 @@ Design choices:
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import logging
 import threading
@@ -65,6 +68,7 @@ from agora.dht.op_timings import RequestTimings, key_family
 from agora.dht.ownership import EntryOwnership
 from agora.dht.reads import CACHE_OPTIONS, ReadMemory
 from agora.dht.records import Record, WorkerRecord
+from agora.dht.stores import store_entry
 from agora.dht.swarm_async import AsyncTwins
 from agora.dht.token_authorizer import use_peer_stubs
 
@@ -343,12 +347,8 @@ class SwarmDHT(AsyncTwins):
             raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
         expiration = self._claim_expiration(key, subkey, self._clock() + ttl)
         wire = record.to_wire()
-        accepted = self._request(
-            lambda: self._dht.store(
-                key, wire, expiration, subkey=subkey, exclude_self=self._client_mode, return_future=True
-            ),
-            f"store {key!r}", operation="store", family=key_family(key),
-        )
+        accepted = self._request(self._send_store(key, subkey, wire, expiration), f"store {key!r}",
+                                 operation="store", family=key_family(key))
         return bool(accepted)
 
     def delete(self, key: str, *, subkey: Optional[str] = None) -> bool:
@@ -364,12 +364,8 @@ class SwarmDHT(AsyncTwins):
         if target is None or target < self._clock():
             return True  # nothing unexpired to hide
         expiration = self._claim_expiration(key, subkey, target + _EXPIRATION_STEP)
-        accepted = self._request(
-            lambda: self._dht.store(
-                key, None, expiration, subkey=subkey, exclude_self=self._client_mode, return_future=True
-            ),
-            f"delete {key!r}", operation="delete", family=key_family(key),
-        )
+        accepted = self._request(self._send_store(key, subkey, None, expiration), f"delete {key!r}",
+                                 operation="delete", family=key_family(key))
         return bool(accepted)
 
     def get_record(self, key: str, record_type: type[R], *, latest: bool = True) -> Optional[Stored[R]]:
@@ -438,6 +434,13 @@ class SwarmDHT(AsyncTwins):
 
         future.add_done_callback(ended)
         return future
+
+    def _send_store(self, key: str, subkey: Optional[str], value: Any,
+                    expiration: float) -> Callable[[], concurrent.futures.Future]:
+        """The send of a store: hivemind's, but its search is not sent the key's value (dht/stores.py)."""
+        store = functools.partial(store_entry, key=key, subkey=subkey, value=value, expiration=expiration,
+                                  exclude_self=self._client_mode)
+        return lambda: self._dht.run_coroutine(store, return_future=True)
 
     def _get_raw(self, key: str, latest: bool) -> Optional[ValueWithExpiration[Any]]:
         return self._request(lambda: self._dht.get(key, latest=latest, return_future=True, beam_size=READ_BEAM),

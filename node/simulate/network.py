@@ -22,10 +22,10 @@ A DHT operation (a store, a get) takes `base_ms + per_doubling_ms * log2(N)` at 
 lookups take log N hops. Measured tables (`get_ms_at`, `store_ms_at`, `cpu_ms_at`: what the
 many-node harness measures at a few N) replace that form: `at_size` reads between them.
 
-A store's record is readable before the store returns (`first_holder_s`): hivemind's
-`DHTNode.store_many` looks up the key's nearest peers (the same beam search a read of the key
-makes), then sends the record to all `num_replicas` of them at once, and returns only when every
-one has answered. A holder keeps the record on receipt, and a read (`get_many_by_id`) takes what
+A store's record is readable before the store returns (`first_holder_s`): a store
+(dht/stores.py, after hivemind's `DHTNode.store_many`) looks up the key's nearest peers (the same
+beam search a read of the key makes), then sends the record to all `num_replicas` of them at once,
+and returns only when every one has answered. A holder keeps the record on receipt, and a read (`get_many_by_id`) takes what
 the holders it asks have, so others can read it one lookup and half a round trip after the store
 began, however long the slowest holder takes to answer.
 """

@@ -1,0 +1,112 @@
+"""Stores (dht/stores.py) on a real swarm of six hivemind DHT peers on loopback: an entry lands on the
+peers hivemind's own store picks, and the store's search is not sent the key's dictionary."""
+
+import time
+import uuid
+
+import pytest
+from hivemind.dht.routing import DHTID
+
+from agora.dht import SwarmDHT, WorkerRecord, worker_key
+
+pytestmark = pytest.mark.timeout(120)
+
+PEERS = 6
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    first = SwarmDHT.start()
+    peers = [first]
+    try:
+        for _ in range(PEERS - 1):
+            peers.append(SwarmDHT.start(initial_peers=first.visible_maddrs()))
+        yield peers
+    finally:
+        for peer in reversed(peers):
+            peer.shutdown()
+
+
+def record(run_id: str, peer_id: str) -> WorkerRecord:
+    return WorkerRecord(peer_id=peer_id, run_id=run_id, endpoint="127.0.0.1:50051", stage=0, n_stages=2,
+                        throughput=1.0, queue_depth=0, step=10, phase="member", version="1", updated_at=1.0,
+                        fingerprint="seed=0;stages=2;basis=b;data=d;config=c")
+
+
+async def node_id(_dht, node) -> int:
+    return int(node.node_id)
+
+
+async def replicas(_dht, node) -> int:
+    return node.num_replicas
+
+
+class Holds:
+    """Whether a peer's own storage holds a key. Runs in that peer's DHT process."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    async def __call__(self, _dht, node) -> bool:
+        return node.protocol.storage.get(DHTID.generate(source=self.key)) is not None
+
+
+class CountFoundValues:
+    """From now on, count the values this peer's find requests are answered with (the real requests
+    still go out). Runs in that peer's DHT process; ``ReadCount`` reads the count."""
+
+    async def __call__(self, _dht, node) -> None:
+        protocol = node.protocol
+        if hasattr(protocol, "found_values"):
+            return
+        protocol.found_values = 0
+        call_find = protocol.call_find
+
+        async def counting(peer, keys):
+            answer = await call_find(peer, keys)
+            protocol.found_values += sum(value is not None for value, _ in (answer or {}).values())
+            return answer
+
+        protocol.call_find = counting
+
+
+async def read_count(_dht, node) -> int:
+    return node.protocol.found_values
+
+
+def test_an_entry_lands_on_the_keys_nearest_peers(swarm):
+    key = worker_key(f"stores-{uuid.uuid4().hex[:8]}", 0)
+    writer = swarm[1]
+    assert writer.store(key, record("x", writer.peer_id), ttl=60.0, subkey=writer.peer_id)
+    key_id = DHTID.generate(source=key)
+    ids = {peer.peer_id: peer.hivemind_dht.run_coroutine(node_id) for peer in swarm}
+    nearest = sorted(ids, key=lambda peer_id: ids[peer_id] ^ key_id)[:writer.hivemind_dht.run_coroutine(replicas)]
+    holders = {peer.peer_id for peer in swarm if peer.hivemind_dht.run_coroutine(Holds(key))}
+    assert holders == set(nearest)
+
+
+def test_a_store_is_not_sent_the_dictionary_it_adds_to_and_readers_see_every_entry(swarm):
+    run_id = f"stores-{uuid.uuid4().hex[:8]}"
+    key = worker_key(run_id, 0)
+    for peer in swarm[2:]:
+        assert peer.announce_worker(record(run_id, peer.peer_id), ttl=60.0)
+    writer = swarm[1]
+    writer.hivemind_dht.run_coroutine(CountFoundValues())
+    before = writer.hivemind_dht.run_coroutine(read_count)
+    assert writer.announce_worker(record(run_id, writer.peer_id), ttl=60.0)
+    assert writer.hivemind_dht.run_coroutine(read_count) == before
+    # hivemind's own store of the same key, for contrast: its search is answered with the dictionary.
+    assert writer.hivemind_dht.store(key, record(run_id, "other").to_wire(), time.time() + 60.0, subkey="other")
+    assert writer.hivemind_dht.run_coroutine(read_count) > before
+    seen = {worker.peer_id for worker in swarm[0].live_workers(run_id, 0)}
+    assert seen == {peer.peer_id for peer in swarm[1:]} | {"other"}
+
+
+def test_a_withdrawn_entry_is_hidden_from_every_holder(swarm):
+    run_id = f"stores-{uuid.uuid4().hex[:8]}"
+    leaver = swarm[3]
+    assert leaver.announce_worker(record(run_id, leaver.peer_id), ttl=60.0)
+    assert leaver.withdraw(run_id, 0, leaver.peer_id)
+    for reader in (swarm[0], swarm[5]):
+        for _ in range(2):  # a full read, then a quick one
+            assert reader.live_workers(run_id, 0) == []
