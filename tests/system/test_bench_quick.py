@@ -13,7 +13,7 @@ import pytest
 from agora.bench.wan.topology import NAME_PREFIX, _namespaces, harness_available
 from agora.bench.cli import main
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("host-network"), pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def test_quick_suite_runs_every_row_and_writes_the_table(tmp_path):

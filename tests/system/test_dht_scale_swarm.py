@@ -11,7 +11,7 @@ import pytest
 
 from agora.bench.wan.topology import NAME_PREFIX, _namespaces, harness_available
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("host-network"), pytest.mark.timeout(150),
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150),
               pytest.mark.skipif(harness_available() is not None, reason=str(harness_available()))]
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from agora.bench.wan.links import PROBE_NODE, measure_links
 from agora.bench.wan.profiles import LinkSpec
 from agora.bench.wan.topology import NAME_PREFIX, WanTopology, _namespaces, cleanup_leftovers, harness_available
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("host-network"), pytest.mark.timeout(180),
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180),
               pytest.mark.skipif(harness_available() is not None, reason=str(harness_available()))]
 
 
