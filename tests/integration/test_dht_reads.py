@@ -8,7 +8,9 @@ import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.utils.serializer import MSGPackSerializer
 
-from agora.dht import SwarmDHT, WorkerRecord, worker_key
+from dht_swarm import dht_swarm, worker_entry
+
+from agora.dht import SwarmDHT, worker_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -17,21 +19,9 @@ PEERS = 6
 
 @pytest.fixture(scope="module")
 def swarm():
-    first = SwarmDHT.start()
-    peers = [first]
-    try:
-        for _ in range(PEERS - 1):
-            peers.append(SwarmDHT.start(initial_peers=first.visible_maddrs()))
+    with dht_swarm(PEERS) as peers:
         yield peers
-    finally:
-        for peer in reversed(peers):
-            peer.shutdown()
 
-
-def record(run_id: str, peer_id: str, step: int = 10) -> WorkerRecord:
-    return WorkerRecord(peer_id=peer_id, run_id=run_id, endpoint="127.0.0.1:50051", stage=0, n_stages=2,
-                        throughput=1.0, queue_depth=0, step=step, phase="member", version="1", updated_at=1.0,
-                        fingerprint="seed=0;stages=2;basis=b;data=d;config=c")
 
 
 class Place:
@@ -69,11 +59,11 @@ def test_an_entry_only_one_holder_got_is_missed_by_one_read_at_most_and_then_sta
     key = worker_key(run_id, 0)
     reader, writers = swarm[1], swarm[2:4]
     for writer in writers:
-        assert writer.announce_worker(record(run_id, writer.peer_id), ttl=60.0)
+        assert writer.announce_worker(worker_entry(run_id, writer.peer_id), ttl=60.0)
     assert seen(reader, run_id) == {w.peer_id for w in writers}  # the first read: full
     # The newcomer's store reached one holder other than the reader; every other holder missed it.
     lone = next(peer for peer in swarm if peer is not reader and held_by(peer, key))
-    newcomer = record(run_id, "newcomer")
+    newcomer = worker_entry(run_id, "newcomer")
     assert lone.hivemind_dht.run_coroutine(Place(key, "newcomer", newcomer.to_wire(), time.time() + 60.0))
     answers = [seen(reader, run_id) for _ in range(6)]  # quick, full, quick, full, ...
     missed = [i for i, answer in enumerate(answers) if "newcomer" not in answer]
@@ -85,9 +75,9 @@ def test_a_quick_read_returns_an_entry_rewritten_since_and_hides_one_withdrawn_s
     run_id = f"reads-{uuid.uuid4().hex[:8]}"
     reader, writer, leaver = swarm[0], swarm[4], swarm[5]
     for peer in (writer, leaver):
-        assert peer.announce_worker(record(run_id, peer.peer_id), ttl=60.0)
+        assert peer.announce_worker(worker_entry(run_id, peer.peer_id), ttl=60.0)
     assert seen(reader, run_id) == {writer.peer_id, leaver.peer_id}  # full
-    assert writer.announce_worker(record(run_id, writer.peer_id, step=11), ttl=60.0)
+    assert writer.announce_worker(worker_entry(run_id, writer.peer_id, step=11), ttl=60.0)
     assert [w.step for w in reader.live_workers(run_id, 0) if w.peer_id == writer.peer_id] == [11]  # quick
     assert seen(reader, run_id) == {writer.peer_id, leaver.peer_id}  # full
     assert leaver.withdraw(run_id, 0, leaver.peer_id)
@@ -99,7 +89,7 @@ def test_reads_are_all_full_where_hivemind_caches_found_values_itself(swarm):
     cached = SwarmDHT.start(initial_peers=swarm[0].visible_maddrs(), cache_locally=True)
     try:
         run_id = f"reads-{uuid.uuid4().hex[:8]}"
-        assert swarm[2].announce_worker(record(run_id, swarm[2].peer_id), ttl=60.0)
+        assert swarm[2].announce_worker(worker_entry(run_id, swarm[2].peer_id), ttl=60.0)
         for _ in range(3):
             assert seen(cached, run_id) == {swarm[2].peer_id}
         assert cached._memory.next_bar(worker_key(run_id, 0)) is None

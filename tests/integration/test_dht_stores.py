@@ -7,7 +7,9 @@ import uuid
 import pytest
 from hivemind.dht.routing import DHTID
 
-from agora.dht import SwarmDHT, WorkerRecord, worker_key
+from dht_swarm import dht_swarm, worker_entry
+
+from agora.dht import worker_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -16,21 +18,9 @@ PEERS = 6
 
 @pytest.fixture(scope="module")
 def swarm():
-    first = SwarmDHT.start()
-    peers = [first]
-    try:
-        for _ in range(PEERS - 1):
-            peers.append(SwarmDHT.start(initial_peers=first.visible_maddrs()))
+    with dht_swarm(PEERS) as peers:
         yield peers
-    finally:
-        for peer in reversed(peers):
-            peer.shutdown()
 
-
-def record(run_id: str, peer_id: str) -> WorkerRecord:
-    return WorkerRecord(peer_id=peer_id, run_id=run_id, endpoint="127.0.0.1:50051", stage=0, n_stages=2,
-                        throughput=1.0, queue_depth=0, step=10, phase="member", version="1", updated_at=1.0,
-                        fingerprint="seed=0;stages=2;basis=b;data=d;config=c")
 
 
 async def node_id(_dht, node) -> int:
@@ -77,7 +67,7 @@ async def read_count(_dht, node) -> int:
 def test_an_entry_lands_on_the_keys_nearest_peers(swarm):
     key = worker_key(f"stores-{uuid.uuid4().hex[:8]}", 0)
     writer = swarm[1]
-    assert writer.store(key, record("x", writer.peer_id), ttl=60.0, subkey=writer.peer_id)
+    assert writer.store(key, worker_entry("x", writer.peer_id), ttl=60.0, subkey=writer.peer_id)
     key_id = DHTID.generate(source=key)
     ids = {peer.peer_id: peer.hivemind_dht.run_coroutine(node_id) for peer in swarm}
     nearest = sorted(ids, key=lambda peer_id: ids[peer_id] ^ key_id)[:writer.hivemind_dht.run_coroutine(replicas)]
@@ -89,14 +79,14 @@ def test_a_store_is_not_sent_the_dictionary_it_adds_to_and_readers_see_every_ent
     run_id = f"stores-{uuid.uuid4().hex[:8]}"
     key = worker_key(run_id, 0)
     for peer in swarm[2:]:
-        assert peer.announce_worker(record(run_id, peer.peer_id), ttl=60.0)
+        assert peer.announce_worker(worker_entry(run_id, peer.peer_id), ttl=60.0)
     writer = swarm[1]
     writer.hivemind_dht.run_coroutine(CountFoundValues())
     before = writer.hivemind_dht.run_coroutine(read_count)
-    assert writer.announce_worker(record(run_id, writer.peer_id), ttl=60.0)
+    assert writer.announce_worker(worker_entry(run_id, writer.peer_id), ttl=60.0)
     assert writer.hivemind_dht.run_coroutine(read_count) == before
     # hivemind's own store of the same key, for contrast: its search is answered with the dictionary.
-    assert writer.hivemind_dht.store(key, record(run_id, "other").to_wire(), time.time() + 60.0, subkey="other")
+    assert writer.hivemind_dht.store(key, worker_entry(run_id, "other").to_wire(), time.time() + 60.0, subkey="other")
     assert writer.hivemind_dht.run_coroutine(read_count) > before
     seen = {worker.peer_id for worker in swarm[0].live_workers(run_id, 0)}
     assert seen == {peer.peer_id for peer in swarm[1:]} | {"other"}
@@ -105,7 +95,7 @@ def test_a_store_is_not_sent_the_dictionary_it_adds_to_and_readers_see_every_ent
 def test_a_withdrawn_entry_is_hidden_from_every_holder(swarm):
     run_id = f"stores-{uuid.uuid4().hex[:8]}"
     leaver = swarm[3]
-    assert leaver.announce_worker(record(run_id, leaver.peer_id), ttl=60.0)
+    assert leaver.announce_worker(worker_entry(run_id, leaver.peer_id), ttl=60.0)
     assert leaver.withdraw(run_id, 0, leaver.peer_id)
     for reader in (swarm[0], swarm[5]):
         for _ in range(2):  # a full read, then a quick one

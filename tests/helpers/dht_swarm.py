@@ -1,0 +1,28 @@
+"""A swarm of real hivemind DHT peers on loopback, each bootstrapped from the first, and a stage-0 worker
+entry to store in it: what the tests of how peers read and store a stage's entries share."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from agora.dht import SwarmDHT, WorkerRecord
+
+
+@contextmanager
+def dht_swarm(peers: int) -> Iterator[list[SwarmDHT]]:
+    first = SwarmDHT.start()
+    swarm = [first]
+    try:
+        for _ in range(peers - 1):
+            swarm.append(SwarmDHT.start(initial_peers=first.visible_maddrs()))
+        yield swarm
+    finally:
+        for peer in reversed(swarm):
+            peer.shutdown()
+
+
+def worker_entry(run_id: str, peer_id: str, step: int = 10) -> WorkerRecord:
+    return WorkerRecord(peer_id=peer_id, run_id=run_id, endpoint="127.0.0.1:50051", stage=0, n_stages=2,
+                        throughput=1.0, queue_depth=0, step=step, phase="member", version="1", updated_at=1.0,
+                        fingerprint="seed=0;stages=2;basis=b;data=d;config=c")
