@@ -114,13 +114,14 @@ before). A reply whose newest such replies go back more than `STALE_VERSIONS` ve
 (nothing there describes its weights) and enters the window, so its weights' next replies are. A
 lie is still caught where it starts on weights the trainer has seen replies of, or one or two
 versions on: a x10 lie stands 9 spreads off them, never enters, and trips within five replies (and
-again five later, with no passed self check between, to be flagged). What this cannot catch then: a lone worker whose lie starts just when it names weights more than
-`STALE_VERSIONS` versions past the replies this trainer holds (its lie is its history from there;
-versions are the worker's word, and with several trainers honest jumps that large are common), a
-worker lying from its first reply (its history is the lie), a lie its own self checks pass (its
-excused trip is vouched for, and the lie becomes its history), a lie grown so slowly that it looks like
-drift, a sole head replaying earlier outputs (a head's Forward has
-no request frame to align with), and a stage-wide honest shift cannot be told from a lie. With
+again five later, with no passed self check between, to be flagged). What this cannot catch then: a
+lone worker whose lie starts just when it names weights more than `STALE_VERSIONS` versions past the
+replies this trainer holds (its lie is its history from there; versions are the worker's word, and
+with several trainers honest jumps that large are common), a worker lying from its first reply (its
+history is the lie), a lie its own self checks pass (its excused trip is vouched for, and the lie
+becomes its history), a lie grown so slowly that it looks like drift, a sole head replaying earlier
+outputs (a head's Forward has no request frame to align with), and a stage-wide honest shift cannot
+be told from a lie. With
 several workers, a colluding majority of a stage's replies owns the median, as in robust averaging.
 Where a stage has several replicas, the trainer's optional spot checks (node/trainer/spot_checks.py)
 cover part of what this cannot: a replayed head reply, content shuffled within a batch, a lie from
