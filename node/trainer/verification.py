@@ -302,9 +302,9 @@ class ReplyVerifier:
         whether another check flagged or suspects a worker: a trip of a worker it fed lately is
         excused once (module docstring: whose lie it is), and whether a self check of a lone worker is
         undecided. `version`: the worker's weights the reply was computed on (None: not known); a lone
-        worker's reply is held to its replies of those weights (node/trainer/reply_reference.py: weights versions).
-        `passes`: a worker's self checks passed so far; one since a lone worker's excused trip vouches
-        for it (node/trainer/lone_worker.py)."""
+        worker's reply is held to its replies of those weights (node/trainer/reply_reference.py: weights
+        versions). `passes`: a worker's self checks passed so far; one since a lone worker's excused trip
+        vouches for it (node/trainer/lone_worker.py)."""
         upstream = list(upstream)
         boundary = self._boundaries.get((stage, kind))
         if boundary is None:
