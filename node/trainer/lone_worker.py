@@ -15,24 +15,26 @@ lone worker is never flagged on its first trip. Design choices:
   trip however far its weights move on (`held_to`), so a liar keeps standing off it. Held to its
   newest weights instead, its lie would stand on weights `STALE_VERSIONS` past any reply kept, go
   unjudged and become its history (node/trainer/reply_reference.py).
-- **Vouched for, then a new history.** Once a self check of it passed since the trip, and none
-  failed since (it is off probation), the statistics cannot overrule that: its history restarts
-  (its replies leave the window) and nothing of it is judged until `warmup` new replies, so an
-  honest worker at a new level does not trip again 4 replies later against its frozen past. Its
-  notice ends; a later trip is a new one (excused, checked again).
-- **The bound.** A trip while on notice and not vouched for flags the worker: the second trip of a
-  liar the self check catches comes after that check failed, and of a liar the self checks miss
-  (a head scaling its outputs in its replays too) or of any lone worker with self checks off, with
-  nothing to vouch for it. Only while its check at once is still undecided (on probation: its
-  probes queued behind its work, or answered on newer weights) is such a trip held instead (the
-  CUSUMs restart, no flag), and for `window` of its replies after the first trip at most: a worker
-  refusing its probes, so that no check of it ever decides, is flagged at its next trip after that.
-  So a lone worker gets one excuse per passed self check, never two on the statistics' word alone.
+- **Vouched for, then a new history.** Once a self check of it passed since the trip and it is off
+  probation (no check undecided, none failed and not cleared), the statistics cannot overrule that:
+  its history restarts (its replies leave the window) and nothing of it is judged until `warmup` new
+  replies, so an honest worker at a new level does not trip again 4 replies later against its frozen
+  past. Its notice ends; a later trip is a new one (excused, checked again).
+- **The bound.** A trip while on notice flags the worker, unless its self checks are still at it (on
+  probation: its check at once undecided, its probes queued behind its work or answered on newer
+  weights, or a failure not cleared, which a second failure turns into a flag there): then the trip
+  is held (its CUSUMs restart, no flag), for `window` of its replies after the first trip at most,
+  so a worker refusing its probes, whose checks never decide, is flagged at its next trip after
+  that. With self checks off, or none of it passed, nothing vouches: a x10 lie trips it again some
+  five replies on and is flagged. So a lone worker gets one excuse per passed self check, never two
+  on the statistics' word alone.
 
 What this cannot catch: a lone worker whose lie its own self checks pass (a consistent transform of
 a head's outputs, told in its replays too: replays match; or a worker that recognises its probes):
-one trip, a passed check, and its lie becomes its history. Without self checks (`--gradient-check-
-share 0`) nothing vouches, and an honest lone worker's lasting jump is flagged at its second trip.
+one trip, a passed check, and its lie becomes its history. And it costs time: a liar whose checks it
+keeps undecided (refusing its probes) lies for up to `window` of its replies past its first trip,
+and every lone liar for one trip more than before. Without self checks (--gradient-check-share 0)
+nothing vouches, and an honest lone worker's lasting jump is flagged at its second trip.
 
 Pure: no torch, no clock.
 """
@@ -74,6 +76,6 @@ def lone_trip(notice: LoneNotice | None, replies: int, window: int, checking: bo
 
 
 def vouched(notice: LoneNotice | None, passes: int, checking: bool) -> bool:
-    """Whether a self check passed since the worker's excused trip and none is undecided or failed since:
-    its history may restart at its new level."""
+    """Whether a self check passed since the worker's excused trip and none is undecided, or failed and
+    not cleared: its history may restart at its new level."""
     return notice is not None and passes > notice.passes and not checking
