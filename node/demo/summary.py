@@ -154,6 +154,8 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         "flagged": {peer: evidence for s in trainer_summaries for peer, evidence in s.get("flagged_by_peer", {}).items()},
         "verification_peak": max((peak for s in trainer_summaries
                                   for peak in s.get("verification", {}).get("peak_cusum", {}).values()), default=None),
+        # Trips of a stage's only worker the verifiers excused for a self check at once (node/trainer/lone_worker.py).
+        "verification_lone_trips": sum(s.get("verification", {}).get("lone_trips", 0) for s in trainer_summaries),
         "averaging_by_stage": _averaging_by_stage(workdir, workers),
         # Each worker's phases and when it entered them (seconds after it started): a replica that
         # joined mid-run shows weight_sync, optimizer_sync, member (node/membership/phases.py).

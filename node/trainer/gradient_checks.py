@@ -277,6 +277,12 @@ class GradientJudge:
         return {peer: (record.smallest, record.largest) for peer, record in sorted(self._workers.items())
                 if record.smallest <= record.largest}
 
+    def passes(self, peer: str) -> int:
+        """`peer`'s checks in band, in all (one since a lone worker's excused trip vouches for it:
+        node/trainer/lone_worker.py)."""
+        record = self._workers.get(peer)
+        return 0 if record is None else record.checked - record.failed
+
     def failures(self) -> dict[str, int]:
         """Per worker checked, its checks out of band in all."""
         return {peer: record.failed for peer, record in sorted(self._workers.items())}

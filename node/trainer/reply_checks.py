@@ -17,7 +17,9 @@ cleared, carries the blame for what it fed others: the replies computed from its
 and a refusal of its values downstream is its failure (node/trainer/blame.py). A worker whose
 verifier trip came only with one producer's frames gets that producer checked at once instead, and
 a worker whose own statistics get half-way to a trip gets its next reply self-checked at once, as
-does a reply standing far off its stage's on its own.
+does a reply standing far off its stage's on its own, and a stage's only worker whose statistics
+trip is checked at once instead of flagged (node/trainer/lone_worker.py: a passed check vouches
+for it, a second trip without one flags it).
 Without these, a liar's victims downstream were named in its place.
 
 The background checks send held-out Forwards through `held_out`, the trainer's timed call to a
@@ -107,7 +109,8 @@ class ReplyChecks:
         present = [worker.peer_id for worker in self.roster.of_stage(view.stage)]
         evidence = self.verifier.observe(view.stage, kind, view.peer_id, features, upstream, present,
                                          suspected_elsewhere=self.gradients.suspected,
-                                         implicated_elsewhere=self._implicated, version=version)
+                                         implicated_elsewhere=self._implicated, version=version,
+                                         passes=self.gradients.judge.passes)
         for stage, frames, peer, producer, feature in self.verifier.take_implicated():
             logger.info("stage %d worker %s's %s stood off only with the frames %s produced: checking %s at once",
                         stage, peer, feature, producer, producer,
@@ -121,6 +124,12 @@ class ReplyChecks:
                         extra={"milestone": "victim_checked",
                                "fields": {"stage": stage, "kind": frames, "peer": peer, "producer": producer,
                                           "feature": feature}})
+            self.gradients.check_now(peer)
+        for stage, frames, peer, feature in self.verifier.take_lone_trips():
+            logger.info("stage %d's only worker %s: %s stood off its own history; checking it at once instead of "
+                        "flagging it", stage, peer, feature,
+                        extra={"milestone": "lone_worker_checked",
+                               "fields": {"stage": stage, "kind": frames, "peer": peer, "feature": feature}})
             self.gradients.check_now(peer)
         if evidence is not None:
             raise self.blame.suspect(view, evidence, method)
@@ -177,11 +186,13 @@ class ReplyChecks:
 
     def verification_summary(self) -> dict:
         """The verifier's account (the workers it flagged are the stats' `flagged_by_peer`): stage-wide
-        shifts it let pass, replies it left unjudged (computed from a suspected worker's), and the
+        shifts it let pass, trips of a stage's only worker it excused for a self check at once, replies
+        it left unjudged (computed from a suspected worker's), and the
         largest CUSUM each worker reached by stage and kind (how close honest traffic came to the bar)."""
         if self.verifier is None:
             return {"enabled": False}
         return {"enabled": True, "threshold": self.verifier.settings.threshold,
-                "shifts": self.verifier.shifts, "tainted": self.verifier.tainted,
+                "shifts": self.verifier.shifts, "lone_trips": self.verifier.lone_trips,
+                "tainted": self.verifier.tainted,
                 "peak_cusum": {f"{stage}/{kind}/{peer}": round(peak, 2)
                                for (stage, kind, peer), peak in sorted(self.verifier.peaks().items())}}

@@ -1,6 +1,46 @@
 """`Boundary`: the reference a stage's replies of one frame kind are held to: the window of its accepted
 replies and the centre and spread of each feature over it. Why the reference is what it is: the module
-docstring of node/trainer/verification.py, the verifier that keeps one per stage and kind.
+docstring of node/trainer/verification.py, the verifier that keeps one per stage and kind; a lone
+worker's, below.
+
+**Alone.** With one worker on a stage the pooled reference is that worker's own recent history, its
+spread floored at `LONE_SPREAD_FLOOR` (training's own trends are narrow next to it), and its replies
+keep entering it however far its CUSUM has gone, unless the reply itself stands `OUTLIER_Z` spreads
+off: with no one else's replies to move the reference, keeping them all out froze it, and a lone
+head whose outputs grew 3.5-fold over a few early steps (three trainers stepping it in turn, 5
+spreads) stood ever further off its frozen past until it was flagged, and its stage, and the run,
+were left with no worker. A sudden large change of its scale or direction, or of a reply's relation
+to its request, still trips it: a x10 lie stands 9 spreads off, never enters, and trips within five
+replies. But alone it is not flagged on that first trip (a loss spike trips an honest one just so):
+its CUSUMs restart, the trainer checks it at once against its own held-out answers, and only a
+second trip with no passed check since flags it; a passed check restarts its history instead
+(node/trainer/lone_worker.py, which says why and what that bound lets through).
+
+**Weights versions.** Alone, a worker's replies are held to its replies of the same weights: every
+reply names the weights version it was computed on (bumped by each write to the stage's weights),
+and a lone worker's centre is the median of its window's replies of the reply's version, or of the
+newest versions before it until `_SAME_WEIGHTS_REPLIES` replies, its spread their MAD around each
+version's own median (floored as above). Early in a run with three trainers stepping one worker,
+its values are a staircase in its versions, not a trend in one trainer's replies: a sole head's
+log-RMS stood flat over versions 0 and 1, then rose 0.33 a version (0.3 to 0.6 for a sole tail's
+input gradient, falling), while replies of one version scattered 0.15 to 0.3; and each trainer sees
+only its own microbatches, so it meets the worker again 2 to 3 versions on, or, after the others
+stepped it while it stalled or before its closing evaluation, 4 to 7 versions on (2.2 higher in
+log-RMS, 9 spreads off a history that held only versions 0 and 1: every such reply was kept out as an
+outlier and the honest head was flagged, in demo runs). Against the same weights those replies
+stand within 2 spreads (the largest CUSUM over 13 demo runs' recorded traffic 5.7, against 31
+before). A reply whose newest such replies go back more than `STALE_VERSIONS` versions is not judged
+(nothing there describes its weights) and enters the window, so its weights' next replies are. A
+lie is still caught where it starts on weights the trainer has seen replies of, or one or two
+versions on: a x10 lie stands 9 spreads off them, never enters, and trips within five replies (and
+again five later, with no passed self check between, to be flagged). What this cannot catch then: a
+lone worker whose lie starts just when it names weights more than `STALE_VERSIONS` versions past the
+replies this trainer holds (its lie is its history from there; versions are the worker's word, and
+with several trainers honest jumps that large are common), a worker lying from its first reply (its
+history is the lie), a lie its own self checks pass (its excused trip is vouched for, and the lie
+becomes its history), a lie grown so slowly that it looks like drift, a sole head replaying earlier
+outputs (a head's Forward has no request frame to align with), and a stage-wide honest shift cannot
+be told from a lie.
 
 Pure: no torch, no clock.
 """
@@ -24,8 +64,7 @@ SPREAD_FLOOR = 0.02
 # (2.3 in log-RMS) or a flipped sign (about 2 in alignment) still counts 8-9 spreads a reply.
 LONE_SPREAD_FLOOR = 0.25
 # A lone worker's reply is held to its replies of the same weights, or of the newest weights before
-# them holding at least this many, within STALE_VERSIONS versions (the verifier's module docstring:
-# weights versions).
+# them holding at least this many, within STALE_VERSIONS versions (module docstring: weights versions).
 _SAME_WEIGHTS_REPLIES = 4
 STALE_VERSIONS = 2
 _MAD_TO_SIGMA = 1.4826

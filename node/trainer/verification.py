@@ -84,40 +84,13 @@ relays every such value, so it can watch them. Design choices:
   and a liar does not; once per such producer, so a worker that keeps tripping is flagged.
 - Nothing is judged before the stage and kind have `warmup` accepted replies.
 
-With one worker on a stage the pooled reference is that worker's own recent history, its spread
-floored at `LONE_SPREAD_FLOOR` (training's own trends are narrow next to it), and its replies keep
-entering it however far its CUSUM has gone, unless the reply itself stands `OUTLIER_Z` spreads off:
-with no one else's replies to move the reference, keeping them all out froze it, and a lone head
-whose outputs grew 3.5-fold over a few early steps (three trainers stepping it in turn, 5 spreads)
-stood ever further off its frozen past until it was flagged, and its stage, and the run, were left
-with no worker. A sudden large change of its scale or direction, or of a reply's relation to its
-request, is still caught: a x10 lie stands 9 spreads off, never enters, and trips within five
-replies.
-
-**Weights versions.** Alone, a worker's replies are held to its replies of the same weights: every
-reply names the weights version it was computed on (bumped by each write to the stage's weights),
-and a lone worker's centre is the median of its window's replies of the reply's version, or of the
-newest versions before it until `_SAME_WEIGHTS_REPLIES` replies, its spread their MAD around each
-version's own median (floored as above). Early in a run with three trainers stepping one worker,
-its values are a staircase in its versions, not a trend in one trainer's replies: a sole head's
-log-RMS stood flat over versions 0 and 1, then rose 0.33 a version (0.3 to 0.6 for a sole tail's
-input gradient, falling), while replies of one version scattered 0.15 to 0.3; and each trainer sees
-only its own microbatches, so it meets the worker again 2 to 3 versions on, or, after the others
-stepped it while it stalled or before its closing evaluation, 4 to 7 versions on (2.2 higher in
-log-RMS, 9 spreads off a history that held only versions 0 and 1: every such reply was kept out as an
-outlier and the honest head was flagged, in demo runs). Against the same weights those replies
-stand within 2 spreads (the largest CUSUM over 13 demo runs' recorded traffic 5.7, against 31
-before). A reply whose newest such replies go back more than `STALE_VERSIONS` versions is not judged
-(nothing there describes its weights) and enters the window, so its weights' next replies are. A
-lie is still caught where it starts on weights the trainer has seen replies of, or one or two
-versions on: a x10 lie stands 9 spreads off them, never enters, and trips within five replies. What
-this cannot catch then: a lone worker whose lie starts just when it names weights more than
-`STALE_VERSIONS` versions past the replies this trainer holds (its lie is its history from there;
-versions are the worker's word, and with several trainers honest jumps that large are common), a
-worker lying from its first reply (its history is the lie), a lie grown so slowly that it looks like
-drift, a sole head replaying earlier outputs (a head's Forward has
-no request frame to align with), and a stage-wide honest shift cannot be told from a lie. With
-several workers, a colluding majority of a stage's replies owns the median, as in robust averaging.
+With one worker on a stage the reference is that worker's own history, by weights version, its
+spread floored wider, its replies entering it unless each stands far off
+(node/trainer/reply_reference.py: alone, weights versions, and what that cannot catch); and a trip
+alone does not flag it: it is checked at once, and only a second trip with no passed self check
+since flags it (node/trainer/lone_worker.py). A stage-wide honest shift cannot be told from a lie
+there. With several workers, a colluding majority of a stage's replies owns the median, as in
+robust averaging.
 Where a stage has several replicas, the trainer's optional spot checks (node/trainer/spot_checks.py)
 cover part of what this cannot: a replayed head reply, content shuffled within a batch, a lie from
 a worker's first reply, by asking a second replica the same Forward now and then; and its
@@ -138,6 +111,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from agora.node.trainer.lone_worker import LoneNotice, held_to, lone_trip, vouched
 from agora.node.trainer.reply_reference import LONE_SPREAD_FLOOR, SPREAD_FLOOR, STALE_VERSIONS, Boundary
 __all__ = ["PROJECTIONS", "FEATURES", "Z_CAP", "OUTLIER_Z", "SPREAD_FLOOR", "LONE_SPREAD_FLOOR", "STALE_VERSIONS",
            "DETECTION_REPLIES", "VerifierSettings",
@@ -256,6 +230,7 @@ class _WorkerTrack:
     deflected: set = field(default_factory=set)  # producers a trip of this worker was laid on already
     pardoned: set = field(default_factory=set)  # flagged producers a trip of this worker was excused for
     outlying: bool = False  # its last reply stood OUTLIER_Z spreads off on some feature
+    notice: LoneNotice | None = None  # alone, its excused trip not yet vouched for (node/trainer/lone_worker.py)
 
     @classmethod
     def fresh(cls) -> "_WorkerTrack":
@@ -289,6 +264,10 @@ class ReplyVerifier:
         # (stage, kind, worker, flagged producer, feature) of each trip excused as that producer's damage
         # (module docstring: whose lie it is); the trainer takes them (`take_pardoned`) to check the worker
         self.pardoned: list[tuple[int, str, str, str, str]] = []
+        # (stage, kind, worker, feature) of each trip of a stage's only worker excused for a self check at once
+        # (node/trainer/lone_worker.py); the trainer takes them (`take_lone_trips`); `lone_trips` counts them
+        self.lone_excused: list[tuple[int, str, str, str]] = []
+        self.lone_trips = 0
 
     def directions(self, width: int) -> torch.Tensor:
         if width not in self._directions:
@@ -312,7 +291,7 @@ class ReplyVerifier:
                 upstream: Iterable[Source] = (), present: Iterable[str] | None = None,
                 suspected_elsewhere: Callable[[str], bool] = lambda peer: False,
                 implicated_elsewhere: Callable[[str], bool] = lambda peer: False,
-                version: int | None = None) -> Evidence | None:
+                version: int | None = None, passes: Callable[[str], int] = lambda peer: 0) -> Evidence | None:
         """Judge one reply of `peer`, a worker of `stage`: None when it is used (and counted into the
         stage's reference), else the evidence against its worker (this reply and every later one).
         `upstream`: the replies of the microbatch's route this one was computed from. `present`: the
@@ -321,9 +300,11 @@ class ReplyVerifier:
         `suspected_elsewhere`: whether another check suspects a worker (a self check it failed and
         has not cleared): replies computed from its are not judged either. `implicated_elsewhere`:
         whether another check flagged or suspects a worker: a trip of a worker it fed lately is
-        excused once (module docstring: whose lie it is). `version`: the worker's weights the reply was
-        computed on (None: not known); a lone worker's reply is held to its replies of those weights
-        (module docstring: weights versions)."""
+        excused once (module docstring: whose lie it is), and whether a self check of a lone worker is
+        undecided. `version`: the worker's weights the reply was computed on (None: not known); a lone
+        worker's reply is held to its replies of those weights (node/trainer/reply_reference.py: weights
+        versions). `passes`: a worker's self checks passed so far; one since a lone worker's excused trip
+        vouches for it (node/trainer/lone_worker.py)."""
         upstream = list(upstream)
         boundary = self._boundaries.get((stage, kind))
         if boundary is None:
@@ -340,6 +321,8 @@ class ReplyVerifier:
         track.last_seen = boundary.replies
         live = None if present is None else frozenset(present) | {peer}
         alone = not self._others(boundary, track, live)
+        if alone and vouched(track.notice, passes(peer), implicated_elsewhere(peer)):
+            self._restart_history(boundary, peer, track)
         if len(boundary.entries(live)) >= self.settings.warmup:
             tripped = self._accumulate(boundary, track, features, live, alone, version,
                                        producer=upstream[-1][2] if upstream else None)
@@ -357,9 +340,16 @@ class ReplyVerifier:
                     track.pardoned.add(damager)
                     track.restart()
                     self.pardoned.append((stage, kind, peer, damager, FEATURES[index]))
+                elif alone and (lone := lone_trip(track.notice, track.replies, self.settings.window,
+                                                  implicated_elsewhere(peer))) != "flag":
+                    track.restart()
+                    if lone == "excuse":
+                        track.notice = LoneNotice(since=track.replies, passes=passes(peer), version=version)
+                        self.lone_trips += 1
+                        self.lone_excused.append((stage, kind, peer, FEATURES[index]))
                 else:
                     track.flagged = self._evidence(stage, kind, peer, boundary, track, index, side, value, live,
-                                                   version if alone else None)
+                                                   held_to(track.notice, version) if alone else None)
                     self._void_evidence_from(peer)
                     return track.flagged
         # A worker on its way to a flag is kept out of the reference it is held to. Alone, that reference
@@ -369,6 +359,21 @@ class ReplyVerifier:
         if not kept_out:
             boundary.window.append((peer, features, version))
         return None
+
+    def take_lone_trips(self) -> list[tuple[int, str, str, str]]:
+        """The trips of a stage's only worker excused since the last call (see `lone_excused`)."""
+        taken, self.lone_excused = self.lone_excused, []
+        return taken
+
+    @staticmethod
+    def _restart_history(boundary: Boundary, peer: str, track: _WorkerTrack) -> None:
+        """A self check vouched for a lone worker since its excused trip: its replies leave the window, so
+        its next `warmup` ones make its reference at its new level (node/trainer/lone_worker.py)."""
+        kept = [entry for entry in boundary.window if entry[0] != peer]
+        boundary.window.clear()
+        boundary.window.extend(kept)
+        track.notice = None
+        track.restart()
 
     def take_pardoned(self) -> list[tuple[int, str, str, str, str]]:
         """The trips excused as a flagged producer's damage since the last call (see `pardoned`)."""
@@ -452,8 +457,9 @@ class ReplyVerifier:
         deviations = [0.0] * len(features)
         track.deviations.append((producer, deviations))
         floor = LONE_SPREAD_FLOOR if alone else SPREAD_FLOOR
+        version = held_to(track.notice, version) if alone else None
         for index, value in enumerate(features):
-            reference = boundary.reference(index, floor, live, version if alone else None)
+            reference = boundary.reference(index, floor, live, version)
             if math.isnan(value) or reference is None:
                 continue
             centre, spread = reference
