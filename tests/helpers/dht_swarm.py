@@ -1,10 +1,13 @@
-"""A swarm of real hivemind DHT peers on loopback, each bootstrapped from the first, and a stage-0 worker
-entry to store in it: what the tests of how peers read and store a stage's entries share."""
+"""A swarm of real hivemind DHT peers on loopback, each bootstrapped from the first, a stage-0 worker
+entry to store in it, and whether a peer holds a key: what the tests of how peers read and store a
+stage's entries share."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Iterator
+
+from hivemind.dht.routing import DHTID
 
 from agora.dht import SwarmDHT, WorkerRecord
 
@@ -26,3 +29,17 @@ def worker_entry(run_id: str, peer_id: str, step: int = 10) -> WorkerRecord:
     return WorkerRecord(peer_id=peer_id, run_id=run_id, endpoint="127.0.0.1:50051", stage=0, n_stages=2,
                         throughput=1.0, queue_depth=0, step=step, phase="member", version="1", updated_at=1.0,
                         fingerprint="seed=0;stages=2;basis=b;data=d;config=c")
+
+
+class _Holds:
+    """Whether a peer's own storage holds a key. Runs in that peer's DHT process."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    async def __call__(self, _dht, node) -> bool:
+        return node.protocol.storage.get(DHTID.generate(source=self.key)) is not None
+
+
+def held_by(peer: SwarmDHT, key: str) -> bool:
+    return peer.hivemind_dht.run_coroutine(_Holds(key))

@@ -8,7 +8,7 @@ import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.utils.serializer import MSGPackSerializer
 
-from dht_swarm import dht_swarm, worker_entry
+from dht_swarm import dht_swarm, held_by, worker_entry
 
 from agora.dht import SwarmDHT, worker_key
 
@@ -23,7 +23,6 @@ def swarm():
         yield peers
 
 
-
 class Place:
     """Put an entry into one peer's own storage and nowhere else: a store that reached that holder only
     (the others missed it). Runs in that peer's DHT process."""
@@ -34,20 +33,6 @@ class Place:
     async def __call__(self, _dht, node) -> bool:
         return node.protocol.storage.store(DHTID.generate(source=self.key), MSGPackSerializer.dumps(self.wire),
                                            self.expiration, subkey=self.subkey)
-
-
-class Holds:
-    """Whether a peer's own storage holds a key. Runs in that peer's DHT process."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    async def __call__(self, _dht, node) -> bool:
-        return node.protocol.storage.get(DHTID.generate(source=self.key)) is not None
-
-
-def held_by(peer: SwarmDHT, key: str) -> bool:
-    return peer.hivemind_dht.run_coroutine(Holds(key))
 
 
 def seen(reader: SwarmDHT, run_id: str) -> set[str]:

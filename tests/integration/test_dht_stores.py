@@ -7,7 +7,7 @@ import uuid
 import pytest
 from hivemind.dht.routing import DHTID
 
-from dht_swarm import dht_swarm, worker_entry
+from dht_swarm import dht_swarm, held_by, worker_entry
 
 from agora.dht import worker_key
 
@@ -22,7 +22,6 @@ def swarm():
         yield peers
 
 
-
 async def node_id(_dht, node) -> int:
     return int(node.node_id)
 
@@ -31,19 +30,9 @@ async def replicas(_dht, node) -> int:
     return node.num_replicas
 
 
-class Holds:
-    """Whether a peer's own storage holds a key. Runs in that peer's DHT process."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    async def __call__(self, _dht, node) -> bool:
-        return node.protocol.storage.get(DHTID.generate(source=self.key)) is not None
-
-
 class CountFoundValues:
     """From now on, count the values this peer's find requests are answered with (the real requests
-    still go out). Runs in that peer's DHT process; ``ReadCount`` reads the count."""
+    still go out). Runs in that peer's DHT process; ``read_count`` reads the count."""
 
     async def __call__(self, _dht, node) -> None:
         protocol = node.protocol
@@ -71,7 +60,7 @@ def test_an_entry_lands_on_the_keys_nearest_peers(swarm):
     key_id = DHTID.generate(source=key)
     ids = {peer.peer_id: peer.hivemind_dht.run_coroutine(node_id) for peer in swarm}
     nearest = sorted(ids, key=lambda peer_id: ids[peer_id] ^ key_id)[:writer.hivemind_dht.run_coroutine(replicas)]
-    holders = {peer.peer_id for peer in swarm if peer.hivemind_dht.run_coroutine(Holds(key))}
+    holders = {peer.peer_id for peer in swarm if held_by(peer, key)}
     assert holders == set(nearest)
 
 
