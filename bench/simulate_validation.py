@@ -203,7 +203,7 @@ NOTES = """## What the simulator leaves out, and where it shows
   the simulated ones need 60 to 90 s of sync phases at those paces, more than the 30 s between kills
   leaves most of them, so "never" is what both say for most, but the figures cannot be set side by
   side. The simulator kills the oldest replica of a stage; chaos kills at random, newcomers too.
-- Averaging against R: formation p50 within 7% at every R, and round p50 within 9%, with two inputs
+- Averaging against R: formation p50 within 11% at every R, and round p50 within 10%, with two inputs
   measured apart from averaging_scale: the all-reduce's CPU (bench/allreduce_cost.py: 1.06 ms per
   peer and 21 ns per byte a member sends, R = 2 to 4, with every weight 0 against every weight 1;
   round p50 was -21/-20/-23/-32% at R = 2/4/8/16 without it, -8/-6/-11/-22% with it), and the
@@ -219,7 +219,7 @@ NOTES = """## What the simulator leaves out, and where it shows
   beside hivemind's matchmaking, and its read of the live replicas, which the loop makes in its
   probe before the averager's clock starts, so by the code one of the four is early; the early
   starters' wait for the others' probes, which it stands in for, is not simulated (next point).
-- The p95s stay short (formation -53% at R = 2 to -19% at 16; rounds -55% to -21%). The harness's
+- The p95s stay short (formation -10% at R = 2 to -36% at 4, -26% at 16; rounds -19% to -39%). The harness's
   replicas start a round apart, and nothing in the code's periods puts them apart: each replica's
   probe falls due at the step itself (the previous probe is older than the 0.75 s base interval
   when the 2 s step lands) and the heartbeat runs beside the loop. The offsets are the order in which
