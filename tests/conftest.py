@@ -5,9 +5,8 @@ over its two pytest-xdist workers (setup.cfg's ``-n 2 --dist loadscope``):
 - A module is one unit of work: its module-scoped fixture (a live demo, a DHT swarm) starts once.
 - The modules that build network namespaces with the WAN harness (bench/wan/) are one unit: they share
   the host's network settings and remove each other's leftovers, so they must take turns.
-- The longest unit (the WAN harness's) is handed out first, then the other whole demos (tests/system),
-  and the many short modules fill the end, so the run does not end waiting on one long unit started
-  last.
+- Whole demos (tests/system) are handed out first and the many short modules fill the end, so the
+  run does not end waiting on one long module started last.
 """
 
 import os
@@ -27,13 +26,7 @@ _HOST_NETWORK = "host-network"
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_handed_out)  # stable: within each rank, collection order
-
-
-def _handed_out(item) -> int:
-    """The WAN-harness unit first (the longest, about 250 s here), then the other whole demos, then the rest."""
-    module = item.nodeid.split("::", 1)[0]
-    return 0 if module in HOST_NETWORK_MODULES else 1 if module.startswith("tests/system/") else 2
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/system/"))  # stable: the rest keep their order
 
 
 @pytest.hookimpl(optionalhook=True)
