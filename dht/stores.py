@@ -1,4 +1,4 @@
-"""How this peer stores an entry: found its key's nearest peers without being sent the key's value.
+"""How this peer stores an entry: finding its key's nearest peers without being sent the key's value.
 
 Design choices:
 
@@ -21,6 +21,7 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any, Optional
 
 import hivemind
@@ -41,33 +42,31 @@ async def store_entry(_dht: hivemind.DHT, node: Any, *, key: Any, subkey: Option
     key_id = DHTID.generate(source=key)
     probe = neighbour_id(key_id)
     nearest = await node.find_nearest_nodes([probe], k_nearest=node.num_replicas, exclude_self=exclude_self)
-    signed = _signed(node, key_id, subkey, value, expiration)
-    stores = [_store_on(node, node_id, peer_id, key_id, subkey, signed, expiration)
+    record = _signed(node, key_id, subkey, value, expiration)
+    stores = [_store_on(node, node_id, peer_id, key_id, subkey, record)
               for node_id, peer_id in nearest[probe].items()]
     return any(await asyncio.gather(*stores))
 
 
-def _signed(node: Any, key_id: DHTID, subkey: Optional[Any], value: Any, expiration: float) -> bytes:
+def _signed(node: Any, key_id: DHTID, subkey: Optional[Any], value: Any, expiration: float) -> DHTRecord:
+    """The record as sent: its value serialized and, under a record validator, signed."""
     serializer = node.protocol.serializer
-    value_bytes = serializer.dumps(value)
+    record = DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), serializer.dumps(value), expiration)
     validator = node.protocol.record_validator
-    if validator is None:
-        return value_bytes
-    return validator.sign_value(DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), value_bytes, expiration))
+    return record if validator is None else dataclasses.replace(record, value=validator.sign_value(record))
 
 
 async def _store_on(node: Any, node_id: DHTID, peer_id: Any, key_id: DHTID, subkey: Optional[Any],
-                    value_bytes: bytes, expiration: float) -> bool:
+                    record: DHTRecord) -> bool:
     if node_id == node.node_id:
-        return _store_here(node, key_id, subkey, value_bytes, expiration)
-    answer = await node.protocol.call_store(peer_id, keys=[key_id], values=[value_bytes],
-                                            expiration_time=[expiration], subkeys=[subkey])
+        return _store_here(node, key_id, subkey, record)
+    answer = await node.protocol.call_store(peer_id, keys=[key_id], values=[record.value],
+                                            expiration_time=[record.expiration_time], subkeys=[subkey])
     return bool(answer and answer[0])
 
 
-def _store_here(node: Any, key_id: DHTID, subkey: Optional[Any], value_bytes: bytes, expiration: float) -> bool:
+def _store_here(node: Any, key_id: DHTID, subkey: Optional[Any], record: DHTRecord) -> bool:
     protocol = node.protocol
-    record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), value_bytes, expiration)
     if protocol.record_validator is not None and not protocol.record_validator.validate(record):
         return False
-    return bool(protocol.storage.store(key_id, value_bytes, expiration, subkey=subkey))
+    return bool(protocol.storage.store(key_id, record.value, record.expiration_time, subkey=subkey))
