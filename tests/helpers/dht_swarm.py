@@ -7,9 +7,20 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
+import pytest
 from hivemind.dht.routing import DHTID
 
 from agora.dht import SwarmDHT, WorkerRecord
+
+
+PEERS = 6
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[list[SwarmDHT]]:
+    """Six peers shared by a module's tests (each start spawns a p2pd and takes a second or two)."""
+    with dht_swarm(PEERS) as peers:
+        yield peers
 
 
 @contextmanager

@@ -8,20 +8,11 @@ import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.utils.serializer import MSGPackSerializer
 
-from dht_swarm import dht_swarm, held_by, worker_entry
+from dht_swarm import held_by, swarm, worker_entry  # swarm: the module's six peers (a fixture)
 
 from agora.dht import SwarmDHT, worker_key
 
 pytestmark = pytest.mark.timeout(120)
-
-PEERS = 6
-
-
-@pytest.fixture(scope="module")
-def swarm():
-    with dht_swarm(PEERS) as peers:
-        yield peers
-
 
 class Place:
     """Put an entry into one peer's own storage and nowhere else: a store that reached that holder only

@@ -7,20 +7,11 @@ import uuid
 import pytest
 from hivemind.dht.routing import DHTID
 
-from dht_swarm import dht_swarm, held_by, worker_entry
+from dht_swarm import held_by, swarm, worker_entry  # swarm: the module's six peers (a fixture)
 
 from agora.dht import worker_key
 
 pytestmark = pytest.mark.timeout(120)
-
-PEERS = 6
-
-
-@pytest.fixture(scope="module")
-def swarm():
-    with dht_swarm(PEERS) as peers:
-        yield peers
-
 
 async def node_id(_dht, node) -> int:
     return int(node.node_id)
