@@ -107,9 +107,11 @@ ROUND_LEAD = 4
 # looks whether the round in flight ended, and how long it waits for that.
 _COUNT_CHECK_S = 1.0
 _POLL_S = 0.05
-# A probe due within this is due now: the event loop's timers round to the millisecond, so a wait
-# for the last fraction of one returns at once, and the loop would spin until the time came.
+# The event loop's timers tick in milliseconds and may end a wait up to a tick early, and a wait
+# for less than a tick returns at once: a probe due within a tick is due now, and the loop never
+# waits less than two ticks (a probe may start 2 ms late), else it would spin until the time came.
 _TIMER_RESOLUTION_S = 0.001
+_MIN_WAIT_S = 2 * _TIMER_RESOLUTION_S
 _STOP_GRACE_S = 10.0
 
 
@@ -293,7 +295,7 @@ class AveragingLoop:
         if self._board is None:
             return _COUNT_CHECK_S
         due_in = self._probes.due_in(time.monotonic(), self.worker.compute.optimizer.steps)
-        return min(_COUNT_CHECK_S, max(0.0, due_in))
+        return min(_COUNT_CHECK_S, max(_MIN_WAIT_S, due_in))
 
     def _due_round(self, steps: int) -> RoundDecision:
         """The round to start now on this replica's own count: the one the step hook snapshotted
