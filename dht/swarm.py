@@ -169,8 +169,9 @@ class SwarmDHT(AsyncTwins):
         swarm without a credential it accepts: nobody answers). hivemind pings the initial peers
         once, with a 3 s deadline for the dial, the handshake and the token check together (and p2pd
         dials them once before that); a busy peer (a loaded machine, a slow link) misses it, so a
-        join none of them answered is tried
-        ``join_attempts`` times in all, 2 s and then 4 s apart, saying so each time.
+        join none of them answered, or a peer that did not come up within ``startup_timeout`` (its
+        process and p2pd starting on a busy machine), is tried ``join_attempts`` times in all, 2 s
+        and then 4 s apart, saying so each time.
         """
         options = {**CACHE_OPTIONS, **dht_kwargs}
         validators = list(record_validators)
@@ -207,13 +208,20 @@ class SwarmDHT(AsyncTwins):
                 if not isinstance(error, Exception):
                     raise
                 unanswered = bool(initial_peers) and any(words in str(error) for words in _NO_ANSWER)
-                if not unanswered or attempt >= join_attempts:
+                slow = isinstance(error, TimeoutError)
+                if not (unanswered or slow) or attempt >= join_attempts:
                     hint = (" (nobody answered: the initial peers are down or unreachable from here, or they do "
                             "not admit this node's credential)") if unanswered else ""
+                    if slow:
+                        hint = f"it did not come up within {startup_timeout:g} s (startup_timeout)"
                     raise DHTRequestError(f"DHT peer failed to start: {error}{hint}") from error
                 pause = 2.0 * attempt
-                logger.warning("none of the %d initial peers answered (attempt %d of %d); trying again in %.0f s",
-                               len(initial_peers), attempt, join_attempts, pause)
+                if slow:
+                    logger.warning("the DHT peer did not come up within %g s (attempt %d of %d); trying again in %.0f s",
+                                   startup_timeout, attempt, join_attempts, pause)
+                else:
+                    logger.warning("none of the %d initial peers answered (attempt %d of %d); trying again in %.0f s",
+                                   len(initial_peers), attempt, join_attempts, pause)
                 time.sleep(pause)
 
     # ---- identity and lifecycle -------------------------------------------------------

@@ -512,3 +512,12 @@ def test_in_a_swarm_wider_than_the_read_beam_every_reader_sees_every_workers_ent
     finally:
         for peer in peers:
             peer.shutdown()
+
+
+def test_a_peer_slower_to_start_than_its_timeout_is_tried_again_saying_so(caplog):
+    # No DHT process and p2pd come up in 10 ms: every attempt times out.
+    with caplog.at_level(logging.WARNING, logger="agora.dht.swarm"):
+        with pytest.raises(DHTRequestError, match=r"did not come up within 0.01 s \(startup_timeout\)"):
+            SwarmDHT.start(startup_timeout=0.01, join_attempts=2)
+    assert [r.getMessage() for r in caplog.records if "did not come up" in r.getMessage()] == [
+        "the DHT peer did not come up within 0.01 s (attempt 1 of 2); trying again in 2 s"]
