@@ -88,7 +88,9 @@ class Heartbeat:
         try:
             record = self._current_record().replace(updated_at=self._swarm.clock())
             previous = self._last_announced
-            accepted = await self._swarm.store_async(record.dht_key(), record, self.ttl,
+            # One holder's copy is enough to be seen (readers merge every holder's), so the beat
+            # does not wait on the slowest of them.
+            accepted = await self._swarm.store_async(record.dht_key(), record, self.ttl, await_all=False,
                                                      subkey=self._swarm.subkey_of(record.peer_id))
         except asyncio.CancelledError:
             raise

@@ -349,13 +349,16 @@ class SwarmDHT(AsyncTwins):
 
     # ---- generic typed access -----------------------------------------------------------
 
-    def store(self, key: str, record: Record, ttl: float, *, subkey: Optional[str] = None) -> bool:
-        """Store a record for ``ttl`` seconds of DHT time; returns whether any peer accepted it."""
+    def store(self, key: str, record: Record, ttl: float, *, subkey: Optional[str] = None,
+              await_all: bool = True) -> bool:
+        """Store a record for ``ttl`` seconds of DHT time; returns whether any peer accepted it.
+        ``await_all=False``: return at the first holder that accepts, the others sent on in the
+        background (an entry readers merge from any holder; dht/stores.py)."""
         if not ttl > 0:
             raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
         expiration = self._claim_expiration(key, subkey, self._clock() + ttl)
         wire = record.to_wire()
-        accepted = self._request(self._send_store(key, subkey, wire, expiration), f"store {key!r}",
+        accepted = self._request(self._send_store(key, subkey, wire, expiration, await_all), f"store {key!r}",
                                  operation="store", family=key_family(key))
         return bool(accepted)
 
@@ -443,11 +446,11 @@ class SwarmDHT(AsyncTwins):
         future.add_done_callback(ended)
         return future
 
-    def _send_store(self, key: str, subkey: Optional[str], value: Any,
-                    expiration: float) -> Callable[[], concurrent.futures.Future]:
+    def _send_store(self, key: str, subkey: Optional[str], value: Any, expiration: float,
+                    await_all: bool = True) -> Callable[[], concurrent.futures.Future]:
         """The send of a store: hivemind's, but its search is not sent the key's value (dht/stores.py)."""
         store = functools.partial(store_entry, key=key, subkey=subkey, value=value, expiration=expiration,
-                                  exclude_self=self._client_mode)
+                                  exclude_self=self._client_mode, await_all=await_all)
         return lambda: self._dht.run_coroutine(store, return_future=True)
 
     def _get_raw(self, key: str, latest: bool) -> Optional[ValueWithExpiration[Any]]:

@@ -44,8 +44,9 @@ class AsyncTwins:
     async def withdraw_async(self, run_id: str, stage: int, peer_id: str) -> bool:
         return await asyncio.to_thread(self.withdraw, run_id, stage, peer_id)
 
-    async def store_async(self, key: str, record: Record, ttl: float, *, subkey: Optional[str] = None) -> bool:
-        return await asyncio.to_thread(self.store, key, record, ttl, subkey=subkey)
+    async def store_async(self, key: str, record: Record, ttl: float, *, subkey: Optional[str] = None,
+                          await_all: bool = True) -> bool:
+        return await asyncio.to_thread(self.store, key, record, ttl, subkey=subkey, await_all=await_all)
 
     async def delete_async(self, key: str, *, subkey: Optional[str] = None) -> bool:
         return await asyncio.to_thread(self.delete, key, subkey=subkey)

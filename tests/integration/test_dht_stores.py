@@ -10,6 +10,7 @@ from hivemind.dht.routing import DHTID
 from dht_swarm import held_by, swarm, worker_entry  # swarm: the module's six peers (a fixture)
 
 from agora.dht import worker_key
+from agora.dht.stores import SEARCH_EVERY
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,3 +81,53 @@ def test_a_withdrawn_entry_is_hidden_from_every_holder(swarm):
     for reader in (swarm[0], swarm[5]):
         for _ in range(2):  # a full read, then a quick one
             assert reader.live_workers(run_id, 0) == []
+
+
+class CountFinds:
+    """From now on, count the find requests this peer sends (the real requests still go out)."""
+
+    async def __call__(self, _dht, node) -> None:
+        protocol = node.protocol
+        if hasattr(protocol, "finds_sent"):
+            return
+        protocol.finds_sent = 0
+        call_find = protocol.call_find
+
+        async def counting(peer, keys):
+            protocol.finds_sent += 1
+            return await call_find(peer, keys)
+
+        protocol.call_find = counting
+
+
+async def finds_sent(_dht, node) -> int:
+    return node.protocol.finds_sent
+
+
+def test_stores_of_a_key_reuse_the_holders_their_search_found_then_search_again(swarm):
+    run_id = f"stores-{uuid.uuid4().hex[:8]}"
+    key = worker_key(run_id, 0)
+    writer = swarm[4]
+    writer.hivemind_dht.run_coroutine(CountFinds())
+    sent = [writer.hivemind_dht.run_coroutine(finds_sent)]
+    for beat in range(SEARCH_EVERY + 1):
+        assert writer.store(key, worker_entry(run_id, writer.peer_id), ttl=60.0, subkey=writer.peer_id)
+        sent.append(writer.hivemind_dht.run_coroutine(finds_sent))
+    searched = [after > before for before, after in zip(sent, sent[1:])]
+    assert searched == [True] + [False] * (SEARCH_EVERY - 1) + [True]
+    assert {worker.peer_id for worker in swarm[0].live_workers(run_id, 0)} == {writer.peer_id}
+
+
+def test_a_store_that_returns_at_the_first_holder_still_reaches_every_holder(swarm):
+    run_id = f"stores-{uuid.uuid4().hex[:8]}"
+    key = worker_key(run_id, 0)
+    writer = swarm[2]
+    assert writer.store(key, worker_entry(run_id, writer.peer_id), ttl=60.0, subkey=writer.peer_id,
+                        await_all=False)
+    key_id = DHTID.generate(source=key)
+    ids = {peer.peer_id: peer.hivemind_dht.run_coroutine(node_id) for peer in swarm}
+    nearest = sorted(ids, key=lambda peer_id: ids[peer_id] ^ key_id)[:writer.hivemind_dht.run_coroutine(replicas)]
+    deadline = time.monotonic() + 30.0
+    while {peer.peer_id for peer in swarm if held_by(peer, key)} != set(nearest):  # the rest land in the background
+        assert time.monotonic() < deadline, "the background stores did not land"
+        time.sleep(0.05)

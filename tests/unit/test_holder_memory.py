@@ -1,0 +1,66 @@
+"""`HolderMemory` (dht/stores.py): which stores of a key go straight to the holders a search found."""
+
+import pytest
+from hivemind.dht.routing import DHTID
+
+from agora.dht.stores import HolderMemory
+
+KEY, OTHER = DHTID.generate(source="a"), DHTID.generate(source="b")
+HOLDERS = {DHTID.generate(source="h1"): "peer-1", DHTID.generate(source="h2"): "peer-2"}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_search_serves_its_own_store_and_the_next_ones_up_to_the_count():
+    memory = HolderMemory(Clock(), search_every=4)
+    assert memory.recall(KEY) is None  # never searched
+    memory.remember(KEY, HOLDERS)
+    assert [memory.recall(KEY) for _ in range(3)] == [HOLDERS] * 3
+    assert memory.recall(KEY) is None  # the fourth store after the search searches again
+    assert memory.recall(OTHER) is None
+
+
+def test_holders_older_than_the_ttl_are_searched_again():
+    clock = Clock()
+    memory = HolderMemory(clock, search_every=100, ttl_s=30.0)
+    memory.remember(KEY, HOLDERS)
+    clock.now = 30.0
+    assert memory.recall(KEY) == HOLDERS
+    clock.now = 30.1
+    assert memory.recall(KEY) is None
+
+
+def test_an_unanswered_store_makes_the_next_one_search():
+    memory = HolderMemory(Clock())
+    memory.remember(KEY, HOLDERS)
+    memory.forget(KEY)
+    memory.forget(OTHER)  # nothing held: nothing to do
+    assert memory.recall(KEY) is None
+
+
+def test_the_least_recently_stored_key_goes_first_past_the_bound():
+    memory = HolderMemory(Clock(), max_keys=2)
+    memory.remember(KEY, HOLDERS)
+    memory.remember(OTHER, HOLDERS)
+    assert memory.recall(KEY) == HOLDERS  # KEY is now the most recent
+    memory.remember(DHTID.generate(source="c"), HOLDERS)
+    assert memory.recall(OTHER) is None and memory.recall(KEY) == HOLDERS
+
+
+def test_the_holders_given_are_a_copy():
+    memory = HolderMemory(Clock())
+    holders = dict(HOLDERS)
+    memory.remember(KEY, holders)
+    holders.clear()
+    assert memory.recall(KEY) == HOLDERS
+
+
+def test_search_every_must_be_positive():
+    with pytest.raises(ValueError, match="search_every"):
+        HolderMemory(search_every=0)
