@@ -18,10 +18,11 @@ Design choices:
   key, a round's close after its announcement, a lease block's claim, renewals and commit. In a
   64-peer swarm a fixed key's search took 2 to 3 s at the median where a round key's took 0.44 s
   (5 round trips), so ``HolderMemory`` keeps the peers a search found per key and the next stores go
-  straight to them: at most ``SEARCH_EVERY`` stores and ``_HOLDERS_TTL_S`` seconds of one search, and
-  never after a holder left a store unanswered (it may have left; a peer nearer the key may have
-  joined since, which the next search finds: until then a reader's search still reaches the holders
-  the store used, among its beam's nearest).
+  straight to them. Every ``SEARCH_EVERY``-th store of a key, or one ``_HOLDERS_TTL_S`` after the
+  last search, still goes to them and searches again beside it, sending the entry to any holder the
+  search finds that was not among them (a peer nearer the key joined): a store waits on a search only
+  for a key it never stored or after a holder left a store unanswered (it may have left). Until the
+  search ends a reader's search still reaches the holders the store used, among its beam's nearest.
 - ``await_all=False``: the store returns at the first holder that accepts and the others are sent
   on in the background (hivemind's ``await_all_replicas=False``), for an entry a reader merges from
   any holder (a heartbeat). A lease's claim waits for every holder: its settle time is measured by
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Optional
@@ -48,6 +50,8 @@ from hivemind.dht.validation import DHTRecord
 from agora.dht.dht_process import READ_BEAM
 
 __all__ = ["SEARCH_EVERY", "HolderMemory", "neighbour_id", "store_entry"]
+
+logger = logging.getLogger(__name__)
 
 # A key's holders are searched for again at every this-many-th store of it (the first included).
 SEARCH_EVERY = 4
@@ -78,15 +82,19 @@ class HolderMemory:
         self._clock, self._search_every, self._ttl_s, self._max_keys = clock, search_every, ttl_s, max_keys
         self._found: OrderedDict[DHTID, _Found] = OrderedDict()
 
-    def recall(self, key_id: DHTID) -> Optional[dict]:
-        """The holders to store to without a search, or None: search (and ``remember`` what it found)."""
+    def recall(self, key_id: DHTID) -> tuple[Optional[dict], bool]:
+        """The holders to store to now (None: none known, search first) and whether to search again
+        beside this store. A search due by count or age is started once: the holders it replaces
+        serve the stores until it ends (``remember``)."""
         found = self._found.get(key_id)
-        if found is None or found.stores >= self._search_every or self._clock() - found.at > self._ttl_s:
-            self._found.pop(key_id, None)
-            return None
-        found.stores += 1
+        if found is None:
+            return None, False
         self._found.move_to_end(key_id)
-        return found.holders
+        if found.stores >= self._search_every or self._clock() - found.at > self._ttl_s:
+            found.stores, found.at = 1, self._clock()
+            return found.holders, True
+        found.stores += 1
+        return found.holders, False
 
     def remember(self, key_id: DHTID, holders: dict) -> None:
         """A search found ``holders``; its own store is their first use."""
@@ -101,41 +109,60 @@ class HolderMemory:
 
 
 _MEMORY = HolderMemory()
-_BACKGROUND: set[asyncio.Task] = set()  # stores sent on after the first acceptance (held until done)
+_BACKGROUND: set[asyncio.Future] = set()  # sends past the first acceptance, searches beside a store
 
 
 async def store_entry(_dht: hivemind.DHT, node: Any, *, key: Any, subkey: Optional[Any], value: Any,
                       expiration: float, exclude_self: bool, await_all: bool = True) -> bool:
     """Store ``value`` under ``key`` (and ``subkey``) on the key's nearest peers; True if any accepted."""
     key_id = DHTID.generate(source=key)
-    holders = _MEMORY.recall(key_id)
-    if holders is None:
-        probe = neighbour_id(key_id)
-        nearest = await node.find_nearest_nodes([probe], k_nearest=node.num_replicas, beam_size=READ_BEAM,
-                                                exclude_self=exclude_self)
-        holders = nearest[probe]
-        _MEMORY.remember(key_id, holders)
     record = _signed(node, key_id, subkey, value, expiration)
+    holders, search_beside = _MEMORY.recall(key_id)
+    if holders is None:
+        holders = await _search(node, key_id, exclude_self)
+    elif search_beside:
+        _in_background(_search_and_send(node, key_id, exclude_self, subkey, record, known=set(holders)))
     sends = [asyncio.ensure_future(_store_on(node, node_id, peer_id, key_id, subkey, record))
              for node_id, peer_id in holders.items()]
-    for send in sends:
-        send.add_done_callback(lambda done: _forget_if_unanswered(done, key_id))
     if await_all:
         return any(answer is True for answer in await asyncio.gather(*sends))
     pending = set(sends)
     while pending:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if any(send.result() is True for send in done):
-            _BACKGROUND.update(pending)
             for send in pending:
-                send.add_done_callback(_BACKGROUND.discard)
+                _in_background(send)
             return True
     return False
 
 
-def _forget_if_unanswered(send: asyncio.Future, key_id: DHTID) -> None:
-    if send.cancelled() or send.exception() is not None or send.result() is None:
-        _MEMORY.forget(key_id)
+async def _search(node: Any, key_id: DHTID, exclude_self: bool) -> dict:
+    """The key's nearest peers (remembered for the next stores)."""
+    probe = neighbour_id(key_id)
+    nearest = await node.find_nearest_nodes([probe], k_nearest=node.num_replicas, beam_size=READ_BEAM,
+                                            exclude_self=exclude_self)
+    _MEMORY.remember(key_id, nearest[probe])
+    return nearest[probe]
+
+
+async def _search_and_send(node: Any, key_id: DHTID, exclude_self: bool, subkey: Optional[Any],
+                           record: DHTRecord, known: set) -> None:
+    """Search again beside a store sent to the remembered holders, and send it to any new one."""
+    holders = await _search(node, key_id, exclude_self)
+    await asyncio.gather(*(_store_on(node, node_id, peer_id, key_id, subkey, record)
+                           for node_id, peer_id in holders.items() if node_id not in known))
+
+
+def _in_background(work: Any) -> None:
+    task = asyncio.ensure_future(work)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_ended)
+
+
+def _ended(task: asyncio.Future) -> None:
+    _BACKGROUND.discard(task)
+    if not task.cancelled() and task.exception() is not None:  # a search beside a store: the next one retries
+        logger.debug("a store's background search failed: %r", task.exception())
 
 
 def _signed(node: Any, key_id: DHTID, subkey: Optional[Any], value: Any, expiration: float) -> DHTRecord:
@@ -153,7 +180,10 @@ async def _store_on(node: Any, node_id: DHTID, peer_id: Any, key_id: DHTID, subk
         return _store_here(node, key_id, subkey, record)
     answer = await node.protocol.call_store(peer_id, keys=[key_id], values=[record.value],
                                             expiration_time=[record.expiration_time], subkeys=[subkey])
-    return None if not answer else bool(answer[0])
+    if not answer:
+        _MEMORY.forget(key_id)  # the holder may have left: the next store searches
+        return None
+    return bool(answer[0])
 
 
 def _store_here(node: Any, key_id: DHTID, subkey: Optional[Any], record: DHTRecord) -> bool:

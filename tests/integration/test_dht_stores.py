@@ -9,7 +9,7 @@ from hivemind.dht.routing import DHTID
 
 from dht_swarm import held_by, swarm, worker_entry  # swarm: the module's six peers (a fixture)
 
-from agora.dht import worker_key
+from agora.dht import SwarmDHT, worker_key
 from agora.dht.stores import SEARCH_EVERY
 
 pytestmark = pytest.mark.timeout(120)
@@ -104,17 +104,22 @@ async def finds_sent(_dht, node) -> int:
     return node.protocol.finds_sent
 
 
-def test_stores_of_a_key_reuse_the_holders_their_search_found_then_search_again(swarm):
+def test_stores_of_a_key_reuse_the_holders_their_search_found_and_search_again_beside_a_later_one(swarm):
     run_id = f"stores-{uuid.uuid4().hex[:8]}"
     key = worker_key(run_id, 0)
     writer = swarm[4]
     writer.hivemind_dht.run_coroutine(CountFinds())
     sent = [writer.hivemind_dht.run_coroutine(finds_sent)]
-    for beat in range(SEARCH_EVERY + 1):
+    for beat in range(SEARCH_EVERY):
         assert writer.store(key, worker_entry(run_id, writer.peer_id), ttl=60.0, subkey=writer.peer_id)
         sent.append(writer.hivemind_dht.run_coroutine(finds_sent))
     searched = [after > before for before, after in zip(sent, sent[1:])]
-    assert searched == [True] + [False] * (SEARCH_EVERY - 1) + [True]
+    assert searched == [True] + [False] * (SEARCH_EVERY - 1)  # the first store searched, the next did not
+    assert writer.store(key, worker_entry(run_id, writer.peer_id), ttl=60.0, subkey=writer.peer_id)
+    deadline = time.monotonic() + 30.0
+    while writer.hivemind_dht.run_coroutine(finds_sent) == sent[-1]:  # the search beside that store
+        assert time.monotonic() < deadline, "no search beside the store due for one"
+        time.sleep(0.05)
     assert {worker.peer_id for worker in swarm[0].live_workers(run_id, 0)} == {writer.peer_id}
 
 
@@ -131,3 +136,35 @@ def test_a_store_that_returns_at_the_first_holder_still_reaches_every_holder(swa
     while {peer.peer_id for peer in swarm if held_by(peer, key)} != set(nearest):  # the rest land in the background
         assert time.monotonic() < deadline, "the background stores did not land"
         time.sleep(0.05)
+
+
+class RememberedHolders:
+    """The node ids a peer's stores of ``key`` go to without a search. Runs in that peer's DHT process."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    async def __call__(self, _dht, node) -> set:
+        from agora.dht import stores  # this process's memory, not a copy pickled with the call
+        found = stores._MEMORY._found.get(DHTID.generate(source=self.key))
+        return set() if found is None else set(found.holders)
+
+
+def test_a_peer_that_joins_nearest_the_key_is_found_by_the_search_beside_a_later_store(swarm):
+    run_id = f"stores-{uuid.uuid4().hex[:8]}"
+    key = worker_key(run_id, 0)
+    key_id = DHTID.generate(source=key)
+    writer = swarm[3]
+    entry = worker_entry(run_id, writer.peer_id)
+    assert writer.store(key, entry, ttl=60.0, subkey=writer.peer_id)  # searched: the holders remembered
+    # A peer joins at the key's own id, nearer than any holder the writer remembers.
+    with SwarmDHT.start(initial_peers=swarm[0].visible_maddrs(), node_id=key_id) as nearest:
+        for _ in range(SEARCH_EVERY - 1):
+            assert writer.store(key, entry, ttl=60.0, subkey=writer.peer_id)
+        assert key_id not in writer.hivemind_dht.run_coroutine(RememberedHolders(key))
+        assert writer.store(key, entry, ttl=60.0, subkey=writer.peer_id)  # due: a search beside it
+        deadline = time.monotonic() + 30.0
+        while key_id not in writer.hivemind_dht.run_coroutine(RememberedHolders(key)):
+            assert time.monotonic() < deadline, "the search beside the store did not find the new nearest peer"
+            time.sleep(0.05)
+        assert held_by(nearest, key)

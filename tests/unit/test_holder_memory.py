@@ -1,4 +1,5 @@
-"""`HolderMemory` (dht/stores.py): which stores of a key go straight to the holders a search found."""
+"""`HolderMemory` (dht/stores.py): which stores of a key go straight to the holders a search found,
+and which search again beside their store."""
 
 import pytest
 from hivemind.dht.routing import DHTID
@@ -17,13 +18,15 @@ class Clock:
         return self.now
 
 
-def test_a_search_serves_its_own_store_and_the_next_ones_up_to_the_count():
+def test_a_search_serves_its_own_store_and_the_next_ones_and_every_fourth_searches_beside_its_store():
     memory = HolderMemory(Clock(), search_every=4)
-    assert memory.recall(KEY) is None  # never searched
+    assert memory.recall(KEY) == (None, False)  # never searched: search first
     memory.remember(KEY, HOLDERS)
-    assert [memory.recall(KEY) for _ in range(3)] == [HOLDERS] * 3
-    assert memory.recall(KEY) is None  # the fourth store after the search searches again
-    assert memory.recall(OTHER) is None
+    assert [memory.recall(KEY) for _ in range(3)] == [(HOLDERS, False)] * 3
+    assert memory.recall(KEY) == (HOLDERS, True)  # the search's fourth store: searched again beside it
+    assert [memory.recall(KEY) for _ in range(3)] == [(HOLDERS, False)] * 3  # one search started, not one a store
+    assert memory.recall(KEY) == (HOLDERS, True)
+    assert memory.recall(OTHER) == (None, False)
 
 
 def test_holders_older_than_the_ttl_are_searched_again():
@@ -31,9 +34,10 @@ def test_holders_older_than_the_ttl_are_searched_again():
     memory = HolderMemory(clock, search_every=100, ttl_s=30.0)
     memory.remember(KEY, HOLDERS)
     clock.now = 30.0
-    assert memory.recall(KEY) == HOLDERS
+    assert memory.recall(KEY) == (HOLDERS, False)
     clock.now = 30.1
-    assert memory.recall(KEY) is None
+    assert memory.recall(KEY) == (HOLDERS, True)
+    assert memory.recall(KEY) == (HOLDERS, False)  # the age counts from the search started
 
 
 def test_an_unanswered_store_makes_the_next_one_search():
@@ -41,16 +45,16 @@ def test_an_unanswered_store_makes_the_next_one_search():
     memory.remember(KEY, HOLDERS)
     memory.forget(KEY)
     memory.forget(OTHER)  # nothing held: nothing to do
-    assert memory.recall(KEY) is None
+    assert memory.recall(KEY) == (None, False)
 
 
 def test_the_least_recently_stored_key_goes_first_past_the_bound():
     memory = HolderMemory(Clock(), max_keys=2)
     memory.remember(KEY, HOLDERS)
     memory.remember(OTHER, HOLDERS)
-    assert memory.recall(KEY) == HOLDERS  # KEY is now the most recent
+    assert memory.recall(KEY) == (HOLDERS, False)  # KEY is now the most recent
     memory.remember(DHTID.generate(source="c"), HOLDERS)
-    assert memory.recall(OTHER) is None and memory.recall(KEY) == HOLDERS
+    assert memory.recall(OTHER) == (None, False) and memory.recall(KEY) == (HOLDERS, False)
 
 
 def test_the_holders_given_are_a_copy():
@@ -58,7 +62,7 @@ def test_the_holders_given_are_a_copy():
     holders = dict(HOLDERS)
     memory.remember(KEY, holders)
     holders.clear()
-    assert memory.recall(KEY) == HOLDERS
+    assert memory.recall(KEY) == (HOLDERS, False)
 
 
 def test_search_every_must_be_positive():
