@@ -22,18 +22,20 @@ async def replicas(_dht, node) -> int:
     return node.num_replicas
 
 
-class CountFoundValues:
-    """From now on, count the values this peer's find requests are answered with (the real requests
-    still go out). Runs in that peer's DHT process; ``read_count`` reads the count."""
+class CountFinds:
+    """From now on, count the find requests this peer sends and the values they are answered with (the
+    real requests still go out). Runs in that peer's DHT process; ``read_count`` and ``finds_sent``
+    read the counts."""
 
     async def __call__(self, _dht, node) -> None:
         protocol = node.protocol
         if hasattr(protocol, "found_values"):
             return
-        protocol.found_values = 0
+        protocol.found_values = protocol.finds_sent = 0
         call_find = protocol.call_find
 
         async def counting(peer, keys):
+            protocol.finds_sent += 1
             answer = await call_find(peer, keys)
             protocol.found_values += sum(value is not None for value, _ in (answer or {}).values())
             return answer
@@ -62,7 +64,7 @@ def test_a_store_is_not_sent_the_dictionary_it_adds_to_and_readers_see_every_ent
     for peer in swarm[2:]:
         assert peer.announce_worker(worker_entry(run_id, peer.peer_id), ttl=60.0)
     writer = swarm[1]
-    writer.hivemind_dht.run_coroutine(CountFoundValues())
+    writer.hivemind_dht.run_coroutine(CountFinds())
     before = writer.hivemind_dht.run_coroutine(read_count)
     assert writer.announce_worker(worker_entry(run_id, writer.peer_id), ttl=60.0)
     assert writer.hivemind_dht.run_coroutine(read_count) == before
@@ -81,23 +83,6 @@ def test_a_withdrawn_entry_is_hidden_from_every_holder(swarm):
     for reader in (swarm[0], swarm[5]):
         for _ in range(2):  # a full read, then a quick one
             assert reader.live_workers(run_id, 0) == []
-
-
-class CountFinds:
-    """From now on, count the find requests this peer sends (the real requests still go out)."""
-
-    async def __call__(self, _dht, node) -> None:
-        protocol = node.protocol
-        if hasattr(protocol, "finds_sent"):
-            return
-        protocol.finds_sent = 0
-        call_find = protocol.call_find
-
-        async def counting(peer, keys):
-            protocol.finds_sent += 1
-            return await call_find(peer, keys)
-
-        protocol.call_find = counting
 
 
 async def finds_sent(_dht, node) -> int:
