@@ -210,10 +210,13 @@ class SwarmDHT(AsyncTwins):
                 unanswered = bool(initial_peers) and any(words in str(error) for words in _NO_ANSWER)
                 slow = isinstance(error, TimeoutError)
                 if not (unanswered or slow) or attempt >= join_attempts:
-                    hint = (" (nobody answered: the initial peers are down or unreachable from here, or they do "
-                            "not admit this node's credential)") if unanswered else ""
                     if slow:
                         hint = f"it did not come up within {startup_timeout:g} s (startup_timeout)"
+                    elif unanswered:
+                        hint = (" (nobody answered: the initial peers are down or unreachable from here, or they "
+                                "do not admit this node's credential)")
+                    else:
+                        hint = ""
                     raise DHTRequestError(f"DHT peer failed to start: {error}{hint}") from error
                 pause = 2.0 * attempt
                 if slow:
