@@ -10,7 +10,7 @@ from hivemind.dht.routing import DHTID
 from dht_swarm import held_by, swarm, worker_entry  # swarm: the module's six peers (a fixture)
 
 from agora.dht import SwarmDHT, worker_key
-from agora.dht.stores import SEARCH_EVERY
+from agora.dht.holders import SEARCH_EVERY
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -130,8 +130,8 @@ class RememberedHolders:
         self.key = key
 
     async def __call__(self, _dht, node) -> set:
-        from agora.dht import stores  # this process's memory, not a copy pickled with the call
-        found = stores._MEMORY._found.get(DHTID.generate(source=self.key))
+        from agora.dht import holders  # this process's memory, not a copy pickled with the call
+        found = holders.HOLDERS._found.get(DHTID.generate(source=self.key))
         return set() if found is None else set(found.holders)
 
 

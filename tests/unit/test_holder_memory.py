@@ -1,10 +1,10 @@
-"""`HolderMemory` (dht/stores.py): which stores of a key go straight to the holders a search found,
+"""`HolderMemory` (dht/holders.py): which stores of a key go straight to the holders a search found,
 and which search again beside their store."""
 
 import pytest
 from hivemind.dht.routing import DHTID
 
-from agora.dht.stores import HolderMemory
+from agora.dht.holders import HolderMemory
 
 KEY, OTHER = DHTID.generate(source="a"), DHTID.generate(source="b")
 HOLDERS = {DHTID.generate(source="h1"): "peer-1", DHTID.generate(source="h2"): "peer-2"}
@@ -68,3 +68,12 @@ def test_the_holders_given_are_a_copy():
 def test_search_every_must_be_positive():
     with pytest.raises(ValueError, match="search_every"):
         HolderMemory(search_every=0)
+
+
+def test_reads_and_stores_count_apart_and_a_search_for_either_serves_both():
+    memory = HolderMemory(Clock(), search_every=4, read_search_every=3)
+    memory.remember(KEY, HOLDERS, reading=True)  # a read searched: its first use
+    assert [memory.recall(KEY, reading=True) for _ in range(2)] == [(HOLDERS, False)] * 2
+    assert [memory.recall(KEY) for _ in range(4)] == [(HOLDERS, False)] * 4  # stores: none counted yet
+    assert memory.recall(KEY, reading=True) == (HOLDERS, True)  # three reads used it: the fourth searches beside
+    assert memory.recall(KEY) == (HOLDERS, False)  # that search restarted the stores' count too
