@@ -42,9 +42,9 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from agora.auth.credentials import Clock, Issuer
-from agora.dht.dht_process import READ_BEAM
 from agora.dht.keys import bans_key
 from agora.dht.record_fields import RecordError
+from agora.dht.holder_reads import read_entry
 from agora.dht.records import CLOCK_SKEW_S, BanListRecord
 from agora.dht.store_checks import RefusedEntries
 
@@ -253,7 +253,7 @@ async def fetch_ban_list(_dht: Any, node: Any) -> Optional[BanStatus]:
     if validator is None:
         return None
     book = validator.ban_book()
-    found = await node.get(book.key, latest=True, beam_size=READ_BEAM)
+    found = await read_entry(_dht, node, key=book.key, bar=None, exclude_self=node.protocol.client_mode)
     if found is not None and isinstance(found.value, dict):
         book.offer({subkey: item.value for subkey, item in found.value.items()})
     authorizer = node.protocol.authorizer

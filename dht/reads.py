@@ -27,7 +27,8 @@ Design choices:
   (``cache_nearest``), and each store of a cached dictionary key started a background read of it over
   20 peers (``cache_on_store``). A holder's own storage still answers its quick reads: it is a holder's
   copy like any other.
-- Plain keys (one value, no subkeys) are read latest as before: one small value per holder.
+- Where a read goes: to the key's holders this peer's DHT process remembers (dht/holder_reads.py).
+- Plain keys (one value, no subkeys) are read latest: one small value per holder, the latest wins.
 """
 
 from __future__ import annotations
@@ -104,3 +105,4 @@ class ReadMemory:
     def _live(self, key: str) -> dict[Any, ValueWithExpiration[Any]]:
         now = self._clock()
         return {subkey: item for subkey, item in self._seen.get(key, {}).items() if item.expiration_time >= now}
+

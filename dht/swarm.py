@@ -66,6 +66,7 @@ from agora.dht.entry_reader import EntryReader, Stored, is_subkey_dict
 from agora.dht.keys import check_run_id, owned_subkey, worker_key
 from agora.dht.op_timings import RequestTimings, key_family
 from agora.dht.ownership import EntryOwnership
+from agora.dht.holder_reads import read_entry
 from agora.dht.reads import CACHE_OPTIONS, ReadMemory
 from agora.dht.records import Record, WorkerRecord
 from agora.dht.stores import store_entry
@@ -457,17 +458,19 @@ class SwarmDHT(AsyncTwins):
         return lambda: self._dht.run_coroutine(store, return_future=True)
 
     def _get_raw(self, key: str, latest: bool) -> Optional[ValueWithExpiration[Any]]:
-        return self._request(lambda: self._dht.get(key, latest=latest, return_future=True, beam_size=READ_BEAM),
-                             f"get {key!r}",
-                             operation="get", family=key_family(key))
+        return self._request(self._read(key, latest, None), f"get {key!r}", operation="get", family=key_family(key))
 
     def _dict_get(self, key: str, latest: bool, full: bool = False) -> Callable[[], concurrent.futures.Future]:
         """The send of a read of a key with subkeys: latest over the beam, or quick (dht/reads.py)."""
-        bar = self._memory.next_bar(key) if latest and self._quick_reads and not full else None
-        if bar is None:
+        return self._read(key, latest, self._memory.next_bar(key) if latest and self._quick_reads and not full else None)
+
+    def _read(self, key: str, latest: bool, bar: Optional[float]) -> Callable[[], concurrent.futures.Future]:
+        """The send of a read: to the key's remembered holders (dht/reads.py), or hivemind's own read
+        where hivemind caches found values itself or any unexpired value will do."""
+        if not (latest and self._quick_reads):
             return lambda: self._dht.get(key, latest=latest, return_future=True, beam_size=READ_BEAM)
-        return lambda: self._dht.get(key, return_future=True, beam_size=READ_BEAM, num_workers=1,
-                                     sufficient_expiration_time=bar)
+        read = functools.partial(read_entry, key=key, bar=bar, exclude_self=self._client_mode)
+        return lambda: self._dht.run_coroutine(read, return_future=True)
 
     def _remember(self, key: str, latest: bool, found: Any) -> Any:
         return self._memory.merge(key, found) if latest and self._quick_reads else found

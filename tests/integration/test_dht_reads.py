@@ -1,5 +1,6 @@
-"""Quick reads (dht/reads.py) on a real swarm of six hivemind DHT peers on loopback: what a reader
-sees of a stage's entries when a holder missed a store, an entry changed, or was withdrawn."""
+"""Reads (dht/reads.py, dht/holder_reads.py) on a real swarm of six hivemind DHT peers on loopback: what
+a reader sees of a stage's entries when a holder missed a store, an entry changed, or was withdrawn, and
+which peers its reads ask."""
 
 import time
 import uuid
@@ -10,7 +11,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from dht_swarm import held_by, swarm, worker_entry  # swarm: the module's six peers (a fixture)
 
-from agora.dht import SwarmDHT, worker_key
+from agora.dht import SwarmDHT, WorkerRecord, worker_key
+from agora.dht.holders import neighbour_id
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,3 +73,138 @@ def test_reads_are_all_full_where_hivemind_caches_found_values_itself(swarm):
         assert cached._memory.next_bar(worker_key(run_id, 0)) is None
     finally:
         cached.shutdown()
+
+
+class Asked:
+    """From now on, record every find request this peer sends: (peer id, key ids asked). The real
+    requests still go out. Runs in that peer's DHT process; ``asked`` reads and clears the record."""
+
+    async def __call__(self, _dht, node) -> None:
+        protocol = node.protocol
+        protocol.asked = []
+        if hasattr(protocol, "unrecorded_find"):
+            return
+        protocol.unrecorded_find = protocol.call_find
+
+        async def recording(peer, keys):
+            protocol.asked.append((str(peer), [int(key) for key in keys]))
+            return await protocol.unrecorded_find(peer, keys)
+
+        protocol.call_find = recording
+
+
+async def asked(_dht, node) -> list:
+    sent, node.protocol.asked = node.protocol.asked, []
+    return sent
+
+
+class Remembered:
+    """The peers (as peer ids, nearest first) this peer's reads and stores of ``key`` go to without a
+    search. Runs in that peer's DHT process."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    async def __call__(self, _dht, node) -> list:
+        from agora.dht import holders  # this process's memory, not a copy pickled with the call
+        found = holders.HOLDERS._found.get(DHTID.generate(source=self.key))
+        return [] if found is None else [str(peer_id) for peer_id in found.holders.values()]
+
+
+def not_a_holder(swarm: list, key: str) -> SwarmDHT:
+    return next(peer for peer in swarm if not held_by(peer, key))
+
+
+def remembered_after_first_read(reader: SwarmDHT, run_id: str) -> list:
+    """The holders the search beside ``reader``'s first read of the stage key found."""
+    key = worker_key(run_id, 0)
+    reader.live_workers(run_id, 0)
+    deadline = time.monotonic() + 30.0
+    while not (holders := reader.hivemind_dht.run_coroutine(Remembered(key))):
+        assert time.monotonic() < deadline, "the first read did not search for the key's holders"
+        time.sleep(0.05)
+    return holders
+
+
+def test_reads_go_straight_to_the_holders_a_search_found_a_quick_one_to_one_a_full_one_to_all(swarm):
+    run_id = f"reads-{uuid.uuid4().hex[:8]}"
+    key_id = int(DHTID.generate(source=worker_key(run_id, 0)))
+    for writer in swarm[1:3]:
+        assert writer.announce_worker(worker_entry(run_id, writer.peer_id), ttl=60.0)
+    reader = not_a_holder(swarm, worker_key(run_id, 0))  # a holder's own copy would answer a quick read
+    holders = remembered_after_first_read(reader, run_id)  # read 1: full, by hivemind's walk
+    others = [peer for peer in holders if peer != reader.peer_id]
+    reader.hivemind_dht.run_coroutine(Asked())
+    assert seen(reader, run_id) == {swarm[1].peer_id, swarm[2].peer_id}  # read 2: quick
+    quick = reader.hivemind_dht.run_coroutine(asked)
+    assert seen(reader, run_id) == {swarm[1].peer_id, swarm[2].peer_id}  # read 3: full
+    full = reader.hivemind_dht.run_coroutine(asked)
+    assert sorted(peer for peer, _ in full) == sorted(others) and all(keys == [key_id] for _, keys in full)
+    # One holder at a time, one of the stores' holders first, until one is as new as what the reader saw
+    # (the first, unless a store missed it: a peer that left this module's swarm may be among the holders).
+    assert quick[0][0] in others[:5] and all(keys == [key_id] for _, keys in quick)
+    assert 1 <= len(quick) < len(full) and len({peer for peer, _ in quick}) == len(quick)
+    assert int(neighbour_id(DHTID(key_id))) not in {key for _, keys in quick + full for key in keys}  # no search
+
+
+def test_quick_reads_start_at_a_random_holder_so_readers_spread_over_them(swarm):
+    run_id = f"reads-{uuid.uuid4().hex[:8]}"
+    assert swarm[2].announce_worker(worker_entry(run_id, swarm[2].peer_id), ttl=60.0)
+    reader = not_a_holder(swarm, worker_key(run_id, 0))
+    remembered_after_first_read(reader, run_id)
+    reader.hivemind_dht.run_coroutine(Asked())
+    first_asked = set()
+    for _ in range(12):  # 6 quick reads, 6 full ones
+        assert seen(reader, run_id) == {swarm[2].peer_id}
+        sent = reader.hivemind_dht.run_coroutine(asked)
+        if len(sent) == 1:
+            first_asked.add(sent[0][0])
+    assert len(first_asked) >= 2  # one start for all 6: (1/5)^5 for each of 5 holders
+
+
+def test_a_full_read_leaves_the_readers_own_copy_as_it_was(swarm):
+    """hivemind's read merges what it finds into its first candidate: for a holder, its own storage."""
+    run_id = f"reads-{uuid.uuid4().hex[:8]}"
+    key = worker_key(run_id, 0)
+    writer = swarm[1]
+    assert writer.announce_worker(worker_entry(run_id, writer.peer_id), ttl=60.0)
+    holders = [peer for peer in swarm if held_by(peer, key)]
+    reader, lone = holders[0], holders[1]
+    remembered_after_first_read(reader, run_id)
+    assert lone.hivemind_dht.run_coroutine(Place(key, "lone", worker_entry(run_id, "lone").to_wire(),
+                                                 time.time() + 60.0))
+    assert set(reader.get_entries(key, WorkerRecord, full=True)) == {writer.peer_id, "lone"}
+    assert reader.hivemind_dht.run_coroutine(HeldSubkeys(key)) == {writer.peer_id}
+
+
+class HeldSubkeys:
+    """The subkeys this peer's own storage holds under ``key``. Runs in that peer's DHT process."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    async def __call__(self, _dht, node) -> set:
+        held = node.protocol.storage.get(DHTID.generate(source=self.key))
+        return set() if held is None else {MSGPackSerializer.loads(subkey) if isinstance(subkey, bytes) else subkey
+                                           for subkey, _ in held.value.items()}
+
+
+def test_a_holder_that_left_is_not_asked_again_once_a_search_replaced_it(swarm):
+    run_id = f"reads-{uuid.uuid4().hex[:8]}"
+    key = worker_key(run_id, 0)
+    key_id = DHTID.generate(source=key)
+    reader, writer = swarm[0], swarm[3]
+    with SwarmDHT.start(initial_peers=swarm[0].visible_maddrs(), node_id=key_id) as nearest:
+        assert writer.announce_worker(worker_entry(run_id, writer.peer_id), ttl=60.0)
+        assert held_by(nearest, key)
+        holders = remembered_after_first_read(reader, run_id)
+        assert nearest.peer_id == holders[0]
+        gone = nearest.peer_id
+    for _ in range(2):  # one of them full: it asks the peer that left, and the next read searches
+        assert seen(reader, run_id) == {writer.peer_id}
+    deadline = time.monotonic() + 30.0
+    while gone in reader.hivemind_dht.run_coroutine(Remembered(key)):
+        assert time.monotonic() < deadline, "the holder that left is still remembered"
+        time.sleep(0.05)
+        seen(reader, run_id)
+    assert seen(reader, run_id) == {writer.peer_id}

@@ -1,0 +1,106 @@
+"""How this peer's DHT process reads a key: straight from the peers its last search of the key found.
+
+Design choices:
+
+- hivemind's read walks the DHT towards the key at every read, and at 64 peers that was 4 to 7 round
+  trips where the holders were one away. So a read goes straight to the peers the key's last search
+  found (dht/holders.py, the same memory stores use; a search again beside every
+  ``READ_SEARCH_EVERY``-th read): a full read asks all ``READ_BEAM`` of them at once and merges every
+  answer (one round trip, the peers hivemind's latest read over that beam would have merged); a quick
+  read asks the key's ``num_replicas`` holders one at a time from a random one (readers spread over
+  them, not all on the nearest) and stops at the first as new as ``bar``, then the beam's others. This
+  peer's own storage is asked first, as hivemind does. A key never searched is read by hivemind's walk
+  while its search runs beside; a holder that does not answer makes the next read search (it may have
+  left), and a read no holder answered is hivemind's.
+- Which read is full and which quick, and what the owner remembers of the answers: dht/reads.py.
+- It runs inside the DHT process through ``run_coroutine`` (module-level, so it pickles by name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any, Optional
+
+from hivemind.dht.node import _SearchState
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from agora.dht.dht_process import READ_BEAM
+from agora.dht.holders import HOLDERS, in_background, search
+
+__all__ = ["read_entry"]
+
+
+async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float],
+                     exclude_self: bool) -> Optional[ValueWithExpiration[Any]]:
+    """The value under ``key`` as hivemind's read returns it: a full read (``bar`` None: every holder's
+    answer merged) or a quick one (the first holder whose value expires no earlier than ``bar``)."""
+    key_id = DHTID.generate(source=key)
+    holders, search_beside = HOLDERS.recall(key_id, reading=True)
+    if holders is None or search_beside:
+        in_background(search(node, key_id, exclude_self, reading=True))
+    if holders is None:
+        return await _walk(node, key, bar)
+    state = _SearchState(key_id, float("inf") if bar is None else bar, serializer=node.protocol.serializer,
+                         record_validator=node.protocol.record_validator)
+    state.add_candidate(_own_copy(node, key_id), source_node_id=node.node_id)
+    others = [peer_id for node_id, peer_id in holders.items() if node_id != node.node_id]
+    if bar is None:
+        answers = await asyncio.gather(*(_find_on(node, peer_id, key_id) for peer_id in others))
+    else:
+        answers = []
+        for peer_id in _quick_order(others, node.num_replicas):
+            if state.finished:
+                break
+            answers.append(await _find_on(node, peer_id, key_id))
+            state.add_candidate(_value(answers[-1]), source_node_id=None)
+    if answers and all(answer is _UNANSWERED for answer in answers):
+        state.future.cancel()
+        return await _walk(node, key, bar)
+    for answer in answers if bar is None else ():
+        state.add_candidate(_value(answer), source_node_id=None)
+    state.finish_search()
+    return state.future.result()
+
+
+_UNANSWERED = object()
+
+
+async def _find_on(node: Any, peer_id: Any, key_id: DHTID) -> Any:
+    """What ``peer_id`` holds under ``key_id`` (None: nothing), or ``_UNANSWERED``."""
+    answer = await node.protocol.call_find(peer_id, [key_id])
+    if not answer:
+        HOLDERS.forget(key_id)  # the holder may have left: the next read searches
+        return _UNANSWERED
+    return answer[key_id][0]
+
+
+def _value(answer: Any) -> Optional[ValueWithExpiration[Any]]:
+    return None if answer is _UNANSWERED else answer
+
+
+def _quick_order(others: list, replicas: int) -> list:
+    """The holders a store reaches from a random one of them, then the beam's others."""
+    head = others[:replicas]
+    start = random.randrange(len(head)) if head else 0
+    return head[start:] + head[:start] + others[replicas:]
+
+
+def _own_copy(node: Any, key_id: DHTID) -> Optional[ValueWithExpiration[Any]]:
+    """This peer's stored value, copied: a read merges into its first candidate and must not change it."""
+    held = node.protocol.storage.get(key_id)
+    if held is None or not isinstance(held.value, DictionaryDHTValue):
+        return held
+    copy = DictionaryDHTValue(held.value.maxsize)
+    for subkey, item in held.value.items():
+        copy.store(subkey, item.value, item.expiration_time)
+    return ValueWithExpiration(copy, held.expiration_time)
+
+
+async def _walk(node: Any, key: Any, bar: Optional[float]) -> Optional[ValueWithExpiration[Any]]:
+    """hivemind's read, walking the DHT towards the key."""
+    if bar is None:
+        return await node.get(key, latest=True, beam_size=READ_BEAM)
+    return await node.get(key, sufficient_expiration_time=bar, beam_size=READ_BEAM, num_workers=1)
