@@ -12,6 +12,14 @@ Design choices:
   peer's own storage is asked first, as hivemind does. A key never searched is read by hivemind's walk
   while its search runs beside; a holder that does not answer makes the next read search (it may have
   left), and a read no holder answered is hivemind's.
+- Slow holders. At 64 peers some holders of the keys every peer reads (the ban list, a stage's
+  workers) took seconds to answer, idle as far as their CPU showed, and a full read waiting for all
+  8 waited for the slowest (the ban list's p95 3.6 s). So a full read returns ``FULL_READ_GRACE_S``
+  after ``num_replicas`` (5) of its 8 have answered, if the rest have not: any 5 of the 8 include at
+  least 2 of the 5 a store went to, so an entry a store put on every holder is never missed; one
+  that reached fewer may be missed by a read and is found by a later one, as a quick read's misses
+  are. A read that must not miss even that (a lease's claim: ``wait_all``) waits for every holder.
+  A quick read asks the next holder too when the one it asked has not answered within ``HEDGE_S``.
 - Which read is full and which quick, and what the owner remembers of the answers: dht/reads.py.
 - It runs inside the DHT process through ``run_coroutine`` (module-level, so it pickles by name).
 """
@@ -30,13 +38,19 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from agora.dht.dht_process import READ_BEAM
 from agora.dht.holders import HOLDERS, in_background, search
 
-__all__ = ["read_entry"]
+__all__ = ["FULL_READ_GRACE_S", "HEDGE_S", "read_entry"]
+
+# A full read stops waiting this long after the first ``num_replicas`` holders answered.
+FULL_READ_GRACE_S = 0.25
+# A quick read asks the next holder too when the one it asked has not answered in this long.
+HEDGE_S = 0.5
 
 
-async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float],
-                     exclude_self: bool) -> Optional[ValueWithExpiration[Any]]:
-    """The value under ``key`` as hivemind's read returns it: a full read (``bar`` None: every holder's
-    answer merged) or a quick one (the first holder whose value expires no earlier than ``bar``)."""
+async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float], exclude_self: bool,
+                     wait_all: bool = False) -> Optional[ValueWithExpiration[Any]]:
+    """The value under ``key`` as hivemind's read returns it: a full read (``bar`` None: the holders'
+    answers merged; ``wait_all``: every holder's, however slow) or a quick one (the first holder
+    whose value expires no earlier than ``bar``)."""
     key_id = DHTID.generate(source=key)
     holders, search_beside = HOLDERS.recall(key_id, reading=True)
     if holders is None or search_beside:
@@ -48,21 +62,56 @@ async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float],
     state.add_candidate(_own_copy(node, key_id), source_node_id=node.node_id)
     others = [peer_id for node_id, peer_id in holders.items() if node_id != node.node_id]
     if bar is None:
-        answers = await asyncio.gather(*(_find_on(node, peer_id, key_id) for peer_id in others))
+        quorum = len(others) if wait_all else min(len(others), node.num_replicas)
+        answers = await _ask_all(node, key_id, others, state, quorum)
     else:
-        answers = []
-        for peer_id in _quick_order(others, node.num_replicas):
-            if state.finished:
-                break
-            answers.append(await _find_on(node, peer_id, key_id))
-            state.add_candidate(_value(answers[-1]), source_node_id=None)
+        answers = await _ask_in_turn(node, key_id, _quick_order(others, node.num_replicas), state)
     if answers and all(answer is _UNANSWERED for answer in answers):
         state.future.cancel()
         return await _walk(node, key, bar)
-    for answer in answers if bar is None else ():
-        state.add_candidate(_value(answer), source_node_id=None)
     state.finish_search()
     return state.future.result()
+
+
+async def _ask_all(node: Any, key_id: DHTID, peers: list, state: _SearchState, quorum: int) -> list:
+    """Every peer at once, their answers merged into ``state``: until all have answered, or
+    ``FULL_READ_GRACE_S`` after ``quorum`` of them did (the others go on in the background)."""
+    loop = asyncio.get_running_loop()
+    pending = {asyncio.ensure_future(_find_on(node, peer_id, key_id)) for peer_id in peers}
+    answers: list = []
+    quorum_at = None
+    while pending:
+        timeout = None if quorum_at is None else max(0.0, quorum_at + FULL_READ_GRACE_S - loop.time())
+        done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            break
+        for task in done:
+            answers.append(task.result())
+            state.add_candidate(_value(answers[-1]), source_node_id=None)
+        if quorum_at is None and sum(answer is not _UNANSWERED for answer in answers) >= quorum:
+            quorum_at = loop.time()
+    for task in pending:
+        in_background(task)
+    return answers
+
+
+async def _ask_in_turn(node: Any, key_id: DHTID, peers: list, state: _SearchState) -> list:
+    """One peer at a time until ``state`` has a value as new as its bar: the next is asked when the
+    last one answered with less, or had not answered within ``HEDGE_S``."""
+    answers: list = []
+    waiting: set = set()
+    queue = list(peers)
+    while not state.finished and (queue or waiting):
+        if queue:
+            waiting.add(asyncio.ensure_future(_find_on(node, queue.pop(0), key_id)))
+        done, waiting = await asyncio.wait(waiting, timeout=HEDGE_S if queue else None,
+                                           return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            answers.append(task.result())
+            state.add_candidate(_value(answers[-1]), source_node_id=None)
+    for task in waiting:
+        in_background(task)
+    return answers
 
 
 _UNANSWERED = object()

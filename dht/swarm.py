@@ -462,14 +462,16 @@ class SwarmDHT(AsyncTwins):
 
     def _dict_get(self, key: str, latest: bool, full: bool = False) -> Callable[[], concurrent.futures.Future]:
         """The send of a read of a key with subkeys: latest over the beam, or quick (dht/reads.py)."""
-        return self._read(key, latest, self._memory.next_bar(key) if latest and self._quick_reads and not full else None)
+        bar = self._memory.next_bar(key) if latest and self._quick_reads and not full else None
+        return self._read(key, latest, bar, wait_all=full)
 
-    def _read(self, key: str, latest: bool, bar: Optional[float]) -> Callable[[], concurrent.futures.Future]:
-        """The send of a read: to the key's remembered holders (dht/reads.py), or hivemind's own read
-        where hivemind caches found values itself or any unexpired value will do."""
+    def _read(self, key: str, latest: bool, bar: Optional[float],
+              wait_all: bool = False) -> Callable[[], concurrent.futures.Future]:
+        """The send of a read: to the key's remembered holders (dht/holder_reads.py), or hivemind's own
+        read where hivemind caches found values itself or any unexpired value will do."""
         if not (latest and self._quick_reads):
             return lambda: self._dht.get(key, latest=latest, return_future=True, beam_size=READ_BEAM)
-        read = functools.partial(read_entry, key=key, bar=bar, exclude_self=self._client_mode)
+        read = functools.partial(read_entry, key=key, bar=bar, exclude_self=self._client_mode, wait_all=wait_all)
         return lambda: self._dht.run_coroutine(read, return_future=True)
 
     def _remember(self, key: str, latest: bool, found: Any) -> Any:

@@ -2,8 +2,11 @@
 a reader sees of a stage's entries when a holder missed a store, an entry changed, or was withdrawn, and
 which peers its reads ask."""
 
+import functools
 import time
 import uuid
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import pytest
 from hivemind.dht.routing import DHTID
@@ -12,6 +15,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from dht_swarm import held_by, swarm, worker_entry  # swarm: the module's six peers (a fixture)
 
 from agora.dht import SwarmDHT, WorkerRecord, worker_key
+from agora.dht.holder_reads import read_entry
 from agora.dht.holders import neighbour_id
 
 pytestmark = pytest.mark.timeout(120)
@@ -62,40 +66,55 @@ def test_a_quick_read_returns_an_entry_rewritten_since_and_hides_one_withdrawn_s
     assert seen(reader, run_id) == {writer.peer_id}  # quick
 
 
-def test_reads_are_all_full_where_hivemind_caches_found_values_itself(swarm):
-    """A cached copy, as new as anything seen, would answer a quick read locally every time."""
-    cached = SwarmDHT.start(initial_peers=swarm[0].visible_maddrs(), cache_locally=True)
-    try:
-        run_id = f"reads-{uuid.uuid4().hex[:8]}"
-        assert swarm[2].announce_worker(worker_entry(run_id, swarm[2].peer_id), ttl=60.0)
-        for _ in range(3):
-            assert seen(cached, run_id) == {swarm[2].peer_id}
-        assert cached._memory.next_bar(worker_key(run_id, 0)) is None
-    finally:
-        cached.shutdown()
+class Watch:
+    """From now on, record every find request this peer sends, (peer id, key ids), and hold back the
+    answers of those sent to ``slow`` peers for ``delay`` seconds (the request goes out at once).
+    Installed over hivemind's own request, replacing an earlier watch; ``unwatch`` takes it away,
+    ``asked`` reads and clears the record, ``late_answers`` counts answers being held back. Runs in
+    that peer's DHT process."""
 
-
-class Asked:
-    """From now on, record every find request this peer sends: (peer id, key ids asked). The real
-    requests still go out. Runs in that peer's DHT process; ``asked`` reads and clears the record."""
+    def __init__(self, slow: frozenset = frozenset(), delay: float = 0.0) -> None:
+        self.slow, self.delay = slow, delay
 
     async def __call__(self, _dht, node) -> None:
+        import asyncio
         protocol = node.protocol
-        protocol.asked = []
-        if hasattr(protocol, "unrecorded_find"):
-            return
-        protocol.unrecorded_find = protocol.call_find
+        hivemind_find = type(protocol).call_find.__get__(protocol)
+        watch = protocol.watch = {"asked": [], "held_back": 0}
+        slow, delay = self.slow, self.delay
 
-        async def recording(peer, keys):
-            protocol.asked.append((str(peer), [int(key) for key in keys]))
-            return await protocol.unrecorded_find(peer, keys)
+        async def watched(peer, keys):
+            watch["asked"].append((str(peer), [int(key) for key in keys]))
+            answer = await hivemind_find(peer, keys)
+            if str(peer) in slow:
+                watch["held_back"] += 1
+                await asyncio.sleep(delay)
+                watch["held_back"] -= 1
+            return answer
 
-        protocol.call_find = recording
+        protocol.call_find = watched
+
+
+async def unwatch(_dht, node) -> None:
+    node.protocol.__dict__.pop("call_find", None)
 
 
 async def asked(_dht, node) -> list:
-    sent, node.protocol.asked = node.protocol.asked, []
+    sent, node.protocol.watch["asked"] = node.protocol.watch["asked"], []
     return sent
+
+
+async def late_answers(_dht, node) -> int:
+    return node.protocol.watch["held_back"]
+
+
+@contextmanager
+def watching(peer: SwarmDHT, slow: Iterable[str] = (), delay: float = 0.0) -> Iterator[None]:
+    peer.hivemind_dht.run_coroutine(Watch(frozenset(slow), delay))
+    try:
+        yield
+    finally:
+        peer.hivemind_dht.run_coroutine(unwatch)
 
 
 class Remembered:
@@ -134,11 +153,11 @@ def test_reads_go_straight_to_the_holders_a_search_found_a_quick_one_to_one_a_fu
     reader = not_a_holder(swarm, worker_key(run_id, 0))  # a holder's own copy would answer a quick read
     holders = remembered_after_first_read(reader, run_id)  # read 1: full, by hivemind's walk
     others = [peer for peer in holders if peer != reader.peer_id]
-    reader.hivemind_dht.run_coroutine(Asked())
-    assert seen(reader, run_id) == {swarm[1].peer_id, swarm[2].peer_id}  # read 2: quick
-    quick = reader.hivemind_dht.run_coroutine(asked)
-    assert seen(reader, run_id) == {swarm[1].peer_id, swarm[2].peer_id}  # read 3: full
-    full = reader.hivemind_dht.run_coroutine(asked)
+    with watching(reader):
+        assert seen(reader, run_id) == {swarm[1].peer_id, swarm[2].peer_id}  # read 2: quick
+        quick = reader.hivemind_dht.run_coroutine(asked)
+        assert seen(reader, run_id) == {swarm[1].peer_id, swarm[2].peer_id}  # read 3: full
+        full = reader.hivemind_dht.run_coroutine(asked)
     assert sorted(peer for peer, _ in full) == sorted(others) and all(keys == [key_id] for _, keys in full)
     # One holder at a time, one of the stores' holders first, until one is as new as what the reader saw
     # (the first, unless a store missed it: a peer that left this module's swarm may be among the holders).
@@ -149,17 +168,17 @@ def test_reads_go_straight_to_the_holders_a_search_found_a_quick_one_to_one_a_fu
 
 def test_quick_reads_start_at_a_random_holder_so_readers_spread_over_them(swarm):
     run_id = f"reads-{uuid.uuid4().hex[:8]}"
+    key = worker_key(run_id, 0)
     assert swarm[2].announce_worker(worker_entry(run_id, swarm[2].peer_id), ttl=60.0)
-    reader = not_a_holder(swarm, worker_key(run_id, 0))
+    reader = not_a_holder(swarm, key)
     remembered_after_first_read(reader, run_id)
-    reader.hivemind_dht.run_coroutine(Asked())
+    quick = functools.partial(read_entry, key=key, bar=time.time(), exclude_self=False)  # any value ends it
     first_asked = set()
-    for _ in range(12):  # 6 quick reads, 6 full ones
-        assert seen(reader, run_id) == {swarm[2].peer_id}
-        sent = reader.hivemind_dht.run_coroutine(asked)
-        if len(sent) == 1:
-            first_asked.add(sent[0][0])
-    assert len(first_asked) >= 2  # one start for all 6: (1/5)^5 for each of 5 holders
+    with watching(reader):
+        for _ in range(8):
+            assert set(reader.hivemind_dht.run_coroutine(quick).value) == {swarm[2].peer_id}
+            first_asked.add(reader.hivemind_dht.run_coroutine(asked)[0][0])
+    assert len(first_asked) >= 2  # the same start for all 8: 5 x (1/5)^8
 
 
 def test_a_full_read_leaves_the_readers_own_copy_as_it_was(swarm):
@@ -187,6 +206,60 @@ class HeldSubkeys:
         held = node.protocol.storage.get(DHTID.generate(source=self.key))
         return set() if held is None else {MSGPackSerializer.loads(subkey) if isinstance(subkey, bytes) else subkey
                                            for subkey, _ in held.value.items()}
+
+
+def test_a_quick_read_asks_the_next_holder_when_the_one_it_asked_is_slow(swarm):
+    run_id = f"reads-{uuid.uuid4().hex[:8]}"
+    key = worker_key(run_id, 0)
+    writer = swarm[2]
+    assert writer.announce_worker(worker_entry(run_id, writer.peer_id), ttl=60.0)
+    reader = not_a_holder(swarm, key)
+    remembered_after_first_read(reader, run_id)
+    fast = next(peer.peer_id for peer in swarm if peer is not reader and held_by(peer, key))
+    quick = functools.partial(read_entry, key=key, bar=time.time(), exclude_self=False)  # any value ends it
+    sent = []
+    with watching(reader, slow={peer.peer_id for peer in swarm} - {fast}, delay=60.0):  # one answers at once
+        for _ in range(8):  # each from a random holder: the fast one first in all 8, (1/5)^8
+            assert set(reader.hivemind_dht.run_coroutine(quick).value) == {writer.peer_id}
+            sent.append(len(reader.hivemind_dht.run_coroutine(asked)))
+        assert max(sent) > 1  # some read asked a slow holder first, then the next ones in turn ...
+        assert reader.hivemind_dht.run_coroutine(late_answers) == sum(sent) - len(sent)  # ... ending at the fast one
+
+
+# Peers leave the swarm in the tests below (each started for its test):
+# a peer that left stays in the others' routing tables for a while, and a read that asks it waits.
+
+
+def test_reads_are_all_full_where_hivemind_caches_found_values_itself(swarm):
+    """A cached copy, as new as anything seen, would answer a quick read locally every time."""
+    cached = SwarmDHT.start(initial_peers=swarm[0].visible_maddrs(), cache_locally=True)
+    try:
+        run_id = f"reads-{uuid.uuid4().hex[:8]}"
+        assert swarm[2].announce_worker(worker_entry(run_id, swarm[2].peer_id), ttl=60.0)
+        for _ in range(3):
+            assert seen(cached, run_id) == {swarm[2].peer_id}
+        assert cached._memory.next_bar(worker_key(run_id, 0)) is None
+    finally:
+        cached.shutdown()
+
+
+def test_a_full_read_does_not_wait_for_a_slow_holder_past_the_grace_unless_it_must_miss_nothing(swarm):
+    run_id = f"reads-{uuid.uuid4().hex[:8]}"
+    key = worker_key(run_id, 0)
+    writer = swarm[1]
+    assert writer.announce_worker(worker_entry(run_id, writer.peer_id), ttl=60.0)
+    # A reader whose full reads wait for 3 answers (its num_replicas) of the other 6 peers, not all.
+    with SwarmDHT.start(initial_peers=swarm[0].visible_maddrs(), num_replicas=3) as reader:
+        remembered_after_first_read(reader, run_id)
+        slow = next(peer for peer in swarm if peer is not writer and held_by(peer, key))
+        assert slow.hivemind_dht.run_coroutine(Place(key, "lone", worker_entry(run_id, "lone").to_wire(),
+                                                     time.time() + 60.0))
+        full = functools.partial(read_entry, key=key, bar=None, exclude_self=False)
+        with watching(reader, slow={slow.peer_id}, delay=5.0):  # well under a request's 10 s
+            assert set(reader.hivemind_dht.run_coroutine(full).value) == {writer.peer_id}  # "lone": the slow one's
+            assert reader.hivemind_dht.run_coroutine(late_answers) == 1  # returned before that answer came
+            assert set(reader.hivemind_dht.run_coroutine(functools.partial(full, wait_all=True)).value) == {
+                writer.peer_id, "lone"}
 
 
 def test_a_holder_that_left_is_not_asked_again_once_a_search_replaced_it(swarm):
