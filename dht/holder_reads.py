@@ -11,7 +11,8 @@ Design choices:
   them, not all on the nearest) and stops at the first as new as ``bar``, then the beam's others. This
   peer's own storage is asked first, as hivemind does. A key never searched is read by hivemind's walk
   while its search runs beside; a holder that does not answer makes the next read search (it may have
-  left), and a read no holder answered is hivemind's.
+  left), and so does a quick read that no holder could end or a full one that found nothing (the
+  search may have been made while this peer knew few others); a read no holder answered is hivemind's.
 - Slow holders. At 64 peers some holders of the keys every peer reads (the ban list, a stage's
   workers) took seconds to answer, idle as far as their CPU showed, and a full read waiting for all
   8 waited for the slowest (the ban list's p95 3.6 s). So a full read returns ``FULL_READ_GRACE_S``
@@ -69,6 +70,8 @@ async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float], ex
     if answers and all(answer is _UNANSWERED for answer in answers):
         state.future.cancel()
         return await _walk(node, key, bar)
+    if not state.finished and (bar is not None or not state.found_something):
+        HOLDERS.forget(key_id)  # none of them is as new as what this peer saw, or none has the key: search again
     state.finish_search()
     return state.future.result()
 

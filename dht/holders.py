@@ -118,7 +118,10 @@ async def search(node: Any, key_id: DHTID, exclude_self: bool, *, reading: bool 
     probe = neighbour_id(key_id)
     nearest = await node.find_nearest_nodes([probe], k_nearest=READ_BEAM, beam_size=READ_BEAM,
                                             exclude_self=exclude_self)
-    HOLDERS.remember(key_id, nearest[probe], reading=reading)
+    if any(node_id != node.node_id for node_id in nearest[probe]):
+        HOLDERS.remember(key_id, nearest[probe], reading=reading)
+    else:  # a peer that knows no other yet (it is starting): search again next time
+        HOLDERS.forget(key_id)
     return nearest[probe]
 
 

@@ -281,3 +281,29 @@ def test_a_holder_that_left_is_not_asked_again_once_a_search_replaced_it(swarm):
         time.sleep(0.05)
         seen(reader, run_id)
     assert seen(reader, run_id) == {writer.peer_id}
+
+
+class SearchNow:
+    """Search for ``key``'s holders now, as a read's search does; what is remembered after. Runs in
+    that peer's DHT process."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    async def __call__(self, _dht, node) -> list:
+        from agora.dht import holders
+        await holders.search(node, DHTID.generate(source=self.key), False, reading=True)
+        return await Remembered(self.key)(_dht, node)
+
+
+def test_a_peer_that_knows_no_other_remembers_no_holders_and_an_empty_read_searches_again(swarm):
+    """A search made while a peer knows few others may name the wrong holders: it must not stick."""
+    run_id = f"reads-{uuid.uuid4().hex[:8]}"
+    key = worker_key(run_id, 0)
+    with SwarmDHT.start() as lone:  # no initial peers
+        assert lone.live_workers(run_id, 0) == []
+        assert lone.hivemind_dht.run_coroutine(SearchNow(key)) == []
+    reader = swarm[0]
+    remembered_after_first_read(reader, run_id)  # the key is empty: its first read found nothing
+    assert seen(reader, run_id) == set()  # a full read (nothing seen yet) that found nothing: forgotten
+    assert reader.hivemind_dht.run_coroutine(Remembered(key)) == []
