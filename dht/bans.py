@@ -42,9 +42,9 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from agora.auth.credentials import Clock, Issuer
+from agora.dht.holder_reads import read_entry
 from agora.dht.keys import bans_key
 from agora.dht.record_fields import RecordError
-from agora.dht.holder_reads import read_entry
 from agora.dht.records import CLOCK_SKEW_S, BanListRecord
 from agora.dht.store_checks import RefusedEntries
 

@@ -105,4 +105,3 @@ class ReadMemory:
     def _live(self, key: str) -> dict[Any, ValueWithExpiration[Any]]:
         now = self._clock()
         return {subkey: item for subkey, item in self._seen.get(key, {}).items() if item.expiration_time >= now}
-

@@ -63,10 +63,10 @@ from agora.dht.bans import BAN_REFRESH_S, BanList, NodeBans, fetch_ban_list
 from agora.dht.dht_process import (READ_BEAM, OwnedDHT, node_caches_locally, node_client_mode, node_peer_id,
                                    node_visible_maddrs, stop_process)
 from agora.dht.entry_reader import EntryReader, Stored, is_subkey_dict
+from agora.dht.holder_reads import read_entry
 from agora.dht.keys import check_run_id, owned_subkey, worker_key
 from agora.dht.op_timings import RequestTimings, key_family
 from agora.dht.ownership import EntryOwnership
-from agora.dht.holder_reads import read_entry
 from agora.dht.reads import CACHE_OPTIONS, ReadMemory
 from agora.dht.records import Record, WorkerRecord
 from agora.dht.stores import store_entry

@@ -52,5 +52,18 @@ class _Holds:
         return node.protocol.storage.get(DHTID.generate(source=self.key)) is not None
 
 
+class Remembered:
+    """The holders this peer's reads and stores of ``key`` go to without a search, nearest first, as
+    {node id: peer id} (empty: none remembered). Runs in that peer's DHT process."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    async def __call__(self, _dht, node) -> dict[int, str]:
+        from agora.dht import holders  # this process's memory, not a copy pickled with the call
+        found = holders.HOLDERS._found.get(DHTID.generate(source=self.key))
+        return {} if found is None else {int(node_id): str(peer_id) for node_id, peer_id in found.holders.items()}
+
+
 def held_by(peer: SwarmDHT, key: str) -> bool:
     return peer.hivemind_dht.run_coroutine(_Holds(key))

@@ -12,7 +12,7 @@ import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.utils.serializer import MSGPackSerializer
 
-from dht_swarm import held_by, swarm, worker_entry  # swarm: the module's six peers (a fixture)
+from dht_swarm import Remembered, held_by, swarm, worker_entry  # swarm: the module's six peers (a fixture)
 
 from agora.dht import SwarmDHT, WorkerRecord, worker_key
 from agora.dht.holder_reads import read_entry
@@ -117,19 +117,6 @@ def watching(peer: SwarmDHT, slow: Iterable[str] = (), delay: float = 0.0) -> It
         peer.hivemind_dht.run_coroutine(unwatch)
 
 
-class Remembered:
-    """The peers (as peer ids, nearest first) this peer's reads and stores of ``key`` go to without a
-    search. Runs in that peer's DHT process."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    async def __call__(self, _dht, node) -> list:
-        from agora.dht import holders  # this process's memory, not a copy pickled with the call
-        found = holders.HOLDERS._found.get(DHTID.generate(source=self.key))
-        return [] if found is None else [str(peer_id) for peer_id in found.holders.values()]
-
-
 def not_a_holder(swarm: list, key: str) -> SwarmDHT:
     return next(peer for peer in swarm if not held_by(peer, key))
 
@@ -139,7 +126,7 @@ def remembered_after_first_read(reader: SwarmDHT, run_id: str) -> list:
     key = worker_key(run_id, 0)
     reader.live_workers(run_id, 0)
     deadline = time.monotonic() + 30.0
-    while not (holders := reader.hivemind_dht.run_coroutine(Remembered(key))):
+    while not (holders := list(reader.hivemind_dht.run_coroutine(Remembered(key)).values())):
         assert time.monotonic() < deadline, "the first read did not search for the key's holders"
         time.sleep(0.05)
     return holders
@@ -276,7 +263,7 @@ def test_a_holder_that_left_is_not_asked_again_once_a_search_replaced_it(swarm):
     for _ in range(2):  # one of them full: it asks the peer that left, and the next read searches
         assert seen(reader, run_id) == {writer.peer_id}
     deadline = time.monotonic() + 30.0
-    while gone in reader.hivemind_dht.run_coroutine(Remembered(key)):
+    while gone in reader.hivemind_dht.run_coroutine(Remembered(key)).values():
         assert time.monotonic() < deadline, "the holder that left is still remembered"
         time.sleep(0.05)
         seen(reader, run_id)
@@ -290,7 +277,7 @@ class SearchNow:
     def __init__(self, key: str) -> None:
         self.key = key
 
-    async def __call__(self, _dht, node) -> list:
+    async def __call__(self, _dht, node) -> dict:
         from agora.dht import holders
         await holders.search(node, DHTID.generate(source=self.key), False, reading=True)
         return await Remembered(self.key)(_dht, node)
@@ -302,8 +289,8 @@ def test_a_peer_that_knows_no_other_remembers_no_holders_and_an_empty_read_searc
     key = worker_key(run_id, 0)
     with SwarmDHT.start() as lone:  # no initial peers
         assert lone.live_workers(run_id, 0) == []
-        assert lone.hivemind_dht.run_coroutine(SearchNow(key)) == []
+        assert lone.hivemind_dht.run_coroutine(SearchNow(key)) == {}
     reader = swarm[0]
     remembered_after_first_read(reader, run_id)  # the key is empty: its first read found nothing
     assert seen(reader, run_id) == set()  # a full read (nothing seen yet) that found nothing: forgotten
-    assert reader.hivemind_dht.run_coroutine(Remembered(key)) == []
+    assert reader.hivemind_dht.run_coroutine(Remembered(key)) == {}

@@ -7,7 +7,7 @@ import uuid
 import pytest
 from hivemind.dht.routing import DHTID
 
-from dht_swarm import held_by, swarm, worker_entry  # swarm: the module's six peers (a fixture)
+from dht_swarm import Remembered, held_by, swarm, worker_entry  # swarm: the module's six peers (a fixture)
 
 from agora.dht import SwarmDHT, worker_key
 from agora.dht.holders import SEARCH_EVERY
@@ -123,18 +123,6 @@ def test_a_store_that_returns_at_the_first_holder_still_reaches_every_holder(swa
         time.sleep(0.05)
 
 
-class RememberedHolders:
-    """The node ids a peer's stores of ``key`` go to without a search. Runs in that peer's DHT process."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    async def __call__(self, _dht, node) -> set:
-        from agora.dht import holders  # this process's memory, not a copy pickled with the call
-        found = holders.HOLDERS._found.get(DHTID.generate(source=self.key))
-        return set() if found is None else set(found.holders)
-
-
 def test_a_peer_that_joins_nearest_the_key_is_found_by_the_search_beside_a_later_store(swarm):
     run_id = f"stores-{uuid.uuid4().hex[:8]}"
     key = worker_key(run_id, 0)
@@ -146,10 +134,10 @@ def test_a_peer_that_joins_nearest_the_key_is_found_by_the_search_beside_a_later
     with SwarmDHT.start(initial_peers=swarm[0].visible_maddrs(), node_id=key_id) as nearest:
         for _ in range(SEARCH_EVERY - 1):
             assert writer.store(key, entry, ttl=60.0, subkey=writer.peer_id)
-        assert key_id not in writer.hivemind_dht.run_coroutine(RememberedHolders(key))
+        assert int(key_id) not in writer.hivemind_dht.run_coroutine(Remembered(key))
         assert writer.store(key, entry, ttl=60.0, subkey=writer.peer_id)  # due: a search beside it
         deadline = time.monotonic() + 30.0
-        while key_id not in writer.hivemind_dht.run_coroutine(RememberedHolders(key)):
+        while int(key_id) not in writer.hivemind_dht.run_coroutine(Remembered(key)):
             assert time.monotonic() < deadline, "the search beside the store did not find the new nearest peer"
             time.sleep(0.05)
         assert held_by(nearest, key)
