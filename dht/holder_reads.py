@@ -10,9 +10,10 @@ Design choices:
   read asks the key's ``num_replicas`` holders one at a time from a random one (readers spread over
   them, not all on the nearest) and stops at the first as new as ``bar``, then the beam's others. This
   peer's own storage is asked first, as hivemind does. A key never searched is read by hivemind's walk
-  while its search runs beside; a holder that does not answer makes the next read search (it may have
-  left), and so does a quick read that no holder could end or a full one that found nothing (the
-  search may have been made while this peer knew few others); a read no holder answered is hivemind's.
+  while its search runs beside; a holder that does not answer is skipped while hivemind's blacklist
+  holds it, the reads meanwhile searching beside them (dht/holders.py ``note_answer``); a quick read
+  that no holder could end or a full one that found nothing makes the next read search (the search
+  may have been made while this peer knew few others); a read no holder answered is hivemind's.
 - Slow holders. At 64 peers some holders of the keys every peer reads (the ban list, a stage's
   workers) took seconds to answer, idle as far as their CPU showed, and a full read waiting for all
   8 waited for the slowest (the ban list's p95 3.6 s). So a full read returns ``FULL_READ_GRACE_S``
@@ -37,7 +38,7 @@ from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from agora.dht.dht_process import READ_BEAM
-from agora.dht.holders import HOLDERS, in_background, search
+from agora.dht.holders import HOLDERS, answering, in_background, note_answer, search
 
 __all__ = ["FULL_READ_GRACE_S", "HEDGE_S", "read_entry"]
 
@@ -54,14 +55,17 @@ async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float], ex
     whose value expires no earlier than ``bar``)."""
     key_id = DHTID.generate(source=key)
     holders, search_beside = HOLDERS.recall(key_id, reading=True)
+    if holders is not None:
+        holders, skipped = answering(node, holders)
+        search_beside = search_beside or skipped
     if holders is None or search_beside:
         in_background(search(node, key_id, exclude_self, reading=True))
-    if holders is None:
+    others = [] if holders is None else [peer_id for node_id, peer_id in holders.items() if node_id != node.node_id]
+    if not others:
         return await _walk(node, key, bar)
     state = _SearchState(key_id, float("inf") if bar is None else bar, serializer=node.protocol.serializer,
                          record_validator=node.protocol.record_validator)
     state.add_candidate(_own_copy(node, key_id), source_node_id=node.node_id)
-    others = [peer_id for node_id, peer_id in holders.items() if node_id != node.node_id]
     if bar is None:
         quorum = len(others) if wait_all else min(len(others), node.num_replicas)
         answers = await _ask_all(node, key_id, others, state, quorum)
@@ -123,10 +127,8 @@ _UNANSWERED = object()
 async def _find_on(node: Any, peer_id: Any, key_id: DHTID) -> Any:
     """What ``peer_id`` holds under ``key_id`` (None: nothing), or ``_UNANSWERED``."""
     answer = await node.protocol.call_find(peer_id, [key_id])
-    if not answer:
-        HOLDERS.forget(key_id)  # the holder may have left: the next read searches
-        return _UNANSWERED
-    return answer[key_id][0]
+    note_answer(node, key_id, peer_id, bool(answer))
+    return answer[key_id][0] if answer else _UNANSWERED
 
 
 def _value(answer: Any) -> Optional[ValueWithExpiration[Any]]:

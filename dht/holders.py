@@ -21,7 +21,12 @@ Design choices:
   read of it, or the first use ``_HOLDERS_TTL_S`` after the last search, never instead of the request
   (it goes to the holders remembered until the search ends): a peer nearer the key that joined is found
   so. Counts, not only time, so the rule is the same at any pace. A request waits on a search only for
-  a key never searched, or after a holder left a request unanswered (``forget``: it may have left).
+  a key never searched (or none of whose holders answers).
+- A holder that leaves a request unanswered goes on hivemind's blacklist (``note_answer``: 5 s, doubling
+  at each further silence), as its own walk does with a peer that does not answer: requests skip it
+  while it is there (``answering``) and search beside them for who replaces it, and searches, being
+  hivemind's, leave it out. Without that a dead holder was asked again by every request after each
+  search, and each time the key was forgotten, the next request walked the DHT.
 - The memory is per DHT process and bounded (``_MAX_KEYS``, least recently used out). Everything here
   runs on that process's event loop.
 """
@@ -39,8 +44,8 @@ from hivemind.dht.routing import DHTID
 
 from agora.dht.dht_process import READ_BEAM
 
-__all__ = ["HOLDERS", "READ_SEARCH_EVERY", "SEARCH_EVERY", "HolderMemory", "in_background", "neighbour_id",
-           "search"]
+__all__ = ["HOLDERS", "READ_SEARCH_EVERY", "SEARCH_EVERY", "HolderMemory", "answering", "in_background",
+           "neighbour_id", "note_answer", "search"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +110,7 @@ class HolderMemory:
             self._found.popitem(last=False)
 
     def forget(self, key_id: DHTID) -> None:
-        """A holder left a request unanswered: the next one searches."""
+        """What was found is of no use (no other peer, nothing as new as seen): the next request searches."""
         self._found.pop(key_id, None)
 
 
@@ -123,6 +128,24 @@ async def search(node: Any, key_id: DHTID, exclude_self: bool, *, reading: bool 
     else:  # a peer that knows no other yet (it is starting): search again next time
         HOLDERS.forget(key_id)
     return nearest[probe]
+
+
+def answering(node: Any, holders: dict) -> tuple[dict, bool]:
+    """``holders`` less those hivemind's blacklist holds as silent lately, and whether any was left out
+    (then the request searches beside it for who replaces them)."""
+    kept = {node_id: peer_id for node_id, peer_id in holders.items() if peer_id not in node.blacklist}
+    return kept, len(kept) < len(holders)
+
+
+def note_answer(node: Any, key_id: DHTID, peer_id: Any, answered: bool) -> None:
+    """Tell hivemind's blacklist whether ``peer_id`` answered a request for ``key_id``; where the
+    blacklist is off (``blacklist_time=0``), a silence makes the key's next request search instead."""
+    if answered:
+        node.blacklist.register_success(peer_id)
+        return
+    node.blacklist.register_failure(peer_id)
+    if peer_id not in node.blacklist:
+        HOLDERS.forget(key_id)
 
 
 def in_background(work: Any) -> None:

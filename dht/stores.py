@@ -35,7 +35,7 @@ import hivemind
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
-from agora.dht.holders import HOLDERS, in_background, search
+from agora.dht.holders import HOLDERS, answering, in_background, note_answer, search
 
 __all__ = ["store_entry"]
 
@@ -46,6 +46,9 @@ async def store_entry(_dht: hivemind.DHT, node: Any, *, key: Any, subkey: Option
     key_id = DHTID.generate(source=key)
     record = _signed(node, key_id, subkey, value, expiration)
     holders, search_beside = HOLDERS.recall(key_id)
+    if holders is not None:
+        holders, skipped = answering(node, holders)  # a holder silent lately: its successor takes its turn
+        holders, search_beside = holders or None, search_beside or skipped
     if holders is None:
         holders = await search(node, key_id, exclude_self)
     elif search_beside:
@@ -92,10 +95,8 @@ async def _store_on(node: Any, node_id: DHTID, peer_id: Any, key_id: DHTID, subk
         return _store_here(node, key_id, subkey, record)
     answer = await node.protocol.call_store(peer_id, keys=[key_id], values=[record.value],
                                             expiration_time=[record.expiration_time], subkeys=[subkey])
-    if not answer:
-        HOLDERS.forget(key_id)  # the holder may have left: the next request searches
-        return None
-    return bool(answer[0])
+    note_answer(node, key_id, peer_id, bool(answer))
+    return bool(answer[0]) if answer else None
 
 
 def _store_here(node: Any, key_id: DHTID, subkey: Optional[Any], record: DHTRecord) -> bool:
