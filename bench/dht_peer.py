@@ -296,7 +296,7 @@ async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog) -> None:
     for action in role_actions(args.role, model):
         period = dilation.real_s(action.period_s)
         tasks.append(asyncio.create_task(run_action(action, work[action.name], period,
-                                                    first_due_s(action, period, rng), tally)))
+                                                    first_due_s(period, rng), tally)))
     try:
         await stop.wait()
     finally:

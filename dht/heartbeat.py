@@ -8,8 +8,13 @@ Design choices:
   peer's subkey.
 - Each announce expires after ``3 * interval``: a worker that dies (kill -9) vanishes from
   readers after about three missed beats, with no one having to notice the death.
-- Beats run at a fixed rate from the start time; a beat that ran late does not cause a
-  burst of catch-up beats, the schedule just restarts from now.
+- Beats run at a rate from the start time, each gap drawn within ``BEAT_JITTER`` of the interval
+  (``next_beat_s``); a beat that ran late does not cause a burst of catch-up beats, the schedule
+  just restarts from now. The jitter is for nodes that start together (a demo, a swarm coming back
+  after an outage): at a fixed rate they would stay in step for ever, every beat of theirs reading
+  the ban list from its few holders and storing their stage's key in one burst. In a 32-peer swarm
+  whose beats were in step, the ban list's holders took up to 1 s to answer that burst
+  (bench/dht_scale.py) where one read alone takes two round trips.
 - One failed beat (DHT timeout, an invalid record from the callable) is logged and
   counted, never fatal: the next beat may succeed, and expiration covers the worst case.
 - Each beat also reads the run's ban list (``SwarmDHT.refresh_bans``, one get), so a ban
@@ -25,17 +30,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from typing import Callable, Optional
 
 from agora.dht.records import Record
 from agora.dht.swarm import DHTRequestError, SwarmDHT
 
-__all__ = ["DEFAULT_INTERVAL", "MISSED_BEATS_TO_EXPIRE", "Heartbeat"]
+__all__ = ["BEAT_JITTER", "DEFAULT_INTERVAL", "MISSED_BEATS_TO_EXPIRE", "Heartbeat", "next_beat_s"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 5.0
 MISSED_BEATS_TO_EXPIRE = 3
+# A gap between beats is the interval times a factor drawn from 1 +- this (a record outlives 3 beats).
+BEAT_JITTER = 0.1
+
+
+def next_beat_s(due_s: float, interval: float, now_s: float, rng: random.Random) -> float:
+    """When the beat after one due at ``due_s`` is due, the last having ended at ``now_s``."""
+    due_s += interval * rng.uniform(1.0 - BEAT_JITTER, 1.0 + BEAT_JITTER)
+    return max(due_s, now_s)
 
 
 class Heartbeat:
@@ -146,14 +160,12 @@ class Heartbeat:
         await self.stop()
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_beat = loop.time() + self.interval
+        loop, rng = asyncio.get_running_loop(), random.Random()
+        next_beat = next_beat_s(loop.time(), self.interval, loop.time(), rng)
         while True:
             await asyncio.sleep(max(0.0, next_beat - loop.time()))
             await self.beat()
-            next_beat += self.interval
-            if next_beat < loop.time():
-                next_beat = loop.time()
+            next_beat = next_beat_s(next_beat, self.interval, loop.time(), rng)
 
     async def _withdraw(self, record: Record) -> None:
         try:
