@@ -38,7 +38,7 @@ from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from agora.dht.dht_process import READ_BEAM
-from agora.dht.holders import HOLDERS, answering, in_background, note_answer, search
+from agora.dht.holders import HOLDERS, holders_for, in_background, note_answer, search
 
 __all__ = ["FULL_READ_GRACE_S", "HEDGE_S", "read_entry"]
 
@@ -54,10 +54,7 @@ async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float], ex
     answers merged; ``wait_all``: every holder's, however slow) or a quick one (the first holder
     whose value expires no earlier than ``bar``)."""
     key_id = DHTID.generate(source=key)
-    holders, search_beside = HOLDERS.recall(key_id, reading=True)
-    if holders is not None:
-        holders, skipped = answering(node, holders)
-        search_beside = search_beside or skipped
+    holders, search_beside = holders_for(node, key_id, reading=True)
     if holders is None or search_beside:
         in_background(search(node, key_id, exclude_self, reading=True))
     others = [] if holders is None else [peer_id for node_id, peer_id in holders.items() if node_id != node.node_id]

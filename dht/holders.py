@@ -24,7 +24,7 @@ Design choices:
   a key never searched (or none of whose holders answers).
 - A holder that leaves a request unanswered goes on hivemind's blacklist (``note_answer``: 5 s, doubling
   at each further silence), as its own walk does with a peer that does not answer: requests skip it
-  while it is there (``answering``) and search beside them for who replaces it, and searches, being
+  while it is there (``holders_for``) and search beside them for who replaces it, and searches, being
   hivemind's, leave it out. Without that a dead holder was asked again by every request after each
   search, and each time the key was forgotten, the next request walked the DHT.
 - The memory is per DHT process and bounded (``_MAX_KEYS``, least recently used out). Everything here
@@ -44,7 +44,7 @@ from hivemind.dht.routing import DHTID
 
 from agora.dht.dht_process import READ_BEAM
 
-__all__ = ["HOLDERS", "READ_SEARCH_EVERY", "SEARCH_EVERY", "HolderMemory", "answering", "in_background",
+__all__ = ["HOLDERS", "READ_SEARCH_EVERY", "SEARCH_EVERY", "HolderMemory", "holders_for", "in_background",
            "neighbour_id", "note_answer", "search"]
 
 logger = logging.getLogger(__name__)
@@ -130,11 +130,15 @@ async def search(node: Any, key_id: DHTID, exclude_self: bool, *, reading: bool 
     return nearest[probe]
 
 
-def answering(node: Any, holders: dict) -> tuple[dict, bool]:
-    """``holders`` less those hivemind's blacklist holds as silent lately, and whether any was left out
-    (then the request searches beside it for who replaces them)."""
+def holders_for(node: Any, key_id: DHTID, *, reading: bool = False) -> tuple[Optional[dict], bool]:
+    """``HOLDERS.recall`` less the holders hivemind's blacklist holds as silent lately (None: none
+    known or none answering, search first), and whether to search beside the request: due, or one
+    was left out (then the search finds who replaces it)."""
+    holders, search_beside = HOLDERS.recall(key_id, reading=reading)
+    if holders is None:
+        return None, False
     kept = {node_id: peer_id for node_id, peer_id in holders.items() if peer_id not in node.blacklist}
-    return kept, len(kept) < len(holders)
+    return kept or None, search_beside or len(kept) < len(holders)
 
 
 def note_answer(node: Any, key_id: DHTID, peer_id: Any, answered: bool) -> None:

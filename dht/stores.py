@@ -35,7 +35,7 @@ import hivemind
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
-from agora.dht.holders import HOLDERS, answering, in_background, note_answer, search
+from agora.dht.holders import holders_for, in_background, note_answer, search
 
 __all__ = ["store_entry"]
 
@@ -45,10 +45,7 @@ async def store_entry(_dht: hivemind.DHT, node: Any, *, key: Any, subkey: Option
     """Store ``value`` under ``key`` (and ``subkey``) on the key's nearest peers; True if any accepted."""
     key_id = DHTID.generate(source=key)
     record = _signed(node, key_id, subkey, value, expiration)
-    holders, search_beside = HOLDERS.recall(key_id)
-    if holders is not None:
-        holders, skipped = answering(node, holders)  # a holder silent lately: its successor takes its turn
-        holders, search_beside = holders or None, search_beside or skipped
+    holders, search_beside = holders_for(node, key_id)  # a holder silent lately: its successor takes its turn
     if holders is None:
         holders = await search(node, key_id, exclude_self)
     elif search_beside:
