@@ -7,19 +7,21 @@ Averaging (bench/results/averaging_scale.json, bench/averaging_scale.py): R repl
 on one 2-core host over loopback, stepping every 2 s, a round every 4 steps, a 3 s window, no
 trainers. Inputs: the harness's pace and window (its settings), the averaged vector's bytes (tiny's
 middle stage as node/averaging/sparta.py sizes it), loopback's measured round trip and rates (row 3's
-lan), the host's 2 cores, and what one DHT operation costs the swarm's hosts in CPU at N peers as
-dht_scale measured it: a peer's CPU per logical minute less its CPU at rest, over its requests per
-logical minute (its own requests and its share of serving the others'), read between the measured
-N by network.py's `at_size` (R = 2 and 4 lie below dht_scale's smallest N, 8: extrapolated). A
-round's matchmaking is 4 DHT operations two at a time (node/averaging/loop.py's announcement with
-its read of the live replicas, then hivemind's declaration with its read of the declared
-averagers), each taking its CPU on the shared cores and one loopback round trip. The all-reduce
-after the group formed takes each member's CPU on the shared cores, per other member and per byte
-it sends, as bench/allreduce_cost.py measured them (bench/results/allreduce_cost.json: R = 2 to 4
-replicas on this host, the host's CPU per round with and without the all-reduce). Between rounds
-each replica probes the round board on the loop's schedule, closes each round and beats every 5 s
-(the harness's heartbeat), each operation's CPU on the shared cores (node/simulate/background.py).
-Predicted: group
+lan), the host's 2 cores, and three CPU costs bench/allreduce_cost.py measured on R replicas of the
+harness's own kind (an insecure SwarmDHT and a SliceAverager each, on this host; bench/results/
+allreduce_cost.json, read between its R by network.py's `at_size`): what one of the averaging loop's
+DHT operations costs the host (a store of a round record, reads of the stage's round and worker
+records of R entries), what the rest of a replica's matchmaking costs (its share of the host's CPU
+in rounds with every weight 0: hivemind's declaration, its read of the declared averagers, the join
+requests), and the all-reduce's CPU per other member and per byte a member sends (the difference
+between weight 1 and weight 0, fitted over R and two vector sizes). A round's matchmaking is the
+loop's two DHT operations at once (node/averaging/loop.py's announcement with its read of the live
+replicas), each its CPU on the shared cores and one loopback round trip, then hivemind's part, its
+CPU on the shared cores and one round trip. The all-reduce after the group formed takes each
+member's CPU on the shared cores. Between rounds each replica probes the round board on the loop's
+schedule, closes each round and beats every 5 s (the harness's heartbeat), each operation's CPU on
+the shared cores (node/simulate/background.py). dht_scale's CPU per operation is not the input: its
+peers are admitted (signed records, a ban list, a CA), the harness's are not. Predicted: group
 formation (each replica's start to its group's forming) and round duration, p50 and p95 over every
 replica's rounds, as the harness takes them.
 
@@ -40,16 +42,17 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from agora.bench.averaging_scale import percentile
 from agora.node.averaging.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels
-from agora.node.simulate.network import dht_cpu_s
+from agora.node.simulate.network import at_size, dht_cpu_s
 from agora.node.simulate.scenario import scenario_from_dict
 from agora.node.simulate.swarm import SimSwarm
 from agora.pipeline.config import PRESETS
 
-__all__ = ["cpu_per_dht_op", "allreduce_cpu", "averaging_scenario", "newcomer_scenario", "validate_averaging",
+__all__ = ["HarnessCPU", "averaging_scenario", "newcomer_scenario", "validate_averaging",
            "validate_newcomers", "scale_sections"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -57,16 +60,10 @@ LAN = (0.06, 22279.9, 20906.8)  # row 3's lan: RTT ms, up and down Mbit/s
 AGORA_FLOOR = (80.68, 192.3, 191.2)
 HOST_CORES = 2
 STEP_S, EVERY_STEPS, WINDOW_S = 2.0, 4, 3.0  # bench/averaging_scale.py's defaults, the run's settings
-MATCHMAKING_DHT_OPS = 4
+MATCHMAKING_DHT_OPS = 2  # the loop's announcement and its read of the live replicas; hivemind's part is measured CPU
 HEARTBEAT_S = 5.0  # bench/averaging_replica.py's --heartbeat-s, which the harness leaves at its default
 MONITOR_READ_EVERY_S = 0.25  # bench/dht_peer.py's WATCH_S
 NEWCOMER_AT_S = 10.0
-
-
-def cpu_per_dht_op(dht_rows: list[dict]) -> tuple[tuple[float, float], ...]:
-    """(N, CPU ms per DHT request) from dht_scale's rows: traffic CPU over requests, per logical minute."""
-    return tuple((float(row["nodes"]), (row["cpu_s_per_node_min"] - row["rest_cpu_s_per_node_min"]) * 1000.0
-                  / row["requests_per_node_min"]) for row in dht_rows)
 
 
 def tiny_middle_stage_bytes() -> int:
@@ -76,24 +73,36 @@ def tiny_middle_stage_bytes() -> int:
     return 4 * averaged_vector_size(config.sync, buffer)
 
 
-def allreduce_cpu(results: Path = RESULTS) -> tuple[float, float]:
-    """(ms per other member, ns per byte sent) of a member's all-reduce, bench/allreduce_cost.py's fit."""
-    measured = json.loads((results / "allreduce_cost.json").read_text())
-    return measured["cpu_s_per_peer"] * 1000.0, measured["cpu_s_per_byte_sent"] * 1e9
+@dataclass(frozen=True)
+class HarnessCPU:
+    """What bench/allreduce_cost.py measured on the averaging harness's kind of replica: [R, ms] of one
+    DHT operation and of a replica's matchmaking besides its DHT operations, and the all-reduce's
+    (ms per other member, ns per byte sent)."""
+
+    dht_op_ms_at: tuple[tuple[float, float], ...]
+    matchmaking_ms_at: tuple[tuple[float, float], ...]
+    allreduce: tuple[float, float]
+
+    @classmethod
+    def read(cls, results: Path = RESULTS) -> "HarnessCPU":
+        measured = json.loads((results / "allreduce_cost.json").read_text())
+        return cls(tuple(map(tuple, measured["dht_op_cpu_ms_at"])),
+                   tuple(map(tuple, measured["matchmaking_cpu_ms_at"])),
+                   (measured["cpu_s_per_peer"] * 1000.0, measured["cpu_s_per_byte_sent"] * 1e9))
 
 
-def averaging_scenario(replicas: int, rounds: int, cpu_table, vector_bytes: int,
-                       allreduce: tuple[float, float] = (0.0, 0.0)) -> dict:
+def averaging_scenario(replicas: int, rounds: int, cpu: HarnessCPU, vector_bytes: int) -> dict:
     rtt, up, down = LAN
     return {
         "run": {"seconds": (rounds + 0.5) * STEP_S * EVERY_STEPS, "stages": 1, "batch_s": STEP_S},
         "compute": {"ms": [1.0], "shared_cores": HOST_CORES},
         "links": [{"name": "lan", "up_mbit": up, "down_mbit": down, "rtt_ms": rtt}],
         "workers": {"replicas": replicas, "heartbeat_s": HEARTBEAT_S},
-        "dht": {"base_ms": rtt, "cpu_ms_at": [list(pair) for pair in cpu_table]},
+        "dht": {"base_ms": rtt, "cpu_ms_at": [list(pair) for pair in cpu.dht_op_ms_at]},
         "averaging": {"method": "sparta", "every_steps": EVERY_STEPS, "fraction": 0.25, "vector_bytes": vector_bytes,
                       "matchmaking_dht_ops": MATCHMAKING_DHT_OPS, "matchmaking_s": WINDOW_S, "between_rounds": True,
-                      "allreduce_cpu_ms_per_peer": allreduce[0], "allreduce_cpu_ns_per_byte": allreduce[1]},
+                      "matchmaking_cpu_ms_at": [list(pair) for pair in cpu.matchmaking_ms_at],
+                      "allreduce_cpu_ms_per_peer": cpu.allreduce[0], "allreduce_cpu_ns_per_byte": cpu.allreduce[1]},
     }
 
 
@@ -111,20 +120,20 @@ def within(errors: dict[str, list[float]], target: float = 0.20) -> str:
 AVERAGING_FIGURES = ("formation p50", "formation p95", "round p50", "round p95")
 
 
-def validate_averaging(rows: list[dict], cpu_table, allreduce: tuple[float, float] = (0.0, 0.0)
-                       ) -> tuple[list[str], dict[str, list[float]]]:
-    lines = ["| R | load start/end | DHT op CPU ms (input) | all-reduce CPU ms / member (input) | formation p50 s: "
-             "measured / simulated | off | p95 | off | round p50 s: measured / simulated | off | p95 | off |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def validate_averaging(rows: list[dict], cpu: HarnessCPU) -> tuple[list[str], dict[str, list[float]]]:
+    lines = ["| R | load start/end | DHT op CPU ms (input) | matchmaking CPU ms (input) | all-reduce CPU ms / member "
+             "(input) | formation p50 s: measured / simulated | off | p95 | off | round p50 s: measured / simulated "
+             "| off | p95 | off |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     errors, vector_bytes = {name: [] for name in AVERAGING_FIGURES}, tiny_middle_stage_bytes()
     for row in rows:
-        swarm = SimSwarm(scenario_from_dict(averaging_scenario(row["replicas"], row["rounds_due"], cpu_table,
-                                                               vector_bytes, allreduce)))
+        swarm = SimSwarm(scenario_from_dict(averaging_scenario(row["replicas"], row["rounds_due"], cpu, vector_bytes)))
         swarm.run()
         formations = [f for r in swarm.rounds.log for f in r.formations]
         durations = [d for r in swarm.rounds.log for d in r.durations]
         cells = [f"| {row['replicas']} | {row['load_start']:.1f}/{row['load_end']:.1f} | "
-                 f"{swarm_cpu_ms(swarm):.1f} | {swarm.rounds.allreduce_cpu_s(row['replicas']) * 1000:.1f} |"]
+                 f"{swarm_cpu_ms(swarm):.1f} | {at_size(cpu.matchmaking_ms_at, row['replicas']):.1f} | "
+                 f"{swarm.rounds.allreduce_cpu_s(row['replicas']) * 1000:.1f} |"]
         for name, measured, simulated in zip(AVERAGING_FIGURES, (
                 row["formation_p50_s"], row["formation_p95_s"], row["duration_p50_s"], row["duration_p95_s"]), (
                 percentile(formations, 0.5), percentile(formations, 0.95),
@@ -189,7 +198,7 @@ def scale_sections(results: Path = RESULTS) -> tuple[list[str], str]:
     """The two tables with their summaries (markdown lines), and a one-line summary."""
     dht_rows = json.loads((results / "dht_scale.json").read_text())["rows"]
     averaging_rows = json.loads((results / "averaging_scale.json").read_text())
-    averaging, averaging_errors = validate_averaging(averaging_rows, cpu_per_dht_op(dht_rows), allreduce_cpu(results))
+    averaging, averaging_errors = validate_averaging(averaging_rows, HarnessCPU.read(results))
     newcomers, newcomer_errors = validate_newcomers(dht_rows)
     summary = (f"Averaging against R (4 R): {within(averaging_errors)}. "
                f"A newcomer against N (4 N): {within(newcomer_errors)}.")

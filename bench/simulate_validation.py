@@ -198,24 +198,23 @@ NOTES = """## What the simulator leaves out, and where it shows
   the simulated ones need 60 to 90 s of sync phases at those paces, more than the 30 s between kills
   leaves most of them, so "never" is what both say for most, but the figures cannot be set side by
   side. The simulator kills the oldest replica of a stage; chaos kills at random, newcomers too.
-- Averaging against R: the simulated formation's CPU is four DHT operations, each costing what one
-  cost dht_scale's admitted peers at that N (R = 2 and 4 extrapolated below its smallest N, 8). That
-  input stands for the wrong thing now. averaging_scale's replicas run an insecure DHT, and their
-  rounds' matchmaking is hivemind's own (its declarations and reads of the declared averagers), which
-  none of the reads and stores at the holders touch: taken again with them, formation p50 stayed
-  where it was (1.16 s at R = 16 against 1.19). dht_scale's admitted peers' CPU per operation fell
-  with them (31.1 -> 22.5 ms at 16), so the simulated formation fell, -35% at 16 (+68% at R = 2, the
-  extrapolation going up where it went down before: 7.5 -> 11.6 ms). With the table before (reads
-  that walked the DHT) formation p50 was within 11% at every R and round p50 within 10%. What would
-  fit the harness: the CPU per operation measured under its own conditions, such as
-  bench/allreduce_cost.py's rounds with every weight 0 (hivemind's matchmaking alone was 20, 26 and
-  32 ms of host CPU per replica at R = 2, 3, 4 there). The all-reduce's own CPU is the other input
-  (bench/allreduce_cost.py: 1.06 ms per peer and 21 ns per byte a member sends, R = 2 to 4; round
-  p50 was -21/-20/-23/-32% at R = 2/4/8/16 without it), not well pinned by R = 2 to 4 on a shared
-  host (a second run fitted 2.57 ms per peer and 9.0 ns per byte). Between rounds the replicas'
-  probes, round closes and a heartbeat every 5 s are simulated (at R = 16 they moved formation p50
-  from -14% to +4% in the table before).
-- The p95s stay short (formation -28% at R = 4 to -54% at 16; rounds -42% to -46%). The harness's
+- Averaging against R: the inputs are measured on the harness's own kind of replica (insecure
+  DHT, hivemind's averager: bench/allreduce_cost.py at R = 2, 4, 8, 16): one loop DHT operation 4.0,
+  4.5, 9.4 and 10.5 ms of host CPU, the rest of a replica's matchmaking 29, 39, 88 and 125 ms. Taken
+  from dht_scale's admitted peers instead (signed records, a ban list; 11.6 to 22.5 ms per operation,
+  four per matchmaking, R = 2 and 4 extrapolated below its smallest N), the same rows were formation
+  p50 +68/+6/-19/-35% and round p50 +47/-8/-23/-29%: the wrong swarm's costs, growing more slowly
+  in R than hivemind's matchmaking, whose reads of the declared averagers return R entries. Now
+  formation p50 +33/-12/+21/+4% and round p50 +25/-19/+7/-3%. R = 2 stays long: at 29 ms of
+  matchmaking CPU per replica against a formation of 28 ms measured, part of what the weight-0
+  rounds count is not on the way to the group (the refusals after it forms, the averager's
+  background), and the simulator puts all of it before. The all-reduce's CPU (the same bench, weight
+  1 against weight 0 in alternated blocks, fitted over R <= 4: 0.23 ms per peer and 31 ns per byte a
+  member sends) is the difference of two CPU totals of similar size; three earlier fits gave 1.06 ms
+  / 21 ns, 2.57 / 9.0 and 1.49 / 30, so it is pinned only to within a factor of two, and it is a
+  small part of a round (19 ms per member at R = 16 against 125 ms of matchmaking). Between rounds
+  the replicas' probes, round closes and a heartbeat every 5 s are simulated.
+- The p95s stay short at R >= 4 (formation -43/-20/-27%, rounds -52/-23/-29% at R = 4, 8, 16). The harness's
   replicas start a round apart, and nothing in the code's periods puts them apart: each replica's
   probe falls due at the step itself (the previous probe is older than the 0.75 s base interval
   when the 2 s step lands) and the heartbeat runs beside the loop. The offsets are the order in which

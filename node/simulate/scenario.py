@@ -135,6 +135,15 @@ class WireSection:
     backward_bytes_per_token: StrictFloat = setting(64.0, "a Backward's gradient frame per token, bytes", ge=0)
 
 
+def _check_table(name: str, table: tuple[tuple[float, float], ...]) -> None:
+    """A measured [size, value] table as network.py's `at_size` reads it."""
+    sizes = [size for size, _ in table]
+    if any(size < 1 for size in sizes) or sizes != sorted(set(sizes)):
+        raise ValueError(f"{name}: node counts must be >= 1 and increasing, got {sizes}")
+    if any(value < 0 for _, value in table):
+        raise ValueError(f"{name}: every value must be >= 0, got {[value for _, value in table]}")
+
+
 @dataclass(frozen=True, config=SECTION)
 class DHTSection:
     base_ms: StrictFloat = setting(5.0, "one DHT operation's latency in a swarm of 2 nodes, ms", ge=0)
@@ -151,12 +160,7 @@ class DHTSection:
     @model_validator(mode="after")
     def _tables(self) -> "DHTSection":
         for name in ("get_ms_at", "store_ms_at", "cpu_ms_at"):
-            table = getattr(self, name)
-            sizes = [nodes for nodes, _ in table]
-            if any(nodes < 1 for nodes in sizes) or sizes != sorted(set(sizes)):
-                raise ValueError(f"{name}: node counts must be >= 1 and increasing, got {sizes}")
-            if any(value < 0 for _, value in table):
-                raise ValueError(f"{name}: every value must be >= 0, got {[value for _, value in table]}")
+            _check_table(name, getattr(self, name))
         return self
 
 
@@ -168,6 +172,10 @@ class AveragingSection:
     vector_bytes: StrictInt = setting(1_000_000, "bytes of one stage's averaged slice", ge=0)
     matchmaking_dht_ops: StrictInt = setting(
         4, "DHT operations of a replica's matchmaking before it joins a group, two at a time (workers.py)", ge=0)
+    matchmaking_cpu_ms_at: tuple[tuple[StrictFloat, StrictFloat], ...] = setting(
+        (), "measured [live replicas, CPU ms] of a replica's matchmaking besides matchmaking_dht_ops (hivemind's "
+        "declaration, its read of the declared averagers, the join requests: bench/allreduce_cost.py's rounds "
+        "with weight 0), taken on compute.shared_cores after them, with one DHT read's latency (none: nothing)")
     matchmaking_s: StrictFloat = setting(
         40.0, "the matchmaking window: a group short of the stage's live replicas forms when it closes", gt=0)
     optimizer_sync_steps: StrictInt = setting(100, "a joiner's optimizer-sync steps", ge=0)
@@ -178,6 +186,11 @@ class AveragingSection:
         0.0, "CPU of a member's all-reduce per other member of its group, ms (bench/allreduce_cost.py)", ge=0)
     allreduce_cpu_ns_per_byte: StrictFloat = setting(
         0.0, "CPU of a member's all-reduce per byte it sends, ns (bench/allreduce_cost.py)", ge=0)
+
+    @model_validator(mode="after")
+    def _tables(self) -> "AveragingSection":
+        _check_table("matchmaking_cpu_ms_at", self.matchmaking_cpu_ms_at)
+        return self
 
 
 @dataclass(frozen=True, config=SECTION)

@@ -32,7 +32,7 @@ from agora.node.membership.state_download import plan_donors
 from agora.node.replica.epoch import DEFAULT_REPORT_AHEAD
 from agora.node.simulate.background import heartbeat, probing
 from agora.node.simulate.host import SharedCores
-from agora.node.simulate.network import NodeLink, dht_cpu_s, dht_op_s, first_holder_s, path_rtt_s, transmit
+from agora.node.simulate.network import NodeLink, at_size, dht_cpu_s, dht_op_s, first_holder_s, path_rtt_s, transmit
 from agora.node.simulate.results import SimulationResult, summarize
 from agora.node.simulate.scenario import Scenario
 from agora.node.simulate.trainer import CallCosts, SimTrainer
@@ -122,11 +122,17 @@ class SimSwarm:
 
     def _matchmaking(self, worker: SimWorker):
         """A simpy process: a replica's DHT operations before it joins a round's group, a store with a
-        read at a time (workers.py's `StageRounds` says which)."""
-        count = self.scenario.averaging.matchmaking_dht_ops
+        read at a time (workers.py's `StageRounds` says which), then, where measured, the rest of
+        its matchmaking's CPU at the stage's live replicas and one read's latency."""
+        averaging = self.scenario.averaging
+        count = averaging.matchmaking_dht_ops
         for first in range(0, count, 2):
             pair = ("store", "get")[:min(2, count - first)]
             yield self.env.all_of([self.env.process(self.dht_op(kind)) for kind in pair])
+        if averaging.matchmaking_cpu_ms_at:
+            yield from self.compute(at_size(averaging.matchmaking_cpu_ms_at, self._live_replicas(worker.stage))
+                                    / 1000.0, since=self.env.now)
+            yield self.env.timeout(self.dht_op_s("get"))
 
     def _live_replicas(self, stage: int) -> int:
         """The round board's count (dht/round_board.py's `replicas`): the stage's live workers."""

@@ -11,7 +11,8 @@ does between jobs is the project's own decisions, called with what it has observ
 - Rounds (`StageRounds`): a replica that counts itself alone on the stage (the round board's live
   replicas, node/averaging/loop.py) is `alone` at once. Otherwise it makes its matchmaking's DHT
   operations, two at a time (the loop's announcement with its read of the live replicas, then
-  hivemind's declaration with its read of the declared averagers), and joins the round's leader:
+  hivemind's declaration with its read of the declared averagers; or, where the scenario gives
+  hivemind's part as measured CPU, that CPU and one read's latency), and joins the round's leader:
   the replica that started the round first (hivemind's matchmaking follows the earliest declared
   expiration). The group forms when every live replica the leader expects has joined (dht/averaging.py
   makes that count the matchmaking target), or when the leader's window (`matchmaking_s`) closes

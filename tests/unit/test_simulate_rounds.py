@@ -48,6 +48,20 @@ def test_the_all_reduce_takes_every_members_cpu_on_the_shared_cores_after_the_gr
         assert [d - f for d, f in zip(r.durations, r.formations)] == pytest.approx([4 * 0.0075 / 2 + transfer] * 4)
 
 
+def test_hivemind_s_measured_matchmaking_cpu_comes_after_the_dht_operations_with_one_reads_latency():
+    """4 replicas, 2 DHT operations each (8 x 10 ms on 2 cores: 40 ms, then 1 ms), then 30 ms of matchmaking CPU
+    at 4 live replicas each (4 x 30 ms on 2 cores: 60 ms) and one read's 1 ms: 102 ms."""
+    rounds = _stage_alone(4, matchmaking_dht_ops=2, matchmaking_cpu_ms_at=[[2.0, 10.0], [4.0, 30.0]]).rounds.log
+    assert [r.group for r in rounds] == [4, 4, 4]
+    for r in rounds:
+        assert r.formations == pytest.approx([8 * OP_CPU_S / 2 + OP_LATENCY_S + 4 * 0.030 / 2 + OP_LATENCY_S] * 4)
+
+
+def test_a_matchmaking_cpu_table_must_grow_in_replicas():
+    with pytest.raises(ConfigError, match="matchmaking_cpu_ms_at: node counts must be >= 1 and increasing"):
+        _stage_alone(2, matchmaking_cpu_ms_at=[[4.0, 30.0], [2.0, 10.0]])
+
+
 def test_a_window_shorter_than_the_matchmaking_leaves_every_replica_alone():
     rounds = _stage_alone(4, window_s=0.05).rounds.log
     assert len(rounds) == 12 and not any(r.committed for r in rounds)

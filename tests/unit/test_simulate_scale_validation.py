@@ -1,22 +1,17 @@
-"""What the many-node validation takes from dht_scale's rows as the simulator's inputs."""
+"""What the many-node validation takes from dht_scale's rows and allreduce_cost's tables as the simulator's inputs."""
+
+import json
 
 import pytest
 
-from agora.bench.allreduce_cost import Cost, fit
-from agora.bench.simulate_scale_validation import averaging_scenario, cpu_per_dht_op, newcomer_scenario
+from agora.bench.allreduce_cost import Cost, at_replicas, fit
+from agora.bench.simulate_scale_validation import HarnessCPU, averaging_scenario, newcomer_scenario
 from agora.node.simulate.scenario import scenario_from_dict
 
 
 def _row(nodes: int, cpu: float, rest: float, requests: float) -> dict:
     return {"nodes": nodes, "cpu_s_per_node_min": cpu, "rest_cpu_s_per_node_min": rest,
             "requests_per_node_min": requests}
-
-
-def test_a_dht_operations_cpu_is_the_traffics_cpu_over_its_requests():
-    """CPU per logical minute less the CPU at rest, over the requests per logical minute."""
-    table = cpu_per_dht_op([_row(8, 9.0, 0.1, 300.0), _row(16, 13.0, 0.1, 300.0)])
-    assert [nodes for nodes, _ in table] == [8.0, 16.0]
-    assert [ms for _, ms in table] == pytest.approx([8.9 / 300 * 1000, 12.9 / 300 * 1000])
 
 
 def test_a_newcomers_scenario_takes_the_rows_geometry_latencies_and_dht_start():
@@ -28,8 +23,27 @@ def test_a_newcomers_scenario_takes_the_rows_geometry_latencies_and_dht_start():
     assert scenario.churn.admission_s == 2.0 and scenario.churn.join_dht_ops == 1
 
 
-def test_the_averaging_scenario_takes_the_all_reduce_cpu_and_the_replicas_traffic_between_rounds():
-    scenario = scenario_from_dict(averaging_scenario(4, 3, ((8.0, 10.0),), 1000, (1.5, 20.0)))
+def test_the_harness_cpu_is_read_from_allreduce_costs_tables_and_fit(tmp_path):
+    costs = [_cost(r, v, 0.001, 20e-9) for r in (2, 4) for v in (261_632, 4096)]
+    for cost, op_ms in zip(costs, (3.0, 5.0, 6.0, 8.0)):
+        cost.dht_op_cpu_ms = op_ms
+    (tmp_path / "allreduce_cost.json").write_text(json.dumps({
+        "cpu_s_per_peer": 0.001, "cpu_s_per_byte_sent": 20e-9,
+        "matchmaking_cpu_ms_at": at_replicas(costs, "matchmaking_cpu_ms"),
+        "dht_op_cpu_ms_at": at_replicas(costs, "dht_op_cpu_ms")}))
+    cpu = HarnessCPU.read(tmp_path)
+    assert cpu.dht_op_ms_at == ((2.0, 4.0), (4.0, 7.0))  # each R's two runs, averaged
+    assert [size for size, _ in cpu.matchmaking_ms_at] == [2.0, 4.0]
+    assert [ms for _, ms in cpu.matchmaking_ms_at] == pytest.approx([25.0, 12.5])  # 0.05 s a round over R
+    assert cpu.allreduce == pytest.approx((1.0, 20.0))
+
+
+def test_the_averaging_scenario_takes_the_harness_cpu_and_the_replicas_traffic_between_rounds():
+    cpu = HarnessCPU(((2.0, 3.0), (8.0, 10.0)), ((2.0, 20.0), (8.0, 90.0)), (1.5, 20.0))
+    scenario = scenario_from_dict(averaging_scenario(4, 3, cpu, 1000))
+    assert scenario.dht.cpu_ms_at == ((2.0, 3.0), (8.0, 10.0))
+    assert scenario.averaging.matchmaking_cpu_ms_at == ((2.0, 20.0), (8.0, 90.0))
+    assert scenario.averaging.matchmaking_dht_ops == 2
     assert scenario.averaging.allreduce_cpu_ms_per_peer == 1.5
     assert scenario.averaging.allreduce_cpu_ns_per_byte == 20.0
     assert scenario.averaging.between_rounds and scenario.workers.heartbeat_s == 5.0
@@ -46,3 +60,11 @@ def test_the_fit_recovers_the_cost_per_peer_and_per_byte():
     costs = [_cost(r, v, 0.001, 20e-9) for r in (2, 3, 4) for v in (261_632, 4096)]
     per_peer, per_byte = fit(costs)
     assert per_peer == pytest.approx(0.001) and per_byte == pytest.approx(20e-9)
+
+
+def test_the_fit_never_makes_a_cost_negative():
+    """Noise that the free fit reads as a negative cost per peer: that cost is 0 and the cost per
+    byte is fitted alone (a scenario refuses a negative CPU)."""
+    costs = [_cost(r, v, -0.0005, 30e-9) for r in (2, 4) for v in (261_632, 4096)]
+    per_peer, per_byte = fit(costs)
+    assert per_peer == 0.0 and 0 < per_byte < 30e-9
