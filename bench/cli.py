@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--update", default=None, metavar="F",
                         help="with --row: measure those rows again with the plan recorded in F (an earlier "
                              "--json F), keep F's other rows, and write F and the table back")
+    parser.add_argument("--run", action="append", default=None, metavar="PROFILE/RUN",
+                        help="with --row 3 --update F: measure only this run of row 3 again (repeatable; e.g. "
+                             "'lan/tiny report shape x1 adaptive'), keep the row's other runs")
     return parser
 
 

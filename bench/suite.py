@@ -4,6 +4,7 @@
     agora-bench --quick --out /tmp/quick.md       # every row, a few steps each: minutes (CI runs it)
     agora-bench --profile agora-floor --profile residential --json raw.json
     agora-bench --row 7 --update bench/results/suite.json   # one row again, the rest kept
+    agora-bench --row 3 --update bench/results/suite.json --run 'lan/tiny report shape x1 adaptive'
 
 Rows (bench/suite_items.py): 1 wire bytes per token, dense vs SSN; 2 swarm tokens/s over
 train-local's on loopback (sync, async at the adaptive depth, with kept forward graphs, at half a
@@ -23,7 +24,9 @@ admission on loopback rows and without the wide batch shape (the same demo with 
 its goals' arithmetic has unit tests): it proves the suite still runs end to end, in CI; its figures
 are not results. `--row N` runs only those rows; with `--update F` (the raw figures of an earlier
 `--json F`) it measures them again with F's plan, keeps F's other rows, and writes F and the table
-back, each rerun row marked with its own commit and date: after a fix, one row, not another hour. A
+back, each rerun row marked with its own commit and date: after a fix, one row, not another hour.
+`--run PROFILE/RUN` (with `--row 3 --update F`) narrows that to some of row 3's runs, each in its
+profile's session as the whole row would run it, spliced into F's row 3 with its own stamp. A
 full run alternates variants (A, B, A, B) and records the load average around every run, because
 this machine is shared. Rows 3 and 4 need root (network namespaces); without it they are reported as
 not measured, naming why.
@@ -57,6 +60,7 @@ from agora.bench.suite_items import (
     local_row,
     profiles_row,
     relay_row,
+    row3_run_names,
     wire_row,
 )
 from agora.bench.suite_report import render
@@ -64,7 +68,7 @@ from agora.bench.wan.profiles import PROFILES, profile_named
 from agora.bench.wan.topology import harness_available
 from agora.pipeline.config import load_config
 
-__all__ = ["plan_for", "plan_from_record", "run_suite", "machine", "RESULTS_PATH"]
+__all__ = ["plan_for", "plan_from_record", "run_suite", "splice_runs", "machine", "RESULTS_PATH"]
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -138,12 +142,14 @@ def _interrupt(signum, frame):
 
 def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, workdir: Path | None = None,
               command: str = "agora-bench", log=sys.stderr, only: tuple[str, ...] = (),
-              previous: dict | None = None) -> tuple[dict, list[str]]:
+              previous: dict | None = None, runs: frozenset[str] | None = None) -> tuple[dict, list[str]]:
     """Run every row of `plan` (or those in `only`), write the report to `out` (and the raw figures
     to `json_path`); the results and the rows that failed (not those not measured for want of root).
     `previous`: an earlier run's raw figures; its rows not run now are kept, and the header stays
     its own, while each row run now records its own commit, date, command and load ("rerun"). A
-    row that fails to run again keeps its recorded figures, with the attempt ("rerun_failed")."""
+    row that fails to run again keeps its recorded figures, with the attempt ("rerun_failed").
+    `runs` (with `previous`, row 3 only): those of row 3's runs alone, spliced into its recorded
+    figures (`splice_runs`), the row's other runs kept."""
     work = Path(workdir or tempfile.mkdtemp(prefix="agora-bench-suite-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     now = {"command": command, "commit": _commit(), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
@@ -155,7 +161,7 @@ def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, work
     no_harness = harness_available()
     rows = [("1", "wire bytes", lambda: wire_row()),
             ("2", "swarm vs train-local", lambda: local_row(plan, work)),
-            ("3", "WAN profiles", lambda: profiles_row(plan, work)),
+            ("3", "WAN profiles", lambda: profiles_row(plan, work, only=runs)),
             ("4", "equal wall-clock", lambda: equal_time_row(plan, work)),
             ("5", "equal tokens", lambda: convergence_row(plan, work)),
             ("7", "join time", lambda: join_row(plan, work)),
@@ -191,6 +197,8 @@ def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, work
             recorded = results["items"].get(number, {})
             if previous is None:
                 results["items"][number] = item
+            elif runs is not None and number == "3" and "data" in item and "data" in recorded:
+                splice_runs(recorded, item["data"], stamp)
             elif "error" in item and "data" in recorded:
                 # A rerun that failed loses nothing: the recorded figures stay, marked with the attempt.
                 print(f"bench: row {number} not measured again ({item['error']}); its recorded figures are kept",
@@ -208,6 +216,21 @@ def run_suite(plan: SuitePlan, *, out: Path, json_path: Path | None = None, work
         json_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     print(f"bench: wrote {out}" + (f" and {json_path}" if json_path else ""), file=log, flush=True)
     return results, failed
+
+
+def splice_runs(recorded: dict, measured: dict, stamp: dict) -> None:
+    """Row 3's runs measured again (`measured`: profiles_row's data for some of them) into its
+    recorded item: each run's repeats replaced and marked with the stamp, the splice listed in the
+    item's "reruns" with the sessions' link checks and relay figures (the recorded ones stay)."""
+    profiles = recorded["data"].setdefault("profiles", {})
+    names, sessions = [], {}
+    for label, entry in measured["profiles"].items():
+        target = profiles.setdefault(label, {}).setdefault("runs", {})
+        for key, repeats in entry["runs"].items():
+            target[key] = [{**run, "rerun": stamp} for run in repeats]
+            names.append(f"{label}/{key}")
+        sessions[label] = {"links": entry.get("links"), "relay": entry.get("relay")}
+    recorded.setdefault("reruns", []).append({**stamp, "runs": names, "sessions": sessions})
 
 
 def _load_now() -> float:
@@ -235,6 +258,10 @@ def main(args, command: str = "agora-bench") -> int:
     """`agora-bench` (bench/cli.py parses the flags); `command`: the command line, recorded with the figures."""
     only = tuple(dict.fromkeys(args.row or ()))
     previous = None
+    runs = None
+    if args.run:
+        if not args.update or only != ("3",):
+            raise ValueError("--run: measures runs of row 3 again into a recorded run: give --row 3 --update F")
     if args.update:
         if not only:
             raise ValueError("--update: name the rows to measure again with --row N")
@@ -242,11 +269,18 @@ def main(args, command: str = "agora-bench") -> int:
             raise ValueError("--update: the rows are measured with the plan recorded in the file; "
                              "--quick, --profile, --config and --seed do not apply")
         previous, plan = _previous_run(args.update)
+        if args.run:
+            known = row3_run_names(plan)
+            unknown = [name for name in args.run if name not in known]
+            if unknown:
+                raise ValueError(f"--run {unknown[0]!r}: not a run of row 3 in {args.update}'s plan; its runs: "
+                                 + "; ".join(known))
+            runs = frozenset(args.run)
     else:
         plan = plan_for(args.quick, args.profile, args.config, args.seed)
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="agora-bench-")) / "RESULTS.md"
                                            if plan.quick else RESULTS_PATH)
     json_path = Path(args.json) if args.json else (Path(args.update) if args.update else None)
     _, failed = run_suite(plan, out=out, json_path=json_path, workdir=Path(args.workdir) if args.workdir else None,
-                        command=command, only=only, previous=previous)
+                        command=command, only=only, previous=previous, runs=runs)
     return 1 if failed else 0

@@ -25,7 +25,8 @@ from agora.node.demo.demo import DemoOptions
 from agora.pipeline.config import load_config
 
 __all__ = ["SuitePlan", "Shape", "shapes", "wire_row", "local_row", "profiles_row", "equal_time_row",
-           "convergence_row", "relay_row", "join_row", "profile_runs"]
+           "convergence_row", "relay_row", "join_row", "profile_runs", "Row3Session", "row3_sessions",
+           "row3_run_names"]
 
 # The Agora report's AsyncSPARTA cadence: 5% of a stage every 20 local steps.
 REPORT_FRACTION, REPORT_EVERY = 0.05, 20
@@ -214,49 +215,84 @@ def profile_runs(plan: SuitePlan) -> list[tuple[str, bool, list[int], tuple[str,
     return runs
 
 
-def profiles_row(plan: SuitePlan, work: Path) -> dict:
-    """Tokens/s under each profile over tokens/s on lan, per config, at the adaptive depth and at
-    half a global batch in flight; the straggler profile with 2 replicas per stage (against lan with 2);
-    the wide shape with 1, 2 and 4 trainers, and the report's shape (`wide_runs`)."""
-    result: dict = {"profiles": {}}
+@dataclass(frozen=True)
+class Row3Session:
+    """One WAN session of row 3: a profile (on tuned hosts or not), the widest swarm its topology
+    must hold, and its runs in the order they run: (key, repeat, demo options)."""
+
+    name: str
+    tuned: bool
+    widest: DemoOptions
+    runs: tuple[tuple[str, int, DemoOptions], ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (tuned hosts)" if self.tuned else self.name
+
+    @property
+    def folder(self) -> str:
+        return f"wan-{self.label.replace(' ', '_').replace('(', '').replace(')', '')}"
+
+
+def row3_sessions(plan: SuitePlan) -> list[Row3Session]:
+    """Row 3's sessions and runs, as `profiles_row` runs them: per profile, the narrow shape's depth
+    variants per config and replica count, then the wide and report shapes (`wide_runs`)."""
+    sessions = []
     for name, tuned, replicas, names in profile_runs(plan):
-        profile = profile_named(name)
         wide = [] if tuned else wide_runs(plan, name)
         trainers = max([1] + [count for _, count in wide])
         widest = DemoOptions(stages=max(plan.stages.values()), replicas=max(replicas), trainers=trainers)
+        runs = []
+        for config in plan.configs:
+            half = max(1, load_config(config).train.microbatches // 2)
+            for count in replicas:
+                variants = {variant: overrides for variant, overrides in
+                            (("adaptive", {}), ("half a batch", {"max_in_flight": half}),
+                             ("adaptive, staleness 4", {"max_staleness": 4.0}))
+                            if variant in names and (count == 1 or variant == "adaptive")}
+                for repeat in range(plan.profile_repeats):
+                    for variant, overrides in variants.items():
+                        runs.append((f"{config} x{count} {variant}", repeat, DemoOptions(
+                            config=config, stages=plan.stages[config], steps=plan.steps[config], seed=plan.seed,
+                            replicas=count, **overrides)))
+        for repeat in range(plan.profile_repeats):
+            for shape, count in wide:
+                runs.append((wide_key(shape, count), repeat, DemoOptions(
+                    config=shape.config, stages=plan.stages[shape.config], steps=shape.steps, seed=plan.seed,
+                    trainers=count, settings={"train.batch_size": shape.batch_size,
+                                              "train.microbatches": shape.microbatches})))
+        sessions.append(Row3Session(name, tuned, widest, tuple(runs)))
+    return sessions
+
+
+def row3_run_names(plan: SuitePlan) -> list[str]:
+    """Every run of row 3 as `--run` names it: "PROFILE/RUN" (e.g. "lan/tiny report shape x1 adaptive")."""
+    return list(dict.fromkeys(f"{s.label}/{key}" for s in row3_sessions(plan) for key, _, _ in s.runs))
+
+
+def profiles_row(plan: SuitePlan, work: Path, only: frozenset[str] | None = None) -> dict:
+    """Tokens/s under each profile over tokens/s on lan, per config, at the adaptive depth and at
+    half a global batch in flight; the straggler profile with 2 replicas per stage (against lan with 2);
+    the wide shape with 1, 2 and 4 trainers, and the report's shape (`wide_runs`). `only`: these runs
+    alone ("PROFILE/RUN", `row3_run_names`), each in its session as the whole row would run it (the
+    same topology, sized for the session's widest swarm); sessions with none of them are skipped."""
+    result: dict = {"profiles": {}}
+    for session in row3_sessions(plan):
+        runs = [run for run in session.runs if only is None or f"{session.label}/{run[0]}" in only]
+        if not runs:
+            continue
         entry: dict = {"runs": {}}
-        label = f"{name} (tuned hosts)" if tuned else name
-        folder = work / f"wan-{label.replace(' ', '_').replace('(', '').replace(')', '')}"
-        with wan_session(profile, widest, folder, rate_seconds=plan.rate_seconds, tuned_hosts=tuned) as session:
-            entry["links"] = [m.as_dict() for m in session.links]
-            entry["link_check_attempts"] = session.link_check_attempts
-            for config in plan.configs:
-                half = max(1, load_config(config).train.microbatches // 2)
-                for count in replicas:
-                    variants = {variant: overrides for variant, overrides in
-                                (("adaptive", {}), ("half a batch", {"max_in_flight": half}),
-                                 ("adaptive, staleness 4", {"max_staleness": 4.0}))
-                                if variant in names and (count == 1 or variant == "adaptive")}
-                    for repeat in range(plan.profile_repeats):
-                        for variant, overrides in variants.items():
-                            options = DemoOptions(config=config, stages=plan.stages[config], steps=plan.steps[config],
-                                                  seed=plan.seed, replicas=count, **overrides)
-                            key = f"{config} x{count} {variant}"
-                            run = session.run(options, folder / f"{key.replace(' ', '_')}-{repeat}")
-                            entry["runs"].setdefault(key, []).append(
-                                {**_figures(run.summary), "load": [list(run.load_before), _load()], "code": run.code})
-            for repeat in range(plan.profile_repeats):
-                for shape, count in wide:
-                    options = DemoOptions(config=shape.config, stages=plan.stages[shape.config], steps=shape.steps,
-                                          seed=plan.seed, trainers=count,
-                                          settings={"train.batch_size": shape.batch_size,
-                                                    "train.microbatches": shape.microbatches})
-                    key = wide_key(shape, count)
-                    run = session.run(options, folder / f"{key.replace(' ', '_').replace(',', '')}-{repeat}")
-                    entry["runs"].setdefault(key, []).append(
-                        {**_figures(run.summary), "load": [list(run.load_before), _load()], "code": run.code})
-            entry["relay"] = session.topology.relay_stats()
-        result["profiles"][label] = entry
+        folder = work / session.folder
+        with wan_session(profile_named(session.name), session.widest, folder, rate_seconds=plan.rate_seconds,
+                         tuned_hosts=session.tuned) as wan:
+            entry["links"] = [m.as_dict() for m in wan.links]
+            entry["link_check_attempts"] = wan.link_check_attempts
+            for key, repeat, options in runs:
+                run = wan.run(options, folder / f"{key.replace(' ', '_').replace(',', '')}-{repeat}")
+                entry["runs"].setdefault(key, []).append(
+                    {**_figures(run.summary), "load": [list(run.load_before), _load()], "code": run.code})
+            entry["relay"] = wan.topology.relay_stats()
+        result["profiles"][session.label] = entry
     return result
 
 

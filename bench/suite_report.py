@@ -331,10 +331,7 @@ def render(results: dict) -> str:
              f"{machine['torch']}; shared with other work: 1-minute load average {machine['load_start'][0]:.1f} at the "
              f"start and {machine['load_end'][0]:.1f} at the end (each run's load is in its row). Raw figures: "
              "`agora-bench --json F`.", ""]
-    reruns = [f"row {number} on {item['rerun']['date']}, commit {item['rerun']['commit']} "
-              f"(`{item['rerun']['command']}`, load {_rerun_load(item['rerun'])}"
-              + (f"; {item['rerun']['note']}" if item["rerun"].get("note") else "") + ")"
-              for number, item in results["items"].items() if item.get("rerun")]
+    reruns = measured_again(results["items"])
     if reruns:
         lines += ["Measured again since, with the same plan and the other rows kept: " + "; ".join(reruns) + ".", ""]
     attempts = [f"row {number} on {item['rerun_failed']['date']}, commit {item['rerun_failed']['commit']}: "
@@ -480,6 +477,18 @@ def _gpu_row(path: Path) -> str:
         return f"{label} bench/gpu.py's last run measured no body stage ({part.get('status', 'not run')}) | >= 40% MFU | - |"
     measured = f"{env['device']}, {rows} x 4096 tokens: " + "; ".join(shown) + " (bench/results/gpu.md)"
     return f"{label} {measured} | >= 40% MFU | {_met(best, 0.40)} |"
+
+
+def measured_again(items: dict) -> list[str]:
+    """Each row measured again since the run (`--row N --update F`), and each splice of some of a
+    row's runs (`--run`), with its date, commit, command and load."""
+    rows = [f"row {number} on {item['rerun']['date']}, commit {item['rerun']['commit']} "
+            f"(`{item['rerun']['command']}`, load {_rerun_load(item['rerun'])}"
+            + (f"; {item['rerun']['note']}" if item["rerun"].get("note") else "") + ")"
+            for number, item in items.items() if item.get("rerun")]
+    return rows + [f"row {number}'s {', '.join(rerun['runs'])} on {rerun['date']}, commit {rerun['commit']} "
+                   f"(`{rerun['command']}`, load {_rerun_load(rerun)})"
+                   for number, item in items.items() for rerun in item.get("reruns") or ()]
 
 
 def _rerun_load(rerun: dict) -> str:
