@@ -1,0 +1,19 @@
+"""Row 3's simulated tokens/s is taken as the demo takes it: over the run's own global batches from its start."""
+
+from types import SimpleNamespace
+
+from agora.bench.simulate_validation import run_tokens_per_s, steps_of
+
+
+def test_the_rate_is_each_trainers_batches_over_its_last_commit_summed_once_the_runs_batches_are_in():
+    one = SimpleNamespace(committed=[2.0, 3.0, 4.0, 9.0])
+    two = SimpleNamespace(committed=[2.5, 5.0, 8.0])
+    # 5 batches of 1,000 tokens are in at 5.0: 3 of the first's by 4.0, 2 of the second's by 5.0.
+    assert run_tokens_per_s([one, two], 5, 1000) == 3 * 1000 / 4.0 + 2 * 1000 / 5.0
+    assert run_tokens_per_s([one], 4, 1000) == 4 * 1000 / 9.0  # a ramp at the start counts, as it does there
+    assert run_tokens_per_s([one, two], 8, 1000) is None  # not all of the run's batches committed
+
+
+def test_each_shape_runs_the_suite_plans_batches():
+    assert [steps_of(name) for name in ("tiny x1 adaptive", "small x1 half a batch", "tiny wide x1 adaptive, 4 trainers",
+                                        "small wide x1 adaptive", "tiny report shape x1 adaptive")] == [40, 8, 24, 6, 3]
