@@ -244,7 +244,7 @@ NOTES = """## What the simulator leaves out, and where it shows
 - Depth 4 at one trainer (x1 adaptive, staleness 1): over-predicted by 33% on lan and 19-25% on
   agora-floor; the simulated latency matches within 17%, but the harness kept fewer than 4 in flight
   on average. Not the host's CPU: with each call's framing time taken as CPU on the shared cores
-  (half or all of it), 6 or 7 of 34 runs came within 10% (the wide shapes' many calls then fall 30-57%
+  (half or all of it), 6 or 7 of 34 runs came within 10% (the wide shapes' many calls then fall 27-57%
   short). The trainer's CPU per microbatch doubled between the two dates (tiny on lan 6.8 -> 13.3
   ms; the held-out self checks and the reply verifier run in its process), which the simulator takes
   as measured.
