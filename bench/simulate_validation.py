@@ -245,7 +245,7 @@ NOTES = """## What the simulator leaves out, and where it shows
   agora-floor; the simulated latency matches within 17%, but the harness kept fewer than 4 in flight
   on average. Not the host's CPU: with each call's framing time taken as CPU on the shared cores
   (half or all of it), 6 or 7 of 34 runs came within 10% (the wide shapes' many calls then fall 27-57%
-  short). The trainer's CPU per microbatch doubled between the two dates (tiny on lan 6.8 -> 13.3
+  short at half, up to 73% at all). The trainer's CPU per microbatch doubled between the two dates (tiny on lan 6.8 -> 13.3
   ms; the held-out self checks and the reply verifier run in its process), which the simulator takes
   as measured.
 - Row 7: at the chaos runs' pace lan's newcomers become members within 20% of the measured 51.0 s.
