@@ -117,7 +117,8 @@ def _figures(summary: dict) -> dict:
     """What the report reads from a demo summary."""
     return {key: summary.get(key) for key in ("tokens_per_s", "heldout_loss", "steps", "tokens", "wall_s",
                                               "time_split_by_stage", "trainer_split", "in_flight", "outcome",
-                                              "calls", "busy_retries", "busy_share", "bans", "reroutes")}
+                                              "calls", "busy_retries", "busy_share", "bans", "reroutes",
+                                              "dht_requests")}
 
 
 # ----------------------------------------------------------------------------- row 1

@@ -90,6 +90,14 @@ class RequestTimings:
         with self._lock:
             self._stats.setdefault((operation, family), OperationStats()).add(max(0.0, seconds), failed)
 
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per "operation family" with requests: how many, how many failed, their mean and median ms
+        (the mean exact, the median read from the buckets): what a run's summary keeps."""
+        return {f"{operation} {family}": {
+            "requests": stats.count, "failed": stats.failures, "mean_ms": round(1000.0 * stats.total_s / stats.count, 3),
+            "p50_ms": round(1000.0 * quantile(0.5, stats.cumulative()), 3)}
+            for (operation, family), stats in sorted(self.snapshot().items()) if stats.count}
+
     def snapshot(self) -> dict[tuple[str, str], OperationStats]:
         """A copy of every (operation, family)'s figures so far."""
         with self._lock:

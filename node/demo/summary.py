@@ -142,6 +142,8 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         "time_split_by_stage": _merge_time_splits([s.get("time_split_by_stage", {}) for s in trainer_summaries]),
         "trainer_split": _mean_trainer_split([s.get("trainer_split", {}) for s in trainer_summaries]),
         "in_flight": [s.get("in_flight") for s in trainer_summaries],
+        # Each trainer's DHT requests by operation and record family (count, failures, mean and median ms).
+        "dht_requests": [s.get("dht_requests") for s in trainer_summaries],
         # Each trainer's evaluations against the live swarm (the run config's evals), with their step.
         "evaluations": [e for s in trainer_summaries for e in s.get("evaluations", [])],
         "busy_retries": sum(s.get("busy", 0) for s in trainer_summaries),

@@ -188,6 +188,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "spot_checks_by_stage": trainer.stats.spot_check_split(),
                 "gradient_checks_by_stage": trainer.stats.gradient_check_split(),
                 "in_flight": trainer.in_flight_summary(),
+                "dht_requests": swarm.timings.summary(),
                 "evaluations": [result.figures | {"step": result.step} for result in evaluator.results]
                 if evaluator is not None else [],
             }

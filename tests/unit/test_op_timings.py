@@ -59,3 +59,16 @@ def test_quantiles_interpolate_inside_a_bucket_as_histogram_quantile_does():
     assert merged.count == 22 and quantile(0.5, merged.cumulative()) == pytest.approx(quantile(0.5, stats.cumulative()))
     with pytest.raises(ValueError):
         quantile(1.5, stats.cumulative())
+
+
+def test_the_summary_keeps_each_used_operation_and_family_with_its_mean_and_median():
+    timings = RequestTimings()
+    for seconds in (0.06, 0.07, 0.2):
+        timings.record("get", "units", seconds)
+    timings.record("store", "units", 0.09, failed=True)
+    summary = timings.summary()
+    assert list(summary) == ["get units", "store units"]  # families never asked are left out
+    assert summary["get units"]["requests"] == 3 and summary["get units"]["failed"] == 0
+    assert summary["get units"]["mean_ms"] == pytest.approx(110.0)
+    assert 50.0 < summary["get units"]["p50_ms"] <= 100.0  # read from the 50-100 ms bucket
+    assert summary["store units"] == {"requests": 1, "failed": 1, "mean_ms": 90.0, "p50_ms": 75.0}
