@@ -8,8 +8,10 @@ tokens/s: each stage's compute per call (a head's or body's Forward and Backward
 call), the trainer's CPU per microbatch, each profile's measured RTT and rates, the run's shape
 (config, microbatches, depth cap, trainers, credits) read from its name. A call's framing and gRPC
 time is the same config's lan run's mean wire time per call (no link there), the frames are the
-trainer relay's bytes per token (row F1), and a DHT operation takes one measured round trip plus
-5 ms. The default hosts restart an idle connection's congestion window (the harness leaves Linux's
+trainer relay's bytes per token (row F1), and a DHT operation takes the run's own trainer's mean
+lease request (its gets and stores of unit blocks, `dht_requests` in its summary: on the critical
+path of every global batch, a claim is four of them and a commit two), or, for a run that did not
+record them, one measured round trip plus 5 ms. The default hosts restart an idle connection's congestion window (the harness leaves Linux's
 `tcp_slow_start_after_idle` on; "tuned hosts" turn it off): node/simulate/network.py does as Linux
 does. What is predicted: tokens/s and a microbatch's unqueued latency. The tokens/s compared is
 the one the demo reports, taken the same way: each trainer's committed global batches over the time
@@ -33,6 +35,7 @@ bench/simulate_scale_validation.py says what goes in.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 from dataclasses import dataclass
@@ -66,6 +69,7 @@ class Run:
     latency_ms: float
     stages: list  # (compute ms per call, wire ms) per stage
     trainer_cpu_ms: float
+    dht_ms: float | None = None  # its trainers' mean lease request (get and store of unit blocks), if recorded
 
 
 def _number(text: str) -> float:
@@ -108,7 +112,20 @@ def _compute_ms(run: Run) -> list[float]:
     return [ms * (1 if i == last else 2) for i, (ms, _) in enumerate(run.stages)]
 
 
-def scenario_for(run: Run, overhead_ms: float, seconds: float) -> dict:
+def attach_dht_ms(runs: dict[tuple[str, str], Run], suite: dict) -> None:
+    """Each run's trainers' mean lease request, from the raw figures (suite.json's row 3), where its
+    demo summary recorded them (`dht_requests`): the gets and stores of unit blocks, weighted by count."""
+    profiles = suite.get("items", {}).get("3", {}).get("data", {}).get("profiles", {})
+    for (profile, name), run in runs.items():
+        repeats = profiles.get(profile, {}).get("runs", {}).get(name) or [{}]
+        requests = [family for trainer in repeats[-1].get("dht_requests") or () if trainer
+                    for key, family in trainer.items() if key in ("get units", "store units")]
+        count = sum(family["requests"] for family in requests)
+        if count:
+            run.dht_ms = sum(family["mean_ms"] * family["requests"] for family in requests) / count
+
+
+def scenario_for(run: Run, overhead_ms: float, seconds: float, dht_ms: float | None = None) -> dict:
     shape = _shape(run.name)
     rtt, up, down = PROFILE_LINKS[run.profile]
     return {
@@ -121,7 +138,7 @@ def scenario_for(run: Run, overhead_ms: float, seconds: float) -> dict:
                      "max_in_flight": shape["fixed"]},
         "workers": {"credits": 64 // shape["trainers"]},
         "wire": {"forward_bytes_per_token": shape["frame"], "backward_bytes_per_token": shape["frame"]},
-        "dht": {"base_ms": rtt + DHT_EXTRA_MS},
+        "dht": {"base_ms": rtt + DHT_EXTRA_MS if dht_ms is None else dht_ms},
         "averaging": {"method": "none"},
     }
 
@@ -153,8 +170,8 @@ def run_tokens_per_s(trainers: list, steps: int, tokens_per_batch: int) -> float
 
 
 def validate_row3(runs: dict[tuple[str, str], Run], seconds: float, only: str | None) -> tuple[list[str], list[float]]:
-    lines = ["| profile | run | measured tokens/s | simulated, the run's batches | off | steady | measured latency ms "
-             "| simulated | bottleneck (simulated) |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| profile | run | measured tokens/s | simulated, the run's batches | off | steady | DHT request ms (input) "
+             "| measured latency ms | simulated | bottleneck (simulated) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     errors = []
     for (profile, name), run in runs.items():
         if only and profile != only:
@@ -163,7 +180,7 @@ def validate_row3(runs: dict[tuple[str, str], Run], seconds: float, only: str | 
         overhead = statistics.fmean(wire for _, wire in lan.stages) if lan else 0.0
         shape, steps, span = _shape(name), steps_of(name), seconds
         while True:  # long enough for the run's batches (a slow run's take longer than `seconds`)
-            swarm = SimSwarm(scenario_from_dict(scenario_for(run, overhead, span)))
+            swarm = SimSwarm(scenario_from_dict(scenario_for(run, overhead, span, run.dht_ms)))
             result = swarm.run()
             rate = run_tokens_per_s(swarm.trainers, steps, shape["tokens"] * shape["microbatches"])
             if rate is not None or span >= _LONGEST_S:
@@ -172,7 +189,8 @@ def validate_row3(runs: dict[tuple[str, str], Run], seconds: float, only: str | 
         errors.append(abs((rate or 0.0) / run.tokens_per_s - 1))
         latency = (result.latency_s or 0.0) * 1000
         lines.append(f"| {profile} | {name} | {run.tokens_per_s:,.0f} | {rate or 0.0:,.0f} | "
-                     f"{_off(rate or 0.0, run.tokens_per_s)} | {result.tokens_per_s:,.0f} | {run.latency_ms:,.0f} | "
+                     f"{_off(rate or 0.0, run.tokens_per_s)} | {result.tokens_per_s:,.0f} | "
+                     f"{'-' if run.dht_ms is None else f'{run.dht_ms:.0f}'} | {run.latency_ms:,.0f} | "
                      f"{latency:,.0f} | {result.bottleneck} |")
     return lines, errors
 
@@ -227,27 +245,32 @@ NOTES = """## What the simulator leaves out, and where it shows
   keeps its first depth within the workers' credits (node/trainer/inflight.py, `initial_depth`),
   which those runs now are (0 reroutes, 0 bans).
 - The narrow shape's runs (tiny and small, x1, each depth variant, on lan, agora-floor, its tuned hosts
-  and residential: 20 runs) were taken again on 2026-12-06, alone on the machine (`agora-bench --row 3
-  --update bench/results/suite.json --run ...`); those of 2026-12-03 ran at 1-minute loads of 3 to 8
-  from other work. They moved by -32% to +20% (lan tiny x1 adaptive 3,608 -> 3,852; agora-floor tiny
-  x1 staleness 4 2,342 -> 1,636), more than the 10% this table asks of the simulator: one run per
-  row bounds what it can show. Against them: 14 of 34 within 10% taken over each run's batches from
-  its start (13 of 34 against the steady rate).
-- Staleness 4 at agora-floor (+39%, tuned hosts +33%): the trainer's log has a global batch every
-  0.52 s (median) at 16 in flight against 0.57 s of latency: the window of 5 global batches is never
-  full. The trainer claims units one at a time, and a claim is a store, a full read of the block, a
-  wait as long, and another full read (dht/leases.py): at 80 ms round trips with reads that visit the
-  whole beam, about half a second, so one trainer commits about 2 batches a second however deep its
-  window. The simulator takes a DHT operation as one round trip plus 5 ms, which is short of a full
-  read's. In the product, claims made ahead of need or several at once would lift that bound; not
-  changed here (it is the lease protocol's race rule that makes a claim take four operations).
-- Depth 4 at one trainer (x1 adaptive, staleness 1): over-predicted by 33% on lan and 19-25% on
-  agora-floor; the simulated latency matches within 17%, but the harness kept fewer than 4 in flight
-  on average. Not the host's CPU: with each call's framing time taken as CPU on the shared cores
-  (half or all of it), 6 or 7 of 34 runs came within 10% (the wide shapes' many calls then fall 27-57%
-  short at half, up to 73% at all). The trainer's CPU per microbatch doubled between the two dates (tiny on lan 6.8 -> 13.3
-  ms; the held-out self checks and the reply verifier run in its process), which the simulator takes
-  as measured.
+  and residential: 20 runs) were taken again twice on 2026-12-06, alone on the machine (`agora-bench
+  --row 3 --update bench/results/suite.json --run ...`, 03:49 and 04:54, the second recording each
+  trainer's DHT requests; those of 2026-12-03 ran at 1-minute loads of 3 to 8 from other work). The
+  two takes of the same code an hour apart differ by -32% to +14%, 13 of 20 runs 8% or more slower
+  the second time (lan tiny x1 adaptive 3,852 and 2,807: its calls' compute 14 and 21 ms, its
+  trainer's CPU 13 and 18 ms a microbatch at the same load: this virtual machine's speed moves),
+  more than the 10% this table asks of the simulator;
+  the simulator takes each run's own compute, which moves with it, but one run per row bounds what
+  the table can show. The table is of the second take.
+- A DHT request is as long as the run's trainer measured its lease requests: 25-49 ms on lan (the
+  DHT process and p2pd wait for a core beside the swarm's compute), 99-138 ms at 80 ms round trips.
+  With one round trip plus 5 ms instead, the same 34 runs: 11 within 10%, median 14%, largest 47%
+  (the 20 narrow runs: 4, 20%, 47%); with the measured requests 12, 13%, 37% (5, 17%, 37%). A
+  global batch waits on them: a claim is a store, a full read of its unit block, a wait as long and
+  another full read (dht/leases.py), a commit a store and a full read, and the trainer claims one
+  unit at a time, so at `--max-staleness 4` over 80 ms one trainer commits about 2 batches a second
+  (the trainer's log: a batch every 0.52 s with 16 in flight against 0.57 s of latency, the window of
+  5 global batches never full). In the product, claims made ahead of need or several at once would
+  lift that bound; not changed here (the lease protocol's race rule makes a claim four requests).
+- Depth 4 at one trainer (x1 adaptive, staleness 1): over-predicted by 21% on lan and 16-18% at
+  agora-floor; the harness kept fewer than 4 in flight on average. Not the host's CPU: with each
+  call's framing time taken as CPU on the shared cores (half or all of it), 6 or 7 of 34 runs came
+  within 10% on the first take (the wide shapes' many calls then fall 27-57% short at half, up to 73%
+  at all). The trainer's CPU per microbatch doubled since 2026-12-03 (tiny on lan 6.8 -> 13.3 ms;
+  the held-out self checks and the reply verifier run in its process), which the simulator takes as
+  measured.
 - Row 7: at the chaos runs' pace lan's newcomers become members within 20% of the measured 51.0 s.
   On agora-floor and residential the harness's newcomers were killed or still syncing at the end;
   the simulated ones need 60 to 90 s of sync phases at those paces, more than the 30 s between kills
@@ -297,9 +320,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="simulated seconds per row-3 run")
     parser.add_argument("--only", default=None, help="one profile only (a quick look)")
     parser.add_argument("--harness-results", type=Path, default=ROOT / "results",
-                        help="where averaging_scale.json and dht_scale.json are")
+                        help="where averaging_scale.json, dht_scale.json and suite.json (the raw figures) are")
     args = parser.parse_args(argv)
     runs = read_row3(args.results.read_text())
+    suite = args.harness_results / "suite.json"
+    if suite.exists():
+        attach_dht_ms(runs, json.loads(suite.read_text()))
     row3, errors = validate_row3(runs, args.seconds, args.only)
     row7 = validate_row7(runs, args.only)
     within = sum(1 for e in errors if e <= 0.10)

@@ -1,4 +1,5 @@
-"""Row 3's simulated tokens/s is taken as the demo takes it: over the run's own global batches from its start."""
+"""Row 3's simulated tokens/s is taken as the demo takes it (over the run's own global batches from its
+start), with a DHT request as long as the run's own trainer measured its lease requests."""
 
 from types import SimpleNamespace
 
@@ -17,3 +18,20 @@ def test_the_rate_is_each_trainers_batches_over_its_last_commit_summed_once_the_
 def test_each_shape_runs_the_suite_plans_batches():
     assert [steps_of(name) for name in ("tiny x1 adaptive", "small x1 half a batch", "tiny wide x1 adaptive, 4 trainers",
                                         "small wide x1 adaptive", "tiny report shape x1 adaptive")] == [40, 8, 24, 6, 3]
+
+
+def test_a_runs_dht_request_is_its_trainers_mean_lease_request_where_recorded():
+    from agora.bench.simulate_validation import Run, attach_dht_ms, scenario_for
+
+    runs = {(p, "tiny x1 adaptive"): Run(p, "tiny x1 adaptive", 1000.0, 500.0, [(10.0, 5.0)] * 3, 8.0)
+            for p in ("lan", "agora-floor")}
+    trainer = {"get units": {"requests": 30, "failed": 0, "mean_ms": 120.0, "p50_ms": 90.0},
+               "store units": {"requests": 10, "failed": 0, "mean_ms": 80.0, "p50_ms": 75.0},
+               "get workers": {"requests": 5, "failed": 0, "mean_ms": 400.0, "p50_ms": 300.0}}
+    attach_dht_ms(runs, {"items": {"3": {"data": {"profiles": {
+        "agora-floor": {"runs": {"tiny x1 adaptive": [{"dht_requests": [trainer]}]}},
+        "lan": {"runs": {"tiny x1 adaptive": [{"tokens_per_s": 1000.0}]}}}}}}})  # recorded before the field
+    assert runs[("agora-floor", "tiny x1 adaptive")].dht_ms == (30 * 120.0 + 10 * 80.0) / 40
+    assert runs[("lan", "tiny x1 adaptive")].dht_ms is None
+    assert scenario_for(runs[("agora-floor", "tiny x1 adaptive")], 5.0, 60.0, 110.0)["dht"] == {"base_ms": 110.0}
+    assert scenario_for(runs[("lan", "tiny x1 adaptive")], 5.0, 60.0)["dht"] == {"base_ms": 0.06 + 5.0}
