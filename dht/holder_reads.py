@@ -37,6 +37,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from agora.dht.changed_finds import Seen
 from agora.dht.dht_process import READ_BEAM
 from agora.dht.holders import HOLDERS, holders_for, in_background, note_answer, search
 
@@ -49,10 +50,11 @@ HEDGE_S = 0.5
 
 
 async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float], exclude_self: bool,
-                     wait_all: bool = False) -> Optional[ValueWithExpiration[Any]]:
+                     wait_all: bool = False, held: Optional[Seen] = None) -> Optional[ValueWithExpiration[Any]]:
     """The value under ``key`` as hivemind's read returns it: a full read (``bar`` None: the holders'
     answers merged; ``wait_all``: every holder's, however slow) or a quick one (the first holder
-    whose value expires no earlier than ``bar``)."""
+    whose value expires no earlier than ``bar``). With ``held`` (what the reader holds there), the
+    holders answer with the entries not in it (dht/changed_finds.py), and so does this."""
     key_id = DHTID.generate(source=key)
     holders, search_beside = holders_for(node, key_id, reading=True)
     if holders is None or search_beside:
@@ -65,9 +67,9 @@ async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float], ex
     state.add_candidate(_own_copy(node, key_id), source_node_id=node.node_id)
     if bar is None:
         quorum = len(others) if wait_all else min(len(others), node.num_replicas)
-        answers = await _ask_all(node, key_id, others, state, quorum)
+        answers = await _ask_all(node, key_id, others, state, quorum, held)
     else:
-        answers = await _ask_in_turn(node, key_id, _quick_order(others, node.num_replicas), state)
+        answers = await _ask_in_turn(node, key_id, _quick_order(others, node.num_replicas), state, held)
     if answers and all(answer is _UNANSWERED for answer in answers):
         state.future.cancel()
         return await _walk(node, key, bar)
@@ -77,11 +79,12 @@ async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float], ex
     return state.future.result()
 
 
-async def _ask_all(node: Any, key_id: DHTID, peers: list, state: _SearchState, quorum: int) -> list:
+async def _ask_all(node: Any, key_id: DHTID, peers: list, state: _SearchState, quorum: int,
+                   held: Optional[Seen]) -> list:
     """Every peer at once, their answers merged into ``state``: until all have answered, or
     ``FULL_READ_GRACE_S`` after ``quorum`` of them did (the others go on in the background)."""
     loop = asyncio.get_running_loop()
-    pending = {asyncio.ensure_future(_find_on(node, peer_id, key_id)) for peer_id in peers}
+    pending = {asyncio.ensure_future(_find_on(node, peer_id, key_id, held)) for peer_id in peers}
     answers: list = []
     quorum_at = None
     while pending:
@@ -99,7 +102,7 @@ async def _ask_all(node: Any, key_id: DHTID, peers: list, state: _SearchState, q
     return answers
 
 
-async def _ask_in_turn(node: Any, key_id: DHTID, peers: list, state: _SearchState) -> list:
+async def _ask_in_turn(node: Any, key_id: DHTID, peers: list, state: _SearchState, held: Optional[Seen]) -> list:
     """One peer at a time until ``state`` has a value as new as its bar: the next is asked when the
     last one answered with less, or had not answered within ``HEDGE_S``."""
     answers: list = []
@@ -107,7 +110,7 @@ async def _ask_in_turn(node: Any, key_id: DHTID, peers: list, state: _SearchStat
     queue = list(peers)
     while not state.finished and (queue or waiting):
         if queue:
-            waiting.add(asyncio.ensure_future(_find_on(node, queue.pop(0), key_id)))
+            waiting.add(asyncio.ensure_future(_find_on(node, queue.pop(0), key_id, held)))
         done, waiting = await asyncio.wait(waiting, timeout=HEDGE_S if queue else None,
                                            return_when=asyncio.FIRST_COMPLETED)
         for task in done:
@@ -121,9 +124,13 @@ async def _ask_in_turn(node: Any, key_id: DHTID, peers: list, state: _SearchStat
 _UNANSWERED = object()
 
 
-async def _find_on(node: Any, peer_id: Any, key_id: DHTID) -> Any:
-    """What ``peer_id`` holds under ``key_id`` (None: nothing), or ``_UNANSWERED``."""
-    answer = await node.protocol.call_find(peer_id, [key_id])
+async def _find_on(node: Any, peer_id: Any, key_id: DHTID, held: Optional[Seen]) -> Any:
+    """What ``peer_id`` holds under ``key_id`` (None: nothing) that ``held`` lacks, or ``_UNANSWERED``."""
+    changed = getattr(node.protocol, "call_find_changed", None)
+    if held is not None and changed is not None:
+        answer = await changed(peer_id, key_id, held)
+    else:
+        answer = await node.protocol.call_find(peer_id, [key_id])
     note_answer(node, key_id, peer_id, bool(answer))
     return answer[key_id][0] if answer else _UNANSWERED
 

@@ -28,6 +28,10 @@ Design choices:
   20 peers (``cache_on_store``). A holder's own storage still answers its quick reads: it is a holder's
   copy like any other.
 - Where a read goes: to the key's holders this peer's DHT process remembers (dht/holder_reads.py).
+- Only what changed. A read names the entries this peer holds (``held``) and a holder answers with
+  the others and the newer ones (dht/changed_finds.py); ``merge`` makes the whole dictionary again.
+  Should the memory forget the key between the two (past ``_MAX_KEYS`` keys at once), that one read
+  returns the changes alone, a miss of the kind a quick read can make, mended by the next read.
 - Plain keys (one value, no subkeys) are read latest: one small value per holder, the latest wins.
 """
 
@@ -38,6 +42,7 @@ from typing import Any, Callable, Optional
 
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from agora.dht.changed_finds import Seen, subkey_digest
 from agora.dht.entry_reader import is_subkey_dict
 
 __all__ = ["CACHE_OPTIONS", "FULL_READ_EVERY", "ReadMemory"]
@@ -79,6 +84,12 @@ class ReadMemory:
             if count % self._full_read_every == 0 or not seen:
                 return None
             return max(item.expiration_time for item in seen.values())
+
+    def held(self, key: str) -> Seen:
+        """What this peer holds under ``key``, as a changed find names it (dht/changed_finds.py): the
+        holders answer with the rest only, and ``merge`` puts the two together again."""
+        with self._lock:
+            return {subkey_digest(subkey): item.expiration_time for subkey, item in self._live(key).items()}
 
     def merge(self, key: str, found: Optional[ValueWithExpiration[Any]]) -> Optional[ValueWithExpiration[Any]]:
         """``found`` (a read's answer) merged into what this peer saw there before, and remembered.

@@ -63,6 +63,7 @@ from agora.dht.bans import BAN_REFRESH_S, BanList, NodeBans, fetch_ban_list
 from agora.dht.dht_process import (READ_BEAM, OwnedDHT, node_caches_locally, node_client_mode, node_peer_id,
                                    node_visible_maddrs, stop_process)
 from agora.dht.entry_reader import EntryReader, Stored, is_subkey_dict
+from agora.dht.changed_finds import Seen, attach as attach_changed_finds
 from agora.dht.holder_reads import read_entry
 from agora.dht.keys import check_run_id, owned_subkey, worker_key
 from agora.dht.op_timings import RequestTimings, key_family
@@ -135,6 +136,7 @@ class SwarmDHT(AsyncTwins):
                                    bans=self.bans)
         self._peer_id: str = self._run_coroutine(node_peer_id, "peer id")
         self._run_coroutine(use_peer_stubs, "peer stubs")  # tokens made for their peer (dht/token_authorizer.py)
+        self._run_coroutine(attach_changed_finds, "changed finds")  # reads answered with changes (dht/changed_finds.py)
         # A client-mode peer serves nothing, so its own storage counts for no reader: its
         # writes go to serving peers only, and "accepted" means one of them took it.
         self._client_mode: bool = self._run_coroutine(node_client_mode, "client mode")
@@ -463,15 +465,17 @@ class SwarmDHT(AsyncTwins):
     def _dict_get(self, key: str, latest: bool, full: bool = False) -> Callable[[], concurrent.futures.Future]:
         """The send of a read of a key with subkeys: latest over the beam, or quick (dht/reads.py)."""
         bar = self._memory.next_bar(key) if latest and self._quick_reads and not full else None
-        return self._read(key, latest, bar, wait_all=full)
+        held = self._memory.held(key) if latest and self._quick_reads else None
+        return self._read(key, latest, bar, wait_all=full, held=held)
 
-    def _read(self, key: str, latest: bool, bar: Optional[float],
-              wait_all: bool = False) -> Callable[[], concurrent.futures.Future]:
+    def _read(self, key: str, latest: bool, bar: Optional[float], wait_all: bool = False,
+              held: Optional[Seen] = None) -> Callable[[], concurrent.futures.Future]:
         """The send of a read: to the key's remembered holders (dht/holder_reads.py), or hivemind's own
         read where hivemind caches found values itself or any unexpired value will do."""
         if not (latest and self._quick_reads):
             return lambda: self._dht.get(key, latest=latest, return_future=True, beam_size=READ_BEAM)
-        read = functools.partial(read_entry, key=key, bar=bar, exclude_self=self._client_mode, wait_all=wait_all)
+        read = functools.partial(read_entry, key=key, bar=bar, exclude_self=self._client_mode, wait_all=wait_all,
+                                 held=held)
         return lambda: self._dht.run_coroutine(read, return_future=True)
 
     def _remember(self, key: str, latest: bool, found: Any) -> Any:

@@ -4,7 +4,7 @@ docstring describes what they carry and what a receiver checks).
 hivemind's ``TokenAuthorizerBase`` gives every message the same token; ours makes each for its
 counterparty, so it names (dht/chain_references.py) a chain the counterparty holds instead of
 carrying it. A request needs to know whom it goes to: ``use_peer_stubs`` makes the DHT process's
-client stubs say so (``_PeerStub``), and report a request that got no valid answer. A request
+client stubs say so (``PeerStub``), and report a request that got no valid answer. A request
 hivemind sends before they are installed (the first pings of a join) names no peer and carries
 the full chain.
 """
@@ -34,7 +34,7 @@ from agora.dht.entry_value import record_bytes
 from agora.dht.storage_bounds import STORE_CONTEXT, StoreContext
 from agora.dht.store_checks import RefusedEntries, StoreTimes, refusal_kind
 
-__all__ = ["DHT_WRITER_ROLES", "CredentialTokenAuthorizer", "use_peer_stubs"]
+__all__ = ["DHT_WRITER_ROLES", "CredentialTokenAuthorizer", "PeerStub", "use_peer_stubs"]
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ def _digest_named(token: AccessToken) -> bytes:
     return reference_digest(token.username) or chain_digest(token.username.encode("ascii"))
 
 
-class _PeerStub:
+class PeerStub:
     """hivemind's ``AuthRPCWrapper`` on the client side, for one peer: the authorizer makes each
     request's token for ``peer_id`` and hears of a request that got no valid response."""
 
@@ -310,15 +310,15 @@ class _PeerStub:
 
 
 async def use_peer_stubs(_dht: Any, node: Any) -> bool:
-    """Run in the DHT process (``run_coroutine``): its protocol's client stubs become ``_PeerStub``s,
+    """Run in the DHT process (``run_coroutine``): its protocol's client stubs become ``PeerStub``s,
     if it runs our authorizer. Whether it did (an insecure peer has nothing to name)."""
     protocol = node.protocol
     authorizer = protocol.authorizer
     if not isinstance(authorizer, CredentialTokenAuthorizer):
         return False
 
-    def get_stub(peer: Any) -> _PeerStub:  # DHTProtocol.get_stub, with our wrapper instead of hivemind's
-        return _PeerStub(super(DHTProtocol, protocol).get_stub(protocol.p2p, peer), authorizer, peer.to_base58())
+    def get_stub(peer: Any) -> PeerStub:  # DHTProtocol.get_stub, with our wrapper instead of hivemind's
+        return PeerStub(super(DHTProtocol, protocol).get_stub(protocol.p2p, peer), authorizer, peer.to_base58())
 
     protocol.get_stub = get_stub
     return True

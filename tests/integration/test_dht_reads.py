@@ -67,11 +67,12 @@ def test_a_quick_read_returns_an_entry_rewritten_since_and_hides_one_withdrawn_s
 
 
 class Watch:
-    """From now on, record every find request this peer sends, (peer id, key ids), and every peer it
-    sends a store to, and hold back the answers of finds sent to ``slow`` peers for ``delay`` seconds
-    (the request goes out at once). Installed over hivemind's own requests, replacing an earlier
-    watch; ``unwatch`` takes it away, ``asked`` and ``stored_to`` read and clear the records,
-    ``late_answers`` counts answers being held back. Runs in that peer's DHT process."""
+    """From now on, record every find request this peer sends (hivemind's and changed finds alike),
+    (peer id, key ids), and every peer it sends a store to, and hold back the answers of finds sent to
+    ``slow`` peers for ``delay`` seconds (the request goes out at once). Installed over the protocol's
+    own requests, replacing an earlier watch; ``unwatch`` takes it away, ``asked`` and ``stored_to``
+    read and clear the records, ``late_answers`` counts answers being held back. Runs in that peer's
+    DHT process."""
 
     def __init__(self, slow: frozenset = frozenset(), delay: float = 0.0) -> None:
         self.slow, self.delay = slow, delay
@@ -81,28 +82,36 @@ class Watch:
         protocol = node.protocol
         hivemind_find = type(protocol).call_find.__get__(protocol)
         hivemind_store = type(protocol).call_store.__get__(protocol)
+        changed_find = protocol.__dict__.setdefault("unwatched_find_changed", protocol.call_find_changed)
         watch = protocol.watch = {"asked": [], "stored_to": [], "held_back": 0}
         slow, delay = self.slow, self.delay
 
-        async def watched(peer, keys):
-            watch["asked"].append((str(peer), [int(key) for key in keys]))
-            answer = await hivemind_find(peer, keys)
+        async def held_back(peer, answer):
             if str(peer) in slow:
                 watch["held_back"] += 1
                 await asyncio.sleep(delay)
                 watch["held_back"] -= 1
             return answer
 
+        async def watched(peer, keys):
+            watch["asked"].append((str(peer), [int(key) for key in keys]))
+            return await held_back(peer, await hivemind_find(peer, keys))
+
+        async def watched_changed(peer, key, held):
+            watch["asked"].append((str(peer), [int(key)]))
+            return await held_back(peer, await changed_find(peer, key, held))
+
         async def watched_store(peer, *args, **kwargs):
             watch["stored_to"].append(str(peer))
             return await hivemind_store(peer, *args, **kwargs)
 
-        protocol.call_find, protocol.call_store = watched, watched_store
+        protocol.call_find, protocol.call_store, protocol.call_find_changed = watched, watched_store, watched_changed
 
 
 async def unwatch(_dht, node) -> None:
     node.protocol.__dict__.pop("call_find", None)
     node.protocol.__dict__.pop("call_store", None)
+    node.protocol.call_find_changed = node.protocol.unwatched_find_changed
 
 
 async def asked(_dht, node) -> list:

@@ -1,0 +1,192 @@
+"""A find that answers only what its asker has not seen: the entries of a key with subkeys that are
+new to the asker or newer than its copies.
+
+Design choices:
+
+- Bytes. A holder answers hivemind's find with the key's whole dictionary: a stage's R entries of
+  about 2.7 KB each (the writer's credential chain rides in every entry), and up to 20 nearest peers.
+  A stage's readers read it about once a second while each entry changes once a heartbeat, so most
+  of what they received they already held, and what they received grew like R, like N at a fixed
+  stage count. Here the asker names what it holds (8 bytes of digest and the expiration, per entry)
+  and the holder answers with the entries whose expiration is later than the asker's copy, or that
+  it lacks: a heartbeat's changes, not the stage. No nearest peers: the reads that use this go to
+  holders they already know (dht/holder_reads.py).
+- Exactness. An entry the asker holds is left out only when the holder's copy expires no later than
+  the asker's: the same entry, or an older one the asker's would win over anyway (the later
+  expiration wins, hivemind's rule, tombstones included). So the asker's copies merged with the
+  answer (dht/reads.py ``ReadMemory.merge``) are what the whole dictionary merged with them would
+  be. The answer's expiration is the holder's whole dictionary's, so a quick read's stop rule (a
+  holder as new as the newest entry this peer saw) reads it as it would the whole dictionary.
+- Trust. The request is authorized as every DHT request is (this peer's DHT authorizer signs it, the
+  holder's validates it, and the reverse for the answer: dht/token_authorizer.py), and the entries
+  found are validated by the record validator as hivemind's find validates them, one bad entry
+  refusing the answer. A holder could leave entries out, as it could of hivemind's answer.
+- The message. hivemind's auth messages live in a flat ``auth.proto`` that protoc code of ours
+  could not import by its package path, so the request is a message built on hivemind's own
+  descriptors at import time; the answer is hivemind's ``FindResponse``.
+- Served and asked from the DHT process: ``attach`` (through ``run_coroutine``) registers the
+  handler on the node's p2pd and gives the protocol a ``call_find_changed`` beside its
+  ``call_find``. A peer that has not registered it yet (for milliseconds after its start) answers
+  with an error, which the read treats as a silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from typing import Any, Mapping, Optional
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.proto import auth_pb2, dht_pb2
+from hivemind.utils.auth import AuthRole, AuthRPCWrapper
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from agora.dht.token_authorizer import CredentialTokenAuthorizer, PeerStub
+
+__all__ = ["ChangedFindRequest", "HANDLER", "Seen", "attach", "changed_entries", "subkey_digest"]
+
+logger = logging.getLogger(__name__)
+
+# The p2pd protocol name the handler is registered under.
+HANDLER = "agora.dht.find_changed"
+# Bytes of a subkey's digest in a request: collisions among a key's few hundred entries at most are
+# negligible, and one would only make the holder leave out an entry the asker then lacks until it
+# changes again (a quick read's kind of miss).
+_DIGEST_BYTES = 8
+
+# What an asker holds under a key: each entry's subkey digest and expiration.
+Seen = Mapping[bytes, float]
+
+
+def _request_type() -> Any:
+    pool = descriptor_pool.Default()
+    name = "agora.dht.ChangedFindRequest"
+    try:
+        return message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+    except KeyError:
+        pass
+    file = descriptor_pb2.FileDescriptorProto(name="agora/dht/changed_find.proto", package="agora.dht",
+                                              syntax="proto3", dependency=[auth_pb2.DESCRIPTOR.name])
+    message = file.message_type.add(name="ChangedFindRequest")
+    field = descriptor_pb2.FieldDescriptorProto
+    message.field.add(name="auth", number=1, type=field.TYPE_MESSAGE, label=field.LABEL_OPTIONAL,
+                      type_name="." + auth_pb2.RequestAuthInfo.DESCRIPTOR.full_name)
+    message.field.add(name="key", number=2, type=field.TYPE_BYTES, label=field.LABEL_OPTIONAL)
+    message.field.add(name="seen_subkeys", number=3, type=field.TYPE_BYTES, label=field.LABEL_REPEATED)
+    message.field.add(name="seen_expirations", number=4, type=field.TYPE_DOUBLE, label=field.LABEL_REPEATED)
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+
+
+ChangedFindRequest = _request_type()
+
+
+def subkey_digest(subkey: Any) -> bytes:
+    """The digest naming ``subkey`` in a request (the same in every process: msgpack is canonical for
+    the strings and numbers subkeys are)."""
+    return hashlib.blake2b(MSGPackSerializer.dumps(subkey), digest_size=_DIGEST_BYTES).digest()
+
+
+def changed_entries(held: DictionaryDHTValue, seen: Seen) -> DictionaryDHTValue:
+    """The entries of ``held`` its asker lacks or holds an older copy of, with ``held``'s newest
+    expiration (a quick read compares that, not the entries')."""
+    answer = DictionaryDHTValue(held.maxsize)
+    for subkey, item in held.items():
+        if item.expiration_time > seen.get(subkey_digest(subkey), float("-inf")):
+            answer.store(subkey, item.value, item.expiration_time)
+    answer.latest_expiration_time = held.latest_expiration_time
+    return answer
+
+
+class _Service:
+    """The holder's side, one per DHT node."""
+
+    def __init__(self, node: Any) -> None:
+        self._protocol = node.protocol
+
+    async def rpc_find_changed(self, request: Any, _context: Any = None) -> dht_pb2.FindResponse:
+        key_id = DHTID.from_bytes(request.key)
+        seen = dict(zip(request.seen_subkeys, request.seen_expirations))
+        held = self._protocol.storage.get(key_id)
+        cached = self._protocol.cache.get(key_id)  # as hivemind's find: the newer of the two
+        if cached is not None and (held is None or cached.expiration_time > held.expiration_time):
+            held = cached
+        if held is None:
+            result = dht_pb2.FindResult(type=dht_pb2.NOT_FOUND)
+        elif isinstance(held.value, DictionaryDHTValue):
+            result = dht_pb2.FindResult(type=dht_pb2.FOUND_DICTIONARY, expiration_time=held.expiration_time,
+                                        value=self._protocol.serializer.dumps(changed_entries(held.value, seen)))
+        else:
+            result = dht_pb2.FindResult(type=dht_pb2.FOUND_REGULAR, value=held.value,
+                                        expiration_time=held.expiration_time)
+        return dht_pb2.FindResponse(results=[result], peer=self._protocol.node_info)
+
+
+class _Client:
+    """The asker's side: the p2pd call, wrapped in the DHT's authorization like hivemind's stubs."""
+
+    def __init__(self, p2p: Any, peer: Any, timeout: Optional[float]) -> None:
+        self._p2p, self._peer, self._timeout = p2p, peer, timeout
+
+    async def rpc_find_changed(self, request: Any) -> dht_pb2.FindResponse:
+        call = self._p2p.call_protobuf_handler(self._peer, HANDLER, request, dht_pb2.FindResponse)
+        return await asyncio.wait_for(call, self._timeout)
+
+
+async def attach(_dht: Any, node: Any) -> None:
+    """Run in the DHT process (``run_coroutine``): serve changed finds, and ask them through
+    ``node.protocol.call_find_changed(peer_id, key_id, seen)``. Once per node: a second owner of the
+    same DHT process finds them there."""
+    protocol = node.protocol
+    if hasattr(protocol, "call_find_changed"):
+        return
+    authorizer = protocol.authorizer
+    service = AuthRPCWrapper(_Service(node), AuthRole.SERVICER, authorizer)
+
+    async def handle(request: Any, context: Any) -> dht_pb2.FindResponse:
+        response = await service.rpc_find_changed(request, context)
+        if response is None:
+            raise PermissionError("the changed find's credentials were refused")
+        return response
+
+    async def call_find_changed(peer_id: Any, key_id: DHTID, seen: Seen) -> Optional[Any]:
+        """What ``peer_id`` holds under ``key_id`` that is not in ``seen``, as ``call_find`` answers:
+        ``{key_id: (value or None, {})}``, or None if it did not answer validly."""
+        client = _Client(protocol.p2p, peer_id, protocol.wait_timeout)
+        if isinstance(authorizer, CredentialTokenAuthorizer):
+            stub = PeerStub(client, authorizer, peer_id.to_base58())
+        else:
+            stub = AuthRPCWrapper(client, AuthRole.CLIENT, authorizer)
+        request = ChangedFindRequest(key=key_id.to_bytes(), seen_subkeys=list(seen),
+                                     seen_expirations=list(seen.values()))
+        try:
+            async with protocol.rpc_semaphore:
+                response = await stub.rpc_find_changed(request)
+        except Exception as error:  # refused, unreachable, timed out, not serving changed finds yet
+            logger.debug("changed find of %s at %s failed: %r", key_id, peer_id, error)
+            return None
+        if response is None or len(response.results) != 1:
+            return None
+        return {key_id: (_found(protocol, key_id, response.results[0]), {})}
+
+    await protocol.p2p.add_protobuf_handler(HANDLER, handle, ChangedFindRequest)
+    protocol.call_find_changed = call_find_changed
+
+
+def _found(protocol: Any, key_id: DHTID, result: Any) -> Optional[ValueWithExpiration[Any]]:
+    """A find result as hivemind's ``call_find`` reads it: validated, or None."""
+    key_bytes = key_id.to_bytes()
+    if result.type == dht_pb2.FOUND_DICTIONARY:
+        dictionary = protocol.serializer.loads(result.value)
+        if not protocol._validate_dictionary(key_bytes, dictionary):
+            return None
+        return ValueWithExpiration(dictionary, result.expiration_time)
+    if result.type == dht_pb2.FOUND_REGULAR:
+        if not protocol._validate_record(key_bytes, protocol.IS_REGULAR_VALUE, result.value, result.expiration_time):
+            return None
+        return ValueWithExpiration(result.value, result.expiration_time)
+    return None
