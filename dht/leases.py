@@ -24,10 +24,11 @@ Design choices:
   claim wins, but its store may land after the later claimant's first read, which then believes
   it won. Waiting a round trip lets that store land. What is left (a store slower than the
   other side's whole claim) shows as a duplicate commit, which is counted; trainers also prefer
-  different units (``next_candidates``), so claims rarely race at all. A claim's reads (and a
-  commit's read back) visit the whole search beam every time (``full``): a quick read stops at one
-  holder, which may lack the rival claim the others hold (dht/reads.py); so does the read that takes
-  back a restarted trainer's own commits. A worker counts a unit's
+  different units (``next_candidates``), so claims rarely race at all. A trainer claims the units
+  it will run next together (``claim_many``): one block's claims share that store, wait and reads.
+  A claim's reads (and a commit's read back) visit the whole search beam every time (``full``): a
+  quick read stops at one holder, which may lack the rival claim the others hold (dht/reads.py); so
+  does the read that takes back a restarted trainer's own commits. A worker counts a unit's
   completed-batch report once (node/replica/epoch.py), so a duplicate never steps a replica twice,
   but both trainers' gradients reach it: duplicates are worth the extra read.
 - Commits outlive their trainer: an entry lives ``COMMIT_TTL_S`` (rewritten with a later
@@ -157,23 +158,41 @@ class LeaseBoard:
 
     async def claim(self, unit: int) -> bool:
         """Claim `unit`; True if this trainer now holds it (see the module docstring)."""
-        block = self.block_of(unit)
+        return await self.claim_many([unit]) == [unit]
+
+    async def claim_many(self, units: list[int]) -> list[int]:
+        """Claim `units` together: those this trainer now holds, in their order. The units of one
+        block share the claim's store, its two reads and its wait, so claiming k costs what one does."""
+        held: set[int] = set()
+        for block in sorted({self.block_of(unit) for unit in units}):
+            held |= await self._claim_in(block, [unit for unit in units if self.block_of(unit) == block])
+        return [unit for unit in units if unit in held]
+
+    async def _claim_in(self, block: int, units: list[int]) -> set[int]:
         await self._load_own(block)
         now = self._swarm.clock()
-        self._claims.setdefault(block, {})[unit] = (now, now + self.lease_s)
+        claims = self._claims.setdefault(block, {})
+        for unit in units:
+            claims[unit] = (now, now + self.lease_s)
         started = time.monotonic()
         await self._store(block)
-        if await self._holds(unit, block):
+        held = await self._holding(units, block)
+        if held:
             await asyncio.sleep(max(CLAIM_SETTLE_S, time.monotonic() - started))
-            if await self._holds(unit, block):
-                return True
-        self._claims[block].pop(unit, None)
-        await self._store(block)
-        return False
+            held &= await self._holding(sorted(held), block)
+        lost = [unit for unit in units if unit not in held]
+        for unit in lost:
+            claims.pop(unit, None)
+        if lost:
+            await self._store(block)
+        return held
 
-    async def _holds(self, unit: int, block: int) -> bool:
-        state = resolve(unit, await self._entries(block, full=True), self._swarm.clock())
-        return state.holder == self.peer_id and not state.committed
+    async def _holding(self, units: list[int], block: int) -> set[int]:
+        """Which of `units` this trainer holds as the block reads now (a full read)."""
+        entries = await self._entries(block, full=True)
+        now = self._swarm.clock()
+        states = [resolve(unit, entries, now) for unit in units]
+        return {state.unit for state in states if state.holder == self.peer_id and not state.committed}
 
     async def renew(self, units: list[int]) -> None:
         """Push the leases of units this trainer is still running `lease_s` into the future."""

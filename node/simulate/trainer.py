@@ -2,7 +2,8 @@
 
 It runs as node/trainer/trainer.py does, calling the same decisions:
 - Units from a `SimLeaseBoard` (dht/leases.py's `resolve`, node/trainer/units.py's
-  `next_candidates`), at most `1 + ceil(depth cap / microbatches)` global batches open at once.
+  `next_candidates`), at most `1 + ceil(depth cap / microbatches)` global batches open at once and
+  as many claimed ahead, topped up behind as they are handed out.
 - Every microbatch goes Forward through stages 0..S-2, the tail's one call, then Backward from
   S-2 down to 0 on the replicas its Forward took; each call's replica is `Roster.choose`
   (node/trainer/routing.py: earliest expected finish, balanced shares, credits), and the roster
@@ -24,7 +25,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
 
 import simpy
 
@@ -254,12 +254,24 @@ class SimTrainer:
         stripe = (self.index, self.swarm.trainer_count) if self.swarm.trainer_count > 1 else None
         window = 1 + math.ceil(self.max_in_flight / self.microbatches)
         pending: set = set()
+        ready: deque = deque()  # units claimed ahead (node/trainer/units.py's `LeasedUnits`)
+        claiming: list = []  # the claim round in flight behind, if any
+
+        def claim_ahead():
+            ready.extend((yield from self.swarm.board.claim(self.peer_id, stripe, window - len(ready))))
+            claiming.clear()
+
         while True:
             while len(pending) < window:
-                unit: Optional[int] = yield from self.swarm.board.claim(self.peer_id, stripe)
-                if unit is None:
+                if not ready and claiming:
+                    yield claiming[0]
+                if not ready:
+                    ready.extend((yield from self.swarm.board.claim(self.peer_id, stripe, 1 + window)))
+                if not ready:
                     break
-                pending.add(self.env.process(self._unit(unit)))
+                pending.add(self.env.process(self._unit(ready.popleft())))
+                if len(ready) < window and not claiming:
+                    claiming.append(self.env.process(claim_ahead()))
             if not pending:
                 yield self.env.timeout(1.0)
                 continue

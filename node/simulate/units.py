@@ -1,9 +1,9 @@
 """Leased units in simulated time: each trainer's entry per block, read through dht/leases.py's `resolve`.
 
 A trainer claims as node/trainer/units.py and dht/leases.py do: `next_candidates` picks the units to
-try, the claim is a store, a read, a wait as long as both took (at least `CLAIM_SETTLE_S`) and a
-read again, and it holds the unit only if `resolve` names it holder both times; a commit is one
-store. A store is visible to others once its DHT operation has taken its time (and its CPU where
+try, the claim of several together is a store, a read, a wait as long as both took (at least
+`CLAIM_SETTLE_S`) and a read again (a store more withdraws those lost), and it holds a unit only if
+`resolve` names it holder both times; a commit is one store. A store is visible to others once its DHT operation has taken its time (and its CPU where
 the scenario gives one: the swarm's `dht_op`). Entries carry the two views `resolve` reads
 (committed units, live claims) and nothing else.
 """
@@ -16,7 +16,7 @@ from typing import Callable, Generator, Optional
 import simpy
 
 from agora.dht.leases import CLAIM_SETTLE_S, resolve
-from agora.node.trainer.units import next_candidates
+from agora.node.trainer.units import FRUITLESS_CLAIM_ROUNDS, next_candidates
 
 __all__ = ["SimUnitEntry", "SimLeaseBoard"]
 
@@ -52,24 +52,37 @@ class SimLeaseBoard:
         touched = {unit for entry in self.entries.values() for unit in entry.claims} | self.committed
         return {unit: self._state(unit) for unit in touched if unit >= self.low}
 
-    def claim(self, peer: str, stripe: Optional[tuple[int, int]]):
-        """A simpy process whose value is the unit `peer` now holds, or None."""
-        while self.low in self.committed:
-            self.low += 1
+    def claim(self, peer: str, stripe: Optional[tuple[int, int]], count: int = 1):
+        """A simpy process whose value is the units `peer` now holds (up to `count`, claimed together in
+        rounds as node/trainer/units.py's `LeasedUnits` does), or an empty list."""
         entry = self.entries.setdefault(peer, SimUnitEntry())
-        for unit in next_candidates(self._states(), low=self.low, total=self.total, now=self.env.now,
-                                    stripe=stripe, limit=4):
+        held: list[int] = []
+        fruitless = 0
+        while len(held) < count and fruitless < FRUITLESS_CLAIM_ROUNDS:
+            while self.low in self.committed:
+                self.low += 1
+            candidates = next_candidates(self._states(), low=self.low, total=self.total, now=self.env.now,
+                                         stripe=stripe)[:count - len(held)]
+            if not candidates:
+                break
             began = self.env.now
             yield from self.dht_op("store")
-            entry.claims[unit] = (began, self.env.now + self.lease_s)
+            for unit in candidates:
+                entry.claims[unit] = (began, self.env.now + self.lease_s)
             yield from self.dht_op("get")  # read back
-            if self._state(unit).holder == peer:
+            won = [unit for unit in candidates if self._state(unit).holder == peer]
+            if won:
                 yield self.env.timeout(max(CLAIM_SETTLE_S, self.env.now - began))
                 yield from self.dht_op("get")  # and again
-                if self._state(unit).holder == peer:
-                    return unit
-            entry.claims.pop(unit, None)
-        return None
+                won = [unit for unit in won if self._state(unit).holder == peer]
+            lost = [unit for unit in candidates if unit not in won]
+            for unit in lost:
+                entry.claims.pop(unit, None)
+            if lost:
+                yield from self.dht_op("store")  # the withdrawal
+            held += won
+            fruitless = 0 if won else fruitless + 1
+        return held
 
     def renew(self, peer: str, unit: int) -> None:
         entry = self.entries[peer]

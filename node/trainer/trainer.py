@@ -202,7 +202,7 @@ class SwarmTrainer:
         try:
             while True:
                 while len(pending) < window and not self._out_of_time():
-                    unit_id = await source.next_unit()
+                    unit_id = await source.next_unit(ahead=window)  # a window's worth claimed ahead
                     if unit_id is None:
                         break
                     pending[asyncio.create_task(one_unit(unit_id))] = unit_id

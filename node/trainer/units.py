@@ -13,7 +13,12 @@ failed here, and ends when the source says every unit of the run is committed.
   commits them when done. A unit whose lease ran out (its trainer died) is free again and is
   taken by whoever gets there: "reclaimed". Faster trainers take more units, a restarted trainer
   resumes from the queue, and the run ends when every unit is committed, not when a trainer has
-  done its share. What a trainer saw happen to units (claimed, committed, reclaimed, duplicate,
+  done its share. A claim is a store and two reads a round trip apart (dht/leases.py), so a trainer
+  claiming one unit when it has room for it ran at most one unit per claim's time (2 a second at
+  80 ms links), whatever its window: it claims a window's worth ahead instead (``next_unit``'s
+  ``ahead``), together in one claim, topped up in the background as units are handed out, so the
+  next unit is there when a global batch ends. Units claimed ahead are renewed like the rest and
+  given back by ``close``. What a trainer saw happen to units (claimed, committed, reclaimed, duplicate,
   conflict, released, lost) is counted in its metrics. It holds at most `MAX_CLAIMS` units at once (what
   peers keep of one trainer's claims in a block; far more than its window of global batches).
 - Two trainers can both read back their claim of a unit when one's store lands late (a loaded
@@ -38,7 +43,8 @@ from agora.dht.record_fields import BLOCK_UNITS
 from agora.dht.records import MAX_CLAIMS
 from agora.node.trainer.stats import TrainerStats
 
-__all__ = ["UnitSource", "FixedUnits", "LeasedUnits", "UnitHold", "UnitLost", "assigned_units", "next_candidates"]
+__all__ = ["FRUITLESS_CLAIM_ROUNDS", "UnitSource", "FixedUnits", "LeasedUnits", "UnitHold", "UnitLost", "assigned_units",
+           "next_candidates"]
 
 logger = logging.getLogger("agora.node.trainer")
 
@@ -50,6 +56,8 @@ _HORIZON_PER_TRAINER = 16
 _REFRESH_S = 1.0
 # How long a unit read back as still held here counts as held for further refusals of its work.
 _HOLD_CONFIRMED_S = 1.0
+# Claim rounds in a row that won nothing before a trainer waits for the next call (others hold the units).
+FRUITLESS_CLAIM_ROUNDS = 3
 
 
 class UnitLost(RuntimeError):
@@ -59,8 +67,9 @@ class UnitLost(RuntimeError):
 class UnitSource(Protocol):
     total: int
 
-    async def next_unit(self) -> Optional[int]:
-        """A unit this trainer now holds, or None when none is free right now."""
+    async def next_unit(self, ahead: int = 0) -> Optional[int]:
+        """A unit this trainer now holds, or None when none is free right now. ``ahead``: how many
+        more the trainer may be running at once (a leased source claims them before they are asked for)."""
 
     def finished(self) -> bool:
         """Every unit of the run is committed (as far as this trainer has seen)."""
@@ -89,7 +98,7 @@ class FixedUnits:
         self._todo = list(units)
         self._open: set[int] = set()
 
-    async def next_unit(self) -> Optional[int]:
+    async def next_unit(self, ahead: int = 0) -> Optional[int]:
         if not self._todo:
             return None
         unit = self._todo.pop(0)
@@ -146,36 +155,74 @@ class LeasedUnits:
         self._states: dict[int, UnitState] = {}
         self._read_at: dict[int, float] = {}  # block -> when this trainer last read it
         self._low = start  # every unit below is committed (or before this run's start)
-        self._held: set[int] = set()
+        self._held: set[int] = set()  # claimed here and not committed: running, or ready to run
+        self._ready: list[int] = []  # held, not handed out yet (claimed ahead)
+        self._claiming: Optional[asyncio.Task] = None  # the claim round in flight, if any
         self._renewing: Optional[asyncio.Task] = None
 
     def finished(self) -> bool:
         self._advance()
         return self._low >= self.total
 
-    async def next_unit(self) -> Optional[int]:
+    async def next_unit(self, ahead: int = 0) -> Optional[int]:
         if self._renewing is None:
             self._renewing = asyncio.create_task(self._renew_forever(), name="lease-renewal")
-        if len(self._held) >= MAX_CLAIMS:  # one more would make its entry one that peers refuse
+        if not self._ready:
+            await self._claim_round(1 + ahead)
+        if not self._ready:
             return None
-        await self._refresh()
+        unit = self._ready.pop(0)
+        if len(self._ready) < ahead and self._claiming is None:
+            self._claiming = asyncio.create_task(self._claim_round(ahead), name="claim-ahead")
+        return unit
+
+    async def _claim_round(self, target: int) -> None:
+        """Claim units until ``target`` are ready, in rounds of one claim each (``LeaseBoard.claim_many``);
+        one round at a time: a caller finding a round in flight waits for it."""
+        while self._claiming is not None and self._claiming is not asyncio.current_task():
+            await asyncio.gather(asyncio.shield(self._claiming), return_exceptions=True)
+            if self._ready:  # the round in flight claimed what the caller waits for
+                return
+        try:
+            await self._claim_until(target)
+        except Exception as error:  # a DHT hiccup ahead of need: the next call claims again
+            if asyncio.current_task() is not self._claiming:
+                raise
+            logger.warning("could not claim units ahead: %s", error)
+        finally:
+            if asyncio.current_task() is self._claiming:
+                self._claiming = None
+
+    async def _claim_until(self, target: int) -> None:
         me = self.board.peer_id
-        for unit in next_candidates(self._states, low=self._low, total=self.total, now=self._clock(),
-                                    stripe=self.stripe):
-            before = self._states.get(unit)
-            if await self.board.claim(unit):
+        fruitless = 0
+        await self._refresh()
+        while len(self._ready) < target:
+            room = min(target - len(self._ready), MAX_CLAIMS - len(self._held))  # more: peers refuse the entry
+            candidates = next_candidates(self._states, low=self._low, total=self.total, now=self._clock(),
+                                         stripe=self.stripe)[:room]
+            if not candidates:
+                return
+            before = {unit: self._states.get(unit) for unit in candidates}
+            held = await self.board.claim_many(candidates)
+            for unit in held:
                 self._held.add(unit)
+                self._ready.append(unit)
                 self._states[unit] = UnitState(unit, me, False, self._clock() + self.board.lease_s)
                 self._count("claimed")
-                if before is not None and before.expired_claims:
+                if before[unit] is not None and before[unit].expired_claims:
                     self._count("reclaimed")
                     logger.info("lease reclaimed: unit %d (another trainer's lease ran out)", unit,
                                 extra={"milestone": "lease_reclaimed", "fields": {"unit": unit}})
-                return unit
-            self._count("conflict")  # another trainer holds it: look again at its block
-            self._read_at.pop(LeaseBoard.block_of(unit), None)
-            await self._refresh()
-        return None
+            lost = [unit for unit in candidates if unit not in held]
+            for unit in lost:
+                self._count("conflict")  # another trainer holds it: look again at its block
+                self._read_at.pop(LeaseBoard.block_of(unit), None)
+            if lost:
+                await self._refresh()
+            fruitless = 0 if held else fruitless + 1
+            if fruitless >= FRUITLESS_CLAIM_ROUNDS:
+                return
 
     async def committed(self, unit: int) -> None:
         state = await self.board.commit(unit)
@@ -208,10 +255,12 @@ class LeasedUnits:
         return False
 
     async def close(self) -> None:
-        if self._renewing is not None:
-            self._renewing.cancel()
-            await asyncio.gather(self._renewing, return_exceptions=True)
-            self._renewing = None
+        for task in (self._renewing, self._claiming):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._renewing = self._claiming = None
+        self._ready.clear()
         for unit in sorted(self._held):  # not done here: free for another trainer at once
             try:
                 await self.board.release(unit)

@@ -73,6 +73,7 @@ class _SlowStoreBoard:
         self.entries: dict[str, Stored] = {}
         self.now = 0.0
         self.full_reads: list[bool] = []  # per read: whether it asked for the whole beam (never a quick read)
+        self.stores: list[str] = []  # per store: the peer that sent it
 
     def peer(self, peer_id: str, store_delay_s: float = 0.0):
         board = self
@@ -88,6 +89,7 @@ class _SlowStoreBoard:
                 return peer
 
             async def store_async(self, key, record, ttl, *, subkey=None):
+                board.stores.append(peer_id)
                 await asyncio.sleep(store_delay_s)
                 board.entries[subkey] = Stored(record, board.now + ttl)
                 return True
@@ -184,6 +186,49 @@ def test_a_trainer_holds_no_more_units_than_peers_keep_claims_of(monkeypatch):
             await units.close()
 
     assert run(main()) == ([0, 1, None], 2)
+
+
+def test_a_windows_worth_is_claimed_ahead_in_one_claim_handed_out_without_one_and_given_back_on_close():
+    dht = _SlowStoreBoard()
+
+    def claimed(peer: str) -> set[int]:
+        return set(dht.entries[peer].record.claimed_units())
+
+    async def main():
+        units = LeasedUnits(LeaseBoard(dht.peer("A"), run_id="run", lease_s=30.0), total=10, clock=lambda: dht.now)
+        first = await units.next_unit(ahead=2)  # nothing ready: one claim of three units
+        after_first = (len(dht.stores), dht.full_reads.count(True), claimed("A"))
+        second = await units.next_unit(ahead=2)  # ready: no claim waited for; one unit topped up behind
+        assert units._claiming is not None
+        await units._claiming
+        after_second = (len(dht.stores), claimed("A"), list(units._ready))
+        await units.close()
+        return first, second, after_first, after_second, claimed("A")
+
+    first, second, after_first, after_second, at_close = run(main())
+    assert (first, second) == (0, 1)
+    assert after_first == (1, 3, {0, 1, 2})  # one store, its two reads (and a fresh board's own entry taken back)
+    assert after_second == (2, {0, 1, 2, 3}, [2, 3])
+    assert at_close == set()  # running or ready, every claim is given back
+
+
+def test_a_claim_ahead_that_meets_a_rivals_units_takes_the_next_free_ones_and_leaves_the_rivals_alone():
+    dht = _SlowStoreBoard()
+
+    async def main():
+        rival = LeaseBoard(dht.peer("B"), run_id="run", lease_s=30.0)
+        assert await rival.claim_many([1, 2]) == [1, 2]
+        dht.now = 1.0  # B's claims are the earlier ones
+        units = LeasedUnits(LeaseBoard(dht.peer("A"), run_id="run", lease_s=30.0), total=10, clock=lambda: dht.now)
+        units._refresh_s = math.inf  # its view of the block is the one before B's claims: the claim meets them
+        units._read_at[0] = -1.0
+        first = await units.next_unit(ahead=2)
+        return first, list(units._ready)
+
+    first, ready = run(main())
+    assert (first, ready) == (0, [3, 4])
+    states = {peer: item.record for peer, item in dht.entries.items()}
+    assert {u: resolve(u, states, dht.now).holder for u in range(5)} == {0: "A", 1: "B", 2: "B", 3: "A", 4: "A"}
 
 
 def test_candidates_are_free_units_from_the_lowest_unfinished_own_stripe_first():
