@@ -24,9 +24,14 @@ Design choices:
 - The message. hivemind's auth messages live in a flat ``auth.proto`` that protoc code of ours
   could not import by its package path, so the request is a message built on hivemind's own
   descriptors at import time; the answer is hivemind's ``FindResponse``.
+- Digests. A full read asks every holder so that an entry one of them lacks is still found; the
+  holders that are up to date then all send the same changes. So a holder may be asked for the
+  digests alone (``call_find_changed_digests``: 16 bytes an entry), as Cassandra's digest reads do:
+  the reader takes the entries from one holder and fetches from another only what its digests show
+  that one lacked (dht/holder_reads.py).
 - Served and asked from the DHT process: ``attach`` (through ``run_coroutine``) registers the
-  handler on the node's p2pd and gives the protocol a ``call_find_changed`` beside its
-  ``call_find``. A peer that has not registered it yet (for milliseconds after its start) answers
+  handlers on the node's p2pd and gives the protocol a ``call_find_changed`` and a
+  ``call_find_changed_digests`` beside its ``call_find``. A peer that has not registered it yet (for milliseconds after its start) answers
   with an error, which the read treats as a silence.
 """
 
@@ -47,12 +52,14 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 
 from agora.dht.token_authorizer import CredentialTokenAuthorizer, PeerStub
 
-__all__ = ["ChangedFindRequest", "HANDLER", "Seen", "attach", "changed_entries", "subkey_digest"]
+__all__ = ["ChangedDigests", "ChangedFindRequest", "DIGESTS_HANDLER", "HANDLER", "Seen", "attach", "changed_digests",
+           "changed_entries", "subkey_digest"]
 
 logger = logging.getLogger(__name__)
 
-# The p2pd protocol name the handler is registered under.
+# The p2pd protocol names the handlers are registered under: the changed entries, their digests alone.
 HANDLER = "agora.dht.find_changed"
+DIGESTS_HANDLER = "agora.dht.find_changed_digests"
 # Bytes of a subkey's digest in a request: collisions among a key's few hundred entries at most are
 # negligible, and one would only make the holder leave out an entry the asker then lacks until it
 # changes again (a quick read's kind of miss).
@@ -62,27 +69,38 @@ _DIGEST_BYTES = 8
 Seen = Mapping[bytes, float]
 
 
-def _request_type() -> Any:
+def _message_types() -> tuple[Any, Any]:
+    """The request, and the digests answer: built once into protobuf's default pool."""
     pool = descriptor_pool.Default()
-    name = "agora.dht.ChangedFindRequest"
+    names = ("agora.dht.ChangedFindRequest", "agora.dht.ChangedDigests")
     try:
-        return message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+        return tuple(message_factory.GetMessageClass(pool.FindMessageTypeByName(name)) for name in names)
     except KeyError:
         pass
     file = descriptor_pb2.FileDescriptorProto(name="agora/dht/changed_find.proto", package="agora.dht",
                                               syntax="proto3", dependency=[auth_pb2.DESCRIPTOR.name])
-    message = file.message_type.add(name="ChangedFindRequest")
     field = descriptor_pb2.FieldDescriptorProto
-    message.field.add(name="auth", number=1, type=field.TYPE_MESSAGE, label=field.LABEL_OPTIONAL,
-                      type_name="." + auth_pb2.RequestAuthInfo.DESCRIPTOR.full_name)
-    message.field.add(name="key", number=2, type=field.TYPE_BYTES, label=field.LABEL_OPTIONAL)
-    message.field.add(name="seen_subkeys", number=3, type=field.TYPE_BYTES, label=field.LABEL_REPEATED)
-    message.field.add(name="seen_expirations", number=4, type=field.TYPE_DOUBLE, label=field.LABEL_REPEATED)
+
+    def add(message: Any, name: str, number: int, kind: int, repeated: bool = False, type_name: str = "") -> None:
+        added = message.field.add(name=name, number=number, type=kind,
+                                  label=field.LABEL_REPEATED if repeated else field.LABEL_OPTIONAL)
+        if type_name:
+            added.type_name = type_name
+
+    request = file.message_type.add(name="ChangedFindRequest")
+    add(request, "auth", 1, field.TYPE_MESSAGE, type_name="." + auth_pb2.RequestAuthInfo.DESCRIPTOR.full_name)
+    add(request, "key", 2, field.TYPE_BYTES)
+    add(request, "seen_subkeys", 3, field.TYPE_BYTES, repeated=True)
+    add(request, "seen_expirations", 4, field.TYPE_DOUBLE, repeated=True)
+    digests = file.message_type.add(name="ChangedDigests")
+    add(digests, "auth", 1, field.TYPE_MESSAGE, type_name="." + auth_pb2.ResponseAuthInfo.DESCRIPTOR.full_name)
+    add(digests, "subkeys", 2, field.TYPE_BYTES, repeated=True)
+    add(digests, "expirations", 3, field.TYPE_DOUBLE, repeated=True)
     pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+    return tuple(message_factory.GetMessageClass(pool.FindMessageTypeByName(name)) for name in names)
 
 
-ChangedFindRequest = _request_type()
+ChangedFindRequest, ChangedDigests = _message_types()
 
 
 def subkey_digest(subkey: Any) -> bytes:
@@ -102,19 +120,34 @@ def changed_entries(held: DictionaryDHTValue, seen: Seen) -> DictionaryDHTValue:
     return answer
 
 
+def changed_digests(held: DictionaryDHTValue, seen: Seen) -> dict[bytes, float]:
+    """What ``changed_entries`` would answer, named instead of sent: digest -> expiration."""
+    return {subkey_digest(subkey): item.expiration_time for subkey, item in changed_entries(held, seen).items()}
+
+
 class _Service:
     """The holder's side, one per DHT node."""
 
     def __init__(self, node: Any) -> None:
         self._protocol = node.protocol
 
-    async def rpc_find_changed(self, request: Any, _context: Any = None) -> dht_pb2.FindResponse:
+    def _held(self, request: Any) -> tuple[Optional[ValueWithExpiration[Any]], dict[bytes, float]]:
         key_id = DHTID.from_bytes(request.key)
-        seen = dict(zip(request.seen_subkeys, request.seen_expirations))
         held = self._protocol.storage.get(key_id)
         cached = self._protocol.cache.get(key_id)  # as hivemind's find: the newer of the two
         if cached is not None and (held is None or cached.expiration_time > held.expiration_time):
             held = cached
+        return held, dict(zip(request.seen_subkeys, request.seen_expirations))
+
+    async def rpc_find_changed_digests(self, request: Any, _context: Any = None) -> Any:
+        held, seen = self._held(request)
+        if held is None or not isinstance(held.value, DictionaryDHTValue):
+            return ChangedDigests()
+        digests = changed_digests(held.value, seen)
+        return ChangedDigests(subkeys=list(digests), expirations=list(digests.values()))
+
+    async def rpc_find_changed(self, request: Any, _context: Any = None) -> dht_pb2.FindResponse:
+        held, seen = self._held(request)
         if held is None:
             result = dht_pb2.FindResult(type=dht_pb2.NOT_FOUND)
         elif isinstance(held.value, DictionaryDHTValue):
@@ -136,6 +169,10 @@ class _Client:
         call = self._p2p.call_protobuf_handler(self._peer, HANDLER, request, dht_pb2.FindResponse)
         return await asyncio.wait_for(call, self._timeout)
 
+    async def rpc_find_changed_digests(self, request: Any) -> Any:
+        call = self._p2p.call_protobuf_handler(self._peer, DIGESTS_HANDLER, request, ChangedDigests)
+        return await asyncio.wait_for(call, self._timeout)
+
 
 async def attach(_dht: Any, node: Any) -> None:
     """Run in the DHT process (``run_coroutine``): serve changed finds, and ask them through
@@ -147,15 +184,16 @@ async def attach(_dht: Any, node: Any) -> None:
     authorizer = protocol.authorizer
     service = AuthRPCWrapper(_Service(node), AuthRole.SERVICER, authorizer)
 
-    async def handle(request: Any, context: Any) -> dht_pb2.FindResponse:
-        response = await service.rpc_find_changed(request, context)
-        if response is None:
-            raise PermissionError("the changed find's credentials were refused")
-        return response
+    def handler(method: str) -> Any:
+        async def handle(request: Any, context: Any) -> Any:
+            response = await getattr(service, method)(request, context)
+            if response is None:
+                raise PermissionError("the changed find's credentials were refused")
+            return response
+        return handle
 
-    async def call_find_changed(peer_id: Any, key_id: DHTID, seen: Seen) -> Optional[Any]:
-        """What ``peer_id`` holds under ``key_id`` that is not in ``seen``, as ``call_find`` answers:
-        ``{key_id: (value or None, {})}``, or None if it did not answer validly."""
+    async def ask(method: str, peer_id: Any, key_id: DHTID, seen: Seen) -> Optional[Any]:
+        """``peer_id``'s response to ``method`` (its authorization checked), or None."""
         client = _Client(protocol.p2p, peer_id, protocol.wait_timeout)
         if isinstance(authorizer, CredentialTokenAuthorizer):
             stub = PeerStub(client, authorizer, peer_id.to_base58())
@@ -165,16 +203,31 @@ async def attach(_dht: Any, node: Any) -> None:
                                      seen_expirations=list(seen.values()))
         try:
             async with protocol.rpc_semaphore:
-                response = await stub.rpc_find_changed(request)
+                return await getattr(stub, method)(request)
         except Exception as error:  # refused, unreachable, timed out, not serving changed finds yet
-            logger.debug("changed find of %s at %s failed: %r", key_id, peer_id, error)
+            logger.debug("%s of %s at %s failed: %r", method, key_id, peer_id, error)
             return None
+
+    async def call_find_changed(peer_id: Any, key_id: DHTID, seen: Seen) -> Optional[Any]:
+        """What ``peer_id`` holds under ``key_id`` that is not in ``seen``, as ``call_find`` answers:
+        ``{key_id: (value or None, {})}``, or None if it did not answer validly."""
+        response = await ask("rpc_find_changed", peer_id, key_id, seen)
         if response is None or len(response.results) != 1:
             return None
         return {key_id: (_found(protocol, key_id, response.results[0]), {})}
 
-    await protocol.p2p.add_protobuf_handler(HANDLER, handle, ChangedFindRequest)
+    async def call_find_changed_digests(peer_id: Any, key_id: DHTID, seen: Seen) -> Optional[dict[bytes, float]]:
+        """The digests and expirations of what ``call_find_changed`` would return, or None if
+        ``peer_id`` did not answer validly (a holder lacking the key names nothing)."""
+        response = await ask("rpc_find_changed_digests", peer_id, key_id, seen)
+        if response is None or len(response.subkeys) != len(response.expirations):
+            return None
+        return dict(zip(response.subkeys, response.expirations))
+
+    await protocol.p2p.add_protobuf_handler(HANDLER, handler("rpc_find_changed"), ChangedFindRequest)
+    await protocol.p2p.add_protobuf_handler(DIGESTS_HANDLER, handler("rpc_find_changed_digests"), ChangedFindRequest)
     protocol.call_find_changed = call_find_changed
+    protocol.call_find_changed_digests = call_find_changed_digests
 
 
 def _found(protocol: Any, key_id: DHTID, result: Any) -> Optional[ValueWithExpiration[Any]]:

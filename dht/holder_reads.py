@@ -22,6 +22,10 @@ Design choices:
   that reached fewer may be missed by a read and is found by a later one, as a quick read's misses
   are. A read that must not miss even that (a lease's claim: ``wait_all``) waits for every holder.
   A quick read asks the next holder too when the one it asked has not answered within ``HEDGE_S``.
+- A full read's copies. With what the reader holds named (dht/changed_finds.py), one holder (the
+  first a quick read would ask) sends the changes and the others their digests alone; an entry a
+  digest shows the first lacked is then fetched from a holder that has it (one more round trip, only
+  then). A lease claim's read (``wait_all``) asks every holder for the entries, as before.
 - Which read is full and which quick, and what the owner remembers of the answers: dht/reads.py.
 - It runs inside the DHT process through ``run_coroutine`` (module-level, so it pickles by name).
 """
@@ -37,7 +41,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from agora.dht.changed_finds import Seen
+from agora.dht.changed_finds import Seen, subkey_digest
 from agora.dht.dht_process import READ_BEAM
 from agora.dht.holders import HOLDERS, holders_for, in_background, note_answer, search
 
@@ -65,7 +69,11 @@ async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float], ex
     state = _SearchState(key_id, float("inf") if bar is None else bar, serializer=node.protocol.serializer,
                          record_validator=node.protocol.record_validator)
     state.add_candidate(_own_copy(node, key_id), source_node_id=node.node_id)
-    if bar is None:
+    digests = getattr(node.protocol, "call_find_changed_digests", None)
+    if bar is None and held is not None and digests is not None and not wait_all and len(others) > 1:
+        order = _quick_order(others, node.num_replicas)
+        answers = await _ask_one_and_digests(node, key_id, order, state, min(len(others), node.num_replicas), held)
+    elif bar is None:
         quorum = len(others) if wait_all else min(len(others), node.num_replicas)
         answers = await _ask_all(node, key_id, others, state, quorum, held)
     else:
@@ -102,6 +110,55 @@ async def _ask_all(node: Any, key_id: DHTID, peers: list, state: _SearchState, q
     return answers
 
 
+async def _ask_one_and_digests(node: Any, key_id: DHTID, peers: list, state: _SearchState, quorum: int,
+                               held: Seen) -> list:
+    """A full read's holders, the changes taken from one: ``peers[0]`` is asked for the entries
+    ``held`` lacks, the others for their digests, with ``_ask_all``'s wait; then each holder whose
+    digests name an entry newer than what the read has is asked for the entries, one at a time, until
+    none is left (or none of them answers). The entries one holder has and the first lacks still come."""
+    loop = asyncio.get_running_loop()
+    first = asyncio.ensure_future(_find_on(node, peers[0], key_id, held))
+    named = {asyncio.ensure_future(_digests_on(node, peer_id, key_id, held)): peer_id for peer_id in peers[1:]}
+    pending = {first, *named}
+    answers: list = []
+    digests: dict[Any, dict[bytes, float]] = {}
+    quorum_at = None
+    while pending:
+        timeout = None if quorum_at is None else max(0.0, quorum_at + FULL_READ_GRACE_S - loop.time())
+        done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            break
+        for task in done:
+            answers.append(task.result())
+            if task is first:
+                state.add_candidate(_value(answers[-1]), source_node_id=None)
+            elif answers[-1] is not _UNANSWERED:
+                digests[named[task]] = answers[-1]
+        if quorum_at is None and sum(answer is not _UNANSWERED for answer in answers) >= quorum:
+            quorum_at = loop.time()
+    for task in pending:
+        in_background(task)
+    known = dict(held)
+    _learn(known, _value(first.result()) if first.done() else None)
+    while lacking := [peer_id for peer_id, named_there in digests.items()
+                      if any(expiration > known.get(digest, float("-inf")) for digest, expiration in named_there.items())]:
+        peer_id = lacking[0]
+        del digests[peer_id]
+        answer = await _find_on(node, peer_id, key_id, known)
+        answers.append(answer)
+        state.add_candidate(_value(answer), source_node_id=None)
+        _learn(known, _value(answer))
+    return answers
+
+
+def _learn(known: dict, found: Optional[ValueWithExpiration[Any]]) -> None:
+    """Add what a changed find returned to ``known`` (digest -> expiration), as its next request names it."""
+    if found is not None and isinstance(found.value, DictionaryDHTValue):
+        for subkey, item in found.value.items():
+            digest = subkey_digest(subkey)
+            known[digest] = max(known.get(digest, float("-inf")), item.expiration_time)
+
+
 async def _ask_in_turn(node: Any, key_id: DHTID, peers: list, state: _SearchState, held: Optional[Seen]) -> list:
     """One peer at a time until ``state`` has a value as new as its bar: the next is asked when the
     last one answered with less, or had not answered within ``HEDGE_S``."""
@@ -133,6 +190,13 @@ async def _find_on(node: Any, peer_id: Any, key_id: DHTID, held: Optional[Seen])
         answer = await node.protocol.call_find(peer_id, [key_id])
     note_answer(node, key_id, peer_id, bool(answer))
     return answer[key_id][0] if answer else _UNANSWERED
+
+
+async def _digests_on(node: Any, peer_id: Any, key_id: DHTID, held: Seen) -> Any:
+    """The digests of what ``peer_id`` holds under ``key_id`` that ``held`` lacks, or ``_UNANSWERED``."""
+    answer = await node.protocol.call_find_changed_digests(peer_id, key_id, held)
+    note_answer(node, key_id, peer_id, answer is not None)
+    return _UNANSWERED if answer is None else answer
 
 
 def _value(answer: Any) -> Optional[ValueWithExpiration[Any]]:

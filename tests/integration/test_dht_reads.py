@@ -83,7 +83,8 @@ class Watch:
         hivemind_find = type(protocol).call_find.__get__(protocol)
         hivemind_store = type(protocol).call_store.__get__(protocol)
         changed_find = protocol.__dict__.setdefault("unwatched_find_changed", protocol.call_find_changed)
-        watch = protocol.watch = {"asked": [], "stored_to": [], "held_back": 0}
+        digests = protocol.__dict__.setdefault("unwatched_digests", protocol.call_find_changed_digests)
+        watch = protocol.watch = {"asked": [], "kinds": [], "stored_to": [], "held_back": 0}
         slow, delay = self.slow, self.delay
 
         async def held_back(peer, answer):
@@ -95,27 +96,43 @@ class Watch:
 
         async def watched(peer, keys):
             watch["asked"].append((str(peer), [int(key) for key in keys]))
+            watch["kinds"].append(("find", str(peer)))
             return await held_back(peer, await hivemind_find(peer, keys))
 
         async def watched_changed(peer, key, held):
             watch["asked"].append((str(peer), [int(key)]))
+            watch["kinds"].append(("changed", str(peer)))
             return await held_back(peer, await changed_find(peer, key, held))
+
+        async def watched_digests(peer, key, held):
+            watch["asked"].append((str(peer), [int(key)]))
+            watch["kinds"].append(("digests", str(peer)))
+            return await held_back(peer, await digests(peer, key, held))
 
         async def watched_store(peer, *args, **kwargs):
             watch["stored_to"].append(str(peer))
             return await hivemind_store(peer, *args, **kwargs)
 
-        protocol.call_find, protocol.call_store, protocol.call_find_changed = watched, watched_store, watched_changed
+        protocol.call_find, protocol.call_store = watched, watched_store
+        protocol.call_find_changed, protocol.call_find_changed_digests = watched_changed, watched_digests
 
 
 async def unwatch(_dht, node) -> None:
     node.protocol.__dict__.pop("call_find", None)
     node.protocol.__dict__.pop("call_store", None)
     node.protocol.call_find_changed = node.protocol.unwatched_find_changed
+    node.protocol.call_find_changed_digests = node.protocol.unwatched_digests
 
 
 async def asked(_dht, node) -> list:
     sent, node.protocol.watch["asked"] = node.protocol.watch["asked"], []
+    return sent
+
+
+async def kinds(_dht, node) -> list:
+    """(kind, peer id) of every find request sent since the last call: "find" (hivemind's),
+    "changed" (the entries), "digests"."""
+    sent, node.protocol.watch["kinds"] = node.protocol.watch["kinds"], []
     return sent
 
 
@@ -135,6 +152,29 @@ def watching(peer: SwarmDHT, slow: Iterable[str] = (), delay: float = 0.0) -> It
         yield
     finally:
         peer.hivemind_dht.run_coroutine(unwatch)
+
+
+def test_a_full_read_takes_the_entries_from_one_holder_digests_from_the_rest_and_what_only_one_has_from_it(swarm):
+    run_id = f"reads-{uuid.uuid4().hex[:8]}"
+    key = worker_key(run_id, 0)
+    reader, writers = swarm[0], swarm[1:3]
+    for writer in writers:
+        assert writer.announce_worker(worker_entry(run_id, writer.peer_id), ttl=60.0)
+    holders = remembered_after_first_read(reader, run_id)  # read 1: full
+    assert seen(reader, run_id) == {w.peer_id for w in writers}  # read 2: quick
+    lone = next(peer for peer in swarm if peer.peer_id in holders and peer is not reader)
+    assert lone.hivemind_dht.run_coroutine(Place(key, "newcomer", worker_entry(run_id, "newcomer").to_wire(),
+                                                 time.time() + 60.0))
+    with watching(reader):
+        full = seen(reader, run_id)  # read 3: full
+        sent = reader.hivemind_dht.run_coroutine(kinds)
+    assert full == {w.peer_id for w in writers} | {"newcomer"}
+    others = [peer_id for peer_id in holders if peer_id != reader.peer_id]
+    digests = [peer for kind, peer in sent if kind == "digests"]
+    changed = [peer for kind, peer in sent if kind == "changed"]
+    assert sorted(digests + changed[:1]) == sorted(others) and not [kind for kind, _ in sent if kind == "find"]
+    # The first holder sent the entries; only if it was not the one holding the newcomer was that one asked too.
+    assert changed == [lone.peer_id] if changed[0] == lone.peer_id else changed[1:] == [lone.peer_id]
 
 
 def not_a_holder(swarm: list, key: str) -> SwarmDHT:

@@ -5,7 +5,7 @@ asker's copies merged with that answer are the whole dictionary merged with them
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
-from agora.dht.changed_finds import ChangedFindRequest, changed_entries, subkey_digest
+from agora.dht.changed_finds import ChangedDigests, ChangedFindRequest, changed_digests, changed_entries, subkey_digest
 from agora.dht.reads import ReadMemory
 
 
@@ -60,3 +60,12 @@ def test_a_request_names_an_entry_in_under_20_bytes_where_the_answer_would_carry
     request = ChangedFindRequest(key=b"k" * 20, seen_subkeys=[subkey_digest(f"peer-{i}") for i in range(20)],
                                  seen_expirations=[float(i) for i in range(20)])
     assert request.ByteSize() < 20 * 20
+
+
+def test_the_digests_name_what_the_entries_would_send_in_16_bytes_each():
+    seen = {subkey_digest(k): e for k, e in ASKER.items()}
+    named = changed_digests(dictionary(HOLDER), seen)
+    assert named == {subkey_digest(subkey): item.expiration_time
+                     for subkey, item in changed_entries(dictionary(HOLDER), seen).items()}
+    answer = ChangedDigests(subkeys=list(named), expirations=list(named.values()))
+    assert answer.ByteSize() < 20 * len(named)
