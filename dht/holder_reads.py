@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hivemind.dht.node import _SearchState
 from hivemind.dht.routing import DHTID
@@ -89,55 +89,29 @@ async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float], ex
 
 async def _ask_all(node: Any, key_id: DHTID, peers: list, state: _SearchState, quorum: int,
                    held: Optional[Seen]) -> list:
-    """Every peer at once, their answers merged into ``state``: until all have answered, or
-    ``FULL_READ_GRACE_S`` after ``quorum`` of them did (the others go on in the background)."""
-    loop = asyncio.get_running_loop()
-    pending = {asyncio.ensure_future(_find_on(node, peer_id, key_id, held)) for peer_id in peers}
-    answers: list = []
-    quorum_at = None
-    while pending:
-        timeout = None if quorum_at is None else max(0.0, quorum_at + FULL_READ_GRACE_S - loop.time())
-        done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if not done:
-            break
-        for task in done:
-            answers.append(task.result())
-            state.add_candidate(_value(answers[-1]), source_node_id=None)
-        if quorum_at is None and sum(answer is not _UNANSWERED for answer in answers) >= quorum:
-            quorum_at = loop.time()
-    for task in pending:
-        in_background(task)
-    return answers
+    """Every peer at once, their answers merged into ``state`` (``_answers``' wait)."""
+    tasks = {asyncio.ensure_future(_find_on(node, peer_id, key_id, held)) for peer_id in peers}
+    return await _answers(tasks, quorum,
+                          lambda _task, answer: state.add_candidate(_value(answer), source_node_id=None))
 
 
 async def _ask_one_and_digests(node: Any, key_id: DHTID, peers: list, state: _SearchState, quorum: int,
                                held: Seen) -> list:
     """A full read's holders, the changes taken from one: ``peers[0]`` is asked for the entries
-    ``held`` lacks, the others for their digests, with ``_ask_all``'s wait; then each holder whose
-    digests name an entry newer than what the read has is asked for the entries, one at a time, until
-    none is left (or none of them answers). The entries one holder has and the first lacks still come."""
-    loop = asyncio.get_running_loop()
+    ``held`` lacks, the others for their digests (``_answers``' wait); then each holder whose digests
+    name an entry newer than what the read has is asked for the entries, one at a time, until none
+    is left (or none of them answers). The entries one holder has and the first lacks still come."""
     first = asyncio.ensure_future(_find_on(node, peers[0], key_id, held))
     named = {asyncio.ensure_future(_digests_on(node, peer_id, key_id, held)): peer_id for peer_id in peers[1:]}
-    pending = {first, *named}
-    answers: list = []
     digests: dict[Any, dict[bytes, float]] = {}
-    quorum_at = None
-    while pending:
-        timeout = None if quorum_at is None else max(0.0, quorum_at + FULL_READ_GRACE_S - loop.time())
-        done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if not done:
-            break
-        for task in done:
-            answers.append(task.result())
-            if task is first:
-                state.add_candidate(_value(answers[-1]), source_node_id=None)
-            elif answers[-1] is not _UNANSWERED:
-                digests[named[task]] = answers[-1]
-        if quorum_at is None and sum(answer is not _UNANSWERED for answer in answers) >= quorum:
-            quorum_at = loop.time()
-    for task in pending:
-        in_background(task)
+
+    def take(task: asyncio.Future, answer: Any) -> None:
+        if task is first:
+            state.add_candidate(_value(answer), source_node_id=None)
+        elif answer is not _UNANSWERED:
+            digests[named[task]] = answer
+
+    answers = await _answers({first, *named}, quorum, take)
     known = dict(held)
     _learn(known, _value(first.result()) if first.done() else None)
     while lacking := [peer_id for peer_id, named_there in digests.items()
@@ -157,6 +131,28 @@ def _learn(known: dict, found: Optional[ValueWithExpiration[Any]]) -> None:
         for subkey, item in found.value.items():
             digest = subkey_digest(subkey)
             known[digest] = max(known.get(digest, float("-inf")), item.expiration_time)
+
+
+async def _answers(tasks: set, quorum: int, take: Callable[[asyncio.Future, Any], None]) -> list:
+    """Each task's answer, handed to ``take`` as it comes: until all have answered, or
+    ``FULL_READ_GRACE_S`` after ``quorum`` of them did (the others go on in the background)."""
+    loop = asyncio.get_running_loop()
+    pending = set(tasks)
+    answers: list = []
+    quorum_at = None
+    while pending:
+        timeout = None if quorum_at is None else max(0.0, quorum_at + FULL_READ_GRACE_S - loop.time())
+        done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            break
+        for task in done:
+            answers.append(task.result())
+            take(task, answers[-1])
+        if quorum_at is None and sum(answer is not _UNANSWERED for answer in answers) >= quorum:
+            quorum_at = loop.time()
+    for task in pending:
+        in_background(task)
+    return answers
 
 
 async def _ask_in_turn(node: Any, key_id: DHTID, peers: list, state: _SearchState, held: Optional[Seen]) -> list:
