@@ -184,12 +184,24 @@ def test_the_results_row_gives_the_growth_from_the_smallest_n_to_the_largest_and
     path.write_text(json.dumps({"command": "x", "rows": [dataclasses.asdict(small), dataclasses.asdict(large)],
                                 "failed": ["N=64: the swarm did not form: a peer exited (logs: /tmp/w)"]}))
     row = summary_row(path)
-    assert "N=8 to 32: bytes x1.50, CPU x3.00 (log N: x1.67); get p95 x4.00, store p95 x1.00" in row
+    assert "N=8 to 32: bytes x1.50 (fits -), CPU x3.00 (fits -) (log N: x1.67); get p95 x4.00, store p95 x1.00" in row
     assert "N=64: the swarm did not form: a peer exited (bench/results" in row and row.endswith("| no |")
     busy = dataclasses.replace(large, load_start=9.9, load_end=16.8)
     path.write_text(json.dumps({"command": "x", "rows": [dataclasses.asdict(small), dataclasses.asdict(busy)],
                                 "failed": []}))
     assert "store p95 x1.00; taken busy: N=32 at load 9.9->16.8 (bench/results" in summary_row(path)
+
+
+def test_a_cost_under_log_ns_ratio_that_a_line_fits_best_is_no_in_the_results_row_as_in_the_goals(tmp_path):
+    from agora.bench.dht_scale_report import summary_row
+
+    # 9 + 0.16 N: x1.87 from 8 to 64 (log N's x2.00), but a line.
+    rows = [_row(nodes, 100.0, 9.0 + 0.16 * nodes, 1.0) for nodes in (8, 16, 32, 64)]
+    assert [line for line in goals(rows) if line.startswith("- bytes")][0].endswith("best fit N (goal: at most log N): missed")
+    path = tmp_path / "dht_scale.json"
+    path.write_text(json.dumps({"command": "x", "rows": [dataclasses.asdict(row) for row in rows], "failed": []}))
+    row = summary_row(path)
+    assert "bytes x1.87 (fits N)" in row and row.endswith("| no |")
 
 
 def test_results_md_gets_the_table_per_n_and_the_goals_from_the_last_run(tmp_path):
