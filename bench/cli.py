@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", action="append", default=None, metavar="PRESET",
                         help="preset for rows 2 and 3 (repeatable; default tiny and small, --quick: tiny)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="the results file (default bench/RESULTS.md)")
+    parser.add_argument("--out", default=None, help="the results file (default bench/RESULTS.md; with --update F "
+                                                     "of a record other than bench/results/suite.json, F.md)")
     parser.add_argument("--json", default=None, metavar="F", help="also write every raw figure here")
     parser.add_argument("--workdir", default=None, help="keep every run's logs here (default: a temp folder)")
     parser.add_argument("--row", action="append", default=None, choices=SUITE_ROWS, metavar="N",

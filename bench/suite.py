@@ -71,6 +71,19 @@ from agora.pipeline.config import load_config
 __all__ = ["plan_for", "plan_from_record", "run_suite", "splice_runs", "machine", "RESULTS_PATH"]
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
+# The raw figures behind RESULTS_PATH: `--update` of any other record writes its table beside it.
+RECORD_PATH = Path(__file__).resolve().parent / "results" / "suite.json"
+
+
+def _table_path(quick: bool, update: str | None) -> Path:
+    """Where the table goes without ``--out``: a quick run's to a temporary folder, an update of a record
+    other than the repository's beside that record (F.md), so that measuring a copy never rewrites
+    bench/RESULTS.md; otherwise bench/RESULTS.md."""
+    if quick:
+        return Path(tempfile.mkdtemp(prefix="agora-bench-")) / "RESULTS.md"
+    if update is not None and Path(update).resolve() != RECORD_PATH:
+        return Path(update).with_suffix(".md")
+    return RESULTS_PATH
 
 
 def plan_for(quick: bool, profiles: list[str] | None = None, configs: list[str] | None = None,
@@ -278,8 +291,7 @@ def main(args, command: str = "agora-bench") -> int:
             runs = frozenset(args.run)
     else:
         plan = plan_for(args.quick, args.profile, args.config, args.seed)
-    out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="agora-bench-")) / "RESULTS.md"
-                                           if plan.quick else RESULTS_PATH)
+    out = Path(args.out) if args.out else _table_path(plan.quick, args.update)
     json_path = Path(args.json) if args.json else (Path(args.update) if args.update else None)
     _, failed = run_suite(plan, out=out, json_path=json_path, workdir=Path(args.workdir) if args.workdir else None,
                         command=command, only=only, previous=previous, runs=runs)

@@ -45,6 +45,18 @@ def test_a_row_measured_again_replaces_only_itself(tmp_path):
     assert [s for s in new if not s.startswith("1. ")][1:] == [s for s in old if not s.startswith("1. ")][1:]
 
 
+def test_an_update_of_a_copy_writes_its_table_beside_it_and_leaves_the_repositorys_alone(tmp_path):
+    from agora.bench.suite import RECORD_PATH, RESULTS_PATH, _table_path
+
+    raw = tmp_path / "copy.json"
+    shutil.copy(RECORD, raw)
+    before = RESULTS_PATH.read_bytes()
+    assert main(["--row", "1", "--update", str(raw), "--workdir", str(tmp_path / "work")]) == 0
+    assert "| 1 | wire bytes" in (tmp_path / "copy.md").read_text()
+    assert RESULTS_PATH.read_bytes() == before
+    assert _table_path(False, str(RECORD_PATH)) == RESULTS_PATH and _table_path(False, None) == RESULTS_PATH
+
+
 def test_a_row_that_fails_to_run_again_keeps_its_recorded_figures(tmp_path, monkeypatch):
     import agora.bench.suite as suite
 
