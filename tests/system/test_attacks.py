@@ -95,7 +95,9 @@ HELD = 4  # units past the run's end the compromised trainer claims and reports 
 FLOOD_SOURCES = [f"127.0.0.{i}" for i in range(2, 8)]  # six addresses of the run's own network
 CHALLENGE_SHARE = 32  # join challenges one network may hold outstanding (the authorizer's default)
 # What a worker's DHT peer counts the fake member and the lease holds under (agora_dht_refused_total).
-DHT_REFUSALS = ("workers", "units.claims", "units.updated_at")
+# What each worker's DHT peer refuses of the attacks, by reason: the forged member, and the hostile
+# claims (two in its record validator, two at its door).
+DHT_REFUSALS = {"workers": 1, "units.claims": 2, "units.updated_at": 2}
 WATCH_TARGET = "worker-s0-r1"
 REFUSAL_MEMORY_S = 1.0  # how long a worker refuses a refused caller from its cache (UnitHolders' default)
 PROBE_POOL = 8  # the workers' max_probe_calls (default)
@@ -285,13 +287,13 @@ class Attacker:
         return {"nodes": sorted(renewals), "renewed": renewed, "authorizer": authorizer}
 
     async def refusals_counted(self) -> dict:
-        """Every worker's metrics once its DHT peer's refusals of the member and the leases (read
-        every heartbeat) are in them."""
+        """Every worker's metrics once all of its DHT peer's refusals of the member and the leases
+        (read every heartbeat, so the two of a kind may land a beat apart) are in them."""
         deadline = time.monotonic() + 30
         while True:
             after = await self.scrape_workers()
-            counted = [_dht_refused(after[name], reason) > _dht_refused(self.record["before"][name], reason)
-                       for name in after for reason in DHT_REFUSALS]
+            counted = [_dht_refused(after[name], reason) - _dht_refused(self.record["before"][name], reason) >= count
+                       for name in after for reason, count in DHT_REFUSALS.items()]
             if all(counted) or time.monotonic() > deadline:
                 return after
             await asyncio.sleep(0.2)
