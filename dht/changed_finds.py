@@ -38,6 +38,7 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 from typing import Any, Mapping, Optional
@@ -105,8 +106,19 @@ ChangedFindRequest, ChangedDigests = _message_types()
 
 def subkey_digest(subkey: Any) -> bytes:
     """The digest naming ``subkey`` in a request (the same in every process: msgpack is canonical for
-    the strings and numbers subkeys are)."""
+    the strings and numbers subkeys are). Remembered: a reader names, and a holder compares, the same
+    few hundred subkeys (each with its writer's key, about 400 bytes) at every read."""
+    try:
+        return _remembered_digest(subkey)
+    except TypeError:  # an unhashable subkey: not remembered
+        return _digest(subkey)
+
+
+def _digest(subkey: Any) -> bytes:
     return hashlib.blake2b(MSGPackSerializer.dumps(subkey), digest_size=_DIGEST_BYTES).digest()
+
+
+_remembered_digest = functools.lru_cache(maxsize=4096)(_digest)
 
 
 def changed_entries(held: DictionaryDHTValue, seen: Seen) -> DictionaryDHTValue:
