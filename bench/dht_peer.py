@@ -24,7 +24,9 @@ than the model's.
 Every request `SwarmDHT` sends is timed where its own `RequestTimings` times it, and also written,
 one JSON array a line ([end wall time, operation, family, seconds, failed]), to `--calls` every
 couple of seconds and at exit; `<calls>.summary.json` holds each action's runs and errors, and the
-monitor's polls ([end wall time, seconds] each). SIGTERM or SIGINT ends it.
+monitor's polls ([end wall time, seconds] each); `<calls>.received.jsonl` what its DHT process received
+so far by record family, every couple of seconds (dht/entry_traffic.py: entries and their bytes, the
+stores it held and the answers it read). SIGTERM or SIGINT ends it.
 
 The monitor also watches for the harness's newcomer (bench/dht_newcomer.py): once `--watch-file`
 names a stage, it reads that stage's workers (the key every reader of the stage reads), writes
@@ -96,6 +98,7 @@ class CallLog(RequestTimings):
     def __init__(self, path: Path):
         super().__init__()
         self._path = path
+        self.received_path = Path(f"{path}.received.jsonl")  # `note_received`'s
         self._pending: list[list] = []
         self._pending_lock = threading.Lock()
 
@@ -269,10 +272,23 @@ async def watch_for_newcomer(swarm: SwarmDHT, run_id: str, path: Path, stop: asy
         await asyncio.sleep(WATCH_S)
 
 
-async def flush_forever(log: CallLog) -> None:
+async def flush_forever(log: CallLog, swarm: SwarmDHT) -> None:
     while True:
         await asyncio.sleep(FLUSH_S)
         await asyncio.to_thread(log.flush)
+        await asyncio.to_thread(note_received, swarm, log.received_path)
+
+
+def note_received(swarm: SwarmDHT, path: Path) -> None:
+    """Append what the peer's DHT process received so far, by family (dht/entry_traffic.py), as one
+    line: [wall time, {family: [entries, bytes]}]."""
+    try:
+        counts = swarm.received_entries()
+    except DHTRequestError as error:
+        logger.warning("received entries not read: %s", error)
+        return
+    with path.open("a") as out:
+        out.write(json.dumps([round(time.time(), 4), {name: list(pair) for name, pair in counts.items()}]) + "\n")
 
 
 async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog) -> None:
@@ -290,7 +306,7 @@ async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog) -> None:
     work = peer.actions()
     rng = random.Random(f"{args.seed}:{args.name}")
     tally = {"runs": collections.Counter(), "errors": collections.Counter()}
-    tasks = [asyncio.create_task(flush_forever(log))]
+    tasks = [asyncio.create_task(flush_forever(log, swarm))]
     if args.role == "monitor" and args.watch_file:
         tasks.append(asyncio.create_task(watch_for_newcomer(swarm, args.run_id, Path(args.watch_file), stop)))
     for action in role_actions(args.role, model):

@@ -111,6 +111,9 @@ class Figures:
     wall_s: float = math.nan  # the whole N: credentials, namespaces, start, rest, warm-up, window, stop
     # per "operation family": requests per node per logical minute, p50 and p95 ms
     by_family: dict = field(default_factory=dict)
+    # per record family, the entries the role peers' DHT processes received (dht/entry_traffic.py):
+    # KiB and entries per node per logical minute, bytes an entry
+    received: dict = field(default_factory=dict)
     # the monitor: its whole polls from the traffic's start to the window's end (seconds, as measured),
     # and its bytes and CPU per logical minute
     monitor_polls: int = 0
@@ -139,6 +142,46 @@ def read_calls(folder: Path, names: Iterable[str]) -> dict[str, list[Call]]:
             lines = []
         calls[name] = [Call.from_line(json.loads(line)) for line in lines if line.strip()]
     return calls
+
+
+def read_received(folder: Path, names: Iterable[str]) -> dict[str, list[tuple[float, dict]]]:
+    """Every peer's snapshots of what its DHT process received so far (bench/dht_peer.py's
+    `<name>.jsonl.received.jsonl`: [wall time, {family: [entries, bytes]}] a line), a missing file empty."""
+    received = {}
+    for name in names:
+        try:
+            lines = (folder / f"{name}.jsonl.received.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            lines = []
+        received[name] = [(float(wall), counts) for wall, counts in map(json.loads, filter(str.strip, lines))]
+    return received
+
+
+def received_between(snapshots: list[tuple[float, dict]], start: float, end: float) -> dict[str, tuple[int, int]]:
+    """(entries, bytes) received by family between the last snapshot at or before `start` (none: from
+    nothing) and the last at or before `end`."""
+    def last(at: float) -> dict:
+        taken = [counts for wall, counts in snapshots if wall <= at]
+        return taken[-1] if taken else {}
+
+    before, after = last(start), last(end)
+    return {name: (entries - before.get(name, (0, 0))[0], size - before.get(name, (0, 0))[1])
+            for name, (entries, size) in after.items()}
+
+
+def _received_figures(dilation: Dilation, received: Mapping[str, list[tuple[float, dict]]], peers: list[str],
+                      window: tuple[float, float]) -> dict[str, dict]:
+    totals: dict[str, list[int]] = {}
+    for name in peers:
+        for family, (entries, size) in received_between(received.get(name, []), *window).items():
+            total = totals.setdefault(family, [0, 0])
+            total[0] += entries
+            total[1] += size
+    window_s, per_node = window[1] - window[0], len(peers) or 1
+    return {family: {"kib_per_node_min": round(dilation.per_logical_minute(size, window_s) / per_node / KIB, 2),
+                     "entries_per_node_min": round(dilation.per_logical_minute(entries, window_s) / per_node, 2),
+                     "bytes_per_entry": round(size / entries) if entries else 0}
+            for family, (entries, size) in sorted(totals.items())}
 
 
 def read_errors(folder: Path, names: Iterable[str]) -> int:
@@ -191,11 +234,13 @@ def _rate(dilation: Dilation, usage: Iterable[PeerUsage], window_s: float, idle_
 def figures(*, nodes: int, geometry: str, profile: str, dilation: Dilation, calls: Mapping[str, list[Call]],
             usage: Mapping[str, PeerUsage], bootstrap: str, window: tuple[float, float], idle_s: float,
             loads: tuple[float, float], action_errors: int = 0, start_s: float = math.nan, monitor: str = "",
-            polls: Iterable[tuple[float, float]] = (), stages: int = 0, newcomer: Newcomer | None = None) -> Figures:
+            polls: Iterable[tuple[float, float]] = (), stages: int = 0, newcomer: Newcomer | None = None,
+            received: Mapping[str, list[tuple[float, dict]]] | None = None) -> Figures:
     """One N's row. `calls` and `usage` by peer name (the bootstrap's included, named `bootstrap`, and
     the monitor's, named `monitor`); `window`: its wall-clock start and end; the role peers' figures are
     means over them. `polls`: the monitor's ([end wall time, seconds] each); `stages`: S, to count the
-    trainers' roster reads (S gets each, names starting "trainer")."""
+    trainers' roster reads (S gets each, names starting "trainer"); `received`: each peer's snapshots of
+    the entries its DHT process received (`read_received`)."""
     start, end = window
     window_s = end - start
     peers = [name for name in usage if name not in (bootstrap, monitor)]
@@ -227,7 +272,7 @@ def figures(*, nodes: int, geometry: str, profile: str, dilation: Dilation, call
         pss_mib_per_node=sum(usage[name].pss_mib for name in peers) / per_node,
         bootstrap_kib_min=_rate(dilation, [boot], window_s, idle_s, "bytes") / KIB,
         bootstrap_cpu_s_min=_rate(dilation, [boot], window_s, idle_s, "cpu"),
-        start_s=start_s, by_family=by_family,
+        start_s=start_s, by_family=by_family, received=_received_figures(dilation, received or {}, peers, window),
         **_monitor_figures(dilation, usage.get(monitor), [seconds for ended, seconds in polls if ended <= end],
                            window_s, idle_s),
         roster_reads_per_trainer_s=_roster_reads(dilation, inside, stages, window_s),
@@ -388,6 +433,7 @@ def report(rows: list[Figures], command: str, model_check: list[tuple[str, float
                            for c in cells)
         p95 = [math.nan if c is None else c["p95_ms"] for c in cells]
         lines.append(f"| {name} | {shown} | {growth(nodes, p95)} |")
+    lines += received_table(rows)
     if model_check:
         lines += ["", "The traffic model against the demo's nodes at N = 8 (bench/results/many_nodes.json), "
                   "requests per DHT peer per second, as the nodes' metrics count them:", "",
@@ -396,6 +442,36 @@ def report(rows: list[Figures], command: str, model_check: list[tuple[str, float
             ratio = modelled / measured if measured else math.nan
             lines.append(f"| {name} | {modelled:.3g} | {measured:.3g} | {_cell(ratio)} |")
     return "\n".join(lines) + "\n"
+
+
+def received_table(rows: list[Figures]) -> list[str]:
+    """What the role peers received, by record family (dht/entry_traffic.py), with each family's growth."""
+    families = sorted({family for row in rows for family in row.received})
+    if not families:
+        return []
+    nodes = [row.nodes for row in rows]
+    lines = ["", "Entries received by record family (dht/entry_traffic.py: the stores a peer held and the entries "
+             "its reads' answers brought, whole as they came, its own excluded): KiB per node per logical minute "
+             "(entries a minute; bytes an entry). Message framing, digests and hivemind's routing are not entries; "
+             "the bytes column above counts them all, in and out.", "",
+             "| family | " + " | ".join(f"N={n}" for n in nodes) + " | x N=" + f"{nodes[0]}->{nodes[-1]} | growth |",
+             "|---|" + "---:|" * (len(nodes) + 2)]
+    for family in [*families, "all"]:
+        cells = [_received_cell(row.received, family) for row in rows]
+        kib = [math.nan if cell is None else cell[0] for cell in cells]
+        shown = " | ".join("-" if cell is None else f"{cell[0]:.4g} ({cell[1]:.3g}; {cell[2]:.0f})" for cell in cells)
+        ratio = kib[-1] / kib[0] if kib[0] and not math.isnan(kib[0]) else math.nan
+        lines.append(f"| {family} | {shown} | {_cell(ratio)} | {growth(nodes, kib)} |")
+    return lines
+
+
+def _received_cell(received: Mapping[str, dict], family: str) -> tuple[float, float, float] | None:
+    chosen = list(received.values()) if family == "all" else [received[family]] if family in received else []
+    if not chosen:
+        return None
+    kib = sum(c["kib_per_node_min"] for c in chosen)
+    entries = sum(c["entries_per_node_min"] for c in chosen)
+    return kib, entries, (kib * KIB / entries if entries else 0.0)
 
 
 def plot(rows: list[Figures], path: Path) -> bool:

@@ -118,6 +118,7 @@ from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, I
 from agora.auth.keys import hivemind_private_key, load_or_create_key, openssh_public_key
 from agora.auth.node_state import NodeCredentials
 from agora.dht.bans import BanBook, BanListError
+from agora.dht.entry_traffic import ReceivedEntries
 from agora.dht.entry_value import (OwnerSignatureValidator, attached_credential_at, credential_attachment,
                                    older_credential_format, split_credential)
 from agora.dht.key_policy import PLAIN_TAGS, KeyTable, Refusal
@@ -357,7 +358,9 @@ class DHTSecurity:
             # its lock instead (pipeline/files.hold_folder, node/admission.py).
             check_if_identity_free=False,
             authorizer=CredentialTokenAuthorizer(self.state_dir, self.root_pem, self.run_id),
-            record_validators=[OwnerSignatureValidator(key),
+            record_validators=[ReceivedEntries(self.run_id, methods=ROUND_METHODS,
+                                               owner_public_key=self.owner_public_key),
+                               OwnerSignatureValidator(key),
                                OwnedRecordValidator(self.run_id, self.root_pem, state_dir=self.state_dir,
                                                     limits=self.limits)],
         )

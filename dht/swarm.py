@@ -62,6 +62,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from agora.dht.bans import BAN_REFRESH_S, BanList, NodeBans, fetch_ban_list
 from agora.dht.dht_process import (READ_BEAM, OwnedDHT, node_caches_locally, node_client_mode, node_peer_id,
                                    node_visible_maddrs, stop_process)
+from agora.dht.entry_traffic import received_entries
 from agora.dht.entry_reader import EntryReader, Stored, is_subkey_dict
 from agora.dht.changed_finds import Seen, attach as attach_changed_finds
 from agora.dht.holder_reads import read_entry
@@ -404,6 +405,13 @@ class SwarmDHT(AsyncTwins):
         """``get_entries`` keyed by peer id, keeping only entries whose subkey is their record's
         ``peer_id`` (and, owned, whose owner key is that peer's; secured, owned at all)."""
         return self._owned(key, self.get_entries(key, record_type, latest=latest, full=full))
+
+    def received_entries(self) -> dict[str, tuple[int, int]]:
+        """(entries, bytes) this peer's DHT process received so far by record family
+        (dht/entry_traffic.py; {} under ``--insecure``). Not timed: it is no request to the swarm."""
+        future = self._submit(lambda: self._dht.run_coroutine(received_entries, return_future=True))
+        return {name: tuple(pair) for name, pair in self._wait(future, "received entries",
+                                                                time.monotonic() + self.request_timeout).items()}
 
     def rejections(self) -> dict[str, int]:
         """How many invalid values each key has yielded to this peer's reads so far."""

@@ -9,7 +9,8 @@ import pytest
 
 from agora.bench.dht_scale import PeerSpec, Reading, peer_specs, usage_between
 from agora.bench.dht_scale_report import (Call, Newcomer, PeerUsage, figures, goals, plot, quantile, read_calls,
-                                          read_errors, read_polls, report)
+                                          read_errors, read_polls, read_received, received_between, received_table,
+                                          report)
 from agora.bench.dht_traffic import Dilation
 from agora.bench.many_nodes import geometry_for
 
@@ -87,6 +88,28 @@ def test_the_peers_logs_and_summaries_are_read_back(tmp_path):
     calls = read_calls(tmp_path, ["a", "gone"])
     assert calls == {"a": [Call(1000.5, "get", "units", 0.1, False)], "gone": []}
     assert read_errors(tmp_path, ["a", "gone"]) == 3  # a peer that wrote no summary counts as a failure
+
+
+def test_entries_received_are_the_snapshots_difference_over_the_window_per_node_per_logical_minute(tmp_path):
+    lines = [[990.0, {"rounds": [10, 30_000]}], [1001.0, {"rounds": [12, 36_000]}],
+             [1099.0, {"rounds": [112, 336_000], "units": [5, 10_240]}], [1105.0, {"rounds": [999, 9_999_999]}]]
+    (tmp_path / "a.jsonl.received.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    received = read_received(tmp_path, ["a", "gone"])
+    assert received["gone"] == [] and len(received["a"]) == 4
+    # from the last snapshot at or before the window's start to the last at or before its end
+    assert received_between(received["a"], *WINDOW) == {"rounds": (102, 306_000), "units": (5, 10_240)}
+    assert received_between([], *WINDOW) == {}
+    row = _figures(received={**received, "bootstrap": [(1099.0, {"bans": [50, 50_000]})]})
+    # 2 peers over 25 logical s (100 real s at K=4); the bootstrap's are its own
+    assert row.received["rounds"] == {"kib_per_node_min": pytest.approx(306_000 / 1024 / 2 / 25 * 60, abs=0.01),
+                                      "entries_per_node_min": pytest.approx(102 / 2 / 25 * 60, abs=0.01),
+                                      "bytes_per_entry": 3000}
+    assert set(row.received) == {"rounds", "units"}
+    small, large = dataclasses.replace(row, nodes=8), dataclasses.replace(row, nodes=64, received={
+        name: {**cell, "kib_per_node_min": cell["kib_per_node_min"] * 4} for name, cell in row.received.items()})
+    table = "\n".join(received_table([small, large]))
+    assert "| rounds | 358.6 (122; 3000) | 1434 (122; 12000) | 4 |" in table
+    assert "| all | " in table and received_table([dataclasses.replace(row, received={})]) == []
 
 
 def _with_monitor_and_newcomer(newcomer=None):
