@@ -87,7 +87,7 @@ IN_FLIGHT = 2  # a trainer's units held at once: the one it runs and the next it
 GRPC_PORT, METRICS_PORT = 50051, 9100  # announced, as a worker's record does; nothing listens here
 CONFIG = PRESETS["tiny"]  # the demo's run: its fingerprint is what the workers announce
 # bench/dht_traffic.py's actions, and the `Peer` method that plays each.
-ACTIONS = {"heartbeat": "beat", "probe": "probe", "round": "run_round", "units": "read_units",
+ACTIONS = {"heartbeat": "beat", "probe": "probe", "replicas": "read_replicas", "round": "run_round", "units": "read_units",
            "rebalance": "rebalance", "roster": "roster", "batch": "batch", "renew": "renew", "bans": "read_bans",
            "poll": "poll"}
 
@@ -172,10 +172,17 @@ class Peer:
         await self.heartbeat.beat()
 
     async def probe(self) -> None:
-        await asyncio.gather(self.board.announced_round(self.round + ROUND_LEAD), self.board.replicas())
+        await self.board.announced_round(self.round + ROUND_LEAD)
+
+    async def read_replicas(self) -> None:
+        await self.board.replicas()
 
     async def run_round(self) -> None:
+        """A round as its replica's loop runs it: announced and closed if it is one of the round's
+        announcers (dht/round_board.py, from the peers its last count saw), else nothing stored."""
         self.round += 1
+        if not self.board.announces(self.round):
+            return
         await self.board.announce(self.round)
         await asyncio.sleep(self.dilation.real_s(self.model.round_s))
         await self.board.close(self.round)

@@ -8,8 +8,9 @@ batch), in logical seconds (`--dilation K` stretches every period K times: `Dila
 | role | action | every (logical s) | requests | where in the code |
 |---|---|---:|---|---|
 | worker | heartbeat | 5 | call bans, store workers | dht/heartbeat.py: join's `--heartbeat`, the ban list read each beat |
-| worker | probe | 1.19 | get rounds, get workers | node/averaging/loop.py: `probe_s` (tiny: 3 s / 4) + the read, none while a round runs |
-| worker | round | 3.7 | store rounds x 2 | RoundBoard: announce and close, 32.6 rounds a stage a minute over 2 replicas |
+| worker | probe | 1.19 | get rounds | node/averaging/loop.py: `probe_s` (tiny: 3 s / 4) + the read, none while a round runs |
+| worker | replicas | 3.6 | get workers | node/averaging/probes.py: the count falls due every window (3 s); the next probe or round reads it |
+| worker | round | 3.7 | store rounds x 2 x min(1, 2/R) | RoundBoard: announce and close by the round's 2 announcers (dht/round_board.py), 32.6 rounds a stage a minute |
 | worker | units | 0.62 | get units | node/worker/unit_holders.py: `refresh_s` 0.5 s + the read, while work comes |
 | worker | rebalance | 30 | get workers x S, get moves | node/worker/join.py: 6 heartbeats (`all_workers` + the moves) |
 | trainer | heartbeat | 5 | call bans, store trainers | node/trainer/announce.py |
@@ -42,9 +43,10 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from agora.bench.many_nodes import Geometry
+from agora.dht.round_board import ANNOUNCERS
 
 __all__ = ["ROLES", "Action", "Dilation", "Request", "Timetable", "TrafficModel", "check_rows", "first_due_s",
            "peer_rates", "role_actions", "swarm_rates"]
@@ -57,6 +59,7 @@ class TrafficModel:
     """The timers and the pace the schedule is built from (the module docstring gives each one's source)."""
 
     stages: int = 3
+    replicas: int = 2  # R, a stage's replicas: 2 of them announce each round (dht/round_board.py)
     heartbeat_s: float = 5.0  # join's and trainer's --heartbeat; every node's ban list read
     probe_s: float = 0.75  # node/averaging/loop.py: tiny's matchmaking_s 3 s / 4
     rounds_per_s: float = 0.27  # rounds a replica runs (N = 8 demo: 32.6 a stage a minute, 2 replicas)
@@ -72,7 +75,7 @@ class TrafficModel:
     monitor_poll_s: float = 2.0  # monitor/options.py: `poll_s`
 
     def __post_init__(self):
-        for name in ("heartbeat_s", "probe_s", "rounds_per_s", "unit_refresh_s", "rebalance_s", "roster_refresh_s",
+        for name in ("replicas", "heartbeat_s", "probe_s", "rounds_per_s", "unit_refresh_s", "rebalance_s", "roster_refresh_s",
                      "batches_per_s", "lease_s", "monitor_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"traffic model: {name} must be positive, got {getattr(self, name)}")
@@ -85,6 +88,16 @@ class TrafficModel:
         return (self.probe_s + self.read_s) / (1 - self.rounds_per_s * self.round_s)
 
     @property
+    def replicas_period_s(self) -> float:
+        """The live replica count falls due every window; the next probe reads it, half a probe on average."""
+        return self.matchmaking_s + self.probe_period_s / 2
+
+    @property
+    def announcing_share(self) -> float:
+        """The share of a stage's replicas that announce a round."""
+        return min(1.0, ANNOUNCERS / self.replicas)
+
+    @property
     def round_announcement_s(self) -> float:
         return self.matchmaking_s + self.request_s
 
@@ -93,7 +106,7 @@ class TrafficModel:
 class Request:
     operation: str  # store, get, call (dht/op_timings.py's OPERATIONS)
     family: str  # workers, trainers, moves, rounds, units, bans
-    count: int = 1
+    count: float = 1  # per action (an expected count where only some peers send it)
     metered: bool = True  # False: `all_workers`' reads, which many_nodes.json's metrics did not time
 
     @property
@@ -115,8 +128,9 @@ def role_actions(role: str, model: TrafficModel) -> tuple[Action, ...]:
     stages = model.stages
     if role == "worker":
         return (Action("heartbeat", model.heartbeat_s, (Request("call", "bans"), Request("store", "workers"))),
-                Action("probe", model.probe_period_s, (Request("get", "rounds"), Request("get", "workers"))),
-                Action("round", 1 / model.rounds_per_s, (Request("store", "rounds", 2),)),
+                Action("probe", model.probe_period_s, (Request("get", "rounds"),)),
+                Action("replicas", model.replicas_period_s, (Request("get", "workers"),)),
+                Action("round", 1 / model.rounds_per_s, (Request("store", "rounds", 2 * model.announcing_share),)),
                 Action("units", model.unit_refresh_s + model.read_s, (Request("get", "units"),)),
                 Action("rebalance", model.rebalance_s, (Request("get", "workers", stages, metered=False),
                                                         Request("get", "moves"))))
@@ -147,6 +161,7 @@ def swarm_rates(geometry: Geometry, model: TrafficModel, *, services: int = 1,
     """Requests per logical second per DHT peer, by operation and family, of a swarm of `geometry`
     with `services` peers that only read the ban list (the bootstrap; the demo's authorizer too)."""
     peers = [("worker", geometry.stages * geometry.replicas), ("trainer", geometry.trainers), ("bootstrap", services)]
+    model = replace(model, replicas=geometry.replicas)
     total: dict[str, float] = {}
     for role, count in peers:
         for name, rate in peer_rates(role_actions(role, model), metered_only=metered_only).items():

@@ -4,21 +4,45 @@ A ``RoundRecord`` per peer under ``{run}.stage{i}.{method}.rounds``, expiring wi
 matchmaking window, so a replica whose own step count is behind can join the round a faster one
 is waiting in; the live replica count comes from the workers' records. The averaging loop
 (node/averaging/loop.py) reads it every probe; the averager itself is dht/averaging.py.
+
+Only ``ANNOUNCERS`` of a stage's replicas announce a round (``announcers``: the lowest digests of
+peer id and round number among the live replicas the last count read saw). The others start it on
+their own schedule as the announcers do (they step on the same completed-batch reports); an
+announcement is for a replica that will not, and one open entry tells it as well as R do. With
+every replica announcing, each rewrote its entry twice a round and every replica's probe carried
+all of them back: a probe's bytes grew with R, and so with the swarm. Now a round's board changes
+by two entries whatever R. Views of the live replicas differ for a few seconds around a join or a
+departure, so a round may get one announcer more or one fewer; two keep a round visible when one
+of them is a laggard itself, or dead, or withholds its announcement (a hostile announcer can
+still only hide its own). At two replicas both announce, as before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
-from typing import Optional
+from typing import Iterable, Optional
 
 from agora.dht.keys import rounds_key
 from agora.dht.records import Phase, RoundRecord
 from agora.dht.swarm import SwarmDHT
 
-__all__ = ["RoundBoard"]
+__all__ = ["ANNOUNCERS", "RoundBoard", "announcers"]
 
 logger = logging.getLogger("agora.dht.averaging")  # one logger for everything averaging says
+
+ANNOUNCERS = 2  # replicas of a stage that announce each round (the module docstring)
+
+
+def announcers(round_number: int, peers: Iterable[str], count: int = ANNOUNCERS) -> frozenset[str]:
+    """The ``count`` peers of ``peers`` that announce ``round_number``: those whose digest of peer
+    id and round is lowest, so every replica that sees the same peers names the same ones, and the
+    duty moves from round to round."""
+    def rank(peer_id: str) -> bytes:
+        return hashlib.blake2b(f"{peer_id}:{round_number}".encode(), digest_size=8).digest()
+
+    return frozenset(sorted(set(peers), key=rank)[:count])
 
 
 class RoundBoard:
@@ -31,6 +55,11 @@ class RoundBoard:
         self.ttl = ttl
         self.refused: Counter[str] = Counter()  # announcements refused, by reason (each writer's round once)
         self._refused_seen: set[tuple[str, int]] = set()
+        self.peers: frozenset[str] = frozenset()  # the live averaging replicas the last count saw, this one included
+
+    def announces(self, round_number: int) -> bool:
+        """Whether this replica is one of ``round_number``'s announcers (always, before a first count)."""
+        return not self.peers or self._swarm.peer_id in announcers(round_number, self.peers)
 
     async def announce(self, round_number: int) -> None:
         """Tell the stage this replica is starting ``round_number`` (best effort)."""
@@ -81,5 +110,7 @@ class RoundBoard:
         """Live replicas of the stage, this one included (even before its first announce lands)."""
         records = await self._swarm.live_workers_async(self.run_id, self.stage)
         # Serve-only workers (phase "serving") share the stage's record key but never average.
-        return 1 + sum(1 for w in records
-                       if w.peer_id != self._swarm.peer_id and w.phase not in (Phase.LEAVING, Phase.SERVING))
+        others = {w.peer_id for w in records
+                  if w.peer_id != self._swarm.peer_id and w.phase not in (Phase.LEAVING, Phase.SERVING)}
+        self.peers = frozenset({self._swarm.peer_id, *others})
+        return len(self.peers)

@@ -25,18 +25,19 @@ Design choices:
   announcements (`RoundBoard`, dht/round_board.py) are read every `probe_s` and at once after a
   round without partners, so replicas that missed each other meet in the next round; they are
   also how a replica whose count lags (missed reports, a restart, `--local-batch`) joins the
-  rounds of the others, well inside the matchmaking window they wait for it. An announcement
-  is closed when its round ends, so nobody joins a round the others have left. A replica whose
+  rounds of the others, well inside the matchmaking window they wait for it. Two replicas
+  announce each round, not all (dht/round_board.py says why), and an announcement is closed when
+  its round ends, so nobody joins a round the others have left. A replica whose
   count has not moved since its last probe reads only the announcements, every half window
   (node/averaging/probes.py): an idle swarm's DHT traffic was mostly these reads.
 - Between rounds the loop sleeps until the step hook wakes it or the next probe is due, looking
   at its count at least every `_COUNT_CHECK_S` (a count moved without a step: a test, a restore).
 - A snapshot the hook takes while a round of the same slice is still running gets that round's
   delta when it is applied (`_carry_into_hooked`); otherwise the next round would undo it.
-- The board also gives the live replica count (read with the probe, and again at a round when
-  the last read is older than a probe): one (only this worker) is an `alone` outcome at once,
-  with no matchmaking wait; more becomes the matchmaking target, so a complete group starts
-  without waiting out the window. The round's announcement is stored while the round runs.
+- The board also gives the live replica count (read with a probe, and at a round, when the last
+  read is older than a matchmaking window: node/averaging/probes.py says why): one (only this
+  worker) is an `alone` outcome at once, with no matchmaking wait; more becomes the matchmaking
+  target, so a complete group starts without waiting out the window. The round's announcers store their announcement while it runs.
 - sparta: delta rule `w[slice] += average - snapshot` (node/averaging/sparta.py), optionally on the Adam
   moments of the slice too (exp_avg_sq is clamped at 0: a delta could push it negative).
   diloco: fragment round, outer Nesterov on the token-weighted mean delta; a round with fewer
@@ -58,7 +59,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from typing import Callable, Mapping, Optional, Protocol
 
@@ -99,6 +99,8 @@ class RoundDirectory(Protocol):
 
     async def replicas(self) -> int: ...
 
+    def announces(self, round_number: int) -> bool: ...  # whether this replica announces the round
+
 # Rounds past the stage's schedule (this replica's count, or the stage's announced one when ahead)
 # that an announcement may still name and be joined. Replicas step on the same completed-batch
 # reports, so a real announcement is a round or two ahead at most; a later one is refused.
@@ -124,7 +126,8 @@ class AveragingLoop:
 
     def __init__(self, worker: StageWorker, averager: SliceAverager, sync: SyncConfig, *, seed: int,
                  board: Optional[RoundDirectory] = None, probe_s: Optional[float] = None,
-                 quiet_probe_s: Optional[float] = None, logger: Optional[logging.Logger] = None,
+                 quiet_probe_s: Optional[float] = None, replicas_s: Optional[float] = None,
+                 logger: Optional[logging.Logger] = None,
                  stats: Optional[AveragingStats] = None):
         if sync.method not in ("sparta", "diloco"):
             raise ValueError(f"no averaging loop for sync.method {sync.method!r}")
@@ -135,7 +138,7 @@ class AveragingLoop:
         self.stats = stats if stats is not None else AveragingStats(sync.method)  # the process's registry, or its own
         self._board = board
         self.probe_s, quiet_probe_s = probe_intervals(sync.matchmaking_s, probe_s, quiet_probe_s)
-        self._probes = ProbeSchedule(self.probe_s, quiet_probe_s)
+        self._probes = ProbeSchedule(self.probe_s, quiet_probe_s, replicas_s)
         self._announced: Optional[int] = None
         self._refused_counted: dict[str, int] = {}  # the board's refusals already in the stats
         self._logger = logger or logging.getLogger("agora.node.averaging")
@@ -155,8 +158,7 @@ class AveragingLoop:
         self._hook_round = 0  # the last round the hook snapshotted (compute thread only)
         self._wake = asyncio.Event()  # set by the hook and by stop()
         self._event_loop: Optional[asyncio.AbstractEventLoop] = None
-        self._replicas: Optional[int] = None  # the board's live replica count, and when it was read
-        self._replicas_read_at = -math.inf
+        self._replicas: Optional[int] = None  # the board's live replica count (`_probes` knows when it was read)
         # Called on the event loop after every round with (result, slice, applied): a joining replica's
         # phases (node/membership/phases.py) count the slices it has received. An observer must not raise.
         self.round_observers: list[Callable[[RoundResult, int, bool], None]] = []
@@ -280,14 +282,16 @@ class AveragingLoop:
                 self._logger.exception("averaging round %d failed", decision.round)
 
     async def _probe(self, steps: int) -> None:
-        """Read the round board: the announcements, and the live replicas unless this replica is quiet."""
+        """Read the round board: the announcements, and the live replicas when the count is due
+        (not while this replica is quiet: node/averaging/probes.py)."""
         reads = [self._ask(self._read_announced, None)]
-        if self._probes.reads_replicas(steps):
+        if self._probes.reads_replicas(steps, time.monotonic()):
             reads.append(self._ask(self._board.replicas, None))
         announced, *replicas = await asyncio.gather(*reads)
         self._announced = announced
         if replicas and replicas[0] is not None:
-            self._replicas, self._replicas_read_at = replicas[0], time.monotonic()
+            self._replicas = replicas[0]
+            self._probes.replicas_read(time.monotonic())
         self._probes.probed(time.monotonic(), steps)
 
     def _idle_wait_s(self) -> float:
@@ -344,9 +348,10 @@ class AveragingLoop:
         index = round_slice(round_number, self.sync.n_slices)
         self._last_round = max(self._last_round, round_number)
         expected = None
-        if self._board is not None:  # stored while the round runs; closed as soon as it ends
-            self._announcing = asyncio.create_task(self._ask(lambda: self._board.announce(round_number), None))
-            self._open_round = round_number
+        if self._board is not None:  # stored while the round runs, by its announcers; closed as soon as it ends
+            if self._board.announces(round_number):
+                self._announcing = asyncio.create_task(self._ask(lambda: self._board.announce(round_number), None))
+                self._open_round = round_number
             expected = await self._replica_count()
         try:
             return await self._averaged(round_number, index, expected)
@@ -424,11 +429,13 @@ class AveragingLoop:
         self._hooked.carry(lambda r: round_slice(r, self.sync.n_slices) == index, delta, moments_from)
 
     async def _replica_count(self) -> Optional[int]:
-        """The live replicas of the stage as last read, read again if older than a probe."""
-        if time.monotonic() - self._replicas_read_at > self.probe_s:
+        """The live replicas of the stage as last read, read again if older than the probes'
+        `replicas_s` (node/averaging/probes.py says why not at every probe)."""
+        if self._probes.replicas_due(time.monotonic()):
             fresh = await self._ask(self._board.replicas, None)
             if fresh is not None:
-                self._replicas, self._replicas_read_at = fresh, time.monotonic()
+                self._replicas = fresh
+                self._probes.replicas_read(time.monotonic())
         return self._replicas
 
     def _local_part(self, compute: StageCompute, index: int) -> torch.Tensor:

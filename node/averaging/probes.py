@@ -13,8 +13,15 @@ CPU that answers it, on these reads. Design choices:
   it in time to join (a replica that gets no completed-batch reports while its stage trains keeps
   averaging with it).
 - A quiet probe reads only the announcements. The replica count matters only when a round
-  starts, and a round re-reads it when it is older than `base_s` (node/averaging/loop.py), so
+  starts, and a round re-reads it when it is older than `replicas_s` (node/averaging/loop.py), so
   skipping it costs a quiet replica one read when it does join a round, not one per probe.
+- The replica count is read again at most every `replicas_s` (twice the quiet interval: the
+  matchmaking window), not at every probe. It is the stage's worker records, each rewritten every
+  heartbeat, so a read of it carries about R/4 changed records at the training pace, and R grows
+  with the swarm; the announcements are what a probe is for. A count is already as old as the
+  records it comes from (a dead replica is counted until its record expires, three heartbeats),
+  and one a window old costs at most one round that waits out its window for a replica that has
+  gone, or starts without one that has just come.
 - The first probe after the count moves is due `base_s` after the previous probe (at once when
   that has passed): a replica whose stage starts training probes at the training pace from its
   first step, not after its quiet interval.
@@ -40,12 +47,16 @@ def probe_intervals(matchmaking_s: float, probe_s: Optional[float] = None,
 class ProbeSchedule:
     """The next probe's time and kind, from the probes done so far and the replica's step count."""
 
-    def __init__(self, base_s: float, quiet_s: float):
+    def __init__(self, base_s: float, quiet_s: float, replicas_s: Optional[float] = None):
         if not 0 < base_s <= quiet_s:
             raise ValueError(f"probe intervals: need 0 < base_s <= quiet_s, got {base_s:g} and {quiet_s:g}")
         self.base_s = base_s
         self.quiet_s = quiet_s
+        self.replicas_s = 2 * quiet_s if replicas_s is None else replicas_s
+        if not self.replicas_s >= base_s:
+            raise ValueError(f"probe intervals: need replicas_s >= base_s, got {self.replicas_s:g} and {base_s:g}")
         self._probed_at = -math.inf
+        self._replicas_at = -math.inf
         self._steps_at_probe: Optional[int] = None
         self._next = 0.0  # the first probe is due at once
 
@@ -59,9 +70,17 @@ class ProbeSchedule:
             return min(self._next, self._probed_at + self.base_s) - now
         return self._next - now
 
-    def reads_replicas(self, steps: int) -> bool:
+    def reads_replicas(self, steps: int, now: float) -> bool:
         """Whether a probe now reads the live replica count besides the announcements."""
-        return not self.quiet(steps)
+        return not self.quiet(steps) and self.replicas_due(now)
+
+    def replicas_due(self, now: float) -> bool:
+        """Whether the replica count is older than `replicas_s` (or was never read)."""
+        return now - self._replicas_at >= self.replicas_s
+
+    def replicas_read(self, now: float) -> None:
+        """The replica count was read at `now` (by a probe or by a round about to start)."""
+        self._replicas_at = now
 
     def probed(self, now: float, steps: int) -> None:
         """A probe was done at `now`, seeing step count `steps`."""

@@ -6,16 +6,19 @@ shared cores, then its latency):
 
 - Probes of the round board (node/averaging/loop.py): on node/averaging/probes.py's schedule, with
   the intervals `probe_intervals` gives the matchmaking window; two reads (the announcements and the
-  live replicas) while the replica's step count moves, one when quiet. The loop runs one thing at a
+  live replicas) while the replica's step count moves and its count is older than the schedule's
+  `replicas_s`, else one. The loop runs one thing at a
   time, so none while a round runs; the probe due at a round's step is the matchmaking's read of the
   live replicas (workers.py's `StageRounds`), counted there. After each round the loop stores that
-  it left it (`RoundBoard.close`) beside its next wait.
+  it left it (`RoundBoard.close`) beside its next wait, if it is one of the round's announcers
+  (dht/round_board.py's `announcers` of the stage's live replicas).
 - The worker's heartbeat (dht/heartbeat.py's `beat`): every `heartbeat_s` from a phase of its own
   (drawn: replicas start at different times), a read of the ban list, then its record's store.
 """
 
 from __future__ import annotations
 
+from agora.dht.round_board import announcers
 from agora.node.averaging.probes import ProbeSchedule, probe_intervals
 from agora.node.simulate.workers import SimWorker
 
@@ -33,13 +36,17 @@ def probing(swarm, worker: SimWorker):
             schedule.probed(env.now, worker.steps)  # the matchmaking's read stands for this probe
             while worker.rounding and worker.alive:
                 yield worker.wait_wake(env)
-            env.process(swarm.dht_op("store"))  # RoundBoard.close
+            peers = [w.peer_id for w in swarm.workers.values() if w.alive and w.stage == worker.stage]
+            if worker.peer_id in announcers(worker.last_round, peers):
+                env.process(swarm.dht_op("store"))  # RoundBoard.close
             continue
         due = schedule.due_in(env.now, worker.steps)
         if due <= _DUE_NOW_S:
             steps = worker.steps
-            reads = 2 if schedule.reads_replicas(steps) else 1
-            yield env.all_of([env.process(swarm.dht_op("get")) for _ in range(reads)])
+            replicas = schedule.reads_replicas(steps, env.now)
+            yield env.all_of([env.process(swarm.dht_op("get")) for _ in range(2 if replicas else 1)])
+            if replicas:
+                schedule.replicas_read(env.now)
             schedule.probed(env.now, steps)
             continue
         yield env.any_of([env.timeout(due), worker.wait_wake(env)])

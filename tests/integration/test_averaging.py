@@ -18,13 +18,15 @@ import signal
 import subprocess
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from dht_swarm import worker_entry
 
 from agora.dht.averaging import SliceAverager
-from agora.dht.round_board import RoundBoard
+from agora.dht.round_board import ANNOUNCERS, RoundBoard, announcers
 from agora.dht.swarm import SwarmDHT
 from agora.node.averaging.loop import AveragingLoop
 from agora.node.averaging.sparta import SlicePartition, averaged_vector_size, stage_parameter_numels
@@ -82,6 +84,9 @@ class FixedBoard:
 
     async def replicas(self):
         return self.replicas_now
+
+    def announces(self, round_number):
+        return True
 
 
 async def replicas_on(averagers, sync=SYNC, boards=None):
@@ -222,6 +227,36 @@ def test_a_closed_round_is_no_longer_announced():
             assert await b.announced_round() == 6
 
         run(main())
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+def test_two_replicas_of_a_stage_announce_each_round_and_every_replica_names_the_same_two():
+    dhts = []
+    try:
+        for _ in range(4):
+            dhts.append(SwarmDHT.start(initial_peers=dhts[0].visible_maddrs() if dhts else ()))
+        boards = [RoundBoard(dht, run_id="avg-test", stage=0, method="sparta", ttl=30.0) for dht in dhts]
+        assert all(board.announces(1) for board in boards)  # before a first count: every one
+
+        async def main():
+            for dht in dhts:
+                assert dht.announce_worker(worker_entry("avg-test", dht.peer_id), ttl=60.0)
+            counts = [await board.replicas() for board in boards]
+            for _ in range(20):
+                if counts == [4] * 4:
+                    break
+                await asyncio.sleep(0.25)  # stores reach every holder within a few reads
+                counts = [await board.replicas() for board in boards]
+            return counts
+
+        assert run(main()) == [4] * 4
+        for round_number in range(1, 31):
+            named = [dht.peer_id for dht, board in zip(dhts, boards) if board.announces(round_number)]
+            assert len(named) == ANNOUNCERS and frozenset(named) == announcers(round_number, boards[0].peers)
+        duty = Counter(peer for r in range(1, 201) for peer in announcers(r, boards[0].peers))
+        assert len(duty) == 4 and min(duty.values()) > 50  # the duty moves round to round (400 shares, 100 each)
     finally:
         for dht in dhts:
             dht.shutdown()

@@ -58,8 +58,12 @@ class ScriptedAverager:
 
 
 class Board:
-    def __init__(self, replicas: int = 2, announced: int | None = None):
+    def __init__(self, replicas: int = 2, announced: int | None = None, announcer: bool = True):
         self.replicas_now, self.announced_now, self.announced_by_us, self.closed_by_us = replicas, announced, [], []
+        self.announcer = announcer
+
+    def announces(self, round_number):
+        return self.announcer
 
     async def announce(self, round_number):
         self.announced_by_us.append(round_number)
@@ -302,13 +306,13 @@ def test_alone_failed_and_rejected_rounds_write_nothing():
 
     async def main():
         board = Board(replicas=1)
-        worker, averager, loop = await started(SYNC, reply, board)
+        worker, averager, loop = await started(SYNC, reply, board, replicas_s=0.05)
         try:
             before = await worker.on_compute(params)
             assert (await loop.run_round(1)).outcome == "alone"  # no other replica: no matchmaking
             assert averager.calls == []
             board.replicas_now = 3
-            await asyncio.sleep(2 * loop.probe_s)  # the count is read again once older than a probe
+            await asyncio.sleep(0.1)  # the count is read again once older than `replicas_s`
             assert (await loop.run_round(2)).outcome == "failed"
             assert (await loop.run_round(3)).outcome == "rejected"
             after = await worker.on_compute(params)
@@ -325,10 +329,45 @@ def test_alone_failed_and_rejected_rounds_write_nothing():
     run(main())
 
 
+def test_a_replica_that_is_not_the_rounds_announcer_runs_it_without_announcing_or_closing():
+    async def main():
+        board = Board(replicas=3, announcer=False)
+        worker, averager, loop = await started(SYNC, lambda values, r: committed(values, r), board)
+        try:
+            assert (await loop.run_round(1)).outcome == "committed"
+            assert (await loop.run_round(2)).outcome == "committed"
+            board.announcer = True
+            assert (await loop.run_round(3)).outcome == "committed"
+        finally:
+            await loop.stop()
+            await worker.stop()
+        assert [call[0] for call in averager.calls] == [1, 2, 3]
+        assert board.announced_by_us == [3] and board.closed_by_us == [3]
+
+    run(main())
+
+
+def test_a_training_replica_reads_the_count_every_replicas_interval_not_at_every_probe():
+    async def main():
+        board = CountingBoard()
+        worker, _, loop = await started(SYNC, lambda values, r: committed(values, r), board, replicas_s=10.0)
+        try:
+            for step in range(1, 4):  # its count moves: probes at the training pace (probe_s 0.01)
+                await worker.on_compute(lambda c, step=step: setattr(c.optimizer, "steps", step))
+                await board.read("announced", board.reads["announced"] + 2)
+        finally:
+            await loop.stop()
+            await worker.stop()
+        assert board.reads["announced"] >= 6 and board.reads["replicas"] == 1  # the first probe's
+
+    run(main())
+
+
 def test_a_quiet_replica_reads_only_the_announcements_until_its_count_moves():
     async def main():
         board = CountingBoard()
-        worker, _, loop = await started(SYNC, lambda values, r: committed(values, r), board, quiet_probe_s=0.02)
+        worker, _, loop = await started(SYNC, lambda values, r: committed(values, r), board, quiet_probe_s=0.02,
+                                        replicas_s=0.02)
         try:
             await board.read("announced", 4)
             quiet_reads = dict(board.reads)

@@ -12,25 +12,38 @@ pytestmark = pytest.mark.timeout(10)
 def test_the_first_probe_is_due_at_once_and_reads_everything():
     probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
     assert probes.due_in(100.0, steps=0) <= 0
-    assert probes.reads_replicas(steps=0)
+    assert probes.reads_replicas(steps=0, now=100.0)
 
 
-def test_a_training_replica_probes_every_base_interval_and_reads_the_replica_count():
+def test_a_training_replica_probes_every_base_interval_and_reads_the_replica_count_every_replicas_interval():
     probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
-    for step, now in enumerate([0.0, 1.0, 2.0]):
-        assert probes.reads_replicas(steps=step)
+    assert probes.replicas_s == 8.0  # twice the quiet interval: the matchmaking window
+    read_at = []
+    for step, now in enumerate([0.0, 1.0, 2.0, 7.0, 8.0, 9.0, 16.5]):
+        if probes.reads_replicas(steps=step, now=now):
+            probes.replicas_read(now)
+            read_at.append(now)
         probes.probed(now, steps=step)
         assert probes.due_in(now, steps=step + 1) == pytest.approx(1.0)
+    assert read_at == [0.0, 8.0, 16.5]
+
+
+def test_a_round_that_read_the_count_puts_the_probes_read_off():
+    probes = ProbeSchedule(base_s=1.0, quiet_s=2.0, replicas_s=3.0)
+    assert probes.replicas_due(0.0)
+    probes.replicas_read(0.5)  # a round about to start read it
+    assert not probes.replicas_due(3.4) and not probes.reads_replicas(steps=1, now=3.4)
+    assert probes.replicas_due(3.5) and probes.reads_replicas(steps=1, now=3.5)
 
 
 def test_a_quiet_replica_probes_every_quiet_interval_for_the_announcements_only():
     probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
     probes.probed(0.0, steps=7)
     assert probes.due_in(0.0, steps=7) == pytest.approx(1.0)  # not yet known to be quiet
-    assert not probes.reads_replicas(steps=7)
+    assert not probes.reads_replicas(steps=7, now=0.0)
     probes.probed(1.0, steps=7)
     assert probes.due_in(1.0, steps=7) == pytest.approx(4.0)
-    assert not probes.reads_replicas(steps=7)
+    assert not probes.reads_replicas(steps=7, now=100.0)  # never due while quiet
 
 
 def test_a_step_after_a_quiet_spell_brings_the_next_probe_back_to_the_base_pace():
@@ -39,7 +52,7 @@ def test_a_step_after_a_quiet_spell_brings_the_next_probe_back_to_the_base_pace(
     probes.probed(1.0, steps=7)  # quiet: the next at 5.0
     assert probes.due_in(1.5, steps=8) == pytest.approx(0.5)  # base_s after the last probe
     assert probes.due_in(3.0, steps=8) <= 0
-    assert probes.reads_replicas(steps=8)
+    assert probes.reads_replicas(steps=8, now=3.0)
     probes.probed(3.0, steps=8)
     assert probes.due_in(3.0, steps=8) == pytest.approx(1.0)
 
@@ -52,10 +65,11 @@ def test_look_now_makes_the_next_probe_due():
     assert probes.due_in(1.0, steps=1) <= 0
 
 
-@pytest.mark.parametrize("base_s, quiet_s", [(0.0, 1.0), (2.0, 1.0), (-1.0, 1.0)])
-def test_intervals_out_of_order_are_refused(base_s, quiet_s):
+@pytest.mark.parametrize("base_s, quiet_s, replicas_s", [(0.0, 1.0, None), (2.0, 1.0, None), (-1.0, 1.0, None),
+                                                          (1.0, 2.0, 0.5)])
+def test_intervals_out_of_order_are_refused(base_s, quiet_s, replicas_s):
     with pytest.raises(ValueError, match="probe intervals"):
-        ProbeSchedule(base_s, quiet_s)
+        ProbeSchedule(base_s, quiet_s, replicas_s)
 
 
 def test_the_intervals_are_a_quarter_and_a_half_of_the_window_unless_given():

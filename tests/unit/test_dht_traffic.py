@@ -1,6 +1,7 @@
 """bench/dht_traffic.py: which requests each role sends and how often, the schedule that plays them,
 and the dilation arithmetic that reads a stretched window back in logical minutes."""
 
+import dataclasses
 import random
 
 import pytest
@@ -31,7 +32,15 @@ def test_each_role_sends_its_families_at_the_codes_rates():
 def test_the_reads_all_workers_makes_are_left_out_where_the_nodes_metrics_do_not_time_them():
     assert "get workers" not in peer_rates(role_actions("trainer", MODEL), metered_only=True)
     metered = peer_rates(role_actions("worker", MODEL), metered_only=True)
-    assert metered["get workers"] == pytest.approx(peer_rates(role_actions("worker", MODEL))["get rounds"])
+    assert metered["get workers"] == pytest.approx(1 / MODEL.replicas_period_s)  # the probes' count alone
+
+
+def test_the_live_count_is_read_every_window_and_two_replicas_of_a_stage_announce_a_round():
+    assert MODEL.replicas_period_s == pytest.approx(3.0 + (0.75 + 0.12) / (1 - 0.27) / 2)
+    assert peer_rates(role_actions("worker", MODEL))["store rounds"] == pytest.approx(2 * 0.27)  # R = 2: both
+    wide = dataclasses.replace(MODEL, replicas=20)
+    assert peer_rates(role_actions("worker", wide))["store rounds"] == pytest.approx(2 * 0.27 * 2 / 20)
+    assert swarm_rates(geometry_for(64, 3), MODEL)["store rounds"] < swarm_rates(geometry_for(8, 3), MODEL)["store rounds"] / 5
 
 
 def test_the_monitor_reads_every_stage_and_the_trainers_each_poll_and_stores_nothing():
@@ -52,9 +61,10 @@ def test_swarm_rates_are_per_dht_peer_over_every_role_and_the_services():
     assert by_name["get other"] == (0.0, 0.01) and by_name["get rounds"][1] == 0.0
 
 
-def test_the_offered_load_per_peer_stays_the_same_as_the_swarm_grows():
+def test_the_offered_load_per_peer_does_not_grow_with_the_swarm():
     totals = [sum(swarm_rates(geometry_for(n, 3), MODEL).values()) for n in (8, 16, 32, 64)]
-    assert max(totals) / min(totals) < 1.15
+    # Past two replicas a stage, two of them announce a round whatever R: the load falls once, then holds.
+    assert totals[0] == max(totals) and max(totals[1:]) / min(totals[1:]) < 1.15
 
 
 def test_a_bad_role_or_model_names_the_field():

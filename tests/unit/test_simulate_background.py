@@ -34,9 +34,12 @@ def _stage(replicas: int, every_steps: int, heartbeat_s: float = 0.0, between_ro
     return swarm
 
 
-def test_a_replica_probes_with_two_reads_at_each_step_and_one_quiet_read_a_base_interval_later():
+def test_a_replica_probes_at_each_step_and_a_quiet_read_a_base_interval_later_and_counts_every_window():
     ops = _stage(1, every_steps=1000).ops
-    expected = [(t, "get") for step in (0.0, 2.0, 4.0, 6.0, 8.0) for t in (step, step, step + 0.75)]
+    # The count (the second read) falls due every 3 s window: read at 0, then at the probes of 4 and 8.
+    counted = {0.0, 4.0, 8.0}
+    expected = [(t, "get") for step in (0.0, 2.0, 4.0, 6.0, 8.0)
+                for t in ((step, step) if step in counted else (step,)) + (step + 0.75,)]
     assert ops == expected
 
 
