@@ -24,9 +24,9 @@ than the model's.
 Every request `SwarmDHT` sends is timed where its own `RequestTimings` times it, and also written,
 one JSON array a line ([end wall time, operation, family, seconds, failed]), to `--calls` every
 couple of seconds and at exit; `<calls>.summary.json` holds each action's runs and errors, and the
-monitor's polls ([end wall time, seconds] each); `<calls>.received.jsonl` what its DHT process received
-so far by record family, every couple of seconds (dht/entry_traffic.py: entries and their bytes, the
-stores it held and the answers it read). SIGTERM or SIGINT ends it.
+monitor's polls ([end wall time, seconds] each); `<calls>.traffic.jsonl` what its DHT process carried
+so far, every couple of seconds (dht/entry_traffic.py: the entries it received by family, the requests
+it sent by method and family). SIGTERM or SIGINT ends it.
 
 The monitor also watches for the harness's newcomer (bench/dht_newcomer.py): once `--watch-file`
 names a stage, it reads that stage's workers (the key every reader of the stage reads), writes
@@ -98,7 +98,7 @@ class CallLog(RequestTimings):
     def __init__(self, path: Path):
         super().__init__()
         self._path = path
-        self.received_path = Path(f"{path}.received.jsonl")  # `note_received`'s
+        self.traffic_path = Path(f"{path}.traffic.jsonl")  # `note_traffic`'s
         self._pending: list[list] = []
         self._pending_lock = threading.Lock()
 
@@ -283,19 +283,19 @@ async def flush_forever(log: CallLog, swarm: SwarmDHT) -> None:
     while True:
         await asyncio.sleep(FLUSH_S)
         await asyncio.to_thread(log.flush)
-        await asyncio.to_thread(note_received, swarm, log.received_path)
+        await asyncio.to_thread(note_traffic, swarm, log.traffic_path)
 
 
-def note_received(swarm: SwarmDHT, path: Path) -> None:
-    """Append what the peer's DHT process received so far, by family (dht/entry_traffic.py), as one
-    line: [wall time, {family: [entries, bytes]}]."""
+def note_traffic(swarm: SwarmDHT, path: Path) -> None:
+    """Append what the peer's DHT process carried so far (dht/entry_traffic.py) as one line:
+    [wall time, {"received": {family: [entries, bytes]}, "sent": {"method family": [calls, out, back]}}]."""
     try:
-        counts = swarm.received_entries()
+        traffic = swarm.traffic()
     except DHTRequestError as error:
-        logger.warning("received entries not read: %s", error)
+        logger.warning("DHT traffic not read: %s", error)
         return
     with path.open("a") as out:
-        out.write(json.dumps([round(time.time(), 4), {name: list(pair) for name, pair in counts.items()}]) + "\n")
+        out.write(json.dumps([round(time.time(), 4), traffic]) + "\n")
 
 
 async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog) -> None:

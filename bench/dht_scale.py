@@ -58,7 +58,7 @@ from pathlib import Path
 
 from agora.auth.authority import RunAuthority
 from agora.bench.dht_scale_report import (Figures, Newcomer, PeerUsage, figures, plot, read_calls, read_errors,
-                                          read_polls, read_received, report)
+                                          read_polls, read_traffic, report)
 from agora.bench.dht_traffic import Dilation, TrafficModel, check_rows
 from agora.bench.many_nodes import Geometry, geometry_for
 from agora.bench.results_files import write_results
@@ -294,7 +294,7 @@ def measure(nodes: int, args: argparse.Namespace, workdir: Path) -> Figures:
                    idle_s=rest[1].wall - rest[0].wall, loads=(load_start, load_end),
                    action_errors=read_errors(workdir / "calls", names), start_s=round(start_s, 1), monitor=MONITOR,
                    polls=read_polls(workdir / "calls", MONITOR), stages=geometry.stages, newcomer=newcomer,
-                   received=read_received(workdir / "calls", names))
+                   traffic=read_traffic(workdir / "calls", names))
 
 
 # ---- the run --------------------------------------------------------------------------------------

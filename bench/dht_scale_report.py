@@ -114,6 +114,8 @@ class Figures:
     # per record family, the entries the role peers' DHT processes received (dht/entry_traffic.py):
     # KiB and entries per node per logical minute, bytes an entry
     received: dict = field(default_factory=dict)
+    # per "method family", the requests they sent: calls, KiB out and KiB back per node per logical minute
+    sent: dict = field(default_factory=dict)
     # the monitor: its whole polls from the traffic's start to the window's end (seconds, as measured),
     # and its bytes and CPU per logical minute
     monitor_polls: int = 0
@@ -144,44 +146,57 @@ def read_calls(folder: Path, names: Iterable[str]) -> dict[str, list[Call]]:
     return calls
 
 
-def read_received(folder: Path, names: Iterable[str]) -> dict[str, list[tuple[float, dict]]]:
-    """Every peer's snapshots of what its DHT process received so far (bench/dht_peer.py's
-    `<name>.jsonl.received.jsonl`: [wall time, {family: [entries, bytes]}] a line), a missing file empty."""
-    received = {}
+def read_traffic(folder: Path, names: Iterable[str]) -> dict[str, list[tuple[float, dict]]]:
+    """Every peer's snapshots of what its DHT process carried so far (bench/dht_peer.py's
+    `<name>.jsonl.traffic.jsonl`: [wall time, {"received": ..., "sent": ...}] a line), a missing file empty."""
+    traffic = {}
     for name in names:
         try:
-            lines = (folder / f"{name}.jsonl.received.jsonl").read_text().splitlines()
+            lines = (folder / f"{name}.jsonl.traffic.jsonl").read_text().splitlines()
         except FileNotFoundError:
             lines = []
-        received[name] = [(float(wall), counts) for wall, counts in map(json.loads, filter(str.strip, lines))]
-    return received
+        traffic[name] = [(float(wall), counts) for wall, counts in map(json.loads, filter(str.strip, lines))]
+    return traffic
 
 
-def received_between(snapshots: list[tuple[float, dict]], start: float, end: float) -> dict[str, tuple[int, int]]:
-    """(entries, bytes) received by family between the last snapshot at or before `start` (none: from
-    nothing) and the last at or before `end`."""
+def carried_between(snapshots: list[tuple[float, dict]], part: str, start: float, end: float) -> dict[str, tuple]:
+    """One part ("received" or "sent") of the snapshots, by name: its counts between the last snapshot
+    at or before `start` (none: from nothing) and the last at or before `end`."""
     def last(at: float) -> dict:
-        taken = [counts for wall, counts in snapshots if wall <= at]
+        taken = [counts.get(part, {}) for wall, counts in snapshots if wall <= at]
         return taken[-1] if taken else {}
 
     before, after = last(start), last(end)
-    return {name: (entries - before.get(name, (0, 0))[0], size - before.get(name, (0, 0))[1])
-            for name, (entries, size) in after.items()}
+    return {name: tuple(now - was for now, was in zip(counts, before.get(name, [0] * len(counts))))
+            for name, counts in after.items()}
 
 
-def _received_figures(dilation: Dilation, received: Mapping[str, list[tuple[float, dict]]], peers: list[str],
-                      window: tuple[float, float]) -> dict[str, dict]:
-    totals: dict[str, list[int]] = {}
-    for name in peers:
-        for family, (entries, size) in received_between(received.get(name, []), *window).items():
-            total = totals.setdefault(family, [0, 0])
-            total[0] += entries
-            total[1] += size
+def _carried(dilation: Dilation, traffic: Mapping[str, list[tuple[float, dict]]], peers: list[str],
+             window: tuple[float, float]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(received, sent) per node per logical minute: by family, KiB, entries and bytes an entry; by
+    "method family", calls and KiB out and back."""
     window_s, per_node = window[1] - window[0], len(peers) or 1
-    return {family: {"kib_per_node_min": round(dilation.per_logical_minute(size, window_s) / per_node / KIB, 2),
-                     "entries_per_node_min": round(dilation.per_logical_minute(entries, window_s) / per_node, 2),
-                     "bytes_per_entry": round(size / entries) if entries else 0}
-            for family, (entries, size) in sorted(totals.items())}
+
+    def per_min(amount: float) -> float:
+        return dilation.per_logical_minute(amount, window_s) / per_node
+
+    parts = {}
+    for part in ("received", "sent"):
+        totals: dict[str, list[int]] = {}
+        for name in peers:
+            for key, counts in carried_between(traffic.get(name, []), part, *window).items():
+                total = totals.setdefault(key, [0] * len(counts))
+                for i, count in enumerate(counts):
+                    total[i] += count
+        parts[part] = dict(sorted(totals.items()))
+    received = {family: {"kib_per_node_min": round(per_min(size) / KIB, 2),
+                         "entries_per_node_min": round(per_min(entries), 2),
+                         "bytes_per_entry": round(size / entries) if entries else 0}
+                for family, (entries, size) in parts["received"].items()}
+    sent = {name: {"calls_per_node_min": round(per_min(calls), 2), "kib_out_per_node_min": round(per_min(out) / KIB, 2),
+                   "kib_back_per_node_min": round(per_min(back) / KIB, 2)}
+            for name, (calls, out, back) in parts["sent"].items()}
+    return received, sent
 
 
 def read_errors(folder: Path, names: Iterable[str]) -> int:
@@ -235,12 +250,12 @@ def figures(*, nodes: int, geometry: str, profile: str, dilation: Dilation, call
             usage: Mapping[str, PeerUsage], bootstrap: str, window: tuple[float, float], idle_s: float,
             loads: tuple[float, float], action_errors: int = 0, start_s: float = math.nan, monitor: str = "",
             polls: Iterable[tuple[float, float]] = (), stages: int = 0, newcomer: Newcomer | None = None,
-            received: Mapping[str, list[tuple[float, dict]]] | None = None) -> Figures:
+            traffic: Mapping[str, list[tuple[float, dict]]] | None = None) -> Figures:
     """One N's row. `calls` and `usage` by peer name (the bootstrap's included, named `bootstrap`, and
     the monitor's, named `monitor`); `window`: its wall-clock start and end; the role peers' figures are
     means over them. `polls`: the monitor's ([end wall time, seconds] each); `stages`: S, to count the
-    trainers' roster reads (S gets each, names starting "trainer"); `received`: each peer's snapshots of
-    the entries its DHT process received (`read_received`)."""
+    trainers' roster reads (S gets each, names starting "trainer"); `traffic`: each peer's snapshots of
+    what its DHT process carried (`read_traffic`)."""
     start, end = window
     window_s = end - start
     peers = [name for name in usage if name not in (bootstrap, monitor)]
@@ -257,6 +272,7 @@ def figures(*, nodes: int, geometry: str, profile: str, dilation: Dilation, call
     boot = usage.get(bootstrap, PeerUsage())
     cpu_real = sum(usage[name].window_cpu_s for name in peers) / per_node / window_s * 60.0
     at_rest = 60.0 / per_node / idle_s if idle_s > 0 else math.nan
+    received, sent = _carried(dilation, traffic or {}, peers, window)
     return Figures(
         nodes=nodes, geometry=geometry, profile=profile, dilation=dilation.factor, load_start=round(loads[0], 2),
         load_end=round(loads[1], 2), window_s=round(window_s, 1),
@@ -272,7 +288,7 @@ def figures(*, nodes: int, geometry: str, profile: str, dilation: Dilation, call
         pss_mib_per_node=sum(usage[name].pss_mib for name in peers) / per_node,
         bootstrap_kib_min=_rate(dilation, [boot], window_s, idle_s, "bytes") / KIB,
         bootstrap_cpu_s_min=_rate(dilation, [boot], window_s, idle_s, "cpu"),
-        start_s=start_s, by_family=by_family, received=_received_figures(dilation, received or {}, peers, window),
+        start_s=start_s, by_family=by_family, received=received, sent=sent,
         **_monitor_figures(dilation, usage.get(monitor), [seconds for ended, seconds in polls if ended <= end],
                            window_s, idle_s),
         roster_reads_per_trainer_s=_roster_reads(dilation, inside, stages, window_s),
@@ -433,7 +449,7 @@ def report(rows: list[Figures], command: str, model_check: list[tuple[str, float
                            for c in cells)
         p95 = [math.nan if c is None else c["p95_ms"] for c in cells]
         lines.append(f"| {name} | {shown} | {growth(nodes, p95)} |")
-    lines += received_table(rows)
+    lines += received_table(rows) + sent_table(rows)
     if model_check:
         lines += ["", "The traffic model against the demo's nodes at N = 8 (bench/results/many_nodes.json), "
                   "requests per DHT peer per second, as the nodes' metrics count them:", "",
@@ -462,6 +478,29 @@ def received_table(rows: list[Figures]) -> list[str]:
         shown = " | ".join("-" if cell is None else f"{cell[0]:.4g} ({cell[1]:.3g}; {cell[2]:.0f})" for cell in cells)
         ratio = kib[-1] / kib[0] if kib[0] and not math.isnan(kib[0]) else math.nan
         lines.append(f"| {family} | {shown} | {_cell(ratio)} | {growth(nodes, kib)} |")
+    return lines
+
+
+def sent_table(rows: list[Figures]) -> list[str]:
+    """The requests the role peers' DHT processes sent, by method and family, with the growth of their bytes."""
+    names = sorted({name for row in rows for name in row.sent})
+    if not names:
+        return []
+    nodes = [row.nodes for row in rows]
+    lines = ["", "Requests sent by RPC and record family (dht/entry_traffic.py: each request and its response "
+             "as protobuf encodes them, authorization included; `-`: no key): per node per logical minute, calls "
+             "(KiB out + back). Every request is counted once, by its sender; a node's interface carries its own "
+             "and those it answers.", "",
+             "| RPC family | " + " | ".join(f"N={n}" for n in nodes) + f" | x N={nodes[0]}->{nodes[-1]} | growth |",
+             "|---|" + "---:|" * (len(nodes) + 2)]
+    for name in [*names, "all"]:
+        chosen = [[c for key, c in row.sent.items() if name == "all" or key == name] for row in rows]
+        kib = [sum(c["kib_out_per_node_min"] + c["kib_back_per_node_min"] for c in cells) if cells else math.nan
+               for cells in chosen]
+        calls = [sum(c["calls_per_node_min"] for c in cells) for cells in chosen]
+        shown = " | ".join("-" if math.isnan(k) else f"{n:.3g} ({k:.4g})" for n, k in zip(calls, kib))
+        ratio = kib[-1] / kib[0] if kib[0] and not math.isnan(kib[0]) else math.nan
+        lines.append(f"| {name} | {shown} | {_cell(ratio)} | {growth(nodes, kib)} |")
     return lines
 
 

@@ -31,7 +31,10 @@ from agora.dht.keys import averaging_key_parts, bans_key
 from agora.dht.record_fields import MAX_STAGES, RecordError
 from agora.dht.records import CLOCK_SKEW_S
 
-__all__ = ["KeyTable", "Refusal", "key_hash", "PLAIN_TAGS"]
+# Averaging methods that keep a rounds board (pipeline/config.py SYNC_METHODS, less "none").
+ROUND_METHODS = ("sparta", "diloco")
+
+__all__ = ["KeyTable", "PLAIN_TAGS", "ROUND_METHODS", "Refusal", "key_hash"]
 
 # hivemind's subkey tags for a plain value and for a whole dictionary (DHTProtocol.RESERVED_SUBKEYS).
 PLAIN_TAGS = (MSGPackSerializer.dumps(None), b"")

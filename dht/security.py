@@ -121,7 +121,7 @@ from agora.dht.bans import BanBook, BanListError
 from agora.dht.entry_traffic import ReceivedEntries
 from agora.dht.entry_value import (OwnerSignatureValidator, attached_credential_at, credential_attachment,
                                    older_credential_format, split_credential)
-from agora.dht.key_policy import PLAIN_TAGS, KeyTable, Refusal
+from agora.dht.key_policy import PLAIN_TAGS, ROUND_METHODS, KeyTable, Refusal
 from agora.dht.ownership import EntryOwnership
 from agora.dht.key_families import BAN_LIST, KeyFamily
 from agora.dht.keys import split_subkey, worker_key
@@ -142,8 +142,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Averaging methods that keep a rounds board (pipeline/config.py SYNC_METHODS, less "none").
-ROUND_METHODS = ("sparta", "diloco")
 
 
 class OwnedRecordValidator(RecordValidatorBase):

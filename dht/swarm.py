@@ -62,7 +62,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from agora.dht.bans import BAN_REFRESH_S, BanList, NodeBans, fetch_ban_list
 from agora.dht.dht_process import (READ_BEAM, OwnedDHT, node_caches_locally, node_client_mode, node_peer_id,
                                    node_visible_maddrs, stop_process)
-from agora.dht.entry_traffic import received_entries
+from agora.dht.entry_traffic import dht_traffic
 from agora.dht.entry_reader import EntryReader, Stored, is_subkey_dict
 from agora.dht.changed_finds import Seen, attach as attach_changed_finds
 from agora.dht.holder_reads import read_entry
@@ -406,12 +406,13 @@ class SwarmDHT(AsyncTwins):
         ``peer_id`` (and, owned, whose owner key is that peer's; secured, owned at all)."""
         return self._owned(key, self.get_entries(key, record_type, latest=latest, full=full))
 
-    def received_entries(self) -> dict[str, tuple[int, int]]:
-        """(entries, bytes) this peer's DHT process received so far by record family
-        (dht/entry_traffic.py; {} under ``--insecure``). Not timed: it is no request to the swarm."""
-        future = self._submit(lambda: self._dht.run_coroutine(received_entries, return_future=True))
-        return {name: tuple(pair) for name, pair in self._wait(future, "received entries",
-                                                                time.monotonic() + self.request_timeout).items()}
+    def traffic(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """What this peer's DHT process carried so far (dht/entry_traffic.py): "received", (entries,
+        bytes) by record family; "sent", (calls, request bytes, response bytes) by "method family".
+        Both empty under ``--insecure``. Not timed: it is no request to the swarm."""
+        future = self._submit(lambda: self._dht.run_coroutine(dht_traffic, return_future=True))
+        found = self._wait(future, "DHT traffic", time.monotonic() + self.request_timeout)
+        return {part: {name: tuple(counts) for name, counts in found[part].items()} for part in ("received", "sent")}
 
     def rejections(self) -> dict[str, int]:
         """How many invalid values each key has yielded to this peer's reads so far."""

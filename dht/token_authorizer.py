@@ -30,7 +30,9 @@ from agora.auth.credentials import Clock, CredentialError, CredentialVerifier, I
 from agora.auth.keys import hivemind_private_key, load_or_create_key
 from agora.auth.node_state import NodeCredentials
 from agora.dht.chain_references import ChainCache, PeerChains, chain_digest, holds, reference_digest, reference_of
+from agora.dht.entry_traffic import SENT
 from agora.dht.entry_value import record_bytes
+from agora.dht.key_policy import ROUND_METHODS, KeyTable
 from agora.dht.storage_bounds import STORE_CONTEXT, StoreContext
 from agora.dht.store_checks import RefusedEntries, StoreTimes, refusal_kind
 
@@ -286,7 +288,8 @@ def _digest_named(token: AccessToken) -> bytes:
 
 class PeerStub:
     """hivemind's ``AuthRPCWrapper`` on the client side, for one peer: the authorizer makes each
-    request's token for ``peer_id`` and hears of a request that got no valid response."""
+    request's token for ``peer_id`` and hears of a request that got no valid response; each request
+    and its response are counted in ``SENT`` (dht/entry_traffic.py)."""
 
     def __init__(self, stub: Any, authorizer: CredentialTokenAuthorizer, peer_id: str):
         self._stub, self._authorizer, self._peer_id = stub, authorizer, peer_id
@@ -302,7 +305,9 @@ class PeerStub:
                 response = await method(request, *args, **kwargs)
             except Exception:  # refused (an unknown name among them), timed out, unreachable
                 self._authorizer.unanswered(self._peer_id)
+                SENT.add(name, request, None)
                 raise
+            SENT.add(name, request, response)
             valid = await self._authorizer.validate_response(response, request, peer_id=self._peer_id)
             return response if valid else None
 
@@ -321,4 +326,5 @@ async def use_peer_stubs(_dht: Any, node: Any) -> bool:
         return PeerStub(super(DHTProtocol, protocol).get_stub(protocol.p2p, peer), authorizer, peer.to_base58())
 
     protocol.get_stub = get_stub
+    SENT.keys = KeyTable(authorizer.run_id, methods=ROUND_METHODS)  # what its requests are counted by
     return True

@@ -1,6 +1,7 @@
-"""Entries received, counted by record family (dht/entry_traffic.py), between admitted hivemind peers on
-loopback: a store is counted where it lands, a read's answer where it arrives, whole (the writer's
-credential and signature included), and the writer's own storage not at all."""
+"""What a DHT process carries (dht/entry_traffic.py), between admitted hivemind peers on loopback:
+entries received by record family (a store where it lands, a read's answer where it arrives, whole:
+the writer's credential and signature included; the writer's own storage not at all), and the
+requests each sent by RPC and family, their authorization included."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import time
 
 import pytest
 from hivemind.dht.validation import DHTRecord
+from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer
 
 from agora.auth.authority import RunAuthority
 from agora.dht import SwarmDHT, WorkerRecord, worker_key
-from agora.dht.entry_traffic import ReceivedEntries
-from agora.dht.key_policy import key_hash
+from agora.dht.changed_finds import ChangedFindRequest
+from agora.dht.entry_traffic import ReceivedEntries, SentRequests
+from agora.dht.key_policy import KeyTable, key_hash
 from agora.dht.keys import bans_key, units_key
 from agora.dht.security import ROUND_METHODS, DHTSecurity
 from agora.pipeline.fingerprint import RunFingerprint
@@ -42,6 +45,21 @@ def test_entries_are_counted_by_family_whole_and_the_counts_start_in_the_receivi
     assert copy.validate(DHTRecord(key_hash(worker_key(RUN, 0)), subkey, b"", time.time())) and copy.counts()["workers"][0] == 1
 
 
+def test_requests_are_counted_by_rpc_and_the_family_of_their_first_key():
+    sent = SentRequests()
+    find = dht_pb2.FindRequest(keys=[key_hash(worker_key(RUN, 0)), key_hash(units_key(RUN, 1))])
+    answer = dht_pb2.FindResponse(results=[dht_pb2.FindResult(value=b"v" * 100)])
+    sent.add("rpc_find", find, answer)
+    sent.add("rpc_find", find, None)  # no response came back
+    sent.add("rpc_ping", dht_pb2.PingRequest(), dht_pb2.PingResponse())
+    sent.add("rpc_find_changed", ChangedFindRequest(key=key_hash(units_key(RUN, 2))), None)
+    assert sent.counts() == {"find other": (2, 2 * find.ByteSize(), answer.ByteSize()), "ping -": (1, 0, 0),
+                             "find_changed other": (1, ChangedFindRequest(key=key_hash(units_key(RUN, 2))).ByteSize(), 0)}
+    sent.keys = KeyTable(RUN, methods=ROUND_METHODS)  # named by the run's families once it knows them
+    sent.add("rpc_find", find, answer)
+    assert sent.counts()["find workers"] == (1, find.ByteSize(), answer.ByteSize())
+
+
 def test_admitted_peers_count_the_stores_they_hold_and_the_answers_they_read(tmp_path):
     authority = RunAuthority(tmp_path / "authority", run_id=RUN)
     for name in ("a", "b", "c"):
@@ -51,7 +69,7 @@ def test_admitted_peers_count_the_stores_they_hold_and_the_answers_they_read(tmp
                                       security=DHTSecurity.from_state_dir(tmp_path / name)) for name in ("b", "c")]
     reader, writer, third = peers
     try:
-        assert all(peer.received_entries().get("workers") is None for peer in peers)
+        assert all(peer.traffic()["received"].get("workers") is None for peer in peers)
         record = WorkerRecord(peer_id=writer.peer_id, run_id=RUN, endpoint="127.0.0.1:50051", stage=0, n_stages=2,
                               throughput=10.0, queue_depth=0, step=1, phase="member", version="0.1.0",
                               updated_at=time.time(), fingerprint=FINGERPRINT)
@@ -59,10 +77,16 @@ def test_admitted_peers_count_the_stores_they_hold_and_the_answers_they_read(tmp
         eventually(lambda: reader.live_workers(RUN, 0) == [record], timeout=15, what="the announce read")
         stored = len(record.to_wire())
         for peer in (reader, third):  # each held the store, and the reader read it from a holder too
-            entries, size = peer.received_entries()["workers"]
+            entries, size = peer.traffic()["received"]["workers"]
             assert entries >= 1
             assert size / entries > stored + 1500, (size, entries, stored)  # the credential chain rides along
-        assert writer.received_entries().get("workers") is None  # its own storage is not received
+        assert writer.traffic()["received"].get("workers") is None  # its own storage is not received
+        calls, out, back = writer.traffic()["sent"]["store workers"]  # to the two others
+        assert calls >= 2 and out / calls > stored + 1500 and back / calls > 300  # a signed answer
+        sent = reader.traffic()["sent"]
+        reads = [counts for name, counts in sent.items() if name.split()[1] == "workers" and "store" not in name]
+        assert reads and all(calls >= 1 and back > 0 for calls, out, back in reads), sent
+        assert "ping -" in sent  # joining: requests with no key
     finally:
         for peer in reversed(peers):
             peer.shutdown()
@@ -71,6 +95,6 @@ def test_admitted_peers_count_the_stores_they_hold_and_the_answers_they_read(tmp
 def test_an_insecure_peer_counts_nothing():
     peer = SwarmDHT.start()
     try:
-        assert peer.received_entries() == {}
+        assert peer.traffic() == {"received": {}, "sent": {}}
     finally:
         peer.shutdown()

@@ -9,8 +9,8 @@ import pytest
 
 from agora.bench.dht_scale import PeerSpec, Reading, peer_specs, usage_between
 from agora.bench.dht_scale_report import (Call, Newcomer, PeerUsage, figures, goals, plot, quantile, read_calls,
-                                          read_errors, read_polls, read_received, received_between, received_table,
-                                          report)
+                                          read_errors, read_polls, read_traffic, carried_between, received_table,
+                                          report, sent_table)
 from agora.bench.dht_traffic import Dilation
 from agora.bench.many_nodes import geometry_for
 
@@ -90,26 +90,35 @@ def test_the_peers_logs_and_summaries_are_read_back(tmp_path):
     assert read_errors(tmp_path, ["a", "gone"]) == 3  # a peer that wrote no summary counts as a failure
 
 
-def test_entries_received_are_the_snapshots_difference_over_the_window_per_node_per_logical_minute(tmp_path):
-    lines = [[990.0, {"rounds": [10, 30_000]}], [1001.0, {"rounds": [12, 36_000]}],
-             [1099.0, {"rounds": [112, 336_000], "units": [5, 10_240]}], [1105.0, {"rounds": [999, 9_999_999]}]]
-    (tmp_path / "a.jsonl.received.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    received = read_received(tmp_path, ["a", "gone"])
-    assert received["gone"] == [] and len(received["a"]) == 4
+def test_what_a_peer_carried_is_the_snapshots_difference_over_the_window_per_node_per_logical_minute(tmp_path):
+    lines = [[990.0, {"received": {"rounds": [10, 30_000]}, "sent": {}}],
+             [1001.0, {"received": {"rounds": [12, 36_000]}, "sent": {"find rounds": [4, 4096, 8192]}}],
+             [1099.0, {"received": {"rounds": [112, 336_000], "units": [5, 10_240]},
+                       "sent": {"find rounds": [104, 106_496, 212_992], "ping -": [2, 100, 100]}}],
+             [1105.0, {"received": {"rounds": [999, 9_999_999]}, "sent": {}}]]
+    (tmp_path / "a.jsonl.traffic.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    traffic = read_traffic(tmp_path, ["a", "gone"])
+    assert traffic["gone"] == [] and len(traffic["a"]) == 4
     # from the last snapshot at or before the window's start to the last at or before its end
-    assert received_between(received["a"], *WINDOW) == {"rounds": (102, 306_000), "units": (5, 10_240)}
-    assert received_between([], *WINDOW) == {}
-    row = _figures(received={**received, "bootstrap": [(1099.0, {"bans": [50, 50_000]})]})
+    assert carried_between(traffic["a"], "received", *WINDOW) == {"rounds": (102, 306_000), "units": (5, 10_240)}
+    assert carried_between(traffic["a"], "sent", *WINDOW) == {"find rounds": (100, 102_400, 204_800),
+                                                              "ping -": (2, 100, 100)}
+    assert carried_between([], "sent", *WINDOW) == {}
+    row = _figures(traffic={**traffic, "bootstrap": [(1099.0, {"received": {"bans": [50, 50_000]}, "sent": {}})]})
     # 2 peers over 25 logical s (100 real s at K=4); the bootstrap's are its own
     assert row.received["rounds"] == {"kib_per_node_min": pytest.approx(306_000 / 1024 / 2 / 25 * 60, abs=0.01),
                                       "entries_per_node_min": pytest.approx(102 / 2 / 25 * 60, abs=0.01),
                                       "bytes_per_entry": 3000}
     assert set(row.received) == {"rounds", "units"}
+    assert row.sent["find rounds"] == {"calls_per_node_min": 120.0, "kib_out_per_node_min": 120.0,
+                                       "kib_back_per_node_min": 240.0}
     small, large = dataclasses.replace(row, nodes=8), dataclasses.replace(row, nodes=64, received={
         name: {**cell, "kib_per_node_min": cell["kib_per_node_min"] * 4} for name, cell in row.received.items()})
     table = "\n".join(received_table([small, large]))
     assert "| rounds | 358.6 (122; 3000) | 1434 (122; 12000) | 4 |" in table
     assert "| all | " in table and received_table([dataclasses.replace(row, received={})]) == []
+    sent = "\n".join(sent_table([small, large]))
+    assert "| find rounds | 120 (360) | 120 (360) | 1 |" in sent and "| all | 122 (" in sent
 
 
 def _with_monitor_and_newcomer(newcomer=None):
