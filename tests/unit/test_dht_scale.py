@@ -91,8 +91,8 @@ def test_the_peers_logs_and_summaries_are_read_back(tmp_path):
 
 
 def test_what_a_peer_carried_is_the_snapshots_difference_over_the_window_per_node_per_logical_minute(tmp_path):
-    lines = [[990.0, {"received": {"rounds": [10, 30_000]}, "sent": {}}],
-             [1001.0, {"received": {"rounds": [12, 36_000]}, "sent": {"find rounds": [4, 4096, 8192]}}],
+    lines = [[990.0, {"received": {"rounds": [10, 30_000]}, "sent": {"find rounds": [4, 4096, 8192]}}],
+             [1001.0, {"received": {"rounds": [12, 36_000]}, "sent": {"find rounds": [5, 5120, 10_240]}}],
              [1099.0, {"received": {"rounds": [112, 336_000], "units": [5, 10_240]},
                        "sent": {"find rounds": [104, 106_496, 212_992], "ping -": [2, 100, 100]}}],
              [1105.0, {"received": {"rounds": [999, 9_999_999]}, "sent": {}}]]
