@@ -177,6 +177,22 @@ def test_a_full_read_takes_the_entries_from_one_holder_digests_from_the_rest_and
     assert changed == [lone.peer_id] if changed[0] == lone.peer_id else changed[1:] == [lone.peer_id]
 
 
+def test_a_first_read_searches_for_the_holders_and_asks_them_for_changes_not_a_walk_for_whole_dictionaries(swarm):
+    run_id = f"reads-{uuid.uuid4().hex[:8]}"
+    key_id = int(DHTID.generate(source=worker_key(run_id, 0)))
+    for writer in swarm[1:3]:
+        assert writer.announce_worker(worker_entry(run_id, writer.peer_id), ttl=60.0)
+    reader = swarm[0]  # not a writer: a writer's stores searched for the key's holders already
+    with watching(reader):
+        assert seen(reader, run_id) == {swarm[1].peer_id, swarm[2].peer_id}  # read 1: no holder known yet
+        sent = reader.hivemind_dht.run_coroutine(kinds)
+        requests = reader.hivemind_dht.run_coroutine(asked)
+    of_the_key = [kind for (kind, _), (_, keys) in zip(sent, requests) if key_id in keys]
+    searched = [kind for (kind, _), (_, keys) in zip(sent, requests) if int(neighbour_id(DHTID(key_id))) in keys]
+    assert searched and set(searched) == {"find"}  # the search: peers only
+    assert of_the_key and "find" not in of_the_key  # the key itself: changed finds and digests
+
+
 def not_a_holder(swarm: list, key: str) -> SwarmDHT:
     return next(peer for peer in swarm if not held_by(peer, key))
 
@@ -198,7 +214,7 @@ def test_reads_go_straight_to_the_holders_a_search_found_a_quick_one_to_one_a_fu
     for writer in swarm[1:3]:
         assert writer.announce_worker(worker_entry(run_id, writer.peer_id), ttl=60.0)
     reader = not_a_holder(swarm, worker_key(run_id, 0))  # a holder's own copy would answer a quick read
-    holders = remembered_after_first_read(reader, run_id)  # read 1: full, by hivemind's walk
+    holders = remembered_after_first_read(reader, run_id)  # read 1: full, after a search for the holders
     others = [peer for peer in holders if peer != reader.peer_id]
     with watching(reader):
         assert seen(reader, run_id) == {swarm[1].peer_id, swarm[2].peer_id}  # read 2: quick
@@ -359,6 +375,9 @@ def test_a_peer_that_knows_no_other_remembers_no_holders_and_an_empty_read_searc
         assert lone.live_workers(run_id, 0) == []
         assert lone.hivemind_dht.run_coroutine(SearchNow(key)) == {}
     reader = swarm[0]
-    remembered_after_first_read(reader, run_id)  # the key is empty: its first read found nothing
-    assert seen(reader, run_id) == set()  # a full read (nothing seen yet) that found nothing: forgotten
-    assert reader.hivemind_dht.run_coroutine(Remembered(key)) == {}
+    probe = int(neighbour_id(DHTID.generate(source=key)))
+    with watching(reader):
+        for _ in range(2):  # the key is empty: each read searches, finds nothing and forgets what it found
+            assert seen(reader, run_id) == set()
+            assert reader.hivemind_dht.run_coroutine(Remembered(key)) == {}
+            assert any(probe in keys for _, keys in reader.hivemind_dht.run_coroutine(asked))
