@@ -21,7 +21,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from agora.bench.dht_traffic import Dilation
 from agora.bench.growth import growth
@@ -462,44 +462,47 @@ def report(rows: list[Figures], command: str, model_check: list[tuple[str, float
 
 def received_table(rows: list[Figures]) -> list[str]:
     """What the role peers received, by record family (dht/entry_traffic.py), with each family's growth."""
-    families = sorted({family for row in rows for family in row.received})
-    if not families:
-        return []
-    nodes = [row.nodes for row in rows]
-    lines = ["", "Entries received by record family (dht/entry_traffic.py: the stores a peer held and the entries "
-             "its reads' answers brought, whole as they came, its own excluded): KiB per node per logical minute "
-             "(entries a minute; bytes an entry). Message framing, digests and hivemind's routing are not entries; "
-             "the bytes column above counts them all, in and out.", "",
-             "| family | " + " | ".join(f"N={n}" for n in nodes) + " | x N=" + f"{nodes[0]}->{nodes[-1]} | growth |",
-             "|---|" + "---:|" * (len(nodes) + 2)]
-    for family in [*families, "all"]:
-        cells = [_received_cell(row.received, family) for row in rows]
-        kib = [math.nan if cell is None else cell[0] for cell in cells]
-        shown = " | ".join("-" if cell is None else f"{cell[0]:.4g} ({cell[1]:.3g}; {cell[2]:.0f})" for cell in cells)
-        ratio = kib[-1] / kib[0] if kib[0] and not math.isnan(kib[0]) else math.nan
-        lines.append(f"| {family} | {shown} | {_cell(ratio)} | {growth(nodes, kib)} |")
-    return lines
+    def cell(row: Figures, family: str) -> tuple[float, str] | None:
+        found = _received_cell(row.received, family)
+        return None if found is None else (found[0], f"{found[0]:.4g} ({found[1]:.3g}; {found[2]:.0f})")
+
+    return _carried_table(rows, sorted({family for row in rows for family in row.received}), "family", cell,
+                          "Entries received by record family (dht/entry_traffic.py: the stores a peer held and the "
+                          "entries its reads' answers brought, whole as they came, its own excluded): KiB per node per "
+                          "logical minute (entries a minute; bytes an entry). Message framing, digests and hivemind's "
+                          "routing are not entries; the bytes column above counts them all, in and out.")
 
 
 def sent_table(rows: list[Figures]) -> list[str]:
     """The requests the role peers' DHT processes sent, by method and family, with the growth of their bytes."""
-    names = sorted({name for row in rows for name in row.sent})
+    def cell(row: Figures, name: str) -> tuple[float, str] | None:
+        chosen = [c for key, c in row.sent.items() if name == "all" or key == name]
+        if not chosen:
+            return None
+        kib = sum(c["kib_out_per_node_min"] + c["kib_back_per_node_min"] for c in chosen)
+        return kib, f"{sum(c['calls_per_node_min'] for c in chosen):.3g} ({kib:.4g})"
+
+    return _carried_table(rows, sorted({name for row in rows for name in row.sent}), "RPC family", cell,
+                          "Requests sent by RPC and record family (dht/entry_traffic.py: each request and its response "
+                          "as protobuf encodes them, authorization included; `-`: no key): per node per logical minute, "
+                          "calls (KiB out + back). Every request is counted once, by its sender; a node's interface "
+                          "carries its own and those it answers.")
+
+
+def _carried_table(rows: list[Figures], names: list[str], head: str,
+                   cell: Callable[[Figures, str], tuple[float, str] | None], intro: str) -> list[str]:
+    """A row per name and one for "all": each N's cell (its KiB, as shown), the KiB's ratio from the
+    smallest N to the largest and its fitted growth; nothing when no N has a name."""
     if not names:
         return []
     nodes = [row.nodes for row in rows]
-    lines = ["", "Requests sent by RPC and record family (dht/entry_traffic.py: each request and its response "
-             "as protobuf encodes them, authorization included; `-`: no key): per node per logical minute, calls "
-             "(KiB out + back). Every request is counted once, by its sender; a node's interface carries its own "
-             "and those it answers.", "",
-             "| RPC family | " + " | ".join(f"N={n}" for n in nodes) + f" | x N={nodes[0]}->{nodes[-1]} | growth |",
-             "|---|" + "---:|" * (len(nodes) + 2)]
+    lines = ["", intro, "", f"| {head} | " + " | ".join(f"N={n}" for n in nodes)
+             + f" | x N={nodes[0]}->{nodes[-1]} | growth |", "|---|" + "---:|" * (len(nodes) + 2)]
     for name in [*names, "all"]:
-        chosen = [[c for key, c in row.sent.items() if name == "all" or key == name] for row in rows]
-        kib = [sum(c["kib_out_per_node_min"] + c["kib_back_per_node_min"] for c in cells) if cells else math.nan
-               for cells in chosen]
-        calls = [sum(c["calls_per_node_min"] for c in cells) for cells in chosen]
-        shown = " | ".join("-" if math.isnan(k) else f"{n:.3g} ({k:.4g})" for n, k in zip(calls, kib))
+        cells = [cell(row, name) for row in rows]
+        kib = [math.nan if c is None else c[0] for c in cells]
         ratio = kib[-1] / kib[0] if kib[0] and not math.isnan(kib[0]) else math.nan
+        shown = " | ".join("-" if c is None else c[1] for c in cells)
         lines.append(f"| {name} | {shown} | {_cell(ratio)} | {growth(nodes, kib)} |")
     return lines
 
