@@ -40,7 +40,8 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
 def _serve_bootstrap_metrics(metrics, swarm) -> None:
     from agora.monitor.dht_metrics import DHTMetrics
 
-    DHTMetrics(metrics.registry, swarm.bans, swarm.timings)  # its requests; secured: refusals, the ban list
+    # Its requests and what its DHT carries; secured: refusals, the ban list.
+    DHTMetrics(metrics.registry, swarm.bans, swarm.timings, swarm.traffic)
     metrics.serve()
 
 

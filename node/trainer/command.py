@@ -101,7 +101,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
         if credentials is not None:
             CredentialMetrics(node.registry, credentials.remaining_s,
                               lambda: renewer.renewals if renewer is not None else 0)
-        DHTMetrics(node.registry, swarm.bans, swarm.timings)
+        DHTMetrics(node.registry, swarm.bans, swarm.timings, swarm.traffic)
         stats = TrainerStats(node.registry)
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(node.close)

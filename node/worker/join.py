@@ -194,7 +194,7 @@ async def _serve(config: RunConfig, options: JoinOptions, worker_options: Worker
         if credentials is not None:
             CredentialMetrics(registry, credentials.remaining_s,
                               lambda: renewer.renewals if renewer is not None else 0)
-        DHTMetrics(registry, swarm.bans, swarm.timings)
+        DHTMetrics(registry, swarm.bans, swarm.timings, swarm.traffic)
         stats = AveragingStats(config.sync.method, registry=registry) if averager is not None else None
         watchdog = Watchdog(worker_options.watchdog, NodeHealth.of(worker, swarm, stats, renewer).sample,
                             on_trip=lambda trip: stop.set(), metrics=worker_metrics)

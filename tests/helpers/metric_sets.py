@@ -47,7 +47,8 @@ def every_role(registry: CollectorRegistry) -> None:
     timings = RequestTimings()
     timings.record("get", "workers", 0.004)
     timings.record("store", "rounds", 12.0, failed=True)
-    DHTMetrics(registry, bans, timings)
+    DHTMetrics(registry, bans, timings, lambda: {"received": {"workers": (3, 9000)},
+                                                 "sent": {"find_changed workers": (2, 900, 7000), "ping -": (1, 0, 0)}})
     stats = AveragingStats("sparta", registry=registry)
     stats.record(RoundResult("committed", 3, None, participants=("a", "b"), received_fraction=1.0, duration_s=0.4,
                              bytes_sent=100, bytes_received=100, rejections={"outlier": 1},

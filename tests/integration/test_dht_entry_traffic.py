@@ -6,20 +6,25 @@ requests each sent by RPC and family, their authorization included."""
 from __future__ import annotations
 
 import pickle
+import re
 import time
 
 import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.proto import dht_pb2
+from prometheus_client import CollectorRegistry, generate_latest
 from hivemind.utils import MSGPackSerializer
 
 from agora.auth.authority import RunAuthority
 from agora.dht import SwarmDHT, WorkerRecord, worker_key
+from agora.dht.bans import NodeBans
 from agora.dht.changed_finds import ChangedFindRequest
 from agora.dht.entry_traffic import ReceivedEntries, SentRequests
 from agora.dht.key_policy import KeyTable, key_hash
 from agora.dht.keys import bans_key, units_key
 from agora.dht.security import ROUND_METHODS, DHTSecurity
+from agora.dht.swarm import DHTRequestError
+from agora.monitor.dht_metrics import DHTMetrics
 from agora.pipeline.fingerprint import RunFingerprint
 from polling import eventually
 
@@ -87,9 +92,24 @@ def test_admitted_peers_count_the_stores_they_hold_and_the_answers_they_read(tmp
         reads = [counts for name, counts in sent.items() if name.split()[1] == "workers" and "store" not in name]
         assert reads and all(calls >= 1 and back > 0 for calls, out, back in reads), sent
         assert "ping -" in sent  # joining: requests with no key
+        registry = CollectorRegistry()  # what the node's metrics endpoint shows of it, read at scrape time
+        DHTMetrics(registry, NodeBans(), None, reader.traffic)
+        scraped = generate_latest(registry).decode()
+        assert 'agora_dht_received_entries_total{kind="workers"}' in scraped
+        assert re.search(r'agora_dht_response_bytes_total\{kind="workers",method="find_changed"\} [1-9]', scraped), scraped
     finally:
         for peer in reversed(peers):
             peer.shutdown()
+
+
+def test_a_scrape_while_the_dht_process_does_not_answer_shows_the_rest():
+    def gone() -> dict:
+        raise DHTRequestError("the DHT process is not running")
+
+    registry = CollectorRegistry()
+    DHTMetrics(registry, NodeBans(), None, gone)
+    scraped = generate_latest(registry).decode()
+    assert "agora_dht_ban_list_serial" in scraped and "agora_dht_sent_requests" not in scraped
 
 
 def test_an_insecure_peer_counts_nothing():
