@@ -134,29 +134,24 @@ class Figures:
         return max(self.load_start, self.load_end) > LOAD_LIMIT
 
 
+def _json_lines(path: Path) -> list:
+    """Each non-blank line of a peer's JSON-lines file, parsed; none if the peer wrote no file."""
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
 def read_calls(folder: Path, names: Iterable[str]) -> dict[str, list[Call]]:
     """Every peer's request log (bench/dht_peer.py writes `<name>.jsonl`), a missing one empty."""
-    calls = {}
-    for name in names:
-        try:
-            lines = (folder / f"{name}.jsonl").read_text().splitlines()
-        except FileNotFoundError:
-            lines = []
-        calls[name] = [Call.from_line(json.loads(line)) for line in lines if line.strip()]
-    return calls
+    return {name: [Call.from_line(line) for line in _json_lines(folder / f"{name}.jsonl")] for name in names}
 
 
 def read_traffic(folder: Path, names: Iterable[str]) -> dict[str, list[tuple[float, dict]]]:
     """Every peer's snapshots of what its DHT process carried so far (bench/dht_peer.py's
     `<name>.jsonl.traffic.jsonl`: [wall time, {"received": ..., "sent": ...}] a line), a missing file empty."""
-    traffic = {}
-    for name in names:
-        try:
-            lines = (folder / f"{name}.jsonl.traffic.jsonl").read_text().splitlines()
-        except FileNotFoundError:
-            lines = []
-        traffic[name] = [(float(wall), counts) for wall, counts in map(json.loads, filter(str.strip, lines))]
-    return traffic
+    return {name: [(float(wall), counts) for wall, counts in _json_lines(folder / f"{name}.jsonl.traffic.jsonl")]
+            for name in names}
 
 
 def carried_between(snapshots: list[tuple[float, dict]], part: str, start: float, end: float) -> dict[str, tuple]:

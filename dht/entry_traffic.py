@@ -112,7 +112,7 @@ class SentRequests:
             counts[2] += back
 
     def _family(self, request: Any) -> str:
-        keys = list(getattr(request, "keys", ()) or ())
+        keys = getattr(request, "keys", None)  # a find's or store's repeated field, indexed as it is (every RPC)
         key = keys[0] if keys else getattr(request, "key", b"")
         return family_name(self.keys, key) if key else NO_KEY
 
