@@ -37,8 +37,11 @@ pytestmark = pytest.mark.timeout(180)
 
 authority, keys, nodes = world.authority, world.keys, world.nodes  # fixtures
 
-STEPS = 46
 HONEST_REPLIES = 80  # the liar's honest Forwards before it lies: 40 global batches, past the early drift
+# Room for 4 * DETECTION_REPLIES lies and more after them: the heads split each global batch's four
+# microbatches evenly, so the liar lies from about step 41, and its 4th to 10th lie trips the bar
+# (seen under load). Fewer steps left a slow trip no lie to happen on, and the run ended unflagged.
+STEPS = 40 + 2 * DETECTION_REPLIES + 8
 
 
 def _config():
@@ -109,7 +112,7 @@ def test_a_head_replica_scaling_its_outputs_by_ten_is_flagged_excluded_reported_
         authority.unban(liar)
     stats = trainer.stats
     assert [r.step for r in records] == list(range(1, STEPS + 1))
-    assert set(stats.flagged_by_peer) == {liar}, (stats.flagged_by_peer, trainer.verification_summary())
+    assert set(stats.flagged_by_peer) == {liar}, (liar_forwards, stats.flagged_by_peer, trainer.verification_summary())
     assert "output" in stats.flagged_by_peer[liar]
     # One microbatch in flight: every lie was judged before the next call; the one that tripped the
     # verifier was refused (its route aborted and rerun), and the liar was never called again. Tiny's
