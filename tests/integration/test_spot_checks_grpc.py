@@ -37,7 +37,10 @@ from lying_workers import rewrite_replies
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS = 20
+# The liar's 16th checked reply names it (`MIN_CHECKED`): at a third of the heads' 4 Forwards a step,
+# some 12 steps of checks if none is skipped. 20 steps named it on the last few, and under load (checks
+# skipped for want of a free credit, the liar routed less) not at all; 28 leave room.
+STEPS = 28
 AVERAGE_EVERY = 2
 # A quarter of tiny's: at tiny's own, one Adam step moves a head replica's outputs (an embedding of
 # std 0.02) by a quarter to a half of their size, as far as a lie; a model's step moves them far less.
@@ -135,7 +138,8 @@ def test_a_head_lying_from_its_first_reply_past_every_statistic_is_named_by_spot
     records, trainer = asyncio.run(_train(LIES[lie], 1.0))
     stats = trainer.stats
     assert [r.step for r in records] == list(range(1, STEPS + 1))
-    assert set(stats.flagged_by_peer) == {LIAR}, (stats.flagged_by_peer, stats.spot_check_split())
+    assert set(stats.flagged_by_peer) == {LIAR}, (stats.flagged_by_peer, stats.spot_check_split(),
+                                                  stats.failures_by_peer)
     assert "disagreed on spot checks" in stats.flagged_by_peer[LIAR]
     assert trainer.roster.excluded == {LIAR}
     assert sample_value(stats.registry, "agora_trainer_flagged_workers_total", {"stage": "0", "kind": "output"}) == 1
