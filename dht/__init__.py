@@ -12,6 +12,7 @@
 - ``token_authorizer``: ``CredentialTokenAuthorizer``, the access tokens of admitted peers.
 - ``chain_references``: when a token may name its sender's chain instead of carrying it (pure).
 - ``entry_value``: what a typed entry's value carries (record, writer's chain, owner's signature).
+- ``entry_chains``: a changed find's answer naming the writers' chains its reader holds (pure, and the reader's memory).
 - ``averaging``: ``SliceAverager`` (hivemind's averager, with credential checks).
 - ``averaging_admission``: the credential a round carries and the averager process's check of it.
 - ``round_board``: ``RoundBoard``, which round the stage's replicas are in and how many live.

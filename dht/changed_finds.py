@@ -29,6 +29,12 @@ Design choices:
   digests alone (``call_find_changed_digests``: 16 bytes an entry), as Cassandra's digest reads do:
   the reader takes the entries from one holder and fetches from another only what its digests show
   that one lacked (dht/holder_reads.py).
+- Chains named. An entry carries its writer's credential chain, most of its bytes; a reader asks
+  again for entries it holds (each beat rewrites them), whose writers' chains it already has. So the
+  request says, per entry held, which chain came with it (``seen_chains``), and the answer names
+  that chain instead of carrying it; the reader puts it back before any validator sees the entry
+  (dht/entry_chains.py has the format and why a holder gains nothing by it). A chain named and no
+  longer held here costs one more request, naming none.
 - Served and asked from the DHT process: ``attach`` (through ``run_coroutine``) registers the
   handlers on the node's p2pd and gives the protocol a ``call_find_changed`` and a
   ``call_find_changed_digests`` beside its ``call_find``. A peer that has not registered it yet (for milliseconds after its start) answers
@@ -51,6 +57,8 @@ from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from agora.dht.entry_chains import HeldChains, restore_all, tag_to_name
+from agora.dht.entry_traffic import received_entries
 from agora.dht.token_authorizer import CredentialTokenAuthorizer, PeerStub
 
 __all__ = ["ChangedDigests", "ChangedFindRequest", "DIGESTS_HANDLER", "HANDLER", "Seen", "attach", "changed_digests",
@@ -93,6 +101,8 @@ def _message_types() -> tuple[Any, Any]:
     add(request, "key", 2, field.TYPE_BYTES)
     add(request, "seen_subkeys", 3, field.TYPE_BYTES, repeated=True)
     add(request, "seen_expirations", 4, field.TYPE_DOUBLE, repeated=True)
+    # Per seen subkey, the tag of the writer's chain the asker holds with it (b"": none): dht/entry_chains.py.
+    add(request, "seen_chains", 5, field.TYPE_BYTES, repeated=True)
     digests = file.message_type.add(name="ChangedDigests")
     add(digests, "auth", 1, field.TYPE_MESSAGE, type_name="." + auth_pb2.ResponseAuthInfo.DESCRIPTOR.full_name)
     add(digests, "subkeys", 2, field.TYPE_BYTES, repeated=True)
@@ -151,6 +161,20 @@ class _Service:
             held = cached
         return held, dict(zip(request.seen_subkeys, request.seen_expirations))
 
+    @staticmethod
+    def _chains_named(answer: DictionaryDHTValue, request: Any) -> DictionaryDHTValue:
+        """``answer`` with the chains the asker holds named instead of carried (dht/entry_chains.py)."""
+        chains = dict(zip(request.seen_subkeys, request.seen_chains))
+        if not chains:
+            return answer
+        named = DictionaryDHTValue(answer.maxsize)
+        for subkey, item in answer.items():
+            asker_tag = chains.get(subkey_digest(subkey))
+            short = None if asker_tag is None else tag_to_name(item.value, asker_tag)
+            named.store(subkey, item.value if short is None else short, item.expiration_time)
+        named.latest_expiration_time = answer.latest_expiration_time
+        return named
+
     async def rpc_find_changed_digests(self, request: Any, _context: Any = None) -> Any:
         held, seen = self._held(request)
         if held is None or not isinstance(held.value, DictionaryDHTValue):
@@ -163,8 +187,9 @@ class _Service:
         if held is None:
             result = dht_pb2.FindResult(type=dht_pb2.NOT_FOUND)
         elif isinstance(held.value, DictionaryDHTValue):
+            answer = self._chains_named(changed_entries(held.value, seen), request)
             result = dht_pb2.FindResult(type=dht_pb2.FOUND_DICTIONARY, expiration_time=held.expiration_time,
-                                        value=self._protocol.serializer.dumps(changed_entries(held.value, seen)))
+                                        value=self._protocol.serializer.dumps(answer))
         else:
             result = dht_pb2.FindResult(type=dht_pb2.FOUND_REGULAR, value=held.value,
                                         expiration_time=held.expiration_time)
@@ -204,8 +229,12 @@ async def attach(_dht: Any, node: Any) -> None:
             return response
         return handle
 
-    async def ask(method: str, peer_id: Any, key_id: DHTID, seen: Seen) -> Optional[Any]:
-        """``peer_id``'s response to ``method`` (its authorization checked), or None."""
+    held_chains = HeldChains()
+    protocol.held_chains = held_chains
+
+    async def ask(method: str, peer_id: Any, key_id: DHTID, seen: Seen, *, name_chains: bool = False) -> Optional[Any]:
+        """``peer_id``'s response to ``method`` (its authorization checked), or None. ``name_chains``:
+        say which writers' chains this peer holds with its entries (dht/entry_chains.py)."""
         client = _Client(protocol.p2p, peer_id, protocol.wait_timeout)
         if isinstance(authorizer, CredentialTokenAuthorizer):
             stub = PeerStub(client, authorizer, peer_id.to_base58())
@@ -213,6 +242,10 @@ async def attach(_dht: Any, node: Any) -> None:
             stub = AuthRPCWrapper(client, AuthRole.CLIENT, authorizer)
         request = ChangedFindRequest(key=key_id.to_bytes(), seen_subkeys=list(seen),
                                      seen_expirations=list(seen.values()))
+        if name_chains and seen:
+            tags = held_chains.tags(request.key, request.seen_subkeys)
+            if any(tags):
+                request.seen_chains.extend(tags)
         try:
             async with protocol.rpc_semaphore:
                 return await getattr(stub, method)(request)
@@ -223,10 +256,16 @@ async def attach(_dht: Any, node: Any) -> None:
     async def call_find_changed(peer_id: Any, key_id: DHTID, seen: Seen) -> Optional[Any]:
         """What ``peer_id`` holds under ``key_id`` that is not in ``seen``, as ``call_find`` answers:
         ``{key_id: (value or None, {})}``, or None if it did not answer validly."""
-        response = await ask("rpc_find_changed", peer_id, key_id, seen)
-        if response is None or len(response.results) != 1:
+        response = await ask("rpc_find_changed", peer_id, key_id, seen, name_chains=True)
+        found = _UNRESOLVED if response is None or len(response.results) != 1 else \
+            _found(protocol, key_id, response.results[0], held_chains)
+        if found is _UNRESOLVED and response is not None:  # a chain it named is no longer held here
+            response = await ask("rpc_find_changed", peer_id, key_id, seen)
+            found = None if response is None or len(response.results) != 1 else \
+                _found(protocol, key_id, response.results[0], held_chains)
+        if response is None or len(response.results) != 1 or found is _UNRESOLVED:
             return None
-        return {key_id: (_found(protocol, key_id, response.results[0]), {})}
+        return {key_id: (found, {})}
 
     async def call_find_changed_digests(peer_id: Any, key_id: DHTID, seen: Seen) -> Optional[dict[bytes, float]]:
         """The digests and expirations of what ``call_find_changed`` would return, or None if
@@ -242,13 +281,34 @@ async def attach(_dht: Any, node: Any) -> None:
     protocol.call_find_changed_digests = call_find_changed_digests
 
 
-def _found(protocol: Any, key_id: DHTID, result: Any) -> Optional[ValueWithExpiration[Any]]:
-    """A find result as hivemind's ``call_find`` reads it: validated, or None."""
+# A changed find's answer naming a chain this peer no longer holds: asked again, naming none.
+_UNRESOLVED = object()
+
+
+def _found(protocol: Any, key_id: DHTID, result: Any, held_chains: HeldChains) -> Any:
+    """A find result as hivemind's ``call_find`` reads it: validated (named chains put back first,
+    and remembered after), or None; ``_UNRESOLVED`` if it named a chain ``held_chains`` lacks."""
     key_bytes = key_id.to_bytes()
     if result.type == dht_pb2.FOUND_DICTIONARY:
-        dictionary = protocol.serializer.loads(result.value)
+        received = protocol.serializer.loads(result.value)
+        with received.freeze():
+            wire = {subkey: (item.value, item.expiration_time) for subkey, item in received.items()}
+        restored = restore_all(held_chains, wire)
+        if restored is None:
+            return _UNRESOLVED
+        dictionary = DictionaryDHTValue(received.maxsize)
+        for subkey, (value, expiration) in restored.items():
+            dictionary.store(subkey, value, expiration)
+        dictionary.latest_expiration_time = received.latest_expiration_time
         if not protocol._validate_dictionary(key_bytes, dictionary):
             return None
+        counter = received_entries(protocol.record_validator)
+        for subkey, (value, _) in restored.items():
+            digest = subkey_digest(subkey)
+            held_chains.note(key_bytes, digest, value)
+            added = len(value) - len(wire[subkey][0])
+            if added and counter is not None:
+                counter.restored(key_bytes, protocol.serializer.dumps(subkey), added)
         return ValueWithExpiration(dictionary, result.expiration_time)
     if result.type == dht_pb2.FOUND_REGULAR:
         if not protocol._validate_record(key_bytes, protocol.IS_REGULAR_VALUE, result.value, result.expiration_time):

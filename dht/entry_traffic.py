@@ -37,7 +37,8 @@ from agora.dht.key_families import BAN_LIST
 from agora.dht.key_policy import KeyTable
 from agora.dht.record_fields import MAX_STAGES
 
-__all__ = ["NO_KEY", "OTHER", "SENT", "ReceivedEntries", "SentRequests", "dht_traffic", "family_name"]
+__all__ = ["NO_KEY", "OTHER", "SENT", "ReceivedEntries", "SentRequests", "dht_traffic", "family_name",
+           "received_entries"]
 
 OTHER = "other"
 NO_KEY = "-"
@@ -79,6 +80,15 @@ class ReceivedEntries(RecordValidatorBase):
             self._entries[name] += 1
             self._bytes[name] += size
         return True
+
+    def restored(self, key: bytes, subkey: bytes, added: int) -> None:
+        """An entry counted here had its writer's chain named on the wire and put back before it was
+        judged (dht/entry_chains.py): ``added`` of the bytes counted never crossed the wire."""
+        if self._own and self._own in subkey:
+            return
+        name = family_name(self._keys, key)
+        with self._lock:
+            self._bytes[name] -= added
 
     def counts(self) -> dict[str, tuple[int, int]]:
         """(entries, bytes) received so far, by family."""
@@ -124,7 +134,8 @@ class SentRequests:
 SENT = SentRequests()  # this DHT process's (dht/token_authorizer.py's PeerStub adds to it)
 
 
-def _received(validator: Any) -> Optional[ReceivedEntries]:
+def received_entries(validator: Any) -> Optional[ReceivedEntries]:
+    """The ``ReceivedEntries`` among a DHT's record validators, if any."""
     if isinstance(validator, ReceivedEntries):
         return validator
     for inner in getattr(validator, "_validators", ()):  # hivemind's CompositeValidator
@@ -136,5 +147,5 @@ def _received(validator: Any) -> Optional[ReceivedEntries]:
 async def dht_traffic(_dht: Any, node: Any) -> dict[str, dict]:
     """Run in the DHT process (`run_coroutine`): {"received": `ReceivedEntries.counts()` ({} without
     one), "sent": `SENT.counts()`}."""
-    counter = _received(node.protocol.record_validator)
+    counter = received_entries(node.protocol.record_validator)
     return {"received": {} if counter is None else counter.counts(), "sent": SENT.counts()}

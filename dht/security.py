@@ -77,13 +77,13 @@ Three hivemind mechanisms, each given our credentials:
   signed as a whole by the signature validator, and this validator checks the chain against the
   run's root (once per chain), that it is the subkey's peer's, then role and stage, and strips it
   before anyone reads the record. An entry an older agora wrote (base64 PEM) is refused as such.
-  The whole chain, not a name for it as tokens use: this validator runs synchronously on every
-  value a find returns, from a holder that may have met the writer when this peer never did, and
-  it cannot fetch a chain it lacks; hivemind refuses a found dictionary whole if one entry fails,
-  so one name this peer cannot resolve would hide a stage's every entry from that holder. Naming
-  it would take a find that says which writers' chains the reader holds (their digests' first
-  bytes, beside the token's tag) and a holder that names only those in its answer (rewriting the
-  found values in ``sign_response``), with the chains of stored entries kept while they are.
+  The whole chain in every store and in hivemind's finds, not a name for it as tokens use: this
+  validator runs synchronously on every value a find returns, from a holder that may have met the
+  writer when this peer never did, and it cannot fetch a chain it lacks; hivemind refuses a found
+  dictionary whole if one entry fails, so one name this peer cannot resolve would hide a stage's
+  every entry from that holder. Our changed finds, the reads that repeat, do name chains: the
+  reader says which writers' chains it holds, the holder names only those, and the reader puts
+  them back before this validator runs (dht/entry_chains.py), so it judges the entry as stored.
   A chain must be valid now, except for unit blocks, which outlive their writer's credential:
   theirs is judged as issued (the store itself needed a live token). An entry may not be stored
   to expire further ahead than its family allows (``KeyFamily.max_ttl_s``: an hour, a commit eight

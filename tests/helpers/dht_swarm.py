@@ -1,16 +1,19 @@
 """A swarm of real hivemind DHT peers on loopback, each bootstrapped from the first, a stage-0 worker
 entry to store in it, and whether a peer holds a key: what the tests of how peers read and store a
-stage's entries share."""
+stage's entries share; and a swarm of peers admitted to a run."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import pytest
 from hivemind.dht.routing import DHTID
 
+from agora.auth.authority import RunAuthority
 from agora.dht import SwarmDHT, WorkerRecord
+from agora.dht.security import DHTSecurity
 
 
 PEERS = 6
@@ -30,6 +33,24 @@ def dht_swarm(peers: int) -> Iterator[list[SwarmDHT]]:
     try:
         for _ in range(peers - 1):
             swarm.append(SwarmDHT.start(initial_peers=first.visible_maddrs()))
+        yield swarm
+    finally:
+        for peer in reversed(swarm):
+            peer.shutdown()
+
+
+@contextmanager
+def admitted_swarm(base: Path, run_id: str, names: tuple[str, ...] = ("a", "b", "c")) -> Iterator[list[SwarmDHT]]:
+    """Peers admitted to ``run_id`` as stage-0 workers by one authority (in ``base``), each
+    bootstrapped from the first, in the order of ``names`` (their state directories under ``base``)."""
+    authority = RunAuthority(base / "authority", run_id=run_id)
+    for name in names:
+        authority.mint(base / name, role="worker", stage=0)
+    swarm = [SwarmDHT.start(security=DHTSecurity.from_state_dir(base / names[0]))]
+    try:
+        for name in names[1:]:
+            swarm.append(SwarmDHT.start(initial_peers=swarm[0].visible_maddrs(),
+                                        security=DHTSecurity.from_state_dir(base / name)))
         yield swarm
     finally:
         for peer in reversed(swarm):

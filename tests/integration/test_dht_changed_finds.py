@@ -13,7 +13,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 
-from dht_swarm import dht_swarm, held_by, worker_entry
+from dht_swarm import admitted_swarm, dht_swarm, held_by, worker_entry
 
 from agora.auth.authority import RunAuthority
 from agora.dht import SwarmDHT, WorkerRecord, worker_key
@@ -104,3 +104,63 @@ def test_admitted_peers_answer_changed_finds_signed_by_the_run_and_refuse_one_wi
     finally:
         second.shutdown()
         first.shutdown()
+
+
+def _answer_bytes(reader: SwarmDHT) -> tuple[int, int]:
+    """(changed finds of a stage's workers this reader sent, the bytes of their answers)."""
+    calls, _, back = reader.traffic()["sent"].get("find_changed workers", (0, 0, 0))
+    return calls, back
+
+
+async def _forget_chains_once_named(_dht, node) -> None:
+    """Run in the reader's DHT process: its next changed find names the chains it holds, and they are
+    forgotten before the answer comes (its bounded memory let them go meanwhile)."""
+    held = node.protocol.held_chains
+    tags = held.tags
+
+    def named_then_forgotten(key, digests):
+        named = tags(key, digests)
+        held._chains.clear()
+        held.tags = tags
+        return named
+    held.tags = named_then_forgotten
+
+
+def test_between_admitted_peers_an_answer_names_the_chains_the_reader_holds_and_the_reader_puts_them_back(tmp_path):
+    with admitted_swarm(tmp_path, RUN) as peers:
+        reader, writer, _ = peers
+
+        def record(step: int) -> WorkerRecord:
+            return WorkerRecord(peer_id=writer.peer_id, run_id=RUN, endpoint="127.0.0.1:50051", stage=0, n_stages=2,
+                                throughput=10.0, queue_depth=0, step=step, phase="member", version="0.1.0",
+                                updated_at=time.time(), fingerprint=FINGERPRINT)
+        key = worker_key(RUN, 0)
+        assert writer.announce_worker(record(1), ttl=60)
+        eventually(lambda: [w.step for w in reader.live_workers(RUN, 0)] == [1], timeout=15, what="the announce")
+        holder = next(peer for peer in peers if peer is not reader and held_by(peer, key))
+        calls, back = _answer_bytes(reader)
+        assert set(find_changed(reader, holder, key, {})) == {writer.subkey_of(writer.peer_id)}  # nothing held: whole
+        calls_whole, back_whole = _answer_bytes(reader)
+        whole = back_whole - back
+        assert calls_whole == calls + 1 and whole > 2500, whole  # the chain rides along (~1.9 KB of it)
+
+        assert writer.announce_worker(record(2), ttl=60)
+        held = reader._memory.held(key)
+        eventually(lambda: find_changed(reader, holder, key, held) != {}, timeout=10, what="the beat at the holder")
+        calls, back = _answer_bytes(reader)
+        received = reader.traffic()["received"]["workers"]
+        assert len(find_changed(reader, holder, key, held)) == 1
+        calls_named, back_named = _answer_bytes(reader)
+        assert calls_named == calls + 1 and back_named - back < whole - 1500, (back_named - back, whole)
+        entries, size = (now - before for now, before in zip(reader.traffic()["received"]["workers"], received))
+        assert entries == 1 and 0 < size < back_named - back, size  # counted as it crossed the wire
+        steps = [[w.step for w in reader.live_workers(RUN, 0)] for _ in range(3)]  # quick and full reads
+        assert steps == [[2]] * 3  # each entry put back whole and judged: signature, chain, record
+
+        # A chain named and forgotten before the answer came: asked again naming none, answered whole.
+        reader.hivemind_dht.run_coroutine(_forget_chains_once_named)
+        calls, back = _answer_bytes(reader)
+        assert len(find_changed(reader, holder, key, held)) == 1
+        calls_again, back_again = _answer_bytes(reader)
+        assert calls_again == calls + 2 and back_again - back > whole + (back_named - back) - 500
+        assert [w.step for w in reader.live_workers(RUN, 0)] == [2]

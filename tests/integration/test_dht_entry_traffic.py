@@ -15,17 +15,17 @@ from hivemind.proto import dht_pb2
 from prometheus_client import CollectorRegistry, generate_latest
 from hivemind.utils import MSGPackSerializer
 
-from agora.auth.authority import RunAuthority
 from agora.dht import SwarmDHT, WorkerRecord, worker_key
 from agora.dht.bans import NodeBans
 from agora.dht.changed_finds import ChangedFindRequest
 from agora.dht.entry_traffic import ReceivedEntries, SentRequests
 from agora.dht.key_policy import KeyTable, key_hash
 from agora.dht.keys import bans_key, units_key
-from agora.dht.security import ROUND_METHODS, DHTSecurity
+from agora.dht.security import ROUND_METHODS
 from agora.dht.swarm import DHTRequestError
 from agora.monitor.dht_metrics import DHTMetrics
 from agora.pipeline.fingerprint import RunFingerprint
+from dht_swarm import admitted_swarm
 from polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,14 +66,8 @@ def test_requests_are_counted_by_rpc_and_the_family_of_their_first_key():
 
 
 def test_admitted_peers_count_the_stores_they_hold_and_the_answers_they_read(tmp_path):
-    authority = RunAuthority(tmp_path / "authority", run_id=RUN)
-    for name in ("a", "b", "c"):
-        authority.mint(tmp_path / name, role="worker", stage=0)
-    first = SwarmDHT.start(security=DHTSecurity.from_state_dir(tmp_path / "a"))
-    peers = [first] + [SwarmDHT.start(initial_peers=first.visible_maddrs(),
-                                      security=DHTSecurity.from_state_dir(tmp_path / name)) for name in ("b", "c")]
-    reader, writer, third = peers
-    try:
+    with admitted_swarm(tmp_path, RUN) as peers:
+        reader, writer, third = peers
         assert all(peer.traffic()["received"].get("workers") is None for peer in peers)
         record = WorkerRecord(peer_id=writer.peer_id, run_id=RUN, endpoint="127.0.0.1:50051", stage=0, n_stages=2,
                               throughput=10.0, queue_depth=0, step=1, phase="member", version="0.1.0",
@@ -97,9 +91,6 @@ def test_admitted_peers_count_the_stores_they_hold_and_the_answers_they_read(tmp
         scraped = generate_latest(registry).decode()
         assert 'agora_dht_received_entries_total{kind="workers"}' in scraped
         assert re.search(r'agora_dht_response_bytes_total\{kind="workers",method="find_changed"\} [1-9]', scraped), scraped
-    finally:
-        for peer in reversed(peers):
-            peer.shutdown()
 
 
 def test_a_scrape_while_the_dht_process_does_not_answer_shows_the_rest():
