@@ -242,10 +242,12 @@ async def attach(_dht: Any, node: Any) -> None:
             stub = AuthRPCWrapper(client, AuthRole.CLIENT, authorizer)
         request = ChangedFindRequest(key=key_id.to_bytes(), seen_subkeys=list(seen),
                                      seen_expirations=list(seen.values()))
-        if name_chains and seen:
-            tags = held_chains.tags(request.key, request.seen_subkeys)
-            if any(tags):
-                request.seen_chains.extend(tags)
+        tags = held_chains.tags(request.key) if name_chains else {}
+        if tags:  # entries no longer held still name their chains: held since time 0 (dht/entry_chains.py)
+            gone = [digest for digest in tags if digest not in seen]
+            request.seen_subkeys.extend(gone)
+            request.seen_expirations.extend([0.0] * len(gone))
+            request.seen_chains.extend(tags.get(digest, b"") for digest in request.seen_subkeys)
         try:
             async with protocol.rpc_semaphore:
                 return await getattr(stub, method)(request)

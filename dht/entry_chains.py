@@ -20,9 +20,13 @@ part of what grew in a node's DHT bytes (bench/results/dht_scale.md). Design cho
 - Only a changed find's answer is rewritten, only for the asker that named the tag. Stores and
   hivemind's finds carry whole chains as before, so nothing with a name in it is ever stored or
   forwarded: holders store what writers sent, askers restore before use.
+- The entries an asker held and no longer holds (they expired from its memory between two reads of
+  the key, as a stage's entries do between the rebalancer's reads every 30 s) still name the chain
+  they came with: such a digest is sent as held since time 0, which any entry of it is newer than,
+  so the holder answers it as it would an entry never seen, its chain named.
 - Memory (the asker's DHT process): `max_chains` chains by tag (a few hundred writers' 2 KB each),
-  `max_entries` (key, subkey) pairs' tags; least recently used out. Forgetting costs one answer
-  with whole chains, never a wrong one.
+  per key the last `max_entries_per_key` entries' tags, `max_keys` keys; least recently used out.
+  Forgetting costs one answer with whole chains, never a wrong one.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Mapping, Optional
 
 from agora.dht.entry_value import OwnerSignatureValidator, attached_credential_at
 
@@ -90,15 +94,18 @@ def tag_to_name(value: bytes, asker_tag: bytes) -> Optional[bytes]:
 
 
 class HeldChains:
-    """The asker's side: chains of the entries it read, by tag, and the tag of each entry it holds.
+    """The asker's side: chains of the entries it read, by tag, and per key the tag of each entry it
+    read there (while its chain is held: an entry that expired from the reader's memory still names
+    its writer's chain, so a reader that comes back to a key after its entries expired, as the
+    rebalancer does every 30 s, is answered without the chains it holds).
 
     Thread-safe: a DHT process answers reads on its event loop and the validators may run elsewhere.
     """
 
-    def __init__(self, max_chains: int = 1024, max_entries: int = 8192):
-        self._max_chains, self._max_entries = max_chains, max_entries
+    def __init__(self, max_chains: int = 1024, max_keys: int = 512, max_entries_per_key: int = 512):
+        self._max_chains, self._max_keys, self._max_per_key = max_chains, max_keys, max_entries_per_key
         self._chains: OrderedDict[bytes, bytes] = OrderedDict()
-        self._tags: OrderedDict[tuple[bytes, bytes], bytes] = OrderedDict()
+        self._tags: OrderedDict[bytes, OrderedDict[bytes, bytes]] = OrderedDict()
         self._lock = threading.Lock()
 
     def note(self, key: bytes, subkey_digest: bytes, value: bytes) -> None:
@@ -112,16 +119,19 @@ class HeldChains:
             self._chains.move_to_end(tag)
             while len(self._chains) > self._max_chains:
                 self._chains.popitem(last=False)
-            self._tags[(key, subkey_digest)] = tag
-            self._tags.move_to_end((key, subkey_digest))
-            while len(self._tags) > self._max_entries:
+            entries = self._tags.pop(key, None) or OrderedDict()
+            self._tags[key] = entries  # re-inserted: the order is the keys' recency
+            entries[subkey_digest] = tag
+            entries.move_to_end(subkey_digest)
+            while len(entries) > self._max_per_key:
+                entries.popitem(last=False)
+            while len(self._tags) > self._max_keys:
                 self._tags.popitem(last=False)
 
-    def tags(self, key: bytes, subkey_digests: Iterable[bytes]) -> list[bytes]:
-        """Per digest, the tag of the chain held for it (b"": none, or no longer the chain itself)."""
+    def tags(self, key: bytes) -> dict[bytes, bytes]:
+        """{subkey digest: tag of the chain held for it} under ``key``, chains still held only."""
         with self._lock:
-            found = [self._tags.get((key, digest), b"") for digest in subkey_digests]
-            return [tag if tag in self._chains else b"" for tag in found]
+            return {digest: tag for digest, tag in self._tags.get(key, {}).items() if tag in self._chains}
 
     def restore(self, value: bytes) -> Optional[bytes]:
         """``value`` with a named chain put back; ``value`` itself if it names none; None if the tag
@@ -143,7 +153,6 @@ class HeldChains:
     def __len__(self) -> int:
         with self._lock:
             return len(self._chains)
-
 
 def restore_all(held: HeldChains, entries: Mapping[object, tuple[bytes, float]]) -> Optional[dict]:
     """{subkey: (restored value, expiration)}, or None if one entry names a chain ``held`` lacks."""

@@ -43,7 +43,7 @@ def test_a_named_chain_is_put_back_byte_for_byte_and_the_entry_is_a_third_of_its
     assert held.restore(short) is None  # not held: the answer cannot be judged
     held.note(KEY, b"d" * 8, value)
     assert held.restore(short) == value
-    assert held.tags(KEY, [b"d" * 8, b"e" * 8]) == [parts.tag, b""]
+    assert held.tags(KEY) == {b"d" * 8: parts.tag} and held.tags(b"other key") == {}
 
 
 def test_only_the_chain_the_asker_holds_is_named(chains):
@@ -68,15 +68,19 @@ def test_values_that_name_nothing_pass_as_they_are_and_an_unheld_name_refuses_th
 
 
 def test_the_memory_is_bounded_and_a_forgotten_chain_is_named_no_more(chains):
-    held = HeldChains(max_chains=1, max_entries=2)
+    held = HeldChains(max_chains=1, max_keys=2, max_entries_per_key=2)
     first, second = _entry(chains[0]), _entry(chains[1])
     held.note(KEY, b"1" * 8, first)
     held.note(KEY, b"2" * 8, second)  # the first writer's chain goes
     assert len(held) == 1
-    assert held.tags(KEY, [b"1" * 8, b"2" * 8]) == [b"", entry_parts(second).tag]
+    assert held.tags(KEY) == {b"2" * 8: entry_parts(second).tag}
     assert held.restore(named(entry_parts(first))) is None
-    held.note(KEY, b"3" * 8, second)  # past max_entries the oldest pair goes
-    assert held.tags(KEY, [b"1" * 8]) == [b""]
+    held.note(KEY, b"3" * 8, second)
+    held.note(KEY, b"4" * 8, second)  # past max_entries_per_key the key's oldest entry goes
+    assert set(held.tags(KEY)) == {b"3" * 8, b"4" * 8}
+    held.note(b"key two", b"5" * 8, second)
+    held.note(b"key three", b"6" * 8, second)  # past max_keys the least recently read key goes
+    assert held.tags(KEY) == {} and set(held.tags(b"key three")) == {b"6" * 8}
     key_of_a_record = MSGPackSerializer.dumps("peer[owner:ssh-rsa AAAA]")
-    held.note(key_of_a_record, b"4" * 8, b"not an entry")  # nothing to remember
-    assert held.tags(key_of_a_record, [b"4" * 8]) == [b""]
+    held.note(key_of_a_record, b"7" * 8, b"not an entry")  # nothing to remember
+    assert held.tags(key_of_a_record) == {}
