@@ -32,7 +32,9 @@ the window, as measured; requests per node by family, bytes in+out per node and 
 per logical minute (the traffic's share times K, plus the background measured at rest); PSS per
 node; failed requests and actions; the bootstrap's and the monitor's bytes and CPU apart; the
 monitor's poll time; the trainers' roster reads; the newcomer's seconds to joined, donor found and
-visible; the 1-minute load at the start and end (a row above 2 says so). Each figure's growth against N is fitted (constant, log N, N).
+visible; the 1-minute load at the start and end (a row above 2 says so; each N starts once the
+load the previous one left has decayed to `--settle-load`). Each figure's growth against N is fitted
+(constant, log N, N).
 
 What it is not: no compute, no gRPC data plane, no averaging all-reduce nor hivemind's matchmaking
 keys, no authorizer, no churn but the newcomer. Every namespace and process is removed on every path,
@@ -313,6 +315,14 @@ def model_check(path: Path = RESULTS / "many_nodes.json") -> list[tuple[str, flo
     return check_rows(measured, geometry_for(8, 3), TrafficModel(), services=services)
 
 
+def settle_load(load: float, most_s: float) -> None:
+    """Wait until the 1-minute load is at most ``load``, at most ``most_s`` seconds: the last N's
+    64 peers leave a load that takes a minute or two to decay, and a row started on it is marked."""
+    deadline = time.monotonic() + most_s
+    while os.getloadavg()[0] > load and time.monotonic() < deadline:
+        time.sleep(5.0)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -335,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="initial peers each peer joins through: the bootstrap and this many - 1 peers already "
                              "joined (1: the bootstrap alone, as the authorizer's join file names it)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--settle-load", type=float, default=1.5,
+                        help="before each N, wait until the 1-minute load is at most this (the previous N's "
+                             "processes gone; at most --settle-s); 0: do not wait")
+    parser.add_argument("--settle-s", type=float, default=300.0)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/agora-dht-scale"))
     parser.add_argument("--out", type=Path, default=RESULTS / "dht_scale.md")
     return parser
@@ -362,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in sorted(args.nodes):
             workdir = args.workdir / f"n{n}-{int(time.time())}"
-            print(f"dht-scale: N={n} ({geometry_for(n, args.stages)}), dilation {args.dilation:g}", flush=True)
+            if args.settle_load > 0:
+                settle_load(args.settle_load, args.settle_s)
+            print(f"dht-scale: N={n} ({geometry_for(n, args.stages)}), dilation {args.dilation:g}, "
+                  f"1-minute load {os.getloadavg()[0]:.2f}", flush=True)
             started = time.monotonic()
             try:
                 rows.append(measure(n, args, workdir))
