@@ -1,7 +1,7 @@
 """The simulator against the WAN harness (bench/RESULTS.md rows 3 and 7) and the many-node harnesses.
 
-    python -m agora.bench.simulate_validation [--results bench/RESULTS.md] [--out bench/results/simulate_validation.md]
-                                              [--seconds 60] [--only PROFILE]
+    python -m agora.bench.simulate_validation [--out bench/results/simulate_validation.md] [--seconds 60]
+                                              [--only PROFILE] [--harness-results bench/results]
 
 Row 3: every run with a per-call table. Its inputs are what the harness measured, never its
 tokens/s: each stage's compute per call (a head's or body's Forward and Backward, the tail's one
@@ -72,24 +72,39 @@ class Run:
     dht_ms: float | None = None  # its trainers' mean lease request (get and store of unit blocks), if recorded
 
 
-def _number(text: str) -> float:
-    return float(text.replace(",", ""))
-
-
-def read_row3(text: str) -> dict[tuple[str, str], Run]:
-    section = text.split("## 3.")[1].split("## 4.")[0]
+def row3_runs(suite: dict) -> dict[tuple[str, str], Run]:
+    """Row 3's runs with a per-call table, from the raw figures (suite.json): tokens/s and unqueued
+    latency over a variant's repeats, each stage's compute and wire per call and the trainer's CPU per
+    microbatch from its last repeat (what RESULTS.md shows), and its trainers' mean lease request
+    (`dht_requests` in its summary: the gets and stores of unit blocks, weighted by count) where recorded."""
+    profiles = suite.get("items", {}).get("3", {}).get("data", {}).get("profiles", {})
     runs: dict[tuple[str, str], Run] = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 9 and cells[0] in PROFILE_LINKS and re.match(r"^[\d,]+$", cells[2]):
-            runs[(cells[0], cells[1])] = Run(cells[0], cells[1], _number(cells[2]), _number(cells[6]), [], 0.0)
-        elif len(cells) == 9 and ", " in cells[0] and re.match(r"^\d+$", cells[1]):
-            profile, name = cells[0].split(", ", 1)
-            run = runs.get((profile, name))
-            if run is not None:
-                run.stages.append((_number(cells[3]), _number(cells[5])))
-                run.trainer_cpu_ms = _number(cells[7])
-    return {key: run for key, run in runs.items() if run.stages}
+    for profile, entry in profiles.items():
+        if profile not in PROFILE_LINKS:
+            continue
+        for name, repeats in entry.get("runs", {}).items():
+            rate = _mean(r.get("tokens_per_s") for r in repeats)
+            split = repeats[-1].get("time_split_by_stage") or {}
+            if rate is None or not split:
+                continue
+            latency = _mean(f.get("latency_ms") for r in repeats for f in (r.get("in_flight") or []) if f)
+            stages = [(split[stage]["compute_ms"], split[stage]["wire_ms"]) for stage in sorted(split, key=int)]
+            cpu = (repeats[-1].get("trainer_split") or {}).get("cpu_ms")
+            runs[(profile, name)] = Run(profile, name, rate, latency or 0.0, stages, cpu or 0.0,
+                                        _lease_request_ms(repeats[-1]))
+    return runs
+
+
+def _mean(values) -> float | None:
+    present = [value for value in values if value is not None]
+    return statistics.mean(present) if present else None
+
+
+def _lease_request_ms(run: dict) -> float | None:
+    requests = [family for trainer in run.get("dht_requests") or () if trainer
+                for key, family in trainer.items() if key in ("get units", "store units")]
+    count = sum(family["requests"] for family in requests)
+    return sum(family["mean_ms"] * family["requests"] for family in requests) / count if count else None
 
 
 def _shape(name: str) -> dict:
@@ -110,19 +125,6 @@ def _compute_ms(run: Run) -> list[float]:
     """Per microbatch: a head's or body's two calls, the tail's one."""
     last = len(run.stages) - 1
     return [ms * (1 if i == last else 2) for i, (ms, _) in enumerate(run.stages)]
-
-
-def attach_dht_ms(runs: dict[tuple[str, str], Run], suite: dict) -> None:
-    """Each run's trainers' mean lease request, from the raw figures (suite.json's row 3), where its
-    demo summary recorded them (`dht_requests`): the gets and stores of unit blocks, weighted by count."""
-    profiles = suite.get("items", {}).get("3", {}).get("data", {}).get("profiles", {})
-    for (profile, name), run in runs.items():
-        repeats = profiles.get(profile, {}).get("runs", {}).get(name) or [{}]
-        requests = [family for trainer in repeats[-1].get("dht_requests") or () if trainer
-                    for key, family in trainer.items() if key in ("get units", "store units")]
-        count = sum(family["requests"] for family in requests)
-        if count:
-            run.dht_ms = sum(family["mean_ms"] * family["requests"] for family in requests) / count
 
 
 def scenario_for(run: Run, overhead_ms: float, seconds: float, dht_ms: float | None = None) -> dict:
@@ -315,17 +317,13 @@ NOTES = """## What the simulator leaves out, and where it shows
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=ROOT / "RESULTS.md")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "simulate_validation.md")
     parser.add_argument("--seconds", type=float, default=60.0, help="simulated seconds per row-3 run")
     parser.add_argument("--only", default=None, help="one profile only (a quick look)")
     parser.add_argument("--harness-results", type=Path, default=ROOT / "results",
                         help="where averaging_scale.json, dht_scale.json and suite.json (the raw figures) are")
     args = parser.parse_args(argv)
-    runs = read_row3(args.results.read_text())
-    suite = args.harness_results / "suite.json"
-    if suite.exists():
-        attach_dht_ms(runs, json.loads(suite.read_text()))
+    runs = row3_runs(json.loads((args.harness_results / "suite.json").read_text()))
     row3, errors = validate_row3(runs, args.seconds, args.only)
     row7 = validate_row7(runs, args.only)
     within = sum(1 for e in errors if e <= 0.10)

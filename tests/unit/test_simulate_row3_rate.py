@@ -20,18 +20,28 @@ def test_each_shape_runs_the_suite_plans_batches():
                                         "small wide x1 adaptive", "tiny report shape x1 adaptive")] == [40, 8, 24, 6, 3]
 
 
-def test_a_runs_dht_request_is_its_trainers_mean_lease_request_where_recorded():
-    from agora.bench.simulate_validation import Run, attach_dht_ms, scenario_for
+def test_row_3s_runs_are_read_from_the_raw_figures_with_their_trainers_mean_lease_request_where_recorded():
+    from agora.bench.simulate_validation import row3_runs, scenario_for
 
-    runs = {(p, "tiny x1 adaptive"): Run(p, "tiny x1 adaptive", 1000.0, 500.0, [(10.0, 5.0)] * 3, 8.0)
-            for p in ("lan", "agora-floor")}
     trainer = {"get units": {"requests": 30, "failed": 0, "mean_ms": 120.0, "p50_ms": 90.0},
                "store units": {"requests": 10, "failed": 0, "mean_ms": 80.0, "p50_ms": 75.0},
                "get workers": {"requests": 5, "failed": 0, "mean_ms": 400.0, "p50_ms": 300.0}}
-    attach_dht_ms(runs, {"items": {"3": {"data": {"profiles": {
-        "agora-floor": {"runs": {"tiny x1 adaptive": [{"dht_requests": [trainer]}]}},
-        "lan": {"runs": {"tiny x1 adaptive": [{"tokens_per_s": 1000.0}]}}}}}}})  # recorded before the field
-    assert runs[("agora-floor", "tiny x1 adaptive")].dht_ms == (30 * 120.0 + 10 * 80.0) / 40
+    split = {str(stage): {"compute_ms": 10.0 + stage, "wire_ms": 5.0} for stage in range(3)}
+
+    def repeat(rate: float, latency: float, cpu: float, **more) -> dict:
+        return {"tokens_per_s": rate, "in_flight": [{"latency_ms": latency}], "time_split_by_stage": split,
+                "trainer_split": {"cpu_ms": cpu}, **more}
+    runs = row3_runs({"items": {"3": {"data": {"profiles": {
+        "agora-floor": {"runs": {"tiny x1 adaptive": [repeat(900.0, 400.0, 7.0), repeat(1100.0, 600.0, 8.0,
+                                                                                       dht_requests=[trainer])],
+                                 "tiny x1 no calls": [{"tokens_per_s": 5.0}]}},  # no per-call table: not a run
+        "lan": {"runs": {"tiny x1 adaptive": [repeat(1000.0, 500.0, 8.0)]}},  # recorded before the field
+        "elsewhere": {"runs": {"tiny x1 adaptive": [repeat(1.0, 1.0, 1.0)]}}}}}}})  # no links known: left out
+    assert set(runs) == {("agora-floor", "tiny x1 adaptive"), ("lan", "tiny x1 adaptive")}
+    floor = runs[("agora-floor", "tiny x1 adaptive")]
+    assert (floor.tokens_per_s, floor.latency_ms, floor.trainer_cpu_ms) == (1000.0, 500.0, 8.0)  # means; the last's CPU
+    assert floor.stages == [(10.0, 5.0), (11.0, 5.0), (12.0, 5.0)]
+    assert floor.dht_ms == (30 * 120.0 + 10 * 80.0) / 40
     assert runs[("lan", "tiny x1 adaptive")].dht_ms is None
-    assert scenario_for(runs[("agora-floor", "tiny x1 adaptive")], 5.0, 60.0, 110.0)["dht"] == {"base_ms": 110.0}
+    assert scenario_for(floor, 5.0, 60.0, 110.0)["dht"] == {"base_ms": 110.0}
     assert scenario_for(runs[("lan", "tiny x1 adaptive")], 5.0, 60.0)["dht"] == {"base_ms": 0.06 + 5.0}
