@@ -258,16 +258,14 @@ async def attach(_dht: Any, node: Any) -> None:
     async def call_find_changed(peer_id: Any, key_id: DHTID, seen: Seen) -> Optional[Any]:
         """What ``peer_id`` holds under ``key_id`` that is not in ``seen``, as ``call_find`` answers:
         ``{key_id: (value or None, {})}``, or None if it did not answer validly."""
-        response = await ask("rpc_find_changed", peer_id, key_id, seen, name_chains=True)
-        found = _UNRESOLVED if response is None or len(response.results) != 1 else \
-            _found(protocol, key_id, response.results[0], held_chains)
-        if found is _UNRESOLVED and response is not None:  # a chain it named is no longer held here
-            response = await ask("rpc_find_changed", peer_id, key_id, seen)
-            found = None if response is None or len(response.results) != 1 else \
-                _found(protocol, key_id, response.results[0], held_chains)
-        if response is None or len(response.results) != 1 or found is _UNRESOLVED:
-            return None
-        return {key_id: (found, {})}
+        for name_chains in (True, False):  # an answer naming a chain no longer held here: asked again, naming none
+            response = await ask("rpc_find_changed", peer_id, key_id, seen, name_chains=name_chains)
+            if response is None or len(response.results) != 1:
+                return None
+            found = _found(protocol, key_id, response.results[0], held_chains)
+            if found is not _UNRESOLVED:
+                return {key_id: (found, {})}
+        return None
 
     async def call_find_changed_digests(peer_id: Any, key_id: DHTID, seen: Seen) -> Optional[dict[bytes, float]]:
         """The digests and expirations of what ``call_find_changed`` would return, or None if
