@@ -12,6 +12,7 @@ bans it (the ban list every node reads, tests/integration/test_bans.py) and refu
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import replace
 
@@ -112,7 +113,9 @@ def test_a_head_replica_scaling_its_outputs_by_ten_is_flagged_excluded_reported_
         authority.unban(liar)
     stats = trainer.stats
     assert [r.step for r in records] == list(range(1, STEPS + 1))
-    assert set(stats.flagged_by_peer) == {liar}, (liar_forwards, stats.flagged_by_peer, trainer.verification_summary())
+    assert set(stats.flagged_by_peer) == {liar}, json.dumps(  # a string: shown whole, not abbreviated
+        {"liar_forwards": liar_forwards, "flagged": stats.flagged_by_peer, "failures": stats.failures_by_peer,
+         "verification": trainer.verification_summary()})
     assert "output" in stats.flagged_by_peer[liar]
     # One microbatch in flight: every lie was judged before the next call; the one that tripped the
     # verifier was refused (its route aborted and rerun), and the liar was never called again. Tiny's
