@@ -43,6 +43,7 @@ from pathlib import Path
 
 from agora.bench.simulate_scale_validation import scale_sections
 from agora.bench.suite import plan_for
+from agora.bench.suite_report import mean_present
 from agora.node.simulate.scenario import scenario_from_dict
 from agora.node.simulate.swarm import SimSwarm, simulate
 
@@ -83,21 +84,16 @@ def row3_runs(suite: dict) -> dict[tuple[str, str], Run]:
         if profile not in PROFILE_LINKS:
             continue
         for name, repeats in entry.get("runs", {}).items():
-            rate = _mean(r.get("tokens_per_s") for r in repeats)
+            rate = mean_present(r.get("tokens_per_s") for r in repeats)
             split = repeats[-1].get("time_split_by_stage") or {}
             if rate is None or not split:
                 continue
-            latency = _mean(f.get("latency_ms") for r in repeats for f in (r.get("in_flight") or []) if f)
+            latency = mean_present(f.get("latency_ms") for r in repeats for f in (r.get("in_flight") or []) if f)
             stages = [(split[stage]["compute_ms"], split[stage]["wire_ms"]) for stage in sorted(split, key=int)]
             cpu = (repeats[-1].get("trainer_split") or {}).get("cpu_ms")
             runs[(profile, name)] = Run(profile, name, rate, latency or 0.0, stages, cpu or 0.0,
                                         _lease_request_ms(repeats[-1]))
     return runs
-
-
-def _mean(values) -> float | None:
-    present = [value for value in values if value is not None]
-    return statistics.mean(present) if present else None
 
 
 def _lease_request_ms(run: dict) -> float | None:

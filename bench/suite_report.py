@@ -33,7 +33,8 @@ GPU_NOT_MEASURED = ("not measured: the suite's machine has no GPU; `python bench
                     "tokens/s and MFU on one (bench/results/gpu.md)")
 
 
-def _mean(values) -> float | None:
+def mean_present(values) -> float | None:
+    """The mean of the values that are there (None: none is)."""
     values = [v for v in values if v is not None]
     return statistics.mean(values) if values else None
 
@@ -49,11 +50,11 @@ def _ratio(a, b) -> float | None:
 
 
 def _rate(runs: list[dict]) -> float | None:
-    return _mean(r.get("tokens_per_s") for r in runs)
+    return mean_present(r.get("tokens_per_s") for r in runs)
 
 
 def _heldout(runs: list[dict]) -> float | None:
-    return _mean(r.get("heldout_loss") for r in runs)
+    return mean_present(r.get("heldout_loss") for r in runs)
 
 
 def _loads(runs: list[dict]) -> str:
@@ -91,7 +92,7 @@ def _local(rows: dict) -> tuple[list[str], dict]:
         local_rate, local_loss = _rate(local), _heldout(local)
         for name, runs in row["runs"].items():
             rate, loss = _rate(runs), _heldout(runs)
-            cpu = _mean((r.get("trainer_split") or {}).get("cpu_ms") for r in runs)
+            cpu = mean_present((r.get("trainer_split") or {}).get("cpu_ms") for r in runs)
             flight = [f"{f['last']}/{f['max']}" for r in runs for f in (r.get("in_flight") or []) if f]
             batch = row.get("batch")
             shape = f", {batch['sequences']} sequences in {batch['microbatches']} microbatches" if batch else ""
@@ -156,7 +157,7 @@ def _profiles(row: dict) -> tuple[list[str], dict]:
             rate, loss = _rate(runs), _heldout(runs)
             reference = lan.get(key, [])
             flights = [f for r in runs for f in (r.get("in_flight") or []) if f]
-            latency = _mean(f.get("latency_ms") for f in flights)
+            latency = mean_present(f.get("latency_ms") for f in flights)
             ratio = _ratio(rate, _rate(reference))
             lines.append(f"| {name} | {key} | {_f(rate, 0)} | {_f(ratio)} | {_f(_ratio(loss, _heldout(reference)), 4)} | "
                          f"{_flight(flights)} | {_f(latency, 0)} | {_busy(runs)} | {_loads(runs)} |")
@@ -182,10 +183,10 @@ def _equal_time(row: dict) -> tuple[list[str], dict]:
                 for k, n in (r.get("outcomes") or {}).items():
                     outcomes[k] = outcomes.get(k, 0) + n
             other = sum(n for k, n in outcomes.items() if k != "committed")
-            lines.append(f"| {mbit} Mbit/s | {name} | {_f(_mean(r.get('steps') for r in runs), 0)} | "
+            lines.append(f"| {mbit} Mbit/s | {name} | {_f(mean_present(r.get('steps') for r in runs), 0)} | "
                          f"{_f(_rate(runs), 0)} | {_f(loss, 4)} | {outcomes.get('committed', 0)}/{other} | "
-                         f"{_f(_mean(r.get('bytes_per_param_per_local_step') for r in runs), 3)} | "
-                         f"{_f(_mean(r.get('blocked_fraction') for r in runs) and 100 * _mean(r.get('blocked_fraction') for r in runs), 3, '%')} | "
+                         f"{_f(mean_present(r.get('bytes_per_param_per_local_step') for r in runs), 3)} | "
+                         f"{_f(mean_present(r.get('blocked_fraction') for r in runs) and 100 * mean_present(r.get('blocked_fraction') for r in runs), 3, '%')} | "
                          f"{_loads(runs)} |")
     sparse, full = "sparta, the report's cadence", "everything every step"
     verdicts = []
@@ -242,13 +243,13 @@ def _joins(row: dict) -> tuple[list[str], str]:
         listed = ", ".join("never" if j is None else f"{j:.1f}" for j in joins) or "-"
         listed_states = "-" if states is None else (", ".join("-" if j is None else f"{j:.1f}" for j in states) or "-")
         kills = entry.get("kills")
-        lines.append(f"| {name} | {'-' if kills is None else kills} | {listed_states} | {_f(_mean(states or []), 1)} | "
-                     f"{listed} | {_f(_mean(joins), 1)} | "
+        lines.append(f"| {name} | {'-' if kills is None else kills} | {listed_states} | {_f(mean_present(states or []), 1)} | "
+                     f"{listed} | {_f(mean_present(joins), 1)} | "
                      f"{units.get('committed', '-')} / {units.get('lost', '-')} / {units.get('duplicated', '-')} | "
                      f"{entry.get('outcome') or '-'} | {_loads([entry])} |")
         never = sum(1 for j in joins if j is None)
-        state = "" if states is None else f"state {_f(_mean(states), 1, ' s')}, "
-        shown.append(f"{name}: {state}member {_f(_mean(joins), 1, ' s')}"
+        state = "" if states is None else f"state {_f(mean_present(states), 1, ' s')}, "
+        shown.append(f"{name}: {state}member {_f(mean_present(joins), 1, ' s')}"
                      + (f" ({never} of {len(joins)} never a member)" if never else ""))
     return lines, "; ".join(shown)
 
@@ -544,8 +545,8 @@ def _limit_note(profile: str, key: str, run: dict, lan: dict, ratio: float, goal
     flights = [f for f in (run.get("in_flight") or []) if f]
     return (f"{key} at {profile}: {_f(ratio)} of lan, below {goal}. Per call (ms) there: {split(run) or '-'}; on lan: "
             f"{split(lan) or '-'}. In flight per trainer: {_flight(flights)}; unqueued latency "
-            f"{_f(_mean(f.get('latency_ms') for f in flights), 0)} ms against "
-            f"{_f(_mean(max(f.get('stage_compute_ms') or [0]) for f in flights), 0)} ms on the busiest stage.")
+            f"{_f(mean_present(f.get('latency_ms') for f in flights), 0)} ms against "
+            f"{_f(mean_present(max(f.get('stage_compute_ms') or [0]) for f in flights), 0)} ms on the busiest stage.")
 
 
 def _floor_goal(row: dict) -> dict[str, tuple[float | None, str, str]]:
