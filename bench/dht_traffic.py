@@ -9,7 +9,7 @@ batch), in logical seconds (`--dilation K` stretches every period K times: `Dila
 |---|---|---:|---|---|
 | worker | heartbeat | 5 | call bans, store workers | dht/heartbeat.py: join's `--heartbeat`, the ban list read each beat |
 | worker | probe | 1.19 | get rounds | node/averaging/loop.py: `probe_s` (tiny: 3 s / 4) + the read, none while a round runs |
-| worker | replicas | 3.6 | get workers | node/averaging/probes.py: the count falls due every window (3 s); the next probe or round reads it |
+| worker | replicas | 30.4 | get workers | node/averaging/probes.py: a settled count falls due every ten windows (30 s); the next probe or round reads it |
 | worker | round | 3.7 | store rounds x 2 x min(1, 2/R) | RoundBoard: announce and close by the round's 2 announcers (dht/round_board.py), 32.6 rounds a stage a minute |
 | worker | units | 0.62 | get units | node/worker/unit_holders.py: `refresh_s` 0.5 s + the read, while work comes |
 | worker | rebalance | 30 | get workers x S, get moves | node/worker/join.py: 6 heartbeats (`all_workers` + the moves) |
@@ -28,8 +28,9 @@ logical rate at every N: what grows with N is then the DHT's cost of carrying it
 Checked against what the demo's nodes measured at N = 8 (`check_rows`, per DHT peer a second, the
 demo's authorizer counted as a peer that reads the ban list): the stores of workers, trainers,
 rounds and units and the rounds' reads within 5%, units' reads +7%, the ban list +15% (0.2 against
-0.17), workers' reads -16% (the authorizer's coverage reads are not modelled) and the moves' -21%
-(0.020 against 0.025, a few requests a minute). Reads made by `SwarmDHT.all_workers` (the trainer's
+0.17) and the moves' -21% (0.020 against 0.025, a few requests a minute). Not the workers' reads:
+that record was taken when a replica read its stage's count every matchmaking window, ten times
+what this model (and node/averaging/probes.py since) reads in a swarm that nothing changes. Reads made by `SwarmDHT.all_workers` (the trainer's
 roster, the rebalancer) were not timed by dht/op_timings.py when bench/results/many_nodes.json was
 taken (they are since), so its "get workers" does not count them; `Request.metered` marks them, and
 the check against that record leaves them out (a many_nodes run taken again counts them all). The
@@ -47,6 +48,7 @@ from dataclasses import dataclass, replace
 
 from agora.bench.many_nodes import Geometry
 from agora.dht.round_board import ANNOUNCERS
+from agora.node.averaging.probes import SETTLED_WINDOWS
 
 __all__ = ["ROLES", "Action", "Dilation", "Request", "Timetable", "TrafficModel", "check_rows", "first_due_s",
            "peer_rates", "role_actions", "swarm_rates"]
@@ -89,8 +91,10 @@ class TrafficModel:
 
     @property
     def replicas_period_s(self) -> float:
-        """The live replica count falls due every window; the next probe reads it, half a probe on average."""
-        return self.matchmaking_s + self.probe_period_s / 2
+        """A settled replica count falls due every `SETTLED_WINDOWS` windows (nothing here puts it in
+        doubt: no replica leaves or joins, every group is whole); the next probe reads it, half a
+        probe on average."""
+        return SETTLED_WINDOWS * self.matchmaking_s + self.probe_period_s / 2
 
     @property
     def announcing_share(self) -> float:

@@ -56,6 +56,7 @@ class RoundBoard:
         self.refused: Counter[str] = Counter()  # announcements refused, by reason (each writer's round once)
         self._refused_seen: set[tuple[str, int]] = set()
         self.peers: frozenset[str] = frozenset()  # the live averaging replicas the last count saw, this one included
+        self.strangers = 0  # open announcements read by replicas `peers` leaves out (the count may be stale)
 
     def announces(self, round_number: int) -> bool:
         """Whether this replica is one of ``round_number``'s announcers (always, before a first count)."""
@@ -89,6 +90,8 @@ class RoundBoard:
             record = stored.record
             if peer_id == self._swarm.peer_id or record.stage != self.stage or record.closed:
                 continue
+            if peer_id not in self.peers:
+                self.strangers += 1
             if at_most is not None and record.round > at_most:
                 self._refuse(peer_id, record.round, at_most)
                 continue

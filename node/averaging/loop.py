@@ -101,6 +101,8 @@ class RoundDirectory(Protocol):
 
     def announces(self, round_number: int) -> bool: ...  # whether this replica announces the round
 
+    strangers: int  # open announcements read so far by replicas the last count did not include
+
 # Rounds past the stage's schedule (this replica's count, or the stage's announced one when ahead)
 # that an announcement may still name and be joined. Replicas step on the same completed-batch
 # reports, so a real announcement is a round or two ahead at most; a later one is refused.
@@ -127,7 +129,7 @@ class AveragingLoop:
     def __init__(self, worker: StageWorker, averager: SliceAverager, sync: SyncConfig, *, seed: int,
                  board: Optional[RoundDirectory] = None, probe_s: Optional[float] = None,
                  quiet_probe_s: Optional[float] = None, replicas_s: Optional[float] = None,
-                 logger: Optional[logging.Logger] = None,
+                 settled_s: Optional[float] = None, logger: Optional[logging.Logger] = None,
                  stats: Optional[AveragingStats] = None):
         if sync.method not in ("sparta", "diloco"):
             raise ValueError(f"no averaging loop for sync.method {sync.method!r}")
@@ -138,7 +140,7 @@ class AveragingLoop:
         self.stats = stats if stats is not None else AveragingStats(sync.method)  # the process's registry, or its own
         self._board = board
         self.probe_s, quiet_probe_s = probe_intervals(sync.matchmaking_s, probe_s, quiet_probe_s)
-        self._probes = ProbeSchedule(self.probe_s, quiet_probe_s, replicas_s)
+        self._probes = ProbeSchedule(self.probe_s, quiet_probe_s, replicas_s, settled_s)
         self._announced: Optional[int] = None
         self._refused_counted: dict[str, int] = {}  # the board's refusals already in the stats
         self._logger = logger or logging.getLogger("agora.node.averaging")
@@ -159,6 +161,7 @@ class AveragingLoop:
         self._wake = asyncio.Event()  # set by the hook and by stop()
         self._event_loop: Optional[asyncio.AbstractEventLoop] = None
         self._replicas: Optional[int] = None  # the board's live replica count (`_probes` knows when it was read)
+        self._strangers_seen = 0  # the board's `strangers` when last looked at
         # Called on the event loop after every round with (result, slice, applied): a joining replica's
         # phases (node/membership/phases.py) count the slices it has received. An observer must not raise.
         self.round_observers: list[Callable[[RoundResult, int, bool], None]] = []
@@ -291,7 +294,7 @@ class AveragingLoop:
         self._announced = announced
         if replicas and replicas[0] is not None:
             self._replicas = replicas[0]
-            self._probes.replicas_read(time.monotonic())
+            self._probes.replicas_read(time.monotonic(), self._replicas)
         self._probes.probed(time.monotonic(), steps)
 
     def _idle_wait_s(self) -> float:
@@ -329,6 +332,9 @@ class AveragingLoop:
             if new > 0:
                 self.stats.count_refused(reason, new)
                 self._refused_counted[reason] = count
+        if self._board.strangers != self._strangers_seen:  # a replica the count left out announced
+            self._strangers_seen = self._board.strangers
+            self._probes.count_in_doubt()
         return announced
 
     async def _join_announced(self) -> RoundDecision:
@@ -402,6 +408,7 @@ class AveragingLoop:
         else:
             applied_at = await self._sparta_apply(result, index, snapshot)
         lag = 0 if applied_at is None else applied_at - step
+        self._check_count(result, expected)
         self.stats.record(result, applied_at is not None, lag)
         self._log(result, index, weight, applied_at is not None, lag)
         for observer in self.round_observers:
@@ -435,8 +442,15 @@ class AveragingLoop:
             fresh = await self._ask(self._board.replicas, None)
             if fresh is not None:
                 self._replicas = fresh
-                self._probes.replicas_read(time.monotonic())
+                self._probes.replicas_read(time.monotonic(), fresh)
         return self._replicas
+
+    def _check_count(self, result: RoundResult, expected: Optional[int]) -> None:
+        """Put the replica count in doubt when a round says it moved (node/averaging/probes.py): its
+        group was of another size than the count, or it failed."""
+        if expected is not None and expected > 1 and (
+                result.outcome == "failed" or (result.participants and result.group_size != expected)):
+            self._probes.count_in_doubt()
 
     def _local_part(self, compute: StageCompute, index: int) -> torch.Tensor:
         """The replica's own values of slice `index` (and, if averaged, its Adam moments there)."""

@@ -15,13 +15,19 @@ CPU that answers it, on these reads. Design choices:
 - A quiet probe reads only the announcements. The replica count matters only when a round
   starts, and a round re-reads it when it is older than `replicas_s` (node/averaging/loop.py), so
   skipping it costs a quiet replica one read when it does join a round, not one per probe.
-- The replica count is read again at most every `replicas_s` (twice the quiet interval: the
-  matchmaking window), not at every probe. It is the stage's worker records, each rewritten every
-  heartbeat, so a read of it carries about R/4 changed records at the training pace, and R grows
-  with the swarm; the announcements are what a probe is for. A count is already as old as the
-  records it comes from (a dead replica is counted until its record expires, three heartbeats),
-  and one a window old costs at most one round that waits out its window for a replica that has
-  gone, or starts without one that has just come.
+- The replica count is read again when something says it moved, at most every `replicas_s` (twice
+  the quiet interval: the matchmaking window), and otherwise every `settled_s` (ten windows). It is
+  the stage's worker records, each rewritten every heartbeat, so a read of it carries nearly all R
+  of them, and R grows with the swarm: read every window, it was the largest share of a worker's
+  DHT bytes at 64 nodes, and the one that grew like N (bench/results/dht_scale.md). What says the
+  count moved is what the replica sees anyway (`count_in_doubt`, called by the loop): a round whose
+  group was not the size the count expected (a replica left, or one came and joined), a failed
+  round, an announcement by a replica the count did not include (a newcomer announcing). A count
+  that stays wrong costs rounds that wait out their window for a replica that has gone, or start
+  without one that has just come; the first such round is itself the evidence, so a departure or a
+  join costs about one round more than a count read every window would, and `settled_s` bounds
+  what nothing reports. A replica that counts itself alone keeps reading every `replicas_s`: it
+  runs no round with anyone, so nothing else would tell it that a newcomer came.
 - The first probe after the count moves is due `base_s` after the previous probe (at once when
   that has passed): a replica whose stage starts training probes at the training pace from its
   first step, not after its quiet interval.
@@ -33,7 +39,10 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-__all__ = ["ProbeSchedule", "probe_intervals"]
+__all__ = ["SETTLED_WINDOWS", "ProbeSchedule", "probe_intervals"]
+
+# A count nothing has put in doubt is read again after this many `replicas_s` (the module docstring).
+SETTLED_WINDOWS = 10
 
 
 def probe_intervals(matchmaking_s: float, probe_s: Optional[float] = None,
@@ -47,7 +56,8 @@ def probe_intervals(matchmaking_s: float, probe_s: Optional[float] = None,
 class ProbeSchedule:
     """The next probe's time and kind, from the probes done so far and the replica's step count."""
 
-    def __init__(self, base_s: float, quiet_s: float, replicas_s: Optional[float] = None):
+    def __init__(self, base_s: float, quiet_s: float, replicas_s: Optional[float] = None,
+                 settled_s: Optional[float] = None):
         if not 0 < base_s <= quiet_s:
             raise ValueError(f"probe intervals: need 0 < base_s <= quiet_s, got {base_s:g} and {quiet_s:g}")
         self.base_s = base_s
@@ -55,8 +65,13 @@ class ProbeSchedule:
         self.replicas_s = 2 * quiet_s if replicas_s is None else replicas_s
         if not self.replicas_s >= base_s:
             raise ValueError(f"probe intervals: need replicas_s >= base_s, got {self.replicas_s:g} and {base_s:g}")
+        self.settled_s = SETTLED_WINDOWS * self.replicas_s if settled_s is None else settled_s
+        if not self.settled_s >= self.replicas_s:
+            raise ValueError(f"probe intervals: need settled_s >= replicas_s, got {self.settled_s:g} and "
+                             f"{self.replicas_s:g}")
         self._probed_at = -math.inf
         self._replicas_at = -math.inf
+        self._in_doubt = True  # nothing read yet
         self._steps_at_probe: Optional[int] = None
         self._next = 0.0  # the first probe is due at once
 
@@ -75,12 +90,18 @@ class ProbeSchedule:
         return not self.quiet(steps) and self.replicas_due(now)
 
     def replicas_due(self, now: float) -> bool:
-        """Whether the replica count is older than `replicas_s` (or was never read)."""
-        return now - self._replicas_at >= self.replicas_s
+        """Whether the replica count is older than `replicas_s` and in doubt, or older than
+        `settled_s` (or was never read)."""
+        return now - self._replicas_at >= (self.replicas_s if self._in_doubt else self.settled_s)
 
-    def replicas_read(self, now: float) -> None:
-        """The replica count was read at `now` (by a probe or by a round about to start)."""
+    def replicas_read(self, now: float, count: int) -> None:
+        """The replica count was read at `now` (by a probe or by a round about to start): `count`."""
         self._replicas_at = now
+        self._in_doubt = count <= 1  # alone: no round of its own would show a newcomer
+
+    def count_in_doubt(self) -> None:
+        """Something the replica saw says the count moved: read it again `replicas_s` after the last read."""
+        self._in_doubt = True
 
     def probed(self, now: float, steps: int) -> None:
         """A probe was done at `now`, seeing step count `steps`."""

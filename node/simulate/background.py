@@ -6,8 +6,9 @@ shared cores, then its latency):
 
 - Probes of the round board (node/averaging/loop.py): on node/averaging/probes.py's schedule, with
   the intervals `probe_intervals` gives the matchmaking window; two reads (the announcements and the
-  live replicas) while the replica's step count moves and its count is older than the schedule's
-  `replicas_s`, else one. The loop runs one thing at a
+  live replicas) while the replica's step count moves and its count is due (older than the
+  schedule's `settled_s`, or `replicas_s` when it counted itself alone: the simulated count is the
+  stage's live replicas, never wrong, so nothing else puts it in doubt), else one. The loop runs one thing at a
   time, so none while a round runs; the probe due at a round's step is the matchmaking's read of the
   live replicas (workers.py's `StageRounds`), counted there. After each round the loop stores that
   it left it (`RoundBoard.close`) beside its next wait, if it is one of the round's announcers
@@ -46,7 +47,7 @@ def probing(swarm, worker: SimWorker):
             replicas = schedule.reads_replicas(steps, env.now)
             yield env.all_of([env.process(swarm.dht_op("get")) for _ in range(2 if replicas else 1)])
             if replicas:
-                schedule.replicas_read(env.now)
+                schedule.replicas_read(env.now, swarm.rounds.live(worker.stage))
             schedule.probed(env.now, steps)
             continue
         yield env.any_of([env.timeout(due), worker.wait_wake(env)])

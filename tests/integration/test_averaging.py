@@ -78,6 +78,7 @@ class FixedBoard:
         pass
 
     refused: dict = {}
+    strangers = 0
 
     async def announced_round(self, at_most=None):
         return None

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -72,6 +73,7 @@ class Board:
         self.closed_by_us.append(round_number)
 
     refused: dict = {}
+    strangers = 0
 
     async def announced_round(self, at_most=None):
         return self.announced_now
@@ -101,9 +103,10 @@ class CountingBoard(Board):
         self._read.set()
 
     async def read(self, kind: str, times: int) -> None:
+        deadline = time.monotonic() + 10
         while self.reads[kind] < times:
             self._read.clear()
-            await asyncio.wait_for(self._read.wait(), 10)
+            await asyncio.wait_for(self._read.wait(), max(0.0, deadline - time.monotonic()))
 
 
 def committed(averaged, round_number, group=2):
@@ -363,11 +366,41 @@ def test_a_training_replica_reads_the_count_every_replicas_interval_not_at_every
     run(main())
 
 
+def test_a_round_short_of_the_count_or_a_strangers_announcement_has_the_count_read_again():
+    groups = iter([3, 2, 3, 3])
+
+    def reply(values, round_number):
+        return committed(values, round_number, group=next(groups))
+
+    async def main():
+        board = CountingBoard(replicas=3)
+        worker, _, loop = await started(SYNC, reply, board, quiet_probe_s=0.02, replicas_s=0.02, settled_s=60.0)
+        try:
+            await board.read("replicas", 1)  # the first probe's
+            await loop.run_round(1)  # a group of 3, as counted: the count stands
+            await asyncio.sleep(0.05)
+            await loop.run_round(2)  # a group of 2: one of the 3 is gone, or late
+            after_a_settled_round = board.reads["replicas"]
+            await asyncio.sleep(0.05)
+            await loop.run_round(3)  # reads the count first
+            after_a_short_round = board.reads["replicas"]
+            board.strangers += 1  # an announcement by a replica the count did not include
+            await board.read("announced", board.reads["announced"] + 2)
+            await asyncio.sleep(0.05)
+            await loop.run_round(4)
+        finally:
+            await loop.stop()
+            await worker.stop()
+        assert (after_a_settled_round, after_a_short_round, board.reads["replicas"]) == (1, 2, 3)
+
+    run(main())
+
+
 def test_a_quiet_replica_reads_only_the_announcements_until_its_count_moves():
     async def main():
         board = CountingBoard()
         worker, _, loop = await started(SYNC, lambda values, r: committed(values, r), board, quiet_probe_s=0.02,
-                                        replicas_s=0.02)
+                                        replicas_s=0.02, settled_s=0.02)
         try:
             await board.read("announced", 4)
             quiet_reads = dict(board.reads)

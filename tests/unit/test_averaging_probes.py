@@ -15,23 +15,42 @@ def test_the_first_probe_is_due_at_once_and_reads_everything():
     assert probes.reads_replicas(steps=0, now=100.0)
 
 
-def test_a_training_replica_probes_every_base_interval_and_reads_the_replica_count_every_replicas_interval():
+def test_a_training_replica_probes_every_base_interval_and_reads_a_settled_count_every_settled_interval():
     probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
     assert probes.replicas_s == 8.0  # twice the quiet interval: the matchmaking window
+    assert probes.settled_s == 80.0  # ten windows
     read_at = []
-    for step, now in enumerate([0.0, 1.0, 2.0, 7.0, 8.0, 9.0, 16.5]):
+    for step, now in enumerate([0.0, 1.0, 8.0, 9.0, 79.0, 80.0, 81.0, 160.5]):
         if probes.reads_replicas(steps=step, now=now):
-            probes.replicas_read(now)
+            probes.replicas_read(now, count=4)
             read_at.append(now)
         probes.probed(now, steps=step)
         assert probes.due_in(now, steps=step + 1) == pytest.approx(1.0)
-    assert read_at == [0.0, 8.0, 16.5]
+    assert read_at == [0.0, 80.0, 160.5]
+
+
+def test_a_count_in_doubt_is_read_again_a_replicas_interval_after_the_last_read():
+    probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
+    probes.replicas_read(0.0, count=4)
+    assert not probes.replicas_due(10.0)
+    probes.count_in_doubt()  # a round formed short of the count, say
+    assert not probes.replicas_due(7.9) and probes.replicas_due(8.0) and probes.reads_replicas(steps=1, now=8.0)
+    probes.replicas_read(8.0, count=3)  # read: settled again
+    assert not probes.replicas_due(16.0) and not probes.replicas_due(87.9) and probes.replicas_due(88.0)
+
+
+def test_a_replica_that_counts_itself_alone_reads_the_count_every_replicas_interval():
+    probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
+    probes.replicas_read(0.0, count=1)  # no round of its own would show a newcomer
+    assert probes.replicas_due(8.0)
+    probes.replicas_read(8.0, count=2)
+    assert not probes.replicas_due(16.0)
 
 
 def test_a_round_that_read_the_count_puts_the_probes_read_off():
     probes = ProbeSchedule(base_s=1.0, quiet_s=2.0, replicas_s=3.0)
     assert probes.replicas_due(0.0)
-    probes.replicas_read(0.5)  # a round about to start read it
+    probes.replicas_read(0.5, count=1)  # a round about to start read it
     assert not probes.replicas_due(3.4) and not probes.reads_replicas(steps=1, now=3.4)
     assert probes.replicas_due(3.5) and probes.reads_replicas(steps=1, now=3.5)
 
@@ -65,11 +84,12 @@ def test_look_now_makes_the_next_probe_due():
     assert probes.due_in(1.0, steps=1) <= 0
 
 
-@pytest.mark.parametrize("base_s, quiet_s, replicas_s", [(0.0, 1.0, None), (2.0, 1.0, None), (-1.0, 1.0, None),
-                                                          (1.0, 2.0, 0.5)])
-def test_intervals_out_of_order_are_refused(base_s, quiet_s, replicas_s):
+@pytest.mark.parametrize("base_s, quiet_s, replicas_s, settled_s", [
+    (0.0, 1.0, None, None), (2.0, 1.0, None, None), (-1.0, 1.0, None, None), (1.0, 2.0, 0.5, None),
+    (1.0, 2.0, 4.0, 3.0)])
+def test_intervals_out_of_order_are_refused(base_s, quiet_s, replicas_s, settled_s):
     with pytest.raises(ValueError, match="probe intervals"):
-        ProbeSchedule(base_s, quiet_s, replicas_s)
+        ProbeSchedule(base_s, quiet_s, replicas_s, settled_s)
 
 
 def test_the_intervals_are_a_quarter_and_a_half_of_the_window_unless_given():

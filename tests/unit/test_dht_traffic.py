@@ -35,8 +35,8 @@ def test_the_reads_all_workers_makes_are_left_out_where_the_nodes_metrics_do_not
     assert metered["get workers"] == pytest.approx(1 / MODEL.replicas_period_s)  # the probes' count alone
 
 
-def test_the_live_count_is_read_every_window_and_two_replicas_of_a_stage_announce_a_round():
-    assert MODEL.replicas_period_s == pytest.approx(3.0 + (0.75 + 0.12) / (1 - 0.27) / 2)
+def test_a_settled_live_count_is_read_every_ten_windows_and_two_replicas_of_a_stage_announce_a_round():
+    assert MODEL.replicas_period_s == pytest.approx(30.0 + (0.75 + 0.12) / (1 - 0.27) / 2)
     assert peer_rates(role_actions("worker", MODEL))["store rounds"] == pytest.approx(2 * 0.27)  # R = 2: both
     wide = dataclasses.replace(MODEL, replicas=20)
     assert peer_rates(role_actions("worker", wide))["store rounds"] == pytest.approx(2 * 0.27 * 2 / 20)
