@@ -32,6 +32,16 @@ The monitor also watches for the harness's newcomer (bench/dht_newcomer.py): onc
 names a stage, it reads that stage's workers (the key every reader of the stage reads), writes
 `<watch>.armed`, and reads it again every `WATCH_S` until a peer it did not see at first is there:
 `<watch>.seen` holds that read's end (wall time) and the peer. The newcomer is then visible to others.
+
+First reads. A worker or trainer announces its record as the go word comes (its daemon does so when
+it starts), and `--first-reads-s` after it makes each of its role's reads once (`first_reads`), while
+the harness is still warming up. A daemon's first read of a key is whole: every entry, each with its
+writer's credential chain; later reads get what changed, chains named by hash (dht/changed_finds.py,
+dht/entry_chains.py), and its round board knows the stage's replicas, so two of them announce a round.
+With the schedule dilated, a read of period P comes 180 / (K x P) times in a window of 180 real
+seconds: without these, the window's reads of the slower actions (the replica count every 30 logical
+s, the rebalancer's) would nearly all be first reads, a cost a swarm that has run for a while pays
+once per key and newcomer (measured apart: bench/dht_newcomer.py), not every minute.
 """
 
 from __future__ import annotations
@@ -90,6 +100,8 @@ CONFIG = PRESETS["tiny"]  # the demo's run: its fingerprint is what the workers 
 ACTIONS = {"heartbeat": "beat", "probe": "probe", "replicas": "read_replicas", "round": "run_round", "units": "read_units",
            "rebalance": "rebalance", "roster": "roster", "batch": "batch", "renew": "renew", "bans": "read_bans",
            "poll": "poll"}
+# The actions that read (`first_reads` makes each once before the window).
+FIRST_READS = frozenset({"probe", "replicas", "units", "rebalance", "roster", "poll"})
 
 
 class CallLog(RequestTimings):
@@ -298,6 +310,24 @@ def note_traffic(swarm: SwarmDHT, path: Path) -> None:
         out.write(json.dumps([round(time.time(), 4), traffic]) + "\n")
 
 
+async def first_reads(work: dict[str, Callable[[], Awaitable[None]]], actions: tuple[Action, ...],
+                      at: float) -> None:
+    """Announce at once (as a daemon does when it starts), then at wall time `at` make each of the
+    role's reads once: a peer of a swarm that has run a while has read every key it reads, and holds
+    their entries and their writers' chains (the module docstring)."""
+    names = {action.name for action in actions}
+    try:
+        if "heartbeat" in names:
+            await work["heartbeat"]()
+        await asyncio.sleep(max(0.0, at - time.time()))
+        for name in sorted(names & FIRST_READS):
+            await work[name]()
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the schedule's own reads go on; the window shows the cost
+        logger.warning("a first read failed: %s: %s", type(error).__name__, error)
+
+
 async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -316,6 +346,8 @@ async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog) -> None:
     tasks = [asyncio.create_task(flush_forever(log, swarm))]
     if args.role == "monitor" and args.watch_file:
         tasks.append(asyncio.create_task(watch_for_newcomer(swarm, args.run_id, Path(args.watch_file), stop)))
+    if args.first_reads_s > 0:
+        tasks.append(asyncio.create_task(first_reads(work, role_actions(args.role, model), epoch + args.first_reads_s)))
     for action in role_actions(args.role, model):
         period = dilation.real_s(action.period_s)
         tasks.append(asyncio.create_task(run_action(action, work[action.name], period,
@@ -348,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trainers", type=int, default=1)
     parser.add_argument("--trainer-index", type=int, default=0)
     parser.add_argument("--dilation", type=float, default=1.0)
+    parser.add_argument("--first-reads-s", type=float, default=0.0,
+                        help="seconds after the go word when it makes each of its reads once (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ca-dir", default=None, help="the bootstrap's: the run's authority, to sign the ban list")
     parser.add_argument("--watch-file", default=None,

@@ -182,7 +182,8 @@ def peer_command(spec: PeerSpec, args: argparse.Namespace, geometry: Geometry, w
                "--ready-file", str(workdir / f"{spec.name}.ready"), "--go-file", str(workdir / "go"),
                "--calls", str(workdir / "calls" / f"{spec.name}.jsonl"), "--stages", str(geometry.stages),
                "--stage", str(spec.stage), "--trainers", str(geometry.trainers),
-               "--trainer-index", str(spec.trainer_index), "--dilation", str(args.dilation), "--seed", str(args.seed)]
+               "--trainer-index", str(spec.trainer_index), "--dilation", str(args.dilation), "--seed", str(args.seed),
+               "--first-reads-s", str(first_reads_s(args))]
     if initial_peers:
         command += ["--initial-peers", *initial_peers]
     if spec.role == BOOTSTRAP:
@@ -256,12 +257,25 @@ def join_newcomer(group: ProcessGroup, topology: WanTopology, spec: PeerSpec, ar
                     visible=visible, donors=steps["donors"])
 
 
+def warmup_s(args: argparse.Namespace) -> float:
+    """From the go word to the window: `--warmup`, else a dilated heartbeat (every peer has beaten)."""
+    if args.warmup is not None:
+        return args.warmup
+    return max(10.0, Dilation(args.dilation).real_s(TrafficModel().heartbeat_s))
+
+
+def first_reads_s(args: argparse.Namespace) -> float:
+    """When the peers make their first reads (bench/dht_peer.py): half-way through the warm-up, after
+    every peer's first announce, before the window."""
+    return warmup_s(args) / 2
+
+
 def measure(nodes: int, args: argparse.Namespace, workdir: Path) -> Figures:
     geometry = geometry_for(nodes, args.stages)
     specs = [PeerSpec(BOOTSTRAP, BOOTSTRAP), *peer_specs(geometry), PeerSpec(MONITOR, MONITOR)]
     newcomer_spec = PeerSpec(NEWCOMER, "worker", stage=0)
     dilation = Dilation(args.dilation)
-    warmup = args.warmup if args.warmup is not None else max(10.0, dilation.real_s(TrafficModel().heartbeat_s))
+    warmup = warmup_s(args)
     load_start = os.getloadavg()[0]
     (workdir / "calls").mkdir(parents=True)
     mint_credentials(workdir, [*specs, newcomer_spec])
