@@ -325,7 +325,9 @@ NOT_MEASURED = ("What this harness is not: no compute, no gRPC data plane (no Fo
                 "completed-batch reports, no state download), no averaging all-reduce and no hivemind "
                 "matchmaking (the averager's own DHT keys), no authorizer; no churn besides one newcomer after "
                 "the window (no peer leaves). It is the coordination plane alone: the record families' stores "
-                "and reads at the demo's pace, and a monitor polling them.")
+                "and reads at the demo's pace, and a monitor polling them. Every peer made each of its reads "
+                "once during the warm-up (bench/dht_peer.py's first reads), as a peer of a swarm that has run a "
+                "while has: the window is the steady state, and a key's first read, whole, is the newcomer's.")
 
 JOIN_COLUMNS = [("monitor_poll_p50_s", "monitor poll p50 s"), ("monitor_poll_p95_s", "monitor poll p95 s"),
                 ("monitor_polls", "polls"), ("monitor_kib_min", "monitor KiB/min"),
