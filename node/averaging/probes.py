@@ -26,8 +26,12 @@ CPU that answers it, on these reads. Design choices:
   that stays wrong costs rounds that wait out their window for a replica that has gone, or start
   without one that has just come; the first such round is itself the evidence, so a departure or a
   join costs about one round more than a count read every window would, and `settled_s` bounds
-  what nothing reports. A replica that counts itself alone keeps reading every `replicas_s`: it
-  runs no round with anyone, so nothing else would tell it that a newcomer came.
+  what nothing reports. A count stands only once two reads a window apart agree: replicas that
+  start together count each other as they come up, and one that read 12 of 16 would otherwise
+  form its rounds at 12, leaving out the 4 it had not seen for up to `settled_s` (5% of the
+  groups at R = 16 in bench/averaging_scale.py). A replica that counts itself alone keeps reading
+  every `replicas_s`: it runs no round with anyone, so nothing else would tell it that a newcomer
+  came.
 - The first probe after the count moves is due `base_s` after the previous probe (at once when
   that has passed): a replica whose stage starts training probes at the training pace from its
   first step, not after its quiet interval.
@@ -72,6 +76,7 @@ class ProbeSchedule:
         self._probed_at = -math.inf
         self._replicas_at = -math.inf
         self._in_doubt = True  # nothing read yet
+        self._count: Optional[int] = None  # the last count read
         self._steps_at_probe: Optional[int] = None
         self._next = 0.0  # the first probe is due at once
 
@@ -95,9 +100,12 @@ class ProbeSchedule:
         return now - self._replicas_at >= (self.replicas_s if self._in_doubt else self.settled_s)
 
     def replicas_read(self, now: float, count: int) -> None:
-        """The replica count was read at `now` (by a probe or by a round about to start): `count`."""
+        """The replica count was read at `now` (by a probe or by a round about to start): `count`.
+        It stands once two reads in a row agree (a stage still filling up, or emptying, moves
+        between them), and never while it is one: no round of a lone replica would show a newcomer."""
         self._replicas_at = now
-        self._in_doubt = count <= 1  # alone: no round of its own would show a newcomer
+        self._in_doubt = count <= 1 or count != self._count
+        self._count = count
 
     def count_in_doubt(self) -> None:
         """Something the replica saw says the count moved: read it again `replicas_s` after the last read."""

@@ -20,31 +20,42 @@ def test_a_training_replica_probes_every_base_interval_and_reads_a_settled_count
     assert probes.replicas_s == 8.0  # twice the quiet interval: the matchmaking window
     assert probes.settled_s == 80.0  # ten windows
     read_at = []
-    for step, now in enumerate([0.0, 1.0, 8.0, 9.0, 79.0, 80.0, 81.0, 160.5]):
+    for step, now in enumerate([0.0, 1.0, 8.0, 9.0, 16.0, 87.9, 88.0, 89.0, 168.5]):
         if probes.reads_replicas(steps=step, now=now):
             probes.replicas_read(now, count=4)
             read_at.append(now)
         probes.probed(now, steps=step)
         assert probes.due_in(now, steps=step + 1) == pytest.approx(1.0)
-    assert read_at == [0.0, 80.0, 160.5]
+    assert read_at == [0.0, 8.0, 88.0, 168.5]  # the second read agrees with the first: settled
+
+
+def test_a_count_stands_once_two_reads_agree():
+    probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
+    probes.replicas_read(0.0, count=12)  # the stage still coming up
+    assert probes.replicas_due(8.0)
+    probes.replicas_read(8.0, count=16)
+    assert probes.replicas_due(16.0)
+    probes.replicas_read(16.0, count=16)
+    assert not probes.replicas_due(24.0) and probes.replicas_due(96.0)
 
 
 def test_a_count_in_doubt_is_read_again_a_replicas_interval_after_the_last_read():
     probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
     probes.replicas_read(0.0, count=4)
-    assert not probes.replicas_due(10.0)
+    probes.replicas_read(8.0, count=4)  # two reads agree: settled
+    assert not probes.replicas_due(16.0)
     probes.count_in_doubt()  # a round formed short of the count, say
-    assert not probes.replicas_due(7.9) and probes.replicas_due(8.0) and probes.reads_replicas(steps=1, now=8.0)
-    probes.replicas_read(8.0, count=3)  # read: settled again
-    assert not probes.replicas_due(16.0) and not probes.replicas_due(87.9) and probes.replicas_due(88.0)
+    assert not probes.replicas_due(15.9) and probes.replicas_due(16.0) and probes.reads_replicas(steps=1, now=16.0)
+    probes.replicas_read(16.0, count=4)  # read again, and it agrees: settled again
+    assert not probes.replicas_due(24.0) and not probes.replicas_due(95.9) and probes.replicas_due(96.0)
 
 
 def test_a_replica_that_counts_itself_alone_reads_the_count_every_replicas_interval():
     probes = ProbeSchedule(base_s=1.0, quiet_s=4.0)
     probes.replicas_read(0.0, count=1)  # no round of its own would show a newcomer
     assert probes.replicas_due(8.0)
-    probes.replicas_read(8.0, count=2)
-    assert not probes.replicas_due(16.0)
+    probes.replicas_read(8.0, count=1)  # alone, however many reads agree
+    assert probes.replicas_due(16.0)
 
 
 def test_a_round_that_read_the_count_puts_the_probes_read_off():
