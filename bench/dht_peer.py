@@ -33,9 +33,9 @@ names a stage, it reads that stage's workers (the key every reader of the stage 
 `<watch>.armed`, and reads it again every `WATCH_S` until a peer it did not see at first is there:
 `<watch>.seen` holds that read's end (wall time) and the peer. The newcomer is then visible to others.
 
-First reads. A worker or trainer announces its record as the go word comes (its daemon does so when
-it starts), and `--first-reads-s` after it makes each of its role's reads once (`first_reads`), while
-the harness is still warming up. A daemon's first read of a key is whole: every entry, each with its
+First reads. A worker or trainer announces its record within `--first-reads-s` of the go word (its
+daemon does so when it starts), and within the next `--first-reads-s` makes each of its role's reads
+once (`first_reads`), each peer at its own drawn moments, while the harness is still warming up. A daemon's first read of a key is whole: every entry, each with its
 writer's credential chain; later reads get what changed, chains named by hash (dht/changed_finds.py,
 dht/entry_chains.py), and its round board knows the stage's replicas, so two of them announce a round.
 With the schedule dilated, a read of period P comes 180 / (K x P) times in a window of 180 real
@@ -311,21 +311,37 @@ def note_traffic(swarm: SwarmDHT, path: Path) -> None:
 
 
 async def first_reads(work: dict[str, Callable[[], Awaitable[None]]], actions: tuple[Action, ...],
-                      at: float) -> None:
-    """Announce at once (as a daemon does when it starts), then at wall time `at` make each of the
-    role's reads once: a peer of a swarm that has run a while has read every key it reads, and holds
-    their entries and their writers' chains (the module docstring)."""
+                      epoch: float, after_s: float, rng: random.Random) -> None:
+    """Announce within `after_s` of `epoch` (as a daemon does when it starts), then within the next
+    `after_s` make each of the role's reads once: a peer of a swarm that has run a while has read
+    every key it reads, and holds their entries and their writers' chains (the module docstring).
+    Each at a moment drawn for this peer: all at once, 64 peers' announces took the bootstrap's ban
+    list store past its 10 s deadline."""
     names = {action.name for action in actions}
     try:
         if "heartbeat" in names:
+            await asyncio.sleep(max(0.0, epoch + rng.uniform(0.0, 0.8 * after_s) - time.time()))
             await work["heartbeat"]()
-        await asyncio.sleep(max(0.0, at - time.time()))
+        await asyncio.sleep(max(0.0, epoch + after_s * rng.uniform(1.0, 1.8) - time.time()))
         for name in sorted(names & FIRST_READS):
             await work[name]()
     except asyncio.CancelledError:
         raise
     except Exception as error:  # noqa: BLE001 - the schedule's own reads go on; the window shows the cost
         logger.warning("a first read failed: %s: %s", type(error).__name__, error)
+
+
+async def publish_bans(swarm: SwarmDHT, args: argparse.Namespace, stop: asyncio.Event) -> None:
+    """The bootstrap publishes the run's ban list as the traffic starts, trying again until a store
+    is answered (a store past its deadline must not end the peer every other one joined through)."""
+    publisher = BanPublisher(RunAuthority(args.ca_dir), swarm)
+    while not stop.is_set():
+        try:
+            await asyncio.to_thread(publisher.publish_if_due)
+            return
+        except DHTRequestError as error:
+            logger.warning("publishing the ban list failed, trying again: %s", error)
+            await asyncio.sleep(1.0)
 
 
 async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog) -> None:
@@ -338,7 +354,7 @@ async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog) -> None:
     if epoch is None:
         return
     if args.role == "bootstrap":
-        await asyncio.to_thread(BanPublisher(RunAuthority(args.ca_dir), swarm).publish_if_due)
+        await publish_bans(swarm, args, stop)
     peer = Peer(swarm, args, model, dilation, epoch)
     work = peer.actions()
     rng = random.Random(f"{args.seed}:{args.name}")
@@ -347,7 +363,8 @@ async def play(swarm: SwarmDHT, args: argparse.Namespace, log: CallLog) -> None:
     if args.role == "monitor" and args.watch_file:
         tasks.append(asyncio.create_task(watch_for_newcomer(swarm, args.run_id, Path(args.watch_file), stop)))
     if args.first_reads_s > 0:
-        tasks.append(asyncio.create_task(first_reads(work, role_actions(args.role, model), epoch + args.first_reads_s)))
+        tasks.append(asyncio.create_task(first_reads(work, role_actions(args.role, model), epoch, args.first_reads_s,
+                                                     random.Random(f"{args.seed}:{args.name}:first"))))
     for action in role_actions(args.role, model):
         period = dilation.real_s(action.period_s)
         tasks.append(asyncio.create_task(run_action(action, work[action.name], period,

@@ -265,8 +265,8 @@ def warmup_s(args: argparse.Namespace) -> float:
 
 
 def first_reads_s(args: argparse.Namespace) -> float:
-    """When the peers make their first reads (bench/dht_peer.py): half-way through the warm-up, after
-    every peer's first announce, before the window."""
+    """The peers announce within this of the go word, then make their first reads within the next
+    (bench/dht_peer.py): both spread over the warm-up's first 90%, before the window."""
     return warmup_s(args) / 2
 
 
