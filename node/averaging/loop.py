@@ -436,8 +436,8 @@ class AveragingLoop:
         self._hooked.carry(lambda r: round_slice(r, self.sync.n_slices) == index, delta, moments_from)
 
     async def _replica_count(self) -> Optional[int]:
-        """The live replicas of the stage as last read, read again if older than the probes'
-        `replicas_s` (node/averaging/probes.py says why not at every probe)."""
+        """The live replicas of the stage as last read, read again when the probes' schedule says it
+        is due (node/averaging/probes.py says when, and why not at every probe)."""
         if self._probes.replicas_due(time.monotonic()):
             fresh = await self._ask(self._board.replicas, None)
             if fresh is not None:
