@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 
 from agora.bench.many_nodes import Geometry
 from agora.dht.round_board import ANNOUNCERS
-from agora.node.averaging.probes import SETTLED_WINDOWS
+from agora.node.averaging.probes import ProbeSchedule, probe_intervals
 
 __all__ = ["ROLES", "Action", "Dilation", "Request", "Timetable", "TrafficModel", "check_rows", "first_due_s",
            "peer_rates", "role_actions", "swarm_rates"]
@@ -91,10 +91,10 @@ class TrafficModel:
 
     @property
     def replicas_period_s(self) -> float:
-        """A settled replica count falls due every `SETTLED_WINDOWS` windows (nothing here puts it in
+        """A settled replica count falls due every `settled_s` of the loop's schedule (nothing here puts it in
         doubt: no replica leaves or joins, every group is whole); the next probe reads it, half a
         probe on average."""
-        return SETTLED_WINDOWS * self.matchmaking_s + self.probe_period_s / 2
+        return ProbeSchedule(*probe_intervals(self.matchmaking_s)).settled_s + self.probe_period_s / 2
 
     @property
     def announcing_share(self) -> float:

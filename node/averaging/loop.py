@@ -160,7 +160,6 @@ class AveragingLoop:
         self._hook_round = 0  # the last round the hook snapshotted (compute thread only)
         self._wake = asyncio.Event()  # set by the hook and by stop()
         self._event_loop: Optional[asyncio.AbstractEventLoop] = None
-        self._replicas: Optional[int] = None  # the board's live replica count (`_probes` knows when it was read)
         self._strangers_seen = 0  # the board's `strangers` when last looked at
         # Called on the event loop after every round with (result, slice, applied): a joining replica's
         # phases (node/membership/phases.py) count the slices it has received. An observer must not raise.
@@ -275,7 +274,7 @@ class AveragingLoop:
             self._last_round = decision.round
             try:
                 result = await self.run_round(decision.round)
-                if result.outcome in ("alone", "failed") and (self._replicas or 0) > 1:
+                if result.outcome in ("alone", "failed") and (self._probes.count or 0) > 1:
                     self._probes.look_now()  # the others may be waiting in another round
             except RuntimeError as error:
                 if not self.worker.is_serving:  # the worker is stopping: its compute thread is gone
@@ -293,8 +292,7 @@ class AveragingLoop:
         announced, *replicas = await asyncio.gather(*reads)
         self._announced = announced
         if replicas and replicas[0] is not None:
-            self._replicas = replicas[0]
-            self._probes.replicas_read(time.monotonic(), self._replicas)
+            self._probes.replicas_read(time.monotonic(), replicas[0])
         self._probes.probed(time.monotonic(), steps)
 
     def _idle_wait_s(self) -> float:
@@ -441,9 +439,8 @@ class AveragingLoop:
         if self._probes.replicas_due(time.monotonic()):
             fresh = await self._ask(self._board.replicas, None)
             if fresh is not None:
-                self._replicas = fresh
                 self._probes.replicas_read(time.monotonic(), fresh)
-        return self._replicas
+        return self._probes.count
 
     def _check_count(self, result: RoundResult, expected: Optional[int]) -> None:
         """Put the replica count in doubt when a round says it moved (node/averaging/probes.py): its

@@ -76,7 +76,7 @@ class ProbeSchedule:
         self._probed_at = -math.inf
         self._replicas_at = -math.inf
         self._in_doubt = True  # nothing read yet
-        self._count: Optional[int] = None  # the last count read
+        self.count: Optional[int] = None  # the last count read
         self._steps_at_probe: Optional[int] = None
         self._next = 0.0  # the first probe is due at once
 
@@ -104,8 +104,8 @@ class ProbeSchedule:
         It stands once two reads in a row agree (a stage still filling up, or emptying, moves
         between them), and never while it is one: no round of a lone replica would show a newcomer."""
         self._replicas_at = now
-        self._in_doubt = count <= 1 or count != self._count
-        self._count = count
+        self._in_doubt = count <= 1 or count != self.count
+        self.count = count
 
     def count_in_doubt(self) -> None:
         """Something the replica saw says the count moved: read it again `replicas_s` after the last read."""
