@@ -183,10 +183,11 @@ def _equal_time(row: dict) -> tuple[list[str], dict]:
                 for k, n in (r.get("outcomes") or {}).items():
                     outcomes[k] = outcomes.get(k, 0) + n
             other = sum(n for k, n in outcomes.items() if k != "committed")
+            blocked = mean_present(r.get('blocked_fraction') for r in runs)
             lines.append(f"| {mbit} Mbit/s | {name} | {_f(mean_present(r.get('steps') for r in runs), 0)} | "
                          f"{_f(_rate(runs), 0)} | {_f(loss, 4)} | {outcomes.get('committed', 0)}/{other} | "
                          f"{_f(mean_present(r.get('bytes_per_param_per_local_step') for r in runs), 3)} | "
-                         f"{_f(mean_present(r.get('blocked_fraction') for r in runs) and 100 * mean_present(r.get('blocked_fraction') for r in runs), 3, '%')} | "
+                         f"{_f(blocked and 100 * blocked, 3, '%')} | "
                          f"{_loads(runs)} |")
     sparse, full = "sparta, the report's cadence", "everything every step"
     verdicts = []
