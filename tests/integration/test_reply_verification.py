@@ -1,7 +1,7 @@
 """The trainer's verifier over real gRPC: a trainer and StageWorkers on loopback, no DHT, and the
 run's authorizer (grpc.aio, TLS under the run's root) that admitted the liar and the trainer.
 
-Two head replicas and one tail; one head turns liar after some honest replies and scales every
+Two head replicas and one tail; one head turns liar after 40 honest global batches and scales every
 output by ten from then on: within every format check and scale bound (x1000), and still a lie
 the tail would train on. The trainer must flag that head (and no one else) within the stated
 number of its replies, exclude it for the rest of the run, refuse the reply that showed it (the
@@ -30,7 +30,7 @@ from agora.node.trainer.verification import DETECTION_REPLIES
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.config import PRESETS
 from agora.pipeline.data import build_data
-from lying_workers import rewrite_replies, scaled_output
+from lying_workers import BEHAVIOURS, LieSchedule, make_liar
 import authorizer_world as world
 from authorizer_world import join, serving
 
@@ -38,11 +38,14 @@ pytestmark = pytest.mark.timeout(180)
 
 authority, keys, nodes = world.authority, world.keys, world.nodes  # fixtures
 
-HONEST_REPLIES = 80  # the liar's honest Forwards before it lies: 40 global batches, past the early drift
-# Room for 4 * DETECTION_REPLIES lies and more after them: the heads split each global batch's four
-# microbatches evenly, so the liar lies from about step 41, and its 4th to 10th lie trips the bar
-# (seen under load). Fewer steps left a slow trip no lie to happen on, and the run ended unflagged.
-STEPS = 40 + 2 * DETECTION_REPLIES + 8
+HONEST_STEPS = 40  # the liar's optimizer steps before it lies: global batches past tiny's early drift
+# Keyed to steps, not to the liar's replies: routing splits each global batch's four microbatches by
+# the heads' measured speed, which a loaded host moves, and a liar that reaches a count of honest
+# replies early lies while tiny's values still drift fast. Lying from step 20 it stood 2 to 3 spreads
+# off and owned half the reference before its CUSUM was half-way: 72 lies, none flagged; from step 40,
+# 5 to 8 (spread 0.22-0.32 of log RMS). Room after the start for 4 * DETECTION_REPLIES lies at a
+# quarter of the microbatches and more.
+STEPS = HONEST_STEPS + 4 * DETECTION_REPLIES + 8
 
 
 def _config():
@@ -54,16 +57,6 @@ def _config():
 CONFIG = _config()
 
 
-def _count_forwards(worker: StageWorker) -> list[int]:
-    forward, served = worker.compute.forward, [0]
-
-    def counting(request, **caller):
-        served[0] += 1
-        return forward(request, **caller)
-    worker.compute.forward = counting
-    return served
-
-
 async def _train_with_a_liar(data, liar: str, stats: TrainerStats, on_flagged):
     """`liar`: the lying head's peer id (an admitted worker's); `on_flagged`: the trainer's reporter."""
     stages = {"s0r0": 0, liar: 0, "s1r0": 1}
@@ -72,8 +65,7 @@ async def _train_with_a_liar(data, liar: str, stats: TrainerStats, on_flagged):
         workers[peer] = StageWorker(CONFIG, stage, run_id="test", options=WorkerOptions())
         await workers[peer].start()
     try:
-        rewrite_replies(workers[liar], scaled_output(10.0), after=HONEST_REPLIES)
-        served = _count_forwards(workers[liar])
+        lies = make_liar(workers[liar], BEHAVIOURS["x10"], schedule=LieSchedule(honest_steps=HONEST_STEPS))
         views = [WorkerView(peer, w.address, stages[peer], announced_samples_per_s=100.0) for peer, w in workers.items()]
         # Self checks off: a head's replays would name the x10 liar on their own; shown here is the
         # verifier's path from flag to ban (self checks take the same one: test_gradient_checks_grpc.py).
@@ -81,7 +73,7 @@ async def _train_with_a_liar(data, liar: str, stats: TrainerStats, on_flagged):
         async with SwarmTrainer(CONFIG, data, StaticDiscovery(views), options, stats=stats,
                                 on_flagged=on_flagged) as trainer:
             records = await trainer.run(STEPS)
-        return records, trainer, served[0]
+        return records, trainer, lies
     finally:
         await asyncio.gather(*(w.stop(0) for w in workers.values()))
 
@@ -106,7 +98,7 @@ def test_a_head_replica_scaling_its_outputs_by_ten_is_flagged_excluded_reported_
     caplog.set_level(logging.WARNING, logger="agora.node.trainer")
     liar_node, trainer_node, liar = nodes(0), nodes(1), nodes(0).peer_id
     try:
-        (records, trainer, liar_forwards), receipts, renewal = asyncio.run(
+        (records, trainer, liar_record), receipts, renewal = asyncio.run(
             _train_reported(build_data(CONFIG), liar_node, trainer_node, authority))
         ban = authority.is_banned(liar)
     finally:
@@ -114,7 +106,7 @@ def test_a_head_replica_scaling_its_outputs_by_ten_is_flagged_excluded_reported_
     stats = trainer.stats
     assert [r.step for r in records] == list(range(1, STEPS + 1))
     assert set(stats.flagged_by_peer) == {liar}, json.dumps(  # a string: shown whole, not abbreviated
-        {"liar_forwards": liar_forwards, "flagged": stats.flagged_by_peer, "failures": stats.failures_by_peer,
+        {"lies": liar_record.lies, "lie_steps": liar_record.lie_steps, "flagged": stats.flagged_by_peer, "failures": stats.failures_by_peer,
          "verification": trainer.verification_summary()})
     assert "output" in stats.flagged_by_peer[liar]
     # One microbatch in flight: every lie was judged before the next call; the one that tripped the
@@ -122,8 +114,8 @@ def test_a_head_replica_scaling_its_outputs_by_ten_is_flagged_excluded_reported_
     # head output scale varies by a fifth to a third between microbatches, so x10 is 7 to 12 spreads
     # off: 4 to 9 over the drift allowance per reply, the bar passed on the 4th to the 8th reply (no
     # lie, however large, before DETECTION_REPLIES; the bound asserted is the unit tests').
-    lies = liar_forwards - HONEST_REPLIES
-    assert DETECTION_REPLIES <= lies <= 4 * DETECTION_REPLIES, lies
+    assert DETECTION_REPLIES <= liar_record.lies <= 4 * DETECTION_REPLIES, (
+        liar_record, trainer.verification_summary(), trainer.checks.verifier.flagged()[liar].fields())
     assert stats.failures_by_peer.get(liar) == 1 and set(stats.failures_by_peer) == {liar}
     assert stats.aborts, stats.aborts  # the refused reply's route was aborted
     assert sample_value(stats.registry, "agora_trainer_flagged_workers_total", {"stage": "0", "kind": "output"}) == 1
