@@ -8,6 +8,24 @@ def _view(peer, stage=0, **fields):
     return WorkerView(peer_id=peer, endpoint=f"127.0.0.1:{1000 + len(peer)}", stage=stage, **fields)
 
 
+
+def test_a_stage_lists_what_the_last_refresh_and_exclusions_say():
+    """`of_stage` keeps the workers indexed by stage between changes: a refresh that moves a worker to
+    another stage, adds or drops one, or an exclusion, shows at once."""
+    roster = Roster(microbatch_size=2)
+    roster.refresh([_view("a", 0), _view("b", 0), _view("c", 1)])
+    assert [v.peer_id for v in roster.of_stage(0)] == ["a", "b"] and [v.peer_id for v in roster.of_stage(1)] == ["c"]
+    listed = roster.of_stage(0)
+    listed.clear()  # the caller's own list
+    assert len(roster.of_stage(0)) == 2
+    roster.refresh([_view("a", 0), _view("b", 1), _view("c", 1), _view("d", 2)])  # b moved, d joined
+    assert [v.peer_id for v in roster.of_stage(0)] == ["a"] and [v.peer_id for v in roster.of_stage(1)] == ["b", "c"]
+    assert [v.peer_id for v in roster.of_stage(2)] == ["d"]
+    roster.exclude("c")
+    assert [v.peer_id for v in roster.of_stage(1)] == ["b"] and roster.of_stage(3) == []
+    roster.refresh([_view("b", 1)])  # the rest left
+    assert roster.of_stage(0) == [] and [v.peer_id for v in roster.of_stage(1)] == ["b"]
+
 def test_faster_worker_wins_until_its_queue_grows():
     fast = _view("fast", announced_samples_per_s=40.0)
     slow = _view("slow", announced_samples_per_s=10.0)
