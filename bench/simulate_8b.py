@@ -10,9 +10,11 @@ tokens, 44.4% MFU), other stages scaled by their FLOPs per token (gpu_parts.mode
 over each stage's trainable parameters, pipeline's own stage definitions). Frames: row 1's SSN bf16,
 106 bytes per token each way. Trainer: row F1's 9.2 ms of relay CPU per microbatch. Links: the
 report's mix, 200 Mbit/s at 80 ms, 1 Gbit/s at 40 ms and 5 Gbit/s at 20 ms in equal shares for the
-workers; trainers on 1 Gbit/s at 40 ms. DHT operation: 100 ms + 20 ms per doubling of the swarm
-(an assumption until the many-node harness measures it). Averaged slice: 5% of a stage's parameters
-in fp32.
+workers; trainers on 1 Gbit/s at 40 ms. DHT operation: a get's and a store's p50 as
+bench/dht_scale.py measured them at 8 to 64 admitted peers on 80 ms links (bench/results/
+dht_scale.json: 92 to 97 ms, flat in N), read past 64 peers along the last two sizes' power law
+(node/simulate/network.py's `at_size`): beyond what was measured. Averaged slice: 5% of a stage's
+parameters in fp32.
 
 Each (replicas, trainers) point is two simulations: the microbatches for `--seconds` (tokens/s,
 utilization, latency, bottleneck), then the rounds at that run's pace (a global batch every
@@ -57,6 +59,13 @@ def geometry() -> dict:
             "optimizer_sync_steps": config.sync.optimizer_sync_steps}
 
 
+def measured_dht(results: Path = ROOT / "results") -> dict:
+    """The DHT section: [nodes, ms] of a get's and a store's p50 from bench/results/dht_scale.json."""
+    rows = json.loads((results / "dht_scale.json").read_text())["rows"]
+    return {"get_ms_at": [[float(r["nodes"]), r["get_p50_ms"]] for r in rows],
+            "store_ms_at": [[float(r["nodes"]), r["store_p50_ms"]] for r in rows]}
+
+
 def base_scenario(g: dict, replicas: int, trainers: int, seconds: float) -> dict:
     return {
         "run": {"seconds": seconds, "warmup_s": seconds * 0.4, "stages": g["stages"],
@@ -67,7 +76,7 @@ def base_scenario(g: dict, replicas: int, trainers: int, seconds: float) -> dict
         "trainers": {"count": trainers, "link": "trainer", "cpu_ms": 9.2},
         "workers": {"replicas": replicas, "credits": 8},
         "wire": {"forward_bytes_per_token": 106.0, "backward_bytes_per_token": 106.0},
-        "dht": {"base_ms": 100.0, "per_doubling_ms": 20.0},
+        "dht": measured_dht(),
         "averaging": {"method": "none"},
     }
 

@@ -1,0 +1,19 @@
+"""The Pluralis-8B predictions' inputs (bench/simulate_8b.py): the scenario its runs are built from."""
+
+import json
+
+from agora.bench.simulate_8b import ROOT, base_scenario, geometry
+from agora.node.simulate.network import dht_op_s
+from agora.node.simulate.scenario import scenario_from_dict
+
+
+def test_the_dht_latency_is_the_many_node_harness_measurement_at_its_sizes_and_beyond():
+    rows = json.loads((ROOT / "results" / "dht_scale.json").read_text())["rows"]
+    scenario = scenario_from_dict(base_scenario(geometry(), replicas=10, trainers=10, seconds=20.0))
+    for row in rows:  # at the sizes measured: the measured p50s themselves
+        assert abs(dht_op_s(scenario.dht, row["nodes"]) * 1000 - row["get_p50_ms"]) < 1e-6
+        assert abs(dht_op_s(scenario.dht, row["nodes"], "store") * 1000 - row["store_p50_ms"]) < 1e-6
+    # 7 x 100 workers and 60 trainers: past the table, along its last two sizes
+    measured = [row["get_p50_ms"] for row in rows]
+    beyond = dht_op_s(scenario.dht, 7 * 100 + 60) * 1000
+    assert 0.5 * min(measured) < beyond < 2 * max(measured), beyond
