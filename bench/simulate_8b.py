@@ -107,6 +107,23 @@ def _fmt(value, digits=0, suffix="") -> str:
     return "-" if value is None else f"{value:,.{digits}f}{suffix}"
 
 
+def point(g: dict, replicas: int, trainers: int, seconds: float) -> dict:
+    """One (replicas, trainers) point: the microbatches' run, then the rounds at its pace."""
+    result = simulate(scenario_from_dict(base_scenario(g, replicas, trainers, seconds)))
+    rounds = rounds_at_pace(g, replicas, result.tokens_per_s)
+    return {"replicas": replicas, "trainers": trainers, "seconds": seconds, "tokens_per_s": result.tokens_per_s,
+            "utilization": result.stage_utilization, "latency_s": result.latency_s,
+            "round_s": rounds.round_mean_s, "window_s": rounds.round_window_s, "bottleneck": result.bottleneck}
+
+
+def _row(p: dict) -> str:
+    ratio = None if not (p["round_s"] and p["window_s"]) else p["round_s"] / p["window_s"]
+    util = "/".join(f"{u * 100:.0f}" for u in p["utilization"])
+    return (f"| {p['replicas']} | {p['trainers']} | {p['tokens_per_s']:,.0f} | "
+            f"{p['tokens_per_s'] / REPORT_TOKENS_PER_S:.2f} | {util} | {_fmt(p['latency_s'], 2, ' s')} | "
+            f"{_fmt(p['round_s'], 1, ' s')} | {_fmt(p['window_s'], 0, ' s')} | {_fmt(ratio, 3)} | {p['bottleneck']} |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", default="10,25,50,100")
@@ -114,36 +131,27 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="simulated seconds of each throughput run")
     parser.add_argument("--churn-days", type=float, default=DAYS, help="0: no churn run")
     parser.add_argument("--merge", type=Path, action="append", default=[],
-                        help="another run's .json (its rows and points join this run's table and plot)")
+                        help="another run's .json (its points join this run's table and plot)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "simulate_8b.md")
     args = parser.parse_args(argv)
     g = geometry()
-    rows, points = [], []
+    points = []
     for replicas in [int(r) for r in args.replicas.split(",") if r]:  # "": only --merge's points
         for trainers in [int(t) for t in args.trainers.split(",") if t]:
-            result = simulate(scenario_from_dict(base_scenario(g, replicas, trainers, args.seconds)))
-            rounds = rounds_at_pace(g, replicas, result.tokens_per_s)
-            ratio = None if not (rounds.round_mean_s and rounds.round_window_s) else \
-                rounds.round_mean_s / rounds.round_window_s
-            points.append((replicas, trainers, result.tokens_per_s))
-            util = "/".join(f"{u * 100:.0f}" for u in result.stage_utilization)
-            rows.append(f"| {replicas} | {trainers} | {result.tokens_per_s:,.0f} | "
-                        f"{result.tokens_per_s / REPORT_TOKENS_PER_S:.2f} | {util} | {_fmt(result.latency_s, 2, ' s')} | "
-                        f"{_fmt(rounds.round_mean_s, 1, ' s')} | {_fmt(rounds.round_window_s, 0, ' s')} | "
-                        f"{_fmt(ratio, 3)} | {result.bottleneck} |")
-            print(rows[-1], flush=True)
+            points.append(point(g, replicas, trainers, args.seconds))
+            print(_row(points[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     replicas = args.replicas or '""'
     command = (f"python -m agora.bench.simulate_8b --replicas {replicas} --trainers {args.trainers} "
                f"--seconds {args.seconds:g} --churn-days {args.churn_days:g}")
     commands = [command]
-    args.out.with_suffix(".json").write_text(json.dumps({"rows": rows, "points": points, "command": command}))
+    args.out.with_suffix(".json").write_text(json.dumps({"points": points, "command": command}))
     for other in args.merge:
         merged = json.loads(other.read_text())
-        rows += merged["rows"]
-        points += [tuple(p) for p in merged["points"]]
+        points += merged["points"]
         commands.append(merged["command"])
-    ten = max((t for r, _, t in points if r == 10), default=REPORT_TOKENS_PER_S)
+    points.sort(key=lambda p: (p["replicas"], p["trainers"]))
+    ten = max((p["tokens_per_s"] for p in points if p["replicas"] == 10), default=REPORT_TOKENS_PER_S)
     text = "\n".join([
         "# Pluralis-8B predictions (agora-node's simulator)\n",
         "Written by " + "; ".join(f"`{c}`" for c in reversed(commands)) + " (the points of each, merged). "
@@ -151,7 +159,7 @@ def main(argv=None) -> int:
         + ", ".join(f"{ms:.0f}" for ms in g["ms"]) + ".\n",
         "| replicas per stage | trainers | tokens/s | / the report's ~170k | stage utilization % | microbatch latency | "
         "round | compute window between rounds | round / window | bottleneck |",
-        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---|", *sorted(rows, key=_row_key), "",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---|", *map(_row, points), "",
         _churn_line(g, ten, args.churn_days) if args.churn_days > 0 else "", "", _reading(g, points), ""])
     args.out.write_text(text)
     _plot(points, args.out.with_suffix(".png"))
@@ -159,38 +167,56 @@ def main(argv=None) -> int:
     return 0
 
 
-def _reading(g: dict, points: list) -> str:
-    """The compute bound beside the simulated points, and the replicas it takes for the report's figure."""
+# A point whose microbatches take this long is still draining its trainers' first depth (`_reading`).
+FLOOD_LATENCY_S = 10.0
+
+
+def _span(values: list[float], digits: int = 0, suffix: str = "") -> str:
+    low, high = min(values), max(values)
+    return _fmt(low, digits, suffix) if f"{low:.{digits}f}" == f"{high:.{digits}f}" else \
+        f"{_fmt(low, digits)}-{_fmt(high, digits, suffix)}"
+
+
+def _reading(g: dict, points: list[dict]) -> str:
+    """What the points say, computed from them: the compute bound beside them, where the bottleneck is,
+    the rounds against their windows, and which points were still draining their first depth."""
     per_replica = g["tokens"] / (max(g["ms"]) / 1000.0)
+    busiest = max(range(len(g["ms"])), key=lambda stage: g["ms"][stage])
     bounds = ", ".join(f"{r} replicas {r * per_replica:,.0f}" for r in (10, 25, 50, 100))
-    simulated = sorted({r for r, _, _ in points})
-    return "\n".join([
-        "## Reading\n",
-        f"- The compute bound (the busiest stage, the tail at {max(g['ms']):.0f} ms per microbatch, times its "
-        f"replicas): {bounds} tokens/s; the report's ~170k is that bound at "
-        f"{REPORT_TOKENS_PER_S / per_replica:.1f} replicas per stage of this H200 body stage's speed. Simulated here: "
-        f"{', '.join(map(str, simulated))} replicas per stage; 50 and 100 were not simulated in this session (a 2-core "
-        "shared machine; each call's routing looks at every replica of its stage, so a point costs about replicas^2), "
-        "their bound is above. Run them with `--replicas 50,100`.",
-        "- Where the bottleneck is: the tail stage's compute (its vocabulary projection) at every simulated point "
-        "that reached steady state; the bodies run at 60-77% of it. A stage-balanced split (fewer layers on the "
-        "tail, or more replicas there) moves it.",
-        "- Rounds: a round (5% of a stage, fp32, over the slowest member's link) takes 30-32 s, against a compute "
-        "window of 260-570 s between rounds: averaging hides behind compute everywhere here, far from the regime "
-        "where communication exceeds the window.",
-        "- Trainers: each starts at half a global batch in flight (1,024 microbatches, the trainer's initial "
-        "depth) until its first microbatch is measured. At 25 replicas and 10 trainers that flood was still "
-        "draining after 120 simulated seconds (latency 65 s, stages half busy; tokens/s there counts the flood's "
-        "Backwards finishing), while with 60 trainers the tail was busy throughout the measured part of 40 s "
-        "(tokens/s 81% of its bound: that part still held the flood's Forwards). The 10 x 10 row's 30 s latency "
-        "is the same flood's tail, and its tokens/s, 5% above the bound, the flood's Backwards finishing in the "
-        "measured part: read these rows to about 5-20%.",
-    ])
-
-
-def _row_key(row: str) -> tuple[int, int]:
-    replicas, trainers = row.strip("| ").split(" | ")[:2]
-    return int(replicas), int(trainers)
+    simulated = sorted({p["replicas"] for p in points})
+    steady = [p for p in points if p["latency_s"] is not None and p["latency_s"] < FLOOD_LATENCY_S]
+    draining = [p for p in points if p not in steady]
+    lines = ["## Reading\n",
+             f"- The compute bound (the busiest stage, stage {busiest} at {max(g['ms']):.0f} ms per microbatch, times "
+             f"its replicas): {bounds} tokens/s; the report's ~170k is that bound at "
+             f"{REPORT_TOKENS_PER_S / per_replica:.1f} replicas per stage of this H200 body stage's speed. Simulated "
+             f"here: {', '.join(map(str, simulated))} replicas per stage."]
+    if steady:
+        of_bound = [p["tokens_per_s"] / (p["replicas"] * per_replica) for p in steady]
+        compute = [p for p in steady if p["bottleneck"].startswith("compute")]
+        others = [u for p in compute for stage, u in enumerate(p["utilization"]) if stage not in (0, busiest)]
+        lines.append(f"- At the {len(steady)} points past their trainers' first depth (a microbatch's latency under "
+                     f"{FLOOD_LATENCY_S:g} s), tokens/s is {_span([100 * r for r in of_bound], 0, '%')} of the "
+                     f"compute bound; the bottleneck is the compute of a stage at {len(compute)} of them"
+                     + (f", the middle stages running at {_span([100 * u for u in others], 0, '%')} of their time"
+                        if others else "") + ". A stage-balanced split (fewer layers on the busiest stage, or more "
+                     "replicas there) moves it.")
+    timed = [p for p in points if p["round_s"] and p["window_s"]]
+    if timed:
+        lines.append(f"- Rounds: a round (5% of a stage, fp32, over the slowest member's link) takes "
+                     f"{_span([p['round_s'] for p in timed], 0, ' s')}, against a compute window of "
+                     f"{_span([p['window_s'] for p in timed], 0, ' s')} between rounds (round / window "
+                     f"{_span([p['round_s'] / p['window_s'] for p in timed], 3)}): averaging hides behind compute at "
+                     "every point, far from the regime where communication exceeds the window.")
+    if draining:
+        lines.append("- Each trainer starts at half a global batch in flight within its workers' credits (node/"
+                     "trainer/inflight.py's `initial_depth`) until its first microbatch is measured, and every "
+                     "trainer's first depth reaches the stages at once. Still draining at the end of the run: "
+                     + "; ".join(f"{p['replicas']} x {p['trainers']} trainers ({p['seconds']:g} s simulated: "
+                                 f"latency {p['latency_s']:,.0f} s, tokens/s {p['tokens_per_s'] / (p['replicas'] * per_replica):.0%} of "
+                                 "the bound, counting the first depth's Backwards)" for p in draining)
+                     + ". Read those rows as the first minutes of a run, not its pace.")
+    return "\n".join(lines)
 
 
 def _churn_line(g: dict, tokens_per_s: float, days: float) -> str:
@@ -206,15 +232,15 @@ def _churn_line(g: dict, tokens_per_s: float, days: float) -> str:
             f"{len(joined)} members by the end).")
 
 
-def _plot(points: list, path: Path) -> None:
+def _plot(points: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for trainers in sorted({t for _, t, _ in points}):
-        line = sorted((r, tokens) for r, t, tokens in points if t == trainers)
+    for trainers in sorted({p["trainers"] for p in points}):
+        line = sorted((p["replicas"], p["tokens_per_s"]) for p in points if p["trainers"] == trainers)
         axis.plot([r for r, _ in line], [tokens / 1000 for _, tokens in line], marker="o", label=f"{trainers} trainers")
     axis.axhline(REPORT_TOKENS_PER_S / 1000, color="grey", linestyle="--", label="the report's ~170k tokens/s")
     axis.set_xlabel("replicas per stage (7 stages)")

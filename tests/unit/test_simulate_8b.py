@@ -17,3 +17,18 @@ def test_the_dht_latency_is_the_many_node_harness_measurement_at_its_sizes_and_b
     measured = [row["get_p50_ms"] for row in rows]
     beyond = dht_op_s(scenario.dht, 7 * 100 + 60) * 1000
     assert 0.5 * min(measured) < beyond < 2 * max(measured), beyond
+
+
+def test_a_table_merged_from_two_runs_reads_its_figures_from_their_points(tmp_path):
+    from agora.bench.simulate_8b import main
+
+    first, second = tmp_path / "a.md", tmp_path / "b.md"
+    assert main(["--replicas", "2", "--trainers", "1", "--seconds", "5", "--churn-days", "0", "--out", str(first)]) == 0
+    assert main(["--replicas", "3", "--trainers", "1", "--seconds", "5", "--churn-days", "0", "--out", str(second),
+                 "--merge", str(first.with_suffix(".json"))]) == 0
+    points = json.loads(first.with_suffix(".json").read_text())["points"]
+    assert [(p["replicas"], p["trainers"]) for p in points] == [(2, 1)] and points[0]["tokens_per_s"] > 0
+    table = second.read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| 2 | 1 |") or line.startswith("| 3 | 1 |")]
+    assert len(rows) == 2 and rows[0].startswith("| 2 |")  # both runs' points, by replicas
+    assert "Simulated here: 2, 3 replicas per stage." in table and second.with_suffix(".png").exists()
