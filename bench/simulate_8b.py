@@ -16,8 +16,9 @@ dht_scale.json: 92 to 97 ms, flat in N), read past 64 peers along the last two s
 (node/simulate/network.py's `at_size`): beyond what was measured. Averaged slice: 5% of a stage's
 parameters in fp32.
 
-Each (replicas, trainers) point is two simulations: the microbatches for `--seconds` (tokens/s,
-utilization, latency, bottleneck), then the rounds at that run's pace (a global batch every
+Each (replicas, trainers) point is two simulations: the microbatches (tokens/s, utilization, latency,
+bottleneck over `--seconds` measured once the trainers, one starting every `START_EVERY_S`, have all
+started and `SETTLE_S` more have passed), then the rounds at that run's pace (a global batch every
 2048 x 4096 / tokens-per-s seconds) for three rotations' worth of rounds (round durations against
 the compute window between rounds: the report's Figure 4 regime, where communication no longer
 hides behind compute). Churn: the run's 669 joins and 607 departures over 40 days, on 7 x 10
@@ -43,6 +44,9 @@ LINKS = [{"name": "floor", "up_mbit": 200.0, "down_mbit": 200.0, "rtt_ms": 80.0}
          {"name": "gigabit", "up_mbit": 1000.0, "down_mbit": 1000.0, "rtt_ms": 40.0},
          {"name": "fast", "up_mbit": 5000.0, "down_mbit": 5000.0, "rtt_ms": 20.0}]
 JOINS, DEPARTURES, DAYS = 669, 607, 40
+# Trainers start one a second (all at once, their first depths queued a minute of the tail's work at 60
+# trainers before any had measured a microbatch), and the measured part begins this long after the last.
+START_EVERY_S, SETTLE_S = 1.0, 20.0
 
 
 def geometry() -> dict:
@@ -67,13 +71,15 @@ def measured_dht(results: Path = ROOT / "results") -> dict:
 
 
 def base_scenario(g: dict, replicas: int, trainers: int, seconds: float) -> dict:
+    """`seconds` measured after the warm-up: the trainers' starts, then `SETTLE_S`."""
+    warmup_s = (trainers - 1) * START_EVERY_S + SETTLE_S
     return {
-        "run": {"seconds": seconds, "warmup_s": seconds * 0.4, "stages": g["stages"],
+        "run": {"seconds": warmup_s + seconds, "warmup_s": warmup_s, "stages": g["stages"],
                 "tokens_per_microbatch": g["tokens"], "microbatches": g["microbatches"]},
         "compute": {"ms": g["ms"], "forward_share": BODY_FORWARD_SHARE},
         "links": [{**link, "share": 1.0} for link in LINKS] + [{"name": "trainer", "up_mbit": 1000.0,
                                                                 "down_mbit": 1000.0, "rtt_ms": 40.0, "share": 0.0}],
-        "trainers": {"count": trainers, "link": "trainer", "cpu_ms": 9.2},
+        "trainers": {"count": trainers, "link": "trainer", "cpu_ms": 9.2, "start_every_s": START_EVERY_S},
         "workers": {"replicas": replicas, "credits": 8},
         "wire": {"forward_bytes_per_token": 106.0, "backward_bytes_per_token": 106.0},
         "dht": measured_dht(),
@@ -128,7 +134,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", default="10,25,50,100")
     parser.add_argument("--trainers", default="10,30,60")
-    parser.add_argument("--seconds", type=float, default=20.0, help="simulated seconds of each throughput run")
+    parser.add_argument("--seconds", type=float, default=20.0,
+                        help="simulated seconds measured in each throughput run, after its trainers' starts")
     parser.add_argument("--churn-days", type=float, default=DAYS, help="0: no churn run")
     parser.add_argument("--merge", type=Path, action="append", default=[],
                         help="another run's .json (its points join this run's table and plot)")
@@ -184,7 +191,8 @@ def _reading(g: dict, points: list[dict]) -> str:
     busiest = max(range(len(g["ms"])), key=lambda stage: g["ms"][stage])
     bounds = ", ".join(f"{r} replicas {r * per_replica:,.0f}" for r in (10, 25, 50, 100))
     simulated = sorted({p["replicas"] for p in points})
-    steady = [p for p in points if p["latency_s"] is not None and p["latency_s"] < FLOOD_LATENCY_S]
+    steady = [p for p in points if p["latency_s"] is not None and p["latency_s"] < FLOOD_LATENCY_S
+              and p["tokens_per_s"] <= 1.01 * p["replicas"] * per_replica]
     draining = [p for p in points if p not in steady]
     lines = ["## Reading\n",
              f"- The compute bound (the busiest stage, stage {busiest} at {max(g['ms']):.0f} ms per microbatch, times "
@@ -195,8 +203,8 @@ def _reading(g: dict, points: list[dict]) -> str:
         of_bound = [p["tokens_per_s"] / (p["replicas"] * per_replica) for p in steady]
         compute = [p for p in steady if p["bottleneck"].startswith("compute")]
         others = [u for p in compute for stage, u in enumerate(p["utilization"]) if stage not in (0, busiest)]
-        lines.append(f"- At the {len(steady)} points past their trainers' first depth (a microbatch's latency under "
-                     f"{FLOOD_LATENCY_S:g} s), tokens/s is {_span([100 * r for r in of_bound], 0, '%')} of the "
+        lines.append(f"- At the {len(steady)} points past their trainers' first depths (a microbatch's latency under "
+                     f"{FLOOD_LATENCY_S:g} s, tokens/s within the bound), tokens/s is {_span([100 * r for r in of_bound], 0, '%')} of the "
                      f"compute bound; the bottleneck is the compute of a stage at {len(compute)} of them"
                      + (f", the middle stages running at {_span([100 * u for u in others], 0, '%')} of their time"
                         if others else "") + ". A stage-balanced split (fewer layers on the busiest stage, or more "
@@ -210,8 +218,9 @@ def _reading(g: dict, points: list[dict]) -> str:
                      "every point, far from the regime where communication exceeds the window.")
     if draining:
         lines.append("- Each trainer starts at half a global batch in flight within its workers' credits (node/"
-                     "trainer/inflight.py's `initial_depth`) until its first microbatch is measured, and every "
-                     "trainer's first depth reaches the stages at once. Still draining at the end of the run: "
+                     "trainer/inflight.py's `initial_depth`) until its first microbatch is measured. Still "
+                     "draining those in the measured part (its latency, or Backwards of earlier microbatches "
+                     "finishing in it past the bound): "
                      + "; ".join(f"{p['replicas']} x {p['trainers']} trainers ({p['seconds']:g} s simulated: "
                                  f"latency {p['latency_s']:,.0f} s, tokens/s {p['tokens_per_s'] / (p['replicas'] * per_replica):.0%} of "
                                  "the bound, counting the first depth's Backwards)" for p in draining)

@@ -109,6 +109,10 @@ class TrainerSection:
     max_staleness: StrictFloat = setting(1.0, "the in-flight cap in global batches (the trainer's --max-staleness)",
                                          gt=0)
     max_in_flight: StrictInt | None = setting(None, "a fixed depth instead of the adaptive one (none: adaptive)", gt=0)
+    start_every_s: StrictFloat = setting(
+        0.0, "seconds between two trainers' starts, the first at 0 (0: all at once). All at once, every trainer's "
+        "first depth (half a global batch, within its credits) reaches the stages before any of them has measured "
+        "a microbatch: with 60 trainers over 7 x 100 replicas, about a minute of the busiest stage's work", ge=0)
 
 
 @dataclass(frozen=True, config=SECTION)

@@ -344,12 +344,17 @@ class SimSwarm:
                 self.rounds.stepped(worker, tokens)
             self.batches.append((self.env.now, tokens))
 
+    def _start_trainer(self, trainer: SimTrainer, at_s: float):
+        if at_s > 0:
+            yield self.env.timeout(at_s)
+        yield from trainer.run()
+
     def run(self) -> SimulationResult:
         s = self.scenario
         if s.run.batch_s is not None:
             self.env.process(self._batch_clock(s.run.batch_s))
-        for trainer in self.trainers:
-            self.env.process(trainer.run())
+        for index, trainer in enumerate(self.trainers):
+            self.env.process(self._start_trainer(trainer, index * s.trainers.start_every_s))
         if s.churn.arrivals_per_hour > 0:
             self.env.process(self._arrivals())
         if s.churn.mean_lifetime_h > 0:

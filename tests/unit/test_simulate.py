@@ -147,3 +147,15 @@ def test_the_first_depth_keeps_within_the_workers_credits_as_the_trainers_does()
     swarm.env.process(trainer.run())
     swarm.env.run(until=0.15)  # the unit claimed, its microbatches started, none finished yet
     assert trainer.limit.limit == 16 and trainer.limit.active == 16 and not trainer.tokens_done
+
+
+def test_trainers_started_one_after_another_start_their_work_in_turn():
+    """`start_every_s`: the second trainer's first microbatch ends no sooner than it started, and before
+    that the first trainer had the stages to itself."""
+    swarm = SimSwarm(_scenario(trainers={"count": 2, "max_in_flight": 4, "start_every_s": 2.0}))
+    swarm.run()
+    first, second = ([t for t, _ in trainer.tokens_done] for trainer in swarm.trainers)
+    assert min(second) >= 2.0 and min(first) < 1.0
+    together = SimSwarm(_scenario(trainers={"count": 2, "max_in_flight": 4}))
+    together.run()
+    assert min(t for t, _ in together.trainers[1].tokens_done) < 1.0
