@@ -90,10 +90,12 @@ class NodeLink:
     kind: LinkSection
     uplink: simpy.Resource = field(repr=False, default=None)
     windows: dict = field(repr=False, default_factory=dict)  # id(receiver) -> CongestionWindow
+    counted_from: float = 0.0  # the uplink's busy time counts from here (a run's warm-up)
+    busy_s: float = 0.0  # seconds the uplink spent sending since `counted_from`
 
     @classmethod
-    def on(cls, env: simpy.Environment, kind: LinkSection) -> "NodeLink":
-        return cls(kind, simpy.Resource(env, capacity=1))
+    def on(cls, env: simpy.Environment, kind: LinkSection, counted_from: float = 0.0) -> "NodeLink":
+        return cls(kind, simpy.Resource(env, capacity=1), counted_from=counted_from)
 
     @property
     def rtt_s(self) -> float:
@@ -120,6 +122,8 @@ def transmit(env: simpy.Environment, sender: NodeLink, receiver: NodeLink, nbyte
                 window = sender.window_to(receiver)
                 window.restart_after_idle(env.now, rtt)
                 extra = window.send_s(nbytes, rate_bits, rtt)
+            if env.now >= sender.counted_from:
+                sender.busy_s += nbytes * 8 / rate_bits
             yield env.timeout(nbytes * 8 / rate_bits)
             if sender.kind.slow_start_after_idle:
                 window.last_sent = env.now + extra

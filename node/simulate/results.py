@@ -9,7 +9,10 @@
 - newcomers: seconds from a newcomer's start to its stage's state and to member, None if it was
   not a member by the end.
 - the bottleneck, named by the first rule that holds: a stage busy at least `BUSY` of the time is
-  compute; else the trainers' depth held at its cap while a microbatch's unqueued latency needs more
+  compute; else the trainers' uplinks busy at least `BUSY` of the time after the warm-up (every frame
+  of a microbatch leaves its trainer: with many replicas and few trainers they are the bound, and a
+  trainer's adaptive depth, which cannot tell its own send queue from the latency it hides, grows
+  into that queue); else the trainers' depth held at its cap while a microbatch's unqueued latency needs more
   in flight than that to fill the busiest stage is the in-flight cap; else the links and round trips
   (the latency of one microbatch exceeds what the trainers have in flight times the busiest stage's
   compute); and the ratio of a round's communication to its compute window (the time between two
@@ -82,6 +85,11 @@ def _bottleneck(swarm, utilization: list[float], latency: Optional[float], windo
         f"; a round's communication / its compute window: {round_mean / window:.2f}"
     if utilization[busiest] >= BUSY:
         return f"compute: stage {busiest} busy {utilization[busiest]:.0%}{regime}"
+    measured = swarm.env.now - s.run.warmup_s
+    uplinks = [t.link.busy_s / measured for t in swarm.trainers] if measured > 0 else []
+    if uplinks and statistics.fmean(uplinks) >= BUSY:
+        return (f"the trainers' uplinks: {len(uplinks)} busy {statistics.fmean(uplinks):.0%} on average, stage "
+                f"{busiest} busy {utilization[busiest]:.0%}{regime}")
     if latency is None:
         return "no microbatch finished"
     per_replica = [ms / 1000.0 / max(1, s.workers.replicas) for ms in s.compute.ms]

@@ -85,7 +85,7 @@ class SimSwarm:
                           backward_bytes=s.wire.backward_bytes_per_token * s.run.tokens_per_microbatch,
                           overhead_s=s.compute.call_overhead_ms / 1000.0)
         trainer_link = s.link(s.trainers.link)
-        self.trainers = [SimTrainer(self.env, f"trainer-{i}", i, NodeLink.on(self.env, trainer_link), self,
+        self.trainers = [SimTrainer(self.env, f"trainer-{i}", i, NodeLink.on(self.env, trainer_link, s.run.warmup_s), self,
                                     s.run.stages, s.run.microbatches, in_flight_limit(options, s.run.microbatches),
                                     adaptive_depth(options), s.trainers.cpu_ms / 1000.0, costs, s.workers.credits)
                          for i in range(self.trainer_count)]

@@ -50,6 +50,7 @@ def test_the_trainers_uplink_bounds_a_pipeline_whose_frames_outgrow_it():
                                 wire={"forward_bytes_per_token": 1000.0, "backward_bytes_per_token": 1000.0}))
     sent_bits = (4 * 1000.0 * TOKENS + 4 * TOKENS) * 8  # the head's token ids besides
     assert result.tokens_per_s == pytest.approx(TOKENS / (sent_bits / 100e6), rel=0.05)
+    assert result.bottleneck.startswith("the trainers' uplinks: 1 busy"), result.bottleneck
 
 
 def test_a_seed_gives_the_same_run_and_another_seed_another():
