@@ -47,6 +47,7 @@ JOINS, DEPARTURES, DAYS = 669, 607, 40
 # Trainers start one a second (all at once, their first depths queued a minute of the tail's work at 60
 # trainers before any had measured a microbatch), and the measured part begins this long after the last.
 START_EVERY_S, SETTLE_S = 1.0, 20.0
+TRAINER_UP_MBIT, TRAINER_WIRE_BYTES_PER_TOKEN = 1000.0, 106.0  # the trainers' link and the frames (row 1's SSN bf16)
 
 
 def geometry() -> dict:
@@ -77,11 +78,13 @@ def base_scenario(g: dict, replicas: int, trainers: int, seconds: float) -> dict
         "run": {"seconds": warmup_s + seconds, "warmup_s": warmup_s, "stages": g["stages"],
                 "tokens_per_microbatch": g["tokens"], "microbatches": g["microbatches"]},
         "compute": {"ms": g["ms"], "forward_share": BODY_FORWARD_SHARE},
-        "links": [{**link, "share": 1.0} for link in LINKS] + [{"name": "trainer", "up_mbit": 1000.0,
-                                                                "down_mbit": 1000.0, "rtt_ms": 40.0, "share": 0.0}],
+        "links": [{**link, "share": 1.0} for link in LINKS] + [{"name": "trainer", "up_mbit": TRAINER_UP_MBIT,
+                                                                "down_mbit": TRAINER_UP_MBIT, "rtt_ms": 40.0,
+                                                                "share": 0.0}],
         "trainers": {"count": trainers, "link": "trainer", "cpu_ms": 9.2, "start_every_s": START_EVERY_S},
         "workers": {"replicas": replicas, "credits": 8},
-        "wire": {"forward_bytes_per_token": 106.0, "backward_bytes_per_token": 106.0},
+        "wire": {"forward_bytes_per_token": TRAINER_WIRE_BYTES_PER_TOKEN,
+                 "backward_bytes_per_token": TRAINER_WIRE_BYTES_PER_TOKEN},
         "dht": measured_dht(),
         "averaging": {"method": "none"},
     }
@@ -209,6 +212,9 @@ def _reading(g: dict, points: list[dict]) -> str:
                      + (f", the middle stages running at {_span([100 * u for u in others], 0, '%')} of their time"
                         if others else "") + ". A stage-balanced split (fewer layers on the busiest stage, or more "
                      "replicas there) moves it.")
+    uplink_bound = [p for p in points if p["bottleneck"].startswith("the trainers' uplinks")]
+    if uplink_bound:
+        lines.append(_uplink_reading(g, per_replica, uplink_bound))
     timed = [p for p in points if p["round_s"] and p["window_s"]]
     if timed:
         lines.append(f"- Rounds: a round (5% of a stage, fp32, over the slowest member's link) takes "
@@ -226,6 +232,28 @@ def _reading(g: dict, points: list[dict]) -> str:
                                  "the bound, counting the first depth's Backwards)" for p in draining)
                      + ". Read those rows as the first minutes of a run, not its pace.")
     return "\n".join(lines)
+
+
+def _uplink_reading(g: dict, per_replica: float, bound: list[dict]) -> str:
+    """Where the trainers' uplinks bound the points: what one trainer relays per microbatch, the tokens/s
+    that caps a trainer at, and the trainers a swarm's compute bound then needs."""
+    frames = 2 * (g["stages"] - 1)  # each stage's input wire but the head's, each gradient but the tail's
+    megabits = frames * TRAINER_WIRE_BYTES_PER_TOKEN * g["tokens"] * 8 / 1e6 + 4 * g["tokens"] * 8 / 1e6
+    full = g["tokens"] / (megabits / TRAINER_UP_MBIT)
+    rates = [min(TRAINER_UP_MBIT, link["down_mbit"]) for link in LINKS]  # equal shares of the workers
+    serial = g["tokens"] / (megabits / (len(rates) / sum(1 / r for r in rates)))
+    needs = ", ".join(f"{r} replicas {r * per_replica / full:.0f} ({r * per_replica / serial:.0f})" for r in (10, 25, 50, 100))
+    return (f"- The trainers' uplinks bound {len(bound)} point(s): "
+            + ", ".join(f"{p['replicas']} x {p['trainers']}" for p in bound)
+            + f". Every frame of a microbatch goes through its trainer ({frames} frames of "
+            f"{TRAINER_WIRE_BYTES_PER_TOKEN * g['tokens'] / 1e3:,.0f} kB up per {g['tokens']}-token microbatch, "
+            f"{megabits:.0f} Mbit), so a trainer on {TRAINER_UP_MBIT:,.0f} Mbit/s relays at most {full:,.0f} tokens/s; "
+            f"the simulator sends one message at a time per uplink at the slower end's rate (a frame to a "
+            f"{min(rates):.0f} Mbit/s worker holds the whole uplink), {serial:,.0f} tokens/s over the link mix. Trainers "
+            f"the compute bound needs at full rate (and as simulated): {needs}. A trainer's adaptive depth takes a "
+            "microbatch's time less its workers' queueing as latency to hide (node/trainer/inflight.py), and its own "
+            "send queue is not the workers' queueing, so there the depth grows into that queue: microbatches wait tens "
+            "of seconds, and the measured part may end before many of them do.")
 
 
 def _churn_line(g: dict, tokens_per_s: float, days: float) -> str:
