@@ -212,6 +212,17 @@ def _reading(g: dict, points: list[dict]) -> str:
                      + (f", the middle stages running at {_span([100 * u for u in others], 0, '%')} of their time"
                         if others else "") + ". A stage-balanced split (fewer layers on the busiest stage, or more "
                      "replicas there) moves it.")
+    depth_bound = [p for p in points if p["bottleneck"].startswith("latency")]
+    if depth_bound:
+        lines.append(
+            "- A trainer's adaptive depth is the microbatches that keep one replica of the busiest stage busy "
+            "(node/trainer/inflight.py's `fill_depth`: a microbatch's unqueued latency over that stage's compute per "
+            "microbatch), whatever the stage's replicas, so T trainers keep about T of a stage's R replicas busy "
+            "until T reaches R. Where latency is the bottleneck: "
+            + "; ".join(f"{p['replicas']} x {p['trainers']}: {p['tokens_per_s'] / (p['replicas'] * per_replica):.0%} "
+                        f"of the bound against T / R = {min(1.0, p['trainers'] / p['replicas']):.0%}" for p in depth_bound)
+            + ". A depth that counted the stage's replicas (latency over its compute per replica) would let fewer "
+            "trainers fill it, at more microbatches in flight each, hence staler; not changed here.")
     uplink_bound = [p for p in points if p["bottleneck"].startswith("the trainers' uplinks")]
     if uplink_bound:
         lines.append(_uplink_reading(g, per_replica, uplink_bound))
