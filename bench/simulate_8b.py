@@ -253,15 +253,16 @@ def _uplink_reading(g: dict, per_replica: float, bound: list[dict]) -> str:
     full = g["tokens"] / (megabits / TRAINER_UP_MBIT)
     rates = [min(TRAINER_UP_MBIT, link["down_mbit"]) for link in LINKS]  # equal shares of the workers
     serial = g["tokens"] / (megabits / (len(rates) / sum(1 / r for r in rates)))
-    needs = ", ".join(f"{r} replicas {r * per_replica / full:.0f} ({r * per_replica / serial:.0f})" for r in (10, 25, 50, 100))
+    needs = ", ".join(f"{r} replicas {r * per_replica / full:.0f}-{r * per_replica / serial:.0f}" for r in (10, 25, 50, 100))
     return (f"- The trainers' uplinks bound {len(bound)} point(s): "
             + ", ".join(f"{p['replicas']} x {p['trainers']}" for p in bound)
             + f". Every frame of a microbatch goes through its trainer ({frames} frames of "
             f"{TRAINER_WIRE_BYTES_PER_TOKEN * g['tokens'] / 1e3:,.0f} kB up per {g['tokens']}-token microbatch, "
-            f"{megabits:.0f} Mbit), so a trainer on {TRAINER_UP_MBIT:,.0f} Mbit/s relays at most {full:,.0f} tokens/s; "
-            f"the simulator sends one message at a time per uplink at the slower end's rate (a frame to a "
-            f"{min(rates):.0f} Mbit/s worker holds the whole uplink), {serial:,.0f} tokens/s over the link mix. Trainers "
-            f"the compute bound needs at full rate (and as simulated): {needs}. A trainer's adaptive depth takes a "
+            f"{megabits:.0f} Mbit), so a trainer on {TRAINER_UP_MBIT:,.0f} Mbit/s relays at most {full:,.0f} tokens/s, "
+            f"and {serial:,.0f} where its frames go evenly over the link mix, as the simulator sends them: one message at "
+            f"a time per uplink at the slower end's rate (a frame to a {min(rates):.0f} Mbit/s worker holds the whole "
+            f"uplink; routing sends more to the faster ones). Trainers the compute bound needs between those two: "
+            f"{needs}. A trainer's adaptive depth takes a "
             "microbatch's time less its workers' queueing as latency to hide (node/trainer/inflight.py), and its own "
             "send queue is not the workers' queueing, so there the depth grows into that queue: microbatches wait tens "
             "of seconds, and the measured part may end before many of them do.")
