@@ -231,8 +231,7 @@ def _reading(g: dict, points: list[dict]) -> str:
         lines.append(f"- Rounds: a round (5% of a stage, fp32, over the slowest member's link) takes "
                      f"{_span([p['round_s'] for p in timed], 0, ' s')}, against a compute window of "
                      f"{_span([p['window_s'] for p in timed], 0, ' s')} between rounds (round / window "
-                     f"{_span([p['round_s'] / p['window_s'] for p in timed], 3)}): averaging hides behind compute at "
-                     "every point, far from the regime where communication exceeds the window.")
+                     f"{_span([p['round_s'] / p['window_s'] for p in timed], 3)})" + _regime(timed) + ".")
     if draining:
         lines.append("- Each trainer starts at half a global batch in flight within its workers' credits (node/"
                      "trainer/inflight.py's `initial_depth`) until its first microbatch is measured. Still "
@@ -243,6 +242,21 @@ def _reading(g: dict, points: list[dict]) -> str:
                                  "the bound, counting the first depth's Backwards)" for p in draining)
                      + ". Read those rows as the first minutes of a run, not its pace.")
     return "\n".join(lines)
+
+
+def _regime(timed: list[dict]) -> str:
+    """Where the rounds stand against the report's Figure 4 regime (communication past the compute window):
+    the window shrinks as tokens/s grows (a round falls due every `every_steps` global batches)."""
+    over = [p for p in timed if p["round_s"] >= p["window_s"]]
+    near = [p for p in timed if p["window_s"] > p["round_s"] >= 0.5 * p["window_s"]]
+    if over:
+        return (": communication exceeds the compute window at " + ", ".join(f"{p['replicas']} x {p['trainers']}"
+                                                                           for p in over))
+    if near:
+        return (": averaging still hides behind compute, but takes half the window or more at "
+                + ", ".join(f"{p['replicas']} x {p['trainers']} ({p['round_s'] / p['window_s']:.2f})" for p in near)
+                + ", where the window shrinks with the pace")
+    return ": averaging hides behind compute at every point, far from the regime where communication exceeds the window"
 
 
 def _uplink_reading(g: dict, per_replica: float, bound: list[dict]) -> str:
