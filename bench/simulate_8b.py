@@ -155,11 +155,12 @@ def main(argv=None) -> int:
     command = (f"python -m agora.bench.simulate_8b --replicas {replicas} --trainers {args.trainers} "
                f"--seconds {args.seconds:g} --churn-days {args.churn_days:g}")
     commands = [command]
-    args.out.with_suffix(".json").write_text(json.dumps({"points": points, "command": command}))
     for other in args.merge:
         merged = json.loads(other.read_text())
         points += merged["points"]
-        commands.append(merged["command"])
+        commands += merged["commands"]
+    # Every point of the table and the commands that made them: another run can merge this file whole.
+    args.out.with_suffix(".json").write_text(json.dumps({"points": points, "commands": commands}))
     points.sort(key=lambda p: (p["replicas"], p["trainers"]))
     ten = max((p["tokens_per_s"] for p in points if p["replicas"] == 10), default=REPORT_TOKENS_PER_S)
     text = "\n".join([
@@ -235,14 +236,15 @@ def _reading(g: dict, points: list[dict]) -> str:
                      f"{_span([p['window_s'] for p in timed], 0, ' s')} between rounds (round / window "
                      f"{_span([p['round_s'] / p['window_s'] for p in timed], 3)})" + _regime(timed) + ".")
     if draining:
-        lines.append("- Each trainer starts at half a global batch in flight within its workers' credits (node/"
-                     "trainer/inflight.py's `initial_depth`) until its first microbatch is measured. Still "
-                     "draining those in the measured part (its latency, or Backwards of earlier microbatches "
-                     "finishing in it past the bound): "
-                     + "; ".join(f"{p['replicas']} x {p['trainers']} trainers ({p['seconds']:g} s simulated: "
-                                 f"latency {p['latency_s']:,.0f} s, tokens/s {p['tokens_per_s'] / (p['replicas'] * per_replica):.0%} of "
-                                 "the bound, counting the first depth's Backwards)" for p in draining)
-                     + ". Read those rows as the first minutes of a run, not its pace.")
+        lines.append(f"- Not a pace: at {len(draining)} point(s) a microbatch took {FLOOD_LATENCY_S:g} s or more (the "
+                     "trainers' send queues above, or their first depths, half a global batch each within the "
+                     "workers' credits, still in the stages: node/trainer/inflight.py's `initial_depth`), or more "
+                     "microbatches finished in the measured part than the busiest stage can compute, so its tokens/s "
+                     "counts what happened to finish there: "
+                     + "; ".join(f"{p['replicas']} x {p['trainers']} (latency {p['latency_s']:,.0f} s against "
+                                 f"{p['seconds']:g} s measured, tokens/s "
+                                 f"{p['tokens_per_s'] / (p['replicas'] * per_replica):.0%} of the bound)" for p in draining)
+                     + ". Read those rows as the first minutes of such a run.")
     return "\n".join(lines)
 
 

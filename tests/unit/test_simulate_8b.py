@@ -28,6 +28,9 @@ def test_a_table_merged_from_two_runs_reads_its_figures_from_their_points(tmp_pa
                  "--merge", str(first.with_suffix(".json"))]) == 0
     points = json.loads(first.with_suffix(".json").read_text())["points"]
     assert [(p["replicas"], p["trainers"]) for p in points] == [(2, 1)] and points[0]["tokens_per_s"] > 0
+    whole = json.loads(second.with_suffix(".json").read_text())  # the merged table's points, mergeable again
+    assert sorted((p["replicas"], p["trainers"]) for p in whole["points"]) == [(2, 1), (3, 1)]
+    assert len(whole["commands"]) == 2
     table = second.read_text()
     rows = [line for line in table.splitlines() if line.startswith("| 2 | 1 |") or line.startswith("| 3 | 1 |")]
     assert len(rows) == 2 and rows[0].startswith("| 2 |")  # both runs' points, by replicas
