@@ -47,7 +47,7 @@ JOINS, DEPARTURES, DAYS = 669, 607, 40
 # Trainers start one a second (all at once, their first depths queued a minute of the tail's work at 60
 # trainers before any had measured a microbatch), and the measured part begins this long after the last.
 START_EVERY_S, SETTLE_S = 1.0, 20.0
-TRAINER_UP_MBIT, TRAINER_WIRE_BYTES_PER_TOKEN = 1000.0, 106.0  # the trainers' link and the frames (row 1's SSN bf16)
+TRAINER_UP_MBIT, WIRE_BYTES_PER_TOKEN = 1000.0, 106.0  # the trainers' link; a frame's bytes (row 1's SSN bf16)
 
 
 def geometry() -> dict:
@@ -83,8 +83,8 @@ def base_scenario(g: dict, replicas: int, trainers: int, seconds: float) -> dict
                                                                 "share": 0.0}],
         "trainers": {"count": trainers, "link": "trainer", "cpu_ms": 9.2, "start_every_s": START_EVERY_S},
         "workers": {"replicas": replicas, "credits": 8},
-        "wire": {"forward_bytes_per_token": TRAINER_WIRE_BYTES_PER_TOKEN,
-                 "backward_bytes_per_token": TRAINER_WIRE_BYTES_PER_TOKEN},
+        "wire": {"forward_bytes_per_token": WIRE_BYTES_PER_TOKEN,
+                 "backward_bytes_per_token": WIRE_BYTES_PER_TOKEN},
         "dht": measured_dht(),
         "averaging": {"method": "none"},
     }
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     return 0
 
 
-# A point whose microbatches take this long is still draining its trainers' first depth (`_reading`).
+# A point whose microbatches take this long is no pace: its trainers' send queues or first depths (`_reading`).
 FLOOD_LATENCY_S = 10.0
 
 
@@ -195,10 +195,14 @@ def _reading(g: dict, points: list[dict]) -> str:
     busiest = max(range(len(g["ms"])), key=lambda stage: g["ms"][stage])
     bounds = ", ".join(f"{r} replicas {r * per_replica:,.0f}" for r in (10, 25, 50, 100))
     simulated = sorted({p["replicas"] for p in points})
+
+    def of_bound(p: dict) -> float:
+        return p["tokens_per_s"] / (p["replicas"] * per_replica)
+
     # Microbatches are counted as they finish in the measured part: a part that ends with fewer in flight
     # than it began with counts a few percent past the bound (10 x 30: 1.1%); far past it, a first depth's.
     steady = [p for p in points if p["latency_s"] is not None and p["latency_s"] < FLOOD_LATENCY_S
-              and p["tokens_per_s"] <= 1.03 * p["replicas"] * per_replica]
+              and of_bound(p) <= 1.03]
     draining = [p for p in points if p not in steady]
     lines = ["## Reading\n",
              f"- The compute bound (the busiest stage, stage {busiest} at {max(g['ms']):.0f} ms per microbatch, times "
@@ -206,11 +210,11 @@ def _reading(g: dict, points: list[dict]) -> str:
              f"{REPORT_TOKENS_PER_S / per_replica:.1f} replicas per stage of this H200 body stage's speed. Simulated "
              f"here: {', '.join(map(str, simulated))} replicas per stage."]
     if steady:
-        of_bound = [p["tokens_per_s"] / (p["replicas"] * per_replica) for p in steady]
+        shares = [of_bound(p) for p in steady]
         compute = [p for p in steady if p["bottleneck"].startswith("compute")]
         others = [u for p in compute for stage, u in enumerate(p["utilization"]) if stage not in (0, busiest)]
         lines.append(f"- At the {len(steady)} points past their trainers' first depths (a microbatch's latency under "
-                     f"{FLOOD_LATENCY_S:g} s, tokens/s within the bound), tokens/s is {_span([100 * r for r in of_bound], 0, '%')} of the "
+                     f"{FLOOD_LATENCY_S:g} s, tokens/s within the bound), tokens/s is {_span([100 * r for r in shares], 0, '%')} of the "
                      f"compute bound; the bottleneck is the compute of a stage at {len(compute)} of them"
                      + (f", the middle stages running at {_span([100 * u for u in others], 0, '%')} of their time"
                         if others else "") + ". A stage-balanced split (fewer layers on the busiest stage, or more "
@@ -222,7 +226,7 @@ def _reading(g: dict, points: list[dict]) -> str:
             "(node/trainer/inflight.py's `fill_depth`: a microbatch's unqueued latency over that stage's compute per "
             "microbatch), whatever the stage's replicas, so T trainers keep about T of a stage's R replicas busy "
             "until T reaches R. Where latency is the bottleneck: "
-            + "; ".join(f"{p['replicas']} x {p['trainers']}: {p['tokens_per_s'] / (p['replicas'] * per_replica):.0%} "
+            + "; ".join(f"{p['replicas']} x {p['trainers']}: {of_bound(p):.0%} "
                         f"of the bound against T / R = {min(1.0, p['trainers'] / p['replicas']):.0%}" for p in depth_bound)
             + ". A depth that counted the stage's replicas (latency over its compute per replica) would let fewer "
             "trainers fill it, at more microbatches in flight each, hence staler; not changed here.")
@@ -243,7 +247,7 @@ def _reading(g: dict, points: list[dict]) -> str:
                      "counts what happened to finish there: "
                      + "; ".join(f"{p['replicas']} x {p['trainers']} (latency {p['latency_s']:,.0f} s against "
                                  f"{p['seconds']:g} s measured, tokens/s "
-                                 f"{p['tokens_per_s'] / (p['replicas'] * per_replica):.0%} of the bound)" for p in draining)
+                                 f"{of_bound(p):.0%} of the bound)" for p in draining)
                      + ". Read those rows as the first minutes of such a run.")
     return "\n".join(lines)
 
@@ -267,7 +271,7 @@ def _uplink_reading(g: dict, per_replica: float, bound: list[dict]) -> str:
     """Where the trainers' uplinks bound the points: what one trainer relays per microbatch, the tokens/s
     that caps a trainer at, and the trainers a swarm's compute bound then needs."""
     frames = 2 * (g["stages"] - 1)  # each stage's input wire but the head's, each gradient but the tail's
-    megabits = frames * TRAINER_WIRE_BYTES_PER_TOKEN * g["tokens"] * 8 / 1e6 + 4 * g["tokens"] * 8 / 1e6
+    megabits = frames * WIRE_BYTES_PER_TOKEN * g["tokens"] * 8 / 1e6 + 4 * g["tokens"] * 8 / 1e6
     full = g["tokens"] / (megabits / TRAINER_UP_MBIT)
     rates = [min(TRAINER_UP_MBIT, link["down_mbit"]) for link in LINKS]  # equal shares of the workers
     serial = g["tokens"] / (megabits / (len(rates) / sum(1 / r for r in rates)))
@@ -275,7 +279,7 @@ def _uplink_reading(g: dict, per_replica: float, bound: list[dict]) -> str:
     return (f"- The trainers' uplinks bound {len(bound)} point(s): "
             + ", ".join(f"{p['replicas']} x {p['trainers']}" for p in bound)
             + f". Every frame of a microbatch goes through its trainer ({frames} frames of "
-            f"{TRAINER_WIRE_BYTES_PER_TOKEN * g['tokens'] / 1e3:,.0f} kB up per {g['tokens']}-token microbatch, "
+            f"{WIRE_BYTES_PER_TOKEN * g['tokens'] / 1e3:,.0f} kB up per {g['tokens']}-token microbatch, "
             f"{megabits:.0f} Mbit), so a trainer on {TRAINER_UP_MBIT:,.0f} Mbit/s relays at most {full:,.0f} tokens/s, "
             f"and {serial:,.0f} where its frames go evenly over the link mix, as the simulator sends them: one message at "
             f"a time per uplink at the slower end's rate (a frame to a {min(rates):.0f} Mbit/s worker holds the whole "

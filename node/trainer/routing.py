@@ -194,12 +194,11 @@ class Roster:
     # Peers this trainer no longer routes to for the rest of the run (whatever their records say):
     # their replies were found to be lies (node/trainer/verification.py).
     excluded: set[str] = field(default_factory=set)
-    # The workers by stage, as of (the `workers` dict, its size, the excluded count): every call routes
-    # through `of_stage` once per stage, and a scan of every stage's workers made a trainer's CPU per
-    # microbatch grow with the whole swarm (7 stages x 100 replicas: 700 views per call, 4,900 more
-    # for the depth's credit figures). `refresh` replaces the dict and `exclude` adds, so either
-    # rebuilds it.
-    _by_stage: tuple = field(default=(None, -1, -1, {}), init=False, repr=False, compare=False)
+    # The workers by stage, None until asked for again: every call routes through `of_stage` once per
+    # stage, and a scan of every stage's workers grew a trainer's routing work with the whole swarm
+    # (7 stages x 100 replicas: 700 views per call, 4,900 more for the depth's credit figures). Only
+    # `refresh` and `exclude` change who is on a stage, and each drops it.
+    _by_stage: dict[int, list[WorkerView]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def refresh(self, announced: list[WorkerView]) -> None:
         """Replace the DHT-derived fields; keep local observations of workers still present."""
@@ -215,21 +214,21 @@ class Roster:
                 view = known
             fresh[view.peer_id] = view
         self.workers = fresh
+        self._by_stage = None
 
     def of_stage(self, stage: int) -> list[WorkerView]:
         """The workers of `stage` this trainer routes to (excluded peers are not among them)."""
-        workers, size, excluded, by_stage = self._by_stage
-        if workers is not self.workers or size != len(self.workers) or excluded != len(self.excluded):
-            by_stage = {}
+        if self._by_stage is None:
+            self._by_stage = {}
             for view in self.workers.values():
                 if view.peer_id not in self.excluded:
-                    by_stage.setdefault(view.stage, []).append(view)
-            self._by_stage = (self.workers, len(self.workers), len(self.excluded), by_stage)
-        return list(by_stage.get(stage, ()))
+                    self._by_stage.setdefault(view.stage, []).append(view)
+        return list(self._by_stage.get(stage, ()))
 
     def exclude(self, peer_id: str) -> None:
         """Never route to this peer again in this run."""
         self.excluded.add(peer_id)
+        self._by_stage = None
 
     def replicas(self, stage: int) -> int:
         """Replicas of `stage` sharing its work now: routable, and their last call did not fail (at least 1)."""
