@@ -124,6 +124,7 @@ class ForwardReply:
     in_flight_credits: int = 0  # microbatches of this caller kept here for their Backward (0: no bound)
     weights_version: int = 0  # the weights it ran on: bumped by every write to them
     full_precision: bool = False  # asked for full precision and computed in it
+    callers: int = 0  # callers this worker serves now, this one included (each gets about 1/callers; 0: not stated)
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ class BackwardReply:
     credits: int = 0
     in_flight_credits: int = 0
     weights_version: int = 0  # the weights its gradient was computed on
+    callers: int = 0
 
 
 @dataclass(frozen=True)

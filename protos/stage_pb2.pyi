@@ -29,7 +29,7 @@ class ForwardRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., wire: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., targets: _Optional[bytes] = ..., evaluate: _Optional[bool] = ..., work_key: _Optional[str] = ..., round_trip_s: _Optional[float] = ..., full_precision: _Optional[bool] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("wire", "loss", "input_grad", "step", "queued_s", "compute_s", "repeat", "credits", "in_flight_credits", "weights_version", "full_precision")
+    __slots__ = ("wire", "loss", "input_grad", "step", "queued_s", "compute_s", "repeat", "credits", "in_flight_credits", "weights_version", "full_precision", "callers")
     WIRE_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class ForwardReply(_message.Message):
     IN_FLIGHT_CREDITS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     FULL_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    CALLERS_FIELD_NUMBER: _ClassVar[int]
     wire: bytes
     loss: float
     input_grad: bytes
@@ -52,7 +53,8 @@ class ForwardReply(_message.Message):
     in_flight_credits: int
     weights_version: int
     full_precision: bool
-    def __init__(self, wire: _Optional[bytes] = ..., loss: _Optional[float] = ..., input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ..., credits: _Optional[int] = ..., in_flight_credits: _Optional[int] = ..., weights_version: _Optional[int] = ..., full_precision: _Optional[bool] = ...) -> None: ...
+    callers: int
+    def __init__(self, wire: _Optional[bytes] = ..., loss: _Optional[float] = ..., input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ..., credits: _Optional[int] = ..., in_flight_credits: _Optional[int] = ..., weights_version: _Optional[int] = ..., full_precision: _Optional[bool] = ..., callers: _Optional[int] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("run_id", "microbatch_id", "stage", "output_grad", "round_trip_s")
@@ -69,7 +71,7 @@ class BackwardRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., output_grad: _Optional[bytes] = ..., round_trip_s: _Optional[float] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
-    __slots__ = ("input_grad", "step", "queued_s", "compute_s", "repeat", "credits", "in_flight_credits", "weights_version")
+    __slots__ = ("input_grad", "step", "queued_s", "compute_s", "repeat", "credits", "in_flight_credits", "weights_version", "callers")
     INPUT_GRAD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +80,7 @@ class BackwardReply(_message.Message):
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_CREDITS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CALLERS_FIELD_NUMBER: _ClassVar[int]
     input_grad: bytes
     step: int
     queued_s: float
@@ -86,7 +89,8 @@ class BackwardReply(_message.Message):
     credits: int
     in_flight_credits: int
     weights_version: int
-    def __init__(self, input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ..., credits: _Optional[int] = ..., in_flight_credits: _Optional[int] = ..., weights_version: _Optional[int] = ...) -> None: ...
+    callers: int
+    def __init__(self, input_grad: _Optional[bytes] = ..., step: _Optional[int] = ..., queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., repeat: _Optional[bool] = ..., credits: _Optional[int] = ..., in_flight_credits: _Optional[int] = ..., weights_version: _Optional[int] = ..., callers: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("run_id", "stage", "microbatches", "step", "completed_batch", "replicas")

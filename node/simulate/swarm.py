@@ -40,6 +40,7 @@ from agora.node.simulate.units import SimLeaseBoard
 from agora.node.simulate.workers import SimWorker, StageRounds
 from agora.node.trainer.inflight import adaptive_depth, in_flight_limit
 from agora.node.trainer.options import TrainerOptions
+from agora.node.worker.flow import FlowControl
 from agora.pipeline.config import SyncConfig
 
 __all__ = ["SimSwarm", "simulate"]
@@ -156,7 +157,8 @@ class SimSwarm:
     def _add_worker(self, stage: int, speed: float, link, phase: str) -> SimWorker:
         self._serial += 1
         worker = SimWorker(f"worker-{self._serial:05d}", stage, NodeLink.on(self.env, link), self._job_s(stage, speed),
-                           simpy.Resource(self.env, capacity=1), phase=phase, started_at=self.env.now)
+                           simpy.Resource(self.env, capacity=1), phase=phase, started_at=self.env.now,
+                           flow=FlowControl(1, None, clock=lambda: self.env.now))
         worker.speed = speed
         worker.history.append((phase, 0.0))
         self.workers[worker.peer_id] = worker

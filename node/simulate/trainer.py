@@ -166,6 +166,7 @@ class SimTrainer:
             yield pending
         yield from transmit(self.env, self.link, worker.link, request)
         arrived = self.env.now
+        worker.flow.heard_from(self.peer_id, 0.0)
         with worker.compute.request() as turn:
             yield turn
             queued = yield from self.swarm.compute(job_s, since=arrived)
@@ -173,7 +174,8 @@ class SimTrainer:
         yield from transmit(self.env, worker.link, self.link, reply)
         yield self.env.timeout(self.costs.overhead_s)
         self.roster.succeeded(worker.peer_id, self.env.now - began, compute_s=job_s, queued_s=queued,
-                              credits=self.credits, in_flight_credits=self.credits)
+                              credits=self.credits, in_flight_credits=self.credits,
+                              callers=worker.flow.active_callers())
         record["compute"][stage] += job_s
         record["queued"] += queued
         self._returned_at(stage)
@@ -206,7 +208,8 @@ class SimTrainer:
         self.depth.observe(wall, record["compute"], record["queued"])
         depth = resized_depth(self.depth, adaptive=self.adaptive, max_in_flight=self.max_in_flight,
                               credit_cap=self.roster.in_flight_cap(self.stages),
-                              stage_credits=self.roster.stage_credits(self.stages))
+                              stage_credits=self.roster.stage_credits(self.stages),
+                              stage_shares=self.roster.stage_shares(self.stages))
         if depth is not None:
             self.limit.set(depth)
         self.swarm.board.renew(self.peer_id, unit)

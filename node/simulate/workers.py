@@ -39,6 +39,7 @@ from agora.dht.records import TRAINING_PHASES, Phase
 from agora.node.averaging.sparta import next_round, round_slice
 from agora.node.membership.phases import SyncPolicy, SyncProgress, next_phase
 from agora.node.simulate.network import NodeLink, path_rtt_s
+from agora.node.worker.flow import FlowControl
 
 __all__ = ["SimWorker", "StageRounds", "RoundLog"]
 
@@ -93,6 +94,8 @@ class SimWorker:
     state_at: Optional[float] = None
     history: list = field(default_factory=list)  # (phase, seconds since its start)
     woken: Optional[simpy.Event] = field(default=None, repr=False)  # a step counted or a round ended
+    # Its callers as the worker counts them (node/worker/flow.py, on simulated time): a reply says how many.
+    flow: Optional[FlowControl] = field(default=None, repr=False)  # on the simulation's clock (SimSwarm sets it)
 
     def wait_wake(self, env: simpy.Environment) -> simpy.Event:
         """An event that fires at the replica's next step or round end (its loop's wake-ups)."""

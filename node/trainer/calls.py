@@ -224,7 +224,8 @@ class WorkerCalls:
         if training:
             self.stats.calls_s += seconds
         self.roster.succeeded(view.peer_id, seconds, compute_s=result.compute_s, queued_s=result.queued_s,
-                              credits=result.credits, in_flight_credits=result.in_flight_credits)
+                              credits=result.credits, in_flight_credits=result.in_flight_credits,
+                              callers=result.callers)
         method = type(result).__name__.removesuffix("Result") if training else HELD_OUT
         self.stats.call(view.stage, method, seconds, result.compute_s, result.queued_s)
         if hop is not None:

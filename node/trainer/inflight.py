@@ -7,10 +7,16 @@ is kept busy when a new microbatch reaches it as soon as it finishes the last, i
 
     depth = ceil(latency / bottleneck)
 
-microbatches in flight, `bottleneck` being that stage's compute per microbatch (forward and
-backward). On loopback the round trips are a few milliseconds and the depth is about the number
-of stages; over 80 ms links it grows with the round trips, and a fixed depth there leaves every
-worker idle most of the time.
+microbatches in flight, `bottleneck` being the longest of the stages' periods: a stage's compute
+per microbatch (forward and backward) over the replicas' worth of it this trainer gets. A worker
+serves its callers about equally and says in every reply how many it serves, so a stage's share is
+the sum over its replicas of 1 / callers (node/trainer/routing.py, `share_of_stage`): one trainer
+on R replicas keeps all R busy, T trainers on R replicas R / T each. Sized to one replica, T
+trainers would keep T replicas busy, whatever R (one trainer on four replicas: a quarter of the
+stage); sized to the whole stage each, T trainers would queue T times what fills it at the
+workers, the microbatches growing staler for nothing. On loopback the round trips are a few
+milliseconds and the depth is about the number of stages (times the share); over 80 ms links it
+grows with the round trips, and a fixed depth there leaves every worker idle most of the time.
 
 More in flight than that buys nothing (the bottleneck is already busy) and costs convergence: a
 microbatch started before a worker steps finishes on newer weights, and the staleness is about
@@ -40,14 +46,19 @@ __all__ = ["fill_depth", "in_flight_limit", "adaptive_depth", "depth_cap", "init
 SMOOTHING = 0.1
 
 
-def fill_depth(latency_s: float, stage_compute_s: Sequence[float], *, cap: int, floor: int = 1) -> int:
+def fill_depth(latency_s: float, stage_compute_s: Sequence[float], *, cap: int, floor: int = 1,
+               shares: Sequence[float] = ()) -> int:
     """Microbatches in flight that keep the busiest stage busy (see the module docstring), in
     [floor, cap]. `latency_s`: one microbatch's time through the pipeline, queueing excluded;
-    `stage_compute_s`: each stage's compute per microbatch."""
+    `stage_compute_s`: each stage's compute per microbatch; `shares`: the replicas' worth of each
+    stage this trainer gets (one each where not given)."""
     if cap < 1 or floor < 1:
         raise ValueError(f"cap and floor must be at least 1, got cap={cap} floor={floor}")
+    if any(not share > 0 for share in shares):
+        raise ValueError(f"a stage's share must be positive, got {list(shares)}")
     floor = min(floor, cap)
-    bottleneck = max(stage_compute_s, default=0.0)
+    shares = list(shares) + [1.0] * (len(stage_compute_s) - len(shares))
+    bottleneck = max((compute / share for compute, share in zip(stage_compute_s, shares)), default=0.0)
     if not bottleneck > 0 or not latency_s > 0:
         return floor
     return max(floor, min(cap, math.ceil(latency_s / bottleneck - 1e-9)))
@@ -73,11 +84,12 @@ class DepthEstimate:
                                     for old, new in zip(self.stage_compute_s, compute_by_stage)]
         self.samples += 1
 
-    def depth(self, *, cap: int, floor: int = 1) -> int | None:
-        """The fill depth from what was observed; None before the first microbatch."""
+    def depth(self, *, cap: int, floor: int = 1, shares: Sequence[float] = ()) -> int | None:
+        """The fill depth from what was observed, for these shares of the stages; None before the
+        first microbatch."""
         if self.samples == 0:
             return None
-        return fill_depth(self.latency_s, self.stage_compute_s, cap=cap, floor=floor)
+        return fill_depth(self.latency_s, self.stage_compute_s, cap=cap, floor=floor, shares=shares)
 
 
 class InFlightLimit:
@@ -164,8 +176,9 @@ def initial_depth(max_in_flight: int, microbatches: int, *, adaptive: bool, cred
 
 
 def resized_depth(estimate: DepthEstimate, *, adaptive: bool, max_in_flight: int, credit_cap: int | None,
-                  stage_credits: list[int]) -> int | None:
-    """The depth after a microbatch was observed: the fill depth within `depth_cap` when adaptive, else
-    the cap itself; None before anything was observed."""
+                  stage_credits: list[int], stage_shares: Sequence[float] = ()) -> int | None:
+    """The depth after a microbatch was observed: the fill depth for this trainer's `stage_shares`
+    (`Roster.stage_shares`) within `depth_cap` when adaptive, else the cap itself; None before
+    anything was observed."""
     cap = depth_cap(max_in_flight, credit_cap, stage_credits)
-    return estimate.depth(cap=cap) if adaptive else cap
+    return estimate.depth(cap=cap, shares=stage_shares) if adaptive else cap

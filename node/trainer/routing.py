@@ -48,7 +48,8 @@ waits at the trainer for a credit (`held_back`) instead of being refused at the 
 answer is back-pressure, never a failure: no ban, no failure count; the credits shrink to the
 calls still outstanding there, or the worker is paused for its pushback when none is. The
 trainer's depth stays within `in_flight_cap`: the smallest sum over a stage's replicas of what
-each keeps for it.
+each keeps for it. A reply also says how many callers the worker serves (`callers`): the trainer's
+share of a stage's compute (`share_of_stage`), which its depth is sized to fill (node/trainer/inflight.py).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class WorkerView:
     granted_in_flight_credits: int | None = None
     paused_until: float = 0.0
     round_trip_s: float | None = None  # moving average of a call's time outside the worker's compute and queue
+    callers: int = 0  # callers its last reply said it serves, this trainer included (0: not stated)
 
     @property
     def credits(self) -> int:
@@ -230,9 +232,25 @@ class Roster:
         self.excluded.add(peer_id)
         self._by_stage = None
 
+    def _sharing(self, stage: int) -> list[WorkerView]:
+        """The replicas of `stage` sharing its work now: routable, and their last call did not fail."""
+        return [v for v in self.of_stage(stage) if v.phase in TRAINING_PHASES and v.failures == 0]
+
     def replicas(self, stage: int) -> int:
-        """Replicas of `stage` sharing its work now: routable, and their last call did not fail (at least 1)."""
-        return max(1, sum(1 for v in self.of_stage(stage) if v.phase in TRAINING_PHASES and v.failures == 0))
+        """How many replicas of `stage` share its work now (at least 1)."""
+        return max(1, len(self._sharing(stage)))
+
+    def share_of_stage(self, stage: int) -> float:
+        """The replicas' worth of `stage`'s compute this trainer gets: a worker serves its callers about
+        equally, so 1 / callers of each replica sharing the work (a whole one where its replies state
+        no callers yet). A stage none of whose replicas shares the work now (all failing) counts as one
+        whole replica, as in `replicas`: the depth is not cut by a blip."""
+        sharing = self._sharing(stage)
+        return sum(1.0 / max(1, v.callers) for v in sharing) if sharing else 1.0
+
+    def stage_shares(self, stages: int) -> list[float]:
+        """`share_of_stage` for each of the first `stages` stages."""
+        return [self.share_of_stage(stage) for stage in range(stages)]
 
     def batch_done(self, stage: int, shares: Mapping[str, int]) -> None:
         """A global batch passed `stage` with these microbatches per replica: count who got none."""
@@ -277,9 +295,10 @@ class Roster:
             self.workers[peer_id].in_flight += 1
 
     def succeeded(self, peer_id: str, seconds: float, *, compute_s: float = 0.0, queued_s: float = 0.0,
-                  credits: int = 0, in_flight_credits: int = 0) -> None:
+                  credits: int = 0, in_flight_credits: int = 0, callers: int = 0) -> None:
         """A call returned after `seconds`, of which the worker spent `compute_s` and `queued_s`; its
-        reply granted `credits` and `in_flight_credits` (0 credits: it states none)."""
+        reply granted `credits` and `in_flight_credits` (0 credits: it states none) and said it serves
+        `callers` (0: not stated, the last statement stands)."""
         view = self.workers.get(peer_id)
         if view is None:
             return
@@ -293,6 +312,8 @@ class Roster:
             view.round_trip_s + _ROUND_TRIP_SMOOTHING * (outside - view.round_trip_s)
         if credits > 0:
             view.granted_credits, view.granted_in_flight_credits = credits, in_flight_credits
+        if callers > 0:
+            view.callers = callers
 
     def released(self, peer_id: str) -> None:
         """A call picked for this worker was never sent (cancelled while it waited)."""

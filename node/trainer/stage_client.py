@@ -250,6 +250,7 @@ class ForwardResult:
     in_flight_credits: int = 0  # microbatches of this trainer it keeps for their Backward (0: no bound)
     weights_version: int = 0  # the worker's weights it ran on (bumped by every write to them)
     full_precision: bool = False  # asked for full precision (held-out) and computed in it
+    callers: int = 0  # callers the worker serves now, this trainer included (0: not stated)
 
     @property
     def wire(self) -> torch.Tensor | None:
@@ -273,6 +274,7 @@ class BackwardResult:
     credits: int = 0
     in_flight_credits: int = 0
     weights_version: int = 0  # the weights its gradient was computed on
+    callers: int = 0
 
     @property
     def input_grad(self) -> torch.Tensor | None:
@@ -464,7 +466,8 @@ class StageClient:
         return ForwardResult(loss=reply.loss, step=reply.step, wire_frame=wire_out, grad_frame=grad,
                              queued_s=reply.queued_s, compute_s=reply.compute_s, codec=self.codec, repeat=reply.repeat,
                              credits=reply.credits, in_flight_credits=reply.in_flight_credits,
-                             weights_version=reply.weights_version, full_precision=reply.full_precision)
+                             weights_version=reply.weights_version, full_precision=reply.full_precision,
+                             callers=reply.callers)
 
     async def backward(self, microbatch_id: str, output_grad: torch.Tensor | bytes,
                        *, round_trip_s: float = 0.0, timeout_s: float | None = None) -> BackwardResult:
@@ -484,7 +487,8 @@ class StageClient:
         grad = self._check(reply.input_grad, shape, "Backward", "input_grad") if reply.input_grad else b""
         return BackwardResult(step=reply.step, grad_frame=grad, queued_s=reply.queued_s, compute_s=reply.compute_s,
                               codec=self.codec, repeat=reply.repeat, credits=reply.credits,
-                              in_flight_credits=reply.in_flight_credits, weights_version=reply.weights_version)
+                              in_flight_credits=reply.in_flight_credits, weights_version=reply.weights_version,
+                              callers=reply.callers)
 
     async def step(self, microbatches: int, *, step: int | None = None,
                    timeout_s: float | None = None) -> StepReply:

@@ -337,19 +337,22 @@ class SwarmTrainer:
         self.depth.observe(wall_s, compute, queued_s)
         credit_cap, stage_credits = self.roster.in_flight_cap(self.n_stages), self.roster.stage_credits(self.n_stages)
         depth = resized_depth(self.depth, adaptive=self.adaptive, max_in_flight=self.max_in_flight,
-                              credit_cap=credit_cap, stage_credits=stage_credits)
+                              credit_cap=credit_cap, stage_credits=stage_credits,
+                              stage_shares=self.roster.stage_shares(self.n_stages))
         if depth is not None and depth != self._in_flight.limit:
             await self._in_flight.set(depth)
         self.stats.depth(self._in_flight.limit, credit_cap, stage_credits)
 
     def in_flight_summary(self) -> dict:
-        """The depth: how it was set, its cap, the last and the largest limit, what it was derived from, and
-        the workers' credits for this trainer at the end (in flight, calls per stage)."""
+        """The depth: how it was set, its cap, the last and the largest limit, what it was derived from (the
+        stages' compute and this trainer's share of their replicas), and the workers' credits for this
+        trainer at the end (in flight, calls per stage)."""
         estimate = self.depth
         return {"mode": "adaptive" if self.adaptive else "fixed", "cap": self.max_in_flight,
                 "last": self._in_flight.limit, "max": max(self.stats.depth_max, self._in_flight.limit),
                 "latency_ms": round(1e3 * estimate.latency_s, 2),
                 "stage_compute_ms": [round(1e3 * c, 2) for c in estimate.stage_compute_s],
+                "stage_shares": [round(share, 2) for share in self.roster.stage_shares(self.n_stages)],
                 "credit_cap": self.roster.in_flight_cap(self.n_stages),
                 "stage_credits": self.roster.stage_credits(self.n_stages)}
 

@@ -278,10 +278,12 @@ class StageService:
         return self._credited(admission.caller.owner, reply)
 
     def _credited(self, owner: str, reply: T) -> T:
-        """The reply with the caller's credits now (node/worker/flow.py), its job's compute time counted."""
+        """The reply with the caller's credits now (node/worker/flow.py), its job's compute time counted,
+        and how many callers share this worker (the caller's share of its compute)."""
         self.flow.observe_compute(reply.compute_s)
         credits = self.flow.grant(owner)
-        return dataclasses.replace(reply, credits=credits.calls, in_flight_credits=credits.in_flight)
+        return dataclasses.replace(reply, credits=credits.calls, in_flight_credits=credits.in_flight,
+                                   callers=self.flow.active_callers())
 
     async def _run(self, context: Any, slot: Slot, fn: Callable[[Any], T], request: Any) -> T:
         admitted = time.perf_counter()

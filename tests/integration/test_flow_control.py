@@ -175,6 +175,7 @@ def test_replies_carry_credits_and_a_busy_refusal_its_pushback(data):
     assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED and 0 < refused.pushback_s <= 1.0
     assert "is full" in refused.details
     assert reply.credits == 1 and reply.in_flight_credits == 64  # a queue of 1: one call at a time
+    assert reply.callers == 1  # the one caller it serves: this client
     assert (info.capacity, info.credits, info.in_flight_credits) == (1, 1, 64)
 
 
@@ -191,20 +192,20 @@ class SlowCalls(CallHook):
 
 
 async def _workers(config, queue: int, slow_stage: int | None = None, slow_s: float = 0.0, stash: int = 64,
-                   announce: bool = False):
-    """A worker per stage; `announce`: the discovery carries the credits their records would announce."""
-    workers = []
+                   announce: bool = False, replicas: int = 1):
+    """`replicas` workers per stage; `announce`: the discovery carries the credits their records would announce."""
+    workers, views = [], []
     for stage in range(len(config.layer_split)):
-        hooks = [SlowCalls(slow_s)] if stage == slow_stage else []
-        worker = StageWorker(config, stage, run_id="test", options=WorkerOptions(max_queue=queue, stash_capacity=stash),
-                             interceptors=hooks)
-        await worker.start()
-        workers.append(worker)
-    views = []
-    for i, worker in enumerate(workers):
-        info = worker.info() if announce else None
-        views.append(WorkerView(f"s{i}", worker.address, i, announced_credits=info.credits if info else 0,
-                                announced_in_flight_credits=info.in_flight_credits if info else 0))
+        for replica in range(replicas):
+            hooks = [SlowCalls(slow_s)] if stage == slow_stage else []
+            worker = StageWorker(config, stage, run_id="test",
+                                 options=WorkerOptions(max_queue=queue, stash_capacity=stash), interceptors=hooks)
+            await worker.start()
+            workers.append(worker)
+            info = worker.info() if announce else None
+            views.append(WorkerView(f"s{stage}" + (f"r{replica}" if replicas > 1 else ""), worker.address, stage,
+                                    announced_credits=info.credits if info else 0,
+                                    announced_in_flight_credits=info.in_flight_credits if info else 0))
     return workers, StaticDiscovery(views)
 
 
@@ -232,6 +233,30 @@ def test_a_wide_batch_trains_through_small_queues_without_a_busy_answer(data):
     assert (stats.busy, stats.reroutes, stats.bans) == (0, 0, 0)
     assert stats.calls == 3 * 16 * 5  # a Forward on each of 3 stages, a Backward on the first 2
     assert depth["stage_credits"] == [2, 2, 2] and depth["credit_cap"] == 64
+    assert depth["stage_shares"] == [1.0, 1.0, 1.0]  # each stage's one worker, serving this trainer alone
+
+
+def test_a_trainer_alone_sizes_its_depth_to_every_replica_of_a_stage(data):
+    """Two workers per stage, one trainer: every reply says its worker serves one caller, so the trainer
+    counts two replicas' worth of each stage to fill (node/trainer/inflight.py) and routes to both."""
+    config = _config()
+
+    async def main():
+        workers, discovery = await _workers(config, queue=8, replicas=2)
+        try:
+            async with SwarmTrainer(config, data, discovery,
+                                    TrainerOptions(run_id="test", gradient_check_share=0.0)) as trainer:
+                records = await trainer.run(2)
+                shares = [trainer.roster.workers[v.peer_id].callers for v in discovery.views]
+                return records, trainer.stats, trainer.in_flight_summary(), shares, [w.info().step for w in workers]
+        finally:
+            await asyncio.gather(*(w.stop(0) for w in workers))
+
+    records, stats, depth, callers, steps = asyncio.run(main())
+    assert [r.step for r in records] == [1, 2]
+    assert (stats.reroutes, stats.bans) == (0, 0)
+    assert callers == [1] * 6 and depth["stage_shares"] == [2.0, 2.0, 2.0]
+    assert steps == [2] * 6  # both replicas of every stage stepped on each batch
 
 
 def test_the_first_depth_keeps_within_what_the_workers_stash(data):

@@ -16,6 +16,25 @@ def test_depth_hides_the_latency_behind_the_busiest_stage():
     assert fill_depth(0.5, [0.1, 0.25, 0.05], cap=64) == 2
 
 
+def test_depth_fills_this_trainers_share_of_each_stage():
+    # 560 ms through 3 stages of 50 ms: 12 keep one replica busy.
+    alone = fill_depth(0.56, [0.05, 0.05, 0.05], cap=256)
+    assert alone == 12
+    # One trainer on 4 replicas a stage keeps all four busy, not one of them.
+    assert fill_depth(0.56, [0.05, 0.05, 0.05], cap=256, shares=[4, 4, 4]) == 45
+    # Two trainers on those 4 replicas (each worker serves 2 callers): half each.
+    assert fill_depth(0.56, [0.05, 0.05, 0.05], cap=256, shares=[2, 2, 2]) == 23
+    # Four trainers on one replica: a quarter each, so together they fill it once, not four times.
+    assert fill_depth(0.56, [0.05, 0.05, 0.05], cap=256, shares=[0.25] * 3) == 3
+    # The stage with the longest period is the one to fill: a slow stage with enough replicas is not it.
+    assert fill_depth(0.56, [0.2, 0.05, 0.05], cap=256, shares=[4, 1, 1]) == 12
+    # Shares not given count one each; the cap still holds.
+    assert fill_depth(0.56, [0.05, 0.05, 0.05], cap=256, shares=[4]) == 12
+    assert fill_depth(0.56, [0.05, 0.05, 0.05], cap=16, shares=[4, 4, 4]) == 16
+    with pytest.raises(ValueError):
+        fill_depth(0.56, [0.05], cap=16, shares=[0.0])
+
+
 def test_depth_is_capped_floored_and_sane_without_measurements():
     assert fill_depth(10.0, [0.01], cap=8) == 8
     assert fill_depth(0.001, [0.5], cap=8) == 1
@@ -134,3 +153,6 @@ def test_resized_depth_follows_the_estimate_within_the_credits():
     assert resized_depth(estimate, adaptive=True, max_in_flight=32, credit_cap=None, stage_credits=[]) == 10
     assert resized_depth(estimate, adaptive=True, max_in_flight=32, credit_cap=6, stage_credits=[]) == 6
     assert resized_depth(estimate, adaptive=False, max_in_flight=32, credit_cap=None, stage_credits=[4, 4]) == 8
+    # Two replicas of the bottleneck stage, this trainer alone on them: twice as deep.
+    assert resized_depth(estimate, adaptive=True, max_in_flight=32, credit_cap=None, stage_credits=[],
+                         stage_shares=[2.0, 1.0]) == 20

@@ -159,6 +159,30 @@ def test_in_flight_cap_is_the_tightest_stage_over_its_replicas():
     assert roster.in_flight_cap(3) is None
 
 
+def test_a_stage_s_share_is_its_replicas_over_the_callers_each_serves():
+    """What the trainer's depth is sized to fill (node/trainer/inflight.py): each replica sharing the
+    work counts 1 / the callers its last reply stated, a whole one before any reply states them."""
+    roster = Roster(microbatch_size=1)
+    roster.refresh([_view("a", 0), _view("b", 0), _view("c", 0), _view("d", 1),
+                    _view("syncing", 1, phase="weight_sync")])
+    assert roster.stage_shares(3) == [3.0, 1.0, 1.0]  # nobody stated callers yet; stage 2 has no worker
+    for peer, callers in (("a", 2), ("b", 4), ("d", 3)):
+        roster.started(peer)
+        roster.succeeded(peer, 0.1, callers=callers)
+    assert roster.stage_shares(2) == [0.5 + 0.25 + 1.0, 1 / 3]
+    roster.started("a")
+    roster.succeeded("a", 0.1)  # a reply that states no callers leaves the last statement
+    assert roster.share_of_stage(0) == 1.75
+    roster.started("c")
+    roster.failed("c", now=0.0)  # failing: not sharing the stage's work now
+    assert roster.share_of_stage(0) == 0.75
+    roster.started("d")
+    roster.failed("d", now=0.0)  # no replica sharing: waited on as one, not as none
+    assert roster.share_of_stage(1) == 1.0
+    roster.exclude("a")
+    assert roster.share_of_stage(0) == 0.25
+
+
 def test_refresh_keeps_local_observations_and_drops_departed_workers():
     roster = Roster(microbatch_size=2)
     roster.refresh([_view("a", stage=1), _view("b", stage=1)])

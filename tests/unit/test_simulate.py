@@ -160,3 +160,25 @@ def test_trainers_started_one_after_another_start_their_work_in_turn():
     together = SimSwarm(_scenario(trainers={"count": 2, "max_in_flight": 4}))
     together.run()
     assert min(t for t, _ in together.trainers[1].tokens_done) < 1.0
+
+
+def _adaptive(replicas: int, trainers: int):
+    """Over 40 ms links, where the adaptive depth decides: the depth, cap and credits out of its way."""
+    return simulate(_scenario(run={"seconds": 12.0, "warmup_s": 4.0},
+                              trainers={"count": trainers, "max_in_flight": None, "link": "wan"},
+                              links=[{"name": "wan", "up_mbit": 10_000.0, "down_mbit": 10_000.0, "rtt_ms": 40.0}],
+                              workers={"replicas": replicas, "credits": 256}))
+
+
+def test_one_trainer_keeps_every_replica_of_a_stage_busy_and_several_share_them():
+    """The trainer sizes its depth to its share of each stage (Roster.share_of_stage: the replicas over
+    the callers each serves, as the simulated workers count them with the worker's own FlowControl).
+    Sized to one replica, one trainer on 4 replicas ran at one replica's rate and kept them a quarter busy."""
+    one, four = _adaptive(1, 1), _adaptive(4, 1)
+    assert one.tokens_per_s == pytest.approx(TOKENS / 0.030, rel=0.1) and one.bottleneck.startswith("compute")
+    assert four.tokens_per_s >= 3.5 * one.tokens_per_s and four.bottleneck.startswith("compute")
+    assert four.depth_last[0] >= 3.5 * one.depth_last[0]
+    # Four trainers on those 4 replicas: each fills its quarter, so together about what one trainer does.
+    shared = _adaptive(4, 4)
+    assert shared.tokens_per_s >= 3.5 * one.tokens_per_s
+    assert sum(shared.depth_last) <= 1.25 * four.depth_last[0] + 4
