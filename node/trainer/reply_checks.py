@@ -62,7 +62,8 @@ class ReplyChecks:
         # What each stage's workers send, per worker, against their stage's (None: not checked).
         self.verifier = ReplyVerifier(VerifierSettings(
             drift=options.verify_drift, threshold=options.verify_threshold, warmup=options.verify_warmup,
-            window=max(2 * options.verify_warmup, 64))) if options.verify_replies else None
+            window=max(2 * options.verify_warmup, 64), self_checks=options.gradient_check_share > 0)) \
+            if options.verify_replies else None
         self.repeats = RepeatJudge() if options.verify_replies else None
         self.spot = SpotChecks(options.spot_check_share, SpotJudge(options.spot_check_tolerance), codec, stats,
                                flag=self.flagged)
@@ -126,8 +127,9 @@ class ReplyChecks:
                                           "feature": feature}})
             self.gradients.check_now(peer)
         for stage, frames, peer, feature in self.verifier.take_lone_trips():
-            logger.info("stage %d's only worker %s: %s stood off its own history; checking it at once instead of "
-                        "flagging it", stage, peer, feature,
+            whom = "only worker" if len(self.roster.of_stage(stage)) <= 1 else "worker (one of two)"
+            logger.info("stage %d's %s %s: %s stood off, and no third replica says whose values moved; checking "
+                        "it at once instead of flagging it", stage, whom, peer, feature,
                         extra={"milestone": "lone_worker_checked",
                                "fields": {"stage": stage, "kind": frames, "peer": peer, "feature": feature}})
             self.gradients.check_now(peer)
@@ -193,6 +195,7 @@ class ReplyChecks:
             return {"enabled": False}
         return {"enabled": True, "threshold": self.verifier.settings.threshold,
                 "shifts": self.verifier.shifts, "lone_trips": self.verifier.lone_trips,
+                "pair_trips": self.verifier.pair_trips,
                 "tainted": self.verifier.tainted,
                 "peak_cusum": {f"{stage}/{kind}/{peer}": round(peak, 2)
                                for (stage, kind, peer), peak in sorted(self.verifier.peaks().items())}}

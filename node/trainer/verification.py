@@ -89,7 +89,20 @@ spread floored wider, its replies entering it unless each stands far off
 (node/trainer/reply_reference.py: alone, weights versions, and what that cannot catch); and a trip
 alone does not flag it: it is checked at once, and only a second trip with no passed self check
 since flags it (node/trainer/lone_worker.py). A stage-wide honest shift cannot be told from a lie
-there. With several workers, a colluding majority of a stage's replies owns the median, as in
+there. With two workers, the statistics say that they differ, not which of them moved: replicas
+between averaging rounds train on different microbatches, and early in a run, on a loaded host, one
+of two honest tails' input gradients stood 0.1-0.5 in log-RMS off its twin's, the faster twin's
+replies owning the median and the spread (three demos of 3 x 2 over 80 ms links: an honest worker
+flagged and its credential revoked in each within the first 45 of its replies, its gradient checks
+all passed). So with self checks on (`self_checks`), a trip of one of two that nothing else
+explains, on the scale (`log_rms`), is the lone worker's: excused, checked at once (a finite
+difference or replay tells a wrong scale from an honest one), flagged only at a trip with no
+passed self check since. A trip on the content, direction or alignment still flags at once: those
+honest replicas share, and a finite-difference check cannot see some lies in them (a tail's
+constant input gradient, every token's the mean, is the gradient's own projection on constants and
+passes it exactly). What that costs: a two-replica stage's liar whose lie is in its scale alone
+and whose self checks pass it (the lone worker's blind spot) is not flagged by these statistics;
+without self checks a trip flags as with three. With three or more, a colluding majority of a stage's replies owns the median, as in
 robust averaging.
 Where a stage has several replicas, the trainer's optional spot checks (node/trainer/spot_checks.py)
 cover part of what this cannot: a replayed head reply, content shuffled within a batch, a lie from
@@ -123,6 +136,8 @@ Source = tuple[int, str, str]
 # Fixed random directions the per-coordinate mean is projected on.
 PROJECTIONS = 4
 FEATURES = ("log_rms", "variation", *(f"direction_{index}" for index in range(PROJECTIONS)), "alignment")
+# The feature two honest replicas on weights apart differ in (module docstring: two workers).
+_SCALE = FEATURES[0]
 # A standardized deviation counts at most this much (a single wild reply cannot trip a worker).
 Z_CAP = 12.0
 # A reply this many spreads off on some feature is an outlier: too few to flag on, enough to have that
@@ -148,6 +163,9 @@ class VerifierSettings:
     threshold: float = 30.0
     warmup: int = 32
     window: int = 64
+    # The trainer's self checks are on (node/trainer/gradient_checks.py): a trip of one of a stage's two
+    # workers is then excused and checked at once, as a lone worker's is (module docstring: two workers).
+    self_checks: bool = False
 
     def __post_init__(self) -> None:
         if not (0 < self.drift < Z_CAP and self.threshold > 0):
@@ -264,10 +282,12 @@ class ReplyVerifier:
         # (stage, kind, worker, flagged producer, feature) of each trip excused as that producer's damage
         # (module docstring: whose lie it is); the trainer takes them (`take_pardoned`) to check the worker
         self.pardoned: list[tuple[int, str, str, str, str]] = []
-        # (stage, kind, worker, feature) of each trip of a stage's only worker excused for a self check at once
-        # (node/trainer/lone_worker.py); the trainer takes them (`take_lone_trips`); `lone_trips` counts them
+        # (stage, kind, worker, feature) of each trip of a stage's only worker, or of one of its two, excused
+        # for a self check at once (node/trainer/lone_worker.py); the trainer takes them (`take_lone_trips`);
+        # `lone_trips` and `pair_trips` count them
         self.lone_excused: list[tuple[int, str, str, str]] = []
         self.lone_trips = 0
+        self.pair_trips = 0
 
     def directions(self, width: int) -> torch.Tensor:
         if width not in self._directions:
@@ -320,9 +340,16 @@ class ReplyVerifier:
         boundary.replies += 1
         track.last_seen = boundary.replies
         live = None if present is None else frozenset(present) | {peer}
-        alone = not self._others(boundary, track, live)
-        if alone and vouched(track.notice, passes(peer), implicated_elsewhere(peer)):
-            self._restart_history(boundary, peer, track)
+        others = self._others(boundary, track, live)
+        alone = not others
+        # Alone, or one of two with self checks to judge its scale: a trip the statistics cannot lay on it.
+        paired = len(others) == 1 and self.settings.self_checks
+        if (alone or paired) and vouched(track.notice, passes(peer), implicated_elsewhere(peer)):
+            if alone:
+                self._restart_history(boundary, peer, track)
+            else:
+                track.notice = None
+                track.restart()
         if len(boundary.entries(live)) >= self.settings.warmup:
             tripped = self._accumulate(boundary, track, features, live, alone, version,
                                        producer=upstream[-1][2] if upstream else None)
@@ -340,12 +367,16 @@ class ReplyVerifier:
                     track.pardoned.add(damager)
                     track.restart()
                     self.pardoned.append((stage, kind, peer, damager, FEATURES[index]))
-                elif alone and (lone := lone_trip(track.notice, track.replies, self.settings.window,
-                                                  implicated_elsewhere(peer))) != "flag":
+                elif (alone or (paired and FEATURES[index] == _SCALE)) and \
+                        (lone := lone_trip(track.notice, track.replies, self.settings.window,
+                                           implicated_elsewhere(peer))) != "flag":
                     track.restart()
                     if lone == "excuse":
                         track.notice = LoneNotice(since=track.replies, passes=passes(peer), version=version)
-                        self.lone_trips += 1
+                        if alone:
+                            self.lone_trips += 1
+                        else:
+                            self.pair_trips += 1
                         self.lone_excused.append((stage, kind, peer, FEATURES[index]))
                 else:
                     track.flagged = self._evidence(stage, kind, peer, boundary, track, index, side, value, live,
@@ -361,7 +392,7 @@ class ReplyVerifier:
         return None
 
     def take_lone_trips(self) -> list[tuple[int, str, str, str]]:
-        """The trips of a stage's only worker excused since the last call (see `lone_excused`)."""
+        """The trips of a stage's only worker, or of one of two, excused since the last call (see `lone_excused`)."""
         taken, self.lone_excused = self.lone_excused, []
         return taken
 

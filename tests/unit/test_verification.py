@@ -217,6 +217,43 @@ def test_a_sole_liar_whose_check_at_once_fails_is_held_no_longer_than_the_window
     assert verifier.lone_trips == 1 and flagged_at >= excused_at + verifier.settings.window
 
 
+def _tail_pair(checks: _SelfChecks | None, offset: float = 0.3, replies: int = 480) -> tuple[ReplyVerifier, list]:
+    """Two tails, the faster answering three replies in four: the slower one's input gradients stand `offset`
+    in log-RMS below its twin's (some 6 of their spreads), as one of two honest tails' did early in demos over
+    80 ms links; judged by a trainer whose self checks are `checks` (None: off)."""
+    rng = random.Random(5)
+    verifier, outcomes = ReplyVerifier(VerifierSettings(self_checks=checks is not None)), []
+    checking = checks.checking if checks is not None else (lambda peer: False)
+    passes = checks.passes if checks is not None else (lambda peer: 0)
+    for index in range(replies):
+        peer, level = ("slow", -5.33 - offset) if index % 4 == 3 else ("fast", -5.33)
+        features = (level + rng.gauss(0.0, 0.05), *(rng.gauss(0.0, 0.03) for _ in FEATURES[1:]))
+        outcome = verifier.observe(2, "input_grad", peer, features, present={"fast", "slow"},
+                                   implicated_elsewhere=checking, passes=passes)
+        outcomes.append((peer, outcome))
+        for _, _, tripped, _ in verifier.take_lone_trips():
+            checks.check_now(tripped)
+        if checks is not None:
+            checks.reply(peer)
+    return verifier, outcomes
+
+
+def test_one_of_two_workers_standing_off_its_twin_is_checked_at_once_not_flagged():
+    """Two replicas' statistics say that they differ, not which moved: with self checks on, the slower
+    tail's trips are excused and checked at once, each passed check vouches for it, and nobody is flagged;
+    without self checks its first trip flags it (three of three demos flagged an honest tail so); a liar
+    whose checks fail is flagged, held no longer than the window past its trip."""
+    verifier, outcomes = _tail_pair(_SelfChecks(delay=2, honest=True))
+    assert verifier.flagged() == {} and all(outcome is None for _, outcome in outcomes)
+    assert verifier.pair_trips >= 2 and verifier.lone_trips == 0
+    unchecked, outcomes = _tail_pair(None)
+    assert unchecked.flagged().keys() == {"slow"} and unchecked.pair_trips == 0
+    liar, outcomes = _tail_pair(_SelfChecks(delay=2, honest=False))
+    assert liar.flagged().keys() == {"slow"} and liar.pair_trips == 1
+    slow = [outcome for peer, outcome in outcomes if peer == "slow"]
+    assert slow.index(liar.flagged()["slow"]) <= unchecked.settings.warmup + liar.settings.window + 4 * DETECTION_REPLIES
+
+
 def test_a_reply_computed_from_a_suspected_workers_is_not_judged():
     """The tail's input gradient after a head's lie moves as much as the lie; it must not count."""
     rng, verifier = random.Random(2), ReplyVerifier()
