@@ -90,20 +90,22 @@ spread floored wider, its replies entering it unless each stands far off
 alone does not flag it: it is checked at once, and only a second trip with no passed self check
 since flags it (node/trainer/lone_worker.py). A stage-wide honest shift cannot be told from a lie
 there. With two workers, the statistics say that they differ, not which of them moved: replicas
-between averaging rounds train on different microbatches, and early in a run, on a loaded host, one
-of two honest tails' input gradients stood 0.1-0.5 in log-RMS off its twin's, the faster twin's
-replies owning the median and the spread (three demos of 3 x 2 over 80 ms links: an honest worker
-flagged and its credential revoked in each within the first 45 of its replies, its gradient checks
-all passed). So with self checks on (`self_checks`), a trip of one of two that nothing else
-explains, on the scale (`log_rms`), is the lone worker's: excused, checked at once (a finite
-difference or replay tells a wrong scale from an honest one), flagged only at a trip with no
-passed self check since. A trip on the content, direction or alignment still flags at once: those
-honest replicas share, and a finite-difference check cannot see some lies in them (a tail's
-constant input gradient, every token's the mean, is the gradient's own projection on constants and
-passes it exactly). What that costs: a two-replica stage's liar whose lie is in its scale alone
-and whose self checks pass it (the lone worker's blind spot) is not flagged by these statistics;
-without self checks a trip flags as with three. With three or more, a colluding majority of a stage's replies owns the median, as in
-robust averaging.
+between averaging rounds train on different microbatches, and sparse averaging keeps them near each
+other, not together. Early in a run on a loaded host one of two honest tails' input gradients stood
+0.1-0.5 in log-RMS off its twin's, the faster twin's replies owning the median and the spread (three
+demos of 3 x 2 over 80 ms links: an honest worker flagged and its credential revoked in each within
+its first 45 replies, its gradient checks all passed); later in such a run two honest heads' and two
+honest bodies' mean output directions stood 4 of the stage's spreads apart. So with self checks on
+(`self_checks`), a trip of one of two that nothing else explains, on the scale (`log_rms`) or a
+direction, is the lone worker's: excused, checked at once (a finite difference or a replay tells a
+wrong gradient or output from an honest one), flagged only at a trip with no passed self check
+since. A trip on the content (`variation`) or the alignment still flags at once: honest replicas
+share those, and a finite-difference check cannot see some lies in them (a tail's constant input
+gradient, every token's the mean, is the gradient's own projection on constants and passes it
+exactly). What that costs: a two-replica liar whose lie is in its scale or direction and whose self
+checks pass it (the lone worker's blind spot: a head scaling or flipping its outputs in its replays
+too) is not flagged by these statistics; without self checks a trip flags as with three. With three
+or more, a colluding majority of a stage's replies owns the median, as in robust averaging.
 Where a stage has several replicas, the trainer's optional spot checks (node/trainer/spot_checks.py)
 cover part of what this cannot: a replayed head reply, content shuffled within a batch, a lie from
 a worker's first reply, by asking a second replica the same Forward now and then; and its
@@ -136,8 +138,8 @@ Source = tuple[int, str, str]
 # Fixed random directions the per-coordinate mean is projected on.
 PROJECTIONS = 4
 FEATURES = ("log_rms", "variation", *(f"direction_{index}" for index in range(PROJECTIONS)), "alignment")
-# The feature two honest replicas on weights apart differ in (module docstring: two workers).
-_SCALE = FEATURES[0]
+# What two honest replicas on weights apart differ in, scale and direction (module docstring: two workers).
+_WEIGHTS_MOVE = frozenset(feature for feature in FEATURES if feature == "log_rms" or feature.startswith("direction_"))
 # A standardized deviation counts at most this much (a single wild reply cannot trip a worker).
 Z_CAP = 12.0
 # A reply this many spreads off on some feature is an outlier: too few to flag on, enough to have that
@@ -367,7 +369,7 @@ class ReplyVerifier:
                     track.pardoned.add(damager)
                     track.restart()
                     self.pardoned.append((stage, kind, peer, damager, FEATURES[index]))
-                elif (alone or (paired and FEATURES[index] == _SCALE)) and \
+                elif (alone or (paired and FEATURES[index] in _WEIGHTS_MOVE)) and \
                         (lone := lone_trip(track.notice, track.replies, self.settings.window,
                                            implicated_elsewhere(peer))) != "flag":
                     track.restart()

@@ -217,18 +217,21 @@ def test_a_sole_liar_whose_check_at_once_fails_is_held_no_longer_than_the_window
     assert verifier.lone_trips == 1 and flagged_at >= excused_at + verifier.settings.window
 
 
-def _tail_pair(checks: _SelfChecks | None, offset: float = 0.3, replies: int = 480) -> tuple[ReplyVerifier, list]:
+def _tail_pair(checks: _SelfChecks | None, offset: float = 0.3, replies: int = 480,
+               feature: str = "log_rms") -> tuple[ReplyVerifier, list]:
     """Two tails, the faster answering three replies in four: the slower one's input gradients stand `offset`
-    in log-RMS below its twin's (some 6 of their spreads), as one of two honest tails' did early in demos over
-    80 ms links; judged by a trainer whose self checks are `checks` (None: off)."""
+    below its twin's in `feature` (in log-RMS some 6 of their spreads), as one of two honest tails' did early in
+    demos over 80 ms links; judged by a trainer whose self checks are `checks` (None: off)."""
     rng = random.Random(5)
     verifier, outcomes = ReplyVerifier(VerifierSettings(self_checks=checks is not None)), []
     checking = checks.checking if checks is not None else (lambda peer: False)
     passes = checks.passes if checks is not None else (lambda peer: 0)
     for index in range(replies):
-        peer, level = ("slow", -5.33 - offset) if index % 4 == 3 else ("fast", -5.33)
-        features = (level + rng.gauss(0.0, 0.05), *(rng.gauss(0.0, 0.03) for _ in FEATURES[1:]))
-        outcome = verifier.observe(2, "input_grad", peer, features, present={"fast", "slow"},
+        peer = "slow" if index % 4 == 3 else "fast"
+        features = [-5.33 + rng.gauss(0.0, 0.05), *(0.5 + rng.gauss(0.0, 0.03) for _ in FEATURES[1:])]
+        if peer == "slow":
+            features[FEATURES.index(feature)] -= offset
+        outcome = verifier.observe(2, "input_grad", peer, tuple(features), present={"fast", "slow"},
                                    implicated_elsewhere=checking, passes=passes)
         outcomes.append((peer, outcome))
         for _, _, tripped, _ in verifier.take_lone_trips():
@@ -252,6 +255,17 @@ def test_one_of_two_workers_standing_off_its_twin_is_checked_at_once_not_flagged
     assert liar.flagged().keys() == {"slow"} and liar.pair_trips == 1
     slow = [outcome for peer, outcome in outcomes if peer == "slow"]
     assert slow.index(liar.flagged()["slow"]) <= unchecked.settings.warmup + liar.settings.window + 4 * DETECTION_REPLIES
+
+
+def test_one_of_two_is_excused_on_its_directions_but_flagged_at_once_on_its_content():
+    """Two honest replicas' mean output directions stood 4 spreads apart late in a demo: a direction trip is
+    excused like a scale trip. Content is what honest replicas share and what a self check can miss (a constant
+    tail passes a finite-difference check exactly): a `variation` trip flags at once, checks or not."""
+    verifier, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=0.2, feature="direction_1")
+    assert verifier.flagged() == {} and verifier.pair_trips >= 2
+    verifier, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=0.2, feature="variation")
+    assert verifier.flagged().keys() == {"slow"} and verifier.flagged()["slow"].feature == "variation"
+    assert verifier.pair_trips == 0
 
 
 def test_a_reply_computed_from_a_suspected_workers_is_not_judged():
