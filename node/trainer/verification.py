@@ -99,10 +99,11 @@ honest bodies' mean output directions stood 4 of the stage's spreads apart. So w
 (`self_checks`), a trip of one of two that nothing else explains, on the scale (`log_rms`) or a
 direction, is the lone worker's: excused, checked at once (a finite difference or a replay tells a
 wrong gradient or output from an honest one), flagged only at a trip with no passed self check
-since. A trip on the content (`variation`) or the alignment still flags at once: honest replicas
-share those, and a finite-difference check cannot see some lies in them (a tail's constant input
-gradient, every token's the mean, is the gradient's own projection on constants and passes it
-exactly). What that costs: a two-replica liar whose lie is in its scale or direction and whose self
+since. A trip on the content (`variation`) or the alignment still flags at once, and names the trip
+when the scale trips with it (zeros): honest replicas share those, and a self check cannot see
+some lies in them (a tail's constant input gradient, every token's the mean, is the gradient's own
+projection on constants and passes a finite-difference check exactly; a zero one leaves it nothing
+to probe along). What that costs: a two-replica liar whose lie is in its scale or direction and whose self
 checks pass it (the lone worker's blind spot: a head scaling or flipping its outputs in its replays
 too) is not flagged by these statistics; without self checks a trip flags as with three. With three
 or more, a colluding majority of a stage's replies owns the median, as in robust averaging.
@@ -502,9 +503,12 @@ class ReplyVerifier:
             track.high[index] = max(0.0, track.high[index] + z - k)
             track.low[index] = max(0.0, track.low[index] - z - k)
             track.peak = max(track.peak, track.high[index], track.low[index])
+            # Over the bar together, the content or alignment names the trip: a zero frame's scale and its
+            # content trip at once, and only the latter says it is no replica on weights apart.
+            content = FEATURES[index] not in _WEIGHTS_MOVE
             for side, cusum in (("high", track.high[index]), ("low", track.low[index])):
-                if cusum > self.settings.threshold and (worst is None or cusum > worst[0]):
-                    worst = (cusum, index, side, value)
+                if cusum > self.settings.threshold and (worst is None or (content, cusum) > worst[0]):
+                    worst = ((content, cusum), index, side, value)
         return None if worst is None else worst[1:]
 
     def _shared_shift(self, boundary: Boundary, peer: str, index: int, side: str,

@@ -218,10 +218,10 @@ def test_a_sole_liar_whose_check_at_once_fails_is_held_no_longer_than_the_window
 
 
 def _tail_pair(checks: _SelfChecks | None, offset: float = 0.3, replies: int = 480,
-               feature: str = "log_rms") -> tuple[ReplyVerifier, list]:
+               features_off: tuple[str, ...] = ("log_rms",)) -> tuple[ReplyVerifier, list]:
     """Two tails, the faster answering three replies in four: the slower one's input gradients stand `offset`
-    below its twin's in `feature` (in log-RMS some 6 of their spreads), as one of two honest tails' did early in
-    demos over 80 ms links; judged by a trainer whose self checks are `checks` (None: off)."""
+    below its twin's in `features_off` (in log-RMS some 6 of their spreads), as one of two honest tails' did
+    early in demos over 80 ms links; judged by a trainer whose self checks are `checks` (None: off)."""
     rng = random.Random(5)
     verifier, outcomes = ReplyVerifier(VerifierSettings(self_checks=checks is not None)), []
     checking = checks.checking if checks is not None else (lambda peer: False)
@@ -230,7 +230,8 @@ def _tail_pair(checks: _SelfChecks | None, offset: float = 0.3, replies: int = 4
         peer = "slow" if index % 4 == 3 else "fast"
         features = [-5.33 + rng.gauss(0.0, 0.05), *(0.5 + rng.gauss(0.0, 0.03) for _ in FEATURES[1:])]
         if peer == "slow":
-            features[FEATURES.index(feature)] -= offset
+            for feature in features_off:
+                features[FEATURES.index(feature)] -= offset
         outcome = verifier.observe(2, "input_grad", peer, tuple(features), present={"fast", "slow"},
                                    implicated_elsewhere=checking, passes=passes)
         outcomes.append((peer, outcome))
@@ -261,11 +262,15 @@ def test_one_of_two_is_excused_on_its_directions_but_flagged_at_once_on_its_cont
     """Two honest replicas' mean output directions stood 4 spreads apart late in a demo: a direction trip is
     excused like a scale trip. Content is what honest replicas share and what a self check can miss (a constant
     tail passes a finite-difference check exactly): a `variation` trip flags at once, checks or not."""
-    verifier, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=0.2, feature="direction_1")
+    verifier, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=0.2, features_off=("direction_1",))
     assert verifier.flagged() == {} and verifier.pair_trips >= 2
-    verifier, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=0.2, feature="variation")
+    verifier, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=0.2, features_off=("variation",))
     assert verifier.flagged().keys() == {"slow"} and verifier.flagged()["slow"].feature == "variation"
     assert verifier.pair_trips == 0
+    # Zeros: the scale and the content far off together; the content names the trip (a zero gradient leaves
+    # a finite-difference check nothing to probe along, so the self checks would never decide it).
+    verifier, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=0.5, features_off=("log_rms", "variation"))
+    assert verifier.flagged().keys() == {"slow"} and verifier.flagged()["slow"].feature == "variation"
 
 
 def test_a_reply_computed_from_a_suspected_workers_is_not_judged():
