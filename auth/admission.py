@@ -64,6 +64,7 @@ __all__ = [
     "AdmissionRefused",
     "AuthorizerUntrusted",
     "RenewalRefused",
+    "renew_if_past_half_life",
     "JoinFile",
     "ReachabilityListener",
     "reachability_listener",
@@ -467,3 +468,28 @@ class CredentialRenewer:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.stop()
+
+
+def renew_if_past_half_life(authorizer: Optional[str], node: Optional[NodeCredentials], *,
+                            clock: Clock = time.time) -> None:
+    """Blocking: renew ``node``'s credential now if it is past half its life, before a start that
+    needs it valid (a DHT peer's first pings carry it).
+
+    The renewer that keeps a credential fresh starts only once the node serves, and a start can
+    take long (a big stage's memory check, a loaded machine): a short-lived credential, admitted
+    before it, then expires under the DHT's bootstrap, and the node's peers refuse it. An
+    authorizer that does not answer is said in one line and the start goes on with what it holds
+    (valid still, or its peers say so); a definitive refusal raises ``RenewalRefused``.
+    """
+    if node is None or not authorizer:
+        return
+    _, identity = node.current()  # CredentialError: nothing valid to start with, said by the caller
+    if clock() < identity.not_before + (identity.not_after - identity.not_before) / 2:
+        return
+    try:
+        asyncio.run(CredentialRenewer(authorizer, node, on_revoked=lambda reason: None, clock=clock).renew_once())
+    except RenewalRefused:
+        raise
+    except AdmissionError as error:
+        logger.warning("could not renew the credential before starting (%s); starting with the one held, valid "
+                       "for %.0f s more", error, identity.remaining_s(clock()))

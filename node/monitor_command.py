@@ -37,6 +37,7 @@ def add_monitor_command(commands) -> None:
 
 
 def _cmd_monitor(args: argparse.Namespace) -> int:
+    from agora.auth.admission import renew_if_past_half_life
     from agora.dht.security import DHTSecurity
     from agora.dht.swarm import DHTRequestError, SwarmDHT
     from agora.monitor.service import run_monitor
@@ -53,6 +54,7 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
     if options.ledger is not None and credentials is None:
         raise ConfigError("--ledger: receipts are verified against the run's root certificate; a monitor without a "
                           "credential (--insecure) has none")
+    renew_if_past_half_life(admission.authorizer, credentials)  # a slow start outlives a short credential
     security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
     try:  # read-only: a client peer (a monitor credential's stores are refused anyway)
         swarm = SwarmDHT.start(initial_peers=admission.initial_peers, client_mode=True, security=security)

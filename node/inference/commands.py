@@ -102,7 +102,7 @@ def _client_config(args: argparse.Namespace, client: ClientOptions):
 
 def run_client(admission, call_timeout_s: float, main: Callable[..., Awaitable[T]]) -> T:
     """Blocking: a client-mode DHT peer, the swarm generator, `main(generator)`; then everything closed."""
-    from agora.auth.admission import CredentialRenewer
+    from agora.auth.admission import CredentialRenewer, renew_if_past_half_life
     from agora.dht.security import DHTSecurity
     from agora.dht.swarm import SwarmDHT
     from agora.node.inference.discovery import DHTReplicas
@@ -116,6 +116,7 @@ def run_client(admission, call_timeout_s: float, main: Callable[..., Awaitable[T
         raise ConfigError(f"credential in {credentials.directory}: inference needs a client, trainer or operator "
                           f"credential, this one is a {credentials.identity().role} credential")
     # hivemind forks its DHT process: start it before the event loop and gRPC channels exist.
+    renew_if_past_half_life(admission.authorizer, credentials)  # a slow start outlives a short credential
     security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
     swarm = SwarmDHT.start(initial_peers=admission.initial_peers, client_mode=True, security=security)
     discovery = DHTReplicas(swarm, admission.run_id, len(config.layer_split), fingerprint=run_fingerprint(config))

@@ -49,7 +49,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
     peer); None: --insecure. `authorizer`: where to renew the credential at half life (None: no
     renewal); a revoked credential ends the run as an interruption. `metrics`: where to serve its
     Prometheus metrics (port 0: nowhere); the trainer's DHT record names the endpoint."""
-    from agora.auth.admission import CredentialRenewer
+    from agora.auth.admission import CredentialRenewer, renew_if_past_half_life
     from agora.dht.leases import LeaseBoard
     from agora.dht.security import DHTSecurity
     from agora.dht.swarm import SwarmDHT
@@ -72,6 +72,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
     if hint is not None:
         logger.info("%s", hint)
     # hivemind forks its DHT process: start it before the event loop and gRPC channels exist.
+    renew_if_past_half_life(authorizer, credentials)  # a slow start outlives a short credential
     security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
     swarm = SwarmDHT.start(initial_peers=initial_peers, client_mode=True, security=security)
     discovery = DHTDiscovery(swarm, options.run_id, len(config.layer_split), config.train.seq_len,
@@ -182,6 +183,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "receipts": {"signed": book.signed, "withheld_tokens": book.withheld} if book is not None else None,
                 "aborts": trainer.stats.aborts, "batch_reports_failed": trainer.stats.batch_reports_failed,
                 "batch_reports_refused": trainer.stats.batch_reports_refused,
+                "batch_reports_retried": trainer.stats.batch_reports_retried,
                 "units": trainer.stats.units(),
                 "time_split_by_stage": trainer.stats.time_split(),
                 "trainer_split": trainer.stats.trainer_split(),

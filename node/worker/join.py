@@ -37,7 +37,7 @@ import random
 import signal
 from dataclasses import dataclass
 
-from agora.auth.admission import CredentialRenewer
+from agora.auth.admission import CredentialRenewer, renew_if_past_half_life
 from agora.dht.security import DHTSecurity
 from agora.auth.node_state import NodeCredentials
 from agora.dht.averaging import SliceAverager
@@ -482,6 +482,7 @@ def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOp
     if not 0 <= options.stage < n_stages:
         raise ConfigError(f"--stage: {options.stage} out of range for {n_stages} stages")
     # hivemind forks its DHT process: start it before any gRPC server or torch thread exists.
+    renew_if_past_half_life(options.authorizer, credentials)  # a slow start outlives a short credential
     security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
     announce = None
     if worker_options.announce_host and options.dht_port:

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agora.auth.admission import (AdmissionError, AdmissionRefused, AuthorizerUntrusted, CredentialRenewer,
-                                  RenewalRefused, admit, reachability_listener)
+                                  RenewalRefused, admit, reachability_listener, renew_if_past_half_life)
 from agora.auth.credentials import CredentialVerifier
 from agora.auth.keys import KEY_FILE, private_key_pem, write_private_file
 from agora.auth.node_state import NodeCredentials, RunInfo, public_key_pem
@@ -408,6 +408,36 @@ def test_renewal_yields_a_new_credential_with_a_later_expiry(authority, nodes):
     assert after.not_after >= before.not_after + 29
     assert after.serial != before.serial and (after.role, after.peer_id) == (before.role, before.peer_id)
     assert node.current()[1] == after and node.generation > generation
+
+
+def test_a_start_renews_a_credential_past_half_its_life_first_and_goes_on_without_an_authorizer(authority, nodes,
+                                                                                                 caplog):
+    """`renew_if_past_half_life` (run before a node's DHT peer starts, off the authorizer's loop as a
+    node's start is): under half its life, nothing; past it, a renewal; no authorizer answering, a
+    warning and the credential held."""
+    clock = Clock()
+    node = NodeCredentials(nodes(0).directory, clock=clock)  # the node's time is the authorizer's
+
+    async def main():
+        async with serving(authority, credential_lifetime_s=600.0, clock=clock) as (service, address):
+            await join(address, node, authority, role="trainer")
+            generation = node.generation
+            clock.offset = 200.0
+            await asyncio.to_thread(renew_if_past_half_life, address, node, clock=clock)
+            fresh = node.generation
+            clock.offset = 320.0
+            await asyncio.to_thread(renew_if_past_half_life, address, node, clock=clock)
+            return generation, fresh
+
+    generation, fresh = run(main())
+    assert fresh == generation  # a third of its life gone: not renewed
+    assert node.generation > generation and node.current()[1].not_after >= clock() + 599
+    renewed = node.generation
+    clock.offset += 310.0
+    with caplog.at_level(logging.WARNING, logger="agora.auth.admission"):
+        renew_if_past_half_life(f"127.0.0.1:{free_port()}", node, clock=clock)
+    assert node.generation == renewed and "could not renew the credential before starting" in caplog.text
+    renew_if_past_half_life(None, node, clock=clock)  # an offline credential: nothing to renew with
 
 
 def test_a_banned_node_cannot_renew_and_is_told_to_stop(authority, nodes):
