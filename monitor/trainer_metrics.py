@@ -115,7 +115,11 @@ class TrainerMetrics:
         self.aborts = Counter("agora_trainer_aborts", "Aborts sent for abandoned routes, by the worker's answer",
                               ["outcome"], registry=registry)
         self.reports_failed = Counter("agora_trainer_batch_reports_failed",
-                                      "Completed-batch reports a worker did not answer", registry=registry)
+                                      "Completed-batch reports a worker did not answer, its last send included",
+                                      registry=registry)
+        self.reports_retried = Counter("agora_trainer_batch_reports_retried",
+                                       "Completed-batch reports sent again after a worker did not answer",
+                                       registry=registry)
         self.reports_refused = Counter("agora_trainer_batch_reports_refused",
                                        "Completed-batch reports outside a replica's window (it lags or runs ahead)",
                                        registry=registry)

@@ -154,6 +154,9 @@ class TrainerStats:
     def report_refused(self) -> None:
         self.metrics.reports_refused.inc()
 
+    def report_retried(self) -> None:
+        self.metrics.reports_retried.inc()
+
     def unit(self, outcome: str) -> None:
         """A work unit's fate here (node/trainer/units.py): claimed, committed, reclaimed, ..."""
         self.metrics.units.labels(outcome=outcome).inc()
@@ -210,6 +213,10 @@ class TrainerStats:
     @property
     def batch_reports_refused(self) -> int:
         return int(self._value("agora_trainer_batch_reports_refused_total"))
+
+    @property
+    def batch_reports_retried(self) -> int:
+        return int(self._value("agora_trainer_batch_reports_retried_total"))
 
     def units(self) -> dict[str, int]:
         return {outcome: int(self._value("agora_trainer_units_total", outcome=outcome))

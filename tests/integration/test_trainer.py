@@ -229,6 +229,34 @@ def test_workers_stepping_on_their_own_count_are_told_once_and_then_left_alone(d
     assert trainer.batch_reports.unreported == {"s0", "s1"} and trainer.stats.batch_reports_failed == 0
 
 
+def test_a_completed_batch_report_the_worker_did_not_answer_is_sent_again_and_every_replica_steps_once_a_batch(data):
+    """The tail answers its first completed-batch report UNAVAILABLE (as a worker whose lease read
+    went unanswered does): the report is sent again, so it steps once per global batch, as the head
+    does, rather than lagging its stage by a step for the rest of the run."""
+    config = _config(stages=2)
+    steps = 3
+
+    async def main():
+        workers = []
+        for stage in range(2):
+            hooks = [FailFirstCall("/Step")] if stage == 1 else []
+            worker = StageWorker(config, stage, run_id="test", interceptors=hooks)
+            await worker.start()
+            workers.append(worker)
+        discovery = StaticDiscovery([WorkerView(f"s{i}", w.address, i) for i, w in enumerate(workers)])
+        try:
+            async with SwarmTrainer(config, data, discovery, TrainerOptions(run_id="test", max_in_flight=1)) as t:
+                records = await t.run(steps)
+                return records, t.stats, [w.info().step for w in workers], hooks[0].fired
+        finally:
+            await asyncio.gather(*(w.stop(0) for w in workers))
+
+    records, stats, steps_taken, fired = asyncio.run(main())
+    assert fired and len(records) == steps
+    assert steps_taken == [steps, steps]
+    assert (stats.batch_reports_retried, stats.batch_reports_failed) == (1, 0)
+
+
 def test_a_time_budget_stops_starting_global_batches(data):
     """The clock jumps past the budget once the first global batch is recorded: no batch starts
     after it, the run ends, and the held-out evaluation still runs."""
