@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agora.monitor.naming import lint
 from agora.node.admission import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MONITOR = Path(__file__).resolve().parents[2] / "monitor"
 STAGES, REPLICAS = 2, 2
@@ -95,7 +95,8 @@ def demo(tmp_path_factory):
             return (len(stages) == STAGES and all(len(s["workers"]) == REPLICAS for s in stages)
                     and all(s["averaging_committed"] > 0 for s in stages) and len(view["history"]) >= 3)
 
-        until(trained_and_averaged, 240, "every worker up, averaging committed on every stage and a loss curve")
+        # Alone this takes 40 s; beside the suite's other demos on two cores, 215-275 s was measured.
+        until(trained_and_averaged, 420, "every worker up, averaging committed on every stage and a loss curve")
         yield url
     finally:
         process.send_signal(signal.SIGINT)

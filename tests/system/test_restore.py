@@ -34,8 +34,15 @@ DEMO = ["--log-level", "WARNING", "demo", "--sync", "--stages", str(STAGES), "--
 
 
 def demo(workdir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "agora.node", *DEMO, "--workdir", str(workdir), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    """The demo in its own process group; its stderr goes to a file beside its workdir (a pipe nobody
+    reads while it runs would stop it once a loaded machine's warnings fill the pipe's buffer)."""
+    with open(workdir.with_name(workdir.name + ".stderr"), "w") as stderr:
+        return subprocess.Popen([sys.executable, "-m", "agora.node", *DEMO, "--workdir", str(workdir), *extra],
+                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+
+
+def stderr_of(workdir: Path) -> str:
+    return workdir.with_name(workdir.name + ".stderr").read_text()[-3000:]
 
 
 def steps_logged(path: Path) -> list[dict]:
@@ -64,10 +71,10 @@ def kill_after(process: subprocess.Popen, log: Path, failures: list[str], stop: 
     deadline = time.monotonic() + 300
     while not stop.is_set() and not any(line["step"] >= KILL_AFTER for line in steps_logged(log)):
         if process.poll() is not None:
-            failures.append(f"the second run exited with {process.returncode}: {process.stderr.read()}")
+            failures.append(f"the second run exited with {process.returncode}: {stderr_of(log.parent)}")
             return
         if time.monotonic() > deadline:
-            failures.append(f"the second run never reached step {KILL_AFTER}")
+            failures.append(f"the second run never reached step {KILL_AFTER}: {stderr_of(log.parent)}")
             break
         time.sleep(0.05)  # the trainer's own log is the handshake: a line per global batch
     os.killpg(process.pid, signal.SIGKILL)  # the whole demo at once; its children die with it
