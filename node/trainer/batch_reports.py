@@ -17,6 +17,11 @@ Design choices:
   report is outside the worker's window or names a unit it does not see this trainer hold is
   counted and the next reports are sent; a worker that refuses them for good (it steps on its own
   count, or is synchronous) is not told again.
+- Told are the stage's workers in the roster, and for ``REMEMBERED_S`` also a worker whose record a
+  refresh missed (its heartbeat late on a loaded DHT: the roster holds what the last read returned).
+  Without that, a live replica missing from one refresh missed that batch's report with nothing
+  counted against it and ended a 2 x 2 demo a step short. A worker the roster shows on another
+  stage (it moved) is told there only; one truly gone fails its report once.
 - A call to a replica first waits for the report sent to it last (`reported`): the only wait, in
   the race where a microbatch of the next batch overtakes the report, and only on that replica.
 - A unit is committed once every stage has taken its report (`taken`).
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
 import grpc
@@ -35,10 +41,12 @@ from agora.node.trainer.stage_client import (OutsideWindow, RequestRefused, Stag
                                              WorkerUnreachable)
 from agora.node.trainer.stats import TrainerStats
 
-__all__ = ["REPORT_TRIES", "CompletedBatchReports"]
+__all__ = ["REMEMBERED_S", "REPORT_TRIES", "CompletedBatchReports"]
 
 logger = logging.getLogger("agora.node.trainer")
 
+# How long a worker missing from the roster's refreshes is still told of completed batches.
+REMEMBERED_S = 60.0
 # Sends of one report to one replica, the first included (see the module docstring).
 REPORT_TRIES = 3
 # Pause before the second send when the worker named none (doubled before each later one).
@@ -49,13 +57,15 @@ class CompletedBatchReports:
     """Reports finished global batches to `roster`'s workers through `client` (module docstring)."""
 
     def __init__(self, roster: Roster, client: Callable[[WorkerView], StageClient], stats: TrainerStats, *,
-                 microbatches: int, call_timeout_s: float):
+                 microbatches: int, call_timeout_s: float, clock: Callable[[], float] = time.monotonic):
         self.roster, self._client, self.stats = roster, client, stats
         self.microbatches, self.call_timeout_s = microbatches, call_timeout_s
         self._in_flight: set[asyncio.Task] = set()  # reports still in flight
         self.unreported: set[str] = set()  # peers that refused a report (they step on their own)
         # Per stage and replica, the report sent last; a call waits for its replica's.
         self._last_sent: dict[int, dict[str, asyncio.Task]] = {}
+        self._clock = clock
+        self._seen: dict[int, dict[str, tuple[WorkerView, float]]] = {}  # per stage: its workers, last in the roster at
         self._of_unit: dict[int, list[asyncio.Task]] = {}  # a unit commits once its reports are in
 
     async def reported(self, stage: int, peer_id: str) -> None:
@@ -79,7 +89,7 @@ class CompletedBatchReports:
         """
         timeout = min(5.0, self.call_timeout_s)
 
-        views = [v for v in self.roster.of_stage(stage) if v.peer_id not in self.unreported]
+        views = [v for v in self.recipients(stage) if v.peer_id not in self.unreported]
         n_micro, replicas = self.microbatches, self.roster.replicas(stage)
 
         async def one(view: WorkerView) -> None:
@@ -111,6 +121,19 @@ class CompletedBatchReports:
         for task in tasks.values():
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
+
+    def recipients(self, stage: int) -> list[WorkerView]:
+        """The workers of `stage` to tell: the roster's, and those a refresh missed lately (module docstring)."""
+        now = self._clock()
+        seen = self._seen.setdefault(stage, {})
+        for view in self.roster.of_stage(stage):
+            seen[view.peer_id] = (view, now)
+        for peer, (_, at) in list(seen.items()):
+            current = self.roster.workers.get(peer)
+            moved = current is not None and current.stage != stage
+            if moved or peer in self.roster.excluded or (current is None and now - at > REMEMBERED_S):
+                del seen[peer]
+        return [view for view, _ in seen.values()]
 
     async def _send(self, view: WorkerView, unit_id: int, microbatches: int, replicas: int, timeout_s: float,
                     stage: int) -> None:
