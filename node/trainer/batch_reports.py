@@ -12,15 +12,14 @@ Design choices:
   its lease read unanswered, or past the call's deadline) is sent again, up to ``REPORT_TRIES``
   times in all, while that worker is still in the roster: a report counts once, so a second send
   of one that did land replays its reply. A replica that misses a report for good lags its stage
-  by a step, for the rest of the run if no later report is far enough ahead to catch up on (on a
-  loaded 2-core machine, 2 to 4 of 80 reports of a 2 x 2 demo were lost so). A refusal because the
+  by a step, for the rest of the run if no later report is far enough ahead to catch up on. A refusal because the
   report is outside the worker's window or names a unit it does not see this trainer hold is
   counted and the next reports are sent; a worker that refuses them for good (it steps on its own
   count, or is synchronous) is not told again.
 - Told are the stage's workers in the roster, and for ``REMEMBERED_S`` also a worker whose record a
   refresh missed (its heartbeat late on a loaded DHT: the roster holds what the last read returned).
-  Without that, a live replica missing from one refresh missed that batch's report with nothing
-  counted against it and ended a 2 x 2 demo a step short. A worker the roster shows on another
+  Without that, a live replica missing from one refresh would miss that batch's report with nothing
+  counted against it, and lag its stage by a step. A worker the roster shows on another
   stage (it moved) is told there only; one truly gone fails its report once.
 - A call to a replica first waits for the report sent to it last (`reported`): the only wait, in
   the race where a microbatch of the next batch overtakes the report, and only on that replica.
