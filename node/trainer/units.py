@@ -208,7 +208,9 @@ class LeasedUnits:
             for unit in held:
                 self._held.add(unit)
                 self._ready.append(unit)
-                self._states[unit] = UnitState(unit, me, False, self._clock() + self.board.lease_s)
+                # Never free to this trainer while it holds it, however long it waits or runs: the
+                # renewer keeps the lease, and an expiry read here would have it claimed and run again.
+                self._states[unit] = UnitState(unit, me, False)
                 self._count("claimed")
                 if before[unit] is not None and before[unit].expired_claims:
                     self._count("reclaimed")

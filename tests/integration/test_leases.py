@@ -212,6 +212,26 @@ def test_a_windows_worth_is_claimed_ahead_in_one_claim_handed_out_without_one_an
     assert at_close == set()  # running or ready, every claim is given back
 
 
+def test_a_unit_held_past_its_first_lease_is_never_claimed_again_by_its_holder():
+    """Units claimed ahead wait, and a unit runs, longer than a lease on slow links (the renewer keeps
+    the lease): the holder must not see its own claim as run out and claim and run the unit twice."""
+    dht = _SlowStoreBoard()
+
+    async def main():
+        units = LeasedUnits(LeaseBoard(dht.peer("A"), run_id="run", lease_s=30.0), total=10, clock=lambda: dht.now)
+        handed = [await units.next_unit(ahead=2)]  # 0 runs; 1 and 2 wait, claimed ahead
+        dht.now = 45.0  # past the first lease of all three (renewed meanwhile, in the product)
+        handed.append(await units.next_unit(ahead=2))
+        await units._claiming  # the top-up behind it
+        ready = list(units._ready)
+        await units.close()
+        return handed, ready
+
+    handed, ready = run(main())
+    assert handed == [0, 1]
+    assert ready == [2, 3]  # the next free unit, not 0, 1 or 2 again
+
+
 def test_a_claim_ahead_that_meets_a_rivals_units_takes_the_next_free_ones_and_leaves_the_rivals_alone():
     dht = _SlowStoreBoard()
 
