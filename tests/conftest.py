@@ -3,10 +3,14 @@ helpers (tests/helpers/) importable by name from every tier's tests, and how the
 over its two pytest-xdist workers (setup.cfg's ``-n 2 --dist loadscope``):
 
 - A module is one unit of work: its module-scoped fixture (a live demo, a DHT swarm) starts once.
-- The modules that build network namespaces with the WAN harness (bench/wan/) are one unit: they share
-  the host's network settings and remove each other's leftovers, so they must take turns.
-- Whole demos (tests/system) are handed out first and the many short modules fill the end, so the
-  run does not end waiting on one long module started last.
+- The whole-system tests (tests/system) are one unit, run one after another by one worker while the
+  other takes every other module: two whole demos side by side on two cores each took three to five
+  times as long as alone (the live monitor's 40 s demo 200 s, lm-eval through a swarm past its
+  240 s), and the budgets that made them fail were load-bound. The modules that build network
+  namespaces with the WAN harness (bench/wan/) are among them: they share the host's network settings
+  and remove each other's leftovers, so they must take turns anyway.
+- That unit is handed out first and the many short modules fill the other worker, so the run does
+  not end waiting on one long module started last.
 """
 
 import os
@@ -20,13 +24,18 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
-HOST_NETWORK_MODULES = frozenset({"tests/system/test_bench_quick.py", "tests/system/test_dht_scale_swarm.py",
-                                  "tests/system/test_wan_harness.py"})
-_HOST_NETWORK = "host-network"
+# The modules one worker runs one after another (the module docstring), the WAN harness's among them.
+SERIAL_DIR = "tests/system/"
+_SERIAL = "serial"
+
+
+def serial_scope(module: str) -> str:
+    """The unit of work a test module belongs to: the serial one, or its own."""
+    return _SERIAL if module.startswith(SERIAL_DIR) else module
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not item.nodeid.startswith("tests/system/"))  # stable: the rest keep their order
+    items.sort(key=lambda item: not item.nodeid.startswith(SERIAL_DIR))  # stable: the rest keep their order
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -37,8 +46,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return _HOST_NETWORK if module in HOST_NETWORK_MODULES else module
+            return serial_scope(nodeid.split("::", 1)[0])
 
     config.option.loadscopereorder = False  # collection order (above), not the modules' test counts
     return ByModule(config, log)
