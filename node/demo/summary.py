@@ -24,8 +24,10 @@ def _number(value, digits: int = 4) -> str:
 
 
 def format_summary(summary: dict) -> str:
-    lines = [f"demo {summary['outcome']}: {summary['steps']} global batches in {summary['wall_s']:.1f} s "
-             f"({summary['mode']}, {summary['security']})",
+    twice = summary.get("run_twice")
+    lines = [f"demo {summary['outcome']}: {summary['steps']} global batches"
+             + (f" ({twice} of them a second time)" if twice else "")
+             + f" in {summary['wall_s']:.1f} s ({summary['mode']}, {summary['security']})",
              f"  loss {_number(summary['final_loss'])} (mean of the last 5 batches), held-out "
              f"{_number(summary['heldout_loss'])}, {summary['tokens_per_s']:,.0f} tokens/s"]
     averaging = summary.get("averaging_by_stage", {})
@@ -130,6 +132,8 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
     return {
         "outcome": outcome,
         "steps": len(lines),
+        # Global batches logged again (by another trainer, or by the same one): work done twice.
+        "run_twice": len(lines) - len({line["step"] for line in lines}),
         "final_loss": sum(line["loss"] for line in tail) / len(tail) if tail else None,
         "heldout_loss": heldout[0] if heldout else None,
         "tokens": lines[-1]["tokens"] if lines else 0,

@@ -134,3 +134,14 @@ def test_the_summary_says_how_long_newcomers_took_and_how_many_never_became_memb
     churn = [line for line in format_summary(summary).splitlines() if "churn" in line]
     assert churn == ["  churn: 3 killed, 3 joined (the stage's state after 8.0-11.5 s; member after 51.0 s; 1 killed "
                      "or still syncing before member); units 10/10 committed, 0 lost, 0 run twice"]
+
+
+def test_the_summary_says_how_many_global_batches_ran_a_second_time():
+    from agora.node.demo.summary import format_summary
+
+    summary = {"outcome": "completed", "steps": 40, "run_twice": 16, "wall_s": 180.0, "mode": "async",
+               "security": "admitted", "final_loss": 3.3, "heldout_loss": 3.1, "tokens_per_s": 1000.0}
+    assert format_summary(summary).splitlines()[0] == ("demo completed: 40 global batches (16 of them a second time) "
+                                                       "in 180.0 s (async, admitted)")
+    assert format_summary({**summary, "steps": 24, "run_twice": 0}).splitlines()[0] == \
+        "demo completed: 24 global batches in 180.0 s (async, admitted)"
