@@ -48,7 +48,8 @@ from agora.pipeline.files import hold_folder
 from agora.pipeline.option_flags import add_option_flags
 from agora.pipeline.schema import SECTION, checked, setting
 
-__all__ = ["AdmissionOptions", "Admission", "add_admission_arguments", "admit_node", "default_state_dir", "free_port"]
+__all__ = ["AdmissionOptions", "Admission", "add_admission_arguments", "admit_node", "default_state_dir", "free_port",
+           "starting_dht_security"]
 
 logger = logging.getLogger("agora.node.admission")
 
@@ -198,6 +199,19 @@ def admit_node(options: AdmissionOptions, *, role: str, run_id: str, stage: Opti
     logger.info("admitted to run %r as %s", run.run_id, node.identity().describe())
     return Admission(node, config, options.authorizer, initial_peers or run.initial_peers, run.run_id, run.stage,
                      held)
+
+
+def starting_dht_security(authorizer: Optional[str], credentials):
+    """The security a node's DHT peer starts with (None: insecure), its credential renewed first if past
+    half its life: the renewer starts only once the node serves, and a slow start outlives a short
+    credential (auth/admission.py, `renew_if_past_half_life`). Blocking, as a node's start is."""
+    if credentials is None:
+        return None
+    from agora.auth.admission import renew_if_past_half_life  # the DHT's modules load only where one starts
+    from agora.dht.security import DHTSecurity
+
+    renew_if_past_half_life(authorizer, credentials)
+    return DHTSecurity.from_state_dir(credentials.directory)
 
 
 def config_chooser(args: argparse.Namespace, run_config: Callable[..., RunConfig]) -> Callable[[Optional[dict]], RunConfig]:

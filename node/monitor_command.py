@@ -12,7 +12,8 @@ import logging
 import sys
 
 from agora.monitor.options import MonitorOptions
-from agora.node.admission import Admission, AdmissionOptions, add_admission_arguments, admit_node, config_chooser
+from agora.node.admission import (Admission, AdmissionOptions, add_admission_arguments, admit_node, config_chooser,
+                                  starting_dht_security)
 from agora.node.observability import MetricsOptions, NodeMetrics, package_version
 from agora.node.run_flags import add_run_arguments, run_config
 from agora.node.swarm_options import SwarmOptions, add_swarm_flags
@@ -37,8 +38,6 @@ def add_monitor_command(commands) -> None:
 
 
 def _cmd_monitor(args: argparse.Namespace) -> int:
-    from agora.auth.admission import renew_if_past_half_life
-    from agora.dht.security import DHTSecurity
     from agora.dht.swarm import DHTRequestError, SwarmDHT
     from agora.monitor.service import run_monitor
 
@@ -54,8 +53,7 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
     if options.ledger is not None and credentials is None:
         raise ConfigError("--ledger: receipts are verified against the run's root certificate; a monitor without a "
                           "credential (--insecure) has none")
-    renew_if_past_half_life(admission.authorizer, credentials)  # a slow start outlives a short credential
-    security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
+    security = starting_dht_security(admission.authorizer, credentials)
     try:  # read-only: a client peer (a monitor credential's stores are refused anyway)
         swarm = SwarmDHT.start(initial_peers=admission.initial_peers, client_mode=True, security=security)
     except DHTRequestError as error:

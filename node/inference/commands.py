@@ -23,7 +23,8 @@ import signal
 import sys
 from typing import Awaitable, Callable, TypeVar
 
-from agora.node.admission import AdmissionOptions, add_admission_arguments, admit_node, config_chooser
+from agora.node.admission import (AdmissionOptions, add_admission_arguments, admit_node, config_chooser,
+                                  starting_dht_security)
 from agora.node.inference.options import ClientOptions, GenerateOptions, ServeOptions
 from agora.node.rpc.server import is_loopback_host
 from agora.node.run_flags import add_run_arguments, run_config
@@ -102,8 +103,7 @@ def _client_config(args: argparse.Namespace, client: ClientOptions):
 
 def run_client(admission, call_timeout_s: float, main: Callable[..., Awaitable[T]]) -> T:
     """Blocking: a client-mode DHT peer, the swarm generator, `main(generator)`; then everything closed."""
-    from agora.auth.admission import CredentialRenewer, renew_if_past_half_life
-    from agora.dht.security import DHTSecurity
+    from agora.auth.admission import CredentialRenewer
     from agora.dht.swarm import SwarmDHT
     from agora.node.inference.discovery import DHTReplicas
     from agora.node.inference.generator import GeneratorOptions, SwarmGenerator
@@ -116,8 +116,7 @@ def run_client(admission, call_timeout_s: float, main: Callable[..., Awaitable[T
         raise ConfigError(f"credential in {credentials.directory}: inference needs a client, trainer or operator "
                           f"credential, this one is a {credentials.identity().role} credential")
     # hivemind forks its DHT process: start it before the event loop and gRPC channels exist.
-    renew_if_past_half_life(admission.authorizer, credentials)  # a slow start outlives a short credential
-    security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
+    security = starting_dht_security(admission.authorizer, credentials)
     swarm = SwarmDHT.start(initial_peers=admission.initial_peers, client_mode=True, security=security)
     discovery = DHTReplicas(swarm, admission.run_id, len(config.layer_split), fingerprint=run_fingerprint(config))
 

@@ -23,6 +23,7 @@ import signal
 from typing import IO
 
 from agora.auth.node_state import NodeCredentials
+from agora.node.admission import starting_dht_security
 from agora.node.observability import MetricsOptions
 from agora.node.rpc.tls import TlsChannels
 from agora.node.tracing_export import start_tracing
@@ -49,9 +50,8 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
     peer); None: --insecure. `authorizer`: where to renew the credential at half life (None: no
     renewal); a revoked credential ends the run as an interruption. `metrics`: where to serve its
     Prometheus metrics (port 0: nowhere); the trainer's DHT record names the endpoint."""
-    from agora.auth.admission import CredentialRenewer, renew_if_past_half_life
+    from agora.auth.admission import CredentialRenewer
     from agora.dht.leases import LeaseBoard
-    from agora.dht.security import DHTSecurity
     from agora.dht.swarm import SwarmDHT
     from agora.node.trainer.units import LeasedUnits
     from agora.monitor.dht_metrics import DHTMetrics
@@ -72,8 +72,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
     if hint is not None:
         logger.info("%s", hint)
     # hivemind forks its DHT process: start it before the event loop and gRPC channels exist.
-    renew_if_past_half_life(authorizer, credentials)  # a slow start outlives a short credential
-    security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
+    security = starting_dht_security(authorizer, credentials)
     swarm = SwarmDHT.start(initial_peers=initial_peers, client_mode=True, security=security)
     discovery = DHTDiscovery(swarm, options.run_id, len(config.layer_split), config.train.seq_len,
                              fingerprint=run_fingerprint(config))

@@ -37,7 +37,7 @@ import random
 import signal
 from dataclasses import dataclass
 
-from agora.auth.admission import CredentialRenewer, renew_if_past_half_life
+from agora.auth.admission import CredentialRenewer
 from agora.dht.security import DHTSecurity
 from agora.auth.node_state import NodeCredentials
 from agora.dht.averaging import SliceAverager
@@ -54,6 +54,7 @@ from agora.monitor.dht_metrics import DHTMetrics
 from agora.monitor.metrics import CredentialMetrics
 from agora.monitor.weight_sync_metrics import WeightSyncMetrics
 from agora.monitor.worker_metrics import RpcServerMetrics, WorkerMetrics
+from agora.node.admission import starting_dht_security
 from agora.node.averaging.loop import AveragingLoop
 from agora.node.averaging.round_attestations import attest_rounds
 from agora.node.averaging.sparta import (
@@ -482,8 +483,7 @@ def run_worker(config: RunConfig, options: JoinOptions, worker_options: WorkerOp
     if not 0 <= options.stage < n_stages:
         raise ConfigError(f"--stage: {options.stage} out of range for {n_stages} stages")
     # hivemind forks its DHT process: start it before any gRPC server or torch thread exists.
-    renew_if_past_half_life(options.authorizer, credentials)  # a slow start outlives a short credential
-    security = DHTSecurity.from_state_dir(credentials.directory) if credentials is not None else None
+    security = starting_dht_security(options.authorizer, credentials)
     announce = None
     if worker_options.announce_host and options.dht_port:
         announce = host_maddrs(worker_options.announce_host, options.dht_port)
