@@ -132,8 +132,7 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
     return {
         "outcome": outcome,
         "steps": len(lines),
-        # Global batches logged again (by another trainer, or by the same one): work done twice.
-        "run_twice": len(lines) - len({line["step"] for line in lines}),
+        "run_twice": _run_twice(lines),
         "final_loss": sum(line["loss"] for line in tail) / len(tail) if tail else None,
         "heldout_loss": heldout[0] if heldout else None,
         "tokens": lines[-1]["tokens"] if lines else 0,
@@ -279,11 +278,16 @@ def _merge_time_splits(splits: list[dict]) -> dict:
     return merged
 
 
+def _run_twice(lines: list[dict]) -> int:
+    """Global batches the trainers' logs hold more than once (by another trainer, or by the same one):
+    work done twice."""
+    return len(lines) - len({line["step"] for line in lines})
+
+
 def churn_summary(options, lines: list[dict], events, joins, workdir: Path, resume_step) -> dict:
     """What churn did to the run: kills, joins (seconds to member), and the units: every global batch
     of the run committed once (its line in a trainer's log is written once it is), none lost."""
-    steps = [line["step"] for line in lines]
-    distinct = set(steps)
+    distinct = {line["step"] for line in lines}
     start = resume_step or 0
     # Under a time budget the trainers stop starting units: the run's units end at the last committed
     # (a unit before it that no log has is lost; those after it were never started).
@@ -297,7 +301,7 @@ def churn_summary(options, lines: list[dict], events, joins, workdir: Path, resu
         "joins": [_join(name, workdir, at) for name, at in joins],
         "units": {"total": last - start,
                   "committed": len([s for s in distinct if s > start]),
-                  "duplicated": len(steps) - len(distinct),
+                  "duplicated": _run_twice(lines),
                   "lost": len([s for s in range(start + 1, last + 1) if s not in distinct])},
     }
 
