@@ -76,6 +76,10 @@ class TrainerMetrics:
         self.call_queued = Counter("agora_trainer_call_queued_seconds",
                                    "Time this trainer's calls waited for workers' compute threads",
                                    ["stage", "method"], registry=registry)
+        self.call_wire_queued = Counter("agora_trainer_call_wire_queued_seconds",
+                                        "Time this trainer's calls took on the wire beyond the least their link "
+                                        "took lately: frames waiting behind others, on its uplink or the worker's",
+                                        ["stage", "method"], registry=registry)
         self.reroutes = Counter("agora_trainer_reroutes", "Microbatch routes abandoned and rerun on another route",
                                 registry=registry)
         self.repeats = Counter("agora_trainer_repeats", "Stage calls whose worker had applied that work already (a "

@@ -10,7 +10,8 @@ It runs as node/trainer/trainer.py does, calling the same decisions:
   hears every call's round trip, compute and queueing (`Roster.succeeded`) as the real one does.
 - The depth starts at `initial_depth` within the credits the workers' records announce, and after
   every microbatch becomes `resized_depth` (node/trainer/inflight.py) over a `DepthEstimate` fed its
-  unqueued latency and compute.
+  unqueued latency and compute; a call's wire time beyond its link's floor (`WireFloor`) is queueing,
+  as the trainer counts it.
 - A stage's replicas are told a global batch is done the moment its last microbatch has passed
   that stage (one round trip; each replica steps, which takes its executor `step_ms`), and a call
   to a replica first waits for the report sent to it last (node/trainer/batch_reports.py, `reported`), so the next
@@ -30,7 +31,7 @@ import simpy
 
 from agora.node.simulate.network import NodeLink, path_rtt_s, transmit
 from agora.node.simulate.workers import SimWorker
-from agora.node.trainer.inflight import DepthEstimate, initial_depth, resized_depth
+from agora.node.trainer.inflight import DepthEstimate, WireFloor, initial_depth, resized_depth
 from agora.node.trainer.routing import Roster, WorkerView
 
 __all__ = ["SimTrainer", "DepthLimit", "CallCosts"]
@@ -103,6 +104,7 @@ class SimTrainer:
     credits: int
     roster: Roster = field(init=False)
     depth: DepthEstimate = field(init=False)
+    wire_floor: WireFloor = field(init=False)
     limit: DepthLimit = field(init=False)
     tokens_done: list = field(default_factory=list)  # (time, tokens) per microbatch through the pipeline
     committed: list = field(default_factory=list)  # when each of its global batches was committed
@@ -112,7 +114,8 @@ class SimTrainer:
     def __post_init__(self):
         self.roster = Roster(microbatch_size=self.costs.tokens)
         self.depth = DepthEstimate(self.stages)
-        self.limit = DepthLimit(self.env, initial_depth(self.max_in_flight, self.microbatches, adaptive=self.adaptive))
+        self.wire_floor = WireFloor()
+        self.limit = DepthLimit(self.env, initial_depth(self.max_in_flight, adaptive=self.adaptive))
         self._waiting = [deque() for _ in range(self.stages)]  # per stage, calls waiting for a credit
         self._woken = [False] * self.stages  # the first in line was let through to look again
         self.loop = simpy.Resource(self.env, capacity=1)
@@ -173,11 +176,13 @@ class SimTrainer:
             worker.busy_s += self.swarm.measured(job_s)
         yield from transmit(self.env, worker.link, self.link, reply)
         yield self.env.timeout(self.costs.overhead_s)
-        self.roster.succeeded(worker.peer_id, self.env.now - began, compute_s=job_s, queued_s=queued,
+        seconds = self.env.now - began
+        self.roster.succeeded(worker.peer_id, seconds, compute_s=job_s, queued_s=queued,
                               credits=self.credits, in_flight_credits=self.credits,
                               callers=worker.flow.active_callers())
+        on_wire = self.wire_floor.beyond((worker.peer_id, backward), seconds - job_s - queued)
         record["compute"][stage] += job_s
-        record["queued"] += queued
+        record["queued"] += queued + on_wire
         self._returned_at(stage)
 
     def _microbatch(self, unit: int, shares: list[dict]):
@@ -251,7 +256,7 @@ class SimTrainer:
 
     def run(self):
         self.refresh()
-        self.limit.set(initial_depth(self.max_in_flight, self.microbatches, adaptive=self.adaptive,
+        self.limit.set(initial_depth(self.max_in_flight, adaptive=self.adaptive,
                                      credit_cap=self.roster.in_flight_cap(self.stages),
                                      stage_credits=self.roster.stage_credits(self.stages)))
         stripe = (self.index, self.swarm.trainer_count) if self.swarm.trainer_count > 1 else None

@@ -35,6 +35,7 @@ from agora.node.rpc.tls import ChannelFactory
 from agora.node.trainer.batch_reports import CompletedBatchReports
 from agora.node.trainer.blame import Blame
 from agora.node.trainer.discovery import Discovery
+from agora.node.trainer.inflight import WireFloor
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import Roster, WorkerView
 from agora.node.trainer.stage_client import (InputRefused, ReplyScales, StageCallError, StageClient,
@@ -93,6 +94,7 @@ class WorkerCalls:
         self._last_refresh = float("-inf")
         self._refresh_lock = asyncio.Lock()
         self._returned = asyncio.Event()  # set (and replaced) whenever a call returns: a credit freed
+        self.wire_floor = WireFloor()  # each link's own wire time, to tell queueing on it (node/trainer/inflight.py)
 
     async def refresh(self, force: bool = False) -> None:
         async with self._refresh_lock:
@@ -167,8 +169,8 @@ class WorkerCalls:
         made again once a credit frees (on that replica or another: `pick` decides; `unpick` takes back
         what picking counted), and counts as no failure. Only a worker busy for every call of this one
         for `call_timeout_s` counts as failed (it is stuck, or refuses for good). `route`: the workers
-        this microbatch touched, for its Abort. Returns the worker, the result and the seconds waited
-        for credits."""
+        this microbatch touched, for its Abort. Returns the worker, the result and the seconds the call
+        waited outside the worker: for credits, and on the wire beyond its link's floor (`WireFloor`)."""
         waited = 0.0
         busy_since: float | None = None
         while True:
@@ -185,7 +187,8 @@ class WorkerCalls:
             if route is not None:
                 route.append(view)
             try:
-                return view, await self._timed(view, call(view), training=training), waited
+                result, on_wire = await self._timed(view, call(view), training=training)
+                return view, result, waited + on_wire
             except WorkerBusy:
                 if route is not None:
                     route.pop()  # refused at the door: it holds nothing of this microbatch
@@ -196,9 +199,10 @@ class WorkerCalls:
                 if self.clock() - busy_since >= self.options.call_timeout_s:
                     raise
 
-    async def _timed(self, view: WorkerView, call: Awaitable, training: bool = True):
+    async def _timed(self, view: WorkerView, call: Awaitable, training: bool = True) -> tuple[Any, float]:
         """Await a call to `view`, reserved by `pick`/`pinned`: record its outcome in the roster (a busy
-        answer as back-pressure, a failure with a ban) and its time split (and on its span, when traced)."""
+        answer as back-pressure, a failure with a ban) and its time split (and on its span, when traced).
+        Returns the result and, for a training call, the seconds it queued on the wire (`WireFloor`)."""
         hop = self.traces.hop(view.stage, view.peer_id) if self.traces is not None else None
         started = self.clock()
         try:
@@ -227,14 +231,21 @@ class WorkerCalls:
                               credits=result.credits, in_flight_credits=result.in_flight_credits,
                               callers=result.callers)
         method = type(result).__name__.removesuffix("Result") if training else HELD_OUT
-        self.stats.call(view.stage, method, seconds, result.compute_s, result.queued_s)
+        # Held-out Forwards' frames are not training's: they feed no floor and count no queueing.
+        on_wire = self.wire_floor.beyond((view.peer_id, method), seconds - result.compute_s - result.queued_s) \
+            if training else 0.0
+        self.stats.call(view.stage, method, seconds, result.compute_s, result.queued_s, on_wire)
         if hop is not None:
             hop.answered(seconds, result, training=training)
-        return result
+        return result, on_wire
 
     def held_out(self, view: WorkerView, probe_id: str, tokens: torch.Tensor, wire: bytes | memoryview | None,
                  targets: torch.Tensor | None, full_precision: bool) -> Awaitable:
         """A held-out Forward to `view` for a check (its credit reserved by the caller), timed as a call."""
         call = self.clients.for_worker(view).forward(probe_id, tokens, wire, targets, evaluate=True,
                                                      full_precision=full_precision)
-        return self._timed(view, call, training=False)
+
+        async def timed():
+            result, _ = await self._timed(view, call, training=False)
+            return result
+        return timed()

@@ -2,7 +2,12 @@
 
 A microbatch alone takes `latency` to go through the pipeline: every stage's compute plus every
 call's round trip and the trainer's own work between calls (queueing excluded: that is what too
-many in flight causes, and counting it would make the depth feed on itself). The busiest stage
+many in flight causes, and counting it would make the depth feed on itself). Queueing is what the
+workers say they queued, what the trainer waited for their credits, and a call's time on the wire
+beyond the least it took to that worker lately (`WireFloor`): a frame waiting behind the trainer's
+own other frames on its uplink (or the worker's) is queueing the workers never see. Counted as
+latency, an uplink-bound trainer's depth grows into its own send queue, each microbatch more
+waits there, and the depth grows again, to its cap. The busiest stage
 is kept busy when a new microbatch reaches it as soon as it finishes the last, i.e. with
 
     depth = ceil(latency / bottleneck)
@@ -24,7 +29,9 @@ depth / microbatches-per-batch optimizer steps. So the depth is also capped (`ca
 trainer derives from `--max-staleness` (global batches).
 
 `fill_depth` is the pure rule (unit-tested); `DepthEstimate` keeps the moving averages the
-trainer feeds it from every training microbatch; `InFlightLimit` is the resizable semaphore.
+trainer feeds it from every training microbatch; `WireFloor` tells a call's wire queueing from its
+link's own time; `InFlightLimit` is the resizable semaphore. The simulator (node/simulate) calls the
+same three.
 """
 
 from __future__ import annotations
@@ -32,18 +39,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Hashable, Sequence
 
 from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import MIN_CREDITS
 
 __all__ = ["fill_depth", "in_flight_limit", "adaptive_depth", "depth_cap", "initial_depth", "resized_depth",
-           "DepthEstimate", "InFlightLimit", "SMOOTHING"]
+           "DepthEstimate", "WireFloor", "InFlightLimit", "SMOOTHING"]
 
 # Weight of the newest microbatch in the moving averages: ~10 microbatches of memory.
 SMOOTHING = 0.1
+# Links remembered at most (workers that left are forgotten first).
+_WIRE_LINKS = 1024
 
 
 def fill_depth(latency_s: float, stage_compute_s: Sequence[float], *, cap: int, floor: int = 1,
@@ -90,6 +99,54 @@ class DepthEstimate:
         if self.samples == 0:
             return None
         return fill_depth(self.latency_s, self.stage_compute_s, cap=cap, floor=floor, shares=shares)
+
+
+class WireFloor:
+    """A call's time on the wire beyond the least its link ever took: its queueing there.
+
+    A call's wire time is its round trip less the worker's compute and queue: the frames' transfer
+    and propagation, and their waits behind other frames on the way. The least a link (one worker,
+    one method: a Backward's frames are not a Forward's) ever took is that link's own time; what a
+    call took beyond it, it waited.
+
+    The least ever, not of a recent window: an uplink-bound trainer's uplink is never idle again once
+    its pipeline is full, so every call of a window would have queued and the floor would climb with
+    the queue it is there to measure (a 128-call window let a simulated trainer's depth creep from 6
+    to 12 in 20 s, and on). That is also why the first depth is one microbatch (`initial_depth`): the
+    first calls on the first links go alone. The costs, both towards a shallower depth: a link that
+    got slower for good counts the difference as queueing until its worker is forgotten (`links`,
+    least recently used first); with jitter on the path the floor is the luckiest call and the others
+    count their jitter as queueing.
+
+    A link's first call cannot be compared with anything of its own, and a trainer spreading over a
+    stage's replicas calls most of them first while its uplink queues (at 25 replicas a stage, its
+    floors held the queue and a simulated trainer took 10 s of queueing for latency): its first call
+    is taken to have queued what calls on known links queue now (`queued_s`, their moving average;
+    they share the trainer's uplink)."""
+
+    def __init__(self, links: int = _WIRE_LINKS):
+        if links < 1:
+            raise ValueError(f"links must be at least 1, got {links}")
+        self.links = links
+        self._floor: OrderedDict[Hashable, float] = OrderedDict()
+        self.queued_s = 0.0  # moving average of what calls on known links queued: the uplink's queue now
+
+    def beyond(self, link: Hashable, wire_s: float) -> float:
+        """Record one call's `wire_s` on `link`; the seconds of it beyond the link's floor."""
+        wire_s = max(0.0, wire_s)
+        floor = self._floor.pop(link, None)
+        if floor is None:
+            if len(self._floor) >= self.links:
+                self._floor.popitem(last=False)
+            # A link's first call waited as long as the calls on known links wait now (they share the
+            # trainer's uplink); with nothing queued, it is the link's own time.
+            beyond = min(wire_s, self.queued_s)
+            self._floor[link] = wire_s - beyond
+            return beyond
+        self._floor[link] = min(floor, wire_s)
+        beyond = wire_s - self._floor[link]
+        self.queued_s += SMOOTHING * (beyond - self.queued_s)
+        return beyond
 
 
 class InFlightLimit:
@@ -160,19 +217,23 @@ def depth_cap(max_in_flight: int, credit_cap: int | None, stage_credits: list[in
     return max(1, min(cap, calls)) if calls else max(1, cap)
 
 
-def initial_depth(max_in_flight: int, microbatches: int, *, adaptive: bool, credit_cap: int | None = None,
+def initial_depth(max_in_flight: int, *, adaptive: bool, credit_cap: int | None = None,
                   stage_credits: Sequence[int] = ()) -> int:
-    """The depth before the first microbatch is measured: half a global batch when adaptive, else the
-    fixed cap; either way within `depth_cap` of what the workers' records announce for a trainer new to
-    them. A stage with no worker known yet counts as granting `MIN_CREDITS` calls.
+    """The depth before the first microbatch is measured: one microbatch when adaptive, else the fixed
+    cap within `depth_cap` of what the workers' records announce for a trainer new to them (a stage
+    with no worker known yet counts as granting `MIN_CREDITS` calls).
 
-    Nothing is measured before the first microbatch ends, and by then the first depth's worth is in
-    flight: deeper than a worker keeps for this trainer, its stash evicts forward inputs whose
-    Backwards then fail, a burst of failures that bans a stage's only worker (backoff up to
-    `Roster.ban_max_s`) and stalls the run. Half of a 256-microbatch batch is twice a default stash (64)."""
+    One, so that the first microbatch goes alone: its calls are the unqueued ones every link's
+    `WireFloor` starts from, and its latency is the pipeline's own. Any deeper and the first calls
+    queue behind each other on the trainer's uplink, the floors take that queue for the links' own
+    time, and an uplink-bound trainer's depth climbs into its own send queue (a simulated one went to
+    17 where 6 fill it). It costs one microbatch's latency at the start, once. Deeper than a worker
+    keeps for this trainer, besides, its stash would evict forward inputs whose Backwards then fail,
+    a burst of failures that bans a stage's only worker (a fixed depth is capped for that reason)."""
+    if adaptive:
+        return 1
     known = [credits or MIN_CREDITS for credits in stage_credits]
-    cap = depth_cap(max_in_flight, credit_cap, known)
-    return min(cap, max(1, microbatches // 2)) if adaptive else cap
+    return depth_cap(max_in_flight, credit_cap, known)
 
 
 def resized_depth(estimate: DepthEstimate, *, adaptive: bool, max_in_flight: int, credit_cap: int | None,

@@ -53,12 +53,15 @@ class TrainerStats:
 
     # ------------------------------------------------------------------ recording
 
-    def call(self, stage: int, method: str, seconds: float, compute_s: float, queued_s: float) -> None:
-        """A call answered: `method` is Forward or Backward of training, or `HELD_OUT`."""
+    def call(self, stage: int, method: str, seconds: float, compute_s: float, queued_s: float,
+             wire_queued_s: float = 0.0) -> None:
+        """A call answered: `method` is Forward or Backward of training, or `HELD_OUT`; `wire_queued_s`:
+        its time on the wire beyond its link's floor (node/trainer/inflight.py, `WireFloor`)."""
         metrics, label = self.metrics, str(stage)
         metrics.calls.labels(stage=label, method=method).observe(seconds)
         metrics.call_compute.labels(stage=label, method=method).inc(compute_s)
         metrics.call_queued.labels(stage=label, method=method).inc(queued_s)
+        metrics.call_wire_queued.labels(stage=label, method=method).inc(wire_queued_s)
         self._stages.add(stage)
 
     def microbatch_done(self) -> None:
@@ -249,8 +252,9 @@ class TrainerStats:
 
     def time_split(self) -> dict[str, dict[str, float]]:
         """Per stage, of the training calls: calls, and mean milliseconds per call of the round trip, the
-        worker's compute, its queue, and the rest (serialization, gRPC, the wire, decoding); and the time a
-        call waited here for a worker's credit before it was sent (not part of the round trip).
+        worker's compute, its queue, and the rest (serialization, gRPC, the wire, decoding), with the part
+        of that rest beyond its link's floor (`wire_queued_ms`: frames waiting behind others); and the time
+        a call waited here for a worker's credit before it was sent (not part of the round trip).
 
         Held-out Forwards (evaluation, the checks' probes) are left out: an evaluation of `eval_batches`
         global batches is as many calls as that many batches of training, each without a Backward: mixed
@@ -266,11 +270,13 @@ class TrainerStats:
             round_trip = total("agora_trainer_call_seconds_sum")
             compute = total("agora_trainer_call_compute_seconds_total")
             queued = total("agora_trainer_call_queued_seconds_total")
+            wire_queued = total("agora_trainer_call_wire_queued_seconds_total")
             credit_wait = self._value("agora_trainer_credit_wait_seconds_total", stage=label)
             per_call = 1e3 / max(1.0, calls)
             split[label] = {"calls": int(calls), "round_trip_ms": round_trip * per_call,
                             "compute_ms": compute * per_call, "queued_ms": queued * per_call,
                             "wire_ms": max(0.0, round_trip - compute - queued) * per_call,
+                            "wire_queued_ms": wire_queued * per_call,
                             "credit_wait_ms": credit_wait * per_call}
         return split
 

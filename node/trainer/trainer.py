@@ -124,8 +124,7 @@ class SwarmTrainer:
         self.adaptive = adaptive_depth(options)
         # Until the first microbatch is measured: half a global batch (at most the cap), within the workers'
         # credits once `run` has read their records.
-        self._in_flight = InFlightLimit(initial_depth(self.max_in_flight, config.train.microbatches,
-                                                      adaptive=self.adaptive))
+        self._in_flight = InFlightLimit(initial_depth(self.max_in_flight, adaptive=self.adaptive))
         self.depth = DepthEstimate(self.n_stages)
         # One microbatch's route, checks and reroutes (node/trainer/microbatches.py).
         self.microbatches = Microbatches(self.calls, self.checks, self.blame, self.stats, options,
@@ -327,9 +326,8 @@ class SwarmTrainer:
     async def _set_first_depth(self) -> None:
         """The depth until a microbatch is measured, within what the workers' records announce."""
         credit_cap, stage_credits = self.roster.in_flight_cap(self.n_stages), self.roster.stage_credits(self.n_stages)
-        await self._in_flight.set(initial_depth(self.max_in_flight, self.config.train.microbatches,
-                                                adaptive=self.adaptive, credit_cap=credit_cap,
-                                                stage_credits=stage_credits))
+        await self._in_flight.set(initial_depth(self.max_in_flight, adaptive=self.adaptive,
+                                                credit_cap=credit_cap, stage_credits=stage_credits))
         self.stats.depth(self._in_flight.limit, credit_cap, stage_credits)
 
     async def _observe_depth(self, wall_s: float, compute: list[float], queued_s: float) -> None:

@@ -261,16 +261,17 @@ def test_a_trainer_alone_sizes_its_depth_to_every_replica_of_a_stage(data):
 
 def test_the_first_depth_keeps_within_what_the_workers_stash(data):
     """16 microbatches per global batch through workers that keep 4 forward inputs for a trainer, as
-    their records say: the depth before any microbatch is measured (half a batch, 8) stays within those
-    4, so no stashed input is evicted before its Backward. Deeper, the first batch's Backwards failed
-    (no forward input stashed), each a reroute and a ban of its stage's only worker."""
+    their records say: a fixed depth of 8 stays within those 4 from the first microbatch, so no stashed
+    input is evicted before its Backward. Deeper, the first batch's Backwards failed (no forward input
+    stashed), each a reroute and a ban of its stage's only worker. (An adaptive depth starts at one.)"""
     config = _config()
 
     async def main():
         workers, discovery = await _workers(config, queue=4, stash=4, announce=True)
         try:
             async with SwarmTrainer(config, data, discovery,
-                                    TrainerOptions(run_id="test", gradient_check_share=0.0)) as trainer:
+                                    TrainerOptions(run_id="test", gradient_check_share=0.0,
+                                                   max_in_flight=8)) as trainer:
                 records = await trainer.run(2)
                 return records, trainer.stats, trainer.in_flight_summary()
         finally:

@@ -119,29 +119,77 @@ def test_a_holder_cancelled_while_others_wait_frees_its_place():
     asyncio.run(scenario())
 
 
-def test_initial_depth_is_half_a_batch_within_the_cap_when_adaptive():
+def test_the_first_depth_is_one_microbatch_when_adaptive_else_the_fixed_cap():
+    """Adaptive: the first microbatch goes alone, whatever the cap and the credits (its calls set the
+    links' floors); a fixed depth starts at itself."""
     from agora.node.trainer.inflight import initial_depth
 
-    assert initial_depth(16, 8, adaptive=True) == 4
-    assert initial_depth(2, 8, adaptive=True) == 2
-    assert initial_depth(16, 1, adaptive=True) == 1
-    assert initial_depth(16, 8, adaptive=False) == 16
+    assert initial_depth(16, adaptive=True) == 1
+    assert initial_depth(256, adaptive=True, credit_cap=64, stage_credits=[40, 40, 40]) == 1
+    assert initial_depth(16, adaptive=False) == 16
 
 
-def test_initial_depth_keeps_within_what_the_workers_announce():
-    """The report's shape: half of 256 microbatches is twice what a worker's stash keeps for a trainer."""
+def test_a_fixed_first_depth_keeps_within_what_the_workers_announce():
+    """The report's shape: a fixed depth of 256 is four times what a worker's stash keeps for a trainer."""
     from agora.node.trainer.inflight import initial_depth
     from agora.node.trainer.routing import MIN_CREDITS
 
-    assert initial_depth(256, 256, adaptive=True, credit_cap=64, stage_credits=[40, 40, 40]) == 64
+    assert initial_depth(256, adaptive=False, credit_cap=64, stage_credits=[40, 40, 40]) == 64
     # Calls outstanding over the stages bound it too: a newcomer's 4 calls a stage hold 12 microbatches.
-    assert initial_depth(256, 256, adaptive=True, credit_cap=64, stage_credits=[4, 4, 4]) == 12
+    assert initial_depth(256, adaptive=False, credit_cap=64, stage_credits=[4, 4, 4]) == 12
     # A stage with no worker known yet counts a worker that states no credits.
-    assert initial_depth(256, 256, adaptive=True, credit_cap=None, stage_credits=[0, 0, 0]) == 3 * MIN_CREDITS
-    assert initial_depth(256, 256, adaptive=True, credit_cap=None, stage_credits=[0, 20, 20]) == 40 + MIN_CREDITS
-    # A fixed depth too, as `resized_depth` caps it after the first microbatch.
-    assert initial_depth(16, 8, adaptive=False, credit_cap=6, stage_credits=[8, 8]) == 6
-    assert initial_depth(16, 8, adaptive=False, credit_cap=None, stage_credits=[]) == 16
+    assert initial_depth(256, adaptive=False, credit_cap=None, stage_credits=[0, 0, 0]) == 3 * MIN_CREDITS
+    assert initial_depth(256, adaptive=False, credit_cap=None, stage_credits=[0, 20, 20]) == 40 + MIN_CREDITS
+    assert initial_depth(16, adaptive=False, credit_cap=6, stage_credits=[8, 8]) == 6
+    assert initial_depth(16, adaptive=False, credit_cap=None, stage_credits=[]) == 16
+
+
+def test_wire_time_beyond_a_links_least_is_queueing():
+    from agora.node.trainer.inflight import WireFloor
+
+    floor = WireFloor()
+    assert floor.beyond(("b", "Forward"), 0.040) == 0.0  # a link's first call, nothing queued: its floor
+    assert floor.beyond(("a", "Forward"), 0.100) == 0.0
+    assert floor.beyond(("a", "Backward"), 0.300) == 0.0  # another method: another link
+    assert floor.beyond(("a", "Forward"), 0.350) == pytest.approx(0.250)
+    assert floor.beyond(("a", "Forward"), 0.080) == 0.0  # a lower one is the floor from now on
+    assert floor.beyond(("a", "Forward"), 0.100) == pytest.approx(0.020)
+    assert floor.beyond(("a", "Forward"), -0.001) == 0.0  # a clock's rounding is no negative wire time
+    # However long the queue lasts, the floor stays: 10,000 queued calls do not make it theirs.
+    for _ in range(10_000):
+        assert floor.beyond(("b", "Forward"), 0.540) == pytest.approx(0.500)
+
+
+def test_a_link_first_called_while_the_uplink_queues_starts_below_that_queue():
+    """Calls on known links queue ~0.4 s behind the trainer's other frames: a worker first called now
+    (a replica the trainer had not used yet) took 0.45 s, of which its link is 0.05 s, not 0.45 s (its
+    floor would have hidden that queue from every later call on it)."""
+    from agora.node.trainer.inflight import WireFloor
+
+    floor = WireFloor()
+    floor.beyond("known", 0.1)
+    for _ in range(60):  # the queue builds and stays: its moving average follows it
+        floor.beyond("known", 0.5)
+    assert floor.queued_s == pytest.approx(0.4, rel=0.01)
+    assert floor.beyond("new", 0.45) == pytest.approx(0.4, rel=0.01)
+    assert floor.beyond("new", 0.05) == pytest.approx(0.0, abs=0.005)
+    # A first call shorter than the queue now is all queue but its floor is no less than nothing.
+    assert floor.beyond("newer", 0.2) == pytest.approx(0.2) and floor.beyond("newer", 0.2) == pytest.approx(0.2)
+
+
+def test_wire_floors_forget_the_least_recently_called_links_past_their_bound():
+    from agora.node.trainer.inflight import WireFloor
+
+    floor = WireFloor(links=2)
+    floor.beyond("a", 0.1)
+    floor.beyond("b", 0.1)
+    floor.beyond("b", 0.1)  # b was called last: a is the one to forget
+    floor.beyond("c", 0.1)
+    assert floor.beyond("b", 0.3) == pytest.approx(0.2)
+    assert floor.queued_s == pytest.approx(0.02)
+    assert floor.beyond("a", 0.3) == pytest.approx(0.02)  # forgotten: its next call starts it again
+    with pytest.raises(ValueError):
+        WireFloor(links=0)
 
 
 def test_resized_depth_follows_the_estimate_within_the_credits():

@@ -2,6 +2,8 @@
 
 Each simulation is small (a few simulated seconds of a 3-stage pipeline) so the file runs in seconds."""
 
+import math
+
 import pytest
 
 from agora.node.simulate.scenario import scenario_from_dict
@@ -51,6 +53,24 @@ def test_the_trainers_uplink_bounds_a_pipeline_whose_frames_outgrow_it():
     sent_bits = (4 * 1000.0 * TOKENS + 4 * TOKENS) * 8  # the head's token ids besides
     assert result.tokens_per_s == pytest.approx(TOKENS / (sent_bits / 100e6), rel=0.05)
     assert result.bottleneck.startswith("the trainers' uplinks: 1 busy"), result.bottleneck
+
+
+def test_an_uplink_bound_trainers_depth_fills_its_pipeline_not_its_own_send_queue():
+    """The same thin uplink, the depth adaptive under a cap of 2 global batches (128): a frame's wait
+    behind the trainer's other frames is queueing (node/trainer/inflight.py, `WireFloor`), so the
+    depth is the unqueued latency over the busiest stage's compute, not what the send queue grows to.
+    Counted as latency, the queue fed the depth to the cap (64) and the latency to 4 s."""
+    result = simulate(_scenario(run={"seconds": 12.0},
+                                trainers={"link": "thin", "max_in_flight": None, "max_staleness": 2.0},
+                                links=[{"name": "thin", "up_mbit": 100.0, "down_mbit": 10_000.0, "share": 0.0},
+                                       {"name": "fast", "up_mbit": 10_000.0, "down_mbit": 10_000.0}],
+                                wire={"forward_bytes_per_token": 1000.0, "backward_bytes_per_token": 1000.0}))
+    frame_s = 1000.0 * TOKENS * 8 / 100e6  # one activation or gradient frame on the uplink
+    alone = 3 * 0.030 + 4 * frame_s  # compute and the four frames it sends: its latency alone
+    assert result.latency_s == pytest.approx(alone, rel=0.05)
+    assert result.depth_last == [math.ceil(result.latency_s / 0.030)]
+    sent_bits = (4 * 1000.0 * TOKENS + 4 * TOKENS) * 8
+    assert result.tokens_per_s == pytest.approx(TOKENS / (sent_bits / 100e6), rel=0.05)
 
 
 def test_a_seed_gives_the_same_run_and_another_seed_another():
@@ -138,16 +158,16 @@ def test_shared_cores_share_time_as_an_operating_system_does():
     assert ended == pytest.approx({"long": 1.1, "short": 0.2})
 
 
-def test_the_first_depth_keeps_within_the_workers_credits_as_the_trainers_does():
-    """256 microbatches a batch: half a batch (128) would be in flight before anything is measured; the
-    trainer keeps its first depth within the credits the workers announce (`initial_depth`), so does
-    the simulated one."""
-    swarm = SimSwarm(_scenario(run={"microbatches": 256}, trainers={"max_in_flight": None},
+@pytest.mark.parametrize("max_in_flight, first", [(None, 1), (128, 16)])
+def test_the_first_depth_is_the_trainers(max_in_flight, first):
+    """256 microbatches a batch: adaptive, the first microbatch goes alone, as the trainer's does; a
+    fixed depth of 128 starts within the 16 credits the workers announce (`initial_depth`)."""
+    swarm = SimSwarm(_scenario(run={"microbatches": 256}, trainers={"max_in_flight": max_in_flight},
                                workers={"credits": 16}))
     trainer = swarm.trainers[0]
     swarm.env.process(trainer.run())
-    swarm.env.run(until=0.15)  # the unit claimed, its microbatches started, none finished yet
-    assert trainer.limit.limit == 16 and trainer.limit.active == 16 and not trainer.tokens_done
+    swarm.env.run(until=0.1)  # the unit claimed, its first microbatches started, none finished yet
+    assert trainer.limit.limit == first and trainer.limit.active == first and not trainer.tokens_done
 
 
 def test_trainers_started_one_after_another_start_their_work_in_turn():

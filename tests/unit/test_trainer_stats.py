@@ -10,7 +10,7 @@ def test_the_time_split_is_of_training_calls():
     the per-call figures of training: mixed in, they lowered the tail's compute per call."""
     stats = TrainerStats()
     stats.call(2, "Forward", 0.030, 0.020, 0.004)  # the tail: forward and backward in one call
-    stats.call(2, "Forward", 0.034, 0.024, 0.006)
+    stats.call(2, "Forward", 0.034, 0.024, 0.006, 0.002)  # 2 ms of its wire time behind other frames
     for _ in range(4):
         stats.call(2, HELD_OUT, 0.012, 0.006, 0.001)
     stats.credit_wait(2, 0.002)
@@ -19,3 +19,4 @@ def test_the_time_split_is_of_training_calls():
     assert split["round_trip_ms"] == pytest.approx(32.0)
     assert split["compute_ms"] == pytest.approx(22.0) and split["queued_ms"] == pytest.approx(5.0)
     assert split["wire_ms"] == pytest.approx(5.0) and split["credit_wait_ms"] == pytest.approx(1.0)
+    assert split["wire_queued_ms"] == pytest.approx(1.0)
