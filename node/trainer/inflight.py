@@ -23,6 +23,14 @@ workers, the microbatches growing staler for nothing. On loopback the round trip
 milliseconds and the depth is about the number of stages (times the share); over 80 ms links it
 grows with the round trips, and a fixed depth there leaves every worker idle most of the time.
 
+That many exactly keeps the bottleneck busy only if every microbatch is on time; one that runs late
+(a slower replica, a frame behind others, a busy core) leaves it idle, so the estimate asks for
+`HEADROOM` times it, as TCP's BBR keeps twice its bandwidth-delay product in flight. At 1.0 a
+simulated 7-stage pipeline of 10 replicas and 10 trainers kept its busiest stage 78% busy; at 1.5,
+99% (2.0: 100%, with a third more in flight). Before a call's wait on the wire counted as
+queueing, that wait padded the latency and gave the depth its headroom by accident, and without
+bound: it grew with the depth.
+
 More in flight than that buys nothing (the bottleneck is already busy) and costs convergence: a
 microbatch started before a worker steps finishes on newer weights, and the staleness is about
 depth / microbatches-per-batch optimizer steps. So the depth is also capped (`cap`), which the
@@ -47,10 +55,12 @@ from agora.node.trainer.options import TrainerOptions
 from agora.node.trainer.routing import MIN_CREDITS
 
 __all__ = ["fill_depth", "in_flight_limit", "adaptive_depth", "depth_cap", "initial_depth", "resized_depth",
-           "DepthEstimate", "WireFloor", "InFlightLimit", "SMOOTHING"]
+           "DepthEstimate", "WireFloor", "InFlightLimit", "SMOOTHING", "HEADROOM"]
 
 # Weight of the newest microbatch in the moving averages: ~10 microbatches of memory.
 SMOOTHING = 0.1
+# The depth over the bare fill depth the estimate asks for (module docstring).
+HEADROOM = 1.5
 # Links remembered at most (workers that left are forgotten first).
 _WIRE_LINKS = 1024
 
@@ -94,11 +104,11 @@ class DepthEstimate:
         self.samples += 1
 
     def depth(self, *, cap: int, floor: int = 1, shares: Sequence[float] = ()) -> int | None:
-        """The fill depth from what was observed, for these shares of the stages; None before the
-        first microbatch."""
+        """The fill depth from what was observed, for these shares of the stages, with `HEADROOM`;
+        None before the first microbatch."""
         if self.samples == 0:
             return None
-        return fill_depth(self.latency_s, self.stage_compute_s, cap=cap, floor=floor, shares=shares)
+        return fill_depth(self.latency_s * HEADROOM, self.stage_compute_s, cap=cap, floor=floor, shares=shares)
 
 
 class WireFloor:
@@ -111,9 +121,9 @@ class WireFloor:
 
     The least ever, not of a recent window: an uplink-bound trainer's uplink is never idle again once
     its pipeline is full, so every call of a window would have queued and the floor would climb with
-    the queue it is there to measure (a 128-call window let a simulated trainer's depth creep from 6
-    to 12 in 20 s, and on). That is also why the first depth is one microbatch (`initial_depth`): the
-    first calls on the first links go alone. The costs, both towards a shallower depth: a link that
+    the queue it is there to measure (with no headroom, a 128-call window let a simulated trainer's
+    depth creep from 6 to 12 in 20 s, and on). That is also why the first depth is one microbatch
+    (`initial_depth`): the first calls on the first links go alone. The costs, both towards a shallower depth: a link that
     got slower for good counts the difference as queueing until its worker is forgotten (`links`,
     least recently used first); with jitter on the path the floor is the luckiest call and the others
     count their jitter as queueing.
@@ -227,7 +237,7 @@ def initial_depth(max_in_flight: int, *, adaptive: bool, credit_cap: int | None 
     `WireFloor` starts from, and its latency is the pipeline's own. Any deeper and the first calls
     queue behind each other on the trainer's uplink, the floors take that queue for the links' own
     time, and an uplink-bound trainer's depth climbs into its own send queue (a simulated one went to
-    17 where 6 fill it). It costs one microbatch's latency at the start, once. Deeper than a worker
+    17 where 6 fill it, headroom aside). It costs one microbatch's latency at the start, once. Deeper than a worker
     keeps for this trainer, besides, its stash would evict forward inputs whose Backwards then fail,
     a burst of failures that bans a stage's only worker (a fixed depth is capped for that reason)."""
     if adaptive:

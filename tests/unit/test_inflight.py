@@ -49,7 +49,7 @@ def test_estimate_excludes_queueing_and_follows_changes():
     estimate = DepthEstimate(stages=2)
     assert estimate.depth(cap=8) is None
     estimate.observe(wall_s=0.5, compute_by_stage=[0.1, 0.1], queued_s=0.3)  # 0.2 s unqueued
-    assert estimate.depth(cap=8) == 2
+    assert estimate.depth(cap=8) == 3  # 2 fill it, and half as many again of headroom
     for _ in range(100):  # the links got slower
         estimate.observe(wall_s=1.0, compute_by_stage=[0.1, 0.1], queued_s=0.0)
     assert estimate.latency_s == pytest.approx(1.0, rel=1e-3) and estimate.depth(cap=8) == 8
@@ -197,10 +197,10 @@ def test_resized_depth_follows_the_estimate_within_the_credits():
 
     estimate = DepthEstimate(stages=2)
     assert resized_depth(estimate, adaptive=True, max_in_flight=32, credit_cap=None, stage_credits=[]) is None
-    estimate.observe(1.0, [0.1, 0.05], 0.0)  # fill depth 10
-    assert resized_depth(estimate, adaptive=True, max_in_flight=32, credit_cap=None, stage_credits=[]) == 10
+    estimate.observe(1.0, [0.1, 0.05], 0.0)  # fill depth 10, 15 with the headroom
+    assert resized_depth(estimate, adaptive=True, max_in_flight=32, credit_cap=None, stage_credits=[]) == 15
     assert resized_depth(estimate, adaptive=True, max_in_flight=32, credit_cap=6, stage_credits=[]) == 6
     assert resized_depth(estimate, adaptive=False, max_in_flight=32, credit_cap=None, stage_credits=[4, 4]) == 8
     # Two replicas of the bottleneck stage, this trainer alone on them: twice as deep.
-    assert resized_depth(estimate, adaptive=True, max_in_flight=32, credit_cap=None, stage_credits=[],
-                         stage_shares=[2.0, 1.0]) == 20
+    assert resized_depth(estimate, adaptive=True, max_in_flight=64, credit_cap=None, stage_credits=[],
+                         stage_shares=[2.0, 1.0]) == 30

@@ -8,6 +8,7 @@ import pytest
 
 from agora.node.simulate.scenario import scenario_from_dict
 from agora.node.simulate.swarm import SimSwarm, simulate
+from agora.node.trainer.inflight import HEADROOM
 from agora.node.trainer.routing import BALANCE_SLACK
 
 TOKENS = 256
@@ -58,8 +59,9 @@ def test_the_trainers_uplink_bounds_a_pipeline_whose_frames_outgrow_it():
 def test_an_uplink_bound_trainers_depth_fills_its_pipeline_not_its_own_send_queue():
     """The same thin uplink, the depth adaptive under a cap of 2 global batches (128): a frame's wait
     behind the trainer's other frames is queueing (node/trainer/inflight.py, `WireFloor`), so the
-    depth is the unqueued latency over the busiest stage's compute, not what the send queue grows to.
-    Counted as latency, the queue fed the depth to the cap (64) and the latency to 4 s."""
+    depth is the unqueued latency over the busiest stage's compute (with its headroom), not what the
+    send queue grows to. Counted as latency, the queue fed the depth to the cap (64) and the latency
+    to 4 s."""
     result = simulate(_scenario(run={"seconds": 12.0},
                                 trainers={"link": "thin", "max_in_flight": None, "max_staleness": 2.0},
                                 links=[{"name": "thin", "up_mbit": 100.0, "down_mbit": 10_000.0, "share": 0.0},
@@ -68,7 +70,7 @@ def test_an_uplink_bound_trainers_depth_fills_its_pipeline_not_its_own_send_queu
     frame_s = 1000.0 * TOKENS * 8 / 100e6  # one activation or gradient frame on the uplink
     alone = 3 * 0.030 + 4 * frame_s  # compute and the four frames it sends: its latency alone
     assert result.latency_s == pytest.approx(alone, rel=0.05)
-    assert result.depth_last == [math.ceil(result.latency_s / 0.030)]
+    assert result.depth_last == [math.ceil(HEADROOM * result.latency_s / 0.030)]
     sent_bits = (4 * 1000.0 * TOKENS + 4 * TOKENS) * 8
     assert result.tokens_per_s == pytest.approx(TOKENS / (sent_bits / 100e6), rel=0.05)
 
