@@ -241,8 +241,8 @@ def _reading(g: dict, points: list[dict]) -> str:
                      f"{_span([p['round_s'] / p['window_s'] for p in timed], 3)})" + _regime(timed) + ".")
     if draining:
         lines.append(f"- Not a pace: at {len(draining)} point(s) a microbatch took {FLOOD_LATENCY_S:g} s or more (the "
-                     "trainers' send queues above, or their first depths, half a global batch each within the "
-                     "workers' credits, still in the stages: node/trainer/inflight.py's `initial_depth`), or more "
+                     "trainers' send queues, as points computed before a depth counted a frame's wait behind the "
+                     "trainer's own frames as queueing grew into them), or more "
                      "microbatches finished in the measured part than the busiest stage can compute, so its tokens/s "
                      "counts what happened to finish there: "
                      + "; ".join(f"{p['replicas']} x {p['trainers']} (latency {p['latency_s']:,.0f} s against "
@@ -284,10 +284,9 @@ def _uplink_reading(g: dict, per_replica: float, bound: list[dict]) -> str:
             f"and {serial:,.0f} where its frames go evenly over the link mix, as the simulator sends them: one message at "
             f"a time per uplink at the slower end's rate (a frame to a {min(rates):.0f} Mbit/s worker holds the whole "
             f"uplink; routing sends more to the faster ones). Trainers the compute bound needs between those two: "
-            f"{needs}. A trainer's adaptive depth takes a "
-            "microbatch's time less its workers' queueing as latency to hide (node/trainer/inflight.py), and its own "
-            "send queue is not the workers' queueing, so there the depth grows into that queue: microbatches wait tens "
-            "of seconds, and the measured part may end before many of them do.")
+            f"{needs}. A trainer's adaptive depth counts a frame's wait on the wire beyond its link's floor as "
+            "queueing (node/trainer/inflight.py's `WireFloor`), so it does not grow into its own send queue; a "
+            "point whose microbatches still took tens of seconds was computed before it did.")
 
 
 def _churn_line(g: dict, tokens_per_s: float, days: float) -> str:
