@@ -4,7 +4,7 @@ A microbatch alone takes `latency` to go through the pipeline: every stage's com
 call's round trip and the trainer's own work between calls (queueing excluded: that is what too
 many in flight causes, and counting it would make the depth feed on itself). Queueing is what the
 workers say they queued, what the trainer waited for their credits, and a call's time on the wire
-beyond the least it took to that worker lately (`WireFloor`): a frame waiting behind the trainer's
+beyond the least it ever took to that worker (`WireFloor`): a frame waiting behind the trainer's
 own other frames on its uplink (or the worker's) is queueing the workers never see. Counted as
 latency, an uplink-bound trainer's depth grows into its own send queue, each microbatch more
 waits there, and the depth grows again, to its cap. The busiest stage
@@ -123,10 +123,10 @@ class WireFloor:
     its pipeline is full, so every call of a window would have queued and the floor would climb with
     the queue it is there to measure (with no headroom, a 128-call window let a simulated trainer's
     depth creep from 6 to 12 in 20 s, and on). That is also why the first depth is one microbatch
-    (`initial_depth`): the first calls on the first links go alone. The costs, both towards a shallower depth: a link that
-    got slower for good counts the difference as queueing until its worker is forgotten (`links`,
-    least recently used first); with jitter on the path the floor is the luckiest call and the others
-    count their jitter as queueing.
+    (`initial_depth`): the first calls on the first links go alone. The costs, both towards a
+    shallower depth: a link that got slower for good counts the difference as queueing until its
+    worker is forgotten (`links`, least recently used first); with jitter on the path the floor is
+    the luckiest call and the others count their jitter as queueing.
 
     A link's first call cannot be compared with anything of its own, and a trainer spreading over a
     stage's replicas calls most of them first while its uplink queues (at 25 replicas a stage, its
