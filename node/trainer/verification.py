@@ -99,11 +99,22 @@ honest bodies' mean output directions stood 4 of the stage's spreads apart. So w
 (`self_checks`), a trip of one of two that nothing else explains, on the scale (`log_rms`) or a
 direction, is the lone worker's: excused, checked at once (a finite difference or a replay tells a
 wrong gradient or output from an honest one), flagged only at a trip with no passed self check
-since. A trip on the content (`variation`) or the alignment still flags at once, and names the trip
-when the scale trips with it (zeros): honest replicas share those, and a self check cannot see
-some lies in them (a tail's constant input gradient, every token's the mean, is the gradient's own
-projection on constants and passes a finite-difference check exactly; a zero one leaves it nothing
-to probe along). What that costs: a two-replica liar whose lie is in its scale or direction and whose self
+since. A trip on the content (`variation`) or the alignment flags at once, and names the trip when
+the scale trips with it (zeros): a self check cannot see some lies in them (a tail's constant input
+gradient, every token's the mean, is the gradient's own projection on constants and passes a
+finite-difference check exactly; a zero one leaves it nothing to probe along). Those lies stand far
+off, though, and honest twins do not share the content exactly either: on a loaded host an honest
+body's input gradients' `variation` stood 0.957 against its stage's 0.900 +- 0.02, about 4 spreads a
+reply, and tripped after 21 (a two-replica demo of the suite; its credential was revoked). So an
+input gradient's `variation` trip whose latest `DETECTION_REPLIES` deviations stand under `OUTLIER_Z`
+in the median is excused and checked like a scale trip: a constant or zero gradient stands tens of
+spreads off and still flags at once, and a partial one (each token's gradient pulled towards the
+tokens' mean) far enough off to trip at under `OUTLIER_Z` moves the directional derivative along it
+out of the finite-difference check's band (node/trainer/gradient_checks.py; from a variation of 0.9
+with that spread, pulled a third of the way: 0.81, 4.5 spreads off, and the check's ratio 0.75
+against the band's 0.8; a smaller pull stands within about 3, where the CUSUM hardly grows; the
+narrow blind spot between is the pair's). An output's content stays
+flagged at once: a replay of the worker's own output cannot see a lie it makes again. What that costs: a two-replica liar whose lie is in its scale or direction and whose self
 checks pass it (the lone worker's blind spot: a head scaling or flipping its outputs in its replays
 too) is not flagged by these statistics; without self checks a trip flags as with three. With three
 or more, a colluding majority of a stage's replies owns the median, as in robust averaging.
@@ -370,7 +381,7 @@ class ReplyVerifier:
                     track.pardoned.add(damager)
                     track.restart()
                     self.pardoned.append((stage, kind, peer, damager, FEATURES[index]))
-                elif (alone or (paired and FEATURES[index] in _WEIGHTS_MOVE)) and \
+                elif (alone or (paired and self._twins_may_differ(kind, index, track))) and \
                         (lone := lone_trip(track.notice, track.replies, self.settings.window,
                                            implicated_elsewhere(peer))) != "flag":
                     track.restart()
@@ -539,6 +550,18 @@ class ReplyVerifier:
         if means[culprit] >= k and max(others) <= k / 2 and culprit not in track.deflected:
             return culprit
         return None
+
+    def _twins_may_differ(self, kind: str, index: int, track: _WorkerTrack) -> bool:
+        """Whether a trip of one of a stage's two workers on `index` may be honest weights apart, to be
+        excused and self-checked (module docstring: two workers): its scale or a direction, or an input
+        gradient's content standing off by less than a constant or zero one does."""
+        feature = FEATURES[index]
+        if feature in _WEIGHTS_MOVE:
+            return True
+        if kind != "input_grad" or feature != "variation":
+            return False
+        latest = [abs(deviations[index]) for _, deviations in list(track.deviations)[-_detection_replies(self.settings):]]
+        return bool(latest) and statistics.median(latest) < OUTLIER_Z
 
     def _others(self, boundary: Boundary, track: _WorkerTrack, live: frozenset[str] | None) -> list[_WorkerTrack]:
         """The stage's other unflagged workers with a reply in the window's span (and, given `live`,

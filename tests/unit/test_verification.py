@@ -218,10 +218,11 @@ def test_a_sole_liar_whose_check_at_once_fails_is_held_no_longer_than_the_window
 
 
 def _tail_pair(checks: _SelfChecks | None, offset: float = 0.3, replies: int = 480,
-               features_off: tuple[str, ...] = ("log_rms",)) -> tuple[ReplyVerifier, list]:
-    """Two tails, the faster answering three replies in four: the slower one's input gradients stand `offset`
-    below its twin's in `features_off` (in log-RMS some 6 of their spreads), as one of two honest tails' did
-    early in demos over 80 ms links; judged by a trainer whose self checks are `checks` (None: off)."""
+               features_off: tuple[str, ...] = ("log_rms",), kind: str = "input_grad") -> tuple[ReplyVerifier, list]:
+    """Two tails, the faster answering three replies in four: the slower one's input gradients (or outputs, by
+    `kind`) stand `offset` below its twin's in `features_off` (in log-RMS some 6 of their spreads), as one of
+    two honest tails' did early in demos over 80 ms links; judged by a trainer whose self checks are `checks`
+    (None: off)."""
     rng = random.Random(5)
     verifier, outcomes = ReplyVerifier(VerifierSettings(self_checks=checks is not None)), []
     checking = checks.checking if checks is not None else (lambda peer: False)
@@ -232,7 +233,7 @@ def _tail_pair(checks: _SelfChecks | None, offset: float = 0.3, replies: int = 4
         if peer == "slow":
             for feature in features_off:
                 features[FEATURES.index(feature)] -= offset
-        outcome = verifier.observe(2, "input_grad", peer, tuple(features), present={"fast", "slow"},
+        outcome = verifier.observe(2, kind, peer, tuple(features), present={"fast", "slow"},
                                    implicated_elsewhere=checking, passes=passes)
         outcomes.append((peer, outcome))
         for _, _, tripped, _ in verifier.take_lone_trips():
@@ -260,17 +261,36 @@ def test_one_of_two_workers_standing_off_its_twin_is_checked_at_once_not_flagged
 
 def test_one_of_two_is_excused_on_its_directions_but_flagged_at_once_on_its_content():
     """Two honest replicas' mean output directions stood 4 spreads apart late in a demo: a direction trip is
-    excused like a scale trip. Content is what honest replicas share and what a self check can miss (a constant
-    tail passes a finite-difference check exactly): a `variation` trip flags at once, checks or not."""
+    excused like a scale trip. A content lie a self check can miss stands far off (a constant tail, every
+    token's gradient the mean, passes a finite-difference check exactly): such a `variation` trip flags at
+    once, checks or not."""
     verifier, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=0.2, features_off=("direction_1",))
     assert verifier.flagged() == {} and verifier.pair_trips >= 2
-    verifier, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=0.2, features_off=("variation",))
-    assert verifier.flagged().keys() == {"slow"} and verifier.flagged()["slow"].feature == "variation"
-    assert verifier.pair_trips == 0
+    constant, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=0.5, features_off=("variation",))
+    assert constant.flagged().keys() == {"slow"} and constant.flagged()["slow"].feature == "variation"
+    assert constant.pair_trips == 0
     # Zeros: the scale and the content far off together; the content names the trip (a zero gradient leaves
     # a finite-difference check nothing to probe along, so the self checks would never decide it).
     verifier, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=0.5, features_off=("log_rms", "variation"))
     assert verifier.flagged().keys() == {"slow"} and verifier.flagged()["slow"].feature == "variation"
+
+
+def test_one_of_two_whose_gradients_content_stands_a_few_spreads_off_is_checked_at_once_not_flagged():
+    """An honest body's input gradients' variation stood 0.957 against its stage's 0.900 +- 0.02 (two replicas,
+    the suite's demo at a load of 10) and tripped after 21 replies; it was flagged and its credential revoked.
+    Five spreads off, under `OUTLIER_Z` in the median, a gradient's content trip is excused and checked like a
+    scale trip; a liar so far off whose checks fail is flagged. An output's content is still flagged at once
+    (a replay of the worker's own output cannot see a lie it repeats), and so is one that stands further off."""
+    honest, outcomes = _tail_pair(_SelfChecks(delay=2, honest=True), offset=-0.2, features_off=("variation",))
+    assert honest.flagged() == {} and all(outcome is None for _, outcome in outcomes)
+    assert honest.pair_trips >= 2 and max(honest.peaks().values()) > honest.settings.threshold
+    liar, _ = _tail_pair(_SelfChecks(delay=2, honest=False), offset=-0.2, features_off=("variation",))
+    assert liar.flagged().keys() == {"slow"} and liar.pair_trips == 1
+    outputs, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=-0.2, features_off=("variation",), kind="output")
+    assert outputs.flagged().keys() == {"slow"} and outputs.pair_trips == 0
+    further, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=-0.3, features_off=("variation",))
+    assert further.flagged().keys() == {"slow"} and further.flagged()["slow"].feature == "variation"
+    assert further.pair_trips == 0
 
 
 def test_a_reply_computed_from_a_suspected_workers_is_not_judged():
