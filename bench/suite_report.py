@@ -49,6 +49,27 @@ def _ratio(a, b) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _session(runs: list[dict]) -> tuple | None:
+    """Which session measured a run: the stamp of the rerun that replaced it (its date and commit), or
+    None for the row's own session."""
+    stamp = runs[-1].get("rerun") if runs else None
+    return None if stamp is None else (stamp.get("date"), stamp.get("commit"))
+
+
+def _against(runs: list[dict], reference: list[dict]) -> tuple[float | None, bool]:
+    """`runs`' tokens/s over `reference`'s, and whether the two came from different sessions: this
+    host's speed changes by the hour (lan tiny x1's compute per call 25 ms one morning, 39 ms at
+    noon), so such a ratio measures the hours, not the profile, and no goal counts it."""
+    return _ratio(_rate(runs), _rate(reference)), bool(runs and reference) and _session(runs) != _session(reference)
+
+
+APART = " (sessions apart)"
+
+
+def _shown(ratio: float | None, apart: bool) -> str:
+    return _f(ratio) + (APART if apart and ratio is not None else "")
+
+
 def _rate(runs: list[dict]) -> float | None:
     return mean_present(r.get("tokens_per_s") for r in runs)
 
@@ -158,10 +179,11 @@ def _profiles(row: dict) -> tuple[list[str], dict]:
             reference = lan.get(key, [])
             flights = [f for r in runs for f in (r.get("in_flight") or []) if f]
             latency = mean_present(f.get("latency_ms") for f in flights)
-            ratio = _ratio(rate, _rate(reference))
-            lines.append(f"| {name} | {key} | {_f(rate, 0)} | {_f(ratio)} | {_f(_ratio(loss, _heldout(reference)), 4)} | "
+            ratio, apart = _against(runs, reference)
+            lines.append(f"| {name} | {key} | {_f(rate, 0)} | {_shown(ratio, apart)} | "
+                         f"{_f(_ratio(loss, _heldout(reference)), 4)}{APART if apart and ratio is not None else ''} | "
                          f"{_flight(flights)} | {_f(latency, 0)} | {_busy(runs)} | {_loads(runs)} |")
-            headline[(name, key)] = ratio
+            headline[(name, key)] = (ratio, apart)
             splits += _split_rows(f"{name}, {key}", runs)
     return lines + splits, headline
 
@@ -275,8 +297,8 @@ def _fixes(items: dict) -> tuple[list[str], list[str]]:
         runs = entry.get("runs", {})
         for key in runs:
             if key.endswith("adaptive") and key.replace("adaptive", "half a batch") in runs:
-                ratio = _ratio(_rate(runs[key]), _rate(runs[key.replace("adaptive", "half a batch")]))
-                depth.append(f"{profile} {key.replace(' adaptive', '')}: {_f(ratio)}")
+                ratio = _against(runs[key], runs[key.replace("adaptive", "half a batch")])
+                depth.append(f"{profile} {key.replace(' adaptive', '')}: {_shown(*ratio)}")
     if depth:
         lines += ["Adaptive depth against the former fixed half batch (tokens/s, row 3): " + "; ".join(depth) + ".", ""]
         summary.append(f"| F2 | tokens/s, adaptive depth / half a batch in flight | {'; '.join(depth)} | - | - |")
@@ -286,8 +308,10 @@ def _fixes(items: dict) -> tuple[list[str], list[str]]:
         for key in runs:
             if key.endswith("adaptive, staleness 4") and key.replace(", staleness 4", "") in runs:
                 base = runs[key.replace(", staleness 4", "")]
-                staleness.append(f"{profile} {key.split(' adaptive')[0]}: {_f(_ratio(_rate(runs[key]), _rate(base)))} "
-                                 f"tokens/s, {_f(_ratio(_heldout(runs[key]), _heldout(base)), 4)} held-out")
+                ratio, apart = _against(runs[key], base)
+                staleness.append(f"{profile} {key.split(' adaptive')[0]}: {_f(ratio)} tokens/s, "
+                                 f"{_f(_ratio(_heldout(runs[key]), _heldout(base)), 4)} held-out"
+                                 + (APART if apart and ratio is not None else ""))
     if staleness:
         lines += ["A staleness cap of 4 global batches against the default 1 (row 3): " + "; ".join(staleness) + ".", ""]
         summary.append(f"| F2 | `--max-staleness 4` / default 1 (tokens/s; held-out loss) | {'; '.join(staleness)} "
@@ -295,8 +319,7 @@ def _fixes(items: dict) -> tuple[list[str], list[str]]:
     tuned = [(name, entry) for name, entry in profiles.items() if name.endswith("(tuned hosts)")]
     for name, entry in tuned:
         plain = profiles.get(name.replace(" (tuned hosts)", ""), {}).get("runs", {})
-        shown = "; ".join(f"{key}: {_f(_ratio(_rate(runs), _rate(plain.get(key, []))))}"
-                          for key, runs in entry["runs"].items())
+        shown = "; ".join(f"{key}: {_shown(*_against(runs, plain.get(key, [])))}" for key, runs in entry["runs"].items())
         lines += [f"Hosts with `net.ipv4.tcp_slow_start_after_idle=0` against Linux's default, {name}: {shown} "
                   "(tokens/s).", ""]
         summary.append(f"| F3 | tokens/s, tuned hosts / default hosts ({name.split(' (')[0]}) | {shown} | - | - |")
@@ -374,19 +397,24 @@ def render(results: dict) -> str:
         text, ratios = _profiles(items["3"]["data"])
         sections += text + [""]
         floor = {key: ratio for (profile, key), ratio in ratios.items() if profile == "agora-floor"}
-        shown = "; ".join(f"{key}: {_f(ratio)}" for key, ratio in floor.items())
+        shown = "; ".join(f"{key}: {_shown(*ratio)}" for key, ratio in floor.items())
         goals = _floor_goal(items["3"]["data"])
-        goal_text = "; ".join(f"{config}: {_f(ratio)} ({floor_key} / lan's {lan_key})"
-                              for config, (ratio, floor_key, lan_key) in goals.items())
-        worst = min((ratio for ratio, _, _ in goals.values() if ratio is not None), default=None)
+        goal_text = "; ".join(f"{config}: {_shown(ratio, apart)} ({floor_key} / lan's {lan_key})"
+                              for config, (ratio, floor_key, lan_key, apart) in goals.items())
+        worst = min((ratio for ratio, _, _, apart in goals.values() if ratio is not None and not apart), default=None)
         summary.append(f"| 3 | best tokens/s at agora-floor / best on lan, one replica per stage | {goal_text or '-'} | "
                        f">= 0.9 | {_met(worst, 0.9)} |")
         summary.append(f"| 3 | tokens/s at agora-floor / the same run on lan | {shown or '-'} | - | - |")
-        others = "; ".join(f"{p} {key}: {_f(r)}" for (p, key), r in ratios.items() if p not in ("lan", "agora-floor"))
+        others = "; ".join(f"{p} {key}: {_shown(*r)}" for (p, key), r in ratios.items() if p not in ("lan", "agora-floor"))
         if others:
             summary.append(f"| 3 | tokens/s at the other profiles / lan | {others} | - | - |")
         notes += _depth_note(items["3"]["data"], goals, worst)
         wide_rows, wide_notes = _wide_goals(items["3"]["data"], items.get("2", {}).get("data"))
+        if any(apart for _, apart in ratios.values()):
+            notes.append("A row 3 ratio marked \"sessions apart\" divides runs measured in different sessions (see "
+                         "\"Measured again since\"): this host's speed changes by the hour (lan tiny x1's compute per "
+                         "call was 25 ms one morning and 39 ms at noon), so it measures the hours as much as the "
+                         "links, and no goal counts it; measure both runs again together to read it.")
         summary += wide_rows
         notes += wide_notes
     if "4" in items and not failed(4, "loss at equal wall-clock"):
@@ -514,11 +542,12 @@ def _wide_goals(row: dict, local: dict | None) -> tuple[list[str], list[str]]:
     rows, notes = [], []
     for profile, goal in WIDE_GOALS.items():
         runs = {key: value for key, value in profiles.get(profile, {}).get("runs", {}).items() if _many(key)}
-        ratios = {key: _ratio(_rate(value), _rate(lan.get(key, []))) for key, value in runs.items()}
-        if not ratios:
+        paired = {key: _against(value, lan.get(key, [])) for key, value in runs.items()}
+        ratios = {key: ratio for key, (ratio, apart) in paired.items() if not apart}
+        if not paired:
             continue
         worst = min((r for key, r in ratios.items() if r is not None and "report shape" not in key), default=None)
-        shown = "; ".join(f"{key}: {_f(ratio)}" for key, ratio in ratios.items())
+        shown = "; ".join(f"{key}: {_shown(ratio, apart)}" for key, (ratio, apart) in paired.items())
         rows.append(f"| 3 | many microbatches per batch: tokens/s at {profile} / the same run on lan | {shown} | "
                     f">= {goal} (wide) | {_met(worst, goal)} |")
         for key, ratio in ratios.items():
@@ -559,7 +588,8 @@ def _floor_goal(row: dict) -> dict[str, tuple[float | None, str, str]]:
     for config in dict.fromkeys(key.split(" x")[0] for key in floor_runs if not _many(key)):
         (floor_rate, floor_key), (lan_rate, lan_key) = (_fastest(row, "agora-floor", config),
                                                         _fastest(row, "lan", config))
-        goals[config] = (_ratio(floor_rate, lan_rate), floor_key, lan_key)
+        apart = _against(floor_runs.get(floor_key, []), row["profiles"].get("lan", {}).get("runs", {}).get(lan_key, []))[1]
+        goals[config] = (_ratio(floor_rate, lan_rate), floor_key, lan_key, apart)
     return goals
 
 
@@ -583,7 +613,7 @@ def _depth_note(row: dict, goals: dict, worst: float | None) -> list[str]:
     wanted = math.ceil(flight["latency_ms"] / max(compute)) if compute and max(compute) > 0 else None
     round_trips = sum(t["round_trip_ms"] * (1 if stage == str(len(split) - 1) else 2) for stage, t in split.items())
     verdict = "met" if worst is not None and worst >= 0.9 else "not met"
-    shown = "; ".join(f"{config} {_f(ratio)}" for config, (ratio, _, _) in goals.items())
+    shown = "; ".join(f"{config} {_shown(ratio, apart)}" for config, (ratio, _, _, apart) in goals.items())
     text = (f"Row 3's goal (>= 0.9 of lan's best tokens/s at agora-floor) is {verdict} ({shown}). In {key}, "
             f"a microbatch's unqueued latency there was {_f(flight.get('latency_ms'), 0)} ms (its calls' round trips "
             f"add up to ~{round_trips:.0f} ms) against {_f(max(compute) if compute else None, 0)} ms of compute on the "
