@@ -113,11 +113,12 @@ tokens' mean) far enough off to trip at under `OUTLIER_Z` moves the directional 
 out of the finite-difference check's band (node/trainer/gradient_checks.py; from a variation of 0.9
 with that spread, pulled a third of the way: 0.81, 4.5 spreads off, and the check's ratio 0.75
 against the band's 0.8; a smaller pull stands within about 3, where the CUSUM hardly grows; the
-narrow blind spot between is the pair's). An output's content stays
-flagged at once: a replay of the worker's own output cannot see a lie it makes again. What that costs: a two-replica liar whose lie is in its scale or direction and whose self
-checks pass it (the lone worker's blind spot: a head scaling or flipping its outputs in its replays
-too) is not flagged by these statistics; without self checks a trip flags as with three. With three
-or more, a colluding majority of a stage's replies owns the median, as in robust averaging.
+narrow blind spot between is the pair's). An output's content stays flagged at once: a replay of
+the worker's own output cannot see a lie it makes again. What that costs: a two-replica liar whose
+lie is in its scale or direction and whose self checks pass it (the lone worker's blind spot: a
+head scaling or flipping its outputs in its replays too) is not flagged by these statistics;
+without self checks a trip flags as with three. With three or more, a colluding majority of a
+stage's replies owns the median, as in robust averaging.
 Where a stage has several replicas, the trainer's optional spot checks (node/trainer/spot_checks.py)
 cover part of what this cannot: a replayed head reply, content shuffled within a batch, a lie from
 a worker's first reply, by asking a second replica the same Forward now and then; and its
@@ -560,7 +561,8 @@ class ReplyVerifier:
             return True
         if kind != "input_grad" or feature != "variation":
             return False
-        latest = [abs(deviations[index]) for _, deviations in list(track.deviations)[-_detection_replies(self.settings):]]
+        recent = list(track.deviations)[-_detection_replies(self.settings):]
+        latest = [abs(deviations[index]) for _, deviations in recent]
         return bool(latest) and statistics.median(latest) < OUTLIER_Z
 
     def _others(self, boundary: Boundary, track: _WorkerTrack, live: frozenset[str] | None) -> list[_WorkerTrack]:
