@@ -69,6 +69,11 @@ def format_summary(summary: dict) -> str:
         lines.append(text)
     for move in summary.get("rebalanced", []):
         lines.append(f"  {move['name']} moved to stage {move['to']} (its stage was over-covered)")
+    if summary.get("verification_peak") is not None and summary.get("verification_bar"):
+        flagged = summary.get("flagged") or {}
+        lines.append(f"  verifier: {len(flagged) or 'nobody'} flagged; the largest CUSUM "
+                     f"{summary['verification_peak']:.1f} against its bar of {summary['verification_bar']:g}"
+                     + (f" ({_where(summary['verification_peak_at'])})" if summary.get("verification_peak_at") else ""))
     trouble = []
     if summary.get("reroutes") or summary.get("busy_retries"):
         share = summary.get("busy_share")
@@ -85,6 +90,13 @@ def format_summary(summary: dict) -> str:
                    "exit codes: " + ", ".join(f"{name} {code}" for name, code in sorted(failed.items())))
     lines.append("  " + "; ".join(trouble))
     return "\n".join(lines)
+
+
+def _where(peak_at: str) -> str:
+    """"1/input_grad/QmAbc...: variation high" as "stage 1 input_grad of QmAbcdef, variation high"."""
+    key, _, feature = peak_at.partition(": ")
+    stage, kind, peer = (key.split("/", 2) + ["", ""])[:3]
+    return f"stage {stage} {kind} of {peer[:8]}" + (f", {feature}" if feature else "")
 
 
 def _span(seconds: list[float]) -> str:
@@ -159,6 +171,9 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         "flagged": {peer: evidence for s in trainer_summaries for peer, evidence in s.get("flagged_by_peer", {}).items()},
         "verification_peak": max((peak for s in trainer_summaries
                                   for peak in s.get("verification", {}).get("peak_cusum", {}).values()), default=None),
+        "verification_peak_at": _peak_at(trainer_summaries),
+        "verification_bar": max((s["verification"]["threshold"] for s in trainer_summaries
+                                 if s.get("verification", {}).get("enabled")), default=None),
         # Trips of a stage's only worker the verifiers excused for a self check at once (node/trainer/lone_worker.py).
         "verification_lone_trips": sum(s.get("verification", {}).get("lone_trips", 0) for s in trainer_summaries),
         "averaging_by_stage": _averaging_by_stage(workdir, workers),
@@ -174,6 +189,17 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
                                 "workers": _count_in_logs([w for _, w in workers], "renewed the credential")},
         "revoked": [w.name for _, w in workers if exit_codes.get(w.name) == 3],
     }
+
+
+def _peak_at(trainer_summaries: list[dict]) -> str | None:
+    """Where the run's largest verifier CUSUM grew: "stage/kind/peer: feature side" (None: no verifier)."""
+    peaks = [(peak, key, s["verification"].get("peak_feature", {}).get(key, ""))
+             for s in trainer_summaries if s.get("verification", {}).get("peak_cusum")
+             for key, peak in s["verification"]["peak_cusum"].items()]
+    if not peaks:
+        return None
+    _, key, feature = max(peaks)
+    return f"{key}: {feature}" if feature else key
 
 
 def _busy_share(trainer_summaries: list[dict]) -> float | None:

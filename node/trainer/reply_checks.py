@@ -189,8 +189,8 @@ class ReplyChecks:
     def verification_summary(self) -> dict:
         """The verifier's account (the workers it flagged are the stats' `flagged_by_peer`): stage-wide
         shifts it let pass, trips of a stage's only worker it excused for a self check at once, replies
-        it left unjudged (computed from a suspected worker's), and the
-        largest CUSUM each worker reached by stage and kind (how close honest traffic came to the bar)."""
+        it left unjudged (computed from a suspected worker's), and the largest CUSUM each worker reached by
+        stage and kind (how close honest traffic came to the bar) with the feature and side it grew on."""
         if self.verifier is None:
             return {"enabled": False}
         return {"enabled": True, "threshold": self.verifier.settings.threshold,
@@ -198,4 +198,6 @@ class ReplyChecks:
                 "pair_trips": self.verifier.pair_trips,
                 "tainted": self.verifier.tainted,
                 "peak_cusum": {f"{stage}/{kind}/{peer}": round(peak, 2)
-                               for (stage, kind, peer), peak in sorted(self.verifier.peaks().items())}}
+                               for (stage, kind, peer), peak in sorted(self.verifier.peaks().items())},
+                "peak_feature": {f"{stage}/{kind}/{peer}": feature
+                                 for (stage, kind, peer), feature in sorted(self.verifier.peak_features().items())}}

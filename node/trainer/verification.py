@@ -256,6 +256,7 @@ class _WorkerTrack:
     mean: list[float]
     replies: int = 0
     peak: float = 0.0  # the largest CUSUM this worker reached (how close honest traffic comes to the bar)
+    peak_at: str = ""  # its feature and side ("variation high")
     last_seen: int = 0  # the boundary's reply count at this worker's last reply
     flagged: Evidence | None = None
     # (producer of the reply's request, its standardized deviations) of its latest judged replies
@@ -320,6 +321,12 @@ class ReplyVerifier:
     def peaks(self) -> dict[tuple[int, str, str], float]:
         """The largest CUSUM each (stage, kind, worker) reached."""
         return {(stage, kind, peer): track.peak for (stage, kind), boundary in self._boundaries.items()
+                for peer, track in boundary.workers.items()}
+
+    def peak_features(self) -> dict[tuple[int, str, str], str]:
+        """The feature and side of each (stage, kind, worker)'s largest CUSUM ("" while none grew): which of
+        a boundary's statistics honest traffic brings nearest the bar."""
+        return {(stage, kind, peer): track.peak_at for (stage, kind), boundary in self._boundaries.items()
                 for peer, track in boundary.workers.items()}
 
     def observe(self, stage: int, kind: str, peer: str, features: tuple[float, ...],
@@ -514,7 +521,9 @@ class ReplyVerifier:
             track.outlying = track.outlying or abs(z) >= OUTLIER_Z
             track.high[index] = max(0.0, track.high[index] + z - k)
             track.low[index] = max(0.0, track.low[index] - z - k)
-            track.peak = max(track.peak, track.high[index], track.low[index])
+            for side, cusum in (("high", track.high[index]), ("low", track.low[index])):
+                if cusum > track.peak:
+                    track.peak, track.peak_at = cusum, f"{FEATURES[index]} {side}"
             # Over the bar together, the content or alignment names the trip: a zero frame's scale and its
             # content trip at once, and only the latter says it is no replica on weights apart.
             content = FEATURES[index] not in _WEIGHTS_MOVE

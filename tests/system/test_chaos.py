@@ -145,3 +145,25 @@ def test_the_summary_says_how_many_global_batches_ran_a_second_time():
                                                        "in 180.0 s (async, admitted)")
     assert format_summary({**summary, "steps": 24, "run_twice": 0}).splitlines()[0] == \
         "demo completed: 24 global batches in 180.0 s (async, admitted)"
+
+
+def test_the_summary_says_how_close_the_verifier_came_to_flagging_and_where():
+    from agora.node.demo.summary import _peak_at, format_summary
+
+    trainers = [{"verification": {"enabled": True, "threshold": 30.0,
+                                  "peak_cusum": {"1/input_grad/QmAbcdefghij": 16.1, "0/output/QmZyxwvut": 0.6},
+                                  "peak_feature": {"1/input_grad/QmAbcdefghij": "variation high",
+                                                   "0/output/QmZyxwvut": "log_rms low"}}},
+                {"verification": {"enabled": True, "threshold": 30.0,
+                                  "peak_cusum": {"1/input_grad/QmAbcdefghij": 20.25}}}]  # a trainer without features
+    assert _peak_at(trainers) == "1/input_grad/QmAbcdefghij"
+    trainers[1]["verification"]["peak_feature"] = {"1/input_grad/QmAbcdefghij": "alignment low"}
+    assert _peak_at(trainers) == "1/input_grad/QmAbcdefghij: alignment low"
+    assert _peak_at([{"verification": {"enabled": False}}]) is None
+    summary = {"outcome": "completed", "steps": 40, "wall_s": 50.0, "mode": "async", "security": "admitted",
+               "final_loss": 3.3, "heldout_loss": 3.1, "tokens_per_s": 1000.0, "flagged": {},
+               "verification_peak": 20.25, "verification_bar": 30.0, "verification_peak_at": _peak_at(trainers)}
+    assert "  verifier: nobody flagged; the largest CUSUM 20.2 against its bar of 30 (stage 1 input_grad of " \
+           "QmAbcdef, alignment low)" in format_summary(summary).splitlines()
+    assert not [line for line in format_summary({**summary, "verification_peak": None}).splitlines()
+                if "verifier" in line]

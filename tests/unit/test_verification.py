@@ -284,6 +284,7 @@ def test_one_of_two_whose_gradients_content_stands_a_few_spreads_off_is_checked_
     honest, outcomes = _tail_pair(_SelfChecks(delay=2, honest=True), offset=-0.2, features_off=("variation",))
     assert honest.flagged() == {} and all(outcome is None for _, outcome in outcomes)
     assert honest.pair_trips >= 2 and max(honest.peaks().values()) > honest.settings.threshold
+    assert honest.peak_features()[(2, "input_grad", "slow")] == "variation high"
     liar, _ = _tail_pair(_SelfChecks(delay=2, honest=False), offset=-0.2, features_off=("variation",))
     assert liar.flagged().keys() == {"slow"} and liar.pair_trips == 1
     outputs, _ = _tail_pair(_SelfChecks(delay=2, honest=True), offset=-0.2, features_off=("variation",), kind="output")
