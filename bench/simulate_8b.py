@@ -240,11 +240,10 @@ def _reading(g: dict, points: list[dict]) -> str:
                      f"{_span([p['window_s'] for p in timed], 0, ' s')} between rounds (round / window "
                      f"{_span([p['round_s'] / p['window_s'] for p in timed], 3)})" + _regime(timed) + ".")
     if draining:
-        lines.append(f"- Not a pace: at {len(draining)} point(s) a microbatch took {FLOOD_LATENCY_S:g} s or more (the "
-                     "trainers' send queues, as points computed before a depth counted a frame's wait behind the "
-                     "trainer's own frames as queueing grew into them), or more "
-                     "microbatches finished in the measured part than the busiest stage can compute, so its tokens/s "
-                     "counts what happened to finish there: "
+        lines.append(f"- Not a pace: at {len(draining)} point(s) a microbatch took {FLOOD_LATENCY_S:g} s or more (a "
+                     "trainer's send queue, or its first depths still draining), or more microbatches finished in "
+                     "the measured part than the busiest stage can compute (work queued before it finishing within "
+                     "it), so its tokens/s counts what happened to finish there: "
                      + "; ".join(f"{p['replicas']} x {p['trainers']} (latency {p['latency_s']:,.0f} s against "
                                  f"{p['seconds']:g} s measured, tokens/s "
                                  f"{of_bound(p):.0%} of the bound)" for p in draining)
@@ -276,6 +275,7 @@ def _uplink_reading(g: dict, per_replica: float, bound: list[dict]) -> str:
     rates = [min(TRAINER_UP_MBIT, link["down_mbit"]) for link in LINKS]  # equal shares of the workers
     serial = g["tokens"] / (megabits / (len(rates) / sum(1 / r for r in rates)))
     needs = ", ".join(f"{r} replicas {r * per_replica / full:.0f}-{r * per_replica / serial:.0f}" for r in (10, 25, 50, 100))
+    latencies = [p["latency_s"] for p in bound if p.get("latency_s") is not None]
     return (f"- The trainers' uplinks bound {len(bound)} point(s): "
             + ", ".join(f"{p['replicas']} x {p['trainers']}" for p in bound)
             + f". Every frame of a microbatch goes through its trainer ({frames} frames of "
@@ -285,8 +285,8 @@ def _uplink_reading(g: dict, per_replica: float, bound: list[dict]) -> str:
             f"a time per uplink at the slower end's rate (a frame to a {min(rates):.0f} Mbit/s worker holds the whole "
             f"uplink; routing sends more to the faster ones). Trainers the compute bound needs between those two: "
             f"{needs}. A trainer's adaptive depth counts a frame's wait on the wire beyond its link's floor as "
-            "queueing (node/trainer/inflight.py's `WireFloor`), so it does not grow into its own send queue; a "
-            "point whose microbatches still took tens of seconds was computed before it did.")
+            "queueing (node/trainer/inflight.py's `WireFloor`), so it does not grow into its own send queue"
+            + (f": there a microbatch takes {_span(latencies, 1, ' s')}." if latencies else "."))
 
 
 def _churn_line(g: dict, tokens_per_s: float, days: float) -> str:
