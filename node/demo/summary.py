@@ -169,8 +169,7 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         # Workers the trainers' verifiers flagged (the evidence), and the largest CUSUM any worker
         # reached at any trainer against the bar (how close the run came to flagging someone).
         "flagged": {peer: evidence for s in trainer_summaries for peer, evidence in s.get("flagged_by_peer", {}).items()},
-        "verification_peak": max((peak for s in trainer_summaries
-                                  for peak in s.get("verification", {}).get("peak_cusum", {}).values()), default=None),
+        "verification_peak": _largest_peak(trainer_summaries)[0],
         "verification_peak_at": _peak_at(trainer_summaries),
         "verification_bar": max((s["verification"]["threshold"] for s in trainer_summaries
                                  if s.get("verification", {}).get("enabled")), default=None),
@@ -191,14 +190,20 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
     }
 
 
-def _peak_at(trainer_summaries: list[dict]) -> str | None:
-    """Where the run's largest verifier CUSUM grew: "stage/kind/peer: feature side" (None: no verifier)."""
+def _largest_peak(trainer_summaries: list[dict]) -> tuple[float | None, str, str]:
+    """The run's largest verifier CUSUM at any trainer, its "stage/kind/peer" and its feature and side
+    ((None, "", "") without a verifier)."""
     peaks = [(peak, key, s["verification"].get("peak_feature", {}).get(key, ""))
              for s in trainer_summaries if s.get("verification", {}).get("peak_cusum")
              for key, peak in s["verification"]["peak_cusum"].items()]
-    if not peaks:
+    return max(peaks, default=(None, "", ""))
+
+
+def _peak_at(trainer_summaries: list[dict]) -> str | None:
+    """Where the run's largest verifier CUSUM grew: "stage/kind/peer: feature side" (None: no verifier)."""
+    peak, key, feature = _largest_peak(trainer_summaries)
+    if peak is None:
         return None
-    _, key, feature = max(peaks)
     return f"{key}: {feature}" if feature else key
 
 
