@@ -43,7 +43,7 @@ from pathlib import Path
 
 from agora.bench.simulate_scale_validation import scale_sections
 from agora.bench.suite import plan_for
-from agora.bench.suite_report import mean_present
+from agora.bench.report_format import mean_present
 from agora.node.simulate.scenario import scenario_from_dict
 from agora.node.simulate.swarm import SimSwarm, simulate
 

@@ -102,7 +102,7 @@ def test_rows_2_and_3_carry_the_wide_and_the_report_shape():
 
 
 def test_the_wide_goals_and_what_limits_a_missed_one_come_from_the_runs():
-    from agora.bench.suite_report import _wide_goals
+    from agora.bench.wan_report import wide_goals
 
     def run(rate, busy=0, calls=1000, wire=5.0):
         return {"tokens_per_s": rate, "heldout_loss": 3.0, "busy_retries": busy, "calls": calls,
@@ -117,7 +117,7 @@ def test_the_wide_goals_and_what_limits_a_missed_one_come_from_the_runs():
                                  "tiny wide x1 adaptive, 4 trainers": [run(1500, busy=5, wire=95.0)]}},
         "residential": {"runs": {"tiny wide x1 adaptive": [run(1700)]}}}}
     local = {"tiny wide": {"runs": {"train-local": [{"tokens_per_s": 3000}], "async": [run(1900, busy=2)]}}}
-    rows, notes = _wide_goals(row, local)
+    rows, notes = wide_goals(row, local)
     assert rows[0] == ("| 3 | many microbatches per batch: tokens/s at agora-floor / the same run on lan | tiny wide x1 "
                        "adaptive: 0.950; tiny wide x1 adaptive, 4 trainers: 0.833 | >= 0.9 (wide) | no |")
     assert rows[1].endswith("| tiny wide x1 adaptive: 0.850 | >= 0.8 (wide) | yes |")

@@ -84,7 +84,7 @@ def test_a_ratio_of_runs_from_different_sessions_is_marked_and_counts_for_no_goa
     """Runs measured again replace only themselves, so a profile's run and lan's same run can come from
     sessions hours apart, when this host's speed was not the same (lan tiny x1's compute per call 25 ms
     one morning, 39 ms at noon): such a ratio is marked, and a goal is judged on the pairs measured together."""
-    from agora.bench.suite_report import _profiles, _wide_goals
+    from agora.bench.wan_report import section, wide_goals
 
     stamp = {"command": "agora-bench --row 3 --run ...", "commit": "def5678", "date": "2026-12-07 11:30", "load": [1.6]}
     again = lambda rate: {**_run(rate), "rerun": stamp}  # noqa: E731
@@ -92,11 +92,11 @@ def test_a_ratio_of_runs_from_different_sessions_is_marked_and_counts_for_no_goa
         "lan": {"links": [], "runs": {"tiny wide x1 adaptive": [again(2000.0)], "small wide x1 adaptive": [again(800.0)]}},
         "agora-floor": {"links": [], "runs": {"tiny wide x1 adaptive": [again(1900.0)],
                                               "small wide x1 adaptive": [_run(400.0)]}}}}
-    lines, ratios = _profiles(row)
+    lines, ratios = section(row)
     assert ratios[("agora-floor", "tiny wide x1 adaptive")] == (0.95, False)
     assert ratios[("agora-floor", "small wide x1 adaptive")] == (0.5, True)
     assert any("| agora-floor | small wide x1 adaptive | 400 | 0.500 (sessions apart) |" in line for line in lines)
-    rows, notes = _wide_goals(row, None)
+    rows, notes = wide_goals(row, None)
     floor, = [line for line in rows if "at agora-floor" in line]
     assert "tiny wide x1 adaptive: 0.950; small wide x1 adaptive: 0.500 (sessions apart)" in floor
     assert floor.endswith("| >= 0.9 (wide) | yes |") and notes == []
