@@ -12,8 +12,9 @@ goes on. As node/worker/join.py's worker does, in its order:
 3. announces its own record, in weight sync (`Heartbeat.beat`: the worker's first announce comes
    after its entry phase is decided from those members).
 
-`--result` gets the wall times of each step's end ("start": just before `SwarmDHT.start`) and its
-peer id; then it goes on beating, as a joiner in weight sync does while it downloads, until SIGTERM.
+`--result` gets the wall times of each step's end ("start": just before `SwarmDHT.start`), each read of
+step 2 (its start, end and the records it returned per stage: a newcomer's first read is far slower
+than the swarm's, its connections not yet open) and its peer id; then it goes on beating, as a joiner in weight sync does while it downloads, until SIGTERM.
 The download itself is the data plane (gRPC streams of the state), not measured here: "donor found"
 is the coordination part of "to state". Whether others see the record is for another peer to say:
 the harness's monitor peer watches the stage (bench/dht_peer.py's `watch_for_newcomer`).
@@ -46,13 +47,18 @@ RETRY_S = 0.5
 DONOR_DEADLINE_S = 60.0
 
 
-async def find_donor(swarm: SwarmDHT, run_id: str, stages: int, stage: int,
-                     deadline_s: float = DONOR_DEADLINE_S) -> tuple[int, float | None]:
-    """(donors planned, wall time of the read that found one; None: none within `deadline_s`)."""
+async def find_donor(swarm: SwarmDHT, run_id: str, stages: int, stage: int, deadline_s: float = DONOR_DEADLINE_S,
+                     reads: list | None = None) -> tuple[int, float | None]:
+    """(donors planned, wall time of the read that found one; None: none within `deadline_s`). Each read
+    is appended to `reads`: its wall start and end and the records it returned per stage."""
     fingerprint, rng = run_fingerprint(CONFIG), random.Random()
     give_up = time.monotonic() + deadline_s
     while True:
+        started = time.time()
         by_stage = await swarm.all_workers_async(run_id, stages, fingerprint=fingerprint)
+        if reads is not None:
+            reads.append({"start": started, "end": time.time(),
+                          "records": [len(by_stage.get(s, ())) for s in range(stages)]})
         plan = plan_donors(by_stage, stage, swarm.peer_id, rng, max_gap=DEFAULT_REPORT_AHEAD)
         if plan.donors:
             return len(plan.donors), time.time()
@@ -71,7 +77,9 @@ async def join(swarm: SwarmDHT, args, times: dict) -> None:
     peer = Peer(swarm, args, model, dilation, epoch)
     peer.phase = Phase.WEIGHT_SYNC
     try:
-        times["donors"], times["donor"] = await find_donor(swarm, args.run_id, args.stages, args.stage)
+        times["reads"] = []
+        times["donors"], times["donor"] = await find_donor(swarm, args.run_id, args.stages, args.stage,
+                                                           reads=times["reads"])
         times["announced"] = time.time() if await peer.heartbeat.beat() else None
         times["peer_id"] = swarm.peer_id
         atomic_write(args.result, json.dumps(times).encode())

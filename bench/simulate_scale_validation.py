@@ -30,7 +30,9 @@ N admitted peers on agora-floor under the traffic model. Inputs: its measured "D
 process's DHT start through the bootstrap is not a DHT operation the simulator models), and the
 latency of a read and a store of a stage's worker records at that N (dht_scale's p50 of the
 `get workers` and `store workers` families, under the same traffic). Predicted: "donor found" (the
-simulated newcomer's first reads and `plan_donors`) and "visible to others": its first record at a
+simulated newcomer's first reads, every stage's worker key and then the ban list's, each first opening
+its connections, `DIAL_RTTS` round trips, since the newcomer has talked to none of the key's holders;
+then `plan_donors`) and "visible to others": its first record at a
 holder (node/simulate/network.py's `first_holder_s`: a read's lookup and half a round trip, as
 hivemind's store reaches the key's holders at once after its lookup), then the harness's monitor,
 which reads the stage and sleeps 0.25 s in turn: the first read to start after the holder has the
@@ -63,6 +65,15 @@ STEP_S, EVERY_STEPS, WINDOW_S = 2.0, 4, 3.0  # bench/averaging_scale.py's defaul
 MATCHMAKING_DHT_OPS = 2  # the loop's announcement and its read of the live replicas; hivemind's part is measured CPU
 HEARTBEAT_S = 5.0  # bench/averaging_replica.py's --heartbeat-s, which the harness leaves at its default
 MONITOR_READ_EVERY_S = 0.25  # bench/dht_peer.py's WATCH_S
+# The newcomer's first read (bench/dht_newcomer.py's `find_donor`) is two DHT reads one after the other:
+# every stage's worker key at once, then, to leave out banned workers, the ban list's key
+# (dht/swarm.py's `all_workers` and `refresh_bans`).
+NEWCOMER_FIRST_READS = 2
+# What a first request to a peer costs before it is sent, over libp2p on TCP (p2pd): the TCP handshake,
+# the security protocol's negotiation, noise's handshake and the muxer's negotiation, a round trip each.
+# A newcomer's first reads go to peers it has not talked to; the swarm's own reads, the `get workers`
+# p50 given as input, go over open connections.
+DIAL_RTTS = 4
 NEWCOMER_AT_S = 10.0
 
 
@@ -167,8 +178,8 @@ def newcomer_scenario(row: dict) -> dict:
         "dht": {"get_ms_at": [[float(row["nodes"]), families["get workers"]["p50_ms"]]],
                 "store_ms_at": [[float(row["nodes"]), families["store workers"]["p50_ms"]]]},
         "averaging": {"method": "none"},
-        "churn": {"admission_s": row["newcomer_joined_s"], "join_dht_ops": 1, "join_at_s": [NEWCOMER_AT_S],
-                  "state_bytes": 1_000_000},
+        "churn": {"admission_s": row["newcomer_joined_s"], "join_dht_ops": NEWCOMER_FIRST_READS,
+                  "dial_rtts": DIAL_RTTS, "join_at_s": [NEWCOMER_AT_S], "state_bytes": 1_000_000},
     }
 
 

@@ -299,15 +299,23 @@ NOTES = """## What the simulator leaves out, and where it shows
   runnable job advancing together, does not give: its replicas finish their probes together. The
   spread it does show comes from heartbeats falling in some rounds. averaging_scale keeps no
   replica's start of a round, so the offsets cannot be read from it either.
-- A newcomer against N: "donor found" is under-predicted by 14 to 20% (the newcomer's first read is
-  of three stage keys at once, whose slowest sets it; the input is one read's p50). "Visible to
-  others" 7 to 15% short: hivemind's store looks up the key's holders and sends the record to all of
-  them at once, returning when the slowest has answered, and a read takes what the holders it asks
-  have; so the record is readable a lookup and half a round trip after the store began (network.py's
-  `first_holder_s`), where the simulator had it when the store returned (+4/+5/+20/+121% at N = 8 to
-  64; the store's p50 at 64 was 9.0 s, its read's 0.6 s; now +10/0/-15/-10%). The monitor's reads
-  come a read and its 0.25 s sleep apart, and a read is taken to see what the holders had as it
-  began; had it seen what they had as it ended, the figures would be a read shorter (-19% at 64).
+- A newcomer against N: its first read is two DHT reads one after the other, every stage's worker key
+  at once and then the ban list's key (`all_workers` leaves banned workers out), each to peers it has
+  not talked to yet. Timed read by read at N = 8 (bench/dht_newcomer.py keeps each read since), the
+  stage reads took 0.47-0.51 s where the swarm's p50 was 0.12 s, and the ban read 0.32 s; with one
+  read's p50 as the whole, "donor found" was -24/-20/-18/-32% at N = 8 to 64. With the two reads, each
+  after `DIAL_RTTS` (4) round trips opening its connections (libp2p on TCP: the handshake, security
+  negotiation, noise, muxer negotiation), it is +4/+7/+9/-15%. At 64 the first read is slower than
+  that: in a second take (a 60 s window, get p50 0.64 s) its stage reads took 2.3-2.7 s, more than
+  the dials explain; a newcomer's lookups walk more hops in a larger swarm, each to a new peer, and
+  it checks 60 records' credentials on a loaded host, neither modelled. "Visible to others": hivemind's
+  store looks up the key's holders and sends the record to all of them at once, returning when the
+  slowest has answered, and a read takes what the holders it asks have; so the record is readable a
+  lookup and half a round trip after the store began (network.py's `first_holder_s`), where the
+  simulator had it when the store returned (+4/+5/+20/+121% at N = 8 to 64; the store's p50 at 64 was
+  9.0 s, its read's 0.6 s). The monitor's reads come a read and its 0.25 s sleep apart, and a read is
+  taken to see what the holders had as it began; had it seen what they had as it ended, the figures
+  would be a read shorter.
 """
 
 

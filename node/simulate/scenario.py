@@ -203,7 +203,10 @@ class ChurnSection:
     mean_lifetime_h: StrictFloat = setting(0.0, "a worker's mean lifetime, hours (exponential; 0: never leaves)",
                                            ge=0)
     admission_s: StrictFloat = setting(2.0, "a newcomer's start and admission before its DHT join, seconds", ge=0)
-    join_dht_ops: StrictInt = setting(6, "DHT operations of its join and first reads", ge=0)
+    join_dht_ops: StrictInt = setting(6, "DHT operations of its join and first reads, one after another", ge=0)
+    dial_rtts: StrictFloat = setting(
+        0.0, "round trips each of those operations spends first opening connections to peers the newcomer has "
+        "not talked to (libp2p over TCP: the handshake, security negotiation, noise, muxer negotiation: 4)", ge=0)
     state_bytes: StrictInt = setting(10_000_000, "the stage state it downloads, bytes", ge=0)
     state_load_s: StrictFloat = setting(0.0, "loading the downloaded state, seconds", ge=0)
     kill_at_s: tuple[StrictFloat, ...] = setting((), "times a worker (the oldest of a stage, in turn) is killed "

@@ -199,7 +199,8 @@ class SimSwarm:
         s = self.scenario.churn
         began = self.env.now
         yield self.env.timeout(s.admission_s)
-        for _ in range(s.join_dht_ops):
+        for _ in range(s.join_dht_ops):  # a fresh node's reads open their connections first
+            yield self.env.timeout(s.dial_rtts * link.rtt_ms / 1000.0)
             yield from self.dht_op()
         plan = self._donor_plan(stage)
         run_step = max((w.steps for w in self.workers.values() if w.alive and w.phase == Phase.MEMBER), default=None)

@@ -78,7 +78,7 @@ def test_one_stage_alone_needs_a_batch_clock():
         scenario_from_dict({"run": {"stages": 1}, "compute": {"ms": [1.0]}})
 
 
-def _newcomer(get_ms: float, store_ms: float, rtt_ms: float):
+def _newcomer(get_ms: float, store_ms: float, rtt_ms: float, **churn):
     """Admission 1.5 s, one read of every stage's records and `plan_donors` names one of its stage's
     two members, then its record's store."""
     result = simulate(scenario_from_dict({
@@ -88,7 +88,7 @@ def _newcomer(get_ms: float, store_ms: float, rtt_ms: float):
         "workers": {"replicas": 2},
         "dht": {"get_ms_at": [[8.0, get_ms]], "store_ms_at": [[8.0, store_ms]]},
         "averaging": {"method": "none"},
-        "churn": {"admission_s": 1.5, "join_dht_ops": 1, "join_at_s": [5.0], "state_bytes": 0},
+        "churn": {"admission_s": 1.5, "join_dht_ops": 1, "join_at_s": [5.0], "state_bytes": 0, **churn},
     }))
     newcomer, = result.newcomers
     return newcomer
@@ -105,3 +105,11 @@ def test_a_newcomer_names_a_donor_after_its_reads_and_is_visible_once_a_holder_h
 
 def test_a_store_that_returns_before_its_lookup_and_trip_would_is_visible_when_it_returns():
     assert _newcomer(200.0, 220.0, 100.0).to_visible_s == pytest.approx(1.7 + 0.22)
+
+
+def test_a_newcomers_first_reads_each_open_their_connections_first():
+    """Two reads one after the other, each after 4 round trips of 100 ms opening its connections: the
+    donor is named 2 x (0.4 + 0.2) s after admission, and the record's store follows."""
+    newcomer = _newcomer(200.0, 9000.0, 100.0, join_dht_ops=2, dial_rtts=4)
+    assert newcomer.to_donor_s == pytest.approx(1.5 + 2 * (0.4 + 0.2))
+    assert newcomer.to_visible_s == pytest.approx(newcomer.to_donor_s + 0.25)

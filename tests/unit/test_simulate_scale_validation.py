@@ -20,7 +20,9 @@ def test_a_newcomers_scenario_takes_the_rows_geometry_latencies_and_dht_start():
     scenario = scenario_from_dict(newcomer_scenario(row))
     assert (scenario.run.stages, scenario.workers.replicas) == (3, 5)
     assert scenario.dht.get_ms_at == ((16.0, 350.0),) and scenario.dht.store_ms_at == ((16.0, 750.0),)
-    assert scenario.churn.admission_s == 2.0 and scenario.churn.join_dht_ops == 1
+    assert scenario.churn.admission_s == 2.0
+    # Its first reads, the stage keys then the ban list's, each over connections it opens first.
+    assert scenario.churn.join_dht_ops == 2 and scenario.churn.dial_rtts == 4
 
 
 def test_the_harness_cpu_is_read_from_allreduce_costs_tables_and_fit(tmp_path):
