@@ -11,7 +11,8 @@ fall due every `sync.every_steps` steps together, as on a training stage.
 Handshake with the bench, by files in `--workdir` written atomically: `replica-I.dht` (its
 multiaddrs, once the DHT is up), `replica-I.ready` (once it counts all `--replicas` live
 replicas of the stage), then it waits for `go` (the shared start time); after `--rounds` rounds
-are due and the last has ended, `replica-I.json` (every round's result and the loop's stats).
+are due and the last has ended, `replica-I.json` (every round's result, with its start in seconds from
+`go`, and the loop's stats).
 It then keeps its parts up until SIGTERM, so slower replicas' rounds still find it.
 
     python -m agora.bench.averaging_replica --workdir W --index I --replicas R [--initial-peers ...]
@@ -103,6 +104,7 @@ class Replica:
         self.name = f"replica-{args.index}"
         self.rounds: list[dict] = []
         self.recorded = asyncio.Event()
+        self.start_at = 0.0  # the shared start (the bench's `go`), once read
 
     def record(self) -> WorkerRecord:
         return WorkerRecord(peer_id=self.swarm.peer_id, run_id=RUN_ID, endpoint="127.0.0.1:9",  # never dialled
@@ -127,7 +129,7 @@ class Replica:
             await loop.start()
             await self._until(lambda: board.replicas(), lambda n: n >= args.replicas, _ALL_LIVE_S, "live replicas")
             _write(self.workdir / f"{self.name}.ready", "ready\n")
-            start_at = float(await self._until(self._go, lambda t: t is not None, _ALL_LIVE_S, "go"))
+            start_at = self.start_at = float(await self._until(self._go, lambda t: t is not None, _ALL_LIVE_S, "go"))
             await self._step_through(start_at)
             await self._last_round_ended(loop)
             _write(self.workdir / f"{self.name}.json", json.dumps(
@@ -140,7 +142,10 @@ class Replica:
             await self.worker.stop()
 
     def _observe(self, result: RoundResult, index: int, applied: bool) -> None:
-        self.rounds.append(round_row(result))
+        # When the round started, in seconds from the shared start: the replicas' clocks are one
+        # (time.monotonic is system-wide), so the bench sets each replica's start beside the others'.
+        started = time.monotonic() - result.duration_s - self.start_at
+        self.rounds.append({**round_row(result), "started_s": round(started, 4)})
         self.recorded.set()
 
     async def _go(self):

@@ -91,6 +91,11 @@ class Row:
     pss_mib_per_replica: float = math.nan
     startup_s: float = math.nan
     window_s: float = math.nan
+    # Each replica's round start behind the first of the same round's (s): the replicas step together,
+    # so this is what the shared cores and the loop put between them (the simulator's input).
+    start_offsets_s: tuple = ()
+    start_offset_p50_s: float = math.nan
+    start_offset_p95_s: float = math.nan
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -120,6 +125,7 @@ def aggregate(replicas: int, reports: list[dict], pace: Pace) -> Row:
     committed = [row for row in rows if row["outcome"] == "committed"]
     formations = [row["formation_s"] for row in rows if row.get("formation_s") is not None]
     total = sum(attempted)
+    offsets = start_offsets(rows)
     return Row(
         replicas=replicas, reported=len(reports), rounds_due=pace.rounds,
         attempted_per_replica=_ratio(total, len(reports)), attempted_min=min(attempted, default=0),
@@ -131,7 +137,18 @@ def aggregate(replicas: int, reports: list[dict], pace: Pace) -> Row:
         formed_in_window_ratio=_ratio(sum(f <= pace.matchmaking_s for f in formations), len(formations)),
         duration_p50_s=percentile([row["duration_s"] for row in rows], 0.5),
         duration_p95_s=percentile([row["duration_s"] for row in rows], 0.95),
-        matchmaking_s=pace.matchmaking_s, round_every_s=pace.round_every_s)
+        matchmaking_s=pace.matchmaking_s, round_every_s=pace.round_every_s, start_offsets_s=tuple(offsets),
+        start_offset_p50_s=percentile(offsets, 0.5), start_offset_p95_s=percentile(offsets, 0.95))
+
+
+def start_offsets(rows: list[dict]) -> list[float]:
+    """Every start of a round behind the first start of the same round, in seconds (rounds with one
+    start say nothing of the spread and are left out; rows recorded before starts were are too)."""
+    by_round: dict[int, list[float]] = {}
+    for row in rows:
+        if row.get("started_s") is not None:
+            by_round.setdefault(row["round"], []).append(row["started_s"])
+    return [round(start - min(starts), 4) for starts in by_round.values() if len(starts) > 1 for start in starts]
 
 
 # ---- one R -----------------------------------------------------------------------------------------
@@ -191,6 +208,7 @@ COLUMNS = [("attempted_per_replica", "attempted / replica"), ("success_ratio", "
            ("full_group_ratio", "groups of all R"), ("formation_p50_s", "formation p50 s"),
            ("formation_p95_s", "formation p95 s"), ("formed_in_window_ratio", "formed within window"),
            ("duration_p50_s", "round p50 s"), ("duration_p95_s", "round p95 s"),
+           ("start_offset_p50_s", "start behind the round's first p50 s"), ("start_offset_p95_s", "p95 s"),
            ("pss_mib_per_replica", "PSS MiB / replica")]
 
 

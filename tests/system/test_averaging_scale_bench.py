@@ -25,5 +25,8 @@ def test_three_replicas_commit_rounds_and_the_figures_come_back(tmp_path):
     assert all(math.isfinite(v) and v > 0 for v in (row.formation_p50_s, row.duration_p50_s,
                                                     row.pss_mib_per_replica, row.startup_s)), row
     assert row.formation_p50_s <= row.duration_p50_s, row
+    # Every replica's start of each round, beside the others' (one of each round's is the first).
+    assert len(row.start_offsets_s) >= 3 and min(row.start_offsets_s) == 0.0, row
+    assert all(0.0 <= offset < pace.round_every_s for offset in row.start_offsets_s), row
     assert "| 3 |" in report([row], pace, "test")
     assert_nothing_left(tmp_path / "r3")

@@ -43,6 +43,19 @@ def test_outcomes_ratios_groups_and_times_over_every_replica():
     assert row.matchmaking_s == 2.0 and row.round_every_s == 2.0
 
 
+def test_each_start_is_set_behind_the_first_start_of_its_round():
+    reports = [replica([("committed", 3, 0.2, 0.5), ("committed", 3, 0.4, 0.7)]) for _ in range(3)]
+    for report_, starts in zip(reports, ((6.10, 14.30), (6.16, 14.10), (6.40, 14.12))):
+        for row, start in zip(report_["rounds"], starts):
+            row["started_s"] = start
+    reports[2]["rounds"].append({**reports[2]["rounds"][1], "round": 3, "started_s": 22.5})  # alone: no spread
+    row = aggregate(3, reports, PACE)
+    assert sorted(row.start_offsets_s) == [0.0, 0.0, 0.02, 0.06, 0.2, 0.3]
+    assert row.start_offset_p50_s == 0.02 and row.start_offset_p95_s == 0.3
+    # Reports recorded before starts were leave the figures out, not wrong.
+    assert math.isnan(aggregate(3, [replica([("committed", 3, 0.2, 0.5)])] * 3, PACE).start_offset_p50_s)
+
+
 def test_a_window_without_a_formed_group_gives_nan_figures_not_an_error():
     row = aggregate(2, [replica([("alone", 0, None, 2.0)]), replica([("alone", 0, None, 2.0)])], PACE)
     assert row.success_ratio == 0.0 and math.isnan(row.group_mean) and math.isnan(row.formation_p50_s)
