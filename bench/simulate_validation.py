@@ -275,30 +275,34 @@ NOTES = """## What the simulator leaves out, and where it shows
   leaves most of them, so "never" is what both say for most, but the figures cannot be set side by
   side. The simulator kills the oldest replica of a stage; chaos kills at random, newcomers too.
 - Averaging against R: the inputs are measured on the harness's own kind of replica (insecure
-  DHT, hivemind's averager: bench/allreduce_cost.py at R = 2, 4, 8, 16): one loop DHT operation 4.0,
-  4.5, 9.4 and 10.5 ms of host CPU, the rest of a replica's matchmaking 29, 39, 88 and 125 ms. Taken
-  from dht_scale's admitted peers instead (signed records, a ban list; 11.6 to 22.5 ms per operation,
-  four per matchmaking, R = 2 and 4 extrapolated below its smallest N), the same rows were formation
-  p50 +68/+6/-19/-35% and round p50 +47/-8/-23/-29%: the wrong swarm's costs, growing more slowly
-  in R than hivemind's matchmaking, whose reads of the declared averagers return R entries. Now
-  formation p50 +33/-12/+21/+4% and round p50 +25/-19/+7/-3%. R = 2 stays long: at 29 ms of
-  matchmaking CPU per replica against a formation of 28 ms measured, part of what the weight-0
-  rounds count is not on the way to the group (the refusals after it forms, the averager's
-  background), and the simulator puts all of it before. The all-reduce's CPU (the same bench, weight
-  1 against weight 0 in alternated blocks, fitted over R <= 4: 0.23 ms per peer and 31 ns per byte a
-  member sends) is the difference of two CPU totals of similar size; three earlier fits gave 1.06 ms
-  / 21 ns, 2.57 / 9.0 and 1.49 / 30, so it is pinned only to within a factor of two, and it is a
-  small part of a round (19 ms per member at R = 16 against 125 ms of matchmaking). Between rounds
-  the replicas' probes, round closes and a heartbeat every 5 s are simulated.
-- The p95s stay short at R >= 4 (formation -43/-20/-27%, rounds -52/-23/-29% at R = 4, 8, 16). The harness's
-  replicas start a round apart, and nothing in the code's periods puts them apart: each replica's
-  probe falls due at the step itself (the previous probe is older than the 0.75 s base interval
-  when the 2 s step lands) and the heartbeat runs beside the loop. The offsets are the order in which
-  the shared cores serve R replicas' probes (and hivemind's matchmaking, which reads the declared
-  averagers again at once when it found none), which the simulator's processor sharing, every
-  runnable job advancing together, does not give: its replicas finish their probes together. The
-  spread it does show comes from heartbeats falling in some rounds. averaging_scale keeps no
-  replica's start of a round, so the offsets cannot be read from it either.
+  DHT, hivemind's averager: bench/allreduce_cost.py at R = 2, 4, 8, 16), in the same session as the
+  harness's rounds: this host's speed moves by the hour and the day (the averaging's CPU per round
+  at R = 4 was 0.20 s on 2026-12-06 and 0.44 s on 2026-12-07, the same code alternated with the
+  day-old one), so inputs and figures from different sessions would measure the host. On 2026-12-07:
+  one loop DHT operation 5.6, 9.7, 15.3 and 17.5 ms of host CPU, the rest of a replica's matchmaking
+  45, 82, 137 and 219 ms. (Taken from dht_scale's admitted peers instead, signed records and a ban
+  list, an earlier take's formation p50 was +68/+6/-19/-35%: the wrong swarm's costs, growing more
+  slowly in R than hivemind's matchmaking, whose reads of the declared averagers return R entries.)
+  R = 2 stays short of the measured: part of what the weight-0 rounds count is not on the way to the
+  group (the refusals after it forms, the averager's background), the rest of a round at R = 2 is
+  a few tens of milliseconds, and the harness's rounds pay what the simulator leaves out (the
+  compute thread's step, the loop's turns). The all-reduce's CPU (the same bench, weight 1 against
+  weight 0 in alternated blocks, fitted over R <= 4) is the difference of two CPU totals of similar
+  size, pinned only to within a factor of two, and a small part of a round. Between rounds the
+  replicas' probes, round closes and a heartbeat every 5 s are simulated. R = 16 puts 64 processes on
+  the two cores (load 15 at its end), where the measured p50s run 17-27% past the simulated: what
+  CPU costs at that load is more than the sum of its parts measured at the start of each round.
+- The replicas start a round apart, although they step together: each replica's probe falls due at
+  the step itself and the shared cores serve R replicas' steps, probes and hivemind's matchmaking in
+  turn, which the simulator's processor sharing, every runnable job advancing together, does not
+  give (its replicas finish the same work together). averaging_scale keeps each replica's start of
+  each round since 2026-12-07 (p95 behind the round's first: 0.03, 0.11, 0.57 and 1.37 s at R = 2, 4,
+  8, 16), and the simulator delays each replica's start by one of those offsets, drawn. On the same
+  take, without them: formation p50 -23/-13/+8/-15%, p95 -49/-31/-27/-30%, round p50 -24/-14/+8/-5%,
+  p95 -56/-42/-21/-24% (6 of 16 within 20%); with them the p95s are -24/-13/-11/-31% and
+  -39/-30/-7/-23% and the p50s -23/-17/+1/-27% and -24/-17/+2/-17% (8 of 16). R = 16's formation
+  p50 is shorter with them (a late starter finds its group nearly formed): the draw is independent
+  per replica, where the host's order is not.
 - A newcomer against N: its first read is two DHT reads one after the other, every stage's worker key
   at once and then the ban list's key (`all_workers` leaves banned workers out), each to peers it has
   not talked to yet. Timed read by read at N = 8 (bench/dht_newcomer.py keeps each read since), the

@@ -190,10 +190,16 @@ class AveragingSection:
         0.0, "CPU of a member's all-reduce per other member of its group, ms (bench/allreduce_cost.py)", ge=0)
     allreduce_cpu_ns_per_byte: StrictFloat = setting(
         0.0, "CPU of a member's all-reduce per byte it sends, ns (bench/allreduce_cost.py)", ge=0)
+    start_offsets_s: tuple[StrictFloat, ...] = setting(
+        (), "measured delays of a replica's start of a round behind the first replica's of the same round, "
+        "seconds (bench/averaging_scale.py): each replica's start of each round is delayed by one drawn at "
+        "random (none: they start together)")
 
     @model_validator(mode="after")
     def _tables(self) -> "AveragingSection":
         _check_table("matchmaking_cpu_ms_at", self.matchmaking_cpu_ms_at)
+        if any(not 0 <= offset < float("inf") for offset in self.start_offsets_s):
+            raise ValueError("start_offsets_s: every offset must be a finite number of seconds >= 0")
         return self
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 import simpy
 
@@ -75,7 +75,8 @@ class SimSwarm:
                                   policy=self.policy, enabled=s.averaging.method != "none",
                                   cpu=lambda seconds: self.compute(seconds, since=self.env.now),
                                   allreduce_cpu=(s.averaging.allreduce_cpu_ms_per_peer / 1000.0,
-                                                 s.averaging.allreduce_cpu_ns_per_byte / 1e9))
+                                                 s.averaging.allreduce_cpu_ns_per_byte / 1e9),
+                                  start_offset=self._start_offset())
         self.board = SimLeaseBoard(self.env, total=_UNITS, lease_s=_LEASE_S, dht_op=self.dht_op)
         self.trainer_count = s.trainers.count if s.run.batch_s is None else 0
         self.batches: list[tuple[float, int]] = []  # the batch clock's global batches
@@ -96,6 +97,15 @@ class SimSwarm:
                 self._add_worker(stage, self._speed() * slowdown, self._draw_link(), Phase.MEMBER)
         for worker in list(self.workers.values()):
             self._between_rounds(worker)
+
+    def _start_offset(self) -> Optional[Callable[[], float]]:
+        """Draws of the measured start offsets (their own random stream: the rest of the run draws the
+        same with or without them), or None where none are given."""
+        offsets = self.scenario.averaging.start_offsets_s
+        if not offsets:
+            return None
+        draws = random.Random(self.scenario.run.seed + 1)
+        return lambda: draws.choice(offsets)
 
     def _between_rounds(self, worker: SimWorker) -> None:
         """The worker's traffic between rounds, where the scenario simulates it (background.py)."""

@@ -140,12 +140,13 @@ class StageRounds:
     def __init__(self, env: simpy.Environment, *, every_steps: int, n_slices: int, vector_bytes: int,
                  window_s: float, matchmaking: Callable[[SimWorker], Generator], live: Callable[[int], int],
                  policy: SyncPolicy, enabled: bool, cpu: Callable[[float], Generator] = None,
-                 allreduce_cpu: tuple[float, float] = (0.0, 0.0)):
+                 allreduce_cpu: tuple[float, float] = (0.0, 0.0), start_offset: Callable[[], float] = None):
         self.env, self.every_steps, self.n_slices = env, every_steps, n_slices
         self.vector_bytes, self.window_s, self.policy, self.enabled = vector_bytes, window_s, policy, enabled
         self.matchmaking, self.live = matchmaking, live
         self.cpu = cpu  # a simpy process taking that many CPU seconds (on the shared cores, if any)
         self.allreduce_cpu = allreduce_cpu  # (s per other member, s per byte sent)
+        self.start_offset = start_offset  # a replica's start of a round behind the round's first (s), drawn
         self.announced: dict[int, int] = {}  # stage -> highest round announced
         self._forming: dict[tuple[int, int], _Forming] = {}
         self.log: list[RoundLog] = []
@@ -173,6 +174,8 @@ class StageRounds:
 
     def _round(self, worker: SimWorker, number: int):
         worker.rounding = True
+        if self.start_offset is not None:  # what sets the replicas' starts apart on a shared host
+            yield self.env.timeout(self.start_offset())
         started, key = self.env.now, (worker.stage, number)
         if self.live(worker.stage) <= 1:
             self._ended([(worker, started)], number, started, formed_at=None)

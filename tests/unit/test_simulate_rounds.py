@@ -113,3 +113,21 @@ def test_a_newcomers_first_reads_each_open_their_connections_first():
     newcomer = _newcomer(200.0, 9000.0, 100.0, join_dht_ops=2, dial_rtts=4)
     assert newcomer.to_donor_s == pytest.approx(1.5 + 2 * (0.4 + 0.2))
     assert newcomer.to_visible_s == pytest.approx(newcomer.to_donor_s + 0.25)
+
+
+def test_measured_start_offsets_set_the_replicas_starts_apart_and_the_first_waits_for_the_last():
+    """Each replica's start of a round is delayed by one of the measured offsets, drawn: with no
+    matchmaking operations a group forms as its last member starts, so a member's formation is how
+    far it started before the last one (0 for the last)."""
+    rounds = _stage_alone(2, matchmaking_dht_ops=0, start_offsets_s=[0.0, 0.3]).rounds.log
+    assert [r.group for r in rounds] == [2, 2, 2]
+    for r in rounds:
+        assert sorted(r.formations) in ([0.0, 0.0], pytest.approx([0.0, 0.3]))
+    assert any(max(r.formations) == pytest.approx(0.3) for r in rounds)  # this seed draws apart at least once
+    together = _stage_alone(2, matchmaking_dht_ops=0).rounds.log
+    assert all(r.formations == (0.0, 0.0) for r in together)
+
+
+def test_a_start_offset_must_be_a_finite_number_of_seconds_at_least_0():
+    with pytest.raises(ConfigError, match="start_offsets_s"):
+        _stage_alone(2, start_offsets_s=[0.1, -0.2])
