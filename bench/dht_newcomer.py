@@ -14,7 +14,8 @@ goes on. As node/worker/join.py's worker does, in its order:
 
 `--result` gets the wall times of each step's end ("start": just before `SwarmDHT.start`), each read of
 step 2 (its start, end and the records it returned per stage: a newcomer's first read is far slower
-than the swarm's, its connections not yet open) and its peer id; then it goes on beating, as a joiner in weight sync does while it downloads, until SIGTERM.
+than the swarm's, its connections not yet open) and its peer id; then it goes on beating, as a joiner
+in weight sync does while it downloads, until SIGTERM.
 The download itself is the data plane (gRPC streams of the state), not measured here: "donor found"
 is the coordination part of "to state". Whether others see the record is for another peer to say:
 the harness's monitor peer watches the stage (bench/dht_peer.py's `watch_for_newcomer`).
