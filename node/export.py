@@ -11,8 +11,9 @@ Design choices:
   are its own parser's. A worker gives its state to an operator credential of its run
   (auth/grpc_policy.py, node/membership/state_transfer.py); under --insecure to anyone of the run.
 - A stage with no member announcing itself fails the export in one line naming it (a replica
-  still syncing has not got the stage's state), and so does one whose members' states all fail
-  their checks.
+  still syncing has not got the stage's state), once the stages have been read again for
+  `members_wait_s` (one read can miss a stage on a loaded swarm), and so does one whose members'
+  states all fail their checks.
 - `DIR/checkpoint` is a complete checkpoint of every stage (parameters, optimizer state, averaging
   state: pipeline/checkpoint.py), loadable by `train-local --resume`, `export-hf` and
   `join --serve-only --checkpoint`; its step is the lowest of the stages' (replicas of different
@@ -53,6 +54,8 @@ __all__ = ["ExportOptions", "ExportHfOptions", "run_export", "add_export_command
 
 logger = logging.getLogger("agora.node.export")
 
+_MEMBERS_RETRY_S = 1.0  # between reads of the stages' members while one has none (`members_wait_s`)
+
 
 @pydantic_dataclass(frozen=True, config=SECTION)
 class ExportOptions:
@@ -65,6 +68,8 @@ class ExportOptions:
     initial_peers: tuple[StrictStr, ...] = setting((), "the swarm's DHT peers (--initial-peers, or the credential's)")
     timeout_s: StrictFloat = setting(480.0, "each stage's download, over every donor tried", flag="--timeout",
                                      metavar="S", gt=0)
+    members_wait_s: StrictFloat = setting(30.0, "how long the DHT is read again for a stage no member was seen "
+                                          "announcing, before the export fails naming it", gt=0)
 
 
 @pydantic_dataclass(frozen=True, config=SECTION)
@@ -102,14 +107,22 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
     started = time.monotonic()
     n_stages = len(config.layer_split)
     fingerprint = run_fingerprint(config)
-    by_stage = await swarm.all_workers_async(options.run_id, n_stages, fingerprint=fingerprint)
     rng = random.Random()
-    plans = {stage: plan_donors(by_stage, stage, swarm.peer_id, rng, max_gap=DEFAULT_REPORT_AHEAD)
-             for stage in range(n_stages)}
-    missing = [stage for stage in range(n_stages) if not plans[stage].donors and not plans[stage].outliers]
-    if missing:
-        raise ConfigError(f"stage {', '.join(map(str, missing))} of run {options.run_id!r}: no member replica "
-                          "announces itself in the DHT (is the swarm up, and are --initial-peers and --run-id its own?)")
+    while True:
+        by_stage = await swarm.all_workers_async(options.run_id, n_stages, fingerprint=fingerprint)
+        plans = {stage: plan_donors(by_stage, stage, swarm.peer_id, rng, max_gap=DEFAULT_REPORT_AHEAD)
+                 for stage in range(n_stages)}
+        missing = [stage for stage in range(n_stages) if not plans[stage].donors and not plans[stage].outliers]
+        if not missing:
+            break
+        # A fresh node's first reads open every connection they use, and on a loaded swarm one may miss a
+        # stage whose members are there (a member between heartbeats, a holder slow to answer): read again.
+        if time.monotonic() - started >= options.members_wait_s:
+            raise ConfigError(f"stage {', '.join(map(str, missing))} of run {options.run_id!r}: no member replica "
+                              f"announces itself in the DHT after {options.members_wait_s:g} s (is the swarm up, and "
+                              "are --initial-peers and --run-id its own?)")
+        logger.info("export: no member of stage %s seen yet; reading again", ", ".join(map(str, missing)))
+        await asyncio.sleep(_MEMBERS_RETRY_S)
     channels = TlsChannels(credentials) if credentials is not None else InsecureChannels()
     states, sources = [], {}
     for stage in range(n_stages):

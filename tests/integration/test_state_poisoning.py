@@ -37,7 +37,7 @@ from agora.node.rpc.tls import InsecureChannels
 from agora.node.trainer.stage_client import StageClient
 from agora.node.worker.worker import StageWorker, WorkerOptions
 from agora.pipeline.checkpoint import load_checkpoint
-from agora.pipeline.config import PRESETS
+from agora.pipeline.config import PRESETS, ConfigError
 from agora.pipeline.fingerprint import run_fingerprint
 from agora.protos.state_adapter import StateRequest, StateStub
 from tail_training import train_tail
@@ -306,11 +306,59 @@ def test_export_writes_the_stage_state_another_members_sketch_confirms(dht_pair,
     assert line.fields["donor"] == "hostile" and line.fields["reason"] == "scale"
 
 
-async def _until_listed(reader, count: int, timeout_s: float = 20.0) -> None:
+async def _until_listed(reader, count: int, timeout_s: float = 20.0, run_id: str = RUN) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        stages = await reader.all_workers_async(RUN, len(CONFIG.layer_split), fingerprint=FINGERPRINT)
+        stages = await reader.all_workers_async(run_id, len(CONFIG.layer_split), fingerprint=FINGERPRINT)
         if sum(len(records) for records in stages.values()) == count:
             return
         await asyncio.sleep(0.1)
     raise AssertionError(f"the DHT did not list the {count} workers in {timeout_s:g} s")
+
+
+def test_export_reads_the_stages_again_until_each_has_a_member_and_names_one_that_never_has(dht_pair, tmp_path,
+                                                                                            caplog):
+    """One read can miss a stage's members on a loaded swarm: export reads again. Stage 1's member
+    announces itself a second after the export began, and the export waits for it and writes both
+    stages; a run whose stage 1 never has a member fails after `members_wait_s`, naming stage 1."""
+    first, second = dht_pair
+    late = "late-member-run"
+
+    def record(worker: StageWorker, peer_id: str) -> WorkerRecord:
+        return WorkerRecord(peer_id=peer_id, run_id=late, endpoint=worker.address, stage=worker.stage_index,
+                            n_stages=len(CONFIG.layer_split), throughput=1.0, queue_depth=0, step=0, phase="member",
+                            version="0.1.0", updated_at=first.clock(), fingerprint=FINGERPRINT.text())
+
+    async def main():
+        head = StageWorker(CONFIG, 0, run_id=late, options=WorkerOptions())
+        tail = StageWorker(CONFIG, TAIL, run_id=late, options=WorkerOptions())
+        await head.start()
+        await tail.start()
+        try:
+            assert await first.announce_worker_async(record(head, "head"), ttl=120)
+            await _until_listed(second, 1, run_id=late)
+            with pytest.raises(ConfigError, match=r"stage 1 of run 'late-member-run': no member replica announces "
+                                                  r"itself in the DHT after 2 s"):
+                await _export(CONFIG, ExportOptions(out=str(tmp_path / "none"), run_id=late, members_wait_s=2.0),
+                              second, None)
+            assert not (tmp_path / "none").exists()
+
+            async def announce_later():
+                await asyncio.sleep(1.0)
+                assert await first.announce_worker_async(record(tail, "tail"), ttl=120)
+
+            with caplog.at_level(logging.INFO, logger="agora.node.export"):
+                announced = asyncio.create_task(announce_later())
+                assert await _export(CONFIG, ExportOptions(out=str(tmp_path / "out"), run_id=late, timeout_s=60.0),
+                                     second, None) == 0
+                await announced
+        finally:
+            await head.stop()
+            await tail.stop()
+
+    run(main())
+    assert any("no member of stage 1 seen yet; reading again" in r.getMessage() for r in caplog.records)
+    _, _, stages, extra = load_checkpoint(tmp_path / "out" / "checkpoint")
+    assert [state.index for state in stages] == [0, 1]
+    assert extra["exported_from"]["1"]["peer"] == "tail" and extra["exported_from"]["0"]["peer"] == "head"
+
