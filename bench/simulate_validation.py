@@ -283,10 +283,9 @@ NOTES = """## What the simulator leaves out, and where it shows
   45, 82, 137 and 219 ms. (Taken from dht_scale's admitted peers instead, signed records and a ban
   list, an earlier take's formation p50 was +68/+6/-19/-35%: the wrong swarm's costs, growing more
   slowly in R than hivemind's matchmaking, whose reads of the declared averagers return R entries.)
-  R = 2 stays short of the measured: part of what the weight-0 rounds count is not on the way to the
-  group (the refusals after it forms, the averager's background), the rest of a round at R = 2 is
-  a few tens of milliseconds, and the harness's rounds pay what the simulator leaves out (the
-  compute thread's step, the loop's turns). The all-reduce's CPU (the same bench, weight 1 against
+  R = 2 is short of the measured (formation and round p50 -23% and -24%; the take of 2026-12-06 had
+  them 23% and 8% long): a round there is a few tens of milliseconds, where whatever the simulator
+  leaves out weighs most; not looked into further. The all-reduce's CPU (the same bench, weight 1 against
   weight 0 in alternated blocks, fitted over R <= 4) is the difference of two CPU totals of similar
   size, pinned only to within a factor of two, and a small part of a round. Between rounds the
   replicas' probes, round closes and a heartbeat every 5 s are simulated. R = 16 puts 64 processes on
