@@ -94,8 +94,14 @@ class Row:
     # Each replica's round start behind the first of the same round's (s): the replicas step together,
     # so this is what the shared cores and the loop put between them (the simulator's input).
     start_offsets_s: tuple = ()
-    start_offset_p50_s: float = math.nan
-    start_offset_p95_s: float = math.nan
+
+    @property
+    def start_offset_p50_s(self) -> float:
+        return percentile(list(self.start_offsets_s), 0.5)
+
+    @property
+    def start_offset_p95_s(self) -> float:
+        return percentile(list(self.start_offsets_s), 0.95)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -125,7 +131,6 @@ def aggregate(replicas: int, reports: list[dict], pace: Pace) -> Row:
     committed = [row for row in rows if row["outcome"] == "committed"]
     formations = [row["formation_s"] for row in rows if row.get("formation_s") is not None]
     total = sum(attempted)
-    offsets = start_offsets(rows)
     return Row(
         replicas=replicas, reported=len(reports), rounds_due=pace.rounds,
         attempted_per_replica=_ratio(total, len(reports)), attempted_min=min(attempted, default=0),
@@ -137,8 +142,7 @@ def aggregate(replicas: int, reports: list[dict], pace: Pace) -> Row:
         formed_in_window_ratio=_ratio(sum(f <= pace.matchmaking_s for f in formations), len(formations)),
         duration_p50_s=percentile([row["duration_s"] for row in rows], 0.5),
         duration_p95_s=percentile([row["duration_s"] for row in rows], 0.95),
-        matchmaking_s=pace.matchmaking_s, round_every_s=pace.round_every_s, start_offsets_s=tuple(offsets),
-        start_offset_p50_s=percentile(offsets, 0.5), start_offset_p95_s=percentile(offsets, 0.95))
+        matchmaking_s=pace.matchmaking_s, round_every_s=pace.round_every_s, start_offsets_s=tuple(start_offsets(rows)))
 
 
 def start_offsets(rows: list[dict]) -> list[float]:
