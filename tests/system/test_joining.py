@@ -9,6 +9,8 @@ stage 0, one on the tail, which covers about what one head does per token. Exact
 stage 0 must move: leave, be admitted again with a credential for stage 1, sync there; then both
 stages cover about the same and nobody moves again.
 
+An operator's `agora-node export` of the same run goes on beside the joining (class Export).
+
 The test follows the run by its logs (the readiness handshakes: each milestone line) and stops the
 demo with Ctrl-C once everything it checks has happened, so a slow machine only makes it wait; every
 role must then leave cleanly, the summary say "interrupted", and no process of the run be left.
@@ -108,13 +110,52 @@ class LiveRun:
         self.output.close()
 
 
+class Export:
+    """`agora-node export` of the live run with an operator credential minted by the run's
+    authorizer, started once the run has trained a few batches and left to run beside the joining:
+    it downloads from members while others join and one moves (a donor that leaves is followed by
+    the next), and the CPU it takes on a two-core machine delays the joining instead of running
+    after it."""
+
+    STEPS_FIRST = 3  # its stages must be past step 0 (the test checks the step it writes)
+
+    def __init__(self, run: LiveRun, folder: Path):
+        from agora.node.cli import main
+
+        deadline = time.monotonic() + 300
+        while len(_loss_lines(run.work)) < self.STEPS_FIRST:
+            assert run.process.poll() is None and time.monotonic() < deadline, run.tail()
+            time.sleep(0.5)
+        self.folder, operator = folder, folder / "operator"
+        assert main(["authorizer", "issue", "--state-dir", str(run.work / "authorizer"), "--role", "operator",
+                     "--out", str(operator)]) == 0
+        self.output = open(folder / "export.out", "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "agora.node", "--log-level", "WARNING", "export", "--state-dir", str(operator),
+             "--out", str(folder / "export")], stdout=self.output, stderr=subprocess.STDOUT)
+
+    def wait(self) -> tuple[int, str]:
+        code = self.process.wait(300)
+        return code, _text(self.folder / "export.out")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.output.close()
+
+
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory):
     run = LiveRun(tmp_path_factory.mktemp("lopsided") / "work")
+    export = None
     try:
+        export = Export(run, tmp_path_factory.mktemp("export"))
         run.wait_until_done(720)
-        yield run
+        yield run, export
     finally:
+        if export is not None:
+            export.kill()
         run.kill()
 
 
@@ -128,27 +169,22 @@ def test_an_operator_exports_the_live_swarm_and_nobody_else_may(live_run, tmp_pa
     from agora.pipeline.checkpoint import load_checkpoint
     from agora.pipeline.stages import assemble_model
 
-    work = live_run.work
-    operator = tmp_path / "operator"
-    assert main(["authorizer", "issue", "--state-dir", str(work / "authorizer"), "--role", "operator",
-                 "--out", str(operator)]) == 0
-    export = subprocess.run([sys.executable, "-m", "agora.node", "--log-level", "WARNING", "export",
-                             "--state-dir", str(operator), "--out", str(tmp_path / "export")],
-                            capture_output=True, text=True, timeout=300)
-    assert export.returncode == 0, export.stderr
-    assert re.search(r"export: 2 stages \(stage 0 step \d+, stage 1 step \d+\)", export.stdout), export.stdout
-    step, config, states, extra = load_checkpoint(tmp_path / "export" / "checkpoint")
+    run, export = live_run
+    code, printed = export.wait()
+    assert code == 0, printed[-3000:]
+    assert re.search(r"export: 2 stages \(stage 0 step \d+, stage 1 step \d+\)", printed), printed[-3000:]
+    step, config, states, extra = load_checkpoint(export.folder / "export" / "checkpoint")
     assert [state.index for state in states] == [0, 1] and step > 0
     assert all(state.optimizer["optimizer"]["state"] and state.optimizer["steps"] >= step for state in states)
     assert set(extra["exported_from"]) == {"0", "1"}
     ours = assemble_model(config.model, [state.model for state in states]).eval()
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "hf").eval()
+    exported = AutoModelForCausalLM.from_pretrained(export.folder / "export" / "hf").eval()
     tokens = torch.randint(0, config.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(exported(tokens).logits, ours(tokens), atol=1e-4, rtol=0)
     # A trainer's credential exports nothing: only the operator holds the whole model.
     trainer = tmp_path / "trainer"
-    assert main(["authorizer", "issue", "--state-dir", str(work / "authorizer"), "--role", "trainer",
+    assert main(["authorizer", "issue", "--state-dir", str(run.work / "authorizer"), "--role", "trainer",
                  "--out", str(trainer)]) == 0
     capsys.readouterr()
     assert main(["export", "--state-dir", str(trainer), "--out", str(tmp_path / "refused")]) == 2
@@ -158,8 +194,9 @@ def test_an_operator_exports_the_live_swarm_and_nobody_else_may(live_run, tmp_pa
 
 
 def test_joiners_sync_before_they_count_and_a_lopsided_swarm_moves_one_replica(live_run):
-    work = live_run.work
-    summary = live_run.stop()  # Ctrl-C: every role leaves cleanly, the summary is written
+    run, _ = live_run
+    work = run.work
+    summary = run.stop()  # Ctrl-C: every role leaves cleanly, the summary is written
     assert summary["outcome"] == "interrupted" and set(summary["exit_codes"].values()) == {0}, summary["exit_codes"]
     assert_nothing_left(work)
 
