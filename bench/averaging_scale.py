@@ -16,7 +16,8 @@ window of `--rounds` rounds, from every replica's results:
   p50/p95 and the share formed within the matchmaking window (`sync.matchmaking_s`);
 - round duration p50/p95; memory (proportional set size of each replica's whole process tree);
 - the 1-minute load at each R's start and end: the machine's cores are shared by all R replicas'
-  processes, so at large R the times include waiting for a core. Read them beside the load.
+  processes, so at large R the times include waiting for a core. Read them beside the load. Each
+  R starts once the load the previous one left has decayed to `--settle-load`.
 
 The DHT is insecure (`--insecure`'s): admission would need an authorizer and a credential per
 replica, and it is the averaging protocol that is measured here. Each figure's growth against R
@@ -40,6 +41,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from agora.bench.dht_scale import settle_load
 from agora.bench.many_nodes import growth, tree_usage
 from agora.node.demo.processes import ChildFailed, ProcessGroup
 
@@ -288,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-s", type=float, default=2.0, help="seconds between the stage's steps")
     parser.add_argument("--every-steps", type=int, default=4, help="sync.every_steps: steps between rounds")
     parser.add_argument("--matchmaking-s", type=float, default=3.0, help="sync.matchmaking_s (tiny's default)")
+    parser.add_argument("--settle-load", type=float, default=1.0,
+                        help="before each R, wait until the 1-minute load is at most this (the previous R's "
+                             "replicas gone; at most --settle-s); 0: do not wait")
+    parser.add_argument("--settle-s", type=float, default=300.0)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/agora-averaging-scale"))
     parser.add_argument("--out", type=Path, default=RESULTS / "averaging_scale.md")
     args = parser.parse_args(argv)
@@ -298,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     pace = Pace(args.rounds, args.step_s, args.every_steps, args.matchmaking_s)
     rows = []
     for replicas in args.replicas:
-        print(f"averaging-scale: R={replicas}", flush=True)
+        if args.settle_load > 0:
+            settle_load(args.settle_load, args.settle_s)
+        print(f"averaging-scale: R={replicas}, 1-minute load {os.getloadavg()[0]:.2f}", flush=True)
         rows.append(measure(replicas, pace, args.workdir / f"r{replicas}"))
         print(json.dumps(asdict(rows[-1])), flush=True)
     command = "python bench/averaging_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
