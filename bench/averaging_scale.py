@@ -96,6 +96,10 @@ class Row:
     # Each replica's round start behind the first of the same round's (s): the replicas step together,
     # so this is what the shared cores and the loop put between them (the simulator's input).
     start_offsets_s: tuple = ()
+    # The CPU seconds of every replica's process tree over the window, per round due: what the
+    # simulator's inputs (one round's matchmaking and all-reduce, the probes and beats between rounds)
+    # add up to, measured whole.
+    cpu_s_per_round: float = math.nan
 
     @property
     def start_offset_p50_s(self) -> float:
@@ -195,15 +199,17 @@ def measure(replicas: int, pace: Pace, workdir: Path) -> Row:
         go = time.monotonic() + 1.0
         (workdir / "go.partial").write_text(repr(go))
         os.replace(workdir / "go.partial", workdir / "go")
+        cpu_start = sum(tree_usage(child.pid)[0] for child in group.children)
         window = pace.rounds * pace.round_every_s
         reports = _wait_for_reports(group, workdir, replicas, window + 60.0)
         window_s = time.monotonic() - go
-        pss = sum(tree_usage(child.pid)[1] for child in group.children)
+        cpu, pss = map(sum, zip(*(tree_usage(child.pid) for child in group.children)))
     finally:
         group.shutdown(grace_s=15.0)
     row = aggregate(replicas, reports, pace)
     row.load_start, row.load_end = load_start, os.getloadavg()[0]
     row.pss_mib_per_replica, row.startup_s, row.window_s = pss / replicas, startup_s, window_s
+    row.cpu_s_per_round = (cpu - cpu_start) / pace.rounds
     return row
 
 
@@ -215,7 +221,7 @@ COLUMNS = [("attempted_per_replica", "attempted / replica"), ("success_ratio", "
            ("formation_p95_s", "formation p95 s"), ("formed_in_window_ratio", "formed within window"),
            ("duration_p50_s", "round p50 s"), ("duration_p95_s", "round p95 s"),
            ("start_offset_p50_s", "start behind the round's first p50 s"), ("start_offset_p95_s", "p95 s"),
-           ("pss_mib_per_replica", "PSS MiB / replica")]
+           ("cpu_s_per_round", "host CPU s / round"), ("pss_mib_per_replica", "PSS MiB / replica")]
 
 
 def _cell(value) -> str:
