@@ -81,7 +81,9 @@ def test_admitted_peers_count_the_stores_they_hold_and_the_answers_they_read(tmp
             assert size / entries > stored + 1500, (size, entries, stored)  # the credential chain rides along
         assert writer.traffic()["received"].get("workers") is None  # its own storage is not received
         calls, out, back = writer.traffic()["sent"]["store workers"]  # to the two others
-        assert calls >= 2 and out / calls > stored + 1500 and back / calls > 300  # a signed answer
+        # Signed answers (an unsigned one is tens of bytes); a store that timed out on a loaded host
+        # counts its call with no answer, so the answers are judged by their sum, not per call.
+        assert calls >= 2 and out / calls > stored + 1500 and back > 300
         sent = reader.traffic()["sent"]
         reads = [counts for name, counts in sent.items() if name.split()[1] == "workers" and "store" not in name]
         assert reads and all(calls >= 1 and back > 0 for calls, out, back in reads), sent

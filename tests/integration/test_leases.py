@@ -307,12 +307,17 @@ def test_peers_keep_only_unit_entries_written_under_a_trainer_credential_of_that
 # ---------------------------------------------------------------- over a real DHT
 
 
+B_LEASE_S = 4.0
+
+
 def test_two_trainers_claim_apart_a_dead_ones_lease_runs_out_and_is_reclaimed(dht_pair):
     run_id = f"lease-{uuid.uuid4().hex[:8]}"
 
     async def main():
         a = LeaseBoard(dht_pair[0], run_id=run_id, lease_s=1.5)
-        b = LeaseBoard(dht_pair[1], run_id=run_id, lease_s=1.5)
+        # B's lease must outlast the four DHT operations between its claim of 6 and A's try at it (at a
+        # load of 18 they took longer than 1.5 s, and A got the unit B held).
+        b = LeaseBoard(dht_pair[1], run_id=run_id, lease_s=B_LEASE_S)
         assert await a.claim(5)
         assert not await b.claim(5)  # A holds it
         assert await b.claim(6)
@@ -322,8 +327,8 @@ def test_two_trainers_claim_apart_a_dead_ones_lease_runs_out_and_is_reclaimed(dh
         assert seen[5].committed and seen[6].holder == dht_pair[1].peer_id
         # B dies holding 6 (no renewal, no release): A takes it once the lease has run out.
         assert not await a.claim(6)
-        deadline = time.monotonic() + 10
-        while (await a.read(0))[6].expired_claims != 1:  # B's lease runs out 1.5 s after its claim
+        deadline = time.monotonic() + B_LEASE_S + 10
+        while (await a.read(0))[6].expired_claims != 1:  # B's lease runs out B_LEASE_S after its claim
             assert time.monotonic() < deadline, "B's lease never ran out"
             await asyncio.sleep(0.1)
         assert (await a.read(0))[6].expired_claims == 1
