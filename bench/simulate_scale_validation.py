@@ -27,7 +27,9 @@ serve their probes and steps, which the simulator's processor sharing does not g
 finish the same work together). dht_scale's CPU per operation is not the input: its
 peers are admitted (signed records, a ban list, a CA), the harness's are not. Predicted: group
 formation (each replica's start to its group's forming) and round duration, p50 and p95 over every
-replica's rounds, as the harness takes them.
+replica's rounds, as the harness takes them. Beside them, not counted: the host's CPU per round due,
+as the harness read it from every replica's processes and as the simulated jobs add up, a check of
+the CPU inputs taken whole.
 
 Newcomer (bench/results/dht_scale.json, bench/dht_newcomer.py): one more worker of stage 0 joining
 N admitted peers on agora-floor under the traffic model. Inputs: its measured "DHT joined" (the
@@ -47,6 +49,7 @@ takes its view as it starts: its first hop asks the peers nearest the key that i
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,8 +143,9 @@ AVERAGING_FIGURES = ("formation p50", "formation p95", "round p50", "round p95")
 def validate_averaging(rows: list[dict], cpu: HarnessCPU) -> tuple[list[str], dict[str, list[float]]]:
     lines = ["| R | load start/end | DHT op CPU ms (input) | matchmaking CPU ms (input) | all-reduce CPU ms / member "
              "(input) | start behind the round's first, p50 / p95 s (input) | formation p50 s: measured / simulated "
-             "| off | p95 | off | round p50 s: measured / simulated | off | p95 | off |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| off | p95 | off | round p50 s: measured / simulated | off | p95 | off | host CPU s / round: measured / "
+             "simulated | off |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     errors, vector_bytes = {name: [] for name in AVERAGING_FIGURES}, tiny_middle_stage_bytes()
     for row in rows:
         offsets = tuple(row.get("start_offsets_s") or ())  # none in rows recorded before starts were
@@ -162,8 +166,19 @@ def validate_averaging(rows: list[dict], cpu: HarnessCPU) -> tuple[list[str], di
             text, error = _off(simulated, measured)
             errors[name].append(error)
             cells.append(f" {measured:.3f} / {simulated:.3f} | {text} |")
+        cells.append(_host_cpu_cells(row, swarm))
         lines.append("".join(cells))
     return lines, errors
+
+
+def _host_cpu_cells(row: dict, swarm: SimSwarm) -> str:
+    """The host's CPU per round due, measured whole (every replica's processes) and as the simulated
+    jobs add up: a check of the CPU inputs, not a prediction counted against the simulator."""
+    measured = row.get("cpu_s_per_round")
+    if measured is None or not math.isfinite(measured) or swarm.cores is None:
+        return " - | - |"  # rows recorded before the harness read its CPU
+    simulated = swarm.cores.cpu_s / row["rounds_due"]
+    return f" {measured:.3f} / {simulated:.3f} | {_off(simulated, measured)[0]} |"
 
 
 def swarm_cpu_ms(swarm: SimSwarm) -> float:

@@ -22,6 +22,7 @@ class SharedCores:
         self._jobs: dict[simpy.Event, float] = {}  # finished event -> CPU seconds left
         self._since = 0.0
         self._generation = 0
+        self.cpu_s = 0.0  # every job's CPU seconds, summed as they are asked for: what the host burned
 
     def _rate(self) -> float:
         return min(1.0, self.cores / len(self._jobs)) if self._jobs else 1.0
@@ -51,6 +52,7 @@ class SharedCores:
     def run(self, seconds: float):
         if seconds <= 0:
             return
+        self.cpu_s += seconds
         self._advance()
         done = self.env.event()
         self._jobs[done] = seconds

@@ -24,6 +24,9 @@ def test_three_replicas_commit_rounds_and_the_figures_come_back(tmp_path):
     assert 2 <= row.group_mean <= 3, row
     assert all(math.isfinite(v) and v > 0 for v in (row.formation_p50_s, row.duration_p50_s,
                                                     row.pss_mib_per_replica, row.startup_s)), row
+    # Three replicas' processes (each its DHT process, p2pd and averager) over three rounds: a reading
+    # of the whole trees, which one process's idle second alone would not reach.
+    assert 0.05 < row.cpu_s_per_round < 60, row
     assert row.formation_p50_s <= row.duration_p50_s, row
     # Every replica's start of each round, beside the others' (one of each round's is the first).
     assert len(row.start_offsets_s) >= 3 and min(row.start_offsets_s) == 0.0, row

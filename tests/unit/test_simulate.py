@@ -158,6 +158,7 @@ def test_shared_cores_share_time_as_an_operating_system_does():
     env.process(job("short", 0.1))
     env.run()
     assert ended == pytest.approx({"long": 1.1, "short": 0.2})
+    assert cores.cpu_s == pytest.approx(1.1)  # what the host burned: the jobs' CPU, however shared
 
 
 @pytest.mark.parametrize("max_in_flight, first", [(None, 1), (128, 16)])

@@ -70,3 +70,18 @@ def test_the_fit_never_makes_a_cost_negative():
     costs = [_cost(r, v, -0.0005, 30e-9) for r in (2, 4) for v in (261_632, 4096)]
     per_peer, per_byte = fit(costs)
     assert per_peer == 0.0 and 0 < per_byte < 30e-9
+
+
+def test_the_averaging_table_sets_the_hosts_cpu_beside_what_the_simulated_jobs_add_up_to():
+    from agora.bench.simulate_scale_validation import validate_averaging
+
+    cpu = HarnessCPU(((2.0, 3.0), (8.0, 10.0)), ((2.0, 20.0), (8.0, 90.0)), (1.5, 20.0))
+    row = {"replicas": 2, "rounds_due": 3, "load_start": 0.1, "load_end": 0.2, "start_offsets_s": [0.0, 0.01],
+           "formation_p50_s": 0.05, "formation_p95_s": 0.06, "duration_p50_s": 0.07, "duration_p95_s": 0.08}
+    lines, errors = validate_averaging([{**row, "cpu_s_per_round": 0.5}, row], cpu)
+    measured, simulated = lines[2].split("|")[-3].split(" / ")
+    # A round's matchmaking (20 ms and two DHT operations of 3 ms) and all-reduce (1.5 ms a peer and
+    # 20 ns a byte: 6.7 ms) on each of two replicas, and their probes and beats between rounds.
+    assert float(measured) == 0.5 and 2 * (0.020 + 2 * 0.003 + 0.0067) < float(simulated) < 0.3
+    assert lines[3].endswith("| - | - |")  # a row taken before the harness read its CPU
+    assert all(len(values) == 2 for values in errors.values())  # the CPU is shown, not counted
