@@ -277,31 +277,40 @@ NOTES = """## What the simulator leaves out, and where it shows
 - Averaging against R: the inputs are measured on the harness's own kind of replica (insecure
   DHT, hivemind's averager: bench/allreduce_cost.py at R = 2, 4, 8, 16), in the same session as the
   harness's rounds: this host's speed moves by the hour and the day (the averaging's CPU per round
-  at R = 4 was 0.20 s on 2026-12-06 and 0.44 s on 2026-12-07, the same code alternated with the
-  day-old one), so inputs and figures from different sessions would measure the host. On 2026-12-07:
-  one loop DHT operation 5.6, 9.7, 15.3 and 17.5 ms of host CPU, the rest of a replica's matchmaking
-  45, 82, 137 and 219 ms. (Taken from dht_scale's admitted peers instead, signed records and a ban
-  list, an earlier take's formation p50 was +68/+6/-19/-35%: the wrong swarm's costs, growing more
-  slowly in R than hivemind's matchmaking, whose reads of the declared averagers return R entries.)
-  R = 2 is short of the measured (formation and round p50 -23% and -24%; the take of 2026-12-06 had
-  them 23% and 8% long): a round there is a few tens of milliseconds, where whatever the simulator
-  leaves out weighs most; not looked into further. The all-reduce's CPU (the same bench, weight 1 against
-  weight 0 in alternated blocks, fitted over R <= 4) is the difference of two CPU totals of similar
-  size, pinned only to within a factor of two, and a small part of a round. Between rounds the
-  replicas' probes, round closes and a heartbeat every 5 s are simulated. R = 16 puts 64 processes on
-  the two cores (load 15 at its end), where the measured p50s run 17-27% past the simulated: what
-  CPU costs at that load is more than the sum of its parts measured at the start of each round.
+  at R = 4 was 0.20 s on 2026-12-06 and 0.44 s at noon on 2026-12-07, the same code alternated with
+  the day-old one; formation p95 at R = 16 was 3.18 s at 16:18 and 2.54 and 2.21 s at 19:05 and
+  19:42), so inputs and figures from different sessions would measure the host. The table's take
+  (2026-12-07 19:42, each R started once the previous one's load had decayed below 1) and the
+  inputs (19:08, from a load of 0.6): one loop DHT operation 4.2, 5.9, 8.5 and 8.9 ms of host CPU,
+  the rest of a replica's matchmaking 29, 45, 76 and 122 ms. (Taken from dht_scale's admitted
+  peers instead, signed records and a ban list, an earlier take's formation p50 was
+  +68/+6/-19/-35%: the wrong swarm's costs, growing more slowly in R than hivemind's matchmaking,
+  whose reads of the declared averagers return R entries.) The all-reduce's CPU (the same bench,
+  weight 1 against weight 0 in alternated blocks, fitted over R <= 4) is the difference of two CPU
+  totals of similar size, pinned only to within a factor of two, and a small part of a round.
+  Between rounds the replicas' probes, round closes and a heartbeat every 5 s are simulated.
+- The simulated rounds are short at every R, in two takes of the same code 37 minutes apart:
+  formation p50 -13/-24/-11/-29% and -18/-32/-23/-39% at R = 2/4/8/16, p95 -25/-27/-20/-26% and
+  -37/-28/-28/-47%, round p50 -15/-24/-2/-14% and -23/-30/-14/-24%, p95 -29/-30/-15/-19% and
+  -36/-36/-24/-35% (8 and 2 of 16 within 20%; the earlier count of 8 came from one take on a slower
+  host). Why, in part: the harness reads the CPU of every replica's processes over its window
+  since 19:42, and the simulated jobs add up to 56-66% of it (host CPU per round 0.295/1.03/2.84/7.21
+  s measured, 0.196/0.576/1.758/4.696 simulated): per replica 50, 114, 136 and 157 ms a round are
+  missing, growing with R. The replicas' idle burn, as allreduce_cost measured it (0.04-0.13 host
+  CPU seconds a second), accounts for 0.3-1.0 s of the 0.1-2.5 s, and none of it is simulated; the
+  rest is work the harness's replicas do beside a round's inputs (the averaging loop's own steps and
+  records, hivemind's DHT upkeep over R peers), not yet taken apart process by process. At R = 2 the
+  rounds are tens of milliseconds on an idle host, where the missing part is latency (a message
+  through two p2pd daemons and the DHT and averager processes), not CPU.
 - The replicas start a round apart, although they step together: each replica's probe falls due at
   the step itself and the shared cores serve R replicas' steps, probes and hivemind's matchmaking in
   turn, which the simulator's processor sharing, every runnable job advancing together, does not
   give (its replicas finish the same work together). averaging_scale keeps each replica's start of
-  each round since 2026-12-07 (p95 behind the round's first: 0.03, 0.11, 0.57 and 1.37 s at R = 2, 4,
-  8, 16), and the simulator delays each replica's start by one of those offsets, drawn. On the same
-  take, without them: formation p50 -23/-13/+8/-15%, p95 -49/-31/-27/-30%, round p50 -24/-14/+8/-5%,
-  p95 -56/-42/-21/-24% (6 of 16 within 20%); with them the p95s are -24/-13/-11/-31% and
-  -39/-30/-7/-23% and the p50s -23/-17/+1/-27% and -24/-17/+2/-17% (8 of 16). R = 16's formation
-  p50 is shorter with them (a late starter finds its group nearly formed): the draw is independent
-  per replica, where the host's order is not.
+  each round (p95 behind the round's first: 0.006, 0.10, 0.30 and 1.15 s at R = 2, 4, 8, 16 in the
+  table's take), and the simulator delays each replica's start by one of those offsets, drawn. On an
+  earlier take (16:18, a slower host) the offsets brought 6 of 16 figures within 20% to 8; R = 16's
+  formation p50 is shorter with them (a late starter finds its group nearly formed): the draw is
+  independent per replica, where the host's order is not.
 - A newcomer against N: its first read is two DHT reads one after the other, every stage's worker key
   at once and then the ban list's key (`all_workers` leaves banned workers out), each to peers it has
   not talked to yet. Timed read by read at N = 8 (bench/dht_newcomer.py keeps each read since), the
