@@ -41,8 +41,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agora.bench.dht_scale import settle_load
-from agora.bench.many_nodes import growth, tree_usage
+from agora.bench.many_nodes import growth, settle_load, tree_usage
 from agora.node.demo.processes import ChildFailed, ProcessGroup
 
 ROOT = Path(__file__).resolve().parents[1]

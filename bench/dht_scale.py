@@ -62,7 +62,7 @@ from agora.auth.authority import RunAuthority
 from agora.bench.dht_scale_report import (Figures, Newcomer, PeerUsage, figures, plot, read_calls, read_errors,
                                           read_polls, read_traffic, report)
 from agora.bench.dht_traffic import Dilation, TrafficModel, check_rows
-from agora.bench.many_nodes import Geometry, geometry_for
+from agora.bench.many_nodes import Geometry, geometry_for, settle_load
 from agora.bench.results_files import write_results
 from agora.bench.wan.profiles import PROFILES, profile_named
 from agora.bench.wan.topology import WanTopology, cleanup_leftovers, harness_available
@@ -327,14 +327,6 @@ def model_check(path: Path = RESULTS / "many_nodes.json") -> list[tuple[str, flo
     measured = {name: figures["per_node_s"] for name, figures in row["by_family"].items()}
     services = row["scraped"] - 1 - 8  # DHT peers that are neither workers nor trainers (bootstrap, authorizer)
     return check_rows(measured, geometry_for(8, 3), TrafficModel(), services=services)
-
-
-def settle_load(load: float, most_s: float) -> None:
-    """Wait until the 1-minute load is at most ``load``, at most ``most_s`` seconds: the last N's
-    64 peers leave a load that takes a minute or two to decay, and a row started on it is marked."""
-    deadline = time.monotonic() + most_s
-    while os.getloadavg()[0] > load and time.monotonic() < deadline:
-        time.sleep(5.0)
 
 
 def _interrupt(signum, frame):

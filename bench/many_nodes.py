@@ -178,6 +178,15 @@ def counter_sum(pages: dict[str, list], name: str, **match: str) -> float:
     return total
 
 
+def settle_load(load: float, most_s: float) -> None:
+    """Wait until the 1-minute load is at most ``load``, at most ``most_s`` seconds: a harness's
+    previous size (its 64 peers, say) leaves a load that takes a minute or two to decay, and a row
+    started on it is marked."""
+    deadline = time.monotonic() + most_s
+    while os.getloadavg()[0] > load and time.monotonic() < deadline:
+        time.sleep(5.0)
+
+
 def tree_usage(root_pid: int) -> tuple[float, float]:
     """(CPU seconds, proportional set size in MiB) of `root_pid` and every descendant, from /proc."""
     parents: dict[int, int] = {}
