@@ -12,7 +12,7 @@ Handshake with the bench, by files in `--workdir` written atomically: `replica-I
 multiaddrs, once the DHT is up), `replica-I.ready` (once it counts all `--replicas` live
 replicas of the stage), then it waits for `go` (the shared start time); after `--rounds` rounds
 are due and the last has ended, `replica-I.json` (every round's result, with its start in seconds from
-`go`, and the loop's stats).
+`go`, the loop's stats, and its own DHT requests in that time by operation and record family).
 It then keeps its parts up until SIGTERM, so slower replicas' rounds still find it.
 
     python -m agora.bench.averaging_replica --workdir W --index I --replicas R [--initial-peers ...]
@@ -95,6 +95,15 @@ def round_row(result: RoundResult) -> dict:
             "received_fraction": result.received_fraction, "error": result.error}
 
 
+def requests_since(before: dict, after: dict) -> dict[str, int]:
+    """This replica's own DHT requests (its loop's, its heartbeat's) between two snapshots of its
+    `SwarmDHT.timings`, by "operation family"; hivemind's averager reads and stores beside them."""
+    counts = {f"{operation} {family}": stats.count - (before[(operation, family)].count
+                                                      if (operation, family) in before else 0)
+              for (operation, family), stats in after.items()}
+    return {name: count for name, count in sorted(counts.items()) if count}
+
+
 class Replica:
     """The replica's asyncio side: heartbeat, board, loop and the paced steps."""
 
@@ -130,11 +139,12 @@ class Replica:
             await self._until(lambda: board.replicas(), lambda n: n >= args.replicas, _ALL_LIVE_S, "live replicas")
             _write(self.workdir / f"{self.name}.ready", "ready\n")
             start_at = self.start_at = float(await self._until(self._go, lambda t: t is not None, _ALL_LIVE_S, "go"))
+            before = self.swarm.timings.snapshot()
             await self._step_through(start_at)
             await self._last_round_ended(loop)
             _write(self.workdir / f"{self.name}.json", json.dumps(
                 {"index": args.index, "peer_id": self.swarm.peer_id, "rounds": self.rounds,
-                 "stats": loop.stats.snapshot()}))
+                 "stats": loop.stats.snapshot(), "dht_requests": requests_since(before, self.swarm.timings.snapshot())}))
             await asyncio.Event().wait()  # up for the others' rounds until the bench is done
         finally:
             await loop.stop()

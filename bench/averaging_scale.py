@@ -38,10 +38,10 @@ import platform
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from agora.bench.many_nodes import growth, settle_load, tree_usage
+from agora.bench.many_nodes import TREE_PARTS, growth, settle_load, tree_cpu_by_part, tree_usage
 from agora.node.demo.processes import ChildFailed, ProcessGroup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +99,13 @@ class Row:
     # simulator's inputs (one round's matchmaking and all-reduce, the probes and beats between rounds)
     # add up to, measured whole.
     cpu_s_per_round: float = math.nan
+    # The same split by process (bench/many_nodes.py's `tree_cpu_by_part`): the replicas' own
+    # processes, their p2pd daemons, and their forked DHT and averager processes.
+    cpu_s_per_round_by_part: dict = field(default_factory=dict)
+    # Each replica's own DHT requests per round due (its loop's probes, closes and announcements, its
+    # heartbeat), by operation and record family, the mean over replicas: what the simulator's
+    # background and matchmaking make of them is set beside it.
+    dht_requests_per_round: dict = field(default_factory=dict)
 
     @property
     def start_offset_p50_s(self) -> float:
@@ -107,6 +114,33 @@ class Row:
     @property
     def start_offset_p95_s(self) -> float:
         return percentile(list(self.start_offsets_s), 0.95)
+
+    def _part(self, part: str) -> float:
+        return self.cpu_s_per_round_by_part.get(part, math.nan)
+
+    @property
+    def cpu_p2pd_s(self) -> float:
+        return self._part("p2pd")
+
+    @property
+    def cpu_children_s(self) -> float:
+        return self._part("children")
+
+    @property
+    def cpu_main_s(self) -> float:
+        return self._part("main")
+
+    def _requests(self, operation: str) -> float:
+        counts = self.dht_requests_per_round
+        return sum(n for name, n in counts.items() if name.startswith(operation + " ")) if counts else math.nan
+
+    @property
+    def dht_gets_per_round(self) -> float:
+        return self._requests("get")
+
+    @property
+    def dht_stores_per_round(self) -> float:
+        return self._requests("store")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -147,7 +181,17 @@ def aggregate(replicas: int, reports: list[dict], pace: Pace) -> Row:
         formed_in_window_ratio=_ratio(sum(f <= pace.matchmaking_s for f in formations), len(formations)),
         duration_p50_s=percentile([row["duration_s"] for row in rows], 0.5),
         duration_p95_s=percentile([row["duration_s"] for row in rows], 0.95),
-        matchmaking_s=pace.matchmaking_s, round_every_s=pace.round_every_s, start_offsets_s=tuple(start_offsets(rows)))
+        matchmaking_s=pace.matchmaking_s, round_every_s=pace.round_every_s, start_offsets_s=tuple(start_offsets(rows)),
+        dht_requests_per_round=requests_per_round(reports, pace.rounds))
+
+
+def requests_per_round(reports: list[dict], rounds: int) -> dict[str, float]:
+    """The replicas' own DHT requests per replica and round due, by "operation family" (reports
+    written before replicas counted them have none)."""
+    counted = [report["dht_requests"] for report in reports if "dht_requests" in report]
+    names = sorted({name for counts in counted for name in counts})
+    return {name: round(sum(counts.get(name, 0) for counts in counted) / (len(counted) * rounds), 3)
+            for name in names}
 
 
 def start_offsets(rows: list[dict]) -> list[float]:
@@ -198,18 +242,27 @@ def measure(replicas: int, pace: Pace, workdir: Path) -> Row:
         go = time.monotonic() + 1.0
         (workdir / "go.partial").write_text(repr(go))
         os.replace(workdir / "go.partial", workdir / "go")
+        parts_start = _parts(group)
         cpu_start = sum(tree_usage(child.pid)[0] for child in group.children)
         window = pace.rounds * pace.round_every_s
         reports = _wait_for_reports(group, workdir, replicas, window + 60.0)
         window_s = time.monotonic() - go
         cpu, pss = map(sum, zip(*(tree_usage(child.pid) for child in group.children)))
+        parts = _parts(group)
     finally:
         group.shutdown(grace_s=15.0)
     row = aggregate(replicas, reports, pace)
     row.load_start, row.load_end = load_start, os.getloadavg()[0]
     row.pss_mib_per_replica, row.startup_s, row.window_s = pss / replicas, startup_s, window_s
     row.cpu_s_per_round = (cpu - cpu_start) / pace.rounds
+    row.cpu_s_per_round_by_part = {part: round((parts[part] - parts_start[part]) / pace.rounds, 4) for part in TREE_PARTS}
     return row
+
+
+def _parts(group: ProcessGroup) -> dict[str, float]:
+    """Every replica's CPU so far, summed by part of its process tree."""
+    trees = [tree_cpu_by_part(child.pid) for child in group.children]
+    return {part: sum(tree[part] for tree in trees) for part in TREE_PARTS}
 
 
 # ---- the report ------------------------------------------------------------------------------------
@@ -220,7 +273,10 @@ COLUMNS = [("attempted_per_replica", "attempted / replica"), ("success_ratio", "
            ("formation_p95_s", "formation p95 s"), ("formed_in_window_ratio", "formed within window"),
            ("duration_p50_s", "round p50 s"), ("duration_p95_s", "round p95 s"),
            ("start_offset_p50_s", "start behind the round's first p50 s"), ("start_offset_p95_s", "p95 s"),
-           ("cpu_s_per_round", "host CPU s / round"), ("pss_mib_per_replica", "PSS MiB / replica")]
+           ("cpu_s_per_round", "host CPU s / round"), ("cpu_p2pd_s", "of it p2pd"),
+           ("cpu_children_s", "DHT and averager processes"), ("cpu_main_s", "replica processes"),
+           ("dht_gets_per_round", "own DHT gets / replica / round"), ("dht_stores_per_round", "stores"),
+           ("pss_mib_per_replica", "PSS MiB / replica")]
 
 
 def _cell(value) -> str:

@@ -27,6 +27,14 @@ def test_three_replicas_commit_rounds_and_the_figures_come_back(tmp_path):
     # Three replicas' processes (each its DHT process, p2pd and averager) over three rounds: a reading
     # of the whole trees, which one process's idle second alone would not reach.
     assert 0.05 < row.cpu_s_per_round < 60, row
+    # The same CPU by part of the trees: each part ran (every replica has a main process, a p2pd and
+    # forked DHT and averager processes), and the parts add up to the whole, read a moment apart.
+    parts = row.cpu_s_per_round_by_part
+    assert set(parts) == {"main", "p2pd", "children"} and all(v > 0 for v in parts.values()), row
+    assert abs(sum(parts.values()) - row.cpu_s_per_round) < 0.5 * row.cpu_s_per_round, row
+    # Each replica's own requests: its heartbeat's stores and its loop's probes of the round board.
+    assert row.dht_requests_per_round.get("store workers", 0) > 0, row
+    assert row.dht_requests_per_round.get("get rounds", 0) > 0, row
     assert row.formation_p50_s <= row.duration_p50_s, row
     # Every replica's start of each round, beside the others' (one of each round's is the first).
     assert len(row.start_offsets_s) >= 3 and min(row.start_offsets_s) == 0.0, row

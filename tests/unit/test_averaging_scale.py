@@ -56,6 +56,15 @@ def test_each_start_is_set_behind_the_first_start_of_its_round():
     assert math.isnan(aggregate(3, [replica([("committed", 3, 0.2, 0.5)])] * 3, PACE).start_offset_p50_s)
 
 
+def test_each_replicas_own_dht_requests_are_counted_per_replica_and_round_due():
+    reports = [replica([("committed", 2, 0.2, 0.5)]) for _ in range(3)]
+    reports[0]["dht_requests"] = {"get rounds": 24, "store workers": 6}
+    reports[1]["dht_requests"] = {"get rounds": 30, "store rounds": 3}
+    row = aggregate(3, reports, PACE)  # the third replica's report came from before the counts were kept
+    assert row.dht_requests_per_round == {"get rounds": 9.0, "store rounds": 0.5, "store workers": 1.0}
+    assert aggregate(3, [replica([("committed", 2, 0.2, 0.5)])] * 3, PACE).dht_requests_per_round == {}
+
+
 def test_a_window_without_a_formed_group_gives_nan_figures_not_an_error():
     row = aggregate(2, [replica([("alone", 0, None, 2.0)]), replica([("alone", 0, None, 2.0)])], PACE)
     assert row.success_ratio == 0.0 and math.isnan(row.group_mean) and math.isnan(row.formation_p50_s)
