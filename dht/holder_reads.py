@@ -65,7 +65,15 @@ async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float], ex
     """The value under ``key`` as hivemind's read returns it: a full read (``bar`` None: the holders'
     answers merged; ``wait_all``: every holder's, however slow) or a quick one (the first holder
     whose value expires no earlier than ``bar``). With ``held`` (what the reader holds there), the
-    holders answer with the entries not in it (dht/changed_finds.py), and so does this."""
+    holders answer with the entries not in it (dht/changed_finds.py), and so does this.
+
+    What the read says of the holders it asked: a quick read that none of them could end (none as
+    new as what this peer saw) makes the next read search for them again. So does a full read that
+    found nothing at fewer holders than a store's replica count: a search made while this peer knew
+    few others. A full read that found nothing at as many is believed, the key is empty: a round
+    board between rounds, searched again at every probe, was a third of an averaging replica's DHT
+    requests. Holders that missed peers who joined nearer the key since are found by the searches
+    due by count and age (dht/holders.py)."""
     key_id = DHTID.generate(source=key)
     holders, search_beside = holders_for(node, key_id, reading=True)
     if holders is None:
@@ -90,8 +98,8 @@ async def read_entry(_dht: Any, node: Any, *, key: Any, bar: Optional[float], ex
     if answers and all(answer is _UNANSWERED for answer in answers):
         state.future.cancel()
         return await _walk(node, key, bar)
-    if not state.finished and (bar is not None or not state.found_something):
-        HOLDERS.forget(key_id)  # none of them is as new as what this peer saw, or none has the key: search again
+    if not state.finished and (bar is not None or (not state.found_something and len(others) < node.num_replicas)):
+        HOLDERS.forget(key_id)  # none of them is as new as what this peer saw, or few had nothing: search again
     state.finish_search()
     return state.future.result()
 

@@ -367,16 +367,39 @@ class SearchNow:
         return await Remembered(self.key)(_dht, node)
 
 
-def test_a_peer_that_knows_no_other_remembers_no_holders_and_an_empty_read_searches_again(swarm):
-    """A search made while a peer knows few others may name the wrong holders: it must not stick."""
+def test_an_empty_key_read_at_enough_holders_is_believed_and_read_there_until_a_search_is_due(swarm):
+    """Nothing at as many holders as a store's replica count: the key is empty, not the holders wrong.
+    The reads that follow go to the same holders without a search, and see an entry stored since."""
+    run_id = f"reads-{uuid.uuid4().hex[:8]}"
+    key = worker_key(run_id, 0)
+    reader, writer = swarm[0], swarm[1]
+    probe = int(neighbour_id(DHTID.generate(source=key)))
+    with watching(reader):
+        assert seen(reader, run_id) == set()  # the first read searches: the key was never searched
+        holders = reader.hivemind_dht.run_coroutine(Remembered(key))
+        assert len(holders) >= 5, holders  # the swarm's six peers, the reader among them
+        reader.hivemind_dht.run_coroutine(asked)
+        for _ in range(3):
+            assert seen(reader, run_id) == set()
+            assert reader.hivemind_dht.run_coroutine(Remembered(key)) == holders
+        assert not any(probe in keys for _, keys in reader.hivemind_dht.run_coroutine(asked))  # no search
+        assert writer.announce_worker(worker_entry(run_id, writer.peer_id), ttl=60.0)
+        assert seen(reader, run_id) == {writer.peer_id}
+        assert not any(probe in keys for _, keys in reader.hivemind_dht.run_coroutine(asked))
+
+
+# Last in the module: the peer it adds leaves, and the others' searches may name it for a while.
+def test_a_peer_that_knows_no_other_remembers_no_holders_and_an_empty_read_at_few_searches_again(swarm):
+    """A search made while a peer knows few others may name the wrong holders: it must not stick. Fewer
+    holders than a store's replica count (here the reader's 8, in a swarm of 7) is what such a search
+    finds: each empty read there searches again."""
     run_id = f"reads-{uuid.uuid4().hex[:8]}"
     key = worker_key(run_id, 0)
     with SwarmDHT.start() as lone:  # no initial peers
         assert lone.live_workers(run_id, 0) == []
         assert lone.hivemind_dht.run_coroutine(SearchNow(key)) == {}
-    reader = swarm[0]
     probe = int(neighbour_id(DHTID.generate(source=key)))
-    with watching(reader):
+    with SwarmDHT.start(initial_peers=swarm[0].visible_maddrs(), num_replicas=8) as reader, watching(reader):
         for _ in range(2):  # the key is empty: each read searches, finds nothing and forgets what it found
             assert seen(reader, run_id) == set()
             assert reader.hivemind_dht.run_coroutine(Remembered(key)) == {}
