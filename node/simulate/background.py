@@ -14,7 +14,10 @@ shared cores, then its latency):
   it left it (`RoundBoard.close`) beside its next wait, if it is one of the round's announcers
   (dht/round_board.py's `announcers` of the stage's live replicas).
 - The worker's heartbeat (dht/heartbeat.py's `beat`): every `heartbeat_s` from a phase of its own
-  (drawn: replicas start at different times), a read of the ban list, then its record's store.
+  (drawn: replicas start at different times), a read of the ban list (an admitted swarm's: an
+  insecure one has none, `workers.heartbeat_reads_bans`), then its record's store.
+- What a replica's processes burn besides (`workers.background_cpu_ms_per_s_at`, measured on idle
+  replicas: hivemind's and p2pd's upkeep, the processes' polls): a share of it every half second.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from agora.dht.round_board import announcers
 from agora.node.averaging.probes import ProbeSchedule, probe_intervals
 from agora.node.simulate.workers import SimWorker
 
-__all__ = ["probing", "heartbeat"]
+__all__ = ["background", "heartbeat", "probing"]
+
+_BACKGROUND_EVERY_S = 0.5
 
 _DUE_NOW_S = 0.001  # loop.py's _TIMER_RESOLUTION_S
 
@@ -31,7 +36,7 @@ _DUE_NOW_S = 0.001  # loop.py's _TIMER_RESOLUTION_S
 def probing(swarm, worker: SimWorker):
     """A simpy process: the replica's probes and round closes, as long as it lives."""
     env = swarm.env
-    schedule = ProbeSchedule(*probe_intervals(swarm.scenario.averaging.matchmaking_s))
+    schedule = worker.probes = ProbeSchedule(*probe_intervals(swarm.scenario.averaging.matchmaking_s))
     while worker.alive:
         if worker.rounding:
             schedule.probed(env.now, worker.steps)  # the matchmaking's read stands for this probe
@@ -53,12 +58,21 @@ def probing(swarm, worker: SimWorker):
         yield env.any_of([env.timeout(due), worker.wait_wake(env)])
 
 
-def heartbeat(swarm, worker: SimWorker, interval_s: float, phase_s: float):
+def heartbeat(swarm, worker: SimWorker, interval_s: float, phase_s: float, reads_bans: bool = True):
     """A simpy process: the worker's beats, the first `phase_s` in, then every `interval_s`."""
     env = swarm.env
     next_beat = env.now + phase_s
     while worker.alive:
         yield env.timeout(max(0.0, next_beat - env.now))
-        yield from swarm.dht_op("get")  # the ban list, read when a beat has passed since the last read
+        if reads_bans:
+            yield from swarm.dht_op("get")  # the ban list, read when a beat has passed since the last read
         yield from swarm.dht_op("store")
         next_beat = max(next_beat + interval_s, env.now)
+
+
+def background(swarm, worker: SimWorker, cpu_s_per_s: float):
+    """A simpy process: `cpu_s_per_s` of CPU a second on the host's cores, in half-second shares."""
+    env = swarm.env
+    while worker.alive:
+        yield env.timeout(_BACKGROUND_EVERY_S)
+        env.process(swarm.compute(cpu_s_per_s * _BACKGROUND_EVERY_S, since=env.now))  # the pace is the clock's

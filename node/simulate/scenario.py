@@ -125,9 +125,15 @@ class WorkerSection:
         min_length=1)
     heartbeat_s: StrictFloat = setting(
         0.0, "a worker's heartbeat (a ban-list read, a record store) every so many seconds; 0: not simulated", ge=0)
+    heartbeat_reads_bans: StrictBool = setting(
+        True, "each heartbeat reads the ban list first (an admitted swarm's; an insecure one has none)")
+    background_cpu_ms_per_s_at: tuple[tuple[StrictFloat, StrictFloat], ...] = setting(
+        (), "measured [nodes, CPU ms per second] each worker's processes burn besides what is simulated (idle "
+        "replicas: hivemind's and p2pd's upkeep), taken on compute.shared_cores (none: nothing)")
 
     @model_validator(mode="after")
-    def _slowdown_positive(self) -> "WorkerSection":
+    def _checked(self) -> "WorkerSection":
+        _check_table("background_cpu_ms_per_s_at", self.background_cpu_ms_per_s_at)
         if not all(value > 0 for value in self.slowdown):
             raise ValueError(f"slowdown: every factor must be > 0, got {list(self.slowdown)}")
         return self
@@ -175,7 +181,9 @@ class AveragingSection:
     fraction: StrictFloat = setting(0.05, "share of every tensor per round", gt=0, le=1)
     vector_bytes: StrictInt = setting(1_000_000, "bytes of one stage's averaged slice", ge=0)
     matchmaking_dht_ops: StrictInt = setting(
-        4, "DHT operations of a replica's matchmaking before it joins a group, two at a time (workers.py)", ge=0)
+        4, "DHT operations of a replica's matchmaking before it joins a group, two at a time (workers.py); with "
+        "between_rounds the loop's own (its announcers' store, the live count's read when due) are simulated "
+        "apart (swarm.py's `_matchmaking`)", ge=0)
     matchmaking_cpu_ms_at: tuple[tuple[StrictFloat, StrictFloat], ...] = setting(
         (), "measured [live replicas, CPU ms] of a replica's matchmaking besides matchmaking_dht_ops (hivemind's "
         "declaration, its read of the declared averagers, the join requests: bench/allreduce_cost.py's rounds "

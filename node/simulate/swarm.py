@@ -30,7 +30,8 @@ from agora.node.membership.phases import SyncPolicy, entry_phase
 from agora.node.membership.rebalance import RebalancePolicy, plan_move, stage_coverage
 from agora.node.membership.state_download import plan_donors
 from agora.node.replica.epoch import DEFAULT_REPORT_AHEAD
-from agora.node.simulate.background import heartbeat, probing
+from agora.dht.round_board import announcers
+from agora.node.simulate.background import background, heartbeat, probing
 from agora.node.simulate.host import SharedCores
 from agora.node.simulate.network import NodeLink, at_size, dht_cpu_s, dht_op_s, first_holder_s, path_rtt_s, transmit
 from agora.node.simulate.results import SimulationResult, summarize
@@ -114,7 +115,10 @@ class SimSwarm:
             self.env.process(probing(self, worker))
         if s.workers.heartbeat_s > 0:
             phase = self.rng.uniform(0.0, s.workers.heartbeat_s)
-            self.env.process(heartbeat(self, worker, s.workers.heartbeat_s, phase))
+            self.env.process(heartbeat(self, worker, s.workers.heartbeat_s, phase, s.workers.heartbeat_reads_bans))
+        if s.workers.background_cpu_ms_per_s_at and self.cores is not None:
+            self.env.process(background(self, worker, at_size(s.workers.background_cpu_ms_per_s_at, self.nodes())
+                                        / 1000.0))
 
     # ------------------------------------------------------------------ nodes
     def nodes(self) -> int:
@@ -132,10 +136,21 @@ class SimSwarm:
         yield self.env.timeout(self.dht_op_s(kind))
 
     def _matchmaking(self, worker: SimWorker):
-        """A simpy process: a replica's DHT operations before it joins a round's group, a store with a
-        read at a time (workers.py's `StageRounds` says which), then, where measured, the rest of
-        its matchmaking's CPU at the stage's live replicas and one read's latency."""
+        """A simpy process: a replica's DHT operations before it joins a round's group. Where the loop's
+        traffic between rounds is simulated, first what node/averaging/loop.py's `run_round` does: the
+        round's announcers store their announcement beside the round (not waited for), and the live
+        replicas are read first when the probes' schedule says the count is due. Then
+        `matchmaking_dht_ops`, a store with a read at a time (workers.py's `StageRounds` says which),
+        then, where measured, the rest of its matchmaking's CPU at the stage's live replicas and one
+        read's latency."""
         averaging = self.scenario.averaging
+        if averaging.between_rounds and worker.probes is not None:
+            peers = [w.peer_id for w in self.workers.values() if w.alive and w.stage == worker.stage]
+            if worker.peer_id in announcers(worker.last_round, peers):
+                self.env.process(self.dht_op("store"))
+            if worker.probes.replicas_due(self.env.now):
+                yield from self.dht_op("get")
+                worker.probes.replicas_read(self.env.now, self._live_replicas(worker.stage))
         count = averaging.matchmaking_dht_ops
         for first in range(0, count, 2):
             pair = ("store", "get")[:min(2, count - first)]

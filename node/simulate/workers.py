@@ -10,9 +10,10 @@ does between jobs is the project's own decisions, called with what it has observ
   sets the pace), and a round that comes due while one runs is skipped.
 - Rounds (`StageRounds`): a replica that counts itself alone on the stage (the round board's live
   replicas, node/averaging/loop.py) is `alone` at once. Otherwise it makes its matchmaking's DHT
-  operations, two at a time (the loop's announcement with its read of the live replicas, then
-  hivemind's declaration with its read of the declared averagers; or, where the scenario gives
-  hivemind's part as measured CPU, that CPU and one read's latency), and joins the round's leader:
+  operations (swarm.py's `_matchmaking`: where the loop's traffic is simulated, the loop's own by
+  its rules; then the scenario's, two at a time, such as hivemind's declaration with its read of
+  the declared averagers; or, where the scenario gives hivemind's part as measured CPU, that CPU
+  and one read's latency), and joins the round's leader:
   the replica that started the round first (hivemind's matchmaking follows the earliest declared
   expiration). The group forms when every live replica the leader expects has joined (dht/averaging.py
   makes that count the matchmaking target), or when the leader's window (`matchmaking_s`) closes
@@ -96,6 +97,7 @@ class SimWorker:
     woken: Optional[simpy.Event] = field(default=None, repr=False)  # a step counted or a round ended
     # Its callers as the worker counts them (node/worker/flow.py, on simulated time): a reply says how many.
     flow: Optional[FlowControl] = field(default=None, repr=False)  # on the simulation's clock (SimSwarm sets it)
+    probes: Optional[object] = field(default=None, repr=False)  # its loop's ProbeSchedule, where between rounds is simulated
 
     def wait_wake(self, env: simpy.Environment) -> simpy.Event:
         """An event that fires at the replica's next step or round end (its loop's wake-ups)."""
