@@ -16,18 +16,19 @@ all-reduce's CPU for the difference in bytes. The figure is CPU seconds per byte
 (`estimated_bytes`, which it receives as much of), summed over the host's processes and divided by
 R: what each replica's all-reduce costs per byte of its sending.
 
-Two more inputs of the simulator come from the same replicas, so that they are taken on the DHT the
+Three more inputs of the simulator come from the same replicas, so that they are taken on the DHT the
 averaging harness runs (insecure, loopback, R peers) rather than on dht_scale's admitted swarm: the
 weight-0 rounds' CPU per replica (hivemind's matchmaking: its declaration, its read of the declared
-averagers, the join requests and the refusals that end the round), and what one of the averaging
+averagers, the join requests and the refusals that end the round); what one of the averaging
 loop's own DHT operations costs the host: each replica, in a thread of its own, stores its round
 record and reads the stage's round records and workers' records (the keys of R entries the loop
-probes), the host's CPU less idle over the operations made.
+probes), one operation every `DHT_OP_PACE_S` as the loop makes them, the host's CPU less idle over
+the operations made; and that idle rate per replica, what its processes burn with nothing to do.
 
     python -m agora.bench.allreduce_cost [--replicas 2 4 8 16] [--rounds 20] [--fit-up-to 4]
 
 Writes bench/results/allreduce_cost.json and .md (the simulator's validation reads the json). About
-4.5 minutes on 2 cores, most of it R = 16; no namespaces.
+8 minutes on 2 cores, most of it R = 16; no namespaces.
 """
 
 from __future__ import annotations
@@ -60,10 +61,13 @@ __all__ = ["Cost", "fit", "measure", "main"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SMALL_VALUES = 1024  # 4 KiB: one part per reducer, the round's fixed costs
-IDLE_S = 3.0
+IDLE_S = 10.0  # after a second for the warm-up round's tail
 PAUSE_S = 0.2  # between rounds, as the replicas' results are read back
 BLOCK = 5  # rounds of one weight between two readings of the host's CPU
-DHT_OP_REPEATS = 10  # each replica's store and two reads, this many times
+DHT_OP_REPEATS = 8  # each replica's store and two reads, this many times
+# One operation a replica this often, the replicas' turns spread over it: about the pace of the averaging
+# loop's probes, closes and beats (a replica's CPU per operation is higher at that pace than flat out).
+DHT_OP_PACE_S = 0.75
 RUN_ID = "allreduce-cost"
 
 
@@ -88,6 +92,11 @@ class Cost:
     def matchmaking_cpu_ms(self) -> float:
         """One replica's CPU in a round without its all-reduce, ms."""
         return self.cpu_s_per_round_no_allreduce / self.replicas * 1000.0
+
+    @property
+    def idle_cpu_ms_per_s(self) -> float:
+        """What one replica's processes burn a second, idle, ms."""
+        return self.idle_cpu_s_per_s / self.replicas * 1000.0
 
     @property
     def allreduce_cpu_s(self) -> float:
@@ -157,9 +166,9 @@ def _rounds(averagers: list[SliceAverager], first: int, rounds: int, values: int
 
 
 def _dht_ops(dhts: list[SwarmDHT], repeats: int, idle: float) -> float:
-    """The host's CPU per DHT operation, ms: every replica at once stores its round record and reads
-    the stage's round records and its workers' records, `repeats` times (after one worker record
-    each, so both keys hold R entries)."""
+    """The host's CPU per DHT operation, ms: every replica stores its round record and reads the
+    stage's round records and its workers' records, `repeats` times, one operation every
+    `DHT_OP_PACE_S` (after one worker record each, so both keys hold R entries)."""
     config = _config()
     fingerprint = run_fingerprint(config).text()
     key = rounds_key(RUN_ID, 1, config.sync.method)
@@ -168,15 +177,19 @@ def _dht_ops(dhts: list[SwarmDHT], repeats: int, idle: float) -> float:
                                          n_stages=3, throughput=1.0, queue_depth=0, step=0, phase="member",
                                          version="bench", updated_at=0.0, fingerprint=fingerprint), ttl=600.0)
 
-    def run(dht: SwarmDHT) -> None:
-        for number in range(repeats):
-            dht.store(key, RoundRecord(peer_id=dht.peer_id, run_id=RUN_ID, stage=1, round=number,
-                                       started_at=dht.clock()), 60.0, subkey=dht.subkey_of(dht.peer_id))
-            dht.owned_entries(key, RoundRecord)
-            dht.live_workers(RUN_ID, 1)
+    def run(dht: SwarmDHT, turn: float) -> None:
+        operations = [op for number in range(repeats) for op in (
+            lambda number=number: dht.store(key, RoundRecord(peer_id=dht.peer_id, run_id=RUN_ID, stage=1, round=number,
+                                                             started_at=dht.clock()), 60.0,
+                                            subkey=dht.subkey_of(dht.peer_id)),
+            lambda: dht.owned_entries(key, RoundRecord),
+            lambda: dht.live_workers(RUN_ID, 1))]
+        for index, operation in enumerate(operations):
+            time.sleep(max(0.0, began + turn + index * DHT_OP_PACE_S - time.monotonic()))
+            operation()
 
     cpu0, began = tree_usage(os.getpid())[0], time.monotonic()
-    threads = [threading.Thread(target=run, args=(dht,)) for dht in dhts]
+    threads = [threading.Thread(target=run, args=(dht, i / len(dhts) * DHT_OP_PACE_S)) for i, dht in enumerate(dhts)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -191,6 +204,7 @@ def measure(replicas: int, values: int, rounds: int) -> Cost:
     dhts, averagers = _start(replicas, values)
     try:
         _round(averagers, 1, values, 1.0)  # connections opened, first-use costs paid
+        time.sleep(1.0)
         cpu0 = tree_usage(os.getpid())[0]
         time.sleep(IDLE_S)
         idle = (tree_usage(os.getpid())[0] - cpu0) / IDLE_S
@@ -243,13 +257,14 @@ def report(costs: list[Cost], per_peer: float, per_byte: float, command: str, fi
              "size as target. CPU: this process and its children, less their idle rate; with weight 0 the "
              "group forms and no all-reduce runs.", "",
              "| R | vector bytes | sent / replica | rounds | committed | host CPU s / round | without all-reduce | "
-             "all-reduce | formation p50 s | round p50 s | matchmaking CPU ms / replica | DHT op CPU ms |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "all-reduce | formation p50 s | round p50 s | matchmaking CPU ms / replica | DHT op CPU ms | "
+             "idle CPU ms / s / replica |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in costs:
         lines.append(f"| {c.replicas} | {c.vector_bytes:,} | {c.sent_bytes:,} | {c.rounds} | {c.committed} | "
                      f"{c.cpu_s_per_round:.4f} | {c.cpu_s_per_round_no_allreduce:.4f} | {c.allreduce_cpu_s:.4f} | "
                      f"{c.formation_p50_s:.4f} | {c.duration_p50_s:.4f} | {c.matchmaking_cpu_ms:.1f} | "
-                     f"{c.dht_op_cpu_ms:.1f} |")
+                     f"{c.dht_op_cpu_ms:.1f} | {c.idle_cpu_ms_per_s:.1f} |")
     lines += ["", f"Fitted over the rows of R <= {fit_up_to}: one replica's all-reduce costs {per_peer * 1000:.2f} "
               "ms of CPU per peer "
               f"it exchanges with and {per_byte * 1e9:.1f} ns per byte it sends (host CPU per round = "
@@ -257,7 +272,8 @@ def report(costs: list[Cost], per_peer: float, per_byte: float, command: str, fi
               "Matchmaking CPU: a replica's share of the host's CPU per round with weight 0 (hivemind's "
               "declaration, its read of the declared averagers, the join requests, the refusals). DHT op CPU: "
               "the host's CPU per operation while every replica stores its round record and reads the stage's "
-              "round and worker records, each key holding R entries."]
+              f"round and worker records, each key holding R entries, one operation every {DHT_OP_PACE_S:g} s. "
+              f"Idle: what one replica's processes burn a second with nothing to do, over {IDLE_S:g} s."]
     return "\n".join(lines) + "\n"
 
 
@@ -287,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.with_suffix(".json").write_text(json.dumps(
         {"costs": [dataclasses.asdict(c) for c in costs], "cpu_s_per_peer": per_peer,
          "cpu_s_per_byte_sent": per_byte, "matchmaking_cpu_ms_at": at_replicas(costs, "matchmaking_cpu_ms"),
-         "dht_op_cpu_ms_at": at_replicas(costs, "dht_op_cpu_ms")}, indent=1) + "\n")
+         "dht_op_cpu_ms_at": at_replicas(costs, "dht_op_cpu_ms"),
+         "idle_cpu_ms_per_s_at": at_replicas(costs, "idle_cpu_ms_per_s")}, indent=1) + "\n")
     print(args.out.read_text())
     return 0
 

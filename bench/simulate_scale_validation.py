@@ -7,20 +7,23 @@ Averaging (bench/results/averaging_scale.json, bench/averaging_scale.py): R repl
 on one 2-core host over loopback, stepping every 2 s, a round every 4 steps, a 3 s window, no
 trainers. Inputs: the harness's pace and window (its settings), the averaged vector's bytes (tiny's
 middle stage as node/averaging/sparta.py sizes it), loopback's measured round trip and rates (row 3's
-lan), the host's 2 cores, and three CPU costs bench/allreduce_cost.py measured on R replicas of the
+lan), the host's 2 cores, and four CPU costs bench/allreduce_cost.py measured on R replicas of the
 harness's own kind (an insecure SwarmDHT and a SliceAverager each, on this host; bench/results/
 allreduce_cost.json, read between its R by network.py's `at_size`): what one of the averaging loop's
 DHT operations costs the host (a store of a round record, reads of the stage's round and worker
 records of R entries), what the rest of a replica's matchmaking costs (its share of the host's CPU
 in rounds with every weight 0: hivemind's declaration, its read of the declared averagers, the join
 requests), and the all-reduce's CPU per other member and per byte a member sends (the difference
-between weight 1 and weight 0, fitted over R and two vector sizes). A round's matchmaking is the
-loop's two DHT operations at once (node/averaging/loop.py's announcement with its read of the live
-replicas), each its CPU on the shared cores and one loopback round trip, then hivemind's part, its
-CPU on the shared cores and one round trip. The all-reduce after the group formed takes each
-member's CPU on the shared cores. Between rounds each replica probes the round board on the loop's
-schedule, closes each round and beats every 5 s (the harness's heartbeat), each operation's CPU on
-the shared cores (node/simulate/background.py). Each replica's start of each round is delayed by one
+between weight 1 and weight 0, fitted over R and two vector sizes), and what an idle replica's
+processes burn a second (hivemind's and p2pd's upkeep). A round's matchmaking is what
+node/averaging/loop.py's `run_round` does, each DHT operation its CPU on the shared cores and one
+loopback round trip: the round's two announcers store their announcement beside it, and a replica
+whose count of the live replicas is due reads it first; then hivemind's part, its CPU on the shared
+cores and one round trip. The all-reduce after the group formed takes each member's CPU on the
+shared cores. Between rounds each replica probes the round board on the loop's schedule, closes
+the rounds it announced and beats every 5 s (the harness's heartbeat: a store, no ban list on an
+insecure DHT), each operation's CPU on the shared cores, and burns the idle rate
+(node/simulate/background.py). Each replica's start of each round is delayed by one
 of the harness's measured start offsets (behind the round's first replica's start), drawn at random:
 the replicas step together, and what sets their starts apart is the order in which the shared cores
 serve their probes and steps, which the simulator's processor sharing does not give (its replicas
@@ -69,7 +72,9 @@ LAN = (0.06, 22279.9, 20906.8)  # row 3's lan: RTT ms, up and down Mbit/s
 AGORA_FLOOR = (80.68, 192.3, 191.2)
 HOST_CORES = 2
 STEP_S, EVERY_STEPS, WINDOW_S = 2.0, 4, 3.0  # bench/averaging_scale.py's defaults, the run's settings
-MATCHMAKING_DHT_OPS = 2  # the loop's announcement and its read of the live replicas; hivemind's part is measured CPU
+# Besides the loop's own (simulated by the loop's rules: its announcers' store, the live count's read when
+# due), none: hivemind's part of the matchmaking is its measured CPU.
+MATCHMAKING_DHT_OPS = 0
 HEARTBEAT_S = 5.0  # bench/averaging_replica.py's --heartbeat-s, which the harness leaves at its default
 MONITOR_READ_EVERY_S = 0.25  # bench/dht_peer.py's WATCH_S
 # The newcomer's first read (bench/dht_newcomer.py's `find_donor`) is two DHT reads one after the other:
@@ -100,13 +105,15 @@ class HarnessCPU:
     dht_op_ms_at: tuple[tuple[float, float], ...]
     matchmaking_ms_at: tuple[tuple[float, float], ...]
     allreduce: tuple[float, float]
+    idle_ms_per_s_at: tuple[tuple[float, float], ...] = ()  # [R, ms a second] one idle replica burns
 
     @classmethod
     def read(cls, results: Path = RESULTS) -> "HarnessCPU":
         measured = json.loads((results / "allreduce_cost.json").read_text())
         return cls(tuple(map(tuple, measured["dht_op_cpu_ms_at"])),
                    tuple(map(tuple, measured["matchmaking_cpu_ms_at"])),
-                   (measured["cpu_s_per_peer"] * 1000.0, measured["cpu_s_per_byte_sent"] * 1e9))
+                   (measured["cpu_s_per_peer"] * 1000.0, measured["cpu_s_per_byte_sent"] * 1e9),
+                   tuple(map(tuple, measured.get("idle_cpu_ms_per_s_at", ()))))
 
 
 def averaging_scenario(replicas: int, rounds: int, cpu: HarnessCPU, vector_bytes: int,
@@ -116,7 +123,8 @@ def averaging_scenario(replicas: int, rounds: int, cpu: HarnessCPU, vector_bytes
         "run": {"seconds": (rounds + 0.5) * STEP_S * EVERY_STEPS, "stages": 1, "batch_s": STEP_S},
         "compute": {"ms": [1.0], "shared_cores": HOST_CORES},
         "links": [{"name": "lan", "up_mbit": up, "down_mbit": down, "rtt_ms": rtt}],
-        "workers": {"replicas": replicas, "heartbeat_s": HEARTBEAT_S},
+        "workers": {"replicas": replicas, "heartbeat_s": HEARTBEAT_S, "heartbeat_reads_bans": False,
+                    "background_cpu_ms_per_s_at": [list(pair) for pair in cpu.idle_ms_per_s_at]},
         "dht": {"base_ms": rtt, "cpu_ms_at": [list(pair) for pair in cpu.dht_op_ms_at]},
         "averaging": {"method": "sparta", "every_steps": EVERY_STEPS, "fraction": 0.25, "vector_bytes": vector_bytes,
                       "matchmaking_dht_ops": MATCHMAKING_DHT_OPS, "matchmaking_s": WINDOW_S, "between_rounds": True,

@@ -32,12 +32,21 @@ def test_the_harness_cpu_is_read_from_allreduce_costs_tables_and_fit(tmp_path):
     (tmp_path / "allreduce_cost.json").write_text(json.dumps({
         "cpu_s_per_peer": 0.001, "cpu_s_per_byte_sent": 20e-9,
         "matchmaking_cpu_ms_at": at_replicas(costs, "matchmaking_cpu_ms"),
-        "dht_op_cpu_ms_at": at_replicas(costs, "dht_op_cpu_ms")}))
+        "dht_op_cpu_ms_at": at_replicas(costs, "dht_op_cpu_ms"),
+        "idle_cpu_ms_per_s_at": at_replicas(costs, "idle_cpu_ms_per_s")}))
     cpu = HarnessCPU.read(tmp_path)
     assert cpu.dht_op_ms_at == ((2.0, 4.0), (4.0, 7.0))  # each R's two runs, averaged
     assert [size for size, _ in cpu.matchmaking_ms_at] == [2.0, 4.0]
     assert [ms for _, ms in cpu.matchmaking_ms_at] == pytest.approx([25.0, 12.5])  # 0.05 s a round over R
     assert cpu.allreduce == pytest.approx((1.0, 20.0))
+    # The host's idle 0.01 CPU s a second, over R replicas, in ms a second each.
+    assert [size for size, _ in cpu.idle_ms_per_s_at] == [2.0, 4.0]
+    assert [ms for _, ms in cpu.idle_ms_per_s_at] == pytest.approx([5.0, 2.5])
+    # A table written before idle was kept: no background.
+    (tmp_path / "allreduce_cost.json").write_text(json.dumps({
+        "cpu_s_per_peer": 0.001, "cpu_s_per_byte_sent": 20e-9, "matchmaking_cpu_ms_at": [[2.0, 1.0]],
+        "dht_op_cpu_ms_at": [[2.0, 1.0]]}))
+    assert HarnessCPU.read(tmp_path).idle_ms_per_s_at == ()
 
 
 def test_the_averaging_scenario_takes_the_harness_cpu_and_the_replicas_traffic_between_rounds():
@@ -45,10 +54,15 @@ def test_the_averaging_scenario_takes_the_harness_cpu_and_the_replicas_traffic_b
     scenario = scenario_from_dict(averaging_scenario(4, 3, cpu, 1000))
     assert scenario.dht.cpu_ms_at == ((2.0, 3.0), (8.0, 10.0))
     assert scenario.averaging.matchmaking_cpu_ms_at == ((2.0, 20.0), (8.0, 90.0))
-    assert scenario.averaging.matchmaking_dht_ops == 2
+    assert scenario.averaging.matchmaking_dht_ops == 0  # the loop's own by its rules; hivemind's is the CPU
     assert scenario.averaging.allreduce_cpu_ms_per_peer == 1.5
     assert scenario.averaging.allreduce_cpu_ns_per_byte == 20.0
     assert scenario.averaging.between_rounds and scenario.workers.heartbeat_s == 5.0
+    assert not scenario.workers.heartbeat_reads_bans  # the harness's DHT is insecure: no ban list
+    assert scenario.workers.background_cpu_ms_per_s_at == ()  # none measured in this HarnessCPU
+    idle = HarnessCPU(cpu.dht_op_ms_at, cpu.matchmaking_ms_at, cpu.allreduce, ((2.0, 3.5), (8.0, 6.0)))
+    assert scenario_from_dict(averaging_scenario(4, 3, idle, 1000)).workers.background_cpu_ms_per_s_at == (
+        (2.0, 3.5), (8.0, 6.0))
 
 
 def _cost(replicas: int, vector_bytes: int, per_peer: float, per_byte: float) -> Cost:
