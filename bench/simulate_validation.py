@@ -280,33 +280,45 @@ NOTES = """## What the simulator leaves out, and where it shows
   at R = 4 was 0.20 s on 2026-12-06 and 0.44 s at noon on 2026-12-07, the same code alternated with
   the day-old one; formation p95 at R = 16 was 3.18 s at 16:18 and 2.54 and 2.21 s at 19:05 and
   19:42), so inputs and figures from different sessions would measure the host. The table's take
-  (2026-12-07 19:42, each R started once the previous one's load had decayed below 1) and the
-  inputs (19:08, from a load of 0.6): one loop DHT operation 4.2, 5.9, 8.5 and 8.9 ms of host CPU,
-  the rest of a replica's matchmaking 29, 45, 76 and 122 ms. (Taken from dht_scale's admitted
-  peers instead, signed records and a ban list, an earlier take's formation p50 was
-  +68/+6/-19/-35%: the wrong swarm's costs, growing more slowly in R than hivemind's matchmaking,
-  whose reads of the declared averagers return R entries.) The all-reduce's CPU (the same bench,
-  weight 1 against weight 0 in alternated blocks, fitted over R <= 4) is the difference of two CPU
-  totals of similar size, pinned only to within a factor of two, and a small part of a round.
-  Between rounds the replicas' probes, round closes and a heartbeat every 5 s are simulated.
-- The simulated rounds are short at every R, in two takes of the same code 37 minutes apart:
-  formation p50 -13/-24/-11/-29% and -18/-32/-23/-39% at R = 2/4/8/16, p95 -25/-27/-20/-26% and
-  -37/-28/-28/-47%, round p50 -15/-24/-2/-14% and -23/-30/-14/-24%, p95 -29/-30/-15/-19% and
-  -36/-36/-24/-35% (8 and 2 of 16 within 20%; the earlier count of 8 came from one take on a slower
-  host). Why, in part: the harness reads the CPU of every replica's processes over its window
-  since 19:42, and the simulated jobs add up to 56-66% of it (host CPU per round 0.295/1.03/2.84/7.21
-  s measured, 0.196/0.576/1.758/4.696 simulated): per replica 50, 114, 136 and 157 ms a round are
-  missing, growing with R. The replicas' idle burn, as allreduce_cost measured it (0.04-0.13 host
-  CPU seconds a second), accounts for 0.3-1.0 s of the 0.1-2.5 s, and none of it is simulated; the
-  rest is work the harness's replicas do beside a round's inputs (the averaging loop's own steps and
-  records, hivemind's DHT upkeep over R peers), not yet taken apart process by process. At R = 2 the
-  rounds are tens of milliseconds on an idle host, where the missing part is latency (a message
-  through two p2pd daemons and the DHT and averager processes), not CPU.
+  (2026-12-07 22:09, each R started once the previous one's load had decayed to 1) and the inputs
+  (21:45, from a load of 0.2): one loop DHT operation at the loop's pace (one a replica every
+  0.75 s) 3.9, 7.2, 11.9 and 12.4 ms of host CPU, the rest of a replica's matchmaking 38, 53, 92 and
+  139 ms, an idle replica 3.8-4.0 ms a second. (Taken from dht_scale's admitted peers instead,
+  signed records and a ban list, an earlier take's formation p50 was +68/+6/-19/-35%: the wrong
+  swarm's costs, growing more slowly in R than hivemind's matchmaking, whose reads of the declared
+  averagers return R entries.) The all-reduce's CPU (the same bench, weight 1 against weight 0 in
+  alternated blocks, fitted over R <= 4) is the difference of two CPU totals of similar size,
+  pinned only to within a factor of two, and a small part of a round. Between rounds the replicas'
+  probes, the closes of the rounds they announced and a heartbeat every 5 s (a store: an insecure
+  DHT has no ban list to read) are simulated, and the idle rate; at a round only its two announcers
+  store, beside it, and a replica reads the live count first only when its schedule says it is due
+  (node/averaging/loop.py's `run_round`).
+- Where the harness's CPU goes: it reads every replica's processes over its window, split three
+  ways, and each replica's own DHT requests: at R = 8, 1.89 s a round, p2pd 0.73, the forked DHT
+  and averager processes 0.77, the replicas' own 0.38; each replica about 8.5 reads and 2 stores a
+  round. Counted at the request handlers (a diagnostic at R = 8, not in the table), those fan out
+  to about 40 requests a replica a round between rounds (changed-finds and digests of the round
+  board, the heartbeat's store to its holders) and 70 during it, of which hivemind's matchmaking
+  33 finds and 9 stores (its declaration and reads of the declared averagers visit every peer of
+  the 8). Before reads of an empty key were believed (dht/holder_reads.py), every probe of the
+  empty round board between rounds searched for its holders again: 22 more requests a replica a
+  round, and 2.84 s of host CPU a round at R = 8 where it is now 1.89.
+- The simulated jobs now add up to -13%, -28%, +12% and -17% of the measured CPU at R = 2, 4, 8,
+  16 (before the operations were measured at the loop's pace, the idle rate added and a round's
+  operations made as the loop makes them: 56-66% of it, every figure short in two takes). The
+  figures scatter around the measured ones, formation p50 +20/-15/+21/-22%, p95 +8/-27/+4/-23%,
+  round p50 +5/-23/+22/-12%, p95 -4/-32/+10/-29% (7 of 16 within 20%), and from R = 4 on each R's
+  errors follow its CPU error (short at R = 4 and 16, long at 8). The CPU inputs are single takes
+  and move between takes by as much: hivemind's matchmaking CPU at 19:08 and 21:45 differs by
+  13-31% at each R. At R = 2 and 4 the swarm has fewer peers than a store's 5 holders, so an empty
+  read there still searches again (what a peer that knew few others finds), which the simulator
+  does not model. At R = 2 the rounds are tens of milliseconds on an idle host, where the error is
+  latency (a message through two p2pd daemons and the DHT and averager processes), not CPU.
 - The replicas start a round apart, although they step together: each replica's probe falls due at
   the step itself and the shared cores serve R replicas' steps, probes and hivemind's matchmaking in
   turn, which the simulator's processor sharing, every runnable job advancing together, does not
   give (its replicas finish the same work together). averaging_scale keeps each replica's start of
-  each round (p95 behind the round's first: 0.006, 0.10, 0.30 and 1.15 s at R = 2, 4, 8, 16 in the
+  each round (p95 behind the round's first: 0.02, 0.09, 0.20 and 0.88 s at R = 2, 4, 8, 16 in the
   table's take), and the simulator delays each replica's start by one of those offsets, drawn. On an
   earlier take (16:18, a slower host) the offsets brought 6 of 16 figures within 20% to 8; R = 16's
   formation p50 is shorter with them (a late starter finds its group nearly formed): the draw is
