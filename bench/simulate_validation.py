@@ -243,25 +243,28 @@ NOTES = """## What the simulator leaves out, and where it shows
   keeps its first depth within the workers' credits (node/trainer/inflight.py, `initial_depth`),
   which those runs now are (0 reroutes, 0 bans).
 - The narrow shape's runs (tiny and small, x1, each depth variant, on lan, agora-floor, its tuned hosts
-  and residential: 20 runs) were taken again twice on 2026-12-06, alone on the machine (`agora-bench
-  --row 3 --update bench/results/suite.json --run ...`, 03:49 and 04:54, the second recording each
-  trainer's DHT requests; those of 2026-12-03 ran at 1-minute loads of 3 to 8 from other work). The
-  two takes of the same code an hour apart differ by -32% to +14%, 13 of 20 runs 8% or more slower
-  the second time (lan tiny x1 adaptive 3,852 and 2,807: its calls' compute 14 and 21 ms, its
-  trainer's CPU 13 and 18 ms a microbatch at the same load: this virtual machine's speed moves),
-  more than the 10% this table asks of the simulator;
-  the simulator takes each run's own compute, which moves with it, but one run per row bounds what
-  the table can show. The table is of the second take.
+  and residential: 20 runs) were taken again three times on 2026-12-06, alone on the machine
+  (`agora-bench --row 3 --update bench/results/suite.json --run ...`, 03:49 and 04:54, the second
+  recording each trainer's DHT requests, and 07:19, after trainers claim units ahead; those of
+  2026-12-03 ran at 1-minute loads of 3 to 8 from other work). The first two takes, of the same code
+  an hour apart, differ by -32% to +14%, 13 of 20 runs 8% or more slower the second time (lan tiny
+  x1 adaptive 3,852 and 2,807: its calls' compute 14 and 21 ms, its trainer's CPU 13 and 18 ms a
+  microbatch at the same load: this virtual machine's speed moves), more than the 10% this table
+  asks of the simulator; the simulator takes each run's own compute, which moves with it, but one
+  run per row bounds what the table can show. The table is of the third take, the x1 adaptive runs
+  of 2026-12-07 (with the depth's headroom).
 - A DHT request is as long as the run's trainer measured its lease requests: 25-49 ms on lan (the
   DHT process and p2pd wait for a core beside the swarm's compute), 99-138 ms at 80 ms round trips.
   With one round trip plus 5 ms instead, the same 34 runs: 11 within 10%, median 14%, largest 47%
   (the 20 narrow runs: 4, 20%, 47%); with the measured requests 12, 13%, 37% (5, 17%, 37%). A
   global batch waits on them: a claim is a store, a full read of its unit block, a wait as long and
-  another full read (dht/leases.py), a commit a store and a full read, and the trainer claims one
-  unit at a time, so at `--max-staleness 4` over 80 ms one trainer commits about 2 batches a second
-  (the trainer's log: a batch every 0.52 s with 16 in flight against 0.57 s of latency, the window of
-  5 global batches never full). In the product, claims made ahead of need or several at once would
-  lift that bound; not changed here (the lease protocol's race rule makes a claim four requests).
+  another full read (dht/leases.py), a commit a store and a full read. Claimed one unit at a time, at
+  `--max-staleness 4` over 80 ms one trainer committed about 2 batches a second (the second take's
+  trainer log: a batch every 0.52 s with 16 in flight against 0.57 s of latency, the window of 5
+  global batches never full); a trainer now claims its window's units ahead, together, topped up
+  behind (node/trainer/units.py), and so does the simulated one; the third take is of that code. The
+  staleness-4 runs stay off in a consistent direction (tiny +25% and +27% over 80 ms, small -20% to
+  -35%), not taken apart: their trainer logs were not kept.
 - Depth 4 at one trainer (x1 adaptive, staleness 1): over-predicted by 21% on lan and 16-18% at
   agora-floor; the harness kept fewer than 4 in flight on average. Not the host's CPU: with each
   call's framing time taken as CPU on the shared cores (half or all of it), 6 or 7 of 34 runs came

@@ -3,7 +3,7 @@
 A trainer claims as node/trainer/units.py and dht/leases.py do: `next_candidates` picks the units to
 try, the claim of several together is a store, a read, a wait as long as both took (at least
 `CLAIM_SETTLE_S`) and a read again (a store more withdraws those lost), and it holds a unit only if
-`resolve` names it holder both times; a commit is one store. A store is visible to others once its DHT operation has taken its time (and its CPU where
+`resolve` names it holder both times; a commit is a store and a read of the block back. A store is visible to others once its DHT operation has taken its time (and its CPU where
 the scenario gives one: the swarm's `dht_op`). Entries carry the two views `resolve` reads
 (committed units, live claims) and nothing else.
 """
@@ -90,9 +90,12 @@ class SimLeaseBoard:
             entry.claims[unit] = (entry.claims[unit][0], self.env.now + self.lease_s)
 
     def commit(self, peer: str, unit: int):
+        """A simpy process: the commit's store, then the block read back whole (dht/leases.py's `commit`
+        reads whether another trainer committed the unit too); the trainer's batch waits for both."""
         yield from self.dht_op("store")
         entry = self.entries[peer]
         entry.claims.pop(unit, None)
         self.duplicates += unit in self.committed
         entry.committed.add(unit)
         self.committed.add(unit)
+        yield from self.dht_op("get")

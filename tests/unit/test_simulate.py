@@ -205,3 +205,27 @@ def test_one_trainer_keeps_every_replica_of_a_stage_busy_and_several_share_them(
     shared = _adaptive(4, 4)
     assert shared.tokens_per_s >= 3.5 * one.tokens_per_s
     assert sum(shared.depth_last) <= 1.25 * four.depth_last[0] + 4
+
+
+def test_a_commit_is_a_store_then_its_block_read_back():
+    """As dht/leases.py's `commit`: the store, then a full read of the block (a duplicate's check);
+    the unit is committed for every reader once the store has taken its time."""
+    import simpy
+
+    from agora.node.simulate.units import SimLeaseBoard
+
+    env = simpy.Environment()
+    ops: list[tuple[float, str]] = []
+
+    def dht_op(kind: str):
+        ops.append((round(env.now, 3), kind))
+        yield env.timeout(0.1)
+
+    board = SimLeaseBoard(env, total=10, lease_s=30.0, dht_op=dht_op)
+    claim = env.process(board.claim("a", None, 1))
+    env.run(claim)
+    (unit,) = claim.value
+    began, ops[:] = env.now, []
+    env.run(env.process(board.commit("a", unit)))
+    assert ops == [(round(began, 3), "store"), (round(began + 0.1, 3), "get")]
+    assert unit in board.committed and env.now == pytest.approx(began + 0.2)
