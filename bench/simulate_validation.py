@@ -262,9 +262,24 @@ NOTES = """## What the simulator leaves out, and where it shows
   `--max-staleness 4` over 80 ms one trainer committed about 2 batches a second (the second take's
   trainer log: a batch every 0.52 s with 16 in flight against 0.57 s of latency, the window of 5
   global batches never full); a trainer now claims its window's units ahead, together, topped up
-  behind (node/trainer/units.py), and so does the simulated one; the third take is of that code. The
-  staleness-4 runs stay off in a consistent direction (tiny +25% and +27% over 80 ms, small -20% to
-  -35%), not taken apart: their trainer logs were not kept.
+  behind (node/trainer/units.py), and so does the simulated one; the third take is of that code. A
+  commit's read-back was left out of the simulated commit until 2026-12-07 (tiny's staleness-4 runs
+  over 80 ms went from +27/+25% to +19/+19% with it). The six staleness-4 runs were taken again on
+  2026-12-07 22:36-22:39, one after another, alone (1-minute loads 0.6 to 4.2 at their starts, left
+  by the one before): within 1% to 9% of the third take (agora-floor tiny 2,713 against 2,687, lan
+  small 1,959 against 2,087): the table's figures. So their errors are the simulator's, in a
+  consistent direction: tiny -1% on lan and +18% and +21% over 80 ms, small -35%, -24% and -27%.
+- Why the small runs fall short, found at the end of a session and not changed: a call's compute as
+  the harness measures it is the wall time of the worker's compute thread (node/worker/service.py,
+  `time.perf_counter`), taken while the run's other processes share the host's two cores, so it
+  holds that run's contention already; the simulator takes it as CPU on two shared cores and
+  shares them again. Small's four stages of 180-390 ms jobs are runnable together most of the time:
+  in the simulated lan staleness-4 run 6 to 7 microbatches are in flight, as in the trainer's log (7),
+  but 1.4 a second complete against 2.1 measured. With every worker on a core of its own instead,
+  the same 34 runs are 9 within 10%, every one over (+50% for the wide shapes, whose many calls
+  contend the most): the truth is between, and the way there is to measure each call's CPU (the
+  compute thread's `time.thread_time`) beside its wall time and give the simulator the CPU, which
+  needs row 3 taken again.
 - Depth 4 at one trainer (x1 adaptive, staleness 1): over-predicted by 21% on lan and 16-18% at
   agora-floor; the harness kept fewer than 4 in flight on average. Not the host's CPU: with each
   call's framing time taken as CPU on the shared cores (half or all of it), 6 or 7 of 34 runs came
