@@ -7,7 +7,8 @@ Design choices:
   INVALID_ARGUMENT a bad request, ...), handling time per method, and the serialized message
   bytes each way (the wire bytes of every method, streams included).
 - `WorkerMetrics` is the stage replica's own account: microbatches and tokens through each
-  method (from the frames' declared shapes), time waiting for and on the compute thread, the
+  method (from the frames' declared shapes), time waiting for and on the compute thread (and the
+  thread's CPU time in its jobs, which a host whose cores are shared shows apart from it), the
   optimizer's step, learning rate and gradient norm (from the step hook, on the compute thread),
   and at scrape time the queue depth, the phase and the announced throughput (read from the
   worker, not copied), the refusals it counts by reason, and its flow control: the callers it
@@ -77,6 +78,10 @@ class WorkerMetrics:
         self.tokens = Counter("agora_worker_tokens", "Tokens computed, by method", ["method"], registry=registry)
         self.compute = Histogram("agora_worker_compute_seconds", "Time a job spent on the stage's compute thread",
                                  ["method"], buckets=DURATION_BUCKETS, registry=registry)
+        self.compute_cpu = Counter("agora_worker_compute_cpu_seconds", "CPU time the compute thread spent in its jobs, "
+                                   "by method (beside agora_worker_compute_seconds' wall time: where other processes "
+                                   "share the host's cores, the difference is the job's waits for one)", ["method"],
+                                   registry=registry)
         self.queue_wait = Histogram("agora_worker_queue_wait_seconds",
                                     "Time an admitted job waited for the compute thread", ["method"],
                                     buckets=DURATION_BUCKETS, registry=registry)
@@ -189,11 +194,12 @@ class WorkerMetrics:
     def watchdog_tripped(self, rule: str) -> None:
         self.watchdog_trips.labels(reason=rule).inc()
 
-    def observe_job(self, method: str, tokens: int, queued_s: float, compute_s: float) -> None:
+    def observe_job(self, method: str, tokens: int, queued_s: float, compute_s: float, cpu_s: float = 0.0) -> None:
         self.microbatches.labels(method=method).inc()
         self.tokens.labels(method=method).inc(tokens)
         self.queue_wait.labels(method=method).observe(queued_s)
         self.compute.labels(method=method).observe(compute_s)
+        self.compute_cpu.labels(method=method).inc(max(0.0, cpu_s))
 
     def stepped(self, learning_rate: float, grad_norm: float | None) -> None:
         """From the compute thread's step hook (prometheus_client's values are thread-safe)."""

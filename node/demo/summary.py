@@ -176,6 +176,9 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         # Trips of a stage's only worker the verifiers excused for a self check at once (node/trainer/lone_worker.py).
         "verification_lone_trips": sum(s.get("verification", {}).get("lone_trips", 0) for s in trainer_summaries),
         "averaging_by_stage": _averaging_by_stage(workdir, workers),
+        # Each stage's Forward and Backward jobs, summed over the replicas that wrote their stats: their
+        # wall time and the compute thread's CPU time in them (a shared host's waits for a core are the difference).
+        "compute_by_stage": _compute_by_stage(workdir, workers),
         # Each worker's phases and when it entered them (seconds after it started): a replica that
         # joined mid-run shows weight_sync, optimizer_sync, member (node/membership/phases.py).
         "phases_by_worker": _phases_by_worker(workdir, workers),
@@ -287,6 +290,26 @@ def _averaging_by_stage(workdir: Path, workers) -> dict:
         into["compute_blocked_fraction"] = into["compute_blocked_s"] / into["wall_s"] if into["wall_s"] else None
         # Local steps from a round's snapshot to its apply, over every applied round of the stage.
         into["mean_lag_steps"] = into.pop("lag_steps_sum") / into["applied"] if into["applied"] else None
+    return dict(sorted(merged.items()))
+
+
+def _compute_by_stage(workdir: Path, workers) -> dict:
+    """Per stage: jobs, their wall seconds, the compute thread's CPU seconds in them, and the CPU's
+    share of the wall (None without jobs), from the replicas' stats files (a killed one wrote none)."""
+    merged: dict[str, dict] = {}
+    for stage, worker in workers:
+        try:
+            stats = json.loads((workdir / f"{worker.name}.stats.json").read_text())
+        except (OSError, ValueError):
+            continue
+        jobs = stats.get("jobs")
+        if not isinstance(jobs, dict):
+            continue
+        into = merged.setdefault(str(stats.get("stage", stage)), {"jobs": 0, "compute_s": 0.0, "compute_cpu_s": 0.0})
+        for key in into:
+            into[key] += jobs.get(key, 0)
+    for into in merged.values():
+        into["cpu_share"] = round(into["compute_cpu_s"] / into["compute_s"], 4) if into["compute_s"] else None
     return dict(sorted(merged.items()))
 
 

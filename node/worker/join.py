@@ -366,6 +366,7 @@ def _write_stats(averaging: AveragingLoop, worker: StageWorker, phases: SyncPhas
     stats = averaging.stats.snapshot()
     logger.info("averaging: %s", stats)
     stats["stage"] = options.stage  # the one it ended on (rebalancing moves a worker)
+    stats["jobs"] = worker.job_times.snapshot()  # its compute's wall and CPU time, for the demo's summary
     if phases is not None:  # the demo's summary: each replica's phases, seconds after it started
         stats["phases"] = phases.history
     if worker.state_donor is not None:

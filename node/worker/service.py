@@ -94,7 +94,7 @@ from agora.protos.stage_adapter import (
     StepRequest,
 )
 
-__all__ = ["ServedStage", "StageService"]
+__all__ = ["JobTimes", "ServedStage", "StageService"]
 
 T = TypeVar("T")
 
@@ -132,6 +132,27 @@ class ServedStage(Protocol):
     def info(self, owner: str | None = None) -> InfoReply: ...
 
 
+@dataclass
+class JobTimes:
+    """The compute thread's Forward and Backward jobs in all: their wall time, and the thread's CPU
+    time in them (`time.thread_time`; torch's intra-op threads beside it are not in it: a worker
+    with one thread has none). Where other processes share the host's cores the wall time holds the
+    job's waits for a core and the CPU time does not: what a model of a shared host needs as a job's
+    demand. Written by the compute thread alone."""
+
+    jobs: int = 0
+    compute_s: float = 0.0
+    cpu_s: float = 0.0
+
+    def add(self, compute_s: float, cpu_s: float) -> None:
+        self.jobs += 1
+        self.compute_s += compute_s
+        self.cpu_s += max(0.0, cpu_s)
+
+    def snapshot(self) -> dict:
+        return {"jobs": self.jobs, "compute_s": round(self.compute_s, 6), "compute_cpu_s": round(self.cpu_s, 6)}
+
+
 class StageService:
     """The agora.v1.Stage handlers (see protos/stage_adapter.StageHandler): each call's admission
     (module docstring), its run on the worker's compute thread, and the status its failure maps to.
@@ -148,6 +169,7 @@ class StageService:
         self._metrics = metrics
         self._gate = gate
         self.compute_errors = 0  # calls failed on this replica's own non-finite result
+        self.job_times = JobTimes()
         self.slots = SlotPool(f"stage {self._stage} worker", options.queue_capacity, options.queue_per_caller,
                               option="worker.max_queue_per_caller")
         # Credits for each caller (node/worker/flow.py); the tail keeps no forward stash.
@@ -289,14 +311,16 @@ class StageService:
         admitted = time.perf_counter()
 
         def timed(request: Any) -> T:
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             reply = fn(request)
             if hasattr(reply, "compute_s"):  # Forward/Backward replies report where the time went
                 reply = dataclasses.replace(reply, queued_s=started - admitted,
                                             compute_s=time.perf_counter() - started)
+                cpu_s = time.thread_time() - cpu_started
+                self.job_times.add(reply.compute_s, cpu_s)
                 if self._metrics is not None:
                     self._metrics.observe_job(type(request).__name__.removesuffix("Request"), _job_tokens(request),
-                                              reply.queued_s, reply.compute_s)
+                                              reply.queued_s, reply.compute_s, cpu_s)
             return reply
 
         # the slot is freed when the job ends, not when the caller gives up

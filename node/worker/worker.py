@@ -86,7 +86,7 @@ from agora.node.worker.options import WorkerOptions
 from agora.node.worker.attestations import AttestationService, KeptAttestations
 from agora.node.worker.link_probe import LinkProbeService
 from agora.node.worker.receipts import RECEIPTS_FILE, KeptReceipts, ReceiptService
-from agora.node.worker.service import StageService
+from agora.node.worker.service import JobTimes, StageService
 from agora.node.replica.stash import ForwardStash
 from agora.node.membership.state_transfer import StateDonor
 from agora.monitor.worker_metrics import WorkerMetrics
@@ -213,6 +213,11 @@ class StageWorker:
     def compute_errors(self) -> int:
         """Calls failed on this replica's own non-finite result (its watchdog reads it)."""
         return self._service.compute_errors
+
+    @property
+    def job_times(self) -> JobTimes:
+        """Its Forward and Backward jobs' wall and CPU time so far (node/worker/service.py's `JobTimes`)."""
+        return self._service.job_times
 
     @property
     def is_serving(self) -> bool:

@@ -189,6 +189,10 @@ def test_a_worker_counts_its_jobs_calls_bytes_and_steps():
     assert value("agora_worker_microbatches_total", method="Forward") == 1
     assert value("agora_worker_tokens_total", method="Forward") == 2 * 16
     assert value("agora_worker_compute_seconds_count", method="Forward") == 1
+    # The compute thread's CPU in that one job: some, and no more than the job's wall time (one thread).
+    cpu, wall = value("agora_worker_compute_cpu_seconds_total", method="Forward"), \
+        value("agora_worker_compute_seconds_sum", method="Forward")
+    assert 0 < cpu <= wall + 0.01, (cpu, wall)
     assert value("agora_rpc_server_handled_total", method="Forward", code="OK") == 1
     assert value("agora_rpc_server_handled_total", method="Forward", code=grpc.StatusCode.INVALID_ARGUMENT.name) == 1
     assert value("agora_rpc_server_handled_total", method="Forward", code="FAILED_PRECONDITION") == 1

@@ -65,6 +65,12 @@ def test_async_demo_two_replicas_two_trainers_lowers_the_loss_and_every_worker_a
     assert summary["workers_per_stage"] == {"0": 2, "1": 2}
     averaging = summary["averaging_by_stage"]
     assert sorted(averaging) == ["0", "1"]
+    # Every stage's jobs, from its replicas' stats: their wall time and the compute thread's CPU in them.
+    compute = summary["compute_by_stage"]
+    assert sorted(compute) == ["0", "1"]
+    for stage in compute.values():
+        assert stage["jobs"] > 0 and 0 < stage["compute_cpu_s"] <= stage["compute_s"] + 0.01, stage
+        assert 0 < stage["cpu_share"] <= 1.01, stage
     for stage in averaging.values():
         assert stage["method"] == "sparta" and stage["replicas_reporting"] == 2
         assert stage["rounds_by_outcome"]["committed"] >= 2  # each replica took part in at least one
