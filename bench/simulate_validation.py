@@ -71,9 +71,6 @@ class Run:
     stages: list  # (compute ms per call, wire ms) per stage
     trainer_cpu_ms: float
     dht_ms: float | None = None  # its trainers' mean lease request (get and store of unit blocks), if recorded
-    # Per stage, the compute thread's CPU over its jobs' wall time (the workers' own account, where the
-    # run recorded it): the share of a call's measured compute that is CPU demand on the shared cores.
-    cpu_shares: list | None = None
 
 
 def row3_runs(suite: dict) -> dict[tuple[str, str], Run]:
@@ -95,16 +92,8 @@ def row3_runs(suite: dict) -> dict[tuple[str, str], Run]:
             stages = [(split[stage]["compute_ms"], split[stage]["wire_ms"]) for stage in sorted(split, key=int)]
             cpu = (repeats[-1].get("trainer_split") or {}).get("cpu_ms")
             runs[(profile, name)] = Run(profile, name, rate, latency or 0.0, stages, cpu or 0.0,
-                                        _lease_request_ms(repeats[-1]), _cpu_shares(repeats[-1], len(stages)))
+                                        _lease_request_ms(repeats[-1]))
     return runs
-
-
-def _cpu_shares(run: dict, stages: int) -> list | None:
-    """Each stage's compute CPU over its wall time, where every stage's workers recorded it (else None:
-    the run's compute is taken as CPU whole, as before the workers measured it)."""
-    by_stage = run.get("compute_by_stage") or {}
-    shares = [(by_stage.get(str(stage)) or {}).get("cpu_share") for stage in range(stages)]
-    return shares if all(isinstance(share, (int, float)) and 0 < share <= 1.5 for share in shares) else None
 
 
 def _lease_request_ms(run: dict) -> float | None:
@@ -129,12 +118,9 @@ def _shape(name: str) -> dict:
 
 
 def _compute_ms(run: Run) -> list[float]:
-    """Per microbatch: a head's or body's two calls, the tail's one; the CPU of them where the run's
-    workers measured it (their wall time holds the run's own waits for the shared cores, which the
-    simulator's processor sharing makes again), else the wall time."""
+    """Per microbatch: a head's or body's two calls, the tail's one."""
     last = len(run.stages) - 1
-    shares = run.cpu_shares or [1.0] * len(run.stages)
-    return [ms * (1 if i == last else 2) * min(1.0, share) for i, ((ms, _), share) in enumerate(zip(run.stages, shares))]
+    return [ms * (1 if i == last else 2) for i, (ms, _) in enumerate(run.stages)]
 
 
 def scenario_for(run: Run, overhead_ms: float, seconds: float, dht_ms: float | None = None) -> dict:
@@ -291,10 +277,9 @@ NOTES = """## What the simulator leaves out, and where it shows
   in the simulated lan staleness-4 run 6 to 7 microbatches are in flight, as in the trainer's log (7),
   but 1.4 a second complete against 2.1 measured. With every worker on a core of its own instead,
   the same 34 runs are 9 within 10%, every one over (+50% for the wide shapes, whose many calls
-  contend the most): the truth is between. The workers now measure their compute thread's CPU in
-  each job beside its wall time (`compute_by_stage` in a run's figures) and the simulator takes a
-  call's compute as that share of it where a run recorded it; no row-3 run has yet (each needs
-  taking again), so the table above is of the wall time.
+  contend the most): the truth is between, and the way there is to measure each call's CPU (the
+  compute thread's `time.thread_time`) beside its wall time and give the simulator the CPU, which
+  needs row 3 taken again.
 - Depth 4 at one trainer (x1 adaptive, staleness 1): over-predicted by 21% on lan and 16-18% at
   agora-floor; the harness kept fewer than 4 in flight on average. Not the host's CPU: with each
   call's framing time taken as CPU on the shared cores (half or all of it), 6 or 7 of 34 runs came

@@ -45,24 +45,3 @@ def test_row_3s_runs_are_read_from_the_raw_figures_with_their_trainers_mean_leas
     assert runs[("lan", "tiny x1 adaptive")].dht_ms is None
     assert scenario_for(floor, 5.0, 60.0, 110.0)["dht"] == {"base_ms": 110.0}
     assert scenario_for(runs[("lan", "tiny x1 adaptive")], 5.0, 60.0)["dht"] == {"base_ms": 0.06 + 5.0}
-
-
-def test_a_calls_compute_is_its_cpu_share_where_every_stages_workers_measured_it():
-    """The workers' wall time holds the run's waits for the shared cores, which the simulator makes
-    again: where each stage recorded its compute thread's CPU over wall, that share is the demand."""
-    from agora.bench.simulate_validation import _compute_ms, row3_runs
-
-    split = {str(stage): {"compute_ms": 100.0, "wire_ms": 5.0} for stage in range(3)}
-
-    def runs_with(compute_by_stage):
-        repeat = {"tokens_per_s": 900.0, "in_flight": [{"latency_ms": 400.0}], "time_split_by_stage": split,
-                  "trainer_split": {"cpu_ms": 7.0}, **({"compute_by_stage": compute_by_stage} if compute_by_stage else {})}
-        return row3_runs({"items": {"3": {"data": {"profiles": {"lan": {"runs": {"tiny x1 adaptive": [repeat]}}}}}}})[
-            ("lan", "tiny x1 adaptive")]
-
-    shares = {"0": {"cpu_share": 0.5}, "1": {"cpu_share": 0.8}, "2": {"cpu_share": 1.0}}
-    run = runs_with(shares)
-    assert run.cpu_shares == [0.5, 0.8, 1.0]
-    assert _compute_ms(run) == [100.0, 160.0, 100.0]  # a head's and a body's two calls, the tail's one
-    assert _compute_ms(runs_with(None)) == [200.0, 200.0, 100.0]  # recorded before: the wall time
-    assert runs_with({"0": {"cpu_share": 0.5}, "1": {"cpu_share": None}, "2": {}}).cpu_shares is None  # not every stage
