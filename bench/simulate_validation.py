@@ -264,11 +264,13 @@ NOTES = """## What the simulator leaves out, and where it shows
   global batches never full); a trainer now claims its window's units ahead, together, topped up
   behind (node/trainer/units.py), and so does the simulated one; the third take is of that code. A
   commit's read-back was left out of the simulated commit until 2026-12-07 (tiny's staleness-4 runs
-  over 80 ms went from +27/+25% to +19/+19% with it). The six staleness-4 runs were taken again on
-  2026-12-07 22:36-22:39, one after another, alone (1-minute loads 0.6 to 4.2 at their starts, left
-  by the one before): within 1% to 9% of the third take (agora-floor tiny 2,713 against 2,687, lan
-  small 1,959 against 2,087): the table's figures. So their errors are the simulator's, in a
-  consistent direction: tiny -1% on lan and +18% and +21% over 80 ms, small -35%, -24% and -27%.
+  over 80 ms went from +27/+25% to +19/+19% with it). The six staleness-4 runs were taken again
+  four times on 2026-12-07: 22:36 and 22:50 in one invocation each, 22:54-23:04 one run at a time,
+  each started from a load of 1, and 23:06 in one invocation from a load of 1 (the table's: the
+  later runs start at the load the earlier left, 2.1 to 3.1). Over 80 ms and small on lan they stay
+  within 10% of each other and of the third take of 2026-12-06; lan's tiny moves from 3,239 to
+  4,727 tokens/s. Their errors in the table's take, tiny +18% on lan and +14% and +16% over 80 ms,
+  small -40%, -25% and -30%, are the simulator's, in the same direction in every take.
 - Why the small runs fall short, found at the end of a session and not changed: a call's compute as
   the harness measures it is the wall time of the worker's compute thread (node/worker/service.py,
   `time.perf_counter`), taken while the run's other processes share the host's two cores, so it
@@ -277,9 +279,14 @@ NOTES = """## What the simulator leaves out, and where it shows
   in the simulated lan staleness-4 run 6 to 7 microbatches are in flight, as in the trainer's log (7),
   but 1.4 a second complete against 2.1 measured. With every worker on a core of its own instead,
   the same 34 runs are 9 within 10%, every one over (+50% for the wide shapes, whose many calls
-  contend the most): the truth is between, and the way there is to measure each call's CPU (the
-  compute thread's `time.thread_time`) beside its wall time and give the simulator the CPU, which
-  needs row 3 taken again.
+  contend the most): the truth is between. The workers now measure their compute thread's CPU in
+  each job beside its wall time (`compute_by_stage` in a run's figures): in the six staleness-4
+  runs it is 0.41-0.65 of the wall (one torch thread each), and with a call's compute taken as that
+  CPU those six were predicted 16% to 71% over: the cores are also taken by what the simulator
+  does not play (each role's p2pd and DHT process, the workers' gRPC threads framing the calls, the
+  emulated links' relay at real-time priority). What would settle it: each role's process CPU over
+  the run, beside the jobs', given to the simulator as load on the shared cores, as the averaging
+  validation does with an idle replica's; the table is of the wall time.
 - Depth 4 at one trainer (x1 adaptive, staleness 1): over-predicted by 21% on lan and 16-18% at
   agora-floor; the harness kept fewer than 4 in flight on average. Not the host's CPU: with each
   call's framing time taken as CPU on the shared cores (half or all of it), 6 or 7 of 34 runs came
