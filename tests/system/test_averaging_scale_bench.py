@@ -38,6 +38,9 @@ def test_three_replicas_commit_rounds_and_the_figures_come_back(tmp_path):
     assert row.formation_p50_s <= row.duration_p50_s, row
     # Every replica's start of each round, beside the others' (one of each round's is the first).
     assert len(row.start_offsets_s) >= 3 and min(row.start_offsets_s) == 0.0, row
-    assert all(0.0 <= offset < pace.round_every_s for offset in row.start_offsets_s), row
+    # Offsets from the round's first start, not clock readings: within the window. (Not within a round's
+    # interval: a replica the loaded cores held back can start a round after its partners left it, alone,
+    # as one did in a clean CI run at the suite's busiest.)
+    assert all(0.0 <= offset < pace.rounds * pace.round_every_s for offset in row.start_offsets_s), row
     assert "| 3 |" in report([row], pace, "test")
     assert_nothing_left(tmp_path / "r3")
