@@ -243,19 +243,18 @@ def measure(replicas: int, pace: Pace, workdir: Path) -> Row:
         (workdir / "go.partial").write_text(repr(go))
         os.replace(workdir / "go.partial", workdir / "go")
         parts_start = _parts(group)
-        cpu_start = sum(tree_usage(child.pid)[0] for child in group.children)
         window = pace.rounds * pace.round_every_s
         reports = _wait_for_reports(group, workdir, replicas, window + 60.0)
         window_s = time.monotonic() - go
-        cpu, pss = map(sum, zip(*(tree_usage(child.pid) for child in group.children)))
         parts = _parts(group)
+        pss = sum(tree_usage(child.pid)[1] for child in group.children)
     finally:
         group.shutdown(grace_s=15.0)
     row = aggregate(replicas, reports, pace)
     row.load_start, row.load_end = load_start, os.getloadavg()[0]
     row.pss_mib_per_replica, row.startup_s, row.window_s = pss / replicas, startup_s, window_s
-    row.cpu_s_per_round = (cpu - cpu_start) / pace.rounds
     row.cpu_s_per_round_by_part = {part: round((parts[part] - parts_start[part]) / pace.rounds, 4) for part in TREE_PARTS}
+    row.cpu_s_per_round = sum(parts[part] - parts_start[part] for part in TREE_PARTS) / pace.rounds
     return row
 
 
