@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from agora.bench.many_nodes import tree_usage
+from agora.node.host_cpu import tree_usage
 from agora.bench.simulate_scale_validation import tiny_middle_stage_bytes
 from agora.dht.averaging import RoundResult, SliceAverager, estimated_bytes
 from agora.dht.keys import rounds_key

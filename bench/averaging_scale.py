@@ -41,7 +41,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from agora.bench.many_nodes import TREE_PARTS, growth, settle_load, tree_cpu_by_part, tree_usage
+from agora.bench.many_nodes import growth, settle_load
+from agora.node.host_cpu import TREE_PARTS, tree_cpu_by_part, tree_usage
 from agora.node.demo.processes import ChildFailed, ProcessGroup
 
 ROOT = Path(__file__).resolve().parents[1]
