@@ -118,7 +118,7 @@ def _figures(summary: dict) -> dict:
     return {key: summary.get(key) for key in ("tokens_per_s", "heldout_loss", "steps", "tokens", "wall_s",
                                               "time_split_by_stage", "trainer_split", "in_flight", "outcome",
                                               "calls", "busy_retries", "busy_share", "bans", "reroutes",
-                                              "dht_requests", "compute_by_stage")}
+                                              "dht_requests", "compute_by_stage", "cpu_by_process", "host_cpu")}
 
 
 # ----------------------------------------------------------------------------- row 1

@@ -34,6 +34,7 @@ from agora.node.demo.launcher import warm_up
 from agora.node.demo.processes import ChildFailed, ChildProcess, Placement, ProcessGroup, agora_node_command
 from agora.node.demo.chaos import Chaos, ChaosEvent
 from agora.node.demo.stall import StallWatch, report_stall, stage_left_empty
+from agora.node.host_cpu import CpuWindow
 from agora.node.demo.summary import build_summary, churn_summary, format_summary, latest_per_trainer, merge_logs
 from agora.node.progress import Progress
 from agora.node.demo.options import DemoOptions
@@ -66,6 +67,7 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
     outcome = "completed"
     code = 0
     lines: list[dict] = []
+    cpu: dict | None = None  # CpuWindow's reading over the training
     # Ctrl-C and a supervisor's SIGTERM both stop the swarm in order and still print a summary.
     previous = _interrupt_on(signal.SIGINT, signal.SIGTERM)
     try:
@@ -157,6 +159,8 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
                   file=sys.stderr, flush=True)
         trainers_started = time.monotonic()  # the run's --time-budget counts from here
         trainers += [start_trainer(index, f"trainer-{index}") for index in range(options.trainers)]
+        # What the other roles and the whole host burn while the run trains (the trainers read their own).
+        cpu_window = CpuWindow({c.name: c.process.pid for c in group.children if c not in trainers})
         joined: list[str] = []
         logger.info("swarm up in %.1f s: %d workers, %d trainers", time.monotonic() - started, len(workers),
                     len(trainers))
@@ -164,6 +168,8 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
         stall = StallWatch()
         while any(t.alive() for t in trainers):
             lines = merge_logs(trainer_logs)
+            if cpu is None and len(lines) >= options.steps:  # the last batch is in: held-out evals are not training
+                cpu = cpu_window.end()
             if stall.stalled(len(lines)):
                 report_stall(group.children, len(lines), stall.after_s)
             if live_log is not None:
@@ -190,6 +196,8 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
                 raise ChildFailed(emptied)
             _show(progress, lines, _alive_per_stage(workers))
             time.sleep(0.2)  # the progress view's refresh; trainers are waited on via their exit
+        if cpu is None:
+            cpu = cpu_window.end()
         failed = [t for t in trainers if t.process.returncode != 0 and t.name not in killed]
         if failed:
             outcome = "failed"
@@ -212,7 +220,7 @@ def run_demo(options: DemoOptions, placement: Placement | None = None) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     summary = build_summary(options, lines, workdir, workers, killed, exit_codes, outcome, time.monotonic() - started,
-                            trainers=[t.name for t in trainers])
+                            trainers=[t.name for t in trainers], cpu=cpu)
     if chaos is not None or resume_step is not None:
         summary["churn"] = churn_summary(options, lines, chaos.events if chaos else [], joins, workdir, resume_step)
     if live_log is not None:  # the run is over: its log in step order

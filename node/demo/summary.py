@@ -127,13 +127,14 @@ def latest_per_trainer(lines: list[dict]) -> list[dict]:
 
 
 def build_summary(options, lines: list[dict], workdir: Path, workers, killed, exit_codes,
-                  outcome: str, wall_s: float, trainers: list[str] | None = None) -> dict:
-    """The full summary; `trainers`: the names of every trainer started (replacements included)."""
+                  outcome: str, wall_s: float, trainers: list[str] | None = None, cpu: dict | None = None) -> dict:
+    """The full summary; `trainers`: the names of every trainer started (replacements included); `cpu`:
+    node/host_cpu.py's `CpuWindow` reading of the other roles and the host over the training."""
     trainer_summaries = []
     for name in trainers if trainers is not None else [f"trainer-{i}" for i in range(options.trainers)]:
         path = workdir / f"{name}.summary.json"
         if path.exists():
-            trainer_summaries.append(json.loads(path.read_text()))
+            trainer_summaries.append(json.loads(path.read_text()) | {"name": name})
     heldout = [s["heldout_loss"] for s in trainer_summaries if s.get("heldout_loss") is not None]
     tail = lines[-5:]
     per_stage: dict[int, int] = {}
@@ -179,6 +180,10 @@ def build_summary(options, lines: list[dict], workdir: Path, workers, killed, ex
         # Each stage's Forward and Backward jobs, summed over the replicas that wrote their stats: their
         # wall time and the compute thread's CPU time in them (a shared host's waits for a core are the difference).
         "compute_by_stage": _compute_by_stage(workdir, workers),
+        # The CPU seconds of each role's processes over the training (the process, its p2pd, its other
+        # descendants: hivemind's DHT and averager processes), and the host's: the rest of the host's
+        # busy time is the supervisor, the kernel's networking, an emulated link's relay, anything else.
+        **_cpu_over_training(cpu, trainer_summaries),
         # Each worker's phases and when it entered them (seconds after it started): a replica that
         # joined mid-run shows weight_sync, optimizer_sync, member (node/membership/phases.py).
         "phases_by_worker": _phases_by_worker(workdir, workers),
@@ -311,6 +316,20 @@ def _compute_by_stage(workdir: Path, workers) -> dict:
     for into in merged.values():
         into["cpu_share"] = round(into["compute_cpu_s"] / into["compute_s"], 4) if into["compute_s"] else None
     return dict(sorted(merged.items()))
+
+
+def _cpu_over_training(cpu: dict | None, trainer_summaries: list[dict]) -> dict:
+    """{"cpu_by_process": {name: parts}, "host_cpu": {...}}: the demo's reading of the roles it
+    supervises over the training, with each trainer's reading of its own `run` (None: not read)."""
+    if cpu is None:
+        return {"cpu_by_process": None, "host_cpu": None}
+    by_process = dict(cpu["by_process"])
+    for summary in trainer_summaries:
+        if summary.get("process_cpu"):
+            by_process[summary["name"]] = summary["process_cpu"]
+    return {"cpu_by_process": by_process,
+            "host_cpu": {"window_s": cpu["window_s"], "busy_s": cpu["host_busy_s"], "cores": cpu["cores"],
+                         "processes_s": round(sum(sum(parts.values()) for parts in by_process.values()), 3)}}
 
 
 def _merge_time_splits(splits: list[dict]) -> dict:

@@ -186,6 +186,7 @@ def run_swarm_trainer(config: RunConfig, options: TrainerOptions, *, initial_pee
                 "units": trainer.stats.units(),
                 "time_split_by_stage": trainer.stats.time_split(),
                 "trainer_split": trainer.stats.trainer_split(),
+                "process_cpu": {part: round(cpu, 3) for part, cpu in trainer.stats.process_cpu_s.items()},
                 "spot_checks_by_stage": trainer.stats.spot_check_split(),
                 "gradient_checks_by_stage": trainer.stats.gradient_check_split(),
                 "in_flight": trainer.in_flight_summary(),

@@ -41,6 +41,8 @@ class TrainerStats:
         # and the part of that spent in calls (round trips); the rest is picking a route, waiting for
         # completed-batch reports, reruns' pauses and the trainer's own work between calls.
         self.cpu_s = 0.0
+        # The CPU seconds of this process's tree during `run`: the process, its p2pd, its other descendants.
+        self.process_cpu_s: dict[str, float] = {}
         self.microbatch_s = 0.0
         self.calls_s = 0.0
         self.depth_max = 0  # the most microbatches the (adaptive) limit allowed in flight

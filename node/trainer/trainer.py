@@ -41,12 +41,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from collections import Counter
 from typing import IO, Callable
 
 import torch
 
+from agora.node.host_cpu import TREE_PARTS, tree_cpu_by_part
 from agora.node.rpc.tls import ChannelFactory
 from agora.node.trainer.batch_reports import CompletedBatchReports
 from agora.node.trainer.blame import Blame
@@ -159,6 +161,7 @@ class SwarmTrainer:
             await self._set_first_depth()
         self._run_started = self.clock()
         cpu_started = time.process_time()
+        tree_started = tree_cpu_by_part(os.getpid())  # with its p2pd and DHT process: what the run cost the host
         records = self.records
         window = 1 if self.options.synchronous else \
             1 + -(-self.max_in_flight // self.config.train.microbatches)
@@ -221,6 +224,9 @@ class SwarmTrainer:
             await self.checks.drain()
             await source.close()
             self.stats.cpu_s += time.process_time() - cpu_started
+            tree = tree_cpu_by_part(os.getpid())
+            for part in TREE_PARTS:
+                self.stats.process_cpu_s[part] = self.stats.process_cpu_s.get(part, 0.0) + tree[part] - tree_started[part]
         records.sort(key=lambda r: r.step)
         return records
 

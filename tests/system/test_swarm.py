@@ -71,6 +71,13 @@ def test_async_demo_two_replicas_two_trainers_lowers_the_loss_and_every_worker_a
     for stage in compute.values():
         assert stage["jobs"] > 0 and 0 < stage["compute_cpu_s"] <= stage["compute_s"] + 0.01, stage
         assert 0 < stage["cpu_share"] <= 1.01, stage
+    # Every role's processes over the training (each trainer read its own run), and the host's busy time beside.
+    cpu, host = summary["cpu_by_process"], summary["host_cpu"]
+    assert {f"worker-s{s}-r{r}" for s in (0, 1) for r in (0, 1)} | {"trainer-0", "trainer-1", "bootstrap"} <= set(cpu)
+    for name in (n for n in cpu if n.startswith(("worker", "trainer"))):
+        assert cpu[name]["main"] > 0 and cpu[name]["p2pd"] > 0 and cpu[name]["children"] > 0, (name, cpu[name])
+    workers_s = sum(sum(parts.values()) for name, parts in cpu.items() if name.startswith("worker"))
+    assert 0 < host["window_s"] < summary["wall_s"] and host["busy_s"] >= 0.9 * workers_s, host
     for stage in averaging.values():
         assert stage["method"] == "sparta" and stage["replicas_reporting"] == 2
         assert stage["rounds_by_outcome"]["committed"] >= 2  # each replica took part in at least one
