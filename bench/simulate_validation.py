@@ -71,6 +71,17 @@ class Run:
     stages: list  # (compute ms per call, wire ms) per stage
     trainer_cpu_ms: float
     dht_ms: float | None = None  # its trainers' mean lease request (get and store of unit blocks), if recorded
+    host: "HostCpu | None" = None  # where the run read its processes' and its host's CPU
+
+
+@dataclass
+class HostCpu:
+    """A run's CPU over its training as the demo read it (`cpu_by_process`, `host_cpu`), per input."""
+
+    compute_ms: list  # per stage: a call's compute as CPU (its wall time times the compute thread's share)
+    call_cpu_ms: list  # per stage: the worker's process CPU per call besides its compute
+    background_ms_per_s: float  # the host's busy time besides the workers' and trainers' own processes
+    busy_cores: float  # the host's busy CPU seconds over the window's seconds
 
 
 def row3_runs(suite: dict) -> dict[tuple[str, str], Run]:
@@ -92,8 +103,30 @@ def row3_runs(suite: dict) -> dict[tuple[str, str], Run]:
             stages = [(split[stage]["compute_ms"], split[stage]["wire_ms"]) for stage in sorted(split, key=int)]
             cpu = (repeats[-1].get("trainer_split") or {}).get("cpu_ms")
             runs[(profile, name)] = Run(profile, name, rate, latency or 0.0, stages, cpu or 0.0,
-                                        _lease_request_ms(repeats[-1]))
+                                        _lease_request_ms(repeats[-1]), _host_cpu(repeats[-1]))
     return runs
+
+
+def _host_cpu(run: dict) -> HostCpu | None:
+    """The CPU inputs of a run that read its processes (None: it did not). A stage's call costs its
+    compute thread's share of the call's compute, and its worker's process CPU over the training less
+    that, per call; the host's busy time less every worker's and trainer's own process is background
+    (their p2pd and DHT processes, the bootstrap, the supervisor, the relay, the kernel's networking)."""
+    split, jobs = run.get("time_split_by_stage") or {}, run.get("compute_by_stage") or {}
+    by_process, host = run.get("cpu_by_process") or {}, run.get("host_cpu")
+    stages = sorted(split, key=int)
+    if not host or not host.get("window_s") or any((jobs.get(s) or {}).get("cpu_share") is None for s in stages):
+        return None
+    workers = {s: [parts for name, parts in by_process.items() if name.startswith(f"worker-s{s}-")] for s in stages}
+    trainers = [parts for name, parts in by_process.items() if name.startswith("trainer")]
+    if not all(workers.values()) or not trainers:
+        return None
+    compute = [split[s]["compute_ms"] * jobs[s]["cpu_share"] for s in stages]
+    calls = [split[s]["calls"] for s in stages]
+    own = [sum(parts["main"] for parts in workers[s]) * 1000 for s in stages]
+    call_cpu = [max(0.0, own_ms / n - c) for own_ms, n, c in zip(own, calls, compute)]
+    rest_s = host["busy_s"] - sum(own) / 1000 - sum(parts["main"] for parts in trainers)
+    return HostCpu(compute, call_cpu, max(0.0, rest_s) * 1000 / host["window_s"], host["busy_s"] / host["window_s"])
 
 
 def _lease_request_ms(run: dict) -> float | None:
@@ -123,13 +156,25 @@ def _compute_ms(run: Run) -> list[float]:
     return [ms * (1 if i == last else 2) for i, (ms, _) in enumerate(run.stages)]
 
 
+def _cpu_compute(run: Run) -> dict:
+    """The compute section of a run that read its CPU: each call as CPU, what else each call and the
+    host burn beside it, and no wire time beyond the links (the host's CPU is its framing and waits)."""
+    last = len(run.stages) - 1
+    return {"ms": [ms * (1 if i == last else 2) for i, ms in enumerate(run.host.compute_ms)],
+            "call_cpu_ms": run.host.call_cpu_ms, "background_cpu_ms_per_s": run.host.background_ms_per_s,
+            "call_overhead_ms": 0.0, "shared_cores": HOST_CORES}
+
+
 def scenario_for(run: Run, overhead_ms: float, seconds: float, dht_ms: float | None = None) -> dict:
+    """The run's scenario: where it read its CPU (`run.host`) the host's cores are shared by that CPU,
+    else by each call's compute as the workers timed it (wall time) and a lan run's wire time per call."""
     shape = _shape(run.name)
     rtt, up, down = PROFILE_LINKS[run.profile]
     return {
         "run": {"seconds": seconds, "warmup_s": min(10.0, seconds / 4), "stages": shape["stages"],
                 "tokens_per_microbatch": shape["tokens"], "microbatches": shape["microbatches"]},
-        "compute": {"ms": _compute_ms(run), "call_overhead_ms": overhead_ms, "shared_cores": HOST_CORES},
+        "compute": _cpu_compute(run) if run.host is not None else
+        {"ms": _compute_ms(run), "call_overhead_ms": overhead_ms, "shared_cores": HOST_CORES},
         "links": [{"name": run.profile, "up_mbit": up, "down_mbit": down, "rtt_ms": rtt,
                    "slow_start_after_idle": "tuned hosts" not in run.profile}],
         "trainers": {"count": shape["trainers"], "cpu_ms": run.trainer_cpu_ms, "max_staleness": shape["staleness"],
@@ -169,7 +214,8 @@ def run_tokens_per_s(trainers: list, steps: int, tokens_per_batch: int) -> float
 
 def validate_row3(runs: dict[tuple[str, str], Run], seconds: float, only: str | None) -> tuple[list[str], list[float]]:
     lines = ["| profile | run | measured tokens/s | simulated, the run's batches | off | steady | DHT request ms (input) "
-             "| measured latency ms | simulated | bottleneck (simulated) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| measured latency ms | simulated | host's busy cores: measured / simulated | bottleneck (simulated) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     errors = []
     for (profile, name), run in runs.items():
         if only and profile != only:
@@ -189,8 +235,15 @@ def validate_row3(runs: dict[tuple[str, str], Run], seconds: float, only: str | 
         lines.append(f"| {profile} | {name} | {run.tokens_per_s:,.0f} | {rate or 0.0:,.0f} | "
                      f"{_off(rate or 0.0, run.tokens_per_s)} | {result.tokens_per_s:,.0f} | "
                      f"{'-' if run.dht_ms is None else f'{run.dht_ms:.0f}'} | {run.latency_ms:,.0f} | "
-                     f"{latency:,.0f} | {result.bottleneck} |")
+                     f"{latency:,.0f} | {_busy_cores(run, swarm, span)} | {result.bottleneck} |")
     return lines, errors
+
+
+def _busy_cores(run: Run, swarm: SimSwarm, seconds: float) -> str:
+    """The host's busy CPU a second over the run's training, and the simulated jobs' over the simulation."""
+    if run.host is None:
+        return "-"
+    return f"{run.host.busy_cores:.2f} / {swarm.cores.cpu_s / seconds:.2f}"
 
 
 # kills, measured s to member, units committed in 150 s of training

@@ -18,6 +18,9 @@ shared cores, then its latency):
   insecure one has none, `workers.heartbeat_reads_bans`), then its record's store.
 - What a replica's processes burn besides (`workers.background_cpu_ms_per_s_at`, measured on idle
   replicas: hivemind's and p2pd's upkeep, the processes' polls): a share of it every half second.
+- What the whole host burns besides the simulated jobs (`compute.background_cpu_ms_per_s`, measured
+  over a run: every role's p2pd and DHT process, the supervisor, an emulated link's relay): the same,
+  for as long as the simulation runs.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from agora.dht.round_board import announcers
 from agora.node.averaging.probes import ProbeSchedule, probe_intervals
 from agora.node.simulate.workers import SimWorker
 
-__all__ = ["background", "heartbeat", "probing"]
+__all__ = ["background", "heartbeat", "host_background", "probing"]
 
 _BACKGROUND_EVERY_S = 0.5
 
@@ -76,3 +79,11 @@ def background(swarm, worker: SimWorker, cpu_s_per_s: float):
     while worker.alive:
         yield env.timeout(_BACKGROUND_EVERY_S)
         env.process(swarm.compute(cpu_s_per_s * _BACKGROUND_EVERY_S, since=env.now))  # the pace is the clock's
+
+
+def host_background(swarm, cpu_s_per_s: float):
+    """A simpy process: `cpu_s_per_s` of CPU a second on the host's cores, in half-second shares, always."""
+    env = swarm.env
+    while True:
+        yield env.timeout(_BACKGROUND_EVERY_S)
+        env.process(swarm.compute(cpu_s_per_s * _BACKGROUND_EVERY_S, since=env.now))

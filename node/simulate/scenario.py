@@ -9,7 +9,8 @@ operation takes at the swarm's size, the churn, and the run's shape (stages, rep
 microbatches). The swarm's decisions are not settings here: the simulator calls the project's own.
 
     [run]        seconds, seed, warmup_s, tokens_per_microbatch, microbatches, stages
-    [compute]    ms per microbatch per stage, the forward's share, per-call overhead, shared cores
+    [compute]    ms per microbatch per stage, the forward's share, per-call overhead, shared cores and
+                 the CPU they carry besides the jobs
     [[links]]    name, up/down Mbit/s, RTT ms, share (a replica draws its link by share)
     [trainers]   count, link, CPU per microbatch, staleness cap or fixed depth
     [workers]    replicas per stage, credits, speed spread
@@ -77,13 +78,24 @@ class ComputeSection:
     shared_cores: StrictInt | None = setting(
         None, "every process on one host with this many cores (the emulation harness); none: one machine each",
         gt=0)
+    call_cpu_ms: tuple[StrictFloat, ...] = setting(
+        (), "each stage's CPU per call besides its compute (the worker's gRPC threads: a frame decoded and "
+        "encoded, the process's other work per call), taken on shared_cores as the request arrives (empty: none)")
+    background_cpu_ms_per_s: StrictFloat = setting(
+        0.0, "CPU ms a second the host burns besides the simulated jobs (every role's p2pd and DHT process, "
+        "the supervisor, an emulated link's relay), taken on shared_cores", ge=0)
 
     @model_validator(mode="after")
     def _positive(self) -> "ComputeSection":
         if not all(value > 0 for value in self.ms):
             raise ValueError(f"ms: every stage's compute must be > 0, got {list(self.ms)}")
-        if self.step_ms and (len(self.step_ms) != len(self.ms) or min(self.step_ms) < 0):
-            raise ValueError(f"step_ms: one time >= 0 per stage of ms, got {list(self.step_ms)}")
+        for name in ("step_ms", "call_cpu_ms"):
+            values = getattr(self, name)
+            if values and (len(values) != len(self.ms) or min(values) < 0):
+                raise ValueError(f"{name}: one time >= 0 per stage of ms, got {list(values)}")
+        if (self.call_cpu_ms or self.background_cpu_ms_per_s) and self.shared_cores is None:
+            raise ValueError("call_cpu_ms, background_cpu_ms_per_s: CPU beside the jobs is taken on shared_cores; "
+                             "set it")
         return self
 
 

@@ -31,7 +31,7 @@ from agora.node.membership.rebalance import RebalancePolicy, plan_move, stage_co
 from agora.node.membership.state_download import plan_donors
 from agora.node.replica.epoch import DEFAULT_REPORT_AHEAD
 from agora.dht.round_board import announcers
-from agora.node.simulate.background import background, heartbeat, probing
+from agora.node.simulate.background import background, heartbeat, host_background, probing
 from agora.node.simulate.host import SharedCores
 from agora.node.simulate.network import NodeLink, at_size, dht_cpu_s, dht_op_s, first_holder_s, path_rtt_s, transmit
 from agora.node.simulate.results import SimulationResult, summarize
@@ -98,6 +98,8 @@ class SimSwarm:
                 self._add_worker(stage, self._speed() * slowdown, self._draw_link(), Phase.MEMBER)
         for worker in list(self.workers.values()):
             self._between_rounds(worker)
+        if s.compute.background_cpu_ms_per_s and self.cores is not None:
+            self.env.process(host_background(self, s.compute.background_cpu_ms_per_s / 1000.0))
 
     def _start_offset(self) -> Optional[Callable[[], float]]:
         """Draws of the measured start offsets (their own random stream: the rest of the run draws the
@@ -199,6 +201,12 @@ class SimSwarm:
         else:
             yield from self.cores.run(seconds)
         return waited
+
+    def call_cpu(self, stage: int):
+        """A simpy process: a call's CPU at `stage`'s worker besides its job (`compute.call_cpu_ms`)."""
+        cpu = self.scenario.compute.call_cpu_ms
+        if cpu and cpu[stage] > 0:
+            yield from self.compute(cpu[stage] / 1000.0, since=self.env.now)
 
     def step_s(self, worker: SimWorker) -> float:
         """A replica's optimizer step on its executor (its speed applies)."""

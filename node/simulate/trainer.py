@@ -168,6 +168,7 @@ class SimTrainer:
         if pending is not None and not pending.triggered:
             yield pending
         yield from transmit(self.env, self.link, worker.link, request)
+        yield from self.swarm.call_cpu(stage)  # the worker's gRPC threads, before its executor sees the call
         arrived = self.env.now
         worker.flow.heard_from(self.peer_id, 0.0)
         with worker.compute.request() as turn:

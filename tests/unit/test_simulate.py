@@ -229,3 +229,24 @@ def test_a_commit_is_a_store_then_its_block_read_back():
     env.run(env.process(board.commit("a", unit)))
     assert ops == [(round(began, 3), "store"), (round(began + 0.1, 3), "get")]
     assert unit in board.committed and env.now == pytest.approx(began + 0.2)
+
+
+@pytest.mark.parametrize("extra, cpu_per_microbatch_s", [({}, 0.060),
+                                                          ({"background_cpu_ms_per_s": 1000.0}, 0.120),
+                                                          ({"call_cpu_ms": [10.0, 10.0, 10.0]}, 0.110)])
+def test_a_shared_host_runs_at_what_its_cores_give_every_cpu_the_run_burns(extra, cpu_per_microbatch_s):
+    """Three 20 ms stages on 2 shared cores are bound by the host (60 ms of CPU a microbatch over 2
+    cores), not by a stage (20 ms). A background of one core leaves one: 60 ms a microbatch on it, as
+    120 over two. 10 ms
+    of a worker's CPU per call besides compute (two calls on a head and a body, one on the tail) makes it
+    110 ms over 2 cores."""
+    result = simulate(_scenario(run={"seconds": 12.0, "warmup_s": 2.0},
+                                compute={"ms": [20.0, 20.0, 20.0], "shared_cores": 2, **extra}))
+    assert result.tokens_per_s == pytest.approx(TOKENS * 2 / cpu_per_microbatch_s, rel=0.08)  # 2 cores' worth
+
+
+def test_cpu_beside_the_jobs_needs_shared_cores_and_one_figure_per_stage():
+    with pytest.raises(Exception, match="shared_cores"):
+        _scenario(compute={"call_cpu_ms": [1.0, 1.0, 1.0]})
+    with pytest.raises(Exception, match="call_cpu_ms"):
+        _scenario(compute={"call_cpu_ms": [1.0], "shared_cores": 2})
