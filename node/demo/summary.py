@@ -46,6 +46,8 @@ def format_summary(summary: dict) -> str:
             if stats.get("mean_lag_steps") is not None:
                 text += f", applied {stats['mean_lag_steps']:.2f} steps after the snapshot"
         lines.append(text)
+    if summary.get("host_cpu"):
+        lines.append(_cpu_line(summary["host_cpu"], summary["cpu_by_process"]))
     for name, history in sorted(summary.get("phases_by_worker", {}).items()):
         if len(history) > 1:  # it synced before it counted
             lines.append(f"  {name} joined through " + " -> ".join(f"{phase} at {at:.1f} s" for phase, at in history))
@@ -316,6 +318,22 @@ def _compute_by_stage(workdir: Path, workers) -> dict:
     for into in merged.values():
         into["cpu_share"] = round(into["compute_cpu_s"] / into["compute_s"], 4) if into["compute_s"] else None
     return dict(sorted(merged.items()))
+
+
+def _cpu_line(host: dict, by_process: dict) -> str:
+    """Cores busy over the training, and whose: the workers' and trainers' own processes, every role's
+    p2pd and hivemind processes, and the rest of the host (other roles, the supervisor, the kernel)."""
+    seconds = host["window_s"]
+
+    def cores(names: tuple[str, ...], parts: tuple[str, ...]) -> float:
+        return sum(cpu[part] for name, cpu in by_process.items() if name.startswith(names) for part in parts) / seconds
+
+    own = {role: cores((role,), ("main",)) for role in ("worker", "trainer")}
+    dht = cores(("",), ("p2pd", "children"))
+    rest = max(0.0, host["busy_s"] / seconds - own["worker"] - own["trainer"] - dht)
+    return (f"  host CPU over the training: {host['busy_s'] / seconds:.2f} of {host['cores']} cores busy (workers "
+            f"{own['worker']:.2f}, trainers {own['trainer']:.2f}, every role's DHT processes and p2pd {dht:.2f}, "
+            f"the rest {rest:.2f})")
 
 
 def _cpu_over_training(cpu: dict | None, trainer_summaries: list[dict]) -> dict:

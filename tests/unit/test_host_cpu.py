@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from agora.node.demo.summary import _cpu_over_training
+from agora.node.demo.summary import _cpu_line, _cpu_over_training
 from agora.node.host_cpu import CpuWindow, host_busy_s, tree_cpu_by_part
 
 pytestmark = pytest.mark.timeout(60)
@@ -16,7 +16,8 @@ pytestmark = pytest.mark.timeout(60)
 # A parent that starts a child burning `BURN_S` of CPU, reaps it, and then waits for stdin to close.
 _PARENT = """
 import subprocess, sys
-child = subprocess.Popen([sys.executable, "-c", "import time\\nend = time.process_time() + %s\\nwhile time.process_time() < end: pass"])
+burn = "import time\\nend = time.process_time() + %s\\nwhile time.process_time() < end: pass"
+child = subprocess.Popen([sys.executable, "-c", burn])
 child.wait()
 print("reaped", flush=True)
 sys.stdin.read()
@@ -64,3 +65,12 @@ def test_the_summary_adds_each_trainers_own_reading_to_the_supervisors():
                                         "trainer-0": {"main": 2.0, "p2pd": 0.25, "children": 0.75}}
     assert merged["host_cpu"] == {"window_s": 10.0, "busy_s": 15.0, "cores": 2, "processes_s": 8.5}
     assert _cpu_over_training(None, trainers) == {"cpu_by_process": None, "host_cpu": None}
+
+
+def test_the_summary_line_says_whose_cores_were_busy():
+    host = {"window_s": 10.0, "busy_s": 18.0, "cores": 2, "processes_s": 16.0}
+    by_process = {"worker-s0-r0": {"main": 6.0, "p2pd": 1.0, "children": 2.0},
+                  "trainer-0": {"main": 3.0, "p2pd": 1.0, "children": 1.0}, "bootstrap": {"main": 0.0, "p2pd": 1.0,
+                                                                                          "children": 1.0}}
+    assert _cpu_line(host, by_process) == ("  host CPU over the training: 1.80 of 2 cores busy (workers 0.60, trainers "
+                                           "0.30, every role's DHT processes and p2pd 0.70, the rest 0.20)")
