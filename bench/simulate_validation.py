@@ -3,11 +3,16 @@
     python -m agora.bench.simulate_validation [--out bench/results/simulate_validation.md] [--seconds 60]
                                               [--only PROFILE] [--harness-results bench/results]
 
-Row 3: every run with a per-call table. Its inputs are what the harness measured, never its
-tokens/s: each stage's compute per call (a head's or body's Forward and Backward, the tail's one
-call), the trainer's CPU per microbatch, each profile's measured RTT and rates, the run's shape
-(config, microbatches, depth cap, trainers, credits) read from its name. A call's framing and gRPC
-time is the same config's lan run's mean wire time per call (no link there), the frames are the
+Row 3: every run with a per-call table on a profile of one link kind. Its inputs are what the
+harness measured, never its tokens/s: each stage's compute per call (a head's or body's Forward and
+Backward, the tail's one call), the trainer's CPU per microbatch, the profile's measured RTT and
+rates, the run's shape (config, microbatches, depth cap, trainers, replicas, credits) read from its
+name. Where the run read its processes' CPU (the demo's `cpu_by_process` and `host_cpu`), the host's
+two cores are shared by CPU as measured: a call's compute is its wall time times the compute
+thread's share of it, each worker's other process CPU is spread over its calls, and the host's busy
+time less the workers' and trainers' own processes is a background rate; no time is added to a call
+beyond its links. Otherwise a call's compute is its wall time and its framing and gRPC
+time the same config's lan run's mean wire time per call (no link there), the frames are the
 trainer relay's bytes per token (row F1), and a DHT operation takes the run's own trainer's mean
 lease request (its gets and stores of unit blocks, `dht_requests` in its summary: on the critical
 path of every global batch, a claim is four of them and a commit two), or, for a run that did not
@@ -48,9 +53,6 @@ from agora.node.simulate.scenario import scenario_from_dict
 from agora.node.simulate.swarm import SimSwarm, simulate
 
 ROOT = Path(__file__).resolve().parent
-# Row 3's harness measurement of each profile: RTT ms, up and down Mbit/s.
-PROFILE_LINKS = {"lan": (0.06, 22279.9, 20906.8), "agora-floor": (80.68, 192.3, 191.2),
-                 "residential": (40.85, 19.3, 95.5), "agora-floor (tuned hosts)": (80.73, 191.3, 191.2)}
 # Per config: stages, tokens per sequence, sequences and microbatches per global batch in its preset's
 # shape, bytes per token of a relayed frame (row F1: tiny 16,403 B per 256 tokens, small 131,091 per 1,024).
 CONFIGS = {"tiny": (3, 128, 8, 4, 64.0), "small": (4, 256, 16, 4, 128.0)}
@@ -66,6 +68,7 @@ _LONGEST_S = 1920.0  # simulated seconds at most, doubling from --seconds, to co
 class Run:
     profile: str
     name: str
+    link: tuple  # the profile's link as the harness measured it: RTT ms, up and down Mbit/s
     tokens_per_s: float
     latency_ms: float
     stages: list  # (compute ms per call, wire ms) per stage
@@ -92,8 +95,10 @@ def row3_runs(suite: dict) -> dict[tuple[str, str], Run]:
     profiles = suite.get("items", {}).get("3", {}).get("data", {}).get("profiles", {})
     runs: dict[tuple[str, str], Run] = {}
     for profile, entry in profiles.items():
-        if profile not in PROFILE_LINKS:
+        links = entry.get("links") or []
+        if len(links) != 1:  # a profile of mixed links (straggler: one replica's slower) is not placed here
             continue
+        link = (links[0]["rtt_ms"], links[0]["upload_mbit"], links[0]["download_mbit"])
         for name, repeats in entry.get("runs", {}).items():
             rate = mean_present(r.get("tokens_per_s") for r in repeats)
             split = repeats[-1].get("time_split_by_stage") or {}
@@ -102,7 +107,7 @@ def row3_runs(suite: dict) -> dict[tuple[str, str], Run]:
             latency = mean_present(f.get("latency_ms") for r in repeats for f in (r.get("in_flight") or []) if f)
             stages = [(split[stage]["compute_ms"], split[stage]["wire_ms"]) for stage in sorted(split, key=int)]
             cpu = (repeats[-1].get("trainer_split") or {}).get("cpu_ms")
-            runs[(profile, name)] = Run(profile, name, rate, latency or 0.0, stages, cpu or 0.0,
+            runs[(profile, name)] = Run(profile, name, link, rate, latency or 0.0, stages, cpu or 0.0,
                                         _lease_request_ms(repeats[-1]), _host_cpu(repeats[-1]))
     return runs
 
@@ -144,10 +149,12 @@ def _shape(name: str) -> dict:
     if "report shape" in name:
         sequences, microbatches = REPORT_SHAPE
     trainers = int(m.group(1)) if (m := re.search(r"(\d+) trainers", name)) else 1
+    replicas = int(m.group(1)) if (m := re.search(r" x(\d+) ", name)) else 1
     staleness = float(m.group(1)) if (m := re.search(r"staleness (\d+)", name)) else 1.0
     fixed = max(1, microbatches // 2) if "half a batch" in name else None
     return {"config": config, "stages": stages, "tokens": sequences * seq // microbatches,
-            "microbatches": microbatches, "trainers": trainers, "staleness": staleness, "fixed": fixed, "frame": frame}
+            "microbatches": microbatches, "trainers": trainers, "replicas": replicas, "staleness": staleness,
+            "fixed": fixed, "frame": frame}
 
 
 def _compute_ms(run: Run) -> list[float]:
@@ -169,7 +176,7 @@ def scenario_for(run: Run, overhead_ms: float, seconds: float, dht_ms: float | N
     """The run's scenario: where it read its CPU (`run.host`) the host's cores are shared by that CPU,
     else by each call's compute as the workers timed it (wall time) and a lan run's wire time per call."""
     shape = _shape(run.name)
-    rtt, up, down = PROFILE_LINKS[run.profile]
+    rtt, up, down = run.link
     return {
         "run": {"seconds": seconds, "warmup_s": min(10.0, seconds / 4), "stages": shape["stages"],
                 "tokens_per_microbatch": shape["tokens"], "microbatches": shape["microbatches"]},
@@ -179,7 +186,7 @@ def scenario_for(run: Run, overhead_ms: float, seconds: float, dht_ms: float | N
                    "slow_start_after_idle": "tuned hosts" not in run.profile}],
         "trainers": {"count": shape["trainers"], "cpu_ms": run.trainer_cpu_ms, "max_staleness": shape["staleness"],
                      "max_in_flight": shape["fixed"]},
-        "workers": {"credits": 64 // shape["trainers"]},
+        "workers": {"credits": 64 // shape["trainers"], "replicas": shape["replicas"]},
         "wire": {"forward_bytes_per_token": shape["frame"], "backward_bytes_per_token": shape["frame"]},
         "dht": {"base_ms": rtt + DHT_EXTRA_MS if dht_ms is None else dht_ms},
         "averaging": {"method": "none"},
@@ -278,75 +285,53 @@ def validate_row7(runs: dict[tuple[str, str], Run], only: str | None) -> list[st
 # What the model leaves out, and which of the runs above show it (read against the measured tables).
 NOTES = """## What the simulator leaves out, and where it shows
 
-- Linux's slow start after idle, modelled since (network.py: a window halved per retransmission
-  timeout idle down to 10 segments, then doubling per round trip; the window grows only while the
-  connection is window-limited). At agora-floor on default hosts small x1 adaptive went from +130%
-  to +42% and small x1 half a batch from +204% to +43% against the runs of 2026-12-03 (against those
-  of 2026-12-06, over the runs' batches: +39% and +32%); the tuned-host runs were unchanged (+31%,
-  +28%), and lan's round trips are too short for the rounds to cost anything. Simulated, tuned hosts
-  are 1.34x (adaptive) and 2.0x (half a batch) faster than default ones, where F3 measured 1.45x and
-  2.2x. What is left over-predicts tuned hosts alike, so it is not the window. Not modelled: Linux's
-  decay of an application-limited window (`tcp_cwnd_application_limited`, under the same setting),
-  which could only cost the default hosts more.
-- The report shape (256 microbatches a batch), measured again: 4,714 tokens/s on lan and 4,077 on
-  agora-floor, simulated within 0% and +3%. The runs shown before (762 and 749) were of a trainer
-  whose first depth, half a batch (128), was twice what a worker's stash keeps for it (64): the
-  evicted forward inputs' Backwards failed, each stage's only worker was banned for up to 120 s,
-  and the microbatches waited it out. The simulator has no eviction: it models the trainer that
-  keeps its first depth within the workers' credits (node/trainer/inflight.py, `initial_depth`),
-  which those runs now are (0 reroutes, 0 bans).
-- The narrow shape's runs (tiny and small, x1, each depth variant, on lan, agora-floor, its tuned hosts
-  and residential: 20 runs) were taken again three times on 2026-12-06, alone on the machine
-  (`agora-bench --row 3 --update bench/results/suite.json --run ...`, 03:49 and 04:54, the second
-  recording each trainer's DHT requests, and 07:19, after trainers claim units ahead; those of
-  2026-12-03 ran at 1-minute loads of 3 to 8 from other work). The first two takes, of the same code
-  an hour apart, differ by -32% to +14%, 13 of 20 runs 8% or more slower the second time (lan tiny
-  x1 adaptive 3,852 and 2,807: its calls' compute 14 and 21 ms, its trainer's CPU 13 and 18 ms a
-  microbatch at the same load: this virtual machine's speed moves), more than the 10% this table
-  asks of the simulator; the simulator takes each run's own compute, which moves with it, but one
-  run per row bounds what the table can show. The table is of the third take, the x1 adaptive runs
-  of 2026-12-07 (with the depth's headroom).
-- A DHT request is as long as the run's trainer measured its lease requests: 25-49 ms on lan (the
-  DHT process and p2pd wait for a core beside the swarm's compute), 99-138 ms at 80 ms round trips.
-  With one round trip plus 5 ms instead, the same 34 runs: 11 within 10%, median 14%, largest 47%
-  (the 20 narrow runs: 4, 20%, 47%); with the measured requests 12, 13%, 37% (5, 17%, 37%). A
-  global batch waits on them: a claim is a store, a full read of its unit block, a wait as long and
-  another full read (dht/leases.py), a commit a store and a full read. Claimed one unit at a time, at
-  `--max-staleness 4` over 80 ms one trainer committed about 2 batches a second (the second take's
-  trainer log: a batch every 0.52 s with 16 in flight against 0.57 s of latency, the window of 5
-  global batches never full); a trainer now claims its window's units ahead, together, topped up
-  behind (node/trainer/units.py), and so does the simulated one; the third take is of that code. A
-  commit's read-back was left out of the simulated commit until 2026-12-07 (tiny's staleness-4 runs
-  over 80 ms went from +27/+25% to +19/+19% with it). The six staleness-4 runs were taken again
-  four times on 2026-12-07: 22:36 and 22:50 in one invocation each, 22:54-23:04 one run at a time,
-  each started from a load of 1, and 23:06 in one invocation from a load of 1 (the table's: the
-  later runs start at the load the earlier left, 2.1 to 3.1). Over 80 ms and small on lan they stay
-  within 10% of each other and of the third take of 2026-12-06; lan's tiny moves from 3,239 to
-  4,727 tokens/s. Their errors in the table's take, tiny +18% on lan and +14% and +16% over 80 ms,
-  small -40%, -25% and -30%, are the simulator's, in the same direction in every take.
-- Why the small runs fall short, found at the end of a session and not changed: a call's compute as
-  the harness measures it is the wall time of the worker's compute thread (node/worker/service.py,
-  `time.perf_counter`), taken while the run's other processes share the host's two cores, so it
-  holds that run's contention already; the simulator takes it as CPU on two shared cores and
-  shares them again. Small's four stages of 180-390 ms jobs are runnable together most of the time:
-  in the simulated lan staleness-4 run 6 to 7 microbatches are in flight, as in the trainer's log (7),
-  but 1.4 a second complete against 2.1 measured. With every worker on a core of its own instead,
-  the same 34 runs are 9 within 10%, every one over (+50% for the wide shapes, whose many calls
-  contend the most): the truth is between. The workers now measure their compute thread's CPU in
-  each job beside its wall time (`compute_by_stage` in a run's figures): in the six staleness-4
-  runs it is 0.41-0.65 of the wall (one torch thread each), and with a call's compute taken as that
-  CPU those six were predicted 16% to 71% over: the cores are also taken by what the simulator
-  does not play (each role's p2pd and DHT process, the workers' gRPC threads framing the calls, the
-  emulated links' relay at real-time priority). What would settle it: each role's process CPU over
-  the run, beside the jobs', given to the simulator as load on the shared cores, as the averaging
-  validation does with an idle replica's; the table is of the wall time.
-- Depth 4 at one trainer (x1 adaptive, staleness 1): over-predicted by 21% on lan and 16-18% at
-  agora-floor; the harness kept fewer than 4 in flight on average. Not the host's CPU: with each
-  call's framing time taken as CPU on the shared cores (half or all of it), 6 or 7 of 34 runs came
-  within 10% on the first take (the wide shapes' many calls then fall 27-57% short at half, up to 73%
-  at all). The trainer's CPU per microbatch doubled since 2026-12-03 (tiny on lan 6.8 -> 13.3 ms;
-  the held-out self checks and the reply verifier run in its process), which the simulator takes as
-  measured.
+- The host's CPU, shared (the table's take, 2026-12-08 00:36-01:14, every run of row 3 in one
+  invocation from a load of 0.9, 5.0 at its end; the demo reads every role's process tree and the
+  host's busy time over the training since). On lan the host is saturated: 1.8-1.97 of its 2 cores
+  busy in every run, of which every role's p2pd and hivemind DHT processes, the bootstrap, the
+  supervisor and the relay take 0.37-0.79 cores (1.07-1.25 with two replicas a stage: the background
+  input) and each worker's process 1.6-23 ms of CPU a call besides its compute thread's (gRPC's
+  threads, the step, the reports). A call's compute as the workers time it is wall time, which holds
+  the run's own waits for a core; its compute thread's CPU in it is 0.25-0.73 of that on lan
+  (`compute_by_stage`). Taken as wall
+  time on cores the simulator shares again, the same 40 runs are 16 within 10% (median 12%,
+  largest 71%; lan 7 of 13, small on lan -29% to -41%); taken as CPU with the rest of the host's
+  CPU beside it, 26 (median 6%; lan 11 of 13, every lan run within 13%, residential 5 of 6, the
+  wide and report shapes within 11% everywhere). The simulated host is as busy as the measured
+  one on lan (1.98-2.01 cores against 1.77-1.97), busier where the simulator over-predicts.
+- What is left: one trainer's narrow runs over long round trips, over-predicted at agora-floor
+  (-6% to +40% on default hosts, +2% to +31% on tuned ones) and intercontinental (tiny +22%,
+  small +75%), where the in-flight cap (4, or 16 at staleness 4) is below what the latency needs:
+  the simulated microbatch is 8-58% quicker than measured. The measured call times show where: on
+  hosts 0.8-1.5 cores busy the compute thread gets 0.37-0.86 of a core in its jobs (processor
+  sharing with the background spread evenly gives it more: the roles' DHT traffic and the relay's
+  frames come in bursts with the calls), tiny's calls take 11-17 ms beyond the round trip at
+  agora-floor (the simulator: 1.3 ms of frames and the worker's CPU per call, 4-9 ms), and the
+  trainer 50-380 ms a microbatch outside its calls beyond its own CPU (picking, waiting for batch
+  reports). At 150 ms
+  small's frames (131 KB) are restarted from an idle window each call on default hosts: the calls'
+  wire time is 575-1,100 ms against a 151 ms round trip, where the simulator's restart costs less.
+  Tried and not kept, on this take: the worker's CPU per call holding its compute thread (a GIL;
+  24 of 36 within 10%, as without) and the trainer's CPU spread over each call's reply instead of
+  one block a microbatch (25 of 36).
+- Slow start after idle is modelled (network.py: a window halved per retransmission timeout idle
+  down to 10 segments, then doubling per round trip; the window grows only while the connection is
+  window-limited): on earlier takes it took small at agora-floor on default hosts from +130% to
+  +42%. Not modelled: Linux's decay of an application-limited window
+  (`tcp_cwnd_application_limited`), which could only cost the default hosts more.
+- Take to take, this host's speed moves: the same code an hour apart differed by -32% to +14% on
+  2026-12-06, and lan's tiny staleness-4 run took 3,239 to 4,727 tokens/s in five takes on
+  2026-12-07; the table is one take per run, with the inputs each run measured itself.
+- A DHT request is as long as the run's trainer measured its lease requests (`dht_requests`: 28-108
+  ms on lan, where the DHT process and p2pd wait for a core, 104-163 ms at 80 ms round trips): a
+  claim is a store, a full read of its unit block, a wait as long and another full read
+  (dht/leases.py), a commit a store and a full read, and a trainer claims its window's units ahead,
+  together (node/trainer/units.py), as the simulated one does. Runs without it take one round trip
+  plus 5 ms.
+- The report shape (256 microbatches a batch) and the x2 runs: the simulated trainer keeps its first
+  depth within the workers' credits (node/trainer/inflight.py, `initial_depth`), as the measured one
+  does; the simulator has no stash eviction. The straggler profile (one replica's link slower than
+  the rest) is left out: each run's workers take one link here.
 - Row 7: at the chaos runs' pace lan's newcomers become members within 20% of the measured 51.0 s.
   On agora-floor and residential the harness's newcomers were killed or still syncing at the end;
   the simulated ones need 60 to 90 s of sync phases at those paces, more than the 30 s between kills
