@@ -68,6 +68,7 @@ from agora.bench.wan.profiles import PROFILES, profile_named
 from agora.bench.wan.topology import WanTopology, cleanup_leftovers, harness_available
 from agora.dht.key_families import WORKERS
 from agora.node.demo.processes import ChildFailed, ChildProcess, Placement, ProcessGroup
+from agora.node.host_cpu import process_parents, tree_usage as host_tree_usage
 from agora.pipeline.files import atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +81,6 @@ MONITOR = "monitor"
 NEWCOMER = "newcomer"
 NEWCOMER_WAIT_S = 90.0  # from the monitor armed to the newcomer's record seen (its join has its own deadlines)
 FILE_POLL_S = 0.1
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 READY_S = 300.0
 # After the last wave joined, before the rest is measured: its joins' own traffic and CPU are not rest.
 REST_SETTLE_S = 5.0
@@ -111,44 +111,10 @@ def interface_bytes(namespace: str) -> int:
     return int(stats["rx"]["bytes"]) + int(stats["tx"]["bytes"])
 
 
-def _parents() -> dict[int, int]:
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
-    return parents
-
-
 def tree_usage(roots: dict[str, int], *, memory: bool) -> dict[str, tuple[float, float]]:
     """(CPU seconds, PSS MiB or 0) of each root pid and its descendants, by name; one pass over /proc."""
-    children: dict[int, list[int]] = {}
-    for pid, parent in _parents().items():
-        children.setdefault(parent, []).append(pid)
-    usage = {}
-    for name, root in roots.items():
-        tree, frontier = [], [root]
-        while frontier:
-            pid = frontier.pop()
-            tree.append(pid)
-            frontier.extend(children.get(pid, []))
-        cpu = pss = 0.0
-        for pid in tree:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text()
-                fields = fields[fields.rindex(")") + 2:].split()
-                cpu += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-                if memory:
-                    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                        if line.startswith("Pss:"):
-                            pss += int(line.split()[1]) / 1024
-            except (OSError, ValueError, IndexError):
-                continue
-        usage[name] = (cpu, pss)
-    return usage
+    parents = process_parents()
+    return {name: host_tree_usage(root, parents, memory=memory) for name, root in roots.items()}
 
 
 @dataclass

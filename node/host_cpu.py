@@ -13,12 +13,12 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["TREE_PARTS", "CpuWindow", "host_busy_s", "tree_cpu_by_part", "tree_usage"]
+__all__ = ["TREE_PARTS", "CpuWindow", "host_busy_s", "process_parents", "tree_cpu_by_part", "tree_usage"]
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _parents() -> dict[int, int]:
+def process_parents() -> dict[int, int]:
     """Every living process's parent, from /proc."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
@@ -33,7 +33,7 @@ def _parents() -> dict[int, int]:
 
 def _tree(root_pid: int, parents: dict[int, int] | None = None) -> set[int]:
     """`root_pid` and every descendant living now."""
-    parents = _parents() if parents is None else parents
+    parents = process_parents() if parents is None else parents
     tree, frontier = {root_pid}, [root_pid]
     while frontier:
         pid = frontier.pop()
@@ -52,16 +52,18 @@ def _cpu_s(pid: int) -> tuple[str, float, float]:
             (int(fields[13]) + int(fields[14])) / CLOCK_TICKS)
 
 
-def tree_usage(root_pid: int) -> tuple[float, float]:
-    """(CPU seconds, proportional set size in MiB) of `root_pid` and every descendant, from /proc."""
+def tree_usage(root_pid: int, parents: dict[int, int] | None = None, memory: bool = True) -> tuple[float, float]:
+    """(CPU seconds, proportional set size in MiB, 0 unless `memory`) of `root_pid` and every descendant.
+    `parents`: a reading of `process_parents()` to share between trees read together."""
     cpu = pss = 0.0
-    for pid in _tree(root_pid):
+    for pid in _tree(root_pid, parents):
         try:
             _, own, reaped = _cpu_s(pid)
             cpu += own + reaped
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    pss += int(line.split()[1]) / 1024
+            if memory:
+                for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                    if line.startswith("Pss:"):
+                        pss += int(line.split()[1]) / 1024
         except (OSError, ValueError, IndexError):
             continue
     return cpu, pss
@@ -74,7 +76,7 @@ def tree_cpu_by_part(root_pid: int, parents: dict[int, int] | None = None) -> di
     """The CPU seconds of `root_pid`'s tree split three ways: the process itself ("main"), its libp2p
     daemons ("p2pd": every request to or from a peer passes through two), and its other descendants
     ("children": hivemind's forked DHT and averager processes, torch's helpers, and every reaped one).
-    `parents`: a reading of `_parents()` to share between trees read together."""
+    `parents`: a reading of `process_parents()` to share between trees read together."""
     parts = dict.fromkeys(TREE_PARTS, 0.0)
     for pid in _tree(root_pid, parents):
         try:
@@ -104,12 +106,12 @@ class CpuWindow:
         self._pids = dict(pids)
         self._started = time.monotonic()
         self._host = host_busy_s()
-        parents = _parents()
+        parents = process_parents()
         self._first = {name: tree_cpu_by_part(pid, parents) for name, pid in self._pids.items() if pid in parents}
 
     def end(self) -> dict:
         """{"window_s", "host_busy_s", "cores", "by_process": {name: {part: CPU s}}} over the window."""
-        parents, host = _parents(), host_busy_s()
+        parents, host = process_parents(), host_busy_s()
         by_process = {}
         for name, first in self._first.items():
             if self._pids[name] in parents:
