@@ -180,7 +180,9 @@ class WorkerCalls:
                 self.stats.credit_wait(stage, credit_wait)
             try:
                 if training:
+                    owed_since = self.clock()
                     await self.batch_reports.reported(stage, view.peer_id)
+                    self.stats.report_wait(self.clock() - owed_since)
             except BaseException:
                 self.roster.released(view.peer_id)
                 raise

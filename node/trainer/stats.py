@@ -45,6 +45,9 @@ class TrainerStats:
         self.process_cpu_s: dict[str, float] = {}
         self.microbatch_s = 0.0
         self.calls_s = 0.0
+        # Of the time outside calls: waits for a credit, and for the completed-batch report a replica was owed.
+        self.credit_wait_s = 0.0
+        self.report_wait_s = 0.0
         self.depth_max = 0  # the most microbatches the (adaptive) limit allowed in flight
         self._stages: set[int] = set()
         self._abort_outcomes: set[str] = set()
@@ -125,7 +128,12 @@ class TrainerStats:
 
     def credit_wait(self, stage: int, seconds: float) -> None:
         if seconds > 0:
+            self.credit_wait_s += seconds
             self.metrics.credit_wait.labels(stage=str(stage)).inc(seconds)
+
+    def report_wait(self, seconds: float) -> None:
+        """A training call waited this long for the completed-batch report its replica was owed."""
+        self.report_wait_s += max(0.0, seconds)
 
     def spot_check(self, stage: int, compute_s: float) -> None:
         """A spot check's duplicate Forward answered on a second replica of `stage`."""
@@ -283,7 +291,11 @@ class TrainerStats:
         return split
 
     def trainer_split(self) -> dict[str, float]:
-        """Per training microbatch, in ms: this process's CPU time, and its wall time outside calls."""
+        """Per training microbatch, in ms: this process's CPU time, its wall time outside calls, and of
+        that its calls' waits for a credit and for the completed-batch reports their replicas were owed
+        (the rest: picking, the loop's other work, reruns' pauses)."""
         n = max(1, self.microbatches)
         return {"cpu_ms": round(1e3 * self.cpu_s / n, 3),
-                "outside_calls_ms": round(1e3 * max(0.0, self.microbatch_s - self.calls_s) / n, 3)}
+                "outside_calls_ms": round(1e3 * max(0.0, self.microbatch_s - self.calls_s) / n, 3),
+                "credit_wait_ms": round(1e3 * self.credit_wait_s / n, 3),
+                "report_wait_ms": round(1e3 * self.report_wait_s / n, 3)}

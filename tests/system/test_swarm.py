@@ -77,6 +77,9 @@ def test_async_demo_two_replicas_two_trainers_lowers_the_loss_and_every_worker_a
     for name in (n for n in cpu if n.startswith(("worker", "trainer"))):
         assert cpu[name]["main"] > 0 and cpu[name]["p2pd"] > 0 and cpu[name]["children"] > 0, (name, cpu[name])
     workers_s = sum(sum(parts.values()) for name, parts in cpu.items() if name.startswith("worker"))
+    # The trainers' time outside calls holds their waits for credits and for the reports their replicas were owed.
+    split = summary["trainer_split"]
+    assert 0 <= split["credit_wait_ms"] + split["report_wait_ms"] <= split["outside_calls_ms"] + 1e-3, split
     assert 0 < host["window_s"] < summary["wall_s"] and host["busy_s"] >= 0.9 * workers_s, host
     for stage in averaging.values():
         assert stage["method"] == "sparta" and stage["replicas_reporting"] == 2

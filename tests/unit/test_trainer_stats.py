@@ -20,3 +20,16 @@ def test_the_time_split_is_of_training_calls():
     assert split["compute_ms"] == pytest.approx(22.0) and split["queued_ms"] == pytest.approx(5.0)
     assert split["wire_ms"] == pytest.approx(5.0) and split["credit_wait_ms"] == pytest.approx(1.0)
     assert split["wire_queued_ms"] == pytest.approx(1.0)
+
+
+def test_the_trainers_own_split_names_its_waits_for_credits_and_reports():
+    stats = TrainerStats()
+    for _ in range(4):
+        stats.microbatch_done()
+    stats.cpu_s, stats.microbatch_s, stats.calls_s = 0.040, 1.0, 0.6
+    stats.credit_wait(0, 0.020)
+    stats.credit_wait(1, 0.0)  # no wait: nothing counted
+    stats.report_wait(0.100)
+    stats.report_wait(-0.001)  # a clock read across a step back counts nothing
+    assert stats.trainer_split() == {"cpu_ms": 10.0, "outside_calls_ms": 100.0, "credit_wait_ms": 5.0,
+                                     "report_wait_ms": 25.0}
