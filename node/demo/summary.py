@@ -301,8 +301,9 @@ def _averaging_by_stage(workdir: Path, workers) -> dict:
 
 
 def _compute_by_stage(workdir: Path, workers) -> dict:
-    """Per stage: jobs, their wall seconds, the compute thread's CPU seconds in them, and the CPU's
-    share of the wall (None without jobs), from the replicas' stats files (a killed one wrote none)."""
+    """Per stage: Forward and Backward jobs, their wall seconds, the compute thread's CPU seconds in
+    them, and the CPU's share of the wall (None without jobs); the same of its Step and Abort jobs
+    (`control_`); from the replicas' stats files (a killed one wrote none)."""
     merged: dict[str, dict] = {}
     for stage, worker in workers:
         try:
@@ -312,7 +313,9 @@ def _compute_by_stage(workdir: Path, workers) -> dict:
         jobs = stats.get("jobs")
         if not isinstance(jobs, dict):
             continue
-        into = merged.setdefault(str(stats.get("stage", stage)), {"jobs": 0, "compute_s": 0.0, "compute_cpu_s": 0.0})
+        into = merged.setdefault(str(stats.get("stage", stage)), {"jobs": 0, "compute_s": 0.0, "compute_cpu_s": 0.0,
+                                                                  "control_jobs": 0, "control_s": 0.0,
+                                                                  "control_cpu_s": 0.0})
         for key in into:
             into[key] += jobs.get(key, 0)
     for into in merged.values():

@@ -13,7 +13,8 @@ It runs as node/trainer/trainer.py does, calling the same decisions:
   unqueued latency and compute; a call's wire time beyond its link's floor (`WireFloor`) is queueing,
   as the trainer counts it.
 - A stage's replicas are told a global batch is done the moment its last microbatch has passed
-  that stage (one round trip; each replica steps, which takes its executor `step_ms`), and a call
+  that stage (one round trip; each replica steps on its executor, in line behind the calls it holds,
+  which takes `step_ms`), and a call
   to a replica first waits for the report sent to it last (node/trainer/batch_reports.py, `reported`), so the next
   batch meets stepped weights. Once every stage has taken its report the unit is committed (one
   DHT store).
@@ -236,10 +237,10 @@ class SimTrainer:
         """One completed-batch report: there, the replica's step, and back."""
         rtt = path_rtt_s(self.link, worker.link)
         yield self.env.timeout(rtt / 2)
-        step_s = self.swarm.step_s(worker)
-        if step_s > 0:
-            with worker.compute.request() as turn:
-                yield turn
+        with worker.compute.request() as turn:  # a Step is a job on the replica's compute thread, FIFO with its calls
+            yield turn
+            step_s = self.swarm.step_s(worker)
+            if step_s > 0:
                 yield from self.swarm.compute(step_s, since=self.env.now)
         self.swarm.rounds.stepped(worker, self.microbatches * self.costs.tokens // max(1, replicas))
         yield self.env.timeout(rtt / 2)

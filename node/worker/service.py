@@ -134,8 +134,8 @@ class ServedStage(Protocol):
 
 @dataclass
 class JobTimes:
-    """The compute thread's Forward and Backward jobs in all: their wall time, and the thread's CPU
-    time in them (`time.thread_time`; torch's intra-op threads beside it are not in it: a worker
+    """The compute thread's Forward and Backward jobs in all, and apart its Step and Abort jobs: their
+    wall time, and the thread's CPU time in them (`time.thread_time`; torch's intra-op threads beside it are not in it: a worker
     with one thread has none). Where other processes share the host's cores the wall time holds the
     job's waits for a core and the CPU time does not: what a model of a shared host needs as a job's
     demand. Written by the compute thread alone."""
@@ -143,14 +143,25 @@ class JobTimes:
     jobs: int = 0
     compute_s: float = 0.0
     cpu_s: float = 0.0
+    # Step and Abort jobs (a completed-batch report's optimizer step, mostly), on the same thread.
+    control_jobs: int = 0
+    control_s: float = 0.0
+    control_cpu_s: float = 0.0
 
     def add(self, compute_s: float, cpu_s: float) -> None:
         self.jobs += 1
         self.compute_s += compute_s
         self.cpu_s += max(0.0, cpu_s)
 
+    def add_control(self, seconds: float, cpu_s: float) -> None:
+        self.control_jobs += 1
+        self.control_s += seconds
+        self.control_cpu_s += max(0.0, cpu_s)
+
     def snapshot(self) -> dict:
-        return {"jobs": self.jobs, "compute_s": round(self.compute_s, 6), "compute_cpu_s": round(self.cpu_s, 6)}
+        return {"jobs": self.jobs, "compute_s": round(self.compute_s, 6), "compute_cpu_s": round(self.cpu_s, 6),
+                "control_jobs": self.control_jobs, "control_s": round(self.control_s, 6),
+                "control_cpu_s": round(self.control_cpu_s, 6)}
 
 
 class StageService:
@@ -321,6 +332,8 @@ class StageService:
                 if self._metrics is not None:
                     self._metrics.observe_job(type(request).__name__.removesuffix("Request"), _job_tokens(request),
                                               reply.queued_s, reply.compute_s, cpu_s)
+            else:  # a Step or an Abort: the thread's time in it, beside the compute's
+                self.job_times.add_control(time.perf_counter() - started, time.thread_time() - cpu_started)
             return reply
 
         # the slot is freed when the job ends, not when the caller gives up

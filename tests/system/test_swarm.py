@@ -71,6 +71,8 @@ def test_async_demo_two_replicas_two_trainers_lowers_the_loss_and_every_worker_a
     for stage in compute.values():
         assert stage["jobs"] > 0 and 0 < stage["compute_cpu_s"] <= stage["compute_s"] + 0.01, stage
         assert 0 < stage["cpu_share"] <= 1.01, stage
+        # Its Steps (a report each batch, on each replica) and Aborts, timed apart on the same thread.
+        assert stage["control_jobs"] >= 2 * steps and 0 < stage["control_cpu_s"] <= stage["control_s"] + 0.01, stage
     # Every role's processes over the training (each trainer read its own run), and the host's busy time beside.
     cpu, host = summary["cpu_by_process"], summary["host_cpu"]
     assert {f"worker-s{s}-r{r}" for s in (0, 1) for r in (0, 1)} | {"trainer-0", "trainer-1", "bootstrap"} <= set(cpu)
