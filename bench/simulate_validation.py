@@ -85,6 +85,7 @@ class HostCpu:
     call_cpu_ms: list  # per stage: the worker's process CPU per call besides its compute
     background_ms_per_s: float  # the host's busy time besides the workers' and trainers' own processes
     busy_cores: float  # the host's busy CPU seconds over the window's seconds
+    step_ms: list = None  # per stage: a Step's CPU on the compute thread (a report's optimizer step), if timed
 
 
 def row3_runs(suite: dict) -> dict[tuple[str, str], Run]:
@@ -131,7 +132,10 @@ def _host_cpu(run: dict) -> HostCpu | None:
     own = [sum(parts["main"] for parts in workers[s]) * 1000 for s in stages]
     call_cpu = [max(0.0, own_ms / n - c) for own_ms, n, c in zip(own, calls, compute)]
     rest_s = host["busy_s"] - sum(own) / 1000 - sum(parts["main"] for parts in trainers)
-    return HostCpu(compute, call_cpu, max(0.0, rest_s) * 1000 / host["window_s"], host["busy_s"] / host["window_s"])
+    steps = [jobs[s]["control_cpu_s"] * 1000 / jobs[s]["control_jobs"] if jobs[s].get("control_jobs") else None
+             for s in stages]
+    return HostCpu(compute, call_cpu, max(0.0, rest_s) * 1000 / host["window_s"], host["busy_s"] / host["window_s"],
+                   steps if None not in steps else None)
 
 
 def _lease_request_ms(run: dict) -> float | None:
@@ -169,7 +173,8 @@ def _cpu_compute(run: Run) -> dict:
     last = len(run.stages) - 1
     return {"ms": [ms * (1 if i == last else 2) for i, ms in enumerate(run.host.compute_ms)],
             "call_cpu_ms": run.host.call_cpu_ms, "background_cpu_ms_per_s": run.host.background_ms_per_s,
-            "call_overhead_ms": 0.0, "shared_cores": HOST_CORES}
+            "call_overhead_ms": 0.0, "shared_cores": HOST_CORES, **({"step_ms": run.host.step_ms} if run.host.step_ms
+                                                                     else {})}
 
 
 def scenario_for(run: Run, overhead_ms: float, seconds: float, dht_ms: float | None = None) -> dict:

@@ -315,7 +315,7 @@ def _compute_by_stage(workdir: Path, workers) -> dict:
             continue
         into = merged.setdefault(str(stats.get("stage", stage)), {"jobs": 0, "compute_s": 0.0, "compute_cpu_s": 0.0,
                                                                   "control_jobs": 0, "control_s": 0.0,
-                                                                  "control_cpu_s": 0.0})
+                                                                  "control_cpu_s": 0.0, "control_queued_s": 0.0})
         for key in into:
             into[key] += jobs.get(key, 0)
     for into in merged.values():

@@ -147,21 +147,23 @@ class JobTimes:
     control_jobs: int = 0
     control_s: float = 0.0
     control_cpu_s: float = 0.0
+    control_queued_s: float = 0.0  # from admission to the thread: in line behind the calls before it
 
     def add(self, compute_s: float, cpu_s: float) -> None:
         self.jobs += 1
         self.compute_s += compute_s
         self.cpu_s += max(0.0, cpu_s)
 
-    def add_control(self, seconds: float, cpu_s: float) -> None:
+    def add_control(self, seconds: float, cpu_s: float, queued_s: float = 0.0) -> None:
         self.control_jobs += 1
         self.control_s += seconds
         self.control_cpu_s += max(0.0, cpu_s)
+        self.control_queued_s += max(0.0, queued_s)
 
     def snapshot(self) -> dict:
         return {"jobs": self.jobs, "compute_s": round(self.compute_s, 6), "compute_cpu_s": round(self.cpu_s, 6),
                 "control_jobs": self.control_jobs, "control_s": round(self.control_s, 6),
-                "control_cpu_s": round(self.control_cpu_s, 6)}
+                "control_cpu_s": round(self.control_cpu_s, 6), "control_queued_s": round(self.control_queued_s, 6)}
 
 
 class StageService:
@@ -333,7 +335,8 @@ class StageService:
                     self._metrics.observe_job(type(request).__name__.removesuffix("Request"), _job_tokens(request),
                                               reply.queued_s, reply.compute_s, cpu_s)
             else:  # a Step or an Abort: the thread's time in it, beside the compute's
-                self.job_times.add_control(time.perf_counter() - started, time.thread_time() - cpu_started)
+                self.job_times.add_control(time.perf_counter() - started, time.thread_time() - cpu_started,
+                                           started - admitted)
             return reply
 
         # the slot is freed when the job ends, not when the caller gives up

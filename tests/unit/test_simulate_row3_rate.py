@@ -84,3 +84,10 @@ def test_a_run_that_read_its_cpu_shares_the_host_by_it():
     compute = scenario_for(tiny[("lan", "tiny x1 adaptive")], 5.0, 60.0)["compute"]
     assert compute == {"ms": [20.0, 30.0], "call_cpu_ms": host.call_cpu_ms,
                        "background_cpu_ms_per_s": pytest.approx(400.0), "call_overhead_ms": 0.0, "shared_cores": 2}
+    # Where the workers timed their Steps apart, a report's step takes its CPU on the replica's executor.
+    run["compute_by_stage"] = {"0": {"cpu_share": 0.5, "control_jobs": 10, "control_cpu_s": 0.05},
+                               "1": {"cpu_share": 0.75, "control_jobs": 10, "control_cpu_s": 0.08}}
+    stepped = row3_runs({"items": {"3": {"data": {"profiles": {"lan": {
+        "links": [{"rtt_ms": 0.1, "upload_mbit": 1e4, "download_mbit": 1e4}], "runs": {"tiny x1 adaptive": [run]}}}}}}})
+    compute = scenario_for(stepped[("lan", "tiny x1 adaptive")], 5.0, 60.0)["compute"]
+    assert compute["step_ms"] == pytest.approx([5.0, 8.0])
