@@ -301,19 +301,26 @@ NOTES = """## What the simulator leaves out, and where it shows
   (`compute_by_stage`). Taken as wall
   time on cores the simulator shares again, the same 40 runs are 16 within 10% (median 12%,
   largest 71%; lan 7 of 13, small on lan -29% to -41%); taken as CPU with the rest of the host's
-  CPU beside it, 26 (median 6%; lan 11 of 13, every lan run within 13%, residential 5 of 6, the
-  wide and report shapes within 11% everywhere). The simulated host is as busy as the measured
-  one on lan (1.98-2.01 cores against 1.77-1.97), busier where the simulator over-predicts.
+  CPU beside it, 26 (median 7%; lan 11 of 13, every lan run within 14%, residential 5 of 6, the
+  wide and report shapes within 13% on lan, agora-floor and residential). The simulated host is as
+  busy as the measured one on lan (1.98-2.01 cores against 1.77-1.97), busier where the simulator
+  over-predicts.
 - What is left: one trainer's narrow runs over long round trips, over-predicted at agora-floor
-  (-6% to +40% on default hosts, +2% to +31% on tuned ones) and intercontinental (tiny +22%,
-  small +75%), where the in-flight cap (4, or 16 at staleness 4) is below what the latency needs:
+  (-9% to +38% on default hosts, -2% to +27% on tuned ones) and intercontinental (tiny +22%,
+  small +73%), where the in-flight cap (4, or 16 at staleness 4) is below what the latency needs:
   the simulated microbatch is 8-58% quicker than measured. The measured call times show where: on
   hosts 0.8-1.5 cores busy the compute thread gets 0.37-0.86 of a core in its jobs (processor
   sharing with the background spread evenly gives it more: the roles' DHT traffic and the relay's
   frames come in bursts with the calls), tiny's calls take 11-17 ms beyond the round trip at
   agora-floor (the simulator: 1.3 ms of frames and the worker's CPU per call, 4-9 ms), and the
-  trainer 50-380 ms a microbatch outside its calls beyond its own CPU (picking, waiting for batch
-  reports). At 150 ms
+  trainer 50-380 ms a microbatch outside its calls beyond its own CPU. Timed since in three runs at
+  agora-floor apart from the table (`report_wait_ms`, and each Step's time in line on the replica's
+  compute thread), most of that is waiting for completed-batch reports: 35 ms a microbatch on tiny
+  (simulated: 35), 114-119 on small (simulated: 0-9) and 131-145 on tiny at staleness 4 (simulated:
+  40-81). A Step's optimizer step is 5-9 ms, but it waits 57-137 ms in line behind the calls a
+  small replica holds (the measured calls queue 88-174 ms there, where the simulated replicas,
+  computing faster, hold little); a simulated report now takes its turn on the replica's executor
+  as a Step does, which changed none of the 40 runs by more than 4 points. At 150 ms
   small's frames (131 KB) are restarted from an idle window each call on default hosts: the calls'
   wire time is 575-1,100 ms against a 151 ms round trip, where the simulator's restart costs less.
   Tried and not kept, on this take: the worker's CPU per call holding its compute thread (a GIL;
