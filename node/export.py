@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -98,7 +99,7 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
                   credentials: Optional[NodeCredentials]) -> int:
     from agora.node.averaging.sparta import stage_parameter_numels
     from agora.node.rpc.tls import InsecureChannels, TlsChannels
-    from agora.node.membership.state_download import StateDownloader, StateDownloadError, plan_donors
+    from agora.node.membership.state_download import DonorPlan, StateDownloader, StateDownloadError, plan_donors
     from agora.node.replica.epoch import DEFAULT_REPORT_AHEAD
     from agora.node.membership.state_transfer import state_bytes_bound
     from agora.pipeline.checkpoint import StageState
@@ -125,18 +126,26 @@ async def _export(config: RunConfig, options: ExportOptions, swarm: SwarmDHT,
         await asyncio.sleep(_MEMBERS_RETRY_S)
     channels = TlsChannels(credentials) if credentials is not None else InsecureChannels()
     states, sources = [], {}
+
+    async def members_now(stage: int) -> DonorPlan:
+        """The stage's members as the DHT has them now: the stages are downloaded one after another,
+        and a member may leave or move meanwhile."""
+        by_stage = await swarm.all_workers_async(options.run_id, n_stages, fingerprint=fingerprint)
+        return plan_donors(by_stage, stage, swarm.peer_id, rng, max_gap=DEFAULT_REPORT_AHEAD)
+
     for stage in range(n_stages):
         downloader = StateDownloader(run_id=options.run_id, stage=stage, fingerprint=fingerprint, channels=channels,
                                      max_bytes=state_bytes_bound(stage_parameter_numels(config.model, stage)),
                                      checks=_state_checks(config, stage), timeout_s=options.timeout_s,
                                      label="export")
         try:
-            result = await downloader.download(plans[stage])
+            result = await downloader.download(plans[stage], replan=functools.partial(members_now, stage))
         except StateDownloadError as error:
             raise ConfigError(f"export: {error}") from None
         tree = result.tree
         if not isinstance(tree, dict) or tree.get("stage") != stage or not isinstance(tree.get("model"), dict):
-            raise ConfigError(f"export: the donor of stage {stage} ({result.donor.endpoint}) sent another stage's state")
+            raise ConfigError(f"export: the donor of stage {stage} ({result.donor.endpoint}) sent another stage's "
+                              "state")
         states.append(StageState(stage, tree["model"], tree.get("optimizer"), tree.get("averaging")))
         confirmed_by = list(result.check.confirmed_by)
         sources[str(stage)] = {"peer": result.donor.peer_id, "endpoint": result.donor.endpoint, "step": result.step,

@@ -42,7 +42,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 import grpc
 
@@ -175,12 +175,15 @@ class StateDownloader:
             self.refuse(outlier, "step", f"it announces step {outlier.step}, {abs(outlier.step - plan.agreed_step)} "
                                          f"from step {plan.agreed_step} the members agree on (at most {plan.max_gap})")
 
-    async def download(self, plan: DonorPlan) -> DownloadedState:
+    async def download(self, plan: DonorPlan,
+                       replan: Optional[Callable[[], Awaitable[DonorPlan]]] = None) -> DownloadedState:
         """The state from the first donor of `plan` that gives a complete, intact one that passes its
         checks; StateDownloadError if none does before the deadline (donors are tried in turn, again
         from the first while time is left; a donor whose state was refused is not asked again), or as
         soon as a state cannot be checked (no other member answers). The plan's outliers are reported,
-        never asked."""
+        never asked. `replan`: after a round in which no donor gave a state, the stage's members as
+        the DHT has them now (a donor that left, or moved to another stage, is not waited for until
+        the deadline; a plan with no donor keeps the one before)."""
         self.report_outliers(plan)
         donors = plan.donors
         if not donors:
@@ -212,6 +215,10 @@ class StateDownloader:
                     note = f"{note}, refused: {check.verdict.refusal}: {check.verdict.detail}"
                 attempts.append(f"{donor.endpoint}: {note}")
             await asyncio.sleep(min(1.0, max(0.0, deadline - self._clock())))  # every donor busy: a pause
+            if replan is not None and self._clock() < deadline:
+                fresh = await replan()
+                if fresh.donors:
+                    plan, donors = fresh, fresh.donors
         why = "every donor's state was refused" if len(refused) == len(donors) else \
             f"no donor gave a state that passed its checks within {self.timeout_s:g} s"
         raise StateDownloadError(f"stage {self.stage}: {why} (" + "; ".join(attempts[-6:]) + ")")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import socket
 import time
 
 import grpc
@@ -200,6 +201,32 @@ def test_a_full_donor_answers_resource_exhausted_and_the_joiner_takes_the_next()
             await relay.close()
             await busy.stop()
             await spare.stop()
+
+    run(main())
+
+
+def test_a_donor_that_left_is_given_up_for_the_members_the_dht_has_now():
+    """The plan's only donor is gone (its port refuses): after a round of it, `replan` names the
+    stage's members now, and the state comes from one of them long before the deadline."""
+    async def main():
+        live = _worker()
+        await live.start()
+        with socket.socket() as probe:  # a port nothing listens on: a member that left
+            probe.bind(("127.0.0.1", 0))
+            gone = f"127.0.0.1:{probe.getsockname()[1]}"
+        replans = []
+
+        async def replan() -> DonorPlan:
+            replans.append(1)
+            return DonorPlan((Donor("live", live.address, 0),))
+        try:
+            downloader = _downloader(timeout_s=60.0)
+            started = time.monotonic()
+            result = await downloader.download(DonorPlan((Donor("gone", gone, 0),)), replan=replan)
+            assert result.donor.peer_id == "live" and len(replans) == 1 and time.monotonic() - started < 30
+            assert any(attempt.startswith(gone) for attempt in result.attempts)
+        finally:
+            await live.stop()
 
     run(main())
 
