@@ -277,8 +277,12 @@ class SyncPhases:
                                "no member of the stage is left to download from: this replica is its state")
                 return None
             empty_since = None
+
+            async def members_now() -> DonorPlan:  # a donor that left or moved is not waited for
+                fresh = await self._members(members, attempts=1)
+                return fresh.plan if fresh is not None else DonorPlan(())
             try:
-                result = await downloader.download(view.plan)
+                result = await downloader.download(view.plan, replan=members_now)
                 step = await apply(result.tree)
             except (StateDownloadError, StateWireError) as error:
                 logger.warning("stage %d: weight sync: %s; trying again in %g s", self.worker.stage_index, error,

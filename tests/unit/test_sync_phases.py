@@ -127,7 +127,7 @@ class _RefusingDownloader:
     def report_outliers(self, plan):
         self.reported.extend(d.peer_id for d in plan.outliers)
 
-    async def download(self, plan):
+    async def download(self, plan, replan=None):
         self.asked.append([d.peer_id for d in plan.donors])
         raise StateDownloadError("every donor refused")
 
