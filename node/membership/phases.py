@@ -243,6 +243,10 @@ class SyncPhases:
         its state; None when no member is left (this replica then is the stage's state: a member),
         which, behind the run, only `empty_stage_wait_s` without one says (the module docstring)."""
         empty_since = None
+
+        async def members_now() -> DonorPlan:  # a donor that left or moved is not waited for
+            fresh = await self._members(members, attempts=1)
+            return fresh.plan if fresh is not None else DonorPlan(())
         while True:
             view = await self._members(members, attempts=1)
             if view is None:
@@ -277,10 +281,6 @@ class SyncPhases:
                                "no member of the stage is left to download from: this replica is its state")
                 return None
             empty_since = None
-
-            async def members_now() -> DonorPlan:  # a donor that left or moved is not waited for
-                fresh = await self._members(members, attempts=1)
-                return fresh.plan if fresh is not None else DonorPlan(())
             try:
                 result = await downloader.download(view.plan, replan=members_now)
                 step = await apply(result.tree)

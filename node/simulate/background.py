@@ -25,6 +25,8 @@ shared cores, then its latency):
 
 from __future__ import annotations
 
+from typing import Callable
+
 from agora.dht.round_board import announcers
 from agora.node.averaging.probes import ProbeSchedule, probe_intervals
 from agora.node.simulate.workers import SimWorker
@@ -74,16 +76,18 @@ def heartbeat(swarm, worker: SimWorker, interval_s: float, phase_s: float, reads
 
 
 def background(swarm, worker: SimWorker, cpu_s_per_s: float):
-    """A simpy process: `cpu_s_per_s` of CPU a second on the host's cores, in half-second shares."""
-    env = swarm.env
-    while worker.alive:
-        yield env.timeout(_BACKGROUND_EVERY_S)
-        env.process(swarm.compute(cpu_s_per_s * _BACKGROUND_EVERY_S, since=env.now))  # the pace is the clock's
+    """A simpy process: `cpu_s_per_s` of CPU a second on the host's cores, in half-second shares, while
+    the worker lives."""
+    yield from _burn(swarm, cpu_s_per_s, lambda: worker.alive)
 
 
 def host_background(swarm, cpu_s_per_s: float):
     """A simpy process: `cpu_s_per_s` of CPU a second on the host's cores, in half-second shares, always."""
+    yield from _burn(swarm, cpu_s_per_s, lambda: True)
+
+
+def _burn(swarm, cpu_s_per_s: float, going: Callable[[], bool]):
     env = swarm.env
-    while True:
+    while going():
         yield env.timeout(_BACKGROUND_EVERY_S)
-        env.process(swarm.compute(cpu_s_per_s * _BACKGROUND_EVERY_S, since=env.now))
+        env.process(swarm.compute(cpu_s_per_s * _BACKGROUND_EVERY_S, since=env.now))  # the pace is the clock's
